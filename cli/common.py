@@ -1,0 +1,47 @@
+"""Shared CLI plumbing: running one library call with clean errors, printing tables/JSON."""
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Callable, TypeVar
+
+import typer
+from rich.console import Console
+
+from nascompress.errors import NascompressError
+
+T = TypeVar("T")
+out = Console()
+err = Console(stderr=True)
+STATE = {"debug": False}
+
+
+def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Call a library function; user errors become one stderr line and exit code 1."""
+    try:
+        return fn(*args, **kwargs)
+    except NascompressError as e:
+        if STATE["debug"]:
+            raise
+        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
+    except KeyboardInterrupt:
+        err.print("interrupted; the last finished epoch is checkpointed: rerun with --resume to continue")
+        raise typer.Exit(code=130)
+    except typer.Exit:
+        raise
+    except Exception as e:  # an unexpected failure: still one line unless --debug
+        if STATE["debug"]:
+            raise
+        err.print(f"[red]error:[/red] {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
+
+
+def fail(msg: str) -> None:
+    err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code=1)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,184 @@
+"""The ``nascompress`` command line: parse, build a config, call one library function, print."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from cli.common import STATE, fail, out, print_json, run
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Make Vision Transformers cheaper without making them worse.")
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False) -> None:
+    """nascompress: search, materialize and retrain compressed timm ViTs."""
+    STATE["debug"] = debug
+
+
+Seed = Annotated[int, typer.Option(help="One seed for init, data order and every random draw.")]
+Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
+Dataset = Annotated[str, typer.Option(help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/).")]
+DataDir = Annotated[str, typer.Option(help="Where Fashion-MNIST's IDX files are.")]
+
+
+def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
+               depth: Optional[int], num_heads: Optional[int], num_classes: int, in_chans: Optional[int]):
+    from nascompress.models import ModelSpec, custom_vit_spec
+
+    if model is None:
+        return custom_vit_spec(img_size=img_size or 28, patch_size=patch_size or 4, embed_dim=embed_dim or 96,
+                               depth=depth or 6, num_heads=num_heads or 3, num_classes=num_classes,
+                               in_chans=in_chans or 1)
+    kw = dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
+              in_chans=in_chans)
+    kw = {k: v for k, v in kw.items() if v is not None}
+    return ModelSpec(model, dict(kw, num_classes=num_classes))
+
+
+ModelOpt = Annotated[Optional[str], typer.Option(help="timm model name (vit_*, deit_*); default: a small custom ViT.")]
+ImgSize = Annotated[Optional[int], typer.Option(help="Input size (custom ViT default 28).")]
+PatchSize = Annotated[Optional[int], typer.Option(help="Patch size (custom ViT default 4).")]
+EmbedDim = Annotated[Optional[int], typer.Option(help="Width (custom ViT default 96).")]
+Depth = Annotated[Optional[int], typer.Option(help="Blocks (custom ViT default 6).")]
+Heads = Annotated[Optional[int], typer.Option(help="Heads (custom ViT default 3).")]
+InChans = Annotated[Optional[int], typer.Option(help="Input channels (custom ViT default 1; grey images are repeated for 3).")]
+
+
+@app.command()
+def train(
+    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")] = Path("runs/base"),
+    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
+    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
+    num_classes: Annotated[Optional[int], typer.Option(help="Classes (default: the dataset's).")] = None,
+    weights: Annotated[Optional[Path], typer.Option(help="Local .safetensors/.pth weights to start from.")] = None,
+    reset_head: Annotated[bool, typer.Option("--reset-head", help="Keep the head at init (class count differs from the weights).")] = False,
+    dataset: Dataset = "fashion-mnist", data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
+    val_fraction: Annotated[float, typer.Option(help="Share of train held out for validation.")] = 0.1,
+    train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
+    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
+    epochs: Annotated[int, typer.Option()] = 8, batch_size: Annotated[int, typer.Option()] = 128,
+    lr: Annotated[float, typer.Option()] = 1e-3, min_lr: Annotated[float, typer.Option()] = 1e-5,
+    warmup_epochs: Annotated[float, typer.Option()] = 1.0, weight_decay: Annotated[float, typer.Option()] = 0.05,
+    label_smoothing: Annotated[float, typer.Option()] = 0.1,
+    ema_decay: Annotated[Optional[float], typer.Option(help="Keep an EMA of the weights (e.g. 0.999).")] = None,
+    seed: Seed = 0, device: Device = "auto", force: Force = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+) -> None:
+    """Train a timm ViT densely on a real dataset (the base model every method compresses)."""
+    from nascompress.api import count_classes
+    from nascompress.data import DataConfig
+    from nascompress.train import TrainConfig, TrainJob, train as train_job
+
+    def build():
+        data = DataConfig(dataset=dataset, data_dir=data_dir, val_fraction=val_fraction, split_seed=0,
+                          train_limit=train_limit, eval_limit=eval_limit)
+        n = num_classes if num_classes is not None else count_classes(data)
+        spec = model_spec(model, img_size, patch_size, embed_dim, depth, num_heads, n, in_chans)
+        cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup_epochs=warmup_epochs,
+                          weight_decay=weight_decay, label_smoothing=label_smoothing, ema_decay=ema_decay,
+                          seed=seed, device=device)
+        return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
+                        weights=str(weights) if weights else None, reset_head=reset_head)
+
+    job = run(build)
+    metrics = run(train_job, job, force=force, resume=resume)
+    if json_out:
+        print_json(metrics)
+    else:
+        out.print(f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
+                  f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}")
+
+
+@app.command()
+def evaluate(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")],
+    split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
+    dataset: Annotated[Optional[str], typer.Option(help="Override the run's dataset.")] = None,
+    data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
+    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N images.")] = None,
+    teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
+    batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
+    from dataclasses import replace
+
+    from nascompress.api import evaluate_run, run_data_config
+    from nascompress.data import DataConfig
+
+    data = run_data_config(run_dir) if run_dir.is_dir() else None
+    if dataset is not None or data is None:
+        data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
+    if eval_limit is not None:
+        data = replace(data, eval_limit=eval_limit)
+    res = run(evaluate_run, run_dir, data=data, split=split, teacher=teacher, device=device, batch_size=batch_size)
+    if json_out:
+        print_json(res)
+        return
+    msg = f"{split} top-1 {res['top1']:.2f}%  loss {res['loss']:.4f}  ({res['n']} images)"
+    if "agreement" in res:
+        msg += f"  agreement with teacher {res['agreement']:.2f}%"
+    out.print(msg)
+
+
+@app.command()
+def profile(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None,
+    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
+    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
+    num_classes: Annotated[int, typer.Option(help="Classes for --model.")] = 1000,
+    compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
+    batch_size: Annotated[int, typer.Option(help="Batch for throughput (latency is at batch 1).")] = 64,
+    iters: Annotated[int, typer.Option(help="Timed repetitions (median).")] = 10,
+    no_latency: Annotated[bool, typer.Option("--no-latency", help="FLOPs and params only.")] = False,
+    device: Device = "auto", json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
+    from nascompress.api import profile as profile_fn
+
+    if (run_dir is None) == (model is None):
+        fail("give either a RUN_DIR or --model NAME (not both)")
+    target = run_dir if run_dir is not None else run(model_spec, model, img_size, patch_size, embed_dim, depth,
+                                                     num_heads, num_classes, in_chans)
+    res = run(profile_fn, target, compare=compare, device=device, latency=not no_latency, batch_size=batch_size,
+              iters=iters)
+    if json_out:
+        print_json(res)
+        return
+    for label, r in res["models"].items():
+        t = Table(title=f"{label}  ({r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params)")
+        for col in ("block", "attn MFLOPs", "mlp MFLOPs", "other MFLOPs"):
+            t.add_column(col, justify="right")
+        for i, b in enumerate(r["blocks"]):
+            t.add_row(str(i + 1), f"{b['attn'] / 1e6:.2f}", f"{b['mlp'] / 1e6:.2f}", f"{b['other'] / 1e6:.2f}")
+        t.add_row("rest", "", "", f"{r['other_macs'] / 1e6:.2f}")
+        out.print(t)
+        if "latency_ms" in r:
+            out.print(f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
+                      f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']}")
+    for label, rr in res.get("ratios", {}).items():
+        out.print(f"{label} vs reference: " + "  ".join(f"{k} {v:.3f}x" for k, v in rr.items()))
+
+
+def _register_optional() -> None:
+    """Method commands live in their own modules; each adds itself to ``app``."""
+    import importlib
+
+    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search"):
+        try:
+            importlib.import_module(mod).register(app)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+_register_optional()
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,74 @@
+"""Library entry points behind the dense CLI commands (evaluate, profile)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .data import DataConfig, InputSpec, load_data
+from .errors import NascompressError
+from .evaluate import evaluate
+from .io import load_with_arch
+from .models import ModelSpec, build_model, input_size
+from .profiling import profile_models
+from .train import check_classes
+from .utils import read_json, resolve_device
+
+
+def count_classes(data: DataConfig) -> int:
+    """Number of classes of a dataset without loading its images."""
+    if data.dataset in ("fashion-mnist", "synthetic"):
+        return 10
+    train = Path(data.dataset) / "train"
+    if not train.is_dir():
+        raise NascompressError(f"dataset {data.dataset!r} is neither 'fashion-mnist' nor a directory with train/")
+    return sum(1 for p in train.iterdir() if p.is_dir())
+
+
+def run_data_config(run_dir: str | Path) -> DataConfig | None:
+    """The DataConfig a run was made with (its config.json ``data`` section), if recorded."""
+    cfg = Path(run_dir) / "config.json"
+    if Path(run_dir).is_dir() and cfg.is_file():
+        d = read_json(cfg).get("data")
+        if d:
+            return DataConfig(**d)
+    return None
+
+
+def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: str = "test",
+                 teacher: str | Path | None = None, device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
+    """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher."""
+    dev = resolve_device(device)
+    model, arch = load_with_arch(run_dir, map_location=dev)
+    data = data or run_data_config(run_dir) or DataConfig()
+    spec = InputSpec.from_dict(arch["input"])
+    bundle = load_data(data, img_size=spec.img_size)
+    check_classes(model.num_classes, bundle)
+    t_model = t_spec = None
+    if teacher is not None:
+        t_model, t_arch = load_with_arch(teacher, map_location=dev)
+        t_spec = InputSpec.from_dict(t_arch["input"])
+    res = evaluate(model, bundle.split(split), input_spec=spec, device=dev, batch_size=batch_size,
+                   teacher=t_model, teacher_spec=t_spec)
+    res.update(split=split, dataset=bundle.name, methods=[m["name"] for m in arch["methods"]])
+    return res
+
+
+def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None, device: str = "auto",
+            latency: bool = True, batch_size: int = 64, iters: int = 10) -> dict[str, Any]:
+    """Profile a saved run (or a timm model spec), optionally against a second run, interleaved."""
+    dev = resolve_device(device)
+
+    def get(t: str | Path | ModelSpec) -> tuple[str, nn.Module]:
+        if isinstance(t, ModelSpec):
+            return t.name, build_model(t)
+        return str(t), load_with_arch(t, map_location=dev)[0]
+
+    models = dict([get(target)])
+    if compare is not None:
+        label, m = get(compare)
+        models[label if label not in models else f"{label} (compare)"] = m
+    res = profile_models(models, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters)
+    res["input_size"] = list(input_size(next(iter(models.values()))))
+    return res

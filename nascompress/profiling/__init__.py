@@ -1,0 +1,11 @@
+"""One profiler for every method: FLOPs (attention matmuls included), params, latency."""
+from __future__ import annotations
+
+from .flops import FlopReport, count_flops, count_params, flop_counter_macs
+from .latency import measure, time_models
+
+__all__ = ["FlopReport", "count_flops", "count_params", "flop_counter_macs", "measure", "time_models"]
+
+from .report import profile_models  # noqa: E402
+
+__all__.append("profile_models")

@@ -1,0 +1,60 @@
+"""Latency and throughput, measured as the papers' users care about: medians after warm-up,
+and comparisons as ratios measured interleaved in one process (the machines are shared and
+absolute times drift; ratios of interleaved medians do not)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def time_models(models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tensor, *, warmup: int = 3,
+                iters: int = 10) -> list[float]:
+    """Median seconds per forward of each model on ``x``, the models run interleaved.
+
+    Each round runs every model once, in a rotating order, so slow drifts of the machine hit
+    all models alike.
+    """
+    device = x.device
+    for m in models:
+        if isinstance(m, nn.Module):
+            m.eval()
+        for _ in range(warmup):
+            m(x)
+    _sync(device)
+    times: list[list[float]] = [[] for _ in models]
+    n = len(models)
+    for it in range(iters):
+        for j in range(n):
+            k = (it + j) % n
+            t0 = time.perf_counter()
+            models[k](x)
+            _sync(device)
+            times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def measure(models: Sequence[nn.Module], input_shape: tuple[int, int, int], *, device: torch.device,
+            batch_sizes: tuple[int, int] = (1, 64), warmup: int = 3, iters: int = 10, seed: int = 0) -> list[dict[str, float]]:
+    """Latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]`` for each model."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[dict[str, float]] = [{} for _ in models]
+    lat_bs, thr_bs = batch_sizes
+    x1 = torch.randn(lat_bs, *input_shape, generator=g).to(device)
+    for r, t in zip(out, time_models(models, x1, warmup=warmup, iters=iters)):
+        r["latency_ms"] = t * 1e3
+        r["latency_batch"] = lat_bs
+    xb = torch.randn(thr_bs, *input_shape, generator=g).to(device)
+    for r, t in zip(out, time_models(models, xb, warmup=max(1, warmup // 2), iters=iters)):
+        r["throughput"] = thr_bs / t
+        r["throughput_batch"] = thr_bs
+    return out

@@ -1,0 +1,103 @@
+"""Small shared helpers: seeding, device choice, atomic writes, output directories."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .errors import NascompressError
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed python, numpy and torch from one number; return a torch.Generator seeded with it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise NascompressError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise NascompressError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+    return dev
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temp path in the same directory; rename it onto ``path`` only if the block succeeds."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def read_json(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise NascompressError(f"{path} does not exist") from e
+    except json.JSONDecodeError as e:
+        raise NascompressError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from e
+
+
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(obj) + "\n")
+
+
+def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False) -> Path:
+    """Check that ``out`` may be written, without creating it.
+
+    An existing non-empty directory is refused unless ``force`` (it is then emptied when
+    :func:`create_out_dir` runs) or ``resume`` (it is kept).
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
+    if out.exists() and any(out.iterdir()) and not (force or resume):
+        raise NascompressError(f"output directory {out} already exists; pass --force to overwrite it or --resume to continue it")
+    parent = out if out.exists() else out.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise NascompressError(f"output directory {out} is not writable; choose another --out")
+    return out
+
+
+def create_out_dir(out: Path, *, force: bool = False, resume: bool = False) -> Path:
+    """Create ``out`` (after :func:`prepare_out_dir` accepted it). With force, clear it first."""
+    if out.exists() and force and not resume:
+        shutil.rmtree(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NascompressError(f"cannot create output directory {out}: {e.strerror}") from e
+    return out

@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nascompress  # noqa: F401  (torchvision CPU fix before timm)
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+TORCH_DEVICE = os.environ.get("TORCH_DEVICE", "cpu")
+FMNIST = os.path.isfile("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny dense run trained for one epoch on the synthetic dataset (shared by tests)."""
+    from nascompress.data import DataConfig
+    from nascompress.models import custom_vit_spec
+    from nascompress.train import TrainConfig, TrainJob, train
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    job = TrainJob(model=custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                                         num_classes=10, in_chans=1),
+                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=1, batch_size=64, seed=0),
+                   out=str(out))
+    train(job)
+    return out

@@ -1,0 +1,49 @@
+"""FLOPs as the papers count them (attention matmuls included), checked against the papers' figures."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.profiling import count_flops, flop_counter_macs, time_models
+
+
+@pytest.mark.parametrize("name,gflops", [("deit_small_patch16_224", 4.6), ("deit_tiny_patch16_224", 1.25)])
+def test_deit_flops_match_papers(name, gflops):
+    model = build_model(ModelSpec(name))
+    rep = count_flops(model, torch.randn(1, 3, 224, 224))
+    assert rep.gflops == pytest.approx(gflops, rel=0.02)
+    # per block: attention = qkv + proj + 2*N^2*C, MLP = 8*N*C^2 (N=197)
+    C, N = model.embed_dim, 197
+    assert rep.blocks[0]["attn"] == pytest.approx(4 * N * C * C + 2 * N * N * C)
+    assert rep.blocks[0]["mlp"] == pytest.approx(8 * N * C * C)
+
+
+def test_analytic_count_equals_flop_counter_mode():
+    model = build_model(custom_vit_spec(img_size=32, patch_size=4, embed_dim=48, depth=3, num_heads=3,
+                                        num_classes=10, in_chans=3))
+    x = torch.randn(2, 3, 32, 32)
+    assert count_flops(model, x).total == pytest.approx(flop_counter_macs(model, x), rel=1e-9)
+
+
+def test_flops_follow_real_token_count():
+    """Tokens dropped in a forward are not counted: the counter reads real input shapes."""
+    model = build_model(custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                                        num_classes=10, in_chans=1))
+    full = count_flops(model, torch.randn(1, 1, 32, 32))
+    orig = model.blocks[1].forward
+    model.blocks[1].forward = lambda x, **kw: orig(x[:, :33])  # keep CLS + 32 of 64 patches
+    half = count_flops(model, torch.randn(1, 1, 32, 32))
+    C = 32
+    assert half.blocks[1]["mlp"] == pytest.approx(8 * 33 * C * C)
+    assert half.blocks[1]["attn"] == pytest.approx(4 * 33 * C * C + 2 * 33 * 33 * C)
+    assert half.blocks[0] == full.blocks[0]
+
+
+def test_time_models_interleaved_medians():
+    calls = []
+    a = lambda x: calls.append("a")
+    b = lambda x: calls.append("b")
+    t = time_models([a, b], torch.zeros(1), warmup=1, iters=4)
+    assert len(t) == 2 and all(v >= 0 for v in t)
+    assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # rotating order
