@@ -38,6 +38,10 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path in the same directory; rename it onto ``path`` only if the block succeeds."""
@@ -47,6 +51,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual mode
         os.replace(tmp, path)
     finally:
         if tmp.exists():

@@ -6,6 +6,7 @@ import torch
 
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops, flop_counter_macs, time_models
+from nascompress.profiling.flops import thop_macs
 
 
 @pytest.mark.parametrize("name,gflops", [("deit_small_patch16_224", 4.6), ("deit_tiny_patch16_224", 1.25)])
@@ -47,3 +48,12 @@ def test_time_models_interleaved_medians():
     t = time_models([a, b], torch.zeros(1), warmup=1, iters=4)
     assert len(t) == 2 and all(v >= 0 for v in t)
     assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # rotating order
+
+
+def test_thop_misses_exactly_the_attention_matmuls():
+    model = build_model(ModelSpec("deit_tiny_patch16_224"))
+    x = torch.randn(1, 3, 224, 224)
+    ours = count_flops(model, x).total
+    matmuls = 12 * 2 * 197 * 197 * 192
+    assert thop_macs(model, x) == pytest.approx(ours - matmuls, rel=1e-3)
+    assert ours / 1e9 == pytest.approx(1.254, abs=0.001)

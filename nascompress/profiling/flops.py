@@ -132,3 +132,18 @@ def flop_counter_macs(model: nn.Module, x: torch.Tensor) -> float:
     finally:
         model.train(was_training)
     return fc.get_total_flops() / 2 / x.shape[0]
+
+
+@torch.no_grad()
+def thop_macs(model: nn.Module, x: torch.Tensor) -> float:
+    """thop's per-image MACs, for comparison only: thop misses every attention matmul.
+
+    Runs on a copy (thop attaches counters to the modules it profiles).
+    """
+    import copy
+
+    from thop import profile
+
+    m = copy.deepcopy(model).eval()
+    macs, _ = profile(m, inputs=(x,), verbose=False)
+    return float(macs) / x.shape[0]

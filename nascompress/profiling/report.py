@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .flops import count_flops, flop_counter_macs
+from .flops import count_flops, flop_counter_macs, thop_macs
 from .latency import measure
 
 
@@ -33,6 +33,7 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
         x = torch.randn(flops_batch, *_input_shape(m), generator=g).to(device)
         rep = count_flops(m, x).to_dict()
         rep["flop_counter_macs"] = flop_counter_macs(m, x) if device.type == "cpu" else None
+        rep["thop_macs_no_attention_matmuls"] = thop_macs(m, x)
         rep["input_size"] = list(_input_shape(m))
         out["models"][label] = rep
     if latency:
