@@ -104,6 +104,7 @@ def evaluate(
     eval_limit: Annotated[Optional[int], typer.Option(help="Use only N images.")] = None,
     teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
     batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto",
+    epsilon: Annotated[Optional[str], typer.Option(help="MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
@@ -117,6 +118,18 @@ def evaluate(
         data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
     if eval_limit is not None:
         data = replace(data, eval_limit=eval_limit)
+    if epsilon is not None:
+        from nascompress.methods.mgvit import epsilon_sweep, parse_epsilons
+
+        res = run(lambda: epsilon_sweep(run_dir, parse_epsilons(epsilon), data=data, split=split, device=device,
+                                        batch_size=batch_size))
+        if json_out:
+            print_json(res)
+            return
+        for r in res["rows"]:
+            out.print(f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
+                      f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image")
+        return
     res = run(evaluate_run, run_dir, data=data, split=split, teacher=teacher, device=device, batch_size=batch_size)
     if json_out:
         print_json(res)
@@ -124,6 +137,8 @@ def evaluate(
     msg = f"{split} top-1 {res['top1']:.2f}%  loss {res['loss']:.4f}  ({res['n']} images)"
     if "agreement" in res:
         msg += f"  agreement with teacher {res['agreement']:.2f}%"
+    if "exit_share" in res:
+        msg += f"  SGIS exit {100 * res['exit_share']:.1f}% (epsilon {res['epsilon']:g})  {res['mean_flops'] / 1e6:.2f} MFLOPs/image"
     out.print(msg)
 
 

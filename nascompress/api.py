@@ -49,8 +49,13 @@ def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: 
     if teacher is not None:
         t_model, t_arch = load_with_arch(teacher, map_location=dev)
         t_spec = InputSpec.from_dict(t_arch["input"])
+    dynamic = hasattr(model, "inference_stats")  # early-exit models (MG-ViT) count exits and FLOPs
+    if dynamic:
+        model.reset_inference_stats()
     res = evaluate(model, bundle.split(split), input_spec=spec, device=dev, batch_size=batch_size,
                    teacher=t_model, teacher_spec=t_spec)
+    if dynamic:
+        res.update(model.inference_stats())
     res.update(split=split, dataset=bundle.name, methods=[m["name"] for m in arch["methods"]])
     return res
 
@@ -70,5 +75,8 @@ def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None
         label, m = get(compare)
         models[label if label not in models else f"{label} (compare)"] = m
     res = profile_models(models, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters)
+    for label, m in models.items():  # early-exit models (MG-ViT): per-stage FLOPs, independent of the input
+        if hasattr(m, "stage_flops"):
+            res["models"][label]["stages"] = m.stage_flops()
     res["input_size"] = list(input_size(next(iter(models.values()))))
     return res

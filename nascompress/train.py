@@ -79,6 +79,8 @@ class TrainConfig:
 class TrainHooks:
     """Override to plug a method's training recipe into :func:`fit`. The defaults train densely."""
 
+    steps_per_epoch: int = 0  # set by fit() before training, for per-step schedules
+
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
         logits = model(x)
         loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
@@ -156,6 +158,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
     steps_per_epoch = math.ceil(len(data.train) / cfg.batch_size)
+    hooks.steps_per_epoch = steps_per_epoch
     total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
     start_epoch, best, train_time = 0, -1.0, 0.0
     ckpt_path, log_path = out_dir / CHECKPOINT_FILE, out_dir / LOG_FILE

@@ -1,0 +1,66 @@
+"""``nascompress retrain``: retrain a compressed model with CE + eta * IBB (thin)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import out, print_json, run
+
+
+def register(app: typer.Typer) -> None:
+    @app.command()
+    def retrain(
+        model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
+        out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
+        dataset: Annotated[Optional[str], typer.Option(help="'fashion-mnist' or an ImageFolder root (default: the model's).")] = None,
+        data_dir: Annotated[Optional[str], typer.Option(help="Where Fashion-MNIST's IDX files are.")] = None,
+        epochs: Annotated[int, typer.Option()] = 10,
+        eta: Annotated[float, typer.Option(help="Weight of the IB bound IBB (>= 0; 0 = CE only).")] = 50.0,
+        warmup_frac: Annotated[float, typer.Option(help="Share of epochs on CE only before IBB is added, in [0, 1).")] = 0.3,
+        teacher: Annotated[Optional[Path], typer.Option(help="A (dense) run to distil from (KL on logits); off by default.")] = None,
+        kd_alpha: Annotated[float, typer.Option(help="KD weight alpha: (1 - alpha) CE + alpha KD.")] = 0.5,
+        kd_temperature: Annotated[float, typer.Option(help="KD temperature.")] = 1.0,
+        feature_tap: Annotated[str, typer.Option(help="Learned feature X~: 'pre_logits' or 'module:<name>'.")] = "pre_logits",
+        input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
+        cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
+        batch_size: Annotated[int, typer.Option()] = 128, lr: Annotated[float, typer.Option()] = 3e-4,
+        warmup_epochs: Annotated[float, typer.Option(help="Learning-rate warm-up, in epochs.")] = 0.2,
+        train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
+        eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
+        seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+        force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
+        resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+        json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+    ) -> None:
+        """Retrain a compressed model with CE, then CE + eta * IBB (DCS Algorithm 1); save the slim model."""
+        from dataclasses import replace
+
+        from nascompress.data import DataConfig
+        from nascompress.retrain import RetrainConfig, RetrainJob, recorded_data_config, retrain as retrain_fn
+        from nascompress.train import TrainConfig
+
+        def build():
+            data = recorded_data_config(model_dir) if model_dir.is_dir() else None
+            if dataset is not None or data is None:
+                data = DataConfig(dataset=dataset or "fashion-mnist")
+            if data_dir is not None:
+                data = replace(data, data_dir=data_dir)
+            data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
+                           eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
+            rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
+                               cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature)
+            tc = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, warmup_epochs=warmup_epochs, seed=seed,
+                             device=device, min_lr=min(1e-6, lr))
+            return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
+                              teacher=str(teacher) if teacher else None)
+
+        job = run(build)
+        metrics = run(retrain_fn, job, force=force, resume=resume)
+        if json_out:
+            print_json(metrics)
+        else:
+            fin = metrics.get("final", {})
+            out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}%  "
+                      f"IB loss {fin.get('ib', float('nan')):.4f}  -> {out_dir}")

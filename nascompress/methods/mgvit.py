@@ -1,0 +1,517 @@
+"""MG-ViT (seed 004): two-stage multi-granularity inference with early exit and PPSM.
+
+A dense timm ViT becomes an :class:`MGViT` (its ``__class__`` is swapped, its state-dict keys kept
+as the single-granularity stage SGIS) plus a new submodule ``mgis`` (the multi-granularity stage):
+
+* **SGIS** runs the dense ViT on the image split into a ``grid x grid`` coarse grid (7x7). The image
+  is resampled to ``grid * P`` pixels (P = the patch embedding's size; for a 28 px, patch-4 ViT with
+  grid 7 this is the identity) and the position embedding is read at the coarse patch centres.
+  An image whose top softmax probability exceeds ``epsilon`` exits here.
+* **MGIS**: the coarse patches are ranked by the global class attention (CASR, lambda 0.98 from
+  layer 3) into head / middle / tail; head patches are split 3x3, middle 2x2, tail kept.
+  *Sub-patches reach the one patch embedding by resampling*: the image is resampled to
+  ``s * grid * P`` pixels for s = 3 / 2 / 1, so every fine / medium / coarse sub-patch is exactly
+  P x P pixels (bilinear, antialiased when shrinking; for the 28 px Fashion-MNIST ViT: 84 / 56 / 28 px
+  images, 4 px sub-patches). Only the selected sub-patches are embedded (one conv call on the
+  gathered patches). Each sub-patch's position embedding is the dense position grid bilinearly
+  sampled at the sub-patch's centre. Feature reuse: the SGIS output tokens of head and middle
+  patches go through ``MLP(C -> C')`` and are copied to their sub-patches, tail tokens get zeros;
+  concatenated, the MGIS width is ``C + C'``. Tokens are ordered head, middle, tail (attention is
+  permutation invariant; positions come from the embeddings).
+* **PPSM** before the attention of the chosen MGIS layers (1-based, default 3, 7, 10 of 12 scaled
+  to the depth, at least 2): tokens ranked by the MGIS's own running CASR (of the previous layers;
+  merged tokens carry the sum of their scores) and slimmed with the value vectors of the
+  previous layer's attention (see :func:`mgvit_ops.ppsm`).
+
+Early exit is batched: SGIS runs on the whole batch, MGIS only on the rows that did not exit, with
+fixed token counts per stage (no per-image loop). Training uses epsilon = 1 and the loss
+``CE(D^M, y) + KL(D^M || D^S)`` (the MGIS distribution, detached, is SGIS's target).
+
+MGIS init from the dense run (:func:`init_mgis_from_dense`): the first C channels of every MGIS
+weight copy the dense weights (each head's first C/H dims hold the dense head, queries rescaled for
+the larger head dim); the C' extra channels start as N(0, 1e-3^2) weights, zero biases and unit
+norm gains, so at init MGIS computes about what the dense ViT computes on the multi-granularity
+tokens while every new weight still gets gradients. The feature-reuse MLP has timm's default init.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Attention, Mlp
+from timm.models.vision_transformer import Block, VisionTransformer
+from torch import nn
+
+from ..errors import NascompressError
+from ..finetune import Recipe, register_recipe
+from ..train import TrainConfig, TrainHooks
+from . import register_method
+from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
+                        patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
+
+DEFAULTS: dict[str, Any] = dict(r_h=0.1, r_t=0.4, r_pos=0.5, r_neg=0.1, ppsm_layers=None, epsilon=1.0, feat_dim=None,
+                                grid=7, lam=0.98, casr_start=3)
+PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
+INIT_STD = 1e-3
+
+
+def default_ppsm_layers(depth: int) -> list[int]:
+    """The paper's PPSM layers 3, 7, 10 of 12 scaled to ``depth`` (1-based, at least layer 2)."""
+    return sorted({min(depth, max(2, round(l * depth / PAPER_DEPTH))) for l in PAPER_PPSM_LAYERS}) if depth >= 2 else []
+
+
+def default_feat_dim(dim: int, heads: int) -> int:
+    """C' = C / 8 rounded up to a multiple of the head count (MGIS width C + C' splits into heads).
+
+    The paper does not state C'; with C' = C / 8 = 48 on DeiT-S the FLOP count of MG-ViT at
+    epsilon = 1 is 3.94 G, the paper's 3.9 G (Table 2); C / 4 would give 4.58 G.
+    """
+    return heads * math.ceil(dim / 8 / heads)
+
+
+def _check_ratio(name: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
+        raise NascompressError(f"{name} must be a number in [0, 1], got {v!r}")
+    return float(v)
+
+
+def resolve_config(config: dict[str, Any], model: VisionTransformer) -> dict[str, Any]:
+    """Validate MG-ViT settings against ``model``; return every setting resolved (defaults filled)."""
+    unknown = sorted(set(config) - set(DEFAULTS))
+    if unknown:
+        raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(DEFAULTS))}")
+    c = dict(DEFAULTS, **{k: v for k, v in config.items() if v is not None})
+    depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
+    for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
+        c[k] = _check_ratio(k, c[k])
+    if c["r_h"] + c["r_t"] > 1:
+        raise NascompressError(f"r_h + r_t must be at most 1, got r_h={c['r_h']} + r_t={c['r_t']} = {c['r_h'] + c['r_t']:g}")
+    if c["r_pos"] + c["r_neg"] > 1:
+        raise NascompressError(f"r_pos + r_neg must be at most 1, got r_pos={c['r_pos']} + r_neg={c['r_neg']} = "
+                               f"{c['r_pos'] + c['r_neg']:g}")
+    eps = c["epsilon"]
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps <= 1:
+        raise NascompressError(f"epsilon must be in (0, 1], got {eps!r}")
+    c["epsilon"] = float(eps)
+    layers = default_ppsm_layers(depth) if c["ppsm_layers"] is None else c["ppsm_layers"]
+    if isinstance(layers, int):
+        layers = [layers]
+    for l in layers:
+        if not isinstance(l, int) or not 2 <= l <= depth:
+            raise NascompressError(f"PPSM layer {l!r} is outside the depth: layers are 1-based and must be in "
+                                   f"2..{depth} (PPSM needs the class attention of an earlier layer)")
+    c["ppsm_layers"] = sorted(set(layers))
+    fd = default_feat_dim(dim, heads) if c["feat_dim"] is None else c["feat_dim"]
+    if not isinstance(fd, int) or fd < 1 or (dim + fd) % heads:
+        raise NascompressError(f"feat_dim (C') must be a positive int with C + C' = {dim} + C' divisible by the "
+                               f"{heads} heads, got {fd!r}")
+    c["feat_dim"] = fd
+    g = c["grid"]
+    img = model.patch_embed.img_size
+    if not isinstance(g, int) or g < 1:
+        raise NascompressError(f"grid must be a positive int, got {g!r}")
+    if img[0] != img[1] or img[0] % g:
+        raise NascompressError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {g}; "
+                               f"pick a grid that divides {img[0]} (e.g. --opt grid=7 for 28 or 224)")
+    if not isinstance(c["casr_start"], int) or c["casr_start"] < 1:
+        raise NascompressError(f"casr_start must be a positive int (1-based layer), got {c['casr_start']!r}")
+    return c
+
+
+class CasrAttention(Attention):
+    """timm Attention that, when ``casr_record`` is set, also keeps the class attention and values.
+
+    Recording runs the explicit softmax path (same result as the fused kernel) and stores
+    ``cls_attn`` (B, N-1): the class token's attention to the patch tokens, mean over heads, and
+    ``head_values`` (B, H, N, hd).
+    """
+
+    casr_record: bool = False
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if not self.casr_record or attn_mask is not None or is_causal:
+            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        self.cls_attn = attn[:, :, 0, 1:].mean(1)
+        self.head_values = v  # (B, H, N, hd); PPSM flattens it to (B, N, H*hd) only where needed
+        x = (self.attn_drop(attn) @ v).transpose(1, 2).reshape(B, N, self.attn_dim)
+        x = self.norm(x)
+        if gate is not None:
+            x = x * gate
+        return self.proj_drop(self.proj(x))
+
+
+class PPSM(nn.Module):
+    """The slimming module as a (parameter-free) module so the FLOP counter sees its work."""
+
+    def __init__(self, r_pos: float, r_neg: float):
+        super().__init__()
+        self.r_pos, self.r_neg = r_pos, r_neg
+
+    def forward(self, x: torch.Tensor, score: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B, n, D) patch tokens, score (B, n), values (B, n, D) -> slimmed tokens and scores."""
+        return ppsm(x, score, values, self.r_pos, self.r_neg)
+
+    def matmul_macs(self, inputs: tuple, output: Any) -> float:
+        x = inputs[0]
+        return ppsm_macs(x.shape[0], x.shape[1], x.shape[2], self.r_pos, self.r_neg)
+
+
+class MGIS(nn.Module):
+    """The multi-granularity stage: its own patch embedding, position grid, feature reuse and ViT."""
+
+    def __init__(self, *, in_chans: int, patch: int, dim: int, extra: int, depth: int, heads: int, mlp_ratio: float,
+                 qkv_bias: bool, num_classes: int, pos_grid: int, ln_eps: float, ppsm_layers: list[int],
+                 r_pos: float, r_neg: float):
+        super().__init__()
+        norm = partial(nn.LayerNorm, eps=ln_eps)
+        self.proj = nn.Conv2d(in_chans, dim, patch, patch)
+        self.cls_token = nn.Parameter(torch.zeros(1, 1, dim + extra))
+        self.pos_embed = nn.Parameter(torch.randn(1, pos_grid * pos_grid, dim) * 0.02)
+        self.reuse_norm = norm(dim)
+        self.reuse = Mlp(dim, hidden_features=dim, out_features=extra)
+        self.blocks = nn.ModuleList(Block(dim + extra, heads, mlp_ratio, qkv_bias=qkv_bias, norm_layer=norm)
+                                    for _ in range(depth))
+        for b in self.blocks:
+            b.attn.__class__ = CasrAttention
+            b.attn.casr_record = True
+        self.ppsm = nn.ModuleDict({str(l): PPSM(r_pos, r_neg) for l in ppsm_layers})
+        self.norm = norm(dim + extra)
+        self.head = nn.Linear(dim + extra, num_classes)
+
+
+def _resample(img: torch.Tensor, size: int) -> torch.Tensor:
+    if img.shape[-1] == size and img.shape[-2] == size:
+        return img
+    return F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=size < img.shape[-1])
+
+
+class MGViT(VisionTransformer):
+    """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
+
+    mg: dict[str, Any]
+
+    def _sgis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (B, C, H, W) -> SGIS logits (B, classes), output patch tokens (B, N, C), CASR (B, N)."""
+        g, P, pg = self.mg["grid"], self.patch_embed.patch_size[0], self.patch_embed.grid_size[0]
+        t = self.patch_embed.norm(self.patch_embed.proj(_resample(x, g * P)).flatten(2).transpose(1, 2))
+        pos = self.pos_embed
+        t = torch.cat([(self.cls_token + pos[:, :1]).expand(t.shape[0], -1, -1),
+                       t + resample_grid(pos[:, 1:], pg, g)], 1)
+        t = self.norm_pre(self.pos_drop(t))
+        casr = None
+        for layer, blk in enumerate(self.blocks, 1):
+            t = blk(t)
+            if blk.attn.casr_record:
+                casr = casr_update(casr, blk.attn.cls_attn, layer=layer, start=self.mg["casr_start"], lam=self.mg["lam"])
+        t = self.norm(t)
+        return self.forward_head(t), t[:, 1:], casr
+
+    def _mgis(self, x: torch.Tensor, s_tokens: torch.Tensor, casr: torch.Tensor) -> torch.Tensor:
+        """MGIS logits (B, classes) from the images, SGIS output patch tokens and SGIS CASR."""
+        m, mg = self.mgis, self.mg
+        g, P, pg = mg["grid"], self.patch_embed.patch_size[0], self.patch_embed.grid_size[0]
+        B = x.shape[0]
+        groups = split_groups(casr, mg["r_h"], mg["r_t"])
+        pix, pos = [], []
+        for idx, s in zip(groups, (HEAD_SPLIT, MIDDLE_SPLIT, 1)):
+            if idx.shape[1] == 0:
+                continue
+            sub = subpatch_index(idx, g, s)
+            patches = patchify(_resample(x, s * g * P), P).flatten(2)  # (B, (s g)^2, Cin P P)
+            pix.append(gather_tokens(patches, sub))
+            pos.append(gather_tokens(resample_grid(m.pos_embed, pg, s * g).expand(B, -1, -1), sub))
+        pix = torch.cat(pix, 1)
+        K = pix.shape[1]
+        emb = m.proj(pix.reshape(B * K, -1, P, P)).reshape(B, K, -1) + torch.cat(pos, 1)
+        head, mid, tail = groups
+        fr = m.reuse(m.reuse_norm(gather_tokens(s_tokens, torch.cat([head, mid], 1))))
+        n_h = head.shape[1]
+        fr = torch.cat([fr[:, :n_h].repeat_interleave(HEAD_SPLIT ** 2, 1),
+                        fr[:, n_h:].repeat_interleave(MIDDLE_SPLIT ** 2, 1),
+                        fr.new_zeros(B, tail.shape[1], fr.shape[-1])], 1)
+        t = torch.cat([m.cls_token.expand(B, -1, -1), torch.cat([emb, fr], -1)], 1)
+        score = values = None
+        for layer, blk in enumerate(m.blocks, 1):
+            if str(layer) in m.ppsm:
+                patches, score = m.ppsm[str(layer)](t[:, 1:], score, values[:, 1:])
+                t = torch.cat([t[:, :1], patches], 1)
+            t = blk(t)
+            if str(layer + 1) in m.ppsm:
+                values = blk.attn.head_values.transpose(1, 2).flatten(2)
+            score = casr_update(score, blk.attn.cls_attn, layer=layer, start=mg["casr_start"], lam=mg["lam"])
+        return m.head(m.norm(t)[:, 0])
+
+    def forward_both(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(SGIS logits, MGIS logits) for every image (epsilon = 1, as in training)."""
+        s_logits, s_tokens, casr = self._sgis(x)
+        return s_logits, self._mgis(x, s_tokens, casr)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, classes): SGIS, then MGIS for the images whose top probability <= epsilon.
+
+        In training mode every image goes through MGIS (epsilon = 1) and MGIS logits are returned.
+        """
+        if self.training:
+            return self.forward_both(x)[1]
+        s_logits, s_tokens, casr = self._sgis(x)
+        force = getattr(self, "_mg_force", None)
+        if force is None:
+            stay = s_logits.softmax(-1).amax(-1) <= self.mg["epsilon"]
+        else:
+            stay = torch.full_like(s_logits[:, 0], force == "mgis", dtype=torch.bool)
+        idx = stay.nonzero().squeeze(1)
+        out = s_logits.clone()
+        if idx.numel():
+            out[idx] = self._mgis(x[idx], s_tokens[idx], casr[idx]).to(out.dtype)
+        if force is None:
+            st = self.__dict__.setdefault("_mg_stats", {"n": 0, "exit": 0})
+            st["n"] += x.shape[0]
+            st["exit"] += x.shape[0] - idx.numel()
+        return out
+
+    # ---- statistics for evaluate -----------------------------------------------------------
+    def stage_flops(self) -> dict[str, float]:
+        """Per-image MACs of SGIS alone and of SGIS + MGIS (token counts are input independent)."""
+        cache = self.__dict__.get("_mg_flops")
+        if cache is None:
+            from ..profiling.flops import count_flops
+
+            p = next(self.parameters())
+            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device)
+            cache = {}
+            for mode in ("sgis", "mgis"):
+                self._mg_force = mode
+                try:
+                    cache[mode] = count_flops(self, x).total
+                finally:
+                    self._mg_force = None
+            cache = {"sgis_flops": cache["sgis"], "mgis_flops": cache["mgis"] - cache["sgis"],
+                     "ppsm_flops": self.ppsm_flops()}
+            self.__dict__["_mg_flops"] = cache
+        return dict(cache)
+
+    def ppsm_flops(self) -> float:
+        """Per-image MACs of the PPSM modules (similarity matmul and merges)."""
+        mg = self.mg
+        n = num_mgis_tokens(mg["grid"] ** 2, mg["r_h"], mg["r_t"])
+        sched = mgis_token_schedule(n, len(self.mgis.blocks), mg["ppsm_layers"], mg["r_pos"], mg["r_neg"])
+        dim = self.mgis.cls_token.shape[-1]
+        ins = [n] + [s - 1 for s in sched]  # patch tokens entering layer l is sched[l-2]-1 (layer 1: n)
+        return sum(ppsm_macs(1, ins[l - 1], dim, mg["r_pos"], mg["r_neg"]) for l in mg["ppsm_layers"])
+
+    def reset_inference_stats(self) -> None:
+        self.__dict__["_mg_stats"] = {"n": 0, "exit": 0}
+
+    def inference_stats(self) -> dict[str, float]:
+        """Share of images that exited at SGIS since the last reset, and the mean MACs per image."""
+        st = self.__dict__.get("_mg_stats", {"n": 0, "exit": 0})
+        share = st["exit"] / max(st["n"], 1)
+        f = self.stage_flops()
+        mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
+        return {"epsilon": self.mg["epsilon"], "exit_share": share, "mean_flops": mean, "mean_gflops": mean / 1e9,
+                **f}
+
+
+def _check_plain_vit(model: nn.Module) -> None:
+    ok = (isinstance(model, VisionTransformer) and model.cls_token is not None and model.reg_token is None
+          and not model.no_embed_class and model.global_pool == "token" and model.pos_embed is not None
+          and isinstance(model.norm_pre, nn.Identity) and isinstance(model.fc_norm, nn.Identity)
+          and all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.norm, nn.Identity) for b in model.blocks)
+          and model.patch_embed.patch_size[0] == model.patch_embed.patch_size[1]
+          and model.patch_embed.grid_size[0] == model.patch_embed.grid_size[1])
+    if not ok:
+        raise NascompressError("mgvit supports plain timm ViTs only (class token, token pooling, square patches "
+                               "and grid, no register tokens, no qk-norm)")
+
+
+@register_method("mgvit")
+def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
+    """Turn a dense timm ViT into an :class:`MGViT` from its arch.json record (random MGIS init)."""
+    _check_plain_vit(model)
+    if isinstance(model, MGViT):
+        raise NascompressError("the model is already an MG-ViT; mgvit cannot be applied twice")
+    c = resolve_config(record.get("config", {}), model)
+    blk = model.blocks[0]
+    dim, heads = model.embed_dim, blk.attn.num_heads
+    start = c["casr_start"]
+    for layer, b in enumerate(model.blocks, 1):
+        b.attn.__class__ = CasrAttention
+        b.attn.casr_record = layer >= min(start, len(model.blocks))
+    model.mgis = MGIS(in_chans=model.patch_embed.proj.in_channels, patch=model.patch_embed.patch_size[0], dim=dim,
+                      extra=c["feat_dim"], depth=len(model.blocks), heads=heads,
+                      mlp_ratio=blk.mlp.fc1.out_features / dim, qkv_bias=blk.attn.qkv.bias is not None,
+                      num_classes=model.num_classes, pos_grid=model.patch_embed.grid_size[0],
+                      ln_eps=getattr(model.norm, "eps", 1e-6), ppsm_layers=c["ppsm_layers"],
+                      r_pos=c["r_pos"], r_neg=c["r_neg"]).to(model.pos_embed.device)
+    model.__class__ = MGViT
+    model.mg = c
+    return model
+
+
+@torch.no_grad()
+def _widen(new: nn.Module, old: nn.Module, out_idx: torch.Tensor | None, in_idx: torch.Tensor | None,
+           scale: float = 1.0) -> None:
+    """Copy ``old``'s weight into rows ``out_idx`` x columns ``in_idx`` of ``new``; other entries small/zero."""
+    if isinstance(new, nn.LayerNorm):
+        new.weight.fill_(1.0)
+        new.bias.zero_()
+        new.weight[out_idx] = old.weight
+        new.bias[out_idx] = old.bias
+        return
+    new.weight.normal_(0.0, INIT_STD)
+    new.weight[out_idx[:, None], in_idx[None, :]] = old.weight * scale
+    if new.bias is not None:
+        new.bias.zero_()
+        if old.bias is not None:
+            new.bias[out_idx] = old.bias * scale
+
+
+@torch.no_grad()
+def init_mgis_from_dense(model: MGViT) -> None:
+    """Initialise MGIS from the SGIS (dense) weights as the module docstring describes."""
+    m, C, X = model.mgis, model.embed_dim, model.mg["feat_dim"]
+    H = model.blocks[0].attn.num_heads
+    hd_o, hd_n = C // H, (C + X) // H
+    chan = torch.arange(C)
+    amap = (torch.arange(H)[:, None] * hd_n + torch.arange(hd_o)[None]).flatten()
+    qscale = math.sqrt(hd_n / hd_o)
+    m.proj.load_state_dict(model.patch_embed.proj.state_dict())
+    m.pos_embed.copy_(model.pos_embed[:, 1:])
+    m.cls_token.zero_()
+    m.cls_token[..., :C] = model.cls_token + model.pos_embed[:, :1]
+    for nb, ob in zip(m.blocks, model.blocks):
+        _widen(nb.norm1, ob.norm1, chan, None)
+        _widen(nb.norm2, ob.norm2, chan, None)
+        qkv_out = torch.cat([j * (C + X) + amap for j in range(3)])
+        _widen(nb.attn.qkv, ob.attn.qkv, qkv_out, chan)
+        nb.attn.qkv.weight[amap] *= qscale
+        if nb.attn.qkv.bias is not None:
+            nb.attn.qkv.bias[amap] *= qscale
+        _widen(nb.attn.proj, ob.attn.proj, chan, amap)
+        hid = torch.arange(ob.mlp.fc1.out_features)
+        _widen(nb.mlp.fc1, ob.mlp.fc1, hid, chan)
+        _widen(nb.mlp.fc2, ob.mlp.fc2, chan, hid)
+        for ls, lin in ((ob.ls1, nb.attn.proj), (ob.ls2, nb.mlp.fc2)):  # fold timm LayerScale into the copy
+            if hasattr(ls, "gamma"):
+                lin.weight[chan] *= ls.gamma[:, None]
+                if lin.bias is not None:
+                    lin.bias[chan] *= ls.gamma
+    _widen(m.norm, model.norm, chan, None)
+    _widen(m.head, model.head, torch.arange(model.num_classes), chan)
+
+
+class MGViTHooks(TrainHooks):
+    """Loss = CE(D^M, y) + KL(D^M || D^S), every image through both stages (epsilon = 1)."""
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
+             cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+        s_logits, m_logits = model.forward_both(x)
+        ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
+        kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
+                      reduction="batchmean")
+        return ce + kl, {"ce_mgis": ce.item(), "kl_sgis": kl.item()}
+
+
+@register_recipe("mgvit")
+class MGViTRecipe(Recipe):
+    """``nascompress finetune RUN --method mgvit``: both stages start from the dense run."""
+
+    def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+        _check_plain_vit(model)
+        c = resolve_config(config, model)
+        model = apply(model, {"name": "mgvit", "config": c})
+        init_mgis_from_dense(model)
+        n = num_mgis_tokens(c["grid"] ** 2, c["r_h"], c["r_t"])
+        sched = mgis_token_schedule(n, len(model.blocks), c["ppsm_layers"], c["r_pos"], c["r_neg"])
+        return model, {"name": "mgvit", "config": c, "mgis_patch_tokens": n, "mgis_tokens_per_layer": sched,
+                       "width": model.embed_dim + c["feat_dim"]}
+
+    def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: TrainConfig) -> TrainHooks:
+        return MGViTHooks()
+
+
+@torch.no_grad()
+def sweep_model(model: MGViT, ds: Any, *, input_spec: Any, epsilons: list[float], device: torch.device,
+                batch_size: int = 256) -> dict[str, Any]:
+    """Accuracy / SGIS-exit share / mean MACs per image for each epsilon, from one pass (SGIS and
+    MGIS run on every image once; each epsilon then picks per image)."""
+    from ..data import make_loader, preprocess
+
+    for e in epsilons:
+        if not 0 < e <= 1:
+            raise NascompressError(f"epsilon must be in (0, 1], got {e}")
+    model.eval().to(device)
+    eps = torch.tensor(epsilons, device=device)[:, None]
+    correct = torch.zeros(len(epsilons), device=device)
+    exits = torch.zeros(len(epsilons), device=device)
+    s_ok = m_ok = n = 0
+    for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False):
+        x, y = preprocess(imgs, input_spec).to(device), labels.to(device)
+        s, mm = model.forward_both(x)
+        conf, sp, mp = s.softmax(-1).amax(-1), s.argmax(-1), mm.argmax(-1)
+        ex = conf[None] > eps  # (E, B)
+        correct += torch.where(ex, sp[None], mp[None]).eq(y[None]).sum(1)
+        exits += ex.sum(1)
+        s_ok += (sp == y).sum().item()
+        m_ok += (mp == y).sum().item()
+        n += len(y)
+    f = model.stage_flops()
+    rows = []
+    for i, e in enumerate(epsilons):
+        share = exits[i].item() / max(n, 1)
+        mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
+        rows.append({"epsilon": e, "top1": 100.0 * correct[i].item() / max(n, 1), "exit_share": share,
+                     "mean_flops": mean, "mean_gflops": mean / 1e9})
+    return {"rows": rows, "n": n, "sgis_top1": 100.0 * s_ok / max(n, 1), "mgis_top1": 100.0 * m_ok / max(n, 1), **f}
+
+
+def parse_epsilons(text: str) -> list[float]:
+    """'0.5,0.7,1' -> [0.5, 0.7, 1.0]; each must be in (0, 1]."""
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise NascompressError(f"--epsilon must be comma-separated numbers in (0, 1], got {text!r}") from None
+    if not vals:
+        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
+    for e in vals:
+        if not 0 < e <= 1:
+            raise NascompressError(f"epsilon must be in (0, 1], got {e:g}")
+    return vals
+
+
+def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: Any = None, split: str = "test",
+                  device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
+    """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
+    from ..api import run_data_config
+    from ..data import DataConfig, InputSpec, load_data
+    from ..io import load_with_arch
+    from ..train import check_classes
+    from ..utils import resolve_device
+
+    if not epsilons:
+        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
+    for e in epsilons:
+        if not 0 < e <= 1:
+            raise NascompressError(f"epsilon must be in (0, 1], got {e}")
+    dev = resolve_device(device)
+    model, arch = load_with_arch(run_dir, map_location=dev)
+    if not isinstance(model, MGViT):
+        raise NascompressError(f"{run_dir} is not an MG-ViT run (methods: "
+                               f"{[m['name'] for m in arch['methods']] or 'none'}); --epsilon needs one")
+    data = data or run_data_config(run_dir) or DataConfig()
+    spec = InputSpec.from_dict(arch["input"])
+    bundle = load_data(data, img_size=spec.img_size)
+    check_classes(model.num_classes, bundle)
+    res = sweep_model(model, bundle.split(split), input_spec=spec, epsilons=list(epsilons), device=dev,
+                      batch_size=batch_size)
+    res.update(split=split, dataset=bundle.name)
+    return res

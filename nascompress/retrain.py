@@ -1,0 +1,409 @@
+"""``nascompress retrain``: retrain a compressed model with CE + eta * IBB (DCS paper, Algorithm 1).
+
+The model is loaded with :func:`nascompress.io.load_with_arch` and keeps its architecture, so
+any compressed nascompress model can be retrained (a materialized DCS model, a token method's
+fine-tuned model, or a stack of them). Training runs through the shared :func:`train.fit` loop
+(checkpoint every epoch, ``--resume``); the IB machinery plugs in as :class:`IBHooks`:
+
+* learned feature X~ (default ``pre_logits``): the input of ``model.head``, i.e. timm's
+  ``forward_head(forward_features(x), pre_logits=True)``, captured by a forward pre-hook so that
+  methods that patch ``forward`` are still tapped where the classifier reads its feature.
+* input feature X (default ``image``): a fixed embedding of the input, the preprocessed image
+  average-pooled to ``input_pool x input_pool`` per channel and flattened (7x7 = 49 values for
+  Fashion-MNIST). ``patch_embed`` uses instead the token-mean of a frozen copy of the teacher's
+  (or, without a teacher, the starting model's) patch embedding. Its K-means runs once.
+* epochs ``< warm_epochs`` train on CE only, the rest on CE + eta * IBB (eq. 2); at the start of
+  training and at the end of every epoch the whole training set is passed through the model, X~
+  is re-clustered with a fresh K-means (on the training device) and Q(a|y) is recomputed (eq. 7).
+* optional knowledge distillation from a teacher run (KL on logits at a temperature), off unless
+  a teacher is given.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from .api import run_data_config
+from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess
+from .errors import NascompressError
+from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
+from .io import load_arch, load_with_arch
+from .train import LOG_FILE, TrainConfig, TrainHooks, fit
+from .utils import create_out_dir, prepare_out_dir, read_json, resolve_device, write_json
+
+LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
+IB_KEYS = ("ib", "i_xt_x", "i_xt_y", "ibb_full")
+INPUT_DOC = {"image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per channel, flattened",
+             "patch_embed": "token mean of a frozen copy of the {src} patch embedding"}
+
+
+@dataclass(frozen=True)
+class RetrainConfig:
+    """The IB retraining recipe (Algorithm 1 of the DCS paper).
+
+    Args:
+        eta: weight of IBB in the loss (paper: 50). 0 trains on CE only (IBB still logged).
+        warmup_frac: share of the epochs trained on CE only, in [0, 1) (paper: 0.3); the
+            number of warm-up epochs is ``round(warmup_frac * epochs)``, at most ``epochs - 1``.
+        feature_tap: the learned feature X~: ``pre_logits`` or ``module:<dotted name>`` (that
+            submodule's output; token outputs (B, N, C) are mean-pooled over tokens).
+        input_tap: the input feature X: ``image`` or ``patch_embed`` (see the module docstring).
+        input_pool: side of the pooled image for ``input_tap="image"``.
+        kmeans_iters / kmeans_init: Lloyd iterations and seeding (``k-means++`` or ``random``).
+        cluster_samples: cluster (and measure IB on) a fixed random subset of this many
+            training images instead of all of them (None: all).
+        kd_alpha / kd_temperature: with a teacher, loss = (1 - alpha) CE + alpha T^2 KL(t || s).
+    """
+
+    eta: float = 50.0
+    warmup_frac: float = 0.3
+    feature_tap: str = "pre_logits"
+    input_tap: str = "image"
+    input_pool: int = 7
+    kmeans_iters: int = 20
+    kmeans_init: str = "k-means++"
+    cluster_samples: int | None = None
+    kd_alpha: float = 0.5
+    kd_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.eta >= 0:
+            raise NascompressError(f"--eta must be >= 0, got {self.eta}")
+        if not 0 <= self.warmup_frac < 1:
+            raise NascompressError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        tap = self.feature_tap
+        if tap != "pre_logits" and not (tap.startswith("module:") and len(tap) > len("module:")):
+            raise NascompressError(f"--feature-tap must be 'pre_logits' or 'module:<name>', got {self.feature_tap!r}")
+        if self.input_tap not in INPUT_DOC:
+            raise NascompressError(f"--input-tap must be one of {', '.join(INPUT_DOC)}, got {self.input_tap!r}")
+        if self.input_pool < 1 or self.kmeans_iters < 1:
+            raise NascompressError("input_pool and kmeans_iters must be at least 1")
+        if self.kmeans_init not in ("k-means++", "random"):
+            raise NascompressError(f"kmeans_init must be 'k-means++' or 'random', got {self.kmeans_init!r}")
+        if self.cluster_samples is not None and self.cluster_samples < 1:
+            raise NascompressError(f"--cluster-samples must be at least 1, got {self.cluster_samples}")
+        if not 0 <= self.kd_alpha <= 1:
+            raise NascompressError(f"--kd-alpha must be in [0, 1], got {self.kd_alpha}")
+        if not self.kd_temperature > 0:
+            raise NascompressError(f"--kd-temperature must be positive, got {self.kd_temperature}")
+
+    def warm_epochs(self, epochs: int) -> int:
+        return min(int(self.warmup_frac * epochs + 0.5), max(epochs - 1, 0))
+
+    def describe(self, *, teacher: bool) -> dict[str, str]:
+        """Our reading of the paper's features, recorded in config.json, arch.json and metrics."""
+        learned = LEARNED_DOC.get(self.feature_tap, f"output of {self.feature_tap[7:]} (token-mean if (B, N, C))")
+        src = "teacher's" if teacher else "starting model's"
+        return {"learned_feature": f"{self.feature_tap}: {learned}",
+                "input_feature": f"{self.input_tap}: " + INPUT_DOC[self.input_tap].format(p=self.input_pool, src=src)}
+
+
+class FeatureTap:
+    """Captures the learned feature X~ (B, D) during ``model(x)`` with a forward (pre-)hook."""
+
+    def __init__(self, model: nn.Module, tap: str):
+        self.value: torch.Tensor | None = None
+        if tap == "pre_logits":
+            head = getattr(model, "head", None)
+            if not isinstance(head, nn.Module):
+                raise NascompressError("the model has no 'head' module to tap for pre_logits; "
+                                       "use --feature-tap module:<name>")
+            self.handle = head.register_forward_pre_hook(lambda m, args: self._set(args[0]))
+        else:
+            try:
+                mod = model.get_submodule(tap[len("module:"):])
+            except AttributeError as e:
+                raise NascompressError(f"--feature-tap {tap!r}: the model has no such submodule") from e
+            self.handle = mod.register_forward_hook(lambda m, args, out: self._set(out))
+
+    def _set(self, t: Any) -> None:
+        t = t[0] if isinstance(t, (tuple, list)) else t
+        self.value = t.mean(1) if t.ndim == 3 else t.flatten(1)  # (B, N, C) -> (B, C)
+
+    def pop(self) -> torch.Tensor:
+        v, self.value = self.value, None
+        if v is None:
+            raise NascompressError("the feature tap saw no forward pass; the model's forward bypasses it")
+        return v
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def make_input_embed(cfg: RetrainConfig, *, model: nn.Module,
+                     teacher: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The fixed input-feature map X = f(x): preprocessed images (B, C, H, W) -> (B, D_in)."""
+    if cfg.input_tap == "image":
+        return lambda x: F.adaptive_avg_pool2d(x, cfg.input_pool).flatten(1)
+    pe = copy.deepcopy((teacher if teacher is not None else model).patch_embed).eval().requires_grad_(False)
+
+    def embed(x: torch.Tensor) -> torch.Tensor:
+        t = pe.to(x.device)(x)
+        return t.flatten(1, -2).mean(1) if t.ndim >= 3 else t
+    return embed
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, *, tau: float) -> torch.Tensor:
+    """``tau^2 KL(softmax(t / tau) || softmax(s / tau))``: logits (B, K), (B, K) -> scalar."""
+    return F.kl_div(F.log_softmax(student / tau, -1), F.log_softmax(teacher / tau, -1), reduction="batchmean",
+                    log_target=True) * tau * tau
+
+
+def _logits(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class IBHooks(TrainHooks):
+    """CE (+ KD) for the warm-up epochs, then CE (+ KD) + eta * IBB; Q and the clusters of X~
+    refreshed over the training set before the first epoch and after every epoch."""
+
+    def __init__(self, cfg: RetrainConfig, *, train_set: Dataset, input_spec: InputSpec, num_classes: int,
+                 epochs: int, input_embed: Callable[[torch.Tensor], torch.Tensor], teacher: nn.Module | None = None,
+                 seed: int = 0, batch_size: int = 256):
+        self.cfg, self.spec, self.num_classes, self.seed, self.bs = cfg, input_spec, num_classes, seed, batch_size
+        self.warm = cfg.warm_epochs(epochs)
+        self.input_embed, self.teacher = input_embed, teacher
+        if cfg.cluster_samples is not None and cfg.cluster_samples < len(train_set):
+            g = torch.Generator().manual_seed(seed)
+            keep = torch.randperm(len(train_set), generator=g)[:cfg.cluster_samples].sort().values
+            train_set = Subset(train_set, keep)
+        self.cluster_set = train_set
+        self.c_feat: torch.Tensor | None = None  # (A, D) centroids of X~ (previous epoch)
+        self.c_in: torch.Tensor | None = None  # (B, D_in) centroids of X (fixed)
+        self.q: torch.Tensor | None = None  # (C, A) Q^{(t-1)}(a | y)
+        self.initial: dict[str, float] = {}
+        self._tap: FeatureTap | None = None
+        self._tapped: nn.Module | None = None
+        self._in_emb: torch.Tensor | None = None  # (N, D_in) X of the cluster set
+        self._labels: torch.Tensor | None = None  # (N,)
+
+    def _tap_for(self, model: nn.Module) -> FeatureTap:
+        if self._tapped is not model:
+            if self._tap is not None:
+                self._tap.remove()
+            self._tap, self._tapped = FeatureTap(model, self.cfg.feature_tap), model
+        return self._tap
+
+    def active(self, epoch: int) -> bool:
+        return epoch >= self.warm and self.cfg.eta > 0
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
+             cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+        """x (B, C, H, W) preprocessed, y (B,) -> (CE [+ KD] [+ eta * IBB], logs)."""
+        tap = self._tap_for(model)
+        logits = _logits(model(x))  # (B, K)
+        feat = tap.pop().float()  # (B, D)
+        ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+        logs = {"ce": ce.item(), "top1": 100.0 * (logits.argmax(-1) == y).float().mean().item()}
+        loss = ce
+        if self.teacher is not None:
+            with torch.no_grad():
+                t_logits = _logits(self.teacher(x))
+            kd = kd_loss(logits, t_logits, tau=self.cfg.kd_temperature)
+            loss = (1 - self.cfg.kd_alpha) * ce + self.cfg.kd_alpha * kd
+            logs["kd"] = kd.item()
+        if self.c_feat is not None:
+            if self.c_feat.device != feat.device:  # state restored from a checkpoint lives on the CPU
+                self.c_feat, self.c_in, self.q = (t.to(feat.device) for t in (self.c_feat, self.c_in, self.q))
+            with torch.set_grad_enabled(self.active(epoch) and torch.is_grad_enabled()):
+                with torch.no_grad():
+                    log_phi_in = soft_assign(self.input_embed(x).float(), self.c_in, log=True)  # (B, B_clusters)
+                phi_feat = soft_assign(feat, self.c_feat)  # (B, A)
+                ibb = ib_bound(phi_feat, log_phi_in.exp(), y, self.q, log_phi_in=log_phi_in)  # scalar
+            logs["ibb"] = ibb.item()
+            if self.active(epoch):
+                loss = loss + self.cfg.eta * ibb
+        return loss, logs
+
+    @torch.no_grad()
+    def refresh(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        """Pass the cluster set through ``model``; re-cluster X~, recompute Q; return IB metrics."""
+        device = next(model.parameters()).device
+        tap, was_training = self._tap_for(model), model.training
+        model.eval()
+        t0 = time.perf_counter()
+        feats, embs, labels, correct = [], [], [], 0
+        for imgs, ys in make_loader(self.cluster_set, batch_size=self.bs, shuffle=False):
+            x, ys = preprocess(imgs, self.spec).to(device), ys.to(device)
+            correct += (_logits(model(x)).argmax(-1) == ys).sum().item()
+            feats.append(tap.pop().float())
+            if self._in_emb is None:
+                embs.append(self.input_embed(x).float())
+                labels.append(ys)
+        model.train(was_training)
+        feats_t = torch.cat(feats)  # (N, D)
+        if self._in_emb is None:
+            self._in_emb, self._labels = torch.cat(embs), torch.cat(labels)
+        _sync(device)
+        pass_s = time.perf_counter() - t0
+        k = self.num_classes
+        stats: dict[str, Any] = {}
+        if self.c_in is None:  # X is fixed: cluster it once (seeded)
+            t1 = time.perf_counter()
+            self.c_in = kmeans(self._in_emb, k, iters=self.cfg.kmeans_iters, init=self.cfg.kmeans_init,
+                               generator=torch.Generator().manual_seed(self.seed)).centroids
+            _sync(device)
+            stats["kmeans_input_s"] = time.perf_counter() - t1
+        self.c_in = self.c_in.to(device)
+        t1 = time.perf_counter()
+        km = kmeans(feats_t, k, iters=self.cfg.kmeans_iters, init=self.cfg.kmeans_init,
+                    generator=torch.Generator().manual_seed(self.seed * 1009 + epoch + 1))
+        _sync(device)
+        kmeans_s = time.perf_counter() - t1
+        phi_feat = soft_assign(feats_t, km.centroids)  # (N, A)
+        log_phi_in = soft_assign(self._in_emb, self.c_in, log=True)  # (N, B)
+        phi_in = log_phi_in.exp()
+        labels_t = self._labels.to(device)
+        q = variational_q(phi_feat, labels_t, k)  # (C, A)
+        ib = ib_loss(phi_feat, phi_in, labels_t, k)
+        self.c_feat, self.q = km.centroids, q
+        stats.update(ib=ib["ib"], i_xt_x=ib["i_xt_x"], i_xt_y=ib["i_xt_y"],
+                     ibb_full=float(ib_bound(phi_feat, phi_in, labels_t, q, log_phi_in=log_phi_in)),
+                     lemma_d1_term=float(lemma_d1_marginal_term(phi_in)),
+                     train_top1_eval=100.0 * correct / max(len(labels_t), 1), cluster_n=len(labels_t),
+                     kmeans_s=kmeans_s, kmeans_iters=km.iterations, feature_pass_s=pass_s)
+        return stats
+
+    def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
+        if self.c_feat is None:  # Q^{(0)} and the first clusters, from the starting model
+            self.initial = self.refresh(model, epoch=-1)
+
+    def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        rec = {"ib_active": self.active(epoch), **self.refresh(model, epoch=epoch)}
+        if epoch == 0 and self.initial:
+            rec.update({f"initial_{k}": self.initial[k] for k in IB_KEYS if k in self.initial})
+        return rec
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"c_feat": self.c_feat, "c_in": self.c_in, "q": self.q, "initial": dict(self.initial)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.c_feat, self.c_in, self.q = state.get("c_feat"), state.get("c_in"), state.get("q")
+        self.initial = dict(state.get("initial") or {})
+
+
+@dataclass(frozen=True)
+class RetrainJob:
+    """Everything ``nascompress retrain`` needs; written to ``config.json`` of the output run.
+
+    Args:
+        model_dir: a compressed nascompress model (its arch.json lists at least one method).
+        out: the run directory to create.
+        data: dataset (default: the one recorded in ``model_dir/config.json``, else Fashion-MNIST).
+        teacher: optional run directory of a (dense) teacher for knowledge distillation.
+    """
+
+    model_dir: str
+    out: str = "runs/retrained"
+    data: DataConfig | None = None
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=10, lr=3e-4, warmup_epochs=0.2))
+    retrain: RetrainConfig = field(default_factory=RetrainConfig)
+    teacher: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model_dir": self.model_dir, "out": self.out, "data": asdict(self.data) if self.data else None,
+                "train": asdict(self.train), "retrain": asdict(self.retrain), "teacher": self.teacher}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RetrainJob":
+        return cls(model_dir=d["model_dir"], out=d["out"], data=DataConfig(**d["data"]) if d.get("data") else None,
+                   train=TrainConfig(**d["train"]), retrain=RetrainConfig(**d["retrain"]), teacher=d.get("teacher"))
+
+
+def recorded_data_config(run_dir: str | Path) -> DataConfig | None:
+    """The DataConfig recorded in ``run_dir/config.json`` (None if absent or not in that format)."""
+    try:
+        return run_data_config(run_dir)
+    except (TypeError, NascompressError):
+        return None
+
+
+def _check_head(model: nn.Module, data: DataBundle, *, what: str) -> None:
+    n = getattr(model, "num_classes", None)
+    if n != data.num_classes:
+        raise NascompressError(f"the {what} has {n} classes but dataset {data.name} has {data.num_classes}; "
+                               "retrain on the dataset the model was trained for")
+
+
+def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Run ``job``: validate everything, then retrain and save; returns metrics.
+
+    Writes into ``job.out``: ``model.safetensors`` (best validation epoch; arch in its
+    metadata), ``arch.json`` (the input model's arch plus a ``retrain`` record), ``config.json``,
+    ``log.jsonl`` (per epoch: CE, IBB, IB loss, train/val accuracy, K-means and epoch time),
+    ``metrics.json``, ``last.safetensors`` and ``checkpoint.safetensors`` (for ``resume``).
+    With ``resume`` the job stored in ``out/config.json`` is continued.
+    """
+    out = Path(job.out)
+    if resume:
+        if not (out / "config.json").is_file():
+            raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier "
+                                   "'nascompress retrain'")
+        job = replace(RetrainJob.from_dict(read_json(out / "config.json")), out=str(out))
+    prepare_out_dir(out, force=force, resume=resume)
+    arch = load_arch(job.model_dir)
+    if not arch["methods"]:
+        raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
+                               "compression method); run materialize or finetune first and retrain their output")
+    device = resolve_device(job.train.device)
+    model, arch = load_with_arch(job.model_dir, map_location=device)
+    data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()
+    spec = InputSpec.from_dict(arch["input"])
+    data = load_data(data_cfg, img_size=spec.img_size)
+    _check_head(model, data, what=f"model in {job.model_dir}")
+    teacher = None
+    if job.teacher is not None:
+        teacher, t_arch = load_with_arch(job.teacher, map_location=device)
+        _check_head(teacher, data, what=f"teacher {job.teacher}")
+        if InputSpec.from_dict(t_arch["input"]) != spec:
+            raise NascompressError(f"teacher {job.teacher} expects input {t_arch['input']} "
+                                   f"but the model {arch['input']}")
+        teacher.eval().requires_grad_(False)
+    FeatureTap(model, job.retrain.feature_tap).remove()  # fail early on a bad tap
+    if job.retrain.input_tap == "patch_embed" and not hasattr(teacher or model, "patch_embed"):
+        raise NascompressError("--input-tap patch_embed needs a model with a patch_embed module; use --input-tap image")
+    features = job.retrain.describe(teacher=teacher is not None)
+    warm = job.retrain.warm_epochs(job.train.epochs)
+    out_arch = copy.deepcopy(arch)
+    out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
+                           "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
+    create_out_dir(out, force=force, resume=resume)
+    write_json(out / "config.json", dict(job.to_dict(), data=asdict(data_cfg), features=features))
+    hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
+                    epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
+                    teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
+    metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=out_arch, hooks=hooks,
+                  resume=resume)
+    log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln.strip()]
+    last = log[-1] if log else {}
+    mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
+    metrics.update(source_model=str(job.model_dir), methods=[m["name"] for m in arch["methods"]],
+                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, warm_epochs=warm,
+                   kd=teacher is not None, **features,
+                   final={k: last.get(k) for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb",
+                                                   "train_top1_eval", "val_top1") if k in last},
+                   initial={k: hooks.initial[k] for k in IB_KEYS if k in hooks.initial},
+                   epoch_time_s_mean=mean("epoch_time_s"), kmeans_s_mean=mean("kmeans_s"),
+                   feature_pass_s_mean=mean("feature_pass_s"))
+    metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
+                                  if metrics["epoch_time_s_mean"] else None)
+    write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+__all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
+           "kd_loss", "retrain"]

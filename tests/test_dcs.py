@@ -1,0 +1,355 @@
+"""DCS: Gumbel-sigmoid masks, the supernet identity, materialization equivalence, search and CLI."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import nascompress
+from nascompress.io import make_arch, save_model
+from nascompress.materialize import materialize
+from nascompress.methods.dcs import DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, selection
+from nascompress.models import ModelSpec, build_model
+from nascompress.profiling import count_flops
+from nascompress.search.dcs import CostModel
+
+QK_MODES = ["input", "static", "none"]
+
+
+def tiny_spec(**kw) -> ModelSpec:
+    args = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10, in_chans=1)
+    return ModelSpec("vit_tiny_patch16_224", dict(args, **kw))
+
+
+def randomize_gates(model, *, seed: int = 0, empty_block: bool = False) -> None:
+    """Random alpha/theta so that about half the channels are kept (one head keeps none)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for i, blk in enumerate(model.blocks):
+            blk.dcs_alpha.copy_(torch.randn(blk.dcs_alpha.shape, generator=g))
+            if empty_block and i == 0:
+                blk.dcs_alpha.fill_(-1.0)
+            th = blk.attn.dcs_theta
+            if isinstance(th, torch.nn.Linear):
+                th.weight.copy_(torch.randn(th.weight.shape, generator=g) * 0.2)
+                th.bias.copy_(torch.randn(th.bias.shape, generator=g))
+            elif isinstance(th, torch.nn.Parameter):
+                th.copy_(torch.randn(th.shape, generator=g))
+                th[: blk.attn.head_dim] = -1.0  # head 0 keeps no Q/K channel: uniform attention
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def test_gumbel_sigmoid_hard_straight_through_and_deterministic():
+    logits = torch.randn(1000, requires_grad=True)
+    m, soft = gumbel_sigmoid(logits, tau=2.0, generator=torch.Generator().manual_seed(1))
+    assert set(m.detach().unique().tolist()) <= {0.0, 1.0}
+    torch.testing.assert_close(m.detach(), (soft.detach() > 0.5).float())
+    m.sum().backward()
+    g_st = logits.grad.clone()
+    logits.grad = None
+    _, soft2 = gumbel_sigmoid(logits, tau=2.0, generator=torch.Generator().manual_seed(1))
+    soft2.sum().backward()
+    torch.testing.assert_close(g_st, logits.grad)  # backward = the soft mask's gradient
+    m3, _ = gumbel_sigmoid(logits.detach(), tau=2.0, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(m3, m.detach())  # same seed, same Gumbel samples
+    m4, _ = gumbel_sigmoid(logits.detach(), tau=2.0, noise=False)
+    torch.testing.assert_close(m4, (logits.detach() > 0).float())  # inference: no noise
+
+
+def test_gumbel_noise_is_logistic():
+    m, soft = gumbel_sigmoid(torch.full((200_000,), 1.0), tau=1.0, generator=torch.Generator().manual_seed(0))
+    # P(1 + g1 - g2 > 0) = sigmoid(1) for g1 - g2 ~ Logistic(0, 1)
+    assert abs(m.mean().item() - torch.sigmoid(torch.tensor(1.0)).item()) < 0.01
+
+
+# ---------------------------------------------------------------------------------------------
+# Supernet identity
+
+
+@pytest.mark.parametrize("qk", QK_MODES)
+@pytest.mark.parametrize("init_values", [None, 0.1])
+def test_supernet_identity(qk, init_values):
+    kw = {} if init_values is None else {"init_values": init_values}
+    dense = build_model(tiny_spec(**kw)).eval()
+    x = torch.randn(3, 1, 16, 16)
+    ref = dense(x)
+    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
+    assert set(dense.state_dict()) <= set(sup.state_dict())  # timm keys kept, new ones added
+    randomize_gates(sup)
+    sup.dcs_state.force_dense = True  # all masks forced to 1
+    torch.testing.assert_close(sup(x), ref)
+    fresh = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()  # gates start open
+    torch.testing.assert_close(fresh(x), ref)
+
+
+def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static"))
+    randomize_gates(sup)
+    sup.train()
+    sup(torch.randn(4, 1, 16, 16)).logsumexp(-1).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in arch_parameters(sup))
+
+
+# ---------------------------------------------------------------------------------------------
+# Materialization
+
+
+@pytest.mark.parametrize("qk", QK_MODES)
+def test_materialized_equals_supernet_and_reloads(qk, tmp_path):
+    spec = tiny_spec()
+    dense = build_model(spec).eval()
+    cfg = DCSConfig(qk_mask=qk)
+    sup = make_supernet(copy.deepcopy(dense), cfg).eval()
+    randomize_gates(sup, empty_block=True)
+    mat, record = materialize(sup, cfg)
+    x = torch.randn(5, 1, 16, 16)
+    torch.testing.assert_close(mat(x), sup(x), rtol=0, atol=1e-4)
+
+    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]})
+    save_model(tmp_path / "dense", dense, arch)
+    save_model(tmp_path / "mat", mat, dict(arch, methods=[record]))
+    (tmp_path / "mat" / "arch.json").unlink()  # the safetensors metadata alone is enough
+    reloaded = nascompress.load(tmp_path / "mat" / "model.safetensors")
+    torch.testing.assert_close(reloaded(x), sup(x), rtol=0, atol=1e-4)
+    save_model(tmp_path / "mat", mat, dict(arch, methods=[record]))
+    torch.testing.assert_close(nascompress.load(tmp_path / "mat")(x), sup(x), rtol=0, atol=1e-4)
+
+    n_params = sum(p.numel() for p in reloaded.parameters())
+    assert n_params < sum(p.numel() for p in sup.parameters())
+    size = (tmp_path / "mat" / "model.safetensors").stat().st_size
+    assert n_params < sum(p.numel() for p in dense.parameters())  # even with the runtime theta Linear
+    assert size < (tmp_path / "dense" / "model.safetensors").stat().st_size
+
+
+@pytest.mark.parametrize("qk", QK_MODES)
+def test_cost_model_matches_profiler(qk):
+    dense = build_model(tiny_spec()).eval()
+    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
+    x = torch.zeros(1, 1, 16, 16)
+    cost = CostModel.build(dense, sup, x)
+    assert cost.dense == count_flops(dense, x).total
+    randomize_gates(sup, seed=3)
+    mat, _ = materialize(sup, DCSConfig(qk_mask=qk))
+    assert cost.hard_macs(sup) == pytest.approx(count_flops(mat, x).total, rel=1e-9)
+    if qk == "input":  # the runtime theta Linear is counted: N x C x C per block
+        theta = sum(17 * 48 * 48 for _ in sup.blocks)
+        assert count_flops(sup, x).total == pytest.approx(cost.dense + theta)
+
+
+def test_static_qk_keeps_original_scale():
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static")).eval()
+    randomize_gates(sup, seed=1)
+    mat, record = materialize(sup, DCSConfig(qk_mask="static"))
+    attn = mat.blocks[1].attn
+    assert attn.scale == pytest.approx(attn.head_dim ** -0.5)
+    assert attn.qk_counts == [len(h) for h in record["blocks"][1]["qk_keep"]]
+    assert attn.qkv.out_features == 2 * attn.num_heads * attn.qk_dim + attn.attn_dim  # padded to the largest head
+    assert attn.qk_dim == max(attn.qk_counts) < attn.head_dim
+
+
+def test_record_round_trip_rebuilds_supernet(tmp_path):
+    spec = tiny_spec()
+    cfg = DCSConfig(qk_mask="static")
+    sup = make_supernet(build_model(spec), cfg).eval()
+    randomize_gates(sup)
+    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
+                     methods=[make_record(sup, cfg, stage="supernet")])
+    save_model(tmp_path, sup, arch)
+    x = torch.randn(2, 1, 16, 16)
+    torch.testing.assert_close(nascompress.load(tmp_path)(x), sup(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The search and the CLI
+
+
+def run_cli(*args):
+    from cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def search_args(tiny_run, out, *extra):
+    return ["search", "dcs", tiny_run, "--out", out, "--epochs", 2, "--batch-size", 32, "--arch-lr", 0.05,
+            "--alpha-init", 0.5, "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def searched(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dcs") / "search"
+    res = run_cli(*search_args(tiny_run, out, "--target-flops", 0.7, "--qk-mask", "static", "--train-limit", 480,
+                               "--json"))
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_search_lands_on_target_and_logs(searched):
+    metrics = json.loads((searched / "metrics.json").read_text())
+    assert metrics["finished"] and abs(metrics["flops_ratio"] / 0.7 - 1) <= 0.05
+    log = [json.loads(ln) for ln in (searched / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [0, 1]
+    assert log[1]["tau"] == pytest.approx(4.5 * 0.95)
+    for key in ("train_ce_w", "train_ce_a", "flops_ratio", "expected_flops_ratio", "mlp_kept", "qk_kept", "lam"):
+        assert key in log[0]
+    arch = json.loads((searched / "arch.json").read_text())
+    assert arch["methods"][-1]["stage"] == "supernet" and len(arch["methods"][-1]["blocks"]) == 2
+    assert json.loads((searched / "config.json").read_text())["data"]["train_limit"] == 480
+    assert log[0]["lam"] > 0.2  # the supernet starts above the target: lambda is steered up
+
+
+def test_materialize_cli_and_load(searched, tmp_path):
+    out = tmp_path / "mat"
+    res = run_cli("materialize", searched, "--out", out, "--json")
+    assert res.exit_code == 0, res.output
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["max_abs_logit_diff"] <= 1e-4 and abs(m["flops_ratio_vs_dense"] / 0.7 - 1) <= 0.05
+    model = nascompress.load(out)
+    sup = nascompress.load(searched)
+    x = torch.randn(4, 1, 16, 16)
+    torch.testing.assert_close(model(x), sup(x), rtol=0, atol=1e-4)
+    assert count_flops(model, x).total == pytest.approx(m["macs"])
+    data = json.loads((out / "config.json").read_text())["data"]  # the dense run's, not the search's limit
+    assert data["dataset"] == "synthetic" and data["train_limit"] is None
+    res = run_cli("evaluate", out, "--json")
+    assert res.exit_code == 0, res.output
+
+
+def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
+    import nascompress.search.dcs as sd
+
+    full = tmp_path / "full"
+    assert run_cli(*search_args(tiny_run, full)).exit_code == 0
+    part = tmp_path / "part"
+    real = sd.epoch_record
+
+    def crash(*a, **kw):
+        if kw["epoch"] == 1:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(sd, "epoch_record", crash)
+    assert run_cli(*search_args(tiny_run, part)).exit_code == 130
+    assert not (part / "metrics.json").exists()
+    monkeypatch.setattr(sd, "epoch_record", real)
+    res = run_cli(*search_args(tiny_run, part, "--resume"))
+    assert res.exit_code == 0, res.output
+    a, b = nascompress.load(full).state_dict(), nascompress.load(part).state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
+def test_bad_target_flops(tiny_run, tmp_path, value):
+    out = tmp_path / "s"
+    res = run_cli(*search_args(tiny_run, out, "--target-flops", value))
+    assert res.exit_code == 1 and "--target-flops must be in (0, 1]" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_materialize_refuses_unfinished_search(tiny_run, tmp_path):
+    out = tmp_path / "m"
+    res = run_cli("materialize", tiny_run, "--out", out)
+    assert res.exit_code == 1 and "no finished DCS search" in res.output and not out.exists()
+
+
+def test_materialize_refuses_arch_not_matching_weights(searched, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(searched, broken)
+    arch = json.loads((broken / "arch.json").read_text())
+    arch["methods"][-1]["blocks"][0]["mlp_keep"] = arch["methods"][-1]["blocks"][0]["mlp_keep"][1:]
+    (broken / "arch.json").write_text(json.dumps(arch))
+    out = tmp_path / "m"
+    res = run_cli("materialize", broken, "--out", out)
+    assert res.exit_code == 1 and "do not match" in res.output and not out.exists()
+    arch["model"]["kwargs"]["embed_dim"] = 64  # a different model altogether
+    (broken / "arch.json").write_text(json.dumps(arch))
+    res = run_cli("materialize", broken, "--out", out)
+    assert res.exit_code == 1 and "does not match the model" in res.output and not out.exists()
+
+
+def test_materialized_arch_not_matching_weights(searched, tmp_path):
+    import shutil
+
+    out = tmp_path / "mat"
+    assert run_cli("materialize", searched, "--out", out).exit_code == 0
+    arch = json.loads((out / "arch.json").read_text())
+    blocks = arch["methods"][-1]["blocks"]
+    blocks[1]["mlp_keep"] = blocks[1]["mlp_keep"][:-1]
+    (out / "arch.json").write_text(json.dumps(arch))
+    with pytest.raises(nascompress.NascompressError, match="does not match the model"):
+        nascompress.load(out)
+    shutil.rmtree(out)
+
+
+def test_search_from_timm_name_with_local_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    dense = build_model(ModelSpec("vit_tiny_patch16_224", {"img_size": 16, "num_classes": 10}))
+    save_file({k: v.contiguous() for k, v in dense.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    out = tmp_path / "s"
+    res = run_cli("search", "dcs", "vit_tiny_patch16_224", "--dataset", "synthetic", "--out", out)
+    assert res.exit_code == 1 and "--weights" in res.output and not out.exists()
+    res = run_cli("search", "dcs", "vit_tiny_patch16_224", "--weights", tmp_path / "w.safetensors", "--img-size", 16,
+                  "--dataset", "synthetic", "--out", out, "--epochs", 1, "--train-limit", 64, "--eval-limit", 32,
+                  "--batch-size", 32, "--lr", 1e-9, "--min-lr", 1e-10, "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    arch = json.loads((out / "arch.json").read_text())
+    assert arch["model"]["name"] == "vit_tiny_patch16_224" and len(arch["methods"][0]["blocks"]) == 12
+    x = torch.randn(2, 3, 16, 16)
+    sup = nascompress.load(out)
+    sup.dcs_state.force_dense = True
+    torch.testing.assert_close(sup(x), dense.eval()(x), rtol=0, atol=1e-4)  # the weights came from the file
+
+
+def test_lambda_steer_is_a_signed_pi_controller():
+    from nascompress.search.dcs import LambdaSteer
+
+    s = LambdaSteer(target=0.5, integral=0.0, gain=2.0, rate=0.1, lam_max=5.0)
+    assert s.update(1.0) == pytest.approx(0.1 + 2.0)  # above target: push FLOPs down
+    lams = [s.update(0.25) for _ in range(20)]  # below target: lambda falls, then turns negative
+    assert lams[0] < 2.1 and lams[-1] < 0 and all(b <= a for a, b in zip(lams, lams[1:]))
+    assert all(abs(s.update(100.0)) <= 5.0 for _ in range(100))  # clipped, no wind-up beyond lam_max
+
+
+def test_calibrate_lands_on_target():
+    from nascompress.search.dcs import calibrate
+
+    dense = build_model(tiny_spec(depth=3)).eval()
+    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none")).eval()
+    cost = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16))
+    randomize_gates(sup, seed=5)
+    calibrate(sup, cost, 0.55)
+    assert abs(cost.hard_macs(sup) / cost.dense / 0.55 - 1) < 0.02
+
+
+def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
+    from nascompress.search.dcs import round_blocks
+
+    sup = make_supernet(build_model(tiny_spec(depth=3)), DCSConfig(qk_mask="none")).eval()
+    with torch.no_grad():
+        sup.blocks[0].dcs_alpha[:45] = -1.0  # 3 of 48 kept: closed
+        sup.blocks[1].dcs_alpha[:2] = -1.0  # 46 of 48 kept: opened
+        sup.blocks[2].dcs_alpha[:24] = -1.0  # half kept: left alone
+    assert round_blocks(sup, 4) == {"closed": [0], "opened": [1]}
+    assert [len(b["mlp_keep"]) for b in selection(sup)] == [0, 48, 24]
+    mat, _ = materialize(sup, DCSConfig(qk_mask="none"))
+    assert type(mat.blocks[1]).__name__ == "Block"  # fully kept: no gather, no write-back
+    x = torch.randn(2, 1, 16, 16)
+    torch.testing.assert_close(mat(x), sup(x), rtol=0, atol=1e-4)
+
+
+def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
+    out = tmp_path / "r"
+    res = run_cli(*search_args(tiny_run, out, "--target-flops", 0.6, "--round-mlp", 4))
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert abs(metrics["flops_ratio"] / 0.6 - 1) <= 0.05
+    assert all(n == 0 or 4 <= n <= 32 - 4 or n == 32 for n in metrics["mlp_kept"]), metrics["mlp_kept"]

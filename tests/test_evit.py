@@ -1,0 +1,257 @@
+"""EViT: identity at keep_rate 1, the pruned block against a direct reference, the linearized
+fused token, paper FLOPs on DeiT-S, save/load, the schedule, bad input and the CLI."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typer.testing import CliRunner
+
+from nascompress.errors import NascompressError
+from nascompress.methods import get_method
+from nascompress.methods.evit import (evit_prune, fused_token_hard, fused_token_linearized, keep_rate_at)
+from nascompress.methods.tokens import scale_layers
+
+runner = CliRunner()
+
+
+def tiny(**kw):
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
+    args.update(kw)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **args).eval()
+
+
+def evit(model, **config):
+    return get_method("evit")(model, {"name": "evit", "config": config})
+
+
+@pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
+def test_identity_keep_rate_one(kw):
+    dense = tiny(**kw)
+    pruned = evit(copy.deepcopy(dense), keep_rate=1.0, prune_layers=[1, 2, 3, 4])
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(x), dense(x))
+
+
+def reference_block(blk, x, keep):
+    """Seed code on an explicit attention matrix (non-fused), one block."""
+    a = blk.attn
+    B, N, C = x.shape
+    h = blk.norm1(x)
+    qkv = a.qkv(h).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)
+    q, k = a.q_norm(q), a.k_norm(k)
+    attn = ((q * a.scale) @ k.transpose(-2, -1)).softmax(-1)
+    o = a.proj((attn @ v).transpose(1, 2).reshape(B, N, C))
+    x = x + blk.ls1(o)
+    cls_attn = attn[:, :, 0, 1:].mean(dim=1)
+    _, idx = torch.topk(cls_attn, keep, dim=1, largest=True, sorted=True)
+    non_cls = x[:, 1:]
+    kept = torch.stack([non_cls[b, idx[b]] for b in range(B)])
+    mask = torch.ones(B, N - 1, dtype=torch.bool)
+    mask[torch.arange(B)[:, None], idx] = False
+    extra = torch.stack([(non_cls[b][mask[b]] * cls_attn[b][mask[b]][:, None]).sum(0) for b in range(B)])
+    x = torch.cat([x[:, :1], kept, extra[:, None]], dim=1)
+    return x + blk.ls2(blk.mlp(blk.norm2(x)))
+
+
+@pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
+def test_pruned_block_matches_reference(kw):
+    model = tiny(**kw)
+    blk_ref = copy.deepcopy(model.blocks[1])
+    evit(model, keep_rate=0.5, prune_layers=[2])
+    x = torch.randn(2, 65, 32)
+    with torch.no_grad():
+        out = model.blocks[1](x)
+        ref = reference_block(blk_ref, x, keep=32)
+    assert out.shape == (2, 1 + 32 + 1, 32)
+    torch.testing.assert_close(out, ref)
+
+
+def test_token_counts_and_training_backward():
+    model = evit(tiny(), keep_rate=0.7)  # depth 4 -> layers [1, 2, 3]
+    assert scale_layers(4) == [1, 2, 3] and scale_layers(12) == [4, 7, 10] and scale_layers(6) == [2, 4, 5]
+    shapes = []
+    model.norm.register_forward_hook(lambda m, i, o: shapes.append(o.shape[1]))
+    n = 64
+    for _ in range(3):
+        n = math.ceil(0.7 * n) + 1  # kept + fused (the previous fused token is a candidate)
+    model.train()
+    loss = F.cross_entropy(model(torch.randn(4, 3, 32, 32)), torch.arange(4))
+    loss.backward()
+    assert shapes == [1 + n]
+    assert model.blocks[0].attn.qkv.weight.grad is not None
+
+
+def test_linearized_fused_token_converges_to_hard():
+    g = torch.Generator().manual_seed(0)
+    B, M, C, k = 2, 12, 8, 5
+    x = torch.randn(B, M, C, generator=g)
+    # distinct scores with gaps >= 1e-2
+    scores = torch.stack([torch.randperm(M, generator=g) for _ in range(B)]).float() / 100 + 0.01
+    hard = fused_token_hard(x, scores, k)
+    # the same fused token as the pruning path
+    full = torch.cat([torch.zeros(B, 1, C), x], 1)
+    torch.testing.assert_close(evit_prune(full, scores, k)[:, -1], hard)
+    errs = [(fused_token_linearized(x, scores, k, t) - hard).abs().max().item() for t in (1.0, 1e-1, 1e-2, 1e-3, 1e-4)]
+    assert all(a >= b for a, b in zip(errs, errs[1:])), errs
+    assert errs[0] > 1e-2 and errs[-1] < 1e-6, errs
+    s = scores.clone().requires_grad_(True)
+    fused_token_linearized(x, s, k, 0.05).sum().backward()
+    assert s.grad.abs().sum() > 0
+
+
+def test_deit_small_flops_match_paper():
+    from nascompress.profiling import flops as fl
+
+    model = timm.create_model("deit_small_patch16_224", pretrained=False).eval()
+    x = torch.randn(1, 3, 224, 224)
+    evit(model, keep_rate=0.7, prune_layers=[4, 7, 10])
+    rep = fl.count_flops(model, x)
+    assert abs(rep.gflops - 3.0) / 3.0 < 0.03, rep.gflops
+    assert [blk["attn"] > 0 for blk in rep.blocks] == [True] * 12
+
+
+def test_save_load_roundtrip(tmp_path):
+    from nascompress.io import load, make_arch, save_model
+    from nascompress.models import ModelSpec
+
+    spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2,
+                                                  num_classes=10))
+    model = evit(tiny(), keep_rate=0.6)
+    rec = {"name": "evit", "config": {"keep_rate": 0.6, "prune_layers": [1, 2, 3], "fuse_token": True}}
+    save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
+                                                                "std": [0.5] * 3}, methods=[rec]))
+    loaded = load(tmp_path)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
+    assert set(loaded.state_dict()) == set(tiny().state_dict())
+
+
+def test_keep_rate_schedule():
+    assert keep_rate_at(0.5, base=0.7, start=1, length=2) == 1.0
+    assert keep_rate_at(1.0, base=0.7, start=1, length=2) == pytest.approx(1.0)
+    assert keep_rate_at(2.0, base=0.7, start=1, length=2) == pytest.approx(0.85)
+    assert keep_rate_at(3.0, base=0.7, start=1, length=2) == pytest.approx(0.7)
+    assert keep_rate_at(9.0, base=0.7, start=1, length=2) == 0.7
+    assert keep_rate_at(0.0, base=0.5, start=0, length=0) == 0.5
+
+
+class ForeignAttention(timm.layers.Attention):
+    """Stand-in for another method's attention subclass (own forward, q_norm/k_norm kept)."""
+
+    def forward(self, x, attn_mask=None, is_causal=False):
+        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal) * 1.0
+
+
+def test_stacks_on_patched_attention():
+    dense = tiny()
+    for blk in dense.blocks:
+        blk.attn.__class__ = ForeignAttention
+    pruned = evit(copy.deepcopy(dense), keep_rate=1.0)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(x), dense(x))
+    evit(dense, keep_rate=0.5)
+    with torch.no_grad():
+        assert dense(x).shape == (2, 10)
+
+
+@pytest.mark.parametrize("config,pattern", [
+    ({"keep_rate": 1.5}, r"keep_rate must be in \(0, 1\], got 1.5"),
+    ({"keep_rate": 0}, r"keep_rate must be in \(0, 1\], got 0"),
+    ({"prune_layers": [0, 2]}, r"\[0\] outside the model's depth: valid layers are 1..4"),
+    ({"prune_layers": [5]}, r"valid layers are 1..4"),
+    ({"prune_layers": [3, 2]}, r"strictly increasing"),
+    ({"bogus": 1}, r"unknown evit option.*valid options: keep_rate"),
+])
+def test_bad_config(config, pattern):
+    with pytest.raises(NascompressError, match=pattern):
+        evit(tiny(), **config)
+
+
+def test_non_vit_rejected():
+    with pytest.raises(NascompressError, match="needs a timm VisionTransformer"):
+        evit(nn.Sequential(nn.Linear(2, 2)), keep_rate=0.5)
+
+
+def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
+    from cli.main import app
+
+    def invoke(*a):
+        return runner.invoke(app, [str(v) for v in a])
+
+    zs = tmp_path / "zs"
+    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--zero-shot", "--out", zs, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["zero_shot"] is True
+    arch = json.loads((zs / "arch.json").read_text())
+    assert arch["methods"][-1]["name"] == "evit" and arch["methods"][-1]["config"]["keep_rate"] == 0.5
+    ft = tmp_path / "ft"
+    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--epochs", "1",
+               "--opt", "shrink_epochs=0.5", "--out", ft, "--json")
+    assert r.exit_code == 0, r.output
+    log = [json.loads(ln) for ln in (ft / "log.jsonl").read_text().splitlines()]
+    assert 0.5 < log[0]["train_keep_rate"] < 1.0  # mean over the epoch: cosine half, then 0.5
+    r = invoke("evaluate", ft, "--json")
+    assert r.exit_code == 0, r.output
+    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "1.5", "--out", tmp_path / "bad")
+    assert r.exit_code == 1 and "keep_rate must be in (0, 1], got 1.5" in r.output
+    assert not (tmp_path / "bad").exists()
+
+
+def _dcs_model(kind):
+    """A DCS supernet (input Q/K masks, MLP gates) or a materialized one (static masks), eval."""
+    from nascompress.materialize import materialize
+    from nascompress.methods.dcs import DCSConfig, make_supernet
+
+    torch.manual_seed(1)
+    if kind == "dcs_supernet":
+        return make_supernet(tiny(), DCSConfig(qk_mask="input")).eval()
+    cfg = DCSConfig(qk_mask="static")
+    sup = make_supernet(tiny(), cfg).eval()
+    with torch.no_grad():
+        for name, p in sup.named_parameters():
+            if "dcs_" in name:
+                p.copy_(torch.randn_like(p))  # close about half of the channels
+    return materialize(sup, cfg)[0]
+
+
+@pytest.mark.parametrize("kind", ["dcs_supernet", "dcs_materialized", "sparsifiner"])
+def test_stacks_on_other_methods(kind):
+    from nascompress.profiling.flops import count_flops
+
+    if kind == "sparsifiner":
+        base = get_method("sparsifiner")(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}}).eval()
+    else:
+        base = _dcs_model(kind)
+    x = torch.randn(2, 3, 32, 32)
+    same = evit(copy.deepcopy(base), keep_rate=1.0)
+    pruned = evit(copy.deepcopy(base), keep_rate=0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x), base(x))
+        assert pruned(x).shape == (2, 10)
+    assert count_flops(pruned, x).total < 0.75 * count_flops(base, x).total
+
+
+def test_linearized_fused_token_in_training():
+    model = evit(tiny(), keep_rate=0.5, prune_layers=[2])
+    ref = copy.deepcopy(model)
+    model.evit_state.fuse_temperature = 1e-6  # a near-step sigmoid: the hard token
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(model.train()(x), ref.train()(x), rtol=1e-4, atol=1e-4)
+    model.evit_state.fuse_temperature = 0.5
+    out = model(x)
+    assert not torch.allclose(out, ref(x), atol=1e-4)
+    out.sum().backward()
+    with torch.no_grad():  # inference always uses the hard token
+        torch.testing.assert_close(model.eval()(x), ref.eval()(x))

@@ -1,0 +1,256 @@
+"""``nascompress retrain``: IB hooks on the shared fit loop, the CLI, the shipped model, bad input."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+import nascompress
+from nascompress.data import DataConfig, InputSpec, load_data
+from nascompress.errors import NascompressError
+from nascompress.io import make_arch, save_model
+from nascompress.methods import register_method
+from nascompress.models import build_model, custom_vit_spec
+from nascompress.retrain import FeatureTap, IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain
+from nascompress.train import TrainConfig, input_spec_for
+
+
+@register_method("ib_test_noop")
+def _noop(model, record):
+    """A stand-in compression record, so the tests do not depend on another method's module."""
+    return model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models on a contended CPU: one intra-op thread avoids OpenMP spin-waits (restored after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+SMALL = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
+
+
+def tiny_spec(num_classes: int = 10):
+    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes,
+                           in_chans=1)
+
+
+def make_model_dir(path, *, methods=({"name": "ib_test_noop", "config": {}},), num_classes: int = 10, seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(tiny_spec(num_classes))
+    arch = make_arch(tiny_spec(num_classes), input_spec=input_spec_for(model, "synthetic").to_dict(),
+                     methods=[dict(m) for m in methods])
+    save_model(path, model, arch)
+    (path / "config.json").write_text(json.dumps({"data": asdict(SMALL)}))
+    return path
+
+
+def quick_job(model_dir, out, **rc):
+    return RetrainJob(model_dir=str(model_dir), out=str(out),
+                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0),
+                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}))
+
+
+def test_feature_tap_is_timm_pre_logits_and_changes_nothing():
+    """Identity: tapping leaves the output equal to plain timm, and the tap is forward_head(pre_logits=True)."""
+    torch.manual_seed(0)
+    model = build_model(tiny_spec()).eval()
+    x = torch.randn(3, 1, 16, 16)
+    ref = model(x)
+    pre = model.forward_head(model.forward_features(x), pre_logits=True)
+    tap = FeatureTap(model, "pre_logits")
+    torch.testing.assert_close(model(x), ref, rtol=0, atol=0)
+    torch.testing.assert_close(tap.pop(), pre, rtol=0, atol=0)
+    tap.remove()
+    tap = FeatureTap(model, "module:blocks.1")  # token output (B, N, C) -> token mean (B, C)
+    model(x)
+    torch.testing.assert_close(tap.pop(), model.blocks(model._pos_embed(model.patch_embed(x))).mean(1))
+    with pytest.raises(NascompressError, match="no such submodule"):
+        FeatureTap(model, "module:nope")
+
+
+def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
+    data = load_data(SMALL, img_size=(16, 16))
+    torch.manual_seed(0)
+    model = build_model(tiny_spec())
+    spec = input_spec_for(model, "synthetic")
+    cfg = RetrainConfig(eta=50.0, warmup_frac=0.5)
+    hooks = IBHooks(cfg, train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
+                    input_embed=make_input_embed(cfg, model=model, teacher=None), seed=0)
+    assert hooks.warm == 2
+    hooks.on_epoch_start(model, epoch=0)  # initial K-means of X~ and X, Q^{(0)}
+    assert hooks.q.shape == (10, 10) and hooks.c_in.shape == (10, 49) and hooks.c_feat.shape == (10, 32)
+    assert torch.allclose(hooks.q.sum(1), torch.ones(10))
+    assert set(hooks.initial) >= {"ib", "i_xt_x", "i_xt_y", "kmeans_s", "feature_pass_s"}
+    imgs, y = data.train.__getitems__(list(range(32)))
+    from nascompress.data import preprocess
+    x = preprocess(imgs, spec)
+    tc = TrainConfig(label_smoothing=0.0)
+    warm_loss, warm_logs = hooks.loss(model.train(), x, y, epoch=1, cfg=tc)
+    assert warm_loss.item() == pytest.approx(warm_logs["ce"], rel=1e-6) and "ibb" in warm_logs
+    loss, logs = hooks.loss(model, x, y, epoch=2, cfg=tc)
+    assert loss.item() == pytest.approx(logs["ce"] + 50.0 * logs["ibb"], rel=1e-5)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # eta = 0: CE only in every epoch, IBB still logged
+    hooks0 = IBHooks(replace(cfg, eta=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
+                     input_embed=make_input_embed(cfg, model=model, teacher=None))
+    hooks0.on_epoch_start(model, epoch=0)
+    loss0, logs0 = hooks0.loss(model, x, y, epoch=3, cfg=tc)
+    assert loss0.item() == pytest.approx(logs0["ce"], rel=1e-6) and "ibb" in logs0
+
+
+def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
+    from cli.main import app
+
+    src = make_model_dir(tmp_path / "compressed")
+    teacher = make_model_dir(tmp_path / "dense", methods=(), seed=1)
+    out = tmp_path / "retrained"
+    runner = CliRunner()
+    res = runner.invoke(app, ["retrain", str(src), "--out", str(out), "--dataset", "synthetic", "--epochs", "2",
+                              "--eta", "50", "--warmup-frac", "0.5", "--teacher", str(teacher), "--kd-temperature",
+                              "2", "--batch-size", "64", "--lr", "1e-3", "--train-limit", "128",
+                              "--eval-limit", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    metrics = json.loads(res.stdout[res.stdout.index("{"):])
+    for f in ("model.safetensors", "arch.json", "metrics.json", "log.jsonl", "config.json"):
+        assert (out / f).is_file(), f
+    log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["ib_active"] for r in log] == [False, True]
+    for r in log:
+        for k in ("train_ce", "train_ibb", "train_kd", "ib", "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
+                  "kmeans_s", "epoch_time_s"):
+            assert k in r, k
+    arch = json.loads((out / "arch.json").read_text())
+    assert arch["methods"] == [{"name": "ib_test_noop", "config": {}}]
+    assert "pre_logits" in arch["retrain"]["learned_feature"] and "image" in arch["retrain"]["input_feature"]
+    assert arch["retrain"]["kd"] is True
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["nascompress_arch"]) == arch
+    assert metrics["test_top1"] == json.loads((out / "metrics.json").read_text())["test_top1"]
+    assert metrics["kd"] is True and metrics["warm_epochs"] == 1 and metrics["final"]["ib"] == log[-1]["ib"]
+    # ship only OUT_DIR: it loads with one library call and one CLI call, without the source runs
+    shipped = tmp_path / "elsewhere" / "model"
+    shutil.copytree(out, shipped)
+    shutil.rmtree(src)
+    shutil.rmtree(teacher)
+    shutil.rmtree(out)
+    model = nascompress.load(shipped)
+    x = torch.randn(2, 1, 16, 16)
+    assert model(x).shape == (2, 10)
+    res = runner.invoke(app, ["evaluate", str(shipped), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["top1"] == pytest.approx(metrics["test_top1"])
+
+
+def test_resume_replays_an_interrupted_run(tmp_path, monkeypatch):
+    src = make_model_dir(tmp_path / "compressed")
+    full = retrain(quick_job(src, tmp_path / "full"))
+    job = quick_job(src, tmp_path / "cut")
+    original = IBHooks.on_epoch_start
+
+    def interrupt(self, model, *, epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return original(self, model, epoch=epoch)
+
+    monkeypatch.setattr(IBHooks, "on_epoch_start", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        retrain(job)
+    monkeypatch.setattr(IBHooks, "on_epoch_start", original)
+    assert len((tmp_path / "cut" / "log.jsonl").read_text().splitlines()) == 1
+    resumed = retrain(replace(job, train=replace(job.train, epochs=99)), resume=True)  # config.json wins
+    assert resumed["epochs"] == 2
+    a, b = nascompress.load(tmp_path / "full"), nascompress.load(tmp_path / "cut")
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        torch.testing.assert_close(va, vb, msg=ka)
+    assert resumed["final"]["ib"] == pytest.approx(full["final"]["ib"], rel=1e-4)
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--eta", "-1"], "--eta must be >= 0"),
+    (["--warmup-frac", "1.0"], r"--warmup-frac must be in \[0, 1\)"),
+    (["--warmup-frac", "-0.1"], r"--warmup-frac must be in \[0, 1\)"),
+])
+def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
+    from cli.main import app
+
+    src = make_model_dir(tmp_path / "compressed")
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["retrain", str(src), "--out", str(out), "--dataset", "synthetic", *args])
+    assert res.exit_code == 1
+    assert len(res.stderr.strip().splitlines()) == 1
+    import re
+    assert re.search(match, res.stderr), res.stderr
+    assert not out.exists()
+
+
+def test_bad_models_and_datasets_write_nothing(tmp_path):
+    from cli.main import app
+
+    dense = make_model_dir(tmp_path / "dense", methods=())
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["retrain", str(dense), "--out", str(out), "--dataset", "synthetic"])
+    assert res.exit_code == 1 and "not a compressed model" in res.stderr and "materialize" in res.stderr
+    assert not out.exists()
+    five = make_model_dir(tmp_path / "five", num_classes=5)
+    with pytest.raises(NascompressError, match="has 5 classes but dataset synthetic has 10"):
+        retrain(quick_job(five, out))
+    assert not out.exists()
+    src = make_model_dir(tmp_path / "compressed")
+    with pytest.raises(NascompressError, match="teacher .* has 5 classes"):
+        retrain(replace(quick_job(src, out), teacher=str(five)))
+    with pytest.raises(NascompressError, match="does not exist"):
+        retrain(quick_job(tmp_path / "missing", out))
+    with pytest.raises(NascompressError, match="no such submodule"):
+        retrain(quick_job(src, out, feature_tap="module:nope"))
+    assert not out.exists()
+    with pytest.raises(NascompressError, match="nothing to resume"):
+        retrain(quick_job(src, out), resume=True)
+
+
+def test_retrains_a_materialized_dcs_model_and_keeps_its_shapes(tmp_path):
+    """Any compressed model: a tiny materialized DCS model (issue 3's format) retrains and ships."""
+    dcs = pytest.importorskip("nascompress.methods.dcs")
+    mat = pytest.importorskip("nascompress.materialize")
+    torch.manual_seed(0)
+    cfg = dcs.DCSConfig(qk_mask="static")
+    supernet = dcs.make_supernet(build_model(tiny_spec()), cfg)
+    with torch.no_grad():
+        for blk in supernet.blocks:
+            blk.dcs_alpha[::2] = -3.0  # drop half the MLP channels
+            blk.attn.dcs_theta.view(-1)[::4] = -3.0  # and a quarter of the Q/K channels
+    model, record = mat.materialize(supernet, cfg)
+    arch = make_arch(tiny_spec(), input_spec=input_spec_for(model, "synthetic").to_dict(), methods=[record])
+    src = tmp_path / "dcs_mat"
+    save_model(src, model, arch)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in build_model(tiny_spec()).parameters())
+    job = replace(quick_job(src, tmp_path / "out"), data=SMALL, train=replace(quick_job(src, "x").train, epochs=1))
+    metrics = retrain(job)
+    assert metrics["methods"] == ["dcs"]
+    shipped = nascompress.load(tmp_path / "out")
+    assert {k: tuple(v.shape) for k, v in shipped.state_dict().items()} == shapes
+
+
+def test_patch_embed_input_feature_is_a_frozen_copy():
+    torch.manual_seed(0)
+    model = build_model(tiny_spec())
+    x = torch.randn(4, 1, 16, 16)
+    embed = make_input_embed(RetrainConfig(input_tap="patch_embed"), model=model, teacher=None)
+    before = embed(x)
+    assert before.shape == (4, 32)
+    torch.testing.assert_close(before, model.patch_embed(x).mean(1))
+    with torch.no_grad():
+        model.patch_embed.proj.weight.add_(1.0)  # training the student must not move X
+    torch.testing.assert_close(embed(x), before, rtol=0, atol=0)
+    img = make_input_embed(RetrainConfig(input_pool=4), model=model, teacher=None)(x)
+    torch.testing.assert_close(img, torch.nn.functional.avg_pool2d(x, 4).flatten(1))

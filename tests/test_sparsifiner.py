@@ -1,0 +1,277 @@
+"""Sparsifiner: identity, block path == masked path, honest FLOPs, training stages, bad input."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nascompress.errors import NascompressError
+from nascompress.methods import _flex, get_method
+from nascompress.methods.sparsifiner import (SparsifinerHooks, SparsifinerRecipe, TRAIN_KEYS, attention_budget,
+                                             masked_attention, sparse_modules, topk_mask)
+from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.profiling import count_flops
+from nascompress.train import TrainConfig
+
+
+def tiny(img=16, depth=2, dim=32, heads=2, seed=0):
+    torch.manual_seed(seed)
+    return build_model(custom_vit_spec(img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads,
+                                       num_classes=10, in_chans=1)).eval()
+
+
+def sparsify(model, **cfg):
+    return get_method("sparsifiner")(model, {"name": "sparsifiner", "config": cfg})
+
+
+@pytest.mark.parametrize("cfg", [dict(attn_keep_ratio=1.0), dict(budget=17), dict(attn_keep_ratio=1.0, mode="block")])
+def test_identity_full_budget_is_dense_timm(cfg):
+    dense = tiny()
+    x = torch.randn(3, 1, 16, 16)
+    ref = dense(x)
+    out = sparsify(copy.deepcopy(dense), **cfg)(x)
+    torch.testing.assert_close(out, ref)
+
+
+def test_masked_path_with_all_keys_equals_dense_attention():
+    q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
+    full = topk_mask(torch.randn(2, 3, 17, 17), 17)
+    assert full.all()
+    torch.testing.assert_close(masked_attention(q, k, v, full, scale=8 ** -0.5), F.scaled_dot_product_attention(q, k, v))
+
+
+def test_topk_mask_keeps_budget_per_query_and_full_cls_row():
+    s = torch.randn(2, 3, 50, 50)
+    m = topk_mask(s, 13, full_rows=1)
+    assert (m[..., 1:, :].sum(-1) == 13).all() and m[..., 0, :].all()
+    best = s[..., 1:, :].topk(13, dim=-1).indices
+    assert torch.gather(m[..., 1:, :], -1, best).all()
+
+
+def test_sparse_attention_changes_output_and_lowers_flops():
+    dense = tiny(img=32)  # 65 tokens; at 17 tokens the predictor costs more than it saves
+    x = torch.randn(2, 1, 32, 32)
+    sp = sparsify(copy.deepcopy(dense), attn_keep_ratio=0.25, n_down=8)
+    assert (sp(x) - dense(x)).abs().max() > 1e-4
+    assert count_flops(sp, x).blocks[0]["attn"] < count_flops(dense, x).blocks[0]["attn"]
+
+
+def test_block_flex_path_matches_masked_path():
+    """Compiled FlexAttention on the predicted BlockMask == dense masked softmax with the same mask."""
+    torch.manual_seed(0)
+    B, H, n, d, bs = 2, 2, 50, 16, 8
+    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    idx = _flex.top_blocks(torch.randn(B, H, 7, 7), 2)
+    with torch.no_grad():
+        flex = _flex.flex_block_attention(q, k, v, idx, block_size=bs, scale=d ** -0.5, full_rows=1)
+    mask = _flex.dense_block_mask(idx, n, bs, full_rows=1)
+    assert not mask[:, :, 1:].all()
+    torch.testing.assert_close(flex, masked_attention(q, k, v, mask, scale=d ** -0.5), atol=1e-5, rtol=1e-5)
+    # the same through the patched model: flex inference == masked path (flex=False)
+    model = sparsify(tiny(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=8)
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        a = model(x)
+        for m in sparse_modules(model):
+            m.sp_cfg = type(m.sp_cfg)(**dict(m.sp_cfg.to_dict(), flex=False))
+        b = model(x)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,bs", [(50, 8), (64, 16)])  # short last block / exact multiple
+def test_fast_block_path_equals_reference_selection_and_masked_attention(n, bs):
+    """predict_blocks == top_blocks(block_scores(thresholded A_down, thresholded W_up)) and the
+    gathered-blocks SDPA == masked attention with the same block mask (+ dense CLS row)."""
+    from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, sparse_coefficients
+
+    torch.manual_seed(0)
+    B, H, d, r, keep = 2, 2, 16, 6, 2
+    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    w_down, w_up = torch.rand(H, r, n) / n, torch.randn(H, r, n) * 0.05
+    scale, tau, wt = d ** -0.5, 0.2, 1e-2
+    coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), tau)
+    assert (coef == 0).any() and (coef != 0).any()
+    ref = _flex.top_blocks(_flex.block_scores(coef, sparse_basis(w_up, wt), bs), keep)
+    idx = _flex.predict_blocks(q, k, w_down, w_up, scale=scale, tau=tau, w_thresh=wt, block_size=bs, keep=keep)
+    assert torch.equal(idx, ref)
+    mask = _flex.dense_block_mask(idx, n, bs, full_rows=1)
+    want = masked_attention(q, k, v, mask, scale=scale)
+    with torch.no_grad():
+        got = _flex.gather_block_attention(q, k, v, idx, block_size=bs, scale=scale, full_rows=1)
+        full, idx2 = _flex.block_sparse_attention(q, k, v, w_down, w_up, scale=scale, tau=tau, w_thresh=wt,
+                                                  block_size=bs, keep=keep, full_rows=1, compile=False)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(idx2, idx)
+    torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
+
+
+def test_block_scores_equal_pooled_dense_scores():
+    coef, w_up = torch.rand(1, 2, 50, 6), torch.rand(2, 6, 50)
+    s = coef @ w_up
+    ref = F.pad(s, (0, 6, 0, 6)).reshape(1, 2, 7, 8, 7, 8).sum((3, 5))
+    torch.testing.assert_close(_flex.block_scores(coef, w_up, 8), ref)
+
+
+def test_deit_s_mhsa_flops_reduction_at_keep_025_per_layer():
+    """DeiT-S at 224, keep ratio 0.25: attention-matrix MACs (QK^T, AV, predictor) per layer.
+
+    With tau = 0 every coefficient is non-zero, so the sparse product C @ W_up costs n * nnz(W_up)
+    = n^2 per head (zero-shot W_up has one entry per column) and the count is analytic:
+    dense 2 n^2 C; sparse H (2 r n d + n^2 + 2 d ((n-1) B + n)), n=197, r=32, B=50 -> -57.2%.
+    """
+    model = build_model(ModelSpec("deit_small_patch16_224")).eval()
+    x = torch.randn(1, 3, 224, 224)
+    C, n, H, d, r, B = 384, 197, 6, 64, 32, 50
+    proj = 4 * n * C * C  # qkv + proj Linear layers
+    dense = 2 * n * n * C  # QK^T + AV, dense (test_profiling pins the dense count)
+    exact = sparsify(copy.deepcopy(model), attn_keep_ratio=0.25, tau=0.0)
+    rep = count_flops(exact, x)
+    want = H * (2 * r * n * d + n * n + 2 * d * ((n - 1) * B + n))
+    per_layer = []
+    for bs in rep.blocks:
+        assert bs["attn"] - proj == pytest.approx(want)
+        per_layer.append(1 - (bs["attn"] - proj) / dense)
+    assert per_layer[0] == pytest.approx(0.572, abs=0.002)
+    paper = sparsify(copy.deepcopy(model), attn_keep_ratio=0.25)  # tau = 0.05: data-dependent, sparser product
+    rep2 = count_flops(paper, x)
+    red = [1 - (b2["attn"] - proj) / dense for b2 in rep2.blocks]
+    print("MHSA attention-matrix FLOPs reduction per layer (tau=0):", [round(v, 4) for v in per_layer])
+    print("MHSA attention-matrix FLOPs reduction per layer (tau=0.05):", [round(v, 4) for v in red])
+    print("MHSA incl. qkv/proj per layer (tau=0.05):", [round(1 - b2["attn"] / (dense + proj), 4) for b2 in rep2.blocks])
+    assert all(0.572 - 1e-3 <= v < 0.75 for v in red)
+
+
+def test_fewer_tokens_after_pruning_and_too_many_tokens():
+    model = sparsify(tiny(), attn_keep_ratio=0.5)
+    attn = model.blocks[0].attn
+    x = torch.randn(2, 11, 32)  # 11 of 17 tokens left by a pruning method
+    assert attn(x).shape == (2, 11, 32)
+    with pytest.raises(NascompressError, match="built for 17 tokens, got 20"):
+        attn(torch.randn(1, 20, 32))
+
+
+def test_stacks_with_token_pruning():
+    """Prune tokens at fixed layers (gather), sparsify attention everywhere."""
+    model = sparsify(tiny(img=16, depth=3), attn_keep_ratio=0.5)
+    orig = model.blocks[1].forward
+    model.blocks[1].forward = lambda x, **kw: orig(x[:, :9])
+    rep = count_flops(model, torch.randn(2, 1, 16, 16))
+    b = math.ceil(0.5 * 9)
+    assert rep.blocks[2]["attn"] < count_flops(tiny(img=16, depth=3), torch.randn(2, 1, 16, 16)).blocks[2]["attn"]
+    assert rep.blocks[1]["mlp"] == pytest.approx(9 * 2 * 32 * 128)
+    assert b == 5
+
+
+def test_save_load_roundtrip(tmp_path):
+    from nascompress.io import load_with_arch, make_arch, save_model
+
+    spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    torch.manual_seed(0)
+    model = build_model(spec)
+    model, rec = SparsifinerRecipe().prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "flex": False})
+    with torch.no_grad():
+        model.blocks[0].attn.sp_w_up.add_(0.1)
+    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.3], "std": [0.3]},
+                     methods=[rec])
+    save_model(tmp_path, model, arch)
+    loaded, _ = load_with_arch(tmp_path)
+    assert "blocks.0.attn.sp_w_down" in loaded.state_dict() and "blocks.0.attn.qkv.weight" in loaded.state_dict()
+    x = torch.randn(2, 1, 16, 16)
+    torch.testing.assert_close(loaded(x), model.eval()(x))
+
+
+def test_two_stage_hooks_train_the_right_parameters():
+    teacher = tiny()
+    model, rec = SparsifinerRecipe().prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
+    hooks = SparsifinerRecipe().hooks(model, rec, teacher=teacher.requires_grad_(False), train_cfg=TrainConfig())
+    assert isinstance(hooks, SparsifinerHooks)
+    groups = hooks.param_groups(model, TrainConfig())
+    assert groups[-1]["lr_scale"] == TRAIN_KEYS["predictor_lr_scale"]
+    x, y = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
+    model.train()
+    for epoch, trained in ((0, "sp_w_"), (1, "qkv")):
+        model.zero_grad(set_to_none=True)
+        hooks.on_epoch_start(model, epoch=epoch)
+        loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=TrainConfig())
+        loss.backward()
+        got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+        assert any(trained in n for n in got)
+        if epoch == 0:
+            assert all("sp_w_" in n for n in got) and "l_attn" in logs and loss > 0
+        else:
+            assert not any("sp_w_" in n for n in got) and {"ce", "l_token", "l_cls_distill"} <= set(logs)
+
+
+def test_finetune_job_end_to_end(tiny_run, tmp_path):
+    from nascompress.data import DataConfig
+    from nascompress.finetune import FinetuneJob, finetune
+    from nascompress.io import load_with_arch
+
+    data = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
+    job = FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", method_config={"attn_keep_ratio": 0.5, "stage1_epochs": 1},
+                      data=data, train=TrainConfig(epochs=2, batch_size=64, lr=1e-4, warmup_epochs=0.0),
+                      out=str(tmp_path / "ft"))
+    metrics = finetune(job)
+    model, arch = load_with_arch(tmp_path / "ft")
+    assert arch["methods"][-1]["name"] == "sparsifiner" and metrics["zero_shot"] is False
+    assert len(sparse_modules(model)) == 2
+    zs = finetune(FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", method_config={"attn_keep_ratio": 0.5},
+                              data=data, out=str(tmp_path / "zs"), zero_shot=True))
+    assert zs["zero_shot"] is True
+
+
+@pytest.mark.parametrize("cfg,msg", [
+    ({"attn_keep_ratio": 0.0}, r"attn_keep_ratio must be in \(0, 1\], got 0.0"),
+    ({"attn_keep_ratio": 1.5}, r"attn_keep_ratio must be in \(0, 1\], got 1.5"),
+    ({"budget": 18}, r"budget 18 is larger than the token count: valid range 1..17"),
+    ({"mode": "dense"}, r"mode must be one of unstructured, block, got 'dense'"),
+    ({"keep": 0.5}, r"unknown sparsifiner option\(s\) \['keep'\]; valid options: attn_keep_ratio"),
+])
+def test_bad_input(cfg, msg):
+    with pytest.raises(NascompressError, match=msg):
+        SparsifinerRecipe().prepare(tiny(), cfg)
+
+
+def test_bad_input_functions_and_non_vit():
+    with pytest.raises(NascompressError, match=r"budget 20 is larger than the token count: valid range 1..17"):
+        attention_budget(0.5, 17, 20)
+    with pytest.raises(NascompressError, match=r"budget 5 is larger than the token count: valid range 1..4"):
+        topk_mask(torch.randn(1, 1, 4, 4), 5)
+    import timm
+
+    with pytest.raises(NascompressError, match="needs a timm VisionTransformer.*got ResNet"):
+        sparsify(timm.create_model("test_resnet", pretrained=False))
+    model = sparsify(tiny(), attn_keep_ratio=0.5)
+    with pytest.raises(NascompressError, match="already a Sparsifiner attention"):
+        sparsify(model)
+
+
+@pytest.mark.parametrize("order", ["evit_first", "sparsifiner_first"])
+def test_stacks_with_evit(order):
+    """EViT prunes tokens at fixed layers, Sparsifiner sparsifies attention everywhere (both orders)."""
+    from nascompress.methods import apply_methods
+
+    try:
+        get_method("evit")
+    except KeyError:
+        pytest.skip("evit not available")
+    dense = tiny(img=32, depth=3, dim=32, heads=2)
+    x = torch.randn(2, 1, 32, 32)
+    recs = [{"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}},
+            {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}}]
+    if order == "sparsifiner_first":
+        recs = recs[::-1]
+    model = apply_methods(copy.deepcopy(dense), recs).eval()
+    with torch.no_grad():
+        out = model(x)
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    rep, ref = count_flops(model, x), count_flops(dense, x)
+    assert rep.blocks[2]["mlp"] < ref.blocks[2]["mlp"]  # tokens pruned before layer 3
+    assert rep.blocks[0]["attn"] < ref.blocks[0]["attn"] and rep.blocks[2]["attn"] < ref.blocks[2]["attn"]
+    off = [{"name": "evit", "config": {"keep_rate": 1.0, "prune_layers": [2], "fuse_token": False}},
+           {"name": "sparsifiner", "config": {"attn_keep_ratio": 1.0}}]
+    with torch.no_grad():
+        torch.testing.assert_close(apply_methods(copy.deepcopy(dense), off).eval()(x), dense(x))
