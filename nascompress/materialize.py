@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.layers import Attention
-from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.vision_transformer import Block
 from torch import nn
 
 from .errors import NascompressError
 from .methods.dcs import (
+    attend_and_project,
     DCSAttention,
     DCSBlock,
     DCSConfig,
@@ -155,22 +154,9 @@ class StaticQKAttention(Attention):
         return self.split_qkv(qkv)[:2]
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.split_qkv(self.qkv(x))
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=self.scale,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            attn = (q * self.scale) @ k.transpose(-2, -1)
-            attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
-            attn = self.attn_drop(attn.softmax(dim=-1))
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+        return attend_and_project(self, q, k, v, attn_mask=attn_mask, is_causal=is_causal, gate=gate)
 
     def matmul_macs(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> float:
         B, N, _ = inputs[0].shape

@@ -133,6 +133,29 @@ class DCSState:
 # Patched timm modules
 
 
+
+def attend_and_project(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       attn_mask: torch.Tensor | None, is_causal: bool, gate: torch.Tensor | None) -> torch.Tensor:
+    """The second half of timm 1.0.31's ``Attention.forward``, for attention subclasses that build q/k/v
+    themselves: softmax(q k^T * attn.scale) v, then norm, gate, proj.
+
+    q, k: (B, H, N, d_qk); v: (B, H, N, head_dim) -> (B, N, C). The scale is always the module's
+    original ``head_dim ** -0.5`` (passed to SDPA explicitly: without ``scale=`` it would use d_qk).
+    """
+    B, _, N, _ = v.shape
+    if attn.fused_attn:
+        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=attn.scale,
+                                           dropout_p=attn.attn_drop.p if attn.training else 0.0)
+    else:
+        scores = (q * attn.scale) @ k.transpose(-2, -1)
+        scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
+        x = attn.attn_drop(scores.softmax(dim=-1)) @ v
+    x = attn.norm(x.transpose(1, 2).reshape(B, N, attn.attn_dim))
+    if gate is not None:
+        x = x * gate
+    return attn.proj_drop(attn.proj(x))
+
+
 class DCSAttention(Attention):
     """timm ``Attention`` (forward copied from timm 1.0.31) with a DCS Q/K channel mask.
 
@@ -164,20 +187,7 @@ class DCSAttention(Attention):
         m = self.qk_mask(x)
         if m is not None:
             q, k = q * m, k * m
-        if self.fused_attn:
-            x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
-                                               dropout_p=self.attn_drop.p if self.training else 0.0)
-        else:
-            q = q * self.scale
-            attn = q @ k.transpose(-2, -1)
-            attn = maybe_add_mask(attn, resolve_self_attn_mask(N, attn, attn_mask, is_causal))
-            attn = self.attn_drop(attn.softmax(dim=-1))
-            x = attn @ v
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+        return attend_and_project(self, q, k, v, attn_mask=attn_mask, is_causal=is_causal, gate=gate)
 
 
 class DCSBlock(Block):

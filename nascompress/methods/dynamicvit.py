@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NascompressError
+from ..distill import kl_to_teacher  # the paper's L_KL
 from ..finetune import Recipe, register_recipe
 from ..train import TrainConfig, TrainHooks, decay_groups
 from . import register_method
@@ -113,12 +114,6 @@ def token_distill_loss(tokens: torch.Tensor, teacher: torch.Tensor, mask: torch.
     as the official mse_token loss): tokens, teacher (B, N, C), mask (B, N) in {0, 1}."""
     err = ((tokens - teacher) ** 2).mean(dim=-1)  # (B, N)
     return (err * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per image (batchmean), as the paper's L_KL."""
-    return F.kl_div(F.log_softmax(logits, -1), F.log_softmax(teacher_logits, -1), reduction="batchmean",
-                    log_target=True)
 
 
 # ---------------------------------------------------------------------------------------------

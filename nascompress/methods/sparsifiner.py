@@ -45,6 +45,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from ..distill import kl_to_teacher
 from ..errors import NascompressError
 from ..finetune import Recipe, register_recipe
 from ..train import TrainConfig, TrainHooks
@@ -407,7 +408,7 @@ class SparsifinerHooks(TrainHooks):
             t_feats = self.teacher.forward_features(x)
             t_logits = self.teacher.forward_head(t_feats)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        kl = F.kl_div(F.log_softmax(logits, -1), F.log_softmax(t_logits, -1), reduction="batchmean", log_target=True)
+        kl = kl_to_teacher(logits, t_logits)
         p = int(getattr(model, "num_prefix_tokens", 1))
         # token pruning stacked before: token sets differ, so only the prefix (CLS) tokens are compared
         tok = F.mse_loss(feats, t_feats) if feats.shape == t_feats.shape else F.mse_loss(feats[:, :p], t_feats[:, :p])
