@@ -278,6 +278,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
             raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier 'nascompress train'")
         job = replace(TrainJob.from_dict(read_json(out / "config.json")), out=str(out))
     prepare_out_dir(out, force=force, resume=resume)
+    seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
     if job.weights:
         load_pretrained(model, job.weights, reset_head=job.reset_head)

@@ -208,3 +208,20 @@ def test_training_learns_and_resume_is_exact(tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], msg=lambda m, k=k: f"{k}: {m}")
     assert resumed["test_top1"] == pytest.approx(full["test_top1"])
+
+
+def test_same_seed_same_run(tmp_path):
+    """One seed drives init, data order and training: two runs give identical weights."""
+    from nascompress.train import TrainConfig, TrainJob, train
+
+    def run(name, seed):
+        torch.manual_seed(1000 + len(name))  # global RNG state before the job must not matter
+        job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=128),
+                       train=TrainConfig(epochs=1, batch_size=64, seed=seed), out=str(tmp_path / name))
+        train(job)
+        return nascompress.load(tmp_path / name).state_dict()
+
+    a, b, c = run("a", 5), run("bb", 5), run("c", 6)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    assert not torch.equal(a["blocks.0.attn.qkv.weight"], c["blocks.0.attn.qkv.weight"])
