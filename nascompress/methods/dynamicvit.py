@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import NascompressError
-from ..distill import kl_to_teacher  # the paper's L_KL
+from ..distill import features_and_logits, kl_to_teacher  # the paper's L_KL
 from ..finetune import Recipe, register_recipe
 from ..train import TrainConfig, TrainHooks, decay_groups
 from . import register_method
@@ -242,11 +242,7 @@ class DynamicViTHooks(TrainHooks):
 
     def loss(self, model, x, y, *, epoch: int, cfg: TrainConfig):
         st = self.state
-        feats = model.forward_features(x)
-        logits = model.forward_head(feats)
-        with torch.no_grad():
-            t_feats = self.teacher.forward_features(x)
-            t_logits = self.teacher.forward_head(t_feats)
+        feats, logits, t_feats, t_logits = features_and_logits(model, self.teacher, x)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
         kl = kl_to_teacher(logits, t_logits)
         mask = st.policy[:, 1:].detach() if st.policy is not None else feats.new_ones(feats.shape[:2])[:, 1:]

@@ -45,7 +45,7 @@ from timm.layers import Attention
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..distill import kl_to_teacher
+from ..distill import features_and_logits, kl_to_teacher
 from ..errors import NascompressError
 from ..finetune import Recipe, register_recipe
 from ..train import TrainConfig, TrainHooks
@@ -402,11 +402,7 @@ class SparsifinerHooks(TrainHooks):
             mods = sparse_modules(model)
             l_attn = sum(m.sp_recon_loss for m in mods) / len(mods)
             return self.s["lambda_attn"] * l_attn, {"l_attn": float(l_attn.detach())}
-        feats = model.forward_features(x)
-        logits = model.forward_head(feats)
-        with torch.no_grad():
-            t_feats = self.teacher.forward_features(x)
-            t_logits = self.teacher.forward_head(t_feats)
+        feats, logits, t_feats, t_logits = features_and_logits(model, self.teacher, x)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
         kl = kl_to_teacher(logits, t_logits)
         p = int(getattr(model, "num_prefix_tokens", 1))
