@@ -1,11 +1,12 @@
-"""Sparsifiner benchmark: block-sparse FlexAttention vs dense SDPA, and Fashion-MNIST accuracy/FLOPs.
+"""Sparsifiner benchmark: block-sparse attention vs dense SDPA, and Fashion-MNIST accuracy/FLOPs.
 
 Part 1 (``--part speed``): one attention call at 197, 785 and 3137 tokens (batch 1, 6 heads,
-head dim 64, keep ratio 0.25). The sparse path ``block<bs>`` is the module's inference path
+head dim 64, keep ratio 0.25). ``gather`` is the module's inference path
 (``_flex.block_sparse_attention``) and INCLUDES the predictor (W_down K, A_down, thresholds,
-pooled block scores, top blocks), the gathering of the kept key blocks and the CLS row;
-``flexkernel_block128`` is the previous path (eager predictor, BlockMask, compiled FlexAttention);
-dense is fused ``F.scaled_dot_product_attention``. Interleaved medians (``time_models``), one process.
+pooled tile scores, top blocks), the gathering of the kept key blocks and the dense CLS row;
+``flex`` is the same with compiled FlexAttention on a BlockMask built from the block indices;
+dense is fused ``F.scaled_dot_product_attention`` on the same q/k/v. Interleaved medians
+(``time_models``), one process. ``--threads`` sets torch's thread count.
 
 Part 2 (``--part fmnist``): from the dense base run (runs/base, 50 tokens): test top-1 and FLOPs
 zero-shot and after a short fine-tune (subset, see JSON), two keep ratios, unstructured vs block.
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 import nascompress  # noqa: F401
 from nascompress.methods import _flex
-from nascompress.methods.sparsifiner import (lowrank_attention, region_init, sparse_basis, sparse_coefficients,
+from nascompress.methods.sparsifiner import (region_init,
                                              sparse_modules)
 from nascompress.profiling.latency import time_models
 
@@ -35,56 +36,51 @@ ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "sparsifiner.json"
 
 
-def speed(tokens=(197, 785, 3137), block_sizes=(64, 128), keep_ratio=0.25, iters=21) -> list[dict]:
+def speed(tokens=(197, 785, 3137), keep_ratio=0.25, iters=21) -> list[dict]:
+    """One attention call per path, batch 1, 6 heads, head dim 64: q, k, v are the strided views of
+    a qkv projection output (what timm's Attention hands to SDPA), the same tensors for every path."""
     torch.manual_seed(0)
     H, d, r = 6, 64, 32
     rows = []
     for n in tokens:
-        q, k, v = (torch.randn(1, H, n, d) for _ in range(3))
+        qkv = torch.randn(1, n, 3, H, d).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
         side = math.isqrt(n - 1)
         wd, wu = region_init(n, r, prefix=1, grid=(side, side))
         w_down, w_up = wd.expand(H, -1, -1).contiguous(), wu.expand(H, -1, -1).contiguous()
         scale = d ** -0.5
         budget = math.ceil(keep_ratio * n)
+        layout = _flex.plan_blocks(n, 1, budget)
+        basis = _flex.pooled_basis(w_up, 1e-2, layout)  # weights only: the module caches it
 
         def dense(_):
             return F.scaled_dot_product_attention(q, k, v)
 
-        fns, names = [dense], ["dense_sdpa"]
-        for bs in block_sizes:
-            nb = _flex.num_blocks(n, bs)
-            keep = min(nb, math.ceil(budget / bs))
-            if nb < 2 or keep >= nb:
-                continue
+        def path(kernel):
+            def run(_):  # the module's inference path: block predictor + kept blocks + attention
+                return _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=0.05,
+                                                    kernel=kernel)[0]
+            return run
 
-            def sparse(_, bs=bs, keep=keep):
-                # the module's inference path: compiled block predictor + gathered kept blocks + SDPA
-                return _flex.block_sparse_attention(q, k, v, w_down, w_up, scale=scale, tau=0.05, w_thresh=1e-2,
-                                                    block_size=bs, keep=keep, full_rows=1)[0]
+        def predictor(_):
+            return _flex.predict_blocks(q, k, w_down, basis, scale=scale, tau=0.05, layout=layout)
 
-            fns.append(sparse)
-            names.append(f"block{bs}")
-            if bs == 128:
-                def flexkernel(_, bs=bs, keep=keep):  # the previous path: eager predictor + compiled FlexAttention
-                    coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), 0.05)
-                    idx = _flex.top_blocks(_flex.block_scores(coef, sparse_basis(w_up, 1e-2), bs), keep)
-                    return _flex.flex_block_attention(q, k, v, idx, block_size=bs, scale=scale, full_rows=1)
-
-                fns.append(flexkernel)
-                names.append(f"flexkernel_block{bs}")
+        fns = [dense, path("gather"), path("flex"), predictor]
+        names = ["dense_sdpa", "gather", "flex", "predictor_only"]
         t0 = time.perf_counter()
         with torch.inference_mode():
             for f in fns[1:]:
-                f(None)  # compile outside the timing
+                f(None)  # compile the flex kernel outside the timing
         compile_s = time.perf_counter() - t0
         times = time_models(fns, q, warmup=3, iters=iters)
-        row = {"tokens": n, "budget": budget, "compile_s": compile_s, "dense_ms": times[0] * 1e3}
+        with torch.inference_mode():
+            idx = predictor(None)
+        row = {"tokens": n, "budget": budget, "compile_s": compile_s, "dense_ms": times[0] * 1e3,
+               "layout": {"block_size": layout.bs, "blocks": layout.nb, "kept_blocks": layout.keep,
+                          "keys_per_query": layout.prefix + layout.keep * layout.bs,
+                          "kept_pair_fraction": _flex.kept_pairs(idx, layout).sum().item() / (H * n * n)}}
         for name, t in zip(names[1:], times[1:]):
-            bs = int(name.rsplit("block", 1)[1])
-            nb = _flex.num_blocks(n, bs)
-            keep = min(nb, math.ceil(budget / bs))
-            row[name] = {"ms": t * 1e3, "speedup_vs_dense": times[0] / t, "blocks": nb, "kept_blocks": keep,
-                         "kept_key_fraction": min(n, keep * bs) / n}
+            row[name] = {"ms": t * 1e3, "speedup_vs_dense": times[0] / t}
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
@@ -131,8 +127,11 @@ def fmnist(base="runs/base", keep_ratios=(0.5, 0.25), n_down=8, train_limit=6000
            "setup": f"test subset {eval_limit} images; fine-tune on {train_limit} train images, {epochs} epochs "
                     f"({stage1_epochs} stage-1 epoch: predictor only, L_attn; then stage 2: CE + 0.5 L_token + 0.5 "
                     f"KL), lr 1e-4, predictor lr x10, batch 128; n_down={n_down} (the base has 50 tokens); "
-                    "block mode: block_size auto (8 tokens -> 7 blocks), evaluated on the masked path, which the "
-                    "tests show equal to the FlexAttention path; FLOPs per image on 64 test images",
+                    "block mode: block_size auto (49 patch tokens -> 7 blocks of 7, one grid row each) and 4 "
+                    "(block4: 13 blocks, the last 1 token); CLS rows and CLS keys dense; "
+                    "evaluated on the masked path, which the tests show equal to the gather and FlexAttention paths; "
+                    "FLOPs per image on 64 test images; finetuned_block*: the unstructured fine-tune evaluated with "
+                    "block masks; finetuned_in_block_mode: fine-tuned with the block mask (auto block size)",
            "dense": _measure(dense, data, spec, xb), "rows": []}
     print(json.dumps(out["dense"]), flush=True)
     for kr in keep_ratios:
@@ -140,22 +139,37 @@ def fmnist(base="runs/base", keep_ratios=(0.5, 0.25), n_down=8, train_limit=6000
         row = {"attn_keep_ratio": kr, "n_down": n_down}
         zs = get_method("sparsifiner")(copy.deepcopy(dense), {"name": "sparsifiner", "config": cfg})
         row["zero_shot_unstructured"] = _measure(zs, data, spec, xb)
-        _set_mode(zs, mode="block", flex=False)
+        _set_mode(zs, mode="block", kernel="masked")
         row["zero_shot_block"] = _measure(zs, data, spec, xb)
-        t0 = time.perf_counter()
-        run = Path(os.environ.get("SP_BENCH_RUNS", "/tmp/sp_bench")) / f"keep{kr}"
-        finetune(FinetuneJob(run_dir=str(base), method="sparsifiner",
-                             method_config=dict(cfg, stage1_epochs=stage1_epochs),
-                             data=DataConfig(train_limit=train_limit, eval_limit=eval_limit),
-                             train=TrainConfig(epochs=epochs, batch_size=128, lr=1e-4, min_lr=1e-6, warmup_epochs=0.0),
-                             out=str(run)), force=True)
-        row["finetune_s"] = time.perf_counter() - t0
-        ft, _ = load_with_arch(run)
+        _set_mode(zs, block_size=4)
+        row["zero_shot_block4"] = _measure(zs, data, spec, xb)
+        runs = Path(os.environ.get("SP_BENCH_RUNS", "/tmp/sp_bench"))
+
+        def tune(name: str, mcfg: dict):
+            t0 = time.perf_counter()
+            finetune(FinetuneJob(run_dir=str(base), method="sparsifiner",
+                                 method_config=dict(mcfg, stage1_epochs=stage1_epochs),
+                                 data=DataConfig(train_limit=train_limit, eval_limit=eval_limit),
+                                 train=TrainConfig(epochs=epochs, batch_size=128, lr=1e-4, min_lr=1e-6,
+                                                   warmup_epochs=0.0),
+                                 out=str(runs / name)), force=True)
+            row[f"finetune_{name.split('_', 1)[1]}_s"] = time.perf_counter() - t0
+            return load_with_arch(runs / name)[0]
+
+        ft = tune(f"keep{kr}_unstructured", cfg)
         row["finetuned_unstructured"] = _measure(ft, data, spec, xb)
-        _set_mode(ft, mode="block", flex=False)
+        _set_mode(ft, mode="block", kernel="masked")
         row["finetuned_block"] = _measure(ft, data, spec, xb)
+        _set_mode(ft, block_size=4)
+        row["finetuned_block4"] = _measure(ft, data, spec, xb)
+        # each mask trained in its own mode: stage 2 fine-tunes the backbone under the block mask
+        ftb = tune(f"keep{kr}_block", dict(cfg, mode="block"))
+        row["finetuned_in_block_mode"] = _measure(ftb, data, spec, xb)
+        row["finetuned_in_block_mode_minus_unstructured_top1"] = (row["finetuned_in_block_mode"]["test_top1"]
+                                                                  - row["finetuned_unstructured"]["test_top1"])
         for k in ("zero_shot", "finetuned"):
-            row[f"{k}_block_minus_unstructured_top1"] = row[f"{k}_block"]["test_top1"] - row[f"{k}_unstructured"]["test_top1"]
+            for b in ("block", "block4"):
+                row[f"{k}_{b}_minus_unstructured_top1"] = row[f"{k}_{b}"]["test_top1"] - row[f"{k}_unstructured"]["test_top1"]
         print(json.dumps(row), flush=True)
         out["rows"].append(row)
     ref = get_method("sparsifiner")(copy.deepcopy(dense), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}})
@@ -198,9 +212,11 @@ def main() -> None:
 
     if args.part in ("all", "speed"):
         save("speed", f"threads_{args.threads}", {
-            "setup": "batch 1, 6 heads, head dim 64, keep ratio 0.25, n_down 32, tau 0.05; sparse time includes "
-                     "predictor, block scores, top blocks, gathering of kept blocks (block<bs>) or BlockMask "
-                     "(flexkernel_block128) and CLS row; medians of 21 interleaved "
+            "setup": "batch 1, 6 heads, head dim 64, keep ratio 0.25, n_down 32, tau 0.05, q/k/v strided views "
+                     "of one qkv tensor; sparse times include the predictor (W_down K, A_down, thresholds, tile "
+                     "scores, top blocks), the gathering of kept blocks (gather) or the BlockMask (flex) and the "
+                     "dense CLS row; the pooled W_up (weights only) is cached as in the module; medians of 21 "
+                     "interleaved "
                      f"rounds, torch threads={args.threads}; machine load average at start {os.getloadavg()[0]:.1f} "
                      "on 2 cores (shared)",
             "rows": speed()})

@@ -224,3 +224,34 @@ def test_deepcopy_after_training_forward():
     with torch.no_grad():
         torch.testing.assert_close(clone(x), model.eval()(x))
     assert clone.blocks[1].dvit_state is clone.dvit_state is not model.dvit_state
+
+
+@pytest.mark.parametrize("mode", ["unstructured", "block"])
+def test_stacks_on_sparsifiner(mode):
+    """DynamicViT over Sparsifiner: the training policy mask is ANDed with the sparse mask (masked
+    path, gradients reach the predictors); inference drops tokens and runs the sparse attention."""
+    from nascompress.methods.sparsifiner import SparsifinerAttention, combine_masks, masked_attention
+
+    base = get_method("sparsifiner")(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5, "mode": mode,
+                                                                               "n_down": 8}}).eval()
+    attn = base.blocks[0].attn
+    assert isinstance(attn, SparsifinerAttention)
+    q, k, v = torch.randn(3, 2, 2, 65, 16).unbind(0)
+    bias = torch.zeros(2, 1, 65, 65)
+    bias[:, :, :, 5] = -1e4  # key 5 off for every query, as a dropped token
+    with torch.no_grad():
+        free = attn.sparse_attention(q, k, v)
+        both = attn.sparse_attention(q, k, v, bias)
+        assert (free - both).abs().max() > 1e-4
+        torch.testing.assert_close(attn.sparse_attention(q, k, v, torch.zeros(2, 1, 65, 65)), free)
+    mask = torch.ones(2, 2, 65, 65, dtype=torch.bool)
+    mask[..., 7] = False
+    assert torch.equal(combine_masks(mask, bias)[..., 5], torch.full((2, 2, 65), -1e4))
+    assert combine_masks(mask, bias)[..., 7].isinf().all()
+    x = torch.randn(2, 3, 32, 32)
+    pruned = dvit(copy.deepcopy(base), rho=0.5)
+    with torch.no_grad():
+        assert pruned(x).shape == (2, 10)
+    pruned.train()
+    pruned(x).sum().backward()
+    assert pruned.blocks[1].dvit_predictor.out[-1].weight.grad.abs().sum() > 0

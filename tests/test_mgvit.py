@@ -240,3 +240,28 @@ def test_evaluate_cli(tmp_path):
     assert "epsilon 0.5" in r.output and "epsilon 1 " in r.output
     r = runner.invoke(app, ["evaluate", str(run), "--dataset", "synthetic", "--epsilon", "0.5,2"])
     assert r.exit_code == 1 and "epsilon must be in (0, 1], got 2" in r.output
+
+
+def test_sgis_from_another_run(tmp_path):
+    """sgis_run: SGIS from a dense run at another image size (position grid resampled), MGIS from
+    the run being fine-tuned; a run of another width is refused with a clear error."""
+    small = ModelSpec(SPEC.name, dict(SPEC.kwargs, img_size=16))  # 4x4 grid, like the 2x2-coarser SGIS
+    torch.manual_seed(1)
+    other = build_model(small)
+    save_model(tmp_path / "small", other, make_arch(small, input_spec={"img_size": [16, 16], "in_chans": 1,
+                                                                       "mean": [0.5], "std": [0.5]}))
+    base = dense(img_size=32)  # 8x8 grid; SGIS grid 4 sees the image at 16 px, as the small run does
+    m = mgvit(base, grid=4, sgis_run=str(tmp_path / "small"))
+    torch.testing.assert_close(m.blocks[1].mlp.fc1.weight, other.blocks[1].mlp.fc1.weight)
+    torch.testing.assert_close(m.mgis.blocks[1].mlp.fc1.weight[:128, :32], base.blocks[1].mlp.fc1.weight)
+    assert m.pos_embed.shape == base.pos_embed.shape
+    x = torch.rand(3, 1, 32, 32)
+    with torch.no_grad():  # SGIS reads the 8x8 grid at the 4x4 coarse centres: the small run's own grid
+        got = m._sgis(x)[0]
+        ref = other(torch.nn.functional.interpolate(x, size=(16, 16), mode="bilinear", antialias=True))
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
+    wide = ModelSpec(SPEC.name, dict(SPEC.kwargs, embed_dim=48, num_heads=2))
+    save_model(tmp_path / "wide", build_model(wide), make_arch(wide, input_spec={"img_size": [28, 28], "in_chans": 1,
+                                                                                 "mean": [0.5], "std": [0.5]}))
+    with pytest.raises(NascompressError, match="sgis_run .* does not match the model: it needs the same width"):
+        mgvit(dense(), sgis_run=str(tmp_path / "wide"))

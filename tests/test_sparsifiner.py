@@ -59,60 +59,68 @@ def test_sparse_attention_changes_output_and_lowers_flops():
     assert count_flops(sp, x).blocks[0]["attn"] < count_flops(dense, x).blocks[0]["attn"]
 
 
-def test_block_flex_path_matches_masked_path():
-    """Compiled FlexAttention on the predicted BlockMask == dense masked softmax with the same mask."""
+@pytest.mark.parametrize("n,bs", [(50, 7), (50, 8), (65, 16)])  # exact blocks / short last block
+def test_block_paths_match_masked_path(n, bs):
+    """Gathered-blocks SDPA (from strided qkv views) and compiled FlexAttention == masked softmax
+    with the same block mask: CLS rows and CLS keys dense, kept patch tiles only."""
     torch.manual_seed(0)
-    B, H, n, d, bs = 2, 2, 50, 16, 8
-    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
-    idx = _flex.top_blocks(torch.randn(B, H, 7, 7), 2)
+    B, H, d = 2, 2, 16
+    qkv = torch.randn(B, n, 3, H, d).permute(2, 0, 3, 1, 4)  # the module's strided views
+    q, k, v = qkv.unbind(0)
+    layout = _flex.plan_blocks(n, 1, budget=math.ceil(0.3 * n), block_size=bs)
+    assert layout.sparse and layout.exact == ((n - 1) % bs == 0)
+    idx = _flex.top_blocks(torch.randn(B, H, layout.nb, layout.nb), layout.keep)
+    mask = _flex.dense_block_mask(idx, layout)
+    assert mask[:, :, 0].all() and mask[:, :, :, 0].all() and not mask[:, :, 1:, 1:].all()
+    assert (mask[:, :, 1:].sum(-1) >= 1 + layout.keep * bs - (bs - layout.last)).all()
+    want = _flex.masked_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
     with torch.no_grad():
-        flex = _flex.flex_block_attention(q, k, v, idx, block_size=bs, scale=d ** -0.5, full_rows=1)
-    mask = _flex.dense_block_mask(idx, n, bs, full_rows=1)
-    assert not mask[:, :, 1:].all()
-    torch.testing.assert_close(flex, masked_attention(q, k, v, mask, scale=d ** -0.5), atol=1e-5, rtol=1e-5)
-    # the same through the patched model: flex inference == masked path (flex=False)
-    model = sparsify(tiny(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=8)
+        got = _flex.gather_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+        flex = _flex.flex_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(flex, want, atol=1e-5, rtol=1e-5)
+    assert _flex.kept_pairs(idx, layout).sum().item() == mask.sum().item()
+
+
+@pytest.mark.parametrize("kernel", ["gather", "flex"])
+def test_block_inference_kernels_match_masked_path_in_the_model(kernel):
+    model = sparsify(tiny(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=7, kernel=kernel)
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         a = model(x)
+        dens = model.blocks[0].attn.sp_density
         for m in sparse_modules(model):
-            m.sp_cfg = type(m.sp_cfg)(**dict(m.sp_cfg.to_dict(), flex=False))
+            m.sp_cfg = type(m.sp_cfg)(**dict(m.sp_cfg.to_dict(), kernel="masked"))
         b = model(x)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert dens == model.blocks[0].attn.sp_density < 0.5
 
 
-@pytest.mark.parametrize("n,bs", [(50, 8), (64, 16)])  # short last block / exact multiple
-def test_fast_block_path_equals_reference_selection_and_masked_attention(n, bs):
-    """predict_blocks == top_blocks(block_scores(thresholded A_down, thresholded W_up)) and the
-    gathered-blocks SDPA == masked attention with the same block mask (+ dense CLS row)."""
+def test_block_predictor_equals_pooled_unstructured_scores():
+    """predict_blocks == top blocks of S = C @ W_up (thresholded, patch rows/columns) summed over tiles."""
     from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, sparse_coefficients
 
     torch.manual_seed(0)
-    B, H, d, r, keep = 2, 2, 16, 6, 2
-    q, k, v = (torch.randn(B, H, n, d) for _ in range(3))
+    B, H, d, r, n, bs = 2, 2, 16, 6, 50, 8
+    q, k = torch.randn(B, H, n, d), torch.randn(B, H, n, d)
     w_down, w_up = torch.rand(H, r, n) / n, torch.randn(H, r, n) * 0.05
     scale, tau, wt = d ** -0.5, 0.2, 1e-2
     coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), tau)
     assert (coef == 0).any() and (coef != 0).any()
-    ref = _flex.top_blocks(_flex.block_scores(coef, sparse_basis(w_up, wt), bs), keep)
-    idx = _flex.predict_blocks(q, k, w_down, w_up, scale=scale, tau=tau, w_thresh=wt, block_size=bs, keep=keep)
-    assert torch.equal(idx, ref)
-    mask = _flex.dense_block_mask(idx, n, bs, full_rows=1)
-    want = masked_attention(q, k, v, mask, scale=scale)
-    with torch.no_grad():
-        got = _flex.gather_block_attention(q, k, v, idx, block_size=bs, scale=scale, full_rows=1)
-        full, idx2 = _flex.block_sparse_attention(q, k, v, w_down, w_up, scale=scale, tau=tau, w_thresh=wt,
-                                                  block_size=bs, keep=keep, full_rows=1, compile=False)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(idx2, idx)
-    torch.testing.assert_close(full, want, atol=1e-5, rtol=1e-5)
+    layout = _flex.plan_blocks(n, 1, budget=13, block_size=bs)
+    s = (coef @ sparse_basis(w_up, wt))[..., 1:, 1:]  # patch rows x patch columns (n - 1 = 49)
+    tiles = F.pad(s, (0, 7, 0, 7)).reshape(B, H, 7, 8, 7, 8).sum((3, 5))
+    torch.testing.assert_close(_flex.block_scores(coef, _flex.pooled_basis(w_up, wt, layout), layout), tiles,
+                               atol=1e-6, rtol=1e-5)
+    idx = _flex.predict_blocks(q, k, w_down, _flex.pooled_basis(w_up, wt, layout), scale=scale, tau=tau, layout=layout)
+    assert torch.equal(idx, _flex.top_blocks(tiles, layout.keep))
 
 
-def test_block_scores_equal_pooled_dense_scores():
-    coef, w_up = torch.rand(1, 2, 50, 6), torch.rand(2, 6, 50)
-    s = coef @ w_up
-    ref = F.pad(s, (0, 6, 0, 6)).reshape(1, 2, 7, 8, 7, 8).sum((3, 5))
-    torch.testing.assert_close(_flex.block_scores(coef, w_up, 8), ref)
+@pytest.mark.parametrize("n_patch,bs", [(196, 28), (784, 98), (3136, 112), (49, 7), (64, 8)])
+def test_auto_block_size_divides_the_patch_count(n_patch, bs):
+    assert _flex.auto_block_size(n_patch) == bs
+    lay = _flex.plan_blocks(n_patch + 1, 1, budget=math.ceil(0.25 * (n_patch + 1)))
+    assert lay.exact and 1 + lay.keep * lay.bs >= math.ceil(0.25 * (n_patch + 1))
 
 
 def test_deit_s_mhsa_flops_reduction_at_keep_025_per_layer():
@@ -171,7 +179,7 @@ def test_save_load_roundtrip(tmp_path):
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
     torch.manual_seed(0)
     model = build_model(spec)
-    model, rec = SparsifinerRecipe().prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "flex": False})
+    model, rec = SparsifinerRecipe().prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "kernel": "masked"})
     with torch.no_grad():
         model.blocks[0].attn.sp_w_up.add_(0.1)
     arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.3], "std": [0.3]},
@@ -228,11 +236,19 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
     ({"attn_keep_ratio": 1.5}, r"attn_keep_ratio must be in \(0, 1\], got 1.5"),
     ({"budget": 18}, r"budget 18 is larger than the token count: valid range 1..17"),
     ({"mode": "dense"}, r"mode must be one of unstructured, block, got 'dense'"),
+    ({"kernel": "cuda"}, r"kernel must be one of gather, flex, masked, got 'cuda'"),
     ({"keep": 0.5}, r"unknown sparsifiner option\(s\) \['keep'\]; valid options: attn_keep_ratio"),
 ])
 def test_bad_input(cfg, msg):
     with pytest.raises(NascompressError, match=msg):
         SparsifinerRecipe().prepare(tiny(), cfg)
+
+
+def test_legacy_flex_key_maps_to_kernel():
+    from nascompress.methods.sparsifiner import SparsifinerConfig
+
+    assert SparsifinerConfig.from_dict({"mode": "block", "flex": False}).kernel == "masked"
+    assert SparsifinerConfig.from_dict({"mode": "block", "flex": True}).kernel == "gather"
 
 
 def test_bad_input_functions_and_non_vit():

@@ -35,6 +35,7 @@ tokens while every new weight still gets gradients. The feature-reuse MLP has ti
 """
 from __future__ import annotations
 
+import copy
 import math
 from functools import partial
 from pathlib import Path
@@ -375,20 +376,45 @@ def _widen(new: nn.Module, old: nn.Module, out_idx: torch.Tensor | None, in_idx:
             new.bias[out_idx] = old.bias * scale
 
 
+def load_sgis_from_run(model: VisionTransformer, run: str | Path) -> None:
+    """Load the dense weights of another nascompress run of the same width and depth into ``model``
+    (the future SGIS); its position embedding is resampled to ``model``'s grid, as timm does.
+
+    E.g. a 28 px Fashion-MNIST run as the SGIS of an MG-ViT built on a 56 px run: the 7x7 coarse
+    grid of the 56 px image is then exactly what that run was trained on.
+    """
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    from ..io import load_with_arch
+    from ..models import load_state_strict
+
+    other, arch = load_with_arch(run)
+    if arch.get("methods"):
+        names = [m.get("name") for m in arch["methods"]]
+        raise NascompressError(f"sgis_run {run} is not a dense run (it applies {names}); pass a run made by `nascompress train`")
+    if not isinstance(other, VisionTransformer) or other.embed_dim != model.embed_dim or \
+            len(other.blocks) != len(model.blocks) or other.patch_embed.patch_size != model.patch_embed.patch_size:
+        raise NascompressError(f"sgis_run {run} does not match the model: it needs the same width, depth and patch size "
+                               f"(got width {getattr(other, 'embed_dim', '?')}, depth {len(getattr(other, 'blocks', []))})")
+    sd = checkpoint_filter_fn(other.state_dict(), model)
+    load_state_strict(model, sd, source=f"sgis_run {run}")
+
+
 @torch.no_grad()
-def init_mgis_from_dense(model: MGViT) -> None:
-    """Initialise MGIS from the SGIS (dense) weights as the module docstring describes."""
+def init_mgis_from_dense(model: MGViT, source: VisionTransformer | None = None) -> None:
+    """Initialise MGIS from dense weights (``source``, default the SGIS) as the module docstring describes."""
+    src = model if source is None else source
     m, C, X = model.mgis, model.embed_dim, model.mg["feat_dim"]
-    H = model.blocks[0].attn.num_heads
+    H = src.blocks[0].attn.num_heads
     hd_o, hd_n = C // H, (C + X) // H
     chan = torch.arange(C)
     amap = (torch.arange(H)[:, None] * hd_n + torch.arange(hd_o)[None]).flatten()
     qscale = math.sqrt(hd_n / hd_o)
-    m.proj.load_state_dict(model.patch_embed.proj.state_dict())
-    m.pos_embed.copy_(model.pos_embed[:, 1:])
+    m.proj.load_state_dict(src.patch_embed.proj.state_dict())
+    m.pos_embed.copy_(src.pos_embed[:, 1:])
     m.cls_token.zero_()
-    m.cls_token[..., :C] = model.cls_token + model.pos_embed[:, :1]
-    for nb, ob in zip(m.blocks, model.blocks):
+    m.cls_token[..., :C] = src.cls_token + src.pos_embed[:, :1]
+    for nb, ob in zip(m.blocks, src.blocks):
         _widen(nb.norm1, ob.norm1, chan, None)
         _widen(nb.norm2, ob.norm2, chan, None)
         qkv_out = torch.cat([j * (C + X) + amap for j in range(3)])
@@ -405,8 +431,8 @@ def init_mgis_from_dense(model: MGViT) -> None:
                 lin.weight[chan] *= ls.gamma[:, None]
                 if lin.bias is not None:
                     lin.bias[chan] *= ls.gamma
-    _widen(m.norm, model.norm, chan, None)
-    _widen(m.head, model.head, torch.arange(model.num_classes), chan)
+    _widen(m.norm, src.norm, chan, None)
+    _widen(m.head, src.head, torch.arange(src.num_classes), chan)
 
 
 class MGViTHooks(TrainHooks):
@@ -423,17 +449,30 @@ class MGViTHooks(TrainHooks):
 
 @register_recipe("mgvit")
 class MGViTRecipe(Recipe):
-    """``nascompress finetune RUN --method mgvit``: both stages start from the dense run."""
+    """``nascompress finetune RUN --method mgvit [--opt key=value]``: both stages start from the dense
+    run, or the SGIS from another dense run of the same width (``--opt sgis_run=DIR``)."""
 
     def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
         _check_plain_vit(model)
+        config = dict(config)
+        unknown = sorted(set(config) - set(DEFAULTS) - {"sgis_run"})
+        if unknown:
+            raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: "
+                                   f"{', '.join(sorted(DEFAULTS))}, sgis_run")
+        sgis_run = config.pop("sgis_run", None)
         c = resolve_config(config, model)
+        source = copy.deepcopy(model)  # MGIS starts from the run's dense weights
+        if sgis_run is not None:
+            load_sgis_from_run(model, sgis_run)
         model = apply(model, {"name": "mgvit", "config": c})
-        init_mgis_from_dense(model)
+        init_mgis_from_dense(model, source=source)
         n = num_mgis_tokens(c["grid"] ** 2, c["r_h"], c["r_t"])
         sched = mgis_token_schedule(n, len(model.blocks), c["ppsm_layers"], c["r_pos"], c["r_neg"])
-        return model, {"name": "mgvit", "config": c, "mgis_patch_tokens": n, "mgis_tokens_per_layer": sched,
-                       "width": model.embed_dim + c["feat_dim"]}
+        rec = {"name": "mgvit", "config": c, "mgis_patch_tokens": n, "mgis_tokens_per_layer": sched,
+               "width": model.embed_dim + c["feat_dim"]}
+        if sgis_run is not None:
+            rec["training"] = {"sgis_run": str(sgis_run)}
+        return model, rec
 
     def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: TrainConfig) -> TrainHooks:
         return MGViTHooks()

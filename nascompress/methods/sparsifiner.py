@@ -26,12 +26,13 @@ Readings (where the paper or the official code leave a choice):
     - Training (two stages, :class:`SparsifinerHooks`): stage 1 trains W_down/W_up on the
       un-thresholded product A_down @ W_up (the official code does the same) with dense attention;
       thresholds apply whenever the mask is predicted (eval, stage 2).
-    - ``mode="block"``: scores pooled over blocks (sums of the thresholded coefficient rows per
-      query block and of W_up columns per key block: the same S summed over tiles, never built at
-      n x n), top key blocks per query block and head; at inference (``flex=True``, no grad) the
-      kept key/value blocks are gathered and run through fused SDPA with the CLS row dense
-      (``_flex.block_sparse_attention``; predictor compiled per shape); training and ``flex=False``
-      use the same block mask in the masked path. MACs/density are computed when read.
+    - ``mode="block"`` (``_flex``): the patch tokens are cut into blocks, CLS rows and CLS keys stay
+      dense, scores are pooled over (query block, key block) tiles (the same S summed over tiles,
+      never built at n x n), and each query block keeps its top key blocks per head. At inference
+      (no grad) ``kernel="gather"`` gathers each query block's kept keys straight from the qkv
+      memory into one fused SDPA, ``kernel="flex"`` runs compiled FlexAttention on a BlockMask
+      built from the block indices; training and ``kernel="masked"`` use the same mask in the
+      masked path (all three tested equal). MACs/density are computed when read.
 """
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from . import _flex
 from . import register_method
 
 MODES = ("unstructured", "block")
+KERNELS = ("gather", "flex", "masked")
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,10 @@ class SparsifinerConfig:
         n_down: rank of the token-axis projection (capped at the model's token count).
         tau: threshold on A_down; w_thresh: magnitude threshold on W_up.
         mode: ``unstructured`` (the paper's per-query top-k) or ``block`` (top key blocks).
-        block_size: block side in tokens for ``block`` (None: chosen from n).
-        flex: run ``block`` inference through compiled FlexAttention (else the masked path).
+        block_size: block side in patch tokens for ``block`` (None: a divisor of the patch count
+            near 1/8 of it, see ``_flex.auto_block_size``).
+        kernel: ``block`` inference kernel: ``gather`` (gathered kept blocks + fused SDPA, the
+            fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
     """
 
     attn_keep_ratio: float = 0.25
@@ -76,7 +80,7 @@ class SparsifinerConfig:
     w_thresh: float = 1e-2
     mode: str = "unstructured"
     block_size: int | None = None
-    flex: bool = True
+    kernel: str = "gather"
 
     def __post_init__(self) -> None:
         r = self.attn_keep_ratio
@@ -94,9 +98,14 @@ class SparsifinerConfig:
             raise NascompressError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
             raise NascompressError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kernel not in KERNELS:
+            raise NascompressError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SparsifinerConfig":
+        d = dict(d)
+        if "flex" in d and "kernel" not in d:  # arch.json files written before the kernel option
+            d["kernel"] = "gather" if d.pop("flex") else "masked"
         unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
             raise NascompressError(f"unknown sparsifiner option(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
@@ -158,6 +167,15 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
+def combine_masks(mask: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """The sparse bool mask (True = attend) AND an external bool / additive ``attn_mask``."""
+    if attn_mask is None:
+        return mask
+    if attn_mask.dtype == torch.bool:
+        return mask & attn_mask
+    return torch.where(mask, attn_mask, float("-inf")).to(attn_mask.dtype)
+
+
 def region_init(n: int, n_down: int, *, prefix: int, grid: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Zero-shot predictor: (W_down, W_up), each (n_down, n), from spatial regions.
 
@@ -215,16 +233,18 @@ class SparsifinerAttention(Attention):
         b = attention_budget(cfg.attn_keep_ratio, n, None if cfg.budget is None else min(cfg.budget, n))
         return b
 
-    def _sp_block_size(self, n: int) -> int:
-        bs = self.sp_cfg.block_size
-        return bs if bs is not None else auto_block_size(n)
-
-    def _dense(self, q, k, v, B, n) -> torch.Tensor:
+    def _dense(self, q, k, v, B, n, attn_mask=None) -> torch.Tensor:
         self._sp_macs = float(B * self.num_heads * n * n * 2 * self.head_dim)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.attn_drop.p if self.training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                              dropout_p=self.attn_drop.p if self.training else 0.0)
 
-    def sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q, k, v (B, H, n, d) after q_norm/k_norm -> attention output (B, H, n, d)."""
+    def sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q, k, v (B, H, n, d) after q_norm/k_norm -> attention output (B, H, n, d).
+
+        ``attn_mask`` (an external mask, e.g. DynamicViT's training policy; bool or additive,
+        broadcastable to (B, H, n, n)) is combined with the sparse mask; it selects the masked path.
+        """
         cfg: SparsifinerConfig = self.sp_cfg
         B, H, n, d = q.shape
         if n > self.sp_w_down.shape[-1]:
@@ -234,12 +254,16 @@ class SparsifinerAttention(Attention):
         if self.training and self.sp_recon:  # stage 1: dense attention, train the predictor
             approx = lowrank_attention(q, k, w_down, self.scale) @ w_up
             with torch.no_grad():
-                target = ((q * self.scale) @ k.transpose(-2, -1)).softmax(-1)
+                logits = (q * self.scale) @ k.transpose(-2, -1)
+                if attn_mask is not None:  # the attention the model really computes (e.g. DynamicViT's policy)
+                    logits = logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                        else logits + attn_mask
+                target = logits.softmax(-1)
             self.sp_recon_loss = (approx[:, :, p:] - target[:, :, p:]).pow(2).sum() / B
-            return self._dense(q, k, v, B, n)
+            return self._dense(q, k, v, B, n, attn_mask)
         budget = self._sp_budget(n)
         if budget >= n:
-            return self._dense(q, k, v, B, n)
+            return self._dense(q, k, v, B, n, attn_mask)
         r = w_down.shape[-2]
         drop = self.attn_drop.p if self.training else 0.0
         if cfg.mode == "unstructured":
@@ -251,30 +275,45 @@ class SparsifinerAttention(Attention):
                 self._sp_macs = unstructured_macs(batch=B, heads=H, n=n, head_dim=d, n_down=r, budget=budget,
                                                   prefix=p, product_macs=prod)
                 self.sp_density = budget / n
-            return masked_attention(q, k, v, mask, scale=self.scale, dropout_p=drop)
-        bs = self._sp_block_size(n)
-        nb = _flex.num_blocks(n, bs)
-        keep = min(nb, math.ceil(budget / bs))
-        kw = dict(scale=self.scale, tau=cfg.tau, w_thresh=cfg.w_thresh, block_size=bs, keep=keep)
-        if cfg.flex and not self.training and not torch.is_grad_enabled() and _flex.flex_usable():
-            # fast inference: compiled block predictor + gathered kept blocks + fused SDPA (no sync)
-            out, idx = _flex.block_sparse_attention(q, k, v, w_down, w_up, full_rows=p, **kw)
+            return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=self.scale, dropout_p=drop)
+        layout = _flex.plan_blocks(n, p, budget, cfg.block_size)
+        if not layout.sparse:
+            return self._dense(q, k, v, B, n, attn_mask)
+        inference = not self.training and not torch.is_grad_enabled()
+        basis = self._sp_pooled_basis(w_up, layout, cache=inference)
+        if inference and cfg.kernel != "masked" and attn_mask is None:
+            kernel = "flex" if cfg.kernel == "flex" and _flex.flex_usable() else "gather"
+            out, idx = _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=self.scale, tau=cfg.tau,
+                                                    kernel=kernel)
         else:
-            with torch.no_grad():
-                idx = _flex.predict_blocks(q, k, w_down, w_up, **kw)
-            out = masked_attention(q, k, v, _flex.dense_block_mask(idx, n, bs, full_rows=p), scale=self.scale,
-                                   dropout_p=drop)
+            with torch.no_grad():  # the mask is discrete: no gradient flows through the predictor here
+                idx = _flex.predict_blocks(q, k, w_down, basis, scale=self.scale, tau=cfg.tau, layout=layout)
+            out = masked_attention(q, k, v, combine_masks(_flex.dense_block_mask(idx, layout), attn_mask),
+                                   scale=self.scale, dropout_p=drop)
         # the statistics are read lazily (matmul_macs / sp_density): no .item() sync in the forward
-        self._sp_block_stats = (idx, n, bs, r, d, p)
+        self._sp_block_stats = (idx, layout, r, d)
         self._sp_macs = None
         return out
 
+    def _sp_pooled_basis(self, w_up: torch.Tensor, layout: "_flex.BlockLayout", *, cache: bool) -> torch.Tensor:
+        """Thresholded W_up pooled per key block (H, r, nb); cached at inference (weights only)."""
+        if not cache:
+            return _flex.pooled_basis(w_up, self.sp_cfg.w_thresh, layout)
+        key = (layout, self.sp_cfg.w_thresh, self.sp_w_up._version, self.sp_w_up.data_ptr(), w_up.device)
+        hit = self.__dict__.get("_sp_basis_cache")
+        if hit is None or hit[0] != key:
+            hit = (key, _flex.pooled_basis(w_up, self.sp_cfg.w_thresh, layout))
+            self.__dict__["_sp_basis_cache"] = hit
+        return hit[1]
+
     def _sp_block_macs(self) -> None:
-        idx, n, bs, r, d, p = self._sp_block_stats
+        idx, layout, r, d = self._sp_block_stats
         B, H, nb, _ = idx.shape
+        n, n_p = layout.n, layout.n_patch
         with torch.no_grad():
-            pairs = _flex.kept_pairs(idx, n, bs).sum().item()
-        self._sp_macs = float(B * H * (2 * r * n * d + n * r + nb * r * nb) + 2 * d * (pairs + B * H * p * n))
+            pairs = _flex.kept_pairs(idx, layout).sum().item()
+        # predictor: W_down K (r n d) + Q_patch K_down^T (n_p r d) + tile scores (nb r nb); attention 2 d pairs
+        self._sp_macs = float(B * H * (r * n * d + n_p * r * d + nb * r * nb) + 2 * d * pairs)
         self._sp_density = pairs / (B * H * n * n)
 
     @property
@@ -289,14 +328,14 @@ class SparsifinerAttention(Attention):
         self._sp_density = value
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        if attn_mask is not None or is_causal:
-            raise NotImplementedError("sparsifiner attention does not take an external attn_mask")
+        if is_causal:
+            raise NotImplementedError("sparsifiner attention is for bidirectional ViTs (is_causal is not supported)")
         B, N, C = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
-        x = self.sparse_attention(q, k, v)
+        x = self.sparse_attention(q, k, v, attn_mask)
         x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
         x = self.norm(x)
         if gate is not None:
@@ -307,11 +346,6 @@ class SparsifinerAttention(Attention):
         if getattr(self, "_sp_macs", 0.0) is None:
             self._sp_block_macs()
         return float(getattr(self, "_sp_macs", 0.0))
-
-
-def auto_block_size(n: int) -> int:
-    """A power of two near n/4 in [8, 128]: 50 tokens -> 8, 197 -> 32, 785 and 3137 -> 128."""
-    return int(min(128, max(8, 2 ** math.floor(math.log2(max(n / 4, 1))))))
 
 
 def sparse_modules(model: nn.Module) -> list[SparsifinerAttention]:
@@ -423,7 +457,7 @@ class SparsifinerHooks(TrainHooks):
 class SparsifinerRecipe(Recipe):
     """``nascompress finetune RUN --method sparsifiner [--attn-keep-ratio R] [--opt key=value]``.
 
-    Method keys: attn_keep_ratio, budget, n_down, tau, w_thresh, mode, block_size, flex. Training
+    Method keys: attn_keep_ratio, budget, n_down, tau, w_thresh, mode, block_size, kernel. Training
     keys: stage1_epochs (default 1), predictor_lr_scale (10), lambda_attn (1), lambda_token (0.5),
     lambda_cls_distill (0.5).
     """
