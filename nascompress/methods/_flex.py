@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -243,22 +244,24 @@ def gather_index(idx: torch.Tensor, layout: BlockLayout, strides: tuple[int, int
     return (tok * sn + base).view(-1), mask
 
 
-_WORKSPACE: dict[tuple, torch.Tensor] = {}
+_WORKSPACE = threading.local()
 
 
 def _workspace(tag: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A reused scratch buffer (inference only; the gathered keys never leave the function).
+    """A reused scratch buffer, one per thread (inference only; its contents never leave the call).
 
     Fresh multi-MB buffers on every call come from newly mapped pages (glibc returns big freed
     blocks to the OS), and the page faults cost as much as the gather itself (measured: 0.68 ms
-    against 0.14 ms for one 2.4 MB index_select at 785 tokens).
+    against 0.14 ms for one 2.4 MB index_select at 785 tokens). The buffers grow to the largest
+    shape seen (at 3137 tokens, 6 heads: about 75 MB).
     """
+    bufs = _WORKSPACE.__dict__.setdefault("bufs", {})
     key = (tag, like.dtype, like.device)
-    buf = _WORKSPACE.get(key)
+    buf = bufs.get(key)
     numel = math.prod(shape)
     if buf is None or buf.numel() < numel:
         buf = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _WORKSPACE[key] = buf
+        bufs[key] = buf
     return buf[:numel].view(shape)
 
 
