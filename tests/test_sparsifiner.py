@@ -59,20 +59,21 @@ def test_sparse_attention_changes_output_and_lowers_flops():
     assert count_flops(sp, x).blocks[0]["attn"] < count_flops(dense, x).blocks[0]["attn"]
 
 
-@pytest.mark.parametrize("n,bs", [(50, 7), (50, 8), (65, 16)])  # exact blocks / short last block
-def test_block_paths_match_masked_path(n, bs):
+@pytest.mark.parametrize("n,bs,p", [(50, 7, 1), (50, 8, 1), (65, 16, 1), (64, 8, 0), (66, 8, 2)])
+def test_block_paths_match_masked_path(n, bs, p):
     """Gathered-blocks SDPA (from strided qkv views) and compiled FlexAttention == masked softmax
-    with the same block mask: CLS rows and CLS keys dense, kept patch tiles only."""
+    with the same block mask: prefix rows and prefix keys dense, kept patch tiles only; exact
+    blocks, a short last block, no prefix token, two prefix tokens."""
     torch.manual_seed(0)
     B, H, d = 2, 2, 16
     qkv = torch.randn(B, n, 3, H, d).permute(2, 0, 3, 1, 4)  # the module's strided views
     q, k, v = qkv.unbind(0)
-    layout = _flex.plan_blocks(n, 1, budget=math.ceil(0.3 * n), block_size=bs)
-    assert layout.sparse and layout.exact == ((n - 1) % bs == 0)
+    layout = _flex.plan_blocks(n, p, budget=math.ceil(0.3 * n), block_size=bs)
+    assert layout.sparse and layout.exact == ((n - p) % bs == 0)
     idx = _flex.top_blocks(torch.randn(B, H, layout.nb, layout.nb), layout.keep)
     mask = _flex.dense_block_mask(idx, layout)
-    assert mask[:, :, 0].all() and mask[:, :, :, 0].all() and not mask[:, :, 1:, 1:].all()
-    assert (mask[:, :, 1:].sum(-1) >= 1 + layout.keep * bs - (bs - layout.last)).all()
+    assert mask[:, :, :p].all() and mask[:, :, :, :p].all() and not mask[:, :, p:, p:].all()
+    assert (mask[:, :, p:].sum(-1) >= p + layout.keep * bs - (bs - layout.last)).all()
     want = _flex.masked_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
     with torch.no_grad():
         got = _flex.gather_block_attention(q, k, v, idx, layout, scale=d ** -0.5)

@@ -314,9 +314,10 @@ def make_block_mask(idx: torch.Tensor, layout: BlockLayout):
     from torch.nn.attention.flex_attention import BlockMask
 
     B, H, nb, keep = idx.shape
-    kv_idx = torch.cat([idx, idx.new_full((B, H, nb, 1), nb)], -1).to(torch.int32)
-    kv_idx = F.pad(kv_idx, (0, nb - keep))  # (B, H, nb, nb + 1): entries past kv_num_blocks are ignored
-    kv_num = torch.full((B, H, nb), keep + 1, dtype=torch.int32, device=idx.device)
+    extra = 1 if layout.prefix else 0  # the prefix keys form block nb
+    kv_idx = torch.cat([idx, idx.new_full((B, H, nb, extra), nb)], -1).to(torch.int32)
+    kv_idx = F.pad(kv_idx, (0, nb + extra - keep - extra))  # (B, H, nb, nb + extra); past kv_num: ignored
+    kv_num = torch.full((B, H, nb), keep + extra, dtype=torch.int32, device=idx.device)
     kv_len = nb * layout.bs + layout.prefix
     mask_mod = None
     if not layout.exact:  # the padding of the short last patch block is not a key
