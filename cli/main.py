@@ -174,6 +174,11 @@ def profile(
             t.add_row(str(i + 1), f"{b['attn'] / 1e6:.2f}", f"{b['mlp'] / 1e6:.2f}", f"{b['other'] / 1e6:.2f}")
         t.add_row("rest", "", "", f"{r['other_macs'] / 1e6:.2f}")
         out.print(t)
+        if "stages" in r:  # MG-ViT: the table's blocks are the SGIS; MGIS and PPSM are in "rest"
+            st = r["stages"]
+            out.print(f"MG-ViT stages per image: SGIS {st['sgis_flops'] / 1e6:.2f} MFLOPs, MGIS "
+                      f"{st['mgis_flops'] / 1e6:.2f} MFLOPs (PPSM {st['ppsm_flops'] / 1e6:.3f}); an image that exits at "
+                      f"SGIS costs the first, any other both (the table counts the random profiling images' paths)")
         if "latency_ms" in r:
             out.print(f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
                       f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']}")

@@ -240,6 +240,9 @@ def test_evaluate_cli(tmp_path):
     assert "epsilon 0.5" in r.output and "epsilon 1 " in r.output
     r = runner.invoke(app, ["evaluate", str(run), "--dataset", "synthetic", "--epsilon", "0.5,2"])
     assert r.exit_code == 1 and "epsilon must be in (0, 1], got 2" in r.output
+    r = runner.invoke(app, ["profile", str(run), "--no-latency"])
+    assert r.exit_code == 0, r.output
+    assert "MG-ViT stages per image: SGIS" in r.output and "PPSM" in r.output
 
 
 def test_sgis_from_another_run(tmp_path):
