@@ -41,14 +41,7 @@ from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.search import DCSSearchConfig, DCSSearchJob, search_dcs  # noqa: E402
 from nascompress.train import TrainConfig, fit  # noqa: E402
 from nascompress.utils import write_json  # noqa: E402
-
-
-def wait_for_base(base: Path, timeout_s: float) -> None:
-    t0 = time.time()
-    while not (base / "metrics.json").is_file():
-        if time.time() - t0 > timeout_s:
-            raise SystemExit(f"{base}/metrics.json did not appear within {timeout_s:.0f}s")
-        time.sleep(20)
+from _common import wait_for_base  # noqa: E402
 
 
 def dense_epoch_time(base: Path, data_cfg, *, batch_size: int, seed: int) -> float:

@@ -49,19 +49,12 @@ from nascompress.profiling.flops import count_flops
 from nascompress.profiling.latency import time_models
 from nascompress.train import TrainConfig
 from nascompress.utils import write_json
+from _common import wait_for_base
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results" / "mgvit.json"
 EPSILONS = [0.5, 0.7, 0.9, 1.0]
 EXTRA_EPS = [0.6, 0.8, 0.95, 0.99]
-
-
-def wait_for_base(base: Path, timeout_s: float) -> None:
-    t0 = time.time()
-    while not (base / "metrics.json").is_file():
-        if time.time() - t0 > timeout_s:
-            raise SystemExit(f"{base}/metrics.json did not appear within {timeout_s:.0f}s")
-        time.sleep(20)
 
 
 def deit_reference() -> dict:

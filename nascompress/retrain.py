@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +38,7 @@ from .errors import NascompressError
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
 from .io import load_arch, load_with_arch
 from .train import LOG_FILE, TrainConfig, TrainHooks, fit
-from .utils import create_out_dir, prepare_out_dir, read_json, resolve_device, write_json
+from .utils import create_out_dir, prepare_out_dir, recorded_job, resolve_device, write_json
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
 IB_KEYS = ("ib", "i_xt_x", "i_xt_y", "ibb_full")
@@ -350,10 +350,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     """
     out = Path(job.out)
     if resume:
-        if not (out / "config.json").is_file():
-            raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier "
-                                   "'nascompress retrain'")
-        job = replace(RetrainJob.from_dict(read_json(out / "config.json")), out=str(out))
+        job = recorded_job(out, RetrainJob, "nascompress retrain")
     prepare_out_dir(out, force=force, resume=resume)
     arch = load_arch(job.model_dir)
     if not arch["methods"]:

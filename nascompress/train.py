@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from .evaluate import evaluate
 from .io import ARCH_FILE, MODEL_FILE, load_state, load_with_arch, make_arch, save_model, save_state
 from .models import ModelSpec, build_model, input_size, load_pretrained
 from .progress import make_progress
-from .utils import (append_jsonl, create_out_dir, prepare_out_dir, read_json, resolve_device, seed_everything,
+from .utils import (append_jsonl, create_out_dir, prepare_out_dir, recorded_job, resolve_device, seed_everything,
                     write_json)
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
@@ -274,9 +274,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     """
     out = Path(job.out)
     if resume:
-        if not (out / "config.json").is_file():
-            raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier 'nascompress train'")
-        job = replace(TrainJob.from_dict(read_json(out / "config.json")), out=str(out))
+        job = recorded_job(out, TrainJob, "nascompress train")
     prepare_out_dir(out, force=force, resume=resume)
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)

@@ -13,6 +13,15 @@ FMNIST = os.path.isfile("/usr/share/datasets/fashion-mnist/train-images-idx3-uby
 needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
 
 
+def invoke(*args):
+    """Run the nascompress CLI in-process (Typer's CliRunner); arguments may be paths or numbers."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A tiny dense run trained for one epoch on the synthetic dataset (shared by tests)."""

@@ -4,18 +4,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from typer.testing import CliRunner
 
-from cli.main import app
+from .conftest import invoke, needs_fmnist
 
-from .conftest import needs_fmnist
-
-runner = CliRunner()
 TINY = ["--embed-dim", "32", "--depth", "2", "--num-heads", "2"]
-
-
-def invoke(*args):
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @needs_fmnist

@@ -9,13 +9,12 @@ import pytest
 import timm
 import torch
 from torch import nn
-from typer.testing import CliRunner
 
 import nascompress.methods.dynamicvit as dv
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
 
-runner = CliRunner()
+from .conftest import invoke
 
 
 def tiny(**kw):
@@ -175,11 +174,6 @@ def test_non_vit_rejected():
 
 
 def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
-    from cli.main import app
-
-    def invoke(*a):
-        return runner.invoke(app, [str(v) for v in a])
-
     zs = tmp_path / "zs"
     r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--zero-shot", "--out", zs, "--json")
     assert r.exit_code == 0, r.output

@@ -11,14 +11,13 @@ import timm
 import torch
 import torch.nn.functional as F
 from torch import nn
-from typer.testing import CliRunner
 
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
 from nascompress.methods.evit import (evit_prune, fused_token_hard, fused_token_linearized, keep_rate_at)
 from nascompress.methods.tokens import scale_layers
 
-runner = CliRunner()
+from .conftest import invoke
 
 
 def tiny(**kw):
@@ -185,11 +184,6 @@ def test_non_vit_rejected():
 
 
 def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
-    from cli.main import app
-
-    def invoke(*a):
-        return runner.invoke(app, [str(v) for v in a])
-
     zs = tmp_path / "zs"
     r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--zero-shot", "--out", zs, "--json")
     assert r.exit_code == 0, r.output

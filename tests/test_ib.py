@@ -15,15 +15,6 @@ from nascompress.ib import (ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, m
 from .conftest import TORCH_DEVICE
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors on a contended CPU: one intra-op thread avoids OpenMP spin-waits (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def blobs(seed: int, n: int = 600, k: int = 10, d: int = 16, spread: float = 10.0):
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(k, d, generator=g) * spread

@@ -26,15 +26,6 @@ def _noop(model, record):
     return model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models on a contended CPU: one intra-op thread avoids OpenMP spin-waits (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SMALL = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
 
 

@@ -45,7 +45,7 @@ from ..utils import (
     append_jsonl,
     create_out_dir,
     prepare_out_dir,
-    read_json,
+    recorded_job,
     resolve_device,
     seed_everything,
     write_json,
@@ -332,10 +332,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     """Run (or ``resume``) the DCS search; writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
     if resume:
-        if not (out / "config.json").is_file():
-            raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier "
-                                   "'nascompress search dcs'")
-        job = replace(DCSSearchJob.from_dict(read_json(out / "config.json")), out=str(out))
+        job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = replace(job, source=str(Path(job.source).resolve()))
     prepare_out_dir(out, force=force, resume=resume)
