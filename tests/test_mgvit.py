@@ -268,3 +268,5 @@ def test_sgis_from_another_run(tmp_path):
                                                                                  "mean": [0.5], "std": [0.5]}))
     with pytest.raises(NascompressError, match="sgis_run .* does not match the model: it needs the same width"):
         mgvit(dense(), sgis_run=str(tmp_path / "wide"))
+    with pytest.raises(NascompressError, match="sgis_run .*nowhere does not exist"):
+        mgvit(dense(), sgis_run=str(tmp_path / "nowhere"))

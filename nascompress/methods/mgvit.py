@@ -80,12 +80,16 @@ def _check_ratio(name: str, v: Any) -> float:
     return float(v)
 
 
-def resolve_config(config: dict[str, Any], model: VisionTransformer) -> dict[str, Any]:
-    """Validate MG-ViT settings against ``model``; return every setting resolved (defaults filled)."""
-    unknown = sorted(set(config) - set(DEFAULTS))
+def resolve_config(config: dict[str, Any], model: VisionTransformer, *, also_valid: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Validate MG-ViT settings against ``model``; return every setting resolved (defaults filled).
+
+    ``also_valid``: keys a caller handles itself (the recipe's ``sgis_run``): accepted, not returned.
+    """
+    unknown = sorted(set(config) - set(DEFAULTS) - set(also_valid))
     if unknown:
-        raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(DEFAULTS))}")
-    c = dict(DEFAULTS, **{k: v for k, v in config.items() if v is not None})
+        raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: "
+                               f"{', '.join(sorted(DEFAULTS) + list(also_valid))}")
+    c = dict(DEFAULTS, **{k: v for k, v in config.items() if v is not None and k not in also_valid})
     depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
     for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
         c[k] = _check_ratio(k, c[k])
@@ -388,6 +392,8 @@ def load_sgis_from_run(model: VisionTransformer, run: str | Path) -> None:
     from ..io import load_with_arch
     from ..models import load_state_strict
 
+    if not Path(run).exists():
+        raise NascompressError(f"sgis_run {run} does not exist; give a dense run directory made by `nascompress train`")
     other, arch = load_with_arch(run)
     if arch.get("methods"):
         names = [m.get("name") for m in arch["methods"]]
@@ -454,15 +460,11 @@ class MGViTRecipe(Recipe):
 
     def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
         _check_plain_vit(model)
-        config = dict(config)
-        unknown = sorted(set(config) - set(DEFAULTS) - {"sgis_run"})
-        if unknown:
-            raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: "
-                                   f"{', '.join(sorted(DEFAULTS))}, sgis_run")
-        sgis_run = config.pop("sgis_run", None)
-        c = resolve_config(config, model)
-        source = copy.deepcopy(model)  # MGIS starts from the run's dense weights
+        c = resolve_config(config, model, also_valid=("sgis_run",))
+        sgis_run = config.get("sgis_run")
+        source = None  # MGIS starts from the run's dense weights: the SGIS's own unless sgis_run replaces them
         if sgis_run is not None:
+            source = copy.deepcopy(model)
             load_sgis_from_run(model, sgis_run)
         model = apply(model, {"name": "mgvit", "config": c})
         init_mgis_from_dense(model, source=source)
