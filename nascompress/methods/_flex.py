@@ -26,8 +26,14 @@ Three paths compute the same attention given the same kept blocks (tested):
   prefix query rows run a dense SDPA beside it;
 * :func:`flex_block_attention`: ``torch.nn.attention.flex_attention`` (compiled) with a
   ``BlockMask`` built directly from the block indices (``BlockMask.from_kv_blocks``; no
-  ``create_block_mask``, no Python loop), over the patch tokens, merged with the prefix keys via
-  the log-sum-exp it returns.
+  ``create_block_mask``, no Python loop) for the patch queries, the prefix keys riding along as
+  one more kept block; the prefix query rows run a dense SDPA.
+
+The compiled kernel is not trusted blindly: on an AMD EPYC CPU with torch 2.13 it is wrong
+(up to ~2 off SDPA, or NaN) at ``BLOCK_SIZE`` 8, 24, 40, 56, 104 and exact at 12, 16, 20, 28,
+32, 36, 64, 98, 128. :func:`flex_kernel_ok` refuses block sizes below 16 and of 16 k + 8 outright and
+checks every other configuration once, at first use, against :func:`masked_block_attention`; a
+refused configuration warns once and runs the gather path.
 
 Measured on this CPU (torch 2.13, 785 tokens, 6 heads, head dim 64, 1 thread): the compiled CPU
 flex kernel costs about dense time per kept tile, so the gather path is the default; see
@@ -38,6 +44,7 @@ from __future__ import annotations
 import math
 import struct
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -45,6 +52,8 @@ import torch
 import torch.nn.functional as F
 
 _COMPILED: dict[str, Callable] = {}
+_FLEX_OK: dict[tuple, bool] = {}  # flex_kernel_ok's verdicts, per compiled configuration
+MIN_FLEX_BLOCK = 16  # smaller BlockMask blocks are wrong on some CPUs (see flex_kernel_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,34 +279,33 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     """Attention over the prefix keys and the kept key blocks ``idx``, via gathered rows + fused SDPA.
 
     Args:
-        q, k, v: (B, H, n, d), any strides (views of the qkv projection are read in place).
+        q, k: (B, H, n, d), v: (B, H, n, d_v), any strides (views of the qkv projection are read in place).
         idx: (B, H, nb, keep) kept key blocks per query block.
     Returns:
-        (B, H, n, d), equal to :func:`masked_block_attention` with the same ``idx``.
+        (B, H, n, d_v), equal to :func:`masked_block_attention` with the same ``idx``.
     """
     B, H, n, d = q.shape
+    dv = v.shape[-1]  # may differ from d (DCS-materialized q/k keep fewer channels than v)
     p, bs, nb = layout.prefix, layout.bs, layout.nb
     kf, kst = _row_view(k)
     vf, vst = _row_view(v)
     rows, mask = gather_index(idx, layout, kst)
+    vrows = rows if vst == kst else gather_index(idx, layout, vst)[0]
     L = rows.numel() // (B * H * nb)
     if torch.is_grad_enabled():
         ks = kf.index_select(0, rows).view(B, H * nb, L, d)
-        vs = vf.index_select(0, rows if vst == kst else gather_index(idx, layout, vst)[0]).view(B, H * nb, L, d)
-    else:
-        ks = torch.index_select(kf, 0, rows, out=_workspace("k", (rows.numel(), d), kf)).view(B, H * nb, L, d)
-        vrows = rows if vst == kst else gather_index(idx, layout, vst)[0]
-        vs = torch.index_select(vf, 0, vrows, out=_workspace("v", (rows.numel(), d), vf)).view(B, H * nb, L, d)
-    if torch.is_grad_enabled():
+        vs = vf.index_select(0, vrows).view(B, H * nb, L, dv)
         qp = q[:, :, p:]
         qs = (qp if layout.exact else F.pad(qp, (0, 0, 0, nb * bs - layout.n_patch))).reshape(B, H * nb, bs, d)
     else:
+        ks = torch.index_select(kf, 0, rows, out=_workspace("k", (rows.numel(), d), kf)).view(B, H * nb, L, d)
+        vs = torch.index_select(vf, 0, vrows, out=_workspace("v", (rows.numel(), dv), vf)).view(B, H * nb, L, dv)
         qs = _workspace("q", (B, H, nb * bs, d), q)
         qs[:, :, :layout.n_patch].copy_(q[:, :, p:])
         qs[:, :, layout.n_patch:].zero_()  # padding rows of a short last block (discarded)
         qs = qs.view(B, H * nb, bs, d)
-    out = q.new_empty(B, H, n, d)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).view(B, H, nb * bs, d)
+    out = q.new_empty(B, H, n, dv)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).view(B, H, nb * bs, dv)
     out[:, :, p:] = o[:, :, :layout.n_patch]
     if p:
         out[:, :, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale)
@@ -350,9 +358,62 @@ def flex_usable() -> bool:
     return _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
 
 
+def flex_kernel_ok(layout: BlockLayout, q: torch.Tensor) -> bool:
+    """Whether the compiled flex kernel may run ``layout`` for queries shaped like ``q`` (B, H, n, d).
+
+    False under a dispatch mode (:func:`flex_usable`; not cached). Otherwise one verdict per
+    configuration (layout, q's shape, dtype, device, CPU threads: what the compiled kernel
+    specializes on, plus ``keep``), cached for the process; a False verdict warns once.
+
+    * False without compiling for block sizes known to be wrong on some CPUs: below 16, and
+      16 k + 8 (on an AMD EPYC with torch 2.13, 8, 24, 40, 56 and 104 are off by up to ~2 or NaN,
+      for some kept blocks only, so a self-check could pass by luck; 8 was exact elsewhere).
+    * Else the kernel runs once on seeded random q/k/v and kept blocks of this layout (q's
+      shapes: the same compiled kernel as the real call) and must match
+      :func:`masked_block_attention` within 1e-4 (float32; 2e-2 in half precision).
+    """
+    if not flex_usable():
+        return False
+    threads = torch.get_num_threads() if q.device.type == "cpu" else 0
+    key = (layout, tuple(q.shape), q.dtype, q.device, threads)
+    if key not in _FLEX_OK:
+        bs = layout.bs
+        why = (f"blocks of {bs} tokens (below {MIN_FLEX_BLOCK}, or 16 k + 8) are wrong on some CPUs"
+               if bs < MIN_FLEX_BLOCK or bs % 16 == 8 else _flex_self_check(layout, q))
+        _FLEX_OK[key] = why is None
+        if why:
+            warnings.warn(f"Sparsifiner: compiled FlexAttention disabled for BLOCK_SIZE={bs} "
+                          f"(q {tuple(q.shape)}, prefix {layout.prefix}, keep {layout.keep}, {q.dtype}, "
+                          f"{q.device}): {why}; using the gather path", RuntimeWarning, stacklevel=3)
+    return _FLEX_OK[key]
+
+
+def _flex_self_check(layout: BlockLayout, q: torch.Tensor) -> str | None:
+    """Why the compiled kernel is wrong for ``layout`` and q's shape (see :func:`flex_kernel_ok`), or None."""
+    g = torch.Generator().manual_seed(0)  # the global RNG is left alone
+    B, H, _, d = q.shape
+    qkv = torch.randn(3, *q.shape, generator=g).to(q.device, q.dtype).unbind(0)
+    idx = top_blocks(torch.rand(B, H, layout.nb, layout.nb, generator=g), layout.keep).to(q.device)
+    got = _flex_kernel_attention(*qkv, idx, layout, scale=d ** -0.5).float()
+    want = masked_block_attention(*(t.float() for t in qkv), idx, layout, scale=d ** -0.5)
+    err = (got - want).abs().max().item()
+    tol = 1e-4 if q.dtype in (torch.float32, torch.float64) else 2e-2
+    return None if err <= tol else f"its self-check is {err:.3g} off the masked path (tolerance {tol:g})"
+
+
 def flex_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
                          layout: BlockLayout, *, scale: float) -> torch.Tensor:
-    """The same attention as :func:`gather_block_attention` with compiled FlexAttention.
+    """The same attention as :func:`gather_block_attention`, with compiled FlexAttention where
+    :func:`flex_kernel_ok` accepts the configuration (and q/k and v share a head dim, which is
+    what the self-check covers), else with :func:`gather_block_attention`."""
+    same_dims = v.shape[-1] == q.shape[-1]
+    attend = _flex_kernel_attention if same_dims and flex_kernel_ok(layout, q) else gather_block_attention
+    return attend(q, k, v, idx, layout, scale=scale)
+
+
+def _flex_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
+                           layout: BlockLayout, *, scale: float) -> torch.Tensor:
+    """The compiled flex kernel, unchecked (use :func:`flex_block_attention`).
 
     The patch queries attend over [patch keys padded to whole blocks, prefix keys] with the
     BlockMask of :func:`make_block_mask` (the compiled CPU kernel has no ``return_lse``, so the
@@ -380,7 +441,8 @@ def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_
     Args:
         w_down: (H, r, n); basis_pooled: (H, r, nb) from :func:`pooled_basis` (weights only: the
             module computes it once per weights).
-        kernel: ``gather`` or ``flex``.
+        kernel: ``gather`` or ``flex`` (``flex`` runs the gather path where :func:`flex_kernel_ok`
+            refuses the configuration).
     Returns:
         (out (B, H, n, d), idx (B, H, nb, keep)).
     """
