@@ -43,5 +43,26 @@ def fail(msg: str) -> None:
     raise typer.Exit(code=1)
 
 
+def parse_floats(text: str | None, option: str) -> tuple[float, ...] | None:
+    """``"0.5,0.5,0.5"`` -> (0.5, 0.5, 0.5); None stays None; bad values name the option."""
+    if text is None:
+        return None
+    try:
+        vals = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise NascompressError(f"{option} takes comma-separated numbers such as 0.5,0.5,0.5, got {text!r}") from None
+    if not vals:
+        raise NascompressError(f"{option} takes comma-separated numbers such as 0.5,0.5,0.5, got {text!r}")
+    return vals
+
+
+def input_overrides(mean: str | None, std: str | None, interpolation: str | None, crop_pct: float | None):
+    """The explicit preprocessing options of a command (``--mean/--std/--interpolation/--crop-pct``)."""
+    from nascompress.data import InputOverrides
+
+    return InputOverrides(mean=parse_floats(mean, "--mean"), std=parse_floats(std, "--std"),
+                          interpolation=interpolation, crop_pct=crop_pct)
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")

@@ -3,11 +3,31 @@ deterministic splits, and batched preprocessing to a model's input size.
 
 Images reach the model as float tensors (B, C, H, W), resized to the model's ``img_size``,
 converted to its ``in_chans`` (grey repeated to 3 channels, RGB averaged to 1) and normalised
-with the mean/std recorded in ``arch.json``'s ``input`` section.
+with the mean/std recorded in ``arch.json``'s ``input`` section (:class:`InputSpec`).
+:func:`preprocess` is the one place that normalises.
+
+Two loading paths:
+
+* in-memory uint8 datasets (Fashion-MNIST, synthetic): whole batches are resized at once in
+  :func:`preprocess` with the spec's interpolation (the whole image; ``crop_pct`` does not apply),
+  no augmentation;
+* ImageFolder: timm's conventions, built with ``timm.data.create_transform`` but ending in a uint8
+  (C, H, W) tensor (``normalize=False``). Evaluation splits: resize the shorter side to
+  ``int(size / crop_pct)`` with the spec's interpolation, then centre-crop to ``size`` (timm's eval
+  transform, ``crop_mode`` included). The training split: timm's training transform,
+  RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) + horizontal flip, with colour jitter OFF: the
+  runs here are short fine-tunes of pretrained models on small datasets, where jitter mostly costs
+  accuracy and CPU time (timm turns it off too whenever RandAugment is on). Images are decoded in
+  DataLoader workers (:attr:`DataConfig.num_workers`).
+
+Limits (``train_limit``, ``eval_limit``) take a seeded, class-stratified random subset
+(:func:`stratified_indices`), never the first N images.
 """
 from __future__ import annotations
 
+import copy
 import gzip
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
+from .config import Config, check_int
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -25,23 +46,78 @@ FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal
                   "Sneaker", "Bag", "Ankle boot"]
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+# resize modes both paths implement alike: torch's F.interpolate (batched) and PIL (ImageFolder)
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+CROP_MODES = ("center", "squash", "border")
+
+
+def _check_input(interpolation: str | None, crop_pct: float | None, crop_mode: str | None) -> None:
+    if interpolation is not None and interpolation not in INTERPOLATIONS:
+        raise NascompressError(f"interpolation must be one of {', '.join(INTERPOLATIONS)}, got {interpolation!r}")
+    if crop_pct is not None and not (isinstance(crop_pct, (int, float)) and 0 < crop_pct <= 1):
+        raise NascompressError(f"crop_pct must be in (0, 1], got {crop_pct!r}")
+    if crop_mode is not None and crop_mode not in CROP_MODES:
+        raise NascompressError(f"crop_mode must be one of {', '.join(CROP_MODES)}, got {crop_mode!r}")
 
 
 @dataclass(frozen=True)
 class InputSpec:
-    """How raw images become model input. Recorded in arch.json as ``input``."""
+    """How raw images become model input. Recorded in arch.json as ``input``: everything
+    preprocessing needs, so a saved model is usable without its dataset.
+
+    Args:
+        img_size: (H, W) the model takes.
+        in_chans: channels the model takes (grey images are repeated, RGB averaged to match).
+        mean / std: per-channel normalisation of [0, 1] pixels (one value is broadcast).
+        interpolation: resize filter, ``bilinear`` (the default, and what every run before these
+            fields used), ``bicubic`` or ``nearest``.
+        crop_pct: evaluation crop of ImageFolder images: the shorter side is resized to
+            ``int(size / crop_pct)``, then centre-cropped to ``size`` (timm's eval transform).
+        crop_mode: timm's ``center``, ``squash`` or ``border``.
+    """
 
     img_size: tuple[int, int]
     in_chans: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    interpolation: str = "bilinear"
+    crop_pct: float = 1.0
+    crop_mode: str = "center"
+
+    def __post_init__(self) -> None:
+        _check_input(self.interpolation, self.crop_pct, self.crop_mode)
+        for name, v in (("mean", self.mean), ("std", self.std)):
+            if len(v) not in (1, self.in_chans):
+                raise NascompressError(f"{name} has {len(v)} values but the model takes {self.in_chans} channels")
+        if any(not s > 0 for s in self.std):
+            raise NascompressError(f"std values must be positive, got {list(self.std)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"img_size": list(self.img_size), "in_chans": self.in_chans, "mean": list(self.mean), "std": list(self.std)}
+        return {"img_size": list(self.img_size), "in_chans": self.in_chans, "mean": list(self.mean),
+                "std": list(self.std), "interpolation": self.interpolation, "crop_pct": self.crop_pct,
+                "crop_mode": self.crop_mode}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "InputSpec":
-        return cls(tuple(d["img_size"]), int(d["in_chans"]), tuple(d["mean"]), tuple(d["std"]))
+        """Also reads arch.json files written before interpolation/crop_pct/crop_mode existed."""
+        return cls(tuple(int(v) for v in d["img_size"]), int(d["in_chans"]), tuple(d["mean"]), tuple(d["std"]),
+                   interpolation=d.get("interpolation", "bilinear"), crop_pct=float(d.get("crop_pct", 1.0)),
+                   crop_mode=d.get("crop_mode", "center"))
+
+
+@dataclass(frozen=True)
+class InputOverrides(Config):
+    """Explicit preprocessing choices (``--mean``/``--std``/``--interpolation``/``--crop-pct``) that
+    win over the pretrained config and the dataset defaults; None keeps the resolved value."""
+
+    mean: tuple[float, ...] | None = None
+    std: tuple[float, ...] | None = None
+    interpolation: str | None = None
+    crop_pct: float | None = None
+    crop_mode: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_input(self.interpolation, self.crop_pct, self.crop_mode)
 
 
 def default_norm(dataset: str, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -52,8 +128,27 @@ def default_norm(dataset: str, in_chans: int) -> tuple[tuple[float, ...], tuple[
     return (0.5,) * in_chans, (0.5,) * in_chans
 
 
+def resize(x: torch.Tensor, size: tuple[int, int], interpolation: str) -> torch.Tensor:
+    """Resize float images in [0, 1] (B, C, H, W) as PIL does (what timm's ImageFolder path uses).
+
+    Bilinear and bicubic use torch's antialiased kernels in both directions: they follow PIL's
+    filters (measured on a 28 -> 112 px image: bicubic differs from PIL by 0.26/255 on average
+    with antialias, 3.8/255 without, since the plain kernel uses another cubic coefficient), and
+    they are what makes shrinking alias-free. Bicubic overshoots at edges, so it is clamped to
+    [0, 1]. ``nearest`` is ``nearest-exact`` (PIL's pixel centres; plain ``nearest`` is shifted).
+    """
+    if interpolation == "nearest":
+        return F.interpolate(x, size=size, mode="nearest-exact")
+    x = F.interpolate(x, size=size, mode=interpolation, align_corners=False, antialias=True)
+    return x.clamp_(0.0, 1.0) if interpolation == "bicubic" else x
+
+
 def preprocess(images: torch.Tensor, spec: InputSpec) -> torch.Tensor:
-    """uint8 (B, C, H, W) or float in [0, 1] -> normalised float (B, spec.in_chans, *img_size)."""
+    """uint8 (B, C, H, W) or float in [0, 1] -> normalised float (B, spec.in_chans, *img_size).
+
+    Images not already at ``spec.img_size`` are resized whole with ``spec.interpolation``
+    (:func:`resize`); ImageFolder batches arrive at the right size (cropped by their transform).
+    """
     x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
     c = x.shape[1]
     if c != spec.in_chans:
@@ -64,7 +159,7 @@ def preprocess(images: torch.Tensor, spec: InputSpec) -> torch.Tensor:
         else:
             raise NascompressError(f"images have {c} channels but the model expects {spec.in_chans}")
     if tuple(x.shape[-2:]) != tuple(spec.img_size):
-        x = F.interpolate(x, size=tuple(spec.img_size), mode="bilinear", align_corners=False, antialias=True)
+        x = resize(x, tuple(spec.img_size), spec.interpolation)
     mean = torch.tensor(spec.mean, dtype=x.dtype).view(1, -1, 1, 1)
     std = torch.tensor(spec.std, dtype=x.dtype).view(1, -1, 1, 1)
     return (x - mean) / std
@@ -94,6 +189,8 @@ class Subset(Dataset):
     def __init__(self, base: Dataset, indices: torch.Tensor):
         self.base, self.indices = base, torch.as_tensor(indices, dtype=torch.long)
         self.classes = base.classes
+        if hasattr(base, "num_workers"):  # a view of a loaded split keeps its loader workers
+            self.num_workers = base.num_workers
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -106,6 +203,45 @@ class Subset(Dataset):
 
     def __getitem__(self, i: int):
         return self.base[int(self.indices[i])]
+
+
+def dataset_labels(ds: Dataset) -> torch.Tensor:
+    """The label of every item of ``ds`` as a LongTensor, without loading any image.
+
+    Reads ``.labels`` (:class:`TensorImageDataset`) or ``.targets`` (torchvision's ImageFolder)
+    and maps through :class:`Subset` (and ``torch.utils.data.Subset``) views.
+    """
+    if isinstance(ds, Subset):
+        return dataset_labels(ds.base)[ds.indices]
+    if isinstance(ds, torch.utils.data.Subset):
+        return dataset_labels(ds.dataset)[torch.as_tensor(ds.indices, dtype=torch.long)]
+    for attr in ("labels", "targets"):
+        if hasattr(ds, attr):
+            return torch.as_tensor(getattr(ds, attr), dtype=torch.long)
+    raise TypeError(f"{type(ds).__name__} has no labels or targets attribute to stratify by")
+
+
+def stratified_indices(labels: torch.Tensor, n: int, *, seed: int) -> torch.Tensor:
+    """``n`` indices of ``labels`` drawn at random within each class, sorted ascending.
+
+    Each class gets its share of ``n`` in proportion to its count, rounded by largest remainder
+    (so the total is exactly ``n``; ties go to the lower class id). The same (labels, n, seed)
+    always gives the same indices. ``n`` must not exceed ``len(labels)``.
+    """
+    total = len(labels)
+    assert 0 <= n <= total, f"cannot draw {n} of {total} items"
+    classes, counts = torch.unique(labels, return_counts=True)
+    quota, rem = counts * n // total, counts * n % total
+    extra = n - int(quota.sum())
+    order = sorted(range(len(classes)), key=lambda i: (-int(rem[i]), i))
+    for i in order[:extra]:
+        quota[i] += 1
+    g = torch.Generator().manual_seed(seed)
+    picked = []
+    for c, k in zip(classes.tolist(), quota.tolist()):
+        members = torch.nonzero(labels == c).flatten()
+        picked.append(members[torch.randperm(len(members), generator=g)[:k]])
+    return torch.cat(picked).sort().values
 
 
 def split_indices(n: int, fractions: Sequence[float], *, seed: int) -> list[torch.Tensor]:
@@ -157,19 +293,44 @@ def synthetic_dataset(n: int, *, num_classes: int = 10, size: int = 16, channels
     return TensorImageDataset(imgs, labels, [f"class{i}" for i in range(num_classes)])
 
 
-def _image_folder(path: Path, spec_size: tuple[int, int] | None) -> Dataset:
-    from torchvision import datasets, transforms
+def folder_transform(spec: InputSpec | None, *, train: bool) -> Any:
+    """timm's ImageFolder transform for ``spec``, ending in a uint8 (C, H, W) tensor, unnormalised.
 
+    ``train``: RandomResizedCrop to ``spec.img_size`` + horizontal flip (colour jitter off; see the
+    module docstring); else resize the shorter side to ``int(size / crop_pct)`` and centre-crop.
+    Without a spec the image is only converted (native size).
+    """
+    from . import _compat  # noqa: F401  (before torchvision)
+
+    if spec is None:
+        from torchvision import transforms
+
+        return transforms.PILToTensor()
+    from timm.data import create_transform
+
+    if train:
+        return create_transform(tuple(spec.img_size), is_training=True, interpolation=spec.interpolation,
+                                hflip=0.5, color_jitter=None, normalize=False)
+    return create_transform(tuple(spec.img_size), is_training=False, interpolation=spec.interpolation,
+                            crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, normalize=False)
+
+
+def _image_folder(path: Path, transform: Any) -> Dataset:
     from . import _compat  # noqa: F401
+    from torchvision import datasets
 
-    tfm = [transforms.PILToTensor()]
-    if spec_size is not None:
-        tfm.insert(0, transforms.Resize(spec_size))
     try:
-        ds = datasets.ImageFolder(str(path), transform=transforms.Compose(tfm))
+        ds = datasets.ImageFolder(str(path), transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
         raise NascompressError(f"{path} is not an ImageFolder directory with one folder per class ({e})") from e
     return ds
+
+
+def _view(ds: Dataset, transform: Any) -> Dataset:
+    """The same ImageFolder (same files, same order) read through another transform."""
+    other = copy.copy(ds)
+    other.transform = transform
+    return other
 
 
 @dataclass(frozen=True)
@@ -183,7 +344,12 @@ class DataConfig:
         val_fraction: share of train carved out as a held-out validation split when the
             dataset has none.
         split_seed: seed of that split (fixed, independent of the run's seed).
-        train_limit / eval_limit: use only the first N train / evaluation images (quick runs).
+        train_limit / eval_limit: use only N train / val and test images (quick runs): a
+            class-stratified random subset drawn with ``subset_seed`` (:func:`stratified_indices`).
+        subset_seed: seed of those subsets (the CLI sets it from the command's ``--seed``).
+        num_workers: DataLoader worker processes for the splits (decoding images); None: up to 4
+            (``min(4, os.cpu_count())``) for ImageFolder, 0 for in-memory datasets. Applied by
+            :func:`make_loader` to every loader over the splits unless it is given its own.
     """
 
     dataset: str = "fashion-mnist"
@@ -192,10 +358,17 @@ class DataConfig:
     split_seed: int = 0
     train_limit: int | None = None
     eval_limit: int | None = None
+    subset_seed: int = 0
+    num_workers: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
             raise NascompressError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
+        for name, v in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
+            if v is not None:
+                check_int(name, v, 1)
+        if self.num_workers is not None:
+            check_int("--num-workers", self.num_workers, 0)
 
 
 @dataclass
@@ -219,12 +392,29 @@ class DataBundle:
         return getattr(self, name)
 
 
-def _limit(ds: Dataset, n: int | None) -> Dataset:
-    return ds if n is None or n >= len(ds) else Subset(ds, torch.arange(n))
+def _limit(ds: Dataset, n: int | None, seed: int) -> Dataset:
+    """A seeded, class-stratified random subset of ``n`` items (all of ``ds`` if n is None or larger)."""
+    if n is None or n >= len(ds):
+        return ds
+    return Subset(ds, stratified_indices(dataset_labels(ds), n, seed=seed))
 
 
-def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None) -> DataBundle:
-    """Load the dataset ``cfg`` names, with a deterministic held-out validation split."""
+def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec: InputSpec | None = None,
+              augment: bool = True) -> DataBundle:
+    """Load the dataset ``cfg`` names, with a deterministic held-out validation split.
+
+    Args:
+        cfg: which dataset, splits, limits and workers.
+        img_size: the model's input size (ImageFolder images are resized/cropped to it while
+            loading; in-memory images keep their size and :func:`preprocess` resizes batches).
+        spec: the model's preprocessing; gives ImageFolder its size, interpolation and eval crop
+            (preferred over ``img_size``, which then defaults to ``spec.img_size``).
+        augment: give an ImageFolder training split timm's training transform (False: the eval
+            transform, e.g. for extracting features).
+    """
+    if spec is None and img_size is not None:  # old callers: only a size; timm's defaults otherwise
+        spec = InputSpec(tuple(img_size), 3, (0.5,), (0.5,))
+    workers = cfg.num_workers
     if cfg.dataset == "fashion-mnist":
         train_full, test = load_fashion_mnist(Path(cfg.data_dir))
         val = None
@@ -240,23 +430,33 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None) -> Da
             raise NascompressError(f"dataset {cfg.dataset!r} is neither 'fashion-mnist' nor an existing directory")
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
-        train_full = _image_folder(root / "train", img_size)
-        val = _image_folder(root / "val", img_size) if (root / "val").is_dir() else None
-        test = _image_folder(root / "test", img_size) if (root / "test").is_dir() else val
+        eval_tf = folder_transform(spec, train=False)
+        train_tf = folder_transform(spec, train=augment)
+        # the train split's images seen as evaluation images (a val split carved from train/)
+        train_full = _image_folder(root / "train", eval_tf)
+        val = _image_folder(root / "val", eval_tf) if (root / "val").is_dir() else None
+        test = _image_folder(root / "test", eval_tf) if (root / "test").is_dir() else val
         for part, ds in (("val", val), ("test", test)):
             if ds is not None and ds.classes != train_full.classes:
                 raise NascompressError(f"{root}/{part} has classes {ds.classes} but train has {train_full.classes}")
-        x0, _ = train_full[0]
-        name, channels, size = str(root), int(x0.shape[0]), None
-    if val is None:
+        if len(train_full) == 0:
+            raise NascompressError(f"{root}/train holds no images")
+        name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
+        if workers is None:
+            workers = min(4, os.cpu_count() or 1)
+    train_src = train_full if cfg.dataset in ("fashion-mnist", "synthetic") else _view(train_full, train_tf)
+    if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
-        train, val = Subset(train_full, tr_idx), Subset(train_full, va_idx)
+        train, val = Subset(train_src, tr_idx), Subset(train_full, va_idx)
     else:
-        train = train_full
-    if test is None:
-        test = val
-    return DataBundle(train=_limit(train, cfg.train_limit), val=_limit(val, cfg.eval_limit),
-                      test=_limit(test, cfg.eval_limit), classes=list(train_full.classes), name=name,
+        train = train_src
+    test_is_val = test is None or test is val
+    train = _limit(train, cfg.train_limit, cfg.subset_seed)
+    val = _limit(val, cfg.eval_limit, cfg.subset_seed)
+    test = val if test_is_val else _limit(test, cfg.eval_limit, cfg.subset_seed)
+    for ds in (train, val, test):
+        ds.num_workers = workers or 0  # read by make_loader (see DataConfig.num_workers)
+    return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
                       native_channels=channels, native_size=size)
 
 
@@ -269,12 +469,24 @@ def _batched_collate(batch):
 
 
 def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0,
-                drop_last: bool = False, num_workers: int = 0) -> DataLoader:
-    """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order."""
+                drop_last: bool = False, num_workers: int | None = None) -> DataLoader:
+    """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order.
+
+    ``num_workers`` None (the default) takes the ``num_workers`` attribute that :func:`load_data`
+    sets on every split (from :attr:`DataConfig.num_workers`: worker processes for ImageFolder,
+    none for in-memory datasets), else 0; so every loader over a split decodes images in
+    parallel without its caller knowing. With workers, their random augmentation draws are
+    seeded from (seed, epoch) too.
+    """
+    if num_workers is None:
+        num_workers = int(getattr(ds, "num_workers", 0) or 0)
     if shuffle:
         g = torch.Generator().manual_seed(seed * 100_003 + epoch)
         order = torch.randperm(len(ds), generator=g).tolist()
     else:
         order = list(range(len(ds)))
     sampler = BatchSampler(order, batch_size=batch_size, drop_last=drop_last)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers)
+    extra: dict[str, Any] = {}
+    if num_workers > 0:  # (without workers the generator is not passed: the global RNG stream stays as before)
+        extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers, **extra)

@@ -22,7 +22,9 @@ from .errors import NascompressError
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
 CUSTOM_BASE = "vit_tiny_patch16_224"
 # timm modules whose models are VisionTransformer instances (checked again after building).
-_VIT_MODULES = {"vision_transformer", "deit", "vision_transformer_hybrid"}
+_VIT_MODULES = {"vision_transformer", "deit"}
+# every model of this timm module embeds patches with a CNN stem (HybridEmbed): refused
+_HYBRID_MODULE = "vision_transformer_hybrid"
 
 
 @dataclass(frozen=True)
@@ -58,30 +60,50 @@ def custom_vit_spec(*, img_size: int, patch_size: int, embed_dim: int, depth: in
                                        num_classes=num_classes, in_chans=in_chans))
 
 
-def _check_name(name: str) -> None:
-    if timm.is_model(name):
-        return
-    known = timm.list_models("vit_*") + timm.list_models("deit_*")
-    close = difflib.get_close_matches(name, known, n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('vit_*')"
-    raise NascompressError(f"unknown model name {name!r}{hint}")
+def _check_name(name: str) -> str:
+    """Check a timm name (``arch`` or ``arch.tag``); return the architecture without the tag.
+
+    The pretrained tag (e.g. ``vit_base_patch16_clip_224.openai``) only selects the pretrained
+    config (mean/std, interpolation, crop) that preprocessing is taken from.
+    """
+    arch, tag = timm.models.split_model_name_tag(name)
+    if not timm.is_model(arch):
+        known = timm.list_models("vit_*") + timm.list_models("deit_*")
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models('vit_*')"
+        raise NascompressError(f"unknown model name {name!r}{hint}")
+    if tag:
+        tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
+        if tag not in tags:
+            raise NascompressError(f"unknown pretrained tag {tag!r} for {arch}; known tags: {', '.join(tags) or 'none'}")
+    return arch
+
+
+def _hybrid_message(name: str, stem: str) -> str:
+    return (f"hybrid ViTs with a CNN stem are not supported: {name} embeds patches with a {stem} (timm HybridEmbed), "
+            "which nascompress cannot profile or compress; use a plain patch-embedding ViT (vit_*_patch*, deit_*)")
 
 
 def build_model(spec: ModelSpec) -> VisionTransformer:
-    """Build ``spec`` with random init (never downloads). Raises for non-ViT models."""
-    _check_name(spec.name)
-    if timm.models._registry._model_to_module.get(spec.name) not in _VIT_MODULES:
+    """Build ``spec`` with random init (never downloads). Raises for non-ViT and hybrid models."""
+    arch = _check_name(spec.name)
+    module = timm.models._registry._model_to_module.get(arch)
+    if module == _HYBRID_MODULE:
+        raise NascompressError(_hybrid_message(spec.name, "ResNet stem"))
+    if module not in _VIT_MODULES:
         raise NascompressError(
-            f"{spec.name} is not a timm VisionTransformer (it comes from timm.models."
-            f"{timm.models._registry._model_to_module.get(spec.name)}); nascompress supports ViT-family models (vit_*, deit_*)")
+            f"{spec.name} is not a timm VisionTransformer (it comes from timm.models.{module}); "
+            "nascompress supports ViT-family models (vit_*, deit_*)")
     try:
         model = timm.create_model(spec.name, pretrained=False, **spec.kwargs)
-    except (TypeError, ValueError, AssertionError) as e:
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         raise NascompressError(f"cannot build {spec.name} with {spec.kwargs}: {e}") from e
     if not isinstance(model, VisionTransformer):
         raise NascompressError(
             f"{spec.name} is a {type(model).__name__}, not a timm VisionTransformer; "
             "nascompress supports ViT-family models (vit_*, deit_*)")
+    if getattr(model.patch_embed, "backbone", None) is not None:  # HybridEmbed, wherever it is registered
+        raise NascompressError(_hybrid_message(spec.name, type(model.patch_embed.backbone).__name__))
     return model
 
 
@@ -89,6 +111,18 @@ def input_size(model: VisionTransformer) -> tuple[int, int, int]:
     """(C, H, W) expected by the model's patch embedding."""
     pe = model.patch_embed
     return (pe.proj.in_channels, *pe.img_size)
+
+
+def pretrained_data_config(model: nn.Module) -> dict[str, Any]:
+    """Mean, std, interpolation, crop_pct and crop_mode from the timm model's pretrained config
+    (``timm.data.resolve_data_config``; the config of the name's tag, or timm's default tag).
+    The input size is not taken from it: it is the model's own (:func:`input_size`)."""
+    from timm.data import resolve_data_config
+
+    cfg = resolve_data_config({}, model=model)
+    interp = cfg["interpolation"] if cfg["interpolation"] in ("bilinear", "bicubic", "nearest") else "bicubic"
+    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"]), "interpolation": interp,
+            "crop_pct": float(cfg["crop_pct"]), "crop_mode": cfg["crop_mode"]}
 
 
 def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -117,30 +151,41 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: str) -> None:
-    """Load ``sd`` into ``model`` strictly; on a mismatch name the first differing tensor."""
+def state_mismatches(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[str]:
+    """Every way ``sd`` does not fit ``model``, one phrase each, in the model's tensor order
+    (missing and differently shaped tensors), then the file's unexpected tensors."""
     own = model.state_dict()
+    out = []
     for k, v in own.items():
         if k not in sd:
-            raise NascompressError(f"{source} does not match the model: tensor {k} {tuple(v.shape)} is missing from the file")
-        if tuple(sd[k].shape) != tuple(v.shape):
-            hint = ""
-            if k.startswith("head."):
-                hint = "; the class count differs: set --num-classes to match the file, or pass --reset-head"
-            raise NascompressError(
-                f"{source} does not match the model: {k} has shape {tuple(sd[k].shape)} in the file "
-                f"but {tuple(v.shape)} in the model{hint}")
-    extra = [k for k in sd if k not in own]
-    if extra:
-        raise NascompressError(f"{source} does not match the model: unexpected tensor {extra[0]} {tuple(sd[extra[0]].shape)} in the file")
+            out.append(f"tensor {k} {tuple(v.shape)} is missing from the file")
+        elif tuple(sd[k].shape) != tuple(v.shape):
+            out.append(f"{k} has shape {tuple(sd[k].shape)} in the file but {tuple(v.shape)} in the model")
+    out += [f"unexpected tensor {k} {tuple(v.shape)} in the file" for k, v in sd.items() if k not in own]
+    return out
+
+
+def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: str) -> None:
+    """Load ``sd`` into ``model`` strictly; on a mismatch name the first differing tensors (up to 3)."""
+    bad = state_mismatches(model, sd)
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        hint = ""
+        if any(b.startswith("tensor head.") for b in bad):
+            hint = "; the file has no classifier head (a backbone-only checkpoint): pass --reset-head for a new one"
+        elif any(b.startswith("head.") for b in bad[:3]):
+            hint = "; the class count differs: set --num-classes to match the file, or pass --reset-head"
+        raise NascompressError(f"{source} does not match the model: {'; '.join(bad[:3])}{more}{hint}")
     model.load_state_dict(sd, strict=True)
 
 
 def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: bool = False) -> None:
     """Load dense timm weights from a local file (original timm/DeiT checkpoints included).
 
-    The position embedding is resampled to the model's grid as timm does; with
-    ``reset_head`` the classifier is left at its initialisation (new class count).
+    The position embedding is resampled to the model's grid as timm does. With ``reset_head``
+    the classifier is left at its initialisation: the file's ``head.*`` tensors may have another
+    shape (class count) or be missing altogether (backbone-only checkpoints, as DINOv2, MAE and
+    CLIP ship); every other tensor must still be present and fit.
     """
     from timm.models.vision_transformer import checkpoint_filter_fn
 
@@ -148,6 +193,6 @@ def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: b
     sd = checkpoint_filter_fn(sd, model)
     if reset_head:
         own = model.state_dict()
-        for k in [k for k in sd if k.startswith("head.")]:
-            sd[k] = own[k]
+        sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
+        sd.update({k: v for k, v in own.items() if k.startswith("head.")})
     load_state_strict(model, sd, source=f"weights file {path}")

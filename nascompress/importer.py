@@ -1,0 +1,176 @@
+"""``nascompress import``: a user's own timm ViT weights as a nascompress run, without training.
+
+:func:`import_model` checks the model and the weights, builds the model the weights describe
+(class count from their head, input size from their position-embedding grid unless given), takes
+the preprocessing the weights were made with (:func:`~nascompress.train.input_spec_for`: the timm
+model's pretrained config, or the ``input`` recorded in a nascompress file; explicit overrides
+win), optionally evaluates it on a dataset's val and test splits, and writes a run directory in
+the format ``nascompress train`` writes (``model.safetensors``, ``arch.json``, ``config.json``,
+``metrics.json``), which ``finetune``, ``search dcs``, ``evaluate`` and :func:`nascompress.load`
+accept. Provenance (source path, its sha256, timm name and version, time) goes into
+``config.json`` and ``arch.json`` (``source``). Every check runs before anything is written.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import DataConfig, InputOverrides, load_data
+from .errors import NascompressError
+from .evaluate import evaluate
+from .io import make_arch, save_model
+from .models import ModelSpec, build_model, read_weights_file, state_mismatches
+from .utils import create_out_dir, prepare_out_dir, resolve_device, write_json
+
+
+@dataclass(frozen=True)
+class ImportJob:
+    """Everything ``nascompress import`` needs; written to the run's ``config.json`` (``import``).
+
+    Args:
+        model: a timm name, ``arch`` or ``arch.tag`` (the tag selects the pretrained config that
+            preprocessing is taken from, e.g. ``vit_base_patch16_clip_224.openai``).
+        weights: local ``.safetensors`` / ``.pth`` weights with a classifier head.
+        out: the run directory to create.
+        img_size: input size; None: the weights' position-embedding grid times the patch size.
+        num_classes: None: the number of rows of the weights' ``head.weight``.
+        data: a dataset to evaluate on (val and test top-1 into metrics.json); None: no evaluation.
+        input: explicit preprocessing (mean, std, interpolation, crop_pct), winning over the weights'.
+        eval_batch_size: images per evaluation batch.
+        device: ``auto``, ``cpu`` or ``cuda[:N]``.
+    """
+
+    model: str
+    weights: str
+    out: str
+    img_size: int | None = None
+    num_classes: int | None = None
+    data: DataConfig | None = None
+    input: InputOverrides = field(default_factory=InputOverrides)
+    eval_batch_size: int = 256
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name, v in (("--img-size", self.img_size), ("--num-classes", self.num_classes)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise NascompressError(f"{name} must be a positive integer, got {v!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,
+                "num_classes": self.num_classes, "data": None if self.data is None else asdict(self.data),
+                "input": self.input.to_dict(), "eval_batch_size": self.eval_batch_size, "device": self.device}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ImportJob":
+        d = dict(d)
+        d["data"] = DataConfig(**d["data"]) if d.get("data") else None
+        d["input"] = InputOverrides.from_dict(d.get("input"))
+        return cls(**d)
+
+
+def sha256_of(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | None:
+    """The square input size whose patch grid matches the file's ``pos_embed`` (None if unknown)."""
+    pos = sd.get("pos_embed")
+    if pos is None or pos.ndim != 3 or model.pos_embed is None:
+        return None
+    prefix = 0 if getattr(model, "no_embed_class", False) else getattr(model, "num_prefix_tokens", 1)
+    side = math.isqrt(max(pos.shape[1] - prefix, 0))
+    if side < 1 or side * side != pos.shape[1] - prefix:
+        return None
+    return side * model.patch_embed.patch_size[0]
+
+
+def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The file's tensors in this timm model's layout (original checkpoint formats converted,
+    position embeddings resampled to the model's grid), as ``load_pretrained`` does."""
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    return checkpoint_filter_fn(dict(sd), model)
+
+
+def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
+    """Import ``job.weights`` as a run in ``job.out`` (see the module docstring); return the metrics."""
+    out = Path(job.out)
+    prepare_out_dir(out, force=force)
+    raw = read_weights_file(job.weights)
+    kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
+    if job.img_size is not None:
+        kwargs["img_size"] = job.img_size
+    model = build_model(ModelSpec(job.model, kwargs))  # unknown, non-ViT and hybrid models stop here
+    if job.img_size is None:
+        size = _grid_img_size(model, raw)
+        if size is not None and (size, size) != tuple(model.patch_embed.img_size):
+            kwargs["img_size"] = size
+    head = raw.get("head.weight")
+    if head is None:  # maybe an original checkpoint format whose head timm renames (OpenAI CLIP's proj)
+        head = _filtered(model, raw).get("head.weight")
+    if head is None or head.ndim != 2:
+        raise NascompressError(
+            f"weights file {job.weights} has no classifier head (no head.* tensors: a backbone-only checkpoint); "
+            f"import needs a trained head: fit one with 'nascompress train --model {job.model} --weights "
+            f"{job.weights} --reset-head --linear-probe'")
+    kwargs["num_classes"] = job.num_classes or int(head.shape[0])
+    spec = ModelSpec(job.model, kwargs)
+    model = build_model(spec)
+    sd = _filtered(model, raw)
+    bad = state_mismatches(model, sd)
+    if bad:
+        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+        hint = ""
+        if job.num_classes is not None and any(b.startswith("head.") for b in bad[:3]):
+            hint = f"; --num-classes must match the file's head ({int(head.shape[0])} classes)"
+        raise NascompressError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
+                               f"{'; '.join(bad[:3])}{more}{hint}")
+    model.load_state_dict(sd, strict=True)
+
+    from .train import input_spec_for  # (train imports much; only needed here)
+
+    dataset = job.data.dataset if job.data is not None else "fashion-mnist"
+    input_spec = input_spec_for(model, dataset, weights=job.weights, overrides=job.input)
+    metrics: dict[str, Any] = {"imported": True, "dataset": None}
+    if job.data is not None:
+        bundle = load_data(job.data, spec=input_spec, augment=False)
+        if kwargs["num_classes"] != bundle.num_classes:
+            raise NascompressError(
+                f"the weights' head has {kwargs['num_classes']} classes but dataset {bundle.name} has "
+                f"{bundle.num_classes}; leave out --dataset, or fit a new head with 'nascompress train --model "
+                f"{job.model} --weights {job.weights} --reset-head --linear-probe'")
+        device = resolve_device(job.device)
+        t0 = time.perf_counter()
+        val = evaluate(model, bundle.val, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
+        test = evaluate(model, bundle.test, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
+        metrics.update(dataset=bundle.name, best_val_top1=val["top1"], val_top1=val["top1"], val_loss=val["loss"],
+                       val_n=val["n"], test_top1=test["top1"], test_loss=test["loss"], test_n=test["n"],
+                       eval_time_s=time.perf_counter() - t0)
+        model.cpu()
+
+    import timm
+
+    source = {"weights": str(Path(job.weights).resolve()), "sha256": sha256_of(job.weights), "timm_name": job.model,
+              "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    arch = make_arch(spec, input_spec=input_spec.to_dict())
+    arch["source"] = source
+    create_out_dir(out, force=force)
+    save_model(out, model, arch)
+    write_json(out / "config.json", {"import": job.to_dict(), "data": None if job.data is None else asdict(job.data),
+                                     "source": source})
+    write_json(out / "metrics.json", metrics)
+    return metrics
+
+
+__all__ = ["ImportJob", "import_model", "sha256_of"]
