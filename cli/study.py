@@ -1,0 +1,122 @@
+"""``nascompress study ...``: inspect Optuna studies (list, show, export, report, dashboard)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import err, out, print_json, run
+
+study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")
+
+Storage = Annotated[Optional[str], typer.Option(
+    "--storage", help="sqlite:///PATH, postgresql://USER:PASS@HOST:PORT/DB or journal:PATH "
+                      "(default: nascompress-studies.db and .journal in this directory).")]
+Name = Annotated[str, typer.Argument(help="The study name (see 'nascompress study list').")]
+Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
+Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
+
+@study_app.command("list")
+def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
+    """Every study: objectives, trials complete/failed/running, best value or front size, created."""
+    from rich.table import Table
+
+    from nascompress.studies.inspect import list_studies
+
+    rows = run(list_studies, storage)
+    if json_out:
+        print_json(rows)
+        return
+    if not rows:
+        out.print("no studies yet (nascompress-studies.db / .journal in this directory, or --storage)")
+        return
+    from rich import box
+
+    t = Table(title="studies", caption="db / journal: nascompress-studies.db / .journal here", box=box.SIMPLE_HEAD,
+              padding=(0, 1))
+    for col in ("study", "objectives", "done", "failed", "running", "best / front", "created", "storage"):
+        t.add_column(col, justify="right" if col in ("done", "failed", "running") else "left")
+    for r in rows:
+        objs = " ".join(f"{n}{'↑' if d == 'maximize' else '↓'}" for n, d in zip(r["metric_names"], r["directions"]))
+        best = (f"front {r['front_size']}" if r["front_size"] is not None
+                else f"{r['best']['value']:.4g} (#{r['best']['number']})" if r["best"] else "-")
+        c = r["counts"]
+        created = (r["created"] or "-")[5:16].replace("T", " ") if r["created"] else "-"
+        where = r["storage"]
+        for default, short in (("nascompress-studies.db", "db"), ("nascompress-studies.journal", "journal")):
+            if where.startswith(("sqlite:///", "journal:")) and Path(where.split(":", 1)[1]) == Path.cwd() / default:
+                where = short
+        t.add_row(r["name"], objs, str(c.get("COMPLETE", 0)), str(c.get("FAIL", 0)), str(c.get("RUNNING", 0)), best,
+                  created, where)
+    out.print(t)
+
+
+@study_app.command("show")
+def show_cmd(name: Name, storage: Storage = None,
+             limit: Annotated[int, typer.Option(help="Single objective: show the best N trials.")] = 20,
+             json_out: Json = False) -> None:
+    """The Pareto front (or the best trials) with the parameters that differ between them."""
+    from nascompress.studies.inspect import render_show, show_study
+
+    res = run(show_study, name, storage, limit=limit)
+    if json_out:
+        print_json(res)
+        return
+    if not res["trials"]:
+        out.print(f"study {name}: no complete feasible trials yet")
+        return
+    out.print(render_show(res))
+
+
+@study_app.command("export")
+def export_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The file to write.")],
+               fmt: Annotated[str, typer.Option("--format", help="csv or json.")] = "csv",
+               storage: Storage = None, force: Force = False) -> None:
+    """Every trial (number, state, values, params, record fields) to CSV or JSON."""
+    from nascompress.studies.inspect import export_study
+
+    path = run(export_study, name, fmt=fmt, out=out_file, storage=storage, force=force)
+    out.print(f"wrote {path}")
+
+
+@study_app.command("report")
+def report_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The HTML file to write.")] =
+               Path("report.html"), storage: Storage = None, force: Force = False) -> None:
+    """One self-contained HTML file: Pareto front, history, importances, the front as a table."""
+    from nascompress.studies.report import write_report
+
+    path = run(write_report, name, out=out_file, storage=storage, force=force)
+    out.print(f"wrote {path}")
+
+
+@study_app.command("dashboard")
+def dashboard_cmd(name: Name, storage: Storage = None,
+                  host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+                  port: Annotated[int, typer.Option(help="Port (0: a free one).")] = 0) -> None:
+    """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM)."""
+    import signal
+
+    from nascompress.studies.dashboard import start_dashboard
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    handle = run(start_dashboard, name, storage=storage, host=host, port=port)
+    signal.signal(signal.SIGINT, interrupt)  # also when started in the background (SIGINT ignored there)
+    signal.signal(signal.SIGTERM, interrupt)
+    if handle.note:
+        err.print(handle.note, highlight=False, soft_wrap=True)
+    out.print(f"optuna-dashboard for study {name}: {handle.study_url}  (Ctrl-C to stop)", highlight=False)
+    try:
+        handle.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        handle.stop()
+    err.print("dashboard stopped")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(study_app, name="study")

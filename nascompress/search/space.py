@@ -1,0 +1,855 @@
+"""Search spaces as data: YAML files that declare what an Optuna study searches.
+
+A space file (``search_spaces/*.yaml``)::
+
+    format: nascompress-space/1
+    name: evit
+    description: EViT keep rate schedule and pruning layers      # optional
+    methods:                      # applied in this order
+      - name: evit                # a registered method
+        group: tokens             # optional: methods sharing a group are alternatives
+        optional: false           # optional: the method may be left out
+        params:                   # keys are fields of the method's config
+          prune_layers: {kind: layers, range: [2, 5], size: [1, 3]}
+          keep_rate: {kind: per_layer, layers: prune_layers,
+                      value: {kind: float, low: 0.4, high: 1.0, step: 0.05}}
+          fuse_token: true        # a constant, passed through unchanged
+          mode: {kind: categorical, choices: [unstructured, block]}
+          block_size: {kind: int, low: 4, high: 16, when: {mode: block}}
+
+Parameter kinds (any searched entry may carry ``when``):
+
+- a plain value (number, string, bool, null or a list of them): a constant. A constant mapping
+  is written ``{kind: const, value: {...}}``.
+- ``float``: ``low``, ``high`` (low < high), optional ``step`` (> 0, dividing high - low) or
+  ``log: true`` (low > 0), not both.
+- ``int``: the same with integers.
+- ``categorical``: ``choices``, a non-empty list of distinct scalars (null, bool, number, string).
+- ``layers``: a set of 1-based layer numbers, either ``range: [lo, hi]`` (inclusive) or
+  ``candidates: [l1, l2, ...]`` (an explicit list) with ``size: k`` or ``size: [lo, hi]``
+  (how many are chosen); or ``choices: [[4, 7, 10], [3, 6, 9]]`` (explicit sets). Optuna sees
+  one categorical parameter whose choices are the sets written ``"4,7,10"`` (at most 10,000 sets);
+  the config gets the sorted list ``[4, 7, 10]``.
+- ``per_layer``: ``layers`` (the name of a sibling ``layers`` parameter or constant list, or a
+  literal list) and ``value`` (a float, int or categorical entry): one value per chosen layer,
+  Optuna parameters ``<method>.<param>.0``, ``.1``, ...; the config gets the list.
+- ``when: {sibling: value}`` (or ``{sibling: [v1, v2]}``): the parameter exists only when the
+  sibling (a categorical or constant declared before it in the same method) has that value;
+  otherwise it is left out of the config (the method's default applies).
+
+Optuna parameter names: ``<method>.<param>``; ``<method>.<param>.<i>`` for per-layer values;
+``<method>.on`` (bool) for an optional method outside a group; ``group.<group>`` (the method
+name, or ``none`` when the group's methods are optional) for a group. Methods in a group must
+agree on ``optional``. A method appears at most once.
+
+Validation is strict and happens on load: unknown keys, wrong types, empty or inverted ranges,
+``step`` with ``log``, unknown kinds, layer numbers < 1, and (through ``method_fields``) unknown
+methods or parameters are errors naming the file, the entry (``methods[0].params.keep_rate``)
+and the problem. :meth:`Space.check_depth` checks layer numbers against a model's depth.
+The hash (:meth:`Space.hash`) covers the normalized ``methods`` only: a changed name or
+description does not change it.
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+from nascompress.errors import NascompressError
+
+FORMAT = "nascompress-space/1"
+KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
+MAX_LAYER_SETS = 10_000
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_METHOD_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+_TOP_KEYS = {"format", "name", "description", "methods"}
+_METHOD_KEYS = {"name", "group", "optional", "params"}
+_KEYS = {
+    "const": {"kind", "value"},
+    "float": {"kind", "low", "high", "step", "log", "when"},
+    "int": {"kind", "low", "high", "step", "log", "when"},
+    "categorical": {"kind", "choices", "when"},
+    "layers": {"kind", "range", "candidates", "size", "choices", "when"},
+    "per_layer": {"kind", "layers", "value", "when"},
+}
+
+MethodFields = Callable[[str], "set[str] | None"]
+
+
+def registry_method_fields(name: str) -> set[str] | None:
+    """The settings a space may give a registered method (None: no such method): its config and
+    recipe fields; for ``dcs`` also the search's (``target_flops``, ...), since a ``dcs`` entry in
+    a space runs a short DCS search in each trial (see :mod:`nascompress.search.trials`)."""
+    from nascompress import methods
+
+    try:
+        entry = methods.get_method(name)
+    except NascompressError:
+        return None
+    fields = set(entry.config_cls.__dataclass_fields__)
+    if entry.recipe_cls is not None:
+        fields |= set(entry.recipe_cls.__dataclass_fields__)
+    if name == "dcs":
+        from nascompress.search.dcs import DCSSearchConfig
+
+        fields |= set(DCSSearchConfig.__dataclass_fields__)
+    return fields
+
+
+# ----------------------------------------------------------------------------------------------
+# The parsed space
+
+
+@dataclass(frozen=True)
+class Param:
+    """One entry of a method's ``params`` (normalized)."""
+
+    name: str
+    kind: str
+    where: str
+    value: Any = None  # const
+    low: float | int | None = None
+    high: float | int | None = None
+    step: float | int | None = None
+    log: bool = False
+    choices: tuple = ()  # categorical: scalars; layers: tuples of layer numbers
+    layers_ref: str | None = None  # per_layer: sibling name
+    layers_list: tuple[int, ...] | None = None  # per_layer: literal layers
+    item: Param | None = None  # per_layer: the per-layer value entry
+    when: tuple[tuple[str, tuple], ...] = ()
+    source: Mapping[str, Any] = field(default_factory=dict)  # canonical form (for to_dict/hash)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    group: str | None
+    optional: bool
+    params: tuple[Param, ...]
+    where: str
+
+    def param(self, name: str) -> Param | None:
+        return next((p for p in self.params if p.name == name), None)
+
+
+def _enc(layers: Sequence[int]) -> str:
+    return ",".join(str(x) for x in layers)
+
+
+def _dec(text: str) -> list[int]:
+    return [int(x) for x in str(text).split(",") if x != ""]
+
+
+class Space:
+    """A validated search space. Build it with :func:`load_space` or :meth:`from_dict`."""
+
+    def __init__(self, *, name: str, description: str, methods: tuple[Method, ...], source: str) -> None:
+        self.name = name
+        self.description = description
+        self.methods = methods
+        self.source = source
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "<dict>",
+                  method_fields: MethodFields | None = registry_method_fields) -> Space:
+        """Validate a parsed space (as read from YAML, or :meth:`to_dict`'s output).
+
+        Args:
+            data: the mapping.
+            source: how errors name it (the file path).
+            method_fields: ``name -> set of config field names`` (None: unknown method); None
+                skips the method and parameter name checks.
+        """
+        return _Parser(source, method_fields).space(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized space as plain data (``from_dict`` of it gives the same hash)."""
+        return {"format": FORMAT, "name": self.name, "description": self.description,
+                "methods": self._methods_dict()}
+
+    def _methods_dict(self) -> list[dict[str, Any]]:
+        return [{"name": m.name, "group": m.group, "optional": m.optional,
+                 "params": {p.name: _plain(p.source) for p in m.params}} for m in self.methods]
+
+    def hash(self) -> str:
+        """A stable 16-hex-digit hash of the normalized methods (name and description excluded)."""
+        blob = json.dumps({"format": FORMAT, "methods": self._methods_dict()}, sort_keys=True,
+                          separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return f"Space(name={self.name!r}, methods={[m.name for m in self.methods]}, hash={self.hash()})"
+
+    # -- structure ----------------------------------------------------------------------------
+
+    def groups(self) -> dict[str, list[Method]]:
+        out: dict[str, list[Method]] = {}
+        for m in self.methods:
+            if m.group is not None:
+                out.setdefault(m.group, []).append(m)
+        return out
+
+    def group_choices(self, group: str) -> list[str]:
+        members = self.groups()[group]
+        return [m.name for m in members] + (["none"] if members[0].optional else [])
+
+    def param_names(self) -> list[str]:
+        """Every Optuna parameter name the space can produce, in a fixed order."""
+        names: list[str] = []
+        seen_groups: set[str] = set()
+        for m in self.methods:
+            if m.group is not None and m.group not in seen_groups:
+                seen_groups.add(m.group)
+                names.append(f"group.{m.group}")
+            elif m.group is None and m.optional:
+                names.append(f"{m.name}.on")
+            for p in m.params:
+                if p.kind == "const":
+                    continue
+                if p.kind == "per_layer":
+                    names += [f"{m.name}.{p.name}.{i}" for i in range(_max_len(m, p))]
+                else:
+                    names.append(f"{m.name}.{p.name}")
+        return names
+
+    def check_depth(self, depth: int) -> None:
+        """Raise if a layer number in the space is beyond a model of ``depth`` blocks."""
+        for m in self.methods:
+            for p in m.params:
+                layers: list[int] = []
+                if p.kind == "layers":
+                    layers = [x for c in p.choices for x in c]
+                elif p.kind == "per_layer" and p.layers_list is not None:
+                    layers = list(p.layers_list)
+                elif p.kind == "const" and _is_layer_const(m, p):
+                    layers = list(p.value)
+                bad = sorted({x for x in layers if x > depth})
+                if bad:
+                    raise NascompressError(
+                        f"{self.source}: {p.where}: layer {bad[0]} is beyond the model's depth {depth} "
+                        f"(layers are 1-based, 1..{depth}); narrow the space for this model")
+
+    # -- sampling -----------------------------------------------------------------------------
+
+    def suggest(self, trial: Any) -> list[dict[str, Any]]:
+        """Suggest one configuration with Optuna's define-by-run API.
+
+        Args:
+            trial: an ``optuna.Trial`` (or ``FixedTrial``).
+
+        Returns:
+            The method records ``[{"name": m, "config": {...}}]`` of the methods that are on,
+            in the space's order.
+        """
+        records: list[dict[str, Any]] = []
+        chosen: dict[str, str] = {}
+        for m in self.methods:
+            if m.group is not None:
+                if m.group not in chosen:
+                    chosen[m.group] = trial.suggest_categorical(f"group.{m.group}", self.group_choices(m.group))
+                if chosen[m.group] != m.name:
+                    continue
+            elif m.optional and not trial.suggest_categorical(f"{m.name}.on", [False, True]):
+                continue
+            records.append({"name": m.name, "config": _suggest_method(m, trial)})
+        return records
+
+    def records(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The method records that the Optuna ``params`` produce (a ``FixedTrial`` replay)."""
+        import warnings
+
+        import optuna
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return self.suggest(optuna.trial.FixedTrial(dict(params)))
+
+    def params_for(self, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """The Optuna params that make :meth:`suggest` return ``records`` (for ``enqueue_trial``).
+
+        Config keys the space does not declare are ignored; a value outside the space is an error.
+
+        Args:
+            records: method records ``[{"name": m, "config": {...}}]``, e.g. the dense model's
+                or a paper's configuration.
+        """
+        by_name: dict[str, Mapping[str, Any]] = {}
+        for i, r in enumerate(records):
+            name = r.get("name") if isinstance(r, Mapping) else None
+            if not isinstance(name, str):
+                raise NascompressError(f"records[{i}] needs a method name ({{'name': ..., 'config': {{...}}}})")
+            if name in by_name:
+                raise NascompressError(f"records: method {name!r} appears twice")
+            by_name[name] = r
+        known = {m.name for m in self.methods}
+        extra = sorted(set(by_name) - known)
+        if extra:
+            raise NascompressError(f"records: method {extra[0]!r} is not in space {self.name!r} "
+                                   f"(its methods: {', '.join(sorted(known))})")
+        params: dict[str, Any] = {}
+        for g, members in self.groups().items():
+            present = [m.name for m in members if m.name in by_name]
+            if len(present) > 1:
+                raise NascompressError(f"records: {present[0]!r} and {present[1]!r} are alternatives "
+                                       f"(group {g!r}); give at most one")
+            if not present and not members[0].optional:
+                raise NascompressError(f"records: group {g!r} needs one of {[m.name for m in members]}")
+            params[f"group.{g}"] = present[0] if present else "none"
+        for m in self.methods:
+            if m.group is None and m.optional:
+                params[f"{m.name}.on"] = m.name in by_name
+            elif m.group is None and m.name not in by_name:
+                raise NascompressError(f"records: method {m.name!r} is always on in space {self.name!r}; "
+                                       "give its record")
+            if m.name in by_name:
+                cfg = by_name[m.name].get("config") or {}
+                params.update(_params_for_method(m, cfg))
+        return params
+
+    def grid(self, n: int) -> list[dict[str, Any]]:
+        """About ``n`` evenly spread configurations, as Optuna params (enqueue-ready).
+
+        Every Optuna parameter the space can produce (:meth:`param_names`) is one coordinate of
+        an ``n``-point rank-1 lattice in the unit cube (point ``i``, coordinate ``j``:
+        ``((i * g_j + n // 2) mod n + 0.5) / n`` with the Korobov generator ``g = (1, a, a^2,
+        ...) mod n``, ``a`` the integer coprime with ``n`` nearest ``n / golden ratio``). Each
+        coordinate takes each of the ``n`` values ``(k + 0.5) / n`` exactly once, which is
+        mapped into its parameter: floats and ints linearly (or in log space) and snapped to
+        their step, categorical, layer-set and on/off parameters by equal-width bins. Points that
+        give the same configuration are merged, so the result has ``n`` configurations, fewer
+        only when the space has fewer distinct ones at that resolution (e.g. all-categorical
+        spaces). Order: the lattice order (the first point is the middle of every range).
+
+        Args:
+            n: the number of lattice points (>= 1).
+        """
+        if not isinstance(n, int) or n < 1:
+            raise NascompressError(f"grid size must be an integer >= 1, got {n!r}")
+        names = self.param_names()
+        gen = _korobov(n, len(names))
+        out: list[dict[str, Any]] = []
+        seen: set[str] = set()
+        for i in range(n):
+            u = {name: ((i * g + n // 2) % n + 0.5) / n for name, g in zip(names, gen)}
+            lt = _LatticeTrial(u)
+            self.suggest(lt)
+            key = json.dumps(lt.params, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                out.append(lt.params)
+        return out
+
+
+def load_space(path: str | Path, *, method_fields: MethodFields | None = registry_method_fields) -> Space:
+    """Load and validate a space file.
+
+    Args:
+        path: a YAML file in the format of this module's docstring.
+        method_fields: ``name -> set of config field names`` (None: unknown method); the
+            default reads the method registry. None skips the name checks.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise NascompressError(f"search space {path} does not exist") from None
+    except OSError as e:
+        raise NascompressError(f"cannot read search space {path}: {e.strerror}") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise NascompressError(f"{path}: not valid YAML{at}: {problem}") from None
+    return Space.from_dict(data, source=str(path), method_fields=method_fields)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing and validation
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_scalar(x: Any) -> bool:
+    return x is None or isinstance(x, (bool, int, float, str))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
+
+
+class _Parser:
+    def __init__(self, source: str, method_fields: MethodFields | None) -> None:
+        self.source = source
+        self.method_fields = method_fields
+
+    def err(self, where: str, msg: str) -> NascompressError:
+        return NascompressError(f"{self.source}: {where}: {msg}" if where else f"{self.source}: {msg}")
+
+    def keys(self, d: Mapping[str, Any], allowed: set[str], where: str) -> None:
+        unknown = [k for k in d if k not in allowed]
+        if unknown:
+            raise self.err(where, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+
+    def space(self, data: Any) -> Space:
+        if not isinstance(data, Mapping):
+            raise self.err("", f"a space file is a mapping with keys {', '.join(sorted(_TOP_KEYS))}")
+        self.keys(data, _TOP_KEYS, "")
+        if data.get("format") != FORMAT:
+            raise self.err("format", f"must be {FORMAT!r}, got {data.get('format')!r}")
+        name = data.get("name")
+        if not isinstance(name, str) or not name:
+            raise self.err("name", "a non-empty string is required")
+        desc = data.get("description", "")
+        if not isinstance(desc, str):
+            raise self.err("description", f"must be a string, got {type(desc).__name__}")
+        methods = data.get("methods")
+        if not isinstance(methods, list) or not methods:
+            raise self.err("methods", "a non-empty list of methods is required")
+        parsed = tuple(self.method(m, f"methods[{i}]") for i, m in enumerate(methods))
+        names = [m.name for m in parsed]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise self.err(f"methods[{i}].name", f"method {n!r} appears twice; a method appears at most once")
+        groups: dict[str, Method] = {}
+        for i, m in enumerate(parsed):
+            if m.group is None:
+                continue
+            first = groups.setdefault(m.group, m)
+            if first.optional != m.optional:
+                raise self.err(f"methods[{i}].optional",
+                               f"the methods of group {m.group!r} must agree on optional "
+                               f"({first.name} says {first.optional}, {m.name} says {m.optional})")
+            if m.name == "none":
+                raise self.err(f"methods[{i}].name", "'none' is reserved in groups")
+        return Space(name=name, description=desc, methods=parsed, source=self.source)
+
+    def method(self, d: Any, where: str) -> Method:
+        if not isinstance(d, Mapping):
+            raise self.err(where, f"a method is a mapping with keys {', '.join(sorted(_METHOD_KEYS))}")
+        self.keys(d, _METHOD_KEYS, where)
+        name = d.get("name")
+        if not isinstance(name, str) or not _METHOD_RE.match(name):
+            raise self.err(f"{where}.name", f"a method name is required (letters, digits, _ or -), got {name!r}")
+        fields = None
+        if self.method_fields is not None:
+            fields = self.method_fields(name)
+            if fields is None:
+                raise self.err(f"{where}.name", f"unknown method {name!r} (not in the method registry)")
+        group = d.get("group")
+        if group is not None and (not isinstance(group, str) or not _NAME_RE.match(group)):
+            raise self.err(f"{where}.group", f"a group is a name (letters, digits, _), got {group!r}")
+        optional = d.get("optional", False)
+        if not isinstance(optional, bool):
+            raise self.err(f"{where}.optional", f"must be true or false, got {optional!r}")
+        raw = d.get("params", {}) or {}
+        if not isinstance(raw, Mapping):
+            raise self.err(f"{where}.params", "must be a mapping of config field -> entry")
+        params: list[Param] = []
+        for pname, spec in raw.items():
+            pw = f"{where}.params.{pname}"
+            if not isinstance(pname, str) or not _NAME_RE.match(pname):
+                raise self.err(pw, "a parameter name is a config field name (letters, digits, _)")
+            if fields is not None and pname not in fields:
+                raise self.err(pw, f"unknown parameter {pname!r} of method {name!r} "
+                                   f"(its config fields: {', '.join(sorted(fields))})")
+            if pname == "on" and optional and group is None:
+                raise self.err(pw, "'on' collides with the optional method's on/off parameter")
+            params.append(self.param(pname, spec, pw, {p.name: p for p in params}))
+        return Method(name=name, group=group, optional=optional, params=tuple(params), where=where)
+
+    def param(self, pname: str, spec: Any, where: str, earlier: dict[str, Param]) -> Param:
+        if not isinstance(spec, Mapping):
+            if _is_scalar(spec) or (isinstance(spec, list) and all(_is_scalar(x) for x in spec)):
+                return Param(pname, "const", where, value=_plain(spec), source={"kind": "const", "value": _plain(spec)})
+            raise self.err(where, "a constant is a scalar or a list of scalars; write mappings as "
+                                  "{kind: const, value: {...}}")
+        kind = spec.get("kind")
+        if kind is None:
+            raise self.err(where, f"a mapping needs kind: one of {', '.join(KINDS)} (a constant mapping is "
+                                  "{kind: const, value: {...}})")
+        if kind not in KINDS:
+            raise self.err(f"{where}.kind", f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
+        self.keys(spec, _KEYS[kind], where)
+        when = self.when(spec.get("when"), where, earlier) if "when" in spec else ()
+        src: dict[str, Any] = {}
+        if kind == "const":
+            if "value" not in spec:
+                raise self.err(where, "kind const needs value")
+            return Param(pname, "const", where, value=_plain(spec["value"]),
+                         source={"kind": "const", "value": _plain(spec["value"])})
+        if kind in ("float", "int"):
+            p = self.numeric(pname, kind, spec, where)
+        elif kind == "categorical":
+            p = self.categorical(pname, spec, where)
+        elif kind == "layers":
+            p = self.layers(pname, spec, where)
+        else:
+            p = self.per_layer(pname, spec, where, earlier)
+        src = dict(p.source)
+        if when:
+            src["when"] = {k: list(v) for k, v in when}
+        return Param(**{**p.__dict__, "when": when, "source": src})
+
+    def numeric(self, pname: str, kind: str, spec: Mapping[str, Any], where: str) -> Param:
+        check = _is_int if kind == "int" else _is_num
+        tname = "an integer" if kind == "int" else "a number"
+        for k in ("low", "high"):
+            if k not in spec:
+                raise self.err(where, f"kind {kind} needs {k}")
+            if not check(spec[k]):
+                raise self.err(f"{where}.{k}", f"must be {tname}, got {spec[k]!r}")
+        low, high = spec["low"], spec["high"]
+        if kind == "float":
+            low, high = float(low), float(high)
+        if not low < high:
+            raise self.err(where, f"empty or inverted range: low ({low}) must be < high ({high})")
+        step, log = spec.get("step"), spec.get("log", False)
+        if not isinstance(log, bool):
+            raise self.err(f"{where}.log", f"must be true or false, got {log!r}")
+        if step is not None and log:
+            raise self.err(where, "step and log cannot both be given")
+        if step is not None:
+            if not check(step) or step <= 0:
+                raise self.err(f"{where}.step", f"must be {tname} > 0, got {step!r}")
+            n = (high - low) / step
+            if abs(n - round(n)) > 1e-9 * max(1.0, abs(n)):
+                raise self.err(f"{where}.step", f"high - low ({high - low:g}) must be a multiple of step ({step})")
+            if kind == "float":
+                step = float(step)
+        if log and low <= 0:
+            raise self.err(f"{where}.low", f"log: true needs low > 0, got {low}")
+        src = {"kind": kind, "low": low, "high": high, "step": step, "log": log}
+        return Param(pname, kind, where, low=low, high=high, step=step, log=log, source=src)
+
+    def categorical(self, pname: str, spec: Mapping[str, Any], where: str) -> Param:
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise self.err(f"{where}.choices", "a non-empty list of choices is required")
+        for c in choices:
+            if not _is_scalar(c):
+                raise self.err(f"{where}.choices", f"choices are scalars (null, bool, number, string), got {c!r}")
+        keys = [json.dumps(c) for c in choices]
+        if len(set(keys)) != len(keys):
+            dup = next(c for i, c in enumerate(choices) if keys[i] in keys[:i])
+            raise self.err(f"{where}.choices", f"choice {dup!r} appears twice")
+        return Param(pname, "categorical", where, choices=tuple(choices),
+                     source={"kind": "categorical", "choices": list(choices)})
+
+    def layer_list(self, x: Any, where: str) -> list[int]:
+        if not isinstance(x, list) or not x:
+            raise self.err(where, f"a non-empty list of layer numbers is required, got {x!r}")
+        for v in x:
+            if not _is_int(v) or v < 1:
+                raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {v!r}")
+        if len(set(x)) != len(x):
+            raise self.err(where, f"layer {next(v for i, v in enumerate(x) if v in x[:i])} appears twice")
+        return sorted(x)
+
+    def layers(self, pname: str, spec: Mapping[str, Any], where: str) -> Param:
+        has = [k for k in ("range", "candidates", "choices") if k in spec]
+        if len(has) != 1:
+            raise self.err(where, "kind layers needs exactly one of range: [lo, hi], candidates: [...] "
+                                  f"(both with size) or choices: [[...], ...]; got {has or 'none'}")
+        if has[0] == "choices":
+            if "size" in spec:
+                raise self.err(f"{where}.size", "size goes with range or candidates, not with choices")
+            raw = spec["choices"]
+            if not isinstance(raw, list) or not raw:
+                raise self.err(f"{where}.choices", "a non-empty list of layer sets is required")
+            sets = [tuple(self.layer_list(c, f"{where}.choices[{i}]")) for i, c in enumerate(raw)]
+            if len(set(sets)) != len(sets):
+                raise self.err(f"{where}.choices", "a layer set appears twice")
+            return Param(pname, "layers", where, choices=tuple(sets),
+                         source={"kind": "layers", "choices": [list(s) for s in sets]})
+        if has[0] == "range":
+            r = spec["range"]
+            if (not isinstance(r, list) or len(r) != 2 or not all(_is_int(v) for v in r)):
+                raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {r!r}")
+            if r[0] < 1:
+                raise self.err(f"{where}.range", f"layer numbers are 1-based (>= 1), got {r[0]}")
+            if r[0] > r[1]:
+                raise self.err(f"{where}.range", f"empty or inverted range [{r[0]}, {r[1]}]")
+            cands = list(range(r[0], r[1] + 1))
+            src: dict[str, Any] = {"kind": "layers", "range": list(r)}
+        else:
+            cands = self.layer_list(spec["candidates"], f"{where}.candidates")
+            src = {"kind": "layers", "candidates": cands}
+        if "size" not in spec:
+            raise self.err(where, "kind layers with range or candidates needs size: k or size: [lo, hi]")
+        size = spec["size"]
+        if _is_int(size):
+            lo = hi = size
+        elif isinstance(size, list) and len(size) == 2 and all(_is_int(v) for v in size):
+            lo, hi = size
+        else:
+            raise self.err(f"{where}.size", f"size is an integer or [lo, hi], got {size!r}")
+        if lo < 1 or lo > hi:
+            raise self.err(f"{where}.size", f"empty or inverted size range [{lo}, {hi}] (sizes are >= 1)")
+        if hi > len(cands):
+            hint = " (for an inclusive range of layers write range: [lo, hi])" if "candidates" in spec else ""
+            raise self.err(f"{where}.size", f"size {hi} exceeds the {len(cands)} candidate layers{hint}")
+        total = sum(math.comb(len(cands), k) for k in range(lo, hi + 1))
+        if total > MAX_LAYER_SETS:
+            raise self.err(where, f"{total} layer sets is too many (at most {MAX_LAYER_SETS}): narrow the "
+                                  "candidates or the size, or list the sets with choices")
+        sets = tuple(c for k in range(lo, hi + 1) for c in itertools.combinations(cands, k))
+        src["size"] = [lo, hi]
+        return Param(pname, "layers", where, choices=sets, source=src)
+
+    def per_layer(self, pname: str, spec: Mapping[str, Any], where: str, earlier: dict[str, Param]) -> Param:
+        if "layers" not in spec or "value" not in spec:
+            raise self.err(where, "kind per_layer needs layers (a sibling layers parameter or a list) and value")
+        ref, lst = spec["layers"], None
+        if isinstance(ref, str):
+            sib = earlier.get(ref)
+            if sib is None:
+                raise self.err(f"{where}.layers", f"refers to {ref!r}, which must be a parameter declared "
+                                                  f"before {pname!r} in the same method")
+            if not (sib.kind == "layers" or _is_layer_const_value(sib)):
+                raise self.err(f"{where}.layers", f"{ref!r} must be a layers parameter or a constant list of "
+                                                  f"layer numbers, it is {sib.kind}")
+        else:
+            lst = tuple(self.layer_list(ref, f"{where}.layers"))
+            ref = None
+        item_spec = spec["value"]
+        iw = f"{where}.value"
+        if not isinstance(item_spec, Mapping) or item_spec.get("kind") not in ("float", "int", "categorical"):
+            raise self.err(iw, "the per-layer value is a float, int or categorical entry")
+        if "when" in item_spec:
+            raise self.err(f"{iw}.when", "put when on the per_layer entry, not on its value")
+        self.keys(item_spec, _KEYS[item_spec["kind"]], iw)
+        item = (self.categorical(pname, item_spec, iw) if item_spec["kind"] == "categorical"
+                else self.numeric(pname, item_spec["kind"], item_spec, iw))
+        src = {"kind": "per_layer", "layers": ref if ref is not None else list(lst), "value": dict(item.source)}
+        return Param(pname, "per_layer", where, layers_ref=ref, layers_list=lst, item=item, source=src)
+
+    def when(self, raw: Any, where: str, earlier: dict[str, Param]) -> tuple[tuple[str, tuple], ...]:
+        ww = f"{where}.when"
+        if not isinstance(raw, Mapping) or not raw:
+            raise self.err(ww, "when is a mapping {sibling: value} (or {sibling: [values]})")
+        out = []
+        for sib_name, val in raw.items():
+            sib = earlier.get(sib_name)
+            if sib is None:
+                raise self.err(ww, f"refers to {sib_name!r}, which must be a parameter declared before this one "
+                                   "in the same method")
+            if sib.kind not in ("categorical", "const"):
+                raise self.err(ww, f"{sib_name!r} is {sib.kind}; when can only test a categorical or constant")
+            vals = tuple(val) if isinstance(val, list) else (val,)
+            if not vals:
+                raise self.err(ww, f"{sib_name}: give at least one value")
+            for v in vals:
+                ok = (v in sib.choices) if sib.kind == "categorical" else (v == sib.value)
+                if not ok or not _is_scalar(v):
+                    opts = list(sib.choices) if sib.kind == "categorical" else [sib.value]
+                    raise self.err(ww, f"{sib_name} can never be {v!r} (its values: {opts})")
+            out.append((sib_name, vals))
+        return tuple(out)
+
+
+def _is_layer_const_value(p: Param) -> bool:
+    return (p.kind == "const" and isinstance(p.value, list) and bool(p.value)
+            and all(_is_int(v) and v >= 1 for v in p.value))
+
+
+def _is_layer_const(m: Method, p: Param) -> bool:
+    """A constant list that a per_layer entry uses as its layers (so it holds layer numbers)."""
+    return _is_layer_const_value(p) and any(q.kind == "per_layer" and q.layers_ref == p.name for q in m.params)
+
+
+def _max_len(m: Method, p: Param) -> int:
+    if p.layers_list is not None:
+        return len(p.layers_list)
+    sib = m.param(p.layers_ref or "")
+    assert sib is not None
+    return max(len(c) for c in sib.choices) if sib.kind == "layers" else len(sib.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Suggest / inverse
+
+
+def _active(p: Param, values: Mapping[str, Any]) -> bool:
+    return all(name in values and values[name] in vals for name, vals in p.when)
+
+
+def _suggest_one(p: Param, name: str, trial: Any) -> Any:
+    if p.kind == "float":
+        return trial.suggest_float(name, p.low, p.high, step=p.step, log=p.log)
+    if p.kind == "int":
+        return trial.suggest_int(name, p.low, p.high, step=p.step or 1, log=p.log)
+    return trial.suggest_categorical(name, list(p.choices))
+
+
+def _suggest_method(m: Method, trial: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    for p in m.params:
+        if not _active(p, cfg):
+            continue
+        name = f"{m.name}.{p.name}"
+        if p.kind == "const":
+            cfg[p.name] = p.value
+        elif p.kind == "layers":
+            cfg[p.name] = _dec(trial.suggest_categorical(name, [_enc(c) for c in p.choices]))
+        elif p.kind == "per_layer":
+            layers = list(p.layers_list) if p.layers_list is not None else cfg.get(p.layers_ref or "")
+            if layers is None:  # its layers parameter is off in this trial
+                continue
+            assert p.item is not None
+            cfg[p.name] = [_suggest_one(p.item, f"{name}.{i}", trial) for i in range(len(layers))]
+        else:
+            cfg[p.name] = _suggest_one(p, name, trial)
+    return cfg
+
+
+def _check_value(p: Param, v: Any, where: str) -> Any:
+    if p.kind == "categorical":
+        if not any(v == c and type(v) is type(c) or (_is_num(v) and _is_num(c) and v == c) for c in p.choices):
+            raise NascompressError(f"{where}: {v!r} is not one of the space's choices {list(p.choices)}")
+        return next(c for c in p.choices if c == v)
+    check = _is_int if p.kind == "int" else _is_num
+    if not check(v):
+        raise NascompressError(f"{where}: expected {'an integer' if p.kind == 'int' else 'a number'}, got {v!r}")
+    assert p.low is not None and p.high is not None
+    tol = 1e-9 * max(1.0, abs(p.high - p.low))
+    if not p.low - tol <= v <= p.high + tol:
+        raise NascompressError(f"{where}: {v} is outside the space's range [{p.low}, {p.high}]")
+    if p.step is not None:
+        k = (v - p.low) / p.step
+        if abs(k - round(k)) > 1e-6:
+            raise NascompressError(f"{where}: {v} is not on the space's step {p.step} from {p.low}")
+    return int(v) if p.kind == "int" else float(v)
+
+
+def _params_for_method(m: Method, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for p in m.params:
+        if not _active(p, values):
+            continue
+        name, where = f"{m.name}.{p.name}", f"records: {m.name}.config.{p.name}"
+        if p.kind == "const":
+            if p.name in cfg and cfg[p.name] != p.value and not (
+                    isinstance(cfg[p.name], tuple) and list(cfg[p.name]) == p.value):
+                raise NascompressError(f"{where} is {cfg[p.name]!r} but the space fixes it to {p.value!r}")
+            values[p.name] = p.value
+            continue
+        if p.kind == "per_layer":
+            layers = list(p.layers_list) if p.layers_list is not None else values.get(p.layers_ref or "")
+            if layers is None:
+                continue
+        if p.name not in cfg:
+            raise NascompressError(f"{where} is missing; the space searches it")
+        v = cfg[p.name]
+        if p.kind == "layers":
+            if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
+                raise NascompressError(f"{where}: expected a list of layer numbers, got {v!r}")
+            key = tuple(sorted(v))
+            if key not in p.choices:
+                raise NascompressError(f"{where}: layers {list(key)} are not one of the space's layer sets")
+            out[name] = _enc(key)
+            values[p.name] = list(key)
+        elif p.kind == "per_layer":
+            assert p.item is not None
+            if not isinstance(v, (list, tuple)) or len(v) != len(layers):
+                raise NascompressError(f"{where}: expected {len(layers)} values (one per layer of {layers}), got {v!r}")
+            for i, x in enumerate(v):
+                out[f"{name}.{i}"] = _check_value(p.item, x, f"{where}[{i}]")
+            values[p.name] = list(v)
+        else:
+            out[name] = _check_value(p, v, where)
+            values[p.name] = out[name]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The grid's lattice
+
+
+def _korobov(n: int, d: int) -> list[int]:
+    """Generator ``(1, a, a^2, ...) mod n`` of an n-point rank-1 lattice in d dimensions."""
+    if n == 1 or d == 0:
+        return [1] * d
+    target = n / ((1 + 5 ** 0.5) / 2)
+    a = min((c for c in range(1, n) if math.gcd(c, n) == 1), key=lambda c: (abs(c - target), c))
+    gen, g = [], 1
+    for _ in range(d):
+        gen.append(g)
+        g = (g * a) % n
+    return gen
+
+
+class _LatticeTrial:
+    """A stand-in trial that answers each suggest from a lattice coordinate in [0, 1)."""
+
+    def __init__(self, u: Mapping[str, float]) -> None:
+        self.u = u
+        self.params: dict[str, Any] = {}
+
+    def _bin(self, name: str, n: int) -> int:
+        return min(int(self.u[name] * n), n - 1)
+
+    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
+                      log: bool = False) -> float:
+        u = self.u[name]
+        if step is not None:
+            n = int(round((high - low) / step)) + 1
+            v = round(low + self._bin(name, n) * step, 12)
+        elif log:
+            v = math.exp(math.log(low) + u * (math.log(high) - math.log(low)))
+        else:
+            v = low + u * (high - low)
+        self.params[name] = float(v)
+        return float(v)
+
+    def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int:
+        if log:
+            v = int(round(math.exp(math.log(low) + self.u[name] * (math.log(high) - math.log(low)))))
+            v = min(max(v, low), high)
+        else:
+            v = low + self._bin(name, (high - low) // step + 1) * step
+        self.params[name] = v
+        return v
+
+    def suggest_categorical(self, name: str, choices: Sequence[Any]) -> Any:
+        v = choices[self._bin(name, len(choices))]
+        self.params[name] = v
+        return v

@@ -1,0 +1,34 @@
+"""Optuna studies of nascompress: storage, a crash-safe multi-worker runner, inspection.
+
+- :mod:`.storage`: where studies live (default SQLite file, journal file, PostgreSQL).
+- :mod:`.runner`: :func:`run_study`, trial/study records (:func:`record_trial`, :func:`study_info`).
+- :mod:`.inspect`: list, show and export studies; :mod:`.report`: a self-contained HTML report;
+  :mod:`.dashboard`: optuna-dashboard on a study's storage.
+"""
+from __future__ import annotations
+
+from .runner import (
+    RECORD_FIELDS,
+    default_sampler,
+    fail_stale_trials,
+    pareto_front,
+    record_trial,
+    run_study,
+    study_info,
+    trial_record,
+    worker_seed,
+)
+from .storage import (
+    DEFAULT_DB,
+    DEFAULT_JOURNAL,
+    StorageSpec,
+    find_study,
+    mask_url,
+    open_storage,
+    parse_storage,
+    resolve_run_storage,
+)
+
+__all__ = ["RECORD_FIELDS", "DEFAULT_DB", "DEFAULT_JOURNAL", "StorageSpec", "default_sampler", "fail_stale_trials",
+           "find_study", "mask_url", "open_storage", "pareto_front", "parse_storage", "record_trial",
+           "resolve_run_storage", "run_study", "study_info", "trial_record", "worker_seed"]

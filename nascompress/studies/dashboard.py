@@ -1,0 +1,151 @@
+"""optuna-dashboard on a study's storage, served from this process (a thread) until stopped.
+
+SQLite: serving a live SQLite file that a study is writing has crashed studies
+(optuna-dashboard#545), so an SQLite storage is served from a snapshot copy (SQLite's online
+backup, consistent even mid-write) taken at start; restart the dashboard to refresh it. Journal
+and PostgreSQL storages are served live.
+"""
+from __future__ import annotations
+
+import shutil
+import socketserver
+import sqlite3
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from nascompress.errors import NascompressError
+
+from .storage import StorageSpec, find_study, open_storage
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base class's name)
+        pass
+
+
+@dataclass
+class DashboardHandle:
+    """A running dashboard.
+
+    Attributes:
+        url: the dashboard's address (``http://HOST:PORT/dashboard/``).
+        study_url: the study's page.
+        storage: the served storage, password masked.
+        snapshot: the SQLite snapshot file served (None when the storage is served live).
+        note: a line to show the user (e.g. that a snapshot is served), or None.
+    """
+
+    url: str
+    study_url: str
+    host: str
+    port: int
+    storage: str
+    snapshot: Path | None
+    note: str | None
+    _server: Any = field(repr=False, default=None)
+    _thread: threading.Thread | None = field(repr=False, default=None)
+    _tmpdir: Path | None = field(repr=False, default=None)
+
+    def stop(self) -> None:
+        """Stop serving, close the port and delete the snapshot (idempotent)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(10)
+            self._thread = None
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+    def wait(self) -> None:
+        """Block until stopped (Ctrl-C raises KeyboardInterrupt here; call :meth:`stop` then)."""
+        while self._thread is not None and self._thread.is_alive():
+            time.sleep(0.2)
+
+    def __enter__(self) -> DashboardHandle:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _snapshot(spec: StorageSpec, tmpdir: Path) -> StorageSpec:
+    assert spec.path is not None
+    snap = tmpdir / f"snapshot-{spec.path.name}"
+    try:
+        src = sqlite3.connect(f"file:{spec.path}?mode=ro", uri=True, timeout=30)
+        try:
+            dst = sqlite3.connect(snap)
+            with dst:
+                src.backup(dst)
+            dst.close()
+        finally:
+            src.close()
+    except sqlite3.Error as e:
+        raise NascompressError(f"cannot snapshot {spec.display} for the dashboard: {e}") from None
+    return StorageSpec("sqlite", f"sqlite:///{snap}", snap)
+
+
+def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0.0.1",
+                    port: int = 0) -> DashboardHandle:
+    """Serve optuna-dashboard for the storage holding study ``name``.
+
+    Args:
+        name: the study (it must exist; its storage is served, with all its studies).
+        storage: a ``--storage`` value, or None for the project's default files.
+        host: the address to listen on (127.0.0.1: this machine only).
+        port: the port; 0 picks a free one.
+
+    Returns:
+        A :class:`DashboardHandle` (``.url``, ``.stop()``).
+    """
+    import optuna_dashboard
+
+    spec, st = find_study(name, storage)
+    study_id = st.get_study_id_from_name(name)
+    tmpdir: Path | None = None
+    served, note, snap = spec, None, None
+    if spec.kind == "sqlite":
+        tmpdir = Path(tempfile.mkdtemp(prefix="nascompress-dashboard-"))
+        try:
+            served = _snapshot(spec, tmpdir)
+        except NascompressError:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+            raise
+        snap = served.path
+        stamp = time.strftime("%H:%M:%S")
+        note = (f"serving a snapshot of {spec.display} taken at {stamp} (a live SQLite file that a study writes "
+                "can crash it, optuna-dashboard#545); restart the dashboard to refresh")
+        st = open_storage(served, create=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            app = optuna_dashboard.wsgi(st)
+        try:
+            server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
+        except OSError as e:
+            raise NascompressError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
+    except BaseException:
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+        raise
+    real_port = server.server_address[1]
+    thread = threading.Thread(target=server.serve_forever, name="nascompress-dashboard", daemon=True)
+    thread.start()
+    url_host = f"[{host}]" if ":" in host else host
+    base = f"http://{url_host}:{real_port}/dashboard/"
+    return DashboardHandle(url=base, study_url=f"{base}studies/{study_id}", host=host, port=real_port,
+                           storage=spec.display, snapshot=snap, note=note, _server=server, _thread=thread,
+                           _tmpdir=tmpdir)

@@ -1,0 +1,872 @@
+"""Run an Optuna study to a number of complete trials: resumable, crash-safe, several workers.
+
+:func:`run_study` is method-independent: the caller gives an ``objective_factory`` (a picklable
+top-level callable returning ``objective(trial) -> value(s)``) and a ``sampler_factory(seed)``.
+
+How it behaves, on every storage (SQLite, journal file, PostgreSQL):
+
+- Resume: the same study name continues the study. Samplers are not stored, so each (re)start
+  and each worker builds its sampler from ``sampler_factory(worker_seed(seed, worker,
+  trials_at_start))``: a fresh study with one worker gets ``seed`` itself (the same seed gives
+  the same trials), and a restart does not replay the first run's proposals.
+- The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
+  a run with a different one is refused, naming both spaces and where they differ.
+- Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
+  restarts. Each worker starts a trial only while COMPLETE + RUNNING < ``n_trials`` (otherwise
+  it waits for the running ones); a trial whose start raced past the limit is released unrun
+  (state PRUNED, system attr ``nascompress:surplus``, its enqueued params re-enqueued).
+  Optuna's ``MaxTrialsCallback(states=(COMPLETE,))`` stops the same way, but only after the
+  trial that overshoots.
+- Fixed configurations (``enqueue``) are enqueued once, by the process that created the study,
+  before any worker starts.
+- Crash safety: every RUNNING trial carries ``system_attrs["nascompress:worker"] = {host, pid,
+  pid_start, beat}``, refreshed every ``heartbeat_interval`` s by a background thread. At every
+  (re)start and before every trial, RUNNING trials whose worker is gone are marked FAIL (same
+  host and the process is dead or a zombie: at once; otherwise when the last beat is older than
+  ``grace_period``) and their params are re-enqueued once (user attrs ``nascompress_retries``,
+  ``nascompress_retry_of``). A trial interrupted by Ctrl-C is treated the same way. Finished
+  trials are never touched. Optuna's own RDB heartbeat is not used: it works only inside
+  ``study.optimize`` and on RDB storages (the journal has none), while this loop asks and tells
+  itself; one mechanism keeps the behaviour identical on all three storages.
+- Objective errors: the trial is FAIL with ``user_attrs["nascompress_error"]`` and is not
+  retried; a :class:`~nascompress.errors.NascompressError` stops the run at once, and
+  ``max_failures`` failures in a row stop it too.
+- ``workers > 1``: that many processes (multiprocessing 'spawn') share the study; each builds
+  its objective once. Several machines share a PostgreSQL study by running the same command
+  (``workers=1`` each). Storage choice: see :mod:`nascompress.studies.storage`.
+- Progress: a rich live view on stderr (complete / requested, running, failed, Pareto front
+  size, best accuracy per FLOPs-ratio bucket, mean time per trial), or with ``json_progress``
+  one JSON line per finished trial on stdout and nothing else.
+
+Trial record (:func:`record_trial`): ``trial.user_attrs["nascompress"]`` holds ``arch``,
+``params_changed``, ``flops``, ``flops_ratio``, ``params``, ``accuracy``, ``latency_ms``,
+``throughput``, ``wall_s``, ``seed``. Study record (:func:`study_info`):
+``study.user_attrs["nascompress"]`` holds ``space``, ``space_hash``, ``base_run``,
+``objectives``, ``dataset``, ``created``, ``command``, ``seed``.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import pickle
+import queue as _queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Sequence
+
+import optuna
+from optuna.exceptions import UpdateFinishedTrialError
+from optuna.trial import FrozenTrial, TrialState
+
+from nascompress.errors import NascompressError
+
+from .storage import StorageSpec, open_storage, resolve_run_storage
+
+if TYPE_CHECKING:
+    from optuna.samplers import BaseSampler
+
+RECORD_KEY = "nascompress"
+WORKER_KEY = "nascompress:worker"
+FAIL_REASON_KEY = "nascompress:fail_reason"
+SURPLUS_KEY = "nascompress:surplus"
+RETRIES_KEY = "nascompress_retries"
+RETRY_OF_KEY = "nascompress_retry_of"
+ERROR_KEY = "nascompress_error"
+RECORD_FIELDS: dict[str, type] = {"arch": list, "params_changed": dict, "flops": float, "flops_ratio": float,
+                                  "params": int, "accuracy": float, "latency_ms": float, "throughput": float,
+                                  "wall_s": float, "seed": int}
+_NULLABLE = {"latency_ms", "throughput"}
+FLOPS_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+# ----------------------------------------------------------------------------------------------
+# Records
+
+
+def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
+    """Merge ``fields`` into the trial's record ``trial.user_attrs["nascompress"]`` and store it.
+
+    Args:
+        trial: a live ``optuna.Trial`` (or anything with ``user_attrs``/``set_user_attr``).
+        **fields: any of ``arch`` (list of method records), ``params_changed`` (dict),
+            ``flops`` (MACs per image), ``flops_ratio``, ``params`` (int), ``accuracy``
+            (percent), ``latency_ms`` / ``throughput`` (float or None), ``wall_s``, ``seed``.
+
+    Returns:
+        The merged record.
+    """
+    rec = dict(trial.user_attrs.get(RECORD_KEY) or {})
+    for k, v in fields.items():
+        if k not in RECORD_FIELDS:
+            raise TypeError(f"record_trial() got an unknown field {k!r}; fields: {', '.join(RECORD_FIELDS)}")
+        tp = RECORD_FIELDS[k]
+        if v is None and k in _NULLABLE:
+            rec[k] = None
+        elif tp is float:
+            rec[k] = float(v)
+        elif tp is int:
+            if isinstance(v, bool) or int(v) != v:
+                raise TypeError(f"record_trial(): {k} must be an integer, got {v!r}")
+            rec[k] = int(v)
+        elif tp is list:
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"record_trial(): {k} must be a list of method records, got {type(v).__name__}")
+            rec[k] = json.loads(json.dumps(list(v)))
+        else:
+            if not isinstance(v, Mapping):
+                raise TypeError(f"record_trial(): {k} must be a dict, got {type(v).__name__}")
+            rec[k] = json.loads(json.dumps(dict(v)))
+    trial.set_user_attr(RECORD_KEY, rec)
+    return rec
+
+
+def trial_record(trial: FrozenTrial) -> dict[str, Any]:
+    """The trial's nascompress record (empty if it has none)."""
+    rec = trial.user_attrs.get(RECORD_KEY)
+    return dict(rec) if isinstance(rec, Mapping) else {}
+
+
+def study_info(study: optuna.Study) -> dict[str, Any]:
+    """The study's nascompress record ``study.user_attrs["nascompress"]`` (empty if none)."""
+    info = study.user_attrs.get(RECORD_KEY)
+    return dict(info) if isinstance(info, Mapping) else {}
+
+
+def _feasible(t: FrozenTrial) -> bool:
+    return all(v <= 0.0 for v in t.constraints.values())
+
+
+def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[Any]) -> list[FrozenTrial]:
+    """The feasible non-dominated COMPLETE trials, by trial number (single objective: the best one).
+
+    Args:
+        trials: any trials (others than COMPLETE are ignored).
+        directions: ``StudyDirection`` values or ``"maximize"``/``"minimize"`` strings.
+    """
+    signs = [1.0 if str(getattr(d, "name", d)).lower() == "minimize" else -1.0 for d in directions]
+    pts = [(t, [s * v for s, v in zip(signs, t.values)]) for t in trials
+           if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
+           and _feasible(t) and not any(math.isnan(v) for v in t.values)]
+    if not pts:
+        return []
+    if len(signs) == 1:
+        return [min(pts, key=lambda p: (p[1][0], p[0].number))[0]]
+    front = []
+    for t, a in pts:
+        dominated = any(all(x <= y for x, y in zip(b, a)) and any(x < y for x, y in zip(b, a)) for _, b in pts)
+        if not dominated:
+            front.append(t)
+    return sorted(front, key=lambda t: t.number)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers and seeds
+
+
+def default_sampler(seed: int) -> BaseSampler:
+    """TPE (multivariate, grouped for conditional spaces, constant liar for parallel workers)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                          warn_independent_sampling=False)
+
+
+def worker_seed(seed: int, worker: int, trials_at_start: int) -> int:
+    """The sampler seed of one worker of one (re)start: ``seed`` itself for worker 0 of a fresh
+    study, else a hash of the three numbers (distinct per worker and per restart)."""
+    if worker == 0 and trials_at_start == 0:
+        return int(seed)
+    h = hashlib.sha256(f"{seed}/{worker}/{trials_at_start}".encode()).hexdigest()
+    return int(h[:8], 16)
+
+
+# ----------------------------------------------------------------------------------------------
+# Workers, heartbeats, stale trials
+
+
+def _pid_start(pid: int) -> str | None:
+    """The process's start time in clock ticks (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        if fields[0] in ("Z", "X"):  # a zombie: dead, not yet reaped
+            return False
+        if start is not None and fields[19] != start:  # the pid was reused
+            return False
+    except (OSError, IndexError):
+        pass
+    return True
+
+
+@dataclass(frozen=True)
+class _Me:
+    host: str
+    pid: int
+    pid_start: str | None
+
+    @staticmethod
+    def now() -> _Me:
+        pid = os.getpid()
+        return _Me(socket.gethostname(), pid, _pid_start(pid))
+
+
+_ACTIVE: set[tuple[str, int]] = set()  # (study name, trial id) run by this process right now
+_NO_BEAT_SINCE: dict[tuple[str, int], float] = {}  # RUNNING trials seen without any beat: first seen (monotonic)
+
+
+def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> bool:
+    w = t.system_attrs.get(WORKER_KEY)
+    if not isinstance(w, Mapping):
+        # No beat yet: asked a moment ago, or its worker died between ask and the first beat. Its
+        # datetime_start is the writer's naive local time (not comparable across machines), so
+        # count from when this process first saw it without a beat.
+        first = _NO_BEAT_SINCE.setdefault((study_name, t._trial_id), time.monotonic())
+        return time.monotonic() - first > grace_period
+    if w.get("host") == me.host:
+        if w.get("pid") == me.pid:
+            return (study_name, t._trial_id) not in _ACTIVE
+        if not _pid_alive(int(w.get("pid", -1)), w.get("pid_start")):
+            return True
+    return time.time() - float(w.get("beat", 0.0)) > grace_period
+
+
+def _fail_and_retry(study: optuna.Study, t: FrozenTrial, reason: str, max_retries: int) -> bool:
+    """Mark a RUNNING trial FAIL (if nobody finished it first) and re-enqueue its params once."""
+    storage = study._storage  # the Study's (cached) storage: writes stay coherent with its reads
+    try:
+        storage.set_trial_system_attr(t._trial_id, FAIL_REASON_KEY, reason)
+        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+    except (UpdateFinishedTrialError, RuntimeError):
+        return False
+    retries = int(t.user_attrs.get(RETRIES_KEY, 0))
+    params = dict(t.params) or dict(t.system_attrs.get("fixed_params") or {})
+    if params and retries < max_retries:
+        study.enqueue_trial(params, user_attrs={RETRIES_KEY: retries + 1, RETRY_OF_KEY: t.number})
+    return True
+
+
+def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: int = 1,
+                      trials: Sequence[FrozenTrial] | None = None) -> list[int]:
+    """Fail the RUNNING trials whose worker is gone and re-enqueue their params once.
+
+    Args:
+        study: the study.
+        grace_period: seconds without a heartbeat after which another host's trial is stale
+            (a trial of a dead process on this host is stale at once).
+        max_retries: how many times one configuration is re-enqueued.
+        trials: the study's trials if already read.
+
+    Returns:
+        The numbers of the trials failed here.
+    """
+    me = _Me.now()
+    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
+    failed = []
+    for t in trials:
+        if t.state == TrialState.RUNNING and _is_stale(t, study.study_name, grace_period, me):
+            w = t.system_attrs.get(WORKER_KEY) or {}
+            reason = (f"stale: worker {w.get('host')}:{w.get('pid')} stopped beating" if w
+                      else "stale: its worker never reported")
+            if _fail_and_retry(study, t, reason, max_retries):
+                failed.append(t.number)
+    return failed
+
+
+class _Heartbeat:
+    """Writes the worker identity and a timestamp into a trial now and every ``interval`` s."""
+
+    def __init__(self, study: optuna.Study, trial_id: int, interval: float, me: _Me) -> None:
+        self.storage = study._storage
+        self.trial_id = trial_id
+        self.interval = interval
+        self.me = me
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.last = 0.0
+
+    def beat(self) -> None:
+        self.last = time.time()
+        self.storage.set_trial_system_attr(self.trial_id, WORKER_KEY, {
+            "host": self.me.host, "pid": self.me.pid, "pid_start": self.me.pid_start, "beat": self.last})
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.interval):
+            try:
+                self.beat()
+            except Exception:  # a transient storage error: the next beat retries
+                pass
+
+    def __enter__(self) -> _Heartbeat:
+        if time.time() - self.last > self.interval / 2:
+            self.beat()
+        self.thread = threading.Thread(target=self._run, name="nascompress-heartbeat", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+
+
+@dataclass(frozen=True)
+class _LoopConfig:
+    n_trials: int
+    deadline: float | None
+    heartbeat_interval: float
+    grace_period: float
+    max_retries: int
+    max_failures: int
+
+
+def _as_values(out: Any, n: int) -> list[float]:
+    vals = list(out) if isinstance(out, (list, tuple)) else [out]
+    if len(vals) != n:
+        raise ValueError(f"the objective returned {len(vals)} value(s) for {n} objective(s)")
+    return [float(v) for v in vals]
+
+
+def _finish(study: optuna.Study, trial: optuna.Trial, *, values: list[float] | None = None,
+            state: TrialState | None = None, error: str | None = None) -> bool:
+    """Tell a trial's end; False if another worker had already failed it as stale (then its
+    retry, enqueued by that worker, runs the configuration again)."""
+    try:
+        if error is not None:
+            trial.set_user_attr(ERROR_KEY, error[:1000])
+        ft = study.tell(trial, values, state=state, skip_if_finished=True)
+    except UpdateFinishedTrialError:
+        return False
+    return ft.state == (state or TrialState.COMPLETE)
+
+
+def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
+    """Did this trial start when n_trials were already complete or running (a start race)?"""
+    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
+    mine = next((t for t in trials if t._trial_id == trial._trial_id), None)
+    if mine is None:
+        return False
+    key = (mine.datetime_start or _dt.datetime.max, mine.number)
+    ahead = sum(1 for t in trials if t._trial_id != mine._trial_id and (
+        t.state == TrialState.COMPLETE or (t.datetime_start or _dt.datetime.max, t.number) < key))
+    return ahead >= n_trials
+
+
+def _release(study: optuna.Study, trial: optuna.Trial) -> None:
+    storage = study._storage
+    ft = storage.get_trial(trial._trial_id)
+    storage.set_trial_system_attr(trial._trial_id, SURPLUS_KEY, True)
+    study.tell(trial, state=TrialState.PRUNED)
+    fixed = ft.system_attrs.get("fixed_params")
+    if fixed:
+        keep = {k: v for k, v in ft.user_attrs.items() if k in (RETRIES_KEY, RETRY_OF_KEY)}
+        study.enqueue_trial(dict(fixed), user_attrs=keep or None)
+
+
+def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _LoopConfig,
+          on_update: Callable[[Sequence[FrozenTrial]], None] | None = None) -> int:
+    """One worker's ask/tell loop; returns the number of trials it ran to an end."""
+    me = _Me.now()
+    n_obj = len(study.directions)
+    poll = min(1.0, cfg.heartbeat_interval)
+    ran = failures = 0
+    while True:
+        if cfg.deadline is not None and time.time() >= cfg.deadline:
+            return ran
+        trials = study.get_trials(deepcopy=False)
+        if fail_stale_trials(study, grace_period=cfg.grace_period, max_retries=cfg.max_retries, trials=trials):
+            trials = study.get_trials(deepcopy=False)
+        complete = sum(t.state == TrialState.COMPLETE for t in trials)
+        running = sum(t.state == TrialState.RUNNING for t in trials)
+        if on_update is not None:
+            on_update(trials)
+        if complete >= cfg.n_trials:
+            return ran
+        if complete + running >= cfg.n_trials:  # the rest are running elsewhere: wait for them
+            time.sleep(poll)
+            continue
+        trial = study.ask()
+        key = (study.study_name, trial._trial_id)
+        _ACTIVE.add(key)
+        try:
+            heartbeat = _Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
+            heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
+            if _surplus(study, trial, cfg.n_trials):
+                _release(study, trial)
+                time.sleep(poll)
+                continue
+            try:
+                with heartbeat:
+                    values = _as_values(objective(trial), n_obj)
+            except optuna.TrialPruned:
+                _finish(study, trial, state=TrialState.PRUNED)
+            except KeyboardInterrupt:
+                ft = study._storage.get_trial(trial._trial_id)
+                _fail_and_retry(study, ft, "interrupted (KeyboardInterrupt)", cfg.max_retries)
+                raise
+            except UpdateFinishedTrialError:
+                pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
+            except Exception as e:
+                _finish(study, trial, state=TrialState.FAIL, error=f"{type(e).__name__}: {e}")
+                if isinstance(e, NascompressError):
+                    raise
+                failures += 1
+                if failures >= cfg.max_failures:
+                    raise NascompressError(
+                        f"{failures} trials in a row failed; the last, trial {trial.number}: {type(e).__name__}: "
+                        f"{e}. Fix the cause and rerun the same command to continue the study") from e
+            else:
+                if _finish(study, trial, values=values):
+                    failures = 0
+            ran += 1
+        finally:
+            _ACTIVE.discard(key)
+
+
+@contextmanager
+def _quiet_optuna() -> Iterator[None]:
+    """Optuna's per-trial INFO logs and experimental warnings off (our progress replaces them)."""
+    old = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            warnings.filterwarnings("ignore", message=".*enqueue.*")
+            yield
+    finally:
+        optuna.logging.set_verbosity(old)
+
+
+# ----------------------------------------------------------------------------------------------
+# Progress
+
+
+def _bucket(r: float) -> str:
+    edges = FLOPS_BUCKETS
+    if r <= edges[0]:
+        return f"<={edges[0]:g}"
+    for lo, hi in zip(edges, edges[1:]):
+        if r <= hi:
+            return f"{lo:g}-{hi:g}"
+    return f">{edges[-1]:g}"
+
+
+def _bucket_labels() -> list[str]:
+    e = FLOPS_BUCKETS
+    return [f"<={e[0]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in zip(e, e[1:])] + [f">{e[-1]:g}"]
+
+
+def _duration(t: FrozenTrial) -> float | None:
+    rec = trial_record(t)
+    if isinstance(rec.get("wall_s"), (int, float)):
+        return float(rec["wall_s"])
+    if t.datetime_start and t.datetime_complete:
+        return (t.datetime_complete - t.datetime_start).total_seconds()
+    return None
+
+
+class _Display:
+    """Live progress on stderr, or JSON lines on stdout (one per finished trial)."""
+
+    def __init__(self, *, study_name: str, n_trials: int, directions: Sequence[str], metric_names: Sequence[str],
+                 rich: bool, json_lines: bool, finished_before: set[int]) -> None:
+        self.name = study_name
+        self.n = n_trials
+        self.directions = list(directions)
+        self.metric_names = list(metric_names)
+        self.rich = rich and not json_lines
+        self.json_lines = json_lines
+        self.seen = set(finished_before)
+        self.t0 = time.time()
+        self.state: dict[str, Any] = {}
+        self.live: Any = None
+
+    def __enter__(self) -> _Display:
+        if self.rich:
+            from rich.live import Live
+
+            from nascompress.progress import console
+
+            self.live = Live(get_renderable=self._render, console=console, refresh_per_second=2, transient=False)
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+    def update(self, trials: Sequence[FrozenTrial]) -> None:
+        counts: dict[str, int] = {}
+        for t in trials:
+            counts[t.state.name] = counts.get(t.state.name, 0) + 1
+        complete = [t for t in trials if t.state == TrialState.COMPLETE]
+        front = pareto_front(complete, self.directions)
+        buckets: dict[str, float] = {}
+        for t in complete:
+            rec = trial_record(t)
+            acc, ratio = rec.get("accuracy"), rec.get("flops_ratio")
+            if isinstance(acc, (int, float)) and isinstance(ratio, (int, float)):
+                b = _bucket(float(ratio))
+                buckets[b] = max(buckets.get(b, -math.inf), float(acc))
+        durs = [d for d in (_duration(t) for t in complete) if d is not None]
+        self.state = {"counts": counts, "front": front, "buckets": buckets,
+                      "mean_s": sum(durs) / len(durs) if durs else None}
+        for t in sorted(trials, key=lambda t: t.number):
+            if t.state.is_finished() and t.number not in self.seen:
+                self.seen.add(t.number)
+                if not t.system_attrs.get(SURPLUS_KEY):
+                    self._finished(t)
+        if self.live is not None:
+            self.live.refresh()
+
+    def _finished(self, t: FrozenTrial) -> None:
+        c = self.state["counts"]
+        if self.json_lines:
+            line = {"event": "trial", "study": self.name, "number": t.number, "state": t.state.name,
+                    "values": dict(zip(self.metric_names, t.values)) if t.values else None,
+                    "params": t.params, "record": {k: v for k, v in trial_record(t).items() if k != "arch"},
+                    "error": t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY),
+                    "complete": c.get("COMPLETE", 0), "n_trials": self.n, "running": c.get("RUNNING", 0),
+                    "failed": c.get("FAIL", 0), "front_size": len(self.state["front"]),
+                    "elapsed_s": round(time.time() - self.t0, 3)}
+            sys.stdout.write(json.dumps(line) + "\n")
+            sys.stdout.flush()
+        elif self.rich:
+            from nascompress.progress import console
+
+            if t.state == TrialState.COMPLETE and t.values:
+                vals = "  ".join(f"{n} {v:.4g}" for n, v in zip(self.metric_names, t.values))
+                d = _duration(t)
+                console.print(f"trial {t.number} complete  {vals}" + (f"  ({d:.1f} s)" if d is not None else ""),
+                              highlight=False)
+            else:
+                why = t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY) or ""
+                console.print(f"trial {t.number} {t.state.name.lower()}" + (f": {why}" if why else ""),
+                              highlight=False, style="yellow" if t.state == TrialState.FAIL else None)
+
+    def _render(self) -> Any:
+        from rich.table import Table
+        from rich.text import Text
+
+        s = self.state or {"counts": {}, "front": [], "buckets": {}, "mean_s": None}
+        c = s["counts"]
+        g = Table.grid(padding=(0, 2))
+        head = Text.assemble((f"study {self.name}", "bold"), f"  {c.get('COMPLETE', 0)}/{self.n} complete",
+                             f"  {c.get('RUNNING', 0)} running", f"  {c.get('FAIL', 0)} failed")
+        if len(self.directions) > 1:
+            head.append(f"  Pareto front {len(s['front'])}")
+        elif s["front"]:
+            head.append(f"  best {self.metric_names[0]} {s['front'][0].values[0]:.4g}")
+        if s["mean_s"] is not None:
+            head.append(f"  {s['mean_s']:.1f} s/trial")
+        head.append(f"  elapsed {time.time() - self.t0:.0f} s")
+        g.add_row(head)
+        if s["buckets"]:
+            parts = [f"{b} {s['buckets'][b]:.2f}" if b in s["buckets"] else f"{b} -" for b in _bucket_labels()]
+            g.add_row(Text("best accuracy by FLOPs ratio: " + " | ".join(parts)))
+        return g
+
+
+# ----------------------------------------------------------------------------------------------
+# Creating / checking the study
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in a or k not in b:
+                out.append(f"{path}.{k}".lstrip("."))
+            else:
+                out += _diff(a[k], b[k], f"{path}.{k}")
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path.lstrip(".") or "(whole space)"]
+
+
+def _check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str, Any], where: str) -> None:
+    old_hash, new_hash = stored.get("space_hash"), new.get("space_hash")
+    if old_hash == new_hash:
+        return
+    old_space, new_space = stored.get("space") or {}, new.get("space") or {}
+    diff = _diff({k: v for k, v in old_space.items() if k in ("methods",)},
+                 {k: v for k, v in new_space.items() if k in ("methods",)})
+    where_diff = f"; they differ in {', '.join(diff[:4])}" + (" ..." if len(diff) > 4 else "") if diff else ""
+    raise NascompressError(
+        f"study {study.study_name!r} in {where} was created with search space {old_space.get('name', '?')!r} "
+        f"(hash {old_hash}) and this run uses {new_space.get('name', '?')!r} (hash {new_hash}){where_diff}. "
+        "A study keeps one search space: use a new study name, or rerun with the original space")
+
+
+def _open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str], metric_names: Sequence[str],
+                info: dict[str, Any], enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
+    storage = open_storage(spec, create=True)
+    placeholder = optuna.samplers.RandomSampler(seed=0)  # this Study object never samples
+    try:
+        study = optuna.create_study(study_name=study_name, storage=storage, directions=list(directions),
+                                    sampler=placeholder)
+        created = True
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(study_name=study_name, storage=storage, sampler=placeholder)
+        created = False
+    have = [d.name.lower() for d in study.directions]
+    if have != list(directions):
+        raise NascompressError(f"study {study_name!r} in {spec.display} optimizes {have}, not {list(directions)}: "
+                               "use a new study name for other objectives")
+    stored = study_info(study)
+    if not created and not stored and not study.trials:
+        for _ in range(30):  # another process has just created it: let it finish initializing
+            time.sleep(0.5)
+            stored = study_info(study)
+            if stored:
+                break
+    if not stored:
+        if study.metric_names is None or list(study.metric_names) != list(metric_names):
+            study.set_metric_names(list(metric_names))
+        for params in enqueue:
+            study.enqueue_trial(dict(params), skip_if_exists=True)
+        study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
+        return study, True
+    _check_space(study, stored, info, spec.display)
+    names = study.metric_names
+    if names is not None and list(names) != list(metric_names):
+        raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
+                               f"{list(metric_names)}: use a new study name for other objectives")
+    return study, created
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker processes
+
+
+@dataclass(frozen=True)
+class _WorkerArgs:
+    index: int
+    spec: StorageSpec
+    study_name: str
+    objective_factory: Callable[[], Callable[[optuna.Trial], Any]]
+    sampler_factory: Callable[[int], BaseSampler]
+    seed: int
+    loop: _LoopConfig
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _worker_main(args: _WorkerArgs, results: Any) -> None:
+    """Entry point of a spawned worker process."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    msg: dict[str, Any] = {"worker": args.index}
+    code = 0
+    try:
+        with _quiet_optuna():
+            storage = open_storage(args.spec, create=False)
+            study = optuna.load_study(study_name=args.study_name, storage=storage,
+                                      sampler=args.sampler_factory(args.seed))
+            objective = args.objective_factory()
+            msg["ran"] = _work(study, objective, args.loop)
+    except KeyboardInterrupt:
+        msg["interrupted"] = True
+        code = 130
+    except NascompressError as e:
+        msg["error"] = str(e)
+        code = 1
+    except BaseException as e:  # noqa: BLE001 (reported to the parent, which prints one line)
+        msg["error"] = f"{type(e).__name__}: {e}"
+        msg["traceback"] = traceback.format_exc()
+        code = 1
+    results.put(msg)
+    results.close()
+    results.join_thread()
+    sys.exit(code)
+
+
+def _run_workers(args: list[_WorkerArgs], study: optuna.Study, display: _Display) -> list[dict[str, Any]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(a, results), name=f"nascompress-worker-{a.index}")
+             for a in args]
+    msgs: list[dict[str, Any]] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                msgs.append(results.get_nowait())
+            except _queue.Empty:
+                return
+
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.5)
+            drain()
+            display.update(study.get_trials(deepcopy=False))
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGINT)
+        deadline = time.time() + 15
+        for p in procs:
+            p.join(max(0.1, deadline - time.time()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        raise
+    for p in procs:
+        p.join()
+    deadline = time.time() + 2
+    while len(msgs) < len(procs) and time.time() < deadline:
+        drain()
+        time.sleep(0.05)
+    for p in procs:
+        idx = int(p.name.rsplit("-", 1)[1])
+        if not any(m.get("worker") == idx for m in msgs):
+            msgs.append({"worker": idx, "error": f"worker {idx} exited with code {p.exitcode}"})
+    display.update(study.get_trials(deepcopy=False))
+    return sorted(msgs, key=lambda m: m["worker"])
+
+
+# ----------------------------------------------------------------------------------------------
+# The entry point
+
+
+def run_study(*, study_name: str, storage: str | None, objective_factory: Callable[[], Callable[[optuna.Trial], Any]],
+              n_trials: int, directions: Sequence[str], metric_names: Sequence[str], space_info: Mapping[str, Any],
+              sampler_factory: Callable[[int], BaseSampler] | None = None, seed: int = 0, workers: int = 1,
+              enqueue: Sequence[Mapping[str, Any]] = (), timeout: float | None = None,
+              heartbeat_interval: float = 30.0, grace_period: float | None = None, progress: bool = True,
+              json_progress: bool = False, max_retries: int = 1, max_failures: int = 3) -> dict[str, Any]:
+    """Create or continue a study and run it until it has ``n_trials`` COMPLETE trials.
+
+    Args:
+        study_name: the study; an existing one is continued.
+        storage: a ``--storage`` value, or None for the project's default files
+            (see :mod:`nascompress.studies.storage`).
+        objective_factory: picklable top-level callable; ``objective_factory()`` returns
+            ``objective(trial) -> float | list[float]`` (called once per worker process).
+        n_trials: COMPLETE trials the study should have in total.
+        directions: ``"maximize"`` / ``"minimize"`` per objective.
+        metric_names: a name per objective (``study.set_metric_names``).
+        space_info: stored as ``study.user_attrs["nascompress"]``; must hold ``space_hash``
+            (and should hold ``space``, ``base_run``, ``dataset``, ``command``).
+        sampler_factory: picklable ``seed -> sampler`` (default :func:`default_sampler`).
+        seed: the base seed (see :func:`worker_seed`).
+        workers: worker processes on this machine.
+        enqueue: Optuna params of fixed configurations to run first (new studies only).
+        timeout: start no new trial after this many seconds.
+        heartbeat_interval: seconds between a running trial's heartbeats.
+        grace_period: seconds without a beat before another host's trial counts as dead
+            (default 3 x heartbeat_interval).
+        progress: show live progress on stderr.
+        json_progress: print one JSON line per finished trial on stdout instead.
+        max_retries: how often a trial killed mid-run is retried with the same params.
+        max_failures: objective failures in a row (per worker) that stop the run.
+
+    Returns:
+        ``{"study", "storage" (masked), "n_trials", "complete", "counts" (by state), "front"
+        ([{"number", "values", "params"}]), "wall_s", "workers", "created", "stale_failed",
+        "finished"}``.
+    """
+    t0 = time.time()
+    if not isinstance(n_trials, int) or n_trials < 1:
+        raise NascompressError(f"n_trials must be an integer >= 1, got {n_trials!r}")
+    if not isinstance(workers, int) or workers < 1:
+        raise NascompressError(f"workers must be an integer >= 1, got {workers!r}")
+    directions = [str(d).lower() for d in directions]
+    if not directions or any(d not in ("maximize", "minimize") for d in directions):
+        raise NascompressError(f"directions must be 'maximize' or 'minimize' each, got {directions}")
+    if len(metric_names) != len(directions):
+        raise NascompressError(f"{len(metric_names)} metric names for {len(directions)} directions")
+    if not isinstance(space_info.get("space_hash"), str):
+        raise NascompressError("space_info needs space_hash (Space.hash()) so a resumed study can check its space")
+    if heartbeat_interval <= 0:
+        raise NascompressError(f"heartbeat_interval must be > 0, got {heartbeat_interval}")
+    grace = float(grace_period) if grace_period is not None else 3.0 * heartbeat_interval
+    sampler_factory = sampler_factory or default_sampler
+    if workers > 1:
+        for what, obj in (("objective_factory", objective_factory), ("sampler_factory", sampler_factory)):
+            try:
+                pickle.dumps(obj)
+            except Exception as e:
+                raise NascompressError(f"{what} must be picklable (a top-level function or functools.partial of "
+                                       f"one) to run {workers} worker processes: {e}") from None
+    spec = resolve_run_storage(storage, study_name=study_name, workers=workers)
+    info = {**dict(space_info), "objectives": list(metric_names), "seed": int(seed),
+            "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    info.setdefault("command", " ".join(sys.argv))
+    loop = _LoopConfig(n_trials=n_trials, deadline=t0 + timeout if timeout is not None else None,
+                       heartbeat_interval=float(heartbeat_interval), grace_period=grace,
+                       max_retries=max_retries, max_failures=max_failures)
+    with _quiet_optuna():
+        study, created = _open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
+                                     info=info, enqueue=enqueue)
+        stale = fail_stale_trials(study, grace_period=grace, max_retries=max_retries)
+        trials = study.get_trials(deepcopy=False)
+        start_count = len(trials)
+        finished_before = {t.number for t in trials if t.state.is_finished()}
+        display = _Display(study_name=study_name, n_trials=n_trials, directions=directions,
+                           metric_names=metric_names, rich=progress, json_lines=json_progress,
+                           finished_before=finished_before)
+        worker_msgs: list[dict[str, Any]] = []
+        with display:
+            display.update(trials)
+            done = sum(t.state == TrialState.COMPLETE for t in trials) >= n_trials
+            if done:
+                pass
+            elif workers == 1:
+                sampler = sampler_factory(worker_seed(seed, 0, start_count))
+                wstudy = optuna.load_study(study_name=study_name, storage=study._storage, sampler=sampler)
+                objective = objective_factory()
+                _work(wstudy, objective, loop, on_update=display.update)
+                display.update(study.get_trials(deepcopy=False))
+            else:
+                args = [_WorkerArgs(k, spec, study_name, objective_factory, sampler_factory,
+                                    worker_seed(seed, k, start_count), loop) for k in range(workers)]
+                worker_msgs = _run_workers(args, study, display)
+        trials = study.get_trials(deepcopy=False)
+    counts: dict[str, int] = {}
+    for t in trials:
+        counts[t.state.name] = counts.get(t.state.name, 0) + 1
+    complete = counts.get("COMPLETE", 0)
+    errors = [m for m in worker_msgs if m.get("error")]
+    timed_out = loop.deadline is not None and time.time() >= loop.deadline
+    if complete < n_trials and errors and not timed_out:
+        first = errors[0]
+        hint = " (rerun with --workers 1 --debug for the traceback)" if first.get("traceback") else ""
+        raise NascompressError(f"worker {first['worker']} failed: {first['error']}{hint}; the study has "
+                               f"{complete} of {n_trials} complete trials: rerun the same command to continue it")
+    front = pareto_front(trials, directions)
+    return {"study": study_name, "storage": spec.display, "n_trials": n_trials, "complete": complete,
+            "counts": counts, "metric_names": list(metric_names), "directions": directions,
+            "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
+            "wall_s": round(time.time() - t0, 3), "workers": workers, "created": created,
+            "stale_failed": stale, "finished": complete >= n_trials,
+            "worker_errors": [{"worker": m["worker"], "error": m["error"]} for m in errors]}

@@ -1,0 +1,225 @@
+"""Search-space files: the shipped ones load, every kind of bad entry is named, suggest/grid/params_for."""
+from __future__ import annotations
+
+import glob
+import os
+import warnings
+
+import optuna
+import pytest
+from optuna.trial import FixedTrial
+
+from nascompress.errors import NascompressError
+from nascompress.search.space import Space, load_space
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "search_spaces", "*.yaml")))
+
+# The config fields the shipped files assume (the method registry's config_cls is being rebuilt).
+FIELDS = {
+    "evit": {"keep_rate", "prune_layers", "fuse_token"},
+    "dynamicvit": {"rho", "prune_layers"},
+    "sparsifiner": {"attn_keep_ratio", "mode", "kernel", "n_down", "block_size", "budget"},
+    "mgvit": {"r_h", "r_t", "r_pos", "r_neg", "ppsm_layers", "epsilon"},
+    "dcs": {"target_flops", "qk_mask"},
+}
+
+
+def fake_fields(name: str) -> set[str] | None:
+    return FIELDS.get(name)
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "space.yaml"
+    p.write_text(text)
+    return p
+
+
+def sample(space: Space, n: int, seed: int = 0) -> list[optuna.trial.FrozenTrial]:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+        out = []
+        for _ in range(n):
+            t = study.ask()
+            recs = space.suggest(t)
+            study.tell(t, 0.0)
+            out.append((recs, study.trials[-1].params))
+    return out
+
+
+def test_shipped_files_exist():
+    names = {os.path.basename(p) for p in SHIPPED}
+    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "dcs-target.yaml", "joint.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_shipped_file_loads_samples_and_round_trips(path):
+    space = load_space(path, method_fields=fake_fields)
+    space.check_depth(6)  # the project's default ViT
+    assert Space.from_dict(space.to_dict(), method_fields=fake_fields).hash() == space.hash()
+    for recs, params in sample(space, 12):
+        assert space.params_for(recs) == params
+        assert space.records(params) == recs
+    grid = space.grid(8)
+    assert 1 <= len(grid) <= 8
+    for params in grid:
+        assert space.params_for(space.records(params)) == params
+
+
+BAD = {
+    "unknown top-level key": ("extra: 1\n", "space.yaml: unknown key 'extra'"),
+    "unknown method key": ("  - name: evit\n    grup: x\n", "methods[1]: unknown key 'grup'"),
+    "unknown param key": ("      p: {kind: float, low: 0, high: 1, stepp: 0.1}\n",
+                          "methods[1].params.p: unknown key 'stepp'"),
+    "inverted range": ("      p: {kind: float, low: 1, high: 0}\n", "methods[1].params.p: empty or inverted range"),
+    "empty range": ("      p: {kind: int, low: 3, high: 3}\n", "methods[1].params.p: empty or inverted range"),
+    "wrong type": ("      p: {kind: float, low: a, high: 1}\n", "methods[1].params.p.low: must be a number"),
+    "bool is not int": ("      p: {kind: int, low: true, high: 3}\n", "methods[1].params.p.low: must be an integer"),
+    "step and log": ("      p: {kind: float, low: 0.1, high: 1, step: 0.1, log: true}\n", "step and log cannot both"),
+    "step not dividing": ("      p: {kind: float, low: 0, high: 1, step: 0.3}\n", "must be a multiple of step"),
+    "log with low 0": ("      p: {kind: float, low: 0, high: 1, log: true}\n", "log: true needs low > 0"),
+    "unknown kind": ("      p: {kind: gaussian, low: 0, high: 1}\n",
+                     "methods[1].params.p.kind: unknown kind 'gaussian'"),
+    "mapping without kind": ("      p: {low: 0, high: 1}\n", "methods[1].params.p: a mapping needs kind"),
+    "empty choices": ("      p: {kind: categorical, choices: []}\n", "methods[1].params.p.choices: a non-empty list"),
+    "duplicate choice": ("      p: {kind: categorical, choices: [a, a]}\n", "choice 'a' appears twice"),
+    "layer 0": ("      p: {kind: layers, candidates: [0, 2], size: 1}\n", "layer numbers are integers >= 1"),
+    "size too big": ("      p: {kind: layers, candidates: [2, 11], size: [1, 3]}\n", "size 3 exceeds the 2 candidate"),
+    "layers without size": ("      p: {kind: layers, range: [2, 5]}\n", "needs size"),
+    "per_layer bad ref": ("      p: {kind: per_layer, layers: q, value: {kind: float, low: 0, high: 1}}\n",
+                          "methods[1].params.p.layers: refers to 'q'"),
+    "when undeclared": ("      p: {kind: int, low: 1, high: 4, when: {mode: block}}\n", "when: refers to 'mode'"),
+    "unknown method": ("  - name: nope\n", "methods[1].name: unknown method 'nope'"),
+    "unknown parameter": ("      foo: 1\n", "methods[1].params.foo: unknown parameter 'foo' of method 'mgvit'"),
+    "duplicate yaml key": ("      p: 1\n      p: 2\n", "duplicate key 'p'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD), ids=str)
+def test_bad_entry_names_file_entry_and_problem(tmp_path, case):
+    snippet, expected = BAD[case]
+    base = "format: nascompress-space/1\nname: t\nmethods:\n  - name: dcs\n    params:\n      target_flops: 0.5\n"
+    if snippet.startswith("  - name:"):
+        text = base + snippet
+    elif snippet.startswith("      "):
+        text = base + "  - name: mgvit\n    params:\n" + snippet
+    else:
+        text = base + snippet
+    fields = dict(FIELDS, mgvit=FIELDS["mgvit"] | {"p", "mode"})
+    with pytest.raises(NascompressError) as e:
+        load_space(write(tmp_path, text), method_fields=lambda n: fields.get(n))
+    assert expected in str(e.value)
+    assert "space.yaml" in str(e.value)
+
+
+def test_when_value_must_be_a_choice(tmp_path):
+    text = ("format: nascompress-space/1\nname: t\nmethods:\n  - name: sparsifiner\n    params:\n"
+            "      mode: {kind: categorical, choices: [unstructured, block]}\n"
+            "      kernel: {kind: categorical, choices: [gather, flex], when: {mode: blocky}}\n")
+    with pytest.raises(NascompressError, match=r"params.kernel.when: mode can never be 'blocky'"):
+        load_space(write(tmp_path, text), method_fields=fake_fields)
+
+
+def test_group_members_must_agree_on_optional(tmp_path):
+    text = ("format: nascompress-space/1\nname: t\nmethods:\n  - {name: evit, group: tokens, optional: true}\n"
+            "  - {name: dynamicvit, group: tokens}\n")
+    with pytest.raises(NascompressError, match=r"methods\[1\].optional: the methods of group 'tokens' must agree"):
+        load_space(write(tmp_path, text), method_fields=fake_fields)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(NascompressError, match="does not exist"):
+        load_space(tmp_path / "nope.yaml", method_fields=fake_fields)
+    with pytest.raises(NascompressError, match="not valid YAML at line 2"):
+        load_space(write(tmp_path, "format: x\n  bad: [\n"), method_fields=fake_fields)
+
+
+def test_check_depth():
+    space = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    space.check_depth(5)
+    with pytest.raises(NascompressError, match=r"methods\[0\].params.prune_layers: layer 5 is beyond the model's "
+                                               r"depth 4"):
+        space.check_depth(4)
+
+
+def test_suggest_respects_conditions_groups_and_per_layer_lengths():
+    space = load_space(os.path.join(ROOT, "search_spaces", "joint.yaml"), method_fields=fake_fields)
+    seen_groups, seen_modes = set(), set()
+    for recs, params in sample(space, 60, seed=1):
+        names = [r["name"] for r in recs]
+        assert names[0] == "dcs" and not {"evit", "dynamicvit"} <= set(names)
+        seen_groups.add(params["group.tokens"])
+        for r in recs:
+            cfg = r["config"]
+            if r["name"] in ("evit", "dynamicvit"):
+                rates = cfg["keep_rate" if r["name"] == "evit" else "rho"]
+                assert len(rates) == len(cfg["prune_layers"]) and cfg["prune_layers"] == sorted(cfg["prune_layers"])
+            if r["name"] == "sparsifiner":
+                seen_modes.add(cfg["mode"])
+        assert ("sparsifiner" in names) == params["sparsifiner.on"]
+        assert ("evit.keep_rate.0" in params) == (params["group.tokens"] == "evit")
+    assert seen_groups == {"evit", "dynamicvit", "none"} and seen_modes == {"unstructured", "block"}
+
+    sp = load_space(os.path.join(ROOT, "search_spaces", "sparsifiner.yaml"), method_fields=fake_fields)
+    base = {"sparsifiner.attn_keep_ratio": 0.25, "sparsifiner.n_down": 16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        off = sp.suggest(FixedTrial({**base, "sparsifiner.mode": "unstructured"}))[0]["config"]
+        on = sp.suggest(FixedTrial({**base, "sparsifiner.mode": "block", "sparsifiner.kernel": "flex"}))[0]["config"]
+    assert "kernel" not in off and on["kernel"] == "flex"
+
+
+def test_grid_size_and_spacing(tmp_path):
+    text = ("format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
+            "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n")
+    space = load_space(write(tmp_path, text), method_fields=fake_fields)
+    grid = space.grid(7)
+    xs = sorted(p["sparsifiner.attn_keep_ratio"] for p in grid)
+    assert len(grid) == 7
+    assert xs == pytest.approx([0.1 + 0.7 * (k + 0.5) / 7 for k in range(7)])
+    assert grid[0]["sparsifiner.attn_keep_ratio"] == pytest.approx(0.45)  # the first point is the middle
+    two = load_space(write(tmp_path, text + "      mode: {kind: categorical, choices: [unstructured, block]}\n"),
+                     method_fields=fake_fields).grid(10)
+    assert len(two) == 10 and {p["sparsifiner.mode"] for p in two} == {"unstructured", "block"}
+    assert len({p["sparsifiner.attn_keep_ratio"] for p in two}) == 10  # evenly spread in each coordinate
+    cat = load_space(write(tmp_path, "format: nascompress-space/1\nname: c\nmethods:\n  - name: sparsifiner\n"
+                                     "    params:\n      mode: {kind: categorical, choices: [unstructured, block]}\n"),
+                     method_fields=fake_fields)
+    assert len(cat.grid(10)) == 2  # only two distinct configurations exist
+    with pytest.raises(NascompressError):
+        cat.grid(0)
+
+
+def test_params_for_dense_and_paper_configs_and_errors():
+    space = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    paper = [{"name": "evit", "config": {"keep_rate": [0.7, 0.7], "prune_layers": [2, 4], "fuse_token": True}}]
+    params = space.params_for(paper)
+    assert params == {"evit.prune_layers": "2,4", "evit.keep_rate.0": 0.7, "evit.keep_rate.1": 0.7}
+    assert space.records(params) == paper
+    with pytest.raises(NascompressError, match=r"evit.config.keep_rate\[0\]: 0.3 is outside the space's range"):
+        space.params_for([{"name": "evit", "config": {"keep_rate": [0.3], "prune_layers": [2]}}])
+    with pytest.raises(NascompressError, match="expected 2 values"):
+        space.params_for([{"name": "evit", "config": {"keep_rate": [0.7], "prune_layers": [2, 4]}}])
+    with pytest.raises(NascompressError, match="not one of the space's layer sets"):
+        space.params_for([{"name": "evit", "config": {"keep_rate": [0.7], "prune_layers": [9]}}])
+    with pytest.raises(NascompressError, match="fixes it to True"):
+        space.params_for([{"name": "evit", "config": {"keep_rate": [0.7], "prune_layers": [2], "fuse_token": False}}])
+    joint = load_space(os.path.join(ROOT, "search_spaces", "joint.yaml"), method_fields=fake_fields)
+    dense = joint.params_for([{"name": "dcs", "config": {"target_flops": 1.0, "qk_mask": "static"}}])
+    assert dense == {"dcs.target_flops": 1.0, "group.tokens": "none", "sparsifiner.on": False}
+    with pytest.raises(NascompressError, match="alternatives"):
+        joint.params_for([{"name": "dcs", "config": {"target_flops": 1.0}},
+                          {"name": "evit", "config": {"keep_rate": [1.0], "prune_layers": [2]}},
+                          {"name": "dynamicvit", "config": {"rho": [1.0], "prune_layers": [2]}}])
+
+
+def test_hash_is_stable_and_ignores_name_and_description(tmp_path):
+    text = ("format: nascompress-space/1\nname: a\ndescription: one\nmethods:\n  - name: dcs\n    params:\n"
+            "      target_flops: {kind: float, low: 0.4, high: 0.9, step: 0.05}\n")
+    h1 = load_space(write(tmp_path, text), method_fields=fake_fields).hash()
+    h2 = load_space(write(tmp_path, text.replace("name: a", "name: b").replace("one", "two")),
+                    method_fields=fake_fields).hash()
+    h3 = load_space(write(tmp_path, text.replace("0.9", "0.8")), method_fields=fake_fields).hash()
+    assert h1 == h2 != h3 and len(h1) == 16
