@@ -19,7 +19,7 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
     ) -> None:
         """Gather the selected channels into a smaller model (model.safetensors + arch.json)."""
-        from nascompress.materialize import MaterializeJob, materialize_search
+        from nascompress.search.materialize import MaterializeJob, materialize_search
 
         metrics = run(materialize_search, MaterializeJob(search_dir=str(search_dir), out=str(out_dir)), force=force)
         if json_out:

@@ -1,26 +1,33 @@
-"""``nascompress finetune``: one command for every token/attention method (thin)."""
+"""``nascompress finetune``: one command for every method with a recipe (thin).
+
+The method options (``--keep-rate``, ``--rho``, ...) are not written here: they come from the method
+registry (config and recipe fields with a ``help`` metadata), so a new method brings its own.
+"""
 from __future__ import annotations
 
+import inspect
+import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from cli.common import out, print_json, run
 
 
-def _floats(s: Optional[str]) -> Optional[list[float]]:
-    return None if s is None else [float(v) for v in s.split(",") if v.strip()]
+def parse_value(text: str) -> Any:
+    """A CLI value: JSON when it parses (numbers, booleans, lists), a comma list of them, else the text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    if "," in text:
+        return [parse_value(v.strip()) for v in text.split(",") if v.strip()]
+    return text
 
 
-def _ints(s: Optional[str]) -> Optional[list[int]]:
-    return None if s is None else [int(v) for v in s.split(",") if v.strip()]
-
-
-def parse_opts(opts: list[str]) -> dict:
-    """``key=value`` pairs; values parsed as JSON when possible (numbers, lists, booleans)."""
-    import json
-
+def parse_opts(opts: list[str]) -> dict[str, Any]:
+    """``key=value`` pairs (values as :func:`parse_value`)."""
     from nascompress.errors import NascompressError
 
     d = {}
@@ -28,63 +35,122 @@ def parse_opts(opts: list[str]) -> dict:
         if "=" not in o:
             raise NascompressError(f"--opt {o!r} must look like key=value")
         k, v = o.split("=", 1)
-        try:
-            d[k.strip()] = json.loads(v)
-        except json.JSONDecodeError:
-            d[k.strip()] = v
+        d[k.strip()] = parse_value(v)
     return d
 
 
+def method_option_fields() -> dict[str, tuple[Any, list[str]]]:
+    """CLI-exposed fields of every registered method: name -> (a field, the methods that have it)."""
+    from nascompress.methods import available_methods, get_method
+
+    fields: dict[str, tuple[Any, list[str]]] = {}
+    for name in available_methods():
+        for f in get_method(name).cli_fields():
+            if f.name in fields:
+                fields[f.name][1].append(name)
+            else:
+                fields[f.name] = (f, [name])
+    return fields
+
+
+def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]], zero_shot: bool,
+              epochs: Optional[int], batch_size: Optional[int], lr: Optional[float], base_lr: Optional[float],
+              min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
+              layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
+              eval_limit: Optional[int], seed: int, device: str, force: bool, resume: bool, json_out: bool,
+              **method_opts: Optional[str]) -> None:
+    """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
+    from dataclasses import replace
+
+    from nascompress.api import run_data_config
+    from nascompress.data import DataConfig
+    from nascompress.errors import NascompressError
+    from nascompress.finetune import FinetuneJob, finetune as finetune_fn, finetune_train_config, split_settings
+
+    fields = method_option_fields()
+
+    def build() -> FinetuneJob:
+        settings: dict[str, Any] = {}
+        for name, text in method_opts.items():
+            if text is None:
+                continue
+            if method not in fields[name][1]:
+                raise NascompressError(f"--{name.replace('_', '-')} is not a {method} option (it belongs to "
+                                       f"{', '.join(fields[name][1])})")
+            settings[name] = parse_value(text)
+        settings.update(parse_opts(opt or []))
+        config, recipe = split_settings(method, settings)
+        data = run_data_config(run_dir) or DataConfig()
+        data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
+                       eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
+        data = replace(data, subset_seed=seed)
+        tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
+                                   warmup_epochs=warmup_epochs, weight_decay=weight_decay, layer_decay=layer_decay,
+                                   label_smoothing=label_smoothing, seed=seed, device=device)
+        return FinetuneJob(run_dir=str(run_dir), method=method, config=config, recipe=recipe, data=data, train=tc,
+                           out=str(out_dir), zero_shot=zero_shot)
+
+    job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
+    metrics = run(finetune_fn, job, force=force, resume=resume)
+    if json_out:
+        print_json(metrics)
+        return
+    start = metrics.get("start_val_top1")
+    extra = "" if start is None else f" (val: start {start:.2f}%, best {metrics['best_val_top1']:.2f}% at epoch " \
+                                      f"{metrics['best_epoch']})"
+    out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}%{extra}  -> {out_dir}")
+
+
+def _signature() -> inspect.Signature:
+    """The command's parameters: the fixed ones of :func:`_finetune` and one option per method field."""
+    P = inspect.Parameter
+    KW = P.KEYWORD_ONLY
+    fixed = [
+        P("run_dir", KW, annotation=Annotated[Path, typer.Argument(
+            help="The run to start from (dense, imported or DCS-materialized; also the teacher).")]),
+        P("method", KW, annotation=Annotated[str, typer.Option(help="evit, dynamicvit, sparsifiner or mgvit.")]),
+        P("out_dir", KW, annotation=Annotated[Path, typer.Option("--out", help="Run directory to create.")]),
+        P("opt", KW, default=None, annotation=Annotated[Optional[list[str]], typer.Option(
+            help="Any other method or recipe setting as key=value (repeatable).")]),
+        P("zero_shot", KW, default=False, annotation=Annotated[bool, typer.Option(
+            "--zero-shot", help="Apply without training (after the method's short predictor-only stage, if any).")]),
+        P("epochs", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
+            help="Default: the method's (2).")]),
+        P("batch_size", KW, default=None, annotation=Annotated[Optional[int], typer.Option(help="Default 64.")]),
+        P("lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
+            help="Absolute peak lr (default: --base-lr x batch / 512).")]),
+        P("base_lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
+            help="Peak lr per 512 images (default: the method's, see README).")]),
+        P("min_lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
+        P("warmup_epochs", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
+            help="Linear warm-up, in epochs (default 0.2).")]),
+        P("weight_decay", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
+        P("layer_decay", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
+            help="Layer-wise lr decay (timm's convention, e.g. 0.75); default off.")]),
+        P("label_smoothing", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
+        P("train_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
+            help="Use a seeded, class-balanced subset of N training images.")]),
+        P("eval_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
+            help="Use a seeded, class-balanced subset of N val/test images.")]),
+        P("seed", KW, default=0, annotation=Annotated[int, typer.Option(help="One seed for everything.")]),
+        P("device", KW, default="auto", annotation=Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]),
+        P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
+        P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
+            "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),
+        P("json_out", KW, default=False, annotation=Annotated[bool, typer.Option("--json")]),
+    ]
+    extra = []
+    for name, (f, methods) in method_option_fields().items():
+        help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
+        extra.append(P(name, KW, default=None, annotation=Annotated[Optional[str], typer.Option(
+            f"--{name.replace('_', '-')}", help=help_text)]))
+    return inspect.Signature(fixed + extra)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def finetune(
-        run_dir: Annotated[Path, typer.Argument(help="The dense nascompress run to start from (also the teacher).")],
-        method: Annotated[str, typer.Option(help="evit, dynamicvit, sparsifiner or mgvit.")],
-        out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
-        keep_rate: Annotated[Optional[float], typer.Option(help="EViT keep rate kappa in (0, 1].")] = None,
-        rho: Annotated[Optional[float], typer.Option(help="DynamicViT keep ratio rho in (0, 1].")] = None,
-        prune_layers: Annotated[Optional[str], typer.Option(help="Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12).")] = None,
-        attn_keep_ratio: Annotated[Optional[float], typer.Option(help="Sparsifiner attention keep ratio in (0, 1].")] = None,
-        r_h: Annotated[Optional[float], typer.Option(help="MG-ViT head ratio.")] = None,
-        r_t: Annotated[Optional[float], typer.Option(help="MG-ViT tail ratio.")] = None,
-        r_pos: Annotated[Optional[float], typer.Option(help="MG-ViT PPSM positive ratio.")] = None,
-        r_neg: Annotated[Optional[float], typer.Option(help="MG-ViT PPSM negative ratio.")] = None,
-        ppsm_layers: Annotated[Optional[str], typer.Option(help="MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12).")] = None,
-        epsilon: Annotated[Optional[float], typer.Option(help="MG-ViT early-exit threshold in (0, 1].")] = None,
-        opt: Annotated[Optional[list[str]], typer.Option(help="Any other method setting as key=value (repeatable).")] = None,
-        zero_shot: Annotated[bool, typer.Option("--zero-shot", help="Apply without training and save.")] = False,
-        epochs: Annotated[int, typer.Option()] = 2, batch_size: Annotated[int, typer.Option()] = 128,
-        lr: Annotated[float, typer.Option()] = 1e-4, warmup_epochs: Annotated[float, typer.Option()] = 0.0,
-        train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
-        eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
-        seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option()] = "auto",
-        force: Annotated[bool, typer.Option("--force")] = False, resume: Annotated[bool, typer.Option("--resume")] = False,
-        json_out: Annotated[bool, typer.Option("--json")] = False,
-    ) -> None:
-        """Fine-tune (or apply zero-shot) EViT, DynamicViT, Sparsifiner or MG-ViT on a dense run."""
-        from dataclasses import replace
+    def finetune(**kwargs: Any) -> None:
+        _finetune(**kwargs)
 
-        from nascompress.api import run_data_config
-        from nascompress.data import DataConfig
-        from nascompress.finetune import FinetuneJob, finetune as finetune_fn
-        from nascompress.train import TrainConfig
-
-        def build():
-            cfg = dict(keep_rate=keep_rate, rho=rho, prune_layers=_ints(prune_layers), attn_keep_ratio=attn_keep_ratio,
-                       r_h=r_h, r_t=r_t, r_pos=r_pos, r_neg=r_neg, ppsm_layers=_ints(ppsm_layers), epsilon=epsilon)
-            cfg = {k: v for k, v in cfg.items() if v is not None}
-            cfg.update(parse_opts(opt or []))
-            data = run_data_config(run_dir) or DataConfig()
-            data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                           eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-            tc = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, warmup_epochs=warmup_epochs, seed=seed,
-                             device=device, min_lr=min(1e-6, lr))
-            return FinetuneJob(run_dir=str(run_dir), method=method, method_config=cfg, data=data, train=tc,
-                               out=str(out_dir), zero_shot=zero_shot)
-
-        job = run(build)
-        metrics = run(finetune_fn, job, force=force, resume=resume)
-        if json_out:
-            print_json(metrics)
-        else:
-            out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}%  -> {out_dir}")
+    finetune.__doc__ = _finetune.__doc__
+    finetune.__signature__ = _signature()  # type: ignore[attr-defined]
+    app.command("finetune")(finetune)

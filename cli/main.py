@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import STATE, fail, out, print_json, run
+from cli.common import STATE, fail, input_overrides, out, print_json, run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -24,6 +24,11 @@ Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
 Dataset = Annotated[str, typer.Option(help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/).")]
 DataDir = Annotated[str, typer.Option(help="Where Fashion-MNIST's IDX files are.")]
+Mean = Annotated[Optional[str], typer.Option(help="Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's).")]
+Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separated (default: as --mean).")]
+Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
+CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
+NumWorkers = Annotated[Optional[int], typer.Option(help="DataLoader workers (default: up to 4 for ImageFolder, 0 in memory).")]
 
 
 def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
@@ -56,11 +61,14 @@ def train(
     depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
     num_classes: Annotated[Optional[int], typer.Option(help="Classes (default: the dataset's).")] = None,
     weights: Annotated[Optional[Path], typer.Option(help="Local .safetensors/.pth weights to start from.")] = None,
-    reset_head: Annotated[bool, typer.Option("--reset-head", help="Keep the head at init (class count differs from the weights).")] = False,
+    reset_head: Annotated[bool, typer.Option("--reset-head", help="A new head: the weights' is missing (backbone only) or has another class count.")] = False,
+    linear_probe: Annotated[bool, typer.Option("--linear-probe", help="Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")] = False,
+    mean: Mean = None, std: Std = None, interpolation: Interpolation = None, crop_pct: CropPct = None,
     dataset: Dataset = "fashion-mnist", data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
     val_fraction: Annotated[float, typer.Option(help="Share of train held out for validation.")] = 0.1,
-    train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
-    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
+    train_limit: Annotated[Optional[int], typer.Option(help="Use N training images (a class-stratified random subset drawn with --seed).")] = None,
+    eval_limit: Annotated[Optional[int], typer.Option(help="Use N val/test images (class-stratified, drawn with --seed).")] = None,
+    num_workers: NumWorkers = None,
     epochs: Annotated[int, typer.Option()] = 8, batch_size: Annotated[int, typer.Option()] = 128,
     lr: Annotated[float, typer.Option()] = 1e-3, min_lr: Annotated[float, typer.Option()] = 1e-5,
     warmup_epochs: Annotated[float, typer.Option()] = 1.0, weight_decay: Annotated[float, typer.Option()] = 0.05,
@@ -70,26 +78,32 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
-    """Train a timm ViT densely on a real dataset (the base model every method compresses)."""
+    """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
+    --linear-probe fit only a new head on a frozen pretrained backbone."""
     from nascompress.api import count_classes
     from nascompress.data import DataConfig
     from nascompress.train import TrainConfig, TrainJob, train as train_job
 
     def build():
         data = DataConfig(dataset=dataset, data_dir=data_dir, val_fraction=val_fraction, split_seed=0,
-                          train_limit=train_limit, eval_limit=eval_limit)
+                          train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed, num_workers=num_workers)
         n = num_classes if num_classes is not None else count_classes(data)
         spec = model_spec(model, img_size, patch_size, embed_dim, depth, num_heads, n, in_chans)
         cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup_epochs=warmup_epochs,
                           weight_decay=weight_decay, label_smoothing=label_smoothing, ema_decay=ema_decay,
                           seed=seed, device=device)
         return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
-                        weights=str(weights) if weights else None, reset_head=reset_head)
+                        weights=str(weights) if weights else None, reset_head=reset_head,
+                        input=input_overrides(mean, std, interpolation, crop_pct), linear_probe=linear_probe)
 
     job = run(build)
     metrics = run(train_job, job, force=force, resume=resume)
     if json_out:
         print_json(metrics)
+    elif metrics.get("linear_probe"):
+        out.print(f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
+                  f"L2 {metrics['l2']:g}  features {metrics['feature_time_s']:.0f}s  fit {metrics['fit_time_s']:.1f}s"
+                  f"  -> {out_dir}")
     else:
         out.print(f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
                   f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}")
@@ -119,7 +133,8 @@ def evaluate(
     if eval_limit is not None:
         data = replace(data, eval_limit=eval_limit)
     if epsilon is not None:
-        from nascompress.methods.mgvit import epsilon_sweep, parse_epsilons
+        from nascompress.api import epsilon_sweep
+        from nascompress.methods.mgvit import parse_epsilons
 
         res = run(lambda: epsilon_sweep(run_dir, parse_epsilons(epsilon), data=data, split=split, device=device,
                                         batch_size=batch_size))
@@ -190,7 +205,7 @@ def _register_optional() -> None:
     """Method commands live in their own modules; each adds itself to ``app``."""
     import importlib
 
-    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search"):
+    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search", "cli.importer", "cli.study"):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
             if data_dir is not None:
                 data = replace(data, data_dir=data_dir)
             data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                           eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
+                           eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
             rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
                                cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature)
             tc = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, warmup_epochs=warmup_epochs, seed=seed,

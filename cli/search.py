@@ -8,12 +8,12 @@ import typer
 
 from cli.common import out, print_json, run
 
-search_app = typer.Typer(no_args_is_help=True, help="Architecture searches (dcs).")
+search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
 
 @search_app.command("dcs")
 def dcs(
-    source: Annotated[str, typer.Argument(help="A dense run directory (nascompress train) or a timm model name.")],
+    source: Annotated[str, typer.Argument(help="A dense run directory (train/import) or a timm model name.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Search run directory to create.")] = Path("runs/dcs_search"),
     weights: Annotated[Optional[Path], typer.Option(help="Local weights when SOURCE is a timm name.")] = None,
     img_size: Annotated[Optional[int], typer.Option(help="Input size override when SOURCE is a timm name.")] = None,
@@ -26,18 +26,27 @@ def dcs(
         help="lambda of lambda*log(cost) (paper range 0.1-0.5); with --target-flops it is steered instead.")] = 0.2,
     entropy_weight: Annotated[float, typer.Option(help="Weight of the gates' entropy penalty.")] = 0.01,
     qk_mask: Annotated[str, typer.Option(
-        help="Q/K channel mask: input (paper), static (materializable) or none.")] = "input",
-    alpha_init: Annotated[float, typer.Option(help="Initial gate logit alpha (> 0: gates start open).")] = 3.0,
+        help="Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
+             "time) or none.")] = "static",
+    alpha_init: Annotated[float, typer.Option(help="Initial mean gate logit alpha/theta (> 0: gates start open).")] = 2.0,
     epochs: Annotated[int, typer.Option()] = 4,
     batch_size: Annotated[int, typer.Option()] = 128,
-    lr: Annotated[float, typer.Option(help="Peak AdamW lr of the weights (cosine to --min-lr).")] = 1e-3,
-    min_lr: Annotated[float, typer.Option()] = 1e-4,
-    arch_lr: Annotated[Optional[float], typer.Option(help="Peak AdamW lr of alpha (default: --lr).")] = None,
+    lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr of the weights (default: --base-lr x batch / 512).")] = None,
+    base_lr: Annotated[float, typer.Option(help="Peak lr of the weights per 512 images (pretrained-safe default).")] = 1e-4,
+    min_lr: Annotated[float, typer.Option()] = 1e-6,
+    warmup_epochs: Annotated[float, typer.Option(help="Linear lr warm-up, in epochs.")] = 0.2,
+    layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay of the weights (0 or 1: off).")] = 0.75,
+    arch_lr: Annotated[float, typer.Option(help="Peak AdamW lr of the architecture parameters (alpha, theta).")] = 0.05,
+    distill: Annotated[float, typer.Option(help="Weight of KL to the dense model on the weight steps (0: off).")] = 0.5,
+    max_val_drop: Annotated[float, typer.Option(
+        help="Stop when validation top-1 falls more than this many points below the dense model's.")] = 15.0,
     tau0: Annotated[float, typer.Option(help="Initial Gumbel temperature (x0.95 per epoch).")] = 4.5,
     round_mlp: Annotated[int, typer.Option(
-        help="Not in the paper: at the end close block MLPs left with < K channels, open those with > C-K.")] = 0,
-    train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
-    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
+        help="Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for).")] = 0,
+    no_calibrate: Annotated[bool, typer.Option(
+        "--no-calibrate", help="Fail instead of shifting the gate threshold when the search ends off target.")] = False,
+    train_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N training images.")] = None,
+    eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
@@ -51,20 +60,25 @@ def dcs(
     from nascompress.data import DataConfig
     from nascompress.methods.dcs import DCSConfig
     from nascompress.search import DCSSearchConfig, DCSSearchJob, search_dcs
+    from nascompress.search.dcs import search_train_config
 
     def build() -> DCSSearchJob:
-        cfg = DCSSearchConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, arch_lr=arch_lr, lam=lam,
-                              entropy_weight=entropy_weight, tau0=tau0, target_flops=target_flops, seed=seed,
-                              round_mlp=round_mlp,
-                              device=device)
+        cfg = DCSSearchConfig(arch_lr=arch_lr, lam=lam, entropy_weight=entropy_weight, tau0=tau0,
+                              target_flops=target_flops, round_mlp=round_mlp, distill=distill,
+                              max_val_drop=max_val_drop, calibrate=not no_calibrate)
+        tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
+                                 warmup_epochs=warmup_epochs, seed=seed, device=device)
+        tc = tc.replace(layer_decay=None if not layer_decay or layer_decay == 1 else layer_decay)
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
         if dataset is not None:
             data = replace(data, dataset=dataset)
         data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                        eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        return DCSSearchJob(source=source, out=str(out_dir), method=DCSConfig(qk_mask=qk_mask, alpha_init=alpha_init),
-                            search=cfg, data=data, weights=str(weights) if weights else None,
+        data = replace(data, subset_seed=seed)
+        return DCSSearchJob(source=source, out=str(out_dir),
+                            method=DCSConfig(qk_mask=qk_mask, alpha_init=alpha_init, theta_init=alpha_init),
+                            search=cfg, train=tc, data=data, weights=str(weights) if weights else None,
                             model_kwargs={"img_size": img_size} if img_size else {})
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
@@ -72,8 +86,72 @@ def dcs(
     if json_out:
         print_json(metrics)
     else:
-        out.print(f"DCS search: FLOPs {metrics['flops_ratio']:.3f}x dense, val top-1 {metrics['val_top1']:.2f}%, "
-                  f"MLP channels kept {metrics['mlp_kept']}  -> {out_dir}")
+        cal = metrics.get("calibration")
+        note = "" if not cal else f" (calibrated from {cal['ratio_before']:.3f})"
+        out.print(f"DCS search: FLOPs {metrics['flops_ratio']:.3f}x dense{note}, val top-1 {metrics['val_top1']:.2f}% "
+                  f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
+                  f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
+
+
+def _outer_search(kind: str, default_space: str):
+    """The ``search tokens`` / ``search joint`` command (the same engine, another default space)."""
+
+    def command(
+        base: Annotated[Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")],
+        study: Annotated[str, typer.Option(help="Study name; an existing study is continued.")],
+        space: Annotated[Optional[Path], typer.Option(
+            help="Search-space file (default: tokens search_spaces/evit.yaml, joint search_spaces/joint.yaml).")] = None,
+        storage: Annotated[Optional[str], typer.Option(
+            help="sqlite:///FILE, journal:FILE or postgresql://... (default: ./nascompress-studies.db; with several "
+                 "--workers ./nascompress-studies.journal).")] = None,
+        trials: Annotated[int, typer.Option(help="Complete trials the study should reach.")] = 50,
+        workers: Annotated[int, typer.Option(help="Worker processes on this machine sharing the study.")] = 1,
+        objective: Annotated[str, typer.Option(help="Second objective: flops, latency or throughput.")] = "flops",
+        max_flops: Annotated[Optional[float], typer.Option(
+            help="Single objective: accuracy with FLOPs <= this ratio of the uncompressed model.")] = None,
+        max_latency: Annotated[Optional[float], typer.Option(
+            help="Single objective: accuracy with batch-1 latency <= this many ms on --device.")] = None,
+        sampler: Annotated[str, typer.Option(help="nsga2 or tpe.")] = "nsga2",
+        finetune_epochs: Annotated[float, typer.Option(help="0: zero-shot trials; else a short fine-tune each.")] = 0.0,
+        train_images: Annotated[int, typer.Option(help="Class-balanced training images for predictor stages and fine-tunes.")] = 2000,
+        eval_images: Annotated[int, typer.Option(help="Class-balanced validation images accuracy is measured on.")] = 2000,
+        calib_steps: Annotated[int, typer.Option(help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).")] = 50,
+        dcs_epochs: Annotated[int, typer.Option(help="Epochs of the per-trial DCS search (spaces with a dcs entry).")] = 1,
+        batch_size: Annotated[int, typer.Option()] = 64,
+        no_enqueue: Annotated[bool, typer.Option("--no-enqueue", help="Do not run the uncompressed and paper configurations first.")] = False,
+        seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
+        device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+        json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
+    ) -> None:
+        from nascompress.search.trials import SearchJob, run_search
+
+        def build() -> SearchJob:
+            return SearchJob(base=str(base), space=str(space or default_space), study=study, storage=storage,
+                             trials=trials, workers=workers, objective=objective, max_flops=max_flops,
+                             max_latency_ms=max_latency, sampler=sampler, finetune_epochs=finetune_epochs,
+                             train_images=train_images, eval_images=eval_images, calib_steps=calib_steps,
+                             dcs_epochs=dcs_epochs, batch_size=batch_size, enqueue=not no_enqueue, seed=seed,
+                             device=device)
+
+        job = run(build)
+        res = run(run_search, job, progress=not json_out, json_progress=json_out)
+        if json_out:
+            print_json(res)
+            return
+        prof = res.get("profile") or {}
+        if prof:
+            out.print(f"space profile: FLOPs ratio {prof['flops_ratio_min']:.3f}-{prof['flops_ratio_max']:.3f} "
+                      f"(median {prof['flops_ratio_median']:.3f}) over {prof['configurations']} spread configurations")
+        out.print(f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
+                  f"{len(res['front'])} on the front; see `nascompress study show {res['study']}`")
+
+    command.__doc__ = (f"Optuna search over a search-space file ({kind}): each trial applies the methods to the base "
+                       "run, scores accuracy and FLOPs (or latency/throughput); resumable, several workers.")
+    return command
+
+
+search_app.command("tokens")(_outer_search("tokens", "search_spaces/evit.yaml"))
+search_app.command("joint")(_outer_search("joint", "search_spaces/joint.yaml"))
 
 
 def register(app: typer.Typer) -> None:

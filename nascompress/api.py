@@ -43,7 +43,7 @@ def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: 
     model, arch = load_with_arch(run_dir, map_location=dev)
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
-    bundle = load_data(data, img_size=spec.img_size)
+    bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     t_model = t_spec = None
     if teacher is not None:
@@ -79,4 +79,30 @@ def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None
         if hasattr(m, "stage_flops"):
             res["models"][label]["stages"] = m.stage_flops()
     res["input_size"] = list(input_size(next(iter(models.values()))))
+    return res
+
+
+def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfig | None = None, split: str = "test",
+                  device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
+    """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
+    from .data import make_loader, preprocess
+    from .methods.mgvit import MGViT, parse_epsilons, sweep_model
+
+    if isinstance(epsilons, str):
+        epsilons = parse_epsilons(epsilons)
+    if not epsilons:
+        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
+    dev = resolve_device(device)
+    model, arch = load_with_arch(run_dir, map_location=dev)
+    if not isinstance(model, MGViT):
+        raise NascompressError(f"{run_dir} is not an MG-ViT run (methods: "
+                               f"{[m['name'] for m in arch['methods']] or 'none'}); --epsilon needs one")
+    data = data or run_data_config(run_dir) or DataConfig()
+    spec = InputSpec.from_dict(arch["input"])
+    bundle = load_data(data, spec=spec)
+    check_classes(model.num_classes, bundle)
+    batches = ((preprocess(imgs, spec), y) for imgs, y in make_loader(bundle.split(split), batch_size=batch_size,
+                                                                       shuffle=False))
+    res = sweep_model(model, batches, epsilons=list(epsilons))
+    res.update(split=split, dataset=bundle.name)
     return res

@@ -1,118 +1,131 @@
-"""``nascompress finetune``: apply a method to a dense run and train it with the method's recipe.
+"""``nascompress finetune``: apply a method to a run and train it with the method's recipe.
 
-A method that can be fine-tuned registers a :class:`Recipe` with :func:`register_recipe`. The
-job is always the same: load the dense run, ``recipe.prepare`` patches the model and returns the
-method's ``arch.json`` record, then either save at once (``zero_shot``) or :func:`train.fit`
-with ``recipe.hooks`` (the method's losses and schedules, against the dense run as teacher).
+The job is the same for every method (:class:`~nascompress.methods.Method`): load the run (dense,
+imported, or DCS-materialized; it is also the distillation teacher), ``method.prepare_fresh``
+validates the settings, checks stacking and patches a copy, then either save at once
+(``zero_shot``; methods with new predictors first run their short predictor-only stage,
+:meth:`Method.calibrate`) or :func:`train.fit` with ``method.hooks``. The learning rate, warm-up
+and epochs default to the method's ``train_defaults`` (base lr per 512 images, scaled by the
+batch size). Every fine-tune evaluates its starting model first and keeps it if training only hurts.
 """
 from __future__ import annotations
 
 import copy
-import importlib
-from dataclasses import asdict, dataclass, field
+import itertools
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
-
-from torch import nn
+from typing import Any
 
 from .api import run_data_config
-from .data import DataConfig, InputSpec, load_data
+from .config import Config, check_bool
+from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch, save_model
-from .train import TrainConfig, TrainHooks, check_classes, fit
-from .utils import create_out_dir, prepare_out_dir, resolve_device, seed_everything, write_json
+from .methods import get_method
+from .train import TrainConfig, check_classes, fit
+from .utils import create_out_dir, prepare_out_dir, recorded_job, resolve_device, seed_everything, write_json
+
+# Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
+FINETUNE_DEFAULTS: dict[str, Any] = {"epochs": 2, "batch_size": 64, "base_lr": 1e-4, "min_lr": 1e-6,
+                                     "warmup_epochs": 0.2, "weight_decay": 0.05}
 
 
-class Recipe:
-    """A method's fine-tuning recipe. Subclass and register with :func:`register_recipe`."""
-
-    def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-        """Validate ``config`` (reject unknown keys), patch ``model``; return it and its record."""
-        raise NotImplementedError
-
-    def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: TrainConfig) -> TrainHooks:
-        """The training hooks (losses against ``teacher``, schedules) for this method."""
-        return TrainHooks()
+def finetune_train_config(method: str, **overrides: Any) -> TrainConfig:
+    """The TrainConfig of a fine-tune of ``method``: generic defaults, the method's, then ``overrides``
+    (None values are ignored)."""
+    d = dict(FINETUNE_DEFAULTS, **get_method(method).train_defaults)
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig.from_dict(d)
 
 
-_RECIPES: dict[str, Callable[[], Recipe]] = {}
-_RECIPE_MODULES = ("evit", "dynamicvit", "sparsifiner", "mgvit")
-
-
-def register_recipe(name: str) -> Callable[[type[Recipe]], type[Recipe]]:
-    def deco(cls: type[Recipe]) -> type[Recipe]:
-        if name in _RECIPES and _RECIPES[name] is not cls:
-            raise ValueError(f"recipe {name!r} is already registered")
-        _RECIPES[name] = cls
-        return cls
-    return deco
-
-
-def get_recipe(name: str) -> Recipe:
-    if name not in _RECIPES:
-        for mod in _RECIPE_MODULES:
-            try:
-                importlib.import_module(f"nascompress.methods.{mod}")
-            except ModuleNotFoundError as e:
-                if e.name != f"nascompress.methods.{mod}":
-                    raise
-    if name not in _RECIPES:
-        raise NascompressError(f"unknown method {name!r}; available: {', '.join(sorted(_RECIPES)) or 'none'}")
-    return _RECIPES[name]()
+def split_settings(method: str, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``key=value`` settings into the method's config and its recipe (unknown keys refused)."""
+    m = get_method(method)
+    cfg_keys = set(m.config_cls.__dataclass_fields__)
+    rec_keys = set(m.recipe_cls.__dataclass_fields__) if m.recipe_cls is not None else set()
+    unknown = sorted(set(settings) - cfg_keys - rec_keys)
+    if unknown:
+        raise NascompressError(f"unknown {method} option(s) {unknown}; valid options: "
+                               f"{', '.join(sorted(cfg_keys))}" + (f"; recipe: {', '.join(sorted(rec_keys))}" if rec_keys else ""))
+    return ({k: v for k, v in settings.items() if k in cfg_keys}, {k: v for k, v in settings.items() if k in rec_keys})
 
 
 @dataclass(frozen=True)
-class FinetuneJob:
+class FinetuneJob(Config):
     """Everything ``nascompress finetune`` needs; written to ``config.json`` of the output run.
 
     Args:
-        run_dir: the dense (or DCS) nascompress run to start from; also the teacher.
-        method: a registered recipe name (evit, dynamicvit, sparsifiner, mgvit).
-        method_config: the method's settings (validated by the recipe).
-        zero_shot: apply the method without training and save.
+        run_dir: the nascompress run to start from (dense, imported or DCS-materialized); also the teacher.
+        method: a registered method name (evit, dynamicvit, sparsifiner, mgvit).
+        config / recipe: the method's settings and its recipe settings (validated by the method).
+        data: the dataset (default: the run's).
+        train: optimisation (default: :func:`finetune_train_config`).
+        zero_shot: apply the method without training (after its predictor-only stage, if it has one).
     """
 
     run_dir: str
     method: str
-    method_config: dict[str, Any] = field(default_factory=dict)
+    config: dict = field(default_factory=dict)
+    recipe: dict = field(default_factory=dict)
     data: DataConfig | None = None
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=2, lr=1e-4, warmup_epochs=0.0))
+    train: TrainConfig | None = None
     out: str = "runs/finetuned"
     zero_shot: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        return d
+    def __post_init__(self) -> None:
+        check_bool("zero_shot", self.zero_shot)
+
+
+def calibration_batches(data, spec: InputSpec, *, batch_size: int, seed: int, device) -> Any:
+    """An endless stream of preprocessed training batches (x, y) for a predictor-only stage."""
+    def gen():
+        for epoch in itertools.count():
+            for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch):
+                yield preprocess(imgs, spec).to(device), labels.to(device)
+    return gen()
 
 
 def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
-    """Run ``job``; returns metrics (test top-1 of the saved model, and of the dense teacher)."""
+    """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
+    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1."""
     out = Path(job.out)
+    if resume:
+        job = recorded_job(out, FinetuneJob, "nascompress finetune")
     prepare_out_dir(out, force=force, resume=resume)
-    recipe = get_recipe(job.method)
-    device = resolve_device(job.train.device)
+    method = get_method(job.method)
+    cfg = job.train or finetune_train_config(job.method)
+    device = resolve_device(cfg.device)
     teacher, base_arch = load_with_arch(job.run_dir, map_location=device)
-    seed_everything(job.train.seed)
-    model, record = recipe.prepare(copy.deepcopy(teacher), dict(job.method_config))
+    seed_everything(cfg.seed)
+    model, record = method.prepare_fresh(copy.deepcopy(teacher), dict(job.config), dict(job.recipe) or None)
     arch = copy.deepcopy(base_arch)
     arch["methods"] = list(arch["methods"]) + [record]
+    arch.pop("retrain", None)
     data_cfg = job.data or run_data_config(job.run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
-    data = load_data(data_cfg, img_size=spec.img_size)
+    data = load_data(data_cfg, spec=spec)
     check_classes(model.num_classes, data)
     create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", dict(job.to_dict(), data=asdict(data_cfg)))
+    write_json(out / "config.json", job.replace(data=data_cfg, train=cfg).to_dict())
+    teacher.eval().requires_grad_(False)
+    model.to(device)
     if job.zero_shot:
+        calib = method.calibrate(model, record, teacher=teacher,
+                                 batches=calibration_batches(data, spec, batch_size=cfg.batch_size, seed=cfg.seed,
+                                                             device=device))
         save_model(out, model, arch)
-        res = evaluate(model, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size)
-        metrics = {"test_top1": res["top1"], "test_loss": res["loss"], "test_n": res["n"], "zero_shot": True}
+        val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
+        test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
+        metrics = {"val_top1": val["top1"], "test_top1": test["top1"], "test_loss": test["loss"], "test_n": test["n"],
+                   "zero_shot": True, "calibration": calib}
     else:
-        teacher.eval().requires_grad_(False)
-        hooks = recipe.hooks(model, record, teacher=teacher, train_cfg=job.train)
-        metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, hooks=hooks,
-                      resume=resume)
+        hooks = method.hooks(model, record, teacher=teacher, train_cfg=cfg)
+        metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume)
         metrics["zero_shot"] = False
     metrics["method"] = job.method
     write_json(out / "metrics.json", metrics)
     return metrics
+
+
+__all__ = ["FinetuneJob", "finetune", "finetune_train_config", "split_settings", "FINETUNE_DEFAULTS"]

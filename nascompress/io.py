@@ -4,9 +4,10 @@ A nascompress model is ``model.safetensors`` plus ``arch.json`` in one directory
 (also embedded in the safetensors metadata under ``nascompress_arch``, so the weights file alone
 is enough) holds::
 
-    {"format": "nascompress-arch/1",
+    {"format": "nascompress-arch/2",
      "model": {"name": <timm name>, "kwargs": {...}},        # ModelSpec
-     "input": {"in_chans", "img_size", "mean", "std"},        # preprocessing
+     "input": {"in_chans", "img_size", "mean", "std",         # preprocessing (data.InputSpec)
+               "interpolation", "crop_pct", "crop_mode"},
      "methods": [{"name": "dcs", "config": {...}, ...}, ...]} # every compression decision
 
 Training checkpoints (optimizer, schedules, RNG) are saved with :func:`save_state`, which
@@ -28,7 +29,11 @@ from .methods import apply_methods
 from .models import ModelSpec, build_model, load_state_strict
 from .utils import atomic_path, read_json, write_json
 
-ARCH_FORMAT = "nascompress-arch/1"
+ARCH_FORMAT = "nascompress-arch/2"
+# /1: written before the method contract; its new-parameter names differ (see _upgrade_v1)
+READ_FORMATS = ("nascompress-arch/1", ARCH_FORMAT)
+_V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
+               (".attn.dcs_theta", ".attn.qk_mask.theta"))
 ARCH_FILE = "arch.json"
 MODEL_FILE = "model.safetensors"
 
@@ -38,10 +43,21 @@ def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict
 
 
 def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
-    if not isinstance(arch, dict) or arch.get("format") != ARCH_FORMAT or "model" not in arch:
+    if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or "model" not in arch:
         raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
     arch.setdefault("methods", [])
     return arch
+
+
+def _upgrade_v1(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """State dicts of format /1 name the methods' new parameters differently: rename them."""
+    out = {}
+    for k, v in sd.items():
+        for old, new in _V1_RENAMES:
+            if old in k:
+                k = k.replace(old, new)
+        out[k] = v
+    return out
 
 
 def build_from_arch(arch: dict[str, Any]) -> nn.Module:
@@ -87,6 +103,20 @@ def _resolve(path: str | Path) -> tuple[Path, dict[str, Any]]:
     return path, validate_arch(json.loads(meta["nascompress_arch"]), source=f"{path} metadata")
 
 
+def recorded_input(path: str | Path) -> dict[str, Any] | None:
+    """The ``input`` (preprocessing) recorded in a nascompress ``.safetensors`` file's metadata,
+    or None for any other weights file (a foreign checkpoint, a ``.pth``)."""
+    path = Path(path)
+    if path.suffix != ".safetensors" or not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["nascompress_arch"]).get("input") if "nascompress_arch" in meta else None
+    except (SafetensorError, OSError, ValueError, AttributeError):
+        return None
+
+
 def load_arch(path: str | Path) -> dict[str, Any]:
     return _resolve(path)[1]
 
@@ -99,6 +129,8 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
         sd = load_file(str(weights))
     except (SafetensorError, OSError) as e:
         raise NascompressError(f"{weights} is corrupt ({e}); re-run the command that wrote it") from e
+    if arch["format"] != ARCH_FORMAT:
+        sd, arch["format"] = _upgrade_v1(sd), ARCH_FORMAT
     load_state_strict(model, sd, source=str(weights))
     return model.to(map_location).eval(), arch
 

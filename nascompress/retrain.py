@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,11 +33,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .api import run_data_config
+from .config import Config
 from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess
 from .errors import NascompressError
+from .hooks import TrainHooks
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
 from .io import load_arch, load_with_arch
-from .train import LOG_FILE, TrainConfig, TrainHooks, fit
+from .train import LOG_FILE, TrainConfig, fit
 from .utils import create_out_dir, prepare_out_dir, recorded_job, resolve_device, write_json
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
@@ -47,7 +49,7 @@ INPUT_DOC = {"image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per ch
 
 
 @dataclass(frozen=True)
-class RetrainConfig:
+class RetrainConfig(Config):
     """The IB retraining recipe (Algorithm 1 of the DCS paper).
 
     Args:
@@ -202,7 +204,7 @@ class IBHooks(TrainHooks):
         return epoch >= self.warm and self.cfg.eta > 0
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
-             cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+             cfg: TrainConfig, tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
         """x (B, C, H, W) preprocessed, y (B,) -> (CE [+ KD] [+ eta * IBB], logs)."""
         tap = self._tap_for(model)
         logits = _logits(model(x))  # (B, K)
@@ -296,8 +298,19 @@ class IBHooks(TrainHooks):
         self.initial = dict(state.get("initial") or {})
 
 
+# Retraining a compressed (pretrained) model: a fine-tune's defaults (base lr per 512 images).
+RETRAIN_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 10, "batch_size": 128, "base_lr": 5e-4, "min_lr": 1e-6,
+                                          "warmup_epochs": 0.2}
+
+
+def retrain_train_config(**overrides: Any) -> TrainConfig:
+    d = dict(RETRAIN_TRAIN_DEFAULTS)
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig.from_dict(d)
+
+
 @dataclass(frozen=True)
-class RetrainJob:
+class RetrainJob(Config):
     """Everything ``nascompress retrain`` needs; written to ``config.json`` of the output run.
 
     Args:
@@ -310,18 +323,9 @@ class RetrainJob:
     model_dir: str
     out: str = "runs/retrained"
     data: DataConfig | None = None
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=10, lr=3e-4, warmup_epochs=0.2))
+    train: TrainConfig = field(default_factory=retrain_train_config)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     teacher: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"model_dir": self.model_dir, "out": self.out, "data": asdict(self.data) if self.data else None,
-                "train": asdict(self.train), "retrain": asdict(self.retrain), "teacher": self.teacher}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RetrainJob":
-        return cls(model_dir=d["model_dir"], out=d["out"], data=DataConfig(**d["data"]) if d.get("data") else None,
-                   train=TrainConfig(**d["train"]), retrain=RetrainConfig(**d["retrain"]), teacher=d.get("teacher"))
 
 
 def recorded_data_config(run_dir: str | Path) -> DataConfig | None:
@@ -360,7 +364,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     model, arch = load_with_arch(job.model_dir, map_location=device)
     data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
-    data = load_data(data_cfg, img_size=spec.img_size)
+    data = load_data(data_cfg, spec=spec)
     _check_head(model, data, what=f"model in {job.model_dir}")
     teacher = None
     if job.teacher is not None:
@@ -379,7 +383,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
                            "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
     create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", dict(job.to_dict(), data=asdict(data_cfg), features=features))
+    write_json(out / "config.json", dict(job.replace(data=data_cfg).to_dict(), features=features))
     hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
                     epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
                     teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
@@ -403,4 +407,4 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
 
 
 __all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
-           "kd_loss", "retrain"]
+           "kd_loss", "retrain", "retrain_train_config"]

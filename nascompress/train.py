@@ -1,9 +1,15 @@
-"""The shared training engine (dense training, and every method's fine-tune/retrain).
+"""The one training engine (dense training, and every method's fine-tune, retrain and search).
 
-:func:`fit` runs AdamW with linear warm-up + cosine decay, optional EMA, a checkpoint every
-epoch (``checkpoint.safetensors``, no pickle) and exact ``resume``: the data order depends only on
-(seed, epoch), so a resumed run replays what an uninterrupted one would have. Method-specific
-work (extra losses, schedules, per-epoch statistics) plugs in through :class:`TrainHooks`.
+:func:`fit` runs AdamW with linear warm-up + cosine decay (peak lr scaled by batch size from a
+base lr per 512 images, the DeiT/EViT/DynamicViT convention, unless an absolute lr is given),
+optional layer-wise lr decay (timm's convention), gradient clipping, optional EMA, a checkpoint
+every epoch (``checkpoint.safetensors``, no pickle) and exact ``resume``: the data order depends
+only on (seed, epoch), so a resumed run replays what an uninterrupted one would have.
+
+Never worse than the start: before training, the starting model is evaluated on the validation
+split (logged as epoch 0) and saved as the first best model, so a fine-tune that only hurts
+returns the model it started from. Method-specific work (losses, schedules, alternating batches,
+stop checks) plugs in through :class:`~nascompress.hooks.TrainHooks`.
 :func:`train` is the ``nascompress train`` job: build a timm ViT, train it densely, save it.
 """
 from __future__ import annotations
@@ -16,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .data import DataBundle, DataConfig, InputSpec, default_norm, load_data, make_loader, preprocess
+from .config import Config, check_choice, check_int, check_range
+from .data import DataBundle, DataConfig, InputOverrides, InputSpec, default_norm, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import ARCH_FILE, MODEL_FILE, load_state, load_with_arch, make_arch, save_model, save_state
-from .models import ModelSpec, build_model, input_size, load_pretrained
+from .hooks import TrainHooks, param_groups
+from .io import ARCH_FILE, MODEL_FILE, load_state, load_with_arch, make_arch, recorded_input, save_model, save_state
+from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .progress import make_progress
 from .utils import (append_jsonl, create_out_dir, prepare_out_dir, recorded_job, resolve_device, seed_everything,
                     write_json)
@@ -31,86 +38,68 @@ from .utils import (append_jsonl, create_out_dir, prepare_out_dir, recorded_job,
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
 LOG_FILE = "log.jsonl"
+LR_REF_BATCH = 512  # base learning rates are given per 512 images (peak lr = base_lr * batch / 512)
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Config):
     """Optimisation settings shared by every training job.
 
     Args:
         epochs: passes over the training split.
         batch_size: images per step.
-        lr: peak AdamW learning rate (after warm-up); ``min_lr`` is the end of the cosine.
+        lr: absolute peak AdamW learning rate; None: ``base_lr * batch_size / 512``.
+        base_lr: peak learning rate per 512 images (each job and method has its own default).
+        min_lr: end of the cosine (capped at the peak lr).
         warmup_epochs: linear warm-up length, in epochs (may be fractional).
         weight_decay: AdamW decay (not applied to biases, norms, tokens, position embeddings).
+        layer_decay: layer-wise lr decay (timm's convention: block i of L at decay^(L - i)); None: off.
         label_smoothing: cross-entropy label smoothing.
         ema_decay: keep an exponential moving average of the weights and evaluate/save it.
         grad_clip: max gradient norm (0 disables).
+        eval_start: evaluate the starting model first (epoch 0) and keep it as a best candidate.
+        keep: save the ``best`` validation epoch (the start included) or the ``last`` one.
         seed: drives init, data order and every random draw.
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
     """
 
     epochs: int = 5
     batch_size: int = 128
-    lr: float = 1e-3
+    lr: float | None = None
+    base_lr: float = 4e-3
     min_lr: float = 1e-5
     warmup_epochs: float = 1.0
     weight_decay: float = 0.05
+    layer_decay: float | None = None
     label_smoothing: float = 0.1
     ema_decay: float | None = None
     grad_clip: float = 1.0
     eval_batch_size: int = 256
+    eval_start: bool = True
+    keep: str = "best"
     seed: int = 0
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.epochs < 1:
-            raise NascompressError(f"--epochs must be at least 1, got {self.epochs}")
-        if self.batch_size < 1:
-            raise NascompressError(f"--batch-size must be at least 1, got {self.batch_size}")
-        if not self.lr > 0:
-            raise NascompressError(f"--lr must be positive, got {self.lr}")
-        if self.ema_decay is not None and not 0 < self.ema_decay < 1:
-            raise NascompressError(f"--ema-decay must be in (0, 1), got {self.ema_decay}")
-        if not 0 <= self.label_smoothing < 1:
-            raise NascompressError(f"--label-smoothing must be in [0, 1), got {self.label_smoothing}")
+        check_int("--epochs", self.epochs, 1)
+        check_int("--batch-size", self.batch_size, 1)
+        if self.lr is not None:
+            check_range("--lr", self.lr, 0, lo_open=True)
+        check_range("--base-lr", self.base_lr, 0, lo_open=True)
+        check_range("--min-lr", self.min_lr, 0)
+        check_range("--warmup-epochs", self.warmup_epochs, 0)
+        check_range("--weight-decay", self.weight_decay, 0)
+        if self.layer_decay is not None:
+            check_range("--layer-decay", self.layer_decay, 0, 1, lo_open=True)
+        check_range("--label-smoothing", self.label_smoothing, 0, 1, hi_open=True)
+        if self.ema_decay is not None:
+            check_range("--ema-decay", self.ema_decay, 0, 1, lo_open=True, hi_open=True)
+        check_range("--grad-clip", self.grad_clip, 0)
+        check_choice("keep", self.keep, ("best", "last"))
 
-
-class TrainHooks:
-    """Override to plug a method's training recipe into :func:`fit`. The defaults train densely."""
-
-    steps_per_epoch: int = 0  # set by fit() before training, for per-step schedules
-
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = model(x)
-        loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        return loss, {"ce": loss.item()}
-
-    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
-        return decay_groups(model, cfg.weight_decay)
-
-    def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
-        """Called before each epoch (temperature or keep-rate schedules)."""
-
-    def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
-        """Called after each epoch's training steps; returned values go into the log."""
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW groups: no decay on biases, norm weights, tokens and position embeddings."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 or name.endswith(("cls_token", "pos_embed", "reg_token")) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    @property
+    def peak_lr(self) -> float:
+        return self.lr if self.lr is not None else self.base_lr * self.batch_size / LR_REF_BATCH
 
 
 def lr_at(step: int, *, total: int, warmup: int, lr: float, min_lr: float) -> float:
@@ -143,25 +132,45 @@ class Ema:
         return live
 
 
+def _read_log(path: Path, *, upto: int) -> list[str]:
+    """The log lines of epochs <= ``upto`` (lines of an interrupted epoch are dropped)."""
+    if not path.exists():
+        return []
+    return [ln for ln in path.read_text().splitlines() if ln and int(json.loads(ln)["epoch"]) <= upto]
+
+
 def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path,
         arch: dict[str, Any], hooks: TrainHooks | None = None, resume: bool = False) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
-    Writes ``model.safetensors`` (best validation top-1), ``last.safetensors``, ``arch.json``,
-    ``checkpoint.safetensors`` (for resume), ``log.jsonl`` (one line per epoch) and
-    ``metrics.json`` (best val, and test top-1 of the best model). Returns the metrics.
+    Writes ``model.safetensors`` (the best validation epoch, the starting model included, or the
+    last with ``cfg.keep="last"``), ``last.safetensors``, ``arch.json``, ``checkpoint.safetensors``
+    (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and ``metrics.json``
+    (validation and test top-1 of the saved model, and of the start). Returns the metrics.
     """
     hooks = hooks or TrainHooks()
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     model.to(device)
-    opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=cfg.lr, betas=(0.9, 0.999))
+    peak = cfg.peak_lr
+    min_lr = min(cfg.min_lr, peak)
+    opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=peak, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
-    steps_per_epoch = math.ceil(len(data.train) / cfg.batch_size)
+
+    def loader_for(epoch: int):
+        return lambda ds, stream=0: make_loader(ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream,
+                                                epoch=epoch)
+
+    steps_per_epoch = hooks.batches(data, epoch=0, loader=loader_for(0))[1]
     hooks.steps_per_epoch = steps_per_epoch
     total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
-    start_epoch, best, train_time = 0, -1.0, 0.0
+    start_epoch, best, best_epoch, train_time, start_rec = 0, -1.0, -1, 0.0, None
     ckpt_path, log_path = out_dir / CHECKPOINT_FILE, out_dir / LOG_FILE
+
+    def validate() -> dict[str, Any]:
+        hooks.before_eval(model)
+        return evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+
     if resume and ckpt_path.exists():
         st = load_state(ckpt_path)
         model.load_state_dict(st["model"])
@@ -170,73 +179,99 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             ema.state = {k: v.to(device) for k, v in st["ema"].items()}
         hooks.load_state_dict(st.get("hooks", {}))
         torch.set_rng_state(st["rng"])
-        start_epoch, best, train_time = st["epoch"] + 1, st["best"], st["train_time"]
-        if log_path.exists():  # drop log lines of an epoch that was interrupted
-            lines = [ln for ln in log_path.read_text().splitlines() if ln and int(json.loads(ln)["epoch"]) < start_epoch]
-            log_path.write_text("".join(ln + "\n" for ln in lines))
-    elif log_path.exists():
-        log_path.unlink()
+        start_epoch, best, best_epoch, train_time = st["epoch"] + 1, st["best"], st["best_epoch"], st["train_time"]
+        start_rec = st.get("start")
+        log_path.write_text("".join(ln + "\n" for ln in _read_log(log_path, upto=start_epoch)))
+    else:
+        if log_path.exists():
+            log_path.unlink()
+        if cfg.eval_start:  # epoch 0: the starting model is the first candidate for the best
+            val = validate()
+            start_rec = {"epoch": 0, "start": True, "val_top1": val["top1"], "val_loss": val["loss"]}
+            append_jsonl(log_path, start_rec)
+            if cfg.keep == "best":
+                best, best_epoch = val["top1"], 0
+                save_model(out_dir, model, hooks.arch(model, arch))
 
     with make_progress() as progress:
         ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="")
         for epoch in range(start_epoch, cfg.epochs):
             hooks.on_epoch_start(model, epoch=epoch)
             model.train()
-            loader = make_loader(data.train, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed, epoch=epoch)
-            task = progress.add_task(f"epoch {epoch + 1}", total=len(loader), info="")
-            t0, sums, n = time.perf_counter(), {}, 0
-            for i, (imgs, labels) in enumerate(loader):
-                lr = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=warmup_steps, lr=cfg.lr, min_lr=cfg.min_lr)
+            batches, n_steps = hooks.batches(data, epoch=epoch, loader=loader_for(epoch))
+            task = progress.add_task(f"epoch {epoch + 1}", total=n_steps, info="")
+            t0, sums, counts = time.perf_counter(), {}, {}
+            lr = peak
+            for i, (imgs, labels, tag) in enumerate(batches):
+                lr = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=warmup_steps, lr=peak, min_lr=min_lr)
                 for g in opt.param_groups:
-                    g["lr"] = lr * g.get("lr_scale", 1.0)
+                    if "own_lr" in g:  # a group with its own cosine (architecture logits): own_lr -> own_lr_end x own_lr
+                        g["lr"] = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=0, lr=g["own_lr"],
+                                        min_lr=g["own_lr"] * g.get("own_lr_end", 1.0))
+                    else:
+                        g["lr"] = lr * g.get("lr_scale", 1.0)
                 x, y = preprocess(imgs, input_spec).to(device), labels.to(device)
-                loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=cfg)
+                hooks.prepare_step(model, tag)
+                loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=cfg, tag=tag)
                 if not torch.isfinite(loss):
-                    raise NascompressError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr")
+                    raise NascompressError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr "
+                                           f"(the peak lr was {peak:.3g})")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
                 opt.step()
+                hooks.after_step(model, tag)
                 if ema is not None:
                     ema.update(model)
                 for k, v in logs.items():
                     sums[k] = sums.get(k, 0.0) + v
-                n += 1
+                    counts[k] = counts.get(k, 0) + 1
                 progress.update(task, advance=1, info=f"loss {loss.item():.3f} lr {lr:.2e}")
             epoch_time = time.perf_counter() - t0
             train_time += epoch_time
             progress.remove_task(task)
-            record: dict[str, Any] = {"epoch": epoch, "lr": lr, "epoch_time_s": epoch_time}
-            record.update({f"train_{k}": v / max(n, 1) for k, v in sums.items()})
+            record: dict[str, Any] = {"epoch": epoch + 1, "lr": lr, "epoch_time_s": epoch_time}
+            record.update({f"train_{k}": v / counts[k] for k, v in sums.items()})
             record.update(hooks.on_epoch_end(model, epoch=epoch))
             live = ema.swapped_into(model) if ema is not None else None
-            val = evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+            val = validate()
             record.update(val_top1=val["top1"], val_loss=val["loss"])
-            save_model(out_dir, model, arch, filename=LAST_FILE)
-            if val["top1"] > best:
-                best = val["top1"]
-                save_model(out_dir, model, arch)
+            saved_arch = hooks.arch(model, arch)
+            save_model(out_dir, model, saved_arch, filename=LAST_FILE)
+            if cfg.keep == "last" or val["top1"] > best:
+                best, best_epoch = val["top1"], epoch + 1
+                save_model(out_dir, model, saved_arch)
             if live is not None:
                 model.load_state_dict(live)
             save_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                    "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
                                    "rng": torch.get_rng_state(), "epoch": epoch, "best": best,
-                                   "train_time": train_time})
+                                   "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
             append_jsonl(log_path, record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
+            hooks.check(record, start_rec)
 
     best_model, _ = load_with_arch(out_dir, map_location=device)
     test = evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
-    metrics = {"best_val_top1": best, "test_top1": test["top1"], "test_loss": test["loss"], "test_n": test["n"],
-               "epochs": cfg.epochs, "train_time_s": train_time, "dataset": data.name}
+    metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
+               "test_n": test["n"], "start_val_top1": None if start_rec is None else start_rec["val_top1"],
+               "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name}
     write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
 @dataclass(frozen=True)
 class TrainJob:
-    """Everything ``nascompress train`` needs. Written to ``config.json`` in the run directory."""
+    """Everything ``nascompress train`` needs. Written to ``config.json`` in the run directory.
+
+    Args:
+        weights: local weights to start from; preprocessing then follows them (:func:`input_spec_for`).
+        reset_head: a new classifier head (the file's is missing or has another class count).
+        input: explicit preprocessing (``--mean/--std/--interpolation/--crop-pct``), winning over all.
+        linear_probe: keep the backbone frozen and fit only a new head on its cached features
+            (:mod:`nascompress.probe`); needs ``weights`` and implies ``reset_head``.
+    """
 
     model: ModelSpec
     data: DataConfig = field(default_factory=DataConfig)
@@ -244,21 +279,62 @@ class TrainJob:
     out: str = "runs/base"
     weights: str | None = None
     reset_head: bool = False
+    input: InputOverrides = field(default_factory=InputOverrides)
+    linear_probe: bool = False
+
+    def __post_init__(self) -> None:
+        if self.linear_probe and not self.weights:
+            raise NascompressError("--linear-probe needs --weights: a probe fits a head on a pretrained backbone")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "data": asdict(self.data), "train": asdict(self.train),
-                "out": self.out, "weights": self.weights, "reset_head": self.reset_head}
+        return {"model": self.model.to_dict(), "data": asdict(self.data), "train": self.train.to_dict(),
+                "out": self.out, "weights": self.weights, "reset_head": self.reset_head,
+                "input": self.input.to_dict(), "linear_probe": self.linear_probe}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainJob":
-        return cls(model=ModelSpec.from_dict(d["model"]), data=DataConfig(**d["data"]), train=TrainConfig(**d["train"]),
-                   out=d["out"], weights=d.get("weights"), reset_head=d.get("reset_head", False))
+        return cls(model=ModelSpec.from_dict(d["model"]), data=DataConfig(**d["data"]), train=TrainConfig.from_dict(d["train"]),
+                   out=d["out"], weights=d.get("weights"), reset_head=d.get("reset_head", False),
+                   input=InputOverrides.from_dict(d.get("input")), linear_probe=d.get("linear_probe", False))
 
 
-def input_spec_for(model: nn.Module, dataset: str) -> InputSpec:
+def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None = None,
+                   overrides: InputOverrides | None = None) -> InputSpec:
+    """The one place that decides how images become ``model``'s input (arch.json ``input``).
+
+    Size and channels always come from the model's own patch embedding. Normalisation,
+    interpolation and crop:
+
+    * with ``weights``: what the weights were made with: the ``input`` recorded in a nascompress
+      file, else the timm model's pretrained config (``timm.data.resolve_data_config``; e.g.
+      mean/std 0.5 and bicubic for augreg ``vit_small_patch16_224``, CLIP's own values for CLIP
+      models, ImageNet's for DeiT and DINOv2; a ``name.tag`` selects that tag's config);
+    * without (training from scratch): the dataset's (Fashion-MNIST mean/std, bilinear, the whole
+      image), so such runs are unchanged;
+    * ``overrides`` (explicit ``--mean/--std/--interpolation/--crop-pct``) win over both.
+
+    Mean/std of another channel count are adapted: one value is repeated, three are averaged
+    for a 1-channel model.
+    """
     c, h, w = input_size(model)
-    mean, std = default_norm(dataset, c)
-    return InputSpec((h, w), c, mean, std)
+    if weights is not None:
+        base = dict(recorded_input(weights) or pretrained_data_config(model))
+    else:
+        mean, std = default_norm(dataset, c)
+        base = dict(mean=mean, std=std, interpolation="bilinear", crop_pct=1.0, crop_mode="center")
+    ov = overrides or InputOverrides()
+    base.update({k: v for k, v in ov.to_dict().items() if v is not None})
+
+    def chans(name: str) -> tuple[float, ...]:
+        v = tuple(float(x) for x in base[name])
+        if len(v) == c:
+            return v
+        if len(v) == 1 or c == 1:
+            return (sum(v) / len(v),) * c
+        raise NascompressError(f"--{name} has {len(v)} values but the model takes {c} channels")
+
+    return InputSpec((h, w), c, chans("mean"), chans("std"), interpolation=base["interpolation"],
+                     crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])
 
 
 def check_classes(num_model_classes: int, data: DataBundle) -> None:
@@ -279,16 +355,20 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
     if job.weights:
-        load_pretrained(model, job.weights, reset_head=job.reset_head)
-    data = load_data(job.data, img_size=input_size(model)[1:])
+        load_pretrained(model, job.weights, reset_head=job.reset_head or job.linear_probe)
+    spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
+    data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
-    spec = input_spec_for(model, job.data.dataset)
     arch = make_arch(job.model, input_spec=spec.to_dict())
     create_out_dir(out, force=force, resume=resume)
     write_json(out / "config.json", job.to_dict())
+    if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
+        from .probe import fit_linear_probe
+
+        return fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch)
     if not (out / ARCH_FILE).exists():
         write_json(out / ARCH_FILE, arch)
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 
-__all__ = ["TrainConfig", "TrainHooks", "TrainJob", "fit", "train", "decay_groups", "lr_at", "MODEL_FILE"]
+__all__ = ["TrainConfig", "TrainHooks", "TrainJob", "fit", "train", "lr_at", "MODEL_FILE", "LR_REF_BATCH"]

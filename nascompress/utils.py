@@ -81,11 +81,13 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
 def recorded_job(out: Path, job_cls: Any, command: str) -> Any:
     """The job stored in ``out/config.json`` by an earlier run of ``command`` (for ``--resume``),
     with ``out`` as given now. ``job_cls`` is a dataclass with ``from_dict``."""
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
-    return replace(job_cls.from_dict(read_json(out / "config.json")), out=str(out))
+    recorded = read_json(out / "config.json")
+    names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
+    return replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
 
 
 def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False) -> Path:

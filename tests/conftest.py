@@ -32,7 +32,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "tiny"
     job = TrainJob(model=custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
                                          num_classes=10, in_chans=1),
-                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=1, batch_size=64, seed=0),
+                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=2, batch_size=32, lr=2e-3, seed=0),
                    out=str(out))
     train(job)
     return out

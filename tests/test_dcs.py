@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 import nascompress
 from nascompress.io import make_arch, save_model
-from nascompress.materialize import materialize
-from nascompress.methods.dcs import DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, selection
+from nascompress.methods.dcs import (DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, materialize,
+                                     selection)
 from nascompress.models import ModelSpec, build_model
 from nascompress.profiling import count_flops
 from nascompress.search.dcs import CostModel
@@ -32,7 +32,8 @@ def randomize_gates(model, *, seed: int = 0, empty_block: bool = False) -> None:
             blk.dcs_alpha.copy_(torch.randn(blk.dcs_alpha.shape, generator=g))
             if empty_block and i == 0:
                 blk.dcs_alpha.fill_(-1.0)
-            th = blk.attn.dcs_theta
+            qm = blk.attn.qk_mask
+            th = None if qm is None else qm.theta
             if isinstance(th, torch.nn.Linear):
                 th.weight.copy_(torch.randn(th.weight.shape, generator=g) * 0.2)
                 th.bias.copy_(torch.randn(th.bias.shape, generator=g))
@@ -180,27 +181,84 @@ def search_args(tiny_run, out, *extra):
             "--alpha-init", 0.5, "--device", "cpu", *extra]
 
 
+def landing_args(tiny_run, out, *extra):
+    """A tiny search long enough for the controller to settle: 3 epochs of 90 steps (27 arch steps each)."""
+    return ["search", "dcs", tiny_run, "--out", out, "--epochs", 3, "--batch-size", 16, "--train-limit", 480,
+            "--eval-limit", 100, "--arch-lr", 0.15, "--alpha-init", 1.0, "--base-lr", 1e-3, "--device", "cpu",
+            "--no-calibrate", *extra]
+
+
 @pytest.fixture(scope="module")
 def searched(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("dcs") / "search"
-    res = run_cli(*search_args(tiny_run, out, "--target-flops", 0.7, "--qk-mask", "static", "--train-limit", 480,
-                               "--json"))
+    res = run_cli(*landing_args(tiny_run, out, "--target-flops", 0.7, "--json"))
     assert res.exit_code == 0, res.output
     return out
 
 
-def test_search_lands_on_target_and_logs(searched):
+def test_cost_gradient_reaches_every_alpha_and_theta():
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static"))
+    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    randomize_gates(sup, seed=2)
+    sup.train()
+    sup(torch.randn(2, 1, 16, 16))
+    torch.log(cost.soft_macs(sup) / cost.dense).backward()
+    for p in arch_parameters(sup):
+        assert p.grad is not None and (p.grad != 0).all(), p.shape  # every channel, every head
+        assert (p.grad > 0).all()  # a channel more open costs more
+
+
+def test_soft_cost_tracks_the_hard_cost_as_masks_harden():
+    """With the soft masks at their hard values (tau -> 0, no noise) the soft cost is the exact cost,
+    up to the smooth maximum over heads (the padded Q/K width)."""
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static"))
+    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    randomize_gates(sup, seed=4)
+    with torch.no_grad():
+        for p in arch_parameters(sup):
+            p.mul_(100)  # far from the threshold: sigmoid(theta / tau) is 0 or 1
+    sup.eval()
+    st = sup.dcs_state
+    st.soft_gates = {j: (b.dcs_alpha > 0).float() for j, b in enumerate(sup.blocks)}
+    st.soft_qk = {j: (b.attn.qk_mask.theta > 0).float() for j, b in enumerate(sup.blocks)}
+    assert cost.soft_macs(sup).item() == pytest.approx(cost.hard_macs(sup), rel=0.02)
+
+
+def test_a_static_theta_closes_under_the_cost():
+    """The cost alone (lambda log cost) closes Q/K channels: theta is pushed below the threshold."""
+    from nascompress.search.dcs import CostModel
+
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates=False, theta_init=0.5))
+    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    theta = arch_parameters(sup)
+    opt = torch.optim.Adam(theta, lr=0.05)
+    sup.train()
+    sup.dcs_state.tau = 1.0
+    x = torch.randn(2, 1, 16, 16)
+    for _ in range(40):
+        sup(x)
+        loss = torch.log(cost.soft_macs(sup) / cost.dense)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    kept = [len(h) for b in selection(sup) for h in b["qk_keep"]]
+    assert min(kept) < 16 and cost.hard_macs(sup) < cost.dense  # channels closed: cheaper
+
+
+def test_search_lands_on_target_by_itself_and_logs(searched):
     metrics = json.loads((searched / "metrics.json").read_text())
     assert metrics["finished"] and abs(metrics["flops_ratio"] / 0.7 - 1) <= 0.05
+    assert metrics["calibrated"] is False and metrics["calibration"] is None  # no threshold shift was needed
     log = [json.loads(ln) for ln in (searched / "log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == [0, 1]
-    assert log[1]["tau"] == pytest.approx(4.5 * 0.95)
+    assert [r["epoch"] for r in log] == [0, 1, 2, 3] and log[0]["start"]
+    assert log[2]["tau"] == pytest.approx(4.5 * 0.95)
     for key in ("train_ce_w", "train_ce_a", "flops_ratio", "expected_flops_ratio", "mlp_kept", "qk_kept", "lam"):
-        assert key in log[0]
+        assert key in log[1]
     arch = json.loads((searched / "arch.json").read_text())
     assert arch["methods"][-1]["stage"] == "supernet" and len(arch["methods"][-1]["blocks"]) == 2
     assert json.loads((searched / "config.json").read_text())["data"]["train_limit"] == 480
-    assert log[0]["lam"] > 0.2  # the supernet starts above the target: lambda is steered up
+    assert log[1]["lam"] > 0  # the supernet starts above the target: lambda is steered up
+    assert metrics["dense_val_top1"] == log[0]["val_top1"]
 
 
 def test_materialize_cli_and_load(searched, tmp_path):
@@ -226,22 +284,34 @@ def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
     full = tmp_path / "full"
     assert run_cli(*search_args(tiny_run, full)).exit_code == 0
     part = tmp_path / "part"
-    real = sd.epoch_record
+    real, calls = sd.selection_record, []
 
     def crash(*a, **kw):
-        if kw["epoch"] == 1:
+        calls.append(1)
+        if len(calls) == 2:  # the end of the second epoch, before its checkpoint
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(sd, "epoch_record", crash)
+    monkeypatch.setattr(sd, "selection_record", crash)
     assert run_cli(*search_args(tiny_run, part)).exit_code == 130
     assert not (part / "metrics.json").exists()
-    monkeypatch.setattr(sd, "epoch_record", real)
+    monkeypatch.setattr(sd, "selection_record", real)
     res = run_cli(*search_args(tiny_run, part, "--resume"))
     assert res.exit_code == 0, res.output
     a, b = nascompress.load(full).state_dict(), nascompress.load(part).state_dict()
     for k in a:
         torch.testing.assert_close(a[k], b[k])
+    log = [json.loads(ln) for ln in (part / "log.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in log] == [0, 1, 2]
+
+
+def test_search_that_collapses_stops_with_a_message(tiny_run, tmp_path):
+    out = tmp_path / "c"
+    res = run_cli(*search_args(tiny_run, out, "--lr", 1.0, "--max-val-drop", 1, "--distill", 0))
+    assert res.exit_code == 1 and "the search collapsed: validation top-1 fell from" in res.output
+    assert "--max-val-drop 1 points" in res.output
+    metrics = out / "metrics.json"
+    assert not metrics.exists()  # no finished search to materialize
 
 
 @pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
@@ -314,7 +384,7 @@ def test_lambda_steer_is_a_signed_pi_controller():
 
     s = LambdaSteer(target=0.5, integral=0.0, gain=2.0, rate=0.1, lam_max=5.0)
     assert s.update(1.0) == pytest.approx(0.1 + 2.0)  # above target: push FLOPs down
-    lams = [s.update(0.25) for _ in range(20)]  # below target: lambda falls, then turns negative
+    lams = [s.update(0.25) for _ in range(20)]  # below target: lambda falls, then turns negative (reopen)
     assert lams[0] < 2.1 and lams[-1] < 0 and all(b <= a for a, b in zip(lams, lams[1:]))
     assert all(abs(s.update(100.0)) <= 5.0 for _ in range(100))  # clipped, no wind-up beyond lam_max
 
@@ -341,15 +411,15 @@ def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
     assert round_blocks(sup, 4) == {"closed": [0], "opened": [1]}
     assert [len(b["mlp_keep"]) for b in selection(sup)] == [0, 48, 24]
     mat, _ = materialize(sup, DCSConfig(qk_mask="none"))
-    assert type(mat.blocks[1]).__name__ == "Block"  # fully kept: no gather, no write-back
+    assert type(mat.blocks[1]).__name__ == "NCBlock"  # fully kept: no gather, no write-back
     x = torch.randn(2, 1, 16, 16)
     torch.testing.assert_close(mat(x), sup(x), rtol=0, atol=1e-4)
 
 
 def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
     out = tmp_path / "r"
-    res = run_cli(*search_args(tiny_run, out, "--target-flops", 0.6, "--round-mlp", 4))
+    res = run_cli(*landing_args(tiny_run, out, "--target-flops", 0.6, "--round-mlp", 4))
     assert res.exit_code == 0, res.output
     metrics = json.loads((out / "metrics.json").read_text())
-    assert abs(metrics["flops_ratio"] / 0.6 - 1) <= 0.05
+    assert abs(metrics["flops_ratio"] / 0.6 - 1) <= 0.05 and not metrics["calibrated"]
     assert all(n == 0 or 4 <= n <= 32 - 4 or n == 32 for n in metrics["mlp_kept"]), metrics["mlp_kept"]

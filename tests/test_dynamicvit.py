@@ -25,7 +25,7 @@ def tiny(**kw):
 
 
 def dvit(model, **config):
-    return get_method("dynamicvit")(model, {"name": "dynamicvit", "config": config})
+    return get_method("dynamicvit").apply(model, {"name": "dynamicvit", "config": config})
 
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
@@ -44,7 +44,7 @@ def test_masked_training_equals_physical_drop(kw, monkeypatch):
     """Given the same (top-k) decisions, masking in the softmax == dropping the tokens."""
     rho, n0 = 0.7, 64
     model = dvit(tiny(**kw), rho=rho, prune_layers=[2, 3, 4])
-    counts = iter([dv.keep_count(rho, s, n0) for s in (1, 2, 3)])
+    counts = iter([dv.keep_count(rho ** s, n0) for s in (1, 2, 3)])
 
     def topk_keep(logits, prev, *, tau=1.0):
         score = (logits[..., 0] - logits[..., 1]).masked_fill(prev == 0, float("-inf"))
@@ -84,7 +84,7 @@ def test_policy_bias_gradient_matches_multiplicative_softmax():
 def test_training_decisions_are_cumulative_and_losses_backprop():
     teacher = tiny()
     model = dvit(copy.deepcopy(teacher), rho=0.5, prune_layers=[2, 3, 4]).train()
-    hooks = dv.DynamicViTHooks(model, teacher.eval().requires_grad_(False), w_kl=0.5, w_distill=0.5, w_ratio=2.0)
+    hooks = dv.DynamicViTHooks(model, teacher.eval().requires_grad_(False), dv.DynamicViTRecipe())
     from nascompress.train import TrainConfig
 
     x, y = torch.randn(4, 3, 32, 32), torch.arange(4)
@@ -161,7 +161,9 @@ def test_save_load_roundtrip(tmp_path):
     ({"rho": 1.2}, r"rho must be in \(0, 1\], got 1.2"),
     ({"prune_layers": [0]}, r"valid layers are 1..4"),
     ({"prune_layers": [2, 9]}, r"\[9\] outside the model's depth: valid layers are 1..4"),
-    ({"keep_rate": 0.5}, r"unknown dynamicvit option.*valid options: rho, prune_layers"),
+    ({"keep_rate": 0.5}, r"unknown dynamicvit setting\(s\) keep_rate; valid: rho, prune_layers"),
+    ({"rho": [0.7, 1.5]}, r"rho must be in \(0, 1\], got 1.5"),
+    ({"rho": [0.7, 0.5], "prune_layers": [1, 2, 3]}, r"rho has 2 per-stage rates but there are 3 pruning layers"),
 ])
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
@@ -175,8 +177,10 @@ def test_non_vit_rejected():
 
 def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     zs = tmp_path / "zs"
-    r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--zero-shot", "--out", zs, "--json")
+    r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--zero-shot", "--out", zs,
+               "--opt", "predictor_steps=5", "--json")
     assert r.exit_code == 0, r.output
+    assert "kl" in json.loads(r.stdout)["calibration"]  # the predictor-only stage ran before the save
     ft = tmp_path / "ft"
     r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--epochs", "1", "--out", ft,
                "--opt", "w_ratio=4", "--json")
@@ -184,13 +188,15 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     arch = json.loads((ft / "arch.json").read_text())
     assert arch["methods"][-1]["config"] == {"rho": 0.5, "prune_layers": [1, 2]}
     log = [json.loads(ln) for ln in (ft / "log.jsonl").read_text().splitlines()]
-    assert {"train_ratio", "train_kl", "train_distill"} <= set(log[0])
+    assert log[0]["start"] and {"train_ratio", "train_kl", "train_distill"} <= set(log[1])
     r = invoke("profile", ft, "--compare", tiny_run, "--no-latency", "--json")
     assert r.exit_code == 0, r.output
     r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0", "--out", tmp_path / "bad")
     assert r.exit_code == 1 and "rho must be in (0, 1], got 0" in r.output
     r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--prune-layers", "1,5", "--out", tmp_path / "bad")
     assert r.exit_code == 1 and "valid layers are 1..2" in r.output
+    r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--keep-rate", "0.5", "--out", tmp_path / "bad")
+    assert r.exit_code == 1 and "--keep-rate is not a dynamicvit option (it belongs to evit)" in r.output
     assert not (tmp_path / "bad").exists()
 
 
@@ -224,20 +230,20 @@ def test_deepcopy_after_training_forward():
 def test_stacks_on_sparsifiner(mode):
     """DynamicViT over Sparsifiner: the training policy mask is ANDed with the sparse mask (masked
     path, gradients reach the predictors); inference drops tokens and runs the sparse attention."""
-    from nascompress.methods.sparsifiner import SparsifinerAttention, combine_masks, masked_attention
+    from nascompress.methods.sparsifiner import SparsifinerKernel, combine_masks
 
-    base = get_method("sparsifiner")(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5, "mode": mode,
-                                                                               "n_down": 8}}).eval()
-    attn = base.blocks[0].attn
-    assert isinstance(attn, SparsifinerAttention)
+    base = get_method("sparsifiner").apply(tiny(), {"name": "sparsifiner", "config": {
+        "attn_keep_ratio": 0.5, "mode": mode, "n_down": 8}}).eval()
+    kernel = base.blocks[0].attn.kernel
+    assert isinstance(kernel, SparsifinerKernel)
     q, k, v = torch.randn(3, 2, 2, 65, 16).unbind(0)
     bias = torch.zeros(2, 1, 65, 65)
     bias[:, :, :, 5] = -1e4  # key 5 off for every query, as a dropped token
     with torch.no_grad():
-        free = attn.sparse_attention(q, k, v)
-        both = attn.sparse_attention(q, k, v, bias)
+        free = kernel(q, k, v, scale=0.25)
+        both = kernel(q, k, v, attn_mask=bias, scale=0.25)
         assert (free - both).abs().max() > 1e-4
-        torch.testing.assert_close(attn.sparse_attention(q, k, v, torch.zeros(2, 1, 65, 65)), free)
+        torch.testing.assert_close(kernel(q, k, v, attn_mask=torch.zeros(2, 1, 65, 65), scale=0.25), free)
     mask = torch.ones(2, 2, 65, 65, dtype=torch.bool)
     mask[..., 7] = False
     assert torch.equal(combine_masks(mask, bias)[..., 5], torch.full((2, 2, 65), -1e4))
@@ -249,3 +255,55 @@ def test_stacks_on_sparsifiner(mode):
     pruned.train()
     pruned(x).sum().backward()
     assert pruned.blocks[1].dvit_predictor.out[-1].weight.grad.abs().sum() > 0
+
+
+def test_per_stage_rates_multiply():
+    model = dvit(tiny(), rho=[0.8, 0.5, 1.0], prune_layers=[2, 3, 4]).eval()
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    assert model.dvit_state.kept == [int(0.8 * 64), int(0.4 * 64), int(0.4 * 64)]
+
+
+def test_ratio_loss_drives_the_kept_ratio():
+    """Trained on the ratio loss alone, the predictors' Gumbel decisions approach rho^s."""
+    model = dvit(tiny(depth=2), rho=0.3, prune_layers=[1]).train()
+    opt = torch.optim.Adam([p for n, p in model.named_parameters() if "dvit_predictor" in n], lr=3e-3)
+    x = torch.randn(8, 3, 32, 32)
+    kept = []
+    for _ in range(120):
+        model(x)
+        d = model.dvit_state.decisions
+        loss = dv.ratio_loss(d, [0.3])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        kept.append(d[0].mean().item())
+    assert kept[0] > 0.4  # a fresh predictor keeps about half
+    assert abs(sum(kept[-20:]) / 20 - 0.3) < 0.05, kept[-20:]
+
+
+def test_predictor_only_stage_lowers_its_loss_and_freezes_the_backbone():
+    teacher = tiny().requires_grad_(False)
+    model = dvit(copy.deepcopy(teacher), rho=0.25, prune_layers=[2, 3])
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]
+    backbone = {k: v.clone() for k, v in model.state_dict().items() if "dvit_predictor" not in k}
+    r = dv.DynamicViTRecipe()
+
+    def losses():  # the same Gumbel noise before and after
+        model.train()
+        out = []
+        for i, (x, y) in enumerate(batches):
+            torch.manual_seed(100 + i)
+            loss, logs = dv.dynamicvit_loss(model, teacher, x, y, r)
+            out.append((loss.item(), logs["ratio"]))
+        return [sum(v) / len(v) for v in zip(*out)]
+
+    before = losses()
+    dv.calibrate_predictors(model, teacher, batches, steps=60, lr=3e-3)
+    assert not model.training and all(p.requires_grad for p in model.parameters())
+    for k, v in model.state_dict().items():
+        if k in backbone:
+            torch.testing.assert_close(v, backbone[k])  # the backbone did not move
+    after = losses()
+    assert after[0] < before[0] and after[1] < 0.5 * before[1], (before, after)

@@ -14,7 +14,7 @@ from torch import nn
 
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
-from nascompress.methods.evit import (evit_prune, fused_token_hard, fused_token_linearized, keep_rate_at)
+from nascompress.methods.evit import evit_prune, fused_token_hard, fused_token_linearized, shrink_at
 from nascompress.methods.tokens import scale_layers
 
 from .conftest import invoke
@@ -28,7 +28,7 @@ def tiny(**kw):
 
 
 def evit(model, **config):
-    return get_method("evit")(model, {"name": "evit", "config": config})
+    return get_method("evit").apply(model, {"name": "evit", "config": config})
 
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
@@ -137,32 +137,39 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_keep_rate_schedule():
-    assert keep_rate_at(0.5, base=0.7, start=1, length=2) == 1.0
-    assert keep_rate_at(1.0, base=0.7, start=1, length=2) == pytest.approx(1.0)
-    assert keep_rate_at(2.0, base=0.7, start=1, length=2) == pytest.approx(0.85)
-    assert keep_rate_at(3.0, base=0.7, start=1, length=2) == pytest.approx(0.7)
-    assert keep_rate_at(9.0, base=0.7, start=1, length=2) == 0.7
-    assert keep_rate_at(0.0, base=0.5, start=0, length=0) == 0.5
+    # shrink s: 1 = no pruning, 0 = the target; keep rate = base + (1 - base) * s
+    assert shrink_at(0.5, start=1, length=2) == 1.0
+    assert shrink_at(1.0, start=1, length=2) == pytest.approx(1.0)
+    assert shrink_at(2.0, start=1, length=2) == pytest.approx(0.5)
+    assert shrink_at(3.0, start=1, length=2) == pytest.approx(0.0)
+    assert shrink_at(9.0, start=1, length=2) == 0.0
+    assert shrink_at(0.0, start=0, length=0) == 0.0
 
 
-class ForeignAttention(timm.layers.Attention):
-    """Stand-in for another method's attention subclass (own forward, q_norm/k_norm kept)."""
+def test_per_layer_keep_rates():
+    model = evit(tiny(), keep_rate=[0.9, 0.5], prune_layers=[1, 3])
+    counts = []
+    for blk in model.blocks:
+        blk.register_forward_hook(lambda m, i, o: counts.append(o.shape[1]))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 32, 32))
+    n1 = math.ceil(0.9 * 64) + 1  # kept + fused
+    assert counts == [1 + n1, 1 + n1, 1 + math.ceil(0.5 * n1) + 1, 1 + math.ceil(0.5 * n1) + 1]
+    with pytest.raises(NascompressError, match="keep_rate has 3 values but there are 2 pruning layers"):
+        evit(tiny(), keep_rate=[0.9, 0.7, 0.5], prune_layers=[1, 3])
 
-    def forward(self, x, attn_mask=None, is_causal=False):
-        return super().forward(x, attn_mask=attn_mask, is_causal=is_causal) * 1.0
 
-
-def test_stacks_on_patched_attention():
+def test_refuses_a_foreign_attention():
+    """An attention class nascompress does not know is refused, never silently overridden."""
     dense = tiny()
     for blk in dense.blocks:
         blk.attn.__class__ = ForeignAttention
-    pruned = evit(copy.deepcopy(dense), keep_rate=1.0)
-    x = torch.randn(2, 3, 32, 32)
-    with torch.no_grad():
-        torch.testing.assert_close(pruned(x), dense(x))
-    evit(dense, keep_rate=0.5)
-    with torch.no_grad():
-        assert dense(x).shape == (2, 10)
+    with pytest.raises(NascompressError, match="blocks.0.attn is a ForeignAttention"):
+        evit(dense, keep_rate=0.5)
+
+
+class ForeignAttention(timm.layers.Attention):
+    """Stand-in for another library's attention subclass."""
 
 
 @pytest.mark.parametrize("config,pattern", [
@@ -171,7 +178,7 @@ def test_stacks_on_patched_attention():
     ({"prune_layers": [0, 2]}, r"\[0\] outside the model's depth: valid layers are 1..4"),
     ({"prune_layers": [5]}, r"valid layers are 1..4"),
     ({"prune_layers": [3, 2]}, r"strictly increasing"),
-    ({"bogus": 1}, r"unknown evit option.*valid options: keep_rate"),
+    ({"bogus": 1}, r"unknown evit setting\(s\) bogus; valid: keep_rate"),
 ])
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
@@ -195,7 +202,8 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
                "--opt", "shrink_epochs=0.5", "--out", ft, "--json")
     assert r.exit_code == 0, r.output
     log = [json.loads(ln) for ln in (ft / "log.jsonl").read_text().splitlines()]
-    assert 0.5 < log[0]["train_keep_rate"] < 1.0  # mean over the epoch: cosine half, then 0.5
+    assert log[0]["start"] and log[0]["epoch"] == 0  # the starting (zero-shot) model, evaluated first
+    assert 0.5 < log[1]["train_keep_rate"] < 1.0  # mean over the epoch: cosine half, then 0.5
     r = invoke("evaluate", ft, "--json")
     assert r.exit_code == 0, r.output
     r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "1.5", "--out", tmp_path / "bad")
@@ -205,8 +213,7 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
 
 def _dcs_model(kind):
     """A DCS supernet (input Q/K masks, MLP gates) or a materialized one (static masks), eval."""
-    from nascompress.materialize import materialize
-    from nascompress.methods.dcs import DCSConfig, make_supernet
+    from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
 
     torch.manual_seed(1)
     if kind == "dcs_supernet":
@@ -225,7 +232,7 @@ def test_stacks_on_other_methods(kind):
     from nascompress.profiling.flops import count_flops
 
     if kind == "sparsifiner":
-        base = get_method("sparsifiner")(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}}).eval()
+        base = get_method("sparsifiner").apply(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}}).eval()
     else:
         base = _dcs_model(kind)
     x = torch.randn(2, 3, 32, 32)

@@ -77,23 +77,45 @@ def test_unknown_and_non_vit_models():
         build_model(ModelSpec("resnet18", {"num_classes": 10}))
 
 
-def test_method_registry_and_arch_records():
+def test_method_registry_and_arch_records(monkeypatch):
+    from dataclasses import dataclass
+
+    import nascompress.methods as registry
+    from nascompress.config import Config
+    from nascompress.methods import Method, available_methods
+
+    available_methods()  # every real method registered first, then work on a copy of the registry
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
     calls = []
 
-    @register_method("_test_identity")
-    def apply(model, record):
-        calls.append(record["config"]["x"])
-        model.register_buffer("test_marker", torch.tensor(float(record["config"]["x"])))
-        return model
+    @dataclass(frozen=True)
+    class MarkerConfig(Config):
+        x: int = 0
+
+    @register_method
+    class Marker(Method):
+        name = "_test_marker"
+        config_cls = MarkerConfig
+
+        def patch(self, model, cfg, record):
+            calls.append(cfg.x)
+            model.register_buffer("test_marker", torch.tensor(float(cfg.x)))
+            return model
 
     arch = make_arch(tiny_spec(), input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
-                     methods=[{"name": "_test_identity", "config": {"x": 3}}])
+                     methods=[{"name": "_test_marker", "config": {"x": 3}}])
     model = build_from_arch(arch)
-    assert calls == [3] and float(model.test_marker) == 3.0
-    with pytest.raises(KeyError, match="Unknown method 'nope'; available"):
+    assert calls == [3] and float(model.test_marker) == 3.0 and model.nc_methods == ["_test_marker"]
+    with pytest.raises(NascompressError, match="unknown method 'nope'; available: _test_marker, dcs, dynamicvit"):
         get_method("nope")
+    with pytest.raises(NascompressError, match="unknown _test_marker setting\\(s\\) y; valid: x"):
+        build_from_arch(dict(arch, methods=[{"name": "_test_marker", "config": {"y": 1}}]))
+
+    class Other(Marker):
+        pass
+
     with pytest.raises(ValueError, match="already registered"):
-        register_method("_test_identity")(lambda m, r: m)
+        register_method(Other)
 
 
 def test_checkpoint_state_roundtrip(tmp_path):
@@ -200,9 +222,9 @@ def test_training_learns_and_resume_is_exact(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         _fit_tiny(tmp_path / "crash", hooks=Crash())
-    assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 2
+    assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 3  # the start + 2 epochs
     resumed = _fit_tiny(tmp_path / "crash", resume=True)
-    assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 3
+    assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 4
     a = nascompress.load(tmp_path / "full" / "last.safetensors").state_dict()
     b = nascompress.load(tmp_path / "crash" / "last.safetensors").state_dict()
     for k in a:

@@ -15,7 +15,8 @@ import nascompress
 from nascompress.errors import NascompressError
 from nascompress.io import make_arch, save_model
 from nascompress.methods import get_method
-from nascompress.methods.mgvit import MGViT, MGViTHooks, MGViTRecipe, sweep_model
+from nascompress.finetune import split_settings
+from nascompress.methods.mgvit import MGViT, MGViTHooks, sweep_model
 from nascompress.methods.mgvit_ops import (casr_update, layer_macs, mgis_token_schedule, num_mgis_tokens, ppsm,
                                            ppsm_counts, ppsm_out_tokens, resample_grid, split_counts, split_groups,
                                            subpatch_index)
@@ -33,8 +34,13 @@ def dense(**kw):
     return build_model(ModelSpec(SPEC.name, dict(SPEC.kwargs, **kw))).eval()
 
 
+def prepare(model, settings):
+    config, recipe = split_settings("mgvit", dict(settings))
+    return get_method("mgvit").prepare_fresh(model, config, recipe)
+
+
 def mgvit(model=None, **config):
-    model, _ = MGViTRecipe().prepare(copy.deepcopy(model if model is not None else dense()), config)
+    model, _ = prepare(copy.deepcopy(model if model is not None else dense()), config)
     return model.eval()
 
 
@@ -139,12 +145,8 @@ def test_early_exit_batched_equals_per_image():
     f = m.stage_flops()
     assert count_flops(m, x).total == pytest.approx(f["sgis_flops"] + (1 - share) * f["mgis_flops"], rel=1e-9)
     # the exit share falls as epsilon rises; epsilon = 1 sends every image to MGIS
-    from nascompress.data import InputSpec, TensorImageDataset
-
-    ds = TensorImageDataset((torch.rand(16, 1, 28, 28) * 255).to(torch.uint8), torch.randint(0, 10, (16,)),
-                            [str(i) for i in range(10)])
-    spec = InputSpec((28, 28), 1, (0.5,), (0.5,))
-    rows = sweep_model(m, ds, input_spec=spec, epsilons=[1e-6, 0.3, 0.6, 1.0], device=torch.device("cpu"))["rows"]
+    batches = [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))) for _ in range(2)]
+    rows = sweep_model(m, batches, epsilons=[1e-6, 0.3, 0.6, 1.0])["rows"]
     shares = [r["exit_share"] for r in rows]
     assert shares == sorted(shares, reverse=True) and shares[0] == 1.0 and shares[-1] == 0.0
     assert rows[-1]["mean_flops"] == pytest.approx(f["sgis_flops"] + f["mgis_flops"])
@@ -157,8 +159,10 @@ def test_flops_match_paper_complexity_model():
     rep = count_flops(m, x)
     sched = mgis_token_schedule(161, 3, cfg["ppsm_layers"], cfg["r_pos"], cfg["r_neg"])
     assert sched == [162, 114, 114]
-    sgis_blocks = 3 * layer_macs(50, C)
-    mgis_blocks = sum(layer_macs(n, C + X) for n in sched)
+    # plus the class-token attention row CASR reads beside the fused attention: N x C per recording layer
+    # (SGIS from layer casr_start = 3 on, every MGIS layer)
+    sgis_blocks = 3 * layer_macs(50, C) + 50 * C
+    mgis_blocks = sum(layer_macs(n, C + X) + n * (C + X) for n in sched)
     assert sum(sum(b.values()) for b in rep.blocks) == pytest.approx(sgis_blocks)
     n_h, n_m, _ = split_counts(49, 0.1, 0.4)
     embed = (49 + 161) * C * 16  # patch embedding of SGIS (49) and MGIS (161) patches, 1 channel, 4x4
@@ -172,7 +176,7 @@ def test_flops_match_paper_complexity_model():
 def test_deit_small_7x7_sgis_is_1_10_gflops():
     torch.manual_seed(0)
     d = build_model(ModelSpec("deit_small_patch16_224", {}))
-    m = get_method("mgvit")(d, {"name": "mgvit", "config": {"epsilon": 1e-6}})
+    m = get_method("mgvit").apply(d, {"name": "mgvit", "config": {"epsilon": 1e-6}})
     f = count_flops(m, torch.randn(1, 3, 224, 224))
     assert f.total / 1e9 == pytest.approx(1.10, rel=0.03)  # MG-ViT Table 1: DeiT-S on a 7x7 split
     st = m.stage_flops()
@@ -217,11 +221,27 @@ def test_training_loss_reaches_both_stages():
     ({"epsilon": 1.5}, "epsilon .*1.5"),
     ({"grid": 5}, "image size 28x28 .* coarse grid 5"),
     ({"feat_dim": 3}, "feat_dim"),
-    ({"keep_rate": 0.5}, "unknown mgvit setting.*keep_rate"),
+    ({"keep_rate": 0.5}, "unknown mgvit option.*keep_rate"),
 ])
 def test_bad_input(config, match):
     with pytest.raises(NascompressError, match=match):
-        MGViTRecipe().prepare(dense(), config)
+        prepare(dense(), config)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"reg_tokens": 2}, "exactly one prefix token, this model has 3"),
+    ({"class_token": False, "global_pool": "avg"}, "needs a class token read by the head"),
+])
+def test_refuses_register_tokens_and_no_class_token(kw, match):
+    with pytest.raises(NascompressError, match=match):
+        prepare(dense(**kw), {})
+
+
+def test_refuses_a_distilled_deit():
+    model = build_model(ModelSpec("deit_tiny_distilled_patch16_224", dict(img_size=28, patch_size=4, embed_dim=32,
+                                                                          depth=2, num_heads=2, num_classes=10)))
+    with pytest.raises(NascompressError, match="exactly one prefix token, this model has 2"):
+        prepare(model, {})
 
 
 def test_evaluate_cli(tmp_path):

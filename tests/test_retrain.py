@@ -14,16 +14,13 @@ import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data
 from nascompress.errors import NascompressError
 from nascompress.io import make_arch, save_model
-from nascompress.methods import register_method
 from nascompress.models import build_model, custom_vit_spec
 from nascompress.retrain import FeatureTap, IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain
 from nascompress.train import TrainConfig, input_spec_for
 
 
-@register_method("ib_test_noop")
-def _noop(model, record):
-    """A stand-in compression record, so the tests do not depend on another method's module."""
-    return model
+# a compression record whose method changes nothing (EViT at keep rate 1): retrain needs a compressed model
+NOOP = {"name": "evit", "config": {"keep_rate": 1.0}}
 
 
 SMALL = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
@@ -34,7 +31,7 @@ def tiny_spec(num_classes: int = 10):
                            in_chans=1)
 
 
-def make_model_dir(path, *, methods=({"name": "ib_test_noop", "config": {}},), num_classes: int = 10, seed: int = 0):
+def make_model_dir(path, *, methods=(NOOP,), num_classes: int = 10, seed: int = 0):
     torch.manual_seed(seed)
     model = build_model(tiny_spec(num_classes))
     arch = make_arch(tiny_spec(num_classes), input_spec=input_spec_for(model, "synthetic").to_dict(),
@@ -115,13 +112,15 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     for f in ("model.safetensors", "arch.json", "metrics.json", "log.jsonl", "config.json"):
         assert (out / f).is_file(), f
     log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert log[0]["start"]  # epoch 0: the starting model, evaluated before training
+    log = log[1:]
     assert [r["ib_active"] for r in log] == [False, True]
     for r in log:
         for k in ("train_ce", "train_ibb", "train_kd", "ib", "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
                   "kmeans_s", "epoch_time_s"):
             assert k in r, k
     arch = json.loads((out / "arch.json").read_text())
-    assert arch["methods"] == [{"name": "ib_test_noop", "config": {}}]
+    assert arch["methods"] == [NOOP]
     assert "pre_logits" in arch["retrain"]["learned_feature"] and "image" in arch["retrain"]["input_feature"]
     assert arch["retrain"]["kd"] is True
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -157,7 +156,7 @@ def test_resume_replays_an_interrupted_run(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         retrain(job)
     monkeypatch.setattr(IBHooks, "on_epoch_start", original)
-    assert len((tmp_path / "cut" / "log.jsonl").read_text().splitlines()) == 1
+    assert len((tmp_path / "cut" / "log.jsonl").read_text().splitlines()) == 2  # the start + epoch 1
     resumed = retrain(replace(job, train=replace(job.train, epochs=99)), resume=True)  # config.json wins
     assert resumed["epochs"] == 2
     a, b = nascompress.load(tmp_path / "full"), nascompress.load(tmp_path / "cut")
@@ -210,16 +209,16 @@ def test_bad_models_and_datasets_write_nothing(tmp_path):
 
 def test_retrains_a_materialized_dcs_model_and_keeps_its_shapes(tmp_path):
     """Any compressed model: a tiny materialized DCS model (issue 3's format) retrains and ships."""
-    dcs = pytest.importorskip("nascompress.methods.dcs")
-    mat = pytest.importorskip("nascompress.materialize")
+    from nascompress.methods import dcs
+
     torch.manual_seed(0)
     cfg = dcs.DCSConfig(qk_mask="static")
     supernet = dcs.make_supernet(build_model(tiny_spec()), cfg)
     with torch.no_grad():
         for blk in supernet.blocks:
             blk.dcs_alpha[::2] = -3.0  # drop half the MLP channels
-            blk.attn.dcs_theta.view(-1)[::4] = -3.0  # and a quarter of the Q/K channels
-    model, record = mat.materialize(supernet, cfg)
+            blk.attn.qk_mask.theta.view(-1)[::4] = -3.0  # and a quarter of the Q/K channels
+    model, record = dcs.materialize(supernet, cfg)
     arch = make_arch(tiny_spec(), input_spec=input_spec_for(model, "synthetic").to_dict(), methods=[record])
     src = tmp_path / "dcs_mat"
     save_model(src, model, arch)

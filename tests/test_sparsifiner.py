@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from nascompress.errors import NascompressError
 from nascompress.methods import _flex, get_method
-from nascompress.methods.sparsifiner import (SparsifinerHooks, SparsifinerRecipe, TRAIN_KEYS, attention_budget,
-                                             masked_attention, sparse_modules, topk_mask)
+from nascompress.finetune import split_settings
+from nascompress.methods.sparsifiner import (SparsifinerHooks, SparsifinerRecipe, attention_budget, masked_attention,
+                                             sparse_modules, topk_mask)
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops
 from nascompress.train import TrainConfig
@@ -24,7 +25,13 @@ def tiny(img=16, depth=2, dim=32, heads=2, seed=0):
 
 
 def sparsify(model, **cfg):
-    return get_method("sparsifiner")(model, {"name": "sparsifiner", "config": cfg})
+    return get_method("sparsifiner").apply(model, {"name": "sparsifiner", "config": cfg})
+
+
+def prepare(model, settings):
+    """What finetune does: split the settings into config and recipe, patch a fresh model."""
+    config, recipe = split_settings("sparsifiner", dict(settings))
+    return get_method("sparsifiner").prepare_fresh(model, config, recipe)
 
 
 @pytest.mark.parametrize("cfg", [dict(attn_keep_ratio=1.0), dict(budget=17), dict(attn_keep_ratio=1.0, mode="block")])
@@ -61,8 +68,9 @@ def test_sparse_attention_changes_output_and_lowers_flops():
 
 @pytest.mark.parametrize("n,bs,p", [(50, 7, 1), (50, 8, 1), (65, 16, 1), (64, 8, 0), (66, 8, 2)])
 def test_block_paths_match_masked_path(n, bs, p):
-    """Gathered-blocks SDPA (from strided qkv views) and compiled FlexAttention == masked softmax
-    with the same block mask: prefix rows and prefix keys dense, kept patch tiles only; exact
+    """Gathered-blocks SDPA (from strided qkv views) and the flex entry point (compiled FlexAttention
+    where ``flex_kernel_ok`` accepts it; BLOCK_SIZE 7 and 8 are refused, so the gather path) == masked
+    softmax with the same block mask: prefix rows and prefix keys dense, kept patch tiles only; exact
     blocks, a short last block, no prefix token, two prefix tokens."""
     torch.manual_seed(0)
     B, H, d = 2, 2, 16
@@ -89,12 +97,12 @@ def test_block_inference_kernels_match_masked_path_in_the_model(kernel):
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         a = model(x)
-        dens = model.blocks[0].attn.sp_density
+        dens = model.blocks[0].attn.kernel.density
         for m in sparse_modules(model):
-            m.sp_cfg = type(m.sp_cfg)(**dict(m.sp_cfg.to_dict(), kernel="masked"))
+            m.cfg = m.cfg.replace(kernel="masked")
         b = model(x)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    assert dens == model.blocks[0].attn.sp_density < 0.5
+    assert dens == model.blocks[0].attn.kernel.density < 0.5
 
 
 def test_block_predictor_equals_pooled_unstructured_scores():
@@ -180,28 +188,29 @@ def test_save_load_roundtrip(tmp_path):
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
     torch.manual_seed(0)
     model = build_model(spec)
-    model, rec = SparsifinerRecipe().prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "kernel": "masked"})
+    model, rec = prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "kernel": "masked"})
     with torch.no_grad():
-        model.blocks[0].attn.sp_w_up.add_(0.1)
+        model.blocks[0].attn.kernel.w_up.add_(0.1)
     arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.3], "std": [0.3]},
                      methods=[rec])
     save_model(tmp_path, model, arch)
     loaded, _ = load_with_arch(tmp_path)
-    assert "blocks.0.attn.sp_w_down" in loaded.state_dict() and "blocks.0.attn.qkv.weight" in loaded.state_dict()
+    assert "blocks.0.attn.kernel.w_down" in loaded.state_dict() and "blocks.0.attn.qkv.weight" in loaded.state_dict()
     x = torch.randn(2, 1, 16, 16)
     torch.testing.assert_close(loaded(x), model.eval()(x))
 
 
 def test_two_stage_hooks_train_the_right_parameters():
     teacher = tiny()
-    model, rec = SparsifinerRecipe().prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
-    hooks = SparsifinerRecipe().hooks(model, rec, teacher=teacher.requires_grad_(False), train_cfg=TrainConfig())
+    model, rec = prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
+    hooks = get_method("sparsifiner").hooks(model, rec, teacher=teacher.requires_grad_(False), train_cfg=TrainConfig())
     assert isinstance(hooks, SparsifinerHooks)
     groups = hooks.param_groups(model, TrainConfig())
-    assert groups[-1]["lr_scale"] == TRAIN_KEYS["predictor_lr_scale"]
+    pred = [g for g in groups if any(p is model.blocks[0].attn.kernel.w_down for p in g["params"])]
+    assert pred[0]["lr_scale"] == SparsifinerRecipe().predictor_lr_scale
     x, y = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
     model.train()
-    for epoch, trained in ((0, "sp_w_"), (1, "qkv")):
+    for epoch, trained in ((0, "kernel.w_"), (1, "qkv")):
         model.zero_grad(set_to_none=True)
         hooks.on_epoch_start(model, epoch=epoch)
         loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=TrainConfig())
@@ -209,9 +218,9 @@ def test_two_stage_hooks_train_the_right_parameters():
         got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
         assert any(trained in n for n in got)
         if epoch == 0:
-            assert all("sp_w_" in n for n in got) and "l_attn" in logs and loss > 0
+            assert all("kernel.w_" in n for n in got) and "l_attn" in logs and loss > 0
         else:
-            assert not any("sp_w_" in n for n in got) and {"ce", "l_token", "l_cls_distill"} <= set(logs)
+            assert not any("kernel.w_" in n for n in got) and {"ce", "l_token", "l_cls_distill"} <= set(logs)
 
 
 def test_finetune_job_end_to_end(tiny_run, tmp_path):
@@ -220,16 +229,16 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
     from nascompress.io import load_with_arch
 
     data = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
-    job = FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", method_config={"attn_keep_ratio": 0.5, "stage1_epochs": 1},
-                      data=data, train=TrainConfig(epochs=2, batch_size=64, lr=1e-4, warmup_epochs=0.0),
-                      out=str(tmp_path / "ft"))
+    job = FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", config={"attn_keep_ratio": 0.5},
+                      recipe={"stage1_epochs": 1}, data=data,
+                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-4, warmup_epochs=0.0), out=str(tmp_path / "ft"))
     metrics = finetune(job)
     model, arch = load_with_arch(tmp_path / "ft")
     assert arch["methods"][-1]["name"] == "sparsifiner" and metrics["zero_shot"] is False
     assert len(sparse_modules(model)) == 2
-    zs = finetune(FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", method_config={"attn_keep_ratio": 0.5},
-                              data=data, out=str(tmp_path / "zs"), zero_shot=True))
-    assert zs["zero_shot"] is True
+    zs = finetune(FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", config={"attn_keep_ratio": 0.5},
+                              recipe={"stage1_steps": 3}, data=data, out=str(tmp_path / "zs"), zero_shot=True))
+    assert zs["zero_shot"] is True and "l_attn" in zs["calibration"]
 
 
 @pytest.mark.parametrize("cfg,msg", [
@@ -239,10 +248,11 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
     ({"mode": "dense"}, r"mode must be one of unstructured, block, got 'dense'"),
     ({"kernel": "cuda"}, r"kernel must be one of gather, flex, masked, got 'cuda'"),
     ({"keep": 0.5}, r"unknown sparsifiner option\(s\) \['keep'\]; valid options: attn_keep_ratio"),
+    ({"stage1_epochs": -1}, r"stage1_epochs must be an integer in \[0, inf\], got -1"),
 ])
 def test_bad_input(cfg, msg):
     with pytest.raises(NascompressError, match=msg):
-        SparsifinerRecipe().prepare(tiny(), cfg)
+        prepare(tiny(), cfg)
 
 
 def test_legacy_flex_key_maps_to_kernel():
@@ -262,25 +272,19 @@ def test_bad_input_functions_and_non_vit():
     with pytest.raises(NascompressError, match="needs a timm VisionTransformer.*got ResNet"):
         sparsify(timm.create_model("test_resnet", pretrained=False))
     model = sparsify(tiny(), attn_keep_ratio=0.5)
-    with pytest.raises(NascompressError, match="already a Sparsifiner attention"):
+    with pytest.raises(NascompressError, match="sparsifiner cannot be applied after sparsifiner"):
         sparsify(model)
 
 
-@pytest.mark.parametrize("order", ["evit_first", "sparsifiner_first"])
-def test_stacks_with_evit(order):
-    """EViT prunes tokens at fixed layers, Sparsifiner sparsifies attention everywhere (both orders)."""
+def test_stacks_with_evit():
+    """Sparsifiner sparsifies attention everywhere, then EViT prunes tokens at fixed layers; the other
+    order is refused (one canonical order per pair)."""
     from nascompress.methods import apply_methods
 
-    try:
-        get_method("evit")
-    except KeyError:
-        pytest.skip("evit not available")
     dense = tiny(img=32, depth=3, dim=32, heads=2)
     x = torch.randn(2, 1, 32, 32)
-    recs = [{"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}},
-            {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}}]
-    if order == "sparsifiner_first":
-        recs = recs[::-1]
+    recs = [{"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}},
+            {"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}}]
     model = apply_methods(copy.deepcopy(dense), recs).eval()
     with torch.no_grad():
         out = model(x)
@@ -288,7 +292,45 @@ def test_stacks_with_evit(order):
     rep, ref = count_flops(model, x), count_flops(dense, x)
     assert rep.blocks[2]["mlp"] < ref.blocks[2]["mlp"]  # tokens pruned before layer 3
     assert rep.blocks[0]["attn"] < ref.blocks[0]["attn"] and rep.blocks[2]["attn"] < ref.blocks[2]["attn"]
-    off = [{"name": "evit", "config": {"keep_rate": 1.0, "prune_layers": [2], "fuse_token": False}},
-           {"name": "sparsifiner", "config": {"attn_keep_ratio": 1.0}}]
+    off = [{"name": "sparsifiner", "config": {"attn_keep_ratio": 1.0}},
+           {"name": "evit", "config": {"keep_rate": 1.0, "prune_layers": [2], "fuse_token": False}}]
     with torch.no_grad():
         torch.testing.assert_close(apply_methods(copy.deepcopy(dense), off).eval()(x), dense(x))
+    with pytest.raises(NascompressError, match="sparsifiner cannot be applied after evit"):
+        apply_methods(copy.deepcopy(dense), recs[::-1])
+
+
+def test_on_materialized_dcs_with_narrower_qk():
+    """Sparsifiner on a DCS-materialized attention (q/k narrower than v): every kernel path agrees."""
+    from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
+
+    sup = make_supernet(tiny(img=28, dim=32, heads=2), DCSConfig(qk_mask="static")).eval()
+    with torch.no_grad():
+        for blk in sup.blocks:
+            blk.attn.qk_mask.theta.copy_(torch.randn_like(blk.attn.qk_mask.theta))
+    mat, _ = materialize(sup, DCSConfig(qk_mask="static"))
+    assert mat.blocks[0].attn.qk_dim < mat.blocks[0].attn.head_dim
+    x = torch.randn(2, 1, 28, 28)
+    outs = {}
+    for kernel in ("gather", "masked"):
+        m = sparsify(copy.deepcopy(mat), attn_keep_ratio=0.3, mode="block", block_size=7, kernel=kernel)
+        with torch.no_grad():
+            outs[kernel] = m(x)
+    torch.testing.assert_close(outs["gather"], outs["masked"], atol=1e-5, rtol=1e-5)
+
+
+def test_stage1_attention_loss_goes_down():
+    """The predictor-only stage (stage 1) lowers the reconstruction loss of the dense attention,
+    and leaves the backbone untouched."""
+    from nascompress.methods.sparsifiner import calibrate_predictor
+
+    model, rec = prepare(tiny(img=28), {"attn_keep_ratio": 0.25, "n_down": 8})
+    backbone = {k: v.clone() for k, v in model.state_dict().items() if "kernel" not in k}
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 1, 28, 28, generator=g), torch.zeros(8, dtype=torch.long)) for _ in range(3)]
+    first = calibrate_predictor(model, batches[:1], steps=1, lr=1e-2)["l_attn"]
+    last = calibrate_predictor(model, batches, steps=60, lr=1e-2)["l_attn"]
+    assert last < 0.7 * first, (first, last)
+    for k, v in model.state_dict().items():
+        if k in backbone:
+            torch.testing.assert_close(v, backbone[k])

@@ -1,52 +1,159 @@
-"""The method registry: every compression method plugs into the same spine.
+"""The method contract and its one registry.
 
-A method is registered under a name with :func:`register_method`. Its ``apply`` function takes a
-built timm VisionTransformer and the method's record from ``arch.json`` (``{"name": ...,
-"config": {...}, ...decisions}``) and returns the patched model, keeping the timm state-dict
-keys (new parameters get new names). :func:`nascompress.io.load` rebuilds any saved model by
-building the timm model and applying each recorded method in order before loading weights
-strictly, so a method must be able to rebuild its exact shapes from its record alone.
+A compression method is one module that defines one :class:`Method` subclass and registers it
+with :func:`register_method`. The subclass says, in one place:
+
+* ``config_cls``: its settings, a frozen :class:`~nascompress.config.Config` dataclass (validated;
+  fields with ``metadata={"help": ...}`` become ``nascompress finetune`` options);
+* ``recipe_cls``: its training recipe settings (None: the method is not fine-tuned by
+  ``finetune``), and ``train_defaults``: its base learning rate (per 512 images), warm-up, layer
+  decay and epochs for ``finetune``;
+* ``stacks_on``: the methods that may already be applied to a model before this one, which also
+  fixes the order (e.g. ``dcs`` -> ``sparsifiner`` -> ``evit``); any other combination is refused;
+* ``off_config`` / ``paper_config``: compression off (the plain timm model) and the paper's
+  setting, which the Optuna searches run first;
+* ``resolve``: the config checked against a model (depth, tokens, prefix tokens);
+* ``patch``: how it changes the model (in place; timm state-dict keys kept, new parameters get
+  new names), rebuilt from its ``arch.json`` record alone;
+* ``prepare``: a fresh patch for fine-tuning or zero-shot use (initialisation from the dense
+  weights where the method needs it); ``hooks``: its recipe for :func:`nascompress.train.fit`.
+
+:func:`apply_methods` (used by :func:`nascompress.load`) applies records in order through
+:meth:`Method.apply`, which checks stacking first. Method modules import
+:mod:`nascompress.hooks` only, never the training engine.
 """
 from __future__ import annotations
 
+from .. import _compat  # noqa: F401  (before timm imports torchvision)
+
+import dataclasses
 import importlib
-from typing import Any, Callable
+from typing import Any, ClassVar
 
 from torch import nn
 
-ApplyFn = Callable[[nn.Module, dict[str, Any]], nn.Module]
+from ..config import Config
+from ..errors import NascompressError
 
-_METHODS: dict[str, ApplyFn] = {}
 # Modules that register methods; imported lazily so that importing nascompress stays cheap.
-_METHOD_MODULES = ("dcs", "evit", "dynamicvit", "sparsifiner", "mgvit")
+_METHOD_MODULES = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit")
+_METHODS: dict[str, "Method"] = {}
 
 
-def register_method(name: str) -> Callable[[ApplyFn], ApplyFn]:
-    """Decorator: register ``apply(model, record) -> model`` under ``name``."""
+class Method:
+    """One compression method (see the module docstring for the contract)."""
 
-    def deco(fn: ApplyFn) -> ApplyFn:
-        if name in _METHODS and _METHODS[name] is not fn:
-            raise ValueError(f"method {name!r} is already registered by {_METHODS[name].__module__}")
-        _METHODS[name] = fn
-        return fn
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    config_cls: ClassVar[type[Config]]
+    recipe_cls: ClassVar[type[Config] | None] = None
+    train_defaults: ClassVar[dict[str, Any]] = {}
+    stacks_on: ClassVar[frozenset[str]] = frozenset()
+    # configurations a search enqueues first: compression off (the plain model) and the paper's
+    off_config: ClassVar[dict[str, Any] | None] = None
+    paper_config: ClassVar[dict[str, Any] | None] = None
 
-    return deco
+    # ---- what a subclass implements -----------------------------------------------------------
+    def resolve(self, model: nn.Module, cfg: Config) -> Config:
+        """``cfg`` checked against ``model`` with model-dependent defaults filled in."""
+        return cfg
+
+    def patch(self, model: nn.Module, cfg: Config, record: dict[str, Any]) -> nn.Module:
+        """Change ``model`` in place as ``record`` describes (its ``config`` already resolved)."""
+        raise NotImplementedError
+
+    def prepare(self, model: nn.Module, cfg: Config, recipe: Config | None) -> tuple[nn.Module, dict[str, Any]]:
+        """Patch a dense (or already compressed) model for fine-tuning / zero-shot use; return it
+        and its record. The default patches from a fresh record."""
+        record = self.make_record(cfg, recipe)
+        return self.patch(model, cfg, record), record
+
+    def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: Any):
+        """The recipe's :class:`~nascompress.hooks.TrainHooks` (losses against ``teacher``, schedules)."""
+        raise NascompressError(f"{self.name} has no fine-tuning recipe")
+
+    def calibrate(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module,
+                  batches: Any) -> dict[str, float]:
+        """A short stage that trains only the method's new parameters (backbone frozen) so that a
+        zero-shot model is meaningful; ``batches`` yields preprocessed (x, y). Default: nothing."""
+        return {}
+
+    # ---- shared machinery --------------------------------------------------------------------
+    def make_record(self, cfg: Config, recipe: Config | None = None) -> dict[str, Any]:
+        rec: dict[str, Any] = {"name": self.name, "config": cfg.to_dict()}
+        if recipe is not None:
+            rec["recipe"] = recipe.to_dict()
+        return rec
+
+    def config(self, model: nn.Module, config: dict[str, Any] | Config) -> Config:
+        cfg = config if isinstance(config, Config) else self.config_cls.from_dict(config, what=self.name)
+        return self.resolve(model, cfg)
+
+    def recipe(self, recipe: dict[str, Any] | Config | None) -> Config | None:
+        if self.recipe_cls is None:
+            if recipe:
+                raise NascompressError(f"{self.name} has no training recipe; got recipe settings {sorted(recipe)}")
+            return None
+        if isinstance(recipe, Config):
+            return recipe
+        return self.recipe_cls.from_dict(recipe, what=f"{self.name} recipe")
+
+    def check_stack(self, model: nn.Module) -> None:
+        """Refuse to apply this method on top of methods it cannot follow (or twice)."""
+        applied = list(getattr(model, "nc_methods", []))
+        bad = [m for m in applied if m not in self.stacks_on]
+        if bad:
+            allowed = ", ".join(sorted(self.stacks_on)) or "no other method"
+            raise NascompressError(f"{self.name} cannot be applied after {', '.join(bad)} (it stacks on {allowed}, in "
+                                   f"that order); applied so far: {', '.join(applied)}")
+
+    def _mark(self, model: nn.Module) -> None:
+        model.nc_methods = [*getattr(model, "nc_methods", []), self.name]
+
+    def apply(self, model: nn.Module, record: dict[str, Any]) -> nn.Module:
+        """Rebuild this method on ``model`` from its arch.json record (stacking checked first)."""
+        self.check_stack(model)
+        cfg = self.config(model, record.get("config", {}))
+        model = self.patch(model, cfg, dict(record, config=cfg.to_dict()))
+        self._mark(model)
+        return model
+
+    def prepare_fresh(self, model: nn.Module, config: dict[str, Any] | Config,
+                      recipe: dict[str, Any] | Config | None = None) -> tuple[nn.Module, dict[str, Any]]:
+        """Validate, check stacking and :meth:`prepare` (the entry point of finetune and the searches)."""
+        self.check_stack(model)
+        cfg = self.config(model, config)
+        model, record = self.prepare(model, cfg, self.recipe(recipe))
+        self._mark(model)
+        return model, record
+
+    def cli_fields(self) -> list[dataclasses.Field]:
+        """The config and recipe fields exposed as CLI options (those with a ``help`` metadata)."""
+        out = [f for f in dataclasses.fields(self.config_cls) if f.metadata.get("help")]
+        if self.recipe_cls is not None:
+            out += [f for f in dataclasses.fields(self.recipe_cls) if f.metadata.get("help")]
+        return out
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    """Class decorator: register one instance of ``cls`` under ``cls.name`` (duplicates refused)."""
+    name = cls.name
+    if name in _METHODS and type(_METHODS[name]) is not cls:
+        raise ValueError(f"method {name!r} is already registered by {type(_METHODS[name]).__module__}")
+    _METHODS[name] = cls()
+    return cls
 
 
 def _import_all() -> None:
     for mod in _METHOD_MODULES:
-        try:
-            importlib.import_module(f"{__name__}.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{mod}":
-                raise
+        importlib.import_module(f"{__name__}.{mod}")
 
 
-def get_method(name: str) -> ApplyFn:
+def get_method(name: str) -> Method:
     if name not in _METHODS:
         _import_all()
     if name not in _METHODS:
-        raise KeyError(f"Unknown method {name!r}; available: {sorted(_METHODS)}")
+        raise NascompressError(f"unknown method {name!r}; available: {', '.join(sorted(_METHODS))}")
     return _METHODS[name]
 
 
@@ -56,7 +163,12 @@ def available_methods() -> list[str]:
 
 
 def apply_methods(model: nn.Module, records: list[dict[str, Any]]) -> nn.Module:
-    """Apply every recorded method to ``model`` in order."""
+    """Apply every recorded method to ``model`` in order (stacking checked)."""
     for rec in records:
-        model = get_method(rec["name"])(model, rec)
+        if not isinstance(rec, dict) or "name" not in rec:
+            raise NascompressError(f"arch.json method record {rec!r} has no name")
+        model = get_method(rec["name"]).apply(model, rec)
     return model
+
+
+__all__ = ["Method", "register_method", "get_method", "available_methods", "apply_methods"]

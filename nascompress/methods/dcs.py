@@ -1,38 +1,47 @@
 """DCS: differentiable channel selection (seed 003, sections 3.1, 3.2, 3.4; METHODS.md section 1).
 
-Two selections inside every timm ``Block``, searched jointly:
+Two selections inside every block, searched jointly (the search is ``nascompress search dcs``):
 
 * Q/K channel masks for the attention weights (section 3.1): ``W = softmax((Q*M)(K*M)^T / sqrt(d))``,
-  the same mask on Q and K, V untouched. ``qk_mask="input"`` is the paper's input-dependent
-  mask, theta = Linear(x) per token; ``qk_mask="static"`` learns one theta per channel (as the
-  official code does), the only kind that can be removed physically; ``"none"`` turns it off.
+  the same mask on Q and K, V untouched, plugged into :class:`~nascompress.layers.NCAttention` as
+  its ``qk_mask`` (:class:`DCSQKMask`). ``qk_mask="input"`` is the paper's input-dependent mask,
+  theta = Linear(x) per token; ``"static"`` learns one theta per channel (as the official code
+  does), the only kind that can be removed physically; ``"none"`` turns it off.
 * MLP channel gates (section 3.2): architecture parameters alpha (C,) per block; the gate g
-  multiplies the MLP's input and output features.
+  multiplies the MLP's input and output features (:class:`DCSBlock` owns that MLP half).
 
 Both are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward, no
-noise at inference (so the mask is ``1[logit > 0]``). The model is patched ToMe-style by swapping
-``__class__``: timm state-dict keys are kept, new parameters are ``dcs_alpha`` and ``dcs_theta``.
+noise at inference (so the mask is ``1[logit > 0]``). New parameters: ``blocks.<i>.dcs_alpha`` and
+``blocks.<i>.attn.qk_mask.theta``; timm's keys are kept.
+
+Materialization gathers the selection physically: :func:`slice_mlp` (the MLP reads the kept
+residual channels after LN2 and writes them back with one ``index_add``: :class:`MaterializedBlock`)
+and :func:`slice_qk` (each head keeps its Q/K channels, zero-padded to the largest count so the
+heads stay one batched matmul; the original ``1/sqrt(head_dim)`` scale is kept). The
+input-dependent mask cannot be removed: its theta Linear stays (and is counted by the profiler).
 
 The ``arch.json`` record is ``{"name": "dcs", "config": DCSConfig, "stage": "supernet" |
-"materialized", "tau": float, "blocks": [{"mlp_keep": [...], "qk_keep": [[...] per head]}]}``;
-``apply`` rebuilds either stage from it (the materialized shapes come from ``blocks``).
+"materialized", "tau": float, "blocks": [{"mlp_keep": [...], "qk_keep": [[...] per head]}]}``; DCS
+must be the first method of a model (it changes channels that later methods read).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import copy
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from timm.layers import Attention
-from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from ..config import Config, check_bool, check_choice, check_range
 from ..errors import NascompressError
-from . import register_method
+from ..layers import (NCAttention, NCBlock, as_index, slice_layerscale, slice_linear_in, slice_linear_out, to_core,
+                      with_zero_row)
+from . import Method, register_method
 
 QK_MODES = ("input", "static", "none")
+STAGES = ("supernet", "materialized")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +90,7 @@ def binary_entropy(p: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class DCSConfig:
+class DCSConfig(Config):
     """How the supernet is built.
 
     Args:
@@ -90,127 +99,122 @@ class DCSConfig:
         mlp_gates: search the MLP channel gates alpha.
         alpha_init: initial alpha (positive: gates start open, the dense model is the start).
         theta_init: initial theta (bias of the theta Linear, or the static theta).
+        init_spread: the initial logits are ``init + init_spread * z`` with z in [-1, 1] the channel's
+            weight-magnitude importance within its block (standardised, clipped at 2 sigma, halved):
+            the least important channels reach the threshold first, so the FLOPs fall gradually
+            instead of every equal logit crossing at the same step (Adam moves all logits alike
+            when cross-entropy barely tells channels apart). 0: every logit starts at ``init``.
     """
 
-    qk_mask: str = "input"
+    qk_mask: str = "static"
     mlp_gates: bool = True
-    alpha_init: float = 3.0
-    theta_init: float = 3.0
+    alpha_init: float = 2.0
+    theta_init: float = 2.0
+    init_spread: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.qk_mask not in QK_MODES:
-            raise NascompressError(f"qk_mask must be one of {QK_MODES}, got {self.qk_mask!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DCSConfig":
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise NascompressError(f"unknown DCS settings {unknown}; known: {sorted(cls.__dataclass_fields__)}")
-        return cls(**d)
+        check_choice("qk_mask", self.qk_mask, QK_MODES)
+        check_bool("mlp_gates", self.mlp_gates)
+        check_range("alpha_init", self.alpha_init)
+        check_range("theta_init", self.theta_init)
+        check_range("init_spread", self.init_spread, 0)
 
 
 @dataclass
 class DCSState:
     """Shared by every patched module of one model (the search sets ``tau``).
 
-    ``soft_gates[i]`` is block i's soft gate of the last forward (for the cost), ``tokens`` the
-    sequence length seen by the attention (for the analytic FLOPs).
+    ``soft_gates[i]`` / ``soft_qk[i]`` are block i's soft MLP gate / static Q/K mask of the last
+    forward (for the differentiable cost), ``tokens`` the sequence length the attention saw.
     """
 
     tau: float = 1.0
     force_dense: bool = False
     soft_gates: dict[int, torch.Tensor] = field(default_factory=dict)
+    soft_qk: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
 
-    def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft gates are graph tensors: not copied
+    def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft values are graph tensors: not copied
         return DCSState(tau=self.tau, force_dense=self.force_dense, tokens=self.tokens)
 
 
 # ---------------------------------------------------------------------------------------------
-# Patched timm modules
+# The supernet's modules
 
 
+class DCSQKMask(nn.Module):
+    """The Q/K channel mask of one attention, plugged in as :attr:`NCAttention.qk_mask`.
 
-def attend_and_project(attn: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                       attn_mask: torch.Tensor | None, is_causal: bool, gate: torch.Tensor | None) -> torch.Tensor:
-    """The second half of timm 1.0.31's ``Attention.forward``, for attention subclasses that build q/k/v
-    themselves: softmax(q k^T * attn.scale) v, then norm, gate, proj.
-
-    q, k: (B, H, N, d_qk); v: (B, H, N, head_dim) -> (B, N, C). The scale is always the module's
-    original ``head_dim ** -0.5`` (passed to SDPA explicitly: without ``scale=`` it would use d_qk).
-    """
-    B, _, N, _ = v.shape
-    if attn.fused_attn:
-        x = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=attn.scale,
-                                           dropout_p=attn.attn_drop.p if attn.training else 0.0)
-    else:
-        scores = (q * attn.scale) @ k.transpose(-2, -1)
-        scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
-        x = attn.attn_drop(scores.softmax(dim=-1)) @ v
-    x = attn.norm(x.transpose(1, 2).reshape(B, N, attn.attn_dim))
-    if gate is not None:
-        x = x * gate
-    return attn.proj_drop(attn.proj(x))
-
-
-class DCSAttention(Attention):
-    """timm ``Attention`` (forward copied from timm 1.0.31) with a DCS Q/K channel mask.
-
-    Modifications:
-        - ``q, k = q * M, k * M`` after q_norm/k_norm, M (B, H, N, d) from theta = dcs_theta(x)
-          (input) or (1, H, 1, d) from the parameter dcs_theta (static); V is not masked.
-        - the mask is 1 everywhere when the model's state has ``force_dense``.
+    ``input``: theta = Linear(C -> H * d)(x) per token, mask (B, H, N, d); ``static``: theta (H * d,)
+    a parameter, mask (1, H, 1, d). The mask is 1 everywhere when the state has ``force_dense``.
     """
 
-    def qk_mask(self, x: torch.Tensor) -> torch.Tensor | None:
+    def __init__(self, mode: str, *, in_features: int, heads: int, head_dim: int, init: float,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.mode, self.heads, self.head_dim = mode, heads, head_dim
+        if mode == "input":
+            self.theta = nn.Linear(in_features, heads * head_dim, device=device, dtype=dtype)
+            nn.init.zeros_(self.theta.weight)
+            nn.init.constant_(self.theta.bias, init)
+        else:
+            self.theta = nn.Parameter(torch.full((heads * head_dim,), init, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         st: DCSState = self._dcs_state
         st.tokens = x.shape[1]
-        if self.dcs_qk == "none" or st.force_dense:
+        if st.force_dense:
             return None
         B, N, _ = x.shape
-        if self.dcs_qk == "input":
-            theta = self.dcs_theta(x)  # (B, N, A)
-            m, _ = gumbel_sigmoid(theta, tau=st.tau, noise=self.training)
-            return m.reshape(B, N, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
-        m, _ = gumbel_sigmoid(self.dcs_theta, tau=st.tau, noise=self.training)
-        return m.reshape(1, self.num_heads, 1, self.head_dim)
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        m = self.qk_mask(x)
-        if m is not None:
-            q, k = q * m, k * m
-        return attend_and_project(self, q, k, v, attn_mask=attn_mask, is_causal=is_causal, gate=gate)
+        if self.mode == "input":
+            m, _ = gumbel_sigmoid(self.theta(x), tau=st.tau, noise=self.training)
+            return m.reshape(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
+        m, soft = gumbel_sigmoid(self.theta, tau=st.tau, noise=self.training)
+        st.soft_qk[self._dcs_index] = soft
+        return m.reshape(1, self.heads, 1, self.head_dim)
 
 
-class DCSBlock(Block):
-    """timm ``Block`` with DCS MLP channel gates.
+class DCSBlock(NCBlock):
+    """:class:`NCBlock` whose MLP half is gated by DCS channel gates.
 
-    Modifications:
-        - ``x = x + drop_path2(ls2(mlp(norm2(x) * g) * g))``, g (C,) a Gumbel-sigmoid gate of the
-          architecture parameters ``dcs_alpha``; its soft value is stored in the shared state.
+    Modifications: ``x + drop_path2(ls2(mlp(norm2(x) * g) * g))``, g (C,) a Gumbel-sigmoid gate of
+    the architecture parameters ``dcs_alpha``; its soft value is stored in the shared state.
     """
 
     def mlp_gate(self) -> torch.Tensor | None:
         st: DCSState = self._dcs_state
-        if getattr(self, "dcs_alpha", None) is None or st.force_dense:
+        if self.dcs_alpha is None or st.force_dense:
             return None
         g, soft = gumbel_sigmoid(self.dcs_alpha, tau=st.tau, noise=self.training)
         st.soft_gates[self._dcs_index] = soft
         return g
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
         g = self.mlp_gate()
-        y = self.mlp(self.norm2(x)) if g is None else self.mlp(self.norm2(x) * g) * g
-        return x + self.drop_path2(self.ls2(y))
+        if g is None:
+            return super().mlp_half(x)
+        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x) * g) * g))
+
+
+class MaterializedBlock(NCBlock):
+    """:class:`NCBlock` whose MLP reads and writes only the DCS-selected residual channels.
+
+    Modifications: ``h = norm2(x)[..., keep]``; ``x = x.index_add(-1, keep, drop_path2(ls2(mlp(h))))``;
+    fc1 has ``len(keep)`` inputs, fc2 ``len(keep)`` outputs, ls2 ``len(keep)`` channels; with no
+    channel kept the MLP is gone (``mlp = ls2 = Identity``) and skipped.
+    """
+
+    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
+        keep = self.mlp_keep
+        if keep.numel() == 0:
+            return x
+        B, N, C = x.shape
+        # Gather/scatter on a 2-D (B*N, C) view: several times faster on CPU than along dim -1 of 3-D.
+        h = self.norm2(x).reshape(B * N, C).index_select(1, keep).reshape(B, N, -1)  # (B, N, len(keep))
+        y = self.drop_path2(self.ls2(self.mlp(h))).reshape(B * N, -1)
+        if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+            return x.reshape(B * N, C).index_add(1, keep, y).reshape(B, N, C)
+        return x.reshape(B * N, C).index_add_(1, keep, y).reshape(B, N, C)  # inference: x is this block's own
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,53 +222,67 @@ class DCSBlock(Block):
 
 
 def check_supported(model: nn.Module) -> None:
-    if not isinstance(model, VisionTransformer):
-        raise NascompressError(f"DCS needs a timm VisionTransformer, got {type(model).__name__}")
+    to_core(model, method="dcs")
     for i, blk in enumerate(model.blocks):
-        if not isinstance(blk, Block) or not isinstance(blk.attn, Attention):
-            raise NascompressError(f"DCS supports timm Block/Attention; block {i} is "
-                                   f"{type(blk).__name__}/{type(getattr(blk, 'attn', None)).__name__}")
+        if type(blk) is not NCBlock:
+            raise NascompressError(f"dcs must be the first method of a model; blocks.{i} is already a {type(blk).__name__}")
         if not (hasattr(blk.mlp, "fc1") and hasattr(blk.mlp, "fc2")):
             raise NascompressError(f"DCS supports MLPs with fc1/fc2; block {i} has {type(blk.mlp).__name__}")
 
 
 def attach_state(model: nn.Module, *, tau: float = 1.0) -> DCSState:
-    """Give the model (and each of its blocks and attentions) one shared :class:`DCSState`."""
+    """Give the model (and each of its blocks and Q/K masks) one shared :class:`DCSState`."""
     st = DCSState(tau=tau)
     model.dcs_state = st
     for i, blk in enumerate(model.blocks):
         blk._dcs_state, blk._dcs_index = st, i
-        blk.attn._dcs_state = st
+        if blk.attn.qk_mask is not None:
+            blk.attn.qk_mask._dcs_state, blk.attn.qk_mask._dcs_index = st, i
     return st
 
 
-def patch_attention_qk(attn: Attention, mode: str, *, theta_init: float) -> None:
-    """Turn a timm Attention into a :class:`DCSAttention` with a fresh theta (``mode``)."""
-    attn.__class__ = DCSAttention
-    attn.dcs_qk = mode
+def add_qk_mask(attn: NCAttention, mode: str, *, theta_init: float) -> None:
+    """Plug a fresh DCS Q/K mask (``mode`` input or static) into ``attn``."""
     w = attn.qkv.weight
-    if mode == "input":
-        attn.dcs_theta = nn.Linear(attn.qkv.in_features, attn.attn_dim, device=w.device, dtype=w.dtype)
-        nn.init.zeros_(attn.dcs_theta.weight)
-        nn.init.constant_(attn.dcs_theta.bias, theta_init)
-    elif mode == "static":
-        attn.dcs_theta = nn.Parameter(torch.full((attn.attn_dim,), theta_init, device=w.device, dtype=w.dtype))
-    else:
-        attn.dcs_theta = None
+    attn.qk_mask = DCSQKMask(mode, in_features=attn.qkv.in_features, heads=attn.num_heads, head_dim=attn.head_dim,
+                             init=theta_init, device=w.device, dtype=w.dtype)
+
+
+def spread(importance: torch.Tensor) -> torch.Tensor:
+    """Importance scores -> z in [-1, 1]: standardised over the last dim, clipped at 2 sigma, halved."""
+    z = (importance - importance.mean(-1, keepdim=True)) / importance.std(-1, keepdim=True).clamp_min(1e-12)
+    return z.clamp(-2, 2) / 2
+
+
+@torch.no_grad()
+def channel_importance(blk: NCBlock) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight-magnitude importance of a block's residual channels for its MLP (|LN2 gain| x ||fc1
+    column|| x ||fc2 row||) and of each head's Q/K channels (||W_q row|| x ||W_k row||): (C,), (H, d)."""
+    g = blk.norm2.weight.abs() if getattr(blk.norm2, "weight", None) is not None else 1.0
+    mlp = g * blk.mlp.fc1.weight.norm(dim=0) * blk.mlp.fc2.weight.norm(dim=1)
+    a = blk.attn
+    w = a.qkv.weight
+    qk = (w[:a.attn_dim].norm(dim=1) * w[a.attn_dim:2 * a.attn_dim].norm(dim=1)).reshape(a.num_heads, a.head_dim)
+    return mlp, qk
 
 
 def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0) -> VisionTransformer:
-    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys."""
+    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys. The gate
+    logits start open, spread by weight-magnitude importance (``cfg.init_spread``)."""
     check_supported(model)
     for blk in model.blocks:
+        mlp_imp, qk_imp = channel_importance(blk)
         blk.__class__ = DCSBlock
+        blk.dcs_alpha = None
         if cfg.mlp_gates:
             w = blk.mlp.fc1.weight
-            blk.dcs_alpha = nn.Parameter(torch.full((blk.mlp.fc1.in_features,), cfg.alpha_init,
-                                                    device=w.device, dtype=w.dtype))
-        else:
-            blk.dcs_alpha = None
-        patch_attention_qk(blk.attn, cfg.qk_mask, theta_init=cfg.theta_init)
+            alpha = cfg.alpha_init + cfg.init_spread * spread(mlp_imp)
+            blk.dcs_alpha = nn.Parameter(alpha.to(device=w.device, dtype=w.dtype))
+        if cfg.qk_mask != "none":
+            add_qk_mask(blk.attn, cfg.qk_mask, theta_init=cfg.theta_init)
+            if cfg.qk_mask == "static":
+                with torch.no_grad():
+                    blk.attn.qk_mask.theta.add_(cfg.init_spread * spread(qk_imp).flatten())
     attach_state(model, tau=tau)
     return model
 
@@ -275,8 +293,9 @@ def arch_parameters(model: nn.Module) -> list[nn.Parameter]:
     for blk in model.blocks:
         if getattr(blk, "dcs_alpha", None) is not None:
             ps.append(blk.dcs_alpha)
-        if getattr(blk.attn, "dcs_qk", None) == "static" and isinstance(blk.attn.dcs_theta, nn.Parameter):
-            ps.append(blk.attn.dcs_theta)
+        qm = blk.attn.qk_mask
+        if qm is not None and qm.mode == "static":
+            ps.append(qm.theta)
     return ps
 
 
@@ -289,10 +308,9 @@ def selection(model: nn.Module) -> list[dict[str, Any]]:
         alpha = getattr(blk, "dcs_alpha", None)
         rec: dict[str, Any] = {"mlp_keep": None if alpha is None else torch.nonzero(alpha > 0).flatten().tolist(),
                                "qk_keep": None}
-        attn = blk.attn
-        if getattr(attn, "dcs_qk", None) == "static":
-            th = attn.dcs_theta.reshape(attn.num_heads, attn.head_dim)
-            rec["qk_keep"] = [torch.nonzero(t > 0).flatten().tolist() for t in th]
+        qm = blk.attn.qk_mask
+        if qm is not None and qm.mode == "static":
+            rec["qk_keep"] = [torch.nonzero(t > 0).flatten().tolist() for t in qm.theta.reshape(qm.heads, qm.head_dim)]
         out.append(rec)
     return out
 
@@ -303,20 +321,120 @@ def make_record(model: nn.Module, cfg: DCSConfig, *, stage: str) -> dict[str, An
             "blocks": selection(model)}
 
 
-@register_method("dcs")
-def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
-    """Rebuild the DCS supernet or the materialized model that ``record`` describes."""
-    cfg = DCSConfig.from_dict(dict(record.get("config", {})))
-    stage = record.get("stage", "supernet")
-    tau = float(record.get("tau", 1.0))
-    if stage == "supernet":
-        return make_supernet(model, cfg, tau=tau)
-    if stage == "materialized":
-        from ..materialize import build_materialized
+# ---------------------------------------------------------------------------------------------
+# Materialization
 
+
+def slice_mlp(block: NCBlock, keep: Any) -> NCBlock:
+    """Gather the MLP channels ``keep`` of ``block`` physically (see :class:`MaterializedBlock`).
+
+    With every channel kept the block is a plain :class:`NCBlock` (no gather, no write-back).
+    """
+    C = block.mlp.fc1.in_features
+    idx = as_index(keep, C, what="mlp_keep", device=block.mlp.fc1.weight.device)
+    if getattr(block, "dcs_alpha", None) is not None or hasattr(block, "dcs_alpha"):
+        del block.dcs_alpha
+    if len(idx) == C:
+        block.__class__ = NCBlock
+        return block
+    if len(idx) == 0:
+        block.mlp, block.ls2 = nn.Identity(), nn.Identity()
+    else:
+        block.mlp.fc1 = slice_linear_in(block.mlp.fc1, idx)
+        block.mlp.fc2 = slice_linear_out(block.mlp.fc2, idx)
+        block.ls2 = slice_layerscale(block.ls2, idx)
+    block.__class__ = MaterializedBlock
+    block.register_buffer("mlp_keep", idx, persistent=False)
+    return block
+
+
+def slice_qk(attn: NCAttention, keep_per_head: list[Any]) -> NCAttention:
+    """Keep the query/key channels ``keep_per_head[h]`` of each head h (V untouched).
+
+    The qkv projection then emits ``[q (H * qk_dim), k (H * qk_dim), v]`` with heads zero-padded
+    to ``qk_dim``, the largest count (the padding is counted as computed)."""
+    if not isinstance(attn.q_norm, nn.Identity):
+        raise NascompressError("a static Q/K mask cannot be materialized on a model with qk_norm "
+                               "(the norm needs every channel); search with --qk-mask input or none")
+    H, d = attn.num_heads, attn.head_dim
+    if len(keep_per_head) != H:
+        raise NascompressError(f"qk_keep has {len(keep_per_head)} heads but the attention has {H}")
+    dev, A = attn.qkv.weight.device, attn.attn_dim
+    keeps = [as_index(kh, d, what=f"qk_keep of head {h}", device=dev) for h, kh in enumerate(keep_per_head)]
+    kmax = max(1, *(len(kh) for kh in keeps))
+    zero = 3 * A  # index of an all-zero row appended below qkv's rows: the padding
+    q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((kmax - len(kh),), zero)]) for h, kh in enumerate(keeps)])
+    k_rows = torch.where(q_rows == zero, q_rows, q_rows + A)
+    rows = torch.cat([q_rows, k_rows, torch.arange(2 * A, 3 * A, device=dev)])
+    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows)
+    attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], kmax
+    attn.qk_mask = None
+    return attn
+
+
+def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]) -> None:
+    if len(blocks) != len(model.blocks):
+        raise NascompressError(f"arch.json records {len(blocks)} DCS blocks but the model has {len(model.blocks)}")
+    for i, (blk, rec) in enumerate(zip(model.blocks, blocks)):
+        if cfg.qk_mask == "static":
+            if rec.get("qk_keep") is None:
+                raise NascompressError(f"arch.json block {i} has no qk_keep for the static Q/K mask")
+            slice_qk(blk.attn, rec["qk_keep"])
+        if rec.get("mlp_keep") is not None:
+            slice_mlp(blk, rec["mlp_keep"])
+        elif isinstance(blk, DCSBlock):  # mlp_gates off: plain block again
+            del blk.dcs_alpha
+            blk.__class__ = NCBlock
+
+
+def build_materialized(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]], *,
+                       tau: float = 1.0) -> nn.Module:
+    """Shape a fresh dense timm ViT as the materialized model ``blocks`` describes (for loading)."""
+    check_supported(model)
+    if cfg.qk_mask == "input":
+        for blk in model.blocks:
+            add_qk_mask(blk.attn, "input", theta_init=cfg.theta_init)
+    _apply_blocks(model, cfg, blocks)
+    attach_state(model, tau=tau)
+    return model
+
+
+def materialize(supernet: nn.Module, cfg: DCSConfig) -> tuple[nn.Module, dict[str, Any]]:
+    """A materialized copy of ``supernet`` (eval-mode masks) and its ``arch.json`` record."""
+    record = make_record(supernet, cfg, stage="materialized")
+    model = copy.deepcopy(supernet)
+    _apply_blocks(model, cfg, record["blocks"])
+    attach_state(model, tau=supernet.dcs_state.tau)
+    return model.eval(), record
+
+
+# ---------------------------------------------------------------------------------------------
+# The method
+
+
+@register_method
+class DCS(Method):
+    name = "dcs"
+    summary = "differentiable channel selection: Q/K channel masks and MLP channel gates (seed 003)"
+    config_cls = DCSConfig
+    stacks_on = frozenset()  # first: it changes the channels every later method reads
+
+    def patch(self, model: nn.Module, cfg: DCSConfig, record: dict[str, Any]) -> nn.Module:
+        stage = check_choice("stage", record.get("stage", "supernet"), STAGES)
+        tau = float(record.get("tau", 1.0))
+        if stage == "supernet":
+            return make_supernet(model, cfg, tau=tau)
         return build_materialized(model, cfg, record.get("blocks") or [], tau=tau)
-    raise NascompressError(f"unknown DCS stage {stage!r} in arch.json (expected supernet or materialized)")
+
+    def prepare(self, model, cfg, recipe):
+        model = make_supernet(model, cfg)
+        return model, make_record(model, cfg, stage="supernet")
+
+    def hooks(self, model, record, *, teacher, train_cfg):
+        raise NascompressError("dcs is trained by `nascompress search dcs` (then `materialize` and `retrain`), "
+                               "not by finetune")
 
 
-__all__ = ["DCSConfig", "DCSState", "DCSAttention", "DCSBlock", "gumbel_sigmoid", "gumbel_noise", "binary_entropy",
-           "make_supernet", "arch_parameters", "selection", "make_record", "attach_state", "apply"]
+__all__ = ["DCS", "DCSConfig", "DCSState", "DCSQKMask", "DCSBlock", "MaterializedBlock", "gumbel_sigmoid",
+           "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",
+           "attach_state", "slice_mlp", "slice_qk", "build_materialized", "materialize", "check_supported"]

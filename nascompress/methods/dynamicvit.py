@@ -1,45 +1,42 @@
 """DynamicViT: learned, input-dependent token keep decisions (METHODS.md section 3).
 
 Prediction modules sit before layers 4, 7, 10 of a 12-layer ViT (scaled for other depths);
-stage s keeps ``rho ** s`` of the ORIGINAL patch tokens. In training the decisions are hard
-Gumbel-softmax samples (straight-through), multiplied across stages, and tokens are masked in
-the attention softmax rather than removed. At inference each stage keeps the top
-``int(rho ** s * N)`` tokens by keep probability (as the official code counts) and physically
-drops the rest; CLS is always kept.
+stage s keeps ``rho ** s`` of the ORIGINAL patch tokens (or the product of per-stage rates). In
+training the decisions are hard Gumbel-softmax samples (straight-through), multiplied across
+stages, and tokens are masked in the attention softmax rather than removed. At inference each
+stage keeps the top ``int(ratio_s * N)`` tokens by keep probability (as the official code
+counts) and physically drops the rest; prefix tokens (class, registers) are always kept.
 
 Masked softmax reading: the paper's A_ij = exp(P_ij) G_ij / sum_k exp(P_ik) G_ik (G_ii = 1,
 G_ij = D_j) is passed to the block's OWN attention as the additive mask log(G + 1e-6), so any
-attention module (timm fused SDPA, DCS, Sparsifiner) works unchanged. The gradient of
-log(G + eps) through the softmax equals the multiplicative form's gradient for G + eps, i.e.
-the paper's to within eps; masked tokens keep a weight of 1e-6 (the official code adds a
-similar eps).
+attention under it (timm's, DCS, Sparsifiner) works unchanged. The gradient of log(G + eps)
+through the softmax equals the multiplicative form's for G + eps, i.e. the paper's to within eps.
 
-Zero-shot (``--zero-shot``) means the predictors are untrained (seeded random init): FLOPs and
-token counts are exact, accuracy is that of a random token choice. Fine-tune to train them.
+Untrained predictors are a random token choice. :func:`calibrate_predictors` is the short
+predictor-only stage (backbone frozen, distillation to the dense model) that makes a cheap
+zero-shot trial meaningful; the recipe's ``predictor_epochs`` runs the same stage at the start
+of a fine-tune.
 
-Record: ``{"name": "dynamicvit", "config": {"rho": 0.7, "prune_layers": [4, 7, 10]},
-"recipe": {"w_kl": 0.5, "w_distill": 0.5, "w_ratio": 2.0, "gumbel_tau": 1.0,
-"backbone_lr_scale": 0.01}}``.
+Record: ``{"name": "dynamicvit", "config": {"rho": 0.7, "prune_layers": [4, 7, 10]}, "recipe": {...}}``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Config, check_range
 from ..errors import NascompressError
-from ..distill import features_and_logits, kl_to_teacher  # the paper's L_KL
-from ..finetune import Recipe, register_recipe
-from ..train import TrainConfig, TrainHooks, decay_groups
-from . import register_method
-from .tokens import check_keys, check_layers, check_rate, check_vit, keep_cls_and, patched_class, scale_layers
+from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups
+from . import Method, register_method
+from .tokens import check_layers, check_token_model, keep_prefix_and, patched_class, scale_layers
 
-METHOD_KEYS = ("rho", "prune_layers")
-RECIPE_KEYS = ("w_kl", "w_distill", "w_ratio", "gumbel_tau", "backbone_lr_scale")
 MASK_EPS = 1e-6
+PREDICTOR = ".dvit_predictor."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,9 +80,10 @@ class ScorePredictor(nn.Module):
         return float(B * N * h * first.out_features + B * (first.in_features - h) * first.out_features)
 
 
-def keep_count(rho: float, stage: int, n: int) -> int:
-    """Tokens kept at ``stage`` (1-based) of ``n`` original patch tokens: int(rho^s * n), >= 1."""
-    return max(1, int(rho ** stage * n + 1e-6))
+def keep_count(ratio: float, n: int) -> int:
+    """Tokens kept at a stage whose cumulative keep ratio is ``ratio``, of ``n`` original patch
+    tokens: int(ratio * n), at least 1."""
+    return max(1, int(ratio * n + 1e-6))
 
 
 def gumbel_keep(logits: torch.Tensor, prev: torch.Tensor, *, tau: float = 1.0) -> torch.Tensor:
@@ -104,7 +102,7 @@ def policy_attn_bias(policy: torch.Tensor, eps: float = MASK_EPS) -> torch.Tenso
 
 
 def ratio_loss(decisions: list[torch.Tensor], targets: list[float]) -> torch.Tensor:
-    """(1 / S) sum_s mean_b (rho^s - mean_i D_i^{b,s})^2; decisions: S tensors (B, N)."""
+    """(1 / S) sum_s mean_b (ratio_s - mean_i D_i^{b,s})^2; decisions: S tensors (B, N)."""
     losses = [((d.mean(dim=1) - t) ** 2).mean() for d, t in zip(decisions, targets)]
     return torch.stack(losses).mean()
 
@@ -117,31 +115,90 @@ def token_distill_loss(tokens: torch.Tensor, teacher: torch.Tensor, mask: torch.
 
 
 # ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DynamicViTConfig(Config):
+    """DynamicViT settings (recorded in arch.json).
+
+    Args:
+        rho: the keep rate of each stage relative to the tokens the previous stage kept: one
+            number (stage s keeps rho^s of the patch tokens, the paper's schedule) or one per
+            pruning layer (a per-stage schedule; stage s keeps prod(rho[:s]) of the patch tokens).
+        prune_layers: 1-based layers whose input is pruned (default: 4, 7, 10 of 12 scaled).
+    """
+
+    rho: float | tuple[float, ...] = field(default=0.7, metadata={
+        "help": "DynamicViT keep ratio rho in (0, 1] (stage s keeps rho^s), or one rate per stage: 0.9,0.7,0.7."})
+    prune_layers: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."})
+
+    def __post_init__(self) -> None:
+        rates = self.rho if isinstance(self.rho, tuple) else (self.rho,)
+        for r in rates:
+            check_range("rho", r, 0, 1, lo_open=True)
+
+    def stage_ratios(self, stages: int) -> list[float]:
+        """Cumulative keep ratio of each stage (of the original patch tokens)."""
+        rates = list(self.rho) if isinstance(self.rho, tuple) else [self.rho] * stages
+        return [math.prod(rates[:s]) for s in range(1, stages + 1)]
+
+
+@dataclass(frozen=True)
+class DynamicViTRecipe(Config):
+    """DynamicViT training (the paper's weights; the official code trains the backbone at 0.01 x lr).
+
+    Args:
+        w_kl / w_distill / w_ratio: weights of KL to the dense teacher, the kept-token MSE, the ratio loss.
+        gumbel_tau: Gumbel-softmax temperature.
+        backbone_lr_scale: the backbone's lr relative to the predictors'.
+        predictor_epochs: the first epochs train the predictors only (backbone frozen, distilled
+            to the dense model).
+        predictor_steps: steps of that predictor-only stage before a zero-shot save (``--zero-shot``).
+    """
+
+    w_kl: float = 0.5
+    w_distill: float = 0.5
+    w_ratio: float = 2.0
+    gumbel_tau: float = 1.0
+    backbone_lr_scale: float = 0.01
+    predictor_epochs: float = 0.0
+    predictor_steps: int = 100
+
+    def __post_init__(self) -> None:
+        for k in ("w_kl", "w_distill", "w_ratio", "backbone_lr_scale", "predictor_epochs"):
+            check_range(k, getattr(self, k), 0)
+        check_range("gumbel_tau", self.gumbel_tau, 0, lo_open=True)
+        if isinstance(self.predictor_steps, bool) or not isinstance(self.predictor_steps, int) or self.predictor_steps < 0:
+            raise NascompressError(f"predictor_steps must be an integer >= 0, got {self.predictor_steps!r}")
+
+
+# ---------------------------------------------------------------------------------------------
 # Patch
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class DynamicViTState:
     """Shared by the patched blocks of one model, reset by the first stage on every forward."""
 
-    rho: float
-    num_stages: int
+    ratios: list[float]  # cumulative keep ratio per stage
+    prefix: int = 1
     tau: float = 1.0
     n0: int = 0  # original patch-token count of the current forward
-    policy: torch.Tensor | None = None  # (B, N) training mask incl. CLS, cumulative
+    policy: torch.Tensor | None = None  # (B, N) training mask incl. prefix, cumulative
     decisions: list[torch.Tensor] = field(default_factory=list)  # per stage (B, N0), training
     kept: list[int] = field(default_factory=list)  # per stage tokens kept, inference
 
     def __deepcopy__(self, memo: dict) -> "DynamicViTState":  # the masks are graph tensors: not copied
-        return DynamicViTState(rho=self.rho, num_stages=self.num_stages, tau=self.tau)
+        return DynamicViTState(ratios=list(self.ratios), prefix=self.prefix, tau=self.tau)
 
 
 class DynamicViTBlock:
-    """Mixin over the block's class (timm Block, timm 1.0.31, or a DCS block): DynamicViT.
+    """Mixin over the block's class (:class:`~nascompress.layers.NCBlock` or a DCS block): DynamicViT.
 
     Modifications: a block with a predictor (``dvit_stage`` >= 1) first scores its patch tokens;
     training: Gumbel decisions update the shared cumulative policy; inference: the top tokens
-    are gathered (CLS first). In training every block from the first stage on passes
-    ``log(G + eps)`` as ``attn_mask`` to ``super().forward`` (its own attn and mlp).
+    are gathered (prefix first). In training every block from the first stage on passes
+    ``log(G + eps)`` as ``attn_mask`` to its own forward.
     """
 
     dvit_state: DynamicViTState
@@ -157,21 +214,25 @@ class DynamicViTBlock:
         return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
 
     def _predict(self, x: torch.Tensor, st: DynamicViTState) -> torch.Tensor:
-        B, N = x.shape[0], x.shape[1] - 1
+        p = st.prefix
+        B, N = x.shape[0], x.shape[1] - p
         if self.dvit_stage == 1:
             st.n0, st.policy, st.decisions, st.kept = N, None, [], []
-        if st.rho >= 1:  # compression off: no decisions, exactly the dense block
+        ratio = st.ratios[self.dvit_stage - 1]
+        if ratio >= 1:  # compression off at this stage: exactly the dense block
+            if not self.training:
+                st.kept.append(N)
             return x
-        spatial = x[:, 1:]
+        spatial = x[:, p:]
         if self.training:
-            prev = x.new_ones(B, N) if st.policy is None else st.policy[:, 1:]
+            prev = x.new_ones(B, N) if st.policy is None else st.policy[:, p:]
             logits = self.dvit_predictor(spatial, prev)
             d = gumbel_keep(logits, prev, tau=st.tau)
             st.decisions.append(d)
-            st.policy = torch.cat([x.new_ones(B, 1), d], dim=1)
+            st.policy = torch.cat([x.new_ones(B, p), d], dim=1)
             return x
         st.policy = None
-        keep = keep_count(st.rho, self.dvit_stage, st.n0)
+        keep = keep_count(ratio, st.n0)
         if keep >= N:
             st.kept.append(N)
             return x
@@ -179,100 +240,150 @@ class DynamicViTBlock:
         score = logits[..., 0] - logits[..., 1]  # (B, N), monotone in the keep probability
         idx = score.topk(keep, dim=1).indices
         st.kept.append(keep)
-        return keep_cls_and(x, idx)
+        return keep_prefix_and(x, idx, p)
 
 
-def resolve_config(model: nn.Module, config: dict[str, Any]) -> dict[str, Any]:
-    check_keys(config, METHOD_KEYS, "dynamicvit")
-    depth = len(model.blocks)
-    layers = config.get("prune_layers")
-    return {"rho": check_rate(config.get("rho", 0.7), "rho"),
-            "prune_layers": scale_layers(depth) if layers is None else check_layers(layers, depth)}
+@register_method
+class DynamicViT(Method):
+    name = "dynamicvit"
+    summary = "learned per-image token keep decisions with prediction modules (Rao et al. 2021)"
+    config_cls = DynamicViTConfig
+    recipe_cls = DynamicViTRecipe
+    # official: 5e-4 per 512 for the predictors, the backbone at 0.01 x that
+    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
+    off_config = {"rho": 1.0}
+    paper_config = {"rho": 0.7}
 
+    def resolve(self, model: nn.Module, cfg: DynamicViTConfig) -> DynamicViTConfig:
+        check_token_model(model, "dynamicvit")
+        depth = len(model.blocks)
+        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(list(cfg.prune_layers), depth)
+        if isinstance(cfg.rho, tuple) and len(cfg.rho) != len(layers):
+            raise NascompressError(f"rho has {len(cfg.rho)} per-stage rates but there are {len(layers)} pruning "
+                                   "layers; give one rho or one ratio per layer")
+        return cfg.replace(prune_layers=tuple(layers))
 
-@register_method("dynamicvit")
-def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
-    """Patch a timm ViT in place: predictors ``blocks.<l-1>.dvit_predictor`` before each layer l."""
-    check_vit(model, "dynamicvit")
-    cfg = resolve_config(model, dict(record.get("config", {})))
-    tau = float(record.get("recipe", {}).get("gumbel_tau", 1.0))
-    layers = cfg["prune_layers"]
-    state = DynamicViTState(rho=cfg["rho"], num_stages=len(layers), tau=tau)
-    first = layers[0] - 1
-    for i, blk in enumerate(model.blocks):
-        if i < first:
-            continue
-        if isinstance(blk, DynamicViTBlock):
-            raise NascompressError(f"dynamicvit is already applied to blocks.{i}")
-        blk.__class__ = patched_class(type(blk), DynamicViTBlock, "DynamicViT")
-        blk.dvit_state = state
-        blk.dvit_stage = layers.index(i + 1) + 1 if (i + 1) in layers else 0
-        if blk.dvit_stage:
-            p = ScorePredictor(model.embed_dim)
-            ref = next(model.parameters())
-            blk.dvit_predictor = p.to(device=ref.device, dtype=ref.dtype)
-    model.dvit_state = state
-    return model
-
-
-# ---------------------------------------------------------------------------------------------
-# Fine-tuning recipe
-# ---------------------------------------------------------------------------------------------
-class DynamicViTHooks(TrainHooks):
-    """L = CE + w_kl KL(student || teacher) + w_distill token MSE + w_ratio ratio loss."""
-
-    def __init__(self, model: nn.Module, teacher: nn.Module, *, w_kl: float, w_distill: float, w_ratio: float,
-                 backbone_lr_scale: float = 0.01):
-        self.teacher, self.w_kl, self.w_distill, self.w_ratio = teacher, w_kl, w_distill, w_ratio
-        self.backbone_lr_scale = backbone_lr_scale
-        self.state: DynamicViTState = model.dvit_state
-
-    def param_groups(self, model, cfg):
-        """Predictors at the full lr, the backbone at ``backbone_lr_scale`` x lr (official: 0.01)."""
-        groups = []
-        for g in decay_groups(model, cfg.weight_decay):
-            pred = [p for p in g["params"] if id(p) in self._pred_ids(model)]
-            rest = [p for p in g["params"] if id(p) not in self._pred_ids(model)]
-            groups += [dict(g, params=pred, lr_scale=1.0), dict(g, params=rest, lr_scale=self.backbone_lr_scale)]
-        return [g for g in groups if g["params"]]
-
-    @staticmethod
-    def _pred_ids(model: nn.Module) -> set[int]:
-        return {id(p) for n, p in model.named_parameters() if ".dvit_predictor." in n}
-
-    def loss(self, model, x, y, *, epoch: int, cfg: TrainConfig):
-        st = self.state
-        feats, logits, t_feats, t_logits = features_and_logits(model, self.teacher, x)
-        ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        kl = kl_to_teacher(logits, t_logits)
-        mask = st.policy[:, 1:].detach() if st.policy is not None else feats.new_ones(feats.shape[:2])[:, 1:]
-        distill = token_distill_loss(feats[:, 1:], t_feats[:, 1:], mask)
-        targets = [st.rho ** s for s in range(1, st.num_stages + 1)]
-        ratio = ratio_loss(st.decisions, targets) if st.decisions else feats.new_zeros(())
-        loss = ce + self.w_kl * kl + self.w_distill * distill + self.w_ratio * ratio
-        kept = float(mask.mean().item())
-        return loss, {"ce": ce.item(), "kl": kl.item(), "distill": distill.item(), "ratio": ratio.item(),
-                      "kept_last": kept}
-
-
-@register_recipe("dynamicvit")
-class DynamicViTRecipe(Recipe):
-    """DynamicViT fine-tune against the dense run. Options: rho (0.7), prune_layers (scaled
-    4,7,10 of 12), w_kl (0.5), w_distill (0.5), w_ratio (2.0), gumbel_tau (1.0),
-    backbone_lr_scale (0.01, as the official code: predictors train at --lr, the backbone slower)."""
-
-    def prepare(self, model, config):
-        check_keys(config, METHOD_KEYS + RECIPE_KEYS, "dynamicvit")
-        recipe = {k: config.pop(k) for k in RECIPE_KEYS if k in config}
-        for k, v in recipe.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or (k == "gumbel_tau" and v == 0):
-                raise NascompressError(f"{k} must be a number >= 0 (gumbel_tau > 0), got {v!r}")
-        check_vit(model, "dynamicvit")
-        record = {"name": "dynamicvit", "config": resolve_config(model, config), "recipe": recipe}
-        return apply(model, record), record
+    def patch(self, model: nn.Module, cfg: DynamicViTConfig, record: dict[str, Any]) -> nn.Module:
+        layers = list(cfg.prune_layers)
+        tau = float(record.get("recipe", {}).get("gumbel_tau", 1.0))
+        state = DynamicViTState(ratios=cfg.stage_ratios(len(layers)), prefix=int(model.num_prefix_tokens), tau=tau)
+        ref = next(model.parameters())
+        for i, blk in enumerate(model.blocks):
+            if i < layers[0] - 1:
+                continue
+            if isinstance(blk, DynamicViTBlock):
+                raise NascompressError(f"dynamicvit is already applied to blocks.{i}")
+            blk.__class__ = patched_class(type(blk), DynamicViTBlock, "DynamicViT")
+            blk.dvit_state = state
+            blk.dvit_stage = layers.index(i + 1) + 1 if (i + 1) in layers else 0
+            if blk.dvit_stage:
+                blk.dvit_predictor = ScorePredictor(model.embed_dim).to(device=ref.device, dtype=ref.dtype)
+        model.dvit_state = state
+        return model
 
     def hooks(self, model, record, *, teacher, train_cfg):
-        r = record.get("recipe", {})
-        return DynamicViTHooks(model, teacher, w_kl=float(r.get("w_kl", 0.5)),
-                               w_distill=float(r.get("w_distill", 0.5)), w_ratio=float(r.get("w_ratio", 2.0)),
-                               backbone_lr_scale=float(r.get("backbone_lr_scale", 0.01)))
+        r = DynamicViTRecipe.from_dict(record.get("recipe", {}))
+        return DynamicViTHooks(model, teacher, r)
+
+    def calibrate(self, model, record, *, teacher, batches):
+        """Untrained predictors are a random token choice: train them alone first."""
+        return calibrate_predictors(model, teacher, batches, recipe=DynamicViTRecipe.from_dict(record.get("recipe", {})))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training: the recipe, and the predictor-only stage
+# ---------------------------------------------------------------------------------------------
+def dynamicvit_loss(model: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor, r: DynamicViTRecipe, *,
+                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """L = CE + w_kl KL(student || teacher) + w_distill kept-token MSE + w_ratio ratio loss."""
+    st: DynamicViTState = model.dvit_state
+    feats, logits, t_feats, t_logits = features_and_logits(model, teacher, x)
+    ce = F.cross_entropy(logits, y, label_smoothing=label_smoothing)
+    kl = kl_to_teacher(logits, t_logits)
+    p = st.prefix
+    mask = st.policy[:, p:].detach() if st.policy is not None else feats.new_ones(feats.shape[0], feats.shape[1] - p)
+    distill = token_distill_loss(feats[:, p:], t_feats[:, p:], mask) if feats.shape == t_feats.shape \
+        else feats.new_zeros(())
+    ratio = ratio_loss(st.decisions, st.ratios[:len(st.decisions)]) if st.decisions else feats.new_zeros(())
+    loss = ce + r.w_kl * kl + r.w_distill * distill + r.w_ratio * ratio
+    return loss, {"ce": ce.item(), "kl": kl.item(), "distill": distill.item(), "ratio": ratio.item(),
+                  "kept_last": float(mask.mean().item())}
+
+
+def _freeze_backbone(model: nn.Module, frozen: bool) -> None:
+    for name, p in model.named_parameters():
+        if PREDICTOR not in name:
+            p.requires_grad_(not frozen)
+
+
+def calibrate_predictors(model: nn.Module, teacher: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                         recipe: DynamicViTRecipe | None = None, lr: float = 1e-3, steps: int | None = None) -> dict[str, float]:
+    """The predictor-only stage: backbone frozen, the predictors trained with the recipe's loss
+    (distillation to the dense ``teacher`` included) on preprocessed ``batches`` (x, y).
+
+    Returns the mean losses of the last 10 steps. The model is left in eval mode, backbone
+    trainable again."""
+    r = recipe or DynamicViTRecipe()
+    steps = r.predictor_steps if steps is None else steps
+    preds = [p for n, p in model.named_parameters() if PREDICTOR in n]
+    if not preds or steps <= 0:
+        return {}
+    teacher.eval()
+    _freeze_backbone(model, True)
+    opt = torch.optim.AdamW(preds, lr=lr, weight_decay=0.0)
+    model.train()
+    tail: list[dict[str, float]] = []
+    try:
+        it = iter(batches)
+        for step in range(steps):
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(batches)
+                x, y = next(it)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
+            loss, logs = dynamicvit_loss(model, teacher, x, y, r)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tail = (tail + [logs])[-10:]
+    finally:
+        _freeze_backbone(model, False)
+        model.eval()
+    return {k: sum(d[k] for d in tail) / len(tail) for k in tail[0]} if tail else {}
+
+
+class DynamicViTHooks(TrainHooks):
+    """The recipe's loss; predictors at the full lr, the backbone at ``backbone_lr_scale`` x lr; the
+    first ``predictor_epochs`` train the predictors only."""
+
+    def __init__(self, model: nn.Module, teacher: nn.Module, recipe: DynamicViTRecipe):
+        self.teacher, self.r = teacher, recipe
+        self.state: DynamicViTState = model.dvit_state
+        self._epoch = self._step = 0
+
+    def param_groups(self, model, cfg):
+        return param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
+                            is_new=lambda n: PREDICTOR in n, scale=lambda n: self.r.backbone_lr_scale)
+
+    def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
+        self._epoch, self._step = epoch, 0
+
+    def prepare_step(self, model: nn.Module, tag: Any) -> None:
+        progress = self._epoch + self._step / max(1, self.steps_per_epoch)
+        _freeze_backbone(model, progress < self.r.predictor_epochs)
+        self._step += 1
+
+    def loss(self, model, x, y, *, epoch: int, cfg, tag=None):
+        return dynamicvit_loss(model, self.teacher, x, y, self.r, label_smoothing=cfg.label_smoothing)
+
+    def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        _freeze_backbone(model, False)
+        return {}
+
+
+__all__ = ["DynamicViT", "DynamicViTConfig", "DynamicViTRecipe", "DynamicViTState", "DynamicViTBlock",
+           "ScorePredictor", "calibrate_predictors", "dynamicvit_loss", "gumbel_keep", "keep_count", "policy_attn_bias",
+           "ratio_loss", "token_distill_loss"]

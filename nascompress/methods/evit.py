@@ -1,60 +1,59 @@
-"""EViT: keep the tokens the CLS token attends to most, fuse the rest into one token.
+"""EViT: keep the tokens the class token attends to most, fuse the rest into one token.
 
 Paper: Liang et al. 2022, "Not All Patches are What You Need" (seed 000, METHODS.md section 2).
-At each pruning layer, after the attention residual and before the MLP, the non-CLS tokens are
-ranked by the head-averaged CLS attention; ``ceil(keep_rate * (N - 1))`` are kept in score
-order and the others are fused into one extra token ``sum_i a_i x_i`` (weights not
-renormalized, as in the seed's code). The CLS row is computed beside the block's own
-attention (O(N d), from the q/k it produced), so fused SDPA is kept.
+At each pruning layer, after the attention residual and before the MLP, the patch tokens are
+ranked by the head-averaged class-token attention row that the block's attention computed (read
+from :class:`~nascompress.layers.NCAttention`'s class-token recorder, so DCS masks and sparse
+kernels underneath are what is ranked, and fused SDPA is kept); ``ceil(keep_rate * n)`` are kept
+in score order and the others are fused into one extra token ``sum_i a_i x_i`` (weights not
+renormalized, as in the seed's code). Prefix tokens (class, distillation, registers) are kept.
+``keep_rate`` is one rate for every pruning layer or one per layer (a per-layer schedule).
 
 Record (``arch.json``)::
 
     {"name": "evit", "config": {"keep_rate": 0.7, "prune_layers": [4, 7, 10], "fuse_token": true},
-     "recipe": {"shrink_start_epoch": 0, "shrink_epochs": ...}}
+     "recipe": {"shrink_start_epoch": 0, "shrink_epochs": null, ...}}
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Config, check_bool, check_range
 from ..errors import NascompressError
-from ..finetune import Recipe, register_recipe
-from ..train import TrainConfig, TrainHooks
-from . import register_method
-from .tokens import (ClsScore, QKCapture, ceil_keep, check_keys, check_layers, check_rate, check_vit,
-                     gather_tokens, keep_cls_and, mlp_residual, patched_class, scale_layers)
-
-METHOD_KEYS = ("keep_rate", "prune_layers", "fuse_token")
-RECIPE_KEYS = ("shrink_start_epoch", "shrink_epochs", "linearized_temperature")
+from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
+from . import Method, register_method
+from .tokens import (ceil_keep, check_layers, check_token_model, gather_tokens, keep_prefix_and, patched_class,
+                     per_layer, scale_layers)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure tensor functions
 # ---------------------------------------------------------------------------------------------
-def evit_prune(x: torch.Tensor, scores: torch.Tensor, keep: int, *, fuse: bool = True) -> torch.Tensor:
-    """Keep the ``keep`` top-scored non-CLS tokens (score order) and fuse the rest.
+def evit_prune(x: torch.Tensor, scores: torch.Tensor, keep: int, *, fuse: bool = True, prefix: int = 1) -> torch.Tensor:
+    """Keep the ``keep`` top-scored patch tokens (score order) and fuse the rest.
 
     Args:
-        x: (B, N, C) tokens, CLS at index 0.
-        scores: (B, N - 1) attention of CLS to each non-CLS token (head mean).
-        keep: number of non-CLS tokens kept, 1 <= keep <= N - 1.
+        x: (B, N, C) tokens, the ``prefix`` tokens first.
+        scores: (B, N - prefix) attention of the class token to each patch token (head mean).
+        keep: number of patch tokens kept, 1 <= keep <= N - prefix.
         fuse: append the fused token ``sum_{i not kept} scores_i * x_i`` (not renormalized).
     Returns:
-        (B, 1 + keep (+1 if fuse and keep < N - 1), C).
+        (B, prefix + keep (+1 if fuse and keep < N - prefix), C).
     """
-    n = x.shape[1] - 1
-    order = scores.argsort(dim=1, descending=True)  # (B, N-1)
-    kept = keep_cls_and(x, order[:, :keep])  # (B, 1 + keep, C)
+    n = x.shape[1] - prefix
+    order = scores.argsort(dim=1, descending=True)  # (B, n)
+    kept = keep_prefix_and(x, order[:, :keep], prefix)  # (B, prefix + keep, C)
     if not fuse or keep >= n:
         return kept
     rest = order[:, keep:]
-    w = torch.gather(scores, 1, rest).unsqueeze(1)  # (B, 1, N-1-keep)
-    fused = w @ gather_tokens(x, rest + 1)  # (B, 1, C) = sum_i a_i x_i
+    w = torch.gather(scores, 1, rest).unsqueeze(1)  # (B, 1, n - keep)
+    fused = w @ gather_tokens(x, rest + prefix)  # (B, 1, C) = sum_i a_i x_i
     return torch.cat([kept, fused], dim=1)
 
 
@@ -74,7 +73,7 @@ def fused_token_linearized(x: torch.Tensor, scores: torch.Tensor, keep: int, tem
     k (fused). As t -> 0 this equals :func:`fused_token_hard` for distinct scores.
 
     Args:
-        x: (B, M, C) non-CLS tokens; scores: (B, M); keep: k; temperature: t > 0.
+        x: (B, M, C) patch tokens; scores: (B, M); keep: k; temperature: t > 0.
     Returns:
         (B, C), differentiable in ``scores`` and ``x``.
     """
@@ -85,15 +84,70 @@ def fused_token_linearized(x: torch.Tensor, scores: torch.Tensor, keep: int, tem
     return torch.einsum("bm,bm,bmc->bc", out, scores, x)
 
 
-def keep_rate_at(progress_epochs: float, *, base: float, start: float, length: float) -> float:
-    """The official EViT schedule: 1 until ``start`` epochs, then cosine down to ``base`` over
-    ``length`` epochs, then ``base``. ``progress_epochs`` may be fractional (per step)."""
+def shrink_at(progress_epochs: float, *, start: float, length: float) -> float:
+    """The official EViT schedule as a fraction s of the way from no pruning (1) to the target (0):
+    1 until ``start`` epochs, then a cosine down to 0 over ``length`` epochs. The keep rate of a
+    layer is ``base + (1 - base) * s``. ``progress_epochs`` may be fractional (per step)."""
     if progress_epochs < start:
         return 1.0
     if length <= 0 or progress_epochs >= start + length:
-        return base
-    t = (progress_epochs - start) / length
-    return base + (1.0 - base) * 0.5 * (1 + math.cos(math.pi * t))
+        return 0.0
+    return 0.5 * (1 + math.cos(math.pi * (progress_epochs - start) / length))
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EViTConfig(Config):
+    """EViT settings (recorded in arch.json).
+
+    Args:
+        keep_rate: share of the patch tokens kept at each pruning layer, in (0, 1]: one number, or
+            one per pruning layer (a per-layer schedule).
+        prune_layers: 1-based layers after whose attention tokens are pruned (default: 4, 7, 10 of
+            12 scaled to the depth).
+        fuse_token: fuse the pruned tokens into one extra token (the paper's default).
+    """
+
+    keep_rate: float | tuple[float, ...] = field(default=0.7, metadata={
+        "help": "EViT keep rate kappa in (0, 1] (one value, or one per pruning layer: 0.9,0.7,0.5)."})
+    prune_layers: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."})
+    fuse_token: bool = True
+
+    def __post_init__(self) -> None:
+        rates = self.keep_rate if isinstance(self.keep_rate, tuple) else (self.keep_rate,)
+        for r in rates:
+            check_range("keep_rate", r, 0, 1, lo_open=True)
+        check_bool("fuse_token", self.fuse_token)
+
+
+@dataclass(frozen=True)
+class EViTRecipe(Config):
+    """EViT fine-tuning. The official fine-tune trains with a constant keep rate and no teacher;
+    for short budgets on pretrained weights the rate is shrunk with the official cosine schedule.
+
+    Args:
+        shrink_start_epoch: epochs trained at keep rate 1 first.
+        shrink_epochs: length of the cosine from 1 to the target (None: half the epochs; 0: the
+            target from the start). Validation and the saved model always use the target.
+        linearized_temperature: train with the seed's linearized fused token (sigmoid steps).
+        distill: weight of KL(student || dense teacher) added to CE (the paper uses none: 0).
+    """
+
+    shrink_start_epoch: float = 0.0
+    shrink_epochs: float | None = None
+    linearized_temperature: float | None = None
+    distill: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_range("shrink_start_epoch", self.shrink_start_epoch, 0)
+        if self.shrink_epochs is not None:
+            check_range("shrink_epochs", self.shrink_epochs, 0)
+        if self.linearized_temperature is not None:
+            check_range("linearized_temperature", self.linearized_temperature, 0, lo_open=True)
+        check_range("distill", self.distill, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,132 +155,123 @@ def keep_rate_at(progress_epochs: float, *, base: float, start: float, length: f
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class EViTState:
-    """Shared by the patched blocks of one model; the recipe's schedule changes ``keep_rate``."""
+    """Shared by the patched blocks of one model; the recipe's schedule moves ``shrink``."""
 
-    keep_rate: float
+    rates: tuple[float, ...]  # target keep rate per pruning layer
+    prefix: int = 1
     fuse_token: bool = True
+    shrink: float = 0.0  # 0: the target rates; 1: no pruning (the schedule's start)
     fuse_temperature: float | None = None  # training only: the linearized (sigmoid) fused token
 
+    def rate(self, stage: int) -> float:
+        base = self.rates[stage]
+        return base + (1.0 - base) * self.shrink
 
-class EViTBlock(QKCapture):
-    """Mixin over the block's class (timm Block, timm 1.0.31, or a DCS block): EViT pruning.
 
-    Modifications: after ``x + ls1(attn(norm1(x)))`` the tokens are ranked by the CLS
-    attention row (from the q/k the block's own ``attn`` computed) and reduced by
-    :func:`evit_prune`; then the block's own MLP half (:func:`tokens.mlp_residual`).
+class EViTBlock:
+    """Mixin over the block's class (:class:`~nascompress.layers.NCBlock` or a DCS block): EViT.
+
+    Modifications: between the block's own two residual halves the patch tokens are ranked by
+    the class-token attention row its attention recorded and reduced by :func:`evit_prune`.
     """
 
     evit_state: EViTState
-    evit_score: ClsScore
+    evit_stage: int
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        x = x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
-        q, k = self._pop_qk()
+        x = self.attn_half(x, attn_mask=attn_mask, is_causal=is_causal)
         st = self.evit_state
-        n = x.shape[1] - 1
-        keep = ceil_keep(st.keep_rate, n)
+        p = st.prefix
+        n = x.shape[1] - p
+        keep = ceil_keep(st.rate(self.evit_stage), n)
         if keep < n:
-            scores = self.evit_score(q, k, self.attn.scale)[:, 1:]  # (B, N-1)
-            pruned = evit_prune(x, scores, keep, fuse=st.fuse_token)
+            scores = self.attn.cls_attention().mean(dim=1)[:, p:]  # (B, n)
+            pruned = evit_prune(x, scores, keep, fuse=st.fuse_token, prefix=p)
             if self.training and st.fuse_token and st.fuse_temperature:
-                soft = fused_token_linearized(x[:, 1:], scores, keep, st.fuse_temperature)
+                soft = fused_token_linearized(x[:, p:], scores, keep, st.fuse_temperature)
                 pruned = torch.cat([pruned[:, :-1], soft.unsqueeze(1)], dim=1)
             x = pruned
-        return mlp_residual(self, x)
+        self.attn._cls_inputs = None
+        return self.mlp_half(x)
 
 
-def _check_bool(v: Any, name: str) -> bool:
-    if not isinstance(v, bool):
-        raise NascompressError(f"{name} must be true or false, got {v!r}")
-    return v
+@register_method
+class EViT(Method):
+    name = "evit"
+    summary = "keep the tokens the class token attends to most, fuse the rest (Liang et al. 2022)"
+    config_cls = EViTConfig
+    recipe_cls = EViTRecipe
+    # official fine-tune: 2e-5 per 512 for 30 epochs; a short budget needs a larger step
+    train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
+    stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
+    off_config = {"keep_rate": 1.0}
+    paper_config = {"keep_rate": 0.7}
 
+    def resolve(self, model: nn.Module, cfg: EViTConfig) -> EViTConfig:
+        check_token_model(model, "evit")
+        depth = len(model.blocks)
+        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(list(cfg.prune_layers), depth)
+        per_layer(cfg.keep_rate, len(layers), "keep_rate")
+        return cfg.replace(prune_layers=tuple(layers))
 
-def resolve_config(model: nn.Module, config: dict[str, Any]) -> dict[str, Any]:
-    """Validate EViT settings against ``model`` and fill the defaults."""
-    check_keys(config, METHOD_KEYS, "evit")
-    depth = len(model.blocks)
-    layers = config.get("prune_layers")
-    return {
-        "keep_rate": check_rate(config.get("keep_rate", 0.7), "keep_rate"),
-        "prune_layers": scale_layers(depth) if layers is None else check_layers(layers, depth),
-        "fuse_token": _check_bool(config.get("fuse_token", True), "fuse_token"),
-    }
+    def patch(self, model: nn.Module, cfg: EViTConfig, record: dict[str, Any]) -> nn.Module:
+        layers = list(cfg.prune_layers)
+        state = EViTState(rates=per_layer(cfg.keep_rate, len(layers), "keep_rate"),
+                          prefix=int(model.num_prefix_tokens), fuse_token=cfg.fuse_token)
+        for stage, layer in enumerate(layers):
+            blk = model.blocks[layer - 1]
+            if isinstance(blk, EViTBlock):
+                raise NascompressError(f"evit is already applied to blocks.{layer - 1}")
+            blk.__class__ = patched_class(type(blk), EViTBlock, "EViT")
+            blk.evit_state, blk.evit_stage = state, stage
+            blk.attn.record_cls = True
+        model.evit_state = state
+        return model
 
-
-@register_method("evit")
-def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
-    """Patch the pruning blocks of a timm ViT in place (no new parameters)."""
-    check_vit(model, "evit")
-    cfg = resolve_config(model, dict(record.get("config", {})))
-    state = EViTState(keep_rate=cfg["keep_rate"], fuse_token=cfg["fuse_token"])
-    for layer in cfg["prune_layers"]:
-        blk = model.blocks[layer - 1]
-        if isinstance(blk, EViTBlock):
-            raise NascompressError(f"evit is already applied to blocks.{layer - 1}")
-        blk.__class__ = patched_class(type(blk), EViTBlock, "EViT")
-        blk.evit_state = state
-        blk.evit_score = ClsScore()
-        blk._install_qk_capture()
-    model.evit_state = state
-    return model
+    def hooks(self, model, record, *, teacher, train_cfg):
+        r = EViTRecipe.from_dict(record.get("recipe", {}))
+        length = train_cfg.epochs / 2 if r.shrink_epochs is None else r.shrink_epochs
+        return EViTHooks(model, teacher, start=r.shrink_start_epoch, length=length,
+                         temperature=r.linearized_temperature, distill=r.distill)
 
 
 # ---------------------------------------------------------------------------------------------
 # Fine-tuning recipe
 # ---------------------------------------------------------------------------------------------
 class EViTHooks(TrainHooks):
-    """Cross-entropy training with the official keep-rate schedule, evaluated per step."""
+    """CE (+ distill * KL to the dense teacher) with the official keep-rate schedule, per step."""
 
-    def __init__(self, model: nn.Module, *, base: float, start: float, length: float,
-                 temperature: float | None = None):
-        self.base, self.start, self.length = base, start, length
+    def __init__(self, model: nn.Module, teacher: nn.Module | None, *, start: float, length: float,
+                 temperature: float | None = None, distill: float = 0.0):
+        self.start, self.length, self.teacher, self.distill = start, length, teacher, distill
         self.state: EViTState = model.evit_state
         self.state.fuse_temperature = temperature
         self._step = 0
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
         self._step = 0
-        self.state.keep_rate = keep_rate_at(epoch, base=self.base, start=self.start, length=self.length)
 
-    def loss(self, model, x, y, *, epoch: int, cfg: TrainConfig):
-        spe = getattr(self, "steps_per_epoch", 0) or 0
-        progress = epoch + (self._step / spe if spe else 0.0)
-        self.state.keep_rate = keep_rate_at(progress, base=self.base, start=self.start, length=self.length)
+    def loss(self, model, x, y, *, epoch: int, cfg, tag=None):
+        spe = self.steps_per_epoch or 0
+        self.state.shrink = shrink_at(epoch + (self._step / spe if spe else 0.0), start=self.start, length=self.length)
         self._step += 1
-        logits = model(x)
-        loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        return loss, {"ce": loss.item(), "keep_rate": self.state.keep_rate}
+        logs: dict[str, float] = {"keep_rate": self.state.rate(0)}
+        if self.distill > 0 and self.teacher is not None:
+            _, logits, _, t_logits = features_and_logits(model, self.teacher, x)
+            kl = kl_to_teacher(logits, t_logits)
+            logs["kl"] = kl.item()
+        else:
+            logits, kl = model(x), None
+        ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+        logs["ce"] = ce.item()
+        return (ce if kl is None else ce + self.distill * kl), logs
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
-        rate = self.state.keep_rate
-        self.state.keep_rate = self.base  # validate and save at the target rate
-        return {"keep_rate_end": rate}
+        return {"keep_rate_end": self.state.rate(0)}
+
+    def before_eval(self, model: nn.Module) -> None:
+        self.state.shrink = 0.0  # validate and save at the target rates
 
 
-@register_recipe("evit")
-class EViTRecipe(Recipe):
-    """EViT fine-tune. Options: keep_rate (0.7), prune_layers (scaled 4,7,10 of 12), fuse_token
-    (true), shrink_start_epoch (0: rate 1 before it), shrink_epochs (cosine length; default half
-    the training epochs, fractional allowed; 0 = constant keep_rate from the start),
-    linearized_temperature (none: train with the hard fused token; t > 0: the linearized fused
-    token of :func:`fused_token_linearized` in training, hard at inference)."""
-
-    def prepare(self, model, config):
-        check_keys(config, METHOD_KEYS + RECIPE_KEYS, "evit")
-        recipe = {k: config.pop(k) for k in RECIPE_KEYS if k in config}
-        for k, v in recipe.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0
-                                  or (k == "linearized_temperature" and v == 0)):
-                raise NascompressError(f"{k} must be a number >= 0 (temperature > 0), got {v!r}")
-        check_vit(model, "evit")
-        record = {"name": "evit", "config": resolve_config(model, config), "recipe": recipe}
-        return apply(model, record), record
-
-    def hooks(self, model, record, *, teacher, train_cfg):
-        r = record.get("recipe", {})
-        length = r.get("shrink_epochs")
-        length = train_cfg.epochs / 2 if length is None else float(length)
-        t = r.get("linearized_temperature")
-        return EViTHooks(model, base=record["config"]["keep_rate"], start=float(r.get("shrink_start_epoch", 0)),
-                         length=length, temperature=None if t is None else float(t))
-
+__all__ = ["EViT", "EViTConfig", "EViTRecipe", "EViTState", "EViTBlock", "evit_prune", "fused_token_hard",
+           "fused_token_linearized", "shrink_at"]

@@ -37,25 +37,25 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention, Mlp
+from timm.layers import Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
+from ..config import Config, check_int, check_range
 from ..errors import NascompressError
-from ..finetune import Recipe, register_recipe
-from ..train import TrainConfig, TrainHooks
-from . import register_method
+from ..hooks import TrainHooks
+from ..layers import NCAttention, NCBlock, core_attention, to_core
+from . import Method, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
 
-DEFAULTS: dict[str, Any] = dict(r_h=0.1, r_t=0.4, r_pos=0.5, r_neg=0.1, ppsm_layers=None, epsilon=1.0, feat_dim=None,
-                                grid=7, lam=0.98, casr_start=3)
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
 INIT_STD = 1e-3
 
@@ -74,84 +74,82 @@ def default_feat_dim(dim: int, heads: int) -> int:
     return heads * math.ceil(dim / 8 / heads)
 
 
-def _check_ratio(name: str, v: Any) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v <= 1:
-        raise NascompressError(f"{name} must be a number in [0, 1], got {v!r}")
-    return float(v)
+@dataclass(frozen=True)
+class MGViTConfig(Config):
+    """MG-ViT settings (recorded in arch.json; defaults are the paper's).
 
-
-def resolve_config(config: dict[str, Any], model: VisionTransformer, *, also_valid: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Validate MG-ViT settings against ``model``; return every setting resolved (defaults filled).
-
-    ``also_valid``: keys a caller handles itself (the recipe's ``sgis_run``): accepted, not returned.
+    Args:
+        r_h / r_t: shares of the coarse patches split 3x3 (head) / kept coarse (tail).
+        r_pos / r_neg: PPSM's positive (kept) / negative (merged) shares.
+        ppsm_layers: 1-based MGIS layers with a PPSM before their attention (default 3, 7, 10 of 12 scaled).
+        epsilon: early-exit threshold on SGIS's top softmax probability (1: always MGIS).
+        feat_dim: C', the feature-reuse width (default C / 8 rounded to the heads).
+        grid: the coarse grid side (7: 7 x 7 patches).
+        lam / casr_start: CASR's decay and first layer.
     """
-    unknown = sorted(set(config) - set(DEFAULTS) - set(also_valid))
-    if unknown:
-        raise NascompressError(f"unknown mgvit setting(s) {', '.join(unknown)}; valid: "
-                               f"{', '.join(sorted(DEFAULTS) + list(also_valid))}")
-    c = dict(DEFAULTS, **{k: v for k, v in config.items() if v is not None and k not in also_valid})
+
+    r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
+    r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
+    r_pos: float = field(default=0.5, metadata={"help": "MG-ViT PPSM positive ratio r_pos."})
+    r_neg: float = field(default=0.1, metadata={"help": "MG-ViT PPSM negative ratio r_neg."})
+    ppsm_layers: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12)."})
+    epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
+    feat_dim: int | None = None
+    grid: int = 7
+    lam: float = 0.98
+    casr_start: int = 3
+
+    def __post_init__(self) -> None:
+        for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
+            check_range(k, getattr(self, k), 0, 1)
+        if self.r_h + self.r_t > 1:
+            raise NascompressError(f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = "
+                                   f"{self.r_h + self.r_t:g}")
+        if self.r_pos + self.r_neg > 1:
+            raise NascompressError(f"r_pos + r_neg must be at most 1, got r_pos={self.r_pos} + r_neg={self.r_neg} = "
+                                   f"{self.r_pos + self.r_neg:g}")
+        check_range("epsilon", self.epsilon, 0, 1, lo_open=True)
+        check_int("grid", self.grid, 1)
+        check_int("casr_start", self.casr_start, 1)
+        if self.feat_dim is not None:
+            check_int("feat_dim", self.feat_dim, 1)
+
+
+@dataclass(frozen=True)
+class MGViTRecipe(Config):
+    """MG-ViT training: epsilon = 1, CE(MGIS) + KL(SGIS || MGIS).
+
+    Args:
+        sgis_run: start the SGIS from another dense run of the same width, depth and patch size
+            (its position grid resampled); the MGIS starts from the run being compressed.
+    """
+
+    sgis_run: str | None = None
+
+
+def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
+    """``cfg`` checked against ``model``, model-dependent defaults filled in."""
     depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
-    for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
-        c[k] = _check_ratio(k, c[k])
-    if c["r_h"] + c["r_t"] > 1:
-        raise NascompressError(f"r_h + r_t must be at most 1, got r_h={c['r_h']} + r_t={c['r_t']} = {c['r_h'] + c['r_t']:g}")
-    if c["r_pos"] + c["r_neg"] > 1:
-        raise NascompressError(f"r_pos + r_neg must be at most 1, got r_pos={c['r_pos']} + r_neg={c['r_neg']} = "
-                               f"{c['r_pos'] + c['r_neg']:g}")
-    eps = c["epsilon"]
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps <= 1:
-        raise NascompressError(f"epsilon must be in (0, 1], got {eps!r}")
-    c["epsilon"] = float(eps)
-    layers = default_ppsm_layers(depth) if c["ppsm_layers"] is None else c["ppsm_layers"]
-    if isinstance(layers, int):
-        layers = [layers]
+    layers = default_ppsm_layers(depth) if cfg.ppsm_layers is None else list(cfg.ppsm_layers)
     for l in layers:
         if not isinstance(l, int) or not 2 <= l <= depth:
             raise NascompressError(f"PPSM layer {l!r} is outside the depth: layers are 1-based and must be in "
                                    f"2..{depth} (PPSM needs the class attention of an earlier layer)")
-    c["ppsm_layers"] = sorted(set(layers))
-    fd = default_feat_dim(dim, heads) if c["feat_dim"] is None else c["feat_dim"]
-    if not isinstance(fd, int) or fd < 1 or (dim + fd) % heads:
+    fd = default_feat_dim(dim, heads) if cfg.feat_dim is None else cfg.feat_dim
+    if (dim + fd) % heads:
         raise NascompressError(f"feat_dim (C') must be a positive int with C + C' = {dim} + C' divisible by the "
                                f"{heads} heads, got {fd!r}")
-    c["feat_dim"] = fd
-    g = c["grid"]
     img = model.patch_embed.img_size
-    if not isinstance(g, int) or g < 1:
-        raise NascompressError(f"grid must be a positive int, got {g!r}")
-    if img[0] != img[1] or img[0] % g:
-        raise NascompressError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {g}; "
+    if img[0] != img[1] or img[0] % cfg.grid:
+        raise NascompressError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {cfg.grid}; "
                                f"pick a grid that divides {img[0]} (e.g. --opt grid=7 for 28 or 224)")
-    if not isinstance(c["casr_start"], int) or c["casr_start"] < 1:
-        raise NascompressError(f"casr_start must be a positive int (1-based layer), got {c['casr_start']!r}")
-    return c
+    return cfg.replace(ppsm_layers=tuple(sorted(set(layers))), feat_dim=fd)
 
 
-class CasrAttention(Attention):
-    """timm Attention that, when ``casr_record`` is set, also keeps the class attention and values.
-
-    Recording runs the explicit softmax path (same result as the fused kernel) and stores
-    ``cls_attn`` (B, N-1): the class token's attention to the patch tokens, mean over heads, and
-    ``head_values`` (B, H, N, hd).
-    """
-
-    casr_record: bool = False
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        if not self.casr_record or attn_mask is not None or is_causal:
-            return super().forward(x, attn_mask=attn_mask, is_causal=is_causal)
-        B, N, _ = x.shape
-        gate = self.gate(x).sigmoid() if getattr(self, "gate", None) is not None else None
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
-        self.cls_attn = attn[:, :, 0, 1:].mean(1)
-        self.head_values = v  # (B, H, N, hd); PPSM flattens it to (B, N, H*hd) only where needed
-        x = (self.attn_drop(attn) @ v).transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
+def _recording(attn: NCAttention, on: bool) -> None:
+    """CASR reads the class-token attention row each layer computes (O(N d), fused SDPA kept)."""
+    attn.record_cls = on
 
 
 class PPSM(nn.Module):
@@ -185,9 +183,11 @@ class MGIS(nn.Module):
         self.reuse = Mlp(dim, hidden_features=dim, out_features=extra)
         self.blocks = nn.ModuleList(Block(dim + extra, heads, mlp_ratio, qkv_bias=qkv_bias, norm_layer=norm)
                                     for _ in range(depth))
-        for b in self.blocks:
-            b.attn.__class__ = CasrAttention
-            b.attn.casr_record = True
+        for layer, b in enumerate(self.blocks, 1):
+            b.__class__ = NCBlock
+            core_attention(b.attn)
+            b.attn.record_cls = True
+            b.attn.record_values = (layer + 1) in ppsm_layers  # PPSM merges by the previous layer's values
         self.ppsm = nn.ModuleDict({str(l): PPSM(r_pos, r_neg) for l in ppsm_layers})
         self.norm = norm(dim + extra)
         self.head = nn.Linear(dim + extra, num_classes)
@@ -215,8 +215,9 @@ class MGViT(VisionTransformer):
         casr = None
         for layer, blk in enumerate(self.blocks, 1):
             t = blk(t)
-            if blk.attn.casr_record:
-                casr = casr_update(casr, blk.attn.cls_attn, layer=layer, start=self.mg["casr_start"], lam=self.mg["lam"])
+            if blk.attn.record_cls:
+                casr = casr_update(casr, blk.attn.cls_attention()[:, :, 1:].mean(1), layer=layer, start=self.mg["casr_start"],
+                                   lam=self.mg["lam"])
         t = self.norm(t)
         return self.forward_head(t), t[:, 1:], casr
 
@@ -251,8 +252,9 @@ class MGViT(VisionTransformer):
                 t = torch.cat([t[:, :1], patches], 1)
             t = blk(t)
             if str(layer + 1) in m.ppsm:
-                values = blk.attn.head_values.transpose(1, 2).flatten(2)
-            score = casr_update(score, blk.attn.cls_attn, layer=layer, start=mg["casr_start"], lam=mg["lam"])
+                values = blk.attn.values.transpose(1, 2).flatten(2)  # (B, N, H * hd)
+            score = casr_update(score, blk.attn.cls_attention()[:, :, 1:].mean(1), layer=layer, start=mg["casr_start"],
+                                lam=mg["lam"])
         return m.head(m.norm(t)[:, 0])
 
     def forward_both(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,39 +329,81 @@ class MGViT(VisionTransformer):
 
 
 def _check_plain_vit(model: nn.Module) -> None:
-    ok = (isinstance(model, VisionTransformer) and model.cls_token is not None and model.reg_token is None
-          and not model.no_embed_class and model.global_pool == "token" and model.pos_embed is not None
-          and isinstance(model.norm_pre, nn.Identity) and isinstance(model.fc_norm, nn.Identity)
-          and all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.norm, nn.Identity) for b in model.blocks)
-          and model.patch_embed.patch_size[0] == model.patch_embed.patch_size[1]
-          and model.patch_embed.grid_size[0] == model.patch_embed.grid_size[1])
-    if not ok:
-        raise NascompressError("mgvit supports plain timm ViTs only (class token, token pooling, square patches "
-                               "and grid, no register tokens, no qk-norm)")
+    if not isinstance(model, VisionTransformer):
+        raise NascompressError(f"mgvit needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
+    reasons = []
+    if model.cls_token is None or model.global_pool != "token":
+        reasons.append(f"it needs a class token read by the head (class_token={model.cls_token is not None}, "
+                       f"global_pool={model.global_pool!r})")
+    if model.num_prefix_tokens != 1:
+        reasons.append(f"it needs exactly one prefix token, this model has {model.num_prefix_tokens} (register or "
+                       "distillation tokens)")
+    if model.no_embed_class or model.pos_embed is None:
+        reasons.append("it needs a position embedding that includes the class token")
+    if not (isinstance(model.norm_pre, nn.Identity) and isinstance(model.fc_norm, nn.Identity)):
+        reasons.append("it needs no pre-norm and no fc_norm")
+    if not all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.norm, nn.Identity) for b in model.blocks):
+        reasons.append("it does not support qk-norm or scale-norm attention")
+    if not (model.patch_embed.patch_size[0] == model.patch_embed.patch_size[1]
+            and model.patch_embed.grid_size[0] == model.patch_embed.grid_size[1]):
+        reasons.append("it needs square patches and a square grid")
+    if reasons:
+        raise NascompressError("mgvit supports plain timm ViTs only: " + "; ".join(reasons))
+    to_core(model, method="mgvit")
 
 
-@register_method("mgvit")
-def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
-    """Turn a dense timm ViT into an :class:`MGViT` from its arch.json record (random MGIS init)."""
-    _check_plain_vit(model)
-    if isinstance(model, MGViT):
-        raise NascompressError("the model is already an MG-ViT; mgvit cannot be applied twice")
-    c = resolve_config(record.get("config", {}), model)
+def _build(model: VisionTransformer, c: MGViTConfig) -> "MGViT":
+    """Turn a dense timm ViT into an :class:`MGViT` (random MGIS init)."""
     blk = model.blocks[0]
     dim, heads = model.embed_dim, blk.attn.num_heads
-    start = c["casr_start"]
     for layer, b in enumerate(model.blocks, 1):
-        b.attn.__class__ = CasrAttention
-        b.attn.casr_record = layer >= min(start, len(model.blocks))
+        _recording(b.attn, layer >= min(c.casr_start, len(model.blocks)))
     model.mgis = MGIS(in_chans=model.patch_embed.proj.in_channels, patch=model.patch_embed.patch_size[0], dim=dim,
-                      extra=c["feat_dim"], depth=len(model.blocks), heads=heads,
+                      extra=c.feat_dim, depth=len(model.blocks), heads=heads,
                       mlp_ratio=blk.mlp.fc1.out_features / dim, qkv_bias=blk.attn.qkv.bias is not None,
                       num_classes=model.num_classes, pos_grid=model.patch_embed.grid_size[0],
-                      ln_eps=getattr(model.norm, "eps", 1e-6), ppsm_layers=c["ppsm_layers"],
-                      r_pos=c["r_pos"], r_neg=c["r_neg"]).to(model.pos_embed.device)
+                      ln_eps=getattr(model.norm, "eps", 1e-6), ppsm_layers=list(c.ppsm_layers),
+                      r_pos=c.r_pos, r_neg=c.r_neg).to(model.pos_embed.device)
     model.__class__ = MGViT
-    model.mg = c
+    model.mg = c.to_dict()
     return model
+
+
+@register_method
+class MGViTMethod(Method):
+    name = "mgvit"
+    summary = "two-stage multi-granularity inference with early exit and PPSM (seed 004)"
+    config_cls = MGViTConfig
+    recipe_cls = MGViTRecipe
+    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    stacks_on = frozenset()  # it replaces the model class and widens every block: alone only
+    off_config = None
+    paper_config = {}
+
+    def resolve(self, model: nn.Module, cfg: MGViTConfig) -> MGViTConfig:
+        _check_plain_vit(model)
+        return resolve_config(cfg, model)
+
+    def patch(self, model: nn.Module, cfg: MGViTConfig, record: dict[str, Any]) -> nn.Module:
+        return _build(model, cfg)
+
+    def prepare(self, model: nn.Module, cfg: MGViTConfig, recipe: MGViTRecipe | None):
+        """Both stages start from the dense run, or the SGIS from ``recipe.sgis_run``."""
+        recipe = recipe or MGViTRecipe()
+        source = None  # MGIS starts from the run's dense weights: the SGIS's own unless sgis_run replaces them
+        if recipe.sgis_run is not None:
+            source = copy.deepcopy(model)
+            load_sgis_from_run(model, recipe.sgis_run)
+        record = self.make_record(cfg, recipe)
+        model = _build(model, cfg)
+        init_mgis_from_dense(model, source=source)
+        n = num_mgis_tokens(cfg.grid ** 2, cfg.r_h, cfg.r_t)
+        sched = mgis_token_schedule(n, len(model.blocks), list(cfg.ppsm_layers), cfg.r_pos, cfg.r_neg)
+        record.update(mgis_patch_tokens=n, mgis_tokens_per_layer=sched, width=model.embed_dim + cfg.feat_dim)
+        return model, record
+
+    def hooks(self, model, record, *, teacher, train_cfg):
+        return MGViTHooks()
 
 
 @torch.no_grad()
@@ -444,8 +488,8 @@ def init_mgis_from_dense(model: MGViT, source: VisionTransformer | None = None) 
 class MGViTHooks(TrainHooks):
     """Loss = CE(D^M, y) + KL(D^M || D^S), every image through both stages (epsilon = 1)."""
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
-             cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
         s_logits, m_logits = model.forward_both(x)
         ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
         kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
@@ -453,50 +497,21 @@ class MGViTHooks(TrainHooks):
         return ce + kl, {"ce_mgis": ce.item(), "kl_sgis": kl.item()}
 
 
-@register_recipe("mgvit")
-class MGViTRecipe(Recipe):
-    """``nascompress finetune RUN --method mgvit [--opt key=value]``: both stages start from the dense
-    run, or the SGIS from another dense run of the same width (``--opt sgis_run=DIR``)."""
-
-    def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-        _check_plain_vit(model)
-        c = resolve_config(config, model, also_valid=("sgis_run",))
-        sgis_run = config.get("sgis_run")
-        source = None  # MGIS starts from the run's dense weights: the SGIS's own unless sgis_run replaces them
-        if sgis_run is not None:
-            source = copy.deepcopy(model)
-            load_sgis_from_run(model, sgis_run)
-        model = apply(model, {"name": "mgvit", "config": c})
-        init_mgis_from_dense(model, source=source)
-        n = num_mgis_tokens(c["grid"] ** 2, c["r_h"], c["r_t"])
-        sched = mgis_token_schedule(n, len(model.blocks), c["ppsm_layers"], c["r_pos"], c["r_neg"])
-        rec = {"name": "mgvit", "config": c, "mgis_patch_tokens": n, "mgis_tokens_per_layer": sched,
-               "width": model.embed_dim + c["feat_dim"]}
-        if sgis_run is not None:
-            rec["training"] = {"sgis_run": str(sgis_run)}
-        return model, rec
-
-    def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: TrainConfig) -> TrainHooks:
-        return MGViTHooks()
-
-
 @torch.no_grad()
-def sweep_model(model: MGViT, ds: Any, *, input_spec: Any, epsilons: list[float], device: torch.device,
-                batch_size: int = 256) -> dict[str, Any]:
-    """Accuracy / SGIS-exit share / mean MACs per image for each epsilon, from one pass (SGIS and
-    MGIS run on every image once; each epsilon then picks per image)."""
-    from ..data import make_loader, preprocess
-
+def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> dict[str, Any]:
+    """Accuracy / SGIS-exit share / mean MACs per image for each epsilon, from one pass over the
+    preprocessed ``batches`` (x, y) (SGIS and MGIS run on every image once; each epsilon then
+    picks per image)."""
     for e in epsilons:
-        if not 0 < e <= 1:
-            raise NascompressError(f"epsilon must be in (0, 1], got {e}")
-    model.eval().to(device)
+        check_range("epsilon", e, 0, 1, lo_open=True)
+    model.eval()
+    device = next(model.parameters()).device
     eps = torch.tensor(epsilons, device=device)[:, None]
     correct = torch.zeros(len(epsilons), device=device)
     exits = torch.zeros(len(epsilons), device=device)
     s_ok = m_ok = n = 0
-    for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False):
-        x, y = preprocess(imgs, input_spec).to(device), labels.to(device)
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
         s, mm = model.forward_both(x)
         conf, sp, mp = s.softmax(-1).amax(-1), s.argmax(-1), mm.argmax(-1)
         ex = conf[None] > eps  # (E, B)
@@ -524,35 +539,9 @@ def parse_epsilons(text: str) -> list[float]:
     if not vals:
         raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
     for e in vals:
-        if not 0 < e <= 1:
-            raise NascompressError(f"epsilon must be in (0, 1], got {e:g}")
+        check_range("epsilon", e, 0, 1, lo_open=True)
     return vals
 
 
-def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: Any = None, split: str = "test",
-                  device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
-    """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
-    from ..api import run_data_config
-    from ..data import DataConfig, InputSpec, load_data
-    from ..io import load_with_arch
-    from ..train import check_classes
-    from ..utils import resolve_device
-
-    if not epsilons:
-        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
-    for e in epsilons:
-        if not 0 < e <= 1:
-            raise NascompressError(f"epsilon must be in (0, 1], got {e}")
-    dev = resolve_device(device)
-    model, arch = load_with_arch(run_dir, map_location=dev)
-    if not isinstance(model, MGViT):
-        raise NascompressError(f"{run_dir} is not an MG-ViT run (methods: "
-                               f"{[m['name'] for m in arch['methods']] or 'none'}); --epsilon needs one")
-    data = data or run_data_config(run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
-    bundle = load_data(data, img_size=spec.img_size)
-    check_classes(model.num_classes, bundle)
-    res = sweep_model(model, bundle.split(split), input_spec=spec, epsilons=list(epsilons), device=dev,
-                      batch_size=batch_size)
-    res.update(split=split, dataset=bundle.name)
-    return res
+__all__ = ["MGViTMethod", "MGViTConfig", "MGViTRecipe", "MGViT", "MGIS", "PPSM", "MGViTHooks", "init_mgis_from_dense",
+           "load_sgis_from_run", "sweep_model", "parse_epsilons", "default_ppsm_layers", "default_feat_dim"]

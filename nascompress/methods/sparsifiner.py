@@ -19,8 +19,11 @@ Readings (where the paper or the official code leave a choice):
     - Zero-shot init (no training): W_down averages the keys of n_down spatial regions (CLS is its
       own region) and W_up spreads each region's coefficient back over its tokens (1/|region|),
       so S[i, j] ~ the attention of query i to the mean key of j's region.
-    - FLOPs (``matmul_macs``): predictor (W_down K, Q K_down^T, the nnz-based sparse product
-      C @ W_up) + 2 d nnz(M) for QK^T and AV (the paper's accounting for a sparse kernel; on a
+    - The method is a kernel (:class:`SparsifinerKernel`) in :class:`~nascompress.layers.NCAttention`:
+      it sees the q/k/v the attention computed (a DCS Q/K mask or a materialized Q/K width under
+      it is honoured; q/k and v may have different head dims).
+    - FLOPs (``last_macs``): predictor (W_down K, Q K_down^T, the nnz-based sparse product
+      C @ W_up) + (d_qk + d_v) nnz(M) for QK^T and AV (the paper's accounting for a sparse kernel; on a
       CPU the unstructured path runs as a dense masked SDPA and saves no time). The block mode
       reports what it really computes: predictor, pooled tile scores, kept tiles, CLS rows.
     - Training (two stages, :class:`SparsifinerHooks`): stage 1 trains W_down/W_up on the
@@ -37,28 +40,25 @@ Readings (where the paper or the official code leave a choice):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
-from timm.layers import Attention
-from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..distill import features_and_logits, kl_to_teacher
+from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
-from ..finetune import Recipe, register_recipe
-from ..train import TrainConfig, TrainHooks
-from . import _flex
-from . import register_method
+from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups
+from ..layers import to_core
+from . import Method, _flex, register_method
 
 MODES = ("unstructured", "block")
 KERNELS = ("gather", "flex", "masked")
 
 
 @dataclass(frozen=True)
-class SparsifinerConfig:
+class SparsifinerConfig(Config):
     """Settings of the sparse attention (recorded in arch.json).
 
     Args:
@@ -73,7 +73,8 @@ class SparsifinerConfig:
             fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
     """
 
-    attn_keep_ratio: float = 0.25
+    attn_keep_ratio: float = field(default=0.25, metadata={
+        "help": "Sparsifiner attention keep ratio in (0, 1]: keys kept per query = ceil(ratio x tokens)."})
     budget: int | None = None
     n_down: int = 32
     tau: float = 0.05
@@ -83,36 +84,23 @@ class SparsifinerConfig:
     kernel: str = "gather"
 
     def __post_init__(self) -> None:
-        r = self.attn_keep_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 < r <= 1:
-            raise NascompressError(f"attn_keep_ratio must be in (0, 1], got {r!r}")
-        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 1):
-            raise NascompressError(f"budget must be a positive integer (keys per query), got {self.budget!r}")
-        if isinstance(self.n_down, bool) or not isinstance(self.n_down, int) or self.n_down < 1:
-            raise NascompressError(f"n_down must be a positive integer, got {self.n_down!r}")
-        if not 0 <= self.tau < 1:
-            raise NascompressError(f"tau must be in [0, 1), got {self.tau!r}")
-        if not self.w_thresh >= 0:
-            raise NascompressError(f"w_thresh must be >= 0, got {self.w_thresh!r}")
-        if self.mode not in MODES:
-            raise NascompressError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1):
-            raise NascompressError(f"block_size must be a positive integer, got {self.block_size!r}")
-        if self.kernel not in KERNELS:
-            raise NascompressError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+        check_range("attn_keep_ratio", self.attn_keep_ratio, 0, 1, lo_open=True)
+        if self.budget is not None:
+            check_int("budget", self.budget, 1)
+        check_int("n_down", self.n_down, 1)
+        check_range("tau", self.tau, 0, 1, hi_open=True)
+        check_range("w_thresh", self.w_thresh, 0)
+        check_choice("mode", self.mode, MODES)
+        if self.block_size is not None:
+            check_int("block_size", self.block_size, 1)
+        check_choice("kernel", self.kernel, KERNELS)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SparsifinerConfig":
-        d = dict(d)
+    def from_dict(cls, d: dict[str, Any] | None, *, what: str | None = None) -> "SparsifinerConfig":
+        d = dict(d or {})
         if "flex" in d and "kernel" not in d:  # arch.json files written before the kernel option
             d["kernel"] = "gather" if d.pop("flex") else "masked"
-        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise NascompressError(f"unknown sparsifiner option(s) {unknown}; valid: {', '.join(cls.__dataclass_fields__)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return super().from_dict(d, what=what or "sparsifiner")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,198 +189,196 @@ def region_init(n: int, n_down: int, *, prefix: int, grid: tuple[int, int] | Non
     return onehot.clone(), onehot.clone()
 
 
-def unstructured_macs(*, batch: int, heads: int, n: int, head_dim: int, n_down: int, budget: int, prefix: int,
-                      product_macs: float) -> float:
+def unstructured_macs(*, batch: int, heads: int, n: int, head_dim: int, v_dim: int, n_down: int, budget: int,
+                      prefix: int, product_macs: float) -> float:
     """MACs of one Sparsifiner attention (whole batch) in the paper's accounting.
 
     predictor: W_down K (r n d) + Q K_down^T (n r d) per head, plus ``product_macs`` (the sparse
-    C @ W_up, over all heads and images); attention: QK^T and AV on nnz(M) entries.
+    C @ W_up, over all heads and images); attention: QK^T (d) and AV (d_v) on nnz(M) entries.
     """
     nnz = (n - prefix) * budget + prefix * n
-    return batch * heads * (2 * n_down * n * head_dim + 2 * head_dim * nnz) + product_macs
+    return batch * heads * (2 * n_down * n * head_dim + (head_dim + v_dim) * nnz) + product_macs
 
 
 # ---------------------------------------------------------------------------------------------
-# The patched attention
+# The attention kernel (plugged into NCAttention.kernel)
 
 
-class SparsifinerAttention(Attention):
-    """timm ``Attention`` (forward follows timm 1.0.31) with Sparsifiner's sparse attention.
+class SparsifinerKernel(nn.Module):
+    """Sparsifiner's attention for one layer: the connectivity predictor and the sparse attention.
 
-    Modifications:
-        - new parameters ``sp_w_down`` / ``sp_w_up`` (H, n_down, n_tokens); timm keys unchanged.
-        - attention restricted to the predicted mask (``unstructured`` or ``block``); a budget
-          >= n falls back to dense fused SDPA (identical to timm).
-        - ``sp_recon`` (stage 1, training only): dense attention, and the predictor's
-          reconstruction loss against it is left in ``sp_recon_loss``.
-        - ``matmul_macs`` reports the last forward's attention + predictor MACs.
+    Parameters ``w_down`` / ``w_up`` (H, n_down, n_tokens), so their keys are
+    ``blocks.<i>.attn.kernel.w_down``. Called by :class:`~nascompress.layers.NCAttention` with the
+    q/k/v it computed (after DCS masks, any head dims). A budget >= n falls back to dense fused
+    SDPA (identical to timm). ``recon`` (stage 1, training only): dense attention, and the
+    predictor's reconstruction loss against it is left in ``recon_loss``.
     """
 
-    def _sp_budget(self, n: int) -> int:
-        cfg: SparsifinerConfig = self.sp_cfg
-        b = attention_budget(cfg.attn_keep_ratio, n, None if cfg.budget is None else min(cfg.budget, n))
-        return b
+    def __init__(self, cfg: SparsifinerConfig, w_down: torch.Tensor, w_up: torch.Tensor, prefix: int):
+        super().__init__()
+        self.w_down, self.w_up = nn.Parameter(w_down), nn.Parameter(w_up)
+        self.cfg, self.prefix, self.recon = cfg, prefix, False
+        self.recon_loss: torch.Tensor | None = None
+        self._macs: float | None = 0.0
+        self._density = 1.0
+        self._block_stats: tuple | None = None
 
-    def _dense(self, q, k, v, B, n, attn_mask=None) -> torch.Tensor:
-        self._sp_macs = float(B * self.num_heads * n * n * 2 * self.head_dim)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                              dropout_p=self.attn_drop.p if self.training else 0.0)
+    def _dense(self, q, k, v, attn_mask, scale, dropout_p) -> torch.Tensor:
+        B, H, n, d = q.shape
+        self._macs = float(B * H * n * n * (d + v.shape[-1]))
+        self._density = 1.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
 
-    def sparse_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """q, k, v (B, H, n, d) after q_norm/k_norm -> attention output (B, H, n, d).
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+                scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+        """q, k (B, H, n, d_qk), v (B, H, n, d_v) -> (B, H, n, d_v).
 
         ``attn_mask`` (an external mask, e.g. DynamicViT's training policy; bool or additive,
         broadcastable to (B, H, n, n)) is combined with the sparse mask; it selects the masked path.
         """
-        cfg: SparsifinerConfig = self.sp_cfg
+        cfg = self.cfg
         B, H, n, d = q.shape
-        if n > self.sp_w_down.shape[-1]:
-            raise NascompressError(f"sparsifiner was built for {self.sp_w_down.shape[-1]} tokens, got {n}")
-        p = self.sp_prefix
-        w_down, w_up = self.sp_w_down[..., :n], self.sp_w_up[..., :n]
-        if self.training and self.sp_recon:  # stage 1: dense attention, train the predictor
-            approx = lowrank_attention(q, k, w_down, self.scale) @ w_up
+        if n > self.w_down.shape[-1]:
+            raise NascompressError(f"sparsifiner was built for {self.w_down.shape[-1]} tokens, got {n}")
+        p = self.prefix
+        w_down, w_up = self.w_down[..., :n], self.w_up[..., :n]
+        if self.training and self.recon:  # stage 1: dense attention, train the predictor
+            approx = lowrank_attention(q, k, w_down, scale) @ w_up
             with torch.no_grad():
-                logits = (q * self.scale) @ k.transpose(-2, -1)
+                logits = (q * scale) @ k.transpose(-2, -1)
                 if attn_mask is not None:  # the attention the model really computes (e.g. DynamicViT's policy)
                     logits = logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
                         else logits + attn_mask
                 target = logits.softmax(-1)
-            self.sp_recon_loss = (approx[:, :, p:] - target[:, :, p:]).pow(2).sum() / B
-            return self._dense(q, k, v, B, n, attn_mask)
-        budget = self._sp_budget(n)
+            self.recon_loss = (approx[:, :, p:] - target[:, :, p:]).pow(2).sum() / B
+            return self._dense(q, k, v, attn_mask, scale, dropout_p)
+        budget = attention_budget(cfg.attn_keep_ratio, n, None if cfg.budget is None else min(cfg.budget, n))
         if budget >= n:
-            return self._dense(q, k, v, B, n, attn_mask)
+            return self._dense(q, k, v, attn_mask, scale, dropout_p)
         r = w_down.shape[-2]
-        drop = self.attn_drop.p if self.training else 0.0
         if cfg.mode == "unstructured":
             with torch.no_grad():  # the mask is discrete: no gradient flows through the predictor here
-                coef = sparse_coefficients(lowrank_attention(q, k, w_down, self.scale), cfg.tau)
+                coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), cfg.tau)
                 basis = sparse_basis(w_up, cfg.w_thresh)
                 mask = topk_mask(coef @ basis, budget, full_rows=p)
                 prod = ((coef != 0).float() @ (basis != 0).float().sum(-1, keepdim=True)).sum().item()
-                self._sp_macs = unstructured_macs(batch=B, heads=H, n=n, head_dim=d, n_down=r, budget=budget,
-                                                  prefix=p, product_macs=prod)
-                self.sp_density = budget / n
-            return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=self.scale, dropout_p=drop)
+                self._macs = unstructured_macs(batch=B, heads=H, n=n, head_dim=d, v_dim=v.shape[-1], n_down=r,
+                                               budget=budget, prefix=p, product_macs=prod)
+                self._density = budget / n
+            return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=scale, dropout_p=dropout_p)
         layout = _flex.plan_blocks(n, p, budget, cfg.block_size)
         if not layout.sparse:
-            return self._dense(q, k, v, B, n, attn_mask)
+            return self._dense(q, k, v, attn_mask, scale, dropout_p)
         inference = not self.training and not torch.is_grad_enabled()
-        basis = self._sp_pooled_basis(w_up, layout, cache=inference)
+        basis = self._pooled_basis(w_up, layout, cache=inference)
         if inference and cfg.kernel != "masked" and attn_mask is None:
             kernel = "flex" if cfg.kernel == "flex" and _flex.flex_usable() else "gather"
-            out, idx = _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=self.scale, tau=cfg.tau,
+            out, idx = _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=cfg.tau,
                                                     kernel=kernel)
         else:
             with torch.no_grad():  # the mask is discrete: no gradient flows through the predictor here
-                idx = _flex.predict_blocks(q, k, w_down, basis, scale=self.scale, tau=cfg.tau, layout=layout)
+                idx = _flex.predict_blocks(q, k, w_down, basis, scale=scale, tau=cfg.tau, layout=layout)
             out = masked_attention(q, k, v, combine_masks(_flex.dense_block_mask(idx, layout), attn_mask),
-                                   scale=self.scale, dropout_p=drop)
-        # the statistics are read lazily (matmul_macs / sp_density): no .item() sync in the forward
-        self._sp_block_stats = (idx, layout, r, d)
-        self._sp_macs = None
+                                   scale=scale, dropout_p=dropout_p)
+        # the statistics are read lazily (last_macs / density): no .item() sync in the forward
+        self._block_stats = (idx, layout, r, d, v.shape[-1])
+        self._macs = None
         return out
 
-    def _sp_pooled_basis(self, w_up: torch.Tensor, layout: "_flex.BlockLayout", *, cache: bool) -> torch.Tensor:
+    def _pooled_basis(self, w_up: torch.Tensor, layout: "_flex.BlockLayout", *, cache: bool) -> torch.Tensor:
         """Thresholded W_up pooled per key block (H, r, nb); cached at inference (weights only)."""
         if not cache:
-            return _flex.pooled_basis(w_up, self.sp_cfg.w_thresh, layout)
-        key = (layout, self.sp_cfg.w_thresh, self.sp_w_up._version, self.sp_w_up.data_ptr(), w_up.device)
-        hit = self.__dict__.get("_sp_basis_cache")
+            return _flex.pooled_basis(w_up, self.cfg.w_thresh, layout)
+        key = (layout, self.cfg.w_thresh, self.w_up._version, self.w_up.data_ptr(), w_up.device)
+        hit = self.__dict__.get("_basis_cache")
         if hit is None or hit[0] != key:
-            hit = (key, _flex.pooled_basis(w_up, self.sp_cfg.w_thresh, layout))
-            self.__dict__["_sp_basis_cache"] = hit
+            hit = (key, _flex.pooled_basis(w_up, self.cfg.w_thresh, layout))
+            self.__dict__["_basis_cache"] = hit
         return hit[1]
 
-    def _sp_block_macs(self) -> None:
-        idx, layout, r, d = self._sp_block_stats
+    def _read_block_stats(self) -> None:
+        idx, layout, r, d, dv = self._block_stats
         B, H, nb, _ = idx.shape
         n, n_p = layout.n, layout.n_patch
         with torch.no_grad():
             pairs = _flex.kept_pairs(idx, layout).sum().item()
-        # predictor: W_down K (r n d) + Q_patch K_down^T (n_p r d) + tile scores (nb r nb); attention 2 d pairs
-        self._sp_macs = float(B * H * (r * n * d + n_p * r * d + nb * r * nb) + 2 * d * pairs)
-        self._sp_density = pairs / (B * H * n * n)
+        # predictor: W_down K (r n d) + Q_patch K_down^T (n_p r d) + tile scores (nb r nb); attention d + dv per pair
+        self._macs = float(B * H * (r * n * d + n_p * r * d + nb * r * nb) + (d + dv) * pairs)
+        self._density = pairs / (B * H * n * n)
+
+    def last_macs(self) -> float:
+        """MACs of the last forward (whole batch): predictor + attention on the kept pairs."""
+        if self._macs is None:
+            self._read_block_stats()
+        return float(self._macs)
 
     @property
-    def sp_density(self) -> float:
-        """Fraction of (query, key) pairs attended in the last forward (block mode: computed on read)."""
-        if getattr(self, "_sp_macs", 0.0) is None:
-            self._sp_block_macs()
-        return self._sp_density
+    def density(self) -> float:
+        """Fraction of (query, key) pairs attended in the last forward."""
+        if self._macs is None:
+            self._read_block_stats()
+        return self._density
 
-    @sp_density.setter
-    def sp_density(self, value: float) -> None:
-        self._sp_density = value
-
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        if is_causal:
-            raise NotImplementedError("sparsifiner attention is for bidirectional ViTs (is_causal is not supported)")
-        B, N, C = x.shape
-        gate = self.gate(x).sigmoid() if self.gate is not None else None
-        qkv = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-        q, k = self.q_norm(q), self.k_norm(k)
-        x = self.sparse_attention(q, k, v, attn_mask)
-        x = x.transpose(1, 2).reshape(B, N, self.attn_dim)
-        x = self.norm(x)
-        if gate is not None:
-            x = x * gate
-        return self.proj_drop(self.proj(x))
-
-    def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
-        if getattr(self, "_sp_macs", 0.0) is None:
-            self._sp_block_macs()
-        return float(getattr(self, "_sp_macs", 0.0))
+    def __deepcopy__(self, memo: dict) -> "SparsifinerKernel":
+        new = SparsifinerKernel(self.cfg, self.w_down.detach().clone(), self.w_up.detach().clone(), self.prefix)
+        new.w_down.requires_grad_(self.w_down.requires_grad)
+        new.w_up.requires_grad_(self.w_up.requires_grad)
+        new.train(self.training)
+        new.recon = self.recon
+        memo[id(self)] = new
+        return new
 
 
-def sparse_modules(model: nn.Module) -> list[SparsifinerAttention]:
-    return [m for m in model.modules() if isinstance(m, SparsifinerAttention)]
-
-
-def patch_model(model: nn.Module, cfg: SparsifinerConfig) -> tuple[int, int]:
-    """Patch every block's attention in place; returns (n_tokens, effective n_down)."""
-    if not isinstance(model, VisionTransformer):
-        raise NascompressError(f"sparsifiner needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
-    prefix = int(model.num_prefix_tokens)
-    grid = tuple(model.patch_embed.grid_size) if getattr(model.patch_embed, "grid_size", None) else None
-    n = int(model.patch_embed.num_patches) + prefix
-    if cfg.budget is not None:
-        attention_budget(cfg.attn_keep_ratio, n, cfg.budget)
-    r = min(cfg.n_down, n)
-    w_down, w_up = region_init(n, r, prefix=prefix, grid=grid)
-    for i, blk in enumerate(model.blocks):
-        attn = getattr(blk, "attn", None)
-        if isinstance(attn, SparsifinerAttention):
-            raise NascompressError(f"blocks.{i}.attn is already a Sparsifiner attention; apply sparsifiner once")
-        if type(attn) is not Attention:
-            raise NascompressError(f"sparsifiner patches timm Attention modules; blocks.{i}.attn is a {type(attn).__name__}")
-        dev = attn.qkv.weight.device
-        attn.__class__ = SparsifinerAttention
-        H = attn.num_heads
-        attn.sp_w_down = nn.Parameter(w_down.expand(H, -1, -1).clone().to(dev))
-        attn.sp_w_up = nn.Parameter(w_up.expand(H, -1, -1).clone().to(dev))
-        attn.sp_cfg, attn.sp_prefix, attn.sp_recon = cfg, prefix, False
-    return n, r
-
-
-@register_method("sparsifiner")
-def apply(model: nn.Module, record: dict[str, Any]) -> nn.Module:
-    """Patch ``model`` from its arch.json record ``{"name": "sparsifiner", "config": {...}}``."""
-    cfg = SparsifinerConfig.from_dict(dict(record.get("config", {})))
-    n, _ = patch_model(model, cfg)
-    if "n_tokens" in record and int(record["n_tokens"]) != n:
-        raise NascompressError(f"the sparsifiner record was made for {record['n_tokens']} tokens, the model has {n}")
-    return model
+def sparse_modules(model: nn.Module) -> list[SparsifinerKernel]:
+    return [m for m in model.modules() if isinstance(m, SparsifinerKernel)]
 
 
 # ---------------------------------------------------------------------------------------------
-# Two-stage training (stage 1: predictor only, L_attn; stage 2: backbone, L_cls + L_token + L_cls_distill)
+# Training recipe (stage 1: predictor only, L_attn; stage 2: backbone, L_cls + L_token + L_cls_distill)
 
-TRAIN_KEYS = {"stage1_epochs": 1, "predictor_lr_scale": 10.0, "lambda_attn": 1.0, "lambda_token": 0.5,
-              "lambda_cls_distill": 0.5}
+
+@dataclass(frozen=True)
+class SparsifinerRecipe(Config):
+    """Sparsifiner's two-stage training (the paper's weights).
+
+    Args:
+        stage1_epochs: epochs of stage 1 (backbone frozen, dense attention, predictor trained on
+            the attention reconstruction loss); the rest is stage 2.
+        stage1_steps: steps of stage 1 before a zero-shot save (``--zero-shot``).
+        predictor_lr_scale: the predictor's lr relative to the backbone's.
+        lambda_attn / lambda_token / lambda_cls_distill: loss weights (stage 1 / stage 2).
+    """
+
+    stage1_epochs: int = 1
+    stage1_steps: int = 100
+    predictor_lr_scale: float = 10.0
+    lambda_attn: float = 1.0
+    lambda_token: float = 0.5
+    lambda_cls_distill: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_int("stage1_epochs", self.stage1_epochs, 0)
+        check_int("stage1_steps", self.stage1_steps, 0)
+        for k in ("predictor_lr_scale", "lambda_attn", "lambda_token", "lambda_cls_distill"):
+            check_range(k, getattr(self, k), 0)
+
+
+PREDICTOR = ".kernel.w_"
+
+
+def _stage1(model: nn.Module, on: bool) -> None:
+    """Stage 1: only the predictor trains (dense attention, reconstruction loss); stage 2: the rest."""
+    for name, p in model.named_parameters():
+        p.requires_grad_((PREDICTOR in name) == on)
+    for m in sparse_modules(model):
+        m.recon = on
+
+
+def _stage1_loss(model: nn.Module, x: torch.Tensor, lambda_attn: float) -> tuple[torch.Tensor, dict[str, float]]:
+    model(x)
+    mods = sparse_modules(model)
+    l_attn = sum(m.recon_loss for m in mods) / len(mods)
+    return lambda_attn * l_attn, {"l_attn": float(l_attn.detach())}
 
 
 class SparsifinerHooks(TrainHooks):
@@ -403,79 +389,133 @@ class SparsifinerHooks(TrainHooks):
     MSE(final tokens, teacher's) + lambda_cls_distill * KL(student || teacher logits).
     """
 
-    def __init__(self, teacher: nn.Module, settings: dict[str, Any]):
-        self.teacher, self.s = teacher, settings
+    def __init__(self, teacher: nn.Module, recipe: SparsifinerRecipe):
+        self.teacher, self.r = teacher, recipe
 
-    def _stage1(self, epoch: int) -> bool:
-        return epoch < self.s["stage1_epochs"]
-
-    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
-        pred, decay, no_decay = [], [], []
-        for name, p in model.named_parameters():
+    def param_groups(self, model: nn.Module, cfg: Any) -> list[dict[str, Any]]:
+        for p in model.parameters():
             p.requires_grad_(True)
-            if name.rsplit(".", 1)[-1] in ("sp_w_down", "sp_w_up"):
-                pred.append(p)
-            elif p.ndim <= 1 or name.endswith(("cls_token", "pos_embed", "reg_token")):
-                no_decay.append(p)
-            else:
-                decay.append(p)
-        return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0},
-                {"params": pred, "weight_decay": cfg.weight_decay, "lr_scale": self.s["predictor_lr_scale"]}]
+        groups = param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay)
+        pred = [p for n, p in model.named_parameters() if PREDICTOR in n]
+        # the predictor trains at predictor_lr_scale x lr, with weight decay (its sparsity)
+        return own_group(groups, pred, weight_decay=cfg.weight_decay, lr_scale=self.r.predictor_lr_scale)
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
-        stage1 = self._stage1(epoch)
-        for name, p in model.named_parameters():
-            is_pred = name.rsplit(".", 1)[-1] in ("sp_w_down", "sp_w_up")
-            p.requires_grad_(is_pred == stage1)
-        for m in sparse_modules(model):
-            m.sp_recon = stage1
+        _stage1(model, epoch < self.r.stage1_epochs)
 
-    def loss(self, model, x, y, *, epoch, cfg):
-        if self._stage1(epoch):
-            model(x)
-            mods = sparse_modules(model)
-            l_attn = sum(m.sp_recon_loss for m in mods) / len(mods)
-            return self.s["lambda_attn"] * l_attn, {"l_attn": float(l_attn.detach())}
+    def loss(self, model, x, y, *, epoch, cfg, tag=None):
+        if epoch < self.r.stage1_epochs:
+            return _stage1_loss(model, x, self.r.lambda_attn)
         feats, logits, t_feats, t_logits = features_and_logits(model, self.teacher, x)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
         kl = kl_to_teacher(logits, t_logits)
         p = int(getattr(model, "num_prefix_tokens", 1))
         # token pruning stacked before: token sets differ, so only the prefix (CLS) tokens are compared
         tok = F.mse_loss(feats, t_feats) if feats.shape == t_feats.shape else F.mse_loss(feats[:, :p], t_feats[:, :p])
-        loss = ce + self.s["lambda_token"] * tok + self.s["lambda_cls_distill"] * kl
+        loss = ce + self.r.lambda_token * tok + self.r.lambda_cls_distill * kl
         return loss, {"ce": ce.item(), "l_token": tok.item(), "l_cls_distill": kl.item()}
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        stage = 1 if epoch < self.r.stage1_epochs else 2
+        _stage1(model, False)
+        for p in model.parameters():
+            p.requires_grad_(True)
         mods = sparse_modules(model)
-        thr = mods[0].sp_cfg.w_thresh if mods else 0.0
-        nz = sum(int((m.sp_w_up.abs() > thr).sum()) for m in mods)
-        tot = sum(m.sp_w_up.numel() for m in mods)
-        return {"stage": 1 if self._stage1(epoch) else 2, "w_up_density": nz / max(tot, 1)}
+        thr = mods[0].cfg.w_thresh if mods else 0.0
+        nz = sum(int((m.w_up.abs() > thr).sum()) for m in mods)
+        tot = sum(m.w_up.numel() for m in mods)
+        return {"stage": stage, "w_up_density": nz / max(tot, 1)}
 
 
-@register_recipe("sparsifiner")
-class SparsifinerRecipe(Recipe):
-    """``nascompress finetune RUN --method sparsifiner [--attn-keep-ratio R] [--opt key=value]``.
+def calibrate_predictor(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
+                        recipe: SparsifinerRecipe | None = None, lr: float = 1e-3, steps: int | None = None) -> dict[str, float]:
+    """Stage 1 alone, for a zero-shot model: the predictors learn to reconstruct the dense
+    attention (backbone frozen). Returns the mean L_attn of the last 10 steps; eval mode after."""
+    r = recipe or SparsifinerRecipe()
+    steps = r.stage1_steps if steps is None else steps
+    if steps <= 0 or not sparse_modules(model):
+        return {}
+    _stage1(model, True)
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if PREDICTOR in n], lr=lr, weight_decay=0.0)
+    model.train()
+    tail: list[float] = []
+    try:
+        it = iter(batches)
+        for _ in range(steps):
+            try:
+                x, _y = next(it)
+            except StopIteration:
+                it = iter(batches)
+                x, _y = next(it)
+            loss, logs = _stage1_loss(model, x, 1.0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tail = (tail + [logs["l_attn"]])[-10:]
+    finally:
+        _stage1(model, False)
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.eval()
+    return {"l_attn": sum(tail) / len(tail)} if tail else {}
 
-    Method keys: attn_keep_ratio, budget, n_down, tau, w_thresh, mode, block_size, kernel. Training
-    keys: stage1_epochs (default 1), predictor_lr_scale (10), lambda_attn (1), lambda_token (0.5),
-    lambda_cls_distill (0.5).
-    """
 
-    def prepare(self, model: nn.Module, config: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-        valid = list(SparsifinerConfig.__dataclass_fields__) + list(TRAIN_KEYS)
-        unknown = sorted(set(config) - set(valid))
-        if unknown:
-            raise NascompressError(f"unknown sparsifiner option(s) {unknown}; valid options: {', '.join(valid)}")
-        train = {k: config.pop(k, v) for k, v in TRAIN_KEYS.items()}
-        if not isinstance(train["stage1_epochs"], int) or train["stage1_epochs"] < 0:
-            raise NascompressError(f"stage1_epochs must be an integer >= 0, got {train['stage1_epochs']!r}")
-        for k in ("predictor_lr_scale", "lambda_attn", "lambda_token", "lambda_cls_distill"):
-            if not isinstance(train[k], (int, float)) or train[k] < 0:
-                raise NascompressError(f"{k} must be a number >= 0, got {train[k]!r}")
-        cfg = SparsifinerConfig.from_dict(config)
-        n, r = patch_model(model, cfg)
-        return model, {"name": "sparsifiner", "config": cfg.to_dict(), "n_tokens": n, "n_down": r, "training": train}
+# ---------------------------------------------------------------------------------------------
+# The method
 
-    def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: TrainConfig) -> TrainHooks:
-        return SparsifinerHooks(teacher, dict(TRAIN_KEYS, **record.get("training", {})))
+
+@register_method
+class Sparsifiner(Method):
+    name = "sparsifiner"
+    summary = "instance-dependent sparse attention from a low-rank connectivity predictor (Wei et al. 2023)"
+    config_cls = SparsifinerConfig
+    recipe_cls = SparsifinerRecipe
+    train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
+    stacks_on = frozenset({"dcs", "uniform"})
+    off_config = {"attn_keep_ratio": 1.0}
+    paper_config = {"attn_keep_ratio": 0.25}
+
+    def resolve(self, model: nn.Module, cfg: SparsifinerConfig) -> SparsifinerConfig:
+        to_core(model, method="sparsifiner")
+        n = int(model.patch_embed.num_patches) + int(model.num_prefix_tokens)
+        if cfg.budget is not None:
+            attention_budget(cfg.attn_keep_ratio, n, cfg.budget)
+        for i, blk in enumerate(model.blocks):
+            if blk.attn.kernel is not None:
+                raise NascompressError(f"blocks.{i}.attn already has a {type(blk.attn.kernel).__name__}; apply "
+                                       "sparsifiner once")
+        return cfg
+
+    def patch(self, model: nn.Module, cfg: SparsifinerConfig, record: dict[str, Any]) -> nn.Module:
+        prefix = int(model.num_prefix_tokens)
+        grid = tuple(model.patch_embed.grid_size) if getattr(model.patch_embed, "grid_size", None) else None
+        n = int(model.patch_embed.num_patches) + prefix
+        if "n_tokens" in record and int(record["n_tokens"]) != n:
+            raise NascompressError(f"the sparsifiner record was made for {record['n_tokens']} tokens, the model has {n}")
+        r = min(cfg.n_down, n)
+        w_down, w_up = region_init(n, r, prefix=prefix, grid=grid)
+        for blk in model.blocks:
+            attn = blk.attn
+            H, dev = attn.num_heads, attn.qkv.weight.device
+            attn.kernel = SparsifinerKernel(cfg, w_down.expand(H, -1, -1).clone().to(dev),
+                                            w_up.expand(H, -1, -1).clone().to(dev), prefix)
+        return model
+
+    def prepare(self, model, cfg, recipe):
+        record = self.make_record(cfg, recipe)
+        model = self.patch(model, cfg, record)
+        n = int(model.patch_embed.num_patches) + int(model.num_prefix_tokens)
+        record.update(n_tokens=n, n_down=min(cfg.n_down, n))
+        return model, record
+
+    def hooks(self, model, record, *, teacher, train_cfg):
+        return SparsifinerHooks(teacher, SparsifinerRecipe.from_dict(record.get("recipe", {})))
+
+    def calibrate(self, model, record, *, teacher, batches):
+        """Stage 1 alone: the region-initialised predictor learns the dense attention."""
+        return calibrate_predictor(model, batches, recipe=SparsifinerRecipe.from_dict(record.get("recipe", {})))
+
+
+__all__ = ["Sparsifiner", "SparsifinerConfig", "SparsifinerRecipe", "SparsifinerKernel", "SparsifinerHooks",
+           "attention_budget", "lowrank_attention", "sparse_coefficients", "sparse_basis", "topk_mask",
+           "masked_attention", "combine_masks", "region_init", "sparse_modules", "calibrate_predictor"]

@@ -1,6 +1,8 @@
 """One profiler for every method: FLOPs (attention matmuls included), params, latency."""
 from __future__ import annotations
 
+from .. import _compat  # noqa: F401  (before timm imports torchvision)
+
 from .flops import FlopReport, count_flops, count_params, flop_counter_macs
 from .latency import measure, time_models
 

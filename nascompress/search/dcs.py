@@ -1,29 +1,37 @@
 """``nascompress search dcs``: the DCS differentiable channel search (seed 003 section 3.4, A.2).
 
+It runs on the one training loop (:func:`nascompress.train.fit`) with :class:`DCSSearchHooks`.
 Each epoch the training split is cut once (:func:`~nascompress.data.split_indices`, fixed seed)
-into 70% for the network weights W and 30% for the architecture parameters alpha (and the
-static Q/K theta); W-steps and alpha-steps alternate, spread evenly over the epoch (first
-order). W-steps minimise CE; alpha-steps minimise
+into 70% for the network weights W and 30% for the architecture parameters (every MLP gate
+alpha and static Q/K theta); W-steps and arch-steps alternate, spread evenly over the epoch
+(first order). W-steps minimise CE (+ ``distill`` x KL to the dense model, which protects
+pretrained features); arch-steps minimise
 
-    CE + lambda * log(cost / dense_cost) + entropy_weight * H(g_hat)
+    CE + lambda * log(cost / dense_cost) + entropy_weight * H(g_hat, theta_hat)
 
-where cost is the analytic FLOPs (MACs, as the profiler counts them) of the network with each
-block's MLP width replaced by the soft count sum(g_hat). The temperature starts at 4.5 and is
-multiplied by 0.95 every epoch; both AdamW optimizers follow a cosine (weights 1e-3 -> 1e-4; alpha
-the same shape from its own peak). With ``target_flops`` lambda is steered after every alpha-step
-by :class:`LambdaSteer`, a PI controller on ``ratio / target - 1`` (ratio: the exact FLOPs of the
-current hard architecture). lambda then acts as the Lagrange multiplier of the FLOPs target and may
-go negative when the architecture falls below it (Adam normalises step sizes, so only the sign of
-the cost push really counts). If the last epoch still ends outside the tolerance, the gate
-threshold is shifted (logged as ``calibration``) so that the result lands inside it.
+where cost (:class:`CostModel`) is the analytic MACs of the network with each block's MLP width
+replaced by the soft count sum(g_hat) and each block's Q/K width by a smooth maximum over heads of
+the soft per-head counts (the heads are padded to the largest count when materialized), so the
+cost is differentiable in every alpha and theta. The temperature starts at 4.5 and is multiplied
+by 0.95 every epoch. The weights train at a small lr (base 1e-4 per 512 images, warm-up, cosine,
+layer decay) and the architecture parameters at their own larger, constant lr (``arch_lr``).
+
+With ``target_flops`` lambda is steered after every arch-step by :class:`LambdaSteer`, a PI
+controller on ``ratio / target - 1`` where ratio is the exact FLOPs of the hard architecture as
+it will be materialized (``round_mlp`` applied); lambda is then the Lagrange multiplier of the
+target and turns negative below it (see :class:`LambdaSteer`). The gate logits start open,
+spread by weight-magnitude importance (:class:`~nascompress.methods.dcs.DCSConfig`), so channels
+reach the threshold one by one rather than all at once. A
+search that lands outside the band is reported; with ``calibrate`` (default) the gate threshold is
+then shifted to land inside it, and the log and metrics say by how much. A search whose validation
+accuracy falls more than ``max_val_drop`` points below the dense model's stops with a message.
 """
 from __future__ import annotations
 
 import copy
 import json
 import math
-import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,97 +40,96 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..api import count_classes, run_data_config
-from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
+from ..config import Config, check_int, check_range
+from ..data import DataConfig, InputSpec, Subset, load_data, split_indices
 from ..errors import NascompressError
-from ..evaluate import evaluate
-from ..io import load_state, load_with_arch, make_arch, save_model, save_state
+from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
+from ..io import load_with_arch, make_arch
 from ..methods.dcs import DCSConfig, arch_parameters, binary_entropy, make_record, make_supernet
 from ..models import ModelSpec, build_model, load_pretrained
 from ..profiling import count_flops
-from ..progress import make_progress
-from ..train import check_classes, decay_groups, input_spec_for
-from ..utils import (
-    append_jsonl,
-    create_out_dir,
-    prepare_out_dir,
-    recorded_job,
-    resolve_device,
-    seed_everything,
-    write_json,
-)
+from ..train import LOG_FILE, TrainConfig, check_classes, fit, input_spec_for
+from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 
-CHECKPOINT_FILE = "checkpoint.safetensors"
-LOG_FILE = "log.jsonl"
+SMOOTH_MAX_T = 1.0  # temperature (in channels) of the smooth maximum over heads of the Q/K counts
 
 
 @dataclass(frozen=True)
-class DCSSearchConfig:
-    """Search settings (defaults from the paper where it gives them).
+class DCSSearchConfig(Config):
+    """The search's own settings (the optimisation of W is the job's TrainConfig).
 
     Args:
-        epochs: search epochs (the paper: 200).
-        lr / min_lr: AdamW cosine for the weights, 1e-3 -> 1e-4.
-        arch_lr: peak AdamW lr of alpha (same cosine, scaled); None = ``lr``.
+        arch_lr: peak AdamW lr of the architecture parameters (alpha, static theta).
+        arch_lr_end: their lr at the end, as a share of ``arch_lr`` (a cosine between).
+        arch_beta1: their Adam momentum (shorter than the weights' 0.9: less lag, less overshoot).
         lam: lambda of ``lambda * log cost`` (paper range 0.1-0.5) when no target is given.
-        entropy_weight: weight of the gates' mean binary entropy (pushes g_hat to 0/1).
+        entropy_weight: weight of the gates' mean binary entropy (pushes the soft gates to 0/1).
         tau0 / tau_decay: temperature at epoch 0 and its factor per epoch.
         target_flops: FLOPs of the result as a ratio of the dense model's, in (0, 1].
         tolerance: relative band around the target the result must land in.
         steer_gain / steer_rate: proportional and integral gains of the lambda controller.
-        weight_fraction: share of the training split for W (the rest updates alpha).
-        round_mlp: 0 (the paper) or k > 0: after the last epoch a block MLP with fewer than k
-            kept channels is closed and one with more than C - k is opened fully (see
-            :func:`round_blocks`), then the gate threshold is recalibrated to the target.
+        weight_fraction: share of the training split for W (the rest updates the architecture).
+        round_mlp: 0 (the paper) or k > 0: a block MLP keeping fewer than k channels is closed and
+            one keeping more than C - k is opened fully (:func:`round_blocks`); the controller
+            steers the rounded architecture, and the rounding is applied after the last epoch.
+        distill: weight of KL(dense || supernet) added to the W-steps' CE (0: off).
+        max_val_drop: stop when validation top-1 falls more than this many points below the dense model's.
+        calibrate: if the last epoch ends outside the band, shift the gate threshold to land inside
+            it (reported); False: fail instead.
     """
 
-    epochs: int = 4
-    batch_size: int = 128
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    arch_lr: float | None = None
-    weight_decay: float = 0.01
-    label_smoothing: float = 0.1
+    arch_lr: float = 0.05
+    arch_lr_end: float = 0.1
+    arch_beta1: float = 0.5
     lam: float = 0.2
     entropy_weight: float = 0.01
     tau0: float = 4.5
     tau_decay: float = 0.95
     target_flops: float | None = None
     tolerance: float = 0.05
-    steer_gain: float = 4.0
-    steer_rate: float = 0.002
+    steer_gain: float = 2.0
+    steer_rate: float = 0.05
     weight_fraction: float = 0.7
     round_mlp: int = 0
-    grad_clip: float = 1.0
-    eval_batch_size: int = 256
-    seed: int = 0
-    device: str = "auto"
+    distill: float = 0.5
+    max_val_drop: float = 15.0
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
-        if self.target_flops is not None and not 0 < self.target_flops <= 1:
-            raise NascompressError(
-                f"--target-flops must be in (0, 1] (a ratio of the dense FLOPs), got {self.target_flops}")
-        if self.epochs < 1:
-            raise NascompressError(f"--epochs must be at least 1, got {self.epochs}")
-        if self.lam < 0:
-            raise NascompressError(f"--lam must be >= 0, got {self.lam}")
-        if not 0 < self.weight_fraction < 1:
-            raise NascompressError(f"weight_fraction must be in (0, 1), got {self.weight_fraction}")
-        if not (self.tau0 > 0 and 0 < self.tau_decay <= 1):
-            raise NascompressError(f"need tau0 > 0 and 0 < tau_decay <= 1, got {self.tau0}, {self.tau_decay}")
-        if self.batch_size < 1 or not self.lr > 0:
-            raise NascompressError("--batch-size must be >= 1 and --lr > 0")
+        if self.target_flops is not None:
+            check_range("--target-flops", self.target_flops, 0, 1, lo_open=True)
+        check_range("--arch-lr", self.arch_lr, 0, lo_open=True)
+        check_range("arch_lr_end", self.arch_lr_end, 0, 1)
+        check_range("arch_beta1", self.arch_beta1, 0, 1, hi_open=True)
+        check_range("--lam", self.lam, 0)
+        check_range("--entropy-weight", self.entropy_weight, 0)
+        check_range("tau0", self.tau0, 0, lo_open=True)
+        check_range("tau_decay", self.tau_decay, 0, 1, lo_open=True)
+        check_range("tolerance", self.tolerance, 0, 1, lo_open=True)
+        check_range("weight_fraction", self.weight_fraction, 0, 1, lo_open=True, hi_open=True)
+        check_int("--round-mlp", self.round_mlp, 0)
+        check_range("--distill", self.distill, 0)
+        check_range("--max-val-drop", self.max_val_drop, 0)
 
-    @property
-    def peak_arch_lr(self) -> float:
-        return self.lr if self.arch_lr is None else self.arch_lr
+
+# The search's W optimisation: pretrained-safe (small base lr, warm-up, layer decay), keep the last epoch.
+SEARCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 4, "batch_size": 128, "base_lr": 1e-4, "min_lr": 1e-6,
+                                         "warmup_epochs": 0.2, "weight_decay": 0.01, "layer_decay": 0.75,
+                                         "keep": "last"}
+
+
+def search_train_config(**overrides: Any) -> TrainConfig:
+    d = dict(SEARCH_TRAIN_DEFAULTS)
+    d.update({k: v for k, v in overrides.items() if v is not None})
+    return TrainConfig.from_dict(d)
 
 
 @dataclass(frozen=True)
-class DCSSearchJob:
+class DCSSearchJob(Config):
     """Everything ``nascompress search dcs`` needs; written to the run's ``config.json``.
 
     Args:
-        source: a dense run directory (``nascompress train``) or a timm model name.
+        source: a dense run directory (``nascompress train`` / ``import``) or a timm model name.
         weights: local weights for a timm name (``.safetensors``/``.pth``).
         model_kwargs: timm build overrides for a timm name (num_classes defaults to the data's).
         data: the dataset (default: the source run's ``data`` section, else Fashion-MNIST).
@@ -132,106 +139,122 @@ class DCSSearchJob:
     out: str
     method: DCSConfig = field(default_factory=DCSConfig)
     search: DCSSearchConfig = field(default_factory=DCSSearchConfig)
+    train: TrainConfig = field(default_factory=search_train_config)
     data: DataConfig | None = None
     weights: str | None = None
-    model_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "out": self.out, "method": self.method.to_dict(), "search": asdict(self.search),
-                "data": None if self.data is None else asdict(self.data), "weights": self.weights,
-                "model_kwargs": dict(self.model_kwargs)}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DCSSearchJob":
-        return cls(source=d["source"], out=d["out"], method=DCSConfig.from_dict(d["method"]),
-                   search=DCSSearchConfig(**d["search"]), data=DataConfig(**d["data"]) if d.get("data") else None,
-                   weights=d.get("weights"), model_kwargs=d.get("model_kwargs") or {})
+    model_kwargs: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------------------------
 # The cost model: exact MACs of the hard architecture, and its differentiable soft estimate
 
 
+def smooth_max(x: torch.Tensor, t: float = SMOOTH_MAX_T) -> torch.Tensor:
+    """A differentiable maximum over the last dim with a positive gradient in every entry:
+    t * (logsumexp(x / t) - log H). Exact when all H entries are equal (the heads the search drives
+    towards, since they are padded to the largest), within t * log H of the maximum otherwise."""
+    return t * (torch.logsumexp(x / t, dim=-1) - math.log(x.shape[-1]))
+
+
 @dataclass
 class CostModel:
     """Per-image MACs of a DCS supernet's architectures, calibrated once with the profiler.
 
-    ``fixed`` is everything but the MLPs (theta Linears of the input-dependent mask included),
-    ``mlp[j]`` block j's dense MLP MACs, which scale linearly with its kept width.
+    ``fixed`` is everything but the MLPs and the prunable Q/K part (theta Linears of the
+    input-dependent mask included); ``mlp[j]`` block j's dense MLP MACs (linear in its kept width);
+    ``qk[j]`` the MACs of one Q/K channel of every head of block j (its q and k rows of qkv and its
+    share of QK^T: 2 N C + N^2), 0 when the block's Q/K channels are not searched.
     """
 
     dense: float
     fixed: float
     mlp: list[float]
     width: list[int]
-    tokens: int
+    qk: list[float]
+    heads: list[int]
+    head_dim: list[int]
 
     @classmethod
     def build(cls, dense_model: nn.Module, supernet: nn.Module, x: torch.Tensor) -> "CostModel":
         dense = count_flops(dense_model, x).total
         rep = count_flops(supernet, x)  # gates still all open (alpha_init > 0): full widths
+        n = int(supernet.patch_embed.num_patches) + int(supernet.num_prefix_tokens)
         mlp = [b["mlp"] for b in rep.blocks]
-        return cls(dense=dense, fixed=rep.total - sum(mlp), mlp=mlp,
-                   width=[blk.mlp.fc1.in_features for blk in supernet.blocks], tokens=supernet.dcs_state.tokens)
-
-    def _qk_saving(self, supernet: nn.Module) -> float:
-        """MACs the static Q/K masks remove: q/k rows of qkv, and QK^T at the padded head size."""
-        saving = 0.0
+        qk, heads, dims = [], [], []
         for blk in supernet.blocks:
-            attn = blk.attn
-            if getattr(attn, "dcs_qk", None) != "static":
-                continue
-            kept = (attn.dcs_theta.detach().reshape(attn.num_heads, -1) > 0).sum(-1).tolist()
-            N, H, kmax = self.tokens, attn.num_heads, max(1, *kept)  # heads padded to the largest count
-            saving += N * attn.qkv.in_features * 2 * H * (attn.head_dim - kmax)  # q and k rows of qkv
-            saving += N * N * H * (attn.head_dim - kmax)  # QK^T
-        return saving
+            a = blk.attn
+            static = a.qk_mask is not None and a.qk_mask.mode == "static"
+            qk.append(float(2 * n * a.qkv.in_features + n * n) if static else 0.0)
+            heads.append(a.num_heads)
+            dims.append(a.head_dim)
+        full_qk = sum(q * h * d for q, h, d in zip(qk, heads, dims))
+        return cls(dense=dense, fixed=rep.total - sum(mlp) - full_qk, mlp=mlp,
+                   width=[blk.mlp.fc1.in_features for blk in supernet.blocks], qk=qk, heads=heads, head_dim=dims)
 
-    def _widths(self, supernet: nn.Module, soft: dict[int, torch.Tensor]) -> list[Any]:
-        """Per block kept MLP width as a fraction of C: soft counts where given, else hard."""
-        out: list[Any] = []
+    def _macs(self, supernet: nn.Module, *, soft: bool, round_mlp: int = 0) -> Any:
+        st = supernet.dcs_state
+        total: Any = self.fixed
         for j, blk in enumerate(supernet.blocks):
-            alpha = getattr(blk, "dcs_alpha", None)
+            alpha = blk.dcs_alpha
+            C = self.width[j]
             if alpha is None:
-                out.append(1.0)
-            elif j in soft:
-                out.append(soft[j].sum() / self.width[j])
+                kept: Any = C
+            elif soft and j in st.soft_gates:
+                kept = st.soft_gates[j].sum()
             else:
-                out.append((alpha.detach() > 0).sum().item() / self.width[j])
-        return out
+                kept = int((alpha.detach() > 0).sum())
+                if round_mlp and 0 < kept < round_mlp:
+                    kept = 0
+                elif round_mlp and C - round_mlp < kept < C:
+                    kept = C
+            total = total + self.mlp[j] * kept / C
+            if self.qk[j]:
+                H, d = self.heads[j], self.head_dim[j]
+                if soft and j in st.soft_qk:
+                    kmax = smooth_max(st.soft_qk[j].reshape(H, d).sum(-1))
+                else:
+                    kmax = max(1, int((blk.attn.qk_mask.theta.detach().reshape(H, d) > 0).sum(-1).max()))
+                total = total + self.qk[j] * H * kmax
+        return total
 
-    def _macs(self, supernet: nn.Module, soft: dict[int, torch.Tensor]) -> Any:
-        widths = self._widths(supernet, soft)
-        return self.fixed - self._qk_saving(supernet) + sum(m * w for m, w in zip(self.mlp, widths))
-
-    def hard_macs(self, supernet: nn.Module) -> float:
-        """Exact MACs of the materialized model the current gates give (= the profiler's count)."""
-        return self._macs(supernet, {})
+    def hard_macs(self, supernet: nn.Module, *, round_mlp: int = 0) -> float:
+        """Exact MACs of the materialized model the current gates give (= the profiler's count),
+        with ``round_mlp`` as :func:`round_blocks` would apply it."""
+        return float(self._macs(supernet, soft=False, round_mlp=round_mlp))
 
     def soft_macs(self, supernet: nn.Module) -> torch.Tensor:
-        """Differentiable MACs: block MLP widths = sum of the last forward's soft gates g_hat."""
-        return self._macs(supernet, supernet.dcs_state.soft_gates)
+        """Differentiable MACs from the last forward's soft gates and soft Q/K masks."""
+        return self._macs(supernet, soft=True)
 
     @torch.no_grad()
     def expected_macs(self, supernet: nn.Module) -> float:
-        """MACs in expectation over the Gumbel noise: P(gate on) = sigmoid(alpha)."""
-        soft = {j: torch.sigmoid(blk.dcs_alpha) for j, blk in enumerate(supernet.blocks)
-                if getattr(blk, "dcs_alpha", None) is not None}
-        return float(self._macs(supernet, soft))
+        """MACs in expectation over the Gumbel noise: P(gate on) = sigmoid(logit)."""
+        st = supernet.dcs_state
+        saved = st.soft_gates, st.soft_qk
+        st.soft_gates = {j: torch.sigmoid(b.dcs_alpha) for j, b in enumerate(supernet.blocks) if b.dcs_alpha is not None}
+        st.soft_qk = {j: torch.sigmoid(b.attn.qk_mask.theta) for j, b in enumerate(supernet.blocks) if self.qk[j]}
+        try:
+            return float(self._macs(supernet, soft=True))
+        finally:
+            st.soft_gates, st.soft_qk = saved
 
 
 @dataclass
 class LambdaSteer:
     """PI controller of lambda toward a FLOPs target (state: the integral, checkpointed).
 
-    ``lam = clip(integral + gain * e)``, ``integral = clip(integral + rate * e)``, with
-    ``e = ratio / target - 1`` and both clipped to ``[-lam_max, lam_max]`` (no wind-up).
+    ``lam = clip(integral + gain * e)``, ``integral = clip(integral + rate * e)`` with
+    ``e = ratio / target - 1``, both clipped to ``[-lam_max, lam_max]`` (no wind-up). lambda is the
+    Lagrange multiplier of the equality ``ratio = target``: positive above the target (the cost
+    pushes channels closed), negative below it (it reopens the channels closest to the threshold);
+    with Adam only the sign of the cost's push is felt, so the restoring force below the target
+    is what stops the momentum and the entropy term from closing on past it.
     """
 
     target: float
     integral: float
-    gain: float = 4.0
-    rate: float = 0.002
+    gain: float = 2.0
+    rate: float = 0.05
     lam_max: float = 5.0
 
     def update(self, ratio: float) -> float:
@@ -252,7 +275,7 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
     """
     closed, opened = [], []
     for j, blk in enumerate(supernet.blocks):
-        alpha = getattr(blk, "dcs_alpha", None)
+        alpha = blk.dcs_alpha
         if alpha is None:
             continue
         kept, C = int((alpha > 0).sum()), alpha.numel()
@@ -269,8 +292,9 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
 def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0) -> float:
     """Shift every alpha by one constant (then :func:`round_blocks` with ``round_mlp``) so that the
     hard ratio is closest to ``target``; return the shift. Kept counts fall monotonically as the
-    shift rises (rounding keeps that order), so the shift is bisected."""
-    alphas = [blk.dcs_alpha for blk in supernet.blocks if getattr(blk, "dcs_alpha", None) is not None]
+    shift rises (rounding keeps that order), so the shift is bisected. The fallback of a search
+    that did not land by itself; its use is reported."""
+    alphas = [blk.dcs_alpha for blk in supernet.blocks if blk.dcs_alpha is not None]
     if not alphas:
         return 0.0
     vals = torch.cat([a.flatten() for a in alphas]).sort().values
@@ -298,18 +322,150 @@ def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp:
     return best
 
 
-# ---------------------------------------------------------------------------------------------
-# The job
-
-
-def _cosine(step: int, total: int, start: float, end: float) -> float:
-    return end + 0.5 * (start - end) * (1 + math.cos(math.pi * min(1.0, step / max(1, total))))
-
-
 def _interleave(n_w: int, n_a: int) -> list[str]:
-    """``n_w`` 'w' and ``n_a`` 'a' steps, the alpha-steps spread evenly between the W-steps."""
+    """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
     keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
     return [k for _, k in sorted(keys)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The search as training hooks
+
+
+class DCSSearchHooks(TrainHooks):
+    """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
+
+    def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSSearchJob,
+                 base_arch: dict[str, Any], train_size: int):
+        self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
+        self.epochs = job.train.epochs
+        self.arch_params = arch_parameters(supernet)
+        ids = {id(p) for p in self.arch_params}
+        self.w_params = [p for p in supernet.parameters() if id(p) not in ids]
+        self.w_idx, self.a_idx = split_indices(train_size, (self.cfg.weight_fraction, 1 - self.cfg.weight_fraction),
+                                               seed=job.train.seed)
+        self.lam = self.cfg.lam
+        # lambda is the controller's output with a target (integral from 0: no wind-up while the
+        # gates are still far from the threshold); without one it is the paper's constant --lam
+        self.steer = None if self.cfg.target_flops is None else LambdaSteer(
+            self.cfg.target_flops, 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
+        self.tau = self.cfg.tau0
+
+    def ratio(self, supernet: nn.Module) -> float:
+        return self.cost.hard_macs(supernet, round_mlp=self.cfg.round_mlp) / self.cost.dense
+
+    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+        groups = param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay)
+        # the architecture logits follow their own schedule (cosine from arch_lr to arch_lr_end x arch_lr,
+        # so the controller still moves them at the end, ever more finely) and a short momentum (less
+        # lag between lambda and the FLOPs, so less overshoot around the target)
+        return own_group(groups, self.arch_params, weight_decay=0.0, own_lr=self.cfg.arch_lr,
+                         own_lr_end=self.cfg.arch_lr_end, betas=(self.cfg.arch_beta1, 0.999))
+
+    def batches(self, data, *, epoch, loader):
+        w = loader(Subset(data.train, self.w_idx))
+        a = loader(Subset(data.train, self.a_idx), stream=1)
+        order = _interleave(len(w), len(a))
+
+        def gen():
+            w_it, a_it = iter(w), iter(a)
+            for kind in order:
+                imgs, labels = next(w_it if kind == "w" else a_it)
+                yield imgs, labels, kind
+        return gen(), len(order)
+
+    def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
+        self.tau = self.cfg.tau0 * self.cfg.tau_decay ** epoch
+        model.dcs_state.tau = self.tau
+
+    def prepare_step(self, model: nn.Module, tag: Any) -> None:
+        for p in self.w_params:  # first order: each step differentiates only what it updates
+            p.requires_grad_(tag == "w")
+        for p in self.arch_params:
+            p.requires_grad_(tag == "a")
+
+    def loss(self, model, x, y, *, epoch, cfg, tag=None):
+        logits = model(x)
+        ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
+        if tag == "w":
+            if self.cfg.distill > 0 and self.dense is not None:
+                with torch.no_grad():
+                    t_logits = self.dense(x)
+                kl = kl_to_teacher(logits, t_logits)
+                return ce + self.cfg.distill * kl, {"ce_w": ce.item(), "kl_w": kl.item()}
+            return ce, {"ce_w": ce.item()}
+        st = model.dcs_state
+        log_cost = torch.log(self.cost.soft_macs(model) / self.cost.dense)
+        soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
+        ent = binary_entropy(torch.cat(soft)) if soft else torch.zeros((), device=x.device)
+        loss = ce + self.lam * log_cost + self.cfg.entropy_weight * ent
+        return loss, {"ce_a": ce.item(), "log_cost": log_cost.item(), "entropy": ent.item()}
+
+    def after_step(self, model: nn.Module, tag: Any) -> None:
+        if tag == "a" and self.steer is not None:
+            self.lam = self.steer.update(self.ratio(model))
+
+    def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        for p in self.w_params + self.arch_params:
+            p.requires_grad_(True)
+        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam}
+        if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
+            if self.cfg.round_mlp:
+                rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
+            ratio = self.ratio(model)
+            target = self.cfg.target_flops
+            if target is not None and abs(ratio / target - 1) > self.cfg.tolerance:
+                if not self.cfg.calibrate:
+                    raise NascompressError(f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
+                                           f"+-{self.cfg.tolerance:.0%}; run more --epochs or raise --arch-lr")
+                shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp)
+                rec["calibration"] = {"ratio_before": ratio, "alpha_shift": shift}
+        rec.update(selection_record(model, self.cost))
+        return rec
+
+    def arch(self, model: nn.Module, arch: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.base_arch, methods=list(self.base_arch["methods"]) +
+                    [make_record(model, self.job.method, stage="supernet")])
+
+    def check(self, record: dict[str, Any], start: dict[str, Any] | None) -> None:
+        if start is None:
+            return
+        drop = start["val_top1"] - record["val_top1"]
+        if drop > self.cfg.max_val_drop:
+            raise NascompressError(
+                f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
+                f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
+                f"{self.cfg.max_val_drop:g} points; lower the weights' lr (--base-lr, now "
+                f"{self.job.train.peak_lr:.2g} peak) or --arch-lr, or raise --distill")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lam = state.get("lam", self.lam)
+        if self.steer is not None and state.get("integral") is not None:
+            self.steer.integral = state["integral"]
+
+
+def selection_record(supernet: nn.Module, cost: CostModel) -> dict[str, Any]:
+    """FLOPs (exact and expected) and channels kept per block, for the log."""
+    macs = cost.hard_macs(supernet)
+    mlp_kept, qk_kept = [], []
+    for blk in supernet.blocks:
+        a = blk.dcs_alpha
+        mlp_kept.append(None if a is None else int((a > 0).sum()))
+        qm = blk.attn.qk_mask
+        if qm is not None and qm.mode == "static":
+            qk_kept.append([int(v) for v in (qm.theta.reshape(qm.heads, -1) > 0).sum(-1)])
+    rec = {"macs": macs, "flops_ratio": macs / cost.dense, "expected_flops_ratio": cost.expected_macs(supernet) / cost.dense,
+           "mlp_kept": mlp_kept}
+    if qk_kept:
+        rec["qk_kept"] = qk_kept
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
 
 
 def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
@@ -334,177 +490,36 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     if resume:
         job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
-        job = replace(job, source=str(Path(job.source).resolve()))
+        job = job.replace(source=str(Path(job.source).resolve()))
+    if job.train.keep != "last":
+        job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
     prepare_out_dir(out, force=force, resume=resume)
-    cfg = job.search
-    device = resolve_device(cfg.device)
     dense, base_arch, data_cfg = _build_source(job)
     spec = InputSpec.from_dict(base_arch["input"])
-    data = load_data(data_cfg, img_size=spec.img_size)
+    data = load_data(data_cfg, spec=spec)
     check_classes(dense.num_classes, data)
-    seed_everything(cfg.seed)
-    supernet = make_supernet(copy.deepcopy(dense), job.method, tau=cfg.tau0)
-    x_probe = torch.zeros(1, spec.in_chans, *spec.img_size)
-    cost = CostModel.build(dense, supernet, x_probe)
-    supernet.to(device)
-    del dense
-
+    torch.manual_seed(job.train.seed)
+    supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0)
+    cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size))
+    dense.eval().requires_grad_(False)
+    hooks = DCSSearchHooks(supernet, dense=dense if job.search.distill > 0 else None, cost=cost, job=job,
+                           base_arch=base_arch, train_size=len(data.train))
     create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", dict(job.to_dict(), data=asdict(data_cfg)))
-    arch = copy.deepcopy(base_arch)
-
-    w_idx, a_idx = split_indices(len(data.train), (cfg.weight_fraction, 1 - cfg.weight_fraction), seed=cfg.seed)
-    w_data, a_data = Subset(data.train, w_idx), Subset(data.train, a_idx)
-    n_w, n_a = math.ceil(len(w_data) / cfg.batch_size), math.ceil(len(a_data) / cfg.batch_size)
-    total_steps = cfg.epochs * (n_w + n_a)
-    a_params = arch_parameters(supernet)
-    a_ids = {id(p) for p in a_params}
-    w_groups = [dict(g, params=[p for p in g["params"] if id(p) not in a_ids])
-                for g in decay_groups(supernet, cfg.weight_decay)]
-    w_params = [p for g in w_groups for p in g["params"]]
-    opt_w = torch.optim.AdamW(w_groups, lr=cfg.lr, betas=(0.9, 0.999))
-    opt_a = torch.optim.AdamW(a_params, lr=cfg.peak_arch_lr, betas=(0.9, 0.999), weight_decay=0.0)
-    lam, start_epoch, search_time = cfg.lam, 0, 0.0
-    # With a target, lambda is the controller's output (the integral starts at 0: no wind-up while
-    # alpha is still far from the gate threshold); without one it is the paper's constant --lam.
-    steer = None if cfg.target_flops is None else LambdaSteer(cfg.target_flops, 0.0, cfg.steer_gain, cfg.steer_rate)
-    ckpt_path, log_path = out / CHECKPOINT_FILE, out / LOG_FILE
-    if resume and ckpt_path.exists():
-        st = load_state(ckpt_path)
-        supernet.load_state_dict(st["model"])
-        opt_w.load_state_dict(st["opt_w"])
-        opt_a.load_state_dict(st["opt_a"])
-        torch.set_rng_state(st["rng"])
-        lam, start_epoch, search_time = st["lam"], st["epoch"] + 1, st["search_time"]
-        if steer is not None:
-            steer.integral = st["lam_integral"]
-        if log_path.exists():  # drop log lines of an interrupted epoch
-            lines = [ln for ln in log_path.read_text().splitlines()
-                     if ln and int(json.loads(ln)["epoch"]) < start_epoch]
-            log_path.write_text("".join(ln + "\n" for ln in lines))
-    elif log_path.exists():
-        log_path.unlink()
-
-    def save_supernet() -> None:
-        arch["methods"] = list(base_arch["methods"]) + [make_record(supernet, job.method, stage="supernet")]
-        save_model(out, supernet, arch)
-
-    with make_progress() as progress:
-        ep_task = progress.add_task("search epochs", total=cfg.epochs, completed=start_epoch, info="")
-        for epoch in range(start_epoch, cfg.epochs):
-            tau = cfg.tau0 * cfg.tau_decay ** epoch
-            supernet.dcs_state.tau = tau
-            supernet.train()
-            w_iter = iter(make_loader(w_data, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed, epoch=epoch))
-            a_iter = iter(make_loader(a_data, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + 1, epoch=epoch))
-            order = _interleave(n_w, n_a)
-            task = progress.add_task(f"epoch {epoch + 1}", total=len(order), info="")
-            sums: dict[str, float] = {}
-            counts: dict[str, int] = {}
-            t0 = time.perf_counter()
-            for i, kind in enumerate(order):
-                step = epoch * len(order) + i
-                for g in opt_w.param_groups:
-                    g["lr"] = _cosine(step, total_steps, cfg.lr, cfg.min_lr)
-                for g in opt_a.param_groups:  # the same cosine shape, scaled to alpha's peak
-                    g["lr"] = _cosine(step, total_steps, cfg.peak_arch_lr, cfg.peak_arch_lr * cfg.min_lr / cfg.lr)
-                imgs, labels = next(w_iter if kind == "w" else a_iter)
-                x, y = preprocess(imgs, spec).to(device), labels.to(device)
-                for p in w_params:  # first order: each step differentiates only what it updates
-                    p.requires_grad_(kind == "w")
-                for p in a_params:
-                    p.requires_grad_(kind == "a")
-                loss, logs = step_loss(supernet, x, y, kind=kind, cost=cost, lam=lam, cfg=cfg)
-                opt = opt_w if kind == "w" else opt_a
-                if not torch.isfinite(loss):
-                    raise NascompressError(
-                        f"search loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr")
-                opt_w.zero_grad(set_to_none=True)
-                opt_a.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip > 0 and kind == "w":
-                    torch.nn.utils.clip_grad_norm_(w_params, cfg.grad_clip)
-                opt.step()
-                if kind == "a" and steer is not None:
-                    lam = steer.update(cost.hard_macs(supernet) / cost.dense)
-                for k, v in logs.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                    counts[k] = counts.get(k, 0) + 1
-                ratio = cost.hard_macs(supernet) / cost.dense
-                progress.update(task, advance=1, info=f"ce {logs[f'ce_{kind}']:.3f} flops {ratio:.3f} lam {lam:.3g}")
-            epoch_time = time.perf_counter() - t0
-            search_time += epoch_time
-            for p in w_params + a_params:
-                p.requires_grad_(True)
-            progress.remove_task(task)
-            record = epoch_record(supernet, cost, epoch=epoch, tau=tau, lam=lam, epoch_time=epoch_time,
-                                  means={k: sums[k] / counts[k] for k in sums})
-            final_epoch = epoch == cfg.epochs - 1
-            if cfg.round_mlp and final_epoch:  # at the end only: mid-search the widths are still moving
-                record["rounded"] = round_blocks(supernet, cfg.round_mlp)
-            if final_epoch and not within(cost.hard_macs(supernet) / cost.dense, cfg):  # land inside the band
-                record["calibration"] = {
-                    "alpha_shift": calibrate(supernet, cost, cfg.target_flops, round_mlp=cfg.round_mlp)}
-            record.update(epoch_record(supernet, cost, epoch=epoch, tau=tau, lam=lam, epoch_time=epoch_time, means={}))
-            val = evaluate(supernet, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
-            record.update(val_top1=val["top1"], val_loss=val["loss"])
-            save_supernet()
-            save_state(ckpt_path, {"model": supernet.state_dict(), "opt_w": opt_w.state_dict(),
-                                   "opt_a": opt_a.state_dict(), "rng": torch.get_rng_state(), "lam": lam,
-                                   "lam_integral": None if steer is None else steer.integral,
-                                   "epoch": epoch, "search_time": search_time})
-            append_jsonl(log_path, record)
-            progress.update(ep_task, advance=1, info=f"flops {record['flops_ratio']:.3f} val {val['top1']:.2f}%")
-
-    log = [json.loads(ln) for ln in log_path.read_text().splitlines() if ln]
+    write_json(out / "config.json", job.replace(data=data_cfg).to_dict())
+    fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=hooks.arch(supernet, base_arch),
+                      hooks=hooks, resume=resume)
+    log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln]
     last = log[-1]
-    if cfg.target_flops is not None and not within(last["flops_ratio"], cfg):
-        raise NascompressError(f"the search ended at a FLOPs ratio of {last['flops_ratio']:.3f}, outside "
-                               f"{cfg.target_flops} +-{cfg.tolerance:.0%}; run more --epochs or raise --arch-lr")
-    metrics = {"finished": True, "dense_macs": cost.dense, "macs": last["macs"], "flops_ratio": last["flops_ratio"],
-               "target_flops": cfg.target_flops, "lam": lam, "val_top1": last["val_top1"], "epochs": cfg.epochs,
-               "search_time_s": search_time, "epoch_time_s": [r["epoch_time_s"] for r in log],
-               "mlp_kept": last["mlp_kept"], "calibrated": any("calibration" in r for r in log),
-               "train_images": len(data.train), "dataset": data.name}
+    calib = [r["calibration"] for r in log if "calibration" in r]
+    metrics = dict(fit_metrics, finished=True, dense_macs=cost.dense, macs=last["macs"], flops_ratio=last["flops_ratio"],
+                   target_flops=job.search.target_flops, lam=last["lam"], val_top1=last["val_top1"],
+                   dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
+                   search_time_s=fit_metrics["train_time_s"], epoch_time_s=[r["epoch_time_s"] for r in log[1:]],
+                   mlp_kept=last["mlp_kept"], qk_kept=last.get("qk_kept"), calibrated=bool(calib),
+                   calibration=calib[-1] if calib else None, train_images=len(data.train), dataset=data.name)
     write_json(out / "metrics.json", metrics)
     return metrics
 
 
-def step_loss(supernet: nn.Module, x: torch.Tensor, y: torch.Tensor, *, kind: str, cost: CostModel, lam: float,
-              cfg: DCSSearchConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of one W-step (``kind="w"``: CE) or alpha-step (``"a"``: CE + lam log cost + entropy)."""
-    ce = F.cross_entropy(supernet(x), y, label_smoothing=cfg.label_smoothing)
-    if kind == "w":
-        return ce, {"ce_w": ce.item()}
-    soft = supernet.dcs_state.soft_gates  # this forward's g_hat per block
-    log_cost = torch.log(cost.soft_macs(supernet) / cost.dense)
-    ent = binary_entropy(torch.cat([soft[j] for j in sorted(soft)])) if soft else torch.zeros((), device=x.device)
-    loss = ce + lam * log_cost + cfg.entropy_weight * ent
-    return loss, {"ce_a": ce.item(), "log_cost": log_cost.item(), "entropy": ent.item()}
-
-
-def within(ratio: float, cfg: DCSSearchConfig) -> bool:
-    return cfg.target_flops is None or abs(ratio / cfg.target_flops - 1) <= cfg.tolerance
-
-
-def epoch_record(supernet: nn.Module, cost: CostModel, *, epoch: int, tau: float, lam: float, epoch_time: float,
-                 means: dict[str, float]) -> dict[str, Any]:
-    """One line of ``log.jsonl``: losses, expected and exact FLOPs, channels kept per block."""
-    macs = cost.hard_macs(supernet)
-    expected = cost.expected_macs(supernet)
-    mlp_kept, qk_kept = [], []
-    for blk in supernet.blocks:
-        a = getattr(blk, "dcs_alpha", None)
-        mlp_kept.append(None if a is None else int((a > 0).sum()))
-        if getattr(blk.attn, "dcs_qk", None) == "static":
-            qk_kept.append([int(v) for v in (blk.attn.dcs_theta.reshape(blk.attn.num_heads, -1) > 0).sum(-1)])
-    rec = {"epoch": epoch, "tau": tau, "lam": lam, "epoch_time_s": epoch_time,
-           **{f"train_{k}": v for k, v in means.items()},
-           "macs": macs, "flops_ratio": macs / cost.dense, "expected_flops_ratio": expected / cost.dense,
-           "mlp_kept": mlp_kept}
-    if qk_kept:
-        rec["qk_kept"] = qk_kept
-    return rec
-
-
-__all__ = ["DCSSearchConfig", "DCSSearchJob", "CostModel", "search_dcs", "calibrate"]
+__all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "CostModel", "LambdaSteer", "search_dcs", "calibrate",
+           "round_blocks", "search_train_config", "smooth_max"]

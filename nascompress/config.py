@@ -1,0 +1,128 @@
+"""One config style for every method and job: frozen dataclasses, validated in ``__post_init__``,
+round-tripped through plain dicts (JSON) with :class:`Config`.
+
+``Config.from_dict`` rejects unknown keys (naming them and the valid ones), builds nested config
+fields from their type annotations and turns JSON lists back into tuples where a field is a tuple.
+Validation errors are :class:`~nascompress.errors.NascompressError` (one line for the user).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from functools import lru_cache
+from typing import Any, TypeVar
+
+from .errors import NascompressError
+
+C = TypeVar("C", bound="Config")
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _dataclass_type(tp: Any) -> type | None:
+    """The dataclass inside an annotation (``X``, ``X | None``, ``Optional[X]``), if any."""
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for a in typing.get_args(tp):
+            if isinstance(a, type) and dataclasses.is_dataclass(a):
+                return a
+    return None
+
+
+def _is_tuple(tp: Any) -> bool:
+    if typing.get_origin(tp) is tuple:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(typing.get_origin(a) is tuple for a in typing.get_args(tp))
+    return False
+
+
+class Config:
+    """Mixin for frozen dataclasses: ``to_dict``, strict ``from_dict``, ``replace``."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            if isinstance(v, Config):
+                v = v.to_dict()
+            elif dataclasses.is_dataclass(v):
+                v = dataclasses.asdict(v)
+            elif isinstance(v, tuple):
+                v = list(v)
+            elif isinstance(v, dict):
+                v = dict(v)
+            out[f.name] = v
+        return out
+
+    @classmethod
+    def from_dict(cls: type[C], d: dict[str, Any] | None, *, what: str | None = None) -> C:
+        d = dict(d or {})
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(d) - set(names))
+        if unknown:
+            label = what or getattr(cls, "config_name", cls.__name__)
+            raise NascompressError(f"unknown {label} setting(s) {', '.join(map(str, unknown))}; "
+                                   f"valid: {', '.join(names)}")
+        hints = _hints(cls)
+        for k, v in list(d.items()):
+            sub = _dataclass_type(hints.get(k))
+            if sub is not None and isinstance(v, dict):
+                d[k] = sub.from_dict(v) if issubclass(sub, Config) else sub(**v)
+            elif isinstance(v, list) and _is_tuple(hints.get(k)):
+                d[k] = tuple(v)
+        return cls(**d)
+
+    def replace(self: C, **changes: Any) -> C:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+# ---------------------------------------------------------------------------------------------
+# Small validators shared by the configs (one message style: the setting, the rule, the value)
+
+
+def is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False, hi_open: bool = False) -> float:
+    """``v`` must be a number in the given interval; returns it as a float."""
+    ok = is_number(v)
+    if ok and lo is not None:
+        ok = v > lo if lo_open else v >= lo
+    if ok and hi is not None:
+        ok = v < hi if hi_open else v <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        span = f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
+        raise NascompressError(f"{name} must be in {span}, got {v!r}")
+    return float(v)
+
+
+def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        span = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        raise NascompressError(f"{name} must be an integer in {span}, got {v!r}")
+    return v
+
+
+def check_choice(name: str, v: Any, choices: typing.Sequence[Any]) -> Any:
+    if v not in choices:
+        raise NascompressError(f"{name} must be one of {', '.join(map(str, choices))}, got {v!r}")
+    return v
+
+
+def check_bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise NascompressError(f"{name} must be true or false, got {v!r}")
+    return v
+
+
+__all__ = ["Config", "check_range", "check_int", "check_choice", "check_bool", "is_number"]

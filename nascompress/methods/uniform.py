@@ -1,0 +1,130 @@
+"""Uniform magnitude pruning: the Torch-Pruning-style baseline DCS is compared against.
+
+Every block keeps the same share ``keep`` of its MLP hidden neurons and of each head's Q/K
+channels, chosen by weight magnitude (Torch-Pruning's group L2 importance: a hidden neuron j is
+scored by ||fc1.weight[j]||^2 + ||fc2.weight[:, j]||^2, a Q/K channel c of head h by
+||W_q[c]||^2 + ||W_k[c]||^2). The pruned layers are gathered physically (fc1 rows / fc2 columns,
+and the per-head Q/K rows of qkv), so the model is really smaller. :func:`keep_for_flops` finds
+the share that meets a FLOPs target.
+
+Record: ``{"name": "uniform", "config": {"keep": 0.6}, "blocks": [{"hidden_keep": [...],
+"qk_keep": [[...] per head]}]}``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import Config, check_bool, check_range
+from ..errors import NascompressError
+from ..layers import NCBlock, as_index, slice_linear_in, slice_linear_out, to_core
+from . import Method, register_method
+from .dcs import slice_qk
+
+
+@dataclass(frozen=True)
+class UniformConfig(Config):
+    """Args:
+        keep: share of the MLP hidden neurons and of each head's Q/K channels every block keeps.
+        qk: prune the Q/K channels too (else only the MLP hidden neurons).
+    """
+
+    keep: float = 0.6
+    qk: bool = True
+
+    def __post_init__(self) -> None:
+        check_range("keep", self.keep, 0, 1, lo_open=True)
+        check_bool("qk", self.qk)
+
+
+@torch.no_grad()
+def importance(model: nn.Module, cfg: UniformConfig) -> list[dict[str, Any]]:
+    """The kept indices per block (largest group L2 magnitude first), as the record stores them."""
+    blocks = []
+    for blk in model.blocks:
+        fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
+        score = fc1.weight.pow(2).sum(1) + fc2.weight.pow(2).sum(0)  # (hidden,)
+        k = max(1, math.ceil(cfg.keep * score.numel() - 1e-6))
+        rec: dict[str, Any] = {"hidden_keep": score.topk(k).indices.sort().values.tolist(), "qk_keep": None}
+        if cfg.qk:
+            a = blk.attn
+            w = a.qkv.weight
+            q, kk = w[:a.attn_dim], w[a.attn_dim:2 * a.attn_dim]
+            s = (q.pow(2).sum(1) + kk.pow(2).sum(1)).reshape(a.num_heads, a.head_dim)
+            kq = max(1, math.ceil(cfg.keep * a.head_dim - 1e-6))
+            rec["qk_keep"] = [row.topk(kq).indices.sort().values.tolist() for row in s]
+        blocks.append(rec)
+    return blocks
+
+
+def slice_hidden(block: NCBlock, keep: Any) -> None:
+    """Keep the MLP hidden neurons ``keep``: fc1 output rows and fc2 input columns."""
+    fc1 = block.mlp.fc1
+    idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
+    block.mlp.fc1 = slice_linear_out(fc1, idx)
+    block.mlp.fc2 = slice_linear_in(block.mlp.fc2, idx)
+    if not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity):
+        raise NascompressError("uniform pruning does not support an MLP with a hidden norm")
+
+
+@register_method
+class Uniform(Method):
+    name = "uniform"
+    summary = "uniform magnitude pruning of MLP hidden neurons and Q/K channels (Torch-Pruning-style baseline)"
+    config_cls = UniformConfig
+    stacks_on = frozenset()
+    off_config = {"keep": 1.0}
+    paper_config = None
+
+    def resolve(self, model: nn.Module, cfg: UniformConfig) -> UniformConfig:
+        to_core(model, method="uniform")
+        for i, blk in enumerate(model.blocks):
+            if type(blk) is not NCBlock:
+                raise NascompressError(f"uniform must be the first method of a model; blocks.{i} is a {type(blk).__name__}")
+        return cfg
+
+    def patch(self, model: nn.Module, cfg: UniformConfig, record: dict[str, Any]) -> nn.Module:
+        blocks = record.get("blocks")
+        if blocks is None or len(blocks) != len(model.blocks):
+            raise NascompressError(f"the uniform record lists {len(blocks or [])} blocks but the model has "
+                                   f"{len(model.blocks)}")
+        for blk, rec in zip(model.blocks, blocks):
+            slice_hidden(blk, rec["hidden_keep"])
+            if rec.get("qk_keep") is not None:
+                slice_qk(blk.attn, rec["qk_keep"])
+        return model
+
+    def prepare(self, model, cfg, recipe):
+        record = dict(self.make_record(cfg), blocks=importance(model, cfg))
+        return self.patch(model, cfg, record), record
+
+
+def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True, tol: float = 0.002) -> float:
+    """The keep share whose uniformly pruned model has ``target`` x the FLOPs of ``model`` (bisection)."""
+    import copy
+
+    from ..profiling import count_flops
+
+    dense = count_flops(model, x).total
+    lo, hi = 0.01, 1.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        m, _ = get_uniform().prepare_fresh(copy.deepcopy(model), UniformConfig(keep=mid, qk=qk))
+        r = count_flops(m, x).total / dense
+        if abs(r - target) <= tol:
+            return mid
+        lo, hi = (lo, mid) if r > target else (mid, hi)
+    return (lo + hi) / 2
+
+
+def get_uniform() -> Uniform:
+    from . import get_method
+
+    return get_method("uniform")  # type: ignore[return-value]
+
+
+__all__ = ["Uniform", "UniformConfig", "importance", "keep_for_flops", "slice_hidden"]

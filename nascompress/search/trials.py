@@ -1,0 +1,503 @@
+"""``nascompress search tokens|joint``: the Optuna outer loop over a search-space file.
+
+Each trial builds the configured model from a base run (dense, imported or DCS-materialized):
+the space's methods are applied in order through the method contract (a ``dcs`` entry first runs
+a short DCS search at the trial's FLOPs target and materializes it); methods with new
+predictors (DynamicViT, Sparsifiner) then run their short predictor-only stage (backbone frozen,
+distilled to the base), unless the trial fine-tunes (``finetune_epochs``: a short fine-tune with
+the recipe of the last method of the stack). Objectives: top-1 on a fixed, class-balanced subset
+of the validation split, and the FLOPs ratio against the uncompressed model (or the latency /
+throughput measured on this device, interleaved with the uncompressed model and cached per
+architecture). With ``max_flops`` / ``max_latency_ms`` the study is single-objective (accuracy)
+under that constraint (Optuna's ``trial.set_constraint``), and fine-tuned trials feed a pruner.
+
+Cheap trials: each worker loads the base model and the data once (validation and calibration
+images preprocessed into tensors once); a zero-shot trial only patches, calibrates and evaluates.
+
+The uncompressed configuration and the papers' configurations are enqueued first (where the
+space can express them). Everything needed to rebuild a trial is stored in the study: the job
+(``study.user_attrs``), each trial's method records and seed (:func:`build_trial` rebuilds it).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..config import Config, check_choice, check_int, check_range
+from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
+from ..errors import NascompressError
+from ..io import load_with_arch
+from ..methods import get_method
+from ..models import ModelSpec, build_model
+from ..profiling import count_flops, measure
+from ..utils import resolve_device, seed_everything
+from .space import Space, load_space
+
+SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
+                     "throughput": ("throughput", "maximize")}
+SAMPLERS = ("nsga2", "tpe")
+FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
+
+
+@dataclass(frozen=True)
+class SearchJob(Config):
+    """``nascompress search tokens|joint``: what is searched, how each trial is scored, where it is stored.
+
+    Args:
+        base: the run every trial starts from (dense, imported or DCS-materialized).
+        space: a search-space file (``search_spaces/*.yaml`` or the user's own).
+        study: the study name (an existing study is continued).
+        storage: ``sqlite:///...``, ``journal:PATH`` or ``postgresql://...`` (default: the project's files).
+        trials: complete trials the study should reach.
+        workers: worker processes on this machine sharing the study.
+        objective: the second objective next to accuracy: ``flops`` (ratio to the uncompressed
+            model), ``latency`` (ms at batch 1 on ``device``) or ``throughput`` (images/s at batch 64).
+        max_flops / max_latency_ms: single-objective accuracy under this constraint instead.
+        sampler: ``nsga2`` or ``tpe`` (multi-objective TPE).
+        finetune_epochs: 0 (zero-shot, after the predictor-only stage) or a short fine-tune per trial.
+        train_images: class-balanced training images for the predictor stage and fine-tunes.
+        eval_images: class-balanced validation images accuracy is measured on.
+        calib_steps: steps of the predictor-only stage (DynamicViT, Sparsifiner) of a zero-shot trial.
+        dcs_epochs: epochs of the per-trial DCS search (spaces with a ``dcs`` entry).
+        enqueue: run the uncompressed and the papers' configurations first.
+        seed: drives the samplers, the data subsets and every trial's training.
+    """
+
+    base: str
+    space: str
+    study: str
+    storage: str | None = None
+    trials: int = 50
+    workers: int = 1
+    objective: str = "flops"
+    max_flops: float | None = None
+    max_latency_ms: float | None = None
+    sampler: str = "nsga2"
+    finetune_epochs: float = 0.0
+    train_images: int = 2000
+    eval_images: int = 2000
+    calib_steps: int = 50
+    batch_size: int = 64
+    dcs_epochs: int = 1
+    latency_iters: int = 10
+    enqueue: bool = True
+    data: DataConfig | None = None
+    seed: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        check_int("--trials", self.trials, 1)
+        check_int("--workers", self.workers, 1)
+        check_choice("--objective", self.objective, tuple(SECOND_OBJECTIVES))
+        if self.max_flops is not None:
+            check_range("--max-flops", self.max_flops, 0, 1, lo_open=True)
+        if self.max_latency_ms is not None:
+            check_range("--max-latency", self.max_latency_ms, 0, lo_open=True)
+        if self.max_flops is not None and self.max_latency_ms is not None:
+            raise NascompressError("give --max-flops or --max-latency, not both")
+        check_choice("--sampler", self.sampler, SAMPLERS)
+        check_range("--finetune-epochs", self.finetune_epochs, 0)
+        check_int("--train-images", self.train_images, 1)
+        check_int("--eval-images", self.eval_images, 1)
+        check_int("--calib-steps", self.calib_steps, 0)
+        check_int("--batch-size", self.batch_size, 1)
+        check_int("--dcs-epochs", self.dcs_epochs, 1)
+
+    @property
+    def constrained(self) -> bool:
+        return self.max_flops is not None or self.max_latency_ms is not None
+
+    def objectives(self) -> tuple[list[str], list[str]]:
+        """(metric names, directions)."""
+        if self.constrained:
+            return ["accuracy"], ["maximize"]
+        name, direction = SECOND_OBJECTIVES[self.objective]
+        return ["accuracy", name], ["maximize", direction]
+
+    def needs_speed(self) -> bool:
+        return self.max_latency_ms is not None or (not self.constrained and self.objective != "flops")
+
+
+# ---------------------------------------------------------------------------------------------
+# One worker's cached state, and building a trial's model
+
+
+class TrialContext:
+    """What every trial of one worker shares: the base model, the uncompressed model's cost, and
+    the data (validation and calibration images preprocessed once)."""
+
+    def __init__(self, job: SearchJob):
+        self.job = job
+        self.device = resolve_device(job.device)
+        self.base, self.arch = load_with_arch(job.base, map_location=self.device)
+        self.space = load_space(job.space)
+        self.space.check_depth(len(self.base.blocks))
+        self.spec = InputSpec.from_dict(self.arch["input"])
+        data_cfg = job.data or _run_data(job.base)
+        data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)
+        data_cfg = dataclasses.replace(data_cfg, subset_seed=job.seed)
+        self.data_cfg = data_cfg
+        self.data = load_data(data_cfg, spec=self.spec)
+        self.val = _tensors(self.data.val, self.spec, job.batch_size)
+        self.calib = _tensors(self.data.train, self.spec, job.batch_size)
+        self.uncompressed = build_model(ModelSpec.from_dict(self.arch["model"])).to(self.device).eval()
+        x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
+        self.flops_x = x
+        self.dense_flops = count_flops(self.uncompressed, x[:2]).total
+        self.base.eval().requires_grad_(False)
+        self._speed: dict[str, dict[str, float]] = {}
+
+    def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x.to(self.device), y.to(self.device)) for x, y in self.calib]
+
+    @torch.no_grad()
+    def accuracy(self, model: nn.Module) -> float:
+        model.eval()
+        correct = n = 0
+        for x, y in self.val:
+            correct += (model(x.to(self.device)).argmax(-1).cpu() == y).sum().item()
+            n += len(y)
+        return 100.0 * correct / max(n, 1)
+
+    def speed(self, model: nn.Module, key: str) -> dict[str, float]:
+        """Latency (batch 1) and throughput (batch 64) of ``model`` interleaved with the uncompressed
+        model; cached per architecture ``key``."""
+        if key not in self._speed:
+            shape = tuple(self.flops_x.shape[1:])
+            dense, cand = measure([self.uncompressed, model], shape, device=self.device,
+                                  iters=self.job.latency_iters, seed=self.job.seed)
+            self._speed[key] = {"latency_ms": cand["latency_ms"], "throughput": cand["throughput"],
+                                "dense_latency_ms": dense["latency_ms"], "dense_throughput": dense["throughput"]}
+        return self._speed[key]
+
+
+def _run_data(run_dir: str) -> DataConfig:
+    from ..api import run_data_config
+
+    return run_data_config(run_dir) or DataConfig()
+
+
+def _tensors(ds: Any, spec: InputSpec, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A dataset preprocessed once into batches of model input (CPU)."""
+    return [(preprocess(imgs, spec), labels) for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False)]
+
+
+def trial_seed(seed: int, number: int) -> int:
+    return seed * 100_003 + number
+
+
+def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> nn.Module:
+    """A short DCS search at the trial's settings, materialized in memory."""
+    from ..methods.dcs import DCSConfig, materialize
+    from .dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config
+    from .materialize import load_search
+
+    if ctx.arch["methods"]:
+        raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
+                               f"{[m['name'] for m in ctx.arch['methods']]}")
+    m_keys = set(DCSConfig.__dataclass_fields__)
+    method = DCSConfig.from_dict({k: v for k, v in settings.items() if k in m_keys})
+    search = DCSSearchConfig.from_dict({k: v for k, v in settings.items() if k not in m_keys})
+    with tempfile.TemporaryDirectory(prefix="nascompress-dcs-") as tmp:
+        job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out=str(Path(tmp) / "search"), method=method,
+                           search=search, data=ctx.data_cfg,
+                           train=search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size,
+                                                     seed=seed, device=ctx.job.device))
+        search_dcs(job)
+        supernet, _, cfg = load_search(job.out)
+        model, _ = materialize(supernet.to(ctx.device), cfg)
+    model.nc_methods = ["dcs"]
+    return model
+
+
+def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
+                report: Any = None) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
+    """The model of one trial: the base with ``records`` applied, calibrated or fine-tuned as the job says.
+
+    Deterministic for the same (records, seed) on the same machine, so a study's trial can be
+    rebuilt later (``nascompress materialize --study``). ``report(epoch, val_top1)`` (optional) is
+    called after each fine-tune epoch (a pruner's intermediate values).
+
+    Returns:
+        (model in eval mode, the method records as applied (arch.json), training info).
+    """
+    seed_everything(seed)
+    model = copy.deepcopy(ctx.base)
+    applied, info = [], {}
+    for rec in records:
+        name, settings = rec["name"], dict(rec.get("config") or {})
+        if name == "dcs":
+            from ..methods.dcs import make_record
+
+            model = _dcs_stage(ctx, settings, seed)
+            applied.append(make_record(model, _dcs_cfg(settings), stage="materialized"))
+            continue
+        from ..finetune import split_settings
+
+        config, recipe = split_settings(name, settings)
+        model, record = get_method(name).prepare_fresh(model, config, recipe or None)
+        applied.append(record)
+    model.to(ctx.device)
+    if ctx.job.finetune_epochs > 0 and applied:
+        info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report)
+    elif ctx.job.calib_steps > 0:
+        batches = ctx.calibration_batches()
+        for rec in applied:
+            out = get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base, batches=_cycle(batches, ctx.job.calib_steps))
+            if out:
+                info[f"calibration_{rec['name']}"] = out
+    return model.eval(), applied, info
+
+
+def _dcs_cfg(settings: dict[str, Any]):
+    from ..methods.dcs import DCSConfig
+
+    return DCSConfig.from_dict({k: v for k, v in settings.items() if k in DCSConfig.__dataclass_fields__})
+
+
+def _cycle(batches: list, steps: int):
+    """``steps`` batches, cycling through the cached list."""
+    return [batches[i % len(batches)] for i in range(steps)]
+
+
+def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str, Any]], *, seed: int,
+                    report: Any) -> dict[str, Any]:
+    """A short fine-tune with the recipe of the last method of the stack (every method's
+    predictor-only stage first)."""
+    from ..finetune import finetune_train_config
+    from ..train import fit
+
+    for rec in applied[:-1]:
+        get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base, batches=_cycle(ctx.calibration_batches(),
+                                                                                       ctx.job.calib_steps))
+    last = applied[-1]["name"]
+    epochs = max(1, round(ctx.job.finetune_epochs))
+    cfg = finetune_train_config(last, epochs=epochs, batch_size=ctx.job.batch_size, seed=seed,
+                                device=ctx.job.device).replace(eval_start=False, keep="last")
+    method = get_method(last)
+    hooks = method.hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)
+    if report is not None:
+        hooks = _Reporting(hooks, report)
+    arch = dict(ctx.arch, methods=list(ctx.arch["methods"]) + applied)
+    with tempfile.TemporaryDirectory(prefix="nascompress-trial-") as tmp:
+        metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, out_dir=Path(tmp), arch=arch, hooks=hooks)
+    return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"]}
+
+
+class _Reporting:
+    """Wraps a recipe's hooks: after each epoch, report validation top-1 (a pruner's input)."""
+
+    def __init__(self, inner: Any, report: Any):
+        self._inner, self._report = inner, report
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def check(self, record: dict[str, Any], start: dict[str, Any] | None) -> None:
+        self._inner.check(record, start)
+        self._report(record["epoch"], record["val_top1"])
+
+
+# ---------------------------------------------------------------------------------------------
+# The objective
+
+
+def arch_key(records: list[dict[str, Any]]) -> str:
+    return json.dumps(records, sort_keys=True)
+
+
+class Objective:
+    """``objective(trial)`` of one worker (its :class:`TrialContext` is built on the first trial)."""
+
+    def __init__(self, job: SearchJob):
+        self.job = job
+        self.ctx: TrialContext | None = None
+
+    def __call__(self, trial: Any) -> Any:
+        import optuna
+
+        from ..studies import record_trial
+
+        job = self.job
+        if self.ctx is None:
+            self.ctx = TrialContext(job)
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        records = ctx.space.suggest(trial)
+        seed = trial_seed(job.seed, trial.number)
+        report = None
+        if job.constrained and job.finetune_epochs > 0:
+            def report(epoch: int, value: float) -> None:
+                trial.report(value, epoch)
+                if trial.should_prune():
+                    raise optuna.TrialPruned(f"pruned after epoch {epoch} at {value:.2f}%")
+        model, applied, info = build_trial(ctx, records, seed=seed, report=report)
+        acc = ctx.accuracy(model)
+        rep = count_flops(model, ctx.flops_x)
+        ratio = rep.total / ctx.dense_flops
+        speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
+        record_trial(trial, arch=applied, params_changed=dict(trial.params), flops=rep.total, flops_ratio=ratio,
+                     params=rep.params, accuracy=acc, latency_ms=speed.get("latency_ms"),
+                     throughput=speed.get("throughput"), wall_s=time.perf_counter() - t0, seed=seed)
+        if info:
+            trial.set_user_attr("nascompress_training", json.loads(json.dumps(info)))
+        if job.max_flops is not None:
+            trial.set_constraint("flops", ratio - job.max_flops)
+            return acc
+        if job.max_latency_ms is not None:
+            trial.set_constraint("latency", speed["latency_ms"] - job.max_latency_ms)
+            return acc
+        second = {"flops": ratio, "latency": speed.get("latency_ms"), "throughput": speed.get("throughput")}
+        return acc, second[job.objective]
+
+
+def make_objective(job_dict: dict[str, Any]) -> Objective:
+    """The picklable objective factory of :func:`nascompress.studies.run_study` (one per worker)."""
+    return Objective(SearchJob.from_dict(job_dict))
+
+
+def make_sampler(kind: str, seed: int):
+    import warnings
+
+    import optuna
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "nsga2":
+            return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
+                                          warn_independent_sampling=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+def reference_configs(space: Space, model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
+    """The uncompressed configuration and the papers' defaults (one per choice of each group), as
+    Optuna params of ``space``; configurations the space cannot express are left out.
+
+    Uncompressed: every method that is always on at its ``off_config``, the optional ones left
+    out. Paper: every method at its ``paper_config`` (one configuration per member of each group)."""
+    import itertools
+
+    groups = space.groups()
+    choices = [members for members in groups.values()]
+    out: list[tuple[str, dict[str, Any]]] = []
+    for label, attr in (("uncompressed", "off_config"), ("paper", "paper_config")):
+        picks = [[]] if label == "uncompressed" else list(itertools.product(*choices)) or [[]]
+        for pick in picks:
+            names = {m.name for m in pick}
+            records = []
+            for m in space.methods:
+                in_group = m.group is not None
+                if label == "uncompressed" and (m.optional or in_group):
+                    continue
+                if label == "paper" and in_group and m.name not in names:
+                    continue
+                cfg = getattr(get_method(m.name), attr)
+                if cfg is None:
+                    records = None
+                    break
+                resolved = get_method(m.name).config(copy.deepcopy(model), dict(cfg)).to_dict()
+                records.append({"name": m.name, "config": _per_layer_lists(m, resolved)})
+            if records is None:
+                continue
+            try:
+                params = space.params_for(records)
+            except NascompressError:
+                continue  # the space does not contain this configuration
+            if params not in [p for _, p in out]:
+                out.append((label, params))
+    return out
+
+
+def _per_layer_lists(m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    """A scalar where the space declares a per-layer list becomes one value per chosen layer."""
+    out = dict(cfg)
+    for p in m.params:
+        if p.kind == "per_layer" and not isinstance(out.get(p.name), (list, tuple)):
+            layers = out.get(p.layers_ref) if p.layers_ref else p.layers_list
+            if isinstance(layers, (list, tuple)) and p.name in out:
+                out[p.name] = [out[p.name]] * len(layers)
+    return out
+
+
+def space_profile(ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n: int = 12,
+                  max_flops: float | None = None) -> dict[str, Any]:
+    """FLOPs ratio and params over ``n`` spread configurations of the space (structure only, no
+    training): min / median / max, and whether a FLOPs constraint is satisfiable."""
+    x, dense = ctx_like["x"], ctx_like["dense_flops"]
+    ratios, params = [], []
+    for p in space.grid(n):
+        recs = [r for r in space.records(p) if r["name"] != "dcs"]
+        model = copy.deepcopy(base)
+        try:
+            for r in recs:
+                from ..finetune import split_settings
+
+                config, recipe = split_settings(r["name"], r["config"])
+                model, _ = get_method(r["name"]).prepare_fresh(model, config, recipe or None)
+        except NascompressError:
+            continue
+        rep = count_flops(model.eval(), x)
+        ratios.append(rep.total / dense)
+        params.append(rep.params)
+    if not ratios:
+        return {}
+    ratios.sort()
+    prof = {"configurations": len(ratios), "flops_ratio_min": ratios[0], "flops_ratio_median": ratios[len(ratios) // 2],
+            "flops_ratio_max": ratios[-1], "params_min": min(params), "params_max": max(params)}
+    if max_flops is not None:
+        prof["max_flops_satisfiable"] = ratios[0] <= max_flops
+    return prof
+
+
+def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = False) -> dict[str, Any]:
+    """Create or continue the study of ``job`` and run it to ``job.trials`` complete trials.
+
+    Everything is checked (space file, base run, storage) before the study is created.
+    """
+    from ..studies import run_study
+
+    base_path = Path(job.base)
+    if not base_path.exists():
+        raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
+    space = load_space(job.space)
+    base, arch = load_with_arch(job.base)
+    space.check_depth(len(base.blocks))
+    spec = InputSpec.from_dict(arch["input"])
+    torch.manual_seed(job.seed)
+    x = torch.randn(4, spec.in_chans, *spec.img_size)
+    dense = count_flops(build_model(ModelSpec.from_dict(arch["model"])).eval(), x).total
+    profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
+    if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
+        raise NascompressError(f"no configuration of space {space.name!r} reaches --max-flops {job.max_flops}: its "
+                               f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
+    enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
+    metric_names, directions = job.objectives()
+    job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
+    info = {"space": space.to_dict(), "space_hash": space.hash(), "base_run": job_dict["base"],
+            "dataset": (job.data or _run_data(job.base)).dataset, "job": job_dict, "profile": profile}
+    summary = run_study(study_name=job.study, storage=job.storage,
+                        objective_factory=functools.partial(make_objective, job_dict),
+                        n_trials=job.trials, directions=directions, metric_names=metric_names, space_info=info,
+                        sampler_factory=functools.partial(make_sampler, job.sampler), seed=job.seed,
+                        workers=job.workers, enqueue=enqueue, progress=progress, json_progress=json_progress)
+    summary["profile"] = profile
+    summary["enqueued"] = len(enqueue)
+    return summary
+
+
+__all__ = ["SearchJob", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
+           "reference_configs", "space_profile", "trial_seed"]
