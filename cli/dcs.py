@@ -1,26 +1,47 @@
-"""``nascompress materialize``: a finished DCS search -> a physically smaller model (thin)."""
+"""``nascompress materialize``: a finished DCS search, or a study's trial, -> a model run (thin)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
-from cli.common import out, print_json, run
+from cli.common import fail, out, print_json, run
 
 
 def register(app: typer.Typer) -> None:
     @app.command()
     def materialize(
-        search_dir: Annotated[Path, typer.Argument(help="The --out directory of a finished 'nascompress search dcs'.")],
+        search_dir: Annotated[Optional[Path], typer.Argument(
+            help="The --out directory of a finished 'nascompress search dcs' (or use --study).")] = None,
         out_dir: Annotated[Path, typer.Option("--out", help="Run directory for the compact model.")] = Path(
             "runs/dcs_mat"),
+        study: Annotated[Optional[str], typer.Option(help="A study of 'search tokens|joint': rebuild one of its trials.")] = None,
+        trial: Annotated[Optional[int], typer.Option(help="With --study: the trial number.")] = None,
+        pick: Annotated[Optional[str], typer.Option(
+            help="With --study: best-under-flops=R, best-under-latency=MS or knee.")] = None,
+        storage: Annotated[Optional[str], typer.Option(help="Where the study lives (default: the project's files).")] = None,
+        finetune_epochs: Annotated[int, typer.Option(
+            help="With --study: then fine-tune with the last method's recipe for this many epochs.")] = 0,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
     ) -> None:
-        """Gather the selected channels into a smaller model (model.safetensors + arch.json)."""
-        from nascompress.search.materialize import MaterializeJob, materialize_search
+        """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
+        from nascompress.search.materialize import (MaterializeJob, TrialMaterializeJob, materialize_search,
+                                                    materialize_trial)
 
+        if (search_dir is None) == (study is None):
+            fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")
+        if study is not None:
+            job = run(TrialMaterializeJob, study=study, out=str(out_dir), trial=trial, pick=pick, storage=storage,
+                      finetune_epochs=finetune_epochs)
+            metrics = run(materialize_trial, job, force=force)
+            if json_out:
+                print_json(metrics)
+            else:
+                out.print(f"trial {metrics['trial']} of {study}: rebuilt top-1 {metrics['rebuilt_accuracy']:.2f}% "
+                          f"(recorded {metrics['trial_accuracy']:.2f}%), FLOPs {metrics['flops_ratio']:.3f}x  -> {out_dir}")
+            return
         metrics = run(materialize_search, MaterializeJob(search_dir=str(search_dir), out=str(out_dir)), force=force)
         if json_out:
             print_json(metrics)

@@ -1,0 +1,173 @@
+"""``nascompress search tokens|joint`` on the tiny run, and ``materialize --study``: trials built
+through the method contract, the reference configurations first, resume, constraints, rebuilding
+a trial's model exactly, and bad input."""
+from __future__ import annotations
+
+import json
+
+import optuna
+import pytest
+import torch
+
+import nascompress
+from nascompress.errors import NascompressError
+
+from .conftest import invoke
+
+EVIT_SPACE = """
+format: nascompress-space/1
+name: tiny-evit
+methods:
+  - name: evit
+    params:
+      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
+      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
+"""
+JOINT_SPACE = """
+format: nascompress-space/1
+name: tiny-joint
+methods:
+  - name: sparsifiner
+    optional: true
+    params:
+      attn_keep_ratio: {kind: float, low: 0.3, high: 1.0, step: 0.1}
+      n_down: 4
+  - name: dynamicvit
+    params:
+      prune_layers: [2]
+      rho: {kind: float, low: 0.4, high: 1.0, step: 0.1}
+"""
+SMALL = ["--eval-images", 60, "--train-images", 60, "--calib-steps", 3, "--batch-size", 30]
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch):
+    """A project directory (the study files land in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "evit.yaml").write_text(EVIT_SPACE)
+    (tmp_path / "joint.yaml").write_text(JOINT_SPACE)
+    return tmp_path
+
+
+def load_study(name):
+    from nascompress.studies.inspect import load
+
+    return load(name)[1]
+
+
+def test_search_tokens_runs_the_reference_configurations_first_and_resumes(project, tiny_run):
+    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "evit.yaml", "--trials", 5, *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("s")
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 5 and list(study.metric_names) == ["accuracy", "flops_ratio"]
+    first, second = done[0].user_attrs["nascompress"], done[1].user_attrs["nascompress"]
+    # trial 0: the uncompressed configuration (keep rate 1 at the scaled layers), trial 1: the paper's (0.7)
+    assert first["arch"][0]["config"]["keep_rate"] == [1.0, 1.0] and first["flops_ratio"] == pytest.approx(1.0)
+    assert second["arch"][0]["config"]["keep_rate"] == [0.7, 0.7] and second["flops_ratio"] < 0.9
+    base_acc = first["accuracy"]
+    info = study.user_attrs["nascompress"]
+    assert info["job"]["trials"] == 5 and info["space"]["name"] == "tiny-evit" and info["profile"]["configurations"] > 0
+    for t in done:
+        rec = t.user_attrs["nascompress"]
+        assert {"arch", "flops", "params", "accuracy", "wall_s", "seed"} <= set(rec)
+    # resume: the same command with more trials continues the study, finished trials untouched
+    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "evit.yaml", "--trials", 7, *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("s")
+    done2 = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done2) == 7 and done2[0].values == done[0].values and done2[0].user_attrs["nascompress"]["accuracy"] == base_acc
+    # another space under the same name is refused, nothing changes
+    (project / "other.yaml").write_text(EVIT_SPACE.replace("high: 1.0", "high: 0.9"))
+    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "other.yaml", "--trials", 9, *SMALL)
+    assert r.exit_code == 1 and "keeps one search space" in r.output
+    assert len(load_study("s").trials) == len(study.trials)
+
+
+def test_materialize_a_trial_reproduces_its_accuracy(project, tiny_run):
+    """Zero-shot trials of DynamicViT (+ optional Sparsifiner) train their predictors first; the
+    rebuilt model (same configuration, seed, predictor stage) scores exactly what the trial did."""
+    r = invoke("search", "joint", tiny_run, "--study", "j", "--space", "joint.yaml", "--trials", 4, *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("j")
+    trial = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE][-1]
+    assert any(k.startswith("calibration_dynamicvit") for k in trial.user_attrs["nascompress_training"])
+    out = project / "mat"
+    r = invoke("materialize", "--study", "j", "--trial", trial.number, "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)
+    assert m["rebuilt_accuracy"] == m["trial_accuracy"] == trial.user_attrs["nascompress"]["accuracy"]
+    arch = json.loads((out / "arch.json").read_text())
+    assert [x["name"] for x in arch["methods"]] == [x["name"] for x in trial.user_attrs["nascompress"]["arch"]]
+    model = nascompress.load(out)
+    assert model(torch.randn(2, 1, 16, 16)).shape == (2, 10)
+    for cmd in (["evaluate", out, "--json"], ["profile", out, "--no-latency", "--json"]):
+        r = invoke(*cmd)
+        assert r.exit_code == 0, r.output
+
+
+def test_pick_rules_and_bad_input(project, tiny_run):
+    r = invoke("search", "tokens", tiny_run, "--study", "p", "--space", "evit.yaml", "--trials", 5, *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("p")
+    ratios = {t.number: t.user_attrs["nascompress"]["flops_ratio"] for t in study.trials}
+    out = project / "best"
+    r = invoke("materialize", "--study", "p", "--pick", "best-under-flops=0.95", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert ratios[json.loads(r.stdout)["trial"]] <= 0.95
+    r = invoke("materialize", "--study", "p", "--pick", "knee", "--out", project / "knee")
+    assert r.exit_code == 0, r.output
+    # a rule no trial satisfies names the closest trial, nothing is written
+    r = invoke("materialize", "--study", "p", "--pick", "best-under-flops=0.01", "--out", project / "none")
+    cheapest = min(ratios, key=ratios.get)
+    assert r.exit_code == 1 and f"the closest is trial {cheapest}" in r.output and not (project / "none").exists()
+    # a study that does not exist lists the ones that do
+    r = invoke("materialize", "--study", "nope", "--trial", 0, "--out", project / "x")
+    assert r.exit_code == 1 and "no study named 'nope'" in r.output and "p" in r.output
+    # a trial that is not complete
+    failed = study.ask()
+    study.tell(failed, state=optuna.trial.TrialState.FAIL)
+    r = invoke("materialize", "--study", "p", "--trial", failed.number, "--out", project / "x")
+    assert r.exit_code == 1 and "is FAIL, not COMPLETE" in r.output and not (project / "x").exists()
+    r = invoke("materialize", "--study", "p", "--pick", "best-under-speed=3", "--out", project / "x")
+    assert r.exit_code == 1 and "the rule must be one of" in r.output
+
+
+def test_max_flops_is_a_constraint(project, tiny_run):
+    r = invoke("search", "tokens", tiny_run, "--study", "c", "--space", "evit.yaml", "--trials", 4, "--max-flops", 0.8,
+               *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("c")
+    assert len(study.directions) == 1 and list(study.metric_names) == ["accuracy"]
+    for t in study.trials:
+        if t.state == optuna.trial.TrialState.COMPLETE:
+            c = t.system_attrs["constraints:flops"] if "constraints:flops" in t.system_attrs else None
+            assert c == pytest.approx(t.user_attrs["nascompress"]["flops_ratio"] - 0.8)
+    r = invoke("search", "tokens", tiny_run, "--study", "c2", "--space", "evit.yaml", "--trials", 2, "--max-flops",
+               0.05, *SMALL)
+    assert r.exit_code == 1 and "no configuration of space 'tiny-evit' reaches --max-flops 0.05" in r.output
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--workers", 0], "--workers must be an integer in [1, inf], got 0"),
+    (["--space", "missing.yaml"], "missing.yaml"),
+    (["--objective", "speed"], "--objective must be one of flops, latency, throughput"),
+])
+def test_bad_search_input(project, tiny_run, args, match):
+    r = invoke("search", "tokens", tiny_run, "--study", "b", "--space", "evit.yaml", *args)
+    assert r.exit_code == 1 and match in r.output
+    assert not (project / "nascompress-studies.db").exists()
+
+
+def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_path):
+    (project / "deep.yaml").write_text(EVIT_SPACE.replace("range: [1, 2]", "range: [2, 5]"))
+    r = invoke("search", "tokens", tiny_run, "--study", "d", "--space", "deep.yaml")
+    assert r.exit_code == 1 and "beyond the model's depth 2" in r.output
+    notvit = tmp_path / "resnet"
+    notvit.mkdir()
+    (notvit / "model.safetensors").write_bytes(b"")
+    (notvit / "arch.json").write_text(json.dumps({"format": "nascompress-arch/2", "input": {},
+                                                  "model": {"name": "resnet18", "kwargs": {}}, "methods": []}))
+    r = invoke("search", "tokens", notvit, "--study", "d", "--space", "evit.yaml")
+    assert r.exit_code == 1 and "not a timm VisionTransformer" in r.output
+    assert not (project / "nascompress-studies.db").exists()
