@@ -132,6 +132,37 @@ class TrainHooks:
         pass
 
 
+def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]], *,
+                steps: int, lr: float) -> dict[str, float]:
+    """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
+    rest): ``steps`` AdamW steps (linear warm-up over the first tenth) of ``loss_fn(x, y)`` over
+    ``batches`` (cycled). Returns the mean logs of the last 10 steps; the model is left in eval mode."""
+    if not params or steps <= 0:
+        return {}
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    tail: list[dict[str, float]] = []
+    try:
+        it = iter(batches)
+        for step in range(steps):
+            try:
+                x, y = next(it)
+            except StopIteration:
+                it = iter(batches)
+                x, y = next(it)
+            for g in opt.param_groups:
+                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
+            loss, logs = loss_fn(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            tail = (tail + [logs])[-10:]
+    finally:
+        model.eval()
+    return {k: sum(d[k] for d in tail) / len(tail) for k in tail[0]} if tail else {}
+
+
 def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tau: float = 1.0) -> torch.Tensor:
     """``tau^2 KL(teacher || student)`` on softmax(logits / tau), averaged over the batch. (B, K), (B, K)."""
     return F.kl_div(F.log_softmax(logits / tau, -1), F.log_softmax(teacher_logits / tau, -1), reduction="batchmean",
@@ -151,4 +182,4 @@ def features_and_logits(model: nn.Module, teacher: nn.Module, x: torch.Tensor):
     return feats, logits, t_feats, t_logits
 
 
-__all__ = ["TrainHooks", "param_groups", "own_group", "layer_id", "kl_to_teacher", "features_and_logits"]
+__all__ = ["TrainHooks", "param_groups", "own_group", "short_stage", "layer_id", "kl_to_teacher", "features_and_logits"]

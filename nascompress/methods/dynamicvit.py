@@ -31,7 +31,7 @@ from torch import nn
 
 from ..config import Config, check_range
 from ..errors import NascompressError
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups
+from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
 from . import Method, register_method
 from .tokens import check_layers, check_token_model, keep_prefix_and, patched_class, scale_layers
 
@@ -325,34 +325,14 @@ def calibrate_predictors(model: nn.Module, teacher: nn.Module, batches: Iterable
     Returns the mean losses of the last 10 steps. The model is left in eval mode, backbone
     trainable again."""
     r = recipe or DynamicViTRecipe()
-    steps = r.predictor_steps if steps is None else steps
-    preds = [p for n, p in model.named_parameters() if PREDICTOR in n]
-    if not preds or steps <= 0:
-        return {}
     teacher.eval()
     _freeze_backbone(model, True)
-    opt = torch.optim.AdamW(preds, lr=lr, weight_decay=0.0)
-    model.train()
-    tail: list[dict[str, float]] = []
     try:
-        it = iter(batches)
-        for step in range(steps):
-            try:
-                x, y = next(it)
-            except StopIteration:
-                it = iter(batches)
-                x, y = next(it)
-            for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
-            loss, logs = dynamicvit_loss(model, teacher, x, y, r)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            tail = (tail + [logs])[-10:]
+        return short_stage(model, [p for n, p in model.named_parameters() if PREDICTOR in n], batches,
+                           lambda x, y: dynamicvit_loss(model, teacher, x, y, r),
+                           steps=r.predictor_steps if steps is None else steps, lr=lr)
     finally:
         _freeze_backbone(model, False)
-        model.eval()
-    return {k: sum(d[k] for d in tail) / len(tail) for k in tail[0]} if tail else {}
 
 
 class DynamicViTHooks(TrainHooks):

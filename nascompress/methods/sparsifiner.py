@@ -49,7 +49,7 @@ from torch import nn
 
 from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups
+from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
 from ..layers import to_core
 from . import Method, _flex, register_method
 
@@ -432,32 +432,17 @@ def calibrate_predictor(model: nn.Module, batches: Iterable[tuple[torch.Tensor, 
     """Stage 1 alone, for a zero-shot model: the predictors learn to reconstruct the dense
     attention (backbone frozen). Returns the mean L_attn of the last 10 steps; eval mode after."""
     r = recipe or SparsifinerRecipe()
-    steps = r.stage1_steps if steps is None else steps
-    if steps <= 0 or not sparse_modules(model):
+    if not sparse_modules(model):
         return {}
     _stage1(model, True)
-    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if PREDICTOR in n], lr=lr, weight_decay=0.0)
-    model.train()
-    tail: list[float] = []
     try:
-        it = iter(batches)
-        for _ in range(steps):
-            try:
-                x, _y = next(it)
-            except StopIteration:
-                it = iter(batches)
-                x, _y = next(it)
-            loss, logs = _stage1_loss(model, x, 1.0)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            tail = (tail + [logs["l_attn"]])[-10:]
+        return short_stage(model, [p for n, p in model.named_parameters() if PREDICTOR in n], batches,
+                           lambda x, y: _stage1_loss(model, x, 1.0), steps=r.stage1_steps if steps is None else steps,
+                           lr=lr)
     finally:
         _stage1(model, False)
         for p in model.parameters():
             p.requires_grad_(True)
-        model.eval()
-    return {"l_attn": sum(tail) / len(tail)} if tail else {}
 
 
 # ---------------------------------------------------------------------------------------------
