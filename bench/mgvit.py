@@ -21,10 +21,15 @@ default 7x7 SGIS costs exactly as much as the dense model. Two settings are meas
   SGIS at 73.2% against 79.8% dense, Table 1).
 
 Each is fine-tuned with ``nascompress.finetune`` (epsilon = 1, CE(MGIS) + KL) from its dense base;
-the epsilon sweep then runs on the full 10,000-image test set against that base. Configs are
-merged into the existing JSON (one entry per config, each with its own dense base).
+the epsilon sweep (``nascompress.api.epsilon_sweep``) then runs on the full 10,000-image test set
+against that base. Configs are merged into the existing JSON (one entry per config, each with its
+own dense base).
 
-    python bench/mgvit.py --configs up56 --epochs 2 --train-limit 0 --label-smoothing 0   # -> bench/results/mgvit.json
+    nascompress train --out runs/base56 --img-size 56 --weights runs/base/model.safetensors --epochs 2 \
+        --lr 5e-4 --warmup-epochs 0.2
+    python bench/mgvit.py --configs up56 --epochs 2 --train-limit 0 --label-smoothing 0 --threads 2 --iters 5
+
+writes bench/results/mgvit.json (``--out``); ``--base`` / ``--base56`` name the dense runs.
 """
 from __future__ import annotations
 
@@ -33,25 +38,24 @@ import copy
 import json
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
-import torch
+from _common import ROOT, data_sizes, header, save, wait_for_base  # noqa: E402  (puts the repository on sys.path)
 
-import nascompress  # noqa: F401
-from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess
-from nascompress.evaluate import evaluate
-from nascompress.finetune import FinetuneJob, finetune
-from nascompress.io import load, load_with_arch
-from nascompress.methods import get_method
-from nascompress.models import ModelSpec, build_model
-from nascompress.methods.mgvit import sweep_model
-from nascompress.profiling.flops import count_flops
-from nascompress.profiling.latency import time_models
-from nascompress.train import TrainConfig
-from nascompress.utils import write_json
-from _common import wait_for_base
+import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+import nascompress  # noqa: E402,F401
+from nascompress.api import epsilon_sweep, run_data_config  # noqa: E402
+from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
+from nascompress.evaluate import evaluate  # noqa: E402
+from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.io import load, load_with_arch  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
+from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.profiling import count_flops, time_models  # noqa: E402
+from nascompress.utils import read_json  # noqa: E402
+
 OUT = ROOT / "bench" / "results" / "mgvit.json"
 EPSILONS = [0.5, 0.7, 0.9, 1.0]
 EXTRA_EPS = [0.6, 0.8, 0.95, 0.99]
@@ -64,8 +68,8 @@ def deit_reference() -> dict:
     d = build_model(ModelSpec("deit_small_patch16_224", {}))
     out = {"dense_gflops": count_flops(d, x).gflops}
     for name, cfg in (("mgvit", {}), ("mgvit_no_ppsm", {"r_pos": 1.0, "r_neg": 0.0})):
-        m = get_method("mgvit")(copy.deepcopy(d), {"name": "mgvit", "config": cfg}).eval()
-        f = m.stage_flops()
+        m, _ = get_method("mgvit").prepare_fresh(copy.deepcopy(d), cfg)
+        f = m.eval().stage_flops()
         out[name] = {"sgis_gflops": f["sgis_flops"] / 1e9, "mgis_gflops": f["mgis_flops"] / 1e9,
                      "ppsm_gflops": f["ppsm_flops"] / 1e9,
                      "epsilon1_gflops": (f["sgis_flops"] + f["mgis_flops"]) / 1e9, "config": m.mg}
@@ -73,6 +77,7 @@ def deit_reference() -> dict:
 
 
 def throughput(dense: torch.nn.Module, mg: torch.nn.Module, x: torch.Tensor, iters: int) -> dict:
+    """Dense and MG-ViT at each epsilon, interleaved in one process on the same real test images."""
     models, labels = [dense], ["dense"]
     for e in EPSILONS:
         m = copy.deepcopy(mg)
@@ -85,14 +90,21 @@ def throughput(dense: torch.nn.Module, mg: torch.nn.Module, x: torch.Tensor, ite
             for lab, ti in zip(labels, t)}
 
 
-CONFIGS = {"grid4": ("runs/base", {"grid": 4}), "grid7": ("runs/base", {"grid": 7}),
-           "up56": ("runs/base56", {"grid": 7, "sgis_run": "runs/base"})}
+def configs(args: argparse.Namespace) -> dict[str, tuple[Path, dict, dict]]:
+    """name -> (dense base run, MG-ViT config, recipe)."""
+    base, base56 = Path(args.base), Path(args.base56)
+    return {"grid4": (base, {"grid": 4}, {}), "grid7": (base, {"grid": 7}, {}),
+            "up56": (base56, {"grid": 7}, {"sgis_run": str(base.resolve())})}
+
+
+def base_data(base: Path) -> DataConfig:
+    return run_data_config(base) or DataConfig()
 
 
 def batch_of(base: Path, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
     dense, arch = load_with_arch(base)
     spec = InputSpec.from_dict(arch["input"])
-    test = load_data(DataConfig(), img_size=spec.img_size).test
+    test = load_data(replace(base_data(base), train_limit=None, eval_limit=None), spec=spec).test
     imgs, _ = next(iter(make_loader(test, batch_size=n, shuffle=False)))
     return dense, preprocess(imgs, spec)
 
@@ -100,39 +112,45 @@ def batch_of(base: Path, n: int) -> tuple[torch.nn.Module, torch.Tensor]:
 def rethroughput(args: argparse.Namespace, out: Path) -> None:
     torch.set_num_threads(args.threads)
     res = json.loads(out.read_text())
+    cfgs = configs(args)
     for name, entry in res["configs"].items():
         if name not in args.configs.split(","):
             continue
-        dense, xb = batch_of(ROOT / CONFIGS[name][0], args.batch)
+        dense, xb = batch_of(cfgs[name][0], args.batch)
         mg = load(Path(args.runs) / f"bench_mgvit_{name}")
-        entry[f"throughput_threads{args.threads}"] = throughput(dense, mg, xb, args.iters)
-        write_json(out, res)
+        entry[f"throughput_threads{args.threads}"] = dict(throughput(dense, mg, xb, args.iters),
+                                                         command=header()["command"])
+        save(out, res)
         print(name, json.dumps(entry[f"throughput_threads{args.threads}"]), flush=True)
 
 
-def dense_entry(base: Path, test) -> dict:
-    dense, arch = load_with_arch(base)
-    spec = InputSpec.from_dict(arch["input"])
+def dense_entry(base: Path, test, spec: InputSpec) -> dict:
+    dense, _ = load_with_arch(base)
     t0 = time.time()
     d_eval = evaluate(dense, test, input_spec=spec, device=torch.device("cpu"))
     d_flops = count_flops(dense, torch.randn(1, spec.in_chans, *spec.img_size)).total
     return {"run": str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else str(base),
             "img_size": list(spec.img_size), "test_top1": d_eval["top1"], "flops": d_flops, "mflops": d_flops / 1e6,
-            "test_n": d_eval["n"], "eval_s": time.time() - t0, "metrics": json.loads((base / "metrics.json").read_text())}
+            "test_n": d_eval["n"], "eval_s": time.time() - t0, "metrics": read_json(base / "metrics.json")}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", default="grid4,grid7", help=f"comma list of {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="grid4,grid7", help="comma list of grid4, grid7, up56")
+    ap.add_argument("--base", default=str(ROOT / "runs/base"), help="the 28 px dense run (grid4, grid7; up56's SGIS)")
+    ap.add_argument("--base56", default=str(ROOT / "runs/base56"), help="the 56 px dense run (up56)")
     ap.add_argument("--train-limit", type=int, default=12800, help="0: the whole training split")
+    ap.add_argument("--val-limit", type=int, default=2000, help="val/test images inside the fine-tune")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--label-smoothing", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0, help="fine-tune seed and the seed of the data subsets")
     ap.add_argument("--batch", type=int, default=256, help="throughput batch (real test images)")
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--wait", type=float, default=3600)
     ap.add_argument("--runs", default=str(ROOT / "runs"))
-    ap.add_argument("--test-limit", type=int, default=None, help="dry runs only")
+    ap.add_argument("--test-limit", type=int, default=None, help="dry runs only (a seeded class-stratified subset)")
+    ap.add_argument("--skip-deit", action="store_true", help="keep the DeiT-S reference of --out as it is")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--throughput-only", action="store_true",
@@ -143,55 +161,59 @@ def main() -> None:
         return rethroughput(args, out)
     torch.set_num_threads(min(args.threads, os.cpu_count() or 1))
     t_start = time.time()
+    h = header()
     res: dict = json.loads(out.read_text()) if out.is_file() else {}
-    res.update({"device": "cpu", "epsilons": EPSILONS, "deit_small_224": deit_reference()})
+    res.update({"device": "cpu", "epsilons": EPSILONS, "machine": h["machine"]})
+    if not args.skip_deit or "deit_small_224" not in res:
+        res["deit_small_224"] = deit_reference()
     old_dense, old_metrics = res.pop("dense", None), res.pop("base_metrics", None)  # older layout: one shared base
     for e in res.setdefault("configs", {}).values():
         if "dense" not in e and old_dense:
             e["dense"] = dict(old_dense, metrics=old_metrics)
-    write_json(out, res)
+    save(out, res)
+    cfgs = configs(args)
     for name in args.configs.split(","):
-        base_rel, cfg = CONFIGS[name]
-        base = ROOT / base_rel
+        base, cfg, recipe = cfgs[name]
         wait_for_base(base, args.wait)
-        spec = InputSpec.from_dict(json.loads((base / "arch.json").read_text())["input"])
-        test = load_data(DataConfig(), img_size=spec.img_size).test
-        if args.test_limit:
-            from nascompress.data import Subset
-            test = Subset(test, torch.arange(args.test_limit))
-        dense = dense_entry(base, test)
+        spec = InputSpec.from_dict(read_json(base / "arch.json")["input"])
+        # the sweep's test set: the base's dataset, every test image (or a seeded subset for dry runs)
+        test_cfg = replace(base_data(base), train_limit=None, eval_limit=args.test_limit, subset_seed=args.seed)
+        test_bundle = load_data(test_cfg, spec=spec)
+        dense = dense_entry(base, test_bundle.test, spec)
         cfg = dict(cfg, epsilon=1.0)
-        if "sgis_run" in cfg:
-            cfg["sgis_run"] = str(ROOT / cfg["sgis_run"])
         out_dir = Path(args.runs) / f"bench_mgvit_{name}"
         limit = args.train_limit or None
         t0 = time.time()
-        data_cfg = DataConfig(train_limit=limit, eval_limit=2000)
-        tc = TrainConfig(epochs=args.epochs, batch_size=128, lr=args.lr, min_lr=1e-5, warmup_epochs=0.1, seed=0,
-                         label_smoothing=args.label_smoothing)
-        entry: dict = {"dense": dense, "method_config": cfg, "train_images": limit or "all", "epochs": args.epochs,
-                       "lr": args.lr, "label_smoothing": args.label_smoothing, "threads": torch.get_num_threads(),
-                       "note": "fine-tuned from the dense base, epsilon=1, CE(MGIS)+KL(SGIS||MGIS); val/test inside the "
-                               "fine-tune limited to 2000 images; the sweep uses the full test set"}
-        m = finetune(FinetuneJob(run_dir=str(base), method="mgvit", method_config=cfg, data=data_cfg, train=tc,
+        data_cfg = replace(base_data(base), train_limit=limit, eval_limit=args.val_limit, subset_seed=args.seed)
+        tc = finetune_train_config("mgvit", epochs=args.epochs, batch_size=128, lr=args.lr, min_lr=1e-5,
+                                   warmup_epochs=0.1, seed=args.seed, label_smoothing=args.label_smoothing,
+                                   device="cpu")
+        entry: dict = {"command": h["command"], "dense": dense, "method_config": cfg, "recipe": recipe,
+                       "train_images": limit or "all", "epochs": args.epochs, "lr": args.lr,
+                       "label_smoothing": args.label_smoothing, "threads": torch.get_num_threads(),
+                       "finetune_data": data_sizes(load_data(data_cfg, spec=spec), data_cfg),
+                       "test_data": data_sizes(test_bundle, test_cfg),
+                       "note": f"fine-tuned from the dense base, epsilon=1, CE(MGIS)+KL(SGIS||MGIS); val/test inside the "
+                               f"fine-tune limited to {args.val_limit} images; the sweep uses test_data"}
+        m = finetune(FinetuneJob(run_dir=str(base), method="mgvit", config=cfg, recipe=recipe, data=data_cfg, train=tc,
                                  out=str(out_dir)), force=True)
         entry["finetune_metrics"] = m
         entry["finetune_s"] = time.time() - t0
         mg = load(out_dir)
         t0 = time.time()
-        sw = sweep_model(mg, test, input_spec=spec, epsilons=sorted(EPSILONS + EXTRA_EPS), device=torch.device("cpu"))
+        sw = epsilon_sweep(out_dir, sorted(EPSILONS + EXTRA_EPS), data=test_cfg, split="test", device="cpu")
         entry["sweep_s"] = time.time() - t0
         for r in sw["rows"]:
             r["delta_top1_vs_dense"] = r["top1"] - dense["test_top1"]
             r["flops_vs_dense"] = r["mean_flops"] / dense["flops"]
         entry.update(sw)
-        entry["record"] = json.loads((out_dir / "arch.json").read_text())["methods"][-1]
+        entry["record"] = read_json(out_dir / "arch.json")["methods"][-1]
         entry["throughput_batch"] = args.batch
         dmodel, xb = batch_of(base, args.batch)
         entry["throughput"] = throughput(dmodel, mg, xb, args.iters)
         res["configs"][name] = entry
         res["elapsed_s"] = time.time() - t_start
-        write_json(out, res)
+        save(out, res)
         print(json.dumps({name: [(r["epsilon"], round(r["top1"], 2), round(r["exit_share"], 3),
                                   round(r["mean_flops"] / 1e6, 2)) for r in sw["rows"]]}), flush=True)
 

@@ -25,6 +25,7 @@ def register(app: typer.Typer) -> None:
         feature_tap: Annotated[str, typer.Option(help="Learned feature X~: 'pre_logits' or 'module:<name>'.")] = "pre_logits",
         input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
         cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
+        log_ib: Annotated[Optional[bool], typer.Option("--log-ib/--no-log-ib", help="Cluster and log the IB metrics every epoch (default: only when --eta > 0).")] = None,
         batch_size: Annotated[int, typer.Option()] = 128, lr: Annotated[float, typer.Option()] = 3e-4,
         warmup_epochs: Annotated[float, typer.Option(help="Learning-rate warm-up, in epochs.")] = 0.2,
         train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
@@ -50,7 +51,8 @@ def register(app: typer.Typer) -> None:
             data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                            eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
             rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
-                               cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature)
+                               cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
+                               log_ib=log_ib)
             tc = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, warmup_epochs=warmup_epochs, seed=seed,
                              device=device, min_lr=min(1e-6, lr))
             return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,

@@ -2,11 +2,13 @@
 
 The job is the same for every method (:class:`~nascompress.methods.Method`): load the run (dense,
 imported, or DCS-materialized; it is also the distillation teacher), ``method.prepare_fresh``
-validates the settings, checks stacking and patches a copy, then either save at once
-(``zero_shot``; methods with new predictors first run their short predictor-only stage,
-:meth:`Method.calibrate`) or :func:`train.fit` with ``method.hooks``. The learning rate, warm-up
+validates the settings, checks stacking and patches a copy; methods with new predictors run
+their short predictor-only stage (:meth:`Method.calibrate`); then either save at once
+(``zero_shot``) or :func:`train.fit` with ``method.hooks``, whose epoch 0 is that zero-shot model. The learning rate, warm-up
 and epochs default to the method's ``train_defaults`` (base lr per 512 images, scaled by the
 batch size). Every fine-tune evaluates its starting model first and keeps it if training only hurts.
+Under torchrun the training is data-parallel (:mod:`nascompress.distributed`); a ``zero_shot`` job
+runs whole in every process (the same result) and rank 0 writes it.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import distributed
 from .api import run_data_config
 from .config import Config, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
@@ -24,7 +27,7 @@ from .evaluate import evaluate
 from .io import load_with_arch, save_model
 from .methods import get_method
 from .train import TrainConfig, check_classes, fit
-from .utils import create_out_dir, prepare_out_dir, recorded_job, resolve_device, seed_everything, write_json
+from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
 
 # Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
 FINETUNE_DEFAULTS: dict[str, Any] = {"epochs": 2, "batch_size": 64, "base_lr": 1e-4, "min_lr": 1e-6,
@@ -95,7 +98,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     prepare_out_dir(out, force=force, resume=resume)
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)
-    device = resolve_device(cfg.device)
+    device = distributed.init(cfg.device)
     teacher, base_arch = load_with_arch(job.run_dir, map_location=device)
     seed_everything(cfg.seed)
     model, record = method.prepare_fresh(copy.deepcopy(teacher), dict(job.config), dict(job.recipe) or None)
@@ -106,14 +109,18 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
     check_classes(model.num_classes, data)
-    create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", job.replace(data=data_cfg, train=cfg).to_dict())
+    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+    if distributed.is_main():
+        create_out_dir(out, force=force, resume=resume)
+        write_json(out / "config.json", job.replace(data=data_cfg, train=cfg).to_dict())
+    distributed.barrier()
     teacher.eval().requires_grad_(False)
     model.to(device)
+    # methods with new predictors train them alone first (backbone frozen): the zero-shot model, and
+    # the start of a fine-tune, so a fine-tune never ends below its zero-shot model
+    calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=calibration_batches(
+        data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
     if job.zero_shot:
-        calib = method.calibrate(model, record, teacher=teacher,
-                                 batches=calibration_batches(data, spec, batch_size=cfg.batch_size, seed=cfg.seed,
-                                                             device=device))
         save_model(out, model, arch)
         val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
@@ -122,9 +129,10 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     else:
         hooks = method.hooks(model, record, teacher=teacher, train_cfg=cfg)
         metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume)
-        metrics["zero_shot"] = False
+        metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
-    write_json(out / "metrics.json", metrics)
+    if distributed.is_main():
+        write_json(out / "metrics.json", metrics)
     return metrics
 
 

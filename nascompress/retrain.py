@@ -17,6 +17,11 @@ fine-tuned model, or a stack of them). Training runs through the shared :func:`t
   is re-clustered with a fresh K-means (on the training device) and Q(a|y) is recomputed (eq. 7).
 * optional knowledge distillation from a teacher run (KL on logits at a temperature), off unless
   a teacher is given.
+
+Under torchrun (:mod:`nascompress.distributed`) each process passes its contiguous part of the
+cluster set through the model; the features are gathered in order, every process runs the same
+seeded K-means on all of them, and rank 0's centroids and Q are broadcast so that every process
+holds exactly the same clusters (GPU kernels need not be bitwise deterministic).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import distributed
 from .api import run_data_config
 from .config import Config
 from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess
@@ -40,7 +46,7 @@ from .hooks import TrainHooks
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
 from .io import load_arch, load_with_arch
 from .train import LOG_FILE, TrainConfig, fit
-from .utils import create_out_dir, prepare_out_dir, recorded_job, resolve_device, write_json
+from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
 IB_KEYS = ("ib", "i_xt_x", "i_xt_y", "ibb_full")
@@ -64,6 +70,8 @@ class RetrainConfig(Config):
         cluster_samples: cluster (and measure IB on) a fixed random subset of this many
             training images instead of all of them (None: all).
         kd_alpha / kd_temperature: with a teacher, loss = (1 - alpha) CE + alpha T^2 KL(t || s).
+        log_ib: cluster and log the IB metrics every epoch (a pass over the cluster set and a
+            K-means); None: only when eta > 0 (the bound is then needed anyway).
     """
 
     eta: float = 50.0
@@ -76,6 +84,11 @@ class RetrainConfig(Config):
     cluster_samples: int | None = None
     kd_alpha: float = 0.5
     kd_temperature: float = 1.0
+    log_ib: bool | None = None
+
+    @property
+    def measures_ib(self) -> bool:
+        return self.eta > 0 if self.log_ib is None else self.log_ib
 
     def __post_init__(self) -> None:
         if not self.eta >= 0:
@@ -239,7 +252,11 @@ class IBHooks(TrainHooks):
         model.eval()
         t0 = time.perf_counter()
         feats, embs, labels, correct = [], [], [], 0
-        for imgs, ys in make_loader(self.cluster_set, batch_size=self.bs, shuffle=False):
+        n_all = len(self.cluster_set)
+        if distributed.world().size > 1 and n_all < distributed.world().size:
+            raise NascompressError(f"the cluster set ({n_all} images) is smaller than the number of processes")
+        mine = self.cluster_set if distributed.world().size == 1 else Subset(self.cluster_set, distributed.part(n_all))
+        for imgs, ys in make_loader(mine, batch_size=self.bs, shuffle=False):
             x, ys = preprocess(imgs, self.spec).to(device), ys.to(device)
             correct += (_logits(model(x)).argmax(-1) == ys).sum().item()
             feats.append(tap.pop().float())
@@ -247,9 +264,11 @@ class IBHooks(TrainHooks):
                 embs.append(self.input_embed(x).float())
                 labels.append(ys)
         model.train(was_training)
-        feats_t = torch.cat(feats)  # (N, D)
+        feats_t = distributed.gather_rows(torch.cat(feats))  # (N, D), every rank's part in order
+        correct = distributed.all_sum([correct])[0]
         if self._in_emb is None:
-            self._in_emb, self._labels = torch.cat(embs), torch.cat(labels)
+            self._in_emb = distributed.gather_rows(torch.cat(embs))
+            self._labels = distributed.gather_rows(torch.cat(labels))
         _sync(device)
         pass_s = time.perf_counter() - t0
         k = self.num_classes
@@ -264,6 +283,7 @@ class IBHooks(TrainHooks):
         t1 = time.perf_counter()
         km = kmeans(feats_t, k, iters=self.cfg.kmeans_iters, init=self.cfg.kmeans_init,
                     generator=torch.Generator().manual_seed(self.seed * 1009 + epoch + 1))
+        distributed.broadcast_(km.centroids, self.c_in)  # every rank holds rank 0's clusters
         _sync(device)
         kmeans_s = time.perf_counter() - t1
         phi_feat = soft_assign(feats_t, km.centroids)  # (N, A)
@@ -271,6 +291,7 @@ class IBHooks(TrainHooks):
         phi_in = log_phi_in.exp()
         labels_t = self._labels.to(device)
         q = variational_q(phi_feat, labels_t, k)  # (C, A)
+        distributed.broadcast_(q)
         ib = ib_loss(phi_feat, phi_in, labels_t, k)
         self.c_feat, self.q = km.centroids, q
         stats.update(ib=ib["ib"], i_xt_x=ib["i_xt_x"], i_xt_y=ib["i_xt_y"],
@@ -281,10 +302,12 @@ class IBHooks(TrainHooks):
         return stats
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
-        if self.c_feat is None:  # Q^{(0)} and the first clusters, from the starting model
+        if self.c_feat is None and self.cfg.measures_ib:  # Q^{(0)} and the first clusters, from the start
             self.initial = self.refresh(model, epoch=-1)
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
+        if not self.cfg.measures_ib:
+            return {"ib_active": False}
         rec = {"ib_active": self.active(epoch), **self.refresh(model, epoch=epoch)}
         if epoch == 0 and self.initial:
             rec.update({f"initial_{k}": self.initial[k] for k in IB_KEYS if k in self.initial})
@@ -360,7 +383,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
                                "compression method); run materialize or finetune first and retrain their output")
-    device = resolve_device(job.train.device)
+    device = distributed.init(job.train.device)
     model, arch = load_with_arch(job.model_dir, map_location=device)
     data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
@@ -382,8 +405,11 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     out_arch = copy.deepcopy(arch)
     out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
                            "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
-    create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", dict(job.replace(data=data_cfg).to_dict(), features=features))
+    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+    if distributed.is_main():
+        create_out_dir(out, force=force, resume=resume)
+        write_json(out / "config.json", dict(job.replace(data=data_cfg).to_dict(), features=features))
+    distributed.barrier()
     hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
                     epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
                     teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
@@ -402,7 +428,8 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
                    feature_pass_s_mean=mean("feature_pass_s"))
     metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
                                   if metrics["epoch_time_s_mean"] else None)
-    write_json(out / "metrics.json", metrics)
+    if distributed.is_main():
+        write_json(out / "metrics.json", metrics)
     return metrics
 
 

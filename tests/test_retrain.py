@@ -88,12 +88,19 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     assert loss.item() == pytest.approx(logs["ce"] + 50.0 * logs["ibb"], rel=1e-5)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    # eta = 0: CE only in every epoch, IBB still logged
-    hooks0 = IBHooks(replace(cfg, eta=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
-                     input_embed=make_input_embed(cfg, model=model, teacher=None))
+    # eta = 0 with log_ib: CE only in every epoch, IBB still logged
+    hooks0 = IBHooks(replace(cfg, eta=0.0, log_ib=True), train_set=data.train, input_spec=spec, num_classes=10,
+                     epochs=4, input_embed=make_input_embed(cfg, model=model, teacher=None))
     hooks0.on_epoch_start(model, epoch=0)
     loss0, logs0 = hooks0.loss(model, x, y, epoch=3, cfg=tc)
     assert loss0.item() == pytest.approx(logs0["ce"], rel=1e-6) and "ibb" in logs0
+    # eta = 0 by default: no clustering pass at all (a CE-only retrain pays nothing for IB)
+    hooks_off = IBHooks(replace(cfg, eta=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
+                        input_embed=make_input_embed(cfg, model=model, teacher=None))
+    hooks_off.on_epoch_start(model, epoch=0)
+    assert hooks_off.c_feat is None and hooks_off.on_epoch_end(model, epoch=0) == {"ib_active": False}
+    loss_off, logs_off = hooks_off.loss(model, x, y, epoch=3, cfg=tc)
+    assert loss_off.item() == pytest.approx(logs_off["ce"], rel=1e-6) and "ibb" not in logs_off
 
 
 def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
