@@ -57,7 +57,7 @@ def speed(dense: Path, run: Path, iters: int) -> dict:
     key = next(k for k in res["ratios"])
     r = res["ratios"][key]
     m = res["models"][key]
-    return {"flops": m["macs"], "params": m["params"], "flops_ratio": 1 / r["flops_ratio"],
+    return {"flops": m["macs"], "params": m["params"], "flops_ratio": 1 / r["flops_reduction"],
             "throughput_speedup_batch64": r["throughput_speedup"], "latency_speedup_batch1": r["latency_speedup"]}
 
 

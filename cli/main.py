@@ -70,8 +70,15 @@ def train(
     eval_limit: Annotated[Optional[int], typer.Option(help="Use N val/test images (class-stratified, drawn with --seed).")] = None,
     num_workers: NumWorkers = None,
     epochs: Annotated[int, typer.Option()] = 8, batch_size: Annotated[int, typer.Option()] = 128,
-    lr: Annotated[float, typer.Option()] = 1e-3, min_lr: Annotated[float, typer.Option()] = 1e-5,
-    warmup_epochs: Annotated[float, typer.Option()] = 1.0, weight_decay: Annotated[float, typer.Option()] = 0.05,
+    lr: Annotated[Optional[float], typer.Option(
+        help="Absolute peak lr (default: 1e-3 from scratch; with --weights --base-lr x batch / 512).")] = None,
+    base_lr: Annotated[Optional[float], typer.Option(
+        help="Peak lr per 512 images (default with --weights: 5e-4, the DeiT/EViT fine-tuning base).")] = None,
+    layer_decay: Annotated[Optional[float], typer.Option(
+        help="Layer-wise lr decay, timm's convention (default with --weights: 0.75; from scratch: off).")] = None,
+    min_lr: Annotated[float, typer.Option()] = 1e-5,
+    warmup_epochs: Annotated[Optional[float], typer.Option(help="Default: 1 from scratch, 0.2 with --weights.")] = None,
+    weight_decay: Annotated[float, typer.Option()] = 0.05,
     label_smoothing: Annotated[float, typer.Option()] = 0.1,
     ema_decay: Annotated[Optional[float], typer.Option(help="Keep an EMA of the weights (e.g. 0.999).")] = None,
     seed: Seed = 0, device: Device = "auto", force: Force = False,
@@ -89,9 +96,17 @@ def train(
                           train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed, num_workers=num_workers)
         n = num_classes if num_classes is not None else count_classes(data)
         spec = model_spec(model, img_size, patch_size, embed_dim, depth, num_heads, n, in_chans)
-        cfg = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, min_lr=min_lr, warmup_epochs=warmup_epochs,
-                          weight_decay=weight_decay, label_smoothing=label_smoothing, ema_decay=ema_decay,
-                          seed=seed, device=device)
+        fine_tune = weights is not None and not linear_probe  # a pretrained start: the fine-tuning recipe
+        if fine_tune:
+            peak = {"lr": lr} if lr is not None else {"base_lr": base_lr if base_lr is not None else 5e-4}
+            decay = 0.75 if layer_decay is None else layer_decay
+            warm = 0.2 if warmup_epochs is None else warmup_epochs
+        else:
+            peak = {"lr": lr} if lr is not None else ({"base_lr": base_lr} if base_lr is not None else {"lr": 1e-3})
+            decay, warm = layer_decay, 1.0 if warmup_epochs is None else warmup_epochs
+        cfg = TrainConfig(epochs=epochs, batch_size=batch_size, min_lr=min_lr, warmup_epochs=warm,
+                          weight_decay=weight_decay, layer_decay=decay if decay != 1 else None,
+                          label_smoothing=label_smoothing, ema_decay=ema_decay, seed=seed, device=device, **peak)
         return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
                         weights=str(weights) if weights else None, reset_head=reset_head,
                         input=input_overrides(mean, std, interpolation, crop_pct), linear_probe=linear_probe)
@@ -205,7 +220,8 @@ def _register_optional() -> None:
     """Method commands live in their own modules; each adds itself to ``app``."""
     import importlib
 
-    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search", "cli.importer", "cli.study"):
+    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search", "cli.importer", "cli.study",
+                "cli.pipeline"):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

@@ -26,7 +26,11 @@ def register(app: typer.Typer) -> None:
         input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
         cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
         log_ib: Annotated[Optional[bool], typer.Option("--log-ib/--no-log-ib", help="Cluster and log the IB metrics every epoch (default: only when --eta > 0).")] = None,
-        batch_size: Annotated[int, typer.Option()] = 128, lr: Annotated[float, typer.Option()] = 3e-4,
+        batch_size: Annotated[int, typer.Option()] = 128,
+        lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr (default: --base-lr x batch / 512).")] = None,
+        base_lr: Annotated[Optional[float], typer.Option(
+            help="Peak lr per 512 images (default 5e-4: safe on pretrained weights).")] = None,
+        layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay, timm's convention; default off.")] = None,
         warmup_epochs: Annotated[float, typer.Option(help="Learning-rate warm-up, in epochs.")] = 0.2,
         train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
         eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
@@ -39,8 +43,8 @@ def register(app: typer.Typer) -> None:
         from dataclasses import replace
 
         from nascompress.data import DataConfig
-        from nascompress.retrain import RetrainConfig, RetrainJob, recorded_data_config, retrain as retrain_fn
-        from nascompress.train import TrainConfig
+        from nascompress.retrain import (RetrainConfig, RetrainJob, recorded_data_config, retrain as retrain_fn,
+                                         retrain_train_config)
 
         def build():
             data = recorded_data_config(model_dir) if model_dir.is_dir() else None
@@ -53,8 +57,8 @@ def register(app: typer.Typer) -> None:
             rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
                                cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
                                log_ib=log_ib)
-            tc = TrainConfig(epochs=epochs, batch_size=batch_size, lr=lr, warmup_epochs=warmup_epochs, seed=seed,
-                             device=device, min_lr=min(1e-6, lr))
+            tc = retrain_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, layer_decay=layer_decay,
+                                      warmup_epochs=warmup_epochs, seed=seed, device=device)
             return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
                               teacher=str(teacher) if teacher else None)
 

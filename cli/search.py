@@ -28,7 +28,7 @@ def dcs(
     qk_mask: Annotated[str, typer.Option(
         help="Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
              "time) or none.")] = "static",
-    alpha_init: Annotated[float, typer.Option(help="Initial mean gate logit alpha/theta (> 0: gates start open).")] = 2.0,
+    alpha_init: Annotated[float, typer.Option(help="Initial mean gate logit alpha/theta (> 0: gates start open).")] = 5.0,
     epochs: Annotated[int, typer.Option()] = 4,
     batch_size: Annotated[int, typer.Option()] = 128,
     lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr of the weights (default: --base-lr x batch / 512).")] = None,
@@ -36,7 +36,8 @@ def dcs(
     min_lr: Annotated[float, typer.Option()] = 1e-6,
     warmup_epochs: Annotated[float, typer.Option(help="Linear lr warm-up, in epochs.")] = 0.2,
     layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay of the weights (0 or 1: off).")] = 0.75,
-    arch_lr: Annotated[float, typer.Option(help="Peak AdamW lr of the architecture parameters (alpha, theta).")] = 0.05,
+    arch_lr: Annotated[Optional[float], typer.Option(
+        help="Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps).")] = None,
     distill: Annotated[float, typer.Option(help="Weight of KL to the dense model on the weight steps (0: off).")] = 0.5,
     max_val_drop: Annotated[float, typer.Option(
         help="Stop when validation top-1 falls more than this many points below the dense model's.")] = 15.0,

@@ -97,7 +97,11 @@ class DCSConfig(Config):
         qk_mask: ``input`` (the paper's theta = Linear(x)), ``static`` (one theta per channel,
             can be materialized) or ``none``.
         mlp_gates: search the MLP channel gates alpha.
-        alpha_init: initial alpha (positive: gates start open, the dense model is the start).
+        alpha_init: initial alpha (positive: gates start open, the dense model is the start). The
+            hard Gumbel sample is on iff alpha + L > 0 with L ~ Logistic(0, 1) whatever the
+            temperature, so a gate at alpha drops its channel with probability sigmoid(-alpha) at
+            every training step: 5 keeps that under 2% at the start (a pretrained model does not
+            tolerate 10-30% of its channels dropped at random, as alpha 1-2 would).
         theta_init: initial theta (bias of the theta Linear, or the static theta).
         init_spread: the initial logits are ``init + init_spread * z`` with z in [-1, 1] the channel's
             weight-magnitude importance within its block (standardised, clipped at 2 sigma, halved):
@@ -108,8 +112,8 @@ class DCSConfig(Config):
 
     qk_mask: str = "static"
     mlp_gates: bool = True
-    alpha_init: float = 2.0
-    theta_init: float = 2.0
+    alpha_init: float = 5.0
+    theta_init: float = 5.0
     init_spread: float = 1.0
 
     def __post_init__(self) -> None:

@@ -53,7 +53,8 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
         out["ratios"] = {}
         for k in labels[1:]:
             r = out["models"][k]
-            ratios = {"flops_ratio": ref["macs"] / r["macs"], "params_ratio": ref["params"] / r["params"]}
+            # reductions and speed-ups: reference / model (> 1 when the model is cheaper or faster)
+            ratios = {"flops_reduction": ref["macs"] / r["macs"], "params_reduction": ref["params"] / r["params"]}
             if latency:
                 ratios["latency_speedup"] = ref["latency_ms"] / r["latency_ms"]
                 ratios["throughput_speedup"] = r["throughput"] / ref["throughput"]
