@@ -1,0 +1,69 @@
+"""``nascompress pipeline CONFIG.yaml --out DIR``: every stage from one config file (thin)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import err, out, print_json, run
+
+EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "
+          "(rerun the same command after a crash or Ctrl-C: it continues where it stopped)")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(epilog=EPILOG)
+    def pipeline(
+        config: Annotated[Path, typer.Argument(help="Pipeline file (format nascompress-pipeline/1; see configs/).")],
+        out_dir: Annotated[Path, typer.Option(
+            "--out", help="Pipeline directory (an earlier run of the same config is continued).")],
+        seed: Annotated[Optional[int], typer.Option(help="Override the file's seed (it drives every stage).")] = None,
+        force: Annotated[bool, typer.Option("--force", help="Start over in --out (its contents are removed).")] = False,
+        json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+    ) -> None:
+        """One command from a model to a slim, faster model: base, DCS channels, a token-method
+        search picked under the goal, retraining, and a report against the dense base."""
+        from nascompress.pipeline import run_pipeline
+
+        def log(msg: str) -> None:
+            err.print(f"[bold]pipeline[/bold] {msg}", highlight=False, soft_wrap=True)
+
+        def go():
+            try:
+                return run_pipeline(config, out=out_dir, force=force, seed=seed, progress=not json_out, log=log)
+            except KeyboardInterrupt:
+                err.print("interrupted; rerun the same command to continue where it stopped")
+                raise typer.Exit(code=130) from None
+
+        summary = run(go)
+        if json_out:
+            print_json(summary)
+            return
+        show(summary)
+
+
+def show(s: dict) -> None:
+    """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
+    from rich.table import Table
+
+    from nascompress.pipeline_report import comparison_rows, dcs_rows, decision_lines, goal_text
+
+    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
+    for col in ("", "dense base", "compressed", "change"):
+        t.add_column(col, justify="left" if not col else "right")
+    for row in comparison_rows(s):
+        t.add_row(*row)
+    out.print(t)
+    out.print(f"goal: {goal_text(s)}", highlight=False)
+    rows = dcs_rows(s)
+    if rows:
+        d = Table(title="DCS: channels kept per block")
+        for col in ("block", "MLP channels", "Q/K channels per head"):
+            d.add_column(col, justify="right")
+        for row in rows:
+            d.add_row(*row)
+        out.print(d)
+    for line in decision_lines(s):
+        out.print(line, highlight=False, soft_wrap=True)
+    out.print(f"report: {s['report']}   summary: {Path(s['out']) / 'summary.json'}", highlight=False, soft_wrap=True)

@@ -1,0 +1,301 @@
+"""``nascompress pipeline``: a tiny pipeline end to end (every stage), resume after SIGKILL with
+the same result as an uninterrupted run, and bad configs refused before anything is written."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+import nascompress
+from nascompress.pipeline import STEPS, load_config, plan
+from nascompress.profiling import count_flops
+
+from .conftest import FMNIST, invoke
+
+REPO = Path(__file__).resolve().parents[1]
+SPACE = """
+format: nascompress-space/1
+name: tiny-evit
+methods:
+  - name: evit
+    params:
+      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
+      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
+"""
+
+
+def tiny_config() -> dict:
+    """Every stage, seconds each: a 2-block ViT on the synthetic 16 px dataset."""
+    return {
+        "format": "nascompress-pipeline/1", "seed": 0, "device": "cpu",
+        "data": {"dataset": "synthetic"},
+        "base": {"train": {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2,
+                           "in_chans": 1, "epochs": 1, "batch_size": 32, "lr": 2e-3}},
+        "goal": {"max_flops": 0.75},
+        "stages": {"dcs": {"target_flops": 0.85, "epochs": 3, "batch_size": 32, "alpha_init": 0.5, "base_lr": 1e-3,
+                           "arch_lr": 0.15},
+                   "tokens": {"space": "space.yaml", "trials": 4, "eval_images": 60, "train_images": 60,
+                              "calib_steps": 3, "batch_size": 30},
+                   "retrain": {"epochs": 1, "eta": 0, "batch_size": 32}},
+        "report": {"iters": 2, "batch_size": 8},
+    }
+
+
+def write_config(d: Path, cfg: dict, name: str = "tiny.yaml") -> Path:
+    (d / "space.yaml").write_text(SPACE)
+    path = d / name
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """One uninterrupted pipeline run (in-process, one thread)."""
+    d = tmp_path_factory.mktemp("pipeline")
+    cfg = write_config(d, tiny_config())
+    out = d / "out"
+    t0 = time.perf_counter()
+    r = invoke("pipeline", cfg, "--out", out)
+    assert r.exit_code == 0, r.output
+    return {"dir": d, "config": cfg, "out": out, "seconds": time.perf_counter() - t0, "output": r.output}
+
+
+def test_tiny_pipeline_end_to_end(ref):
+    out = ref["out"]
+    for sub in ("base", "dcs_search", "dcs_mat", "tokens", "tokens/picked", "final"):
+        assert (out / sub / ("model.safetensors" if sub != "tokens" else "report.html")).is_file(), sub
+    assert (out / "studies.db").is_file()
+    assert sorted(p.stem for p in (out / "done").iterdir()) == sorted(STEPS)
+    s = json.loads((out / "summary.json").read_text())
+    assert s["dense"]["test_n"] == s["final"]["test_n"] == 200  # the same test split for both
+    cmp = s["comparison"]
+    assert cmp["flops_ratio"] < 0.75 and s["goal"] == {"max_flops": 0.75, "value": cmp["flops_ratio"], "met": True}
+    assert {"top1_change", "params_ratio", "file_ratio", "latency_speedup", "throughput_speedup"} <= set(cmp)
+    assert s["final"]["params"] < s["dense"]["params"] and s["final"]["latency_ms"] > 0
+    dec = s["decisions"]
+    blocks = dec["dcs"]["blocks"]
+    assert len(blocks) == 2 and all(b["mlp_kept"] <= b["mlp_total"] == 128 for b in blocks)
+    assert all(len(b["qk_kept"]) == 2 and max(b["qk_kept"]) <= 16 for b in blocks)
+    assert dec["dcs"]["target_flops"] == 0.85
+    tok = dec["tokens"]
+    assert tok["pick_rule"] == "best-under-flops=0.75" and tok["trials_complete"] == 4
+    assert tok["trial_flops_ratio"] <= 0.75 and tok["params"] and tok["methods"][0]["name"] == "evit"
+    assert "keep_rate=" in tok["methods"][0]["summary"] and "prune_layers=" in tok["methods"][0]["summary"]
+    assert dec["retrain"]["epochs"] == 1 and dec["retrain"]["teacher"] == "base"
+    page = (out / "report.html").read_text()
+    assert 'id="comparison"' in page and "dense base" in page and 'id="dcs-blocks"' in page
+    assert 'id="study"' in page and "<script" in page and "https://" not in page.split("<script")[0]
+    # the final model loads on its own and is cheaper than the base
+    final, base = nascompress.load(out / "final"), nascompress.load(out / "base")
+    x = torch.randn(2, 1, 16, 16)
+    assert count_flops(final, x).total < 0.75 * count_flops(base, x).total
+    assert final(x).shape == (2, 10)
+    # the stored config is the normalized one and reads back to the same config
+    assert load_config(out / "config.yaml") == load_config(ref["config"])
+    assert "terminal" not in ref["output"] and "test top-1" in ref["output"]
+
+
+def test_a_finished_pipeline_is_not_rerun(ref):
+    out = ref["out"]
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    r = invoke("pipeline", ref["config"], "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.stdout)
+    assert s["this_run"] == {"resumed": True, "ran": [], "skipped": list(STEPS)}
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+def _cli(cfg: Path, out: Path) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_kill_9_mid_run_then_resume_gives_the_same_result(ref, tmp_path):
+    cfg = write_config(tmp_path, tiny_config())
+    out = tmp_path / "out"
+    proc = _cli(cfg, out)
+    ckpt = out / "dcs_search" / "checkpoint.safetensors"
+    deadline = time.time() + 120
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert ckpt.exists(), proc.communicate()[1][-2000:]
+    os.kill(proc.pid, signal.SIGKILL)  # in the middle of the DCS search (its first epoch is checkpointed)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert (out / "done" / "base.json").is_file() and not (out / "done" / "report.json").exists()
+    search_done = (out / "done" / "dcs_search.json").exists()
+    kept = {p: p.stat().st_mtime_ns for p in [out / "done" / "base.json", *(out / "base").iterdir()]}
+
+    proc = _cli(cfg, out)  # the same command again
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "base: complete, skipped" in err
+    if not search_done:
+        assert "dcs_search: DCS channel search" in err and "continuing from its last checkpoint" in err
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # the finished stage was not rerun
+
+    # the same result as the uninterrupted run
+    a, b = (load_file(str(o / "final" / "model.safetensors")) for o in (ref["out"], out))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    ra, rb = (json.loads((o / "summary.json").read_text()) for o in (ref["out"], out))
+    assert rb["final"]["test_top1"] == pytest.approx(ra["final"]["test_top1"])
+    assert rb["final"]["macs"] == ra["final"]["macs"]
+    assert rb["decisions"]["dcs"]["blocks"] == ra["decisions"]["dcs"]["blocks"]
+    assert rb["decisions"]["tokens"]["params"] == ra["decisions"]["tokens"]["params"]
+
+
+def _bad(base: dict, path: str, value) -> dict:
+    cfg = json.loads(json.dumps(base))
+    *parents, last = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return cfg
+
+
+BAD = [
+    ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
+    ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
+    ("stages.dcs.target_flops", 1.5, "stages.dcs.target_flops: must be in (0, 1], got 1.5"),
+    ("base.run", "/nonexistent/run", "base: give exactly one of run, train, import; got run, train"),
+    ("base", {"import": {"model": "vit_tiny_patch16_224", "weights": "missing.safetensors"}},
+     "base.import.weights: file "),
+    ("stages.tokens.space", "nope.yaml", "stages.tokens.space: search space "),
+    ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
+    ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
+    ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
+]
+
+
+@pytest.mark.parametrize("path,value,match", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_is_one_line_naming_the_key_and_writes_nothing(tmp_path, path, value, match):
+    cfg = write_config(tmp_path, _bad(tiny_config(), path, value))
+    out = tmp_path / "out"
+    r = invoke("pipeline", cfg, "--out", out)
+    assert r.exit_code == 1
+    line = r.output.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("error: ") and str(cfg) in line, line
+    assert match in line, line
+    assert not out.exists()
+
+
+def test_more_bad_configs(tmp_path):
+    def check(cfg: dict | str, match: str) -> None:
+        path = write_config(tmp_path, cfg) if isinstance(cfg, dict) else tmp_path / "raw.yaml"
+        if isinstance(cfg, str):
+            path.write_text(cfg)
+        r = invoke("pipeline", path, "--out", tmp_path / "out")
+        assert r.exit_code == 1 and match in r.output and len(r.output.strip().splitlines()) == 1, r.output
+        assert not (tmp_path / "out").exists()
+
+    c = tiny_config()
+    del c["stages"]["dcs"], c["stages"]["tokens"]
+    check(c, "stages: give a dcs or a tokens stage")
+    (tmp_path / "deep.yaml").write_text(SPACE.replace("range: [1, 2]", "range: [2, 5]"))
+    check(_bad(tiny_config(), "stages.tokens.space", "deep.yaml"), "beyond the model's depth 2")
+    check("format: nascompress-pipeline/1\nseed: [1\n", "not valid YAML at line")
+    check("format: nascompress-pipeline/1\nseed: 1\nseed: 2\n", "duplicate key 'seed'")
+    check(_bad(tiny_config(), "data.dataset", "no/such/folder"), "data.dataset: ")
+    g = _bad(_bad(tiny_config(), "goal", {"max_latency_ms": 5.0}), "stages.tokens.objective", "flops")
+    check(g, "stages.tokens.objective: flops trials record no latency")
+    # a headless checkpoint without linear_probe
+    from safetensors.torch import save_file
+
+    from nascompress.models import ModelSpec, build_model, custom_vit_spec
+
+    m = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
+                                    in_chans=1))
+    save_file({k: v for k, v in m.state_dict().items() if not k.startswith("head.")}, str(tmp_path / "bb.safetensors"))
+    imp = {"model": "vit_tiny_patch16_224", "weights": "bb.safetensors", "img_size": 16}
+    check(_bad(tiny_config(), "base", {"import": imp}), "base.import.linear_probe: the weights in")
+    m = build_model(ModelSpec("vit_tiny_patch16_224", {"num_classes": 5, "img_size": 32}))
+    save_file(dict(m.state_dict()), str(tmp_path / "five.safetensors"))
+    imp = {"model": "vit_tiny_patch16_224", "weights": "five.safetensors"}
+    check(_bad(tiny_config(), "base", {"import": imp}), "base.import.weights: the weights' head has 5 classes")
+
+
+def test_an_existing_run_as_the_base(ref, tmp_path):
+    c = tiny_config()
+    del c["stages"]["dcs"]
+    c["base"] = {"run": str(ref["out"] / "base")}
+    p = plan(write_config(tmp_path, c), out=tmp_path / "out")
+    assert [s.name for s in p.steps] == ["base", "tokens_search", "tokens_pick", "retrain", "report"]
+    assert p.base_dir == ref["out"] / "base" and p.final_dir == tmp_path / "out" / "final"
+    c["base"] = {"run": str(ref["out"] / "dcs_mat")}
+    with pytest.raises(nascompress.NascompressError, match=r"base.run: .*is not a dense run \(it applies dcs\)"):
+        plan(write_config(tmp_path, c), out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_another_config_into_the_same_out_is_refused(ref, tmp_path):
+    out = ref["out"]
+    stored = (out / "config.yaml").read_bytes()
+    cfg = write_config(ref["dir"], _bad(tiny_config(), "stages.retrain.epochs", 2), name="other.yaml")
+    r = invoke("pipeline", cfg, "--out", out)
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1
+    assert "holds a pipeline run of another config (stages.retrain.epochs is 2 here but 1 there)" in r.output
+    assert "--force" in r.output and (out / "config.yaml").read_bytes() == stored
+    # a directory that is not a pipeline run is refused too
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "f.txt").write_text("x")
+    r = invoke("pipeline", cfg, "--out", tmp_path / "other")
+    assert r.exit_code == 1 and "holds no pipeline run" in r.output and (tmp_path / "other" / "f.txt").exists()
+
+
+def test_yaml_numbers_and_the_normalized_config(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    text = yaml.safe_dump(tiny_config(), sort_keys=False).replace("lr: 0.002", "lr: 2e-3")
+    assert "lr: 2e-3" in text
+    (tmp_path / "c.yaml").write_text(text)
+    cfg = load_config(tmp_path / "c.yaml", seed=7)
+    assert cfg.base.train.lr == 2e-3 and cfg.seed == 7
+    assert cfg.stages.tokens.space == str(tmp_path / "space.yaml")  # relative to the config file
+    assert cfg.stages.retrain.eta == 0.0 and isinstance(cfg.stages.retrain.eta, float)
+    d = cfg.to_dict()
+    assert list(d["base"]) == ["train"] and "dcs" in d["stages"] and d["stages"]["retrain"]["teacher"] == "base"
+
+
+def test_help_shows_an_example():
+    r = invoke("pipeline", "--help")
+    assert r.exit_code == 0 and "Example: nascompress pipeline configs/fashion-mnist.yaml" in r.output
+
+
+@pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+def test_shipped_fashion_mnist_config_is_valid(tmp_path):
+    p = plan(REPO / "configs" / "fashion-mnist.yaml", out=tmp_path / "x")
+    assert [s.name for s in p.steps] == list(STEPS) and not (tmp_path / "x").exists()
+    assert p.cfg.goal.max_flops == 0.6 and p.cfg.stages.dcs.qk_mask == "static"
+    assert p.cfg.stages.tokens.space == str(REPO / "search_spaces" / "evit.yaml")
+
+
+@pytest.mark.skipif(not (FMNIST and Path("/work/weights/dinov2_vits14_112.safetensors").is_file()),
+                    reason="needs Fashion-MNIST and the converted DINOv2 weights")
+def test_shipped_dinov2_config_is_valid(tmp_path):
+    p = plan(REPO / "configs" / "dinov2-fashion-mnist.yaml", out=tmp_path / "x")
+    assert p.cfg.base.import_.linear_probe and p.cfg.stages.tokens.space.endswith("search_spaces/evit-12.yaml")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_second_run_into_a_busy_out_is_refused(ref):
+    import fcntl
+
+    fd = os.open(ref["out"] / ".pipeline.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a running pipeline holds it
+        r = invoke("pipeline", ref["config"], "--out", ref["out"])
+        assert r.exit_code == 1 and "another 'nascompress pipeline' is running in" in r.output
+    finally:
+        os.close(fd)
