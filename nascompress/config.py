@@ -8,10 +8,13 @@ Validation errors are :class:`~nascompress.errors.NascompressError` (one line fo
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from functools import lru_cache
 from typing import Any, TypeVar
+
+import yaml
 
 from .errors import NascompressError
 
@@ -125,4 +128,30 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
-__all__ = ["Config", "check_range", "check_int", "check_choice", "check_bool", "is_number"]
+# ---------------------------------------------------------------------------------------------
+# YAML config files (pipelines, search spaces)
+
+
+class StrictYamlLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys and reads ``1e-3`` as a number (YAML 1.1 wants ``1.0e-3``)."""
+
+
+def _mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+StrictYamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+__all__ = ["Config", "StrictYamlLoader", "check_range", "check_int", "check_choice", "check_bool", "is_number"]

@@ -54,7 +54,7 @@ from typing import Any, Callable
 
 import yaml
 
-from .config import Config
+from .config import Config, StrictYamlLoader as _Loader
 from .errors import NascompressError
 from .utils import read_json, write_json
 
@@ -429,28 +429,6 @@ class PipelineConfig(_Section):
 
 # ---------------------------------------------------------------------------------------------
 # Reading a file
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys and reads ``1e-3`` as a number (YAML 1.1 wants ``1.0e-3``)."""
-
-
-def _mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
-               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -62,6 +62,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import yaml
 
+from nascompress.config import StrictYamlLoader as _StrictLoader
 from nascompress.errors import NascompressError
 
 FORMAT = "nascompress-space/1"
@@ -376,23 +377,6 @@ def load_space(path: str | Path, *, method_fields: MethodFields | None = registr
 
 # ----------------------------------------------------------------------------------------------
 # Parsing and validation
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate mapping keys."""
-
-
-def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _is_num(x: Any) -> bool:
