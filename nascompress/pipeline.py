@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import os
-import re
 import shutil
 import time
 import typing
