@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -11,7 +12,8 @@ from rich.console import Console
 from nascompress.errors import NascompressError
 
 T = TypeVar("T")
-out = Console()
+MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
+out = Console(quiet=not MAIN)
 err = Console(stderr=True)
 STATE = {"debug": False}
 
@@ -65,4 +67,5 @@ def input_overrides(mean: str | None, std: str | None, interpolation: str | None
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+    if MAIN:
+        sys.stdout.write(json.dumps(obj, indent=2) + "\n")

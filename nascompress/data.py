@@ -469,8 +469,13 @@ def _batched_collate(batch):
 
 
 def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0,
-                drop_last: bool = False, num_workers: int | None = None) -> DataLoader:
+                drop_last: bool = False, num_workers: int | None = None,
+                shard: tuple[int, int] = (0, 1)) -> DataLoader:
     """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order.
+
+    ``shard=(rank, world)`` (data-parallel training, :mod:`nascompress.distributed`): this rank's
+    part of that order, every ``world``-th item from ``rank``, the order first cut to a multiple of
+    ``world`` so that every rank gets as many items (and batches).
 
     ``num_workers`` None (the default) takes the ``num_workers`` attribute that :func:`load_data`
     sets on every split (from :attr:`DataConfig.num_workers`: worker processes for ImageFolder,
@@ -485,8 +490,11 @@ def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, e
         order = torch.randperm(len(ds), generator=g).tolist()
     else:
         order = list(range(len(ds)))
+    rank, world = shard
+    if world > 1:
+        order = order[:len(order) - len(order) % world][rank::world]
     sampler = BatchSampler(order, batch_size=batch_size, drop_last=drop_last)
     extra: dict[str, Any] = {}
     if num_workers > 0:  # (without workers the generator is not passed: the global RNG stream stays as before)
-        extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919)
+        extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919 + rank * 1_000_003)
     return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers, **extra)

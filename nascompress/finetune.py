@@ -121,7 +121,8 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=calibration_batches(
         data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
     if job.zero_shot:
-        save_model(out, model, arch)
+        if distributed.is_main():
+            save_model(out, model, arch)
         val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         metrics = {"val_top1": val["top1"], "test_top1": test["top1"], "test_loss": test["loss"], "test_n": test["n"],

@@ -9,7 +9,9 @@ only on (seed, epoch), so a resumed run replays what an uninterrupted one would 
 Never worse than the start: before training, the starting model is evaluated on the validation
 split (logged as epoch 0) and saved as the first best model, so a fine-tune that only hurts
 returns the model it started from. Method-specific work (losses, schedules, alternating batches,
-stop checks) plugs in through :class:`~nascompress.hooks.TrainHooks`.
+stop checks) plugs in through :class:`~nascompress.hooks.TrainHooks`. Under ``torchrun`` it trains
+data-parallel (:mod:`nascompress.distributed`: averaged gradients, a shard of every epoch per
+process, split evaluation, files written by rank 0 only).
 :func:`train` is the ``nascompress train`` job: build a timm ViT, train it densely, save it.
 """
 from __future__ import annotations
@@ -24,16 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import distributed
 from .config import Config, check_choice, check_int, check_range
-from .data import DataBundle, DataConfig, InputOverrides, InputSpec, default_norm, load_data, make_loader, preprocess
+from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
+                   preprocess)
 from .errors import NascompressError
 from .evaluate import evaluate
 from .hooks import TrainHooks, param_groups
 from .io import ARCH_FILE, MODEL_FILE, load_state, load_with_arch, make_arch, recorded_input, save_model, save_state
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .progress import make_progress
-from .utils import (append_jsonl, create_out_dir, prepare_out_dir, recorded_job, resolve_device, seed_everything,
-                    write_json)
+from .utils import append_jsonl, create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
@@ -47,8 +50,8 @@ class TrainConfig(Config):
 
     Args:
         epochs: passes over the training split.
-        batch_size: images per step.
-        lr: absolute peak AdamW learning rate; None: ``base_lr * batch_size / 512``.
+        batch_size: images per step (per process under torchrun: the global batch is batch_size x world).
+        lr: absolute peak AdamW learning rate; None: ``base_lr * global batch / 512`` (:meth:`peak_lr_for`).
         base_lr: peak learning rate per 512 images (each job and method has its own default).
         min_lr: end of the cosine (capped at the peak lr).
         warmup_epochs: linear warm-up length, in epochs (may be fractional).
@@ -99,7 +102,13 @@ class TrainConfig(Config):
 
     @property
     def peak_lr(self) -> float:
-        return self.lr if self.lr is not None else self.base_lr * self.batch_size / LR_REF_BATCH
+        """The peak lr of one process (:meth:`peak_lr_for` with ``world_size=1``)."""
+        return self.peak_lr_for(world_size=1)
+
+    def peak_lr_for(self, *, world_size: int) -> float:
+        """The peak lr when ``world_size`` processes each take ``batch_size`` images per step: the
+        base lr scales with the global batch ``batch_size x world_size``; an absolute ``lr`` is kept."""
+        return self.lr if self.lr is not None else self.base_lr * self.batch_size * world_size / LR_REF_BATCH
 
 
 def lr_at(step: int, *, total: int, warmup: int, lr: float, min_lr: float) -> float:
@@ -139,6 +148,17 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln and int(json.loads(ln)["epoch"]) <= upto]
 
 
+def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int) -> dict[str, Any]:
+    """:func:`evaluate` over ``ds``; under torchrun each rank evaluates its part and the counts are
+    summed, so every rank gets the same numbers."""
+    if distributed.world().size == 1:
+        return evaluate(model, ds, input_spec=input_spec, device=device, batch_size=batch_size)
+    mine = evaluate(model, Subset(ds, distributed.part(len(ds))), input_spec=input_spec, device=device,
+                    batch_size=batch_size)
+    correct, loss, n = distributed.all_sum([round(mine["top1"] * mine["n"] / 100), mine["loss"] * mine["n"], mine["n"]])
+    return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
+
+
 def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path,
         arch: dict[str, Any], hooks: TrainHooks | None = None, resume: bool = False) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
@@ -149,19 +169,23 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     (validation and test top-1 of the saved model, and of the start). Returns the metrics.
     """
     hooks = hooks or TrainHooks()
-    device = resolve_device(cfg.device)
+    device = distributed.init(cfg.device)
+    world, main = distributed.world(), distributed.is_main()
     seed_everything(cfg.seed)
     model.to(device)
-    peak = cfg.peak_lr
+    distributed.broadcast_model(model)
+    peak = cfg.peak_lr_for(world_size=world.size)
     min_lr = min(cfg.min_lr, peak)
     opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=peak, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
 
     def loader_for(epoch: int):
         return lambda ds, stream=0: make_loader(ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream,
-                                                epoch=epoch)
+                                                epoch=epoch, shard=(world.rank, world.size))
 
     steps_per_epoch = hooks.batches(data, epoch=0, loader=loader_for(0))[1]
+    if steps_per_epoch == 0 and world.size > 1:
+        raise NascompressError(f"the training split ({len(data.train)} images) is too small for {world.size} processes")
     hooks.steps_per_epoch = steps_per_epoch
     total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
     start_epoch, best, best_epoch, train_time, start_rec = 0, -1.0, -1, 0.0, None
@@ -169,7 +193,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
 
     def validate() -> dict[str, Any]:
         hooks.before_eval(model)
-        return evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+        return _evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
 
     if resume and ckpt_path.exists():
         st = load_state(ckpt_path)
@@ -181,19 +205,24 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
         torch.set_rng_state(st["rng"])
         start_epoch, best, best_epoch, train_time = st["epoch"] + 1, st["best"], st["best_epoch"], st["train_time"]
         start_rec = st.get("start")
-        log_path.write_text("".join(ln + "\n" for ln in _read_log(log_path, upto=start_epoch)))
+        if main:
+            for tmp in out_dir.glob(".*.tmp"):  # atomic writes (utils.atomic_path) of a killed run
+                tmp.unlink()
+            log_path.write_text("".join(ln + "\n" for ln in _read_log(log_path, upto=start_epoch)))
     else:
-        if log_path.exists():
+        if main and log_path.exists():
             log_path.unlink()
         if cfg.eval_start:  # epoch 0: the starting model is the first candidate for the best
             val = validate()
             start_rec = {"epoch": 0, "start": True, "val_top1": val["top1"], "val_loss": val["loss"]}
-            append_jsonl(log_path, start_rec)
+            if main:
+                append_jsonl(log_path, start_rec)
             if cfg.keep == "best":
                 best, best_epoch = val["top1"], 0
-                save_model(out_dir, model, hooks.arch(model, arch))
+                if main:
+                    save_model(out_dir, model, hooks.arch(model, arch))
 
-    with make_progress() as progress:
+    with make_progress(disable=None if main else True) as progress:
         ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="")
         for epoch in range(start_epoch, cfg.epochs):
             hooks.on_epoch_start(model, epoch=epoch)
@@ -218,6 +247,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
                                            f"(the peak lr was {peak:.3g})")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
+                distributed.sync_grads(p for g in opt.param_groups for p in g["params"])
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
                 opt.step()
@@ -232,32 +262,44 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             train_time += epoch_time
             progress.remove_task(task)
             record: dict[str, Any] = {"epoch": epoch + 1, "lr": lr, "epoch_time_s": epoch_time}
-            record.update({f"train_{k}": v / counts[k] for k, v in sums.items()})
+            record.update({f"train_{k}": v for k, v in distributed.merge_means(sums, counts).items()})
             record.update(hooks.on_epoch_end(model, epoch=epoch))
             live = ema.swapped_into(model) if ema is not None else None
             val = validate()
             record.update(val_top1=val["top1"], val_loss=val["loss"])
             saved_arch = hooks.arch(model, arch)
-            save_model(out_dir, model, saved_arch, filename=LAST_FILE)
+            if main:
+                save_model(out_dir, model, saved_arch, filename=LAST_FILE)
             if cfg.keep == "last" or val["top1"] > best:
                 best, best_epoch = val["top1"], epoch + 1
-                save_model(out_dir, model, saved_arch)
+                if main:
+                    save_model(out_dir, model, saved_arch)
             if live is not None:
                 model.load_state_dict(live)
-            save_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                   "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
-                                   "rng": torch.get_rng_state(), "epoch": epoch, "best": best,
-                                   "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
-            append_jsonl(log_path, record)
+            if world.size > 1:  # a debugging aid (NASCOMPRESS_CHECK_SYNC=1): every rank holds the same state
+                digest = distributed.check_in_sync({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                                    "hooks": hooks.state_dict()}, when=f"after epoch {epoch + 1}")
+                if digest is not None:
+                    record["state_digest"] = digest
+            if main:
+                save_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                       "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
+                                       "rng": torch.get_rng_state(), "epoch": epoch, "best": best,
+                                       "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
+                append_jsonl(log_path, record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
             hooks.check(record, start_rec)
 
+    distributed.barrier()  # rank 0 has written the best model
     best_model, _ = load_with_arch(out_dir, map_location=device)
-    test = evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+    test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
     metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
                "test_n": test["n"], "start_val_top1": None if start_rec is None else start_rec["val_top1"],
                "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name}
-    write_json(out_dir / "metrics.json", metrics)
+    if world.size > 1:
+        metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
+    if main:
+        write_json(out_dir / "metrics.json", metrics)
     return metrics
 
 
@@ -347,10 +389,15 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     """The ``nascompress train`` job: validate everything, then create the run and fit it.
 
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
+    Under torchrun every process runs this; rank 0 alone writes the run directory.
     """
     out = Path(job.out)
     if resume:
         job = recorded_job(out, TrainJob, "nascompress train")
+    distributed.init(job.train.device)
+    if job.linear_probe and distributed.world().size > 1:
+        raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "
+                               "without torchrun")
     prepare_out_dir(out, force=force, resume=resume)
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
@@ -360,14 +407,17 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
     arch = make_arch(job.model, input_spec=spec.to_dict())
-    create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", job.to_dict())
+    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+    if distributed.is_main():
+        create_out_dir(out, force=force, resume=resume)
+        write_json(out / "config.json", job.to_dict())
     if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
         from .probe import fit_linear_probe
 
         return fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch)
-    if not (out / ARCH_FILE).exists():
+    if distributed.is_main() and not (out / ARCH_FILE).exists():
         write_json(out / ARCH_FILE, arch)
+    distributed.barrier()  # the run directory is ready
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 

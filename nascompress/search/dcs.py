@@ -25,6 +25,10 @@ reach the threshold one by one rather than all at once. A
 search that lands outside the band is reported; with ``calibrate`` (default) the gate threshold is
 then shifted to land inside it, and the log and metrics say by how much. A search whose validation
 accuracy falls more than ``max_val_drop`` points below the dense model's stops with a message.
+
+Under torchrun (:mod:`nascompress.distributed`) each process takes its shard of both subsets every
+epoch; the shards are equal, so every process interleaves its W- and arch-steps in the same order,
+and the averaged gradients keep the architecture (and so lambda) the same everywhere.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import distributed
 from ..api import count_classes, run_data_config
 from ..config import Config, check_int, check_range
 from ..data import DataConfig, InputSpec, Subset, load_data, split_indices
@@ -59,7 +64,9 @@ class DCSSearchConfig(Config):
     """The search's own settings (the optimisation of W is the job's TrainConfig).
 
     Args:
-        arch_lr: peak AdamW lr of the architecture parameters (alpha, static theta).
+        arch_lr: peak AdamW lr of the architecture parameters (alpha, static theta); None: sized
+            from the budget so that the median gate logit reaches the threshold after about 40% of
+            the architecture steps (``alpha_init / (0.4 x arch steps)``, within [0.01, 0.3]).
         arch_lr_end: their lr at the end, as a share of ``arch_lr`` (a cosine between).
         arch_beta1: their Adam momentum (shorter than the weights' 0.9: less lag, less overshoot).
         lam: lambda of ``lambda * log cost`` (paper range 0.1-0.5) when no target is given.
@@ -78,7 +85,7 @@ class DCSSearchConfig(Config):
             it (reported); False: fail instead.
     """
 
-    arch_lr: float = 0.05
+    arch_lr: float | None = None
     arch_lr_end: float = 0.1
     arch_beta1: float = 0.5
     lam: float = 0.2
@@ -98,7 +105,8 @@ class DCSSearchConfig(Config):
     def __post_init__(self) -> None:
         if self.target_flops is not None:
             check_range("--target-flops", self.target_flops, 0, 1, lo_open=True)
-        check_range("--arch-lr", self.arch_lr, 0, lo_open=True)
+        if self.arch_lr is not None:
+            check_range("--arch-lr", self.arch_lr, 0, lo_open=True)
         check_range("arch_lr_end", self.arch_lr_end, 0, 1)
         check_range("arch_beta1", self.arch_beta1, 0, 1, hi_open=True)
         check_range("--lam", self.lam, 0)
@@ -350,6 +358,10 @@ class DCSSearchHooks(TrainHooks):
         self.steer = None if self.cfg.target_flops is None else LambdaSteer(
             self.cfg.target_flops, 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
         self.tau = self.cfg.tau0
+        # arch steps of the whole search (under torchrun each rank takes its shard: world x fewer steps)
+        arch_steps = self.epochs * math.ceil(len(self.a_idx) / (job.train.batch_size * distributed.world().size))
+        self.arch_lr = self.cfg.arch_lr if self.cfg.arch_lr is not None else min(0.3, max(
+            0.01, job.method.alpha_init / (0.4 * max(1, arch_steps))))
 
     def ratio(self, supernet: nn.Module) -> float:
         return self.cost.hard_macs(supernet, round_mlp=self.cfg.round_mlp) / self.cost.dense
@@ -359,7 +371,7 @@ class DCSSearchHooks(TrainHooks):
         # the architecture logits follow their own schedule (cosine from arch_lr to arch_lr_end x arch_lr,
         # so the controller still moves them at the end, ever more finely) and a short momentum (less
         # lag between lambda and the FLOPs, so less overshoot around the target)
-        return own_group(groups, self.arch_params, weight_decay=0.0, own_lr=self.cfg.arch_lr,
+        return own_group(groups, self.arch_params, weight_decay=0.0, own_lr=self.arch_lr,
                          own_lr_end=self.cfg.arch_lr_end, betas=(self.cfg.arch_beta1, 0.999))
 
     def batches(self, data, *, epoch, loader):
@@ -408,7 +420,7 @@ class DCSSearchHooks(TrainHooks):
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         for p in self.w_params + self.arch_params:
             p.requires_grad_(True)
-        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam}
+        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "arch_lr": self.arch_lr}
         if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
             if self.cfg.round_mlp:
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
@@ -436,7 +448,8 @@ class DCSSearchHooks(TrainHooks):
                 f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
                 f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
                 f"{self.cfg.max_val_drop:g} points; lower the weights' lr (--base-lr, now "
-                f"{self.job.train.peak_lr:.2g} peak) or --arch-lr, or raise --distill")
+                f"{self.job.train.peak_lr_for(world_size=distributed.world().size):.2g} peak) or --arch-lr, or raise "
+                f"--distill")
 
     def state_dict(self) -> dict[str, Any]:
         return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral}
@@ -493,6 +506,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
         job = job.replace(source=str(Path(job.source).resolve()))
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
+    device = distributed.init(job.train.device)
     prepare_out_dir(out, force=force, resume=resume)
     dense, base_arch, data_cfg = _build_source(job)
     spec = InputSpec.from_dict(base_arch["input"])
@@ -501,11 +515,14 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0)
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size))
-    dense.eval().requires_grad_(False)
+    dense.eval().requires_grad_(False).to(device)  # the W-steps' distillation teacher runs beside the supernet
     hooks = DCSSearchHooks(supernet, dense=dense if job.search.distill > 0 else None, cost=cost, job=job,
                            base_arch=base_arch, train_size=len(data.train))
-    create_out_dir(out, force=force, resume=resume)
-    write_json(out / "config.json", job.replace(data=data_cfg).to_dict())
+    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+    if distributed.is_main():
+        create_out_dir(out, force=force, resume=resume)
+        write_json(out / "config.json", job.replace(data=data_cfg).to_dict())
+    distributed.barrier()
     fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=hooks.arch(supernet, base_arch),
                       hooks=hooks, resume=resume)
     log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln]
@@ -517,7 +534,8 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
                    search_time_s=fit_metrics["train_time_s"], epoch_time_s=[r["epoch_time_s"] for r in log[1:]],
                    mlp_kept=last["mlp_kept"], qk_kept=last.get("qk_kept"), calibrated=bool(calib),
                    calibration=calib[-1] if calib else None, train_images=len(data.train), dataset=data.name)
-    write_json(out / "metrics.json", metrics)
+    if distributed.is_main():
+        write_json(out / "metrics.json", metrics)
     return metrics
 
 
