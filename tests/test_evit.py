@@ -256,3 +256,33 @@ def test_linearized_fused_token_in_training():
     out.sum().backward()
     with torch.no_grad():  # inference always uses the hard token
         torch.testing.assert_close(model.eval()(x), ref.eval()(x))
+
+
+def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run, monkeypatch):
+    """--resume continues the job recorded in OUT/config.json, whatever the other flags say, and
+    ends where an uninterrupted run ends."""
+    import nascompress
+    from nascompress.methods.evit import EViTHooks
+
+    args = ["finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--epochs", "2", "--train-limit", "128"]
+    assert invoke(*args, "--out", tmp_path / "full").exit_code == 0
+    real = EViTHooks.on_epoch_start
+
+    def crash(self, model, *, epoch):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real(self, model, epoch=epoch)
+
+    monkeypatch.setattr(EViTHooks, "on_epoch_start", crash)
+    assert invoke(*args, "--out", tmp_path / "cut").exit_code == 130
+    monkeypatch.setattr(EViTHooks, "on_epoch_start", real)
+    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.9", "--epochs", "5", "--out", tmp_path / "cut",
+               "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["epochs"] == 2
+    arch = json.loads((tmp_path / "cut" / "arch.json").read_text())
+    assert arch["methods"][-1]["config"]["keep_rate"] == 0.5
+    a = nascompress.load(tmp_path / "full" / "last.safetensors").state_dict()
+    b = nascompress.load(tmp_path / "cut" / "last.safetensors").state_dict()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k])

@@ -176,10 +176,8 @@ def test_stacks_with_token_pruning():
     orig = model.blocks[1].forward
     model.blocks[1].forward = lambda x, **kw: orig(x[:, :9])
     rep = count_flops(model, torch.randn(2, 1, 16, 16))
-    b = math.ceil(0.5 * 9)
     assert rep.blocks[2]["attn"] < count_flops(tiny(img=16, depth=3), torch.randn(2, 1, 16, 16)).blocks[2]["attn"]
     assert rep.blocks[1]["mlp"] == pytest.approx(9 * 2 * 32 * 128)
-    assert b == 5
 
 
 def test_save_load_roundtrip(tmp_path):
