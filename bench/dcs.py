@@ -317,7 +317,7 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=None,
                     help="val/test images for the search and every test top-1 here (default: all; dry runs only)")
     ap.add_argument("--target-flops", type=float, default=0.6)
-    ap.add_argument("--arch-lr", type=float, default=0.05)
+    ap.add_argument("--arch-lr", type=float, default=None, help="default: the search's (sized from the budget)")
     ap.add_argument("--qk-mask", default="static")
     ap.add_argument("--round-mlp", type=int, default=32, help="Close MLPs with < K channels (0: the paper as is).")
     ap.add_argument("--seed", type=int, default=0)

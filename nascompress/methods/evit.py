@@ -125,19 +125,21 @@ class EViTConfig(Config):
 
 @dataclass(frozen=True)
 class EViTRecipe(Config):
-    """EViT fine-tuning. The official fine-tune trains with a constant keep rate and no teacher;
-    for short budgets on pretrained weights the rate is shrunk with the official cosine schedule.
+    """EViT fine-tuning. As the official fine-tune of a pretrained model: the target keep rate from
+    the start (measured on DINOv2: 84.25% against 82.6% with the cosine shrink over half of a
+    1-epoch budget), no teacher.
 
     Args:
         shrink_start_epoch: epochs trained at keep rate 1 first.
-        shrink_epochs: length of the cosine from 1 to the target (None: half the epochs; 0: the
-            target from the start). Validation and the saved model always use the target.
+        shrink_epochs: length of the official cosine from 1 to the target (0: the target from the
+            start, the default; None: half the epochs, the schedule of training from scratch).
+            Validation and the saved model always use the target.
         linearized_temperature: train with the seed's linearized fused token (sigmoid steps).
         distill: weight of KL(student || dense teacher) added to CE (the paper uses none: 0).
     """
 
     shrink_start_epoch: float = 0.0
-    shrink_epochs: float | None = None
+    shrink_epochs: float | None = 0.0
     linearized_temperature: float | None = None
     distill: float = 0.0
 
