@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--dcs-epochs", type=int, default=1)
+    ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
     ap.add_argument("--target-flops", type=float, default=0.65)
     ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs")
     ap.add_argument("--iters", type=int, default=10, help="timed repetitions (medians)")
@@ -124,7 +125,8 @@ def main() -> None:
         search, mat, rt = runs / "dcs_search", runs / "dcs_mat", runs / "dcs_retrained"
         job = DCSSearchJob(source=str(dense.resolve()), out=str(search), method=DCSConfig(qk_mask="static"),
                            search=DCSSearchConfig(target_flops=a.target_flops),
-                           train=search_train_config(epochs=a.dcs_epochs, seed=a.seed), data=data)
+                           train=search_train_config(epochs=a.dcs_epochs, batch_size=a.dcs_batch_size, seed=a.seed),
+                           data=data)
         t0 = time.time()
         sm = search_dcs(job, force=True)
         entry["search"] = {"target_flops": a.target_flops, "flops_ratio": sm["flops_ratio"],

@@ -139,10 +139,6 @@ def _outer_search(kind: str, default_space: str):
         if json_out:
             print_json(res)
             return
-        prof = res.get("profile") or {}
-        if prof:
-            out.print(f"space profile: FLOPs ratio {prof['flops_ratio_min']:.3f}-{prof['flops_ratio_max']:.3f} "
-                      f"(median {prof['flops_ratio_median']:.3f}) over {prof['configurations']} spread configurations")
         out.print(f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
                   f"{len(res['front'])} on the front; see `nascompress study show {res['study']}`")
 

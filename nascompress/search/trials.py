@@ -484,6 +484,14 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
         raise NascompressError(f"no configuration of space {space.name!r} reaches --max-flops {job.max_flops}: its "
                                f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
+    if progress and profile:
+        from ..progress import console
+
+        console.print(f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
+                      f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
+                      f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
+                      + ("" if job.max_flops is None else f"; --max-flops {job.max_flops:g} is reachable"),
+                      highlight=False)
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
