@@ -75,20 +75,23 @@ def main() -> None:
     ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs")
     ap.add_argument("--iters", type=int, default=10, help="timed repetitions (medians)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the Debian package's)")
     a = ap.parse_args()
     runs = Path(a.runs)
     out = Path(a.out)
     res = json.loads(out.read_text()) if out.is_file() else {}
     res.update(machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-                        "torch": torch.__version__}, command=" ".join(sys.argv),
+                        "torch": torch.__version__,
+                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, command=" ".join(sys.argv),
                protocol={"train_images": a.train_limit, "eval_images": a.eval_limit, "epochs": a.epochs,
-                         "dcs_epochs": a.dcs_epochs, "img_size": 112, "dataset": "fashion-mnist"})
+                         "dcs_epochs": a.dcs_epochs, "img_size": 112, "dataset": "fashion-mnist",
+                         "data_dir": a.data_dir})
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         write_json(out, res)
 
-    data = DataConfig(dataset="fashion-mnist", train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=a.seed)
+    data = DataConfig(dataset="fashion-mnist", **({"data_dir": a.data_dir} if a.data_dir else {}), train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=a.seed)
     dense = runs / "dense"
     if not (dense / "metrics.json").is_file():
         t0 = time.time()
