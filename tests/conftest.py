@@ -36,3 +36,15 @@ def tiny_run(tmp_path_factory):
                    out=str(out))
     train(job)
     return out
+
+
+# A two-layer EViT search space for the tiny test models (search and pipeline tests).
+TINY_EVIT_SPACE = """
+format: nascompress-space/1
+name: tiny-evit
+methods:
+  - name: evit
+    params:
+      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
+      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
+"""

@@ -19,18 +19,10 @@ import nascompress
 from nascompress.pipeline import STEPS, load_config, plan
 from nascompress.profiling import count_flops
 
-from .conftest import FMNIST, invoke
+from .conftest import FMNIST, TINY_EVIT_SPACE, invoke
 
 REPO = Path(__file__).resolve().parents[1]
-SPACE = """
-format: nascompress-space/1
-name: tiny-evit
-methods:
-  - name: evit
-    params:
-      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
-      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
-"""
+SPACE = TINY_EVIT_SPACE
 
 
 def tiny_config() -> dict:

@@ -12,17 +12,9 @@ import torch
 import nascompress
 from nascompress.errors import NascompressError
 
-from .conftest import invoke
+from .conftest import TINY_EVIT_SPACE, invoke
 
-EVIT_SPACE = """
-format: nascompress-space/1
-name: tiny-evit
-methods:
-  - name: evit
-    params:
-      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
-      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
-"""
+EVIT_SPACE = TINY_EVIT_SPACE
 JOINT_SPACE = """
 format: nascompress-space/1
 name: tiny-joint
