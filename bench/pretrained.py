@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--dcs-epochs", type=int, default=1)
+    ap.add_argument("--retrain-epochs", type=int, default=None, help="DCS retraining epochs (default: --epochs)")
+    ap.add_argument("--reuse-search", action="store_true", help="reuse a finished DCS search in RUNS/dcs_search")
     ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
     ap.add_argument("--target-flops", type=float, default=0.65)
     ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs")
@@ -84,7 +86,7 @@ def main() -> None:
                         "torch": torch.__version__,
                         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, command=" ".join(sys.argv),
                protocol={"train_images": a.train_limit, "eval_images": a.eval_limit, "epochs": a.epochs,
-                         "dcs_epochs": a.dcs_epochs, "img_size": 112, "dataset": "fashion-mnist",
+                         "dcs_epochs": a.dcs_epochs, "retrain_epochs": a.retrain_epochs or a.epochs, "img_size": 112, "dataset": "fashion-mnist",
                          "data_dir": a.data_dir})
 
     def save() -> None:
@@ -131,16 +133,17 @@ def main() -> None:
                            train=search_train_config(epochs=a.dcs_epochs, batch_size=a.dcs_batch_size, seed=a.seed),
                            data=data)
         t0 = time.time()
-        sm = search_dcs(job, force=True)
+        reuse = a.reuse_search and (search / "metrics.json").is_file()
+        sm = read_json(search / "metrics.json") if reuse else search_dcs(job, force=True)
         entry["search"] = {"target_flops": a.target_flops, "flops_ratio": sm["flops_ratio"],
                            "calibrated": sm["calibrated"], "calibration": sm["calibration"], "mlp_kept": sm["mlp_kept"],
                            "qk_kept": sm["qk_kept"], "dense_val_top1": sm["dense_val_top1"],
                            "supernet_val_top1": sm["val_top1"], "train": job.train.to_dict(),
-                           "search": job.search.to_dict(), "wall_s": time.time() - t0, **log_summary(search)}
+                           "search": job.search.to_dict(), "wall_s": None if reuse else time.time() - t0, **log_summary(search)}
         materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
         before = evaluate_run(mat, split="val")
         entry["materialized"] = {"val_top1": before["top1"], "test_top1": evaluate_run(mat)["top1"]}
-        tc = retrain_train_config(epochs=a.epochs, seed=a.seed)
+        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
         t0 = time.time()
         m = retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=data, train=tc, retrain=RetrainConfig(eta=0.0),
                                teacher=str(dense)), force=True)
