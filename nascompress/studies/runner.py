@@ -517,6 +517,8 @@ class _Display:
     def __exit__(self, *exc: Any) -> None:
         if self.live is not None:
             self.live.stop()
+            if not self.live.console.is_terminal:  # a log file: its last render ends without a newline
+                self.live.console.line()
 
     def update(self, trials: Sequence[FrozenTrial]) -> None:
         counts: dict[str, int] = {}
