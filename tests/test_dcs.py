@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 import nascompress
+from nascompress.errors import NascompressError
 from nascompress.io import make_arch, save_model
 from nascompress.methods.dcs import (DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, materialize,
                                      selection)
@@ -423,3 +424,20 @@ def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert abs(metrics["flops_ratio"] / 0.6 - 1) <= 0.05 and not metrics["calibrated"]
     assert all(n == 0 or 4 <= n <= 32 - 4 or n == 32 for n in metrics["mlp_kept"]), metrics["mlp_kept"]
+
+
+def test_search_rescued_only_by_calibration_names_the_missing_steps():
+    """When the end-of-search threshold shift did the pruning (the gates never got near the target) and
+    that broke the model, the message says the search lacked steps, not that an lr was too high."""
+    from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks
+
+    hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what check() reads
+    hooks.cfg, hooks.arch_lr = DCSSearchConfig(target_flops=0.65), 0.3
+    start = {"epoch": 0, "val_top1": 86.05}
+    hooks.check({"epoch": 1, "val_top1": 85.0, "calibration": {"ratio_before": 1.0, "alpha_shift": 5.0}}, start)
+    with pytest.raises(NascompressError) as e:
+        hooks.check({"epoch": 1, "val_top1": 9.55, "calibration": {"ratio_before": 1.0, "alpha_shift": 5.0}}, start)
+    msg = str(e.value)
+    assert "from 86.05% (the dense model) to 9.55%" in msg
+    assert "move the FLOPs ratio from 1.000 to the target 0.65" in msg and "too few architecture steps" in msg
+    assert "--arch-lr (now 0.3)" in msg

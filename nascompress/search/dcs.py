@@ -444,10 +444,20 @@ class DCSSearchHooks(TrainHooks):
             return
         drop = start["val_top1"] - record["val_top1"]
         if drop > self.cfg.max_val_drop:
+            head = (f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
+                    f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
+                    f"{self.cfg.max_val_drop:g} points")
+            calib = record.get("calibration")
+            if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
+                # the gates did not get near the target by themselves: the end-of-search threshold shift
+                # did the pruning, blindly (one shift for every gate), which is what broke the model
+                raise NascompressError(
+                    f"{head}, after the end-of-search calibration had to move the FLOPs ratio from "
+                    f"{calib['ratio_before']:.3f} to the target {self.cfg.target_flops}: the search had too few "
+                    f"architecture steps to get there itself; give it more (--epochs, more --train-limit images, "
+                    f"a smaller --batch-size) or a larger --arch-lr (now {self.arch_lr:.3g})")
             raise NascompressError(
-                f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
-                f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
-                f"{self.cfg.max_val_drop:g} points; lower the weights' lr (--base-lr, now "
+                f"{head}; lower the weights' lr (--base-lr, now "
                 f"{self.job.train.peak_lr_for(world_size=distributed.world().size):.2g} peak) or --arch-lr, or raise "
                 f"--distill")
 
