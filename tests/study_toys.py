@@ -56,6 +56,9 @@ def _objective(trial: Any, *, sleep: float = 0.0, marker_dir: str | None = None,
     if sleep:
         time.sleep(sleep)
     acc, ratio = toy_values(x, mode)
+    import torch
+
+    trial.set_user_attr("torch_threads", torch.get_num_threads())
     record_trial(trial, arch=[{"name": "toy", "config": {"x": x, "mode": mode}}], flops=1e6 * ratio,
                  flops_ratio=ratio, params=1000 + trial.number, accuracy=acc,
                  latency_ms=1.0 + ratio if mode == "a" else None, throughput=None, wall_s=sleep, seed=0)

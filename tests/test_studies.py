@@ -18,6 +18,7 @@ from functools import partial
 
 import optuna
 import pytest
+import torch
 from optuna.trial import TrialState
 
 from nascompress.errors import NascompressError
@@ -190,6 +191,9 @@ def _check_two_workers(trials, enqueue):
         assert sum(t.params == cfg and t.state == TrialState.COMPLETE for t in trials) == 1
     pids = {t.system_attrs[WORKER_KEY]["pid"] for t in trials if t.state == TrialState.COMPLETE}
     assert len(pids) == 2 and os.getpid() not in pids
+    # the two workers split this machine's torch threads instead of each taking all of them
+    assert {t.user_attrs["torch_threads"] for t in trials if t.state == TrialState.COMPLETE} == {
+        max(1, torch.get_num_threads() // 2)}
 
 
 def test_two_workers_postgres(pg, tmp_path):
