@@ -118,8 +118,8 @@ def fashion_mnist(res: dict, *, base: Path, train_limit: int, eval_limit: int | 
                    "backbone frozen, distilled to the dense run, as `nascompress finetune --zero-shot` does). "
                    "zero_shot_untrained_predictors: DynamicViT with randomly initialised predictors, i.e. a random "
                    "token choice. finetuned: 1 epoch of nascompress.finetune on a seeded class-stratified subset of "
-                   "train_limit training images (EViT: CE, keep rate cosine from 1 to its target over the first half "
-                   "epoch; DynamicViT: CE + 0.5 KL + 0.5 token MSE + 2 ratio loss against the dense run, predictors "
+                   "train_limit training images (EViT: CE at its target keep rate from the first "
+                   "step; DynamicViT: CE + 0.5 KL + 0.5 token MSE + 2 ratio loss against the dense run, predictors "
                    "at lr, backbone at 0.01 lr); fit evaluates the start first and keeps it if training only hurt "
                    "(kept_start). Test top-1 on the same seeded class-stratified test subset as dense_test_top1. "
                    "FLOPs per image (MACs).")
