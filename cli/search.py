@@ -147,8 +147,10 @@ def _outer_search(kind: str, default_space: str):
     return command
 
 
-search_app.command("tokens")(_outer_search("tokens", "search_spaces/evit.yaml"))
-search_app.command("joint")(_outer_search("joint", "search_spaces/joint.yaml"))
+# the project's shipped spaces, wherever the command runs from (setup.sh installs the checkout in place)
+SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+search_app.command("tokens")(_outer_search("tokens", str(SPACES / "evit.yaml")))
+search_app.command("joint")(_outer_search("joint", str(SPACES / "joint.yaml")))
 
 
 def register(app: typer.Typer) -> None:
