@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -48,3 +49,19 @@ methods:
       prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
       keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
 """
+
+
+@contextmanager
+def interrupted_at_epoch(hooks_cls, at: int = 1):
+    """Inside the block, ``hooks_cls.on_epoch_start`` raises KeyboardInterrupt (a Ctrl-C) when epoch
+    ``at`` starts; the hooks are restored on leaving it."""
+    real = hooks_cls.on_epoch_start
+
+    def crash(self, model, *, epoch):
+        if epoch == at:
+            raise KeyboardInterrupt
+        return real(self, model, epoch=epoch)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hooks_cls, "on_epoch_start", crash)
+        yield

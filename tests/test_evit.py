@@ -17,7 +17,7 @@ from nascompress.methods import get_method
 from nascompress.methods.evit import evit_prune, fused_token_hard, fused_token_linearized, shrink_at
 from nascompress.methods.tokens import scale_layers
 
-from .conftest import invoke
+from .conftest import interrupted_at_epoch, invoke
 
 
 def tiny(**kw):
@@ -258,7 +258,7 @@ def test_linearized_fused_token_in_training():
         torch.testing.assert_close(model.eval()(x), ref.eval()(x))
 
 
-def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run, monkeypatch):
+def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run):
     """--resume continues the job recorded in OUT/config.json, whatever the other flags say, and
     ends where an uninterrupted run ends."""
     import nascompress
@@ -266,16 +266,8 @@ def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run, monkeypa
 
     args = ["finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--epochs", "2", "--train-limit", "128"]
     assert invoke(*args, "--out", tmp_path / "full").exit_code == 0
-    real = EViTHooks.on_epoch_start
-
-    def crash(self, model, *, epoch):
-        if epoch == 1:
-            raise KeyboardInterrupt
-        return real(self, model, epoch=epoch)
-
-    monkeypatch.setattr(EViTHooks, "on_epoch_start", crash)
-    assert invoke(*args, "--out", tmp_path / "cut").exit_code == 130
-    monkeypatch.setattr(EViTHooks, "on_epoch_start", real)
+    with interrupted_at_epoch(EViTHooks):
+        assert invoke(*args, "--out", tmp_path / "cut").exit_code == 130
     r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.9", "--epochs", "5", "--out", tmp_path / "cut",
                "--resume", "--json")
     assert r.exit_code == 0, r.output

@@ -18,6 +18,8 @@ from nascompress.models import build_model, custom_vit_spec
 from nascompress.retrain import FeatureTap, IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain
 from nascompress.train import TrainConfig, input_spec_for
 
+from .conftest import interrupted_at_epoch
+
 
 # a compression record whose method changes nothing (EViT at keep rate 1): retrain needs a compressed model
 NOOP = {"name": "evit", "config": {"keep_rate": 1.0}}
@@ -148,21 +150,12 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     assert json.loads(res.stdout)["top1"] == pytest.approx(metrics["test_top1"])
 
 
-def test_resume_replays_an_interrupted_run(tmp_path, monkeypatch):
+def test_resume_replays_an_interrupted_run(tmp_path):
     src = make_model_dir(tmp_path / "compressed")
     full = retrain(quick_job(src, tmp_path / "full"))
     job = quick_job(src, tmp_path / "cut")
-    original = IBHooks.on_epoch_start
-
-    def interrupt(self, model, *, epoch):
-        if epoch == 1:
-            raise KeyboardInterrupt
-        return original(self, model, epoch=epoch)
-
-    monkeypatch.setattr(IBHooks, "on_epoch_start", interrupt)
-    with pytest.raises(KeyboardInterrupt):
+    with interrupted_at_epoch(IBHooks), pytest.raises(KeyboardInterrupt):
         retrain(job)
-    monkeypatch.setattr(IBHooks, "on_epoch_start", original)
     assert len((tmp_path / "cut" / "log.jsonl").read_text().splitlines()) == 2  # the start + epoch 1
     resumed = retrain(replace(job, train=replace(job.train, epochs=99)), resume=True)  # config.json wins
     assert resumed["epochs"] == 2
