@@ -384,10 +384,12 @@ def test_lambda_steer_is_a_signed_pi_controller():
     from nascompress.search.dcs import LambdaSteer
 
     s = LambdaSteer(target=0.5, integral=0.0, gain=2.0, rate=0.1, lam_max=5.0)
-    assert s.update(1.0) == pytest.approx(0.1 + 2.0)  # above target: push FLOPs down
+    # every gate still open (ratio 1): proportional push only, the integral does not wind up
+    assert [s.update(1.0) for _ in range(50)] == [pytest.approx(2.0)] * 50 and s.integral == 0.0
+    assert s.update(0.75) == pytest.approx(0.05 + 1.0)  # some gates closed, above target: integrates
     lams = [s.update(0.25) for _ in range(20)]  # below target: lambda falls, then turns negative (reopen)
-    assert lams[0] < 2.1 and lams[-1] < 0 and all(b <= a for a, b in zip(lams, lams[1:]))
-    assert all(abs(s.update(100.0)) <= 5.0 for _ in range(100))  # clipped, no wind-up beyond lam_max
+    assert lams[0] < 1.05 and lams[-1] < 0 and all(b <= a for a, b in zip(lams, lams[1:]))
+    assert all(abs(s.update(0.9)) <= 5.0 for _ in range(200)) and s.integral == 5.0  # clipped at lam_max
 
 
 def test_calibrate_lands_on_target():
