@@ -46,6 +46,9 @@ def dcs(
         help="Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for).")] = 0,
     no_calibrate: Annotated[bool, typer.Option(
         "--no-calibrate", help="Fail instead of shifting the gate threshold when the search ends off target.")] = False,
+    no_grad_balance: Annotated[bool, typer.Option(
+        "--no-grad-balance", help="Keep lambda in absolute units (by default, with --target-flops, the cost term is "
+                                  "scaled up where the CE gradient per gate outweighs it, as on pretrained models).")] = False,
     train_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N training images.")] = None,
     eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
@@ -66,7 +69,8 @@ def dcs(
     def build() -> DCSSearchJob:
         cfg = DCSSearchConfig(arch_lr=arch_lr, lam=lam, entropy_weight=entropy_weight, tau0=tau0,
                               target_flops=target_flops, round_mlp=round_mlp, distill=distill,
-                              max_val_drop=max_val_drop, calibrate=not no_calibrate)
+                              max_val_drop=max_val_drop, calibrate=not no_calibrate,
+                              grad_balance=not no_grad_balance)
         tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                  warmup_epochs=warmup_epochs, seed=seed, device=device)
         tc = tc.replace(layer_decay=None if not layer_decay or layer_decay == 1 else layer_decay)

@@ -259,6 +259,9 @@ def test_search_lands_on_target_by_itself_and_logs(searched):
     assert arch["methods"][-1]["stage"] == "supernet" and len(arch["methods"][-1]["blocks"]) == 2
     assert json.loads((searched / "config.json").read_text())["data"]["train_limit"] == 480
     assert log[1]["lam"] > 0  # the supernet starts above the target: lambda is steered up
+    bal = log[1]["grad_balance"]  # measured once, at the first arch-step, and applied from then on
+    assert bal["ce_grad_median"] > 0 and bal["cost_grad_median"] > 0 and "grad_balance" not in log[2]
+    assert log[1]["lam_scale"] == log[2]["lam_scale"] == pytest.approx(max(1.0, bal["ce_grad_median"] / bal["cost_grad_median"]))
     assert metrics["dense_val_top1"] == log[0]["val_top1"]
 
 
@@ -426,6 +429,22 @@ def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert abs(metrics["flops_ratio"] / 0.6 - 1) <= 0.05 and not metrics["calibrated"]
     assert all(n == 0 or 4 <= n <= 32 - 4 or n == 32 for n in metrics["mlp_kept"]), metrics["mlp_kept"]
+
+
+def test_grad_balance_scales_the_cost_where_ce_outweighs_it():
+    """lam_scale = max(1, median |dCE/dlogit| / median |d log cost/dlogit|), from gradients alone."""
+    from nascompress.search.dcs import DCSSearchHooks
+
+    hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what grad_balance() reads
+    alpha, theta = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(2))
+    hooks.arch_params = [alpha, theta]
+    w = torch.tensor([1.0, 2.0, 3.0, 4.0, 50.0])  # median |dCE/dalpha, dCE/dtheta| over the 7 logits: 4
+    ce = (w * alpha).sum() + (torch.tensor([-6.0, 9.0]) * theta).sum()
+    cost = (0.05 * alpha).sum() + (0.05 * theta).sum()  # median 0.05
+    assert hooks.grad_balance(ce, cost) == pytest.approx(4.0 / 0.05)
+    assert hooks.balance == {"ce_grad_median": pytest.approx(4.0), "cost_grad_median": pytest.approx(0.05)}
+    assert hooks.grad_balance(0.01 * ce, cost) == 1.0  # the cost already outweighs CE: lambda as it is
+    assert alpha.grad is None  # read, not accumulated
 
 
 def test_search_rescued_only_by_calibration_names_the_missing_steps():

@@ -19,7 +19,9 @@ layer decay) and the architecture parameters at their own larger, constant lr (`
 With ``target_flops`` lambda is steered after every arch-step by :class:`LambdaSteer`, a PI
 controller on ``ratio / target - 1`` where ratio is the exact FLOPs of the hard architecture as
 it will be materialized (``round_mlp`` applied); lambda is then the Lagrange multiplier of the
-target and turns negative below it (see :class:`LambdaSteer`). The gate logits start open,
+target and turns negative below it (see :class:`LambdaSteer`); where the CE gradient per gate
+outweighs the cost's (pretrained models), the cost term is scaled up by that ratio, measured once
+at the first arch-step (``grad_balance``). The gate logits start open,
 spread by weight-magnitude importance (:class:`~nascompress.methods.dcs.DCSConfig`), so channels
 reach the threshold one by one rather than all at once. A
 search that lands outside the band is reported; with ``calibrate`` (default) the gate threshold is
@@ -66,7 +68,7 @@ class DCSSearchConfig(Config):
     Args:
         arch_lr: peak AdamW lr of the architecture parameters (alpha, static theta); None: sized
             from the budget so that the median gate logit reaches the threshold after about 40% of
-            the architecture steps (``alpha_init / (0.4 x arch steps)``, within [0.01, 0.3]).
+            the architecture steps (``alpha_init / (0.4 x arch steps)``, within [0.01, 0.5]).
         arch_lr_end: their lr at the end, as a share of ``arch_lr`` (a cosine between).
         arch_beta1: their Adam momentum (shorter than the weights' 0.9: less lag, less overshoot).
         lam: lambda of ``lambda * log cost`` (paper range 0.1-0.5) when no target is given.
@@ -83,6 +85,15 @@ class DCSSearchConfig(Config):
         max_val_drop: stop when validation top-1 falls more than this many points below the dense model's.
         calibrate: if the last epoch ends outside the band, shift the gate threshold to land inside
             it (reported); False: fail instead.
+        grad_balance: with a target, measure lambda in units of the CE gradient: at the first
+            architecture step the median |d CE / d logit| over every gate is compared with the
+            median |d log cost / d logit|, and where CE is the larger by r > 1 the cost term is
+            multiplied by r (``lam_scale``, logged). Why: the controller's lambda range was set on
+            a small model trained from scratch, where the cost gradient per gate is about twice the
+            CE gradient (r = 0.45 on the Fashion-MNIST base: scale 1, unchanged); on a pretrained
+            model CE outweighs it (r = 44 on DINOv2 ViT-S/14 at 112 px: 384 gates per block, and
+            a confident model's CE is sharp), so no lambda in range moved a gate and the search
+            did nothing.
     """
 
     arch_lr: float | None = None
@@ -101,6 +112,7 @@ class DCSSearchConfig(Config):
     distill: float = 0.5
     max_val_drop: float = 15.0
     calibrate: bool = True
+    grad_balance: bool = True
 
     def __post_init__(self) -> None:
         if self.target_flops is not None:
@@ -363,9 +375,11 @@ class DCSSearchHooks(TrainHooks):
         self.steer = None if self.cfg.target_flops is None else LambdaSteer(
             self.cfg.target_flops, 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
         self.tau = self.cfg.tau0
+        self.lam_scale: float | None = None if (self.steer is not None and self.cfg.grad_balance) else 1.0
+        self.balance: dict[str, float] | None = None
         # arch steps of the whole search (under torchrun each rank takes its shard: world x fewer steps)
         arch_steps = self.epochs * math.ceil(len(self.a_idx) / (job.train.batch_size * distributed.world().size))
-        self.arch_lr = self.cfg.arch_lr if self.cfg.arch_lr is not None else min(0.3, max(
+        self.arch_lr = self.cfg.arch_lr if self.cfg.arch_lr is not None else min(0.5, max(
             0.01, job.method.alpha_init / (0.4 * max(1, arch_steps))))
 
     def ratio(self, supernet: nn.Module) -> float:
@@ -415,8 +429,25 @@ class DCSSearchHooks(TrainHooks):
         log_cost = torch.log(self.cost.soft_macs(model) / self.cost.dense)
         soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
         ent = binary_entropy(torch.cat(soft)) if soft else torch.zeros((), device=x.device)
-        loss = ce + self.lam * log_cost + self.cfg.entropy_weight * ent
+        if self.lam_scale is None:  # the first arch-step: measure the balance on its own graph
+            self.lam_scale = self.grad_balance(ce, log_cost)
+        loss = ce + self.lam_scale * self.lam * log_cost + self.cfg.entropy_weight * ent
         return loss, {"ce_a": ce.item(), "log_cost": log_cost.item(), "entropy": ent.item()}
+
+    def grad_balance(self, ce: torch.Tensor, log_cost: torch.Tensor) -> float:
+        """``max(1, r)``, r = median |d CE / d logit| / median |d log cost / d logit| over every gate
+        (medians averaged over the processes, so every one uses the same scale); see
+        :attr:`DCSSearchConfig.grad_balance`. Reads gradients only: no extra forward, no RNG draw."""
+        params = [p for p in self.arch_params if p.requires_grad]
+        med = []
+        for out in (ce, log_cost):
+            grads = torch.autograd.grad(out, params, retain_graph=True, allow_unused=True)
+            g = [t.detach().abs().flatten() for t in grads if t is not None]
+            med.append(float(torch.cat(g).median()) if g else 0.0)
+        world = distributed.world().size
+        ce_med, cost_med = (v / world for v in distributed.all_sum(med))
+        self.balance = {"ce_grad_median": ce_med, "cost_grad_median": cost_med}
+        return max(1.0, ce_med / cost_med) if cost_med > 0 else 1.0
 
     def after_step(self, model: nn.Module, tag: Any) -> None:
         if tag == "a" and self.steer is not None:
@@ -425,7 +456,9 @@ class DCSSearchHooks(TrainHooks):
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         for p in self.w_params + self.arch_params:
             p.requires_grad_(True)
-        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "arch_lr": self.arch_lr}
+        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "lam_scale": self.lam_scale, "arch_lr": self.arch_lr}
+        if self.balance is not None:
+            rec["grad_balance"], self.balance = self.balance, None
         if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
             if self.cfg.round_mlp:
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
@@ -467,10 +500,13 @@ class DCSSearchHooks(TrainHooks):
                 f"--distill")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral}
+        return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral,
+                "lam_scale": self.lam_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lam = state.get("lam", self.lam)
+        if state.get("lam_scale") is not None:
+            self.lam_scale = state["lam_scale"]
         if self.steer is not None and state.get("integral") is not None:
             self.steer.integral = state["integral"]
 
