@@ -59,7 +59,7 @@ def show(s: dict) -> None:
     rows = dcs_rows(s)
     if rows:
         d = Table(title="DCS: channels kept per block")
-        for col in ("block", "MLP channels", "Q/K channels per head"):
+        for col in ("block", "MLP residual channels", "Q/K channels per head"):
             d.add_column(col, justify="right")
         for row in rows:
             d.add_row(*row)

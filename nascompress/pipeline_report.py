@@ -55,7 +55,7 @@ def _method_summary(rec: dict[str, Any]) -> str:
 def _dcs_decisions(out: Path, dcs_rec: dict[str, Any], dense: Any) -> dict[str, Any]:
     blocks = []
     for j, (blk, b) in enumerate(zip(dense.blocks, dcs_rec.get("blocks") or [])):
-        c = blk.mlp.fc1.out_features
+        c = blk.mlp.fc1.in_features  # DCS gates the MLP's residual (input/output) channels, not its hidden units
         blocks.append({"block": j + 1, "mlp_kept": c if b.get("mlp_keep") is None else len(b["mlp_keep"]),
                        "mlp_total": c,
                        "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
@@ -251,7 +251,7 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
     if dcs:
         cal = " (threshold calibrated)" if dcs.get("calibrated") else ""
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
-        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP channels kept "
+        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP residual channels kept "
                      f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
     tok = dec.get("tokens")
     if tok:
@@ -305,7 +305,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
     rows = dcs_rows(s)
     if rows:
         parts += ["<h3>DCS: channels kept per block</h3>",
-                  _table(["block", "MLP channels", "Q/K channels per head"], rows, "dcs-blocks")]
+                  _table(["block", "MLP residual channels", "Q/K channels per head"], rows, "dcs-blocks")]
     methods = s["decisions"].get("tokens", {}).get("methods") or []
     if methods:
         rows2 = [(m["name"], m["summary"].split(": ", 1)[-1]) for m in methods]
