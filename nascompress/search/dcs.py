@@ -90,10 +90,9 @@ class DCSSearchConfig(Config):
             median |d log cost / d logit|, and where CE is the larger by r > 1 the cost term is
             multiplied by r (``lam_scale``, logged). Why: the controller's lambda range was set on
             a small model trained from scratch, where the cost gradient per gate is about twice the
-            CE gradient (r = 0.45 on the Fashion-MNIST base: scale 1, unchanged); on a pretrained
-            model CE outweighs it (r = 44 on DINOv2 ViT-S/14 at 112 px: 384 gates per block, and
-            a confident model's CE is sharp), so no lambda in range moved a gate and the search
-            did nothing.
+            CE gradient (r = 0.55 on the Fashion-MNIST base: scale 1, unchanged); on a pretrained
+            model CE outweighs it (r = 49.7 on DINOv2 ViT-S/14 at 112 px), so no lambda in range
+            moved a gate and the search did nothing.
     """
 
     arch_lr: float | None = None
