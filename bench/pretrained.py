@@ -9,7 +9,10 @@ library's DEFAULT recipes (nothing tuned here) and a short budget on the same 10
 * EViT keep rate 0.7, DynamicViT rho 0.7, Sparsifiner keep 0.5: zero-shot (after the method's
   predictor-only stage where it has one) and fine-tuned (``finetune``, ``--epochs``);
 * DCS: ``search dcs`` at ``--target-flops`` (static Q/K masks), ``materialize``, then
-  ``retrain`` (CE + KL to the dense model) for ``--epochs``.
+  ``retrain`` (CE + KL to the dense model) for ``--epochs``;
+* uniform (``--methods uniform``, not in the default list): magnitude pruning of every block's MLP
+  hidden neurons and Q/K channels to ``--target-flops`` (the Torch-Pruning-style baseline of
+  ``methods.uniform``), then the same retraining as DCS.
 
 For each: validation and test top-1 (seeded, class-balanced 2,000-image subsets, the dense run's
 ``--eval-limit``), the start (epoch 0) and best epoch of every training, FLOPs (the profiler,
@@ -21,6 +24,7 @@ and latency at batch 1 against the dense model, interleaved in one process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -34,13 +38,16 @@ import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.io import load_with_arch, save_model  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig  # noqa: E402
+from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config  # noqa: E402
 from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
-from nascompress.utils import read_json, write_json  # noqa: E402
+from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
 
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
 
@@ -66,7 +73,8 @@ def main() -> None:
     ap.add_argument("--weights", required=True, help="dinov2_to_timm.py output at 112 px")
     ap.add_argument("--runs", default="runs/pretrained")
     ap.add_argument("--out", default="bench/results/pretrained.json")
-    ap.add_argument("--train-limit", type=int, default=10000)
+    ap.add_argument("--train-limit", type=int, default=10000,
+                    help="training images of every fine-tune, search and retraining (and of the dense probe if it is trained here)")
     ap.add_argument("--eval-limit", type=int, default=2000)
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--dcs-epochs", type=int, default=1)
@@ -74,20 +82,25 @@ def main() -> None:
     ap.add_argument("--reuse-search", action="store_true", help="reuse a finished DCS search in RUNS/dcs_search")
     ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
     ap.add_argument("--target-flops", type=float, default=0.65)
-    ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs")
+    ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs",
+                    help="comma list of evit, dynamicvit, sparsifiner, dcs, uniform (magnitude pruning at --target-flops)")
     ap.add_argument("--iters", type=int, default=10, help="timed repetitions (medians)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--speed-only", action="store_true",
+                    help="only re-measure FLOPs and speed of the finished runs of --methods against dense (on a quiet machine)")
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the Debian package's)")
     a = ap.parse_args()
     runs = Path(a.runs)
     out = Path(a.out)
     res = json.loads(out.read_text()) if out.is_file() else {}
-    res.update(machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-                        "torch": torch.__version__,
-                        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}, command=" ".join(sys.argv),
-               protocol={"train_images": a.train_limit, "eval_images": a.eval_limit, "epochs": a.epochs,
-                         "dcs_epochs": a.dcs_epochs, "retrain_epochs": a.retrain_epochs or a.epochs, "img_size": 112, "dataset": "fashion-mnist",
-                         "data_dir": a.data_dir})
+    if not a.speed_only:  # a speed re-measure keeps the protocol of the runs it measures
+        res.update(machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+                            "torch": torch.__version__,
+                            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
+                   command=" ".join(sys.argv),
+                   protocol={"train_images": a.train_limit, "eval_images": a.eval_limit, "epochs": a.epochs,
+                             "dcs_epochs": a.dcs_epochs, "retrain_epochs": a.retrain_epochs or a.epochs, "img_size": 112,
+                             "dataset": "fashion-mnist", "data_dir": a.data_dir})
 
     def save() -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -106,23 +119,62 @@ def main() -> None:
                     "feature_time_s": dm.get("feature_time_s"), "fit_time_s": dm.get("fit_time_s")}
     save()
 
+    if a.speed_only:
+        for name in a.methods.split(","):
+            run = runs / (f"{name}_retrained" if name in ("dcs", "uniform") else f"{name}_finetuned")
+            res.setdefault(name, {})["speed"] = {**speed(dense, run, a.iters), "command": " ".join(sys.argv),
+                                                 "cpu_threads": torch.get_num_threads()}
+            save()
+            print(name, json.dumps(res[name]["speed"]))
+        return
+
     for name in [m for m in a.methods.split(",") if m in TOKEN_METHODS]:
         entry = res.setdefault(name, {"config": TOKEN_METHODS[name]})
         zs = runs / f"{name}_zero_shot"
         t0 = time.time()
-        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(zs),
+        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(zs), data=data,
                                  zero_shot=True, train=finetune_train_config(name, seed=a.seed)), force=True)
         entry["zero_shot"] = {"val_top1": m["val_top1"], "test_top1": m["test_top1"],
                               "calibration": m.get("calibration"), "wall_s": time.time() - t0}
         ft = runs / f"{name}_finetuned"
         tc = finetune_train_config(name, epochs=a.epochs, seed=a.seed)
         t0 = time.time()
-        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(ft), train=tc),
-                     force=True)
+        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(ft), data=data,
+                                 train=tc), force=True)
         entry["finetuned"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
                               "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
                               **log_summary(ft)}
         entry["speed"] = speed(dense, ft, a.iters)
+        save()
+
+    if "uniform" in a.methods.split(","):
+        # The Torch-Pruning-style baseline at the DCS target: every block keeps the same share of its
+        # MLP hidden neurons and of each head's Q/K channels (group L2 magnitude), then the same
+        # retraining as DCS. It tells whether a short budget can recover a pretrained ViT pruned to
+        # this FLOPs ratio at all, and whether DCS's residual-channel structure is what breaks it.
+        entry = res.setdefault("uniform", {})
+        uni, rt = runs / "uniform", runs / "uniform_retrained"
+        model, arch = load_with_arch(dense)
+        x1 = torch.randn(1, 3, 112, 112)
+        keep = keep_for_flops(model, a.target_flops, x1, qk=True)
+        pruned, record = get_method("uniform").prepare_fresh(model, UniformConfig(keep=keep, qk=True))
+        prepare_out_dir(uni, force=True)
+        create_out_dir(uni, force=True)
+        save_model(uni, pruned.eval(), {**arch, "methods": [record]})
+        write_json(uni / "config.json", {"data": dataclasses.asdict(data), "uniform": {"keep": keep, "qk": True,
+                                                                           "target_flops_ratio": a.target_flops}})
+        entry["pruned"] = {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in record["blocks"]],
+                           "qk_kept_per_head": [len(b["qk_keep"][0]) for b in record["blocks"]],
+                           "val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        save()
+        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
+        t0 = time.time()
+        m = retrain(RetrainJob(model_dir=str(uni), out=str(rt), data=data, train=tc, retrain=RetrainConfig(eta=0.0),
+                               teacher=str(dense)), force=True)
+        entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
+                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
+                              **log_summary(rt)}
+        entry["speed"] = speed(dense, rt, a.iters)
         save()
 
     if "dcs" in a.methods.split(","):
