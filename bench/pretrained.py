@@ -119,6 +119,17 @@ def main() -> None:
                     "feature_time_s": dm.get("feature_time_s"), "fit_time_s": dm.get("fit_time_s")}
     save()
 
+    def retrain_and_time(entry: dict, model_dir: Path, rt: Path) -> None:
+        """The retraining every pruned model gets here (CE + KL to the dense model), then its speed."""
+        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
+        t0 = time.time()
+        m = retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=data, train=tc,
+                               retrain=RetrainConfig(eta=0.0), teacher=str(dense)), force=True)
+        entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
+                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
+                              **log_summary(rt)}
+        entry["speed"] = speed(dense, rt, a.iters)
+
     if a.speed_only:
         for name in a.methods.split(","):
             run = runs / (f"{name}_retrained" if name in ("dcs", "uniform") else f"{name}_finetuned")
@@ -167,14 +178,7 @@ def main() -> None:
                            "qk_kept_per_head": [len(b["qk_keep"][0]) for b in record["blocks"]],
                            "val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
         save()
-        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
-        t0 = time.time()
-        m = retrain(RetrainJob(model_dir=str(uni), out=str(rt), data=data, train=tc, retrain=RetrainConfig(eta=0.0),
-                               teacher=str(dense)), force=True)
-        entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
-                              **log_summary(rt)}
-        entry["speed"] = speed(dense, rt, a.iters)
+        retrain_and_time(entry, uni, rt)
         save()
 
     if "dcs" in a.methods.split(","):
@@ -195,14 +199,7 @@ def main() -> None:
         materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
         before = evaluate_run(mat, split="val")
         entry["materialized"] = {"val_top1": before["top1"], "test_top1": evaluate_run(mat)["top1"]}
-        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
-        t0 = time.time()
-        m = retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=data, train=tc, retrain=RetrainConfig(eta=0.0),
-                               teacher=str(dense)), force=True)
-        entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
-                              **log_summary(rt)}
-        entry["speed"] = speed(dense, rt, a.iters)
+        retrain_and_time(entry, mat, rt)
         save()
     print(json.dumps({k: v for k, v in res.items() if k not in ("machine",)}, indent=1)[:4000])
 
