@@ -195,7 +195,8 @@ def main() -> None:
                            "calibrated": sm["calibrated"], "calibration": sm["calibration"], "mlp_kept": sm["mlp_kept"],
                            "qk_kept": sm["qk_kept"], "dense_val_top1": sm["dense_val_top1"],
                            "supernet_val_top1": sm["val_top1"], "train": job.train.to_dict(),
-                           "search": job.search.to_dict(), "wall_s": None if reuse else time.time() - t0, **log_summary(search)}
+                           "search": job.search.to_dict(), "wall_s": None if reuse else time.time() - t0,
+                           "init": sm.get("init"), "init_kl": sm.get("init_kl"), **log_summary(search)}
         materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
         before = evaluate_run(mat, split="val")
         entry["materialized"] = {"val_top1": before["top1"], "test_top1": evaluate_run(mat)["top1"]}

@@ -49,6 +49,9 @@ def dcs(
     no_grad_balance: Annotated[bool, typer.Option(
         "--no-grad-balance", help="Keep lambda in absolute units (by default, with --target-flops, the cost term is "
                                   "scaled up where the CE gradient per gate outweighs it, as on pretrained models).")] = False,
+    init_importance: Annotated[str, typer.Option(
+        help="What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
+             "(the one whose 20%-pruned model stays closer to the dense model).")] = "auto",
     train_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N training images.")] = None,
     eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
@@ -70,7 +73,7 @@ def dcs(
         cfg = DCSSearchConfig(arch_lr=arch_lr, lam=lam, entropy_weight=entropy_weight, tau0=tau0,
                               target_flops=target_flops, round_mlp=round_mlp, distill=distill,
                               max_val_drop=max_val_drop, calibrate=not no_calibrate,
-                              grad_balance=not no_grad_balance)
+                              grad_balance=not no_grad_balance, init_importance=init_importance)
         tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                  warmup_epochs=warmup_epochs, seed=seed, device=device)
         tc = tc.replace(layer_decay=None if not layer_decay or layer_decay == 1 else layer_decay)

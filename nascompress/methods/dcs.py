@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -270,23 +270,87 @@ def channel_importance(blk: NCBlock) -> tuple[torch.Tensor, torch.Tensor]:
     return mlp, qk
 
 
-def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0) -> VisionTransformer:
-    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys. The gate
-    logits start open, spread by weight-magnitude importance (``cfg.init_spread``)."""
+@torch.no_grad()
+def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Data-driven importance of every block's channels, measured on ``batches`` of (preprocessed)
+    images through the dense ``model`` (eval mode): per residual channel c, its share of the MLP's
+    input (rms of LN2's output c x ||fc1 column c||, normalised to sum 1 over the block) plus its
+    share of the MLP's output (rms of the written channel c after ls2, normalised likewise); per
+    Q/K channel, rms(q) x rms(k). Per block ``(mlp (C,), qk (H, d))``, as :func:`channel_importance`.
+
+    Why: on a pretrained model weight magnitudes say little about what the channels carry. On
+    DINOv2 ViT-S/14 (112 px, Fashion-MNIST probe, 85.3% on 600 validation images) dropping the
+    20% least important residual channels of every MLP gave 11.3% by weight magnitude and 55.5%
+    by this score; on the Fashion-MNIST base trained from scratch the two are within a point
+    (88.2% and 87.5%, dense 89.0%)."""
     check_supported(model)
-    for blk in model.blocks:
-        mlp_imp, qk_imp = channel_importance(blk)
+    n, acc = [0], [dict(h2=0.0, y2=0.0, q2=0.0, k2=0.0) for _ in model.blocks]
+
+    def mlp_hook(i: int, blk: nn.Module):
+        def hook(mod, inp, out):
+            h = inp[0].flatten(0, -2).float()
+            acc[i]["h2"] = acc[i]["h2"] + (h * h).sum(0)
+            y = blk.ls2(out).flatten(0, -2).float()
+            acc[i]["y2"] = acc[i]["y2"] + (y * y).sum(0)
+        return hook
+
+    def qkv_hook(i: int, a: NCAttention):
+        def hook(mod, inp, out):
+            o = out.flatten(0, -2).float()
+            q, k = o[:, :a.attn_dim], o[:, a.attn_dim:2 * a.attn_dim]
+            acc[i]["q2"] = acc[i]["q2"] + (q * q).sum(0)
+            acc[i]["k2"] = acc[i]["k2"] + (k * k).sum(0)
+        return hook
+
+    handles = []
+    for i, blk in enumerate(model.blocks):
+        handles.append(blk.mlp.register_forward_hook(mlp_hook(i, blk)))
+        handles.append(blk.attn.qkv.register_forward_hook(qkv_hook(i, blk.attn)))
+    was_training = model.training
+    model.eval()
+    try:
+        for x in batches:
+            model(x)
+            n[0] += x.shape[0] * (int(model.patch_embed.num_patches) + int(model.num_prefix_tokens))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if not n[0]:
+        raise NascompressError("activation importance needs at least one batch of images")
+    out = []
+    for blk, a in zip(model.blocks, acc):
+        inp = (a["h2"] / n[0]).sqrt() * blk.mlp.fc1.weight.detach().float().norm(dim=0)
+        outp = (a["y2"] / n[0]).sqrt()
+        mlp = inp / inp.sum().clamp_min(1e-12) + outp / outp.sum().clamp_min(1e-12)
+        att = blk.attn
+        qk = ((a["q2"] / n[0]).sqrt() * (a["k2"] / n[0]).sqrt()).reshape(att.num_heads, att.head_dim)
+        out.append((mlp, qk))
+    return out
+
+
+def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0,
+                  importance: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> VisionTransformer:
+    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys. The gate
+    logits start open, spread by importance (``cfg.init_spread``): ``importance`` per block
+    (e.g. :func:`activation_importance`), else weight magnitude (:func:`channel_importance`)."""
+    check_supported(model)
+    if importance is not None and len(importance) != len(model.blocks):
+        raise NascompressError(f"importance has {len(importance)} blocks but the model has {len(model.blocks)}")
+    for j, blk in enumerate(model.blocks):
+        mlp_imp, qk_imp = channel_importance(blk) if importance is None else importance[j]
         blk.__class__ = DCSBlock
         blk.dcs_alpha = None
         if cfg.mlp_gates:
             w = blk.mlp.fc1.weight
-            alpha = cfg.alpha_init + cfg.init_spread * spread(mlp_imp)
+            alpha = cfg.alpha_init + cfg.init_spread * spread(mlp_imp.to(w.device, torch.float32))
             blk.dcs_alpha = nn.Parameter(alpha.to(device=w.device, dtype=w.dtype))
         if cfg.qk_mask != "none":
             add_qk_mask(blk.attn, cfg.qk_mask, theta_init=cfg.theta_init)
             if cfg.qk_mask == "static":
                 with torch.no_grad():
-                    blk.attn.qk_mask.theta.add_(cfg.init_spread * spread(qk_imp).flatten())
+                    th = blk.attn.qk_mask.theta
+                    th.add_(cfg.init_spread * spread(qk_imp.to(th.device, torch.float32)).flatten().to(th.dtype))
     attach_state(model, tau=tau)
     return model
 
@@ -440,5 +504,6 @@ class DCS(Method):
 
 
 __all__ = ["DCS", "DCSConfig", "DCSState", "DCSQKMask", "DCSBlock", "MaterializedBlock", "gumbel_sigmoid",
+           "channel_importance", "activation_importance",
            "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",
            "attach_state", "slice_mlp", "slice_qk", "build_materialized", "materialize", "check_supported"]
