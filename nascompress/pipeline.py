@@ -338,6 +338,7 @@ class DCSStage(_Section):
     tau0: float = opt(4.5, lo=0, lo_open=True)
     max_val_drop: float = opt(15.0, lo=0)
     calibrate: bool = True
+    init_importance: str = opt("auto", choices=("auto", "weight", "activation"))
 
     def __post_init__(self) -> None:
         _lr_pair(self)
@@ -693,7 +694,8 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
             method=DCSConfig(qk_mask=s.qk_mask, alpha_init=s.alpha_init, theta_init=s.alpha_init),
             search=DCSSearchConfig(arch_lr=s.arch_lr, lam=s.lam, entropy_weight=s.entropy_weight, tau0=s.tau0,
                                    target_flops=target, round_mlp=s.round_mlp, distill=s.distill,
-                                   max_val_drop=s.max_val_drop, calibrate=s.calibrate),
+                                   max_val_drop=s.max_val_drop, calibrate=s.calibrate,
+                                   init_importance=s.init_importance),
             train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
                                       warmup_epochs=s.warmup_epochs, seed=cfg.seed,
                                       device=cfg.device).replace(layer_decay=s.layer_decay),

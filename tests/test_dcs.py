@@ -263,6 +263,7 @@ def test_search_lands_on_target_by_itself_and_logs(searched):
     assert bal["ce_grad_median"] > 0 and bal["cost_grad_median"] > 0 and "grad_balance" not in log[2]
     assert log[1]["lam_scale"] == log[2]["lam_scale"] == pytest.approx(max(1.0, bal["ce_grad_median"] / bal["cost_grad_median"]))
     assert metrics["dense_val_top1"] == log[0]["val_top1"]
+    assert metrics["init"] == min(metrics["init_kl"], key=metrics["init_kl"].get)  # the default: auto
 
 
 def test_materialize_cli_and_load(searched, tmp_path):
@@ -462,3 +463,74 @@ def test_search_rescued_only_by_calibration_names_the_missing_steps():
     assert "from 86.05% (the dense model) to 9.55%" in msg
     assert "move the FLOPs ratio from 1.000 to the target 0.65" in msg and "too few architecture steps" in msg
     assert "--arch-lr (now 0.3)" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Gate initialisation from measured activations (pretrained models)
+
+
+def test_activation_importance_ranks_dead_channels_last():
+    from nascompress.methods.dcs import activation_importance
+
+    model = build_model(tiny_spec()).eval()
+    blk = model.blocks[0]
+    with torch.no_grad():  # residual channel 5: LN2 emits 0 there and the MLP writes nothing to it
+        blk.norm2.weight[5] = 0.0
+        blk.norm2.bias[5] = 0.0
+        blk.mlp.fc2.weight[5] = 0.0
+        blk.mlp.fc2.bias[5] = 0.0
+        blk.attn.qkv.weight[3] = 0.0  # query channel 3 of head 0: always 0
+        blk.attn.qkv.bias[3] = 0.0
+    imp = activation_importance(model, [torch.randn(8, 1, 16, 16), torch.randn(4, 1, 16, 16)])
+    assert len(imp) == 2
+    mlp, qk = imp[0]
+    assert mlp.shape == (48,) and qk.shape == (3, 16)
+    assert mlp[5] == 0 and (mlp[torch.arange(48) != 5] > 0).all()
+    assert qk[0, 3] == 0 and qk.flatten().argmin() == 3
+    assert model.training is False
+    with pytest.raises(NascompressError, match="at least one batch"):
+        activation_importance(model, [])
+
+
+def test_supernet_gates_start_in_the_given_importance_order():
+    model = build_model(tiny_spec())
+    imp = [(torch.arange(48, dtype=torch.float32), torch.arange(48, dtype=torch.float32).reshape(3, 16).flip(-1))
+           for _ in model.blocks]
+    sup = make_supernet(model, DCSConfig(qk_mask="static"), importance=imp)
+    for blk in sup.blocks:
+        assert blk.dcs_alpha.argmin() == 0 and blk.dcs_alpha.argmax() == 47
+        assert (blk.dcs_alpha > 0).all()  # still every gate open: the dense model is the start
+        th = blk.attn.qk_mask.theta.reshape(3, 16)
+        assert (th.argmin(-1) == 15).all()
+    with pytest.raises(NascompressError, match="importance has 1 blocks but the model has 2"):
+        make_supernet(build_model(tiny_spec()), DCSConfig(), importance=imp[:1])
+
+
+def test_init_importance_auto_keeps_the_order_closer_to_dense():
+    from nascompress.search.dcs import init_importance
+
+    model = build_model(tiny_spec()).eval()
+    with torch.no_grad():  # weight magnitude misleads: channels 0-9 have a tiny LN2 gain but a large LN2 bias,
+        for blk in model.blocks:  # so the MLP reads a large (constant) value there, as in DINOv2's outlier channels
+            blk.norm2.weight[:10] = 0.01
+            blk.norm2.bias[:10] = 5.0
+    images = [torch.randn(16, 1, 16, 16)]
+    imp, info = init_importance(model, images, "auto")
+    kl = info["init_kl"]
+    assert set(kl) == {"weight", "activation"} and info["init"] == min(kl, key=kl.get)
+    assert (imp is None) == (info["init"] == "weight")
+    assert info["init"] == "activation" and kl["activation"] < kl["weight"]
+    assert init_importance(model, images, "weight") == (None, {"init": "weight"})
+    act, info = init_importance(model, images, "activation")
+    assert info == {"init": "activation"} and len(act) == 2
+
+
+def test_search_records_its_init_and_refuses_a_bad_one(tiny_run, tmp_path):
+    out = tmp_path / "bad"
+    res = run_cli(*search_args(tiny_run, out, "--init-importance", "magnitude"))
+    assert res.exit_code == 1 and "--init-importance" in res.output and "auto" in res.output
+    assert len(res.output.strip().splitlines()) == 1 and not out.exists()
+    out = tmp_path / "w"
+    res = run_cli(*search_args(tiny_run, out, "--init-importance", "weight", "--epochs", 1))
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / "metrics.json").read_text())["init"] == "weight"
