@@ -264,6 +264,7 @@ def test_search_lands_on_target_by_itself_and_logs(searched):
     assert log[1]["lam_scale"] == log[2]["lam_scale"] == pytest.approx(max(1.0, bal["ce_grad_median"] / bal["cost_grad_median"]))
     assert metrics["dense_val_top1"] == log[0]["val_top1"]
     assert metrics["init"] == min(metrics["init_kl"], key=metrics["init_kl"].get)  # the default: auto
+    assert log[1]["init"] == metrics["init"] and log[1]["init_kl"] == metrics["init_kl"] and "init" not in log[2]
 
 
 def test_materialize_cli_and_load(searched, tmp_path):

@@ -473,6 +473,8 @@ class DCSSearchHooks(TrainHooks):
         rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "lam_scale": self.lam_scale, "arch_lr": self.arch_lr}
         if self.balance is not None:
             rec["grad_balance"], self.balance = self.balance, None
+        if epoch == 0:
+            rec.update(getattr(self, "init_info", {}))  # how the gates' start was ordered (init_importance)
         if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
             if self.cfg.round_mlp:
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
@@ -627,6 +629,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     dense.eval().requires_grad_(False).to(device)  # the W-steps' distillation teacher runs beside the supernet
     hooks = DCSSearchHooks(supernet, dense=dense if job.search.distill > 0 else None, cost=cost, job=job,
                            base_arch=base_arch, train_size=len(data.train))
+    hooks.init_info = init_info
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)
