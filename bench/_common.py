@@ -75,3 +75,36 @@ def save(path: str | Path, result: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, result)
+
+
+def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data_section: dict | None) -> dict[str, Any]:
+    """Uniform magnitude pruning (MLP hidden neurons and each head's Q/K channels, the same share in
+    every block; ``methods.uniform``) at ``ratio`` x the dense FLOPs, saved as a run in ``out``."""
+    import copy
+
+    import torch
+
+    import nascompress
+    from nascompress.io import save_model
+    from nascompress.methods import get_method
+    from nascompress.methods.uniform import UniformConfig, keep_for_flops
+    from nascompress.utils import create_out_dir, prepare_out_dir, write_json
+
+    keep = keep_for_flops(copy.deepcopy(dense), ratio, x1, qk=True)
+    model, record = get_method("uniform").prepare_fresh(copy.deepcopy(dense), UniformConfig(keep=keep, qk=True))
+    model.eval()
+    new_arch = copy.deepcopy(arch)
+    new_arch["methods"] = [record]
+    prepare_out_dir(out, force=True)
+    create_out_dir(out, force=True)
+    save_model(out, model, new_arch)
+    write_json(out / "config.json", {"data": data_section, "uniform": {"keep": keep, "qk": True,
+                                                                       "target_flops_ratio": ratio}})
+    back = nascompress.load(out).eval()
+    with torch.no_grad():
+        x = torch.randn(4, *x1.shape[1:], generator=torch.Generator().manual_seed(0))
+        diff = (model(x) - back(x)).abs().max().item()
+    blocks = record["blocks"]
+    return {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
+            "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
+            "reload_max_abs_logit_diff": diff}

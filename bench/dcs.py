@@ -48,7 +48,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import data_sizes, header, save, wait_for_base  # noqa: E402  (puts the repository on sys.path)
+from _common import build_uniform, data_sizes, header, save, wait_for_base  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
@@ -56,17 +56,15 @@ import nascompress  # noqa: E402  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
 from nascompress.hooks import TrainHooks  # noqa: E402
-from nascompress.io import load_with_arch, save_model  # noqa: E402
-from nascompress.methods import get_method  # noqa: E402
+from nascompress.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noqa: E402
-from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
 from nascompress.search.dcs import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob, search_dcs,  # noqa: E402
                                     search_train_config)
 from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, fit  # noqa: E402
-from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
+from nascompress.utils import read_json  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -221,29 +219,6 @@ def top1_se(acc: float, n: int) -> float:
 
 # ---------------------------------------------------------------------------------------------
 # The uniform-pruning comparison
-
-
-def build_uniform(dense: torch.nn.Module, arch: dict, x1: torch.Tensor, ratio: float, out: Path,
-                  data_section: dict | None) -> dict[str, Any]:
-    """Uniform magnitude pruning at ``ratio`` x the dense FLOPs, saved as a run in ``out``."""
-    keep = keep_for_flops(copy.deepcopy(dense), ratio, x1, qk=True)
-    model, record = get_method("uniform").prepare_fresh(copy.deepcopy(dense), UniformConfig(keep=keep, qk=True))
-    model.eval()
-    new_arch = copy.deepcopy(arch)
-    new_arch["methods"] = [record]
-    prepare_out_dir(out, force=True)
-    create_out_dir(out, force=True)
-    save_model(out, model, new_arch)
-    write_json(out / "config.json", {"data": data_section, "uniform": {"keep": keep, "qk": True,
-                                                                       "target_flops_ratio": ratio}})
-    back = nascompress.load(out).eval()
-    with torch.no_grad():
-        x = torch.randn(4, *x1.shape[1:], generator=torch.Generator().manual_seed(0))
-        diff = (model(x) - back(x)).abs().max().item()
-    blocks = record["blocks"]
-    return {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
-            "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
-            "reload_max_abs_logit_diff": diff}
 
 
 def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict, mat_dir: Path,

@@ -34,20 +34,19 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _common import build_uniform  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch, save_model  # noqa: E402
-from nascompress.methods import get_method  # noqa: E402
+from nascompress.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig  # noqa: E402
-from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config  # noqa: E402
 from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
-from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
+from nascompress.utils import read_json, write_json  # noqa: E402
 
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
 
@@ -166,17 +165,9 @@ def main() -> None:
         entry = res.setdefault("uniform", {})
         uni, rt = runs / "uniform", runs / "uniform_retrained"
         model, arch = load_with_arch(dense)
-        x1 = torch.randn(1, 3, 112, 112)
-        keep = keep_for_flops(model, a.target_flops, x1, qk=True)
-        pruned, record = get_method("uniform").prepare_fresh(model, UniformConfig(keep=keep, qk=True))
-        prepare_out_dir(uni, force=True)
-        create_out_dir(uni, force=True)
-        save_model(uni, pruned.eval(), {**arch, "methods": [record]})
-        write_json(uni / "config.json", {"data": dataclasses.asdict(data), "uniform": {"keep": keep, "qk": True,
-                                                                           "target_flops_ratio": a.target_flops}})
-        entry["pruned"] = {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in record["blocks"]],
-                           "qk_kept_per_head": [len(b["qk_keep"][0]) for b in record["blocks"]],
-                           "val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        entry["pruned"] = build_uniform(model, arch, torch.randn(1, 3, 112, 112), a.target_flops, uni,
+                                        dataclasses.asdict(data))
+        entry["pruned"].update({"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]})
         save()
         retrain_and_time(entry, uni, rt)
         save()
