@@ -263,7 +263,8 @@ def test_search_lands_on_target_by_itself_and_logs(searched):
     assert bal["ce_grad_median"] > 0 and bal["cost_grad_median"] > 0 and "grad_balance" not in log[2]
     assert log[1]["lam_scale"] == log[2]["lam_scale"] == pytest.approx(max(1.0, bal["ce_grad_median"] / bal["cost_grad_median"]))
     assert metrics["dense_val_top1"] == log[0]["val_top1"]
-    assert metrics["init"] == min(metrics["init_kl"], key=metrics["init_kl"].get)  # the default: auto
+    kl = metrics["init_kl"]  # the default: auto
+    assert metrics["init"] == ("activation" if kl["activation"] < 0.9 * kl["weight"] else "weight")
     assert log[1]["init"] == metrics["init"] and log[1]["init_kl"] == metrics["init_kl"] and "init" not in log[2]
 
 
@@ -518,7 +519,7 @@ def test_init_importance_auto_keeps_the_order_closer_to_dense():
     images = [torch.randn(16, 1, 16, 16)]
     imp, info = init_importance(model, images, "auto")
     kl = info["init_kl"]
-    assert set(kl) == {"weight", "activation"} and info["init"] == min(kl, key=kl.get)
+    assert set(kl) == {"weight", "activation"} and info["init"] == ("activation" if kl["activation"] < 0.9 * kl["weight"] else "weight")
     assert (imp is None) == (info["init"] == "weight")
     assert info["init"] == "activation" and kl["activation"] < kl["weight"]
     assert init_importance(model, images, "weight") == (None, {"init": "weight"})
