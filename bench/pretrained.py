@@ -81,6 +81,8 @@ def main() -> None:
     ap.add_argument("--reuse-search", action="store_true", help="reuse a finished DCS search in RUNS/dcs_search")
     ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
     ap.add_argument("--target-flops", type=float, default=0.65)
+    ap.add_argument("--dcs-max-val-drop", type=float, default=None,
+                    help="the search's collapse check (default: the library's); 100 always materializes and retrains")
     ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs",
                     help="comma list of evit, dynamicvit, sparsifiner, dcs, uniform (magnitude pruning at --target-flops)")
     ap.add_argument("--iters", type=int, default=10, help="timed repetitions (medians)")
@@ -176,7 +178,8 @@ def main() -> None:
         entry = res.setdefault("dcs", {})
         search, mat, rt = runs / "dcs_search", runs / "dcs_mat", runs / "dcs_retrained"
         job = DCSSearchJob(source=str(dense.resolve()), out=str(search), method=DCSConfig(qk_mask="static"),
-                           search=DCSSearchConfig(target_flops=a.target_flops),
+                           search=DCSSearchConfig(target_flops=a.target_flops, **(
+                               {} if a.dcs_max_val_drop is None else {"max_val_drop": a.dcs_max_val_drop})),
                            train=search_train_config(epochs=a.dcs_epochs, batch_size=a.dcs_batch_size, seed=a.seed),
                            data=data)
         t0 = time.time()
