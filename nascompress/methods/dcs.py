@@ -104,7 +104,8 @@ class DCSConfig(Config):
             tolerate 10-30% of its channels dropped at random, as alpha 1-2 would).
         theta_init: initial theta (bias of the theta Linear, or the static theta).
         init_spread: the initial logits are ``init + init_spread * z`` with z in [-1, 1] the channel's
-            weight-magnitude importance within its block (standardised, clipped at 2 sigma, halved):
+            importance within its block (weight magnitude, or the scores given to
+            :func:`make_supernet`, e.g. :func:`activation_importance`) (standardised, clipped at 2 sigma, halved):
             the least important channels reach the threshold first, so the FLOPs fall gradually
             instead of every equal logit crossing at the same step (Adam moves all logits alike
             when cross-entropy barely tells channels apart). 0: every logit starts at ``init``.

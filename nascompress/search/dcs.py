@@ -22,8 +22,9 @@ it will be materialized (``round_mlp`` applied); lambda is then the Lagrange mul
 target and turns negative below it (see :class:`LambdaSteer`); where the CE gradient per gate
 outweighs the cost's (pretrained models), the cost term is scaled up by that ratio, measured once
 at the first arch-step (``grad_balance``). The gate logits start open,
-spread by weight-magnitude importance (:class:`~nascompress.methods.dcs.DCSConfig`), so channels
-reach the threshold one by one rather than all at once. A
+spread by an importance score (:class:`~nascompress.methods.dcs.DCSConfig`; weight magnitude, or
+measured activations where they are clearly better: ``init_importance``), so channels reach the
+threshold one by one rather than all at once. A
 search that lands outside the band is reported; with ``calibrate`` (default) the gate threshold is
 then shifted to land inside it, and the log and metrics say by how much. A search whose validation
 accuracy falls more than ``max_val_drop`` points below the dense model's stops with a message.
