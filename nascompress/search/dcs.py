@@ -379,8 +379,9 @@ class DCSSearchHooks(TrainHooks):
     """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
 
     def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSSearchJob,
-                 base_arch: dict[str, Any], train_size: int):
+                 base_arch: dict[str, Any], train_size: int, init_info: dict[str, Any] | None = None):
         self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
+        self.init_info = init_info or {}  # how the gates' start was ordered: logged with the first epoch
         self.epochs = job.train.epochs
         self.arch_params = arch_parameters(supernet)
         ids = {id(p) for p in self.arch_params}
@@ -478,7 +479,7 @@ class DCSSearchHooks(TrainHooks):
         if self.balance is not None:
             rec["grad_balance"], self.balance = self.balance, None
         if epoch == 0:
-            rec.update(getattr(self, "init_info", {}))  # how the gates' start was ordered (init_importance)
+            rec.update(self.init_info)
         if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
             if self.cfg.round_mlp:
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
@@ -581,11 +582,11 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str) -> t
         return act, {"init": "activation"}
     dense = dense.eval()
     targets = [F.log_softmax(dense(x).float(), -1) for x in images]
+    probe = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", init_spread=0.0)).eval()
     kls = {}
     for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act)):
         kls[name] = 0.0
         for drop in INIT_PROBE_DROPS:
-            probe = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", init_spread=0.0)).eval()
             for blk, (mlp, _) in zip(probe.blocks, imp):
                 keep = mlp.topk(max(1, round((1 - drop) * mlp.numel()))).indices
                 blk.dcs_alpha.fill_(-1.0)
@@ -634,8 +635,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size))
     dense.eval().requires_grad_(False).to(device)  # the W-steps' distillation teacher runs beside the supernet
     hooks = DCSSearchHooks(supernet, dense=dense if job.search.distill > 0 else None, cost=cost, job=job,
-                           base_arch=base_arch, train_size=len(data.train))
-    hooks.init_info = init_info
+                           base_arch=base_arch, train_size=len(data.train), init_info=init_info)
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)
