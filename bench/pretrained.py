@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import build_uniform  # noqa: E402
+from _common import build_uniform  # noqa: E402  (puts the repository on sys.path)
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402

@@ -285,11 +285,12 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> 
     by this score; on the Fashion-MNIST base trained from scratch 88.7% and 88.2% (dense 89.0%)
     (``bench/dcs_init_order.py``)."""
     check_supported(model)
-    n, acc = [0], [dict(h2=0.0, y2=0.0, q2=0.0, k2=0.0) for _ in model.blocks]
+    acc = [dict(n=0, h2=0.0, y2=0.0, q2=0.0, k2=0.0) for _ in model.blocks]  # n: tokens seen by the block
 
     def mlp_hook(i: int, blk: nn.Module):
         def hook(mod, inp, out):
             h = inp[0].flatten(0, -2).float()
+            acc[i]["n"] += h.shape[0]
             acc[i]["h2"] = acc[i]["h2"] + (h * h).sum(0)
             y = blk.ls2(out).flatten(0, -2).float()
             acc[i]["y2"] = acc[i]["y2"] + (y * y).sum(0)
@@ -312,20 +313,20 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> 
     try:
         for x in batches:
             model(x)
-            n[0] += x.shape[0] * (int(model.patch_embed.num_patches) + int(model.num_prefix_tokens))
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    if not n[0]:
+    if not acc[0]["n"]:
         raise NascompressError("activation importance needs at least one batch of images")
     out = []
     for blk, a in zip(model.blocks, acc):
-        inp = (a["h2"] / n[0]).sqrt() * blk.mlp.fc1.weight.detach().float().norm(dim=0)
-        outp = (a["y2"] / n[0]).sqrt()
+        n = a["n"]
+        inp = (a["h2"] / n).sqrt() * blk.mlp.fc1.weight.detach().float().norm(dim=0)
+        outp = (a["y2"] / n).sqrt()
         mlp = inp / inp.sum().clamp_min(1e-12) + outp / outp.sum().clamp_min(1e-12)
         att = blk.attn
-        qk = ((a["q2"] / n[0]).sqrt() * (a["k2"] / n[0]).sqrt()).reshape(att.num_heads, att.head_dim)
+        qk = ((a["q2"] / n).sqrt() * (a["k2"] / n).sqrt()).reshape(att.num_heads, att.head_dim)
         out.append((mlp, qk))
     return out
 
