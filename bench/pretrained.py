@@ -9,7 +9,9 @@ library's DEFAULT recipes (nothing tuned here) and a short budget on the same 10
 * EViT keep rate 0.7, DynamicViT rho 0.7, Sparsifiner keep 0.5: zero-shot (after the method's
   predictor-only stage where it has one) and fine-tuned (``finetune``, ``--epochs``);
 * DCS: ``search dcs`` at ``--target-flops`` (static Q/K masks), ``materialize``, then
-  ``retrain`` (CE + KL to the dense model) for ``--epochs``;
+  ``retrain`` for ``--retrain-epochs``: CE + KL to the dense model's logits + ``--feat-kd`` x the
+  relative squared error to its pre-logits feature (the feature the probe reads), batch
+  ``--retrain-batch-size`` 16 (the library's lr scaling: 5e-4 x 16 / 512);
 * uniform (``--methods uniform``, not in the default list): magnitude pruning of every block's MLP
   hidden neurons and Q/K channels to ``--target-flops`` (the Torch-Pruning-style baseline of
   ``methods.uniform``), then the same retraining as DCS.
@@ -77,6 +79,10 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--dcs-epochs", type=int, default=1)
     ap.add_argument("--retrain-epochs", type=int, default=None, help="DCS retraining epochs (default: --epochs)")
+    ap.add_argument("--retrain-batch-size", type=int, default=16,
+                    help="DCS / uniform retraining batch (lr scales with it; 16 gives 8x the steps of the library default 128)")
+    ap.add_argument("--feat-kd", type=float, default=1.0,
+                    help="retraining: weight of the distillation of the dense model's pre-logits feature (0: logits only)")
     ap.add_argument("--reuse-search", action="store_true", help="reuse a finished DCS search in RUNS/dcs_search")
     ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
     ap.add_argument("--target-flops", type=float, default=0.65)
@@ -120,13 +126,16 @@ def main() -> None:
     save()
 
     def retrain_and_time(entry: dict, model_dir: Path, rt: Path) -> None:
-        """The retraining every pruned model gets here (CE + KL to the dense model), then its speed."""
-        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, seed=a.seed)
+        """The retraining every pruned model gets here (CE + KL to the dense model's logits and
+        --feat-kd x its pre-logits feature), then its speed."""
+        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, batch_size=a.retrain_batch_size, seed=a.seed)
+        rc = RetrainConfig(eta=0.0, feat_kd=a.feat_kd)
         t0 = time.time()
-        m = retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=data, train=tc,
-                               retrain=RetrainConfig(eta=0.0), teacher=str(dense)), force=True)
+        m = retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=data, train=tc, retrain=rc,
+                               teacher=str(dense)), force=True)
         entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
+                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "retrain": rc.to_dict(),
+                              "wall_s": time.time() - t0,
                               **log_summary(rt)}
         entry["speed"] = speed(dense, rt, a.iters)
 

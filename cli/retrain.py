@@ -22,6 +22,8 @@ def register(app: typer.Typer) -> None:
         teacher: Annotated[Optional[Path], typer.Option(help="A (dense) run to distil from (KL on logits); off by default.")] = None,
         kd_alpha: Annotated[float, typer.Option(help="KD weight alpha: (1 - alpha) CE + alpha KD.")] = 0.5,
         kd_temperature: Annotated[float, typer.Option(help="KD temperature.")] = 1.0,
+        feat_kd: Annotated[float, typer.Option(
+            help="With --teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap feature (0: off).")] = 0.0,
         feature_tap: Annotated[str, typer.Option(help="Learned feature X~: 'pre_logits' or 'module:<name>'.")] = "pre_logits",
         input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
         cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
@@ -56,7 +58,7 @@ def register(app: typer.Typer) -> None:
                            eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
             rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
                                cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
-                               log_ib=log_ib)
+                               feat_kd=feat_kd, log_ib=log_ib)
             tc = retrain_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, layer_decay=layer_decay,
                                       warmup_epochs=warmup_epochs, seed=seed, device=device)
             return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,

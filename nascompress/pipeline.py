@@ -375,6 +375,7 @@ class RetrainStage(_Section):
     teacher: str = opt("base", choices=("base", "none"))
     kd_alpha: float = opt(0.5, lo=0, hi=1)
     kd_temperature: float = opt(1.0, lo=0, lo_open=True)
+    feat_kd: float = opt(0.0, lo=0)
     train_limit: int | None = opt(None, lo=1)
     cluster_samples: int | None = opt(None, lo=1)
     batch_size: int = opt(128, lo=1)
@@ -776,7 +777,9 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base
         tc = retrain_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
                                   min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device)
         rc = RetrainConfig(eta=s.eta, warmup_frac=s.warmup_frac, cluster_samples=s.cluster_samples,
-                           kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature)
+                           kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature, feat_kd=s.feat_kd)
+        if s.feat_kd > 0 and s.teacher == "none":
+            raise NascompressError("feat_kd distils from the base model's features; set teacher: base or feat_kd: 0")
         job = RetrainJob(model_dir=str(current), out=str(out / "final"),
                          data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
                          teacher=str(base_dir) if s.teacher == "base" else None)

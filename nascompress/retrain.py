@@ -70,6 +70,9 @@ class RetrainConfig(Config):
         cluster_samples: cluster (and measure IB on) a fixed random subset of this many
             training images instead of all of them (None: all).
         kd_alpha / kd_temperature: with a teacher, loss = (1 - alpha) CE + alpha T^2 KL(t || s).
+        feat_kd: with a teacher, add ``feat_kd`` x the relative squared error between the
+            student's and the teacher's learned feature (``feature_tap``, e.g. the pre-logits
+            feature the head reads): mean over images of ||s - t||^2 / ||t||^2. 0: off.
         log_ib: cluster and log the IB metrics every epoch (a pass over the cluster set and a
             K-means); None: only when eta > 0 (the bound is then needed anyway).
     """
@@ -84,6 +87,7 @@ class RetrainConfig(Config):
     cluster_samples: int | None = None
     kd_alpha: float = 0.5
     kd_temperature: float = 1.0
+    feat_kd: float = 0.0
     log_ib: bool | None = None
 
     @property
@@ -108,6 +112,8 @@ class RetrainConfig(Config):
             raise NascompressError(f"--cluster-samples must be at least 1, got {self.cluster_samples}")
         if not 0 <= self.kd_alpha <= 1:
             raise NascompressError(f"--kd-alpha must be in [0, 1], got {self.kd_alpha}")
+        if not self.feat_kd >= 0:
+            raise NascompressError(f"--feat-kd must be >= 0, got {self.feat_kd}")
         if not self.kd_temperature > 0:
             raise NascompressError(f"--kd-temperature must be positive, got {self.kd_temperature}")
 
@@ -173,6 +179,11 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, *, tau: float) -> torc
                     log_target=True) * tau * tau
 
 
+def feature_kd_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Mean over images of ``||s - t||^2 / ||t||^2``: features (B, D), (B, D) -> scalar."""
+    return ((student - teacher).pow(2).sum(-1) / teacher.pow(2).sum(-1).clamp_min(1e-12)).mean()
+
+
 def _logits(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -203,6 +214,7 @@ class IBHooks(TrainHooks):
         self.initial: dict[str, float] = {}
         self._tap: FeatureTap | None = None
         self._tapped: nn.Module | None = None
+        self._teacher_tap = FeatureTap(teacher, cfg.feature_tap) if teacher is not None and cfg.feat_kd > 0 else None
         self._in_emb: torch.Tensor | None = None  # (N, D_in) X of the cluster set
         self._labels: torch.Tensor | None = None  # (N,)
 
@@ -231,6 +243,10 @@ class IBHooks(TrainHooks):
             kd = kd_loss(logits, t_logits, tau=self.cfg.kd_temperature)
             loss = (1 - self.cfg.kd_alpha) * ce + self.cfg.kd_alpha * kd
             logs["kd"] = kd.item()
+            if self._teacher_tap is not None:
+                fkd = feature_kd_loss(feat, self._teacher_tap.pop().float())
+                loss = loss + self.cfg.feat_kd * fkd
+                logs["feat_kd"] = fkd.item()
         if self.c_feat is not None:
             if self.c_feat.device != feat.device:  # state restored from a checkpoint lives on the CPU
                 self.c_feat, self.c_in, self.q = (t.to(feat.device) for t in (self.c_feat, self.c_in, self.q))
@@ -383,6 +399,9 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
                                "compression method); run materialize or finetune first and retrain their output")
+    if job.retrain.feat_kd > 0 and job.teacher is None:
+        raise NascompressError("--feat-kd distils from a teacher's features; give the dense run with --teacher, "
+                               "or leave --feat-kd at 0")
     device = distributed.init(job.train.device)
     model, arch = load_with_arch(job.model_dir, map_location=device)
     data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()

@@ -317,6 +317,7 @@ def test_search_that_collapses_stops_with_a_message(tiny_run, tmp_path):
     res = run_cli(*search_args(tiny_run, out, "--lr", 1.0, "--max-val-drop", 1, "--distill", 0))
     assert res.exit_code == 1 and "the search collapsed: validation top-1 fell from" in res.output
     assert "--max-val-drop 1 points" in res.output
+    assert "retrain --teacher DENSE --feat-kd 1" in res.output or "end-of-search calibration" in res.output
     metrics = out / "metrics.json"
     assert not metrics.exists()  # no finished search to materialize
 

@@ -203,6 +203,8 @@ def test_more_bad_configs(tmp_path):
     check(_bad(tiny_config(), "data.dataset", "no/such/folder"), "data.dataset: ")
     g = _bad(_bad(tiny_config(), "goal", {"max_latency_ms": 5.0}), "stages.tokens.objective", "flops")
     check(g, "stages.tokens.objective: flops trials record no latency")
+    nt = _bad(_bad(tiny_config(), "stages.retrain.teacher", "none"), "stages.retrain.feat_kd", 1.0)
+    check(nt, "stages.retrain: feat_kd distils from the base model's features")
     # a headless checkpoint without linear_probe
     from safetensors.torch import save_file
 

@@ -1,6 +1,7 @@
 """``nascompress retrain``: IB hooks on the shared fit loop, the CLI, the shipped model, bad input."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from dataclasses import asdict, replace
@@ -105,6 +106,43 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     assert loss_off.item() == pytest.approx(logs_off["ce"], rel=1e-6) and "ibb" not in logs_off
 
 
+def test_feature_distillation_matches_the_teachers_pre_logits():
+    """feat_kd adds weight x mean ||s - t||^2 / ||t||^2 on the tapped feature; zero against itself."""
+    data = load_data(SMALL, img_size=(16, 16))
+    torch.manual_seed(0)
+    model = build_model(tiny_spec())
+    spec = input_spec_for(model, "synthetic")
+    imgs, y = data.train.__getitems__(list(range(16)))
+    from nascompress.data import preprocess
+    x, tc = preprocess(imgs, spec), TrainConfig(label_smoothing=0.0)
+    cfg = RetrainConfig(eta=0.0, kd_alpha=0.5, feat_kd=2.0)
+
+    def hooks_with(teacher):
+        return IBHooks(cfg, train_set=data.train, input_spec=spec, num_classes=10, epochs=1, teacher=teacher,
+                       input_embed=make_input_embed(cfg, model=model, teacher=teacher))
+    same = hooks_with(copy.deepcopy(model).eval())
+    loss, logs = same.loss(model.eval(), x, y, epoch=0, cfg=tc)
+    assert logs["feat_kd"] == pytest.approx(0.0, abs=1e-10) and logs["kd"] == pytest.approx(0.0, abs=1e-6)
+    torch.manual_seed(1)
+    teacher = build_model(tiny_spec()).eval()
+    other = hooks_with(teacher)
+    loss, logs = other.loss(model.train(), x, y, epoch=0, cfg=tc)
+    s = model.eval().forward_head(model.forward_features(x), pre_logits=True)
+    t = teacher.forward_head(teacher.forward_features(x), pre_logits=True)
+    want = ((s - t).pow(2).sum(-1) / t.pow(2).sum(-1)).mean().item()
+    assert logs["feat_kd"] == pytest.approx(want, rel=1e-5) and want > 0.1
+    assert loss.item() == pytest.approx(0.5 * logs["ce"] + 0.5 * logs["kd"] + 2.0 * want, rel=1e-5)
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    # off (the default): no tap on the teacher, no term
+    _, logs_off = IBHooks(replace(cfg, feat_kd=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=1,
+                          teacher=teacher, input_embed=make_input_embed(cfg, model=model, teacher=teacher)
+                          ).loss(model, x, y, epoch=0, cfg=tc)
+    assert "feat_kd" not in logs_off
+    with pytest.raises(NascompressError, match="--feat-kd"):
+        RetrainConfig(feat_kd=-1.0)
+
+
 def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     from cli.main import app
 
@@ -114,7 +152,7 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     runner = CliRunner()
     res = runner.invoke(app, ["retrain", str(src), "--out", str(out), "--dataset", "synthetic", "--epochs", "2",
                               "--eta", "50", "--warmup-frac", "0.5", "--teacher", str(teacher), "--kd-temperature",
-                              "2", "--batch-size", "64", "--lr", "1e-3", "--train-limit", "128",
+                              "2", "--feat-kd", "1", "--batch-size", "64", "--lr", "1e-3", "--train-limit", "128",
                               "--eval-limit", "64", "--json"])
     assert res.exit_code == 0, res.output
     metrics = json.loads(res.stdout[res.stdout.index("{"):])
@@ -125,7 +163,7 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     log = log[1:]
     assert [r["ib_active"] for r in log] == [False, True]
     for r in log:
-        for k in ("train_ce", "train_ibb", "train_kd", "ib", "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
+        for k in ("train_ce", "train_ibb", "train_kd", "train_feat_kd", "ib", "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
                   "kmeans_s", "epoch_time_s"):
             assert k in r, k
     arch = json.loads((out / "arch.json").read_text())

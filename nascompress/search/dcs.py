@@ -518,7 +518,8 @@ class DCSSearchHooks(TrainHooks):
             raise NascompressError(
                 f"{head}; lower the weights' lr (--base-lr, now "
                 f"{self.job.train.peak_lr_for(world_size=distributed.world().size):.2g} peak) or --arch-lr, or raise "
-                f"--distill")
+                f"--distill; or, as the gates reached their budget by themselves, keep this search "
+                f"(--max-val-drop 100) and let materialize + retrain --teacher DENSE --feat-kd 1 recover it")
 
     def state_dict(self) -> dict[str, Any]:
         return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral,
