@@ -184,6 +184,18 @@ def feature_kd_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tenso
     return ((student - teacher).pow(2).sum(-1) / teacher.pow(2).sum(-1).clamp_min(1e-12)).mean()
 
 
+@torch.no_grad()
+def feature_width(model: nn.Module, tap: str, spec: InputSpec, device: torch.device) -> int:
+    """Width of ``model``'s tapped feature, from one forward pass of two blank images."""
+    was_training, t = model.training, FeatureTap(model, tap)
+    try:
+        model.eval()(torch.zeros(2, spec.in_chans, *spec.img_size, device=device))
+        return t.pop().shape[-1]
+    finally:
+        t.remove()
+        model.train(was_training)
+
+
 def _logits(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -417,6 +429,12 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
                                    f"but the model {arch['input']}")
         teacher.eval().requires_grad_(False)
     FeatureTap(model, job.retrain.feature_tap).remove()  # fail early on a bad tap
+    if teacher is not None and job.retrain.feat_kd > 0:
+        widths = [feature_width(m, job.retrain.feature_tap, spec, device) for m in (model, teacher)]
+        if widths[0] != widths[1]:
+            raise NascompressError(f"--feat-kd: the model's {job.retrain.feature_tap} feature has {widths[0]} "
+                                   f"values but the teacher's {widths[1]}; pick a --feature-tap both share, or "
+                                   "leave --feat-kd at 0")
     if job.retrain.input_tap == "patch_embed" and not hasattr(teacher or model, "patch_embed"):
         raise NascompressError("--input-tap patch_embed needs a model with a patch_embed module; use --input-tap image")
     features = job.retrain.describe(teacher=teacher is not None)

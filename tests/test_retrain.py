@@ -207,6 +207,8 @@ def test_resume_replays_an_interrupted_run(tmp_path):
     (["--eta", "-1"], "--eta must be >= 0"),
     (["--warmup-frac", "1.0"], r"--warmup-frac must be in \[0, 1\)"),
     (["--warmup-frac", "-0.1"], r"--warmup-frac must be in \[0, 1\)"),
+    (["--feat-kd", "-1"], "--feat-kd must be >= 0"),
+    (["--feat-kd", "1"], "--feat-kd distils from a teacher's features; give the dense run with --teacher"),
 ])
 def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
     from cli.main import app
@@ -236,6 +238,15 @@ def test_bad_models_and_datasets_write_nothing(tmp_path):
     src = make_model_dir(tmp_path / "compressed")
     with pytest.raises(NascompressError, match="teacher .* has 5 classes"):
         retrain(replace(quick_job(src, out), teacher=str(five)))
+    wide = tmp_path / "wide"  # a teacher whose pre-logits feature is 48 wide against the model's 32
+    torch.manual_seed(0)
+    wspec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    wmodel = build_model(wspec)
+    save_model(wide, wmodel, make_arch(wspec, input_spec=input_spec_for(wmodel, "synthetic").to_dict()))
+    with pytest.raises(NascompressError, match="--feat-kd: the model's pre_logits feature has 32 values but the "
+                                               "teacher's 48"):
+        retrain(replace(quick_job(src, out, feat_kd=1.0), teacher=str(wide)))
+    retrain(replace(quick_job(src, tmp_path / "logits_only"), teacher=str(wide)))  # without --feat-kd it is fine
     with pytest.raises(NascompressError, match="does not exist"):
         retrain(quick_job(tmp_path / "missing", out))
     with pytest.raises(NascompressError, match="no such submodule"):
