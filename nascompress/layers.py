@@ -179,6 +179,39 @@ def to_core(model: nn.Module, *, method: str) -> VisionTransformer:
 
 
 # ---------------------------------------------------------------------------------------------
+# Hardware-aligned widths
+
+DEFAULT_ALIGN = 8  # cuBLAS and the fused attention kernels leave their fast paths below multiples of 8
+
+
+def aligned_width(n: int, *, align: int, full: int, mode: str = "up") -> int:
+    """The width a kept count ``n`` (of ``full`` channels) becomes under alignment ``align``.
+
+    Every width a compressed model gets is 0, ``full`` (the untouched layer) or a multiple of
+    ``align``: ``mode="up"`` rounds up (never fewer channels than asked), ``"down"`` rounds down,
+    ``"nearest"`` to the closer multiple (ties up). The result is clipped to ``[0, full]``, and a
+    result of 0 is only returned for ``n == 0`` with ``mode="up"`` (a kept layer keeps at least one
+    aligned group). ``align=1`` returns ``n`` unchanged.
+    """
+    if align < 1:
+        raise NascompressError(f"align must be a positive integer, got {align!r}")
+    if not 0 <= n <= full:
+        raise NascompressError(f"a kept count must be in [0, {full}], got {n}")
+    if align == 1 or n in (0, full):
+        return n
+    lo, hi = (n // align) * align, -(-n // align) * align
+    if mode == "up":
+        w = hi
+    elif mode == "down":
+        w = lo
+    elif mode == "nearest":
+        w = hi if n - lo >= hi - n else lo
+    else:
+        raise NascompressError(f"mode must be up, down or nearest, got {mode!r}")
+    return min(w, full)
+
+
+# ---------------------------------------------------------------------------------------------
 # Gather helpers (new modules built with index_select; metadata set in the same place)
 
 
@@ -234,5 +267,5 @@ def with_zero_row(layer: nn.Linear) -> nn.Linear:
     return new
 
 
-__all__ = ["NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
+__all__ = ["DEFAULT_ALIGN", "aligned_width", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
            "slice_linear_out", "slice_layerscale", "with_zero_row"]

@@ -247,3 +247,21 @@ def test_same_seed_same_run(tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
     assert not torch.equal(a["blocks.0.attn.qkv.weight"], c["blocks.0.attn.qkv.weight"])
+
+
+def test_aligned_width_rule():
+    from nascompress.errors import NascompressError
+    from nascompress.layers import aligned_width
+
+    assert aligned_width(33, align=8, full=96) == 40
+    assert aligned_width(33, align=8, full=96, mode="down") == 32
+    assert aligned_width(35, align=8, full=96, mode="nearest") == 32
+    assert aligned_width(36, align=8, full=96, mode="nearest") == 40
+    assert aligned_width(95, align=8, full=96) == 96  # the full width is always allowed
+    assert aligned_width(93, align=64, full=96) == 96  # clipped to the full width
+    assert aligned_width(0, align=8, full=96) == 0 and aligned_width(96, align=8, full=96) == 96
+    assert aligned_width(921, align=1, full=1536) == 921
+    assert aligned_width(3, align=8, full=96, mode="down") == 0
+    for bad in (dict(n=5, align=0, full=8), dict(n=9, align=8, full=8)):
+        with pytest.raises(NascompressError):
+            aligned_width(bad["n"], align=bad["align"], full=bad["full"])
