@@ -26,7 +26,7 @@ from torch import nn
 
 from .errors import NascompressError
 from .methods import apply_methods
-from .models import ModelSpec, build_model, load_state_strict
+from .models import ModelSpec, build_model, check_model_kwargs, load_state_strict
 from .utils import atomic_path, read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
@@ -43,9 +43,18 @@ def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict
 
 
 def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
-    if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or "model" not in arch:
+    """Check an arch read from a file: its format, and that ``model`` holds a timm name and only the
+    build settings nascompress writes (:data:`~nascompress.models.MODEL_KWARGS`): the file is data,
+    and its settings go to ``timm.create_model``."""
+    if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or not isinstance(arch.get("model"), dict):
         raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
-    arch.setdefault("methods", [])
+    model = arch["model"]
+    if not isinstance(model.get("name"), str) or set(model) - {"name", "kwargs"}:
+        raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
+                               f"keys {sorted(model)}")
+    check_model_kwargs(model.get("kwargs", {}), source=source)
+    if not isinstance(arch.setdefault("methods", []), list):
+        raise NascompressError(f"{source}: methods must be a list of method records")
     return arch
 
 

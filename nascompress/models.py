@@ -27,6 +27,67 @@ _VIT_MODULES = {"vision_transformer", "deit"}
 _HYBRID_MODULE = "vision_transformer_hybrid"
 
 
+# The timm build settings a model spec (and so ``arch.json``'s ``model.kwargs``) may hold: what
+# nascompress itself writes (the custom ViT's shape, ``--img-size``/``--num-classes``/``--in-chans``
+# of train, import and search) and the ViT variants' own switches (prefix tokens, pooling, norms).
+# Anything else is refused: the kwargs go straight to ``timm.create_model``, and a file must never
+# make timm open another file (``checkpoint_path``), fetch a config (``pretrained_cfg_overlay``) or
+# resolve a name to code (``act_layer``, ``norm_layer``, ``block_fn``).
+def _pos_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _size(v: Any) -> bool:  # an int or an (H, W) pair
+    return _pos_int(v) or (isinstance(v, (list, tuple)) and len(v) == 2 and all(_pos_int(x) for x in v))
+
+
+def _pos_float(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+GLOBAL_POOLS = ("", "avg", "avgmax", "max", "token", "map")
+MODEL_KWARGS: dict[str, tuple[str, Any]] = {
+    "img_size": ("a positive integer or [H, W]", _size),
+    "patch_size": ("a positive integer or [H, W]", _size),
+    "embed_dim": ("a positive integer", _pos_int),
+    "depth": ("a positive integer", _pos_int),
+    "num_heads": ("a positive integer", _pos_int),
+    "num_classes": ("a positive integer", _pos_int),
+    "in_chans": ("a positive integer", _pos_int),
+    "mlp_ratio": ("a positive number", _pos_float),
+    "global_pool": (f"one of {', '.join(repr(g) for g in GLOBAL_POOLS)}", lambda v: v in GLOBAL_POOLS),
+    "class_token": ("true or false", lambda v: isinstance(v, bool)),
+    "reg_tokens": ("an integer >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "no_embed_class": ("true or false", lambda v: isinstance(v, bool)),
+    "qkv_bias": ("true or false", lambda v: isinstance(v, bool)),
+    "qk_norm": ("true or false", lambda v: isinstance(v, bool)),
+    "fc_norm": ("true, false or null", lambda v: v is None or isinstance(v, bool)),
+    "pre_norm": ("true or false", lambda v: isinstance(v, bool)),
+    "init_values": ("a positive number or null", lambda v: v is None or _pos_float(v)),
+    "dynamic_img_size": ("true or false", lambda v: isinstance(v, bool)),
+}
+
+
+def check_model_kwargs(kwargs: Any, *, source: str = "the model settings") -> dict[str, Any]:
+    """Refuse build settings outside :data:`MODEL_KWARGS` (or of the wrong type), naming the key.
+
+    Args:
+        kwargs: ``ModelSpec.kwargs`` (e.g. ``arch.json``'s ``model.kwargs``).
+        source: what held them, for the message (a file name).
+    """
+    if not isinstance(kwargs, dict):
+        raise NascompressError(f"{source}: model kwargs must be a mapping of settings, got {type(kwargs).__name__}")
+    for k, v in kwargs.items():
+        if k not in MODEL_KWARGS:
+            raise NascompressError(f"{source}: model setting {k!r} is not one nascompress accepts "
+                                   f"({', '.join(MODEL_KWARGS)}); the file was not written by nascompress or was "
+                                   "edited: remove the setting")
+        what, ok = MODEL_KWARGS[k]
+        if not ok(v):
+            raise NascompressError(f"{source}: model setting {k} must be {what}, got {v!r}")
+    return kwargs
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What is needed to rebuild a timm model: its registered name and build kwargs.
@@ -34,7 +95,8 @@ class ModelSpec:
     Args:
         name: a timm model name (``vit_*``, ``deit_*`` ...).
         kwargs: keyword overrides passed to ``timm.create_model`` (num_classes, img_size,
-            in_chans, patch_size, embed_dim, depth, num_heads, ...).
+            in_chans, patch_size, embed_dim, depth, num_heads, ...): only the settings of
+            :data:`MODEL_KWARGS` (checked by :func:`build_model`).
     """
 
     name: str
@@ -85,7 +147,11 @@ def _hybrid_message(name: str, stem: str) -> str:
 
 
 def build_model(spec: ModelSpec) -> VisionTransformer:
-    """Build ``spec`` with random init (never downloads). Raises for non-ViT and hybrid models."""
+    """Build ``spec`` with random init (never downloads). Raises for non-ViT and hybrid models and
+    for build settings outside :data:`MODEL_KWARGS`."""
+    check_model_kwargs(spec.kwargs)
+    if not isinstance(spec.name, str):
+        raise NascompressError(f"the model name must be a timm name, got {spec.name!r}")
     arch = _check_name(spec.name)
     module = timm.models._registry._model_to_module.get(arch)
     if module == _HYBRID_MODULE:

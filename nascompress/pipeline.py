@@ -574,8 +574,11 @@ def _grid_size(model: Any, weights: str) -> int | None:
     if weights.endswith(".safetensors"):
         from safetensors import safe_open
 
-        with safe_open(weights, "pt") as f:
-            pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None
+        try:
+            with safe_open(weights, "pt") as f:
+                pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None
+        except Exception as e:  # noqa: BLE001 (a corrupt or foreign file: every reader raises its own type)
+            raise NascompressError(f"weights file {weights} is corrupt or not a weights file ({e})") from None
     else:
         from .models import read_weights_file
 
@@ -648,7 +651,11 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
         kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
         size = imp.img_size
         if size is None:
-            size = _grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"), imp.weights)
+            try:
+                size = _grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"),
+                                  imp.weights)
+            except NascompressError as e:
+                raise ctx.err("base.import.weights", str(e)) from None
         if size is not None:
             kwargs["img_size"] = size
         spec = ModelSpec(imp.model, kwargs)
