@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,6 +16,19 @@ MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 print
 out = Console(quiet=not MAIN)
 err = Console(stderr=True)
 STATE = {"debug": False}
+SkipBadImages = Annotated[bool, typer.Option(
+    "--skip-bad-images", help="ImageFolder: leave unreadable images out (counted) instead of refusing the dataset.")]
+
+
+def skip_bad(data: Any, skip: bool) -> Any:
+    """``data`` (a DataConfig or None) with unreadable images skipped when ``--skip-bad-images`` is given."""
+    if not skip:
+        return data
+    from dataclasses import replace
+
+    from nascompress.data import DataConfig
+
+    return replace(data or DataConfig(), skip_bad_images=True)
 
 
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from cli.common import out, print_json, run
+from cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 
 def parse_value(text: str) -> Any:
@@ -58,7 +58,7 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
               min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
               layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
               eval_limit: Optional[int], seed: int, device: str, force: bool, resume: bool, json_out: bool,
-              **method_opts: Optional[str]) -> None:
+              skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
     from dataclasses import replace
 
@@ -83,7 +83,7 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
         data = run_data_config(run_dir) or DataConfig()
         data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                        eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        data = replace(data, subset_seed=seed)
+        data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
         tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                    warmup_epochs=warmup_epochs, weight_decay=weight_decay, layer_decay=layer_decay,
                                    label_smoothing=label_smoothing, seed=seed, device=device)
@@ -134,6 +134,7 @@ def _signature() -> inspect.Signature:
             help="Use a seeded, class-balanced subset of N val/test images.")]),
         P("seed", KW, default=0, annotation=Annotated[int, typer.Option(help="One seed for everything.")]),
         P("device", KW, default="auto", annotation=Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]),
+        P("skip_bad_images", KW, default=False, annotation=SkipBadImages),
         P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
         P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import input_overrides, out, print_json, run
+from cli.common import SkipBadImages, input_overrides, out, print_json, run
 
 
 def register(app: typer.Typer) -> None:
@@ -26,6 +26,7 @@ def register(app: typer.Typer) -> None:
         eval_limit: Annotated[Optional[int], typer.Option(help="Evaluate on N val/test images (class-stratified, drawn with --seed).")] = None,
         batch_size: Annotated[int, typer.Option(help="Evaluation batch size.")] = 256,
         seed: Annotated[int, typer.Option(help="Seed of the --eval-limit subsets.")] = 0,
+        skip_bad_images: SkipBadImages = False,
         device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
@@ -38,7 +39,8 @@ def register(app: typer.Typer) -> None:
         def build():
             data = None
             if dataset is not None:
-                data = DataConfig(dataset=dataset, data_dir=data_dir, eval_limit=eval_limit, subset_seed=seed)
+                data = DataConfig(dataset=dataset, data_dir=data_dir, eval_limit=eval_limit, subset_seed=seed,
+                                  skip_bad_images=skip_bad_images)
             return ImportJob(model=model, weights=str(weights), out=str(out_dir), img_size=img_size,
                              num_classes=num_classes, data=data, input=input_overrides(mean, std, interpolation, crop_pct),
                              eval_batch_size=batch_size, device=device)

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import STATE, fail, input_overrides, out, print_json, run
+from cli.common import STATE, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -68,7 +68,7 @@ def train(
     val_fraction: Annotated[float, typer.Option(help="Share of train held out for validation.")] = 0.1,
     train_limit: Annotated[Optional[int], typer.Option(help="Use N training images (a class-stratified random subset drawn with --seed).")] = None,
     eval_limit: Annotated[Optional[int], typer.Option(help="Use N val/test images (class-stratified, drawn with --seed).")] = None,
-    num_workers: NumWorkers = None,
+    num_workers: NumWorkers = None, skip_bad_images: SkipBadImages = False,
     epochs: Annotated[int, typer.Option()] = 8, batch_size: Annotated[int, typer.Option()] = 128,
     lr: Annotated[Optional[float], typer.Option(
         help="Absolute peak lr (default: 1e-3 from scratch; with --weights --base-lr x batch / 512).")] = None,
@@ -93,7 +93,8 @@ def train(
 
     def build():
         data = DataConfig(dataset=dataset, data_dir=data_dir, val_fraction=val_fraction, split_seed=0,
-                          train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed, num_workers=num_workers)
+                          train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed, num_workers=num_workers,
+                          skip_bad_images=skip_bad_images)
         n = num_classes if num_classes is not None else count_classes(data)
         spec = model_spec(model, img_size, patch_size, embed_dim, depth, num_heads, n, in_chans)
         fine_tune = weights is not None and not linear_probe  # a pretrained start: the fine-tuning recipe
@@ -134,6 +135,7 @@ def evaluate(
     teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
     batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto",
     epsilon: Annotated[Optional[str], typer.Option(help="MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1.")] = None,
+    skip_bad_images: SkipBadImages = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
@@ -147,6 +149,7 @@ def evaluate(
         data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
     if eval_limit is not None:
         data = replace(data, eval_limit=eval_limit)
+    data = skip_bad(data, skip_bad_images)
     if epsilon is not None:
         from nascompress.api import epsilon_sweep
         from nascompress.methods.mgvit import parse_epsilons

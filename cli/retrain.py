@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import out, print_json, run
+from cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +37,7 @@ def register(app: typer.Typer) -> None:
         train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
         eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
         seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+        skip_bad_images: SkipBadImages = False,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
         resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
@@ -56,6 +57,7 @@ def register(app: typer.Typer) -> None:
                 data = replace(data, data_dir=data_dir)
             data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                            eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
+            data = skip_bad(data, skip_bad_images)
             rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
                                cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
                                feat_kd=feat_kd, log_ib=log_ib)

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import out, print_json, run
+from cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -56,6 +56,7 @@ def dcs(
     eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+    skip_bad_images: SkipBadImages = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out from its checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
@@ -83,7 +84,7 @@ def dcs(
             data = replace(data, dataset=dataset)
         data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                        eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        data = replace(data, subset_seed=seed)
+        data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
         return DCSSearchJob(source=source, out=str(out_dir),
                             method=DCSConfig(qk_mask=qk_mask, alpha_init=alpha_init, theta_init=alpha_init),
                             search=cfg, train=tc, data=data, weights=str(weights) if weights else None,
@@ -129,17 +130,20 @@ def _outer_search(kind: str, default_space: str):
         no_enqueue: Annotated[bool, typer.Option("--no-enqueue", help="Do not run the uncompressed and paper configurations first.")] = False,
         seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
         device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+        skip_bad_images: SkipBadImages = False,
         json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
     ) -> None:
+        from nascompress.api import run_data_config
         from nascompress.search.trials import SearchJob, run_search
 
         def build() -> SearchJob:
+            data = skip_bad(run_data_config(base) if base.is_dir() else None, True) if skip_bad_images else None
             return SearchJob(base=str(base), space=str(space or default_space), study=study, storage=storage,
                              trials=trials, workers=workers, objective=objective, max_flops=max_flops,
                              max_latency_ms=max_latency, sampler=sampler, finetune_epochs=finetune_epochs,
                              train_images=train_images, eval_images=eval_images, calib_steps=calib_steps,
                              dcs_epochs=dcs_epochs, batch_size=batch_size, enqueue=not no_enqueue, seed=seed,
-                             device=device)
+                             device=device, data=data)
 
         job = run(build)
         res = run(run_search, job, progress=not json_out, json_progress=json_out)

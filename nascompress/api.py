@@ -23,7 +23,12 @@ def count_classes(data: DataConfig) -> int:
     train = Path(data.dataset) / "train"
     if not train.is_dir():
         raise NascompressError(f"dataset {data.dataset!r} is neither 'fashion-mnist' nor a directory with train/")
-    return sum(1 for p in train.iterdir() if p.is_dir())
+    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+    if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
+        from .data import check_classes
+
+        check_classes(classes, {}, name=data.dataset)
+    return len(classes)
 
 
 def run_data_config(run_dir: str | Path) -> DataConfig | None:

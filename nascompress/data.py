@@ -22,6 +22,14 @@ Two loading paths:
 
 Limits (``train_limit``, ``eval_limit``) take a seeded, class-stratified random subset
 (:func:`stratified_indices`), never the first N images.
+
+Datasets that cannot train a classifier are refused before anything runs, in one line: fewer than
+two classes, or a class with no image in a split (train/, val/, test/ or the validation split
+carved from train/). ImageFolder images are checked once when a dataset is loaded
+(:func:`scan_images`: every file is decoded the way the loader will, JPEGs at a reduced size, in
+parallel threads): an unreadable file is named and refused, or with ``skip_bad_images``
+(``--skip-bad-images``) left out and counted (``DataBundle.extra["skipped_images"]``). Files whose
+extension is not an image's are not part of an ImageFolder and are ignored.
 """
 from __future__ import annotations
 
@@ -319,11 +327,98 @@ def _image_folder(path: Path, transform: Any) -> Dataset:
     from . import _compat  # noqa: F401
     from torchvision import datasets
 
-    try:
-        ds = datasets.ImageFolder(str(path), transform=transform)
+    try:  # empty class folders are allowed here and refused by check_classes, naming the class
+        ds = datasets.ImageFolder(str(path), transform=transform, allow_empty=True)
     except (FileNotFoundError, RuntimeError) as e:
         raise NascompressError(f"{path} is not an ImageFolder directory with one folder per class ({e})") from e
     return ds
+
+
+def _unreadable(path: str) -> str | None:
+    """Why the image at ``path`` cannot be read as the loader reads it (None: it can)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            if im.format == "JPEG":
+                im.draft("RGB", (1, 1))  # decode at 1/8 scale: every byte is still read, 64x less work
+            im.load()
+        return None
+    except Exception as e:  # noqa: BLE001 (PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...)
+        msg = str(e).split(" <", 1)[0] if "cannot identify image file" in str(e) else str(e)
+        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+_SCANNED: dict[tuple[str, int, int], str | None] = {}  # (path, size, mtime) -> reason: a file is decoded once per process
+_REPORTED: set[str] = set()  # folders whose skipped images were reported (once per process)
+
+
+def _stat_key(path: str) -> tuple[str, int, int]:
+    try:
+        st = os.stat(path)
+        return path, st.st_size, st.st_mtime_ns
+    except OSError:
+        return path, -1, -1
+
+
+def scan_images(paths: Sequence[str], *, workers: int | None = None) -> dict[str, str]:
+    """The unreadable images among ``paths`` (path -> reason), each decoded once as the loader
+    would (JPEGs at 1/8 scale), in ``workers`` threads (default ``min(8, cpu count)``). Results are
+    kept for the process (keyed by path, size and modification time), so the stages of one
+    pipeline scan a dataset once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    keys = [_stat_key(p) for p in paths]
+    todo = [k for k in keys if k not in _SCANNED]
+    if todo:
+        workers = workers or min(8, os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for k, r in zip(todo, pool.map(_unreadable, [k[0] for k in todo], chunksize=64)):
+                _SCANNED[k] = r
+    return {k[0]: _SCANNED[k] for k in keys if _SCANNED[k] is not None}
+
+
+def _drop_bad(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]) -> None:
+    """Scan an ImageFolder's files; refuse unreadable ones in one line, or (``skip``) leave them out."""
+    bad = scan_images([p for p, _ in ds.samples])
+    if not bad:
+        return
+    first, why = next(iter(bad.items()))
+    if not skip:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise NascompressError(f"unreadable image {first} ({why}){more} in {where}: fix or remove it, or pass "
+                               "--skip-bad-images to leave unreadable images out")
+    ds.samples = [s for s in ds.samples if s[0] not in bad]
+    ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
+    skipped[str(where)] = len(bad)
+    if str(where) in _REPORTED:
+        return
+    _REPORTED.add(str(where))
+    from .progress import console
+
+    console.print(f"skipped {len(bad)} unreadable image(s) in {where} (--skip-bad-images), e.g. {first}: {why}",
+                  highlight=False, style="yellow")
+
+
+def check_classes(classes: Sequence[str], splits: dict[str, Any], *, name: str) -> None:
+    """A classifier needs at least two classes, each with an image in every split.
+
+    Args:
+        classes: the class names.
+        splits: split label (as the message names it) -> its labels (a sequence of class ids).
+        name: the dataset, as the message names it.
+    """
+    if len(classes) < 2:
+        raise NascompressError(f"dataset {name} has {len(classes)} class{'' if len(classes) == 1 else 'es'}"
+                               f"{' (' + classes[0] + ')' if classes else ''}: a classifier needs at least two; add a "
+                               "folder of images per class")
+    for split, labels in splits.items():
+        have = set(torch.as_tensor(labels, dtype=torch.long).tolist())
+        empty = [c for i, c in enumerate(classes) if i not in have]
+        if empty:
+            more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
+            raise NascompressError(f"class {empty[0]!r}{more} of dataset {name} has no image in {split}: every class "
+                                   "needs images in every split; add images or remove the class folder")
 
 
 def _view(ds: Dataset, transform: Any) -> Dataset:
@@ -350,6 +445,8 @@ class DataConfig:
         num_workers: DataLoader worker processes for the splits (decoding images); None: up to 4
             (``min(4, os.cpu_count())``) for ImageFolder, 0 for in-memory datasets. Applied by
             :func:`make_loader` to every loader over the splits unless it is given its own.
+        skip_bad_images: leave unreadable ImageFolder images out (counted) instead of refusing
+            the dataset (:func:`scan_images`).
     """
 
     dataset: str = "fashion-mnist"
@@ -360,6 +457,7 @@ class DataConfig:
     eval_limit: int | None = None
     subset_seed: int = 0
     num_workers: int | None = None
+    skip_bad_images: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
@@ -415,6 +513,7 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     if spec is None and img_size is not None:  # old callers: only a size; timm's defaults otherwise
         spec = InputSpec(tuple(img_size), 3, (0.5,), (0.5,))
     workers = cfg.num_workers
+    skipped: dict[str, int] = {}
     if cfg.dataset == "fashion-mnist":
         train_full, test = load_fashion_mnist(Path(cfg.data_dir))
         val = None
@@ -441,6 +540,12 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
                 raise NascompressError(f"{root}/{part} has classes {ds.classes} but train has {train_full.classes}")
         if len(train_full) == 0:
             raise NascompressError(f"{root}/train holds no images")
+        for part, ds in (("train", train_full), ("val", val), ("test", test if test is not val else None)):
+            if ds is not None:
+                _drop_bad(ds, root / part, skip=cfg.skip_bad_images, skipped=skipped)
+        check_classes(train_full.classes, {f"{root}/{p}": ds.targets for p, ds in
+                                           (("train", train_full), ("val", val), ("test", test)) if ds is not None},
+                      name=str(root))
         name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
@@ -448,6 +553,10 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
         train, val = Subset(train_src, tr_idx), Subset(train_full, va_idx)
+        check_classes(train_full.classes, {"the training split": dataset_labels(train),
+                                           f"the validation split carved from the training images (val_fraction "
+                                           f"{cfg.val_fraction:g}; add a val/ folder or more images)": dataset_labels(val)},
+                      name=name)
     else:
         train = train_src
     test_is_val = test is None or test is val
@@ -457,7 +566,8 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     for ds in (train, val, test):
         ds.num_workers = workers or 0  # read by make_loader (see DataConfig.num_workers)
     return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
-                      native_channels=channels, native_size=size)
+                      native_channels=channels, native_size=size,
+                      extra={"skipped_images": skipped} if skipped else {})
 
 
 def _batched_collate(batch):

@@ -24,7 +24,7 @@ from .config import Config, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import load_with_arch, save_model
+from .io import finish_run, load_with_arch, save_model
 from .methods import get_method
 from .train import TrainConfig, check_classes, fit
 from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
@@ -129,11 +129,12 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
                    "zero_shot": True, "calibration": calib}
     else:
         hooks = method.hooks(model, record, teacher=teacher, train_cfg=cfg)
-        metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume)
+        metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume,
+                      finish=False)
         metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
     if distributed.is_main():
-        write_json(out / "metrics.json", metrics)
+        finish_run(out, metrics)  # the last write: marks the run complete
     return metrics
 
 

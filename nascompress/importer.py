@@ -25,7 +25,7 @@ import torch
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import make_arch, save_model
+from .io import finish_run, make_arch, save_model
 from .models import ModelSpec, build_model, read_weights_file, state_mismatches
 from .utils import create_out_dir, prepare_out_dir, resolve_device, write_json
 
@@ -166,10 +166,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     arch = make_arch(spec, input_spec=input_spec.to_dict())
     arch["source"] = source
     create_out_dir(out, force=force)
-    save_model(out, model, arch)
     write_json(out / "config.json", {"import": job.to_dict(), "data": None if job.data is None else asdict(job.data),
                                      "source": source})
-    write_json(out / "metrics.json", metrics)
+    save_model(out, model, arch)
+    finish_run(out, metrics)  # the last write: marks the run complete
     return metrics
 
 

@@ -12,6 +12,19 @@ is enough) holds::
 
 Training checkpoints (optimizer, schedules, RNG) are saved with :func:`save_state`, which
 stores tensors in safetensors and everything else as JSON: nothing is pickled.
+
+Complete runs. A run directory (what ``train``, ``import``, ``finetune``, ``search dcs``,
+``materialize`` and ``retrain`` write, the pipeline's stages included) is complete only once its
+last write has happened: ``metrics.json`` with ``"finished": true``, written atomically by
+:func:`finish_run` after every other file. Every reader (:func:`load`, :func:`load_with_arch`,
+:func:`load_arch`, so ``evaluate``, ``finetune``, ``search``, ``materialize``, ``retrain``,
+``profile``, the pipeline and export) refuses a run without it in one line, saying whether
+``--resume`` continues it (it has a ``checkpoint.safetensors``) or what to delete
+(:func:`check_complete`). A directory without any run file (a nascompress ``config.json``, ``log.jsonl``,
+``checkpoint.safetensors``, ``last.safetensors``, ``metrics.json``) is a plain model directory, e.g.
+``model.safetensors`` + ``arch.json`` assembled by hand or with :func:`save_model`: it is loaded
+as it is. Runs written before the mark existed (``metrics.json`` without ``finished``) count as
+complete: ``metrics.json`` was already their last write.
 """
 from __future__ import annotations
 
@@ -36,6 +49,14 @@ _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".a
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
 ARCH_FILE = "arch.json"
 MODEL_FILE = "model.safetensors"
+METRICS_FILE = "metrics.json"
+CONFIG_FILE = "config.json"
+# files only a run writes (a plain model directory has none of them; nor a config.json of a run)
+RUN_FILES = (METRICS_FILE, "log.jsonl", "checkpoint.safetensors", "last.safetensors")
+# the command that wrote a run, told apart by its config.json's keys; (command, can it --resume)
+_COMMANDS = ((("import",), "nascompress import", False), (("materialize",), "nascompress materialize", False),
+             (("source", "search"), "nascompress search dcs", True), (("model_dir", "retrain"), "nascompress retrain", True),
+             (("run_dir", "method"), "nascompress finetune", True), (("model", "train"), "nascompress train", True))
 
 
 def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -91,10 +112,70 @@ def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, f
     return path
 
 
-def _resolve(path: str | Path) -> tuple[Path, dict[str, Any]]:
+def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """Mark ``run_dir`` complete: write ``metrics.json`` (with ``"finished": true``) atomically.
+    Call it after every other write of the run: it is the mark every reader checks."""
+    write_json(Path(run_dir) / METRICS_FILE, dict(metrics, finished=True))
+
+
+def run_state(run_dir: str | Path) -> str:
+    """``complete`` (finished run), ``unfinished`` (a run without its mark) or ``plain`` (a model
+    directory without run files, e.g. assembled by hand)."""
+    d = Path(run_dir)
+    m = d / METRICS_FILE
+    if m.is_file():
+        try:
+            done = json.loads(m.read_text()).get("finished", True) is not False  # older runs: no key
+        except (ValueError, AttributeError, OSError):
+            done = False
+        if done:
+            return "complete"
+    return "unfinished" if any((d / f).exists() for f in RUN_FILES) or _writer(d) is not None else "plain"
+
+
+def _writer(d: Path) -> tuple[str, bool] | None:
+    """(command, can it --resume) of the nascompress run whose config.json is in ``d``, else None."""
+    try:
+        cfg = json.loads((d / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    return next(((c, r) for keys, c, r in _COMMANDS if all(k in cfg for k in keys)), None)
+
+
+def _pipeline_of(d: Path) -> Path | None:
+    """The pipeline directory holding run ``d`` (OUT/base, OUT/tokens/picked, ...), if any."""
+    for up in (d.parent, d.parent.parent):
+        if (up / "config.yaml").is_file() and (up / "done").is_dir():
+            return up
+    return None
+
+
+def check_complete(run_dir: str | Path) -> None:
+    """Refuse an unfinished run directory in one line: how to continue it, or what to delete."""
+    d = Path(run_dir)
+    if run_state(d) != "unfinished":
+        return
+    pipe = _pipeline_of(d)
+    if pipe is not None:
+        raise NascompressError(f"{d} is an unfinished stage of the pipeline in {pipe} (no {METRICS_FILE} with "
+                               f"finished=true); rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' "
+                               "to finish it")
+    command, resumable = _writer(d) or ("the command that wrote it", False)
+    why = f"{d} is an unfinished run: it has no {METRICS_FILE} with finished=true ({command} stopped before its end)"
+    if resumable and (d / "checkpoint.safetensors").is_file():
+        raise NascompressError(f"{why}; continue it with '{command} --resume --out {d}'")
+    raise NascompressError(f"{why} and no checkpoint to continue from; delete {d} and run {command} again "
+                           "(or rerun it with --force)")
+
+
+def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise NascompressError(f"{path} does not exist; give a run directory or a model.safetensors file")
+    if complete:
+        check_complete(path if path.is_dir() else path.parent if path.name == MODEL_FILE else path)
     if path.is_dir():
         weights = path / MODEL_FILE
         if not weights.is_file():
@@ -127,12 +208,20 @@ def recorded_input(path: str | Path) -> dict[str, Any] | None:
 
 
 def load_arch(path: str | Path) -> dict[str, Any]:
+    """The arch of a saved model (a complete run, a plain model directory, or a weights file)."""
     return _resolve(path)[1]
 
 
-def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu") -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild a saved model from its directory (or safetensors file) and load it strictly."""
-    weights, arch = _resolve(path)
+def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu",
+                   complete: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+    """Rebuild a saved model from its directory (or safetensors file) and load it strictly.
+
+    Args:
+        path: a run directory, a plain model directory or a ``.safetensors`` file.
+        map_location: the device.
+        complete: refuse an unfinished run (False: the run's own writer reading its output).
+    """
+    weights, arch = _resolve(path, complete=complete)
     model = build_from_arch(arch)
     try:
         sd = load_file(str(weights))

@@ -233,6 +233,7 @@ class DataSection(_Section):
     train_limit: int | None = opt(None, lo=1)
     eval_limit: int | None = opt(None, lo=1)
     num_workers: int | None = opt(None, lo=0)
+    skip_bad_images: bool = False
 
 
 @dataclass(frozen=True)
@@ -522,7 +523,8 @@ def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
     d = cfg.data
     return DataConfig(dataset=d.dataset, data_dir=d.data_dir, val_fraction=d.val_fraction, split_seed=0,
                       train_limit=train_limit if train_limit is not None else d.train_limit,
-                      eval_limit=d.eval_limit, subset_seed=cfg.seed, num_workers=d.num_workers)
+                      eval_limit=d.eval_limit, subset_seed=cfg.seed, num_workers=d.num_workers,
+                      skip_bad_images=d.skip_bad_images)
 
 
 def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
@@ -539,7 +541,12 @@ def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
         raise ctx.err("data.dataset", f"{d.dataset} is not 'fashion-mnist', 'synthetic' or an ImageFolder root "
                                       "with a train/ folder")
     try:
-        return count_classes(_data_config(cfg))
+        n = count_classes(_data_config(cfg))
+        if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
+            from .data import load_data
+
+            load_data(_data_config(cfg))
+        return n
     except NascompressError as e:
         raise ctx.err("data.dataset", str(e)) from None
 

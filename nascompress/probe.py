@@ -27,9 +27,9 @@ from torch.utils.data import Dataset
 from .data import DataBundle, InputSpec, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import save_model
+from .io import finish_run, save_model
 from .progress import make_progress
-from .utils import resolve_device, seed_everything, write_json
+from .utils import resolve_device, seed_everything
 
 L2_GRID = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)  # weights of l2 / 2 * ||W||^2 on the standardised features
 MAX_ITER = 300  # L-BFGS iterations per L2 weight (full batch)
@@ -140,7 +140,7 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
                "l2": chosen["l2"], "l2_grid": grid, "feature_time_s": feature_time, "fit_time_s": fit_time,
                "test_time_s": time.perf_counter() - t0, "n_train": len(y_tr), "n_val": len(y_va),
                "feature_dim": int(x_tr.shape[1])}
-    write_json(out_dir / "metrics.json", metrics)
+    finish_run(out_dir, metrics)  # the last write: marks the run complete
     return metrics
 
 

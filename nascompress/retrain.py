@@ -44,7 +44,7 @@ from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loa
 from .errors import NascompressError
 from .hooks import TrainHooks
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
-from .io import load_arch, load_with_arch
+from .io import finish_run, load_arch, load_with_arch
 from .train import LOG_FILE, TrainConfig, fit
 from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 
@@ -451,7 +451,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
                     epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
                     teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
     metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=out_arch, hooks=hooks,
-                  resume=resume)
+                  resume=resume, finish=False)
     log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln.strip()]
     last = log[-1] if log else {}
     mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
@@ -466,7 +466,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
                                   if metrics["epoch_time_s_mean"] else None)
     if distributed.is_main():
-        write_json(out / "metrics.json", metrics)
+        finish_run(out, metrics)  # the last write: marks the run complete
     return metrics
 
 

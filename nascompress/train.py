@@ -33,7 +33,8 @@ from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, de
 from .errors import NascompressError
 from .evaluate import evaluate
 from .hooks import TrainHooks, param_groups
-from .io import ARCH_FILE, MODEL_FILE, load_state, load_with_arch, make_arch, recorded_input, save_model, save_state
+from .io import (ARCH_FILE, MODEL_FILE, finish_run, load_state, load_with_arch, make_arch, recorded_input, save_model,
+                 save_state)
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .progress import make_progress
 from .utils import append_jsonl, create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
@@ -160,13 +161,16 @@ def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.devi
 
 
 def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path,
-        arch: dict[str, Any], hooks: TrainHooks | None = None, resume: bool = False) -> dict[str, Any]:
+        arch: dict[str, Any], hooks: TrainHooks | None = None, resume: bool = False,
+        finish: bool = True) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
     Writes ``model.safetensors`` (the best validation epoch, the starting model included, or the
     last with ``cfg.keep="last"``), ``last.safetensors``, ``arch.json``, ``checkpoint.safetensors``
-    (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and ``metrics.json``
-    (validation and test top-1 of the saved model, and of the start). Returns the metrics.
+    (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and, last, with
+    ``finish``, ``metrics.json`` (validation and test top-1 of the saved model, and of the start):
+    the run's completion mark (:func:`~nascompress.io.finish_run`; a caller that adds its own
+    metrics passes ``finish=False`` and marks the run itself). Returns the metrics.
     """
     hooks = hooks or TrainHooks()
     device = distributed.init(cfg.device)
@@ -291,15 +295,17 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             hooks.check(record, start_rec)
 
     distributed.barrier()  # rank 0 has written the best model
-    best_model, _ = load_with_arch(out_dir, map_location=device)
+    best_model, _ = load_with_arch(out_dir, map_location=device, complete=False)  # not marked complete yet
     test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
     metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
                "test_n": test["n"], "start_val_top1": None if start_rec is None else start_rec["val_top1"],
                "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name}
     if world.size > 1:
         metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
-    if main:
-        write_json(out_dir / "metrics.json", metrics)
+    if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder
+        metrics["skipped_images"] = data.extra["skipped_images"]
+    if main and finish:
+        finish_run(out_dir, metrics)  # the last write: marks the run complete
     return metrics
 
 

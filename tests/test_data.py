@@ -272,10 +272,10 @@ def test_loader_workers_are_automatic_and_deterministic(tmp_path):
     import os
 
     root = make_folder(tmp_path, counts={"a": 6, "b": 6}, size=(24, 24))
-    b = load_data(DataConfig(dataset=str(root)), img_size=(16, 16))
+    b = load_data(DataConfig(dataset=str(root), val_fraction=0.5), img_size=(16, 16))  # both classes in val
     assert b.train.num_workers == b.val.num_workers == min(4, os.cpu_count())
     assert load_data(DataConfig(dataset="synthetic")).train.num_workers == 0
-    one = load_data(DataConfig(dataset=str(root), num_workers=1), img_size=(16, 16))
+    one = load_data(DataConfig(dataset=str(root), num_workers=1, val_fraction=0.5), img_size=(16, 16))
     loader = make_loader(one.train, batch_size=4, shuffle=True, seed=3, epoch=1)
     assert loader.num_workers == 1
     assert make_loader(one.train, batch_size=4, shuffle=True, num_workers=0).num_workers == 0  # explicit wins

@@ -162,7 +162,7 @@ def test_import_bad_inputs_write_nothing(tmp_path, vit_weights):
                        {k: v for k, v in src.state_dict().items() if not k.startswith("head.")})
     bad("train --model test_vit --weights", weights=headless)
     bad("--reset-head --linear-probe", "--num-classes", 10, weights=headless)
-    make_folder(tmp_path / "folder", counts={"a": 2, "b": 2})
+    make_folder(tmp_path / "folder", counts={"a": 2, "b": 2}, splits=("train", "val"))
     bad("the weights' head has 10 classes but dataset", "--dataset", tmp_path / "folder")
     out.mkdir()
     (out / "keep.txt").write_text("x")

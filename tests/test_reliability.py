@@ -81,3 +81,143 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
         (tmp_path / name).write_text("hello\n")
         with pytest.raises(NascompressError, match="corrupt or not a weights file"):
             read_weights_file(tmp_path / name)
+
+
+# ---------------------------------------------------------------------------------------------
+# A run is complete only once metrics.json (finished=true) is written; readers check it
+
+
+TINY = ["--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1", "--num-heads", "2",
+        "--epochs", "2", "--batch-size", "64", "--device", "cpu"]
+
+
+def one_line(r, pattern: str) -> str:
+    assert r.exit_code == 1, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in r.output, r.output
+    assert pattern in lines[0], lines[0]
+    return lines[0]
+
+
+def _train_job(out: Path, **data):
+    from nascompress.data import DataConfig
+    from nascompress.train import TrainConfig, TrainJob
+
+    spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, in_chans=1)
+    return TrainJob(model=spec, data=DataConfig(**{"dataset": "synthetic", "train_limit": 128, **data}),
+                    train=TrainConfig(epochs=2, batch_size=64, lr=2e-3, device="cpu"), out=str(out))
+
+
+def test_an_interrupted_run_is_refused_until_resumed(tmp_path):
+    from nascompress.hooks import TrainHooks
+    from nascompress.train import train
+
+    from .conftest import interrupted_at_epoch
+
+    out = tmp_path / "run"
+    with interrupted_at_epoch(TrainHooks, at=1), pytest.raises(KeyboardInterrupt):
+        train(_train_job(out))
+    # the files a reader used to accept: weights and arch of epoch 1, but no metrics
+    assert (out / "model.safetensors").is_file() and (out / "arch.json").is_file()
+    assert not (out / "metrics.json").exists() and (out / "checkpoint.safetensors").is_file()
+    with pytest.raises(NascompressError, match="unfinished run.*'nascompress train --resume --out"):
+        nascompress.load(out)
+    with pytest.raises(NascompressError, match="unfinished run"):
+        nascompress.load(out / "model.safetensors")
+    one_line(invoke("evaluate", out), "continue it with 'nascompress train --resume")
+    one_line(invoke("finetune", out, "--method", "evit", "--out", tmp_path / "ft", "--epochs", "1"), "unfinished run")
+    one_line(invoke("search", "dcs", out, "--out", tmp_path / "dcs", "--epochs", "1"), "unfinished run")
+    one_line(invoke("retrain", out, "--out", tmp_path / "rt", "--epochs", "1"), "unfinished run")
+    assert not any((tmp_path / d).exists() for d in ("ft", "dcs", "rt"))
+    nascompress.load(out / "last.safetensors")  # an explicit epoch file is still readable
+    metrics = train(_train_job(out), resume=True)
+    assert json.loads((out / "metrics.json").read_text())["finished"] is True
+    assert nascompress.load(out).num_classes == 10 and metrics["epochs"] == 2
+
+
+def test_a_run_without_checkpoint_says_what_to_delete(tmp_path):
+    from nascompress.hooks import TrainHooks
+    from nascompress.train import train
+
+    from .conftest import interrupted_at_epoch
+
+    out = tmp_path / "run"
+    with interrupted_at_epoch(TrainHooks, at=0), pytest.raises(KeyboardInterrupt):
+        train(_train_job(out))
+    assert (out / "model.safetensors").is_file() and not (out / "checkpoint.safetensors").exists()
+    msg = one_line(invoke("evaluate", out), "no checkpoint to continue from")
+    assert f"delete {out}" in msg and "nascompress train" in msg
+
+
+def test_plain_model_directories_and_older_runs_load(tmp_path, tiny_run):
+    plain = plain_model_dir(tmp_path / "plain")  # model.safetensors + arch.json made by hand: accepted
+    assert nascompress.load(plain).num_classes == 3
+    old = tmp_path / "old"  # a run written before the mark: metrics.json without "finished"
+    old.mkdir()
+    for f in ("model.safetensors", "arch.json", "config.json", "log.jsonl"):
+        (old / f).write_bytes((tiny_run / f).read_bytes())
+    m = json.loads((tiny_run / "metrics.json").read_text())
+    assert m.pop("finished") is True
+    (old / "metrics.json").write_text(json.dumps(m))
+    nascompress.load(old)
+
+
+def test_an_unfinished_pipeline_stage_names_the_pipeline(tmp_path, tiny_run):
+    pipe = tmp_path / "out"
+    (pipe / "done").mkdir(parents=True)
+    (pipe / "config.yaml").write_text("format: nascompress-pipeline/1\n")
+    base = pipe / "base"
+    base.mkdir()
+    for f in ("model.safetensors", "arch.json", "config.json"):
+        (base / f).write_bytes((tiny_run / f).read_bytes())
+    with pytest.raises(NascompressError, match=f"unfinished stage of the pipeline in {pipe}.*nascompress pipeline"):
+        nascompress.load(base)
+
+
+# ---------------------------------------------------------------------------------------------
+# ImageFolders: unreadable images, and datasets that cannot train a classifier
+
+
+def folder(root: Path, counts: dict[str, int], splits=("train", "val")) -> Path:
+    from .test_data import make_folder
+
+    return make_folder(root, counts=counts, size=(16, 16), splits=splits)
+
+
+def test_a_corrupt_image_is_named_before_anything_is_written(tmp_path):
+    root = folder(tmp_path / "data", {"a": 6, "b": 6})
+    bad = root / "train" / "b" / "3.png"
+    bad.write_bytes(bad.read_bytes()[:60])  # truncated: PIL's "Truncated File Read" when decoded
+    (root / "train" / "a" / "notes.txt").write_text("not an image, not listed")
+    (root / "val" / "a" / "x.png").write_text("a text file named .png")
+    out = tmp_path / "run"
+    msg = one_line(invoke("train", "--dataset", root, "--out", out, *TINY), f"unreadable image {bad}")
+    assert "--skip-bad-images" in msg and not out.exists()
+    r = invoke("train", "--dataset", root, "--out", out, *TINY, "--skip-bad-images", "--json")
+    assert r.exit_code == 0, r.output
+    metrics = json.loads(r.stdout)
+    assert metrics["skipped_images"] == {str(root / "train"): 1, str(root / "val"): 1}
+    assert "skipped 1 unreadable image(s) in" in r.stderr
+    # every command that reads the folder refuses it the same way (the run records the option)
+    one_line(invoke("evaluate", out, "--dataset", root), f"unreadable image {bad}")
+    assert invoke("evaluate", out).exit_code == 0
+
+
+@pytest.mark.parametrize("counts,splits,match", [
+    ({"only": 6}, ("train", "val"), "has 1 class (only): a classifier needs at least two"),
+    ({"a": 6, "b": 6, "c": 0}, ("train",), "class 'c' of dataset"),
+    ({"a": 6, "b": 1}, ("train",), "class 'b' of dataset"),  # one image: none left for the carved val split
+])
+def test_datasets_that_cannot_train_a_classifier(tmp_path, counts, splits, match):
+    root = folder(tmp_path / "data", counts, splits)
+    out = tmp_path / "run"
+    one_line(invoke("train", "--dataset", root, "--out", out, *TINY), match)
+    assert not out.exists()
+
+
+def test_a_class_with_no_image_in_one_split_is_named(tmp_path):
+    root = folder(tmp_path / "data", {"a": 4, "b": 4})
+    for p in (root / "val" / "b").iterdir():
+        p.unlink()
+    one_line(invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY),
+             f"class 'b' of dataset {root} has no image in {root}/val")

@@ -52,7 +52,7 @@ from ..config import Config, check_choice, check_int, check_range
 from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
-from ..io import load_with_arch, make_arch
+from ..io import finish_run, load_with_arch, make_arch
 from ..methods.dcs import (DCSConfig, activation_importance, arch_parameters, binary_entropy, channel_importance,
                            make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
@@ -643,7 +643,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
         write_json(out / "config.json", job.replace(data=data_cfg).to_dict())
     distributed.barrier()
     fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=hooks.arch(supernet, base_arch),
-                      hooks=hooks, resume=resume)
+                      hooks=hooks, resume=resume, finish=False)
     log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln]
     last = log[-1]
     calib = [r["calibration"] for r in log if "calibration" in r]
@@ -655,7 +655,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
                    calibration=calib[-1] if calib else None, train_images=len(data.train), dataset=data.name,
                    **init_info)
     if distributed.is_main():
-        write_json(out / "metrics.json", metrics)
+        finish_run(out, metrics)  # the last write: marks the search complete
     return metrics
 
 

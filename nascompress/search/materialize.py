@@ -17,7 +17,7 @@ from torch import nn
 from ..config import Config
 from ..data import InputSpec
 from ..errors import NascompressError
-from ..io import load_with_arch, save_model
+from ..io import finish_run, load_with_arch, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
 from ..utils import create_out_dir, prepare_out_dir, read_json, write_json
@@ -38,15 +38,11 @@ def load_search(search_dir: str | Path) -> tuple[nn.Module, dict[str, Any], DCSC
     d = Path(search_dir)
     if not d.is_dir():
         raise NascompressError(f"{d} is not a directory; give the --out directory of 'nascompress search dcs'")
-    metrics = d / "metrics.json"
-    if not metrics.is_file() or not read_json(metrics).get("finished"):
-        raise NascompressError(f"{d} holds no finished DCS search (no metrics.json with finished=true); "
-                               "run or --resume 'nascompress search dcs' first")
-    supernet, arch = load_with_arch(d)
+    supernet, arch = load_with_arch(d)  # an unfinished search is refused here (--resume continues it)
     methods = arch.get("methods") or []
     if not methods or methods[-1].get("name") != "dcs" or methods[-1].get("stage", "supernet") != "supernet":
-        raise NascompressError(f"{d}/arch.json does not describe a DCS supernet "
-                               "(its last method must be dcs at stage supernet)")
+        raise NascompressError(f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
+                               "supernet); give the --out directory of 'nascompress search dcs'")
     rec = methods[-1]
     cfg = DCSConfig.from_dict(dict(rec.get("config", {})))
     if rec.get("blocks") is not None and rec["blocks"] != selection(supernet):
@@ -95,11 +91,11 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
                "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
                "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]]}
     create_out_dir(out, force=force)
-    save_model(out, model, new_arch)
     write_json(out / "config.json", {"materialize": job.to_dict(), "data": source_data(search_cfg),
                                      "search": search_cfg.get("search"), "search_data": search_cfg.get("data"),
                                      "source": search_cfg.get("source")})
-    write_json(out / "metrics.json", metrics)
+    save_model(out, model, new_arch)
+    finish_run(out, metrics)  # the last write: marks the run complete
     return metrics
 
 
@@ -251,6 +247,8 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     provenance = {"study": job.study, "storage": spec.display, "trial": trial.number, "params": dict(trial.params),
                   "seed": rec["seed"], "search": info["job"]}
     create_out_dir(out, force=force)
+    write_json(out / "config.json", {"materialize": job.to_dict(), "from_study": provenance,
+                                     "data": data.__dict__ if hasattr(data, "__dict__") else data})
     metrics: dict[str, Any] = {"trial": trial.number, "trial_accuracy": rec["accuracy"], "rebuilt_accuracy": acc,
                                "flops_ratio": rec.get("flops_ratio"), "params": rec.get("params")}
     if job.finetune_epochs > 0:
@@ -258,9 +256,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
                                                 data)
     else:
         save_model(out, model, arch)
-    write_json(out / "config.json", {"materialize": job.to_dict(), "from_study": provenance,
-                                     "data": data.__dict__ if hasattr(data, "__dict__") else data})
-    write_json(out / "metrics.json", metrics)
+    finish_run(out, metrics)  # the last write: marks the run complete
     return metrics
 
 
@@ -276,7 +272,7 @@ def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]],
     cfg = finetune_train_config(last, epochs=epochs, seed=seed, device=ctx.job.device)
     hooks = get_method(last).hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)
     data = load_data(data_cfg, spec=ctx.spec)
-    return fit(model, data=data, input_spec=ctx.spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks)
+    return fit(model, data=data, input_spec=ctx.spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, finish=False)
 
 
 __all__ += ["TrialMaterializeJob", "materialize_trial", "pick_trial", "parse_pick", "knee"]
