@@ -34,9 +34,10 @@ trial picked under the goal in ``tokens/picked/`` by
 Resume: a step is complete when its marker ``OUT/done/<step>.json`` (written atomically after its
 outputs) exists and its outputs do; complete steps are skipped. An interrupted training step
 (base, DCS search, retrain) continues from its last epoch checkpoint (``resume=True``: the same
-result as an uninterrupted run), the study continues by name (a trial killed mid-run is failed
-and run again; the sampler is reseeded on a restart, see :mod:`nascompress.studies.runner`), and
-the quick steps (import, materialize, pick, report) are redone. A rerun with another config into
+result as an uninterrupted run), the study continues by name (a trial killed mid-run is run
+again in its place and the sampler continues from the seed and the trials told, so the study
+and the pick are those of an uninterrupted run, see :mod:`nascompress.studies.runner`), and the
+quick steps (import, materialize, pick, report) are redone. A rerun with another config into
 the same OUT is refused; ``force`` starts over.
 """
 from __future__ import annotations

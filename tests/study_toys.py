@@ -4,7 +4,8 @@ The space: ``x`` in [0, 1] (continuous, so two sampled trials never share params
 ``mode`` in {a, b}. accuracy and flops_ratio both rise with x: a real trade-off.
 
 ``python -m tests.study_toys JSON`` runs :func:`run_study` with the toy objective (for the
-SIGKILL test); JSON holds run_study's keyword arguments plus the toy's (``toy``).
+SIGKILL tests); JSON holds run_study's keyword arguments plus the toy's (``toy``) and optionally
+``sampler`` (``nsga2`` or ``tpe``: the search's own samplers, :func:`toy_sampler`).
 """
 from __future__ import annotations
 
@@ -72,11 +73,20 @@ def toy_factory(**kw: Any) -> Callable[[Any], Any]:
     return partial(_objective, **kw)
 
 
+def toy_sampler(kind: str) -> Callable[[int], Any]:
+    """The sampler factory of ``nascompress search`` (``nsga2`` with a population of 20, or ``tpe``)."""
+    from nascompress.search.trials import make_sampler
+
+    return partial(make_sampler, kind)
+
+
 def main(argv: list[str]) -> None:
     from nascompress.studies import run_study
 
     kw = json.loads(argv[0])
     toy = kw.pop("toy", {})
+    if "sampler" in kw:
+        kw["sampler_factory"] = toy_sampler(kw.pop("sampler"))
     summary = run_study(objective_factory=partial(toy_factory, **toy), progress=False, **kw)
     print(json.dumps(summary))
 

@@ -148,6 +148,51 @@ def test_kill_9_mid_run_then_resume_gives_the_same_result(ref, tmp_path):
     assert rb["decisions"]["tokens"]["params"] == ra["decisions"]["tokens"]["params"]
 
 
+def _running_trial(db: Path, at_least: int) -> bool:
+    """Is a trial numbered >= ``at_least`` RUNNING in the study file (read-only, no lock held)?"""
+    import sqlite3
+
+    if not db.is_file():
+        return False
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1)
+        try:
+            row = con.execute("SELECT COUNT(*) FROM trials WHERE state = 'RUNNING' AND number >= ?",
+                              (at_least,)).fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:  # the schema is being created, or the file is locked for a write
+        return False
+    return bool(row and row[0])
+
+
+def test_kill_9_during_the_study_then_resume_picks_the_same_trial(ref, tmp_path):
+    """Killed mid-trial in the token study, the same command resumes the study in place (the killed
+    trial is run again, the sampler continues from the seed and the trials told) and ends with
+    the uninterrupted run's pick, accuracy and FLOPs."""
+    cfg = write_config(tmp_path, tiny_config())
+    out = tmp_path / "out"
+    proc = _cli(cfg, out)
+    deadline = time.time() + 240
+    while not _running_trial(out / "studies.db", 2) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert (out / "done" / "dcs_mat.json").is_file() and not (out / "done" / "tokens_search.json").exists()
+
+    proc = _cli(cfg, out)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "tokens_search: search" in err and "continuing the study" in err
+    ra, rb = (json.loads((o / "summary.json").read_text()) for o in (ref["out"], out))
+    ta, tb = ra["decisions"]["tokens"], rb["decisions"]["tokens"]
+    for k in ("picked_trial", "params", "trial_seed", "trial_accuracy", "trial_flops_ratio", "trials_complete"):
+        assert tb[k] == ta[k], k
+    assert rb["final"]["test_top1"] == pytest.approx(ra["final"]["test_top1"])
+    assert rb["final"]["macs"] == ra["final"]["macs"] and rb["comparison"]["flops_ratio"] == ra["comparison"]["flops_ratio"]
+
+
 def _bad(base: dict, path: str, value) -> dict:
     cfg = json.loads(json.dumps(base))
     *parents, last = path.split(".")

@@ -22,11 +22,12 @@ import torch
 from optuna.trial import TrialState
 
 from nascompress.errors import NascompressError
-from nascompress.studies import fail_stale_trials, mask_url, open_storage, parse_storage, record_trial, run_study
-from nascompress.studies.runner import FAIL_REASON_KEY, RETRIES_KEY, RETRY_OF_KEY, WORKER_KEY
+from nascompress.studies import (fail_stale_trials, mask_url, open_storage, parse_storage, record_trial, run_study,
+                                 stale_trials)
+from nascompress.studies.runner import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
 from nascompress.studies.storage import resolve_run_storage
 from tests import services
-from tests.study_toys import SPACE_INFO, TWO, toy_factory, toy_values
+from tests.study_toys import SPACE_INFO, TWO, toy_factory, toy_sampler, toy_values
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -131,46 +132,79 @@ def test_record_trial_validates_and_merges():
 # Runner
 
 
-def test_sigkill_mid_trial_then_resume_sqlite(tmp_path, monkeypatch):
-    """(a) A run killed with SIGKILL mid-trial loses nothing; the resumed study ends with n complete."""
+def _killed_mid_trial(tmp_path, kw: dict, hang_at: int) -> dict:
+    """Run ``python -m tests.study_toys`` with ``kw`` and SIGKILL it while trial ``hang_at`` runs;
+    returns the killed trial's params."""
     markers = tmp_path / "markers"
     markers.mkdir()
-    kw = {"study_name": "kill", "storage": None, "n_trials": 6, "seed": 3, "space_info": SPACE_INFO,
-          "enqueue": [{"x": 0.5, "mode": "a"}], "heartbeat_interval": 1.0, **TWO}
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "tests.study_toys",
-                             json.dumps({**kw, "toy": {"marker_dir": str(markers), "hang_at": 3}})],
+                             json.dumps({**kw, "toy": {"marker_dir": str(markers), "hang_at": hang_at}})],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert services.wait_until(lambda: (markers / "start-3").exists() or proc.poll() is not None, 120)
+        assert services.wait_until(lambda: (markers / f"start-{hang_at}").exists() or proc.poll() is not None, 120)
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
         time.sleep(0.3)
         proc.send_signal(signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
+    killed = json.loads((markers / f"start-{hang_at}").read_text())
+    return {"x": killed["x"], "mode": killed["mode"]}
+
+
+def _sequence(trials) -> list[tuple]:
+    return [(t.number, t.state.name, t.params, t.values) for t in sorted(trials, key=lambda t: t.number)]
+
+
+def test_sigkill_mid_trial_then_resume_sqlite(tmp_path, monkeypatch):
+    """(a) A run killed with SIGKILL mid-trial loses nothing; the rerun takes the killed trial over in
+    its place and ends with the trials an uninterrupted run has."""
+    kw = {"study_name": "kill", "storage": None, "n_trials": 6, "seed": 3, "space_info": SPACE_INFO,
+          "enqueue": [{"x": 0.5, "mode": "a"}], "heartbeat_interval": 1.0, **TWO}
+    killed = _killed_mid_trial(tmp_path, kw, hang_at=3)
     storage = f"sqlite:///{tmp_path}/nascompress-studies.db"
     before = {t.number: t for t in trials_of("kill", storage)}
     assert [before[i].state for i in range(4)] == [TrialState.COMPLETE] * 3 + [TrialState.RUNNING]
-    killed = json.loads((markers / "start-3").read_text())
-    assert before[3].params == {"x": killed["x"], "mode": killed["mode"]}
+    assert before[3].params == killed
 
     monkeypatch.chdir(tmp_path)
     summary = run_study(objective_factory=toy_factory, progress=False, **kw)
-    assert summary["stale_failed"] == [3] and summary["complete"] == 6 and summary["finished"]
+    assert summary["stale_resumed"] == [3] and summary["stale_failed"] == []
+    assert summary["complete"] == 6 and summary["finished"]
     after = trials_of("kill", storage)
     by_num = {t.number: t for t in after}
     for i in range(3):  # finished trials intact
         assert by_num[i].state == TrialState.COMPLETE and by_num[i].values == before[i].values
-    assert by_num[3].state == TrialState.FAIL and "stale" in by_num[3].system_attrs[FAIL_REASON_KEY]
-    assert sum(t.state == TrialState.COMPLETE for t in after) == 6
-    retries = [t for t in after if t.user_attrs.get(RETRY_OF_KEY) == 3]
-    assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
-    assert retries[0].params == before[3].params and retries[0].user_attrs[RETRIES_KEY] == 1
+    assert by_num[3].state == TrialState.COMPLETE and by_num[3].params == killed  # run again, in place
+    assert by_num[3].user_attrs[RETRIES_KEY] == 1 and len(after) == 6
     assert_no_duplicates(after)
     assert sum(t.params == {"x": 0.5, "mode": "a"} for t in after) == 1  # the enqueued config ran once
-    assert all(t.values == list(toy_values(t.params["x"], t.params["mode"])) for t in after
-               if t.state == TrialState.COMPLETE)
+    assert all(t.values == list(toy_values(t.params["x"], t.params["mode"])) for t in after)
+    # the same trials, numbers and values as an uninterrupted run
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    monkeypatch.chdir(ref)
+    run_study(objective_factory=toy_factory, progress=False, **kw)
+    assert _sequence(after) == _sequence(trials_of("kill", f"sqlite:///{ref}/nascompress-studies.db"))
+
+
+@pytest.mark.parametrize("sampler,n,hang_at", [("nsga2", 26, 23), ("tpe", 14, 12)])
+def test_sigkill_resume_continues_the_same_sequence(tmp_path, monkeypatch, sampler, n, hang_at):
+    """The search's own samplers (NSGA-II past its first generation of 20, TPE past its 10 random
+    startup trials): kill -9 mid-trial, rerun = the uninterrupted study, trial for trial."""
+    kw = {"study_name": "seq", "storage": None, "n_trials": n, "seed": 11, "space_info": SPACE_INFO,
+          "enqueue": [{"x": 0.5, "mode": "a"}], "heartbeat_interval": 1.0, **TWO}
+    killed = _killed_mid_trial(tmp_path, {**kw, "sampler": sampler}, hang_at=hang_at)
+    monkeypatch.chdir(tmp_path)
+    run_study(objective_factory=toy_factory, sampler_factory=toy_sampler(sampler), progress=False, **kw)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    monkeypatch.chdir(ref)
+    run_study(objective_factory=toy_factory, sampler_factory=toy_sampler(sampler), progress=False, **kw)
+    resumed = trials_of("seq", f"sqlite:///{tmp_path}/nascompress-studies.db")
+    assert [t.params for t in resumed if t.number == hang_at] == [killed]
+    assert _sequence(resumed) == _sequence(trials_of("seq", f"sqlite:///{ref}/nascompress-studies.db"))
 
 
 def _two_workers(name: str, storage: str | None, tmp_path):
@@ -240,9 +274,10 @@ def test_same_seed_same_trials_and_resume_reproducible(tmp_path):
     params = {n: [t.params for t in trials_of(n, storage)] for n in "abc"}
     assert params["a"] == params["b"] != params["c"]
     for name in "ab":
-        run(name, storage, 9, seed=7)  # resume: a new sampler, seeded from (seed, worker, trials so far)
-    a, b = ([t.params for t in trials_of(n, storage)] for n in "ab")
-    assert a == b and len(a) == 9
+        run(name, storage, 9, seed=7)  # resume: the sampler is rebuilt from (seed, trials told)
+    run("d", storage, 9, seed=7)  # the same 9 trials without a restart
+    a, b, d = ([t.params for t in trials_of(n, storage)] for n in "abd")
+    assert a == b == d and len(a) == 9
     assert_no_duplicates(trials_of("a", storage))
 
 
@@ -262,32 +297,32 @@ def test_stale_trials_by_heartbeat_and_dead_pid(tmp_path):
     old = running({"host": "elsewhere", "pid": 1, "pid_start": None, "beat": time.time() - 1000})
     fresh = running({"host": "elsewhere", "pid": 1, "pid_start": None, "beat": time.time()})
     gone = running({"host": socket.gethostname(), "pid": dead.pid, "pid_start": None, "beat": time.time()})
-    assert fail_stale_trials(study, grace_period=60) == [old.number, gone.number]
+    released = running({"host": "elsewhere", "pid": 1, "pid_start": None, "beat": time.time(), "released": True})
+    assert [t.number for t in stale_trials(study, grace_period=60)] == [old.number, gone.number, released.number]
+    assert fail_stale_trials(study, grace_period=60) == []  # stale trials are taken over, not failed
+    # a trial whose worker died max_retries times already is failed (a configuration that kills its process)
+    study._storage.set_trial_user_attr(gone._trial_id, RETRIES_KEY, 2)
+    study._storage.set_trial_user_attr(released._trial_id, RETRIES_KEY, 2)  # a Ctrl-C does not count
+    assert fail_stale_trials(study, grace_period=60, max_retries=2) == [gone.number]
     states = {t.number: t.state for t in study.trials}
-    assert states[old.number] == states[gone.number] == TrialState.FAIL
-    assert states[fresh.number] == TrialState.RUNNING
-    waiting = [t for t in study.trials if t.state == TrialState.WAITING]
-    assert sorted(t.user_attrs[RETRY_OF_KEY] for t in waiting) == [old.number, gone.number]
-    # a retry that dies too is not retried again
-    retry = study.ask()
-    assert retry.user_attrs[RETRIES_KEY] == 1
-    study._storage.set_trial_system_attr(retry._trial_id, WORKER_KEY,
-                                         {"host": "elsewhere", "pid": 1, "pid_start": None, "beat": 0.0})
-    n_waiting = sum(t.state == TrialState.WAITING for t in study.trials)
-    assert fail_stale_trials(study, grace_period=60) == [retry.number]
-    assert sum(t.state == TrialState.WAITING for t in study.trials) == n_waiting
+    assert states[gone.number] == TrialState.FAIL and "died 3 times" in study.trials[gone.number].system_attrs[
+        FAIL_REASON_KEY]
+    assert states[old.number] == states[fresh.number] == states[released.number] == TrialState.RUNNING
 
 
-def test_interrupt_fails_and_requeues_then_resume(tmp_path):
+def test_interrupt_releases_the_trial_then_resume_runs_it_in_place(tmp_path):
     storage = f"sqlite:///{tmp_path}/i.db"
     with pytest.raises(KeyboardInterrupt):
         run("int", storage, 5, objective_factory=partial(toy_factory, fail="interrupt"))
     t2 = next(t for t in trials_of("int", storage) if t.number == 2)
-    assert t2.state == TrialState.FAIL and "interrupted" in t2.system_attrs[FAIL_REASON_KEY]
+    assert t2.state == TrialState.RUNNING and t2.system_attrs[WORKER_KEY]["released"]
     summary = run("int", storage, 5)
-    assert summary["complete"] == 5
-    retry = [t for t in trials_of("int", storage) if t.user_attrs.get(RETRY_OF_KEY) == 2]
-    assert len(retry) == 1 and retry[0].params == t2.params and retry[0].state == TrialState.COMPLETE
+    assert summary["complete"] == 5 and summary["stale_resumed"] == [2]
+    after = trials_of("int", storage)
+    assert len(after) == 5 and after[2].params == t2.params and after[2].state == TrialState.COMPLETE
+    assert RETRIES_KEY not in after[2].user_attrs  # a Ctrl-C is not the trial's fault
+    run("int-ref", storage, 5)
+    assert [t.params for t in after] == [t.params for t in trials_of("int-ref", storage)]
 
 
 def test_failing_objective_stops_after_max_failures(tmp_path):

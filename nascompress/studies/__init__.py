@@ -14,9 +14,10 @@ from .runner import (
     pareto_front,
     record_trial,
     run_study,
+    sampler_seed,
+    stale_trials,
     study_info,
     trial_record,
-    worker_seed,
 )
 from .storage import (
     DEFAULT_DB,
@@ -31,4 +32,4 @@ from .storage import (
 
 __all__ = ["RECORD_FIELDS", "DEFAULT_DB", "DEFAULT_JOURNAL", "StorageSpec", "default_sampler", "fail_stale_trials",
            "find_study", "mask_url", "open_storage", "pareto_front", "parse_storage", "record_trial",
-           "resolve_run_storage", "run_study", "study_info", "trial_record", "worker_seed"]
+           "resolve_run_storage", "run_study", "sampler_seed", "stale_trials", "study_info", "trial_record"]

@@ -5,10 +5,14 @@ top-level callable returning ``objective(trial) -> value(s)``) and a ``sampler_f
 
 How it behaves, on every storage (SQLite, journal file, PostgreSQL):
 
-- Resume: the same study name continues the study. Samplers are not stored, so each (re)start
-  and each worker builds its sampler from ``sampler_factory(worker_seed(seed, worker,
-  trials_at_start))``: a fresh study with one worker gets ``seed`` itself (the same seed gives
-  the same trials), and a restart does not replay the first run's proposals.
+- Resume gives the same result: before every trial a worker rebuilds its sampler with
+  ``sampler_factory(sampler_seed(seed, told, worker))``, ``told`` being the number of trials
+  already finished. The sampler's state is so a function of the seed and the trials told (TPE
+  and NSGA-II read only finished and running trials, and their random streams start from that
+  seed), never of when the process started; and a trial killed mid-run is run again in its own
+  place (below). A one-worker study killed with kill -9 and rerun with the same command so
+  proposes, trains and tells exactly the trials an uninterrupted run does. Several workers share
+  the study without duplicates (each its own stream), in an order that depends on timing.
 - The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
   a run with a different one is refused, naming both spaces and where they differ.
 - Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
@@ -21,11 +25,17 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   before any worker starts.
 - Crash safety: every RUNNING trial carries ``system_attrs["nascompress:worker"] = {host, pid,
   pid_start, beat}``, refreshed every ``heartbeat_interval`` s by a background thread. At every
-  (re)start and before every trial, RUNNING trials whose worker is gone are marked FAIL (same
-  host and the process is dead or a zombie: at once; otherwise when the last beat is older than
-  ``grace_period``) and their params are re-enqueued once (user attrs ``nascompress_retries``,
-  ``nascompress_retry_of``). A trial interrupted by Ctrl-C is treated the same way. Finished
-  trials are never touched. Optuna's own RDB heartbeat is not used: it works only inside
+  (re)start and before every trial, a RUNNING trial whose worker is gone (same host and the
+  process is dead or a zombie: at once; otherwise when the last beat is older than
+  ``grace_period``; a trial interrupted by Ctrl-C: at once) is taken over in place: the worker
+  claims it (writes itself as its owner, reads it back), and runs the objective on that same
+  trial (same number, so the same training seed, and the params it had already drawn; a param
+  not drawn yet is drawn with the sampler rebuilt as at its first start). User attr
+  ``nascompress_retries`` counts the take-overs of a trial whose worker died; after
+  ``max_retries`` of them (a configuration that kills its process) the trial is marked FAIL.
+  Two workers that claim the same trial at the same moment both run it; the first tell wins
+  (the objective is deterministic). Finished trials are never touched. Studies written before
+  this rule may hold FAIL trials with a re-enqueued copy (``nascompress_retry_of``). Optuna's own RDB heartbeat is not used: it works only inside
   ``study.optimize`` and on RDB storages (the journal has none), while this loop asks and tells
   itself; one mechanism keeps the behaviour identical on all three storages.
 - Objective errors: the trial is FAIL with ``user_attrs["nascompress_error"]`` and is not
@@ -181,13 +191,28 @@ def default_sampler(seed: int) -> BaseSampler:
                                           warn_independent_sampling=False)
 
 
-def worker_seed(seed: int, worker: int, trials_at_start: int) -> int:
-    """The sampler seed of one worker of one (re)start: ``seed`` itself for worker 0 of a fresh
-    study, else a hash of the three numbers (distinct per worker and per restart)."""
-    if worker == 0 and trials_at_start == 0:
-        return int(seed)
-    h = hashlib.sha256(f"{seed}/{worker}/{trials_at_start}".encode()).hexdigest()
+def sampler_seed(seed: int, told: int, worker: int = 0) -> int:
+    """The seed a worker's sampler is rebuilt with before a trial: a hash of the study's seed, the
+    number of trials already finished (``told``) and the worker (distinct streams per worker)."""
+    h = hashlib.sha256(f"nascompress-sampler/{seed}/{worker}/{told}".encode()).hexdigest()
     return int(h[:8], 16)
+
+
+def _told(trials: Sequence[FrozenTrial]) -> int:
+    """Trials finished (told), surplus releases aside (those depend on timing)."""
+    return sum(1 for t in trials if t.state.is_finished() and not t.system_attrs.get(SURPLUS_KEY))
+
+
+@dataclass(frozen=True)
+class _Seeding:
+    """How a worker rebuilds its sampler before each trial (:func:`sampler_seed`)."""
+
+    factory: Callable[[int], BaseSampler]
+    seed: int
+    worker: int = 0
+
+    def reseed(self, study: optuna.Study, trials: Sequence[FrozenTrial]) -> None:
+        study.sampler = self.factory(sampler_seed(self.seed, _told(trials), self.worker))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +265,8 @@ _NO_BEAT_SINCE: dict[tuple[str, int], float] = {}  # RUNNING trials seen without
 
 def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> bool:
     w = t.system_attrs.get(WORKER_KEY)
+    if isinstance(w, Mapping) and w.get("released"):  # interrupted (Ctrl-C): free to take over at once
+        return (study_name, t._trial_id) not in _ACTIVE
     if not isinstance(w, Mapping):
         # No beat yet: asked a moment ago, or its worker died between ask and the first beat. Its
         # datetime_start is the writer's naive local time (not comparable across machines), so
@@ -254,46 +281,77 @@ def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> 
     return time.time() - float(w.get("beat", 0.0)) > grace_period
 
 
-def _fail_and_retry(study: optuna.Study, t: FrozenTrial, reason: str, max_retries: int) -> bool:
-    """Mark a RUNNING trial FAIL (if nobody finished it first) and re-enqueue its params once."""
+def _fail(study: optuna.Study, t: FrozenTrial, reason: str) -> bool:
+    """Mark a RUNNING trial FAIL with a reason (False if somebody finished it first)."""
     storage = study._storage  # the Study's (cached) storage: writes stay coherent with its reads
     try:
         storage.set_trial_system_attr(t._trial_id, FAIL_REASON_KEY, reason)
         storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
     except (UpdateFinishedTrialError, RuntimeError):
         return False
-    retries = int(t.user_attrs.get(RETRIES_KEY, 0))
-    params = dict(t.params) or dict(t.system_attrs.get("fixed_params") or {})
-    if params and retries < max_retries:
-        study.enqueue_trial(params, user_attrs={RETRIES_KEY: retries + 1, RETRY_OF_KEY: t.number})
     return True
 
 
-def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: int = 1,
-                      trials: Sequence[FrozenTrial] | None = None) -> list[int]:
-    """Fail the RUNNING trials whose worker is gone and re-enqueue their params once.
+def _died(t: FrozenTrial) -> bool:
+    """Was the trial's worker killed (not interrupted cleanly, which releases it)?"""
+    w = t.system_attrs.get(WORKER_KEY)
+    return not (isinstance(w, Mapping) and w.get("released"))
+
+
+def stale_trials(study: optuna.Study, *, grace_period: float,
+                 trials: Sequence[FrozenTrial] | None = None) -> list[FrozenTrial]:
+    """The RUNNING trials whose worker is gone (see the module docstring), by number.
 
     Args:
         study: the study.
         grace_period: seconds without a heartbeat after which another host's trial is stale
             (a trial of a dead process on this host is stale at once).
-        max_retries: how many times one configuration is re-enqueued.
         trials: the study's trials if already read.
+    """
+    me = _Me.now()
+    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
+    return sorted((t for t in trials if t.state == TrialState.RUNNING
+                   and _is_stale(t, study.study_name, grace_period, me)), key=lambda t: t.number)
+
+
+def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: int = 2,
+                      trials: Sequence[FrozenTrial] | None = None) -> list[int]:
+    """Fail the stale trials that may not be taken over again: their worker died ``max_retries``
+    times already (a configuration that kills its process). The others are left RUNNING for a
+    worker to take over in place (:func:`run_study`).
 
     Returns:
         The numbers of the trials failed here.
     """
-    me = _Me.now()
-    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
     failed = []
-    for t in trials:
-        if t.state == TrialState.RUNNING and _is_stale(t, study.study_name, grace_period, me):
+    for t in stale_trials(study, grace_period=grace_period, trials=trials):
+        retries = int(t.user_attrs.get(RETRIES_KEY, 0))
+        if _died(t) and retries >= max_retries:
             w = t.system_attrs.get(WORKER_KEY) or {}
             reason = (f"stale: worker {w.get('host')}:{w.get('pid')} stopped beating" if w
-                      else "stale: its worker never reported")
-            if _fail_and_retry(study, t, reason, max_retries):
+                      else "stale: its worker never reported") + f" (its worker died {retries + 1} times)"
+            if _fail(study, t, reason):
                 failed.append(t.number)
     return failed
+
+
+def _take_over(study: optuna.Study, t: FrozenTrial, me: _Me) -> bool:
+    """Claim a stale RUNNING trial for this worker: write this worker as its owner and read it
+    back (another worker that claimed it at the same moment may run it too; the first tell wins)."""
+    storage = study._storage
+    tid = t._trial_id
+    try:
+        storage.set_trial_system_attr(tid, WORKER_KEY, {"host": me.host, "pid": me.pid, "pid_start": me.pid_start,
+                                                        "beat": time.time()})
+        now = storage.get_trial(tid)
+        w = now.system_attrs.get(WORKER_KEY) or {}
+        if now.state != TrialState.RUNNING or w.get("pid") != me.pid or w.get("host") != me.host:
+            return False
+        if _died(t):  # a worker killed mid-trial counts against max_retries; a Ctrl-C does not
+            storage.set_trial_user_attr(tid, RETRIES_KEY, int(t.user_attrs.get(RETRIES_KEY, 0)) + 1)
+    except (UpdateFinishedTrialError, RuntimeError):
+        return False
+    return True
 
 
 class _Heartbeat:
@@ -352,8 +410,8 @@ def _as_values(out: Any, n: int) -> list[float]:
 
 def _finish(study: optuna.Study, trial: optuna.Trial, *, values: list[float] | None = None,
             state: TrialState | None = None, error: str | None = None) -> bool:
-    """Tell a trial's end; False if another worker had already failed it as stale (then its
-    retry, enqueued by that worker, runs the configuration again)."""
+    """Tell a trial's end; False if it had been finished meanwhile (another worker took it over
+    as stale and told it first)."""
     try:
         if error is not None:
             trial.set_user_attr(ERROR_KEY, error[:1000])
@@ -386,9 +444,10 @@ def _release(study: optuna.Study, trial: optuna.Trial) -> None:
         study.enqueue_trial(dict(fixed), user_attrs=keep or None)
 
 
-def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _LoopConfig,
+def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _LoopConfig, seeding: _Seeding,
           on_update: Callable[[Sequence[FrozenTrial]], None] | None = None) -> int:
-    """One worker's ask/tell loop; returns the number of trials it ran to an end."""
+    """One worker's loop: take over a stale trial, or ask a new one; run it; tell it. Returns the
+    number of trials it ran to an end."""
     me = _Me.now()
     n_obj = len(study.directions)
     poll = min(1.0, cfg.heartbeat_interval)
@@ -405,16 +464,24 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
             on_update(trials)
         if complete >= cfg.n_trials:
             return ran
-        if complete + running >= cfg.n_trials:  # the rest are running elsewhere: wait for them
+        stale = stale_trials(study, grace_period=cfg.grace_period, trials=trials)
+        trial = None
+        if stale and _take_over(study, stale[0], me):  # a killed trial first, in its own place
+            seeding.reseed(study, trials)
+            study._thread_local.cached_all_trials = None  # as Study.ask does: read the trials afresh
+            trial = optuna.Trial(study, stale[0]._trial_id)
+        elif stale or complete + running >= cfg.n_trials:  # the rest run elsewhere (or were just claimed)
             time.sleep(poll)
             continue
-        trial = study.ask()
+        if trial is None:
+            seeding.reseed(study, trials)
+            trial = study.ask()
         key = (study.study_name, trial._trial_id)
         _ACTIVE.add(key)
         try:
             heartbeat = _Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
             heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
-            if _surplus(study, trial, cfg.n_trials):
+            if trial.number not in {t.number for t in stale} and _surplus(study, trial, cfg.n_trials):
                 _release(study, trial)
                 time.sleep(poll)
                 continue
@@ -423,12 +490,13 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
                     values = _as_values(objective(trial), n_obj)
             except optuna.TrialPruned:
                 _finish(study, trial, state=TrialState.PRUNED)
-            except KeyboardInterrupt:
-                ft = study._storage.get_trial(trial._trial_id)
-                _fail_and_retry(study, ft, "interrupted (KeyboardInterrupt)", cfg.max_retries)
+            except KeyboardInterrupt:  # released: the next run takes it over at once, in its place
+                study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
+                    "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(),
+                    "released": True})
                 raise
             except UpdateFinishedTrialError:
-                pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
+                pass  # another worker took it over as stale and finished it meanwhile
             except Exception as e:
                 _finish(study, trial, state=TrialState.FAIL, error=f"{type(e).__name__}: {e}")
                 if isinstance(e, NascompressError):
@@ -672,7 +740,7 @@ class _WorkerArgs:
     study_name: str
     objective_factory: Callable[[], Callable[[optuna.Trial], Any]]
     sampler_factory: Callable[[int], BaseSampler]
-    seed: int
+    seed: int  # the study's seed (the worker's sampler is rebuilt from it before each trial)
     loop: _LoopConfig
     threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
 
@@ -693,10 +761,11 @@ def _worker_main(args: _WorkerArgs, results: Any) -> None:
     try:
         with _quiet_optuna():
             storage = open_storage(args.spec, create=False)
+            seeding = _Seeding(args.sampler_factory, args.seed, args.index)
             study = optuna.load_study(study_name=args.study_name, storage=storage,
                                       sampler=args.sampler_factory(args.seed))
             objective = args.objective_factory()
-            msg["ran"] = _work(study, objective, args.loop)
+            msg["ran"] = _work(study, objective, args.loop, seeding)
     except KeyboardInterrupt:
         msg["interrupted"] = True
         code = 130
@@ -770,7 +839,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
               sampler_factory: Callable[[int], BaseSampler] | None = None, seed: int = 0, workers: int = 1,
               enqueue: Sequence[Mapping[str, Any]] = (), timeout: float | None = None,
               heartbeat_interval: float = 30.0, grace_period: float | None = None, progress: bool = True,
-              json_progress: bool = False, max_retries: int = 1, max_failures: int = 3) -> dict[str, Any]:
+              json_progress: bool = False, max_retries: int = 2, max_failures: int = 3) -> dict[str, Any]:
     """Create or continue a study and run it until it has ``n_trials`` COMPLETE trials.
 
     Args:
@@ -785,7 +854,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
         space_info: stored as ``study.user_attrs["nascompress"]``; must hold ``space_hash``
             (and should hold ``space``, ``base_run``, ``dataset``, ``command``).
         sampler_factory: picklable ``seed -> sampler`` (default :func:`default_sampler`).
-        seed: the base seed (see :func:`worker_seed`).
+        seed: the study's seed (see :func:`sampler_seed`).
         workers: worker processes on this machine.
         enqueue: Optuna params of fixed configurations to run first (new studies only).
         timeout: start no new trial after this many seconds.
@@ -794,13 +863,13 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
             (default 3 x heartbeat_interval).
         progress: show live progress on stderr.
         json_progress: print one JSON line per finished trial on stdout instead.
-        max_retries: how often a trial killed mid-run is retried with the same params.
+        max_retries: how often a trial whose worker died mid-run is taken over and run again.
         max_failures: objective failures in a row (per worker) that stop the run.
 
     Returns:
         ``{"study", "storage" (masked), "n_trials", "complete", "counts" (by state), "front"
-        ([{"number", "values", "params"}]), "wall_s", "workers", "created", "stale_failed",
-        "finished"}``.
+        ([{"number", "values", "params"}]), "wall_s", "workers", "created", "stale_failed"
+        (failed for good), "stale_resumed" (trials of a killed run, run again in place), "finished"}``.
     """
     t0 = time.time()
     if not isinstance(n_trials, int) or n_trials < 1:
@@ -836,8 +905,8 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
         study, created = _open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
                                      info=info, enqueue=enqueue)
         stale = fail_stale_trials(study, grace_period=grace, max_retries=max_retries)
+        resumed = [t.number for t in stale_trials(study, grace_period=grace)]
         trials = study.get_trials(deepcopy=False)
-        start_count = len(trials)
         finished_before = {t.number for t in trials if t.state.is_finished()}
         display = _Display(study_name=study_name, n_trials=n_trials, directions=directions,
                            metric_names=metric_names, rich=progress, json_lines=json_progress,
@@ -849,10 +918,11 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
             if done:
                 pass
             elif workers == 1:
-                sampler = sampler_factory(worker_seed(seed, 0, start_count))
-                wstudy = optuna.load_study(study_name=study_name, storage=study._storage, sampler=sampler)
+                seeding = _Seeding(sampler_factory, int(seed))
+                wstudy = optuna.load_study(study_name=study_name, storage=study._storage,
+                                           sampler=sampler_factory(int(seed)))
                 objective = objective_factory()
-                _work(wstudy, objective, loop, on_update=display.update)
+                _work(wstudy, objective, loop, seeding, on_update=display.update)
                 display.update(study.get_trials(deepcopy=False))
             else:
                 # the workers share this machine's cores: N workers with torch's default thread count
@@ -861,8 +931,8 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 import torch
 
                 threads = max(1, torch.get_num_threads() // workers)
-                args = [_WorkerArgs(k, spec, study_name, objective_factory, sampler_factory,
-                                    worker_seed(seed, k, start_count), loop, threads) for k in range(workers)]
+                args = [_WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
+                        for k in range(workers)]
                 worker_msgs = _run_workers(args, study, display)
         trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
@@ -881,5 +951,5 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
             "counts": counts, "metric_names": list(metric_names), "directions": directions,
             "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
             "wall_s": round(time.time() - t0, 3), "workers": workers, "created": created,
-            "stale_failed": stale, "finished": complete >= n_trials,
+            "stale_failed": stale, "stale_resumed": resumed, "finished": complete >= n_trials,
             "worker_errors": [{"worker": m["worker"], "error": m["error"]} for m in errors]}
