@@ -166,6 +166,13 @@ def _running_trial(db: Path, at_least: int) -> bool:
     return bool(row and row[0])
 
 
+def _study_trials(out: Path) -> list[tuple]:
+    import optuna
+
+    study = optuna.load_study(study_name="pipeline", storage=f"sqlite:///{out / 'studies.db'}")
+    return [(t.number, t.state.name, t.params, t.values) for t in study.get_trials(deepcopy=False)]
+
+
 def test_kill_9_during_the_study_then_resume_picks_the_same_trial(ref, tmp_path):
     """Killed mid-trial in the token study, the same command resumes the study in place (the killed
     trial is run again, the sampler continues from the seed and the trials told) and ends with
@@ -185,6 +192,8 @@ def test_kill_9_during_the_study_then_resume_picks_the_same_trial(ref, tmp_path)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "tokens_search: search" in err and "continuing the study" in err
+    # the study: trial for trial (numbers, params, values) what the uninterrupted run's study holds
+    assert _study_trials(out) == _study_trials(ref["out"])
     ra, rb = (json.loads((o / "summary.json").read_text()) for o in (ref["out"], out))
     ta, tb = ra["decisions"]["tokens"], rb["decisions"]["tokens"]
     for k in ("picked_trial", "params", "trial_seed", "trial_accuracy", "trial_flops_ratio", "trials_complete"):

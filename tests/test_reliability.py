@@ -221,3 +221,83 @@ def test_a_class_with_no_image_in_one_split_is_named(tmp_path):
         p.unlink()
     one_line(invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY),
              f"class 'b' of dataset {root} has no image in {root}/val")
+
+
+# ---------------------------------------------------------------------------------------------
+# Leftovers of kill -9: a journal's lock, a dashboard's snapshot
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_journal_lock_left_by_a_killed_writer_is_recovered_at_once(tmp_path, caplog):
+    import logging
+    import os
+    import socket
+    import threading
+    import time
+
+    from nascompress.studies import run_study
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    storage = f"journal:{tmp_path}/s.journal"
+    kw = dict(study_name="j", storage=storage, objective_factory=toy_factory, space_info=SPACE_INFO, progress=False,
+              heartbeat_interval=1.0, **TWO)
+    run_study(n_trials=2, **kw)
+    lock = tmp_path / "s.journal.lock"
+    assert not os.path.lexists(lock)
+    # what a writer killed in the middle of an append leaves: the lock, naming its (dead) owner
+    os.symlink(f"{tmp_path}/s.journal.owner=" + json.dumps([socket.gethostname(), _dead_pid(), None]), lock)
+    t0 = time.perf_counter()
+    with caplog.at_level(logging.WARNING):
+        assert run_study(n_trials=4, **kw)["complete"] == 4
+    assert time.perf_counter() - t0 < 15  # Optuna's own lock waits 30 s (grace period) here
+    assert not any("lock" in r.getMessage() for r in caplog.records) and not os.path.lexists(lock)
+    # a live owner's lock is waited for, not broken
+    os.symlink(f"{tmp_path}/s.journal.owner=" + json.dumps([socket.gethostname(), os.getpid(), None]), lock)
+    threading.Timer(1.0, lambda: os.unlink(lock)).start()
+    t0 = time.perf_counter()
+    assert run_study(n_trials=5, **kw)["complete"] == 5
+    assert time.perf_counter() - t0 >= 0.9
+
+
+def test_the_dashboard_snapshot_lives_beside_the_study_and_is_cleaned(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from nascompress.studies import run_study
+    from nascompress.studies.dashboard import start_dashboard
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    db = tmp_path / "studies.db"
+    run_study(study_name="d", storage=f"sqlite:///{db}", n_trials=2, objective_factory=toy_factory,
+              space_info=SPACE_INFO, progress=False, **TWO)
+    snaps = lambda: sorted(tmp_path.glob(".studies.db.dashboard-*"))  # noqa: E731
+    with start_dashboard("d", storage=f"sqlite:///{db}") as h:
+        assert h.snapshot is not None and h.snapshot.parent.parent == tmp_path and len(snaps()) == 1
+    assert snaps() == []
+    # a dashboard killed with kill -9 leaves its snapshot; the next start removes it
+    code = ("import sys, time; from nascompress.studies.dashboard import start_dashboard; "
+            f"h = start_dashboard('d', storage={f'sqlite:///{db}'!r}); print('up', flush=True); time.sleep(120)")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "up"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    left = snaps()
+    assert len(left) == 1
+    with start_dashboard("d", storage=f"sqlite:///{db}") as h:
+        assert left[0] not in snaps() and h.snapshot.exists()
+    assert snaps() == []

@@ -4,15 +4,23 @@ SQLite: serving a live SQLite file that a study is writing has crashed studies
 (optuna-dashboard#545), so an SQLite storage is served from a snapshot copy (SQLite's online
 backup, consistent even mid-write) taken at start; restart the dashboard to refresh it. Journal
 and PostgreSQL storages are served live.
+
+The snapshot lives beside the study file, in a hidden folder ``.<file>.dashboard-<id>/`` (the
+system's temporary folder only when the study's folder is read-only), removed when the dashboard
+stops; a folder left by a dashboard killed with kill -9 is removed by the next start (its owner,
+recorded in ``owner.json``, is dead).
 """
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import socketserver
 import sqlite3
 import tempfile
 import threading
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +29,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from nascompress.errors import NascompressError
 
+from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
+
+SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
 
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -81,6 +92,33 @@ class DashboardHandle:
         self.stop()
 
 
+def _remove_stale_snapshots(home: Path) -> None:
+    """Remove the snapshot folders of dashboards of this machine that are no longer running."""
+    for d in home.glob(f".*{SNAPSHOT_TAG}*"):
+        try:
+            owner = json.loads((d / "owner.json").read_text())
+            dead = owner.get("host") == host() and not pid_alive(int(owner["pid"]), owner.get("pid_start"))
+        except (OSError, ValueError, KeyError, TypeError):  # killed before it wrote its owner
+            dead = d.is_dir() and time.time() - d.stat().st_mtime > 60
+        if dead:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _snapshot_dir(spec: StorageSpec) -> Path:
+    """A new snapshot folder beside the study file (the temporary folder if that one is read-only),
+    with its owner recorded; stale folders of killed dashboards are removed first."""
+    assert spec.path is not None
+    home = spec.path.resolve().parent
+    if not os.access(home, os.W_OK):
+        home = Path(tempfile.gettempdir())
+    _remove_stale_snapshots(home)
+    d = home / f".{spec.path.name}{SNAPSHOT_TAG}{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    pid = os.getpid()
+    (d / "owner.json").write_text(json.dumps({"host": host(), "pid": pid, "pid_start": pid_start(pid)}))
+    return d
+
+
 def _snapshot(spec: StorageSpec, tmpdir: Path) -> StorageSpec:
     assert spec.path is not None
     snap = tmpdir / f"snapshot-{spec.path.name}"
@@ -118,7 +156,10 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0
     tmpdir: Path | None = None
     served, note, snap = spec, None, None
     if spec.kind == "sqlite":
-        tmpdir = Path(tempfile.mkdtemp(prefix="nascompress-dashboard-"))
+        try:
+            tmpdir = _snapshot_dir(spec)
+        except OSError as e:
+            raise NascompressError(f"cannot snapshot {spec.display} for the dashboard: {e.strerror or e}") from None
         try:
             served = _snapshot(spec, tmpdir)
         except NascompressError:

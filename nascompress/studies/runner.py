@@ -80,6 +80,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.errors import NascompressError
 
+from ._procs import pid_alive as _pid_alive
+from ._procs import pid_start as _pid_start
 from .storage import StorageSpec, open_storage, resolve_run_storage
 
 if TYPE_CHECKING:
@@ -217,34 +219,6 @@ class _Seeding:
 
 # ----------------------------------------------------------------------------------------------
 # Workers, heartbeats, stale trials
-
-
-def _pid_start(pid: int) -> str | None:
-    """The process's start time in clock ticks (Linux), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _pid_alive(pid: int, start: str | None) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        if fields[0] in ("Z", "X"):  # a zombie: dead, not yet reaped
-            return False
-        if start is not None and fields[19] != start:  # the pid was reused
-            return False
-    except (OSError, IndexError):
-        pass
-    return True
 
 
 @dataclass(frozen=True)
