@@ -171,7 +171,8 @@ def agreement(run: Path, files: dict[str, Path], images: torch.Tensor, labels: t
         for k, fn in runners.items():
             got[k].append(fn([x])[0].float())
     ref = torch.cat(ref)
-    out: dict[str, Any] = {"images": len(images), "pytorch_top1": 100 * float((ref.argmax(-1) == labels).float().mean())}
+    out: dict[str, Any] = {"images": len(images),
+                           "pytorch_top1": 100 * float((ref.argmax(-1) == labels).float().mean())}
     for k, v in got.items():
         v = torch.cat(v)
         out[k] = {"max_abs_logit_diff": float((v - ref).abs().max()),

@@ -21,8 +21,10 @@ def _help(name: str) -> str:
 def register(app: typer.Typer) -> None:
     @app.command("export")
     def export_cmd(
-        run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors) that nascompress.load reads.")],
-        out_file: Annotated[Path, typer.Option("--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")],
+        run_dir: Annotated[Path, typer.Argument(
+            help="A run directory (or model.safetensors) that nascompress.load reads.")],
+        out_file: Annotated[Path, typer.Option(
+            "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")],
         format: Annotated[str, typer.Option("--format", help=_help("format"))] = "onnx",
         batch: Annotated[str, typer.Option(help=_help("batch"))] = "dynamic",
         dtype: Annotated[str, typer.Option(help=_help("dtype"))] = "fp32",
@@ -45,6 +47,7 @@ def register(app: typer.Typer) -> None:
             return
         v = side["verification"]
         files = ", ".join(f["file"] for f in side["files"])
-        out.print(f"wrote {files} ({side['runtime']}, {side['dtype']}, batch {side['batch']}) + {Path(out_file).name}.json"
+        out.print(f"wrote {files} ({side['runtime']}, {side['dtype']}, batch {side['batch']}) + "
+                  f"{Path(out_file).name}.json"
                   f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
                   f"top-1 agreement {100 * v['top1_agreement']:.1f}%", highlight=False, soft_wrap=True)

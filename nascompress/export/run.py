@@ -76,6 +76,22 @@ def _io_spec(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], batch: A
             for n, t in zip(names, tensors)]
 
 
+def _both_stages(model: torch.nn.Module) -> Any:
+    """MG-ViT in PyTorch: (stage 1 logits; stage 2 logits) of every image, stacked (2B, classes)."""
+    return lambda x: torch.cat(model.forward_both(x), 0)
+
+
+def _both_files(stage1: Any, stage2: Any) -> Any:
+    """The two stage files run on every image, stacked as :func:`_both_stages`."""
+
+    def run(inputs):
+        (x,) = inputs
+        logits, tokens, casr = stage1([x])
+        return [torch.cat([logits, stage2([x, tokens, casr])[0]], 0)]
+
+    return run
+
+
 def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None,
                force: bool = False) -> dict[str, Any]:
     """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
@@ -87,11 +103,12 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
         config: format, batch, dtype, opset, tolerance, verification batch.
         force: replace existing files.
     """
-    from ..io import _resolve, load_with_arch
+    from ..io import MODEL_FILE, load_arch, load_with_arch
     from ..models import input_size
 
     cfg = config or ExportConfig()
-    weights, arch = _resolve(run)  # a missing or unreadable run is reported here, before anything else
+    arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
+    weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
     roles = ("sgis", "mgis") if any(m.get("name") == "mgvit" for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
@@ -100,9 +117,8 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)
     g = torch.Generator().manual_seed(cfg.seed)
-    n = cfg.verify_batch if cfg.dynamic else cfg.batch
-    x = torch.randn(max(n, 2) if cfg.dynamic else n, *shape, generator=g)[:n]
-    example = x[:2] if cfg.dynamic and n >= 2 else torch.randn(2 if cfg.dynamic else n, *shape, generator=g)
+    x = torch.randn(cfg.verify_batch if cfg.dynamic else cfg.batch, *shape, generator=g)  # the check's batch
+    example = torch.randn(2 if cfg.dynamic else cfg.batch, *shape, generator=g)  # traced (2: no size-1 special case)
     flops = _flops(model, x[:1])
     ref = traceable_copy(model, dtype=dtype)  # what is traced, and the PyTorch side of the check
     graphs, rule = graphs_for(ref, example.to(dtype))
@@ -118,8 +134,13 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             export_s = time.perf_counter() - t0
             runners = [runner_for(tmp, cfg.format) for tmp in tmps]
             run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule["epsilon"])
-            batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and n > 1 else [x.to(dtype)]
-            check = verify(model.to(dtype) if dtype != torch.float32 else model, run_fn, batches, tolerance=cfg.tol)
+            batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and len(x) > 1 else [x.to(dtype)]
+            model.to(dtype)
+            check = verify(model, run_fn, batches, tolerance=cfg.tol)
+            if rule is not None:  # each stage on every image, whatever the exit rule picked
+                check["stages"] = verify(_both_stages(model), _both_files(runners[0][0], runners[1][0]), batches,
+                                         tolerance=cfg.tol)
+                check["passed"] = check["passed"] and check["stages"]["passed"]
             check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
             if not check["passed"]:
                 hint = ("; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "

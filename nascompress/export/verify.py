@@ -94,8 +94,10 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
             "top1_agreement": sum(r["top1_agreement"] * r["n"] for r in results) / n}
 
 
-def verify(model: torch.nn.Module, run: Runner, batches: Sequence[torch.Tensor], *, tolerance: float) -> dict[str, Any]:
-    """Run the exported file and ``model`` on each batch; the merged comparison, with ``passed``.
+def verify(model: Callable[[torch.Tensor], torch.Tensor], run: Runner, batches: Sequence[torch.Tensor], *,
+           tolerance: float) -> dict[str, Any]:
+    """Run the exported file and ``model`` (the PyTorch side) on each batch; the merged comparison,
+    with ``passed``.
 
     Passed when max |difference| <= tolerance * max(1, logit scale)."""
     results = []
