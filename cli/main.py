@@ -224,7 +224,7 @@ def _register_optional() -> None:
     import importlib
 
     for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search", "cli.importer", "cli.study",
-                "cli.pipeline"):
+                "cli.pipeline", "cli.export"):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

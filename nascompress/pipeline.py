@@ -14,6 +14,7 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
       tokens: {space: ../search_spaces/evit.yaml, trials: 30}
       retrain: {epochs: 4, eta: 0, teacher: base}
     report: {latency: true, iters: 10, batch_size: 64}
+    export: {format: onnx}       # optional: OUT/export/model.onnx + .json, run and checked against PyTorch
 
 The whole file is validated before anything runs or is written (:func:`load_config`, then the
 plan: files, models, search space against the model's depth, every stage's job built): an error
@@ -28,7 +29,8 @@ command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``ba
 ``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
 :func:`~nascompress.search.materialize.materialize_trial`), ``final/``
-(:func:`~nascompress.retrain.retrain`), then ``summary.json`` and ``report.html``
+(:func:`~nascompress.retrain.retrain`), ``export/`` (:func:`~nascompress.export.export_run`, when the
+file has an ``export`` section), then ``summary.json`` and ``report.html``
 (:mod:`nascompress.pipeline_report`).
 
 Resume: a step is complete when its marker ``OUT/done/<step>.json`` (written atomically after its
@@ -37,7 +39,7 @@ outputs) exists and its outputs do; complete steps are skipped. An interrupted t
 result as an uninterrupted run), the study continues by name (a trial killed mid-run is run
 again in its place and the sampler continues from the seed and the trials told, so the study
 and the pick are those of an uninterrupted run, see :mod:`nascompress.studies.runner`), and the
-quick steps (import, materialize, pick, report) are redone. A rerun with another config into
+quick steps (import, materialize, pick, export, report) are redone. A rerun with another config into
 the same OUT is refused; ``force`` starts over.
 """
 from __future__ import annotations
@@ -65,7 +67,7 @@ STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
 LOCK_FILE = ".pipeline.lock"
 DATASET_KEYWORDS = ("fashion-mnist", "synthetic")
-STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_pick", "retrain", "report")
+STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_pick", "retrain", "export", "report")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,6 +414,35 @@ class ReportSection(_Section):
     batch_size: int = opt(64, lo=1)
 
 
+@dataclass(frozen=True)
+class ExportSection(_Section):
+    """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
+    (``nascompress export``: the other keys are its options, :class:`~nascompress.export.ExportConfig`)."""
+
+    file: str | None = None  # default model.onnx (format onnx) or model.pt2
+    format: str = "onnx"
+    batch: Any = "dynamic"
+    dtype: str = "fp32"
+    opset: int | None = opt(None, lo=7)
+    tolerance: float | None = opt(None, lo=0, lo_open=True)
+    verify_batch: int = opt(8, lo=1)
+
+    def __post_init__(self) -> None:
+        self.config(seed=0)
+        if self.file is not None and Path(self.file).name != self.file:
+            raise _At("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
+
+    def config(self, *, seed: int) -> Any:
+        from .export.config import ExportConfig
+
+        return ExportConfig(format=self.format, batch=self.batch, dtype=self.dtype, opset=self.opset,
+                            tolerance=self.tolerance, verify_batch=self.verify_batch, seed=seed)
+
+    @property
+    def filename(self) -> str:
+        return self.file or ("model.onnx" if self.format == "onnx" else "model.pt2")
+
+
 @dataclass(frozen=True, kw_only=True)
 class PipelineConfig(_Section):
     """A whole pipeline file (see the module docstring)."""
@@ -424,6 +455,7 @@ class PipelineConfig(_Section):
     goal: GoalSection = opt()
     stages: StagesSection = opt()
     report: ReportSection = field(default_factory=ReportSection)
+    export: ExportSection | None = None
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:
@@ -806,6 +838,17 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base
                          f"{', teacher: the base' if s.teacher == 'base' else ''})")
 
 
+def _plan_export(cfg: PipelineConfig, out: Path, current: Path) -> Step:
+    from .export import export_run
+
+    s = cfg.export
+    target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
+    return Step("export", out / "export", "redo",  # the step owns OUT/export: an earlier attempt is replaced
+                lambda force, resume: export_run(current, out=target, config=ec, force=True)["verification"],
+                outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
+                describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch")
+
+
 def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:
     """Validate ``config`` completely (schema, files, models, space, every stage's job) and return
     the pipeline for ``out``. Reads files, writes nothing."""
@@ -834,6 +877,8 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     if cfg.stages.retrain is not None:
         steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
         current = out / "final"
+    if cfg.export is not None:
+        steps.append(_plan_export(cfg, out, current))
     pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
                     storage=storage, data=_data_config(cfg))
 
@@ -985,5 +1030,6 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
 
 
 __all__ = ["FORMAT", "PipelineConfig", "DataSection", "BaseSection", "BaseTrainSection", "BaseImportSection",
-           "GoalSection", "DCSStage", "TokensStage", "RetrainStage", "StagesSection", "ReportSection", "Pipeline",
+           "GoalSection", "DCSStage", "TokensStage", "RetrainStage", "StagesSection", "ReportSection", "ExportSection",
+           "Pipeline",
            "Step", "load_config", "dump_config", "plan", "run_pipeline", "step_done", "STEPS"]

@@ -39,6 +39,7 @@ def tiny_config() -> dict:
                               "calib_steps": 3, "batch_size": 30},
                    "retrain": {"epochs": 1, "eta": 0, "batch_size": 32}},
         "report": {"iters": 2, "batch_size": 8},
+        "export": {"format": "torch-export"},
     }
 
 
@@ -94,6 +95,8 @@ def test_tiny_pipeline_end_to_end(ref):
     # the stored config is the normalized one and reads back to the same config
     assert load_config(out / "config.yaml") == load_config(ref["config"])
     assert "terminal" not in ref["output"] and "test top-1" in ref["output"]
+    side = json.loads((out / "export" / "model.pt2.json").read_text())  # the deployable file, checked
+    assert side["verification"]["passed"] and [m["name"] for m in side["methods"]] == ["dcs", "evit"]
 
 
 def test_a_finished_pipeline_is_not_rerun(ref):
@@ -223,6 +226,8 @@ BAD = [
     ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
     ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
+    ("export.format", "tflite", "export: format must be one of onnx, torch-export, got 'tflite'"),
+    ("export.batch", 0, "export: batch must be 'dynamic' or a positive integer, got 0"),
 ]
 
 

@@ -1,0 +1,53 @@
+"""``nascompress export RUN --format onnx|torch-export --out FILE``: a deployable, checked file (thin)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import out, print_json, run
+
+
+def _help(name: str) -> str:
+    """An option's help text: the ExportConfig field's (the pipeline's export: keys are the same fields)."""
+    import dataclasses
+
+    from nascompress.export.config import ExportConfig
+
+    return next(f.metadata["help"] for f in dataclasses.fields(ExportConfig) if f.name == name)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("export")
+    def export_cmd(
+        run_dir: Annotated[Path, typer.Argument(
+            help="A run directory (or model.safetensors) that nascompress.load reads.")],
+        out_file: Annotated[Path, typer.Option(
+            "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")],
+        format: Annotated[str, typer.Option("--format", help=_help("format"))] = "onnx",
+        batch: Annotated[str, typer.Option(help=_help("batch"))] = "dynamic",
+        dtype: Annotated[str, typer.Option(help=_help("dtype"))] = "fp32",
+        opset: Annotated[Optional[int], typer.Option(help=_help("opset"))] = None,
+        tolerance: Annotated[Optional[float], typer.Option(help=_help("tolerance"))] = None,
+        verify_batch: Annotated[int, typer.Option(help=_help("verify_batch"))] = 8,
+        seed: Annotated[int, typer.Option(help="Seed of the check's random batch.")] = 0,
+        force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
+        json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
+    ) -> None:
+        """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
+        (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""
+        from nascompress.export import ExportConfig, export_run, parse_batch
+
+        cfg = run(lambda: ExportConfig(format=format, batch=parse_batch(batch), dtype=dtype, opset=opset,
+                                       tolerance=tolerance, verify_batch=verify_batch, seed=seed))
+        side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
+        if json_out:
+            print_json(side)
+            return
+        v = side["verification"]
+        files = ", ".join(f["file"] for f in side["files"])
+        out.print(f"wrote {files} ({side['runtime']}, {side['dtype']}, batch {side['batch']}) + "
+                  f"{Path(out_file).name}.json"
+                  f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
+                  f"top-1 agreement {100 * v['top1_agreement']:.1f}%", highlight=False, soft_wrap=True)

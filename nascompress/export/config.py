@@ -1,0 +1,79 @@
+"""Settings of ``nascompress export`` (one dataclass: the CLI options and the pipeline's ``export:``
+section are built from it)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..config import Config, check_choice, check_int, check_range
+from ..errors import NascompressError
+
+FORMATS = ("onnx", "torch-export")
+DTYPES = ("fp32", "fp16", "bf16")
+# max |exported - PyTorch logits| allowed, relative to max(1, max |PyTorch logit|)
+DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
+
+
+def parse_batch(v: str | int) -> str | int:
+    """``dynamic`` or a positive batch size (the CLI gives text: ``"8"`` -> 8)."""
+    if isinstance(v, str) and v.strip().isdigit():
+        return int(v)
+    return v
+
+
+@dataclass(frozen=True)
+class ExportConfig(Config):
+    """How a model is exported and checked.
+
+    Args:
+        format: ``onnx`` (for ONNX Runtime, TensorRT, OpenVINO ...) or ``torch-export`` (a
+            ``torch.export`` program, ``.pt2``, loaded with ``torch.export.load``).
+        batch: ``dynamic`` (any batch size) or a fixed batch size.
+        dtype: ``fp32``, ``fp16`` or ``bf16``: the weights' and the input's type.
+        opset: ONNX opset (None: the exporter's default); the file must come out at this opset.
+        tolerance: allowed max |exported - PyTorch logit| relative to max(1, max |PyTorch logit|)
+            (None: 1e-4 in fp32, 1e-2 in fp16, 5e-2 in bf16).
+        verify_batch: images in the fixed random batch the file is checked on (with ``batch: N``
+            the check runs on N images).
+        seed: seed of that batch.
+    """
+
+    format: str = field(default="onnx", metadata={
+        "help": "onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2)."})
+    batch: str | int = field(default="dynamic", metadata={
+        "help": "dynamic (any batch size) or a fixed batch size N."})
+    dtype: str = field(default="fp32", metadata={"help": "fp32, fp16 or bf16 (weights and input)."})
+    opset: int | None = field(default=None, metadata={
+        "help": "ONNX opset (default: the exporter's; 17 to 23 load in ONNX Runtime)."})
+    tolerance: float | None = field(default=None, metadata={
+        "help": "Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 fp32, 1e-2 fp16, 5e-2 bf16)."})
+    verify_batch: int = field(default=8, metadata={"help": "Images in the fixed random batch the file is checked on."})
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("format", self.format, FORMATS)
+        if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
+                                        or self.batch < 1):
+            raise NascompressError(f"batch must be 'dynamic' or a positive integer, got {self.batch!r}")
+        check_choice("dtype", self.dtype, DTYPES)
+        if self.format == "onnx" and self.dtype == "bf16":
+            raise NascompressError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
+                                   "kernels for Conv and MatMul; use --dtype fp16, or --format torch-export for bf16")
+        if self.opset is not None:
+            check_int("opset", self.opset, 7)
+            if self.format != "onnx":
+                raise NascompressError("opset applies to --format onnx only")
+        if self.tolerance is not None:
+            check_range("tolerance", self.tolerance, 0, lo_open=True)
+        check_int("verify_batch", self.verify_batch, 1)
+        check_int("seed", self.seed, 0)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.batch == "dynamic"
+
+    @property
+    def tol(self) -> float:
+        return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE[self.dtype]
+
+
+__all__ = ["ExportConfig", "FORMATS", "DTYPES", "DEFAULT_TOLERANCE", "parse_batch"]

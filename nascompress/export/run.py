@@ -1,0 +1,184 @@
+"""``export_run``: a saved model -> a checked deployment file and its sidecar (see the package doc)."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import NascompressError
+from ..utils import atomic_path, write_json
+from .config import ExportConfig
+from .graphs import check_exportable, graphs_for, write_graph
+from .paths import traceable_copy
+from .verify import runner_for, verify, with_exit_rule
+
+SIDECAR_FORMAT = "nascompress-export/1"
+TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def sidecar_path(out: str | Path) -> Path:
+    """``FILE.json`` beside ``FILE``."""
+    out = Path(out)
+    return out.with_name(out.name + ".json")
+
+
+def stage_path(out: str | Path, role: str) -> Path:
+    """Where a graph of ``role`` goes: ``FILE`` itself, or MG-ViT's second stage ``<stem>.mgis<suffix>``."""
+    out = Path(out)
+    return out if role in ("model", "sgis") else out.with_name(f"{out.stem}.{role}{out.suffix}")
+
+
+def _check_out(paths: list[Path], *, force: bool) -> list[Path]:
+    """Refuse existing files (without force) and unwritable places; return the folders to create."""
+    for p in paths:
+        if p.exists() and (not force or not p.is_file()):
+            why = "is not a file" if not p.is_file() else "already exists; pass --force to replace it"
+            raise NascompressError(f"{p} {why}")
+    parent = paths[0].parent
+    missing = []
+    while not parent.exists():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise NascompressError(f"cannot write {paths[0]}: {parent} is not a writable directory; choose another --out")
+    return missing[::-1]
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _flops(model: torch.nn.Module, x1: torch.Tensor) -> dict[str, Any]:
+    from ..profiling import count_flops
+
+    rep = count_flops(model, x1)
+    out: dict[str, Any] = {"macs_per_image": rep.total, "gflops_per_image": rep.gflops, "params": rep.params,
+                           "convention": "1 multiply-add = 1 FLOP, attention matmuls included"}
+    if hasattr(model, "stage_flops"):  # MG-ViT: per-stage costs (an exiting image pays stage 1 only)
+        out["stages"] = model.stage_flops()
+    return out
+
+
+def _io_spec(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], batch: Any, dtype: str) -> list[dict]:
+    return [{"name": n, "shape": [batch, *t.shape[1:]],
+             "dtype": ONNX_DTYPES[dtype] if t.is_floating_point() else str(t.dtype).replace("torch.", "")}
+            for n, t in zip(names, tensors)]
+
+
+def _both_stages(model: torch.nn.Module) -> Any:
+    """MG-ViT in PyTorch: (stage 1 logits; stage 2 logits) of every image, stacked (2B, classes)."""
+    return lambda x: torch.cat(model.forward_both(x), 0)
+
+
+def _both_files(stage1: Any, stage2: Any) -> Any:
+    """The two stage files run on every image, stacked as :func:`_both_stages`."""
+
+    def run(inputs):
+        (x,) = inputs
+        logits, tokens, casr = stage1([x])
+        return [torch.cat([logits, stage2([x, tokens, casr])[0]], 0)]
+
+    return run
+
+
+def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None,
+               force: bool = False) -> dict[str, Any]:
+    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
+
+    Args:
+        run: a run directory (or ``model.safetensors``) that :func:`nascompress.load` reads.
+        out: the file to write (``.onnx`` or ``.pt2`` by convention); the sidecar is ``out + ".json"``
+            (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
+        config: format, batch, dtype, opset, tolerance, verification batch.
+        force: replace existing files.
+    """
+    from ..io import MODEL_FILE, load_arch, load_with_arch
+    from ..models import input_size
+
+    cfg = config or ExportConfig()
+    arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
+    weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
+    check_exportable(arch, dynamic=cfg.dynamic)
+    roles = ("sgis", "mgis") if any(m.get("name") == "mgvit" for m in arch["methods"]) else ("model",)
+    files = [stage_path(out, r) for r in roles]
+    created = _check_out([*files, sidecar_path(out)], force=force)
+    model, arch = load_with_arch(run)
+    dtype = TORCH_DTYPES[cfg.dtype]
+    shape = input_size(model)
+    g = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(cfg.verify_batch if cfg.dynamic else cfg.batch, *shape, generator=g)  # the check's batch
+    example = torch.randn(2 if cfg.dynamic else cfg.batch, *shape, generator=g)  # traced (2: no size-1 special case)
+    flops = _flops(model, x[:1])
+    ref = traceable_copy(model, dtype=dtype)  # what is traced, and the PyTorch side of the check
+    graphs, rule = graphs_for(ref, example.to(dtype))
+    t0 = time.perf_counter()
+    for p in created:
+        p.mkdir()
+    try:
+        with contextlib.ExitStack() as stack:
+            tmps = [stack.enter_context(atomic_path(f)) for f in files]
+            side_tmp = stack.enter_context(atomic_path(sidecar_path(out)))  # every file appears together
+            written = [write_graph(gr, tmp, fmt=cfg.format, dynamic=cfg.dynamic, opset=cfg.opset)
+                       for gr, tmp in zip(graphs, tmps)]
+            export_s = time.perf_counter() - t0
+            runners = [runner_for(tmp, cfg.format) for tmp in tmps]
+            run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule["epsilon"])
+            batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and len(x) > 1 else [x.to(dtype)]
+            model.to(dtype)
+            check = verify(model, run_fn, batches, tolerance=cfg.tol)
+            if rule is not None:  # each stage on every image, whatever the exit rule picked
+                check["stages"] = verify(_both_stages(model), _both_files(runners[0][0], runners[1][0]), batches,
+                                         tolerance=cfg.tol)
+                check["passed"] = check["passed"] and check["stages"]["passed"]
+            check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
+            if not check["passed"]:
+                hint = ("; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
+                        "tokens in another runtime" if arch["methods"] else "")
+                raise NascompressError(
+                    f"the exported file differs from the PyTorch model: max |logit difference| "
+                    f"{check['max_abs_diff']:.3g} > {cfg.tol:g} x max(1, {check['logit_scale']:.3g}), top-1 "
+                    f"agreement {100 * check['top1_agreement']:.1f}%{hint}; nothing was written")
+            batch = "batch" if cfg.dynamic else cfg.batch
+            side = {
+                "format": SIDECAR_FORMAT,
+                "file": files[0].name,
+                "runtime": cfg.format,
+                "files": [{"file": f.name, "stage": gr.role, "inputs": _io_spec(gr.input_names, gr.inputs, batch,
+                                                                                 cfg.dtype),
+                           "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
+                "batch": cfg.batch, "dtype": cfg.dtype,
+                "input": {**arch["input"], "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
+                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)"},
+                "num_classes": int(model.num_classes),
+                "flops": flops,
+                "model": arch["model"],
+                "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m
+                                                                                 else {})} for m in arch["methods"]],
+                "exit_rule": rule,
+                "source": {"run": str(run), "weights": weights.name, "sha256": _sha256(weights)},
+                "verification": check,
+                "exporter": {"torch": torch.__version__, "export_seconds": round(export_s, 2),
+                             "settings": cfg.to_dict()},
+                "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+            write_json(side_tmp, side)
+    except BaseException:
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    return side
+
+
+__all__ = ["export_run", "sidecar_path", "stage_path", "SIDECAR_FORMAT"]
