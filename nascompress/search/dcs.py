@@ -53,6 +53,7 @@ from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, prepro
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..io import load_with_arch, make_arch
+from ..layers import qk_pads
 from ..methods.dcs import (DCSConfig, activation_importance, arch_parameters, binary_entropy, channel_importance,
                            make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
@@ -222,7 +223,11 @@ class CostModel:
         for blk in supernet.blocks:
             a = blk.attn
             static = a.qk_mask is not None and a.qk_mask.mode == "static"
-            qk.append(float(2 * n * a.qkv.in_features + n * n) if static else 0.0)
+            # where the materialized q/k run zero-padded to the head dim (layers.qk_pads: the CPU's
+            # fused kernel), a kept channel saves its qkv rows only, not its share of QK^T
+            pads = qk_pads(a.qk_layout, qk_dim=1, head_dim=a.head_dim, device_type=x.device.type,
+                           dtype=a.qkv.weight.dtype) and a.fused_attn
+            qk.append(float(2 * n * a.qkv.in_features + (0 if pads else n * n)) if static else 0.0)
             heads.append(a.num_heads)
             dims.append(a.head_dim)
         full_qk = sum(q * h * d for q, h, d in zip(qk, heads, dims))
