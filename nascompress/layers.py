@@ -103,6 +103,26 @@ def cls_row(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Ten
     return logits.softmax(dim=-1).squeeze(2)
 
 
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+              scale: float, dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, except where only the mask needs a gradient.
+
+    CUDA's memory-efficient kernel keeps the log-sum-exp its backward needs only when q, k or v
+    require grad; with a differentiable additive mask and frozen q/k/v (DynamicViT's policy in its
+    predictor-only stage, backbone frozen) its backward stops with "LSE is not correctly aligned
+    (strideH)". That case runs the math path here (the same attention, written out). q, k (B, H, N,
+    d_qk), v (B, H, N, d_v), mask bool (True = attend) or additive, broadcastable to (B, H, N, N).
+    """
+    bias_only = (attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+                 and not (q.requires_grad or k.requires_grad or v.requires_grad))
+    if not bias_only:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale)
+    scores = (q * scale) @ k.transpose(-2, -1)
+    scores = maybe_add_mask(scores, resolve_self_attn_mask(q.shape[-2], scores, attn_mask, is_causal))
+    return F.dropout(scores.softmax(dim=-1), p=dropout_p) @ v
+
+
 class ClsScore(nn.Module):
     """The class-token attention row as a (parameter-free) module, so the profiler counts it when
     it is computed: q_cls (B, H, 1, d), k (B, H, N, d) -> (B, H, N)."""
@@ -170,8 +190,7 @@ class NCAttention(Attention):
                 raise NotImplementedError(f"{type(self.kernel).__name__} is for bidirectional ViTs (no is_causal)")
             o = self.kernel(q, k, v, attn_mask=attn_mask, scale=self.scale, dropout_p=drop)
         elif self.fused_attn:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal,
-                                               scale=self.scale)
+            o = attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal, scale=self.scale)
         else:
             scores = (q * self.scale) @ k.transpose(-2, -1)
             scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
@@ -342,6 +361,6 @@ def with_zero_row(layer: nn.Linear) -> nn.Linear:
     return new
 
 
-__all__ = ["DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
+__all__ = ["attention", "DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
            "compute_dtype", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
            "slice_linear_out", "slice_layerscale", "with_zero_row"]

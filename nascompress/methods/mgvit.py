@@ -220,6 +220,8 @@ class MGViT(VisionTransformer):
     """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
 
     mg: dict[str, Any]
+    compile_note = ("MG-ViT is timed eager only: its early exit sends a data-dependent subset of the batch "
+                    "through the MGIS stage, so its shapes change with the input (no static graph)")
 
     def _sgis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, C, H, W) -> SGIS logits (B, classes), output patch tokens (B, N, C), CASR (B, N)."""
@@ -310,7 +312,8 @@ class MGViT(VisionTransformer):
             from ..profiling.flops import count_flops
 
             p = next(self.parameters())
-            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device)
+            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device,
+                            dtype=p.dtype)
             cache = {}
             for mode in ("sgis", "mgis"):
                 self._mg_force = mode
@@ -509,12 +512,12 @@ class MGViTHooks(TrainHooks):
     """Loss = CE(D^M, y) + KL(D^M || D^S), every image through both stages (epsilon = 1)."""
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         s_logits, m_logits = model.forward_both(x)
         ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
         kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
                       reduction="batchmean")
-        return ce + kl, {"ce_mgis": ce.item(), "kl_sgis": kl.item()}
+        return ce + kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
 
 
 @torch.no_grad()

@@ -447,8 +447,8 @@ class DCSSearchHooks(TrainHooks):
                 with torch.no_grad():
                     t_logits = self.dense(x)
                 kl = kl_to_teacher(logits, t_logits)
-                return ce + self.cfg.distill * kl, {"ce_w": ce.item(), "kl_w": kl.item()}
-            return ce, {"ce_w": ce.item()}
+                return ce + self.cfg.distill * kl, {"ce_w": ce.detach(), "kl_w": kl.detach()}
+            return ce, {"ce_w": ce.detach()}
         st = model.dcs_state
         log_cost = torch.log(self.cost.soft_macs(model) / self.cost.dense)
         soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
@@ -456,7 +456,7 @@ class DCSSearchHooks(TrainHooks):
         if self.lam_scale is None:  # the first arch-step: measure the balance on its own graph
             self.lam_scale = self.grad_balance(ce, log_cost)
         loss = ce + self.lam_scale * self.lam * log_cost + self.cfg.entropy_weight * ent
-        return loss, {"ce_a": ce.item(), "log_cost": log_cost.item(), "entropy": ent.item()}
+        return loss, {"ce_a": ce.detach(), "log_cost": log_cost.detach(), "entropy": ent.detach()}
 
     def grad_balance(self, ce: torch.Tensor, log_cost: torch.Tensor) -> float:
         """``max(1, r)``, r = median |d CE / d logit| / median |d log cost / d logit| over every gate
