@@ -48,7 +48,11 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a shared "
+                                                           "machine 1 keeps the timings steadier")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     res = header()
     res.update(device=str(device), dtype=args.dtype, iters=args.iters, rows=[])

@@ -169,6 +169,9 @@ BAD = [
     ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
     ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
+    ("amp", "fp16", "amp: must be one of off, bf16, got 'fp16'"),
+    ("report.dtype", "fp8", "report.dtype: must be one of fp32, bf16, fp16, got 'fp8'"),
+    ("deterministic", "yes", "deterministic: must be true or false, got 'yes'"),
 ]
 
 
