@@ -57,8 +57,8 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
               epochs: Optional[int], batch_size: Optional[int], lr: Optional[float], base_lr: Optional[float],
               min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
               layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
-              eval_limit: Optional[int], seed: int, device: str, force: bool, resume: bool, json_out: bool,
-              skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
+              eval_limit: Optional[int], seed: int, device: str, amp: str, deterministic: bool, force: bool,
+              resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
     from dataclasses import replace
 
@@ -86,7 +86,8 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
         data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
         tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                    warmup_epochs=warmup_epochs, weight_decay=weight_decay, layer_decay=layer_decay,
-                                   label_smoothing=label_smoothing, seed=seed, device=device)
+                                   label_smoothing=label_smoothing, seed=seed, device=device, amp=amp,
+                                   deterministic=deterministic)
         return FinetuneJob(run_dir=str(run_dir), method=method, config=config, recipe=recipe, data=data, train=tc,
                            out=str(out_dir), zero_shot=zero_shot)
 
@@ -135,6 +136,10 @@ def _signature() -> inspect.Signature:
         P("seed", KW, default=0, annotation=Annotated[int, typer.Option(help="One seed for everything.")]),
         P("device", KW, default="auto", annotation=Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]),
         P("skip_bad_images", KW, default=False, annotation=SkipBadImages),
+        P("amp", KW, default="off", annotation=Annotated[str, typer.Option(
+            help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]),
+        P("deterministic", KW, default=False, annotation=Annotated[bool, typer.Option(
+            "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]),
         P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
         P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),

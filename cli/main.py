@@ -29,6 +29,10 @@ Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separ
 Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
 CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
 NumWorkers = Annotated[Optional[int], typer.Option(help="DataLoader workers (default: up to 4 for ImageFolder, 0 in memory).")]
+Amp = Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]
+Deterministic = Annotated[bool, typer.Option(
+    "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]
+DType = Annotated[str, typer.Option(help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.")]
 
 
 def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
@@ -81,7 +85,8 @@ def train(
     weight_decay: Annotated[float, typer.Option()] = 0.05,
     label_smoothing: Annotated[float, typer.Option()] = 0.1,
     ema_decay: Annotated[Optional[float], typer.Option(help="Keep an EMA of the weights (e.g. 0.999).")] = None,
-    seed: Seed = 0, device: Device = "auto", force: Force = False,
+    seed: Seed = 0, device: Device = "auto", amp: Amp = "off", deterministic: Deterministic = False,
+    force: Force = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
@@ -107,7 +112,8 @@ def train(
             decay, warm = layer_decay, 1.0 if warmup_epochs is None else warmup_epochs
         cfg = TrainConfig(epochs=epochs, batch_size=batch_size, min_lr=min_lr, warmup_epochs=warm,
                           weight_decay=weight_decay, layer_decay=decay if decay != 1 else None,
-                          label_smoothing=label_smoothing, ema_decay=ema_decay, seed=seed, device=device, **peak)
+                          label_smoothing=label_smoothing, ema_decay=ema_decay, seed=seed, device=device, amp=amp,
+                          deterministic=deterministic, **peak)
         return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
                         weights=str(weights) if weights else None, reset_head=reset_head,
                         input=input_overrides(mean, std, interpolation, crop_pct), linear_probe=linear_probe)
@@ -133,7 +139,7 @@ def evaluate(
     data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
     eval_limit: Annotated[Optional[int], typer.Option(help="Use only N images.")] = None,
     teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
-    batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto",
+    batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto", dtype: DType = "fp32",
     epsilon: Annotated[Optional[str], typer.Option(help="MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1.")] = None,
     skip_bad_images: SkipBadImages = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
@@ -163,7 +169,8 @@ def evaluate(
             out.print(f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
                       f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image")
         return
-    res = run(evaluate_run, run_dir, data=data, split=split, teacher=teacher, device=device, batch_size=batch_size)
+    res = run(evaluate_run, run_dir, data=data, split=split, teacher=teacher, device=device, batch_size=batch_size,
+              dtype=dtype)
     if json_out:
         print_json(res)
         return
@@ -185,7 +192,10 @@ def profile(
     batch_size: Annotated[int, typer.Option(help="Batch for throughput (latency is at batch 1).")] = 64,
     iters: Annotated[int, typer.Option(help="Timed repetitions (median).")] = 10,
     no_latency: Annotated[bool, typer.Option("--no-latency", help="FLOPs and params only.")] = False,
-    device: Device = "auto", json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="Also time each model torch.compile'd (CUDA graphs on CUDA) next to eager.")] = False,
+    device: Device = "auto", dtype: DType = "fp32",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
     from nascompress.api import profile as profile_fn
@@ -195,7 +205,7 @@ def profile(
     target = run_dir if run_dir is not None else run(model_spec, model, img_size, patch_size, embed_dim, depth,
                                                      num_heads, num_classes, in_chans)
     res = run(profile_fn, target, compare=compare, device=device, latency=not no_latency, batch_size=batch_size,
-              iters=iters)
+              iters=iters, dtype=dtype, compile=compile)
     if json_out:
         print_json(res)
         return
@@ -214,7 +224,15 @@ def profile(
                       f"SGIS costs the first, any other both (the table counts the random profiling images' paths)")
         if "latency_ms" in r:
             out.print(f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
-                      f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']}")
+                      f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']} "
+                      f"({res['dtype']})")
+        if "latency_ms_compiled" in r:
+            out.print(f"compiled: latency {r['latency_ms_compiled']:.2f} ms   throughput {r['throughput_compiled']:.1f} img/s")
+        if "compile_note" in r:
+            out.print(r["compile_note"])
+        if "qk_layout" in r:
+            out.print(f"narrowed Q/K heads: {r['qk_layout']['pad']} attention(s) zero-padded to V's head dim, "
+                      f"{r['qk_layout']['packed']} packed (see README, --align)")
     for label, rr in res.get("ratios", {}).items():
         out.print(f"{label} vs reference: " + "  ".join(f"{k} {v:.3f}x" for k, v in rr.items()))
 

@@ -38,6 +38,9 @@ def register(app: typer.Typer) -> None:
         eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
         seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
         skip_bad_images: SkipBadImages = False,
+        amp: Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights stay fp32).")] = "off",
+        deterministic: Annotated[bool, typer.Option(
+            "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")] = False,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
         resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
@@ -62,7 +65,8 @@ def register(app: typer.Typer) -> None:
                                cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
                                feat_kd=feat_kd, log_ib=log_ib)
             tc = retrain_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, layer_decay=layer_decay,
-                                      warmup_epochs=warmup_epochs, seed=seed, device=device)
+                                      warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
+                                      deterministic=deterministic)
             return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
                               teacher=str(teacher) if teacher else None)
 

@@ -57,6 +57,9 @@ def dcs(
     seed: Annotated[int, typer.Option()] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     skip_bad_images: SkipBadImages = False,
+    amp: Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights stay fp32).")] = "off",
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out from its checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
@@ -76,7 +79,8 @@ def dcs(
                               max_val_drop=max_val_drop, calibrate=not no_calibrate,
                               grad_balance=not no_grad_balance, init_importance=init_importance)
         tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
-                                 warmup_epochs=warmup_epochs, seed=seed, device=device)
+                                 warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
+                                 deterministic=deterministic)
         tc = tc.replace(layer_decay=None if not layer_decay or layer_decay == 1 else layer_decay)
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
@@ -131,6 +135,10 @@ def _outer_search(kind: str, default_space: str):
         seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
         device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
         skip_bad_images: SkipBadImages = False,
+        amp: Annotated[str, typer.Option(
+            help="Trials' training (predictor stages, fine-tunes, DCS searches): off or bf16 autocast.")] = "off",
+        deterministic: Annotated[bool, typer.Option(
+            "--deterministic", help="Deterministic kernels in the trials (reproducible on a GPU; slower there).")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
     ) -> None:
         from nascompress.api import run_data_config
@@ -143,7 +151,7 @@ def _outer_search(kind: str, default_space: str):
                              max_latency_ms=max_latency, sampler=sampler, finetune_epochs=finetune_epochs,
                              train_images=train_images, eval_images=eval_images, calib_steps=calib_steps,
                              dcs_epochs=dcs_epochs, batch_size=batch_size, enqueue=not no_enqueue, seed=seed,
-                             device=device, data=data)
+                             device=device, amp=amp, deterministic=deterministic, data=data)
 
         job = run(build)
         res = run(run_search, job, progress=not json_out, json_progress=json_out)

@@ -6,6 +6,7 @@ from typing import Any
 
 from torch import nn
 
+from . import runtime
 from .data import DataConfig, InputSpec, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
@@ -42,17 +43,27 @@ def run_data_config(run_dir: str | Path) -> DataConfig | None:
 
 
 def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: str = "test",
-                 teacher: str | Path | None = None, device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
-    """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher."""
+                 teacher: str | Path | None = None, device: str = "auto", batch_size: int = 256,
+                 dtype: str = "fp32") -> dict[str, Any]:
+    """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher;
+    ``dtype`` (fp32, bf16, fp16): the weights and inputs (TF32 matmuls for fp32 on CUDA)."""
     dev = resolve_device(device)
-    model, arch = load_with_arch(run_dir, map_location=dev)
+    with runtime.configured(dev):
+        res = _evaluate_run(run_dir, data=data, split=split, teacher=teacher, dev=dev, batch_size=batch_size,
+                            dtype=runtime.parse_dtype(dtype))
+    res["dtype"] = runtime.dtype_name(runtime.parse_dtype(dtype))
+    return res
+
+
+def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> dict[str, Any]:
+    model, arch = load_with_arch(run_dir, map_location=dev, dtype=dtype)
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     t_model = t_spec = None
     if teacher is not None:
-        t_model, t_arch = load_with_arch(teacher, map_location=dev)
+        t_model, t_arch = load_with_arch(teacher, map_location=dev, dtype=dtype)
         t_spec = InputSpec.from_dict(t_arch["input"])
     dynamic = hasattr(model, "inference_stats")  # early-exit models (MG-ViT) count exits and FLOPs
     if dynamic:
@@ -66,10 +77,18 @@ def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: 
 
 
 def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None, device: str = "auto",
-            latency: bool = True, batch_size: int = 64, iters: int = 10) -> dict[str, Any]:
-    """Profile a saved run (or a timm model spec), optionally against a second run, interleaved."""
+            latency: bool = True, batch_size: int = 64, iters: int = 10, dtype: str = "fp32",
+            compile: bool = False) -> dict[str, Any]:
+    """Profile a saved run (or a timm model spec), optionally against a second run, interleaved;
+    ``dtype``: weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs
+    on CUDA) next to the eager ones."""
     dev = resolve_device(device)
+    with runtime.configured(dev):
+        return _profile(target, compare=compare, dev=dev, latency=latency, batch_size=batch_size, iters=iters,
+                        dtype=runtime.parse_dtype(dtype), compile=compile)
 
+
+def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile) -> dict[str, Any]:
     def get(t: str | Path | ModelSpec) -> tuple[str, nn.Module]:
         if isinstance(t, ModelSpec):
             return t.name, build_model(t)
@@ -79,7 +98,8 @@ def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None
     if compare is not None:
         label, m = get(compare)
         models[label if label not in models else f"{label} (compare)"] = m
-    res = profile_models(models, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters)
+    res = profile_models(models, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters, dtype=dtype,
+                         compile=compile)
     for label, m in models.items():  # early-exit models (MG-ViT): per-stage FLOPs, independent of the input
         if hasattr(m, "stage_flops"):
             res["models"][label]["stages"] = m.stage_flops()

@@ -156,6 +156,8 @@ def preprocess(images: torch.Tensor, spec: InputSpec) -> torch.Tensor:
 
     Images not already at ``spec.img_size`` are resized whole with ``spec.interpolation``
     (:func:`resize`); ImageFolder batches arrive at the right size (cropped by their transform).
+    Runs on the images' device: move the uint8 batch to the GPU first (a quarter of the bytes of
+    float32) and the resizing and normalising happen there.
     """
     x = images.float() / 255.0 if images.dtype == torch.uint8 else images.float()
     c = x.shape[1]
@@ -168,8 +170,8 @@ def preprocess(images: torch.Tensor, spec: InputSpec) -> torch.Tensor:
             raise NascompressError(f"images have {c} channels but the model expects {spec.in_chans}")
     if tuple(x.shape[-2:]) != tuple(spec.img_size):
         x = resize(x, tuple(spec.img_size), spec.interpolation)
-    mean = torch.tensor(spec.mean, dtype=x.dtype).view(1, -1, 1, 1)
-    std = torch.tensor(spec.std, dtype=x.dtype).view(1, -1, 1, 1)
+    mean = torch.tensor(spec.mean, dtype=x.dtype).view(1, -1, 1, 1).to(x.device, non_blocking=True)
+    std = torch.tensor(spec.std, dtype=x.dtype).view(1, -1, 1, 1).to(x.device, non_blocking=True)
     return (x - mean) / std
 
 
@@ -580,7 +582,7 @@ def _batched_collate(batch):
 
 def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0,
                 drop_last: bool = False, num_workers: int | None = None,
-                shard: tuple[int, int] = (0, 1)) -> DataLoader:
+                shard: tuple[int, int] = (0, 1), pin_memory: bool = False) -> DataLoader:
     """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order.
 
     ``shard=(rank, world)`` (data-parallel training, :mod:`nascompress.distributed`): this rank's
@@ -591,7 +593,8 @@ def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, e
     sets on every split (from :attr:`DataConfig.num_workers`: worker processes for ImageFolder,
     none for in-memory datasets), else 0; so every loader over a split decodes images in
     parallel without its caller knowing. With workers, their random augmentation draws are
-    seeded from (seed, epoch) too.
+    seeded from (seed, epoch) too. ``pin_memory``: batches in page-locked memory, for non-blocking
+    copies to a GPU (set by the callers that train or evaluate on CUDA).
     """
     if num_workers is None:
         num_workers = int(getattr(ds, "num_workers", 0) or 0)
@@ -607,4 +610,5 @@ def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, e
     extra: dict[str, Any] = {}
     if num_workers > 0:  # (without workers the generator is not passed: the global RNG stream stays as before)
         extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919 + rank * 1_000_003)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers, **extra)
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers,
+                      pin_memory=pin_memory and torch.cuda.is_available(), **extra)

@@ -8,37 +8,53 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from . import runtime
 from .data import InputSpec, make_loader, preprocess
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s floating parameters (float32 for a model without any)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, ds: Dataset, *, input_spec: InputSpec, device: torch.device,
              batch_size: int = 256, teacher: nn.Module | None = None,
-             teacher_spec: InputSpec | None = None) -> dict[str, Any]:
+             teacher_spec: InputSpec | None = None, amp: str = "off") -> dict[str, Any]:
     """Return ``{"top1", "loss", "n"}`` (and ``"agreement"`` with a teacher) over ``ds``.
 
     Args:
-        model: the model to evaluate (put in eval mode here).
-        ds: a dataset yielding raw images (uint8) and labels.
+        model: the model to evaluate (put in eval mode here); its inputs are cast to its own dtype
+            (a model loaded with ``dtype="bf16"`` runs in bfloat16).
+        ds: a dataset yielding raw images (uint8) and labels; each batch is moved to ``device``
+            first (pinned, non-blocking on CUDA) and preprocessed there.
         input_spec: the model's preprocessing.
         teacher: optional model whose top-1 predictions the model's are compared to.
+        amp: ``bf16``: the forwards under bfloat16 autocast (a training job's validation).
     """
     model.eval().to(device)
+    dtype = model_dtype(model)
     if teacher is not None:
         teacher.eval().to(device)
-    correct = agree = n = 0
-    loss_sum = 0.0
-    for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False):
-        x, y = preprocess(imgs, input_spec).to(device), labels.to(device)
-        logits = model(x)
-        loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-        pred = logits.argmax(-1)
-        correct += (pred == y).sum().item()
-        if teacher is not None:
-            tx = x if teacher_spec is None else preprocess(imgs, teacher_spec).to(device)
-            agree += (teacher(tx).argmax(-1) == pred).sum().item()
+    correct = torch.zeros((), dtype=torch.long, device=device)
+    agree = torch.zeros((), dtype=torch.long, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    n = 0
+    for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False, pin_memory=device.type == "cuda"):
+        raw, y = runtime.to_device(imgs, device), runtime.to_device(labels, device)
+        x = preprocess(raw, input_spec)
+        with runtime.autocast(device, amp):
+            logits = model(x.to(dtype)).float()
+            loss_sum += F.cross_entropy(logits, y, reduction="sum")
+            pred = logits.argmax(-1)
+            correct += (pred == y).sum()
+            if teacher is not None:
+                tx = x if teacher_spec is None else preprocess(raw, teacher_spec)
+                agree += (teacher(tx.to(model_dtype(teacher))).argmax(-1) == pred).sum()
         n += len(y)
-    out: dict[str, Any] = {"top1": 100.0 * correct / max(n, 1), "loss": loss_sum / max(n, 1), "n": n}
+    # one read-back for the whole split
+    correct_n, agree_n, loss_total = torch.stack([correct.double(), agree.double(), loss_sum]).tolist()
+    out: dict[str, Any] = {"top1": 100.0 * correct_n / max(n, 1), "loss": loss_total / max(n, 1), "n": n}
     if teacher is not None:
-        out["agreement"] = 100.0 * agree / max(n, 1)
+        out["agreement"] = 100.0 * agree_n / max(n, 1)
     return out

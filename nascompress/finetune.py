@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import distributed
+from . import distributed, runtime
 from .api import run_data_config
 from .config import Config, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
@@ -84,8 +84,9 @@ def calibration_batches(data, spec: InputSpec, *, batch_size: int, seed: int, de
     """An endless stream of preprocessed training batches (x, y) for a predictor-only stage."""
     def gen():
         for epoch in itertools.count():
-            for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch):
-                yield preprocess(imgs, spec).to(device), labels.to(device)
+            for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch,
+                                            pin_memory=device.type == "cuda"):
+                yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
     return gen()
 
 
@@ -98,6 +99,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     prepare_out_dir(out, force=force, resume=resume)
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)
+    runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
     teacher, base_arch = load_with_arch(job.run_dir, map_location=device)
     seed_everything(cfg.seed)
@@ -118,8 +120,9 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     model.to(device)
     # methods with new predictors train them alone first (backbone frozen): the zero-shot model, and
     # the start of a fine-tune, so a fine-tune never ends below its zero-shot model
-    calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=calibration_batches(
-        data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
+    with runtime.configured(device, deterministic=cfg.deterministic), runtime.autocast(device, cfg.amp):
+        calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=calibration_batches(
+            data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
     if job.zero_shot:
         if distributed.is_main():
             save_model(out, model, arch)

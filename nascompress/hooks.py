@@ -69,6 +69,18 @@ def own_group(groups: list[dict[str, Any]], params: list[nn.Parameter], **option
 Batch = tuple[torch.Tensor, torch.Tensor, Any]
 
 
+def as_floats(logs: dict[str, Any]) -> dict[str, float]:
+    """Log values (floats, or 0-d tensors on any device) as floats: the tensors are read back in
+    one host sync, the one place a training loop waits for the device to log."""
+    keys = [k for k, v in logs.items() if torch.is_tensor(v)]
+    out = {k: float(v) for k, v in logs.items() if not torch.is_tensor(v)}
+    if keys:
+        dev = logs[keys[0]].device
+        vals = torch.stack([logs[k].detach().float().reshape(()).to(dev) for k in keys]).tolist()
+        out.update(zip(keys, vals))
+    return {k: out[k] for k in logs}
+
+
 class TrainHooks:
     """A recipe's plug-ins for :func:`~nascompress.train.fit`. The defaults train with cross-entropy.
 
@@ -99,10 +111,12 @@ class TrainHooks:
         """Before a step's forward (e.g. choose which parameters this step differentiates)."""
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The step's loss and its logs: floats or detached 0-d tensors (left on the device: ``fit``
+        reads them back once per epoch, :func:`as_floats`; never call ``.item()`` here)."""
         logits = model(x)
         loss = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        return loss, {"ce": loss.item()}
+        return loss, {"ce": loss.detach()}
 
     def after_step(self, model: nn.Module, tag: Any) -> None:
         """After the optimizer step (e.g. steer a Lagrange multiplier)."""
@@ -133,11 +147,14 @@ class TrainHooks:
 
 
 def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, float]]], *,
+                loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]], *,
                 steps: int, lr: float) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
     rest): ``steps`` AdamW steps (linear warm-up over the first tenth) of ``loss_fn(x, y)`` over
-    ``batches`` (cycled). Returns the mean logs of the last 10 steps; the model is left in eval mode."""
+    ``batches`` (cycled). Returns the mean logs of the last 10 steps; the model is left in eval mode.
+
+    A loss the parameters take no part in (a method configured to keep everything, e.g. DynamicViT
+    at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""
     if not params or steps <= 0:
         return {}
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
@@ -154,13 +171,18 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
             for g in opt.param_groups:
                 g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
             loss, logs = loss_fn(x, y)
+            tail = (tail + [logs])[-10:]
+            if not loss.requires_grad:
+                break
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            tail = (tail + [logs])[-10:]
     finally:
         model.eval()
-    return {k: sum(d[k] for d in tail) / len(tail) for k in tail[0]} if tail else {}
+    if not tail:
+        return {}
+    sums = {k: sum(d[k] for d in tail) for k in tail[0]}  # device tensors: one host sync below
+    return {k: v / len(tail) for k, v in as_floats(sums).items()}
 
 
 def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tau: float = 1.0) -> torch.Tensor:
@@ -182,4 +204,4 @@ def features_and_logits(model: nn.Module, teacher: nn.Module, x: torch.Tensor):
     return feats, logits, t_feats, t_logits
 
 
-__all__ = ["TrainHooks", "param_groups", "own_group", "short_stage", "layer_id", "kl_to_teacher", "features_and_logits"]
+__all__ = ["TrainHooks", "as_floats", "param_groups", "own_group", "short_stage", "layer_id", "kl_to_teacher", "features_and_logits"]

@@ -213,14 +213,19 @@ def load_arch(path: str | Path) -> dict[str, Any]:
 
 
 def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu",
-                   complete: bool = True) -> tuple[nn.Module, dict[str, Any]]:
+                   complete: bool = True, dtype: str | torch.dtype | None = None) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a saved model from its directory (or safetensors file) and load it strictly.
 
     Args:
         path: a run directory, a plain model directory or a ``.safetensors`` file.
         map_location: the device.
         complete: refuse an unfinished run (False: the run's own writer reading its output).
+        dtype: ``fp32``, ``bf16``, ``fp16`` or a torch dtype (None: as saved, float32): the floating
+            weights are converted for inference; feed the model inputs of that dtype.
     """
+    from .runtime import parse_dtype
+
+    dt = None if dtype is None else parse_dtype(dtype)
     weights, arch = _resolve(path, complete=complete)
     model = build_from_arch(arch)
     try:
@@ -230,12 +235,15 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
     if arch["format"] != ARCH_FORMAT:
         sd, arch["format"] = _upgrade_v1(sd), ARCH_FORMAT
     load_state_strict(model, sd, source=str(weights))
-    return model.to(map_location).eval(), arch
+    model = model.to(map_location) if dt is None else model.to(map_location, dt)
+    return model.eval(), arch
 
 
-def load(path: str | Path, *, map_location: str | torch.device = "cpu") -> nn.Module:
-    """Load any saved nascompress model: ``nascompress.load("runs/base")``. Eval mode."""
-    return load_with_arch(path, map_location=map_location)[0]
+def load(path: str | Path, *, map_location: str | torch.device = "cpu",
+         dtype: str | torch.dtype | None = None) -> nn.Module:
+    """Load any saved nascompress model: ``nascompress.load("runs/base")``, or for bfloat16 inference
+    on a GPU ``nascompress.load("runs/base", map_location="cuda", dtype="bf16")``. Eval mode."""
+    return load_with_arch(path, map_location=map_location, dtype=dtype)[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,8 +26,69 @@ from torch import nn
 
 from .errors import NascompressError
 
-_HOOKS = {"qk_dim": None, "qk_counts": None, "qk_mask": None, "kernel": None, "record_cls": False,
-          "record_values": False, "values": None, "_cls_inputs": None}
+_HOOKS = {"qk_dim": None, "qk_counts": None, "qk_layout": "auto", "qk_mask": None, "kernel": None,
+          "record_cls": False, "record_values": False, "values": None, "_cls_inputs": None}
+
+# ---------------------------------------------------------------------------------------------
+# The Q/K layout of a head whose Q/K keep fewer channels than V (DCS, uniform pruning)
+#
+# torch's SDPA backends and the head dims they accept (aten/.../transformers, torch 2.11-2.13):
+#   CPU fused (flash):   q, k and v of one head dim; otherwise the math path (QK^T materialized).
+#   CUDA flash:          fp16/bf16, q, k and v of one head dim <= 256, no attn_mask.
+#   CUDA cuDNN:          fp16/bf16, d_qk and d_v each a multiple of 8 and <= 128 (256 on sm90 with
+#                        a recent cuDNN); d_qk != d_v accepted. First in torch's order on H100.
+#   CUDA mem-efficient:  fp32/fp16/bf16, d_qk == d_k, d_qk and d_v each a multiple of 4 (fp32) or
+#                        8 (fp16/bf16) on sm80+; d_qk != d_v accepted; attn_mask accepted.
+# So a narrowed Q/K keeps a fused CUDA kernel (cuDNN / mem-efficient) when its width is a multiple
+# of 8, and loses only flash; on the CPU it loses the fused kernel altogether.
+QK_LAYOUTS = ("auto", "packed", "pad")
+# "packed": SDPA gets q/k at their narrowed width qk_dim (the QK^T work shrinks);
+# "pad": q/k are zero-padded after the projection to V's head dim (the projection still computes
+#        only the kept channels; QK^T runs at the full head dim, the padding counted as computed),
+#        so every backend that needs one head dim (CPU fused, CUDA flash) stays available;
+# "auto": pad on the CPU (measured: bench/qk_layout.py, bench/results/qk_layout_cpu.json, the fused
+#        kernel on padded q/k beats the math path on narrowed q/k at every size measured), and on CUDA
+#        packed where the width suits cuDNN / mem-efficient (a multiple of 8; 4 in fp32), else pad.
+CPU_PAD_QK = True
+
+
+def qk_pads(layout: str, *, qk_dim: int, head_dim: int, device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a head with Q/K width ``qk_dim`` (V: ``head_dim``) runs zero-padded to ``head_dim``
+    under ``layout`` on ``device_type`` in ``dtype`` (the rule of the comment above)."""
+    if qk_dim >= head_dim or layout == "packed":
+        return False
+    if layout == "pad":
+        return True
+    if device_type == "cuda":
+        need = 4 if dtype == torch.float32 else 8
+        return qk_dim % need != 0
+    return CPU_PAD_QK
+
+
+def compute_dtype(x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a Linear on ``x`` computes in: the autocast dtype where autocast is on, else the weights'."""
+    dev = x.device.type
+    if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return weight_dtype
+
+
+def set_qk_layout(model: nn.Module, layout: str) -> None:
+    """Set the Q/K layout (``auto``, ``packed`` or ``pad``) of every :class:`NCAttention` of ``model``."""
+    if layout not in QK_LAYOUTS:
+        raise NascompressError(f"qk_layout must be one of {', '.join(QK_LAYOUTS)}, got {layout!r}")
+    for m in model.modules():
+        if isinstance(m, NCAttention):
+            m.qk_layout = layout
+
+
+def qk_layout_summary(model: nn.Module, x: torch.Tensor) -> dict[str, int] | None:
+    """How many narrowed attentions of ``model`` run padded / packed for input ``x`` (None: none is narrowed)."""
+    counts = {"pad": 0, "packed": 0}
+    for m in model.modules():
+        if isinstance(m, NCAttention) and m.qk_dim is not None and m.qk_dim < m.head_dim:
+            counts["pad" if m.pads_qk(x) else "packed"] += 1
+    return counts if any(counts.values()) else None
 
 
 def cls_row(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -40,6 +101,26 @@ def cls_row(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Ten
         row = attn_mask[..., :1, :]
         logits = logits.masked_fill(~row, float("-inf")) if row.dtype == torch.bool else logits + row
     return logits.softmax(dim=-1).squeeze(2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
+              scale: float, dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``, except where only the mask needs a gradient.
+
+    CUDA's memory-efficient kernel keeps the log-sum-exp its backward needs only when q, k or v
+    require grad; with a differentiable additive mask and frozen q/k/v (DynamicViT's policy in its
+    predictor-only stage, backbone frozen) its backward stops with "LSE is not correctly aligned
+    (strideH)". That case runs the math path here (the same attention, written out). q, k (B, H, N,
+    d_qk), v (B, H, N, d_v), mask bool (True = attend) or additive, broadcastable to (B, H, N, N).
+    """
+    bias_only = (attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
+                 and not (q.requires_grad or k.requires_grad or v.requires_grad))
+    if not bias_only:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                              scale=scale)
+    scores = (q * scale) @ k.transpose(-2, -1)
+    scores = maybe_add_mask(scores, resolve_self_attn_mask(q.shape[-2], scores, attn_mask, is_causal))
+    return F.dropout(scores.softmax(dim=-1), p=dropout_p) @ v
 
 
 class ClsScore(nn.Module):
@@ -61,6 +142,10 @@ class NCAttention(Attention):
         - ``qk_dim`` / ``qk_counts``: the qkv projection emits ``[q (H * qk_dim), k (H * qk_dim),
           v (attn_dim)]`` (DCS materialized: head h keeps ``qk_counts[h]`` channels, zero-padded to
           ``qk_dim`` so the heads stay one batched matmul).
+        - ``qk_layout``: how a narrowed Q/K (``qk_dim < head_dim``) reaches the kernel: ``packed``
+          at ``qk_dim``, or ``pad`` (zero-padded after the projection to ``head_dim``, so that the
+          fused kernels that need one head dim run); ``auto`` chooses by device and dtype
+          (:func:`qk_pads`). The result is the same either way (the padding is zeros).
         - ``qk_mask``: a module ``(x) -> mask | None`` multiplied into q and k after q_norm/k_norm,
           broadcastable to (B, H, N, d_qk) (DCS supernet). V is never masked.
         - ``kernel``: a module ``(q, k, v, *, attn_mask, scale, dropout_p) -> (B, H, N, d_v)`` that
@@ -96,14 +181,16 @@ class NCAttention(Attention):
             self._cls_inputs = (q[:, :, :1], k, None if attn_mask is None else attn_mask[..., :1, :])
         if self.record_values:
             self.values = v
+        if self.qk_dim is not None and self.kernel is None and self.fused_attn and self.pads_qk(x):
+            pad = (0, self.head_dim - self.qk_dim)
+            q, k = F.pad(q, pad), F.pad(k, pad)
         drop = self.attn_drop.p if self.training else 0.0
         if self.kernel is not None:
             if is_causal:
                 raise NotImplementedError(f"{type(self.kernel).__name__} is for bidirectional ViTs (no is_causal)")
             o = self.kernel(q, k, v, attn_mask=attn_mask, scale=self.scale, dropout_p=drop)
         elif self.fused_attn:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal,
-                                               scale=self.scale)
+            o = attention(q, k, v, attn_mask=attn_mask, dropout_p=drop, is_causal=is_causal, scale=self.scale)
         else:
             scores = (q * self.scale) @ k.transpose(-2, -1)
             scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
@@ -113,10 +200,17 @@ class NCAttention(Attention):
             o = o * gate
         return self.proj_drop(self.proj(o))
 
+    def pads_qk(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x`` zero-pads the narrowed q/k to ``head_dim`` (see ``qk_layout``)."""
+        if self.qk_dim is None or self.kernel is not None or not self.fused_attn:
+            return False
+        return qk_pads(self.qk_layout, qk_dim=self.qk_dim, head_dim=self.head_dim, device_type=x.device.type,
+                       dtype=compute_dtype(x, self.qkv.weight.dtype))
+
     def matmul_macs(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> float:
-        """QK^T and AV (or what the kernel computed), whole batch."""
+        """QK^T and AV (or what the kernel computed), whole batch; padded Q/K channels count as computed."""
         B, N, _ = inputs[0].shape
-        d_qk = self.qk_dim or self.head_dim
+        d_qk = self.head_dim if self.pads_qk(inputs[0]) else (self.qk_dim or self.head_dim)
         if self.kernel is not None:
             macs = float(self.kernel.last_macs())
         else:
@@ -267,5 +361,6 @@ def with_zero_row(layer: nn.Linear) -> nn.Linear:
     return new
 
 
-__all__ = ["DEFAULT_ALIGN", "aligned_width", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
+__all__ = ["attention", "DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
+           "compute_dtype", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
            "slice_linear_out", "slice_layerscale", "with_zero_row"]

@@ -5,6 +5,8 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
     format: nascompress-pipeline/1
     seed: 0                      # one seed drives every stage (init, data order, subsets, samplers)
     device: auto
+    amp: off                     # bf16: every training stage under bfloat16 autocast (GPU)
+    deterministic: false         # true: deterministic kernels in every training stage
     data: {dataset: fashion-mnist, train_limit: null, eval_limit: null}
     base:                        # exactly one of run / train / import
       train: {img_size: 28, patch_size: 4, embed_dim: 96, depth: 6, num_heads: 3, epochs: 8, lr: 1.0e-3}
@@ -13,7 +15,7 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
       dcs: {target_flops: 0.7, epochs: 4, train_limit: 24000, qk_mask: static}
       tokens: {space: ../search_spaces/evit.yaml, trials: 30}
       retrain: {epochs: 4, eta: 0, teacher: base}
-    report: {latency: true, iters: 10, batch_size: 64}
+    report: {latency: true, iters: 10, batch_size: 64, dtype: fp32, compile: false}
     export: {format: onnx}       # optional: OUT/export/model.onnx + .json, run and checked against PyTorch
 
 The whole file is validated before anything runs or is written (:func:`load_config`, then the
@@ -412,6 +414,8 @@ class ReportSection(_Section):
     latency: bool = True
     iters: int = opt(10, lo=1)
     batch_size: int = opt(64, lo=1)
+    dtype: str = opt("fp32", choices=("fp32", "bf16", "fp16"))  # weights and inputs of the comparison
+    compile: bool = False  # also time both models torch.compile'd (CUDA graphs on CUDA)
 
 
 @dataclass(frozen=True)
@@ -450,6 +454,8 @@ class PipelineConfig(_Section):
     format: str = opt()
     seed: int = opt(0, lo=0)
     device: str = "auto"
+    amp: str = opt("off", choices=("off", "bf16"))  # every training stage: bf16 autocast or not
+    deterministic: bool = False  # every training stage: deterministic kernels (reproducible on a GPU)
     data: DataSection = field(default_factory=DataSection)
     base: BaseSection = opt()
     goal: GoalSection = opt()
@@ -665,7 +671,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
             tc = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=lr, min_lr=t.min_lr,
                              warmup_epochs=t.warmup_epochs, weight_decay=t.weight_decay,
                              label_smoothing=t.label_smoothing, ema_decay=t.ema_decay, seed=cfg.seed,
-                             device=cfg.device, **({"base_lr": t.base_lr} if t.base_lr is not None else {}))
+                             device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic,
+                             **({"base_lr": t.base_lr} if t.base_lr is not None else {}))
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
                            reset_head=t.reset_head)
         except NascompressError as e:
@@ -745,8 +752,8 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
                                    max_val_drop=s.max_val_drop, calibrate=s.calibrate,
                                    init_importance=s.init_importance),
             train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
-                                      warmup_epochs=s.warmup_epochs, seed=cfg.seed,
-                                      device=cfg.device).replace(layer_decay=s.layer_decay),
+                                      warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
+                                      amp=cfg.amp, deterministic=cfg.deterministic).replace(layer_decay=s.layer_decay),
             data=_data_config(cfg, train_limit=s.train_limit))
         mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
     except NascompressError as e:
@@ -795,7 +802,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
                         finetune_epochs=s.finetune_epochs, train_images=s.train_images, eval_images=s.eval_images,
                         calib_steps=s.calib_steps, batch_size=s.batch_size, dcs_epochs=s.dcs_epochs,
                         latency_iters=s.latency_iters, enqueue=s.enqueue, data=_data_config(cfg), seed=cfg.seed,
-                        device=cfg.device)
+                        device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
         pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise ctx.err("stages.tokens", str(e)) from None
@@ -822,7 +829,8 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base
     s = cfg.stages.retrain
     try:
         tc = retrain_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
-                                  min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device)
+                                  min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
+                                  amp=cfg.amp, deterministic=cfg.deterministic)
         rc = RetrainConfig(eta=s.eta, warmup_frac=s.warmup_frac, cluster_samples=s.cluster_samples,
                            kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature, feat_kd=s.feat_kd)
         if s.feat_kd > 0 and s.teacher == "none":

@@ -34,6 +34,8 @@ def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[s
            "methods": ev.get("methods", [])}
     for k in ("latency_ms", "latency_batch", "throughput", "throughput_batch"):
         rec[k] = prof.get(k)
+    rec.update({k: prof[k] for k in ("latency_ms_compiled", "throughput_compiled", "compile_note", "qk_layout")
+                if k in prof})
     return rec
 
 
@@ -110,10 +112,11 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     from .io import load_arch, load_with_arch
 
     cfg, out = pipe.cfg, pipe.out
-    dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device)
-    final_ev = evaluate_run(pipe.final_dir, data=pipe.data, split="test", device=cfg.device)
-    prof = profile(pipe.base_dir, compare=pipe.final_dir, device=cfg.device, latency=cfg.report.latency,
-                   batch_size=cfg.report.batch_size, iters=cfg.report.iters)
+    rep = cfg.report
+    dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
+    final_ev = evaluate_run(pipe.final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
+    prof = profile(pipe.base_dir, compare=pipe.final_dir, device=cfg.device, latency=rep.latency,
+                   batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
     (dense_label, final_label) = list(prof["models"])
     dense = _model_record(pipe.base_dir, dense_ev, prof["models"][dense_label])
     final = _model_record(pipe.final_dir, final_ev, prof["models"][final_label])
@@ -125,6 +128,9 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     if cfg.report.latency:
         cmp["latency_speedup"] = dense["latency_ms"] / final["latency_ms"]
         cmp["throughput_speedup"] = final["throughput"] / dense["throughput"]
+        if dense.get("latency_ms_compiled") and final.get("latency_ms_compiled"):
+            cmp["latency_speedup_compiled"] = dense["latency_ms_compiled"] / final["latency_ms_compiled"]
+            cmp["throughput_speedup_compiled"] = final["throughput_compiled"] / dense["throughput_compiled"]
     goal: dict[str, Any]
     if cfg.goal.max_flops is not None:
         goal = {"max_flops": cfg.goal.max_flops, "value": cmp["flops_ratio"],
@@ -151,7 +157,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
     summary = {"format": SUMMARY_FORMAT, "config": str((out / "config.yaml").resolve()),
                "source": str(Path(pipe.source).resolve()),
-               "out": str(out.resolve()), "seed": cfg.seed, "device": prof.get("device"),
+               "out": str(out.resolve()), "seed": cfg.seed, "device": prof.get("device"), "dtype": prof.get("dtype"),
                "dataset": dense_ev.get("dataset"),
                "goal": goal, "dense": dense, "final": final, "comparison": cmp, "decisions": decisions,
                "stages": _stage_log(pipe),
@@ -215,6 +221,11 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
                      _speed(c["latency_speedup"])))
         rows.append((f"throughput, batch {d['throughput_batch']}", f"{d['throughput']:.1f} img/s",
                      f"{f['throughput']:.1f} img/s", _speed(c["throughput_speedup"])))
+    if c.get("latency_speedup_compiled") is not None:
+        rows.append((f"latency, batch {d['latency_batch']}, compiled", f"{d['latency_ms_compiled']:.2f} ms",
+                     f"{f['latency_ms_compiled']:.2f} ms", _speed(c["latency_speedup_compiled"])))
+        rows.append((f"throughput, batch {d['throughput_batch']}, compiled", f"{d['throughput_compiled']:.1f} img/s",
+                     f"{f['throughput_compiled']:.1f} img/s", _speed(c["throughput_speedup_compiled"])))
     return rows
 
 

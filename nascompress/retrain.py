@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from . import distributed
+from . import distributed, runtime
 from .api import run_data_config
 from .config import Config
 from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess
@@ -241,24 +241,24 @@ class IBHooks(TrainHooks):
         return epoch >= self.warm and self.cfg.eta > 0
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
-             cfg: TrainConfig, tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+             cfg: TrainConfig, tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """x (B, C, H, W) preprocessed, y (B,) -> (CE [+ KD] [+ eta * IBB], logs)."""
         tap = self._tap_for(model)
         logits = _logits(model(x))  # (B, K)
         feat = tap.pop().float()  # (B, D)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        logs = {"ce": ce.item(), "top1": 100.0 * (logits.argmax(-1) == y).float().mean().item()}
+        logs: dict[str, Any] = {"ce": ce.detach(), "top1": 100.0 * (logits.argmax(-1) == y).float().mean()}
         loss = ce
         if self.teacher is not None:
             with torch.no_grad():
                 t_logits = _logits(self.teacher(x))
             kd = kd_loss(logits, t_logits, tau=self.cfg.kd_temperature)
             loss = (1 - self.cfg.kd_alpha) * ce + self.cfg.kd_alpha * kd
-            logs["kd"] = kd.item()
+            logs["kd"] = kd.detach()
             if self._teacher_tap is not None:
                 fkd = feature_kd_loss(feat, self._teacher_tap.pop().float())
                 loss = loss + self.cfg.feat_kd * fkd
-                logs["feat_kd"] = fkd.item()
+                logs["feat_kd"] = fkd.detach()
         if self.c_feat is not None:
             if self.c_feat.device != feat.device:  # state restored from a checkpoint lives on the CPU
                 self.c_feat, self.c_in, self.q = (t.to(feat.device) for t in (self.c_feat, self.c_in, self.q))
@@ -267,7 +267,7 @@ class IBHooks(TrainHooks):
                     log_phi_in = soft_assign(self.input_embed(x).float(), self.c_in, log=True)  # (B, B_clusters)
                 phi_feat = soft_assign(feat, self.c_feat)  # (B, A)
                 ibb = ib_bound(phi_feat, log_phi_in.exp(), y, self.q, log_phi_in=log_phi_in)  # scalar
-            logs["ibb"] = ibb.item()
+            logs["ibb"] = ibb.detach()
             if self.active(epoch):
                 loss = loss + self.cfg.eta * ibb
         return loss, logs
@@ -414,6 +414,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     if job.retrain.feat_kd > 0 and job.teacher is None:
         raise NascompressError("--feat-kd distils from a teacher's features; give the dense run with --teacher, "
                                "or leave --feat-kd at 0")
+    runtime.prepare_deterministic(job.train.deterministic)
     device = distributed.init(job.train.device)
     model, arch = load_with_arch(job.model_dir, map_location=device)
     data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()

@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import distributed
-from .config import Config, check_choice, check_int, check_range
+from . import distributed, runtime
+from .config import Config, check_bool, check_choice, check_int, check_range
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
 from .errors import NascompressError
 from .evaluate import evaluate
-from .hooks import TrainHooks, param_groups
+from .hooks import TrainHooks, as_floats, param_groups
 from .io import (ARCH_FILE, MODEL_FILE, finish_run, load_state, load_with_arch, make_arch, recorded_input, save_model,
                  save_state)
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
@@ -65,6 +65,12 @@ class TrainConfig(Config):
         keep: save the ``best`` validation epoch (the start included) or the ``last`` one.
         seed: drives init, data order and every random draw.
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
+        amp: ``bf16``: the forward and the loss under bfloat16 autocast (weights, gradients and the
+            optimizer stay float32); ``off``: float32 (TF32 matmuls on CUDA).
+        deterministic: reproducible kernels (:mod:`nascompress.runtime`): same seed, same numbers
+            on one machine, also on a GPU (slower there).
+        log_every: steps between two reads of the losses on the host (the progress bar, the
+            non-finite loss check): the steps between them never wait for the device.
     """
 
     epochs: int = 5
@@ -83,6 +89,10 @@ class TrainConfig(Config):
     keep: str = "best"
     seed: int = 0
     device: str = "auto"
+    amp: str = field(default="off", metadata={"help": "Mixed precision: off or bf16 (autocast; weights stay fp32)."})
+    deterministic: bool = field(default=False, metadata={
+        "help": "Deterministic kernels (same seed, same numbers, also on a GPU; slower there)."})
+    log_every: int = 50
 
     def __post_init__(self) -> None:
         check_int("--epochs", self.epochs, 1)
@@ -100,6 +110,9 @@ class TrainConfig(Config):
             check_range("--ema-decay", self.ema_decay, 0, 1, lo_open=True, hi_open=True)
         check_range("--grad-clip", self.grad_clip, 0)
         check_choice("keep", self.keep, ("best", "last"))
+        check_choice("--amp", self.amp, runtime.AMP_MODES)
+        check_bool("--deterministic", self.deterministic)
+        check_int("log_every", self.log_every, 1)
 
     @property
     def peak_lr(self) -> float:
@@ -149,13 +162,14 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
     return [ln for ln in path.read_text().splitlines() if ln and int(json.loads(ln)["epoch"]) <= upto]
 
 
-def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int) -> dict[str, Any]:
+def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int,
+              amp: str = "off") -> dict[str, Any]:
     """:func:`evaluate` over ``ds``; under torchrun each rank evaluates its part and the counts are
     summed, so every rank gets the same numbers."""
     if distributed.world().size == 1:
-        return evaluate(model, ds, input_spec=input_spec, device=device, batch_size=batch_size)
+        return evaluate(model, ds, input_spec=input_spec, device=device, batch_size=batch_size, amp=amp)
     mine = evaluate(model, Subset(ds, distributed.part(len(ds))), input_spec=input_spec, device=device,
-                    batch_size=batch_size)
+                    batch_size=batch_size, amp=amp)
     correct, loss, n = distributed.all_sum([round(mine["top1"] * mine["n"] / 100), mine["loss"] * mine["n"], mine["n"]])
     return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
 
@@ -172,8 +186,43 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     the run's completion mark (:func:`~nascompress.io.finish_run`; a caller that adds its own
     metrics passes ``finish=False`` and marks the run itself). Returns the metrics.
     """
-    hooks = hooks or TrainHooks()
+    runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
+    with runtime.configured(device, deterministic=cfg.deterministic):
+        return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, out_dir=out_dir, arch=arch,
+                    hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+
+
+class LossWatch:
+    """The training losses of the last steps, kept on the device and read back in one host sync
+    every ``every`` steps: the progress bar's loss, and the non-finite check (which names the first
+    bad step; the epoch's checkpoint is written only after it passed)."""
+
+    def __init__(self, every: int):
+        self.every = every
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def add(self, step: int, loss: torch.Tensor) -> bool:
+        """Keep ``loss``; True when a read is due."""
+        self.pending.append((step, loss.detach()))
+        return len(self.pending) >= self.every
+
+    def read(self, *, epoch: int, peak_lr: float) -> float | None:
+        """The last loss (None if none is pending); stops with one line at the first non-finite one."""
+        if not self.pending:
+            return None
+        steps, losses = zip(*self.pending)
+        self.pending = []
+        values = torch.stack([v.float().reshape(()) for v in losses]).tolist()
+        for i, v in zip(steps, values):
+            if not math.isfinite(v):
+                raise NascompressError(f"loss became {v} at epoch {epoch + 1} step {i}; lower --lr "
+                                       f"(the peak lr was {peak_lr:.3g})")
+        return values[-1]
+
+
+def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig,
+         out_dir: Path, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool) -> dict[str, Any]:
     world, main = distributed.world(), distributed.is_main()
     seed_everything(cfg.seed)
     model.to(device)
@@ -183,9 +232,11 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=peak, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
 
+    pin = device.type == "cuda"  # pinned host batches: non-blocking copies to the GPU
+
     def loader_for(epoch: int):
         return lambda ds, stream=0: make_loader(ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream,
-                                                epoch=epoch, shard=(world.rank, world.size))
+                                                epoch=epoch, shard=(world.rank, world.size), pin_memory=pin)
 
     steps_per_epoch = hooks.batches(data, epoch=0, loader=loader_for(0))[1]
     if steps_per_epoch == 0 and world.size > 1:
@@ -197,7 +248,8 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
 
     def validate() -> dict[str, Any]:
         hooks.before_eval(model)
-        return _evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+        return _evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
+                         amp=cfg.amp)
 
     if resume and ckpt_path.exists():
         st = load_state(ckpt_path)
@@ -207,6 +259,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             ema.state = {k: v.to(device) for k, v in st["ema"].items()}
         hooks.load_state_dict(st.get("hooks", {}))
         torch.set_rng_state(st["rng"])
+        runtime.restore_cuda_rng(st.get("cuda_rng"))
         start_epoch, best, best_epoch, train_time = st["epoch"] + 1, st["best"], st["best_epoch"], st["train_time"]
         start_rec = st.get("start")
         if main:
@@ -234,6 +287,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             batches, n_steps = hooks.batches(data, epoch=epoch, loader=loader_for(epoch))
             task = progress.add_task(f"epoch {epoch + 1}", total=n_steps, info="")
             t0, sums, counts = time.perf_counter(), {}, {}
+            watch = LossWatch(cfg.log_every)
             lr = peak
             for i, (imgs, labels, tag) in enumerate(batches):
                 lr = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=warmup_steps, lr=peak, min_lr=min_lr)
@@ -243,12 +297,12 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
                                         min_lr=g["own_lr"] * g.get("own_lr_end", 1.0))
                     else:
                         g["lr"] = lr * g.get("lr_scale", 1.0)
-                x, y = preprocess(imgs, input_spec).to(device), labels.to(device)
+                # the uint8 batch goes to the device as it is; resizing and normalising happen there
+                x, y = preprocess(runtime.to_device(imgs, device), input_spec), runtime.to_device(labels, device)
                 hooks.prepare_step(model, tag)
-                loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=cfg, tag=tag)
-                if not torch.isfinite(loss):
-                    raise NascompressError(f"loss became {loss.item()} at epoch {epoch + 1} step {i}; lower --lr "
-                                           f"(the peak lr was {peak:.3g})")
+                with runtime.autocast(device, cfg.amp):
+                    loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=cfg, tag=tag)
+                due = watch.add(i, loss)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 distributed.sync_grads(p for g in opt.param_groups for p in g["params"])
@@ -258,15 +312,17 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
                 hooks.after_step(model, tag)
                 if ema is not None:
                     ema.update(model)
-                for k, v in logs.items():
-                    sums[k] = sums.get(k, 0.0) + v
+                for k, v in logs.items():  # floats or device tensors: read back once, at the epoch's end
+                    sums[k] = sums.get(k, 0.0) + (v.detach().float() if torch.is_tensor(v) else v)
                     counts[k] = counts.get(k, 0) + 1
-                progress.update(task, advance=1, info=f"loss {loss.item():.3f} lr {lr:.2e}")
+                last = watch.read(epoch=epoch, peak_lr=peak) if due else None
+                progress.update(task, advance=1, **({} if last is None else {"info": f"loss {last:.3f} lr {lr:.2e}"}))
+            watch.read(epoch=epoch, peak_lr=peak)
             epoch_time = time.perf_counter() - t0
             train_time += epoch_time
             progress.remove_task(task)
             record: dict[str, Any] = {"epoch": epoch + 1, "lr": lr, "epoch_time_s": epoch_time}
-            record.update({f"train_{k}": v for k, v in distributed.merge_means(sums, counts).items()})
+            record.update({f"train_{k}": v for k, v in distributed.merge_means(as_floats(sums), counts).items()})
             record.update(hooks.on_epoch_end(model, epoch=epoch))
             live = ema.swapped_into(model) if ema is not None else None
             val = validate()
@@ -288,7 +344,8 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
             if main:
                 save_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
                                        "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
-                                       "rng": torch.get_rng_state(), "epoch": epoch, "best": best,
+                                       "rng": torch.get_rng_state(), "cuda_rng": runtime.cuda_rng_state(),
+                                       "epoch": epoch, "best": best,
                                        "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
                 append_jsonl(log_path, record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
@@ -296,7 +353,8 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
 
     distributed.barrier()  # rank 0 has written the best model
     best_model, _ = load_with_arch(out_dir, map_location=device, complete=False)  # not marked complete yet
-    test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
+    test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
+                     amp=cfg.amp)
     metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
                "test_n": test["n"], "start_val_top1": None if start_rec is None else start_rec["val_top1"],
                "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name}
@@ -400,6 +458,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     out = Path(job.out)
     if resume:
         job = recorded_job(out, TrainJob, "nascompress train")
+    runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:
         raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "

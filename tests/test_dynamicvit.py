@@ -296,7 +296,7 @@ def test_predictor_only_stage_lowers_its_loss_and_freezes_the_backbone():
         for i, (x, y) in enumerate(batches):
             torch.manual_seed(100 + i)
             loss, logs = dv.dynamicvit_loss(model, teacher, x, y, r)
-            out.append((loss.item(), logs["ratio"]))
+            out.append((loss.item(), float(logs["ratio"])))
         return [sum(v) / len(v) for v in zip(*out)]
 
     before = losses()

@@ -84,3 +84,45 @@ def test_the_real_kernel_passes_its_self_check_at_block_16():
         safe_vs_masked(q, k, v, idx, layout)
     assert not flex_warnings(rec), str(flex_warnings(rec)[0].message)
     assert _flex.flex_kernel_ok(layout, q)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: Inductor's flex kernel tiles each block by BLOCK_M x BLOCK_N
+
+
+@pytest.mark.parametrize("n_patch,bs", [(196, 32), (784, 112), (3136, 112), (49, 16)])
+def test_flex_block_sides_are_multiples_of_16(n_patch, bs):
+    """DeiT-S at 224 (196 patches) took 28-token blocks, which Inductor's CUDA kernel refuses."""
+    assert _flex.auto_block_size(n_patch, 16) == bs
+    assert _flex.auto_block_size(196) == 28  # the gather kernel keeps its own choice
+    layout = _flex.plan_blocks(n_patch + 1, 1, budget=math.ceil(0.25 * (n_patch + 1)),
+                               multiple=_flex.flex_multiple("flex", None, torch.device("cpu")))
+    assert layout.bs == bs
+    tiles = _flex.cuda_kernel_options(layout)
+    assert layout.bs % tiles["BLOCK_M"] == 0 and tiles["BLOCK_M"] == tiles["BLOCK_N"] and tiles["BLOCK_M"] >= min(16, bs)
+
+
+def test_an_explicit_block_size_cuda_cannot_tile_is_refused_with_one_line():
+    from nascompress.errors import NascompressError
+
+    assert _flex.flex_multiple("gather", 28, torch.device("cuda")) == 1
+    assert _flex.flex_multiple("flex", 32, torch.device("cuda")) == 16
+    assert _flex.flex_multiple("flex", 28, torch.device("cpu")) == 16  # the CPU runs 28 (self-checked)
+    with pytest.raises(NascompressError, match="multiple of 16 tokens .* got block_size=28; set block_size"):
+        _flex.flex_multiple("flex", 28, torch.device("cuda"))
+
+
+def test_a_flex_model_takes_the_same_blocks_on_every_device():
+    from nascompress.methods import get_method
+    from nascompress.models import ModelSpec, build_model
+
+    torch.manual_seed(0)
+    dense = build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=56, patch_size=4, embed_dim=32, depth=1,
+                                                               num_heads=2, num_classes=10, in_chans=1))).eval()
+    model, _ = get_method("sparsifiner").prepare_fresh(dense, {"attn_keep_ratio": 0.25, "n_down": 8, "mode": "block",
+                                                               "kernel": "flex"})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.eval()(torch.randn(1, 1, 56, 56))
+    layout = model.blocks[0].attn.kernel._block_stats[1]
+    assert layout.bs % 16 == 0 and layout.bs == _flex.auto_block_size(196, 16)

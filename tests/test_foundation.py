@@ -15,7 +15,10 @@ from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
 from nascompress.train import lr_at
 
-from .conftest import needs_fmnist
+from .conftest import TORCH_DEVICE, needs_fmnist
+
+# exact-replay tests on a GPU (TORCH_DEVICE=cuda) run with deterministic kernels
+EXACT = dict(device=TORCH_DEVICE, deterministic=TORCH_DEVICE.startswith("cuda"))
 
 
 def tiny_spec(**kw):
@@ -205,7 +208,7 @@ def _fit_tiny(out, *, hooks=None, resume=False):
     spec = input_spec_for(model, "synthetic")
     arch = make_arch(tiny_spec(), input_spec=spec.to_dict())
     out.mkdir(exist_ok=True)
-    cfg = TrainConfig(epochs=3, batch_size=64, seed=3, lr=2e-3)
+    cfg = TrainConfig(epochs=3, batch_size=64, seed=3, lr=2e-3, **EXACT)
     return fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume)
 
 
@@ -239,7 +242,7 @@ def test_same_seed_same_run(tmp_path):
     def run(name, seed):
         torch.manual_seed(1000 + len(name))  # global RNG state before the job must not matter
         job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=128),
-                       train=TrainConfig(epochs=1, batch_size=64, seed=seed), out=str(tmp_path / name))
+                       train=TrainConfig(epochs=1, batch_size=64, seed=seed, **EXACT), out=str(tmp_path / name))
         train(job)
         return nascompress.load(tmp_path / name).state_dict()
 

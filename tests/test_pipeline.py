@@ -228,6 +228,9 @@ BAD = [
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
     ("export.format", "tflite", "export: format must be one of onnx, torch-export, got 'tflite'"),
     ("export.batch", 0, "export: batch must be 'dynamic' or a positive integer, got 0"),
+    ("amp", "fp16", "amp: must be one of off, bf16, got 'fp16'"),
+    ("report.dtype", "fp8", "report.dtype: must be one of fp32, bf16, fp16, got 'fp8'"),
+    ("deterministic", "yes", "deterministic: must be true or false, got 'yes'"),
 ]
 
 

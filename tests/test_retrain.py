@@ -14,12 +14,13 @@ from typer.testing import CliRunner
 import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data
 from nascompress.errors import NascompressError
+from nascompress.hooks import as_floats
 from nascompress.io import make_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
 from nascompress.retrain import FeatureTap, IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain
 from nascompress.train import TrainConfig, input_spec_for
 
-from .conftest import interrupted_at_epoch
+from .conftest import TORCH_DEVICE, interrupted_at_epoch
 
 
 # a compression record whose method changes nothing (EViT at keep rate 1): retrain needs a compressed model
@@ -46,7 +47,8 @@ def make_model_dir(path, *, methods=(NOOP,), num_classes: int = 10, seed: int = 
 
 def quick_job(model_dir, out, **rc):
     return RetrainJob(model_dir=str(model_dir), out=str(out),
-                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0),
+                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0, device=TORCH_DEVICE,
+                                        deterministic=TORCH_DEVICE.startswith("cuda")),
                       retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}))
 
 
@@ -86,8 +88,10 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     x = preprocess(imgs, spec)
     tc = TrainConfig(label_smoothing=0.0)
     warm_loss, warm_logs = hooks.loss(model.train(), x, y, epoch=1, cfg=tc)
+    warm_logs = as_floats(warm_logs)  # logs stay on the device; fit reads them back once per epoch
     assert warm_loss.item() == pytest.approx(warm_logs["ce"], rel=1e-6) and "ibb" in warm_logs
     loss, logs = hooks.loss(model, x, y, epoch=2, cfg=tc)
+    logs = as_floats(logs)
     assert loss.item() == pytest.approx(logs["ce"] + 50.0 * logs["ibb"], rel=1e-5)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
@@ -96,6 +100,7 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
                      epochs=4, input_embed=make_input_embed(cfg, model=model, teacher=None))
     hooks0.on_epoch_start(model, epoch=0)
     loss0, logs0 = hooks0.loss(model, x, y, epoch=3, cfg=tc)
+    logs0 = as_floats(logs0)
     assert loss0.item() == pytest.approx(logs0["ce"], rel=1e-6) and "ibb" in logs0
     # eta = 0 by default: no clustering pass at all (a CE-only retrain pays nothing for IB)
     hooks_off = IBHooks(replace(cfg, eta=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
@@ -103,6 +108,7 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     hooks_off.on_epoch_start(model, epoch=0)
     assert hooks_off.c_feat is None and hooks_off.on_epoch_end(model, epoch=0) == {"ib_active": False}
     loss_off, logs_off = hooks_off.loss(model, x, y, epoch=3, cfg=tc)
+    logs_off = as_floats(logs_off)
     assert loss_off.item() == pytest.approx(logs_off["ce"], rel=1e-6) and "ibb" not in logs_off
 
 
@@ -122,11 +128,13 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
                        input_embed=make_input_embed(cfg, model=model, teacher=teacher))
     same = hooks_with(copy.deepcopy(model).eval())
     loss, logs = same.loss(model.eval(), x, y, epoch=0, cfg=tc)
+    logs = as_floats(logs)
     assert logs["feat_kd"] == pytest.approx(0.0, abs=1e-10) and logs["kd"] == pytest.approx(0.0, abs=1e-6)
     torch.manual_seed(1)
     teacher = build_model(tiny_spec()).eval()
     other = hooks_with(teacher)
     loss, logs = other.loss(model.train(), x, y, epoch=0, cfg=tc)
+    logs = as_floats(logs)
     s = model.eval().forward_head(model.forward_features(x), pre_logits=True)
     t = teacher.forward_head(teacher.forward_features(x), pre_logits=True)
     want = ((s - t).pow(2).sum(-1) / t.pow(2).sum(-1)).mean().item()

@@ -35,6 +35,12 @@ The compiled kernel is not trusted blindly: on an AMD EPYC CPU with torch 2.13 i
 checks every other configuration once, at first use, against :func:`masked_block_attention`; a
 refused configuration warns once and runs the gather path.
 
+On CUDA, Inductor's flex kernel tiles each BlockMask block by BLOCK_M x BLOCK_N and refuses blocks
+its tiles do not divide (a 28-token block under its default 128 x 64 tiles): with ``kernel="flex"``
+the automatic block side is a multiple of 16 (:func:`flex_multiple`; on the CPU too, so the blocks
+do not depend on the device; an explicit ``block_size`` CUDA cannot tile is refused with one line)
+and the tiles are passed as ``kernel_options`` (:func:`cuda_kernel_options`).
+
 Measured on this CPU (torch 2.13, 785 tokens, 6 heads, head dim 64, 1 thread): the compiled CPU
 flex kernel costs about dense time per kept tile, so the gather path is the default; see
 bench/sparsifiner.py for the figures.
@@ -92,25 +98,31 @@ class BlockLayout:
         return self.nb >= 2 and self.keep < self.nb
 
 
-def auto_block_size(n_patch: int) -> int:
-    """Block side for ``n_patch`` patch tokens: a divisor of ``n_patch`` near n_patch / 8 in [4, 128].
+CUDA_FLEX_MULTIPLE = 16  # Inductor's CUDA flex kernel tiles blocks by BLOCK_M / BLOCK_N >= 16 dividing them
 
-    196 -> 28 (7 blocks), 784 -> 98 (8 blocks), 3136 -> 112 (28 blocks), 49 -> 7. Without a divisor
-    within a factor 1.5 of the target, the target itself (the last block is then short).
+
+def auto_block_size(n_patch: int, multiple: int = 1) -> int:
+    """Block side for ``n_patch`` patch tokens: a divisor of ``n_patch`` near n_patch / 8 in [4, 128],
+    a multiple of ``multiple`` (16 for the CUDA flex kernel).
+
+    196 -> 28 (7 blocks), 784 -> 98 (8 blocks), 3136 -> 112 (28 blocks), 49 -> 7; with multiple 16:
+    196 -> 32, 784 -> 112, 3136 -> 112. Without a divisor within a factor 1.5 of the target, the
+    target itself rounded to ``multiple`` (the last block is then short).
     """
     target = min(128.0, max(4.0, n_patch / 8))
-    divs = [b for b in range(4, min(128, n_patch) + 1) if n_patch % b == 0]
+    divs = [b for b in range(max(4, multiple), min(128, n_patch) + 1) if n_patch % b == 0 and b % multiple == 0]
     if divs:
         best = min(divs, key=lambda b: abs(math.log(b / target)))
         if abs(math.log(best / target)) <= math.log(1.5):
             return best
-    return max(1, min(n_patch, int(round(target))))
+    return max(multiple, min(n_patch, int(round(target / multiple)) * multiple))
 
 
-def plan_blocks(n: int, prefix: int, budget: int, block_size: int | None = None) -> BlockLayout:
-    """The block layout for ``n`` tokens and a per-query budget of ``budget`` keys."""
+def plan_blocks(n: int, prefix: int, budget: int, block_size: int | None = None, *, multiple: int = 1) -> BlockLayout:
+    """The block layout for ``n`` tokens and a per-query budget of ``budget`` keys; the block side
+    is ``block_size`` or :func:`auto_block_size` (a multiple of ``multiple``)."""
     n_patch = n - prefix
-    bs = min(block_size or auto_block_size(n_patch), max(n_patch, 1))
+    bs = min(block_size or auto_block_size(n_patch, multiple), max(n_patch, 1))
     nb = math.ceil(n_patch / bs) if n_patch > 0 else 0
     keep = min(nb, max(1, math.ceil((budget - prefix) / bs - 1e-9)))
     return BlockLayout(n=n, prefix=prefix, bs=bs, nb=nb, keep=keep)
@@ -221,6 +233,9 @@ def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     are read in place when every stride is a multiple of d (else ``t`` is made contiguous).
     """
     d = t.shape[-1]
+    if torch.compiler.is_compiling():  # storage views break the graph: a contiguous copy, rows of it
+        t = t.contiguous()
+        return t.view(-1, d), (t.shape[1] * t.shape[2], t.shape[2], 1)
     st = t.stride()
     if st[-1] != 1 or any(s % d for s in st[:-1]) or t.storage_offset() % d:
         t = t.contiguous()
@@ -292,7 +307,7 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     rows, mask = gather_index(idx, layout, kst)
     vrows = rows if vst == kst else gather_index(idx, layout, vst)[0]
     L = rows.numel() // (B * H * nb)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or torch.compiler.is_compiling():  # no scratch buffers (autograd, Inductor)
         ks = kf.index_select(0, rows).view(B, H * nb, L, d)
         vs = vf.index_select(0, vrows).view(B, H * nb, L, dv)
         qp = q[:, :, p:]
@@ -350,6 +365,28 @@ def compiled_flex_attention() -> Callable:
     return _COMPILED["flex"]
 
 
+def flex_multiple(kernel: str, block_size: int | None, device: torch.device) -> int:
+    """The multiple an automatic block side is for ``kernel``: 16 for ``flex`` (on every device, so
+    a model computes the same blocks on the CPU and on a GPU), else 1. An explicit ``block_size``
+    that CUDA's flex kernel cannot tile is refused with one line."""
+    from ..errors import NascompressError
+
+    if kernel != "flex":
+        return 1
+    if device.type == "cuda" and block_size is not None and block_size % CUDA_FLEX_MULTIPLE:
+        raise NascompressError(f"Sparsifiner's flex kernel on CUDA needs blocks of a multiple of {CUDA_FLEX_MULTIPLE} "
+                               f"tokens (Inductor tiles them by BLOCK_M x BLOCK_N), got block_size={block_size}; set "
+                               f"block_size to a multiple of {CUDA_FLEX_MULTIPLE}, leave it out, or use kernel=gather")
+    return CUDA_FLEX_MULTIPLE
+
+
+def cuda_kernel_options(layout: BlockLayout) -> dict[str, int]:
+    """Inductor's CUDA flex tile sizes for ``layout``: BLOCK_M = BLOCK_N = gcd(block side, 64), so
+    every BlockMask block is whole tiles (its default tiles, e.g. 128 x 64, need not divide it)."""
+    tile = math.gcd(layout.bs, 64)
+    return {"BLOCK_M": tile, "BLOCK_N": tile}
+
+
 def flex_usable() -> bool:
     """False under a dispatch / torch-function mode (FlopCounterMode, tracing), where the compiled
     kernel cannot run; callers then use an equivalent path."""
@@ -378,8 +415,12 @@ def flex_kernel_ok(layout: BlockLayout, q: torch.Tensor) -> bool:
     key = (layout, tuple(q.shape), q.dtype, q.device, threads)
     if key not in _FLEX_OK:
         bs = layout.bs
-        why = (f"blocks of {bs} tokens (below {MIN_FLEX_BLOCK}, or 16 k + 8) are wrong on some CPUs"
-               if bs < MIN_FLEX_BLOCK or bs % 16 == 8 else _flex_self_check(layout, q))
+        if q.is_cuda:
+            why = (f"blocks of {bs} tokens are not a multiple of {CUDA_FLEX_MULTIPLE}" if bs % CUDA_FLEX_MULTIPLE
+                   else _flex_self_check(layout, q))
+        else:
+            why = (f"blocks of {bs} tokens (below {MIN_FLEX_BLOCK}, or 16 k + 8) are wrong on some CPUs"
+                   if bs < MIN_FLEX_BLOCK or bs % 16 == 8 else _flex_self_check(layout, q))
         _FLEX_OK[key] = why is None
         if why:
             warnings.warn(f"Sparsifiner: compiled FlexAttention disabled for BLOCK_SIZE={bs} "
@@ -425,7 +466,8 @@ def _flex_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
         return torch.cat([F.pad(t[:, :, p:], (0, 0, 0, pad)), t[:, :, :p]], 2)
 
     qp = q[:, :, p:].contiguous()
-    o = compiled_flex_attention()(qp, keys(k), keys(v), block_mask=make_block_mask(idx, layout), scale=scale)
+    extra = {"kernel_options": cuda_kernel_options(layout)} if q.is_cuda else {}
+    o = compiled_flex_attention()(qp, keys(k), keys(v), block_mask=make_block_mask(idx, layout), scale=scale, **extra)
     out = q.new_empty(q.shape)
     out[:, :, p:] = o
     if p:

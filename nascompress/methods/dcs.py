@@ -418,11 +418,14 @@ def slice_mlp(block: NCBlock, keep: Any) -> NCBlock:
     return block
 
 
-def slice_qk(attn: NCAttention, keep_per_head: list[Any]) -> NCAttention:
+def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None = None) -> NCAttention:
     """Keep the query/key channels ``keep_per_head[h]`` of each head h (V untouched).
 
-    The qkv projection then emits ``[q (H * qk_dim), k (H * qk_dim), v]`` with heads zero-padded
-    to ``qk_dim``, the largest count (the padding is counted as computed)."""
+    The qkv projection then emits ``[q (H * qk_dim), k (H * qk_dim), v]`` with every head's kept
+    channels zero-padded to ``qk_dim``: ``width`` (e.g. the largest count rounded up to the
+    alignment, :func:`~nascompress.layers.aligned_width`), default the largest count. The padding
+    rows are zero weights, so the heads stay one batched matmul (counted as computed); how q/k
+    then reach the attention kernel is the attention's ``qk_layout``."""
     if not isinstance(attn.q_norm, nn.Identity):
         raise NascompressError("a static Q/K mask cannot be materialized on a model with qk_norm "
                                "(the norm needs every channel); search with --qk-mask input or none")
@@ -432,12 +435,17 @@ def slice_qk(attn: NCAttention, keep_per_head: list[Any]) -> NCAttention:
     dev, A = attn.qkv.weight.device, attn.attn_dim
     keeps = [as_index(kh, d, what=f"qk_keep of head {h}", device=dev) for h, kh in enumerate(keep_per_head)]
     kmax = max(1, *(len(kh) for kh in keeps))
+    if width is not None and not kmax <= width <= d:
+        raise NascompressError(f"the padded Q/K width {width} must hold the largest kept count {kmax} and "
+                               f"be at most the head dim {d}")
+    width = kmax if width is None else width
     zero = 3 * A  # index of an all-zero row appended below qkv's rows: the padding
-    q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((kmax - len(kh),), zero)]) for h, kh in enumerate(keeps)])
+    q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((width - len(kh),), zero)]) for h, kh in enumerate(keeps)])
     k_rows = torch.where(q_rows == zero, q_rows, q_rows + A)
     rows = torch.cat([q_rows, k_rows, torch.arange(2 * A, 3 * A, device=dev)])
-    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows)
-    attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], kmax
+    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows) if (q_rows == zero).any() else \
+        slice_linear_out(attn.qkv, rows)
+    attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], width
     attn.qk_mask = None
     return attn
 

@@ -295,7 +295,7 @@ class DynamicViT(Method):
 # Training: the recipe, and the predictor-only stage
 # ---------------------------------------------------------------------------------------------
 def dynamicvit_loss(model: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor, r: DynamicViTRecipe, *,
-                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
+                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, Any]]:
     """L = CE + w_kl KL(student || teacher) + w_distill kept-token MSE + w_ratio ratio loss."""
     st: DynamicViTState = model.dvit_state
     feats, logits, t_feats, t_logits = features_and_logits(model, teacher, x)
@@ -307,8 +307,8 @@ def dynamicvit_loss(model: nn.Module, teacher: nn.Module, x: torch.Tensor, y: to
         else feats.new_zeros(())
     ratio = ratio_loss(st.decisions, st.ratios[:len(st.decisions)]) if st.decisions else feats.new_zeros(())
     loss = ce + r.w_kl * kl + r.w_distill * distill + r.w_ratio * ratio
-    return loss, {"ce": ce.item(), "kl": kl.item(), "distill": distill.item(), "ratio": ratio.item(),
-                  "kept_last": float(mask.mean().item())}
+    return loss, {"ce": ce.detach(), "kl": kl.detach(), "distill": distill.detach(), "ratio": ratio.detach(),
+                  "kept_last": mask.float().mean()}
 
 
 def _freeze_backbone(model: nn.Module, frozen: bool) -> None:

@@ -257,15 +257,15 @@ class EViTHooks(TrainHooks):
         spe = self.steps_per_epoch or 0
         self.state.shrink = shrink_at(epoch + (self._step / spe if spe else 0.0), start=self.start, length=self.length)
         self._step += 1
-        logs: dict[str, float] = {"keep_rate": self.state.rate(0)}
+        logs: dict[str, Any] = {"keep_rate": self.state.rate(0)}
         if self.distill > 0 and self.teacher is not None:
             _, logits, _, t_logits = features_and_logits(model, self.teacher, x)
             kl = kl_to_teacher(logits, t_logits)
-            logs["kl"] = kl.item()
+            logs["kl"] = kl.detach()
         else:
             logits, kl = model(x), None
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        logs["ce"] = ce.item()
+        logs["ce"] = ce.detach()
         return (ce if kl is None else ce + self.distill * kl), logs
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:

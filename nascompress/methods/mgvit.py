@@ -51,7 +51,7 @@ from torch import nn
 from ..config import Config, check_int, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks
-from ..layers import NCAttention, NCBlock, core_attention, to_core
+from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_core
 from . import Method, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
@@ -65,12 +65,24 @@ def default_ppsm_layers(depth: int) -> list[int]:
     return sorted({min(depth, max(2, round(l * depth / PAPER_DEPTH))) for l in PAPER_PPSM_LAYERS}) if depth >= 2 else []
 
 
-def default_feat_dim(dim: int, heads: int) -> int:
-    """C' = C / 8 rounded up to a multiple of the head count (MGIS width C + C' splits into heads).
+def default_feat_dim(dim: int, heads: int, align: int = 1) -> int:
+    """C' = C / 8 rounded up so that the MGIS width C + C' splits into the heads and every width it
+    makes is a multiple of ``align``: C' itself and, where C allows it, the MGIS head dim (C + C') / H.
 
     The paper does not state C'; with C' = C / 8 = 48 on DeiT-S the FLOP count of MG-ViT at
-    epsilon = 1 is 3.94 G, the paper's 3.9 G (Table 2); C / 4 would give 4.58 G.
+    epsilon = 1 is 3.94 G, the paper's 3.9 G (Table 2); C / 4 would give 4.58 G. ``align=1`` gives
+    the smallest multiple of the head count >= C / 8 (what MG-ViT used before alignment existed).
     """
+    lo = max(1, math.ceil(dim / 8))
+
+    def ok(c: int, head_dim_too: bool) -> bool:
+        return (c % align == 0 and (dim + c) % heads == 0
+                and (not head_dim_too or ((dim + c) // heads) % align == 0))
+
+    for head_dim_too in (True, False):  # an aligned MGIS head dim where C allows one, else C' alone
+        c = next((c for c in range(lo, lo + heads * align * align + 1) if ok(c, head_dim_too)), None)
+        if c is not None:
+            return c
     return heads * math.ceil(dim / 8 / heads)
 
 
@@ -83,7 +95,9 @@ class MGViTConfig(Config):
         r_pos / r_neg: PPSM's positive (kept) / negative (merged) shares.
         ppsm_layers: 1-based MGIS layers with a PPSM before their attention (default 3, 7, 10 of 12 scaled).
         epsilon: early-exit threshold on SGIS's top softmax probability (1: always MGIS).
-        feat_dim: C', the feature-reuse width (default C / 8 rounded to the heads).
+        feat_dim: C', the feature-reuse width (default C / 8 rounded up to the heads and ``align``).
+        align: C' (and, where the width allows, the MGIS head dim) is a multiple of this (1: C / 8
+            rounded to the heads only, as before alignment existed).
         grid: the coarse grid side (7: 7 x 7 patches).
         lam / casr_start: CASR's decay and first layer.
     """
@@ -96,6 +110,8 @@ class MGViTConfig(Config):
         "help": "MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12)."})
     epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
     feat_dim: int | None = None
+    align: int = field(default=DEFAULT_ALIGN, metadata={
+        "help": "Round every width a method makes up to a multiple of this (8: GPU-friendly; 1: off)."})
     grid: int = 7
     lam: float = 0.98
     casr_start: int = 3
@@ -114,6 +130,7 @@ class MGViTConfig(Config):
         check_int("casr_start", self.casr_start, 1)
         if self.feat_dim is not None:
             check_int("feat_dim", self.feat_dim, 1)
+        check_int("align", self.align, 1)
 
 
 @dataclass(frozen=True)
@@ -136,7 +153,7 @@ def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
         if not isinstance(l, int) or not 2 <= l <= depth:
             raise NascompressError(f"PPSM layer {l!r} is outside the depth: layers are 1-based and must be in "
                                    f"2..{depth} (PPSM needs the class attention of an earlier layer)")
-    fd = default_feat_dim(dim, heads) if cfg.feat_dim is None else cfg.feat_dim
+    fd = default_feat_dim(dim, heads, cfg.align) if cfg.feat_dim is None else cfg.feat_dim
     if (dim + fd) % heads:
         raise NascompressError(f"feat_dim (C') must be a positive int with C + C' = {dim} + C' divisible by the "
                                f"{heads} heads, got {fd!r}")
@@ -203,6 +220,8 @@ class MGViT(VisionTransformer):
     """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
 
     mg: dict[str, Any]
+    compile_note = ("MG-ViT is timed eager only: its early exit sends a data-dependent subset of the batch "
+                    "through the MGIS stage, so its shapes change with the input (no static graph)")
 
     def _sgis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, C, H, W) -> SGIS logits (B, classes), output patch tokens (B, N, C), CASR (B, N)."""
@@ -293,7 +312,8 @@ class MGViT(VisionTransformer):
             from ..profiling.flops import count_flops
 
             p = next(self.parameters())
-            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device)
+            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device,
+                            dtype=p.dtype)
             cache = {}
             for mode in ("sgis", "mgis"):
                 self._mg_force = mode
@@ -389,6 +409,9 @@ class MGViTMethod(Method):
 
     def prepare(self, model: nn.Module, cfg: MGViTConfig, recipe: MGViTRecipe | None):
         """Both stages start from the dense run, or the SGIS from ``recipe.sgis_run``."""
+        if cfg.feat_dim % cfg.align:  # a new model only: records written before align existed still load
+            raise NascompressError(f"feat_dim (C') {cfg.feat_dim} is not a multiple of align {cfg.align}; give an "
+                                   f"aligned feat_dim, leave it out (the default is aligned) or set align=1")
         recipe = recipe or MGViTRecipe()
         source = None  # MGIS starts from the run's dense weights: the SGIS's own unless sgis_run replaces them
         if recipe.sgis_run is not None:
@@ -489,12 +512,12 @@ class MGViTHooks(TrainHooks):
     """Loss = CE(D^M, y) + KL(D^M || D^S), every image through both stages (epsilon = 1)."""
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, float]]:
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
         s_logits, m_logits = model.forward_both(x)
         ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
         kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
                       reduction="batchmean")
-        return ce + kl, {"ce_mgis": ce.item(), "kl_sgis": kl.item()}
+        return ce + kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
 
 
 @torch.no_grad()

@@ -50,7 +50,7 @@ from torch import nn
 from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
-from ..layers import to_core
+from ..layers import attention, to_core
 from . import Method, _flex, register_method
 
 MODES = ("unstructured", "block")
@@ -68,7 +68,8 @@ class SparsifinerConfig(Config):
         tau: threshold on A_down; w_thresh: magnitude threshold on W_up.
         mode: ``unstructured`` (the paper's per-query top-k) or ``block`` (top key blocks).
         block_size: block side in patch tokens for ``block`` (None: a divisor of the patch count
-            near 1/8 of it, see ``_flex.auto_block_size``).
+            near 1/8 of it, see ``_flex.auto_block_size``; with ``kernel="flex"`` a multiple of 16,
+            and on CUDA an explicit value that is not is refused).
         kernel: ``block`` inference kernel: ``gather`` (gathered kept blocks + fused SDPA, the
             fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
     """
@@ -151,8 +152,9 @@ def topk_mask(scores: torch.Tensor, budget: int, *, full_rows: int = 0) -> torch
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float,
                      dropout_p: float = 0.0) -> torch.Tensor:
-    """Softmax over the kept entries of each row only: q, k, v (B, H, n, d), mask (B, H, n, n) bool."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    """Softmax over the kept entries of each row only: q, k, v (B, H, n, d), mask (B, H, n, n) bool
+    (or additive, when an external mask is combined in)."""
+    return attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def combine_masks(mask: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -222,12 +224,13 @@ class SparsifinerKernel(nn.Module):
         self._macs: float | None = 0.0
         self._density = 1.0
         self._block_stats: tuple | None = None
+        self._unstructured_stats: tuple | None = None
 
     def _dense(self, q, k, v, attn_mask, scale, dropout_p) -> torch.Tensor:
         B, H, n, d = q.shape
         self._macs = float(B * H * n * n * (d + v.shape[-1]))
         self._density = 1.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
+        return attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                 scale: float, dropout_p: float = 0.0) -> torch.Tensor:
@@ -261,12 +264,16 @@ class SparsifinerKernel(nn.Module):
                 coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), cfg.tau)
                 basis = sparse_basis(w_up, cfg.w_thresh)
                 mask = topk_mask(coef @ basis, budget, full_rows=p)
-                prod = ((coef != 0).float() @ (basis != 0).float().sum(-1, keepdim=True)).sum().item()
-                self._macs = unstructured_macs(batch=B, heads=H, n=n, head_dim=d, v_dim=v.shape[-1], n_down=r,
-                                               budget=budget, prefix=p, product_macs=prod)
+                # nnz-based product MACs, a device tensor read when asked for (no host sync here)
+                prod = ((coef != 0).float() @ (basis != 0).float().sum(-1, keepdim=True)).sum()
+                self._unstructured_stats = (prod, dict(batch=B, heads=H, n=n, head_dim=d, v_dim=v.shape[-1],
+                                                       n_down=r, budget=budget, prefix=p))
+                self._macs = None
+                self._block_stats = None
                 self._density = budget / n
             return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=scale, dropout_p=dropout_p)
-        layout = _flex.plan_blocks(n, p, budget, cfg.block_size)
+        layout = _flex.plan_blocks(n, p, budget, cfg.block_size,
+                                   multiple=_flex.flex_multiple(cfg.kernel, cfg.block_size, q.device))
         if not layout.sparse:
             return self._dense(q, k, v, attn_mask, scale, dropout_p)
         inference = not self.training and not torch.is_grad_enabled()
@@ -297,6 +304,10 @@ class SparsifinerKernel(nn.Module):
         return hit[1]
 
     def _read_block_stats(self) -> None:
+        if self._block_stats is None:  # the unstructured mode's last forward
+            prod, kw = self._unstructured_stats
+            self._macs = unstructured_macs(product_macs=float(prod), **kw)
+            return
         idx, layout, r, d, dv = self._block_stats
         B, H, nb, _ = idx.shape
         n, n_p = layout.n, layout.n_patch
@@ -374,11 +385,11 @@ def _stage1(model: nn.Module, on: bool) -> None:
         m.recon = on
 
 
-def _stage1_loss(model: nn.Module, x: torch.Tensor, lambda_attn: float) -> tuple[torch.Tensor, dict[str, float]]:
+def _stage1_loss(model: nn.Module, x: torch.Tensor, lambda_attn: float) -> tuple[torch.Tensor, dict[str, Any]]:
     model(x)
     mods = sparse_modules(model)
     l_attn = sum(m.recon_loss for m in mods) / len(mods)
-    return lambda_attn * l_attn, {"l_attn": float(l_attn.detach())}
+    return lambda_attn * l_attn, {"l_attn": l_attn.detach()}
 
 
 class SparsifinerHooks(TrainHooks):
@@ -413,7 +424,7 @@ class SparsifinerHooks(TrainHooks):
         # token pruning stacked before: token sets differ, so only the prefix (CLS) tokens are compared
         tok = F.mse_loss(feats, t_feats) if feats.shape == t_feats.shape else F.mse_loss(feats[:, :p], t_feats[:, :p])
         loss = ce + self.r.lambda_token * tok + self.r.lambda_cls_distill * kl
-        return loss, {"ce": ce.item(), "l_token": tok.item(), "l_cls_distill": kl.item()}
+        return loss, {"ce": ce.detach(), "l_token": tok.detach(), "l_cls_distill": kl.detach()}
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         stage = 1 if epoch < self.r.stage1_epochs else 2

@@ -1,27 +1,29 @@
 """Uniform magnitude pruning: the Torch-Pruning-style baseline DCS is compared against.
 
 Every block keeps the same share ``keep`` of its MLP hidden neurons and of each head's Q/K
-channels, chosen by weight magnitude (Torch-Pruning's group L2 importance: a hidden neuron j is
+channels (each count rounded up to a multiple of ``align``, :func:`~nascompress.layers.aligned_width`:
+the widths the fast GPU kernels want), chosen by weight magnitude (Torch-Pruning's group L2 importance: a hidden neuron j is
 scored by ||fc1.weight[j]||^2 + ||fc2.weight[:, j]||^2, a Q/K channel c of head h by
 ||W_q[c]||^2 + ||W_k[c]||^2). The pruned layers are gathered physically (fc1 rows / fc2 columns,
 and the per-head Q/K rows of qkv), so the model is really smaller. :func:`keep_for_flops` finds
 the share that meets a FLOPs target.
 
-Record: ``{"name": "uniform", "config": {"keep": 0.6}, "blocks": [{"hidden_keep": [...],
-"qk_keep": [[...] per head]}]}``.
+Record: ``{"name": "uniform", "config": {"keep": 0.6, "qk": true, "align": 8}, "blocks":
+[{"hidden_keep": [...], "qk_keep": [[...] per head]}]}``; the model is rebuilt from the kept
+indices, so records written before ``align`` existed load unchanged.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import Config, check_bool, check_range
+from ..config import Config, check_bool, check_int, check_range
 from ..errors import NascompressError
-from ..layers import NCBlock, as_index, slice_linear_in, slice_linear_out, to_core
+from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, as_index, slice_linear_in, slice_linear_out, to_core
 from . import Method, register_method
 from .dcs import slice_qk
 
@@ -31,14 +33,24 @@ class UniformConfig(Config):
     """Args:
         keep: share of the MLP hidden neurons and of each head's Q/K channels every block keeps.
         qk: prune the Q/K channels too (else only the MLP hidden neurons).
+        align: every kept count is rounded up to a multiple of this (1: exactly ``ceil(keep * n)``,
+            the widths before alignment existed; 8 by default, what GPU kernels need).
     """
 
     keep: float = 0.6
     qk: bool = True
+    align: int = field(default=DEFAULT_ALIGN, metadata={
+        "help": "Round every kept width up to a multiple of this (8: GPU-friendly; 1: exact shares)."})
 
     def __post_init__(self) -> None:
         check_range("keep", self.keep, 0, 1, lo_open=True)
         check_bool("qk", self.qk)
+        check_int("align", self.align, 1)
+
+
+def kept_count(keep: float, n: int, align: int) -> int:
+    """Channels kept of ``n`` at share ``keep``: ``ceil(keep * n)`` (at least 1), rounded up to ``align``."""
+    return aligned_width(max(1, math.ceil(keep * n - 1e-6)), align=align, full=n)
 
 
 @torch.no_grad()
@@ -48,14 +60,14 @@ def importance(model: nn.Module, cfg: UniformConfig) -> list[dict[str, Any]]:
     for blk in model.blocks:
         fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
         score = fc1.weight.pow(2).sum(1) + fc2.weight.pow(2).sum(0)  # (hidden,)
-        k = max(1, math.ceil(cfg.keep * score.numel() - 1e-6))
+        k = kept_count(cfg.keep, score.numel(), cfg.align)
         rec: dict[str, Any] = {"hidden_keep": score.topk(k).indices.sort().values.tolist(), "qk_keep": None}
         if cfg.qk:
             a = blk.attn
             w = a.qkv.weight
             q, kk = w[:a.attn_dim], w[a.attn_dim:2 * a.attn_dim]
             s = (q.pow(2).sum(1) + kk.pow(2).sum(1)).reshape(a.num_heads, a.head_dim)
-            kq = max(1, math.ceil(cfg.keep * a.head_dim - 1e-6))
+            kq = kept_count(cfg.keep, a.head_dim, cfg.align)
             rec["qk_keep"] = [row.topk(kq).indices.sort().values.tolist() for row in s]
         blocks.append(rec)
     return blocks
@@ -103,22 +115,35 @@ class Uniform(Method):
         return self.patch(model, cfg, record), record
 
 
-def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True, tol: float = 0.002) -> float:
-    """The keep share whose uniformly pruned model has ``target`` x the FLOPs of ``model`` (bisection)."""
+def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True,
+                   align: int = DEFAULT_ALIGN, tol: float = 0.002) -> float:
+    """The keep share whose uniformly pruned model has ``target`` x the FLOPs of ``model``.
+
+    With aligned widths the FLOPs ratio is a step function of the share: the share returned is the
+    smallest one whose ratio is nearest ``target`` (within ``tol`` when a step lands there; else the
+    nearer of the two steps around it). Bisection over the share, one FLOPs count per probe."""
     import copy
 
     from ..profiling import count_flops
 
     dense = count_flops(model, x).total
-    lo, hi = 0.01, 1.0
+    cache: dict[float, float] = {}
+
+    def ratio(keep: float) -> float:
+        if keep not in cache:
+            m, _ = get_uniform().prepare_fresh(copy.deepcopy(model), UniformConfig(keep=keep, qk=qk, align=align))
+            cache[keep] = count_flops(m, x).total / dense
+        return cache[keep]
+
+    lo, hi = 0.01, 1.0  # ratio(lo) < target <= ratio(hi) is kept (or the ends)
     for _ in range(30):
         mid = (lo + hi) / 2
-        m, _ = get_uniform().prepare_fresh(copy.deepcopy(model), UniformConfig(keep=mid, qk=qk))
-        r = count_flops(m, x).total / dense
+        r = ratio(mid)
         if abs(r - target) <= tol:
             return mid
         lo, hi = (lo, mid) if r > target else (mid, hi)
-    return (lo + hi) / 2
+    # no share within tol: the widths step over the target; take the nearer side
+    return min((lo, hi), key=lambda k: (abs(ratio(k) - target), k))
 
 
 def get_uniform() -> Uniform:
@@ -127,4 +152,4 @@ def get_uniform() -> Uniform:
     return get_method("uniform")  # type: ignore[return-value]
 
 
-__all__ = ["Uniform", "UniformConfig", "importance", "keep_for_flops", "slice_hidden"]
+__all__ = ["Uniform", "UniformConfig", "importance", "keep_for_flops", "kept_count", "slice_hidden"]

@@ -43,18 +43,37 @@ def time_models(models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tenso
     return [statistics.median(t) for t in times]
 
 
-def measure(models: Sequence[nn.Module], input_shape: tuple[int, int, int], *, device: torch.device,
-            batch_sizes: tuple[int, int] = (1, 64), warmup: int = 3, iters: int = 10, seed: int = 0) -> list[dict[str, float]]:
-    """Latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]`` for each model."""
+def measure(models: Sequence[nn.Module] | Sequence[Callable], input_shape: tuple[int, int, int], *,
+            device: torch.device, batch_sizes: tuple[int, int] = (1, 64), warmup: int = 3, iters: int = 10,
+            seed: int = 0, dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
+    """Latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]`` for each model (inputs in ``dtype``)."""
     g = torch.Generator().manual_seed(seed)
     out: list[dict[str, float]] = [{} for _ in models]
     lat_bs, thr_bs = batch_sizes
-    x1 = torch.randn(lat_bs, *input_shape, generator=g).to(device)
+    x1 = torch.randn(lat_bs, *input_shape, generator=g).to(device, dtype)
     for r, t in zip(out, time_models(models, x1, warmup=warmup, iters=iters)):
         r["latency_ms"] = t * 1e3
         r["latency_batch"] = lat_bs
-    xb = torch.randn(thr_bs, *input_shape, generator=g).to(device)
+    xb = torch.randn(thr_bs, *input_shape, generator=g).to(device, dtype)
     for r, t in zip(out, time_models(models, xb, warmup=max(1, warmup // 2), iters=iters)):
         r["throughput"] = thr_bs / t
         r["throughput_batch"] = thr_bs
     return out
+
+
+def compile_for_speed(model: nn.Module, device: torch.device) -> tuple[Callable | None, str | None]:
+    """``torch.compile`` for deployment timing: CUDA graphs (``mode="reduce-overhead"``) on CUDA,
+    plain Inductor on the CPU; static shapes (``dynamic=False``: one graph per batch size).
+
+    Returns (the compiled callable, None), or (None, why) for a model whose shapes depend on its
+    input (its class's ``compile_note``, e.g. MG-ViT's early exit)."""
+    note = getattr(model, "compile_note", None)
+    if note:
+        return None, note
+    import torch._dynamo
+
+    # every model shares VisionTransformer.forward: each (model, batch size) is its own graph, past
+    # dynamo's default limit of 8 per code object it would silently run eager
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(model, mode=mode, dynamic=False), None

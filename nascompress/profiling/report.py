@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .flops import count_flops, flop_counter_macs, thop_macs
-from .latency import measure
+from .latency import compile_for_speed, measure
 
 
 def _input_shape(model: nn.Module) -> tuple[int, int, int]:
@@ -17,37 +17,57 @@ def _input_shape(model: nn.Module) -> tuple[int, int, int]:
 
 def profile_models(models: dict[str, nn.Module], *, device: torch.device, latency: bool = True,
                    batch_sizes: tuple[int, int] = (1, 64), iters: int = 10, warmup: int = 3,
-                   flops_batch: int = 4, seed: int = 0) -> dict[str, Any]:
+                   flops_batch: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32,
+                   compile: bool = False) -> dict[str, Any]:
     """Profile one or more models; with two or more, ratios are against the first.
 
     Args:
-        models: label -> model (the first is the reference for ratios).
+        models: label -> model (the first is the reference for ratios); converted to ``dtype``.
         latency: also time latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]``,
             all models interleaved in this process.
         flops_batch: random images per FLOPs count (per-image mean for dynamic models).
+        dtype: the models' weights and inputs (float32, bfloat16 or float16; inference).
+        compile: also time each model ``torch.compile``d (:func:`~.latency.compile_for_speed`: CUDA
+            graphs on CUDA), interleaved with the eager ones: ``*_compiled`` fields and ratios
+            against the compiled reference. A model that cannot be compiled says why (``compile_note``).
     """
+    from ..layers import qk_layout_summary
+    from ..runtime import dtype_name
+
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, Any] = {"device": str(device), "models": {}}
+    out: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "models": {}}
     for label, m in models.items():
-        m.eval().to(device)
-        x = torch.randn(flops_batch, *_input_shape(m), generator=g).to(device)
+        m.eval().to(device, dtype)
+        x = torch.randn(flops_batch, *_input_shape(m), generator=g).to(device, dtype)
         rep = count_flops(m, x).to_dict()
-        rep["flop_counter_macs"] = flop_counter_macs(m, x) if device.type == "cpu" else None
+        rep["flop_counter_macs"] = flop_counter_macs(m, x)
         rep["thop_macs_no_attention_matmuls"] = thop_macs(m, x)
         rep["input_size"] = list(_input_shape(m))
+        layout = qk_layout_summary(m, x)
+        if layout is not None:  # narrowed Q/K heads: how they reach the attention kernel here
+            rep["qk_layout"] = layout
         out["models"][label] = rep
-    if latency:
-        labels = list(models)
-        shapes = {tuple(_input_shape(models[k])) for k in labels}
-        if len(shapes) == 1:
-            timings = measure([models[k] for k in labels], shapes.pop(), device=device, batch_sizes=batch_sizes,
-                              iters=iters, warmup=warmup, seed=seed)
-        else:  # different input sizes (e.g. MG-ViT vs dense): still interleave per model pair
-            timings = [measure([models[k]], _input_shape(models[k]), device=device, batch_sizes=batch_sizes,
-                               iters=iters, warmup=warmup, seed=seed)[0] for k in labels]
-        for k, t in zip(labels, timings):
-            out["models"][k].update(t)
     labels = list(models)
+    if latency:
+        runs = [(k, models[k], "") for k in labels]
+        if compile:
+            for k in labels:
+                fn, note = compile_for_speed(models[k], device)
+                if fn is None:
+                    out["models"][k]["compile_note"] = note
+                else:
+                    runs.append((k, fn, "_compiled"))
+        groups: dict[tuple, list] = {}  # models of one input size are timed interleaved
+        for run in runs:
+            groups.setdefault(tuple(_input_shape(models[run[0]])), []).append(run)
+        for shape, group in groups.items():
+            timings = measure([fn for _, fn, _ in group], shape, device=device, batch_sizes=batch_sizes,
+                              iters=iters, warmup=warmup, seed=seed, dtype=dtype)
+            for (k, _, suffix), t in zip(group, timings):
+                out["models"][k].update({f"{name}{suffix}" if name in ("latency_ms", "throughput") else name: v
+                                         for name, v in t.items()})
+        if len(groups) > 1:
+            out["timing_note"] = "the models take different input sizes: each size was timed interleaved on its own"
     if len(labels) > 1:
         ref = out["models"][labels[0]]
         out["ratios"] = {}
@@ -55,8 +75,9 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
             r = out["models"][k]
             # reductions and speed-ups: reference / model (> 1 when the model is cheaper or faster)
             ratios = {"flops_reduction": ref["macs"] / r["macs"], "params_reduction": ref["params"] / r["params"]}
-            if latency:
-                ratios["latency_speedup"] = ref["latency_ms"] / r["latency_ms"]
-                ratios["throughput_speedup"] = r["throughput"] / ref["throughput"]
+            for suffix in ("", "_compiled"):
+                if f"latency_ms{suffix}" in r and f"latency_ms{suffix}" in ref:
+                    ratios[f"latency_speedup{suffix}"] = ref[f"latency_ms{suffix}"] / r[f"latency_ms{suffix}"]
+                    ratios[f"throughput_speedup{suffix}"] = r[f"throughput{suffix}"] / ref[f"throughput{suffix}"]
             out["ratios"][k] = ratios
     return out

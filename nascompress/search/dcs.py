@@ -53,6 +53,7 @@ from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, prepro
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..io import finish_run, load_with_arch, make_arch
+from ..layers import qk_pads
 from ..methods.dcs import (DCSConfig, activation_importance, arch_parameters, binary_entropy, channel_importance,
                            make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
@@ -222,7 +223,11 @@ class CostModel:
         for blk in supernet.blocks:
             a = blk.attn
             static = a.qk_mask is not None and a.qk_mask.mode == "static"
-            qk.append(float(2 * n * a.qkv.in_features + n * n) if static else 0.0)
+            # where the materialized q/k run zero-padded to the head dim (layers.qk_pads: the CPU's
+            # fused kernel), a kept channel saves its qkv rows only, not its share of QK^T
+            pads = qk_pads(a.qk_layout, qk_dim=1, head_dim=a.head_dim, device_type=x.device.type,
+                           dtype=a.qkv.weight.dtype) and a.fused_attn
+            qk.append(float(2 * n * a.qkv.in_features + (0 if pads else n * n)) if static else 0.0)
             heads.append(a.num_heads)
             dims.append(a.head_dim)
         full_qk = sum(q * h * d for q, h, d in zip(qk, heads, dims))
@@ -442,8 +447,8 @@ class DCSSearchHooks(TrainHooks):
                 with torch.no_grad():
                     t_logits = self.dense(x)
                 kl = kl_to_teacher(logits, t_logits)
-                return ce + self.cfg.distill * kl, {"ce_w": ce.item(), "kl_w": kl.item()}
-            return ce, {"ce_w": ce.item()}
+                return ce + self.cfg.distill * kl, {"ce_w": ce.detach(), "kl_w": kl.detach()}
+            return ce, {"ce_w": ce.detach()}
         st = model.dcs_state
         log_cost = torch.log(self.cost.soft_macs(model) / self.cost.dense)
         soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
@@ -451,7 +456,7 @@ class DCSSearchHooks(TrainHooks):
         if self.lam_scale is None:  # the first arch-step: measure the balance on its own graph
             self.lam_scale = self.grad_balance(ce, log_cost)
         loss = ce + self.lam_scale * self.lam * log_cost + self.cfg.entropy_weight * ent
-        return loss, {"ce_a": ce.item(), "log_cost": log_cost.item(), "entropy": ent.item()}
+        return loss, {"ce_a": ce.detach(), "log_cost": log_cost.detach(), "entropy": ent.detach()}
 
     def grad_balance(self, ce: torch.Tensor, log_cost: torch.Tensor) -> float:
         """``max(1, r)``, r = median |d CE / d logit| / median |d log cost / d logit| over every gate

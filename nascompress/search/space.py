@@ -82,6 +82,9 @@ _KEYS = {
 }
 
 MethodFields = Callable[[str], "set[str] | None"]
+# Settings whose values are channel widths: every value a space can give them must be a multiple of
+# the method's ``align`` (its constant or every choice of it; default layers.DEFAULT_ALIGN).
+WIDTH_PARAMS: dict[str, tuple[str, ...]] = {"mgvit": ("feat_dim",)}
 
 
 def registry_method_fields(name: str) -> set[str] | None:
@@ -477,7 +480,38 @@ class _Parser:
             if pname == "on" and optional and group is None:
                 raise self.err(pw, "'on' collides with the optional method's on/off parameter")
             params.append(self.param(pname, spec, pw, {p.name: p for p in params}))
+        self.check_widths(name, params)
         return Method(name=name, group=group, optional=optional, params=tuple(params), where=where)
+
+    def check_widths(self, method: str, params: list[Param]) -> None:
+        """Width settings (:data:`WIDTH_PARAMS`) must only take multiples of the method's ``align``."""
+        from nascompress.layers import DEFAULT_ALIGN
+
+        by = {p.name: p for p in params}
+        a = by.get("align")
+        aligns = [DEFAULT_ALIGN] if a is None else list(a.choices) if a.kind == "categorical" else \
+            [a.value] if a.kind == "const" else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
+        if not all(_is_int(v) and v >= 1 for v in aligns):
+            raise self.err(a.where, f"align takes integers >= 1, got {aligns}")
+        need = math.lcm(*aligns)
+        for pname in WIDTH_PARAMS.get(method, ()):
+            p = by.get(pname)
+            if p is None:
+                continue
+            if p.kind == "const":
+                values = [p.value]
+            elif p.kind == "categorical":
+                values = list(p.choices)
+            elif p.kind == "int" and not p.log:
+                values = [p.low, p.high] + ([p.step] if p.step else [1])
+            else:
+                raise self.err(p.where, f"{pname} is a width: search it as an int with a step (a multiple of align "
+                                        f"{need}), or as choices")
+            bad = [v for v in values if v is not None and (not _is_int(v) or v % need)]
+            if bad:
+                raise self.err(p.where, f"{pname} is a width and must only take multiples of align {need} (its low, "
+                                        f"high and step too); {bad[0]!r} is not. Use multiples of {need}, or set "
+                                        f"align: 1 for this method")
 
     def param(self, pname: str, spec: Any, where: str, earlier: dict[str, Param]) -> Param:
         if not isinstance(spec, Mapping):

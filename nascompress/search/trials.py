@@ -71,6 +71,8 @@ class SearchJob(Config):
         dcs_epochs: epochs of the per-trial DCS search (spaces with a ``dcs`` entry).
         enqueue: run the uncompressed and the papers' configurations first.
         seed: drives the samplers, the data subsets and every trial's training.
+        amp / deterministic: every trial's training (predictor stages, fine-tunes, DCS searches), as
+            :class:`~nascompress.train.TrainConfig`'s.
     """
 
     base: str
@@ -94,9 +96,12 @@ class SearchJob(Config):
     data: DataConfig | None = None
     seed: int = 0
     device: str = "auto"
+    amp: str = "off"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         check_int("--trials", self.trials, 1)
+        check_choice("--amp", self.amp, ("off", "bf16"))
         check_int("--workers", self.workers, 1)
         check_choice("--objective", self.objective, tuple(SECOND_OBJECTIVES))
         if self.max_flops is not None:
@@ -212,7 +217,8 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> nn.Mod
         job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out=str(Path(tmp) / "search"), method=method,
                            search=search, data=ctx.data_cfg,
                            train=search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size,
-                                                     seed=seed, device=ctx.job.device))
+                                                     seed=seed, device=ctx.job.device, amp=ctx.job.amp,
+                                                     deterministic=ctx.job.deterministic))
         search_dcs(job)
         supernet, _, cfg = load_search(job.out)
         model, _ = materialize(supernet.to(ctx.device), cfg)
@@ -232,7 +238,7 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
         (model in eval mode, the method records as applied (arch.json), training info).
     """
     seed_everything(seed)
-    model = copy.deepcopy(ctx.base)
+    model = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base is frozen (it is the teacher)
     applied, info = [], {}
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
@@ -251,11 +257,16 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
     if ctx.job.finetune_epochs > 0 and applied:
         info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report)
     elif ctx.job.calib_steps > 0:
+        from .. import runtime
+
         batches = ctx.calibration_batches()
-        for rec in applied:
-            out = get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base, batches=_cycle(batches, ctx.job.calib_steps))
-            if out:
-                info[f"calibration_{rec['name']}"] = out
+        with runtime.configured(ctx.device, deterministic=ctx.job.deterministic), runtime.autocast(ctx.device,
+                                                                                                    ctx.job.amp):
+            for rec in applied:
+                out = get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base,
+                                                        batches=_cycle(batches, ctx.job.calib_steps))
+                if out:
+                    info[f"calibration_{rec['name']}"] = out
     return model.eval(), applied, info
 
 
@@ -282,8 +293,9 @@ def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str,
                                                                                        ctx.job.calib_steps))
     last = applied[-1]["name"]
     epochs = max(1, round(ctx.job.finetune_epochs))
-    cfg = finetune_train_config(last, epochs=epochs, batch_size=ctx.job.batch_size, seed=seed,
-                                device=ctx.job.device).replace(eval_start=False, keep="last")
+    cfg = finetune_train_config(last, epochs=epochs, batch_size=ctx.job.batch_size, seed=seed, device=ctx.job.device,
+                                amp=ctx.job.amp, deterministic=ctx.job.deterministic).replace(eval_start=False,
+                                                                                              keep="last")
     method = get_method(last)
     hooks = method.hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)
     if report is not None:
@@ -341,8 +353,11 @@ class Objective:
                 trial.report(value, epoch)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned after epoch {epoch} at {value:.2f}%")
-        model, applied, info = build_trial(ctx, records, seed=seed, report=report)
-        acc = ctx.accuracy(model)
+        from .. import runtime
+
+        with runtime.configured(ctx.device, deterministic=job.deterministic):
+            model, applied, info = build_trial(ctx, records, seed=seed, report=report)
+            acc = ctx.accuracy(model)
         rep = count_flops(model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
         speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
@@ -468,8 +483,10 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
 
     Everything is checked (space file, base run, storage) before the study is created.
     """
+    from .. import runtime
     from ..studies import run_study
 
+    runtime.prepare_deterministic(job.deterministic)
     base_path = Path(job.base)
     if not base_path.exists():
         raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")

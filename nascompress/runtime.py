@@ -1,0 +1,108 @@
+"""How a job runs on its device: inference dtypes, mixed precision, TF32, determinism, RNG state.
+
+* ``dtype`` (``--dtype fp32|bf16|fp16``; evaluate, profile, the pipeline's report,
+  ``nascompress.load(dtype=)``): the model's weights and inputs in that dtype (inference only).
+* ``amp`` (``--amp off|bf16``; every training job through :class:`~nascompress.train.TrainConfig`):
+  the forward and the loss under ``torch.autocast(device, bfloat16)``; weights, gradients and the
+  optimizer stay float32 (bfloat16 has float32's range: no loss scaling).
+* TF32: on CUDA, float32 matmuls and convolutions use TensorFloat-32 tensor cores
+  (:func:`configured`), except under ``deterministic``.
+* ``deterministic`` (``--deterministic``): ``torch.use_deterministic_algorithms(True)``, cuDNN's
+  deterministic mode without autotuning, TF32 off, and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (what
+  cuBLAS needs to be reproducible on CUDA >= 10.2; set before the first cuBLAS call of the
+  process where possible: a job calls :func:`prepare_deterministic` first). Same seed, same numbers on one
+  machine, also on a GPU; slower there.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator
+
+import torch
+
+from .errors import NascompressError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+AMP_MODES = ("off", "bf16")
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
+    """``fp32`` / ``bf16`` / ``fp16`` (or a torch dtype; None: float32) -> the torch dtype."""
+    if name is None:
+        return torch.float32
+    if isinstance(name, torch.dtype):
+        if name not in DTYPES.values():
+            raise NascompressError(f"dtype must be one of {', '.join(DTYPES)}, got {name}")
+        return name
+    if name not in DTYPES:
+        raise NascompressError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+@contextlib.contextmanager
+def configured(device: torch.device, *, deterministic: bool = False) -> Iterator[None]:
+    """Inside: TF32 for float32 on CUDA (off when ``deterministic``) and, with ``deterministic``,
+    the deterministic mode (see the module docstring). The previous settings are restored on exit,
+    so one job's choice does not leak into the next one of the same process."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        if deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = not deterministic
+            torch.backends.cudnn.allow_tf32 = not deterministic
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
+         torch.backends.cudnn.allow_tf32) = saved[1:]
+
+
+def prepare_deterministic(deterministic: bool) -> None:
+    """Set ``CUBLAS_WORKSPACE_CONFIG`` early (before a job's first cuBLAS call builds the workspace)."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+
+
+def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` in bfloat16 for ``amp="bf16"``, nothing for ``"off"``."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    if amp != "bf16":
+        raise NascompressError(f"--amp must be one of {', '.join(AMP_MODES)}, got {amp!r}")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t`` on ``device`` (a non-blocking copy from pinned memory on CUDA), cast to ``dtype`` there."""
+    t = t.to(device, non_blocking=device.type == "cuda")
+    return t if dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
+def cuda_rng_state() -> list[torch.Tensor] | None:
+    """Every CUDA device's RNG state (checkpoints), None without CUDA."""
+    return torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def restore_cuda_rng(state: Any) -> None:
+    """Restore :func:`cuda_rng_state`'s states (ignored without CUDA or when the device count differs)."""
+    if state is None or not torch.cuda.is_available():
+        return
+    states = list(state)
+    if len(states) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states)
+
+
+__all__ = ["DTYPES", "AMP_MODES", "parse_dtype", "dtype_name", "configured", "prepare_deterministic", "autocast",
+           "to_device",
+           "cuda_rng_state", "restore_cuda_rng"]
