@@ -81,12 +81,12 @@ def test_supernet_identity(qk, init_values):
     dense = build_model(tiny_spec(**kw)).eval()
     x = torch.randn(3, 1, 16, 16)
     ref = dense(x)
-    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk, mlp_gates="residual")).eval()
+    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
     assert set(dense.state_dict()) <= set(sup.state_dict())  # timm keys kept, new ones added
     randomize_gates(sup)
     sup.dcs_state.force_dense = True  # all masks forced to 1
     torch.testing.assert_close(sup(x), ref)
-    fresh = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk, mlp_gates="residual")).eval()  # gates start open
+    fresh = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()  # gates start open
     torch.testing.assert_close(fresh(x), ref)
 
 
@@ -106,7 +106,7 @@ def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
 def test_materialized_equals_supernet_and_reloads(qk, tmp_path):
     spec = tiny_spec()
     dense = build_model(spec).eval()
-    cfg = DCSConfig(qk_mask=qk, mlp_gates="residual")
+    cfg = DCSConfig(qk_mask=qk)
     sup = make_supernet(copy.deepcopy(dense), cfg).eval()
     randomize_gates(sup, empty_block=True)
     mat, record = materialize(sup, cfg)
@@ -132,12 +132,12 @@ def test_materialized_equals_supernet_and_reloads(qk, tmp_path):
 @pytest.mark.parametrize("qk", QK_MODES)
 def test_cost_model_matches_profiler(qk):
     dense = build_model(tiny_spec()).eval()
-    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk, mlp_gates="residual")).eval()
+    sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
     x = torch.zeros(1, 1, 16, 16)
     cost = CostModel.build(dense, sup, x)
     assert cost.dense == count_flops(dense, x).total
     randomize_gates(sup, seed=3)
-    mat, _ = materialize(sup, DCSConfig(qk_mask=qk, mlp_gates="residual"))
+    mat, _ = materialize(sup, DCSConfig(qk_mask=qk))
     assert cost.hard_macs(sup) == pytest.approx(count_flops(mat, x).total, rel=1e-9)
     if qk == "input":  # the runtime theta Linear is counted: N x C x C per block
         theta = sum(17 * 48 * 48 for _ in sup.blocks)

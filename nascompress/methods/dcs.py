@@ -133,11 +133,12 @@ class DCSConfig(Config):
     Args:
         qk_mask: ``input`` (the paper's theta = Linear(x)), ``static`` (one theta per channel,
             can be materialized) or ``none``.
-        mlp_gates: the MLP gate family: ``residual`` (the paper's: the MLP's input/output residual
-            channels), ``hidden`` (the MLP's hidden neurons), ``none``, or ``auto`` (the search
-            chooses from a short measured probe on the model, :mod:`nascompress.search.dcs_family`;
-            a supernet is always built with the chosen family). ``true``/``false`` (records of
-            earlier versions) read as ``residual``/``none``.
+        mlp_gates: the MLP gate family: ``residual`` (the paper's, the default of this building
+            block: the MLP's input/output residual channels), ``hidden`` (the MLP's hidden neurons),
+            ``none``, or ``auto`` (the search chooses from a short measured probe on the model,
+            :mod:`nascompress.search.dcs_family`; ``search dcs``, the pipeline and study trials
+            default to it; a supernet is always built with the chosen family). ``true``/``false``
+            (records of earlier versions) read as ``residual``/``none``.
         align: every width the search keeps (MLP residual or hidden channels per block, Q/K
             channels per head) is 0, the full width or a multiple of this (1: any width).
         hidden_fill: what a closed hidden neuron contributes: ``zero`` (nothing) or ``mean`` (its
@@ -158,7 +159,7 @@ class DCSConfig(Config):
     """
 
     qk_mask: str = "static"
-    mlp_gates: str = "auto"
+    mlp_gates: str = "residual"
     align: int = DEFAULT_ALIGN
     hidden_fill: str = "mean"
     alpha_init: float = 5.0

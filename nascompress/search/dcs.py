@@ -65,7 +65,7 @@ from ..io import load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
-from ..retrain import FeatureTap, feature_kd_loss
+from ..retrain import FeatureTap, auto_batch_size, feature_kd_loss
 from ..train import LOG_FILE, TrainConfig, check_classes, fit, input_spec_for
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
@@ -134,10 +134,10 @@ class DCSSearchConfig(Config):
             depends on first (``bench/dcs_init_order.py``); on the Fashion-MNIST base trained from
             scratch the two KLs are within 2% and weight magnitude, the former default, stays.
         init_images: training images the pre-search measurements use.
-        auto_batch: choose the batch size from the number of training images (the largest power
-            of two from 16 to 128 that still gives about 100 steps per epoch: 16 for 2,000 images,
-            128 from 12,800), so a small dataset still gets enough architecture steps; the chosen
-            size replaces the job's ``train.batch_size`` in the recorded job.
+        auto_batch: choose the batch size from the number of training images
+            (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
+            so a small dataset still gets enough architecture steps; the chosen size replaces the
+            job's ``train.batch_size`` in the recorded job.
     """
 
     arch_lr: float | None = None
@@ -201,11 +201,6 @@ class DCSSearchConfig(Config):
         if self.target_ramp <= 0:
             return self.target_flops
         return 1.0 - (1.0 - self.target_flops) * min(1.0, progress / self.target_ramp)
-
-
-def auto_batch_size(train_images: int) -> int:
-    """:attr:`DCSSearchConfig.auto_batch`: the largest of 16, 32, 64, 128 with >= 100 steps per epoch."""
-    return max([16] + [b for b in (32, 64, 128) if train_images / b >= 100])
 
 
 # The search's W optimisation: pretrained-safe (small base lr, warm-up, layer decay), keep the last epoch.
@@ -581,4 +576,4 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
 
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "SearchCollapsed", "CostModel", "LambdaSteer",
            "search_dcs", "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
-           "init_importance", "auto_batch_size", "calibration_images"]
+           "init_importance", "calibration_images"]
