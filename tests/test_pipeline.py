@@ -75,9 +75,13 @@ def test_tiny_pipeline_end_to_end(ref):
     assert s["final"]["params"] < s["dense"]["params"] and s["final"]["latency_ms"] > 0
     dec = s["decisions"]
     blocks = dec["dcs"]["blocks"]
-    assert len(blocks) == 2 and all(b["mlp_kept"] <= b["mlp_total"] == 32 for b in blocks)  # of C
+    family = dec["dcs"]["mlp_gates"]  # chosen by the probe (mlp_gates: auto), and said why
+    assert family in ("residual", "hidden") and dec["dcs"]["family_reason"].startswith(family)
+    total = 32 if family == "residual" else 128  # of C, or of the hidden width
+    assert len(blocks) == 2 and all(b["mlp_kept"] <= b["mlp_total"] == total for b in blocks)
+    assert all(b["mlp_kept"] in (0, total) or b["mlp_kept"] % 8 == 0 for b in blocks)  # aligned widths
     assert all(len(b["qk_kept"]) == 2 and max(b["qk_kept"]) <= 16 for b in blocks)
-    assert dec["dcs"]["target_flops"] == 0.85
+    assert dec["dcs"]["target_flops"] == 0.85 and dec["dcs"]["dcs_outcome"] == "planned"
     tok = dec["tokens"]
     assert tok["pick_rule"] == "best-under-flops=0.75" and tok["trials_complete"] == 4
     assert tok["trial_flops_ratio"] <= 0.75 and tok["params"] and tok["methods"][0]["name"] == "evit"

@@ -69,7 +69,7 @@ from ..retrain import FeatureTap, auto_batch_size, feature_kd_loss
 from ..train import LOG_FILE, TrainConfig, check_classes, fit, input_spec_for
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
-from .dcs_family import choose_family, probe_kl
+from .dcs_family import choose_family, dense_targets, probe_kl
 from .dcs_protect import protection
 
 INIT_IMPORTANCE = ("auto", "weight", "activation")
@@ -459,8 +459,8 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataCon
 
 @torch.no_grad()
 def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, family: str = "residual",
-                    stats: list[BlockStats] | None = None, align: int = 1,
-                    hidden_fill: str = "zero") -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
+                    stats: list[BlockStats] | None = None, align: int = 1, hidden_fill: str = "zero",
+                    targets: list[torch.Tensor] | None = None) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
     """The gate-initialisation importance of :attr:`DCSSearchConfig.init_importance` on the
     preprocessed calibration ``images`` (batches; ``stats`` from :func:`activation_stats` if already
     measured): ``(importance or None for weight magnitude, info)``, info ``{"init": chosen,
@@ -473,7 +473,9 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, f
         return act, {"init": "activation"}
     shares = [1 - d for d in INIT_PROBE_DROPS]
     fill = [s.hidden_mean for s in stats]
-    kls = {name: probe_kl(dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill)
+    targets = targets or dense_targets(dense, images)
+    kls = {name: probe_kl(dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill,
+                          targets=targets)
            for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))}
     chosen = "activation" if kls["activation"] < INIT_MARGIN * kls["weight"] else "weight"
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
@@ -495,19 +497,20 @@ def prepare_search(job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSp
         m.mlp_gates == "hidden" and m.hidden_fill == "mean")
     images = calibration_images(data, spec, n=s.init_images, seed=job.train.seed) if needs else []
     stats = activation_stats(dense, images) if needs else None
+    targets = dense_targets(dense, images) if needs else None
     if m.mlp_gates == "auto":
         family, finfo = choose_family(dense, images, stats, target=s.target_flops, align=m.align,
-                                      hidden_fill=m.hidden_fill)
+                                      hidden_fill=m.hidden_fill, targets=targets)
         m = m.replace(mlp_gates=family)
         job = job.replace(method=m)
         info.update(finfo)
     importance, iinfo = init_importance(dense, images, s.init_importance, family=m.mlp_gates, stats=stats,
-                                        align=m.align, hidden_fill=m.hidden_fill)
+                                        align=m.align, hidden_fill=m.hidden_fill, targets=targets)
     info.update(iinfo)
     protect, weights = None, None
     if stats is not None and m.mlp_gates != "none":
         protect, weights, pinfo = protection(dense, images, stats, m.mlp_gates, ratio=s.protect_ratio,
-                                             block_weights=s.block_weights, align=m.align)
+                                             block_weights=s.block_weights, align=m.align, targets=targets)
         info.update(pinfo)
     fill = [st.hidden_mean for st in stats] if stats is not None else None
     return job, {"importance": importance, "fill": fill, "protect": protect, "weights": weights, "info": info}

@@ -30,6 +30,13 @@ FAMILIES = ("residual", "hidden")
 DEFAULT_PROBE_TARGET = 0.7  # the probe's FLOPs target when the search has none
 
 
+@torch.no_grad()
+def dense_targets(dense: nn.Module, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The dense model's log-probabilities on ``images`` (the reference every probe's KL is taken to)."""
+    dense = dense.eval()
+    return [F.log_softmax(dense(x).float(), -1) for x in images]
+
+
 def mlp_share(dense: nn.Module, x: torch.Tensor, ratio: float) -> float:
     """The share of every MLP's gated width to keep so that the model has ``ratio`` x the dense
     FLOPs with only its MLPs pruned (either family: an MLP's MACs are linear in both widths)."""
@@ -44,8 +51,7 @@ def probe_kl(dense: nn.Module, images: list[torch.Tensor], importance: list[Chan
              targets: list[torch.Tensor] | None = None) -> float:
     """Sum over ``shares`` of the mean KL(dense || model whose every block keeps that share of its
     ``family`` gates by ``importance``) on ``images`` (batches of preprocessed images)."""
-    dense = dense.eval()
-    targets = targets or [F.log_softmax(dense(x).float(), -1) for x in images]
+    targets = targets or dense_targets(dense, images)
     cfg = DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0, align=align, hidden_fill=hidden_fill)
     probe = make_supernet(copy.deepcopy(dense), cfg, fill=fill).eval()
     n, total = sum(len(x) for x in images), 0.0
@@ -62,13 +68,13 @@ def probe_kl(dense: nn.Module, images: list[torch.Tensor], importance: list[Chan
 
 @torch.no_grad()
 def choose_family(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], *, target: float | None,
-                  align: int, hidden_fill: str) -> tuple[str, dict[str, Any]]:
+                  align: int, hidden_fill: str, targets: list[torch.Tensor] | None = None) -> tuple[str, dict[str, Any]]:
     """``(family, info)``: the family whose probe models stay closer to ``dense`` (see the module
     docstring); info ``{"family_kl": {family: KL}, "family_shares": [...], "family_reason": "..."}``."""
     target = DEFAULT_PROBE_TARGET if target is None else target
     x = images[0][:1]
     shares = [mlp_share(dense, x, r) for r in (1 - (1 - target) / 2, target)]
-    targets = [F.log_softmax(dense.eval()(b).float(), -1) for b in images]
+    targets = targets or dense_targets(dense, images)
     imp, fill = [s.importance for s in stats], [s.hidden_mean for s in stats]
     kls = {f: probe_kl(dense, images, imp, f, shares, align=align, hidden_fill=hidden_fill, fill=fill, targets=targets)
            for f in FAMILIES}
@@ -80,4 +86,4 @@ def choose_family(dense: nn.Module, images: list[torch.Tensor], stats: list[Bloc
     return chosen, {"family_kl": kls, "family_shares": shares, "family_reason": reason}
 
 
-__all__ = ["choose_family", "probe_kl", "mlp_share", "FAMILIES"]
+__all__ = ["choose_family", "probe_kl", "mlp_share", "dense_targets", "FAMILIES"]

@@ -50,11 +50,13 @@ def outlier_gates(stats: list[BlockStats], family: str, *, ratio: float,
 
 @torch.no_grad()
 def block_sensitivity(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], family: str, *,
-                      align: int = 1, protect: list[torch.Tensor] | None = None) -> list[float]:
+                      align: int = 1, protect: list[torch.Tensor] | None = None,
+                      targets: list[torch.Tensor] | None = None) -> list[float]:
     """Per block j: mean KL(dense || model with block j's ``SENSITIVITY_DROP`` least important
     gates of ``family`` closed) on the preprocessed ``images`` (batches). One probe supernet."""
-    dense = dense.eval()
-    targets = [F.log_softmax(dense(x).float(), -1) for x in images]
+    from .dcs_family import dense_targets
+
+    targets = targets or dense_targets(dense, images)
     cfg = DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0, align=align, hidden_fill="mean")
     probe = make_supernet(copy.deepcopy(dense), cfg, fill=[s.hidden_mean for s in stats]).eval()
     n = sum(len(x) for x in images)
@@ -81,7 +83,8 @@ def cost_weights(sensitivity: list[float]) -> list[float]:
 
 
 def protection(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], family: str, *,
-               ratio: float, block_weights: bool, align: int) -> tuple[list[torch.Tensor] | None,
+               ratio: float, block_weights: bool, align: int,
+               targets: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None,
                                                                       list[float] | None, dict[str, Any]]:
     """Outlier masks (``ratio`` 0: none), block cost weights (or None) and their log record."""
     info: dict[str, Any] = {}
@@ -91,7 +94,7 @@ def protection(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockSt
         info["protected"] = [int(m.sum()) for m in protect]
     weights = None
     if block_weights and family != "none":
-        sens = block_sensitivity(dense, images, stats, family, align=align, protect=protect)
+        sens = block_sensitivity(dense, images, stats, family, align=align, protect=protect, targets=targets)
         weights = cost_weights(sens)
         info.update(block_sensitivity=sens, block_weights=weights)
     return protect, weights, info
