@@ -34,7 +34,6 @@ that later methods read).
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +276,17 @@ class DCSBlock(NCBlock):
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x) * g) * g))
 
 
+class ConstantMLP(nn.Module):
+    """A hidden-gated MLP with no neuron left: its output is fc2's bias for every token (0 MACs)."""
+
+    def __init__(self, bias: torch.Tensor):
+        super().__init__()
+        self.bias = nn.Parameter(bias.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, N, C_out)
+        return self.bias.expand(*x.shape[:-1], self.bias.numel())
+
+
 class MaterializedBlock(NCBlock):
     """:class:`NCBlock` whose MLP reads and writes only the DCS-selected residual channels.
 
@@ -488,10 +498,10 @@ def slice_hidden_gates(block: NCBlock, keep: Any) -> NCBlock:
         fc2.bias.add_(shift.to(fc2.bias.dtype))
     _drop_gates(block)
     block.__class__ = NCBlock
-    if len(idx) < fc1.out_features:
-        with warnings.catch_warnings():  # an MLP with no hidden neuron left: zero-size Linears (fc2 = its bias)
-            warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
-            slice_hidden(block, idx)
+    if len(idx) == 0:  # no hidden neuron left: the MLP is fc2's bias (the fill folded in), a constant
+        block.mlp = ConstantMLP(fc2.bias.detach() if fc2.bias is not None else torch.zeros(fc2.out_features))
+    elif len(idx) < fc1.out_features:
+        slice_hidden(block, idx)
     return block
 
 
@@ -590,5 +600,5 @@ __all__ = ["DCS", "DCSConfig", "DCSState", "DCSQKMask", "DCSBlock", "Materialize
            "ChannelImportance", "BlockStats", "channel_importance", "activation_importance", "activation_stats",
            "spread", "aligned_mask", "aligned_counts", "protect_gates", "check_family", "MLP_GATES", "PROTECT_LOGIT",
            "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",
-           "attach_state", "slice_mlp", "slice_hidden_gates", "slice_qk", "build_materialized", "materialize",
+           "attach_state", "slice_mlp", "slice_hidden_gates", "ConstantMLP", "slice_qk", "build_materialized", "materialize",
            "check_supported"]

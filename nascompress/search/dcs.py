@@ -492,7 +492,7 @@ def prepare_search(job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSp
     if s.auto_batch:
         bs = auto_batch_size(len(data.train))
         job = job.replace(train=job.train.replace(batch_size=bs), search=s.replace(auto_batch=False))
-        info["batch_size"] = bs
+        info["batch_rule"] = f"auto: {bs} for {len(data.train)} training images"
     needs = m.mlp_gates == "auto" or s.init_importance != "weight" or s.protect_ratio > 0 or s.block_weights or (
         m.mlp_gates == "hidden" and m.hidden_fill == "mean")
     images = calibration_images(data, spec, n=s.init_images, seed=job.train.seed) if needs else []
