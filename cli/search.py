@@ -56,7 +56,8 @@ def dcs(
     target_ramp: Annotated[float, typer.Option(
         help="Share of the search over which the target moves from 1.0 down to --target-flops (0: at once).")] = 0.5,
     protect_ratio: Annotated[float, typer.Option(
-        help="Fix open the gates of outlier channels (activation > this x the block median; 0: off).")] = 20.0,
+        help="Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
+             "block's gates; 0: off).")] = 5.0,
     no_block_weights: Annotated[bool, typer.Option(
         "--no-block-weights", help="Do not weight each block's cost by its measured sensitivity.")] = False,
     max_val_drop: Annotated[float, typer.Option(

@@ -343,7 +343,7 @@ class DCSStage(_Section):
     feat_distill: float = opt(1.0, lo=0)
     arch_loss: str = opt("kd", choices=("kd", "ce"))
     target_ramp: float = opt(0.5, lo=0, hi=1)
-    protect_ratio: float = opt(20.0, lo=0)
+    protect_ratio: float = opt(5.0, lo=0)
     block_weights: bool = True
     alpha_init: float = 5.0
     tau0: float = opt(4.5, lo=0, lo_open=True)
