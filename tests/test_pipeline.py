@@ -279,12 +279,20 @@ def test_shipped_fashion_mnist_config_is_valid(tmp_path):
     assert p.cfg.stages.tokens.space == str(REPO / "search_spaces" / "evit.yaml")
 
 
-@pytest.mark.skipif(not (FMNIST and Path("/work/weights/dinov2_vits14_112.safetensors").is_file()),
-                    reason="needs Fashion-MNIST and the converted DINOv2 weights")
+@pytest.mark.skipif(not (FMNIST and (REPO / "weights" / "dinov2_vits14_112.safetensors").is_file()),
+                    reason="needs Fashion-MNIST and the converted DINOv2 weights in weights/")
 def test_shipped_dinov2_config_is_valid(tmp_path):
     p = plan(REPO / "configs" / "dinov2-fashion-mnist.yaml", out=tmp_path / "x")
     assert p.cfg.base.import_.linear_probe and p.cfg.stages.tokens.space.endswith("search_spaces/evit-12.yaml")
-    assert not (tmp_path / "x").exists()
+    assert p.cfg.base.import_.weights == str(REPO / "weights" / "dinov2_vits14_112.safetensors")
+    assert [s.name for s in p.steps] == list(STEPS) and p.cfg.stages.dcs.mlp_gates == "auto"
+    assert p.cfg.goal.max_flops == 0.6 and not (tmp_path / "x").exists()
+
+
+def test_shipped_configs_hold_no_machine_path():
+    for cfg in (REPO / "configs").glob("*.yaml"):
+        text = cfg.read_text()
+        assert "/work/" not in text and "../shared" not in text, cfg.name
 
 
 def test_a_second_run_into_a_busy_out_is_refused(ref):
