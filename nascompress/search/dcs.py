@@ -340,7 +340,12 @@ class DCSSearchHooks(TrainHooks):
     def loss(self, model, x, y, *, epoch, cfg, tag=None):
         logits = model(x)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        kd, kd_logs = self.distillation(logits, x)
+        if tag == "w" or self.cfg.arch_loss == "kd":
+            kd, kd_logs = self.distillation(logits, x)
+        else:  # CE architecture steps: no teacher forward
+            kd, kd_logs = None, {}
+            if self.taps is not None:
+                self.taps[0].pop()
         if tag == "w":
             logs = {"ce_w": ce.item(), **{f"{k}_w": v for k, v in kd_logs.items()}}
             return (ce if kd is None else ce + kd), logs
