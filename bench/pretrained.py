@@ -10,20 +10,22 @@ held-out 10% of the training split, and the test split). Per seed:
 * ``dense_ft``: that model fine-tuned with the library's ``retrain`` defaults and budget
   (``--retrain-epochs``; teacher = the dense model, batch and feature distillation by the
   library's rules) with compression off (``uniform`` at keep 1: the plain model): the reference;
-* ``uniform``: magnitude pruning of every block's MLP hidden neurons and Q/K channels to each
-  ``--targets`` FLOPs ratio (``methods.uniform``, ``keep_for_flops``), then the same retraining;
-* ``dcs-hidden`` / ``dcs-residual``: ``search dcs`` at each target with the library's defaults
+* ``uniform@T``: magnitude pruning of every block's MLP hidden neurons and Q/K channels to the
+  FLOPs ratio T (``methods.uniform``, ``keep_for_flops``), then the same retraining;
+* ``dcs-hidden@T`` / ``dcs-residual@T``: ``search dcs`` at the target T with the library's defaults
   (only the gate family fixed), ``materialize``, then the same retraining; the family the default
   (``auto``) would choose is recorded from its probe.
 
 Every figure is measured on validation (choices) and test (reported) top-1 of the best-validation
 checkpoint; FLOPs by the profiler (attention matmuls included). Nothing is tuned per run. Each unit
-is a run directory under ``--runs`` and is skipped when finished, so the bench resumes; the JSON
-(``--out``) is rewritten after every unit. Token methods (``evit``, ``dynamicvit``,
-``sparsifiner``: zero-shot and fine-tuned with their default recipes, ``--epochs``) run with
-``--methods`` too.
+(``--units``, in order) is a run directory under ``--runs`` and is skipped when finished, so the
+bench resumes; the JSON (``--out``) is merged under a lock after every unit, so several bench
+processes (``--threads 1`` each on a shared machine) can fill it. Token methods (``evit``,
+``dynamicvit``, ``sparsifiner``: zero-shot and fine-tuned with their default recipes, ``--epochs``)
+are units too.
 
-    python bench/pretrained.py --runs runs/pretrained_small --seeds 0 --targets 0.7,0.6
+    python bench/pretrained.py --runs runs/pretrained_small --seeds 0 --threads 1 \
+        --units dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6
 """
 from __future__ import annotations
 
@@ -51,7 +53,6 @@ from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 from nascompress.utils import read_json, write_json  # noqa: E402
 
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
-CHANNEL_METHODS = ("dense_ft", "uniform", "dcs-hidden", "dcs-residual")
 
 
 def log_summary(run: Path) -> dict[str, Any]:
@@ -86,7 +87,21 @@ class Bench:
         self.full = res
 
     def save(self) -> None:
-        save(self.out, self.full)
+        """Merge this process's units into ``--out`` under a lock (several bench processes may share it)."""
+        import fcntl
+
+        lock = self.out.with_name(self.out.name + ".lock")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            disk = json.loads(self.out.read_text()) if self.out.is_file() else {}
+            for k, v in self.full.items():
+                if k.startswith("seed") and isinstance(disk.get(k), dict):
+                    disk[k].update(v)
+                else:
+                    disk[k] = v
+            disk["summary"] = summarize(disk, self.a.summary_targets)
+            save(self.out, disk)
 
     def ensure_dense(self) -> None:
         if not done(self.dense):
@@ -243,42 +258,45 @@ def main() -> None:
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--targets", default="0.7,0.6")
-    ap.add_argument("--methods", default="dense_ft,dcs-hidden,uniform,dcs-residual",
-                    help=f"comma list of {', '.join(CHANNEL_METHODS)}, and token methods {', '.join(TOKEN_METHODS)}")
-    ap.add_argument("--retrain-epochs", type=int, default=5, help="the retraining budget of every model")
+    ap.add_argument("--units", default="dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6,"
+                                       "dcs-residual@0.7,dcs-residual@0.6",
+                    help="in order: dense_ft, uniform@T, dcs-hidden@T, dcs-residual@T (T a FLOPs target), "
+                         f"and token methods {', '.join(TOKEN_METHODS)}")
+    ap.add_argument("--summary-targets", default="0.7,0.6", help="the targets the summary compares")
+    ap.add_argument("--retrain-epochs", type=int, default=3, help="the retraining budget of every model")
     ap.add_argument("--epochs", type=int, default=1, help="token methods' fine-tune epochs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 on a shared machine: several 2-thread processes on 2 cores stall each other)")
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the Debian package's)")
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    a.summary_targets = [float(t) for t in a.summary_targets.split(",")]
     out = Path(a.out)
-    res = json.loads(out.read_text()) if out.is_file() else {}
-    targets = [float(t) for t in a.targets.split(",")]
-    methods = a.methods.split(",")
-    res.update(header())
+    res: dict[str, Any] = dict(header())
     res["protocol"] = {"model": "vit_small_patch14_dinov2 (DINOv2 ViT-S/14 backbone), 112 px, 65 tokens",
                        "weights": Path(a.weights).name, "dataset": "fashion-mnist", "train_images": a.train_limit,
-                       "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs, "targets": targets,
+                       "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs,
                        "defaults": "library defaults for search dcs and retrain (auto batch, feature KD with the "
                                    "dense teacher); only the gate family is fixed per DCS run"}
+    units = a.units.split(",")
     for seed in [int(s) for s in a.seeds.split(",")]:
         b = Bench(a, seed, res, out)
         b.ensure_dense()
-        if "dense_ft" in methods:
-            b.dense_ft()
-        for t in targets:
-            if any(m.startswith("dcs") for m in methods):
-                b.family_probe(t)
-            for m in methods:
-                if m == "uniform":
-                    b.uniform(t)
-                elif m.startswith("dcs-"):
-                    b.dcs(m[4:], t)
-        for m in methods:
-            if m in TOKEN_METHODS:
-                b.token(m)
-        res["summary"] = summarize(res, targets)
-        b.save()
-    print(json.dumps(res.get("summary"), indent=1))
+        for u in units:
+            name, _, t = u.partition("@")
+            if name == "dense_ft":
+                b.dense_ft()
+            elif name == "uniform":
+                b.uniform(float(t))
+            elif name.startswith("dcs-"):
+                b.family_probe(float(t))
+                b.dcs(name[4:], float(t))
+            elif name in TOKEN_METHODS:
+                b.token(name)
+            else:
+                raise SystemExit(f"unknown unit {u!r}")
+    print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
 
 
 if __name__ == "__main__":

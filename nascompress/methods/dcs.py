@@ -394,7 +394,7 @@ def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0,
                 protect_gates(blk, protect[j])
         if cfg.mlp_gates == "hidden" and cfg.hidden_fill == "mean":
             f = torch.zeros(w.shape[0]) if fill is None else fill[j].float()
-            blk.register_buffer("dcs_fill", f.to(device=w.device, dtype=w.dtype))
+            blk.register_buffer("dcs_fill", f.to(device=w.device, dtype=w.dtype).clone())
         if cfg.qk_mask != "none":
             add_qk_mask(blk.attn, cfg.qk_mask, theta_init=cfg.theta_init)
             if cfg.qk_mask == "static":

@@ -69,13 +69,10 @@ from ..retrain import FeatureTap, auto_batch_size, feature_kd_loss
 from ..train import LOG_FILE, TrainConfig, check_classes, fit, input_spec_for
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
-from .dcs_family import choose_family, dense_targets, probe_kl
-from .dcs_protect import protection
+from .dcs_prepare import calibration_images, init_importance, prepare_search
 
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
-INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
-INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 0.9x the weight order's
 
 
 @dataclass(frozen=True)
@@ -141,6 +138,9 @@ class DCSSearchConfig(Config):
             depends on first (``bench/dcs_init_order.py``); on the Fashion-MNIST base trained from
             scratch the two KLs are within 2% and weight magnitude, the former default, stays.
         init_images: training images the pre-search measurements use.
+        init_seed: the seed that draws them (None: the job's seed). Study trials give the study's
+            seed, so every trial's search measures the same base model on the same images and the
+            process reuses the measurements (:mod:`~nascompress.search.dcs_prepare`).
         auto_batch: choose the batch size from the number of training images
             (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
@@ -171,6 +171,7 @@ class DCSSearchConfig(Config):
     grad_balance: bool = True
     init_importance: str = "auto"
     init_images: int = 256
+    init_seed: int | None = None
     auto_batch: bool = False
 
     def __post_init__(self) -> None:
@@ -469,79 +470,6 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataCon
     model = build_model(spec)
     load_pretrained(model, job.weights)
     return model, make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict()), data
-
-
-@torch.no_grad()
-def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, family: str = "residual",
-                    stats: list[BlockStats] | None = None, align: int = 1, hidden_fill: str = "zero",
-                    targets: list[torch.Tensor] | None = None) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
-    """The gate-initialisation importance of :attr:`DCSSearchConfig.init_importance` on the
-    preprocessed calibration ``images`` (batches; ``stats`` from :func:`activation_stats` if already
-    measured): ``(importance or None for weight magnitude, info)``, info ``{"init": chosen,
-    "init_kl": {order: KL}}`` (the KL only with ``auto``; ``family``'s gates are dropped)."""
-    if how == "weight" or family == "none":
-        return None, {"init": "weight"}
-    stats = stats or activation_stats(dense, images)
-    act = [s.importance for s in stats]
-    if how == "activation":
-        return act, {"init": "activation"}
-    shares = [1 - d for d in INIT_PROBE_DROPS]
-    fill = [s.hidden_mean for s in stats]
-    targets = targets or dense_targets(dense, images)
-    kls = {name: probe_kl(dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill,
-                          targets=targets)
-           for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))}
-    chosen = "activation" if kls["activation"] < INIT_MARGIN * kls["weight"] else "weight"
-    return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
-
-
-def prepare_search(job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec) -> tuple[DCSSearchJob, dict[str, Any]]:
-    """The measurements before the search, on ``init_images`` training images of the dense model:
-    the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
-    the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
-    so a resumed search repeats them exactly. Returns the job with its choices resolved and
-    ``{"importance", "fill", "protect", "weights", "info"}`` (info: what was chosen and why, logged)."""
-    s, m = job.search, job.method
-    info: dict[str, Any] = {}
-    if s.auto_batch:
-        bs = auto_batch_size(len(data.train))
-        job = job.replace(train=job.train.replace(batch_size=bs), search=s.replace(auto_batch=False))
-        info["batch_rule"] = f"auto: {bs} for {len(data.train)} training images"
-    needs = m.mlp_gates == "auto" or s.init_importance != "weight" or s.protect_ratio > 0 or s.block_weights or (
-        m.mlp_gates == "hidden" and m.hidden_fill == "mean")
-    images = calibration_images(data, spec, n=s.init_images, seed=job.train.seed) if needs else []
-    stats = activation_stats(dense, images) if needs else None
-    targets = dense_targets(dense, images) if needs else None
-    if m.mlp_gates == "auto":
-        family, finfo = choose_family(dense, images, stats, target=s.target_flops, align=m.align,
-                                      hidden_fill=m.hidden_fill, targets=targets)
-        m = m.replace(mlp_gates=family)
-        job = job.replace(method=m)
-        info.update(finfo)
-    importance, iinfo = init_importance(dense, images, s.init_importance, family=m.mlp_gates, stats=stats,
-                                        align=m.align, hidden_fill=m.hidden_fill, targets=targets)
-    info.update(iinfo)
-    protect, weights = None, None
-    if stats is not None and m.mlp_gates != "none":
-        protect, weights, pinfo = protection(dense, images, stats, m.mlp_gates, ratio=s.protect_ratio,
-                                             block_weights=s.block_weights, align=m.align, targets=targets)
-        info.update(pinfo)
-    fill = [st.hidden_mean for st in stats] if stats is not None else None
-    return job, {"importance": importance, "fill": fill, "protect": protect, "weights": weights, "info": info}
-
-
-def calibration_images(data: Any, spec: InputSpec, *, n: int, seed: int, batch_size: int = 64) -> list[torch.Tensor]:
-    """``n`` preprocessed training images (a seeded draw, the same on every rank), in batches."""
-    out, got = [], 0
-    with torch.random.fork_rng(devices=[]):  # seeded augmentation draws; the caller's RNG is untouched
-        torch.manual_seed(seed)
-        for imgs, _ in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, num_workers=0):
-            x = preprocess(imgs, spec)[:n - got]
-            out.append(x)
-            got += len(x)
-            if got >= n:
-                break
-    return out
 
 
 def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:

@@ -199,9 +199,10 @@ def trial_seed(seed: int, number: int) -> int:
 def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
     """A short DCS search at the trial's settings, materialized in memory: (model, its record).
 
-    The gate family is chosen by the search's probe unless the space fixes ``mlp_gates``, and the
+    The gate family is chosen by the search's probe unless the space fixes ``mlp_gates``, the
     batch size follows the trial's training images (``auto_batch``: enough architecture steps)
-    unless the space fixes ``auto_batch``."""
+    unless the space fixes ``auto_batch``, and the pre-search measurements use the study's seed
+    (``init_seed``: the same for every trial, measured once per worker)."""
     from ..methods.dcs import DCSConfig, materialize
     from .dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config
     from .materialize import load_search
@@ -211,7 +212,8 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
                                f"{[m['name'] for m in ctx.arch['methods']]}")
     m_keys = set(DCSConfig.__dataclass_fields__)
     method = DCSConfig.from_dict({"mlp_gates": "auto", **{k: v for k, v in settings.items() if k in m_keys}})
-    search = DCSSearchConfig.from_dict({"auto_batch": True, **{k: v for k, v in settings.items() if k not in m_keys}})
+    search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
+                                        **{k: v for k, v in settings.items() if k not in m_keys}})
     with tempfile.TemporaryDirectory(prefix="nascompress-dcs-") as tmp:
         job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out=str(Path(tmp) / "search"), method=method,
                            search=search, data=ctx.data_cfg,
