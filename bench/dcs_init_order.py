@@ -64,8 +64,8 @@ def main() -> None:
         if n >= a.eval_images:
             break
     t0 = time.time()
-    orders = {"weight": [channel_importance(b)[0] for b in model.blocks],
-              "activation": [m for m, _ in activation_importance(model, calib)]}
+    orders = {"weight": [channel_importance(b).residual for b in model.blocks],
+              "activation": [ci.residual for ci in activation_importance(model, calib)]}
     _, auto = init_importance(model, calib, "auto")
     res = {**header(), "run": str(a.run), "eval_images": n, "calib_images": a.calib_images,
            "dense_val_top1": accuracy(model, val), "auto": auto, "rows": []}

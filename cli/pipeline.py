@@ -47,7 +47,7 @@ def show(s: dict) -> None:
     """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
     from rich.table import Table
 
-    from nascompress.pipeline_report import comparison_rows, dcs_rows, decision_lines, goal_text
+    from nascompress.pipeline_report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text
 
     t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):
@@ -59,7 +59,7 @@ def show(s: dict) -> None:
     rows = dcs_rows(s)
     if rows:
         d = Table(title="DCS: channels kept per block")
-        for col in ("block", "MLP residual channels", "Q/K channels per head"):
+        for col in ("block", dcs_column(s), "Q/K channels per head"):
             d.add_column(col, justify="right")
         for row in rows:
             d.add_row(*row)

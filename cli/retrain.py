@@ -22,13 +22,15 @@ def register(app: typer.Typer) -> None:
         teacher: Annotated[Optional[Path], typer.Option(help="A (dense) run to distil from (KL on logits); off by default.")] = None,
         kd_alpha: Annotated[float, typer.Option(help="KD weight alpha: (1 - alpha) CE + alpha KD.")] = 0.5,
         kd_temperature: Annotated[float, typer.Option(help="KD temperature.")] = 1.0,
-        feat_kd: Annotated[float, typer.Option(
-            help="With --teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap feature (0: off).")] = 0.0,
+        feat_kd: Annotated[Optional[float], typer.Option(
+            help="With --teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap "
+                 "feature (0: off; default: 1 with a teacher whose feature has the model's width, else 0).")] = None,
         feature_tap: Annotated[str, typer.Option(help="Learned feature X~: 'pre_logits' or 'module:<name>'.")] = "pre_logits",
         input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
         cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
         log_ib: Annotated[Optional[bool], typer.Option("--log-ib/--no-log-ib", help="Cluster and log the IB metrics every epoch (default: only when --eta > 0).")] = None,
-        batch_size: Annotated[int, typer.Option()] = 128,
+        batch_size: Annotated[Optional[int], typer.Option(
+            help="Default: from the training images, 16 to 128 for about 100 steps per epoch (16 for 2,000).")] = None,
         lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr (default: --base-lr x batch / 512).")] = None,
         base_lr: Annotated[Optional[float], typer.Option(
             help="Peak lr per 512 images (default 5e-4: safe on pretrained weights).")] = None,
@@ -68,7 +70,7 @@ def register(app: typer.Typer) -> None:
                                       warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
                                       deterministic=deterministic)
             return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
-                              teacher=str(teacher) if teacher else None)
+                              teacher=str(teacher) if teacher else None, auto_batch=batch_size is None)
 
         job = run(build)
         metrics = run(retrain_fn, job, force=force, resume=resume)

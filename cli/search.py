@@ -28,9 +28,19 @@ def dcs(
     qk_mask: Annotated[str, typer.Option(
         help="Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
              "time) or none.")] = "static",
+    mlp_gates: Annotated[str, typer.Option(
+        help="MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
+             "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
+             "on the model: the family whose pruned models stay closer to the dense one).")] = "auto",
+    align: Annotated[int, typer.Option(
+        help="Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
+             "(GPU kernels leave their fast paths below multiples of 8; 1: any width).")] = 8,
+    hidden_fill: Annotated[str, typer.Option(
+        help="Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias).")] = "mean",
     alpha_init: Annotated[float, typer.Option(help="Initial mean gate logit alpha/theta (> 0: gates start open).")] = 5.0,
     epochs: Annotated[int, typer.Option()] = 4,
-    batch_size: Annotated[int, typer.Option()] = 128,
+    batch_size: Annotated[Optional[int], typer.Option(
+        help="Default: from the training images, 16 to 128 for about 100 steps per epoch (16 for 2,000).")] = None,
     lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr of the weights (default: --base-lr x batch / 512).")] = None,
     base_lr: Annotated[float, typer.Option(help="Peak lr of the weights per 512 images (pretrained-safe default).")] = 1e-4,
     min_lr: Annotated[float, typer.Option()] = 1e-6,
@@ -38,7 +48,18 @@ def dcs(
     layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay of the weights (0 or 1: off).")] = 0.75,
     arch_lr: Annotated[Optional[float], typer.Option(
         help="Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps).")] = None,
-    distill: Annotated[float, typer.Option(help="Weight of KL to the dense model on the weight steps (0: off).")] = 0.5,
+    distill: Annotated[float, typer.Option(help="Weight of KL to the dense model's logits (0: off).")] = 0.5,
+    feat_distill: Annotated[float, typer.Option(
+        help="Weight of the relative error to the dense model's pre-logits feature (0: off).")] = 1.0,
+    arch_loss: Annotated[str, typer.Option(
+        help="The architecture steps' task loss: kd (the distillation terms) or ce (the paper's).")] = "kd",
+    target_ramp: Annotated[float, typer.Option(
+        help="Share of the search over which the target moves from 1.0 down to --target-flops (0: at once).")] = 0.5,
+    protect_ratio: Annotated[float, typer.Option(
+        help="Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
+             "block's gates; 0: off).")] = 5.0,
+    no_block_weights: Annotated[bool, typer.Option(
+        "--no-block-weights", help="Do not weight each block's cost by its measured sensitivity.")] = False,
     max_val_drop: Annotated[float, typer.Option(
         help="Stop when validation top-1 falls more than this many points below the dense model's.")] = 15.0,
     tau0: Annotated[float, typer.Option(help="Initial Gumbel temperature (x0.95 per epoch).")] = 4.5,
@@ -75,9 +96,12 @@ def dcs(
 
     def build() -> DCSSearchJob:
         cfg = DCSSearchConfig(arch_lr=arch_lr, lam=lam, entropy_weight=entropy_weight, tau0=tau0,
-                              target_flops=target_flops, round_mlp=round_mlp, distill=distill,
+                              target_flops=target_flops, target_ramp=target_ramp, round_mlp=round_mlp,
+                              distill=distill, feat_distill=feat_distill, arch_loss=arch_loss,
+                              protect_ratio=protect_ratio, block_weights=not no_block_weights,
                               max_val_drop=max_val_drop, calibrate=not no_calibrate,
-                              grad_balance=not no_grad_balance, init_importance=init_importance)
+                              grad_balance=not no_grad_balance, init_importance=init_importance,
+                              auto_batch=batch_size is None)
         tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                  warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
                                  deterministic=deterministic)
@@ -90,7 +114,8 @@ def dcs(
                        eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
         data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
         return DCSSearchJob(source=source, out=str(out_dir),
-                            method=DCSConfig(qk_mask=qk_mask, alpha_init=alpha_init, theta_init=alpha_init),
+                            method=DCSConfig(qk_mask=qk_mask, mlp_gates=mlp_gates, align=align, hidden_fill=hidden_fill,
+                                             alpha_init=alpha_init, theta_init=alpha_init),
                             search=cfg, train=tc, data=data, weights=str(weights) if weights else None,
                             model_kwargs={"img_size": img_size} if img_size else {})
 
@@ -101,7 +126,10 @@ def dcs(
     else:
         cal = metrics.get("calibration")
         note = "" if not cal else f" (calibrated from {cal['ratio_before']:.3f})"
-        out.print(f"DCS search: FLOPs {metrics['flops_ratio']:.3f}x dense{note}, val top-1 {metrics['val_top1']:.2f}% "
+        if metrics.get("family_reason"):
+            out.print(f"MLP gates: {metrics['family_reason']}")
+        out.print(f"DCS search ({metrics['mlp_gates']} gates): FLOPs {metrics['flops_ratio']:.3f}x dense{note}, "
+                  f"val top-1 {metrics['val_top1']:.2f}% "
                   f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
                   f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
 

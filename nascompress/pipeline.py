@@ -324,27 +324,39 @@ class GoalSection(_Section):
 
 @dataclass(frozen=True)
 class DCSStage(_Section):
-    """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize."""
+    """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
+    the search's settings (same names); ``batch_size`` null: from the training images. With
+    ``fallback`` a search that collapses is retried once at a milder target, then skipped
+    (:mod:`nascompress.pipeline_fallback`)."""
 
     target_flops: float | None = opt(None, lo=0, hi=1, lo_open=True)
     epochs: int = opt(4, lo=1)
     train_limit: int | None = opt(None, lo=1)
-    batch_size: int = opt(128, lo=1)
+    batch_size: int | None = opt(None, lo=1)
     lr: float | None = opt(None, lo=0, lo_open=True)
     base_lr: float | None = opt(None, lo=0, lo_open=True)
     warmup_epochs: float = opt(0.2, lo=0)
     layer_decay: float | None = opt(0.75, lo=0, hi=1, lo_open=True)
     qk_mask: str = opt("static", choices=("static", "input", "none"))
+    mlp_gates: str = opt("auto", choices=("auto", "residual", "hidden", "none"))
+    align: int = opt(8, lo=1)
+    hidden_fill: str = opt("mean", choices=("mean", "zero"))
     round_mlp: int = opt(0, lo=0)
     arch_lr: float | None = opt(None, lo=0, lo_open=True)  # None: sized from the budget (search dcs)
     lam: float = opt(0.2, lo=0)
     entropy_weight: float = opt(0.01, lo=0)
     distill: float = opt(0.5, lo=0)
+    feat_distill: float = opt(1.0, lo=0)
+    arch_loss: str = opt("kd", choices=("kd", "ce"))
+    target_ramp: float = opt(0.5, lo=0, hi=1)
+    protect_ratio: float = opt(5.0, lo=0)
+    block_weights: bool = True
     alpha_init: float = 5.0
     tau0: float = opt(4.5, lo=0, lo_open=True)
     max_val_drop: float = opt(15.0, lo=0)
     calibrate: bool = True
     init_importance: str = opt("auto", choices=("auto", "weight", "activation"))
+    fallback: bool = True
 
     def __post_init__(self) -> None:
         _lr_pair(self)
@@ -381,10 +393,10 @@ class RetrainStage(_Section):
     teacher: str = opt("base", choices=("base", "none"))
     kd_alpha: float = opt(0.5, lo=0, hi=1)
     kd_temperature: float = opt(1.0, lo=0, lo_open=True)
-    feat_kd: float = opt(0.0, lo=0)
+    feat_kd: float | None = opt(None, lo=0)  # null: 1 with the base as teacher (retrain's default)
     train_limit: int | None = opt(None, lo=1)
     cluster_samples: int | None = opt(None, lo=1)
-    batch_size: int = opt(128, lo=1)
+    batch_size: int | None = opt(None, lo=1)  # null: from the training images (retrain's default)
     lr: float | None = opt(None, lo=0, lo_open=True)
     base_lr: float | None = opt(None, lo=0, lo_open=True)
     min_lr: float = opt(1e-6, lo=0)
@@ -551,9 +563,18 @@ class Pipeline:
     source: str
     steps: list[Step]
     base_dir: Path  # the dense base run
-    final_dir: Path  # the model the pipeline ends with
+    final_dir: Path  # the model the pipeline ends with, as planned (see :meth:`result_dir`)
     storage: str | None = None
     data: Any = None
+
+    def result_dir(self) -> Path | None:
+        """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
+        skipped steps when the DCS stage fell back; None when no compressed model was made."""
+        from .pipeline_fallback import current_model
+
+        st = self.cfg.stages
+        return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
+                             retrain=st.retrain is not None, upto="final")
 
 
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
@@ -731,7 +752,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list[Step]:
     from .methods.dcs import DCSConfig
-    from .search.dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config
+    from .pipeline_fallback import dcs_skipped, milder_target, run_dcs_with_fallback
+    from .search.dcs import DCSSearchConfig, DCSSearchJob, search_train_config
     from .search.materialize import MaterializeJob, materialize_search
 
     s, goal = cfg.stages.dcs, cfg.goal
@@ -746,11 +768,14 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
     try:
         job = DCSSearchJob(
             source=str(base_dir), out=str(out / "dcs_search"),
-            method=DCSConfig(qk_mask=s.qk_mask, alpha_init=s.alpha_init, theta_init=s.alpha_init),
+            method=DCSConfig(qk_mask=s.qk_mask, mlp_gates=s.mlp_gates, align=s.align, hidden_fill=s.hidden_fill,
+                             alpha_init=s.alpha_init, theta_init=s.alpha_init),
             search=DCSSearchConfig(arch_lr=s.arch_lr, lam=s.lam, entropy_weight=s.entropy_weight, tau0=s.tau0,
-                                   target_flops=target, round_mlp=s.round_mlp, distill=s.distill,
+                                   target_flops=target, target_ramp=s.target_ramp, round_mlp=s.round_mlp,
+                                   distill=s.distill, feat_distill=s.feat_distill, arch_loss=s.arch_loss,
+                                   protect_ratio=s.protect_ratio, block_weights=s.block_weights,
                                    max_val_drop=s.max_val_drop, calibrate=s.calibrate,
-                                   init_importance=s.init_importance),
+                                   init_importance=s.init_importance, auto_batch=s.batch_size is None),
             train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
                                       warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
                                       amp=cfg.amp, deterministic=cfg.deterministic).replace(layer_decay=s.layer_decay),
@@ -758,18 +783,27 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
         mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
     except NascompressError as e:
         raise ctx.err(where, str(e)) from None
+
+    def materialize(force: bool, resume: bool) -> dict[str, Any]:
+        if dcs_skipped(out):
+            return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
+        return materialize_search(mat, force=force)
+
+    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if s.fallback else ""
     return [Step("dcs_search", out / "dcs_search", "train",
-                 lambda force, resume: search_dcs(job, force=force, resume=resume),
+                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=s.fallback),
                  outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
-                 describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs)"),
-            Step("dcs_mat", out / "dcs_mat", "redo", lambda force, resume: materialize_search(mat, force=force),
+                 describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})"),
+            Step("dcs_mat", out / "dcs_mat", "redo", materialize,
                  outputs=("dcs_mat/model.safetensors", "dcs_mat/metrics.json"),
                  describe="materialize the searched channels")]
 
 
-def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth: int) -> tuple[list[Step], str]:
+def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth: int,
+                 base_dir: Path) -> tuple[list[Step], str]:
     from .methods import get_method
-    from .search.materialize import TrialMaterializeJob, materialize_trial
+    from .pipeline_fallback import current_model, pick_or_closest
+    from .search.materialize import TrialMaterializeJob
     from .search.space import load_space
     from .search.trials import SearchJob, run_search
 
@@ -809,7 +843,9 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
 
     def search(force: bool, resume: bool, progress: bool = True) -> dict[str, Any]:
         (out / "tokens").mkdir(parents=True, exist_ok=True)
-        res = run_search(job, progress=progress)
+        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None, tokens=True, retrain=False,
+                              upto="tokens")  # the dense base when the DCS stage was skipped
+        res = run_search(job.replace(base=str(start)), progress=progress)
         if not res.get("finished"):
             raise NascompressError(f"the study {s.study!r} has {res['complete']} of {s.trials} complete trials; "
                                    "rerun the same command to continue it")
@@ -818,12 +854,13 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
     return [Step("tokens_search", out / "tokens", "study", search, outputs=(),
                  describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})"),
             Step("tokens_pick", out / "tokens" / "picked", "redo",
-                 lambda force, resume: materialize_trial(pick, force=force),
+                 lambda force, resume: pick_or_closest(pick, force=force),
                  outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
                  describe=f"rebuild the trial picked by {goal.pick}")], storage
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base_dir: Path) -> Step:
+    from .pipeline_fallback import current_model
     from .retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
 
     s = cfg.stages.retrain
@@ -833,14 +870,21 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base
                                   amp=cfg.amp, deterministic=cfg.deterministic)
         rc = RetrainConfig(eta=s.eta, warmup_frac=s.warmup_frac, cluster_samples=s.cluster_samples,
                            kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature, feat_kd=s.feat_kd)
-        if s.feat_kd > 0 and s.teacher == "none":
+        if s.feat_kd and s.teacher == "none":
             raise NascompressError("feat_kd distils from the base model's features; set teacher: base or feat_kd: 0")
         job = RetrainJob(model_dir=str(current), out=str(out / "final"),
                          data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
-                         teacher=str(base_dir) if s.teacher == "base" else None)
+                         teacher=str(base_dir) if s.teacher == "base" else None, auto_batch=s.batch_size is None)
     except NascompressError as e:
         raise ctx.err("stages.retrain", str(e)) from None
-    return Step("retrain", out / "final", "train", lambda force, resume: retrain(job, force=force, resume=resume),
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
+                              tokens=cfg.stages.tokens is not None, retrain=True, upto="retrain")
+        if start is None:
+            return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
+        return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
+
+    return Step("retrain", out / "final", "train", run,
                 outputs=("final/model.safetensors", "final/metrics.json"),
                 describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
                          f"{', teacher: the base' if s.teacher == 'base' else ''})")
@@ -879,7 +923,7 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         current = out / "dcs_mat"
     storage = None
     if cfg.stages.tokens is not None:
-        tok, storage = _plan_tokens(cfg, out, ctx, current, len(dense.blocks))
+        tok, storage = _plan_tokens(cfg, out, ctx, current, len(dense.blocks), base_dir)
         steps += tok
         current = out / "tokens" / "picked"
     if cfg.stages.retrain is not None:
@@ -968,8 +1012,14 @@ def _marker(out: Path, step: Step) -> Path:
 
 
 def step_done(out: Path, step: Step) -> bool:
-    """A step is complete when its marker and every output exist."""
-    return _marker(out, step).is_file() and all((out / p).exists() for p in step.outputs)
+    """A step is complete when its marker and every output exist (or its marker says it was
+    skipped: a DCS stage that collapsed twice, and the steps that then had nothing to do)."""
+    marker = _marker(out, step)
+    if not marker.is_file():
+        return False
+    if all((out / p).exists() for p in step.outputs):
+        return True
+    return bool((read_json(marker).get("result") or {}).get("skipped"))
 
 
 def _compact(res: Any) -> Any:
@@ -1025,6 +1075,12 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             res = step.run(force=False, resume=False, progress=progress)
         else:
             res = step.run(force=force_step, resume=resume)
+        if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
+            log(f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
+                + (f"retried at {res['dcs_target']:g}x the dense FLOPs" if res["dcs_outcome"] == "milder"
+                   else "the pipeline goes on without DCS"))
+        elif isinstance(res, dict) and res.get("skipped"):
+            log(f"{step.name}: skipped ({res.get('reason')})")
         (pipe.out / DONE_DIR).mkdir(exist_ok=True)
         write_json(_marker(pipe.out, step), {"step": step.name, "seconds": round(time.perf_counter() - t0, 3),
                                              "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),

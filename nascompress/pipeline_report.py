@@ -54,22 +54,35 @@ def _method_summary(rec: dict[str, Any]) -> str:
     return f"{rec.get('name')}: " + " ".join(parts)
 
 
-def _dcs_decisions(out: Path, dcs_rec: dict[str, Any], dense: Any) -> dict[str, Any]:
-    blocks = []
-    for j, (blk, b) in enumerate(zip(dense.blocks, dcs_rec.get("blocks") or [])):
-        c = blk.mlp.fc1.in_features  # DCS gates the MLP's residual (input/output) channels, not its hidden units
-        blocks.append({"block": j + 1, "mlp_kept": c if b.get("mlp_keep") is None else len(b["mlp_keep"]),
-                       "mlp_total": c,
-                       "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
-                       "heads": blk.attn.num_heads, "head_dim": blk.attn.head_dim})
-    res: dict[str, Any] = {"config": dcs_rec.get("config"), "blocks": blocks,
-                           "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
-                           "mlp_total": sum(b["mlp_total"] for b in blocks)}
+def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
+    """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
+    and whether it fell back (a milder target, or skipped)."""
+    from .pipeline_fallback import dcs_outcome
+
+    res: dict[str, Any] = {}
+    if dcs_rec is not None:
+        family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
+        family = {True: "residual", False: "none"}.get(family, family)
+        blocks = []
+        for j, (blk, b) in enumerate(zip(dense.blocks, dcs_rec.get("blocks") or [])):
+            hidden = family == "hidden"
+            c = blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features
+            keep = b.get("hidden_keep") if hidden else b.get("mlp_keep")
+            blocks.append({"block": j + 1, "mlp_kept": c if keep is None else len(keep), "mlp_total": c,
+                           "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
+                           "heads": blk.attn.num_heads, "head_dim": blk.attn.head_dim})
+        res.update({"config": dcs_rec.get("config"), "mlp_gates": family, "blocks": blocks,
+                    "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
+                    "mlp_total": sum(b["mlp_total"] for b in blocks)})
     m = out / "dcs_search" / "metrics.json"
-    if m.is_file():
+    if m.is_file() and dcs_rec is not None:
         sm = read_json(m)
         res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "val_top1",
-                                           "dense_val_top1", "lam", "search_time_s", "train_images")})
+                                           "dense_val_top1", "lam", "search_time_s", "train_images", "batch_size",
+                                           "family_reason", "family_kl", "protected", "block_weights")})
+    outcome = dcs_outcome(out) or {}
+    res.update({k: outcome.get(k) for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
+                if outcome.get(k) is not None})
     return res
 
 
@@ -107,51 +120,59 @@ def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
 
 
 def write_summary(pipe: Pipeline) -> dict[str, Any]:
-    """Measure the final model against the dense base; write ``summary.json`` and ``report.html``."""
+    """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
+    When no compressed model could be made (the DCS stage was skipped and no other stage
+    compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
     from .api import evaluate_run, profile
     from .io import load_arch, load_with_arch
 
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
+    final_dir = pipe.result_dir()
     dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
-    final_ev = evaluate_run(pipe.final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
-    prof = profile(pipe.base_dir, compare=pipe.final_dir, device=cfg.device, latency=rep.latency,
-                   batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
-    (dense_label, final_label) = list(prof["models"])
-    dense = _model_record(pipe.base_dir, dense_ev, prof["models"][dense_label])
-    final = _model_record(pipe.final_dir, final_ev, prof["models"][final_label])
-    cmp: dict[str, Any] = {"top1_change": final["test_top1"] - dense["test_top1"],
-                           "flops_ratio": final["macs"] / dense["macs"],
-                           "params_ratio": final["params"] / dense["params"],
-                           "file_ratio": final["file_bytes"] / dense["file_bytes"],
-                           "latency_speedup": None, "throughput_speedup": None}
-    if cfg.report.latency:
-        cmp["latency_speedup"] = dense["latency_ms"] / final["latency_ms"]
-        cmp["throughput_speedup"] = final["throughput"] / dense["throughput"]
-        if dense.get("latency_ms_compiled") and final.get("latency_ms_compiled"):
-            cmp["latency_speedup_compiled"] = dense["latency_ms_compiled"] / final["latency_ms_compiled"]
-            cmp["throughput_speedup_compiled"] = final["throughput_compiled"] / dense["throughput_compiled"]
-    goal: dict[str, Any]
-    if cfg.goal.max_flops is not None:
-        goal = {"max_flops": cfg.goal.max_flops, "value": cmp["flops_ratio"],
-                "met": cmp["flops_ratio"] <= cfg.goal.max_flops + 1e-9}
-    else:
-        lat = final.get("latency_ms")
-        goal = {"max_latency_ms": cfg.goal.max_latency_ms, "value": lat,
-                "met": None if lat is None else lat <= cfg.goal.max_latency_ms}
-
-    arch = load_arch(pipe.final_dir)
     dense_model, _ = load_with_arch(pipe.base_dir)
     decisions: dict[str, Any] = {"base": _base_decisions(pipe)}
-    dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
-    if dcs_rec is not None:
-        decisions["dcs"] = _dcs_decisions(out, dcs_rec, dense_model)
-    if cfg.stages.tokens is not None:
+    if final_dir is None:
+        prof = profile(pipe.base_dir, device=cfg.device, latency=rep.latency, batch_size=rep.batch_size,
+                       iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
+        dense = _model_record(pipe.base_dir, dense_ev, next(iter(prof["models"].values())))
+        decisions["dcs"] = _dcs_decisions(out, None, dense_model)
+        reason = decisions["dcs"].get("dcs_reason") or "no stage compressed the model"
+        final, cmp = None, None
+        goal = {"max_flops": cfg.goal.max_flops, "max_latency_ms": cfg.goal.max_latency_ms, "value": None,
+                "met": False, "statement": f"no compressed model could be made: {reason}"}
+        arch = {"methods": []}
+    else:
+        final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
+        prof = profile(pipe.base_dir, compare=final_dir, device=cfg.device, latency=rep.latency,
+                       batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
+        (dense_label, final_label) = list(prof["models"])
+        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][dense_label])
+        final = _model_record(final_dir, final_ev, prof["models"][final_label])
+        cmp = {"top1_change": final["test_top1"] - dense["test_top1"],
+               "flops_ratio": final["macs"] / dense["macs"],
+               "params_ratio": final["params"] / dense["params"],
+               "file_ratio": final["file_bytes"] / dense["file_bytes"],
+               "latency_speedup": None, "throughput_speedup": None}
+        if cfg.report.latency:
+            cmp["latency_speedup"] = dense["latency_ms"] / final["latency_ms"]
+            cmp["throughput_speedup"] = final["throughput"] / dense["throughput"]
+            if dense.get("latency_ms_compiled") and final.get("latency_ms_compiled"):
+                cmp["latency_speedup_compiled"] = dense["latency_ms_compiled"] / final["latency_ms_compiled"]
+                cmp["throughput_speedup_compiled"] = final["throughput_compiled"] / dense["throughput_compiled"]
+        goal = _goal(cfg, cmp, final)
+        arch = load_arch(final_dir)
+        dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
+        if cfg.stages.dcs is not None:
+            decisions["dcs"] = _dcs_decisions(out, dcs_rec, dense_model)
+    if cfg.stages.tokens is not None and final_dir is not None:
         decisions["tokens"] = _tokens_decisions(pipe, [m for m in arch["methods"] if m.get("name") != "dcs"])
-    if cfg.stages.retrain is not None:
-        rm = read_json(out / "final" / "metrics.json")
-        decisions["retrain"] = {k: rm.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "peak_lr", "best_val_top1",
-                                                       "best_epoch", "test_top1", "train_time_s")}
+    rm = out / "final" / "metrics.json"
+    if cfg.stages.retrain is not None and rm.is_file() and final_dir == out / "final":
+        r = read_json(rm)
+        decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
+                                                      "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
+                                                      "test_top1", "train_time_s")}
         decisions["retrain"]["teacher"] = cfg.stages.retrain.teacher
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
@@ -171,6 +192,23 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         tmp.write_text(build_html(summary, config_text=(out / "config.yaml").read_text(), study_html=study_html),
                        encoding="utf-8")
     return summary
+
+
+def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
+    if cfg.goal.max_flops is not None:
+        met = cmp["flops_ratio"] <= cfg.goal.max_flops + 1e-9
+        goal = {"max_flops": cfg.goal.max_flops, "value": cmp["flops_ratio"], "met": met}
+        if not met:
+            goal["statement"] = (f"the final model has {cmp['flops_ratio']:.3f}x the dense FLOPs, above the goal "
+                                 f"{cfg.goal.max_flops:g}x: no model the stages could make meets it")
+        return goal
+    lat = final.get("latency_ms")
+    goal = {"max_latency_ms": cfg.goal.max_latency_ms, "value": lat,
+            "met": None if lat is None else lat <= cfg.goal.max_latency_ms}
+    if goal["met"] is False:
+        goal["statement"] = (f"the final model takes {lat:.2f} ms at batch 1, above the goal "
+                             f"{cfg.goal.max_latency_ms:g} ms: no model the stages could make meets it")
+    return goal
 
 
 def _base_decisions(pipe: Pipeline) -> dict[str, Any]:
@@ -211,6 +249,8 @@ def _speed(x: float) -> str:
 def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(metric, dense, final, change) rows of the comparison, as text."""
     d, f, c = s["dense"], s["final"], s["comparison"]
+    if f is None:  # no compressed model could be made
+        return [("test top-1", f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
     rows = [("test top-1", f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
             ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
             ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M", f"{c['flops_ratio']:.3f}x"),
@@ -231,7 +271,9 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 def goal_text(s: dict[str, Any]) -> str:
     g = s["goal"]
-    if "max_flops" in g:
+    if g.get("value") is None and g.get("statement"):
+        return f"NOT met: {g['statement']}"
+    if g.get("max_flops") is not None:
         return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {'met' if g['met'] else 'NOT met'}"
     if g["value"] is None:
         return f"latency <= {g['max_latency_ms']:g} ms at batch 1: not measured (report.latency is off)"
@@ -242,13 +284,19 @@ def goal_text(s: dict[str, Any]) -> str:
 def dcs_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(block, MLP channels kept, Q/K channels kept per head) rows of the DCS decision."""
     dcs = s["decisions"].get("dcs")
-    if not dcs:
+    if not dcs or not dcs.get("blocks"):
         return []
     rows = []
     for b in dcs["blocks"]:
         qk = "all" if b["qk_kept"] is None else f"{' '.join(map(str, b['qk_kept']))} of {b['head_dim']}"
         rows.append((str(b["block"]), f"{b['mlp_kept']} of {b['mlp_total']}", qk))
     return rows
+
+
+def dcs_column(s: dict[str, Any]) -> str:
+    """The heading of the DCS table's MLP column: what the family gates."""
+    hidden = (s["decisions"].get("dcs") or {}).get("mlp_gates") == "hidden"
+    return "MLP hidden neurons" if hidden else "MLP residual channels"
 
 
 def decision_lines(s: dict[str, Any]) -> list[str]:
@@ -259,11 +307,20 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
         acc = f", test top-1 {base['test_top1']:.2f}%" if base.get("test_top1") is not None else ""
         lines.append(f"base: {base['kind']} {base['run']}{acc}")
     dcs = dec.get("dcs")
-    if dcs:
+    if dcs and dcs.get("dcs_outcome") == "skipped":
+        lines.append(f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
+                     f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})")
+    elif dcs and dcs.get("blocks") is not None:
         cal = " (threshold calibrated)" if dcs.get("calibrated") else ""
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
-        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP residual channels kept "
+        what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
+        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP {what} kept "
                      f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
+        if dcs.get("family_reason"):
+            lines.append(f"  MLP gates {dcs['family_reason']}")
+        if dcs.get("dcs_outcome") == "milder":
+            lines.append(f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
+                         f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})")
     tok = dec.get("tokens")
     if tok:
         acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
@@ -278,8 +335,9 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"  {m['summary']}")
     rt = dec.get("retrain")
     if rt:
+        extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
         lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g} ({rt['warm_epochs']} CE-only), teacher "
-                     f"{rt['teacher']}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%")
+                     f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%")
     return lines
 
 
@@ -316,7 +374,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
     rows = dcs_rows(s)
     if rows:
         parts += ["<h3>DCS: channels kept per block</h3>",
-                  _table(["block", "MLP residual channels", "Q/K channels per head"], rows, "dcs-blocks")]
+                  _table(["block", dcs_column(s), "Q/K channels per head"], rows, "dcs-blocks")]
     methods = s["decisions"].get("tokens", {}).get("methods") or []
     if methods:
         rows2 = [(m["name"], m["summary"].split(": ", 1)[-1]) for m in methods]
@@ -334,4 +392,4 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
             f'<body>{"".join(parts)}</body></html>\n')
 
 
-__all__ = ["build_html", "comparison_rows", "dcs_rows", "decision_lines", "goal_text", "write_summary"]
+__all__ = ["build_html", "comparison_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text", "write_summary"]

@@ -52,6 +52,10 @@ def _objective(trial: Any, *, sleep: float = 0.0, marker_dir: str | None = None,
             time.sleep(120)  # the test kills the process here
     if fail == "always":
         raise RuntimeError("toy failure")
+    if fail == "collapse" or (fail == "collapse_odd" and trial.number % 2):
+        from nascompress.errors import NascompressError
+
+        raise NascompressError(f"the search collapsed in trial {trial.number}")
     if fail == "interrupt" and trial.number == 2:
         raise KeyboardInterrupt
     if sleep:

@@ -76,9 +76,13 @@ def test_tiny_pipeline_end_to_end(ref):
     assert s["final"]["params"] < s["dense"]["params"] and s["final"]["latency_ms"] > 0
     dec = s["decisions"]
     blocks = dec["dcs"]["blocks"]
-    assert len(blocks) == 2 and all(b["mlp_kept"] <= b["mlp_total"] == 32 for b in blocks)  # of C
+    family = dec["dcs"]["mlp_gates"]  # chosen by the probe (mlp_gates: auto), and said why
+    assert family in ("residual", "hidden") and dec["dcs"]["family_reason"].startswith(family)
+    total = 32 if family == "residual" else 128  # of C, or of the hidden width
+    assert len(blocks) == 2 and all(b["mlp_kept"] <= b["mlp_total"] == total for b in blocks)
+    assert all(b["mlp_kept"] in (0, total) or b["mlp_kept"] % 8 == 0 for b in blocks)  # aligned widths
     assert all(len(b["qk_kept"]) == 2 and max(b["qk_kept"]) <= 16 for b in blocks)
-    assert dec["dcs"]["target_flops"] == 0.85
+    assert dec["dcs"]["target_flops"] == 0.85 and dec["dcs"]["dcs_outcome"] == "planned"
     tok = dec["tokens"]
     assert tok["pick_rule"] == "best-under-flops=0.75" and tok["trials_complete"] == 4
     assert tok["trial_flops_ratio"] <= 0.75 and tok["params"] and tok["methods"][0]["name"] == "evit"
@@ -337,12 +341,20 @@ def test_shipped_fashion_mnist_config_is_valid(tmp_path):
     assert p.cfg.stages.tokens.space == str(REPO / "search_spaces" / "evit.yaml")
 
 
-@pytest.mark.skipif(not (FMNIST and Path("/work/weights/dinov2_vits14_112.safetensors").is_file()),
-                    reason="needs Fashion-MNIST and the converted DINOv2 weights")
+@pytest.mark.skipif(not (FMNIST and (REPO / "weights" / "dinov2_vits14_112.safetensors").is_file()),
+                    reason="needs Fashion-MNIST and the converted DINOv2 weights in weights/")
 def test_shipped_dinov2_config_is_valid(tmp_path):
     p = plan(REPO / "configs" / "dinov2-fashion-mnist.yaml", out=tmp_path / "x")
     assert p.cfg.base.import_.linear_probe and p.cfg.stages.tokens.space.endswith("search_spaces/evit-12.yaml")
-    assert not (tmp_path / "x").exists()
+    assert p.cfg.base.import_.weights == str(REPO / "weights" / "dinov2_vits14_112.safetensors")
+    assert [s.name for s in p.steps] == list(STEPS) and p.cfg.stages.dcs.mlp_gates == "auto"
+    assert p.cfg.goal.max_flops == 0.6 and not (tmp_path / "x").exists()
+
+
+def test_shipped_configs_hold_no_machine_path():
+    for cfg in (REPO / "configs").glob("*.yaml"):
+        text = cfg.read_text()
+        assert "/work/" not in text and "../shared" not in text, cfg.name
 
 
 def test_a_second_run_into_a_busy_out_is_refused(ref):

@@ -302,11 +302,11 @@ def test_on_materialized_dcs_with_narrower_qk():
     """Sparsifiner on a DCS-materialized attention (q/k narrower than v): every kernel path agrees."""
     from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
 
-    sup = make_supernet(tiny(img=28, dim=32, heads=2), DCSConfig(qk_mask="static")).eval()
+    sup = make_supernet(tiny(img=28, dim=32, heads=2), DCSConfig(qk_mask="static", align=1)).eval()
     with torch.no_grad():
         for blk in sup.blocks:
             blk.attn.qk_mask.theta.copy_(torch.randn_like(blk.attn.qk_mask.theta))
-    mat, _ = materialize(sup, DCSConfig(qk_mask="static"))
+    mat, _ = materialize(sup, DCSConfig(qk_mask="static", align=1))
     assert mat.blocks[0].attn.qk_dim < mat.blocks[0].attn.head_dim
     x = torch.randn(2, 1, 28, 28)
     outs = {}

@@ -327,11 +327,27 @@ def test_interrupt_releases_the_trial_then_resume_runs_it_in_place(tmp_path):
 
 def test_failing_objective_stops_after_max_failures(tmp_path):
     storage = f"sqlite:///{tmp_path}/f.db"
-    with pytest.raises(NascompressError, match="3 trials in a row failed; the last, trial 2: RuntimeError: toy"):
+    with pytest.raises(NascompressError, match=r"3 trials in a row failed \(trial 0: RuntimeError: toy failure; "
+                                               r"trial 1: RuntimeError: toy failure; trial 2: RuntimeError: toy"):
         run("fail", storage, 5, objective_factory=partial(toy_factory, fail="always"))
     trials = trials_of("fail", storage)
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
     assert trials[0].user_attrs["nascompress_error"] == "RuntimeError: toy failure"
+
+
+def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
+    """A trial whose objective raises (a DCS search that collapsed: a NascompressError) is FAIL with its
+    reason; the next trials run and the study reaches its complete trials."""
+    storage = f"sqlite:///{tmp_path}/c.db"
+    summary = run("coll", storage, 4, objective_factory=partial(toy_factory, fail="collapse_odd"))
+    assert summary["complete"] == 4 and summary["counts"]["FAIL"] == 3
+    failed = [t for t in trials_of("coll", storage) if t.state == TrialState.FAIL]
+    assert [t.number for t in failed] == [1, 3, 5]
+    assert failed[0].user_attrs["nascompress_error"] == "the search collapsed in trial 1"
+    with pytest.raises(NascompressError) as e:  # only failures in a row stop it, each reason listed
+        run("coll2", storage, 4, objective_factory=partial(toy_factory, fail="collapse"))
+    assert "3 trials in a row failed (trial 0: the search collapsed in trial 0; trial 1: the search collapsed " \
+           "in trial 1; trial 2: the search collapsed in trial 2)" in str(e.value)
 
 
 def test_json_progress_and_enqueue_only_when_new(tmp_path, capsys):

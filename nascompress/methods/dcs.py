@@ -7,41 +7,54 @@ Two selections inside every block, searched jointly (the search is ``nascompress
   its ``qk_mask`` (:class:`DCSQKMask`). ``qk_mask="input"`` is the paper's input-dependent mask,
   theta = Linear(x) per token; ``"static"`` learns one theta per channel (as the official code
   does), the only kind that can be removed physically; ``"none"`` turns it off.
-* MLP channel gates (section 3.2): architecture parameters alpha (C,) per block; the gate g
-  multiplies the MLP's input and output features (:class:`DCSBlock` owns that MLP half).
+* MLP gates, one of two families (``mlp_gates``; :class:`DCSBlock` owns that MLP half):
+  ``residual`` (section 3.2, the paper's): alpha (C,) per block, the gate g multiplies the MLP's
+  input and output residual channels; ``hidden``: alpha (Hm,) per block gates the MLP's hidden
+  neurons (fc1 rows / fc2 columns), which leaves the residual stream untouched (far less
+  destructive on pretrained models, see :mod:`nascompress.search.dcs_family`).
 
-Both are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward, no
-noise at inference (so the mask is ``1[logit > 0]``). New parameters: ``blocks.<i>.dcs_alpha`` and
-``blocks.<i>.attn.qk_mask.theta``; timm's keys are kept.
+Both are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward. At
+inference (no noise) the mask keeps the channels with ``logit > 0``, their count widened to the
+alignment (:func:`aligned_mask`: 0, the full width or a multiple of ``align``, filled with the next
+channels by logit), so the eval-mode supernet is exactly the model materialization builds. New
+parameters: ``blocks.<i>.dcs_alpha`` and ``blocks.<i>.attn.qk_mask.theta``; timm's keys are kept.
 
-Materialization gathers the selection physically: :func:`slice_mlp` (the MLP reads the kept
-residual channels after LN2 and writes them back with one ``index_add``: :class:`MaterializedBlock`)
-and :func:`slice_qk` (each head keeps its Q/K channels, zero-padded to the largest count so the
-heads stay one batched matmul; the original ``1/sqrt(head_dim)`` scale is kept). The
-input-dependent mask cannot be removed: its theta Linear stays (and is counted by the profiler).
+Materialization gathers the selection physically: :func:`slice_mlp` (``residual``: the MLP reads
+the kept residual channels after LN2 and writes them back with one ``index_add``:
+:class:`MaterializedBlock`), :func:`slice_hidden_gates` (``hidden``: fc1 keeps its kept rows and fc2
+its kept columns, a plain block) and :func:`slice_qk` (each head keeps its Q/K channels, zero-padded
+to the largest count so the heads stay one batched matmul; the original ``1/sqrt(head_dim)`` scale
+is kept). The input-dependent mask cannot be removed: its theta Linear stays (and is counted).
 
 The ``arch.json`` record is ``{"name": "dcs", "config": DCSConfig, "stage": "supernet" |
-"materialized", "tau": float, "blocks": [{"mlp_keep": [...], "qk_keep": [[...] per head]}]}``; DCS
-must be the first method of a model (it changes channels that later methods read).
+"materialized", "tau": float, "blocks": [{"mlp_keep": [...] | None, "hidden_keep": [...] | None,
+"qk_keep": [[...] per head]}]}``; DCS must be the first method of a model (it changes channels
+that later methods read).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..config import Config, check_bool, check_choice, check_range
+from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
-from ..layers import (NCAttention, NCBlock, as_index, slice_layerscale, slice_linear_in, slice_linear_out, to_core,
-                      with_zero_row)
+from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_layerscale,
+                      slice_linear_in, slice_linear_out, to_core, with_zero_row)
 from . import Method, register_method
+from .dcs_importance import (BlockStats, ChannelImportance, activation_importance, activation_stats,
+                             channel_importance, spread)
 
 QK_MODES = ("input", "static", "none")
+MLP_GATES = ("residual", "hidden", "none", "auto")
+HIDDEN_FILLS = ("zero", "mean")
 STAGES = ("supernet", "materialized")
+PROTECT_LOGIT = 30.0  # a protected gate's logit: no Gumbel sample closes it (P < 1e-13), and its gradient is zeroed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,6 +98,29 @@ def binary_entropy(p: torch.Tensor) -> torch.Tensor:
     return -(p * p.log() + (1 - p) * (1 - p).log()).mean()
 
 
+def aligned_counts(logits: torch.Tensor, *, align: int) -> list[int]:
+    """The width each row of ``logits`` (..., n) keeps at inference: the count of positive logits,
+    rounded up to the alignment (:func:`~nascompress.layers.aligned_width`, mode ``up``)."""
+    n = logits.shape[-1]
+    counts = (logits.detach() > 0).reshape(-1, n).sum(-1).tolist()
+    return [aligned_width(int(c), align=align, full=n, mode="up") for c in counts]
+
+
+def aligned_mask(logits: torch.Tensor, *, align: int) -> torch.Tensor:
+    """The inference mask of gate ``logits`` (..., n): per row, its ``logit > 0`` channels, widened
+    to the aligned count (:func:`aligned_counts`) with the next channels by logit (ties: the lower
+    index). Every kept width is 0, n or a multiple of ``align``; ``align=1`` gives ``1[logit > 0]``."""
+    z = logits.detach()
+    if align == 1:
+        return (z > 0).to(z.dtype)
+    n = z.shape[-1]
+    rows = z.reshape(-1, n)
+    order = torch.sort(-rows, dim=-1, stable=True).indices  # channels by logit, highest first
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=z.device).expand_as(order))
+    width = torch.tensor(aligned_counts(rows, align=align), device=z.device).unsqueeze(-1)
+    return (rank < width).to(z.dtype).reshape(z.shape)
+
+
 # ---------------------------------------------------------------------------------------------
 # Config and shared state
 
@@ -96,7 +132,17 @@ class DCSConfig(Config):
     Args:
         qk_mask: ``input`` (the paper's theta = Linear(x)), ``static`` (one theta per channel,
             can be materialized) or ``none``.
-        mlp_gates: search the MLP channel gates alpha.
+        mlp_gates: the MLP gate family: ``residual`` (the paper's, the default of this building
+            block: the MLP's input/output residual channels), ``hidden`` (the MLP's hidden neurons),
+            ``none``, or ``auto`` (the search chooses from a short measured probe on the model,
+            :mod:`nascompress.search.dcs_family`; ``search dcs``, the pipeline and study trials
+            default to it; a supernet is always built with the chosen family). ``true``/``false``
+            (records of earlier versions) read as ``residual``/``none``.
+        align: every width the search keeps (MLP residual or hidden channels per block, Q/K
+            channels per head) is 0, the full width or a multiple of this (1: any width).
+        hidden_fill: what a closed hidden neuron contributes: ``zero`` (nothing) or ``mean`` (its
+            mean activation on the dense model, folded into fc2's bias when materialized; the
+            bias correction of structured pruning, which keeps the MLP's output unbiased).
         alpha_init: initial alpha (positive: gates start open, the dense model is the start). The
             hard Gumbel sample is on iff alpha + L > 0 with L ~ Logistic(0, 1) whatever the
             temperature, so a gate at alpha drops its channel with probability sigmoid(-alpha) at
@@ -112,14 +158,20 @@ class DCSConfig(Config):
     """
 
     qk_mask: str = "static"
-    mlp_gates: bool = True
+    mlp_gates: str = "residual"
+    align: int = DEFAULT_ALIGN
+    hidden_fill: str = "mean"
     alpha_init: float = 5.0
     theta_init: float = 5.0
     init_spread: float = 1.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.mlp_gates, bool):  # records written before the gate families
+            object.__setattr__(self, "mlp_gates", "residual" if self.mlp_gates else "none")
         check_choice("qk_mask", self.qk_mask, QK_MODES)
-        check_bool("mlp_gates", self.mlp_gates)
+        check_choice("--mlp-gates", self.mlp_gates, MLP_GATES)
+        check_int("--align", self.align, 1)
+        check_choice("--hidden-fill", self.hidden_fill, HIDDEN_FILLS)
         check_range("alpha_init", self.alpha_init)
         check_range("theta_init", self.theta_init)
         check_range("init_spread", self.init_spread, 0)
@@ -130,7 +182,8 @@ class DCSState:
     """Shared by every patched module of one model (the search sets ``tau``).
 
     ``soft_gates[i]`` / ``soft_qk[i]`` are block i's soft MLP gate / static Q/K mask of the last
-    forward (for the differentiable cost), ``tokens`` the sequence length the attention saw.
+    forward (for the differentiable cost), ``tokens`` the sequence length the attention saw,
+    ``family`` the MLP gate family and ``align`` the width alignment of the inference masks.
     """
 
     tau: float = 1.0
@@ -138,9 +191,20 @@ class DCSState:
     soft_gates: dict[int, torch.Tensor] = field(default_factory=dict)
     soft_qk: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
+    family: str = "residual"
+    align: int = 1
 
     def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft values are graph tensors: not copied
-        return DCSState(tau=self.tau, force_dense=self.force_dense, tokens=self.tokens)
+        return DCSState(tau=self.tau, force_dense=self.force_dense, tokens=self.tokens, family=self.family,
+                        align=self.align)
+
+
+def _gate(logits: torch.Tensor, st: DCSState, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, soft) of gate logits: a Gumbel sample in training, the aligned mask at inference."""
+    if training:
+        return gumbel_sigmoid(logits, tau=st.tau, noise=True)
+    m = aligned_mask(logits, align=st.align)
+    return m, m
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +215,8 @@ class DCSQKMask(nn.Module):
     """The Q/K channel mask of one attention, plugged in as :attr:`NCAttention.qk_mask`.
 
     ``input``: theta = Linear(C -> H * d)(x) per token, mask (B, H, N, d); ``static``: theta (H * d,)
-    a parameter, mask (1, H, 1, d). The mask is 1 everywhere when the state has ``force_dense``.
+    a parameter, mask (1, H, 1, d), per head aligned at inference. The mask is 1 everywhere when
+    the state has ``force_dense``.
     """
 
     def __init__(self, mode: str, *, in_features: int, heads: int, head_dim: int, init: float,
@@ -174,23 +239,27 @@ class DCSQKMask(nn.Module):
         if self.mode == "input":
             m, _ = gumbel_sigmoid(self.theta(x), tau=st.tau, noise=self.training)
             return m.reshape(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
-        m, soft = gumbel_sigmoid(self.theta, tau=st.tau, noise=self.training)
-        st.soft_qk[self._dcs_index] = soft
+        theta = self.theta.reshape(self.heads, self.head_dim)
+        m, soft = _gate(theta, st, self.training)
+        st.soft_qk[self._dcs_index] = soft.reshape(-1)
         return m.reshape(1, self.heads, 1, self.head_dim)
 
 
 class DCSBlock(NCBlock):
-    """:class:`NCBlock` whose MLP half is gated by DCS channel gates.
+    """:class:`NCBlock` whose MLP half is gated by DCS channel gates of the state's family.
 
-    Modifications: ``x + drop_path2(ls2(mlp(norm2(x) * g) * g))``, g (C,) a Gumbel-sigmoid gate of
-    the architecture parameters ``dcs_alpha``; its soft value is stored in the shared state.
+    Modifications: ``residual``: ``x + drop_path2(ls2(mlp(norm2(x) * g) * g))``, g (C,);
+    ``hidden``: the MLP's hidden activations h (after fc1 and the activation) become
+    ``h * g + (1 - g) * dcs_fill``, g (Hm,), ``dcs_fill`` 0 or the dense model's mean activation.
+    g is a Gumbel-sigmoid gate of the architecture parameters ``dcs_alpha`` (aligned at
+    inference); its soft value is stored in the shared state.
     """
 
     def mlp_gate(self) -> torch.Tensor | None:
         st: DCSState = self._dcs_state
         if self.dcs_alpha is None or st.force_dense:
             return None
-        g, soft = gumbel_sigmoid(self.dcs_alpha, tau=st.tau, noise=self.training)
+        g, soft = _gate(self.dcs_alpha, st, self.training)
         st.soft_gates[self._dcs_index] = soft
         return g
 
@@ -198,7 +267,24 @@ class DCSBlock(NCBlock):
         g = self.mlp_gate()
         if g is None:
             return super().mlp_half(x)
+        if self._dcs_state.family == "hidden":
+            m = self.mlp
+            h = m.drop1(m.act(m.fc1(self.norm2(x))))  # (B, N, Hm)
+            fill = getattr(self, "dcs_fill", None)
+            h = h * g if fill is None else h * g + (1 - g) * fill
+            return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.norm(h)))))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x) * g) * g))
+
+
+class ConstantMLP(nn.Module):
+    """A hidden-gated MLP with no neuron left: its output is fc2's bias for every token (0 MACs)."""
+
+    def __init__(self, bias: torch.Tensor):
+        super().__init__()
+        self.bias = nn.Parameter(bias.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, N, C_out)
+        return self.bias.expand(*x.shape[:-1], self.bias.numel())
 
 
 class MaterializedBlock(NCBlock):
@@ -235,9 +321,23 @@ def check_supported(model: nn.Module) -> None:
             raise NascompressError(f"DCS supports MLPs with fc1/fc2; block {i} has {type(blk.mlp).__name__}")
 
 
-def attach_state(model: nn.Module, *, tau: float = 1.0) -> DCSState:
+def check_family(model: nn.Module, family: str) -> None:
+    """``family`` can gate ``model``'s MLPs (``hidden`` needs timm's plain Mlp without a hidden norm)."""
+    if family == "auto":
+        raise NascompressError("mlp_gates 'auto' is chosen by the search (nascompress.search.dcs_family); "
+                               "build a supernet with residual, hidden or none")
+    if family != "hidden":
+        return
+    for i, blk in enumerate(model.blocks):
+        if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.norm, nn.Identity):
+            raise NascompressError(f"--mlp-gates hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
+                                   f"has a {type(blk.mlp).__name__}{' with a hidden norm' if type(blk.mlp) is Mlp else ''}"
+                                   "; use --mlp-gates residual")
+
+
+def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual", align: int = 1) -> DCSState:
     """Give the model (and each of its blocks and Q/K masks) one shared :class:`DCSState`."""
-    st = DCSState(tau=tau)
+    st = DCSState(tau=tau, family=family, align=align)
     model.dcs_state = st
     for i, blk in enumerate(model.blocks):
         blk._dcs_state, blk._dcs_index = st, i
@@ -253,107 +353,55 @@ def add_qk_mask(attn: NCAttention, mode: str, *, theta_init: float) -> None:
                              init=theta_init, device=w.device, dtype=w.dtype)
 
 
-def spread(importance: torch.Tensor) -> torch.Tensor:
-    """Importance scores -> z in [-1, 1]: standardised over the last dim, clipped at 2 sigma, halved."""
-    z = (importance - importance.mean(-1, keepdim=True)) / importance.std(-1, keepdim=True).clamp_min(1e-12)
-    return z.clamp(-2, 2) / 2
-
-
-@torch.no_grad()
-def channel_importance(blk: NCBlock) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight-magnitude importance of a block's residual channels for its MLP (|LN2 gain| x ||fc1
-    column|| x ||fc2 row||) and of each head's Q/K channels (||W_q row|| x ||W_k row||): (C,), (H, d)."""
-    g = blk.norm2.weight.abs() if getattr(blk.norm2, "weight", None) is not None else 1.0
-    mlp = g * blk.mlp.fc1.weight.norm(dim=0) * blk.mlp.fc2.weight.norm(dim=1)
-    a = blk.attn
-    w = a.qkv.weight
-    qk = (w[:a.attn_dim].norm(dim=1) * w[a.attn_dim:2 * a.attn_dim].norm(dim=1)).reshape(a.num_heads, a.head_dim)
-    return mlp, qk
-
-
-@torch.no_grad()
-def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Data-driven importance of every block's channels, measured on ``batches`` of (preprocessed)
-    images through the dense ``model`` (eval mode): per residual channel c, its share of the MLP's
-    input (rms of LN2's output c x ||fc1 column c||, normalised to sum 1 over the block) plus its
-    share of the MLP's output (rms of the written channel c after ls2, normalised likewise); per
-    Q/K channel, rms(q) x rms(k). Per block ``(mlp (C,), qk (H, d))``, as :func:`channel_importance`.
-
-    Why: on a pretrained model weight magnitudes say little about what the channels carry. On
-    DINOv2 ViT-S/14 (112 px, Fashion-MNIST probe, 85.3% on 600 validation images) dropping the
-    20% least important residual channels of every MLP gave 11.3% by weight magnitude and 50.0%
-    by this score; on the Fashion-MNIST base trained from scratch 88.7% and 88.2% (dense 89.0%)
-    (``bench/dcs_init_order.py``)."""
-    check_supported(model)
-    acc = [dict(n=0, h2=0.0, y2=0.0, q2=0.0, k2=0.0) for _ in model.blocks]  # n: tokens seen by the block
-
-    def mlp_hook(i: int, blk: nn.Module):
-        def hook(mod, inp, out):
-            h = inp[0].flatten(0, -2).float()
-            acc[i]["n"] += h.shape[0]
-            acc[i]["h2"] = acc[i]["h2"] + (h * h).sum(0)
-            y = blk.ls2(out).flatten(0, -2).float()
-            acc[i]["y2"] = acc[i]["y2"] + (y * y).sum(0)
-        return hook
-
-    def qkv_hook(i: int, a: NCAttention):
-        def hook(mod, inp, out):
-            o = out.flatten(0, -2).float()
-            q, k = o[:, :a.attn_dim], o[:, a.attn_dim:2 * a.attn_dim]
-            acc[i]["q2"] = acc[i]["q2"] + (q * q).sum(0)
-            acc[i]["k2"] = acc[i]["k2"] + (k * k).sum(0)
-        return hook
-
-    handles = []
-    for i, blk in enumerate(model.blocks):
-        handles.append(blk.mlp.register_forward_hook(mlp_hook(i, blk)))
-        handles.append(blk.attn.qkv.register_forward_hook(qkv_hook(i, blk.attn)))
-    was_training = model.training
-    model.eval()
-    try:
-        for x in batches:
-            model(x)
-    finally:
-        for h in handles:
-            h.remove()
-        model.train(was_training)
-    if not acc[0]["n"]:
-        raise NascompressError("activation importance needs at least one batch of images")
-    out = []
-    for blk, a in zip(model.blocks, acc):
-        n = a["n"]
-        inp = (a["h2"] / n).sqrt() * blk.mlp.fc1.weight.detach().float().norm(dim=0)
-        outp = (a["y2"] / n).sqrt()
-        mlp = inp / inp.sum().clamp_min(1e-12) + outp / outp.sum().clamp_min(1e-12)
-        att = blk.attn
-        qk = ((a["q2"] / n).sqrt() * (a["k2"] / n).sqrt()).reshape(att.num_heads, att.head_dim)
-        out.append((mlp, qk))
-    return out
+def protect_gates(blk: NCBlock, mask: torch.Tensor) -> None:
+    """Fix the gates ``mask`` (bool, alpha's shape) of ``blk`` open: their logit is set to
+    :data:`PROTECT_LOGIT` and their gradient zeroed (Adam then never moves them; the arch group has
+    no weight decay). Recorded as the non-persistent buffer ``dcs_protect``."""
+    mask = mask.to(device=blk.dcs_alpha.device, dtype=torch.bool)
+    with torch.no_grad():
+        blk.dcs_alpha[mask] = PROTECT_LOGIT
+    blk.dcs_alpha.register_hook(lambda g: g.masked_fill(mask, 0.0))
+    blk.register_buffer("dcs_protect", mask, persistent=False)
 
 
 def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0,
-                  importance: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> VisionTransformer:
-    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys. The gate
-    logits start open, spread by importance (``cfg.init_spread``): ``importance`` per block
-    (e.g. :func:`activation_importance`), else weight magnitude (:func:`channel_importance`)."""
+                  importance: list[ChannelImportance] | None = None, fill: list[torch.Tensor] | None = None,
+                  protect: list[torch.Tensor | None] | None = None) -> VisionTransformer:
+    """Patch ``model`` in place into the DCS supernet; dense weights keep their keys.
+
+    Args:
+        cfg: its family (``cfg.mlp_gates``, resolved: not ``auto``), alignment and initial logits.
+        importance: per block (e.g. :func:`activation_importance`); the gate logits start open,
+            spread by it (``cfg.init_spread``); default: weight magnitude (:func:`channel_importance`).
+        fill: per block, the dense model's mean hidden activation (Hm,) (``BlockStats.hidden_mean``)
+            for ``hidden_fill="mean"``; without it the buffer starts at 0 (a loaded record fills it).
+        protect: per block, a bool mask of gates fixed open (:func:`protect_gates`), or None.
+    """
     check_supported(model)
-    if importance is not None and len(importance) != len(model.blocks):
-        raise NascompressError(f"importance has {len(importance)} blocks but the model has {len(model.blocks)}")
+    check_family(model, cfg.mlp_gates)
+    for what, v in (("importance", importance), ("fill", fill), ("protect", protect)):
+        if v is not None and len(v) != len(model.blocks):
+            raise NascompressError(f"{what} has {len(v)} blocks but the model has {len(model.blocks)}")
     for j, blk in enumerate(model.blocks):
-        mlp_imp, qk_imp = channel_importance(blk) if importance is None else importance[j]
+        imp = channel_importance(blk) if importance is None else importance[j]
         blk.__class__ = DCSBlock
         blk.dcs_alpha = None
-        if cfg.mlp_gates:
+        if cfg.mlp_gates != "none":
             w = blk.mlp.fc1.weight
-            alpha = cfg.alpha_init + cfg.init_spread * spread(mlp_imp.to(w.device, torch.float32))
+            alpha = cfg.alpha_init + cfg.init_spread * spread(imp.mlp(cfg.mlp_gates).to(w.device, torch.float32))
             blk.dcs_alpha = nn.Parameter(alpha.to(device=w.device, dtype=w.dtype))
+            if protect is not None and protect[j] is not None:
+                protect_gates(blk, protect[j])
+        if cfg.mlp_gates == "hidden" and cfg.hidden_fill == "mean":
+            f = torch.zeros(w.shape[0]) if fill is None else fill[j].float()
+            blk.register_buffer("dcs_fill", f.to(device=w.device, dtype=w.dtype).clone())
         if cfg.qk_mask != "none":
             add_qk_mask(blk.attn, cfg.qk_mask, theta_init=cfg.theta_init)
             if cfg.qk_mask == "static":
                 with torch.no_grad():
                     th = blk.attn.qk_mask.theta
-                    th.add_(cfg.init_spread * spread(qk_imp.to(th.device, torch.float32)).flatten().to(th.dtype))
-    attach_state(model, tau=tau)
+                    th.add_(cfg.init_spread * spread(imp.qk.to(th.device, torch.float32)).flatten().to(th.dtype))
+    attach_state(model, tau=tau, family=cfg.mlp_gates, align=cfg.align)
     return model
 
 
@@ -369,18 +417,26 @@ def arch_parameters(model: nn.Module) -> list[nn.Parameter]:
     return ps
 
 
+def _kept(mask: torch.Tensor) -> list[int]:
+    return torch.nonzero(mask > 0).flatten().tolist()
+
+
 @torch.no_grad()
 def selection(model: nn.Module) -> list[dict[str, Any]]:
-    """The channels the eval-mode supernet keeps, per block: ``mlp_keep`` (alpha > 0) and, for
-    the static Q/K mask, ``qk_keep`` (per head, theta > 0). ``None`` means no selection."""
+    """The channels the eval-mode supernet keeps (its aligned masks), per block: ``mlp_keep``
+    (residual family) or ``hidden_keep`` (hidden family) and, for the static Q/K mask, ``qk_keep``
+    (per head). ``None`` means no selection."""
+    st: DCSState = model.dcs_state
     out = []
     for blk in model.blocks:
         alpha = getattr(blk, "dcs_alpha", None)
-        rec: dict[str, Any] = {"mlp_keep": None if alpha is None else torch.nonzero(alpha > 0).flatten().tolist(),
-                               "qk_keep": None}
+        keep = None if alpha is None else _kept(aligned_mask(alpha, align=st.align))
+        rec: dict[str, Any] = {"mlp_keep": keep if st.family == "residual" else None,
+                               "hidden_keep": keep if st.family == "hidden" else None, "qk_keep": None}
         qm = blk.attn.qk_mask
         if qm is not None and qm.mode == "static":
-            rec["qk_keep"] = [torch.nonzero(t > 0).flatten().tolist() for t in qm.theta.reshape(qm.heads, qm.head_dim)]
+            m = aligned_mask(qm.theta.reshape(qm.heads, qm.head_dim), align=st.align)
+            rec["qk_keep"] = [_kept(row) for row in m]
         out.append(rec)
     return out
 
@@ -395,15 +451,20 @@ def make_record(model: nn.Module, cfg: DCSConfig, *, stage: str) -> dict[str, An
 # Materialization
 
 
+def _drop_gates(block: NCBlock) -> None:
+    for name in ("dcs_alpha", "dcs_fill", "dcs_protect"):
+        if hasattr(block, name):
+            delattr(block, name)
+
+
 def slice_mlp(block: NCBlock, keep: Any) -> NCBlock:
-    """Gather the MLP channels ``keep`` of ``block`` physically (see :class:`MaterializedBlock`).
+    """Gather the MLP residual channels ``keep`` of ``block`` physically (see :class:`MaterializedBlock`).
 
     With every channel kept the block is a plain :class:`NCBlock` (no gather, no write-back).
     """
     C = block.mlp.fc1.in_features
     idx = as_index(keep, C, what="mlp_keep", device=block.mlp.fc1.weight.device)
-    if getattr(block, "dcs_alpha", None) is not None or hasattr(block, "dcs_alpha"):
-        del block.dcs_alpha
+    _drop_gates(block)
     if len(idx) == C:
         block.__class__ = NCBlock
         return block
@@ -415,6 +476,32 @@ def slice_mlp(block: NCBlock, keep: Any) -> NCBlock:
         block.ls2 = slice_layerscale(block.ls2, idx)
     block.__class__ = MaterializedBlock
     block.register_buffer("mlp_keep", idx, persistent=False)
+    return block
+
+
+@torch.no_grad()
+def slice_hidden_gates(block: NCBlock, keep: Any) -> NCBlock:
+    """Keep the MLP hidden neurons ``keep`` of ``block`` physically (fc1 rows, fc2 columns; a plain
+    :class:`NCBlock`, no gather). A supernet block's ``dcs_fill`` of the closed neurons is folded
+    into fc2's bias first, so the result equals the eval-mode supernet block."""
+    from .uniform import slice_hidden
+
+    fc1, fc2 = block.mlp.fc1, block.mlp.fc2
+    idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
+    fill = getattr(block, "dcs_fill", None)
+    if fill is not None and len(idx) < fc1.out_features:
+        closed = torch.ones(fc1.out_features, dtype=torch.bool, device=idx.device)
+        closed[idx] = False
+        shift = fc2.weight[:, closed] @ fill[closed]  # (C,)
+        if fc2.bias is None:
+            fc2.bias = nn.Parameter(torch.zeros(fc2.out_features, device=shift.device, dtype=fc2.weight.dtype))
+        fc2.bias.add_(shift.to(fc2.bias.dtype))
+    _drop_gates(block)
+    block.__class__ = NCBlock
+    if len(idx) == 0:  # no hidden neuron left: the MLP is fc2's bias (the fill folded in), a constant
+        block.mlp = ConstantMLP(fc2.bias.detach() if fc2.bias is not None else torch.zeros(fc2.out_features))
+    elif len(idx) < fc1.out_features:
+        slice_hidden(block, idx)
     return block
 
 
@@ -458,10 +545,12 @@ def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]
             if rec.get("qk_keep") is None:
                 raise NascompressError(f"arch.json block {i} has no qk_keep for the static Q/K mask")
             slice_qk(blk.attn, rec["qk_keep"])
-        if rec.get("mlp_keep") is not None:
+        if rec.get("hidden_keep") is not None:
+            slice_hidden_gates(blk, rec["hidden_keep"])
+        elif rec.get("mlp_keep") is not None:
             slice_mlp(blk, rec["mlp_keep"])
-        elif isinstance(blk, DCSBlock):  # mlp_gates off: plain block again
-            del blk.dcs_alpha
+        elif isinstance(blk, DCSBlock):  # no MLP gates: plain block again
+            _drop_gates(blk)
             blk.__class__ = NCBlock
 
 
@@ -473,7 +562,7 @@ def build_materialized(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, 
         for blk in model.blocks:
             add_qk_mask(blk.attn, "input", theta_init=cfg.theta_init)
     _apply_blocks(model, cfg, blocks)
-    attach_state(model, tau=tau)
+    attach_state(model, tau=tau, family=cfg.mlp_gates, align=cfg.align)
     return model
 
 
@@ -482,7 +571,7 @@ def materialize(supernet: nn.Module, cfg: DCSConfig) -> tuple[nn.Module, dict[st
     record = make_record(supernet, cfg, stage="materialized")
     model = copy.deepcopy(supernet)
     _apply_blocks(model, cfg, record["blocks"])
-    attach_state(model, tau=supernet.dcs_state.tau)
+    attach_state(model, tau=supernet.dcs_state.tau, family=cfg.mlp_gates, align=cfg.align)
     return model.eval(), record
 
 
@@ -500,6 +589,8 @@ class DCS(Method):
     def patch(self, model: nn.Module, cfg: DCSConfig, record: dict[str, Any]) -> nn.Module:
         stage = check_choice("stage", record.get("stage", "supernet"), STAGES)
         tau = float(record.get("tau", 1.0))
+        if "align" not in (record.get("config") or {}):  # a record of before the alignment: widths as kept
+            cfg = cfg.replace(align=1)
         if stage == "supernet":
             return make_supernet(model, cfg, tau=tau)
         return build_materialized(model, cfg, record.get("blocks") or [], tau=tau)
@@ -514,6 +605,8 @@ class DCS(Method):
 
 
 __all__ = ["DCS", "DCSConfig", "DCSState", "DCSQKMask", "DCSBlock", "MaterializedBlock", "gumbel_sigmoid",
-           "channel_importance", "activation_importance",
+           "ChannelImportance", "BlockStats", "channel_importance", "activation_importance", "activation_stats",
+           "spread", "aligned_mask", "aligned_counts", "protect_gates", "check_family", "MLP_GATES", "PROTECT_LOGIT",
            "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",
-           "attach_state", "slice_mlp", "slice_qk", "build_materialized", "materialize", "check_supported"]
+           "attach_state", "slice_mlp", "slice_hidden_gates", "ConstantMLP", "slice_qk", "build_materialized", "materialize",
+           "check_supported"]

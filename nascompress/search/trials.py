@@ -201,8 +201,13 @@ def trial_seed(seed: int, number: int) -> int:
     return seed * 100_003 + number
 
 
-def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> nn.Module:
-    """A short DCS search at the trial's settings, materialized in memory."""
+def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
+    """A short DCS search at the trial's settings, materialized in memory: (model, its record).
+
+    The gate family is chosen by the search's probe unless the space fixes ``mlp_gates``, the
+    batch size follows the trial's training images (``auto_batch``: enough architecture steps)
+    unless the space fixes ``auto_batch``, and the pre-search measurements use the study's seed
+    (``init_seed``: the same for every trial, measured once per worker)."""
     from ..methods.dcs import DCSConfig, materialize
     from .dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config
     from .materialize import load_search
@@ -211,8 +216,9 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> nn.Mod
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
                                f"{[m['name'] for m in ctx.arch['methods']]}")
     m_keys = set(DCSConfig.__dataclass_fields__)
-    method = DCSConfig.from_dict({k: v for k, v in settings.items() if k in m_keys})
-    search = DCSSearchConfig.from_dict({k: v for k, v in settings.items() if k not in m_keys})
+    method = DCSConfig.from_dict({"mlp_gates": "auto", **{k: v for k, v in settings.items() if k in m_keys}})
+    search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
+                                        **{k: v for k, v in settings.items() if k not in m_keys}})
     with tempfile.TemporaryDirectory(prefix="nascompress-dcs-") as tmp:
         job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out=str(Path(tmp) / "search"), method=method,
                            search=search, data=ctx.data_cfg,
@@ -221,9 +227,9 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> nn.Mod
                                                      deterministic=ctx.job.deterministic))
         search_dcs(job)
         supernet, _, cfg = load_search(job.out)
-        model, _ = materialize(supernet.to(ctx.device), cfg)
+        model, record = materialize(supernet.to(ctx.device), cfg)
     model.nc_methods = ["dcs"]
-    return model
+    return model, record
 
 
 def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
@@ -243,10 +249,8 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
         if name == "dcs":
-            from ..methods.dcs import make_record
-
-            model = _dcs_stage(ctx, settings, seed)
-            applied.append(make_record(model, _dcs_cfg(settings), stage="materialized"))
+            model, record = _dcs_stage(ctx, settings, seed)
+            applied.append(record)
             continue
         from ..finetune import split_settings
 
@@ -268,12 +272,6 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
                 if out:
                     info[f"calibration_{rec['name']}"] = out
     return model.eval(), applied, info
-
-
-def _dcs_cfg(settings: dict[str, Any]):
-    from ..methods.dcs import DCSConfig
-
-    return DCSConfig.from_dict({k: v for k, v in settings.items() if k in DCSConfig.__dataclass_fields__})
 
 
 def _cycle(batches: list, steps: int):

@@ -38,9 +38,10 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   this rule may hold FAIL trials with a re-enqueued copy (``nascompress_retry_of``). Optuna's own RDB heartbeat is not used: it works only inside
   ``study.optimize`` and on RDB storages (the journal has none), while this loop asks and tells
   itself; one mechanism keeps the behaviour identical on all three storages.
-- Objective errors: the trial is FAIL with ``user_attrs["nascompress_error"]`` and is not
-  retried; a :class:`~nascompress.errors.NascompressError` stops the run at once, and
-  ``max_failures`` failures in a row stop it too.
+- Objective errors: the trial is FAIL with its reason in ``user_attrs["nascompress_error"]`` (shown
+  in the progress) and is not retried; the study goes on with the next trial (a DCS search that
+  collapses in one trial costs that trial only). ``max_failures`` failed trials in a row (per
+  worker) stop the run with one error listing each one's reason.
 - ``workers > 1``: that many processes (multiprocessing 'spawn') share the study; each builds
   its objective once. Several machines share a PostgreSQL study by running the same command
   (``workers=1`` each). Storage choice: see :mod:`nascompress.studies.storage`.
@@ -418,6 +419,13 @@ def _release(study: optuna.Study, trial: optuna.Trial) -> None:
         study.enqueue_trial(dict(fixed), user_attrs=keep or None)
 
 
+def _failure_stop(reasons: list[str]) -> NascompressError:
+    """The error that ends a run after ``max_failures`` failed trials in a row, each with its reason."""
+    listed = "; ".join(r if len(r) <= 300 else r[:297] + "..." for r in reasons)
+    return NascompressError(f"{len(reasons)} trials in a row failed ({listed}). Fix the cause and rerun the same "
+                            "command to continue the study")
+
+
 def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _LoopConfig, seeding: _Seeding,
           on_update: Callable[[Sequence[FrozenTrial]], None] | None = None) -> int:
     """One worker's loop: take over a stale trial, or ask a new one; run it; tell it. Returns the
@@ -425,7 +433,8 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
     me = _Me.now()
     n_obj = len(study.directions)
     poll = min(1.0, cfg.heartbeat_interval)
-    ran = failures = 0
+    ran = 0
+    reasons: list[str] = []  # the failures in a row, with their reasons
     while True:
         if cfg.deadline is not None and time.time() >= cfg.deadline:
             return ran
@@ -470,19 +479,16 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
                     "released": True})
                 raise
             except UpdateFinishedTrialError:
-                pass  # another worker took it over as stale and finished it meanwhile
-            except Exception as e:
-                _finish(study, trial, state=TrialState.FAIL, error=f"{type(e).__name__}: {e}")
-                if isinstance(e, NascompressError):
-                    raise
-                failures += 1
-                if failures >= cfg.max_failures:
-                    raise NascompressError(
-                        f"{failures} trials in a row failed; the last, trial {trial.number}: {type(e).__name__}: "
-                        f"{e}. Fix the cause and rerun the same command to continue the study") from e
+                pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
+            except Exception as e:  # the trial fails with its reason; the study goes on (see _failure_stop)
+                reason = str(e) if isinstance(e, NascompressError) else f"{type(e).__name__}: {e}"
+                _finish(study, trial, state=TrialState.FAIL, error=reason)
+                reasons.append(f"trial {trial.number}: {reason}")
+                if len(reasons) >= cfg.max_failures:
+                    raise _failure_stop(reasons) from e
             else:
                 if _finish(study, trial, values=values):
-                    failures = 0
+                    reasons = []
             ran += 1
         finally:
             _ACTIVE.discard(key)

@@ -1,0 +1,114 @@
+"""The pipeline's answer to a stage that fails: nothing aborts on one bad stage.
+
+A DCS search that collapses (:class:`~nascompress.search.dcs.SearchCollapsed`: validation fell more
+than ``max_val_drop`` below the dense model) is retried once at a milder target, halfway between
+the planned one and 1.0; if that collapses too, the pipeline goes on without DCS (the token stage
+then searches the dense base) and says so. Which way the stage went is kept in its marker
+(``OUT/done/dcs_search.json``: ``result.dcs_outcome`` is ``planned``, ``milder`` or ``skipped``,
+with the target used and the reasons), so a resumed pipeline takes the same way; the later steps
+ask :func:`dcs_outcome` for the model they start from (:func:`current_model`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .utils import read_json
+
+DCS_MARKER = Path("done") / "dcs_search.json"
+OUTCOMES = ("planned", "milder", "skipped")
+
+
+def milder_target(target: float) -> float:
+    """The retry's FLOPs target: halfway from ``target`` to the dense model (0.6 -> 0.8)."""
+    return round(target + (1.0 - target) / 2, 4)
+
+
+def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool = True) -> dict[str, Any]:
+    """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
+    collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
+    attempt its ``config.json`` records (the retry, if it had started)."""
+    from .search.dcs import SearchCollapsed, search_dcs
+    from .utils import read_json as _read
+
+    planned = job.search.target_flops
+    mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
+    attempts = [("planned", job)] + ([("milder", mild)] if fallback else [])
+    start = 0
+    cfg = Path(job.out) / "config.json"
+    if resume and cfg.is_file() and fallback:
+        recorded = (_read(cfg).get("search") or {}).get("target_flops")
+        start = 1 if recorded is not None and abs(recorded - planned) > 1e-9 else 0
+    reasons: list[str] = []
+    for i, (name, j) in enumerate(attempts[start:], start):
+        try:
+            metrics = search_dcs(j, force=force or i > start, resume=resume and i == start)
+        except SearchCollapsed as e:
+            reasons.append(f"target {j.search.target_flops:g}: {e}")
+            if not fallback:
+                raise
+            continue
+        return dict(metrics, dcs_outcome=name, dcs_target=j.search.target_flops, planned_target=planned,
+                    dcs_reason=" | ".join(reasons) or None)
+    return {"skipped": True, "dcs_outcome": "skipped", "dcs_target": None, "planned_target": planned,
+            "dcs_reason": " | ".join(reasons)}
+
+
+def dcs_outcome(out: Path) -> dict[str, Any] | None:
+    """The recorded result of the DCS stage (``dcs_outcome``, ``dcs_target``, ``dcs_reason``), or
+    None if it has not finished (or the pipeline has no DCS stage)."""
+    marker = Path(out) / DCS_MARKER
+    if not marker.is_file():
+        return None
+    return read_json(marker).get("result") or {}
+
+
+def dcs_skipped(out: Path) -> bool:
+    res = dcs_outcome(out)
+    return bool(res and res.get("skipped"))
+
+
+def current_model(out: Path, *, base_dir: Path, dcs: bool, tokens: bool, retrain: bool, upto: str) -> Path | None:
+    """The model the step ``upto`` (``tokens``, ``retrain`` or ``final``) starts from or the
+    pipeline ends with, following the DCS outcome; None: no compressed model was made."""
+    out = Path(out)
+    current: Path | None = base_dir
+    compressed = False
+    if dcs and not dcs_skipped(out):
+        current, compressed = out / "dcs_mat", True
+    if upto == "tokens":
+        return current
+    if tokens:
+        current, compressed = out / "tokens" / "picked", True
+    if upto == "retrain":
+        return current if compressed else None
+    if retrain and compressed:
+        current = out / "final"
+    return current if compressed else None
+
+
+def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
+    """Rebuild the trial the goal's rule picks (``job``: a TrialMaterializeJob); when no trial meets
+    the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
+    stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
+    from .errors import NascompressError
+    from .search.materialize import materialize_trial, parse_pick
+    from .studies.inspect import load
+    from .studies.runner import trial_record
+
+    try:
+        return materialize_trial(job, force=force)
+    except NascompressError as e:
+        if "no complete trial has" not in str(e):
+            raise
+        reason = str(e)
+    rule, _ = parse_pick(job.pick)
+    key = "flops_ratio" if rule == "best-under-flops" else "latency_ms"
+    _, study = load(job.study, job.storage)
+    done = [(trial_record(t).get(key), t.number) for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    closest = min((v, n) for v, n in done if v is not None)[1]
+    res = materialize_trial(job.replace(pick=None, trial=closest), force=force)
+    return dict(res, goal_unmet=f"{reason}; the closest trial was taken")
+
+
+__all__ = ["pick_or_closest", "milder_target", "run_dcs_with_fallback", "dcs_outcome", "dcs_skipped", "current_model", "OUTCOMES"]

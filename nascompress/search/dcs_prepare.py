@@ -1,0 +1,140 @@
+"""The measurements before a DCS search, on ``init_images`` training images of the dense model:
+the batch size, the gate family (``mlp_gates="auto"``), the order the gates start in, the hidden
+fill, the protected gates and the block cost weights (:func:`prepare_search`).
+
+They are deterministic (seeded images), so a resumed search repeats them exactly. A study runs
+one DCS search per trial on the same base run: the measurements that do not depend on the trial
+(the images, the activation statistics, the dense model's outputs, and per family the start order
+and the protection) are kept in memory for the process and reused (:data:`_MEMO`, keyed by the
+base run's file, its modification time and the images drawn), which the trials' searches ask for
+with ``init_seed`` (the study's seed, not the trial's).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..data import InputSpec, make_loader, preprocess
+from ..methods.dcs import BlockStats, ChannelImportance, activation_stats, channel_importance
+from ..retrain import auto_batch_size
+from .dcs_family import choose_family, dense_targets, probe_kl
+from .dcs_protect import protection
+
+if TYPE_CHECKING:
+    from .dcs import DCSSearchJob
+
+INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
+INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 0.9x the weight order's
+_MEMO: dict[tuple, dict[str, Any]] = {}  # measurements of one base run per process (see the module docstring)
+_MEMO_SIZE = 2
+
+
+@torch.no_grad()
+def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, family: str = "residual",
+                    stats: list[BlockStats] | None = None, align: int = 1, hidden_fill: str = "zero",
+                    targets: list[torch.Tensor] | None = None) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
+    """The gate-initialisation importance of :attr:`DCSSearchConfig.init_importance` on the
+    preprocessed calibration ``images`` (batches; ``stats`` from :func:`activation_stats` if already
+    measured): ``(importance or None for weight magnitude, info)``, info ``{"init": chosen,
+    "init_kl": {order: KL}}`` (the KL only with ``auto``; ``family``'s gates are dropped)."""
+    if how == "weight" or family == "none":
+        return None, {"init": "weight"}
+    stats = stats or activation_stats(dense, images)
+    act = [s.importance for s in stats]
+    if how == "activation":
+        return act, {"init": "activation"}
+    shares = [1 - d for d in INIT_PROBE_DROPS]
+    fill = [s.hidden_mean for s in stats]
+    targets = targets or dense_targets(dense, images)
+    kls = {name: probe_kl(dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill,
+                          targets=targets)
+           for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))}
+    chosen = "activation" if kls["activation"] < INIT_MARGIN * kls["weight"] else "weight"
+    return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
+
+
+def _memo(job: DCSSearchJob, seed: int) -> dict[str, Any]:
+    """The process's memo of one base run's measurements (a fresh one for another run or images)."""
+    src = Path(job.source)
+    weights = src / "model.safetensors" if src.is_dir() else Path(job.weights or src)
+    try:
+        stamp = os.stat(weights).st_mtime_ns
+    except OSError:
+        stamp = None
+    key = (str(src), stamp, seed, job.search.init_images, repr(job.data), job.method.align, job.method.hidden_fill)
+    if key not in _MEMO:
+        while len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = {}
+    return _MEMO[key]
+
+
+def prepare_search(job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec) -> tuple[DCSSearchJob, dict[str, Any]]:
+    """The measurements before the search, on ``init_images`` training images of the dense model:
+    the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
+    the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
+    so a resumed search repeats them exactly. Returns the job with its choices resolved and
+    ``{"importance", "fill", "protect", "weights", "info"}`` (info: what was chosen and why, logged)."""
+    s, m = job.search, job.method
+    info: dict[str, Any] = {}
+    if s.auto_batch:
+        bs = auto_batch_size(len(data.train))
+        job = job.replace(train=job.train.replace(batch_size=bs), search=s.replace(auto_batch=False))
+        info["batch_rule"] = f"auto: {bs} for {len(data.train)} training images"
+    needs = m.mlp_gates == "auto" or s.init_importance != "weight" or s.protect_ratio > 0 or s.block_weights or (
+        m.mlp_gates == "hidden" and m.hidden_fill == "mean")
+    memo = _memo(job, s.init_seed if s.init_seed is not None else job.train.seed) if needs else {}
+    if needs and "images" not in memo:
+        memo["images"] = calibration_images(data, spec, n=s.init_images, seed=job.train.seed
+                                            if s.init_seed is None else s.init_seed)
+        memo["stats"] = activation_stats(dense, memo["images"])
+        memo["targets"] = dense_targets(dense, memo["images"])
+    images, stats, targets = memo.get("images", []), memo.get("stats"), memo.get("targets")
+    if m.mlp_gates == "auto":
+        key = ("family", s.target_flops)
+        if key not in memo:
+            memo[key] = choose_family(dense, images, stats, target=s.target_flops, align=m.align,
+                                      hidden_fill=m.hidden_fill, targets=targets)
+        family, finfo = memo[key]
+        m = m.replace(mlp_gates=family)
+        job = job.replace(method=m)
+        info.update(finfo)
+    key = ("init", s.init_importance, m.mlp_gates)
+    if key not in memo:
+        memo[key] = init_importance(dense, images, s.init_importance, family=m.mlp_gates, stats=stats, align=m.align,
+                                    hidden_fill=m.hidden_fill, targets=targets)
+    importance, iinfo = memo[key]
+    info.update(iinfo)
+    protect, weights = None, None
+    if stats is not None and m.mlp_gates != "none":
+        key = ("protect", m.mlp_gates, s.protect_ratio, s.block_weights)
+        if key not in memo:
+            memo[key] = protection(dense, images, stats, m.mlp_gates, ratio=s.protect_ratio,
+                                   block_weights=s.block_weights, align=m.align, targets=targets)
+        protect, weights, pinfo = memo[key]
+        info.update(pinfo)
+    fill = [st.hidden_mean for st in stats] if stats is not None else None
+    return job, {"importance": importance, "fill": fill, "protect": protect, "weights": weights, "info": info}
+
+
+def calibration_images(data: Any, spec: InputSpec, *, n: int, seed: int, batch_size: int = 64) -> list[torch.Tensor]:
+    """``n`` preprocessed training images (a seeded draw, the same on every rank), in batches."""
+    out, got = [], 0
+    with torch.random.fork_rng(devices=[]):  # seeded augmentation draws; the caller's RNG is untouched
+        torch.manual_seed(seed)
+        for imgs, _ in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, num_workers=0):
+            x = preprocess(imgs, spec)[:n - got]
+            out.append(x)
+            got += len(x)
+            if got >= n:
+                break
+    return out
+
+
+
+
+__all__ = ["prepare_search", "init_importance", "calibration_images", "INIT_PROBE_DROPS", "INIT_MARGIN"]

@@ -1,0 +1,74 @@
+"""A DCS search that collapses with the paper's settings on a pretrained-like model is recovered by the
+mechanisms for pretrained models (the family probe, mean fill, distillation, the progressive target)."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nascompress.data import DataConfig
+from nascompress.io import load_with_arch, save_model
+from nascompress.models import build_model, custom_vit_spec
+from nascompress.train import TrainConfig, TrainJob, train
+
+from .conftest import invoke
+
+SPEC = dict(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1)
+# the paper's search: residual gates, CE on the architecture steps, the target at once, no distillation,
+# no protection, weight-magnitude order, no fill
+PAPER = ["--mlp-gates", "residual", "--arch-loss", "ce", "--target-ramp", 0, "--protect-ratio", 0,
+         "--no-block-weights", "--distill", 0, "--feat-distill", 0, "--init-importance", "weight",
+         "--hidden-fill", "zero"]
+
+
+@pytest.fixture(scope="module")
+def pretrained_like(tmp_path_factory):
+    """A trained model with the redundancy of a pretrained one: a small ViT trained to (near) 100%,
+    widened to twice the MLP hidden width with idle neurons (fc1 bias -10: GELU ~ 0), which leaves
+    its function unchanged. Every residual channel carries what it learned; half its hidden neurons
+    carry nothing."""
+    d = tmp_path_factory.mktemp("pretrained_like")
+    spec = custom_vit_spec(**SPEC)
+    train(TrainJob(model=spec, data=DataConfig(dataset="synthetic"), out=str(d / "small"),
+                   train=TrainConfig(epochs=6, batch_size=32, lr=2e-3, seed=0)))
+    small, arch = load_with_arch(d / "small")
+    wide_spec = custom_vit_spec(**SPEC, mlp_ratio=8.0)
+    wide = build_model(wide_spec)
+    sd = wide.state_dict()
+    with torch.no_grad():
+        for k, v in small.state_dict().items():
+            if "mlp.fc1" in k:
+                sd[k].zero_()[:v.shape[0]] = v
+                if k.endswith("bias"):
+                    sd[k][v.shape[0]:] = -10.0
+            elif "mlp.fc2.weight" in k:
+                sd[k].zero_()[:, :v.shape[1]] = v
+            else:
+                sd[k].copy_(v)
+    wide.load_state_dict(sd)
+    x = torch.randn(4, 1, 16, 16)
+    torch.testing.assert_close(wide.eval()(x), small.eval()(x))
+    save_model(d / "base", wide, dict(arch, model=wide_spec.to_dict()))
+    shutil.copy(d / "small" / "config.json", d / "base" / "config.json")
+    return d / "base"
+
+
+def search(base, out, *extra):
+    return invoke("search", "dcs", base, "--out", out, "--epochs", 2, "--train-limit", 480, "--eval-limit", 200,
+                  "--device", "cpu", "--target-flops", 0.45, "--max-val-drop", 5, "--json", *extra)
+
+
+def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_like, tmp_path):
+    r = search(pretrained_like, tmp_path / "paper", *PAPER)
+    assert r.exit_code == 1 and "the search collapsed" in r.output  # residual channels carry the model
+    r = search(pretrained_like, tmp_path / "default")
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "default" / "metrics.json").read_text())
+    assert m["mlp_gates"] == "hidden" and m["family_kl"]["hidden"] < m["family_kl"]["residual"]
+    assert abs(m["flops_ratio"] / 0.45 - 1) <= 0.05
+    assert m["dense_val_top1"] - m["val_top1"] <= 2.0  # the model survives the search
+    log = [json.loads(ln) for ln in (tmp_path / "default" / "log.jsonl").read_text().splitlines()]
+    assert log[1]["target_now"] < 1.0 and log[-1]["target_now"] == pytest.approx(0.45)  # the moving target
+    assert "train_feat_w" in log[1] and "train_kl_a" in log[1]  # distillation on both kinds of step
