@@ -890,13 +890,22 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base
                          f"{', teacher: the base' if s.teacher == 'base' else ''})")
 
 
-def _plan_export(cfg: PipelineConfig, out: Path, current: Path) -> Step:
+def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
     from .export import export_run
+    from .pipeline_fallback import current_model
 
     s = cfg.export
     target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
+
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        st = cfg.stages
+        final = current_model(out, base_dir=base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
+                              retrain=st.retrain is not None, upto="final")  # after a DCS fallback: what was made
+        # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
+        return export_run(final or base_dir, out=target, config=ec, force=True)["verification"]
+
     return Step("export", out / "export", "redo",  # the step owns OUT/export: an earlier attempt is replaced
-                lambda force, resume: export_run(current, out=target, config=ec, force=True)["verification"],
+                run,
                 outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
                 describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch")
 
@@ -930,7 +939,7 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
         current = out / "final"
     if cfg.export is not None:
-        steps.append(_plan_export(cfg, out, current))
+        steps.append(_plan_export(cfg, out, base_dir))
     pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
                     storage=storage, data=_data_config(cfg))
 
