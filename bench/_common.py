@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shlex
 import sys
 import time
@@ -12,6 +13,40 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the repository's nascompress, also when it is not installed
     sys.path.insert(0, str(ROOT))
+
+
+# An absolute path of the machine a bench ran on (``/home/me/runs/base``); system folders are kept.
+_ABS_PATH = re.compile(r"(?<![\w.~/-])/[\w.+-]+(?:/[\w.+-]*)+")
+_SYSTEM_PREFIXES = ("/usr/", "/dev/", "/proc/", "/sys/", "/etc/", "/opt/", "/bin/", "/lib")
+_REPO_FOLDERS = ("runs", "weights", "configs", "bench", "tests", "search_spaces", "scripts", "tools", "docs", "data")
+
+
+def relative_path(path: str, root: Path = ROOT) -> str:
+    """``path`` as it reads on any machine: relative to the repository root when it lies inside it, else
+    from its first repository-like folder (``/x/y/runs/base`` -> ``runs/base``), else its file name."""
+    if path.startswith(_SYSTEM_PREFIXES):
+        return path
+    root_s = str(root)
+    if path == root_s:
+        return "."
+    if path.startswith(root_s + "/"):
+        return path[len(root_s) + 1:]
+    parts = path.strip("/").split("/")
+    for i, part in enumerate(parts):
+        if part in _REPO_FOLDERS:
+            return "/".join(parts[i:])
+    return parts[-1] or "."
+
+
+def relative_paths(obj: Any, root: Path = ROOT) -> Any:
+    """``obj`` (a JSON value) with every machine path in its strings made relative (``relative_path``)."""
+    if isinstance(obj, str):
+        return _ABS_PATH.sub(lambda m: relative_path(m.group(0), root), obj)
+    if isinstance(obj, dict):
+        return {k: relative_paths(v, root) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [relative_paths(v, root) for v in obj]
+    return obj
 
 
 def wait_for_base(base: Path, timeout_s: float) -> None:
@@ -69,12 +104,13 @@ def data_sizes(bundle: Any, cfg: Any = None) -> dict[str, Any]:
 
 
 def save(path: str | Path, result: dict[str, Any]) -> None:
-    """Write ``result`` to ``path`` atomically (parent folders created)."""
+    """Write ``result`` to ``path`` atomically (parent folders created), machine paths made relative so
+    that a result committed under ``bench/results/`` names no folder of the machine it ran on."""
     from nascompress.utils import write_json
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, result)
+    write_json(path, relative_paths(result))
 
 
 def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data_section: dict | None) -> dict[str, Any]:

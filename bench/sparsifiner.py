@@ -220,7 +220,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--base", default="runs/base", help="dense run (a snapshot of it while it is still training)")
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--runs", default=os.environ.get("SP_BENCH_RUNS", "/tmp/sp_bench"),
+    ap.add_argument("--runs", default=os.environ.get("SP_BENCH_RUNS", "runs/sp_bench"),
                     help="where the fine-tuned runs go")
     ap.add_argument("--tokens", default="197,785,3137", help="speed: token counts")
     ap.add_argument("--iters", type=int, default=21, help="speed: interleaved rounds")
