@@ -16,7 +16,7 @@ if str(ROOT) not in sys.path:  # the repository's nascompress, also when it is n
 
 
 # An absolute path of the machine a bench ran on (``/home/me/runs/base``); system folders are kept.
-_ABS_PATH = re.compile(r"(?<![\w.~/-])/[\w.+-]+(?:/[\w.+-]*)+")
+_ABS_PATH = re.compile(r"(?<![\w.~/-])/+[\w.+-]+(?:/[\w.+-]*)+")
 _SYSTEM_PREFIXES = ("/usr/", "/dev/", "/proc/", "/sys/", "/etc/", "/opt/", "/bin/", "/lib")
 _REPO_FOLDERS = ("runs", "weights", "configs", "bench", "tests", "search_spaces", "scripts", "tools", "docs", "data")
 
@@ -32,16 +32,25 @@ def relative_path(path: str, root: Path = ROOT) -> str:
     if path.startswith(root_s + "/"):
         return path[len(root_s) + 1:]
     parts = path.strip("/").split("/")
+    if parts[0] in _REPO_FOLDERS:  # already relative (``sqlite:///runs/x.db``): left alone
+        return path
     for i, part in enumerate(parts):
         if part in _REPO_FOLDERS:
             return "/".join(parts[i:])
     return parts[-1] or "."
 
 
+def _relative_match(m: re.Match, root: Path = ROOT) -> str:
+    """A matched path made relative; the extra slashes of a URL (``sqlite:////abs/x.db``) are kept."""
+    path = m.group(0)
+    slashes = len(path) - len(path.lstrip("/"))
+    return "/" * (slashes - 1) + relative_path("/" + path.lstrip("/"), root)
+
+
 def relative_paths(obj: Any, root: Path = ROOT) -> Any:
     """``obj`` (a JSON value) with every machine path in its strings made relative (``relative_path``)."""
     if isinstance(obj, str):
-        return _ABS_PATH.sub(lambda m: relative_path(m.group(0), root), obj)
+        return _ABS_PATH.sub(lambda m: _relative_match(m, root), obj)
     if isinstance(obj, dict):
         return {k: relative_paths(v, root) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -1,0 +1,372 @@
+"""Write docs/results.md (and the README's results table) from bench/results/*.json[l] only.
+
+    python bench/make_results.py           # scrub machine paths from the JSON files, rewrite the documents
+    python bench/make_results.py --check   # exit 1 when a document is out of date or a JSON names a machine path
+
+Every file under bench/results/ gets a section: the command recorded in it, the machine, and its figures
+(a table per list of records, a key/value table for the rest). A few families have a summary table of
+their own on top. Nothing here imports torch, so the check runs in a plain Python.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from _common import ROOT, relative_paths
+
+RESULTS = ROOT / "bench" / "results"
+DOC = ROOT / "docs" / "results.md"
+README = ROOT / "README.md"
+TABLE_START, TABLE_END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
+
+FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
+    "pipeline": ("The main job: `nascompress pipeline`", "The newcomer command end to end (dense base, DCS, "
+                 "EViT study, retrain, report) on Fashion-MNIST."),
+    "pretrained": ("A real pretrained ViT: DINOv2 ViT-S/14 on Fashion-MNIST at 112 px", "`bench/pretrained.py`: the "
+                   "DINOv2 backbone with a linear-probe head as the dense model, each method at a small budget; "
+                   "`*_config.json`, `*_metrics.json` and `*_log.jsonl` are the run directories' own files."),
+    "dcs": ("DCS channel search", "`bench/dcs.py` (search, materialize, against uniform pruning), "
+            "`bench/dcs_init_order.py` (which importance orders the gates), `bench/dcs_gather.py`."),
+    "search": ("The Optuna outer search", "`bench/search.py`: Pareto front against a grid, workers, the pretrained ViT."),
+    "token": ("EViT and DynamicViT", "`bench/token_pruning.py`: DeiT-S FLOPs and throughput, Fashion-MNIST accuracy."),
+    "sparsifiner": ("Sparsifiner", "`bench/sparsifiner.py`: attention speed against dense SDPA, Fashion-MNIST accuracy."),
+    "mgvit": ("MG-ViT", "`bench/mgvit.py`: DeiT-S FLOPs and the two-stage model on 56 px Fashion-MNIST."),
+    "ib": ("Information-bottleneck retraining", "`bench/ib_retrain.py`: retraining the DCS model with and without the IB term."),
+    "faults": ("Faults and refusals", "`bench/faults.py`: what each fault does to a run and what the user sees."),
+    "gpu": ("GPU", "`bench/gpu.py`: every method against dense in fp32 and bf16, eager and compiled."),
+    "qk": ("Narrowed Q/K layouts", "`bench/qk_layout.py`: how narrowed Q/K heads reach the attention kernel."),
+    "export": ("Export", "`bench/export.py`: exported files against PyTorch."),
+    "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
+}
+
+
+# ----------------------------------------------------------------------------------------------- formatting
+def fmt(v: Any) -> str:
+    """One cell: numbers rounded for reading (the JSON keeps every digit), text escaped for a table."""
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    if isinstance(v, float):
+        if v != v or v in (float("inf"), float("-inf")):
+            return str(v)
+        if v.is_integer() and abs(v) < 1e15:
+            return fmt(int(v))
+        a = abs(v)
+        return f"{v:,.1f}" if a >= 1000 else f"{v:.2f}" if a >= 10 else f"{v:.3f}" if a >= 0.1 else f"{v:.3g}"
+    if isinstance(v, list):
+        shown = ", ".join(fmt(x) if not isinstance(x, list) else "[" + fmt(x) + "]" for x in v[:MAX_LIST])
+        return shown + (f", ... ({len(v)} items)" if len(v) > MAX_LIST else "")
+    if isinstance(v, dict):
+        return "; ".join(f"{k}: {fmt(x)}" for k, x in v.items())
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def scalar(v: Any) -> bool:
+    return not isinstance(v, (dict, list)) or (isinstance(v, list) and all(not isinstance(x, dict) for x in v))
+
+
+def flat(d: dict, prefix: str = "", depth: int = 2) -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (``depth`` levels; deeper values stay whole)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v and depth > 1:
+            out.update(flat(v, f"{prefix}{k}.", depth - 1))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c if isinstance(c, str) else fmt(c) for c in r) + " |" for r in rows]
+    return lines + [""]
+
+
+def records_table(records: list[dict], label: str | None = None, labels: list[str] | None = None) -> list[str]:
+    """A list of records (dicts) as one table: a column per scalar field (nested dicts flattened)."""
+    rows = [flat(r) for r in records]
+    cols: list[str] = []
+    for r in rows:
+        cols += [k for k, v in r.items() if k not in cols and scalar(v) and k.split(".")[0] not in ("train", "machine")]
+    if len(cols) > MAX_COLS and len(rows) <= 8:  # a few wide records: one column per record, every field shown
+        names = labels or [str(i + 1) for i in range(len(rows))]
+        return table(["field", *names], [[f"`{c}`", *(r.get(c) for r in rows)] for c in cols])
+    more = len(cols) - MAX_COLS
+    cols = cols[:MAX_COLS]
+    header = ([label] if labels else []) + cols
+    body = [([labels[i]] if labels else []) + [r.get(c) for c in cols] for i, r in enumerate(rows[:MAX_ROWS])]
+    out = table(header, body)
+    notes = []
+    if len(rows) > MAX_ROWS:
+        notes.append(f"{len(rows) - MAX_ROWS} more rows")
+    if more > 0:
+        notes.append(f"{more} more fields")
+    if notes:
+        out.insert(len(out) - 1, f"({' and '.join(notes)} in the JSON.)")
+    return out
+
+
+def like_records(v: Any) -> bool:
+    """A dict of dicts that share most of their fields (runs, rows): one table reads better than several."""
+    if not (isinstance(v, dict) and len(v) > 1 and all(isinstance(x, dict) for x in v.values())):
+        return False
+    keys = [{k for k, y in flat(x).items() if scalar(y)} for x in v.values()]
+    common = set.intersection(*keys)
+    return len(common) >= 2 and len(common) >= 0.6 * max(map(len, keys))
+
+
+def body(obj: Any, where: str = "") -> list[str]:
+    """Any JSON value as markdown: scalars as a key/value table, records as tables, the rest by key
+    (each part labelled with its path in the JSON, e.g. ``decisions.dcs``)."""
+    if isinstance(obj, list):
+        if obj and all(isinstance(x, dict) for x in obj):
+            return records_table(obj)
+        return [fmt(obj), ""]
+    if not isinstance(obj, dict):
+        return [fmt(obj), ""]
+    out: list[str] = []
+    plain = {k: v for k, v in obj.items() if scalar(v)}
+    if plain:
+        out += table(["field", "value"], [[f"`{k}`", v] for k, v in plain.items()])
+    for k, v in obj.items():
+        if k in plain or k in ("machine", "train") or v in ({}, []):
+            continue
+        label = f"{where}.{k}" if where else str(k)
+        out += [f"`{label}`:", ""]
+        if label.count(".") >= 3:
+            out += [f"`{json.dumps(v)[:300]}`", ""]
+        elif like_records(v):
+            out += records_table(list(v.values()), "", list(v))
+        else:
+            out += body(v, label)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def load(path: Path) -> Any:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(path.read_text())
+
+
+def find(obj: Any, key: str) -> Any:
+    """The first value stored under ``key`` anywhere in ``obj`` (depth-first), or None."""
+    if isinstance(obj, dict):
+        if key in obj and obj[key] not in (None, {}, ""):
+            return obj[key]
+        obj = list(obj.values())
+    if isinstance(obj, list):
+        for v in obj:
+            hit = find(v, key)
+            if hit is not None:
+                return hit
+    return None
+
+
+def machine_line(m: dict | None) -> str:
+    if not isinstance(m, dict):
+        return "not recorded in the JSON"
+    parts = []
+    if m.get("device") not in (None, "cpu"):
+        parts.append(str(m["device"]))
+    if "cpu_threads" in m:
+        parts.append(f"{m['cpu_threads']} torch threads" + (f" of {m['cpu_count']} CPUs" if m.get("cpu_count") else ""))
+    parts += [str(m[k]) for k in ("cpu", "gpu") if m.get(k)]
+    parts += [f"{k} {m[k]}" for k in ("torch", "timm", "platform") if m.get(k)]
+    if "cuda" in m:
+        parts.append("CUDA" if m["cuda"] else "no CUDA")
+    if isinstance(m.get("load_average_at_start"), (int, float)):
+        parts.append(f"load average {m['load_average_at_start']:.2f} at the start")
+    return ", ".join(parts) or json.dumps(m)
+
+
+def family(name: str) -> str:
+    stem = name.split(".")[0]
+    for prefix in FAMILIES:
+        if stem == prefix or stem.startswith(prefix + "_") or stem.startswith(prefix):
+            return prefix
+    return stem.split("_")[0]
+
+
+# ------------------------------------------------------------------------------------------- summary tables
+def speed_cells(speed: dict | None) -> list[str]:
+    if not speed:
+        return ["-", "-"]
+    return [f"{speed['throughput_speedup_batch64']:.2f}x", f"{speed['latency_speedup_batch1']:.2f}x"]
+
+
+def pipeline_summary(data: dict[str, Any]) -> list[str]:
+    rows = []
+    for name, d in data.items():
+        if not name.startswith("pipeline") or "comparison" not in d:
+            continue
+        c, dense, final = d["comparison"], d["dense"], d["final"]
+        rows.append([f"`{name}`", f"{c['flops_ratio']:.3f}x", f"{dense['test_top1']:.2f}%", f"{final['test_top1']:.2f}%",
+                     f"{c['top1_change']:+.2f}", f"{c['params_ratio']:.3f}x", f"{c['throughput_speedup']:.2f}x",
+                     f"{c['latency_speedup']:.2f}x", "yes" if d.get("goal", {}).get("met") else "no"])
+    if not rows:
+        return []
+    return ["Summary (speed-ups are dense time / compressed time, measured interleaved in one process; "
+            "below 1 is slower):", ""] + table(
+        ["JSON", "FLOPs vs dense", "dense test top-1", "final test top-1", "change (points)", "params",
+         "throughput b64", "latency b1", "goal met"], rows)
+
+
+def pretrained_rows(data: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, d in sorted(data.items()):
+        if not (name.startswith("pretrained") and isinstance(d, dict) and "protocol" in d):
+            continue
+        for method in ("evit", "dynamicvit", "sparsifiner", "uniform", "dcs"):
+            m = d.get(method)
+            if not isinstance(m, dict):
+                continue
+            start = m.get("zero_shot") or m.get("pruned") or m.get("materialized") or {}
+            final = m.get("finetuned") or m.get("retrained") or {}
+            speed = m.get("speed")
+            cfg = ", ".join(f"{k} {v}" for k, v in (m.get("config") or {}).items()) or \
+                (f"target {m['search']['target_flops']}" if "search" in m else "")
+            rows.append([f"{method} {cfg}".strip(), f"{speed['flops_ratio']:.3f}x" if speed else "-",
+                         f"{fmt(start.get('val_top1'))} / {fmt(start.get('test_top1'))}",
+                         f"{fmt(final.get('val_top1'))} / {fmt(final.get('test_top1'))}", *speed_cells(speed),
+                         f"`{name}`"])
+    return rows
+
+
+def pretrained_summary(data: dict[str, Any]) -> list[str]:
+    rows = pretrained_rows(data)
+    dense = data.get("pretrained.json", {}).get("dense")
+    if not rows:
+        return []
+    head = [f"Dense (linear probe): {fmt(dense['val_top1'])}% val / {fmt(dense['test_top1'])}% test "
+            "(`pretrained.json`)." if dense else "", ""]
+    return head + ["Summary of the bench's method runs (top-1 on 2,000-image class-balanced subsets; "
+                   "start = zero-shot or before retraining):", ""] + table(
+        ["method", "FLOPs vs dense", "start val / test", "final val / test", "throughput b64", "latency b1", "JSON"], rows)
+
+
+SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
+    "pipeline": pipeline_summary, "pretrained": pretrained_summary}
+
+
+def readme_table(data: dict[str, Any]) -> list[str]:
+    """The README's one results table: the main job and the DINOv2 cases, every figure read from its JSON."""
+    rows = []
+    p = data.get("pipeline_fashion_mnist.json")
+    if p:
+        c = p["comparison"]
+        rows.append(["Fashion-MNIST main job (DCS + EViT, retrained)", f"{c['flops_ratio']:.3f}x",
+                     f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
+                     f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", "`pipeline_fashion_mnist.json`"])
+    dense = data.get("pretrained.json", {}).get("dense", {}).get("test_top1")
+    for name, method, label in (("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
+                                ("pretrained_evit.json", "evit", "DINOv2 ViT-S/14, EViT keep 0.7, fine-tuned")):
+        m = data.get(name, {}).get(method)
+        if not m or dense is None:
+            continue
+        final = m.get("finetuned") or m.get("retrained")
+        rows.append([label, f"{m['speed']['flops_ratio']:.3f}x", f"{dense:.2f}% -> {final['test_top1']:.2f}%",
+                     " / ".join(speed_cells(m["speed"])), f"`{name}`"])
+    return table(["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
+                 rows)[:-1]
+
+
+# --------------------------------------------------------------------------------------------- the document
+def render(data: dict[str, Any]) -> str:
+    fams: dict[str, list[str]] = {}
+    for name in data:
+        fams.setdefault(family(name), []).append(name)
+    order = [f for f in FAMILIES if f in fams] + sorted(f for f in fams if f not in FAMILIES)
+    out = ["# Measured results", "",
+           "Generated by `python bench/make_results.py` from `bench/results/*.json` and `*.jsonl` only: do not edit "
+           "by hand (`python bench/make_results.py --check` fails when this file is out of date). Speeds are ratios "
+           "against the dense model measured interleaved in one process (medians); FLOPs count one multiply-add "
+           "as one FLOP, attention matmuls included. The machine of each run is the one recorded in its JSON.", ""]
+    out += ["Contents: " + ", ".join(f"[{FAMILIES.get(f, (f,))[0].split(':')[0].strip('`')}](#{f})" for f in order), ""]
+    for fam in order:
+        title, what = FAMILIES.get(fam, (f"`{fam}*`", "Results without a description in bench/make_results.py."))
+        out += [f'<a id="{fam}"></a>', "", f"## {title}", "", what, ""]
+        if fam in SUMMARIES:
+            out += SUMMARIES[fam](data)
+        for name in sorted(fams[fam]):
+            d = data[name]
+            out += [f"### `{name}`", ""]
+            cmd = find(d, "command") or find(d, "newcomer_command")
+            out += [f"Run: `{cmd}`" if cmd else "Run: the command is not recorded in the JSON.", "",
+                    f"Machine: {machine_line(find(d, 'machine'))}.", ""]
+            if isinstance(d, dict):
+                d = {k: v for k, v in d.items() if k != "command"}
+            out += body(d)
+    while out[-1] == "":
+        out.pop()
+    return "\n".join(out) + "\n"
+
+
+def with_readme_table(readme: str, data: dict[str, Any]) -> str:
+    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+    if start < 0 or end < start:
+        return readme
+    return readme[:start + len(TABLE_START)] + "\n" + "\n".join(readme_table(data)) + "\n" + readme[end:]
+
+
+def read_all() -> dict[str, Any]:
+    """Every result file under bench/results/ (its name there -> its value)."""
+    data = {}
+    for path in sorted(RESULTS.rglob("*.json")) + sorted(RESULTS.rglob("*.jsonl")):
+        name = str(path.relative_to(RESULTS))
+        data[name] = load(path)
+    return dict(sorted(data.items()))
+
+
+def dump(name: str, value: Any, like: str) -> str:
+    """``value`` as the text of result file ``name``, indented as its current text ``like`` is."""
+    if name.endswith(".jsonl"):
+        return "".join(json.dumps(v) + "\n" for v in value)
+    lines = like.splitlines()
+    indent = len(lines[1]) - len(lines[1].lstrip()) if len(lines) > 1 else 0
+    return json.dumps(value, indent=indent or None) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="change nothing; exit 1 when a document is out of date")
+    args = ap.parse_args(argv)
+    data = read_all()
+    problems = []
+    for name, value in data.items():  # machine paths: scrubbed in place, or reported by --check
+        clean = relative_paths(value)
+        if clean != value:
+            if args.check:
+                problems.append(f"bench/results/{name} holds a path of the machine it ran on: "
+                                "run python bench/make_results.py to make it relative")
+            else:
+                path = RESULTS / name
+                path.write_text(dump(name, clean, path.read_text()))
+                data[name] = clean
+    doc = render(data)
+    readme = README.read_text()
+    new_readme = with_readme_table(readme, data)
+    if args.check:
+        if not DOC.is_file() or DOC.read_text() != doc:
+            problems.append("docs/results.md is out of date: run python bench/make_results.py")
+        if new_readme != readme:
+            problems.append("the README's results table is out of date: run python bench/make_results.py")
+        for p in problems:
+            print(p, file=sys.stderr)
+        return 1 if problems else 0
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(doc)
+    README.write_text(new_readme)
+    print(f"wrote {DOC.relative_to(ROOT)} ({len(data)} result files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
