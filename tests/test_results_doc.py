@@ -74,3 +74,9 @@ def test_repository_holds_no_machine_path():
         if path.is_file() and bad.search(path.read_bytes()):
             hits.append(name.decode())
     assert not hits, f"machine paths in {hits}"
+
+
+def test_readme_cli_reference_matches_the_app():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "cli_reference.py"), "--check"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
