@@ -196,10 +196,13 @@ def family(name: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------- summary tables
+def ratio(v: Any, digits: int = 2) -> str:
+    return f"{v:.{digits}f}x" if isinstance(v, (int, float)) and not isinstance(v, bool) else "-"
+
+
 def speed_cells(speed: dict | None) -> list[str]:
-    if not speed:
-        return ["-", "-"]
-    return [f"{speed['throughput_speedup_batch64']:.2f}x", f"{speed['latency_speedup_batch1']:.2f}x"]
+    speed = speed if isinstance(speed, dict) else {}
+    return [ratio(speed.get("throughput_speedup_batch64")), ratio(speed.get("latency_speedup_batch1"))]
 
 
 def pipeline_summary(data: dict[str, Any]) -> list[str]:
@@ -232,8 +235,8 @@ def pretrained_rows(data: dict[str, Any]) -> list[list[str]]:
             final = m.get("finetuned") or m.get("retrained") or {}
             speed = m.get("speed")
             cfg = ", ".join(f"{k} {v}" for k, v in (m.get("config") or {}).items()) or \
-                (f"target {m['search']['target_flops']}" if "search" in m else "")
-            rows.append([f"{method} {cfg}".strip(), f"{speed['flops_ratio']:.3f}x" if speed else "-",
+                (f"target {m['search'].get('target_flops')}" if isinstance(m.get("search"), dict) else "")
+            rows.append([f"{method} {cfg}".strip(), ratio((speed or {}).get("flops_ratio"), 3),
                          f"{fmt(start.get('val_top1'))} / {fmt(start.get('test_top1'))}",
                          f"{fmt(final.get('val_top1'))} / {fmt(final.get('test_top1'))}", *speed_cells(speed),
                          f"`{name}`"])
@@ -294,7 +297,10 @@ def render(data: dict[str, Any]) -> str:
         title, what = FAMILIES.get(fam, (f"`{fam}*`", "Results without a description in bench/make_results.py."))
         out += [f'<a id="{fam}"></a>', "", f"## {title}", "", what, ""]
         if fam in SUMMARIES:
-            out += SUMMARIES[fam](data)
+            try:
+                out += SUMMARIES[fam](data)
+            except (KeyError, TypeError, ValueError) as e:  # a new file of the family with another layout
+                out += [f"(No summary table: a file of this family lacks the field {e}.)", ""]
         for name in sorted(fams[fam]):
             d = data[name]
             out += [f"### `{name}`", ""]
