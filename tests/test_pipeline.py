@@ -115,7 +115,7 @@ def test_a_finished_pipeline_is_not_rerun(ref):
 
 def _cli(cfg: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "nascompress.cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
