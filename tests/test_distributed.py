@@ -7,6 +7,7 @@ A 2-process run killed after its first checkpoint resumes to exactly the uninter
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -197,6 +198,8 @@ def ddp_group(tmp_path, monkeypatch):
         def __init__(self, module, **kwargs):
             super().__init__(module, **kwargs)
             built.append((self, {n for n, p in module.named_parameters() if p.requires_grad}))
+
+    Recorded.__signature__ = inspect.signature(real)  # nascompress.distributed reads DDP's keywords
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", Recorded)
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
