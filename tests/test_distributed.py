@@ -2,8 +2,10 @@
 ``retrain`` and ``search dcs`` each finish, write their run once (rank 0), keep the two processes'
 states identical (``NASCOMPRESS_CHECK_SYNC=1`` makes fit compare them after every epoch and log
 the digest) and train what one process trains on the global batch: 2 processes x batch 16 give
-the weights of 1 process x batch 32 (same images per step, averaged gradients), up to rounding.
-A 2-process run killed after its first checkpoint resumes to exactly the uninterrupted result.
+the weights of 1 process x batch 32 (same images per step, gradients averaged by DDP), up to
+rounding. A 2-process run killed after its first checkpoint resumes to exactly the uninterrupted
+result. The gradients go through torch's DistributedDataParallel (DDP logs its construction on
+every rank); in one process, a one-process gloo group covers every recipe's use of DDP.
 """
 from __future__ import annotations
 
