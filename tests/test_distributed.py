@@ -45,11 +45,18 @@ def torchrun_env() -> dict[str, str]:
     return dict(env, OMP_NUM_THREADS="1", NASCOMPRESS_CHECK_SYNC="1")
 
 
-def torchrun(*args) -> str:
-    """Run the CLI in 2 processes; return its stdout (rank 0's results)."""
-    res = subprocess.run(torchrun_cmd(*args), cwd=ROOT, env=torchrun_env(), capture_output=True, text=True,
-                         timeout=300)
+def torchrun(*args, ddp_wrappers: int | None = 1) -> str:
+    """Run the CLI in 2 processes; return its stdout (rank 0's results). The gradients must go
+    through ``ddp_wrappers`` DistributedDataParallel wrappers of the loss step on each rank (DDP's
+    own log of its construction, TORCH_DISTRIBUTED_DEBUG=INFO; None: not checked)."""
+    env = dict(torchrun_env(), TORCH_DISTRIBUTED_DEBUG="INFO", TORCH_CPP_LOG_LEVEL="INFO")
+    res = subprocess.run(torchrun_cmd(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for rank in (0, 1) if ddp_wrappers is not None else ():
+        built = res.stderr.split(f"[Rank {rank}]: DDP Initialized with:")[1:]
+        assert len(built) == ddp_wrappers, res.stderr[-3000:]
+        assert all("module_name: LossStep" in b and "world_size: 2" in b and "find_unused_parameters: 0" in b
+                   for b in built)
     return res.stdout
 
 
@@ -140,7 +147,7 @@ def test_a_killed_two_process_run_resumes_to_the_same_result(dense2, tmp_path):
         os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both workers
         proc.wait()
     assert not (out / "metrics.json").exists()  # interrupted before the end
-    torchrun(*train_args(out, 16), "--resume")
+    torchrun(*train_args(out, 16), "--resume", ddp_wrappers=None)  # none if it was killed after the last epoch
     check_run(out, epochs=3)
     assert_same_weights(out, dense2, atol=0)  # resume replays the uninterrupted run exactly
 
@@ -173,7 +180,7 @@ def test_search_dcs_shards_both_subsets(dense2, tmp_path):
     out = tmp_path / "search"
     args = ["--epochs", 2, "--base-lr", 1e-3, "--arch-lr", 0.1, "--alpha-init", 0.5, "--target-flops", 0.7,
             "--device", "cpu"]
-    torchrun("search", "dcs", dense2, "--out", out, "--batch-size", 16, *args)
+    torchrun("search", "dcs", dense2, "--out", out, "--batch-size", 16, *args, ddp_wrappers=2)  # W- and arch-steps
     metrics = check_run(out, epochs=2)
     one = one_process("search", "dcs", dense2, "--out", tmp_path / "one", "--batch-size", 32, *args)
     assert_same_weights(out, one, atol=1e-3)  # the gates' Gumbel draws are shared, as in one process
