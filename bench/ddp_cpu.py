@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -70,9 +71,11 @@ def main() -> None:
                 runs[name].append(one_run(root, Path(tmp) / f"{name}{r}", train_limit=args.train_limit, procs=PROCS))
                 print(name, r, runs[name][-1], flush=True)
     med = {k: statistics.median(x["step_ms"] for x in v) for k, v in runs.items()}
-    result = {**header(), "what": f"step time of the main job's dense model, {PROCS} gloo processes x batch "
+    head = header()  # the baseline checkout's path is this machine's: the command names its commit instead
+    head["command"] = head["command"].replace(shlex.quote(str(args.before_root)), f"<checkout of {commit(roots['before'])}>")
+    result = {**head, "what": f"step time of the main job's dense model, {PROCS} gloo processes x batch "
                                   f"{GLOBAL_BATCH // PROCS} (global {GLOBAL_BATCH}), 1 thread each, one epoch of "
-                                  f"{args.train_limit} Fashion-MNIST images (90% trained on), medians of "
+                                  f"{args.train_limit} Fashion-MNIST training images, medians of "
                                   f"{args.rounds} interleaved rounds",
               "commits": {k: commit(v) for k, v in roots.items()},
               "step_ms": med, "after_over_before": med["after"] / med["before"], "runs": runs}
