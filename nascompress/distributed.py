@@ -31,9 +31,12 @@ How :func:`~nascompress.train.fit` divides the work:
   recipe that leaves one out without saying so stops after its first step with one line naming
   the parameters. Buffers are not re-broadcast every forward (``forward_sync_buffers=False``):
   every rank applies the same updates, which ``NASCOMPRESS_CHECK_SYNC=1`` verifies.
+  The short predictor-only stages before a token method's fine-tune (``calibrate``, their own
+  small loop) are not data-parallel: every rank runs them on the same batches with the same seed.
   Only the student is wrapped: teachers run under ``no_grad`` beside it, on every rank. The
-  weights start equal (:func:`broadcast_model` before the first evaluation) and every rank runs
-  the same clip and AdamW update on the same averaged gradients, so they stay equal.
+  weights start equal (:func:`broadcast_model` at the start of fit, before the first evaluation:
+  it also evens out what non-deterministic GPU kernels may have made of those stages) and every
+  rank runs the same clip and AdamW update on the same averaged gradients, so they stay equal.
 * **Randomness**: every rank is seeded alike (the job's ``--seed``). Draws made once per step,
   such as DCS's Gumbel gate samples, are then shared, as one process with the global batch
   would draw them once; per-image draws (dropout, drop-path) repeat across the ranks' different
