@@ -1,5 +1,5 @@
 """Data-parallel training over the processes that ``torchrun`` starts (one per GPU, or a few CPU
-processes with gloo): ``torchrun --nproc-per-node N -m cli.main train ...``.
+processes with gloo): ``torchrun --nproc-per-node N -m nascompress.cli.main train ...``.
 
 torchrun sets ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; :func:`init` reads them and joins the
 process group (backend ``nccl`` when the job trains on CUDA, ``gloo`` otherwise; device

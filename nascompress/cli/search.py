@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
