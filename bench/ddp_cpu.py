@@ -44,7 +44,8 @@ def one_run(root: Path, out: Path, *, train_limit: int, procs: int) -> dict:
     env.update(PYTHONPATH=str(root), OMP_NUM_THREADS="1")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)] \
         if procs > 1 else [sys.executable]
-    cmd = [*launch, "-m", "cli.main", "train", "--out", str(out), *MODEL, "--dataset", "fashion-mnist",
+    cli = "nascompress.cli.main" if (root / "nascompress" / "cli" / "main.py").is_file() else "cli.main"  # older checkouts
+    cmd = [*launch, "-m", cli, "train", "--out", str(out), *MODEL, "--dataset", "fashion-mnist",
            "--train-limit", str(train_limit), "--eval-limit", "256", "--epochs", "1",
            "--batch-size", str(GLOBAL_BATCH // procs), "--lr", "1e-3", "--device", "cpu", "--num-workers", "0"]
     res = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
