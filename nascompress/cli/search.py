@@ -195,7 +195,7 @@ def _outer_search(kind: str, default_space: str):
 
 
 # the project's shipped spaces, wherever the command runs from (setup.sh installs the checkout in place)
-SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+SPACES = Path(__file__).resolve().parents[2] / "search_spaces"  # the repository's search_spaces/
 search_app.command("tokens")(_outer_search("tokens", str(SPACES / "evit.yaml")))
 search_app.command("joint")(_outer_search("joint", str(SPACES / "joint.yaml")))
 
