@@ -39,6 +39,7 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "faults": ("Faults and refusals", "`bench/faults.py`: what each fault does to a run and what the user sees."),
     "gpu": ("GPU", "`bench/gpu.py`: every method against dense in fp32 and bf16, eager and compiled."),
     "qk": ("Narrowed Q/K layouts", "`bench/qk_layout.py`: how narrowed Q/K heads reach the attention kernel."),
+    "ddp": ("Data parallelism", "`bench/ddp_cpu.py`: step time of 2-process gloo training, this code against another checkout."),
     "export": ("Export", "`bench/export.py`: exported files against PyTorch."),
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
 }

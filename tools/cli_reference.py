@@ -40,7 +40,7 @@ def row(name: str, cmd: Any) -> str:
 def reference() -> str:
     import typer
 
-    from cli.main import app
+    from nascompress.cli.main import app
 
     rows = [row(name, cmd) for name, cmd in commands(typer.main.get_command(app))]
     return "\n".join(["| command | what it does | options |", "|---|---|---|", *rows])
