@@ -278,6 +278,10 @@ def readme_table(data: dict[str, Any]) -> list[str]:
         final = m.get("finetuned") or m.get("retrained")
         rows.append([label, f"{m['speed']['flops_ratio']:.3f}x", f"{dense:.2f}% -> {final['test_top1']:.2f}%",
                      " / ".join(speed_cells(m["speed"])), f"`{name}`"])
+    ft = data.get("pretrained_dense_finetuned_metrics.json")
+    if ft and dense is not None:
+        rows.append(["DINOv2 ViT-S/14 dense, fine-tuned as EViT (the fair reference)", "1.000x",
+                     f"{dense:.2f}% -> {ft['test_top1']:.2f}%", "-", "`pretrained_dense_finetuned_metrics.json`"])
     return table(["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
                  rows)[:-1]
 
