@@ -102,10 +102,10 @@ class Ran:
 
 
 class Table:
-    def __init__(self, work: Path, only: str | None) -> None:
+    def __init__(self, work: Path, only: str | None, *, mount: bool = True) -> None:
         self.work, self.only, self.cases = work, only, []
         self.mounts: list[Path] = []
-        self.can_mount = self._try_mount()
+        self.can_mount = mount and self._try_mount()
 
     # -- running commands ----------------------------------------------------------------------
     def nc(self, args: list[Any], cwd: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
@@ -136,6 +136,10 @@ class Table:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
 
+    def scrub(self, text: str, d: Path) -> str:
+        """No machine path in the results: the case's folder is '.', the scratch folder <work>."""
+        return text.replace(str(d) + "/", "").replace(str(d), ".").replace(str(self.work), "<work>")
+
     # -- shared runs -----------------------------------------------------------------------------
     def base_run(self) -> Path:
         """A tiny dense run (one epoch) every search starts from (made once)."""
@@ -146,6 +150,16 @@ class Table:
             assert r.rc == 0, r.err[-2000:]
         return b
 
+    def command(self, kind: str) -> list[Any]:
+        """The killed commands (run in a case's folder): train, search (dcs), study (tokens), pipeline."""
+        base = self.base_run() if kind in ("search", "study") else None
+        return {"train": ["train", "--out", "run", "--epochs", "3", *TINY],
+                "search": ["search", "dcs", base, "--out", "run", "--epochs", "3", "--target-flops", "0.8",
+                           "--batch-size", "32", "--device", "cpu"],
+                "study": ["search", "tokens", base, "--study", "s", "--storage", "sqlite:///s.db", "--trials", "12",
+                          *STUDY],
+                "pipeline": ["pipeline", "p.yaml", "--out", "run"]}[kind]
+
     def reference(self, kind: str) -> Path:
         """An uninterrupted run of each killed command (made once): train, search, study, pipeline."""
         d = self.work / f"reference-{kind}"
@@ -155,14 +169,7 @@ class Table:
         d.mkdir(parents=True)
         (d / "space.yaml").write_text(SPACE)
         (d / "p.yaml").write_text(PIPELINE)
-        base = self.base_run() if kind in ("search", "study") else None
-        cmds = {"train": ["train", "--out", "run", "--epochs", "3", *TINY],
-                "search": ["search", "dcs", base, "--out", "run", "--epochs", "3", "--target-flops", "0.8",
-                           "--batch-size", "32", "--device", "cpu"],
-                "study": ["search", "tokens", base, "--study", "s", "--storage", "sqlite:///s.db", "--trials", "6",
-                          *STUDY],
-                "pipeline": ["pipeline", "p.yaml", "--out", "run"]}
-        r = self.nc(cmds[kind], d, timeout=600)
+        r = self.nc(self.command(kind), d, timeout=600)
         assert r.rc == 0, r.err[-2000:]
         (d / "finished").touch()
         return d
@@ -183,6 +190,10 @@ class Table:
         opts = f"size={size}" + (",ro" if ro else "")
         subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], check=True)
         self.mounts.append(d)
+
+    def grow(self, d: Path) -> None:
+        """Free space: the tmpfs at ``d`` grows to 64 MiB (its files stay)."""
+        subprocess.run(["mount", "-o", "remount,size=64m", str(d)], check=True)
 
     def read_only(self, d: Path) -> None:
         """Remount the existing folder ``d`` read-only (a bind mount on itself)."""
@@ -213,8 +224,8 @@ class Table:
             finally:
                 self.unmount_all()
             c.seconds = round(time.perf_counter() - t0, 1)
-            c.command = c.command.replace(str(d) + "/", "").replace(str(d), ".")
-            c.error_line = None if c.error_line is None else c.error_line.replace(str(d) + "/", "").replace(str(d), ".")
+            c.command, c.error_line, c.note = (None if x is None else self.scrub(x, d)
+                                               for x in (c.command, c.error_line, c.note))
             self.cases.append(c)
             print(f"{name:38s} {c.outcome:20s} rc={c.exit_code} {c.seconds:6.1f}s  {c.error_line or c.note}",
                   flush=True)
@@ -278,7 +289,10 @@ def study_trials(db: Path, name: str) -> list[tuple]:
     """(number, state, params, values) of every trial, straight from the SQLite file."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
     try:
-        sid = con.execute("select study_id from studies where study_name=?", (name,)).fetchone()[0]
+        row = con.execute("select study_id from studies where study_name=?", (name,)).fetchone()
+        if row is None:
+            return []
+        sid = row[0]
         rows = con.execute("select trial_id, number, state from trials where study_id=? order by number",
                            (sid,)).fetchall()
         out = []
@@ -302,35 +316,26 @@ def complete(trials: list[tuple]) -> list[tuple]:
 
 
 def kill_cases(t: Table) -> None:
-    reference, base_run = t.reference, lambda: str(t.base_run())
+    reference = t.reference
 
-    @t.case("kill-train-mid-epoch", "kill -9", "rerun with --resume gives the uninterrupted run's weights")
-    def _(c: Case, d: Path) -> None:
-        cmd = ["train", "--out", "run", "--epochs", "3", *TINY]
-        c.command = "nascompress " + " ".join(cmd) + "  (kill -9 after epoch 1's checkpoint; rerun with --resume)"
-        killed = t.kill_when(cmd, d, lambda: (d / "run" / "checkpoint.safetensors").is_file())
-        r = t.nc(cmd + ["--resume"], d)
-        c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
-        same = tensors_equal(d / "run" / "model.safetensors", reference("train") / "run" / "model.safetensors")
-        c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
-        c.data_lost = r.rc != 0
-
-    @t.case("kill-search-dcs-mid-epoch", "kill -9", "rerun with --resume gives the uninterrupted search")
-    def _(c: Case, d: Path) -> None:
-        cmd = ["search", "dcs", base_run(), "--out", "run", "--epochs", "3", "--target-flops", "0.8",
-               "--batch-size", "32", "--device", "cpu"]
-        c.command = "nascompress search dcs BASE --out run --epochs 3 --target-flops 0.8  (kill -9 after epoch 1; --resume)"
-        killed = t.kill_when(cmd, d, lambda: (d / "run" / "checkpoint.safetensors").is_file())
-        r = t.nc(cmd + ["--resume"], d)
-        c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
-        same = tensors_equal(d / "run" / "model.safetensors", reference("search") / "run" / "model.safetensors")
-        c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
-        c.data_lost = r.rc != 0
+    for kind, name, shown in (("train", "kill-train-mid-epoch", "train --out run --epochs 3 (tiny ViT)"),
+                              ("search", "kill-search-dcs-mid-epoch",
+                               "search dcs BASE --out run --epochs 3 --target-flops 0.8")):
+        @t.case(name, "kill -9", "rerun with --resume gives the uninterrupted run's weights")
+        def _(c: Case, d: Path, kind: str = kind, shown: str = shown) -> None:
+            cmd = t.command(kind)
+            c.command = f"nascompress {shown}  (kill -9 after epoch 1's checkpoint; rerun with --resume)"
+            killed = t.kill_when(cmd, d, lambda: (d / "run" / "checkpoint.safetensors").is_file())
+            r = t.nc(cmd + ["--resume"], d)
+            c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
+            same = tensors_equal(d / "run" / "model.safetensors", reference(kind) / "run" / "model.safetensors")
+            c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
+            c.data_lost = r.rc != 0
 
     @t.case("kill-study-mid-trial", "kill -9", "the same command continues the same sequence of trials")
     def _(c: Case, d: Path) -> None:
-        cmd = ["search", "tokens", base_run(), "--study", "s", "--storage", "sqlite:///s.db", "--trials", "6", *STUDY]
-        c.command = "nascompress search tokens BASE --study s --trials 6 ...  (kill -9 after 3 trials; rerun)"
+        cmd = t.command("study")
+        c.command = "nascompress search tokens BASE --study s --trials 12 ...  (kill -9 after 3 trials; rerun)"
 
         def three_done() -> bool:
             try:
@@ -358,7 +363,7 @@ def kill_cases(t: Table) -> None:
         @t.case(f"kill-pipeline-{stage}", "kill -9", "rerunning the same command gives the uninterrupted result")
         def _(c: Case, d: Path, ready: Callable[[Path], bool] = ready, stage: str = stage) -> None:
             (d / "p.yaml").write_text(PIPELINE)
-            cmd = ["pipeline", "p.yaml", "--out", "run"]
+            cmd = t.command("pipeline")
             c.command = f"nascompress pipeline p.yaml --out run  (kill -9 during {stage}; rerun)"
             killed = t.kill_when(cmd, d, lambda: ready(d / "run"))
             done_before = {p.name: digest(p) for p in (d / "run" / "done").glob("*.json")} if killed else {}
@@ -506,7 +511,7 @@ def disk_cases(t: Table) -> None:
 
     def needs_mount(c: Case) -> bool:
         if not t.can_mount:
-            c.outcome, c.how = "not run", "mount -t tmpfs is not permitted here"
+            c.outcome, c.how = "not run", "no tmpfs (mount not permitted here, or --no-mount)"
         return t.can_mount
 
     @t.case("read-only-train-out", "read-only output", "one line: the output is not writable; nothing written")
@@ -551,51 +556,65 @@ def disk_cases(t: Table) -> None:
         if needs_mount(c):
             t.tmpfs(d / "small", size="96k")
             c.how = "tmpfs of 96 KiB"
-            args = ["train", "--out", "small/run", "--epochs", "2", *TINY]
-            c.command = "nascompress " + " ".join(args)
+            args = ["train", "--out", "small/run", "--epochs", "3", *TINY]
+            c.command = "nascompress " + " ".join(args) + "  (then: more space, rerun with --resume)"
             judge_refusal(c, t.nc(args, d), "no space")
             c.partial_outputs = finished_outputs(d, set())
+            t.grow(d / "small")
+            r = t.nc(args + ["--resume"], d)
+            same = tensors_equal(d / "small" / "run" / "model.safetensors",
+                                 t.reference("train") / "run" / "model.safetensors")
+            c.note = ("with more space, --resume finished it " + ("with the uninterrupted run's weights" if same else
+                      "with other weights")) if r.rc == 0 else f"with more space, --resume failed: {error_line(r)}"
 
     @t.case("full-disk-pipeline", "full disk", "one line: no space left; the finished steps kept")
     def _(c: Case, d: Path) -> None:
         if needs_mount(c):
             (d / "p.yaml").write_text(PIPELINE)
-            t.tmpfs(d / "small", size="600k")
-            c.how = "tmpfs of 600 KiB"
+            t.tmpfs(d / "small", size="1200k")
+            c.how = "tmpfs of 1200 KiB"
             args = ["pipeline", "p.yaml", "--out", "small/run"]
-            c.command = "nascompress " + " ".join(args)
+            c.command = "nascompress " + " ".join(args) + "  (then: more space, the same command)"
             judge_refusal(c, t.nc(args, d, timeout=600), "no space")
             c.partial_outputs = [p for p in finished_outputs(d, set()) if not (d / p / "metrics.json").is_file()]
+            done = {p.name: digest(p) for p in (d / "small" / "run" / "done").glob("*.json")}
+            t.grow(d / "small")
+            r = t.nc(args, d, timeout=600)
+            want = t.reference("pipeline") / "run" / "final" / "model.safetensors"
+            same = tensors_equal(d / "small" / "run" / "final" / "model.safetensors", want)
+            c.data_lost = any(digest(d / "small" / "run" / "done" / n) != h for n, h in done.items())
+            c.note = (f"{len(done)} steps done when the disk filled; with more space the same command "
+                      + ("finished with the uninterrupted run's final weights" if r.rc == 0 and same else
+                         f"ended with exit code {r.rc}, same weights: {same}"))
 
     @t.case("full-disk-study-storage", "full disk", "one line: the storage is full; moved to a bigger disk, "
                                                      "the same command continues the same trials")
     def _(c: Case, d: Path) -> None:
         ref_db = t.reference("study") / "s.db"
-        cmd = ["search", "tokens", str(base), "--study", "s", "--trials", "6", *STUDY]
+        cmd = ["search", "tokens", str(base), "--study", "s", "--trials", "12", *STUDY]
         pages = None
         if t.can_mount:
-            t.tmpfs(d / "small", size="112k")
-            c.how = "tmpfs of 112 KiB"
+            t.tmpfs(d / "small", size="136k")
+            c.how = "tmpfs of 136 KiB"
             db = d / "small" / "s.db"
         else:
             c.how = "simulated: SQLite max_page_count"
             db = d / "s.db"
-            pages = 30
+            pages = 29
         args = cmd + ["--storage", f"sqlite:///{db.relative_to(d)}"]
-        c.command = "nascompress " + " ".join(args[:5]) + " ... --storage sqlite:///" + str(db.relative_to(d))
+        c.command = ("nascompress search tokens BASE --study s --trials 12 ... --storage sqlite:///"
+                     f"{db.relative_to(d)}  (then: more space, the same command)")
         judge_refusal(c, t.nc(args, d, small_sqlite=pages), "no space")
-        refused = c.outcome
         before = complete(study_trials(db, "s"))
-        shutil.copy(db, d / "big.db")
-        t.unmount_all()
-        r = t.nc(cmd + ["--storage", "sqlite:///big.db"], d)
-        after, want = complete(study_trials(d / "big.db", "s")), complete(study_trials(ref_db, "s"))
+        if t.can_mount:
+            t.grow(d / "small")
+        r = t.nc(args, d)  # the same command, with room
+        after, want = complete(study_trials(db, "s")), complete(study_trials(ref_db, "s"))
         strip = lambda ts: [(p, [round(v, 9) for v in vals]) for _, _, p, vals in ts]  # noqa: E731
         c.data_lost = not set(map(str, strip(before))) <= set(map(str, strip(after)))
-        c.note = (f"{len(before)} trials complete when the disk filled; on a bigger disk the rerun "
+        c.note = (f"{len(before)} trials complete when the disk filled; with more space the same command "
                   + ("gave the uninterrupted study's trials" if r.rc == 0 and strip(after) == strip(want)
                      else "differed from the uninterrupted study"))
-        c.outcome = refused
 
     @t.case("read-only-study-storage", "unwritable study storage", "one line: the storage cannot be written")
     def _(c: Case, d: Path) -> None:
@@ -666,10 +685,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
     ap.add_argument("--only", default=None, help="Run the cases whose name contains this (or of this category).")
     ap.add_argument("--keep", action="store_true", help="Keep the scratch folder.")
+    ap.add_argument("--no-mount", action="store_true",
+                    help="Do not mount tmpfs (what runs where mounting is not permitted: simulated or not run).")
     args = ap.parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="nascompress-faults-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    t = Table(work, args.only)
+    t = Table(work, args.only, mount=not args.no_mount)
     t0 = time.perf_counter()
     try:
         kill_cases(t)
