@@ -12,7 +12,8 @@ timed interleaved in one process (medians), against the dense block (no selectio
 * ``compiled``: ``torch.compile`` (Inductor) of the module's form, which can fuse the gather into
   LN2 and the scatter into the residual add.
 
-Kept channels are chosen by weight magnitude (the share given) through the method's own
+Kept channels are chosen by weight magnitude (the share given, the count rounded to ``--align``:
+8, what the aligned DCS materialization keeps, and 1, the exact count) through the method's own
 materialize path (``methods.dcs.slice_mlp``). Every form is checked equal to ``gather_2d``.
 
     python bench/dcs_gather.py --out bench/results/dcs_gather_cpu.json
@@ -28,7 +29,7 @@ from _common import header, save  # noqa: E402  (puts the repository on sys.path
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
-from nascompress.layers import to_core  # noqa: E402
+from nascompress.layers import NCBlock, aligned_width, to_core  # noqa: E402
 from nascompress.methods.dcs import channel_importance, slice_mlp  # noqa: E402
 from nascompress.models import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
@@ -38,16 +39,16 @@ CASES = [("main job (96 wide, 50 tokens)", 96, 3, 50, (1, 64)),
          ("DeiT-S (384 wide, 197 tokens)", 384, 6, 197, (1, 64))]
 
 
-def block_pair(dim: int, heads: int, keep: float, seed: int = 0):
+def block_pair(dim: int, heads: int, keep: float, align: int, seed: int = 0):
     """(dense block, materialized block) of a ViT with ``dim`` channels, ``keep`` of its MLP's
-    residual channels kept (largest weight-magnitude importance)."""
+    residual channels kept (largest weight-magnitude importance; the count rounded up to ``align``)."""
     torch.manual_seed(seed)
     m = build_model(ModelSpec("vit_tiny_patch16_224", dict(embed_dim=dim, num_heads=heads, depth=1, num_classes=10,
                                                            img_size=32, patch_size=4, init_values=0.1)))
     blk = to_core(m, method="dcs").blocks[0].eval()
     dense = copy.deepcopy(blk)
     imp, _ = channel_importance(blk)
-    k = round(keep * dim)
+    k = aligned_width(round(keep * dim), align=align, full=dim)
     slice_mlp(blk, imp.topk(k).indices.sort().values.tolist())
     return dense, blk
 
@@ -76,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results/dcs_gather_cpu.json")
     ap.add_argument("--keep", default="0.6,0.8", help="shares of the residual channels the MLP keeps")
+    ap.add_argument("--align", default="8,1", help="kept counts rounded up to these multiples")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--no-compile", action="store_true")
@@ -86,11 +88,9 @@ def main() -> None:
     res.update(iters=args.iters, rows=[])
     t0 = time.perf_counter()
     for label, dim, heads, tokens, batches in CASES:
-        for keep in (float(v) for v in args.keep.split(",")):
-            dense, mat = block_pair(dim, heads, keep)
+        for keep, align in ((float(k), int(a)) for k in args.keep.split(",") for a in args.align.split(",")):
+            dense, mat = block_pair(dim, heads, keep, align)
             fold = folded(mat)
-            from nascompress.layers import NCBlock
-
             fold.__class__ = NCBlock  # the plain MLP half over full-width weights
             forms = {
                 "dense": dense.mlp_half,
@@ -112,13 +112,13 @@ def main() -> None:
                 times = time_models(fns, x, warmup=3, iters=args.iters)
                 clone_t = time_models([lambda x: x.clone()], x, warmup=2, iters=args.iters)[0]
                 row = {"case": label, "batch": B, "tokens": tokens, "width": dim, "kept": int(mat.mlp_keep.numel()),
-                       "keep_share": keep, "clone_ms": clone_t * 1e3,
+                       "keep_share": keep, "align": align, "clone_ms": clone_t * 1e3,
                        "ms": {k: t * 1e3 for k, t in zip(names, times)},
                        "speedup_vs_dense": {k: times[0] / t for k, t in zip(names, times)},
                        "max_abs_diff_vs_gather_2d": diffs}
                 row["fastest_selection_form"] = min((k for k in names if k != "dense"), key=lambda k: row["ms"][k])
                 res["rows"].append(row)
-                print(label, f"B={B} keep={keep}:", {k: round(v, 3) for k, v in row["ms"].items()},
+                print(label, f"B={B} keep={keep} kept={row['kept']}:", {k: round(v, 3) for k, v in row["ms"].items()},
                       "fastest", row["fastest_selection_form"], flush=True)
     res["wall_s"] = time.perf_counter() - t0
     save(args.out, res)

@@ -62,7 +62,8 @@ def dcs_from_importance(dense: torch.nn.Module, importance: list, share: float, 
     cfg = DCSConfig(qk_mask="static")
     sup, _ = get_method("dcs").prepare_fresh(copy.deepcopy(dense), cfg)
     with torch.no_grad():
-        for blk, (mlp_imp, qk_imp) in zip(sup.blocks, importance):
+        for blk, imp in zip(sup.blocks, importance):
+            mlp_imp, qk_imp = imp.mlp(cfg.mlp_gates), imp.qk  # methods.dcs_importance.ChannelImportance
             C = mlp_imp.numel()
             k = aligned_width(max(1, round(share * C)), align=align, full=C)
             alpha = torch.full((C,), -1.0)

@@ -1,5 +1,5 @@
 """Data-parallel training over the processes that ``torchrun`` starts (one per GPU, or a few CPU
-processes with gloo): ``torchrun --nproc-per-node N -m cli.main train ...``.
+processes with gloo): ``torchrun --nproc-per-node N -m nascompress.cli.main train ...``.
 
 torchrun sets ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK``; :func:`init` reads them and joins the
 process group (backend ``nccl`` when the job trains on CUDA, ``gloo`` otherwise; device
@@ -9,23 +9,34 @@ does nothing, so a single process runs exactly as before.
 
 How :func:`~nascompress.train.fit` divides the work:
 
-* **Gradients: an explicit all-reduce, not DistributedDataParallel.** DDP synchronises only the
-  gradients of calls through its own ``forward``, but the recipes call other methods of the model
-  (``forward_features``/``forward_head`` for distillation, ``forward_both`` for MG-ViT), read
-  state it does not know (``dvit_state``, ``dcs_state``) and switch ``requires_grad`` per step
-  (DCS's alternating weight/architecture steps), which DDP's fixed reducer does not allow. So
-  after ``backward`` every rank averages its gradients with the others' (:func:`sync_grads`,
-  bucketed all-reduces), then clips and steps. For synchronous SGD this is what DDP computes:
-  each rank's loss is a mean over its ``batch_size`` images, so the average is the gradient of
-  the mean over the global batch of ``batch_size x world`` images. It does not overlap the
-  communication with the backward pass as DDP does; the price is one all-reduce of the gradients
-  per step, paid after the backward instead of during it. It works with any hook. A parameter
-  that has a gradient on some rank but not on another (a data-dependent path) gets zeros on the
-  rank without; one with a gradient on no rank (e.g. the architecture logits on DCS weight
-  steps, frozen by ``requires_grad``) stays without, as in one process, so AdamW skips it on
-  every rank. Every rank runs the same steps with the same tags in the same order, and the
-  same clip and AdamW update on the same averaged gradients, so the weights stay identical;
-  :func:`broadcast_model` copies rank 0's weights to every rank once at the start.
+* **Gradients: torch's DistributedDataParallel** (:class:`DataParallel`). A recipe's step is
+  ``hooks.loss(model, x, y, ...)``, which may call other methods of the model than ``forward``
+  (``forward_features``/``forward_head`` for distillation, ``forward_both`` for MG-ViT) and read
+  its state (``dvit_state``, ``dcs_state``). So the step itself is made the forward of one module
+  (:class:`LossStep`: the model and the loss function, no teacher), and that module is what DDP
+  wraps: DDP sees one forward per backward, and its reducer all-reduces the gradients in buckets
+  while the backward pass is still running (each rank's loss is a mean over its ``batch_size``
+  images, so the average is the gradient of the mean over the global batch of ``batch_size x
+  world`` images). The checkpoints hold the unwrapped model's weights (no ``module.`` prefix).
+
+  DDP's reducer manages the parameters that require a gradient when it is built, and expects each
+  of them to get one in every backward. Recipes switch ``requires_grad`` between steps: DCS's
+  weight steps (the weights) and architecture steps (the architecture logits), DynamicViT's and
+  Sparsifiner's predictor-only stages. Each such set of trainable parameters gets its own DDP
+  wrapper of the same :class:`LossStep`, built when the set first occurs: a DCS architecture step
+  then all-reduces the architecture logits only, not the frozen weights' zeros, and no graph walk
+  is needed. ``find_unused_parameters`` (a walk of the autograd graph every step) is set only for
+  a recipe that says a step may leave trainable parameters out (``TrainHooks.unused_parameters``,
+  e.g. DynamicViT with a stage that keeps every token, whose predictor then does not run); a
+  recipe that leaves one out without saying so stops after its first step with one line naming
+  the parameters. Buffers are not re-broadcast every forward (``forward_sync_buffers=False``):
+  every rank applies the same updates, which ``NASCOMPRESS_CHECK_SYNC=1`` verifies.
+  The short predictor-only stages before a token method's fine-tune (``calibrate``, their own
+  small loop) are not data-parallel: every rank runs them on the same batches with the same seed.
+  Only the student is wrapped: teachers run under ``no_grad`` beside it, on every rank. The
+  weights start equal (:func:`broadcast_model` at the start of fit, before the first evaluation:
+  it also evens out what non-deterministic GPU kernels may have made of those stages) and every
+  rank runs the same clip and AdamW update on the same averaged gradients, so they stay equal.
 * **Randomness**: every rank is seeded alike (the job's ``--seed``). Draws made once per step,
   such as DCS's Gumbel gate samples, are then shared, as one process with the global batch
   would draw them once; per-image draws (dropout, drop-path) repeat across the ranks' different
@@ -52,9 +63,10 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import inspect
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,7 +76,6 @@ from .errors import NascompressError
 from .utils import resolve_device
 
 CHECK_SYNC_ENV = "NASCOMPRESS_CHECK_SYNC"
-BUCKET_NUMEL = 1 << 23  # gradients are all-reduced in flat buckets of about this many elements (32 MiB fp32)
 _DEVICE: torch.device | None = None  # where collective tensors live (cuda:LOCAL_RANK with nccl, else cpu)
 
 
@@ -203,33 +214,85 @@ def broadcast_model(model: nn.Module) -> None:
     broadcast_(*model.state_dict().values())
 
 
-@torch.no_grad()
-def sync_grads(params: Iterable[nn.Parameter]) -> None:
-    """Average the gradients of ``params`` over every rank, in place (see the module docstring).
+# buffers are synced when a wrapper is built, not at every forward (the keyword's name since torch 2.13)
+_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                   if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+                   else {"broadcast_buffers": False})
 
-    Every rank must pass the same parameters in the same order; a parameter with a gradient on
-    no rank keeps ``grad = None``.
+
+class LossStep(nn.Module):
+    """A training step's forward as one module: ``forward(*args, **kw) = loss_fn(model, *args, **kw)``.
+
+    Its only submodule is ``model`` (what the loss function uses besides, a teacher, stays outside),
+    so DDP wrapping it sees exactly the student's parameters, and one forward per backward."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any]):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.loss_fn(self.model, *args, **kwargs)
+
+
+class DataParallel:
+    """The training step under torch's DistributedDataParallel (see the module docstring).
+
+    Call it as the step's forward (``loss, logs = step(x, y, ...)``), then ``backward`` the loss
+    and call :meth:`check` before the optimizer step. Without a process group it is the plain
+    :class:`LossStep`. With one, each set of parameters that require a gradient (a recipe's phase)
+    has its own DDP wrapper of the one :class:`LossStep`, built (a collective: every rank reaches it
+    at the same step) the first time that set trains; a wrapper's reducer is idle while another
+    wrapper's step runs. ``find_unused``: DDP's ``find_unused_parameters`` for every wrapper.
+
+    Args:
+        model: the student (the unwrapped module: the one to save and evaluate).
+        loss_fn: ``loss_fn(model, *args, **kwargs) -> (loss, logs)``.
+
+    The wrappers take no ``device_ids`` (allowed for a single-device module): the step's inputs
+    are already on the model's device, and DDP would otherwise copy every argument there (and
+    rebuild the config dataclasses) on every step.
     """
-    w = world()
-    if w.size == 1:
-        return
-    params = [p for p in params if p.requires_grad]
-    if not params:
-        return
-    has = torch.tensor([float(p.grad is not None) for p in params], device=_DEVICE)
-    dist.all_reduce(has)
-    grads = []
-    for p, h in zip(params, has.tolist()):
-        if h > 0:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-    for bucket in _buckets(grads):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        dist.all_reduce(flat)
-        flat.div_(w.size)
-        for g, v in zip(bucket, flat.split([g.numel() for g in bucket])):
-            g.copy_(v.view_as(g))
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Any], *, find_unused: bool = False):
+        self.model, self.step, self.find_unused = model, LossStep(model, loss_fn), find_unused
+        self.active = dist.is_available() and dist.is_initialized()
+        self.wrappers: dict[tuple[bool, ...], nn.Module] = {}
+        self._new: tuple[bool, ...] | None = None  # a wrapper whose first backward is still to be checked
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.step(*args, **kwargs)
+        key = tuple(p.requires_grad for p in self.model.parameters())
+        ddp = self.wrappers.get(key)
+        if ddp is None:
+            if not any(key):
+                raise NascompressError("no parameter of the model requires a gradient at this step; the recipe froze "
+                                       "everything")
+            ddp = self.wrappers[key] = nn.parallel.DistributedDataParallel(
+                self.step, find_unused_parameters=self.find_unused, **_NO_BUFFER_SYNC)
+            self._new = key
+        return ddp(*args, **kwargs)
+
+    def check(self) -> None:
+        """After the first backward of a new wrapper: every trainable parameter got a gradient (else
+        DDP without ``find_unused`` did not reduce them all; one line names them)."""
+        if self._new is None:
+            return
+        self._new = None
+        missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if missing and not self.find_unused:
+            self.close()  # the wrapper's reduction is unfinished: its hooks must not see later backward passes
+            raise NascompressError(f"{len(missing)} trainable parameter(s) took no part in the loss under torchrun "
+                                   f"(e.g. {missing[0]}); the recipe must set TrainHooks.unused_parameters = True")
+
+    def close(self) -> None:
+        """Drop the wrappers and the hooks their reducers put on the model's parameters (the model
+        may train again later, e.g. a retrain after a search)."""
+        for ddp in self.wrappers.values():
+            ddp._remove_autograd_hooks()
+        self.wrappers.clear()
+        self._new = None
 
 
 def digest(obj: Any) -> str:
@@ -268,20 +331,6 @@ def check_in_sync(state: dict[str, Any], *, when: str) -> str | None:
     return mine
 
 
-def _buckets(grads: list[torch.Tensor]) -> Iterable[list[torch.Tensor]]:
-    """Consecutive runs of gradients of one dtype and device, about BUCKET_NUMEL elements each."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or size + g.numel() > BUCKET_NUMEL):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(g)
-        size += g.numel()
-    if bucket:
-        yield bucket
-
-
 __all__ = ["World", "init", "world", "is_main", "barrier", "part", "all_sum", "merge_means", "gather_rows",
-           "broadcast_", "broadcast_model", "sync_grads", "local_device", "digest", "check_in_sync", "BUCKET_NUMEL",
-           "CHECK_SYNC_ENV"]
+           "broadcast_", "broadcast_model", "local_device", "digest", "check_in_sync", "LossStep",
+           "DataParallel", "CHECK_SYNC_ENV"]

@@ -93,6 +93,10 @@ class TrainHooks:
 
     steps_per_epoch: int = 0  # set by fit() before training, for per-step schedules
     new_param_markers: tuple[str, ...] = ()  # names of a method's new parameters: trained at the full lr
+    # True when a step's loss may leave some trainable parameters out: under torchrun DDP then walks
+    # the autograd graph every step (find_unused_parameters). Parameters frozen by requires_grad for
+    # a step (prepare_step, on_epoch_start) do not count: each trainable set has its own DDP wrapper.
+    unused_parameters: bool = False
 
     def param_groups(self, model: nn.Module, cfg: Any) -> list[dict[str, Any]]:
         markers = self.new_param_markers

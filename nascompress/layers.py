@@ -361,6 +361,53 @@ def with_zero_row(layer: nn.Linear) -> nn.Linear:
     return new
 
 
-__all__ = ["attention", "DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
+# ---------------------------------------------------------------------------------------------
+# Physical slicing of a block's MLP hidden neurons and of an attention's Q/K channels (the gathers
+# DCS's materialization and uniform pruning share)
+
+
+def slice_hidden(block: NCBlock, keep: Any) -> None:
+    """Keep the MLP hidden neurons ``keep``: fc1 output rows and fc2 input columns."""
+    fc1 = block.mlp.fc1
+    idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
+    block.mlp.fc1 = slice_linear_out(fc1, idx)
+    block.mlp.fc2 = slice_linear_in(block.mlp.fc2, idx)
+    if not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity):
+        raise NascompressError("uniform pruning does not support an MLP with a hidden norm")
+
+
+def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None = None) -> NCAttention:
+    """Keep the query/key channels ``keep_per_head[h]`` of each head h (V untouched).
+
+    The qkv projection then emits ``[q (H * qk_dim), k (H * qk_dim), v]`` with every head's kept
+    channels zero-padded to ``qk_dim``: ``width`` (e.g. the largest count rounded up to the
+    alignment, :func:`~nascompress.layers.aligned_width`), default the largest count. The padding
+    rows are zero weights, so the heads stay one batched matmul (counted as computed); how q/k
+    then reach the attention kernel is the attention's ``qk_layout``."""
+    if not isinstance(attn.q_norm, nn.Identity):
+        raise NascompressError("a static Q/K mask cannot be materialized on a model with qk_norm "
+                               "(the norm needs every channel); search with --qk-mask input or none")
+    H, d = attn.num_heads, attn.head_dim
+    if len(keep_per_head) != H:
+        raise NascompressError(f"qk_keep has {len(keep_per_head)} heads but the attention has {H}")
+    dev, A = attn.qkv.weight.device, attn.attn_dim
+    keeps = [as_index(kh, d, what=f"qk_keep of head {h}", device=dev) for h, kh in enumerate(keep_per_head)]
+    kmax = max(1, *(len(kh) for kh in keeps))
+    if width is not None and not kmax <= width <= d:
+        raise NascompressError(f"the padded Q/K width {width} must hold the largest kept count {kmax} and "
+                               f"be at most the head dim {d}")
+    width = kmax if width is None else width
+    zero = 3 * A  # index of an all-zero row appended below qkv's rows: the padding
+    q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((width - len(kh),), zero)]) for h, kh in enumerate(keeps)])
+    k_rows = torch.where(q_rows == zero, q_rows, q_rows + A)
+    rows = torch.cat([q_rows, k_rows, torch.arange(2 * A, 3 * A, device=dev)])
+    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows) if (q_rows == zero).any() else \
+        slice_linear_out(attn.qkv, rows)
+    attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], width
+    attn.qk_mask = None
+    return attn
+
+
+__all__ = ["attention", "slice_hidden", "slice_qk", "DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
            "compute_dtype", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
            "slice_linear_out", "slice_layerscale", "with_zero_row"]

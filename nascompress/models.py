@@ -52,7 +52,7 @@ MODEL_KWARGS: dict[str, tuple[str, Any]] = {
     "embed_dim": ("a positive integer", _pos_int),
     "depth": ("a positive integer", _pos_int),
     "num_heads": ("a positive integer", _pos_int),
-    "num_classes": ("a positive integer", _pos_int),
+    "num_classes": ("an integer >= 0 (0: no head)", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
     "in_chans": ("a positive integer", _pos_int),
     "mlp_ratio": ("a positive number", _pos_float),
     "global_pool": (f"one of {', '.join(repr(g) for g in GLOBAL_POOLS)}", lambda v: v in GLOBAL_POOLS),

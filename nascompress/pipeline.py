@@ -30,7 +30,7 @@ command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``ba
 (:func:`~nascompress.search.materialize.materialize_search`), ``tokens/`` (the study, in
 ``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
-:func:`~nascompress.search.materialize.materialize_trial`), ``final/``
+:func:`~nascompress.search.trial_model.materialize_trial`), ``final/``
 (:func:`~nascompress.retrain.retrain`), ``export/`` (:func:`~nascompress.export.export_run`, when the
 file has an ``export`` section), then ``summary.json`` and ``report.html``
 (:mod:`nascompress.pipeline_report`).
@@ -804,7 +804,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
                  base_dir: Path) -> tuple[list[Step], str]:
     from .methods import get_method
     from .pipeline_fallback import current_model, pick_or_closest
-    from .search.materialize import TrialMaterializeJob
+    from .search.trial_model import TrialMaterializeJob
     from .search.space import load_space
     from .search.trials import SearchJob, run_search
 

@@ -92,7 +92,7 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
     stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
     from .errors import NascompressError
-    from .search.materialize import materialize_trial, parse_pick
+    from .search.trial_model import materialize_trial, parse_pick
     from .studies.inspect import load
     from .studies.runner import trial_record
 

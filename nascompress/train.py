@@ -10,7 +10,7 @@ Never worse than the start: before training, the starting model is evaluated on 
 split (logged as epoch 0) and saved as the first best model, so a fine-tune that only hurts
 returns the model it started from. Method-specific work (losses, schedules, alternating batches,
 stop checks) plugs in through :class:`~nascompress.hooks.TrainHooks`. Under ``torchrun`` it trains
-data-parallel (:mod:`nascompress.distributed`: averaged gradients, a shard of every epoch per
+data-parallel (:mod:`nascompress.distributed`: DistributedDataParallel, a shard of every epoch per
 process, split evaluation, files written by rank 0 only).
 :func:`train` is the ``nascompress train`` job: build a timm ViT, train it densely, save it.
 """
@@ -231,6 +231,9 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     min_lr = min(cfg.min_lr, peak)
     opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=peak, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
+    # the step's forward + loss as one module, DistributedDataParallel under torchrun (checkpoints and
+    # evaluation use `model` itself)
+    step = distributed.DataParallel(model, hooks.loss, find_unused=hooks.unused_parameters)
 
     pin = device.type == "cuda"  # pinned host batches: non-blocking copies to the GPU
 
@@ -301,11 +304,11 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                 x, y = preprocess(runtime.to_device(imgs, device), input_spec), runtime.to_device(labels, device)
                 hooks.prepare_step(model, tag)
                 with runtime.autocast(device, cfg.amp):
-                    loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=cfg, tag=tag)
+                    loss, logs = step(x, y, epoch=epoch, cfg=cfg, tag=tag)  # hooks.loss(model, ...), under DDP
                 due = watch.add(i, loss)
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
-                distributed.sync_grads(p for g in opt.param_groups for p in g["params"])
+                loss.backward()  # under torchrun DDP averages the gradients over the ranks meanwhile
+                step.check()
                 if cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
                 opt.step()
@@ -350,6 +353,7 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                 append_jsonl(log_path, record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
             hooks.check(record, start_rec)
+    step.close()
 
     distributed.barrier()  # rank 0 has written the best model
     best_model, _ = load_with_arch(out_dir, map_location=device, complete=False)  # not marked complete yet

@@ -18,7 +18,7 @@ def invoke(*args):
     """Run the nascompress CLI in-process (Typer's CliRunner); arguments may be paths or numbers."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from nascompress.cli.main import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
 

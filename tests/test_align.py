@@ -121,7 +121,7 @@ def narrowed(seed=0, width=None):
     """A DCS-materialized model with random per-head Q/K counts (8-channel heads, 16 wide)."""
     torch.manual_seed(seed)
     dense = vit(embed_dim=48, heads=3)
-    cfg = DCSConfig(qk_mask="static")
+    cfg = DCSConfig(qk_mask="static", align=1)  # the layouts of unaligned counts (align 8 would fill 16-wide heads)
     sup = make_supernet(copy.deepcopy(dense), cfg).eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

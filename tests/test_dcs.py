@@ -173,7 +173,7 @@ def test_record_round_trip_rebuilds_supernet(tmp_path):
 
 
 def run_cli(*args):
-    from cli.main import app
+    from nascompress.cli.main import app
 
     return CliRunner().invoke(app, [str(a) for a in args])
 

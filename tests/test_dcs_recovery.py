@@ -52,6 +52,7 @@ def pretrained_like(tmp_path_factory):
     torch.testing.assert_close(wide.eval()(x), small.eval()(x))
     save_model(d / "base", wide, dict(arch, model=wide_spec.to_dict()))
     shutil.copy(d / "small" / "config.json", d / "base" / "config.json")
+    shutil.copy(d / "small" / "metrics.json", d / "base" / "metrics.json")  # a finished run (io.finish_run)
     return d / "base"
 
 

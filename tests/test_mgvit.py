@@ -250,7 +250,7 @@ def test_refuses_a_distilled_deit():
 
 
 def test_evaluate_cli(tmp_path):
-    from cli.main import app
+    from nascompress.cli.main import app
 
     m = mgvit(epsilon=0.5)
     rec = {"name": "mgvit", "config": dict(m.mg)}

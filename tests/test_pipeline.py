@@ -115,7 +115,7 @@ def test_a_finished_pipeline_is_not_rerun(ref):
 
 def _cli(cfg: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "nascompress.cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -292,7 +292,8 @@ def test_an_existing_run_as_the_base(ref, tmp_path):
     del c["stages"]["dcs"]
     c["base"] = {"run": str(ref["out"] / "base")}
     p = plan(write_config(tmp_path, c), out=tmp_path / "out")
-    assert [s.name for s in p.steps] == ["base", "tokens_search", "tokens_pick", "retrain", "report"]
+    assert [s.name for s in p.steps] == ["base", "tokens_search", "tokens_pick", "retrain"] + (
+        ["export"] if c.get("export") else []) + ["report"]
     assert p.base_dir == ref["out"] / "base" and p.final_dir == tmp_path / "out" / "final"
     c["base"] = {"run": str(ref["out"] / "dcs_mat")}
     with pytest.raises(nascompress.NascompressError, match=r"base.run: .*is not a dense run \(it applies dcs\)"):
@@ -347,7 +348,7 @@ def test_shipped_dinov2_config_is_valid(tmp_path):
     p = plan(REPO / "configs" / "dinov2-fashion-mnist.yaml", out=tmp_path / "x")
     assert p.cfg.base.import_.linear_probe and p.cfg.stages.tokens.space.endswith("search_spaces/evit-12.yaml")
     assert p.cfg.base.import_.weights == str(REPO / "weights" / "dinov2_vits14_112.safetensors")
-    assert [s.name for s in p.steps] == list(STEPS) and p.cfg.stages.dcs.mlp_gates == "auto"
+    assert [s.name for s in p.steps] == [s for s in STEPS if s != "export"] and p.cfg.stages.dcs.mlp_gates == "auto"
     assert p.cfg.goal.max_flops == 0.6 and not (tmp_path / "x").exists()
 
 

@@ -152,7 +152,7 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
 
 
 def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
-    from cli.main import app
+    from nascompress.cli.main import app
 
     src = make_model_dir(tmp_path / "compressed")
     teacher = make_model_dir(tmp_path / "dense", methods=(), seed=1)
@@ -219,7 +219,7 @@ def test_resume_replays_an_interrupted_run(tmp_path):
     (["--feat-kd", "1"], "--feat-kd distils from a teacher's features; give the dense run with --teacher"),
 ])
 def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
-    from cli.main import app
+    from nascompress.cli.main import app
 
     src = make_model_dir(tmp_path / "compressed")
     out = tmp_path / "out"
@@ -232,7 +232,7 @@ def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
 
 
 def test_bad_models_and_datasets_write_nothing(tmp_path):
-    from cli.main import app
+    from nascompress.cli.main import app
 
     dense = make_model_dir(tmp_path / "dense", methods=())
     out = tmp_path / "out"

@@ -388,7 +388,7 @@ def cli(*args):
     import typer
     from typer.testing import CliRunner
 
-    from cli.study import register
+    from nascompress.cli.study import register
 
     app = typer.Typer()
     app.callback()(lambda: None)

@@ -44,11 +44,11 @@ from torch import nn
 
 from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
-from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_layerscale,
-                      slice_linear_in, slice_linear_out, to_core, with_zero_row)
+from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
+                      slice_linear_in, slice_linear_out, slice_qk)
 from . import Method, register_method
 from .dcs_importance import (BlockStats, ChannelImportance, activation_importance, activation_stats,
-                             channel_importance, spread)
+                             channel_importance, check_supported, spread)
 
 QK_MODES = ("input", "static", "none")
 MLP_GATES = ("residual", "hidden", "none", "auto")
@@ -312,15 +312,6 @@ class MaterializedBlock(NCBlock):
 # Building, reading and recording
 
 
-def check_supported(model: nn.Module) -> None:
-    to_core(model, method="dcs")
-    for i, blk in enumerate(model.blocks):
-        if type(blk) is not NCBlock:
-            raise NascompressError(f"dcs must be the first method of a model; blocks.{i} is already a {type(blk).__name__}")
-        if not (hasattr(blk.mlp, "fc1") and hasattr(blk.mlp, "fc2")):
-            raise NascompressError(f"DCS supports MLPs with fc1/fc2; block {i} has {type(blk.mlp).__name__}")
-
-
 def check_family(model: nn.Module, family: str) -> None:
     """``family`` can gate ``model``'s MLPs (``hidden`` needs timm's plain Mlp without a hidden norm)."""
     if family == "auto":
@@ -484,7 +475,6 @@ def slice_hidden_gates(block: NCBlock, keep: Any) -> NCBlock:
     """Keep the MLP hidden neurons ``keep`` of ``block`` physically (fc1 rows, fc2 columns; a plain
     :class:`NCBlock`, no gather). A supernet block's ``dcs_fill`` of the closed neurons is folded
     into fc2's bias first, so the result equals the eval-mode supernet block."""
-    from .uniform import slice_hidden
 
     fc1, fc2 = block.mlp.fc1, block.mlp.fc2
     idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
@@ -503,38 +493,6 @@ def slice_hidden_gates(block: NCBlock, keep: Any) -> NCBlock:
     elif len(idx) < fc1.out_features:
         slice_hidden(block, idx)
     return block
-
-
-def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None = None) -> NCAttention:
-    """Keep the query/key channels ``keep_per_head[h]`` of each head h (V untouched).
-
-    The qkv projection then emits ``[q (H * qk_dim), k (H * qk_dim), v]`` with every head's kept
-    channels zero-padded to ``qk_dim``: ``width`` (e.g. the largest count rounded up to the
-    alignment, :func:`~nascompress.layers.aligned_width`), default the largest count. The padding
-    rows are zero weights, so the heads stay one batched matmul (counted as computed); how q/k
-    then reach the attention kernel is the attention's ``qk_layout``."""
-    if not isinstance(attn.q_norm, nn.Identity):
-        raise NascompressError("a static Q/K mask cannot be materialized on a model with qk_norm "
-                               "(the norm needs every channel); search with --qk-mask input or none")
-    H, d = attn.num_heads, attn.head_dim
-    if len(keep_per_head) != H:
-        raise NascompressError(f"qk_keep has {len(keep_per_head)} heads but the attention has {H}")
-    dev, A = attn.qkv.weight.device, attn.attn_dim
-    keeps = [as_index(kh, d, what=f"qk_keep of head {h}", device=dev) for h, kh in enumerate(keep_per_head)]
-    kmax = max(1, *(len(kh) for kh in keeps))
-    if width is not None and not kmax <= width <= d:
-        raise NascompressError(f"the padded Q/K width {width} must hold the largest kept count {kmax} and "
-                               f"be at most the head dim {d}")
-    width = kmax if width is None else width
-    zero = 3 * A  # index of an all-zero row appended below qkv's rows: the padding
-    q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((width - len(kh),), zero)]) for h, kh in enumerate(keeps)])
-    k_rows = torch.where(q_rows == zero, q_rows, q_rows + A)
-    rows = torch.cat([q_rows, k_rows, torch.arange(2 * A, 3 * A, device=dev)])
-    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows) if (q_rows == zero).any() else \
-        slice_linear_out(attn.qkv, rows)
-    attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], width
-    attn.qk_mask = None
-    return attn
 
 
 def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]) -> None:

@@ -25,7 +25,16 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError
-from ..layers import NCAttention, NCBlock
+from ..layers import NCAttention, NCBlock, to_core
+
+
+def check_supported(model: nn.Module) -> None:
+    to_core(model, method="dcs")
+    for i, blk in enumerate(model.blocks):
+        if type(blk) is not NCBlock:
+            raise NascompressError(f"dcs must be the first method of a model; blocks.{i} is already a {type(blk).__name__}")
+        if not (hasattr(blk.mlp, "fc1") and hasattr(blk.mlp, "fc2")):
+            raise NascompressError(f"DCS supports MLPs with fc1/fc2; block {i} has {type(blk.mlp).__name__}")
 
 
 @dataclass(frozen=True)
@@ -82,8 +91,6 @@ def channel_importance(blk: NCBlock) -> ChannelImportance:
 def activation_stats(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[BlockStats]:
     """Pass ``batches`` of preprocessed images through the dense ``model`` (eval mode) and measure,
     per block, the activations every importance score and protection rule reads (:class:`BlockStats`)."""
-    from .dcs import check_supported
-
     check_supported(model)
     keys = ("n", "x2", "xmax", "h2", "y2", "hid", "hid2", "q2", "k2")
     acc = [dict.fromkeys(keys, 0.0) for _ in model.blocks]

@@ -343,6 +343,8 @@ class DynamicViTHooks(TrainHooks):
         self.teacher, self.r = teacher, recipe
         self.state: DynamicViTState = model.dvit_state
         self._epoch = self._step = 0
+        # a stage that keeps every token runs no predictor: its parameters take no part in the loss
+        self.unused_parameters = any(r >= 1 for r in self.state.ratios)
 
     def param_groups(self, model, cfg):
         return param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,

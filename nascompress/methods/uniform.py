@@ -23,9 +23,8 @@ from torch import nn
 
 from ..config import Config, check_bool, check_int, check_range
 from ..errors import NascompressError
-from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, as_index, slice_linear_in, slice_linear_out, to_core
+from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, slice_hidden, slice_qk, to_core
 from . import Method, register_method
-from .dcs import slice_qk
 
 
 @dataclass(frozen=True)
@@ -71,16 +70,6 @@ def importance(model: nn.Module, cfg: UniformConfig) -> list[dict[str, Any]]:
             rec["qk_keep"] = [row.topk(kq).indices.sort().values.tolist() for row in s]
         blocks.append(rec)
     return blocks
-
-
-def slice_hidden(block: NCBlock, keep: Any) -> None:
-    """Keep the MLP hidden neurons ``keep``: fc1 output rows and fc2 input columns."""
-    fc1 = block.mlp.fc1
-    idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
-    block.mlp.fc1 = slice_linear_out(fc1, idx)
-    block.mlp.fc2 = slice_linear_in(block.mlp.fc2, idx)
-    if not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity):
-        raise NascompressError("uniform pruning does not support an MLP with a hidden norm")
 
 
 @register_method

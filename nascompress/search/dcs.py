@@ -40,7 +40,8 @@ more than ``max_val_drop`` points below the dense model's stops with a message.
 
 Under torchrun (:mod:`nascompress.distributed`) each process takes its shard of both subsets every
 epoch; the shards are equal, so every process interleaves its W- and arch-steps in the same order,
-and the averaged gradients keep the architecture (and so lambda) the same everywhere.
+and the gradients averaged by DistributedDataParallel (one wrapper for the W-steps' weights, one for
+the arch-steps' logits) keep the architecture (and so lambda) the same everywhere.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import out, print_json, run
+from nascompress.cli.common import out, print_json, run
 
 
 def _help(name: str) -> str:

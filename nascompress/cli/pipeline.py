@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import err, out, print_json, run
+from nascompress.cli.common import err, out, print_json, run
 
 EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "
           "(rerun the same command after a crash or Ctrl-C: it continues where it stopped)")

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 
 def register(app: typer.Typer) -> None:

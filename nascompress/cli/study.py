@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import err, out, print_json, run
+from nascompress.cli.common import err, out, print_json, run
 
 study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")
 

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import fail, out, print_json, run
+from nascompress.cli.common import fail, out, print_json, run
 
 
 def register(app: typer.Typer) -> None:
@@ -27,8 +27,8 @@ def register(app: typer.Typer) -> None:
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
-        from nascompress.search.materialize import (MaterializeJob, TrialMaterializeJob, materialize_search,
-                                                    materialize_trial)
+        from nascompress.search.materialize import MaterializeJob, materialize_search
+        from nascompress.search.trial_model import TrialMaterializeJob, materialize_trial
 
         if (search_dir is None) == (study is None):
             fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -195,7 +195,7 @@ def _outer_search(kind: str, default_space: str):
 
 
 # the project's shipped spaces, wherever the command runs from (setup.sh installs the checkout in place)
-SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+SPACES = Path(__file__).resolve().parents[2] / "search_spaces"  # the repository's search_spaces/
 search_app.command("tokens")(_outer_search("tokens", str(SPACES / "evit.yaml")))
 search_app.command("joint")(_outer_search("joint", str(SPACES / "joint.yaml")))
 

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import STATE, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
+from nascompress.cli.common import STATE, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -241,8 +241,8 @@ def _register_optional() -> None:
     """Method commands live in their own modules; each adds itself to ``app``."""
     import importlib
 
-    for mod in ("cli.finetune", "cli.dcs", "cli.retrain", "cli.search", "cli.importer", "cli.study",
-                "cli.pipeline", "cli.export"):
+    for mod in ("nascompress.cli.finetune", "nascompress.cli.dcs", "nascompress.cli.retrain", "nascompress.cli.search", "nascompress.cli.importer", "nascompress.cli.study",
+                "nascompress.cli.pipeline", "nascompress.cli.export"):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
 
 
 def parse_value(text: str) -> Any:

@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import SkipBadImages, input_overrides, out, print_json, run
+from nascompress.cli.common import SkipBadImages, input_overrides, out, print_json, run
 
 
 def register(app: typer.Typer) -> None:
