@@ -74,7 +74,7 @@ STUDY = ["--space", "space.yaml", "--train-images", "60", "--eval-images", "60",
 SMALL_SQLITE = ("import os, sys\nfrom sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
                 "@event.listens_for(Engine, 'connect')\ndef _small(c, _r):\n"
                 "    c.execute('PRAGMA max_page_count = ' + os.environ['NASCOMPRESS_FAULTS_PAGES'])\n"
-                "from cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n")
+                "from nascompress.cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n")
 RAW_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b|Errno|Traceback")
 
 
@@ -110,7 +110,7 @@ class Table:
     # -- running commands ----------------------------------------------------------------------
     def nc(self, args: list[Any], cwd: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
            small_sqlite: int | None = None) -> Ran:
-        cmd = [PY, "-c", SMALL_SQLITE] if small_sqlite is not None else [PY, "-m", "cli.main"]
+        cmd = [PY, "-c", SMALL_SQLITE] if small_sqlite is not None else [PY, "-m", "nascompress.cli.main"]
         e = dict(ENV, **(env or {}))
         if small_sqlite is not None:
             e["NASCOMPRESS_FAULTS_PAGES"] = str(small_sqlite)
@@ -120,7 +120,7 @@ class Table:
 
     def kill_when(self, args: list[Any], cwd: Path, ready: Callable[[], bool], *, timeout: float = 300) -> bool:
         """Start the command, SIGKILL it as soon as ``ready()``; False if it ended before."""
-        p = subprocess.Popen([PY, "-m", "cli.main", *map(str, args)], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+        p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *map(str, args)], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, start_new_session=True)
         end = time.time() + timeout
         try:
@@ -367,7 +367,9 @@ def kill_cases(t: Table) -> None:
             c.command = f"nascompress pipeline p.yaml --out run  (kill -9 during {stage}; rerun)"
             killed = t.kill_when(cmd, d, lambda: ready(d / "run"))
             done_before = {p.name: digest(p) for p in (d / "run" / "done").glob("*.json")} if killed else {}
+            t0 = time.perf_counter()
             r = t.nc(cmd, d, timeout=600)
+            rerun_s = time.perf_counter() - t0
             c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
             want = reference("pipeline") / "run"
             same = tensors_equal(d / "run" / "final" / "model.safetensors", want / "final" / "model.safetensors")
@@ -377,7 +379,7 @@ def kill_cases(t: Table) -> None:
                        (s2["final"]["test_top1"], s2["comparison"]["flops_ratio"])
             c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
             c.data_lost = any(digest(d / "run" / "done" / n) != h for n, h in done_before.items())
-            c.note = "" if killed else "the run ended before the kill point"
+            c.note = f"the rerun took {rerun_s:.1f} s" if killed else "the run ended before the kill point"
 
 
 def _n_complete(db: Path) -> int:
@@ -661,7 +663,7 @@ def leftover_cases(t: Table) -> None:
         snaps = lambda: sorted(p.name for p in d.glob(".s.db.dashboard-*"))  # noqa: E731
         left = []
         for k in range(2):
-            p = subprocess.Popen([PY, "-m", "cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
+            p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True)
             try:
                 up = p.stdout.readline()
@@ -720,7 +722,9 @@ def main() -> None:
         "disks": "real (tmpfs and read-only mounts)" if t.can_mount else "simulated where possible (no mount here)",
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    save(args.out, {**header(), "summary": summary, "cases": cases})
+    head = header()
+    head["command"] = head["command"].replace(str(work), "<work>")  # no machine path in the results
+    save(args.out, {**head, "summary": summary, "cases": cases})
     print(json.dumps(summary, indent=2))
 
 
