@@ -348,7 +348,7 @@ def _unreadable(path: str) -> str | None:
         return None
     except Exception as e:  # noqa: BLE001 (PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...)
         msg = str(e).split(" <", 1)[0] if "cannot identify image file" in str(e) else str(e)
-        return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+        return msg or "it cannot be decoded"
 
 
 _SCANNED: dict[tuple[str, int, int], str | None] = {}  # (path, size, mtime) -> reason: a file is decoded once per process

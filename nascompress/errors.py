@@ -1,6 +1,100 @@
-"""User-facing errors. The CLI prints their message as one line and exits non-zero."""
+"""User-facing errors. The CLI prints their message as one line and exits non-zero.
+
+A full disk or an output that cannot be written surfaces as many exception types (``OSError``
+with errno ENOSPC/EDQUOT/EROFS/EACCES/EPERM, safetensors' ``SafetensorError ... (os error 28)``,
+SQLite's ``database or disk is full`` inside Optuna's ``StorageInternalError``). :func:`write_error`
+recognises them all, wherever in the exception's chain, and turns them into one NascompressError
+naming the path and what to do; :func:`writing` applies it to a block of writes.
+"""
 from __future__ import annotations
+
+import errno
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 
 class NascompressError(Exception):
     """A problem with the user's input: the message says what is wrong and what to do."""
+
+
+class WriteError(NascompressError):
+    """A full disk or an output that cannot be written (see :func:`write_error`): not the input's
+    fault, so e.g. a study stops at once instead of failing trial after trial."""
+
+
+# errno -> (what is wrong, what to do)
+_PROBLEMS = {
+    errno.ENOSPC: ("no space is left on its disk", "free space there or choose an output on another disk"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space there or choose an output on another disk"),
+    errno.EROFS: ("the file system is read-only", "choose a writable output (or remount it read-write)"),
+    errno.EACCES: ("permission denied", "make it writable for this user or choose another output"),
+    errno.EPERM: ("operation not permitted", "make it writable for this user or choose another output"),
+}
+# SQLite reports these as text (sqlite3.OperationalError, wrapped by SQLAlchemy and Optuna)
+_SQLITE = (("database or disk is full", errno.ENOSPC), ("attempt to write a readonly database", errno.EROFS),
+           ("unable to open database file", errno.EACCES))
+_OS_ERROR = re.compile(r"os error (\d+)")  # Rust's io::Error text (safetensors)
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        orig = getattr(e, "orig", None)  # SQLAlchemy's DBAPIError keeps the driver's error here
+        if isinstance(orig, BaseException) and id(orig) not in seen:
+            yield orig
+        e = e.__cause__ or e.__context__
+
+
+def storage_problem(e: BaseException) -> tuple[int, str | None] | None:
+    """``(errno, filename)`` when ``e`` (or an exception in its chain) says the disk is full or a
+    path is not writable; None for any other failure."""
+    for x in _chain(e):
+        if isinstance(x, NascompressError):
+            return None  # already a message for the user (a WriteError included)
+        if isinstance(x, OSError) and x.errno in _PROBLEMS:
+            return x.errno, x.filename if isinstance(x.filename, str) else None
+        text = str(x)
+        for needle, code in _SQLITE:
+            if needle in text:
+                return code, None
+        m = _OS_ERROR.search(text)
+        if m and int(m.group(1)) in _PROBLEMS:
+            return int(m.group(1)), None
+    return None
+
+
+def write_error(e: BaseException, path: str | Path | None = None, *, then: str = "then rerun the command",
+                what: str | None = None, verb: str = "write") -> WriteError | None:
+    """The one-line NascompressError for a full disk or an unwritable path behind ``e`` (None when
+    ``e`` is something else).
+
+    Args:
+        e: the exception raised while writing.
+        path: the file or directory being written (default: the one the error names).
+        then: what to do once the cause is fixed, appended to the advice.
+        what: how to call the target in the message (default: the path).
+        verb: ``write``, or ``access`` where the failing call may have been a read.
+    """
+    found = storage_problem(e)
+    if found is None:
+        return None
+    code, filename = found
+    target = what or str(path if path is not None else filename or "the output")
+    problem, fix = _PROBLEMS[code]
+    return WriteError(f"cannot {verb} {target}: {problem}; {fix}, {then}")
+
+
+@contextmanager
+def writing(path: str | Path, *, then: str = "then rerun the command", what: str | None = None) -> Iterator[None]:
+    """Turn a full disk or an unwritable path while the block writes ``path`` into one line."""
+    try:
+        yield
+    except Exception as e:
+        err = write_error(e, path, then=then, what=what)
+        if err is None:
+            raise
+        raise err from e

@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from .errors import NascompressError
+from .errors import NascompressError, writing
 from .methods import apply_methods
 from .models import ModelSpec, build_model, check_model_kwargs, load_state_strict
 from .utils import atomic_path, read_json, write_json
@@ -104,7 +104,8 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, filename: str = MODEL_FILE) -> Path:
     """Write ``filename`` (weights, arch in metadata) and ``arch.json`` atomically into run_dir."""
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / filename
     with atomic_path(path) as tmp:
         save_file(_state_dict_for_save(model), str(tmp), metadata={"nascompress_arch": json.dumps(arch)})
@@ -187,7 +188,8 @@ def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
-        raise NascompressError(f"{path} is not a readable safetensors file ({e})") from e
+        raise NascompressError(f"{path} is not a readable safetensors file ({e}); give a nascompress run directory "
+                               "or its model.safetensors") from e
     if "nascompress_arch" not in meta:
         raise NascompressError(f"{path} has no arch.json beside it and no nascompress_arch metadata")
     return path, validate_arch(json.loads(meta["nascompress_arch"]), source=f"{path} metadata")

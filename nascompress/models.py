@@ -207,7 +207,8 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
         else:
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated file: every reader raises its own type
-        raise NascompressError(f"weights file {path} is corrupt or not a weights file ({type(e).__name__}: {e})") from e
+        raise NascompressError(f"weights file {path} is corrupt or not a weights file ({_unreadable(path, e)}); "
+                               "give a .safetensors or .pth state dict (download or export it again)") from e
     for key in ("model", "state_dict", "model_ema"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
@@ -215,6 +216,25 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise NascompressError(f"weights file {path} does not hold a state dict of tensors")
     return sd
+
+
+def _unreadable(path: Path, e: Exception) -> str:
+    """Why a weights file could not be read, in words (a text file, a truncated file, ...)."""
+    try:
+        head = path.read_bytes()[:512]
+    except OSError as err:
+        return err.strerror or str(err)
+    if not head:
+        return "it is empty"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and all(c.isprintable() or c.isspace() for c in text):
+        return "it holds text, not tensors"
+    if path.suffix == ".safetensors":
+        return f"not a complete safetensors file: {str(e).splitlines()[0]}"
+    return "neither a complete PyTorch zip checkpoint nor a pickle of tensors"
 
 
 def state_mismatches(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[str]:

@@ -59,7 +59,7 @@ from typing import Any, Callable
 import yaml
 
 from .config import Config, StrictYamlLoader as _Loader
-from .errors import NascompressError
+from .errors import NascompressError, writing
 from .utils import read_json, write_json
 
 FORMAT = "nascompress-pipeline/1"
@@ -68,6 +68,7 @@ DONE_DIR = "done"
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
 LOCK_FILE = ".pipeline.lock"
+_CONTINUE = "then rerun the same command to continue the pipeline there"
 DATASET_KEYWORDS = ("fashion-mnist", "synthetic")
 STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_pick", "retrain", "export", "report")
 
@@ -978,10 +979,11 @@ def _lock(out: Path) -> int:
     import fcntl
 
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        with writing(out, what=f"pipeline directory {out}", then=_CONTINUE):
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # not a disk or permission problem (those are one line already)
         raise NascompressError(f"cannot create output directory {out}: {e.strerror}") from e
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -1055,7 +1057,8 @@ def run_pipeline(config: str | Path, *, out: str | Path, force: bool = False, se
     _check_out(pipe.out, force=force)
     lock = _lock(pipe.out)
     try:
-        return _run(pipe, force=force, progress=progress, log=log)
+        with writing(pipe.out, what=f"pipeline directory {pipe.out}", then=_CONTINUE):
+            return _run(pipe, force=force, progress=progress, log=log)
     finally:
         os.close(lock)
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import NascompressError
+from .errors import NascompressError, writing
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -46,16 +46,17 @@ os.umask(_UMASK)
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temp path in the same directory; rename it onto ``path`` only if the block succeeds."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual mode
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    with writing(path):  # a full disk or an unwritable folder: one line naming path
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(tmp)
+        try:
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp creates 0600; give the file the usual mode
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
 
 
 def write_json(path: str | Path, obj: Any) -> None:
@@ -74,7 +75,7 @@ def read_json(path: str | Path) -> Any:
 
 
 def append_jsonl(path: str | Path, obj: Any) -> None:
-    with open(path, "a") as f:
+    with writing(path), open(path, "a") as f:
         f.write(json.dumps(obj) + "\n")
 
 
@@ -111,10 +112,11 @@ def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = Fals
 
 def create_out_dir(out: Path, *, force: bool = False, resume: bool = False) -> Path:
     """Create ``out`` (after :func:`prepare_out_dir` accepted it). With force, clear it first."""
-    if out.exists() and force and not resume:
-        shutil.rmtree(out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
+        with writing(out, what=f"output directory {out}"):
+            if out.exists() and force and not resume:
+                shutil.rmtree(out)
+            out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # not a disk or permission problem (those are one line already)
         raise NascompressError(f"cannot create output directory {out}: {e.strerror}") from e
     return out

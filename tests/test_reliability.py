@@ -79,8 +79,23 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
 
     for name in ("w.safetensors", "w.pth"):
         (tmp_path / name).write_text("hello\n")
-        with pytest.raises(NascompressError, match="corrupt or not a weights file"):
+        with pytest.raises(NascompressError, match="corrupt or not a weights file \\(it holds text, not tensors\\); "
+                                                   "give a .safetensors or .pth state dict"):
             read_weights_file(tmp_path / name)
+    # truncated files: the reader's words, never a bare exception name (KeyError: 101, IndexError)
+    good = tmp_path / "good.pth"
+    torch.save({"a": torch.zeros(1000)}, good)
+    (tmp_path / "cut.pth").write_bytes(good.read_bytes()[:900])
+    save_file({"a": torch.zeros(1000)}, str(tmp_path / "good.safetensors"))
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "good.safetensors").read_bytes()[:900])
+    for name, words in (("cut.pth", "neither a complete PyTorch zip checkpoint nor a pickle of tensors"),
+                        ("cut.safetensors", "not a complete safetensors file")):
+        with pytest.raises(NascompressError, match=words) as e:
+            read_weights_file(tmp_path / name)
+        assert "Error:" not in str(e.value)
+    r = invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", "--weights", tmp_path / "w.pth", *TINY)
+    one_line(r, "it holds text, not tensors")
+    assert not (tmp_path / "run").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,7 +207,7 @@ def test_a_corrupt_image_is_named_before_anything_is_written(tmp_path):
     (root / "val" / "a" / "x.png").write_text("a text file named .png")
     out = tmp_path / "run"
     msg = one_line(invoke("train", "--dataset", root, "--out", out, *TINY), f"unreadable image {bad}")
-    assert "--skip-bad-images" in msg and not out.exists()
+    assert "--skip-bad-images" in msg and not out.exists() and "Error" not in msg  # the problem, not the exception
     r = invoke("train", "--dataset", root, "--out", out, *TINY, "--skip-bad-images", "--json")
     assert r.exit_code == 0, r.output
     metrics = json.loads(r.stdout)
@@ -301,3 +316,149 @@ def test_the_dashboard_snapshot_lives_beside_the_study_and_is_cleaned(tmp_path):
     with start_dashboard("d", storage=f"sqlite:///{db}") as h:
         assert left[0] not in snaps() and h.snapshot.exists()
     assert snaps() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk or an unwritable output: one line naming the path and what to do, nothing half-written
+
+
+def _refuse_writes_in(monkeypatch, folder: Path, code: int) -> None:
+    """Make ``folder`` behave as read-only (EROFS), not ours (EACCES) or full (ENOSPC) for the files
+    created in it: tests run as root on some machines, where chmod does not stop a write."""
+    import errno
+    import os
+    import tempfile
+
+    real_mkstemp, real_open = tempfile.mkstemp, os.open
+
+    def mkstemp(*a, dir=None, **kw):
+        if dir is not None and Path(dir).resolve() == folder.resolve():
+            raise OSError(code, os.strerror(code), str(Path(dir) / "x.tmp"))
+        return real_mkstemp(*a, dir=dir, **kw)
+
+    def os_open(path, flags, *a, **kw):
+        if Path(path).parent.resolve() == folder.resolve() and flags & os.O_CREAT:
+            raise OSError(code, os.strerror(code), str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "open", os_open)
+    assert code in (errno.EROFS, errno.EACCES, errno.ENOSPC)
+
+
+@pytest.mark.parametrize("code,words", [(30, "the file system is read-only"), (13, "permission denied")])
+def test_study_export_into_an_unwritable_folder_is_one_line(tmp_path, monkeypatch, code, words):
+    from nascompress.studies import run_study
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    db = f"sqlite:///{tmp_path}/studies.db"
+    run_study(study_name="e", storage=db, n_trials=2, objective_factory=toy_factory, space_info=SPACE_INFO,
+              progress=False, **TWO)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    _refuse_writes_in(monkeypatch, ro, code)
+    for cmd in (("export", "e", "--out", ro / "e.csv"), ("report", "e", "--out", ro / "e.html")):
+        line = one_line(invoke("study", *cmd, "--storage", db), f"cannot write {ro / cmd[-1].name}: {words}")
+        assert "Error" not in line and "choose" in line
+    assert list(ro.iterdir()) == []
+
+
+def test_a_pipeline_resumed_in_a_read_only_folder_is_one_line(tmp_path, monkeypatch):
+    from nascompress.pipeline import LOCK_FILE, dump_config, load_config
+
+    from .conftest import TINY_EVIT_SPACE
+
+    cfg = tmp_path / "p.yaml"
+    (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
+    cfg.write_text("format: nascompress-pipeline/1\ndevice: cpu\ndata: {dataset: synthetic}\n"
+                   "base: {train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, epochs: 1}}\n"
+                   "goal: {max_flops: 0.75}\nstages: {tokens: {space: space.yaml, trials: 2}}\n")
+    out = tmp_path / "out"
+    out.mkdir()  # what an earlier (killed) run left: its config, no lock
+    (out / "config.yaml").write_text(dump_config(load_config(cfg)))
+    _refuse_writes_in(monkeypatch, out, 30)
+    line = one_line(invoke("pipeline", cfg, "--out", out), f"cannot write pipeline directory {out}")
+    assert "read-only" in line and "continue the pipeline" in line and LOCK_FILE not in line
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml"]
+
+
+def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues(tmp_path):
+    """SQLite's max_page_count makes a real 'database or disk is full' mid-study; the trial it hit
+    is not failed (no retries spent), and once there is room the same command finishes the study
+    with the same trials as a run that never stopped."""
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    from nascompress.errors import WriteError
+    from nascompress.studies import run_study
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    def study(name, n):
+        return run_study(study_name=name, storage=f"sqlite:///{tmp_path}/{name}.db", n_trials=n, seed=3,
+                         objective_factory=toy_factory, space_info=SPACE_INFO, progress=False, **TWO)
+
+    study("full", 2)
+    pages = (tmp_path / "full.db").stat().st_size // 4096
+
+    def small_disk(dbapi_conn, _record):
+        dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 1}")
+
+    event.listen(Engine, "connect", small_disk)
+    try:
+        with pytest.raises(WriteError, match="cannot write study storage sqlite:///.*full.db: no space is left") as e:
+            study("full", 30)
+    finally:
+        event.remove(Engine, "connect", small_disk)
+    msg = str(e.value)
+    assert "\n" not in msg and "StorageInternalError" not in msg and "rerun the same command" in msg
+    from tests.test_studies import trials_of
+
+    before = trials_of("full", f"sqlite:///{tmp_path}/full.db")
+    k = sum(t.state.name == "COMPLETE" for t in before)
+    assert 2 <= k < 30 and not any(t.state.name == "FAIL" for t in before)
+    done = study("full", k + 3)
+    assert done["complete"] == k + 3 and done["counts"].get("FAIL", 0) == 0
+    assert study("ref", k + 3)["complete"] == k + 3
+    params = lambda name: [t.params for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db")  # noqa: E731
+                           if t.state.name == "COMPLETE"]
+    assert params("full") == params("ref")
+
+
+def test_a_full_disk_while_saving_a_model_leaves_nothing(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import nascompress.io as nio
+
+    def full(*a, **kw):  # what safetensors raises when the disk fills up
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(nio, "save_file", full)
+    d = tmp_path / "m"
+    with pytest.raises(NascompressError, match=f"cannot write {d / 'model.safetensors'}: no space is left on its "
+                                               "disk; free space there"):
+        save_model(d, build_model(SPEC), make_arch(SPEC, input_spec=INPUT))
+    assert list(d.iterdir()) == []
+    r = invoke("evaluate", d, "--dataset", "synthetic")
+    assert r.exit_code == 1 and "holds no model.safetensors" in r.output
+
+
+def test_write_errors_are_recognised_in_every_form():
+    import errno
+    import sqlite3
+
+    from nascompress.errors import write_error
+
+    assert write_error(ValueError("x")) is None and write_error(NascompressError("cannot write")) is None
+    e = OSError(errno.ENOSPC, "No space left on device", "a/b.json")
+    assert str(write_error(e)).startswith("cannot write a/b.json: no space is left on its disk;")
+    try:
+        try:
+            raise sqlite3.OperationalError("attempt to write a readonly database")
+        except sqlite3.OperationalError as inner:
+            raise RuntimeError("An exception is raised during the commit") from inner
+    except RuntimeError as outer:
+        assert "read-only" in str(write_error(outer, what="study storage s.db"))
+    assert "permission denied" in str(write_error(PermissionError(errno.EACCES, "Permission denied", "x")))
+    assert write_error(OSError(errno.ENOENT, "No such file", "x")) is None

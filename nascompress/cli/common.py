@@ -9,7 +9,7 @@ from typing import Annotated, Any, Callable, TypeVar
 import typer
 from rich.console import Console
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, write_error
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -48,6 +48,9 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except Exception as e:  # an unexpected failure: still one line unless --debug
         if STATE["debug"]:
             raise
+        full = write_error(e, verb="access")  # a full disk or a path it may not write, not named yet
+        if full is not None:
+            fail(str(full))
         err.print(f"[red]error:[/red] {type(e).__name__}: {e} (rerun with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)

@@ -104,12 +104,12 @@ def dashboard_cmd(name: Name, storage: Storage = None,
         raise KeyboardInterrupt
 
     handle = run(start_dashboard, name, storage=storage, host=host, port=port)
-    signal.signal(signal.SIGINT, interrupt)  # also when started in the background (SIGINT ignored there)
-    signal.signal(signal.SIGTERM, interrupt)
-    if handle.note:
-        err.print(handle.note, highlight=False, soft_wrap=True)
-    out.print(f"optuna-dashboard for study {name}: {handle.study_url}  (Ctrl-C to stop)", highlight=False)
-    try:
+    try:  # from here on a Ctrl-C, however early, stops the server and removes the snapshot
+        signal.signal(signal.SIGINT, interrupt)  # also when started in the background (SIGINT ignored there)
+        signal.signal(signal.SIGTERM, interrupt)
+        if handle.note:
+            err.print(handle.note, highlight=False, soft_wrap=True)
+        out.print(f"optuna-dashboard for study {name}: {handle.study_url}  (Ctrl-C to stop)", highlight=False)
         handle.wait()
     except KeyboardInterrupt:
         pass

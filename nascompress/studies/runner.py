@@ -80,7 +80,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
 from ._procs import pid_alive as _pid_alive
 from ._procs import pid_start as _pid_start
@@ -456,6 +456,20 @@ def _release(study: optuna.Study, trial: optuna.Trial) -> None:
         study.enqueue_trial(dict(fixed), user_attrs=keep or None)
 
 
+def _let_go(study: optuna.Study, trial: optuna.Trial, me: _Me) -> None:
+    """Mark the trial released by its worker: the next run takes it over at once, in its place."""
+    study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
+        "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(), "released": True})
+
+
+_CONTINUE = "then rerun the same command to continue the study"
+
+
+def storage_full(e: BaseException, spec: StorageSpec) -> WriteError | None:
+    """One line for a study stopped by a full disk or an unwritable storage (None: another failure)."""
+    return write_error(e, what=f"study storage {spec.display}", then=_CONTINUE)
+
+
 def _failure_stop(reasons: list[str]) -> NascompressError:
     """The error that ends a run after ``max_failures`` failed trials in a row, each with its reason."""
     listed = "; ".join(r if len(r) <= 300 else r[:297] + "..." for r in reasons)
@@ -511,13 +525,19 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
             except optuna.TrialPruned:
                 _finish(study, trial, state=TrialState.PRUNED)
             except KeyboardInterrupt:  # released: the next run takes it over at once, in its place
-                study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
-                    "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(),
-                    "released": True})
+                _let_go(study, trial, me)
                 raise
             except UpdateFinishedTrialError:
                 pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
             except Exception as e:  # the trial fails with its reason; the study goes on (see _failure_stop)
+                if isinstance(e, WriteError) or storage_problem(e) is not None:
+                    # a full disk or an unwritable storage is no fault of the trial: stop now; the rerun
+                    # (once there is room) takes the trial over in its place
+                    try:
+                        _let_go(study, trial, me)
+                    except Exception:  # noqa: BLE001 (the storage may refuse this write too: the trial then
+                        pass           # counts as dead by its pid, with the same effect)
+                    raise
                 reason = str(e) if isinstance(e, NascompressError) else f"{type(e).__name__}: {e}"
                 _finish(study, trial, state=TrialState.FAIL, error=reason)
                 reasons.append(f"trial {trial.number}: {reason}")
@@ -790,8 +810,10 @@ def _worker_main(args: _WorkerArgs, results: Any) -> None:
         msg["error"] = str(e)
         code = 1
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which prints one line)
-        msg["error"] = f"{type(e).__name__}: {e}"
-        msg["traceback"] = traceback.format_exc()
+        full = storage_full(e, args.spec) if isinstance(e, Exception) else None
+        msg["error"] = str(full) if full is not None else f"{type(e).__name__}: {e}"
+        if full is None:
+            msg["traceback"] = traceback.format_exc()
         code = 1
     results.put(msg)
     results.close()
@@ -918,7 +940,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     loop = _LoopConfig(n_trials=n_trials, deadline=t0 + timeout if timeout is not None else None,
                        heartbeat_interval=float(heartbeat_interval), grace_period=grace,
                        max_retries=max_retries, max_failures=max_failures)
-    with _quiet_optuna():
+    with _quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=_CONTINUE):
         study, created = _open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
                                      info=info, enqueue=enqueue)
         stale = fail_stale_trials(study, grace_period=grace, max_retries=max_retries)

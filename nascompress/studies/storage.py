@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from optuna.storages.journal import JournalFileSymlinkLock
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, write_error
 
 from ._procs import host, pid_alive, pid_start
 
@@ -292,7 +292,8 @@ def _open_rdb(spec: StorageSpec) -> BaseStorage:
         raise NascompressError(f"cannot open storage {spec.display}: no PostgreSQL driver is installed "
                                f"({e}); pip install 'psycopg[binary]'") from None
     except Exception as e:  # SQLAlchemy / driver / Optuna schema errors
-        raise NascompressError(_rdb_error(spec, e)) from None
+        full = write_error(e, what=f"study storage {spec.display}", then="then rerun the command")
+        raise full or NascompressError(_rdb_error(spec, e)) from None
 
 
 def _rdb_error(spec: StorageSpec, e: Exception) -> str:

@@ -1,0 +1,732 @@
+"""The fault table: kill -9 in every stage and bad inputs, tried as a user would, with the CLI.
+
+Each case runs ``nascompress`` commands in a subprocess (tiny models, the synthetic dataset or tiny
+ImageFolders of random PNGs, so the whole table takes a few minutes on 2 cores) and records:
+name, category, command, expected, outcome, exit code, the error line, the partial outputs left
+(run directories or files a reader would accept as finished although the command failed) and
+whether data was lost (work finished before the fault that is gone or changed after it).
+
+Outcomes: ``clean refusal`` (non-zero exit, one ``error:`` line naming the problem, no traceback
+and no bare exception name), ``raw error`` (non-zero exit otherwise), ``resumed identical`` (killed
+with SIGKILL, rerun with the same command: the same weights / trials as an uninterrupted run),
+``resumed different``, ``recovered`` (a leftover of a killed process handled at once), ``accepted``
+(an input the tool should take), ``wrong`` (anything else).
+
+Read-only and full disks are real where the machine allows it (``mount -t tmpfs``, needs root):
+a tiny tmpfs, and read-only tmpfs / bind mounts. Where it does not, full-disk cases of the study
+storage use SQLite's ``max_page_count`` (a real "database or disk is full"), and the others are
+recorded as not run. Each case records ``how``.
+
+Usage (from the repository root)::
+
+    python bench/faults.py                       # writes bench/results/faults.json
+    python bench/faults.py --only pipeline --keep --work /some/scratch
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from _common import ROOT, header, save
+
+PY = sys.executable
+ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           PYTHONWARNINGS="ignore", COLUMNS="200", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+TINY = ["--dataset", "synthetic", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "2",
+        "--num-heads", "2", "--batch-size", "32", "--device", "cpu", "--seed", "0"]
+SPACE = """format: nascompress-space/1
+name: tiny-evit
+methods:
+  - name: evit
+    params:
+      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
+      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
+"""
+PIPELINE = """format: nascompress-pipeline/1
+seed: 0
+device: cpu
+data: {dataset: synthetic}
+base:
+  train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, in_chans: 1, epochs: 2, batch_size: 32, lr: 0.002}
+goal: {max_flops: 0.75}
+stages:
+  dcs: {target_flops: 0.85, epochs: 2, batch_size: 32, alpha_init: 0.5, base_lr: 0.001, arch_lr: 0.15}
+  tokens: {space: space.yaml, trials: 4, eval_images: 60, train_images: 60, calib_steps: 3, batch_size: 30}
+  retrain: {epochs: 2, eta: 0, batch_size: 32}
+report: {iters: 2, batch_size: 8}
+"""
+STUDY = ["--space", "space.yaml", "--train-images", "60", "--eval-images", "60", "--batch-size", "30",
+         "--calib-steps", "2", "--device", "cpu", "--seed", "0"]
+# a CLI run whose SQLite connections hold at most NASCOMPRESS_FAULTS_PAGES pages (a full disk, simulated)
+SMALL_SQLITE = ("import os, sys\nfrom sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
+                "@event.listens_for(Engine, 'connect')\ndef _small(c, _r):\n"
+                "    c.execute('PRAGMA max_page_count = ' + os.environ['NASCOMPRESS_FAULTS_PAGES'])\n"
+                "from nascompress.cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n")
+RAW_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b|Errno|Traceback")
+
+
+@dataclass
+class Case:
+    name: str
+    category: str
+    command: str
+    expected: str
+    outcome: str = "wrong"
+    exit_code: int | None = None
+    error_line: str | None = None
+    partial_outputs: list[str] = field(default_factory=list)
+    data_lost: bool = False
+    how: str = "real"
+    seconds: float = 0.0
+    note: str = ""
+
+
+@dataclass
+class Ran:
+    rc: int
+    out: str
+    err: str
+
+
+class Table:
+    def __init__(self, work: Path, only: str | None, *, mount: bool = True) -> None:
+        self.work, self.only, self.cases = work, only, []
+        self.mounts: list[Path] = []
+        self.can_mount = mount and self._try_mount()
+
+    # -- running commands ----------------------------------------------------------------------
+    def nc(self, args: list[Any], cwd: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
+           small_sqlite: int | None = None) -> Ran:
+        cmd = [PY, "-c", SMALL_SQLITE] if small_sqlite is not None else [PY, "-m", "nascompress.cli.main"]
+        e = dict(ENV, **(env or {}))
+        if small_sqlite is not None:
+            e["NASCOMPRESS_FAULTS_PAGES"] = str(small_sqlite)
+        p = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=e, capture_output=True, text=True,
+                           timeout=timeout)
+        return Ran(p.returncode, p.stdout, p.stderr)
+
+    def kill_when(self, args: list[Any], cwd: Path, ready: Callable[[], bool], *, timeout: float = 300) -> bool:
+        """Start the command, SIGKILL it as soon as ``ready()``; False if it ended before."""
+        p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *map(str, args)], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+        end = time.time() + timeout
+        try:
+            while p.poll() is None and time.time() < end:
+                if ready():
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+                    return True
+                time.sleep(0.05)
+            return False
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def scrub(self, text: str, d: Path) -> str:
+        """No machine path in the results: the case's folder is '.', the scratch folder <work>."""
+        return text.replace(str(d) + "/", "").replace(str(d), ".").replace(str(self.work), "<work>")
+
+    # -- shared runs -----------------------------------------------------------------------------
+    def base_run(self) -> Path:
+        """A tiny dense run (one epoch) every search starts from (made once)."""
+        b = self.work / "shared-base"
+        if not (b / "metrics.json").is_file():
+            shutil.rmtree(b, ignore_errors=True)
+            r = self.nc(["train", "--out", b, "--epochs", "1", *TINY], self.work)
+            assert r.rc == 0, r.err[-2000:]
+        return b
+
+    def command(self, kind: str) -> list[Any]:
+        """The killed commands (run in a case's folder): train, search (dcs), study (tokens), pipeline."""
+        base = self.base_run() if kind in ("search", "study") else None
+        return {"train": ["train", "--out", "run", "--epochs", "3", *TINY],
+                "search": ["search", "dcs", base, "--out", "run", "--epochs", "3", "--target-flops", "0.8",
+                           "--batch-size", "32", "--device", "cpu"],
+                "study": ["search", "tokens", base, "--study", "s", "--storage", "sqlite:///s.db", "--trials", "12",
+                          *STUDY],
+                "pipeline": ["pipeline", "p.yaml", "--out", "run"]}[kind]
+
+    def reference(self, kind: str) -> Path:
+        """An uninterrupted run of each killed command (made once): train, search, study, pipeline."""
+        d = self.work / f"reference-{kind}"
+        if (d / "finished").is_file():
+            return d
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        (d / "space.yaml").write_text(SPACE)
+        (d / "p.yaml").write_text(PIPELINE)
+        r = self.nc(self.command(kind), d, timeout=600)
+        assert r.rc == 0, r.err[-2000:]
+        (d / "finished").touch()
+        return d
+
+    # -- mounts ----------------------------------------------------------------------------------
+    def _try_mount(self) -> bool:
+        probe = self.work / ".mount-probe"
+        probe.mkdir(parents=True, exist_ok=True)
+        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
+                            capture_output=True).returncode == 0
+        if ok:
+            subprocess.run(["umount", str(probe)], capture_output=True)
+        probe.rmdir()
+        return ok
+
+    def tmpfs(self, d: Path, *, size: str, ro: bool = False) -> None:
+        d.mkdir(parents=True, exist_ok=True)
+        opts = f"size={size}" + (",ro" if ro else "")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], check=True)
+        self.mounts.append(d)
+
+    def grow(self, d: Path) -> None:
+        """Free space: the tmpfs at ``d`` grows to 64 MiB (its files stay)."""
+        subprocess.run(["mount", "-o", "remount,size=64m", str(d)], check=True)
+
+    def read_only(self, d: Path) -> None:
+        """Remount the existing folder ``d`` read-only (a bind mount on itself)."""
+        subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
+        self.mounts.append(d)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(d)], check=True)
+
+    def unmount_all(self) -> None:
+        for d in reversed(self.mounts):
+            subprocess.run(["umount", str(d)], capture_output=True)
+        self.mounts = []
+
+    # -- cases -----------------------------------------------------------------------------------
+    def case(self, name: str, category: str, expected: str) -> Callable[[Callable[[Case, Path], None]], None]:
+        def run(fn: Callable[[Case, Path], None]) -> None:
+            if self.only and self.only not in name and self.only not in category:
+                return
+            d = self.work / name
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+            (d / "space.yaml").write_text(SPACE)
+            c = Case(name=name, category=category, command="", expected=expected)
+            t0 = time.perf_counter()
+            try:
+                fn(c, d)
+            except Exception as e:  # the bench itself failed: record it, go on
+                c.outcome, c.note = "bench failure", f"{type(e).__name__}: {e}"
+            finally:
+                self.unmount_all()
+            c.seconds = round(time.perf_counter() - t0, 1)
+            c.command, c.error_line, c.note = (None if x is None else self.scrub(x, d)
+                                               for x in (c.command, c.error_line, c.note))
+            self.cases.append(c)
+            print(f"{name:38s} {c.outcome:20s} rc={c.exit_code} {c.seconds:6.1f}s  {c.error_line or c.note}",
+                  flush=True)
+        return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Judging a result
+
+
+def error_line(r: Ran) -> str | None:
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
+    return lines[-1] if lines else (r.err.strip().splitlines() or [None])[-1]
+
+
+def judge_refusal(c: Case, r: Ran, must: str = "") -> None:
+    c.exit_code, c.error_line = r.rc, error_line(r)
+    errs = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
+    clean = (r.rc != 0 and len(errs) == 1 and "Traceback" not in r.err and not RAW_NAME.search(errs[0])
+             and must.lower() in errs[0].lower())
+    c.outcome = "clean refusal" if clean else ("raw error" if r.rc != 0 else "wrong")
+
+
+def finished_outputs(root: Path, before: set[str]) -> list[str]:
+    """Files and run directories under ``root`` that are new since ``before`` and that a reader
+    accepts as finished (a run whose mark says complete, a plain model directory, any other file)."""
+    from nascompress.io import run_state
+
+    found = []
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if rel in before or p.name.startswith(".") or any(part.startswith(".") for part in p.relative_to(root).parts):
+            continue
+        if p.is_dir() and (p / "model.safetensors").is_file():
+            if run_state(p) in ("complete", "plain"):
+                found.append(rel + "/")
+        elif p.is_file() and p.suffix in (".csv", ".html", ".onnx", ".pt2") and p.stat().st_size > 0:
+            found.append(rel)
+    return found
+
+
+def snapshot(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
+
+
+def tensors_equal(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    if not (a.is_file() and b.is_file()):
+        return False
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def study_trials(db: Path, name: str) -> list[tuple]:
+    """(number, state, params, values) of every trial, straight from the SQLite file."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        row = con.execute("select study_id from studies where study_name=?", (name,)).fetchone()
+        if row is None:
+            return []
+        sid = row[0]
+        rows = con.execute("select trial_id, number, state from trials where study_id=? order by number",
+                           (sid,)).fetchall()
+        out = []
+        for tid, num, state in rows:
+            params = sorted(con.execute("select param_name, param_value from trial_params where trial_id=?",
+                                        (tid,)).fetchall())
+            values = [v for (v,) in con.execute("select value from trial_values where trial_id=? order by objective",
+                                                (tid,))]
+            out.append((num, state, params, values))
+        return out
+    finally:
+        con.close()
+
+
+def complete(trials: list[tuple]) -> list[tuple]:
+    return [t for t in trials if t[1] == "COMPLETE"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The cases
+
+
+def kill_cases(t: Table) -> None:
+    reference = t.reference
+
+    for kind, name, shown in (("train", "kill-train-mid-epoch", "train --out run --epochs 3 (tiny ViT)"),
+                              ("search", "kill-search-dcs-mid-epoch",
+                               "search dcs BASE --out run --epochs 3 --target-flops 0.8")):
+        @t.case(name, "kill -9", "rerun with --resume gives the uninterrupted run's weights")
+        def _(c: Case, d: Path, kind: str = kind, shown: str = shown) -> None:
+            cmd = t.command(kind)
+            c.command = f"nascompress {shown}  (kill -9 after epoch 1's checkpoint; rerun with --resume)"
+            killed = t.kill_when(cmd, d, lambda: (d / "run" / "checkpoint.safetensors").is_file())
+            r = t.nc(cmd + ["--resume"], d)
+            c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
+            same = tensors_equal(d / "run" / "model.safetensors", reference(kind) / "run" / "model.safetensors")
+            c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
+            c.data_lost = r.rc != 0
+
+    @t.case("kill-study-mid-trial", "kill -9", "the same command continues the same sequence of trials")
+    def _(c: Case, d: Path) -> None:
+        cmd = t.command("study")
+        c.command = "nascompress search tokens BASE --study s --trials 12 ...  (kill -9 after 3 trials; rerun)"
+
+        def three_done() -> bool:
+            try:
+                return len(complete(study_trials(d / "s.db", "s"))) >= 3
+            except Exception:  # noqa: BLE001 (not created yet)
+                return False
+
+        killed = t.kill_when(cmd, d, three_done)
+        before = complete(study_trials(d / "s.db", "s"))
+        r = t.nc(cmd, d)
+        c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
+        after = complete(study_trials(d / "s.db", "s"))
+        want = complete(study_trials(reference("study") / "s.db", "s"))
+        strip = lambda ts: [(p, [round(v, 9) for v in vals]) for _, _, p, vals in ts]  # noqa: E731
+        c.outcome = "resumed identical" if killed and r.rc == 0 and strip(after) == strip(want) else "resumed different"
+        c.data_lost = not set(map(str, strip(before))) <= set(map(str, strip(after)))
+        c.note = f"{len(before)} trials complete at the kill"
+
+    stages = [("base", lambda o: (o / "base" / "checkpoint.safetensors").is_file()),
+              ("dcs-search", lambda o: (o / "dcs_search" / "checkpoint.safetensors").is_file()),
+              ("token-study", lambda o: (o / "studies.db").is_file() and _n_complete(o / "studies.db") >= 2),
+              ("retrain", lambda o: (o / "final" / "checkpoint.safetensors").is_file()),
+              ("report", lambda o: (o / "done" / "retrain.json").is_file())]
+    for stage, ready in stages:
+        @t.case(f"kill-pipeline-{stage}", "kill -9", "rerunning the same command gives the uninterrupted result")
+        def _(c: Case, d: Path, ready: Callable[[Path], bool] = ready, stage: str = stage) -> None:
+            (d / "p.yaml").write_text(PIPELINE)
+            cmd = t.command("pipeline")
+            c.command = f"nascompress pipeline p.yaml --out run  (kill -9 during {stage}; rerun)"
+            killed = t.kill_when(cmd, d, lambda: ready(d / "run"))
+            done_before = {p.name: digest(p) for p in (d / "run" / "done").glob("*.json")} if killed else {}
+            t0 = time.perf_counter()
+            r = t.nc(cmd, d, timeout=600)
+            rerun_s = time.perf_counter() - t0
+            c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
+            want = reference("pipeline") / "run"
+            same = tensors_equal(d / "run" / "final" / "model.safetensors", want / "final" / "model.safetensors")
+            if same:
+                s1, s2 = (json.loads((x / "summary.json").read_text()) for x in (d / "run", want))
+                same = (s1["final"]["test_top1"], s1["comparison"]["flops_ratio"]) == \
+                       (s2["final"]["test_top1"], s2["comparison"]["flops_ratio"])
+            c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
+            c.data_lost = any(digest(d / "run" / "done" / n) != h for n, h in done_before.items())
+            c.note = f"the rerun took {rerun_s:.1f} s" if killed else "the run ended before the kill point"
+
+
+def _n_complete(db: Path) -> int:
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+        try:
+            return con.execute("select count(*) from trials where state='COMPLETE'").fetchone()[0]
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return 0
+
+
+def bad_input_cases(t: Table) -> None:
+    def refusal(name: str, category: str, expected: str, args: list[Any], *, prepare: Callable[[Path], None],
+                must: str = "", out: str | None = None) -> None:
+        @t.case(name, category, expected)
+        def _(c: Case, d: Path) -> None:
+            prepare(d)
+            before = snapshot(d)
+            c.command = "nascompress " + " ".join(map(str, args))
+            r = t.nc(args, d)
+            judge_refusal(c, r, must)
+            c.partial_outputs = finished_outputs(d, before)
+            if out is not None and (d / out).exists() and out not in before:
+                c.partial_outputs.append(out + " (created)")
+
+    def yaml_cfg(text: str) -> Callable[[Path], None]:
+        return lambda d: (d / "p.yaml").write_text(text)
+
+    for name, text, must in (
+            ("yaml-syntax-error", PIPELINE.replace("seed: 0", "seed: [0"), "p.yaml"),
+            ("yaml-unknown-key", PIPELINE.replace("seed: 0", "seed: 0\nsed: 1"), "sed"),
+            ("yaml-wrong-type", PIPELINE.replace("trials: 4", "trials: four"), "trials"),
+            ("yaml-not-a-mapping", "- just\n- a list\n", "p.yaml"),
+            ("yaml-empty", "", "p.yaml")):
+        refusal(f"config-{name}", "broken config", "one line naming the file and key; nothing written",
+                ["pipeline", "p.yaml", "--out", "run"], prepare=yaml_cfg(text), must=must, out="run")
+
+    def run_with(mutate: Callable[[Path], None]) -> Callable[[Path], None]:
+        def prep(d: Path) -> None:
+            shutil.copytree(t.base_run(), d / "run")
+            mutate(d / "run")
+        return prep
+
+    def truncate(p: Path) -> None:
+        (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:5000])
+
+    def garbage_header(p: Path) -> None:
+        b = bytearray((p / "model.safetensors").read_bytes())
+        b[8:40] = b"\xff" * 32
+        (p / "model.safetensors").write_bytes(bytes(b))
+
+    refusal("truncated-safetensors", "corrupt file", "one line: the file is corrupt",
+            ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=run_with(truncate), must="run")
+    refusal("corrupt-safetensors-header", "corrupt file", "one line: the file is corrupt",
+            ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=run_with(garbage_header),
+            must="run")
+    refusal("text-file-as-weights", "corrupt file", "one line: not a weights file",
+            ["train", "--out", "new", "--weights", "notes.txt", "--epochs", "1", *TINY],
+            prepare=lambda d: (d / "notes.txt").write_text("hello\n"), must="notes.txt", out="new")
+    refusal("truncated-weights-pth", "corrupt file", "one line: not a complete weights file",
+            ["train", "--out", "new", "--weights", "w.pth", "--epochs", "1", *TINY],
+            prepare=lambda d: (d / "w.pth").write_bytes(_pth_bytes()[:700]), must="w.pth", out="new")
+
+    def arch_kw(key: str, value: Any) -> Callable[[Path], None]:
+        def mutate(p: Path) -> None:
+            (p.parent / "notes.txt").write_text("not weights\n")
+            a = json.loads((p / "arch.json").read_text())
+            a["model"]["kwargs"][key] = value
+            (p / "arch.json").write_text(json.dumps(a))
+        return run_with(mutate)
+
+    for key, value in (("checkpoint_path", "../notes.txt"), ("pretrained_cfg_overlay", {"file": "x.bin"}),
+                       ("act_layer", "os.system"), ("global_pool", "os.system")):
+        refusal(f"arch-json-{key}", "malicious arch.json", "one line naming the key; no file opened",
+                ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=arch_kw(key, value),
+                must=key)
+
+    def folder(classes: dict[str, dict[str, int]], corrupt: bool = False) -> Callable[[Path], None]:
+        def prep(d: Path) -> None:
+            import numpy as np
+            from PIL import Image
+
+            rng = np.random.default_rng(0)
+            for split, counts in classes.items():
+                for cls, n in counts.items():
+                    (d / "imgs" / split / cls).mkdir(parents=True, exist_ok=True)
+                    for i in range(n):
+                        Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(
+                            d / "imgs" / split / cls / f"{i}.png")
+            if corrupt:
+                p = d / "imgs" / "train" / "a" / "0.png"
+                p.write_bytes(p.read_bytes()[:60])
+        return prep
+
+    fold = ["--dataset", "imgs", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1",
+            "--num-heads", "2", "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--num-workers", "0"]
+    refusal("imagefolder-corrupt-png", "bad dataset", "one line naming the image; nothing written",
+            ["train", "--out", "new", *fold], prepare=folder({"train": {"a": 12, "b": 12}}, corrupt=True),
+            must="0.png", out="new")
+    refusal("imagefolder-one-class", "bad dataset", "one line: fewer than two classes; nothing written",
+            ["train", "--out", "new", *fold], prepare=folder({"train": {"a": 12}}), must="class", out="new")
+    refusal("imagefolder-empty-class-in-val", "bad dataset", "one line naming the class and split",
+            ["train", "--out", "new", *fold],
+            prepare=folder({"train": {"a": 12, "b": 12}, "val": {"a": 4, "b": 0}}), must="val", out="new")
+
+    @t.case("imagefolder-corrupt-png-skipped", "bad dataset", "--skip-bad-images trains, counting the skipped image")
+    def _(c: Case, d: Path) -> None:
+        folder({"train": {"a": 12, "b": 12}}, corrupt=True)(d)
+        args = ["train", "--out", "new", *fold, "--skip-bad-images"]
+        c.command = "nascompress " + " ".join(args)
+        r = t.nc(args, d)
+        c.exit_code = r.rc
+        c.outcome = "accepted" if r.rc == 0 and "skip" in (r.out + r.err).lower() else "wrong"
+        c.error_line = error_line(r) if r.rc else None
+
+
+def _pth_bytes() -> bytes:
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.zeros(2000)}, buf)
+    return buf.getvalue()
+
+
+def disk_cases(t: Table) -> None:
+    base = t.base_run()
+
+    def needs_mount(c: Case) -> bool:
+        if not t.can_mount:
+            c.outcome, c.how = "not run", "no tmpfs (mount not permitted here, or --no-mount)"
+        return t.can_mount
+
+    @t.case("read-only-train-out", "read-only output", "one line: the output is not writable; nothing written")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            t.tmpfs(d / "ro", size="1m", ro=True)
+            c.how = "read-only tmpfs"
+            args = ["train", "--out", "ro/run", "--epochs", "1", *TINY]
+            c.command = "nascompress " + " ".join(args)
+            judge_refusal(c, t.nc(args, d), "ro/run")
+
+    @t.case("read-only-study-export", "read-only output", "one line naming the file; nothing written")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            shutil.copy(t.reference("study") / "s.db", d / "s.db")
+            t.tmpfs(d / "ro", size="1m", ro=True)
+            c.how = "read-only tmpfs"
+            for fmt in ("csv", "json"):
+                args = ["study", "export", "s", "--storage", "sqlite:///s.db", "--out", f"ro/s.{fmt}", "--format", fmt]
+                c.command = "nascompress " + " ".join(args)
+                judge_refusal(c, t.nc(args, d), f"ro/s.{fmt}")
+                if c.outcome != "clean refusal":
+                    break
+
+    @t.case("read-only-pipeline-resume", "read-only output", "one line: the pipeline folder is read-only")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            (d / "p.yaml").write_text(PIPELINE)
+            shutil.copytree(t.reference("pipeline") / "run", d / "run")
+            (d / "run" / "done" / "report.json").unlink(missing_ok=True)
+            before = {p: digest(p) for p in (d / "run").rglob("*") if p.is_file()}
+            t.read_only(d / "run")
+            c.how = "read-only bind mount"
+            args = ["pipeline", "p.yaml", "--out", "run"]
+            c.command = "nascompress " + " ".join(args) + "  (an unfinished pipeline in a read-only folder)"
+            judge_refusal(c, t.nc(args, d), "read-only")
+            t.unmount_all()
+            c.data_lost = any(digest(p) != h for p, h in before.items())
+
+    @t.case("full-disk-train", "full disk", "one line: no space left; no run that looks finished")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            t.tmpfs(d / "small", size="96k")
+            c.how = "tmpfs of 96 KiB"
+            args = ["train", "--out", "small/run", "--epochs", "3", *TINY]
+            c.command = "nascompress " + " ".join(args) + "  (then: more space, rerun with --resume)"
+            judge_refusal(c, t.nc(args, d), "no space")
+            c.partial_outputs = finished_outputs(d, set())
+            t.grow(d / "small")
+            r = t.nc(args + ["--resume"], d)
+            same = tensors_equal(d / "small" / "run" / "model.safetensors",
+                                 t.reference("train") / "run" / "model.safetensors")
+            c.note = ("with more space, --resume finished it " + ("with the uninterrupted run's weights" if same else
+                      "with other weights")) if r.rc == 0 else f"with more space, --resume failed: {error_line(r)}"
+
+    @t.case("full-disk-pipeline", "full disk", "one line: no space left; the finished steps kept")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            (d / "p.yaml").write_text(PIPELINE)
+            t.tmpfs(d / "small", size="1200k")
+            c.how = "tmpfs of 1200 KiB"
+            args = ["pipeline", "p.yaml", "--out", "small/run"]
+            c.command = "nascompress " + " ".join(args) + "  (then: more space, the same command)"
+            judge_refusal(c, t.nc(args, d, timeout=600), "no space")
+            c.partial_outputs = [p for p in finished_outputs(d, set()) if not (d / p / "metrics.json").is_file()]
+            done = {p.name: digest(p) for p in (d / "small" / "run" / "done").glob("*.json")}
+            t.grow(d / "small")
+            r = t.nc(args, d, timeout=600)
+            want = t.reference("pipeline") / "run" / "final" / "model.safetensors"
+            same = tensors_equal(d / "small" / "run" / "final" / "model.safetensors", want)
+            c.data_lost = any(digest(d / "small" / "run" / "done" / n) != h for n, h in done.items())
+            c.note = (f"{len(done)} steps done when the disk filled; with more space the same command "
+                      + ("finished with the uninterrupted run's final weights" if r.rc == 0 and same else
+                         f"ended with exit code {r.rc}, same weights: {same}"))
+
+    @t.case("full-disk-study-storage", "full disk", "one line: the storage is full; moved to a bigger disk, "
+                                                     "the same command continues the same trials")
+    def _(c: Case, d: Path) -> None:
+        ref_db = t.reference("study") / "s.db"
+        cmd = ["search", "tokens", str(base), "--study", "s", "--trials", "12", *STUDY]
+        pages = None
+        if t.can_mount:
+            t.tmpfs(d / "small", size="136k")
+            c.how = "tmpfs of 136 KiB"
+            db = d / "small" / "s.db"
+        else:
+            c.how = "simulated: SQLite max_page_count"
+            db = d / "s.db"
+            pages = 29
+        args = cmd + ["--storage", f"sqlite:///{db.relative_to(d)}"]
+        c.command = ("nascompress search tokens BASE --study s --trials 12 ... --storage sqlite:///"
+                     f"{db.relative_to(d)}  (then: more space, the same command)")
+        judge_refusal(c, t.nc(args, d, small_sqlite=pages), "no space")
+        before = complete(study_trials(db, "s"))
+        if t.can_mount:
+            t.grow(d / "small")
+        r = t.nc(args, d)  # the same command, with room
+        after, want = complete(study_trials(db, "s")), complete(study_trials(ref_db, "s"))
+        strip = lambda ts: [(p, [round(v, 9) for v in vals]) for _, _, p, vals in ts]  # noqa: E731
+        c.data_lost = not set(map(str, strip(before))) <= set(map(str, strip(after)))
+        c.note = (f"{len(before)} trials complete when the disk filled; with more space the same command "
+                  + ("gave the uninterrupted study's trials" if r.rc == 0 and strip(after) == strip(want)
+                     else "differed from the uninterrupted study"))
+
+    @t.case("read-only-study-storage", "unwritable study storage", "one line: the storage cannot be written")
+    def _(c: Case, d: Path) -> None:
+        if needs_mount(c):
+            (d / "st").mkdir()
+            shutil.copy(t.reference("study") / "s.db", d / "st" / "s.db")
+            before = digest(d / "st" / "s.db")
+            t.read_only(d / "st")
+            c.how = "read-only bind mount"
+            args = ["search", "tokens", str(base), "--study", "s", "--trials", "8", *STUDY, "--storage",
+                    "sqlite:///st/s.db"]
+            c.command = "nascompress search tokens BASE --study s --trials 8 ... --storage sqlite:///st/s.db"
+            judge_refusal(c, t.nc(args, d), "st/s.db")
+            t.unmount_all()
+            c.data_lost = digest(d / "st" / "s.db") != before
+
+
+def leftover_cases(t: Table) -> None:
+    base = t.base_run()
+
+    @t.case("stale-journal-lock", "leftover of kill -9", "the lock of a dead writer is recovered at once")
+    def _(c: Case, d: Path) -> None:
+        import socket
+
+        cmd = ["search", "tokens", str(base), "--study", "j", "--storage", "journal:s.journal", *STUDY]
+        assert t.nc(cmd + ["--trials", "2"], d).rc == 0
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        os.symlink(f"{d}/s.journal.owner=" + json.dumps([socket.gethostname(), dead.pid, None]), d / "s.journal.lock")
+        c.command = "nascompress search tokens BASE --study j --storage journal:s.journal --trials 4  (dead writer's lock)"
+        t0 = time.perf_counter()
+        r = t.nc(cmd + ["--trials", "4"], d)
+        wall = time.perf_counter() - t0
+        c.exit_code, c.error_line = r.rc, error_line(r) if r.rc else None
+        warned = "lock" in r.err.lower() and "warn" in r.err.lower()
+        c.outcome = "recovered" if r.rc == 0 and not os.path.lexists(d / "s.journal.lock") and not warned else "wrong"
+        c.note = f"the rerun took {wall:.1f} s (Optuna's own lock waits 30 s)"
+
+    @t.case("dashboard-killed", "leftover of kill -9", "the next dashboard removes the killed one's snapshot")
+    def _(c: Case, d: Path) -> None:
+        shutil.copy(t.reference("study") / "s.db", d / "s.db")
+        args = ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--port", "0"]
+        c.command = "nascompress " + " ".join(args) + "  (kill -9, then start it again)"
+        snaps = lambda: sorted(p.name for p in d.glob(".s.db.dashboard-*"))  # noqa: E731
+        left = []
+        for k in range(2):
+            p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+            try:
+                up = p.stdout.readline()
+                if k == 0:
+                    left = snaps()
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    after_restart = snaps()
+                    os.killpg(p.pid, signal.SIGINT)
+            finally:
+                p.wait(30)
+        c.exit_code = p.returncode
+        ok = "optuna-dashboard" in up and len(left) == 1 and left[0] not in after_restart and snaps() == []
+        c.outcome = "recovered" if ok else "wrong"
+        c.note = f"snapshot left by kill -9: {len(left)}; after the restart: {len(after_restart)} (its own); after Ctrl-C: {len(snaps())}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--work", type=Path, default=None, help="Scratch folder (default: a new temporary folder).")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
+    ap.add_argument("--only", default=None, help="Run the cases whose name contains this (or of this category).")
+    ap.add_argument("--keep", action="store_true", help="Keep the scratch folder.")
+    ap.add_argument("--no-mount", action="store_true",
+                    help="Do not mount tmpfs (what runs where mounting is not permitted: simulated or not run).")
+    args = ap.parse_args()
+    work = (args.work or Path(tempfile.mkdtemp(prefix="nascompress-faults-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    t = Table(work, args.only, mount=not args.no_mount)
+    t0 = time.perf_counter()
+    try:
+        kill_cases(t)
+        bad_input_cases(t)
+        disk_cases(t)
+        leftover_cases(t)
+    finally:
+        t.unmount_all()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    cases = [asdict(c) for c in t.cases]
+    tried = [c for c in cases if c["outcome"] != "not run"]
+    summary = {
+        "cases_tried": len(tried),
+        "clean_refusals": sum(c["outcome"] == "clean refusal" for c in tried),
+        "refusals_expected": sum(c["category"] not in ("kill -9", "leftover of kill -9") and c["outcome"] != "accepted"
+                                 for c in tried),
+        "resumed_identically": sum(c["outcome"] == "resumed identical" for c in tried),
+        "kill_cases": sum(c["category"] == "kill -9" for c in tried),
+        "recovered_leftovers": sum(c["outcome"] == "recovered" for c in tried),
+        "accepted": sum(c["outcome"] == "accepted" for c in tried),
+        "raw_errors": sum(c["outcome"] == "raw error" for c in tried),
+        "wrong_or_bench_failures": sum(c["outcome"] in ("wrong", "resumed different", "bench failure") for c in tried),
+        "partial_outputs_left": sum(bool(c["partial_outputs"]) for c in tried),
+        "data_lost": sum(bool(c["data_lost"]) for c in tried),
+        "not_run": [c["name"] for c in cases if c["outcome"] == "not run"],
+        "disks": "real (tmpfs and read-only mounts)" if t.can_mount else "simulated where possible (no mount here)",
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    head = header()
+    head["command"] = head["command"].replace(str(work), "<work>")  # no machine path in the results
+    save(args.out, {**head, "summary": summary, "cases": cases})
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
