@@ -44,6 +44,8 @@ def _relative_match(m: re.Match, root: Path = ROOT) -> str:
     """A matched path made relative; the extra slashes of a URL (``sqlite:////abs/x.db``) are kept."""
     path = m.group(0)
     slashes = len(path) - len(path.lstrip("/"))
+    if m.start() > 0 and m.string[m.start() - 1] == ":" and slashes <= 3:
+        return path  # a URL's host (http://h/x) or a relative SQLite path (sqlite:///x.db)
     return "/" * (slashes - 1) + relative_path("/" + path.lstrip("/"), root)
 
 

@@ -53,6 +53,8 @@ def test_readme_table_figures_come_from_their_json():
     ("--weights /home/me/weights/vit.safetensors --runs runs/p", "--weights weights/vit.safetensors --runs runs/p"),
     ("sqlite:////home/me/proj/runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
     ("sqlite:///runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
+    ("--storage sqlite:///small/s.db", "--storage sqlite:///small/s.db"),
+    ("http://host.example/a/b", "http://host.example/a/b"),
     ("/var/scratch/sp_bench", "sp_bench"),
     ("/usr/share/datasets/fashion-mnist", "/usr/share/datasets/fashion-mnist"),
     ("val / test 0.5/1.0", "val / test 0.5/1.0"),
