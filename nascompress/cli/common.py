@@ -18,6 +18,9 @@ err = Console(stderr=True)
 STATE = {"debug": False}
 SkipBadImages = Annotated[bool, typer.Option(
     "--skip-bad-images", help="ImageFolder: leave unreadable images out (counted) instead of refusing the dataset.")]
+Amp = Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]
+Deterministic = Annotated[bool, typer.Option(
+    "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]
 
 
 def skip_bad(data: Any, skip: bool) -> Any:

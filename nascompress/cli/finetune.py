@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import Amp, Deterministic, SkipBadImages, out, print_json, run, skip_bad
 
 
 def parse_value(text: str) -> Any:
@@ -136,10 +136,8 @@ def _signature() -> inspect.Signature:
         P("seed", KW, default=0, annotation=Annotated[int, typer.Option(help="One seed for everything.")]),
         P("device", KW, default="auto", annotation=Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]),
         P("skip_bad_images", KW, default=False, annotation=SkipBadImages),
-        P("amp", KW, default="off", annotation=Annotated[str, typer.Option(
-            help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]),
-        P("deterministic", KW, default=False, annotation=Annotated[bool, typer.Option(
-            "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]),
+        P("amp", KW, default="off", annotation=Amp),
+        P("deterministic", KW, default=False, annotation=Deterministic),
         P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
         P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),

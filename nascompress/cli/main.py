@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import STATE, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
+from nascompress.cli.common import STATE, Amp, Deterministic, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -29,9 +29,6 @@ Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separ
 Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
 CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
 NumWorkers = Annotated[Optional[int], typer.Option(help="DataLoader workers (default: up to 4 for ImageFolder, 0 in memory).")]
-Amp = Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]
-Deterministic = Annotated[bool, typer.Option(
-    "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]
 DType = Annotated[str, typer.Option(help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.")]
 
 

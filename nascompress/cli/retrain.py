@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import Amp, Deterministic, SkipBadImages, out, print_json, run, skip_bad
 
 
 def register(app: typer.Typer) -> None:
@@ -40,9 +40,8 @@ def register(app: typer.Typer) -> None:
         eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
         seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
         skip_bad_images: SkipBadImages = False,
-        amp: Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights stay fp32).")] = "off",
-        deterministic: Annotated[bool, typer.Option(
-            "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")] = False,
+        amp: Amp = "off",
+        deterministic: Deterministic = False,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
         resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
