@@ -260,6 +260,29 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "pipeline": pipeline_summary, "pretrained": pretrained_summary}
 
 
+def small_data_rows(d: dict[str, Any] | None) -> list[list[str]]:
+    """The small-data DINOv2 bench (2,000 training images, library defaults): DCS and uniform pruning
+    at equal FLOPs with the same retraining, and the dense model fine-tuned with the same budget."""
+    if not d or "summary" not in d:
+        return []
+    s, name = d["summary"], "`pretrained_small_data.json`"
+    n = d.get("protocol", {}).get("train_images", "?")
+    dense = s.get("dense_probe_test")
+    if dense is None:
+        return []
+    rows = []
+    for target in sorted((k for k in s if isinstance(s[k], dict)), reverse=True):
+        for fam, label in (("dcs-hidden", "DCS (hidden gates)"), ("dcs-residual", "DCS (residual gates)"),
+                           ("uniform", "uniform magnitude")):
+            if s[target].get(fam) is not None:
+                rows.append([f"DINOv2 ViT-S/14, {n:,} images: {label} {target}x + retrain",
+                             f"{s[target][fam + '_flops']:.3f}x", f"{dense:.2f}% -> {s[target][fam]:.2f}%", "-", name])
+    if s.get("dense_ft_test") is not None:
+        rows.append([f"DINOv2 ViT-S/14, {n:,} images: dense, same retrain budget", "1.000x",
+                     f"{dense:.2f}% -> {s['dense_ft_test']:.2f}%", "-", name])
+    return rows
+
+
 def readme_table(data: dict[str, Any]) -> list[str]:
     """The README's one results table: the main job and the DINOv2 cases, every figure read from its JSON."""
     rows = []
@@ -282,6 +305,7 @@ def readme_table(data: dict[str, Any]) -> list[str]:
     if ft and dense is not None:
         rows.append(["DINOv2 ViT-S/14 dense, fine-tuned as EViT (the fair reference)", "1.000x",
                      f"{dense:.2f}% -> {ft['test_top1']:.2f}%", "-", "`pretrained_dense_finetuned_metrics.json`"])
+    rows += small_data_rows(data.get("pretrained_small_data.json"))
     return table(["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
                  rows)[:-1]
 
