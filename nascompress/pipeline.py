@@ -373,7 +373,7 @@ class TokensStage(_Section):
     trials: int = opt(30, lo=1)
     workers: int = opt(1, lo=1)
     objective: str = opt("goal", choices=("goal", "flops", "latency", "throughput"))
-    sampler: str = opt("nsga2", choices=("nsga2", "tpe"))
+    sampler: str = opt("nsga2", choices=("nsga2", "tpe", "qmc"))
     finetune_epochs: float = opt(0.0, lo=0)
     train_images: int = opt(2000, lo=1)
     eval_images: int = opt(2000, lo=1)
@@ -806,7 +806,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
     from .pipeline_fallback import current_model, pick_or_closest
     from .search.trial_model import TrialMaterializeJob
     from .search.space import load_space
-    from .search.trials import SearchJob, run_search
+    from .search.trials import SearchJob, run_search, sampler_factory
 
     s, goal = cfg.stages.tokens, cfg.goal
     try:
@@ -814,6 +814,10 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
         space.check_depth(depth)
     except NascompressError as e:
         raise ctx.err("stages.tokens.space", str(e)) from None
+    try:
+        sampler_factory(s.sampler, space, cfg.seed)  # qmc on a conditional space: refused before any stage runs
+    except NascompressError as e:
+        raise ctx.err("stages.tokens.sampler", str(e)) from None
     names = [m.name for m in space.methods]
     if cfg.stages.dcs is not None:
         if "dcs" in names:

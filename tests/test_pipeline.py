@@ -228,6 +228,8 @@ BAD = [
     ("base", {"import": {"model": "vit_tiny_patch16_224", "weights": "missing.safetensors"}},
      "base.import.weights: file "),
     ("stages.tokens.space", "nope.yaml", "stages.tokens.space: search space "),
+    ("stages.tokens.sampler", "qmc", "stages.tokens.sampler: sampler qmc needs a space without conditional "
+                                     "parameters, and space 'tiny-evit' has one: evit.keep_rate.1"),
     ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
     ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),

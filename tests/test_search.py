@@ -167,3 +167,16 @@ def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_
     r = invoke("search", "tokens", notvit, "--study", "d", "--space", "evit.yaml")
     assert r.exit_code == 1 and "not a timm VisionTransformer" in r.output
     assert not (project / "nascompress-studies.db").exists()
+
+
+def test_qmc_sampler_searches_an_unconditional_space_and_refuses_a_conditional_one(project, tiny_run):
+    (project / "flat.yaml").write_text(JOINT_SPACE.split("  - name: dynamicvit")[0].replace("    optional: true\n", ""))
+    r = invoke("search", "tokens", tiny_run, "--study", "q", "--space", "flat.yaml", "--trials", 3, "--sampler",
+               "qmc", "--seed", 4, "--no-enqueue", *SMALL)
+    assert r.exit_code == 0, r.output
+    study = load_study("q")
+    assert len({t.params["sparsifiner.attn_keep_ratio"] for t in study.trials}) == 3
+    r = invoke("search", "tokens", tiny_run, "--study", "q2", "--space", "joint.yaml", "--sampler", "qmc")
+    assert r.exit_code == 1 and "sampler qmc needs a space without conditional parameters" in r.output
+    assert "sparsifiner.attn_keep_ratio (methods[0].params.attn_keep_ratio) exists only when sparsifiner.on" in r.output
+    assert "q2" not in optuna.get_all_study_names(f"sqlite:///{project / 'nascompress-studies.db'}")

@@ -223,3 +223,74 @@ def test_hash_is_stable_and_ignores_name_and_description(tmp_path):
                     method_fields=fake_fields).hash()
     h3 = load_space(write(tmp_path, text.replace("0.9", "0.8")), method_fields=fake_fields).hash()
     assert h1 == h2 != h3 and len(h1) == 16
+
+
+# Every kind of parameter, none conditional: the per-layer lists have a fixed length, the group has one
+# member, the optional method has no searched parameter.
+UNCONDITIONAL = """
+format: nascompress-space/1
+name: flat
+methods:
+  - name: alpha
+    params:
+      rate: {kind: float, low: 0.1, high: 0.9, step: 0.1}
+      lr: {kind: float, low: 0.0001, high: 0.1, log: true}
+      x: {kind: float, low: -1, high: 1}
+      width: {kind: int, low: 8, high: 64, step: 8}
+      heads: {kind: int, low: 1, high: 16, log: true}
+      mode: {kind: categorical, choices: [a, b, null, 3]}
+      layers: {kind: layers, range: [1, 4], size: 2}
+      keep: {kind: per_layer, layers: layers, value: {kind: float, low: 0.5, high: 1.0, step: 0.05}}
+      fixed: [2, 5]
+      bits: {kind: per_layer, layers: fixed, value: {kind: categorical, choices: [4, 8]}}
+      lit: {kind: per_layer, layers: [1, 3, 6], value: {kind: int, low: 0, high: 3}}
+      sets: {kind: layers, choices: [[1, 2], [3, 4]]}
+      note: constant
+  - name: beta
+    group: only
+    params:
+      r: {kind: float, low: 0.0, high: 1.0}
+  - name: gamma
+    optional: true
+    params:
+      c: 1
+"""
+
+
+def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
+    for space in (load_space(write(tmp_path, UNCONDITIONAL), method_fields=None),
+                  load_space(os.path.join(ROOT, "search_spaces", "mgvit.yaml"), method_fields=fake_fields),
+                  load_space(os.path.join(ROOT, "search_spaces", "dcs-target.yaml"), method_fields=fake_fields)):
+        assert space.conditional() is None
+        dists = space.distributions()
+        assert list(dists) == space.param_names()
+        for seed in range(3):
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+            trial = study.ask()
+            space.suggest(trial)
+            study.tell(trial, 0.0)
+            assert study.trials[-1].distributions == dists
+    flat = load_space(write(tmp_path, UNCONDITIONAL), method_fields=None).distributions()
+    assert [k for k in flat if k.startswith("alpha.keep.")] == ["alpha.keep.0", "alpha.keep.1"]
+    assert flat["group.only"].single() and flat["alpha.layers"].choices[0] == "1,2"
+
+
+@pytest.mark.parametrize("name,param", [
+    ("sparsifiner.yaml", "sparsifiner.kernel (methods[0].params.kernel) exists only when mode is 'block' (when:)"),
+    ("evit.yaml", "evit.keep_rate.1 (methods[0].params.keep_rate) exists only when evit.prune_layers has at "
+                  "least 2 layers (its sets have 1 to 3)"),
+    ("joint.yaml", "evit.prune_layers (methods[1].params.prune_layers) exists only when group.tokens is 'evit'"),
+])
+def test_a_conditional_space_has_no_distributions(name, param):
+    space = load_space(os.path.join(ROOT, "search_spaces", name), method_fields=fake_fields)
+    with pytest.raises(NascompressError) as e:
+        space.distributions()
+    msg = str(e.value)
+    assert "\n" not in msg and param in msg and f"space {space.name!r} is conditional" in msg
+
+
+def test_an_optional_method_with_searched_params_is_conditional(tmp_path):
+    text = UNCONDITIONAL.replace("      c: 1\n", "      c: {kind: int, low: 1, high: 4}\n")
+    space = load_space(write(tmp_path, text), method_fields=None)
+    assert space.conditional() == "gamma.c (methods[2].params.c) exists only when gamma.on is True"

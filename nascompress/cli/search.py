@@ -151,7 +151,8 @@ def _outer_search(kind: str, default_space: str):
             help="Single objective: accuracy with FLOPs <= this ratio of the uncompressed model.")] = None,
         max_latency: Annotated[Optional[float], typer.Option(
             help="Single objective: accuracy with batch-1 latency <= this many ms on --device.")] = None,
-        sampler: Annotated[str, typer.Option(help="nsga2 or tpe.")] = "nsga2",
+        sampler: Annotated[str, typer.Option(
+            help="nsga2, tpe or qmc (scrambled Sobol' points; spaces without conditional parameters).")] = "nsga2",
         finetune_epochs: Annotated[float, typer.Option(help="0: zero-shot trials; else a short fine-tune each.")] = 0.0,
         train_images: Annotated[int, typer.Option(help="Class-balanced training images for predictor stages and fine-tunes.")] = 2000,
         eval_images: Annotated[int, typer.Option(help="Class-balanced validation images accuracy is measured on.")] = 2000,

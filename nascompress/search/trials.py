@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from .space import Space, load_space
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
-SAMPLERS = ("nsga2", "tpe")
+SAMPLERS = ("nsga2", "tpe", "qmc")
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 
 
@@ -63,7 +63,8 @@ class SearchJob(Config):
         objective: the second objective next to accuracy: ``flops`` (ratio to the uncompressed
             model), ``latency`` (ms at batch 1 on ``device``) or ``throughput`` (images/s at batch 64).
         max_flops / max_latency_ms: single-objective accuracy under this constraint instead.
-        sampler: ``nsga2`` or ``tpe`` (multi-objective TPE).
+        sampler: ``nsga2``, ``tpe`` (multi-objective TPE) or ``qmc`` (scrambled Sobol' points, spaces
+            without conditional parameters only; see :mod:`nascompress.search.qmc`).
         finetune_epochs: 0 (zero-shot, after the predictor-only stage) or a short fine-tune per trial.
         train_images: class-balanced training images for the predictor stage and fine-tunes.
         eval_images: class-balanced validation images accuracy is measured on.
@@ -379,17 +380,41 @@ def make_objective(job_dict: dict[str, Any]) -> Objective:
     return Objective(SearchJob.from_dict(job_dict))
 
 
-def make_sampler(kind: str, seed: int):
+def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
+                 distributions: Mapping[str, Any] | None = None):
+    """The sampler of a trial: ``nsga2`` or ``tpe`` seeded by ``seed``; ``qmc`` needs the study's
+    seed and the space's distributions too (:func:`sampler_factory` binds them)."""
     import warnings
 
     import optuna
 
+    if kind == "qmc":
+        if study_seed is None or distributions is None:
+            raise NascompressError("the qmc sampler needs the study's seed and the space's distributions "
+                                   "(build its factory with sampler_factory)")
+        from .qmc import qmc_sampler
+
+        return qmc_sampler(distributions, study_seed=study_seed, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           warn_independent_sampling=False)
+
+
+def sampler_factory(kind: str, space: Space, seed: int) -> Callable[[int], Any]:
+    """The picklable ``seed -> sampler`` of a search (``run_study``'s ``sampler_factory``): for
+    ``nsga2`` / ``tpe`` :func:`make_sampler` of the kind; for ``qmc`` bound to the study's ``seed``
+    and ``space``'s distributions (see :mod:`nascompress.search.qmc`). ``qmc`` on a space with
+    conditional parameters is refused (one line naming the parameter)."""
+    if kind != "qmc":
+        return functools.partial(make_sampler, kind)
+    why = space.conditional()
+    if why is not None:
+        raise NascompressError(f"sampler qmc needs a space without conditional parameters, and space "
+                               f"{space.name!r} has one: {why}; use sampler nsga2 or tpe for it")
+    return functools.partial(make_sampler, kind, study_seed=seed, distributions=space.distributions())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,6 +514,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     if not base_path.exists():
         raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
     space = load_space(job.space)
+    factory = sampler_factory(job.sampler, space, job.seed)  # qmc on a conditional space: refused here
     base, arch = load_with_arch(job.base)
     space.check_depth(len(base.blocks))
     spec = InputSpec.from_dict(arch["input"])
@@ -515,7 +541,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     summary = run_study(study_name=job.study, storage=job.storage,
                         objective_factory=functools.partial(make_objective, job_dict),
                         n_trials=job.trials, directions=directions, metric_names=metric_names, space_info=info,
-                        sampler_factory=functools.partial(make_sampler, job.sampler), seed=job.seed,
+                        sampler_factory=factory, seed=job.seed,
                         workers=job.workers, enqueue=enqueue, progress=progress, json_progress=json_progress)
     summary["profile"] = profile
     summary["enqueued"] = len(enqueue)
@@ -523,4 +549,4 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
 
 
 __all__ = ["SearchJob", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
-           "reference_configs", "space_profile", "trial_seed"]
+           "sampler_factory", "reference_configs", "space_profile", "trial_seed"]
