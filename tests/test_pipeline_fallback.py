@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 import nascompress.search.dcs as search_dcs_module
-from nascompress.pipeline_fallback import milder_target
+from nascompress.pipeline.fallback import milder_target
 
 from .conftest import TINY_EVIT_SPACE, invoke
 

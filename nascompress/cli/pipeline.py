@@ -47,7 +47,7 @@ def show(s: dict) -> None:
     """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
     from rich.table import Table
 
-    from nascompress.pipeline_report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text
+    from nascompress.pipeline.report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text
 
     t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):

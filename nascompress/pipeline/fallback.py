@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .utils import read_json
+from ..utils import read_json
 
 DCS_MARKER = Path("done") / "dcs_search.json"
 OUTCOMES = ("planned", "milder", "skipped")
@@ -28,8 +28,8 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
     collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
-    from .search.dcs import SearchCollapsed, search_dcs
-    from .utils import read_json as _read
+    from ..search.dcs import SearchCollapsed, search_dcs
+    from ..utils import read_json as _read
 
     planned = job.search.target_flops
     mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
@@ -91,10 +91,10 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     """Rebuild the trial the goal's rule picks (``job``: a TrialMaterializeJob); when no trial meets
     the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
     stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
-    from .errors import NascompressError
-    from .search.trial_model import materialize_trial, parse_pick
-    from .studies.inspect import load
-    from .studies.runner import trial_record
+    from ..errors import NascompressError
+    from ..search.trial_model import materialize_trial, parse_pick
+    from ..studies.inspect import load
+    from ..studies.runner import trial_record
 
     try:
         return materialize_trial(job, force=force)

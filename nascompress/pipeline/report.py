@@ -18,16 +18,16 @@ import html
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .utils import atomic_path, read_json, write_json
+from ..utils import atomic_path, read_json, write_json
 
 if TYPE_CHECKING:
-    from .pipeline import Pipeline
+    from .plan import Pipeline
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
 
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
-    from .io import MODEL_FILE
+    from ..io import MODEL_FILE
 
     rec = {"run": str(run), "test_top1": ev["top1"], "test_loss": ev["loss"], "test_n": ev["n"],
            "params": prof["params"], "file_bytes": (run / MODEL_FILE).stat().st_size, "macs": prof["macs"],
@@ -57,7 +57,7 @@ def _method_summary(rec: dict[str, Any]) -> str:
 def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
     """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
     and whether it fell back (a milder target, or skipped)."""
-    from .pipeline_fallback import dcs_outcome
+    from .fallback import dcs_outcome
 
     res: dict[str, Any] = {}
     if dcs_rec is not None:
@@ -123,8 +123,8 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
-    from .api import evaluate_run, profile
-    from .io import load_arch, load_with_arch
+    from ..api import evaluate_run, profile
+    from ..io import load_arch, load_with_arch
 
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
@@ -224,8 +224,8 @@ def _base_decisions(pipe: Pipeline) -> dict[str, Any]:
 
 def _study_report(pipe: Pipeline) -> str | None:
     """The study's own report (written to tokens/report.html); returns its HTML."""
-    from .studies.inspect import load
-    from .studies.report import build_report
+    from ..studies.inspect import load
+    from ..studies.report import build_report
 
     spec, study = load(pipe.cfg.stages.tokens.study, pipe.storage)
     text = build_report(study, storage_display=spec.display)
@@ -358,7 +358,7 @@ def _study_fragment(text: str) -> str:
 
 def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
     """The pipeline's report: one self-contained HTML file (no external resources)."""
-    from .studies.report import _CSS
+    from ..studies.report import _CSS
 
     meta = [("config", s["source"]), ("output", s["out"]), ("dataset", s.get("dataset")), ("seed", s["seed"]),
             ("device", s.get("device")), ("goal", goal_text(s)), ("written", s["written"])]

@@ -1,0 +1,59 @@
+"""Reading and writing pipeline files: :func:`read_yaml`, :func:`load_config` (validated),
+:func:`dump_config` (the normalized ``OUT/config.yaml``) and :func:`_diff` (how two configs differ)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import StrictYamlLoader as _Loader
+from ..errors import NascompressError
+from .schema import _build, _Ctx, _join, _show
+from .sections import PipelineConfig
+
+
+def read_yaml(path: str | Path) -> Any:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise NascompressError(f"config file {path} does not exist") from None
+    except (IsADirectoryError, OSError) as e:
+        raise NascompressError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise NascompressError(f"{path}: not valid YAML{at}: {problem}") from None
+
+
+def load_config(path: str | Path, *, seed: int | None = None) -> PipelineConfig:
+    """Read and validate a pipeline file (schema only: types, ranges, unknown keys); ``seed``
+    overrides the file's. Errors name the file and the key path."""
+    path = Path(path)
+    data = read_yaml(path)
+    ctx = _Ctx(str(path), path.resolve().parent)
+    if not isinstance(data, dict):
+        raise ctx.err("", f"the file must be a mapping of sections (format, data, base, goal, stages), "
+                          f"got {_show(data)}")
+    if seed is not None:
+        data = dict(data, seed=seed)
+    return _build(PipelineConfig, data, "", ctx)
+
+
+def dump_config(cfg: PipelineConfig) -> str:
+    head = ("# nascompress pipeline: the validated config of this run (defaults filled in, paths absolute).\n"
+            "# Rerun (resumes where it stopped): nascompress pipeline THIS_FILE --out THIS_DIRECTORY\n")
+    return head + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in list(a) + [k for k in b if k not in a]:
+            out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), _join(path, str(k)))
+        return out
+    return [] if a == b else [f"{path or '(whole file)'} is {a!r} here but {b!r} there"]

@@ -1,0 +1,440 @@
+"""Planning a pipeline: every stage's job built (and so validated) before anything runs, as
+:class:`Step` objects of a :class:`Pipeline` (:func:`plan`)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import NascompressError
+from .config_io import load_config
+from .schema import _Ctx
+from .sections import DATASET_KEYWORDS, PipelineConfig
+
+STUDY_DB = "studies.db"
+STUDY_JOURNAL = "studies.journal"
+STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_pick", "retrain", "export", "report")
+
+
+@dataclass
+class Step:
+    """One resumable unit of work.
+
+    Args:
+        name: its name in ``OUT/done/<name>.json``.
+        dir: its output directory (None: nothing written by the step itself).
+        mode: ``train`` (resumed from its checkpoint), ``redo`` (rebuilt from scratch when
+            incomplete) or ``study`` (continued by name).
+        outputs: files (relative to OUT) that must exist for the step to count as complete.
+    """
+
+    name: str
+    dir: Path | None
+    mode: str
+    run: Callable[..., dict[str, Any]]
+    outputs: tuple[str, ...] = ()
+    describe: str = ""
+
+
+@dataclass
+class Pipeline:
+    """A validated pipeline for one OUT: the config, the directories, and the steps."""
+
+    cfg: PipelineConfig
+    out: Path
+    source: str
+    steps: list[Step]
+    base_dir: Path  # the dense base run
+    final_dir: Path  # the model the pipeline ends with, as planned (see :meth:`result_dir`)
+    storage: str | None = None
+    data: Any = None
+
+    def result_dir(self) -> Path | None:
+        """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
+        skipped steps when the DCS stage fell back; None when no compressed model was made."""
+        from .fallback import current_model
+
+        st = self.cfg.stages
+        return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
+                             retrain=st.retrain is not None, upto="final")
+
+
+def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
+    from ..data import DataConfig
+
+    d = cfg.data
+    return DataConfig(dataset=d.dataset, data_dir=d.data_dir, val_fraction=d.val_fraction, split_seed=0,
+                      train_limit=train_limit if train_limit is not None else d.train_limit,
+                      eval_limit=d.eval_limit, subset_seed=cfg.seed, num_workers=d.num_workers,
+                      skip_bad_images=d.skip_bad_images)
+
+
+def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
+    """The dataset exists; returns its class count."""
+    from ..api import count_classes
+
+    d = cfg.data
+    if d.dataset == "fashion-mnist":
+        need = Path(d.data_dir) / "train-images-idx3-ubyte.gz"
+        if not need.is_file():
+            raise ctx.err("data.data_dir", f"Fashion-MNIST is not in {d.data_dir} (no {need.name}); install the "
+                                           "Debian package dataset-fashion-mnist or point data_dir at its IDX files")
+    elif d.dataset != "synthetic" and not (Path(d.dataset) / "train").is_dir():
+        raise ctx.err("data.dataset", f"{d.dataset} is not 'fashion-mnist', 'synthetic' or an ImageFolder root "
+                                      "with a train/ folder")
+    try:
+        n = count_classes(_data_config(cfg))
+        if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
+            from ..data import load_data
+
+            load_data(_data_config(cfg))
+        return n
+    except NascompressError as e:
+        raise ctx.err("data.dataset", str(e)) from None
+
+
+def _built_model(spec: Any, ctx: _Ctx, where: str) -> Any:
+    from ..models import build_model
+
+    try:
+        return build_model(spec)
+    except NascompressError as e:
+        raise ctx.err(where, str(e)) from None
+
+
+def _weights_shapes(path: str) -> dict[str, list[int]] | None:
+    """Tensor shapes of a safetensors file, without reading the tensors (None for other formats
+    and unreadable files: the stage's own reader checks and reports those)."""
+    if not path.endswith(".safetensors"):
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception:  # noqa: BLE001 (a corrupt file: reported by the stage's reader)
+        return None
+
+
+def _grid_size(model: Any, weights: str) -> int | None:
+    """The input size whose patch grid matches the weights' position embedding."""
+    from ..importer import _grid_img_size
+
+    if weights.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(weights, "pt") as f:
+                pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None
+        except Exception as e:  # noqa: BLE001 (a corrupt or foreign file: every reader raises its own type)
+            raise NascompressError(f"weights file {weights} is corrupt or not a weights file ({e})") from None
+    else:
+        from ..models import read_weights_file
+
+        pe = read_weights_file(weights).get("pos_embed")
+    return None if pe is None else _grid_img_size(model, {"pos_embed": pe})
+
+
+def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tuple[Step | None, Path, Any]:
+    """The base step, the base run directory, and the dense model (built, for its depth)."""
+    from ..io import load_arch
+    from ..models import ModelSpec, custom_vit_spec
+    from ..train import TrainConfig, TrainJob, train
+
+    b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
+    if b.kind == "run":
+        try:
+            arch = load_arch(b.run)
+        except NascompressError as e:
+            raise ctx.err("base.run", str(e)) from None
+        if arch["methods"]:
+            raise ctx.err("base.run", f"{b.run} is not a dense run (it applies "
+                                      f"{', '.join(m['name'] for m in arch['methods'])}); give the dense run it came "
+                                      "from, so the result is compared with the uncompressed model")
+        model = _built_model(ModelSpec.from_dict(arch["model"]), ctx, "base.run")
+        if model.num_classes != n_classes:
+            raise ctx.err("base.run", f"the run's model has {model.num_classes} classes but dataset "
+                                      f"{cfg.data.dataset} has {n_classes}")
+        step = Step("base", None, "redo", lambda **kw: {"run": b.run}, describe=f"the dense run {b.run}")
+        return step, Path(b.run), model
+    if b.kind == "train":
+        t = b.train
+        if t.weights is not None and not Path(t.weights).is_file():
+            raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
+        try:
+            if t.model is None:
+                spec = custom_vit_spec(img_size=t.img_size or 28, patch_size=t.patch_size or 4,
+                                       embed_dim=t.embed_dim or 96, depth=t.depth or 6, num_heads=t.num_heads or 3,
+                                       num_classes=t.num_classes or n_classes, in_chans=t.in_chans or 1)
+            else:
+                kw = {k: getattr(t, k) for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
+                                                 "in_chans") if getattr(t, k) is not None}
+                spec = ModelSpec(t.model, dict(kw, num_classes=t.num_classes or n_classes))
+            lr = t.lr if t.lr is not None else (None if t.base_lr is not None else 1e-3)
+            tc = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=lr, min_lr=t.min_lr,
+                             warmup_epochs=t.warmup_epochs, weight_decay=t.weight_decay,
+                             label_smoothing=t.label_smoothing, ema_decay=t.ema_decay, seed=cfg.seed,
+                             device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic,
+                             **({"base_lr": t.base_lr} if t.base_lr is not None else {}))
+            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
+                           reset_head=t.reset_head)
+        except NascompressError as e:
+            raise ctx.err("base.train", str(e)) from None
+        model = _built_model(spec, ctx, "base.train")
+        return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
+                    outputs=("base/model.safetensors", "base/metrics.json"),
+                    describe=f"train the dense base ({t.epochs} epochs)"), base_dir, model
+    imp = b.import_
+    if not Path(imp.weights).is_file():
+        raise ctx.err("base.import.weights", f"file {imp.weights} does not exist")
+    shapes = _weights_shapes(imp.weights)
+    if shapes is not None and not imp.linear_probe:
+        head = shapes.get("head.weight")
+        if head is None:
+            raise ctx.err("base.import.linear_probe", f"the weights in {imp.weights} have no classifier head (a "
+                                                      "backbone-only checkpoint); set linear_probe: true to fit one")
+        if imp.num_classes is None and head[0] != n_classes:
+            raise ctx.err("base.import.weights", f"the weights' head has {head[0]} classes but dataset "
+                                                 f"{cfg.data.dataset} has {n_classes}; set linear_probe: true to fit "
+                                                 "a new head")
+    if imp.linear_probe:
+        kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
+        size = imp.img_size
+        if size is None:
+            try:
+                size = _grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"),
+                                  imp.weights)
+            except NascompressError as e:
+                raise ctx.err("base.import.weights", str(e)) from None
+        if size is not None:
+            kwargs["img_size"] = size
+        spec = ModelSpec(imp.model, kwargs)
+        model = _built_model(spec, ctx, "base.import.model")
+        try:
+            tc = TrainConfig(epochs=1, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
+            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
+                           linear_probe=True)
+        except NascompressError as e:
+            raise ctx.err("base.import", str(e)) from None
+        return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
+                    outputs=("base/model.safetensors", "base/metrics.json"),
+                    describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
+    from ..importer import ImportJob, import_model
+
+    kwargs = {"num_classes": imp.num_classes or n_classes}
+    if imp.img_size:
+        kwargs["img_size"] = imp.img_size
+    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
+    job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
+                    num_classes=imp.num_classes, data=data, eval_batch_size=imp.eval_batch_size, device=cfg.device)
+    return Step("base", base_dir, "redo", lambda force, resume: import_model(job, force=force),
+                outputs=("base/model.safetensors", "base/metrics.json"),
+                describe=f"import {imp.model} from {imp.weights}"), base_dir, model
+
+
+def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list[Step]:
+    from ..methods.dcs import DCSConfig
+    from ..search.dcs import DCSSearchConfig, DCSSearchJob, search_train_config
+    from ..search.materialize import MaterializeJob, materialize_search
+    from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
+
+    s, goal = cfg.stages.dcs, cfg.goal
+    target = s.target_flops if s.target_flops is not None else goal.max_flops
+    if target is None:
+        raise ctx.err("stages.dcs.target_flops", "required when the goal is a latency (the FLOPs ratio the "
+                                                 "channel search should land at)")
+    if cfg.stages.tokens is None and goal.max_flops is not None and target > goal.max_flops:
+        raise ctx.err("stages.dcs.target_flops", f"{target:g} is above goal.max_flops {goal.max_flops:g} and no "
+                                                 "tokens stage follows to close the gap")
+    where = "stages.dcs"
+    try:
+        job = DCSSearchJob(
+            source=str(base_dir), out=str(out / "dcs_search"),
+            method=DCSConfig(qk_mask=s.qk_mask, mlp_gates=s.mlp_gates, align=s.align, hidden_fill=s.hidden_fill,
+                             alpha_init=s.alpha_init, theta_init=s.alpha_init),
+            search=DCSSearchConfig(arch_lr=s.arch_lr, lam=s.lam, entropy_weight=s.entropy_weight, tau0=s.tau0,
+                                   target_flops=target, target_ramp=s.target_ramp, round_mlp=s.round_mlp,
+                                   distill=s.distill, feat_distill=s.feat_distill, arch_loss=s.arch_loss,
+                                   protect_ratio=s.protect_ratio, block_weights=s.block_weights,
+                                   max_val_drop=s.max_val_drop, calibrate=s.calibrate,
+                                   init_importance=s.init_importance, auto_batch=s.batch_size is None),
+            train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
+                                      warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
+                                      amp=cfg.amp, deterministic=cfg.deterministic).replace(layer_decay=s.layer_decay),
+            data=_data_config(cfg, train_limit=s.train_limit))
+        mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
+    except NascompressError as e:
+        raise ctx.err(where, str(e)) from None
+
+    def materialize(force: bool, resume: bool) -> dict[str, Any]:
+        if dcs_skipped(out):
+            return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
+        return materialize_search(mat, force=force)
+
+    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if s.fallback else ""
+    return [Step("dcs_search", out / "dcs_search", "train",
+                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=s.fallback),
+                 outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
+                 describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})"),
+            Step("dcs_mat", out / "dcs_mat", "redo", materialize,
+                 outputs=("dcs_mat/model.safetensors", "dcs_mat/metrics.json"),
+                 describe="materialize the searched channels")]
+
+
+def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth: int,
+                 base_dir: Path) -> tuple[list[Step], str]:
+    from ..methods import get_method
+    from ..search.trial_model import TrialMaterializeJob
+    from ..search.space import load_space
+    from ..search.trials import SearchJob, run_search, sampler_factory
+    from .fallback import current_model, pick_or_closest
+
+    s, goal = cfg.stages.tokens, cfg.goal
+    try:
+        space = load_space(s.space)
+        space.check_depth(depth)
+    except NascompressError as e:
+        raise ctx.err("stages.tokens.space", str(e)) from None
+    try:
+        sampler_factory(s.sampler, space, cfg.seed)  # qmc on a conditional space: refused before any stage runs
+    except NascompressError as e:
+        raise ctx.err("stages.tokens.sampler", str(e)) from None
+    names = [m.name for m in space.methods]
+    if cfg.stages.dcs is not None:
+        if "dcs" in names:
+            raise ctx.err("stages.tokens.space", f"space {s.space} searches dcs, but the dcs stage already ran: "
+                                                 "drop one of them")
+        cannot = [n for n in names if "dcs" not in get_method(n).stacks_on]
+        if cannot:
+            raise ctx.err("stages.tokens.space", f"{', '.join(cannot)} cannot follow the dcs stage (it stacks on "
+                                                 f"{', '.join(sorted(get_method(cannot[0]).stacks_on)) or 'nothing'})")
+    if goal.max_latency_ms is not None and s.objective == "flops":
+        raise ctx.err("stages.tokens.objective", "flops trials record no latency, but the goal is max_latency_ms: "
+                                                 "use goal, latency or throughput")
+    storage = (f"sqlite:///{out.resolve() / STUDY_DB}" if s.workers == 1
+               else f"journal:{out.resolve() / STUDY_JOURNAL}")
+    try:
+        constrained = s.objective == "goal"
+        job = SearchJob(base=str(current), space=s.space, study=s.study, storage=storage, trials=s.trials,
+                        workers=s.workers, objective="flops" if constrained else s.objective,
+                        max_flops=goal.max_flops if constrained else None,
+                        max_latency_ms=goal.max_latency_ms if constrained else None, sampler=s.sampler,
+                        finetune_epochs=s.finetune_epochs, train_images=s.train_images, eval_images=s.eval_images,
+                        calib_steps=s.calib_steps, batch_size=s.batch_size, dcs_epochs=s.dcs_epochs,
+                        latency_iters=s.latency_iters, enqueue=s.enqueue, data=_data_config(cfg), seed=cfg.seed,
+                        device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
+        pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
+    except NascompressError as e:
+        raise ctx.err("stages.tokens", str(e)) from None
+
+    def search(force: bool, resume: bool, progress: bool = True) -> dict[str, Any]:
+        (out / "tokens").mkdir(parents=True, exist_ok=True)
+        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None, tokens=True, retrain=False,
+                              upto="tokens")  # the dense base when the DCS stage was skipped
+        res = run_search(job.replace(base=str(start)), progress=progress)
+        if not res.get("finished"):
+            raise NascompressError(f"the study {s.study!r} has {res['complete']} of {s.trials} complete trials; "
+                                   "rerun the same command to continue it")
+        return res
+
+    return [Step("tokens_search", out / "tokens", "study", search, outputs=(),
+                 describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})"),
+            Step("tokens_pick", out / "tokens" / "picked", "redo",
+                 lambda force, resume: pick_or_closest(pick, force=force),
+                 outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
+                 describe=f"rebuild the trial picked by {goal.pick}")], storage
+
+
+def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base_dir: Path) -> Step:
+    from ..retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
+    from .fallback import current_model
+
+    s = cfg.stages.retrain
+    try:
+        tc = retrain_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
+                                  min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
+                                  amp=cfg.amp, deterministic=cfg.deterministic)
+        rc = RetrainConfig(eta=s.eta, warmup_frac=s.warmup_frac, cluster_samples=s.cluster_samples,
+                           kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature, feat_kd=s.feat_kd)
+        if s.feat_kd and s.teacher == "none":
+            raise NascompressError("feat_kd distils from the base model's features; set teacher: base or feat_kd: 0")
+        job = RetrainJob(model_dir=str(current), out=str(out / "final"),
+                         data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
+                         teacher=str(base_dir) if s.teacher == "base" else None, auto_batch=s.batch_size is None)
+    except NascompressError as e:
+        raise ctx.err("stages.retrain", str(e)) from None
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
+                              tokens=cfg.stages.tokens is not None, retrain=True, upto="retrain")
+        if start is None:
+            return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
+        return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
+
+    return Step("retrain", out / "final", "train", run,
+                outputs=("final/model.safetensors", "final/metrics.json"),
+                describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
+                         f"{', teacher: the base' if s.teacher == 'base' else ''})")
+
+
+def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
+    from ..export import export_run
+    from .fallback import current_model
+
+    s = cfg.export
+    target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
+
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        st = cfg.stages
+        final = current_model(out, base_dir=base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
+                              retrain=st.retrain is not None, upto="final")  # after a DCS fallback: what was made
+        # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
+        return export_run(final or base_dir, out=target, config=ec, force=True)["verification"]
+
+    return Step("export", out / "export", "redo",  # the step owns OUT/export: an earlier attempt is replaced
+                run,
+                outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
+                describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch")
+
+
+def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:
+    """Validate ``config`` completely (schema, files, models, space, every stage's job) and return
+    the pipeline for ``out``. Reads files, writes nothing."""
+    from ..utils import resolve_device
+
+    config = Path(config)
+    cfg = load_config(config, seed=seed)
+    ctx = _Ctx(str(config), config.resolve().parent)
+    try:
+        resolve_device(cfg.device)
+    except NascompressError as e:
+        raise ctx.err("device", str(e)) from None
+    out = Path(os.path.abspath(out))
+    n_classes = _check_data(cfg, ctx)
+    base_step, base_dir, dense = _plan_base(cfg, out, ctx, n_classes)
+    steps = [base_step]
+    current = base_dir
+    if cfg.stages.dcs is not None:
+        steps += _plan_dcs(cfg, out, ctx, base_dir)
+        current = out / "dcs_mat"
+    storage = None
+    if cfg.stages.tokens is not None:
+        tok, storage = _plan_tokens(cfg, out, ctx, current, len(dense.blocks), base_dir)
+        steps += tok
+        current = out / "tokens" / "picked"
+    if cfg.stages.retrain is not None:
+        steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
+        current = out / "final"
+    if cfg.export is not None:
+        steps.append(_plan_export(cfg, out, base_dir))
+    pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
+                    storage=storage, data=_data_config(cfg))
+
+    def report(force: bool, resume: bool) -> dict[str, Any]:
+        from .report import write_summary
+
+        return write_summary(pipe)
+
+    steps.append(Step("report", None, "redo", report, outputs=("summary.json", "report.html"),
+                      describe="compare with the dense base; write summary.json and report.html"))
+    return pipe

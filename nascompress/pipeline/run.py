@@ -1,0 +1,170 @@
+"""Running a planned pipeline: the output directory (checks, lock, claim), the per-step done
+markers, and :func:`run_pipeline`, which skips complete steps and resumes the rest."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from ..config import StrictYamlLoader as _Loader
+from ..errors import NascompressError, writing
+from ..utils import read_json, write_json
+from .config_io import _diff, dump_config, read_yaml
+from .plan import Pipeline, Step, plan
+
+CONFIG_FILE = "config.yaml"
+DONE_DIR = "done"
+LOCK_FILE = ".pipeline.lock"
+_CONTINUE = "then rerun the same command to continue the pipeline there"
+
+
+def _stray(p: Path) -> bool:
+    """Files that do not make OUT a used directory: a temp file of a write killed mid-way, the lock."""
+    return p.name == LOCK_FILE or (p.name.startswith(".") and p.name.endswith(".tmp"))
+
+
+def _check_out(out: Path, *, force: bool) -> None:
+    """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force)."""
+    if out.exists() and not out.is_dir():
+        raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
+    used = out.is_dir() and any(not _stray(p) for p in out.iterdir())
+    if used and not force and not (out / CONFIG_FILE).is_file():
+        raise NascompressError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
+                               "choose another --out or pass --force to replace it")
+
+
+def _lock(out: Path) -> int:
+    """Hold an exclusive lock on OUT for this process (released by the OS when it exits, even on
+    kill -9), so two runs never write into one pipeline directory at once."""
+    import fcntl
+
+    try:
+        with writing(out, what=f"pipeline directory {out}", then=_CONTINUE):
+            out.mkdir(parents=True, exist_ok=True)
+            fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # not a disk or permission problem (those are one line already)
+        raise NascompressError(f"cannot create output directory {out}: {e.strerror}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise NascompressError(f"another 'nascompress pipeline' is running in {out}; wait for it to finish or stop "
+                               "it first") from None
+    return fd
+
+
+def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
+    """Make the (locked) OUT ready: new, resumed (same config) or started over (``force``); write
+    config.yaml. Returns True when an earlier run is continued."""
+    out, stored = pipe.out, pipe.out / CONFIG_FILE
+    used = any(not _stray(p) for p in out.iterdir())
+    if used and not force:
+        old = read_yaml(stored)
+        new = yaml.load(yaml.safe_dump(pipe.cfg.to_dict(), sort_keys=False), Loader=_Loader)  # noqa: S506
+        if old != new:
+            diff = _diff(new, old if isinstance(old, dict) else {})
+            more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+            raise NascompressError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
+                                   f"rerun it with the same config ({stored}) to continue it, use another --out, or "
+                                   "pass --force to start over")
+        return True
+    for p in out.iterdir():  # start over (force), or clear what a killed first run left
+        if p.name != LOCK_FILE:
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    from ..utils import atomic_path
+
+    with atomic_path(stored) as tmp:
+        tmp.write_text(dump_config(pipe.cfg))
+    return False
+
+
+def _marker(out: Path, step: Step) -> Path:
+    return out / DONE_DIR / f"{step.name}.json"
+
+
+def step_done(out: Path, step: Step) -> bool:
+    """A step is complete when its marker and every output exist (or its marker says it was
+    skipped: a DCS stage that collapsed twice, and the steps that then had nothing to do)."""
+    marker = _marker(out, step)
+    if not marker.is_file():
+        return False
+    if all((out / p).exists() for p in step.outputs):
+        return True
+    return bool((read_json(marker).get("result") or {}).get("skipped"))
+
+
+def _compact(res: Any) -> Any:
+    """A step's result as kept in its marker (scalars only; the stage's own files hold the rest)."""
+    if not isinstance(res, dict):
+        return {}
+    return {k: v for k, v in res.items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+def run_pipeline(config: str | Path, *, out: str | Path, force: bool = False, seed: int | None = None,
+                 progress: bool = True, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Validate ``config``, then run (or continue) the pipeline in ``out``; return the summary.
+
+    Args:
+        config: the pipeline YAML file.
+        out: the pipeline's directory (created; an earlier run of the same config is continued).
+        force: start over in ``out`` (its contents are removed), even with another config.
+        seed: override the file's seed.
+        progress: live progress of the study (stderr).
+        log: called with one line per step (skipped, running, done); default: silent.
+    """
+    log = log or (lambda msg: None)
+    pipe = plan(config, out=out, seed=seed)  # everything is checked before anything is written
+    _check_out(pipe.out, force=force)
+    lock = _lock(pipe.out)
+    try:
+        with writing(pipe.out, what=f"pipeline directory {pipe.out}", then=_CONTINUE):
+            return _run(pipe, force=force, progress=progress, log=log)
+    finally:
+        os.close(lock)
+
+
+def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
+    resumed = _claim_out(pipe, force=force)
+    if resumed:
+        log(f"continuing the pipeline in {pipe.out}")
+    ran: dict[str, bool] = {}
+    for step in pipe.steps:
+        if step_done(pipe.out, step):
+            log(f"{step.name}: complete, skipped")
+            ran[step.name] = False
+            continue
+        d = step.dir
+        resume = step.mode == "train" and d is not None and (d / "config.json").is_file()
+        force_step = d is not None and d.exists() and not resume and step.mode != "study"
+        how = ""
+        if resume and (d / "checkpoint.safetensors").is_file():
+            how = " (continuing from its last checkpoint)"
+        elif step.mode == "study" and d is not None and d.exists():
+            how = " (continuing the study)"
+        log(f"{step.name}: {step.describe}{how}")
+        t0 = time.perf_counter()
+        if step.mode == "study":
+            res = step.run(force=False, resume=False, progress=progress)
+        else:
+            res = step.run(force=force_step, resume=resume)
+        if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
+            log(f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
+                + (f"retried at {res['dcs_target']:g}x the dense FLOPs" if res["dcs_outcome"] == "milder"
+                   else "the pipeline goes on without DCS"))
+        elif isinstance(res, dict) and res.get("skipped"):
+            log(f"{step.name}: skipped ({res.get('reason')})")
+        (pipe.out / DONE_DIR).mkdir(exist_ok=True)
+        write_json(_marker(pipe.out, step), {"step": step.name, "seconds": round(time.perf_counter() - t0, 3),
+                                             "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                                             "dir": None if d is None else str(d), "result": _compact(res)})
+        ran[step.name] = True
+        log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s")
+    summary = read_json(pipe.out / "summary.json")
+    summary["this_run"] = {"resumed": resumed, "ran": [k for k, v in ran.items() if v],
+                           "skipped": [k for k, v in ran.items() if not v]}
+    return summary

@@ -1,0 +1,164 @@
+"""The pipeline file's schema engine: frozen sections whose fields carry their own checks
+(:func:`opt` metadata), built from YAML by :func:`_build`, which names the key path in every error."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from ..errors import NascompressError
+
+
+class _At(NascompressError):
+    """A problem with one key of a section (``key`` relative to the section)."""
+
+    def __init__(self, key: str, msg: str):
+        super().__init__(msg)
+        self.key = key
+
+
+def opt(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
+        lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
+        path: bool = False, keywords: tuple[str, ...] = ()) -> Any:
+    """A field with checks: a number range, choices, or a path (resolved against the config's
+    directory unless it is one of ``keywords``)."""
+    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
+            "keywords": keywords}
+    return field(default=default, metadata=meta)
+
+
+class _Section(Config):
+    """A section of the pipeline file; YAML key names may differ from field names (``import``)."""
+
+    _yaml_names: typing.ClassVar[dict[str, str]] = {}  # field name -> YAML key
+
+    @classmethod
+    def keys(cls) -> dict[str, str]:
+        """YAML key -> field name, in declaration order."""
+        return {cls._yaml_names.get(f.name, f.name): f.name for f in dataclasses.fields(cls)}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalized mapping (YAML names; absent optional sections left out)."""
+        hints = typing.get_type_hints(type(self))
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None and _section_type(hints[f.name]) is not None:
+                continue
+            out[self._yaml_names.get(f.name, f.name)] = v.to_dict() if isinstance(v, _Section) else v
+        return out
+
+
+def _section_type(tp: Any) -> type[_Section] | None:
+    for a in (tp, *typing.get_args(tp)):
+        if isinstance(a, type) and issubclass(a, _Section):
+            return a
+    return None
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    return repr(v)
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    source: str  # the config file, as named in messages
+    base_dir: Path  # relative paths are resolved against it
+
+    def err(self, path: str, msg: str) -> NascompressError:
+        return NascompressError(f"{self.source}: {path}: {msg}" if path else f"{self.source}: {msg}")
+
+    def resolve(self, p: str) -> str:
+        q = Path(p).expanduser()
+        return os.path.normpath(q if q.is_absolute() else self.base_dir / q)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
+    args = typing.get_args(tp)
+    optional = type(None) in args
+    sub = _section_type(tp)
+    if sub is not None:
+        return _build(sub, {} if v is None else v, path, ctx)  # `train:` with nothing under it: defaults
+    if v is None:
+        if optional:
+            return None
+        raise ctx.err(path, "must not be empty")
+    base = next((a for a in args if a is not type(None)), tp) if args else tp
+    if base is bool:
+        if not isinstance(v, bool):
+            raise ctx.err(path, f"must be true or false, got {_show(v)}")
+    elif base is int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ctx.err(path, f"must be an integer, got {_show(v)}")
+    elif base is float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ctx.err(path, f"must be a number, got {_show(v)}")
+        v = float(v)
+    elif base is str:
+        if not isinstance(v, str) or not v.strip():
+            raise ctx.err(path, f"must be a non-empty string, got {_show(v)}")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None or hi is not None:
+        ok = (lo is None or (v > lo if meta["lo_open"] else v >= lo)) and \
+             (hi is None or (v < hi if meta["hi_open"] else v <= hi))
+        if not ok:
+            if base is int and hi is None:
+                raise ctx.err(path, f"must be an integer >= {lo}, got {v!r}")
+            left, right = "(" if meta["lo_open"] else "[", ")" if meta["hi_open"] else "]"
+            span = f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
+            raise ctx.err(path, f"must be in {span}, got {v!r}")
+    if meta.get("choices") and v not in meta["choices"]:
+        raise ctx.err(path, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}")
+    if meta.get("path") and v not in meta.get("keywords", ()):
+        v = ctx.resolve(v)
+    return v
+
+
+def _build(cls: type[_Section], data: Any, path: str, ctx: _Ctx) -> Any:
+    """Build section ``cls`` from a YAML mapping; every error names the key path."""
+    if not isinstance(data, dict):
+        raise ctx.err(path, f"must be a mapping of settings, got {_show(data)}")
+    keys = cls.keys()
+    for k in data:
+        if k not in keys:
+            raise NascompressError(f"{ctx.source}: unknown key {_join(path, str(k))}; valid: {', '.join(keys)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, name in keys.items():
+        f = fields[name]
+        if key not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
+                raise ctx.err(_join(path, key), "required")
+            continue
+        values[name] = _coerce(data[key], hints[name], dict(f.metadata), _join(path, key), ctx)
+    try:
+        return cls(**values)
+    except _At as e:
+        raise ctx.err(_join(path, e.key), str(e)) from None
+    except NascompressError as e:
+        raise ctx.err(path, str(e)) from None
+
+
+def _one_of(section: Any, names: dict[str, str], what: str) -> None:
+    given = [key for name, key in names.items() if getattr(section, name) is not None]
+    if len(given) != 1:
+        raise NascompressError(f"give exactly one of {', '.join(names.values())}{what}; "
+                               f"got {', '.join(given) if given else 'none'}")
+
+
+def _lr_pair(section: Any) -> None:
+    if section.lr is not None and section.base_lr is not None:
+        raise _At("base_lr", "give lr (absolute peak) or base_lr (per 512 images), not both")
