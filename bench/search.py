@@ -39,7 +39,7 @@ from nascompress.search.space import load_space  # noqa: E402
 from nascompress.search.trials import SearchJob, TrialContext, make_objective, make_sampler, run_search  # noqa: E402
 from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.inspect import load as load_study  # noqa: E402
-from nascompress.studies.runner import pareto_front, trial_record  # noqa: E402
+from nascompress.studies.records import pareto_front, trial_record  # noqa: E402
 from nascompress.utils import write_json  # noqa: E402
 
 

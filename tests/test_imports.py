@@ -105,3 +105,16 @@ def test_the_library_never_imports_typer():
         for node in _runtime_imports(ast.parse(path.read_text())):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             assert not any(m == "typer" or m.startswith("typer.") for m in mods), name
+
+
+def test_the_study_runner_still_exports_what_it_did_before_the_split():
+    from nascompress.studies import liveness, records, runner, seeding
+
+    for mod, names in ((records, ["RECORD_KEY", "WORKER_KEY", "FAIL_REASON_KEY", "SURPLUS_KEY", "RETRIES_KEY",
+                                  "RETRY_OF_KEY", "ERROR_KEY", "RECORD_FIELDS", "record_trial", "trial_record",
+                                  "study_info", "pareto_front"]),
+                       (seeding, ["default_sampler", "sampler_seed", "ParamSeeded", "_Seeding"]),
+                       (liveness, ["stale_trials", "fail_stale_trials"])):
+        for name in names:
+            assert getattr(runner, name) is getattr(mod, name), name
+    assert callable(runner.run_study) and callable(runner.storage_full) and runner.FLOPS_BUCKETS

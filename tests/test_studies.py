@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 from nascompress.errors import NascompressError
 from nascompress.studies import (fail_stale_trials, mask_url, open_storage, parse_storage, record_trial, run_study,
                                  stale_trials)
-from nascompress.studies.runner import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
+from nascompress.studies.records import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
 from nascompress.studies.storage import resolve_run_storage
 from tests import services
 from tests.study_toys import SPACE_INFO, TWO, toy_factory, toy_sampler, toy_values

@@ -7,7 +7,7 @@ import warnings
 import optuna
 import pytest
 
-from nascompress.studies.runner import ParamSeeded, _Seeding, default_sampler
+from nascompress.studies.seeding import ParamSeeded, _Seeding, default_sampler
 
 
 def _params(trial: optuna.Trial, n: int = 3) -> list[float]:

@@ -94,7 +94,7 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     from ..errors import NascompressError
     from ..search.trial_model import materialize_trial, parse_pick
     from ..studies.inspect import load
-    from ..studies.runner import trial_record
+    from ..studies.records import trial_record
 
     try:
         return materialize_trial(job, force=force)

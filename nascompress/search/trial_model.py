@@ -86,7 +86,7 @@ def pick_trial(study: Any, rule: str, value: float | None) -> Any:
     """The COMPLETE trial a pick rule selects; a rule no trial satisfies names the closest one."""
     from optuna.trial import TrialState
 
-    from ..studies.runner import pareto_front, trial_record
+    from ..studies.records import pareto_front, trial_record
 
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if not done:
@@ -122,7 +122,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     from optuna.trial import TrialState
 
     from ..studies.inspect import load as load_study
-    from ..studies.runner import study_info, trial_record
+    from ..studies.records import study_info, trial_record
     from .trials import SearchJob, TrialContext, build_trial
 
     out = Path(job.out)

@@ -1,24 +1,18 @@
 """Optuna studies of nascompress: storage, a crash-safe multi-worker runner, inspection.
 
 - :mod:`.storage`: where studies live (default SQLite file, journal file, PostgreSQL).
-- :mod:`.runner`: :func:`run_study`, trial/study records (:func:`record_trial`, :func:`study_info`).
+- :mod:`.runner`: :func:`run_study`, the ask/tell loop; :mod:`.records`: trial/study records
+  (:func:`record_trial`, :func:`study_info`) and the Pareto front; :mod:`.seeding`: sampler seeds;
+  :mod:`.liveness`: heartbeats and stale trials; :mod:`.display`: progress; :mod:`.workers`: worker processes.
 - :mod:`.inspect`: list, show and export studies; :mod:`.report`: a self-contained HTML report;
   :mod:`.dashboard`: optuna-dashboard on a study's storage.
 """
 from __future__ import annotations
 
-from .runner import (
-    RECORD_FIELDS,
-    default_sampler,
-    fail_stale_trials,
-    pareto_front,
-    record_trial,
-    run_study,
-    sampler_seed,
-    stale_trials,
-    study_info,
-    trial_record,
-)
+from .liveness import fail_stale_trials, stale_trials
+from .records import RECORD_FIELDS, pareto_front, record_trial, study_info, trial_record
+from .runner import run_study
+from .seeding import default_sampler, sampler_seed
 from .storage import (
     DEFAULT_DB,
     DEFAULT_JOURNAL,

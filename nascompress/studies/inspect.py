@@ -19,7 +19,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.errors import NascompressError
 
-from .runner import (
+from .records import (
     ERROR_KEY,
     FAIL_REASON_KEY,
     RECORD_FIELDS,

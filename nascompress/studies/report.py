@@ -22,7 +22,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from .inspect import _fmt, _row, _summary, _varying, check_out, directions, load, metric_names, show_columns
-from .runner import pareto_front, study_info, trial_record
+from .records import pareto_front, study_info, trial_record
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}

@@ -54,20 +54,18 @@ Trial record (:func:`record_trial`): ``trial.user_attrs["nascompress"]`` holds `
 ``throughput``, ``wall_s``, ``seed``. Study record (:func:`study_info`):
 ``study.user_attrs["nascompress"]`` holds ``space``, ``space_hash``, ``base_run``,
 ``objectives``, ``dataset``, ``created``, ``command``, ``seed``.
+
+This module is the ask/tell loop and the entry points; the rest lives beside it:
+:mod:`.records` (trial and study records, the Pareto front), :mod:`.seeding` (sampler seeding),
+:mod:`.liveness` (heartbeats, stale trials), :mod:`.display` (progress) and :mod:`.workers`
+(spawning worker processes).
 """
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
-import json
-import math
-import os
 import pickle
-import queue as _queue
 import signal
-import socket
 import sys
-import threading
 import time
 import traceback
 import warnings
@@ -82,325 +80,21 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
-from ._procs import pid_alive as _pid_alive
-from ._procs import pid_start as _pid_start
+from .display import _Display
+from .liveness import _ACTIVE, _Heartbeat, _let_go, _Me, _take_over, fail_stale_trials, stale_trials
+from .records import ERROR_KEY, RECORD_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, pareto_front, study_info
+from .seeding import _Seeding, default_sampler
 from .storage import StorageSpec, open_storage, resolve_run_storage
+from .workers import _run_workers, _WorkerArgs
 
-RECORD_KEY = "nascompress"
-WORKER_KEY = "nascompress:worker"
-FAIL_REASON_KEY = "nascompress:fail_reason"
-SURPLUS_KEY = "nascompress:surplus"
-RETRIES_KEY = "nascompress_retries"
-RETRY_OF_KEY = "nascompress_retry_of"
-ERROR_KEY = "nascompress_error"
-RECORD_FIELDS: dict[str, type] = {"arch": list, "params_changed": dict, "flops": float, "flops_ratio": float,
-                                  "params": int, "accuracy": float, "latency_ms": float, "throughput": float,
-                                  "wall_s": float, "seed": int}
-_NULLABLE = {"latency_ms", "throughput"}
-FLOPS_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.9)
+# Defined here before the split, still importable from here:
+from .display import FLOPS_BUCKETS  # noqa: F401
+from .records import FAIL_REASON_KEY, RECORD_FIELDS, WORKER_KEY, record_trial, trial_record  # noqa: F401
+from .seeding import ParamSeeded, sampler_seed  # noqa: F401
 
 
 # ----------------------------------------------------------------------------------------------
-# Records
-
-
-def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
-    """Merge ``fields`` into the trial's record ``trial.user_attrs["nascompress"]`` and store it.
-
-    Args:
-        trial: a live ``optuna.Trial`` (or anything with ``user_attrs``/``set_user_attr``).
-        **fields: any of ``arch`` (list of method records), ``params_changed`` (dict),
-            ``flops`` (MACs per image), ``flops_ratio``, ``params`` (int), ``accuracy``
-            (percent), ``latency_ms`` / ``throughput`` (float or None), ``wall_s``, ``seed``.
-
-    Returns:
-        The merged record.
-    """
-    rec = dict(trial.user_attrs.get(RECORD_KEY) or {})
-    for k, v in fields.items():
-        if k not in RECORD_FIELDS:
-            raise TypeError(f"record_trial() got an unknown field {k!r}; fields: {', '.join(RECORD_FIELDS)}")
-        tp = RECORD_FIELDS[k]
-        if v is None and k in _NULLABLE:
-            rec[k] = None
-        elif tp is float:
-            rec[k] = float(v)
-        elif tp is int:
-            if isinstance(v, bool) or int(v) != v:
-                raise TypeError(f"record_trial(): {k} must be an integer, got {v!r}")
-            rec[k] = int(v)
-        elif tp is list:
-            if not isinstance(v, (list, tuple)):
-                raise TypeError(f"record_trial(): {k} must be a list of method records, got {type(v).__name__}")
-            rec[k] = json.loads(json.dumps(list(v)))
-        else:
-            if not isinstance(v, Mapping):
-                raise TypeError(f"record_trial(): {k} must be a dict, got {type(v).__name__}")
-            rec[k] = json.loads(json.dumps(dict(v)))
-    trial.set_user_attr(RECORD_KEY, rec)
-    return rec
-
-
-def trial_record(trial: FrozenTrial) -> dict[str, Any]:
-    """The trial's nascompress record (empty if it has none)."""
-    rec = trial.user_attrs.get(RECORD_KEY)
-    return dict(rec) if isinstance(rec, Mapping) else {}
-
-
-def study_info(study: optuna.Study) -> dict[str, Any]:
-    """The study's nascompress record ``study.user_attrs["nascompress"]`` (empty if none)."""
-    info = study.user_attrs.get(RECORD_KEY)
-    return dict(info) if isinstance(info, Mapping) else {}
-
-
-def _feasible(t: FrozenTrial) -> bool:
-    return all(v <= 0.0 for v in t.constraints.values())
-
-
-def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[Any]) -> list[FrozenTrial]:
-    """The feasible non-dominated COMPLETE trials, by trial number (single objective: the best one).
-
-    Args:
-        trials: any trials (others than COMPLETE are ignored).
-        directions: ``StudyDirection`` values or ``"maximize"``/``"minimize"`` strings.
-    """
-    signs = [1.0 if str(getattr(d, "name", d)).lower() == "minimize" else -1.0 for d in directions]
-    pts = [(t, [s * v for s, v in zip(signs, t.values)]) for t in trials
-           if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
-           and _feasible(t) and not any(math.isnan(v) for v in t.values)]
-    if not pts:
-        return []
-    if len(signs) == 1:
-        return [min(pts, key=lambda p: (p[1][0], p[0].number))[0]]
-    front = []
-    for t, a in pts:
-        dominated = any(all(x <= y for x, y in zip(b, a)) and any(x < y for x, y in zip(b, a)) for _, b in pts)
-        if not dominated:
-            front.append(t)
-    return sorted(front, key=lambda t: t.number)
-
-
-# ----------------------------------------------------------------------------------------------
-# Samplers and seeds
-
-
-def default_sampler(seed: int) -> BaseSampler:
-    """TPE (multivariate, grouped for conditional spaces, constant liar for parallel workers)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          warn_independent_sampling=False)
-
-
-def sampler_seed(seed: int, told: int, worker: int = 0) -> int:
-    """The seed a worker's sampler is rebuilt with before a trial: a hash of the study's seed, the
-    number of trials already finished (``told``) and the worker (distinct streams per worker)."""
-    h = hashlib.sha256(f"nascompress-sampler/{seed}/{worker}/{told}".encode()).hexdigest()
-    return int(h[:8], 16)
-
-
-def _told(trials: Sequence[FrozenTrial]) -> int:
-    """Trials finished (told), surplus releases aside (those depend on timing)."""
-    return sum(1 for t in trials if t.state.is_finished() and not t.system_attrs.get(SURPLUS_KEY))
-
-
-class ParamSeeded(BaseSampler):
-    """A trial's sampler (``factory(seed)``) whose independently sampled parameters are each drawn
-    by a sampler seeded from the trial's seed and the parameter's name.
-
-    Why: a sampler draws independent parameters (TPE's start-up trials, parameters outside the
-    relative search space) from one random stream in the order the objective asks for them. A
-    trial taken over after its worker died keeps the parameters it had already suggested, so the
-    rest would be drawn from an earlier point of the stream and differ from an uninterrupted run.
-    Seeded per parameter, every parameter has the value it would have had. Relative sampling
-    (computed once when the trial starts) goes to ``factory(seed)`` unchanged."""
-
-    def __init__(self, factory: Callable[[int], BaseSampler], seed: int):
-        self._factory, self._seed = factory, seed
-        self._inner = factory(seed)
-
-    def _param_seed(self, name: str) -> int:
-        return int(hashlib.sha256(f"nascompress-param/{self._seed}/{name}".encode()).hexdigest()[:8], 16)
-
-    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, Any]:
-        return self._inner.infer_relative_search_space(study, trial)
-
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
-        return self._inner.sample_relative(study, trial, search_space)
-
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
-        return self._factory(self._param_seed(param_name)).sample_independent(study, trial, param_name,
-                                                                                param_distribution)
-
-    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        self._inner.before_trial(study, trial)
-
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
-        self._inner.after_trial(study, trial, state, values)
-
-    def reseed_rng(self) -> None:
-        self._inner.reseed_rng()
-
-
-@dataclass(frozen=True)
-class _Seeding:
-    """How a worker rebuilds its sampler before each trial (:func:`sampler_seed`, :class:`ParamSeeded`)."""
-
-    factory: Callable[[int], BaseSampler]
-    seed: int
-    worker: int = 0
-
-    def reseed(self, study: optuna.Study, trials: Sequence[FrozenTrial]) -> None:
-        study.sampler = ParamSeeded(self.factory, sampler_seed(self.seed, _told(trials), self.worker))
-
-
-# ----------------------------------------------------------------------------------------------
-# Workers, heartbeats, stale trials
-
-
-@dataclass(frozen=True)
-class _Me:
-    host: str
-    pid: int
-    pid_start: str | None
-
-    @staticmethod
-    def now() -> _Me:
-        pid = os.getpid()
-        return _Me(socket.gethostname(), pid, _pid_start(pid))
-
-
-_ACTIVE: set[tuple[str, int]] = set()  # (study name, trial id) run by this process right now
-_NO_BEAT_SINCE: dict[tuple[str, int], float] = {}  # RUNNING trials seen without any beat: first seen (monotonic)
-
-
-def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> bool:
-    w = t.system_attrs.get(WORKER_KEY)
-    if isinstance(w, Mapping) and w.get("released"):  # interrupted (Ctrl-C): free to take over at once
-        return (study_name, t._trial_id) not in _ACTIVE
-    if not isinstance(w, Mapping):
-        # No beat yet: asked a moment ago, or its worker died between ask and the first beat. Its
-        # datetime_start is the writer's naive local time (not comparable across machines), so
-        # count from when this process first saw it without a beat.
-        first = _NO_BEAT_SINCE.setdefault((study_name, t._trial_id), time.monotonic())
-        return time.monotonic() - first > grace_period
-    if w.get("host") == me.host:
-        if w.get("pid") == me.pid:
-            return (study_name, t._trial_id) not in _ACTIVE
-        if not _pid_alive(int(w.get("pid", -1)), w.get("pid_start")):
-            return True
-    return time.time() - float(w.get("beat", 0.0)) > grace_period
-
-
-def _fail(study: optuna.Study, t: FrozenTrial, reason: str) -> bool:
-    """Mark a RUNNING trial FAIL with a reason (False if somebody finished it first)."""
-    storage = study._storage  # the Study's (cached) storage: writes stay coherent with its reads
-    try:
-        storage.set_trial_system_attr(t._trial_id, FAIL_REASON_KEY, reason)
-        storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
-    except (UpdateFinishedTrialError, RuntimeError):
-        return False
-    return True
-
-
-def _died(t: FrozenTrial) -> bool:
-    """Was the trial's worker killed (not interrupted cleanly, which releases it)?"""
-    w = t.system_attrs.get(WORKER_KEY)
-    return not (isinstance(w, Mapping) and w.get("released"))
-
-
-def stale_trials(study: optuna.Study, *, grace_period: float,
-                 trials: Sequence[FrozenTrial] | None = None) -> list[FrozenTrial]:
-    """The RUNNING trials whose worker is gone (see the module docstring), by number.
-
-    Args:
-        study: the study.
-        grace_period: seconds without a heartbeat after which another host's trial is stale
-            (a trial of a dead process on this host is stale at once).
-        trials: the study's trials if already read.
-    """
-    me = _Me.now()
-    trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
-    return sorted((t for t in trials if t.state == TrialState.RUNNING
-                   and _is_stale(t, study.study_name, grace_period, me)), key=lambda t: t.number)
-
-
-def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: int = 2,
-                      trials: Sequence[FrozenTrial] | None = None) -> list[int]:
-    """Fail the stale trials that may not be taken over again: their worker died ``max_retries``
-    times already (a configuration that kills its process). The others are left RUNNING for a
-    worker to take over in place (:func:`run_study`).
-
-    Returns:
-        The numbers of the trials failed here.
-    """
-    failed = []
-    for t in stale_trials(study, grace_period=grace_period, trials=trials):
-        retries = int(t.user_attrs.get(RETRIES_KEY, 0))
-        if _died(t) and retries >= max_retries:
-            w = t.system_attrs.get(WORKER_KEY) or {}
-            reason = (f"stale: worker {w.get('host')}:{w.get('pid')} stopped beating" if w
-                      else "stale: its worker never reported") + f" (its worker died {retries + 1} times)"
-            if _fail(study, t, reason):
-                failed.append(t.number)
-    return failed
-
-
-def _take_over(study: optuna.Study, t: FrozenTrial, me: _Me) -> bool:
-    """Claim a stale RUNNING trial for this worker: write this worker as its owner and read it
-    back (another worker that claimed it at the same moment may run it too; the first tell wins)."""
-    storage = study._storage
-    tid = t._trial_id
-    try:
-        storage.set_trial_system_attr(tid, WORKER_KEY, {"host": me.host, "pid": me.pid, "pid_start": me.pid_start,
-                                                        "beat": time.time()})
-        now = storage.get_trial(tid)
-        w = now.system_attrs.get(WORKER_KEY) or {}
-        if now.state != TrialState.RUNNING or w.get("pid") != me.pid or w.get("host") != me.host:
-            return False
-        if _died(t):  # a worker killed mid-trial counts against max_retries; a Ctrl-C does not
-            storage.set_trial_user_attr(tid, RETRIES_KEY, int(t.user_attrs.get(RETRIES_KEY, 0)) + 1)
-    except (UpdateFinishedTrialError, RuntimeError):
-        return False
-    return True
-
-
-class _Heartbeat:
-    """Writes the worker identity and a timestamp into a trial now and every ``interval`` s."""
-
-    def __init__(self, study: optuna.Study, trial_id: int, interval: float, me: _Me) -> None:
-        self.storage = study._storage
-        self.trial_id = trial_id
-        self.interval = interval
-        self.me = me
-        self.stop = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.last = 0.0
-
-    def beat(self) -> None:
-        self.last = time.time()
-        self.storage.set_trial_system_attr(self.trial_id, WORKER_KEY, {
-            "host": self.me.host, "pid": self.me.pid, "pid_start": self.me.pid_start, "beat": self.last})
-
-    def _run(self) -> None:
-        while not self.stop.wait(self.interval):
-            try:
-                self.beat()
-            except Exception:  # a transient storage error: the next beat retries
-                pass
-
-    def __enter__(self) -> _Heartbeat:
-        if time.time() - self.last > self.interval / 2:
-            self.beat()
-        self.thread = threading.Thread(target=self._run, name="nascompress-heartbeat", daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
+# The ask/tell loop
 
 
 @dataclass(frozen=True)
@@ -454,12 +148,6 @@ def _release(study: optuna.Study, trial: optuna.Trial) -> None:
     if fixed:
         keep = {k: v for k, v in ft.user_attrs.items() if k in (RETRIES_KEY, RETRY_OF_KEY)}
         study.enqueue_trial(dict(fixed), user_attrs=keep or None)
-
-
-def _let_go(study: optuna.Study, trial: optuna.Trial, me: _Me) -> None:
-    """Mark the trial released by its worker: the next run takes it over at once, in its place."""
-    study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
-        "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(), "released": True})
 
 
 _CONTINUE = "then rerun the same command to continue the study"
@@ -566,138 +254,6 @@ def _quiet_optuna() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Progress
-
-
-def _bucket(r: float) -> str:
-    edges = FLOPS_BUCKETS
-    if r <= edges[0]:
-        return f"<={edges[0]:g}"
-    for lo, hi in zip(edges, edges[1:]):
-        if r <= hi:
-            return f"{lo:g}-{hi:g}"
-    return f">{edges[-1]:g}"
-
-
-def _bucket_labels() -> list[str]:
-    e = FLOPS_BUCKETS
-    return [f"<={e[0]:g}"] + [f"{lo:g}-{hi:g}" for lo, hi in zip(e, e[1:])] + [f">{e[-1]:g}"]
-
-
-def _duration(t: FrozenTrial) -> float | None:
-    rec = trial_record(t)
-    if isinstance(rec.get("wall_s"), (int, float)):
-        return float(rec["wall_s"])
-    if t.datetime_start and t.datetime_complete:
-        return (t.datetime_complete - t.datetime_start).total_seconds()
-    return None
-
-
-class _Display:
-    """Live progress on stderr, or JSON lines on stdout (one per finished trial)."""
-
-    def __init__(self, *, study_name: str, n_trials: int, directions: Sequence[str], metric_names: Sequence[str],
-                 rich: bool, json_lines: bool, finished_before: set[int]) -> None:
-        self.name = study_name
-        self.n = n_trials
-        self.directions = list(directions)
-        self.metric_names = list(metric_names)
-        self.rich = rich and not json_lines
-        self.json_lines = json_lines
-        self.seen = set(finished_before)
-        self.t0 = time.time()
-        self.state: dict[str, Any] = {}
-        self.live: Any = None
-
-    def __enter__(self) -> _Display:
-        if self.rich:
-            from rich.live import Live
-
-            from nascompress.progress import console
-
-            self.live = Live(get_renderable=self._render, console=console, refresh_per_second=2, transient=False)
-            self.live.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.live is not None:
-            self.live.stop()
-            if not self.live.console.is_terminal:  # a log file: its last render ends without a newline
-                self.live.console.line()
-
-    def update(self, trials: Sequence[FrozenTrial]) -> None:
-        counts: dict[str, int] = {}
-        for t in trials:
-            counts[t.state.name] = counts.get(t.state.name, 0) + 1
-        complete = [t for t in trials if t.state == TrialState.COMPLETE]
-        front = pareto_front(complete, self.directions)
-        buckets: dict[str, float] = {}
-        for t in complete:
-            rec = trial_record(t)
-            acc, ratio = rec.get("accuracy"), rec.get("flops_ratio")
-            if isinstance(acc, (int, float)) and isinstance(ratio, (int, float)):
-                b = _bucket(float(ratio))
-                buckets[b] = max(buckets.get(b, -math.inf), float(acc))
-        durs = [d for d in (_duration(t) for t in complete) if d is not None]
-        self.state = {"counts": counts, "front": front, "buckets": buckets,
-                      "mean_s": sum(durs) / len(durs) if durs else None}
-        for t in sorted(trials, key=lambda t: t.number):
-            if t.state.is_finished() and t.number not in self.seen:
-                self.seen.add(t.number)
-                if not t.system_attrs.get(SURPLUS_KEY):
-                    self._finished(t)
-        if self.live is not None:
-            self.live.refresh()
-
-    def _finished(self, t: FrozenTrial) -> None:
-        c = self.state["counts"]
-        if self.json_lines:
-            line = {"event": "trial", "study": self.name, "number": t.number, "state": t.state.name,
-                    "values": dict(zip(self.metric_names, t.values)) if t.values else None,
-                    "params": t.params, "record": {k: v for k, v in trial_record(t).items() if k != "arch"},
-                    "error": t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY),
-                    "complete": c.get("COMPLETE", 0), "n_trials": self.n, "running": c.get("RUNNING", 0),
-                    "failed": c.get("FAIL", 0), "front_size": len(self.state["front"]),
-                    "elapsed_s": round(time.time() - self.t0, 3)}
-            sys.stdout.write(json.dumps(line) + "\n")
-            sys.stdout.flush()
-        elif self.rich:
-            from nascompress.progress import console
-
-            if t.state == TrialState.COMPLETE and t.values:
-                vals = "  ".join(f"{n} {v:.4g}" for n, v in zip(self.metric_names, t.values))
-                d = _duration(t)
-                console.print(f"trial {t.number} complete  {vals}" + (f"  ({d:.1f} s)" if d is not None else ""),
-                              highlight=False)
-            else:
-                why = t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY) or ""
-                console.print(f"trial {t.number} {t.state.name.lower()}" + (f": {why}" if why else ""),
-                              highlight=False, style="yellow" if t.state == TrialState.FAIL else None)
-
-    def _render(self) -> Any:
-        from rich.table import Table
-        from rich.text import Text
-
-        s = self.state or {"counts": {}, "front": [], "buckets": {}, "mean_s": None}
-        c = s["counts"]
-        g = Table.grid(padding=(0, 2))
-        head = Text.assemble((f"study {self.name}", "bold"), f"  {c.get('COMPLETE', 0)}/{self.n} complete",
-                             f"  {c.get('RUNNING', 0)} running", f"  {c.get('FAIL', 0)} failed")
-        if len(self.directions) > 1:
-            head.append(f"  Pareto front {len(s['front'])}")
-        elif s["front"]:
-            head.append(f"  best {self.metric_names[0]} {s['front'][0].values[0]:.4g}")
-        if s["mean_s"] is not None:
-            head.append(f"  {s['mean_s']:.1f} s/trial")
-        head.append(f"  elapsed {time.time() - self.t0:.0f} s")
-        g.add_row(head)
-        if s["buckets"]:
-            parts = [f"{b} {s['buckets'][b]:.2f}" if b in s["buckets"] else f"{b} -" for b in _bucket_labels()]
-            g.add_row(Text("best accuracy by FLOPs ratio: " + " | ".join(parts)))
-        return g
-
-
-# ----------------------------------------------------------------------------------------------
 # Creating / checking the study
 
 
@@ -767,19 +323,7 @@ def _open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str]
 
 
 # ----------------------------------------------------------------------------------------------
-# Worker processes
-
-
-@dataclass(frozen=True)
-class _WorkerArgs:
-    index: int
-    spec: StorageSpec
-    study_name: str
-    objective_factory: Callable[[], Callable[[optuna.Trial], Any]]
-    sampler_factory: Callable[[int], BaseSampler]
-    seed: int  # the study's seed (the worker's sampler is rebuilt from it before each trial)
-    loop: _LoopConfig
-    threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
+# A worker process (spawned by :func:`nascompress.studies.workers._run_workers`)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -819,54 +363,6 @@ def _worker_main(args: _WorkerArgs, results: Any) -> None:
     results.close()
     results.join_thread()
     sys.exit(code)
-
-
-def _run_workers(args: list[_WorkerArgs], study: optuna.Study, display: _Display) -> list[dict[str, Any]]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker_main, args=(a, results), name=f"nascompress-worker-{a.index}")
-             for a in args]
-    msgs: list[dict[str, Any]] = []
-
-    def drain() -> None:
-        while True:
-            try:
-                msgs.append(results.get_nowait())
-            except _queue.Empty:
-                return
-
-    for p in procs:
-        p.start()
-    try:
-        while any(p.is_alive() for p in procs):
-            time.sleep(0.5)
-            drain()
-            display.update(study.get_trials(deepcopy=False))
-    except KeyboardInterrupt:
-        for p in procs:
-            if p.is_alive() and p.pid is not None:
-                os.kill(p.pid, signal.SIGINT)
-        deadline = time.time() + 15
-        for p in procs:
-            p.join(max(0.1, deadline - time.time()))
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
-        raise
-    for p in procs:
-        p.join()
-    deadline = time.time() + 2
-    while len(msgs) < len(procs) and time.time() < deadline:
-        drain()
-        time.sleep(0.05)
-    for p in procs:
-        idx = int(p.name.rsplit("-", 1)[1])
-        if not any(m.get("worker") == idx for m in msgs):
-            msgs.append({"worker": idx, "error": f"worker {idx} exited with code {p.exitcode}"})
-    display.update(study.get_trials(deepcopy=False))
-    return sorted(msgs, key=lambda m: m["worker"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -972,7 +468,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 threads = max(1, torch.get_num_threads() // workers)
                 args = [_WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
                         for k in range(workers)]
-                worker_msgs = _run_workers(args, study, display)
+                worker_msgs = _run_workers(args, study, display, target=_worker_main)
         trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for t in trials:

@@ -1,0 +1,81 @@
+"""Spawning a study's worker processes (multiprocessing 'spawn') and collecting what each reports."""
+from __future__ import annotations
+
+import os
+import queue as _queue
+import signal
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import optuna
+from optuna.samplers import BaseSampler
+
+from .storage import StorageSpec
+
+if TYPE_CHECKING:
+    from .display import _Display
+    from .runner import _LoopConfig
+
+
+@dataclass(frozen=True)
+class _WorkerArgs:
+    index: int
+    spec: StorageSpec
+    study_name: str
+    objective_factory: Callable[[], Callable[[optuna.Trial], Any]]
+    sampler_factory: Callable[[int], BaseSampler]
+    seed: int  # the study's seed (the worker's sampler is rebuilt from it before each trial)
+    loop: _LoopConfig
+    threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
+
+
+def _run_workers(args: list[_WorkerArgs], study: optuna.Study, display: _Display, *,
+                 target: Callable[[_WorkerArgs, Any], None]) -> list[dict[str, Any]]:
+    """Run a spawned process ``target(args[k], results)`` per worker, refreshing ``display`` until all
+    have ended; returns each worker's message (put on ``results``), by worker."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(a, results), name=f"nascompress-worker-{a.index}")
+             for a in args]
+    msgs: list[dict[str, Any]] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                msgs.append(results.get_nowait())
+            except _queue.Empty:
+                return
+
+    for p in procs:
+        p.start()
+    try:
+        while any(p.is_alive() for p in procs):
+            time.sleep(0.5)
+            drain()
+            display.update(study.get_trials(deepcopy=False))
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGINT)
+        deadline = time.time() + 15
+        for p in procs:
+            p.join(max(0.1, deadline - time.time()))
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        raise
+    for p in procs:
+        p.join()
+    deadline = time.time() + 2
+    while len(msgs) < len(procs) and time.time() < deadline:
+        drain()
+        time.sleep(0.05)
+    for p in procs:
+        idx = int(p.name.rsplit("-", 1)[1])
+        if not any(m.get("worker") == idx for m in msgs):
+            msgs.append({"worker": idx, "error": f"worker {idx} exited with code {p.exitcode}"})
+    display.update(study.get_trials(deepcopy=False))
+    return sorted(msgs, key=lambda m: m["worker"])
