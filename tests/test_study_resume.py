@@ -49,3 +49,29 @@ def test_independent_draws_depend_on_the_parameter_not_on_the_order():
         first = [a.sample_independent(study, ft, n, dist) for n in ("x", "y")]
         second = [b.sample_independent(study, ft, n, dist) for n in ("y", "x")][::-1]
     assert first == second and first[0] != first[1]
+
+
+def test_a_trial_killed_between_ask_and_its_first_beat_is_run_again_in_its_place(tmp_path):
+    """kill -9 right after ``study.ask()`` leaves a RUNNING trial with no owner. The rerun must not
+    ask past it (the next trial would draw its parameters under another number): it waits until the
+    trial counts as dead (``grace_period``) and runs it in its own place."""
+    from functools import partial
+
+    from nascompress.studies import run_study
+    from tests.study_toys import SPACE_INFO, TWO, toy_factory
+
+    def run(db, n, **kw):
+        return run_study(study_name="s", storage=f"sqlite:///{db}", objective_factory=partial(toy_factory),
+                         n_trials=n, space_info=SPACE_INFO, seed=3, progress=False, **TWO, **kw)
+
+    def trials(db):
+        study = optuna.load_study(study_name="s", storage=f"sqlite:///{db}")
+        return [(t.number, t.state.name, t.params, t.values) for t in study.get_trials(deepcopy=False)]
+
+    run(tmp_path / "a.db", 5)
+    run(tmp_path / "b.db", 2)
+    killed = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'b.db'}").ask()  # no beat follows
+    assert killed.number == 2
+    summary = run(tmp_path / "b.db", 5, heartbeat_interval=0.2, grace_period=1.0)
+    assert summary["complete"] == 5
+    assert trials(tmp_path / "b.db") == trials(tmp_path / "a.db")

@@ -82,14 +82,15 @@ from nascompress.errors import NascompressError, WriteError, storage_problem, wr
 
 from .display import _Display
 from .liveness import _ACTIVE, _Heartbeat, _let_go, _Me, _take_over, fail_stale_trials, stale_trials
-from .records import ERROR_KEY, RECORD_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, pareto_front, study_info
+from .records import (ERROR_KEY, RECORD_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY, pareto_front,
+                      study_info)
 from .seeding import _Seeding, default_sampler
 from .storage import StorageSpec, open_storage, resolve_run_storage
 from .workers import _run_workers, _WorkerArgs
 
 # Defined here before the split, still importable from here:
 from .display import FLOPS_BUCKETS  # noqa: F401
-from .records import FAIL_REASON_KEY, RECORD_FIELDS, WORKER_KEY, record_trial, trial_record  # noqa: F401
+from .records import FAIL_REASON_KEY, RECORD_FIELDS, record_trial, trial_record  # noqa: F401
 from .seeding import ParamSeeded, sampler_seed  # noqa: F401
 
 
@@ -187,12 +188,18 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
         if complete >= cfg.n_trials:
             return ran
         stale = stale_trials(study, grace_period=cfg.grace_period, trials=trials)
+        # A RUNNING trial without a first beat was asked a moment ago, or its worker died between
+        # ask and that beat (a kill -9 there). Asking a new trial meanwhile would draw the killed
+        # trial's parameters (the sampler's seed counts the trials told) under the next number, so
+        # wait until it beats or, once stale (grace_period), is taken over in its own place.
+        unbeaten = any(t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs
+                       and t.number not in {s.number for s in stale} for t in trials)
         trial = None
         if stale and _take_over(study, stale[0], me):  # a killed trial first, in its own place
             seeding.reseed(study, trials)
             study._thread_local.cached_all_trials = None  # as Study.ask does: read the trials afresh
             trial = optuna.Trial(study, stale[0]._trial_id)
-        elif stale or complete + running >= cfg.n_trials:  # the rest run elsewhere (or were just claimed)
+        elif stale or unbeaten or complete + running >= cfg.n_trials:  # the rest run elsewhere (or were just claimed)
             time.sleep(poll)
             continue
         if trial is None:
