@@ -86,6 +86,42 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------
+# User-facing settings: one declaration that the CLI and the pipeline file read
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
+            flag: str | None = None, user_default: Any = dataclasses.MISSING) -> Any:
+    """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
+    option's), the range or ``choices`` the pipeline file checks (the same metadata as
+    :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
+    (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
+    where it differs from the library's (the dataclass default)."""
+    meta: dict[str, Any] = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open,
+                            "choices": choices, "path": False, "keywords": ()}
+    if flag is not None:
+        meta["flag"] = flag
+    if user_default is not dataclasses.MISSING:
+        meta["user_default"] = user_default
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def user_settings(cls: type) -> list[dataclasses.Field]:
+    """The fields of config class ``cls`` declared with :func:`setting` (those with a ``help``), in order."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("help")]
+
+
+def user_default(f: dataclasses.Field) -> Any:
+    """The default the CLI and the pipeline give field ``f`` (see :func:`setting`)."""
+    return f.metadata.get("user_default", f.default)
+
+
+def setting_help(cls: type, name: str) -> str:
+    """The help text of field ``name`` of ``cls``."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+# ---------------------------------------------------------------------------------------------
 # Small validators shared by the configs (one message style: the setting, the rule, the value)
 
 
@@ -154,4 +190,4 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "check_range", "check_int", "check_choice", "check_bool", "is_number"]
+__all__ = ["Config", "StrictYamlLoader", "setting", "user_settings", "user_default", "setting_help", "check_range", "check_int", "check_choice", "check_bool", "is_number"]

@@ -88,3 +88,43 @@ def input_overrides(mean: str | None, std: str | None, interpolation: str | None
 def print_json(obj: Any) -> None:
     if MAIN:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+def setting_params(cls: type) -> list[Any]:
+    """One keyword-only Typer option per user-facing field of library config ``cls``
+    (:func:`nascompress.config.setting`): ``--name`` with the field's user default and help, or for a
+    bool with a ``flag`` that flag (``--no-name``, default off)."""
+    import inspect
+    import types
+    import typing
+    from typing import Optional
+
+    from nascompress.config import user_default, user_settings
+
+    hints = typing.get_type_hints(cls)
+    params = []
+    for f in user_settings(cls):
+        flag = f.metadata.get("flag")
+        if flag:
+            params.append(inspect.Parameter(flag.lstrip("-").replace("-", "_"), inspect.Parameter.KEYWORD_ONLY,
+                                            default=False, annotation=Annotated[bool, typer.Option(
+                                                flag, help=f.metadata["help"])]))
+            continue
+        tp = hints[f.name]
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
+        if type(None) in args:
+            tp = Optional[next(a for a in args if a is not type(None))]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=user_default(f),
+                                        annotation=Annotated[tp, typer.Option(help=f.metadata["help"])]))
+    return params
+
+
+def setting_values(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The values of ``cls``'s user-facing fields from a command's arguments (see :func:`setting_params`)."""
+    from nascompress.config import user_settings
+
+    values = {}
+    for f in user_settings(cls):
+        flag = f.metadata.get("flag")
+        values[f.name] = not kwargs[flag.lstrip("-").replace("-", "_")] if flag else kwargs[f.name]
+    return values

@@ -1,18 +1,19 @@
 """``nascompress search ...``: architecture searches (a sub-app; ``dcs`` lives here)."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import Amp, Deterministic, SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import (Amp, Deterministic, SkipBadImages, out, print_json, run, setting_params,
+                                    setting_values, skip_bad)
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
 
-@search_app.command("dcs")
-def dcs(
+def _dcs_options(
     source: Annotated[str, typer.Argument(help="A dense run directory (train/import) or a timm model name.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Search run directory to create.")] = Path("runs/dcs_search"),
     weights: Annotated[Optional[Path], typer.Option(help="Local weights when SOURCE is a timm name.")] = None,
@@ -20,24 +21,7 @@ def dcs(
     dataset: Annotated[Optional[str], typer.Option(
         help="'fashion-mnist', an ImageFolder root or 'synthetic' (default: the run's; fashion-mnist for a timm name)."
     )] = None,
-    target_flops: Annotated[Optional[float], typer.Option(
-        help="Land within +-5% of this FLOPs ratio of the dense model, in (0, 1].")] = None,
-    lam: Annotated[float, typer.Option(
-        help="lambda of lambda*log(cost) (paper range 0.1-0.5); with --target-flops it is steered instead.")] = 0.2,
-    entropy_weight: Annotated[float, typer.Option(help="Weight of the gates' entropy penalty.")] = 0.01,
-    qk_mask: Annotated[str, typer.Option(
-        help="Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
-             "time) or none.")] = "static",
-    mlp_gates: Annotated[str, typer.Option(
-        help="MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
-             "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
-             "on the model: the family whose pruned models stay closer to the dense one).")] = "auto",
-    align: Annotated[int, typer.Option(
-        help="Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
-             "(GPU kernels leave their fast paths below multiples of 8; 1: any width).")] = 8,
-    hidden_fill: Annotated[str, typer.Option(
-        help="Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias).")] = "mean",
-    alpha_init: Annotated[float, typer.Option(help="Initial mean gate logit alpha/theta (> 0: gates start open).")] = 5.0,
+    # (here: the options of DCSSearchConfig's and DCSConfig's user-facing fields, see _signature)
     epochs: Annotated[int, typer.Option()] = 4,
     batch_size: Annotated[Optional[int], typer.Option(
         help="Default: from the training images, 16 to 128 for about 100 steps per epoch (16 for 2,000).")] = None,
@@ -46,33 +30,6 @@ def dcs(
     min_lr: Annotated[float, typer.Option()] = 1e-6,
     warmup_epochs: Annotated[float, typer.Option(help="Linear lr warm-up, in epochs.")] = 0.2,
     layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay of the weights (0 or 1: off).")] = 0.75,
-    arch_lr: Annotated[Optional[float], typer.Option(
-        help="Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps).")] = None,
-    distill: Annotated[float, typer.Option(help="Weight of KL to the dense model's logits (0: off).")] = 0.5,
-    feat_distill: Annotated[float, typer.Option(
-        help="Weight of the relative error to the dense model's pre-logits feature (0: off).")] = 1.0,
-    arch_loss: Annotated[str, typer.Option(
-        help="The architecture steps' task loss: kd (the distillation terms) or ce (the paper's).")] = "kd",
-    target_ramp: Annotated[float, typer.Option(
-        help="Share of the search over which the target moves from 1.0 down to --target-flops (0: at once).")] = 0.5,
-    protect_ratio: Annotated[float, typer.Option(
-        help="Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
-             "block's gates; 0: off).")] = 5.0,
-    no_block_weights: Annotated[bool, typer.Option(
-        "--no-block-weights", help="Do not weight each block's cost by its measured sensitivity.")] = False,
-    max_val_drop: Annotated[float, typer.Option(
-        help="Stop when validation top-1 falls more than this many points below the dense model's.")] = 15.0,
-    tau0: Annotated[float, typer.Option(help="Initial Gumbel temperature (x0.95 per epoch).")] = 4.5,
-    round_mlp: Annotated[int, typer.Option(
-        help="Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for).")] = 0,
-    no_calibrate: Annotated[bool, typer.Option(
-        "--no-calibrate", help="Fail instead of shifting the gate threshold when the search ends off target.")] = False,
-    no_grad_balance: Annotated[bool, typer.Option(
-        "--no-grad-balance", help="Keep lambda in absolute units (by default, with --target-flops, the cost term is "
-                                  "scaled up where the CE gradient per gate outweighs it, as on pretrained models).")] = False,
-    init_importance: Annotated[str, typer.Option(
-        help="What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
-             "(activation where its 20%- and 40%-pruned models are clearly closer to the dense model, else weight).")] = "auto",
     train_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N training images.")] = None,
     eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
     seed: Annotated[int, typer.Option()] = 0,
@@ -84,6 +41,24 @@ def dcs(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out from its checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
+    """The command's own options (those of the library's settings are generated: :func:`_signature`)."""
+
+
+def _signature() -> inspect.Signature:
+    """``search dcs``'s parameters: the first five of :func:`_dcs_options`, ``--target-flops``, the other
+    user-facing fields of DCSSearchConfig and DCSConfig (:func:`nascompress.config.setting`: their help
+    and user defaults), then the rest of :func:`_dcs_options`."""
+    from nascompress.methods.dcs import DCSConfig
+    from nascompress.search import DCSSearchConfig
+
+    own = list(inspect.signature(_dcs_options, eval_str=True).parameters.values())
+    own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+    lib = setting_params(DCSSearchConfig) + setting_params(DCSConfig)
+    lib = sorted(lib, key=lambda p: p.name != "target_flops")  # stable: the target first, then field order
+    return inspect.Signature(own[:5] + lib + own[5:])
+
+
+def dcs(**kw: Any) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
     from dataclasses import replace
 
@@ -93,34 +68,33 @@ def dcs(
     from nascompress.search import DCSSearchConfig, DCSSearchJob, search_dcs
     from nascompress.search.dcs import search_train_config
 
+    source, out_dir, batch_size, seed = kw["source"], kw["out_dir"], kw["batch_size"], kw["seed"]
+
     def build() -> DCSSearchJob:
-        cfg = DCSSearchConfig(arch_lr=arch_lr, lam=lam, entropy_weight=entropy_weight, tau0=tau0,
-                              target_flops=target_flops, target_ramp=target_ramp, round_mlp=round_mlp,
-                              distill=distill, feat_distill=feat_distill, arch_loss=arch_loss,
-                              protect_ratio=protect_ratio, block_weights=not no_block_weights,
-                              max_val_drop=max_val_drop, calibrate=not no_calibrate,
-                              grad_balance=not no_grad_balance, init_importance=init_importance,
-                              auto_batch=batch_size is None)
-        tc = search_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
-                                 warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
-                                 deterministic=deterministic)
+        cfg = DCSSearchConfig(**setting_values(DCSSearchConfig, kw), auto_batch=batch_size is None)
+        method = DCSConfig(**setting_values(DCSConfig, kw))
+        method = method.replace(theta_init=method.alpha_init)
+        tc = search_train_config(epochs=kw["epochs"], batch_size=batch_size, lr=kw["lr"], base_lr=kw["base_lr"],
+                                 min_lr=kw["min_lr"], warmup_epochs=kw["warmup_epochs"], seed=seed,
+                                 device=kw["device"], amp=kw["amp"], deterministic=kw["deterministic"])
+        layer_decay = kw["layer_decay"]
         tc = tc.replace(layer_decay=None if not layer_decay or layer_decay == 1 else layer_decay)
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
-        if dataset is not None:
-            data = replace(data, dataset=dataset)
+        if kw["dataset"] is not None:
+            data = replace(data, dataset=kw["dataset"])
+        train_limit, eval_limit = kw["train_limit"], kw["eval_limit"]
         data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                        eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
-        return DCSSearchJob(source=source, out=str(out_dir),
-                            method=DCSConfig(qk_mask=qk_mask, mlp_gates=mlp_gates, align=align, hidden_fill=hidden_fill,
-                                             alpha_init=alpha_init, theta_init=alpha_init),
-                            search=cfg, train=tc, data=data, weights=str(weights) if weights else None,
+        data = skip_bad(replace(data, subset_seed=seed), kw["skip_bad_images"])
+        weights, img_size = kw["weights"], kw["img_size"]
+        return DCSSearchJob(source=source, out=str(out_dir), method=method, search=cfg, train=tc, data=data,
+                            weights=str(weights) if weights else None,
                             model_kwargs={"img_size": img_size} if img_size else {})
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(search_dcs, job, force=force, resume=resume)
-    if json_out:
+    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"])
+    if kw["json_out"]:
         print_json(metrics)
     else:
         cal = metrics.get("calibration")
@@ -131,6 +105,10 @@ def dcs(
                   f"val top-1 {metrics['val_top1']:.2f}% "
                   f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
                   f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
+
+
+dcs.__signature__ = _signature()  # type: ignore[attr-defined]
+search_app.command("dcs")(dcs)
 
 
 def _outer_search(kind: str, default_space: str):

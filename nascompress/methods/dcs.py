@@ -42,7 +42,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range
+from ..config import Config, check_choice, check_int, check_range, setting
 from ..errors import NascompressError
 from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
                       slice_linear_in, slice_linear_out, slice_qk)
@@ -157,11 +157,21 @@ class DCSConfig(Config):
             when cross-entropy barely tells channels apart). 0: every logit starts at ``init``.
     """
 
-    qk_mask: str = "static"
-    mlp_gates: str = "residual"
-    align: int = DEFAULT_ALIGN
-    hidden_fill: str = "mean"
-    alpha_init: float = 5.0
+    # Fields declared with setting() are `search dcs` options and `stages.dcs` keys (the CLI's help, the
+    # pipeline's checks; choices in the order the messages list them); theta_init follows alpha_init there.
+    qk_mask: str = setting("static", choices=("static", "input", "none"), help=(
+        "Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
+        "time) or none."))
+    mlp_gates: str = setting("residual", user_default="auto", choices=("auto", "residual", "hidden", "none"), help=(
+        "MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
+        "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
+        "on the model: the family whose pruned models stay closer to the dense one)."))
+    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
+        "Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
+        "(GPU kernels leave their fast paths below multiples of 8; 1: any width)."))
+    hidden_fill: str = setting("mean", choices=("mean", "zero"), help=(
+        "Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias)."))
+    alpha_init: float = setting(5.0, help="Initial mean gate logit alpha/theta (> 0: gates start open).")
     theta_init: float = 5.0
     init_spread: float = 1.0
 
@@ -556,6 +566,9 @@ class DCS(Method):
     def prepare(self, model, cfg, recipe):
         model = make_supernet(model, cfg)
         return model, make_record(model, cfg, stage="supernet")
+
+    def cli_fields(self) -> list:
+        return []  # not a finetune method: its settings' options belong to `search dcs`
 
     def hooks(self, model, record, *, teacher, train_cfg):
         raise NascompressError("dcs is trained by `nascompress search dcs` (then `materialize` and `retrain`), "

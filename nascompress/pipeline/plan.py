@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..errors import NascompressError
 from .config_io import load_config
-from .schema import _Ctx
+from .schema import _Ctx, library_config
 from .sections import DATASET_KEYWORDS, PipelineConfig
 
 STUDY_DB = "studies.db"
@@ -251,16 +251,10 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
     try:
         job = DCSSearchJob(
             source=str(base_dir), out=str(out / "dcs_search"),
-            method=DCSConfig(qk_mask=s.qk_mask, mlp_gates=s.mlp_gates, align=s.align, hidden_fill=s.hidden_fill,
-                             alpha_init=s.alpha_init, theta_init=s.alpha_init),
-            search=DCSSearchConfig(arch_lr=s.arch_lr, lam=s.lam, entropy_weight=s.entropy_weight, tau0=s.tau0,
-                                   target_flops=target, target_ramp=s.target_ramp, round_mlp=s.round_mlp,
-                                   distill=s.distill, feat_distill=s.feat_distill, arch_loss=s.arch_loss,
-                                   protect_ratio=s.protect_ratio, block_weights=s.block_weights,
-                                   max_val_drop=s.max_val_drop, calibrate=s.calibrate,
-                                   init_importance=s.init_importance, auto_batch=s.batch_size is None),
+            method=library_config(s, DCSConfig, theta_init=s.alpha_init),
+            search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
             train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
-                                      warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
+                                      min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
                                       amp=cfg.amp, deterministic=cfg.deterministic).replace(layer_decay=s.layer_decay),
             data=_data_config(cfg, train_limit=s.train_limit))
         mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
+from ..config import Config, user_default, user_settings
 from ..errors import NascompressError
 
 
@@ -51,6 +51,37 @@ class _Section(Config):
                 continue
             out[self._yaml_names.get(f.name, f.name)] = v.to_dict() if isinstance(v, _Section) else v
         return out
+
+
+def library_keys(*classes: type, lead: tuple[str, ...] = ()) -> Any:
+    """Class decorator, under ``@dataclass``: a key for every user-facing field of the library config
+    ``classes`` (:func:`nascompress.config.setting`: its type, its user default and the checks in its
+    metadata), so the section does not declare them again. Key order: ``lead``, the section's own
+    keys, then the rest of the library keys (class by class, in field order)."""
+
+    def deco(cls: type) -> type:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        added: dict[str, Any] = {}
+        for lib in classes:
+            hints = typing.get_type_hints(lib)
+            for f in user_settings(lib):
+                if f.name in own or f.name in added:
+                    raise TypeError(f"{cls.__name__}: key {f.name} declared twice")
+                added[f.name] = hints[f.name]
+                setattr(cls, f.name, field(default=user_default(f), metadata=dict(f.metadata)))
+        merged = {**own, **added}
+        order = [*lead, *(n for n in merged if n not in lead)]
+        cls.__annotations__ = {n: merged[n] for n in order}
+        cls._library = classes
+        return cls
+
+    return deco
+
+
+def library_config(section: Any, lib: type, **extra: Any) -> Any:
+    """``lib`` built from the section's keys that are its user-facing fields, plus ``extra``."""
+    values = {f.name: getattr(section, f.name) for f in user_settings(lib)}
+    return lib(**{**values, **extra})
 
 
 def _section_type(tp: Any) -> type[_Section] | None:

@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError
-from .schema import _At, _lr_pair, _one_of, _Section, opt
+from ..methods.dcs import DCSConfig
+from ..search.dcs import DCSSearchConfig
+from .schema import _At, _lr_pair, _one_of, _Section, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
 DATASET_KEYWORDS = ("fashion-mnist", "synthetic")
@@ -109,39 +111,24 @@ class GoalSection(_Section):
 
 
 @dataclass(frozen=True)
+@library_keys(DCSSearchConfig, DCSConfig, lead=("target_flops",))
 class DCSStage(_Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
-    the search's settings (same names); ``batch_size`` null: from the training images. With
-    ``fallback`` a search that collapses is retried once at a milder target, then skipped
-    (:mod:`nascompress.pipeline.fallback`)."""
+    the search's settings (same names): every user-facing field of
+    :class:`~nascompress.search.dcs.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`
+    (declared there, with their checks: :func:`~nascompress.pipeline.schema.library_keys`), and the
+    keys below (the search's training and data settings, and the pipeline's own ``fallback``);
+    ``batch_size`` null: from the training images. With ``fallback`` a search that collapses is
+    retried once at a milder target, then skipped (:mod:`nascompress.pipeline.fallback`)."""
 
-    target_flops: float | None = opt(None, lo=0, hi=1, lo_open=True)
     epochs: int = opt(4, lo=1)
     train_limit: int | None = opt(None, lo=1)
     batch_size: int | None = opt(None, lo=1)
     lr: float | None = opt(None, lo=0, lo_open=True)
     base_lr: float | None = opt(None, lo=0, lo_open=True)
+    min_lr: float = opt(1e-6, lo=0)
     warmup_epochs: float = opt(0.2, lo=0)
     layer_decay: float | None = opt(0.75, lo=0, hi=1, lo_open=True)
-    qk_mask: str = opt("static", choices=("static", "input", "none"))
-    mlp_gates: str = opt("auto", choices=("auto", "residual", "hidden", "none"))
-    align: int = opt(8, lo=1)
-    hidden_fill: str = opt("mean", choices=("mean", "zero"))
-    round_mlp: int = opt(0, lo=0)
-    arch_lr: float | None = opt(None, lo=0, lo_open=True)  # None: sized from the budget (search dcs)
-    lam: float = opt(0.2, lo=0)
-    entropy_weight: float = opt(0.01, lo=0)
-    distill: float = opt(0.5, lo=0)
-    feat_distill: float = opt(1.0, lo=0)
-    arch_loss: str = opt("kd", choices=("kd", "ce"))
-    target_ramp: float = opt(0.5, lo=0, hi=1)
-    protect_ratio: float = opt(5.0, lo=0)
-    block_weights: bool = True
-    alpha_init: float = 5.0
-    tau0: float = opt(4.5, lo=0, lo_open=True)
-    max_val_drop: float = opt(15.0, lo=0)
-    calibrate: bool = True
-    init_importance: str = opt("auto", choices=("auto", "weight", "activation"))
     fallback: bool = True
 
     def __post_init__(self) -> None:

@@ -58,7 +58,7 @@ from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
-from ..config import Config, check_bool, check_choice, check_int, check_range
+from ..config import Config, check_bool, check_choice, check_int, check_range, setting
 from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
@@ -148,29 +148,47 @@ class DCSSearchConfig(Config):
             job's ``train.batch_size`` in the recorded job.
     """
 
-    arch_lr: float | None = None
+    # Fields declared with setting() are the user's: `search dcs` options and `stages.dcs` keys
+    # (help: the CLI's; lo/hi/choices: what the pipeline file checks). The others are internal.
+    arch_lr: float | None = setting(None, lo=0, lo_open=True, help=(
+        "Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps)."))
     arch_lr_end: float = 0.1
     arch_beta1: float = 0.5
-    lam: float = 0.2
-    entropy_weight: float = 0.01
-    tau0: float = 4.5
+    lam: float = setting(0.2, lo=0, help=(
+        "lambda of lambda*log(cost) (paper range 0.1-0.5); with --target-flops it is steered instead."))
+    entropy_weight: float = setting(0.01, lo=0, help="Weight of the gates' entropy penalty.")
+    tau0: float = setting(4.5, lo=0, lo_open=True, help="Initial Gumbel temperature (x0.95 per epoch).")
     tau_decay: float = 0.95
-    target_flops: float | None = None
-    target_ramp: float = 0.5
+    target_flops: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "Land within +-5% of this FLOPs ratio of the dense model, in (0, 1]."))
+    target_ramp: float = setting(0.5, lo=0, hi=1, help=(
+        "Share of the search over which the target moves from 1.0 down to --target-flops (0: at once)."))
     tolerance: float = 0.05
     steer_gain: float = 2.0
     steer_rate: float = 0.05
     weight_fraction: float = 0.7
-    round_mlp: int = 0
-    distill: float = 0.5
-    feat_distill: float = 1.0
-    arch_loss: str = "kd"
-    protect_ratio: float = 5.0
-    block_weights: bool = True
-    max_val_drop: float = 15.0
-    calibrate: bool = True
-    grad_balance: bool = True
-    init_importance: str = "auto"
+    round_mlp: int = setting(0, lo=0, help=(
+        "Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for)."))
+    distill: float = setting(0.5, lo=0, help="Weight of KL to the dense model's logits (0: off).")
+    feat_distill: float = setting(1.0, lo=0, help=(
+        "Weight of the relative error to the dense model's pre-logits feature (0: off)."))
+    arch_loss: str = setting("kd", choices=ARCH_LOSSES, help=(
+        "The architecture steps' task loss: kd (the distillation terms) or ce (the paper's)."))
+    protect_ratio: float = setting(5.0, lo=0, help=(
+        "Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
+        "block's gates; 0: off)."))
+    block_weights: bool = setting(True, flag="--no-block-weights", help=(
+        "Do not weight each block's cost by its measured sensitivity."))
+    max_val_drop: float = setting(15.0, lo=0, help=(
+        "Stop when validation top-1 falls more than this many points below the dense model's."))
+    calibrate: bool = setting(True, flag="--no-calibrate", help=(
+        "Fail instead of shifting the gate threshold when the search ends off target."))
+    grad_balance: bool = setting(True, flag="--no-grad-balance", help=(
+        "Keep lambda in absolute units (by default, with --target-flops, the cost term is scaled up where the "
+        "CE gradient per gate outweighs it, as on pretrained models)."))
+    init_importance: str = setting("auto", choices=INIT_IMPORTANCE, help=(
+        "What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
+        "(activation where its 20%- and 40%-pruned models are clearly closer to the dense model, else weight)."))
     init_images: int = 256
     init_seed: int | None = None
     auto_batch: bool = False
