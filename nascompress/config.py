@@ -190,4 +190,5 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "setting", "user_settings", "user_default", "setting_help", "check_range", "check_int", "check_choice", "check_bool", "is_number"]
+__all__ = ["Config", "StrictYamlLoader", "setting", "user_settings", "user_default", "setting_help",
+           "check_range", "check_int", "check_choice", "check_bool", "is_number"]

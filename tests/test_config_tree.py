@@ -106,7 +106,8 @@ def test_library_settings_give_the_cli_and_the_pipeline_the_same_default_and_che
 
 def test_the_user_defaults_are_the_library_defaults_but_mlp_gates():
     # the DCS building block defaults to the paper's residual gates; the search's front ends to the probe
-    differ = {f.name for cls in (DCSSearchConfig, DCSConfig) for f in user_settings(cls) if user_default(f) != f.default}
+    differ = {f.name for cls in (DCSSearchConfig, DCSConfig) for f in user_settings(cls)
+              if user_default(f) != f.default}
     assert differ == {"mlp_gates"}
 
 

@@ -11,11 +11,10 @@ from nascompress.cli.common import out, print_json, run
 
 def _help(name: str) -> str:
     """An option's help text: the ExportConfig field's (the pipeline's export: keys are the same fields)."""
-    import dataclasses
-
+    from nascompress.config import setting_help
     from nascompress.export.config import ExportConfig
 
-    return next(f.metadata["help"] for f in dataclasses.fields(ExportConfig) if f.name == name)
+    return setting_help(ExportConfig, name)
 
 
 def register(app: typer.Typer) -> None:

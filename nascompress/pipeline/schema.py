@@ -72,7 +72,6 @@ def library_keys(*classes: type, lead: tuple[str, ...] = ()) -> Any:
         merged = {**own, **added}
         order = [*lead, *(n for n in merged if n not in lead)]
         cls.__annotations__ = {n: merged[n] for n in order}
-        cls._library = classes
         return cls
 
     return deco
