@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -317,6 +318,25 @@ def test_another_config_into_the_same_out_is_refused(ref, tmp_path):
     (tmp_path / "other" / "f.txt").write_text("x")
     r = invoke("pipeline", cfg, "--out", tmp_path / "other")
     assert r.exit_code == 1 and "holds no pipeline run" in r.output and (tmp_path / "other" / "f.txt").exists()
+
+
+def test_a_run_written_before_a_key_existed_is_continued(ref, tmp_path):
+    """A run whose config.yaml lacks keys that a later version added (with the default the run had)
+    is continued by that version, not refused as another config."""
+    out = tmp_path / "out"
+    shutil.copytree(ref["out"], out)
+    stored = yaml.safe_load((out / "config.yaml").read_text())
+    for key in ("grad_balance", "min_lr"):
+        del stored["stages"]["dcs"][key]
+    (out / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
+    r = invoke("pipeline", ref["config"], "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "holds a pipeline run of another config" not in r.output
+    # a key whose value differs is still another config
+    stored["stages"]["dcs"]["epochs"] = 99
+    (out / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
+    r = invoke("pipeline", ref["config"], "--out", out)
+    assert r.exit_code == 1 and "stages.dcs.epochs is 3 here but 99 there" in r.output
 
 
 def test_yaml_numbers_and_the_normalized_config(tmp_path):

@@ -14,7 +14,7 @@ import yaml
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, writing
 from ..utils import read_json, write_json
-from .config_io import _diff, dump_config, read_yaml
+from .config_io import _diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 
 CONFIG_FILE = "config.yaml"
@@ -58,6 +58,21 @@ def _lock(out: Path) -> int:
     return fd
 
 
+def _plain(cfg: Any) -> Any:
+    """A config as the plain data its ``config.yaml`` holds."""
+    return yaml.load(yaml.safe_dump(cfg.to_dict(), sort_keys=False), Loader=_Loader)  # noqa: S506
+
+
+def _as_this_version(stored: Path, old: Any) -> Any:
+    """The stored config of a run as this version reads it: a key added since that run was written
+    takes its default (the behaviour the run had), so upgrading nascompress does not refuse to
+    continue a run. The stored data as it is when this version cannot read it."""
+    try:
+        return _plain(load_config(stored))
+    except NascompressError:
+        return old
+
+
 def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     """Make the (locked) OUT ready: new, resumed (same config) or started over (``force``); write
     config.yaml. Returns True when an earlier run is continued."""
@@ -65,7 +80,9 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     used = any(not _stray(p) for p in out.iterdir())
     if used and not force:
         old = read_yaml(stored)
-        new = yaml.load(yaml.safe_dump(pipe.cfg.to_dict(), sort_keys=False), Loader=_Loader)  # noqa: S506
+        new = _plain(pipe.cfg)
+        if old != new:
+            old = _as_this_version(stored, old)
         if old != new:
             diff = _diff(new, old if isinstance(old, dict) else {})
             more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
