@@ -7,10 +7,11 @@ import pytest
 import torch
 
 import nascompress  # noqa: F401  (torchvision CPU fix before timm)
+from nascompress.data import FMNIST_DIR
 
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and robust on a loaded machine
 TORCH_DEVICE = os.environ.get("TORCH_DEVICE", "cpu")
-FMNIST = os.path.isfile("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz")
+FMNIST = (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
 
 

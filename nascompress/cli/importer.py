@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from nascompress.cli.common import SkipBadImages, input_overrides, out, print_json, run
+from nascompress.data import FMNIST_DIR
 
 
 def register(app: typer.Typer) -> None:
@@ -18,7 +19,7 @@ def register(app: typer.Typer) -> None:
         img_size: Annotated[Optional[int], typer.Option(help="Input size (default: from the weights' position embedding).")] = None,
         num_classes: Annotated[Optional[int], typer.Option(help="Classes (default: the weights' head).")] = None,
         dataset: Annotated[Optional[str], typer.Option(help="Evaluate on this dataset's val and test splits: 'fashion-mnist' or an ImageFolder root.")] = None,
-        data_dir: Annotated[str, typer.Option(help="Where Fashion-MNIST's IDX files are.")] = "/usr/share/datasets/fashion-mnist",
+        data_dir: Annotated[str, typer.Option(help="Where Fashion-MNIST's IDX files are.")] = str(FMNIST_DIR),
         mean: Annotated[Optional[str], typer.Option(help="Normalisation mean, comma-separated (default: the model's pretrained config).")] = None,
         std: Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separated (default: the model's pretrained config).")] = None,
         interpolation: Annotated[Optional[str], typer.Option(help="bilinear, bicubic or nearest (default: the pretrained config).")] = None,

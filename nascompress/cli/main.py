@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from nascompress.cli.common import STATE, Amp, Deterministic, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
+from nascompress.data import FMNIST_DIR
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -65,7 +66,7 @@ def train(
     reset_head: Annotated[bool, typer.Option("--reset-head", help="A new head: the weights' is missing (backbone only) or has another class count.")] = False,
     linear_probe: Annotated[bool, typer.Option("--linear-probe", help="Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")] = False,
     mean: Mean = None, std: Std = None, interpolation: Interpolation = None, crop_pct: CropPct = None,
-    dataset: Dataset = "fashion-mnist", data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
+    dataset: Dataset = "fashion-mnist", data_dir: DataDir = str(FMNIST_DIR),
     val_fraction: Annotated[float, typer.Option(help="Share of train held out for validation.")] = 0.1,
     train_limit: Annotated[Optional[int], typer.Option(help="Use N training images (a class-stratified random subset drawn with --seed).")] = None,
     eval_limit: Annotated[Optional[int], typer.Option(help="Use N val/test images (class-stratified, drawn with --seed).")] = None,
@@ -133,7 +134,7 @@ def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")],
     split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
     dataset: Annotated[Optional[str], typer.Option(help="Override the run's dataset.")] = None,
-    data_dir: DataDir = "/usr/share/datasets/fashion-mnist",
+    data_dir: DataDir = str(FMNIST_DIR),
     eval_limit: Annotated[Optional[int], typer.Option(help="Use only N images.")] = None,
     teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
     batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto", dtype: DType = "fp32",

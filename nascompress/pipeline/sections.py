@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data import FMNIST_DIR
 from ..errors import NascompressError
 from ..methods.dcs import DCSConfig
 from ..search.dcs import DCSSearchConfig
@@ -21,7 +22,7 @@ class DataSection(_Section):
     """``data``: the dataset every stage uses (:class:`~nascompress.data.DataConfig`)."""
 
     dataset: str = opt("fashion-mnist", path=True, keywords=DATASET_KEYWORDS)
-    data_dir: str = opt("/usr/share/datasets/fashion-mnist", path=True)
+    data_dir: str = opt(str(FMNIST_DIR), path=True)
     val_fraction: float = opt(0.1, lo=0, hi=1, lo_open=True, hi_open=True)
     train_limit: int | None = opt(None, lo=1)
     eval_limit: int | None = opt(None, lo=1)
