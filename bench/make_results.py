@@ -260,6 +260,9 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "pipeline": pipeline_summary, "pretrained": pretrained_summary}
 
 
+METHOD_NAMES = {"dcs": "DCS", "evit": "EViT", "dynamicvit": "DynamicViT", "sparsifiner": "Sparsifiner", "mgvit": "MG-ViT"}
+
+
 def small_data_rows(d: dict[str, Any] | None) -> list[list[str]]:
     """The small-data DINOv2 bench (2,000 training images, library defaults): DCS and uniform pruning
     at equal FLOPs with the same retraining, and the dense model fine-tuned with the same budget."""
@@ -292,6 +295,13 @@ def readme_table(data: dict[str, Any]) -> list[str]:
         rows.append(["Fashion-MNIST main job (DCS + EViT, retrained)", f"{c['flops_ratio']:.3f}x",
                      f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
                      f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", "`pipeline_fashion_mnist.json`"])
+    q = data.get("pipeline_dinov2.json")
+    if q:
+        c = q["comparison"]
+        names = " + ".join(METHOD_NAMES.get(m, m) for m in q["final"]["methods"]) or "no method"
+        rows.append([f"DINOv2 ViT-S/14 probe, 2,000 images: pipeline ({names}, retrained)",
+                     f"{c['flops_ratio']:.3f}x", f"{q['dense']['test_top1']:.2f}% -> {q['final']['test_top1']:.2f}%",
+                     f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", "`pipeline_dinov2.json`"])
     dense = data.get("pretrained.json", {}).get("dense", {}).get("test_top1")
     for name, method, label in (("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
                                 ("pretrained_evit.json", "evit", "DINOv2 ViT-S/14, EViT keep 0.7, fine-tuned")):
