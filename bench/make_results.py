@@ -289,19 +289,15 @@ def small_data_rows(d: dict[str, Any] | None) -> list[list[str]]:
 def readme_table(data: dict[str, Any]) -> list[str]:
     """The README's one results table: the main job and the DINOv2 cases, every figure read from its JSON."""
     rows = []
-    p = data.get("pipeline_fashion_mnist.json")
-    if p:
-        c = p["comparison"]
-        rows.append(["Fashion-MNIST main job (DCS + EViT, retrained)", f"{c['flops_ratio']:.3f}x",
-                     f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
-                     f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", "`pipeline_fashion_mnist.json`"])
-    q = data.get("pipeline_dinov2.json")
-    if q:
-        c = q["comparison"]
-        names = " + ".join(METHOD_NAMES.get(m, m) for m in q["final"]["methods"]) or "no method"
-        rows.append([f"DINOv2 ViT-S/14 probe, 2,000 images: pipeline ({names}, retrained)",
-                     f"{c['flops_ratio']:.3f}x", f"{q['dense']['test_top1']:.2f}% -> {q['final']['test_top1']:.2f}%",
-                     f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", "`pipeline_dinov2.json`"])
+    for name, case in (("pipeline_fashion_mnist.json", "Fashion-MNIST main job"),
+                       ("pipeline_dinov2.json", "DINOv2 ViT-S/14 probe, 2,000 images: pipeline")):
+        p = data.get(name)
+        if p:
+            c = p["comparison"]
+            names = " + ".join(METHOD_NAMES.get(m, m) for m in p["final"]["methods"]) or "no method"
+            rows.append([f"{case} ({names}, retrained)", f"{c['flops_ratio']:.3f}x",
+                         f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
+                         f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", f"`{name}`"])
     dense = data.get("pretrained.json", {}).get("dense", {}).get("test_top1")
     for name, method, label in (("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
                                 ("pretrained_evit.json", "evit", "DINOv2 ViT-S/14, EViT keep 0.7, fine-tuned")):

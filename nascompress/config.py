@@ -89,6 +89,14 @@ class Config:
 # User-facing settings: one declaration that the CLI and the pipeline file read
 
 
+def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
+               choices: tuple[Any, ...] | None = None, path: bool = False, keywords: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The checks a field's metadata carries for the pipeline file: a number range, choices, or a
+    path (resolved against the config's directory unless it is one of ``keywords``)."""
+    return {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
+            "keywords": keywords}
+
+
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
             flag: str | None = None, user_default: Any = dataclasses.MISSING) -> Any:
@@ -97,8 +105,7 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
     (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
     where it differs from the library's (the dataclass default)."""
-    meta: dict[str, Any] = {"help": help, "lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open,
-                            "choices": choices, "path": False, "keywords": ()}
+    meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices)}
     if flag is not None:
         meta["flag"] = flag
     if user_default is not dataclasses.MISSING:
@@ -190,5 +197,5 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "setting", "user_settings", "user_default", "setting_help",
+__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "setting_help",
            "check_range", "check_int", "check_choice", "check_bool", "is_number"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, user_default, user_settings
+from ..config import Config, check_meta, user_default, user_settings
 from ..errors import NascompressError
 
 
@@ -26,9 +26,8 @@ def opt(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: floa
         path: bool = False, keywords: tuple[str, ...] = ()) -> Any:
     """A field with checks: a number range, choices, or a path (resolved against the config's
     directory unless it is one of ``keywords``)."""
-    meta = {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
-            "keywords": keywords}
-    return field(default=default, metadata=meta)
+    return field(default=default, metadata=check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
+                                                      choices=choices, path=path, keywords=keywords))
 
 
 class _Section(Config):

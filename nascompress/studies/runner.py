@@ -188,12 +188,13 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
         if complete >= cfg.n_trials:
             return ran
         stale = stale_trials(study, grace_period=cfg.grace_period, trials=trials)
+        stale_numbers = {t.number for t in stale}
         # A RUNNING trial without a first beat was asked a moment ago, or its worker died between
         # ask and that beat (a kill -9 there). Asking a new trial meanwhile would draw the killed
         # trial's parameters (the sampler's seed counts the trials told) under the next number, so
         # wait until it beats or, once stale (grace_period), is taken over in its own place.
         unbeaten = any(t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs
-                       and t.number not in {s.number for s in stale} for t in trials)
+                       and t.number not in stale_numbers for t in trials)
         trial = None
         if stale and _take_over(study, stale[0], me):  # a killed trial first, in its own place
             seeding.reseed(study, trials)
@@ -210,7 +211,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
         try:
             heartbeat = _Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
             heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
-            if trial.number not in {t.number for t in stale} and _surplus(study, trial, cfg.n_trials):
+            if trial.number not in stale_numbers and _surplus(study, trial, cfg.n_trials):
                 _release(study, trial)
                 time.sleep(poll)
                 continue
