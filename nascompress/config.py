@@ -12,7 +12,7 @@ import re
 import types
 import typing
 from functools import lru_cache
-from typing import Any, TypeVar
+from typing import Any, Mapping, TypeVar
 
 import yaml
 
@@ -99,13 +99,15 @@ def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: boo
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
-            flag: str | None = None, user_default: Any = dataclasses.MISSING) -> Any:
+            path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None,
+            user_default: Any = dataclasses.MISSING) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
-    option's), the range or ``choices`` the pipeline file checks (the same metadata as
+    option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
     (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
     where it differs from the library's (the dataclass default)."""
-    meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices)}
+    meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
+                                                      path=path, keywords=keywords)}
     if flag is not None:
         meta["flag"] = flag
     if user_default is not dataclasses.MISSING:
@@ -126,6 +128,46 @@ def user_default(f: dataclasses.Field) -> Any:
 def setting_help(cls: type, name: str) -> str:
     """The help text of field ``name`` of ``cls``."""
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSettings:
+    """The user-facing fields of library config ``cls`` that one stage offers (its CLI command's
+    options and its pipeline section's keys, in ``names``' order) and their defaults there: a
+    stage's recipe is its own (``nascompress train``'s, the DCS search's, retrain's), declared next
+    to the stage. ``defaults``: the stage's default where it differs from the field's user default
+    (None: the stage's recipe decides); ``notes``: what that default is, added to the option's help."""
+
+    cls: type
+    names: tuple[str, ...]
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        known = {f.name for f in user_settings(self.cls)}
+        bad = [n for n in (*self.names, *self.defaults, *self.notes) if n not in known or n not in self.names]
+        if bad:
+            raise TypeError(f"{self.cls.__name__}: {', '.join(bad)} not among the offered user settings")
+
+
+def settings_class(spec: type | StageSettings) -> type:
+    """The library config class of ``spec`` (a config class, or a :class:`StageSettings`' class)."""
+    return spec.cls if isinstance(spec, StageSettings) else spec
+
+
+def offered(spec: type | StageSettings) -> list[tuple[dataclasses.Field, Any, str]]:
+    """``(field, default, help)`` of every setting ``spec`` offers: a config class's user-facing
+    fields (:func:`user_settings`) with their user defaults, or a :class:`StageSettings`' fields with
+    the stage's defaults and notes."""
+    if not isinstance(spec, StageSettings):
+        return [(f, user_default(f), f.metadata["help"]) for f in user_settings(spec)]
+    fields = {f.name: f for f in user_settings(spec.cls)}
+    out = []
+    for name in spec.names:
+        f, note = fields[name], spec.notes.get(name)
+        out.append((f, spec.defaults.get(name, user_default(f)),
+                    f"{f.metadata['help']} {note}" if note else f.metadata["help"]))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,4 +240,5 @@ StrictYamlLoader.add_implicit_resolver(
 
 
 __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "setting_help",
+           "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number"]

@@ -46,10 +46,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
-from .config import Config, check_int
+from .config import Config, check_int, setting
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+DATASET_KEYWORDS = ("fashion-mnist", "synthetic")  # dataset names that are not a path
 FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                   "Sneaker", "Bag", "Ankle boot"]
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
@@ -451,15 +452,22 @@ class DataConfig:
             the dataset (:func:`scan_images`).
     """
 
-    dataset: str = "fashion-mnist"
-    data_dir: str = str(FMNIST_DIR)
-    val_fraction: float = 0.1
+    # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
+    # file (a path there is resolved against the file's directory, but for the keywords).
+    dataset: str = setting("fashion-mnist", path=True, keywords=DATASET_KEYWORDS, help=(
+        "'fashion-mnist' or an ImageFolder root with train/ (val/, test/)."))
+    data_dir: str = setting(str(FMNIST_DIR), path=True, help="Where Fashion-MNIST's IDX files are.")
+    val_fraction: float = setting(0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=(
+        "Share of train held out for validation."))
     split_seed: int = 0
-    train_limit: int | None = None
-    eval_limit: int | None = None
+    train_limit: int | None = setting(None, lo=1, help=(
+        "Use N training images (a class-stratified random subset drawn with --seed)."))
+    eval_limit: int | None = setting(None, lo=1, help="Use N val/test images (class-stratified, drawn with --seed).")
     subset_seed: int = 0
-    num_workers: int | None = None
-    skip_bad_images: bool = False
+    num_workers: int | None = setting(None, lo=0, help=(
+        "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
+    skip_bad_images: bool = setting(False, help=(
+        "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:

@@ -26,7 +26,6 @@ holds exactly the same clusters (GPU kernels need not be bitwise deterministic).
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +38,13 @@ from torch.utils.data import Dataset
 
 from . import distributed, runtime
 from .api import run_data_config
-from .config import Config
+from .config import Config, StageSettings, setting
 from .data import DataBundle, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .hooks import TrainHooks
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
 from .io import finish_run, load_arch, load_with_arch
-from .train import LOG_FILE, TrainConfig, fit
+from .train import TrainConfig, fit, recipe_config
 from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
@@ -81,18 +80,25 @@ class RetrainConfig(Config):
             K-means); None: only when eta > 0 (the bound is then needed anyway).
     """
 
-    eta: float = 50.0
-    warmup_frac: float = 0.3
-    feature_tap: str = "pre_logits"
-    input_tap: str = "image"
+    # Fields declared with setting() are the user's: `retrain` options and `stages.retrain` keys
+    # (help: the CLI's; lo/hi/choices: what the pipeline file checks). The others are internal.
+    eta: float = setting(50.0, lo=0, help="Weight of the IB bound IBB (>= 0; 0 = CE only).")
+    warmup_frac: float = setting(0.3, lo=0, hi=1, hi_open=True, help=(
+        "Share of epochs on CE only before IBB is added, in [0, 1)."))
+    feature_tap: str = setting("pre_logits", help="Learned feature X~: 'pre_logits' or 'module:<name>'.")
+    input_tap: str = setting("image", choices=tuple(INPUT_DOC), help=(
+        "Input feature X: 'image' (pooled image) or 'patch_embed'."))
     input_pool: int = 7
     kmeans_iters: int = 20
     kmeans_init: str = "k-means++"
-    cluster_samples: int | None = None
-    kd_alpha: float = 0.5
-    kd_temperature: float = 1.0
-    feat_kd: float | None = None
-    log_ib: bool | None = None
+    cluster_samples: int | None = setting(None, lo=1, help="Cluster a fixed random subset of N training images.")
+    kd_alpha: float = setting(0.5, lo=0, hi=1, help="KD weight alpha: (1 - alpha) CE + alpha KD.")
+    kd_temperature: float = setting(1.0, lo=0, lo_open=True, help="KD temperature.")
+    feat_kd: float | None = setting(None, lo=0, help=(
+        "With a teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap "
+        "feature (0: off; default: 1 with a teacher whose feature has the model's width, else 0)."))
+    log_ib: bool | None = setting(None, help=(
+        "Cluster and log the IB metrics every epoch (default: only when --eta > 0)."))
 
     @property
     def measures_ib(self) -> bool:
@@ -358,6 +364,7 @@ RETRAIN_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 10, "batch_size": 128, "base
                                           "warmup_epochs": 0.2}
 AUTO_BATCH_SIZES = (16, 32, 64, 128)
 AUTO_BATCH_STEPS = 100
+AUTO_BATCH_NOTE = "Default: from the training images, 16 to 128 for about 100 steps per epoch (16 for 2,000)."
 
 
 def auto_batch_size(train_images: int) -> int:
@@ -370,10 +377,18 @@ def auto_batch_size(train_images: int) -> int:
     return max(fits) if fits else AUTO_BATCH_SIZES[0]
 
 
-def retrain_train_config(**overrides: Any) -> TrainConfig:
-    d = dict(RETRAIN_TRAIN_DEFAULTS)
-    d.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainConfig.from_dict(d)
+def retrain_train_config(**given: Any) -> TrainConfig:
+    """Retrain's TrainConfig: :data:`RETRAIN_TRAIN_DEFAULTS` with the values ``given`` (None: the recipe's)."""
+    return recipe_config(RETRAIN_TRAIN_DEFAULTS, **given)
+
+
+# Retrain's training settings a user sets (`retrain` options, `stages.retrain` keys): the recipe's
+# defaults, but batch_size (None: from the training images) and the peak lr (None: the recipe's base_lr)
+RETRAIN_TRAIN_SETTINGS = StageSettings(
+    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
+    defaults={**{k: RETRAIN_TRAIN_DEFAULTS[k] for k in ("epochs", "min_lr", "warmup_epochs")}, "batch_size": None},
+    notes={"batch_size": AUTO_BATCH_NOTE,
+           "base_lr": f"Default: {RETRAIN_TRAIN_DEFAULTS['base_lr']:g} (safe on pretrained weights)."})
 
 
 @dataclass(frozen=True)
@@ -432,8 +447,64 @@ def _resolve_defaults(job: RetrainJob, model: nn.Module, teacher: nn.Module | No
     return job
 
 
+@dataclass
+class RetrainResult:
+    """A finished retraining in memory: the model (holding its best validation epoch), the job with
+    its defaults resolved, the epoch records (``log.jsonl``'s lines) and the metrics."""
+
+    model: nn.Module
+    job: RetrainJob
+    log: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: DataBundle, *,
+                teacher: nn.Module | None = None, out_dir: Path | None = None, resume: bool = False,
+                before_fit: Callable[[RetrainJob, dict[str, Any]], None] | None = None) -> RetrainResult:
+    """IB retraining on models and data in memory: ``model`` (compressed, with its ``arch``), ``data``
+    loaded for its input spec, an optional frozen ``teacher``. Nothing is written without
+    ``out_dir``; with it the run directory's files are written as training goes (:func:`retrain`),
+    ``before_fit(job, features)`` called once the job's defaults are resolved."""
+    device = distributed.init(job.train.device)
+    spec = InputSpec.from_dict(arch["input"])
+    _check_head(model, data, what=f"model in {job.model_dir}")
+    if teacher is not None:
+        _check_head(teacher, data, what=f"teacher {job.teacher}")
+    FeatureTap(model, job.retrain.feature_tap).remove()  # fail early on a bad tap
+    job = _resolve_defaults(job, model, teacher, spec, device, train_images=len(data.train))
+    if job.retrain.input_tap == "patch_embed" and not hasattr(teacher or model, "patch_embed"):
+        raise NascompressError("--input-tap patch_embed needs a model with a patch_embed module; use --input-tap image")
+    features = job.retrain.describe(teacher=teacher is not None)
+    warm = job.retrain.warm_epochs(job.train.epochs)
+    out_arch = copy.deepcopy(arch)
+    out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
+                           "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
+    if before_fit is not None:
+        before_fit(job, features)
+    hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
+                    epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
+                    teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
+    log: list[dict[str, Any]] = []
+    metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir, arch=out_arch, hooks=hooks,
+                  resume=resume, finish=False, log=log)
+    last = log[-1] if log else {}
+    mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
+    metrics.update(source_model=str(job.model_dir), methods=[m["name"] for m in arch["methods"]],
+                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, warm_epochs=warm,
+                   kd=teacher is not None, feat_kd=job.retrain.feat_kd, batch_size=job.train.batch_size, **features,
+                   final={k: last.get(k) for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb",
+                                                   "train_top1_eval", "val_top1") if k in last},
+                   initial={k: hooks.initial[k] for k in IB_KEYS if k in hooks.initial},
+                   epoch_time_s_mean=mean("epoch_time_s"), kmeans_s_mean=mean("kmeans_s"),
+                   feature_pass_s_mean=mean("feature_pass_s"))
+    metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
+                                  if metrics["epoch_time_s_mean"] else None)
+    return RetrainResult(model=model, job=job, log=log, metrics=metrics)
+
+
 def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
-    """Run ``job``: validate everything, then retrain and save; returns metrics.
+    """Run ``job`` into the run directory ``job.out`` (:func:`run_retrain` on the models and data it
+    names): validate everything, then retrain and save; returns metrics.
 
     Writes into ``job.out``: ``model.safetensors`` (best validation epoch; arch in its
     metadata), ``arch.json`` (the input model's arch plus a ``retrain`` record), ``config.json``,
@@ -462,47 +533,24 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     teacher = None
     if job.teacher is not None:
         teacher, t_arch = load_with_arch(job.teacher, map_location=device)
-        _check_head(teacher, data, what=f"teacher {job.teacher}")
         if InputSpec.from_dict(t_arch["input"]) != spec:
             raise NascompressError(f"teacher {job.teacher} expects input {t_arch['input']} "
                                    f"but the model {arch['input']}")
         teacher.eval().requires_grad_(False)
-    FeatureTap(model, job.retrain.feature_tap).remove()  # fail early on a bad tap
-    job = _resolve_defaults(job, model, teacher, spec, device, train_images=len(data.train))
-    if job.retrain.input_tap == "patch_embed" and not hasattr(teacher or model, "patch_embed"):
-        raise NascompressError("--input-tap patch_embed needs a model with a patch_embed module; use --input-tap image")
-    features = job.retrain.describe(teacher=teacher is not None)
-    warm = job.retrain.warm_epochs(job.train.epochs)
-    out_arch = copy.deepcopy(arch)
-    out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
-                           "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
-    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+
+    def create(resolved: RetrainJob, features: dict[str, Any]) -> None:
+        distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+        if distributed.is_main():
+            create_out_dir(out, force=force, resume=resume)
+            write_json(out / "config.json", dict(resolved.replace(data=data_cfg).to_dict(), features=features))
+        distributed.barrier()
+
+    result = run_retrain(job, model, arch, data, teacher=teacher, out_dir=out, resume=resume, before_fit=create)
     if distributed.is_main():
-        create_out_dir(out, force=force, resume=resume)
-        write_json(out / "config.json", dict(job.replace(data=data_cfg).to_dict(), features=features))
-    distributed.barrier()
-    hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
-                    epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
-                    teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
-    metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=out_arch, hooks=hooks,
-                  resume=resume, finish=False)
-    log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln.strip()]
-    last = log[-1] if log else {}
-    mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
-    metrics.update(source_model=str(job.model_dir), methods=[m["name"] for m in arch["methods"]],
-                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, warm_epochs=warm,
-                   kd=teacher is not None, feat_kd=job.retrain.feat_kd, batch_size=job.train.batch_size, **features,
-                   final={k: last.get(k) for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb",
-                                                   "train_top1_eval", "val_top1") if k in last},
-                   initial={k: hooks.initial[k] for k in IB_KEYS if k in hooks.initial},
-                   epoch_time_s_mean=mean("epoch_time_s"), kmeans_s_mean=mean("kmeans_s"),
-                   feature_pass_s_mean=mean("feature_pass_s"))
-    metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
-                                  if metrics["epoch_time_s_mean"] else None)
-    if distributed.is_main():
-        finish_run(out, metrics)  # the last write: marks the run complete
-    return metrics
+        finish_run(out, result.metrics)  # the last write: marks the run complete
+    return result.metrics
 
 
 __all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
-           "kd_loss", "feature_kd_loss", "retrain", "retrain_train_config", "auto_batch_size"]
+           "kd_loss", "feature_kd_loss", "retrain", "run_retrain", "RetrainResult", "retrain_train_config",
+           "auto_batch_size"]

@@ -21,13 +21,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from . import distributed, runtime
-from .config import Config, check_bool, check_choice, check_int, check_range
+from .config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
 from .errors import NascompressError
@@ -73,25 +73,32 @@ class TrainConfig(Config):
             non-finite loss check): the steps between them never wait for the device.
     """
 
-    epochs: int = 5
-    batch_size: int = 128
-    lr: float | None = None
-    base_lr: float = 4e-3
-    min_lr: float = 1e-5
-    warmup_epochs: float = 1.0
-    weight_decay: float = 0.05
-    layer_decay: float | None = None
-    label_smoothing: float = 0.1
-    ema_decay: float | None = None
+    # Fields declared with setting() are the user's: options of `train`, `search dcs`, `retrain` and keys
+    # of their pipeline sections (each stage offers some, with its own recipe's defaults: StageSettings
+    # below and next to each stage); seed, device, amp and deterministic are the pipeline's top-level keys.
+    epochs: int = setting(5, lo=1, help="Passes over the training split.")
+    batch_size: int = setting(128, lo=1, help="Images per step (per process under torchrun).")
+    lr: float | None = setting(None, lo=0, lo_open=True, help=(
+        "Absolute peak lr; without it the peak is --base-lr x batch / 512."))
+    base_lr: float = setting(4e-3, lo=0, lo_open=True, user_default=None, help="Peak lr per 512 images.")
+    min_lr: float = setting(1e-5, lo=0, help="End of the cosine lr decay.")
+    warmup_epochs: float = setting(1.0, lo=0, help="Linear lr warm-up, in epochs.")
+    weight_decay: float = setting(0.05, lo=0, help="AdamW weight decay (not on biases, norms, tokens, positions).")
+    layer_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "Layer-wise lr decay, timm's convention (1: off)."))
+    label_smoothing: float = setting(0.1, lo=0, hi=1, hi_open=True, help="Cross-entropy label smoothing.")
+    ema_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, hi_open=True, help=(
+        "Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."))
     grad_clip: float = 1.0
     eval_batch_size: int = 256
     eval_start: bool = True
     keep: str = "best"
-    seed: int = 0
-    device: str = "auto"
-    amp: str = field(default="off", metadata={"help": "Mixed precision: off or bf16 (autocast; weights stay fp32)."})
-    deterministic: bool = field(default=False, metadata={
-        "help": "Deterministic kernels (same seed, same numbers, also on a GPU; slower there)."})
+    seed: int = setting(0, lo=0, help="One seed for init, data order and every random draw.")
+    device: str = setting("auto", help="auto, cpu or cuda[:N].")
+    amp: str = setting("off", choices=runtime.AMP_MODES, help=(
+        "Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32)."))
+    deterministic: bool = setting(False, help=(
+        "Deterministic kernels: same seed, same numbers, also on a GPU (slower there)."))
     log_every: int = 50
 
     def __post_init__(self) -> None:
@@ -112,6 +119,7 @@ class TrainConfig(Config):
         check_choice("keep", self.keep, ("best", "last"))
         check_choice("--amp", self.amp, runtime.AMP_MODES)
         check_bool("--deterministic", self.deterministic)
+        check_int("--seed", self.seed, 0)
         check_int("log_every", self.log_every, 1)
 
     @property
@@ -123,6 +131,55 @@ class TrainConfig(Config):
         """The peak lr when ``world_size`` processes each take ``batch_size`` images per step: the
         base lr scales with the global batch ``batch_size x world_size``; an absolute ``lr`` is kept."""
         return self.lr if self.lr is not None else self.base_lr * self.batch_size * world_size / LR_REF_BATCH
+
+
+def recipe_config(recipe: Mapping[str, Any], **given: Any) -> TrainConfig:
+    """A stage's TrainConfig: its ``recipe`` (the stage's defaults) with every value ``given`` that
+    is not None. A base_lr given without an lr replaces a recipe's absolute lr (the peak then scales
+    with the batch); layer_decay 1 is no decay (None)."""
+    d = dict(recipe)
+    d.update({k: v for k, v in given.items() if v is not None})
+    if given.get("base_lr") is not None and given.get("lr") is None:
+        d.pop("lr", None)
+    if d.get("layer_decay") == 1:
+        d["layer_decay"] = None
+    return TrainConfig.from_dict(d)
+
+
+# `nascompress train`'s recipes (the command and the pipeline's base.train, through train_recipe):
+# from scratch, and fine-tuning pretrained weights (the DeiT/EViT fine-tuning base lr, layer decay,
+# a short warm-up)
+SCRATCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 8, "batch_size": 128, "lr": 1e-3, "min_lr": 1e-5,
+                                          "warmup_epochs": 1.0, "weight_decay": 0.05, "label_smoothing": 0.1}
+FINE_TUNE_TRAIN_DEFAULTS: dict[str, Any] = {**{k: v for k, v in SCRATCH_TRAIN_DEFAULTS.items() if k != "lr"},
+                                            "base_lr": 5e-4, "layer_decay": 0.75, "warmup_epochs": 0.2}
+
+
+def train_recipe(*, fine_tune: bool, **given: Any) -> TrainConfig:
+    """``nascompress train``'s TrainConfig: the fine-tuning recipe for a pretrained start
+    (``fine_tune``), else the one from scratch, with the values ``given`` (None: the recipe's)."""
+    return recipe_config(FINE_TUNE_TRAIN_DEFAULTS if fine_tune else SCRATCH_TRAIN_DEFAULTS, **given)
+
+
+def _same_in_both(name: str) -> Any:
+    scratch, tune = SCRATCH_TRAIN_DEFAULTS.get(name), FINE_TUNE_TRAIN_DEFAULTS.get(name)
+    return scratch if scratch == tune else None
+
+
+# The training settings `nascompress train` and base.train offer; None: the recipe's (train_recipe)
+TRAIN_SETTINGS = StageSettings(
+    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "layer_decay", "min_lr", "warmup_epochs", "weight_decay",
+                  "label_smoothing", "ema_decay"),
+    defaults={k: _same_in_both(k) for k in ("epochs", "batch_size", "min_lr", "warmup_epochs", "weight_decay",
+                                            "label_smoothing")},
+    notes={"lr": f"From scratch the default is {SCRATCH_TRAIN_DEFAULTS['lr']:g} (unless --base-lr is given).",
+           "base_lr": f"Default with --weights: {FINE_TUNE_TRAIN_DEFAULTS['base_lr']:g} "
+                      "(the DeiT/EViT fine-tuning base).",
+           "layer_decay": f"Default with --weights: {FINE_TUNE_TRAIN_DEFAULTS['layer_decay']:g}; from scratch: off.",
+           "warmup_epochs": f"Default: {SCRATCH_TRAIN_DEFAULTS['warmup_epochs']:g} from scratch, "
+                            f"{FINE_TUNE_TRAIN_DEFAULTS['warmup_epochs']:g} with --weights."})
+# Every training job's run settings (options of each training command; the pipeline's top-level keys)
+RUNTIME_SETTINGS = StageSettings(TrainConfig, ("seed", "device", "amp", "deterministic"))
 
 
 def lr_at(step: int, *, total: int, warmup: int, lr: float, min_lr: float) -> float:
@@ -174,23 +231,81 @@ def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.devi
     return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
 
 
-def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path,
-        arch: dict[str, Any], hooks: TrainHooks | None = None, resume: bool = False,
-        finish: bool = True) -> dict[str, Any]:
+def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path | None = None,
+        arch: dict[str, Any] | None = None, hooks: TrainHooks | None = None, resume: bool = False,
+        finish: bool = True, log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
-    Writes ``model.safetensors`` (the best validation epoch, the starting model included, or the
+    Without ``out_dir`` nothing is written: the run stays in memory and ``model`` ends holding the
+    weights a run directory would have saved as ``model.safetensors`` (the best validation epoch,
+    or the last with ``cfg.keep="last"``). ``log``, when given, receives every epoch's record
+    (epoch 0, the start, first; after a resume the recorded epochs too), as ``log.jsonl`` holds them.
+
+    With ``out_dir``, writes ``model.safetensors`` (the best validation epoch, the starting model included, or the
     last with ``cfg.keep="last"``), ``last.safetensors``, ``arch.json``, ``checkpoint.safetensors``
     (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and, last, with
     ``finish``, ``metrics.json`` (validation and test top-1 of the saved model, and of the start):
     the run's completion mark (:func:`~nascompress.io.finish_run`; a caller that adds its own
     metrics passes ``finish=False`` and marks the run itself). Returns the metrics.
     """
+    if out_dir is None and resume:
+        raise ValueError("resume needs the run directory (out_dir)")
     runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
+    store = _RunStore(out_dir, log)
     with runtime.configured(device, deterministic=cfg.deterministic):
-        return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, out_dir=out_dir, arch=arch,
+        return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
                     hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+
+
+class _RunStore:
+    """Where a training run keeps its saved model, its log and its checkpoint: a run directory
+    (rank 0 writes it) or, without one, memory (the saved weights as a copy of the state)."""
+
+    def __init__(self, out_dir: Path | None, log: list[dict[str, Any]] | None):
+        self.dir, self.main = out_dir, distributed.is_main()
+        self.log = log if log is not None else []
+        self.saved: dict[str, torch.Tensor] | None = None  # in memory: the weights model.safetensors would hold
+
+    def start(self, *, resume_from: int | None) -> None:
+        """A fresh log, or after a resume the records of the epochs up to ``resume_from``."""
+        self.log.clear()
+        if self.dir is None or not self.main:
+            return
+        path = self.dir / LOG_FILE
+        if resume_from is None:
+            if path.exists():
+                path.unlink()
+            return
+        for tmp in self.dir.glob(".*.tmp"):  # atomic writes (utils.atomic_path) of a killed run
+            tmp.unlink()
+        lines = _read_log(path, upto=resume_from)
+        path.write_text("".join(ln + "\n" for ln in lines))
+        self.log.extend(json.loads(ln) for ln in lines)
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.log.append(rec)
+        if self.dir is not None and self.main:
+            append_jsonl(self.dir / LOG_FILE, rec)
+
+    def save(self, model: nn.Module, arch: dict[str, Any], *, last: bool = False) -> None:
+        if self.dir is None:
+            if not last:
+                self.saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        elif self.main:
+            save_model(self.dir, model, arch, **({"filename": LAST_FILE} if last else {}))
+
+    def checkpoint(self, state: dict[str, Any]) -> None:
+        if self.dir is not None and self.main:
+            save_state(self.dir / CHECKPOINT_FILE, state)
+
+    def saved_model(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """The saved model: read back from the directory, or ``model`` given the saved weights."""
+        if self.dir is not None:
+            return load_with_arch(self.dir, map_location=device, complete=False)[0]  # not marked complete yet
+        if self.saved is not None:
+            model.load_state_dict(self.saved)
+        return model
 
 
 class LossWatch:
@@ -222,7 +337,7 @@ class LossWatch:
 
 
 def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig,
-         out_dir: Path, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool) -> dict[str, Any]:
+         store: _RunStore, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool) -> dict[str, Any]:
     world, main = distributed.world(), distributed.is_main()
     seed_everything(cfg.seed)
     model.to(device)
@@ -247,14 +362,14 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     hooks.steps_per_epoch = steps_per_epoch
     total_steps, warmup_steps = cfg.epochs * steps_per_epoch, int(cfg.warmup_epochs * steps_per_epoch)
     start_epoch, best, best_epoch, train_time, start_rec = 0, -1.0, -1, 0.0, None
-    ckpt_path, log_path = out_dir / CHECKPOINT_FILE, out_dir / LOG_FILE
+    ckpt_path = None if store.dir is None else store.dir / CHECKPOINT_FILE
 
     def validate() -> dict[str, Any]:
         hooks.before_eval(model)
         return _evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
                          amp=cfg.amp)
 
-    if resume and ckpt_path.exists():
+    if resume and ckpt_path is not None and ckpt_path.exists():
         st = load_state(ckpt_path)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["optimizer"])
@@ -265,22 +380,16 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
         runtime.restore_cuda_rng(st.get("cuda_rng"))
         start_epoch, best, best_epoch, train_time = st["epoch"] + 1, st["best"], st["best_epoch"], st["train_time"]
         start_rec = st.get("start")
-        if main:
-            for tmp in out_dir.glob(".*.tmp"):  # atomic writes (utils.atomic_path) of a killed run
-                tmp.unlink()
-            log_path.write_text("".join(ln + "\n" for ln in _read_log(log_path, upto=start_epoch)))
+        store.start(resume_from=start_epoch)
     else:
-        if main and log_path.exists():
-            log_path.unlink()
+        store.start(resume_from=None)
         if cfg.eval_start:  # epoch 0: the starting model is the first candidate for the best
             val = validate()
             start_rec = {"epoch": 0, "start": True, "val_top1": val["top1"], "val_loss": val["loss"]}
-            if main:
-                append_jsonl(log_path, start_rec)
+            store.record(start_rec)
             if cfg.keep == "best":
                 best, best_epoch = val["top1"], 0
-                if main:
-                    save_model(out_dir, model, hooks.arch(model, arch))
+                store.save(model, hooks.arch(model, arch))
 
     with make_progress(disable=None if main else True) as progress:
         ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="")
@@ -331,12 +440,10 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
             val = validate()
             record.update(val_top1=val["top1"], val_loss=val["loss"])
             saved_arch = hooks.arch(model, arch)
-            if main:
-                save_model(out_dir, model, saved_arch, filename=LAST_FILE)
+            store.save(model, saved_arch, last=True)
             if cfg.keep == "last" or val["top1"] > best:
                 best, best_epoch = val["top1"], epoch + 1
-                if main:
-                    save_model(out_dir, model, saved_arch)
+                store.save(model, saved_arch)
             if live is not None:
                 model.load_state_dict(live)
             if world.size > 1:  # a debugging aid (NASCOMPRESS_CHECK_SYNC=1): every rank holds the same state
@@ -344,19 +451,19 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                                                     "hooks": hooks.state_dict()}, when=f"after epoch {epoch + 1}")
                 if digest is not None:
                     record["state_digest"] = digest
-            if main:
-                save_state(ckpt_path, {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                       "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
-                                       "rng": torch.get_rng_state(), "cuda_rng": runtime.cuda_rng_state(),
-                                       "epoch": epoch, "best": best,
-                                       "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
-                append_jsonl(log_path, record)
+            if store.dir is not None and main:
+                store.checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                                  "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
+                                  "rng": torch.get_rng_state(), "cuda_rng": runtime.cuda_rng_state(),
+                                  "epoch": epoch, "best": best,
+                                  "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
+            store.record(record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
             hooks.check(record, start_rec)
     step.close()
 
     distributed.barrier()  # rank 0 has written the best model
-    best_model, _ = load_with_arch(out_dir, map_location=device, complete=False)  # not marked complete yet
+    best_model = store.saved_model(model, device)
     test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
                      amp=cfg.amp)
     metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
@@ -366,8 +473,8 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
         metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
     if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder
         metrics["skipped_images"] = data.extra["skipped_images"]
-    if main and finish:
-        finish_run(out_dir, metrics)  # the last write: marks the run complete
+    if main and finish and store.dir is not None:
+        finish_run(store.dir, metrics)  # the last write: marks the run complete
     return metrics
 
 

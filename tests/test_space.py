@@ -10,6 +10,7 @@ import pytest
 from optuna.trial import FixedTrial
 
 from nascompress.errors import NascompressError
+from nascompress.search import space_lattice
 from nascompress.search.space import Space, load_space
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,13 +176,13 @@ def test_grid_size_and_spacing(tmp_path):
     text = ("format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
             "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n")
     space = load_space(write(tmp_path, text), method_fields=fake_fields)
-    grid = space.grid(7)
+    grid = space_lattice.grid(space, 7)  # the lattice (what a conditional space's grid uses)
     xs = sorted(p["sparsifiner.attn_keep_ratio"] for p in grid)
     assert len(grid) == 7
     assert xs == pytest.approx([0.1 + 0.7 * (k + 0.5) / 7 for k in range(7)])
     assert grid[0]["sparsifiner.attn_keep_ratio"] == pytest.approx(0.45)  # the first point is the middle
-    two = load_space(write(tmp_path, text + "      mode: {kind: categorical, choices: [unstructured, block]}\n"),
-                     method_fields=fake_fields).grid(10)
+    two = space_lattice.grid(load_space(write(tmp_path, text + "      mode: {kind: categorical, choices: "
+                                                             "[unstructured, block]}\n"), method_fields=fake_fields), 10)
     assert len(two) == 10 and {p["sparsifiner.mode"] for p in two} == {"unstructured", "block"}
     assert len({p["sparsifiner.attn_keep_ratio"] for p in two}) == 10  # evenly spread in each coordinate
     cat = load_space(write(tmp_path, "format: nascompress-space/1\nname: c\nmethods:\n  - name: sparsifiner\n"
@@ -190,6 +191,33 @@ def test_grid_size_and_spacing(tmp_path):
     assert len(cat.grid(10)) == 2  # only two distinct configurations exist
     with pytest.raises(NascompressError):
         cat.grid(0)
+
+
+def test_an_unconditional_spaces_grid_is_optunas_qmc_sequence(tmp_path):
+    """An unconditional space's spread points are the first points of Optuna's QMCSampler (the
+    sequence a ``--sampler qmc`` study walks), not the home-made lattice."""
+
+    from nascompress.search.qmc import qmc_sampler
+
+    text = ("format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
+            "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n"
+            "      mode: {kind: categorical, choices: [unstructured, block]}\n")
+    space = load_space(write(tmp_path, text), method_fields=fake_fields)
+    assert space.conditional() is None
+    grid = space.grid(8)
+    study = optuna.create_study(sampler=qmc_sampler(space.distributions(), study_seed=0, seed=0))
+    walked = []
+    for _ in range(8):
+        t = study.ask(space.distributions())
+        walked.append(dict(t.params))
+        study.tell(t, 0.0)
+    assert grid == walked and len(grid) == 8
+    assert grid != space_lattice.grid(space, 8)
+    xs = [p["sparsifiner.attn_keep_ratio"] for p in grid]
+    assert all(0.1 <= x <= 0.8 for x in xs) and len(set(xs)) == 8
+    assert {p["sparsifiner.mode"] for p in grid} == {"unstructured", "block"}
+    evit = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    assert evit.conditional() is not None and evit.grid(5) == space_lattice.grid(evit, 5)
 
 
 def test_params_for_dense_and_paper_configs_and_errors():

@@ -31,13 +31,13 @@ def project(tmp_path, monkeypatch):
 
 
 def collapse_at(monkeypatch, targets):
-    real = search_dcs_module.search_dcs
+    real = search_dcs_module.run_dcs_search  # a trial's search runs in memory
 
-    def fake(job, *, force=False, resume=False):
+    def fake(job, *args, **kwargs):
         if job.search.target_flops in targets:
             raise search_dcs_module.SearchCollapsed(f"the search collapsed at {job.search.target_flops}")
-        return real(job, force=force, resume=resume)
-    monkeypatch.setattr(search_dcs_module, "search_dcs", fake)
+        return real(job, *args, **kwargs)
+    monkeypatch.setattr(search_dcs_module, "run_dcs_search", fake)
 
 
 def trials(name):

@@ -9,18 +9,20 @@ from typing import Annotated, Any, Callable, TypeVar
 import typer
 from rich.console import Console
 
+from nascompress.config import setting_help
+from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, write_error
+from nascompress.train import TrainConfig
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
 out = Console(quiet=not MAIN)
 err = Console(stderr=True)
 STATE = {"debug": False}
-SkipBadImages = Annotated[bool, typer.Option(
-    "--skip-bad-images", help="ImageFolder: leave unreadable images out (counted) instead of refusing the dataset.")]
-Amp = Annotated[str, typer.Option(help="Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32).")]
-Deterministic = Annotated[bool, typer.Option(
-    "--deterministic", help="Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")]
+# options of commands that do not generate them (setting_params), with the library's help
+SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
+Amp = Annotated[str, typer.Option(help=setting_help(TrainConfig, "amp"))]
+Deterministic = Annotated[bool, typer.Option("--deterministic", help=setting_help(TrainConfig, "deterministic"))]
 
 
 def skip_bad(data: Any, skip: bool) -> Any:
@@ -90,41 +92,60 @@ def print_json(obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
-def setting_params(cls: type) -> list[Any]:
-    """One keyword-only Typer option per user-facing field of library config ``cls``
-    (:func:`nascompress.config.setting`): ``--name`` with the field's user default and help, or for a
-    bool with a ``flag`` that flag (``--no-name``, default off)."""
+def setting_params(spec: Any) -> list[Any]:
+    """One keyword-only Typer option per user-facing field ``spec`` offers: a library config class
+    (its fields declared with :func:`nascompress.config.setting`) or a
+    :class:`~nascompress.config.StageSettings` (a stage's fields and defaults): ``--name`` with the
+    default and the help, a bool off by default ``--name``, an optional bool ``--name/--no-name``, or
+    for a bool with a ``flag`` that flag (``--no-name``, default off)."""
     import inspect
     import types
     import typing
     from typing import Optional
 
-    from nascompress.config import user_default, user_settings
+    from nascompress.config import offered, settings_class
 
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(settings_class(spec))
     params = []
-    for f in user_settings(cls):
+    for f, default, help in offered(spec):
         flag = f.metadata.get("flag")
         if flag:
             params.append(inspect.Parameter(flag.lstrip("-").replace("-", "_"), inspect.Parameter.KEYWORD_ONLY,
-                                            default=False, annotation=Annotated[bool, typer.Option(
-                                                flag, help=f.metadata["help"])]))
+                                            default=False, annotation=Annotated[bool, typer.Option(flag, help=help)]))
             continue
         tp = hints[f.name]
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
-        if type(None) in args:
-            tp = Optional[next(a for a in args if a is not type(None))]
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=user_default(f),
-                                        annotation=Annotated[tp, typer.Option(help=f.metadata["help"])]))
+        optional = type(None) in args or default is None
+        base = next(a for a in args if a is not type(None)) if args else tp
+        decls: tuple[str, ...] = ()
+        if base is bool:
+            name = f"--{f.name.replace('_', '-')}"
+            decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[
+            Optional[base] if optional else base, typer.Option(*decls, help=help)]))
     return params
 
 
-def setting_values(cls: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The values of ``cls``'s user-facing fields from a command's arguments (see :func:`setting_params`)."""
-    from nascompress.config import user_settings
+def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The values of the user-facing fields ``spec`` offers from a command's arguments (see
+    :func:`setting_params`)."""
+    from nascompress.config import offered
 
     values = {}
-    for f in user_settings(cls):
+    for f, _, _ in offered(spec):
         flag = f.metadata.get("flag")
         values[f.name] = not kwargs[flag.lstrip("-").replace("-", "_")] if flag else kwargs[f.name]
     return values
+
+
+def command_signature(own: Callable[..., Any], generated: dict[str | None, list[Any]]) -> Any:
+    """A command's parameters: those of ``own`` (a function whose signature lists the command's own
+    arguments and options), all keyword-only, with each list of ``generated`` parameters
+    (:func:`setting_params`) inserted before the own parameter named by its key (None: at the end)."""
+    import inspect
+
+    params = []
+    for p in inspect.signature(own, eval_str=True).parameters.values():
+        params += generated.get(p.name, [])
+        params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+    return inspect.Signature(params + generated.get(None, []))

@@ -9,12 +9,23 @@ import typer
 from nascompress.cli.common import out, print_json, run
 
 
-def _help(name: str) -> str:
-    """An option's help text: the ExportConfig field's (the pipeline's export: keys are the same fields)."""
-    from nascompress.config import setting_help
+def _opt(name: str) -> tuple[str, object]:
+    """An option's help text and default: the ExportConfig field's (the pipeline's export: keys are the
+    same fields, :class:`~nascompress.pipeline.sections.ExportSection`)."""
+    import dataclasses
+
     from nascompress.export.config import ExportConfig
 
-    return setting_help(ExportConfig, name)
+    f = next(f for f in dataclasses.fields(ExportConfig) if f.name == name)
+    return f.metadata["help"], f.default
+
+
+def _help(name: str) -> str:
+    return _opt(name)[0]
+
+
+def _default(name: str) -> object:
+    return _opt(name)[1]
 
 
 def register(app: typer.Typer) -> None:
@@ -24,12 +35,12 @@ def register(app: typer.Typer) -> None:
             help="A run directory (or model.safetensors) that nascompress.load reads.")],
         out_file: Annotated[Path, typer.Option(
             "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")],
-        format: Annotated[str, typer.Option("--format", help=_help("format"))] = "onnx",
-        batch: Annotated[str, typer.Option(help=_help("batch"))] = "dynamic",
-        dtype: Annotated[str, typer.Option(help=_help("dtype"))] = "fp32",
-        opset: Annotated[Optional[int], typer.Option(help=_help("opset"))] = None,
-        tolerance: Annotated[Optional[float], typer.Option(help=_help("tolerance"))] = None,
-        verify_batch: Annotated[int, typer.Option(help=_help("verify_batch"))] = 8,
+        format: Annotated[str, typer.Option("--format", help=_help("format"))] = _default("format"),
+        batch: Annotated[str, typer.Option(help=_help("batch"))] = str(_default("batch")),
+        dtype: Annotated[str, typer.Option(help=_help("dtype"))] = _default("dtype"),
+        opset: Annotated[Optional[int], typer.Option(help=_help("opset"))] = _default("opset"),
+        tolerance: Annotated[Optional[float], typer.Option(help=_help("tolerance"))] = _default("tolerance"),
+        verify_batch: Annotated[int, typer.Option(help=_help("verify_batch"))] = _default("verify_batch"),
         seed: Annotated[int, typer.Option(help="Seed of the check's random batch.")] = 0,
         force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,

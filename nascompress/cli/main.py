@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import STATE, Amp, Deterministic, SkipBadImages, fail, input_overrides, out, print_json, run, skip_bad
-from nascompress.data import FMNIST_DIR
+from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fail, input_overrides, out, print_json,
+                                    run, setting_params, setting_values, skip_bad)
+from nascompress.config import setting_help
+from nascompress.data import FMNIST_DIR, DataConfig
+from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -20,16 +23,13 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
     STATE["debug"] = debug
 
 
-Seed = Annotated[int, typer.Option(help="One seed for init, data order and every random draw.")]
-Device = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
+Device = Annotated[str, typer.Option(help=setting_help(TrainConfig, "device"))]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
-Dataset = Annotated[str, typer.Option(help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/).")]
-DataDir = Annotated[str, typer.Option(help="Where Fashion-MNIST's IDX files are.")]
+DataDir = Annotated[str, typer.Option(help=setting_help(DataConfig, "data_dir"))]
 Mean = Annotated[Optional[str], typer.Option(help="Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's).")]
 Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separated (default: as --mean).")]
 Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
 CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
-NumWorkers = Annotated[Optional[int], typer.Option(help="DataLoader workers (default: up to 4 for ImageFolder, 0 in memory).")]
 DType = Annotated[str, typer.Option(help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.")]
 
 
@@ -56,8 +56,7 @@ Heads = Annotated[Optional[int], typer.Option(help="Heads (custom ViT default 3)
 InChans = Annotated[Optional[int], typer.Option(help="Input channels (custom ViT default 1; grey images are repeated for 3).")]
 
 
-@app.command()
-def train(
+def _train_options(
     out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")] = Path("runs/base"),
     model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
     depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
@@ -66,59 +65,38 @@ def train(
     reset_head: Annotated[bool, typer.Option("--reset-head", help="A new head: the weights' is missing (backbone only) or has another class count.")] = False,
     linear_probe: Annotated[bool, typer.Option("--linear-probe", help="Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")] = False,
     mean: Mean = None, std: Std = None, interpolation: Interpolation = None, crop_pct: CropPct = None,
-    dataset: Dataset = "fashion-mnist", data_dir: DataDir = str(FMNIST_DIR),
-    val_fraction: Annotated[float, typer.Option(help="Share of train held out for validation.")] = 0.1,
-    train_limit: Annotated[Optional[int], typer.Option(help="Use N training images (a class-stratified random subset drawn with --seed).")] = None,
-    eval_limit: Annotated[Optional[int], typer.Option(help="Use N val/test images (class-stratified, drawn with --seed).")] = None,
-    num_workers: NumWorkers = None, skip_bad_images: SkipBadImages = False,
-    epochs: Annotated[int, typer.Option()] = 8, batch_size: Annotated[int, typer.Option()] = 128,
-    lr: Annotated[Optional[float], typer.Option(
-        help="Absolute peak lr (default: 1e-3 from scratch; with --weights --base-lr x batch / 512).")] = None,
-    base_lr: Annotated[Optional[float], typer.Option(
-        help="Peak lr per 512 images (default with --weights: 5e-4, the DeiT/EViT fine-tuning base).")] = None,
-    layer_decay: Annotated[Optional[float], typer.Option(
-        help="Layer-wise lr decay, timm's convention (default with --weights: 0.75; from scratch: off).")] = None,
-    min_lr: Annotated[float, typer.Option()] = 1e-5,
-    warmup_epochs: Annotated[Optional[float], typer.Option(help="Default: 1 from scratch, 0.2 with --weights.")] = None,
-    weight_decay: Annotated[float, typer.Option()] = 0.05,
-    label_smoothing: Annotated[float, typer.Option()] = 0.1,
-    ema_decay: Annotated[Optional[float], typer.Option(help="Keep an EMA of the weights (e.g. 0.999).")] = None,
-    seed: Seed = 0, device: Device = "auto", amp: Amp = "off", deterministic: Deterministic = False,
+    # (here: the data settings (DataConfig), the training settings (TRAIN_SETTINGS), the run settings)
     force: Force = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
+    """``train``'s own options; those of the library's settings (DataConfig, TRAIN_SETTINGS,
+    RUNTIME_SETTINGS) are generated before ``--force`` (``train.__signature__``)."""
+
+
+def train(**kw: Any) -> None:
     """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
     --linear-probe fit only a new head on a frozen pretrained backbone."""
     from nascompress.api import count_classes
-    from nascompress.data import DataConfig
-    from nascompress.train import TrainConfig, TrainJob, train as train_job
+    from nascompress.train import TrainJob, train as train_job, train_recipe
+
+    out_dir, weights, linear_probe, seed = kw["out_dir"], kw["weights"], kw["linear_probe"], kw["seed"]
 
     def build():
-        data = DataConfig(dataset=dataset, data_dir=data_dir, val_fraction=val_fraction, split_seed=0,
-                          train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed, num_workers=num_workers,
-                          skip_bad_images=skip_bad_images)
-        n = num_classes if num_classes is not None else count_classes(data)
-        spec = model_spec(model, img_size, patch_size, embed_dim, depth, num_heads, n, in_chans)
-        fine_tune = weights is not None and not linear_probe  # a pretrained start: the fine-tuning recipe
-        if fine_tune:
-            peak = {"lr": lr} if lr is not None else {"base_lr": base_lr if base_lr is not None else 5e-4}
-            decay = 0.75 if layer_decay is None else layer_decay
-            warm = 0.2 if warmup_epochs is None else warmup_epochs
-        else:
-            peak = {"lr": lr} if lr is not None else ({"base_lr": base_lr} if base_lr is not None else {"lr": 1e-3})
-            decay, warm = layer_decay, 1.0 if warmup_epochs is None else warmup_epochs
-        cfg = TrainConfig(epochs=epochs, batch_size=batch_size, min_lr=min_lr, warmup_epochs=warm,
-                          weight_decay=weight_decay, layer_decay=decay if decay != 1 else None,
-                          label_smoothing=label_smoothing, ema_decay=ema_decay, seed=seed, device=device, amp=amp,
-                          deterministic=deterministic, **peak)
+        data = DataConfig(**setting_values(DataConfig, kw), split_seed=0, subset_seed=seed)
+        n = kw["num_classes"] if kw["num_classes"] is not None else count_classes(data)
+        spec = model_spec(kw["model"], kw["img_size"], kw["patch_size"], kw["embed_dim"], kw["depth"], kw["num_heads"],
+                          n, kw["in_chans"])
+        cfg = train_recipe(fine_tune=weights is not None and not linear_probe,  # a pretrained start: fine-tuning
+                           **setting_values(TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
         return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
-                        weights=str(weights) if weights else None, reset_head=reset_head,
-                        input=input_overrides(mean, std, interpolation, crop_pct), linear_probe=linear_probe)
+                        weights=str(weights) if weights else None, reset_head=kw["reset_head"],
+                        input=input_overrides(kw["mean"], kw["std"], kw["interpolation"], kw["crop_pct"]),
+                        linear_probe=linear_probe)
 
     job = run(build)
-    metrics = run(train_job, job, force=force, resume=resume)
-    if json_out:
+    metrics = run(train_job, job, force=kw["force"], resume=kw["resume"])
+    if kw["json_out"]:
         print_json(metrics)
     elif metrics.get("linear_probe"):
         out.print(f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
@@ -127,6 +105,11 @@ def train(
     else:
         out.print(f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
                   f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}")
+
+
+train.__signature__ = command_signature(_train_options, {  # type: ignore[attr-defined]
+    "force": setting_params(DataConfig) + setting_params(TRAIN_SETTINGS) + setting_params(RUNTIME_SETTINGS)})
+app.command()(train)
 
 
 @app.command()

@@ -1,81 +1,85 @@
 """``nascompress retrain``: retrain a compressed model with CE + eta * IBB (thin)."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import Amp, Deterministic, SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
+                                    setting_values, skip_bad)
+
+
+def _retrain_options(
+    model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
+    dataset: Annotated[Optional[str], typer.Option(help="'fashion-mnist' or an ImageFolder root (default: the model's).")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="Where Fashion-MNIST's IDX files are.")] = None,
+    teacher: Annotated[Optional[Path], typer.Option(help="A (dense) run to distil from (KL on logits); off by default.")] = None,
+    # (here: the options of RetrainConfig's user-facing fields and of retrain's training settings)
+    train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
+    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
+    # (here: seed, device, amp, deterministic)
+    skip_bad_images: SkipBadImages = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+) -> None:
+    """``retrain``'s own options (those of the library's settings are generated: :func:`_signature`)."""
+
+
+def _signature() -> inspect.Signature:
+    """``retrain``'s parameters: those of :func:`_retrain_options` with, before ``--train-limit``, the
+    user-facing fields of RetrainConfig (:func:`nascompress.config.setting`) and retrain's training
+    settings (:data:`~nascompress.retrain.RETRAIN_TRAIN_SETTINGS`), and before ``--skip-bad-images``
+    the run settings (:data:`~nascompress.train.RUNTIME_SETTINGS`)."""
+    from nascompress.retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
+    from nascompress.train import RUNTIME_SETTINGS
+
+    return command_signature(_retrain_options, {
+        "train_limit": setting_params(RetrainConfig) + setting_params(RETRAIN_TRAIN_SETTINGS),
+        "skip_bad_images": setting_params(RUNTIME_SETTINGS)})
+
+
+def retrain(**kw: Any) -> None:
+    """Retrain a compressed model with CE, then CE + eta * IBB (DCS Algorithm 1); save the slim model."""
+    from dataclasses import replace
+
+    from nascompress.data import DataConfig
+    from nascompress.retrain import (RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, recorded_data_config,
+                                     retrain as retrain_fn, retrain_train_config)
+    from nascompress.train import RUNTIME_SETTINGS
+
+    model_dir, out_dir, teacher, batch_size = kw["model_dir"], kw["out_dir"], kw["teacher"], kw["batch_size"]
+
+    def build():
+        data = recorded_data_config(model_dir) if model_dir.is_dir() else None
+        if kw["dataset"] is not None or data is None:
+            data = DataConfig(dataset=kw["dataset"] or "fashion-mnist")
+        if kw["data_dir"] is not None:
+            data = replace(data, data_dir=kw["data_dir"])
+        train_limit, eval_limit = kw["train_limit"], kw["eval_limit"]
+        data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
+                       eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=kw["seed"])
+        data = skip_bad(data, kw["skip_bad_images"])
+        rc = RetrainConfig(**setting_values(RetrainConfig, kw))
+        tc = retrain_train_config(**setting_values(RETRAIN_TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
+        return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
+                          teacher=str(teacher) if teacher else None, auto_batch=batch_size is None)
+
+    job = run(build)
+    metrics = run(retrain_fn, job, force=kw["force"], resume=kw["resume"])
+    if kw["json_out"]:
+        print_json(metrics)
+    else:
+        fin = metrics.get("final", {})
+        out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}%  "
+                  f"IB loss {fin.get('ib', float('nan')):.4f}  -> {out_dir}")
+
+
+retrain.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def register(app: typer.Typer) -> None:
-    @app.command()
-    def retrain(
-        model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
-        out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
-        dataset: Annotated[Optional[str], typer.Option(help="'fashion-mnist' or an ImageFolder root (default: the model's).")] = None,
-        data_dir: Annotated[Optional[str], typer.Option(help="Where Fashion-MNIST's IDX files are.")] = None,
-        epochs: Annotated[int, typer.Option()] = 10,
-        eta: Annotated[float, typer.Option(help="Weight of the IB bound IBB (>= 0; 0 = CE only).")] = 50.0,
-        warmup_frac: Annotated[float, typer.Option(help="Share of epochs on CE only before IBB is added, in [0, 1).")] = 0.3,
-        teacher: Annotated[Optional[Path], typer.Option(help="A (dense) run to distil from (KL on logits); off by default.")] = None,
-        kd_alpha: Annotated[float, typer.Option(help="KD weight alpha: (1 - alpha) CE + alpha KD.")] = 0.5,
-        kd_temperature: Annotated[float, typer.Option(help="KD temperature.")] = 1.0,
-        feat_kd: Annotated[Optional[float], typer.Option(
-            help="With --teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap "
-                 "feature (0: off; default: 1 with a teacher whose feature has the model's width, else 0).")] = None,
-        feature_tap: Annotated[str, typer.Option(help="Learned feature X~: 'pre_logits' or 'module:<name>'.")] = "pre_logits",
-        input_tap: Annotated[str, typer.Option(help="Input feature X: 'image' (pooled image) or 'patch_embed'.")] = "image",
-        cluster_samples: Annotated[Optional[int], typer.Option(help="Cluster a fixed random subset of N training images.")] = None,
-        log_ib: Annotated[Optional[bool], typer.Option("--log-ib/--no-log-ib", help="Cluster and log the IB metrics every epoch (default: only when --eta > 0).")] = None,
-        batch_size: Annotated[Optional[int], typer.Option(
-            help="Default: from the training images, 16 to 128 for about 100 steps per epoch (16 for 2,000).")] = None,
-        lr: Annotated[Optional[float], typer.Option(help="Absolute peak lr (default: --base-lr x batch / 512).")] = None,
-        base_lr: Annotated[Optional[float], typer.Option(
-            help="Peak lr per 512 images (default 5e-4: safe on pretrained weights).")] = None,
-        layer_decay: Annotated[Optional[float], typer.Option(help="Layer-wise lr decay, timm's convention; default off.")] = None,
-        warmup_epochs: Annotated[float, typer.Option(help="Learning-rate warm-up, in epochs.")] = 0.2,
-        train_limit: Annotated[Optional[int], typer.Option(help="Use only N training images.")] = None,
-        eval_limit: Annotated[Optional[int], typer.Option(help="Use only N val/test images.")] = None,
-        seed: Annotated[int, typer.Option()] = 0, device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
-        skip_bad_images: SkipBadImages = False,
-        amp: Amp = "off",
-        deterministic: Deterministic = False,
-        force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
-        resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
-    ) -> None:
-        """Retrain a compressed model with CE, then CE + eta * IBB (DCS Algorithm 1); save the slim model."""
-        from dataclasses import replace
-
-        from nascompress.data import DataConfig
-        from nascompress.retrain import (RetrainConfig, RetrainJob, recorded_data_config, retrain as retrain_fn,
-                                         retrain_train_config)
-
-        def build():
-            data = recorded_data_config(model_dir) if model_dir.is_dir() else None
-            if dataset is not None or data is None:
-                data = DataConfig(dataset=dataset or "fashion-mnist")
-            if data_dir is not None:
-                data = replace(data, data_dir=data_dir)
-            data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                           eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
-            data = skip_bad(data, skip_bad_images)
-            rc = RetrainConfig(eta=eta, warmup_frac=warmup_frac, feature_tap=feature_tap, input_tap=input_tap,
-                               cluster_samples=cluster_samples, kd_alpha=kd_alpha, kd_temperature=kd_temperature,
-                               feat_kd=feat_kd, log_ib=log_ib)
-            tc = retrain_train_config(epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, layer_decay=layer_decay,
-                                      warmup_epochs=warmup_epochs, seed=seed, device=device, amp=amp,
-                                      deterministic=deterministic)
-            return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,
-                              teacher=str(teacher) if teacher else None, auto_batch=batch_size is None)
-
-        job = run(build)
-        metrics = run(retrain_fn, job, force=force, resume=resume)
-        if json_out:
-            print_json(metrics)
-        else:
-            fin = metrics.get("final", {})
-            out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}%  "
-                      f"IB loss {fin.get('ib', float('nan')):.4f}  -> {out_dir}")
+    app.command()(retrain)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..errors import NascompressError
 from .config_io import load_config
-from .schema import _Ctx, library_config
+from .schema import _Ctx, library_config, library_values
 from .sections import DATASET_KEYWORDS, PipelineConfig
 
 STUDY_DB = "studies.db"
@@ -63,11 +63,15 @@ class Pipeline:
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
     from ..data import DataConfig
 
-    d = cfg.data
-    return DataConfig(dataset=d.dataset, data_dir=d.data_dir, val_fraction=d.val_fraction, split_seed=0,
-                      train_limit=train_limit if train_limit is not None else d.train_limit,
-                      eval_limit=d.eval_limit, subset_seed=cfg.seed, num_workers=d.num_workers,
-                      skip_bad_images=d.skip_bad_images)
+    stage = {"train_limit": train_limit} if train_limit is not None else {}  # a stage's own training images
+    return library_config(cfg.data, DataConfig, split_seed=0, subset_seed=cfg.seed, **stage)
+
+
+def _runtime(cfg: PipelineConfig) -> dict[str, Any]:
+    """The top-level settings every training stage runs with (seed, device, amp, deterministic)."""
+    from ..train import RUNTIME_SETTINGS
+
+    return library_values(cfg, RUNTIME_SETTINGS)
 
 
 def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
@@ -140,7 +144,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import load_arch
     from ..models import ModelSpec, custom_vit_spec
-    from ..train import TrainConfig, TrainJob, train
+    from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
 
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
@@ -171,12 +175,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
                 kw = {k: getattr(t, k) for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
                                                  "in_chans") if getattr(t, k) is not None}
                 spec = ModelSpec(t.model, dict(kw, num_classes=t.num_classes or n_classes))
-            lr = t.lr if t.lr is not None else (None if t.base_lr is not None else 1e-3)
-            tc = TrainConfig(epochs=t.epochs, batch_size=t.batch_size, lr=lr, min_lr=t.min_lr,
-                             warmup_epochs=t.warmup_epochs, weight_decay=t.weight_decay,
-                             label_smoothing=t.label_smoothing, ema_decay=t.ema_decay, seed=cfg.seed,
-                             device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic,
-                             **({"base_lr": t.base_lr} if t.base_lr is not None else {}))
+            tc = train_recipe(fine_tune=t.fine_tune, **library_values(t, TRAIN_SETTINGS), **_runtime(cfg))
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
                            reset_head=t.reset_head)
         except NascompressError as e:
@@ -235,7 +234,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list[Step]:
     from ..methods.dcs import DCSConfig
-    from ..search.dcs import DCSSearchConfig, DCSSearchJob, search_train_config
+    from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
     from ..search.materialize import MaterializeJob, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
 
@@ -253,9 +252,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
             source=str(base_dir), out=str(out / "dcs_search"),
             method=library_config(s, DCSConfig, theta_init=s.alpha_init),
             search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
-            train=search_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
-                                      min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
-                                      amp=cfg.amp, deterministic=cfg.deterministic).replace(layer_decay=s.layer_decay),
+            train=search_train_config(**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)),
             data=_data_config(cfg, train_limit=s.train_limit))
         mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
     except NascompressError as e:
@@ -281,7 +278,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
     from ..methods import get_method
     from ..search.trial_model import TrialMaterializeJob
     from ..search.space import load_space
-    from ..search.trials import SearchJob, run_search, sampler_factory
+    from ..search.trials import STUDY_SETTINGS, run_search, sampler_factory
     from .fallback import current_model, pick_or_closest
 
     s, goal = cfg.stages.tokens, cfg.goal
@@ -310,14 +307,11 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"
-        job = SearchJob(base=str(current), space=s.space, study=s.study, storage=storage, trials=s.trials,
-                        workers=s.workers, objective="flops" if constrained else s.objective,
-                        max_flops=goal.max_flops if constrained else None,
-                        max_latency_ms=goal.max_latency_ms if constrained else None, sampler=s.sampler,
-                        finetune_epochs=s.finetune_epochs, train_images=s.train_images, eval_images=s.eval_images,
-                        calib_steps=s.calib_steps, batch_size=s.batch_size, dcs_epochs=s.dcs_epochs,
-                        latency_iters=s.latency_iters, enqueue=s.enqueue, data=_data_config(cfg), seed=cfg.seed,
-                        device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
+        job = library_config(s, STUDY_SETTINGS, base=str(current), space=s.space, study=s.study, storage=storage,
+                             objective="flops" if constrained else s.objective,
+                             max_flops=goal.max_flops if constrained else None,
+                             max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
+                             seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
         pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise ctx.err("stages.tokens", str(e)) from None
@@ -341,16 +335,13 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base_dir: Path) -> Step:
-    from ..retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
+    from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, retrain, retrain_train_config
     from .fallback import current_model
 
     s = cfg.stages.retrain
     try:
-        tc = retrain_train_config(epochs=s.epochs, batch_size=s.batch_size, lr=s.lr, base_lr=s.base_lr,
-                                  min_lr=s.min_lr, warmup_epochs=s.warmup_epochs, seed=cfg.seed, device=cfg.device,
-                                  amp=cfg.amp, deterministic=cfg.deterministic)
-        rc = RetrainConfig(eta=s.eta, warmup_frac=s.warmup_frac, cluster_samples=s.cluster_samples,
-                           kd_alpha=s.kd_alpha, kd_temperature=s.kd_temperature, feat_kd=s.feat_kd)
+        tc = retrain_train_config(**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg))
+        rc = library_config(s, RetrainConfig)
         if s.feat_kd and s.teacher == "none":
             raise NascompressError("feat_kd distils from the base model's features; set teacher: base or feat_kd: 0")
         job = RetrainJob(model_dir=str(current), out=str(out / "final"),

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, check_meta, user_default, user_settings
+from ..config import Config, check_meta, offered, settings_class
 from ..errors import NascompressError
 
 
@@ -52,22 +52,25 @@ class _Section(Config):
         return out
 
 
-def library_keys(*classes: type, lead: tuple[str, ...] = ()) -> Any:
-    """Class decorator, under ``@dataclass``: a key for every user-facing field of the library config
-    ``classes`` (:func:`nascompress.config.setting`: its type, its user default and the checks in its
-    metadata), so the section does not declare them again. Key order: ``lead``, the section's own
-    keys, then the rest of the library keys (class by class, in field order)."""
+def library_keys(*specs: Any, lead: tuple[str, ...] = ()) -> Any:
+    """Class decorator, under ``@dataclass``: a key for every user-facing field of the library configs
+    ``specs`` (:func:`nascompress.config.setting`: its type, its user default and the checks in its
+    metadata), so the section does not declare them again. A spec is a config class (all its
+    user-facing fields) or a :class:`~nascompress.config.StageSettings` (the fields one stage offers,
+    with that stage's defaults). Key order: ``lead``, the section's own keys, then the rest of the
+    library keys (spec by spec, in field order)."""
 
     def deco(cls: type) -> type:
         own = dict(cls.__dict__.get("__annotations__", {}))
         added: dict[str, Any] = {}
-        for lib in classes:
-            hints = typing.get_type_hints(lib)
-            for f in user_settings(lib):
+        for spec in specs:
+            hints = typing.get_type_hints(settings_class(spec))
+            for f, default, _ in offered(spec):
                 if f.name in own or f.name in added:
                     raise TypeError(f"{cls.__name__}: key {f.name} declared twice")
-                added[f.name] = hints[f.name]
-                setattr(cls, f.name, field(default=user_default(f), metadata=dict(f.metadata)))
+                tp = hints[f.name]
+                added[f.name] = typing.Optional[tp] if default is None else tp  # null: the stage's default
+                setattr(cls, f.name, field(default=default, metadata=dict(f.metadata)))
         merged = {**own, **added}
         order = [*lead, *(n for n in merged if n not in lead)]
         cls.__annotations__ = {n: merged[n] for n in order}
@@ -76,10 +79,15 @@ def library_keys(*classes: type, lead: tuple[str, ...] = ()) -> Any:
     return deco
 
 
-def library_config(section: Any, lib: type, **extra: Any) -> Any:
-    """``lib`` built from the section's keys that are its user-facing fields, plus ``extra``."""
-    values = {f.name: getattr(section, f.name) for f in user_settings(lib)}
-    return lib(**{**values, **extra})
+def library_values(section: Any, spec: Any) -> dict[str, Any]:
+    """The section's values of the user-facing fields ``spec`` offers (see :func:`library_keys`)."""
+    return {f.name: getattr(section, f.name) for f, _, _ in offered(spec)}
+
+
+def library_config(section: Any, spec: Any, **extra: Any) -> Any:
+    """The library config of ``spec`` built from the section's keys that are its user-facing fields,
+    plus ``extra``."""
+    return settings_class(spec)(**{**library_values(section, spec), **extra})
 
 
 def _section_type(tp: Any) -> type[_Section] | None:

@@ -7,32 +7,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import FMNIST_DIR
+from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
 from ..errors import NascompressError
 from ..methods.dcs import DCSConfig
-from ..search.dcs import DCSSearchConfig
+from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
+from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..search.trials import STUDY_SETTINGS
+from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS
 from .schema import _At, _lr_pair, _one_of, _Section, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
-DATASET_KEYWORDS = ("fashion-mnist", "synthetic")
 
 
 @dataclass(frozen=True)
+@library_keys(DataConfig)
 class DataSection(_Section):
-    """``data``: the dataset every stage uses (:class:`~nascompress.data.DataConfig`)."""
-
-    dataset: str = opt("fashion-mnist", path=True, keywords=DATASET_KEYWORDS)
-    data_dir: str = opt(str(FMNIST_DIR), path=True)
-    val_fraction: float = opt(0.1, lo=0, hi=1, lo_open=True, hi_open=True)
-    train_limit: int | None = opt(None, lo=1)
-    eval_limit: int | None = opt(None, lo=1)
-    num_workers: int | None = opt(None, lo=0)
-    skip_bad_images: bool = False
+    """``data``: the dataset every stage uses: every user-facing field of
+    :class:`~nascompress.data.DataConfig` (declared there, with its checks; ``dataset`` and
+    ``data_dir`` are paths resolved against the file's directory, but for 'fashion-mnist' and
+    'synthetic')."""
 
 
 @dataclass(frozen=True)
+@library_keys(TRAIN_SETTINGS)
 class BaseTrainSection(_Section):
-    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``."""
+    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``.
+    The training keys are :data:`~nascompress.train.TRAIN_SETTINGS` (``nascompress train``'s options);
+    null: the recipe's (:func:`~nascompress.train.train_recipe`: from scratch, or fine-tuning with
+    ``weights``). ``warmup_epochs`` and ``layer_decay`` null are filled in with the recipe's here, so
+    the normalized config (``OUT/config.yaml``) says what runs, and a run written when they were fixed
+    keys (warm-up 1, no layer decay) is still the same config."""
 
     model: str | None = None
     img_size: int | None = opt(None, lo=1)
@@ -44,20 +48,20 @@ class BaseTrainSection(_Section):
     num_classes: int | None = opt(None, lo=1)
     weights: str | None = opt(None, path=True)
     reset_head: bool = False
-    epochs: int = opt(8, lo=1)
-    batch_size: int = opt(128, lo=1)
-    lr: float | None = opt(None, lo=0, lo_open=True)
-    base_lr: float | None = opt(None, lo=0, lo_open=True)
-    min_lr: float = opt(1e-5, lo=0)
-    warmup_epochs: float = opt(1.0, lo=0)
-    weight_decay: float = opt(0.05, lo=0)
-    label_smoothing: float = opt(0.1, lo=0, hi=1, hi_open=True)
-    ema_decay: float | None = opt(None, lo=0, hi=1, lo_open=True, hi_open=True)
 
     def __post_init__(self) -> None:
         _lr_pair(self)
         if self.reset_head and self.weights is None:
             raise _At("reset_head", "needs weights (a new head on a pretrained backbone)")
+        recipe = FINE_TUNE_TRAIN_DEFAULTS if self.fine_tune else SCRATCH_TRAIN_DEFAULTS
+        for name in ("warmup_epochs", "layer_decay"):  # the defaults that depend on the weights
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, recipe.get(name))
+
+    @property
+    def fine_tune(self) -> bool:
+        """A pretrained start: ``nascompress train``'s fine-tuning recipe."""
+        return self.weights is not None
 
 
 @dataclass(frozen=True)
@@ -112,24 +116,18 @@ class GoalSection(_Section):
 
 
 @dataclass(frozen=True)
-@library_keys(DCSSearchConfig, DCSConfig, lead=("target_flops",))
+@library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names))
 class DCSStage(_Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
     the search's settings (same names): every user-facing field of
-    :class:`~nascompress.search.dcs.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`
-    (declared there, with their checks: :func:`~nascompress.pipeline.schema.library_keys`), and the
-    keys below (the search's training and data settings, and the pipeline's own ``fallback``);
-    ``batch_size`` null: from the training images. With ``fallback`` a search that collapses is
-    retried once at a milder target, then skipped (:mod:`nascompress.pipeline.fallback`)."""
+    :class:`~nascompress.search.dcs.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
+    the search's training settings (:data:`~nascompress.search.dcs.SEARCH_TRAIN_SETTINGS`; null: the
+    recipe's, ``batch_size`` null: from the training images), all declared in the library with their
+    checks (:func:`~nascompress.pipeline.schema.library_keys`), and the keys below (the data's
+    ``train_limit`` for this stage, and the pipeline's own ``fallback``). With ``fallback`` a search
+    that collapses is retried once at a milder target, then skipped (:mod:`nascompress.pipeline.fallback`)."""
 
-    epochs: int = opt(4, lo=1)
     train_limit: int | None = opt(None, lo=1)
-    batch_size: int | None = opt(None, lo=1)
-    lr: float | None = opt(None, lo=0, lo_open=True)
-    base_lr: float | None = opt(None, lo=0, lo_open=True)
-    min_lr: float = opt(1e-6, lo=0)
-    warmup_epochs: float = opt(0.2, lo=0)
-    layer_decay: float | None = opt(0.75, lo=0, hi=1, lo_open=True)
     fallback: bool = True
 
     def __post_init__(self) -> None:
@@ -137,44 +135,32 @@ class DCSStage(_Section):
 
 
 @dataclass(frozen=True)
+@library_keys(STUDY_SETTINGS, lead=("space", "study", "trials", "workers", "objective"))
 class TokensStage(_Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
-    current model, then the best trial under the goal (``nascompress materialize --study --pick``)."""
+    current model, then the best trial under the goal (``nascompress materialize --study --pick``).
+    Keys are the study's settings (same names as the command's options, declared in the library:
+    :data:`~nascompress.search.trials.STUDY_SETTINGS`), and the keys below; ``objective: goal``
+    searches accuracy under the goal's constraint."""
 
     space: str = opt(path=True)
     study: str = "pipeline"
-    trials: int = opt(30, lo=1)
-    workers: int = opt(1, lo=1)
     objective: str = opt("goal", choices=("goal", "flops", "latency", "throughput"))
-    sampler: str = opt("nsga2", choices=("nsga2", "tpe", "qmc"))
-    finetune_epochs: float = opt(0.0, lo=0)
-    train_images: int = opt(2000, lo=1)
-    eval_images: int = opt(2000, lo=1)
-    calib_steps: int = opt(50, lo=0)
-    batch_size: int = opt(64, lo=1)
-    dcs_epochs: int = opt(1, lo=1)
-    latency_iters: int = opt(10, lo=1)
-    enqueue: bool = True
 
 
 @dataclass(frozen=True)
+@library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, lead=("epochs", "eta", "warmup_frac", "teacher"))
 class RetrainStage(_Section):
-    """``stages.retrain``: final training of the compressed model (``nascompress retrain``)."""
+    """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
+    retrain's settings (same names): every user-facing field of
+    :class:`~nascompress.retrain.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
+    training settings (:data:`~nascompress.retrain.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
+    ``batch_size`` null: from the training images), declared in the library with their checks, and
+    the keys below: the ``teacher`` (the dense ``base`` or ``none``; the command's ``--teacher`` is a
+    run directory) and the data's ``train_limit`` for this stage."""
 
-    epochs: int = opt(10, lo=1)
-    eta: float = opt(50.0, lo=0)
-    warmup_frac: float = opt(0.3, lo=0, hi=1, hi_open=True)
     teacher: str = opt("base", choices=("base", "none"))
-    kd_alpha: float = opt(0.5, lo=0, hi=1)
-    kd_temperature: float = opt(1.0, lo=0, lo_open=True)
-    feat_kd: float | None = opt(None, lo=0)  # null: 1 with the base as teacher (retrain's default)
     train_limit: int | None = opt(None, lo=1)
-    cluster_samples: int | None = opt(None, lo=1)
-    batch_size: int | None = opt(None, lo=1)  # null: from the training images (retrain's default)
-    lr: float | None = opt(None, lo=0, lo_open=True)
-    base_lr: float | None = opt(None, lo=0, lo_open=True)
-    min_lr: float = opt(1e-6, lo=0)
-    warmup_epochs: float = opt(0.2, lo=0)
 
     def __post_init__(self) -> None:
         _lr_pair(self)
@@ -234,14 +220,13 @@ class ExportSection(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+@library_keys(RUNTIME_SETTINGS, lead=("format", *RUNTIME_SETTINGS.names))
 class PipelineConfig(_Section):
-    """A whole pipeline file (see the :mod:`nascompress.pipeline` docstring)."""
+    """A whole pipeline file (see the :mod:`nascompress.pipeline` docstring). ``seed``, ``device``,
+    ``amp`` (bf16 autocast or not) and ``deterministic`` (deterministic kernels, reproducible on a GPU)
+    apply to every stage: :data:`~nascompress.train.RUNTIME_SETTINGS`, declared in TrainConfig."""
 
     format: str = opt()
-    seed: int = opt(0, lo=0)
-    device: str = "auto"
-    amp: str = opt("off", choices=("off", "bf16"))  # every training stage: bf16 autocast or not
-    deterministic: bool = False  # every training stage: deterministic kernels (reproducible on a GPU)
     data: DataSection = field(default_factory=DataSection)
     base: BaseSection = opt()
     goal: GoalSection = opt()

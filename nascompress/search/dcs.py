@@ -46,11 +46,10 @@ the arch-steps' logits) keep the architecture (and so lambda) the same everywher
 from __future__ import annotations
 
 import copy
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +57,7 @@ from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
-from ..config import Config, check_bool, check_choice, check_int, check_range, setting
+from ..config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
 from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
@@ -66,8 +65,8 @@ from ..io import finish_run, load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
-from ..retrain import FeatureTap, auto_batch_size, feature_kd_loss
-from ..train import LOG_FILE, TrainConfig, check_classes, fit, input_spec_for
+from ..retrain import AUTO_BATCH_NOTE, FeatureTap, auto_batch_size, feature_kd_loss
+from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .dcs_prepare import calibration_images, init_importance, prepare_search
@@ -236,10 +235,19 @@ SEARCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 4, "batch_size": 128, "base_l
                                          "keep": "last"}
 
 
-def search_train_config(**overrides: Any) -> TrainConfig:
-    d = dict(SEARCH_TRAIN_DEFAULTS)
-    d.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainConfig.from_dict(d)
+# The search's training settings a user sets (`search dcs` options, `stages.dcs` keys): the recipe's
+# defaults, but batch_size (None: from the training images) and the peak lr (None: the recipe's base_lr)
+SEARCH_TRAIN_SETTINGS = StageSettings(
+    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
+    defaults={**{k: SEARCH_TRAIN_DEFAULTS[k] for k in ("epochs", "min_lr", "warmup_epochs", "layer_decay")},
+              "batch_size": None},
+    notes={"batch_size": AUTO_BATCH_NOTE,
+           "base_lr": f"Default: {SEARCH_TRAIN_DEFAULTS['base_lr']:g} (pretrained-safe)."})
+
+
+def search_train_config(**given: Any) -> TrainConfig:
+    """The search's TrainConfig: :data:`SEARCH_TRAIN_DEFAULTS` with the values ``given`` (None: the recipe's)."""
+    return recipe_config(SEARCH_TRAIN_DEFAULTS, **given)
 
 
 @dataclass(frozen=True)
@@ -491,20 +499,28 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataCon
     return model, make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict()), data
 
 
-def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
-    """Run (or ``resume``) the DCS search; writes the supernet, arch.json, log.jsonl, metrics.json."""
-    out = Path(job.out)
-    if resume:
-        job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
-    elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
-        job = job.replace(source=str(Path(job.source).resolve()))
-    if job.train.keep != "last":
-        job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
-    device = distributed.init(job.train.device)
-    prepare_out_dir(out, force=force, resume=resume)
-    dense, base_arch, data_cfg = _build_source(job)
+@dataclass
+class DCSSearchResult:
+    """A finished DCS search in memory: the trained supernet (gates and weights of the last epoch),
+    the job with the pre-search choices resolved (batch size, gate family), the epoch records
+    (``log.jsonl``'s lines) and the search's metrics."""
+
+    supernet: nn.Module
+    job: DCSSearchJob
+    log: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+
+def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any], data: Any, *,
+                   out_dir: Path | None = None, resume: bool = False,
+                   before_fit: Callable[[DCSSearchJob], None] | None = None) -> DCSSearchResult:
+    """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
+    distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
+    input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
+    directory's files are written as the search goes (:func:`search_dcs`), ``before_fit(job)`` called
+    once the job's choices are resolved."""
     spec = InputSpec.from_dict(base_arch["input"])
-    data = load_data(data_cfg, spec=spec)
+    device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
     job, pre = prepare_search(job, dense, data, spec)
     torch.manual_seed(job.train.seed)
@@ -515,14 +531,11 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
     distils = job.search.distill > 0 or job.search.feat_distill > 0
     hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
                            base_arch=base_arch, train_size=len(data.train), init_info=pre["info"])
-    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
-    if distributed.is_main():
-        create_out_dir(out, force=force, resume=resume)
-        write_json(out / "config.json", job.replace(data=data_cfg).to_dict())
-    distributed.barrier()
-    fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=hooks.arch(supernet, base_arch),
-                      hooks=hooks, resume=resume, finish=False)
-    log = [json.loads(ln) for ln in (out / LOG_FILE).read_text().splitlines() if ln]
+    if before_fit is not None:
+        before_fit(job)
+    log: list[dict[str, Any]] = []
+    fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir,
+                      arch=hooks.arch(supernet, base_arch), hooks=hooks, resume=resume, finish=False, log=log)
     last = log[-1]
     calib = [r["calibration"] for r in log if "calibration" in r]
     metrics = dict(fit_metrics, finished=True, dense_macs=cost.dense, macs=last["macs"], flops_ratio=last["flops_ratio"],
@@ -533,11 +546,38 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
                    calibration=calib[-1] if calib else None, train_images=len(data.train), dataset=data.name,
                    mlp_gates=job.method.mlp_gates, align=job.method.align, batch_size=job.train.batch_size,
                    **pre["info"])
+    return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
+
+
+def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
+    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
+    out = Path(job.out)
+    if resume:
+        job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
+    elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
+        job = job.replace(source=str(Path(job.source).resolve()))
+    if job.train.keep != "last":
+        job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
+    distributed.init(job.train.device)
+    prepare_out_dir(out, force=force, resume=resume)
+    dense, base_arch, data_cfg = _build_source(job)
+    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
+
+    def create(resolved: DCSSearchJob) -> None:
+        distributed.barrier()  # every rank has checked `out` before rank 0 creates it
+        if distributed.is_main():
+            create_out_dir(out, force=force, resume=resume)
+            write_json(out / "config.json", resolved.replace(data=data_cfg).to_dict())
+        distributed.barrier()
+
+    result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
     if distributed.is_main():
-        finish_run(out, metrics)  # the last write: marks the search complete
-    return metrics
+        finish_run(out, result.metrics)  # the last write: marks the search complete
+    return result.metrics
 
 
-__all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "SearchCollapsed", "CostModel", "LambdaSteer",
+__all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed",
+           "run_dcs_search", "CostModel", "LambdaSteer",
            "search_dcs", "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
            "init_importance", "calibration_images"]

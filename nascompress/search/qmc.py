@@ -74,4 +74,26 @@ def qmc_sampler(distributions: Mapping[str, BaseDistribution], *, study_seed: in
         return SpaceQMCSampler(distributions, seed=study_seed, independent_seed=seed)
 
 
-__all__ = ["SpaceQMCSampler", "qmc_sampler"]
+def points(distributions: Mapping[str, BaseDistribution], n: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """The first ``n`` points of the scrambled Sobol' sequence over ``distributions``, as Optuna
+    params (an in-memory study asked ``n`` times: Optuna maps each point into its distribution,
+    log scales, steps and categories included). Duplicate points (small discrete spaces) are
+    merged, so fewer than ``n`` may come back."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be an integer >= 1, got {n!r}")
+    fixed = {name: d for name, d in distributions.items() if d.single()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        study = optuna.create_study(sampler=qmc_sampler(distributions, study_seed=seed, seed=seed))
+    out: list[dict[str, Any]] = []
+    for _ in range(n):
+        trial = study.ask(dict(distributions))
+        params = {**{k: d.to_external_repr(0) for k, d in fixed.items()}, **trial.params}
+        study.tell(trial, 0.0)
+        params = {name: params[name] for name in distributions}
+        if params not in out:
+            out.append(params)
+    return out
+
+
+__all__ = ["SpaceQMCSampler", "qmc_sampler", "points"]

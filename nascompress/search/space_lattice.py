@@ -1,6 +1,8 @@
 """The grid's lattice: about ``n`` evenly spread configurations of a space (a rank-1 Korobov
-lattice in the unit cube, one coordinate per Optuna parameter), used for the enqueued spread
-configurations and the space's FLOPs profile."""
+lattice in the unit cube, one coordinate per Optuna parameter), for the spread configurations of a
+conditional space (the space's FLOPs profile). An unconditional space has a fixed set of Optuna
+distributions and takes Optuna's QMC points instead (:meth:`Space.grid
+<nascompress.search.space_model.Space.grid>`)."""
 from __future__ import annotations
 
 import json

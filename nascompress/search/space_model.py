@@ -159,12 +159,18 @@ class Space:
         return space_replay.params_for(self, records)
 
     def grid(self, n: int) -> list[dict[str, Any]]:
-        """About ``n`` evenly spread configurations, as Optuna params (enqueue-ready); see
-        :func:`nascompress.search.space_lattice.grid`.
+        """About ``n`` evenly spread configurations, as Optuna params (enqueue-ready): for an
+        unconditional space the first ``n`` points of Optuna's QMCSampler over :meth:`distributions`
+        (:func:`nascompress.search.qmc.points`); a conditional space has no fixed set of
+        distributions, so its points come from :func:`nascompress.search.space_lattice.grid`.
 
         Args:
-            n: the number of lattice points (>= 1).
+            n: the number of points (>= 1).
         """
+        if isinstance(n, int) and n >= 1 and self.conditional() is None:
+            from .qmc import points
+
+            return points(self.distributions(), n)
         return space_lattice.grid(self, n)
 
     # -- as Optuna distributions --------------------------------------------------------------

@@ -24,7 +24,6 @@ import copy
 import dataclasses
 import functools
 import json
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range
+from ..config import Config, StageSettings, check_choice, check_int, check_range, setting
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..errors import NascompressError
 from ..io import load_with_arch
@@ -80,20 +79,24 @@ class SearchJob(Config):
     space: str
     study: str
     storage: str | None = None
-    trials: int = 50
-    workers: int = 1
+    trials: int = setting(50, help="Complete trials the study should reach.", lo=1)
+    workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
     objective: str = "flops"
     max_flops: float | None = None
     max_latency_ms: float | None = None
-    sampler: str = "nsga2"
-    finetune_epochs: float = 0.0
-    train_images: int = 2000
-    eval_images: int = 2000
-    calib_steps: int = 50
-    batch_size: int = 64
-    dcs_epochs: int = 1
-    latency_iters: int = 10
-    enqueue: bool = True
+    sampler: str = setting("nsga2", help="nsga2, tpe or qmc (scrambled Sobol' points; spaces without conditional "
+                                         "parameters).", choices=SAMPLERS)
+    finetune_epochs: float = setting(0.0, help="0: zero-shot trials; else a short fine-tune each.", lo=0)
+    train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
+                                lo=1)
+    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1)
+    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0)
+    batch_size: int = setting(64, help="Images per batch of the trials' evaluation, predictor stages and "
+                                       "fine-tunes.", lo=1)
+    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1)
+    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1)
+    enqueue: bool = setting(True, help="Do not run the uncompressed and paper configurations first.",
+                            flag="--no-enqueue")
     data: DataConfig | None = None
     seed: int = 0
     device: str = "auto"
@@ -118,6 +121,7 @@ class SearchJob(Config):
         check_int("--calib-steps", self.calib_steps, 0)
         check_int("--batch-size", self.batch_size, 1)
         check_int("--dcs-epochs", self.dcs_epochs, 1)
+        check_int("--latency-iters", self.latency_iters, 1)
 
     @property
     def constrained(self) -> bool:
@@ -132,6 +136,13 @@ class SearchJob(Config):
 
     def needs_speed(self) -> bool:
         return self.max_latency_ms is not None or (not self.constrained and self.objective != "flops")
+
+
+# The settings of a study's trials: ``search tokens|joint``'s options (every user-facing field of
+# SearchJob) and the pipeline's ``stages.tokens`` keys (these, with the pipeline's own trial count)
+STUDY_SETTINGS = StageSettings(SearchJob, ("trials", "workers", "sampler", "finetune_epochs", "train_images",
+                                           "eval_images", "calib_steps", "batch_size", "dcs_epochs", "latency_iters",
+                                           "enqueue"), defaults={"trials": 30})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,8 +221,7 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
     unless the space fixes ``auto_batch``, and the pre-search measurements use the study's seed
     (``init_seed``: the same for every trial, measured once per worker)."""
     from ..methods.dcs import DCSConfig, materialize
-    from .dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config
-    from .materialize import load_search
+    from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
     if ctx.arch["methods"]:
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
@@ -220,15 +230,15 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
     method = DCSConfig.from_dict({"mlp_gates": "auto", **{k: v for k, v in settings.items() if k in m_keys}})
     search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
                                         **{k: v for k, v in settings.items() if k not in m_keys}})
-    with tempfile.TemporaryDirectory(prefix="nascompress-dcs-") as tmp:
-        job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out=str(Path(tmp) / "search"), method=method,
-                           search=search, data=ctx.data_cfg,
-                           train=search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size,
-                                                     seed=seed, device=ctx.job.device, amp=ctx.job.amp,
-                                                     deterministic=ctx.job.deterministic))
-        search_dcs(job)
-        supernet, _, cfg = load_search(job.out)
-        model, record = materialize(supernet.to(ctx.device), cfg)
+    train = search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size, seed=seed,
+                                device=ctx.job.device, amp=ctx.job.amp, deterministic=ctx.job.deterministic)
+    # the search's own record of where it started (the memo of pre-search measurements is keyed on it);
+    # nothing is written: the search runs on the worker's base model and data, in memory
+    job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
+                       data=ctx.data_cfg, train=train.replace(keep="last"))
+    dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
+    result = run_dcs_search(job, dense, ctx.arch, ctx.data)
+    model, record = materialize(result.supernet.to(ctx.device), result.job.method)
     model.nc_methods = ["dcs"]
     return model, record
 
@@ -300,8 +310,7 @@ def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str,
     if report is not None:
         hooks = _Reporting(hooks, report)
     arch = dict(ctx.arch, methods=list(ctx.arch["methods"]) + applied)
-    with tempfile.TemporaryDirectory(prefix="nascompress-trial-") as tmp:
-        metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, out_dir=Path(tmp), arch=arch, hooks=hooks)
+    metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, arch=arch, hooks=hooks)  # in memory
     return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"]}
 
 
