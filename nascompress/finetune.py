@@ -20,7 +20,7 @@ from typing import Any
 
 from . import distributed, runtime
 from .api import run_data_config
-from .config import Config, check_bool
+from .config import Config, StageSettings, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
@@ -32,6 +32,14 @@ from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everythin
 # Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
 FINETUNE_DEFAULTS: dict[str, Any] = {"epochs": 2, "batch_size": 64, "base_lr": 1e-4, "min_lr": 1e-6,
                                      "warmup_epochs": 0.2, "weight_decay": 0.05}
+# The training settings ``nascompress finetune`` offers: each defaults to the method's recipe
+# (FINETUNE_DEFAULTS, then the method's ``train_defaults``; :func:`finetune_train_config`)
+_FINETUNE_NAMES = ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "weight_decay", "layer_decay",
+                   "label_smoothing")
+FINETUNE_TRAIN_SETTINGS = StageSettings(
+    TrainConfig, _FINETUNE_NAMES, defaults={name: None for name in _FINETUNE_NAMES},
+    notes={name: (f"Default: the method's recipe (generic {FINETUNE_DEFAULTS[name]:g})." if name in FINETUNE_DEFAULTS
+                  else "Default: the method's recipe.") for name in _FINETUNE_NAMES})
 
 
 def finetune_train_config(method: str, **overrides: Any) -> TrainConfig:
@@ -141,4 +149,5 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     return metrics
 
 
-__all__ = ["FinetuneJob", "finetune", "finetune_train_config", "split_settings", "FINETUNE_DEFAULTS"]
+__all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "finetune", "finetune_train_config", "split_settings",
+           "FINETUNE_DEFAULTS"]

@@ -396,3 +396,24 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
         assert getattr(cli_job, f.name) == values[f.name], f.name
     assert (cli_job.objective, cli_job.seed) == ("latency", 3)
     assert TokensStage(space="x").trials == 30 and SearchJob(base="b", space="s", study="s").trials == 50
+
+
+def test_finetune_training_options_are_the_library_settings_with_the_methods_recipe(tiny_run, tmp_path, monkeypatch):
+    """``finetune``'s training options are generated from TrainConfig's fields (FINETUNE_TRAIN_SETTINGS):
+    not given, each is the method's recipe (finetune_train_config); given, it wins."""
+    import nascompress.finetune as finetune
+    from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, finetune_train_config
+
+    opts = _cli_options(("finetune",))
+    for f in user_settings(TrainConfig):
+        if f.name in FINETUNE_TRAIN_SETTINGS.names:
+            p = opts[_cli_name(f)]
+            assert p.default is None and p.help.startswith(f.metadata["help"]), f.name
+    seen = []
+    monkeypatch.setattr(finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
+    for extra in ([], ["--epochs", 3, "--layer-decay", 0.8]):
+        r = invoke("finetune", tiny_run, "--method", "evit", "--out", tmp_path / "o", "--seed", 4, *extra, "--json")
+        assert r.exit_code == 0, r.output
+    recipe = finetune_train_config("evit", seed=4)
+    assert seen[0].train == recipe
+    assert seen[1].train == recipe.replace(epochs=3, layer_decay=0.8)

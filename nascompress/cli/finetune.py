@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import Amp, Deterministic, SkipBadImages, out, print_json, run, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, setting_params, skip_bad
 
 
 def parse_value(text: str) -> Any:
@@ -115,34 +115,25 @@ def _signature() -> inspect.Signature:
             help="Any other method or recipe setting as key=value (repeatable).")]),
         P("zero_shot", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--zero-shot", help="Apply without training (after the method's short predictor-only stage, if any).")]),
-        P("epochs", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
-            help="Default: the method's (2).")]),
-        P("batch_size", KW, default=None, annotation=Annotated[Optional[int], typer.Option(help="Default 64.")]),
-        P("lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
-            help="Absolute peak lr (default: --base-lr x batch / 512).")]),
-        P("base_lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
-            help="Peak lr per 512 images (default: the method's, see README).")]),
-        P("min_lr", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
-        P("warmup_epochs", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
-            help="Linear warm-up, in epochs (default 0.2).")]),
-        P("weight_decay", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
-        P("layer_decay", KW, default=None, annotation=Annotated[Optional[float], typer.Option(
-            help="Layer-wise lr decay (timm's convention, e.g. 0.75); default off.")]),
-        P("label_smoothing", KW, default=None, annotation=Annotated[Optional[float], typer.Option()]),
+        # (here: the training settings, FINETUNE_TRAIN_SETTINGS)
         P("train_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
             help="Use a seeded, class-balanced subset of N training images.")]),
         P("eval_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
             help="Use a seeded, class-balanced subset of N val/test images.")]),
-        P("seed", KW, default=0, annotation=Annotated[int, typer.Option(help="One seed for everything.")]),
-        P("device", KW, default="auto", annotation=Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]),
+        # (here: the run settings, RUNTIME_SETTINGS: --seed --device --amp --deterministic)
         P("skip_bad_images", KW, default=False, annotation=SkipBadImages),
-        P("amp", KW, default="off", annotation=Amp),
-        P("deterministic", KW, default=False, annotation=Deterministic),
         P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
         P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),
         P("json_out", KW, default=False, annotation=Annotated[bool, typer.Option("--json")]),
     ]
+    from nascompress.finetune import FINETUNE_TRAIN_SETTINGS
+    from nascompress.train import RUNTIME_SETTINGS
+
+    at = {p.name: i for i, p in enumerate(fixed)}
+    train_at, bad_at = at["train_limit"], at["skip_bad_images"]
+    fixed = (fixed[:train_at] + setting_params(FINETUNE_TRAIN_SETTINGS) + fixed[train_at:bad_at]
+             + setting_params(RUNTIME_SETTINGS) + fixed[bad_at:])
     extra = []
     for name, (f, methods) in method_option_fields().items():
         help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
