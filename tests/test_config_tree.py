@@ -2,7 +2,8 @@
 (:func:`nascompress.config.setting`), and found both as an option of the stage's command and as a
 key of its pipeline section, or in an explicit exclusion list below (with the reason):
 ``search dcs`` / ``stages.dcs``, ``train`` / ``base.train`` and ``data``, ``retrain`` /
-``stages.retrain``, ``search tokens`` / ``stages.tokens``. The CLI and the pipeline give the same defaults, and build the same jobs."""
+``stages.retrain``, ``search tokens`` / ``stages.tokens``, ``finetune``'s training options,
+``profile`` / ``report``, ``export`` / ``export``. The CLI and the pipeline give the same defaults, and build the same jobs."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,10 @@ from nascompress.config import user_default, user_settings
 from nascompress.data import FMNIST_DIR, DataConfig
 from nascompress.errors import NascompressError
 from nascompress.methods.dcs import DCSConfig
-from nascompress.pipeline import (BaseTrainSection, DataSection, DCSStage, PipelineConfig, RetrainStage, TokensStage,
-                                  load_config)
+from nascompress.export.config import ExportConfig
+from nascompress.pipeline import (BaseTrainSection, DataSection, DCSStage, ExportSection, PipelineConfig, ReportSection,
+                                  RetrainStage, TokensStage, load_config)
+from nascompress.profiling.config import ProfileConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.retrain import RetrainConfig, RetrainJob
 from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob
@@ -108,6 +111,8 @@ PAIRS = [
     (("retrain",), RetrainStage, RETRAIN_EXCLUDED),
     (("search", "tokens"), TokensStage, STUDY_EXCLUDED),
     (("search", "joint"), TokensStage, STUDY_EXCLUDED),
+    (("profile",), ReportSection, {ProfileConfig: {}}),
+    (("export",), ExportSection, {ExportConfig: {}}),
 ]
 CASES = [(cmd, section, cls) for cmd, section, excluded in PAIRS for cls in excluded]
 
@@ -142,7 +147,7 @@ def _excluded(cmd: tuple[str, ...], section: type, cls: type) -> dict[str, str]:
 def _pipeline_fields(section: type, cls: type) -> dict[str, dataclasses.Field]:
     """The section's fields, and for TrainConfig the pipeline's top-level ones (seed, device, ...)."""
     fields = {f.name: f for f in dataclasses.fields(section)}
-    if cls in (TrainConfig, SearchJob):
+    if cls in (TrainConfig, SearchJob, ExportConfig):
         fields.update({f.name: f for f in dataclasses.fields(PipelineConfig) if f.name in PIPELINE_TOP_LEVEL})
     return fields
 

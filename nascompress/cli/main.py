@@ -11,6 +11,7 @@ from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fai
                                     run, setting_params, setting_values, skip_bad)
 from nascompress.config import setting_help
 from nascompress.data import FMNIST_DIR, DataConfig
+from nascompress.profiling.config import ProfileConfig
 from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -30,7 +31,7 @@ Mean = Annotated[Optional[str], typer.Option(help="Normalisation mean, comma-sep
 Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separated (default: as --mean).")]
 Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
 CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
-DType = Annotated[str, typer.Option(help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.")]
+DType = Annotated[str, typer.Option(help=setting_help(ProfileConfig, "dtype"))]
 
 
 def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
@@ -163,30 +164,32 @@ def evaluate(
     out.print(msg)
 
 
-@app.command()
-def profile(
+def _profile_options(
     run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None,
     model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
     depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
     num_classes: Annotated[int, typer.Option(help="Classes for --model.")] = 1000,
     compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
-    batch_size: Annotated[int, typer.Option(help="Batch for throughput (latency is at batch 1).")] = 64,
-    iters: Annotated[int, typer.Option(help="Timed repetitions (median).")] = 10,
-    no_latency: Annotated[bool, typer.Option("--no-latency", help="FLOPs and params only.")] = False,
-    compile: Annotated[bool, typer.Option(
-        "--compile", help="Also time each model torch.compile'd (CUDA graphs on CUDA) next to eager.")] = False,
-    device: Device = "auto", dtype: DType = "fp32",
+    # (here: the measurement's settings, ProfileConfig: --no-latency --iters --batch-size --dtype --compile)
+    device: Device = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
+    """``profile``'s own options; ProfileConfig's (the pipeline's report: keys) are generated before ``--device``."""
+
+
+def profile(**kw: Any) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
     from nascompress.api import profile as profile_fn
+    from nascompress.profiling.config import ProfileConfig
 
+    run_dir, model, json_out = kw["run_dir"], kw["model"], kw["json_out"]
     if (run_dir is None) == (model is None):
         fail("give either a RUN_DIR or --model NAME (not both)")
-    target = run_dir if run_dir is not None else run(model_spec, model, img_size, patch_size, embed_dim, depth,
-                                                     num_heads, num_classes, in_chans)
-    res = run(profile_fn, target, compare=compare, device=device, latency=not no_latency, batch_size=batch_size,
-              iters=iters, dtype=dtype, compile=compile)
+    target = run_dir if run_dir is not None else run(model_spec, model, kw["img_size"], kw["patch_size"],
+                                                     kw["embed_dim"], kw["depth"], kw["num_heads"], kw["num_classes"],
+                                                     kw["in_chans"])
+    settings = run(lambda: ProfileConfig(**setting_values(ProfileConfig, kw)))
+    res = run(profile_fn, target, compare=kw["compare"], device=kw["device"], **settings.to_dict())
     if json_out:
         print_json(res)
         return
@@ -216,6 +219,16 @@ def profile(
                       f"{r['qk_layout']['packed']} packed (see README, --align)")
     for label, rr in res.get("ratios", {}).items():
         out.print(f"{label} vs reference: " + "  ".join(f"{k} {v:.3f}x" for k, v in rr.items()))
+
+
+def _profile_signature() -> Any:
+    from nascompress.profiling.config import ProfileConfig
+
+    return command_signature(_profile_options, {"device": setting_params(ProfileConfig)})
+
+
+profile.__signature__ = _profile_signature()  # type: ignore[attr-defined]
+app.command()(profile)
 
 
 def _register_optional() -> None:

@@ -1,10 +1,10 @@
-"""Settings of ``nascompress export`` (one dataclass: the CLI options and the pipeline's ``export:``
-section are built from it)."""
+"""Settings of ``nascompress export`` (one dataclass: the CLI options' help and defaults and the
+pipeline's ``export:`` keys are read from it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..config import Config, check_choice, check_int, check_range
+from ..config import Config, check_choice, check_int, check_range, setting
 from ..errors import NascompressError
 
 FORMATS = ("onnx", "torch-export")
@@ -37,16 +37,14 @@ class ExportConfig(Config):
         seed: seed of that batch.
     """
 
-    format: str = field(default="onnx", metadata={
-        "help": "onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2)."})
-    batch: str | int = field(default="dynamic", metadata={
-        "help": "dynamic (any batch size) or a fixed batch size N."})
-    dtype: str = field(default="fp32", metadata={"help": "fp32, fp16 or bf16 (weights and input)."})
-    opset: int | None = field(default=None, metadata={
-        "help": "ONNX opset (default: the exporter's; 17 to 23 load in ONNX Runtime)."})
-    tolerance: float | None = field(default=None, metadata={
-        "help": "Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 fp32, 1e-2 fp16, 5e-2 bf16)."})
-    verify_batch: int = field(default=8, metadata={"help": "Images in the fixed random batch the file is checked on."})
+    format: str = setting("onnx", help="onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2).",
+                          choices=FORMATS)
+    batch: str | int = setting("dynamic", help="dynamic (any batch size) or a fixed batch size N.")
+    dtype: str = setting("fp32", help="fp32, fp16 or bf16 (weights and input).", choices=DTYPES)
+    opset: int | None = setting(None, help="ONNX opset (default: the exporter's; 17 to 23 load in ONNX Runtime).", lo=7)
+    tolerance: float | None = setting(None, help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 "
+                                                 "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
+    verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1)
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -132,7 +132,13 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
         if optional:
             return None
         raise ctx.err(path, "must not be empty")
-    base = next((a for a in args if a is not type(None)), tp) if args else tp
+    kinds = [a for a in args if a is not type(None)]
+    if len(kinds) > 1:  # e.g. export.batch: str | int (the library config checks which values it takes)
+        if isinstance(v, bool) or not isinstance(v, tuple(kinds)):
+            names = {str: "a string", int: "an integer", float: "a number"}
+            raise ctx.err(path, f"must be {' or '.join(names.get(k, k.__name__) for k in kinds)}, got {_show(v)}")
+        kinds = []
+    base = kinds[0] if kinds else (tp if not args else None)
     if base is bool:
         if not isinstance(v, bool):
             raise ctx.err(path, f"must be true or false, got {_show(v)}")

@@ -9,12 +9,14 @@ from typing import Any
 
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
 from ..errors import NascompressError
+from ..export.config import ExportConfig
 from ..methods.dcs import DCSConfig
+from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS
 from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS
-from .schema import _At, _lr_pair, _one_of, _Section, library_keys, opt
+from .schema import _At, _lr_pair, _one_of, _Section, library_config, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
 
@@ -180,28 +182,22 @@ class StagesSection(_Section):
 
 
 @dataclass(frozen=True)
+@library_keys(ProfileConfig)
 class ReportSection(_Section):
-    """``report``: how the result is measured against the dense base (interleaved, one process)."""
-
-    latency: bool = True
-    iters: int = opt(10, lo=1)
-    batch_size: int = opt(64, lo=1)
-    dtype: str = opt("fp32", choices=("fp32", "bf16", "fp16"))  # weights and inputs of the comparison
-    compile: bool = False  # also time both models torch.compile'd (CUDA graphs on CUDA)
+    """``report``: how the result is measured against the dense base (interleaved, one process): the
+    settings of ``nascompress profile`` (:class:`~nascompress.profiling.config.ProfileConfig`, same
+    names; ``latency: false`` is its ``--no-latency``)."""
 
 
 @dataclass(frozen=True)
+@library_keys(ExportConfig, lead=("file",))
 class ExportSection(_Section):
     """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
-    (``nascompress export``: the other keys are its options, :class:`~nascompress.export.ExportConfig`)."""
+    (``nascompress export``: the other keys are its options, every user-facing field of
+    :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
+    pipeline's)."""
 
     file: str | None = None  # default model.onnx (format onnx) or model.pt2
-    format: str = "onnx"
-    batch: Any = "dynamic"
-    dtype: str = "fp32"
-    opset: int | None = opt(None, lo=7)
-    tolerance: float | None = opt(None, lo=0, lo_open=True)
-    verify_batch: int = opt(8, lo=1)
 
     def __post_init__(self) -> None:
         self.config(seed=0)
@@ -209,10 +205,7 @@ class ExportSection(_Section):
             raise _At("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
 
     def config(self, *, seed: int) -> Any:
-        from ..export.config import ExportConfig
-
-        return ExportConfig(format=self.format, batch=self.batch, dtype=self.dtype, opset=self.opset,
-                            tolerance=self.tolerance, verify_batch=self.verify_batch, seed=seed)
+        return library_config(self, ExportConfig, seed=seed)
 
     @property
     def filename(self) -> str:
