@@ -26,7 +26,7 @@ from .errors import NascompressError
 from .evaluate import evaluate
 from .io import finish_run, load_with_arch, save_model
 from .methods import get_method
-from .train import TrainConfig, check_classes, fit
+from .train import TrainConfig, check_classes, fit, recipe_config
 from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
 
 # Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
@@ -44,10 +44,8 @@ FINETUNE_TRAIN_SETTINGS = StageSettings(
 
 def finetune_train_config(method: str, **overrides: Any) -> TrainConfig:
     """The TrainConfig of a fine-tune of ``method``: generic defaults, the method's, then ``overrides``
-    (None values are ignored)."""
-    d = dict(FINETUNE_DEFAULTS, **get_method(method).train_defaults)
-    d.update({k: v for k, v in overrides.items() if v is not None})
-    return TrainConfig.from_dict(d)
+    (None values are ignored; :func:`~nascompress.train.recipe_config`, so layer_decay 1 is off)."""
+    return recipe_config(dict(FINETUNE_DEFAULTS, **get_method(method).train_defaults), **overrides)
 
 
 def split_settings(method: str, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
