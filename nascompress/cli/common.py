@@ -36,6 +36,17 @@ def skip_bad(data: Any, skip: bool) -> Any:
     return replace(data or DataConfig(), skip_bad_images=True)
 
 
+def with_subsets(data: Any, *, train_limit: int | None, eval_limit: int | None, seed: int, skip_bad_images: bool) -> Any:
+    """``data`` (a DataConfig, e.g. the source run's) with the command's ``--train-limit`` /
+    ``--eval-limit`` where given (else the recorded ones), its subsets drawn with ``--seed``, and
+    ``--skip-bad-images``."""
+    from dataclasses import replace
+
+    data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
+                   eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
+    return skip_bad(data, skip_bad_images)
+
+
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call a library function; user errors become one stderr line and exit code 1."""
     try:

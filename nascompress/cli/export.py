@@ -9,23 +9,19 @@ import typer
 from nascompress.cli.common import out, print_json, run
 
 
-def _opt(name: str) -> tuple[str, object]:
-    """An option's help text and default: the ExportConfig field's (the pipeline's export: keys are the
-    same fields, :class:`~nascompress.pipeline.sections.ExportSection`)."""
-    import dataclasses
-
+def _help(name: str) -> str:
+    """An option's help text: the ExportConfig field's (the pipeline's export: keys are the same fields)."""
+    from nascompress.config import setting_help
     from nascompress.export.config import ExportConfig
 
-    f = next(f for f in dataclasses.fields(ExportConfig) if f.name == name)
-    return f.metadata["help"], f.default
-
-
-def _help(name: str) -> str:
-    return _opt(name)[0]
+    return setting_help(ExportConfig, name)
 
 
 def _default(name: str) -> object:
-    return _opt(name)[1]
+    """An option's default: the ExportConfig field's."""
+    from nascompress.export.config import ExportConfig
+
+    return ExportConfig.__dataclass_fields__[name].default
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, out, print_json, run, setting_params, skip_bad
+from nascompress.cli.common import SkipBadImages, out, print_json, run, setting_params, with_subsets
 
 
 def parse_value(text: str) -> Any:
@@ -60,8 +60,6 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
               eval_limit: Optional[int], seed: int, device: str, amp: str, deterministic: bool, force: bool,
               resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
-    from dataclasses import replace
-
     from nascompress.api import run_data_config
     from nascompress.data import DataConfig
     from nascompress.errors import NascompressError
@@ -81,9 +79,8 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
         settings.update(parse_opts(opt or []))
         config, recipe = split_settings(method, settings)
         data = run_data_config(run_dir) or DataConfig()
-        data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                       eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        data = skip_bad(replace(data, subset_seed=seed), skip_bad_images)
+        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=seed,
+                            skip_bad_images=skip_bad_images)
         tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
                                    warmup_epochs=warmup_epochs, weight_decay=weight_decay, layer_decay=layer_decay,
                                    label_smoothing=label_smoothing, seed=seed, device=device, amp=amp,

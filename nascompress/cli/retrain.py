@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
-                                    setting_values, skip_bad)
+                                    setting_values, with_subsets)
 
 
 def _retrain_options(
@@ -59,10 +59,8 @@ def retrain(**kw: Any) -> None:
             data = DataConfig(dataset=kw["dataset"] or "fashion-mnist")
         if kw["data_dir"] is not None:
             data = replace(data, data_dir=kw["data_dir"])
-        train_limit, eval_limit = kw["train_limit"], kw["eval_limit"]
-        data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                       eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=kw["seed"])
-        data = skip_bad(data, kw["skip_bad_images"])
+        data = with_subsets(data, train_limit=kw["train_limit"], eval_limit=kw["eval_limit"], seed=kw["seed"],
+                            skip_bad_images=kw["skip_bad_images"])
         rc = RetrainConfig(**setting_values(RetrainConfig, kw))
         tc = retrain_train_config(**setting_values(RETRAIN_TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
         return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=rc,

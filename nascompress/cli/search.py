@@ -8,7 +8,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
-                                    setting_values, skip_bad)
+                                    setting_values, skip_bad, with_subsets)
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -72,10 +72,8 @@ def dcs(**kw: Any) -> None:
         data = data or DataConfig()
         if kw["dataset"] is not None:
             data = replace(data, dataset=kw["dataset"])
-        train_limit, eval_limit = kw["train_limit"], kw["eval_limit"]
-        data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                       eval_limit=eval_limit if eval_limit is not None else data.eval_limit)
-        data = skip_bad(replace(data, subset_seed=seed), kw["skip_bad_images"])
+        data = with_subsets(data, train_limit=kw["train_limit"], eval_limit=kw["eval_limit"], seed=seed,
+                            skip_bad_images=kw["skip_bad_images"])
         weights, img_size = kw["weights"], kw["img_size"]
         return DCSSearchJob(source=source, out=str(out_dir), method=method, search=cfg, train=tc, data=data,
                             weights=str(weights) if weights else None,

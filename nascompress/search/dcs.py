@@ -519,6 +519,8 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
     directory's files are written as the search goes (:func:`search_dcs`), ``before_fit(job)`` called
     once the job's choices are resolved."""
+    if job.train.keep != "last":
+        job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
     spec = InputSpec.from_dict(base_arch["input"])
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
@@ -557,8 +559,6 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) 
         job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
-    if job.train.keep != "last":
-        job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
     distributed.init(job.train.device)
     prepare_out_dir(out, force=force, resume=resume)
     dense, base_arch, data_cfg = _build_source(job)

@@ -235,7 +235,7 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
     # the search's own record of where it started (the memo of pre-search measurements is keyed on it);
     # nothing is written: the search runs on the worker's base model and data, in memory
     job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
-                       data=ctx.data_cfg, train=train.replace(keep="last"))
+                       data=ctx.data_cfg, train=train)
     dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
     result = run_dcs_search(job, dense, ctx.arch, ctx.data)
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)
