@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from . import runtime
-from .data import DataConfig, InputSpec, load_data
+from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch
@@ -19,11 +19,12 @@ from .utils import read_json, resolve_device
 
 def count_classes(data: DataConfig) -> int:
     """Number of classes of a dataset without loading its images."""
-    if data.dataset in ("fashion-mnist", "synthetic"):
+    if data.dataset in DATASET_KEYWORDS:
         return 10
     train = Path(data.dataset) / "train"
     if not train.is_dir():
-        raise NascompressError(f"dataset {data.dataset!r} is neither 'fashion-mnist' nor a directory with train/")
+        raise NascompressError(f"dataset {data.dataset!r} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+                               "directory with train/")
     classes = sorted(p.name for p in train.iterdir() if p.is_dir())
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
         from .data import check_classes

@@ -50,10 +50,14 @@ from .config import Config, check_int, setting
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATASET_KEYWORDS = ("fashion-mnist", "synthetic")  # dataset names that are not a path
+DATASET_KEYWORDS = ("fashion-mnist", "digits", "synthetic")  # dataset names that are not a path
+IN_MEMORY = DATASET_KEYWORDS  # datasets held as uint8 tensors (batched preprocessing, no augmentation)
+BUILTIN_DATASETS = "fashion-mnist, digits"  # the real ones, as error messages name them
 FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                   "Sneaker", "Bag", "Ankle boot"]
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
+DIGITS_MEAN, DIGITS_STD = 0.3057, 0.3763  # scikit-learn's digits scaled to [0, 1] (measured on its training split)
+DIGITS_TEST = 0.25  # share of scikit-learn's digits held out as the test split (it ships no split)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # resize modes both paths implement alike: torch's F.interpolate (batched) and PIL (ImageFolder)
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
@@ -132,6 +136,8 @@ class InputOverrides(Config):
 def default_norm(dataset: str, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
     if dataset in ("fashion-mnist", "synthetic"):
         return (FMNIST_MEAN,) * in_chans, (FMNIST_STD,) * in_chans
+    if dataset == "digits":
+        return (DIGITS_MEAN,) * in_chans, (DIGITS_STD,) * in_chans
     if in_chans == 3:
         return IMAGENET_MEAN, IMAGENET_STD
     return (0.5,) * in_chans, (0.5,) * in_chans
@@ -294,6 +300,22 @@ def load_fashion_mnist(root: Path = FMNIST_DIR) -> tuple[TensorImageDataset, Ten
             TensorImageDataset(parts["t10k-images-idx3"], parts["t10k-labels-idx1"], FMNIST_CLASSES))
 
 
+def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageDataset]:
+    """(train, test) from scikit-learn's bundled digits (1,797 8x8 grey images, 10 classes, no
+    download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Pixel values 0-16
+    are scaled to 0-255."""
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    imgs = torch.from_numpy((d.images * (255.0 / 16.0)).round().astype("uint8"))[:, None]  # (N, 1, 8, 8)
+    labels = torch.from_numpy(d.target.astype("int64"))
+    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
+    tr = [i for i in range(len(labels)) if i not in test_idx]
+    te = sorted(test_idx)
+    classes = [str(c) for c in range(10)]
+    return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+
+
 def synthetic_dataset(n: int, *, num_classes: int = 10, size: int = 16, channels: int = 1, seed: int = 0) -> TensorImageDataset:
     """Learnable toy images for unit tests only: a class-specific pattern plus noise."""
     g = torch.Generator().manual_seed(seed)
@@ -436,8 +458,9 @@ class DataConfig:
     """Which dataset and which splits.
 
     Args:
-        dataset: ``fashion-mnist`` (default, real), a path to an ImageFolder root holding
-            ``train/`` (and optionally ``val/``, ``test/``), or ``synthetic`` (unit tests).
+        dataset: ``fashion-mnist`` (default, real), ``digits`` (scikit-learn's bundled 8x8
+            digits, real), a path to an ImageFolder root holding ``train/`` (and optionally
+            ``val/``, ``test/``), or ``synthetic`` (unit tests).
         data_dir: where Fashion-MNIST's IDX files are.
         val_fraction: share of train carved out as a held-out validation split when the
             dataset has none.
@@ -455,7 +478,7 @@ class DataConfig:
     # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
     # file (a path there is resolved against the file's directory, but for the keywords).
     dataset: str = setting("fashion-mnist", path=True, keywords=DATASET_KEYWORDS, help=(
-        "'fashion-mnist' or an ImageFolder root with train/ (val/, test/)."))
+        "'fashion-mnist', 'digits' (scikit-learn's bundled 8x8 digits) or an ImageFolder root with train/ (val/, test/)."))
     data_dir: str = setting(str(FMNIST_DIR), path=True, help="Where Fashion-MNIST's IDX files are.")
     val_fraction: float = setting(0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Share of train held out for validation."))
@@ -528,6 +551,10 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         train_full, test = load_fashion_mnist(Path(cfg.data_dir))
         val = None
         name, channels, size = "fashion-mnist", 1, (28, 28)
+    elif cfg.dataset == "digits":
+        train_full, test = load_digits_dataset(cfg.split_seed)
+        val = None
+        name, channels, size = "digits", 1, (8, 8)
     elif cfg.dataset == "synthetic":
         train_full = synthetic_dataset(600, seed=cfg.split_seed)
         test = synthetic_dataset(200, seed=cfg.split_seed + 1)
@@ -536,7 +563,8 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():
-            raise NascompressError(f"dataset {cfg.dataset!r} is neither 'fashion-mnist' nor an existing directory")
+            raise NascompressError(f"dataset {cfg.dataset!r} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
+                                   "existing directory")
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
         eval_tf = folder_transform(spec, train=False)
@@ -559,7 +587,7 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
-    train_src = train_full if cfg.dataset in ("fashion-mnist", "synthetic") else _view(train_full, train_tf)
+    train_src = train_full if cfg.dataset in IN_MEMORY else _view(train_full, train_tf)
     if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
         train, val = Subset(train_src, tr_idx), Subset(train_full, va_idx)

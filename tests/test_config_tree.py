@@ -47,6 +47,7 @@ EXCLUDED = {
         "tau_decay": "temperature factor per epoch, internal constant (the help of --tau0 says x0.95)",
         "tolerance": "the +-5% band around the target, internal constant (the help of --target-flops says it)",
         "steer_gain": "lambda controller gain, internal constant",
+        "project_band": "relative distance from the moving target beyond which --budget project shifts the gates, internal constant",
         "steer_rate": "lambda controller gain, internal constant",
         "weight_fraction": "W / arch split of the training images, internal constant",
         "init_images": "images of the pre-search measurements, internal constant (the help of --init-importance)",

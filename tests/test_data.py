@@ -287,3 +287,18 @@ def test_loader_workers_are_automatic_and_deterministic(tmp_path):
     val_w = torch.cat([x for x, _ in make_loader(one.val, batch_size=4, shuffle=False)])
     val_0 = torch.cat([x for x, _ in make_loader(one.val, batch_size=4, shuffle=False, num_workers=0)])
     assert torch.equal(val_w, val_0)
+
+
+def test_digits_is_a_real_builtin_dataset():
+    """scikit-learn's bundled digits: 1,797 real 8x8 images, a fixed stratified test split, no download."""
+    from nascompress.data import DataConfig, load_data
+
+    b = load_data(DataConfig(dataset="digits"))
+    assert b.name == "digits" and b.classes == [str(c) for c in range(10)] and b.native_size == (8, 8)
+    assert len(b.train) + len(b.val) + len(b.test) == 1797 and len(b.test) == 449
+    x, y = b.test[0]
+    assert x.dtype == torch.uint8 and tuple(x.shape) == (1, 8, 8) and 0 <= int(y) < 10
+    imgs = lambda ds: {bytes(ds[i][0].numpy()) for i in range(len(ds))}  # noqa: E731
+    assert len(imgs(b.train) & imgs(b.test)) < 10  # disjoint splits (a few digits are pixel-identical)
+    again = load_data(DataConfig(dataset="digits"))
+    assert torch.equal(again.test[5][0], b.test[5][0])  # the same split every time

@@ -73,3 +73,23 @@ def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_
     log = [json.loads(ln) for ln in (tmp_path / "default" / "log.jsonl").read_text().splitlines()]
     assert log[1]["target_now"] < 1.0 and log[-1]["target_now"] == pytest.approx(0.45)  # the moving target
     assert "train_feat_w" in log[1] and "train_kl_a" in log[1]  # distillation on both kinds of step
+    # the search reaches its target while it trains (the projection), so the end-of-search guard moves
+    # nothing untrained: a calibration move above 0.02 fails this test
+    assert m["budget"] == "project" and m["calibration_move"] <= 0.02
+    assert m["at_target_share"] >= 0.4 and m["projections"] > 0
+    assert abs(log[-1]["flops_ratio"] / 0.45 - 1) <= 0.05 and abs(log[-2]["flops_ratio"] / 0.45 - 1) <= 0.05
+
+
+def test_an_off_target_search_is_a_failed_search_not_an_untrained_cut(pretrained_like, tmp_path):
+    # gates that barely move (tiny arch lr) and no projection: the search ends far above its target; the
+    # guard refuses the large untrained threshold shift instead of applying it
+    r = search(pretrained_like, tmp_path / "steer", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100)
+    assert r.exit_code == 1
+    assert "untrained cut" in r.output and "--max-calibration 0.02" in r.output
+    assert not (tmp_path / "steer" / "metrics.json").exists()  # not a finished search
+    # the same with a guard that allows the cut: applied and reported
+    r = search(pretrained_like, tmp_path / "allowed", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100,
+               "--max-calibration", 1)
+    assert r.exit_code == 0, r.output
+    m = json.loads((tmp_path / "allowed" / "metrics.json").read_text())
+    assert m["calibrated"] and m["calibration_move"] > 0.02 and abs(m["flops_ratio"] / 0.45 - 1) <= 0.05

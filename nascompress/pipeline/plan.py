@@ -10,6 +10,7 @@ from typing import Any, Callable
 from ..errors import NascompressError
 from .config_io import load_config
 from .schema import _Ctx, library_config, library_values
+from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
 
 STUDY_DB = "studies.db"
@@ -84,9 +85,9 @@ def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
         if not need.is_file():
             raise ctx.err("data.data_dir", f"Fashion-MNIST is not in {d.data_dir} (no {need.name}); install the "
                                            "Debian package dataset-fashion-mnist or point data_dir at its IDX files")
-    elif d.dataset != "synthetic" and not (Path(d.dataset) / "train").is_dir():
-        raise ctx.err("data.dataset", f"{d.dataset} is not 'fashion-mnist', 'synthetic' or an ImageFolder root "
-                                      "with a train/ folder")
+    elif d.dataset not in DATASET_KEYWORDS and not (Path(d.dataset) / "train").is_dir():
+        raise ctx.err("data.dataset", f"{d.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
+                                      "ImageFolder root with a train/ folder")
     try:
         n = count_classes(_data_config(cfg))
         if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written

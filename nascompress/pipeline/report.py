@@ -77,7 +77,8 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
     m = out / "dcs_search" / "metrics.json"
     if m.is_file() and dcs_rec is not None:
         sm = read_json(m)
-        res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "val_top1",
+        res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "calibration_move",
+                                           "budget", "at_target_share", "val_top1",
                                            "dense_val_top1", "lam", "search_time_s", "train_images", "batch_size",
                                            "family_reason", "family_kl", "protected", "block_weights")})
     outcome = dcs_outcome(out) or {}
@@ -311,7 +312,11 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
         lines.append(f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
                      f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})")
     elif dcs and dcs.get("blocks") is not None:
-        cal = " (threshold calibrated)" if dcs.get("calibrated") else ""
+        move = dcs.get("calibration_move")
+        cal = ((" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
+               if dcs.get("calibrated") else "")
+        if dcs.get("at_target_share") is not None:
+            cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
         what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
         lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP {what} kept "

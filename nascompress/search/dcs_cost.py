@@ -197,11 +197,14 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
 
 
 @torch.no_grad()
-def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0) -> float:
-    """Shift every (unprotected) alpha by one constant (then :func:`round_blocks` with
-    ``round_mlp``) so that the hard ratio is closest to ``target``; return the shift. Kept counts
-    fall monotonically as the shift rises (rounding and alignment keep that order), so the shift is
-    bisected. The fallback of a search that did not land by itself; its use is reported."""
+def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0,
+              apply_round: bool = True) -> float:
+    """Shift every (unprotected) alpha by one constant so that the hard ratio (counted with
+    ``round_mlp`` as :func:`round_blocks` would round) is closest to ``target``; return the shift.
+    Kept counts fall monotonically as the shift rises (rounding and alignment keep that order), so
+    the shift is bisected. With ``apply_round`` the rounding is then applied to the logits (the end
+    of a search); without it (the projection during the search) only the shift is.
+    The search's projection onto its moving budget and, at its end, the guarded landing."""
     blocks = [blk for blk in supernet.blocks if blk.dcs_alpha is not None]
     if not blocks:
         return 0.0
@@ -216,8 +219,6 @@ def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp:
     def shifted(b: float) -> None:
         for a, f in zip(alphas, free):
             a[f] -= b
-        if round_mlp:
-            round_blocks(supernet, round_mlp)
 
     saved = [a.clone() for a in alphas]
     best, best_err = 0.0, math.inf
@@ -225,13 +226,15 @@ def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp:
     while lo <= hi:
         mid = (lo + hi) // 2
         shifted(cuts[mid])
-        r = cost.hard_macs(supernet) / cost.dense
+        r = cost.hard_macs(supernet, round_mlp=round_mlp) / cost.dense
         for a, s in zip(alphas, saved):
             a.copy_(s)
         if abs(r / target - 1) < best_err:
             best, best_err = cuts[mid], abs(r / target - 1)
         lo, hi = (mid + 1, hi) if r > target else (lo, mid - 1)
     shifted(best)
+    if round_mlp and apply_round:
+        round_blocks(supernet, round_mlp)
     return best
 
 
