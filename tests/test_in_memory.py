@@ -101,3 +101,34 @@ def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
     disk = retrain(job)
     assert _without_times(mem.metrics) == _without_times(disk)
     _same_state(mem.model, load_with_arch(tmp_path / "final")[0])
+
+
+def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_path, monkeypatch):
+    """In-memory training images are not augmented: the dense teacher's outputs are computed once per
+    image and read back by index; the search is the one that runs the teacher on every step."""
+    import nascompress.search.dcs as dcs_mod
+    from nascompress.search.dcs import TeacherCache
+
+    model, arch = load_with_arch(tiny_run)
+    spec = InputSpec.from_dict(arch["input"])
+    data = load_data(DataConfig(dataset="synthetic", train_limit=256, eval_limit=64), spec=spec)
+    cache = TeacherCache.build(model.eval(), data.train, spec, device=torch.device("cpu"), feat=True)
+    idx = torch.tensor([0, 17, 255])
+    imgs, _ = data.train.__getitems__(idx.tolist())
+    logits, feat = cache.read(idx, torch.device("cpu"))
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(dcs_mod.preprocess(imgs, spec)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feat, model.forward_head(model.forward_features(dcs_mod.preprocess(imgs, spec)),
+                                                            pre_logits=True), rtol=1e-5, atol=1e-5)
+    job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out="",
+                       method=DCSConfig(mlp_gates="hidden", qk_mask="static"),
+                       search=DCSSearchConfig(target_flops=0.7, max_val_drop=100),
+                       data=DataConfig(dataset="synthetic"), train=search_train_config(epochs=2, batch_size=32))
+    cached = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
+    monkeypatch.setattr(dcs_mod, "IN_MEMORY", ())  # as for augmented (ImageFolder) data: the teacher runs per step
+    live = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
+    assert cached.metrics["teacher_cached"] and not live.metrics["teacher_cached"]
+    for a, b in zip(cached.log[1:], live.log[1:]):
+        for k in ("train_kl_w", "train_feat_w", "train_kl_a"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
+    assert cached.metrics["flops_ratio"] == live.metrics["flops_ratio"]

@@ -58,7 +58,7 @@ from torch import nn
 from .. import distributed
 from ..api import count_classes, run_data_config
 from ..config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
-from ..data import DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
+from ..data import IN_MEMORY, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..io import finish_run, load_with_arch, make_arch
@@ -299,6 +299,65 @@ class DCSSearchJob(Config):
     model_kwargs: dict = field(default_factory=dict)
 
 
+class StepTag(str):
+    """A step's kind, ``"w"`` or ``"a"`` (compares equal to it), carrying the training-set indices
+    of its batch's images (``idx``; None where the teacher is not cached)."""
+
+    idx: torch.Tensor | None
+
+    def __new__(cls, kind: str, idx: torch.Tensor | None = None) -> "StepTag":
+        tag = super().__new__(cls, kind)
+        tag.idx = idx
+        return tag
+
+
+class _Indexed:
+    """A view of a training split whose batches also carry their images' indices in it."""
+
+    def __init__(self, base: Any):
+        self.base, self.classes = base, base.classes
+        if hasattr(base, "num_workers"):
+            self.num_workers = base.num_workers
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        imgs, labels = self.base.__getitems__(idx)
+        return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
+
+
+@dataclass
+class TeacherCache:
+    """The frozen dense model's logits (and pre-logits features) for every training image, computed
+    once before the search: the teacher is frozen and in-memory datasets are not augmented, so each
+    image's outputs never change, and reading them saves a teacher forward on every step."""
+
+    logits: torch.Tensor  # (N, classes)
+    feat: torch.Tensor | None  # (N, D)
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, dense: nn.Module, train: Any, spec: InputSpec, *, device: torch.device, feat: bool,
+              batch_size: int = 64) -> "TeacherCache":
+        tap = FeatureTap(dense, "pre_logits") if feat else None
+        logits, feats = [], []
+        try:
+            for imgs, _ in make_loader(train, batch_size=batch_size, shuffle=False, num_workers=0):
+                logits.append(dense(preprocess(imgs.to(device), spec)).float())
+                if tap is not None:
+                    feats.append(tap.pop().float())
+        finally:
+            if tap is not None:
+                tap.remove()
+        return cls(torch.cat(logits), torch.cat(feats) if feats else None)
+
+    def read(self, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        idx = idx.to(self.logits.device)
+        feat = None if self.feat is None else self.feat[idx].to(device)
+        return self.logits[idx].to(device), feat
+
+
 def _interleave(n_w: int, n_a: int) -> list[str]:
     """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
     keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
@@ -313,7 +372,8 @@ class DCSSearchHooks(TrainHooks):
     """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
 
     def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSSearchJob,
-                 base_arch: dict[str, Any], train_size: int, init_info: dict[str, Any] | None = None):
+                 base_arch: dict[str, Any], train_size: int, init_info: dict[str, Any] | None = None,
+                 teacher: TeacherCache | None = None):
         self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
         self.init_info = init_info or {}  # what the pre-search measurements chose: logged with the first epoch
         self.epochs = job.train.epochs
@@ -344,6 +404,7 @@ class DCSSearchHooks(TrainHooks):
         self.taps = None
         if distils and self.cfg.feat_distill > 0:
             self.taps = (FeatureTap(supernet, "pre_logits"), FeatureTap(dense, "pre_logits"))
+        self.teacher = teacher if distils else None
 
     def ratio(self, supernet: nn.Module) -> float:
         return self.cost.hard_macs(supernet, round_mlp=self.cfg.round_mlp) / self.cost.dense
@@ -357,15 +418,16 @@ class DCSSearchHooks(TrainHooks):
                          own_lr_end=self.cfg.arch_lr_end, betas=(self.cfg.arch_beta1, 0.999))
 
     def batches(self, data, *, epoch, loader):
-        w = loader(Subset(data.train, self.w_idx))
-        a = loader(Subset(data.train, self.a_idx), stream=1)
+        train = data.train if self.teacher is None else _Indexed(data.train)  # the cache is read by image index
+        w = loader(Subset(train, self.w_idx))
+        a = loader(Subset(train, self.a_idx), stream=1)
         order = _interleave(len(w), len(a))
 
         def gen():
             w_it, a_it = iter(w), iter(a)
             for kind in order:
-                imgs, labels = next(w_it if kind == "w" else a_it)
-                yield imgs, labels, kind
+                imgs, labels, *idx = next(w_it if kind == "w" else a_it)
+                yield imgs, labels, StepTag(kind, idx[0] if idx else None)
         return gen(), len(order)
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
@@ -381,18 +443,24 @@ class DCSSearchHooks(TrainHooks):
         for p in self.arch_params:
             p.requires_grad_(tag == "a")
 
-    def distillation(self, logits: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """``distill`` x KL + ``feat_distill`` x the pre-logits feature error to the dense model."""
+    def distillation(self, logits: torch.Tensor, x: torch.Tensor,
+                     idx: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``distill`` x KL + ``feat_distill`` x the pre-logits feature error to the dense model
+        (its outputs read from the cache at the batch's image indices ``idx`` where there is one)."""
         if self.dense is None or (self.cfg.distill == 0 and self.taps is None):
             if self.taps is not None:
                 self.taps[0].pop()
             return None, {}
-        with torch.no_grad():
-            t_logits = self.dense(x)
+        if self.teacher is not None and idx is not None:
+            t_logits, t_feat = self.teacher.read(idx, logits.device)
+        else:
+            with torch.no_grad():
+                t_logits = self.dense(x)
+            t_feat = self.taps[1].pop() if self.taps is not None else None
         kl = kl_to_teacher(logits, t_logits)
         loss, logs = self.cfg.distill * kl, {"kl": kl.detach()}
         if self.taps is not None:
-            fkd = feature_kd_loss(self.taps[0].pop().float(), self.taps[1].pop().float())
+            fkd = feature_kd_loss(self.taps[0].pop().float(), t_feat.float())
             loss = loss + self.cfg.feat_distill * fkd
             logs["feat"] = fkd.detach()
         return loss, logs
@@ -401,7 +469,7 @@ class DCSSearchHooks(TrainHooks):
         logits = model(x)
         ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
         if tag == "w" or self.cfg.arch_loss == "kd":
-            kd, kd_logs = self.distillation(logits, x)
+            kd, kd_logs = self.distillation(logits, x, getattr(tag, "idx", None))
         else:  # CE architecture steps: no teacher forward
             kd, kd_logs = None, {}
             if self.taps is not None:
@@ -594,8 +662,11 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre["weights"])
     dense.eval().requires_grad_(False).to(device)  # the distillation teacher runs beside the supernet
     distils = job.search.distill > 0 or job.search.feat_distill > 0
+    # the teacher's outputs once per image where the training images are not augmented (in-memory data)
+    teacher = (TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0)
+               if distils and data.name in IN_MEMORY else None)
     hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
-                           base_arch=base_arch, train_size=len(data.train), init_info=pre["info"])
+                           base_arch=base_arch, train_size=len(data.train), init_info=pre["info"], teacher=teacher)
     if before_fit is not None:
         before_fit(job)
     log: list[dict[str, Any]] = []
@@ -617,6 +688,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
                    projections=sum(b["projections"] for b in budget) if budget else None,
                    train_images=len(data.train), dataset=data.name,
                    mlp_gates=job.method.mlp_gates, align=job.method.align, batch_size=job.train.batch_size,
+                   teacher_cached=teacher is not None,
                    **pre["info"])
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
