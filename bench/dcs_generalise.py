@@ -1,0 +1,207 @@
+"""Does DCS hold on data nobody tuned it to? (issue: DCS that lands on its target by itself.)
+
+One set of library defaults, every cell: datasets (``--datasets``: ``fashion-mnist`` and
+``digits``, scikit-learn's bundled 8x8 digits, both real and offline; any ImageFolder root too), two
+bases (``--bases``): ``dinov2`` (the DINOv2 ViT-S/14 backbone at 112 px + a linear-probe head:
+the model a user starts from) and ``scratch`` (the README main job's small ViT, 28 px, patch 4, width
+96, depth 6, 3 heads, trained from scratch with ``train``'s recipe on the same images), FLOPs targets
+(``--targets``) and seeds (``--seeds``: the subsets, the data order and every search). Per cell, the
+units of ``bench/pretrained.py``: ``dense_ft`` (the base retrained with compression off: the
+reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining) and ``dcs@T`` (``search
+dcs --target-flops T`` with every default, ``materialize``, the same retraining); each DCS search's
+budget record (``budget``, ``at_target_share``, ``calibration_move``, ``projections``) is kept.
+
+Results per dataset, base and seed in ``--out`` (default ``bench/results/dcs_generalise.json``) and
+the issue's goals checked per cell in its ``summary``. Each unit is a run directory under ``--runs``,
+skipped when finished, so the bench resumes.
+
+    python bench/dcs_generalise.py --datasets fashion-mnist,digits --bases scratch,dinov2 --seeds 0,1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import header, save  # noqa: E402  (puts the repository on sys.path)
+import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
+from nascompress.data import DataConfig  # noqa: E402
+from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.models import ModelSpec, custom_vit_spec  # noqa: E402
+from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
+from nascompress.utils import read_json  # noqa: E402
+
+SCRATCH = dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3)  # the README main job's base
+SCRATCH_EPOCHS = 30  # on 2,000 images: 480 steps, as many as the main job's base on 54,000 images gets in 1 epoch
+
+
+class Cell(pretrained.Bench):
+    """One (dataset, base, seed): ``pretrained.Bench``'s units on that dataset and base."""
+
+    def __init__(self, a: argparse.Namespace, dataset: str, base: str, seed: int, res: dict[str, Any], out: Path):
+        self.key = f"{dataset}/{base}"
+        self.base_kind = base
+        super().__init__(a, seed, res.setdefault(self.key, {}), out)
+        self.full = res
+        self.runs = Path(a.runs) / dataset.replace("/", "_") / base / f"seed{seed}"
+        self.dense = self.runs / "dense"
+        self.data = DataConfig(dataset=dataset, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed)
+
+    def save(self) -> None:
+        import fcntl
+
+        lock = self.out.with_name(self.out.name + ".lock")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "w") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            disk = json.loads(self.out.read_text()) if self.out.is_file() else {}
+            for k, v in self.full.items():
+                if isinstance(v, dict) and isinstance(disk.get(k), dict) and "/" in k:
+                    for seed, units in v.items():
+                        disk[k].setdefault(seed, {}).update(units)
+                else:
+                    disk[k] = v
+            disk["summary"] = summarize(disk, self.a.targets)
+            save(self.out, disk)
+
+    def ensure_dense(self) -> None:
+        if self.base_kind == "dinov2":
+            return super().ensure_dense()
+        if not pretrained.done(self.dense):
+            from nascompress.api import count_classes
+
+            t0 = time.time()
+            spec = custom_vit_spec(**SCRATCH, num_classes=count_classes(self.data), in_chans=1)
+            train(TrainJob(model=spec, data=self.data, out=str(self.dense),
+                           train=train_recipe(fine_tune=False, epochs=SCRATCH_EPOCHS, batch_size=64, seed=self.seed)),
+                  force=True)
+            self.res["dense_wall_s"] = time.time() - t0
+        dm = read_json(self.dense / "metrics.json")
+        self.res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"]}
+        self.save()
+
+    def uniform(self, target: float) -> None:
+        if self.base_kind == "dinov2":
+            return super().uniform(target)
+        import torch
+
+        from _common import build_uniform
+        from nascompress.api import evaluate_run
+
+        uni, rt = self.runs / f"uniform_{target}", self.runs / f"uniform_{target}_retrained"
+        entry = self.res.setdefault(f"uniform@{target}", {})
+        if not pretrained.done(uni):
+            model, arch = load_with_arch(self.dense)
+            entry["pruned"] = build_uniform(model, arch, torch.randn(1, 1, 28, 28), target, uni, dict(self.data.__dict__))
+            from nascompress.utils import write_json
+
+            write_json(uni / "metrics.json", entry["pruned"])
+        entry["pruned"] = read_json(uni / "metrics.json")
+        entry["zero_shot"] = {"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        entry["retrained"] = self.retrain(uni, rt)
+        self.save()
+
+    def dcs(self, family: str, target: float) -> None:
+        super().dcs(family, target)
+        entry = self.res[f"dcs-{family}@{target}"]
+        sm = self.runs / f"dcs_{family}_{target}_search" / "metrics.json"
+        if sm.is_file():
+            m = read_json(sm)
+            entry["search"].update({k: m.get(k) for k in ("budget", "at_target_share", "calibration_move", "projections",
+                                                          "teacher_cached", "mlp_gates", "search_time_s")})
+            self.save()
+
+
+def _get(d: Any, *path: str) -> Any:
+    for p in path:
+        d = d.get(p) if isinstance(d, dict) else None
+    return d
+
+
+def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
+    """Per cell (dataset/base/seed) and target: the issue's goals, each with its gap."""
+    out: dict[str, Any] = {}
+    for key, seeds in res.items():
+        if "/" not in key or not isinstance(seeds, dict):
+            continue
+        for seed, r in seeds.items():
+            dense, ft = _get(r, "dense", "test_top1"), _get(r, "dense_ft", "retrained", "test_top1")
+            for t in targets:
+                dcs, uni = r.get(f"dcs-auto@{t}") or {}, r.get(f"uniform@{t}") or {}
+                cell: dict[str, Any] = {"dense": dense, "dense_ft": ft,
+                                        "search_flops_ratio": _get(dcs, "search", "flops_ratio"),
+                                        "at_target_share": _get(dcs, "search", "at_target_share"),
+                                        "calibration_move": _get(dcs, "search", "calibration_move"),
+                                        "searched": _get(dcs, "materialized", "test_top1"),
+                                        "dcs": _get(dcs, "retrained", "test_top1"),
+                                        "dcs_flops": _get(dcs, "retrained", "flops_ratio"),
+                                        "uniform": _get(uni, "retrained", "test_top1"),
+                                        "uniform_flops": _get(uni, "retrained", "flops_ratio"),
+                                        "failed": _get(dcs, "search", "failed")}
+                before = 6.0 if t >= 0.7 else 12.0
+                after = 1.0 if t >= 0.7 else 2.0
+                goals = {}
+                if dense is not None and cell["searched"] is not None:
+                    goals[f"searched within {before:g} pt of dense"] = dense - cell["searched"] <= before
+                if ft is not None and cell["dcs"] is not None:
+                    goals[f"retrained within {after:g} pt of dense_ft"] = ft - cell["dcs"] <= after
+                if cell["uniform"] is not None and cell["dcs"] is not None:
+                    goals[">= 3 pt above uniform"] = cell["dcs"] - cell["uniform"] >= 3.0
+                if t >= 0.7 and dense is not None and cell["dcs"] is not None:
+                    goals["not below the base"] = cell["dcs"] >= dense
+                if cell["calibration_move"] is not None:
+                    goals["calibration move < 0.02"] = cell["calibration_move"] < 0.02
+                cell["goals"] = goals
+                out[f"{key}/{seed}@{t}"] = cell
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default="weights/dinov2_vits14_112.safetensors")
+    ap.add_argument("--runs", default="runs/dcs_generalise")
+    ap.add_argument("--out", default="bench/results/dcs_generalise.json")
+    ap.add_argument("--datasets", default="fashion-mnist,digits")
+    ap.add_argument("--bases", default="scratch,dinov2")
+    ap.add_argument("--targets", default="0.7,0.6")
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--train-limit", type=int, default=2000)
+    ap.add_argument("--eval-limit", type=int, default=1000)
+    ap.add_argument("--retrain-epochs", type=int, default=3)
+    ap.add_argument("--units", default="dense_ft,dcs,uniform", help="in order: dense_ft, dcs, uniform (at every target)")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
+    a.targets = [float(t) for t in a.targets.split(",")]
+    a.data_dir, a.summary_targets = None, a.targets
+    out = Path(a.out)
+    res: dict[str, Any] = dict(header())
+    res["protocol"] = {"train_images": a.train_limit, "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs,
+                       "scratch_base": dict(SCRATCH, epochs=SCRATCH_EPOCHS),
+                       "dinov2_base": "vit_small_patch14_dinov2 at 112 px + linear probe (train --linear-probe)",
+                       "defaults": "library defaults for search dcs (mlp_gates auto) and retrain; nothing per dataset"}
+    for dataset in a.datasets.split(","):
+        for base in a.bases.split(","):
+            for seed in [int(s) for s in a.seeds.split(",")]:
+                c = Cell(a, dataset, base, seed, res, out)
+                c.ensure_dense()
+                for u in a.units.split(","):
+                    for t in (a.targets if u != "dense_ft" else [None]):
+                        if u == "dense_ft":
+                            c.dense_ft()
+                        elif u == "uniform":
+                            c.uniform(t)
+                        elif u == "dcs":
+                            c.dcs("auto", t)
+                        else:
+                            raise SystemExit(f"unknown unit {u!r}")
+    print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
+
+
+if __name__ == "__main__":
+    main()
