@@ -7,8 +7,10 @@ the model a user starts from) and ``scratch`` (the README main job's small ViT, 
 96, depth 6, 3 heads, trained from scratch with ``train``'s recipe on the same images), FLOPs targets
 (``--targets``) and seeds (``--seeds``: the subsets, the data order and every search). Per cell, the
 units of ``bench/pretrained.py``: ``dense_ft`` (the base retrained with compression off: the
-reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining) and ``dcs@T`` (``search
-dcs --target-flops T`` with every default, ``materialize``, the same retraining); each DCS search's
+reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining), ``torch-pruning@T``
+(Torch-Pruning, ``pip install torch-pruning==1.6.1``: global group-magnitude pruning of the MLP hidden
+neurons, ``round_to`` 8, then the same retraining) and ``dcs@T`` (``search dcs --target-flops T``
+with every default, ``materialize``, the same retraining); each DCS search's
 budget record (``budget``, ``at_target_share``, ``calibration_move``, ``projections``) is kept.
 
 Results per dataset, base and seed in ``--out`` (default ``bench/results/dcs_generalise.json``) and
@@ -103,6 +105,80 @@ class Cell(pretrained.Bench):
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
 
+    def torch_pruning(self, target: float) -> None:
+        """Torch-Pruning (the tool a user would pick instead): ``MetaPruner`` with its group L2
+        magnitude importance, global pruning of the MLP hidden neurons (fc1 out / fc2 in; every other
+        layer ignored), ``round_to`` 8, its pruning ratio bisected to the FLOPs target; the kept
+        neurons are gathered into a nascompress run (the ``uniform`` record with those indices) and
+        retrained with the same recipe."""
+        import copy
+
+        import torch
+        import torch_pruning as tp
+
+        from nascompress.api import evaluate_run
+        from nascompress.io import save_model
+        from nascompress.methods import get_method
+        from nascompress.methods.uniform import UniformConfig
+        from nascompress.profiling import count_flops
+        from nascompress.utils import create_out_dir, prepare_out_dir, write_json
+
+        run, rt = self.runs / f"tp_{target}", self.runs / f"tp_{target}_retrained"
+        entry = self.res.setdefault(f"torch-pruning@{target}", {})
+        if not pretrained.done(run):
+            dense, arch = load_with_arch(self.dense)
+            dense.eval()
+            spec = arch["input"]
+            x = torch.randn(1, spec["in_chans"], *spec["img_size"])
+            full = count_flops(dense, x).total
+
+            def pruned(ratio: float):
+                m = copy.deepcopy(dense)
+                keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
+                ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
+                pr = tp.pruner.MetaPruner(m, x, importance=tp.importance.GroupMagnitudeImportance(p=2),
+                                          global_pruning=True, pruning_ratio=ratio, ignored_layers=ignored,
+                                          round_to=8)
+                pr.step()
+                keep = []
+                for b0, b1 in zip(dense.blocks, m.blocks):  # which rows of fc1 Torch-Pruning kept
+                    w0, w1 = b0.mlp.fc1.weight, b1.mlp.fc1.weight
+                    keep.append(torch.cdist(w1, w0).argmin(1).sort().values.tolist())
+                return keep
+
+            def build(keep: list[list[int]]):
+                cfg = UniformConfig(keep=1.0, qk=False)
+                method = get_method("uniform")
+                record = dict(method.make_record(cfg), blocks=[{"hidden_keep": k, "qk_keep": None} for k in keep])
+                m = copy.deepcopy(dense)
+                method.resolve(m, cfg)
+                return method.patch(m, cfg, record), record
+
+            lo, hi, best = 0.0, 0.95, None
+            for _ in range(12):  # the FLOPs ratio falls as the pruning ratio rises
+                mid = (lo + hi) / 2
+                keep = pruned(mid)
+                model, record = build(keep)
+                r = count_flops(model, x).total / full
+                if best is None or abs(r - target) < abs(best[0] - target):
+                    best = (r, mid, model, record)
+                lo, hi = (mid, hi) if r > target else (lo, mid)
+            r, ratio, model, record = best
+            new_arch = copy.deepcopy(arch)
+            new_arch["methods"] = [record]
+            prepare_out_dir(run, force=True)
+            create_out_dir(run, force=True)
+            save_model(run, model.eval(), new_arch)
+            write_json(run / "config.json", {"data": dict(self.data.__dict__)})
+            write_json(run / "metrics.json", {"pruning_ratio": ratio, "flops_ratio": r, "torch_pruning": tp.__version__,
+                                              "importance": "GroupMagnitudeImportance(p=2)", "global_pruning": True,
+                                              "round_to": 8,
+                                              "hidden_kept": [len(b["hidden_keep"]) for b in record["blocks"]]})
+        entry["pruned"] = read_json(run / "metrics.json")
+        entry["zero_shot"] = {"val_top1": evaluate_run(run, split="val")["top1"], "test_top1": evaluate_run(run)["top1"]}
+        entry["retrained"] = self.retrain(run, rt)
+        self.save()
+
     def dcs(self, family: str, target: float) -> None:
         super().dcs(family, target)
         entry = self.res[f"dcs-{family}@{target}"]
@@ -139,6 +215,8 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                                         "dcs_flops": _get(dcs, "retrained", "flops_ratio"),
                                         "uniform": _get(uni, "retrained", "test_top1"),
                                         "uniform_flops": _get(uni, "retrained", "flops_ratio"),
+                                        "torch_pruning": _get(r, f"torch-pruning@{t}", "retrained", "test_top1"),
+                                        "torch_pruning_flops": _get(r, f"torch-pruning@{t}", "retrained", "flops_ratio"),
                                         "failed": _get(dcs, "search", "failed")}
                 before = 6.0 if t >= 0.7 else 12.0
                 after = 1.0 if t >= 0.7 else 2.0
@@ -149,6 +227,8 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                     goals[f"retrained within {after:g} pt of dense_ft"] = ft - cell["dcs"] <= after
                 if cell["uniform"] is not None and cell["dcs"] is not None:
                     goals[">= 3 pt above uniform"] = cell["dcs"] - cell["uniform"] >= 3.0
+                if cell["torch_pruning"] is not None and cell["dcs"] is not None:
+                    goals[">= 1 pt above Torch-Pruning"] = cell["dcs"] - cell["torch_pruning"] >= 1.0
                 if t >= 0.7 and dense is not None and cell["dcs"] is not None:
                     goals["not below the base"] = cell["dcs"] >= dense
                 if cell["calibration_move"] is not None:
@@ -170,7 +250,8 @@ def main() -> None:
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--retrain-epochs", type=int, default=3)
-    ap.add_argument("--units", default="dense_ft,dcs,uniform", help="in order: dense_ft, dcs, uniform (at every target)")
+    ap.add_argument("--units", default="dense_ft,dcs,uniform,torch-pruning",
+                    help="in order: dense_ft, dcs, uniform, torch-pruning (at every target)")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -198,6 +279,8 @@ def main() -> None:
                             c.uniform(t)
                         elif u == "dcs":
                             c.dcs("auto", t)
+                        elif u == "torch-pruning":
+                            c.torch_pruning(t)
                         else:
                             raise SystemExit(f"unknown unit {u!r}")
     print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
