@@ -10,7 +10,8 @@ units of ``bench/pretrained.py``: ``dense_ft`` (the base retrained with compress
 reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining), ``torch-pruning@T``
 (Torch-Pruning, ``pip install torch-pruning==1.6.1``: global group-magnitude pruning of the MLP hidden
 neurons, ``round_to`` 8, then the same retraining) and ``dcs@T`` (``search dcs --target-flops T``
-with every default, ``materialize``, the same retraining); each DCS search's
+with every default, ``materialize``, the same retraining), and ``ib@T`` (the searched model retrained
+with the IB bound at each weight of ``--etas``, the rest as the library's ``retrain`` defaults); each DCS search's
 budget record (``budget``, ``at_target_share``, ``calibration_move``, ``projections``) is kept.
 
 Results per dataset, base and seed in ``--out`` (default ``bench/results/dcs_generalise.json``) and
@@ -179,6 +180,26 @@ class Cell(pretrained.Bench):
         entry["retrained"] = self.retrain(run, rt)
         self.save()
 
+    def ib(self, target: float) -> None:
+        """The IB bound's weight on the same retraining of the searched model (``--etas``; 0 is the
+        bench's own retraining): what the bound contributes, per eta."""
+        from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
+
+        mat = self.runs / f"dcs_auto_{target}_mat"
+        if not pretrained.done(mat):
+            return
+        entry = self.res.setdefault(f"ib@{target}", {})
+        for eta in self.a.etas:
+            rt = self.runs / f"dcs_auto_{target}_retrained_eta{eta:g}"
+            if not pretrained.done(rt):
+                tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
+                retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc,
+                                   retrain=RetrainConfig(eta=eta), teacher=str(self.dense), auto_batch=True), force=True)
+            m = read_json(rt / "metrics.json")
+            entry[f"eta{eta:g}"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"],
+                                    "best_epoch": m["best_epoch"], **pretrained.log_summary(rt)}
+        self.save()
+
     def dcs(self, family: str, target: float) -> None:
         super().dcs(family, target)
         entry = self.res[f"dcs-{family}@{target}"]
@@ -251,7 +272,8 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--retrain-epochs", type=int, default=3)
     ap.add_argument("--units", default="dense_ft,dcs,uniform,torch-pruning",
-                    help="in order: dense_ft, dcs, uniform, torch-pruning (at every target)")
+                    help="in order: dense_ft, dcs, uniform, torch-pruning, ib (at every target)")
+    ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -259,6 +281,7 @@ def main() -> None:
 
         torch.set_num_threads(a.threads)
     a.targets = [float(t) for t in a.targets.split(",")]
+    a.etas = [float(e) for e in a.etas.split(",")]
     a.data_dir, a.summary_targets = None, a.targets
     out = Path(a.out)
     res: dict[str, Any] = dict(header())
@@ -281,6 +304,8 @@ def main() -> None:
                             c.dcs("auto", t)
                         elif u == "torch-pruning":
                             c.torch_pruning(t)
+                        elif u == "ib":
+                            c.ib(t)
                         else:
                             raise SystemExit(f"unknown unit {u!r}")
     print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
