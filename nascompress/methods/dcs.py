@@ -198,6 +198,7 @@ class DCSState:
 
     tau: float = 1.0
     force_dense: bool = False
+    sample: bool = True  # training forwards draw Gumbel samples (False: the aligned mask, as at inference)
     soft_gates: dict[int, torch.Tensor] = field(default_factory=dict)
     soft_qk: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: int = 0
@@ -205,13 +206,14 @@ class DCSState:
     align: int = 1
 
     def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft values are graph tensors: not copied
-        return DCSState(tau=self.tau, force_dense=self.force_dense, tokens=self.tokens, family=self.family,
-                        align=self.align)
+        return DCSState(tau=self.tau, force_dense=self.force_dense, sample=self.sample, tokens=self.tokens,
+                        family=self.family, align=self.align)
 
 
 def _gate(logits: torch.Tensor, st: DCSState, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask, soft) of gate logits: a Gumbel sample in training, the aligned mask at inference."""
-    if training:
+    """(mask, soft) of gate logits: a Gumbel sample in training (where the state samples), else the
+    aligned mask (inference, and a search's weight steps at the current architecture)."""
+    if training and st.sample:
         return gumbel_sigmoid(logits, tau=st.tau, noise=True)
     m = aligned_mask(logits, align=st.align)
     return m, m

@@ -74,6 +74,7 @@ from .dcs_prepare import calibration_images, init_importance, prepare_search
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
 BUDGETS = ("project", "steer")
+W_GATES = ("hard", "sampled")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,12 @@ class DCSSearchConfig(Config):
             shifted onto the target only if that moves its FLOPs ratio by at most this much (the
             move is ``calibration_move`` in metrics.json); a larger, untrained cut is a failed
             search (:class:`SearchOffTarget`), never applied silently.
+        w_gates: what the weight steps train under. ``hard`` (default): the aligned architecture the
+            gates give at that step, the one the search would materialize (with ``budget="project"``
+            the final one for the last ``1 - target_ramp`` of the search); the architecture steps
+            still draw Gumbel samples, whose gradients order the gates. ``sampled``: a Gumbel sample
+            per step (the paper's), so the weights train on random sub-networks around the
+            threshold, a different network from the one materialized.
         project_band: relative distance from the current target beyond which ``project`` shifts.
         tolerance: relative band around the target the result must land in.
         steer_gain / steer_rate: proportional and integral gains of the lambda controller.
@@ -186,6 +193,9 @@ class DCSSearchConfig(Config):
     max_calibration: float = setting(0.02, lo=0, hi=1, help=(
         "The end-of-search guard: the largest FLOPs-ratio move the untrained threshold shift may make when "
         "the search ends off target; a larger one fails the search."))
+    w_gates: str = setting("hard", choices=W_GATES, help=(
+        "The gates the weight steps train under: hard (the aligned architecture the search would materialize "
+        "at that step) or sampled (a Gumbel sample per step, the paper's)."))
     project_band: float = 0.01
     tolerance: float = 0.05
     steer_gain: float = 2.0
@@ -221,6 +231,7 @@ class DCSSearchConfig(Config):
         check_choice("--init-importance", self.init_importance, INIT_IMPORTANCE)
         check_choice("--arch-loss", self.arch_loss, ARCH_LOSSES)
         check_choice("--budget", self.budget, BUDGETS)
+        check_choice("--w-gates", self.w_gates, W_GATES)
         check_range("--max-calibration", self.max_calibration, 0, 1)
         check_range("project_band", self.project_band, 0, 1, lo_open=True)
         check_int("init_images", self.init_images, 1)
@@ -438,6 +449,7 @@ class DCSSearchHooks(TrainHooks):
         self.measure_balance = self.steer is not None and self.cfg.grad_balance
 
     def prepare_step(self, model: nn.Module, tag: Any) -> None:
+        model.dcs_state.sample = tag == "a" or self.cfg.w_gates == "sampled"
         for p in self.w_params:  # first order: each step differentiates only what it updates
             p.requires_grad_(tag == "w")
         for p in self.arch_params:
@@ -528,6 +540,7 @@ class DCSSearchHooks(TrainHooks):
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         for p in self.w_params + self.arch_params:
             p.requires_grad_(True)
+        model.dcs_state.sample = True
         rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "lam_scale": self.lam_scale, "arch_lr": self.arch_lr}
         if self.steer is not None:
             rec["target_now"] = self.steer.target
