@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import NascompressError
+from ..progress import say
 from ..utils import atomic_path, write_json
 from .config import ExportConfig
 from .graphs import check_exportable, graphs_for, write_graph
@@ -121,6 +122,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     example = torch.randn(2 if cfg.dynamic else cfg.batch, *shape, generator=g)  # traced (2: no size-1 special case)
     flops = _flops(model, x[:1])
     ref = traceable_copy(model, dtype=dtype)  # what is traced, and the PyTorch side of the check
+    say(f"export: tracing the model for {cfg.format} ...")
     graphs, rule = graphs_for(ref, example.to(dtype))
     t0 = time.perf_counter()
     for p in created:
@@ -132,6 +134,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             written = [write_graph(gr, tmp, fmt=cfg.format, dynamic=cfg.dynamic, opset=cfg.opset)
                        for gr, tmp in zip(graphs, tmps)]
             export_s = time.perf_counter() - t0
+            say(f"export: written in {export_s:.1f} s; checking the file against the PyTorch model ...")
             runners = [runner_for(tmp, cfg.format) for tmp in tmps]
             run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule["epsilon"])
             batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and len(x) > 1 else [x.to(dtype)]

@@ -65,6 +65,7 @@ from ..io import finish_run, load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
+from ..progress import step
 from ..retrain import AUTO_BATCH_NOTE, FeatureTap, auto_batch_size, feature_kd_loss
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
@@ -524,7 +525,8 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     spec = InputSpec.from_dict(base_arch["input"])
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
-    job, pre = prepare_search(job, dense, data, spec)
+    with step("DCS: measuring the dense model before the search (activation statistics, gate probes)"):
+        job, pre = prepare_search(job, dense, data, spec)
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0, importance=pre["importance"],
                              fill=pre["fill"], protect=pre["protect"])
