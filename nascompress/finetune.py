@@ -116,7 +116,8 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     data_cfg = job.data or run_data_config(job.run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
-    check_classes(model.num_classes, data)
+    check_classes(model.num_classes, data, fix=f"give finetune --dataset with the {model.num_classes} classes the "
+                  "model was trained for")
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)

@@ -554,10 +554,11 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
                      crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])
 
 
-def check_classes(num_model_classes: int, data: DataBundle) -> None:
+def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None = None) -> None:
+    """Refuse a dataset whose class count is not the model's; ``fix``: the advice (default: --num-classes)."""
     if num_model_classes != data.num_classes:
         raise NascompressError(f"the model has {num_model_classes} classes but dataset {data.name} has "
-                               f"{data.num_classes}; set --num-classes {data.num_classes}")
+                               f"{data.num_classes}; {fix or f'set --num-classes {data.num_classes}'}")
 
 
 def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:

@@ -33,3 +33,32 @@ def test_a_piped_run_prints_plain_progress_lines(tmp_path):
     epochs = [ln for ln in lines if ln.startswith("epochs:")]
     assert len(epochs) == 2 and "1/2 (50%)" in epochs[0] and "val " in epochs[0] and "ETA" in epochs[0], lines
     assert not any("\x1b" in ln for ln in lines)  # no terminal control codes
+
+
+def test_finetune_takes_dataset_and_single_layer_prune_layers(tmp_path, tiny_run):
+    from nascompress.cli.finetune import method_option_form
+
+    # typed method options: each form the help shows
+    assert method_option_form("evit", "prune_layers")[1]("2") == (2,)
+    assert method_option_form("evit", "prune_layers")[1]("4, 7,10") == (4, 7, 10)
+    assert method_option_form("evit", "keep_rate")[1]("0.5") == 0.5
+    assert method_option_form("evit", "keep_rate")[1]("0.9,0.7") == (0.9, 0.7)
+    r = invoke("finetune", tiny_run, "--method", "evit", "--prune-layers", "x,2", "--out", tmp_path / "bad")
+    assert r.exit_code == 1 and "--prune-layers takes comma-separated integers" in r.output and not (tmp_path / "bad").exists()
+    # an imported run without a dataset: finetune says to give one; with --dataset it trains on it
+    imp = tmp_path / "imported"
+    import nascompress
+    from nascompress.io import load_with_arch
+
+    model, arch = load_with_arch(tiny_run)
+    nascompress.save_model(imp, model, arch)  # what 'import' writes without --dataset (the tiny ViT is no timm name)
+    (imp / "config.json").write_text(json.dumps({"import": {"model": "x"}, "data": None}))
+    (imp / "metrics.json").write_text(json.dumps({"imported": True, "finished": True}))
+    r = invoke("finetune", imp, "--method", "evit", "--out", tmp_path / "ft0")
+    assert r.exit_code == 1 and "records no dataset" in r.output and "--dataset" in r.output, r.output
+    r = invoke("finetune", imp, "--method", "evit", "--dataset", "synthetic", "--prune-layers", "2", "--keep-rate", "0.5",
+               "--epochs", "1", "--train-limit", "64", "--eval-limit", "40", "--out", tmp_path / "ft", "--json")
+    assert r.exit_code == 0, r.output
+    out_arch = json.loads((tmp_path / "ft" / "arch.json").read_text())
+    assert out_arch["methods"][-1]["config"]["prune_layers"] == [2]
+    assert json.loads((tmp_path / "ft" / "config.json").read_text())["data"]["dataset"] == "synthetic"
