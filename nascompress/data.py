@@ -477,6 +477,12 @@ class DataConfig:
                 check_int(name, v, 1)
         if self.num_workers is not None:
             check_int("--num-workers", self.num_workers, 0)
+        # paths are kept absolute (a run's config.json records them: evaluate/finetune/--resume from
+        # another directory read the same data)
+        for name in ("dataset", "data_dir"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v not in DATASET_KEYWORDS:
+                object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
 
 
 @dataclass
@@ -536,7 +542,8 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():
-            raise NascompressError(f"dataset {cfg.dataset!r} is neither 'fashion-mnist' nor an existing directory")
+            raise NascompressError(f"dataset {cfg.dataset} does not exist (neither 'fashion-mnist' nor an existing "
+                                   "directory); if the data moved, give its new place with --dataset PATH")
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
         eval_tf = folder_transform(spec, train=False)

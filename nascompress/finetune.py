@@ -96,12 +96,16 @@ def calibration_batches(data, spec: InputSpec, *, batch_size: int, seed: int, de
     return gen()
 
 
-def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
+             explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
-    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1."""
+    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1.
+    ``explicit``: the options given on the command line (on resume each must agree with the record)."""
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, FinetuneJob, "nascompress finetune")
+        job = recorded_job(out, FinetuneJob, "nascompress finetune", given=job, explicit=explicit)
+    elif Path(job.run_dir).exists():  # recorded absolute: a resume or a reader from another directory finds it
+        job = job.replace(run_dir=str(Path(job.run_dir).absolute()))
     prepare_out_dir(out, force=force, resume=resume)
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)

@@ -3,8 +3,8 @@
 On a terminal: rich progress bars. Anywhere else (``| tee log``, CI logs, nohup, notebooks): plain,
 flushed one-line reports (:class:`PlainProgress`: the task, step/total, percentage, its info such as
 loss and lr, elapsed time and ETA), at most every ``NASCOMPRESS_PROGRESS_SECONDS`` seconds per task
-(default 10; 0: every update) and always when a task ends; a task of at most ``FEW`` units (the
-epochs) reports each unit. :func:`step` shows a phase without steps (the DCS probe, activation
+(default 10; 0: every update) and always when a task ends; a task added with ``each=True`` (the
+epochs) reports every update. :func:`step` shows a phase without steps (the DCS probe, activation
 statistics, an export's checks) as a line when it starts and one when it ends, on a terminal too.
 Under torchrun only rank 0 prints.
 """
@@ -21,7 +21,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
-FEW = 50  # a task of at most this many units (epochs) reports each unit
 
 
 def _main() -> bool:
@@ -55,6 +54,7 @@ class _Task:
     start: float
     start_completed: float
     last: float
+    each: bool
 
 
 class PlainProgress:
@@ -72,11 +72,11 @@ class PlainProgress:
         self._tasks.clear()
 
     def add_task(self, description: str, total: float | None = None, completed: float = 0, info: str = "",
-                 **_: Any) -> int:
+                 each: bool = False, **_: Any) -> int:
         now = time.perf_counter()
         tid = self._next
         self._next += 1
-        self._tasks[tid] = _Task(description, total, completed, info, now, completed, now)
+        self._tasks[tid] = _Task(description, total, completed, info, now, completed, now, each)
         return tid
 
     def update(self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None,
@@ -89,8 +89,7 @@ class PlainProgress:
             t.info = info
         now = time.perf_counter()
         done = t.total is not None and t.completed >= t.total
-        few = t.total is not None and t.total <= FEW and (advance or completed is not None)
-        if done or few or now - t.last >= self.every:
+        if done or t.each or now - t.last >= self.every:
             t.last = now
             say(self._line(t, now))
 

@@ -502,7 +502,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     return RetrainResult(model=model, job=job, log=log, metrics=metrics)
 
 
-def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` into the run directory ``job.out`` (:func:`run_retrain` on the models and data it
     names): validate everything, then retrain and save; returns metrics.
 
@@ -510,11 +510,12 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     metadata), ``arch.json`` (the input model's arch plus a ``retrain`` record), ``config.json``,
     ``log.jsonl`` (per epoch: CE, IBB, IB loss, train/val accuracy, K-means and epoch time),
     ``metrics.json``, ``last.safetensors`` and ``checkpoint.safetensors`` (for ``resume``).
-    With ``resume`` the job stored in ``out/config.json`` is continued.
+    With ``resume`` the job stored in ``out/config.json`` is continued (``explicit``: the options given
+    on the command line, each of which must agree with it).
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, RetrainJob, "nascompress retrain")
+        job = recorded_job(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
     prepare_out_dir(out, force=force, resume=resume)
     arch = load_arch(job.model_dir)
     if not arch["methods"]:

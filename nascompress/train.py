@@ -392,7 +392,7 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                 store.save(model, hooks.arch(model, arch))
 
     with make_progress(disable=None if main else True) as progress:
-        ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="")
+        ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="", each=True)
         for epoch in range(start_epoch, cfg.epochs):
             hooks.on_epoch_start(model, epoch=epoch)
             model.train()
@@ -561,15 +561,17 @@ def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None =
                                f"{data.num_classes}; {fix or f'set --num-classes {data.num_classes}'}")
 
 
-def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
     """The ``nascompress train`` job: validate everything, then create the run and fit it.
 
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
-    Under torchrun every process runs this; rank 0 alone writes the run directory.
+    Under torchrun every process runs this; rank 0 alone writes the run directory. ``explicit``: the
+    options given on the command line, each of which must agree with the recorded job on resume
+    (:func:`~nascompress.utils.recorded_job`).
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, TrainJob, "nascompress train")
+        job = recorded_job(out, TrainJob, "nascompress train", given=job, explicit=explicit)
     runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:

@@ -62,3 +62,55 @@ def test_finetune_takes_dataset_and_single_layer_prune_layers(tmp_path, tiny_run
     out_arch = json.loads((tmp_path / "ft" / "arch.json").read_text())
     assert out_arch["methods"][-1]["config"]["prune_layers"] == [2]
     assert json.loads((tmp_path / "ft" / "config.json").read_text())["data"]["dataset"] == "synthetic"
+
+
+def test_resume_with_changed_settings_is_refused_naming_them(tmp_path):
+    from nascompress.train import TrainHooks
+
+    from .conftest import interrupted_at_epoch
+
+    out = tmp_path / "run"
+    args = ["train", *TINY, "--epochs", "3", "--out", out]
+    with interrupted_at_epoch(TrainHooks):
+        assert invoke(*args).exit_code == 130
+    r = invoke("train", *TINY, "--epochs", "2", "--lr", "0.01", "--out", out, "--resume")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "train.epochs 2 (recorded 3); train.lr 0.01 (recorded" in r.output and "leave them out" in r.output
+    assert not (out / "metrics.json").exists()
+    r = invoke(*args, "--resume", "--json")  # the same options: continued
+    assert r.exit_code == 0 and json.loads(r.stdout)["epochs"] == 3, r.output
+
+
+def _image_folder(root: Path, classes=("cat", "dog", "eel"), n=6) -> Path:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val", "test"):
+        for i, c in enumerate(classes):
+            (root / split / c).mkdir(parents=True)
+            for k in range(n):
+                img = rng.integers(0, 60, (20, 24, 3), dtype=np.uint8) + np.uint8(90 * i)
+                Image.fromarray(img).save(root / split / c / f"{k}.png")
+    return root
+
+
+def test_a_run_is_evaluated_from_another_directory_and_moved_data_is_named(tmp_path, monkeypatch):
+    _image_folder(tmp_path / "work" / "imf")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    r = invoke("train", "--dataset", "imf", "--num-workers", "0", "--img-size", "16", "--patch-size", "8", "--embed-dim",
+               "16", "--depth", "1", "--num-heads", "2", "--in-chans", "3", "--epochs", "1", "--batch-size", "16",
+               "--out", "run")
+    assert r.exit_code == 0, r.output
+    recorded = json.loads((tmp_path / "work" / "run" / "config.json").read_text())["data"]["dataset"]
+    assert recorded == str(tmp_path / "work" / "imf")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    r = invoke("evaluate", tmp_path / "work" / "run", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["n"] == 18, r.output
+    (tmp_path / "work" / "imf").rename(tmp_path / "work" / "moved")
+    r = invoke("evaluate", tmp_path / "work" / "run")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert f"dataset {tmp_path / 'work' / 'imf'} does not exist" in r.output and "--dataset" in r.output
+    r = invoke("evaluate", tmp_path / "work" / "run", "--dataset", tmp_path / "work" / "moved", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["n"] == 18, r.output

@@ -72,6 +72,21 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise typer.Exit(code=1)
 
 
+def given_options() -> set[str]:
+    """The parameters of the running command given on its command line (or by environment), not
+    defaulted: what a --resume must not silently ignore (:func:`nascompress.utils.recorded_job`)."""
+    try:  # typer >= 0.2x runs on its own copy of click
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return set()
+    sources = {n: ctx.get_parameter_source(n) for n in ctx.params}
+    return {n for n, s in sources.items() if s is not None and s.name in ("COMMANDLINE", "ENVIRONMENT")}
+
+
 def fail(msg: str) -> None:
     err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=1)

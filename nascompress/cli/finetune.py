@@ -13,7 +13,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, out, print_json, run, setting_params, with_subsets
+from nascompress.cli.common import SkipBadImages, given_options, out, print_json, run, setting_params, with_subsets
 from nascompress.config import setting_help
 from nascompress.data import FMNIST_DIR, DataConfig
 
@@ -151,7 +151,7 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
                            out=str(out_dir), zero_shot=zero_shot)
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(finetune_fn, job, force=force, resume=resume)
+    metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())
     if json_out:
         print_json(metrics)
         return

@@ -7,8 +7,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
-                                    setting_values, skip_bad, with_subsets)
+from nascompress.cli.common import (SkipBadImages, command_signature, given_options, out, print_json, run,
+                                    setting_params, setting_values, skip_bad, with_subsets)
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -80,7 +80,7 @@ def dcs(**kw: Any) -> None:
                             model_kwargs={"img_size": img_size} if img_size else {})
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"])
+    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
     if kw["json_out"]:
         print_json(metrics)
     else:

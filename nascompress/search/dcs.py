@@ -553,12 +553,13 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 
-def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
+               explicit: set[str] | None = None) -> dict[str, Any]:
     """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
     on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
-    if resume:
-        job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
+    if resume:  # (explicit: the options given on the command line; each must agree with the record)
+        job = recorded_job(out, DCSSearchJob, "nascompress search dcs", given=job, explicit=explicit)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
