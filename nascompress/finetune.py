@@ -24,7 +24,7 @@ from .config import Config, StageSettings, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import finish_run, load_with_arch, save_model
+from .io import finish_run, load_with_arch, save_model, set_labels
 from .methods import get_method
 from .train import TrainConfig, check_classes, fit, recipe_config
 from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
@@ -120,6 +120,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     data_cfg = job.data or run_data_config(job.run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
+    set_labels(arch, data.classes)  # the classes trained on (--dataset may name another set of them)
     check_classes(model.num_classes, data, fix=f"give finetune --dataset with the {model.num_classes} classes the "
                   "model was trained for")
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it

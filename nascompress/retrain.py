@@ -477,6 +477,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     features = job.retrain.describe(teacher=teacher is not None)
     warm = job.retrain.warm_epochs(job.train.epochs)
     out_arch = copy.deepcopy(arch)
+    out_arch["labels"] = [str(c) for c in data.classes]  # the classes retrained on
     out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
                            "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
     if before_fit is not None:

@@ -585,7 +585,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
-    arch = make_arch(job.model, input_spec=spec.to_dict())
+    arch = make_arch(job.model, input_spec=spec.to_dict(), labels=data.classes)
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)

@@ -114,3 +114,104 @@ def test_a_run_is_evaluated_from_another_directory_and_moved_data_is_named(tmp_p
     assert f"dataset {tmp_path / 'work' / 'imf'} does not exist" in r.output and "--dataset" in r.output
     r = invoke("evaluate", tmp_path / "work" / "run", "--dataset", tmp_path / "work" / "moved", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["n"] == 18, r.output
+
+
+def test_export_without_the_export_extra_names_it(tmp_path, tiny_run, monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # as if not installed
+    r = invoke("export", tiny_run, "--out", tmp_path / "m.onnx")
+    assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
+    assert "needs onnxscript" in r.output and "pip install 'nascompress[export]'" in r.output
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def folder_run(tmp_path_factory):
+    """A tiny run trained on a 3-class ImageFolder (cat, dog, eel), bicubic, crop 0.875, 3 channels."""
+    root = tmp_path_factory.mktemp("folder")
+    _image_folder(root / "imf")
+    r = invoke("train", "--dataset", root / "imf", "--num-workers", "0", "--img-size", "16", "--patch-size", "8",
+               "--embed-dim", "16", "--depth", "1", "--num-heads", "2", "--in-chans", "3", "--epochs", "1",
+               "--batch-size", "16", "--interpolation", "bicubic", "--crop-pct", "0.875", "--mean", "0.4,0.5,0.6",
+               "--std", "0.2,0.25,0.3", "--out", root / "run")
+    assert r.exit_code == 0, r.output
+    return root / "run"
+
+
+def test_class_names_in_arch_loaded_model_and_export_sidecar(folder_run, tmp_path):
+    import nascompress
+
+    names = ["cat", "dog", "eel"]
+    assert json.loads((folder_run / "arch.json").read_text())["labels"] == names
+    assert nascompress.load(folder_run).pretrained_cfg["label_names"] == names
+    r = invoke("finetune", folder_run, "--method", "evit", "--zero-shot", "--out", tmp_path / "evit", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "evit" / "arch.json").read_text())["labels"] == names
+    r = invoke("export", tmp_path / "evit", "--out", tmp_path / "m.onnx", "--json")
+    assert r.exit_code == 0, r.output
+    side = json.loads((tmp_path / "m.onnx.json").read_text())
+    assert side["id2label"] == {"0": "cat", "1": "dog", "2": "eel"}
+
+
+def test_timm_resolve_data_config_on_a_loaded_model_gives_the_recorded_transform(folder_run):
+    import timm.data
+    import torch
+
+    import nascompress
+    from nascompress.data import InputSpec, folder_transform, preprocess
+
+    model = nascompress.load(folder_run)
+    rec = json.loads((folder_run / "arch.json").read_text())["input"]
+    cfg = timm.data.resolve_data_config(model=model)
+    assert cfg == {"input_size": (3, 16, 16), "interpolation": "bicubic", "mean": (0.4, 0.5, 0.6),
+                   "std": (0.2, 0.25, 0.3), "crop_pct": 0.875, "crop_mode": "center"}
+    assert [cfg["input_size"][0], *cfg["input_size"][1:]] == [rec["in_chans"], *rec["img_size"]]
+    from PIL import Image
+
+    img = Image.fromarray((torch.rand(23, 37, 3) * 255).to(torch.uint8).numpy())
+    spec = InputSpec.from_dict(rec)
+    ours = preprocess(folder_transform(spec, train=False)(img)[None], spec)
+    timms = timm.data.create_transform(**cfg)(img)[None]  # the way timm users build their transform
+    torch.testing.assert_close(timms, ours, atol=1e-5, rtol=0)
+
+
+def test_sidecar_steps_reproduce_the_eval_transform_in_plain_pil_and_numpy(folder_run, tmp_path):
+    """A user with only PIL and numpy follows the sidecar's steps and gets the model's input."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from nascompress.data import InputSpec, eval_steps, folder_transform, preprocess
+
+    rec = json.loads((folder_run / "arch.json").read_text())["input"]
+    spec = InputSpec.from_dict(rec)
+    steps = eval_steps(spec)
+    filters = {"bilinear": Image.BILINEAR, "bicubic": Image.BICUBIC, "nearest": Image.NEAREST}
+    for shape in ((23, 37, 3), (41, 19, 3)):
+        img = Image.fromarray((np.random.default_rng(1).random(shape) * 255).astype(np.uint8))
+        x: object = img
+        for s in steps:  # the sidecar's steps, written out as a user would
+            if s["op"] == "decode":
+                x = x.convert(s["mode"])
+            elif s["op"] == "resize":
+                w, h = x.size
+                short = s["shorter_side"]
+                size = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
+                x = x.resize(size, filters[s["interpolation"]])
+            elif s["op"] == "center_crop":
+                ch, cw = s["size"]
+                w, h = x.size
+                top, left = int(round((h - ch) / 2)), int(round((w - cw) / 2))
+                x = x.crop((left, top, left + cw, top + ch))
+            elif s["op"] == "scale":
+                x = np.asarray(x, dtype=np.float32) * np.float32(s["factor"])
+            elif s["op"] == "normalize":
+                x = (x - np.float32(s["mean"])) / np.float32(s["std"])
+            elif s["op"] == "layout":
+                x = x.transpose(2, 0, 1)[None]
+            else:
+                raise AssertionError(f"unexpected step {s}")
+        ours = preprocess(folder_transform(spec, train=False)(img)[None], spec)
+        torch.testing.assert_close(torch.from_numpy(np.ascontiguousarray(x)), ours, atol=1e-5, rtol=0)
+    r = invoke("export", folder_run, "--out", tmp_path / "d.onnx", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "d.onnx.json").read_text())["input"]["steps"] == json.loads(json.dumps(steps))

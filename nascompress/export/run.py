@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from ..errors import NascompressError
+from ..errors import NascompressError, require_extra
+from ..data import InputSpec, eval_steps
 from ..progress import say
 from ..utils import atomic_path, write_json
 from .config import ExportConfig
@@ -108,6 +109,8 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     from ..models import input_size
 
     cfg = config or ExportConfig()
+    if cfg.format == "onnx":
+        require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
@@ -162,8 +165,10 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                            "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
                 "batch": cfg.batch, "dtype": cfg.dtype,
                 "input": {**arch["input"], "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
-                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)"},
+                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
+                          "steps": eval_steps(InputSpec.from_dict(arch["input"]))},
                 "num_classes": int(model.num_classes),
+                "id2label": ({str(i): name for i, name in enumerate(arch["labels"])} if arch.get("labels") else None),
                 "flops": flops,
                 "model": arch["model"],
                 "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m

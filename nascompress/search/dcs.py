@@ -525,6 +525,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     spec = InputSpec.from_dict(base_arch["input"])
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
+    base_arch = dict(base_arch, labels=[str(c) for c in data.classes])  # the classes searched on
     with step("DCS: measuring the dense model before the search (activation statistics, gate probes)"):
         job, pre = prepare_search(job, dense, data, spec)
     torch.manual_seed(job.train.seed)
