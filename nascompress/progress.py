@@ -6,7 +6,8 @@ loss and lr, elapsed time and ETA), at most every ``NASCOMPRESS_PROGRESS_SECONDS
 (default 10; 0: every update) and always when a task ends; a task added with ``each=True`` (the
 epochs) reports every update. :func:`step` shows a phase without steps (the DCS probe, activation
 statistics, an export's checks) as a line when it starts and one when it ends, on a terminal too.
-Under torchrun only rank 0 prints.
+Under torchrun only rank 0 prints. ``NASCOMPRESS_PROGRESS``: ``auto`` (the default, as above),
+``plain`` (plain lines on a terminal too) or ``off`` (nothing; the test suite's setting).
 """
 from __future__ import annotations
 
@@ -23,8 +24,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console(stderr=True)
 
 
+def _mode() -> str:
+    mode = os.environ.get("NASCOMPRESS_PROGRESS", "auto").strip().lower()
+    return mode if mode in ("auto", "plain", "off") else "auto"
+
+
 def _main() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
+    return int(os.environ.get("RANK", "0")) == 0 and _mode() != "off"
 
 
 def _every() -> float:
@@ -116,7 +122,10 @@ class PlainProgress:
 def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress:
     """A progress display: rich bars when stderr is a terminal, else :class:`PlainProgress` lines;
     ``disable=True`` shows nothing (e.g. torchrun's other ranks)."""
-    if disable is None and not sys.stderr.isatty():
+    mode = _mode()
+    if mode == "off":
+        disable = True
+    elif disable is None and (mode == "plain" or not sys.stderr.isatty()):
         return PlainProgress()
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),

@@ -25,7 +25,8 @@ def _cli(*args, cwd=None, env=None):
 
 
 def test_a_piped_run_prints_plain_progress_lines(tmp_path):
-    r = _cli("train", *TINY, "--epochs", "2", "--out", tmp_path / "run", env={"NASCOMPRESS_PROGRESS_SECONDS": "0"})
+    env = {"NASCOMPRESS_PROGRESS": "auto", "NASCOMPRESS_PROGRESS_SECONDS": "0"}
+    r = _cli("train", *TINY, "--epochs", "2", "--out", tmp_path / "run", env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stderr.splitlines()
     steps = [ln for ln in lines if ln.startswith("epoch 1:")]
