@@ -10,7 +10,9 @@ train -> evaluate -> profile -> search dcs -> materialize -> retrain -> finetune
     python bench/command_times.py                       # reduced defaults (about 5-10 minutes on 2 cores)
     python bench/command_times.py --train-limit 54000 --eval-limit 10000 --epochs 8   # full size (hours)
 
-Writes bench/results/command_times.json (``--out`` for another file).
+Writes bench/results/command_times.json (``--out`` for another file). The machine's 1-minute load
+average is recorded at the start and after each command: on a shared machine other jobs slow every
+command, and the times are only comparable at a similar load.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ def main() -> None:
         ("export onnx", ["export", ret, "--out", str(work / "model.onnx")]),
     ]
     rows = []
+    load0 = round(os.getloadavg()[0], 1)  # a shared machine: other jobs' load slows every command
     try:
         for name, cli in chain:
             t0 = time.perf_counter()
@@ -63,7 +66,8 @@ def main() -> None:
                 raise SystemExit(f"{name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
             rows.append({"command": "nascompress " + " ".join(c if not c.startswith(str(work)) else
                                                              c.replace(str(work), "RUNS") for c in cli),
-                         "name": name, "seconds": round(seconds, 1)})
+                         "name": name, "seconds": round(seconds, 1),
+                         "load_avg_1min_after": round(os.getloadavg()[0], 1)})
             print(f"{name}: {seconds:.1f} s", flush=True)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import nascompress.cli.main"], check=True, env=env)
@@ -76,7 +80,7 @@ def main() -> None:
            "depth 6, 3 heads)", "train_limit": args.train_limit, "eval_limit": args.eval_limit, "epochs": args.epochs,
            "threads": args.threads, "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
            "python": platform.python_version(), "torch": torch.__version__, "cli_startup_s": round(startup, 1),
-           "commands": rows,
+           "load_avg_1min_start": load0, "commands": rows,
            "note": "each command in a fresh process (start-up included), on train_limit training images for epochs "
                    "epochs and eval_limit validation and test images"}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -113,8 +113,8 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
               epochs: Optional[int], batch_size: Optional[int], lr: Optional[float], base_lr: Optional[float],
               min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
               layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
-              eval_limit: Optional[int], dataset: Optional[str], data_dir: str, seed: int, device: str, amp: str, deterministic: bool, force: bool,
-              resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
+              eval_limit: Optional[int], dataset: Optional[str], data_dir: str, seed: int, device: str, amp: str,
+              deterministic: bool, force: bool, resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
     from nascompress.api import run_data_config
     from nascompress.data import DataConfig
@@ -174,11 +174,11 @@ def _signature() -> inspect.Signature:
             help="Any other method or recipe setting as key=value (repeatable).")]),
         P("zero_shot", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--zero-shot", help="Apply without training (after the method's short predictor-only stage, if any).")]),
-        # (here: the training settings, FINETUNE_TRAIN_SETTINGS)
         P("dataset", KW, default=None, annotation=Annotated[Optional[str], typer.Option(
             help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the run's dataset).")]),
         P("data_dir", KW, default=str(FMNIST_DIR), annotation=Annotated[str, typer.Option(
             help=setting_help(DataConfig, "data_dir"))]),
+        # (here: the training settings, FINETUNE_TRAIN_SETTINGS)
         P("train_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
             help="Use a seeded, class-balanced subset of N training images.")]),
         P("eval_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
