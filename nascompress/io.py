@@ -85,16 +85,20 @@ def set_labels(arch: dict[str, Any], labels: Sequence[str] | None) -> dict[str, 
 def timm_pretrained_cfg(model: nn.Module, arch: dict[str, Any]) -> dict[str, Any]:
     """timm's ``pretrained_cfg`` for a loaded model: its timm config with the recorded preprocessing
     (``input_size`` (C, H, W), ``mean``, ``std``, ``interpolation``, ``crop_pct``, ``crop_mode``),
-    ``num_classes`` and ``label_names`` (None where no class names were recorded). The test-time
-    size and crop of the original config are dropped: they describe another model."""
+    ``num_classes`` and ``label_names`` (the recorded class names; else timm's own where the head
+    still has its class count; else None). The test-time size and crop of the original config are
+    dropped: they describe another model."""
     inp = arch["input"]
-    cfg = {k: v for k, v in dict(getattr(model, "pretrained_cfg", None) or {}).items()
+    orig = dict(getattr(model, "pretrained_cfg", None) or {})
+    n = int(getattr(model, "num_classes", 0))
+    labels = list(arch["labels"]) if arch.get("labels") else (
+        orig.get("label_names") if orig.get("num_classes") == n else None)
+    cfg = {k: v for k, v in orig.items()
            if k not in ("test_input_size", "test_crop_pct", "fixed_input_size", "label_descriptions")}
     h, w = (int(v) for v in inp["img_size"])
     cfg.update(input_size=(int(inp["in_chans"]), h, w), mean=tuple(inp["mean"]), std=tuple(inp["std"]),
                interpolation=inp.get("interpolation", "bilinear"), crop_pct=float(inp.get("crop_pct", 1.0)),
-               crop_mode=inp.get("crop_mode", "center"), num_classes=int(getattr(model, "num_classes", 0)),
-               label_names=list(arch["labels"]) if arch.get("labels") else None)
+               crop_mode=inp.get("crop_mode", "center"), num_classes=n, label_names=labels)
     return cfg
 
 
