@@ -36,33 +36,40 @@ def test_a_piped_run_prints_plain_progress_lines(tmp_path):
     assert not any("\x1b" in ln for ln in lines)  # no terminal control codes
 
 
-def test_finetune_takes_dataset_and_single_layer_prune_layers(tmp_path, tiny_run):
+def test_finetune_method_options_are_typed(tmp_path, tiny_run):
     from nascompress.cli.finetune import method_option_form
 
-    # typed method options: each form the help shows
+    # each form the help shows
+    assert method_option_form("evit", "prune_layers")[0] == "INT[,...]"
     assert method_option_form("evit", "prune_layers")[1]("2") == (2,)
     assert method_option_form("evit", "prune_layers")[1]("4, 7,10") == (4, 7, 10)
     assert method_option_form("evit", "keep_rate")[1]("0.5") == 0.5
     assert method_option_form("evit", "keep_rate")[1]("0.9,0.7") == (0.9, 0.7)
+    assert method_option_form("sparsifiner", "attn_keep_ratio")[1]("1") == 1.0
     r = invoke("finetune", tiny_run, "--method", "evit", "--prune-layers", "x,2", "--out", tmp_path / "bad")
     assert r.exit_code == 1 and "--prune-layers takes comma-separated integers" in r.output and not (tmp_path / "bad").exists()
-    # an imported run without a dataset: finetune says to give one; with --dataset it trains on it
-    imp = tmp_path / "imported"
-    import nascompress
-    from nascompress.io import load_with_arch
+    r = invoke("finetune", tiny_run, "--method", "sparsifiner", "--attn-keep-ratio", "0.2,0.3", "--out", tmp_path / "bad")
+    assert r.exit_code == 1 and "--attn-keep-ratio takes one number" in r.output and not (tmp_path / "bad").exists()
 
-    model, arch = load_with_arch(tiny_run)
-    nascompress.save_model(imp, model, arch)  # what 'import' writes without --dataset (the tiny ViT is no timm name)
-    (imp / "config.json").write_text(json.dumps({"import": {"model": "x"}, "data": None}))
-    (imp / "metrics.json").write_text(json.dumps({"imported": True, "finished": True}))
+
+def test_finetune_dataset_on_an_imported_run_and_prune_layers_2(tmp_path):
+    # the path: 'import MODEL --weights W' without a dataset, then finetune on the user's folder
+    import timm
+    from safetensors.torch import save_file
+
+    imp = tmp_path / "imported"
+    model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
+    assert invoke("import", "vit_tiny_patch16_224", "--weights", tmp_path / "w.safetensors", "--out", imp).exit_code == 0
     r = invoke("finetune", imp, "--method", "evit", "--out", tmp_path / "ft0")
     assert r.exit_code == 1 and "records no dataset" in r.output and "--dataset" in r.output, r.output
-    r = invoke("finetune", imp, "--method", "evit", "--dataset", "synthetic", "--prune-layers", "2", "--keep-rate", "0.5",
-               "--epochs", "1", "--train-limit", "64", "--eval-limit", "40", "--out", tmp_path / "ft", "--json")
+    data = _image_folder(tmp_path / "imf")
+    r = invoke("finetune", imp, "--method", "evit", "--dataset", data, "--prune-layers", "2", "--keep-rate", "0.5",
+               "--epochs", "1", "--batch-size", "8", "--out", tmp_path / "ft", "--json")
     assert r.exit_code == 0, r.output
     out_arch = json.loads((tmp_path / "ft" / "arch.json").read_text())
-    assert out_arch["methods"][-1]["config"]["prune_layers"] == [2]
-    assert json.loads((tmp_path / "ft" / "config.json").read_text())["data"]["dataset"] == "synthetic"
+    assert out_arch["methods"][-1]["config"]["prune_layers"] == [2] and out_arch["labels"] == ["cat", "dog", "eel"]
+    assert json.loads((tmp_path / "ft" / "config.json").read_text())["data"]["dataset"] == str(data)
 
 
 def test_resume_with_changed_settings_is_refused_naming_them(tmp_path):
