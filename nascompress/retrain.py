@@ -26,6 +26,7 @@ holds exactly the same clusters (GPU kernels need not be bitwise deterministic).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -517,6 +518,9 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     out = Path(job.out)
     if resume:
         job = recorded_job(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
+    else:  # recorded absolute: a resume or a reader from another directory finds them
+        job = job.replace(model_dir=os.path.abspath(job.model_dir),
+                          teacher=os.path.abspath(job.teacher) if job.teacher else None)
     prepare_out_dir(out, force=force, resume=resume)
     arch = load_arch(job.model_dir)
     if not arch["methods"]:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -572,6 +573,8 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     out = Path(job.out)
     if resume:
         job = recorded_job(out, TrainJob, "nascompress train", given=job, explicit=explicit)
+    elif job.weights:  # recorded absolute: a resume from another directory finds them
+        job = replace(job, weights=os.path.abspath(job.weights))
     runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:
