@@ -17,9 +17,7 @@ command, and the times are only comparable at a similar load.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -27,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _common import ROOT, header, save
 
 
 def main() -> None:
@@ -64,8 +62,8 @@ def main() -> None:
             seconds = time.perf_counter() - t0
             if r.returncode != 0:
                 raise SystemExit(f"{name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
-            rows.append({"command": "nascompress " + " ".join(c if not c.startswith(str(work)) else
-                                                             c.replace(str(work), "RUNS") for c in cli),
+            rows.append({"cli": "nascompress " + " ".join(c if not c.startswith(str(work)) else
+                                                         c.replace(str(work), "RUNS") for c in cli),
                          "name": name, "seconds": round(seconds, 1),
                          "load_avg_1min_after": round(os.getloadavg()[0], 1)})
             print(f"{name}: {seconds:.1f} s", flush=True)
@@ -74,19 +72,14 @@ def main() -> None:
         startup = time.perf_counter() - t0
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    import torch
-
-    res = {"bench": "command_times", "dataset": "fashion-mnist", "model": "the default custom ViT (28 px, width 96, "
-           "depth 6, 3 heads)", "train_limit": args.train_limit, "eval_limit": args.eval_limit, "epochs": args.epochs,
-           "threads": args.threads, "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-           "python": platform.python_version(), "torch": torch.__version__, "cli_startup_s": round(startup, 1),
-           "load_avg_1min_start": load0, "commands": rows,
+    info = header()
+    info["machine"].update(cpu_threads=args.threads, load_average_at_start=load0)  # (the commands' threads)
+    res = {**info, "dataset": "fashion-mnist", "model": "the default custom ViT (28 px, width 96, depth 6, 3 heads)",
+           "train_limit": args.train_limit, "eval_limit": args.eval_limit, "epochs": args.epochs,
+           "cli_startup_s": round(startup, 1), "commands": rows,
            "note": "each command in a fresh process (start-up included), on train_limit training images for epochs "
                    "epochs and eval_limit validation and test images"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, args.out)
+    save(args.out, res)
     print(f"wrote {args.out}")
 
 
