@@ -223,3 +223,14 @@ def test_sidecar_steps_reproduce_the_eval_transform_in_plain_pil_and_numpy(folde
     r = invoke("export", folder_run, "--out", tmp_path / "d.onnx", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads((tmp_path / "d.onnx.json").read_text())["input"]["steps"] == json.loads(json.dumps(steps))
+
+
+def test_search_dcs_shows_its_preparation_when_piped(tmp_path, tiny_run, monkeypatch):
+    monkeypatch.setenv("NASCOMPRESS_PROGRESS", "plain")
+    r = invoke("search", "dcs", tiny_run, "--out", tmp_path / "s", "--epochs", "1", "--batch-size", "32",
+               "--train-limit", "64", "--eval-limit", "40", "--device", "cpu", "--align", "1")
+    assert r.exit_code == 0, r.output
+    lines = r.stderr.splitlines()
+    first = [i for i, ln in enumerate(lines) if ln.startswith("DCS: measuring the dense model")]
+    assert len(first) == 2 and lines[first[0]].endswith("...") and " done in " in lines[first[1]], lines
+    assert any(ln.startswith("epochs:  1/1 (100%)") for ln in lines), lines
