@@ -18,8 +18,9 @@ import importlib.machinery
 import sys
 from pathlib import Path
 
-_SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-            "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+# the operator schemas torchvision's Python layer needs (also used by nascompress._compat)
+SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+           "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
 _lib = None  # kept alive: dropping the Library object would unregister the schemas
 # the .pth line (one line; ``sitedir`` is the site-packages directory site.addpackage is reading)
 PTH_NAME = "nascompress-torchvision-cpu.pth"
@@ -48,12 +49,15 @@ class _TorchvisionCPU(importlib.abc.MetaPathFinder):
             pass
         try:
             _lib = torch.library.Library("torchvision", "DEF")
-            for schema in _SCHEMAS:
+            for schema in SCHEMAS:
                 _lib.define(schema)
         except RuntimeError:
             pass  # already declared
         return None  # the normal finders import torchvision
 
 
-if not any(type(f).__name__ == "_TorchvisionCPU" for f in sys.meta_path):  # once per process
+# only as a start-up hook (the .pth line, or scripts/setup.sh's copy), not when imported as part of the
+# package (nascompress._compat) or by setup.py; once per process
+_IMPORTED = ("nascompress._torchvision_hook", "_torchvision_hook")
+if __name__ not in _IMPORTED and not any(type(f).__name__ == "_TorchvisionCPU" for f in sys.meta_path):
     sys.meta_path.insert(0, _TorchvisionCPU())
