@@ -42,6 +42,8 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "ddp": ("Data parallelism", "`bench/ddp_cpu.py`: step time of 2-process gloo training, this code against another checkout."),
     "export": ("Export", "`bench/export.py`: exported files against PyTorch."),
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
+    "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
+                "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time on a CPU')."),
 }
 
 

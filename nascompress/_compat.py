@@ -13,10 +13,8 @@ import sys
 
 import torch
 
-_SCHEMAS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
+from ._torchvision_hook import SCHEMAS  # (importing it as part of the package installs no hook)
+
 _lib = None  # kept alive: dropping the Library object would unregister the schemas
 
 
@@ -30,7 +28,7 @@ def ensure_torchvision() -> None:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         _lib = torch.library.Library("torchvision", "DEF")
-        for schema in _SCHEMAS:
+        for schema in SCHEMAS:
             _lib.define(schema)
         import torchvision  # noqa: F401
 

@@ -23,8 +23,8 @@ def count_classes(data: DataConfig) -> int:
         return 10
     train = Path(data.dataset) / "train"
     if not train.is_dir():
-        raise NascompressError(f"dataset {data.dataset!r} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
-                               "directory with train/")
+        raise NascompressError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+                               "directory with train/; give an ImageFolder root (train/<class>/*.png) with --dataset PATH")
     classes = sorted(p.name for p in train.iterdir() if p.is_dir())
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
         from .data import check_classes

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -348,6 +349,38 @@ def folder_transform(spec: InputSpec | None, *, train: bool) -> Any:
                             crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, normalize=False)
 
 
+def eval_steps(spec: InputSpec) -> list[dict[str, Any]]:
+    """The evaluation transform of ``spec`` as explicit steps (an export's sidecar), for code without
+    timm or torch: exactly what :func:`folder_transform` (timm's eval transform) and
+    :func:`preprocess` do to an image file. In-memory datasets (Fashion-MNIST) were square images
+    resized whole, which these steps also do for a square image."""
+    h, w = spec.img_size
+    scale = (math.floor(h / spec.crop_pct), math.floor(w / spec.crop_pct))  # timm: floor(size / crop_pct)
+    steps: list[dict[str, Any]] = [{"op": "decode", "mode": "RGB", "dtype": "uint8",
+                                    "note": "8-bit RGB (a grey image repeated to 3 channels)"}]
+    if spec.crop_mode == "squash":
+        steps.append({"op": "resize", "size": list(scale), "interpolation": spec.interpolation,
+                      "note": "to exactly (height, width), PIL's filter of that name (antialiased)"})
+    elif spec.crop_mode == "center" and scale[0] == scale[1]:
+        steps.append({"op": "resize", "shorter_side": scale[0], "interpolation": spec.interpolation,
+                      "note": "shorter side to shorter_side, longer side to int(shorter_side * long / short) "
+                              "(truncated), PIL's filter of that name (antialiased)"})
+    else:
+        steps.append({"op": "resize_keep_ratio", "size": list(scale), "interpolation": spec.interpolation,
+                      "longest": 1.0 if spec.crop_mode == "border" else 0.0,
+                      "note": "timm.data.ResizeKeepRatio (aspect kept; border: fit the longest side)"})
+    steps.append({"op": "center_crop", "size": [h, w],
+                  "note": "top = round((H - height) / 2), left = round((W - width) / 2)"
+                          + ("; pad with the mean colour where smaller" if spec.crop_mode == "border" else "")})
+    steps.append({"op": "scale", "factor": 1 / 255, "note": "to float32 in [0, 1]"})
+    if spec.in_chans == 1:
+        steps.append({"op": "to_grey", "note": "mean of the R, G, B channels"})
+    steps.append({"op": "normalize", "mean": list(spec.mean), "std": list(spec.std),
+                  "note": "(x - mean) / std per channel"})
+    steps.append({"op": "layout", "to": "NCHW", "note": "channels first, a batch dimension in front"})
+    return steps
+
+
 def _image_folder(path: Path, transform: Any) -> Dataset:
     from . import _compat  # noqa: F401
     from torchvision import datasets
@@ -500,6 +533,12 @@ class DataConfig:
                 check_int(name, v, 1)
         if self.num_workers is not None:
             check_int("--num-workers", self.num_workers, 0)
+        # paths are kept absolute (a run's config.json records them: evaluate/finetune/--resume from
+        # another directory read the same data)
+        for name in ("dataset", "data_dir"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v not in DATASET_KEYWORDS:
+                object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
 
 
 @dataclass
@@ -563,8 +602,9 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():
-            raise NascompressError(f"dataset {cfg.dataset!r} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
-                                   "existing directory")
+            raise NascompressError(f"dataset {cfg.dataset} does not exist (neither a built-in dataset "
+                                   f"({BUILTIN_DATASETS}) nor an existing directory); if the data moved, give its new "
+                                   "place with --dataset PATH")
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
         eval_tf = folder_transform(spec, train=False)

@@ -88,6 +88,24 @@ def write_error(e: BaseException, path: str | Path | None = None, *, then: str =
     return WriteError(f"cannot {verb} {target}: {problem}; {fix}, {then}")
 
 
+def require_extra(extra: str, modules: tuple[str, ...], *, what: str) -> None:
+    """Refuse in one line, naming the extra to install, when a module of an optional extra
+    (pyproject's ``[project.optional-dependencies]``) is missing."""
+    import importlib.util
+
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a parent package missing, or a module set to None
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        raise NascompressError(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+                               f"installed; install nascompress's '{extra}' extra: pip install 'nascompress[{extra}]'")
+
+
 @contextmanager
 def writing(path: str | Path, *, then: str = "then rerun the command", what: str | None = None) -> Iterator[None]:
     """Turn a full disk or an unwritable path while the block writes ``path`` into one line."""

@@ -24,7 +24,7 @@ from .config import Config, StageSettings, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import finish_run, load_with_arch, save_model
+from .io import finish_run, load_with_arch, save_model, set_labels
 from .methods import get_method
 from .train import TrainConfig, check_classes, fit, recipe_config
 from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
@@ -96,12 +96,16 @@ def calibration_batches(data, spec: InputSpec, *, batch_size: int, seed: int, de
     return gen()
 
 
-def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
+             explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
-    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1."""
+    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1.
+    ``explicit``: the options given on the command line (on resume each must agree with the record)."""
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, FinetuneJob, "nascompress finetune")
+        job = recorded_job(out, FinetuneJob, "nascompress finetune", given=job, explicit=explicit)
+    elif Path(job.run_dir).exists():  # recorded absolute: a resume or a reader from another directory finds it
+        job = job.replace(run_dir=str(Path(job.run_dir).absolute()))
     prepare_out_dir(out, force=force, resume=resume)
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)
@@ -116,7 +120,9 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False) -> 
     data_cfg = job.data or run_data_config(job.run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
-    check_classes(model.num_classes, data)
+    set_labels(arch, data.classes)  # the classes trained on (--dataset may name another set of them)
+    check_classes(model.num_classes, data, fix=f"give finetune --dataset with the {model.num_classes} classes the "
+                  "model was trained for")
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)

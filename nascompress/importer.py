@@ -163,7 +163,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
 
     source = {"weights": str(Path(job.weights).resolve()), "sha256": sha256_of(job.weights), "timm_name": job.model,
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    arch = make_arch(spec, input_spec=input_spec.to_dict())
+    arch = make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
     arch["source"] = source
     create_out_dir(out, force=force)
     write_json(out / "config.json", {"import": job.to_dict(), "data": None if job.data is None else asdict(job.data),

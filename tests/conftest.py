@@ -10,6 +10,9 @@ import nascompress  # noqa: F401  (torchvision CPU fix before timm)
 from nascompress.data import FMNIST_DIR
 
 torch.set_num_threads(1)  # tiny models: one thread is as fast, and robust on a loaded machine
+# no progress lines on stderr (not a terminal here) between a command's output and its one-line error
+# checks; tests of the progress display set NASCOMPRESS_PROGRESS themselves
+os.environ["NASCOMPRESS_PROGRESS"] = "off"
 TORCH_DEVICE = os.environ.get("TORCH_DEVICE", "cpu")
 FMNIST = (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")

@@ -259,8 +259,8 @@ def test_linearized_fused_token_in_training():
 
 
 def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run):
-    """--resume continues the job recorded in OUT/config.json, whatever the other flags say, and
-    ends where an uninterrupted run ends."""
+    """--resume continues the job recorded in OUT/config.json (changed settings are refused, naming
+    them) and ends where an uninterrupted run ends."""
     import nascompress
     from nascompress.methods.evit import EViTHooks
 
@@ -270,6 +270,8 @@ def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run):
         assert invoke(*args, "--out", tmp_path / "cut").exit_code == 130
     r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.9", "--epochs", "5", "--out", tmp_path / "cut",
                "--resume", "--json")
+    assert r.exit_code == 1 and "config.keep_rate 0.9 (recorded 0.5); train.epochs 5 (recorded 2)" in r.output, r.output
+    r = invoke("finetune", tiny_run, "--method", "evit", "--out", tmp_path / "cut", "--resume", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["epochs"] == 2
     arch = json.loads((tmp_path / "cut" / "arch.json").read_text())

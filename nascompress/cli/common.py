@@ -8,6 +8,7 @@ from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from nascompress.config import setting_help
 from nascompress.data import DataConfig
@@ -54,7 +55,7 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except NascompressError as e:
         if STATE["debug"]:
             raise
-        err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)  # text, not markup
         raise typer.Exit(code=1)
     except KeyboardInterrupt:
         err.print("interrupted; the last finished epoch is checkpointed: rerun with --resume to continue")
@@ -67,13 +68,28 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         full = write_error(e, verb="access")  # a full disk or a path it may not write, not named yet
         if full is not None:
             fail(str(full))
-        err.print(f"[red]error:[/red] {type(e).__name__}: {e} (rerun with --debug for the traceback)",
+        err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)
 
 
+def given_options() -> set[str]:
+    """The parameters of the running command given on its command line (or by environment), not
+    defaulted: what a --resume must not silently ignore (:func:`nascompress.utils.recorded_job`)."""
+    try:  # typer >= 0.2x runs on its own copy of click
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return set()
+    sources = {n: ctx.get_parameter_source(n) for n in ctx.params}
+    return {n for n, s in sources.items() if s is not None and s.name in ("COMMANDLINE", "ENVIRONMENT")}
+
+
 def fail(msg: str) -> None:
-    err.print(f"[red]error:[/red] {msg}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error:[/red] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code=1)
 
 

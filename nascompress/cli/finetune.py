@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, out, print_json, run, setting_params, with_subsets
+from nascompress.cli.common import SkipBadImages, given_options, out, print_json, run, setting_params, with_subsets
+from nascompress.config import setting_help
+from nascompress.data import FMNIST_DIR, DataConfig
 
 
 def parse_value(text: str) -> Any:
@@ -24,6 +27,48 @@ def parse_value(text: str) -> Any:
     if "," in text:
         return [parse_value(v.strip()) for v in text.split(",") if v.strip()]
     return text
+
+
+def option_form(f: Any, owner: type) -> tuple[str, Any]:
+    """A method option's metavar and parser, from the field's type (``owner``: its config class).
+
+    ``tuple[int, ...]`` (layers): one or more integers, ``4,7,10`` or ``2``; ``float | tuple[float, ...]``
+    (a rate or one per layer): one number or several; ``int`` / ``float``: one number; anything else as
+    :func:`parse_value`. A value of the wrong form is refused naming the option and the forms it takes."""
+    import typing
+
+    from nascompress.errors import NascompressError
+
+    tp = typing.get_type_hints(owner)[f.name]
+    args = [a for a in (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,))
+            if a is not type(None)]
+    scalars = [a for a in args if a in (int, float)]
+    tuples = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple]
+    opt = f"--{f.name.replace('_', '-')}"
+    if not scalars and not tuples:
+        return "VALUE", parse_value
+    elem = (tuples or scalars)[0]
+    what = "integers" if elem is int else "numbers"
+    if tuples and scalars:
+        metavar, forms = f"{elem.__name__.upper()}[,...]", f"one number or comma-separated {what}, e.g. 0.5 or 0.9,0.7"
+    elif tuples:
+        metavar, forms = f"{elem.__name__.upper()}[,...]", f"comma-separated {what}, e.g. 4,7,10 (or one: 2)"
+    else:
+        metavar, forms = elem.__name__.upper(), f"one {'integer' if elem is int else 'number'}"
+
+    def parse(text: str) -> Any:
+        parts = [p.strip() for p in text.split(",")]
+        try:
+            vals = [elem(p) if elem is int else float(p) for p in parts]
+        except ValueError:
+            vals = []
+        if not vals or (len(vals) > 1 and not tuples):
+            raise NascompressError(f"{opt} takes {forms}, got {text!r}")
+        if tuples and (len(vals) > 1 or not scalars):
+            return tuple(vals)
+        return vals[0]
+
+    return metavar, parse
 
 
 def parse_opts(opts: list[str]) -> dict[str, Any]:
@@ -53,12 +98,23 @@ def method_option_fields() -> dict[str, tuple[Any, list[str]]]:
     return fields
 
 
+def method_option_form(method: str, name: str) -> tuple[str, Any]:
+    """:func:`option_form` of method ``method``'s option ``name`` (its config or recipe field)."""
+    from nascompress.methods import get_method
+
+    m = get_method(method)
+    for owner in (m.config_cls, m.recipe_cls):
+        if owner is not None and name in owner.__dataclass_fields__:
+            return option_form(owner.__dataclass_fields__[name], owner)
+    return "VALUE", parse_value
+
+
 def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]], zero_shot: bool,
               epochs: Optional[int], batch_size: Optional[int], lr: Optional[float], base_lr: Optional[float],
               min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
               layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
-              eval_limit: Optional[int], seed: int, device: str, amp: str, deterministic: bool, force: bool,
-              resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
+              eval_limit: Optional[int], dataset: Optional[str], data_dir: str, seed: int, device: str, amp: str,
+              deterministic: bool, force: bool, resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner or MG-ViT."""
     from nascompress.api import run_data_config
     from nascompress.data import DataConfig
@@ -75,10 +131,16 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
             if method not in fields[name][1]:
                 raise NascompressError(f"--{name.replace('_', '-')} is not a {method} option (it belongs to "
                                        f"{', '.join(fields[name][1])})")
-            settings[name] = parse_value(text)
+            settings[name] = method_option_form(method, name)[1](text)
         settings.update(parse_opts(opt or []))
         config, recipe = split_settings(method, settings)
-        data = run_data_config(run_dir) or DataConfig()
+        if dataset is not None:
+            data = DataConfig(dataset=dataset, data_dir=data_dir)
+        else:
+            data = run_data_config(run_dir)
+            if data is None:
+                raise NascompressError(f"{run_dir} records no dataset (an import without --dataset); give finetune "
+                                       "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)")
         data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=seed,
                             skip_bad_images=skip_bad_images)
         tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
@@ -89,7 +151,7 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
                            out=str(out_dir), zero_shot=zero_shot)
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(finetune_fn, job, force=force, resume=resume)
+    metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())
     if json_out:
         print_json(metrics)
         return
@@ -112,6 +174,10 @@ def _signature() -> inspect.Signature:
             help="Any other method or recipe setting as key=value (repeatable).")]),
         P("zero_shot", KW, default=False, annotation=Annotated[bool, typer.Option(
             "--zero-shot", help="Apply without training (after the method's short predictor-only stage, if any).")]),
+        P("dataset", KW, default=None, annotation=Annotated[Optional[str], typer.Option(
+            help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the run's dataset).")]),
+        P("data_dir", KW, default=str(FMNIST_DIR), annotation=Annotated[str, typer.Option(
+            help=setting_help(DataConfig, "data_dir"))]),
         # (here: the training settings, FINETUNE_TRAIN_SETTINGS)
         P("train_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
             help="Use a seeded, class-balanced subset of N training images.")]),
@@ -135,7 +201,7 @@ def _signature() -> inspect.Signature:
     for name, (f, methods) in method_option_fields().items():
         help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
         extra.append(P(name, KW, default=None, annotation=Annotated[Optional[str], typer.Option(
-            f"--{name.replace('_', '-')}", help=help_text)]))
+            f"--{name.replace('_', '-')}", help=help_text, metavar=method_option_form(methods[0], name)[0])]))
     return inspect.Signature(fixed + extra)
 
 

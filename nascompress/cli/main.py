@@ -7,8 +7,8 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fail, input_overrides, out, print_json,
-                                    run, setting_params, setting_values, skip_bad)
+from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fail, given_options, input_overrides, out,
+                                    print_json, run, setting_params, setting_values, skip_bad)
 from nascompress.config import setting_help
 from nascompress.data import FMNIST_DIR, DataConfig
 from nascompress.profiling.config import ProfileConfig
@@ -96,7 +96,15 @@ def train(**kw: Any) -> None:
                         linear_probe=linear_probe)
 
     job = run(build)
-    metrics = run(train_job, job, force=kw["force"], resume=kw["resume"])
+    if weights is not None and not linear_probe and not kw["resume"]:  # not silently: the recipe changes
+        from nascompress.progress import say
+
+        t = job.train
+        lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
+        ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
+        say(f"train: --weights given, so the fine-tuning recipe: {lr}, layer decay {ld}, {t.warmup_epochs:g} "
+            "warm-up epochs (for weights that were never trained, leave out --weights)")
+    metrics = run(train_job, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
     if kw["json_out"]:
         print_json(metrics)
     elif metrics.get("linear_probe"):

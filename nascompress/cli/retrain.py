@@ -7,8 +7,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
-                                    setting_values, with_subsets)
+from nascompress.cli.common import (SkipBadImages, command_signature, given_options, out, print_json, run,
+                                    setting_params, setting_values, with_subsets)
 
 
 def _retrain_options(
@@ -67,7 +67,7 @@ def retrain(**kw: Any) -> None:
                           teacher=str(teacher) if teacher else None, auto_batch=batch_size is None)
 
     job = run(build)
-    metrics = run(retrain_fn, job, force=kw["force"], resume=kw["resume"])
+    metrics = run(retrain_fn, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
     if kw["json_out"]:
         print_json(metrics)
     else:

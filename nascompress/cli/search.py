@@ -7,8 +7,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import (SkipBadImages, command_signature, out, print_json, run, setting_params,
-                                    setting_values, skip_bad, with_subsets)
+from nascompress.cli.common import (SkipBadImages, command_signature, given_options, out, print_json, run,
+                                    setting_params, setting_values, skip_bad, with_subsets)
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -80,7 +80,7 @@ def dcs(**kw: Any) -> None:
                             model_kwargs={"img_size": img_size} if img_size else {})
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"])
+    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
     if kw["json_out"]:
         print_json(metrics)
     else:
@@ -111,6 +111,8 @@ def _study_options(
         help="Single objective: accuracy with FLOPs <= this ratio of the uncompressed model.")] = None,
     max_latency: Annotated[Optional[float], typer.Option(
         help="Single objective: accuracy with batch-1 latency <= this many ms on --device.")] = None,
+    dataset: Annotated[Optional[str], typer.Option(
+        help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the base run's dataset).")] = None,
     # (here: the study's settings, SearchJob's user-facing fields: --trials ... --no-enqueue)
     seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
@@ -135,7 +137,11 @@ def _outer_search(kind: str, default_space: str):
         base = kw["base"]
 
         def build() -> SearchJob:
-            data = skip_bad(run_data_config(base) if base.is_dir() else None, True) if kw["skip_bad_images"] else None
+            from nascompress.data import DataConfig
+
+            data = DataConfig(dataset=kw["dataset"]) if kw["dataset"] is not None else None
+            if kw["skip_bad_images"]:
+                data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
             return SearchJob(**setting_values(SearchJob, kw), base=str(base), space=str(kw["space"] or default_space),
                              study=kw["study"], storage=kw["storage"], objective=kw["objective"],
                              max_flops=kw["max_flops"], max_latency_ms=kw["max_latency"], seed=kw["seed"],

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
-from ..errors import NascompressError
+from ..errors import NascompressError, require_extra
+from ..data import InputSpec, eval_steps
+from ..progress import say
 from ..utils import atomic_path, write_json
 from .config import ExportConfig
 from .graphs import check_exportable, graphs_for, write_graph
@@ -107,6 +109,8 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     from ..models import input_size
 
     cfg = config or ExportConfig()
+    if cfg.format == "onnx":
+        require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
@@ -121,6 +125,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     example = torch.randn(2 if cfg.dynamic else cfg.batch, *shape, generator=g)  # traced (2: no size-1 special case)
     flops = _flops(model, x[:1])
     ref = traceable_copy(model, dtype=dtype)  # what is traced, and the PyTorch side of the check
+    say(f"export: tracing the model for {cfg.format} ...")
     graphs, rule = graphs_for(ref, example.to(dtype))
     t0 = time.perf_counter()
     for p in created:
@@ -132,6 +137,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             written = [write_graph(gr, tmp, fmt=cfg.format, dynamic=cfg.dynamic, opset=cfg.opset)
                        for gr, tmp in zip(graphs, tmps)]
             export_s = time.perf_counter() - t0
+            say(f"export: written in {export_s:.1f} s; checking the file against the PyTorch model ...")
             runners = [runner_for(tmp, cfg.format) for tmp in tmps]
             run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule["epsilon"])
             batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and len(x) > 1 else [x.to(dtype)]
@@ -159,8 +165,10 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                            "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
                 "batch": cfg.batch, "dtype": cfg.dtype,
                 "input": {**arch["input"], "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
-                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)"},
+                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
+                          "steps": eval_steps(InputSpec.from_dict(arch["input"]))},
                 "num_classes": int(model.num_classes),
+                "id2label": ({str(i): name for i, name in enumerate(arch["labels"])} if arch.get("labels") else None),
                 "flops": flops,
                 "model": arch["model"],
                 "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m

@@ -258,7 +258,7 @@ class DynamicViT(Method):
     def resolve(self, model: nn.Module, cfg: DynamicViTConfig) -> DynamicViTConfig:
         check_token_model(model, "dynamicvit")
         depth = len(model.blocks)
-        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(list(cfg.prune_layers), depth)
+        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(cfg.prune_layers, depth)
         if isinstance(cfg.rho, tuple) and len(cfg.rho) != len(layers):
             raise NascompressError(f"rho has {len(cfg.rho)} per-stage rates but there are {len(layers)} pruning "
                                    "layers; give one rho or one ratio per layer")

@@ -212,7 +212,7 @@ class EViT(Method):
     def resolve(self, model: nn.Module, cfg: EViTConfig) -> EViTConfig:
         check_token_model(model, "evit")
         depth = len(model.blocks)
-        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(list(cfg.prune_layers), depth)
+        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(cfg.prune_layers, depth)
         per_layer(cfg.keep_rate, len(layers), "keep_rate")
         return cfg.replace(prune_layers=tuple(layers))
 

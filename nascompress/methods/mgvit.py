@@ -148,7 +148,8 @@ class MGViTRecipe(Config):
 def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
     """``cfg`` checked against ``model``, model-dependent defaults filled in."""
     depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
-    layers = default_ppsm_layers(depth) if cfg.ppsm_layers is None else list(cfg.ppsm_layers)
+    layers = (default_ppsm_layers(depth) if cfg.ppsm_layers is None else [cfg.ppsm_layers]
+              if isinstance(cfg.ppsm_layers, int) else list(cfg.ppsm_layers))  # one layer: 5 or [5]
     for l in layers:
         if not isinstance(l, int) or not 2 <= l <= depth:
             raise NascompressError(f"PPSM layer {l!r} is outside the depth: layers are 1-based and must be in "

@@ -76,4 +76,7 @@ def compile_for_speed(model: nn.Module, device: torch.device) -> tuple[Callable 
     # dynamo's default limit of 8 per code object it would silently run eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" else None
+    from ..progress import say
+
+    say("profile: torch.compile (the first timed calls compile the model: this can take a minute) ...")
     return torch.compile(model, mode=mode, dynamic=False), None

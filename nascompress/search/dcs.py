@@ -65,6 +65,7 @@ from ..io import finish_run, load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
+from ..progress import step
 from ..retrain import AUTO_BATCH_NOTE, FeatureTap, auto_batch_size, feature_kd_loss
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
@@ -668,7 +669,9 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     spec = InputSpec.from_dict(base_arch["input"])
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
-    job, pre = prepare_search(job, dense, data, spec)
+    base_arch = dict(base_arch, labels=[str(c) for c in data.classes])  # the classes searched on
+    with step("DCS: measuring the dense model before the search (activation statistics, gate probes)"):
+        job, pre = prepare_search(job, dense, data, spec)
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0, importance=pre["importance"],
                              fill=pre["fill"], protect=pre["protect"])
@@ -706,12 +709,13 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 
-def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False) -> dict[str, Any]:
+def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
+               explicit: set[str] | None = None) -> dict[str, Any]:
     """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
     on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
-    if resume:
-        job = recorded_job(out, DCSSearchJob, "nascompress search dcs")
+    if resume:  # (explicit: the options given on the command line; each must agree with the record)
+        job = recorded_job(out, DCSSearchJob, "nascompress search dcs", given=job, explicit=explicit)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
