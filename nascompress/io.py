@@ -39,7 +39,7 @@ from torch import nn
 
 from .errors import NascompressError, writing
 from .methods import apply_methods
-from .models import ModelSpec, build_model, check_model_kwargs, load_state_strict
+from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict
 from .utils import atomic_path, read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
@@ -74,6 +74,7 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
         raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
                                f"keys {sorted(model)}")
     check_model_kwargs(model.get("kwargs", {}), source=source)
+    check_model_size(ModelSpec(model["name"], dict(model.get("kwargs", {}))), source=source)
     if not isinstance(arch.setdefault("methods", []), list):
         raise NascompressError(f"{source}: methods must be a list of method records")
     return arch

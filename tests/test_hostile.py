@@ -1,0 +1,120 @@
+"""Hostile inputs (issue 37): nothing hangs, nothing eats memory, no open door.
+
+Each test fails on the code before the fix: dataset symlink loops, a model file that would build
+a huge model, the dashboard's binding and write API, the trial budget across workers, NaN
+weights and a forged completion mark, ImageFolder oddities, out-of-range pipeline values,
+file identity independent of the output path, full disks in export.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+import nascompress
+from nascompress.errors import NascompressError
+
+from .conftest import invoke
+from .test_reliability import TINY, folder, one_line, plain_model_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# 1, 9. ImageFolder: symlink loops, hidden folders, linked classes, huge images
+
+
+def test_a_dataset_with_symlink_loops_is_refused_at_once(tmp_path):
+    root = folder(tmp_path / "data", {"a": 4, "b": 4})
+    os.symlink("..", root / "train" / "a" / "up")
+    os.symlink("../../train", root / "train" / "a" / "again")
+    out = tmp_path / "run"
+    one_line(invoke("train", "--dataset", root, "--out", out, *TINY), "a folder that contains it (a loop)")
+    assert not out.exists()
+    # a link to a folder elsewhere is followed (its images count once)
+    os.remove(root / "train" / "a" / "up")
+    os.remove(root / "train" / "a" / "again")
+    extra = folder(tmp_path / "extra", {"x": 3}, splits=("train",))
+    os.symlink(extra / "train" / "x", root / "train" / "a" / "more")
+    from nascompress.data import DataConfig, load_data
+
+    b = load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
+    assert len(b.train) == 8 + 3 and b.classes == ["a", "b"]
+    # two links into one folder: its images would count twice
+    os.symlink(extra / "train" / "x", root / "train" / "a" / "twice")
+    with pytest.raises(NascompressError, match="two links to one folder"):
+        load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
+
+
+def test_hidden_folders_are_no_class_and_a_linked_class_is_refused(tmp_path):
+    from nascompress.data import DataConfig, load_data
+
+    root = folder(tmp_path / "data", {"a": 4, "b": 4})
+    ck = root / "train" / ".ipynb_checkpoints"
+    ck.mkdir()
+    (root / "train" / "a" / ".ipynb_checkpoints").mkdir()
+    (root / "train" / "a" / ".ipynb_checkpoints" / "0-checkpoint.png").write_bytes(
+        (root / "train" / "a" / "0.png").read_bytes())
+    b = load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
+    assert b.classes == ["a", "b"] and len(b.train) == 8
+    os.symlink("a", root / "train" / "c")
+    os.symlink("a", root / "val" / "c")
+    with pytest.raises(NascompressError, match="class folders 'a' and 'c' of .* are the same folder"):
+        load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
+
+
+def test_a_huge_image_is_refused_from_its_header(tmp_path, monkeypatch, recwarn):
+    from PIL import Image
+
+    root = folder(tmp_path / "data", {"a": 4, "b": 4})
+    big = root / "train" / "b" / "big.png"
+    Image.new("L", (400, 300)).save(big)
+    monkeypatch.setenv("NASCOMPRESS_MAX_IMAGE_PIXELS", "100000")  # 400 x 300 = 120,000 pixels
+    msg = one_line(invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY), f"image {big} (too large")
+    assert "400x300 = 120,000 pixels, above the limit of 100,000" in msg and "NASCOMPRESS_MAX_IMAGE_PIXELS" in msg
+    assert msg.startswith("error: image") and not (tmp_path / "run").exists()
+    # above PIL's own bomb limit: one line too, no raw DecompressionBombWarning
+    monkeypatch.delenv("NASCOMPRESS_MAX_IMAGE_PIXELS")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 50_000)
+    from nascompress.data import scan_images
+
+    bad = scan_images([str(big)])
+    assert bad[str(big)].startswith("too large: more than 100,000 pixels")
+    assert not [w for w in recwarn if "DecompressionBomb" in type(w.message).__name__]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A model file cannot make nascompress build a huge model
+
+
+@pytest.mark.parametrize("key,value,what", [
+    ("depth", 1_000_000, "depth (blocks) is 1,000,000, above the limit of 256"),
+    ("embed_dim", 1_000_000, "parameter count is"),
+    ("img_size", 100_000, "tokens per image is 625,000,001"),
+])
+def test_an_arch_json_with_a_huge_model_is_refused_before_building(tmp_path, key, value, what):
+    d = plain_model_dir(tmp_path / "m")
+    arch = json.loads((d / "arch.json").read_text())
+    arch["model"]["kwargs"][key] = value
+    (d / "arch.json").write_text(json.dumps(arch))
+    with pytest.raises(NascompressError, match="above the limit") as e:
+        nascompress.load(d)
+    assert what in str(e.value) and str(d / "arch.json") in str(e.value) and "NASCOMPRESS_MAX_MODEL_" in str(e.value)
+    one_line(invoke("evaluate", d, "--dataset", "synthetic"), what)
+
+
+def test_the_model_size_limits_are_settings(monkeypatch):
+    from nascompress.models import ModelSpec, build_model, custom_vit_spec, model_size
+
+    spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1)
+    built = build_model(spec)
+    n = sum(p.numel() for p in built.parameters())
+    size = model_size(spec)
+    assert size["depth"] == 3 and size["tokens"] == 17 and 0.9 * n <= size["params"] <= n
+    assert model_size(ModelSpec("vit_base_patch16_224", {}))["params"] == pytest.approx(86.6e6, rel=0.01)
+    monkeypatch.setenv("NASCOMPRESS_MAX_MODEL_DEPTH", "2")
+    with pytest.raises(NascompressError, match="depth \\(blocks\\) is 3, above the limit of 2 \\(max_model_depth\\)"):
+        build_model(spec)
+    monkeypatch.setenv("NASCOMPRESS_MAX_MODEL_DEPTH", "many")
+    with pytest.raises(NascompressError, match="NASCOMPRESS_MAX_MODEL_DEPTH='many' must be an integer >= 1"):
+        build_model(spec)
