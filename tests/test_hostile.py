@@ -118,3 +118,51 @@ def test_the_model_size_limits_are_settings(monkeypatch):
     monkeypatch.setenv("NASCOMPRESS_MAX_MODEL_DEPTH", "many")
     with pytest.raises(NascompressError, match="NASCOMPRESS_MAX_MODEL_DEPTH='many' must be an integer >= 1"):
         build_model(spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3, 10. The dashboard: loopback by default, public only when asked, read-only unless asked
+
+
+def _request(port: int, method: str, path: str) -> tuple[int, bytes]:
+    import http.client
+
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        c.putrequest(method, path, skip_accept_encoding=True)  # as curl: no Accept-Encoding header
+        c.endheaders()
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
+    from nascompress.studies import run_study
+    from nascompress.studies.dashboard import is_loopback, start_dashboard
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    storage = f"journal:{tmp_path}/s.journal"  # served live: a DELETE would delete the study itself
+    run_study(study_name="d", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
+              progress=False, **TWO)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+    for host in ("0.0.0.0", "::"):
+        with pytest.raises(NascompressError, match="has no login.*--expose-storage-without-login"):
+            start_dashboard("d", storage=storage, host=host)
+    r = invoke("study", "dashboard", "d", "--storage", storage, "--host", "0.0.0.0")
+    one_line(r, "could read the studies of its storage")
+    with start_dashboard("d", storage=storage) as h:
+        assert _request(h.port, "GET", "/static/bundle.js")[0] == 200  # was 500: KeyError HTTP_ACCEPT_ENCODING
+        assert _request(h.port, "GET", "/favicon.ico")[0] == 200
+        status, body = _request(h.port, "DELETE", "/api/studies/0")
+        assert status == 403 and b"--writable" in body
+        assert _request(h.port, "GET", "/api/studies")[0] == 200
+    assert "KeyError" not in capfd.readouterr().err
+    import optuna
+
+    assert [s.study_name for s in optuna.get_all_study_summaries(
+        optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{tmp_path}/s.journal")))] == ["d"]
+    with start_dashboard("d", storage=storage, writable=True) as h:
+        assert _request(h.port, "DELETE", "/api/studies/0")[0] in (200, 204)
