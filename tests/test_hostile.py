@@ -166,3 +166,104 @@ def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
         optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{tmp_path}/s.journal")))] == ["d"]
     with start_dashboard("d", storage=storage, writable=True) as h:
         assert _request(h.port, "DELETE", "/api/studies/0")[0] in (200, 204)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The trial budget holds across workers
+
+
+def test_a_trial_that_reaches_the_storage_last_is_the_surplus_one():
+    """A journal client stamps its trial's start before it gets the file's lock: trial 3 may carry
+    an earlier start than trial 2 although it reached the storage after it. Trial 2 checked while
+    alone (ran); trial 3 sees two complete trials and trial 2 running: with n_trials 3 it must not
+    run too (it did: ordered by start time it counted only the complete ones)."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from optuna.trial import TrialState
+
+    from nascompress.studies.runner import _surplus
+
+    t0 = dt.datetime(2026, 1, 1, 10, 0, 0)
+    done = [SimpleNamespace(_trial_id=i, number=i, state=TrialState.COMPLETE, datetime_start=t0) for i in (0, 1)]
+    first = SimpleNamespace(_trial_id=2, number=2, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=2))
+    second = SimpleNamespace(_trial_id=3, number=3, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=1))
+
+    class Seen:
+        def __init__(self, trials):
+            self.trials = trials
+
+        def get_trials(self, deepcopy=False, states=None):
+            return [t for t in self.trials if states is None or t.state in states]
+
+    assert not _surplus(Seen(done + [first]), first, 3)  # the second was not in the storage yet
+    assert _surplus(Seen(done + [first, second]), second, 3)
+    assert not _surplus(Seen(done[:1] + [first, second]), second, 3)  # room for both
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, workers):
+    """``workers`` workers (threads running the worker loop, each with its own storage connection)
+    on one journal study, with a slowed objective, a slowed ask (the window in which several
+    workers start the last trials at once) and a journal that writes a new trial a random moment
+    after stamping its start (as on a loaded machine): exactly n_trials complete, the extra
+    starts released."""
+    import random
+    import threading
+    import time
+
+    import optuna
+    from optuna.trial import TrialState
+
+    from nascompress.studies import runner
+    from nascompress.studies.records import SURPLUS_KEY
+    from nascompress.studies.seeding import _Seeding, default_sampler
+    from nascompress.studies.storage import open_storage, parse_storage
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    storage, n = f"journal:{tmp_path}/s.journal", 4  # 1 complete first: 3 slots for 2 or 4 workers in step
+    run_study = runner.run_study
+    run_study(study_name="w", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
+              progress=False, **TWO)  # creates the study (one trial complete)
+    real_ask = optuna.Study.ask
+
+    def slow_ask(self, *a, **kw):
+        time.sleep(0.05)
+        return real_ask(self, *a, **kw)
+
+    monkeypatch.setattr(optuna.Study, "ask", slow_ask)
+    from optuna.storages.journal import _storage as journal
+
+    real_write, rng = journal.JournalStorage._write_log, random.Random(workers)
+
+    def late_write(self, op_code, extra_fields):
+        if op_code == journal.JournalOperation.CREATE_TRIAL:
+            time.sleep(rng.uniform(0, 0.1))
+        return real_write(self, op_code, extra_fields)
+
+    monkeypatch.setattr(journal.JournalStorage, "_write_log", late_write)
+    cfg = runner._LoopConfig(n_trials=n, deadline=time.time() + 120, heartbeat_interval=0.2, grace_period=60.0,
+                             max_retries=2, max_failures=3)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            st = open_storage(parse_storage(storage), create=False)
+            study = optuna.load_study(study_name="w", storage=st, sampler=default_sampler(0))
+            runner._work(study, toy_factory(sleep=0.1), cfg, _Seeding(default_sampler, 0, k))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    with runner._quiet_optuna():
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+    assert not errors
+    st = open_storage(parse_storage(storage), create=False)
+    trials = optuna.load_study(study_name="w", storage=st).get_trials(deepcopy=False)
+    assert sum(t.state == TrialState.COMPLETE for t in trials) == n
+    assert all(t.system_attrs.get(SURPLUS_KEY) for t in trials if t.state == TrialState.PRUNED)
+    assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.FAIL)]
