@@ -267,3 +267,72 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
     assert sum(t.state == TrialState.COMPLETE for t in trials) == n
     assert all(t.system_attrs.get(SURPLUS_KEY) for t in trials if t.state == TrialState.PRUNED)
     assert not [t for t in trials if t.state in (TrialState.RUNNING, TrialState.FAIL)]
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. NaN weights are refused; the completion mark is typed and tied to the files
+
+
+def test_nan_weights_are_refused_by_the_loader(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d = plain_model_dir(tmp_path / "m")
+    sd = load_file(str(d / "model.safetensors"))
+    sd["blocks.0.attn.qkv.weight"][0, 0] = float("nan")
+    save_file(sd, str(d / "model.safetensors"))
+    with pytest.raises(NascompressError, match="not finite \\(NaN or inf\\) in blocks.0.attn.qkv.weight"):
+        nascompress.load(d)
+    one_line(invoke("evaluate", d, "--dataset", "synthetic"), "not finite")
+    assert torch.isnan(sd["blocks.0.attn.qkv.weight"]).any()
+
+
+def test_the_completion_mark_is_typed_and_tied_to_its_files(tmp_path, tiny_run):
+    import shutil
+
+    from nascompress.io import run_state
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["finished"] is True and set(metrics["finished_files"]) == {"model.safetensors", "arch.json"}
+    assert run_state(run) == "complete"
+    for forged in ("yes", 1, "true"):
+        (run / "metrics.json").write_text(json.dumps(dict(metrics, finished=forged)))
+        assert run_state(run) == "unfinished"
+        with pytest.raises(NascompressError, match="unfinished run"):
+            nascompress.load(run)
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    other = plain_model_dir(tmp_path / "other")
+    shutil.copy(other / "model.safetensors", run / "model.safetensors")  # another model, same run files
+    assert run_state(run) == "altered"
+    msg = one_line(invoke("evaluate", run, "--dataset", "synthetic"), "is a finished run whose files changed since")
+    assert "model.safetensors is not the file the run finished with" in msg
+    shutil.copy(tiny_run / "model.safetensors", run / "model.safetensors")
+    assert run_state(run) == "complete" and nascompress.load(run) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. A model file's bytes do not depend on where its run was written
+
+
+def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
+    from nascompress.io import file_sha256
+
+    from .test_retrain import make_model_dir
+
+    import shutil
+
+    # as two pipelines in two folders: OUT/tokens/picked retrained into OUT/final
+    srcs = [make_model_dir(tmp_path / "a" / "picked"), tmp_path / "elsewhere" / "picked"]
+    shutil.copytree(srcs[0], srcs[1])
+    outs = [tmp_path / "a" / "final", tmp_path / "elsewhere" / "final"]
+    for src, out in zip(srcs, outs):
+        r = invoke("retrain", src, "--out", out, "--dataset", "synthetic", "--epochs", "1", "--eta", "0",
+                   "--batch-size", "64", "--lr", "1e-3", "--train-limit", "64", "--eval-limit", "32", "--device", "cpu")
+        assert r.exit_code == 0, r.output
+    assert str(srcs[0]) not in (outs[0] / "arch.json").read_text()
+    assert file_sha256(outs[0] / "model.safetensors") == file_sha256(outs[1] / "model.safetensors")
+    assert file_sha256(outs[0] / "arch.json") == file_sha256(outs[1] / "arch.json")
+    # the provenance stays in the run's metadata
+    assert json.loads((outs[1] / "metrics.json").read_text())["source_model"] == str(srcs[1])
