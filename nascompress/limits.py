@@ -15,7 +15,9 @@ what was refused and how to raise the limit: ``NASCOMPRESS_<NAME>`` in the envir
   ~300 MB decoded before the resize): a 40-megapixel camera photo passes.
 - ``max_trials``: complete trials a study may be asked for (a study of 100,000 zero-shot trials
   already runs for weeks).
-- ``max_seed``: seeds are in [0, 2^32 - 1] (numpy's range; derived seeds stay in 64 bits).
+
+Seeds are in [0, 2^32 - 1] (:data:`SEED_MAX`: numpy's range; the seeds derived from them, e.g. a
+trial's, stay in 64 bits): the range of the ``seed`` setting itself, not a limit to raise.
 - ``max_yaml_depth``: nesting of a pipeline or search-space file (they nest a few levels).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .config import Config, setting
 from .errors import NascompressError
 
 ENV_PREFIX = "NASCOMPRESS_"
+SEED_MAX = 2**32 - 1
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,6 @@ class Limits(Config):
     max_model_tokens: int = setting(16_384, lo=1, help="Tokens per image of a model (patches + prefix tokens).")
     max_image_pixels: int = setting(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
     max_trials: int = setting(100_000, lo=1, help="Complete trials a study may be asked for.")
-    max_seed: int = setting(2**32 - 1, lo=0, help="Largest seed.")
     max_yaml_depth: int = setting(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
 
 
@@ -79,4 +81,4 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
                                f"intended, raise the limit with {env_name(name)}=N")
 
 
-__all__ = ["Limits", "limits", "check_limit", "env_name"]
+__all__ = ["Limits", "limits", "check_limit", "env_name", "SEED_MAX"]

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import distributed, runtime
 from .config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
+from .limits import SEED_MAX
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
 from .errors import NascompressError
@@ -93,7 +94,7 @@ class TrainConfig(Config):
     eval_batch_size: int = 256
     eval_start: bool = True
     keep: str = "best"
-    seed: int = setting(0, lo=0, help="One seed for init, data order and every random draw.")
+    seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
     device: str = setting("auto", help="auto, cpu or cuda[:N].")
     amp: str = setting("off", choices=runtime.AMP_MODES, help=(
         "Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32)."))
@@ -119,7 +120,7 @@ class TrainConfig(Config):
         check_choice("keep", self.keep, ("best", "last"))
         check_choice("--amp", self.amp, runtime.AMP_MODES)
         check_bool("--deterministic", self.deterministic)
-        check_int("--seed", self.seed, 0)
+        check_int("--seed", self.seed, 0, SEED_MAX)
         check_int("log_every", self.log_every, 1)
 
     @property

@@ -336,3 +336,58 @@ def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
     assert file_sha256(outs[0] / "arch.json") == file_sha256(outs[1] / "arch.json")
     # the provenance stays in the run's metadata
     assert json.loads((outs[1] / "metrics.json").read_text())["source_model"] == str(srcs[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Pipeline values out of any sensible range are refused before anything is written
+
+
+@pytest.mark.parametrize("path,value,match", [
+    ("stages.tokens.trials", 1_000_000_000, "stages.tokens.trials: the value is 1,000,000,000, above the limit of "
+                                            "100,000 (max_trials)"),
+    ("seed", 10**23, "seed: must be in [0, 4294967295], got 100000000000000000000000"),
+    ("base.train.lr", float("inf"), "base.train.lr: must be a finite number, got inf"),
+    ("stages.retrain.lr", float("nan"), "stages.retrain.lr: must be a finite number, got nan"),
+])
+def test_out_of_range_pipeline_values_are_one_line_and_write_nothing(tmp_path, path, value, match):
+    from .test_pipeline import _bad, tiny_config, write_config
+
+    cfg = write_config(tmp_path, _bad(tiny_config(), path, value))
+    out = tmp_path / "out"
+    one_line(invoke("pipeline", cfg, "--out", out), match)
+    assert not out.exists()
+
+
+def test_deeply_nested_yaml_is_one_line(tmp_path, monkeypatch):
+    from .test_pipeline import tiny_config, write_config
+
+    cfg = write_config(tmp_path, tiny_config())
+    deep = tmp_path / "deep.yaml"
+    deep.write_text(cfg.read_text() + "extra: " + "[" * 5000 + "]" * 5000 + "\n")
+    out = tmp_path / "out"
+    one_line(invoke("pipeline", deep, "--out", out), "nested deeper than 50 levels (the max_yaml_depth limit")
+    assert not out.exists()
+    space = tmp_path / "space.yaml"
+    space.write_text("format: nascompress-space/1\nname: x\nmethods: " + "[" * 60 + "]" * 60 + "\n")
+    from nascompress.search.space_model import load_space
+
+    with pytest.raises(NascompressError, match="nested deeper than 50 levels"):
+        load_space(space)
+    monkeypatch.setenv("NASCOMPRESS_MAX_YAML_DEPTH", "100")
+    with pytest.raises(NascompressError) as e:
+        load_space(space)
+    assert "nested deeper" not in str(e.value)
+
+
+def test_cli_and_library_values_out_of_range(tmp_path):
+    from nascompress.search.trials import SearchJob
+    from nascompress.train import TrainConfig
+
+    with pytest.raises(NascompressError, match="--lr must be a finite number in \\(0, inf\\], got inf"):
+        TrainConfig(lr=float("inf"))
+    with pytest.raises(NascompressError, match="--seed must be an integer in \\[0, 4294967295\\]"):
+        TrainConfig(seed=2**32)
+    with pytest.raises(NascompressError, match="--trials is 1,000,000,000, above the limit of 100,000"):
+        SearchJob(base="b", space="s", study="x", trials=10**9)
+    r = invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", "--seed", str(10**23), *TINY)
+    assert r.exit_code != 0 and "Traceback" not in r.output and not (tmp_path / "run").exists()

@@ -80,6 +80,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from nascompress.config import check_limited
 from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
 from .display import _Display
@@ -425,6 +426,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     t0 = time.time()
     if not isinstance(n_trials, int) or n_trials < 1:
         raise NascompressError(f"n_trials must be an integer >= 1, got {n_trials!r}")
+    check_limited("n_trials", n_trials, "max_trials")
     if not isinstance(workers, int) or workers < 1:
         raise NascompressError(f"workers must be an integer >= 1, got {workers!r}")
     directions = [str(d).lower() for d in directions]
