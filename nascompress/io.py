@@ -205,6 +205,23 @@ def _writer(d: Path) -> tuple[str, bool] | None:
     return next(((c, r) for keys, c, r in _COMMANDS if all(k in cfg for k in keys)), None)
 
 
+def continue_advice(run_dir: str | Path) -> str:
+    """What to do, once a full disk is freed, with a run that stopped writing ``run_dir``: continue
+    it with --resume (its config.json says which command), or (nothing to continue) rerun it with
+    --force, which replaces the unfinished directory (a plain rerun refuses an existing one); a
+    pipeline's stage: rerun the pipeline."""
+    d = Path(run_dir)
+    pipe = _pipeline_of(d)
+    if pipe is not None:
+        return f"then rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' to finish it"
+    writer = _writer(d)
+    if writer is not None and writer[1]:
+        return f"then continue it with '{writer[0]} --resume --out {d}'"
+    if d.is_dir() and any(d.iterdir()):
+        return f"then run the command again with --force (it replaces the unfinished {d})"
+    return "then rerun the command"
+
+
 def _pipeline_of(d: Path) -> Path | None:
     """The pipeline directory holding run ``d`` (OUT/base, OUT/tokens/picked, ...), if any."""
     for up in (d.parent, d.parent.parent):

@@ -31,10 +31,11 @@ from .config import Config, StageSettings, check_bool, check_choice, check_int, 
 from .limits import SEED_MAX
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
-from .errors import NascompressError
+from .errors import NascompressError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats, param_groups
-from .io import (ARCH_FILE, MODEL_FILE, finish_run, load_state, load_with_arch, make_arch, recorded_input, save_model,
+from .io import (ARCH_FILE, MODEL_FILE, continue_advice, finish_run, load_state, load_with_arch, make_arch,
+                 recorded_input, save_model,
                  save_state)
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .progress import make_progress
@@ -254,9 +255,14 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
     store = _RunStore(out_dir, log)
-    with runtime.configured(device, deterministic=cfg.deterministic):
-        return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
-                    hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+    try:
+        with runtime.configured(device, deterministic=cfg.deterministic):
+            return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
+                        hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+    except WriteError as e:  # a full disk mid-run: say how this run continues (a plain rerun refuses its folder)
+        if out_dir is None:
+            raise
+        raise e.instead(continue_advice(out_dir)) from e
 
 
 class _RunStore:

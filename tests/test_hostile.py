@@ -424,3 +424,38 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch, fmt):
     assert not out.exists() and not list(out.parent.glob("*"))
     if fmt == "torch-export":  # serialized in memory: torch's C++ writer never meets the full disk
         assert isinstance(seen[0], io.BytesIO)
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. After a full disk mid-run, the advice given is what works
+
+
+def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import nascompress.io as nio
+
+    real, calls = nio.save_file, []
+
+    def fills_up(*a, **kw):  # the disk fills up once the first epoch's checkpoint is written
+        calls.append(a[1])
+        if any("checkpoint" in str(c) for c in calls[:-1]):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(nio, "save_file", fills_up)
+    out = tmp_path / "run"
+    args = ["train", "--out", out, "--dataset", "synthetic", "--train-limit", "128", *TINY]
+    msg = one_line(invoke(*args), "no space is left on its disk")
+    assert f"then continue it with 'nascompress train --resume --out {out}'" in msg
+    monkeypatch.setattr(nio, "save_file", real)
+    one_line(invoke(*args), "already exists")  # what the old advice ("rerun the command") led to
+    r = invoke(*args, "--resume")  # what the advice says
+    assert r.exit_code == 0, r.output
+    assert nascompress.load(out) is not None
+    # nothing to continue (the disk full before the run's config was written): --force, not --resume
+    from nascompress.io import continue_advice
+
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "model.safetensors").write_bytes(b"")
+    assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
