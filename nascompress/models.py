@@ -275,7 +275,11 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
             sd = load_file(str(path))
         else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses a file:
+                warnings.simplefilter("ignore")  # the refusal below says it in one line
+                sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated file: every reader raises its own type
         raise NascompressError(f"weights file {path} is corrupt or not a weights file ({_unreadable(path, e)}); "
                                "give a .safetensors or .pth state dict (download or export it again)") from e
@@ -304,6 +308,8 @@ def _unreadable(path: Path, e: Exception) -> str:
         return "it holds text, not tensors"
     if path.suffix == ".safetensors":
         return f"not a complete safetensors file: {str(e).splitlines()[0]}"
+    if "Weights only load failed" in str(e):
+        return "it pickles objects other than tensors, which nascompress never unpickles: that could run code"
     return "neither a complete PyTorch zip checkpoint nor a pickle of tensors"
 
 

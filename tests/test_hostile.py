@@ -459,3 +459,18 @@ def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatc
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "model.safetensors").write_bytes(b"")
     assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. A pickle given as --weights: one line, no raw torch warning before it
+
+
+def test_a_pickle_as_weights_is_one_line_without_a_torch_warning(tmp_path, recwarn):
+    import pickle
+
+    (tmp_path / "w.pkl").write_bytes(pickle.dumps({"w": [1, 2]}, protocol=4))
+    out = tmp_path / "new"
+    msg = one_line(invoke("train", "--out", out, "--dataset", "synthetic", "--weights", tmp_path / "w.pkl", *TINY),
+                   f"weights file {tmp_path / 'w.pkl'} is corrupt or not a weights file")
+    assert "never unpickles" in msg and not out.exists()
+    assert not [w for w in recwarn if "pickle protocol" in str(w.message)]
