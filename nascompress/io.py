@@ -179,7 +179,7 @@ def _mark(d: Path) -> tuple[str, str | None]:
         except OSError:
             same = False
         if not same:
-            return "altered", f"{name} is not the file the run finished with (its size or sha256 differs)"
+            return "altered", f"{name} is not the file the run finished with: its size or sha256 differs"
     return "complete", None
 
 
@@ -235,9 +235,9 @@ def check_complete(run_dir: str | Path) -> None:
     d = Path(run_dir)
     state = run_state(d)
     if state == "altered":
-        raise NascompressError(f"{d} is a finished run whose files changed since: {_mark(d)[1]} (replaced or "
-                               "damaged after the run); run the command that wrote it again, or keep the new files as "
-                               f"a plain model directory ({MODEL_FILE} + {ARCH_FILE} only)")
+        raise NascompressError(f"{d} is a finished run whose files changed since (replaced, edited or damaged): "
+                               f"{_mark(d)[1]}; run the command that wrote it again, or keep the new files as a plain "
+                               f"model directory ({MODEL_FILE} + {ARCH_FILE} only)")
     if state != "unfinished":
         return
     pipe = _pipeline_of(d)

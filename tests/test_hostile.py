@@ -307,7 +307,7 @@ def test_the_completion_mark_is_typed_and_tied_to_its_files(tmp_path, tiny_run):
     shutil.copy(other / "model.safetensors", run / "model.safetensors")  # another model, same run files
     assert run_state(run) == "altered"
     msg = one_line(invoke("evaluate", run, "--dataset", "synthetic"), "is a finished run whose files changed since")
-    assert "model.safetensors is not the file the run finished with" in msg
+    assert "model.safetensors is not the file the run finished with: its size or sha256 differs" in msg
     shutil.copy(tiny_run / "model.safetensors", run / "model.safetensors")
     assert run_state(run) == "complete" and nascompress.load(run) is not None
 
