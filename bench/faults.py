@@ -768,7 +768,8 @@ def hostile_cases(t: Table) -> None:
 
     @t.case("imagefolder-notebook-checkpoints", "hostile dataset", "trains: .ipynb_checkpoints is no class")
     def _(c: Case, d: Path) -> None:
-        root = images(d, {"a": 6, "b": 6})
+        root = images(d, {"a": 12, "b": 12})
+        images(d, {"a": 4, "b": 4}, split="val")
         (root / "train" / ".ipynb_checkpoints").mkdir()
         args = ["train", "--out", "new", "--dataset", "imgs", *fold, "--json"]
         c.command = "nascompress " + " ".join(args) + "  (train/.ipynb_checkpoints/ present)"
@@ -959,6 +960,9 @@ def main() -> None:
     t = Table(work, args.only, mount=not args.no_mount)
     t0 = time.perf_counter()
     try:
+        # an ordinary evaluate of the tiny model: what a refusal may need at most twice of
+        ref = t.nc(["evaluate", t.base_run(), "--dataset", "synthetic", "--device", "cpu"], work)
+        baseline = ref.peak_rss_mb if ref.rc == 0 else None
         kill_cases(t)
         bad_input_cases(t)
         disk_cases(t)
@@ -970,9 +974,6 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     cases = [asdict(c) for c in t.cases]
     tried = [c for c in cases if c["outcome"] != "not run"]
-    # an ordinary evaluate of the tiny model: what a refusal may need at most twice of
-    ref = t.nc(["evaluate", t.work / "shared-base", "--dataset", "synthetic", "--device", "cpu"], t.work)
-    baseline = ref.peak_rss_mb if ref.rc == 0 else None
     blowups = [c["name"] for c in tried if baseline and c["peak_rss_mb"] and c["outcome"] in (
         "clean refusal", "raw error", "hang") and c["peak_rss_mb"] > 2 * baseline]
     summary = {

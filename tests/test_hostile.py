@@ -345,7 +345,7 @@ def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
 @pytest.mark.parametrize("path,value,match", [
     ("stages.tokens.trials", 1_000_000_000, "stages.tokens.trials: the value is 1,000,000,000, above the limit of "
                                             "100,000 (max_trials)"),
-    ("seed", 10**23, "seed: must be in [0, 4294967295], got 100000000000000000000000"),
+    ("seed", 10**23, "seed: must be an integer in [0, 4294967295], got 100000000000000000000000"),
     ("base.train.lr", float("inf"), "base.train.lr: must be a finite number, got inf"),
     ("stages.retrain.lr", float("nan"), "stages.retrain.lr: must be a finite number, got nan"),
 ])

@@ -165,7 +165,7 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
             left, right = "(" if meta["lo_open"] else "[", ")" if meta["hi_open"] else "]"
             show = lambda x: str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731
             span = f"{left}{'-inf' if lo is None else show(lo)}, {'inf' if hi is None else show(hi)}{right}"
-            raise ctx.err(path, f"must be in {span}, got {v!r}")
+            raise ctx.err(path, f"must be {'an integer ' if base is int else ''}in {span}, got {v!r}")
     if meta.get("limit"):
         try:
             check_limited("the value", v, meta["limit"])
