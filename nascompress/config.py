@@ -18,6 +18,7 @@ from typing import Any, Mapping, TypeVar
 import yaml
 
 from .errors import NascompressError
+from .limits import env_name, limits
 
 C = TypeVar("C", bound="Config")
 
@@ -110,7 +111,7 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
     where it differs from the library's (the dataclass default), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
-    :func:`check_limited`)."""
+    :func:`nascompress.limits.check_limited`)."""
     meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
                                                       path=path, keywords=keywords, limit=limit)}
     if flag is not None:
@@ -207,15 +208,6 @@ def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -
     return v
 
 
-def check_limited(name: str, v: Any, limit: str) -> Any:
-    """``v`` must not exceed limit ``limit`` of :mod:`nascompress.limits` (see :func:`setting`)."""
-    from .limits import check_limit
-
-    if is_number(v):
-        check_limit(limit, v, name)
-    return v
-
-
 def check_choice(name: str, v: Any, choices: typing.Sequence[Any]) -> Any:
     if v not in choices:
         raise NascompressError(f"{name} must be one of {', '.join(map(str, choices))}, got {v!r}")
@@ -240,8 +232,6 @@ class StrictYamlLoader(yaml.SafeLoader):
     _depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
-        from .limits import env_name, limits
-
         self._depth += 1
         try:
             limit = limits().max_yaml_depth
@@ -274,4 +264,4 @@ StrictYamlLoader.add_implicit_resolver(
 
 __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "setting_help",
            "StageSettings", "settings_class", "offered",
-           "check_range", "check_int", "check_limited", "check_choice", "check_bool", "is_number"]
+           "check_range", "check_int", "check_choice", "check_bool", "is_number"]

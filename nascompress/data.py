@@ -370,6 +370,25 @@ def _walk_class(folder: str) -> list[str]:
     return [os.path.join(d, f) for d, files in sorted(found) for f in files]
 
 
+def folder_classes(directory: str | Path) -> list[str]:
+    """The class folders of an ImageFolder split, sorted: its sub-folders (links followed) but the
+    hidden ones (``.ipynb_checkpoints``); two that are one folder (a link to another class) are
+    refused in one line."""
+    try:
+        entries = [e for e in os.scandir(directory) if not e.name.startswith(".") and e.is_dir()]
+    except OSError as e:
+        raise NascompressError(f"cannot read dataset folder {directory}: {e.strerror or e}") from None
+    classes = sorted(e.name for e in entries)
+    real: dict[str, str] = {}
+    for c in classes:
+        r = os.path.realpath(os.path.join(directory, c))
+        if r in real:
+            raise NascompressError(f"class folders {real[r]!r} and {c!r} of {directory} are the same folder ({r}; one "
+                                   "is a link to the other): remove one, a class must be one folder")
+        real[r] = c
+    return classes
+
+
 _FOLDER_CLASS: list[type] = []
 
 
@@ -384,21 +403,10 @@ def _folder_class() -> type:
     class _Folder(datasets.ImageFolder):
         @staticmethod
         def find_classes(directory: Any) -> tuple[list[str], dict[str, int]]:
-            try:
-                entries = [e for e in os.scandir(directory) if not e.name.startswith(".") and e.is_dir()]
-            except OSError as e:
-                raise NascompressError(f"cannot read dataset folder {directory}: {e.strerror or e}") from None
-            classes = sorted(e.name for e in entries)
+            classes = folder_classes(directory)
             if not classes:
                 raise NascompressError(f"{directory} is not an ImageFolder directory with one folder per class "
                                        "(it has no class folder)")
-            real: dict[str, str] = {}
-            for c in classes:
-                r = os.path.realpath(os.path.join(directory, c))
-                if r in real:
-                    raise NascompressError(f"class folders {real[r]!r} and {c!r} of {directory} are the same folder "
-                                           f"({r}; one is a link to the other): remove one, a class must be one folder")
-                real[r] = c
             return classes, {c: i for i, c in enumerate(classes)}
 
         @staticmethod

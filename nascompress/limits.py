@@ -27,23 +27,27 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .config import Config, setting
 from .errors import NascompressError
 
 ENV_PREFIX = "NASCOMPRESS_"
 SEED_MAX = 2**32 - 1
 
 
+def _limit(default: int, *, lo: int, help: str) -> Any:  # noqa: A002 (the settings' name for it)
+    # the metadata of nascompress.config.setting (not imported: config reads these limits)
+    return dataclasses.field(default=default, metadata={"help": help, "lo": lo})
+
+
 @dataclass(frozen=True)
-class Limits(Config):
+class Limits:
     """The limits (see the module docstring); :func:`limits` reads the environment's overrides."""
 
-    max_model_params: int = setting(2_000_000_000, lo=1, help="Parameters of a model built from a file or options.")
-    max_model_depth: int = setting(256, lo=1, help="Blocks of a model built from a file or options.")
-    max_model_tokens: int = setting(16_384, lo=1, help="Tokens per image of a model (patches + prefix tokens).")
-    max_image_pixels: int = setting(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
-    max_trials: int = setting(100_000, lo=1, help="Complete trials a study may be asked for.")
-    max_yaml_depth: int = setting(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
+    max_model_params: int = _limit(2_000_000_000, lo=1, help="Parameters of a model built from a file or options.")
+    max_model_depth: int = _limit(256, lo=1, help="Blocks of a model built from a file or options.")
+    max_model_tokens: int = _limit(16_384, lo=1, help="Tokens per image of a model (patches + prefix tokens).")
+    max_image_pixels: int = _limit(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
+    max_trials: int = _limit(100_000, lo=1, help="Complete trials a study may be asked for.")
+    max_yaml_depth: int = _limit(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
 
 
 DEFAULT = Limits()
@@ -71,6 +75,14 @@ def limits() -> Limits:
     return dataclasses.replace(DEFAULT, **changes) if changes else DEFAULT
 
 
+def check_limited(name: str, v: Any, limit: str) -> Any:
+    """``v`` (setting ``name``) must not exceed limit ``limit`` (a field of :class:`Limits`; the
+    ``limit`` of :func:`nascompress.config.setting`); non-numbers are left to the type checks."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        check_limit(limit, v, name)
+    return v
+
+
 def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
     """Refuse ``value`` above limit ``name`` in one line: what is too large, the limit, how to fix
     or raise it (``fix``: what the user should do instead, e.g. "check the file")."""
@@ -81,4 +93,4 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
                                f"intended, raise the limit with {env_name(name)}=N")
 
 
-__all__ = ["Limits", "limits", "check_limit", "env_name", "SEED_MAX"]
+__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX"]

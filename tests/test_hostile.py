@@ -57,6 +57,9 @@ def test_hidden_folders_are_no_class_and_a_linked_class_is_refused(tmp_path):
         (root / "train" / "a" / "0.png").read_bytes())
     b = load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
     assert b.classes == ["a", "b"] and len(b.train) == 8
+    r = invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY, "--epochs", "1")  # the CLI counts 2 too
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "run" / "arch.json").read_text())["model"]["kwargs"]["num_classes"] == 2
     os.symlink("a", root / "train" / "c")
     os.symlink("a", root / "val" / "c")
     with pytest.raises(NascompressError, match="class folders 'a' and 'c' of .* are the same folder"):

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, check_limited, check_meta, offered, settings_class
+from ..config import Config, check_meta, offered, settings_class
+from ..limits import check_limited
 from ..errors import NascompressError
 
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..config import Config, StageSettings, check_choice, check_int, check_limited, check_range, setting
-from ..limits import SEED_MAX
+from ..config import Config, StageSettings, check_choice, check_int, check_range, setting
+from ..limits import SEED_MAX, check_limited
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..errors import NascompressError
 from ..io import load_with_arch

@@ -80,7 +80,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from nascompress.config import check_limited
+from nascompress.limits import check_limited
 from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
 from .display import _Display
