@@ -114,14 +114,23 @@ class Ran:
     timed_out: bool = False
 
 
+# Starts a command from a small process and records its peak resident memory: a process's maxrss
+# counts the memory of the process it was forked from (Linux carries it across exec), so the
+# command is forked from this launcher (~10 MB), not from the bench (hundreds of MB).
+LAUNCH = ("import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
+          "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+          "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n")
+
+
 def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> Ran:
-    """Run ``cmd``; its exit code, output, peak resident memory (from wait4) and whether it was
-    killed at ``timeout`` seconds (a hang)."""
-    import resource
+    """Run ``cmd``; its exit code, output, peak resident memory (its maxrss, see LAUNCH) and
+    whether it was killed at ``timeout`` seconds (a hang)."""
     import threading
 
-    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe:
-        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=fo, stderr=fe, text=True, start_new_session=True)
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe, \
+            tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        p = subprocess.Popen([PY, "-c", LAUNCH, rss.name, *cmd], cwd=cwd, env=env, stdout=fo, stderr=fe, text=True,
+                             start_new_session=True)
         hung = threading.Event()
 
         def kill() -> None:
@@ -132,13 +141,13 @@ def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: flo
         timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            _, status, usage = os.wait4(p.pid, 0)
+            p.wait()
         finally:
             timer.cancel()
-        p.returncode = os.waitstatus_to_exitcode(status)
         fo.seek(0)
         fe.seek(0)
-        return Ran(p.returncode, fo.read(), fe.read(), round(usage.ru_maxrss / 1024, 1), hung.is_set())
+        peak = rss.read().strip()
+        return Ran(p.returncode, fo.read(), fe.read(), round(int(peak) / 1024, 1) if peak else 0.0, hung.is_set())
 
 
 class Table:
