@@ -118,7 +118,7 @@ class Ran:
 # counts the memory of the process it was forked from (Linux carries it across exec), so the
 # command is forked from this launcher (~10 MB), not from the bench (hundreds of MB).
 LAUNCH = ("import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
-          "_, status, usage = os.wait4(pid, 0)\nopen(sys.argv[1], 'w').write(str(usage.ru_maxrss))\n"
+          "_, status, usage = os.wait4(pid, 0)\nwith open(sys.argv[1], 'w') as f:\n    f.write(str(usage.ru_maxrss))\n"
           "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n")
 
 
@@ -129,7 +129,7 @@ def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: flo
 
     with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe, \
             tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
-        p = subprocess.Popen([PY, "-c", LAUNCH, rss.name, *cmd], cwd=cwd, env=env, stdout=fo, stderr=fe, text=True,
+        p = subprocess.Popen([PY, "-W", "ignore", "-c", LAUNCH, rss.name, *cmd], cwd=cwd, env=env, stdout=fo, stderr=fe, text=True,
                              start_new_session=True)
         hung = threading.Event()
 
