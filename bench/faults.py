@@ -30,6 +30,9 @@ Usage (from the repository root)::
 
     python bench/faults.py                       # writes bench/results/faults.json
     python bench/faults.py --only pipeline --keep --work /some/scratch
+    # the hostile-input cases only (bench/results/faults_hostile.json):
+    python bench/faults.py --only "hostile,open door,trial budget,full-disk-export,model identity,full-disk-train" \
+        --out bench/results/faults_hostile.json
 """
 from __future__ import annotations
 
