@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from .config import Config, check_int, setting
+from .limits import SEED_MAX
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -597,6 +598,7 @@ class DataConfig:
                 check_int(name, v, 1)
         if self.num_workers is not None:
             check_int("--num-workers", self.num_workers, 0)
+        check_int("--seed", self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the command's --seed
 
 
 @dataclass
