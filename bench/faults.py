@@ -6,8 +6,17 @@ name, category, command, expected, outcome, exit code, the error line, the parti
 (run directories or files a reader would accept as finished although the command failed) and
 whether data was lost (work finished before the fault that is gone or changed after it).
 
+Hostile inputs (issue 37): dataset symlink loops, hidden and linked class folders, a huge image,
+an ``arch.json`` asking for a huge model, NaN weights, a forged completion mark, out-of-range and
+deeply nested pipeline files, a pickle as weights, the dashboard's bind address and write API,
+the trial budget of two workers, full disks during export, and the model file's identity across
+output folders. Every command runs with a time limit (a command that does not end is a ``hang``)
+and records its peak memory (``peak_rss_mb``, the process's maximum resident set); a case above
+twice the peak of an ordinary ``evaluate`` of the tiny model is a memory blow-up.
+
 Outcomes: ``clean refusal`` (non-zero exit, one ``error:`` line naming the problem, no traceback
-and no bare exception name), ``raw error`` (non-zero exit otherwise), ``resumed identical`` (killed
+and no bare exception name), ``raw error`` (non-zero exit otherwise), ``hang`` (no end within the
+case's time limit), ``resumed identical`` (killed
 with SIGKILL, rerun with the same command: the same weights / trials as an uninterrupted run),
 ``resumed different``, ``recovered`` (a leftover of a killed process handled at once), ``accepted``
 (an input the tool should take), ``wrong`` (anything else).
@@ -21,10 +30,14 @@ Usage (from the repository root)::
 
     python bench/faults.py                       # writes bench/results/faults.json
     python bench/faults.py --only pipeline --keep --work /some/scratch
+    # the hostile-input cases only (bench/results/faults_hostile.json):
+    python bench/faults.py --only "hostile,open door,trial budget,full-disk-export,model identity,full-disk-train" \
+        --out bench/results/faults_hostile.json
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -91,6 +104,7 @@ class Case:
     data_lost: bool = False
     how: str = "real"
     seconds: float = 0.0
+    peak_rss_mb: float | None = None
     note: str = ""
 
 
@@ -99,6 +113,44 @@ class Ran:
     rc: int
     out: str
     err: str
+    peak_rss_mb: float = 0.0
+    timed_out: bool = False
+
+
+# Starts a command from a small process and records its peak resident memory: a process's maxrss
+# counts the memory of the process it was forked from (Linux carries it across exec), so the
+# command is forked from this launcher (~10 MB), not from the bench (hundreds of MB).
+LAUNCH = ("import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
+          "_, status, usage = os.wait4(pid, 0)\nwith open(sys.argv[1], 'w') as f:\n    f.write(str(usage.ru_maxrss))\n"
+          "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n")
+
+
+def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> Ran:
+    """Run ``cmd``; its exit code, output, peak resident memory (its maxrss, see LAUNCH) and
+    whether it was killed at ``timeout`` seconds (a hang)."""
+    import threading
+
+    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe, \
+            tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
+        p = subprocess.Popen([PY, "-W", "ignore", "-c", LAUNCH, rss.name, *cmd], cwd=cwd, env=env, stdout=fo, stderr=fe, text=True,
+                             start_new_session=True)
+        hung = threading.Event()
+
+        def kill() -> None:
+            hung.set()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            p.wait()
+        finally:
+            timer.cancel()
+        fo.seek(0)
+        fe.seek(0)
+        peak = rss.read().strip()
+        return Ran(p.returncode, fo.read(), fe.read(), round(int(peak) / 1024, 1) if peak else 0.0, hung.is_set())
 
 
 class Table:
@@ -114,9 +166,7 @@ class Table:
         e = dict(ENV, **(env or {}))
         if small_sqlite is not None:
             e["NASCOMPRESS_FAULTS_PAGES"] = str(small_sqlite)
-        p = subprocess.run(cmd + [str(a) for a in args], cwd=cwd, env=e, capture_output=True, text=True,
-                           timeout=timeout)
-        return Ran(p.returncode, p.stdout, p.stderr)
+        return run_measured(cmd + [str(a) for a in args], cwd=cwd, env=e, timeout=timeout)
 
     def kill_when(self, args: list[Any], cwd: Path, ready: Callable[[], bool], *, timeout: float = 300) -> bool:
         """Start the command, SIGKILL it as soon as ``ready()``; False if it ended before."""
@@ -209,7 +259,7 @@ class Table:
     # -- cases -----------------------------------------------------------------------------------
     def case(self, name: str, category: str, expected: str) -> Callable[[Callable[[Case, Path], None]], None]:
         def run(fn: Callable[[Case, Path], None]) -> None:
-            if self.only and self.only not in name and self.only not in category:
+            if self.only and not any(o in name or o in category for o in self.only.split(",")):
                 return
             d = self.work / name
             shutil.rmtree(d, ignore_errors=True)
@@ -241,11 +291,15 @@ def error_line(r: Ran) -> str | None:
     return lines[-1] if lines else (r.err.strip().splitlines() or [None])[-1]
 
 
-def judge_refusal(c: Case, r: Ran, must: str = "") -> None:
-    c.exit_code, c.error_line = r.rc, error_line(r)
+def judge_refusal(c: Case, r: Ran, must: str = "", *, one_line: bool = False) -> None:
+    """``one_line``: stderr must hold nothing but the error line (no warning printed before it)."""
+    c.exit_code, c.error_line, c.peak_rss_mb = r.rc, error_line(r), r.peak_rss_mb
+    if r.timed_out:
+        c.outcome = "hang"
+        return
     errs = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
     clean = (r.rc != 0 and len(errs) == 1 and "Traceback" not in r.err and not RAW_NAME.search(errs[0])
-             and must.lower() in errs[0].lower())
+             and must.lower() in errs[0].lower() and not (one_line and len(r.err.strip().splitlines()) != 1))
     c.outcome = "clean refusal" if clean else ("raw error" if r.rc != 0 else "wrong")
 
 
@@ -561,6 +615,8 @@ def disk_cases(t: Table) -> None:
             args = ["train", "--out", "small/run", "--epochs", "3", *TINY]
             c.command = "nascompress " + " ".join(args) + "  (then: more space, rerun with --resume)"
             judge_refusal(c, t.nc(args, d), "no space")
+            if c.outcome == "clean refusal" and "--resume" not in (c.error_line or ""):
+                c.outcome = "wrong"  # the advice must be what continues the run (a plain rerun refuses the folder)
             c.partial_outputs = finished_outputs(d, set())
             t.grow(d / "small")
             r = t.nc(args + ["--resume"], d)
@@ -681,11 +737,232 @@ def leftover_cases(t: Table) -> None:
         c.note = f"snapshot left by kill -9: {len(left)}; after the restart: {len(after_restart)} (its own); after Ctrl-C: {len(snaps())}"
 
 
+def hostile_cases(t: Table) -> None:
+    """Hostile inputs (issue 37): nothing hangs, nothing eats memory, no open door."""
+    base = t.base_run()
+    fold = ["--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1", "--num-heads", "2",
+            "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--num-workers", "0"]
+
+    def images(d: Path, counts: dict[str, int], split: str = "train") -> Path:
+        import numpy as np
+        from PIL import Image
+
+        rng = np.random.default_rng(0)
+        for cls, n in counts.items():
+            (d / "imgs" / split / cls).mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(d / "imgs" / split / cls / f"{i}.png")
+        return d / "imgs"
+
+    def refuse(c: Case, d: Path, args: list[Any], must: str, *, out: str | None = None, timeout: float = 120,
+               one_line: bool = False, env: dict[str, str] | None = None) -> Ran:
+        before = snapshot(d)
+        c.command = "nascompress " + " ".join(map(str, args))
+        r = t.nc(args, d, timeout=timeout, env=env)
+        judge_refusal(c, r, must, one_line=one_line)
+        c.partial_outputs = finished_outputs(d, before)
+        if out is not None and (d / out).exists() and out not in before:
+            c.partial_outputs.append(out + " (created)")
+        return r
+
+    @t.case("imagefolder-symlink-loops", "hostile dataset", "one line naming the link; no hang, no memory growth")
+    def _(c: Case, d: Path) -> None:
+        root = images(d, {"a": 6, "b": 6})
+        os.symlink("..", root / "train" / "a" / "up")
+        os.symlink("../../train", root / "train" / "a" / "again")
+        refuse(c, d, ["train", "--out", "new", "--dataset", "imgs", *fold], "a loop", out="new")
+
+    @t.case("imagefolder-linked-class", "hostile dataset", "one line: two class folders are one folder")
+    def _(c: Case, d: Path) -> None:
+        root = images(d, {"a": 6, "b": 6})
+        os.symlink("a", root / "train" / "c")
+        refuse(c, d, ["train", "--out", "new", "--dataset", "imgs", *fold], "same folder", out="new")
+
+    @t.case("imagefolder-notebook-checkpoints", "hostile dataset", "trains: .ipynb_checkpoints is no class")
+    def _(c: Case, d: Path) -> None:
+        root = images(d, {"a": 12, "b": 12})
+        images(d, {"a": 4, "b": 4}, split="val")
+        (root / "train" / ".ipynb_checkpoints").mkdir()
+        args = ["train", "--out", "new", "--dataset", "imgs", *fold, "--json"]
+        c.command = "nascompress " + " ".join(args) + "  (train/.ipynb_checkpoints/ present)"
+        r = t.nc(args, d, timeout=300)
+        c.exit_code, c.peak_rss_mb = r.rc, r.peak_rss_mb
+        arch = json.loads((d / "new" / "arch.json").read_text()) if r.rc == 0 else {}
+        classes = arch.get("model", {}).get("kwargs", {}).get("num_classes")
+        c.outcome = "hang" if r.timed_out else ("accepted" if r.rc == 0 and classes == 2 else "wrong")
+        c.error_line = error_line(r) if r.rc else None
+        c.note = f"classes of the trained model: {classes}"
+
+    @t.case("imagefolder-10000x10000-png", "hostile dataset", "one line naming the image and the pixel limit, "
+                                                               "read from its header (no decode)")
+    def _(c: Case, d: Path) -> None:
+        from PIL import Image
+
+        root = images(d, {"a": 6, "b": 6})
+        Image.new("L", (10000, 10000)).save(root / "train" / "b" / "huge.png")
+        r = refuse(c, d, ["train", "--out", "new", "--dataset", "imgs", *fold], "huge.png", out="new", one_line=True,
+                   env={"PYTHONWARNINGS": "default"})
+        if "DecompressionBomb" in r.err:
+            c.outcome, c.note = "raw error", "PIL's DecompressionBombWarning printed"
+
+    def arch_kw(key: str, value: Any) -> Callable[[Path], None]:
+        def prep(d: Path) -> None:  # a plain model directory: model.safetensors + an edited arch.json
+            (d / "run").mkdir()
+            shutil.copy(base / "model.safetensors", d / "run" / "model.safetensors")
+            a = json.loads((base / "arch.json").read_text())
+            a["model"]["kwargs"][key] = value
+            (d / "run" / "arch.json").write_text(json.dumps(a))
+        return prep
+
+    for key, value in (("depth", 1_000_000), ("embed_dim", 1_000_000), ("img_size", 100_000)):
+        @t.case(f"arch-json-huge-{key}", "hostile model file", "one line naming the limit; nothing built")
+        def _(c: Case, d: Path, key: str = key, value: Any = value) -> None:
+            arch_kw(key, value)(d)
+            refuse(c, d, ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], "above the limit")
+            c.note = f'arch.json model.kwargs.{key} = {value}'
+
+    @t.case("nan-weights", "hostile model file", "one line: the weights are not finite")
+    def _(c: Case, d: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        (d / "m").mkdir()
+        shutil.copy(base / "arch.json", d / "m" / "arch.json")
+        sd = load_file(str(base / "model.safetensors"))
+        sd["head.weight"][0, 0] = float("nan")
+        save_file(sd, str(d / "m" / "model.safetensors"))
+        refuse(c, d, ["evaluate", "m", "--dataset", "synthetic", "--device", "cpu"], "not finite")
+
+    @t.case("forged-finished-mark", "hostile model file", "one line: the run is unfinished (the mark is typed)")
+    def _(c: Case, d: Path) -> None:
+        shutil.copytree(base, d / "run")
+        m = json.loads((d / "run" / "metrics.json").read_text())
+        (d / "run" / "metrics.json").write_text(json.dumps(dict(m, finished="yes")))
+        refuse(c, d, ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], "unfinished")
+
+    @t.case("replaced-model-file", "hostile model file", "one line: the run's files changed since it finished")
+    def _(c: Case, d: Path) -> None:
+        shutil.copytree(base, d / "run")
+        b = bytearray((d / "run" / "model.safetensors").read_bytes())
+        b[-4:] = b"\x00\x00\x80\x7f"  # the last float of the file: +inf, same size
+        (d / "run" / "model.safetensors").write_bytes(bytes(b))
+        refuse(c, d, ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], "changed since")
+
+    @t.case("pickle-as-weights", "hostile model file", "one line and nothing else (no torch warning)")
+    def _(c: Case, d: Path) -> None:
+        import pickle
+
+        (d / "w.pkl").write_bytes(pickle.dumps({"w": [1, 2]}, protocol=4))
+        refuse(c, d, ["train", "--out", "new", "--weights", "w.pkl", "--epochs", "1", *TINY], "w.pkl", out="new",
+               one_line=True, env={"PYTHONWARNINGS": "default"})
+
+    for name, text, must in (
+            ("trials-1e9", PIPELINE.replace("trials: 4", "trials: 1000000000"), "max_trials"),
+            ("seed-1e23", PIPELINE.replace("seed: 0", "seed: 100000000000000000000000"), "seed"),
+            ("lr-inf", PIPELINE.replace("lr: 0.002", "lr: .inf"), "finite"),
+            ("nested-5000", PIPELINE + "extra: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper")):
+        @t.case(f"config-{name}", "hostile config", "one line naming the key or the limit; nothing written")
+        def _(c: Case, d: Path, text: str = text, must: str = must) -> None:
+            (d / "p.yaml").write_text(text)
+            refuse(c, d, ["pipeline", "p.yaml", "--out", "run"], must, out="run")
+
+    @t.case("dashboard-public-bind", "open door", "refused without --expose-storage-without-login")
+    def _(c: Case, d: Path) -> None:
+        shutil.copy(t.reference("study") / "s.db", d / "s.db")
+        refuse(c, d, ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--host", "0.0.0.0", "--port", "0"],
+               "--expose-storage-without-login", timeout=60)
+
+    @t.case("dashboard-delete-study", "open door", "read-only: DELETE /api/studies/N answered 403, the study kept; "
+                                                    "/static/* served without Accept-Encoding")
+    def _(c: Case, d: Path) -> None:
+        import http.client
+
+        shutil.copy(t.reference("study") / "s.db", d / "s.db")
+        args = ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--port", "0"]
+        c.command = "nascompress " + " ".join(args) + "  (then DELETE /api/studies/0, GET /static/bundle.js)"
+        p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            up = p.stdout.readline()
+            port = int(re.search(r":(\d+)/dashboard", up).group(1))
+
+            def request(method: str, path: str) -> int:
+                h = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+                try:
+                    h.putrequest(method, path, skip_accept_encoding=True)
+                    h.endheaders()
+                    return h.getresponse().status
+                finally:
+                    h.close()
+
+            delete, static = request("DELETE", "/api/studies/0"), request("GET", "/static/bundle.js")
+        finally:
+            os.killpg(p.pid, signal.SIGINT)
+            _, errs = p.communicate(timeout=30)
+        c.exit_code = p.returncode
+        kept = len(complete(study_trials(d / "s.db", "s"))) > 0
+        c.data_lost = not kept
+        ok = delete == 403 and static == 200 and kept and "Traceback" not in errs
+        c.outcome = "clean refusal" if ok else "wrong"
+        c.note = f"DELETE: {delete}, static without Accept-Encoding: {static}, study kept: {kept}"
+
+    @t.case("study-two-workers-budget", "trial budget", "2 workers, --trials 4: exactly 4 complete trials")
+    def _(c: Case, d: Path) -> None:
+        args = ["search", "tokens", str(base), "--study", "w", "--storage", "journal:w.journal", "--trials", "4",
+                "--workers", "2", *STUDY]
+        c.command = "nascompress search tokens BASE --study w --storage journal:w.journal --trials 4 --workers 2 ..."
+        r = t.nc(args, d, timeout=600)
+        c.exit_code, c.peak_rss_mb = r.rc, r.peak_rss_mb
+        n = len(complete(journal_trials(d / "w.journal", "w")))
+        c.outcome = "hang" if r.timed_out else ("accepted" if r.rc == 0 and n == 4 else "wrong")
+        c.error_line = error_line(r) if r.rc else None
+        c.note = f"{n} complete trials"
+
+    for fmt, name in (("onnx", "m.onnx"), ("torch-export", "m.pt2")):
+        @t.case(f"full-disk-export-{fmt}", "full disk", "one line: no space left; nothing written")
+        def _(c: Case, d: Path, fmt: str = fmt, name: str = name) -> None:
+            if not t.can_mount:
+                c.outcome, c.how = "not run", "no tmpfs (mount not permitted here, or --no-mount)"
+                return
+            t.tmpfs(d / "small", size="48k")
+            c.how = "tmpfs of 48 KiB"
+            refuse(c, d, ["export", str(base), "--out", f"small/{name}", "--format", fmt], "no space", timeout=300)
+            c.partial_outputs += [str(p.relative_to(d)) for p in (d / "small").iterdir()]
+
+    @t.case("pipeline-two-folders-same-bytes", "model identity", "the same pipeline in another folder writes "
+                                                                 "byte-identical model files")
+    def _(c: Case, d: Path) -> None:
+        want = t.reference("pipeline") / "run"
+        other = t.work / "kill-pipeline-report" / "run"  # the same pipeline, finished in another folder
+        if not (other / "final" / "metrics.json").is_file():
+            (d / "p.yaml").write_text(PIPELINE)
+            r = t.nc(["pipeline", "p.yaml", "--out", "run"], d, timeout=900)
+            c.exit_code = r.rc
+            other = d / "run"
+        c.command = "nascompress pipeline p.yaml --out run  (in two folders; sha256 of every model file)"
+        names = sorted(str(p.relative_to(want)) for p in want.rglob("model.safetensors"))
+        differ = [n for n in names if digest(want / n) != digest(other / n)]
+        c.outcome = "accepted" if names and not differ else "wrong"
+        c.note = f"{len(names) - len(differ)} of {len(names)} model files identical" + (
+            f"; differ: {', '.join(differ)}" if differ else "")
+
+
+def journal_trials(path: Path, name: str) -> list[tuple]:
+    """(number, state, params, values) of every trial of a journal study."""
+    import optuna
+
+    st = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
+    try:
+        study = optuna.load_study(study_name=name, storage=st)
+    except KeyError:
+        return []
+    return [(t.number, t.state.name, sorted(t.params.items()), list(t.values or [])) for t in study.trials]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="Scratch folder (default: a new temporary folder).")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
-    ap.add_argument("--only", default=None, help="Run the cases whose name contains this (or of this category).")
+    ap.add_argument("--only", default=None, help="Run the cases whose name contains this (or of this category); several: comma-separated.")
     ap.add_argument("--keep", action="store_true", help="Keep the scratch folder.")
     ap.add_argument("--no-mount", action="store_true",
                     help="Do not mount tmpfs (what runs where mounting is not permitted: simulated or not run).")
@@ -695,16 +972,22 @@ def main() -> None:
     t = Table(work, args.only, mount=not args.no_mount)
     t0 = time.perf_counter()
     try:
+        # an ordinary evaluate of the tiny model: what a refusal may need at most twice of
+        ref = t.nc(["evaluate", t.base_run(), "--dataset", "synthetic", "--device", "cpu"], work)
+        baseline = ref.peak_rss_mb if ref.rc == 0 else None
         kill_cases(t)
         bad_input_cases(t)
         disk_cases(t)
         leftover_cases(t)
+        hostile_cases(t)
     finally:
         t.unmount_all()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     cases = [asdict(c) for c in t.cases]
     tried = [c for c in cases if c["outcome"] != "not run"]
+    blowups = [c["name"] for c in tried if baseline and c["peak_rss_mb"] and c["outcome"] in (
+        "clean refusal", "raw error", "hang") and c["peak_rss_mb"] > 2 * baseline]
     summary = {
         "cases_tried": len(tried),
         "clean_refusals": sum(c["outcome"] == "clean refusal" for c in tried),
@@ -715,7 +998,13 @@ def main() -> None:
         "recovered_leftovers": sum(c["outcome"] == "recovered" for c in tried),
         "accepted": sum(c["outcome"] == "accepted" for c in tried),
         "raw_errors": sum(c["outcome"] == "raw error" for c in tried),
-        "wrong_or_bench_failures": sum(c["outcome"] in ("wrong", "resumed different", "bench failure") for c in tried),
+        "hangs": sum(c["outcome"] == "hang" for c in tried),
+        "evaluate_peak_rss_mb": baseline,
+        "memory_blowups": blowups,
+        "max_refusal_peak_rss_mb": max((c["peak_rss_mb"] for c in tried if c["peak_rss_mb"] and c["outcome"] in (
+            "clean refusal", "raw error", "hang")), default=None),
+        "wrong_or_bench_failures": sum(c["outcome"] in ("wrong", "resumed different", "bench failure", "hang")
+                                       for c in tried),
         "partial_outputs_left": sum(bool(c["partial_outputs"]) for c in tried),
         "data_lost": sum(bool(c["data_lost"]) for c in tried),
         "not_run": [c["name"] for c in cases if c["outcome"] == "not run"],

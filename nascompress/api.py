@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from . import runtime
-from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, load_data
+from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, folder_classes, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch
@@ -25,7 +25,7 @@ def count_classes(data: DataConfig) -> int:
     if not train.is_dir():
         raise NascompressError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
                                "directory with train/; give an ImageFolder root (train/<class>/*.png) with --dataset PATH")
-    classes = sorted(p.name for p in train.iterdir() if p.is_dir())
+    classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
         from .data import check_classes
 

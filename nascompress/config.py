@@ -8,6 +8,7 @@ Validation errors are :class:`~nascompress.errors.NascompressError` (one line fo
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -17,6 +18,7 @@ from typing import Any, Mapping, TypeVar
 import yaml
 
 from .errors import NascompressError
+from .limits import env_name, limits
 
 C = TypeVar("C", bound="Config")
 
@@ -90,24 +92,28 @@ class Config:
 
 
 def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
-               choices: tuple[Any, ...] | None = None, path: bool = False, keywords: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The checks a field's metadata carries for the pipeline file: a number range, choices, or a
-    path (resolved against the config's directory unless it is one of ``keywords``)."""
+               choices: tuple[Any, ...] | None = None, path: bool = False, keywords: tuple[str, ...] = (),
+               limit: str | None = None) -> dict[str, Any]:
+    """The checks a field's metadata carries for the pipeline file: a number range, choices, a
+    path (resolved against the config's directory unless it is one of ``keywords``), or a limit
+    of :mod:`nascompress.limits` (its name) the value must not exceed."""
     return {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
-            "keywords": keywords}
+            "keywords": keywords, "limit": limit}
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
             path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None,
-            user_default: Any = dataclasses.MISSING) -> Any:
+            user_default: Any = dataclasses.MISSING, limit: str | None = None) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
     (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
-    where it differs from the library's (the dataclass default)."""
+    where it differs from the library's (the dataclass default), ``limit``: the limit of
+    :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
+    :func:`nascompress.limits.check_limited`)."""
     meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
-                                                      path=path, keywords=keywords)}
+                                                      path=path, keywords=keywords, limit=limit)}
     if flag is not None:
         meta["flag"] = flag
     if user_default is not dataclasses.MISSING:
@@ -180,8 +186,8 @@ def is_number(v: Any) -> bool:
 
 def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = None, *,
                 lo_open: bool = False, hi_open: bool = False) -> float:
-    """``v`` must be a number in the given interval; returns it as a float."""
-    ok = is_number(v)
+    """``v`` must be a finite number in the given interval; returns it as a float."""
+    ok = is_number(v) and math.isfinite(v)
     if ok and lo is not None:
         ok = v > lo if lo_open else v >= lo
     if ok and hi is not None:
@@ -190,7 +196,8 @@ def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = N
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         span = f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
-        raise NascompressError(f"{name} must be in {span}, got {v!r}")
+        finite = "a finite number " if is_number(v) and not math.isfinite(v) else ""
+        raise NascompressError(f"{name} must be {finite}in {span}, got {v!r}")
     return float(v)
 
 
@@ -218,7 +225,23 @@ def check_bool(name: str, v: Any) -> bool:
 
 
 class StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys and reads ``1e-3`` as a number (YAML 1.1 wants ``1.0e-3``)."""
+    """SafeLoader that refuses duplicate keys, reads ``1e-3`` as a number (YAML 1.1 wants ``1.0e-3``)
+    and refuses nesting deeper than the ``max_yaml_depth`` limit (:mod:`nascompress.limits`; a
+    deeper file would exhaust Python's recursion)."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            limit = limits().max_yaml_depth
+            if self._depth > limit:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {limit} levels (the max_yaml_depth limit; raise it with "
+                                f"{env_name('max_yaml_depth')}=N if it is intended)", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 def _mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:

@@ -38,7 +38,9 @@ import gzip
 import math
 import os
 import struct
+import warnings
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,6 +50,7 @@ import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 from .config import Config, check_int, setting
+from .limits import SEED_MAX
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -381,42 +384,151 @@ def eval_steps(spec: InputSpec) -> list[dict[str, Any]]:
     return steps
 
 
-def _image_folder(path: Path, transform: Any) -> Dataset:
+def _walk_class(folder: str) -> list[str]:
+    """The image files under class folder ``folder`` in torchvision's order (folders by path, files
+    by name), symlinks followed, hidden files and folders (``.ipynb_checkpoints``) left out. A link
+    back to a folder that contains it (a loop) or a second way into one folder is refused in one
+    line, instead of walking forever."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    top = os.path.realpath(folder)
+    seen: dict[str, str] = {}
+    found: list[tuple[str, list[str]]] = []
+    stack = [folder]
+    while stack:
+        d = stack.pop()
+        real = os.path.realpath(d)
+        if d != folder and (top == real or top.startswith(real.rstrip(os.sep) + os.sep)):
+            raise NascompressError(f"{d} is a symlink to {real}, a folder that contains it (a loop): remove the link "
+                                   "from the dataset")
+        if real in seen:
+            raise NascompressError(f"{d} leads to {real}, already read as {seen[real]} (two links to one folder, or a "
+                                   "loop): remove one of them from the dataset")
+        seen[real] = d
+        files, dirs = [], []
+        try:
+            entries = list(os.scandir(d))
+        except OSError as e:
+            raise NascompressError(f"cannot read dataset folder {d}: {e.strerror or e}") from None
+        for e in entries:
+            if e.name.startswith("."):
+                continue
+            try:
+                is_dir = e.is_dir(follow_symlinks=True)
+            except OSError:
+                is_dir = False
+            if is_dir:
+                dirs.append(e.path)
+            elif e.name.lower().endswith(IMG_EXTENSIONS):
+                files.append(e.name)
+        found.append((d, sorted(files)))
+        stack.extend(dirs)
+    return [os.path.join(d, f) for d, files in sorted(found) for f in files]
+
+
+def folder_classes(directory: str | Path) -> list[str]:
+    """The class folders of an ImageFolder split, sorted: its sub-folders (links followed) but the
+    hidden ones (``.ipynb_checkpoints``); two that are one folder (a link to another class) are
+    refused in one line."""
+    try:
+        entries = [e for e in os.scandir(directory) if not e.name.startswith(".") and e.is_dir()]
+    except OSError as e:
+        raise NascompressError(f"cannot read dataset folder {directory}: {e.strerror or e}") from None
+    classes = sorted(e.name for e in entries)
+    real: dict[str, str] = {}
+    for c in classes:
+        r = os.path.realpath(os.path.join(directory, c))
+        if r in real:
+            raise NascompressError(f"class folders {real[r]!r} and {c!r} of {directory} are the same folder ({r}; one "
+                                   "is a link to the other): remove one, a class must be one folder")
+        real[r] = c
+    return classes
+
+
+_FOLDER_CLASS: list[type] = []
+
+
+def _folder_class() -> type:
+    """torchvision's ImageFolder with :func:`_walk_class` finding its classes and files (made on
+    first use: torchvision is imported after :mod:`nascompress._compat`)."""
+    if _FOLDER_CLASS:
+        return _FOLDER_CLASS[0]
     from . import _compat  # noqa: F401
     from torchvision import datasets
 
-    try:  # empty class folders are allowed here and refused by check_classes, naming the class
-        ds = datasets.ImageFolder(str(path), transform=transform, allow_empty=True)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise NascompressError(f"{path} is not an ImageFolder directory with one folder per class ({e})") from e
-    return ds
+    class _Folder(datasets.ImageFolder):
+        @staticmethod
+        def find_classes(directory: Any) -> tuple[list[str], dict[str, int]]:
+            classes = folder_classes(directory)
+            if not classes:
+                raise NascompressError(f"{directory} is not an ImageFolder directory with one folder per class "
+                                       "(it has no class folder)")
+            return classes, {c: i for i, c in enumerate(classes)}
+
+        @staticmethod
+        def make_dataset(directory: Any, class_to_idx: dict[str, int], extensions: Any = None,
+                         is_valid_file: Any = None, allow_empty: bool = False) -> list[tuple[str, int]]:
+            return [(p, class_to_idx[c]) for c in sorted(class_to_idx)
+                    for p in _walk_class(os.path.join(str(directory), c))]
+
+    _Folder.__module__, _Folder.__qualname__ = __name__, "_Folder"  # picklable (DataLoader workers)
+    _FOLDER_CLASS.append(_Folder)
+    return _Folder
 
 
-def _unreadable(path: str) -> str | None:
-    """Why the image at ``path`` cannot be read as the loader reads it (None: it can)."""
+def __getattr__(name: str) -> Any:  # nascompress.data._Folder, for pickle in a worker process
+    if name == "_Folder":
+        return _folder_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _image_folder(path: Path, transform: Any) -> Dataset:
+    """An ImageFolder over ``path`` (:func:`_folder_class`): hidden folders are no class, a class
+    folder that is a link to another one is refused, links are followed without loops."""
+    # empty class folders are allowed here and refused by check_classes, naming the class
+    return _folder_class()(str(path), transform=transform, allow_empty=True)
+
+
+TOO_LARGE = "too large"
+
+
+def _unreadable(path: str, max_pixels: int | None = None) -> str | None:
+    """Why the image at ``path`` cannot be read as the loader reads it (None: it can); an image
+    above ``max_pixels`` (default: the limit :mod:`nascompress.limits` sets) is refused from its
+    header, before it is decoded."""
     from PIL import Image
 
+    from .limits import env_name, limits
+
+    max_pixels = max_pixels or limits().max_image_pixels
+    big = (f"{TOO_LARGE}: {{}} pixels, above the limit of {max_pixels:,} (max_image_pixels); shrink it, or raise "
+           f"the limit with {env_name('max_image_pixels')}=N")
     try:
         with Image.open(path) as im:
+            w, h = im.size
+            if w * h > max_pixels:
+                return big.format(f"{w}x{h} = {w * h:,}")
             if im.format == "JPEG":
                 im.draft("RGB", (1, 1))  # decode at 1/8 scale: every byte is still read, 64x less work
             im.load()
         return None
-    except Exception as e:  # noqa: BLE001 (PIL raises OSError, SyntaxError, ValueError, DecompressionBombError...)
+    except Image.DecompressionBombError:  # above PIL's own limit: refused by Image.open from the header
+        return big.format(f"more than {2 * (Image.MAX_IMAGE_PIXELS or 0):,}")
+    except Exception as e:  # noqa: BLE001 (PIL raises OSError, SyntaxError, ValueError...)
         msg = str(e).split(" <", 1)[0] if "cannot identify image file" in str(e) else str(e)
         return msg or "it cannot be decoded"
 
 
-_SCANNED: dict[tuple[str, int, int], str | None] = {}  # (path, size, mtime) -> reason: a file is decoded once per process
+_SCANNED: dict[tuple[str, int, int, int], str | None] = {}  # (path, size, mtime, max pixels) -> reason: a file is decoded once per process
 _REPORTED: set[str] = set()  # folders whose skipped images were reported (once per process)
 
 
-def _stat_key(path: str) -> tuple[str, int, int]:
+def _stat_key(path: str, max_pixels: int) -> tuple[str, int, int, int]:
     try:
         st = os.stat(path)
-        return path, st.st_size, st.st_mtime_ns
+        return path, st.st_size, st.st_mtime_ns, max_pixels
     except OSError:
-        return path, -1, -1
+        return path, -1, -1, max_pixels
 
 
 def scan_images(paths: Sequence[str], *, workers: int | None = None) -> dict[str, str]:
@@ -426,12 +538,20 @@ def scan_images(paths: Sequence[str], *, workers: int | None = None) -> dict[str
     pipeline scan a dataset once."""
     from concurrent.futures import ThreadPoolExecutor
 
-    keys = [_stat_key(p) for p in paths]
+    from PIL import Image
+
+    from .limits import limits
+
+    # the size check below replaces PIL's warning (a raw DecompressionBombWarning on the terminal)
+    warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+    max_pixels = limits().max_image_pixels
+    keys = [_stat_key(p, max_pixels) for p in paths]
     todo = [k for k in keys if k not in _SCANNED]
     if todo:
         workers = workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for k, r in zip(todo, pool.map(_unreadable, [k[0] for k in todo], chunksize=64)):
+            for k, r in zip(todo, pool.map(partial(_unreadable, max_pixels=max_pixels), [k[0] for k in todo],
+                                           chunksize=64)):
                 _SCANNED[k] = r
     return {k[0]: _SCANNED[k] for k in keys if _SCANNED[k] is not None}
 
@@ -444,7 +564,8 @@ def _drop_bad(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]) -> N
     first, why = next(iter(bad.items()))
     if not skip:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise NascompressError(f"unreadable image {first} ({why}){more} in {where}: fix or remove it, or pass "
+        what = "image" if why.startswith(TOO_LARGE) else "unreadable image"
+        raise NascompressError(f"{what} {first} ({why}){more} in {where}: fix or remove it, or pass "
                                "--skip-bad-images to leave unreadable images out")
     ds.samples = [s for s in ds.samples if s[0] not in bad]
     ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
@@ -539,6 +660,7 @@ class DataConfig:
             v = getattr(self, name)
             if isinstance(v, str) and v not in DATASET_KEYWORDS:
                 object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
+        check_int("--seed", self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the command's --seed
 
 
 @dataclass

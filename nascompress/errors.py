@@ -21,7 +21,19 @@ class NascompressError(Exception):
 
 class WriteError(NascompressError):
     """A full disk or an output that cannot be written (see :func:`write_error`): not the input's
-    fault, so e.g. a study stops at once instead of failing trial after trial."""
+    fault, so e.g. a study stops at once instead of failing trial after trial. ``head``: the
+    message without its last part (what to do once the cause is fixed), see :meth:`instead`."""
+
+    head: str | None = None
+
+    def instead(self, then: str) -> "WriteError":
+        """The same error advising ``then`` once the cause is fixed (a caller that knows better,
+        e.g. that a run continues with --resume)."""
+        if self.head is None:
+            return self
+        e = WriteError(f"{self.head}, {then}")
+        e.head = self.head
+        return e
 
 
 # errno -> (what is wrong, what to do)
@@ -85,7 +97,10 @@ def write_error(e: BaseException, path: str | Path | None = None, *, then: str =
     code, filename = found
     target = what or str(path if path is not None else filename or "the output")
     problem, fix = _PROBLEMS[code]
-    return WriteError(f"cannot {verb} {target}: {problem}; {fix}, {then}")
+    head = f"cannot {verb} {target}: {problem}; {fix}"
+    err = WriteError(f"{head}, {then}")
+    err.head = head
+    return err
 
 
 def require_extra(extra: str, modules: tuple[str, ...], *, what: str) -> None:

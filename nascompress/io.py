@@ -30,11 +30,16 @@ last write has happened: ``metrics.json`` with ``"finished": true``, written ato
 ``checkpoint.safetensors``, ``last.safetensors``, ``metrics.json``) is a plain model directory, e.g.
 ``model.safetensors`` + ``arch.json`` assembled by hand or with :func:`save_model`: it is loaded
 as it is. Runs written before the mark existed (``metrics.json`` without ``finished``) count as
-complete: ``metrics.json`` was already their last write.
+complete: ``metrics.json`` was already their last write. The mark is typed (only the JSON boolean
+``true``) and tied to the files it vouches for: ``finished_files`` holds the size and sha256 of
+``model.safetensors`` and ``arch.json``, and a run whose files changed since is refused (a
+model replaced or damaged after the run). A model whose weights are not all finite (NaN or inf)
+is refused by the loader, naming the tensor.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,7 +50,7 @@ from torch import nn
 
 from .errors import NascompressError, writing
 from .methods import apply_methods
-from .models import ModelSpec, build_model, check_model_kwargs, load_state_strict
+from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict
 from .utils import atomic_path, read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
@@ -113,6 +118,7 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
         raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
                                f"keys {sorted(model)}")
     check_model_kwargs(model.get("kwargs", {}), source=source)
+    check_model_size(ModelSpec(model["name"], dict(model.get("kwargs", {}))), source=source)
     if not isinstance(arch.setdefault("methods", []), list):
         raise NascompressError(f"{source}: methods must be a list of method records")
     return arch
@@ -152,24 +158,78 @@ def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, f
     return path
 
 
+# the files a run's completion mark vouches for (their size and sha256, in metrics.json)
+VOUCHED_FILES = (MODEL_FILE, ARCH_FILE)
+_SHA256: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: each file hashed once a process
+
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file (hashed once per process for a given size and modification time)."""
+    import hashlib
+
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _SHA256:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        _SHA256[key] = h.hexdigest()
+    return _SHA256[key]
+
+
 def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
-    """Mark ``run_dir`` complete: write ``metrics.json`` (with ``"finished": true``) atomically.
-    Call it after every other write of the run: it is the mark every reader checks."""
-    write_json(Path(run_dir) / METRICS_FILE, dict(metrics, finished=True))
+    """Mark ``run_dir`` complete: write ``metrics.json`` (with ``"finished": true`` and
+    ``"finished_files"``: the size and sha256 of its model files) atomically. Call it after every
+    other write of the run: it is the mark every reader checks (:func:`run_state`)."""
+    d = Path(run_dir)
+    files = {name: {"bytes": (d / name).stat().st_size, "sha256": file_sha256(d / name)}
+             for name in VOUCHED_FILES if (d / name).is_file()}
+    write_json(d / METRICS_FILE, dict(metrics, finished=True, finished_files=files))
+
+
+def _mark(d: Path) -> tuple[str, str | None]:
+    """(state, what differs) of the completion mark in ``d/metrics.json``: ``complete``,
+    ``altered`` (a vouched file changed since), ``unmarked`` (no mark, or not the boolean true)
+    or ``absent`` (no metrics.json)."""
+    m = d / METRICS_FILE
+    if not m.is_file():
+        return "absent", None
+    try:
+        metrics = json.loads(m.read_text())
+    except (ValueError, OSError):
+        return "unmarked", None
+    if not isinstance(metrics, dict):
+        return "unmarked", None
+    if "finished" not in metrics:
+        return "complete", None  # runs written before the mark: metrics.json was already their last write
+    if metrics["finished"] is not True:  # typed: "yes", 1 or "true" do not mark a run finished
+        return "unmarked", None
+    files = metrics.get("finished_files", {})  # runs written before the files were vouched for: none
+    if not isinstance(files, dict):
+        return "unmarked", None
+    for name, want in files.items():
+        p = d / str(name)
+        if not isinstance(want, dict) or not p.is_file():
+            return "altered", f"{name} is missing"
+        try:
+            size = p.stat().st_size
+            same = size == want.get("bytes") and file_sha256(p) == want.get("sha256")
+        except OSError:
+            same = False
+        if not same:
+            return "altered", f"{name} is not the file the run finished with: its size or sha256 differs"
+    return "complete", None
 
 
 def run_state(run_dir: str | Path) -> str:
-    """``complete`` (finished run), ``unfinished`` (a run without its mark) or ``plain`` (a model
-    directory without run files, e.g. assembled by hand)."""
+    """``complete`` (finished run), ``unfinished`` (a run without its mark), ``altered`` (a finished
+    run whose model files changed since) or ``plain`` (a model directory without run files, e.g.
+    assembled by hand)."""
     d = Path(run_dir)
-    m = d / METRICS_FILE
-    if m.is_file():
-        try:
-            done = json.loads(m.read_text()).get("finished", True) is not False  # older runs: no key
-        except (ValueError, AttributeError, OSError):
-            done = False
-        if done:
-            return "complete"
+    state, _ = _mark(d)
+    if state in ("complete", "altered"):
+        return state
     return "unfinished" if any((d / f).exists() for f in RUN_FILES) or _writer(d) is not None else "plain"
 
 
@@ -184,6 +244,23 @@ def _writer(d: Path) -> tuple[str, bool] | None:
     return next(((c, r) for keys, c, r in _COMMANDS if all(k in cfg for k in keys)), None)
 
 
+def continue_advice(run_dir: str | Path) -> str:
+    """What to do, once a full disk is freed, with a run that stopped writing ``run_dir``: continue
+    it with --resume (its config.json says which command), or (nothing to continue) rerun it with
+    --force, which replaces the unfinished directory (a plain rerun refuses an existing one); a
+    pipeline's stage: rerun the pipeline."""
+    d = Path(run_dir)
+    pipe = _pipeline_of(d)
+    if pipe is not None:
+        return f"then rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' to finish it"
+    writer = _writer(d)
+    if writer is not None and writer[1]:
+        return f"then continue it with '{writer[0]} --resume --out {d}'"
+    if d.is_dir() and any(d.iterdir()):
+        return f"then run the command again with --force (it replaces the unfinished {d})"
+    return "then rerun the command"
+
+
 def _pipeline_of(d: Path) -> Path | None:
     """The pipeline directory holding run ``d`` (OUT/base, OUT/tokens/picked, ...), if any."""
     for up in (d.parent, d.parent.parent):
@@ -195,7 +272,12 @@ def _pipeline_of(d: Path) -> Path | None:
 def check_complete(run_dir: str | Path) -> None:
     """Refuse an unfinished run directory in one line: how to continue it, or what to delete."""
     d = Path(run_dir)
-    if run_state(d) != "unfinished":
+    state = run_state(d)
+    if state == "altered":
+        raise NascompressError(f"{d} is a finished run whose files changed since (replaced, edited or damaged): "
+                               f"{_mark(d)[1]}; run the command that wrote it again, or keep the new files as a plain "
+                               f"model directory ({MODEL_FILE} + {ARCH_FILE} only)")
+    if state != "unfinished":
         return
     pipe = _pipeline_of(d)
     if pipe is not None:
@@ -277,8 +359,20 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
         sd, arch["format"] = _upgrade_v1(sd), ARCH_FORMAT
     load_state_strict(model, sd, source=str(weights))
     model.pretrained_cfg = model.default_cfg = timm_pretrained_cfg(model, arch)
+    check_finite(model, source=str(weights))
     model = model.to(map_location) if dt is None else model.to(map_location, dt)
     return model.eval(), arch
+
+
+def check_finite(model: nn.Module, *, source: str) -> None:
+    """Refuse a model whose parameters are not all finite (NaN or inf): it would evaluate to chance
+    accuracy without a word."""
+    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise NascompressError(f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
+                               "training that wrote it diverged or the file is damaged; train it again (e.g. with a "
+                               "lower --lr) or use another checkpoint")
 
 
 def load(path: str | Path, *, map_location: str | torch.device = "cpu",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,74 @@ def check_model_kwargs(kwargs: Any, *, source: str = "the model settings") -> di
     return kwargs
 
 
+# the build settings that size a model (the rest are switches): counted by model_size before building
+_SIZE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "mlp_ratio", "num_classes", "in_chans", "reg_tokens",
+              "class_token", "num_heads")
+
+
+def _pair(v: Any) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+@lru_cache(maxsize=64)
+def _default_shape(name: str, switches: tuple[tuple[str, Any], ...]) -> dict[str, Any] | None:
+    """The size settings of timm ViT ``name`` built with its own defaults (on the meta device:
+    nothing is allocated); None for a name that is no timm ViT (refused by :func:`build_model`)."""
+    try:
+        if not timm.is_model(timm.models.split_model_name_tag(name)[0]):
+            return None
+        with torch.device("meta"):
+            m = timm.create_model(name, pretrained=False, **dict(switches))
+        m.patch_embed.proj, m.blocks[0].mlp.fc1  # noqa: B018 (a plain ViT, else refused when built)
+    except Exception:  # noqa: BLE001 (any other model or setting is refused by build_model, in words)
+        return None
+    return {"img_size": tuple(m.patch_embed.img_size), "patch_size": tuple(m.patch_embed.patch_size),
+            "embed_dim": m.embed_dim, "depth": len(m.blocks),
+            "mlp_ratio": m.blocks[0].mlp.fc1.out_features / m.embed_dim if len(m.blocks) else 4.0,
+            "num_classes": m.num_classes, "in_chans": m.patch_embed.proj.in_channels,
+            "prefix": m.num_prefix_tokens}
+
+
+def model_size(spec: "ModelSpec") -> dict[str, int] | None:
+    """``{"params", "depth", "tokens"}`` of the ViT ``spec`` builds, counted from its settings
+    (weights of the blocks, patch embedding, position embedding and head; norms and biases left
+    out, so a slight undercount) without building it; None for a name that is no timm ViT. The
+    settings must have passed :func:`check_model_kwargs`."""
+    kw = spec.kwargs
+    switches = tuple(sorted((k, v) for k, v in kw.items() if k not in _SIZE_KEYS and not isinstance(v, list)))
+    base = _default_shape(spec.name, switches) if any(k not in kw for k in _SIZE_KEYS[:6]) else {}
+    if base is None:
+        return None
+    get = lambda k: kw[k] if k in kw else base[k]  # noqa: E731
+    (ih, iw), (ph, pw) = _pair(get("img_size")), _pair(get("patch_size"))
+    d, depth = int(get("embed_dim")), int(get("depth"))
+    hidden = int(d * float(get("mlp_ratio")))
+    if "class_token" in kw or "reg_tokens" in kw or not base:
+        prefix = int(kw.get("class_token", True)) + int(kw.get("reg_tokens", 0))
+    else:
+        prefix = base["prefix"]
+    tokens = (ih // max(ph, 1)) * (iw // max(pw, 1)) + prefix
+    params = (depth * (4 * d * d + 2 * d * hidden) + int(get("in_chans")) * ph * pw * d + tokens * d
+              + d * int(get("num_classes")))
+    return {"params": params, "depth": depth, "tokens": tokens}
+
+
+def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -> None:
+    """Refuse a model too large to build (:mod:`nascompress.limits`) before anything is allocated:
+    a model file must not be able to exhaust the machine."""
+    from .limits import check_limit
+
+    size = model_size(spec)
+    if size is None:
+        return
+    fix = ("the file was not written by nascompress or was edited: check its model settings"
+           if source != "the model settings" else "choose a smaller model")
+    for name, key, what in (("max_model_depth", "depth", "depth (blocks)"),
+                            ("max_model_tokens", "tokens", "tokens per image"),
+                            ("max_model_params", "params", "parameter count")):
+        check_limit(name, size[key], f"{source}: model {spec.name}'s {what}", fix=fix)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What is needed to rebuild a timm model: its registered name and build kwargs.
@@ -160,6 +229,7 @@ def build_model(spec: ModelSpec) -> VisionTransformer:
         raise NascompressError(
             f"{spec.name} is not a timm VisionTransformer (it comes from timm.models.{module}); "
             "nascompress supports ViT-family models (vit_*, deit_*)")
+    check_model_size(spec)
     try:
         model = timm.create_model(spec.name, pretrained=False, **spec.kwargs)
     except (TypeError, ValueError, AssertionError, RuntimeError) as e:
@@ -205,7 +275,11 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
             from safetensors.torch import load_file
             sd = load_file(str(path))
         else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            import warnings
+
+            with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses a file:
+                warnings.simplefilter("ignore")  # the refusal below says it in one line
+                sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated file: every reader raises its own type
         raise NascompressError(f"weights file {path} is corrupt or not a weights file ({_unreadable(path, e)}); "
                                "give a .safetensors or .pth state dict (download or export it again)") from e
@@ -234,6 +308,8 @@ def _unreadable(path: Path, e: Exception) -> str:
         return "it holds text, not tensors"
     if path.suffix == ".safetensors":
         return f"not a complete safetensors file: {str(e).splitlines()[0]}"
+    if "Weights only load failed" in str(e):
+        return "it pickles objects other than tensors, which nascompress never unpickles: that could run code"
     return "neither a complete PyTorch zip checkpoint nor a pickle of tensors"
 
 

@@ -479,7 +479,9 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     warm = job.retrain.warm_epochs(job.train.epochs)
     out_arch = copy.deepcopy(arch)
     out_arch["labels"] = [str(c) for c in data.classes]  # the classes retrained on
-    out_arch["retrain"] = {"from": str(job.model_dir), "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
+    # provenance (the source model's path) is in metrics.json and config.json, not in the arch: the model
+    # file's bytes (the arch is its metadata) are the same wherever the run was written
+    out_arch["retrain"] = {"eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
                            "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
     if before_fit is not None:
         before_fit(job, features)

@@ -29,12 +29,14 @@ from torch import nn
 
 from . import distributed, runtime
 from .config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
+from .limits import SEED_MAX
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
-from .errors import NascompressError
+from .errors import NascompressError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats, param_groups
-from .io import (ARCH_FILE, MODEL_FILE, finish_run, load_state, load_with_arch, make_arch, recorded_input, save_model,
+from .io import (ARCH_FILE, MODEL_FILE, continue_advice, finish_run, load_state, load_with_arch, make_arch,
+                 recorded_input, save_model,
                  save_state)
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .progress import make_progress
@@ -94,7 +96,7 @@ class TrainConfig(Config):
     eval_batch_size: int = 256
     eval_start: bool = True
     keep: str = "best"
-    seed: int = setting(0, lo=0, help="One seed for init, data order and every random draw.")
+    seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
     device: str = setting("auto", help="auto, cpu or cuda[:N].")
     amp: str = setting("off", choices=runtime.AMP_MODES, help=(
         "Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32)."))
@@ -120,7 +122,7 @@ class TrainConfig(Config):
         check_choice("keep", self.keep, ("best", "last"))
         check_choice("--amp", self.amp, runtime.AMP_MODES)
         check_bool("--deterministic", self.deterministic)
-        check_int("--seed", self.seed, 0)
+        check_int("--seed", self.seed, 0, SEED_MAX)
         check_int("log_every", self.log_every, 1)
 
     @property
@@ -254,9 +256,14 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
     store = _RunStore(out_dir, log)
-    with runtime.configured(device, deterministic=cfg.deterministic):
-        return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
-                    hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+    try:
+        with runtime.configured(device, deterministic=cfg.deterministic):
+            return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
+                        hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+    except WriteError as e:  # a full disk mid-run: say how this run continues (a plain rerun refuses its folder)
+        if out_dir is None:
+            raise
+        raise e.instead(continue_advice(out_dir)) from e
 
 
 class _RunStore:

@@ -333,7 +333,7 @@ def test_the_search_and_retrain_defaults_are_the_same_in_the_cli_and_the_pipelin
     ("base.train.warmup_epochs", -1, "base.train.warmup_epochs: must be in [0, inf], got -1.0"),
     ("data.val_fraction", 1, "data.val_fraction: must be in (0, 1), got 1"),
     ("data.num_workers", -1, "data.num_workers: must be an integer >= 0, got -1"),
-    ("seed", -1, "seed: must be an integer >= 0, got -1"),
+    ("seed", -1, "seed: must be an integer in [0, 4294967295], got -1"),
 ])
 def test_the_library_checks_name_the_pipeline_key(tmp_path, path, value, match):
     cfg = yaml.safe_load(_pipeline_config(tmp_path, {}, retrain={}).read_text())
@@ -360,7 +360,7 @@ def test_data_paths_are_resolved_against_the_config_but_for_the_keywords(tmp_pat
 @pytest.mark.parametrize("args,pattern", [
     (["--layer-decay", "0"], "--layer-decay must be in (0, 1], got 0.0"),
     (["--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1.0"),
-    (["--seed", "-1"], "--seed must be an integer in [0, inf], got -1"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
 ])
 def test_train_cli_errors_are_one_line(tmp_path, args, pattern):
     r = invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", *args)

@@ -341,6 +341,20 @@ def test_materialize_refuses_unfinished_search(tiny_run, tmp_path):
     assert res.exit_code == 1 and "no finished DCS search" in res.output and not out.exists()
 
 
+def _edited(run, arch) -> None:
+    """Write an edited arch.json into a finished run: first refused as a run whose files changed
+    since; then vouched for again (as if the run had written it) for the checks behind."""
+    from nascompress.io import METRICS_FILE, file_sha256
+
+    (run / "arch.json").write_text(json.dumps(arch))
+    with pytest.raises(nascompress.NascompressError, match="arch.json is not the file the run finished with"):
+        nascompress.load(run)
+    metrics = json.loads((run / METRICS_FILE).read_text())
+    metrics["finished_files"]["arch.json"] = {"bytes": (run / "arch.json").stat().st_size,
+                                              "sha256": file_sha256(run / "arch.json")}
+    (run / METRICS_FILE).write_text(json.dumps(metrics))
+
+
 def test_materialize_refuses_arch_not_matching_weights(searched, tmp_path):
     import shutil
 
@@ -348,12 +362,12 @@ def test_materialize_refuses_arch_not_matching_weights(searched, tmp_path):
     shutil.copytree(searched, broken)
     arch = json.loads((broken / "arch.json").read_text())
     arch["methods"][-1]["blocks"][0]["mlp_keep"] = arch["methods"][-1]["blocks"][0]["mlp_keep"][1:]
-    (broken / "arch.json").write_text(json.dumps(arch))
+    _edited(broken, arch)
     out = tmp_path / "m"
     res = run_cli("materialize", broken, "--out", out)
     assert res.exit_code == 1 and "do not match" in res.output and not out.exists()
     arch["model"]["kwargs"]["embed_dim"] = 64  # a different model altogether
-    (broken / "arch.json").write_text(json.dumps(arch))
+    _edited(broken, arch)
     res = run_cli("materialize", broken, "--out", out)
     assert res.exit_code == 1 and "does not match the model" in res.output and not out.exists()
 
@@ -366,7 +380,7 @@ def test_materialized_arch_not_matching_weights(searched, tmp_path):
     arch = json.loads((out / "arch.json").read_text())
     blocks = arch["methods"][-1]["blocks"]
     blocks[1]["mlp_keep"] = blocks[1]["mlp_keep"][:-1]
-    (out / "arch.json").write_text(json.dumps(arch))
+    _edited(out, arch)
     with pytest.raises(nascompress.NascompressError, match="does not match the model"):
         nascompress.load(out)
     shutil.rmtree(out)

@@ -93,9 +93,17 @@ def report_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help=
 
 @study_app.command("dashboard")
 def dashboard_cmd(name: Name, storage: Storage = None,
-                  host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-                  port: Annotated[int, typer.Option(help="Port (0: a free one).")] = 0) -> None:
-    """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM)."""
+                  host: Annotated[str, typer.Option(help="Address to listen on (default: this machine only).")] = "127.0.0.1",
+                  port: Annotated[int, typer.Option(help="Port (0: a free one).")] = 0,
+                  expose: Annotated[bool, typer.Option(
+                      "--expose-storage-without-login",
+                      help="Allow a --host other than loopback: the dashboard has no login, so every machine that "
+                           "reaches the port reads all studies of the storage.")] = False,
+                  writable: Annotated[bool, typer.Option(
+                      "--writable", help="Let the dashboard change the storage (delete studies, notes); default "
+                                         "read-only.")] = False) -> None:
+    """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM): read-only, on this
+    machine only, unless asked otherwise."""
     import signal
 
     from nascompress.studies.dashboard import start_dashboard
@@ -103,13 +111,14 @@ def dashboard_cmd(name: Name, storage: Storage = None,
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    handle = run(start_dashboard, name, storage=storage, host=host, port=port)
+    handle = run(start_dashboard, name, storage=storage, host=host, port=port, expose=expose, writable=writable)
     try:  # from here on a Ctrl-C, however early, stops the server and removes the snapshot
         signal.signal(signal.SIGINT, interrupt)  # also when started in the background (SIGINT ignored there)
         signal.signal(signal.SIGTERM, interrupt)
         if handle.note:
             err.print(handle.note, highlight=False, soft_wrap=True)
-        out.print(f"optuna-dashboard for study {name}: {handle.study_url}  (Ctrl-C to stop)", highlight=False)
+        mode = "writable" if handle.writable else "read-only"
+        out.print(f"optuna-dashboard for study {name}: {handle.study_url}  ({mode}; Ctrl-C to stop)", highlight=False)
         handle.wait()
     except KeyboardInterrupt:
         pass

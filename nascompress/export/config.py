@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, check_choice, check_int, check_range, setting
+from ..limits import SEED_MAX
 from ..errors import NascompressError
 
 FORMATS = ("onnx", "torch-export")
@@ -63,7 +64,7 @@ class ExportConfig(Config):
         if self.tolerance is not None:
             check_range("tolerance", self.tolerance, 0, lo_open=True)
         check_int("verify_batch", self.verify_batch, 1)
-        check_int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0, SEED_MAX)
 
     @property
     def dynamic(self) -> bool:

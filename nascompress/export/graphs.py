@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import NascompressError
+from ..errors import NascompressError, write_error
 
 EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit")
 
@@ -117,8 +117,12 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
         with quiet(), torch.no_grad():
             if fmt == "torch-export":
                 ep = torch.export.export(g.module, g.inputs, dynamic_shapes=shapes)
-                with open(path, "wb") as f:  # a file object: torch.export wants a .pt2 name otherwise
-                    torch.export.save(ep, f)
+                # serialized in memory, written by Python: torch's C++ zip writer aborts the process
+                # (exit 134, a C++ stack) when the disk fills up; a Python write raises ENOSPC
+                buf = io.BytesIO()
+                torch.export.save(ep, buf)
+                with open(path, "wb") as f:
+                    f.write(buf.getbuffer())
                 return {}
             prog = torch.onnx.export(g.module, g.inputs, dynamo=True, dynamic_shapes=shapes,
                                      input_names=list(g.input_names), output_names=list(g.output_names),
@@ -128,6 +132,9 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
     except NascompressError:
         raise
     except Exception as e:  # noqa: BLE001 (the exporters raise many kinds; one line for the user)
+        full = write_error(e, what=f"the export into {path.parent}", then="then run the export again")
+        if full is not None:  # a full disk or an unwritable folder, not the model's fault
+            raise full from e
         raise NascompressError(f"the {fmt} exporter failed on the {g.role} graph ({_one_line(e)}); rerun with "
                                "--debug for the traceback") from e
     if opset is not None and got != opset:

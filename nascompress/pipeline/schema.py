@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_meta, offered, settings_class
+from ..limits import check_limited
 from ..errors import NascompressError
 
 
@@ -149,6 +151,8 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ctx.err(path, f"must be a number, got {_show(v)}")
         v = float(v)
+        if not math.isfinite(v):
+            raise ctx.err(path, f"must be a finite number, got {v!r}")
     elif base is str:
         if not isinstance(v, str) or not v.strip():
             raise ctx.err(path, f"must be a non-empty string, got {_show(v)}")
@@ -160,8 +164,14 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
             if base is int and hi is None:
                 raise ctx.err(path, f"must be an integer >= {lo}, got {v!r}")
             left, right = "(" if meta["lo_open"] else "[", ")" if meta["hi_open"] else "]"
-            span = f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
-            raise ctx.err(path, f"must be in {span}, got {v!r}")
+            show = lambda x: str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731
+            span = f"{left}{'-inf' if lo is None else show(lo)}, {'inf' if hi is None else show(hi)}{right}"
+            raise ctx.err(path, f"must be {'an integer ' if base is int else ''}in {span}, got {v!r}")
+    if meta.get("limit"):
+        try:
+            check_limited("the value", v, meta["limit"])
+        except NascompressError as e:
+            raise ctx.err(path, str(e)) from None
     if meta.get("choices") and v not in meta["choices"]:
         raise ctx.err(path, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}")
     if meta.get("path") and v not in meta.get("keywords", ()):

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_int, check_range, setting
+from ..limits import SEED_MAX, check_limited
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..errors import NascompressError
 from ..io import load_with_arch
@@ -79,7 +80,7 @@ class SearchJob(Config):
     space: str
     study: str
     storage: str | None = None
-    trials: int = setting(50, help="Complete trials the study should reach.", lo=1)
+    trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
     workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
     objective: str = "flops"
     max_flops: float | None = None
@@ -105,6 +106,8 @@ class SearchJob(Config):
 
     def __post_init__(self) -> None:
         check_int("--trials", self.trials, 1)
+        check_limited("--trials", self.trials, "max_trials")
+        check_int("--seed", self.seed, 0, SEED_MAX)
         check_choice("--amp", self.amp, ("off", "bf16"))
         check_int("--workers", self.workers, 1)
         check_choice("--objective", self.objective, tuple(SECOND_OBJECTIVES))

@@ -5,6 +5,13 @@ SQLite: serving a live SQLite file that a study is writing has crashed studies
 backup, consistent even mid-write) taken at start; restart the dashboard to refresh it. Journal
 and PostgreSQL storages are served live.
 
+Safety: the dashboard has no login, so it listens on this machine's loopback address by default
+and refuses another address unless ``expose=True`` (``--expose-storage-without-login``): anyone who
+can reach the port reads every study of the storage. It is read-only unless ``writable=True``
+(``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames; on PostgreSQL and
+journal storages the live studies) are answered 403. Requests without an ``Accept-Encoding``
+header (curl, scripts) are served, not failed with a traceback in the terminal.
+
 The snapshot lives beside the study file, in a hidden folder ``.<file>.dashboard-<id>/`` (the
 system's temporary folder only when the study's folder is read-only), removed when the dashboard
 stops; a folder left by a dashboard killed with kill -9 is removed by the next start (its owner,
@@ -33,6 +40,45 @@ from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
 
 SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
+EXPOSE_FLAG = "--expose-storage-without-login"
+WRITABLE_FLAG = "--writable"
+_READ_METHODS = ("GET", "HEAD", "OPTIONS")
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` an address (or name) of this machine's loopback interface only?"""
+    import ipaddress
+    import socket
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def _guard(app: Any, *, writable: bool) -> Any:
+    """The dashboard's WSGI app, read-only unless ``writable`` (a write is answered 403 with the
+    reason), with a missing ``Accept-Encoding`` header read as none (optuna-dashboard's static
+    files otherwise fail with a KeyError)."""
+
+    def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        environ.setdefault("HTTP_ACCEPT_ENCODING", "")
+        if not writable and environ.get("REQUEST_METHOD", "GET").upper() not in _READ_METHODS:
+            body = json.dumps({"reason": f"this dashboard is read-only: restart it with {WRITABLE_FLAG} to change "
+                                         "studies"}).encode()
+            start_response("403 Forbidden", [("Content-Type", "application/json"),
+                                             ("Content-Length", str(len(body)))])
+            return [body]
+        return app(environ, start_response)
+
+    return guarded
 
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -63,6 +109,7 @@ class DashboardHandle:
     storage: str
     snapshot: Path | None
     note: str | None
+    writable: bool = False
     _server: Any = field(repr=False, default=None)
     _thread: threading.Thread | None = field(repr=False, default=None)
     _tmpdir: Path | None = field(repr=False, default=None)
@@ -137,7 +184,7 @@ def _snapshot(spec: StorageSpec, tmpdir: Path) -> StorageSpec:
 
 
 def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0.0.1",
-                    port: int = 0) -> DashboardHandle:
+                    port: int = 0, expose: bool = False, writable: bool = False) -> DashboardHandle:
     """Serve optuna-dashboard for the storage holding study ``name``.
 
     Args:
@@ -145,12 +192,21 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0
         storage: a ``--storage`` value, or None for the project's default files.
         host: the address to listen on (127.0.0.1: this machine only).
         port: the port; 0 picks a free one.
+        expose: allow a ``host`` other than loopback (the dashboard has no login: anyone who
+            reaches the port reads every study of the storage).
+        writable: let the dashboard change the storage (delete studies, write notes); default
+            read-only.
 
     Returns:
         A :class:`DashboardHandle` (``.url``, ``.stop()``).
     """
     import optuna_dashboard
 
+    if not expose and not is_loopback(host):
+        can = "read, change and delete" if writable else "read"
+        raise NascompressError(f"the dashboard has no login: on --host {host} every machine that reaches this one "
+                               f"could {can} the studies of its storage; keep the default --host 127.0.0.1 (and "
+                               f"tunnel, e.g. ssh -L), or pass {EXPOSE_FLAG} to serve it there knowingly")
     spec, st = find_study(name, storage)
     study_id = st.get_study_id_from_name(name)
     tmpdir: Path | None = None
@@ -173,7 +229,7 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            app = optuna_dashboard.wsgi(st)
+            app = _guard(optuna_dashboard.wsgi(st), writable=writable)
         try:
             server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
         except OSError as e:
@@ -188,5 +244,6 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0
     url_host = f"[{host}]" if ":" in host else host
     base = f"http://{url_host}:{real_port}/dashboard/"
     return DashboardHandle(url=base, study_url=f"{base}studies/{study_id}", host=host, port=real_port,
-                           storage=spec.display, snapshot=snap, note=note, _server=server, _thread=thread,
+                           storage=spec.display, snapshot=snap, note=note, writable=writable, _server=server,
+                           _thread=thread,
                            _tmpdir=tmpdir)

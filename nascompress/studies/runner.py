@@ -17,10 +17,11 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   a run with a different one is refused, naming both spaces and where they differ.
 - Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
   restarts. Each worker starts a trial only while COMPLETE + RUNNING < ``n_trials`` (otherwise
-  it waits for the running ones); a trial whose start raced past the limit is released unrun
-  (state PRUNED, system attr ``nascompress:surplus``, its enqueued params re-enqueued).
-  Optuna's ``MaxTrialsCallback(states=(COMPLETE,))`` stops the same way, but only after the
-  trial that overshoots.
+  it waits for the running ones); a trial that, once in the storage, sees ``n_trials`` other
+  trials complete or running raced past the limit and is released unrun (state PRUNED, system
+  attr ``nascompress:surplus``, its enqueued params re-enqueued; see :func:`_surplus`), so no
+  more than ``n_trials`` ever complete. Optuna's ``MaxTrialsCallback(states=(COMPLETE,))`` stops
+  the same way, but only after the trial that overshoots.
 - Fixed configurations (``enqueue``) are enqueued once, by the process that created the study,
   before any worker starts.
 - Crash safety: every RUNNING trial carries ``system_attrs["nascompress:worker"] = {host, pid,
@@ -64,6 +65,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import pickle
+import random
 import signal
 import sys
 import time
@@ -78,6 +80,7 @@ from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from nascompress.limits import check_limited
 from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
 from .display import _Display
@@ -129,15 +132,20 @@ def _finish(study: optuna.Study, trial: optuna.Trial, *, values: list[float] | N
 
 
 def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
-    """Did this trial start when n_trials were already complete or running (a start race)?"""
+    """Did this trial start when ``n_trials`` others were already complete or running (a start race)?
+
+    Read after the trial is in the storage (RUNNING, with its first beat), so every trial that
+    reached the storage before it is seen here. Every other COMPLETE or RUNNING trial counts,
+    whatever its number or start time (those order trials differently from the storage: a
+    journal client stamps its trial's start before it gets the file's lock, an enqueued trial
+    keeps its early number): of any n_trials + 1 trials that would run at once, the last to reach
+    the storage sees the n others and is released. Two trials racing for one place may both be
+    released; both workers then ask again (after a random pause) and one of them gets it.
+    """
     trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
-    mine = next((t for t in trials if t._trial_id == trial._trial_id), None)
-    if mine is None:
+    if not any(t._trial_id == trial._trial_id for t in trials):
         return False
-    key = (mine.datetime_start or _dt.datetime.max, mine.number)
-    ahead = sum(1 for t in trials if t._trial_id != mine._trial_id and (
-        t.state == TrialState.COMPLETE or (t.datetime_start or _dt.datetime.max, t.number) < key))
-    return ahead >= n_trials
+    return sum(1 for t in trials if t._trial_id != trial._trial_id) >= n_trials
 
 
 def _release(study: optuna.Study, trial: optuna.Trial) -> None:
@@ -152,6 +160,7 @@ def _release(study: optuna.Study, trial: optuna.Trial) -> None:
 
 
 _CONTINUE = "then rerun the same command to continue the study"
+_JITTER = random.Random()  # pauses after a released start only: never the samplers' streams
 
 
 def storage_full(e: BaseException, spec: StorageSpec) -> WriteError | None:
@@ -213,7 +222,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
             heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
             if trial.number not in stale_numbers and _surplus(study, trial, cfg.n_trials):
                 _release(study, trial)
-                time.sleep(poll)
+                time.sleep(poll * (0.5 + _JITTER.random()))  # workers that raced do not meet again in step
                 continue
             try:
                 with heartbeat:
@@ -417,6 +426,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     t0 = time.time()
     if not isinstance(n_trials, int) or n_trials < 1:
         raise NascompressError(f"n_trials must be an integer >= 1, got {n_trials!r}")
+    check_limited("n_trials", n_trials, "max_trials")
     if not isinstance(workers, int) or workers < 1:
         raise NascompressError(f"workers must be an integer >= 1, got {workers!r}")
     directions = [str(d).lower() for d in directions]

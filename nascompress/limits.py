@@ -1,0 +1,96 @@
+"""The limits that keep a hostile or mistaken input from exhausting the machine.
+
+Each is a setting with a default chosen from what a real user needs, and a message that says
+what was refused and how to raise the limit: ``NASCOMPRESS_<NAME>`` in the environment (e.g.
+``NASCOMPRESS_MAX_MODEL_PARAMS=5000000000``) overrides a default for one command.
+
+- ``max_model_params``: parameters of a model built from a file or from options, counted from its
+  settings before anything is allocated. The largest timm ViTs nascompress handles (ViT-g/14,
+  1.0 B; ViT-G/14, 1.8 B) fit; an ``arch.json`` with ``"depth": 1000000`` does not.
+- ``max_model_depth``: blocks of such a model (ViTs stop at 48; each block is dozens of Python
+  modules, so a million of them exhaust memory whatever their width).
+- ``max_model_tokens``: tokens per image (patches plus prefix tokens): attention's memory grows with
+  its square. 518 px DINOv2 at patch 14 has 1,370; 1024 px at patch 16 has 4,097.
+- ``max_image_pixels``: pixels of one ImageFolder image (a 10000x10000 PNG is 100 M pixels and
+  ~300 MB decoded before the resize): a 40-megapixel camera photo passes.
+- ``max_trials``: complete trials a study may be asked for (a study of 100,000 zero-shot trials
+  already runs for weeks).
+
+Seeds are in [0, 2^32 - 1] (:data:`SEED_MAX`: numpy's range; the seeds derived from them, e.g. a
+trial's, stay in 64 bits): the range of the ``seed`` setting itself, not a limit to raise.
+- ``max_yaml_depth``: nesting of a pipeline or search-space file (they nest a few levels).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import NascompressError
+
+ENV_PREFIX = "NASCOMPRESS_"
+SEED_MAX = 2**32 - 1
+
+
+def _limit(default: int, *, lo: int, help: str) -> Any:  # noqa: A002 (the settings' name for it)
+    # the metadata of nascompress.config.setting (not imported: config reads these limits)
+    return dataclasses.field(default=default, metadata={"help": help, "lo": lo})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits (see the module docstring); :func:`limits` reads the environment's overrides."""
+
+    max_model_params: int = _limit(2_000_000_000, lo=1, help="Parameters of a model built from a file or options.")
+    max_model_depth: int = _limit(256, lo=1, help="Blocks of a model built from a file or options.")
+    max_model_tokens: int = _limit(16_384, lo=1, help="Tokens per image of a model (patches + prefix tokens).")
+    max_image_pixels: int = _limit(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
+    max_trials: int = _limit(100_000, lo=1, help="Complete trials a study may be asked for.")
+    max_yaml_depth: int = _limit(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
+
+
+DEFAULT = Limits()
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def limits() -> Limits:
+    """The limits in force: the defaults, each overridden by ``NASCOMPRESS_<NAME>`` if set."""
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(Limits):
+        raw = os.environ.get(env_name(f.name))
+        if raw is None or not raw.strip():
+            continue
+        try:
+            v = int(raw.replace("_", "").strip())
+        except ValueError:
+            v = -1
+        if v < f.metadata["lo"]:
+            raise NascompressError(f"{env_name(f.name)}={raw!r} must be an integer >= {f.metadata['lo']} "
+                                   f"(the default is {getattr(DEFAULT, f.name):,}); fix or unset it")
+        changes[f.name] = v
+    return dataclasses.replace(DEFAULT, **changes) if changes else DEFAULT
+
+
+def check_limited(name: str, v: Any, limit: str) -> Any:
+    """``v`` (setting ``name``) must not exceed limit ``limit`` (a field of :class:`Limits`; the
+    ``limit`` of :func:`nascompress.config.setting`); non-numbers are left to the type checks."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        check_limit(limit, v, name)
+    return v
+
+
+def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
+    """Refuse ``value`` above limit ``name`` in one line: what is too large, the limit, how to fix
+    or raise it (``fix``: what the user should do instead, e.g. "check the file")."""
+    limit = getattr(limits(), name)
+    if value > limit:
+        how = f"{fix}; " if fix else ""
+        raise NascompressError(f"{what} is {value:,}, above the limit of {limit:,} ({name}); {how}if it is "
+                               f"intended, raise the limit with {env_name(name)}=N")
+
+
+__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX"]
