@@ -93,7 +93,7 @@ def _both_files(stage1: Any, stage2: Any) -> Any:
 
 
 def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None,
-               force: bool = False) -> dict[str, Any]:
+               force: bool = False, data: Any = None) -> dict[str, Any]:
     """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
 
     Args:
@@ -102,11 +102,18 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
         config: format, batch, dtype, opset, tolerance, verification batch.
         force: replace existing files.
+        data: with ``config.quantize``: the dataset of the calibration and the accuracy check (None:
+            the run's); see :func:`~nascompress.export.quantize.quantize_run`.
     """
     from ..io import MODEL_FILE, load_arch, load_with_arch
     from ..models import input_size
 
     cfg = config or ExportConfig()
+    if cfg.quantize != "none":  # the file `nascompress quantize` writes, with its default settings
+        from .quantize import QuantizeConfig, quantize_run
+
+        qcfg = QuantizeConfig() if cfg.quantize == "int8" else QuantizeConfig(scheme=cfg.quantize)
+        return quantize_run(run, out=out, config=qcfg, export=cfg, data=data, force=force)
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
