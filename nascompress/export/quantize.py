@@ -128,7 +128,8 @@ def _block_of(module: str) -> int | None:
 
 def plan_precision(model: Any, level: int) -> tuple[list[str], list[dict[str, str]]]:
     """The nodes of ONNX ``model`` to quantize and those kept fp32 (with the reason), at ``level``
-    (0: the default; 1: the first and last blocks' linear layers too)."""
+    (0: the default; 1: the first and last blocks' linear layers too; a model of one or two blocks
+    has nothing left to quantize there)."""
     g = model.graph
     consts = _constants(g)
     linear = [n for n in g.node if n.op_type in LINEAR_OPS]
@@ -154,8 +155,6 @@ def plan_precision(model: Any, level: int) -> tuple[list[str], list[dict[str, st
                 continue
         if why is not None:
             kept.append({"node": n.name, "op": n.op_type, "module": mod, "why": why})
-    if not quantize:
-        raise NascompressError("the model has no linear layer left to quantize at this level")
     return quantize, kept
 
 
@@ -325,6 +324,10 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                 chosen = None
                 for scheme, level in cfg.attempts():
                     nodes, kept = plan_precision(proto, level)
+                    if not nodes:  # nothing left to quantize at this level (level 1 of a 2-block model)
+                        if level == 0:
+                            raise NascompressError("the model has no linear layer with constant weights to quantize")
+                        continue
                     if scheme == "int8-static" and calib is None:
                         calib, n_calib = calibration_batches(bundle, spec, cfg)
                     q = Path(tmp) / f"{scheme}.{level}.onnx"
