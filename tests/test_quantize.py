@@ -185,3 +185,26 @@ def test_mgvit_is_refused(tmp_path):
     run = make_run(tmp_path, ("mgvit",))
     with pytest.raises(NascompressError, match="MG-ViT is not quantized"):
         quantize_run(run, out=tmp_path / "m.onnx")
+
+
+def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
+    from nascompress.data import DataConfig
+    from nascompress.export.quantize import int8_rows
+    from nascompress.pipeline.report import int8_table_rows
+
+    _, out, side, _ = quantized
+    res = int8_rows(tiny_run, tiny_run, compressed_int8=out / FILE, data=DataConfig(dataset="synthetic"), iters=2,
+                    batch=8)
+    assert [r["model"] for r in res["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
+    assert res["split"] == "test" and res["images"] == 200
+    for r in res["rows"]:
+        assert 0 <= r["test_top1"] <= 100 and r["latency_ms"] > 0 and r["throughput"] > 0 and r["file_bytes"] > 0
+    dense_fp32, dense_int8, _, comp_int8 = res["rows"]
+    assert dense_int8["file_bytes"] == comp_int8["file_bytes"] == (out / FILE).stat().st_size  # same run, same file
+    assert dense_fp32["test_top1"] - dense_int8["test_top1"] <= 5  # 200 images: a 1-pt val drop may differ on test
+    text = [" | ".join(r) for r in int8_table_rows({"int8": res})]
+    assert text[1].startswith("dense int8 | onnxruntime") and "img/s" in text[1]
+    # a model whose int8 file fails its check gets a row saying so
+    rows = int8_table_rows({"int8": {"rows": [{"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is "
+                                               "not quantized"}]}})
+    assert rows == [("dense int8", "onnxruntime", "not kept: MG-ViT is not quantized", "-", "-", "-")]

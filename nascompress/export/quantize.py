@@ -102,6 +102,11 @@ class QuantizeConfig(Config):
         return order
 
 
+def config_for(quantize: str) -> QuantizeConfig:
+    """The QuantizeConfig of an ExportConfig's ``quantize`` choice (``int8``: the default scheme)."""
+    return QuantizeConfig() if quantize == "int8" else QuantizeConfig(scheme=quantize)
+
+
 # ---------------------------------------------------------------------------------------------
 # Which nodes are quantized
 
@@ -403,5 +408,69 @@ def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecf
     return side
 
 
+# ---------------------------------------------------------------------------------------------
+# The pipeline report's int8 rows
+
+
+def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_int8: str | Path | None, data: Any,
+              config: QuantizeConfig | None = None, export: Any = None, split: str = "test", batch: int = 64,
+              iters: int = 10) -> dict[str, Any]:
+    """Dense fp32, dense int8, compressed fp32, compressed int8: test top-1, file size, latency at batch
+    1 and throughput at ``batch``, all four timed interleaved in one process (fp32: PyTorch eager, as
+    the pipeline's report times it; int8: ONNX Runtime on the CPU).
+
+    The dense int8 file is made here (:func:`quantize_run` with ``config`` and ``export``, into a
+    temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
+    whose int8 file fails its check gets a row with the reason and no figures."""
+    from ..data import InputSpec, load_data
+    from ..io import MODEL_FILE, load_with_arch
+    from ..profiling import time_models
+    from .verify import onnx_runner
+
+    runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
+    rows: list[dict[str, Any]] = []
+    calls, labels = [], []
+    with tempfile.TemporaryDirectory(prefix="nascompress-int8-rows-") as tmp:
+        files: dict[str, Path | str] = {}
+        for k, run in runs.items():
+            model, arch = load_with_arch(run)
+            spec = InputSpec.from_dict(arch["input"])
+            ds = load_data(data, spec=spec, augment=False).split(split)
+            idx = list(range(len(ds)))
+            with torch.inference_mode():
+                hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
+            weights = run / MODEL_FILE if run.is_dir() else run
+            rows.append({"model": f"{k} fp32", "runtime": f"PyTorch {torch.__version__} (eager)",
+                         "test_top1": 100 * hits / len(ds), "file_bytes": weights.stat().st_size})
+            calls.append(lambda x, m=model: m(x))
+            labels.append(len(rows) - 1)
+            q = Path(compressed_int8) if k == "compressed" and compressed_int8 is not None else None
+            if q is None:
+                q = Path(tmp) / f"{k}.int8.onnx"
+                try:
+                    quantize_run(run, out=q, config=config, export=export, data=data, force=True)
+                except NascompressError as e:
+                    rows.append({"model": f"{k} int8", "runtime": "onnxruntime", "failed": str(e)})
+                    continue
+            runner, desc = onnx_runner(q)
+            hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
+            rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds),
+                         "file_bytes": q.stat().st_size})
+            files[k] = q
+            calls.append(lambda x, r=runner: r([x]))
+            labels.append(len(rows) - 1)
+        shape = (spec.in_chans, *spec.img_size)
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for bs, key in ((1, "latency_ms"), (batch, "throughput")):
+                t = time_models(calls, torch.randn(bs, *shape, generator=g), warmup=2, iters=iters)
+                for i, s in zip(labels, t):
+                    rows[i][key] = 1e3 * s if key == "latency_ms" else bs / s
+    return {"split": split, "images": len(ds), "latency_batch": 1, "throughput_batch": batch, "iters": iters,
+            "rows": rows}
+
+
+
 __all__ = ["QuantizeConfig", "SCHEMES", "QUANTIZE_CHOICES", "quantize_run", "quantize_file", "plan_precision",
-           "accuracy_check", "calibration_batches"]
+           "accuracy_check", "calibration_batches", "int8_rows",
+           "config_for"]

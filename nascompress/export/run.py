@@ -110,10 +110,9 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
 
     cfg = config or ExportConfig()
     if cfg.quantize != "none":  # the file `nascompress quantize` writes, with its default settings
-        from .quantize import QuantizeConfig, quantize_run
+        from .quantize import config_for, quantize_run
 
-        qcfg = QuantizeConfig() if cfg.quantize == "int8" else QuantizeConfig(scheme=cfg.quantize)
-        return quantize_run(run, out=out, config=qcfg, export=cfg, data=data, force=force)
+        return quantize_run(run, out=out, config=config_for(cfg.quantize), export=cfg, data=data, force=force)
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
