@@ -213,7 +213,8 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
         print(f"[{name}] {k}: test top-1 on {len(images)} images ...", flush=True)
         models[k]["test_top1"] = {"pytorch_fp32": top1(pts[k], images, labels, spec),
                                   "ort_int8": top1(lambda x, s=sess[k]["int8"]: s([x])[0], images, labels, spec)}
-        models[k]["test_top1"]["int8_drop"] = models[k]["test_top1"]["pytorch_fp32"] - models[k]["test_top1"]["ort_int8"]
+        t = models[k]["test_top1"]
+        t["int8_drop"] = t["pytorch_fp32"] - t["ort_int8"]
     shape = (spec.in_chans, *spec.img_size)
     speed: dict[str, Any] = {}
     names = list(runs)
@@ -329,7 +330,8 @@ def main() -> None:
             res["dinov2"] = {"source": info, **family("dinov2", runs, data, work, args, [1, 16])}
         res["goals"] = goals(res)
         res["not_measured"] = [g for g, present in (
-            ("main job on the README's pipeline models (a stand-in was used)", args.dense is None and not args.skip_main),
+            ("main job on the README's pipeline models (a stand-in was used)",
+             args.dense is None and not args.skip_main),
             ("main job", args.skip_main), ("DINOv2 models", args.dinov2_weights is None),
             ("retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used)", args.dinov2_weights is not None),
             ("GPU int8 (no GPU on this machine; not offered)", True)) if present]

@@ -56,7 +56,8 @@ def register(app: typer.Typer) -> None:
         v = side["verification"]
         if "quantization" in side:
             q = side["quantization"]
-            out.print(f"wrote {side['file']} ({q['scheme']}{', fallback: ' + q['fallback'] if q['fallback'] else ''}) + "
+            fallback = f", fallback: {q['fallback']}" if q["fallback"] else ""
+            out.print(f"wrote {side['file']} ({q['scheme']}{fallback}) + "
                       f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
                       f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
                       f"{v['max_abs_logit_diff']:.3g}", highlight=False, soft_wrap=True)

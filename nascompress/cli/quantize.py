@@ -13,13 +13,15 @@ QUANTIZED_FILE = "model.int8.onnx"
 
 
 def _options(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors) that nascompress.load reads.")],
+    run_dir: Annotated[Path, typer.Argument(
+        help="A run directory (or model.safetensors) that nascompress.load reads.")],
     out_dir: Annotated[Path, typer.Option("--out", help=f"Directory to write {QUANTIZED_FILE} and its sidecar "
                                                         f"{QUANTIZED_FILE}.json into.")],
     # (here: QuantizeConfig's settings: --scheme --calib-images --max-drop --eval-images --no-fallback)
     dataset: Annotated[Optional[str], typer.Option(help="The dataset of the calibration and the check (default: "
                                                         "the run's).")] = None,
-    data_dir: Annotated[Optional[str], typer.Option(help="Where Fashion-MNIST's IDX files are (with --dataset).")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(
+        help="Where Fashion-MNIST's IDX files are (with --dataset).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
 ) -> None:
@@ -34,12 +36,13 @@ def quantize(**kw: Any) -> None:
 
     cfg = run(lambda: QuantizeConfig(**setting_values(QuantizeConfig, kw)))
     data = None
-    if kw["dataset"] is not None or kw["data_dir"] is not None:
+    if kw["dataset"] is not None or kw["data_dir"] is not None:  # the run's data settings, another dataset
+        from dataclasses import replace
+
         from nascompress.api import run_data_config
 
-        base = run_data_config(kw["run_dir"]) or DataConfig()
-        data = run(lambda: DataConfig(**{**base.__dict__, **{k: kw[k] for k in ("dataset", "data_dir")
-                                                              if kw[k] is not None}}))
+        given = {k: kw[k] for k in ("dataset", "data_dir") if kw[k] is not None}
+        data = run(lambda: replace(run_data_config(kw["run_dir"]) or DataConfig(), **given))
     target = Path(kw["out_dir"]) / QUANTIZED_FILE
     side = run(quantize_run, kw["run_dir"], out=target, config=cfg, data=data, force=kw["force"])
     if kw["json_out"]:
@@ -60,5 +63,6 @@ def quantize(**kw: Any) -> None:
 def register(app: typer.Typer) -> None:
     from nascompress.export.quantize import QuantizeConfig
 
-    quantize.__signature__ = command_signature(_options, {"dataset": setting_params(QuantizeConfig)})  # type: ignore[attr-defined]
+    sig = command_signature(_options, {"dataset": setting_params(QuantizeConfig)})
+    quantize.__signature__ = sig  # type: ignore[attr-defined]
     app.command()(quantize)

@@ -294,7 +294,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         raise NascompressError("MG-ViT is not quantized: its exit rule reads the softmax confidence, which int8 moves "
                                "and this check does not cover; export it in fp32 or fp16 (nascompress export)")
     try:
-        import onnx  # noqa: F401
+        import onnx
         import onnxruntime.quantization  # noqa: F401
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
@@ -312,14 +312,13 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         if side["num_classes"] != bundle.num_classes:
             raise NascompressError(f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
                                    f"{bundle.num_classes}; give the dataset it was trained on (--dataset)")
+
         def val() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # preprocessed again per pass (memory)
             return _batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
 
         labels = torch.cat([y for _, y in val()])
         ref = _logits(onnx_runner(fp32)[0], val())
-        calib, n_calib = (None, 0)
-        import onnx
-
+        calib, n_calib = None, 0
         proto = onnx.load(str(fp32))
         attempts: list[dict[str, Any]] = []
         for p in created:

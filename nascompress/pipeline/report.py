@@ -425,4 +425,5 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
             f'<body>{"".join(parts)}</body></html>\n')
 
 
-__all__ = ["build_html", "comparison_rows", "int8_table_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text", "write_summary"]
+__all__ = ["build_html", "comparison_rows", "int8_table_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
+           "write_summary"]
