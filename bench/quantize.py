@@ -44,6 +44,7 @@ from nascompress.export.quantize import QuantizeConfig, quantize_run  # noqa: E4
 from nascompress.export.verify import onnx_runner  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
+from nascompress.utils import read_json  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
              "amx_int8", "amx_bf16")
@@ -129,7 +130,7 @@ def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     from nascompress.models import ModelSpec
     from nascompress.train import TrainConfig, TrainJob, train
 
-    data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, eval_limit=args.eval_images)
+    data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, eval_limit=args.eval_images)  # (see main)
     dense_dir = work / "dinov2_dense"
     t0 = time.time()
     m = train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}), data=data,
@@ -207,7 +208,9 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
     spec = InputSpec.from_dict(load_with_arch(next(iter(runs.values())))[1]["input"])
     images, labels = test_set(data, spec, args.eval_images)
     pts = {k: nascompress.load(r).eval() for k, r in runs.items()}
-    sess = {k: {p: onnx_runner(f, threads=args.threads)[0] for p, f in fs.items()} for k, fs in files.items()}
+    # no spinning: ORT's idle workers would starve the PyTorch model timed next (see onnx_runner)
+    sess = {k: {p: onnx_runner(f, threads=args.threads, spinning=False)[0] for p, f in fs.items()}
+            for k, fs in files.items()}
     for k in runs:
         models[k]["flops_ratio"] = models[k]["macs_per_image"] / dense_macs
         print(f"[{name}] {k}: test top-1 on {len(images)} images ...", flush=True)
@@ -287,6 +290,7 @@ def main() -> None:
     ap.add_argument("--dinov2-train", type=int, default=1000, help="linear-probe training images")
     ap.add_argument("--dinov2-dcs-flops", type=float, default=0.6)
     ap.add_argument("--eval-images", type=int, default=1000, help="validation (check) and test images per model")
+    ap.add_argument("--dinov2-eval-images", type=int, help="the same for DINOv2 (default: --eval-images)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, help="keep the models here (default: a temporary folder)")
@@ -297,7 +301,9 @@ def main() -> None:
 
     res: dict[str, Any] = header()
     res["machine"]["onnxruntime"] = onnxruntime.__version__
-    res["machine"]["note"] = "shared machine: other jobs ran beside this one; compare ratios measured together"
+    res["machine"]["note"] = ("shared machine: other jobs ran beside this one; compare ratios measured together. "
+                              f"PyTorch and ONNX Runtime both ran {args.threads} intra-op thread(s); ORT without "
+                              "spinning workers (they starve the PyTorch model timed next)")
     res["cpu_int8"] = cpu_int8(args.threads)
     print(f"cpu int8: {res['cpu_int8']['mlas_int8_path_expected']}, one GEMM int8 vs fp32 "
           f"{res['cpu_int8']['gemm_int8_speedup']:.2f}x", flush=True)
@@ -318,13 +324,16 @@ def main() -> None:
                 from nascompress.api import run_data_config
 
                 dense, comp = args.dense, args.compressed
-                source = {"kind": "runs given on the command line"}
+                source = {"kind": "runs given on the command line", **{
+                    k: {"config": read_json(r / "config.json"), "metrics": read_json(r / "metrics.json")}
+                    for k, r in (("dense", dense), ("compressed", comp))}}
                 data = run_data_config(comp) or DataConfig()
             res["main_job"] = {"source": source, **family("main_job", {"dense": dense, "compressed": comp}, data,
                                                           work, args, [1, 64])}
             res["goals"] = goals(res)
             save(args.out, res)
         if args.dinov2_weights is not None:
+            args.eval_images = args.dinov2_eval_images or args.eval_images
             runs, info = dinov2_runs(args, work)
             data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, subset_seed=0)
             res["dinov2"] = {"source": info, **family("dinov2", runs, data, work, args, [1, 16])}

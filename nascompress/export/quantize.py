@@ -451,7 +451,7 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
                 except NascompressError as e:
                     rows.append({"model": f"{k} int8", "runtime": "onnxruntime", "failed": str(e)})
                     continue
-            runner, desc = onnx_runner(q)
+            runner, desc = onnx_runner(q, spinning=False)  # timed beside PyTorch (see onnx_runner)
             hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
             rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds),
                          "file_bytes": q.stat().st_size})
