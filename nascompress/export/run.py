@@ -93,7 +93,7 @@ def _both_files(stage1: Any, stage2: Any) -> Any:
 
 
 def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None,
-               force: bool = False, data: Any = None) -> dict[str, Any]:
+               force: bool = False) -> dict[str, Any]:
     """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
 
     Args:
@@ -102,17 +102,17 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
         config: format, batch, dtype, opset, tolerance, verification batch.
         force: replace existing files.
-        data: with ``config.quantize``: the dataset of the calibration and the accuracy check (None:
-            the run's); see :func:`~nascompress.export.quantize.quantize_run`.
+
+    A ``config.quantize`` is refused here: :func:`nascompress.export.export_run` sends such a config to
+    :func:`~nascompress.export.quantize.quantize_run`, which exports through this function first.
     """
     from ..io import MODEL_FILE, load_arch, load_with_arch
     from ..models import input_size
 
     cfg = config or ExportConfig()
-    if cfg.quantize != "none":  # the file `nascompress quantize` writes, with its default settings
-        from .quantize import config_for, quantize_run
-
-        return quantize_run(run, out=out, config=config_for(cfg.quantize), export=cfg, data=data, force=force)
+    if cfg.quantize != "none":
+        raise NascompressError("nascompress.export.run.export_run writes fp32/fp16/bf16 files; quantized files come "
+                               "from nascompress.export.export_run or nascompress.export.quantize.quantize_run")
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
