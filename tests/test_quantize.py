@@ -105,6 +105,17 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     check = step.run(force=True, resume=False)
     assert check["passed"] and check["split"] == "val"
     assert (tmp_path / "pipe" / "export" / FILE).read_bytes() == (out / FILE).read_bytes()
+    # the report's int8 rows: the export step's file for the compressed model, the dense one made alike
+    from nascompress.pipeline.report import _int8, build_html
+
+    rows = _int8(pipe, tmp_path / "pipe" / "dcs_mat")
+    assert [r["model"] for r in rows["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
+    assert rows["throughput_batch"] == pipe.cfg.report.batch_size and rows["split"] == "test"
+    s = {"source": "p.yaml", "out": "o", "seed": 0, "written": "now", "goal": {"value": None, "statement": "x"},
+         "dense": {"test_top1": 1.0, "macs": 1.0}, "final": None, "comparison": None, "int8": rows,
+         "decisions": {}, "stages": []}
+    page = build_html(s, config_text="")
+    assert 'id="int8"' in page and "compressed int8" in page
 
 
 def _zero_head(real):
