@@ -219,3 +219,26 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     rows = int8_table_rows({"int8": {"rows": [{"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is "
                                                "not quantized"}]}})
     assert rows == [("dense int8", "onnxruntime", "not kept: MG-ViT is not quantized", "-", "-", "-")]
+
+
+@pytest.mark.parametrize("stack", [("dcs", "evit"), ("uniform", "sparsifiner", "dynamicvit")], ids="-".join)
+def test_compressed_models_quantize_and_run(stack, tmp_path):
+    """The longest method stacks (every method's exported ops) quantize statically and run in ORT."""
+    import onnx
+
+    from nascompress.export.verify import onnx_runner
+
+    from .test_export import make_run
+
+    run = make_run(tmp_path, stack)
+    export_run(run, out=tmp_path / "f.onnx")
+    nodes, kept = q.plan_precision(onnx.load(str(tmp_path / "f.onnx")), 0)
+    assert len(nodes) >= 8 and any(k["why"] == "classifier head" for k in kept)  # 2 blocks x 4 linear layers at least
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(8, 1, 28, 28, generator=g).numpy() for _ in range(2)]
+    q.quantize_file(tmp_path / "f.onnx", tmp_path / "q.onnx", scheme="int8-static", nodes=nodes, calib=calib)
+    assert "QuantizeLinear" in _op_types(tmp_path / "q.onnx")
+    x = torch.randn(4, 1, 28, 28, generator=g)
+    ref, got = onnx_runner(tmp_path / "f.onnx")[0]([x])[0], onnx_runner(tmp_path / "q.onnx")[0]([x])[0]
+    assert got.shape == ref.shape and bool(torch.isfinite(got).all())
+    assert float((got - ref).abs().max()) < 0.25 * max(1.0, float(ref.abs().max())), (got, ref)
