@@ -21,6 +21,7 @@ RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 TABLE_START, TABLE_END = "<!-- results-table:start -->", "<!-- results-table:end -->"
+INT8_START, INT8_END = "<!-- int8-table:start -->", "<!-- int8-table:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
 FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
@@ -41,6 +42,8 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "qk": ("Narrowed Q/K layouts", "`bench/qk_layout.py`: how narrowed Q/K heads reach the attention kernel."),
     "ddp": ("Data parallelism", "`bench/ddp_cpu.py`: step time of 2-process gloo training, this code against another checkout."),
     "export": ("Export", "`bench/export.py`: exported files against PyTorch."),
+    "quantize": ("int8 quantization", "`bench/quantize.py`: each model's fp32 and int8 ONNX files (nascompress "
+                 "quantize), their test top-1, sizes and CPU speed against the dense fp32 PyTorch model."),
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
     "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
                 "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time on a CPU')."),
@@ -318,6 +321,34 @@ def readme_table(data: dict[str, Any]) -> list[str]:
                  rows)[:-1]
 
 
+def int8_table(data: dict[str, Any]) -> list[str]:
+    """The README's int8 table (``quantize.json``): per model, fp32 PyTorch against the int8 ONNX file;
+    speeds are the dense fp32 PyTorch model's time / this model's, measured interleaved."""
+    q = data.get("quantize.json")
+    gaps = " ".join((q or {}).get("not_measured", []))
+    rows = []
+    for fam, label in (("main_job", "Fashion-MNIST main job" + (" (stand-in)" if "stand-in" in gaps else "")),
+                       ("dinov2", "DINOv2 ViT-S/14 112 px probe")):
+        f = (q or {}).get(fam)
+        if not f:
+            continue
+        big = next(b for b in f["speed"] if b != "batch_1")
+        for k, m in f["models"].items():
+            t, sz = m["test_top1"], m["file_mb"]
+            sp = {b: f["speed"][b]["speedup_vs_dense_pytorch_fp32"] for b in ("batch_1", big)}
+            scheme = m["quantization"]["scheme"] + (" (fallback)" if m["quantization"]["fallback"] else "")
+            untrained = fam == "dinov2" and k != "dense" and "zero-shot" in gaps
+            rows.append([f"{label}: {k}{' (not retrained)' if untrained else ''}", f"{m['flops_ratio']:.3f}x", scheme,
+                         f"{t['pytorch_fp32']:.2f}% -> {t['ort_int8']:.2f}%", f"{sz['fp32']:.2f} -> {sz['int8']:.2f}",
+                         f"{sp[big][k + '/ort_fp32']:.2f}x / {sp[big][k + '/ort_int8']:.2f}x",
+                         f"{sp['batch_1'][k + '/ort_fp32']:.2f}x / {sp['batch_1'][k + '/ort_int8']:.2f}x",
+                         big.replace("batch_", "b")])
+    if not rows:
+        return []
+    return table(["model", "FLOPs vs dense", "int8 scheme", "test top-1 fp32 -> int8", "file MB fp32 -> int8",
+                  "ORT fp32 / int8 vs dense PyTorch fp32, large batch", "same, b1", "large batch"], rows)[:-1]
+
+
 # --------------------------------------------------------------------------------------------- the document
 def render(data: dict[str, Any]) -> str:
     fams: dict[str, list[str]] = {}
@@ -352,11 +383,16 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-def with_readme_table(readme: str, data: dict[str, Any]) -> str:
-    start, end = readme.find(TABLE_START), readme.find(TABLE_END)
+def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
+    start, end = readme.find(start_mark), readme.find(end_mark)
     if start < 0 or end < start:
         return readme
-    return readme[:start + len(TABLE_START)] + "\n" + "\n".join(readme_table(data)) + "\n" + readme[end:]
+    return readme[:start + len(start_mark)] + "\n" + "\n".join(lines) + "\n" + readme[end:]
+
+
+def with_readme_table(readme: str, data: dict[str, Any]) -> str:
+    readme = _fill(readme, TABLE_START, TABLE_END, readme_table(data))
+    return _fill(readme, INT8_START, INT8_END, int8_table(data))
 
 
 def read_all() -> dict[str, Any]:

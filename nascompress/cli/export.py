@@ -38,6 +38,7 @@ def register(app: typer.Typer) -> None:
         tolerance: Annotated[Optional[float], typer.Option(help=_help("tolerance"))] = _default("tolerance"),
         verify_batch: Annotated[int, typer.Option(help=_help("verify_batch"))] = _default("verify_batch"),
         seed: Annotated[int, typer.Option(help="Seed of the check's random batch.")] = 0,
+        quantize: Annotated[str, typer.Option(help=_help("quantize"))] = _default("quantize"),
         force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
     ) -> None:
@@ -46,12 +47,21 @@ def register(app: typer.Typer) -> None:
         from nascompress.export import ExportConfig, export_run, parse_batch
 
         cfg = run(lambda: ExportConfig(format=format, batch=parse_batch(batch), dtype=dtype, opset=opset,
-                                       tolerance=tolerance, verify_batch=verify_batch, seed=seed))
+                                       tolerance=tolerance, verify_batch=verify_batch, seed=seed,
+                                       quantize=quantize))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:
             print_json(side)
             return
         v = side["verification"]
+        if "quantization" in side:
+            q = side["quantization"]
+            fallback = f", fallback: {q['fallback']}" if q["fallback"] else ""
+            out.print(f"wrote {side['file']} ({q['scheme']}{fallback}) + "
+                      f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
+                      f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
+                      f"{v['max_abs_logit_diff']:.3g}", highlight=False, soft_wrap=True)
+            return
         files = ", ".join(f["file"] for f in side["files"])
         out.print(f"wrote {files} ({side['runtime']}, {side['dtype']}, batch {side['batch']}) + "
                   f"{Path(out_file).name}.json"

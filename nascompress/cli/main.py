@@ -244,7 +244,7 @@ def _register_optional() -> None:
     import importlib
 
     for mod in ("nascompress.cli.finetune", "nascompress.cli.dcs", "nascompress.cli.retrain", "nascompress.cli.search", "nascompress.cli.importer", "nascompress.cli.study",
-                "nascompress.cli.pipeline", "nascompress.cli.export"):
+                "nascompress.cli.pipeline", "nascompress.cli.export", "nascompress.cli.quantize"):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

@@ -47,7 +47,8 @@ def show(s: dict) -> None:
     """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
     from rich.table import Table
 
-    from nascompress.pipeline.report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text
+    from nascompress.pipeline.report import (comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
+                                             int8_table_rows)
 
     t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):
@@ -56,6 +57,14 @@ def show(s: dict) -> None:
         t.add_row(*row)
     out.print(t)
     out.print(f"goal: {goal_text(s)}", highlight=False)
+    if s.get("int8"):
+        q = Table(title="int8 (ONNX Runtime, CPU) against fp32 (PyTorch), timed interleaved")
+        for col in ("model", "runtime", "test top-1", "file size", f"latency b{s['int8']['latency_batch']}",
+                    f"throughput b{s['int8']['throughput_batch']}"):
+            q.add_column(col, justify="left" if col in ("model", "runtime") else "right")
+        for row in int8_table_rows(s):
+            q.add_row(*row)
+        out.print(q)
     rows = dcs_rows(s)
     if rows:
         d = Table(title="DCS: channels kept per block")

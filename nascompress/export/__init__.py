@@ -21,11 +21,34 @@ Refused, each with one line: a DCS supernet (not a smaller model yet: materializ
 method with no export path, ``bf16`` ONNX (ONNX Runtime's CPU provider has no bfloat16 kernels for
 these ops, so the file could not be checked), MG-ViT with a fixed batch (its second stage takes the
 images that did not exit).
+
+int8: ``config.quantize`` (``export --quantize int8``) or :mod:`.quantize` (``nascompress quantize``)
+writes an int8 ONNX file made with ONNX Runtime's quantization tooling from the checked fp32 file,
+and keeps it only when its top-1 on the run's validation split is within the allowed drop.
 """
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 from .config import DTYPES, FORMATS, ExportConfig, parse_batch
-from .run import SIDECAR_FORMAT, export_run, sidecar_path, stage_path
+from .run import SIDECAR_FORMAT, sidecar_path, stage_path
+from .run import export_run as _export_fp
+
+
+def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False,
+               data: Any = None) -> dict[str, Any]:
+    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents
+    (:func:`nascompress.export.run.export_run`). With ``config.quantize`` (``int8``, ``int8-static``,
+    ``int8-dynamic``) the file is the int8 ONNX file ``nascompress quantize`` writes with its default
+    settings (:func:`nascompress.export.quantize.quantize_run`), calibrated and checked on ``data``
+    (None: the run's dataset)."""
+    if config is not None and config.quantize != "none":
+        from .quantize import config_for, quantize_run
+
+        return quantize_run(run, out=out, config=config_for(config.quantize), export=config, data=data, force=force)
+    return _export_fp(run, out=out, config=config, force=force)
+
 
 __all__ = ["ExportConfig", "FORMATS", "DTYPES", "parse_batch", "export_run", "sidecar_path", "stage_path",
            "SIDECAR_FORMAT"]

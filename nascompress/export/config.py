@@ -9,6 +9,7 @@ from ..limits import SEED_MAX
 from ..errors import NascompressError
 
 FORMATS = ("onnx", "torch-export")
+QUANTIZE = ("none", "int8", "int8-static", "int8-dynamic")  # int8: the quantize command's default scheme
 DTYPES = ("fp32", "fp16", "bf16")
 # max |exported - PyTorch logits| allowed, relative to max(1, max |PyTorch logit|)
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
@@ -36,6 +37,9 @@ class ExportConfig(Config):
         verify_batch: images in the fixed random batch the file is checked on (with ``batch: N``
             the check runs on N images).
         seed: seed of that batch.
+        quantize: ``none``, or an int8 ONNX file instead of the fp32 one, made and checked on the
+            validation split as ``nascompress quantize`` makes it (``int8``: its default scheme,
+            ``int8-static``; or ``int8-dynamic``), with its default settings.
     """
 
     format: str = setting("onnx", help="onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2).",
@@ -47,9 +51,15 @@ class ExportConfig(Config):
                                                  "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
     verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1)
     seed: int = 0
+    quantize: str = setting("none", choices=QUANTIZE, help=(
+        "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
+        "(its default settings), checked on the validation split."))
 
     def __post_init__(self) -> None:
         check_choice("format", self.format, FORMATS)
+        check_choice("quantize", self.quantize, QUANTIZE)
+        if self.quantize != "none" and (self.format != "onnx" or self.dtype != "fp32"):
+            raise NascompressError("--quantize int8 starts from the fp32 ONNX file: use --format onnx --dtype fp32")
         if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
                                         or self.batch < 1):
             raise NascompressError(f"batch must be 'dynamic' or a positive integer, got {self.batch!r}")
@@ -75,4 +85,4 @@ class ExportConfig(Config):
         return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE[self.dtype]
 
 
-__all__ = ["ExportConfig", "FORMATS", "DTYPES", "DEFAULT_TOLERANCE", "parse_batch"]
+__all__ = ["ExportConfig", "FORMATS", "DTYPES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]

@@ -104,11 +104,17 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
         config: format, batch, dtype, opset, tolerance, verification batch.
         force: replace existing files.
+
+    A ``config.quantize`` is refused here: :func:`nascompress.export.export_run` sends such a config to
+    :func:`~nascompress.export.quantize.quantize_run`, which exports through this function first.
     """
     from ..io import MODEL_FILE, load_arch, load_with_arch
     from ..models import input_size
 
     cfg = config or ExportConfig()
+    if cfg.quantize != "none":
+        raise NascompressError("nascompress.export.run.export_run writes fp32/fp16/bf16 files; quantized files come "
+                               "from nascompress.export.export_run or nascompress.export.quantize.quantize_run")
     if cfg.format == "onnx":
         require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else

@@ -17,8 +17,12 @@ from ..errors import NascompressError
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
 
-def onnx_runner(path: str | Path, *, threads: int | None = None) -> tuple[Runner, str]:
-    """A callable running the ONNX file in ONNX Runtime on the CPU, and a description of it."""
+def onnx_runner(path: str | Path, *, threads: int | None = None, spinning: bool = True) -> tuple[Runner, str]:
+    """A callable running the ONNX file in ONNX Runtime on the CPU, and a description of it.
+
+    ``spinning=False``: ORT's worker threads sleep as soon as a run ends instead of spinning for a
+    while (its default, fastest alone): needed when it is timed interleaved with PyTorch, whose
+    threads the spinning ones would otherwise starve."""
     try:
         import onnxruntime as ort
     except ModuleNotFoundError:
@@ -26,6 +30,9 @@ def onnx_runner(path: str | Path, *, threads: int | None = None) -> tuple[Runner
     so = ort.SessionOptions()
     if threads:
         so.intra_op_num_threads = threads
+    if not spinning:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        so.add_session_config_entry("session.inter_op.allow_spinning", "0")
     try:
         sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 (ORT's errors carry the reason in the first line)

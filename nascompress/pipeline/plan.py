@@ -375,12 +375,15 @@ def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
         final = current_model(out, base_dir=base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
                               retrain=st.retrain is not None, upto="final")  # after a DCS fallback: what was made
         # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
-        return export_run(final or base_dir, out=target, config=ec, force=True)["verification"]
+        # (int8: calibrated and checked on the pipeline's data)
+        return export_run(final or base_dir, out=target, config=ec, force=True, data=_data_config(cfg))["verification"]
 
     return Step("export", out / "export", "redo",  # the step owns OUT/export: an earlier attempt is replaced
                 run,
                 outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
-                describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch")
+                describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch"
+                         + (f"; quantized ({s.quantize}) and checked on the validation split" if s.quantize != "none"
+                            else ""))
 
 
 def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:

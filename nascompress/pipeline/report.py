@@ -177,11 +177,14 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         decisions["retrain"]["teacher"] = cfg.stages.retrain.teacher
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
+    int8 = None
+    if cfg.export is not None and cfg.export.quantize != "none" and final_dir is not None:
+        int8 = _int8(pipe, final_dir)
     summary = {"format": SUMMARY_FORMAT, "config": str((out / "config.yaml").resolve()),
                "source": str(Path(pipe.source).resolve()),
                "out": str(out.resolve()), "seed": cfg.seed, "device": prof.get("device"), "dtype": prof.get("dtype"),
                "dataset": dense_ev.get("dataset"),
-               "goal": goal, "dense": dense, "final": final, "comparison": cmp, "decisions": decisions,
+               "goal": goal, "dense": dense, "final": final, "comparison": cmp, "int8": int8, "decisions": decisions,
                "stages": _stage_log(pipe),
                "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
     study_html = None
@@ -193,6 +196,30 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         tmp.write_text(build_html(summary, config_text=(out / "config.yaml").read_text(), study_html=study_html),
                        encoding="utf-8")
     return summary
+
+
+def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
+    """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.quantize.int8_rows`):
+    the compressed int8 file is the export step's, the dense one is made with the same settings."""
+    from ..export.quantize import config_for, int8_rows
+
+    cfg = pipe.cfg
+    made = pipe.out / "export" / cfg.export.filename
+    return int8_rows(pipe.base_dir, final_dir, compressed_int8=made if made.is_file() else None, data=pipe.data,
+                     config=config_for(cfg.export.quantize), export=cfg.export.config(seed=cfg.seed),
+                     batch=cfg.report.batch_size, iters=cfg.report.iters)
+
+
+def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(model, runtime, test top-1, file size, latency, throughput) rows of the summary's int8 section."""
+    rows = []
+    for r in (s.get("int8") or {}).get("rows", []):
+        if "failed" in r:
+            rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
+            continue
+        rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%", _mb(r["file_bytes"]),
+                     f"{r['latency_ms']:.2f} ms", f"{r['throughput']:.1f} img/s"))
+    return rows
 
 
 def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
@@ -374,6 +401,12 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
              '<p class="note">Same test images for both; FLOPs counted as the papers count them (one multiply-add '
              "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
              "(medians).</p>",
+             *(["<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",
+                _table(["model", "runtime", "test top-1",  "file size",
+                        f"latency, batch {s['int8']['latency_batch']}",
+                        f"throughput, batch {s['int8']['throughput_batch']}"], int8_table_rows(s), "int8"),
+                '<p class="note">The four models timed interleaved in one process (medians); the dense int8 file is '
+                "made with the export's quantize settings for this comparison.</p>"] if s.get("int8") else []),
              "<h2>Decisions</h2>",
              "<ul>" + "".join(f"<li>{html.escape(line.strip())}</li>" for line in decision_lines(s)) + "</ul>"]
     rows = dcs_rows(s)
@@ -397,4 +430,5 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
             f'<body>{"".join(parts)}</body></html>\n')
 
 
-__all__ = ["build_html", "comparison_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text", "write_summary"]
+__all__ = ["build_html", "comparison_rows", "int8_table_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
+           "write_summary"]

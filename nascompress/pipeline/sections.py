@@ -197,7 +197,7 @@ class ExportSection(_Section):
     :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
     pipeline's)."""
 
-    file: str | None = None  # default model.onnx (format onnx) or model.pt2
+    file: str | None = None  # default model.onnx (format onnx; model.int8.onnx quantized) or model.pt2
 
     def __post_init__(self) -> None:
         self.config(seed=0)
@@ -209,7 +209,9 @@ class ExportSection(_Section):
 
     @property
     def filename(self) -> str:
-        return self.file or ("model.onnx" if self.format == "onnx" else "model.pt2")
+        if self.file:
+            return self.file
+        return "model.pt2" if self.format != "onnx" else "model.onnx" if self.quantize == "none" else "model.int8.onnx"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,370 @@
+"""int8 on top of compression: accuracy and CPU speed of fp32 and int8 files, dense and compressed.
+
+Families (each optional):
+
+1. The main job (``configs/fashion-mnist.yaml``): its dense base and compressed model (DCS + EViT).
+   ``--dense RUN --compressed RUN`` take a pipeline's ``base`` and ``final``; without them the stand-in
+   of ``bench/export.py`` is made here (the config's base trained ``--epochs`` on ``--train-limit``
+   images, DCS channels by activation importance at the config's target, EViT 0.7, retrained
+   ``--retrain-epochs`` against the dense model).
+2. DINOv2 ViT-S/14 at 112 px (``--dinov2-weights``): a linear probe fitted on ``--dinov2-train``
+   Fashion-MNIST images (``train --linear-probe``), and from it, without any retraining (say so when
+   reading the accuracies), DCS at about 0.6x FLOPs (channels by activation importance,
+   materialized) and EViT keep rate 0.7.
+
+Every model is quantized by the library (:func:`nascompress.export.quantize.quantize_run`, default
+settings: int8-static, 256 calibration images, check on the validation split, fallback on). Then, per
+model: test top-1 on ``--eval-images`` class-stratified test images of PyTorch fp32 and of the int8
+file; the file sizes; and the speed of PyTorch eager fp32, ONNX Runtime fp32 and ONNX Runtime int8, all
+models of a family timed interleaved in one process (rotating order, medians) at batch 1 and a larger
+batch (64 main job, 16 DINOv2). Ratios are to the dense fp32 PyTorch model. The goals of issue 35 are
+evaluated from these figures (``goals``), and ``cpu`` records the CPU's int8 dot-product support and a
+one-GEMM ONNX Runtime measurement of the int8 kernel path against fp32.
+
+    python bench/quantize.py --threads 2 --out bench/results/quantize.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import ROOT, command_line, header, save  # noqa: E402  (puts the repository on sys.path)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import nascompress  # noqa: E402
+from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
+from nascompress.export import ExportConfig, export_run  # noqa: E402
+from nascompress.export.quantize import QuantizeConfig, quantize_run  # noqa: E402
+from nascompress.export.verify import onnx_runner  # noqa: E402
+from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.profiling import time_models  # noqa: E402
+from nascompress.utils import read_json  # noqa: E402
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
+             "amx_int8", "amx_bf16")
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU's int8 paths
+
+
+def cpu_int8(threads: int) -> dict[str, Any]:
+    """The CPU's flags that decide ONNX Runtime's (MLAS) int8 GEMM kernel, and one GEMM timed in fp32
+    and as ORT's static int8 (QDQ -> QLinearMatMul / int8 GEMM) with the same threads."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    flags: set[str] = set()
+    model_name = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags.update(line.split(":", 1)[1].split())
+            elif line.startswith("model name") and not model_name:
+                model_name = line.split(":", 1)[1].strip()
+    have = {k: k in flags for k in CPU_FLAGS}
+    if have["amx_int8"]:
+        path = "AMX int8 tiles"
+    elif have["avx512_vnni"]:
+        path = "AVX512-VNNI (vpdpbusd: u8 x s8 dot products)"
+    elif have["avx_vnni"]:
+        path = "AVX-VNNI (256-bit vpdpbusd)"
+    elif have["avx2"]:
+        path = "AVX2 (vpmaddubsw + vpmaddwd: no int8 dot-product instruction)"
+    else:
+        path = "no SIMD int8 path"
+    M, K, N = 64 * 50, 384, 1536  # one ViT-S MLP fc1 at batch 64 (50 tokens)
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((K, N)) / np.sqrt(K)).astype(np.float32)
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "gemm",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, K])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, N])],
+                          [numpy_helper.from_array(w, "w")])
+    x = rng.standard_normal((M, K)).astype(np.float32)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter([{"x": x[:256]}])
+
+        def get_next(self):
+            return next(self.it, None)
+
+    res: dict[str, Any] = {"cpu": model_name, "flags": have, "mlas_int8_path_expected": path,
+                           "gemm": {"m": M, "k": K, "n": N}}
+    with tempfile.TemporaryDirectory() as tmp:
+        f32, q8 = Path(tmp) / "f32.onnx", Path(tmp) / "q8.onnx"
+        onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), str(f32))
+        quantize_static(str(f32), str(q8), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8)
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        sess = {k: ort.InferenceSession(str(p), so, providers=["CPUExecutionProvider"]) for k, p in
+                (("fp32", f32), ("int8", q8))}
+        calls = [lambda _x, s=s: s.run(None, {"x": x}) for s in sess.values()]
+        t = time_models(calls, torch.zeros(1), warmup=3, iters=30)
+    res["gemm_ms"] = {"fp32": 1e3 * t[0], "int8": 1e3 * t[1]}
+    res["gemm_int8_speedup"] = t[0] / t[1]
+    res["gemm_int8_gops"] = 2 * M * K * N / t[1] / 1e9
+    res["gemm_fp32_gflops"] = 2 * M * K * N / t[0] / 1e9
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
+    """The DINOv2 linear probe and, from it without retraining, DCS ~0.6x and EViT 0.7 (see the docstring)."""
+    from export import dcs_at_flops, save_run  # bench/export.py (this folder is on sys.path)
+
+    from nascompress.methods import get_method
+    from nascompress.methods.dcs import activation_importance
+    from nascompress.models import ModelSpec
+    from nascompress.train import TrainConfig, TrainJob, train
+
+    data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, eval_limit=args.eval_images)  # (see main)
+    dense_dir = work / "dinov2_dense"
+    t0 = time.time()
+    m = train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}), data=data,
+                       train=TrainConfig(seed=0), out=str(dense_dir), weights=str(args.dinov2_weights),
+                       reset_head=True, linear_probe=True), force=True)
+    probe_s = time.time() - t0
+    dense, arch = load_with_arch(dense_dir)
+    spec = InputSpec.from_dict(arch["input"])
+    bundle = load_data(data, spec=spec, augment=False)
+    xs = bundle.train.__getitems__(list(range(min(128, len(bundle.train)))))[0]
+    batches = [preprocess(xs[i:i + 32], spec) for i in range(0, len(xs), 32)]
+    imp = activation_importance(copy.deepcopy(dense), batches)
+    ratio, share, dcs, dcs_rec = dcs_at_flops(dense, imp, args.dinov2_dcs_flops, batches[0][:1])
+    evit, evit_rec = get_method("evit").prepare_fresh(copy.deepcopy(dense), {"keep_rate": 0.7})
+    mspec = ModelSpec.from_dict(arch["model"])
+    runs = {"dense": dense_dir,
+            f"dcs_{ratio:.2f}x": save_run(work, "dinov2_dcs", dcs.eval(), mspec, arch["input"], [dcs_rec]),
+            "evit_0.7": save_run(work, "dinov2_evit", evit.eval(), mspec, arch["input"], [evit_rec])}
+    info = {"kind": "DINOv2 ViT-S/14 112 px linear probe made by this bench; DCS and EViT applied to it WITHOUT "
+                    "retraining (zero-shot): their accuracy is not that of a trained compressed model",
+            "probe_train_images": args.dinov2_train, "probe_val_top1": m.get("best_val_top1"),
+            "probe_seconds": round(probe_s, 1), "dcs_share": share, "dcs_flops_ratio": ratio}
+    return runs, info
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def test_set(data: DataConfig, spec: InputSpec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from dataclasses import replace
+
+    bundle = load_data(replace(data, eval_limit=n, subset_seed=0), spec=spec, augment=False)
+    return bundle.test.__getitems__(list(range(len(bundle.test))))
+
+
+def top1(fn, images: torch.Tensor, labels: torch.Tensor, spec: InputSpec, bs: int = 100) -> float:
+    hits = 0
+    for i in range(0, len(images), bs):
+        with torch.inference_mode():
+            out = fn(preprocess(images[i:i + bs], spec))
+        hits += int((out.argmax(-1) == labels[i:i + bs]).sum())
+    return 100 * hits / len(images)
+
+
+def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args, batches: list[int]) -> dict[str, Any]:
+    from dataclasses import replace
+
+    models: dict[str, Any] = {}
+    files: dict[str, dict[str, Path]] = {}
+    qdata = replace(data, eval_limit=args.eval_images)
+    for k, run in runs.items():
+        print(f"[{name}] {k}: export + quantize ...", flush=True)
+        f32, q8 = work / f"{name}_{k}.onnx", work / f"{name}_{k}.int8.onnx"
+        t0 = time.perf_counter()
+        export_run(run, out=f32, config=ExportConfig(), force=True)
+        t1 = time.perf_counter()
+        side = quantize_run(run, out=q8, config=QuantizeConfig(), data=qdata, force=True)
+        t2 = time.perf_counter()
+        q = side["quantization"]
+        files[k] = {"fp32": f32, "int8": q8}
+        models[k] = {"methods": [m["name"] for m in side["methods"]], "macs_per_image": side["flops"]["macs_per_image"],
+                     "file_mb": {"fp32": f32.stat().st_size / 2 ** 20, "int8": q8.stat().st_size / 2 ** 20},
+                     "export_s": round(t1 - t0, 1), "quantize_s": round(t2 - t1, 1),
+                     "quantization": {"scheme": q["scheme"], "level": q["level"], "fallback": q["fallback"],
+                                      "quantized_nodes": q["quantized_nodes"], "kept_fp32": q["kept_fp32_summary"],
+                                      "calibration_images": (q["calibration"] or {}).get("images"),
+                                      "attempts": [{"scheme": a["scheme"], "level": a["level"], **{
+                                          c: a["check"][c] for c in ("top1_drop", "top1_agreement",
+                                                                     "max_abs_logit_diff")}} for a in q["attempts"]]},
+                     "val_check": {c: side["verification"][c] for c in ("n", "fp32_top1", "int8_top1", "top1_drop",
+                                                                        "top1_agreement", "max_abs_logit_diff",
+                                                                        "passed")}}
+    dense_macs = models[next(iter(runs))]["macs_per_image"]
+    spec = InputSpec.from_dict(load_with_arch(next(iter(runs.values())))[1]["input"])
+    images, labels = test_set(data, spec, args.eval_images)
+    pts = {k: nascompress.load(r).eval() for k, r in runs.items()}
+    # no spinning: ORT's idle workers would starve the PyTorch model timed next (see onnx_runner)
+    sess = {k: {p: onnx_runner(f, threads=args.threads, spinning=False)[0] for p, f in fs.items()}
+            for k, fs in files.items()}
+    for k in runs:
+        models[k]["flops_ratio"] = models[k]["macs_per_image"] / dense_macs
+        print(f"[{name}] {k}: test top-1 on {len(images)} images ...", flush=True)
+        models[k]["test_top1"] = {"pytorch_fp32": top1(pts[k], images, labels, spec),
+                                  "ort_int8": top1(lambda x, s=sess[k]["int8"]: s([x])[0], images, labels, spec)}
+        t = models[k]["test_top1"]
+        t["int8_drop"] = t["pytorch_fp32"] - t["ort_int8"]
+    shape = (spec.in_chans, *spec.img_size)
+    speed: dict[str, Any] = {}
+    names = list(runs)
+    for bs in batches:
+        print(f"[{name}] timing batch {bs} ...", flush=True)
+        x = torch.randn(bs, *shape, generator=torch.Generator().manual_seed(1))
+
+        def eager(m):
+            def f(x):
+                with torch.inference_mode():
+                    return m(x)
+            return f
+
+        labels_ = [(k, "pytorch_fp32") for k in names] + [(k, f"ort_{p}") for k in names for p in ("fp32", "int8")]
+        calls = [eager(pts[k]) if rt == "pytorch_fp32" else (lambda x, s=sess[k][rt[4:]]: s([x])) for k, rt in labels_]
+        t = time_models(calls, x, warmup=2, iters=args.iters)
+        ms = {f"{k}/{rt}": 1e3 * v for (k, rt), v in zip(labels_, t)}
+        ref = ms[f"{names[0]}/pytorch_fp32"]
+        speed[f"batch_{bs}"] = {"batch": bs, "iters": args.iters, "ms": ms,
+                                "speedup_vs_dense_pytorch_fp32": {k: ref / v for k, v in ms.items()},
+                                "images_per_s": {k: 1e3 * bs / v for k, v in ms.items()}}
+    return {"models": models, "speed": speed, "test_images": len(images)}
+
+
+def goals(res: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    mj = res.get("main_job")
+    if mj:
+        m, s = mj["models"], mj["speed"]
+        c = m["compressed"]["test_top1"]
+        b64 = s["batch_64"]["speedup_vs_dense_pytorch_fp32"]["compressed/ort_int8"]
+        b1 = s["batch_1"]["speedup_vs_dense_pytorch_fp32"]["compressed/ort_int8"]
+        out["main_job"] = {
+            "throughput_b64_vs_dense_pytorch_fp32": b64, "throughput_goal_2.5x_met": b64 >= 2.5,
+            "latency_b1_vs_dense_pytorch_fp32": b1, "latency_goal_1.5x_met": b1 >= 1.5,
+            "int8_drop_vs_compressed_fp32_pts": c["int8_drop"], "accuracy_goal_0.5pt_met": c["int8_drop"] <= 0.5}
+        out["main_job_stacking"] = stacking(m, s, "dense", "compressed")
+    dv = res.get("dinov2")
+    if dv:
+        m, s = dv["models"], dv["speed"]
+        dcs = next(k for k in m if k.startswith("dcs_"))
+        big = next(k for k in s if k != "batch_1")
+        sp = s[big]["speedup_vs_dense_pytorch_fp32"][f"{dcs}/ort_int8"]
+        drop = m[dcs]["test_top1"]["int8_drop"]
+        out["dinov2_dcs"] = {"model": dcs, f"throughput_{big}_vs_dense_pytorch_fp32": sp, "speed_goal_2x_met": sp >= 2,
+                             "int8_drop_vs_own_fp32_pts": drop, "accuracy_goal_1pt_met": drop <= 1.0,
+                             "note": "the DCS model is not retrained here (zero-shot channel pruning)"}
+        out["dinov2_stacking"] = {k: stacking(m, s, "dense", k) for k in m if k != "dense"}
+    return out
+
+
+def stacking(m: dict[str, Any], s: dict[str, Any], dense: str, comp: str) -> dict[str, Any]:
+    """Compressed + int8 faster than dense + int8, at no worse top-1 than dense int8 minus the compression's drop."""
+    speed = {b: v["ms"][f"{dense}/ort_int8"] / v["ms"][f"{comp}/ort_int8"] for b, v in s.items()}
+    d, c = m[dense]["test_top1"], m[comp]["test_top1"]
+    bound = d["ort_int8"] - (d["pytorch_fp32"] - c["pytorch_fp32"])
+    return {"compressed_int8_vs_dense_int8_speedup": speed, "faster_met": all(v > 1 for v in speed.values()),
+            "compressed_int8_top1": c["ort_int8"], "bound_top1": bound, "accuracy_met": c["ort_int8"] >= bound}
+
+
+def not_measured(args, res: dict[str, Any]) -> list[str]:
+    """What this result does not cover, in words."""
+    return [g for g, present in (
+        ("main job on the README's pipeline models (a stand-in was used: see main_job.source)",
+         "main_job" in res and not args.pipeline_runs), ("main job", "main_job" not in res),
+        ("DINOv2 models", "dinov2" not in res),
+        ("retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used: their accuracy goals are not meaningful "
+         "here)", "dinov2" in res),
+        ("2 threads per runtime (this run's thread count is machine.cpu_threads)", args.threads != 2),
+        ("GPU int8 (no GPU on this machine; not offered)", True)) if present]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dense", type=Path, help="the main job's dense run (a pipeline's base/)")
+    ap.add_argument("--compressed", type=Path, help="the main job's compressed run (a pipeline's final/)")
+    ap.add_argument("--train-limit", type=int, default=10000, help="stand-in: training images")
+    ap.add_argument("--epochs", type=int, default=1, help="stand-in: dense epochs")
+    ap.add_argument("--retrain-epochs", type=int, default=1, help="stand-in: retraining epochs")
+    ap.add_argument("--skip-main", action="store_true")
+    ap.add_argument("--dinov2-weights", type=Path, help="DINOv2 ViT-S/14 112 px timm weights (tools/convert_dinov2.py)")
+    ap.add_argument("--dinov2-train", type=int, default=1000, help="linear-probe training images")
+    ap.add_argument("--dinov2-dcs-flops", type=float, default=0.6)
+    ap.add_argument("--eval-images", type=int, default=1000, help="validation (check) and test images per model")
+    ap.add_argument("--dinov2-eval-images", type=int, help="the same for DINOv2 (default: --eval-images)")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work", type=Path, help="keep the models here (default: a temporary folder)")
+    ap.add_argument("--pipeline-runs", action="store_true",
+                    help="--dense/--compressed are the README main job's pipeline runs (base/, final/), not a stand-in")
+    ap.add_argument("--derive-only", action="store_true",
+                    help="measure nothing: recompute goals and not_measured of --out from its figures and these flags")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quantize.json")
+    args = ap.parse_args()
+    if args.derive_only:
+        import json
+
+        res = json.loads(args.out.read_text())
+        res["goals"], res["not_measured"] = goals(res), not_measured(args, res)
+        res["derived_by"] = command_line()  # goals and not_measured recomputed from the figures above
+        save(args.out, res)
+        return
+    torch.set_num_threads(args.threads)
+    import onnxruntime
+
+    res: dict[str, Any] = header()
+    res["machine"]["onnxruntime"] = onnxruntime.__version__
+    res["machine"]["note"] = ("shared machine: other jobs ran beside this one; compare ratios measured together. "
+                              f"PyTorch and ONNX Runtime both ran {args.threads} intra-op thread(s); ORT without "
+                              "spinning workers (they starve the PyTorch model timed next)")
+    res["cpu_int8"] = cpu_int8(args.threads)
+    print(f"cpu int8: {res['cpu_int8']['mlas_int8_path_expected']}, one GEMM int8 vs fp32 "
+          f"{res['cpu_int8']['gemm_int8_speedup']:.2f}x", flush=True)
+    save(args.out, res)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        if not args.skip_main:
+            if (args.dense is None) != (args.compressed is None):
+                raise SystemExit("give both --dense and --compressed, or neither (a stand-in is made)")
+            if args.dense is None:
+                from export import main_job_standin  # bench/export.py
+
+                print("[main job] making the stand-in ...", flush=True)
+                dense, comp, source = main_job_standin(args, work)
+                data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
+            else:
+                from nascompress.api import run_data_config
+
+                dense, comp = args.dense, args.compressed
+                source = {"kind": "runs given on the command line", **{
+                    k: {"config": read_json(r / "config.json"), "metrics": read_json(r / "metrics.json")}
+                    for k, r in (("dense", dense), ("compressed", comp))}}
+                data = run_data_config(comp) or DataConfig()
+            res["main_job"] = {"source": source, **family("main_job", {"dense": dense, "compressed": comp}, data,
+                                                          work, args, [1, 64])}
+            res["goals"] = goals(res)
+            save(args.out, res)
+        if args.dinov2_weights is not None:
+            args.eval_images = args.dinov2_eval_images or args.eval_images
+            runs, info = dinov2_runs(args, work)
+            data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, subset_seed=0)
+            res["dinov2"] = {"source": info, **family("dinov2", runs, data, work, args, [1, 16])}
+        res["goals"], res["not_measured"] = goals(res), not_measured(args, res)
+        save(args.out, res)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

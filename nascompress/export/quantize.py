@@ -1,0 +1,475 @@
+"""``nascompress quantize``: int8 ONNX on top of the (compressed) model, checked on real data.
+
+:func:`quantize_run` exports the model as fp32 ONNX (:func:`~nascompress.export.export_run`: the
+file is checked against PyTorch first), quantizes it with ONNX Runtime's quantization tooling and
+keeps the result only when its accuracy on the run's validation split is within ``max_drop`` top-1
+points of the fp32 file it came from.
+
+Schemes (ONNX Runtime's names in brackets):
+
+* ``int8-static``: weights int8 per output channel, activations uint8 with scales calibrated
+  (min/max) on ``calib_images`` images of the run's own training split, preprocessed exactly as the
+  model is evaluated (QDQ format: ORT runs QLinearMatMul / int8 GEMM kernels).
+* ``int8-dynamic``: weights int8 per output channel, activation scales computed per batch at run time
+  (``DynamicQuantizeLinear`` + ``MatMulInteger``): no calibration, usually milder.
+
+What is quantized: the linear layers (MatMul/Gemm with a constant weight) of the blocks; also a
+token method's predictor layers where they are in the blocks. What stays fp32 (each recorded by
+node and module in the sidecar): the patch embedding (Conv), the classifier head, the attention
+matmuls between activations (QK^T, AV), Softmax, LayerNorm, GELU and the token selection ops
+(TopK, Gather, DCS's channel gathers). When the check fails and ``fallback`` is on, milder levels are
+tried in turn: the first and last blocks' linear layers kept fp32 as well, then the dynamic scheme
+(with the same two levels); the sidecar records every attempt and which one was kept. When no
+attempt is within ``max_drop`` the command fails with the figures and writes nothing.
+
+The sidecar (``FILE.json``) is the export's (input and preprocessing, FLOPs, methods, source) with
+``dtype: int8``, a ``quantization`` section (scheme, calibration set, kept-fp32 layers, attempts)
+and ``verification``: the accuracy check on the validation split (top-1 of both, the drop, top-1
+agreement, max |logit difference|). The fp32 export's own check is under ``fp32_verification``.
+
+MG-ViT (two graphs and an exit rule that reads softmax confidences) is refused: int8 logits move the
+exit decisions, which this check does not cover.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..config import Config, check_bool, check_choice, check_int, check_range, setting
+from ..errors import NascompressError
+
+SCHEMES = ("int8-static", "int8-dynamic")
+QUANTIZE_CHOICES = ("none", "int8", *SCHEMES)  # ExportConfig.quantize ("int8": the default scheme)
+LINEAR_OPS = ("MatMul", "Gemm")
+_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True)
+class QuantizeConfig(Config):
+    """How a model is quantized and checked.
+
+    Args:
+        scheme: ``int8-static`` (calibrated activation scales) or ``int8-dynamic`` (per-batch scales).
+        calib_images: training images the static scheme calibrates on (class-stratified, ``seed``).
+        max_drop: the largest allowed top-1 drop (points) of the int8 file against the fp32 file on
+            the validation split.
+        eval_images: validation images of the check (None: the run's whole validation split).
+        fallback: on a failed check try milder levels (first/last blocks fp32, then dynamic).
+        batch_size: images per batch of the calibration and the check.
+        seed: seed of the calibration subset.
+    """
+
+    scheme: str = setting("int8-static", choices=SCHEMES, help=(
+        "int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."))
+    calib_images: int = setting(256, lo=1, help="Training images the static scheme calibrates on.")
+    max_drop: float = setting(1.0, lo=0, help=(
+        "Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."))
+    eval_images: int | None = setting(None, lo=1, help=(
+        "Validation images of the accuracy check (default: the run's whole validation split)."))
+    fallback: bool = setting(True, flag="--no-fallback", help=(
+        "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
+        "blocks in fp32, then int8-dynamic)."))
+    batch_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_choice("scheme", self.scheme, SCHEMES)
+        check_int("calib_images", self.calib_images, 1)
+        check_range("max_drop", self.max_drop, 0)
+        if self.eval_images is not None:
+            check_int("eval_images", self.eval_images, 1)
+        check_bool("fallback", self.fallback)
+        check_int("batch_size", self.batch_size, 1)
+        check_int("seed", self.seed, 0)
+
+    def attempts(self) -> list[tuple[str, int]]:
+        """(scheme, level) in the order tried: level 0 keeps the default layers in fp32, level 1 also
+        the first and last blocks."""
+        order = [(self.scheme, 0)]
+        if self.fallback:
+            order.append((self.scheme, 1))
+            if self.scheme == "int8-static":
+                order += [("int8-dynamic", 0), ("int8-dynamic", 1)]
+        return order
+
+
+def config_for(quantize: str) -> QuantizeConfig:
+    """The QuantizeConfig of an ExportConfig's ``quantize`` choice (``int8``: the default scheme)."""
+    return QuantizeConfig() if quantize == "int8" else QuantizeConfig(scheme=quantize)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which nodes are quantized
+
+
+def _module_of(node: Any) -> str:
+    """The module path of an exported node (torch.onnx records its name scopes), or ''."""
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            scopes = [s.strip(" '\"") for s in p.value.strip("[]").split(",")]
+            return scopes[-2] if len(scopes) >= 2 else ""
+    return ""
+
+
+def _constants(graph: Any) -> set[str]:
+    names = {i.name for i in graph.initializer}
+    names.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
+    return names
+
+
+def _block_of(module: str) -> int | None:
+    m = _BLOCK.search(module)
+    return int(m.group(1)) if m else None
+
+
+def plan_precision(model: Any, level: int) -> tuple[list[str], list[dict[str, str]]]:
+    """The nodes of ONNX ``model`` to quantize and those kept fp32 (with the reason), at ``level``
+    (0: the default; 1: the first and last blocks' linear layers too; a model of one or two blocks
+    has nothing left to quantize there)."""
+    g = model.graph
+    consts = _constants(g)
+    linear = [n for n in g.node if n.op_type in LINEAR_OPS]
+    blocks = [b for b in (_block_of(_module_of(n)) for n in linear) if b is not None]
+    ends = {min(blocks), max(blocks)} if blocks and level >= 1 else set()
+    quantize, kept = [], []
+    for n in g.node:
+        mod = _module_of(n)
+        why = None
+        if n.op_type == "Conv":
+            why = "patch embedding (Conv)"
+        elif n.op_type in ("Softmax", "LayerNormalization"):
+            why = n.op_type
+        elif n.op_type in LINEAR_OPS:
+            if len(n.input) < 2 or n.input[1] not in consts:
+                why = "attention matmul between activations (QK^T / AV)"
+            elif mod == "head" or mod.startswith("head."):
+                why = "classifier head"
+            elif _block_of(mod) in ends:
+                why = f"{'first' if _block_of(mod) == min(blocks) else 'last'} block (milder level)"
+            else:
+                quantize.append(n.name)
+                continue
+        if why is not None:
+            kept.append({"node": n.name, "op": n.op_type, "module": mod, "why": why})
+    return quantize, kept
+
+
+def _summarise_kept(kept: list[dict[str, str]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kept:
+        out[k["why"]] = out.get(k["why"], 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: calibration images and the validation split, with the run's preprocessing
+
+
+def _run_data(run: str | Path, data: Any) -> Any:
+    from ..api import run_data_config
+
+    d = data or run_data_config(run)
+    if d is None:
+        raise NascompressError(f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
+                               "model was trained on (--dataset)")
+    return d
+
+
+def _batches(ds: Any, idx: list[int], spec: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    from ..data import Subset, make_loader, preprocess
+
+    loader = make_loader(Subset(ds, torch.as_tensor(idx)), batch_size=batch_size, shuffle=False)
+    for xb, yb in loader:
+        yield preprocess(xb, spec), torch.as_tensor(yb)
+
+
+def calibration_batches(bundle: Any, spec: Any, cfg: QuantizeConfig) -> tuple[list[np.ndarray], int]:
+    """``calib_images`` class-stratified training images (eval transform), preprocessed, as batches."""
+    from ..data import dataset_labels, stratified_indices
+
+    n = min(cfg.calib_images, len(bundle.train))
+    idx = stratified_indices(dataset_labels(bundle.train), n, seed=cfg.seed).tolist() \
+        if n < len(bundle.train) else list(range(n))
+    return [x.numpy() for x, _ in _batches(bundle.train, idx, spec, cfg.batch_size)], n
+
+
+def _reader(name: str, batches: list[np.ndarray]) -> Any:
+    """ONNX Runtime's CalibrationDataReader over preprocessed batches (input ``name``)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._it = iter([{name: b} for b in batches])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._it, None)
+
+    return Reader()
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing and checking
+
+
+def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib: list[np.ndarray] | None) -> None:
+    """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling."""
+    import onnx
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
+    from .graphs import quiet
+
+    with quiet():
+        if scheme == "int8-dynamic":
+            quantize_dynamic(src, dst, op_types_to_quantize=list(LINEAR_OPS), nodes_to_quantize=nodes,
+                             per_channel=True, weight_type=QuantType.QInt8)
+            return
+        name = onnx.load(str(src), load_external_data=False).graph.input[0].name
+        quantize_static(src, dst, _reader(name, calib or []), quant_format=QuantFormat.QDQ,
+                        op_types_to_quantize=list(LINEAR_OPS), nodes_to_quantize=nodes, per_channel=True,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
+
+
+def _logits(runner: Any, batches: Any) -> torch.Tensor:
+    return torch.cat([runner([x])[0].float() for x, _ in batches])
+
+
+def accuracy_check(ref: torch.Tensor, got: torch.Tensor, labels: torch.Tensor, *, max_drop: float) -> dict[str, Any]:
+    """The int8 logits ``got`` against the fp32 logits ``ref`` on labelled images: top-1 of both (%),
+    the drop (points), top-1 agreement (%), max |logit difference|, and ``passed`` (drop <= max_drop)."""
+    fp32 = 100 * float((ref.argmax(-1) == labels).float().mean())
+    int8 = 100 * float((got.argmax(-1) == labels).float().mean())
+    drop = fp32 - int8
+    return {"n": int(labels.numel()), "fp32_top1": fp32, "int8_top1": int8, "top1_drop": drop,
+            "top1_agreement": 100 * float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+            "max_abs_logit_diff": float((got - ref).abs().max()), "logit_scale": float(ref.abs().max()),
+            "max_drop": max_drop, "passed": drop <= max_drop}
+
+
+def _describe(a: dict[str, Any]) -> str:
+    c = a["check"]
+    return (f"{a['scheme']} (level {a['level']}): top-1 {c['fp32_top1']:.2f}% -> {c['int8_top1']:.2f}% "
+            f"(drop {c['top1_drop']:.2f} pts), agreement {c['top1_agreement']:.1f}%, max |logit diff| "
+            f"{c['max_abs_logit_diff']:.3g}")
+
+
+def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | None = None, export: Any = None,
+                 data: Any = None, force: bool = False) -> dict[str, Any]:
+    """Quantize the model saved in ``run`` to the int8 ONNX file ``out`` and check it; returns the sidecar.
+
+    Args:
+        run: a run directory (or ``model.safetensors``) that :func:`nascompress.load` reads.
+        out: the int8 ONNX file to write; its sidecar is ``out + ".json"``.
+        config: scheme, calibration images, allowed drop, check images, fallback.
+        export: the :class:`~nascompress.export.ExportConfig` of the fp32 export it starts from (format
+            onnx, dtype fp32; None: the defaults).
+        data: the dataset (a :class:`~nascompress.data.DataConfig`) of the calibration and the check
+            (None: the run's, from its config.json).
+        force: replace existing files.
+    """
+    from dataclasses import replace
+
+    from ..data import InputSpec, load_data
+    from ..io import load_arch
+    from ..utils import atomic_path, write_json
+    from .config import ExportConfig
+    from .run import _check_out, export_run, sidecar_path
+    from .verify import onnx_runner
+
+    cfg = config or QuantizeConfig()
+    ecfg = replace(export or ExportConfig(), quantize="none")
+    if ecfg.format != "onnx" or ecfg.dtype != "fp32":
+        raise NascompressError("int8 quantization starts from the fp32 ONNX export: use --format onnx --dtype fp32")
+    arch = load_arch(run)
+    if any(m.get("name") == "mgvit" for m in arch.get("methods", [])):
+        raise NascompressError("MG-ViT is not quantized: its exit rule reads the softmax confidence, which int8 moves "
+                               "and this check does not cover; export it in fp32 or fp16 (nascompress export)")
+    try:
+        import onnx
+        import onnxruntime.quantization  # noqa: F401
+    except ModuleNotFoundError:
+        raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
+    out = Path(out)
+    created = _check_out([out, sidecar_path(out)], force=force)
+    data_cfg = _run_data(run, data)
+    if cfg.eval_images is not None:
+        data_cfg = replace(data_cfg, eval_limit=cfg.eval_images, subset_seed=cfg.seed)
+    spec = InputSpec.from_dict(arch["input"])
+    bundle = load_data(data_cfg, spec=spec, augment=False)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="nascompress-quantize-") as tmp:
+        fp32 = Path(tmp) / "fp32.onnx"
+        side = export_run(run, out=fp32, config=ecfg, force=True)
+        if side["num_classes"] != bundle.num_classes:
+            raise NascompressError(f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
+                                   f"{bundle.num_classes}; give the dataset it was trained on (--dataset)")
+
+        def val() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # preprocessed again per pass (memory)
+            return _batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
+
+        labels = torch.cat([y for _, y in val()])
+        ref = _logits(onnx_runner(fp32)[0], val())
+        calib, n_calib = None, 0
+        proto = onnx.load(str(fp32))
+        attempts: list[dict[str, Any]] = []
+        for p in created:
+            p.mkdir()
+        try:
+            with atomic_path(out) as tmp_out, atomic_path(sidecar_path(out)) as tmp_side:
+                chosen = None
+                for scheme, level in cfg.attempts():
+                    nodes, kept = plan_precision(proto, level)
+                    if not nodes:  # nothing left to quantize at this level (level 1 of a 2-block model)
+                        if level == 0:
+                            raise NascompressError("the model has no linear layer with constant weights to quantize")
+                        continue
+                    if scheme == "int8-static" and calib is None:
+                        calib, n_calib = calibration_batches(bundle, spec, cfg)
+                    q = Path(tmp) / f"{scheme}.{level}.onnx"
+                    t1 = time.perf_counter()
+                    quantize_file(fp32, q, scheme=scheme, nodes=nodes, calib=calib if scheme == "int8-static" else None)
+                    got = _logits(onnx_runner(q)[0], val())
+                    a = {"scheme": scheme, "level": level, "quantized_nodes": len(nodes), "kept_fp32": kept,
+                         "seconds": round(time.perf_counter() - t1, 2),
+                         "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop)}
+                    attempts.append(a)
+                    if a["check"]["passed"]:
+                        chosen = (a, q)
+                        break
+                if chosen is None:
+                    tried = "; ".join(_describe(a) for a in attempts)
+                    raise NascompressError(
+                        f"int8 costs more than --max-drop {cfg.max_drop:g} top-1 points on the validation split "
+                        f"({len(labels)} images): {tried}; nothing was written (allow a larger --max-drop, or deploy "
+                        "the fp32 export)")
+                a, q = chosen
+                tmp_out.write_bytes(q.read_bytes())
+                fallback = None
+                if (a["scheme"], a["level"]) != (cfg.scheme, 0):
+                    fallback = (f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
+                                f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
+                                f"{' (first and last blocks fp32)' if a['level'] else ''}")
+                side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
+                                time.perf_counter() - t0)
+                write_json(tmp_side, side)
+        except BaseException:
+            for p in reversed(created):
+                with contextlib.suppress(OSError):
+                    p.rmdir()
+            raise
+    return side
+
+
+def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecfg: Any, chosen: dict[str, Any],
+             attempts: list[dict[str, Any]], fallback: str | None, bundle: Any, data_cfg: Any, n_calib: int,
+             seconds: float) -> dict[str, Any]:
+    import onnxruntime as ort
+
+    side = dict(side)
+    side["file"] = out.name
+    side["files"] = [dict(f, file=out.name) for f in side["files"]]
+    side["dtype"] = "int8"
+    side["fp32_verification"] = side.pop("verification")
+    side["verification"] = dict(chosen["check"], split="val", dataset=bundle.name,
+                                reference="the fp32 ONNX export of the same run (checked against PyTorch: "
+                                          "fp32_verification)", runtime=f"onnxruntime {ort.__version__} "
+                                                                        "(CPUExecutionProvider)")
+    static = chosen["scheme"] == "int8-static"
+    side["quantization"] = {
+        "scheme": chosen["scheme"], "level": chosen["level"], "requested": cfg.scheme, "fallback": fallback,
+        "weights": "int8, symmetric, per output channel",
+        "activations": ("uint8, asymmetric, scales calibrated (min/max) and fixed" if static else
+                        "uint8, scales computed per batch at run time (DynamicQuantizeLinear)"),
+        "format": "QDQ (QuantizeLinear/DequantizeLinear pairs)" if static else "MatMulInteger",
+        "calibration": ({"split": "train", "images": n_calib, "seed": cfg.seed, "dataset": bundle.name,
+                         "train_limit": data_cfg.train_limit, "method": "MinMax",
+                         "preprocessing": "the model's own (the sidecar's input), no augmentation"}
+                        if static else None),
+        "quantized_nodes": chosen["quantized_nodes"],
+        "kept_fp32": chosen["kept_fp32"], "kept_fp32_summary": _summarise_kept(chosen["kept_fp32"]),
+        "also_fp32": "GELU, residual adds and the token selection ops (TopK, Gather): only MatMul/Gemm are quantized",
+        "attempts": [{k: v for k, v in a.items() if k != "kept_fp32"} for a in attempts],
+        "settings": cfg.to_dict(),
+        "tool": f"onnxruntime.quantization {ort.__version__}",
+    }
+    side["exporter"] = dict(side["exporter"], settings=ecfg.to_dict(), quantize_seconds=round(seconds, 2))
+    side["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    side["source"] = dict(side["source"], run=str(run))
+    return side
+
+
+# ---------------------------------------------------------------------------------------------
+# The pipeline report's int8 rows
+
+
+def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_int8: str | Path | None, data: Any,
+              config: QuantizeConfig | None = None, export: Any = None, split: str = "test", batch: int = 64,
+              iters: int = 10) -> dict[str, Any]:
+    """Dense fp32, dense int8, compressed fp32, compressed int8: test top-1, file size, latency at batch
+    1 and throughput at ``batch``, all four timed interleaved in one process (fp32: PyTorch eager, as
+    the pipeline's report times it; int8: ONNX Runtime on the CPU).
+
+    The dense int8 file is made here (:func:`quantize_run` with ``config`` and ``export``, into a
+    temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
+    whose int8 file fails its check gets a row with the reason and no figures."""
+    from ..data import InputSpec, load_data
+    from ..io import MODEL_FILE, load_with_arch
+    from ..profiling import time_models
+    from .verify import onnx_runner
+
+    runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
+    rows: list[dict[str, Any]] = []
+    calls, labels = [], []
+    with tempfile.TemporaryDirectory(prefix="nascompress-int8-rows-") as tmp:
+        files: dict[str, Path | str] = {}
+        for k, run in runs.items():
+            model, arch = load_with_arch(run)
+            spec = InputSpec.from_dict(arch["input"])
+            ds = load_data(data, spec=spec, augment=False).split(split)
+            idx = list(range(len(ds)))
+            with torch.inference_mode():
+                hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
+            weights = run / MODEL_FILE if run.is_dir() else run
+            rows.append({"model": f"{k} fp32", "runtime": f"PyTorch {torch.__version__} (eager)",
+                         "test_top1": 100 * hits / len(ds), "file_bytes": weights.stat().st_size})
+            calls.append(lambda x, m=model: m(x))
+            labels.append(len(rows) - 1)
+            q = Path(compressed_int8) if k == "compressed" and compressed_int8 is not None else None
+            if q is None:
+                q = Path(tmp) / f"{k}.int8.onnx"
+                try:
+                    quantize_run(run, out=q, config=config, export=export, data=data, force=True)
+                except NascompressError as e:
+                    rows.append({"model": f"{k} int8", "runtime": "onnxruntime", "failed": str(e)})
+                    continue
+            runner, desc = onnx_runner(q, spinning=False)  # timed beside PyTorch (see onnx_runner)
+            hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
+            rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds),
+                         "file_bytes": q.stat().st_size})
+            files[k] = q
+            calls.append(lambda x, r=runner: r([x]))
+            labels.append(len(rows) - 1)
+        shape = (spec.in_chans, *spec.img_size)
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for bs, key in ((1, "latency_ms"), (batch, "throughput")):
+                t = time_models(calls, torch.randn(bs, *shape, generator=g), warmup=2, iters=iters)
+                for i, s in zip(labels, t):
+                    rows[i][key] = 1e3 * s if key == "latency_ms" else bs / s
+    return {"split": split, "images": len(ds), "latency_batch": 1, "throughput_batch": batch, "iters": iters,
+            "rows": rows}
+
+
+
+__all__ = ["QuantizeConfig", "SCHEMES", "QUANTIZE_CHOICES", "quantize_run", "quantize_file", "plan_precision",
+           "accuracy_check", "calibration_batches", "int8_rows",
+           "config_for"]
