@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nascompress.data import DataConfig
-from nascompress.io import load_with_arch, save_model
+from nascompress.io import finish_run, load_with_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
 from nascompress.train import TrainConfig, TrainJob, train
 
@@ -52,7 +52,7 @@ def pretrained_like(tmp_path_factory):
     torch.testing.assert_close(wide.eval()(x), small.eval()(x))
     save_model(d / "base", wide, dict(arch, model=wide_spec.to_dict()))
     shutil.copy(d / "small" / "config.json", d / "base" / "config.json")
-    shutil.copy(d / "small" / "metrics.json", d / "base" / "metrics.json")  # a finished run (io.finish_run)
+    finish_run(d / "base", json.loads((d / "small" / "metrics.json").read_text()))  # a finished run, of its own files
     return d / "base"
 
 
