@@ -55,6 +55,7 @@ from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_cor
 from . import Method, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
+from .mgvit_ops import resample_image as _resample
 
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
 INIT_STD = 1e-3
@@ -210,12 +211,6 @@ class MGIS(nn.Module):
         self.head = nn.Linear(dim + extra, num_classes)
 
 
-def _resample(img: torch.Tensor, size: int) -> torch.Tensor:
-    if img.shape[-1] == size and img.shape[-2] == size:
-        return img
-    return F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=size < img.shape[-1])
-
-
 class MGViT(VisionTransformer):
     """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
 
@@ -349,6 +344,11 @@ class MGViT(VisionTransformer):
 
 
 def _check_plain_vit(model: nn.Module) -> None:
+    from ..models import is_pyramid
+
+    if is_pyramid(model):
+        raise NascompressError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
+                               f"({type(model).__name__}); use --method mgvit-h (Hierarchical MG-ViT) for it")
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"mgvit needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
     reasons = []
