@@ -177,9 +177,6 @@ def main() -> None:
             row.update(flops=m.mean_flops(0.0, 1.0), mflops=m.mean_flops(0.0, 1.0) / 1e6,
                        params=sum(p.numel() for p in m.parameters()), stages=st, config=m.mg)
             sw = sweep_model(m, batches, epsilons=EPSILONS)
-            for r in sw["rows"]:  # epsilon 1: no image can exit and the SGIS does not run
-                r["mean_flops"] = m.mean_flops(r["exit_share"], r["epsilon"])
-                r["mean_gflops"] = r["mean_flops"] / 1e9
             row.update(sweep=sw["rows"], sgis_top1=sw["sgis_top1"], mgis_top1=sw["mgis_top1"])
         cls[name] = row
     xb = batches[0][0][:args.batch]

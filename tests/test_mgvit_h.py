@@ -262,3 +262,17 @@ def test_cli_refuses_a_pyramid_run_for_mgvit_in_one_line(pvt_run, tmp_path):
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "use --method mgvit-h" in lines[0], r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_evaluate_and_profile_cli(tmp_path):
+    m = perturb(mgvit_h(epsilon=0.5, r_h=0.25, r_t=0.25))
+    rec = {"name": "mgvit-h", "config": {k: m.mg[k] for k in ("variant", "r_h", "r_t", "epsilon")}}
+    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
+    r = invoke("evaluate", tmp_path / "m", "--dataset", "synthetic", "--eval-limit", "32")
+    assert r.exit_code == 0 and "SGIS exit" in r.output, r.output
+    r = invoke("evaluate", tmp_path / "m", "--dataset", "synthetic", "--eval-limit", "32", "--epsilon", "0.5,1")
+    assert r.exit_code == 0 and "epsilon 0.5" in r.output and "epsilon 1 " in r.output, r.output
+    st = m.stage_flops()
+    assert f"{st['mgis_flops'] / 1e6:.2f} MFLOPs" in r.output.splitlines()[-1]  # epsilon 1: the MG pass alone
+    r = invoke("profile", tmp_path / "m", "--no-latency")
+    assert r.exit_code == 0 and "MG-ViT stages per image: SGIS" in r.output and "PPSM" not in r.output, r.output
