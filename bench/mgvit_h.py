@@ -74,8 +74,9 @@ def masks_of(imgs: torch.Tensor, size: tuple[int, int], threshold: int) -> torch
 
 
 def seg_run(backbone: nn.Module, data, spec: InputSpec, args) -> dict:
-    chans = [f.shape[1] for f in backbone.forward_intermediates(torch.zeros(1, spec.in_chans, *spec.img_size),
-                                                                intermediates_only=True)]
+    with torch.no_grad():
+        chans = [f.shape[1] for f in backbone.forward_intermediates(torch.zeros(1, spec.in_chans, *spec.img_size),
+                                                                    intermediates_only=True)]
     model = FPNSeg(copy.deepcopy(backbone), chans).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.seg_lr, weight_decay=0.01)
     t0 = time.time()
@@ -109,15 +110,16 @@ def seg_run(backbone: nn.Module, data, spec: InputSpec, args) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img-size", type=int, default=64)
-    ap.add_argument("--train-limit", type=int, default=2000)
-    ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--train-limit", type=int, default=800)
+    ap.add_argument("--eval-limit", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=2, help="dense training epochs")
     ap.add_argument("--ft-epochs", type=int, default=1, help="fine-tuning epochs (dense, -A, -R alike)")
     ap.add_argument("--ft-lr", type=float, default=5e-4)
-    ap.add_argument("--r-h", type=float, default=0.25, help="head share (paper 0.1: no head cell on a 2x2 grid)")
-    ap.add_argument("--r-t", type=float, default=0.25)
+    ap.add_argument("--r-h", type=float, default=0.25,
+                    help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)")
+    ap.add_argument("--r-t", type=float, default=0.75)
     ap.add_argument("--seg-epochs", type=int, default=1)
-    ap.add_argument("--seg-limit", type=int, default=1000)
+    ap.add_argument("--seg-limit", type=int, default=400)
     ap.add_argument("--seg-batch", type=int, default=32)
     ap.add_argument("--seg-lr", type=float, default=1e-3)
     ap.add_argument("--threshold", type=int, default=25, help="foreground: raw pixel > this (0..255)")

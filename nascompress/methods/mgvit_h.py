@@ -234,7 +234,8 @@ class MGPVT(PyramidVisionTransformerV2):
         score = None
         for layer, blk in enumerate(self.stages[0].blocks, 1):
             t = blk(t, (H, W))
-            score = casr_update(score, blk.attn.received, layer=layer, start=self.mg["casr_start"], lam=self.mg["lam"])
+            received = blk.attn.__dict__.pop("received")  # read once: no tensor (or graph) stays on the module
+            score = casr_update(score, received, layer=layer, start=self.mg["casr_start"], lam=self.mg["lam"])
         return t, score, (H, W)
 
     def _stages(self, t: torch.Tensor, hw: tuple[int, int], upto: int | None = None) -> list[torch.Tensor]:
