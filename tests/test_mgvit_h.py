@@ -276,3 +276,39 @@ def test_evaluate_and_profile_cli(tmp_path):
     assert f"{st['mgis_flops'] / 1e6:.2f} MFLOPs" in r.output.splitlines()[-1]  # epsilon 1: the MG pass alone
     r = invoke("profile", tmp_path / "m", "--no-latency")
     assert r.exit_code == 0 and "MG-ViT stages per image: SGIS" in r.output and "PPSM" not in r.output, r.output
+
+
+def test_export_two_graphs_and_exit_rule(tmp_path):
+    """Like mgvit: the SGIS and the MG pass as two ONNX graphs, the exit rule in the sidecar; each file
+    checked against PyTorch, and the rule applied to the two files gives the model's logits."""
+    from nascompress.export import export_run, stage_path
+    from nascompress.export.verify import onnx_runner, with_exit_rule
+
+    m = perturb(mgvit_h(variant="r", r_h=0.25, r_t=0.25))
+    x = torch.randn(8, 1, 64, 64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        conf = m._sgis(x).softmax(-1).amax(-1)
+    eps = float(conf.median())
+    rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": eps}}
+    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
+    with pytest.raises(NascompressError, match="export it with --batch dynamic"):
+        from nascompress.export import ExportConfig
+        export_run(tmp_path / "m", out=tmp_path / "fixed.onnx", config=ExportConfig(batch=4))
+    side = export_run(tmp_path / "m", out=tmp_path / "mg.onnx")
+    assert side["verification"]["passed"] and side["verification"]["stages"]["passed"]
+    assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
+    assert side["flops"]["stages"] == nascompress.load(tmp_path / "m").stage_flops()
+    both = with_exit_rule(onnx_runner(tmp_path / "mg.onnx")[0],
+                          onnx_runner(stage_path(tmp_path / "mg.onnx", "mgis"))[0], eps)
+    with torch.no_grad():
+        want = nascompress.load(tmp_path / "m")(x)
+    assert 0 < int((conf > eps).sum()) < len(x)  # both branches of the rule run
+    torch.testing.assert_close(both([x])[0], want, rtol=0, atol=1e-4)
+
+
+def test_deepcopy_after_a_training_forward():
+    """The ranking score must not stay on the attention modules with its graph (deepcopy, EMA, teachers)."""
+    m = mgvit_h(r_h=0.25, r_t=0.25).train()
+    m(torch.randn(2, 1, 64, 64)).sum().backward()
+    copy.deepcopy(m)
+    assert not any("received" in mod.__dict__ for mod in m.modules())
