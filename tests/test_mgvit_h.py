@@ -279,10 +279,11 @@ def test_evaluate_and_profile_cli(tmp_path):
 
 
 def test_export_two_graphs_and_exit_rule(tmp_path):
-    """Like mgvit: the SGIS and the MG pass as two ONNX graphs, the exit rule in the sidecar; each file
-    checked against PyTorch, and the rule applied to the two files gives the model's logits."""
-    from nascompress.export import export_run, stage_path
-    from nascompress.export.verify import onnx_runner, with_exit_rule
+    """Like mgvit: the SGIS and the MG pass as two graphs, the exit rule in the sidecar; each file checked
+    against PyTorch, and the rule applied to the two files gives the model's logits (torch.export here:
+    the ONNX path is the same two graphs through the other writer, and costs twice the time)."""
+    from nascompress.export import ExportConfig, export_run, stage_path
+    from nascompress.export.verify import program_runner, with_exit_rule
 
     m = perturb(mgvit_h(variant="r", r_h=0.25, r_t=0.25))
     x = torch.randn(8, 1, 64, 64, generator=torch.Generator().manual_seed(3))
@@ -292,14 +293,13 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": eps}}
     save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
     with pytest.raises(NascompressError, match="export it with --batch dynamic"):
-        from nascompress.export import ExportConfig
-        export_run(tmp_path / "m", out=tmp_path / "fixed.onnx", config=ExportConfig(batch=4))
-    side = export_run(tmp_path / "m", out=tmp_path / "mg.onnx")
+        export_run(tmp_path / "m", out=tmp_path / "fixed.pt2", config=ExportConfig(format="torch-export", batch=4))
+    side = export_run(tmp_path / "m", out=tmp_path / "mg.pt2", config=ExportConfig(format="torch-export"))
     assert side["verification"]["passed"] and side["verification"]["stages"]["passed"]
     assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
     assert side["flops"]["stages"] == nascompress.load(tmp_path / "m").stage_flops()
-    both = with_exit_rule(onnx_runner(tmp_path / "mg.onnx")[0],
-                          onnx_runner(stage_path(tmp_path / "mg.onnx", "mgis"))[0], eps)
+    both = with_exit_rule(program_runner(tmp_path / "mg.pt2")[0],
+                          program_runner(stage_path(tmp_path / "mg.pt2", "mgis"))[0], eps)
     with torch.no_grad():
         want = nascompress.load(tmp_path / "m")(x)
     assert 0 < int((conf > eps).sum()) < len(x)  # both branches of the rule run
