@@ -244,7 +244,7 @@ def test_bad_settings(config, match):
 def test_refusals_in_one_line():
     vit = build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=2,
                                                              num_heads=2, num_classes=10, in_chans=1)))
-    with pytest.raises(NascompressError, match="mgvit-h needs a pyramid ViT .*got VisionTransformer; use --method mgvit"):
+    with pytest.raises(NascompressError, match="mgvit-h needs a pyramid ViT .*VisionTransformer; use --method mgvit"):
         get_method("mgvit-h").prepare_fresh(vit, {})
     with pytest.raises(NascompressError, match="mgvit needs a plain timm ViT.*pyramid.*use --method mgvit-h"):
         get_method("mgvit").prepare_fresh(dense(), {})
@@ -312,3 +312,14 @@ def test_deepcopy_after_a_training_forward():
     m(torch.randn(2, 1, 64, 64)).sum().backward()
     copy.deepcopy(m)
     assert not any("received" in mod.__dict__ for mod in m.modules())
+
+
+def test_cli_finetune_variant_r(pvt_run, tmp_path):
+    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--variant", "r", "--r-h", "0.25", "--r-t", "0.25",
+               "--epochs", "1", "--batch-size", "16", "--train-limit", "32", "--eval-limit", "32",
+               "--out", tmp_path / "r")
+    assert r.exit_code == 0, r.output
+    m = nascompress.load(tmp_path / "r")
+    assert isinstance(m, MGPVT) and m.mg["variant"] == "r" and m.mg["r_h"] == 0.25
+    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--r-pos", "0.5", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "--r-pos is not a mgvit-h option" in r.output

@@ -86,7 +86,7 @@ class MGViTHConfig(Config):
     """
 
     variant: str = field(default="a", metadata={
-        "help": "Hierarchical MG-ViT variant: a (adds the MG layer after stage 1) or r (replaces stage 1's last layer)."})
+        "help": "Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."})
     r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
     r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
     epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
@@ -300,8 +300,9 @@ class MGPVT(PyramidVisionTransformerV2):
 
     def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
                               stop_early: bool = False, output_fmt: str = "NCHW",
-                              intermediates_only: bool = False) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
-        """timm's convention (NCHW stage maps; ``indices`` as timm): the MG pass's stage outputs."""
+                              intermediates_only: bool = False) -> Any:
+        """timm's convention (NCHW stage maps; ``indices`` as timm): the MG pass's stage outputs, a list
+        (``intermediates_only``) or (last map, list)."""
         if output_fmt != "NCHW":
             raise NascompressError(f"mgvit-h gives NCHW feature maps, got output_fmt={output_fmt!r}")
         take, max_index = feature_take_indices(len(self.stages), indices)
@@ -425,7 +426,7 @@ def init_mg_layer(layer: MGLayer, block: nn.Module, *, zero_out: bool) -> None:
 @register_method
 class MGViTHMethod(Method):
     name = "mgvit-h"
-    summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004, sec. 4)"
+    summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004)"
     config_cls = MGViTHConfig
     recipe_cls = None
     train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
