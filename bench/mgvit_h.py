@@ -107,6 +107,27 @@ def seg_run(backbone: nn.Module, data, spec: InputSpec, args) -> dict:
             "train_s": train_s}
 
 
+def reference_224() -> dict:
+    """Per-image GFLOPs at 224 px (the paper's 7x7 coarse grid, r_h 0.1, r_t 0.4; random weights: counts
+    do not depend on them) of pvt_v2_b0 and pvt_v2_b2 (the PVT v2 counterpart of the paper's PVT-Small):
+    dense, -A and -R (the MG pass; the SGIS at 112 px on top for an image that does not exit)."""
+    from nascompress.methods import get_method
+    from nascompress.models import build_model
+
+    out = {}
+    x = torch.randn(1, 3, 224, 224)
+    for name in ("pvt_v2_b0", "pvt_v2_b2"):
+        d = build_model(ModelSpec(name, {})).eval()
+        row = {"dense_gflops": count_flops(d, x).total / 1e9}
+        for v in ("a", "r"):
+            m, rec = get_method("mgvit-h").prepare_fresh(copy.deepcopy(d), {"variant": v})
+            st = m.eval().stage_flops()
+            row[v] = {"mg_pass_gflops": st["mgis_flops"] / 1e9, "sgis_gflops": st["sgis_flops"] / 1e9,
+                      "vs_dense": st["mgis_flops"] / 1e9 / row["dense_gflops"], "cells_split": rec["cells_split"]}
+        out[name] = row
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img-size", type=int, default=64)
@@ -128,8 +149,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default=str(ROOT / "runs"))
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--reference-only", action="store_true",
+                    help="only add the 224 px FLOP reference (reference_224) to the existing --out file")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.reference_only:
+        import json
+
+        res = json.loads(Path(args.out).read_text())
+        res["reference_224"] = reference_224()
+        save(args.out, res)
+        print(json.dumps(res["reference_224"], indent=1))
+        return
     t_start = time.time()
     runs = Path(args.runs)
     data_cfg = DataConfig(train_limit=args.train_limit, eval_limit=args.eval_limit)
