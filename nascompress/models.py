@@ -299,6 +299,18 @@ def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: 
     model.load_state_dict(sd, strict=True)
 
 
+def checkpoint_filter(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``sd`` in ``model``'s timm layout: timm's own filter of the model's family (original checkpoint
+    formats renamed; a ViT's position embedding resampled to its grid)."""
+    if is_pyramid(model):
+        from timm.models.pvt_v2 import checkpoint_filter_fn as pvt_filter
+
+        return pvt_filter(sd, model)
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    return checkpoint_filter_fn(sd, model)
+
+
 def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: bool = False) -> None:
     """Load dense timm weights from a local file (original timm/DeiT checkpoints included).
 
@@ -307,10 +319,7 @@ def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: b
     shape (class count) or be missing altogether (backbone-only checkpoints, as DINOv2, MAE and
     CLIP ship); every other tensor must still be present and fit.
     """
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
-    sd = read_weights_file(path)
-    sd = checkpoint_filter_fn(sd, model)
+    sd = checkpoint_filter(read_weights_file(path), model)
     if reset_head:
         own = model.state_dict()
         sd = {k: v for k, v in sd.items() if not k.startswith("head.")}

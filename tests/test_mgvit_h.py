@@ -323,3 +323,31 @@ def test_cli_finetune_variant_r(pvt_run, tmp_path):
     assert isinstance(m, MGPVT) and m.mg["variant"] == "r" and m.mg["r_h"] == 0.25
     r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--r-pos", "0.5", "--out", tmp_path / "x")
     assert r.exit_code == 1 and "--r-pos is not a mgvit-h option" in r.output
+
+
+def test_import_and_train_from_pyramid_weights(tmp_path):
+    """A user's pvt_v2 weights (timm layout, and the original PVT layout that timm's pvt filter renames)
+    import as a run and start a dense training run; mgvit-h then converts the imported run."""
+    from safetensors.torch import save_file
+
+    from nascompress.data import DataConfig
+    from nascompress.importer import ImportJob, import_model
+    from nascompress.train import TrainConfig, TrainJob, train
+
+    d = dense(in_chans=3)
+    sd = {k: v.contiguous() for k, v in d.state_dict().items()}
+    save_file(sd, str(tmp_path / "pvt.safetensors"))
+    original = {k.replace("patch_embed.", "patch_embed1.").replace("stages.0.blocks.", "block1.")
+                .replace("stages.0.norm", "norm1"): v for k, v in sd.items()}
+    torch.save(original, tmp_path / "orig.pth")
+    x = torch.randn(2, 3, 64, 64)
+    for name in ("pvt.safetensors", "orig.pth"):
+        import_model(ImportJob(model="pvt_v2_b0", weights=str(tmp_path / name), out=str(tmp_path / f"run_{name}"),
+                               img_size=64))
+        with torch.no_grad():
+            torch.testing.assert_close(nascompress.load(tmp_path / f"run_{name}")(x), d(x))
+    train(TrainJob(model=ModelSpec("pvt_v2_b0", {"img_size": 64, "num_classes": 10}), weights=str(tmp_path / "orig.pth"),
+                   data=DataConfig(dataset="synthetic", train_limit=16, eval_limit=16), out=str(tmp_path / "t"),
+                   train=TrainConfig(epochs=1, batch_size=16, lr=1e-5, seed=0)))
+    m = mgvit_h(nascompress.load(tmp_path / "run_pvt.safetensors"), variant="r")
+    assert m.mg["grid"] == 2
