@@ -351,3 +351,11 @@ def test_import_and_train_from_pyramid_weights(tmp_path):
                    train=TrainConfig(epochs=1, batch_size=16, lr=1e-5, seed=0)))
     m = mgvit_h(nascompress.load(tmp_path / "run_pvt.safetensors"), variant="r")
     assert m.mg["grid"] == 2
+
+
+def test_cli_refuses_a_plain_vit_run_for_mgvit_h_in_one_line(tiny_run, tmp_path):
+    r = invoke("finetune", tiny_run, "--method", "mgvit-h", "--out", tmp_path / "x", "--epochs", "1")
+    assert r.exit_code == 1
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "mgvit-h needs a pyramid ViT" in lines[0] and "use --method mgvit" in lines[0], r.output
+    assert not (tmp_path / "x").exists()
