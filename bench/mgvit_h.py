@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import time
 from pathlib import Path
 
@@ -135,7 +136,8 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=400)
     ap.add_argument("--epochs", type=int, default=2, help="dense training epochs")
     ap.add_argument("--ft-epochs", type=int, default=1, help="fine-tuning epochs (dense, -A, -R alike)")
-    ap.add_argument("--ft-lr", type=float, default=5e-4)
+    ap.add_argument("--ft-lr", type=float, default=2e-4)
+    ap.add_argument("--reuse-base", action="store_true", help="reuse the dense run in --runs if it is finished")
     ap.add_argument("--r-h", type=float, default=0.25,
                     help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)")
     ap.add_argument("--r-t", type=float, default=0.75)
@@ -154,8 +156,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.reference_only:
-        import json
-
         res = json.loads(Path(args.out).read_text())
         res["reference_224"] = reference_224()
         save(args.out, res)
@@ -169,9 +169,11 @@ def main() -> None:
     # 1. dense base
     base = runs / f"bench_mgvith_dense{args.img_size}"
     spec_m = ModelSpec("pvt_v2_b0", {"img_size": args.img_size, "num_classes": 10, "in_chans": 1})
-    train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
-                   train=TrainConfig(epochs=args.epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
-          force=True)
+    if not (args.reuse_base and (base / "metrics.json").is_file()):
+        train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
+                       train=TrainConfig(epochs=args.epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
+              force=True)
+    res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
     dense, arch = load_with_arch(base)
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
@@ -179,7 +181,9 @@ def main() -> None:
     res["dense_base_s"] = time.time() - t_start
 
     # 2. the same fine-tuning budget for dense, -A, -R
-    cfg = finetune_train_config("mgvit-h", epochs=args.ft_epochs, batch_size=64, lr=args.ft_lr, seed=0)
+    # keep="last": the trained models are compared (with one epoch, a fine-tune that does not beat its
+    # start on validation would otherwise hand back its starting model: -A at init is the dense model)
+    cfg = finetune_train_config("mgvit-h", epochs=args.ft_epochs, batch_size=64, lr=args.ft_lr, seed=0, keep="last")
     models = {}
     t0 = time.time()
     dense_ft = copy.deepcopy(dense)
