@@ -359,3 +359,24 @@ def test_cli_refuses_a_plain_vit_run_for_mgvit_h_in_one_line(tiny_run, tmp_path)
     lines = [ln for ln in r.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and "mgvit-h needs a pyramid ViT" in lines[0] and "use --method mgvit" in lines[0], r.output
     assert not (tmp_path / "x").exists()
+
+
+def test_training_loss_and_kl_weight():
+    from nascompress.methods.mgvit_h import MGViTHHooks
+    from nascompress.train import TrainConfig
+
+    x, y = torch.randn(4, 1, 64, 64), torch.randint(0, 10, (4,))
+    m = mgvit_h(variant="r", r_h=0.25, r_t=0.25).train()
+    loss, logs = MGViTHHooks(1.0).loss(m, x, y, epoch=0, cfg=TrainConfig())
+    loss.backward()
+    assert set(logs) == {"ce_mgis", "kl_sgis"} and loss.item() == pytest.approx((logs["ce_mgis"] + logs["kl_sgis"]).item())
+    assert m.mg_layer.mlp.fc2.weight.grad.abs().sum() > 0 and m.mg_pos_head.grad.abs().sum() > 0
+    m.zero_grad()
+    calls = []
+    h = m.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[-1]))
+    loss, logs = MGViTHHooks(0.0).loss(m, x, y, epoch=0, cfg=TrainConfig())
+    h.remove()
+    assert set(logs) == {"ce_mgis"} and calls == [64]  # the MG pass alone: no half-size SGIS
+    _, rec = get_method("mgvit-h").prepare_fresh(dense(), {}, {"kl_weight": 0.5})
+    assert rec["recipe"] == {"kl_weight": 0.5}
+    assert get_method("mgvit-h").hooks(None, rec, teacher=None, train_cfg=None).kl_weight == 0.5

@@ -39,6 +39,8 @@ Table 6: H_MG heads, MLP ratio E_MG) that refines the head and middle patches wi
   the others run the MG pass. With ``epsilon`` = 1 no image can exit and the SGIS is skipped.
   Dense outputs never exit. Training: every image through both, ``CE(D^M, y) + KL(D^M || D^S)``
   (MG-ViT's loss; the SGIS shares the weights, so it is the same network trained at two scales).
+  The recipe's ``kl_weight`` scales the KL term; 0 trains the MG pass alone (no SGIS pass), for a
+  model used without early exit.
 
 Not carried over from plain MG-ViT: feature reuse by widening (the pyramid's widths must stay the
 dense ones for its weights and its feature maps) and PPSM (merging tokens breaks the regular grid
@@ -62,7 +64,7 @@ from torch import nn
 from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
 from . import Method, register_method
-from .mgvit import MGViTHooks
+from ..hooks import TrainHooks
 from .mgvit_ops import HEAD_SPLIT, MIDDLE_SPLIT, casr_update, resample_image, split_counts, split_groups
 
 PAPER_MG_HEADS = 8
@@ -110,6 +112,42 @@ class MGViTHConfig(Config):
             check_int("mg_heads", self.mg_heads, 1)
         if self.mg_mlp_ratio is not None:
             check_range("mg_mlp_ratio", self.mg_mlp_ratio, 0, None, lo_open=True)
+
+
+@dataclass(frozen=True)
+class MGViTHRecipe(Config):
+    """Hierarchical MG-ViT training: ``CE(MG pass) + kl_weight * KL(MG pass || SGIS)``.
+
+    Args:
+        kl_weight: weight of the SGIS's KL term (1: the paper's loss). The SGIS shares the network's
+            weights, so this term also trains the full-size pass to serve the half-size image; 0 trains
+            the MG pass alone (the SGIS is not run), for a model used without early exit (epsilon 1).
+    """
+
+    kl_weight: float = field(default=1.0, metadata={
+        "help": "mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone)."})
+
+    def __post_init__(self) -> None:
+        check_range("kl_weight", self.kl_weight, 0, None)
+
+
+class MGViTHHooks(TrainHooks):
+    """``CE(D^M, y) + kl_weight * KL(D^M || D^S)`` (MG-ViT's loss at weight 1); with ``kl_weight`` 0
+    the SGIS is not run."""
+
+    def __init__(self, kl_weight: float = 1.0):
+        self.kl_weight = kl_weight
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        if self.kl_weight == 0:
+            ce = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
+            return ce, {"ce_mgis": ce.detach()}
+        s_logits, m_logits = model.forward_both(x)
+        ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
+        kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
+                      reduction="batchmean")
+        return ce + self.kl_weight * kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
 
 
 def _stage1_shape(model: PyramidVisionTransformerV2) -> tuple[int, int, int, int]:
@@ -428,7 +466,7 @@ class MGViTHMethod(Method):
     name = "mgvit-h"
     summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004)"
     config_cls = MGViTHConfig
-    recipe_cls = None
+    recipe_cls = MGViTHRecipe
     train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
     stacks_on = frozenset()
     off_config = {"variant": "a", "r_h": 0.0, "r_t": 1.0, "epsilon": 1.0}
@@ -441,7 +479,7 @@ class MGViTHMethod(Method):
     def patch(self, model: nn.Module, cfg: MGViTHConfig, record: dict[str, Any]) -> nn.Module:
         return _build(model, cfg)
 
-    def prepare(self, model: nn.Module, cfg: MGViTHConfig, recipe: Any):
+    def prepare(self, model: nn.Module, cfg: MGViTHConfig, recipe: MGViTHRecipe | None):
         """From the dense run: its weights kept, the MG layer started from stage 1's last layer."""
         source = copy.deepcopy(model.stages[0].blocks[-1])
         record = self.make_record(cfg, recipe)
@@ -455,8 +493,8 @@ class MGViTHMethod(Method):
         return model, record
 
     def hooks(self, model, record, *, teacher, train_cfg):
-        return MGViTHooks()
+        return MGViTHHooks(MGViTHRecipe.from_dict(record.get("recipe") or {}, what="mgvit-h recipe").kl_weight)
 
 
-__all__ = ["MGViTHMethod", "MGViTHConfig", "MGPVT", "MGLayer", "SubEmbed", "RankingAttention", "init_mg_layer",
+__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed", "RankingAttention", "init_mg_layer",
            "resolve_config", "default_mg_heads", "sgis_size"]
