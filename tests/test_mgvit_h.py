@@ -346,7 +346,8 @@ def test_import_and_train_from_pyramid_weights(tmp_path):
                                img_size=64))
         with torch.no_grad():
             torch.testing.assert_close(nascompress.load(tmp_path / f"run_{name}")(x), d(x))
-    train(TrainJob(model=ModelSpec("pvt_v2_b0", {"img_size": 64, "num_classes": 10}), weights=str(tmp_path / "orig.pth"),
+    spec = ModelSpec("pvt_v2_b0", {"img_size": 64, "num_classes": 10})
+    train(TrainJob(model=spec, weights=str(tmp_path / "orig.pth"),
                    data=DataConfig(dataset="synthetic", train_limit=16, eval_limit=16), out=str(tmp_path / "t"),
                    train=TrainConfig(epochs=1, batch_size=16, lr=1e-5, seed=0)))
     m = mgvit_h(nascompress.load(tmp_path / "run_pvt.safetensors"), variant="r")
@@ -369,7 +370,8 @@ def test_training_loss_and_kl_weight():
     m = mgvit_h(variant="r", r_h=0.25, r_t=0.25).train()
     loss, logs = MGViTHHooks(1.0).loss(m, x, y, epoch=0, cfg=TrainConfig())
     loss.backward()
-    assert set(logs) == {"ce_mgis", "kl_sgis"} and loss.item() == pytest.approx((logs["ce_mgis"] + logs["kl_sgis"]).item())
+    assert set(logs) == {"ce_mgis", "kl_sgis"}
+    assert loss.item() == pytest.approx((logs["ce_mgis"] + logs["kl_sgis"]).item())
     assert m.mg_layer.mlp.fc2.weight.grad.abs().sum() > 0 and m.mg_pos_head.grad.abs().sum() > 0
     m.zero_grad()
     calls = []

@@ -496,5 +496,6 @@ class MGViTHMethod(Method):
         return MGViTHHooks(MGViTHRecipe.from_dict(record.get("recipe") or {}, what="mgvit-h recipe").kl_weight)
 
 
-__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed", "RankingAttention", "init_mg_layer",
+__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed",
+           "RankingAttention", "init_mg_layer",
            "resolve_config", "default_mg_heads", "sgis_size"]
