@@ -137,6 +137,8 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2, help="dense training epochs")
     ap.add_argument("--ft-epochs", type=int, default=1, help="fine-tuning epochs (dense, -A, -R alike)")
     ap.add_argument("--ft-lr", type=float, default=2e-4)
+    ap.add_argument("--kl-weight", type=float, default=1.0, help="mgvit-h recipe: the SGIS KL term's weight")
+    ap.add_argument("--skip-seg", action="store_true", help="classification only")
     ap.add_argument("--reuse-base", action="store_true", help="reuse the dense run in --runs if it is finished")
     ap.add_argument("--r-h", type=float, default=0.25,
                     help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)")
@@ -194,7 +196,8 @@ def main() -> None:
         t0 = time.time()
         out = runs / f"bench_mgvith_{v}{args.img_size}"
         finetune(FinetuneJob(run_dir=str(base), method="mgvit-h", out=str(out), data=data_cfg, train=cfg,
-                             config={"variant": v, "r_h": args.r_h, "r_t": args.r_t}), force=True)
+                             config={"variant": v, "r_h": args.r_h, "r_t": args.r_t},
+                             recipe={"kl_weight": args.kl_weight}), force=True)
         models[v] = load_with_arch(out)[0].eval()
         timing[v] = time.time() - t0
     res["finetune_s"] = timing
@@ -233,6 +236,10 @@ def main() -> None:
     res["classification"] = cls
     save(args.out, res)
 
+    if args.skip_seg:
+        res["total_s"] = time.time() - t_start
+        save(args.out, res)
+        return
     # 4. segmentation
     seg_data = load_data(DataConfig(train_limit=args.seg_limit, eval_limit=args.eval_limit), spec=spec)
     res["segmentation"] = {name: seg_run(m, seg_data, spec, args) for name, m in models.items()}
