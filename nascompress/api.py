@@ -113,6 +113,7 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
     """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
     from .data import make_loader, preprocess
     from .methods.mgvit import MGViT, parse_epsilons, sweep_model
+    from .methods.mgvit_h import MGPVT
 
     if isinstance(epsilons, str):
         epsilons = parse_epsilons(epsilons)
@@ -120,7 +121,7 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
         raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
     dev = resolve_device(device)
     model, arch = load_with_arch(run_dir, map_location=dev)
-    if not isinstance(model, MGViT):
+    if not isinstance(model, (MGViT, MGPVT)):
         raise NascompressError(f"{run_dir} is not an MG-ViT run (methods: "
                                f"{[m['name'] for m in arch['methods']] or 'none'}); --epsilon needs one")
     data = data or run_data_config(run_dir) or DataConfig()

@@ -98,9 +98,9 @@ def _grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int |
 def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors in this timm model's layout (original checkpoint formats converted,
     position embeddings resampled to the model's grid), as ``load_pretrained`` does."""
-    from timm.models.vision_transformer import checkpoint_filter_fn
+    from .models import checkpoint_filter
 
-    return checkpoint_filter_fn(dict(sd), model)
+    return checkpoint_filter(dict(sd), model)
 
 
 def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:

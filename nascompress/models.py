@@ -26,6 +26,12 @@ CUSTOM_BASE = "vit_tiny_patch16_224"
 _VIT_MODULES = {"vision_transformer", "deit"}
 # every model of this timm module embeds patches with a CNN stem (HybridEmbed): refused
 _HYBRID_MODULE = "vision_transformer_hybrid"
+# pyramid ViTs (PVT v2): built for dense training and for the pyramid method (mgvit-h) only; they take
+# any input size, so the spec's img_size is recorded on the model (``nc_img_size``), not passed to timm
+PYRAMID_MODULES = {"pvt_v2"}
+# the pyramid models nascompress builds: PVT v2 b0..b5 (spatial-reduction attention; the linear
+# variant pvt_v2_b2_li pools keys to a fixed 7x7 grid and is not supported)
+PYRAMID_NAMES = tuple(f"pvt_v2_b{i}" for i in range(6))
 
 
 # The timm build settings a model spec (and so ``arch.json``'s ``model.kwargs``) may hold: what
@@ -215,20 +221,46 @@ def _hybrid_message(name: str, stem: str) -> str:
             "which nascompress cannot profile or compress; use a plain patch-embedding ViT (vit_*_patch*, deit_*)")
 
 
-def build_model(spec: ModelSpec) -> VisionTransformer:
-    """Build ``spec`` with random init (never downloads). Raises for non-ViT and hybrid models and
-    for build settings outside :data:`MODEL_KWARGS`."""
+def is_pyramid(model: nn.Module) -> bool:
+    """A pyramid ViT (timm PVT v2) rather than a plain VisionTransformer."""
+    from timm.models.pvt_v2 import PyramidVisionTransformerV2
+
+    return isinstance(model, PyramidVisionTransformerV2)
+
+
+def _build_pyramid(spec: ModelSpec, arch: str) -> nn.Module:
+    if arch not in PYRAMID_NAMES:
+        raise NascompressError(f"{spec.name} is not supported: of the pyramid ViTs nascompress builds "
+                               f"{', '.join(PYRAMID_NAMES)} (spatial-reduction attention)")
+    kwargs = dict(spec.kwargs)
+    img = kwargs.pop("img_size", 224)
+    img = (img, img) if isinstance(img, int) else tuple(img)
+    bad = sorted(set(kwargs) - {"num_classes", "in_chans"})
+    if bad:
+        raise NascompressError(f"cannot build {spec.name} with {', '.join(bad)}: a pyramid ViT takes only img_size, "
+                               "num_classes and in_chans (its shape is the timm name's)")
+    model = timm.create_model(spec.name, pretrained=False, **kwargs)
+    model.nc_img_size = img
+    return model
+
+
+def build_model(spec: ModelSpec) -> nn.Module:
+    """Build ``spec`` with random init (never downloads): a timm VisionTransformer, or a pyramid
+    ViT of :data:`PYRAMID_NAMES`. Raises for other and hybrid models and for build settings
+    outside :data:`MODEL_KWARGS`."""
     check_model_kwargs(spec.kwargs)
     if not isinstance(spec.name, str):
         raise NascompressError(f"the model name must be a timm name, got {spec.name!r}")
     arch = _check_name(spec.name)
     module = timm.models._registry._model_to_module.get(arch)
+    if module in PYRAMID_MODULES:
+        return _build_pyramid(spec, arch)
     if module == _HYBRID_MODULE:
         raise NascompressError(_hybrid_message(spec.name, "ResNet stem"))
     if module not in _VIT_MODULES:
         raise NascompressError(
             f"{spec.name} is not a timm VisionTransformer (it comes from timm.models.{module}); "
-            "nascompress supports ViT-family models (vit_*, deit_*)")
+            "nascompress supports ViT-family models (vit_*, deit_*) and the pyramid ViTs pvt_v2_b0..b5")
     check_model_size(spec)
     try:
         model = timm.create_model(spec.name, pretrained=False, **spec.kwargs)
@@ -243,9 +275,11 @@ def build_model(spec: ModelSpec) -> VisionTransformer:
     return model
 
 
-def input_size(model: VisionTransformer) -> tuple[int, int, int]:
-    """(C, H, W) expected by the model's patch embedding."""
+def input_size(model: nn.Module) -> tuple[int, int, int]:
+    """(C, H, W) expected by the model's patch embedding (a pyramid ViT: the size it was built for)."""
     pe = model.patch_embed
+    if is_pyramid(model):
+        return (pe.proj.in_channels, *model.nc_img_size)
     return (pe.proj.in_channels, *pe.img_size)
 
 
@@ -341,6 +375,18 @@ def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: 
     model.load_state_dict(sd, strict=True)
 
 
+def checkpoint_filter(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``sd`` in ``model``'s timm layout: timm's own filter of the model's family (original checkpoint
+    formats renamed; a ViT's position embedding resampled to its grid)."""
+    if is_pyramid(model):
+        from timm.models.pvt_v2 import checkpoint_filter_fn as pvt_filter
+
+        return pvt_filter(sd, model)
+    from timm.models.vision_transformer import checkpoint_filter_fn
+
+    return checkpoint_filter_fn(sd, model)
+
+
 def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: bool = False) -> None:
     """Load dense timm weights from a local file (original timm/DeiT checkpoints included).
 
@@ -349,10 +395,7 @@ def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: b
     shape (class count) or be missing altogether (backbone-only checkpoints, as DINOv2, MAE and
     CLIP ship); every other tensor must still be present and fit.
     """
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
-    sd = read_weights_file(path)
-    sd = checkpoint_filter_fn(sd, model)
+    sd = checkpoint_filter(read_weights_file(path), model)
     if reset_head:
         own = model.state_dict()
         sd = {k: v for k, v in sd.items() if not k.startswith("head.")}

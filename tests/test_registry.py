@@ -32,6 +32,7 @@ OFF = {
     "evit": {"keep_rate": 1.0},
     "dynamicvit": {"rho": 1.0},
     "mgvit": {"epsilon": 1e-6},  # every image exits at the single-granularity stage: the dense model
+    "mgvit-h": {"r_h": 0.0, "r_t": 1.0},  # no cell split: the dense pyramid (a pyramid model: dense_for)
 }
 # compression on, for the pairs
 ON = {
@@ -41,6 +42,7 @@ ON = {
     "evit": {"keep_rate": 0.5, "prune_layers": [2]},
     "dynamicvit": {"rho": 0.5, "prune_layers": [2, 3]},
     "mgvit": {"epsilon": 0.5},
+    "mgvit-h": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": 0.5},
 }
 
 
@@ -49,6 +51,14 @@ def dense(**kw):
     args = dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1)
     args.update(kw)
     return build_model(ModelSpec("vit_tiny_patch16_224", args)).eval()
+
+
+def dense_for(name, **kw):
+    """The dense model a method applies to: a tiny pvt_v2_b0 (64 px) for mgvit-h, else :func:`dense`."""
+    if name != "mgvit-h":
+        return dense(**kw)
+    torch.manual_seed(0)
+    return build_model(ModelSpec("pvt_v2_b0", dict(img_size=64, num_classes=10, in_chans=1))).eval()
 
 
 def apply_on(model, name):
@@ -76,8 +86,10 @@ def test_every_registered_method_has_test_configs():
 @pytest.mark.parametrize("name", sorted(OFF))
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1}])
 def test_identity_when_compression_is_off(name, kw):
-    model = dense(**kw)
-    x = torch.randn(3, 1, 28, 28)
+    if name == "mgvit-h" and kw:
+        pytest.skip("a pyramid ViT has no LayerScale (init_values)")
+    model = dense_for(name, **kw)
+    x = torch.randn(3, 1, 64, 64) if name == "mgvit-h" else torch.randn(3, 1, 28, 28)
     with torch.no_grad():
         ref = model(x)
         patched = get_method(name).prepare_fresh(copy.deepcopy(model), dict(OFF[name]))[0].eval()
@@ -177,7 +189,7 @@ def test_allowed_pairs_equal_the_hand_composed_reference(first, second):
 
 @pytest.mark.parametrize("first,second", REFUSED)
 def test_refused_pairs(first, second):
-    a = apply_on(dense(), first)
+    a = apply_on(dense_for(first), first)
     with pytest.raises(NascompressError, match=f"{second} cannot be applied after {first}"):
         rec = {"name": second, "config": OFF[second]}
         apply_methods(a, [rec])

@@ -22,6 +22,7 @@ FIELDS = {
     "dynamicvit": {"rho", "prune_layers"},
     "sparsifiner": {"attn_keep_ratio", "mode", "kernel", "n_down", "block_size", "budget"},
     "mgvit": {"r_h", "r_t", "r_pos", "r_neg", "ppsm_layers", "epsilon"},
+    "mgvit-h": {"variant", "r_h", "r_t", "epsilon"},
     "dcs": {"target_flops", "qk_mask"},
 }
 
@@ -52,7 +53,7 @@ def sample(space: Space, n: int, seed: int = 0) -> list[optuna.trial.FrozenTrial
 
 def test_shipped_files_exist():
     names = {os.path.basename(p) for p in SHIPPED}
-    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "dcs-target.yaml", "joint.yaml"} <= names
+    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "mgvit-h.yaml", "dcs-target.yaml", "joint.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)

@@ -211,8 +211,9 @@ def profile(**kw: Any) -> None:
         out.print(t)
         if "stages" in r:  # MG-ViT: the table's blocks are the SGIS; MGIS and PPSM are in "rest"
             st = r["stages"]
+            ppsm = f" (PPSM {st['ppsm_flops'] / 1e6:.3f})" if "ppsm_flops" in st else ""  # mgvit-h has none
             out.print(f"MG-ViT stages per image: SGIS {st['sgis_flops'] / 1e6:.2f} MFLOPs, MGIS "
-                      f"{st['mgis_flops'] / 1e6:.2f} MFLOPs (PPSM {st['ppsm_flops'] / 1e6:.3f}); an image that exits at "
+                      f"{st['mgis_flops'] / 1e6:.2f} MFLOPs{ppsm}; an image that exits at "
                       f"SGIS costs the first, any other both (the table counts the random profiling images' paths)")
         if "latency_ms" in r:
             out.print(f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "

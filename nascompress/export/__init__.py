@@ -6,8 +6,8 @@
 uniform pruning's smaller layers, the gathers and ``index_add`` of DCS's MLP channels, EViT's and
 DynamicViT's data-dependent token selection (``TopK``, ``Gather``), Sparsifiner's predicted masks or
 kept blocks, in any allowed stack of them. Where a method's inference path cannot be traced, an
-equal traceable path is swapped in for the export (:mod:`.paths`). MG-ViT is written as its two
-stages plus the exit rule (:mod:`.graphs`).
+equal traceable path is swapped in for the export (:mod:`.paths`). MG-ViT and Hierarchical MG-ViT
+are written as their two stages plus the exit rule (:mod:`.graphs`).
 
 Every file is checked before it is kept: written to a temporary file, run by the runtime a user
 would run it with (ONNX Runtime on the CPU; ``torch.export.load``) on a fixed random batch (and on

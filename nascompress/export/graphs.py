@@ -25,7 +25,8 @@ from torch import nn
 
 from ..errors import NascompressError, write_error
 
-EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit")
+EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h")
+TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule
 
 
 @dataclass
@@ -50,6 +51,28 @@ class _Stage1(nn.Module):
         return self.model._sgis(image)
 
 
+class _SGIS(nn.Module):
+    """Hierarchical MG-ViT's first stage: image -> SGIS logits (the half-size coarse pass)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.model._sgis(image)
+
+
+class _MGPass(nn.Module):
+    """Hierarchical MG-ViT's second stage: image -> logits of the MG pass (it ranks the cells itself)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_head(self.model.forward_features(image))
+
+
 class _Stage2(nn.Module):
     """MG-ViT's second stage: (image, SGIS tokens, CASR) -> MGIS logits."""
 
@@ -70,7 +93,7 @@ def check_exportable(arch: dict[str, Any], *, dynamic: bool) -> None:
         if name == "dcs" and rec.get("stage", "supernet") != "materialized":
             raise NascompressError("this run holds the DCS supernet (channel gates and masks, not a smaller model); "
                                    "export the run `nascompress materialize` makes from it")
-        if name == "mgvit" and not dynamic:
+        if name in TWO_STAGE and not dynamic:
             raise NascompressError("MG-ViT's second stage runs on the images that did not exit, any number of them: "
                                    "export it with --batch dynamic")
 
@@ -78,6 +101,15 @@ def check_exportable(arch: dict[str, Any], *, dynamic: bool) -> None:
 def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str, Any] | None]:
     """The graphs to export for ``model`` (a :func:`~nascompress.export.paths.traceable_copy`) and
     MG-ViT's exit rule (None for a single graph); ``x`` is the example batch."""
+    from ..methods.mgvit_h import MGPVT
+
+    if isinstance(model, MGPVT):
+        rule = {"epsilon": float(model.mg["epsilon"]),
+                "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "
+                        "1: then stage 2 alone gives every image's logits); the images of the other rows go "
+                        "through stage 2, whose logits replace stage 1's"}
+        return [Graph("sgis", _SGIS(model).eval(), (x,), ("image",), ("logits",)),
+                Graph("mgis", _MGPass(model).eval(), (x,), ("image",), ("logits",))], rule
     if hasattr(model, "mgis") and hasattr(model, "_sgis"):
         s1, s2 = _Stage1(model).eval(), _Stage2(model).eval()
         with torch.no_grad():
@@ -143,4 +175,4 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
     return {"opset": got}
 
 
-__all__ = ["Graph", "EXPORTABLE", "check_exportable", "graphs_for", "write_graph", "quiet"]
+__all__ = ["Graph", "EXPORTABLE", "TWO_STAGE", "check_exportable", "graphs_for", "write_graph", "quiet"]

@@ -16,7 +16,7 @@ from ..data import InputSpec, eval_steps
 from ..progress import say
 from ..utils import atomic_path, write_json
 from .config import ExportConfig
-from .graphs import check_exportable, graphs_for, write_graph
+from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph
 from .paths import traceable_copy
 from .verify import runner_for, verify, with_exit_rule
 
@@ -88,8 +88,8 @@ def _both_files(stage1: Any, stage2: Any) -> Any:
 
     def run(inputs):
         (x,) = inputs
-        logits, tokens, casr = stage1([x])
-        return [torch.cat([logits, stage2([x, tokens, casr])[0]], 0)]
+        logits, *carry = stage1([x])
+        return [torch.cat([logits, stage2([x, *carry])[0]], 0)]
 
     return run
 
@@ -120,7 +120,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(arch, dynamic=cfg.dynamic)
-    roles = ("sgis", "mgis") if any(m.get("name") == "mgvit" for m in arch["methods"]) else ("model",)
+    roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
     created = _check_out([*files, sidecar_path(out)], force=force)
     model, arch = load_with_arch(run)

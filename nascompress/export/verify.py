@@ -71,12 +71,12 @@ def with_exit_rule(stage1: Runner, stage2: Runner, epsilon: float) -> Runner:
 
     def run(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         (x,) = inputs
-        logits, tokens, casr = stage1([x])
+        logits, *carry = stage1([x])  # MG-ViT: (tokens, casr) for stage 2; Hierarchical MG-ViT: nothing
         stay = logits.float().softmax(-1).amax(-1) <= epsilon
         out = logits.clone()
         if bool(stay.any()):
             idx = stay.nonzero().squeeze(1)
-            out[idx] = stage2([x[idx], tokens[idx], casr[idx]])[0].to(out.dtype)
+            out[idx] = stage2([x[idx], *(c[idx] for c in carry)])[0].to(out.dtype)
         return [out]
 
     return run

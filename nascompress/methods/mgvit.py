@@ -55,6 +55,7 @@ from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_cor
 from . import Method, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
+from .mgvit_ops import resample_image as _resample
 
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
 INIT_STD = 1e-3
@@ -211,12 +212,6 @@ class MGIS(nn.Module):
         self.head = nn.Linear(dim + extra, num_classes)
 
 
-def _resample(img: torch.Tensor, size: int) -> torch.Tensor:
-    if img.shape[-1] == size and img.shape[-2] == size:
-        return img
-    return F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=size < img.shape[-1])
-
-
 class MGViT(VisionTransformer):
     """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
 
@@ -350,6 +345,11 @@ class MGViT(VisionTransformer):
 
 
 def _check_plain_vit(model: nn.Module) -> None:
+    from ..models import is_pyramid
+
+    if is_pyramid(model):
+        raise NascompressError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
+                               f"({type(model).__name__}); use --method mgvit-h (Hierarchical MG-ViT) for it")
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"mgvit needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
     reasons = []
@@ -548,7 +548,10 @@ def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> dict[st
     rows = []
     for i, e in enumerate(epsilons):
         share = exits[i].item() / max(n, 1)
-        mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
+        if hasattr(model, "mean_flops"):  # mgvit-h: at epsilon 1 no SGIS runs
+            mean = model.mean_flops(share, e)
+        else:
+            mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
         rows.append({"epsilon": e, "top1": 100.0 * correct[i].item() / max(n, 1), "exit_share": share,
                      "mean_flops": mean, "mean_gflops": mean / 1e9})
     return {"rows": rows, "n": n, "sgis_top1": 100.0 * s_ok / max(n, 1), "mgis_top1": 100.0 * m_ok / max(n, 1), **f}

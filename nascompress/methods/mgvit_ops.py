@@ -191,6 +191,14 @@ def resample_grid(pos: torch.Tensor, grid: int, new: int) -> torch.Tensor:
     return g.permute(0, 2, 3, 1).reshape(1, new * new, D)
 
 
+def resample_image(img: torch.Tensor, size: int) -> torch.Tensor:
+    """(B, C, H, W) -> (B, C, size, size): bilinear, antialiased when shrinking; the input itself when
+    it already has that size."""
+    if img.shape[-1] == size and img.shape[-2] == size:
+        return img
+    return F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=size < img.shape[-1])
+
+
 def patchify(img: torch.Tensor, p: int) -> torch.Tensor:
     """(B, C, H, W) -> (B, (H/p)*(W/p), C, p, p) row-major patches (a view-based reshape)."""
     B, C, H, W = img.shape

@@ -8,7 +8,8 @@ The counter is analytic and hook based, so it follows whatever a forward really 
 * every attention module: its two matmuls QK^T and AV. A module may define
   ``matmul_macs(self, inputs, output) -> float`` (total over the batch) to report what it
   really computes (sparse attention, per-head channel counts, extra runtime work); otherwise
-  a timm ``Attention`` is counted as ``B * H * N * N * 2 * head_dim``.
+  a timm ``Attention`` is counted as ``B * H * N * N * 2 * head_dim``, a PVT v2 spatial-reduction
+  attention as ``B * H * N * M * 2 * head_dim`` (M: the reduced key grid's tokens).
 
 MACs are attributed to buckets by module name: ``blocks.<i>.attn``, ``blocks.<i>.mlp`` and
 ``blocks.<i>`` (anything else inside block i, e.g. a predictor) and ``other`` (patch
@@ -32,6 +33,21 @@ def default_attention_macs(module: nn.Module, x: torch.Tensor) -> float:
     """QK^T and AV of a dense multi-head attention over the input's N tokens (whole batch)."""
     B, N, _ = x.shape
     return float(B * module.num_heads * N * N * 2 * module.head_dim)
+
+
+def pvt_attention_macs(module: nn.Module, inputs: tuple) -> float:
+    """QK^T and AV of a PVT v2 spatial-reduction attention: N queries, M reduced keys (whole batch)."""
+    x, (h, w) = inputs[0], inputs[1]
+    if module.pool is not None:  # linear SRA: keys pooled to a fixed grid
+        m = module.pool.output_size
+        m = m * m if isinstance(m, int) else m[0] * m[1]
+    elif module.sr is not None:
+        r = module.sr.kernel_size[0]
+        m = (h // r) * (w // r)
+    else:
+        m = h * w
+    B, N, _ = x.shape
+    return float(B * module.num_heads * N * m * 2 * module.head_dim)
 
 
 @dataclass
@@ -83,6 +99,8 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> FlopReport:
         else:
             blocks[idx][kind] += macs
 
+    from timm.models.pvt_v2 import Attention as PvtAttention
+
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
@@ -92,10 +110,15 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> FlopReport:
             def hook(m, inp, out, name=name):
                 k = m.kernel_size[0] * m.kernel_size[1]
                 add(name, out.numel() * (m.in_channels // m.groups) * k)
-        elif hasattr(mod, "matmul_macs") or isinstance(mod, Attention):
+        elif hasattr(mod, "matmul_macs") or isinstance(mod, (Attention, PvtAttention)):
             def hook(m, inp, out, name=name):
                 fn = getattr(m, "matmul_macs", None)
-                add(name, fn(inp, out) if fn is not None else default_attention_macs(m, inp[0]))
+                if fn is not None:
+                    add(name, fn(inp, out))
+                elif isinstance(m, PvtAttention):
+                    add(name, pvt_attention_macs(m, inp))
+                else:
+                    add(name, default_attention_macs(m, inp[0]))
         else:
             continue
         handles.append(mod.register_forward_hook(hook))

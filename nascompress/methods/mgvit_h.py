@@ -1,0 +1,501 @@
+"""Hierarchical MG-ViT (seed 004, sections 4.1-4.3, appendix 7.1-7.2) on timm's PVT v2 (b0..b5).
+
+A dense :class:`~timm.models.pvt_v2.PyramidVisionTransformerV2` becomes an :class:`MGPVT` (its
+``__class__`` swapped, its state-dict keys kept) with one new "MG Transformer" layer (``mg_layer``,
+Table 6: H_MG heads, MLP ratio E_MG) that refines the head and middle patches with proxy tokens:
+
+* **Coarse grid.** PVT v2's spatial-reduction attention reduces the keys of every stage to the same
+  grid, the image in 32 px cells (stride 4 x reduction 8 in stage 1, 8 x 4, 16 x 2, 32 x 1): at
+  224 px this is the paper's 7 x 7 grid of 32 px patches. These cells are the coarse patches; the
+  image side must be a multiple of 32 (``stride x sr_ratio`` of stage 1).
+* **Ranking (the CASR of a model without class token).** A PVT classifies the *mean* of its last
+  tokens, so the class-attention row of a ViT has an exact counterpart: the mean over queries (and
+  heads) of an attention matrix, ``a_j = mean_i A_ij``, is the weight with which key j enters the
+  mean-pooled output of the layer (``mean_i sum_j A_ij v_j = sum_j a_j v_j``), as ``A_cls,j`` is the
+  weight of token j in a ViT's class token. Stage 1's keys are the coarse cells, so ``a`` ranks them
+  directly; it is accumulated over the stage-1 layers before the MG layer with CASR's recursion
+  (``lam`` 0.98 from layer ``casr_start``, Eq. 6). The ranking is read in the MG pass's own stage 1,
+  before the MG layer, so dense outputs (which run no SGIS) have it at no extra cost.
+* **Sub-splitting.** ``N_h = floor(N r_h + 0.5)`` head cells, ``N_t`` tail cells (Eq. 7); every
+  stage-1 token of a head cell is split 3 x 3, of a middle cell 2 x 2, tail cells stay. The fine
+  / medium tokens come from the dense model's own overlapping patch embedding (same weights and
+  norm) run on the image resampled 3x / 2x, only on the selected cells (a crop per cell), plus a
+  learned sub-position embedding (9 and 4 vectors, zero at init).
+* **Proxy tokens (Eq. 16/17).** Each split stage-1 token is its group's proxy: the group
+  ``[fine tokens, proxy]`` passes through the MG layer (attention inside the group, then the MLP),
+  and the proxy's output replaces the token, ``T' = (1 - m) T_ori + m T'_pro`` with ``m`` = 1 on
+  head and middle cells. Only the proxy's output is read afterwards, so only its query and its MLP
+  are computed (the fine tokens' outputs would be discarded: the same result, fewer FLOPs).
+  The layer sits at the end of stage 1, before its norm, so the stage-1 map (H/4) already holds the
+  refinement and stages 2-4 see the dense model's regular grid: the feature maps have the dense
+  model's shapes (``forward_features`` / ``forward_intermediates``, timm's NCHW conventions).
+* **Variants.** ``a`` adds the MG layer after stage 1's layers; its output projections start at
+  zero, so at init -A computes exactly the dense model. ``r`` replaces stage 1's last layer with it
+  (same capacity; the MG layer starts from that layer's weights, without its depth-wise conv and
+  spatial reduction, which a group of tokens has no grid for).
+* **SGIS and early exit (classification).** The SGIS is the same network without the MG layer on
+  the image resampled by ``sgis_scale`` (default 1/2: a quarter of the tokens, the paper's "fewer
+  patches"); an image whose top SGIS probability exceeds ``epsilon`` exits with the SGIS logits,
+  the others run the MG pass. With ``epsilon`` = 1 no image can exit and the SGIS is skipped.
+  Dense outputs never exit. Training: every image through both, ``CE(D^M, y) + KL(D^M || D^S)``
+  (MG-ViT's loss; the SGIS shares the weights, so it is the same network trained at two scales).
+  The recipe's ``kl_weight`` scales the KL term; 0 trains the MG pass alone (no SGIS pass), for a
+  model used without early exit.
+
+Not carried over from plain MG-ViT: feature reuse by widening (the pyramid's widths must stay the
+dense ones for its weights and its feature maps) and PPSM (merging tokens breaks the regular grid
+that the later stages' downsampling and spatial reduction need; Table 6 has none).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from timm.models._features import feature_take_indices
+from timm.models.pvt_v2 import Attention as PvtAttention
+from timm.models.pvt_v2 import PyramidVisionTransformerV2
+from torch import nn
+
+from ..config import Config, check_choice, check_int, check_range
+from ..errors import NascompressError
+from . import Method, register_method
+from ..hooks import TrainHooks
+from .mgvit_ops import HEAD_SPLIT, MIDDLE_SPLIT, casr_update, resample_image, split_counts, split_groups
+
+PAPER_MG_HEADS = 8
+VARIANTS = ("a", "r")
+
+
+@dataclass(frozen=True)
+class MGViTHConfig(Config):
+    """Hierarchical MG-ViT settings (recorded in arch.json; defaults are the paper's).
+
+    Args:
+        variant: ``a`` (MG layer added after stage 1) or ``r`` (it replaces stage 1's last layer).
+        r_h / r_t: shares of the coarse cells split 3x3 (head) / kept (tail).
+        epsilon: early-exit threshold on SGIS's top softmax probability (1: no exit, no SGIS pass).
+        mg_heads: H_MG, the MG layer's heads (default 8, the paper's, or the largest divisor of
+            stage 1's width below it).
+        mg_mlp_ratio: E_MG (default stage 1's MLP ratio: 8 for b0..b4, the paper's).
+        sgis_scale: the SGIS's image size relative to the model's (rounded down to whole 32 px
+            cells, at least one).
+        lam / casr_start: CASR's decay and first layer (of stage 1).
+    """
+
+    variant: str = field(default="a", metadata={
+        "help": "Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."})
+    r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
+    r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
+    epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
+    mg_heads: int | None = None
+    mg_mlp_ratio: float | None = None
+    sgis_scale: float = 0.5
+    lam: float = 0.98
+    casr_start: int = 3
+
+    def __post_init__(self) -> None:
+        check_choice("variant", self.variant, VARIANTS)
+        for k in ("r_h", "r_t", "lam"):
+            check_range(k, getattr(self, k), 0, 1)
+        if self.r_h + self.r_t > 1:
+            raise NascompressError(f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = "
+                                   f"{self.r_h + self.r_t:g}")
+        check_range("epsilon", self.epsilon, 0, 1, lo_open=True)
+        check_range("sgis_scale", self.sgis_scale, 0, 1, lo_open=True)
+        check_int("casr_start", self.casr_start, 1)
+        if self.mg_heads is not None:
+            check_int("mg_heads", self.mg_heads, 1)
+        if self.mg_mlp_ratio is not None:
+            check_range("mg_mlp_ratio", self.mg_mlp_ratio, 0, None, lo_open=True)
+
+
+@dataclass(frozen=True)
+class MGViTHRecipe(Config):
+    """Hierarchical MG-ViT training: ``CE(MG pass) + kl_weight * KL(MG pass || SGIS)``.
+
+    Args:
+        kl_weight: weight of the SGIS's KL term (1: the paper's loss). The SGIS shares the network's
+            weights, so this term also trains the full-size pass to serve the half-size image; 0 trains
+            the MG pass alone (the SGIS is not run), for a model used without early exit (epsilon 1).
+    """
+
+    kl_weight: float = field(default=1.0, metadata={
+        "help": "mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone)."})
+
+    def __post_init__(self) -> None:
+        check_range("kl_weight", self.kl_weight, 0, None)
+
+
+class MGViTHHooks(TrainHooks):
+    """``CE(D^M, y) + kl_weight * KL(D^M || D^S)`` (MG-ViT's loss at weight 1); with ``kl_weight`` 0
+    the SGIS is not run."""
+
+    def __init__(self, kl_weight: float = 1.0):
+        self.kl_weight = kl_weight
+
+    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
+             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        if self.kl_weight == 0:
+            ce = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
+            return ce, {"ce_mgis": ce.detach()}
+        s_logits, m_logits = model.forward_both(x)
+        ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
+        kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
+                      reduction="batchmean")
+        return ce + self.kl_weight * kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
+
+
+def _stage1_shape(model: PyramidVisionTransformerV2) -> tuple[int, int, int, int]:
+    """(stem stride, stage-1 spatial reduction, stage-1 width, stage-1 depth)."""
+    blk = model.stages[0].blocks[0]
+    return model.patch_embed.proj.stride[0], blk.attn.sr.kernel_size[0], blk.attn.dim, len(model.stages[0].blocks)
+
+
+def _check_pyramid(model: nn.Module) -> None:
+    from ..models import PYRAMID_NAMES
+
+    if not isinstance(model, PyramidVisionTransformerV2):
+        raise NascompressError(f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
+                               f"{type(model).__name__}; use --method mgvit for a plain ViT")
+    attn = model.stages[0].blocks[0].attn
+    if attn.pool is not None or attn.sr is None:
+        raise NascompressError("mgvit-h needs spatial-reduction attention in stage 1 (pvt_v2_b0..b5); the linear "
+                               "variant pools its keys to a fixed grid, which has no coarse cells")
+
+
+def default_mg_heads(dim: int) -> int:
+    """The paper's H_MG = 8, or the largest divisor of the stage-1 width below 8."""
+    return max(h for h in range(1, PAPER_MG_HEADS + 1) if dim % h == 0)
+
+
+def sgis_size(img: int, cell: int, scale: float) -> int:
+    """The SGIS's image side: ``img * scale`` rounded down to whole coarse cells, at least one."""
+    return max(1, math.floor(img * scale / cell + 1e-9)) * cell
+
+
+def resolve_config(cfg: MGViTHConfig, model: PyramidVisionTransformerV2) -> MGViTHConfig:
+    """``cfg`` checked against ``model``, model-dependent defaults filled in."""
+    stride, sr, dim, depth = _stage1_shape(model)
+    cell = stride * sr
+    h, w = model.nc_img_size
+    if h != w or h % cell:
+        raise NascompressError(f"image size {h}x{w} cannot be split into mgvit-h's coarse grid of {cell} px cells "
+                               f"(stem stride {stride} x stage-1 spatial reduction {sr}): use a square image whose "
+                               f"side is a multiple of {cell} (e.g. {max(cell, h // cell * cell)})")
+    if cfg.variant == "r" and depth < 2:
+        raise NascompressError(f"variant r replaces one of stage 1's {depth} layer(s) and needs one before the MG "
+                               "layer to rank the cells; use variant a")
+    heads = default_mg_heads(dim) if cfg.mg_heads is None else cfg.mg_heads
+    if dim % heads:
+        raise NascompressError(f"mg_heads {heads} does not divide stage 1's width {dim}")
+    ratio = model.stages[0].blocks[0].mlp.fc1.out_features / dim if cfg.mg_mlp_ratio is None else cfg.mg_mlp_ratio
+    return cfg.replace(mg_heads=heads, mg_mlp_ratio=float(ratio))
+
+
+class RankingAttention(PvtAttention):
+    """PVT v2's spatial-reduction attention, computed explicitly so that it records the mean
+    attention each reduced key (coarse cell) receives, ``received`` (B, M): the ranking score."""
+
+    def forward(self, x: torch.Tensor, feat_size: list[int]) -> torch.Tensor:
+        B, N, C = x.shape
+        H, W = feat_size
+        q = self.q(x).reshape(B, N, self.num_heads, -1).permute(0, 2, 1, 3)
+        r = self.sr(x.permute(0, 2, 1).reshape(B, C, H, W)).reshape(B, C, -1).permute(0, 2, 1)
+        k, v = self.kv(self.norm(r)).reshape(B, -1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = ((q * self.scale) @ k.transpose(-2, -1)).softmax(-1)
+        self.received = attn.mean((1, 2))
+        x = (self.attn_drop(attn) @ v).transpose(1, 2).reshape(B, N, C)
+        return self.proj_drop(self.proj(x))
+
+
+class SubEmbed(nn.Module):
+    """The stem convolution on the crops of the selected cells (parameter free: it is given the
+    stem's weights, so the FLOP counter sees exactly the crops it embeds)."""
+
+    def forward(self, crops: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                stride: int) -> torch.Tensor:
+        return F.conv2d(crops, weight, bias, stride=stride)
+
+    def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
+        w = inputs[1]
+        return float(output.numel() * w.shape[1] * w.shape[2] * w.shape[3])
+
+
+class MGLayer(nn.Module):
+    """The MG Transformer layer with proxy tokens (Eq. 16): a pre-norm Transformer layer over each
+    group ``[fine tokens, proxy]``; it returns the proxy's output (the only one Eq. 17 reads), so only
+    the proxy's query, attention row and MLP are computed."""
+
+    def __init__(self, dim: int, heads: int, mlp_ratio: float, qkv_bias: bool, eps: float):
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.norm1 = nn.LayerNorm(dim, eps=eps)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim, eps=eps)
+        self.mlp = Mlp(dim, hidden_features=int(round(dim * mlp_ratio)))
+
+    def forward(self, proxy: torch.Tensor, fine: torch.Tensor) -> torch.Tensor:
+        """proxy (P, 1, C), fine (P, k, C) -> the proxy's output (P, 1, C)."""
+        P, k, C = fine.shape
+        h = self.norm1(torch.cat([fine, proxy], 1))
+        q = self.q(h[:, -1:]).reshape(P, 1, self.num_heads, self.head_dim).transpose(1, 2)
+        kv = self.kv(h).reshape(P, k + 1, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, kv[0], kv[1]).transpose(1, 2).reshape(P, 1, C)
+        x = proxy + self.proj(a)
+        return x + self.mlp(self.norm2(x))
+
+    def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
+        P, k, C = inputs[1].shape
+        return float(P * (k + 1) * 2 * C)  # one query row over k + 1 keys: QK^T and AV
+
+
+class MGPVT(PyramidVisionTransformerV2):
+    """A timm PVT v2 with Hierarchical MG-ViT's MG layer, ranking and early exit (module doc)."""
+
+    mg: dict[str, Any]
+    compile_note = ("Hierarchical MG-ViT is timed eager only: the cells it splits, and with early exit the images "
+                    "that run the MG pass, depend on the input (no static graph)")
+
+    # ---- the two passes --------------------------------------------------------------------
+    def _stage1(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """Stem and stage 1's layers: tokens (B, N, C), the ranking (B, cells), the grid (H, W)."""
+        t = self.patch_embed(x)
+        B, H, W, C = t.shape
+        t = t.reshape(B, H * W, C)
+        score = None
+        for layer, blk in enumerate(self.stages[0].blocks, 1):
+            t = blk(t, (H, W))
+            received = blk.attn.__dict__.pop("received")  # read once: no tensor (or graph) stays on the module
+            score = casr_update(score, received, layer=layer, start=self.mg["casr_start"], lam=self.mg["lam"])
+        return t, score, (H, W)
+
+    def _stages(self, t: torch.Tensor, hw: tuple[int, int], upto: int | None = None) -> list[torch.Tensor]:
+        """Stage 1's norm and stages 2.. on stage-1 tokens: the feature maps (NCHW), up to stage ``upto``."""
+        B, _, C = t.shape
+        x = self.stages[0].norm(t).reshape(B, hw[0], hw[1], C).permute(0, 3, 1, 2).contiguous()
+        feats = [x]
+        last = len(self.stages) - 1 if upto is None else upto
+        for st in self.stages[1:last + 1]:
+            x = st(x)
+            feats.append(x)
+        return feats
+
+    def _sub_tokens(self, x: torch.Tensor, idx: torch.Tensor, s: int, g: int, r: int) -> torch.Tensor:
+        """Fine (s = 3) or medium (s = 2) tokens of cells ``idx`` (B, n): (B * n * r * r, s * s, C),
+        the s x s sub-tokens of each stage-1 token consecutive (row-major)."""
+        pe = self.patch_embed
+        k, st, p = pe.proj.kernel_size[0], pe.proj.stride[0], pe.proj.padding[0]
+        B, n = idx.shape
+        side = x.shape[-1] * s // g  # a cell's side in the resampled image
+        xs = F.pad(resample_image(x, x.shape[-1] * s), (p, p, p, p))
+        crop = side + k - st  # the stem windows of the cell's s r x s r tokens
+        v = xs.unfold(2, crop, side).unfold(3, crop, side)  # (B, Cin, g, g, crop, crop), a view
+        crops = v[torch.arange(B, device=x.device)[:, None], :, idx // g, idx % g]  # (B, n, Cin, crop, crop)
+        emb = self.mg_embed(crops.flatten(0, 1), pe.proj.weight, pe.proj.bias, st)  # (B n, C, s r, s r)
+        emb = pe.norm(emb.permute(0, 2, 3, 1))
+        C = emb.shape[-1]
+        return emb.reshape(B * n, r, s, r, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * n * r * r, s * s, C)
+
+    def _mg(self, x: torch.Tensor, t: torch.Tensor, score: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
+        """Eq. 17: the stage-1 tokens with the proxies' outputs in the head and middle cells."""
+        H, W = hw
+        B, _, C = t.shape
+        r = self.mg["cell_tokens"]
+        g = H // r
+        cells = t.reshape(B, g, r, g, r, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, r * r, C)
+        head, mid, _ = split_groups(score, self.mg["r_h"], self.mg["r_t"])
+        out = cells
+        for idx, s, pos in ((head, HEAD_SPLIT, self.mg_pos_head), (mid, MIDDLE_SPLIT, self.mg_pos_middle)):
+            n = idx.shape[1]
+            if n == 0:
+                continue
+            where = idx[..., None, None].expand(-1, -1, r * r, C)
+            fine = self._sub_tokens(x, idx, s, g, r) + pos
+            proxy = cells.gather(1, where).reshape(B * n * r * r, 1, C)
+            out = out.scatter(1, where, self.mg_layer(proxy, fine).reshape(B, n, r * r, C))
+        return out.reshape(B, g, g, r, r, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H * W, C)
+
+    def _mgis_features(self, x: torch.Tensor, upto: int | None = None) -> list[torch.Tensor]:
+        t, score, hw = self._stage1(x)
+        return self._stages(self._mg(x, t, score, hw), hw, upto)
+
+    def _sgis(self, x: torch.Tensor) -> torch.Tensor:
+        """SGIS logits: the network without the MG layer on the image at ``sgis_size``."""
+        t, _, hw = self._stage1(resample_image(x, self.mg["sgis_size"]))
+        return self.forward_head(self._stages(t, hw)[-1])
+
+    # ---- timm's interfaces -------------------------------------------------------------------
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's map (B, C4, H/32, W/32) of the MG pass (no early exit)."""
+        return self._mgis_features(x)[-1]
+
+    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW",
+                              intermediates_only: bool = False) -> Any:
+        """timm's convention (NCHW stage maps; ``indices`` as timm): the MG pass's stage outputs, a list
+        (``intermediates_only``) or (last map, list)."""
+        if output_fmt != "NCHW":
+            raise NascompressError(f"mgvit-h gives NCHW feature maps, got output_fmt={output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.stages), indices)
+        feats = self._mgis_features(x, upto=max_index if stop_early or intermediates_only else None)
+        inter = [feats[i] for i in take]
+        if intermediates_only:
+            return inter
+        return feats[-1], inter
+
+    def forward_both(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(SGIS logits, MG-pass logits) for every image (training: every image through both)."""
+        return self._sgis(x), self.forward_head(self.forward_features(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits: the SGIS, then the MG pass for the images whose top SGIS probability <= epsilon
+        (with epsilon = 1, the MG pass alone). In training mode: the MG pass."""
+        if self.training:
+            return self.forward_head(self.forward_features(x))
+        force = getattr(self, "_mg_force", None)
+        if force == "sgis":
+            return self._sgis(x)
+        if force == "mgis" or (force is None and self.mg["epsilon"] >= 1):
+            out = self.forward_head(self.forward_features(x))
+            idx_n = x.shape[0]
+        else:
+            s_logits = self._sgis(x)
+            idx = (s_logits.softmax(-1).amax(-1) <= self.mg["epsilon"]).nonzero().squeeze(1)
+            out = s_logits.clone()
+            if idx.numel():
+                out[idx] = self.forward_head(self.forward_features(x[idx])).to(out.dtype)
+            idx_n = idx.numel()
+        if force is None:
+            st = self.__dict__.setdefault("_mg_stats", {"n": 0, "exit": 0})
+            st["n"] += x.shape[0]
+            st["exit"] += x.shape[0] - idx_n
+        return out
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def stage_flops(self) -> dict[str, float]:
+        """Per-image MACs of the SGIS and of the MG pass (each alone; the MG layer, sub-token
+        embeddings and ranking included; the number of split cells is fixed, so they are input
+        independent). An exiting image costs the SGIS, another both (or the MG pass alone at
+        epsilon = 1, where no SGIS runs)."""
+        cache = self.__dict__.get("_mg_flops")
+        if cache is None:
+            from ..profiling.flops import count_flops
+
+            p = next(self.parameters())
+            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.nc_img_size, device=p.device, dtype=p.dtype)
+            cache = {}
+            for mode in ("sgis", "mgis"):
+                self._mg_force = mode
+                try:
+                    cache[f"{mode}_flops"] = count_flops(self, x).total
+                finally:
+                    self._mg_force = None
+            self.__dict__["_mg_flops"] = cache
+        return dict(cache)
+
+    def mean_flops(self, exit_share: float, epsilon: float | None = None) -> float:
+        """Mean MACs per image when ``exit_share`` of the images exit at the SGIS."""
+        f = self.stage_flops()
+        eps = self.mg["epsilon"] if epsilon is None else epsilon
+        return f["mgis_flops"] if eps >= 1 else f["sgis_flops"] + (1 - exit_share) * f["mgis_flops"]
+
+    def reset_inference_stats(self) -> None:
+        self.__dict__["_mg_stats"] = {"n": 0, "exit": 0}
+
+    def inference_stats(self) -> dict[str, float]:
+        """Share of images that exited at the SGIS since the last reset, and the mean MACs per image."""
+        st = self.__dict__.get("_mg_stats", {"n": 0, "exit": 0})
+        share = st["exit"] / max(st["n"], 1)
+        mean = self.mean_flops(share)
+        return {"epsilon": self.mg["epsilon"], "exit_share": share, "mean_flops": mean, "mean_gflops": mean / 1e9,
+                **self.stage_flops()}
+
+
+def _build(model: PyramidVisionTransformerV2, c: MGViTHConfig) -> MGPVT:
+    """Turn a dense PVT v2 into an :class:`MGPVT` (the MG layer at its default init)."""
+    stride, sr, dim, _ = _stage1_shape(model)
+    blocks = model.stages[0].blocks
+    if c.variant == "r":
+        del blocks[len(blocks) - 1]
+    for b in blocks:
+        b.attn.__class__ = RankingAttention
+    ref = blocks[0]
+    dev = model.patch_embed.proj.weight.device
+    model.mg_layer = MGLayer(dim, c.mg_heads, c.mg_mlp_ratio, qkv_bias=ref.attn.q.bias is not None,
+                             eps=getattr(ref.norm1, "eps", 1e-6)).to(dev)
+    model.mg_embed = SubEmbed()
+    model.mg_pos_head = nn.Parameter(torch.zeros(HEAD_SPLIT ** 2, dim, device=dev))
+    model.mg_pos_middle = nn.Parameter(torch.zeros(MIDDLE_SPLIT ** 2, dim, device=dev))
+    model.__class__ = MGPVT
+    cell = stride * sr
+    model.mg = dict(c.to_dict(), cell_tokens=sr, cell_px=cell, grid=model.nc_img_size[0] // cell,
+                    sgis_size=sgis_size(model.nc_img_size[0], cell, c.sgis_scale))
+    return model
+
+
+@torch.no_grad()
+def init_mg_layer(layer: MGLayer, block: nn.Module, *, zero_out: bool) -> None:
+    """Start the MG layer from a stage-1 layer of the dense run: norms, q, kv, fc1 (and, with
+    ``zero_out`` False, proj and fc2) copied; with ``zero_out`` the two output projections start at
+    zero, so the proxy's output is the token itself (-A then computes the dense model)."""
+    layer.norm1.load_state_dict(block.norm1.state_dict())
+    layer.norm2.load_state_dict(block.norm2.state_dict())
+    layer.q.load_state_dict(block.attn.q.state_dict())
+    layer.kv.load_state_dict(block.attn.kv.state_dict())
+    if layer.mlp.fc1.weight.shape == block.mlp.fc1.weight.shape:
+        layer.mlp.fc1.load_state_dict(block.mlp.fc1.state_dict())
+        if not zero_out:
+            layer.mlp.fc2.load_state_dict(block.mlp.fc2.state_dict())
+    if zero_out:
+        for lin in (layer.proj, layer.mlp.fc2):
+            lin.weight.zero_()
+            lin.bias.zero_()
+    else:
+        layer.proj.load_state_dict(block.attn.proj.state_dict())
+
+
+@register_method
+class MGViTHMethod(Method):
+    name = "mgvit-h"
+    summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004)"
+    config_cls = MGViTHConfig
+    recipe_cls = MGViTHRecipe
+    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    stacks_on = frozenset()
+    off_config = {"variant": "a", "r_h": 0.0, "r_t": 1.0, "epsilon": 1.0}
+    paper_config = {}
+
+    def resolve(self, model: nn.Module, cfg: MGViTHConfig) -> MGViTHConfig:
+        _check_pyramid(model)
+        return resolve_config(cfg, model)
+
+    def patch(self, model: nn.Module, cfg: MGViTHConfig, record: dict[str, Any]) -> nn.Module:
+        return _build(model, cfg)
+
+    def prepare(self, model: nn.Module, cfg: MGViTHConfig, recipe: MGViTHRecipe | None):
+        """From the dense run: its weights kept, the MG layer started from stage 1's last layer."""
+        source = copy.deepcopy(model.stages[0].blocks[-1])
+        record = self.make_record(cfg, recipe)
+        model = _build(model, cfg)
+        init_mg_layer(model.mg_layer, source, zero_out=cfg.variant == "a")
+        n = model.mg["grid"] ** 2
+        n_h, n_m, n_t = split_counts(n, cfg.r_h, cfg.r_t)
+        r2 = model.mg["cell_tokens"] ** 2
+        record.update(coarse_grid=model.mg["grid"], cells_split=[n_h, n_m, n_t], sgis_size=model.mg["sgis_size"],
+                      mg_group_tokens=r2 * (n_h * (HEAD_SPLIT ** 2 + 1) + n_m * (MIDDLE_SPLIT ** 2 + 1)))
+        return model, record
+
+    def hooks(self, model, record, *, teacher, train_cfg):
+        return MGViTHHooks(MGViTHRecipe.from_dict(record.get("recipe") or {}, what="mgvit-h recipe").kl_weight)
+
+
+__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed",
+           "RankingAttention", "init_mg_layer",
+           "resolve_config", "default_mg_heads", "sgis_size"]
