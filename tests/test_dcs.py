@@ -561,3 +561,37 @@ def test_search_records_its_init_and_refuses_a_bad_one(tiny_run, tmp_path):
     res = run_cli(*search_args(tiny_run, out, "--init-importance", "weight", "--epochs", 1))
     assert res.exit_code == 0, res.output
     assert json.loads((out / "metrics.json").read_text())["init"] == "weight"
+
+
+def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
+    """--w-gates hard: a weight step's forward is the aligned architecture the search would materialize
+    (no Gumbel noise: the same output twice, equal to inference); an architecture step samples."""
+    from types import SimpleNamespace
+
+    from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks, StepTag
+
+    torch.manual_seed(0)
+    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates="hidden"))
+    with torch.no_grad():
+        for blk in sup.blocks:  # gates at the threshold: a Gumbel sample flips about half of them
+            blk.dcs_alpha.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():
+        ref = sup.eval()(x)
+    params = list(sup.parameters())
+    for w_gates, sampled in (("hard", False), ("sampled", True)):
+        stub = SimpleNamespace(cfg=DCSSearchConfig(w_gates=w_gates), w_params=params, arch_params=[])
+        DCSSearchHooks.prepare_step(stub, sup, StepTag("w"))
+        sup.train()
+        with torch.no_grad():
+            a, b = sup(x), sup(x)
+        assert sup.dcs_state.sample is sampled
+        if sampled:
+            assert not torch.allclose(a, b)
+        else:
+            torch.testing.assert_close(a, b)
+            torch.testing.assert_close(a, ref)
+        DCSSearchHooks.prepare_step(stub, sup, StepTag("a"))
+        assert sup.dcs_state.sample  # architecture steps always sample
+    with pytest.raises(NascompressError, match="--w-gates"):
+        DCSSearchConfig(w_gates="soft")
