@@ -52,22 +52,17 @@ class Cell(pretrained.Bench):
         self.dense = self.runs / "dense"
         self.data = DataConfig(dataset=dataset, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed)
 
-    def save(self) -> None:
-        import fcntl
+    def merge(self, disk: dict[str, Any]) -> None:
+        """Units under ``dataset/base`` -> ``seedN`` (merged, not replaced)."""
+        for k, v in self.full.items():
+            if isinstance(v, dict) and isinstance(disk.get(k), dict) and "/" in k:
+                for seed, units in v.items():
+                    disk[k].setdefault(seed, {}).update(units)
+            else:
+                disk[k] = v
 
-        lock = self.out.with_name(self.out.name + ".lock")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock, "w") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            disk = json.loads(self.out.read_text()) if self.out.is_file() else {}
-            for k, v in self.full.items():
-                if isinstance(v, dict) and isinstance(disk.get(k), dict) and "/" in k:
-                    for seed, units in v.items():
-                        disk[k].setdefault(seed, {}).update(units)
-                else:
-                    disk[k] = v
-            disk["summary"] = summarize(disk, self.a.targets)
-            save(self.out, disk)
+    def summarize(self, disk: dict[str, Any]) -> dict[str, Any]:
+        return summarize(disk, self.a.targets)
 
     def ensure_dense(self) -> None:
         if self.base_kind == "dinov2":

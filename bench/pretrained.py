@@ -96,13 +96,20 @@ class Bench:
         with open(lock, "w") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             disk = json.loads(self.out.read_text()) if self.out.is_file() else {}
-            for k, v in self.full.items():
-                if k.startswith("seed") and isinstance(disk.get(k), dict):
-                    disk[k].update(v)
-                else:
-                    disk[k] = v
-            disk["summary"] = summarize(disk, self.a.summary_targets)
+            self.merge(disk)
+            disk["summary"] = self.summarize(disk)
             save(self.out, disk)
+
+    def merge(self, disk: dict[str, Any]) -> None:
+        """This process's units into the JSON read from disk (the seeds' units are merged, not replaced)."""
+        for k, v in self.full.items():
+            if k.startswith("seed") and isinstance(disk.get(k), dict):
+                disk[k].update(v)
+            else:
+                disk[k] = v
+
+    def summarize(self, disk: dict[str, Any]) -> dict[str, Any]:
+        return summarize(disk, self.a.summary_targets)
 
     def ensure_dense(self) -> None:
         if not done(self.dense):
