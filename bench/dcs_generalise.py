@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import header  # noqa: E402  (puts the repository on sys.path)
 import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
