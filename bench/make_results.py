@@ -22,6 +22,7 @@ DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 TABLE_START, TABLE_END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 INT8_START, INT8_END = "<!-- int8-table:start -->", "<!-- int8-table:end -->"
+DCSGEN_START, DCSGEN_END = "<!-- dcs-generalise:start -->", "<!-- dcs-generalise:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
 FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
@@ -349,6 +350,27 @@ def int8_table(data: dict[str, Any]) -> list[str]:
                   "ORT fp32 / int8 vs dense PyTorch fp32, large batch", "same, b1", "large batch"], rows)[:-1]
 
 
+def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
+    """The README's DCS table (``dcs_generalise.json``'s summary): one row per dataset, base, seed and
+    target; test top-1, the searched model before retraining, the peers after the same retraining,
+    the search's budget record and how many of the issue's goals the cell meets."""
+    summ = (data.get("dcs_generalise.json") or {}).get("summary") or {}
+    rows = []
+    for cell, c in summ.items():
+        where, _, target = cell.rpartition("@")
+        goals = c.get("goals") or {}
+        missed = [g for g, ok in goals.items() if not ok]
+        rows.append([where.replace("/", " / "), f"{float(target):.1f}x", fmt(c.get("dense")), fmt(c.get("dense_ft")),
+                     fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
+                     fmt(c.get("search_flops_ratio")), fmt(c.get("at_target_share")), fmt(c.get("calibration_move")),
+                     f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")])
+    if not rows:
+        return []
+    return table(["dataset / base / seed", "target", "dense", "dense retrained", "searched (before retraining)",
+                  "DCS retrained", "uniform retrained", "Torch-Pruning retrained", "search FLOPs", "at target share",
+                  "calibration move", "goals met"], rows)[:-1]
+
+
 # --------------------------------------------------------------------------------------------- the document
 def render(data: dict[str, Any]) -> str:
     fams: dict[str, list[str]] = {}
@@ -392,7 +414,8 @@ def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
 
 def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, TABLE_START, TABLE_END, readme_table(data))
-    return _fill(readme, INT8_START, INT8_END, int8_table(data))
+    readme = _fill(readme, INT8_START, INT8_END, int8_table(data))
+    return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
 
 def read_all() -> dict[str, Any]:
