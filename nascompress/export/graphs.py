@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import NascompressError
 
-EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit")
+EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "tome")
 
 
 @dataclass
