@@ -168,3 +168,28 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     r = invoke("finetune", tiny_run, "--method", "tome", "--r", "-3", "--out", tmp_path / "bad")
     assert r.exit_code == 1 and "r must be a whole number of tokens >= 0" in r.output
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_shipped_spaces_apply_their_methods_in_an_allowed_order():
+    """Every configuration of the shipped spaces that offer ToMe is a stack the registry allows
+    (joint.yaml listed Sparsifiner after the token methods, which Sparsifiner refuses)."""
+    import os
+
+    import optuna
+
+    from nascompress.search.space import load_space
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "search_spaces")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    for name in ("joint.yaml", "tome.yaml"):
+        space = load_space(os.path.join(root, name))
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        seen = set()
+        for _ in range(40):
+            trial = study.ask()
+            names = [r["name"] for r in space.suggest(trial)]
+            study.tell(trial, 0.0)
+            seen.add(tuple(names))
+            for i, n in enumerate(names):
+                assert set(names[:i]) <= get_method(n).stacks_on, names
+        assert any("tome" in s for s in seen)

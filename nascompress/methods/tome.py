@@ -266,7 +266,7 @@ class ToMe(Method):
     config_cls = ToMeConfig
     recipe_cls = ToMeRecipe
     train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
-    stacks_on = frozenset({"dcs", "uniform"})
+    stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
     off_config = {"r": 0}
     paper_config = {"r": 13}  # the paper's ViT-S/16 at 224 px (1.6x throughput without training)
 
