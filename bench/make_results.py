@@ -32,6 +32,9 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "dcs": ("DCS channel search", "`bench/dcs.py` (search, materialize, against uniform pruning), "
             "`bench/dcs_init_order.py` (which importance orders the gates), `bench/dcs_gather.py`."),
     "search": ("The Optuna outer search", "`bench/search.py`: Pareto front against a grid, workers, the pretrained ViT."),
+    "samplers": ("Samplers", "`bench/samplers.py`: each `--sampler` per base, space and seed: hypervolume of the "
+                 "accuracy x FLOPs front and the best top-1 under 0.6x FLOPs after 10/20/30/50 trials."),
+    "tome": ("ToMe", "`bench/tome.py`: ToMe zero-shot per r against EViT at the same FLOPs, and its CPU speed-up."),
     "token": ("EViT and DynamicViT", "`bench/token_pruning.py`: DeiT-S FLOPs and throughput, Fashion-MNIST accuracy."),
     "sparsifiner": ("Sparsifiner", "`bench/sparsifiner.py`: attention speed against dense SDPA, Fashion-MNIST accuracy."),
     "mgvit": ("MG-ViT", "`bench/mgvit.py`: DeiT-S FLOPs and the two-stage model on 56 px Fashion-MNIST."),

@@ -197,7 +197,10 @@ def main() -> None:
         "trials": a.trials, "budgets": a.budgets, "seeds": seeds, "samplers": samplers, "eval_images": a.eval_images,
         "train_images": a.train_images, "calib_steps": a.calib_steps, "goal_flops": a.goal, "hv_floor": a.hv_floor,
         "hv_reference_flops_ratio": 1.0, "job_seed": a.job_seed,
-        "bases": {k: v for k, v in bases.items()}}, "results": {}}
+        "bases": {k: v for k, v in bases.items()},
+        "made_base": None if not a.make_base else {"epochs": a.base_epochs, "train_images": a.base_train_images,
+                                                    "arch": "custom ViT 28 px, patch 4, width 96, depth 6, 3 heads"}},
+        "results": {}}
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="nascompress-samplers-") as tmp:
         for bname, base in bases.items():
