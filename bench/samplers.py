@@ -193,7 +193,7 @@ def main() -> None:
     spaces = [s.strip() for s in a.spaces.split(",") if s.strip()]
     samplers = [s.strip() for s in a.samplers.split(",") if s.strip()]
     seeds = [int(s) for s in a.seeds.split(",")]
-    res: dict[str, Any] = {**header(), "settings": {
+    res: dict[str, Any] = {**header(), "complete": False, "settings": {
         "trials": a.trials, "budgets": a.budgets, "seeds": seeds, "samplers": samplers, "eval_images": a.eval_images,
         "train_images": a.train_images, "calib_steps": a.calib_steps, "goal_flops": a.goal, "hv_floor": a.hv_floor,
         "hv_reference_flops_ratio": 1.0, "job_seed": a.job_seed,
@@ -219,7 +219,9 @@ def main() -> None:
                     "space": path, "configurations_scored": len(_CACHE.get(f"{base}|{path}", {})),
                     "summary": summarize(runs, a.budgets), "runs": runs}
                 print(json.dumps(res["results"][bname][sname]["summary"], indent=1), flush=True)
-    res["wall_s"] = time.time() - t_all
+                res["wall_s"] = time.time() - t_all
+                save(a.out, relative_paths(res))  # after every space: a cut-short bench keeps what it measured
+    res["complete"] = True
     save(a.out, relative_paths(res))
 
 
