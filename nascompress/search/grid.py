@@ -12,7 +12,8 @@ yet), and keeps it in the trial's system attrs; every parameter is then answered
 The choice depends only on the study's trials, so a resumed study continues the sequence exactly
 as an uninterrupted one, and a trial taken over after its worker died keeps its point. Enqueued
 trials keep their fixed params (a point equal to one of them counts as held). Once every point is
-held, the remaining trials are random (seeded per trial by the runner).
+held, the remaining trials are random (seeded per trial by the runner). Two workers that start
+trials at the same moment may take the same point (as with Optuna's GridSampler).
 """
 from __future__ import annotations
 
