@@ -96,7 +96,7 @@ def test_flops_count_the_merged_tokens_and_the_matching():
         N = n[i]
         bias = 0 if i == 0 else N + H * N * N  # proportional attention once tokens are merged
         na, nb, out = (N + 1) // 2, N // 2, N - 8
-        match = N * H * d + 2 * N * d + na * nb * d + N * C + 8 * C + out * C
+        match = N * H * d + 2 * N * d + na * nb * d + 2 * out * N + out * N * C
         assert blk["other"] == bias + match
         assert blk["attn"] == N * C * 3 * C + 2 * H * N * N * d + N * C * C
     assert rep.total < dense.total and rep.blocks[0]["mlp"] == dense.blocks[0]["mlp"] * 57 / 65

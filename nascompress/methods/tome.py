@@ -75,29 +75,38 @@ def bipartite_soft_matching(metric: torch.Tensor, r: int, *, prefix: int = 1) ->
     return Matching(order[:, r:].sort(dim=-1).values, src, best_idx.gather(1, src))
 
 
-def merge_sum(x: torch.Tensor, m: Matching, *, prefix: int = 1) -> torch.Tensor:
-    """Sum every merged A token into its B token: x (B, N, C) -> (B, N - r, C) as
-    ``[prefix tokens, unmerged A tokens, B tokens]`` (each in its order)."""
-    B, N, C = x.shape
-    a, b = x[:, 0::2], x[:, 1::2]
-    r, nb = m.src.shape[1], b.shape[1]
-    unm = gather_tokens(a, m.unmerged)  # (B, |A| - r, C)
-    src = gather_tokens(a, m.src)  # (B, r, C)
-    flat = (m.dst + torch.arange(B, device=x.device).unsqueeze(1) * nb).reshape(-1)
-    dst = b.reshape(B * nb, C).index_add(0, flat, src.reshape(B * r, C)).view(B, nb, C)
+def merge_targets(m: Matching, n: int, *, prefix: int = 1) -> torch.Tensor:
+    """(B, n) int64: the output token each of the ``n`` input tokens goes to. The output is
+    ``[prefix tokens, unmerged A tokens, B tokens]`` (each in its order); a merged A token goes to
+    its B token."""
+    B, r = m.src.shape
+    dev = m.src.device
+    na, nb = (n + 1) // 2, n // 2
     pa, pb = (prefix + 1) // 2, prefix // 2
-    return torch.cat([x[:, :prefix], unm[:, pa:], dst[:, pb:]], dim=1)
+    keep = torch.cat([torch.arange(prefix, device=dev).expand(B, prefix), 2 * m.unmerged[:, pa:],
+                      (2 * torch.arange(pb, nb, device=dev) + 1).expand(B, nb - pb)], dim=1)  # (B, n - r)
+    target = torch.zeros(B, n, dtype=torch.long, device=dev).scatter(
+        1, keep, torch.arange(n - r, device=dev).expand(B, n - r))
+    first_b = prefix + (na - pa - r)  # where the B tokens start in the output
+    return target.scatter(1, 2 * m.src, first_b + m.dst - pb)
 
 
 def merge_wavg(x: torch.Tensor, size: torch.Tensor | None, m: Matching, *,
                prefix: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Size-weighted merge: x (B, N, C), size (B, N, 1) (None: all ones) -> (x', size') with
-    ``x' = merge_sum(x * size) / size'`` and ``size' = merge_sum(size)``."""
-    if size is None:
-        size = x.new_ones(x.shape[0], x.shape[1], 1)
-    x = merge_sum(x * size, m, prefix=prefix)
-    size = merge_sum(size, m, prefix=prefix)
-    return x / size, size
+    """Size-weighted merge: x (B, N, C), size (B, N, 1) (None: all ones) -> x' (B, N - r, C), size'.
+
+    Each output token is the size-weighted mean of the input tokens it holds: ``x' = W x`` with
+    ``W[k, t] = size[t] / size'[k]`` for the tokens t that go to k (:func:`merge_targets`), one
+    batched matmul (on the CPU the gathers, scatter-adds and divisions it replaces cost more than
+    the matmul; it exports as a plain MatMul)."""
+    B, N, _ = x.shape
+    n_out = N - m.src.shape[1]
+    target = merge_targets(m, N, prefix=prefix)
+    w = (target.unsqueeze(1) == torch.arange(n_out, device=x.device).view(1, -1, 1)).to(x.dtype)  # (B, n_out, N)
+    if size is not None:
+        w = w * size.transpose(1, 2)
+    new_size = w.sum(dim=-1, keepdim=True)  # (B, n_out, 1)
+    return (w / new_size) @ x, new_size
 
 
 def size_bias(size: torch.Tensor) -> torch.Tensor:
@@ -195,16 +204,15 @@ class ToMeMerge(nn.Module):
 
     def matmul_macs(self, inputs: tuple, output: tuple) -> float:
         """The head mean of the keys, their normalisation, the A x B similarities, and the
-        size-weighted merge (x * size, the sums, the division); whole batch."""
+        size-weighted merge (the merge matrix's weights and the (N - r) x N matmul); whole batch."""
         x, keys = inputs[0], inputs[1]
         B, N, C = x.shape
         n_out = output[0].shape[1]
-        r = N - n_out
-        if r <= 0:
+        if n_out >= N:
             return 0.0
         H, d = keys.shape[1], keys.shape[-1]
         na, nb = (N + 1) // 2, N // 2
-        return float(B * (N * H * d + 2 * N * d + na * nb * d + N * C + r * C + n_out * C))
+        return float(B * (N * H * d + 2 * N * d + na * nb * d + 2 * n_out * N + n_out * N * C))
 
 
 class ToMeBias(nn.Module):
@@ -321,4 +329,4 @@ class ToMeHooks(TrainHooks):
 
 
 __all__ = ["ToMe", "ToMeConfig", "ToMeRecipe", "ToMeState", "ToMeBlock", "ToMeMerge", "ToMeBias", "Matching",
-           "bipartite_soft_matching", "merge_sum", "merge_wavg", "size_bias", "token_counts"]
+           "bipartite_soft_matching", "merge_targets", "merge_wavg", "size_bias", "token_counts"]
