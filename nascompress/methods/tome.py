@@ -99,7 +99,7 @@ def merge_wavg(x: torch.Tensor, size: torch.Tensor | None, m: Matching, *,
     ``W[k, t] = size[t] / size'[k]`` for the tokens t that go to k (:func:`merge_targets`), one
     batched matmul (on the CPU the gathers, scatter-adds and divisions it replaces cost more than
     the matmul; it exports as a plain MatMul). Its cost, (N - r) N C per image, is counted: about
-    1.4% of a ViT-S block at 65 tokens, 4% at 197; at many hundreds of tokens it grows past what a
+    1.3% of a ViT-S block at 65 tokens, 4% at 197; at many hundreds of tokens it grows past what a
     gather-based merge would cost."""
     B, N, _ = x.shape
     n_out = N - m.src.shape[1]
