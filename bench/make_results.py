@@ -34,6 +34,9 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "dcs": ("DCS channel search", "`bench/dcs.py` (search, materialize, against uniform pruning), "
             "`bench/dcs_init_order.py` (which importance orders the gates), `bench/dcs_gather.py`."),
     "search": ("The Optuna outer search", "`bench/search.py`: Pareto front against a grid, workers, the pretrained ViT."),
+    "samplers": ("Samplers", "`bench/samplers.py`: each `--sampler` per base, space and seed: hypervolume of the "
+                 "accuracy x FLOPs front and the best top-1 under 0.6x FLOPs after 10/20/30/50 trials."),
+    "tome": ("ToMe", "`bench/tome.py`: ToMe zero-shot per r against EViT at the same FLOPs, and its CPU speed-up."),
     "token": ("EViT and DynamicViT", "`bench/token_pruning.py`: DeiT-S FLOPs and throughput, Fashion-MNIST accuracy."),
     "sparsifiner": ("Sparsifiner", "`bench/sparsifiner.py`: attention speed against dense SDPA, Fashion-MNIST accuracy."),
     "mgvit": ("MG-ViT", "`bench/mgvit.py`: DeiT-S FLOPs and the two-stage model on 56 px Fashion-MNIST."),
@@ -262,8 +265,33 @@ def pretrained_summary(data: dict[str, Any]) -> list[str]:
         ["method", "FLOPs vs dense", "start val / test", "final val / test", "throughput b64", "latency b1", "JSON"], rows)
 
 
+def samplers_summary(data: dict[str, Any]) -> list[str]:
+    """One row per file, base, space and sampler: mean hypervolume and best top-1 under the goal per budget."""
+    rows, budgets = [], []
+    for name in sorted(n for n in data if family(n) == "samplers"):
+        d = data[name]
+        budgets = sorted(set(budgets) | set(d["settings"]["budgets"]))
+        for base, spaces in d["results"].items():
+            for space, res in spaces.items():
+                summ = res["summary"]
+                for sampler, per in summ["mean"].items():
+                    if "refused" in per:
+                        rows.append([f"`{name}`", base, space, sampler, "refused", "", ""])
+                        continue
+                    hv = " / ".join(fmt(per[str(b)]["hypervolume"]) if str(b) in per else "-" for b in budgets)
+                    best = " / ".join(fmt(per[str(b)]["best_under_goal"]) if str(b) in per else "-" for b in budgets)
+                    goal = summ["reaches_99pct_of_best_within_30_on_every_seed"].get(sampler)
+                    best30 = summ.get("best_at_30") or []
+                    rows.append([f"`{name}`", base, space, sampler + (" (best at 30)" if sampler in best30 else ""),
+                                 hv, best,
+                                 "-" if goal is None else ("yes" if goal else "no")])
+    head = ["file", "base", "space", "sampler", f"hypervolume at {'/'.join(map(str, budgets))} trials (mean of seeds)",
+            "best top-1 under the goal", ">= 99% of the best within 30, every seed"]
+    return table(head, rows) + [""]
+
+
 SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "pipeline": pipeline_summary, "pretrained": pretrained_summary}
+    "pipeline": pipeline_summary, "pretrained": pretrained_summary, "samplers": samplers_summary}
 
 
 METHOD_NAMES = {"dcs": "DCS", "evit": "EViT", "dynamicvit": "DynamicViT", "sparsifiner": "Sparsifiner", "mgvit": "MG-ViT"}

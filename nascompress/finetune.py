@@ -66,7 +66,7 @@ class FinetuneJob(Config):
 
     Args:
         run_dir: the nascompress run to start from (dense, imported or DCS-materialized); also the teacher.
-        method: a registered method name (evit, dynamicvit, sparsifiner, mgvit, mgvit-h).
+        method: a registered method name (evit, dynamicvit, sparsifiner, mgvit, mgvit-h, tome).
         config / recipe: the method's settings and its recipe settings (validated by the method).
         data: the dataset (default: the run's).
         train: optimisation (default: :func:`finetune_train_config`).

@@ -27,7 +27,8 @@ from torch import nn
 from .errors import NascompressError
 
 _HOOKS = {"qk_dim": None, "qk_counts": None, "qk_layout": "auto", "qk_mask": None, "kernel": None,
-          "record_cls": False, "record_values": False, "values": None, "_cls_inputs": None}
+          "record_cls": False, "record_values": False, "values": None, "_cls_inputs": None,
+          "record_keys": False, "keys": None}
 
 # ---------------------------------------------------------------------------------------------
 # The Q/K layout of a head whose Q/K keep fewer channels than V (DCS, uniform pruning)
@@ -154,6 +155,8 @@ class NCAttention(Attention):
           class-token attention row as computed (masks included), for EViT and MG-ViT; O(N d) and
           only when asked for, so the fused kernel is kept and an unused row costs nothing.
         - ``record_values``: keep ``values`` (B, H, N, d_v) (MG-ViT's PPSM).
+        - ``record_keys``: keep ``keys`` (B, H, N, d_qk) as computed (norm and masks applied), ToMe's
+          matching metric.
         - the softmax scale is always the original ``head_dim ** -0.5``.
     """
 
@@ -181,6 +184,8 @@ class NCAttention(Attention):
             self._cls_inputs = (q[:, :, :1], k, None if attn_mask is None else attn_mask[..., :1, :])
         if self.record_values:
             self.values = v
+        if self.record_keys:
+            self.keys = k
         if self.qk_dim is not None and self.kernel is None and self.fused_attn and self.pads_qk(x):
             pad = (0, self.head_dim - self.qk_dim)
             q, k = F.pad(q, pad), F.pad(k, pad)

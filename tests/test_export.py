@@ -32,7 +32,7 @@ SPEC = custom_vit_spec(img_size=28, patch_size=4, embed_dim=16, depth=2, num_hea
 INPUT = {"img_size": [28, 28], "in_chans": 1, "mean": [0.286], "std": [0.353], "interpolation": "bilinear",
          "crop_pct": 1.0, "crop_mode": "center"}
 SETTINGS = {"uniform": {"keep": 0.5}, "evit": {"keep_rate": 0.5}, "dynamicvit": {"rho": 0.5},
-            "sparsifiner": {"attn_keep_ratio": 0.25, "mode": "block"}, "mgvit": {"epsilon": 0.5}}
+            "sparsifiner": {"attn_keep_ratio": 0.25, "mode": "block"}, "mgvit": {"epsilon": 0.5}, "tome": {"r": 6}}
 
 
 def allowed_stacks() -> list[tuple[str, ...]]:
@@ -142,7 +142,7 @@ def test_stack_exports_to_onnx_and_matches(exports, stack):
     import onnx
 
     ops = {n.op_type for n in onnx.load(str(out)).graph.node}
-    if {"evit", "dynamicvit", "sparsifiner"} & set(stack):  # per-image selection is in the graph, not folded
+    if {"evit", "dynamicvit", "sparsifiner", "tome"} & set(stack):  # per-image selection is in the graph, not folded
         assert "TopK" in ops, ops
     if stack == ("dcs",):  # channels gathered, written back by a gather (no ScatterND: not in fp16 on ORT's CPU)
         assert "Gather" in ops and "ScatterND" not in ops, ops

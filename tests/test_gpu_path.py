@@ -71,7 +71,7 @@ def test_cli_evaluate_and_profile_in_bf16(tiny_run):
 
 @pytest.mark.parametrize("name,cfg", [("evit", {"keep_rate": 0.5}), ("dynamicvit", {"rho": 0.5}),
                                       ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block"}),
-                                      ("uniform", {"keep": 0.5}), ("mgvit", {"epsilon": 0.5})])
+                                      ("uniform", {"keep": 0.5}), ("mgvit", {"epsilon": 0.5}), ("tome", {"r": 6})])
 def test_every_method_runs_in_bf16(name, cfg):
     model, _ = get_method(name).prepare_fresh(vit(img=28), cfg)
     x = torch.randn(3, 1, 28, 28)
@@ -200,7 +200,8 @@ def _no_item():
 
 @pytest.mark.parametrize("name,cfg,recipe", [
     ("evit", {"keep_rate": 0.5}, {"distill": 0.5}), ("dynamicvit", {"rho": 0.5}, {}),
-    ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}, {"stage1_epochs": 1}), ("mgvit", {}, {})])
+    ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}, {"stage1_epochs": 1}), ("mgvit", {}, {}),
+    ("tome", {"r": 6}, {"distill": 0.5})])
 def test_method_losses_leave_their_logs_on_the_device(name, cfg, recipe):
     teacher = vit(img=28).requires_grad_(False)
     method = get_method(name)
@@ -283,7 +284,7 @@ def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, t
                                       ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}),
                                       ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block",
                                                        "block_size": 16}),
-                                      ("uniform", {"keep": 0.5})])
+                                      ("uniform", {"keep": 0.5}), ("tome", {"r": 6})])
 def test_token_and_channel_methods_trace_to_one_static_graph(name, cfg):
     from torch._dynamo.utils import counters
 

@@ -25,7 +25,8 @@ DISTILLED = "deit_tiny_distilled_patch16_224"  # class + distillation token
 
 @pytest.mark.parametrize("kind", ["registers", "distilled"])
 @pytest.mark.parametrize("method,off,on", [("evit", {"keep_rate": 1.0}, {"keep_rate": 0.5, "prune_layers": [2, 3]}),
-                                           ("dynamicvit", {"rho": 1.0}, {"rho": 0.5, "prune_layers": [2, 3]})])
+                                           ("dynamicvit", {"rho": 1.0}, {"rho": 0.5, "prune_layers": [2, 3]}),
+                                           ("tome", {"r": 0}, {"r": 6, "merge_layers": [2, 3]})])
 def test_token_pruning_keeps_every_prefix_token(kind, method, off, on):
     dense = model(**REGISTERS) if kind == "registers" else model(DISTILLED)
     p = dense.num_prefix_tokens
@@ -53,7 +54,7 @@ def test_token_pruning_keeps_every_prefix_token(kind, method, off, on):
     torch.testing.assert_close(pruned_in[0][:, :p], ref[0][:, :p])
 
 
-@pytest.mark.parametrize("method", ["evit", "dynamicvit"])
+@pytest.mark.parametrize("method", ["evit", "dynamicvit", "tome"])
 def test_token_pruning_refuses_models_without_a_class_token_head(method):
     with pytest.raises(NascompressError, match="no class token"):
         get_method(method).prepare_fresh(model(class_token=False, global_pool="avg"), {})

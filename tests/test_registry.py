@@ -24,6 +24,8 @@ from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, spa
 from nascompress.methods.tokens import keep_prefix_and
 from nascompress.models import ModelSpec, build_model
 
+from .tome_reference import merge_batch
+
 # compression off: the model must equal plain timm
 OFF = {
     "dcs": {"qk_mask": "static"},  # a fresh supernet: every gate starts open
@@ -33,6 +35,7 @@ OFF = {
     "dynamicvit": {"rho": 1.0},
     "mgvit": {"epsilon": 1e-6},  # every image exits at the single-granularity stage: the dense model
     "mgvit-h": {"r_h": 0.0, "r_t": 1.0},  # no cell split: the dense pyramid (a pyramid model: dense_for)
+    "tome": {"r": 0},
 }
 # compression on, for the pairs
 ON = {
@@ -43,6 +46,7 @@ ON = {
     "dynamicvit": {"rho": 0.5, "prune_layers": [2, 3]},
     "mgvit": {"epsilon": 0.5},
     "mgvit-h": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": 0.5},
+    "tome": {"r": 6},
 }
 
 
@@ -114,6 +118,8 @@ def reference_forward(base, stacked, names, x):
     dv = {i: blk.dvit_predictor for i, blk in enumerate(stacked.blocks) if getattr(blk, "dvit_stage", 0)} \
         if "dynamicvit" in names else {}
     ratios = stacked.dvit_state.ratios if dv else []
+    tm = stacked.tome_state if "tome" in names else None
+    size = t.new_ones(t.shape[0], t.shape[1])  # ToMe's token sizes
     for i, blk in enumerate(base.blocks):
         if i in dv:  # DynamicViT: keep the top tokens by the predictor's keep score
             logits = dv[i](t[:, p:])
@@ -136,6 +142,8 @@ def reference_forward(base, stacked, names, x):
             v = v.reshape(B, N, H, a.head_dim).transpose(1, 2)
         scale = a.head_dim ** -0.5
         scores = (q * scale) @ k.transpose(-2, -1)
+        if tm is not None and tm.prop_attn:  # ToMe's proportional attention
+            scores = scores + size.log()[:, None, None, :]
         if sp is not None:  # Sparsifiner's predicted connectivity, by its pure functions
             kern = sp[i]
             w_down, w_up = kern.w_down[..., :N], kern.w_up[..., :N]
@@ -153,6 +161,8 @@ def reference_forward(base, stacked, names, x):
             keep = max(1, math.ceil(rate * n - 1e-6))
             if keep < n:
                 t = evit_prune(t, attn[:, :, 0, p:].mean(1), keep, fuse=ev.fuse_token, prefix=p)
+        if tm is not None and tm.r[i] > 0:  # ToMe between the halves (the independent reference)
+            t, size = merge_batch(t, k, size, tm.r[i], p)
         keep_ch = getattr(blk, "mlp_keep", None)
         if keep_ch is None:
             t = t + blk.ls2(blk.mlp(blk.norm2(t)))
@@ -169,7 +179,8 @@ REFUSED = [(a, b) for a, b in itertools.product(sorted(OFF), repeat=2) if (a, b)
 def test_the_allowed_order():
     assert set(ALLOWED) == {("dcs", "sparsifiner"), ("dcs", "evit"), ("dcs", "dynamicvit"), ("uniform", "sparsifiner"),
                             ("uniform", "evit"), ("uniform", "dynamicvit"), ("sparsifiner", "evit"),
-                            ("sparsifiner", "dynamicvit")}
+                            ("sparsifiner", "dynamicvit"), ("dcs", "tome"), ("uniform", "tome"),
+                            ("sparsifiner", "tome")}
 
 
 @pytest.mark.parametrize("first,second", ALLOWED)

@@ -24,6 +24,7 @@ FIELDS = {
     "mgvit": {"r_h", "r_t", "r_pos", "r_neg", "ppsm_layers", "epsilon"},
     "mgvit-h": {"variant", "r_h", "r_t", "epsilon"},
     "dcs": {"target_flops", "qk_mask"},
+    "tome": {"r", "merge_layers", "prop_attn"},
 }
 
 
@@ -53,7 +54,8 @@ def sample(space: Space, n: int, seed: int = 0) -> list[optuna.trial.FrozenTrial
 
 def test_shipped_files_exist():
     names = {os.path.basename(p) for p in SHIPPED}
-    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "mgvit-h.yaml", "dcs-target.yaml", "joint.yaml"} <= names
+    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "mgvit-h.yaml", "dcs-target.yaml",
+            "joint.yaml", "tome.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
@@ -151,7 +153,8 @@ def test_suggest_respects_conditions_groups_and_per_layer_lengths():
     seen_groups, seen_modes = set(), set()
     for recs, params in sample(space, 60, seed=1):
         names = [r["name"] for r in recs]
-        assert names[0] == "dcs" and not {"evit", "dynamicvit"} <= set(names)
+        assert names[0] == "dcs" and len({"evit", "dynamicvit", "tome"} & set(names)) <= 1
+        assert names[-1] in ("dcs", "sparsifiner", params["group.tokens"])  # the token method last
         seen_groups.add(params["group.tokens"])
         for r in recs:
             cfg = r["config"]
@@ -162,7 +165,7 @@ def test_suggest_respects_conditions_groups_and_per_layer_lengths():
                 seen_modes.add(cfg["mode"])
         assert ("sparsifiner" in names) == params["sparsifiner.on"]
         assert ("evit.keep_rate.0" in params) == (params["group.tokens"] == "evit")
-    assert seen_groups == {"evit", "dynamicvit", "none"} and seen_modes == {"unstructured", "block"}
+    assert seen_groups == {"evit", "dynamicvit", "tome", "none"} and seen_modes == {"unstructured", "block"}
 
     sp = load_space(os.path.join(ROOT, "search_spaces", "sparsifiner.yaml"), method_fields=fake_fields)
     base = {"sparsifiner.attn_keep_ratio": 0.25, "sparsifiner.n_down": 16}
@@ -309,7 +312,8 @@ def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
     ("sparsifiner.yaml", "sparsifiner.kernel (methods[0].params.kernel) exists only when mode is 'block' (when:)"),
     ("evit.yaml", "evit.keep_rate.1 (methods[0].params.keep_rate) exists only when evit.prune_layers has at "
                   "least 2 layers (its sets have 1 to 3)"),
-    ("joint.yaml", "evit.prune_layers (methods[1].params.prune_layers) exists only when group.tokens is 'evit'"),
+    ("joint.yaml", "sparsifiner.attn_keep_ratio (methods[1].params.attn_keep_ratio) exists only when sparsifiner.on is "
+                   "True"),
 ])
 def test_a_conditional_space_has_no_distributions(name, param):
     space = load_space(os.path.join(ROOT, "search_spaces", name), method_fields=fake_fields)

@@ -115,7 +115,7 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
               layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
               eval_limit: Optional[int], dataset: Optional[str], data_dir: str, seed: int, device: str, amp: str,
               deterministic: bool, force: bool, resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
-    """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT."""
+    """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT or ToMe."""
     from nascompress.api import run_data_config
     from nascompress.data import DataConfig
     from nascompress.errors import NascompressError
@@ -168,7 +168,7 @@ def _signature() -> inspect.Signature:
     fixed = [
         P("run_dir", KW, annotation=Annotated[Path, typer.Argument(
             help="The run to start from (dense, imported or DCS-materialized; also the teacher).")]),
-        P("method", KW, annotation=Annotated[str, typer.Option(help="evit, dynamicvit, sparsifiner, mgvit or mgvit-h.")]),
+        P("method", KW, annotation=Annotated[str, typer.Option(help="evit, dynamicvit, sparsifiner, mgvit, mgvit-h or tome.")]),
         P("out_dir", KW, annotation=Annotated[Path, typer.Option("--out", help="Run directory to create.")]),
         P("opt", KW, default=None, annotation=Annotated[Optional[list[str]], typer.Option(
             help="Any other method or recipe setting as key=value (repeatable).")]),

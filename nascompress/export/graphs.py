@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import NascompressError, write_error
 
-EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h")
+EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h", "tome")
 TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule
 
 

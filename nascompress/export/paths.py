@@ -31,7 +31,7 @@ from torch import nn
 
 from ..methods import _flex
 from ..methods.dcs import MaterializedBlock
-from ..methods.sparsifiner import SparsifinerKernel, attention_budget
+from ..methods.sparsifiner import SparsifinerKernel, attention_budget, combine_masks, masked_attention
 from ..methods.tokens import patched_class
 
 
@@ -88,23 +88,26 @@ def _place(keep: torch.Tensor, channels: int) -> torch.Tensor:
 class TraceableBlockSparse:
     """Mixin over :class:`SparsifinerKernel`: its block-mode inference path traces (see the module docstring).
 
-    Modifications: in eval mode without an external mask, ``mode="block"`` computes the pooled
-    basis in the graph and attends with :func:`gathered_block_attention`; anything else is the
-    kernel's own forward.
+    Modifications: in eval mode, ``mode="block"`` computes the pooled basis in the graph and attends
+    with :func:`gathered_block_attention` (with an external mask, e.g. ToMe's size bias, the
+    kernel's masked path on the same kept blocks); anything else is the kernel's own forward.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
                 scale: float, dropout_p: float = 0.0) -> torch.Tensor:
         cfg = self.cfg
-        if cfg.mode != "block" or self.training or attn_mask is not None:
+        if cfg.mode != "block" or self.training:
             return super().forward(q, k, v, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
         n = q.shape[2]
         budget = attention_budget(cfg.attn_keep_ratio, n, None if cfg.budget is None else min(cfg.budget, n))
         layout = _flex.plan_blocks(n, self.prefix, budget, cfg.block_size)
         if budget >= n or not layout.sparse:
-            return F.scaled_dot_product_attention(q, k, v, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
         basis = _flex.pooled_basis(self.w_up[..., :n], cfg.w_thresh, layout)
         idx = _flex.predict_blocks(q, k, self.w_down[..., :n], basis, scale=scale, tau=cfg.tau, layout=layout)
+        if attn_mask is not None:  # an external mask (ToMe's size bias): the kernel's masked path, traced
+            return masked_attention(q, k, v, combine_masks(_flex.dense_block_mask(idx, layout), attn_mask),
+                                    scale=scale)
         return gathered_block_attention(q, k, v, idx, layout, scale=scale)
 
 

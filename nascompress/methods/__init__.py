@@ -36,7 +36,7 @@ from ..config import Config
 from ..errors import NascompressError
 
 # Modules that register methods; imported lazily so that importing nascompress stays cheap.
-_METHOD_MODULES = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit_h")
+_METHOD_MODULES = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit_h", "tome")
 _METHODS: dict[str, "Method"] = {}
 
 

@@ -289,7 +289,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
     except NascompressError as e:
         raise ctx.err("stages.tokens.space", str(e)) from None
     try:
-        sampler_factory(s.sampler, space, cfg.seed)  # qmc on a conditional space: refused before any stage runs
+        sampler_factory(s.sampler, space, cfg.seed, trials=s.trials)  # qmc/gp on what they cannot search: refused now
     except NascompressError as e:
         raise ctx.err("stages.tokens.sampler", str(e)) from None
     names = [m.name for m in space.methods]

@@ -27,7 +27,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ from .space import Space, load_space
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
-SAMPLERS = ("nsga2", "tpe", "qmc")
+SAMPLERS = ("nsga2", "tpe", "gp", "qmc", "grid")
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 
 
@@ -63,8 +63,11 @@ class SearchJob(Config):
         objective: the second objective next to accuracy: ``flops`` (ratio to the uncompressed
             model), ``latency`` (ms at batch 1 on ``device``) or ``throughput`` (images/s at batch 64).
         max_flops / max_latency_ms: single-objective accuracy under this constraint instead.
-        sampler: ``nsga2``, ``tpe`` (multi-objective TPE) or ``qmc`` (scrambled Sobol' points, spaces
-            without conditional parameters only; see :mod:`nascompress.search.qmc`).
+        sampler: ``nsga2`` (NSGA-II, population 20), ``tpe`` (multivariate, multi-objective TPE),
+            ``gp`` (Optuna's GPSampler; spaces of numeric parameters only), ``qmc`` (scrambled
+            Sobol' points, spaces without conditional parameters; :mod:`nascompress.search.qmc`)
+            or ``grid`` (the space's ``trials`` spread configurations in order;
+            :mod:`nascompress.search.grid`). Recorded in the study; a study keeps its sampler.
         finetune_epochs: 0 (zero-shot, after the predictor-only stage) or a short fine-tune per trial.
         train_images: class-balanced training images for the predictor stage and fine-tunes.
         eval_images: class-balanced validation images accuracy is measured on.
@@ -85,8 +88,9 @@ class SearchJob(Config):
     objective: str = "flops"
     max_flops: float | None = None
     max_latency_ms: float | None = None
-    sampler: str = setting("nsga2", help="nsga2, tpe or qmc (scrambled Sobol' points; spaces without conditional "
-                                         "parameters).", choices=SAMPLERS)
+    sampler: str = setting("nsga2", help="nsga2, tpe (multivariate), gp (GPSampler; numeric spaces), qmc (scrambled "
+                                         "Sobol' points; spaces without conditional parameters) or grid (the "
+                                         "space's spread configurations in order).", choices=SAMPLERS)
     finetune_epochs: float = setting(0.0, help="0: zero-shot trials; else a short fine-tune each.", lo=0)
     train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
                                 lo=1)
@@ -393,9 +397,10 @@ def make_objective(job_dict: dict[str, Any]) -> Objective:
 
 
 def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
-                 distributions: Mapping[str, Any] | None = None):
-    """The sampler of a trial: ``nsga2`` or ``tpe`` seeded by ``seed``; ``qmc`` needs the study's
-    seed and the space's distributions too (:func:`sampler_factory` binds them)."""
+                 distributions: Mapping[str, Any] | None = None, points: Sequence[Mapping[str, Any]] | None = None):
+    """The sampler of a trial, seeded by ``seed`` (the runner's per-trial seed): ``nsga2``, ``tpe``
+    or ``gp``; ``qmc`` needs the study's seed and the space's distributions too, ``grid`` the
+    space's points (:func:`sampler_factory` binds them)."""
     import warnings
 
     import optuna
@@ -407,19 +412,53 @@ def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
         from .qmc import qmc_sampler
 
         return qmc_sampler(distributions, study_seed=study_seed, seed=seed)
+    if kind == "grid":
+        if points is None:
+            raise NascompressError("the grid sampler needs the space's points (build its factory with sampler_factory)")
+        from .grid import GridPointSampler
+
+        return GridPointSampler(points, seed=seed)
+    if kind not in SAMPLERS:
+        raise NascompressError(f"unknown sampler {kind!r}; choose one of {', '.join(SAMPLERS)}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "nsga2":
             return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
+        if kind == "gp":
+            return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
                                           warn_independent_sampling=False)
 
 
-def sampler_factory(kind: str, space: Space, seed: int) -> Callable[[int], Any]:
+def numeric_space(space: Space) -> str | None:
+    """Why ``space`` is not a space of numeric parameters only (one line), or None when it is:
+    conditional parameters and categorical ones (choices, layer sets, groups, on/off) are not."""
+    why = space.conditional()
+    if why is not None:
+        return why
+    from optuna.distributions import CategoricalDistribution
+
+    for name, d in space.distributions().items():
+        if isinstance(d, CategoricalDistribution) and not d.single():
+            return f"{name} is categorical ({len(d.choices)} choices)"
+    return None
+
+
+def sampler_factory(kind: str, space: Space, seed: int, *, trials: int = 50) -> Callable[[int], Any]:
     """The picklable ``seed -> sampler`` of a search (``run_study``'s ``sampler_factory``): for
-    ``nsga2`` / ``tpe`` :func:`make_sampler` of the kind; for ``qmc`` bound to the study's ``seed``
-    and ``space``'s distributions (see :mod:`nascompress.search.qmc`). ``qmc`` on a space with
-    conditional parameters is refused (one line naming the parameter)."""
+    ``nsga2`` / ``tpe`` / ``gp`` :func:`make_sampler` of the kind; for ``qmc`` bound to the study's
+    ``seed`` and ``space``'s distributions (see :mod:`nascompress.search.qmc`); for ``grid`` to the
+    space's ``trials`` spread points (:mod:`nascompress.search.grid`). ``qmc`` on a space with
+    conditional parameters and ``gp`` on one with categorical or conditional parameters are
+    refused (one line naming the parameter)."""
+    check_choice("--sampler", kind, SAMPLERS)
+    if kind == "grid":
+        return functools.partial(make_sampler, kind, points=space.grid(trials))
+    if kind == "gp":
+        why = numeric_space(space)
+        if why is not None:
+            raise NascompressError(f"sampler gp needs a space of numeric parameters, and space {space.name!r} has "
+                                   f"another: {why}; use sampler tpe for it")
     if kind != "qmc":
         return functools.partial(make_sampler, kind)
     why = space.conditional()
@@ -526,7 +565,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     if not base_path.exists():
         raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
     space = load_space(job.space)
-    factory = sampler_factory(job.sampler, space, job.seed)  # qmc on a conditional space: refused here
+    factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
     base, arch = load_with_arch(job.base)
     space.check_depth(len(base.blocks))
     spec = InputSpec.from_dict(arch["input"])
@@ -548,7 +587,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
-    info = {"space": space.to_dict(), "space_hash": space.hash(), "base_run": job_dict["base"],
+    info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
             "dataset": (job.data or _run_data(job.base)).dataset, "job": job_dict, "profile": profile}
     summary = run_study(study_name=job.study, storage=job.storage,
                         objective_factory=functools.partial(make_objective, job_dict),
@@ -561,4 +600,4 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
 
 
 __all__ = ["SearchJob", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
-           "sampler_factory", "reference_configs", "space_profile", "trial_seed"]
+           "numeric_space", "sampler_factory", "reference_configs", "space_profile", "trial_seed"]

@@ -93,7 +93,7 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
     Returns:
         One dict per study: ``name``, ``storage`` (masked), ``metric_names``, ``directions``,
         ``counts`` (by state), ``best`` (single objective: ``{"number", "value"}``),
-        ``front_size`` (multi-objective), ``created``, ``space``.
+        ``front_size`` (multi-objective), ``created``, ``space``, ``sampler`` (None: not recorded).
     """
     rows = []
     for spec, st in existing_storages(storage):
@@ -105,7 +105,7 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"name": fs.study_name, "storage": spec.display, "metric_names": metric_names(study),
                                    "directions": dirs, "counts": _counts(trials), "created": _created(study, trials),
                                    "space": (study_info(study).get("space") or {}).get("name"),
-                                   "best": None, "front_size": None}
+                                   "sampler": study_info(study).get("sampler"), "best": None, "front_size": None}
             if len(dirs) == 1:
                 row["best"] = {"number": front[0].number, "value": front[0].values[0]} if front else None
             else:

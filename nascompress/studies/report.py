@@ -122,7 +122,7 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
             ("trials", _summary(counts)), ("created", info.get("created")),
             ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
             ("base run", info.get("base_run")), ("dataset", info.get("dataset")), ("command", info.get("command")),
-            ("seed", info.get("seed")),
+            ("sampler", info.get("sampler")), ("seed", info.get("seed")),
             ("report written", _dt.datetime.now().astimezone().isoformat(timespec="seconds")),
             ("optuna", optuna.__version__)]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v not in (None, ""))

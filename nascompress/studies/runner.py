@@ -14,7 +14,8 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   proposes, trains and tells exactly the trials an uninterrupted run does. Several workers share
   the study without duplicates (each its own stream), in an order that depends on timing.
 - The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
-  a run with a different one is refused, naming both spaces and where they differ.
+  a run with a different one is refused, naming both spaces and where they differ. So is the
+  sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials.
 - Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
   restarts. Each worker starts a trial only while COMPLETE + RUNNING < ``n_trials`` (otherwise
   it waits for the running ones); a trial that, once in the storage, sees ``n_trials`` other
@@ -332,6 +333,11 @@ def _open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str]
         study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
         return study, True
     _check_space(study, stored, info, spec.display)
+    old, new = stored.get("sampler"), info.get("sampler")
+    if old is not None and new is not None and old != new:
+        raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
+                               f"asks for {new!r}; a study keeps its sampler: rerun with --sampler {old} or use a new "
+                               "study name")
     names = study.metric_names
     if names is not None and list(names) != list(metric_names):
         raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
