@@ -592,6 +592,14 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     model = build_model(job.model)
     if job.weights:
         load_pretrained(model, job.weights, reset_head=job.reset_head or job.linear_probe)
+        if not job.linear_probe and not resume and distributed.is_main():  # not silently: the recipe changes
+            from .progress import say
+
+            t = job.train
+            lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
+            ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
+            say(f"train: --weights given, so the fine-tuning recipe: {lr}, layer decay {ld}, {t.warmup_epochs:g} "
+                "warm-up epochs (for weights that were never trained, leave out --weights)")
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)

@@ -96,14 +96,6 @@ def train(**kw: Any) -> None:
                         linear_probe=linear_probe)
 
     job = run(build)
-    if weights is not None and not linear_probe and not kw["resume"]:  # not silently: the recipe changes
-        from nascompress.progress import say
-
-        t = job.train
-        lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
-        ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
-        say(f"train: --weights given, so the fine-tuning recipe: {lr}, layer decay {ld}, {t.warmup_epochs:g} "
-            "warm-up epochs (for weights that were never trained, leave out --weights)")
     metrics = run(train_job, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
     if kw["json_out"]:
         print_json(metrics)
