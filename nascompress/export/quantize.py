@@ -32,7 +32,6 @@ exit decisions, which this check does not cover.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 import tempfile
 import time
@@ -282,7 +281,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     from ..io import load_arch
     from ..utils import atomic_path, write_json
     from .config import ExportConfig
-    from .run import _check_out, export_run, sidecar_path
+    from .run import _check_out, export_run, new_folders, sidecar_path
     from .verify import onnx_runner
 
     cfg = config or QuantizeConfig()
@@ -321,9 +320,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         calib, n_calib = None, 0
         proto = onnx.load(str(fp32))
         attempts: list[dict[str, Any]] = []
-        for p in created:
-            p.mkdir()
-        try:
+        with new_folders(created):
             with atomic_path(out) as tmp_out, atomic_path(sidecar_path(out)) as tmp_side:
                 chosen = None
                 for scheme, level in cfg.attempts():
@@ -361,11 +358,6 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                 side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
                                 time.perf_counter() - t0)
                 write_json(tmp_side, side)
-        except BaseException:
-            for p in reversed(created):
-                with contextlib.suppress(OSError):
-                    p.rmdir()
-            raise
     return side
 
 

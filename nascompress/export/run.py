@@ -7,7 +7,7 @@ import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -51,6 +51,21 @@ def _check_out(paths: list[Path], *, force: bool) -> list[Path]:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise NascompressError(f"cannot write {paths[0]}: {parent} is not a writable directory; choose another --out")
     return missing[::-1]
+
+
+@contextlib.contextmanager
+def new_folders(created: list[Path]) -> Iterator[None]:
+    """Create the missing folders of an output (:func:`_check_out`) and remove them again if
+    writing the output fails, so a failed command leaves nothing behind."""
+    for p in created:
+        p.mkdir()
+    try:
+        yield
+    except BaseException:
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
 
 def _sha256(path: Path) -> str:
@@ -134,9 +149,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     say(f"export: tracing the model for {cfg.format} ...")
     graphs, rule = graphs_for(ref, example.to(dtype))
     t0 = time.perf_counter()
-    for p in created:
-        p.mkdir()
-    try:
+    with new_folders(created):
         with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(f)) for f in files]
             side_tmp = stack.enter_context(atomic_path(sidecar_path(out)))  # every file appears together
@@ -187,11 +200,6 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
             write_json(side_tmp, side)
-    except BaseException:
-        for p in reversed(created):
-            with contextlib.suppress(OSError):
-                p.rmdir()
-        raise
     return side
 
 
