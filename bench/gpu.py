@@ -50,7 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 import nascompress  # noqa: E402,F401
 from nascompress import runtime  # noqa: E402
 from nascompress.layers import aligned_width, qk_layout_summary, set_qk_layout  # noqa: E402
-from nascompress.methods import _flex, get_method  # noqa: E402
+from nascompress.methods import block_sparse, get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
 from nascompress.methods.sparsifiner import region_init  # noqa: E402
 from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
@@ -279,13 +279,13 @@ def section_sparsifiner(device: torch.device, dtypes: list[str]) -> dict:
             row: dict[str, Any] = {"tokens": n}
             fns: dict[str, Callable] = {"dense_sdpa": lambda _: F.scaled_dot_product_attention(q, k, v)}
             for kernel in ("gather", "flex"):
-                layout = _flex.plan_blocks(n, 1, budget, multiple=_flex.flex_multiple(kernel, None, device))
-                basis = _flex.pooled_basis(w_up, 1e-2, layout)
-                fns[kernel] = (lambda _, L=layout, b=basis, kn=kernel: _flex.block_sparse_attention(
+                layout = block_sparse.plan_blocks(n, 1, budget, multiple=block_sparse.flex_multiple(kernel, None, device))
+                basis = block_sparse.pooled_basis(w_up, 1e-2, layout)
+                fns[kernel] = (lambda _, L=layout, b=basis, kn=kernel: block_sparse.block_sparse_attention(
                     q, k, v, w_down, b, L, scale=d ** -0.5, tau=0.05, kernel=kn)[0])
                 row[f"{kernel}_layout"] = {"block_size": layout.bs, "blocks": layout.nb, "kept": layout.keep}
                 if kernel == "flex":
-                    row["flex_kernel_used"] = _flex.flex_kernel_ok(layout, q)
+                    row["flex_kernel_used"] = block_sparse.flex_kernel_ok(layout, q)
             t = timed(fns, q, sz["iters"] * 2)
             row.update(ms=t, speedup_vs_dense={kn: (t["dense_sdpa"] / v if v else None) for kn, v in t.items()})
             print(dname, n, {kn: None if v is None else round(v, 3) for kn, v in t.items()}, flush=True)

@@ -2,7 +2,7 @@
 
 Part 1 (``--part speed``): one attention call at 197, 785 and 3137 tokens (batch 1, 6 heads,
 head dim 64, keep ratio 0.25). ``gather`` is the module's inference path
-(``_flex.block_sparse_attention``) and INCLUDES the predictor (W_down K, A_down, thresholds,
+(``block_sparse.block_sparse_attention``) and INCLUDES the predictor (W_down K, A_down, thresholds,
 pooled tile scores, top blocks), the gathering of the kept key blocks and the dense CLS row;
 ``flex`` is the same with compiled FlexAttention on a BlockMask built from the block indices;
 dense is fused ``F.scaled_dot_product_attention`` on the same q/k/v. Interleaved medians
@@ -43,7 +43,7 @@ from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noq
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
-from nascompress.methods import _flex, get_method  # noqa: E402
+from nascompress.methods import block_sparse, get_method  # noqa: E402
 from nascompress.methods.sparsifiner import SparsifinerRecipe, region_init, sparse_modules  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
 
@@ -64,20 +64,20 @@ def speed(tokens=(197, 785, 3137), keep_ratio=0.25, iters=21) -> list[dict]:
         w_down, w_up = wd.expand(H, -1, -1).contiguous(), wu.expand(H, -1, -1).contiguous()
         scale = d ** -0.5
         budget = math.ceil(keep_ratio * n)
-        layout = _flex.plan_blocks(n, 1, budget)
-        basis = _flex.pooled_basis(w_up, 1e-2, layout)  # weights only: the module caches it
+        layout = block_sparse.plan_blocks(n, 1, budget)
+        basis = block_sparse.pooled_basis(w_up, 1e-2, layout)  # weights only: the module caches it
 
         def dense(_):
             return F.scaled_dot_product_attention(q, k, v)
 
         def path(kernel):
             def run(_):  # the module's inference path: block predictor + kept blocks + attention
-                return _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=0.05,
+                return block_sparse.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=0.05,
                                                     kernel=kernel)[0]
             return run
 
         def predictor(_):
-            return _flex.predict_blocks(q, k, w_down, basis, scale=scale, tau=0.05, layout=layout)
+            return block_sparse.predict_blocks(q, k, w_down, basis, scale=scale, tau=0.05, layout=layout)
 
         fns = [dense, path("gather"), path("flex"), predictor]
         names = ["dense_sdpa", "gather", "flex", "predictor_only"]
@@ -91,10 +91,10 @@ def speed(tokens=(197, 785, 3137), keep_ratio=0.25, iters=21) -> list[dict]:
             idx = predictor(None)
         row = {"tokens": n, "budget": budget, "compile_s": compile_s, "dense_ms": times[0] * 1e3,
                # False: the library refused the compiled kernel for this layout, so "flex" timed the gather path
-               "flex_kernel_used": _flex.flex_kernel_ok(layout, q),
+               "flex_kernel_used": block_sparse.flex_kernel_ok(layout, q),
                "layout": {"block_size": layout.bs, "blocks": layout.nb, "kept_blocks": layout.keep,
                           "keys_per_query": layout.prefix + layout.keep * layout.bs,
-                          "kept_pair_fraction": _flex.kept_pairs(idx, layout).sum().item() / (H * n * n)}}
+                          "kept_pair_fraction": block_sparse.kept_pairs(idx, layout).sum().item() / (H * n * n)}}
         for name, t in zip(names[1:], times[1:]):
             row[name] = {"ms": t * 1e3, "speedup_vs_dense": times[0] / t}
         print(json.dumps(row), flush=True)

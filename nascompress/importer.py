@@ -83,7 +83,7 @@ def sha256_of(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def _grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | None:
+def grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | None:
     """The square input size whose patch grid matches the file's ``pos_embed`` (None if unknown)."""
     pos = sd.get("pos_embed")
     if pos is None or pos.ndim != 3 or model.pos_embed is None:
@@ -113,7 +113,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
         kwargs["img_size"] = job.img_size
     model = build_model(ModelSpec(job.model, kwargs))  # unknown, non-ViT and hybrid models stop here
     if job.img_size is None:
-        size = _grid_img_size(model, raw)
+        size = grid_img_size(model, raw)
         if size is not None and (size, size) != tuple(model.patch_embed.img_size):
             kwargs["img_size"] = size
     head = raw.get("head.weight")

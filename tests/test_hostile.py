@@ -220,7 +220,7 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
 
     from nascompress.studies import runner
     from nascompress.studies.records import SURPLUS_KEY
-    from nascompress.studies.seeding import _Seeding, default_sampler
+    from nascompress.studies.seeding import Seeding, default_sampler
     from nascompress.studies.storage import open_storage, parse_storage
 
     from .study_toys import SPACE_INFO, TWO, toy_factory
@@ -246,7 +246,7 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
         return real_write(self, op_code, extra_fields)
 
     monkeypatch.setattr(journal.JournalStorage, "_write_log", late_write)
-    cfg = runner._LoopConfig(n_trials=n, deadline=time.time() + 120, heartbeat_interval=0.2, grace_period=60.0,
+    cfg = runner.LoopConfig(n_trials=n, deadline=time.time() + 120, heartbeat_interval=0.2, grace_period=60.0,
                              max_retries=2, max_failures=3)
     errors: list[BaseException] = []
 
@@ -254,7 +254,7 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
         try:
             st = open_storage(parse_storage(storage), create=False)
             study = optuna.load_study(study_name="w", storage=st, sampler=default_sampler(0))
-            runner._work(study, toy_factory(sleep=0.1), cfg, _Seeding(default_sampler, 0, k))
+            runner._work(study, toy_factory(sleep=0.1), cfg, Seeding(default_sampler, 0, k))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 

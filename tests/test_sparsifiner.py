@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from nascompress.errors import NascompressError
-from nascompress.methods import _flex, get_method
+from nascompress.methods import block_sparse, get_method
 from nascompress.finetune import split_settings
 from nascompress.methods.sparsifiner import (SparsifinerHooks, SparsifinerRecipe, attention_budget, masked_attention,
                                              sparse_modules, topk_mask)
@@ -76,19 +76,19 @@ def test_block_paths_match_masked_path(n, bs, p):
     B, H, d = 2, 2, 16
     qkv = torch.randn(B, n, 3, H, d).permute(2, 0, 3, 1, 4)  # the module's strided views
     q, k, v = qkv.unbind(0)
-    layout = _flex.plan_blocks(n, p, budget=math.ceil(0.3 * n), block_size=bs)
+    layout = block_sparse.plan_blocks(n, p, budget=math.ceil(0.3 * n), block_size=bs)
     assert layout.sparse and layout.exact == ((n - p) % bs == 0)
-    idx = _flex.top_blocks(torch.randn(B, H, layout.nb, layout.nb), layout.keep)
-    mask = _flex.dense_block_mask(idx, layout)
+    idx = block_sparse.top_blocks(torch.randn(B, H, layout.nb, layout.nb), layout.keep)
+    mask = block_sparse.dense_block_mask(idx, layout)
     assert mask[:, :, :p].all() and mask[:, :, :, :p].all() and not mask[:, :, p:, p:].all()
     assert (mask[:, :, p:].sum(-1) >= p + layout.keep * bs - (bs - layout.last)).all()
-    want = _flex.masked_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+    want = block_sparse.masked_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
     with torch.no_grad():
-        got = _flex.gather_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
-        flex = _flex.flex_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+        got = block_sparse.gather_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+        flex = block_sparse.flex_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flex, want, atol=1e-5, rtol=1e-5)
-    assert _flex.kept_pairs(idx, layout).sum().item() == mask.sum().item()
+    assert block_sparse.kept_pairs(idx, layout).sum().item() == mask.sum().item()
 
 
 @pytest.mark.parametrize("kernel", ["gather", "flex"])
@@ -116,19 +116,19 @@ def test_block_predictor_equals_pooled_unstructured_scores():
     scale, tau, wt = d ** -0.5, 0.2, 1e-2
     coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), tau)
     assert (coef == 0).any() and (coef != 0).any()
-    layout = _flex.plan_blocks(n, 1, budget=13, block_size=bs)
+    layout = block_sparse.plan_blocks(n, 1, budget=13, block_size=bs)
     s = (coef @ sparse_basis(w_up, wt))[..., 1:, 1:]  # patch rows x patch columns (n - 1 = 49)
     tiles = F.pad(s, (0, 7, 0, 7)).reshape(B, H, 7, 8, 7, 8).sum((3, 5))
-    torch.testing.assert_close(_flex.block_scores(coef, _flex.pooled_basis(w_up, wt, layout), layout), tiles,
+    torch.testing.assert_close(block_sparse.block_scores(coef, block_sparse.pooled_basis(w_up, wt, layout), layout), tiles,
                                atol=1e-6, rtol=1e-5)
-    idx = _flex.predict_blocks(q, k, w_down, _flex.pooled_basis(w_up, wt, layout), scale=scale, tau=tau, layout=layout)
-    assert torch.equal(idx, _flex.top_blocks(tiles, layout.keep))
+    idx = block_sparse.predict_blocks(q, k, w_down, block_sparse.pooled_basis(w_up, wt, layout), scale=scale, tau=tau, layout=layout)
+    assert torch.equal(idx, block_sparse.top_blocks(tiles, layout.keep))
 
 
 @pytest.mark.parametrize("n_patch,bs", [(196, 28), (784, 98), (3136, 112), (49, 7), (64, 8)])
 def test_auto_block_size_divides_the_patch_count(n_patch, bs):
-    assert _flex.auto_block_size(n_patch) == bs
-    lay = _flex.plan_blocks(n_patch + 1, 1, budget=math.ceil(0.25 * (n_patch + 1)))
+    assert block_sparse.auto_block_size(n_patch) == bs
+    lay = block_sparse.plan_blocks(n_patch + 1, 1, budget=math.ceil(0.25 * (n_patch + 1)))
     assert lay.exact and 1 + lay.keep * lay.bs >= math.ceil(0.25 * (n_patch + 1))
 
 

@@ -7,7 +7,7 @@ import warnings
 import optuna
 import pytest
 
-from nascompress.studies.seeding import ParamSeeded, _Seeding, default_sampler
+from nascompress.studies.seeding import ParamSeeded, Seeding, default_sampler
 
 
 def _params(trial: optuna.Trial, n: int = 3) -> list[float]:
@@ -16,7 +16,7 @@ def _params(trial: optuna.Trial, n: int = 3) -> list[float]:
 
 def _run(killed_at: int | None, suggested_before_kill: int = 1, n_trials: int = 14) -> list[list[float]]:
     study = optuna.create_study()
-    seeding = _Seeding(default_sampler, 7)
+    seeding = Seeding(default_sampler, 7)
     out = []
     for number in range(n_trials):
         seeding.reseed(study, study.get_trials(deepcopy=False))

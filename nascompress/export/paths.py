@@ -12,7 +12,7 @@ uniform's and DCS's sliced layers, DCS's channel gathers): the selections become
   (``as_strided`` over the untyped storage), gathers into per-thread reused buffers (``out=``)
   and caches the pooled W_up basis keyed on data pointers: none of it can be traced.
   :class:`TraceableBlockSparse` computes the same attention with the same kept blocks from plain
-  ops: the same block predictor (:func:`~nascompress.methods._flex.predict_blocks` on the pooled
+  ops: the same block predictor (:func:`~nascompress.methods.block_sparse.predict_blocks` on the pooled
   basis, computed in the graph), then :func:`gathered_block_attention` (one ``index_select`` of each
   query block's prefix keys and kept key blocks from contiguous K / V, one SDPA over the query
   blocks, the prefix query rows dense). The unstructured mode and training are the kernel's own.
@@ -29,25 +29,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..methods import _flex
+from ..methods import block_sparse
 from ..methods.dcs import MaterializedBlock
 from ..methods.sparsifiner import SparsifinerKernel, attention_budget, combine_masks, masked_attention
 from ..methods.tokens import patched_class
 
 
 def gathered_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                             layout: "_flex.BlockLayout", *, scale: float) -> torch.Tensor:
+                             layout: "block_sparse.BlockLayout", *, scale: float) -> torch.Tensor:
     """Attention over the prefix keys and the kept key blocks ``idx`` with plain ops.
 
     Args:
         q, k: (B, H, n, d); v: (B, H, n, d_v); idx: (B, H, nb, keep) kept key blocks per query block.
     Returns:
-        (B, H, n, d_v), equal to ``_flex.masked_block_attention`` with the same ``idx``.
+        (B, H, n, d_v), equal to ``block_sparse.masked_block_attention`` with the same ``idx``.
     """
     B, H, n, d = q.shape
     dv = v.shape[-1]
     p, bs, nb = layout.prefix, layout.bs, layout.nb
-    rows, pad_mask = _flex.gather_index(idx, layout, (H * n, n, 1))  # row strides of contiguous (B, H, n)
+    rows, pad_mask = block_sparse.gather_index(idx, layout, (H * n, n, 1))  # row strides of contiguous (B, H, n)
     L = rows.numel() // (B * H * nb)
     ks = k.reshape(B * H * n, d).index_select(0, rows).view(B, H * nb, L, d)
     vs = v.reshape(B * H * n, dv).index_select(0, rows).view(B, H * nb, L, dv)
@@ -100,13 +100,13 @@ class TraceableBlockSparse:
             return super().forward(q, k, v, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
         n = q.shape[2]
         budget = attention_budget(cfg.attn_keep_ratio, n, None if cfg.budget is None else min(cfg.budget, n))
-        layout = _flex.plan_blocks(n, self.prefix, budget, cfg.block_size)
+        layout = block_sparse.plan_blocks(n, self.prefix, budget, cfg.block_size)
         if budget >= n or not layout.sparse:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-        basis = _flex.pooled_basis(self.w_up[..., :n], cfg.w_thresh, layout)
-        idx = _flex.predict_blocks(q, k, self.w_down[..., :n], basis, scale=scale, tau=cfg.tau, layout=layout)
+        basis = block_sparse.pooled_basis(self.w_up[..., :n], cfg.w_thresh, layout)
+        idx = block_sparse.predict_blocks(q, k, self.w_down[..., :n], basis, scale=scale, tau=cfg.tau, layout=layout)
         if attn_mask is not None:  # an external mask (ToMe's size bias): the kernel's masked path, traced
-            return masked_attention(q, k, v, combine_masks(_flex.dense_block_mask(idx, layout), attn_mask),
+            return masked_attention(q, k, v, combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask),
                                     scale=scale)
         return gathered_block_attention(q, k, v, idx, layout, scale=scale)
 

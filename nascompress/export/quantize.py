@@ -281,7 +281,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     from ..io import load_arch
     from ..utils import atomic_path, write_json
     from .config import ExportConfig
-    from .run import _check_out, export_run, new_folders, sidecar_path
+    from .run import check_outputs, export_run, new_folders, sidecar_path
     from .verify import onnx_runner
 
     cfg = config or QuantizeConfig()
@@ -298,7 +298,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
     out = Path(out)
-    created = _check_out([out, sidecar_path(out)], force=force)
+    created = check_outputs([out, sidecar_path(out)], force=force)
     data_cfg = _run_data(run, data)
     if cfg.eval_images is not None:
         data_cfg = replace(data_cfg, eval_limit=cfg.eval_images, subset_seed=cfg.seed)

@@ -37,7 +37,7 @@ def stage_path(out: str | Path, role: str) -> Path:
     return out if role in ("model", "sgis") else out.with_name(f"{out.stem}.{role}{out.suffix}")
 
 
-def _check_out(paths: list[Path], *, force: bool) -> list[Path]:
+def check_outputs(paths: list[Path], *, force: bool) -> list[Path]:
     """Refuse existing files (without force) and unwritable places; return the folders to create."""
     for p in paths:
         if p.exists() and (not force or not p.is_file()):
@@ -55,7 +55,7 @@ def _check_out(paths: list[Path], *, force: bool) -> list[Path]:
 
 @contextlib.contextmanager
 def new_folders(created: list[Path]) -> Iterator[None]:
-    """Create the missing folders of an output (:func:`_check_out`) and remove them again if
+    """Create the missing folders of an output (:func:`check_outputs`) and remove them again if
     writing the output fails, so a failed command leaves nothing behind."""
     for p in created:
         p.mkdir()
@@ -137,7 +137,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     check_exportable(arch, dynamic=cfg.dynamic)
     roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
-    created = _check_out([*files, sidecar_path(out)], force=force)
+    created = check_outputs([*files, sidecar_path(out)], force=force)
     model, arch = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)

@@ -29,7 +29,7 @@ Readings (where the paper or the official code leave a choice):
     - Training (two stages, :class:`SparsifinerHooks`): stage 1 trains W_down/W_up on the
       un-thresholded product A_down @ W_up (the official code does the same) with dense attention;
       thresholds apply whenever the mask is predicted (eval, stage 2).
-    - ``mode="block"`` (``_flex``): the patch tokens are cut into blocks, CLS rows and CLS keys stay
+    - ``mode="block"`` (``block_sparse``): the patch tokens are cut into blocks, CLS rows and CLS keys stay
       dense, scores are pooled over (query block, key block) tiles (the same S summed over tiles,
       never built at n x n), and each query block keeps its top key blocks per head. At inference
       (no grad) ``kernel="gather"`` gathers each query block's kept keys straight from the qkv
@@ -51,7 +51,7 @@ from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
 from ..layers import attention, to_core
-from . import Method, _flex, register_method
+from . import Method, block_sparse, register_method
 
 MODES = ("unstructured", "block")
 KERNELS = ("gather", "flex", "masked")
@@ -68,7 +68,7 @@ class SparsifinerConfig(Config):
         tau: threshold on A_down; w_thresh: magnitude threshold on W_up.
         mode: ``unstructured`` (the paper's per-query top-k) or ``block`` (top key blocks).
         block_size: block side in patch tokens for ``block`` (None: a divisor of the patch count
-            near 1/8 of it, see ``_flex.auto_block_size``; with ``kernel="flex"`` a multiple of 16,
+            near 1/8 of it, see ``block_sparse.auto_block_size``; with ``kernel="flex"`` a multiple of 16,
             and on CUDA an explicit value that is not is refused).
         kernel: ``block`` inference kernel: ``gather`` (gathered kept blocks + fused SDPA, the
             fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
@@ -272,34 +272,34 @@ class SparsifinerKernel(nn.Module):
                 self._block_stats = None
                 self._density = budget / n
             return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=scale, dropout_p=dropout_p)
-        layout = _flex.plan_blocks(n, p, budget, cfg.block_size,
-                                   multiple=_flex.flex_multiple(cfg.kernel, cfg.block_size, q.device))
+        layout = block_sparse.plan_blocks(n, p, budget, cfg.block_size,
+                                   multiple=block_sparse.flex_multiple(cfg.kernel, cfg.block_size, q.device))
         if not layout.sparse:
             return self._dense(q, k, v, attn_mask, scale, dropout_p)
         inference = not self.training and not torch.is_grad_enabled()
         basis = self._pooled_basis(w_up, layout, cache=inference)
         if inference and cfg.kernel != "masked" and attn_mask is None:
-            kernel = "flex" if cfg.kernel == "flex" and _flex.flex_usable() else "gather"
-            out, idx = _flex.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=cfg.tau,
+            kernel = "flex" if cfg.kernel == "flex" and block_sparse.flex_usable() else "gather"
+            out, idx = block_sparse.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=cfg.tau,
                                                     kernel=kernel)
         else:
             with torch.no_grad():  # the mask is discrete: no gradient flows through the predictor here
-                idx = _flex.predict_blocks(q, k, w_down, basis, scale=scale, tau=cfg.tau, layout=layout)
-            out = masked_attention(q, k, v, combine_masks(_flex.dense_block_mask(idx, layout), attn_mask),
+                idx = block_sparse.predict_blocks(q, k, w_down, basis, scale=scale, tau=cfg.tau, layout=layout)
+            out = masked_attention(q, k, v, combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask),
                                    scale=scale, dropout_p=dropout_p)
         # the statistics are read lazily (last_macs / density): no .item() sync in the forward
         self._block_stats = (idx, layout, r, d, v.shape[-1])
         self._macs = None
         return out
 
-    def _pooled_basis(self, w_up: torch.Tensor, layout: "_flex.BlockLayout", *, cache: bool) -> torch.Tensor:
+    def _pooled_basis(self, w_up: torch.Tensor, layout: "block_sparse.BlockLayout", *, cache: bool) -> torch.Tensor:
         """Thresholded W_up pooled per key block (H, r, nb); cached at inference (weights only)."""
         if not cache:
-            return _flex.pooled_basis(w_up, self.cfg.w_thresh, layout)
+            return block_sparse.pooled_basis(w_up, self.cfg.w_thresh, layout)
         key = (layout, self.cfg.w_thresh, self.w_up._version, self.w_up.data_ptr(), w_up.device)
         hit = self.__dict__.get("_basis_cache")
         if hit is None or hit[0] != key:
-            hit = (key, _flex.pooled_basis(w_up, self.cfg.w_thresh, layout))
+            hit = (key, block_sparse.pooled_basis(w_up, self.cfg.w_thresh, layout))
             self.__dict__["_basis_cache"] = hit
         return hit[1]
 
@@ -312,7 +312,7 @@ class SparsifinerKernel(nn.Module):
         B, H, nb, _ = idx.shape
         n, n_p = layout.n, layout.n_patch
         with torch.no_grad():
-            pairs = _flex.kept_pairs(idx, layout).sum().item()
+            pairs = block_sparse.kept_pairs(idx, layout).sum().item()
         # predictor: W_down K (r n d) + Q_patch K_down^T (n_p r d) + tile scores (nb r nb); attention d + dv per pair
         self._macs = float(B * H * (r * n * d + n_p * r * d + nb * r * nb) + (d + dv) * pairs)
         self._density = pairs / (B * H * n * n)

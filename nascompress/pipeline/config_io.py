@@ -1,5 +1,5 @@
 """Reading and writing pipeline files: :func:`read_yaml`, :func:`load_config` (validated),
-:func:`dump_config` (the normalized ``OUT/config.yaml``) and :func:`_diff` (how two configs differ)."""
+:func:`dump_config` (the normalized ``OUT/config.yaml``) and :func:`config_diff` (how two configs differ)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,10 +50,10 @@ def dump_config(cfg: PipelineConfig) -> str:
     return head + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 
-def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+def config_diff(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in list(a) + [k for k in b if k not in a]:
-            out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), _join(path, str(k)))
+            out += config_diff(a.get(k, "<absent>"), b.get(k, "<absent>"), _join(path, str(k)))
         return out
     return [] if a == b else [f"{path or '(whole file)'} is {a!r} here but {b!r} there"]

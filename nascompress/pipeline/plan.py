@@ -124,7 +124,7 @@ def _weights_shapes(path: str) -> dict[str, list[int]] | None:
 
 def _grid_size(model: Any, weights: str) -> int | None:
     """The input size whose patch grid matches the weights' position embedding."""
-    from ..importer import _grid_img_size
+    from ..importer import grid_img_size
 
     if weights.endswith(".safetensors"):
         from safetensors import safe_open
@@ -138,7 +138,7 @@ def _grid_size(model: Any, weights: str) -> int | None:
         from ..models import read_weights_file
 
         pe = read_weights_file(weights).get("pos_embed")
-    return None if pe is None else _grid_img_size(model, {"pos_embed": pe})
+    return None if pe is None else grid_img_size(model, {"pos_embed": pe})
 
 
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tuple[Step | None, Path, Any]:

@@ -16,12 +16,36 @@ from __future__ import annotations
 import datetime as _dt
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 from ..utils import atomic_path, read_json, write_json
+from .sections import PipelineConfig
 
-if TYPE_CHECKING:
-    from .plan import Pipeline
+
+class PlannedStep(Protocol):
+    """What the report reads of one step of a plan (:class:`nascompress.pipeline.plan.Step`)."""
+
+    name: str
+    describe: str
+    dir: Path | None
+
+
+class PlannedPipeline(Protocol):
+    """What the report reads of a plan (:class:`nascompress.pipeline.plan.Pipeline`); declared here
+    so that the report does not import the planner that calls it."""
+
+    cfg: PipelineConfig
+    out: Path
+    source: str
+    base_dir: Path
+    storage: str | None
+    data: Any
+
+    @property
+    def steps(self) -> Sequence[PlannedStep]: ...
+
+    def result_dir(self) -> Path | None: ...
+
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
@@ -87,7 +111,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
     return res
 
 
-def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
+def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
     out = pipe.out
     res: dict[str, Any] = {"study": pipe.cfg.stages.tokens.study, "storage": pipe.storage,
                            "pick_rule": pipe.cfg.goal.pick,
@@ -110,7 +134,7 @@ def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str
     return res
 
 
-def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
+def _stage_log(pipe: PlannedPipeline) -> list[dict[str, Any]]:
     rows = []
     for step in pipe.steps:
         marker = pipe.out / "done" / f"{step.name}.json"
@@ -120,7 +144,7 @@ def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
     return rows
 
 
-def write_summary(pipe: Pipeline) -> dict[str, Any]:
+def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
@@ -198,7 +222,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     return summary
 
 
-def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
+def _int8(pipe: PlannedPipeline, final_dir: Path) -> dict[str, Any]:
     """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.quantize.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
     from ..export.quantize import config_for, int8_rows
@@ -239,7 +263,7 @@ def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any
     return goal
 
 
-def _base_decisions(pipe: Pipeline) -> dict[str, Any]:
+def _base_decisions(pipe: PlannedPipeline) -> dict[str, Any]:
     b = pipe.cfg.base
     res: dict[str, Any] = {"kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
                            "run": str(pipe.base_dir)}
@@ -250,7 +274,7 @@ def _base_decisions(pipe: Pipeline) -> dict[str, Any]:
     return res
 
 
-def _study_report(pipe: Pipeline) -> str | None:
+def _study_report(pipe: PlannedPipeline) -> str | None:
     """The study's own report (written to tokens/report.html); returns its HTML."""
     from ..studies.inspect import load
     from ..studies.report import build_report
@@ -390,7 +414,7 @@ def _study_fragment(text: str) -> str:
 
 def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
     """The pipeline's report: one self-contained HTML file (no external resources)."""
-    from ..studies.report import _CSS
+    from ..studies.report import REPORT_CSS
 
     meta = [("config", s["source"]), ("output", s["out"]), ("dataset", s.get("dataset")), ("seed", s["seed"]),
             ("device", s.get("device")), ("goal", goal_text(s)), ("written", s["written"])]
@@ -425,7 +449,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
     if study_html:
         parts.append(_study_fragment(study_html))
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>nascompress pipeline</title>'
-            f'<link rel="icon" href="data:,"><style>{_CSS}pre{{background:#f7f7f7;padding:6px;overflow-x:auto}}'
+            f'<link rel="icon" href="data:,"><style>{REPORT_CSS}pre{{background:#f7f7f7;padding:6px;overflow-x:auto}}'
             f'td:first-child,#stages td,#token-methods td{{text-align:left}}</style></head>'
             f'<body>{"".join(parts)}</body></html>\n')
 

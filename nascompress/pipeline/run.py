@@ -14,7 +14,7 @@ import yaml
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, writing
 from ..utils import read_json, write_json
-from .config_io import _diff, dump_config, load_config, read_yaml
+from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 
 CONFIG_FILE = "config.yaml"
@@ -84,7 +84,7 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
         if old != new:
             old = _as_this_version(stored, old)
         if old != new:
-            diff = _diff(new, old if isinstance(old, dict) else {})
+            diff = config_diff(new, old if isinstance(old, dict) else {})
             more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
             raise NascompressError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
                                    f"rerun it with the same config ({stored}) to continue it, use another --out, or "

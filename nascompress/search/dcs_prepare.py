@@ -13,19 +13,33 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from ..data import InputSpec, make_loader, preprocess
-from ..methods.dcs import BlockStats, ChannelImportance, activation_stats, channel_importance
+from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
 from ..retrain import auto_batch_size
 from .dcs_family import choose_family, dense_targets, probe_kl
 from .dcs_protect import protection
 
-if TYPE_CHECKING:
-    from .dcs import DCSSearchJob
+
+class SearchJob(Protocol):
+    """What the measurements read of a search job (:class:`nascompress.search.dcs.DCSSearchJob`, whose
+    search calls :func:`prepare_search`; declared here so that this module does not import its caller)."""
+
+    source: str
+    weights: str | None
+    search: Any  # DCSSearchConfig
+    method: DCSConfig
+    train: Any  # TrainConfig
+    data: Any  # DataConfig
+
+    def replace(self: Job, **changes: Any) -> Job: ...
+
+
+Job = TypeVar("Job", bound=SearchJob)
 
 INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
 INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 0.9x the weight order's
@@ -57,7 +71,7 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, f
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
 
 
-def _memo(job: DCSSearchJob, seed: int) -> dict[str, Any]:
+def _memo(job: SearchJob, seed: int) -> dict[str, Any]:
     """The process's memo of one base run's measurements (a fresh one for another run or images)."""
     src = Path(job.source)
     weights = src / "model.safetensors" if src.is_dir() else Path(job.weights or src)
@@ -73,7 +87,7 @@ def _memo(job: DCSSearchJob, seed: int) -> dict[str, Any]:
     return _MEMO[key]
 
 
-def prepare_search(job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec) -> tuple[DCSSearchJob, dict[str, Any]]:
+def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec) -> tuple[Job, dict[str, Any]]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
     the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
     the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),

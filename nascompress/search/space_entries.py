@@ -38,46 +38,46 @@ class Method:
         return next((p for p in self.params if p.name == name), None)
 
 
-def _enc(layers: Sequence[int]) -> str:
+def encode_layers(layers: Sequence[int]) -> str:
     return ",".join(str(x) for x in layers)
 
 
-def _dec(text: str) -> list[int]:
+def decode_layers(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x != ""]
 
 
 
-def _is_num(x: Any) -> bool:
+def is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_scalar(x: Any) -> bool:
+def is_scalar(x: Any) -> bool:
     return x is None or isinstance(x, (bool, int, float, str))
 
 
-def _plain(x: Any) -> Any:
+def plain_value(x: Any) -> Any:
     if isinstance(x, Mapping):
-        return {k: _plain(v) for k, v in x.items()}
+        return {k: plain_value(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [plain_value(v) for v in x]
     return x
 
 
-def _is_layer_const_value(p: Param) -> bool:
+def is_layer_const_value(p: Param) -> bool:
     return (p.kind == "const" and isinstance(p.value, list) and bool(p.value)
-            and all(_is_int(v) and v >= 1 for v in p.value))
+            and all(is_int(v) and v >= 1 for v in p.value))
 
 
-def _is_layer_const(m: Method, p: Param) -> bool:
+def is_layer_const(m: Method, p: Param) -> bool:
     """A constant list that a per_layer entry uses as its layers (so it holds layer numbers)."""
-    return _is_layer_const_value(p) and any(q.kind == "per_layer" and q.layers_ref == p.name for q in m.params)
+    return is_layer_const_value(p) and any(q.kind == "per_layer" and q.layers_ref == p.name for q in m.params)
 
 
-def _max_len(m: Method, p: Param) -> int:
+def max_len(m: Method, p: Param) -> int:
     if p.layers_list is not None:
         return len(p.layers_list)
     sib = m.param(p.layers_ref or "")
@@ -86,6 +86,6 @@ def _max_len(m: Method, p: Param) -> int:
 
 
 
-def _active(p: Param, values: Mapping[str, Any]) -> bool:
+def is_active(p: Param, values: Mapping[str, Any]) -> bool:
     return all(name in values and values[name] in vals for name, vals in p.when)
 

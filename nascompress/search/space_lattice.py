@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ..errors import NascompressError
 
-if TYPE_CHECKING:
-    from .space_model import Space
+
+class Space(Protocol):
+    """What the lattice reads of a space (:class:`nascompress.search.space_model.Space`, which calls
+    :func:`grid`; declared here so that this module does not import its caller)."""
+
+    def param_names(self) -> list[str]: ...
+
+    def suggest(self, trial: Any) -> Any: ...
 
 
 def grid(space: Space, n: int) -> list[dict[str, Any]]:

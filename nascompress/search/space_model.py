@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import NascompressError
 from . import space_lattice, space_replay
-from .space_entries import Method, Param, _active, _dec, _enc, _is_layer_const, _max_len, _plain
-from .space_parser import FORMAT, MethodFields, _Parser, read_space_file, registry_method_fields
+from .space_entries import Method, Param, is_active, decode_layers, encode_layers, is_layer_const, max_len, plain_value
+from .space_parser import FORMAT, MethodFields, Parser, read_space_file, registry_method_fields
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -41,7 +41,7 @@ class Space:
             method_fields: ``name -> set of config field names`` (None: unknown method); None
                 skips the method and parameter name checks.
         """
-        name, description, methods = _Parser(source, method_fields).space(data)
+        name, description, methods = Parser(source, method_fields).space(data)
         return cls(name=name, description=description, methods=methods, source=source)
 
     def to_dict(self) -> dict[str, Any]:
@@ -51,7 +51,7 @@ class Space:
 
     def _methods_dict(self) -> list[dict[str, Any]]:
         return [{"name": m.name, "group": m.group, "optional": m.optional,
-                 "params": {p.name: _plain(p.source) for p in m.params}} for m in self.methods]
+                 "params": {p.name: plain_value(p.source) for p in m.params}} for m in self.methods]
 
     def hash(self) -> str:
         """A stable 16-hex-digit hash of the normalized methods (name and description excluded)."""
@@ -89,7 +89,7 @@ class Space:
                 if p.kind == "const":
                     continue
                 if p.kind == "per_layer":
-                    names += [f"{m.name}.{p.name}.{i}" for i in range(_max_len(m, p))]
+                    names += [f"{m.name}.{p.name}.{i}" for i in range(max_len(m, p))]
                 else:
                     names.append(f"{m.name}.{p.name}")
         return names
@@ -103,7 +103,7 @@ class Space:
                     layers = [x for c in p.choices for x in c]
                 elif p.kind == "per_layer" and p.layers_list is not None:
                     layers = list(p.layers_list)
-                elif p.kind == "const" and _is_layer_const(m, p):
+                elif p.kind == "const" and is_layer_const(m, p):
                     layers = list(p.value)
                 bad = sorted({x for x in layers if x > depth})
                 if bad:
@@ -230,7 +230,7 @@ class Space:
                 name = f"{m.name}.{p.name}"
                 if p.kind == "per_layer":
                     assert p.item is not None
-                    for i in range(_max_len(m, p)):
+                    for i in range(max_len(m, p)):
                         out[f"{name}.{i}"] = _distribution(p.item)
                 elif p.kind != "const":
                     out[name] = _distribution(p)
@@ -259,13 +259,13 @@ def _suggest_one(p: Param, name: str, trial: Any) -> Any:
 def _suggest_method(m: Method, trial: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = {}
     for p in m.params:
-        if not _active(p, cfg):
+        if not is_active(p, cfg):
             continue
         name = f"{m.name}.{p.name}"
         if p.kind == "const":
             cfg[p.name] = p.value
         elif p.kind == "layers":
-            cfg[p.name] = _dec(trial.suggest_categorical(name, [_enc(c) for c in p.choices]))
+            cfg[p.name] = decode_layers(trial.suggest_categorical(name, [encode_layers(c) for c in p.choices]))
         elif p.kind == "per_layer":
             layers = list(p.layers_list) if p.layers_list is not None else cfg.get(p.layers_ref or "")
             if layers is None:  # its layers parameter is off in this trial
@@ -286,5 +286,5 @@ def _distribution(p: Param) -> BaseDistribution:
     if p.kind == "int":
         return IntDistribution(p.low, p.high, step=p.step or 1, log=p.log)
     if p.kind == "layers":
-        return CategoricalDistribution([_enc(c) for c in p.choices])
+        return CategoricalDistribution([encode_layers(c) for c in p.choices])
     return CategoricalDistribution(list(p.choices))

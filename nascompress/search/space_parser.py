@@ -64,7 +64,7 @@ import yaml
 
 from ..config import StrictYamlLoader as _StrictLoader
 from ..errors import NascompressError
-from .space_entries import Method, Param, _is_int, _is_layer_const_value, _is_num, _is_scalar, _plain
+from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
 
 FORMAT = "nascompress-space/1"
 KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
@@ -128,7 +128,7 @@ def read_space_file(path: str | Path) -> Any:
     return data
 
 
-class _Parser:
+class Parser:
     """Validates a parsed space file (errors name ``source``, the entry and the problem)."""
 
     def __init__(self, source: str, method_fields: MethodFields | None) -> None:
@@ -220,7 +220,7 @@ class _Parser:
         a = by.get("align")
         aligns = [DEFAULT_ALIGN] if a is None else list(a.choices) if a.kind == "categorical" else \
             [a.value] if a.kind == "const" else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
-        if not all(_is_int(v) and v >= 1 for v in aligns):
+        if not all(is_int(v) and v >= 1 for v in aligns):
             raise self.err(a.where, f"align takes integers >= 1, got {aligns}")
         need = math.lcm(*aligns)
         for pname in WIDTH_PARAMS.get(method, ()):
@@ -236,7 +236,7 @@ class _Parser:
             else:
                 raise self.err(p.where, f"{pname} is a width: search it as an int with a step (a multiple of align "
                                         f"{need}), or as choices")
-            bad = [v for v in values if v is not None and (not _is_int(v) or v % need)]
+            bad = [v for v in values if v is not None and (not is_int(v) or v % need)]
             if bad:
                 raise self.err(p.where, f"{pname} is a width and must only take multiples of align {need} (its low, "
                                         f"high and step too); {bad[0]!r} is not. Use multiples of {need}, or set "
@@ -244,8 +244,8 @@ class _Parser:
 
     def param(self, pname: str, spec: Any, where: str, earlier: dict[str, Param]) -> Param:
         if not isinstance(spec, Mapping):
-            if _is_scalar(spec) or (isinstance(spec, list) and all(_is_scalar(x) for x in spec)):
-                return Param(pname, "const", where, value=_plain(spec), source={"kind": "const", "value": _plain(spec)})
+            if is_scalar(spec) or (isinstance(spec, list) and all(is_scalar(x) for x in spec)):
+                return Param(pname, "const", where, value=plain_value(spec), source={"kind": "const", "value": plain_value(spec)})
             raise self.err(where, "a constant is a scalar or a list of scalars; write mappings as "
                                   "{kind: const, value: {...}}")
         kind = spec.get("kind")
@@ -260,8 +260,8 @@ class _Parser:
         if kind == "const":
             if "value" not in spec:
                 raise self.err(where, "kind const needs value")
-            return Param(pname, "const", where, value=_plain(spec["value"]),
-                         source={"kind": "const", "value": _plain(spec["value"])})
+            return Param(pname, "const", where, value=plain_value(spec["value"]),
+                         source={"kind": "const", "value": plain_value(spec["value"])})
         if kind in ("float", "int"):
             p = self.numeric(pname, kind, spec, where)
         elif kind == "categorical":
@@ -276,7 +276,7 @@ class _Parser:
         return Param(**{**p.__dict__, "when": when, "source": src})
 
     def numeric(self, pname: str, kind: str, spec: Mapping[str, Any], where: str) -> Param:
-        check = _is_int if kind == "int" else _is_num
+        check = is_int if kind == "int" else is_num
         tname = "an integer" if kind == "int" else "a number"
         for k in ("low", "high"):
             if k not in spec:
@@ -311,7 +311,7 @@ class _Parser:
         if not isinstance(choices, list) or not choices:
             raise self.err(f"{where}.choices", "a non-empty list of choices is required")
         for c in choices:
-            if not _is_scalar(c):
+            if not is_scalar(c):
                 raise self.err(f"{where}.choices", f"choices are scalars (null, bool, number, string), got {c!r}")
         keys = [json.dumps(c) for c in choices]
         if len(set(keys)) != len(keys):
@@ -324,7 +324,7 @@ class _Parser:
         if not isinstance(x, list) or not x:
             raise self.err(where, f"a non-empty list of layer numbers is required, got {x!r}")
         for v in x:
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {v!r}")
         if len(set(x)) != len(x):
             raise self.err(where, f"layer {next(v for i, v in enumerate(x) if v in x[:i])} appears twice")
@@ -348,7 +348,7 @@ class _Parser:
                          source={"kind": "layers", "choices": [list(s) for s in sets]})
         if has[0] == "range":
             r = spec["range"]
-            if (not isinstance(r, list) or len(r) != 2 or not all(_is_int(v) for v in r)):
+            if (not isinstance(r, list) or len(r) != 2 or not all(is_int(v) for v in r)):
                 raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {r!r}")
             if r[0] < 1:
                 raise self.err(f"{where}.range", f"layer numbers are 1-based (>= 1), got {r[0]}")
@@ -362,9 +362,9 @@ class _Parser:
         if "size" not in spec:
             raise self.err(where, "kind layers with range or candidates needs size: k or size: [lo, hi]")
         size = spec["size"]
-        if _is_int(size):
+        if is_int(size):
             lo = hi = size
-        elif isinstance(size, list) and len(size) == 2 and all(_is_int(v) for v in size):
+        elif isinstance(size, list) and len(size) == 2 and all(is_int(v) for v in size):
             lo, hi = size
         else:
             raise self.err(f"{where}.size", f"size is an integer or [lo, hi], got {size!r}")
@@ -390,7 +390,7 @@ class _Parser:
             if sib is None:
                 raise self.err(f"{where}.layers", f"refers to {ref!r}, which must be a parameter declared "
                                                   f"before {pname!r} in the same method")
-            if not (sib.kind == "layers" or _is_layer_const_value(sib)):
+            if not (sib.kind == "layers" or is_layer_const_value(sib)):
                 raise self.err(f"{where}.layers", f"{ref!r} must be a layers parameter or a constant list of "
                                                   f"layer numbers, it is {sib.kind}")
         else:
@@ -425,7 +425,7 @@ class _Parser:
                 raise self.err(ww, f"{sib_name}: give at least one value")
             for v in vals:
                 ok = (v in sib.choices) if sib.kind == "categorical" else (v == sib.value)
-                if not ok or not _is_scalar(v):
+                if not ok or not is_scalar(v):
                     opts = list(sib.choices) if sib.kind == "categorical" else [sib.value]
                     raise self.err(ww, f"{sib_name} can never be {v!r} (its values: {opts})")
             out.append((sib_name, vals))

@@ -3,13 +3,20 @@ return given method records (stored records, the dense model's or a paper's conf
 value checked against the space."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from ..errors import NascompressError
-from .space_entries import Method, Param, _active, _enc, _is_int, _is_num
+from .space_entries import Method, Param, is_active, encode_layers, is_int, is_num
 
-if TYPE_CHECKING:
-    from .space_model import Space
+
+class Space(Protocol):
+    """What replay reads of a space (:class:`nascompress.search.space_model.Space`, which calls
+    :func:`params_for`; declared here so that this module does not import its caller)."""
+
+    name: str
+    methods: list[Method]
+
+    def groups(self) -> dict[str, list[Method]]: ...
 
 
 def params_for(space: Space, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -58,10 +65,10 @@ def params_for(space: Space, records: Sequence[Mapping[str, Any]]) -> dict[str, 
 
 def _check_value(p: Param, v: Any, where: str) -> Any:
     if p.kind == "categorical":
-        if not any(v == c and type(v) is type(c) or (_is_num(v) and _is_num(c) and v == c) for c in p.choices):
+        if not any(v == c and type(v) is type(c) or (is_num(v) and is_num(c) and v == c) for c in p.choices):
             raise NascompressError(f"{where}: {v!r} is not one of the space's choices {list(p.choices)}")
         return next(c for c in p.choices if c == v)
-    check = _is_int if p.kind == "int" else _is_num
+    check = is_int if p.kind == "int" else is_num
     if not check(v):
         raise NascompressError(f"{where}: expected {'an integer' if p.kind == 'int' else 'a number'}, got {v!r}")
     assert p.low is not None and p.high is not None
@@ -79,7 +86,7 @@ def _params_for_method(m: Method, cfg: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     values: dict[str, Any] = {}
     for p in m.params:
-        if not _active(p, values):
+        if not is_active(p, values):
             continue
         name, where = f"{m.name}.{p.name}", f"records: {m.name}.config.{p.name}"
         if p.kind == "const":
@@ -96,12 +103,12 @@ def _params_for_method(m: Method, cfg: Mapping[str, Any]) -> dict[str, Any]:
             raise NascompressError(f"{where} is missing; the space searches it")
         v = cfg[p.name]
         if p.kind == "layers":
-            if not isinstance(v, (list, tuple)) or not all(_is_int(x) for x in v):
+            if not isinstance(v, (list, tuple)) or not all(is_int(x) for x in v):
                 raise NascompressError(f"{where}: expected a list of layer numbers, got {v!r}")
             key = tuple(sorted(v))
             if key not in p.choices:
                 raise NascompressError(f"{where}: layers {list(key)} are not one of the space's layer sets")
-            out[name] = _enc(key)
+            out[name] = encode_layers(key)
             values[p.name] = list(key)
         elif p.kind == "per_layer":
             assert p.item is not None

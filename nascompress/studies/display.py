@@ -38,7 +38,7 @@ def _duration(t: FrozenTrial) -> float | None:
     return None
 
 
-class _Display:
+class Display:
     """Live progress on stderr, or JSON lines on stdout (one per finished trial)."""
 
     def __init__(self, *, study_name: str, n_trials: int, directions: Sequence[str], metric_names: Sequence[str],
@@ -54,7 +54,7 @@ class _Display:
         self.state: dict[str, Any] = {}
         self.live: Any = None
 
-    def __enter__(self) -> _Display:
+    def __enter__(self) -> Display:
         if self.rich:
             from rich.live import Live
 

@@ -114,13 +114,13 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def _row(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
+def trial_row(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
     rec = trial_record(t)
     return {"number": t.number, "values": dict(zip(names, t.values)) if t.values else {},
             "params": dict(t.params), "record": {k: rec.get(k) for k in RECORD_COLUMNS}}
 
 
-def _varying(rows: Sequence[dict[str, Any]]) -> list[str]:
+def varying_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     keys: list[str] = []
     for r in rows:
         keys += [k for k in r["params"] if k not in keys]
@@ -156,12 +156,12 @@ def show_study(name: str, storage: str | None = None, *, limit: int = 20) -> dic
                 and all(v <= 0 for v in t.constraints.values()) and not math.isnan(t.values[0])]
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:limit]
         kind = "best"
-    rows = [_row(t, names) for t in shown]
+    rows = [trial_row(t, names) for t in shown]
     return {"study": name, "storage": spec.display, "metric_names": names, "directions": dirs, "kind": kind,
-            "counts": _counts(trials), "info": study_info(study), "varying": _varying(rows), "trials": rows}
+            "counts": _counts(trials), "info": study_info(study), "varying": varying_columns(rows), "trials": rows}
 
 
-def _fmt(v: Any) -> str:
+def format_value(v: Any) -> str:
     if v is None:
         return "-"
     if isinstance(v, bool):
@@ -187,7 +187,7 @@ def render_show(result: dict[str, Any]) -> Table:
     title = (f"{result['study']}: Pareto front, {len(result['trials'])} trials" if result["kind"] == "pareto"
              else f"{result['study']}: best {len(result['trials'])} trials")
     arrows = {"maximize": "↑", "minimize": "↓"}
-    table = Table(title=title, caption=f"{result['storage']}  {_summary(result['counts'])}")
+    table = Table(title=title, caption=f"{result['storage']}  {count_summary(result['counts'])}")
     table.add_column("trial", justify="right")
     for p in result["varying"]:
         table.add_column(p, justify="right")
@@ -197,12 +197,12 @@ def render_show(result: dict[str, Any]) -> Table:
     for c in extra:
         table.add_column(c.replace("_", " "), justify="right")
     for r in result["trials"]:
-        table.add_row(str(r["number"]), *[_fmt(r["params"].get(p)) for p in result["varying"]],
-                      *[_fmt(r["values"].get(n)) for n in names], *[_fmt(r["record"].get(c)) for c in extra])
+        table.add_row(str(r["number"]), *[format_value(r["params"].get(p)) for p in result["varying"]],
+                      *[format_value(r["values"].get(n)) for n in names], *[format_value(r["record"].get(c)) for c in extra])
     return table
 
 
-def _summary(counts: dict[str, int]) -> str:
+def count_summary(counts: dict[str, int]) -> str:
     parts = [f"{counts.get('COMPLETE', 0)} complete", f"{counts.get('FAIL', 0)} failed",
              f"{counts.get('RUNNING', 0)} running"]
     parts += [f"{counts[k]} {k.lower()}" for k in ("WAITING", "PRUNED") if counts.get(k)]

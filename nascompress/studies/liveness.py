@@ -19,25 +19,25 @@ from .records import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
 
 
 @dataclass(frozen=True)
-class _Me:
+class Me:
     host: str
     pid: int
     pid_start: str | None
 
     @staticmethod
-    def now() -> _Me:
+    def now() -> Me:
         pid = os.getpid()
-        return _Me(socket.gethostname(), pid, _pid_start(pid))
+        return Me(socket.gethostname(), pid, _pid_start(pid))
 
 
-_ACTIVE: set[tuple[str, int]] = set()  # (study name, trial id) run by this process right now
+ACTIVE: set[tuple[str, int]] = set()  # (study name, trial id) run by this process right now
 _NO_BEAT_SINCE: dict[tuple[str, int], float] = {}  # RUNNING trials seen without any beat: first seen (monotonic)
 
 
-def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> bool:
+def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: Me) -> bool:
     w = t.system_attrs.get(WORKER_KEY)
     if isinstance(w, Mapping) and w.get("released"):  # interrupted (Ctrl-C): free to take over at once
-        return (study_name, t._trial_id) not in _ACTIVE
+        return (study_name, t._trial_id) not in ACTIVE
     if not isinstance(w, Mapping):
         # No beat yet: asked a moment ago, or its worker died between ask and the first beat. Its
         # datetime_start is the writer's naive local time (not comparable across machines), so
@@ -46,7 +46,7 @@ def _is_stale(t: FrozenTrial, study_name: str, grace_period: float, me: _Me) -> 
         return time.monotonic() - first > grace_period
     if w.get("host") == me.host:
         if w.get("pid") == me.pid:
-            return (study_name, t._trial_id) not in _ACTIVE
+            return (study_name, t._trial_id) not in ACTIVE
         if not _pid_alive(int(w.get("pid", -1)), w.get("pid_start")):
             return True
     return time.time() - float(w.get("beat", 0.0)) > grace_period
@@ -79,7 +79,7 @@ def stale_trials(study: optuna.Study, *, grace_period: float,
             (a trial of a dead process on this host is stale at once).
         trials: the study's trials if already read.
     """
-    me = _Me.now()
+    me = Me.now()
     trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
     return sorted((t for t in trials if t.state == TrialState.RUNNING
                    and _is_stale(t, study.study_name, grace_period, me)), key=lambda t: t.number)
@@ -106,7 +106,7 @@ def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: 
     return failed
 
 
-def _take_over(study: optuna.Study, t: FrozenTrial, me: _Me) -> bool:
+def take_over(study: optuna.Study, t: FrozenTrial, me: Me) -> bool:
     """Claim a stale RUNNING trial for this worker: write this worker as its owner and read it
     back (another worker that claimed it at the same moment may run it too; the first tell wins)."""
     storage = study._storage
@@ -125,10 +125,10 @@ def _take_over(study: optuna.Study, t: FrozenTrial, me: _Me) -> bool:
     return True
 
 
-class _Heartbeat:
+class Heartbeat:
     """Writes the worker identity and a timestamp into a trial now and every ``interval`` s."""
 
-    def __init__(self, study: optuna.Study, trial_id: int, interval: float, me: _Me) -> None:
+    def __init__(self, study: optuna.Study, trial_id: int, interval: float, me: Me) -> None:
         self.storage = study._storage
         self.trial_id = trial_id
         self.interval = interval
@@ -149,7 +149,7 @@ class _Heartbeat:
             except Exception:  # a transient storage error: the next beat retries
                 pass
 
-    def __enter__(self) -> _Heartbeat:
+    def __enter__(self) -> Heartbeat:
         if time.time() - self.last > self.interval / 2:
             self.beat()
         self.thread = threading.Thread(target=self._run, name="nascompress-heartbeat", daemon=True)
@@ -162,7 +162,7 @@ class _Heartbeat:
             self.thread.join()
 
 
-def _let_go(study: optuna.Study, trial: optuna.Trial, me: _Me) -> None:
+def let_go(study: optuna.Study, trial: optuna.Trial, me: Me) -> None:
     """Mark the trial released by its worker: the next run takes it over at once, in its place."""
     study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
         "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(), "released": True})

@@ -21,10 +21,10 @@ from typing import Any, Callable, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .inspect import _fmt, _row, _summary, _varying, check_out, directions, load, metric_names, show_columns
+from .inspect import format_value, trial_row, count_summary, varying_columns, check_out, directions, load, metric_names, show_columns
 from .records import pareto_front, study_info, trial_record
 
-_CSS = """
+REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ddd}
 table{border-collapse:collapse;font-size:.9em}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
@@ -119,7 +119,7 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
     space = info.get("space") or {}
     meta = [("storage", storage_display), ("objectives", ", ".join(f"{n} ({d})" for n, d in zip(names, dirs))),
-            ("trials", _summary(counts)), ("created", info.get("created")),
+            ("trials", count_summary(counts)), ("created", info.get("created")),
             ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
             ("base run", info.get("base_run")), ("dataset", info.get("dataset")), ("command", info.get("command")),
             ("sampler", info.get("sampler")), ("seed", info.get("seed")),
@@ -128,7 +128,7 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v not in (None, ""))
     title = f"nascompress study {study.study_name}"
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f'<link rel="icon" href="data:,"><style>{_CSS}</style></head><body>'
+            f'<link rel="icon" href="data:,"><style>{REPORT_CSS}</style></head><body>'
             f"<h1>{html.escape(title)}</h1><dl>{dl}</dl>{''.join(figs.parts)}{table}</body></html>\n")
 
 
@@ -192,13 +192,13 @@ def _table_html(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str]
                 and all(v <= 0 for v in t.constraints.values())]
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:20]
         heading = f"Best trials ({len(shown)})"
-    rows = [_row(t, names) for t in shown]
+    rows = [trial_row(t, names) for t in shown]
     result = {"metric_names": names, "trials": rows}
-    varying = _varying(rows)
+    varying = varying_columns(rows)
     extra = show_columns(result)
     head = ["trial"] + varying + names + [c.replace("_", " ") for c in extra]
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(v))}</td>" for v in
+        "<tr>" + "".join(f"<td>{html.escape(format_value(v))}</td>" for v in
                          [r["number"]] + [r["params"].get(p) for p in varying] + [r["values"].get(n) for n in names]
                          + [r["record"].get(c) for c in extra]) + "</tr>" for r in rows)
     table = (f'<table id="front-table"><thead><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in head)}</tr></thead>'

@@ -84,13 +84,13 @@ from optuna.trial import FrozenTrial, TrialState
 from nascompress.limits import check_limited
 from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
 
-from .display import _Display
-from .liveness import _ACTIVE, _Heartbeat, _let_go, _Me, _take_over, fail_stale_trials, stale_trials
+from .display import Display
+from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
 from .records import (ERROR_KEY, RECORD_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY, pareto_front,
                       study_info)
-from .seeding import _Seeding, default_sampler
+from .seeding import Seeding, default_sampler
 from .storage import StorageSpec, open_storage, resolve_run_storage
-from .workers import _run_workers, _WorkerArgs
+from .workers import LoopConfig, WorkerArgs, run_workers
 
 # Defined here before the split, still importable from here:
 from .display import FLOPS_BUCKETS  # noqa: F401
@@ -100,16 +100,6 @@ from .seeding import ParamSeeded, sampler_seed  # noqa: F401
 
 # ----------------------------------------------------------------------------------------------
 # The ask/tell loop
-
-
-@dataclass(frozen=True)
-class _LoopConfig:
-    n_trials: int
-    deadline: float | None
-    heartbeat_interval: float
-    grace_period: float
-    max_retries: int
-    max_failures: int
 
 
 def _as_values(out: Any, n: int) -> list[float]:
@@ -176,11 +166,11 @@ def _failure_stop(reasons: list[str]) -> NascompressError:
                             "command to continue the study")
 
 
-def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _LoopConfig, seeding: _Seeding,
+def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: LoopConfig, seeding: Seeding,
           on_update: Callable[[Sequence[FrozenTrial]], None] | None = None) -> int:
     """One worker's loop: take over a stale trial, or ask a new one; run it; tell it. Returns the
     number of trials it ran to an end."""
-    me = _Me.now()
+    me = Me.now()
     n_obj = len(study.directions)
     poll = min(1.0, cfg.heartbeat_interval)
     ran = 0
@@ -206,7 +196,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
         unbeaten = any(t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs
                        and t.number not in stale_numbers for t in trials)
         trial = None
-        if stale and _take_over(study, stale[0], me):  # a killed trial first, in its own place
+        if stale and take_over(study, stale[0], me):  # a killed trial first, in its own place
             seeding.reseed(study, trials)
             study._thread_local.cached_all_trials = None  # as Study.ask does: read the trials afresh
             trial = optuna.Trial(study, stale[0]._trial_id)
@@ -217,9 +207,9 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
             seeding.reseed(study, trials)
             trial = study.ask()
         key = (study.study_name, trial._trial_id)
-        _ACTIVE.add(key)
+        ACTIVE.add(key)
         try:
-            heartbeat = _Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
+            heartbeat = Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
             heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
             if trial.number not in stale_numbers and _surplus(study, trial, cfg.n_trials):
                 _release(study, trial)
@@ -231,7 +221,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
             except optuna.TrialPruned:
                 _finish(study, trial, state=TrialState.PRUNED)
             except KeyboardInterrupt:  # released: the next run takes it over at once, in its place
-                _let_go(study, trial, me)
+                let_go(study, trial, me)
                 raise
             except UpdateFinishedTrialError:
                 pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
@@ -240,7 +230,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
                     # a full disk or an unwritable storage is no fault of the trial: stop now; the rerun
                     # (once there is room) takes the trial over in its place
                     try:
-                        _let_go(study, trial, me)
+                        let_go(study, trial, me)
                     except Exception:  # noqa: BLE001 (the storage may refuse this write too: the trial then
                         pass           # counts as dead by its pid, with the same effect)
                     raise
@@ -254,7 +244,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: _L
                     reasons = []
             ran += 1
         finally:
-            _ACTIVE.discard(key)
+            ACTIVE.discard(key)
 
 
 @contextmanager
@@ -353,7 +343,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _worker_main(args: _WorkerArgs, results: Any) -> None:
+def _worker_main(args: WorkerArgs, results: Any) -> None:
     """Entry point of a spawned worker process."""
     signal.signal(signal.SIGTERM, _interrupt)
     msg: dict[str, Any] = {"worker": args.index}
@@ -365,7 +355,7 @@ def _worker_main(args: _WorkerArgs, results: Any) -> None:
     try:
         with _quiet_optuna():
             storage = open_storage(args.spec, create=False)
-            seeding = _Seeding(args.sampler_factory, args.seed, args.index)
+            seeding = Seeding(args.sampler_factory, args.seed, args.index)
             study = optuna.load_study(study_name=args.study_name, storage=storage,
                                       sampler=args.sampler_factory(args.seed))
             objective = args.objective_factory()
@@ -457,7 +447,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     info = {**dict(space_info), "objectives": list(metric_names), "seed": int(seed),
             "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
     info.setdefault("command", " ".join(sys.argv))
-    loop = _LoopConfig(n_trials=n_trials, deadline=t0 + timeout if timeout is not None else None,
+    loop = LoopConfig(n_trials=n_trials, deadline=t0 + timeout if timeout is not None else None,
                        heartbeat_interval=float(heartbeat_interval), grace_period=grace,
                        max_retries=max_retries, max_failures=max_failures)
     with _quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=_CONTINUE):
@@ -467,7 +457,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
         resumed = [t.number for t in stale_trials(study, grace_period=grace)]
         trials = study.get_trials(deepcopy=False)
         finished_before = {t.number for t in trials if t.state.is_finished()}
-        display = _Display(study_name=study_name, n_trials=n_trials, directions=directions,
+        display = Display(study_name=study_name, n_trials=n_trials, directions=directions,
                            metric_names=metric_names, rich=progress, json_lines=json_progress,
                            finished_before=finished_before)
         worker_msgs: list[dict[str, Any]] = []
@@ -477,7 +467,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
             if done:
                 pass
             elif workers == 1:
-                seeding = _Seeding(sampler_factory, int(seed))
+                seeding = Seeding(sampler_factory, int(seed))
                 wstudy = optuna.load_study(study_name=study_name, storage=study._storage,
                                            sampler=sampler_factory(int(seed)))
                 objective = objective_factory()
@@ -490,9 +480,9 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 import torch
 
                 threads = max(1, torch.get_num_threads() // workers)
-                args = [_WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
+                args = [WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
                         for k in range(workers)]
-                worker_msgs = _run_workers(args, study, display, target=_worker_main)
+                worker_msgs = run_workers(args, study, display, target=_worker_main)
         trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for t in trials:

@@ -74,7 +74,7 @@ class ParamSeeded(BaseSampler):
 
 
 @dataclass(frozen=True)
-class _Seeding:
+class Seeding:
     """How a worker rebuilds its sampler before each trial (:func:`sampler_seed`, :class:`ParamSeeded`)."""
 
     factory: Callable[[int], BaseSampler]

@@ -6,32 +6,41 @@ import queue as _queue
 import signal
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import optuna
 from optuna.samplers import BaseSampler
 
+from .display import Display
 from .storage import StorageSpec
-
-if TYPE_CHECKING:
-    from .display import _Display
-    from .runner import _LoopConfig
 
 
 @dataclass(frozen=True)
-class _WorkerArgs:
+class LoopConfig:
+    """The limits of one process's ask/tell loop (:func:`nascompress.studies.runner.run_study` sets them)."""
+
+    n_trials: int
+    deadline: float | None
+    heartbeat_interval: float
+    grace_period: float
+    max_retries: int
+    max_failures: int
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
     index: int
     spec: StorageSpec
     study_name: str
     objective_factory: Callable[[], Callable[[optuna.Trial], Any]]
     sampler_factory: Callable[[int], BaseSampler]
     seed: int  # the study's seed (the worker's sampler is rebuilt from it before each trial)
-    loop: _LoopConfig
+    loop: LoopConfig
     threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
 
 
-def _run_workers(args: list[_WorkerArgs], study: optuna.Study, display: _Display, *,
-                 target: Callable[[_WorkerArgs, Any], None]) -> list[dict[str, Any]]:
+def run_workers(args: list[WorkerArgs], study: optuna.Study, display: Display, *,
+                 target: Callable[[WorkerArgs, Any], None]) -> list[dict[str, Any]]:
     """Run a spawned process ``target(args[k], results)`` per worker, refreshing ``display`` until all
     have ended; returns each worker's message (put on ``results``), by worker."""
     import multiprocessing as mp
