@@ -1,0 +1,143 @@
+"""Opening a parsed storage, every failure one line: SQLite and PostgreSQL through Optuna's
+``RDBStorage`` (the installed PostgreSQL driver, a connect timeout), journal files through
+``JournalStorage`` with :class:`~nascompress.studies.journal_lock.OwnedJournalLock`."""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from typing import TYPE_CHECKING
+
+from nascompress.errors import NascompressError, write_error
+
+from .journal_lock import OwnedJournalLock
+from .storage_url import StorageSpec, scrub
+
+if TYPE_CHECKING:
+    from optuna.storages import BaseStorage
+
+CONNECT_TIMEOUT_S = 10
+
+
+def open_storage(spec: StorageSpec, *, create: bool = True) -> BaseStorage:
+    """Open a storage; every failure becomes one :class:`NascompressError` line.
+
+    Args:
+        spec: the storage.
+        create: create a missing SQLite or journal file (False: refuse, for read-only commands).
+    """
+    if spec.kind in ("sqlite", "journal"):
+        assert spec.path is not None
+        if not spec.path.exists():
+            if not create:
+                raise NascompressError(f"storage {spec.display} does not exist (no file {spec.path})")
+            if not spec.path.parent.is_dir():
+                raise NascompressError(f"cannot create storage {spec.display}: directory {spec.path.parent} "
+                                       "does not exist")
+            if not os.access(spec.path.parent, os.W_OK):
+                raise NascompressError(f"cannot create storage {spec.display}: directory {spec.path.parent} "
+                                       "is not writable")
+        elif spec.path.is_dir():
+            raise NascompressError(f"storage {spec.display} is a directory, not a file")
+    if spec.kind == "journal":
+        return _open_journal(spec)
+    return _open_rdb(spec)
+
+
+def _open_journal(spec: StorageSpec) -> BaseStorage:
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            lock = OwnedJournalLock(str(spec.path))
+            return JournalStorage(JournalFileBackend(str(spec.path), lock_obj=lock))
+    except (ValueError, UnicodeDecodeError, KeyError) as e:
+        raise NascompressError(f"cannot open storage {spec.display}: it is not an Optuna journal file "
+                               f"({type(e).__name__}: {e})") from None
+    except OSError as e:
+        raise NascompressError(f"cannot open storage {spec.display}: {e.strerror}") from None
+
+
+def _driver_url(url: str) -> str:
+    """A plain ``postgresql://`` URL with the driver that is installed (SQLAlchemy's default
+    differs between versions: psycopg2 up to 2.0, psycopg 3 from 2.1)."""
+    if not url.startswith("postgresql://"):
+        return url
+    import importlib.util
+
+    for module, dialect in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
+        if importlib.util.find_spec(module) is not None:
+            return f"postgresql+{dialect}://" + url[len("postgresql://"):]
+    return url
+
+
+def _open_rdb(spec: StorageSpec) -> BaseStorage:
+    from optuna.storages import RDBStorage
+
+    url = spec.url
+    if spec.kind == "postgresql":
+        url = _driver_url(url)
+        engine_kwargs = {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}}
+    else:
+        engine_kwargs = {"connect_args": {"timeout": 30}}  # wait for the heartbeat thread's writes
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return RDBStorage(url, engine_kwargs=engine_kwargs)
+    except ImportError as e:
+        raise NascompressError(f"cannot open storage {spec.display}: no PostgreSQL driver is installed "
+                               f"({e}); pip install 'psycopg[binary]'") from None
+    except Exception as e:  # SQLAlchemy / driver / Optuna schema errors
+        full = write_error(e, what=f"study storage {spec.display}", then="then rerun the command")
+        raise full or NascompressError(_rdb_error(spec, e)) from None
+
+
+def _rdb_error(spec: StorageSpec, e: Exception) -> str:
+    """One line: which storage, which host, why."""
+    orig = getattr(e, "orig", None) or e
+    text = scrub(str(orig), spec)
+    first = text.strip().splitlines()[0] if text.strip() else type(orig).__name__
+    if spec.kind == "sqlite":
+        if "file is not a database" in text:
+            reason = "the file is not an SQLite database"
+        elif "unable to open database file" in text:
+            reason = "the file cannot be opened (check the path and its permissions)"
+        elif "no longer compatible" in text or "schema" in text.lower():
+            reason = f"its Optuna schema does not match this Optuna version ({first})"
+        else:
+            reason = first
+        return f"cannot open storage {spec.display}: {reason}"
+    host = _pg_host(spec)
+    low = text.lower()
+    m_db = re.search(r'database "([^"]+)" does not exist', text)
+    m_user = re.search(r'(?:password authentication failed|authentication failed) for user "([^"]+)"', text)
+    m_role = re.search(r'role "([^"]+)" does not exist', text)
+    if "connection refused" in low:
+        reason = "connection refused (is PostgreSQL running and listening there?)"
+    elif m_user:
+        reason = f"authentication failed for user {m_user.group(1)} (check the user and password)"
+    elif m_role:
+        reason = f"user {m_role.group(1)} does not exist"
+    elif m_db:
+        reason = f"unknown database {m_db.group(1)} (create it first: createdb {m_db.group(1)})"
+    elif "could not translate host name" in low or "name or service not known" in low:
+        reason = "unknown host name"
+    elif "timeout" in low or "timed out" in low:
+        reason = f"no answer within {CONNECT_TIMEOUT_S} s (timed out)"
+    elif "no longer compatible" in low:
+        reason = f"its Optuna schema does not match this Optuna version ({first})"
+    else:
+        reason = first
+    return f"cannot open storage {spec.display}: PostgreSQL at {host}: {reason}"
+
+
+def _pg_host(spec: StorageSpec) -> str:
+    try:
+        from sqlalchemy.engine import make_url
+
+        u = make_url(spec.url)
+        return f"{u.host or 'localhost'}:{u.port or 5432}"
+    except Exception:
+        return "?"
