@@ -66,7 +66,8 @@ from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
 from ..progress import step
-from ..retrain import AUTO_BATCH_NOTE, FeatureTap, auto_batch_size, feature_kd_loss
+from ..auto_batch import AUTO_BATCH_NOTE, auto_batch_size
+from ..distill import FeatureTap, feature_kd_loss
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..data import InputSpec, make_loader, preprocess
 from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
-from ..retrain import auto_batch_size
+from ..auto_batch import auto_batch_size
 from .dcs_family import choose_family, dense_targets, probe_kl
 from .dcs_protect import protection
 
