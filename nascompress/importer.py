@@ -12,7 +12,6 @@ accept. Provenance (source path, its sha256, timm name and version, time) goes i
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,8 +24,8 @@ import torch
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import finish_run, make_arch, save_model
-from .models import ModelSpec, build_model, read_weights_file, state_mismatches
+from .io import file_sha256, finish_run, make_arch, save_model
+from .models import ModelSpec, build_model, mismatch_report, read_weights_file, state_mismatches
 from .utils import create_out_dir, prepare_out_dir, resolve_device, write_json
 
 
@@ -73,14 +72,6 @@ class ImportJob:
         d["data"] = DataConfig(**d["data"]) if d.get("data") else None
         d["input"] = InputOverrides.from_dict(d.get("input"))
         return cls(**d)
-
-
-def sha256_of(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | None:
@@ -130,12 +121,11 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     sd = _filtered(model, raw)
     bad = state_mismatches(model, sd)
     if bad:
-        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
         hint = ""
         if job.num_classes is not None and any(b.startswith("head.") for b in bad[:3]):
             hint = f"; --num-classes must match the file's head ({int(head.shape[0])} classes)"
         raise NascompressError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
-                               f"{'; '.join(bad[:3])}{more}{hint}")
+                               f"{mismatch_report(bad)}{hint}")
     model.load_state_dict(sd, strict=True)
 
     from .train import input_spec_for  # (train imports much; only needed here)
@@ -161,7 +151,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
 
     import timm
 
-    source = {"weights": str(Path(job.weights).resolve()), "sha256": sha256_of(job.weights), "timm_name": job.model,
+    source = {"weights": str(Path(job.weights).resolve()), "sha256": file_sha256(job.weights), "timm_name": job.model,
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     arch = make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
     arch["source"] = source
@@ -173,4 +163,4 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     return metrics
 
 
-__all__ = ["ImportJob", "import_model", "sha256_of"]
+__all__ = ["ImportJob", "import_model"]

@@ -361,17 +361,22 @@ def state_mismatches(model: nn.Module, sd: dict[str, torch.Tensor]) -> list[str]
     return out
 
 
+def mismatch_report(bad: list[str], *, first: int = 3) -> str:
+    """The first ``first`` mismatches of :func:`state_mismatches` and how many more, for a message."""
+    more = f"; and {len(bad) - first} more" if len(bad) > first else ""
+    return "; ".join(bad[:first]) + more
+
+
 def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: str) -> None:
     """Load ``sd`` into ``model`` strictly; on a mismatch name the first differing tensors (up to 3)."""
     bad = state_mismatches(model, sd)
     if bad:
-        more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
         hint = ""
         if any(b.startswith("tensor head.") for b in bad):
             hint = "; the file has no classifier head (a backbone-only checkpoint): pass --reset-head for a new one"
         elif any(b.startswith("head.") for b in bad[:3]):
             hint = "; the class count differs: set --num-classes to match the file, or pass --reset-head"
-        raise NascompressError(f"{source} does not match the model: {'; '.join(bad[:3])}{more}{hint}")
+        raise NascompressError(f"{source} does not match the model: {mismatch_report(bad)}{hint}")
     model.load_state_dict(sd, strict=True)
 
 

@@ -171,3 +171,19 @@ def test_the_study_runner_still_exports_what_it_did_before_the_split():
         for name in names:
             assert getattr(runner, name) is getattr(mod, name), name
     assert callable(runner.run_study) and callable(runner.storage_full) and runner.FLOPS_BUCKETS
+
+
+# Helpers that were written two or more times, each now written once: a text that marks its body, and
+# the one module that holds it.
+WRITTEN_ONCE = {
+    "iter(lambda: f.read(": "io.py",  # a file's sha256 (io.file_sha256)
+    "problem_mark": "yaml_io.py",  # a YAML file's one-line error (yaml_io.read_yaml_file)
+    "; and {len(bad) - ": "models.py",  # the state-dict mismatch report (models.mismatch_report)
+    "check_token_model(model,": "methods/tokens.py",  # a token method's resolve() header (tokens.token_layers)
+}
+
+
+def test_the_shared_helpers_are_written_once():
+    for text, home in WRITTEN_ONCE.items():
+        where = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if text in p.read_text())
+        assert where == [home], (text, where)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from datetime import datetime, timezone
@@ -12,6 +11,7 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import NascompressError, require_extra
+from ..io import file_sha256
 from ..data import InputSpec, eval_steps
 from ..progress import say
 from ..utils import atomic_path, write_json
@@ -66,14 +66,6 @@ def new_folders(created: list[Path]) -> Iterator[None]:
             with contextlib.suppress(OSError):
                 p.rmdir()
         raise
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _flops(model: torch.nn.Module, x1: torch.Tensor) -> dict[str, Any]:
@@ -193,7 +185,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                 "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m
                                                                                  else {})} for m in arch["methods"]],
                 "exit_rule": rule,
-                "source": {"run": str(run), "weights": weights.name, "sha256": _sha256(weights)},
+                "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
                 "verification": check,
                 "exporter": {"torch": torch.__version__, "export_seconds": round(export_s, 2),
                              "settings": cfg.to_dict()},

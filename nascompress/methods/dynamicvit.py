@@ -33,7 +33,7 @@ from ..config import Config, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
 from . import Method, register_method
-from .tokens import check_layers, check_token_model, keep_prefix_and, patched_class, scale_layers
+from .tokens import keep_prefix_and, patched_class, token_layers
 
 MASK_EPS = 1e-6
 PREDICTOR = ".dvit_predictor."
@@ -256,9 +256,7 @@ class DynamicViT(Method):
     paper_config = {"rho": 0.7}
 
     def resolve(self, model: nn.Module, cfg: DynamicViTConfig) -> DynamicViTConfig:
-        check_token_model(model, "dynamicvit")
-        depth = len(model.blocks)
-        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(cfg.prune_layers, depth)
+        layers = token_layers(model, "dynamicvit", cfg.prune_layers)
         if isinstance(cfg.rho, tuple) and len(cfg.rho) != len(layers):
             raise NascompressError(f"rho has {len(cfg.rho)} per-stage rates but there are {len(layers)} pruning "
                                    "layers; give one rho or one ratio per layer")

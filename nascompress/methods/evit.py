@@ -28,8 +28,7 @@ from ..config import Config, check_bool, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, register_method
-from .tokens import (ceil_keep, check_layers, check_token_model, gather_tokens, keep_prefix_and, patched_class,
-                     per_layer, scale_layers)
+from .tokens import ceil_keep, gather_tokens, keep_prefix_and, patched_class, per_layer, token_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,9 +209,7 @@ class EViT(Method):
     paper_config = {"keep_rate": 0.7}
 
     def resolve(self, model: nn.Module, cfg: EViTConfig) -> EViTConfig:
-        check_token_model(model, "evit")
-        depth = len(model.blocks)
-        layers = scale_layers(depth) if cfg.prune_layers is None else check_layers(cfg.prune_layers, depth)
+        layers = token_layers(model, "evit", cfg.prune_layers)
         per_layer(cfg.keep_rate, len(layers), "keep_rate")
         return cfg.replace(prune_layers=tuple(layers))
 

@@ -8,7 +8,7 @@ pruned; only the patch tokens after them are ranked.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -119,5 +119,15 @@ def patched_class(cls: type, mixin: type, prefix: str) -> type:
     return _PATCHED[key]
 
 
-__all__ = ["scale_layers", "check_token_model", "check_rate", "check_layers", "per_layer", "gather_tokens",
+
+def token_layers(model: nn.Module, method: str, layers: Any, *, name: str = "prune_layers",
+                 default: Callable[[int], list[int]] = scale_layers) -> list[int]:
+    """The start of every token method's ``resolve``: ``model`` checked (:func:`check_token_model`),
+    then its layers: ``layers`` checked against the depth (:func:`check_layers`), or ``default(depth)``
+    (the papers' layers scaled, :func:`scale_layers`) when None."""
+    depth = len(check_token_model(model, method).blocks)
+    return default(depth) if layers is None else check_layers(layers, depth, name)
+
+
+__all__ = ["scale_layers", "check_token_model", "check_rate", "check_layers", "token_layers", "per_layer", "gather_tokens",
            "keep_prefix_and", "ceil_keep", "patched_class", "REF_LAYERS"]

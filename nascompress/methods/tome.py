@@ -34,7 +34,7 @@ from ..config import Config, check_bool, check_range
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, register_method
-from .tokens import check_layers, check_token_model, gather_tokens, patched_class
+from .tokens import patched_class, token_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,10 +281,8 @@ class ToMe(Method):
     paper_config = {"r": 13}  # the paper's ViT-S/16 at 224 px (1.6x throughput without training)
 
     def resolve(self, model: nn.Module, cfg: ToMeConfig) -> ToMeConfig:
-        check_token_model(model, "tome")
-        depth = len(model.blocks)
-        layers = list(range(1, depth + 1)) if cfg.merge_layers is None else \
-            check_layers(list(cfg.merge_layers), depth, "merge_layers")
+        layers = token_layers(model, "tome", cfg.merge_layers, name="merge_layers",
+                              default=lambda depth: list(range(1, depth + 1)))  # ToMe merges in every layer
         _check_r(cfg.r, len(layers))
         return cfg.replace(merge_layers=tuple(layers))
 

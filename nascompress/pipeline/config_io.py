@@ -7,27 +7,14 @@ from typing import Any
 
 import yaml
 
-from ..config import StrictYamlLoader as _Loader
-from ..errors import NascompressError
 from .schema import _build, _Ctx, _join, _show
 from .sections import PipelineConfig
+from ..yaml_io import read_yaml_file
 
 
 def read_yaml(path: str | Path) -> Any:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise NascompressError(f"config file {path} does not exist") from None
-    except (IsADirectoryError, OSError) as e:
-        raise NascompressError(f"cannot read config file {path}: {e.strerror or e}") from None
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise NascompressError(f"{path}: not valid YAML{at}: {problem}") from None
+    """The parsed pipeline file (not validated yet); a missing, unreadable or invalid one is one line."""
+    return read_yaml_file(path, what="config file")
 
 
 def load_config(path: str | Path, *, seed: int | None = None) -> PipelineConfig:

@@ -60,10 +60,8 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
-
-from ..config import StrictYamlLoader as _StrictLoader
 from ..errors import NascompressError
+from ..yaml_io import read_yaml_file
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
 
 FORMAT = "nascompress-space/1"
@@ -111,21 +109,7 @@ def registry_method_fields(name: str) -> set[str] | None:
 def read_space_file(path: str | Path) -> Any:
     """The parsed YAML of a space file (not validated yet); missing, unreadable or invalid YAML is
     one error naming the file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise NascompressError(f"search space {path} does not exist") from None
-    except OSError as e:
-        raise NascompressError(f"cannot read search space {path}: {e.strerror}") from None
-    try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise NascompressError(f"{path}: not valid YAML{at}: {problem}") from None
-    return data
+    return read_yaml_file(path, what="search space")
 
 
 class Parser:
