@@ -24,10 +24,11 @@ from .config import Config, StageSettings, check_bool
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import finish_run, load_with_arch, save_model, set_labels
+from .io import load_with_arch, save_model, set_labels
 from .methods import get_method
 from .train import TrainConfig, check_classes, fit, recipe_config
-from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
+from .run_dir import RunDir
+from .utils import seed_everything
 
 # Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
 FINETUNE_DEFAULTS: dict[str, Any] = {"epochs": 2, "batch_size": 64, "base_lr": 1e-4, "min_lr": 1e-6,
@@ -103,10 +104,10 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     ``explicit``: the options given on the command line (on resume each must agree with the record)."""
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, FinetuneJob, "nascompress finetune", given=job, explicit=explicit)
+        job = RunDir.recorded(out, FinetuneJob, "nascompress finetune", given=job, explicit=explicit)
     elif Path(job.run_dir).exists():  # recorded absolute: a resume or a reader from another directory finds it
         job = job.replace(run_dir=str(Path(job.run_dir).absolute()))
-    prepare_out_dir(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume)
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)
     runtime.prepare_deterministic(cfg.deterministic)
@@ -123,11 +124,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     set_labels(arch, data.classes)  # the classes trained on (--dataset may name another set of them)
     check_classes(model.num_classes, data, fix=f"give finetune --dataset with the {model.num_classes} classes the "
                   "model was trained for")
-    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
-    if distributed.is_main():
-        create_out_dir(out, force=force, resume=resume)
-        write_json(out / "config.json", job.replace(data=data_cfg, train=cfg).to_dict())
-    distributed.barrier()
+    run.create(job.replace(data=data_cfg, train=cfg).to_dict())
     teacher.eval().requires_grad_(False)
     model.to(device)
     # methods with new predictors train them alone first (backbone frozen): the zero-shot model, and
@@ -148,9 +145,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
                       finish=False)
         metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
-    if distributed.is_main():
-        finish_run(out, metrics)  # the last write: marks the run complete
-    return metrics
+    return run.finish(metrics)  # the last write: marks the run complete
 
 
 __all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "finetune", "finetune_train_config", "split_settings",

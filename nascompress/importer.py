@@ -24,9 +24,10 @@ import torch
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import file_sha256, finish_run, make_arch, save_model
+from .io import file_sha256, make_arch, save_model
 from .models import ModelSpec, build_model, mismatch_report, read_weights_file, state_mismatches
-from .utils import create_out_dir, prepare_out_dir, resolve_device, write_json
+from .run_dir import RunDir
+from .utils import resolve_device
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, 
 def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     """Import ``job.weights`` as a run in ``job.out`` (see the module docstring); return the metrics."""
     out = Path(job.out)
-    prepare_out_dir(out, force=force)
+    run = RunDir.prepare(out, force=force)
     raw = read_weights_file(job.weights)
     kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
     if job.img_size is not None:
@@ -155,12 +156,9 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     arch = make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
     arch["source"] = source
-    create_out_dir(out, force=force)
-    write_json(out / "config.json", {"import": job.to_dict(), "data": None if job.data is None else asdict(job.data),
-                                     "source": source})
+    run.create({"import": job.to_dict(), "data": None if job.data is None else asdict(job.data), "source": source})
     save_model(out, model, arch)
-    finish_run(out, metrics)  # the last write: marks the run complete
-    return metrics
+    return run.finish(metrics)  # the last write: marks the run complete
 
 
 __all__ = ["ImportJob", "import_model"]

@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from .data import DataBundle, InputSpec, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import finish_run, save_model
+from .io import save_model
 from .progress import make_progress
 from .utils import resolve_device, seed_everything
 
@@ -93,8 +93,9 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
         data: the splits; the train split should be unaugmented (``load_data(..., augment=False)``).
         cfg: the job's :class:`~nascompress.train.TrainConfig` (only ``eval_batch_size``, ``seed``
             and ``device`` are used).
-        out_dir: the run directory (created); receives ``model.safetensors``, ``arch.json`` and
-            ``metrics.json`` (like ``fit``'s, plus the chosen L2, the grid and the timings).
+        out_dir: the run directory (created); receives ``model.safetensors`` and ``arch.json``; the
+            caller marks the run complete with the metrics returned (like ``fit``'s, plus the chosen L2,
+            the grid and the timings).
     """
     if not isinstance(getattr(model, "head", None), nn.Linear):
         raise NascompressError(f"the model's head is a {type(getattr(model, 'head', None)).__name__}, not a Linear "
@@ -140,7 +141,6 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
                "l2": chosen["l2"], "l2_grid": grid, "feature_time_s": feature_time, "fit_time_s": fit_time,
                "test_time_s": time.perf_counter() - t0, "n_train": len(y_tr), "n_val": len(y_va),
                "feature_dim": int(x_tr.shape[1])}
-    finish_run(out_dir, metrics)  # the last write: marks the run complete
     return metrics
 
 

@@ -46,9 +46,9 @@ from .data import DataBundle, DataConfig, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
-from .io import finish_run, load_arch, load_with_arch
+from .io import load_arch, load_with_arch
 from .train import TrainConfig, fit, recipe_config
-from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
+from .run_dir import RunDir
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
 INPUT_DOC = {"image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per channel, flattened",
@@ -286,11 +286,11 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
+        job = RunDir.recorded(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
     else:  # recorded absolute: a resume or a reader from another directory finds them
         job = job.replace(model_dir=os.path.abspath(job.model_dir),
                           teacher=os.path.abspath(job.teacher) if job.teacher else None)
-    prepare_out_dir(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume)
     arch = load_arch(job.model_dir)
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
@@ -314,16 +314,10 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
         teacher.eval().requires_grad_(False)
 
     def create(resolved: RetrainJob, features: dict[str, Any]) -> None:
-        distributed.barrier()  # every rank has checked `out` before rank 0 creates it
-        if distributed.is_main():
-            create_out_dir(out, force=force, resume=resume)
-            write_json(out / "config.json", dict(resolved.replace(data=data_cfg).to_dict(), features=features))
-        distributed.barrier()
+        run.create(dict(resolved.replace(data=data_cfg).to_dict(), features=features))
 
     result = run_retrain(job, model, arch, data, teacher=teacher, out_dir=out, resume=resume, before_fit=create)
-    if distributed.is_main():
-        finish_run(out, result.metrics)  # the last write: marks the run complete
-    return result.metrics
+    return run.finish(result.metrics)  # the last write: marks the run complete
 
 
 __all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",

@@ -25,7 +25,8 @@ from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .train_loop import Ema, FitSettings, LossWatch, fit, lr_at
 from .train_store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
-from .utils import create_out_dir, prepare_out_dir, recorded_job, seed_everything, write_json
+from .run_dir import RunDir
+from .utils import seed_everything, write_json
 
 LR_REF_BATCH = 512  # base learning rates are given per 512 images (peak lr = base_lr * batch / 512)
 
@@ -256,11 +257,11 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
     Under torchrun every process runs this; rank 0 alone writes the run directory. ``explicit``: the
     options given on the command line, each of which must agree with the recorded job on resume
-    (:func:`~nascompress.utils.recorded_job`).
+    (:meth:`~nascompress.run_dir.RunDir.recorded`).
     """
     out = Path(job.out)
     if resume:
-        job = recorded_job(out, TrainJob, "nascompress train", given=job, explicit=explicit)
+        job = RunDir.recorded(out, TrainJob, "nascompress train", given=job, explicit=explicit)
     elif job.weights:  # recorded absolute: a resume from another directory finds them
         job = replace(job, weights=os.path.abspath(job.weights))
     runtime.prepare_deterministic(job.train.deterministic)
@@ -268,7 +269,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     if job.linear_probe and distributed.world().size > 1:
         raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "
                                "without torchrun")
-    prepare_out_dir(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume)
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
     if job.weights:
@@ -285,14 +286,11 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
     arch = make_arch(job.model, input_spec=spec.to_dict(), labels=data.classes)
-    distributed.barrier()  # every rank has checked `out` before rank 0 creates it
-    if distributed.is_main():
-        create_out_dir(out, force=force, resume=resume)
-        write_json(out / "config.json", job.to_dict())
+    run.create(job.to_dict())
     if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
         from .probe import fit_linear_probe
 
-        return fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch)
+        return run.finish(fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch))
     if distributed.is_main() and not (out / ARCH_FILE).exists():
         write_json(out / ARCH_FILE, arch)
     distributed.barrier()  # the run directory is ready

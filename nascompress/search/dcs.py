@@ -61,7 +61,7 @@ from ..config import Config, StageSettings, check_bool, check_choice, check_int,
 from ..data import IN_MEMORY, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
-from ..io import finish_run, load_with_arch, make_arch
+from ..io import load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
@@ -69,7 +69,7 @@ from ..progress import step
 from ..auto_batch import AUTO_BATCH_NOTE, auto_batch_size
 from ..distill import FeatureTap, feature_kd_loss
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
-from ..utils import create_out_dir, prepare_out_dir, recorded_job, write_json
+from ..run_dir import RunDir
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .dcs_prepare import calibration_images, init_importance, prepare_search
 
@@ -716,25 +716,19 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
     on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
     if resume:  # (explicit: the options given on the command line; each must agree with the record)
-        job = recorded_job(out, DCSSearchJob, "nascompress search dcs", given=job, explicit=explicit)
+        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job, explicit=explicit)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
-    prepare_out_dir(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume)
     dense, base_arch, data_cfg = _build_source(job)
     data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
 
     def create(resolved: DCSSearchJob) -> None:
-        distributed.barrier()  # every rank has checked `out` before rank 0 creates it
-        if distributed.is_main():
-            create_out_dir(out, force=force, resume=resume)
-            write_json(out / "config.json", resolved.replace(data=data_cfg).to_dict())
-        distributed.barrier()
+        run.create(resolved.replace(data=data_cfg).to_dict())
 
     result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
-    if distributed.is_main():
-        finish_run(out, result.metrics)  # the last write: marks the search complete
-    return result.metrics
+    return run.finish(result.metrics)  # the last write: marks the search complete
 
 
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",

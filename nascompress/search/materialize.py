@@ -17,10 +17,11 @@ from torch import nn
 from ..config import Config
 from ..data import InputSpec
 from ..errors import NascompressError
-from ..io import finish_run, load_with_arch, save_model
+from ..io import load_with_arch, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
-from ..utils import create_out_dir, prepare_out_dir, read_json, write_json
+from ..run_dir import RunDir
+from ..utils import read_json
 
 
 
@@ -67,7 +68,7 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     Everything is checked and built in memory before anything is written.
     """
     out = Path(job.out)
-    prepare_out_dir(out, force=force)
+    run = RunDir.prepare(out, force=force)
     supernet, arch, cfg = load_search(job.search_dir)
     model, record = materialize(supernet, cfg)
     spec = InputSpec.from_dict(arch["input"])
@@ -91,13 +92,10 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
                "max_abs_logit_diff": diff, "qk_mask": cfg.qk_mask,
                "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
                "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]]}
-    create_out_dir(out, force=force)
-    write_json(out / "config.json", {"materialize": job.to_dict(), "data": source_data(search_cfg),
-                                     "search": search_cfg.get("search"), "search_data": search_cfg.get("data"),
-                                     "source": search_cfg.get("source")})
+    run.create({"materialize": job.to_dict(), "data": source_data(search_cfg), "search": search_cfg.get("search"),
+                "search_data": search_cfg.get("data"), "source": search_cfg.get("source")})
     save_model(out, model, new_arch)
-    finish_run(out, metrics)  # the last write: marks the run complete
-    return metrics
+    return run.finish(metrics)  # the last write: marks the run complete
 
 
 __all__ = ["MaterializeJob", "materialize_search", "load_search", "source_data"]

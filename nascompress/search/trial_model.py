@@ -15,9 +15,9 @@ from torch import nn
 
 from ..config import Config
 from ..errors import NascompressError
-from ..io import finish_run, save_model
+from ..io import save_model
 from ..methods.dcs import materialize
-from ..utils import create_out_dir, prepare_out_dir, write_json
+from ..run_dir import RunDir
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
 
@@ -126,7 +126,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     from .trials import SearchJob, TrialContext, build_trial
 
     out = Path(job.out)
-    prepare_out_dir(out, force=force)
+    run = RunDir.prepare(out, force=force)
     spec, study = load_study(job.study, job.storage)
     info = study_info(study)
     if "job" not in info:
@@ -160,9 +160,8 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     data = run_data_config(search.base) or ctx.data_cfg
     provenance = {"study": job.study, "storage": spec.display, "trial": trial.number, "params": dict(trial.params),
                   "seed": rec["seed"], "search": info["job"]}
-    create_out_dir(out, force=force)
-    write_json(out / "config.json", {"materialize": job.to_dict(), "from_study": provenance,
-                                     "data": data.__dict__ if hasattr(data, "__dict__") else data})
+    run.create({"materialize": job.to_dict(), "from_study": provenance,
+                "data": data.__dict__ if hasattr(data, "__dict__") else data})
     metrics: dict[str, Any] = {"trial": trial.number, "trial_accuracy": rec["accuracy"], "rebuilt_accuracy": acc,
                                "flops_ratio": rec.get("flops_ratio"), "params": rec.get("params")}
     if job.finetune_epochs > 0:
@@ -170,8 +169,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
                                                 data)
     else:
         save_model(out, model, arch)
-    finish_run(out, metrics)  # the last write: marks the run complete
-    return metrics
+    return run.finish(metrics)  # the last write: marks the run complete
 
 
 def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]], arch: dict[str, Any], out: Path,

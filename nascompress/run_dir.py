@@ -1,0 +1,62 @@
+"""The life cycle of a job's run directory, one helper for every job that writes one (train, retrain,
+finetune, the DCS search, materialize, a study trial's model, import, the linear probe):
+
+1. :meth:`RunDir.prepare` (before anything is loaded or built): ``--resume`` reads the job recorded
+   in ``OUT/config.json`` (:func:`~nascompress.utils.recorded_job`); then ``OUT`` is checked without
+   being created (:func:`~nascompress.utils.prepare_out_dir`: a non-empty directory needs ``--force``
+   or ``--resume``), so a refused job leaves nothing behind;
+2. :meth:`RunDir.create` (once every check passed): rank 0 creates ``OUT`` (``--force`` empties it
+   first, ``--resume`` keeps it) and records the job in ``config.json``; under torchrun every rank
+   waits until every rank has checked ``OUT`` before, and until it is ready after;
+3. :meth:`RunDir.finish`: rank 0 writes the completion mark (``metrics.json``,
+   :func:`~nascompress.io.finish_run`), the run's last write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import distributed
+from .io import CONFIG_FILE, finish_run
+from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """One job's run directory (make it with :meth:`prepare`)."""
+
+    path: Path
+    force: bool = False
+    resume: bool = False
+
+    @classmethod
+    def prepare(cls, out: str | Path, *, force: bool = False, resume: bool = False) -> RunDir:
+        """Check that ``out`` may be written (nothing is created yet)."""
+        return cls(prepare_out_dir(out, force=force, resume=resume), force=force, resume=resume)
+
+    @staticmethod
+    def recorded(out: str | Path, job_cls: Any, command: str, *, given: Any = None,
+                 explicit: set[str] | None = None) -> Any:
+        """The job an earlier run of ``command`` recorded in ``out/config.json``, for ``--resume``
+        (:func:`~nascompress.utils.recorded_job`: ``explicit`` options that differ are refused)."""
+        return recorded_job(Path(out), job_cls, command, given=given, explicit=explicit)
+
+    def create(self, config: dict[str, Any]) -> Path:
+        """Create the directory and record ``config`` in ``config.json`` (rank 0; every rank waits
+        before and after)."""
+        distributed.barrier()  # every rank has checked the directory before rank 0 creates it
+        if distributed.is_main():
+            create_out_dir(self.path, force=self.force, resume=self.resume)
+            write_json(self.path / CONFIG_FILE, config)
+        distributed.barrier()  # the directory is ready
+        return self.path
+
+    def finish(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Mark the run complete (rank 0): the completion mark is the run's last write."""
+        if distributed.is_main():
+            finish_run(self.path, metrics)
+        return metrics
+
+
+__all__ = ["CONFIG_FILE", "RunDir"]
