@@ -187,3 +187,15 @@ def test_the_shared_helpers_are_written_once():
     for text, home in WRITTEN_ONCE.items():
         where = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if text in p.read_text())
         assert where == [home], (text, where)
+
+
+# Modules over 450 lines, each of one concern: a compression method is one module (the package's
+# design), block_sparse is Sparsifiner's kernel, quantize is int8 export. search/dcs.py and
+# search/trials.py are being reworked on other branches (issue 34) and are to be split there.
+LONG_MODULES = {"methods/dcs.py", "methods/mgvit.py", "methods/mgvit_h.py", "methods/sparsifiner.py",
+                "methods/block_sparse.py", "export/quantize.py", "search/dcs.py", "search/trials.py"}
+
+
+def test_no_other_module_is_over_450_lines():
+    long = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if len(p.read_text().splitlines()) > 450}
+    assert long <= LONG_MODULES, sorted(long - LONG_MODULES)

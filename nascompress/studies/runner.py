@@ -73,7 +73,6 @@ import time
 import traceback
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import optuna
@@ -86,15 +85,15 @@ from nascompress.errors import NascompressError, WriteError, storage_problem, wr
 
 from .display import Display
 from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
-from .records import (ERROR_KEY, RECORD_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY, pareto_front,
-                      study_info)
+from .opening import open_study
+from .records import ERROR_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY, pareto_front
 from .seeding import Seeding, default_sampler
 from .storage import StorageSpec, open_storage, resolve_run_storage
 from .workers import LoopConfig, WorkerArgs, run_workers
 
 # Defined here before the split, still importable from here:
 from .display import FLOPS_BUCKETS  # noqa: F401
-from .records import FAIL_REASON_KEY, RECORD_FIELDS, record_trial, trial_record  # noqa: F401
+from .records import FAIL_REASON_KEY, RECORD_FIELDS, RECORD_KEY, record_trial, study_info, trial_record  # noqa: F401
 from .seeding import ParamSeeded, sampler_seed  # noqa: F401
 
 
@@ -262,80 +261,6 @@ def _quiet_optuna() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Creating / checking the study
-
-
-def _diff(a: Any, b: Any, path: str = "") -> list[str]:
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        out = []
-        for k in list(a) + [k for k in b if k not in a]:
-            if k not in a or k not in b:
-                out.append(f"{path}.{k}".lstrip("."))
-            else:
-                out += _diff(a[k], b[k], f"{path}.{k}")
-        return out
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _diff(x, y, f"{path}[{i}]")]
-    return [] if a == b else [path.lstrip(".") or "(whole space)"]
-
-
-def _check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str, Any], where: str) -> None:
-    old_hash, new_hash = stored.get("space_hash"), new.get("space_hash")
-    if old_hash == new_hash:
-        return
-    old_space, new_space = stored.get("space") or {}, new.get("space") or {}
-    diff = _diff({k: v for k, v in old_space.items() if k in ("methods",)},
-                 {k: v for k, v in new_space.items() if k in ("methods",)})
-    where_diff = f"; they differ in {', '.join(diff[:4])}" + (" ..." if len(diff) > 4 else "") if diff else ""
-    raise NascompressError(
-        f"study {study.study_name!r} in {where} was created with search space {old_space.get('name', '?')!r} "
-        f"(hash {old_hash}) and this run uses {new_space.get('name', '?')!r} (hash {new_hash}){where_diff}. "
-        "A study keeps one search space: use a new study name, or rerun with the original space")
-
-
-def _open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str], metric_names: Sequence[str],
-                info: dict[str, Any], enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
-    storage = open_storage(spec, create=True)
-    placeholder = optuna.samplers.RandomSampler(seed=0)  # this Study object never samples
-    try:
-        study = optuna.create_study(study_name=study_name, storage=storage, directions=list(directions),
-                                    sampler=placeholder)
-        created = True
-    except optuna.exceptions.DuplicatedStudyError:
-        study = optuna.load_study(study_name=study_name, storage=storage, sampler=placeholder)
-        created = False
-    have = [d.name.lower() for d in study.directions]
-    if have != list(directions):
-        raise NascompressError(f"study {study_name!r} in {spec.display} optimizes {have}, not {list(directions)}: "
-                               "use a new study name for other objectives")
-    stored = study_info(study)
-    if not created and not stored and not study.trials:
-        for _ in range(30):  # another process has just created it: let it finish initializing
-            time.sleep(0.5)
-            stored = study_info(study)
-            if stored:
-                break
-    if not stored:
-        if study.metric_names is None or list(study.metric_names) != list(metric_names):
-            study.set_metric_names(list(metric_names))
-        for params in enqueue:
-            study.enqueue_trial(dict(params), skip_if_exists=True)
-        study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
-        return study, True
-    _check_space(study, stored, info, spec.display)
-    old, new = stored.get("sampler"), info.get("sampler")
-    if old is not None and new is not None and old != new:
-        raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
-                               f"asks for {new!r}; a study keeps its sampler: rerun with --sampler {old} or use a new "
-                               "study name")
-    names = study.metric_names
-    if names is not None and list(names) != list(metric_names):
-        raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
-                               f"{list(metric_names)}: use a new study name for other objectives")
-    return study, created
-
-
-# ----------------------------------------------------------------------------------------------
 # A worker process (spawned by :func:`nascompress.studies.workers._run_workers`)
 
 
@@ -451,7 +376,7 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                        heartbeat_interval=float(heartbeat_interval), grace_period=grace,
                        max_retries=max_retries, max_failures=max_failures)
     with _quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=_CONTINUE):
-        study, created = _open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
+        study, created = open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
                                      info=info, enqueue=enqueue)
         stale = fail_stale_trials(study, grace_period=grace, max_retries=max_retries)
         resumed = [t.number for t in stale_trials(study, grace_period=grace)]

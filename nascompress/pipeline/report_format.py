@@ -1,0 +1,184 @@
+"""A pipeline summary (``OUT/summary.json``, :func:`nascompress.pipeline.report.write_summary`) as the
+terminal prints it and as one self-contained HTML file (:func:`build_html`): the comparison with the
+dense base, the int8 rows, the DCS channels per block, every decision and the stages."""
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _speed(x: float) -> str:
+    return f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
+
+
+def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(metric, dense, final, change) rows of the comparison, as text."""
+    d, f, c = s["dense"], s["final"], s["comparison"]
+    if f is None:  # no compressed model could be made
+        return [("test top-1", f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
+    rows = [("test top-1", f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
+            ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
+            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M", f"{c['flops_ratio']:.3f}x"),
+            ("parameters", f"{d['params']:,}", f"{f['params']:,}", f"{c['params_ratio']:.3f}x"),
+            ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), f"{c['file_ratio']:.3f}x")]
+    if c.get("latency_speedup") is not None:
+        rows.append((f"latency, batch {d['latency_batch']}", f"{d['latency_ms']:.2f} ms", f"{f['latency_ms']:.2f} ms",
+                     _speed(c["latency_speedup"])))
+        rows.append((f"throughput, batch {d['throughput_batch']}", f"{d['throughput']:.1f} img/s",
+                     f"{f['throughput']:.1f} img/s", _speed(c["throughput_speedup"])))
+    if c.get("latency_speedup_compiled") is not None:
+        rows.append((f"latency, batch {d['latency_batch']}, compiled", f"{d['latency_ms_compiled']:.2f} ms",
+                     f"{f['latency_ms_compiled']:.2f} ms", _speed(c["latency_speedup_compiled"])))
+        rows.append((f"throughput, batch {d['throughput_batch']}, compiled", f"{d['throughput_compiled']:.1f} img/s",
+                     f"{f['throughput_compiled']:.1f} img/s", _speed(c["throughput_speedup_compiled"])))
+    return rows
+
+
+def goal_text(s: dict[str, Any]) -> str:
+    g = s["goal"]
+    if g.get("value") is None and g.get("statement"):
+        return f"NOT met: {g['statement']}"
+    if g.get("max_flops") is not None:
+        return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {'met' if g['met'] else 'NOT met'}"
+    if g["value"] is None:
+        return f"latency <= {g['max_latency_ms']:g} ms at batch 1: not measured (report.latency is off)"
+    return (f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, "
+            f"{'met' if g['met'] else 'NOT met'}")
+
+
+def dcs_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(block, MLP channels kept, Q/K channels kept per head) rows of the DCS decision."""
+    dcs = s["decisions"].get("dcs")
+    if not dcs or not dcs.get("blocks"):
+        return []
+    rows = []
+    for b in dcs["blocks"]:
+        qk = "all" if b["qk_kept"] is None else f"{' '.join(map(str, b['qk_kept']))} of {b['head_dim']}"
+        rows.append((str(b["block"]), f"{b['mlp_kept']} of {b['mlp_total']}", qk))
+    return rows
+
+
+def dcs_column(s: dict[str, Any]) -> str:
+    """The heading of the DCS table's MLP column: what the family gates."""
+    hidden = (s["decisions"].get("dcs") or {}).get("mlp_gates") == "hidden"
+    return "MLP hidden neurons" if hidden else "MLP residual channels"
+
+
+def decision_lines(s: dict[str, Any]) -> list[str]:
+    """The decisions other than the per-block DCS table, one line each."""
+    dec, lines = s["decisions"], []
+    base = dec.get("base", {})
+    if base:
+        acc = f", test top-1 {base['test_top1']:.2f}%" if base.get("test_top1") is not None else ""
+        lines.append(f"base: {base['kind']} {base['run']}{acc}")
+    dcs = dec.get("dcs")
+    if dcs and dcs.get("dcs_outcome") == "skipped":
+        lines.append(f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
+                     f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})")
+    elif dcs and dcs.get("blocks") is not None:
+        move = dcs.get("calibration_move")
+        cal = ((" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
+               if dcs.get("calibrated") else "")
+        if dcs.get("at_target_share") is not None:
+            cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
+        ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
+        what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
+        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP {what} kept "
+                     f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
+        if dcs.get("family_reason"):
+            lines.append(f"  MLP gates {dcs['family_reason']}")
+        if dcs.get("dcs_outcome") == "milder":
+            lines.append(f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
+                         f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})")
+    tok = dec.get("tokens")
+    if tok:
+        acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
+        lines.append(f"tokens: study {tok['study']!r}, {tok.get('trials_complete')} trials; picked trial "
+                     f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
+                     + ("" if acc is None else f"accuracy {acc:.2f}% on the search's images, ")
+                     + ("" if ratio is None else f"FLOPs {ratio:.3f}x") + ")")
+        if tok.get("params"):
+            lines.append("  params: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                                                  for k, v in tok["params"].items()))
+        for m in tok["methods"]:
+            lines.append(f"  {m['summary']}")
+    rt = dec.get("retrain")
+    if rt:
+        extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
+        lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g} ({rt['warm_epochs']} CE-only), teacher "
+                     f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%")
+    return lines
+
+
+def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
+    """(model, runtime, test top-1, file size, latency, throughput) rows of the summary's int8 section."""
+    rows = []
+    for r in (s.get("int8") or {}).get("rows", []):
+        if "failed" in r:
+            rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
+            continue
+        rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%", _mb(r["file_bytes"]),
+                     f"{r['latency_ms']:.2f} ms", f"{r['throughput']:.1f} img/s"))
+    return rows
+
+
+def _table(head: list[str], rows: list[tuple[Any, ...]], table_id: str) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r) + "</tr>" for r in rows)
+    return f'<table id="{table_id}"><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _study_fragment(text: str) -> str:
+    """The body of the study's report, its title demoted to a section heading."""
+    body = text.split("<body>", 1)[-1].rsplit("</body>", 1)[0]
+    if body.startswith("<h1>"):
+        end = body.index("</h1>")
+        body = f"<h2>{body[4:end]}</h2>" + body[end + 5:]
+    return f'<section id="study">{body}</section>'
+
+
+def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
+    """The pipeline's report: one self-contained HTML file (no external resources)."""
+    from ..studies.report import REPORT_CSS
+
+    meta = [("config", s["source"]), ("output", s["out"]), ("dataset", s.get("dataset")), ("seed", s["seed"]),
+            ("device", s.get("device")), ("goal", goal_text(s)), ("written", s["written"])]
+    dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v is not None)
+    parts = [f"<h1>nascompress pipeline: {html.escape(Path(s['source']).name)}</h1><dl>{dl}</dl>",
+             "<h2>Result against the dense base</h2>",
+             _table(["", "dense base", "compressed", "change"], comparison_rows(s), "comparison"),
+             '<p class="note">Same test images for both; FLOPs counted as the papers count them (one multiply-add '
+             "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
+             "(medians).</p>",
+             *(["<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",
+                _table(["model", "runtime", "test top-1",  "file size",
+                        f"latency, batch {s['int8']['latency_batch']}",
+                        f"throughput, batch {s['int8']['throughput_batch']}"], int8_table_rows(s), "int8"),
+                '<p class="note">The four models timed interleaved in one process (medians); the dense int8 file is '
+                "made with the export's quantize settings for this comparison.</p>"] if s.get("int8") else []),
+             "<h2>Decisions</h2>",
+             "<ul>" + "".join(f"<li>{html.escape(line.strip())}</li>" for line in decision_lines(s)) + "</ul>"]
+    rows = dcs_rows(s)
+    if rows:
+        parts += ["<h3>DCS: channels kept per block</h3>",
+                  _table(["block", dcs_column(s), "Q/K channels per head"], rows, "dcs-blocks")]
+    methods = s["decisions"].get("tokens", {}).get("methods") or []
+    if methods:
+        rows2 = [(m["name"], m["summary"].split(": ", 1)[-1]) for m in methods]
+        parts += ["<h3>Token / attention methods of the final model</h3>",
+                  _table(["method", "settings"], rows2, "token-methods")]
+    stage_rows = [(r["step"], r["what"], "" if r["seconds"] is None else f"{r['seconds']:.1f}", r["dir"] or "")
+                  for r in s["stages"]]
+    parts += ["<h2>Stages</h2>", _table(["step", "what", "seconds", "directory"], stage_rows, "stages"),
+              "<h2>Config</h2>", f"<pre>{html.escape(config_text)}</pre>"]
+    if study_html:
+        parts.append(_study_fragment(study_html))
+    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>nascompress pipeline</title>'
+            f'<link rel="icon" href="data:,"><style>{REPORT_CSS}pre{{background:#f7f7f7;padding:6px;overflow-x:auto}}'
+            f'td:first-child,#stages td,#token-methods td{{text-align:left}}</style></head>'
+            f'<body>{"".join(parts)}</body></html>\n')
