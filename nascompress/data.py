@@ -54,9 +54,9 @@ from .limits import SEED_MAX
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATASET_KEYWORDS = ("fashion-mnist", "digits", "synthetic")  # dataset names that are not a path
+DATASET_KEYWORDS = ("fashion-mnist", "digits", "lfw-faces", "synthetic")  # dataset names that are not a path
 IN_MEMORY = DATASET_KEYWORDS  # datasets held as uint8 tensors (batched preprocessing, no augmentation)
-BUILTIN_DATASETS = "fashion-mnist, digits"  # the real ones, as error messages name them
+BUILTIN_DATASETS = "fashion-mnist, digits, lfw-faces"  # the real ones, as error messages name them
 FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                   "Sneaker", "Bag", "Ankle boot"]
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
@@ -318,6 +318,65 @@ def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageD
     te = sorted(test_idx)
     classes = [str(c) for c in range(10)]
     return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+
+
+def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageDataset]:
+    """(train, test) from the Labeled Faces in the Wild subset that scikit-image ships
+    (``skimage.data.lfw_subset``: 200 grey 25x25 photographs, 100 faces then 100 non-faces, no
+    download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Another domain
+    than the handwriting and product photos of the other built-ins (photographs, 2 classes)."""
+    try:
+        from skimage.data import lfw_subset
+    except ImportError:
+        raise NascompressError("the lfw-faces dataset is read from scikit-image's bundled data: "
+                               "pip install 'scikit-image>=0.24,<1' (or nascompress[datasets])") from None
+    x = lfw_subset()  # (200, 25, 25) floats in [0, 1]
+    imgs = torch.from_numpy((x * 255.0).round().clip(0, 255).astype("uint8"))[:, None]
+    labels = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(len(x) - 100, dtype=torch.long)])
+    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
+    tr = [i for i in range(len(labels)) if i not in test_idx]
+    te = sorted(test_idx)
+    classes = ["face", "non-face"]
+    return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+
+
+def keep_classes(ds: Dataset | None, keep: Sequence[int]) -> Dataset | None:
+    """``ds`` (a split as loaded: in-memory images or an ImageFolder) with only the classes at
+    indices ``keep``, relabelled 0..len(keep)-1 in that order."""
+    if ds is None:
+        return None
+    new = {old: i for i, old in enumerate(keep)}
+    names = [ds.classes[k] for k in keep]
+    if isinstance(ds, TensorImageDataset):
+        sel = torch.isin(ds.labels, torch.as_tensor(list(keep)))
+        labels = torch.as_tensor([new[int(v)] for v in ds.labels[sel]], dtype=torch.long)
+        return TensorImageDataset(ds.images[sel], labels, names)
+    out = copy.copy(ds)  # torchvision's ImageFolder: (path, target) samples
+    out.samples = [(p, new[t]) for p, t in ds.samples if t in new]
+    out.imgs, out.targets = out.samples, [t for _, t in out.samples]
+    out.classes, out.class_to_idx = names, {c: i for i, c in enumerate(names)}
+    return out
+
+
+def class_indices(spec: str, classes: Sequence[str]) -> list[int]:
+    """The class indices ``spec`` names: comma-separated class names or indices, in the order given."""
+    out: list[int] = []
+    for tok in (t.strip() for t in spec.split(",")):
+        if not tok:
+            continue
+        if tok in classes:
+            k = list(classes).index(tok)
+        elif tok.isdigit() and int(tok) < len(classes):
+            k = int(tok)
+        else:
+            raise NascompressError(f"--classes names {tok!r}, which is not a class of this dataset; its classes: "
+                                   f"{', '.join(classes)} (or their indices 0-{len(classes) - 1})")
+        if k in out:
+            raise NascompressError(f"--classes names class {classes[k]!r} twice")
+        out.append(k)
+    if len(out) < 2:
+        raise NascompressError(f"--classes must keep at least 2 classes, got {spec!r}")
+    return out
 
 
 def synthetic_dataset(n: int, *, num_classes: int = 10, size: int = 16, channels: int = 1, seed: int = 0) -> TensorImageDataset:
@@ -627,6 +686,8 @@ class DataConfig:
             :func:`make_loader` to every loader over the splits unless it is given its own.
         skip_bad_images: leave unreadable ImageFolder images out (counted) instead of refusing
             the dataset (:func:`scan_images`).
+        classes: keep only these classes (comma-separated names or indices; :func:`class_indices`),
+            relabelled 0..k-1 in the order given, in every split (:func:`keep_classes`); None: all.
     """
 
     # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
@@ -645,6 +706,8 @@ class DataConfig:
         "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
     skip_bad_images: bool = setting(False, help=(
         "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
+    classes: str | None = setting(None, help=(
+        "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
@@ -716,6 +779,10 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         train_full, test = load_digits_dataset(cfg.split_seed)
         val = None
         name, channels, size = "digits", 1, (8, 8)
+    elif cfg.dataset == "lfw-faces":
+        train_full, test = load_lfw_faces_dataset(cfg.split_seed)
+        val = None
+        name, channels, size = "lfw-faces", 1, (25, 25)
     elif cfg.dataset == "synthetic":
         train_full = synthetic_dataset(600, seed=cfg.split_seed)
         test = synthetic_dataset(200, seed=cfg.split_seed + 1)
@@ -749,6 +816,11 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
+    if cfg.classes is not None:
+        keep = class_indices(cfg.classes, train_full.classes)
+        test_is_val_split = test is val
+        train_full, val = keep_classes(train_full, keep), keep_classes(val, keep)
+        test = val if test_is_val_split else keep_classes(test, keep)
     train_src = train_full if cfg.dataset in IN_MEMORY else _view(train_full, train_tf)
     if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
