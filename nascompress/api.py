@@ -19,8 +19,10 @@ from .utils import read_json, resolve_device
 
 def count_classes(data: DataConfig) -> int:
     """Number of classes of a dataset without loading its images."""
+    if data.classes is not None:  # a subset: as many as it names (checked against the classes when loaded)
+        return len([t for t in data.classes.split(",") if t.strip()])
     if data.dataset in DATASET_KEYWORDS:
-        return 10
+        return 2 if data.dataset == "lfw-faces" else 10
     train = Path(data.dataset) / "train"
     if not train.is_dir():
         raise NascompressError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "

@@ -6,7 +6,8 @@ The parts, one module each (their names are importable from here too):
 * :mod:`nascompress.data_input`: how raw images become model input (:class:`InputSpec`,
   :func:`preprocess`, the one place that normalises; timm's ImageFolder transforms);
 * :mod:`nascompress.data_sources`: the in-memory datasets (Fashion-MNIST from the Debian package,
-  scikit-learn's digits, synthetic images for tests);
+  scikit-learn's digits, scikit-image's LFW faces, synthetic images for tests);
+* :mod:`nascompress.data_classes`: a subset of the classes (``--classes``);
 * :mod:`nascompress.data_folders`: ImageFolder directories, every image checked once when loaded;
 * :mod:`nascompress.data_splits`: seeded splits and class-stratified subsets, and the check that a
   dataset can train a classifier;
@@ -39,13 +40,15 @@ from typing import Any
 from torch.utils.data import Dataset
 
 from .config import Config, check_int, setting
+from .data_classes import class_indices, keep_classes
 from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .data_input import (CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
                          INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
                          resize)
 from .data_loader import make_loader
 from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
-                           TensorImageDataset, load_digits_dataset, load_fashion_mnist, synthetic_dataset)
+                           TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
+                           synthetic_dataset)
 from .data_splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
 from .errors import NascompressError
 from .limits import SEED_MAX
@@ -53,8 +56,9 @@ from .limits import SEED_MAX
 __all__ = ["BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
-           "TensorImageDataset", "check_classes", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
-           "folder_transform", "load_data", "load_digits_dataset", "load_fashion_mnist", "make_loader", "preprocess",
+           "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
+           "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
+           "load_lfw_faces_dataset", "make_loader", "preprocess",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
 
 
@@ -93,6 +97,8 @@ class DataConfig:
             :func:`make_loader` to every loader over the splits unless it is given its own.
         skip_bad_images: leave unreadable ImageFolder images out (counted) instead of refusing
             the dataset (:func:`scan_images`).
+        classes: keep only these classes (comma-separated names or indices; :func:`class_indices`),
+            relabelled 0..k-1 in the order given, in every split (:func:`keep_classes`); None: all.
     """
 
     # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
@@ -111,6 +117,8 @@ class DataConfig:
         "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
     skip_bad_images: bool = setting(False, help=(
         "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
+    classes: str | None = setting(None, help=(
+        "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
 
     def __post_init__(self) -> None:
         if not 0 < self.val_fraction < 1:
@@ -175,6 +183,10 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         train_full, test = load_digits_dataset(cfg.split_seed)
         val = None
         name, channels, size = "digits", 1, (8, 8)
+    elif cfg.dataset == "lfw-faces":
+        train_full, test = load_lfw_faces_dataset(cfg.split_seed)
+        val = None
+        name, channels, size = "lfw-faces", 1, (25, 25)
     elif cfg.dataset == "synthetic":
         train_full = synthetic_dataset(600, seed=cfg.split_seed)
         test = synthetic_dataset(200, seed=cfg.split_seed + 1)
@@ -208,6 +220,11 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
+    if cfg.classes is not None:
+        keep = class_indices(cfg.classes, train_full.classes)
+        test_is_val_split = test is val
+        train_full, val = keep_classes(train_full, keep), keep_classes(val, keep)
+        test = val if test_is_val_split else keep_classes(test, keep)
     train_src = train_full if cfg.dataset in IN_MEMORY else with_transform(train_full, train_tf)
     if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)

@@ -1,7 +1,7 @@
 """The built-in datasets, held in memory as uint8 tensors (:class:`TensorImageDataset`: batches are
 fetched and resized at once, no augmentation): Fashion-MNIST from the Debian package's IDX files,
-scikit-learn's bundled digits (a fixed stratified test split), and learnable synthetic images for
-unit tests.
+scikit-learn's bundled digits and scikit-image's LFW faces (each with a fixed stratified test split),
+and learnable synthetic images for unit tests.
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from .data_splits import stratified_indices
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATASET_KEYWORDS = ("fashion-mnist", "digits", "synthetic")  # dataset names that are not a path
+DATASET_KEYWORDS = ("fashion-mnist", "digits", "lfw-faces", "synthetic")  # dataset names that are not a path
 IN_MEMORY = DATASET_KEYWORDS  # datasets held as uint8 tensors (batched preprocessing, no augmentation)
-BUILTIN_DATASETS = "fashion-mnist, digits"  # the real ones, as error messages name them
+BUILTIN_DATASETS = "fashion-mnist, digits, lfw-faces"  # the real ones, as error messages name them
 FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
                   "Sneaker", "Bag", "Ankle boot"]
 DIGITS_TEST = 0.25  # share of scikit-learn's digits held out as the test split (it ships no split)
@@ -82,6 +82,26 @@ def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageD
     tr = [i for i in range(len(labels)) if i not in test_idx]
     te = sorted(test_idx)
     classes = [str(c) for c in range(10)]
+    return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+
+
+def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageDataset]:
+    """(train, test) from the Labeled Faces in the Wild subset that scikit-image ships
+    (``skimage.data.lfw_subset``: 200 grey 25x25 photographs, 100 faces then 100 non-faces, no
+    download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Another domain
+    than the handwriting and product photos of the other built-ins (photographs, 2 classes)."""
+    try:
+        from skimage.data import lfw_subset
+    except ImportError:
+        raise NascompressError("the lfw-faces dataset is read from scikit-image's bundled data: "
+                               "pip install 'scikit-image>=0.24,<1' (or nascompress[datasets])") from None
+    x = lfw_subset()  # (200, 25, 25) floats in [0, 1]
+    imgs = torch.from_numpy((x * 255.0).round().clip(0, 255).astype("uint8"))[:, None]
+    labels = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(len(x) - 100, dtype=torch.long)])
+    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
+    tr = [i for i in range(len(labels)) if i not in test_idx]
+    te = sorted(test_idx)
+    classes = ["face", "non-face"]
     return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
 
 

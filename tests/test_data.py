@@ -302,3 +302,51 @@ def test_digits_is_a_real_builtin_dataset():
     assert len(imgs(b.train) & imgs(b.test)) < 10  # disjoint splits (a few digits are pixel-identical)
     again = load_data(DataConfig(dataset="digits"))
     assert torch.equal(again.test[5][0], b.test[5][0])  # the same split every time
+
+
+def test_lfw_faces_is_a_real_builtin_dataset_of_another_domain():
+    """scikit-image's bundled LFW subset: 200 real 25x25 photographs, faces vs non-faces, a fixed
+    stratified test split, no download."""
+    from nascompress.api import count_classes
+
+    b = load_data(DataConfig(dataset="lfw-faces"))
+    assert b.name == "lfw-faces" and b.classes == ["face", "non-face"] and b.native_size == (25, 25)
+    assert len(b.train) + len(b.val) + len(b.test) == 200 and len(b.test) == 50
+    assert torch.bincount(dataset_labels(b.test)).tolist() == [25, 25]
+    x, _ = b.train[0]
+    assert x.dtype == torch.uint8 and tuple(x.shape) == (1, 25, 25) and int(x.max()) > 100
+    assert count_classes(DataConfig(dataset="lfw-faces")) == 2
+    assert torch.equal(load_data(DataConfig(dataset="lfw-faces")).test[7][0], b.test[7][0])
+
+
+def test_classes_keeps_a_subset_relabelled_in_order(tmp_path):
+    from nascompress.api import count_classes
+
+    full = load_data(DataConfig(dataset="digits"))
+    b = load_data(DataConfig(dataset="digits", classes="7,1,3"))
+    assert b.classes == ["7", "1", "3"] and count_classes(DataConfig(dataset="digits", classes="7,1,3")) == 3
+    for split in ("train", "val", "test"):
+        labels = dataset_labels(b.split(split))
+        assert set(labels.tolist()) == {0, 1, 2}
+        old = dataset_labels(full.split(split))
+        if split == "test":  # the test split is the same images, only those classes, relabelled 7->0, 1->1, 3->2
+            assert len(labels) == int(sum((old == k).sum() for k in (7, 1, 3)))
+            kept = [i for i in range(len(full.test)) if int(old[i]) in (7, 1, 3)]  # in their order
+            for j in (0, 1, len(kept) - 1):
+                x, y = full.test[kept[j]]
+                assert torch.equal(b.test[j][0], x) and int(b.test[j][1]) == {7: 0, 1: 1, 3: 2}[int(y)]
+    # the same subset by name on an ImageFolder, relabelled as named (a limit then draws from it)
+    root = make_folder(tmp_path)
+    f = load_data(DataConfig(dataset=str(root), classes="cat,ant", val_fraction=0.25, num_workers=0),
+                  img_size=(16, 16))
+    assert f.classes == ["cat", "ant"] and len(f.train) + len(f.val) == COUNTS["cat"] + COUNTS["ant"]
+    assert set(dataset_labels(f.train).tolist()) == {0, 1}
+    _, ys = next(iter(make_loader(f.train, batch_size=64, shuffle=False)))
+    assert torch.equal(ys, dataset_labels(f.train))
+
+
+@pytest.mark.parametrize("spec, msg", [("3,x", "'x', which is not a class"), ("4", "at least 2 classes"),
+                                       ("2,2", "twice"), ("1,10", "'10', which is not a class")])
+def test_classes_refuses_unknown_repeated_or_single_classes(spec, msg):
+    with pytest.raises(NascompressError, match=msg):
+        load_data(DataConfig(dataset="digits", classes=spec))
