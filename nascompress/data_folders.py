@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from .errors import NascompressError
 
+
 def _walk_class(folder: str) -> list[str]:
     """The image files under class folder ``folder`` in torchvision's order (folders by path, files
     by name), symlinks followed, hidden files and folders (``.ipynb_checkpoints``) left out. A link

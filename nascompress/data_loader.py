@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
+
 def _batched_collate(batch):
     # Datasets with __getitems__ already return (images, labels); ImageFolder returns a list.
     if isinstance(batch, tuple):

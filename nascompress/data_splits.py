@@ -14,6 +14,7 @@ from torch.utils.data import Dataset
 
 from .errors import NascompressError
 
+
 class Subset(Dataset):
     """A view of ``base`` at ``indices`` that keeps batched fetching."""
 

@@ -11,6 +11,7 @@ from torch import nn
 from .data import InputSpec
 from .errors import NascompressError
 
+
 class FeatureTap:
     """Captures the learned feature X~ (B, D) during ``model(x)`` with a forward (pre-)hook."""
 
