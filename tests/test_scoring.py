@@ -154,3 +154,26 @@ def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):
                                                         {"rho": 0.5, "prune_layers": [2]}, {"predictor_steps": 5})
     _, steps = calibrate_stack(model, [rec], teacher=base, batches=batches, budget=None, cycle_to=2)
     assert steps == {"dynamicvit": 5}
+
+
+def test_a_fine_tuned_trial_records_its_stages_and_epochs(tmp_path, tiny_run):
+    """--finetune-epochs: every method but the last runs its predictor stage (the budget), the last is
+    trained by the fine-tune itself (0 steps of the budget); the record says so."""
+    from nascompress.search.trials import Objective, SearchJob
+
+    (tmp_path / "s.yaml").write_text("""
+format: nascompress-space/1
+name: stack
+methods:
+  - name: sparsifiner
+    params: {attn_keep_ratio: 0.5, n_down: 4}
+  - name: dynamicvit
+    params: {prune_layers: [2], rho: 0.6}
+""")
+    job = SearchJob(base=str(tiny_run), space=str(tmp_path / "s.yaml"), study="x", trials=1, calib_steps=2,
+                    finetune_epochs=1, eval_images=40, train_images=40, batch_size=20)
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    study.optimize(Objective(job), n_trials=1)
+    sc = study.trials[0].user_attrs["nascompress"]["scoring"]
+    assert sc["calib_steps"] == {"sparsifiner": 2, "dynamicvit": 0} and sc["finetune_epochs"] == 1.0
+    assert sc["calib_budget"] == 2 and "calib_steps" not in study.trials[0].user_attrs["nascompress_training"]["finetune"]
