@@ -117,6 +117,11 @@ def test_a_trial_given_another_budget_shows_it_in_its_record(tmp_path, tiny_run)
     assert a["eval_subset"] == b["eval_subset"]
     odd = mixed_scoring(study.trials)
     assert len(odd) == 1 and odd[0].startswith("trial 1: calibration budget 4")
+    # a trial of a study made before scoring was recorded is named too
+    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, values=[1.0, 1.0],
+                                              user_attrs={"nascompress": {"accuracy": 1.0}}))
+    odd = mixed_scoring(study.trials)
+    assert len(odd) == 2 and odd[0].startswith("trials 2: no scoring recorded")
 
 
 def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):

@@ -29,7 +29,7 @@ from torch.utils.data import Dataset, Subset
 from ..methods import get_method
 
 # the SearchJob fields that decide a trial's score besides its configuration (a study keeps them)
-SCORING_FIELDS = ("calib_steps", "train_images", "eval_images", "batch_size", "finetune_epochs", "seed")
+SCORING_FIELDS = ("calib_steps", "train_images", "eval_images", "batch_size", "finetune_epochs", "dcs_epochs", "seed")
 
 
 def study_scoring(job: Any) -> dict[str, Any]:

@@ -107,9 +107,11 @@ def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
     trial was scored alike (or none recorded it)."""
     first: tuple[int, Any] | None = None
     odd: list[str] = []
+    unrecorded: list[int] = []
     for t in sorted(trials, key=lambda t: t.number):
         number, sc = t.number, trial_record(t).get("scoring")
         if not isinstance(sc, Mapping):
+            unrecorded.append(number)
             continue
         key = (sc.get("calib_budget"), sc.get("finetune_epochs"), (sc.get("eval_subset") or {}).get("sha256"))
         if first is None:
@@ -117,6 +119,9 @@ def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
         elif key != first[1]:
             odd.append(f"trial {number}: calibration budget {key[0]}, fine-tune epochs {key[1]}, validation subset "
                        f"{key[2]} (trial {first[0]}: {first[1][0]}, {first[1][1]}, {first[1][2]})")
+    if first is not None and unrecorded:  # a study continued across the change that records scoring
+        odd.insert(0, f"trials {', '.join(map(str, unrecorded))}: no scoring recorded (scored before budgets were "
+                      "recorded: each predictor stage ran its recipe's step count)")
     return odd
 
 
