@@ -15,7 +15,9 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   the study without duplicates (each its own stream), in an order that depends on timing.
 - The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
   a run with a different one is refused, naming both spaces and where they differ. So is the
-  sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials.
+  sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials,
+  and the settings every trial is scored with where it names them (``scoring``, a dict of option
+  values such as the calibration budget and the validation subset: a run with another value is refused).
 - Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
   restarts. Each worker starts a trial only while COMPLETE + RUNNING < ``n_trials`` (otherwise
   it waits for the running ones); a trial that, once in the storage, sees ``n_trials`` other
@@ -338,6 +340,13 @@ def _open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str]
         raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
                                f"asks for {new!r}; a study keeps its sampler: rerun with --sampler {old} or use a new "
                                "study name")
+    old, new = stored.get("scoring"), info.get("scoring")
+    if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
+        diff = [f"--{k.replace('_', '-')} {old[k]} (this run: {new[k]})" for k in old if k in new and old[k] != new[k]]
+        if diff:
+            raise NascompressError(f"study {study_name!r} in {spec.display} scores every trial alike and this run "
+                                   f"differs: {', '.join(diff)}; rerun with the study's settings or use a new "
+                                   "study name")
     names = study.metric_names
     if names is not None and list(names) != list(metric_names):
         raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
