@@ -1,7 +1,9 @@
 """Does DCS hold on data nobody tuned it to? (issue: DCS that lands on its target by itself.)
 
-One set of library defaults, every cell: datasets (``--datasets``: ``fashion-mnist`` and
-``digits``, scikit-learn's bundled 8x8 digits, both real and offline; any ImageFolder root too), two
+One set of library defaults, every cell: datasets (``--datasets``: ``fashion-mnist``, ``digits``
+(scikit-learn's bundled 8x8 digits) and ``lfw-faces`` (scikit-image's bundled LFW photographs, faces
+vs non-faces: another domain), all real and offline; any ImageFolder root too; ``NAME:K`` keeps the
+first K classes only, so the class count varies), two
 bases (``--bases``): ``dinov2`` (the DINOv2 ViT-S/14 backbone at 112 px + a linear-probe head:
 the model a user starts from) and ``scratch`` (the README main job's small ViT, 28 px, patch 4, width
 96, depth 6, 3 heads, trained from scratch with ``train``'s recipe on the same images), FLOPs targets
@@ -48,9 +50,11 @@ class Cell(pretrained.Bench):
         self.base_kind = base
         super().__init__(a, seed, res.setdefault(self.key, {}), out)
         self.full = res
-        self.runs = Path(a.runs) / dataset.replace("/", "_") / base / f"seed{seed}"
+        self.runs = Path(a.runs) / dataset.replace("/", "_").replace(":", "_classes") / base / f"seed{seed}"
         self.dense = self.runs / "dense"
-        self.data = DataConfig(dataset=dataset, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed)
+        name, _, k = dataset.partition(":")  # "digits:5": the first 5 classes only (a class-count subset)
+        self.data = DataConfig(dataset=name, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed,
+                               classes=",".join(str(c) for c in range(int(k))) if k else None)
 
     def merge(self, disk: dict[str, Any]) -> None:
         """Units under ``dataset/base`` -> ``seedN`` (merged, not replaced)."""
@@ -259,7 +263,7 @@ def main() -> None:
     ap.add_argument("--weights", default="weights/dinov2_vits14_112.safetensors")
     ap.add_argument("--runs", default="runs/dcs_generalise")
     ap.add_argument("--out", default="bench/results/dcs_generalise.json")
-    ap.add_argument("--datasets", default="fashion-mnist,digits")
+    ap.add_argument("--datasets", default="fashion-mnist,digits,lfw-faces,fashion-mnist:5")
     ap.add_argument("--bases", default="scratch,dinov2")
     ap.add_argument("--targets", default="0.7,0.6")
     ap.add_argument("--seeds", default="0,1")

@@ -113,8 +113,11 @@ class Bench:
 
     def ensure_dense(self) -> None:
         if not done(self.dense):
+            from nascompress.api import count_classes
+
             t0 = time.time()
-            train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}),
+            train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112,
+                                                                        "num_classes": count_classes(self.data)}),
                            data=self.data, train=TrainConfig(seed=self.seed), out=str(self.dense),
                            weights=self.a.weights, reset_head=True, linear_probe=True), force=True)
             self.res["dense_wall_s"] = time.time() - t0

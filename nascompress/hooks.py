@@ -155,7 +155,8 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
                 steps: int, lr: float) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
     rest): ``steps`` AdamW steps (linear warm-up over the first tenth) of ``loss_fn(x, y)`` over
-    ``batches`` (cycled). Returns the mean logs of the last 10 steps; the model is left in eval mode.
+    ``batches`` (cycled). Returns the mean logs of the last 10 steps and ``steps``, the optimizer
+    steps taken; the model is left in eval mode.
 
     A loss the parameters take no part in (a method configured to keep everything, e.g. DynamicViT
     at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""
@@ -164,6 +165,7 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     model.train()
     tail: list[dict[str, float]] = []
+    taken = 0
     try:
         it = iter(batches)
         for step in range(steps):
@@ -181,12 +183,13 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+            taken += 1
     finally:
         model.eval()
     if not tail:
         return {}
     sums = {k: sum(d[k] for d in tail) for k in tail[0]}  # device tensors: one host sync below
-    return {k: v / len(tail) for k, v in as_floats(sums).items()}
+    return {**{k: v / len(tail) for k, v in as_floats(sums).items()}, "steps": taken}
 
 
 def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tau: float = 1.0) -> torch.Tensor:

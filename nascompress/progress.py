@@ -16,7 +16,7 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -139,3 +139,20 @@ def step(what: str) -> Iterator[None]:
     say(f"{what} ...")
     yield
     say(f"{what}: done in {time.perf_counter() - t0:.1f} s")
+
+
+@contextmanager
+def counted(what: str, *, unit: str) -> Iterator[Callable[..., None]]:
+    """A phase of many small steps of unknown number (the DCS search's probe forwards): the
+    :func:`step` lines, and between them a progress task counting ``unit``; yields
+    ``tick(n=1, info=None)``, which advances it (``info``: the sub-phase now running)."""
+    with step(what):
+        if not _main():
+            yield lambda n=1, info=None: None
+            return
+        with make_progress() as prog:
+            tid = prog.add_task(f"  {unit}", total=None, info="")
+
+            def tick(n: int = 1, info: str | None = None) -> None:
+                prog.update(tid, advance=n, **({} if info is None else {"info": info}))
+            yield tick

@@ -98,6 +98,53 @@ def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in arch_parameters(sup))
 
 
+@pytest.mark.parametrize("fill", [False, True])
+@pytest.mark.parametrize("empty_block", [False, True])
+def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_gradients(fill, empty_block,
+                                                                                         monkeypatch):
+    """A hidden-gated MLP under a hard mask in training (the search's weight steps) computes only its
+    open neurons: the same logits and the same weight gradients as the masked dense computation.
+    Inference keeps the masked computation (the profiler counts the supernet's Linear modules)."""
+    import nascompress.methods.dcs as dcs_mod
+
+    torch.manual_seed(0)
+    model = build_model(tiny_spec())
+    fills = [torch.randn(blk.mlp.fc1.out_features) for blk in model.blocks] if fill else None
+    sup = make_supernet(model, DCSConfig(qk_mask="static", mlp_gates="hidden"), fill=fills)
+    randomize_gates(sup, empty_block=empty_block)
+    sup.dcs_state.sample = False  # a weight step at the current architecture
+    for p in arch_parameters(sup):
+        p.requires_grad_(False)
+    x = torch.randn(5, 1, 16, 16)
+    calls = {"n": 0}
+    real = dcs_mod._compactable
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    def run(compact: bool):
+        monkeypatch.setattr(dcs_mod, "_compactable", counted if compact else (lambda *a, **k: False))
+        sup.zero_grad(set_to_none=True)
+        out = sup.train()(x)
+        out.logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in sup.named_parameters() if p.grad is not None}
+        with torch.no_grad():
+            ev = sup.eval()(x)
+        return out.detach(), grads, ev
+
+    masked, g_masked, ev_masked = run(False)
+    compact, g_compact, ev_compact = run(True)
+    assert calls["n"] == len(sup.blocks)  # the compact path ran in training only
+    torch.testing.assert_close(compact, masked, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ev_compact, ev_masked, rtol=1e-5, atol=1e-5)
+    assert g_compact.keys() == g_masked.keys()
+    for n in g_masked:
+        torch.testing.assert_close(g_compact[n], g_masked[n], rtol=1e-4, atol=1e-5, msg=n)
+    closed = (sup.blocks[1].dcs_alpha <= 0).nonzero().flatten()
+    assert len(closed) and g_compact["blocks.1.mlp.fc1.weight"][closed].abs().sum() == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Materialization
 
@@ -595,3 +642,35 @@ def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
         assert sup.dcs_state.sample  # architecture steps always sample
     with pytest.raises(NascompressError, match="--w-gates"):
         DCSSearchConfig(w_gates="soft")
+
+
+@pytest.mark.parametrize("family", ["hidden", "residual"])
+def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family):
+    """Probing block j runs only blocks j.. on the cached dense stream: the same KLs as full forwards."""
+    import torch.nn.functional as F
+
+    from nascompress.methods.dcs import activation_stats
+    from nascompress.search.dcs_family import dense_targets
+    from nascompress.search.dcs_protect import SENSITIVITY_DROP, block_sensitivity
+
+    torch.manual_seed(0)
+    dense = build_model(tiny_spec(depth=3)).eval()
+    images = [torch.randn(6, 1, 16, 16), torch.randn(4, 1, 16, 16)]
+    stats = activation_stats(dense, images)
+    got = block_sensitivity(dense, images, stats, family)
+    targets = dense_targets(dense, images)
+    want = []
+    probe = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0,
+                                                          hidden_fill="mean"),
+                          fill=[s.hidden_mean for s in stats]).eval()
+    with torch.no_grad():
+        for j, (blk, s) in enumerate(zip(probe.blocks, stats)):
+            imp = s.importance.mlp(family)
+            blk.dcs_alpha.fill_(-1.0)
+            blk.dcs_alpha[imp.topk(round((1 - SENSITIVITY_DROP) * imp.numel())).indices] = 1.0
+            kl = sum(F.kl_div(F.log_softmax(probe(x), -1), t, log_target=True, reduction="sum").item()
+                     for x, t in zip(images, targets))
+            want.append(kl / 10)
+            blk.dcs_alpha.fill_(1.0)
+    assert len(got) == 3 and all(w > 0 for w in want)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-7)

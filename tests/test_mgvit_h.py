@@ -221,9 +221,95 @@ def test_search_space_loads_with_the_registry():
     from pathlib import Path
 
     from nascompress.search.space import load_space
+    from nascompress.search.trials import reference_configs
 
     space = load_space(Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml")
-    assert space is not None
+    configs = [space.records(p)[0]["config"] for p in space.grid(8)]
+    assert {c["r_pos"] for c in configs} > {1.0} and any("r_neg" in c for c in configs)
+    for c in configs:  # every configuration it proposes builds (r_pos + r_neg <= 1: r_neg only below r_pos 1)
+        get_method("mgvit-h").prepare_fresh(dense(), c)
+    d = dense()
+    paper = [p for label, p in reference_configs(space, d) if label == "paper"]
+    assert paper and paper[0]["mgvit-h.r_pos"] == 1.0  # the paper's Hierarchical MG-ViT (no PPSM) runs first
+
+
+# 64 px: a 2 x 2 grid of cells; r_h 0.25, r_t 0: 1 head and 3 middle cells, all split. r_pos 0.25,
+# r_neg 0.25 of the 4 split cells (PPSM's Eq. 21): 1 positive (the head), 1 boundary, 2 negative.
+SLIM = {"r_h": 0.25, "r_t": 0.0, "r_pos": 0.25, "r_neg": 0.25}
+
+
+def match_merge_reference(f):
+    """PPSM's boundary rule on one group per row, written out: row-major tokens alternate into A and
+    B; each A token joins its most cosine-similar B token; each B token becomes their mean."""
+    out = []
+    for g in f:
+        a, b = g[0::2], g[1::2]
+        members = [[bj] for bj in b]
+        for ai in a:
+            j = int(torch.stack([F.cosine_similarity(ai, bj, dim=0) for bj in b]).argmax())
+            members[j].append(ai)
+        out.append(torch.stack([torch.stack(m).mean(0) for m in members]))
+    return torch.stack(out)
+
+
+def test_ppsm_in_the_proxy_groups_domains_and_rules():
+    from nascompress.methods.mgvit_h import group_domains, slimmed_tokens
+
+    mg = dict(r_pos=0.25, r_neg=0.25)
+    assert group_domains(0, 1, 4, mg) == [(0, 1, "positive")]  # the head cell
+    assert group_domains(1, 3, 4, mg) == [(0, 1, "boundary"), (1, 3, "negative")]  # the middle cells
+    assert group_domains(0, 3, 4, {}) == [(0, 3, "positive")]  # r_pos 1 (the default): off
+    assert [slimmed_tokens(k, d) for k in (9, 4) for d in ("positive", "boundary", "negative")] == [9, 4, 1, 4, 2, 1]
+    m = mgvit_h(**SLIM)
+    torch.manual_seed(1)
+    f9, f4 = torch.randn(5, 9, 32), torch.randn(5, 4, 32)
+    with torch.no_grad():
+        for f in (f9, f4):
+            torch.testing.assert_close(m._slim(f, "positive"), f)
+            torch.testing.assert_close(m._slim(f, "negative"), f.mean(1, keepdim=True))
+            torch.testing.assert_close(m._slim(f, "boundary"), match_merge_reference(f))
+
+
+def test_ppsm_in_the_proxy_groups_keeps_the_grid_and_counts_its_flops():
+    d, x = dense(), torch.randn(2, 1, 64, 64)
+    plain = perturb(mgvit_h(d, r_h=0.25, r_t=0.0))
+    slim = mgvit_h(d, **SLIM)
+    slim.load_state_dict(plain.state_dict())  # the same weights: only the groups' finer tokens differ
+    with torch.no_grad():
+        want = [f.shape for f in d.forward_intermediates(x, intermediates_only=True)]
+        assert [f.shape for f in slim.forward_intermediates(x, intermediates_only=True)] == want
+        assert (slim(x) - plain(x)).abs().max() > 1e-5
+    # honest FLOPs: the MG layer over fewer keys/values, the boundary groups' similarity matmul (torch's
+    # counter sees it) and the merges' weighted sums (it does not): 4 tokens x 32 channels per merged group
+    r2 = 64  # stage-1 tokens per 32 px cell (8 x 8): one proxy group each
+    merges = 3 * r2 * 4 * 32  # one boundary and two negative middle cells
+    st, st_plain = slim.stage_flops(), plain.stage_flops()
+    slim._mg_force = "mgis"
+    assert st["mgis_flops"] == pytest.approx(flop_counter_macs(slim, x[:1]) + merges)
+    slim._mg_force = None
+    assert st["mgis_flops"] < st_plain["mgis_flops"] and st["sgis_flops"] == st_plain["sgis_flops"]
+    # arch.json records the domains and the tokens the MG layer sees: (9 + 1) + (2 + 1) + 2 x (1 + 1) per proxy
+    _, rec = get_method("mgvit-h").prepare_fresh(copy.deepcopy(d), SLIM)
+    assert rec["config"]["r_pos"] == 0.25 and rec["ppsm_cells"] == [1, 1, 2]
+    assert rec["mg_group_tokens"] == r2 * (10 + 3 + 2 * 2)
+    _, rec_off = get_method("mgvit-h").prepare_fresh(copy.deepcopy(d), {"r_h": 0.25, "r_t": 0.0})
+    assert rec_off["ppsm_cells"] == [4, 0, 0] and rec_off["mg_group_tokens"] == r2 * (10 + 3 * 5)
+    # with no cell split there is nothing to slim: still the dense pyramid
+    off = perturb(mgvit_h(d, r_h=0.0, r_t=1.0, r_pos=0.5, r_neg=0.5))
+    with torch.no_grad():
+        torch.testing.assert_close(off(x), d(x))
+
+
+def test_ppsm_settings_survive_save_and_load(tmp_path):
+    m = perturb(mgvit_h(**SLIM))
+    cfg = {k: m.mg[k] for k in ("variant", "r_h", "r_t", "r_pos", "r_neg", "epsilon", "mg_heads", "mg_mlp_ratio",
+                                "sgis_scale", "lam", "casr_start")}
+    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[{"name": "mgvit-h", "config": cfg}]))
+    loaded = nascompress.load(tmp_path / "m")
+    x = torch.randn(2, 1, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), m(x))
+    assert loaded.mg["r_pos"] == 0.25 and loaded.mg["r_neg"] == 0.25
 
 
 @pytest.mark.parametrize("config, match", [
@@ -231,7 +317,8 @@ def test_search_space_loads_with_the_registry():
     ({"r_h": 0.6, "r_t": 0.5}, "r_h \\+ r_t .*1.1"),
     ({"epsilon": 0.0}, "epsilon must be in \\(0, 1\\]"),
     ({"mg_heads": 3}, "mg_heads 3 does not divide stage 1's width 32"),
-    ({"r_pos": 0.5}, "unknown mgvit-h option.*r_pos"),
+    ({"r_pos": 0.7, "r_neg": 0.4}, "r_pos \\+ r_neg .*1.1"),
+    ({"r_neg": -0.1}, "r_neg"),
 ])
 def test_bad_settings(config, match):
     from nascompress.finetune import split_settings
@@ -285,12 +372,14 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     from nascompress.export import ExportConfig, export_run, stage_path
     from nascompress.export.verify import program_runner, with_exit_rule
 
-    m = perturb(mgvit_h(variant="r", r_h=0.25, r_t=0.25))
+    # with PPSM in the proxy groups (3 split cells: one positive, one boundary, one negative)
+    m = perturb(mgvit_h(variant="r", r_h=0.25, r_t=0.25, r_pos=0.5, r_neg=0.25))
     x = torch.randn(8, 1, 64, 64, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         conf = m._sgis(x).softmax(-1).amax(-1)
     eps = float(conf.median())
-    rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": eps}}
+    rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25,
+                                         "epsilon": eps}}
     save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
     with pytest.raises(NascompressError, match="export it with --batch dynamic"):
         export_run(tmp_path / "m", out=tmp_path / "fixed.pt2", config=ExportConfig(format="torch-export", batch=4))
@@ -316,13 +405,15 @@ def test_deepcopy_after_a_training_forward():
 
 def test_cli_finetune_variant_r(pvt_run, tmp_path):
     r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--variant", "r", "--r-h", "0.25", "--r-t", "0.25",
-               "--epochs", "1", "--batch-size", "16", "--train-limit", "32", "--eval-limit", "32",
-               "--out", tmp_path / "r")
+               "--r-pos", "0.5", "--r-neg", "0.25", "--epochs", "1", "--batch-size", "16", "--train-limit", "32",
+               "--eval-limit", "32", "--out", tmp_path / "r")
     assert r.exit_code == 0, r.output
     m = nascompress.load(tmp_path / "r")
-    assert isinstance(m, MGPVT) and m.mg["variant"] == "r" and m.mg["r_h"] == 0.25
-    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--r-pos", "0.5", "--out", tmp_path / "x")
-    assert r.exit_code == 1 and "--r-pos is not a mgvit-h option" in r.output
+    assert isinstance(m, MGPVT) and m.mg["variant"] == "r" and m.mg["r_h"] == 0.25 and m.mg["r_pos"] == 0.5
+    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--r-pos", "0.7", "--r-neg", "0.4", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "r_pos + r_neg must be at most 1" in r.output and not (tmp_path / "x").exists()
+    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--ppsm-layers", "3", "--out", tmp_path / "x")
+    assert r.exit_code == 1 and "--ppsm-layers is not a mgvit-h option" in r.output
 
 
 def test_import_and_train_from_pyramid_weights(tmp_path):

@@ -45,7 +45,7 @@ ON = {
     "evit": {"keep_rate": 0.5, "prune_layers": [2]},
     "dynamicvit": {"rho": 0.5, "prune_layers": [2, 3]},
     "mgvit": {"epsilon": 0.5},
-    "mgvit-h": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "epsilon": 0.5},
+    "mgvit-h": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25, "epsilon": 0.5},
     "tome": {"r": 6},
 }
 

@@ -22,7 +22,7 @@ FIELDS = {
     "dynamicvit": {"rho", "prune_layers"},
     "sparsifiner": {"attn_keep_ratio", "mode", "kernel", "n_down", "block_size", "budget"},
     "mgvit": {"r_h", "r_t", "r_pos", "r_neg", "ppsm_layers", "epsilon"},
-    "mgvit-h": {"variant", "r_h", "r_t", "epsilon"},
+    "mgvit-h": {"variant", "r_h", "r_t", "r_pos", "r_neg", "epsilon"},
     "dcs": {"target_flops", "qk_mask"},
     "tome": {"r", "merge_layers", "prop_attn"},
 }

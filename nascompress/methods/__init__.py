@@ -52,6 +52,9 @@ class Method:
     # configurations a search enqueues first: compression off (the plain model) and the paper's
     off_config: ClassVar[dict[str, Any] | None] = None
     paper_config: ClassVar[dict[str, Any] | None] = None
+    # a predictor-only stage to run before a zero-shot model is scored (:meth:`calibrate`); a
+    # search gives every such method the same step budget, training-free methods use none of it
+    calibrates: ClassVar[bool] = False
 
     # ---- what a subclass implements -----------------------------------------------------------
     def resolve(self, model: nn.Module, cfg: Config) -> Config:
@@ -73,9 +76,12 @@ class Method:
         raise NascompressError(f"{self.name} has no fine-tuning recipe")
 
     def calibrate(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module,
-                  batches: Any) -> dict[str, float]:
+                  batches: Any, steps: int | None = None) -> dict[str, float]:
         """A short stage that trains only the method's new parameters (backbone frozen) so that a
-        zero-shot model is meaningful; ``batches`` yields preprocessed (x, y). Default: nothing."""
+        zero-shot model is meaningful; ``batches`` yields preprocessed (x, y). ``steps``: that many
+        optimizer steps (None: the recipe's own count, ``finetune --zero-shot``). Returns its logs
+        with ``steps``, the optimizer steps taken. Methods with such a stage set ``calibrates``.
+        Default: nothing (training-free)."""
         return {}
 
     # ---- shared machinery --------------------------------------------------------------------

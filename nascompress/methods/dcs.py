@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -281,11 +282,30 @@ class DCSBlock(NCBlock):
             return super().mlp_half(x)
         if self._dcs_state.family == "hidden":
             m = self.mlp
-            h = m.drop1(m.act(m.fc1(self.norm2(x))))  # (B, N, Hm)
             fill = getattr(self, "dcs_fill", None)
-            h = h * g if fill is None else h * g + (1 - g) * fill
-            return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.norm(h)))))
+            if g.requires_grad or not self.training or not _compactable(m):
+                h = m.drop1(m.act(m.fc1(self.norm2(x))))  # (B, N, Hm)
+                h = h * g if fill is None else h * g + (1 - g) * fill
+                return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.norm(h)))))
+            # training under a hard 0/1 mask (the search's weight steps at the current architecture):
+            # only the open neurons are computed, ``fc2(h * g + (1 - g) * fill)`` =
+            # ``fc2[:, open](h[open]) + fc2((1 - g) * fill)``; the same function and gradients, fewer
+            # MACs. (Inference keeps the masked form: the profiler counts the Linear modules it runs.)
+            keep = g.nonzero().flatten()
+            h = m.act(F.linear(self.norm2(x), m.fc1.weight[keep], None if m.fc1.bias is None else m.fc1.bias[keep]))
+            out = F.linear(h, m.fc2.weight[:, keep], m.fc2.bias)
+            if fill is not None:
+                out = out + F.linear((1 - g) * fill, m.fc2.weight)
+            return x + self.drop_path2(self.ls2(m.drop2(out)))
         return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x) * g) * g))
+
+
+def _compactable(m: nn.Module) -> bool:
+    """Whether a hidden-gated MLP can skip its closed neurons in training: fc1 -> act -> fc2 with no
+    norm between and no dropout drawn on the hidden activations (its draws would change)."""
+    drop = m.drop1
+    return (isinstance(getattr(m, "norm", None), (nn.Identity, type(None))) and isinstance(m.fc1, nn.Linear)
+            and isinstance(m.fc2, nn.Linear) and (isinstance(drop, nn.Identity) or getattr(drop, "p", 0.0) == 0.0))
 
 
 class ConstantMLP(nn.Module):

@@ -254,6 +254,7 @@ class DynamicViT(Method):
     stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
     off_config = {"rho": 1.0}
     paper_config = {"rho": 0.7}
+    calibrates = True
 
     def resolve(self, model: nn.Module, cfg: DynamicViTConfig) -> DynamicViTConfig:
         layers = token_layers(model, "dynamicvit", cfg.prune_layers)
@@ -284,9 +285,10 @@ class DynamicViT(Method):
         r = DynamicViTRecipe.from_dict(record.get("recipe", {}))
         return DynamicViTHooks(model, teacher, r)
 
-    def calibrate(self, model, record, *, teacher, batches):
+    def calibrate(self, model, record, *, teacher, batches, steps=None):
         """Untrained predictors are a random token choice: train them alone first."""
-        return calibrate_predictors(model, teacher, batches, recipe=DynamicViTRecipe.from_dict(record.get("recipe", {})))
+        return calibrate_predictors(model, teacher, batches, recipe=DynamicViTRecipe.from_dict(record.get("recipe", {})),
+                                    steps=steps)
 
 
 # ---------------------------------------------------------------------------------------------

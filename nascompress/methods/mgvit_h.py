@@ -42,9 +42,25 @@ Table 6: H_MG heads, MLP ratio E_MG) that refines the head and middle patches wi
   The recipe's ``kl_weight`` scales the KL term; 0 trains the MG pass alone (no SGIS pass), for a
   model used without early exit.
 
+* **PPSM inside the proxy groups (``r_pos`` / ``r_neg``; off by default: 1 / 0).** Plain MG-ViT's
+  three-way decision slimming cannot merge the pyramid's stage-1 tokens (the later stages'
+  downsampling and spatial reduction need the regular grid; Table 6 has no PPSM), but it can slim
+  the only irregular token set there is: the finer tokens of each proxy's group, which serve the
+  MG layer as keys and values only. The split (head and middle) cells, in ranking order, are cut
+  as PPSM cuts its tokens (:func:`~nascompress.methods.mgvit_ops.ppsm_counts` of the split cells):
+  the top ``r_pos`` share is *positive* (every group keeps its 9 / 4 finer tokens), the bottom
+  ``r_neg`` share *negative* (each group's finer tokens are merged into one, their average), the
+  rest *boundary* (each group's finer tokens are match-merged: in row-major order they alternate
+  into sets A and B, each A token joins its most cosine-similar B token, 9 -> 4 and 4 -> 2 tokens).
+  PPSM's rules, applied per group: a proxy attends only to its own patch's tokens (Eq. 16), so
+  the negative tokens become one token per group rather than one per image, and the similarity is
+  taken on the finer tokens themselves (they have no earlier layer whose values PPSM would use).
+  Every proxy still stands for its stage-1 token, so the grid, the feature maps and Eq. 17 are
+  unchanged; the saving is the MG layer's keys and values (norm, ``kv`` projection and attention
+  over fewer tokens), the merges' cost is counted (the sub-token embeddings are computed in full).
+
 Not carried over from plain MG-ViT: feature reuse by widening (the pyramid's widths must stay the
-dense ones for its weights and its feature maps) and PPSM (merging tokens breaks the regular grid
-that the later stages' downsampling and spatial reduction need; Table 6 has none).
+dense ones for its weights and its feature maps), and PPSM on the pyramid's own tokens (above).
 """
 from __future__ import annotations
 
@@ -65,7 +81,8 @@ from ..config import Config, check_choice, check_int, check_range
 from ..errors import NascompressError
 from . import Method, register_method
 from ..hooks import TrainHooks
-from .mgvit_ops import HEAD_SPLIT, MIDDLE_SPLIT, casr_update, resample_image, split_counts, split_groups
+from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, match_merge, ppsm_counts, ppsm_macs, resample_image,
+                        split_counts, split_groups)
 
 PAPER_MG_HEADS = 8
 VARIANTS = ("a", "r")
@@ -78,6 +95,8 @@ class MGViTHConfig(Config):
     Args:
         variant: ``a`` (MG layer added after stage 1) or ``r`` (it replaces stage 1's last layer).
         r_h / r_t: shares of the coarse cells split 3x3 (head) / kept (tail).
+        r_pos / r_neg: PPSM's positive / negative shares of the split cells, applied to the finer
+            tokens of their proxy groups (module doc; 1 / 0: off).
         epsilon: early-exit threshold on SGIS's top softmax probability (1: no exit, no SGIS pass).
         mg_heads: H_MG, the MG layer's heads (default 8, the paper's, or the largest divisor of
             stage 1's width below it).
@@ -92,6 +111,10 @@ class MGViTHConfig(Config):
     r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
     r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
     epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
+    r_pos: float = field(default=1.0, metadata={
+        "help": "mgvit-h: PPSM positive share of the split cells (their proxy groups keep every finer token)."})
+    r_neg: float = field(default=0.0, metadata={
+        "help": "mgvit-h: PPSM negative share of the split cells (each proxy group's finer tokens merged into one)."})
     mg_heads: int | None = None
     mg_mlp_ratio: float | None = None
     sgis_scale: float = 0.5
@@ -100,11 +123,12 @@ class MGViTHConfig(Config):
 
     def __post_init__(self) -> None:
         check_choice("variant", self.variant, VARIANTS)
-        for k in ("r_h", "r_t", "lam"):
+        for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
             check_range(k, getattr(self, k), 0, 1)
-        if self.r_h + self.r_t > 1:
-            raise NascompressError(f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = "
-                                   f"{self.r_h + self.r_t:g}")
+        for a, b in (("r_h", "r_t"), ("r_pos", "r_neg")):
+            va, vb = getattr(self, a), getattr(self, b)
+            if va + vb > 1:
+                raise NascompressError(f"{a} + {b} must be at most 1, got {a}={va} + {b}={vb} = {va + vb:g}")
         check_range("epsilon", self.epsilon, 0, 1, lo_open=True)
         check_range("sgis_scale", self.sgis_scale, 0, 1, lo_open=True)
         check_int("casr_start", self.casr_start, 1)
@@ -226,6 +250,25 @@ class SubEmbed(nn.Module):
         return float(output.numel() * w.shape[1] * w.shape[2] * w.shape[3])
 
 
+class GroupSlim(nn.Module):
+    """PPSM's rules on whole proxy groups (P, k, C), parameter free, so that the FLOP counter sees
+    the merges: ``boundary`` match-merges each group (row-major A / B, equal weights: the tokens
+    of a group share their cell's rank), ``negative`` averages it into one token."""
+
+    def forward(self, fine: torch.Tensor, domain: str) -> torch.Tensor:
+        if domain == "negative":
+            return fine.mean(1, keepdim=True)
+        if fine.shape[1] < 2:
+            return fine
+        ones = fine.new_ones(fine.shape[:2])
+        return match_merge(fine, ones, fine)[0]
+
+    def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
+        fine, domain = inputs
+        P, k, C = fine.shape
+        return ppsm_macs(P, k, C, 0.0, 1.0 if domain == "negative" else 0.0)
+
+
 class MGLayer(nn.Module):
     """The MG Transformer layer with proxy tokens (Eq. 16): a pre-norm Transformer layer over each
     group ``[fine tokens, proxy]``; it returns the proxy's output (the only one Eq. 17 reads), so only
@@ -304,7 +347,8 @@ class MGPVT(PyramidVisionTransformerV2):
         return emb.reshape(B * n, r, s, r, s, C).permute(0, 1, 3, 2, 4, 5).reshape(B * n * r * r, s * s, C)
 
     def _mg(self, x: torch.Tensor, t: torch.Tensor, score: torch.Tensor, hw: tuple[int, int]) -> torch.Tensor:
-        """Eq. 17: the stage-1 tokens with the proxies' outputs in the head and middle cells."""
+        """Eq. 17: the stage-1 tokens with the proxies' outputs in the head and middle cells (their
+        groups' finer tokens slimmed by PPSM's domain where r_pos / r_neg say so)."""
         H, W = hw
         B, _, C = t.shape
         r = self.mg["cell_tokens"]
@@ -312,15 +356,24 @@ class MGPVT(PyramidVisionTransformerV2):
         cells = t.reshape(B, g, r, g, r, C).permute(0, 1, 3, 2, 4, 5).reshape(B, g * g, r * r, C)
         head, mid, _ = split_groups(score, self.mg["r_h"], self.mg["r_t"])
         out = cells
+        first = 0  # the rank (among the split cells) of the first cell of ``idx``
         for idx, s, pos in ((head, HEAD_SPLIT, self.mg_pos_head), (mid, MIDDLE_SPLIT, self.mg_pos_middle)):
             n = idx.shape[1]
             if n == 0:
                 continue
-            where = idx[..., None, None].expand(-1, -1, r * r, C)
-            fine = self._sub_tokens(x, idx, s, g, r) + pos
-            proxy = cells.gather(1, where).reshape(B * n * r * r, 1, C)
-            out = out.scatter(1, where, self.mg_layer(proxy, fine).reshape(B, n, r * r, C))
+            fine = (self._sub_tokens(x, idx, s, g, r) + pos).reshape(B, n, r * r, s * s, C)
+            for lo, hi, domain in group_domains(first, n, head.shape[1] + mid.shape[1], self.mg):
+                m = hi - lo
+                where = idx[:, lo:hi, None, None].expand(-1, -1, r * r, C)
+                f = self._slim(fine[:, lo:hi].reshape(B * m * r * r, s * s, C), domain)
+                proxy = cells.gather(1, where).reshape(B * m * r * r, 1, C)
+                out = out.scatter(1, where, self.mg_layer(proxy, f).reshape(B, m, r * r, C))
+            first += n
         return out.reshape(B, g, g, r, r, C).permute(0, 1, 3, 2, 4, 5).reshape(B, H * W, C)
+
+    def _slim(self, fine: torch.Tensor, domain: str) -> torch.Tensor:
+        """Proxy groups' finer tokens (P, k, C) after PPSM's rule of ``domain`` (module doc)."""
+        return fine if domain == "positive" else self.mg_slim(fine, domain)
 
     def _mgis_features(self, x: torch.Tensor, upto: int | None = None) -> list[torch.Tensor]:
         t, score, hw = self._stage1(x)
@@ -418,6 +471,24 @@ class MGPVT(PyramidVisionTransformerV2):
                 **self.stage_flops()}
 
 
+def group_domains(first: int, n: int, n_split: int, mg: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """PPSM's domains of the split cells ranked ``first .. first + n - 1`` (of ``n_split``), as
+    (lo, hi, domain) slices of those n: ranks below ``n_pos`` positive, the last ``n_neg`` negative
+    (:func:`~nascompress.methods.mgvit_ops.ppsm_counts` of ``n_split``), the rest boundary."""
+    n_pos, _, n_neg = ppsm_counts(n_split, mg.get("r_pos", 1.0), mg.get("r_neg", 0.0))
+    cuts = sorted({0, n, *(min(n, max(0, c - first)) for c in (n_pos, n_split - n_neg))})
+    out = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        rank = first + lo
+        out.append((lo, hi, "positive" if rank < n_pos else "negative" if rank >= n_split - n_neg else "boundary"))
+    return out
+
+
+def slimmed_tokens(k: int, domain: str) -> int:
+    """Finer tokens a proxy group of ``k`` keeps in ``domain``: k, half (floor) of them, or one."""
+    return k if domain == "positive" else 1 if domain == "negative" else (k // 2 if k >= 2 else k)
+
+
 def _build(model: PyramidVisionTransformerV2, c: MGViTHConfig) -> MGPVT:
     """Turn a dense PVT v2 into an :class:`MGPVT` (the MG layer at its default init)."""
     stride, sr, dim, _ = _stage1_shape(model)
@@ -431,6 +502,7 @@ def _build(model: PyramidVisionTransformerV2, c: MGViTHConfig) -> MGPVT:
     model.mg_layer = MGLayer(dim, c.mg_heads, c.mg_mlp_ratio, qkv_bias=ref.attn.q.bias is not None,
                              eps=getattr(ref.norm1, "eps", 1e-6)).to(dev)
     model.mg_embed = SubEmbed()
+    model.mg_slim = GroupSlim()
     model.mg_pos_head = nn.Parameter(torch.zeros(HEAD_SPLIT ** 2, dim, device=dev))
     model.mg_pos_middle = nn.Parameter(torch.zeros(MIDDLE_SPLIT ** 2, dim, device=dev))
     model.__class__ = MGPVT
@@ -488,14 +560,18 @@ class MGViTHMethod(Method):
         n = model.mg["grid"] ** 2
         n_h, n_m, n_t = split_counts(n, cfg.r_h, cfg.r_t)
         r2 = model.mg["cell_tokens"] ** 2
+        n_pos, n_b, n_neg = ppsm_counts(n_h + n_m, cfg.r_pos, cfg.r_neg)
+        group = sum((hi - lo) * (slimmed_tokens(s * s, dom) + 1)
+                    for first, k, s in ((0, n_h, HEAD_SPLIT), (n_h, n_m, MIDDLE_SPLIT))
+                    for lo, hi, dom in group_domains(first, k, n_h + n_m, model.mg))
         record.update(coarse_grid=model.mg["grid"], cells_split=[n_h, n_m, n_t], sgis_size=model.mg["sgis_size"],
-                      mg_group_tokens=r2 * (n_h * (HEAD_SPLIT ** 2 + 1) + n_m * (MIDDLE_SPLIT ** 2 + 1)))
+                      ppsm_cells=[n_pos, n_b, n_neg], mg_group_tokens=r2 * group)
         return model, record
 
     def hooks(self, model, record, *, teacher, train_cfg):
         return MGViTHHooks(MGViTHRecipe.from_dict(record.get("recipe") or {}, what="mgvit-h recipe").kl_weight)
 
 
-__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed",
-           "RankingAttention", "init_mg_layer",
+__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed", "GroupSlim",
+           "RankingAttention", "init_mg_layer", "group_domains", "slimmed_tokens",
            "resolve_config", "default_mg_heads", "sgis_size"]

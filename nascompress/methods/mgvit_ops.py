@@ -109,6 +109,26 @@ def _weighted_merge(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w[..., None]).sum(1, keepdim=True) / w.sum(1, keepdim=True)[..., None].clamp_min(1e-12)
 
 
+def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPSM's boundary rule on tokens in rank order: they alternate into set A (1st, 3rd, ...) and
+    set B (2nd, 4th, ...), each A token is matched to the B token with the most cosine-similar value
+    vector, and every B token becomes the score-weighted average of itself and its A tokens.
+
+    Args:
+        x: (B, k, D) tokens (k >= 2), score: (B, k) positive weights, values: (B, k, Dv).
+    Returns:
+        (B, k // 2, D) merged tokens and their (B, k // 2) summed scores.
+    """
+    D = x.shape[-1]
+    xa, sa, va = x[:, 0::2], score[:, 0::2], values[:, 0::2]
+    xbb, sbb, vbb = x[:, 1::2], score[:, 1::2], values[:, 1::2]
+    sim = F.normalize(va, dim=-1) @ F.normalize(vbb, dim=-1).transpose(1, 2)  # (B, nA, nB)
+    dst = sim.argmax(-1)  # (B, nA)
+    num = (xbb * sbb[..., None]).scatter_add(1, dst[..., None].expand(-1, -1, D), xa * sa[..., None])
+    den = sbb.scatter_add(1, dst, sa)
+    return num / den[..., None].clamp_min(1e-12), den
+
+
 def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: float,
          r_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Three-way decision slimming of the patch tokens (the class token stays with the caller).
@@ -134,14 +154,8 @@ def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: floa
     xs, ss, vs = gather_tokens(x, order), score.gather(1, order), gather_tokens(values, order)
     parts, scores = [xs[:, :n_pos]], [ss[:, :n_pos]]
     if n_b >= 2:
-        xb, sb, vb = xs[:, n_pos:n_pos + n_b], ss[:, n_pos:n_pos + n_b], vs[:, n_pos:n_pos + n_b]
-        xa, sa, va = xb[:, 0::2], sb[:, 0::2], vb[:, 0::2]
-        xbb, sbb, vbb = xb[:, 1::2], sb[:, 1::2], vb[:, 1::2]
-        sim = F.normalize(va, dim=-1) @ F.normalize(vbb, dim=-1).transpose(1, 2)  # (B, nA, nB)
-        dst = sim.argmax(-1)  # (B, nA)
-        num = (xbb * sbb[..., None]).scatter_add(1, dst[..., None].expand(-1, -1, D), xa * sa[..., None])
-        den = sbb.scatter_add(1, dst, sa)
-        parts.append(num / den[..., None].clamp_min(1e-12))
+        merged, den = match_merge(xs[:, n_pos:n_pos + n_b], ss[:, n_pos:n_pos + n_b], vs[:, n_pos:n_pos + n_b])
+        parts.append(merged)
         scores.append(den)
     elif n_b == 1:
         parts.append(xs[:, n_pos:n_pos + 1])

@@ -470,6 +470,7 @@ class Sparsifiner(Method):
     stacks_on = frozenset({"dcs", "uniform"})
     off_config = {"attn_keep_ratio": 1.0}
     paper_config = {"attn_keep_ratio": 0.25}
+    calibrates = True
 
     def resolve(self, model: nn.Module, cfg: SparsifinerConfig) -> SparsifinerConfig:
         to_core(model, method="sparsifiner")
@@ -507,9 +508,10 @@ class Sparsifiner(Method):
     def hooks(self, model, record, *, teacher, train_cfg):
         return SparsifinerHooks(teacher, SparsifinerRecipe.from_dict(record.get("recipe", {})))
 
-    def calibrate(self, model, record, *, teacher, batches):
+    def calibrate(self, model, record, *, teacher, batches, steps=None):
         """Stage 1 alone: the region-initialised predictor learns the dense attention."""
-        return calibrate_predictor(model, batches, recipe=SparsifinerRecipe.from_dict(record.get("recipe", {})))
+        return calibrate_predictor(model, batches, recipe=SparsifinerRecipe.from_dict(record.get("recipe", {})),
+                                   steps=steps)
 
 
 __all__ = ["Sparsifiner", "SparsifinerConfig", "SparsifinerRecipe", "SparsifinerKernel", "SparsifinerHooks",

@@ -65,7 +65,7 @@ from ..io import load_with_arch, make_arch
 from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
                            channel_importance, make_record, make_supernet)
 from ..models import ModelSpec, build_model, load_pretrained
-from ..progress import step
+from ..progress import counted, step
 from ..auto_batch import AUTO_BATCH_NOTE, auto_batch_size
 from ..distill import FeatureTap, feature_kd_loss
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
@@ -671,8 +671,9 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
     base_arch = dict(base_arch, labels=[str(c) for c in data.classes])  # the classes searched on
-    with step("DCS: measuring the dense model before the search (activation statistics, gate probes)"):
-        job, pre = prepare_search(job, dense, data, spec)
+    with counted("DCS: measuring the dense model before the search (activation statistics, gate probes)",
+                 unit="probe batches") as tick:
+        job, pre = prepare_search(job, dense, data, spec, tick=tick)
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0, importance=pre["importance"],
                              fill=pre["fill"], protect=pre["protect"])
@@ -680,8 +681,10 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     dense.eval().requires_grad_(False).to(device)  # the distillation teacher runs beside the supernet
     distils = job.search.distill > 0 or job.search.feat_distill > 0
     # the teacher's outputs once per image where the training images are not augmented (in-memory data)
-    teacher = (TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0)
-               if distils and data.name in IN_MEMORY else None)
+    teacher = None
+    if distils and data.name in IN_MEMORY:
+        with step(f"DCS: the dense model's outputs for the {len(data.train)} training images (computed once)"):
+            teacher = TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0)
     hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
                            base_arch=base_arch, train_size=len(data.train), init_info=pre["info"], teacher=teacher)
     if before_fit is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Callable, Iterator, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -87,13 +87,29 @@ def _memo(job: SearchJob, seed: int) -> dict[str, Any]:
     return _MEMO[key]
 
 
-def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec) -> tuple[Job, dict[str, Any]]:
+class Ticking(list):
+    """The probe images (batches): every pass over a batch advances ``tick`` (the preparation's progress)."""
+
+    def __init__(self, items: list[torch.Tensor], tick: Callable[..., None]):
+        super().__init__(items)
+        self.tick = tick
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for x in super().__iter__():
+            yield x
+            self.tick()
+
+
+def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
+                   tick: Callable[..., None] | None = None) -> tuple[Job, dict[str, Any]]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
     the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
     the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
     so a resumed search repeats them exactly. Returns the job with its choices resolved and
-    ``{"importance", "fill", "protect", "weights", "info"}`` (info: what was chosen and why, logged)."""
+    ``{"importance", "fill", "protect", "weights", "info"}`` (info: what was chosen and why, logged).
+    ``tick(n=1, info=None)``: called after every probe batch, with the phase's name as it starts."""
     s, m = job.search, job.method
+    tick = tick or (lambda n=1, info=None: None)
     info: dict[str, Any] = {}
     if s.auto_batch:
         bs = auto_batch_size(len(data.train))
@@ -103,14 +119,16 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec) -> tu
         m.mlp_gates == "hidden" and m.hidden_fill == "mean")
     memo = _memo(job, s.init_seed if s.init_seed is not None else job.train.seed) if needs else {}
     if needs and "images" not in memo:
+        tick(0, info="activation statistics")
         memo["images"] = calibration_images(data, spec, n=s.init_images, seed=job.train.seed
                                             if s.init_seed is None else s.init_seed)
-        memo["stats"] = activation_stats(dense, memo["images"])
-        memo["targets"] = dense_targets(dense, memo["images"])
-    images, stats, targets = memo.get("images", []), memo.get("stats"), memo.get("targets")
+        memo["stats"] = activation_stats(dense, Ticking(memo["images"], tick))
+        memo["targets"] = dense_targets(dense, Ticking(memo["images"], tick))
+    images, stats, targets = Ticking(memo.get("images", []), tick), memo.get("stats"), memo.get("targets")
     if m.mlp_gates == "auto":
         key = ("family", s.target_flops)
         if key not in memo:
+            tick(0, info="gate family probes")
             memo[key] = choose_family(dense, images, stats, target=s.target_flops, align=m.align,
                                       hidden_fill=m.hidden_fill, targets=targets)
         family, finfo = memo[key]
@@ -119,6 +137,7 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec) -> tu
         info.update(finfo)
     key = ("init", s.init_importance, m.mlp_gates)
     if key not in memo:
+        tick(0, info="start order probes")
         memo[key] = init_importance(dense, images, s.init_importance, family=m.mlp_gates, stats=stats, align=m.align,
                                     hidden_fill=m.hidden_fill, targets=targets)
     importance, iinfo = memo[key]
@@ -127,6 +146,7 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec) -> tu
     if stats is not None and m.mlp_gates != "none":
         key = ("protect", m.mlp_gates, s.protect_ratio, s.block_weights)
         if key not in memo:
+            tick(0, info="block sensitivity")
             memo[key] = protection(dense, images, stats, m.mlp_gates, ratio=s.protect_ratio,
                                    block_weights=s.block_weights, align=m.align, targets=targets)
         protect, weights, pinfo = memo[key]

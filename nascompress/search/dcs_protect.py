@@ -48,30 +48,66 @@ def outlier_gates(stats: list[BlockStats], family: str, *, ratio: float,
     return out
 
 
+class _Replay(nn.Module):
+    """Stands in for the blocks before the probed one: returns their (dense) output, cached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out
+
+
 @torch.no_grad()
 def block_sensitivity(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], family: str, *,
                       align: int = 1, protect: list[torch.Tensor] | None = None,
                       targets: list[torch.Tensor] | None = None) -> list[float]:
     """Per block j: mean KL(dense || model with block j's ``SENSITIVITY_DROP`` least important
-    gates of ``family`` closed) on the preprocessed ``images`` (batches). One probe supernet."""
+    gates of ``family`` closed) on the preprocessed ``images`` (batches). One probe supernet.
+
+    Blocks before j are the dense model's, so their output is computed once per image (advanced one
+    block per probe) and replayed: probing block j runs blocks j.. only (the same function, about 40%
+    fewer block forwards on a 12-block model)."""
     from .dcs_family import dense_targets
 
     targets = targets or dense_targets(dense, images)
     cfg = DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0, align=align, hidden_fill="mean")
     probe = make_supernet(copy.deepcopy(dense), cfg, fill=[s.hidden_mean for s in stats]).eval()
     n = sum(len(x) for x in images)
+    blocks = probe.blocks
+    sequential = isinstance(blocks, nn.Sequential)
+    states: list[torch.Tensor] = []  # per batch: the input of block j (the dense model's residual stream)
+    if sequential:
+        grab = blocks[0].register_forward_pre_hook(lambda _m, args: states.append(args[0]))
+        try:
+            for x in images:
+                probe(x)
+        finally:
+            grab.remove()
+    replay = _Replay()
     out = []
-    for j, (blk, s) in enumerate(zip(probe.blocks, stats)):
-        imp = s.importance.mlp(family).to(blk.dcs_alpha.device).clone()
-        if protect is not None:
-            imp[protect[j].to(imp.device)] = float("inf")
-        k = aligned_width(round((1 - SENSITIVITY_DROP) * imp.numel()), align=align, full=imp.numel(), mode="up")
-        blk.dcs_alpha.fill_(-1.0)
-        blk.dcs_alpha[imp.topk(k).indices] = 1.0
-        kl = sum(F.kl_div(F.log_softmax(probe(x).float(), -1), t, log_target=True, reduction="sum").item()
-                 for x, t in zip(images, targets))
-        out.append(kl / n)
-        blk.dcs_alpha.fill_(1.0)
+    try:
+        for j, (blk, s) in enumerate(zip(list(blocks), stats)):
+            imp = s.importance.mlp(family).to(blk.dcs_alpha.device).clone()
+            if protect is not None:
+                imp[protect[j].to(imp.device)] = float("inf")
+            k = aligned_width(round((1 - SENSITIVITY_DROP) * imp.numel()), align=align, full=imp.numel(), mode="up")
+            blk.dcs_alpha.fill_(-1.0)
+            blk.dcs_alpha[imp.topk(k).indices] = 1.0
+            if sequential:
+                probe.blocks = nn.Sequential(replay, *list(blocks)[j:])
+            kl = 0.0
+            for b, (x, t) in enumerate(zip(images, targets)):
+                if sequential:
+                    replay.out = states[b]
+                kl += F.kl_div(F.log_softmax(probe(x).float(), -1), t, log_target=True, reduction="sum").item()
+            out.append(kl / n)
+            blk.dcs_alpha.fill_(1.0)
+            if sequential:  # advance the cached stream through the dense block j
+                states = [blk(h) for h in states]
+    finally:
+        probe.blocks = blocks
     return out
 
 

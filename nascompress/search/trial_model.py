@@ -146,7 +146,10 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     search = SearchJob.from_dict(info["job"])
     ctx = TrialContext(search)
     records = ctx.space.records(trial.params)
-    model, applied, training = build_trial(ctx, records, seed=int(rec["seed"]))
+    # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe
+    # counts, how studies scored trials before budgets were recorded)
+    scoring = rec.get("scoring") or {}
+    model, applied, training = build_trial(ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"))
     acc = ctx.accuracy(model)
     if abs(acc - rec["accuracy"]) > 1e-6:
         raise NascompressError(f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "

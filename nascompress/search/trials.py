@@ -41,6 +41,7 @@ from ..methods import get_method
 from ..models import ModelSpec, build_model
 from ..profiling import count_flops, measure
 from ..utils import resolve_device, seed_everything
+from .scoring import calibrate_stack, study_scoring, subset_fingerprint, trial_scoring
 from .space import Space, load_space
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
@@ -174,6 +175,9 @@ class TrialContext:
         self.data = load_data(data_cfg, spec=self.spec)
         self.val = _tensors(self.data.val, self.spec, job.batch_size)
         self.calib = _tensors(self.data.train, self.spec, job.batch_size)
+        # the identity of the validation subset every trial of the study is scored on
+        self.eval_subset = subset_fingerprint(self.data.val, torch.cat([y for _, y in self.val]) if self.val
+                                              else torch.zeros(0), seed=data_cfg.subset_seed)
         self.uncompressed = build_model(ModelSpec.from_dict(self.arch["model"])).to(self.device).eval()
         x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
         self.flops_x = x
@@ -250,17 +254,23 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
     return model, record
 
 
-def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
-                report: Any = None) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
+def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, report: Any = None,
+                budget: int | None | str = "job") -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
     """The model of one trial: the base with ``records`` applied, calibrated or fine-tuned as the job says.
 
     Deterministic for the same (records, seed) on the same machine, so a study's trial can be
     rebuilt later (``nascompress materialize --study``). ``report(epoch, val_top1)`` (optional) is
-    called after each fine-tune epoch (a pruner's intermediate values).
+    called after each fine-tune epoch (a pruner's intermediate values). ``budget``: the steps of
+    each predictor-only stage (:mod:`nascompress.search.scoring`): ``"job"`` the study's
+    ``calib_steps``, None each method's recipe count (trials of studies made before budgets were
+    recorded).
 
     Returns:
-        (model in eval mode, the method records as applied (arch.json), training info).
+        (model in eval mode, the method records as applied (arch.json), training info with
+        ``calib_steps``: the predictor-stage steps taken, by method).
     """
+    if budget == "job":
+        budget = ctx.job.calib_steps
     seed_everything(seed)
     model = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base is frozen (it is the teacher)
     applied, info = [], {}
@@ -277,36 +287,30 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int,
         applied.append(record)
     model.to(ctx.device)
     if ctx.job.finetune_epochs > 0 and applied:
-        info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report)
-    elif ctx.job.calib_steps > 0:
+        info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report, budget=budget)
+        info["calib_steps"] = info["finetune"].pop("calib_steps")
+    else:
         from .. import runtime
 
-        batches = ctx.calibration_batches()
         with runtime.configured(ctx.device, deterministic=ctx.job.deterministic), runtime.autocast(ctx.device,
                                                                                                     ctx.job.amp):
-            for rec in applied:
-                out = get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base,
-                                                        batches=_cycle(batches, ctx.job.calib_steps))
-                if out:
-                    info[f"calibration_{rec['name']}"] = out
+            logs, steps = calibrate_stack(model, applied, teacher=ctx.base, batches=ctx.calibration_batches(),
+                                          budget=budget, cycle_to=ctx.job.calib_steps)
+        info.update({f"calibration_{name}": out for name, out in logs.items()})
+        info["calib_steps"] = steps
     return model.eval(), applied, info
 
 
-def _cycle(batches: list, steps: int):
-    """``steps`` batches, cycling through the cached list."""
-    return [batches[i % len(batches)] for i in range(steps)]
-
-
 def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str, Any]], *, seed: int,
-                    report: Any) -> dict[str, Any]:
-    """A short fine-tune with the recipe of the last method of the stack (every method's
-    predictor-only stage first)."""
+                    report: Any, budget: int | None) -> dict[str, Any]:
+    """A short fine-tune with the recipe of the last method of the stack (every other method's
+    predictor-only stage first, ``budget`` steps each; ``calib_steps`` in the result: their steps)."""
     from ..finetune import finetune_train_config
     from ..train import fit
 
-    for rec in applied[:-1]:
-        get_method(rec["name"]).calibrate(model, rec, teacher=ctx.base, batches=_cycle(ctx.calibration_batches(),
-                                                                                       ctx.job.calib_steps))
+    _, steps = calibrate_stack(model, applied[:-1], teacher=ctx.base, batches=ctx.calibration_batches(),
+                               budget=budget, cycle_to=ctx.job.calib_steps)
+    steps[applied[-1]["name"]] = 0  # trained by the fine-tune itself
     last = applied[-1]["name"]
     epochs = max(1, round(ctx.job.finetune_epochs))
     cfg = finetune_train_config(last, epochs=epochs, batch_size=ctx.job.batch_size, seed=seed, device=ctx.job.device,
@@ -318,7 +322,8 @@ def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str,
         hooks = _Reporting(hooks, report)
     arch = dict(ctx.arch, methods=list(ctx.arch["methods"]) + applied)
     metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, arch=arch, hooks=hooks)  # in memory
-    return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"]}
+    return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"],
+            "calib_steps": steps}
 
 
 class _Reporting:
@@ -376,9 +381,11 @@ class Objective:
         rep = count_flops(model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
         speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
+        scoring = trial_scoring(budget=job.calib_steps, steps=info.pop("calib_steps"), eval_subset=ctx.eval_subset,
+                                finetune_epochs=job.finetune_epochs)
         record_trial(trial, arch=applied, params_changed=dict(trial.params), flops=rep.total, flops_ratio=ratio,
                      params=rep.params, accuracy=acc, latency_ms=speed.get("latency_ms"),
-                     throughput=speed.get("throughput"), wall_s=time.perf_counter() - t0, seed=seed)
+                     throughput=speed.get("throughput"), wall_s=time.perf_counter() - t0, seed=seed, scoring=scoring)
         if info:
             trial.set_user_attr("nascompress_training", json.loads(json.dumps(info)))
         if job.max_flops is not None:
@@ -588,7 +595,8 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
     info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
-            "dataset": (job.data or _run_data(job.base)).dataset, "job": job_dict, "profile": profile}
+            "dataset": (job.data or _run_data(job.base)).dataset, "job": job_dict, "profile": profile,
+            "scoring": study_scoring(job)}
     summary = run_study(study_name=job.study, storage=job.storage,
                         objective_factory=functools.partial(make_objective, job_dict),
                         n_trials=job.trials, directions=directions, metric_names=metric_names, space_info=info,

@@ -25,7 +25,9 @@ from .records import (
     RECORD_FIELDS,
     RETRY_OF_KEY,
     SURPLUS_KEY,
+    mixed_scoring,
     pareto_front,
+    scoring_summary,
     study_info,
     trial_record,
 )
@@ -139,7 +141,9 @@ def show_study(name: str, storage: str | None = None, *, limit: int = 20) -> dic
         ``{"study", "storage", "metric_names", "directions", "kind" ("pareto" or "best"),
         "counts", "info", "varying" (params that differ across the shown trials),
         "trials" (rows: ``number``, ``values`` by objective name, ``params``, ``record`` with
-        flops_ratio, params (the parameter count), accuracy, latency_ms, throughput)}``.
+        flops_ratio, params (the parameter count), accuracy, latency_ms, throughput),
+        "scoring" (one line: the calibration budget and validation subset every trial is scored
+        with, or None), "scored_otherwise" (a line per complete trial scored differently)}``.
     """
     spec, study = load(name, storage)
     trials = study.get_trials(deepcopy=False)
@@ -157,8 +161,10 @@ def show_study(name: str, storage: str | None = None, *, limit: int = 20) -> dic
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:limit]
         kind = "best"
     rows = [trial_row(t, names) for t in shown]
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
     return {"study": name, "storage": spec.display, "metric_names": names, "directions": dirs, "kind": kind,
-            "counts": _counts(trials), "info": study_info(study), "varying": varying_columns(rows), "trials": rows}
+            "counts": _counts(trials), "info": study_info(study), "varying": varying_columns(rows), "trials": rows,
+            "scoring": scoring_summary(study_info(study), complete), "scored_otherwise": mixed_scoring(complete)}
 
 
 def format_value(v: Any) -> str:
@@ -187,7 +193,12 @@ def render_show(result: dict[str, Any]) -> Table:
     title = (f"{result['study']}: Pareto front, {len(result['trials'])} trials" if result["kind"] == "pareto"
              else f"{result['study']}: best {len(result['trials'])} trials")
     arrows = {"maximize": "↑", "minimize": "↓"}
-    table = Table(title=title, caption=f"{result['storage']}  {count_summary(result['counts'])}")
+    caption = f"{result['storage']}  {count_summary(result['counts'])}"
+    if result.get("scoring"):
+        caption += f"\nscored with {result['scoring']}"
+    for line in result.get("scored_otherwise") or []:
+        caption += f"\nscored otherwise: {line}"
+    table = Table(title=title, caption=caption)
     table.add_column("trial", justify="right")
     for p in result["varying"]:
         table.add_column(p, justify="right")

@@ -78,6 +78,13 @@ def open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str],
         raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
                                f"asks for {new!r}; a study keeps its sampler: rerun with --sampler {old} or use a new "
                                "study name")
+    old, new = stored.get("scoring"), info.get("scoring")
+    if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
+        diff = [f"--{k.replace('_', '-')} {old[k]} (this run: {new[k]})" for k in old if k in new and old[k] != new[k]]
+        if diff:
+            raise NascompressError(f"study {study_name!r} in {spec.display} scores every trial alike and this run "
+                                   f"differs: {', '.join(diff)}; rerun with the study's settings or use a new "
+                                   "study name")
     names = study.metric_names
     if names is not None and list(names) != list(metric_names):
         raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "

@@ -1,5 +1,6 @@
 """Trial and study records: the attribute keys nascompress stores in Optuna trials and studies,
-:func:`record_trial` / :func:`trial_record` / :func:`study_info`, and the Pareto front of a study."""
+:func:`record_trial` / :func:`trial_record` / :func:`study_info`, the Pareto front of a study, and
+how its trials were scored (:func:`scoring_summary`, :func:`mixed_scoring`)."""
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ RETRY_OF_KEY = "nascompress_retry_of"
 ERROR_KEY = "nascompress_error"
 RECORD_FIELDS: dict[str, type] = {"arch": list, "params_changed": dict, "flops": float, "flops_ratio": float,
                                   "params": int, "accuracy": float, "latency_ms": float, "throughput": float,
-                                  "wall_s": float, "seed": int}
+                                  "wall_s": float, "seed": int, "scoring": dict}
 _NULLABLE = {"latency_ms", "throughput"}
 
 
@@ -29,7 +30,9 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
         trial: a live ``optuna.Trial`` (or anything with ``user_attrs``/``set_user_attr``).
         **fields: any of ``arch`` (list of method records), ``params_changed`` (dict),
             ``flops`` (MACs per image), ``flops_ratio``, ``params`` (int), ``accuracy``
-            (percent), ``latency_ms`` / ``throughput`` (float or None), ``wall_s``, ``seed``.
+            (percent), ``latency_ms`` / ``throughput`` (float or None), ``wall_s``, ``seed``,
+            ``scoring`` (dict: the calibration budget and validation subset the trial was scored
+            with, :func:`nascompress.search.scoring.trial_scoring`).
 
     Returns:
         The merged record.
@@ -96,3 +99,43 @@ def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[Any]) -> li
         if not dominated:
             front.append(t)
     return sorted(front, key=lambda t: t.number)
+
+
+def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
+    """Lines naming the trials whose calibration budget, fine-tune epochs or validation subset
+    (their records' ``scoring``) differ from the study's first scored trial; empty when every
+    trial was scored alike (or none recorded it)."""
+    first: tuple[int, Any] | None = None
+    odd: list[str] = []
+    unrecorded: list[int] = []
+    for t in sorted(trials, key=lambda t: t.number):
+        number, sc = t.number, trial_record(t).get("scoring")
+        if not isinstance(sc, Mapping):
+            unrecorded.append(number)
+            continue
+        key = (sc.get("calib_budget"), sc.get("finetune_epochs"), (sc.get("eval_subset") or {}).get("sha256"))
+        if first is None:
+            first = (number, key)
+        elif key != first[1]:
+            odd.append(f"trial {number}: calibration budget {key[0]}, fine-tune epochs {key[1]}, validation subset "
+                       f"{key[2]} (trial {first[0]}: {first[1][0]}, {first[1][1]}, {first[1][2]})")
+    if first is not None and unrecorded:  # a study continued across the change that records scoring
+        odd.insert(0, f"trials {', '.join(map(str, unrecorded))}: no scoring recorded (scored before budgets were "
+                      "recorded: each predictor stage ran its recipe's step count)")
+    return odd
+
+
+def scoring_summary(info: Mapping[str, Any], trials: Sequence[FrozenTrial]) -> str | None:
+    """One line: the calibration budget and validation subset the study scores every trial with
+    (its record's ``scoring``, the subset's fingerprint from its first scored trial); None when the
+    study recorded none."""
+    sc = info.get("scoring")
+    if not isinstance(sc, Mapping):
+        return None
+    subset = next((trial_record(t)["scoring"].get("eval_subset") for t in sorted(trials, key=lambda t: t.number)
+                   if isinstance(trial_record(t).get("scoring"), Mapping)), None) or {}
+    ft = sc.get("finetune_epochs") or 0
+    line = (f"{sc.get('calib_steps')} calibration steps per predictor stage (training-free methods: 0), "
+            f"{subset.get('images', sc.get('eval_images'))} validation images (seed {sc.get('seed')}"
+            + (f", subset {subset['sha256']}" if subset.get("sha256") else "") + ")")
+    return line + (f", {ft:g} fine-tune epochs per trial" if ft else ", zero-shot")

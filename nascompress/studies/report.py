@@ -21,8 +21,9 @@ from typing import Any, Callable, Sequence
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from .inspect import format_value, trial_row, count_summary, varying_columns, check_out, directions, load, metric_names, show_columns
-from .records import pareto_front, study_info, trial_record
+from .inspect import (check_out, count_summary, directions, format_value, load, metric_names, show_columns, trial_row,
+                      varying_columns)
+from .records import mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
 
 REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}
@@ -123,6 +124,8 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
             ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
             ("base run", info.get("base_run")), ("dataset", info.get("dataset")), ("command", info.get("command")),
             ("sampler", info.get("sampler")), ("seed", info.get("seed")),
+            ("scoring", scoring_summary(info, complete)),
+            ("trials scored otherwise", "; ".join(mixed_scoring(complete))),
             ("report written", _dt.datetime.now().astimezone().isoformat(timespec="seconds")),
             ("optuna", optuna.__version__)]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v not in (None, ""))

@@ -15,7 +15,9 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   the study without duplicates (each its own stream), in an order that depends on timing.
 - The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
   a run with a different one is refused, naming both spaces and where they differ. So is the
-  sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials.
+  sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials,
+  and the settings every trial is scored with where it names them (``scoring``, a dict of option
+  values such as the calibration budget and the validation subset: a run with another value is refused).
 - Termination: the study ends with ``n_trials`` COMPLETE trials in total, across workers and
   restarts. Each worker starts a trial only while COMPLETE + RUNNING < ``n_trials`` (otherwise
   it waits for the running ones); a trial that, once in the storage, sees ``n_trials`` other
