@@ -55,7 +55,7 @@ def _one_line_error(r, pattern):
 @pytest.mark.parametrize("args,pattern", [
     (["--model", "deit_smal_patch16_224"], "unknown model name"),
     (["--model", "resnet18"], "not a timm VisionTransformer"),
-    (["--dataset", "/nonexistent/data"], "neither a built-in dataset (fashion-mnist, digits) nor a directory"),
+    (["--dataset", "/nonexistent/data"], "neither a built-in dataset (fashion-mnist, digits, lfw-faces) nor a directory"),
     (["--weights", "/nonexistent/w.safetensors"], "does not exist"),
     (["--epochs", "0"], r"--epochs must be an integer in [1, inf], got 0"),
 ])
