@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
-from .config import Config, check_int, setting
+from .config import Config, check_int, check_settings, setting
 from .limits import SEED_MAX
 from .errors import NascompressError
 
@@ -710,13 +710,7 @@ class DataConfig:
         "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
 
     def __post_init__(self) -> None:
-        if not 0 < self.val_fraction < 1:
-            raise NascompressError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        for name, v in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
-            if v is not None:
-                check_int(name, v, 1)
-        if self.num_workers is not None:
-            check_int("--num-workers", self.num_workers, 0)
+        check_settings(self)  # every setting() against its declaration
         # paths are kept absolute (a run's config.json records them: evaluate/finetune/--resume from
         # another directory read the same data)
         for name in ("dataset", "data_dir"):

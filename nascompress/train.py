@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import distributed, runtime
-from .config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
+from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import SEED_MAX
 from .data import (DataBundle, DataConfig, InputOverrides, InputSpec, Subset, default_norm, load_data, make_loader,
                    preprocess)
@@ -105,24 +105,10 @@ class TrainConfig(Config):
     log_every: int = 50
 
     def __post_init__(self) -> None:
-        check_int("--epochs", self.epochs, 1)
-        check_int("--batch-size", self.batch_size, 1)
-        if self.lr is not None:
-            check_range("--lr", self.lr, 0, lo_open=True)
-        check_range("--base-lr", self.base_lr, 0, lo_open=True)
-        check_range("--min-lr", self.min_lr, 0)
-        check_range("--warmup-epochs", self.warmup_epochs, 0)
-        check_range("--weight-decay", self.weight_decay, 0)
-        if self.layer_decay is not None:
-            check_range("--layer-decay", self.layer_decay, 0, 1, lo_open=True)
-        check_range("--label-smoothing", self.label_smoothing, 0, 1, hi_open=True)
-        if self.ema_decay is not None:
-            check_range("--ema-decay", self.ema_decay, 0, 1, lo_open=True, hi_open=True)
-        check_range("--grad-clip", self.grad_clip, 0)
+        check_settings(self)  # every setting() against its declaration; below: the internal fields
+        check_range("grad_clip", self.grad_clip, 0)
         check_choice("keep", self.keep, ("best", "last"))
-        check_choice("--amp", self.amp, runtime.AMP_MODES)
-        check_bool("--deterministic", self.deterministic)
-        check_int("--seed", self.seed, 0, SEED_MAX)
+        check_int("eval_batch_size", self.eval_batch_size, 1)
         check_int("log_every", self.log_every, 1)
 
     @property

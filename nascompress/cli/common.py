@@ -13,7 +13,6 @@ from rich.markup import escape
 from nascompress.config import setting_help
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, write_error
-from nascompress.train import TrainConfig
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -22,8 +21,6 @@ err = Console(stderr=True)
 STATE = {"debug": False}
 # options of commands that do not generate them (setting_params), with the library's help
 SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
-Amp = Annotated[str, typer.Option(help=setting_help(TrainConfig, "amp"))]
-Deterministic = Annotated[bool, typer.Option("--deterministic", help=setting_help(TrainConfig, "deterministic"))]
 
 
 def skip_bad(data: Any, skip: bool) -> Any:
@@ -144,13 +141,25 @@ def setting_params(spec: Any) -> list[Any]:
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
         optional = type(None) in args or default is None
         base = next(a for a in args if a is not type(None)) if args else tp
-        decls: tuple[str, ...] = ()
+        decls: tuple[str, ...] = (f.metadata["option"],) if f.metadata.get("option") else ()
         if base is bool:
             name = f"--{f.name.replace('_', '-')}"
             decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[
             Optional[base] if optional else base, typer.Option(*decls, help=help)]))
     return params
+
+
+def setting_option(spec: Any, name: str) -> Any:
+    """The ``Annotated`` type of one setting ``name`` that ``spec`` offers (as :func:`setting_params`
+    makes it: its type, option and help), for a command that lists its options itself; its default
+    is :func:`setting_default`."""
+    return next(p.annotation for p in setting_params(spec) if p.name == name)
+
+
+def setting_default(spec: Any, name: str) -> Any:
+    """The CLI default of setting ``name`` that ``spec`` offers (see :func:`setting_option`)."""
+    return next(p.default for p in setting_params(spec) if p.name == name)
 
 
 def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

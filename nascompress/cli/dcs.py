@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from nascompress.cli.common import fail, out, print_json, run
+from nascompress.cli.common import fail, out, print_json, run, setting_option
+from nascompress.search.trial_model import TrialMaterializeJob
 
 
 def register(app: typer.Typer) -> None:
@@ -20,15 +21,14 @@ def register(app: typer.Typer) -> None:
         trial: Annotated[Optional[int], typer.Option(help="With --study: the trial number.")] = None,
         pick: Annotated[Optional[str], typer.Option(
             help="With --study: best-under-flops=R, best-under-latency=MS or knee.")] = None,
-        storage: Annotated[Optional[str], typer.Option(help="Where the study lives (default: the project's files).")] = None,
-        finetune_epochs: Annotated[int, typer.Option(
-            help="With --study: then fine-tune with the last method's recipe for this many epochs.")] = 0,
+        storage: setting_option(TrialMaterializeJob, "storage") = None,
+        finetune_epochs: setting_option(TrialMaterializeJob, "finetune_epochs") = 0,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
         from nascompress.search.materialize import MaterializeJob, materialize_search
-        from nascompress.search.trial_model import TrialMaterializeJob, materialize_trial
+        from nascompress.search.trial_model import materialize_trial
 
         if (search_dir is None) == (study is None):
             fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")

@@ -11,7 +11,8 @@ from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fai
                                     print_json, run, setting_params, setting_values, skip_bad)
 from nascompress.config import setting_help
 from nascompress.data import FMNIST_DIR, DataConfig
-from nascompress.profiling.config import ProfileConfig
+from nascompress.models import ModelShape
+from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
 from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -34,34 +35,9 @@ CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: r
 DType = Annotated[str, typer.Option(help=setting_help(ProfileConfig, "dtype"))]
 
 
-def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
-               depth: Optional[int], num_heads: Optional[int], num_classes: int, in_chans: Optional[int]):
-    from nascompress.models import ModelSpec, custom_vit_spec
-
-    if model is None:
-        return custom_vit_spec(img_size=img_size or 28, patch_size=patch_size or 4, embed_dim=embed_dim or 96,
-                               depth=depth or 6, num_heads=num_heads or 3, num_classes=num_classes,
-                               in_chans=in_chans or 1)
-    kw = dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-              in_chans=in_chans)
-    kw = {k: v for k, v in kw.items() if v is not None}
-    return ModelSpec(model, dict(kw, num_classes=num_classes))
-
-
-ModelOpt = Annotated[Optional[str], typer.Option(help="timm model name (vit_*, deit_*); default: a small custom ViT.")]
-ImgSize = Annotated[Optional[int], typer.Option(help="Input size (custom ViT default 28).")]
-PatchSize = Annotated[Optional[int], typer.Option(help="Patch size (custom ViT default 4).")]
-EmbedDim = Annotated[Optional[int], typer.Option(help="Width (custom ViT default 96).")]
-Depth = Annotated[Optional[int], typer.Option(help="Blocks (custom ViT default 6).")]
-Heads = Annotated[Optional[int], typer.Option(help="Heads (custom ViT default 3).")]
-InChans = Annotated[Optional[int], typer.Option(help="Input channels (custom ViT default 1; grey images are repeated for 3).")]
-
-
 def _train_options(
     out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")] = Path("runs/base"),
-    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
-    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
-    num_classes: Annotated[Optional[int], typer.Option(help="Classes (default: the dataset's).")] = None,
+    # (here: the model's settings, ModelShape: --model --img-size ... --num-classes)
     weights: Annotated[Optional[Path], typer.Option(help="Local .safetensors/.pth weights to start from.")] = None,
     reset_head: Annotated[bool, typer.Option("--reset-head", help="A new head: the weights' is missing (backbone only) or has another class count.")] = False,
     linear_probe: Annotated[bool, typer.Option("--linear-probe", help="Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")] = False,
@@ -71,8 +47,9 @@ def _train_options(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
-    """``train``'s own options; those of the library's settings (DataConfig, TRAIN_SETTINGS,
-    RUNTIME_SETTINGS) are generated before ``--force`` (``train.__signature__``)."""
+    """``train``'s own options; those of the library's settings are generated: ModelShape's before
+    ``--weights``, DataConfig's, TRAIN_SETTINGS' and RUNTIME_SETTINGS' before ``--force``
+    (``train.__signature__``)."""
 
 
 def train(**kw: Any) -> None:
@@ -85,9 +62,8 @@ def train(**kw: Any) -> None:
 
     def build():
         data = DataConfig(**setting_values(DataConfig, kw), split_seed=0, subset_seed=seed)
-        n = kw["num_classes"] if kw["num_classes"] is not None else count_classes(data)
-        spec = model_spec(kw["model"], kw["img_size"], kw["patch_size"], kw["embed_dim"], kw["depth"], kw["num_heads"],
-                          n, kw["in_chans"])
+        shape = ModelShape(**setting_values(ModelShape, kw))
+        spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data))
         cfg = train_recipe(fine_tune=weights is not None and not linear_probe,  # a pretrained start: fine-tuning
                            **setting_values(TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
         return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
@@ -109,6 +85,7 @@ def train(**kw: Any) -> None:
 
 
 train.__signature__ = command_signature(_train_options, {  # type: ignore[attr-defined]
+    "weights": setting_params(ModelShape),
     "force": setting_params(DataConfig) + setting_params(TRAIN_SETTINGS) + setting_params(RUNTIME_SETTINGS)})
 app.command()(train)
 
@@ -166,9 +143,7 @@ def evaluate(
 
 def _profile_options(
     run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None,
-    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
-    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
-    num_classes: Annotated[int, typer.Option(help="Classes for --model.")] = 1000,
+    # (here: the model's settings, PROFILE_MODEL_SETTINGS: --model --img-size ... --num-classes)
     compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
     # (here: the measurement's settings, ProfileConfig: --no-latency --iters --batch-size --dtype --compile)
     device: Device = "auto",
@@ -185,9 +160,8 @@ def profile(**kw: Any) -> None:
     run_dir, model, json_out = kw["run_dir"], kw["model"], kw["json_out"]
     if (run_dir is None) == (model is None):
         fail("give either a RUN_DIR or --model NAME (not both)")
-    target = run_dir if run_dir is not None else run(model_spec, model, kw["img_size"], kw["patch_size"],
-                                                     kw["embed_dim"], kw["depth"], kw["num_heads"], kw["num_classes"],
-                                                     kw["in_chans"])
+    target = run_dir if run_dir is not None else run(
+        lambda: ModelShape(**setting_values(PROFILE_MODEL_SETTINGS, kw)).spec(PROFILE_CLASSES))
     settings = run(lambda: ProfileConfig(**setting_values(ProfileConfig, kw)))
     res = run(profile_fn, target, compare=kw["compare"], device=kw["device"], **settings.to_dict())
     if json_out:
@@ -223,9 +197,8 @@ def profile(**kw: Any) -> None:
 
 
 def _profile_signature() -> Any:
-    from nascompress.profiling.config import ProfileConfig
-
-    return command_signature(_profile_options, {"device": setting_params(ProfileConfig)})
+    return command_signature(_profile_options, {"compare": setting_params(PROFILE_MODEL_SETTINGS),
+                                                "device": setting_params(ProfileConfig)})
 
 
 profile.__signature__ = _profile_signature()  # type: ignore[attr-defined]

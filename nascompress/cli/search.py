@@ -65,8 +65,7 @@ def dcs(**kw: Any) -> None:
 
     def build() -> DCSSearchJob:
         cfg = DCSSearchConfig(**setting_values(DCSSearchConfig, kw), auto_batch=batch_size is None)
-        method = DCSConfig(**setting_values(DCSConfig, kw))
-        method = method.replace(theta_init=method.alpha_init)
+        method = DCSConfig.user(**setting_values(DCSConfig, kw))
         tc = search_train_config(**setting_values(SEARCH_TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
@@ -103,24 +102,11 @@ def _study_options(
     study: Annotated[str, typer.Option(help="Study name; an existing study is continued.")],
     space: Annotated[Optional[Path], typer.Option(
         help="Search-space file (default: tokens search_spaces/evit.yaml, joint search_spaces/joint.yaml).")] = None,
-    storage: Annotated[Optional[str], typer.Option(
-        help="sqlite:///FILE, journal:FILE or postgresql://... (default: ./nascompress-studies.db; with several "
-             "--workers ./nascompress-studies.journal).")] = None,
-    objective: Annotated[str, typer.Option(help="Second objective: flops, latency or throughput.")] = "flops",
-    max_flops: Annotated[Optional[float], typer.Option(
-        help="Single objective: accuracy with FLOPs <= this ratio of the uncompressed model.")] = None,
-    max_latency: Annotated[Optional[float], typer.Option(
-        help="Single objective: accuracy with batch-1 latency <= this many ms on --device.")] = None,
     dataset: Annotated[Optional[str], typer.Option(
         help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the base run's dataset).")] = None,
-    # (here: the study's settings, SearchJob's user-facing fields: --trials ... --no-enqueue)
-    seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
+    # (here: the study's settings, SearchJob's user-facing fields: --storage --trials ... --no-enqueue,
+    # then the run settings, RUNTIME_SETTINGS: --seed --device --amp --deterministic)
     skip_bad_images: SkipBadImages = False,
-    amp: Annotated[str, typer.Option(
-        help="Trials' training (predictor stages, fine-tunes, DCS searches): off or bf16 autocast.")] = "off",
-    deterministic: Annotated[bool, typer.Option(
-        "--deterministic", help="Deterministic kernels in the trials (reproducible on a GPU; slower there).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
 ) -> None:
     """The command's own options (the study's settings are generated from SearchJob)."""
@@ -129,6 +115,7 @@ def _study_options(
 def _outer_search(kind: str, default_space: str):
     """The ``search tokens`` / ``search joint`` command (the same engine, another default space)."""
     from nascompress.search.trials import SearchJob
+    from nascompress.train import RUNTIME_SETTINGS
 
     def command(**kw: Any) -> None:
         from nascompress.api import run_data_config
@@ -142,10 +129,8 @@ def _outer_search(kind: str, default_space: str):
             data = DataConfig(dataset=kw["dataset"]) if kw["dataset"] is not None else None
             if kw["skip_bad_images"]:
                 data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
-            return SearchJob(**setting_values(SearchJob, kw), base=str(base), space=str(kw["space"] or default_space),
-                             study=kw["study"], storage=kw["storage"], objective=kw["objective"],
-                             max_flops=kw["max_flops"], max_latency_ms=kw["max_latency"], seed=kw["seed"],
-                             device=kw["device"], amp=kw["amp"], deterministic=kw["deterministic"], data=data)
+            return SearchJob(**setting_values(SearchJob, kw), **setting_values(RUNTIME_SETTINGS, kw), base=str(base),
+                             space=str(kw["space"] or default_space), study=kw["study"], data=data)
 
         job = run(build)
         res = run(run_search, job, progress=not kw["json_out"], json_progress=kw["json_out"])
@@ -157,7 +142,8 @@ def _outer_search(kind: str, default_space: str):
 
     command.__doc__ = (f"Optuna search over a search-space file ({kind}): each trial applies the methods to the base "
                        "run, scores accuracy and FLOPs (or latency/throughput); resumable, several workers.")
-    command.__signature__ = command_signature(_study_options, {"seed": setting_params(SearchJob)})  # type: ignore[attr-defined]
+    command.__signature__ = command_signature(_study_options, {  # type: ignore[attr-defined]
+        "skip_bad_images": setting_params(SearchJob) + setting_params(RUNTIME_SETTINGS)})
     return command
 
 

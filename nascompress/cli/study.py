@@ -6,13 +6,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from nascompress.cli.common import err, out, print_json, run
+from nascompress.cli.common import err, out, print_json, run, setting_option
+from nascompress.search.trials import SearchJob
 
 study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")
 
-Storage = Annotated[Optional[str], typer.Option(
-    "--storage", help="sqlite:///PATH, postgresql://USER:PASS@HOST:PORT/DB or journal:PATH "
-                      "(default: nascompress-studies.db and .journal in this directory).")]
+Storage = setting_option(SearchJob, "storage")  # the study's storage, as the search commands' --storage
 Name = Annotated[str, typer.Argument(help="The study name (see 'nascompress study list').")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +11,7 @@ from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS:
 from ..errors import NascompressError
 from ..export.config import ExportConfig
 from ..methods.dcs import DCSConfig
+from ..models import ModelShape
 from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
@@ -31,23 +32,16 @@ class DataSection(_Section):
 
 
 @dataclass(frozen=True)
-@library_keys(TRAIN_SETTINGS)
+@library_keys(ModelShape, TRAIN_SETTINGS, lead=tuple(f.name for f in fields(ModelShape)))
 class BaseTrainSection(_Section):
-    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``.
+    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``
+    (the model's keys are :class:`~nascompress.models.ModelShape`'s, ``nascompress train``'s options).
     The training keys are :data:`~nascompress.train.TRAIN_SETTINGS` (``nascompress train``'s options);
     null: the recipe's (:func:`~nascompress.train.train_recipe`: from scratch, or fine-tuning with
     ``weights``). ``warmup_epochs`` and ``layer_decay`` null are filled in with the recipe's here, so
     the normalized config (``OUT/config.yaml``) says what runs, and a run written when they were fixed
     keys (warm-up 1, no layer decay) is still the same config."""
 
-    model: str | None = None
-    img_size: int | None = opt(None, lo=1)
-    patch_size: int | None = opt(None, lo=1)
-    embed_dim: int | None = opt(None, lo=1)
-    depth: int | None = opt(None, lo=1)
-    num_heads: int | None = opt(None, lo=1)
-    in_chans: int | None = opt(None, lo=1)
-    num_classes: int | None = opt(None, lo=1)
     weights: str | None = opt(None, path=True)
     reset_head: bool = False
 
@@ -142,12 +136,11 @@ class TokensStage(_Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
     current model, then the best trial under the goal (``nascompress materialize --study --pick``).
     Keys are the study's settings (same names as the command's options, declared in the library:
-    :data:`~nascompress.search.trials.STUDY_SETTINGS`), and the keys below; ``objective: goal``
-    searches accuracy under the goal's constraint."""
+    :data:`~nascompress.search.trials.STUDY_SETTINGS`), and the keys below; ``objective: goal`` (the
+    default, as the command's) searches accuracy under the goal's constraint."""
 
     space: str = opt(path=True)
     study: str = "pipeline"
-    objective: str = opt("goal", choices=("goal", "flops", "latency", "throughput"))
 
 
 @dataclass(frozen=True)

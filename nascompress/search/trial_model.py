@@ -13,11 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from ..config import Config
+from ..config import Config, check_settings, setting
 from ..errors import NascompressError
 from ..io import finish_run, save_model
 from ..methods.dcs import materialize
 from ..utils import create_out_dir, prepare_out_dir, write_json
+from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
 
@@ -40,10 +41,11 @@ class TrialMaterializeJob(Config):
     out: str
     trial: int | None = None
     pick: str | None = None
-    storage: str | None = None
-    finetune_epochs: int = 0
+    storage: str | None = setting(None, help=STORAGE_HELP)
+    finetune_epochs: int = setting(0, lo=0, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if (self.trial is None) == (self.pick is None):
             raise NascompressError("give either --trial N or --pick RULE (best-under-flops=0.6, "
                                    "best-under-latency=MS or knee)")
