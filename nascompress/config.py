@@ -124,6 +124,13 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     return dataclasses.field(default=default, metadata=meta)
 
 
+def shared(cls: type, name: str) -> Any:
+    """A field that is setting ``name`` of config ``cls`` again (the same default, checks and help):
+    another job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
 def user_settings(cls: type) -> list[dataclasses.Field]:
     """The fields of config class ``cls`` declared with :func:`setting` (those with a ``help``), in order."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("help")]
@@ -243,6 +250,13 @@ def _value_kind(tp: Any) -> tuple[type | None, bool]:
     return base, type(None) in args
 
 
+def _tuple_kind(tp: Any) -> type | None:
+    """The item type of a ``tuple[X, ...]`` annotation (or of one in a union), else None."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple and typing.get_args(a)]
+    return items[0] if items and items[0] in (int, float) else None
+
+
 def check_value(name: str, v: Any, meta: Mapping[str, Any], kind: type | None) -> Any:
     """The one check of a declared setting's value (``meta``: the :func:`setting` / :func:`check_meta`
     metadata; ``kind``: its value type, bool, int, float, str or None): the type, the range (an
@@ -283,6 +297,11 @@ def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = optio
         v = getattr(obj, f.name)
         kind, optional = _value_kind(hints[f.name])
         if v is None and optional:
+            continue
+        item = _tuple_kind(hints[f.name])
+        if item is not None and isinstance(v, tuple):  # one value per layer / threshold: each checked
+            for x in v:
+                check_value(name(f), x, f.metadata, item)
             continue
         check_value(name(f), v, f.metadata, kind)
 
@@ -330,7 +349,7 @@ StrictYamlLoader.add_implicit_resolver(
 
 
 __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "user_config",
-           "setting_help",
+           "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
            "option_name"]

@@ -127,14 +127,18 @@ class InputOverrides(Config):
     """Explicit preprocessing choices (``--mean``/``--std``/``--interpolation``/``--crop-pct``) that
     win over the pretrained config and the dataset defaults; None keeps the resolved value."""
 
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-    interpolation: str | None = None
-    crop_pct: float | None = None
+    mean: tuple[float, ...] | None = setting(None, help=(
+        "Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's)."))
+    std: tuple[float, ...] | None = setting(None, help="Normalisation std, comma-separated (default: as --mean).")
+    interpolation: str | None = setting(None, choices=INTERPOLATIONS, help=(
+        "Resize filter: bilinear, bicubic or nearest (default: as --mean)."))
+    crop_pct: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean)."))
     crop_mode: str | None = None
 
     def __post_init__(self) -> None:
-        _check_input(self.interpolation, self.crop_pct, self.crop_mode)
+        check_settings(self)  # every setting() against its declaration
+        _check_input(None, None, self.crop_mode)
 
 
 def default_norm(dataset: str, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from .config import StageSettings, check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import finish_run, make_arch, save_model
 from .models import ModelSpec, build_model, read_weights_file, state_mismatches
+from .train import TrainConfig
 from .utils import create_out_dir, prepare_out_dir, resolve_device, write_json
 
 
@@ -47,20 +49,18 @@ class ImportJob:
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
     """
 
-    model: str
-    weights: str
+    model: str = setting(help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config).")
+    weights: str = setting(path=True, help="Local .safetensors/.pth weights, with a classifier head.")
     out: str
-    img_size: int | None = None
-    num_classes: int | None = None
+    img_size: int | None = setting(None, lo=1, help="Input size (default: from the weights' position embedding).")
+    num_classes: int | None = setting(None, lo=1, help="Classes (default: the weights' head).")
     data: DataConfig | None = None
     input: InputOverrides = field(default_factory=InputOverrides)
-    eval_batch_size: int = 256
+    eval_batch_size: int = shared(TrainConfig, "eval_batch_size")
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        for name, v in (("--img-size", self.img_size), ("--num-classes", self.num_classes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise NascompressError(f"{name} must be a positive integer, got {v!r}")
+        check_settings(self)  # every setting() against its declaration
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,
@@ -73,6 +73,16 @@ class ImportJob:
         d["data"] = DataConfig(**d["data"]) if d.get("data") else None
         d["input"] = InputOverrides.from_dict(d.get("input"))
         return cls(**d)
+
+
+# The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
+# evaluation), its val/test subset and the seed that draws it, the device
+IMPORT_DATA_SETTINGS = StageSettings(DataConfig, ("dataset", "data_dir", "eval_limit", "skip_bad_images"),
+                                     defaults={"dataset": None},
+                                     notes={"dataset": "Given: the import is evaluated on its val and test splits."})
+IMPORT_RUN_SETTINGS = StageSettings(TrainConfig, ("seed", "device"))
+# its own settings as options (MODEL is its argument)
+IMPORT_SETTINGS = StageSettings(ImportJob, ("weights", "img_size", "num_classes", "eval_batch_size"))
 
 
 def sha256_of(path: str | Path) -> str:

@@ -397,7 +397,7 @@ class RetrainJob(Config):
     data: DataConfig | None = None
     train: TrainConfig = field(default_factory=retrain_train_config)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
-    teacher: str | None = None
+    teacher: str | None = setting(None, path=True, help="A (dense) run to distil from (KL on logits); off by default.")
     auto_batch: bool = False
 
 

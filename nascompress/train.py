@@ -93,7 +93,7 @@ class TrainConfig(Config):
     ema_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."))
     grad_clip: float = 1.0
-    eval_batch_size: int = 256
+    eval_batch_size: int = setting(256, lo=1, help="Images per evaluation batch.")
     eval_start: bool = True
     keep: str = "best"
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
@@ -108,7 +108,6 @@ class TrainConfig(Config):
         check_settings(self)  # every setting() against its declaration; below: the internal fields
         check_range("grad_clip", self.grad_clip, 0)
         check_choice("keep", self.keep, ("best", "last"))
-        check_int("eval_batch_size", self.eval_batch_size, 1)
         check_int("log_every", self.log_every, 1)
 
     @property
@@ -488,10 +487,12 @@ class TrainJob:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     out: str = "runs/base"
-    weights: str | None = None
-    reset_head: bool = False
+    weights: str | None = setting(None, path=True, help="Local .safetensors/.pth weights to start from.")
+    reset_head: bool = setting(False, help=(
+        "A new head: the weights' is missing (backbone only) or has another class count."))
     input: InputOverrides = field(default_factory=InputOverrides)
-    linear_probe: bool = False
+    linear_probe: bool = setting(False, help=(
+        "Freeze the --weights backbone; fit only a new head on its cached features (logistic regression)."))
 
     def __post_init__(self) -> None:
         if self.linear_probe and not self.weights:

@@ -50,7 +50,7 @@ class ExportConfig(Config):
     tolerance: float | None = setting(None, help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 "
                                                  "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
     verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1)
-    seed: int = 0
+    seed: int = setting(0, lo=0, hi=SEED_MAX, help="Seed of the check's random batch.")
     quantize: str = setting("none", choices=QUANTIZE, help=(
         "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
         "(its default settings), checked on the validation split."))
@@ -68,7 +68,6 @@ class ExportConfig(Config):
         if self.opset is not None:
             if self.format != "onnx":
                 raise NascompressError("opset applies to --format onnx only")
-        check_int("seed", self.seed, 0, SEED_MAX)
 
     @property
     def dynamic(self) -> bool:

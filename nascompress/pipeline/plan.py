@@ -301,7 +301,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = library_config(s, STUDY_SETTINGS, base=str(current), space=s.space, study=s.study, storage=storage,
+        job = library_config(s, STUDY_SETTINGS, base=str(current), storage=storage,
                              max_flops=goal.max_flops if constrained else None,
                              max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)

@@ -37,10 +37,10 @@ class TrialMaterializeJob(Config):
         finetune_epochs: then fine-tune the rebuilt model with its last method's recipe (0: none).
     """
 
-    study: str
+    study: str = setting(help="A study of 'search tokens|joint': rebuild one of its trials.")
     out: str
-    trial: int | None = None
-    pick: str | None = None
+    trial: int | None = setting(None, lo=0, help="With --study: the trial number.")
+    pick: str | None = setting(None, help="With --study: best-under-flops=R, best-under-latency=MS or knee.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     finetune_epochs: int = setting(0, lo=0, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
 

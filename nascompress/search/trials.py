@@ -87,8 +87,8 @@ class SearchJob(Config):
     """
 
     base: str
-    space: str
-    study: str
+    space: str = setting(path=True, help="Search-space file (search_spaces/*.yaml or your own).")
+    study: str = setting(help="Study name; an existing study is continued.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
     workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
@@ -157,9 +157,10 @@ class SearchJob(Config):
 
 # The settings of a study's trials: ``search tokens|joint``'s options (every user-facing field of
 # SearchJob) and the pipeline's ``stages.tokens`` keys (these, with the pipeline's own trial count)
-STUDY_SETTINGS = StageSettings(SearchJob, ("trials", "workers", "sampler", "finetune_epochs", "train_images",
-                                           "eval_images", "calib_steps", "batch_size", "dcs_epochs", "latency_iters",
-                                           "enqueue", "objective"))
+STUDY_SETTINGS = StageSettings(SearchJob, ("space", "study", "trials", "workers", "objective", "sampler",
+                                           "finetune_epochs", "train_images", "eval_images", "calib_steps",
+                                           "batch_size", "dcs_epochs", "latency_iters", "enqueue"),
+                               defaults={"study": "pipeline"})
 
 
 # ---------------------------------------------------------------------------------------------
