@@ -284,6 +284,11 @@ def option_name(f: dataclasses.Field) -> str:
     return f.metadata.get("option") or f"--{f.name.replace('_', '-')}"
 
 
+def field_name(f: dataclasses.Field) -> str:
+    """A setting's name in messages where it is a config key (a method's ``keep_rate``), not an option."""
+    return f.name
+
+
 def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = option_name) -> None:
     """Check every declared setting of config ``obj`` (the fields with :func:`setting` or
     :func:`check_meta` metadata) against its declaration (:func:`check_value`); None passes where
@@ -352,4 +357,4 @@ __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings
            "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
-           "option_name"]
+           "option_name", "field_name"]

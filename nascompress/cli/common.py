@@ -234,12 +234,16 @@ def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[
                  if isinstance(sig.parameters[name].annotation, type)
                  and sig.parameters[name].annotation is not Settings}
 
-        @functools.wraps(fn)
-        def command(**kw: Any) -> T:
+        def gather(kw: dict[str, Any]) -> dict[str, Any]:
             values = {}
             for name, spec in groups.items():
                 vals = setting_values(spec, kw)
-                values[name] = run(built[name], **vals) if name in built else Settings(**vals)
+                values[name] = built[name](**vals) if name in built else Settings(**vals)
+            return values
+
+        @functools.wraps(fn)
+        def command(**kw: Any) -> T:
+            values = run(gather, kw)  # a bad value: one line naming its option
             rest = {p.name: kw[p.name] for p in extra or []}
             return fn(**{n: kw[n] for n in own}, **values, **rest)
 
@@ -247,16 +251,3 @@ def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[
         return command
 
     return deco
-
-
-def command_signature(own: Callable[..., Any], generated: dict[str | None, list[Any]]) -> Any:
-    """A command's parameters: those of ``own`` (a function whose signature lists the command's own
-    arguments and options), all keyword-only, with each list of ``generated`` parameters
-    (:func:`setting_params`) inserted before the own parameter named by its key (None: at the end)."""
-    import inspect
-
-    params = []
-    for p in inspect.signature(own, eval_str=True).parameters.values():
-        params += generated.get(p.name, [])
-        params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-    return inspect.Signature(params + generated.get(None, []))

@@ -112,8 +112,9 @@ def method_option_form(method: str, name: str) -> tuple[str, Any]:
 
 
 def _method_params() -> list[inspect.Parameter]:
-    """One option per method setting (a config or recipe field with a ``help``) of every registered
-    method, its form from the field's type (:func:`option_form`), read by the method it belongs to."""
+    """One option per method setting (a config or recipe field declared with ``setting()``) of every
+    registered method, read in the form its field's type takes (:func:`option_form`: a number, one
+    or several; a bad form is one line naming the option) by the method it belongs to."""
     extra = []
     for name, (f, methods) in method_option_fields().items():
         help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
@@ -154,13 +155,13 @@ def finetune(
 
     def build() -> FinetuneJob:
         settings: dict[str, Any] = {}
-        for name, text in method_opts.items():
-            if text is None:
+        for name, value in method_opts.items():
+            if value is None:
                 continue
             if method not in fields[name][1]:
                 raise NascompressError(f"--{name.replace('_', '-')} is not a {method} option (it belongs to "
                                        f"{', '.join(fields[name][1])})")
-            settings[name] = method_option_form(method, name)[1](text)
+            settings[name] = method_option_form(method, name)[1](value)
         settings.update(parse_opts(opt or []))
         config, recipe_settings = split_settings(method, settings)
         if dataset is not None:

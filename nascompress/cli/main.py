@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
@@ -10,7 +10,7 @@ from rich.table import Table
 from nascompress.cli.common import (RUN_DATA, STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
                                     setting_option, settings_command, skip_bad)
 from nascompress.config import setting_help
-from nascompress.data import FMNIST_DIR, DataConfig, InputOverrides
+from nascompress.data import DataConfig, InputOverrides
 from nascompress.evaluate import EvaluateSettings
 from nascompress.models import ModelShape
 from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig

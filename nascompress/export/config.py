@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config, check_int, check_settings, setting
+from ..config import Config, check_settings, setting
 from ..limits import SEED_MAX
 from ..errors import NascompressError
 

@@ -43,7 +43,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range, check_settings, setting, user_config
+from ..config import Config, check_choice, check_range, check_settings, setting, user_config
 from ..errors import NascompressError
 from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
                       slice_linear_in, slice_linear_out, slice_qk)

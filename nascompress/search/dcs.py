@@ -57,7 +57,7 @@ from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
-from ..config import Config, StageSettings, check_bool, check_choice, check_int, check_range, check_settings, setting
+from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
 from ..data import IN_MEMORY, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
