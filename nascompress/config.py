@@ -250,8 +250,9 @@ def _value_kind(tp: Any) -> tuple[type | None, bool]:
     return base, type(None) in args
 
 
-def _tuple_kind(tp: Any) -> type | None:
-    """The item type of a ``tuple[X, ...]`` annotation (or of one in a union), else None."""
+def tuple_item_type(tp: Any) -> type | None:
+    """The number type of a ``tuple[int, ...]`` / ``tuple[float, ...]`` annotation (or of one in a
+    union: a setting of one value per layer), else None."""
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple and typing.get_args(a)]
     return items[0] if items and items[0] in (int, float) else None
@@ -303,7 +304,7 @@ def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = optio
         kind, optional = _value_kind(hints[f.name])
         if v is None and optional:
             continue
-        item = _tuple_kind(hints[f.name])
+        item = tuple_item_type(hints[f.name])
         if item is not None and isinstance(v, tuple):  # one value per layer / threshold: each checked
             for x in v:
                 check_value(name(f), x, f.metadata, item)
@@ -357,4 +358,4 @@ __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings
            "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
-           "option_name", "field_name"]
+           "option_name", "field_name", "tuple_item_type"]

@@ -130,6 +130,52 @@ def _sections(cls: type, path: str = ""):
             yield from _sections(sub, where)
 
 
+def _declared_defaults() -> dict[str, set]:
+    """Option -> every default a declaration gives it: the field's user default, and each
+    StageSettings' default for it (a stage's recipe), wherever one is defined (CLI modules too)."""
+    import sys
+
+    from nascompress.config import StageSettings, user_default
+
+    import nascompress.cli.main  # noqa: F401  (every command module, with its StageSettings)
+
+    out: dict[str, set] = {}
+    for _, f in SETTINGS:
+        d = user_default(f)
+        out.setdefault(_option_name(f), set()).add(None if d is dataclasses.MISSING else repr(d))
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("nascompress"):
+            for obj in vars(mod).values():
+                if isinstance(obj, StageSettings):
+                    for f in dataclasses.fields(obj.cls):
+                        if f.name in obj.defaults:
+                            out.setdefault(_option_name(f), set()).add(repr(obj.defaults[f.name]))
+    return out
+
+
+def test_every_generated_option_has_a_declared_default():
+    """A command that lists a setting's option itself writes its default there too: it must be one a
+    declaration gives (the field's, or a stage's), not a third."""
+    defaults, bad = _declared_defaults(), []
+    for path, cmd in _commands():
+        for p in cmd.params:
+            if p.param_type_name != "option" or getattr(p, "is_flag", False):
+                continue
+            opt = max(p.opts, key=len)
+            if opt in PLUMBING_OPTIONS or (" ".join(path), opt) in COMMAND_PLUMBING or path[:1] == ("finetune",) and \
+                    p.name in _method_option_names():
+                continue
+            if repr(p.default) not in defaults.get(opt, set()) and not (p.required and None in defaults.get(opt, ())):
+                bad.append(f"{' '.join(path)} {opt}={p.default!r} (declared: {sorted(defaults.get(opt, set()))})")
+    assert not bad, "options whose default no declaration gives: " + ", ".join(bad)
+
+
+def _method_option_names() -> set[str]:
+    from nascompress.cli.finetune import method_option_fields
+
+    return set(method_option_fields())  # default None: the method's own (its config field's default)
+
+
 def test_every_pipeline_key_is_a_library_setting_or_the_files_structure():
     names = {f.name for _, f in SETTINGS}
     bad = []

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nascompress.config import StageSettings, setting_help
+from nascompress.config import StageSettings, setting_help, tuple_item_type
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, write_error
 
@@ -113,18 +113,6 @@ def print_json(obj: Any) -> None:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
-def _tuple_item(tp: Any) -> type | None:
-    """``float`` for ``tuple[float, ...] | None`` (a comma-separated CLI value), else None."""
-    import types
-    import typing
-
-    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
-    for a in args:
-        if typing.get_origin(a) is tuple:
-            return typing.get_args(a)[0]
-    return None
-
-
 def setting_params(spec: Any) -> list[Any]:
     """One keyword-only Typer option per user-facing field ``spec`` offers: a library config class
     (its fields declared with :func:`nascompress.config.setting`) or a
@@ -138,7 +126,7 @@ def setting_params(spec: Any) -> list[Any]:
     import typing
     from typing import Optional
 
-    from nascompress.config import offered, settings_class
+    from nascompress.config import offered, option_name, settings_class
 
     hints = typing.get_type_hints(settings_class(spec))
     params = []
@@ -152,7 +140,7 @@ def setting_params(spec: Any) -> list[Any]:
         decls: tuple[str, ...] = (f.metadata["option"],) if f.metadata.get("option") else ()
         required = default is dataclasses.MISSING
         extra = {"default": inspect.Parameter.empty if required else default}
-        item = _tuple_item(tp)
+        item = tuple_item_type(tp)
         if item is not None:  # e.g. --mean 0.5,0.5,0.5
             params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
                 Optional[str], typer.Option(*decls, help=help, metavar=f"{item.__name__.upper()}[,...]")]))
@@ -161,7 +149,7 @@ def setting_params(spec: Any) -> list[Any]:
         optional = type(None) in args or default is None
         base = next(a for a in args if a is not type(None)) if args else tp
         if base is bool:
-            name = f.metadata.get("option") or f"--{f.name.replace('_', '-')}"
+            name = option_name(f)
             decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
             Optional[base] if optional else base, typer.Option(*decls, help=help)]))
@@ -170,33 +158,26 @@ def setting_params(spec: Any) -> list[Any]:
 
 def setting_option(spec: Any, name: str) -> Any:
     """The ``Annotated`` type of one setting ``name`` that ``spec`` offers (as :func:`setting_params`
-    makes it: its type, option and help), for a command that lists its options itself; its default
-    is :func:`setting_default`."""
+    makes it: its type, option and help), for a command that lists its options itself (its default
+    written next to it, as the stage offers it)."""
     return next(p.annotation for p in setting_params(spec) if p.name == name)
-
-
-def setting_default(spec: Any, name: str) -> Any:
-    """The CLI default of setting ``name`` that ``spec`` offers (see :func:`setting_option`)."""
-    return next(p.default for p in setting_params(spec) if p.name == name)
 
 
 def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The values of the user-facing fields ``spec`` offers from a command's arguments (see
     :func:`setting_params`)."""
-    from nascompress.config import offered
-
     import typing
 
-    from nascompress.config import settings_class
+    from nascompress.config import offered, option_name, settings_class
 
     hints = typing.get_type_hints(settings_class(spec))
     values = {}
     for f, _, _ in offered(spec):
         flag = f.metadata.get("flag")
         v = not kwargs[flag.lstrip("-").replace("-", "_")] if flag else kwargs[f.name]
-        item = _tuple_item(hints[f.name])
+        item = tuple_item_type(hints[f.name])
         if item is not None and isinstance(v, str):
-            v = parse_numbers(v, f.metadata.get("option") or f"--{f.name.replace('_', '-')}", item)
+            v = parse_numbers(v, option_name(f), item)
         values[f.name] = v
     return values
 
