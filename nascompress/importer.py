@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import StageSettings, check_settings, setting, shared
+from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
@@ -73,16 +73,6 @@ class ImportJob:
         d["data"] = DataConfig(**d["data"]) if d.get("data") else None
         d["input"] = InputOverrides.from_dict(d.get("input"))
         return cls(**d)
-
-
-# The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
-# evaluation), its val/test subset and the seed that draws it, the device
-IMPORT_DATA_SETTINGS = StageSettings(DataConfig, ("dataset", "data_dir", "eval_limit", "skip_bad_images"),
-                                     defaults={"dataset": None},
-                                     notes={"dataset": "Given: the import is evaluated on its val and test splits."})
-IMPORT_RUN_SETTINGS = StageSettings(TrainConfig, ("seed", "device"))
-# its own settings as options (MODEL is its argument)
-IMPORT_SETTINGS = StageSettings(ImportJob, ("weights", "img_size", "num_classes", "eval_batch_size"))
 
 
 def sha256_of(path: str | Path) -> str:

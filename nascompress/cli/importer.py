@@ -7,9 +7,19 @@ from typing import Annotated
 import typer
 
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
-from nascompress.data import InputOverrides
-from nascompress.config import setting_help
-from nascompress.importer import IMPORT_DATA_SETTINGS, IMPORT_RUN_SETTINGS, IMPORT_SETTINGS, ImportJob
+from nascompress.config import StageSettings, setting_help
+from nascompress.data import DataConfig, InputOverrides
+from nascompress.importer import ImportJob
+from nascompress.train import TrainConfig
+
+# The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
+# evaluation), its val/test subset and the seed that draws it, the device
+IMPORT_DATA_SETTINGS = StageSettings(DataConfig, ("dataset", "data_dir", "eval_limit", "skip_bad_images"),
+                                     defaults={"dataset": None},
+                                     notes={"dataset": "Given: the import is evaluated on its val and test splits."})
+IMPORT_RUN_SETTINGS = StageSettings(TrainConfig, ("seed", "device"))
+# its own settings as options (MODEL is its argument)
+IMPORT_SETTINGS = StageSettings(ImportJob, ("weights", "img_size", "num_classes", "eval_batch_size"))
 
 
 def register(app: typer.Typer) -> None:
