@@ -9,7 +9,6 @@ from rich.table import Table
 
 from nascompress.cli.common import (RUN_DATA, STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
                                     setting_option, settings_command, skip_bad)
-from nascompress.config import setting_help
 from nascompress.data import DataConfig, InputOverrides
 from nascompress.evaluate import EvaluateSettings
 from nascompress.models import ModelShape
@@ -26,11 +25,7 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
     STATE["debug"] = debug
 
 
-Device = Annotated[str, typer.Option(help=setting_help(TrainConfig, "device"))]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
-DataDir = Annotated[str, typer.Option(help=setting_help(DataConfig, "data_dir"))]
-DType = Annotated[str, typer.Option(help=setting_help(ProfileConfig, "dtype"))]
-
 
 Out = Annotated[Path, typer.Option("--out", help="Run directory to create.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")]
@@ -138,7 +133,7 @@ def profile(
     shape: ModelShape,  # --model --img-size ... --num-classes (PROFILE_MODEL_SETTINGS)
     compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
     measure: ProfileConfig,  # --no-latency --iters --batch-size --dtype --compile (the pipeline's report: keys)
-    device: Device = "auto",
+    device: setting_option(TrainConfig, "device") = TrainConfig.device,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
