@@ -13,12 +13,12 @@ import re
 import types
 import typing
 from functools import lru_cache
-from typing import Any, Mapping, TypeVar
+from typing import Any, Callable, Mapping, TypeVar
 
 import yaml
 
 from .errors import NascompressError
-from .limits import env_name, limits
+from .limits import check_limited, env_name, limits
 
 C = TypeVar("C", bound="Config")
 
@@ -103,12 +103,13 @@ def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: boo
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
-            path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None,
+            path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None, option: str | None = None,
             user_default: Any = dataclasses.MISSING, limit: str | None = None) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
-    (``--no-...``, whose help ``help`` is), ``user_default``: the default of the CLI and the pipeline
+    (``--no-...``, whose help ``help`` is), ``option``: the CLI option where it is not ``--name``
+    (``--max-latency`` of ``max_latency_ms``), ``user_default``: the default of the CLI and the pipeline
     where it differs from the library's (the dataclass default), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
     :func:`nascompress.limits.check_limited`)."""
@@ -116,9 +117,18 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
                                                       path=path, keywords=keywords, limit=limit)}
     if flag is not None:
         meta["flag"] = flag
+    if option is not None:
+        meta["option"] = option
     if user_default is not dataclasses.MISSING:
         meta["user_default"] = user_default
     return dataclasses.field(default=default, metadata=meta)
+
+
+def shared(cls: type, name: str) -> Any:
+    """A field that is setting ``name`` of config ``cls`` again (the same default, checks and help):
+    another job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def user_settings(cls: type) -> list[dataclasses.Field]:
@@ -129,6 +139,12 @@ def user_settings(cls: type) -> list[dataclasses.Field]:
 def user_default(f: dataclasses.Field) -> Any:
     """The default the CLI and the pipeline give field ``f`` (see :func:`setting`)."""
     return f.metadata.get("user_default", f.default)
+
+
+def user_config(cls: type, **given: Any) -> Any:
+    """Config ``cls`` as a user's settings make it: every user-facing field at its user default
+    (:func:`user_default`), but those ``given`` (any field)."""
+    return cls(**{**{f.name: user_default(f) for f in user_settings(cls)}, **given})
 
 
 def setting_help(cls: type, name: str) -> str:
@@ -184,6 +200,11 @@ def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+def _must(name: str, rule: str) -> str:
+    """``"NAME must RULE"``, or ``"must RULE"`` without a name (the pipeline file puts the key path first)."""
+    return f"{name} must {rule}" if name else f"must {rule}"
+
+
 def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = None, *,
                 lo_open: bool = False, hi_open: bool = False) -> float:
     """``v`` must be a finite number in the given interval; returns it as a float."""
@@ -197,27 +218,98 @@ def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = N
         right = ")" if hi_open else "]"
         span = f"{left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
         finite = "a finite number " if is_number(v) and not math.isfinite(v) else ""
-        raise NascompressError(f"{name} must be {finite}in {span}, got {v!r}")
+        raise NascompressError(_must(name, f"be {finite}in {span}, got {v!r}"))
     return float(v)
 
 
 def check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or (lo is not None and v < lo) or (hi is not None and v > hi):
         span = f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-        raise NascompressError(f"{name} must be an integer in {span}, got {v!r}")
+        raise NascompressError(_must(name, f"be an integer in {span}, got {v!r}"))
     return v
 
 
 def check_choice(name: str, v: Any, choices: typing.Sequence[Any]) -> Any:
     if v not in choices:
-        raise NascompressError(f"{name} must be one of {', '.join(map(str, choices))}, got {v!r}")
+        raise NascompressError(_must(name, f"be one of {', '.join(map(str, choices))}, got {v!r}"))
     return v
 
 
 def check_bool(name: str, v: Any) -> bool:
     if not isinstance(v, bool):
-        raise NascompressError(f"{name} must be true or false, got {v!r}")
+        raise NascompressError(_must(name, f"be true or false, got {v!r}"))
     return v
+
+
+def _value_kind(tp: Any) -> tuple[type | None, bool]:
+    """(the one value type of annotation ``tp``: bool, int, float, str or None for anything else,
+    whether None is allowed)."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    kinds = [a for a in args if a is not type(None)]
+    base = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else None
+    return base, type(None) in args
+
+
+def tuple_item_type(tp: Any) -> type | None:
+    """The number type of a ``tuple[int, ...]`` / ``tuple[float, ...]`` annotation (or of one in a
+    union: a setting of one value per layer), else None."""
+    args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+    items = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple and typing.get_args(a)]
+    return items[0] if items and items[0] in (int, float) else None
+
+
+def check_value(name: str, v: Any, meta: Mapping[str, Any], kind: type | None) -> Any:
+    """The one check of a declared setting's value (``meta``: the :func:`setting` / :func:`check_meta`
+    metadata; ``kind``: its value type, bool, int, float, str or None): the type, the range (an
+    integer range for an int), the choices and the limit. ``name`` starts the message (the CLI
+    option; empty: the pipeline file prefixes its key path). Returns ``v``."""
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if kind is bool:
+        check_bool(name, v)
+    elif kind is int:
+        lo_i = None if lo is None else math.floor(lo) + 1 if meta.get("lo_open") else math.ceil(lo)
+        hi_i = None if hi is None else math.ceil(hi) - 1 if meta.get("hi_open") else math.floor(hi)
+        check_int(name, v, lo_i, hi_i)
+    elif kind is float or lo is not None or hi is not None:
+        check_range(name, v, lo, hi, lo_open=bool(meta.get("lo_open")), hi_open=bool(meta.get("hi_open")))
+    if meta.get("limit"):
+        check_limited(name or "the value", v, meta["limit"])
+    if meta.get("choices"):
+        check_choice(name, v, meta["choices"])
+    return v
+
+
+def option_name(f: dataclasses.Field) -> str:
+    """The CLI option of setting ``f`` (``--name`` or its declared ``option``; a True-by-default bool's
+    ``flag`` negates the value, so messages name the value's option)."""
+    return f.metadata.get("option") or f"--{f.name.replace('_', '-')}"
+
+
+def field_name(f: dataclasses.Field) -> str:
+    """A setting's name in messages where it is a config key (a method's ``keep_rate``), not an option."""
+    return f.name
+
+
+def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = option_name) -> None:
+    """Check every declared setting of config ``obj`` (the fields with :func:`setting` or
+    :func:`check_meta` metadata) against its declaration (:func:`check_value`); None passes where
+    the field's type allows it. Config classes call it first in ``__post_init__``, so a range is
+    written once, in the field's declaration. ``name``: a field's name in messages (default: its
+    CLI option, ``--name``)."""
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        if "lo" not in f.metadata:  # not a declared setting
+            continue
+        v = getattr(obj, f.name)
+        kind, optional = _value_kind(hints[f.name])
+        if v is None and optional:
+            continue
+        item = tuple_item_type(hints[f.name])
+        if item is not None and isinstance(v, tuple):  # one value per layer / threshold: each checked
+            for x in v:
+                check_value(name(f), x, f.metadata, item)
+            continue
+        check_value(name(f), v, f.metadata, kind)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,6 +354,8 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "setting_help",
+__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "user_config",
+           "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
-           "check_range", "check_int", "check_choice", "check_bool", "is_number"]
+           "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
+           "option_name", "field_name", "tuple_item_type"]

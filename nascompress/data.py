@@ -39,7 +39,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from .config import Config, check_int, setting
+from .config import Config, check_int, check_settings, setting
 from .data_classes import class_indices, keep_classes
 from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .data_input import (CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
@@ -67,14 +67,18 @@ class InputOverrides(Config):
     """Explicit preprocessing choices (``--mean``/``--std``/``--interpolation``/``--crop-pct``) that
     win over the pretrained config and the dataset defaults; None keeps the resolved value."""
 
-    mean: tuple[float, ...] | None = None
-    std: tuple[float, ...] | None = None
-    interpolation: str | None = None
-    crop_pct: float | None = None
+    mean: tuple[float, ...] | None = setting(None, help=(
+        "Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's)."))
+    std: tuple[float, ...] | None = setting(None, help="Normalisation std, comma-separated (default: as --mean).")
+    interpolation: str | None = setting(None, choices=INTERPOLATIONS, help=(
+        "Resize filter: bilinear, bicubic or nearest (default: as --mean)."))
+    crop_pct: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean)."))
     crop_mode: str | None = None
 
     def __post_init__(self) -> None:
-        check_input(self.interpolation, self.crop_pct, self.crop_mode)
+        check_settings(self)  # every setting() against its declaration
+        check_input(None, None, self.crop_mode)
 
 
 @dataclass(frozen=True)
@@ -121,13 +125,7 @@ class DataConfig:
         "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
 
     def __post_init__(self) -> None:
-        if not 0 < self.val_fraction < 1:
-            raise NascompressError(f"--val-fraction must be in (0, 1), got {self.val_fraction}")
-        for name, v in (("--train-limit", self.train_limit), ("--eval-limit", self.eval_limit)):
-            if v is not None:
-                check_int(name, v, 1)
-        if self.num_workers is not None:
-            check_int("--num-workers", self.num_workers, 0)
+        check_settings(self)  # every setting() against its declaration
         # paths are kept absolute (a run's config.json records them: evaluate/finetune/--resume from
         # another directory read the same data)
         for name in ("dataset", "data_dir"):

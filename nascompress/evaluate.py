@@ -1,6 +1,7 @@
 """Top-1 accuracy, loss and teacher agreement on a split."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,7 +10,24 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import runtime
+from .config import check_settings, setting
 from .data import InputSpec, make_loader, preprocess
+
+SPLITS = ("train", "val", "test")
+
+
+@dataclass(frozen=True)
+class EvaluateSettings:
+    """What ``nascompress evaluate`` measures besides the data, the batch and the device: the
+    ``split``, the agreement with a ``teacher`` run, an MG-ViT ``epsilon`` sweep."""
+
+    split: str = setting("test", choices=SPLITS, help="train, val or test.")
+    teacher: str | None = setting(None, path=True, help="A run whose top-1 predictions to compare with.")
+    epsilon: tuple[float, ...] | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

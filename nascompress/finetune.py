@@ -20,7 +20,7 @@ from typing import Any
 
 from . import distributed, runtime
 from .api import run_data_config
-from .config import Config, StageSettings, check_bool
+from .config import Config, StageSettings, check_bool, setting
 from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
@@ -75,13 +75,14 @@ class FinetuneJob(Config):
     """
 
     run_dir: str
-    method: str
+    method: str = setting(help="evit, dynamicvit, sparsifiner, mgvit, mgvit-h or tome.")
     config: dict = field(default_factory=dict)
     recipe: dict = field(default_factory=dict)
     data: DataConfig | None = None
     train: TrainConfig | None = None
     out: str = "runs/finetuned"
-    zero_shot: bool = False
+    zero_shot: bool = setting(False, help=(
+        "Apply without training (after the method's short predictor-only stage, if any)."))
 
     def __post_init__(self) -> None:
         check_bool("zero_shot", self.zero_shot)

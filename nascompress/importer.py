@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
@@ -28,6 +29,7 @@ from .io import file_sha256, make_arch, save_model
 from .models import ModelSpec, build_model, mismatch_report, read_weights_file, state_mismatches
 from .run_dir import RunDir
 from .utils import resolve_device
+from .train import TrainConfig
 
 
 @dataclass(frozen=True)
@@ -47,20 +49,18 @@ class ImportJob:
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
     """
 
-    model: str
-    weights: str
+    model: str = setting(help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config).")
+    weights: str = setting(path=True, help="Local .safetensors/.pth weights, with a classifier head.")
     out: str
-    img_size: int | None = None
-    num_classes: int | None = None
+    img_size: int | None = setting(None, lo=1, help="Input size (default: from the weights' position embedding).")
+    num_classes: int | None = setting(None, lo=1, help="Classes (default: the weights' head).")
     data: DataConfig | None = None
     input: InputOverrides = field(default_factory=InputOverrides)
-    eval_batch_size: int = 256
+    eval_batch_size: int = shared(TrainConfig, "eval_batch_size")
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        for name, v in (("--img-size", self.img_size), ("--num-classes", self.num_classes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise NascompressError(f"{name} must be a positive integer, got {v!r}")
+        check_settings(self)  # every setting() against its declaration
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,

@@ -18,6 +18,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from .config import check_settings, setting
 from .errors import NascompressError
 
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
@@ -406,3 +407,42 @@ def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: b
         sd = {k: v for k, v in sd.items() if not k.startswith("head.")}
         sd.update({k: v for k, v in own.items() if k.startswith("head.")})
     load_state_strict(model, sd, source=f"weights file {path}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model a user asks a command (train, profile) or the pipeline (base.train) to build
+
+# the small custom ViT's shape, where neither a timm name nor the option gives one
+CUSTOM_VIT = {"img_size": 28, "patch_size": 4, "embed_dim": 96, "depth": 6, "num_heads": 3, "in_chans": 1}
+
+
+def _shape_help(what: str, name: str, extra: str = "") -> str:
+    return f"{what} (custom ViT default {CUSTOM_VIT[name]}{extra})."
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A timm ``model`` with shape overrides, or (``model`` None) the small custom ViT, whose shape
+    defaults are :data:`CUSTOM_VIT`: ``nascompress train`` / ``profile`` options and ``base.train``
+    keys. ``num_classes`` None: the caller's (the dataset's)."""
+
+    model: str | None = setting(None, help="timm model name (vit_*, deit_*); default: a small custom ViT.")
+    img_size: int | None = setting(None, lo=1, help=_shape_help("Input size", "img_size"))
+    patch_size: int | None = setting(None, lo=1, help=_shape_help("Patch size", "patch_size"))
+    embed_dim: int | None = setting(None, lo=1, help=_shape_help("Width", "embed_dim"))
+    depth: int | None = setting(None, lo=1, help=_shape_help("Blocks", "depth"))
+    num_heads: int | None = setting(None, lo=1, help=_shape_help("Heads", "num_heads"))
+    in_chans: int | None = setting(None, lo=1, help=_shape_help("Input channels", "in_chans",
+                                                                 "; grey images are repeated for 3"))
+    num_classes: int | None = setting(None, lo=1, help="Classes (default: the dataset's).")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+    def spec(self, num_classes: int) -> ModelSpec:
+        """The model to build, with ``num_classes`` where the shape gives none."""
+        n = self.num_classes if self.num_classes is not None else num_classes
+        given = {k: getattr(self, k) for k in CUSTOM_VIT if getattr(self, k) is not None}
+        if self.model is None:
+            return custom_vit_spec(**{**CUSTOM_VIT, **given}, num_classes=n)
+        return ModelSpec(self.model, dict(given, num_classes=n))

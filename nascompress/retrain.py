@@ -41,7 +41,7 @@ from torch import nn
 from . import distributed, runtime
 from .api import run_data_config
 from .auto_batch import AUTO_BATCH_NOTE, AUTO_BATCH_SIZES, AUTO_BATCH_STEPS, auto_batch_size
-from .config import Config, StageSettings, setting
+from .config import Config, StageSettings, check_settings, setting
 from .data import DataBundle, DataConfig, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError
@@ -107,27 +107,14 @@ class RetrainConfig(Config):
         return self.eta > 0 if self.log_ib is None else self.log_ib
 
     def __post_init__(self) -> None:
-        if not self.eta >= 0:
-            raise NascompressError(f"--eta must be >= 0, got {self.eta}")
-        if not 0 <= self.warmup_frac < 1:
-            raise NascompressError(f"--warmup-frac must be in [0, 1), got {self.warmup_frac}")
+        check_settings(self)  # every setting() against its declaration; below: what metadata cannot say
         tap = self.feature_tap
         if tap != "pre_logits" and not (tap.startswith("module:") and len(tap) > len("module:")):
             raise NascompressError(f"--feature-tap must be 'pre_logits' or 'module:<name>', got {self.feature_tap!r}")
-        if self.input_tap not in INPUT_DOC:
-            raise NascompressError(f"--input-tap must be one of {', '.join(INPUT_DOC)}, got {self.input_tap!r}")
         if self.input_pool < 1 or self.kmeans_iters < 1:
             raise NascompressError("input_pool and kmeans_iters must be at least 1")
         if self.kmeans_init not in ("k-means++", "random"):
             raise NascompressError(f"kmeans_init must be 'k-means++' or 'random', got {self.kmeans_init!r}")
-        if self.cluster_samples is not None and self.cluster_samples < 1:
-            raise NascompressError(f"--cluster-samples must be at least 1, got {self.cluster_samples}")
-        if not 0 <= self.kd_alpha <= 1:
-            raise NascompressError(f"--kd-alpha must be in [0, 1], got {self.kd_alpha}")
-        if self.feat_kd is not None and not self.feat_kd >= 0:
-            raise NascompressError(f"--feat-kd must be >= 0, got {self.feat_kd}")
-        if not self.kd_temperature > 0:
-            raise NascompressError(f"--kd-temperature must be positive, got {self.kd_temperature}")
 
     def warm_epochs(self, epochs: int) -> int:
         return min(int(self.warmup_frac * epochs + 0.5), max(epochs - 1, 0))
@@ -177,7 +164,7 @@ class RetrainJob(Config):
     data: DataConfig | None = None
     train: TrainConfig = field(default_factory=retrain_train_config)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
-    teacher: str | None = None
+    teacher: str | None = setting(None, path=True, help="A (dense) run to distil from (KL on logits); off by default.")
     auto_batch: bool = False
 
 

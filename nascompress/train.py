@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from . import distributed, runtime
-from .config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
+from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import SEED_MAX
 from .data import DataBundle, DataConfig, InputOverrides, InputSpec, default_norm, load_data
 from .errors import NascompressError
@@ -76,7 +76,7 @@ class TrainConfig(Config):
     ema_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."))
     grad_clip: float = 1.0
-    eval_batch_size: int = 256
+    eval_batch_size: int = setting(256, lo=1, help="Images per evaluation batch.")
     eval_start: bool = True
     keep: str = "best"
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
@@ -88,24 +88,9 @@ class TrainConfig(Config):
     log_every: int = 50
 
     def __post_init__(self) -> None:
-        check_int("--epochs", self.epochs, 1)
-        check_int("--batch-size", self.batch_size, 1)
-        if self.lr is not None:
-            check_range("--lr", self.lr, 0, lo_open=True)
-        check_range("--base-lr", self.base_lr, 0, lo_open=True)
-        check_range("--min-lr", self.min_lr, 0)
-        check_range("--warmup-epochs", self.warmup_epochs, 0)
-        check_range("--weight-decay", self.weight_decay, 0)
-        if self.layer_decay is not None:
-            check_range("--layer-decay", self.layer_decay, 0, 1, lo_open=True)
-        check_range("--label-smoothing", self.label_smoothing, 0, 1, hi_open=True)
-        if self.ema_decay is not None:
-            check_range("--ema-decay", self.ema_decay, 0, 1, lo_open=True, hi_open=True)
-        check_range("--grad-clip", self.grad_clip, 0)
+        check_settings(self)  # every setting() against its declaration; below: the internal fields
+        check_range("grad_clip", self.grad_clip, 0)
         check_choice("keep", self.keep, ("best", "last"))
-        check_choice("--amp", self.amp, runtime.AMP_MODES)
-        check_bool("--deterministic", self.deterministic)
-        check_int("--seed", self.seed, 0, SEED_MAX)
         check_int("log_every", self.log_every, 1)
 
     @property
@@ -184,10 +169,12 @@ class TrainJob:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     out: str = "runs/base"
-    weights: str | None = None
-    reset_head: bool = False
+    weights: str | None = setting(None, path=True, help="Local .safetensors/.pth weights to start from.")
+    reset_head: bool = setting(False, help=(
+        "A new head: the weights' is missing (backbone only) or has another class count."))
     input: InputOverrides = field(default_factory=InputOverrides)
-    linear_probe: bool = False
+    linear_probe: bool = setting(False, help=(
+        "Freeze the --weights backbone; fit only a new head on its cached features (logistic regression)."))
 
     def __post_init__(self) -> None:
         if self.linear_probe and not self.weights:

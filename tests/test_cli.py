@@ -99,7 +99,7 @@ def test_unwritable_output(tmp_path):
 def test_evaluate_bad_inputs(tmp_path, tiny_run):
     _one_line_error(invoke("evaluate", tmp_path / "nope"), "does not exist")
     _one_line_error(invoke("evaluate", tmp_path), "no model.safetensors")
-    _one_line_error(invoke("evaluate", tiny_run, "--split", "bogus"), "unknown split")
+    _one_line_error(invoke("evaluate", tiny_run, "--split", "bogus"), "--split must be one of train, val, test")  # its declared choices
 
 
 def test_debug_shows_traceback(tmp_path):

@@ -143,7 +143,7 @@ def test_max_flops_is_a_constraint(project, tiny_run):
 @pytest.mark.parametrize("args,match", [
     (["--workers", 0], "--workers must be an integer in [1, inf], got 0"),
     (["--space", "missing.yaml"], "missing.yaml"),
-    (["--objective", "speed"], "--objective must be one of flops, latency, throughput"),
+    (["--objective", "speed"], "--objective must be one of goal, flops, latency, throughput"),
 ])
 def test_bad_search_input(project, tiny_run, args, match):
     r = invoke("search", "tokens", tiny_run, "--study", "b", "--space", "evit.yaml", *args)

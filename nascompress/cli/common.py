@@ -4,16 +4,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 from typing import Annotated, Any, Callable, TypeVar
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from nascompress.config import setting_help
+from nascompress.config import StageSettings, setting_help, tuple_item_type
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, write_error
-from nascompress.train import TrainConfig
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -22,8 +22,10 @@ err = Console(stderr=True)
 STATE = {"debug": False}
 # options of commands that do not generate them (setting_params), with the library's help
 SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
-Amp = Annotated[str, typer.Option(help=setting_help(TrainConfig, "amp"))]
-Deterministic = Annotated[bool, typer.Option("--deterministic", help=setting_help(TrainConfig, "deterministic"))]
+# the data of a command that starts from a run (retrain, finetune, search, evaluate): the run's unless given
+RUN_DATA = StageSettings(DataConfig, ("dataset", "data_dir", "train_limit", "eval_limit"),
+                         defaults={"dataset": None, "data_dir": None},
+                         notes={"dataset": "Default: the run's.", "data_dir": "Default: the run's."})
 
 
 def skip_bad(data: Any, skip: bool) -> Any:
@@ -93,25 +95,17 @@ def fail(msg: str) -> None:
     raise typer.Exit(code=1)
 
 
-def parse_floats(text: str | None, option: str) -> tuple[float, ...] | None:
-    """``"0.5,0.5,0.5"`` -> (0.5, 0.5, 0.5); None stays None; bad values name the option."""
-    if text is None:
-        return None
+def parse_numbers(text: str, option: str, item: type = float) -> tuple[Any, ...]:
+    """``"0.5,0.5,0.5"`` -> (0.5, 0.5, 0.5) (``item``: float or int); bad values name the option."""
+    example = "0.5,0.5,0.5" if item is float else "4,7,10"
+    what = "numbers" if item is float else "integers"
     try:
-        vals = tuple(float(v) for v in text.split(",") if v.strip())
+        vals = tuple(item(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise NascompressError(f"{option} takes comma-separated numbers such as 0.5,0.5,0.5, got {text!r}") from None
+        raise NascompressError(f"{option} takes comma-separated {what} such as {example}, got {text!r}") from None
     if not vals:
-        raise NascompressError(f"{option} takes comma-separated numbers such as 0.5,0.5,0.5, got {text!r}")
+        raise NascompressError(f"{option} takes comma-separated {what} such as {example}, got {text!r}")
     return vals
-
-
-def input_overrides(mean: str | None, std: str | None, interpolation: str | None, crop_pct: float | None):
-    """The explicit preprocessing options of a command (``--mean/--std/--interpolation/--crop-pct``)."""
-    from nascompress.data import InputOverrides
-
-    return InputOverrides(mean=parse_floats(mean, "--mean"), std=parse_floats(std, "--std"),
-                          interpolation=interpolation, crop_pct=crop_pct)
 
 
 def print_json(obj: Any) -> None:
@@ -122,15 +116,17 @@ def print_json(obj: Any) -> None:
 def setting_params(spec: Any) -> list[Any]:
     """One keyword-only Typer option per user-facing field ``spec`` offers: a library config class
     (its fields declared with :func:`nascompress.config.setting`) or a
-    :class:`~nascompress.config.StageSettings` (a stage's fields and defaults): ``--name`` with the
-    default and the help, a bool off by default ``--name``, an optional bool ``--name/--no-name``, or
-    for a bool with a ``flag`` that flag (``--no-name``, default off)."""
+    :class:`~nascompress.config.StageSettings` (a stage's fields and defaults): ``--name`` (or the
+    declared ``option``) with the default (none: a required option) and the help, a bool off by
+    default ``--name``, an optional bool ``--name/--no-name``, for a bool with a ``flag`` that flag
+    (``--no-name``, default off), and for a tuple of numbers one comma-separated value."""
+    import dataclasses
     import inspect
     import types
     import typing
     from typing import Optional
 
-    from nascompress.config import offered, settings_class
+    from nascompress.config import offered, option_name, settings_class
 
     hints = typing.get_type_hints(settings_class(spec))
     params = []
@@ -141,38 +137,98 @@ def setting_params(spec: Any) -> list[Any]:
                                             default=False, annotation=Annotated[bool, typer.Option(flag, help=help)]))
             continue
         tp = hints[f.name]
+        decls: tuple[str, ...] = (f.metadata["option"],) if f.metadata.get("option") else ()
+        required = default is dataclasses.MISSING
+        extra = {"default": inspect.Parameter.empty if required else default}
+        item = tuple_item_type(tp)
+        if item is not None:  # e.g. --mean 0.5,0.5,0.5
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
+                Optional[str], typer.Option(*decls, help=help, metavar=f"{item.__name__.upper()}[,...]")]))
+            continue
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
         optional = type(None) in args or default is None
         base = next(a for a in args if a is not type(None)) if args else tp
-        decls: tuple[str, ...] = ()
         if base is bool:
-            name = f"--{f.name.replace('_', '-')}"
+            name = option_name(f)
             decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
             Optional[base] if optional else base, typer.Option(*decls, help=help)]))
     return params
+
+
+def setting_option(spec: Any, name: str) -> Any:
+    """The ``Annotated`` type of one setting ``name`` that ``spec`` offers (as :func:`setting_params`
+    makes it: its type, option and help), for a command that lists its options itself (its default
+    written next to it, as the stage offers it)."""
+    return next(p.annotation for p in setting_params(spec) if p.name == name)
 
 
 def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The values of the user-facing fields ``spec`` offers from a command's arguments (see
     :func:`setting_params`)."""
-    from nascompress.config import offered
+    import typing
 
+    from nascompress.config import offered, option_name, settings_class
+
+    hints = typing.get_type_hints(settings_class(spec))
     values = {}
     for f, _, _ in offered(spec):
         flag = f.metadata.get("flag")
-        values[f.name] = not kwargs[flag.lstrip("-").replace("-", "_")] if flag else kwargs[f.name]
+        v = not kwargs[flag.lstrip("-").replace("-", "_")] if flag else kwargs[f.name]
+        item = tuple_item_type(hints[f.name])
+        if item is not None and isinstance(v, str):
+            v = parse_numbers(v, option_name(f), item)
+        values[f.name] = v
     return values
 
 
-def command_signature(own: Callable[..., Any], generated: dict[str | None, list[Any]]) -> Any:
-    """A command's parameters: those of ``own`` (a function whose signature lists the command's own
-    arguments and options), all keyword-only, with each list of ``generated`` parameters
-    (:func:`setting_params`) inserted before the own parameter named by its key (None: at the end)."""
+class Settings(SimpleNamespace):
+    """The values of the options one settings group generated (:func:`settings_command`), by
+    attribute (``runtime.seed``); ``vars(group)`` is the mapping to pass on (``**vars(train)``)."""
+
+
+def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Decorator of a command whose signature names its settings groups: each keyword-only
+    parameter named in ``groups`` (a library config class or a
+    :class:`~nascompress.config.StageSettings`) stands for that group's generated options
+    (:func:`setting_params`, in its place on the command line and in ``--help``) and receives their
+    values: the config built from them when the parameter is annotated with the config class
+    (a user error: one line, exit 1), else :class:`Settings`. The command's other parameters are
+    its own options and arguments, as written; ``extra``: further generated parameters, given to the
+    command's ``**kwargs`` (``finetune``'s method options). One shared helper builds every command's
+    settings."""
+    import functools
     import inspect
 
-    params = []
-    for p in inspect.signature(own, eval_str=True).parameters.values():
-        params += generated.get(p.name, [])
-        params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
-    return inspect.Signature(params + generated.get(None, []))
+    def deco(fn: Callable[..., T]) -> Callable[..., T]:
+        sig = inspect.signature(fn, eval_str=True)
+        params, own = [], []
+        for p in sig.parameters.values():
+            if p.name in groups:
+                params += setting_params(groups[p.name])
+            elif p.kind is inspect.Parameter.VAR_KEYWORD:
+                params += extra or []
+            else:
+                params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+                own.append(p.name)
+        built = {name: sig.parameters[name].annotation for name in groups
+                 if isinstance(sig.parameters[name].annotation, type)
+                 and sig.parameters[name].annotation is not Settings}
+
+        def gather(kw: dict[str, Any]) -> dict[str, Any]:
+            values = {}
+            for name, spec in groups.items():
+                vals = setting_values(spec, kw)
+                values[name] = built[name](**vals) if name in built else Settings(**vals)
+            return values
+
+        @functools.wraps(fn)
+        def command(**kw: Any) -> T:
+            values = run(gather, kw)  # a bad value: one line naming its option
+            rest = {p.name: kw[p.name] for p in extra or []}
+            return fn(**{n: kw[n] for n in own}, **values, **rest)
+
+        command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+        return command
+
+    return deco

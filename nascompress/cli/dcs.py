@@ -6,7 +6,13 @@ from typing import Annotated, Optional
 
 import typer
 
-from nascompress.cli.common import fail, out, print_json, run
+from nascompress.cli.common import fail, out, print_json, run, setting_option
+from nascompress.config import StageSettings
+from nascompress.search.trial_model import TrialMaterializeJob
+
+# materialize --study: TrialMaterializeJob's settings (or a DCS SEARCH_DIR instead)
+FROM_STUDY = StageSettings(TrialMaterializeJob, ("study", "trial", "pick", "storage", "finetune_epochs"),
+                           defaults={"study": None})
 
 
 def register(app: typer.Typer) -> None:
@@ -16,19 +22,17 @@ def register(app: typer.Typer) -> None:
             help="The --out directory of a finished 'nascompress search dcs' (or use --study).")] = None,
         out_dir: Annotated[Path, typer.Option("--out", help="Run directory for the compact model.")] = Path(
             "runs/dcs_mat"),
-        study: Annotated[Optional[str], typer.Option(help="A study of 'search tokens|joint': rebuild one of its trials.")] = None,
-        trial: Annotated[Optional[int], typer.Option(help="With --study: the trial number.")] = None,
-        pick: Annotated[Optional[str], typer.Option(
-            help="With --study: best-under-flops=R, best-under-latency=MS or knee.")] = None,
-        storage: Annotated[Optional[str], typer.Option(help="Where the study lives (default: the project's files).")] = None,
-        finetune_epochs: Annotated[int, typer.Option(
-            help="With --study: then fine-tune with the last method's recipe for this many epochs.")] = 0,
+        study: setting_option(FROM_STUDY, "study") = None,
+        trial: setting_option(FROM_STUDY, "trial") = None,
+        pick: setting_option(FROM_STUDY, "pick") = None,
+        storage: setting_option(FROM_STUDY, "storage") = None,
+        finetune_epochs: setting_option(FROM_STUDY, "finetune_epochs") = 0,
         force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
         from nascompress.search.materialize import MaterializeJob, materialize_search
-        from nascompress.search.trial_model import TrialMaterializeJob, materialize_trial
+        from nascompress.search.trial_model import materialize_trial
 
         if (search_dir is None) == (study is None):
             fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")

@@ -2,53 +2,31 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import out, print_json, run
-
-
-def _help(name: str) -> str:
-    """An option's help text: the ExportConfig field's (the pipeline's export: keys are the same fields)."""
-    from nascompress.config import setting_help
-    from nascompress.export.config import ExportConfig
-
-    return setting_help(ExportConfig, name)
-
-
-def _default(name: str) -> object:
-    """An option's default: the ExportConfig field's."""
-    from nascompress.export.config import ExportConfig
-
-    return ExportConfig.__dataclass_fields__[name].default
+from nascompress.cli.common import Settings, out, print_json, run, settings_command
+from nascompress.export.config import ExportConfig
 
 
 def register(app: typer.Typer) -> None:
     @app.command("export")
+    @settings_command(settings=ExportConfig)
     def export_cmd(
         run_dir: Annotated[Path, typer.Argument(
             help="A run directory (or model.safetensors) that nascompress.load reads.")],
         out_file: Annotated[Path, typer.Option(
-            "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")],
-        format: Annotated[str, typer.Option("--format", help=_help("format"))] = _default("format"),
-        batch: Annotated[str, typer.Option(help=_help("batch"))] = str(_default("batch")),
-        dtype: Annotated[str, typer.Option(help=_help("dtype"))] = _default("dtype"),
-        opset: Annotated[Optional[int], typer.Option(help=_help("opset"))] = _default("opset"),
-        tolerance: Annotated[Optional[float], typer.Option(help=_help("tolerance"))] = _default("tolerance"),
-        verify_batch: Annotated[int, typer.Option(help=_help("verify_batch"))] = _default("verify_batch"),
-        seed: Annotated[int, typer.Option(help="Seed of the check's random batch.")] = 0,
-        quantize: Annotated[str, typer.Option(help=_help("quantize"))] = _default("quantize"),
+            "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")], *,
+        settings: Settings,  # ExportConfig: --format --batch --dtype --opset --tolerance --verify-batch --seed --quantize
         force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
     ) -> None:
         """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
         (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""
-        from nascompress.export import ExportConfig, export_run, parse_batch
+        from nascompress.export import export_run, parse_batch
 
-        cfg = run(lambda: ExportConfig(format=format, batch=parse_batch(batch), dtype=dtype, opset=opset,
-                                       tolerance=tolerance, verify_batch=verify_batch, seed=seed,
-                                       quantize=quantize))
+        cfg = run(lambda: ExportConfig(**{**vars(settings), "batch": parse_batch(str(settings.batch))}))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:
             print_json(side)

@@ -13,9 +13,11 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import SkipBadImages, given_options, out, print_json, run, setting_params, with_subsets
-from nascompress.config import setting_help
-from nascompress.data import FMNIST_DIR, DataConfig
+from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
+                                    setting_option, settings_command, with_subsets)
+from nascompress.data import DataConfig
+from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
+from nascompress.train import RUNTIME_SETTINGS
 
 
 def parse_value(text: str) -> Any:
@@ -109,46 +111,73 @@ def method_option_form(method: str, name: str) -> tuple[str, Any]:
     return "VALUE", parse_value
 
 
-def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]], zero_shot: bool,
-              epochs: Optional[int], batch_size: Optional[int], lr: Optional[float], base_lr: Optional[float],
-              min_lr: Optional[float], warmup_epochs: Optional[float], weight_decay: Optional[float],
-              layer_decay: Optional[float], label_smoothing: Optional[float], train_limit: Optional[int],
-              eval_limit: Optional[int], dataset: Optional[str], data_dir: str, seed: int, device: str, amp: str,
-              deterministic: bool, force: bool, resume: bool, json_out: bool, skip_bad_images: bool = False, **method_opts: Optional[str]) -> None:
+def _method_params() -> list[inspect.Parameter]:
+    """One option per method setting (a config or recipe field declared with ``setting()``) of every
+    registered method, read in the form its field's type takes (:func:`option_form`: a number, one
+    or several; a bad form is one line naming the option) by the method it belongs to."""
+    extra = []
+    for name, (f, methods) in method_option_fields().items():
+        help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
+        extra.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            Optional[str], typer.Option(f"--{name.replace('_', '-')}", help=help_text,
+                                        metavar=method_option_form(methods[0], name)[0])]))
+    return extra
+
+
+@settings_command(extra=_method_params(), recipe=FINETUNE_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
+def finetune(
+    run_dir: Annotated[Path, typer.Argument(help="The run to start from (dense, imported or DCS-materialized; also the teacher).")],
+    *,
+    method: setting_option(FinetuneJob, "method"),
+    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
+    opt: Annotated[Optional[list[str]], typer.Option(help="Any other method or recipe setting as key=value (repeatable).")] = None,
+    zero_shot: setting_option(FinetuneJob, "zero_shot") = False,
+    dataset: setting_option(RUN_DATA, "dataset") = None,
+    data_dir: setting_option(RUN_DATA, "data_dir") = None,
+    recipe: Settings,  # FINETUNE_TRAIN_SETTINGS: --epochs --batch-size --lr ... (default: the method's recipe)
+    train_limit: setting_option(RUN_DATA, "train_limit") = None,
+    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
+    skip_bad_images: SkipBadImages = False,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+    **method_opts: Optional[str],  # --keep-rate --rho ... (every registered method's settings: _method_params)
+) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT or ToMe."""
+    from dataclasses import replace
+
     from nascompress.api import run_data_config
-    from nascompress.data import DataConfig
     from nascompress.errors import NascompressError
-    from nascompress.finetune import FinetuneJob, finetune as finetune_fn, finetune_train_config, split_settings
+    from nascompress.finetune import finetune as finetune_fn, finetune_train_config, split_settings
 
     fields = method_option_fields()
 
     def build() -> FinetuneJob:
         settings: dict[str, Any] = {}
-        for name, text in method_opts.items():
-            if text is None:
+        for name, value in method_opts.items():
+            if value is None:
                 continue
             if method not in fields[name][1]:
                 raise NascompressError(f"--{name.replace('_', '-')} is not a {method} option (it belongs to "
                                        f"{', '.join(fields[name][1])})")
-            settings[name] = method_option_form(method, name)[1](text)
+            settings[name] = method_option_form(method, name)[1](value)
         settings.update(parse_opts(opt or []))
-        config, recipe = split_settings(method, settings)
+        config, recipe_settings = split_settings(method, settings)
         if dataset is not None:
-            data = DataConfig(dataset=dataset, data_dir=data_dir)
+            data = DataConfig(dataset=dataset)
         else:
             data = run_data_config(run_dir)
             if data is None:
                 raise NascompressError(f"{run_dir} records no dataset (an import without --dataset); give finetune "
                                        "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)")
-        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=seed,
+        if data_dir is not None:
+            data = replace(data, data_dir=data_dir)
+        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
                             skip_bad_images=skip_bad_images)
-        tc = finetune_train_config(method, epochs=epochs, batch_size=batch_size, lr=lr, base_lr=base_lr, min_lr=min_lr,
-                                   warmup_epochs=warmup_epochs, weight_decay=weight_decay, layer_decay=layer_decay,
-                                   label_smoothing=label_smoothing, seed=seed, device=device, amp=amp,
-                                   deterministic=deterministic)
-        return FinetuneJob(run_dir=str(run_dir), method=method, config=config, recipe=recipe, data=data, train=tc,
-                           out=str(out_dir), zero_shot=zero_shot)
+        tc = finetune_train_config(method, **vars(recipe), **vars(runtime))
+        return FinetuneJob(run_dir=str(run_dir), method=method, config=config, recipe=recipe_settings, data=data,
+                           train=tc, out=str(out_dir), zero_shot=zero_shot)
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())
@@ -161,54 +190,5 @@ def _finetune(run_dir: Path, method: str, out_dir: Path, opt: Optional[list[str]
     out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}%{extra}  -> {out_dir}")
 
 
-def _signature() -> inspect.Signature:
-    """The command's parameters: the fixed ones of :func:`_finetune` and one option per method field."""
-    P = inspect.Parameter
-    KW = P.KEYWORD_ONLY
-    fixed = [
-        P("run_dir", KW, annotation=Annotated[Path, typer.Argument(
-            help="The run to start from (dense, imported or DCS-materialized; also the teacher).")]),
-        P("method", KW, annotation=Annotated[str, typer.Option(help="evit, dynamicvit, sparsifiner, mgvit, mgvit-h or tome.")]),
-        P("out_dir", KW, annotation=Annotated[Path, typer.Option("--out", help="Run directory to create.")]),
-        P("opt", KW, default=None, annotation=Annotated[Optional[list[str]], typer.Option(
-            help="Any other method or recipe setting as key=value (repeatable).")]),
-        P("zero_shot", KW, default=False, annotation=Annotated[bool, typer.Option(
-            "--zero-shot", help="Apply without training (after the method's short predictor-only stage, if any).")]),
-        P("dataset", KW, default=None, annotation=Annotated[Optional[str], typer.Option(
-            help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the run's dataset).")]),
-        P("data_dir", KW, default=str(FMNIST_DIR), annotation=Annotated[str, typer.Option(
-            help=setting_help(DataConfig, "data_dir"))]),
-        # (here: the training settings, FINETUNE_TRAIN_SETTINGS)
-        P("train_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
-            help="Use a seeded, class-balanced subset of N training images.")]),
-        P("eval_limit", KW, default=None, annotation=Annotated[Optional[int], typer.Option(
-            help="Use a seeded, class-balanced subset of N val/test images.")]),
-        # (here: the run settings, RUNTIME_SETTINGS: --seed --device --amp --deterministic)
-        P("skip_bad_images", KW, default=False, annotation=SkipBadImages),
-        P("force", KW, default=False, annotation=Annotated[bool, typer.Option("--force")]),
-        P("resume", KW, default=False, annotation=Annotated[bool, typer.Option(
-            "--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")]),
-        P("json_out", KW, default=False, annotation=Annotated[bool, typer.Option("--json")]),
-    ]
-    from nascompress.finetune import FINETUNE_TRAIN_SETTINGS
-    from nascompress.train import RUNTIME_SETTINGS
-
-    at = {p.name: i for i, p in enumerate(fixed)}
-    train_at, bad_at = at["train_limit"], at["skip_bad_images"]
-    fixed = (fixed[:train_at] + setting_params(FINETUNE_TRAIN_SETTINGS) + fixed[train_at:bad_at]
-             + setting_params(RUNTIME_SETTINGS) + fixed[bad_at:])
-    extra = []
-    for name, (f, methods) in method_option_fields().items():
-        help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
-        extra.append(P(name, KW, default=None, annotation=Annotated[Optional[str], typer.Option(
-            f"--{name.replace('_', '-')}", help=help_text, metavar=method_option_form(methods[0], name)[0])]))
-    return inspect.Signature(fixed + extra)
-
-
 def register(app: typer.Typer) -> None:
-    def finetune(**kwargs: Any) -> None:
-        _finetune(**kwargs)
-
-    finetune.__doc__ = _finetune.__doc__
-    finetune.__signature__ = _signature()  # type: ignore[attr-defined]
     app.command("finetune")(finetune)

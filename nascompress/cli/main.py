@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import (STATE, SkipBadImages, command_signature, fail, given_options, input_overrides, out,
-                                    print_json, run, setting_params, setting_values, skip_bad)
-from nascompress.config import setting_help
-from nascompress.data import FMNIST_DIR, DataConfig
-from nascompress.profiling.config import ProfileConfig
-from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig
+from nascompress.cli.common import (RUN_DATA, STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
+                                    setting_option, settings_command, skip_bad)
+from nascompress.data import DataConfig, InputOverrides
+from nascompress.evaluate import EvaluateSettings
+from nascompress.models import ModelShape
+from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
+from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -24,80 +25,44 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
     STATE["debug"] = debug
 
 
-Device = Annotated[str, typer.Option(help=setting_help(TrainConfig, "device"))]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
-DataDir = Annotated[str, typer.Option(help=setting_help(DataConfig, "data_dir"))]
-Mean = Annotated[Optional[str], typer.Option(help="Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's).")]
-Std = Annotated[Optional[str], typer.Option(help="Normalisation std, comma-separated (default: as --mean).")]
-Interpolation = Annotated[Optional[str], typer.Option(help="Resize filter: bilinear, bicubic or nearest (default: as --mean).")]
-CropPct = Annotated[Optional[float], typer.Option(help="ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean).")]
-DType = Annotated[str, typer.Option(help=setting_help(ProfileConfig, "dtype"))]
+
+Out = Annotated[Path, typer.Option("--out", help="Run directory to create.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")]
+JsonOut = Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")]
 
 
-def model_spec(model: Optional[str], img_size: Optional[int], patch_size: Optional[int], embed_dim: Optional[int],
-               depth: Optional[int], num_heads: Optional[int], num_classes: int, in_chans: Optional[int]):
-    from nascompress.models import ModelSpec, custom_vit_spec
-
-    if model is None:
-        return custom_vit_spec(img_size=img_size or 28, patch_size=patch_size or 4, embed_dim=embed_dim or 96,
-                               depth=depth or 6, num_heads=num_heads or 3, num_classes=num_classes,
-                               in_chans=in_chans or 1)
-    kw = dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim, depth=depth, num_heads=num_heads,
-              in_chans=in_chans)
-    kw = {k: v for k, v in kw.items() if v is not None}
-    return ModelSpec(model, dict(kw, num_classes=num_classes))
-
-
-ModelOpt = Annotated[Optional[str], typer.Option(help="timm model name (vit_*, deit_*); default: a small custom ViT.")]
-ImgSize = Annotated[Optional[int], typer.Option(help="Input size (custom ViT default 28).")]
-PatchSize = Annotated[Optional[int], typer.Option(help="Patch size (custom ViT default 4).")]
-EmbedDim = Annotated[Optional[int], typer.Option(help="Width (custom ViT default 96).")]
-Depth = Annotated[Optional[int], typer.Option(help="Blocks (custom ViT default 6).")]
-Heads = Annotated[Optional[int], typer.Option(help="Heads (custom ViT default 3).")]
-InChans = Annotated[Optional[int], typer.Option(help="Input channels (custom ViT default 1; grey images are repeated for 3).")]
-
-
-def _train_options(
-    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")] = Path("runs/base"),
-    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
-    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
-    num_classes: Annotated[Optional[int], typer.Option(help="Classes (default: the dataset's).")] = None,
-    weights: Annotated[Optional[Path], typer.Option(help="Local .safetensors/.pth weights to start from.")] = None,
-    reset_head: Annotated[bool, typer.Option("--reset-head", help="A new head: the weights' is missing (backbone only) or has another class count.")] = False,
-    linear_probe: Annotated[bool, typer.Option("--linear-probe", help="Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")] = False,
-    mean: Mean = None, std: Std = None, interpolation: Interpolation = None, crop_pct: CropPct = None,
-    # (here: the data settings (DataConfig), the training settings (TRAIN_SETTINGS), the run settings)
-    force: Force = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+@app.command()
+@settings_command(shape=ModelShape, input=InputOverrides, data=DataConfig, recipe=TRAIN_SETTINGS,
+                  runtime=RUNTIME_SETTINGS)
+def train(
+    out_dir: Out = Path("runs/base"), *,
+    shape: ModelShape,  # --model --img-size --patch-size --embed-dim --depth --num-heads --in-chans --num-classes
+    weights: setting_option(TrainJob, "weights") = None,
+    reset_head: setting_option(TrainJob, "reset_head") = False,
+    linear_probe: setting_option(TrainJob, "linear_probe") = False,
+    input: InputOverrides,  # --mean --std --interpolation --crop-pct
+    data: Settings,  # DataConfig: --dataset --data-dir --val-fraction --train-limit ...
+    recipe: Settings,  # TRAIN_SETTINGS: --epochs --batch-size --lr --base-lr ...
+    runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
+    force: Force = False, resume: Resume = False, json_out: JsonOut = False,
 ) -> None:
-    """``train``'s own options; those of the library's settings (DataConfig, TRAIN_SETTINGS,
-    RUNTIME_SETTINGS) are generated before ``--force`` (``train.__signature__``)."""
-
-
-def train(**kw: Any) -> None:
     """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
     --linear-probe fit only a new head on a frozen pretrained backbone."""
     from nascompress.api import count_classes
-    from nascompress.train import TrainJob, train as train_job, train_recipe
-
-    out_dir, weights, linear_probe, seed = kw["out_dir"], kw["weights"], kw["linear_probe"], kw["seed"]
+    from nascompress.train import train as train_job, train_recipe
 
     def build():
-        data = DataConfig(**setting_values(DataConfig, kw), split_seed=0, subset_seed=seed)
-        n = kw["num_classes"] if kw["num_classes"] is not None else count_classes(data)
-        spec = model_spec(kw["model"], kw["img_size"], kw["patch_size"], kw["embed_dim"], kw["depth"], kw["num_heads"],
-                          n, kw["in_chans"])
+        data_cfg = DataConfig(**vars(data), split_seed=0, subset_seed=runtime.seed)
+        spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data_cfg))
         cfg = train_recipe(fine_tune=weights is not None and not linear_probe,  # a pretrained start: fine-tuning
-                           **setting_values(TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
-        return TrainJob(model=spec, data=data, train=cfg, out=str(out_dir),
-                        weights=str(weights) if weights else None, reset_head=kw["reset_head"],
-                        input=input_overrides(kw["mean"], kw["std"], kw["interpolation"], kw["crop_pct"]),
-                        linear_probe=linear_probe)
+                           **vars(recipe), **vars(runtime))
+        return TrainJob(model=spec, data=data_cfg, train=cfg, out=str(out_dir), weights=weights, reset_head=reset_head,
+                        input=input, linear_probe=linear_probe)
 
     job = run(build)
-    metrics = run(train_job, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
-    if kw["json_out"]:
+    metrics = run(train_job, job, force=force, resume=resume, explicit=given_options())
+    if json_out:
         print_json(metrics)
     elif metrics.get("linear_probe"):
         out.print(f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
@@ -108,21 +73,19 @@ def train(**kw: Any) -> None:
                   f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}")
 
 
-train.__signature__ = command_signature(_train_options, {  # type: ignore[attr-defined]
-    "force": setting_params(DataConfig) + setting_params(TRAIN_SETTINGS) + setting_params(RUNTIME_SETTINGS)})
-app.command()(train)
 
 
 @app.command()
+@settings_command(settings=EvaluateSettings)
 def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")],
-    split: Annotated[str, typer.Option(help="train, val or test.")] = "test",
-    dataset: Annotated[Optional[str], typer.Option(help="Override the run's dataset.")] = None,
-    data_dir: DataDir = str(FMNIST_DIR),
-    eval_limit: Annotated[Optional[int], typer.Option(help="Use only N images.")] = None,
-    teacher: Annotated[Optional[Path], typer.Option(help="A run whose top-1 predictions to compare with.")] = None,
-    batch_size: Annotated[int, typer.Option()] = 256, device: Device = "auto", dtype: DType = "fp32",
-    epsilon: Annotated[Optional[str], typer.Option(help="MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1.")] = None,
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")], *,
+    settings: EvaluateSettings,  # --split --teacher --epsilon
+    dataset: setting_option(RUN_DATA, "dataset") = None,
+    data_dir: setting_option(DataConfig, "data_dir") = DataConfig.data_dir,
+    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    eval_batch_size: setting_option(TrainConfig, "eval_batch_size") = TrainConfig.eval_batch_size,
+    device: setting_option(TrainConfig, "device") = TrainConfig.device,
+    dtype: setting_option(ProfileConfig, "dtype") = ProfileConfig.dtype,
     skip_bad_images: SkipBadImages = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -130,8 +93,8 @@ def evaluate(
     from dataclasses import replace
 
     from nascompress.api import evaluate_run, run_data_config
-    from nascompress.data import DataConfig
 
+    split, epsilon = settings.split, settings.epsilon
     data = run_data_config(run_dir) if run_dir.is_dir() else None
     if dataset is not None or data is None:
         data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
@@ -140,10 +103,9 @@ def evaluate(
     data = skip_bad(data, skip_bad_images)
     if epsilon is not None:
         from nascompress.api import epsilon_sweep
-        from nascompress.methods.mgvit import parse_epsilons
 
-        res = run(lambda: epsilon_sweep(run_dir, parse_epsilons(epsilon), data=data, split=split, device=device,
-                                        batch_size=batch_size))
+        res = run(lambda: epsilon_sweep(run_dir, list(epsilon), data=data, split=split, device=device,
+                                        batch_size=eval_batch_size))
         if json_out:
             print_json(res)
             return
@@ -151,8 +113,8 @@ def evaluate(
             out.print(f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
                       f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image")
         return
-    res = run(evaluate_run, run_dir, data=data, split=split, teacher=teacher, device=device, batch_size=batch_size,
-              dtype=dtype)
+    res = run(evaluate_run, run_dir, data=data, split=split, teacher=settings.teacher, device=device,
+              batch_size=eval_batch_size, dtype=dtype)
     if json_out:
         print_json(res)
         return
@@ -164,32 +126,23 @@ def evaluate(
     out.print(msg)
 
 
-def _profile_options(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None,
-    model: ModelOpt = None, img_size: ImgSize = None, patch_size: PatchSize = None, embed_dim: EmbedDim = None,
-    depth: Depth = None, num_heads: Heads = None, in_chans: InChans = None,
-    num_classes: Annotated[int, typer.Option(help="Classes for --model.")] = 1000,
+@app.command()
+@settings_command(shape=PROFILE_MODEL_SETTINGS, measure=ProfileConfig)
+def profile(
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None, *,
+    shape: ModelShape,  # --model --img-size ... --num-classes (PROFILE_MODEL_SETTINGS)
     compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
-    # (here: the measurement's settings, ProfileConfig: --no-latency --iters --batch-size --dtype --compile)
-    device: Device = "auto",
+    measure: ProfileConfig,  # --no-latency --iters --batch-size --dtype --compile (the pipeline's report: keys)
+    device: setting_option(TrainConfig, "device") = TrainConfig.device,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
-    """``profile``'s own options; ProfileConfig's (the pipeline's report: keys) are generated before ``--device``."""
-
-
-def profile(**kw: Any) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
     from nascompress.api import profile as profile_fn
-    from nascompress.profiling.config import ProfileConfig
 
-    run_dir, model, json_out = kw["run_dir"], kw["model"], kw["json_out"]
-    if (run_dir is None) == (model is None):
+    if (run_dir is None) == (shape.model is None):
         fail("give either a RUN_DIR or --model NAME (not both)")
-    target = run_dir if run_dir is not None else run(model_spec, model, kw["img_size"], kw["patch_size"],
-                                                     kw["embed_dim"], kw["depth"], kw["num_heads"], kw["num_classes"],
-                                                     kw["in_chans"])
-    settings = run(lambda: ProfileConfig(**setting_values(ProfileConfig, kw)))
-    res = run(profile_fn, target, compare=kw["compare"], device=kw["device"], **settings.to_dict())
+    target = run_dir if run_dir is not None else run(shape.spec, PROFILE_CLASSES)
+    res = run(profile_fn, target, compare=compare, device=device, **measure.to_dict())
     if json_out:
         print_json(res)
         return
@@ -222,14 +175,6 @@ def profile(**kw: Any) -> None:
         out.print(f"{label} vs reference: " + "  ".join(f"{k} {v:.3f}x" for k, v in rr.items()))
 
 
-def _profile_signature() -> Any:
-    from nascompress.profiling.config import ProfileConfig
-
-    return command_signature(_profile_options, {"device": setting_params(ProfileConfig)})
-
-
-profile.__signature__ = _profile_signature()  # type: ignore[attr-defined]
-app.command()(profile)
 
 
 def _register_optional() -> None:

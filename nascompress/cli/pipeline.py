@@ -2,11 +2,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import err, out, print_json, run
+from nascompress.cli.common import err, out, print_json, run, setting_option
+from nascompress.config import StageSettings
+from nascompress.train import TrainConfig
+
+# --seed: the file's seed (the pipeline's top-level seed key, TrainConfig's) replaced
+FILE_SEED = StageSettings(TrainConfig, ("seed",), defaults={"seed": None},
+                          notes={"seed": "Default: the file's (it drives every stage)."})
 
 EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "
           "(rerun the same command after a crash or Ctrl-C: it continues where it stopped)")
@@ -18,7 +24,7 @@ def register(app: typer.Typer) -> None:
         config: Annotated[Path, typer.Argument(help="Pipeline file (format nascompress-pipeline/1; see configs/).")],
         out_dir: Annotated[Path, typer.Option(
             "--out", help="Pipeline directory (an earlier run of the same config is continued).")],
-        seed: Annotated[Optional[int], typer.Option(help="Override the file's seed (it drives every stage).")] = None,
+        seed: setting_option(FILE_SEED, "seed") = None,
         force: Annotated[bool, typer.Option("--force", help="Start over in --out (its contents are removed).")] = False,
         json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
     ) -> None:

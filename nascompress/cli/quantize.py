@@ -3,49 +3,44 @@ validation split (thin: options generated from QuantizeConfig)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import command_signature, out, print_json, run, setting_params, setting_values
+from nascompress.cli.common import RUN_DATA, out, print_json, run, setting_option, settings_command
+from nascompress.export.quantize import QuantizeConfig
 
 QUANTIZED_FILE = "model.int8.onnx"
 
 
-def _options(
+@settings_command(settings=QuantizeConfig)
+def quantize(
     run_dir: Annotated[Path, typer.Argument(
         help="A run directory (or model.safetensors) that nascompress.load reads.")],
     out_dir: Annotated[Path, typer.Option("--out", help=f"Directory to write {QUANTIZED_FILE} and its sidecar "
-                                                        f"{QUANTIZED_FILE}.json into.")],
-    # (here: QuantizeConfig's settings: --scheme --calib-images --max-drop --eval-images --no-fallback)
-    dataset: Annotated[Optional[str], typer.Option(help="The dataset of the calibration and the check (default: "
-                                                        "the run's).")] = None,
-    data_dir: Annotated[Optional[str], typer.Option(
-        help="Where Fashion-MNIST's IDX files are (with --dataset).")] = None,
+                                                        f"{QUANTIZED_FILE}.json to.")], *,
+    settings: QuantizeConfig,  # --scheme --calib-images --max-drop --eval-images --no-fallback
+    dataset: setting_option(RUN_DATA, "dataset") = None,
+    data_dir: setting_option(RUN_DATA, "data_dir") = None,
     force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
 ) -> None:
-    """``quantize``'s own options; QuantizeConfig's are generated before ``--dataset``."""
-
-
-def quantize(**kw: Any) -> None:
     """Quantize a dense or compressed model to int8 ONNX (ONNX Runtime's tooling), check its top-1 on the
     validation split against the fp32 file, and keep it only within --max-drop (recorded in FILE.json)."""
     from nascompress.data import DataConfig
-    from nascompress.export.quantize import QuantizeConfig, quantize_run
+    from nascompress.export.quantize import quantize_run
 
-    cfg = run(lambda: QuantizeConfig(**setting_values(QuantizeConfig, kw)))
     data = None
-    if kw["dataset"] is not None or kw["data_dir"] is not None:  # the run's data settings, another dataset
+    if dataset is not None or data_dir is not None:  # the run's data settings, another dataset
         from dataclasses import replace
 
         from nascompress.api import run_data_config
 
-        given = {k: kw[k] for k in ("dataset", "data_dir") if kw[k] is not None}
-        data = run(lambda: replace(run_data_config(kw["run_dir"]) or DataConfig(), **given))
-    target = Path(kw["out_dir"]) / QUANTIZED_FILE
-    side = run(quantize_run, kw["run_dir"], out=target, config=cfg, data=data, force=kw["force"])
-    if kw["json_out"]:
+        given = {k: v for k, v in (("dataset", dataset), ("data_dir", data_dir)) if v is not None}
+        data = run(lambda: replace(run_data_config(run_dir) or DataConfig(), **given))
+    target = Path(out_dir) / QUANTIZED_FILE
+    side = run(quantize_run, run_dir, out=target, config=settings, data=data, force=force)
+    if json_out:
         print_json(side)
         return
     q, v = side["quantization"], side["verification"]
@@ -61,8 +56,4 @@ def quantize(**kw: Any) -> None:
 
 
 def register(app: typer.Typer) -> None:
-    from nascompress.export.quantize import QuantizeConfig
-
-    sig = command_signature(_options, {"dataset": setting_params(QuantizeConfig)})
-    quantize.__signature__ = sig  # type: ignore[attr-defined]
     app.command()(quantize)

@@ -1,87 +1,73 @@
 """``nascompress search ...``: architecture searches (a sub-app; ``dcs`` lives here)."""
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import (SkipBadImages, command_signature, given_options, out, print_json, run,
-                                    setting_params, setting_values, skip_bad, with_subsets)
+from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
+                                    setting_option, settings_command, skip_bad, with_subsets)
+from nascompress.config import StageSettings, user_settings
+from nascompress.data import DataConfig
+from nascompress.methods.dcs import DCSConfig
+from nascompress.models import ModelShape
+from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from nascompress.search.trials import SearchJob
+from nascompress.train import RUNTIME_SETTINGS, TrainJob
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
 
-def _dcs_options(
+# search dcs's start: a timm SOURCE's weights and input size (a run directory records its own)
+SOURCE_WEIGHTS = StageSettings(TrainJob, ("weights",), notes={"weights": "With a timm SOURCE."})
+SOURCE_SIZE = StageSettings(ModelShape, ("img_size",), notes={"img_size": "With a timm SOURCE: its override."})
+# the search's settings: the target first, then DCSSearchConfig's and DCSConfig's in field order
+SEARCH = StageSettings(DCSSearchConfig, ("target_flops", *(f.name for f in user_settings(DCSSearchConfig)
+                                                            if f.name != "target_flops")))
+
+
+@settings_command(search=SEARCH, method=DCSConfig, recipe=SEARCH_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
+def dcs(
     source: Annotated[str, typer.Argument(help="A dense run directory (train/import) or a timm model name.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Search run directory to create.")] = Path("runs/dcs_search"),
-    weights: Annotated[Optional[Path], typer.Option(help="Local weights when SOURCE is a timm name.")] = None,
-    img_size: Annotated[Optional[int], typer.Option(help="Input size override when SOURCE is a timm name.")] = None,
-    dataset: Annotated[Optional[str], typer.Option(
-        help="'fashion-mnist', an ImageFolder root or 'synthetic' (default: the run's; fashion-mnist for a timm name)."
-    )] = None,
-    # (here: the options of the search's settings: DCSSearchConfig, DCSConfig, its training settings)
-    train_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N training images.")] = None,
-    eval_limit: Annotated[Optional[int], typer.Option(help="Use a seeded, class-balanced subset of N val/test images.")] = None,
-    # (here: seed, device, amp, deterministic)
+    *,
+    weights: setting_option(SOURCE_WEIGHTS, "weights") = None,
+    img_size: setting_option(SOURCE_SIZE, "img_size") = None,
+    dataset: setting_option(RUN_DATA, "dataset") = None,
+    search: Settings,  # --target-flops, DCSSearchConfig's settings: --arch-lr --lam ... --init-importance
+    method: Settings,  # DCSConfig's settings: --qk-mask --mlp-gates --align --hidden-fill --alpha-init
+    recipe: Settings,  # SEARCH_TRAIN_SETTINGS: --epochs --batch-size --lr ...
+    train_limit: setting_option(RUN_DATA, "train_limit") = None,
+    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
     skip_bad_images: SkipBadImages = False,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out from its checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
-    """The command's own options (those of the library's settings are generated: :func:`_signature`)."""
-
-
-def _signature() -> inspect.Signature:
-    """``search dcs``'s parameters: those of :func:`_dcs_options` with, before ``--train-limit``,
-    ``--target-flops``, the other user-facing fields of DCSSearchConfig and DCSConfig
-    (:func:`nascompress.config.setting`: their help and user defaults) and the search's training
-    settings (:data:`~nascompress.search.dcs.SEARCH_TRAIN_SETTINGS`), and before ``--skip-bad-images``
-    the run settings (:data:`~nascompress.train.RUNTIME_SETTINGS`)."""
-    from nascompress.methods.dcs import DCSConfig
-    from nascompress.search import DCSSearchConfig
-    from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS
-    from nascompress.train import RUNTIME_SETTINGS
-
-    lib = setting_params(DCSSearchConfig) + setting_params(DCSConfig)
-    lib = sorted(lib, key=lambda p: p.name != "target_flops")  # stable: the target first, then field order
-    return command_signature(_dcs_options, {"train_limit": lib + setting_params(SEARCH_TRAIN_SETTINGS),
-                                            "skip_bad_images": setting_params(RUNTIME_SETTINGS)})
-
-
-def dcs(**kw: Any) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
     from dataclasses import replace
 
     from nascompress.api import run_data_config
-    from nascompress.data import DataConfig
-    from nascompress.methods.dcs import DCSConfig
-    from nascompress.search import DCSSearchConfig, DCSSearchJob, search_dcs
-    from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, search_train_config
-    from nascompress.train import RUNTIME_SETTINGS
-
-    source, out_dir, batch_size, seed = kw["source"], kw["out_dir"], kw["batch_size"], kw["seed"]
+    from nascompress.search import DCSSearchJob, search_dcs
+    from nascompress.search.dcs import search_train_config
 
     def build() -> DCSSearchJob:
-        cfg = DCSSearchConfig(**setting_values(DCSSearchConfig, kw), auto_batch=batch_size is None)
-        method = DCSConfig(**setting_values(DCSConfig, kw))
-        method = method.replace(theta_init=method.alpha_init)
-        tc = search_train_config(**setting_values(SEARCH_TRAIN_SETTINGS, kw), **setting_values(RUNTIME_SETTINGS, kw))
+        cfg = DCSSearchConfig(**vars(search), auto_batch=recipe.batch_size is None)
+        tc = search_train_config(**vars(recipe), **vars(runtime))
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
-        if kw["dataset"] is not None:
-            data = replace(data, dataset=kw["dataset"])
-        data = with_subsets(data, train_limit=kw["train_limit"], eval_limit=kw["eval_limit"], seed=seed,
-                            skip_bad_images=kw["skip_bad_images"])
-        weights, img_size = kw["weights"], kw["img_size"]
-        return DCSSearchJob(source=source, out=str(out_dir), method=method, search=cfg, train=tc, data=data,
-                            weights=str(weights) if weights else None,
-                            model_kwargs={"img_size": img_size} if img_size else {})
+        if dataset is not None:
+            data = replace(data, dataset=dataset)
+        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
+                            skip_bad_images=skip_bad_images)
+        return DCSSearchJob(source=source, out=str(out_dir), method=DCSConfig.user(**vars(method)), search=cfg,
+                            train=tc, data=data, weights=weights, model_kwargs={"img_size": img_size} if img_size else {})
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(search_dcs, job, force=kw["force"], resume=kw["resume"], explicit=given_options())
-    if kw["json_out"]:
+    metrics = run(search_dcs, job, force=force, resume=resume, explicit=given_options())
+    if json_out:
         print_json(metrics)
     else:
         cal = metrics.get("calibration")
@@ -94,62 +80,40 @@ def dcs(**kw: Any) -> None:
                   f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
 
 
-dcs.__signature__ = _signature()  # type: ignore[attr-defined]
 search_app.command("dcs")(dcs)
 
 
-def _study_options(
-    base: Annotated[Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")],
-    study: Annotated[str, typer.Option(help="Study name; an existing study is continued.")],
-    space: Annotated[Optional[Path], typer.Option(
-        help="Search-space file (default: tokens search_spaces/evit.yaml, joint search_spaces/joint.yaml).")] = None,
-    storage: Annotated[Optional[str], typer.Option(
-        help="sqlite:///FILE, journal:FILE or postgresql://... (default: ./nascompress-studies.db; with several "
-             "--workers ./nascompress-studies.journal).")] = None,
-    objective: Annotated[str, typer.Option(help="Second objective: flops, latency or throughput.")] = "flops",
-    max_flops: Annotated[Optional[float], typer.Option(
-        help="Single objective: accuracy with FLOPs <= this ratio of the uncompressed model.")] = None,
-    max_latency: Annotated[Optional[float], typer.Option(
-        help="Single objective: accuracy with batch-1 latency <= this many ms on --device.")] = None,
-    dataset: Annotated[Optional[str], typer.Option(
-        help="'fashion-mnist' or an ImageFolder root with train/ (val/, test/) (default: the base run's dataset).")] = None,
-    # (here: the study's settings, SearchJob's user-facing fields: --trials ... --no-enqueue)
-    seed: Annotated[int, typer.Option(help="One seed for the samplers, the data subsets and the trials.")] = 0,
-    device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
-    skip_bad_images: SkipBadImages = False,
-    amp: Annotated[str, typer.Option(
-        help="Trials' training (predictor stages, fine-tunes, DCS searches): off or bf16 autocast.")] = "off",
-    deterministic: Annotated[bool, typer.Option(
-        "--deterministic", help="Deterministic kernels in the trials (reproducible on a GPU; slower there).")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
-) -> None:
-    """The command's own options (the study's settings are generated from SearchJob)."""
+# search tokens|joint's study settings: SearchJob's (the space's default: the command's own)
+STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), defaults={"space": None},
+                      notes={"space": "Default: tokens search_spaces/evit.yaml, joint search_spaces/joint.yaml."})
 
 
 def _outer_search(kind: str, default_space: str):
     """The ``search tokens`` / ``search joint`` command (the same engine, another default space)."""
-    from nascompress.search.trials import SearchJob
 
-    def command(**kw: Any) -> None:
+    @settings_command(study=STUDY, runtime=RUNTIME_SETTINGS)
+    def command(
+        base: Annotated[Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")],
+        *,
+        study: Settings,  # SearchJob's settings: --space --study --storage --trials ... --no-enqueue
+        dataset: setting_option(RUN_DATA, "dataset") = None,
+        runtime: Settings,  # RUNTIME_SETTINGS: --seed (the samplers, the data subsets, the trials) --device --amp ...
+        skip_bad_images: SkipBadImages = False,
+        json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
+    ) -> None:
         from nascompress.api import run_data_config
         from nascompress.search.trials import run_search
 
-        base = kw["base"]
-
         def build() -> SearchJob:
-            from nascompress.data import DataConfig
-
-            data = DataConfig(dataset=kw["dataset"]) if kw["dataset"] is not None else None
-            if kw["skip_bad_images"]:
+            data = DataConfig(dataset=dataset) if dataset is not None else None
+            if skip_bad_images:
                 data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
-            return SearchJob(**setting_values(SearchJob, kw), base=str(base), space=str(kw["space"] or default_space),
-                             study=kw["study"], storage=kw["storage"], objective=kw["objective"],
-                             max_flops=kw["max_flops"], max_latency_ms=kw["max_latency"], seed=kw["seed"],
-                             device=kw["device"], amp=kw["amp"], deterministic=kw["deterministic"], data=data)
+            return SearchJob(**{**vars(study), "space": study.space or default_space}, **vars(runtime), base=str(base),
+                             data=data)
 
         job = run(build)
-        res = run(run_search, job, progress=not kw["json_out"], json_progress=kw["json_out"])
-        if kw["json_out"]:
+        res = run(run_search, job, progress=not json_out, json_progress=json_out)
+        if json_out:
             print_json(res)
             return
         out.print(f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
@@ -157,7 +121,6 @@ def _outer_search(kind: str, default_space: str):
 
     command.__doc__ = (f"Optuna search over a search-space file ({kind}): each trial applies the methods to the base "
                        "run, scores accuracy and FLOPs (or latency/throughput); resumable, several workers.")
-    command.__signature__ = command_signature(_study_options, {"seed": setting_params(SearchJob)})  # type: ignore[attr-defined]
     return command
 
 

@@ -2,17 +2,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import err, out, print_json, run
+from nascompress.cli.common import err, out, print_json, run, setting_option, settings_command
+from nascompress.studies.dashboard import DashboardSettings
+from nascompress.studies.inspect import ExportSettings, ShowSettings
+from nascompress.search.trials import SearchJob
 
 study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")
 
-Storage = Annotated[Optional[str], typer.Option(
-    "--storage", help="sqlite:///PATH, postgresql://USER:PASS@HOST:PORT/DB or journal:PATH "
-                      "(default: nascompress-studies.db and .journal in this directory).")]
+Storage = setting_option(SearchJob, "storage")  # the study's storage, as the search commands' --storage
 Name = Annotated[str, typer.Argument(help="The study name (see 'nascompress study list').")]
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
 Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
@@ -54,13 +55,12 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
 
 
 @study_app.command("show")
-def show_cmd(name: Name, storage: Storage = None,
-             limit: Annotated[int, typer.Option(help="Single objective: show the best N trials.")] = 20,
-             json_out: Json = False) -> None:
+@settings_command(settings=ShowSettings)
+def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, json_out: Json = False) -> None:
     """The Pareto front (or the best trials) with the parameters that differ between them."""
     from nascompress.studies.inspect import render_show, show_study
 
-    res = run(show_study, name, storage, limit=limit)
+    res = run(show_study, name, storage, limit=settings.limit)
     if json_out:
         print_json(res)
         return
@@ -71,13 +71,13 @@ def show_cmd(name: Name, storage: Storage = None,
 
 
 @study_app.command("export")
-def export_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The file to write.")],
-               fmt: Annotated[str, typer.Option("--format", help="csv or json.")] = "csv",
-               storage: Storage = None, force: Force = False) -> None:
+@settings_command(settings=ExportSettings)
+def export_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The file to write.")], *,
+               settings: ExportSettings, storage: Storage = None, force: Force = False) -> None:
     """Every trial (number, state, values, params, record fields) to CSV or JSON."""
     from nascompress.studies.inspect import export_study
 
-    path = run(export_study, name, fmt=fmt, out=out_file, storage=storage, force=force)
+    path = run(export_study, name, fmt=settings.format, out=out_file, storage=storage, force=force)
     out.print(f"wrote {path}")
 
 
@@ -92,16 +92,8 @@ def report_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help=
 
 
 @study_app.command("dashboard")
-def dashboard_cmd(name: Name, storage: Storage = None,
-                  host: Annotated[str, typer.Option(help="Address to listen on (default: this machine only).")] = "127.0.0.1",
-                  port: Annotated[int, typer.Option(help="Port (0: a free one).")] = 0,
-                  expose: Annotated[bool, typer.Option(
-                      "--expose-storage-without-login",
-                      help="Allow a --host other than loopback: the dashboard has no login, so every machine that "
-                           "reaches the port reads all studies of the storage.")] = False,
-                  writable: Annotated[bool, typer.Option(
-                      "--writable", help="Let the dashboard change the storage (delete studies, notes); default "
-                                         "read-only.")] = False) -> None:
+@settings_command(settings=DashboardSettings)
+def dashboard_cmd(name: Name, storage: Storage = None, *, settings: DashboardSettings) -> None:
     """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM): read-only, on this
     machine only, unless asked otherwise."""
     import signal
@@ -111,7 +103,7 @@ def dashboard_cmd(name: Name, storage: Storage = None,
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    handle = run(start_dashboard, name, storage=storage, host=host, port=port, expose=expose, writable=writable)
+    handle = run(start_dashboard, name, storage=storage, **vars(settings))
     try:  # from here on a Ctrl-C, however early, stops the server and removes the snapshot
         signal.signal(signal.SIGINT, interrupt)  # also when started in the background (SIGINT ignored there)
         signal.signal(signal.SIGTERM, interrupt)

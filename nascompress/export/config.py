@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Config, check_choice, check_int, check_range, setting
+from ..config import Config, check_settings, setting
 from ..limits import SEED_MAX
 from ..errors import NascompressError
 
@@ -50,31 +50,24 @@ class ExportConfig(Config):
     tolerance: float | None = setting(None, help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 "
                                                  "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
     verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1)
-    seed: int = 0
+    seed: int = setting(0, lo=0, hi=SEED_MAX, help="Seed of the check's random batch.")
     quantize: str = setting("none", choices=QUANTIZE, help=(
         "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
         "(its default settings), checked on the validation split."))
 
     def __post_init__(self) -> None:
-        check_choice("format", self.format, FORMATS)
-        check_choice("quantize", self.quantize, QUANTIZE)
+        check_settings(self)  # every setting() against its declaration; below: how they combine
         if self.quantize != "none" and (self.format != "onnx" or self.dtype != "fp32"):
             raise NascompressError("--quantize int8 starts from the fp32 ONNX file: use --format onnx --dtype fp32")
         if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
                                         or self.batch < 1):
             raise NascompressError(f"batch must be 'dynamic' or a positive integer, got {self.batch!r}")
-        check_choice("dtype", self.dtype, DTYPES)
         if self.format == "onnx" and self.dtype == "bf16":
             raise NascompressError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
                                    "kernels for Conv and MatMul; use --dtype fp16, or --format torch-export for bf16")
         if self.opset is not None:
-            check_int("opset", self.opset, 7)
             if self.format != "onnx":
                 raise NascompressError("opset applies to --format onnx only")
-        if self.tolerance is not None:
-            check_range("tolerance", self.tolerance, 0, lo_open=True)
-        check_int("verify_batch", self.verify_batch, 1)
-        check_int("seed", self.seed, 0, SEED_MAX)
 
     @property
     def dynamic(self) -> bool:

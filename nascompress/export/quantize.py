@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..config import Config, check_bool, check_choice, check_int, check_range, setting
+from ..config import Config, check_int, check_settings, field_name, setting
 from ..errors import NascompressError
 
 SCHEMES = ("int8-static", "int8-dynamic")
@@ -81,12 +81,7 @@ class QuantizeConfig(Config):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_choice("scheme", self.scheme, SCHEMES)
-        check_int("calib_images", self.calib_images, 1)
-        check_range("max_drop", self.max_drop, 0)
-        if self.eval_images is not None:
-            check_int("eval_images", self.eval_images, 1)
-        check_bool("fallback", self.fallback)
+        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
         check_int("batch_size", self.batch_size, 1)
         check_int("seed", self.seed, 0)
 

@@ -43,7 +43,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range, setting
+from ..config import Config, check_choice, check_range, check_settings, setting, user_config
 from ..errors import NascompressError
 from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
                       slice_linear_in, slice_linear_out, slice_qk)
@@ -176,14 +176,18 @@ class DCSConfig(Config):
     theta_init: float = 5.0
     init_spread: float = 1.0
 
+    @classmethod
+    def user(cls, **given: Any) -> "DCSConfig":
+        """The config a user's settings make (``search dcs``, ``stages.dcs``, a study trial's dcs
+        entry): the user defaults (``mlp_gates`` auto) but those ``given``, ``theta_init`` following
+        ``alpha_init`` unless given."""
+        cfg = user_config(cls, **given)
+        return cfg if "theta_init" in given else cfg.replace(theta_init=cfg.alpha_init)
+
     def __post_init__(self) -> None:
         if isinstance(self.mlp_gates, bool):  # records written before the gate families
             object.__setattr__(self, "mlp_gates", "residual" if self.mlp_gates else "none")
-        check_choice("qk_mask", self.qk_mask, QK_MODES)
-        check_choice("--mlp-gates", self.mlp_gates, MLP_GATES)
-        check_int("--align", self.align, 1)
-        check_choice("--hidden-fill", self.hidden_fill, HIDDEN_FILLS)
-        check_range("alpha_init", self.alpha_init)
+        check_settings(self)  # every setting() against its declaration; below: the internal fields
         check_range("theta_init", self.theta_init)
         check_range("init_spread", self.init_spread, 0)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_range
+from ..config import Config, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
 from . import Method, register_method
@@ -128,15 +128,13 @@ class DynamicViTConfig(Config):
         prune_layers: 1-based layers whose input is pruned (default: 4, 7, 10 of 12 scaled).
     """
 
-    rho: float | tuple[float, ...] = field(default=0.7, metadata={
-        "help": "DynamicViT keep ratio rho in (0, 1] (stage s keeps rho^s), or one rate per stage: 0.9,0.7,0.7."})
-    prune_layers: tuple[int, ...] | None = field(default=None, metadata={
-        "help": "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."})
+    rho: float | tuple[float, ...] = setting(0.7, lo=0, hi=1, lo_open=True, help=(
+        "DynamicViT keep ratio rho in (0, 1] (stage s keeps rho^s), or one rate per stage: 0.9,0.7,0.7."))
+    prune_layers: tuple[int, ...] | None = setting(None, help=(
+        "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."))
 
     def __post_init__(self) -> None:
-        rates = self.rho if isinstance(self.rho, tuple) else (self.rho,)
-        for r in rates:
-            check_range("rho", r, 0, 1, lo_open=True)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
     def stage_ratios(self, stages: int) -> list[float]:
         """Cumulative keep ratio of each stage (of the original patch tokens)."""

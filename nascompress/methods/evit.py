@@ -17,14 +17,14 @@ Record (``arch.json``)::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_bool, check_range
+from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, register_method
@@ -109,16 +109,14 @@ class EViTConfig(Config):
         fuse_token: fuse the pruned tokens into one extra token (the paper's default).
     """
 
-    keep_rate: float | tuple[float, ...] = field(default=0.7, metadata={
-        "help": "EViT keep rate kappa in (0, 1] (one value, or one per pruning layer: 0.9,0.7,0.5)."})
-    prune_layers: tuple[int, ...] | None = field(default=None, metadata={
-        "help": "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."})
+    keep_rate: float | tuple[float, ...] = setting(0.7, lo=0, hi=1, lo_open=True, help=(
+        "EViT keep rate kappa in (0, 1] (one value, or one per pruning layer: 0.9,0.7,0.5)."))
+    prune_layers: tuple[int, ...] | None = setting(None, help=(
+        "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."))
     fuse_token: bool = True
 
     def __post_init__(self) -> None:
-        rates = self.keep_rate if isinstance(self.keep_rate, tuple) else (self.keep_rate,)
-        for r in rates:
-            check_range("keep_rate", r, 0, 1, lo_open=True)
+        check_settings(self, name=field_name)  # every setting() against its declaration
         check_bool("fuse_token", self.fuse_token)
 
 

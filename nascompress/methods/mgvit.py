@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from ..config import Config, check_int, check_range
+from ..config import Config, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks
 from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_core
@@ -103,35 +103,33 @@ class MGViTConfig(Config):
         lam / casr_start: CASR's decay and first layer.
     """
 
-    r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
-    r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
-    r_pos: float = field(default=0.5, metadata={"help": "MG-ViT PPSM positive ratio r_pos."})
-    r_neg: float = field(default=0.1, metadata={"help": "MG-ViT PPSM negative ratio r_neg."})
-    ppsm_layers: tuple[int, ...] | None = field(default=None, metadata={
-        "help": "MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12)."})
-    epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
+    r_h: float = setting(0.1, lo=0, hi=1, help="MG-ViT head ratio r_h (coarse patches split 3x3).")
+    r_t: float = setting(0.4, lo=0, hi=1, help="MG-ViT tail ratio r_t (coarse patches kept coarse).")
+    r_pos: float = setting(0.5, lo=0, hi=1, help="MG-ViT PPSM positive ratio r_pos.")
+    r_neg: float = setting(0.1, lo=0, hi=1, help="MG-ViT PPSM negative ratio r_neg.")
+    ppsm_layers: tuple[int, ...] | None = setting(None, help=(
+        "MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12)."))
+    epsilon: float = setting(1.0, lo=0, hi=1, lo_open=True, help="MG-ViT early-exit threshold in (0, 1].")
     feat_dim: int | None = None
-    align: int = field(default=DEFAULT_ALIGN, metadata={
-        "help": "Round every width a method makes up to a multiple of this (8: GPU-friendly; 1: off)."})
+    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
+        "Round every width a method makes up to a multiple of this (8: GPU-friendly; 1: off)."))
     grid: int = 7
     lam: float = 0.98
     casr_start: int = 3
 
     def __post_init__(self) -> None:
-        for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
-            check_range(k, getattr(self, k), 0, 1)
+        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
+        check_range("lam", self.lam, 0, 1)
         if self.r_h + self.r_t > 1:
             raise NascompressError(f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = "
                                    f"{self.r_h + self.r_t:g}")
         if self.r_pos + self.r_neg > 1:
             raise NascompressError(f"r_pos + r_neg must be at most 1, got r_pos={self.r_pos} + r_neg={self.r_neg} = "
                                    f"{self.r_pos + self.r_neg:g}")
-        check_range("epsilon", self.epsilon, 0, 1, lo_open=True)
         check_int("grid", self.grid, 1)
         check_int("casr_start", self.casr_start, 1)
         if self.feat_dim is not None:
             check_int("feat_dim", self.feat_dim, 1)
-        check_int("align", self.align, 1)
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -77,7 +77,7 @@ from timm.models.pvt_v2 import Attention as PvtAttention
 from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range
+from ..config import Config, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from . import Method, register_method
 from ..hooks import TrainHooks
@@ -106,15 +106,15 @@ class MGViTHConfig(Config):
         lam / casr_start: CASR's decay and first layer (of stage 1).
     """
 
-    variant: str = field(default="a", metadata={
-        "help": "Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."})
-    r_h: float = field(default=0.1, metadata={"help": "MG-ViT head ratio r_h (coarse patches split 3x3)."})
-    r_t: float = field(default=0.4, metadata={"help": "MG-ViT tail ratio r_t (coarse patches kept coarse)."})
-    epsilon: float = field(default=1.0, metadata={"help": "MG-ViT early-exit threshold in (0, 1]."})
-    r_pos: float = field(default=1.0, metadata={
-        "help": "mgvit-h: PPSM positive share of the split cells (their proxy groups keep every finer token)."})
-    r_neg: float = field(default=0.0, metadata={
-        "help": "mgvit-h: PPSM negative share of the split cells (each proxy group's finer tokens merged into one)."})
+    variant: str = setting("a", choices=VARIANTS, help=(
+        "Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."))
+    r_h: float = setting(0.1, lo=0, hi=1, help="MG-ViT head ratio r_h (coarse patches split 3x3).")
+    r_t: float = setting(0.4, lo=0, hi=1, help="MG-ViT tail ratio r_t (coarse patches kept coarse).")
+    epsilon: float = setting(1.0, lo=0, hi=1, lo_open=True, help="MG-ViT early-exit threshold in (0, 1].")
+    r_pos: float = setting(1.0, lo=0, hi=1, help=(
+        "mgvit-h: PPSM positive share of the split cells (their proxy groups keep every finer token)."))
+    r_neg: float = setting(0.0, lo=0, hi=1, help=(
+        "mgvit-h: PPSM negative share of the split cells (each proxy group's finer tokens merged into one)."))
     mg_heads: int | None = None
     mg_mlp_ratio: float | None = None
     sgis_scale: float = 0.5
@@ -122,14 +122,12 @@ class MGViTHConfig(Config):
     casr_start: int = 3
 
     def __post_init__(self) -> None:
-        check_choice("variant", self.variant, VARIANTS)
-        for k in ("r_h", "r_t", "r_pos", "r_neg", "lam"):
-            check_range(k, getattr(self, k), 0, 1)
+        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
+        check_range("lam", self.lam, 0, 1)
         for a, b in (("r_h", "r_t"), ("r_pos", "r_neg")):
             va, vb = getattr(self, a), getattr(self, b)
             if va + vb > 1:
                 raise NascompressError(f"{a} + {b} must be at most 1, got {a}={va} + {b}={vb} = {va + vb:g}")
-        check_range("epsilon", self.epsilon, 0, 1, lo_open=True)
         check_range("sgis_scale", self.sgis_scale, 0, 1, lo_open=True)
         check_int("casr_start", self.casr_start, 1)
         if self.mg_heads is not None:
@@ -148,11 +146,11 @@ class MGViTHRecipe(Config):
             the MG pass alone (the SGIS is not run), for a model used without early exit (epsilon 1).
     """
 
-    kl_weight: float = field(default=1.0, metadata={
-        "help": "mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone)."})
+    kl_weight: float = setting(1.0, lo=0, help=(
+        "mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone)."))
 
     def __post_init__(self) -> None:
-        check_range("kl_weight", self.kl_weight, 0, None)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 class MGViTHHooks(TrainHooks):

@@ -40,14 +40,14 @@ Readings (where the paper or the official code leave a choice):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_choice, check_int, check_range
+from ..config import Config, check_choice, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
 from ..layers import attention, to_core
@@ -74,8 +74,8 @@ class SparsifinerConfig(Config):
             fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
     """
 
-    attn_keep_ratio: float = field(default=0.25, metadata={
-        "help": "Sparsifiner attention keep ratio in (0, 1]: keys kept per query = ceil(ratio x tokens)."})
+    attn_keep_ratio: float = setting(0.25, lo=0, hi=1, lo_open=True, help=(
+        "Sparsifiner attention keep ratio in (0, 1]: keys kept per query = ceil(ratio x tokens)."))
     budget: int | None = None
     n_down: int = 32
     tau: float = 0.05
@@ -85,7 +85,7 @@ class SparsifinerConfig(Config):
     kernel: str = "gather"
 
     def __post_init__(self) -> None:
-        check_range("attn_keep_ratio", self.attn_keep_ratio, 0, 1, lo_open=True)
+        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
         if self.budget is not None:
             check_int("budget", self.budget, 1)
         check_int("n_down", self.n_down, 1)

@@ -23,14 +23,14 @@ Record (``arch.json``)::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_bool, check_range
+from ..config import Config, check_bool, check_range, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, register_method
@@ -153,10 +153,9 @@ class ToMeConfig(Config):
         prop_attn: proportional attention (log size added to the attention logits; the paper's default).
     """
 
-    r: int | tuple[int, ...] = field(default=8, metadata={
-        "help": "ToMe: tokens merged per layer (one value, or one per merging layer: 16,8,4)."})
-    merge_layers: tuple[int, ...] | None = field(default=None, metadata={
-        "help": "ToMe merging layers, 1-based, e.g. 1,2,3 (default: every layer)."})
+    r: int | tuple[int, ...] = setting(8, help="ToMe: tokens merged per layer (one value, or one per merging layer: 16,8,4).")
+    merge_layers: tuple[int, ...] | None = setting(None, help=(
+        "ToMe merging layers, 1-based, e.g. 1,2,3 (default: every layer)."))
     prop_attn: bool = True
 
     def __post_init__(self) -> None:

@@ -15,13 +15,13 @@ indices, so records written before ``align`` existed load unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import Config, check_bool, check_int, check_range
+from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, slice_hidden, slice_qk, to_core
 from . import Method, register_method
@@ -38,13 +38,13 @@ class UniformConfig(Config):
 
     keep: float = 0.6
     qk: bool = True
-    align: int = field(default=DEFAULT_ALIGN, metadata={
-        "help": "Round every kept width up to a multiple of this (8: GPU-friendly; 1: exact shares)."})
+    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
+        "Round every kept width up to a multiple of this (8: GPU-friendly; 1: exact shares)."))
 
     def __post_init__(self) -> None:
         check_range("keep", self.keep, 0, 1, lo_open=True)
         check_bool("qk", self.qk)
-        check_int("align", self.align, 1)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 def kept_count(keep: float, n: int, align: int) -> int:

@@ -144,7 +144,7 @@ def _grid_size(model: Any, weights: str) -> int | None:
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import load_arch
-    from ..models import ModelSpec, custom_vit_spec
+    from ..models import ModelShape, ModelSpec
     from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
 
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
@@ -168,14 +168,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
         if t.weights is not None and not Path(t.weights).is_file():
             raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
         try:
-            if t.model is None:
-                spec = custom_vit_spec(img_size=t.img_size or 28, patch_size=t.patch_size or 4,
-                                       embed_dim=t.embed_dim or 96, depth=t.depth or 6, num_heads=t.num_heads or 3,
-                                       num_classes=t.num_classes or n_classes, in_chans=t.in_chans or 1)
-            else:
-                kw = {k: getattr(t, k) for k in ("img_size", "patch_size", "embed_dim", "depth", "num_heads",
-                                                 "in_chans") if getattr(t, k) is not None}
-                spec = ModelSpec(t.model, dict(kw, num_classes=t.num_classes or n_classes))
+            spec = library_config(t, ModelShape).spec(n_classes)
             tc = train_recipe(fine_tune=t.fine_tune, **library_values(t, TRAIN_SETTINGS), **_runtime(cfg))
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
                            reset_head=t.reset_head)
@@ -251,7 +244,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
     try:
         job = DCSSearchJob(
             source=str(base_dir), out=str(out / "dcs_search"),
-            method=library_config(s, DCSConfig, theta_init=s.alpha_init),
+            method=DCSConfig.user(**library_values(s, DCSConfig)),
             search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
             train=search_train_config(**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)),
             data=_data_config(cfg, train_limit=s.train_limit))
@@ -307,9 +300,8 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
     storage = (f"sqlite:///{out.resolve() / STUDY_DB}" if s.workers == 1
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
-        constrained = s.objective == "goal"
-        job = library_config(s, STUDY_SETTINGS, base=str(current), space=s.space, study=s.study, storage=storage,
-                             objective="flops" if constrained else s.objective,
+        constrained = s.objective == "goal"  # the goal is the study's constraint
+        job = library_config(s, STUDY_SETTINGS, base=str(current), storage=storage,
                              max_flops=goal.max_flops if constrained else None,
                              max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)

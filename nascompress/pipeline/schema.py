@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, check_meta, offered, settings_class
-from ..limits import check_limited
+from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError
 
 
@@ -156,24 +155,10 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
     elif base is str:
         if not isinstance(v, str) or not v.strip():
             raise ctx.err(path, f"must be a non-empty string, got {_show(v)}")
-    lo, hi = meta.get("lo"), meta.get("hi")
-    if lo is not None or hi is not None:
-        ok = (lo is None or (v > lo if meta["lo_open"] else v >= lo)) and \
-             (hi is None or (v < hi if meta["hi_open"] else v <= hi))
-        if not ok:
-            if base is int and hi is None:
-                raise ctx.err(path, f"must be an integer >= {lo}, got {v!r}")
-            left, right = "(" if meta["lo_open"] else "[", ")" if meta["hi_open"] else "]"
-            show = lambda x: str(x) if isinstance(x, int) else f"{x:g}"  # noqa: E731
-            span = f"{left}{'-inf' if lo is None else show(lo)}, {'inf' if hi is None else show(hi)}{right}"
-            raise ctx.err(path, f"must be {'an integer ' if base is int else ''}in {span}, got {v!r}")
-    if meta.get("limit"):
-        try:
-            check_limited("the value", v, meta["limit"])
-        except NascompressError as e:
-            raise ctx.err(path, str(e)) from None
-    if meta.get("choices") and v not in meta["choices"]:
-        raise ctx.err(path, f"must be one of {', '.join(map(str, meta['choices']))}, got {v!r}")
+    try:  # the range, choices and limit: the one check of a declared setting (nascompress.config)
+        check_value("", v, meta, base if base in (int, float) else None)
+    except NascompressError as e:
+        raise ctx.err(path, str(e)) from None
     if meta.get("path") and v not in meta.get("keywords", ()):
         v = ctx.resolve(v)
     return v

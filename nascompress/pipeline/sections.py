@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
+from ..config import StageSettings, setting
 from ..errors import NascompressError
+from ..importer import ImportJob
 from ..export.config import ExportConfig
 from ..methods.dcs import DCSConfig
+from ..models import ModelShape
 from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from ..search.trials import STUDY_SETTINGS
-from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS
+from ..search.trials import STUDY_SETTINGS, SearchJob
+from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS, TrainJob
 from .schema import _At, _lr_pair, _one_of, _Section, library_config, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
+# the data's setting a training stage may narrow for itself (DataConfig's train_limit, same help)
+STAGE_DATA_SETTINGS = StageSettings(DataConfig, ("train_limit",))
+# `export`'s keys: ExportConfig's settings but the check's seed (the pipeline's seed)
+EXPORT_SETTINGS = StageSettings(ExportConfig, tuple(f.name for f in fields(ExportConfig)
+                                                    if "help" in f.metadata and f.name != "seed"))
 
 
 @dataclass(frozen=True)
@@ -31,25 +39,16 @@ class DataSection(_Section):
 
 
 @dataclass(frozen=True)
-@library_keys(TRAIN_SETTINGS)
+@library_keys(ModelShape, StageSettings(TrainJob, ("weights", "reset_head")), TRAIN_SETTINGS,
+              lead=(*(f.name for f in fields(ModelShape)), "weights", "reset_head"))
 class BaseTrainSection(_Section):
-    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``.
+    """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``
+    (the model's keys are :class:`~nascompress.models.ModelShape`'s, ``nascompress train``'s options).
     The training keys are :data:`~nascompress.train.TRAIN_SETTINGS` (``nascompress train``'s options);
     null: the recipe's (:func:`~nascompress.train.train_recipe`: from scratch, or fine-tuning with
     ``weights``). ``warmup_epochs`` and ``layer_decay`` null are filled in with the recipe's here, so
     the normalized config (``OUT/config.yaml``) says what runs, and a run written when they were fixed
     keys (warm-up 1, no layer decay) is still the same config."""
-
-    model: str | None = None
-    img_size: int | None = opt(None, lo=1)
-    patch_size: int | None = opt(None, lo=1)
-    embed_dim: int | None = opt(None, lo=1)
-    depth: int | None = opt(None, lo=1)
-    num_heads: int | None = opt(None, lo=1)
-    in_chans: int | None = opt(None, lo=1)
-    num_classes: int | None = opt(None, lo=1)
-    weights: str | None = opt(None, path=True)
-    reset_head: bool = False
 
     def __post_init__(self) -> None:
         _lr_pair(self)
@@ -67,16 +66,12 @@ class BaseTrainSection(_Section):
 
 
 @dataclass(frozen=True)
+@library_keys(ImportJob, StageSettings(TrainJob, ("linear_probe",)),
+              lead=("model", "weights", "img_size", "num_classes", "linear_probe"))
 class BaseImportSection(_Section):
-    """``base.import``: a user's timm model from local weights (``nascompress import``), or with
-    ``linear_probe`` a new head fitted on the frozen backbone (``nascompress train --linear-probe``)."""
-
-    model: str = opt()
-    weights: str = opt(path=True)
-    img_size: int | None = opt(None, lo=1)
-    num_classes: int | None = opt(None, lo=1)
-    linear_probe: bool = False
-    eval_batch_size: int = opt(256, lo=1)
+    """``base.import``: a user's timm model from local weights (``nascompress import``: its settings,
+    :class:`~nascompress.importer.ImportJob`'s, same names), or with ``linear_probe`` a new head
+    fitted on the frozen backbone (``nascompress train --linear-probe``)."""
 
 
 @dataclass(frozen=True)
@@ -101,11 +96,10 @@ class BaseSection(_Section):
 
 
 @dataclass(frozen=True)
+@library_keys(StageSettings(SearchJob, ("max_flops", "max_latency_ms")))
 class GoalSection(_Section):
-    """``goal``: the FLOPs ratio to the dense base, or the batch-1 latency on this device."""
-
-    max_flops: float | None = opt(None, lo=0, hi=1, lo_open=True)
-    max_latency_ms: float | None = opt(None, lo=0, lo_open=True)
+    """``goal``: the FLOPs ratio to the dense base, or the batch-1 latency on this device (the
+    constraint of a study, :class:`~nascompress.search.trials.SearchJob`'s, same names)."""
 
     def __post_init__(self) -> None:
         _one_of(self, {"max_flops": "max_flops", "max_latency_ms": "max_latency_ms"}, "")
@@ -118,7 +112,8 @@ class GoalSection(_Section):
 
 
 @dataclass(frozen=True)
-@library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names))
+@library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
+              lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names))
 class DCSStage(_Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
     the search's settings (same names): every user-facing field of
@@ -129,29 +124,24 @@ class DCSStage(_Section):
     ``train_limit`` for this stage, and the pipeline's own ``fallback``). With ``fallback`` a search
     that collapses is retried once at a milder target, then skipped (:mod:`nascompress.pipeline.fallback`)."""
 
-    train_limit: int | None = opt(None, lo=1)
-    fallback: bool = True
+    fallback: bool = setting(True, help="Retry a search that collapses once at a milder target, then skip it.")
 
     def __post_init__(self) -> None:
         _lr_pair(self)
 
 
 @dataclass(frozen=True)
-@library_keys(STUDY_SETTINGS, lead=("space", "study", "trials", "workers", "objective"))
+@library_keys(STUDY_SETTINGS)
 class TokensStage(_Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
     current model, then the best trial under the goal (``nascompress materialize --study --pick``).
     Keys are the study's settings (same names as the command's options, declared in the library:
-    :data:`~nascompress.search.trials.STUDY_SETTINGS`), and the keys below; ``objective: goal``
-    searches accuracy under the goal's constraint."""
-
-    space: str = opt(path=True)
-    study: str = "pipeline"
-    objective: str = opt("goal", choices=("goal", "flops", "latency", "throughput"))
-
+    :data:`~nascompress.search.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
+    ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint."""
 
 @dataclass(frozen=True)
-@library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, lead=("epochs", "eta", "warmup_frac", "teacher"))
+@library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
+              lead=("epochs", "eta", "warmup_frac", "teacher", *STAGE_DATA_SETTINGS.names))
 class RetrainStage(_Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
@@ -161,8 +151,8 @@ class RetrainStage(_Section):
     the keys below: the ``teacher`` (the dense ``base`` or ``none``; the command's ``--teacher`` is a
     run directory) and the data's ``train_limit`` for this stage."""
 
-    teacher: str = opt("base", choices=("base", "none"))
-    train_limit: int | None = opt(None, lo=1)
+    teacher: str = setting("base", choices=("base", "none"), help=(
+        "base: distil from the dense base; none: no teacher (the command's --teacher is a run directory)."))
 
     def __post_init__(self) -> None:
         _lr_pair(self)
@@ -190,14 +180,15 @@ class ReportSection(_Section):
 
 
 @dataclass(frozen=True)
-@library_keys(ExportConfig, lead=("file",))
+@library_keys(EXPORT_SETTINGS, lead=("file",))
 class ExportSection(_Section):
     """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
     (``nascompress export``: the other keys are its options, every user-facing field of
     :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
     pipeline's)."""
 
-    file: str | None = None  # default model.onnx (format onnx; model.int8.onnx quantized) or model.pt2
+    file: str | None = setting(None, help=(
+        "The file in OUT/export/ (default model.onnx; model.int8.onnx quantized; model.pt2 for torch-export)."))
 
     def __post_init__(self) -> None:
         self.config(seed=0)
@@ -205,7 +196,7 @@ class ExportSection(_Section):
             raise _At("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
 
     def config(self, *, seed: int) -> Any:
-        return library_config(self, ExportConfig, seed=seed)
+        return library_config(self, EXPORT_SETTINGS, seed=seed)
 
     @property
     def filename(self) -> str:

@@ -2,11 +2,13 @@
 pipeline's ``report:`` section (one dataclass; both are generated from it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from ..config import Config, check_bool, check_choice, check_int, setting
+from ..config import Config, StageSettings, check_settings, setting
+from ..models import ModelShape
 
 DTYPES = ("fp32", "bf16", "fp16")
+PROFILE_CLASSES = 1000  # the head of a --model measured without a dataset
 
 
 @dataclass(frozen=True)
@@ -29,11 +31,13 @@ class ProfileConfig(Config):
     compile: bool = setting(False, help="Also time each model torch.compile'd (CUDA graphs on CUDA) next to eager.")
 
     def __post_init__(self) -> None:
-        check_bool("latency", self.latency)
-        check_int("--iters", self.iters, 1)
-        check_int("--batch-size", self.batch_size, 1)
-        check_choice("--dtype", self.dtype, DTYPES)
-        check_bool("compile", self.compile)
+        check_settings(self)  # every setting() against its declaration
 
 
-__all__ = ["ProfileConfig", "DTYPES"]
+# The model ``nascompress profile --model`` builds: ModelShape's settings, the head's classes
+# ImageNet's (no dataset says them)
+PROFILE_MODEL_SETTINGS = StageSettings(ModelShape, tuple(f.name for f in fields(ModelShape)),
+                                       defaults={"num_classes": PROFILE_CLASSES},
+                                       notes={"num_classes": f"Without a dataset (profile --model): {PROFILE_CLASSES}."})
+
+__all__ = ["ProfileConfig", "DTYPES", "PROFILE_CLASSES", "PROFILE_MODEL_SETTINGS"]

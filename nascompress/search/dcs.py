@@ -57,7 +57,7 @@ from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
-from ..config import Config, StageSettings, check_bool, check_choice, check_int, check_range, setting
+from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
 from ..data import IN_MEMORY, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
 from ..errors import NascompressError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
@@ -230,32 +230,14 @@ class DCSSearchConfig(Config):
     auto_batch: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("--init-importance", self.init_importance, INIT_IMPORTANCE)
-        check_choice("--arch-loss", self.arch_loss, ARCH_LOSSES)
-        check_choice("--budget", self.budget, BUDGETS)
-        check_choice("--w-gates", self.w_gates, W_GATES)
-        check_range("--max-calibration", self.max_calibration, 0, 1)
+        check_settings(self)  # every setting() against its declaration; below: the internal fields
         check_range("project_band", self.project_band, 0, 1, lo_open=True)
         check_int("init_images", self.init_images, 1)
-        if self.target_flops is not None:
-            check_range("--target-flops", self.target_flops, 0, 1, lo_open=True)
-        if self.arch_lr is not None:
-            check_range("--arch-lr", self.arch_lr, 0, lo_open=True)
         check_range("arch_lr_end", self.arch_lr_end, 0, 1)
         check_range("arch_beta1", self.arch_beta1, 0, 1, hi_open=True)
-        check_range("--lam", self.lam, 0)
-        check_range("--entropy-weight", self.entropy_weight, 0)
-        check_range("tau0", self.tau0, 0, lo_open=True)
         check_range("tau_decay", self.tau_decay, 0, 1, lo_open=True)
-        check_range("--target-ramp", self.target_ramp, 0, 1)
         check_range("tolerance", self.tolerance, 0, 1, lo_open=True)
         check_range("weight_fraction", self.weight_fraction, 0, 1, lo_open=True, hi_open=True)
-        check_int("--round-mlp", self.round_mlp, 0)
-        check_range("--distill", self.distill, 0)
-        check_range("--feat-distill", self.feat_distill, 0)
-        check_range("--protect-ratio", self.protect_ratio, 0)
-        check_bool("block_weights", self.block_weights)
-        check_range("--max-val-drop", self.max_val_drop, 0)
         check_bool("auto_batch", self.auto_batch)
         if self.arch_loss == "kd" and self.distill == 0 and self.feat_distill == 0:
             raise NascompressError("--arch-loss kd distils from the dense model: give --distill or --feat-distill "

@@ -103,4 +103,4 @@ def trial_scoring(*, budget: int, steps: Mapping[str, int], eval_subset: Mapping
 
 
 __all__ = ["SCORING_FIELDS", "study_scoring", "subset_fingerprint", "calibrate_stack",
-           "trial_scoring", "mixed_scoring"]
+           "trial_scoring"]

@@ -13,11 +13,12 @@ from typing import Any
 
 from torch import nn
 
-from ..config import Config
+from ..config import Config, check_settings, setting
 from ..errors import NascompressError
 from ..io import save_model
 from ..methods.dcs import materialize
 from ..run_dir import RunDir
+from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
 
@@ -36,14 +37,15 @@ class TrialMaterializeJob(Config):
         finetune_epochs: then fine-tune the rebuilt model with its last method's recipe (0: none).
     """
 
-    study: str
+    study: str = setting(help="A study of 'search tokens|joint': rebuild one of its trials.")
     out: str
-    trial: int | None = None
-    pick: str | None = None
-    storage: str | None = None
-    finetune_epochs: int = 0
+    trial: int | None = setting(None, lo=0, help="With --study: the trial number.")
+    pick: str | None = setting(None, help="With --study: best-under-flops=R, best-under-latency=MS or knee.")
+    storage: str | None = setting(None, help=STORAGE_HELP)
+    finetune_epochs: int = setting(0, lo=0, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if (self.trial is None) == (self.pick is None):
             raise NascompressError("give either --trial N or --pick RULE (best-under-flops=0.6, "
                                    "best-under-latency=MS or knee)")

@@ -32,8 +32,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..config import Config, StageSettings, check_choice, check_int, check_range, setting
-from ..limits import SEED_MAX, check_limited
+from ..config import Config, StageSettings, check_choice, check_settings, setting
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..errors import NascompressError
 from ..io import load_with_arch
@@ -47,6 +46,10 @@ from .space import Space, load_space
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
 SAMPLERS = ("nsga2", "tpe", "gp", "qmc", "grid")
+OBJECTIVES = ("goal", *SECOND_OBJECTIVES)
+STORAGE_HELP = ("Where the studies live: sqlite:///FILE, journal:FILE or postgresql://USER:PASS@HOST:PORT/DB "
+                "(default: ./nascompress-studies.db; with several --workers ./nascompress-studies.journal).")
+FINETUNE_EPOCHS_HELP = "0: none; else fine-tune with the last method's recipe for this many epochs."
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 
 
@@ -61,15 +64,18 @@ class SearchJob(Config):
         storage: ``sqlite:///...``, ``journal:PATH`` or ``postgresql://...`` (default: the project's files).
         trials: complete trials the study should reach.
         workers: worker processes on this machine sharing the study.
-        objective: the second objective next to accuracy: ``flops`` (ratio to the uncompressed
-            model), ``latency`` (ms at batch 1 on ``device``) or ``throughput`` (images/s at batch 64).
-        max_flops / max_latency_ms: single-objective accuracy under this constraint instead.
+        objective: ``goal`` (the default): accuracy alone under ``max_flops`` / ``max_latency_ms``,
+            or, without a constraint, accuracy x FLOPs; else the second objective next to accuracy:
+            ``flops`` (ratio to the uncompressed model), ``latency`` (ms at batch 1 on ``device``) or
+            ``throughput`` (images/s at batch 64).
+        max_flops / max_latency_ms: single-objective accuracy under this constraint (``objective`` goal).
         sampler: ``nsga2`` (NSGA-II, population 20), ``tpe`` (multivariate, multi-objective TPE),
             ``gp`` (Optuna's GPSampler; spaces of numeric parameters only), ``qmc`` (scrambled
             Sobol' points, spaces without conditional parameters; :mod:`nascompress.search.qmc`)
             or ``grid`` (the space's ``trials`` spread configurations in order;
             :mod:`nascompress.search.grid`). Recorded in the study; a study keeps its sampler.
-        finetune_epochs: 0 (zero-shot, after the predictor-only stage) or a short fine-tune per trial.
+        finetune_epochs: 0 (zero-shot, after the predictor-only stage) or a short fine-tune per trial
+            (whole epochs, as ``nascompress materialize --study --finetune-epochs``).
         train_images: class-balanced training images for the predictor stage and fine-tunes.
         eval_images: class-balanced validation images accuracy is measured on.
         calib_steps: steps of the predictor-only stage (DynamicViT, Sparsifiner) of a zero-shot trial.
@@ -81,18 +87,22 @@ class SearchJob(Config):
     """
 
     base: str
-    space: str
-    study: str
-    storage: str | None = None
+    space: str = setting(path=True, help="Search-space file (search_spaces/*.yaml or your own).")
+    study: str = setting(help="Study name; an existing study is continued.")
+    storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
     workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
-    objective: str = "flops"
-    max_flops: float | None = None
-    max_latency_ms: float | None = None
+    objective: str = setting("goal", choices=OBJECTIVES, help=(
+        "goal: accuracy alone under the constraint (--max-flops or --max-latency; a pipeline's goal), or "
+        "accuracy x FLOPs without one; flops, latency or throughput: a Pareto front of accuracy and that."))
+    max_flops: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
+        "Single objective: accuracy with FLOPs <= this ratio of the uncompressed model."))
+    max_latency_ms: float | None = setting(None, lo=0, lo_open=True, option="--max-latency", help=(
+        "Single objective: accuracy with batch-1 latency <= this many ms on --device."))
     sampler: str = setting("nsga2", help="nsga2, tpe (multivariate), gp (GPSampler; numeric spaces), qmc (scrambled "
                                          "Sobol' points; spaces without conditional parameters) or grid (the "
                                          "space's spread configurations in order).", choices=SAMPLERS)
-    finetune_epochs: float = setting(0.0, help="0: zero-shot trials; else a short fine-tune each.", lo=0)
+    finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0)
     train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
                                 lo=1)
     eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1)
@@ -110,26 +120,20 @@ class SearchJob(Config):
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        check_int("--trials", self.trials, 1)
-        check_limited("--trials", self.trials, "max_trials")
-        check_int("--seed", self.seed, 0, SEED_MAX)
-        check_choice("--amp", self.amp, ("off", "bf16"))
-        check_int("--workers", self.workers, 1)
-        check_choice("--objective", self.objective, tuple(SECOND_OBJECTIVES))
-        if self.max_flops is not None:
-            check_range("--max-flops", self.max_flops, 0, 1, lo_open=True)
-        if self.max_latency_ms is not None:
-            check_range("--max-latency", self.max_latency_ms, 0, lo_open=True)
+        from ..train import TrainConfig
+
+        if isinstance(self.finetune_epochs, float) and self.finetune_epochs.is_integer():
+            object.__setattr__(self, "finetune_epochs", int(self.finetune_epochs))  # a job recorded when it was a float
+        if self.constrained and self.objective == "flops":  # a job recorded when the constraint overrode it
+            object.__setattr__(self, "objective", "goal")
+        check_settings(self)  # every setting() against its declaration
+        # the run settings are TrainConfig's (RUNTIME_SETTINGS: the trials train with them), checked there
+        TrainConfig(seed=self.seed, device=self.device, amp=self.amp, deterministic=self.deterministic)
         if self.max_flops is not None and self.max_latency_ms is not None:
             raise NascompressError("give --max-flops or --max-latency, not both")
-        check_choice("--sampler", self.sampler, SAMPLERS)
-        check_range("--finetune-epochs", self.finetune_epochs, 0)
-        check_int("--train-images", self.train_images, 1)
-        check_int("--eval-images", self.eval_images, 1)
-        check_int("--calib-steps", self.calib_steps, 0)
-        check_int("--batch-size", self.batch_size, 1)
-        check_int("--dcs-epochs", self.dcs_epochs, 1)
-        check_int("--latency-iters", self.latency_iters, 1)
+        if self.constrained and self.objective != "goal":
+            raise NascompressError(f"--objective {self.objective} is a Pareto front; with --max-flops or --max-latency "
+                                   "the study is single-objective: leave --objective at goal")
 
     @property
     def constrained(self) -> bool:
@@ -139,18 +143,24 @@ class SearchJob(Config):
         """(metric names, directions)."""
         if self.constrained:
             return ["accuracy"], ["maximize"]
-        name, direction = SECOND_OBJECTIVES[self.objective]
+        name, direction = SECOND_OBJECTIVES[self.second_objective]
         return ["accuracy", name], ["maximize", direction]
 
+    @property
+    def second_objective(self) -> str:
+        """The second objective of a two-objective study (``goal`` without a constraint: flops)."""
+        return "flops" if self.objective == "goal" else self.objective
+
     def needs_speed(self) -> bool:
-        return self.max_latency_ms is not None or (not self.constrained and self.objective != "flops")
+        return self.max_latency_ms is not None or (not self.constrained and self.second_objective != "flops")
 
 
 # The settings of a study's trials: ``search tokens|joint``'s options (every user-facing field of
 # SearchJob) and the pipeline's ``stages.tokens`` keys (these, with the pipeline's own trial count)
-STUDY_SETTINGS = StageSettings(SearchJob, ("trials", "workers", "sampler", "finetune_epochs", "train_images",
-                                           "eval_images", "calib_steps", "batch_size", "dcs_epochs", "latency_iters",
-                                           "enqueue"), defaults={"trials": 30})
+STUDY_SETTINGS = StageSettings(SearchJob, ("space", "study", "trials", "workers", "objective", "sampler",
+                                           "finetune_epochs", "train_images", "eval_images", "calib_steps",
+                                           "batch_size", "dcs_epochs", "latency_iters", "enqueue"),
+                               defaults={"study": "pipeline"})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,7 +248,7 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
                                f"{[m['name'] for m in ctx.arch['methods']]}")
     m_keys = set(DCSConfig.__dataclass_fields__)
-    method = DCSConfig.from_dict({"mlp_gates": "auto", **{k: v for k, v in settings.items() if k in m_keys}})
+    method = DCSConfig.user(**{k: v for k, v in settings.items() if k in m_keys})
     search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
                                         **{k: v for k, v in settings.items() if k not in m_keys}})
     train = search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size, seed=seed,
@@ -395,7 +405,7 @@ class Objective:
             trial.set_constraint("latency", speed["latency_ms"] - job.max_latency_ms)
             return acc
         second = {"flops": ratio, "latency": speed.get("latency_ms"), "throughput": speed.get("throughput")}
-        return acc, second[job.objective]
+        return acc, second[job.second_objective]
 
 
 def make_objective(job_dict: dict[str, Any]) -> Objective:

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
+from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError
 
 from ._procs import host, pid_alive, pid_start
@@ -183,8 +184,24 @@ def _snapshot(spec: StorageSpec, tmpdir: Path) -> StorageSpec:
     return StorageSpec("sqlite", f"sqlite:///{snap}", snap)
 
 
-def start_dashboard(name: str, *, storage: str | None = None, host: str = "127.0.0.1",
-                    port: int = 0, expose: bool = False, writable: bool = False) -> DashboardHandle:
+@dataclass(frozen=True)
+class DashboardSettings:
+    """``nascompress study dashboard``'s settings (:func:`start_dashboard`'s keywords)."""
+
+    host: str = setting("127.0.0.1", help="Address to listen on (default: this machine only).")
+    port: int = setting(0, lo=0, hi=65535, help="Port (0: a free one).")
+    expose: bool = setting(False, option="--expose-storage-without-login", help=(
+        "Allow a --host other than loopback: the dashboard has no login, so every machine that reaches the "
+        "port reads all studies of the storage."))
+    writable: bool = setting(False, help=(
+        "Let the dashboard change the storage (delete studies, notes); default read-only."))
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def start_dashboard(name: str, *, storage: str | None = None, host: str = DashboardSettings.host,
+                    port: int = DashboardSettings.port, expose: bool = False, writable: bool = False) -> DashboardHandle:
     """Serve optuna-dashboard for the storage holding study ``name``.
 
     Args:

@@ -11,12 +11,14 @@ import io
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
+from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError
 
 from .records import (
@@ -129,7 +131,27 @@ def varying_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({json.dumps(r["params"].get(k)) for r in rows}) > 1]
 
 
-def show_study(name: str, storage: str | None = None, *, limit: int = 20) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ShowSettings:
+    """``nascompress study show``'s settings."""
+
+    limit: int = setting(20, lo=1, help="Single objective: show the best N trials.")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """``nascompress study export``'s settings."""
+
+    format: str = setting("csv", choices=("csv", "json"), help="csv or json.")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettings.limit) -> dict[str, Any]:
     """A study's Pareto front (multi-objective) or best trials (single objective).
 
     Args:
