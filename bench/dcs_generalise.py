@@ -251,6 +251,8 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                     goals[">= 1 pt above Torch-Pruning"] = cell["dcs"] - cell["torch_pruning"] >= 1.0
                 if t >= 0.7 and dense is not None and cell["dcs"] is not None:
                     goals["not below the base"] = cell["dcs"] >= dense
+                if cell["failed"]:  # the search stopped (collapsed or off target) with the library's defaults
+                    goals["search finished with the defaults"] = False
                 if cell["calibration_move"] is not None:
                     goals["calibration move < 0.02"] = cell["calibration_move"] < 0.02
                 cell["goals"] = goals

@@ -389,7 +389,7 @@ def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
         goals = c.get("goals") or {}
         missed = [g for g, ok in goals.items() if not ok]
         rows.append([where.replace("/", " / "), f"{float(target):.1f}x", fmt(c.get("dense")), fmt(c.get("dense_ft")),
-                     fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
+                     "collapsed" if c.get("failed") else fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
                      fmt(c.get("search_flops_ratio")), fmt(c.get("at_target_share")), fmt(c.get("calibration_move")),
                      f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")])
     if not rows:
