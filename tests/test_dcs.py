@@ -338,7 +338,7 @@ def test_materialize_cli_and_load(searched, tmp_path):
 
 
 def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
-    import nascompress.search.dcs as sd
+    import nascompress.search.dcs_hooks as sd  # the search's hooks record the selection after every epoch
 
     full = tmp_path / "full"
     assert run_cli(*search_args(tiny_run, full)).exit_code == 0

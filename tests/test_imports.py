@@ -192,12 +192,12 @@ def test_the_shared_helpers_are_written_once():
 
 
 # Modules over 450 lines, each of one concern: a compression method is one module (the package's
-# design), block_sparse is Sparsifiner's kernel, quantize is int8 export. search/dcs.py and
-# search/trials.py are being reworked on other branches (issue 34) and are to be split there.
+# design), block_sparse is Sparsifiner's kernel, quantize is int8 export. search/trials.py (a study
+# trial: its space, build, score and record) is still to be split. The list is exact: it only shrinks.
 LONG_MODULES = {"methods/dcs.py", "methods/mgvit.py", "methods/mgvit_h.py", "methods/sparsifiner.py",
-                "methods/block_sparse.py", "export/quantize.py", "search/dcs.py", "search/trials.py"}
+                "methods/block_sparse.py", "export/quantize.py", "search/trials.py"}
 
 
 def test_no_other_module_is_over_450_lines():
     long = {str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if len(p.read_text().splitlines()) > 450}
-    assert long <= LONG_MODULES, sorted(long - LONG_MODULES)
+    assert long == LONG_MODULES, (sorted(long - LONG_MODULES), sorted(LONG_MODULES - long))

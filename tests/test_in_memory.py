@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nascompress.data import DataConfig, InputSpec, load_data
+from nascompress.data import DataConfig, InputSpec, load_data, preprocess
 from nascompress.io import load_with_arch
 from nascompress.methods.dcs import DCSConfig
 from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_dcs, search_train_config
@@ -117,8 +117,8 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
     imgs, _ = data.train.__getitems__(idx.tolist())
     logits, feat = cache.read(idx, torch.device("cpu"))
     with torch.no_grad():
-        torch.testing.assert_close(logits, model(dcs_mod.preprocess(imgs, spec)), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(feat, model.forward_head(model.forward_features(dcs_mod.preprocess(imgs, spec)),
+        torch.testing.assert_close(logits, model(preprocess(imgs, spec)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(feat, model.forward_head(model.forward_features(preprocess(imgs, spec)),
                                                             pre_logits=True), rtol=1e-5, atol=1e-5)
     job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out="",
                        method=DCSConfig(mlp_gates="hidden", qk_mask="static"),

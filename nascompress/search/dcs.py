@@ -1,6 +1,7 @@
 """``nascompress search dcs``: the DCS differentiable channel search (seed 003 section 3.4, A.2).
 
-It runs on the one training loop (:func:`nascompress.train.fit`) with :class:`DCSSearchHooks`.
+It runs on the one training loop (:func:`nascompress.train.fit`) with
+:class:`~nascompress.search.dcs_hooks.DCSSearchHooks`; this module holds its settings and the job.
 Each epoch the training split is cut once (:func:`~nascompress.data.split_indices`, fixed seed)
 into 70% for the network weights W and 30% for the architecture parameters (every MLP gate
 alpha and static Q/K theta); W-steps and arch-steps alternate, spread evenly over the epoch
@@ -46,32 +47,29 @@ the arch-steps' logits) keep the architecture (and so lambda) the same everywher
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
 from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
-from ..data import IN_MEMORY, DataConfig, InputSpec, Subset, load_data, make_loader, preprocess, split_indices
+from ..data import IN_MEMORY, DataConfig, InputSpec, load_data
 from ..errors import NascompressError
-from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..io import load_with_arch, make_arch
-from ..methods.dcs import (BlockStats, ChannelImportance, DCSConfig, activation_stats, arch_parameters, binary_entropy,
-                           channel_importance, make_record, make_supernet)
+from ..methods.dcs import DCSConfig, make_supernet
 from ..models import ModelSpec, build_model, load_pretrained
 from ..progress import counted, step
-from ..auto_batch import AUTO_BATCH_NOTE, auto_batch_size
-from ..distill import FeatureTap, feature_kd_loss
+from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..run_dir import RunDir
-from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
+from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, smooth_max
+from .dcs_hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
 from .dcs_prepare import calibration_images, init_importance, prepare_search
+from .dcs_teacher import StepTag, TeacherCache
 
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
@@ -294,318 +292,6 @@ class DCSSearchJob(Config):
     model_kwargs: dict = field(default_factory=dict)
 
 
-class StepTag(str):
-    """A step's kind, ``"w"`` or ``"a"`` (compares equal to it), carrying the training-set indices
-    of its batch's images (``idx``; None where the teacher is not cached)."""
-
-    idx: torch.Tensor | None
-
-    def __new__(cls, kind: str, idx: torch.Tensor | None = None) -> "StepTag":
-        tag = super().__new__(cls, kind)
-        tag.idx = idx
-        return tag
-
-
-class _Indexed:
-    """A view of a training split whose batches also carry their images' indices in it."""
-
-    def __init__(self, base: Any):
-        self.base, self.classes = base, base.classes
-        if hasattr(base, "num_workers"):
-            self.num_workers = base.num_workers
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        imgs, labels = self.base.__getitems__(idx)
-        return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
-
-
-@dataclass
-class TeacherCache:
-    """The frozen dense model's logits (and pre-logits features) for every training image, computed
-    once before the search: the teacher is frozen and in-memory datasets are not augmented, so each
-    image's outputs never change, and reading them saves a teacher forward on every step."""
-
-    logits: torch.Tensor  # (N, classes)
-    feat: torch.Tensor | None  # (N, D)
-
-    @classmethod
-    @torch.no_grad()
-    def build(cls, dense: nn.Module, train: Any, spec: InputSpec, *, device: torch.device, feat: bool,
-              batch_size: int = 64) -> "TeacherCache":
-        tap = FeatureTap(dense, "pre_logits") if feat else None
-        logits, feats = [], []
-        try:
-            for imgs, _ in make_loader(train, batch_size=batch_size, shuffle=False, num_workers=0):
-                logits.append(dense(preprocess(imgs.to(device), spec)).float())
-                if tap is not None:
-                    feats.append(tap.pop().float())
-        finally:
-            if tap is not None:
-                tap.remove()
-        return cls(torch.cat(logits), torch.cat(feats) if feats else None)
-
-    def read(self, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        idx = idx.to(self.logits.device)
-        feat = None if self.feat is None else self.feat[idx].to(device)
-        return self.logits[idx].to(device), feat
-
-
-def _interleave(n_w: int, n_a: int) -> list[str]:
-    """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
-    keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
-    return [k for _, k in sorted(keys)]
-
-
-# ---------------------------------------------------------------------------------------------
-# The search as training hooks
-
-
-class DCSSearchHooks(TrainHooks):
-    """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
-
-    def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSSearchJob,
-                 base_arch: dict[str, Any], train_size: int, init_info: dict[str, Any] | None = None,
-                 teacher: TeacherCache | None = None):
-        self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
-        self.init_info = init_info or {}  # what the pre-search measurements chose: logged with the first epoch
-        self.epochs = job.train.epochs
-        self.arch_params = arch_parameters(supernet)
-        ids = {id(p) for p in self.arch_params}
-        self.w_params = [p for p in supernet.parameters() if id(p) not in ids]
-        self.w_idx, self.a_idx = split_indices(train_size, (self.cfg.weight_fraction, 1 - self.cfg.weight_fraction),
-                                               seed=job.train.seed)
-        self.lam = self.cfg.lam
-        # lambda is the controller's output with a target (integral from 0: no wind-up while the
-        # gates are still far from the threshold); without one it is the paper's constant --lam
-        self.steer = None if self.cfg.target_flops is None else LambdaSteer(
-            self.cfg.target_at(0.0), 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
-        self.tau = self.cfg.tau0
-        self.lam_scale: float = 1.0
-        self.measure_balance = False  # set at every epoch's start when the balance is measured
-        # per epoch (logged, so a resumed search counts the same): arch steps, those ending within the
-        # tolerance of the final target, the projections made and the FLOPs ratio they moved
-        self.epoch_stats: dict[str, Any] = {"arch_steps": 0, "at_target": 0, "projections": 0, "projected_move": 0.0}
-        self.balance: dict[str, float] | None = None
-        # arch steps of the whole search (under torchrun each rank takes its shard: world x fewer steps)
-        self.arch_per_epoch = math.ceil(len(self.a_idx) / (job.train.batch_size * distributed.world().size))
-        arch_steps = self.epochs * self.arch_per_epoch
-        self.arch_steps, self.arch_step = max(1, arch_steps), 0
-        self.arch_lr = self.cfg.arch_lr if self.cfg.arch_lr is not None else min(0.5, max(
-            0.01, job.method.alpha_init / (0.4 * max(1, arch_steps))))
-        distils = dense is not None and (self.cfg.distill > 0 or self.cfg.feat_distill > 0)
-        self.taps = None
-        if distils and self.cfg.feat_distill > 0:
-            self.taps = (FeatureTap(supernet, "pre_logits"), FeatureTap(dense, "pre_logits"))
-        self.teacher = teacher if distils else None
-
-    def ratio(self, supernet: nn.Module) -> float:
-        return self.cost.hard_macs(supernet, round_mlp=self.cfg.round_mlp) / self.cost.dense
-
-    def param_groups(self, model: nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
-        groups = param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay)
-        # the architecture logits follow their own schedule (cosine from arch_lr to arch_lr_end x arch_lr,
-        # so the controller still moves them at the end, ever more finely) and a short momentum (less
-        # lag between lambda and the FLOPs, so less overshoot around the target)
-        return own_group(groups, self.arch_params, weight_decay=0.0, own_lr=self.arch_lr,
-                         own_lr_end=self.cfg.arch_lr_end, betas=(self.cfg.arch_beta1, 0.999))
-
-    def batches(self, data, *, epoch, loader):
-        train = data.train if self.teacher is None else _Indexed(data.train)  # the cache is read by image index
-        w = loader(Subset(train, self.w_idx))
-        a = loader(Subset(train, self.a_idx), stream=1)
-        order = _interleave(len(w), len(a))
-
-        def gen():
-            w_it, a_it = iter(w), iter(a)
-            for kind in order:
-                imgs, labels, *idx = next(w_it if kind == "w" else a_it)
-                yield imgs, labels, StepTag(kind, idx[0] if idx else None)
-        return gen(), len(order)
-
-    def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
-        self.tau = self.cfg.tau0 * self.cfg.tau_decay ** epoch
-        model.dcs_state.tau = self.tau
-        self.arch_step = epoch * self.arch_per_epoch  # from the epoch: the same after a resume
-        self.epoch_stats = {"arch_steps": 0, "at_target": 0, "projections": 0, "projected_move": 0.0}
-        self.measure_balance = self.steer is not None and self.cfg.grad_balance
-
-    def prepare_step(self, model: nn.Module, tag: Any) -> None:
-        model.dcs_state.sample = tag == "a" or self.cfg.w_gates == "sampled"
-        for p in self.w_params:  # first order: each step differentiates only what it updates
-            p.requires_grad_(tag == "w")
-        for p in self.arch_params:
-            p.requires_grad_(tag == "a")
-
-    def distillation(self, logits: torch.Tensor, x: torch.Tensor,
-                     idx: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """``distill`` x KL + ``feat_distill`` x the pre-logits feature error to the dense model
-        (its outputs read from the cache at the batch's image indices ``idx`` where there is one)."""
-        if self.dense is None or (self.cfg.distill == 0 and self.taps is None):
-            if self.taps is not None:
-                self.taps[0].pop()
-            return None, {}
-        if self.teacher is not None and idx is not None:
-            t_logits, t_feat = self.teacher.read(idx, logits.device)
-        else:
-            with torch.no_grad():
-                t_logits = self.dense(x)
-            t_feat = self.taps[1].pop() if self.taps is not None else None
-        kl = kl_to_teacher(logits, t_logits)
-        loss, logs = self.cfg.distill * kl, {"kl": kl.detach()}
-        if self.taps is not None:
-            fkd = feature_kd_loss(self.taps[0].pop().float(), t_feat.float())
-            loss = loss + self.cfg.feat_distill * fkd
-            logs["feat"] = fkd.detach()
-        return loss, logs
-
-    def loss(self, model, x, y, *, epoch, cfg, tag=None):
-        logits = model(x)
-        ce = F.cross_entropy(logits, y, label_smoothing=cfg.label_smoothing)
-        if tag == "w" or self.cfg.arch_loss == "kd":
-            kd, kd_logs = self.distillation(logits, x, getattr(tag, "idx", None))
-        else:  # CE architecture steps: no teacher forward
-            kd, kd_logs = None, {}
-            if self.taps is not None:
-                self.taps[0].pop()
-        if tag == "w":
-            logs = {"ce_w": ce.detach(), **{f"{k}_w": v for k, v in kd_logs.items()}}
-            return (ce if kd is None else ce + kd), logs
-        task = kd if (self.cfg.arch_loss == "kd" and kd is not None) else ce
-        st = model.dcs_state
-        log_cost = torch.log(self.cost.soft_macs(model, weighted=True) / self.cost.dense_weighted)
-        soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
-        ent = binary_entropy(torch.cat(soft)) if soft else torch.zeros((), device=x.device)
-        if self.measure_balance:  # the first arch-step of each epoch: measure the balance on its own graph
-            # against the task the step minimises; at the very start against CE (the supernet is still the
-            # dense model, so the distillation loss and its gradient are 0)
-            self.lam_scale = self.grad_balance(ce if epoch == 0 or kd is None else task, log_cost)
-            self.measure_balance = False
-        loss = task + self.lam_scale * self.lam * log_cost + self.cfg.entropy_weight * ent
-        return loss, {"ce_a": ce.detach(), **{f"{k}_a": v for k, v in kd_logs.items()}, "log_cost": log_cost.detach(),
-                      "entropy": ent.detach()}
-
-    def grad_balance(self, task: torch.Tensor, log_cost: torch.Tensor) -> float:
-        """``max(1, r)``, r = median |d task / d logit| / median |d log cost / d logit| over every
-        gate (medians averaged over the processes, so every one uses the same scale); see
-        :attr:`DCSSearchConfig.grad_balance`. The task is CE even with ``arch_loss="kd"``: at the
-        first step the supernet is the dense model, so the distillation loss and its gradient are 0.
-        Reads gradients only: no extra forward, no RNG draw."""
-        params = [p for p in self.arch_params if p.requires_grad]
-        med = []
-        for out in (task, log_cost):
-            grads = torch.autograd.grad(out, params, retain_graph=True, allow_unused=True)
-            g = [t.detach().abs().flatten() for t in grads if t is not None]
-            med.append(float(torch.cat(g).median()) if g else 0.0)
-        world = distributed.world().size
-        task_med, cost_med = (v / world for v in distributed.all_sum(med))
-        self.balance = {"task_grad_median": task_med, "cost_grad_median": cost_med}
-        return max(1.0, task_med / cost_med) if cost_med > 0 else 1.0
-
-    def after_step(self, model: nn.Module, tag: Any) -> None:
-        if tag == "a" and self.steer is not None:
-            self.arch_step += 1
-            target = self.cfg.target_at(self.arch_step / self.arch_steps)
-            self.steer.target = target
-            ratio = self.ratio(model)
-            # lambda answers where the gates themselves stand (their lag behind the target keeps the
-            # cost's push on), the projection then puts the architecture on the target
-            self.lam = self.steer.update(ratio)
-            if self.cfg.budget == "project" and abs(ratio / target - 1) > self.cfg.project_band:
-                calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp, apply_round=False)
-                self.epoch_stats["projections"] += 1
-                self.epoch_stats["projected_move"] += abs(ratio - self.ratio(model))
-                ratio = self.ratio(model)
-            self.epoch_stats["arch_steps"] += 1
-            self.epoch_stats["at_target"] += int(abs(ratio / self.cfg.target_flops - 1) <= self.cfg.tolerance)
-
-    def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
-        for p in self.w_params + self.arch_params:
-            p.requires_grad_(True)
-        model.dcs_state.sample = True
-        rec: dict[str, Any] = {"tau": self.tau, "lam": self.lam, "lam_scale": self.lam_scale, "arch_lr": self.arch_lr}
-        if self.steer is not None:
-            rec["target_now"] = self.steer.target
-            rec["budget"] = dict(self.epoch_stats)
-        if self.balance is not None:
-            rec["grad_balance"], self.balance = self.balance, None
-        if epoch == 0:
-            rec.update(self.init_info)
-        if epoch == self.epochs - 1:  # the end: apply the rounding the controller steered for
-            if self.cfg.round_mlp:
-                rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
-            ratio = self.ratio(model)
-            target = self.cfg.target_flops
-            if target is not None and abs(ratio / target - 1) > self.cfg.tolerance:
-                advice = ("give the search more architecture steps (--epochs, more --train-limit images, a smaller "
-                          "--batch-size), a larger --arch-lr, or --budget project")
-                if not self.cfg.calibrate:
-                    raise NascompressError(f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
-                                           f"+-{self.cfg.tolerance:.0%}; {advice}")
-                saved = [b.dcs_alpha.detach().clone() for b in model.blocks if b.dcs_alpha is not None]
-                shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp)
-                move = abs(ratio - self.ratio(model))
-                if move > self.cfg.max_calibration:
-                    with torch.no_grad():  # leave the supernet as the search trained it
-                        for a, s in zip((b.dcs_alpha for b in model.blocks if b.dcs_alpha is not None), saved):
-                            a.copy_(s)
-                    raise SearchOffTarget(
-                        f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing there "
-                        f"would take an untrained cut of {move:.3f} (more than --max-calibration "
-                        f"{self.cfg.max_calibration:g}), which is not applied; {advice}")
-                rec["calibration"] = {"ratio_before": ratio, "ratio_after": self.ratio(model), "move": move,
-                                      "alpha_shift": shift}
-        rec.update(selection_record(model, self.cost))
-        return rec
-
-    def arch(self, model: nn.Module, arch: dict[str, Any]) -> dict[str, Any]:
-        return dict(self.base_arch, methods=list(self.base_arch["methods"]) +
-                    [make_record(model, self.job.method, stage="supernet")])
-
-    def check(self, record: dict[str, Any], start: dict[str, Any] | None) -> None:
-        if start is None:
-            return
-        drop = start["val_top1"] - record["val_top1"]
-        if drop > self.cfg.max_val_drop:
-            head = (f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
-                    f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
-                    f"{self.cfg.max_val_drop:g} points")
-            calib = record.get("calibration")
-            if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
-                # the gates did not get near the target by themselves: the end-of-search threshold shift
-                # did the pruning, blindly (one shift for every gate), which is what broke the model
-                raise SearchCollapsed(
-                    f"{head}, after the end-of-search calibration had to move the FLOPs ratio from "
-                    f"{calib['ratio_before']:.3f} to the target {self.cfg.target_flops}: the search had too few "
-                    f"architecture steps to get there itself; give it more (--epochs, more --train-limit images, "
-                    f"a smaller --batch-size) or a larger --arch-lr (now {self.arch_lr:.3g})")
-            raise SearchCollapsed(
-                f"{head}; lower the weights' lr (--base-lr, now "
-                f"{self.job.train.peak_lr_for(world_size=distributed.world().size):.2g} peak) or --arch-lr, or raise "
-                f"--distill; or, as the gates reached their budget by themselves, keep this search "
-                f"(--max-val-drop 100) and let materialize + retrain --teacher DENSE --feat-kd 1 recover it")
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lam": self.lam, "integral": None if self.steer is None else self.steer.integral}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lam = state.get("lam", self.lam)
-        if self.steer is not None and state.get("integral") is not None:
-            self.steer.integral = state["integral"]
-
-
-class SearchCollapsed(NascompressError):
-    """A DCS search whose validation accuracy fell below ``max_val_drop`` (the pipeline retries
-    it with a milder target; a study records the trial as failed, with this message)."""
-
-
-class SearchOffTarget(SearchCollapsed):
-    """A DCS search that ended so far from its FLOPs target that landing there would take an
-    untrained cut larger than ``max_calibration`` (handled as a collapse: the pipeline retries
-    milder, a study records the trial as failed)."""
-
 
 # ---------------------------------------------------------------------------------------------
 # The job
@@ -719,4 +405,4 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",
            "run_dcs_search", "CostModel", "LambdaSteer",
            "search_dcs", "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
-           "init_importance", "calibration_images"]
+           "init_importance", "calibration_images", "StepTag", "TeacherCache"]

@@ -1,0 +1,83 @@
+"""What the DCS search reads per step besides the batch: the frozen dense model's outputs cached
+once per training image (:class:`TeacherCache`, in-memory datasets: never augmented), the view of a
+split whose batches carry their images' indices (:class:`Indexed`), the step tags (:class:`StepTag`)
+and the order of weight and architecture steps in an epoch (:func:`interleave`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..data import InputSpec, make_loader, preprocess
+from ..distill import FeatureTap
+
+
+class StepTag(str):
+    """A step's kind, ``"w"`` or ``"a"`` (compares equal to it), carrying the training-set indices
+    of its batch's images (``idx``; None where the teacher is not cached)."""
+
+    idx: torch.Tensor | None
+
+    def __new__(cls, kind: str, idx: torch.Tensor | None = None) -> "StepTag":
+        tag = super().__new__(cls, kind)
+        tag.idx = idx
+        return tag
+
+
+class Indexed:
+    """A view of a training split whose batches also carry their images' indices in it."""
+
+    def __init__(self, base: Any):
+        self.base, self.classes = base, base.classes
+        if hasattr(base, "num_workers"):
+            self.num_workers = base.num_workers
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        imgs, labels = self.base.__getitems__(idx)
+        return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
+
+
+@dataclass
+class TeacherCache:
+    """The frozen dense model's logits (and pre-logits features) for every training image, computed
+    once before the search: the teacher is frozen and in-memory datasets are not augmented, so each
+    image's outputs never change, and reading them saves a teacher forward on every step."""
+
+    logits: torch.Tensor  # (N, classes)
+    feat: torch.Tensor | None  # (N, D)
+
+    @classmethod
+    @torch.no_grad()
+    def build(cls, dense: nn.Module, train: Any, spec: InputSpec, *, device: torch.device, feat: bool,
+              batch_size: int = 64) -> "TeacherCache":
+        tap = FeatureTap(dense, "pre_logits") if feat else None
+        logits, feats = [], []
+        try:
+            for imgs, _ in make_loader(train, batch_size=batch_size, shuffle=False, num_workers=0):
+                logits.append(dense(preprocess(imgs.to(device), spec)).float())
+                if tap is not None:
+                    feats.append(tap.pop().float())
+        finally:
+            if tap is not None:
+                tap.remove()
+        return cls(torch.cat(logits), torch.cat(feats) if feats else None)
+
+    def read(self, idx: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        idx = idx.to(self.logits.device)
+        feat = None if self.feat is None else self.feat[idx].to(device)
+        return self.logits[idx].to(device), feat
+
+
+def interleave(n_w: int, n_a: int) -> list[str]:
+    """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
+    keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
+    return [k for _, k in sorted(keys)]
+
+
+
+__all__ = ["StepTag", "Indexed", "TeacherCache", "interleave"]
