@@ -21,36 +21,36 @@ space can express them). Everything needed to rebuild a trial is stored in the s
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import Config, StageSettings, check_choice, check_settings, setting
-from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
+from ..config import Config, StageSettings, check_settings, setting
+from ..data import DataConfig, InputSpec
 from ..errors import NascompressError
 from ..io import load_with_arch
 from ..methods import get_method
 from ..models import ModelSpec, build_model
-from ..profiling import count_flops, measure
-from ..utils import resolve_device, seed_everything
-from .scoring import calibrate_stack, study_scoring, subset_fingerprint, trial_scoring
-from .space import Space, load_space
+from ..profiling import count_flops
+from ..utils import seed_everything
+from .scoring import calibrate_stack, study_scoring, trial_scoring
+from .samplers import SAMPLERS, make_sampler, numeric_space, sampler_factory
+from .space import load_space
+from .space_reference import reference_configs, space_profile
+from .trial_context import TrialContext, run_data
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
-SAMPLERS = ("nsga2", "tpe", "gp", "qmc", "grid")
 OBJECTIVES = ("goal", *SECOND_OBJECTIVES)
 STORAGE_HELP = ("Where the studies live: sqlite:///FILE, journal:FILE or postgresql://USER:PASS@HOST:PORT/DB "
                 "(default: ./nascompress-studies.db; with several --workers ./nascompress-studies.journal).")
 FINETUNE_EPOCHS_HELP = "0: none; else fine-tune with the last method's recipe for this many epochs."
-FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 
 
 @dataclass(frozen=True)
@@ -165,69 +165,6 @@ STUDY_SETTINGS = StageSettings(SearchJob, ("space", "study", "trials", "workers"
 
 # ---------------------------------------------------------------------------------------------
 # One worker's cached state, and building a trial's model
-
-
-class TrialContext:
-    """What every trial of one worker shares: the base model, the uncompressed model's cost, and
-    the data (validation and calibration images preprocessed once)."""
-
-    def __init__(self, job: SearchJob):
-        self.job = job
-        self.device = resolve_device(job.device)
-        self.base, self.arch = load_with_arch(job.base, map_location=self.device)
-        self.space = load_space(job.space)
-        self.space.check_depth(len(self.base.blocks))
-        self.spec = InputSpec.from_dict(self.arch["input"])
-        data_cfg = job.data or _run_data(job.base)
-        data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)
-        data_cfg = dataclasses.replace(data_cfg, subset_seed=job.seed)
-        self.data_cfg = data_cfg
-        self.data = load_data(data_cfg, spec=self.spec)
-        self.val = _tensors(self.data.val, self.spec, job.batch_size)
-        self.calib = _tensors(self.data.train, self.spec, job.batch_size)
-        # the identity of the validation subset every trial of the study is scored on
-        self.eval_subset = subset_fingerprint(self.data.val, torch.cat([y for _, y in self.val]) if self.val
-                                              else torch.zeros(0), seed=data_cfg.subset_seed)
-        self.uncompressed = build_model(ModelSpec.from_dict(self.arch["model"])).to(self.device).eval()
-        x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
-        self.flops_x = x
-        self.dense_flops = count_flops(self.uncompressed, x[:2]).total
-        self.base.eval().requires_grad_(False)
-        self._speed: dict[str, dict[str, float]] = {}
-
-    def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        return [(x.to(self.device), y.to(self.device)) for x, y in self.calib]
-
-    @torch.no_grad()
-    def accuracy(self, model: nn.Module) -> float:
-        model.eval()
-        correct = n = 0
-        for x, y in self.val:
-            correct += (model(x.to(self.device)).argmax(-1).cpu() == y).sum().item()
-            n += len(y)
-        return 100.0 * correct / max(n, 1)
-
-    def speed(self, model: nn.Module, key: str) -> dict[str, float]:
-        """Latency (batch 1) and throughput (batch 64) of ``model`` interleaved with the uncompressed
-        model; cached per architecture ``key``."""
-        if key not in self._speed:
-            shape = tuple(self.flops_x.shape[1:])
-            dense, cand = measure([self.uncompressed, model], shape, device=self.device,
-                                  iters=self.job.latency_iters, seed=self.job.seed)
-            self._speed[key] = {"latency_ms": cand["latency_ms"], "throughput": cand["throughput"],
-                                "dense_latency_ms": dense["latency_ms"], "dense_throughput": dense["throughput"]}
-        return self._speed[key]
-
-
-def _run_data(run_dir: str) -> DataConfig:
-    from ..api import run_data_config
-
-    return run_data_config(run_dir) or DataConfig()
-
-
-def _tensors(ds: Any, spec: InputSpec, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A dataset preprocessed once into batches of model input (CPU)."""
-    return [(preprocess(imgs, spec), labels) for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False)]
 
 
 def trial_seed(seed: int, number: int) -> int:
@@ -413,160 +350,8 @@ def make_objective(job_dict: dict[str, Any]) -> Objective:
     return Objective(SearchJob.from_dict(job_dict))
 
 
-def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
-                 distributions: Mapping[str, Any] | None = None, points: Sequence[Mapping[str, Any]] | None = None):
-    """The sampler of a trial, seeded by ``seed`` (the runner's per-trial seed): ``nsga2``, ``tpe``
-    or ``gp``; ``qmc`` needs the study's seed and the space's distributions too, ``grid`` the
-    space's points (:func:`sampler_factory` binds them)."""
-    import warnings
-
-    import optuna
-
-    if kind == "qmc":
-        if study_seed is None or distributions is None:
-            raise NascompressError("the qmc sampler needs the study's seed and the space's distributions "
-                                   "(build its factory with sampler_factory)")
-        from .qmc import qmc_sampler
-
-        return qmc_sampler(distributions, study_seed=study_seed, seed=seed)
-    if kind == "grid":
-        if points is None:
-            raise NascompressError("the grid sampler needs the space's points (build its factory with sampler_factory)")
-        from .grid import GridPointSampler
-
-        return GridPointSampler(points, seed=seed)
-    if kind not in SAMPLERS:
-        raise NascompressError(f"unknown sampler {kind!r}; choose one of {', '.join(SAMPLERS)}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if kind == "nsga2":
-            return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
-        if kind == "gp":
-            return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          warn_independent_sampling=False)
-
-
-def numeric_space(space: Space) -> str | None:
-    """Why ``space`` is not a space of numeric parameters only (one line), or None when it is:
-    conditional parameters and categorical ones (choices, layer sets, groups, on/off) are not."""
-    why = space.conditional()
-    if why is not None:
-        return why
-    from optuna.distributions import CategoricalDistribution
-
-    for name, d in space.distributions().items():
-        if isinstance(d, CategoricalDistribution) and not d.single():
-            return f"{name} is categorical ({len(d.choices)} choices)"
-    return None
-
-
-def sampler_factory(kind: str, space: Space, seed: int, *, trials: int = 50) -> Callable[[int], Any]:
-    """The picklable ``seed -> sampler`` of a search (``run_study``'s ``sampler_factory``): for
-    ``nsga2`` / ``tpe`` / ``gp`` :func:`make_sampler` of the kind; for ``qmc`` bound to the study's
-    ``seed`` and ``space``'s distributions (see :mod:`nascompress.search.qmc`); for ``grid`` to the
-    space's ``trials`` spread points (:mod:`nascompress.search.grid`). ``qmc`` on a space with
-    conditional parameters and ``gp`` on one with categorical or conditional parameters are
-    refused (one line naming the parameter)."""
-    check_choice("--sampler", kind, SAMPLERS)
-    if kind == "grid":
-        return functools.partial(make_sampler, kind, points=space.grid(trials))
-    if kind == "gp":
-        why = numeric_space(space)
-        if why is not None:
-            raise NascompressError(f"sampler gp needs a space of numeric parameters, and space {space.name!r} has "
-                                   f"another: {why}; use sampler tpe for it")
-    if kind != "qmc":
-        return functools.partial(make_sampler, kind)
-    why = space.conditional()
-    if why is not None:
-        raise NascompressError(f"sampler qmc needs a space without conditional parameters, and space "
-                               f"{space.name!r} has one: {why}; use sampler nsga2 or tpe for it")
-    return functools.partial(make_sampler, kind, study_seed=seed, distributions=space.distributions())
-
-
 # ---------------------------------------------------------------------------------------------
 # The job
-
-
-def reference_configs(space: Space, model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
-    """The uncompressed configuration and the papers' defaults (one per choice of each group), as
-    Optuna params of ``space``; configurations the space cannot express are left out.
-
-    Uncompressed: every method that is always on at its ``off_config``, the optional ones left
-    out. Paper: every method at its ``paper_config`` (one configuration per member of each group)."""
-    import itertools
-
-    groups = space.groups()
-    choices = [members for members in groups.values()]
-    out: list[tuple[str, dict[str, Any]]] = []
-    for label, attr in (("uncompressed", "off_config"), ("paper", "paper_config")):
-        picks = [[]] if label == "uncompressed" else list(itertools.product(*choices)) or [[]]
-        for pick in picks:
-            names = {m.name for m in pick}
-            records = []
-            for m in space.methods:
-                in_group = m.group is not None
-                if label == "uncompressed" and (m.optional or in_group):
-                    continue
-                if label == "paper" and in_group and m.name not in names:
-                    continue
-                cfg = getattr(get_method(m.name), attr)
-                if cfg is None:
-                    records = None
-                    break
-                resolved = get_method(m.name).config(copy.deepcopy(model), dict(cfg)).to_dict()
-                records.append({"name": m.name, "config": _per_layer_lists(m, resolved)})
-            if records is None:
-                continue
-            try:
-                params = space.params_for(records)
-            except NascompressError:
-                continue  # the space does not contain this configuration
-            if params not in [p for _, p in out]:
-                out.append((label, params))
-    return out
-
-
-def _per_layer_lists(m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """A scalar where the space declares a per-layer list becomes one value per chosen layer."""
-    out = dict(cfg)
-    for p in m.params:
-        if p.kind == "per_layer" and not isinstance(out.get(p.name), (list, tuple)):
-            layers = out.get(p.layers_ref) if p.layers_ref else p.layers_list
-            if isinstance(layers, (list, tuple)) and p.name in out:
-                out[p.name] = [out[p.name]] * len(layers)
-    return out
-
-
-def space_profile(ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n: int = 12,
-                  max_flops: float | None = None) -> dict[str, Any]:
-    """FLOPs ratio and params over ``n`` spread configurations of the space (structure only, no
-    training): min / median / max, and whether a FLOPs constraint is satisfiable."""
-    x, dense = ctx_like["x"], ctx_like["dense_flops"]
-    ratios, params = [], []
-    for p in space.grid(n):
-        recs = [r for r in space.records(p) if r["name"] != "dcs"]
-        model = copy.deepcopy(base)
-        try:
-            for r in recs:
-                from ..finetune import split_settings
-
-                config, recipe = split_settings(r["name"], r["config"])
-                model, _ = get_method(r["name"]).prepare_fresh(model, config, recipe or None)
-        except NascompressError:
-            continue
-        rep = count_flops(model.eval(), x)
-        ratios.append(rep.total / dense)
-        params.append(rep.params)
-    if not ratios:
-        return {}
-    ratios.sort()
-    prof = {"configurations": len(ratios), "flops_ratio_min": ratios[0], "flops_ratio_median": ratios[len(ratios) // 2],
-            "flops_ratio_max": ratios[-1], "params_min": min(params), "params_max": max(params)}
-    if max_flops is not None:
-        prof["max_flops_satisfiable"] = ratios[0] <= max_flops
-    return prof
 
 
 def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = False) -> dict[str, Any]:
@@ -605,7 +390,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
     info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
-            "dataset": (job.data or _run_data(job.base)).dataset, "job": job_dict, "profile": profile,
+            "dataset": (job.data or run_data(job.base)).dataset, "job": job_dict, "profile": profile,
             "scoring": study_scoring(job)}
     summary = run_study(study_name=job.study, storage=job.storage,
                         objective_factory=functools.partial(make_objective, job_dict),
@@ -618,4 +403,4 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
 
 
 __all__ = ["SearchJob", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
-           "numeric_space", "sampler_factory", "reference_configs", "space_profile", "trial_seed"]
+           "numeric_space", "sampler_factory", "reference_configs", "space_profile", "trial_seed", "SAMPLERS"]

@@ -1,0 +1,87 @@
+"""One study worker's cached state (:class:`TrialContext`): the base model, the uncompressed
+model's cost, the validation and calibration images preprocessed once, and the speed of each
+architecture measured once."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
+from ..io import load_with_arch
+from ..models import ModelSpec, build_model
+from ..profiling import count_flops, measure
+from ..utils import resolve_device
+from .scoring import subset_fingerprint
+from .space import load_space
+
+FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
+
+
+class TrialContext:
+    """What every trial of one worker shares: the base model, the uncompressed model's cost, and
+    the data (validation and calibration images preprocessed once)."""
+
+    def __init__(self, job: Any):
+        """``job``: the search's :class:`~nascompress.search.trials.SearchJob`."""
+        self.job = job
+        self.device = resolve_device(job.device)
+        self.base, self.arch = load_with_arch(job.base, map_location=self.device)
+        self.space = load_space(job.space)
+        self.space.check_depth(len(self.base.blocks))
+        self.spec = InputSpec.from_dict(self.arch["input"])
+        data_cfg = job.data or run_data(job.base)
+        data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)
+        data_cfg = dataclasses.replace(data_cfg, subset_seed=job.seed)
+        self.data_cfg = data_cfg
+        self.data = load_data(data_cfg, spec=self.spec)
+        self.val = tensors_of(self.data.val, self.spec, job.batch_size)
+        self.calib = tensors_of(self.data.train, self.spec, job.batch_size)
+        # the identity of the validation subset every trial of the study is scored on
+        self.eval_subset = subset_fingerprint(self.data.val, torch.cat([y for _, y in self.val]) if self.val
+                                              else torch.zeros(0), seed=data_cfg.subset_seed)
+        self.uncompressed = build_model(ModelSpec.from_dict(self.arch["model"])).to(self.device).eval()
+        x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
+        self.flops_x = x
+        self.dense_flops = count_flops(self.uncompressed, x[:2]).total
+        self.base.eval().requires_grad_(False)
+        self._speed: dict[str, dict[str, float]] = {}
+
+    def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        return [(x.to(self.device), y.to(self.device)) for x, y in self.calib]
+
+    @torch.no_grad()
+    def accuracy(self, model: nn.Module) -> float:
+        model.eval()
+        correct = n = 0
+        for x, y in self.val:
+            correct += (model(x.to(self.device)).argmax(-1).cpu() == y).sum().item()
+            n += len(y)
+        return 100.0 * correct / max(n, 1)
+
+    def speed(self, model: nn.Module, key: str) -> dict[str, float]:
+        """Latency (batch 1) and throughput (batch 64) of ``model`` interleaved with the uncompressed
+        model; cached per architecture ``key``."""
+        if key not in self._speed:
+            shape = tuple(self.flops_x.shape[1:])
+            dense, cand = measure([self.uncompressed, model], shape, device=self.device,
+                                  iters=self.job.latency_iters, seed=self.job.seed)
+            self._speed[key] = {"latency_ms": cand["latency_ms"], "throughput": cand["throughput"],
+                                "dense_latency_ms": dense["latency_ms"], "dense_throughput": dense["throughput"]}
+        return self._speed[key]
+
+
+def run_data(run_dir: str) -> DataConfig:
+    from ..api import run_data_config
+
+    return run_data_config(run_dir) or DataConfig()
+
+
+def tensors_of(ds: Any, spec: InputSpec, batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A dataset preprocessed once into batches of model input (CPU)."""
+    return [(preprocess(imgs, spec), labels) for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False)]
+
+
+__all__ = ["TrialContext", "FLOPS_IMAGES", "run_data", "tensors_of"]
