@@ -128,18 +128,9 @@ def test_a_type_only_import_closes_a_circle(tmp_path):
     assert cycles(import_graph(pkg)) == [["toy.plan", "toy.report"]]
 
 
-# pipeline/schema.py is rewritten by the settings work of issue 34 (items 1 and 2, another branch);
-# its helpers are made public there. Nothing else may join this list.
-SCHEMA_PENDING = {f"nascompress.pipeline.{m}: nascompress.pipeline.schema.{n}"
-                  for m, names in (("config_io", ("_Ctx", "_build", "_join", "_show")), ("plan", ("_Ctx",)),
-                                   ("sections", ("_At", "_Section", "_lr_pair", "_one_of")))
-                  for n in names}
-
-
 def test_no_private_name_is_imported_from_another_module():
     found = private_imports()
-    assert [x for x in found if x not in SCHEMA_PENDING] == []
-    assert SCHEMA_PENDING <= set(found), "made public: remove from SCHEMA_PENDING " + str(sorted(SCHEMA_PENDING - set(found)))
+    assert found == []
 
 
 def test_the_private_import_check_finds_one(tmp_path):

@@ -14,7 +14,7 @@ import typing
 import typer
 
 import nascompress
-from nascompress.pipeline.schema import _Section, _section_type
+from nascompress.pipeline.schema import Section, _section_type
 from nascompress.pipeline.sections import PipelineConfig
 
 # Options that are plumbing, not settings: where the output goes and how it is written, how the
@@ -126,7 +126,7 @@ def _sections(cls: type, path: str = ""):
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         yield where, f
         sub = _section_type(hints[name])
-        if sub is not None and issubclass(sub, _Section):
+        if sub is not None and issubclass(sub, Section):
             yield from _sections(sub, where)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from .schema import _build, _Ctx, _join, _show
+from .schema import build_section, SchemaContext, key_path, describe_value
 from .sections import PipelineConfig
 from ..yaml_io import read_yaml_file
 
@@ -22,13 +22,13 @@ def load_config(path: str | Path, *, seed: int | None = None) -> PipelineConfig:
     overrides the file's. Errors name the file and the key path."""
     path = Path(path)
     data = read_yaml(path)
-    ctx = _Ctx(str(path), path.resolve().parent)
+    ctx = SchemaContext(str(path), path.resolve().parent)
     if not isinstance(data, dict):
         raise ctx.err("", f"the file must be a mapping of sections (format, data, base, goal, stages), "
-                          f"got {_show(data)}")
+                          f"got {describe_value(data)}")
     if seed is not None:
         data = dict(data, seed=seed)
-    return _build(PipelineConfig, data, "", ctx)
+    return build_section(PipelineConfig, data, "", ctx)
 
 
 def dump_config(cfg: PipelineConfig) -> str:
@@ -41,6 +41,6 @@ def config_diff(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for k in list(a) + [k for k in b if k not in a]:
-            out += config_diff(a.get(k, "<absent>"), b.get(k, "<absent>"), _join(path, str(k)))
+            out += config_diff(a.get(k, "<absent>"), b.get(k, "<absent>"), key_path(path, str(k)))
         return out
     return [] if a == b else [f"{path or '(whole file)'} is {a!r} here but {b!r} there"]

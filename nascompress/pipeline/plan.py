@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from ..errors import NascompressError
 from .config_io import load_config
-from .schema import _Ctx, library_config, library_values
+from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
 
@@ -75,7 +75,7 @@ def _runtime(cfg: PipelineConfig) -> dict[str, Any]:
     return library_values(cfg, RUNTIME_SETTINGS)
 
 
-def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
+def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     """The dataset exists; returns its class count."""
     from ..api import count_classes
 
@@ -99,7 +99,7 @@ def _check_data(cfg: PipelineConfig, ctx: _Ctx) -> int:
         raise ctx.err("data.dataset", str(e)) from None
 
 
-def _built_model(spec: Any, ctx: _Ctx, where: str) -> Any:
+def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
     from ..models import build_model
 
     try:
@@ -141,7 +141,7 @@ def _grid_size(model: Any, weights: str) -> int | None:
     return None if pe is None else grid_img_size(model, {"pos_embed": pe})
 
 
-def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tuple[Step | None, Path, Any]:
+def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import load_arch
     from ..models import ModelShape, ModelSpec
@@ -226,7 +226,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: _Ctx, n_classes: int) -> tup
                 describe=f"import {imp.model} from {imp.weights}"), base_dir, model
 
 
-def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list[Step]:
+def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
     from ..methods.dcs import DCSConfig
     from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
     from ..search.materialize import MaterializeJob, materialize_search
@@ -267,7 +267,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: _Ctx, base_dir: Path) -> list
                  describe="materialize the searched channels")]
 
 
-def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth: int,
+def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, depth: int,
                  base_dir: Path) -> tuple[list[Step], str]:
     from ..methods import get_method
     from ..search.trial_model import TrialMaterializeJob
@@ -327,7 +327,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, depth
                  describe=f"rebuild the trial picked by {goal.pick}")], storage
 
 
-def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: _Ctx, current: Path, base_dir: Path) -> Step:
+def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
     from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, retrain, retrain_train_config
     from .fallback import current_model
 
@@ -385,7 +385,7 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
 
     config = Path(config)
     cfg = load_config(config, seed=seed)
-    ctx = _Ctx(str(config), config.resolve().parent)
+    ctx = SchemaContext(str(config), config.resolve().parent)
     try:
         resolve_device(cfg.device)
     except NascompressError as e:

@@ -1,5 +1,5 @@
 """The pipeline file's schema engine: frozen sections whose fields carry their own checks
-(:func:`opt` metadata), built from YAML by :func:`_build`, which names the key path in every error."""
+(:func:`opt` metadata), built from YAML by :func:`build_section`, which names the key path in every error."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,7 +14,7 @@ from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError
 
 
-class _At(NascompressError):
+class KeyProblem(NascompressError):
     """A problem with one key of a section (``key`` relative to the section)."""
 
     def __init__(self, key: str, msg: str):
@@ -31,7 +31,7 @@ def opt(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: floa
                                                       choices=choices, path=path, keywords=keywords))
 
 
-class _Section(Config):
+class Section(Config):
     """A section of the pipeline file; YAML key names may differ from field names (``import``)."""
 
     _yaml_names: typing.ClassVar[dict[str, str]] = {}  # field name -> YAML key
@@ -49,7 +49,7 @@ class _Section(Config):
             v = getattr(self, f.name)
             if v is None and _section_type(hints[f.name]) is not None:
                 continue
-            out[self._yaml_names.get(f.name, f.name)] = v.to_dict() if isinstance(v, _Section) else v
+            out[self._yaml_names.get(f.name, f.name)] = v.to_dict() if isinstance(v, Section) else v
         return out
 
 
@@ -91,14 +91,14 @@ def library_config(section: Any, spec: Any, **extra: Any) -> Any:
     return settings_class(spec)(**{**library_values(section, spec), **extra})
 
 
-def _section_type(tp: Any) -> type[_Section] | None:
+def _section_type(tp: Any) -> type[Section] | None:
     for a in (tp, *typing.get_args(tp)):
-        if isinstance(a, type) and issubclass(a, _Section):
+        if isinstance(a, type) and issubclass(a, Section):
             return a
     return None
 
 
-def _show(v: Any) -> str:
+def describe_value(v: Any) -> str:
     if isinstance(v, dict):
         return "a mapping"
     if isinstance(v, list):
@@ -107,7 +107,7 @@ def _show(v: Any) -> str:
 
 
 @dataclass(frozen=True)
-class _Ctx:
+class SchemaContext:
     source: str  # the config file, as named in messages
     base_dir: Path  # relative paths are resolved against it
 
@@ -119,16 +119,16 @@ class _Ctx:
         return os.path.normpath(q if q.is_absolute() else self.base_dir / q)
 
 
-def _join(path: str, key: str) -> str:
+def key_path(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
-def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
+def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: SchemaContext) -> Any:
     args = typing.get_args(tp)
     optional = type(None) in args
     sub = _section_type(tp)
     if sub is not None:
-        return _build(sub, {} if v is None else v, path, ctx)  # `train:` with nothing under it: defaults
+        return build_section(sub, {} if v is None else v, path, ctx)  # `train:` with nothing under it: defaults
     if v is None:
         if optional:
             return None
@@ -137,24 +137,24 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
     if len(kinds) > 1:  # e.g. export.batch: str | int (the library config checks which values it takes)
         if isinstance(v, bool) or not isinstance(v, tuple(kinds)):
             names = {str: "a string", int: "an integer", float: "a number"}
-            raise ctx.err(path, f"must be {' or '.join(names.get(k, k.__name__) for k in kinds)}, got {_show(v)}")
+            raise ctx.err(path, f"must be {' or '.join(names.get(k, k.__name__) for k in kinds)}, got {describe_value(v)}")
         kinds = []
     base = kinds[0] if kinds else (tp if not args else None)
     if base is bool:
         if not isinstance(v, bool):
-            raise ctx.err(path, f"must be true or false, got {_show(v)}")
+            raise ctx.err(path, f"must be true or false, got {describe_value(v)}")
     elif base is int:
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ctx.err(path, f"must be an integer, got {_show(v)}")
+            raise ctx.err(path, f"must be an integer, got {describe_value(v)}")
     elif base is float:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ctx.err(path, f"must be a number, got {_show(v)}")
+            raise ctx.err(path, f"must be a number, got {describe_value(v)}")
         v = float(v)
         if not math.isfinite(v):
             raise ctx.err(path, f"must be a finite number, got {v!r}")
     elif base is str:
         if not isinstance(v, str) or not v.strip():
-            raise ctx.err(path, f"must be a non-empty string, got {_show(v)}")
+            raise ctx.err(path, f"must be a non-empty string, got {describe_value(v)}")
     try:  # the range, choices and limit: the one check of a declared setting (nascompress.config)
         check_value("", v, meta, base if base in (int, float) else None)
     except NascompressError as e:
@@ -164,14 +164,14 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: _Ctx) -> Any:
     return v
 
 
-def _build(cls: type[_Section], data: Any, path: str, ctx: _Ctx) -> Any:
+def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) -> Any:
     """Build section ``cls`` from a YAML mapping; every error names the key path."""
     if not isinstance(data, dict):
-        raise ctx.err(path, f"must be a mapping of settings, got {_show(data)}")
+        raise ctx.err(path, f"must be a mapping of settings, got {describe_value(data)}")
     keys = cls.keys()
     for k in data:
         if k not in keys:
-            raise NascompressError(f"{ctx.source}: unknown key {_join(path, str(k))}; valid: {', '.join(keys)}")
+            raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}; valid: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
@@ -179,24 +179,24 @@ def _build(cls: type[_Section], data: Any, path: str, ctx: _Ctx) -> Any:
         f = fields[name]
         if key not in data:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:  # type: ignore[misc]
-                raise ctx.err(_join(path, key), "required")
+                raise ctx.err(key_path(path, key), "required")
             continue
-        values[name] = _coerce(data[key], hints[name], dict(f.metadata), _join(path, key), ctx)
+        values[name] = _coerce(data[key], hints[name], dict(f.metadata), key_path(path, key), ctx)
     try:
         return cls(**values)
-    except _At as e:
-        raise ctx.err(_join(path, e.key), str(e)) from None
+    except KeyProblem as e:
+        raise ctx.err(key_path(path, e.key), str(e)) from None
     except NascompressError as e:
         raise ctx.err(path, str(e)) from None
 
 
-def _one_of(section: Any, names: dict[str, str], what: str) -> None:
+def check_one_of(section: Any, names: dict[str, str], what: str) -> None:
     given = [key for name, key in names.items() if getattr(section, name) is not None]
     if len(given) != 1:
         raise NascompressError(f"give exactly one of {', '.join(names.values())}{what}; "
                                f"got {', '.join(given) if given else 'none'}")
 
 
-def _lr_pair(section: Any) -> None:
+def check_lr_pair(section: Any) -> None:
     if section.lr is not None and section.base_lr is not None:
-        raise _At("base_lr", "give lr (absolute peak) or base_lr (per 512 images), not both")
+        raise KeyProblem("base_lr", "give lr (absolute peak) or base_lr (per 512 images), not both")

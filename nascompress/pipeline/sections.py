@@ -19,7 +19,7 @@ from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS, SearchJob
 from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS, TrainJob
-from .schema import _At, _lr_pair, _one_of, _Section, library_config, library_keys, opt
+from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_config, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
 # the data's setting a training stage may narrow for itself (DataConfig's train_limit, same help)
@@ -31,7 +31,7 @@ EXPORT_SETTINGS = StageSettings(ExportConfig, tuple(f.name for f in fields(Expor
 
 @dataclass(frozen=True)
 @library_keys(DataConfig)
-class DataSection(_Section):
+class DataSection(Section):
     """``data``: the dataset every stage uses: every user-facing field of
     :class:`~nascompress.data.DataConfig` (declared there, with its checks; ``dataset`` and
     ``data_dir`` are paths resolved against the file's directory, but for 'fashion-mnist' and
@@ -41,7 +41,7 @@ class DataSection(_Section):
 @dataclass(frozen=True)
 @library_keys(ModelShape, StageSettings(TrainJob, ("weights", "reset_head")), TRAIN_SETTINGS,
               lead=(*(f.name for f in fields(ModelShape)), "weights", "reset_head"))
-class BaseTrainSection(_Section):
+class BaseTrainSection(Section):
     """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``
     (the model's keys are :class:`~nascompress.models.ModelShape`'s, ``nascompress train``'s options).
     The training keys are :data:`~nascompress.train.TRAIN_SETTINGS` (``nascompress train``'s options);
@@ -51,9 +51,9 @@ class BaseTrainSection(_Section):
     keys (warm-up 1, no layer decay) is still the same config."""
 
     def __post_init__(self) -> None:
-        _lr_pair(self)
+        check_lr_pair(self)
         if self.reset_head and self.weights is None:
-            raise _At("reset_head", "needs weights (a new head on a pretrained backbone)")
+            raise KeyProblem("reset_head", "needs weights (a new head on a pretrained backbone)")
         recipe = FINE_TUNE_TRAIN_DEFAULTS if self.fine_tune else SCRATCH_TRAIN_DEFAULTS
         for name in ("warmup_epochs", "layer_decay"):  # the defaults that depend on the weights
             if getattr(self, name) is None:
@@ -68,14 +68,14 @@ class BaseTrainSection(_Section):
 @dataclass(frozen=True)
 @library_keys(ImportJob, StageSettings(TrainJob, ("linear_probe",)),
               lead=("model", "weights", "img_size", "num_classes", "linear_probe"))
-class BaseImportSection(_Section):
+class BaseImportSection(Section):
     """``base.import``: a user's timm model from local weights (``nascompress import``: its settings,
     :class:`~nascompress.importer.ImportJob`'s, same names), or with ``linear_probe`` a new head
     fitted on the frozen backbone (``nascompress train --linear-probe``)."""
 
 
 @dataclass(frozen=True)
-class BaseSection(_Section):
+class BaseSection(Section):
     """``base``: exactly one of ``run`` (an existing dense run directory), ``train``, ``import``."""
 
     _yaml_names: typing.ClassVar[dict[str, str]] = {"import_": "import"}
@@ -85,7 +85,7 @@ class BaseSection(_Section):
     import_: BaseImportSection | None = None
 
     def __post_init__(self) -> None:
-        _one_of(self, {"run": "run", "train": "train", "import_": "import"}, "")
+        check_one_of(self, {"run": "run", "train": "train", "import_": "import"}, "")
 
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in super().to_dict().items() if v is not None}  # only the kind given
@@ -97,12 +97,12 @@ class BaseSection(_Section):
 
 @dataclass(frozen=True)
 @library_keys(StageSettings(SearchJob, ("max_flops", "max_latency_ms")))
-class GoalSection(_Section):
+class GoalSection(Section):
     """``goal``: the FLOPs ratio to the dense base, or the batch-1 latency on this device (the
     constraint of a study, :class:`~nascompress.search.trials.SearchJob`'s, same names)."""
 
     def __post_init__(self) -> None:
-        _one_of(self, {"max_flops": "max_flops", "max_latency_ms": "max_latency_ms"}, "")
+        check_one_of(self, {"max_flops": "max_flops", "max_latency_ms": "max_latency_ms"}, "")
 
     @property
     def pick(self) -> str:
@@ -114,7 +114,7 @@ class GoalSection(_Section):
 @dataclass(frozen=True)
 @library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
               lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names))
-class DCSStage(_Section):
+class DCSStage(Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
     the search's settings (same names): every user-facing field of
     :class:`~nascompress.search.dcs.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
@@ -127,12 +127,12 @@ class DCSStage(_Section):
     fallback: bool = setting(True, help="Retry a search that collapses once at a milder target, then skip it.")
 
     def __post_init__(self) -> None:
-        _lr_pair(self)
+        check_lr_pair(self)
 
 
 @dataclass(frozen=True)
 @library_keys(STUDY_SETTINGS)
-class TokensStage(_Section):
+class TokensStage(Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
     current model, then the best trial under the goal (``nascompress materialize --study --pick``).
     Keys are the study's settings (same names as the command's options, declared in the library:
@@ -142,7 +142,7 @@ class TokensStage(_Section):
 @dataclass(frozen=True)
 @library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
               lead=("epochs", "eta", "warmup_frac", "teacher", *STAGE_DATA_SETTINGS.names))
-class RetrainStage(_Section):
+class RetrainStage(Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
     :class:`~nascompress.retrain.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
@@ -155,11 +155,11 @@ class RetrainStage(_Section):
         "base: distil from the dense base; none: no teacher (the command's --teacher is a run directory)."))
 
     def __post_init__(self) -> None:
-        _lr_pair(self)
+        check_lr_pair(self)
 
 
 @dataclass(frozen=True)
-class StagesSection(_Section):
+class StagesSection(Section):
     """``stages``: each optional; run in the order dcs, tokens, retrain."""
 
     dcs: DCSStage | None = None
@@ -173,7 +173,7 @@ class StagesSection(_Section):
 
 @dataclass(frozen=True)
 @library_keys(ProfileConfig)
-class ReportSection(_Section):
+class ReportSection(Section):
     """``report``: how the result is measured against the dense base (interleaved, one process): the
     settings of ``nascompress profile`` (:class:`~nascompress.profiling.config.ProfileConfig`, same
     names; ``latency: false`` is its ``--no-latency``)."""
@@ -181,7 +181,7 @@ class ReportSection(_Section):
 
 @dataclass(frozen=True)
 @library_keys(EXPORT_SETTINGS, lead=("file",))
-class ExportSection(_Section):
+class ExportSection(Section):
     """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
     (``nascompress export``: the other keys are its options, every user-facing field of
     :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
@@ -193,7 +193,7 @@ class ExportSection(_Section):
     def __post_init__(self) -> None:
         self.config(seed=0)
         if self.file is not None and Path(self.file).name != self.file:
-            raise _At("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
+            raise KeyProblem("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
 
     def config(self, *, seed: int) -> Any:
         return library_config(self, EXPORT_SETTINGS, seed=seed)
@@ -207,7 +207,7 @@ class ExportSection(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 @library_keys(RUNTIME_SETTINGS, lead=("format", *RUNTIME_SETTINGS.names))
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """A whole pipeline file (see the :mod:`nascompress.pipeline` docstring). ``seed``, ``device``,
     ``amp`` (bf16 autocast or not) and ``deterministic`` (deterministic kernels, reproducible on a GPU)
     apply to every stage: :data:`~nascompress.train.RUNTIME_SETTINGS`, declared in TrainConfig."""
@@ -222,4 +222,4 @@ class PipelineConfig(_Section):
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:
-            raise _At("format", f"must be {FORMAT}, got {self.format!r}")
+            raise KeyProblem("format", f"must be {FORMAT}, got {self.format!r}")
