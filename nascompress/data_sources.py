@@ -69,6 +69,16 @@ def load_fashion_mnist(root: Path = FMNIST_DIR) -> tuple[TensorImageDataset, Ten
             TensorImageDataset(parts["t10k-images-idx3"], parts["t10k-labels-idx1"], FMNIST_CLASSES))
 
 
+def fixed_test_split(imgs: torch.Tensor, labels: torch.Tensor, classes: list[str], *,
+                     seed: int) -> tuple[TensorImageDataset, TensorImageDataset]:
+    """(train, test) of a dataset that ships no split: a fixed class-stratified ``DIGITS_TEST`` share
+    (drawn with ``seed``) is the test split, the rest in their order the training split."""
+    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
+    tr = [i for i in range(len(labels)) if i not in test_idx]
+    te = sorted(test_idx)
+    return TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes)
+
+
 def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageDataset]:
     """(train, test) from scikit-learn's bundled digits (1,797 8x8 grey images, 10 classes, no
     download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Pixel values 0-16
@@ -78,11 +88,8 @@ def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageD
     d = load_digits()
     imgs = torch.from_numpy((d.images * (255.0 / 16.0)).round().astype("uint8"))[:, None]  # (N, 1, 8, 8)
     labels = torch.from_numpy(d.target.astype("int64"))
-    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
-    tr = [i for i in range(len(labels)) if i not in test_idx]
-    te = sorted(test_idx)
     classes = [str(c) for c in range(10)]
-    return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+    return fixed_test_split(imgs, labels, classes, seed=seed)
 
 
 def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageDataset]:
@@ -98,11 +105,8 @@ def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorIma
     x = lfw_subset()  # (200, 25, 25) floats in [0, 1]
     imgs = torch.from_numpy((x * 255.0).round().clip(0, 255).astype("uint8"))[:, None]
     labels = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(len(x) - 100, dtype=torch.long)])
-    test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
-    tr = [i for i in range(len(labels)) if i not in test_idx]
-    te = sorted(test_idx)
     classes = ["face", "non-face"]
-    return (TensorImageDataset(imgs[tr], labels[tr], classes), TensorImageDataset(imgs[te], labels[te], classes))
+    return fixed_test_split(imgs, labels, classes, seed=seed)
 
 
 def synthetic_dataset(n: int, *, num_classes: int = 10, size: int = 16, channels: int = 1, seed: int = 0) -> TensorImageDataset:
