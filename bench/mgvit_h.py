@@ -68,6 +68,22 @@ class FPNSeg(nn.Module):
         return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
+def dense_base(base: Path, data_cfg: DataConfig, res: dict, *, img_size: int, epochs: int, reuse: bool):
+    """The dense pvt_v2_b0 base every variant starts from (trained unless ``reuse`` and finished), its
+    metrics and the data sizes recorded in ``res``: (model, input spec, data)."""
+    if not (reuse and (base / "metrics.json").is_file()):
+        spec_m = ModelSpec("pvt_v2_b0", {"img_size": img_size, "num_classes": 10, "in_chans": 1})
+        train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
+                       train=TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
+              force=True)
+    res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
+    dense, arch = load_with_arch(base)
+    spec = InputSpec.from_dict(arch["input"])
+    data = load_data(data_cfg, spec=spec)
+    res["data"] = data_sizes(data, data_cfg)
+    return dense, spec, data
+
+
 def masks_of(imgs: torch.Tensor, size: tuple[int, int], threshold: int) -> torch.Tensor:
     """Raw uint8 images (B, 1, 28, 28) -> foreground labels (B, H, W) at the model's input size."""
     m = (imgs[:, :1] > threshold).float()
@@ -170,16 +186,8 @@ def main() -> None:
 
     # 1. dense base
     base = runs / f"bench_mgvith_dense{args.img_size}"
-    spec_m = ModelSpec("pvt_v2_b0", {"img_size": args.img_size, "num_classes": 10, "in_chans": 1})
-    if not (args.reuse_base and (base / "metrics.json").is_file()):
-        train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
-                       train=TrainConfig(epochs=args.epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
-              force=True)
-    res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
-    dense, arch = load_with_arch(base)
-    spec = InputSpec.from_dict(arch["input"])
-    data = load_data(data_cfg, spec=spec)
-    res["data"] = data_sizes(data, data_cfg)
+    dense, spec, data = dense_base(base, data_cfg, res, img_size=args.img_size, epochs=args.epochs,
+                                   reuse=args.reuse_base)
     res["dense_base_s"] = time.time() - t_start
 
     # 2. the same fine-tuning budget for dense, -A, -R

@@ -21,19 +21,18 @@ import json
 import time
 from pathlib import Path
 
-from _common import ROOT, data_sizes, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
-from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
+from nascompress.data import DataConfig  # noqa: E402
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
+from mgvit_h import dense_base  # noqa: E402  (the same dense base)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h_ppsm.json"
 
@@ -63,16 +62,7 @@ def main() -> None:
     data_cfg = DataConfig(train_limit=args.train_limit, eval_limit=args.eval_limit)
     res = {**header(), "budget": vars(args)}
     base = Path(args.base) if args.base else runs / f"bench_mgvith_dense{args.img_size}"
-    if not (base / "metrics.json").is_file():
-        spec_m = ModelSpec("pvt_v2_b0", {"img_size": args.img_size, "num_classes": 10, "in_chans": 1})
-        train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
-                       train=TrainConfig(epochs=args.epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
-              force=True)
-    res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
-    dense, arch = load_with_arch(base)
-    spec = InputSpec.from_dict(arch["input"])
-    data = load_data(data_cfg, spec=spec)
-    res["data"] = data_sizes(data, data_cfg)
+    dense, spec, data = dense_base(base, data_cfg, res, img_size=args.img_size, epochs=args.epochs, reuse=True)
     cfg = finetune_train_config("mgvit-h", epochs=args.ft_epochs, batch_size=64, lr=args.ft_lr, seed=0, keep="last")
     pairs = [tuple(float(v) for v in c.split(",")) for c in args.configs]
     rows, trained = [], {}
