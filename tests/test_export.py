@@ -183,6 +183,22 @@ def test_gather_add_equals_the_dcs_blocks_own_write_back():
             assert torch.equal(copy(x), model(x))
 
 
+def test_scatter_free_ppsm_merge_equals_the_models_own(tmp_path):
+    """mgvit's PPSM merges boundary tokens with scatter_add, which ONNX Runtime's CPU provider does not run
+    in fp16: the traced copy merges with a one-hot matmul instead, the same values."""
+    from nascompress.export.paths import ScatterFreeMerge, traceable_copy
+    from nascompress.methods.mgvit import PPSM
+
+    model = load(make_run(tmp_path, ("mgvit",)))
+    copy = traceable_copy(model)
+    slims = [m for m in copy.modules() if isinstance(m, PPSM)]
+    assert slims and all(isinstance(m, ScatterFreeMerge) and not m.merge_scatter for m in slims)
+    assert all(m.merge_scatter for m in model.modules() if isinstance(m, PPSM))  # the model itself is untouched
+    x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), model(x), rtol=0, atol=1e-5)
+
+
 def test_mgvit_two_stages_and_exit_rule(tmp_path):
     run = make_run(tmp_path, ("mgvit",))
     model = load(run)

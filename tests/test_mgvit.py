@@ -91,13 +91,14 @@ def test_ppsm_counts_eq21():
     assert ppsm_counts(10, 0.5, 0.0) == (5, 5, 0)
 
 
-def test_ppsm_merges():
+@pytest.mark.parametrize("scatter", [True, False])  # False: export's form (one-hot matmul, no scatter_add)
+def test_ppsm_merges(scatter):
     torch.manual_seed(0)
     B, n, D = 2, 10, 6
     x, v = torch.randn(B, n, D), torch.randn(B, n, D)
     score = torch.rand(B, n) + 0.1
     n_pos, n_b, n_neg = ppsm_counts(n, 0.4, 0.2)
-    out, s_out = ppsm(x, score, v, 0.4, 0.2)
+    out, s_out = ppsm(x, score, v, 0.4, 0.2, scatter=scatter)
     assert out.shape == (B, n_pos + n_b // 2 + (n_neg > 0), D)
     torch.testing.assert_close(s_out.sum(1), score.sum(1))  # merged tokens carry the summed scores
     for b in range(B):

@@ -395,6 +395,44 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     torch.testing.assert_close(both([x])[0], want, rtol=0, atol=1e-4)
 
 
+def test_resample_image_in_reduced_precision():
+    """The SGIS's antialiased shrink has no fp16 / bf16 CPU kernel in PyTorch (an fp16 export's check
+    failed on it): a reduced-precision image is shrunk in fp32 and cast back."""
+    x = torch.randn(2, 1, 64, 64, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float16, torch.bfloat16):
+        got = resample_image(x.to(dtype), 32)
+        assert got.dtype == dtype and got.shape == (2, 1, 32, 32)
+        torch.testing.assert_close(got, resample_image(x.to(dtype).float(), 32).to(dtype), rtol=0, atol=0)
+        assert resample_image(x.to(dtype), 96).dtype == dtype  # enlarging: PyTorch's own kernel
+
+
+def test_export_onnx_fp16_with_ppsm_in_the_proxy_groups(tmp_path):
+    """ONNX in fp16 with PPSM in the proxy groups: the boundary merge's scatter_add (no fp16 kernel in ONNX
+    Runtime's CPU provider) is exported as a one-hot matmul, the SGIS's shrink runs in fp32; both graphs
+    match PyTorch in fp16. Stage 1's queries are scaled so that the cells' ranking scores are apart (a
+    random model's are tied to fp16's resolution, and two runtimes may order tied cells differently)."""
+    import onnx
+
+    from nascompress.export import ExportConfig, export_run, stage_path
+
+    d = dense()
+    with torch.no_grad():
+        for blk in d.stages[0].blocks:
+            blk.attn.q.weight.mul_(16)
+    config = {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25}
+    m = perturb(mgvit_h(d, **config))
+    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[
+        {"name": "mgvit-h", "config": {**config, "epsilon": 0.15}}]))
+    side = export_run(tmp_path / "m", out=tmp_path / "h.onnx", config=ExportConfig(dtype="fp16"))
+    v = side["verification"]
+    assert v["passed"] and v["stages"]["passed"] and v["top1_agreement"] == 1.0, v
+    assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["dtype"] == "fp16"
+    nodes = onnx.load(str(stage_path(tmp_path / "h.onnx", "mgis"))).graph.node
+    assert not [n for n in nodes if n.op_type.startswith("Scatter")
+                and any(a.name == "reduction" and a.s != b"none" for a in n.attribute)]
+    assert {"TopK", "ArgMax"} <= {n.op_type for n in nodes}  # the ranking and the match are in the graph
+
+
 def test_deepcopy_after_a_training_forward():
     """The ranking score must not stay on the attention modules with its graph (deepcopy, EMA, teachers)."""
     m = mgvit_h(r_h=0.25, r_t=0.25).train()

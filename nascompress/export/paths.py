@@ -2,7 +2,7 @@
 
 Every other inference path is traced as it is (EViT's sort and token gathers, DynamicViT's top-k,
 uniform's and DCS's sliced layers, DCS's channel gathers): the selections become real ``TopK`` /
-``Gather`` ops. Two paths are replaced, each by one that computes the same values:
+``Gather`` ops. Three paths are replaced, each by one that computes the same values:
 
 * DCS's MLP write-back ``x.index_add(-1, keep, y)`` traces to a ``ScatterND`` with ``reduction="add"``,
   which ONNX Runtime's CPU provider does not run in fp16. :class:`GatherAddMLP` writes the same
@@ -16,6 +16,11 @@ uniform's and DCS's sliced layers, DCS's channel gathers): the selections become
   basis, computed in the graph), then :func:`gathered_block_attention` (one ``index_select`` of each
   query block's prefix keys and kept key blocks from contiguous K / V, one SDPA over the query
   blocks, the prefix query rows dense). The unstructured mode and training are the kernel's own.
+* PPSM's boundary merge (``mgvit``'s :class:`~nascompress.methods.mgvit.PPSM`, ``mgvit-h``'s
+  :class:`~nascompress.methods.mgvit_h.GroupSlim`) adds each A token into its B token with
+  ``scatter_add``: an ONNX ``ScatterElements`` with ``reduction="add"``, which ONNX Runtime's CPU
+  provider does not run in fp16 either. :class:`ScatterFreeMerge` makes them add with a one-hot
+  matmul (:func:`~nascompress.methods.mgvit_ops.match_merge` with ``scatter=False``: the same sums).
 
 :func:`traceable_copy` returns an eval-mode copy of a model with these mixins put over the
 classes they replace (``__class__`` only: parameters, buffers and state-dict keys are the model's;
@@ -31,6 +36,8 @@ from torch import nn
 
 from ..methods import block_sparse
 from ..methods.dcs import MaterializedBlock
+from ..methods.mgvit import PPSM
+from ..methods.mgvit_h import GroupSlim
 from ..methods.sparsifiner import SparsifinerKernel, attention_budget, combine_masks, masked_attention
 from ..methods.tokens import patched_class
 
@@ -85,6 +92,13 @@ def _place(keep: torch.Tensor, channels: int) -> torch.Tensor:
     return place
 
 
+class ScatterFreeMerge:
+    """Mixin over mgvit's ``PPSM`` and mgvit-h's ``GroupSlim``: PPSM's boundary merge by a one-hot
+    matmul instead of ``scatter_add`` (the same sums; module docstring)."""
+
+    merge_scatter = False
+
+
 class TraceableBlockSparse:
     """Mixin over :class:`SparsifinerKernel`: its block-mode inference path traces (see the module docstring).
 
@@ -111,7 +125,8 @@ class TraceableBlockSparse:
         return gathered_block_attention(q, k, v, idx, layout, scale=scale)
 
 
-_SWAPS = ((MaterializedBlock, GatherAddMLP), (SparsifinerKernel, TraceableBlockSparse))
+_SWAPS = ((MaterializedBlock, GatherAddMLP), (SparsifinerKernel, TraceableBlockSparse), (PPSM, ScatterFreeMerge),
+          (GroupSlim, ScatterFreeMerge))
 TraceableSparsifiner = patched_class(SparsifinerKernel, TraceableBlockSparse, "Traceable")
 
 
@@ -134,4 +149,4 @@ def traceable_copy(model: nn.Module, *, dtype: torch.dtype = torch.float32) -> n
     return m
 
 
-__all__ = ["GatherAddMLP", "TraceableBlockSparse", "TraceableSparsifiner", "gathered_block_attention", "traceable_copy"]
+__all__ = ["GatherAddMLP", "ScatterFreeMerge", "TraceableBlockSparse", "TraceableSparsifiner", "gathered_block_attention", "traceable_copy"]

@@ -170,7 +170,10 @@ def _recording(attn: NCAttention, on: bool) -> None:
 
 
 class PPSM(nn.Module):
-    """The slimming module as a (parameter-free) module so the FLOP counter sees its work."""
+    """The slimming module as a (parameter-free) module so the FLOP counter sees its work.
+    ``merge_scatter``: :func:`~nascompress.methods.mgvit_ops.match_merge`'s form (export swaps in False)."""
+
+    merge_scatter = True
 
     def __init__(self, r_pos: float, r_neg: float):
         super().__init__()
@@ -178,7 +181,7 @@ class PPSM(nn.Module):
 
     def forward(self, x: torch.Tensor, score: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, n, D) patch tokens, score (B, n), values (B, n, D) -> slimmed tokens and scores."""
-        return ppsm(x, score, values, self.r_pos, self.r_neg)
+        return ppsm(x, score, values, self.r_pos, self.r_neg, scatter=self.merge_scatter)
 
     def matmul_macs(self, inputs: tuple, output: Any) -> float:
         x = inputs[0]

@@ -251,7 +251,10 @@ class SubEmbed(nn.Module):
 class GroupSlim(nn.Module):
     """PPSM's rules on whole proxy groups (P, k, C), parameter free, so that the FLOP counter sees
     the merges: ``boundary`` match-merges each group (row-major A / B, equal weights: the tokens
-    of a group share their cell's rank), ``negative`` averages it into one token."""
+    of a group share their cell's rank), ``negative`` averages it into one token.
+    ``merge_scatter``: :func:`~nascompress.methods.mgvit_ops.match_merge`'s form (export swaps in False)."""
+
+    merge_scatter = True
 
     def forward(self, fine: torch.Tensor, domain: str) -> torch.Tensor:
         if domain == "negative":
@@ -259,7 +262,7 @@ class GroupSlim(nn.Module):
         if fine.shape[1] < 2:
             return fine
         ones = fine.new_ones(fine.shape[:2])
-        return match_merge(fine, ones, fine)[0]
+        return match_merge(fine, ones, fine, scatter=self.merge_scatter)[0]
 
     def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
         fine, domain = inputs

@@ -109,13 +109,18 @@ def _weighted_merge(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w[..., None]).sum(1, keepdim=True) / w.sum(1, keepdim=True)[..., None].clamp_min(1e-12)
 
 
-def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, *,
+                scatter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """PPSM's boundary rule on tokens in rank order: they alternate into set A (1st, 3rd, ...) and
     set B (2nd, 4th, ...), each A token is matched to the B token with the most cosine-similar value
     vector, and every B token becomes the score-weighted average of itself and its A tokens.
 
     Args:
         x: (B, k, D) tokens (k >= 2), score: (B, k) positive weights, values: (B, k, Dv).
+        scatter: add the A tokens into their B tokens with ``scatter_add`` (the default, the fewest
+            operations); False: with a one-hot (B, nB, nA) matmul, the same sums for export (a
+            ``scatter_add`` becomes an ONNX ``ScatterElements`` with ``reduction="add"``, which ONNX
+            Runtime's CPU provider does not run in fp16).
     Returns:
         (B, k // 2, D) merged tokens and their (B, k // 2) summed scores.
     """
@@ -124,13 +129,18 @@ def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor) -> t
     xbb, sbb, vbb = x[:, 1::2], score[:, 1::2], values[:, 1::2]
     sim = F.normalize(va, dim=-1) @ F.normalize(vbb, dim=-1).transpose(1, 2)  # (B, nA, nB)
     dst = sim.argmax(-1)  # (B, nA)
-    num = (xbb * sbb[..., None]).scatter_add(1, dst[..., None].expand(-1, -1, D), xa * sa[..., None])
-    den = sbb.scatter_add(1, dst, sa)
+    if scatter:
+        num = (xbb * sbb[..., None]).scatter_add(1, dst[..., None].expand(-1, -1, D), xa * sa[..., None])
+        den = sbb.scatter_add(1, dst, sa)
+    else:
+        to_b = F.one_hot(dst, xbb.shape[1]).to(x.dtype).transpose(1, 2)  # (B, nB, nA): A token i -> B token dst_i
+        num = xbb * sbb[..., None] + to_b @ (xa * sa[..., None])
+        den = sbb + (to_b @ sa[..., None])[..., 0]
     return num / den[..., None].clamp_min(1e-12), den
 
 
 def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: float,
-         r_neg: float) -> tuple[torch.Tensor, torch.Tensor]:
+         r_neg: float, *, scatter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Three-way decision slimming of the patch tokens (the class token stays with the caller).
 
     Tokens are ranked by ``score`` (their global class attention). The top ``n_pos`` are kept;
@@ -144,6 +154,7 @@ def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: floa
         x: (B, n, D) patch tokens.
         score: (B, n) positive importance (global class attention).
         values: (B, n, Dv) value vectors used for the similarity.
+        scatter: :func:`match_merge`'s form of the boundary merge (False: export's scatter-free one).
     Returns:
         (B, n', D) tokens and (B, n') scores, ordered positives, merged boundary, negative;
         n' = :func:`ppsm_out_tokens` (n).
@@ -154,7 +165,8 @@ def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: floa
     xs, ss, vs = gather_tokens(x, order), score.gather(1, order), gather_tokens(values, order)
     parts, scores = [xs[:, :n_pos]], [ss[:, :n_pos]]
     if n_b >= 2:
-        merged, den = match_merge(xs[:, n_pos:n_pos + n_b], ss[:, n_pos:n_pos + n_b], vs[:, n_pos:n_pos + n_b])
+        merged, den = match_merge(xs[:, n_pos:n_pos + n_b], ss[:, n_pos:n_pos + n_b], vs[:, n_pos:n_pos + n_b],
+                                  scatter=scatter)
         parts.append(merged)
         scores.append(den)
     elif n_b == 1:
@@ -207,10 +219,13 @@ def resample_grid(pos: torch.Tensor, grid: int, new: int) -> torch.Tensor:
 
 def resample_image(img: torch.Tensor, size: int) -> torch.Tensor:
     """(B, C, H, W) -> (B, C, size, size): bilinear, antialiased when shrinking; the input itself when
-    it already has that size."""
+    it already has that size. An fp16 / bf16 image is shrunk in fp32 and cast back (PyTorch's CPU
+    kernel for the antialiased filter has no reduced-precision version: an fp16 export's check ran it)."""
     if img.shape[-1] == size and img.shape[-2] == size:
         return img
-    return F.interpolate(img, size=(size, size), mode="bilinear", align_corners=False, antialias=size < img.shape[-1])
+    shrink = size < img.shape[-1]
+    src = img.float() if shrink and img.dtype in (torch.float16, torch.bfloat16) else img
+    return F.interpolate(src, size=(size, size), mode="bilinear", align_corners=False, antialias=shrink).to(img.dtype)
 
 
 def patchify(img: torch.Tensor, p: int) -> torch.Tensor:
