@@ -12,7 +12,12 @@ segmentation check, dense PVT v2 against -A and -R on the same data and budget.
    input size), an FPN-style head (1x1 laterals to 32 channels on the four stage maps, top-down sum,
    3x3 conv, 2 classes at stride 4, upsampled) on each backbone above (the MG models through
    ``forward_intermediates``: no early exit), backbone and head trained together for the same
-   budget; test mIoU (background / foreground) and per-image MACs of backbone + head.
+   budget; test mIoU (background / foreground), per-image MACs of backbone + head, and the stage
+   maps' shapes against the dense model's.
+
+``--variants`` picks the mgvit-h variants (default both); ``--r-pos`` / ``--r-neg`` (PPSM in the proxy
+groups, off at 1 / 0) add a row ``r_ppsm``: variant r with the same ``--r-h`` / ``--r-t`` and PPSM on,
+fine-tuned, classified and segmented with the same budget as the others.
 
 The machine this was written on has 2 CPU cores shared with other jobs: the defaults are a tiny
 budget (see the result's ``budget``); the numbers are what that budget gives, not the paper's setting.
@@ -90,16 +95,18 @@ def masks_of(imgs: torch.Tensor, size: tuple[int, int], threshold: int) -> torch
     return F.interpolate(m, size=size, mode="nearest")[:, 0].long()
 
 
-def seg_run(backbone: nn.Module, data, spec: InputSpec, args) -> dict:
+def seg_run(backbone: nn.Module, data, spec: InputSpec, args, seed: int = 0) -> dict:
+    """One segmentation run: the head initialised and the images shuffled from ``seed``."""
     with torch.no_grad():
         chans = [f.shape[1] for f in backbone.forward_intermediates(torch.zeros(1, spec.in_chans, *spec.img_size),
                                                                     intermediates_only=True)]
+    torch.manual_seed(seed)
     model = FPNSeg(copy.deepcopy(backbone), chans).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.seg_lr, weight_decay=0.01)
     t0 = time.time()
     steps = 0
     for epoch in range(args.seg_epochs):
-        for imgs, _ in make_loader(data.train, batch_size=args.seg_batch, shuffle=True, seed=0, epoch=epoch):
+        for imgs, _ in make_loader(data.train, batch_size=args.seg_batch, shuffle=True, seed=seed, epoch=epoch):
             x, y = preprocess(imgs, spec), masks_of(imgs, spec.img_size, args.threshold)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
@@ -145,6 +152,13 @@ def reference_224() -> dict:
     return out
 
 
+def stage_shapes(model: nn.Module, spec: InputSpec) -> list[list[int]]:
+    """(C, H, W) of each stage map ``forward_intermediates`` gives for one image."""
+    with torch.no_grad():
+        feats = model.forward_intermediates(torch.zeros(1, spec.in_chans, *spec.img_size), intermediates_only=True)
+    return [list(f.shape[1:]) for f in feats]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--img-size", type=int, default=64)
@@ -159,7 +173,14 @@ def main() -> None:
     ap.add_argument("--r-h", type=float, default=0.25,
                     help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)")
     ap.add_argument("--r-t", type=float, default=0.75)
+    ap.add_argument("--variants", default="a,r", help="mgvit-h variants fine-tuned: a,r / a / r")
+    ap.add_argument("--r-pos", type=float, default=1.0,
+                    help="PPSM positive share of the split cells; below 1 (or --r-neg above 0) adds the row r_ppsm")
+    ap.add_argument("--r-neg", type=float, default=0.0, help="PPSM negative share of the split cells (r_ppsm)")
     ap.add_argument("--seg-epochs", type=int, default=1)
+    ap.add_argument("--seg-seeds", default="0",
+                    help="segmentation runs per backbone, one per seed (head init and shuffle): 0 / 0,1,2; mIoU is "
+                         "their mean")
     ap.add_argument("--seg-limit", type=int, default=400)
     ap.add_argument("--seg-batch", type=int, default=32)
     ap.add_argument("--seg-lr", type=float, default=1e-3)
@@ -172,6 +193,12 @@ def main() -> None:
     ap.add_argument("--reference-only", action="store_true",
                     help="only add the 224 px FLOP reference (reference_224) to the existing --out file")
     args = ap.parse_args()
+    variants = [v for v in args.variants.split(",") if v]
+    if not variants or set(variants) - {"a", "r"}:
+        ap.error(f"--variants takes a, r or a,r, got {args.variants!r}")
+    rows = {v: {"variant": v, "r_h": args.r_h, "r_t": args.r_t} for v in variants}
+    if args.r_pos < 1 or args.r_neg > 0:
+        rows["r_ppsm"] = {"variant": "r", "r_h": args.r_h, "r_t": args.r_t, "r_pos": args.r_pos, "r_neg": args.r_neg}
     torch.set_num_threads(args.threads)
     if args.reference_only:
         res = json.loads(Path(args.out).read_text())
@@ -200,13 +227,15 @@ def main() -> None:
     fit(dense_ft, data=data, input_spec=spec, cfg=cfg)
     models["dense"] = dense_ft.eval()
     timing = {"dense": time.time() - t0}
-    for v in ("a", "r"):
+    for v, config in rows.items():
         t0 = time.time()
         out = runs / f"bench_mgvith_{v}{args.img_size}"
         finetune(FinetuneJob(run_dir=str(base), method="mgvit-h", out=str(out), data=data_cfg, train=cfg,
-                             config={"variant": v, "r_h": args.r_h, "r_t": args.r_t},
-                             recipe={"kl_weight": args.kl_weight}), force=True)
-        models[v] = load_with_arch(out)[0].eval()
+                             config=config, recipe={"kl_weight": args.kl_weight}), force=True)
+        models[v], arch = load_with_arch(out)
+        models[v].eval()
+        if v == "r_ppsm":
+            res["r_ppsm_record"] = {k: arch["methods"][-1][k] for k in ("cells_split", "ppsm_cells", "mg_group_tokens")}
         timing[v] = time.time() - t0
     res["finetune_s"] = timing
 
@@ -230,7 +259,7 @@ def main() -> None:
     xb = batches[0][0][:args.batch]
     timed = [models["dense"]]
     labels = ["dense"]
-    for v in ("a", "r"):
+    for v in rows:
         for eps in (1.0, 0.9):
             m = copy.deepcopy(models[v])
             m.mg = dict(m.mg, epsilon=eps)
@@ -250,7 +279,23 @@ def main() -> None:
         return
     # 4. segmentation
     seg_data = load_data(DataConfig(train_limit=args.seg_limit, eval_limit=args.eval_limit), spec=spec)
-    res["segmentation"] = {name: seg_run(m, seg_data, spec, args) for name, m in models.items()}
+    seeds = [int(v) for v in args.seg_seeds.split(",")]
+    res["segmentation"] = {}
+    for name, m in models.items():
+        per_seed = [seg_run(m, seg_data, spec, args, seed) for seed in seeds]
+        row = dict(per_seed[0])
+        for key in ("miou", "iou_background", "iou_foreground"):
+            vals = [r[key] for r in per_seed]
+            row[key] = sum(vals) / len(vals)
+            if len(vals) > 1:
+                row[f"{key}_per_seed"] = vals
+                row[f"{key}_std"] = float(torch.tensor(vals).std())
+        row.update(seeds=seeds, train_s=sum(r["train_s"] for r in per_seed))
+        res["segmentation"][name] = row
+    dense_shapes = stage_shapes(models["dense"], spec)
+    for name, m in models.items():
+        shapes = stage_shapes(m, spec)
+        res["segmentation"][name].update(stage_shapes=shapes, same_shapes_as_dense=shapes == dense_shapes)
     res["total_s"] = time.time() - t_start
     save(args.out, res)
     for name in models:
