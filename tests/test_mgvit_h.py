@@ -20,7 +20,7 @@ from nascompress.methods.mgvit_ops import resample_image
 from nascompress.models import ModelSpec, build_model
 from nascompress.profiling.flops import count_flops, flop_counter_macs
 
-from .conftest import invoke
+from .conftest import TINY_EVIT_SPACE, invoke
 
 SPEC = ModelSpec("pvt_v2_b0", dict(img_size=64, num_classes=10, in_chans=1))
 INPUT = {"img_size": [64, 64], "in_chans": 1, "mean": [0.5], "std": [0.5]}
@@ -231,6 +231,32 @@ def test_search_space_loads_with_the_registry():
     d = dense()
     paper = [p for label, p in reference_configs(space, d) if label == "paper"]
     assert paper and paper[0]["mgvit-h.r_pos"] == 1.0  # the paper's Hierarchical MG-ViT (no PPSM) runs first
+
+
+def test_a_study_over_the_space_on_a_pyramid_run(pvt_run, tmp_path, monkeypatch):
+    """search tokens over search_spaces/mgvit-h.yaml from a pyramid base (it asked the base for a plain
+    ViT's block list before: AttributeError); a space with layer numbers is refused on a pyramid in one line."""
+    import optuna
+    from pathlib import Path
+
+    from nascompress.studies.inspect import load
+
+    monkeypatch.chdir(tmp_path)
+    space = Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml"
+    small = ["--eval-images", 16, "--train-images", 16, "--batch-size", 16]
+    r = invoke("search", "tokens", pvt_run, "--study", "h", "--space", space, "--trials", 3, *small)
+    assert r.exit_code == 0, r.output
+    done = [t for t in load("h")[1].trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3
+    for t in done:
+        rec = t.user_attrs["nascompress"]
+        assert rec["arch"][0]["name"] == "mgvit-h" and rec["flops_ratio"] > 0
+        assert {"mgvit-h.variant", "mgvit-h.r_h", "mgvit-h.r_t", "mgvit-h.r_pos", "mgvit-h.epsilon"} <= set(t.params)
+    assert done[0].params["mgvit-h.r_pos"] == 1.0  # the paper's configuration first
+    (tmp_path / "evit.yaml").write_text(TINY_EVIT_SPACE)
+    r = invoke("search", "tokens", pvt_run, "--study", "e", "--space", "evit.yaml", "--trials", 1, *small)
+    assert r.exit_code == 1 and "layer numbers address a plain ViT's blocks" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1
 
 
 # 64 px: a 2 x 2 grid of cells; r_h 0.25, r_t 0: 1 head and 3 middle cells, all split. r_pos 0.25,

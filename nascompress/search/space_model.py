@@ -94,8 +94,9 @@ class Space:
                     names.append(f"{m.name}.{p.name}")
         return names
 
-    def check_depth(self, depth: int) -> None:
-        """Raise if a layer number in the space is beyond a model of ``depth`` blocks."""
+    def check_depth(self, depth: int | None) -> None:
+        """Raise if a layer number in the space is beyond a model of ``depth`` blocks (None: a model
+        without a plain ViT's block list, a pyramid ViT, which no layer number can address)."""
         for m in self.methods:
             for p in m.params:
                 layers: list[int] = []
@@ -105,6 +106,10 @@ class Space:
                     layers = list(p.layers_list)
                 elif p.kind == "const" and is_layer_const(m, p):
                     layers = list(p.value)
+                if layers and depth is None:
+                    raise NascompressError(
+                        f"{self.source}: {p.where}: layer numbers address a plain ViT's blocks, and the base model "
+                        "is a pyramid ViT (stages of blocks); use a space without layer settings (e.g. mgvit-h's)")
                 bad = sorted({x for x in layers if x > depth})
                 if bad:
                     raise NascompressError(
