@@ -229,11 +229,6 @@ def is_pyramid(model: nn.Module) -> bool:
     return isinstance(model, PyramidVisionTransformerV2)
 
 
-def plain_depth(model: nn.Module) -> int | None:
-    """The number of a plain ViT's blocks (what layer numbers address); None for a pyramid ViT."""
-    return None if is_pyramid(model) else len(model.blocks)
-
-
 def _build_pyramid(spec: ModelSpec, arch: str) -> nn.Module:
     if arch not in PYRAMID_NAMES:
         raise NascompressError(f"{spec.name} is not supported: of the pyramid ViTs nascompress builds "

@@ -94,6 +94,12 @@ class Space:
                     names.append(f"{m.name}.{p.name}")
         return names
 
+    def check_model(self, model: Any) -> None:
+        """:meth:`check_depth` for ``model``: a plain ViT's block count, None for a pyramid ViT."""
+        from ..models import is_pyramid
+
+        self.check_depth(None if is_pyramid(model) else len(model.blocks))
+
     def check_depth(self, depth: int | None) -> None:
         """Raise if a layer number in the space is beyond a model of ``depth`` blocks (None: a model
         without a plain ViT's block list, a pyramid ViT, which no layer number can address)."""

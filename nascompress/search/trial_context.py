@@ -11,7 +11,7 @@ from torch import nn
 
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..io import load_with_arch
-from ..models import ModelSpec, build_model, plain_depth
+from ..models import ModelSpec, build_model
 from ..profiling import count_flops, measure
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
@@ -30,7 +30,7 @@ class TrialContext:
         self.device = resolve_device(job.device)
         self.base, self.arch = load_with_arch(job.base, map_location=self.device)
         self.space = load_space(job.space)
-        self.space.check_depth(plain_depth(self.base))
+        self.space.check_model(self.base)
         self.spec = InputSpec.from_dict(self.arch["input"])
         data_cfg = job.data or run_data(job.base)
         data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)

@@ -36,7 +36,7 @@ from ..data import DataConfig, InputSpec
 from ..errors import NascompressError
 from ..io import load_with_arch
 from ..methods import get_method
-from ..models import ModelSpec, build_model, plain_depth
+from ..models import ModelSpec, build_model
 from ..profiling import count_flops
 from ..utils import seed_everything
 from .scoring import calibrate_stack, study_scoring, trial_scoring
@@ -369,7 +369,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     space = load_space(job.space)
     factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
     base, arch = load_with_arch(job.base)
-    space.check_depth(plain_depth(base))
+    space.check_model(base)
     spec = InputSpec.from_dict(arch["input"])
     torch.manual_seed(job.seed)
     x = torch.randn(4, spec.in_chans, *spec.img_size)
