@@ -149,4 +149,5 @@ def traceable_copy(model: nn.Module, *, dtype: torch.dtype = torch.float32) -> n
     return m
 
 
-__all__ = ["GatherAddMLP", "ScatterFreeMerge", "TraceableBlockSparse", "TraceableSparsifiner", "gathered_block_attention", "traceable_copy"]
+__all__ = ["GatherAddMLP", "ScatterFreeMerge", "TraceableBlockSparse", "TraceableSparsifiner", "gathered_block_attention",
+           "traceable_copy"]
