@@ -50,13 +50,15 @@ def one(base: str, target: float, a: argparse.Namespace) -> dict:
         phases = {m.group(1): float(m.group(2)) for m in
                   (re.match(r"(.*): done in ([\d.]+) s$", ln) for ln in lines) if m}
         m = read_json(out / "metrics.json")
+        train = read_json(out / "config.json")["train"]
     return {"target_flops": target, "wall_s": wall, "first_progress_line_s": first, "goal_s": GOAL_S,
             "within_goal": wall <= GOAL_S, "phases_s": phases, "epoch_time_s": m["epoch_time_s"],
             "search_time_s": m["search_time_s"], "flops_ratio": m["flops_ratio"],
             "calibration_move": m["calibration_move"], "at_target_share": m["at_target_share"],
             "val_top1": m["val_top1"], "test_top1": m.get("test_top1"), "dense_val_top1": m["dense_val_top1"],
             "mlp_gates": m["mlp_gates"], "batch_size": m["batch_size"], "teacher_cached": m["teacher_cached"],
-            "train_images": m["train_images"], "threads": a.threads}
+            "train_images": m["train_images"], "threads": a.threads,
+            "base_lr": train["base_lr"], "layer_decay": train["layer_decay"] or 1.0, "peak_lr": m["peak_lr"]}
 
 
 def main() -> None:

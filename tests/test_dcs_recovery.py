@@ -61,9 +61,17 @@ def search(base, out, *extra):
                   "--device", "cpu", "--target-flops", 0.45, "--max-val-drop", 5, "--json", *extra)
 
 
+# the former weight recipe of the search: a pretrained-safe lr (1e-4 per 512 images) with layer decay 0.75,
+# which leaves the weights all but frozen while the gates close channels
+FROZEN = ["--base-lr", 1e-4, "--layer-decay", 0.75]
+
+
 def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_like, tmp_path):
-    r = search(pretrained_like, tmp_path / "paper", *PAPER)
+    r = search(pretrained_like, tmp_path / "paper", *PAPER, *FROZEN)
     assert r.exit_code == 1 and "the search collapsed" in r.output  # residual channels carry the model
+    # weights that train at the search's default lr follow the cut, even under the paper's settings
+    r = search(pretrained_like, tmp_path / "paper_lr", *PAPER)
+    assert r.exit_code == 0, r.output
     r = search(pretrained_like, tmp_path / "default")
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "default" / "metrics.json").read_text())
