@@ -219,9 +219,11 @@ def _get(d: Any, *path: str) -> Any:
 def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
     """Per cell (dataset/base/seed) and target: the issue's goals, each with its gap."""
     out: dict[str, Any] = {}
-    for key, seeds in res.items():
-        if "/" not in key or not isinstance(seeds, dict):
-            continue
+    cells = {key: seeds for key, seeds in res.items() if "/" in key and isinstance(seeds, dict)}
+    # every target measured in the file, not only this run's (a run of one target keeps the others' summary)
+    targets = sorted({*targets, *(float(u.rpartition("@")[2]) for seeds in cells.values() for r in seeds.values()
+                                  for u in r if "@" in u)}, reverse=True)
+    for key, seeds in cells.items():
         for seed, r in seeds.items():
             dense, ft = _get(r, "dense", "test_top1"), _get(r, "dense_ft", "retrained", "test_top1")
             for t in targets:

@@ -321,7 +321,7 @@ def test_the_search_and_retrain_defaults_are_the_same_in_the_cli_and_the_pipelin
     (cli_dcs, pipe_dcs), (cli_re, pipe_re) = captured["dcs"], captured["retrain"]
     assert isinstance(cli_dcs, DCSSearchJob) and isinstance(cli_re, RetrainJob)
     assert cli_dcs.search == pipe_dcs.search and cli_dcs.method == pipe_dcs.method
-    assert cli_dcs.train == pipe_dcs.train and cli_dcs.train.layer_decay == 0.75 and cli_dcs.train.base_lr == 1e-4
+    assert cli_dcs.train == pipe_dcs.train and cli_dcs.train.layer_decay is None and cli_dcs.train.base_lr == 1e-3
     assert cli_re.retrain == pipe_re.retrain == RetrainConfig()
     assert cli_re.train == pipe_re.train and cli_re.train.base_lr == 5e-4 and cli_re.auto_batch and pipe_re.auto_batch
 

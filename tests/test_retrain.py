@@ -17,7 +17,8 @@ from nascompress.errors import NascompressError
 from nascompress.hooks import as_floats
 from nascompress.io import make_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
-from nascompress.retrain import FeatureTap, IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain
+from nascompress.retrain import (FeatureTap, IBHooks, RetrainConfig, RetrainJob, bound_contribution, make_input_embed,
+                                 retrain)
 from nascompress.train import TrainConfig, input_spec_for
 
 from .conftest import TORCH_DEVICE, interrupted_at_epoch
@@ -209,6 +210,20 @@ def test_resume_replays_an_interrupted_run(tmp_path):
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(va, vb, msg=ka)
     assert resumed["final"]["ib"] == pytest.approx(full["final"]["ib"], rel=1e-4)
+    # what the bound contributed: the start and the warm-up epoch (CE only) against the epoch with the bound
+    log = [json.loads(ln) for ln in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
+    bc = full["bound_contribution"]
+    assert bc["best_val_without_bound"] == max(r["val_top1"] for r in log[:2])
+    assert bc["best_val_with_bound"] == log[2]["val_top1"]
+    assert bc["change"] == pytest.approx(bc["best_val_with_bound"] - bc["best_val_without_bound"])
+    assert resumed["bound_contribution"] == bc
+
+
+def test_the_default_retraining_has_no_bound_and_records_none():
+    # measured (bench/dcs_generalise.py ib units): the bound did not help, so the default is CE (+ KD) only
+    assert RetrainConfig().eta == 0.0
+    assert bound_contribution([{"epoch": 0, "start": True, "val_top1": 50.0}, {"epoch": 1, "val_top1": 60.0}], 1) == \
+        {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
 
 
 @pytest.mark.parametrize("args,match", [

@@ -30,7 +30,7 @@ def retrain(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
 ) -> None:
-    """Retrain a compressed model with CE, then CE + eta * IBB (DCS Algorithm 1); save the slim model."""
+    """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
     from dataclasses import replace
 
     from nascompress.retrain import recorded_data_config, retrain as retrain_fn, retrain_train_config
