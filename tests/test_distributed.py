@@ -163,7 +163,7 @@ def test_finetune_evit(evit2, dense2, tmp_path):
 
 def test_retrain_clusters_the_whole_set_on_every_process(evit2, tmp_path):
     out = tmp_path / "retrained"
-    args = ["--epochs", 2, "--warmup-frac", 0.5, "--lr", 1e-3, "--device", "cpu"]
+    args = ["--epochs", 2, "--eta", 50, "--warmup-frac", 0.5, "--lr", 1e-3, "--device", "cpu"]
     torchrun("retrain", evit2, "--out", out, "--batch-size", 16, *args)
     metrics = check_run(out, epochs=2)
     log = read_log(out)
