@@ -15,6 +15,7 @@ time it was measured, recorded there with their recipe) as rows of their own.
 
     python bench/dcs_search_lr.py --base runs/dcs_generalise/fashion-mnist/dinov2/seed0/dense \\
         --recipes 5e-4:1,1e-3:1,2e-3:1 --targets 0.7,0.6 --threads 1
+    python bench/dcs_search_lr.py --cases 5e-4:1@0.7,1e-3:1@0.7,1e-3:1@0.6 --threads 1
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def main() -> None:
     ap.add_argument("--base", default="runs/dcs_generalise/fashion-mnist/dinov2/seed0/dense")
     ap.add_argument("--recipes", default="5e-4:1,1e-3:1,2e-3:1", help="BASE_LR:LAYER_DECAY pairs")
     ap.add_argument("--targets", default="0.7,0.6")
+    ap.add_argument("--cases", help="RECIPE@TARGET pairs instead of every recipe at every target "
+                                    "(e.g. 5e-4:1@0.7,1e-3:1@0.7,1e-3:1@0.6)")
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
@@ -82,7 +85,9 @@ def main() -> None:
     res["base"] = {"run": a.base, "dataset": base.get("dataset"), "val_top1": base.get("best_val_top1"),
                    "test_top1": base.get("test_top1"), "train_limit": a.train_limit, "eval_limit": a.eval_limit,
                    "seed": a.seed}
-    rows = [record(search(a, r, float(t)), r) for t in a.targets.split(",") for r in a.recipes.split(",")]
+    cases = ([tuple(c.split("@")) for c in a.cases.split(",")] if a.cases else
+             [(r, t) for t in a.targets.split(",") for r in a.recipes.split(",")])
+    rows = [record(search(a, r, float(t)), r) for r, t in cases]
     if a.reference and Path(a.reference).is_file():
         ref = read_json(Path(a.reference))
         for r in ref["runs"]:  # runs recorded before that bench kept the recipe were measured with 1e-4 / 0.75
