@@ -20,14 +20,13 @@ time it was measured, recorded there with their recipe) as rows of their own.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from dcs_search_time import user_command  # noqa: E402  (the user's command, as that bench times it)
 from nascompress.utils import read_json  # noqa: E402
+from pretrained import log_summary  # noqa: E402
 
 
 def run_dir(a: argparse.Namespace, recipe: str, target: float) -> Path:
@@ -41,11 +40,9 @@ def search(a: argparse.Namespace, recipe: str, target: float) -> Path:
     if m.is_file() and read_json(m).get("finished") is True:
         return out
     lr, ld = recipe.split(":")
-    cmd = [sys.executable, "-m", "nascompress.cli.main", "search", "dcs", a.base, "--target-flops", str(target),
-           "--epochs", "4", "--train-limit", str(a.train_limit), "--eval-limit", str(a.eval_limit),
-           "--seed", str(a.seed), "--max-val-drop", "100", "--base-lr", lr, "--layer-decay", ld, "--out", str(out)]
+    cmd, env = user_command(a.base, target, a, out)
+    cmd += ["--base-lr", lr, "--layer-decay", ld]
     cmd += ["--resume"] if (out / "checkpoint.safetensors").is_file() else ["--force"]
-    env = dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
     if a.threads:
         env["OMP_NUM_THREADS"] = str(a.threads)
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
@@ -54,8 +51,7 @@ def search(a: argparse.Namespace, recipe: str, target: float) -> Path:
 
 def record(out: Path, recipe: str) -> dict:
     m = read_json(out / "metrics.json")
-    per_epoch = [r["val_top1"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
-                 if not r.get("start") and "val_top1" in r]
+    per_epoch = log_summary(out)["val_per_epoch"]
     lr, ld = recipe.split(":")
     return {"base_lr": float(lr), "layer_decay": float(ld), "peak_lr": m["peak_lr"], "batch_size": m["batch_size"],
             "target_flops": m["target_flops"], "flops_ratio": m["flops_ratio"],

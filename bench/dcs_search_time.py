@@ -29,13 +29,19 @@ from nascompress.utils import read_json  # noqa: E402
 GOAL_S = 600.0
 
 
+def user_command(base: str, target: float, a: argparse.Namespace, out: Path) -> tuple[list[str], dict[str, str]]:
+    """The user's ``search dcs BASE --target-flops T --epochs 4`` (``--max-val-drop 100``: run to the end)
+    on ``a``'s images and seed, into ``out``, and the environment to run it in (plain progress lines)."""
+    cmd = [sys.executable, "-m", "nascompress.cli.main", "search", "dcs", base, "--target-flops", str(target),
+           "--epochs", "4", "--train-limit", str(a.train_limit), "--eval-limit", str(a.eval_limit),
+           "--seed", str(a.seed), "--max-val-drop", "100", "--out", str(out)]
+    return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
+
+
 def one(base: str, target: float, a: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "search"
-        cmd = [sys.executable, "-m", "nascompress.cli.main", "search", "dcs", base, "--target-flops", str(target),
-               "--epochs", "4", "--train-limit", str(a.train_limit), "--eval-limit", str(a.eval_limit),
-               "--seed", str(a.seed), "--max-val-drop", "100", "--out", str(out)]
-        env = dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
+        cmd, env = user_command(base, target, a, out)
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
         first, lines = None, []
