@@ -265,17 +265,18 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
                                   if metrics["epoch_time_s_mean"] else None)
     if job.retrain.eta > 0:
-        metrics["bound_contribution"] = bound_contribution(log, warm)
+        metrics["bound_contribution"] = bound_contribution(log)
     return RetrainResult(model=model, job=job, log=log, metrics=metrics)
 
 
-def bound_contribution(log: list[dict[str, Any]], warm_epochs: int) -> dict[str, Any]:
+def bound_contribution(log: list[dict[str, Any]]) -> dict[str, Any]:
     """What the IB bound contributed to a retraining: the best validation top-1 of the epochs on CE
-    (+ KD) only (the start and the ``warm_epochs`` warm-up) against the best of the epochs with the
-    bound, and the change (None where one side has no epoch)."""
-    val = [(r["epoch"], r["val_top1"]) for r in log if "epoch" in r and r.get("val_top1") is not None]
-    before = max((v for e, v in val if e <= warm_epochs), default=None)
-    after = max((v for e, v in val if e > warm_epochs), default=None)
+    (+ KD) only (the start and the warm-up) against the best of the epochs the bound was in (each
+    epoch's ``ib_active``, as :class:`~nascompress.ib_hooks.IBHooks` logged it), and the change (None
+    where one side has no epoch)."""
+    val = [(bool(r.get("ib_active")), r["val_top1"]) for r in log if r.get("val_top1") is not None]
+    before = max((v for on, v in val if not on), default=None)
+    after = max((v for on, v in val if on), default=None)
     return {"best_val_without_bound": before, "best_val_with_bound": after,
             "change": None if before is None or after is None else after - before}
 

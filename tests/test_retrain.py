@@ -222,7 +222,8 @@ def test_resume_replays_an_interrupted_run(tmp_path):
 def test_the_default_retraining_has_no_bound_and_records_none():
     # measured (bench/dcs_generalise.py ib units): the bound did not help, so the default is CE (+ KD) only
     assert RetrainConfig().eta == 0.0
-    assert bound_contribution([{"epoch": 0, "start": True, "val_top1": 50.0}, {"epoch": 1, "val_top1": 60.0}], 1) == \
+    assert bound_contribution([{"epoch": 0, "start": True, "val_top1": 50.0},
+                               {"epoch": 1, "val_top1": 60.0, "ib_active": False}]) == \
         {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
 
 
