@@ -317,7 +317,7 @@ def test_the_search_and_retrain_defaults_are_the_same_in_the_cli_and_the_pipelin
     assert invoke("search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s", "--target-flops", "0.5",
                   "--json").exit_code == 0
     assert invoke("retrain", "compressed", "--out", tmp_path / "r", "--json").exit_code == 0
-    _pipeline_jobs(_pipeline_config(tmp_path, {}, retrain={"teacher": "none"}), captured)
+    _pipeline_jobs(_pipeline_config(tmp_path, {}, retrain={"distil_from": "none"}), captured)
     (cli_dcs, pipe_dcs), (cli_re, pipe_re) = captured["dcs"], captured["retrain"]
     assert isinstance(cli_dcs, DCSSearchJob) and isinstance(cli_re, RetrainJob)
     assert cli_dcs.search == pipe_dcs.search and cli_dcs.method == pipe_dcs.method

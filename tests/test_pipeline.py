@@ -224,6 +224,8 @@ def _bad(base: dict, path: str, value) -> dict:
 BAD = [
     ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
     ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
+    ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop"),
+    ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
     ("stages.dcs.target_flops", 1.5, "stages.dcs.target_flops: must be in (0, 1], got 1.5"),
     ("base.run", "/nonexistent/run", "base: give exactly one of run, train, import; got run, train"),
     ("base", {"import": {"model": "vit_tiny_patch16_224", "weights": "missing.safetensors"}},
@@ -274,7 +276,7 @@ def test_more_bad_configs(tmp_path):
     check(_bad(tiny_config(), "data.dataset", "no/such/folder"), "data.dataset: ")
     g = _bad(_bad(tiny_config(), "goal", {"max_latency_ms": 5.0}), "stages.tokens.objective", "flops")
     check(g, "stages.tokens.objective: flops trials record no latency")
-    nt = _bad(_bad(tiny_config(), "stages.retrain.teacher", "none"), "stages.retrain.feat_kd", 1.0)
+    nt = _bad(_bad(tiny_config(), "stages.retrain.distil_from", "none"), "stages.retrain.feat_kd", 1.0)
     check(nt, "stages.retrain: feat_kd distils from the base model's features")
     # a headless checkpoint without linear_probe
     from safetensors.torch import save_file
@@ -350,7 +352,7 @@ def test_yaml_numbers_and_the_normalized_config(tmp_path):
     assert cfg.stages.tokens.space == str(tmp_path / "space.yaml")  # relative to the config file
     assert cfg.stages.retrain.eta == 0.0 and isinstance(cfg.stages.retrain.eta, float)
     d = cfg.to_dict()
-    assert list(d["base"]) == ["train"] and "dcs" in d["stages"] and d["stages"]["retrain"]["teacher"] == "base"
+    assert list(d["base"]) == ["train"] and "dcs" in d["stages"] and d["stages"]["retrain"]["distil_from"] == "base"
 
 
 def test_help_shows_an_example():

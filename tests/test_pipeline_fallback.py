@@ -103,6 +103,6 @@ def test_no_model_at_all_is_stated(tiny_run, tmp_path, collapse_below):
 def test_no_fallback_fails_the_stage(tiny_run, tmp_path, collapse_below):
     calls = collapse_below(1.0)
     cfg = config(tiny_run)
-    cfg["stages"]["dcs"]["fallback"] = False
+    cfg["stages"]["dcs"]["on_collapse"] = "stop"
     r = invoke("pipeline", write(tmp_path, cfg), "--out", tmp_path / "out")
     assert r.exit_code == 1 and "the search collapsed (test, target 0.6)" in r.output and calls == [0.6]

@@ -37,14 +37,6 @@ COMMAND_PLUMBING = {
 # (the dense run the pipeline starts from: its input, as a command's argument)
 PIPELINE_STRUCTURE = {"format", "data", "base", "goal", "stages", "report", "export",
                       "base.run", "base.train", "base.import", "stages.dcs", "stages.tokens", "stages.retrain"}
-# Pipeline keys declared with setting() in the section (the pipeline's own) under a name a library
-# setting also has, with another meaning: (key) -> reason
-PIPELINE_OWN = {
-    "stages.retrain.teacher": "base or none, a choice among the pipeline's own runs; retrain --teacher (RetrainJob's) "
-                              "is a run directory",
-    "stages.dcs.fallback": "the pipeline's retry of a collapsed DCS search; quantize's fallback (QuantizeConfig's) "
-                           "is another setting",
-}
 
 
 def _library_settings() -> list[tuple[type, dataclasses.Field]]:
@@ -180,7 +172,7 @@ def test_every_pipeline_key_is_a_library_setting_or_the_files_structure():
     names = {f.name for _, f in SETTINGS}
     bad = []
     for where, f in _sections(PipelineConfig):
-        if where in PIPELINE_STRUCTURE or where in PIPELINE_OWN:
+        if where in PIPELINE_STRUCTURE:
             continue
         if any(dict(f.metadata) == dict(g.metadata) and f.name == g.name for _, g in SETTINGS):
             continue  # generated: the library field's own declaration (library_keys)

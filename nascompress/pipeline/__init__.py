@@ -14,7 +14,7 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
     stages:                      # each optional, run in this order
       dcs: {target_flops: 0.7, epochs: 4, train_limit: 24000, qk_mask: static}
       tokens: {space: ../search_spaces/evit.yaml, trials: 30}
-      retrain: {epochs: 4, eta: 0, teacher: base}
+      retrain: {epochs: 4, eta: 0, distil_from: base}
     report: {latency: true, iters: 10, batch_size: 64, dtype: fp32, compile: false}
     export: {format: onnx}       # optional: OUT/export/model.onnx + .json, run and checked against PyTorch
 

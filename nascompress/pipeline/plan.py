@@ -257,9 +257,9 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
             return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
         return materialize_search(mat, force=force)
 
-    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if s.fallback else ""
+    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if s.on_collapse == "retry" else ""
     return [Step("dcs_search", out / "dcs_search", "train",
-                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=s.fallback),
+                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=s.on_collapse == "retry"),
                  outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
                  describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})"),
             Step("dcs_mat", out / "dcs_mat", "redo", materialize,
@@ -335,11 +335,11 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
     try:
         tc = retrain_train_config(**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg))
         rc = library_config(s, RetrainConfig)
-        if s.feat_kd and s.teacher == "none":
-            raise NascompressError("feat_kd distils from the base model's features; set teacher: base or feat_kd: 0")
+        if s.feat_kd and s.distil_from == "none":
+            raise NascompressError("feat_kd distils from the base model's features; set distil_from: base or feat_kd: 0")
         job = RetrainJob(model_dir=str(current), out=str(out / "final"),
                          data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
-                         teacher=str(base_dir) if s.teacher == "base" else None, auto_batch=s.batch_size is None)
+                         teacher=str(base_dir) if s.distil_from == "base" else None, auto_batch=s.batch_size is None)
     except NascompressError as e:
         raise ctx.err("stages.retrain", str(e)) from None
     def run(force: bool, resume: bool) -> dict[str, Any]:
@@ -352,7 +352,7 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
     return Step("retrain", out / "final", "train", run,
                 outputs=("final/model.safetensors", "final/metrics.json"),
                 describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
-                         f"{', teacher: the base' if s.teacher == 'base' else ''})")
+                         f"{', teacher: the base' if s.distil_from == 'base' else ''})")
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:

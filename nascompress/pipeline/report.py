@@ -200,7 +200,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
                                                       "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
                                                       "test_top1", "train_time_s")}
-        decisions["retrain"]["teacher"] = cfg.stages.retrain.teacher
+        decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
     int8 = None

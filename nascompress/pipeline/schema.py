@@ -35,6 +35,7 @@ class Section(Config):
     """A section of the pipeline file; YAML key names may differ from field names (``import``)."""
 
     _yaml_names: typing.ClassVar[dict[str, str]] = {}  # field name -> YAML key
+    renamed: typing.ClassVar[dict[str, str]] = {}  # a former YAML key -> what to write instead
 
     @classmethod
     def keys(cls) -> dict[str, str]:
@@ -170,6 +171,9 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
         raise ctx.err(path, f"must be a mapping of settings, got {describe_value(data)}")
     keys = cls.keys()
     for k in data:
+        if k in cls.renamed and k not in keys:
+            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write "
+                                   f"{cls.renamed[k]}")
         if k not in keys:
             raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}; valid: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)

@@ -121,10 +121,14 @@ class DCSStage(Section):
     the search's training settings (:data:`~nascompress.search.dcs.SEARCH_TRAIN_SETTINGS`; null: the
     recipe's, ``batch_size`` null: from the training images), all declared in the library with their
     checks (:func:`~nascompress.pipeline.schema.library_keys`), and the keys below (the data's
-    ``train_limit`` for this stage, and the pipeline's own ``fallback``). With ``fallback`` a search
-    that collapses is retried once at a milder target, then skipped (:mod:`nascompress.pipeline.fallback`)."""
+    ``train_limit`` for this stage, and the pipeline's own ``on_collapse``). With ``on_collapse: retry``
+    a search that collapses is retried once at a milder target, then skipped
+    (:mod:`nascompress.pipeline.fallback`); ``stop`` fails the stage."""
 
-    fallback: bool = setting(True, help="Retry a search that collapses once at a milder target, then skip it.")
+    on_collapse: str = setting("retry", choices=("retry", "stop"), help=(
+        "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
+        "without DCS; stop: the stage fails."))
+    renamed: typing.ClassVar[dict[str, str]] = {"fallback": "on_collapse: retry | stop (fallback: false is stop)"}
 
     def __post_init__(self) -> None:
         check_lr_pair(self)
@@ -141,18 +145,20 @@ class TokensStage(Section):
 
 @dataclass(frozen=True)
 @library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
-              lead=("epochs", "eta", "warmup_frac", "teacher", *STAGE_DATA_SETTINGS.names))
+              lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names))
 class RetrainStage(Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
     :class:`~nascompress.retrain.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
     training settings (:data:`~nascompress.retrain.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
     ``batch_size`` null: from the training images), declared in the library with their checks, and
-    the keys below: the ``teacher`` (the dense ``base`` or ``none``; the command's ``--teacher`` is a
-    run directory) and the data's ``train_limit`` for this stage."""
+    the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
+    among its own runs; the command's ``--teacher`` is a run directory) and the data's ``train_limit``
+    for this stage."""
 
-    teacher: str = setting("base", choices=("base", "none"), help=(
-        "base: distil from the dense base; none: no teacher (the command's --teacher is a run directory)."))
+    distil_from: str = setting("base", choices=("base", "none"), help=(
+        "base: distil from the dense base (the teacher); none: no teacher."))
+    renamed: typing.ClassVar[dict[str, str]] = {"teacher": "distil_from: base | none"}
 
     def __post_init__(self) -> None:
         check_lr_pair(self)
