@@ -260,13 +260,18 @@ def core_attention(attn: nn.Module, *, where: str = "attention") -> NCAttention:
     return attn
 
 
+def require_vit(model: nn.Module, method: str) -> None:
+    """Raise unless ``model`` is a timm VisionTransformer (what ``method`` patches)."""
+    if not isinstance(model, VisionTransformer):
+        raise NascompressError(f"{method} needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
+
+
 def to_core(model: nn.Module, *, method: str) -> VisionTransformer:
     """Make every block of a timm ViT an :class:`NCBlock` with an :class:`NCAttention`, in place.
 
     Idempotent: blocks already patched by a method (subclasses of NCBlock) are kept as they are.
     """
-    if not isinstance(model, VisionTransformer):
-        raise NascompressError(f"{method} needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
+    require_vit(model, method)
     for i, blk in enumerate(model.blocks):
         if not isinstance(blk, NCBlock):
             if type(blk) is not Block:

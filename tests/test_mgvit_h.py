@@ -537,3 +537,41 @@ def test_training_loss_and_kl_weight():
     _, rec = get_method("mgvit-h").prepare_fresh(dense(), {}, {"kl_weight": 0.5})
     assert rec["recipe"] == {"kl_weight": 0.5}
     assert get_method("mgvit-h").hooks(None, rec, teacher=None, train_cfg=None).kl_weight == 0.5
+
+
+def test_a_pipeline_from_a_pyramid_run(pvt_run, tmp_path):
+    """The pipeline on a pyramid base: tokens over mgvit-h's space, retrain (feature KD from the dense
+    pyramid), ONNX export (two graphs); a DCS stage or a space with layer numbers is refused in one
+    line before anything runs."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    space = Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml"
+    cfg = {"format": "nascompress-pipeline/1", "seed": 0, "device": "cpu", "data": {"dataset": "synthetic"},
+           "base": {"run": str(pvt_run)}, "goal": {"max_flops": 1.0},
+           "stages": {"tokens": {"space": str(space), "trials": 3, "eval_images": 16, "train_images": 16,
+                                 "batch_size": 16, "objective": "flops"},
+                      "retrain": {"epochs": 1, "batch_size": 16, "train_limit": 32}},
+           "report": {"iters": 2, "batch_size": 8}, "export": {"format": "onnx"}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    r = invoke("pipeline", tmp_path / "p.yaml", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert [m["name"] for m in summary["decisions"]["methods"]] == ["mgvit-h"]
+    assert (tmp_path / "out" / "export" / "model.onnx").is_file()
+    assert (tmp_path / "out" / "export" / "model.mgis.onnx").is_file()  # the two graphs of MG-ViT
+    assert isinstance(nascompress.load(tmp_path / "out" / "final"), MGPVT)
+
+    bad = dict(cfg, stages={"dcs": {"target_flops": 0.8, "epochs": 1}})
+    (tmp_path / "d.yaml").write_text(yaml.safe_dump(bad))
+    r = invoke("pipeline", tmp_path / "d.yaml", "--out", tmp_path / "d")
+    assert r.exit_code == 1 and "stages.dcs: DCS needs a timm VisionTransformer" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "d").exists()
+    (tmp_path / "evit.yaml").write_text(TINY_EVIT_SPACE)
+    bad = dict(cfg, stages={"tokens": dict(cfg["stages"]["tokens"], space=str(tmp_path / "evit.yaml"))})
+    (tmp_path / "e.yaml").write_text(yaml.safe_dump(bad))
+    r = invoke("pipeline", tmp_path / "e.yaml", "--out", tmp_path / "e")
+    assert r.exit_code == 1 and "layer numbers address a plain ViT's blocks" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "e").exists()

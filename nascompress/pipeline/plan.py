@@ -267,7 +267,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
                  describe="materialize the searched channels")]
 
 
-def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, depth: int,
+def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
                  base_dir: Path) -> tuple[list[Step], str]:
     from ..methods import get_method
     from ..search.trial_model import TrialMaterializeJob
@@ -278,7 +278,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     s, goal = cfg.stages.tokens, cfg.goal
     try:
         space = load_space(s.space)
-        space.check_depth(depth)
+        space.check_model(dense)  # layer numbers within a plain ViT's depth; none on a pyramid ViT
     except NascompressError as e:
         raise ctx.err("stages.tokens.space", str(e)) from None
     try:
@@ -396,11 +396,18 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     steps = [base_step]
     current = base_dir
     if cfg.stages.dcs is not None:
+        from ..layers import require_vit
+
+        try:
+            require_vit(dense, "DCS")
+        except NascompressError as e:
+            raise ctx.err("stages.dcs", f"{e}: drop stages.dcs (a pyramid ViT's stage is tokens, with "
+                                        "search_spaces/mgvit-h.yaml)") from None
         steps += _plan_dcs(cfg, out, ctx, base_dir)
         current = out / "dcs_mat"
     storage = None
     if cfg.stages.tokens is not None:
-        tok, storage = _plan_tokens(cfg, out, ctx, current, len(dense.blocks), base_dir)
+        tok, storage = _plan_tokens(cfg, out, ctx, current, dense, base_dir)
         steps += tok
         current = out / "tokens" / "picked"
     if cfg.stages.retrain is not None:
