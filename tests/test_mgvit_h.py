@@ -575,3 +575,13 @@ def test_a_pipeline_from_a_pyramid_run(pvt_run, tmp_path):
     r = invoke("pipeline", tmp_path / "e.yaml", "--out", tmp_path / "e")
     assert r.exit_code == 1 and "layer numbers address a plain ViT's blocks" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "e").exists()
+
+
+def test_quantize_refuses_it_in_one_line(tmp_path):
+    """Two graphs and an exit rule, as mgvit: int8 is refused (it wrote one file under two stage names)."""
+    m = mgvit_h(variant="r", epsilon=0.6, r_h=0.25, r_t=0.25)
+    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[
+        {"name": "mgvit-h", "config": {k: m.mg[k] for k in ("variant", "r_h", "r_t", "epsilon")}}]))
+    r = invoke("quantize", tmp_path / "m", "--out", tmp_path / "q", "--dataset", "synthetic")
+    assert r.exit_code == 1 and "MG-ViT is not quantized (mgvit-h: two graphs and an exit rule)" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "q").exists()

@@ -32,7 +32,6 @@ exit decisions, which this check does not cover.
 """
 from __future__ import annotations
 
-import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,11 +44,11 @@ import torch
 
 from ..config import Config, check_int, check_settings, field_name, setting
 from ..errors import NascompressError
+from .graphs import TWO_STAGE
+from .precision import LINEAR_OPS, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
 
 SCHEMES = ("int8-static", "int8-dynamic")
 QUANTIZE_CHOICES = ("none", "int8", *SCHEMES)  # ExportConfig.quantize ("int8": the default scheme)
-LINEAR_OPS = ("MatMul", "Gemm")
-_BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)(?:\.|$)")
 
 
 @dataclass(frozen=True)
@@ -99,69 +98,6 @@ class QuantizeConfig(Config):
 def config_for(quantize: str) -> QuantizeConfig:
     """The QuantizeConfig of an ExportConfig's ``quantize`` choice (``int8``: the default scheme)."""
     return QuantizeConfig() if quantize == "int8" else QuantizeConfig(scheme=quantize)
-
-
-# ---------------------------------------------------------------------------------------------
-# Which nodes are quantized
-
-
-def _module_of(node: Any) -> str:
-    """The module path of an exported node (torch.onnx records its name scopes), or ''."""
-    for p in node.metadata_props:
-        if p.key == "pkg.torch.onnx.name_scopes":
-            scopes = [s.strip(" '\"") for s in p.value.strip("[]").split(",")]
-            return scopes[-2] if len(scopes) >= 2 else ""
-    return ""
-
-
-def _constants(graph: Any) -> set[str]:
-    names = {i.name for i in graph.initializer}
-    names.update(o for n in graph.node if n.op_type == "Constant" for o in n.output)
-    return names
-
-
-def _block_of(module: str) -> int | None:
-    m = _BLOCK.search(module)
-    return int(m.group(1)) if m else None
-
-
-def plan_precision(model: Any, level: int) -> tuple[list[str], list[dict[str, str]]]:
-    """The nodes of ONNX ``model`` to quantize and those kept fp32 (with the reason), at ``level``
-    (0: the default; 1: the first and last blocks' linear layers too; a model of one or two blocks
-    has nothing left to quantize there)."""
-    g = model.graph
-    consts = _constants(g)
-    linear = [n for n in g.node if n.op_type in LINEAR_OPS]
-    blocks = [b for b in (_block_of(_module_of(n)) for n in linear) if b is not None]
-    ends = {min(blocks), max(blocks)} if blocks and level >= 1 else set()
-    quantize, kept = [], []
-    for n in g.node:
-        mod = _module_of(n)
-        why = None
-        if n.op_type == "Conv":
-            why = "patch embedding (Conv)"
-        elif n.op_type in ("Softmax", "LayerNormalization"):
-            why = n.op_type
-        elif n.op_type in LINEAR_OPS:
-            if len(n.input) < 2 or n.input[1] not in consts:
-                why = "attention matmul between activations (QK^T / AV)"
-            elif mod == "head" or mod.startswith("head."):
-                why = "classifier head"
-            elif _block_of(mod) in ends:
-                why = f"{'first' if _block_of(mod) == min(blocks) else 'last'} block (milder level)"
-            else:
-                quantize.append(n.name)
-                continue
-        if why is not None:
-            kept.append({"node": n.name, "op": n.op_type, "module": mod, "why": why})
-    return quantize, kept
-
-
-def _summarise_kept(kept: list[dict[str, str]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in kept:
-        out[k["why"]] = out.get(k["why"], 0) + 1
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,9 +220,11 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     if ecfg.format != "onnx" or ecfg.dtype != "fp32":
         raise NascompressError("int8 quantization starts from the fp32 ONNX export: use --format onnx --dtype fp32")
     arch = load_arch(run)
-    if any(m.get("name") == "mgvit" for m in arch.get("methods", [])):
-        raise NascompressError("MG-ViT is not quantized: its exit rule reads the softmax confidence, which int8 moves "
-                               "and this check does not cover; export it in fp32 or fp16 (nascompress export)")
+    two_stage = [m["name"] for m in arch.get("methods", []) if m.get("name") in TWO_STAGE]
+    if two_stage:  # mgvit, mgvit-h: two graphs and an exit rule
+        raise NascompressError(f"MG-ViT is not quantized ({two_stage[0]}: two graphs and an exit rule): the rule reads "
+                               "the softmax confidence, which int8 moves and this check does not cover; export it in "
+                               "fp32 or fp16 (nascompress export)")
     try:
         import onnx
         import onnxruntime.quantization  # noqa: F401
@@ -382,7 +320,7 @@ def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecf
                          "preprocessing": "the model's own (the sidecar's input), no augmentation"}
                         if static else None),
         "quantized_nodes": chosen["quantized_nodes"],
-        "kept_fp32": chosen["kept_fp32"], "kept_fp32_summary": _summarise_kept(chosen["kept_fp32"]),
+        "kept_fp32": chosen["kept_fp32"], "kept_fp32_summary": summarise_kept(chosen["kept_fp32"]),
         "also_fp32": "GELU, residual adds and the token selection ops (TopK, Gather): only MatMul/Gemm are quantized",
         "attempts": [{k: v for k, v in a.items() if k != "kept_fp32"} for a in attempts],
         "settings": cfg.to_dict(),
