@@ -224,7 +224,7 @@ def _bad(base: dict, path: str, value) -> dict:
 BAD = [
     ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
     ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
-    ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop"),
+    ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop"),
     ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
     ("stages.dcs.target_flops", 1.5, "stages.dcs.target_flops: must be in (0, 1], got 1.5"),
     ("base.run", "/nonexistent/run", "base: give exactly one of run, train, import; got run, train"),
@@ -394,3 +394,24 @@ def test_a_second_run_into_a_busy_out_is_refused(ref):
         assert r.exit_code == 1 and "another 'nascompress pipeline' is running in" in r.output
     finally:
         os.close(fd)
+
+
+def test_a_run_stored_with_former_key_names_continues(tmp_path):
+    """A run whose config.yaml an earlier version wrote (stages.retrain.teacher, stages.dcs.fallback)
+    is continued: the stored keys are read under their new names; a user's file with them is refused."""
+    from nascompress.pipeline.config_io import dump_config
+    from nascompress.pipeline.run import CONFIG_FILE, _claim_out
+
+    cfg = write_config(tmp_path, tiny_config())
+    out = tmp_path / "out"
+    pipe = plan(cfg, out=out)
+    out.mkdir()
+    text = dump_config(pipe.cfg)
+    assert "distil_from: base" in text and "on_collapse: retry" in text
+    old = text.replace("distil_from: base", "teacher: base").replace("on_collapse: retry", "fallback: true")
+    (out / CONFIG_FILE).write_text(old)
+    (out / "base").mkdir()  # a stage of the earlier run
+    assert _claim_out(pipe, force=False) is True
+    (out / CONFIG_FILE).write_text(old.replace("fallback: true", "fallback: false"))  # another behaviour: refused
+    with pytest.raises(nascompress.NascompressError, match="stages.dcs.on_collapse is 'retry' here but 'stop' there"):
+        _claim_out(pipe, force=False)

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from .schema import build_section, SchemaContext, key_path, describe_value
+from .schema import build_section, SchemaContext, key_path, describe_value, upgrade_keys
 from .sections import PipelineConfig
 from ..yaml_io import read_yaml_file
 
@@ -17,9 +17,10 @@ def read_yaml(path: str | Path) -> Any:
     return read_yaml_file(path, what="config file")
 
 
-def load_config(path: str | Path, *, seed: int | None = None) -> PipelineConfig:
+def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = False) -> PipelineConfig:
     """Read and validate a pipeline file (schema only: types, ranges, unknown keys); ``seed``
-    overrides the file's. Errors name the file and the key path."""
+    overrides the file's; ``upgrade``: former key names read as their new ones (a run's stored
+    config), else refused. Errors name the file and the key path."""
     path = Path(path)
     data = read_yaml(path)
     ctx = SchemaContext(str(path), path.resolve().parent)
@@ -28,7 +29,7 @@ def load_config(path: str | Path, *, seed: int | None = None) -> PipelineConfig:
                           f"got {describe_value(data)}")
     if seed is not None:
         data = dict(data, seed=seed)
-    return build_section(PipelineConfig, data, "", ctx)
+    return build_section(PipelineConfig, upgrade_keys(PipelineConfig, data) if upgrade else data, "", ctx)
 
 
 def dump_config(cfg: PipelineConfig) -> str:

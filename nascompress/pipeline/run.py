@@ -65,10 +65,11 @@ def _plain(cfg: Any) -> Any:
 
 def _as_this_version(stored: Path, old: Any) -> Any:
     """The stored config of a run as this version reads it: a key added since that run was written
-    takes its default (the behaviour the run had), so upgrading nascompress does not refuse to
-    continue a run. The stored data as it is when this version cannot read it."""
+    takes its default (the behaviour the run had), a renamed key its new name, so upgrading
+    nascompress does not refuse to continue a run. The stored data as it is when this version cannot
+    read it."""
     try:
-        return _plain(load_config(stored))
+        return _plain(load_config(stored, upgrade=True))
     except NascompressError:
         return old
 

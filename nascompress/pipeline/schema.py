@@ -35,7 +35,8 @@ class Section(Config):
     """A section of the pipeline file; YAML key names may differ from field names (``import``)."""
 
     _yaml_names: typing.ClassVar[dict[str, str]] = {}  # field name -> YAML key
-    renamed: typing.ClassVar[dict[str, str]] = {}  # a former YAML key -> what to write instead
+    # a former YAML key -> (its new key, {former value: new value} or None when the values are the same)
+    renamed: typing.ClassVar[dict[str, tuple[str, dict[Any, Any] | None]]] = {}
 
     @classmethod
     def keys(cls) -> dict[str, str]:
@@ -172,8 +173,11 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
     keys = cls.keys()
     for k in data:
         if k in cls.renamed and k not in keys:
-            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write "
-                                   f"{cls.renamed[k]}")
+            new, values = cls.renamed[k]
+            f = next(f for f in dataclasses.fields(cls) if f.name == new)
+            then = "; " + ", ".join(f"{k}: {str(a).lower()} is {b}" for a, b in values.items()) if values else ""
+            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {new}: "
+                                   f"{' | '.join(map(str, f.metadata['choices']))}{then}")
         if k not in keys:
             raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}; valid: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)
@@ -192,6 +196,24 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
         raise ctx.err(key_path(path, e.key), str(e)) from None
     except NascompressError as e:
         raise ctx.err(path, str(e)) from None
+
+
+def upgrade_keys(cls: type[Section], data: Any) -> Any:
+    """``data`` (a section's YAML mapping, nested sections included) with every former key of
+    ``cls.renamed`` written under its new name and value: how a run's stored config written by an
+    earlier version is read (a user's file with a former key is refused, naming the new one)."""
+    if not isinstance(data, dict):
+        return data
+    hints = typing.get_type_hints(cls)
+    names = cls.keys()
+    out = {}
+    for k, v in data.items():
+        if k in cls.renamed and k not in names:
+            k, values = cls.renamed[k]
+            v = values.get(v, v) if values else v
+        sub = _section_type(hints[names[k]]) if k in names else None
+        out[k] = upgrade_keys(sub, v) if sub is not None else v
+    return out
 
 
 def check_one_of(section: Any, names: dict[str, str], what: str) -> None:

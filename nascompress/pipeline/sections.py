@@ -128,7 +128,7 @@ class DCSStage(Section):
     on_collapse: str = setting("retry", choices=("retry", "stop"), help=(
         "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
         "without DCS; stop: the stage fails."))
-    renamed: typing.ClassVar[dict[str, str]] = {"fallback": "on_collapse: retry | stop (fallback: false is stop)"}
+    renamed = {"fallback": ("on_collapse", {True: "retry", False: "stop"})}
 
     def __post_init__(self) -> None:
         check_lr_pair(self)
@@ -158,7 +158,7 @@ class RetrainStage(Section):
 
     distil_from: str = setting("base", choices=("base", "none"), help=(
         "base: distil from the dense base (the teacher); none: no teacher."))
-    renamed: typing.ClassVar[dict[str, str]] = {"teacher": "distil_from: base | none"}
+    renamed = {"teacher": ("distil_from", None)}
 
     def __post_init__(self) -> None:
         check_lr_pair(self)
