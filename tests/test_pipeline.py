@@ -340,6 +340,7 @@ def test_a_run_written_before_a_key_existed_is_continued(ref, tmp_path):
     (out / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
     r = invoke("pipeline", ref["config"], "--out", out)
     assert r.exit_code == 1 and "stages.dcs.epochs is 3 here but 99 there" in r.output
+    assert f"give the new config base: {{run: {out / 'base'}}}" in r.output  # its finished base can be kept
 
 
 def test_yaml_numbers_and_the_normalized_config(tmp_path):

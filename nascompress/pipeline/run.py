@@ -87,9 +87,12 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
         if old != new:
             diff = config_diff(new, old if isinstance(old, dict) else {})
             more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+            keep = ""
+            if pipe.cfg.base.run is None and (out / "base" / "metrics.json").is_file():  # a finished base of its own
+                keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
             raise NascompressError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
-                                   f"rerun it with the same config ({stored}) to continue it, use another --out, or "
-                                   "pass --force to start over")
+                                   f"rerun it with the same config ({stored}) to continue it, use another --out"
+                                   f"{keep}, or pass --force to start over")
         return True
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
