@@ -156,6 +156,32 @@ def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     return runs, info
 
 
+def dinov2_given_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any], DataConfig]:
+    """``--dinov2-runs DENSE DCS``: the probe, the trained DCS model, and EViT 0.7 on the probe (zero-shot)."""
+    from export import save_run  # bench/export.py (this folder is on sys.path)
+
+    from nascompress.api import run_data_config
+    from nascompress.methods import get_method
+    from nascompress.models import ModelSpec
+
+    dense_dir, dcs_dir = args.dinov2_runs
+    dense, arch = load_with_arch(dense_dir)
+    evit, evit_rec = get_method("evit").prepare_fresh(copy.deepcopy(dense), {"keep_rate": 0.7})
+    evit_dir = save_run(work, "dinov2_evit", evit.eval(), ModelSpec.from_dict(arch["model"]), arch["input"], [evit_rec])
+    dcs_metrics = read_json(dcs_dir / "metrics.json")
+    data = run_data_config(dcs_dir) or DataConfig(dataset="fashion-mnist")
+    info = {"kind": "DINOv2 ViT-S/14 112 px linear probe and a DCS model searched (search dcs, every default), "
+                    "materialized and retrained from it; EViT 0.7 applied to the probe WITHOUT retraining",
+            "dense_run": str(dense_dir), "dcs_run": str(dcs_dir),
+            "dcs_test_top1": dcs_metrics.get("test_top1")}
+    from nascompress.profiling import count_flops
+
+    x = torch.zeros(1, 3, *arch["input"]["img_size"])
+    ratio = count_flops(load_with_arch(dcs_dir)[0].eval(), x).total / count_flops(dense.eval(), x).total
+    info["dcs_flops_ratio"] = ratio
+    return {"dense": dense_dir, f"dcs_{ratio:.2f}x": dcs_dir, "evit_0.7": evit_dir}, info, data
+
+
 # ---------------------------------------------------------------------------------------------
 # Measurements
 
@@ -264,7 +290,9 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
         drop = m[dcs]["test_top1"]["int8_drop"]
         out["dinov2_dcs"] = {"model": dcs, f"throughput_{big}_vs_dense_pytorch_fp32": sp, "speed_goal_2x_met": sp >= 2,
                              "int8_drop_vs_own_fp32_pts": drop, "accuracy_goal_1pt_met": drop <= 1.0,
-                             "note": "the DCS model is not retrained here (zero-shot channel pruning)"}
+                             "note": ("the DCS model is searched and retrained" if "retrained from it" in
+                                      dv["source"]["kind"] else "the DCS model is not retrained here (zero-shot "
+                                                                "channel pruning)")}
         out["dinov2_stacking"] = {k: stacking(m, s, "dense", k) for k in m if k != "dense"}
     return out
 
@@ -299,6 +327,10 @@ def main() -> None:
     ap.add_argument("--retrain-epochs", type=int, default=1, help="stand-in: retraining epochs")
     ap.add_argument("--skip-main", action="store_true")
     ap.add_argument("--dinov2-weights", type=Path, help="DINOv2 ViT-S/14 112 px timm weights (tools/convert_dinov2.py)")
+    ap.add_argument("--dinov2-runs", type=Path, nargs=2, metavar=("DENSE", "DCS"),
+                    help="instead of --dinov2-weights: a DINOv2 probe run and a DCS run searched, materialized and "
+                         "retrained from it (bench/dcs_generalise.py's dense/ and dcs_auto_0.6_retrained/); EViT 0.7 "
+                         "is applied to DENSE zero-shot")
     ap.add_argument("--dinov2-train", type=int, default=1000, help="linear-probe training images")
     ap.add_argument("--dinov2-dcs-flops", type=float, default=0.6)
     ap.add_argument("--eval-images", type=int, default=1000, help="validation (check) and test images per model")
@@ -356,7 +388,11 @@ def main() -> None:
                                                           work, args, [1, 64])}
             res["goals"] = goals(res)
             save(args.out, res)
-        if args.dinov2_weights is not None:
+        if args.dinov2_runs is not None:
+            args.eval_images = args.dinov2_eval_images or args.eval_images
+            runs, info, data = dinov2_given_runs(args, work)
+            res["dinov2"] = {"source": info, **family("dinov2", runs, data, work, args, [1, 16])}
+        elif args.dinov2_weights is not None:
             args.eval_images = args.dinov2_eval_images or args.eval_images
             runs, info = dinov2_runs(args, work)
             data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, subset_seed=0)
