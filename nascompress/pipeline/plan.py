@@ -257,9 +257,10 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
             return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
         return materialize_search(mat, force=force)
 
-    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if s.on_collapse == "retry" else ""
+    again = s.on_collapse == "retry"
+    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if again else ""
     return [Step("dcs_search", out / "dcs_search", "train",
-                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=s.on_collapse == "retry"),
+                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=again),
                  outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
                  describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})"),
             Step("dcs_mat", out / "dcs_mat", "redo", materialize,
@@ -336,7 +337,8 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
         tc = retrain_train_config(**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg))
         rc = library_config(s, RetrainConfig)
         if s.feat_kd and s.distil_from == "none":
-            raise NascompressError("feat_kd distils from the base model's features; set distil_from: base or feat_kd: 0")
+            raise NascompressError("feat_kd distils from the base model's features; set distil_from: base or "
+                                   "feat_kd: 0")
         job = RetrainJob(model_dir=str(current), out=str(out / "final"),
                          data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
                          teacher=str(base_dir) if s.distil_from == "base" else None, auto_batch=s.batch_size is None)

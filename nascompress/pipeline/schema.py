@@ -174,10 +174,10 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
     for k in data:
         if k in cls.renamed and k not in keys:
             new, values = cls.renamed[k]
-            f = next(f for f in dataclasses.fields(cls) if f.name == new)
+            choices = next(f for f in dataclasses.fields(cls) if f.name == new).metadata.get("choices")
+            what = f"{new}: {' | '.join(map(str, choices))}" if choices else new
             then = "; " + ", ".join(f"{k}: {str(a).lower()} is {b}" for a, b in values.items()) if values else ""
-            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {new}: "
-                                   f"{' | '.join(map(str, f.metadata['choices']))}{then}")
+            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {what}{then}")
         if k not in keys:
             raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}; valid: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)
@@ -210,7 +210,7 @@ def upgrade_keys(cls: type[Section], data: Any) -> Any:
     for k, v in data.items():
         if k in cls.renamed and k not in names:
             k, values = cls.renamed[k]
-            v = values.get(v, v) if values else v
+            v = values.get(v, v) if values and not isinstance(v, (dict, list)) else v
         sub = _section_type(hints[names[k]]) if k in names else None
         out[k] = upgrade_keys(sub, v) if sub is not None else v
     return out
