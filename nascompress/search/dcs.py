@@ -42,7 +42,9 @@ at the first arch-step (``grad_balance``). The gate logits start open, spread by
 score, so channels reach the threshold one by one rather than all at once. A search that lands
 outside the band is reported; with ``calibrate`` (default) the gate threshold is then shifted to
 land inside it, and the log and metrics say by how much. A search whose validation accuracy falls
-more than ``max_val_drop`` points below the dense model's stops with a message.
+more than ``max_val_drop`` points below the dense model's stops with a message (while the target
+still moves, the weights chase a shrinking architecture and dip before they recover: there only a
+drop of twice that stops it).
 
 Under torchrun (:mod:`nascompress.distributed`) each process takes its shard of both subsets every
 epoch; the shards are equal, so every process interleaves its W- and arch-steps in the same order,
@@ -142,7 +144,8 @@ class DCSSearchConfig(Config):
         block_weights: weight every block's differentiable cost by its measured sensitivity (a
             block whose pruning hurts more feels less of the cost's push; the controller still
             steers the real FLOPs).
-        max_val_drop: stop when validation top-1 falls more than this many points below the dense model's.
+        max_val_drop: stop when validation top-1 falls more than this many points below the dense model's
+            (twice this while the target still moves).
         calibrate: if the last epoch ends outside the band, shift the gate threshold to land inside
             it (reported); False: fail instead.
         grad_balance: with a target, measure lambda in units of the task gradient: at the first
@@ -219,7 +222,8 @@ class DCSSearchConfig(Config):
     block_weights: bool = setting(True, flag="--no-block-weights", help=(
         "Do not weight each block's cost by its measured sensitivity."))
     max_val_drop: float = setting(15.0, lo=0, help=(
-        "Stop when validation top-1 falls more than this many points below the dense model's."))
+        "Stop when validation top-1 falls more than this many points below the dense model's (twice this while "
+        "the target still moves: the weights dip and recover there)."))
     calibrate: bool = setting(True, flag="--no-calibrate", help=(
         "Fail instead of shifting the gate threshold when the search ends off target."))
     grad_balance: bool = setting(True, flag="--no-grad-balance", help=(

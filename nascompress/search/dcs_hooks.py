@@ -228,10 +228,16 @@ class DCSSearchHooks(TrainHooks):
         if start is None:
             return
         drop = start["val_top1"] - record["val_top1"]
-        if drop > self.cfg.max_val_drop:
+        target, now = self.cfg.target_flops, record.get("target_now")
+        ramping = target is not None and now is not None and now > target * (1 + 1e-6)
+        # while the target still moves, the weights chase a shrinking architecture and dip, then recover
+        # (DINOv2 ViT-S/14 at 0.6x: 65.0% after the first of 4 epochs, from 81.1%): only twice the drop stops it
+        limit = self.cfg.max_val_drop * (2 if ramping else 1)
+        if drop > limit:
             head = (f"the search collapsed: validation top-1 fell from {start['val_top1']:.2f}% (the dense model) to "
-                    f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than --max-val-drop "
-                    f"{self.cfg.max_val_drop:g} points")
+                    f"{record['val_top1']:.2f}% after epoch {record['epoch']}, more than "
+                    + (f"twice --max-val-drop {self.cfg.max_val_drop:g} points while the target still moved"
+                       if ramping else f"--max-val-drop {self.cfg.max_val_drop:g} points"))
             calib = record.get("calibration")
             if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
                 # the gates did not get near the target by themselves: the end-of-search threshold shift
