@@ -110,7 +110,8 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
     rt = dec.get("retrain")
     if rt:
         extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
-        lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g} ({rt['warm_epochs']} CE-only), teacher "
+        warm = f" ({rt['warm_epochs']} CE-only)" if rt["eta"] else ""  # epochs before the IB bound joins
+        lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g}{warm}, teacher "
                      f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%")
     return lines
 
