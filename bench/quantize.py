@@ -313,7 +313,9 @@ def not_measured(args, res: dict[str, Any]) -> list[str]:
          "main_job" in res and not args.pipeline_runs), ("main job", "main_job" not in res),
         ("DINOv2 models", "dinov2" not in res),
         ("retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used: their accuracy goals are not meaningful "
-         "here)", "dinov2" in res),
+         "here)", "dinov2" in res and "retrained from it" not in res["dinov2"]["source"]["kind"]),
+        ("a retrained DINOv2 EViT 0.7 model (EViT applied to the probe zero-shot)",
+         "dinov2" in res and "retrained from it" in res["dinov2"]["source"]["kind"]),
         ("2 threads per runtime (this run's thread count is machine.cpu_threads)", args.threads != 2),
         ("GPU int8 (no GPU on this machine; not offered)", True)) if present]
 
