@@ -366,10 +366,11 @@ def int8_table(data: dict[str, Any]) -> list[str]:
             t, sz = m["test_top1"], m["file_mb"]
             sp = {b: f["speed"][b]["speedup_vs_dense_pytorch_fp32"] for b in ("batch_1", big)}
             scheme = m["quantization"]["scheme"] + (" (fallback)" if m["quantization"]["fallback"] else "")
-            kind = f.get("source", {}).get("kind", "") if fam == "dinov2" else ""
-            trained = k == "dense" or (k.startswith("dcs") and "retrained from it" in kind)  # else zero-shot
-            note = ' (searched, retrained)' if k.startswith("dcs") and trained else ' (not retrained)'
-            rows.append([f"{label}: {k}{note if fam == 'dinov2' and k != 'dense' else ''}", f"{m['flops_ratio']:.3f}x", scheme,
+            note = ""
+            if fam == "dinov2" and k != "dense":  # a DINOv2 DCS model from --dinov2-runs is trained, the rest zero-shot
+                retrained = k.startswith("dcs") and "retrained from it" in f.get("source", {}).get("kind", "")
+                note = " (searched, retrained)" if retrained else " (not retrained)"
+            rows.append([f"{label}: {k}{note}", f"{m['flops_ratio']:.3f}x", scheme,
                          f"{t['pytorch_fp32']:.2f}% -> {t['ort_int8']:.2f}%", f"{sz['fp32']:.2f} -> {sz['int8']:.2f}",
                          f"{sp[big][k + '/ort_fp32']:.2f}x / {sp[big][k + '/ort_int8']:.2f}x",
                          f"{sp['batch_1'][k + '/ort_fp32']:.2f}x / {sp['batch_1'][k + '/ort_int8']:.2f}x",

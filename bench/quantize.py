@@ -290,9 +290,8 @@ def goals(res: dict[str, Any]) -> dict[str, Any]:
         drop = m[dcs]["test_top1"]["int8_drop"]
         out["dinov2_dcs"] = {"model": dcs, f"throughput_{big}_vs_dense_pytorch_fp32": sp, "speed_goal_2x_met": sp >= 2,
                              "int8_drop_vs_own_fp32_pts": drop, "accuracy_goal_1pt_met": drop <= 1.0,
-                             "note": ("the DCS model is searched and retrained" if "retrained from it" in
-                                      dv["source"]["kind"] else "the DCS model is not retrained here (zero-shot "
-                                                                "channel pruning)")}
+                             "note": ("the DCS model is searched and retrained" if dcs_retrained(res) else
+                                      "the DCS model is not retrained here (zero-shot channel pruning)")}
         out["dinov2_stacking"] = {k: stacking(m, s, "dense", k) for k in m if k != "dense"}
     return out
 
@@ -306,6 +305,11 @@ def stacking(m: dict[str, Any], s: dict[str, Any], dense: str, comp: str) -> dic
             "compressed_int8_top1": c["ort_int8"], "bound_top1": bound, "accuracy_met": c["ort_int8"] >= bound}
 
 
+def dcs_retrained(res: dict[str, Any]) -> bool:
+    """Whether the DINOv2 family's DCS model was searched and retrained (``--dinov2-runs``), not zero-shot."""
+    return "retrained from it" in res.get("dinov2", {}).get("source", {}).get("kind", "")
+
+
 def not_measured(args, res: dict[str, Any]) -> list[str]:
     """What this result does not cover, in words."""
     return [g for g, present in (
@@ -313,9 +317,8 @@ def not_measured(args, res: dict[str, Any]) -> list[str]:
          "main_job" in res and not args.pipeline_runs), ("main job", "main_job" not in res),
         ("DINOv2 models", "dinov2" not in res),
         ("retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used: their accuracy goals are not meaningful "
-         "here)", "dinov2" in res and "retrained from it" not in res["dinov2"]["source"]["kind"]),
-        ("a retrained DINOv2 EViT 0.7 model (EViT applied to the probe zero-shot)",
-         "dinov2" in res and "retrained from it" in res["dinov2"]["source"]["kind"]),
+         "here)", "dinov2" in res and not dcs_retrained(res)),
+        ("a retrained DINOv2 EViT 0.7 model (EViT applied to the probe zero-shot)", dcs_retrained(res)),
         ("2 threads per runtime (this run's thread count is machine.cpu_threads)", args.threads != 2),
         ("GPU int8 (no GPU on this machine; not offered)", True)) if present]
 
