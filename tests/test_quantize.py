@@ -242,3 +242,38 @@ def test_compressed_models_quantize_and_run(stack, tmp_path):
     ref, got = onnx_runner(tmp_path / "f.onnx")[0]([x])[0], onnx_runner(tmp_path / "q.onnx")[0]([x])[0]
     assert got.shape == ref.shape and bool(torch.isfinite(got).all())
     assert float((got - ref).abs().max()) < 0.25 * max(1.0, float(ref.abs().max())), (got, ref)
+
+
+@pytest.mark.parametrize("tokens", ["static", "unknown"])
+def test_each_quantized_linear_layer_runs_as_one_int8_gemm_with_its_bias(quantized, tmp_path, monkeypatch, tokens):
+    """The static scheme turns each block linear (exported as MatMul + bias Add) into one Gemm, which
+    ONNX Runtime runs as one QGemm with an fp32 output (no requantize/dequantize pair, no fp32 bias
+    add); the rewrite alone leaves the fp32 function unchanged, whether the token count is known to
+    shape inference (one Reshape to a constant shape) or not (the shape is read at run time)."""
+    import onnx
+    import onnxruntime as ort
+
+    from nascompress.export.verify import onnx_runner
+
+    run, out, side, _ = quantized
+    export_run(run, out=tmp_path / "f.onnx")
+    m = onnx.load(str(tmp_path / "f.onnx"))
+    nodes, _ = q.plan_precision(m, 0)
+    shapes_before = sum(n.op_type == "Shape" for n in m.graph.node)
+    if tokens == "unknown":
+        monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda model: onnx.ModelProto())
+    assert q.linears_as_gemm(m, nodes) == len(nodes) == 8
+    added = sum(n.op_type == "Shape" for n in m.graph.node) - shapes_before
+    assert added == (0 if tokens == "static" else 8)
+    onnx.save(m, str(tmp_path / "g.onnx"))
+    shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim[1:]]
+    x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0))
+    ref, got = onnx_runner(tmp_path / "f.onnx")[0]([x])[0], onnx_runner(tmp_path / "g.onnx")[0]([x])[0]
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    ort.InferenceSession(str(out / FILE), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "ort.onnx")).graph.node]
+    assert ops.count("QGemm") == side["quantization"]["quantized_nodes"] == 8
+    assert ops.count("DequantizeLinear") == 0 and "MatMulIntegerToFloat" not in ops

@@ -1,11 +1,18 @@
 """Which nodes of an exported ONNX model ``nascompress quantize`` turns int8, and which it keeps in
 fp32 with the reason (recorded in the sidecar): the linear layers of the blocks are quantized; the
 patch embedding, the classifier head, the attention matmuls between activations, Softmax and
-LayerNorm stay fp32, and at the milder level the first and last blocks' linear layers too."""
+LayerNorm stay fp32, and at the milder level the first and last blocks' linear layers too.
+
+:func:`linears_as_gemm` prepares the graph for the static scheme: a linear layer exported as
+``MatMul`` + bias ``Add`` (the exporter's form for token inputs ``(B, N, C)``) becomes one ``Gemm`` on
+the flattened tokens, so ONNX Runtime runs it as one int8 ``QGemm`` with the bias inside (int32) and
+an fp32 output, instead of an int8 matmul, a requantization, a dequantization and an fp32 bias add."""
 from __future__ import annotations
 
 import re
 from typing import Any
+
+import numpy as np
 
 LINEAR_OPS = ("MatMul", "Gemm")
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)(?:\.|$)")
@@ -63,6 +70,57 @@ def plan_precision(model: Any, level: int) -> tuple[list[str], list[dict[str, st
     return quantize, kept
 
 
+def linears_as_gemm(model: Any, nodes: list[str]) -> int:
+    """Rewrite, in place, each ``MatMul`` named in ``nodes`` whose constant 2-D weight's only consumer
+    path is one ``Add`` of a constant 1-D bias into ``Flatten(axis=-1) -> Gemm(W, b) -> Reshape`` back
+    to the input's leading dimensions (the Gemm keeps the MatMul's name and name scopes, so ``nodes``
+    still selects it). Returns how many were rewritten; the function is unchanged (same math)."""
+    from onnx import helper, numpy_helper
+
+    import onnx
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    users: dict[str, list[Any]] = {}
+    for n in g.node:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    wanted, done, out, n_done = set(nodes), set(), [], 0
+    for n in g.node:
+        if id(n) in done:
+            continue
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) == 2 else None
+        after = users.get(n.output[0], [])
+        add = after[0] if len(after) == 1 and after[0].op_type == "Add" else None
+        bias = [i for i in add.input if i != n.output[0]] if add is not None else []
+        if (n.name not in wanted or w is None or len(w.dims) != 2 or len(bias) != 1 or bias[0] not in inits
+                or list(inits[bias[0]].dims) != [w.dims[1]] or any(o.name == n.output[0] for o in g.output)):
+            out.append(n)
+            continue
+        p = f"{n.name}/as_gemm"
+        gemm = helper.make_node("Gemm", [f"{p}/x2d", n.input[1], bias[0]], [f"{p}/y2d"], name=n.name)
+        gemm.metadata_props.extend(n.metadata_props)
+        out += [helper.make_node("Flatten", [n.input[0]], [f"{p}/x2d"], axis=-1, name=f"{p}/flatten"), gemm]
+        lead = shapes[n.input[0]][1:-1] if n.input[0] in shapes else [None]
+        if None not in lead:  # only the batch is dynamic (the usual case): one Reshape to a constant shape
+            shape = numpy_helper.from_array(np.array([-1, *lead, w.dims[1]], dtype=np.int64), f"{p}/shape_out")
+            g.initializer.append(shape)
+        else:
+            width = numpy_helper.from_array(np.array([w.dims[1]], dtype=np.int64), f"{p}/width")
+            g.initializer.append(width)
+            out += [helper.make_node("Shape", [n.input[0]], [f"{p}/lead"], end=-1, name=f"{p}/shape"),
+                    helper.make_node("Concat", [f"{p}/lead", width.name], [f"{p}/shape_out"], axis=0,
+                                     name=f"{p}/concat")]
+        out.append(helper.make_node("Reshape", [f"{p}/y2d", f"{p}/shape_out"], [add.output[0]], name=f"{p}/reshape"))
+        done.add(id(add))
+        n_done += 1
+    del g.node[:]
+    g.node.extend(out)
+    return n_done
+
+
 def summarise_kept(kept: list[dict[str, str]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in kept:
@@ -70,4 +128,4 @@ def summarise_kept(kept: list[dict[str, str]]) -> dict[str, int]:
     return out
 
 
-__all__ = ["LINEAR_OPS", "plan_precision", "summarise_kept"]
+__all__ = ["LINEAR_OPS", "plan_precision", "linears_as_gemm", "summarise_kept"]

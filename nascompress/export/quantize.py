@@ -9,7 +9,8 @@ Schemes (ONNX Runtime's names in brackets):
 
 * ``int8-static``: weights int8 per output channel, activations uint8 with scales calibrated
   (min/max) on ``calib_images`` images of the run's own training split, preprocessed exactly as the
-  model is evaluated (QDQ format: ORT runs QLinearMatMul / int8 GEMM kernels).
+  model is evaluated (QDQ format; each linear layer becomes one ``Gemm`` with its bias, which ORT runs
+  as an int8 ``QGemm`` with an fp32 output: no requantization between the GEMM and its bias).
 * ``int8-dynamic``: weights int8 per output channel, activation scales computed per batch at run time
   (``DynamicQuantizeLinear`` + ``MatMulInteger``): no calibration, usually milder.
 
@@ -45,7 +46,7 @@ import torch
 from ..config import Config, check_int, check_settings, field_name, setting
 from ..errors import NascompressError
 from .graphs import TWO_STAGE
-from .precision import LINEAR_OPS, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
+from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
 
 SCHEMES = ("int8-static", "int8-dynamic")
 QUANTIZE_CHOICES = ("none", "int8", *SCHEMES)  # ExportConfig.quantize ("int8": the default scheme)
@@ -162,11 +163,22 @@ def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib:
             quantize_dynamic(src, dst, op_types_to_quantize=list(LINEAR_OPS), nodes_to_quantize=nodes,
                              per_channel=True, weight_type=QuantType.QInt8)
             return
-        name = onnx.load(str(src), load_external_data=False).graph.input[0].name
-        quantize_static(src, dst, _reader(name, calib or []), quant_format=QuantFormat.QDQ,
-                        op_types_to_quantize=list(LINEAR_OPS), nodes_to_quantize=nodes, per_channel=True,
-                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        extra_options={"WeightSymmetric": True, "ActivationSymmetric": False})
+        model = onnx.load(str(src))
+        linears_as_gemm(model, nodes)  # one QGemm per linear layer, bias inside (see linears_as_gemm)
+        prepared = Path(dst).with_name(Path(dst).name + ".gemm.onnx")
+        onnx.save(model, str(prepared))
+        try:
+            quantize_static(prepared, dst, _reader(model.graph.input[0].name, calib or []),
+                            quant_format=QuantFormat.QDQ, op_types_to_quantize=list(LINEAR_OPS),
+                            nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QUInt8,
+                            weight_type=QuantType.QInt8,
+                            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False,
+                                           # fp32 out of the int8 GEMM: no requantize + dequantize pair
+                                           # (a MatMul left as it is keeps its pair: ORT's fused
+                                           # MatMulIntegerToFloat refuses per-channel weights of some)
+                                           "OpTypesToExcludeOutputQuantization": ["Gemm"]})
+        finally:
+            prepared.unlink(missing_ok=True)
 
 
 def _logits(runner: Any, batches: Any) -> torch.Tensor:
@@ -314,7 +326,8 @@ def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecf
         "weights": "int8, symmetric, per output channel",
         "activations": ("uint8, asymmetric, scales calibrated (min/max) and fixed" if static else
                         "uint8, scales computed per batch at run time (DynamicQuantizeLinear)"),
-        "format": "QDQ (QuantizeLinear/DequantizeLinear pairs)" if static else "MatMulInteger",
+        "format": ("QDQ (QuantizeLinear/DequantizeLinear pairs); linear layers as Gemm with the bias, fp32 outputs "
+                   "(ONNX Runtime: QGemm)") if static else "MatMulInteger",
         "calibration": ({"split": "train", "images": n_calib, "seed": cfg.seed, "dataset": bundle.name,
                          "train_limit": data_cfg.train_limit, "method": "MinMax",
                          "preprocessing": "the model's own (the sidecar's input), no augmentation"}
