@@ -374,11 +374,15 @@ def int8_table(data: dict[str, Any]) -> list[str]:
                          f"{t['pytorch_fp32']:.2f}% -> {t['ort_int8']:.2f}%", f"{sz['fp32']:.2f} -> {sz['int8']:.2f}",
                          f"{sp[big][k + '/ort_fp32']:.2f}x / {sp[big][k + '/ort_int8']:.2f}x",
                          f"{sp['batch_1'][k + '/ort_fp32']:.2f}x / {sp['batch_1'][k + '/ort_int8']:.2f}x",
-                         big.replace("batch_", "b")])
+                         big.replace("batch_", "b"),
+                         (f"{sp[big][k + '/pytorch_int8_dynamic']:.2f}x, {t['pytorch_int8_dynamic']:.2f}%"
+                          if "pytorch_int8_dynamic" in t else
+                          "does not run" if str(m.get("pytorch_int8_dynamic", "")).startswith("does not") else "-")])
     if not rows:
         return []
     return table(["model", "FLOPs vs dense", "int8 scheme", "test top-1 fp32 -> int8", "file MB fp32 -> int8",
-                  "ORT fp32 / int8 vs dense PyTorch fp32, large batch", "same, b1", "large batch"], rows)[:-1]
+                  "ORT fp32 / int8 vs dense PyTorch fp32, large batch", "same, b1", "large batch",
+                  "PyTorch dynamic int8: large batch, test top-1"], rows)[:-1]
 
 
 def dcs_generalise_table(data: dict[str, Any]) -> list[str]:

@@ -234,6 +234,9 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
     spec = InputSpec.from_dict(load_with_arch(next(iter(runs.values())))[1]["input"])
     images, labels = test_set(data, spec, args.eval_images)
     pts = {k: nascompress.load(r).eval() for k, r in runs.items()}
+    tq = {k: v for k, v in ((k, torch_int8(m)) for k, m in pts.items()) if not isinstance(v, str)}
+    for k, m in pts.items():  # PyTorch's own int8 path, measured beside the ONNX file (not offered: see README)
+        models[k]["pytorch_int8_dynamic"] = "runs" if k in tq else torch_int8(m)
     # no spinning: ORT's idle workers would starve the PyTorch model timed next (see onnx_runner)
     sess = {k: {p: onnx_runner(f, threads=args.threads, spinning=False)[0] for p, f in fs.items()}
             for k, fs in files.items()}
@@ -244,6 +247,8 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
                                   "ort_int8": top1(lambda x, s=sess[k]["int8"]: s([x])[0], images, labels, spec)}
         t = models[k]["test_top1"]
         t["int8_drop"] = t["pytorch_fp32"] - t["ort_int8"]
+        if k in tq:
+            t["pytorch_int8_dynamic"] = top1(tq[k], images, labels, spec)
     shape = (spec.in_chans, *spec.img_size)
     speed: dict[str, Any] = {}
     names = list(runs)
@@ -257,12 +262,15 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
                     return m(x)
             return f
 
-        labels_ = [(k, "pytorch_fp32") for k in names] + [(k, f"ort_{p}") for k in names for p in ("fp32", "int8")]
-        calls = [eager(pts[k]) if rt == "pytorch_fp32" else (lambda x, s=sess[k][rt[4:]]: s([x])) for k, rt in labels_]
-        t = time_models(calls, x, warmup=2, iters=args.iters)
+        labels_ = [(k, "pytorch_fp32") for k in names] + [(k, f"ort_{p}") for k in names for p in ("fp32", "int8")] \
+            + [(k, "pytorch_int8_dynamic") for k in names if k in tq]
+        calls = [eager(pts[k]) if rt == "pytorch_fp32" else eager(tq[k]) if rt == "pytorch_int8_dynamic"
+                 else (lambda x, s=sess[k][rt[4:]]: s([x])) for k, rt in labels_]
+        iters = args.iters_b1 if bs == 1 else args.iters  # ~1 ms calls at b1: many more for a stable median
+        t = time_models(calls, x, warmup=2, iters=iters)
         ms = {f"{k}/{rt}": 1e3 * v for (k, rt), v in zip(labels_, t)}
         ref = ms[f"{names[0]}/pytorch_fp32"]
-        speed[f"batch_{bs}"] = {"batch": bs, "iters": args.iters, "ms": ms,
+        speed[f"batch_{bs}"] = {"batch": bs, "iters": iters, "ms": ms,
                                 "speedup_vs_dense_pytorch_fp32": {k: ref / v for k, v in ms.items()},
                                 "images_per_s": {k: 1e3 * bs / v for k, v in ms.items()}}
     return {"models": models, "speed": speed, "test_images": len(images)}
@@ -310,6 +318,25 @@ def dcs_retrained(res: dict[str, Any]) -> bool:
     return "retrained from it" in res.get("dinov2", {}).get("source", {}).get("kind", "")
 
 
+def torch_int8(model: torch.nn.Module) -> Any:
+    """PyTorch's dynamic int8 (``torch.ao.quantization.quantize_dynamic`` of the ``nn.Linear`` layers,
+    weights int8 per tensor, activations quantized per batch; FBGEMM/x86 kernels) of a copy of
+    ``model``, or why it does not run on it (one line)."""
+    import copy
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
+        try:
+            q = torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=torch.qint8)
+            with torch.inference_mode():
+                pe = model.patch_embed
+                q(torch.zeros(1, pe.proj.in_channels, *pe.img_size))
+        except Exception as e:  # noqa: BLE001 (recorded: the layers it does not run on)
+            return f"does not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return q
+
+
 def not_measured(args, res: dict[str, Any]) -> list[str]:
     """What this result does not cover, in words."""
     return [g for g, present in (
@@ -340,7 +367,8 @@ def main() -> None:
     ap.add_argument("--dinov2-dcs-flops", type=float, default=0.6)
     ap.add_argument("--eval-images", type=int, default=1000, help="validation (check) and test images per model")
     ap.add_argument("--dinov2-eval-images", type=int, help="the same for DINOv2 (default: --eval-images)")
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=30, help="timed calls per model at the large batch")
+    ap.add_argument("--iters-b1", type=int, default=300, help="timed calls per model at batch 1")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", type=Path, help="keep the models here (default: a temporary folder)")
     ap.add_argument("--pipeline-runs", action="store_true",

@@ -265,6 +265,8 @@ def test_each_quantized_linear_layer_runs_as_one_int8_gemm_with_its_bias(quantiz
     assert q.linears_as_gemm(m, nodes) == len(nodes) == 8
     added = sum(n.op_type == "Shape" for n in m.graph.node) - shapes_before
     assert added == (0 if tokens == "static" else 8)
+    # known shapes: each MLP's GELU runs on the flattened tokens between its two Gemms (2 blocks)
+    assert sum(n.op_type == "Flatten" for n in m.graph.node) == (6 if tokens == "static" else 8)
     onnx.save(m, str(tmp_path / "g.onnx"))
     shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim[1:]]
     x = torch.randn(5, *shape, generator=torch.Generator().manual_seed(0))
