@@ -382,7 +382,7 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
         return {"study": job.study, "storage": "x", "complete": 0, "n_trials": 0, "front": []}
 
     monkeypatch.setattr(trials, "run_search", fake)
-    values = {"trials": 7, "workers": 1, "sampler": "tpe", "finetune_epochs": 1, "train_images": 300,
+    values = {"trials": 7, "workers": 1, "sampler": "nsga2", "finetune_epochs": 1, "train_images": 300,
               "eval_images": 200, "calib_steps": 4, "batch_size": 16, "dcs_epochs": 2, "latency_iters": 3,
               "enqueue": False, "objective": "latency"}
     assert set(values) == {f.name for f in user_settings(SearchJob)} - set(STUDY_EXCLUDED[SearchJob]) - {"space", "study"}

@@ -69,7 +69,8 @@ class SearchJob(Config):
             ``flops`` (ratio to the uncompressed model), ``latency`` (ms at batch 1 on ``device``) or
             ``throughput`` (images/s at batch 64).
         max_flops / max_latency_ms: single-objective accuracy under this constraint (``objective`` goal).
-        sampler: ``nsga2`` (NSGA-II, population 20), ``tpe`` (multivariate, multi-objective TPE),
+        sampler: ``tpe`` (the default: multivariate, multi-objective TPE; the best mean
+            hypervolume at 30 trials in ``bench/samplers.py``), ``nsga2`` (NSGA-II, population 20),
             ``gp`` (Optuna's GPSampler; spaces of numeric parameters only), ``qmc`` (scrambled
             Sobol' points, spaces without conditional parameters; :mod:`nascompress.search.qmc`)
             or ``grid`` (the space's ``trials`` spread configurations in order;
@@ -99,7 +100,7 @@ class SearchJob(Config):
         "Single objective: accuracy with FLOPs <= this ratio of the uncompressed model."))
     max_latency_ms: float | None = setting(None, lo=0, lo_open=True, option="--max-latency", help=(
         "Single objective: accuracy with batch-1 latency <= this many ms on --device."))
-    sampler: str = setting("nsga2", help="nsga2, tpe (multivariate), gp (GPSampler; numeric spaces), qmc (scrambled "
+    sampler: str = setting("tpe", help="tpe (multivariate), nsga2, gp (GPSampler; numeric spaces), qmc (scrambled "
                                          "Sobol' points; spaces without conditional parameters) or grid (the "
                                          "space's spread configurations in order).", choices=SAMPLERS)
     finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0)
