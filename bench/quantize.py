@@ -234,9 +234,12 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
     spec = InputSpec.from_dict(load_with_arch(next(iter(runs.values())))[1]["input"])
     images, labels = test_set(data, spec, args.eval_images)
     pts = {k: nascompress.load(r).eval() for k, r in runs.items()}
-    tq = {k: v for k, v in ((k, torch_int8(m)) for k, m in pts.items()) if not isinstance(v, str)}
-    for k, m in pts.items():  # PyTorch's own int8 path, measured beside the ONNX file (not offered: see README)
-        models[k]["pytorch_int8_dynamic"] = "runs" if k in tq else torch_int8(m)
+    tq = {}  # PyTorch's own int8 path, measured beside the ONNX file (not offered: see README)
+    for k, m in pts.items():
+        q = torch_int8(m)
+        models[k]["pytorch_int8_dynamic"] = q if isinstance(q, str) else "runs"
+        if not isinstance(q, str):
+            tq[k] = q
     # no spinning: ORT's idle workers would starve the PyTorch model timed next (see onnx_runner)
     sess = {k: {p: onnx_runner(f, threads=args.threads, spinning=False)[0] for p, f in fs.items()}
             for k, fs in files.items()}

@@ -75,19 +75,15 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
     path is one ``Add`` of a constant 1-D bias into ``Flatten(axis=-1) -> Gemm(W, b) -> Reshape`` back
     to the input's leading dimensions (the Gemm keeps the MatMul's name and name scopes, so ``nodes``
     still selects it). Returns how many were rewritten; the function is unchanged (same math)."""
-    from onnx import helper, numpy_helper
-
     import onnx
+    from onnx import helper, numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
               for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
-    users: dict[str, list[Any]] = {}
-    for n in g.node:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
-    wanted, done, out, n_done = set(nodes), set(), [], 0
+    users = _users(g.node)
+    wanted, done, out = set(nodes), set(), []
     for n in g.node:
         if id(n) in done:
             continue
@@ -114,11 +110,19 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
                     helper.make_node("Concat", [f"{p}/lead", width.name], [f"{p}/shape_out"], axis=0,
                                      name=f"{p}/concat")]
         out.append(helper.make_node("Reshape", [f"{p}/y2d", f"{p}/shape_out"], [add.output[0]], name=f"{p}/reshape"))
-        done.add(id(add))
-        n_done += 1
+        done.add(id(add))  # the bias Add, now inside the Gemm
     del g.node[:]
     g.node.extend(_elementwise_in_2d(g, out))
-    return n_done
+    return len(done)
+
+
+def _users(nodes: Any) -> dict[str, list[Any]]:
+    """Each value name -> the nodes that read it."""
+    users: dict[str, list[Any]] = {}
+    for n in nodes:
+        for i in n.input:
+            users.setdefault(i, []).append(n)
+    return users
 
 
 _ELEMENTWISE = ("Gelu", "Relu", "Sigmoid", "Tanh", "Erf")
@@ -129,10 +133,7 @@ def _elementwise_in_2d(g: Any, nodes: list[Any]) -> list[Any]:
     Reshape and the Flatten: an elementwise activation runs as well on the flattened tokens (two
     nodes fewer per block; at batch 1 each node's dispatch costs about as much as its arithmetic)."""
     made = {o: n for n in nodes for o in n.output}
-    users: dict[str, list[Any]] = {}
-    for n in nodes:
-        for i in n.input:
-            users.setdefault(i, []).append(n)
+    users = _users(nodes)
     consts = {i.name for i in g.initializer}
     drop: set[int] = set()
     gone: set[str] = set()
