@@ -22,6 +22,7 @@ DOC = ROOT / "docs" / "results.md"
 README = ROOT / "README.md"
 TABLE_START, TABLE_END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 INT8_START, INT8_END = "<!-- int8-table:start -->", "<!-- int8-table:end -->"
+INT8_GOALS_START, INT8_GOALS_END = "<!-- int8-goals:start -->", "<!-- int8-goals:end -->"
 DCSGEN_START, DCSGEN_END = "<!-- dcs-generalise:start -->", "<!-- dcs-generalise:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
@@ -385,6 +386,57 @@ def int8_table(data: dict[str, Any]) -> list[str]:
                   "PyTorch dynamic int8: large batch, test top-1"], rows)[:-1]
 
 
+def int8_goals(data: dict[str, Any]) -> list[str]:
+    """The README's int8 goal lines (``quantize.json``'s ``goals``), each figure read from the JSON."""
+    q = data.get("quantize.json") or {}
+    g = q.get("goals") or {}
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    def threads(fam: str, batch: str, label: str) -> str:
+        n = q[fam]["speed"][batch].get("threads", {}).get(label, q["machine"]["cpu_threads"])
+        return f"{n} thread{'s' if n != 1 else ''}"
+
+    def same(fam: str, batch: str, label: str) -> str:  # the ratio with both runtimes at each thread count
+        by = q[fam]["speed"][batch].get("ms_by_threads") or {}
+        return ", ".join(f"{v['dense/pytorch_fp32'] / v[label]:.2f}x at "
+                         f"{th} thread{'s' if th != '1' else ''}" for th, v in sorted(by.items()))
+
+    out = []
+    if "main_job" in g:
+        mj, c = g["main_job"], q["main_job"]["models"]["compressed"]["test_top1"]
+        out.append(f"- Main job, compressed + int8 vs dense fp32 PyTorch: throughput at b64 "
+                   f"{mj['throughput_b64_vs_dense_pytorch_fp32']:.2f}x (goal 2.5x {met(mj['throughput_goal_2.5x_met'])}), "
+                   f"latency at b1 {mj['latency_b1_vs_dense_pytorch_fp32']:.2f}x (goal 1.5x "
+                   f"{met(mj['latency_goal_1.5x_met'])}; the int8 file on {threads('main_job', 'batch_1', 'compressed/ort_int8')} "
+                   f"against PyTorch on {threads('main_job', 'batch_1', 'dense/pytorch_fp32')}, each its fastest; "
+                   f"both runtimes at the same count: {same('main_job', 'batch_1', 'compressed/ort_int8')}), int8 test top-1 "
+                   f"{c['ort_int8']:.2f}% against the compressed fp32 model's {c['pytorch_fp32']:.2f}% (goal 0.5 pt "
+                   f"{met(mj['accuracy_goal_0.5pt_met'])}; {q['main_job']['test_images']:,} test images).")
+    if "dinov2_dcs" in g:
+        d = g["dinov2_dcs"]
+        big = next(k for k in d if k.startswith("throughput_"))
+        t = q["dinov2"]["models"][d["model"]]["test_top1"]
+        out.append(f"- DINOv2 ViT-S/14 {d['model']} + int8 ({d['note']}): {d[big]:.2f}x dense fp32 PyTorch at "
+                   f"{big.split('_')[1]} {big.split('_')[2]} (goal 2x {met(d['speed_goal_2x_met'])}), int8 test top-1 "
+                   f"{t['ort_int8']:.2f}% against its fp32 {t['pytorch_fp32']:.2f}% (goal 1 pt "
+                   f"{met(d['accuracy_goal_1pt_met'])}; {q['dinov2']['test_images']:,} test images).")
+    stacks = ([("main job compressed", g["main_job_stacking"])] if "main_job_stacking" in g else []) + \
+        [(f"DINOv2 {k}", v) for k, v in (g.get("dinov2_stacking") or {}).items()]
+    for name, st in stacks:
+        sp = " / ".join(f"{v:.2f}x ({b.replace('batch_', 'b')})" for b, v in st["compressed_int8_vs_dense_int8_speedup"].items())
+        line = (f"- Stacking, {name}: its int8 file is {sp} the dense int8 file's speed (faster: {met(st['faster_met'])}), "
+                f"test top-1 {st['compressed_int8_top1']:.2f}% against the bound {st['bound_top1']:.2f}% (dense int8 minus "
+                f"the compression's own drop: {met(st['accuracy_met'])})")
+        v = st.get("val_split")
+        if v:
+            line += (f"; on the {v['n']:,} validation images {v['compressed_int8_top1']:.2f}% against "
+                     f"{v['bound_top1']:.2f}% ({met(v['accuracy_met'])})")
+        out.append(line + ".")
+    return out
+
+
 def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
     """The README's DCS table (``dcs_generalise.json``'s summary): one row per dataset, base, seed and
     target; test top-1, the searched model before retraining, the peers after the same retraining,
@@ -450,6 +502,7 @@ def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
 def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, TABLE_START, TABLE_END, readme_table(data))
     readme = _fill(readme, INT8_START, INT8_END, int8_table(data))
+    readme = _fill(readme, INT8_GOALS_START, INT8_GOALS_END, int8_goals(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
 

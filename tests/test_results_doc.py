@@ -83,3 +83,13 @@ def test_readme_cli_reference_matches_the_app():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "cli_reference.py"), "--check"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_int8_goal_lines_say_what_is_not_met():
+    q = make_results.load(REPO / "bench" / "results" / "quantize.json")
+    lines = make_results.int8_goals({"quantize.json": q})
+    assert any(line.startswith("- Main job, compressed + int8") for line in lines)
+    q["goals"]["main_job"]["latency_goal_1.5x_met"] = False  # a missed goal must read as missed
+    text = "\n".join(make_results.int8_goals({"quantize.json": q}))
+    assert "goal 1.5x **not met**" in text
+    assert make_results.int8_goals({}) == []
