@@ -203,9 +203,15 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     from nascompress.export.quantize import int8_rows
     from nascompress.pipeline.report import int8_table_rows
 
+    import torch
+
     _, out, side, _ = quantized
+    threads = torch.get_num_threads()
     res = int8_rows(tiny_run, tiny_run, compressed_int8=out / FILE, data=DataConfig(dataset="synthetic"), iters=2,
                     batch=8)
+    assert torch.get_num_threads() == threads  # the one-thread pass gives the count back
+    for r in res["rows"]:  # each figure from the faster of the default-threads and the one-thread pass
+        assert r["latency_threads"] in ("default", 1) and r["throughput_threads"] in ("default", 1)
     assert [r["model"] for r in res["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
     assert res["split"] == "test" and res["images"] == 200
     for r in res["rows"]:

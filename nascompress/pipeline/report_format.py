@@ -116,6 +116,11 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _on_threads(n: Any) -> str:
+    """Which thread count gave a figure (int8_rows keeps each row's faster of default and one thread)."""
+    return " (1 thread)" if n == 1 else ""
+
+
 def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
     """(model, runtime, test top-1, file size, latency, throughput) rows of the summary's int8 section."""
     rows = []
@@ -124,7 +129,8 @@ def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
             rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
             continue
         rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%", _mb(r["file_bytes"]),
-                     f"{r['latency_ms']:.2f} ms", f"{r['throughput']:.1f} img/s"))
+                     f"{r['latency_ms']:.2f} ms" + _on_threads(r.get("latency_threads")),
+                     f"{r['throughput']:.1f} img/s" + _on_threads(r.get("throughput_threads"))))
     return rows
 
 
