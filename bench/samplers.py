@@ -220,20 +220,20 @@ def main() -> None:
             for sname in spaces:
                 path = SPACES.get(sname, sname)
                 storage = f"sqlite:///{tmp}/{bname}-{Path(path).stem}.db"
-                runs: dict[str, dict[str, Any]] = {}
-                for sampler in samplers:
-                    runs[sampler] = {}
-                    for seed in seeds:
+                runs: dict[str, dict[str, Any]] = {s: {} for s in samplers}
+                for i, seed in enumerate(seeds):  # seed by seed: a cut-short space still compares every sampler
+                    for sampler in samplers:
                         r = run_one(base, path, sampler, seed, a, storage)
                         runs[sampler][str(seed)] = r
                         msg = r.get("refused") or {b: round(m["hypervolume"], 2) for b, m in r["budgets"].items()}
                         print(f"{bname} {sname} {sampler} seed {seed}: {msg}", flush=True)
-                res["results"].setdefault(bname, {})[sname] = {
-                    "space": path, "configurations_scored": len(_CACHE.get(f"{base}|{path}", {})),
-                    "summary": summarize(runs, a.budgets), "runs": runs}
+                        res["results"].setdefault(bname, {})[sname] = {
+                            "space": path, "configurations_scored": len(_CACHE.get(f"{base}|{path}", {})),
+                            "seeds_done": seeds[:i] + ([seed] if sampler == samplers[-1] else []),
+                            "summary": summarize({k: v for k, v in runs.items() if v}, a.budgets), "runs": runs}
+                        res["wall_s"] = time.time() - t_all
+                        save(a.out, relative_paths(res))  # after every run: a cut-short bench keeps what it measured
                 print(json.dumps(res["results"][bname][sname]["summary"], indent=1), flush=True)
-                res["wall_s"] = time.time() - t_all
-                save(a.out, relative_paths(res))  # after every space: a cut-short bench keeps what it measured
     res["complete"] = True
     save(a.out, relative_paths(res))
 
