@@ -13,7 +13,8 @@ reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining),
 (Torch-Pruning, ``pip install torch-pruning==1.6.1``: global group-magnitude pruning of the MLP hidden
 neurons, ``round_to`` 8, then the same retraining) and ``dcs@T`` (``search dcs --target-flops T``
 with every default, ``materialize``, the same retraining), and ``ib@T`` (the searched model retrained
-with the IB bound at each weight of ``--etas``, the rest as the library's ``retrain`` defaults); each DCS search's
+with the IB bound at each weight of ``--etas`` and warm-up share of ``--ib-warmups``, the rest as the library's
+``retrain`` defaults); each DCS search's
 budget record (``budget``, ``at_target_share``, ``calibration_move``, ``projections``) is kept.
 
 Results per dataset, base and seed in ``--out`` (default ``bench/results/dcs_generalise.json``) and
@@ -188,15 +189,20 @@ class Cell(pretrained.Bench):
         if not pretrained.done(mat):
             return
         entry = self.res.setdefault(f"ib@{target}", {})
+        default_warmup = RetrainConfig().warmup_frac
         for eta in self.a.etas:
-            rt = self.runs / f"dcs_auto_{target}_retrained_eta{eta:g}"
-            if not pretrained.done(rt):
-                tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
-                retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc,
-                                   retrain=RetrainConfig(eta=eta), teacher=str(self.dense), auto_batch=True), force=True)
-            m = read_json(rt / "metrics.json")
-            entry[f"eta{eta:g}"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"],
-                                    "best_epoch": m["best_epoch"], **pretrained.log_summary(rt)}
+            for w in self.a.ib_warmups if eta > 0 else [default_warmup]:  # no bound: nothing to warm up
+                tag = f"eta{eta:g}" + ("" if w == default_warmup else f"_warmup{w:g}")
+                rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
+                if not pretrained.done(rt):
+                    tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
+                    retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc,
+                                       retrain=RetrainConfig(eta=eta, warmup_frac=w), teacher=str(self.dense),
+                                       auto_batch=True), force=True)
+                m = read_json(rt / "metrics.json")
+                entry[tag] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "warmup_frac": w,
+                              "warm_epochs": m.get("warm_epochs"), "best_epoch": m["best_epoch"],
+                              **pretrained.log_summary(rt)}
         self.save()
 
     def dcs(self, family: str, target: float) -> None:
@@ -277,6 +283,8 @@ def main() -> None:
     ap.add_argument("--units", default="dense_ft,dcs,uniform,torch-pruning",
                     help="in order: dense_ft, dcs, uniform, torch-pruning, ib (at every target)")
     ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
+    ap.add_argument("--ib-warmups", default="0.3", help="the ib unit's warm-up shares (epochs on CE + KD only before "
+                                                        "the bound joins; 0.3: the paper's and the default), per eta > 0")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -285,6 +293,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     a.targets = [float(t) for t in a.targets.split(",")]
     a.etas = [float(e) for e in a.etas.split(",")]
+    a.ib_warmups = [float(w) for w in a.ib_warmups.split(",")]
     a.data_dir, a.summary_targets = None, a.targets
     out = Path(a.out)
     res: dict[str, Any] = dict(header())
