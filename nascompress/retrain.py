@@ -64,7 +64,8 @@ class RetrainConfig(Config):
             (+ KD with a teacher) only. Measured with the same retraining of searched DCS models
             (``bench/dcs_generalise.py``, ``ib@T`` units): on DINOv2 ViT-S/14 with 2,000 Fashion-MNIST
             images (0.7x) the bound cost accuracy (best validation 87.3% at eta 0 against 86.7% at 50,
-            whose best was its start); on the from-scratch bases eta 0, 5 and 50 were within a few
+            whose best was its start, with a warm-up of 0, 1 or 2 of the 3 epochs alike; the later it
+            joined, the less it cost); on the from-scratch bases eta 0, 5 and 50 were within a few
             test images of each other. With eta > 0, metrics.json records ``bound_contribution``
             (best validation without the bound, with it, the change).
         warmup_frac: share of the epochs trained on CE only, in [0, 1) (paper: 0.3); the
