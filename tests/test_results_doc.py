@@ -93,3 +93,16 @@ def test_int8_goal_lines_say_what_is_not_met():
     text = "\n".join(make_results.int8_goals({"quantize.json": q}))
     assert "goal 1.5x **not met**" in text
     assert make_results.int8_goals({}) == []
+
+
+def test_sampler_table_rows_come_from_the_50_trial_files():
+    data = {n: make_results.load(REPO / "bench" / "results" / n) for n in ("samplers_mainjob.json", "samplers.json")}
+    rows = make_results.samplers_table(data)
+    body = "\n".join(rows)
+    assert "`samplers_mainjob.json`" in body and "`samplers.json`" not in body  # 30-trial files are not in it
+    summ = data["samplers_mainjob.json"]["results"]["mainjob"]["evit"]["summary"]
+    evit = next(r for r in rows if "`evit`" in r)
+    best = summ["best_at_30"][0]
+    assert f"**{summ['mean'][best]['30']['hypervolume']:.2f}**" in evit and "refuses" in evit  # gp, qmc refuse
+    reached = summ["reaches_99pct_of_best_within_30_on_every_seed"]["tpe"]
+    assert evit.rstrip(" |").endswith("yes" if reached else "no")
