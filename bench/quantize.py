@@ -19,7 +19,8 @@ file; the file sizes; and the speed of PyTorch eager fp32, ONNX Runtime fp32 and
 models of a family timed interleaved in one process (rotating order, medians) at batch 1 and a larger
 batch (64 main job, 16 DINOv2), one interleaved pass per intra-op thread count (``--threads`` and
 ``--try-threads``, both runtimes at that count); each model and runtime is reported at its fastest count
-(a deployment sets it: at batch 1 these models run fastest on one thread), every pass is kept.
+(a deployment sets it: at batch 1 a small model runs fastest in ONNX Runtime on one thread), every
+pass is kept.
 Ratios are to the dense fp32 PyTorch model at its fastest count. The goals of issue 35 are
 evaluated from these figures (``goals``), and ``cpu`` records the CPU's int8 dot-product support and a
 one-GEMM ONNX Runtime measurement of the int8 kernel path against fp32.
