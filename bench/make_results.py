@@ -484,8 +484,9 @@ def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
                      "collapsed" if c.get("failed") else fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
                      fmt(c.get("search_flops_ratio")), fmt(c.get("at_target_share")), fmt(c.get("calibration_move")),
                      (f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")
-                      + ("; peers not run yet" if not c.get("failed") and None in (c.get("uniform"), c.get("torch_pruning"))
-                         else "") if goals else "not measured yet (the cell's search has not run)")])
+                      + ("" if c.get("failed") or None not in (c.get("uniform"), c.get("torch_pruning")) else
+                         "; peers not run yet" if c.get("dcs") is not None else "; retraining and peers not run yet")
+                      if goals else "not measured yet (the cell's search has not run)")])
     if not rows:
         return []
     return table(["dataset / base / seed", "target", "dense", "dense retrained", "searched (before retraining)",
