@@ -427,14 +427,15 @@ def int8_goals(data: dict[str, Any]) -> list[str]:
     def met(ok: bool) -> str:
         return "met" if ok else "**not met**"
 
+    def n_threads(n: int | str) -> str:
+        return f"{n} thread{'s' if int(n) != 1 else ''}"
+
     def threads(fam: str, batch: str, label: str) -> str:
-        n = q[fam]["speed"][batch].get("threads", {}).get(label, q["machine"]["cpu_threads"])
-        return f"{n} thread{'s' if n != 1 else ''}"
+        return n_threads(q[fam]["speed"][batch].get("threads", {}).get(label, q["machine"]["cpu_threads"]))
 
     def same(fam: str, batch: str, label: str) -> str:  # the ratio with both runtimes at each thread count
         by = q[fam]["speed"][batch].get("ms_by_threads") or {}
-        return ", ".join(f"{v['dense/pytorch_fp32'] / v[label]:.2f}x at "
-                         f"{th} thread{'s' if th != '1' else ''}" for th, v in sorted(by.items()))
+        return ", ".join(f"{v['dense/pytorch_fp32'] / v[label]:.2f}x at {n_threads(th)}" for th, v in sorted(by.items()))
 
     out = []
     if "main_job" in g:
@@ -470,6 +471,17 @@ def int8_goals(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _goals_cell(c: dict[str, Any], goals: dict[str, bool]) -> str:
+    """A DCS table row's goals column: met / measured, the missed ones, and what has not run yet."""
+    if not goals:
+        return "not measured yet (the cell's search has not run)"
+    missed = [g for g, ok in goals.items() if not ok]
+    text = f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")
+    if c.get("failed") or None not in (c.get("uniform"), c.get("torch_pruning")):
+        return text
+    return text + ("; peers not run yet" if c.get("dcs") is not None else "; retraining and peers not run yet")
+
+
 def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
     """The README's DCS table (``dcs_generalise.json``'s summary): one row per dataset, base, seed and
     target; test top-1, the searched model before retraining, the peers after the same retraining,
@@ -478,15 +490,10 @@ def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
     rows = []
     for cell, c in summ.items():
         where, _, target = cell.rpartition("@")
-        goals = c.get("goals") or {}
-        missed = [g for g, ok in goals.items() if not ok]
         rows.append([where.replace("/", " / "), f"{float(target):.1f}x", fmt(c.get("dense")), fmt(c.get("dense_ft")),
                      "collapsed" if c.get("failed") else fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
                      fmt(c.get("search_flops_ratio")), fmt(c.get("at_target_share")), fmt(c.get("calibration_move")),
-                     (f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")
-                      + ("" if c.get("failed") or None not in (c.get("uniform"), c.get("torch_pruning")) else
-                         "; peers not run yet" if c.get("dcs") is not None else "; retraining and peers not run yet")
-                      if goals else "not measured yet (the cell's search has not run)")])
+                     _goals_cell(c, c.get("goals") or {})])
     if not rows:
         return []
     return table(["dataset / base / seed", "target", "dense", "dense retrained", "searched (before retraining)",

@@ -47,7 +47,7 @@ from nascompress.export import ExportConfig, export_run  # noqa: E402
 from nascompress.export.quantize import QuantizeConfig, quantize_run  # noqa: E402
 from nascompress.export.verify import onnx_runner  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
-from nascompress.profiling import time_models  # noqa: E402
+from nascompress.profiling import time_models, time_models_by_threads  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 
 CPU_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile",
@@ -274,14 +274,11 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
         labels_ = [(k, "pytorch_fp32") for k in names] + [(k, f"ort_{p}") for k in names for p in ("fp32", "int8")] \
             + [(k, "pytorch_int8_dynamic") for k in names if k in tq]
         iters = args.iters_b1 if bs == 1 else args.iters  # ~1 ms calls at b1: many more for a stable median
-        by_threads: dict[str, dict[str, float]] = {}
-        for th in thread_counts:  # one interleaved pass per intra-op thread count, every runtime at that count
-            torch.set_num_threads(th)
-            calls = [eager(pts[k]) if rt == "pytorch_fp32" else eager(tq[k]) if rt == "pytorch_int8_dynamic"
-                     else (lambda x, s=sess_by[th][k][rt[4:]]: s([x])) for k, rt in labels_]
-            t = time_models(calls, x, warmup=2, iters=iters)
-            by_threads[str(th)] = {f"{k}/{rt}": 1e3 * v for (k, rt), v in zip(labels_, t)}
-        torch.set_num_threads(args.threads)
+        # one interleaved pass per intra-op thread count, every runtime at that count
+        calls = {th: [eager(pts[k]) if rt == "pytorch_fp32" else eager(tq[k]) if rt == "pytorch_int8_dynamic"
+                      else (lambda x, s=sess_by[th][k][rt[4:]]: s([x])) for k, rt in labels_] for th in thread_counts}
+        by_threads = {str(th): {f"{k}/{rt}": 1e3 * v for (k, rt), v in zip(labels_, t)}
+                      for th, t in time_models_by_threads(calls, x, warmup=2, iters=iters).items()}
         # each model and runtime at the thread count that is fastest for it (a deployment picks it; at
         # batch 1 a small model is fastest on one thread: waking a second one costs more than it brings)
         best = {lab: min(thread_counts, key=lambda th: by_threads[str(th)][lab]) for lab in by_threads[str(args.threads)]}

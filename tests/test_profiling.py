@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
-from nascompress.profiling import count_flops, flop_counter_macs, time_models
+from nascompress.profiling import count_flops, flop_counter_macs, time_models, time_models_by_threads
 from nascompress.profiling.flops import thop_macs
 
 
@@ -48,6 +48,19 @@ def test_time_models_interleaved_medians():
     t = time_models([a, b], torch.zeros(1), warmup=1, iters=4)
     assert len(t) == 2 and all(v >= 0 for v in t)
     assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # rotating order
+
+
+def test_time_models_by_threads_runs_each_count_at_its_threads_and_restores_torch():
+    before = torch.get_num_threads()
+    seen: dict[int, set[int]] = {1: set(), 2: set()}
+
+    def at(n):
+        return [lambda x: seen[n].add(torch.get_num_threads())]
+
+    out = time_models_by_threads({1: at(1), 2: at(2)}, torch.zeros(1), warmup=1, iters=3)
+    assert set(out) == {1, 2} and all(len(v) == 1 and v[0] >= 0 for v in out.values())
+    assert seen == {1: {1}, 2: {2}}  # each pass's models ran with torch at that count
+    assert torch.get_num_threads() == before
 
 
 def test_thop_misses_exactly_the_attention_matmuls():

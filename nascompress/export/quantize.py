@@ -364,12 +364,14 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
     whose int8 file fails its check gets a row with the reason and no figures."""
     from ..data import InputSpec, load_data
     from ..io import MODEL_FILE, load_with_arch
-    from ..profiling import time_models
+    from ..profiling import time_models_by_threads
     from .verify import onnx_runner
 
     runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
     rows: list[dict[str, Any]] = []
-    calls, labels = [], []
+    default = torch.get_num_threads()
+    calls: dict[int, list[Any]] = {n: [] for n in dict.fromkeys((default, 1))}  # per thread count timed
+    labels: list[int] = []
     with tempfile.TemporaryDirectory(prefix="nascompress-int8-rows-") as tmp:
         files: dict[str, Path | str] = {}
         for k, run in runs.items():
@@ -382,7 +384,8 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
             weights = run / MODEL_FILE if run.is_dir() else run
             rows.append({"model": f"{k} fp32", "runtime": f"PyTorch {torch.__version__} (eager)",
                          "test_top1": 100 * hits / len(ds), "file_bytes": weights.stat().st_size})
-            calls.append(lambda x, m=model: m(x))
+            for n in calls:
+                calls[n].append(lambda x, m=model: m(x))
             labels.append(len(rows) - 1)
             q = Path(compressed_int8) if k == "compressed" and compressed_int8 is not None else None
             if q is None:
@@ -397,27 +400,20 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
             rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds),
                          "file_bytes": q.stat().st_size})
             files[k] = q
-            one = onnx_runner(q, threads=1, spinning=False)[0]
-            calls.append({None: lambda x, r=runner: r([x]), 1: lambda x, r=one: r([x])})
+            calls[default].append(lambda x, r=runner: r([x]))  # ORT's own default thread count
+            if default != 1:
+                one = onnx_runner(q, threads=1, spinning=False)[0]
+                calls[1].append(lambda x, r=one: r([x]))
             labels.append(len(rows) - 1)
         shape = (spec.in_chans, *spec.img_size)
         g = torch.Generator().manual_seed(0)
-        default = torch.get_num_threads()
         with torch.inference_mode():
-            for bs, key in ((1, "latency_ms"), (batch, "throughput")):
-                x = torch.randn(bs, *shape, generator=g)
-                for threads in (None, 1) if default > 1 else (None,):
-                    torch.set_num_threads(threads or default)
-                    try:
-                        t = time_models([c[threads] if isinstance(c, dict) else c for c in calls], x, warmup=2,
-                                        iters=iters)
-                    finally:
-                        torch.set_num_threads(default)
-                    for i, s in zip(labels, t):
-                        v = 1e3 * s if key == "latency_ms" else bs / s
-                        if key not in rows[i] or (v < rows[i][key] if key == "latency_ms" else v > rows[i][key]):
-                            rows[i][key] = v
-                            rows[i][key.split("_")[0] + "_threads"] = threads or "default"
+            for bs, key, tkey in ((1, "latency_ms", "latency_threads"), (batch, "throughput", "throughput_threads")):
+                times = time_models_by_threads(calls, torch.randn(bs, *shape, generator=g), warmup=2, iters=iters)
+                for j, i in enumerate(labels):  # each row at its faster count (the default one on a tie)
+                    n = min(calls, key=lambda n: times[n][j])
+                    rows[i][key] = 1e3 * times[n][j] if key == "latency_ms" else bs / times[n][j]
+                    rows[i][tkey] = "default" if n == default else n
     return {"split": split, "images": len(ds), "latency_batch": 1, "throughput_batch": batch, "iters": iters,
             "rows": rows}
 

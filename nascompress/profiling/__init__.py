@@ -4,9 +4,10 @@ from __future__ import annotations
 from .. import _compat  # noqa: F401  (before timm imports torchvision)
 
 from .flops import FlopReport, count_flops, count_params, flop_counter_macs
-from .latency import measure, time_models
+from .latency import measure, time_models, time_models_by_threads
 
-__all__ = ["FlopReport", "count_flops", "count_params", "flop_counter_macs", "measure", "time_models"]
+__all__ = ["FlopReport", "count_flops", "count_params", "flop_counter_macs", "measure", "time_models",
+           "time_models_by_threads"]
 
 from .report import profile_models  # noqa: E402
 

@@ -43,6 +43,23 @@ def time_models(models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tenso
     return [statistics.median(t) for t in times]
 
 
+def time_models_by_threads(calls: dict[int, Sequence[nn.Module] | Sequence[Callable]], x: torch.Tensor, *,
+                           warmup: int = 3, iters: int = 10) -> dict[int, list[float]]:
+    """:func:`time_models` once per intra-op thread count: ``calls[n]`` (the models as run at ``n``
+    threads, e.g. ONNX Runtime sessions made with ``n`` threads) timed interleaved with torch set to
+    ``n`` threads, torch's count restored after. Returns each count's medians (seconds per forward),
+    in the order of its models."""
+    before = torch.get_num_threads()
+    out: dict[int, list[float]] = {}
+    try:
+        for n, models in calls.items():
+            torch.set_num_threads(n)
+            out[n] = time_models(models, x, warmup=warmup, iters=iters)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
 def measure(models: Sequence[nn.Module] | Sequence[Callable], input_shape: tuple[int, int, int], *,
             device: torch.device, batch_sizes: tuple[int, int] = (1, 64), warmup: int = 3, iters: int = 10,
             seed: int = 0, dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
