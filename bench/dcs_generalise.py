@@ -188,21 +188,27 @@ class Cell(pretrained.Bench):
         mat = self.runs / f"dcs_auto_{target}_mat"
         if not pretrained.done(mat):
             return
-        entry = self.res.setdefault(f"ib@{target}", {})
-        default_warmup = RetrainConfig().warmup_frac
+        unit = f"ib@{target}"
+        # a unit holds several runs: start from the file's, so that a run of some settings keeps the others
+        on_disk = read_json(self.out).get(self.key, {}).get(f"seed{self.seed}", {}) if self.out.is_file() else {}
+        entry = self.res.setdefault(unit, dict(on_disk.get(unit) or {}))
+        default = RetrainConfig()
         for eta in self.a.etas:
-            for w in self.a.ib_warmups if eta > 0 else [default_warmup]:  # no bound: nothing to warm up
-                tag = f"eta{eta:g}" + ("" if w == default_warmup else f"_warmup{w:g}")
-                rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
-                if not pretrained.done(rt):
-                    tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
-                    retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc,
-                                       retrain=RetrainConfig(eta=eta, warmup_frac=w), teacher=str(self.dense),
-                                       auto_batch=True), force=True)
-                m = read_json(rt / "metrics.json")
-                entry[tag] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "warmup_frac": w,
-                              "warm_epochs": m.get("warm_epochs"), "best_epoch": m["best_epoch"],
-                              **pretrained.log_summary(rt)}
+            bound = eta > 0  # no bound: nothing to warm up or ramp
+            for w in self.a.ib_warmups if bound else [default.warmup_frac]:
+                for sched in self.a.ib_schedules if bound else [default.eta_schedule]:
+                    tag = (f"eta{eta:g}" + ("" if w == default.warmup_frac else f"_warmup{w:g}")
+                           + ("" if sched == default.eta_schedule else f"_{sched}"))
+                    rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
+                    if not pretrained.done(rt):
+                        tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
+                        rc = RetrainConfig(eta=eta, warmup_frac=w, eta_schedule=sched)
+                        retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc, retrain=rc,
+                                           teacher=str(self.dense), auto_batch=True), force=True)
+                    m = read_json(rt / "metrics.json")
+                    entry[tag] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "warmup_frac": w,
+                                  "eta_schedule": sched, "warm_epochs": m.get("warm_epochs"),
+                                  "best_epoch": m["best_epoch"], **pretrained.log_summary(rt)}
         self.save()
 
     def dcs(self, family: str, target: float) -> None:
@@ -285,6 +291,8 @@ def main() -> None:
     ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
     ap.add_argument("--ib-warmups", default="0.3", help="the ib unit's warm-up shares (epochs on CE + KD only before "
                                                         "the bound joins; 0.3: the paper's and the default), per eta > 0")
+    ap.add_argument("--ib-schedules", default="step", help="the ib unit's weight schedules after the warm-up "
+                                                           "(step: the paper's and the default; linear: ramped)")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -294,6 +302,7 @@ def main() -> None:
     a.targets = [float(t) for t in a.targets.split(",")]
     a.etas = [float(e) for e in a.etas.split(",")]
     a.ib_warmups = [float(w) for w in a.ib_warmups.split(",")]
+    a.ib_schedules = a.ib_schedules.split(",")
     a.data_dir, a.summary_targets = None, a.targets
     out = Path(a.out)
     res: dict[str, Any] = dict(header())

@@ -54,6 +54,7 @@ SPACES = {"evit": "search_spaces/evit.yaml", "dynamicvit": "search_spaces/dynami
 
 # (base, space) -> {config key: (accuracy, flops_ratio, record)}: each configuration scored once
 _CACHE: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {}
+_INNER: dict[str, Any] = {}
 
 
 class CachedObjective:
@@ -61,7 +62,9 @@ class CachedObjective:
     docstring): the trial's configuration is suggested first, a known one is answered from the cache."""
 
     def __init__(self, job_dict: dict[str, Any], cache_key: str):
-        self.inner = make_objective(job_dict)
+        # one objective per (base, space) for every sampler and seed: its worker state (the base, the
+        # data, a joint space's searched DCS stages) is built once; the job differs only in its study name
+        self.inner = _INNER.get(cache_key) or _INNER.setdefault(cache_key, make_objective(job_dict))
         self.space = load_space(job_dict["space"])
         self.cache = _CACHE.setdefault(cache_key, {})
 

@@ -1,5 +1,5 @@
 """Retraining's IB machinery as training hooks (:class:`IBHooks`, DCS paper, Algorithm 1): CE (+ KD)
-for the warm-up epochs, then CE (+ KD) + eta * IBB, the clusters of the learned feature X~ and
+for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped), the clusters of the learned feature X~ and
 Q(a|y) refreshed over the training set before the first epoch and after every epoch; and the fixed
 input-feature map X (:func:`make_input_embed`). The settings are a
 :class:`~nascompress.retrain.RetrainConfig` (declared with the ``retrain`` job), read through
@@ -52,6 +52,7 @@ class IBSettings(Protocol):
     def measures_ib(self) -> bool: ...
 
     def warm_epochs(self, epochs: int) -> int: ...
+    def eta_at(self, epoch: int, epochs: int) -> float: ...
 
 
 def make_input_embed(cfg: IBSettings, *, model: nn.Module,
@@ -84,7 +85,7 @@ class IBHooks(TrainHooks):
                  epochs: int, input_embed: Callable[[torch.Tensor], torch.Tensor], teacher: nn.Module | None = None,
                  seed: int = 0, batch_size: int = 256):
         self.cfg, self.spec, self.num_classes, self.seed, self.bs = cfg, input_spec, num_classes, seed, batch_size
-        self.warm = cfg.warm_epochs(epochs)
+        self.warm, self.epochs = cfg.warm_epochs(epochs), epochs
         self.input_embed, self.teacher = input_embed, teacher
         if cfg.cluster_samples is not None and cfg.cluster_samples < len(train_set):
             g = torch.Generator().manual_seed(seed)
@@ -109,7 +110,7 @@ class IBHooks(TrainHooks):
         return self._tap
 
     def active(self, epoch: int) -> bool:
-        return epoch >= self.warm and self.cfg.eta > 0
+        return self.cfg.eta_at(epoch, self.epochs) > 0
 
     def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
              cfg: Any, tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -140,7 +141,7 @@ class IBHooks(TrainHooks):
                 ibb = ib_bound(phi_feat, log_phi_in.exp(), y, self.q, log_phi_in=log_phi_in)  # scalar
             logs["ibb"] = ibb.detach()
             if self.active(epoch):
-                loss = loss + self.cfg.eta * ibb
+                loss = loss + self.cfg.eta_at(epoch, self.epochs) * ibb
         return loss, logs
 
     @torch.no_grad()
@@ -207,7 +208,8 @@ class IBHooks(TrainHooks):
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         if not self.cfg.measures_ib:
             return {"ib_active": False}
-        rec = {"ib_active": self.active(epoch), **self.refresh(model, epoch=epoch)}
+        rec = {"ib_active": self.active(epoch), "eta_now": self.cfg.eta_at(epoch, self.epochs),
+               **self.refresh(model, epoch=epoch)}
         if epoch == 0 and self.initial:
             rec.update({f"initial_{k}": self.initial[k] for k in IB_KEYS if k in self.initial})
         return rec

@@ -70,6 +70,9 @@ class RetrainConfig(Config):
             (best validation without the bound, with it, the change).
         warmup_frac: share of the epochs trained on CE only, in [0, 1) (paper: 0.3); the
             number of warm-up epochs is ``round(warmup_frac * epochs)``, at most ``epochs - 1``.
+        eta_schedule: how the bound's weight enters after the warm-up: ``step`` (the paper's: eta
+            from the first epoch after the warm-up) or ``linear`` (eta * k / n in the k-th of the n
+            epochs after the warm-up, so that it reaches eta in the last epoch).
         feature_tap: the learned feature X~: ``pre_logits`` or ``module:<dotted name>`` (that
             submodule's output; token outputs (B, N, C) are mean-pooled over tokens).
         input_tap: the input feature X: ``image`` or ``patch_embed`` (see the module docstring).
@@ -95,6 +98,9 @@ class RetrainConfig(Config):
         "Weight of the IB bound IBB after the warm-up (0 = CE + KD only, the default; the paper's is 50)."))
     warmup_frac: float = setting(0.3, lo=0, hi=1, hi_open=True, help=(
         "Share of epochs on CE only before IBB is added, in [0, 1)."))
+    eta_schedule: str = setting("step", choices=("step", "linear"), help=(
+        "The bound's weight after the warm-up: 'step' (eta at once, the paper's) or 'linear' (ramped to eta "
+        "over the remaining epochs)."))
     feature_tap: str = setting("pre_logits", help="Learned feature X~: 'pre_logits' or 'module:<name>'.")
     input_tap: str = setting("image", choices=tuple(INPUT_DOC), help=(
         "Input feature X: 'image' (pooled image) or 'patch_embed'."))
@@ -126,6 +132,16 @@ class RetrainConfig(Config):
 
     def warm_epochs(self, epochs: int) -> int:
         return min(int(self.warmup_frac * epochs + 0.5), max(epochs - 1, 0))
+
+    def eta_at(self, epoch: int, epochs: int) -> float:
+        """The bound's weight in ``epoch`` (0-based) of ``epochs``: 0 in the warm-up, then eta
+        (``step``) or eta * k / n in the k-th of the n epochs after it (``linear``)."""
+        warm = self.warm_epochs(epochs)
+        if epoch < warm or self.eta <= 0:
+            return 0.0
+        if self.eta_schedule == "step":
+            return self.eta
+        return self.eta * min(epoch - warm + 1, epochs - warm) / (epochs - warm)
 
     def describe(self, *, teacher: bool) -> dict[str, str]:
         """Our reading of the paper's features, recorded in config.json, arch.json and metrics."""
@@ -244,7 +260,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     # provenance (the source model's path) is in metrics.json and config.json, not in the arch: the model
     # file's bytes (the arch is its metadata) are the same wherever the run was written
     out_arch["retrain"] = {"eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
-                           "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
+                           "eta_schedule": job.retrain.eta_schedule, "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
     if before_fit is not None:
         before_fit(job, features)
     hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
@@ -256,7 +272,8 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     last = log[-1] if log else {}
     mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
     metrics.update(source_model=str(job.model_dir), methods=[m["name"] for m in arch["methods"]],
-                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, warm_epochs=warm,
+                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, eta_schedule=job.retrain.eta_schedule,
+                   warm_epochs=warm,
                    kd=teacher is not None, feat_kd=job.retrain.feat_kd, batch_size=job.train.batch_size, **features,
                    final={k: last.get(k) for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb",
                                                    "train_top1_eval", "val_top1") if k in last},

@@ -111,6 +111,26 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     loss_off, logs_off = hooks_off.loss(model, x, y, epoch=3, cfg=tc)
     logs_off = as_floats(logs_off)
     assert loss_off.item() == pytest.approx(logs_off["ce"], rel=1e-6) and "ibb" not in logs_off
+    # a linear schedule ramps the weight over the epochs after the warm-up: 25 in epoch 2, 50 in epoch 3
+    ramp = IBHooks(replace(cfg, eta_schedule="linear"), train_set=data.train, input_spec=spec, num_classes=10,
+                   epochs=4, input_embed=make_input_embed(cfg, model=model, teacher=None))
+    ramp.on_epoch_start(model, epoch=0)
+    for epoch, eta in ((1, 0.0), (2, 25.0), (3, 50.0)):
+        loss_r, logs_r = ramp.loss(model, x, y, epoch=epoch, cfg=tc)
+        logs_r = as_floats(logs_r)
+        assert loss_r.item() == pytest.approx(logs_r["ce"] + eta * logs_r["ibb"], rel=1e-5)
+        assert ramp.on_epoch_end(model, epoch=epoch)["eta_now"] == eta
+
+
+@pytest.mark.parametrize("schedule, warmup, epochs, expect", [
+    ("step", 0.3, 3, [0, 50, 50]), ("linear", 0.3, 3, [0, 25, 50]), ("linear", 0.0, 4, [12.5, 25, 37.5, 50]),
+    ("linear", 0.0, 1, [50]), ("step", 0.9, 2, [0, 50])])
+def test_eta_schedule(schedule, warmup, epochs, expect):
+    cfg = RetrainConfig(eta=50.0, warmup_frac=warmup, eta_schedule=schedule)
+    assert [cfg.eta_at(e, epochs) for e in range(epochs)] == expect
+    assert [RetrainConfig(eta=0.0, eta_schedule=schedule).eta_at(e, epochs) for e in range(epochs)] == [0] * epochs
+    with pytest.raises(NascompressError, match="eta_schedule|eta-schedule"):
+        RetrainConfig(eta_schedule="cosine")
 
 
 def test_feature_distillation_matches_the_teachers_pre_logits():

@@ -180,3 +180,56 @@ def test_qmc_sampler_searches_an_unconditional_space_and_refuses_a_conditional_o
     assert r.exit_code == 1 and "sampler qmc needs a space without conditional parameters" in r.output
     assert "sparsifiner.attn_keep_ratio (methods[0].params.attn_keep_ratio) exists only when sparsifiner.on" in r.output
     assert "q2" not in optuna.get_all_study_names(f"sqlite:///{project / 'nascompress-studies.db'}")
+
+
+DCS_TOKENS_SPACE = """
+format: nascompress-space/1
+name: tiny-dcs-tokens
+methods:
+  - name: dcs
+    params:
+      target_flops: {kind: categorical, choices: [0.8]}
+      qk_mask: static
+      max_val_drop: 100
+  - name: dynamicvit
+    params:
+      prune_layers: [2]
+      rho: {kind: float, low: 0.5, high: 0.9, step: 0.2}
+"""
+
+
+def test_a_dcs_stage_is_searched_once_per_worker_and_reused(project, tiny_run):
+    """Trials with the same DCS settings reuse the worker's first search (the study's seed); the later
+    stages start from the same random state either way, so a reused trial rebuilds exactly."""
+    (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
+    r = invoke("search", "joint", tiny_run, "--study", "dt", "--space", "dt.yaml", "--trials", 3, "--no-enqueue",
+               *SMALL)
+    assert r.exit_code == 0, r.output
+    done = [t for t in load_study("dt").trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(done) == 3
+    dcs = [t.user_attrs["nascompress_training"]["dcs"] for t in done]
+    assert [d["reused"] for d in dcs] == [False, True, True] and len({d["seed"] for d in dcs}) == 1
+    assert all(t.user_attrs["nascompress"]["scoring"]["dcs_seed"] == dcs[0]["seed"] for t in done)
+    channels = [t.user_attrs["nascompress"]["arch"][0]["blocks"] for t in done]
+    assert channels[1] == channels[0] == channels[2]
+    # a reused trial (a fresh worker searches again) scores what the study recorded
+    trial = done[-1]
+    r = invoke("materialize", "--study", "dt", "--trial", trial.number, "--out", project / "mat", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["rebuilt_accuracy"] == trial.user_attrs["nascompress"]["accuracy"]
+
+
+def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tiny_run):
+    """Same records and seed: the second build reuses the memo's channels and its DynamicViT predictors
+    (initialised from the random state after the DCS stage) come out bit-identical."""
+    from nascompress.search.trials import SearchJob, TrialContext, build_trial
+
+    (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
+    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60, calib_steps=3,
+                                 batch_size=30))
+    records = ctx.space.records({"dcs.target_flops": 0.8, "dynamicvit.rho": 0.7})
+    built = [build_trial(ctx, records, seed=5, dcs_seed=0) for _ in range(2)]
+    assert [b[2]["dcs"]["reused"] for b in built] == [False, True]
+    first, second = (b[0].state_dict() for b in built)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert built[0][1] == built[1][1]

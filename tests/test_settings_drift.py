@@ -116,7 +116,7 @@ def test_storage_has_one_help():  # was three texts
 
 def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_study_trials(monkeypatch):
     import nascompress.search.dcs as dcs
-    from nascompress.search.trials import _dcs_stage
+    from nascompress.search.trials import _search_dcs
 
     seen = []
 
@@ -128,7 +128,7 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
     ctx = SimpleNamespace(arch={"methods": []}, job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
                           data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2), data=None)
     with pytest.raises(RuntimeError, match="stop"):
-        _dcs_stage(ctx, {"alpha_init": 3.0}, seed=0)
+        _search_dcs(ctx, {"alpha_init": 3.0}, seed=0)
     method = seen[0].method
     assert method.theta_init == 3.0 and method.alpha_init == 3.0  # as `search dcs --alpha-init 3` and stages.dcs
     assert method.mlp_gates == _field(DCSConfig, "mlp_gates").metadata["user_default"] == "auto"

@@ -48,6 +48,9 @@ class TrialContext:
         self.dense_flops = count_flops(self.uncompressed, x[:2]).total
         self.base.eval().requires_grad_(False)
         self._speed: dict[str, dict[str, float]] = {}
+        # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
+        # stopped with (search.trials._dcs_stage)
+        self.dcs_memo: dict[str, Any] = {}
 
     def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         return [(x.to(self.device), y.to(self.device)) for x, y in self.calib]

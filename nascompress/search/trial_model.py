@@ -151,7 +151,8 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe
     # counts, how studies scored trials before budgets were recorded)
     scoring = rec.get("scoring") or {}
-    model, applied, training = build_trial(ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"))
+    model, applied, training = build_trial(ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"),
+                                           dcs_seed=scoring.get("dcs_seed"))
     acc = ctx.accuracy(model)
     if abs(acc - rec["accuracy"]) > 1e-6:
         raise NascompressError(f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "

@@ -13,6 +13,10 @@ under that constraint (Optuna's ``trial.set_constraint``), and fine-tuned trials
 
 Cheap trials: each worker loads the base model and the data once (validation and calibration
 images preprocessed into tensors once); a zero-shot trial only patches, calibrates and evaluates.
+A ``dcs`` entry's search runs with the study's seed, not the trial's, so the same DCS settings give
+the same channels in every trial: each worker searches them once and reuses the result (the
+search is the expensive part of a joint trial, and its target takes a few values only), and the
+random state is reset after it, so the later stages do not depend on whether it was reused.
 
 The uncompressed configuration and the papers' configurations are enqueued first (where the
 space can express them). Everything needed to rebuild a trial is stored in the study: the job
@@ -172,13 +176,34 @@ def trial_seed(seed: int, number: int) -> int:
     return seed * 100_003 + number
 
 
-def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
-    """A short DCS search at the trial's settings, materialized in memory: (model, its record).
+DCS_MEMO_SIZE = 12  # searched DCS models a worker keeps (a joint space's target has 11 values)
+
+
+def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any], bool]:
+    """A short DCS search at the trial's settings, materialized in memory: (model, its record, whether
+    it was reused from the worker's memo of earlier trials with the same settings and seed).
 
     The gate family is chosen by the search's probe unless the space fixes ``mlp_gates``, the
     batch size follows the trial's training images (``auto_batch``: enough architecture steps)
     unless the space fixes ``auto_batch``, and the pre-search measurements use the study's seed
     (``init_seed``: the same for every trial, measured once per worker)."""
+    key = json.dumps([settings, seed], sort_keys=True)
+    memo, reused = ctx.dcs_memo, key in ctx.dcs_memo
+    if not reused:
+        if len(memo) >= DCS_MEMO_SIZE:
+            memo.pop(next(iter(memo)))  # the oldest
+        try:
+            memo[key] = _search_dcs(ctx, settings, seed)
+        except NascompressError as e:  # a collapsed search fails the same way every time: once is enough
+            memo[key] = e
+            raise
+    if isinstance(memo[key], NascompressError):
+        raise memo[key]
+    model, record = memo[key]  # the memo's copy stays untouched: the trial patches its own
+    return copy.deepcopy(model), copy.deepcopy(record), reused
+
+
+def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
     from ..methods.dcs import DCSConfig, materialize
     from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
@@ -203,11 +228,14 @@ def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[
 
 
 def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, report: Any = None,
-                budget: int | None | str = "job") -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
+                budget: int | None | str = "job", dcs_seed: int | None = None
+                ) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
     """The model of one trial: the base with ``records`` applied, calibrated or fine-tuned as the job says.
 
-    Deterministic for the same (records, seed) on the same machine, so a study's trial can be
-    rebuilt later (``nascompress materialize --study``). ``report(epoch, val_top1)`` (optional) is
+    Deterministic for the same (records, seed, dcs_seed) on the same machine, so a study's trial can be
+    rebuilt later (``nascompress materialize --study``). ``dcs_seed``: the seed of a ``dcs`` entry's
+    search (the study's seed; None: the trial's ``seed``, as studies made before it was recorded
+    searched). ``report(epoch, val_top1)`` (optional) is
     called after each fine-tune epoch (a pruner's intermediate values). ``budget``: the steps of
     each predictor-only stage (:mod:`nascompress.search.scoring`): ``"job"`` the study's
     ``calib_steps``, None each method's recipe count (trials of studies made before budgets were
@@ -225,8 +253,10 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
         if name == "dcs":
-            model, record = _dcs_stage(ctx, settings, seed)
+            model, record, reused = _dcs_stage(ctx, settings, seed if dcs_seed is None else dcs_seed)
             applied.append(record)
+            info["dcs"] = {"seed": seed if dcs_seed is None else dcs_seed, "reused": reused}
+            seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
         from ..finetune import split_settings
 
@@ -324,13 +354,15 @@ class Objective:
         from .. import runtime
 
         with runtime.configured(ctx.device, deterministic=job.deterministic):
-            model, applied, info = build_trial(ctx, records, seed=seed, report=report)
+            model, applied, info = build_trial(ctx, records, seed=seed, report=report, dcs_seed=job.seed)
             acc = ctx.accuracy(model)
         rep = count_flops(model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
         speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
         scoring = trial_scoring(budget=job.calib_steps, steps=info.pop("calib_steps"), eval_subset=ctx.eval_subset,
                                 finetune_epochs=job.finetune_epochs)
+        if "dcs" in info:
+            scoring["dcs_seed"] = info["dcs"]["seed"]
         record_trial(trial, arch=applied, params_changed=dict(trial.params), flops=rep.total, flops_ratio=ratio,
                      params=rep.params, accuracy=acc, latency_ms=speed.get("latency_ms"),
                      throughput=speed.get("throughput"), wall_s=time.perf_counter() - t0, seed=seed, scoring=scoring)
