@@ -63,9 +63,9 @@ class RetrainConfig(Config):
         eta: weight of IBB in the loss after the warm-up (paper: 50). 0 (the default) trains on CE
             (+ KD with a teacher) only. Measured with the same retraining of searched DCS models
             (``bench/dcs_generalise.py``, ``ib@T`` units): on DINOv2 ViT-S/14 with 2,000 Fashion-MNIST
-            images (0.7x) the bound cost accuracy (best validation 87.3% at eta 0 against 86.7% at 50,
-            whose best was its start, with a warm-up of 0, 1 or 2 of the 3 epochs alike; the later it
-            joined, the less it cost); on the from-scratch bases eta 0, 5 and 50 were within a few
+            images (0.7x) the bound cost accuracy (best validation 87.3% at eta 0 against 86.7%, the
+            start, at 50 with a warm-up of 0, 1 or 2 of the 3 epochs, at 50 ramped linearly and at 5;
+            the later it joined, the less it cost); on the from-scratch bases eta 0, 5 and 50 were within a few
             test images of each other. With eta > 0, metrics.json records ``bound_contribution``
             (best validation without the bound, with it, the change).
         warmup_frac: share of the epochs trained on CE only, in [0, 1) (paper: 0.3); the
