@@ -498,7 +498,26 @@ def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
         return []
     return table(["dataset / base / seed", "target", "dense", "dense retrained", "searched (before retraining)",
                   "DCS retrained", "uniform retrained", "Torch-Pruning retrained", "search FLOPs", "at target share",
-                  "calibration move", "goals met"], rows)[:-1]
+                  "calibration move", "goals met"], rows) + dcs_generalise_summary(summ)
+
+
+def dcs_generalise_summary(summ: dict[str, Any]) -> list[str]:
+    """Under the DCS table, per base: goals met of those measured, and DCS retrained against each peer
+    (mean, lowest and highest difference in points over the cells where both were retrained)."""
+    bases: dict[str, list[dict[str, Any]]] = {}
+    for cell, c in summ.items():
+        bases.setdefault(cell.split("/")[1], []).append(c)
+    out = []
+    for base, cells in bases.items():
+        goals = [v for c in cells for v in (c.get("goals") or {}).values()]
+        parts = [f"**{base}**: {sum(goals)} of {len(goals)} goals met over {len(cells)} cells"]
+        for key, name in (("uniform", "uniform"), ("torch_pruning", "Torch-Pruning")):
+            diff = [c["dcs"] - c[key] for c in cells if c.get("dcs") is not None and c.get(key) is not None]
+            if diff:
+                parts.append(f"DCS minus {name} {sum(diff) / len(diff):+.2f} pt on average "
+                             f"({min(diff):+.2f} to {max(diff):+.2f}, {len(diff)} cells)")
+        out.append("- " + "; ".join(parts) + ".")
+    return out
 
 
 # --------------------------------------------------------------------------------------------- the document

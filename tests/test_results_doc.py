@@ -106,3 +106,14 @@ def test_sampler_table_rows_come_from_the_50_trial_files():
     assert f"**{summ['mean'][best]['30']['hypervolume']:.2f}**" in evit and "refuses" in evit  # gp, qmc refuse
     reached = summ["reaches_99pct_of_best_within_30_on_every_seed"]["tpe"]
     assert evit.rstrip(" |").endswith("yes" if reached else "no")
+
+
+def test_dcs_summary_counts_goals_and_peer_margins_per_base():
+    summ = {"d/dinov2/seed0@0.7": {"dcs": 90.0, "uniform": 85.0, "torch_pruning": 89.5,
+                                   "goals": {"a": True, "b": False}},
+            "d/dinov2/seed1@0.7": {"dcs": 91.0, "uniform": 90.0, "torch_pruning": None, "goals": {"a": True}},
+            "d/scratch/seed0@0.6": {"dcs": None, "uniform": 80.0, "goals": {}}}
+    lines = make_results.dcs_generalise_summary(summ)
+    assert lines[0] == ("- **dinov2**: 2 of 3 goals met over 2 cells; DCS minus uniform +3.00 pt on average "
+                        "(+1.00 to +5.00, 2 cells); DCS minus Torch-Pruning +0.50 pt on average (+0.50 to +0.50, 1 cells).")
+    assert lines[1] == "- **scratch**: 0 of 0 goals met over 1 cells."
