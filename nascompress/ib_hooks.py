@@ -1,7 +1,7 @@
 """Retraining's IB machinery as training hooks (:class:`IBHooks`, DCS paper, Algorithm 1): CE (+ KD)
-for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped), the clusters of the learned feature X~ and
-Q(a|y) refreshed over the training set before the first epoch and after every epoch; and the fixed
-input-feature map X (:func:`make_input_embed`). The settings are a
+for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped up), the clusters of the
+learned feature X~ and Q(a|y) refreshed over the training set before the first epoch and after
+every epoch; and the fixed input-feature map X (:func:`make_input_embed`). The settings are a
 :class:`~nascompress.retrain.RetrainConfig` (declared with the ``retrain`` job), read through
 :class:`IBSettings`."""
 from __future__ import annotations

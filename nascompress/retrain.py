@@ -65,8 +65,8 @@ class RetrainConfig(Config):
             (``bench/dcs_generalise.py``, ``ib@T`` units): on DINOv2 ViT-S/14 with 2,000 Fashion-MNIST
             images (0.7x) the bound cost accuracy (best validation 87.3% at eta 0 against 86.7%, the
             start, at 50 with a warm-up of 0, 1 or 2 of the 3 epochs, at 50 ramped linearly and at 5;
-            the later it joined, the less it cost); on the from-scratch bases eta 0, 5 and 50 were within a few
-            test images of each other. With eta > 0, metrics.json records ``bound_contribution``
+            the later it joined, the less it cost); on the from-scratch bases eta 0, 5 and 50 were
+            within a few test images of each other. With eta > 0, metrics.json records ``bound_contribution``
             (best validation without the bound, with it, the change).
         warmup_frac: share of the epochs trained on CE only, in [0, 1) (paper: 0.3); the
             number of warm-up epochs is ``round(warmup_frac * epochs)``, at most ``epochs - 1``.
@@ -260,7 +260,8 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     # provenance (the source model's path) is in metrics.json and config.json, not in the arch: the model
     # file's bytes (the arch is its metadata) are the same wherever the run was written
     out_arch["retrain"] = {"eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
-                           "eta_schedule": job.retrain.eta_schedule, "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features}
+                           "eta_schedule": job.retrain.eta_schedule, "warm_epochs": warm, "epochs": job.train.epochs,
+                           "kd": teacher is not None, **features}
     if before_fit is not None:
         before_fit(job, features)
     hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,

@@ -115,5 +115,6 @@ def test_dcs_summary_counts_goals_and_peer_margins_per_base():
             "d/scratch/seed0@0.6": {"dcs": None, "uniform": 80.0, "goals": {}}}
     lines = make_results.dcs_generalise_summary(summ)
     assert lines[0] == ("- **dinov2**: 2 of 3 goals met over 2 cells; DCS minus uniform +3.00 pt on average "
-                        "(+1.00 to +5.00, 2 cells); DCS minus Torch-Pruning +0.50 pt on average (+0.50 to +0.50, 1 cells).")
+                        "(+1.00 to +5.00, 2 cells); DCS minus Torch-Pruning +0.50 pt on average "
+                        "(+0.50 to +0.50, 1 cells).")
     assert lines[1] == "- **scratch**: 0 of 0 goals met over 1 cells."

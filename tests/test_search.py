@@ -225,8 +225,8 @@ def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tin
     from nascompress.search.trials import SearchJob, TrialContext, build_trial
 
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
-    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60, calib_steps=3,
-                                 batch_size=30))
+    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60,
+                                 calib_steps=3, batch_size=30))
     records = ctx.space.records({"dcs.target_flops": 0.8, "dynamicvit.rho": 0.7})
     built = [build_trial(ctx, records, seed=5, dcs_seed=0) for _ in range(2)]
     assert [b[2]["dcs"]["reused"] for b in built] == [False, True]
