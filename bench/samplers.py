@@ -64,7 +64,9 @@ class CachedObjective:
     def __init__(self, job_dict: dict[str, Any], cache_key: str):
         # one objective per (base, space) for every sampler and seed: its worker state (the base, the
         # data, a joint space's searched DCS stages) is built once; the job differs only in its study name
-        self.inner = _INNER.get(cache_key) or _INNER.setdefault(cache_key, make_objective(job_dict))
+        if cache_key not in _INNER:
+            _INNER[cache_key] = make_objective(job_dict)
+        self.inner = _INNER[cache_key]
         self.space = load_space(job_dict["space"])
         self.cache = _CACHE.setdefault(cache_key, {})
 

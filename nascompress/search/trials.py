@@ -253,9 +253,10 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
         if name == "dcs":
-            model, record, reused = _dcs_stage(ctx, settings, seed if dcs_seed is None else dcs_seed)
+            search_seed = seed if dcs_seed is None else dcs_seed
+            model, record, reused = _dcs_stage(ctx, settings, search_seed)
             applied.append(record)
-            info["dcs"] = {"seed": seed if dcs_seed is None else dcs_seed, "reused": reused}
+            info["dcs"] = {"seed": search_seed, "reused": reused}
             seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
         from ..finetune import split_settings
