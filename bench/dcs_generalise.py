@@ -53,9 +53,12 @@ class Cell(pretrained.Bench):
         self.full = res
         self.runs = Path(a.runs) / dataset.replace("/", "_").replace(":", "_classes") / base / f"seed{seed}"
         self.dense = self.runs / "dense"
-        name, _, k = dataset.partition(":")  # "digits:5": the first 5 classes only (a class-count subset)
+        # "digits:5": the first 5 classes only (a class-count subset); "fashion-mnist:5-9": classes 5 to 9 (another task)
+        name, _, k = dataset.partition(":")
+        lo, _, hi = k.partition("-")
+        keep = range(int(lo), int(hi) + 1) if hi else range(int(k)) if k else None
         self.data = DataConfig(dataset=name, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed,
-                               classes=",".join(str(c) for c in range(int(k))) if k else None)
+                               classes=",".join(str(c) for c in keep) if keep else None)
 
     def merge(self, disk: dict[str, Any]) -> None:
         """Units under ``dataset/base`` -> ``seedN`` (merged, not replaced)."""
@@ -251,7 +254,14 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                                         "uniform_flops": _get(uni, "retrained", "flops_ratio"),
                                         "torch_pruning": _get(r, f"torch-pruning@{t}", "retrained", "test_top1"),
                                         "torch_pruning_flops": _get(r, f"torch-pruning@{t}", "retrained", "flops_ratio"),
-                                        "failed": _get(dcs, "search", "failed")}
+                                        "failed": _get(dcs, "search", "failed"),
+                                        # the baseline inside the search: which model it kept, both validation scores
+                                        "kept": _get(dcs, "search", "kept"),
+                                        "kept_val": _get(dcs, "search", "val_top1"),
+                                        "in_search_dcs_val": _get(dcs, "search", "comparison", "dcs", "val_top1"),
+                                        "in_search_magnitude_val": _get(dcs, "search", "comparison", "magnitude",
+                                                                        "val_top1"),
+                                        "stopped": _get(dcs, "search", "stopped", "reason")}
                 before = 6.0 if t >= 0.7 else 12.0
                 after = 1.0 if t >= 0.7 else 2.0
                 goals = {}
@@ -265,6 +275,13 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                     goals[">= 1 pt above Torch-Pruning"] = cell["dcs"] - cell["torch_pruning"] >= 1.0
                 if t >= 0.7 and dense is not None and cell["dcs"] is not None:
                     goals["not below the base"] = cell["dcs"] >= dense
+                if cell["kept"] is not None and cell["in_search_magnitude_val"] is not None:
+                    goals["kept >= the magnitude baseline (validation)"] = \
+                        cell["kept_val"] >= cell["in_search_magnitude_val"]
+                if cell["torch_pruning"] is not None and cell["dcs"] is not None:
+                    goals["kept >= Torch-Pruning (test)"] = cell["dcs"] >= cell["torch_pruning"]
+                if key.endswith("/dinov2") and dense is not None and cell["dcs"] is not None:
+                    goals["not below the probe"] = cell["dcs"] >= dense
                 if cell["failed"]:  # the search stopped (collapsed or off target) with the library's defaults
                     goals["search finished with the defaults"] = False
                 if cell["calibration_move"] is not None:

@@ -187,7 +187,7 @@ class Bench:
         sm = read_json(search / "metrics.json")
         keys = ("flops_ratio", "calibrated", "calibration", "mlp_gates", "mlp_kept", "qk_kept", "dense_val_top1",
                 "val_top1", "batch_size", "init", "init_kl", "protected", "block_weights", "block_sensitivity",
-                "search_time_s")
+                "search_time_s", "kept", "comparison", "stopped", "search_val_top1", "test_top1")
         entry["search"] = {"target_flops": target, **{k: sm.get(k) for k in keys}, **log_summary(search)}
         if not done(mat):
             materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)

@@ -366,10 +366,10 @@ def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
 
 def test_search_that_collapses_stops_with_a_message(tiny_run, tmp_path):
     out = tmp_path / "c"
-    res = run_cli(*search_args(tiny_run, out, "--lr", 1.0, "--max-val-drop", 1, "--distill", 0))
-    assert res.exit_code == 1 and "the search collapsed: validation top-1 fell from" in res.output
+    res = run_cli(*search_args(tiny_run, out, "--lr", 1.0, "--max-val-drop", 1, "--distill", 0, "--no-baseline"))
+    assert res.exit_code == 1 and "the gate search stopped after epoch" in res.output
     assert "--max-val-drop 1 points" in res.output
-    assert "retrain --teacher DENSE --feat-kd 1" in res.output or "end-of-search calibration" in res.output
+    assert "--resume --max-val-drop 100" in res.output or "end-of-search calibration" in res.output
     metrics = out / "metrics.json"
     assert not metrics.exists()  # no finished search to materialize
 
@@ -523,7 +523,7 @@ def test_search_rescued_only_by_calibration_names_the_missing_steps():
     from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks
 
     hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what check() reads
-    hooks.cfg, hooks.arch_lr = DCSSearchConfig(target_flops=0.65), 0.3
+    hooks.cfg, hooks.arch_lr, hooks.epochs, hooks.log = DCSSearchConfig(target_flops=0.65), 0.3, 2, []
     start = {"epoch": 0, "val_top1": 86.05}
     hooks.check({"epoch": 1, "val_top1": 85.0, "calibration": {"ratio_before": 1.0, "alpha_shift": 5.0}}, start)
     with pytest.raises(NascompressError) as e:
@@ -531,7 +531,7 @@ def test_search_rescued_only_by_calibration_names_the_missing_steps():
     msg = str(e.value)
     assert "from 86.05% (the dense model) to 9.55%" in msg
     assert "move the FLOPs ratio from 1.000 to the target 0.65" in msg and "too few architecture steps" in msg
-    assert "--arch-lr (now 0.3)" in msg
+    assert "rerun the same command with --force --epochs 4" in msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,25 +674,3 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
             blk.dcs_alpha.fill_(1.0)
     assert len(got) == 3 and all(w > 0 for w in want)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-7)
-
-
-def test_the_collapse_guard_allows_a_dip_while_the_target_moves():
-    """While the controller's target still moves, the weights chase a shrinking architecture and dip
-    (DINOv2 ViT-S/14 at 0.6x: 81.1% -> 65.0% after epoch 1, then 77 / 84 / 86 on the 0.7x search of the
-    same seed): only twice --max-val-drop stops the search there; once at the target, the limit itself."""
-    from types import SimpleNamespace
-
-    from nascompress.search.dcs import DCSSearchConfig
-    from nascompress.search.dcs_hooks import DCSSearchHooks, SearchCollapsed
-
-    hooks = SimpleNamespace(cfg=DCSSearchConfig(target_flops=0.6), arch_lr=0.1,
-                            job=SimpleNamespace(train=SimpleNamespace(peak_lr_for=lambda world_size: 3e-5)))
-    start = {"val_top1": 81.1}
-    DCSSearchHooks.check(hooks, {"epoch": 1, "val_top1": 65.0, "target_now": 0.8}, start)  # 16.1 < 30: goes on
-    with pytest.raises(SearchCollapsed, match="more than twice --max-val-drop 15 points while the target still moved"):
-        DCSSearchHooks.check(hooks, {"epoch": 1, "val_top1": 50.0, "target_now": 0.8}, start)
-    with pytest.raises(SearchCollapsed, match="after epoch 2, more than --max-val-drop 15 points;"):
-        DCSSearchHooks.check(hooks, {"epoch": 2, "val_top1": 65.0, "target_now": 0.6}, start)
-    no_target = SimpleNamespace(cfg=DCSSearchConfig(target_flops=None), arch_lr=0.1, job=hooks.job)
-    with pytest.raises(SearchCollapsed, match="more than --max-val-drop 15 points"):  # no target, no ramp
-        DCSSearchHooks.check(no_target, {"epoch": 1, "val_top1": 65.0}, start)

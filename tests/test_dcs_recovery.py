@@ -66,9 +66,21 @@ def search(base, out, *extra):
 FROZEN = ["--base-lr", 1e-4, "--layer-decay", 0.75]
 
 
+def test_a_dip_that_recovers_is_not_stopped(pretrained_like, tmp_path):
+    """The issue's symptom on data the repo has: the paper's search with frozen-ish weights cuts to 0.45x
+    at once and dips 100% -> 93.3% after epoch 1, then recovers to 100% in epoch 2. The former guard judged
+    epoch 1 (at the target by its end) by --max-val-drop 5 and stopped a search about to recover; an epoch
+    that did not start at the target is judged by twice the limit."""
+    r = search(pretrained_like, tmp_path / "paper", *PAPER, *FROZEN, "--no-baseline")
+    assert r.exit_code == 0, r.output
+    log = [json.loads(ln) for ln in (tmp_path / "paper" / "log.jsonl").read_text().splitlines()]
+    assert log[0]["val_top1"] - log[1]["val_top1"] > 5  # the dip the former guard stopped at
+    assert log[2]["val_top1"] > log[1]["val_top1"] and log[1]["target_now"] == pytest.approx(0.45)
+    m = json.loads((tmp_path / "paper" / "metrics.json").read_text())
+    assert m["stopped"] is None and m["dense_val_top1"] - m["val_top1"] <= 5
+
+
 def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_like, tmp_path):
-    r = search(pretrained_like, tmp_path / "paper", *PAPER, *FROZEN)
-    assert r.exit_code == 1 and "the search collapsed" in r.output  # residual channels carry the model
     # weights that train at the search's default lr follow the cut, even under the paper's settings
     r = search(pretrained_like, tmp_path / "paper_lr", *PAPER)
     assert r.exit_code == 0, r.output
@@ -91,7 +103,8 @@ def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_
 def test_an_off_target_search_is_a_failed_search_not_an_untrained_cut(pretrained_like, tmp_path):
     # gates that barely move (tiny arch lr) and no projection: the search ends far above its target; the
     # guard refuses the large untrained threshold shift instead of applying it
-    r = search(pretrained_like, tmp_path / "steer", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100)
+    r = search(pretrained_like, tmp_path / "steer", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100,
+               "--no-baseline")
     assert r.exit_code == 1
     assert "untrained cut" in r.output and "--max-calibration 0.02" in r.output
     assert not (tmp_path / "steer" / "metrics.json").exists()  # not a finished search

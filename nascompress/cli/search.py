@@ -74,10 +74,16 @@ def dcs(
         note = "" if not cal else f" (calibrated from {cal['ratio_before']:.3f})"
         if metrics.get("family_reason"):
             out.print(f"MLP gates: {metrics['family_reason']}")
-        out.print(f"DCS search ({metrics['mlp_gates']} gates): FLOPs {metrics['flops_ratio']:.3f}x dense{note}, "
+        kept = "" if metrics.get("kept", "dcs") == "dcs" else ", the magnitude-pruned model kept"
+        out.print(f"DCS search ({metrics['mlp_gates']} gates{kept}): FLOPs {metrics['flops_ratio']:.3f}x dense{note}, "
                   f"val top-1 {metrics['val_top1']:.2f}% "
                   f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
                   f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
+        reason = (metrics.get("comparison") or {}).get("reason")
+        if reason:
+            out.print(f"kept: {reason}")
+        if metrics.get("stopped"):
+            out.print(f"the gates stopped early; {metrics['stopped']['continue']}")
 
 
 search_app.command("dcs")(dcs)

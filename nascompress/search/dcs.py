@@ -66,14 +66,17 @@ from ..api import count_classes, run_data_config
 from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
 from ..data import IN_MEMORY, DataConfig, InputSpec, load_data
 from ..errors import NascompressError
-from ..io import load_with_arch, make_arch
-from ..methods.dcs import DCSConfig, make_supernet
+from ..evaluate import evaluate
+from ..io import load_with_arch, make_arch, save_model
+from ..methods.dcs import DCSConfig, make_record, make_supernet
 from ..models import ModelSpec, build_model, load_pretrained
 from ..progress import counted, step
 from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
 from ..run_dir import RunDir
-from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, smooth_max
+from ..utils import read_json
+from .dcs_baseline import keep_better
+from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .dcs_hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
 from .dcs_prepare import calibration_images, init_importance, prepare_search
 from .dcs_teacher import StepTag, TeacherCache
@@ -144,8 +147,18 @@ class DCSSearchConfig(Config):
         block_weights: weight every block's differentiable cost by its measured sensitivity (a
             block whose pruning hurts more feels less of the cost's push; the controller still
             steers the real FLOPs).
-        max_val_drop: stop when validation top-1 falls more than this many points below the dense model's
-            (twice this while the target still moves).
+        max_val_drop: stop spending time on the gates when validation top-1 falls more than this many
+            points below the dense model's: twice this while the target still moves or the epoch did not
+            start at it (the weights dip there and recover), and once at the target only if validation did
+            not rise over the previous epoch (a search on its way back is not stopped). A stopped search is
+            not an error where ``baseline`` is on: it is compared with the baseline like a finished one (if
+            its architecture stands at the target) and the better model is kept.
+        baseline: build the magnitude-pruned model at the same FLOPs (:mod:`~nascompress.search.dcs_baseline`),
+            give it and the searched model the same short recovery, score both on the validation split and
+            keep the better (``comparison`` in metrics.json); the user never gets less than the free
+            alternative, and never an error instead of a model.
+        recovery_images: training images of that recovery, each candidate (one pass, the search's batch
+            size and peak lr, the same seeded batches).
         calibrate: if the last epoch ends outside the band, shift the gate threshold to land inside
             it (reported); False: fail instead.
         grad_balance: with a target, measure lambda in units of the task gradient: at the first
@@ -232,6 +245,13 @@ class DCSSearchConfig(Config):
     init_importance: str = setting("auto", choices=INIT_IMPORTANCE, help=(
         "What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
         "(activation where its 20%- and 40%-pruned models are clearly closer to the dense model, else weight)."))
+    baseline: bool = setting(True, flag="--no-baseline", help=(
+        "Do not build the magnitude-pruned model at the same FLOPs (global magnitude pruning of the MLP hidden "
+        "neurons, Torch-Pruning's rule) to compare the searched model with; a search that falls apart then ends "
+        "in an error instead of the baseline's model."))
+    recovery_images: int = setting(1024, lo=1, hi=10_000_000, help=(
+        "Training images of the short recovery the searched and the baseline model both get before they are "
+        "compared on the validation split (at most the training split)."))
     init_images: int = 256
     init_seed: int | None = None
     auto_batch: bool = False
@@ -367,18 +387,44 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
                            base_arch=base_arch, train_size=len(data.train), init_info=pre["info"], teacher=teacher)
     if before_fit is not None:
         before_fit(job)
-    log: list[dict[str, Any]] = []
-    fit_metrics = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir,
-                      arch=hooks.arch(supernet, base_arch), hooks=hooks, resume=resume, finish=False, log=log)
+    log: list[dict[str, Any]] = hooks.log  # fit appends every epoch's record; the guard reads the previous one
+    try:
+        fit_metrics: dict[str, Any] | None = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir,
+                                                 arch=hooks.arch(supernet, base_arch), hooks=hooks, resume=resume,
+                                                 finish=False, log=log)
+        stopped = None
+    except SearchCollapsed as e:  # the gates stop here; with the baseline on, the search still ends with a model
+        if not job.search.baseline:
+            raise
+        fit_metrics, stopped = None, e
+        supernet.eval()
+    kept, comparison = keep_better(job, supernet, cost=hooks.cost, ratio=hooks.ratio(supernet), dense=dense,
+                                   fill=pre["fill"], data=data, spec=spec, device=device, stopped=stopped)
+    if kept.kind != "dcs":
+        job = job.replace(method=kept.cfg)
+    supernet = kept.supernet
+    if out_dir is not None and distributed.is_main():  # the kept model is the run's model (materialize reads it)
+        save_model(out_dir, supernet, dict(base_arch, methods=list(base_arch["methods"]) +
+                                           [make_record(supernet, kept.cfg, stage="supernet")]))
     last = log[-1]
     calib = [r["calibration"] for r in log if "calibration" in r]
     budget = [r["budget"] for r in log if "budget" in r]
     arch_steps = sum(b["arch_steps"] for b in budget)
-    metrics = dict(fit_metrics, finished=True, dense_macs=cost.dense, macs=last["macs"], flops_ratio=last["flops_ratio"],
-                   target_flops=job.search.target_flops, lam=last["lam"], val_top1=last["val_top1"],
+    epoch_time = [r["epoch_time_s"] for r in log[1:]]
+    if fit_metrics is None:  # stopped by the guard: the test split is scored below, for the kept model
+        fit_metrics = {"epochs": job.train.epochs, "train_time_s": sum(epoch_time), "dataset": data.name}
+    kept_sel = selection_record(supernet, kept.cost)
+    test = evaluate(supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size,
+                    amp=job.train.amp)
+    metrics = dict(fit_metrics, finished=True, dense_macs=cost.dense, macs=kept_sel["macs"],
+                   flops_ratio=kept_sel["flops_ratio"], target_flops=job.search.target_flops, lam=last.get("lam"),
+                   val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
+                   search_val_top1=last["val_top1"], test_top1=test["top1"], test_loss=test["loss"], test_n=test["n"],
+                   kept=kept.kind, comparison=comparison,
+                   stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.head},
                    dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
-                   search_time_s=fit_metrics["train_time_s"], epoch_time_s=[r["epoch_time_s"] for r in log[1:]],
-                   mlp_kept=last["mlp_kept"], qk_kept=last.get("qk_kept"), calibrated=bool(calib),
+                   search_time_s=fit_metrics["train_time_s"], epoch_time_s=epoch_time,
+                   mlp_kept=kept_sel["mlp_kept"], qk_kept=kept_sel.get("qk_kept"), calibrated=bool(calib),
                    calibration=calib[-1] if calib else None,
                    calibration_move=calib[-1]["move"] if calib else (0.0 if budget else None),
                    budget=job.search.budget if budget else None,
@@ -397,7 +443,13 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
     on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
     if resume:  # (explicit: the options given on the command line; each must agree with the record)
-        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job, explicit=explicit)
+        # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
+        guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
+        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job,
+                              explicit=None if explicit is None else explicit - {"max_val_drop"})
+        if guard is not None:
+            job = job.replace(search=job.search.replace(max_val_drop=guard))
+            reopen_stopped(out)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
@@ -409,7 +461,19 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
         run.create(resolved.replace(data=data_cfg).to_dict())
 
     result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
+    if result.metrics.get("stopped"):  # the advice in the record names the command that continues the gates
+        result.metrics["stopped"]["continue"] = ("rerun the same command with --resume --max-val-drop 100 to let the "
+                                                 "gates go on from this epoch")
     return run.finish(result.metrics)  # the last write: marks the search complete
+
+
+def reopen_stopped(out: Path) -> None:
+    """Take the completion mark off a search the guard stopped (``metrics.json``'s ``stopped``), so that
+    ``--resume`` with another ``--max-val-drop`` continues its gates from the epoch they stopped at; a
+    search that ran all its epochs is left as it is."""
+    mark = out / "metrics.json"
+    if mark.is_file() and (read_json(mark) or {}).get("stopped") and distributed.is_main():
+        mark.unlink()
 
 
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",

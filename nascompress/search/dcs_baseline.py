@@ -1,0 +1,283 @@
+"""The baseline inside the DCS search: what a user gets for free, built at the same FLOPs, given the
+same short recovery as the searched model and scored on the same validation images; the search keeps
+the better of the two (``DCSSearchConfig.baseline``).
+
+The baseline is Torch-Pruning's rule for a ViT's MLPs, global magnitude pruning of the hidden neurons
+(``MetaPruner`` with ``GroupMagnitudeImportance(p=2)``, ``global_pruning=True``, ``round_to`` = the
+alignment): hidden neuron j of a block scores ``||fc1.weight[j]||^2 + fc1.bias[j]^2 + ||fc2.weight[:, j]||^2``,
+divided by the block's mean score (Torch-Pruning's ``normalizer="mean"``, which makes blocks comparable),
+and one threshold over every block, bisected on the exact FLOPs of the aligned model, sets how many
+neurons each block keeps (at least ``align``). It is expressed as a DCS supernet of the ``hidden``
+family with its gates fixed (+-:data:`~nascompress.methods.dcs.PROTECT_LOGIT`) and every Q/K channel
+kept, so the kept model, searched or baseline, is one supernet: ``materialize`` gathers either, and a
+closed neuron contributes its mean activation where the search measured it (the bias correction of
+structured pruning) or nothing.
+
+The recovery (:func:`recover`) is the search's weight step without the gates: ``steps`` AdamW steps
+(linear warm-up over the first tenth, then the search's peak lr) of CE + ``distill`` x KL +
+``feat_distill`` x the pre-logits feature error to the dense model, on the same seeded training batches
+for both candidates, architecture fixed (the hard masks, as materialized).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import InputSpec, make_loader, preprocess
+from ..distill import FeatureTap, feature_kd_loss
+from ..errors import NascompressError
+from ..evaluate import evaluate
+from ..hooks import kl_to_teacher, short_stage
+from ..layers import aligned_width
+from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
+from .. import runtime
+from .dcs_cost import CostModel
+
+KINDS = ("dcs", "magnitude")
+
+
+@torch.no_grad()
+def magnitude_scores(model: nn.Module) -> list[torch.Tensor]:
+    """Per block, the hidden neurons' group L2 magnitude divided by the block's mean (Torch-Pruning's
+    ``GroupMagnitudeImportance(p=2)`` with its ``mean`` normalizer)."""
+    out = []
+    for blk in model.blocks:
+        fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
+        s = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
+        if fc1.bias is not None:
+            s = s + fc1.bias.float().pow(2)
+        out.append(s / s.mean().clamp_min(1e-12))
+    return out
+
+
+def _set_gates(supernet: nn.Module, scores: list[torch.Tensor], threshold: float, align: int) -> list[int]:
+    """Open, per block, its neurons scoring above ``threshold`` (the count rounded up to ``align``, at
+    least ``align``; the highest scores first) and close the rest; returns the kept counts."""
+    counts = []
+    with torch.no_grad():
+        for blk, s in zip(supernet.blocks, scores):
+            n = s.numel()
+            k = aligned_width(max(int((s > threshold).sum()), min(align, n)), align=align, full=n, mode="up")
+            keep = torch.zeros(n, dtype=torch.bool, device=s.device)
+            keep[s.topk(k).indices] = True
+            blk.dcs_alpha.copy_(torch.where(keep, PROTECT_LOGIT, -PROTECT_LOGIT).to(blk.dcs_alpha))
+            counts.append(k)
+    return counts
+
+
+def magnitude_supernet(dense: nn.Module, *, target: float, align: int, fill: list[torch.Tensor] | None,
+                       x1: torch.Tensor) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
+    """The magnitude baseline at ``target`` x the dense FLOPs as a fixed DCS supernet (module
+    docstring): (supernet, its DCSConfig, its cost model, info: ``flops_ratio``, ``hidden_kept``,
+    ``threshold``).
+    ``fill``: the dense model's mean hidden activation per block (None: closed neurons give 0)."""
+    cfg = DCSConfig(mlp_gates="hidden", qk_mask="none", align=align, hidden_fill="mean" if fill else "zero")
+    check_family(dense, "hidden")
+    supernet = make_supernet(copy.deepcopy(dense), cfg, fill=fill)
+    for p in arch_parameters(supernet):
+        p.requires_grad_(False)  # fixed gates: only the weights recover
+    supernet.eval()
+    cost = CostModel.build(dense, supernet, x1)
+    scores = magnitude_scores(dense)
+
+    def ratio(t: float) -> float:
+        _set_gates(supernet, scores, t, align)
+        return cost.hard_macs(supernet) / cost.dense
+
+    lo, hi = 0.0, float(max(float(s.max()) for s in scores))  # ratio(lo) = the dense-most, ratio(hi) the least
+    best = (abs(ratio(lo) - target), lo)
+    for _ in range(40):  # the FLOPs ratio falls as the threshold rises
+        mid = (lo + hi) / 2
+        r = ratio(mid)
+        best = min(best, (abs(r - target), mid))
+        lo, hi = (mid, hi) if r > target else (lo, mid)
+    counts = _set_gates(supernet, scores, best[1], align)
+    info = {"flops_ratio": cost.hard_macs(supernet) / cost.dense, "hidden_kept": counts, "threshold": best[1],
+            "rule": "global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
+                    "(Torch-Pruning's GroupMagnitudeImportance(p=2), global_pruning)"}
+    return supernet, cfg, cost, info
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The same short recovery for every candidate: ``steps`` steps of ``batch_size`` training
+    images drawn with ``seed``, peak lr ``lr``, the distillation weights of the search."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    seed: int
+    distill: float
+    feat_distill: float
+
+
+def _batches(data: Any, spec: InputSpec, rec: Recovery, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    epoch = 0
+    while True:
+        for imgs, labels in make_loader(data.train, batch_size=rec.batch_size, shuffle=True, seed=rec.seed,
+                                        epoch=epoch, pin_memory=device.type == "cuda"):
+            yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
+        epoch += 1
+
+
+def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
+            device: torch.device) -> dict[str, float]:
+    """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
+    the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`)."""
+    arch = {id(p) for p in arch_parameters(model)}
+    params = [p for p in model.parameters() if id(p) not in arch]
+    state = getattr(model, "dcs_state", None)
+    sample = None if state is None else state.sample
+    if state is not None:
+        state.sample = False  # the weights train under the architecture that is materialized
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p in model.parameters():
+        p.requires_grad_(id(p) not in arch)
+    taps = (FeatureTap(model, "pre_logits"), FeatureTap(dense, "pre_logits")) if rec.feat_distill > 0 else None
+    dense.eval()
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = model(x)
+        loss = F.cross_entropy(logits, y)
+        logs = {"ce": loss.detach()}
+        if rec.distill > 0 or taps is not None:
+            with torch.no_grad():
+                t_logits = dense(x)
+            if rec.distill > 0:
+                kl = kl_to_teacher(logits, t_logits)
+                loss, logs["kl"] = loss + rec.distill * kl, kl.detach()
+            if taps is not None:
+                fkd = feature_kd_loss(taps[0].pop().float(), taps[1].pop().float())
+                loss, logs["feat"] = loss + rec.feat_distill * fkd, fkd.detach()
+        return loss, logs
+
+    try:
+        return short_stage(model, params, _batches(data, spec, rec, device), loss_fn, steps=rec.steps, lr=rec.lr)
+    finally:
+        if taps is not None:
+            for t in taps:
+                t.remove()
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        if state is not None:
+            state.sample = sample
+
+
+@dataclass
+class Candidate:
+    """One model the search may keep: ``kind`` (dcs or magnitude), the supernet, its DCSConfig, its
+    FLOPs ratio, whether it stands at the target (``eligible``; why not in ``note``)."""
+
+    kind: str
+    supernet: nn.Module
+    cfg: DCSConfig
+    flops_ratio: float
+    cost: CostModel
+    eligible: bool = True
+    note: str | None = None
+    val_top1: float | None = None
+    val_n: int | None = None
+    recovery: dict[str, float] | None = None
+
+    def record(self) -> dict[str, Any]:
+        return {"flops_ratio": self.flops_ratio, "eligible": self.eligible, "note": self.note,
+                "val_top1": self.val_top1, "val_n": self.val_n, "recovery": self.recovery}
+
+
+def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
+           device: torch.device, *, eval_batch_size: int) -> tuple[Candidate, dict[str, Any]]:
+    """Recover every eligible candidate the same way (same seed, same batches), score each on the
+    validation split, and keep the best (ties: the first, the searched model). Returns the kept
+    candidate and the ``comparison`` record (metrics.json)."""
+    eligible = [c for c in candidates if c.eligible]
+    if not eligible:
+        raise NascompressError("no candidate model stands at the FLOPs target; this is a bug, please report it")
+    for c in eligible:
+        torch.manual_seed(rec.seed)
+        c.recovery = recover(c.supernet, dense, data, spec, rec, device)
+        c.supernet.eval()
+        val = evaluate(c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size)
+        c.val_top1, c.val_n = val["top1"], val["n"]
+    kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
+    others = [c for c in eligible if c is not kept]
+    margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
+    record = {"kept": kept.kind, "margin_pt": margin,
+              "recovery": {"steps": rec.steps, "batch_size": rec.batch_size, "images": rec.steps * rec.batch_size,
+                           "lr": rec.lr, "seed": rec.seed, "distill": rec.distill, "feat_distill": rec.feat_distill},
+              **{c.kind: c.record() for c in candidates}}
+    return kept, record
+
+
+def recovery_steps(images: int, train_size: int, batch_size: int) -> int:
+    """Steps of the recovery: ``images`` training images (at most the training split), at least one."""
+    return max(1, math.ceil(min(images, train_size) / batch_size))
+
+
+def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float, dense: nn.Module,
+                fill: list[torch.Tensor] | None, data: Any, spec: InputSpec, device: torch.device,
+                stopped: Exception | None) -> tuple[Candidate, dict[str, Any]]:
+    """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``;
+    ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
+    target (the searched ratio without one), both recovered alike; returns the kept candidate and the
+    comparison record. Without ``job.search.baseline`` the searched model is kept as it is."""
+    s = job.search
+    target = s.target_flops if s.target_flops is not None else ratio
+    at_target = abs(ratio / target - 1) <= s.tolerance
+    dcs = Candidate("dcs", supernet, job.method, ratio, cost, eligible=at_target,
+                    note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}")
+    if not s.baseline:
+        return dcs, {"kept": "dcs", "baseline": None}
+    spec_x = torch.zeros(1, spec.in_chans, *spec.img_size)
+    cpu_fill = None if fill is None else [f.detach().cpu() for f in fill]
+    try:
+        base, cfg, base_cost, info = magnitude_supernet(copy.deepcopy(dense).cpu(), target=target,
+                                                        align=job.method.align, fill=cpu_fill, x1=spec_x)
+    except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
+        if not dcs.eligible:
+            raise (stopped or e)
+        return dcs, {"kept": "dcs", "baseline": None, "baseline_note": str(e)}
+    r = info["flops_ratio"]
+    reach = abs(r / target - 1) <= s.tolerance
+    magnitude = Candidate("magnitude", base.to(device), cfg, r, base_cost, eligible=reach, note=None if reach else (
+        f"the MLP hidden neurons alone reach {r:.3f}x at the nearest, outside {target:g} +-{s.tolerance:.0%}"))
+    if not (dcs.eligible or magnitude.eligible):
+        if stopped is not None:
+            raise stopped
+        raise NascompressError(f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
+                               f"stands at the target; rerun the same command with --force --target-flops {r:.2f}")
+    rec = Recovery(steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
+                   batch_size=job.train.batch_size, lr=job.train.peak_lr_for(world_size=1), seed=job.train.seed,
+                   distill=s.distill, feat_distill=s.feat_distill)
+    kept, record = choose([dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size)
+    if not magnitude.eligible:
+        record["magnitude_note"] = magnitude.note
+    record["magnitude"]["rule"] = info["rule"]
+    record["magnitude"]["hidden_kept"] = info["hidden_kept"]
+    record["reason"] = reason(kept, dcs, magnitude, stopped)
+    return kept, record
+
+
+def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Exception | None) -> str:
+    """One line: which model the search kept, and why."""
+    if kept is dcs and not magnitude.eligible:
+        return (f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at {dcs.flops_ratio:.3f}x FLOPs): "
+                f"no magnitude baseline at the target ({magnitude.note})")
+    if not dcs.eligible:
+        why = f"the searched model {dcs.note}" + (f" ({getattr(stopped, 'head', stopped)})" if stopped else "")
+        return (f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
+                f"{magnitude.flops_ratio:.3f}x FLOPs): {why}")
+    a, b = (dcs, magnitude) if kept is dcs else (magnitude, dcs)
+    names = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}
+    line = (f"kept {names[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
+            f"{names[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery")
+    return line + (f"; {getattr(stopped, 'head', stopped)}" if stopped else "")
+
+
+__all__ = ["KINDS", "Candidate", "Recovery", "choose", "keep_better", "magnitude_scores", "magnitude_supernet",
+           "reason", "recover", "recovery_steps"]
