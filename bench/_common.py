@@ -155,3 +155,58 @@ def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data
     return {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
             "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
             "reload_max_abs_logit_diff": diff}
+
+
+def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) -> tuple[list[list[int]], float]:
+    """Torch-Pruning (``pip install torch-pruning==1.6.1``) as a user runs it on a timm ViT's MLPs:
+    ``MetaPruner`` with its group L2 magnitude importance, global pruning of the MLP hidden neurons
+    (fc1 out / fc2 in; every other layer ignored), ``round_to``, its pruning ratio bisected to the FLOPs
+    ratio ``target`` of ``dense`` on input ``x``. Returns (the fc1 rows kept per block, the pruning
+    ratio); the rows are matched back to ``dense``'s so a nascompress record can hold them."""
+    import copy
+
+    import torch
+    import torch_pruning as tp
+
+    from nascompress.profiling import count_flops
+
+    full = count_flops(dense, x).total
+
+    def pruned(ratio: float) -> list[list[int]]:
+        m = copy.deepcopy(dense)
+        keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
+        ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
+        pr = tp.pruner.MetaPruner(m, x, importance=tp.importance.GroupMagnitudeImportance(p=2), global_pruning=True,
+                                  pruning_ratio=ratio, ignored_layers=ignored, round_to=round_to)
+        pr.step()
+        return [torch.cdist(b1.mlp.fc1.weight, b0.mlp.fc1.weight).argmin(1).sort().values.tolist()
+                for b0, b1 in zip(dense.blocks, m.blocks)]
+
+    def flops_of(keep: list[list[int]]) -> float:
+        return count_flops(hidden_keep_model(dense, keep)[0], x).total / full
+
+    lo, hi, best = 0.0, 0.95, None
+    for _ in range(12):  # the FLOPs ratio falls as the pruning ratio rises
+        mid = (lo + hi) / 2
+        keep = pruned(mid)
+        r = flops_of(keep)
+        if best is None or abs(r - target) < abs(best[0] - target):
+            best = (r, mid, keep)
+        lo, hi = (mid, hi) if r > target else (lo, mid)
+    return best[2], best[1]
+
+
+def hidden_keep_model(dense: Any, keep: list[list[int]]) -> tuple[Any, dict[str, Any]]:
+    """A copy of ``dense`` keeping the MLP hidden neurons ``keep`` (per block) and every Q/K channel,
+    with its ``uniform`` method record (what a Torch-Pruning result becomes in a nascompress run)."""
+    import copy
+
+    from nascompress.methods import get_method
+    from nascompress.methods.uniform import UniformConfig
+
+    cfg = UniformConfig(keep=1.0, qk=False)
+    method = get_method("uniform")
+    record = dict(method.make_record(cfg), blocks=[{"hidden_keep": k, "qk_keep": None} for k in keep])
+    model = copy.deepcopy(dense)
+    method.resolve(model, cfg)
+    return method.patch(model, cfg, record), record

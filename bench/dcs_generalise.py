@@ -35,7 +35,7 @@ from _common import header  # noqa: E402  (puts the repository on sys.path)
 import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.io import load_with_arch  # noqa: E402
-from nascompress.models import ModelSpec, custom_vit_spec  # noqa: E402
+from nascompress.models import custom_vit_spec  # noqa: E402
 from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 
@@ -120,10 +120,9 @@ class Cell(pretrained.Bench):
         import torch
         import torch_pruning as tp
 
+        from _common import hidden_keep_model, torch_pruning_keep
         from nascompress.api import evaluate_run
         from nascompress.io import save_model
-        from nascompress.methods import get_method
-        from nascompress.methods.uniform import UniformConfig
         from nascompress.profiling import count_flops
         from nascompress.utils import create_out_dir, prepare_out_dir, write_json
 
@@ -134,40 +133,9 @@ class Cell(pretrained.Bench):
             dense.eval()
             spec = arch["input"]
             x = torch.randn(1, spec["in_chans"], *spec["img_size"])
-            full = count_flops(dense, x).total
-
-            def pruned(ratio: float):
-                m = copy.deepcopy(dense)
-                keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
-                ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
-                pr = tp.pruner.MetaPruner(m, x, importance=tp.importance.GroupMagnitudeImportance(p=2),
-                                          global_pruning=True, pruning_ratio=ratio, ignored_layers=ignored,
-                                          round_to=8)
-                pr.step()
-                keep = []
-                for b0, b1 in zip(dense.blocks, m.blocks):  # which rows of fc1 Torch-Pruning kept
-                    w0, w1 = b0.mlp.fc1.weight, b1.mlp.fc1.weight
-                    keep.append(torch.cdist(w1, w0).argmin(1).sort().values.tolist())
-                return keep
-
-            def build(keep: list[list[int]]):
-                cfg = UniformConfig(keep=1.0, qk=False)
-                method = get_method("uniform")
-                record = dict(method.make_record(cfg), blocks=[{"hidden_keep": k, "qk_keep": None} for k in keep])
-                m = copy.deepcopy(dense)
-                method.resolve(m, cfg)
-                return method.patch(m, cfg, record), record
-
-            lo, hi, best = 0.0, 0.95, None
-            for _ in range(12):  # the FLOPs ratio falls as the pruning ratio rises
-                mid = (lo + hi) / 2
-                keep = pruned(mid)
-                model, record = build(keep)
-                r = count_flops(model, x).total / full
-                if best is None or abs(r - target) < abs(best[0] - target):
-                    best = (r, mid, model, record)
-                lo, hi = (mid, hi) if r > target else (lo, mid)
-            r, ratio, model, record = best
+            keep, ratio = torch_pruning_keep(dense, x, target)
+            model, record = hidden_keep_model(dense, keep)
+            r = count_flops(model, x).total / count_flops(dense, x).total
             new_arch = copy.deepcopy(arch)
             new_arch["methods"] = [record]
             prepare_out_dir(run, force=True)

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import nascompress
 from nascompress.io import load_with_arch
 
 from .conftest import invoke
@@ -174,5 +173,28 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
     assert res.metrics["kept"] == "magnitude" and res.job.method.mlp_gates == "hidden"
     model, _ = materialize(res.supernet, res.job.method)
-    assert nascompress  # the public package imports
     assert abs(res.metrics["flops_ratio"] / 0.6 - 1) <= 0.05 and model is not None
+
+
+def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_run, tmp_path, monkeypatch):
+    """A kill -9 between the guard's stop and the run's end (the comparison): a plain --resume ends as the
+    uninterrupted run did (the last recorded epoch is judged again), not by training the gates on."""
+    from nascompress.search import dcs_baseline
+
+    ref = tmp_path / "ref"
+    assert invoke(*search_args(tiny_run, ref, *COLLAPSE)).exit_code == 0
+    out = tmp_path / "c"
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt  # stands for the kill: the process dies in the comparison
+
+    real = dcs_baseline.choose
+    monkeypatch.setattr(dcs_baseline, "choose", killed)
+    assert invoke(*search_args(tiny_run, out, *COLLAPSE)).exit_code != 0
+    assert not (out / "metrics.json").exists()
+    monkeypatch.setattr(dcs_baseline, "choose", real)
+    res = invoke(*search_args(tiny_run, out, *COLLAPSE), "--resume")
+    assert res.exit_code == 0, res.output
+    assert sha(out / "model.safetensors") == sha(ref / "model.safetensors")
+    log = [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert log == [0, 1] and json.loads((out / "metrics.json").read_text())["stopped"]["epoch"] == 1

@@ -24,6 +24,7 @@ from nascompress.profiling import count_flops
 from .conftest import FMNIST, TINY_EVIT_SPACE, invoke
 
 REPO = Path(__file__).resolve().parents[1]
+ONE_STUDY = [s for s in STEPS if s != "tokens_search_dense"]  # the steps with also_dense off
 SPACE = TINY_EVIT_SPACE
 
 
@@ -38,7 +39,7 @@ def tiny_config() -> dict:
         "stages": {"dcs": {"target_flops": 0.85, "epochs": 3, "batch_size": 32, "alpha_init": 0.5, "base_lr": 1e-3,
                            "arch_lr": 0.15},
                    "tokens": {"space": "space.yaml", "trials": 4, "eval_images": 60, "train_images": 60,
-                              "calib_steps": 3, "batch_size": 30},
+                              "calib_steps": 3, "batch_size": 30, "also_dense": False},
                    "retrain": {"epochs": 1, "eta": 0, "batch_size": 32}},
         "report": {"iters": 2, "batch_size": 8},
         "export": {"format": "torch-export"},
@@ -69,7 +70,8 @@ def test_tiny_pipeline_end_to_end(ref):
     for sub in ("base", "dcs_search", "dcs_mat", "tokens", "tokens/picked", "final"):
         assert (out / sub / ("model.safetensors" if sub != "tokens" else "report.html")).is_file(), sub
     assert (out / "studies.db").is_file()
-    assert sorted(p.stem for p in (out / "done").iterdir()) == sorted(STEPS)
+    assert sorted(p.stem for p in (out / "done").iterdir()) == sorted(ONE_STUDY)
+    assert not (out / "tokens" / "pick.json").exists()  # also_dense off: one study
     s = json.loads((out / "summary.json").read_text())
     assert s["dense"]["test_n"] == s["final"]["test_n"] == 200  # the same test split for both
     cmp = s["comparison"]
@@ -111,7 +113,7 @@ def test_a_finished_pipeline_is_not_rerun(ref):
     r = invoke("pipeline", ref["config"], "--out", out, "--json")
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)
-    assert s["this_run"] == {"resumed": True, "ran": [], "skipped": list(STEPS)}
+    assert s["this_run"] == {"resumed": True, "ran": [], "skipped": ONE_STUDY}
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
 
 
@@ -416,3 +418,27 @@ def test_a_run_stored_with_former_key_names_continues(tmp_path):
     (out / CONFIG_FILE).write_text(old.replace("fallback: true", "fallback: false"))  # another behaviour: refused
     with pytest.raises(nascompress.NascompressError, match="stages.dcs.on_collapse is 'retry' here but 'stop' there"):
         _claim_out(pipe, force=False)
+
+
+def test_the_pipeline_chooses_where_to_cut(tmp_path):
+    """After a dcs stage the token space is also searched on the dense base (token-only models) and the
+    goal's pick takes the better study's pick, scored on the same images; the report says which."""
+    cfg = tiny_config()
+    cfg["stages"]["tokens"].pop("also_dense")  # the default: on
+    cfg["stages"]["retrain"]["epochs"] = 1
+    out = tmp_path / "out"
+    r = invoke("pipeline", write_config(tmp_path, cfg), "--out", out)
+    assert r.exit_code == 0, r.output
+    pick = json.loads((out / "tokens" / "pick.json").read_text())
+    cands = pick["candidates"]
+    assert set(cands) == {"pipeline", "pipeline-dense"} and pick["dense_study"] == "pipeline-dense"
+    scored = {k: c["accuracy"] for k, c in cands.items() if c.get("trial") is not None}
+    assert scored and pick["picked_study"] == max(scored, key=lambda k: (scored[k], k == "pipeline"))
+    picked = json.loads((out / "tokens" / "picked" / "metrics.json").read_text())
+    assert picked["trial"] == cands[pick["picked_study"]]["trial"]
+    methods = [m["name"] for m in json.loads((out / "final" / "arch.json").read_text())["methods"]]
+    assert ("dcs" in methods) == (pick["picked_study"] == "pipeline")  # token-only: no channel cut
+    s = json.loads((out / "summary.json").read_text())
+    assert s["decisions"]["tokens"]["picked_study"] == pick["picked_study"]
+    assert "where to cut:" in (out / "report.html").read_text()
+    assert s["comparison"]["flops_ratio"] <= 0.75

@@ -233,3 +233,21 @@ def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tin
     first, second = (b[0].state_dict() for b in built)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
     assert built[0][1] == built[1][1]
+
+
+def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
+    """The DCS target is a study parameter from 1.0 (the channels stay: a token-only model, no search) down:
+    a trial at 1.0 builds the dense base with its token method, and records why."""
+    from nascompress.search.trials import SearchJob, TrialContext, build_trial
+
+    (project / "dt.yaml").write_text(DCS_TOKENS_SPACE.replace("choices: [0.8]", "choices: [0.8, 1.0]"))
+    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60,
+                                 calib_steps=3, batch_size=30))
+    model, applied, info = build_trial(ctx, ctx.space.records({"dcs.target_flops": 1.0, "dynamicvit.rho": 0.7}),
+                                       seed=5, dcs_seed=0)
+    assert [r["name"] for r in applied] == ["dynamicvit"] and "skipped" in info["dcs"]
+    assert not ctx.dcs_memo  # no search ran
+    x = torch.randn(2, 1, 16, 16)
+    assert model.patch_embed.proj.weight.shape == ctx.base.patch_embed.proj.weight.shape
+    assert all(b.mlp.fc1.out_features == c.mlp.fc1.out_features for b, c in zip(model.blocks, ctx.base.blocks))
+    assert model.eval()(x).shape == (2, 10)

@@ -111,4 +111,39 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     return dict(res, goal_unmet=f"{reason}; the closest trial was taken")
 
 
-__all__ = ["pick_or_closest", "milder_target", "run_dcs_with_fallback", "dcs_outcome", "dcs_skipped", "current_model", "OUTCOMES"]
+def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
+    """The goal's pick over several studies of one storage (the token study on the DCS model and on the
+    dense base): each study's pick (:func:`~nascompress.search.trial_model.pick_trial`), the most accurate
+    of them rebuilt (:func:`pick_or_closest`; ties: the first study). Trials of all the studies are scored on
+    the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the
+    goal in any study, the first study's closest trial, as :func:`pick_or_closest`. Returns the rebuilt
+    run's metrics with ``picked_study`` and ``candidates`` (each study's pick: trial, accuracy, FLOPs)."""
+    from ..errors import NascompressError
+    from ..search.trial_model import parse_pick, pick_trial
+    from ..studies.inspect import load
+    from ..studies.records import trial_record
+
+    rule, value = parse_pick(job.pick)
+    candidates: dict[str, Any] = {}
+    subsets = set()
+    for name in studies:
+        _, study = load(name, job.storage)
+        try:
+            t = pick_trial(study, rule, value)
+        except NascompressError as e:
+            candidates[name] = {"trial": None, "note": str(e)}
+            continue
+        rec = trial_record(t)
+        subsets.add(str((rec.get("scoring") or {}).get("eval_subset")))
+        candidates[name] = {"trial": t.number, "accuracy": rec.get("accuracy"), "flops_ratio": rec.get("flops_ratio"),
+                            "latency_ms": rec.get("latency_ms"), "params": dict(t.params)}
+    if len(subsets) > 1:
+        raise NascompressError(f"the studies {', '.join(studies)} scored their trials on different images; rerun "
+                               "them with the same data, eval_images and seed")
+    scored = [(c["accuracy"], -i, n) for i, (n, c) in enumerate(candidates.items()) if c.get("accuracy") is not None]
+    chosen = max(scored)[2] if scored else studies[0]
+    res = pick_or_closest(job.replace(study=chosen), force=force)
+    return dict(res, picked_study=chosen, candidates=candidates)
+
+
+__all__ = ["pick_across", "pick_or_closest", "milder_target", "run_dcs_with_fallback", "dcs_outcome", "dcs_skipped", "current_model", "OUTCOMES"]

@@ -12,10 +12,13 @@ from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
+from ..utils import write_json
 
+PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
-STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_pick", "retrain", "export", "report")
+STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_search_dense", "tokens_pick", "retrain", "export",
+         "report")
 
 
 @dataclass
@@ -274,7 +277,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     from ..search.trial_model import TrialMaterializeJob
     from ..search.space import load_space
     from ..search.trials import STUDY_SETTINGS, run_search, sampler_factory
-    from .fallback import current_model, pick_or_closest
+    from .fallback import current_model, dcs_skipped, pick_across
 
     s, goal = cfg.stages.tokens, cfg.goal
     try:
@@ -310,22 +313,44 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     except NascompressError as e:
         raise ctx.err("stages.tokens", str(e)) from None
 
-    def search(force: bool, resume: bool, progress: bool = True) -> dict[str, Any]:
+    # after a dcs stage the same space is also searched on the dense base (token-only models) and the
+    # goal's pick compares both studies: the pipeline chooses where to cut
+    dense_study = f"{s.study}-dense" if cfg.stages.dcs is not None and s.also_dense else None
+
+    def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> dict[str, Any]:
         (out / "tokens").mkdir(parents=True, exist_ok=True)
-        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None, tokens=True, retrain=False,
-                              upto="tokens")  # the dense base when the DCS stage was skipped
-        res = run_search(job.replace(base=str(start)), progress=progress)
+        start = base_dir if on_dense else current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
+                                                         tokens=True, retrain=False, upto="tokens")
+        if on_dense and start == current_model(out, base_dir=base_dir, dcs=True, tokens=True, retrain=False,
+                                               upto="tokens"):
+            return {"skipped": True, "reason": "the DCS stage was skipped: the first study already searched the base"}
+        study = dense_study if on_dense else s.study
+        res = run_search(job.replace(base=str(start), study=study), progress=progress)
         if not res.get("finished"):
-            raise NascompressError(f"the study {s.study!r} has {res['complete']} of {s.trials} complete trials; "
+            raise NascompressError(f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
                                    "rerun the same command to continue it")
         return res
 
-    return [Step("tokens_search", out / "tokens", "study", search, outputs=(),
-                 describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})"),
-            Step("tokens_pick", out / "tokens" / "picked", "redo",
-                 lambda force, resume: pick_or_closest(pick, force=force),
-                 outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
-                 describe=f"rebuild the trial picked by {goal.pick}")], storage
+    def pick_best(force: bool, resume: bool) -> dict[str, Any]:
+        studies = [s.study] + ([dense_study] if dense_study and not dcs_skipped(out) else [])
+        res = pick_across(pick, studies, force=force)
+        if dense_study:  # the report's "where to cut" line
+            write_json(out / "tokens" / PICK_FILE, {"picked_study": res["picked_study"],
+                                                    "candidates": res["candidates"], "dense_study": dense_study})
+        return res
+
+    steps = [Step("tokens_search", out / "tokens", "study", search, outputs=(),
+                  describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})")]
+    if dense_study:
+        steps.append(Step("tokens_search_dense", out / "tokens", "study",
+                          lambda force, resume, progress=True: search(force, resume, progress, on_dense=True),
+                          outputs=(), describe=f"search {space.name} on the dense base too ({s.trials} trials, "
+                                               f"study {dense_study!r}: token-only models)"))
+    steps.append(Step("tokens_pick", out / "tokens" / "picked", "redo", pick_best,
+                      outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
+                      describe=f"rebuild the trial picked by {goal.pick}"
+                               + (f", the better of studies {s.study!r} and {dense_study!r}" if dense_study else "")))
+    return steps, storage
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:

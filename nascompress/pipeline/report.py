@@ -106,7 +106,9 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
         res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "calibration_move",
                                            "budget", "at_target_share", "val_top1",
                                            "dense_val_top1", "lam", "search_time_s", "train_images", "batch_size",
-                                           "family_reason", "family_kl", "protected", "block_weights")})
+                                           "family_reason", "family_kl", "protected", "block_weights", "kept",
+                                           "stopped")})
+        res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
     outcome = dcs_outcome(out) or {}
     res.update({k: outcome.get(k) for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
                 if outcome.get(k) is not None})
@@ -133,6 +135,11 @@ def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> d
         prov = read_json(pc).get("from_study") or {}
         res["params"] = prov.get("params")
         res["trial_seed"] = prov.get("seed")
+    pick = out / "tokens" / "pick.json"
+    if pick.is_file():  # after a dcs stage: the pick on the DCS model against the one on the dense base
+        pj = read_json(pick)
+        res.update(picked_study=pj.get("picked_study"), candidates=pj.get("candidates"), dense_study=pj.get("dense_study"))
+        res["study"] = pj.get("picked_study") or res["study"]
     return res
 
 

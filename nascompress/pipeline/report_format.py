@@ -92,6 +92,8 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
                      f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
         if dcs.get("family_reason"):
             lines.append(f"  MLP gates {dcs['family_reason']}")
+        if dcs.get("kept_reason"):  # the searched model against the magnitude baseline at the same FLOPs
+            lines.append(f"  {dcs['kept_reason']}")
         if dcs.get("dcs_outcome") == "milder":
             lines.append(f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
                          f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})")
@@ -102,6 +104,14 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
                      f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
                      + ("" if acc is None else f"accuracy {acc:.2f}% on the search's images, ")
                      + ("" if ratio is None else f"FLOPs {ratio:.3f}x") + ")")
+        if tok.get("dense_study") and tok.get("candidates"):  # where to cut: channels + tokens, or tokens alone
+            parts = []
+            for name, c in tok["candidates"].items():
+                what = "tokens only, on the dense base" if name == tok["dense_study"] else "on the DCS model"
+                parts.append(f"{name!r} ({what}): " + (f"trial {c['trial']}, {c['accuracy']:.2f}% at "
+                                                       f"{c['flops_ratio']:.3f}x" if c.get("trial") is not None
+                                                       else "no trial meets the goal"))
+            lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok['picked_study']!r}")
         if tok.get("params"):
             lines.append("  params: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
                                                   for k, v in tok["params"].items()))

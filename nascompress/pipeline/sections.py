@@ -135,13 +135,21 @@ class DCSStage(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(STUDY_SETTINGS)
+@library_keys(STUDY_SETTINGS, lead=("space",))
 class TokensStage(Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
     current model, then the best trial under the goal (``nascompress materialize --study --pick``).
     Keys are the study's settings (same names as the command's options, declared in the library:
     :data:`~nascompress.search.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
-    ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint."""
+    ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint.
+    ``also_dense`` (after a dcs stage): the same study runs a second time on the dense base (study
+    ``<study>-dense``, token-only models), and the goal's pick takes the better of the two studies'
+    picks, scored on the same images (:func:`~nascompress.pipeline.fallback.pick_across`): the pipeline
+    chooses between cutting channels and tokens, both, or tokens alone."""
+
+    also_dense: bool = setting(True, help=(
+        "After a dcs stage, also search the token space on the dense base and keep the better pick "
+        "(token-only against channels + tokens)."))
 
 @dataclass(frozen=True)
 @library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,

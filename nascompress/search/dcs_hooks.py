@@ -61,6 +61,7 @@ class DCSSearchHooks(TrainHooks):
             self.taps = (FeatureTap(supernet, "pre_logits"), FeatureTap(dense, "pre_logits"))
         self.teacher = teacher if distils else None
         self.log: list[dict[str, Any]] = []  # the run's epoch records (the search's fit fills the same list)
+        self.rechecked = False  # whether a resumed search's last recorded epoch was judged again
 
     def ratio(self, supernet: nn.Module) -> float:
         return self.cost.hard_macs(supernet, round_mlp=self.cfg.round_mlp) / self.cost.dense
@@ -87,6 +88,12 @@ class DCSSearchHooks(TrainHooks):
         return gen(), len(order)
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
+        if epoch > 0 and self.log and self.log[-1].get("epoch") == epoch and not self.rechecked:
+            # a resumed search judges its last recorded epoch again (a kill after the guard stopped it, then a
+            # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on)
+            self.rechecked = True
+            self.check(self.log[-1], self.log[0] if self.log[0].get("start") else None)
+        self.rechecked = True
         self.tau = self.cfg.tau0 * self.cfg.tau_decay ** epoch
         model.dcs_state.tau = self.tau
         self.arch_step = epoch * self.arch_per_epoch  # from the epoch: the same after a resume

@@ -224,6 +224,7 @@ def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple
     result = run_dcs_search(job, dense, ctx.arch, ctx.data)
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)
     model.nc_methods = ["dcs"]
+    model.nc_dcs_kept = result.metrics["kept"]  # the searched model or the magnitude baseline (trial info)
     return model, record
 
 
@@ -252,11 +253,14 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
     applied, info = [], {}
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
+        if name == "dcs" and (settings.get("target_flops") or 0.0) >= 1.0:  # 1.0: no channel cut, no search
+            info["dcs"] = {"skipped": "target_flops 1.0: the channels stay (a token-only model)"}
+            continue
         if name == "dcs":
             search_seed = seed if dcs_seed is None else dcs_seed
             model, record, reused = _dcs_stage(ctx, settings, search_seed)
             applied.append(record)
-            info["dcs"] = {"seed": search_seed, "reused": reused}
+            info["dcs"] = {"seed": search_seed, "reused": reused, "kept": getattr(model, "nc_dcs_kept", "dcs")}
             seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
         from ..finetune import split_settings
@@ -362,7 +366,7 @@ class Objective:
         speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
         scoring = trial_scoring(budget=job.calib_steps, steps=info.pop("calib_steps"), eval_subset=ctx.eval_subset,
                                 finetune_epochs=job.finetune_epochs)
-        if "dcs" in info:
+        if "seed" in info.get("dcs", {}):
             scoring["dcs_seed"] = info["dcs"]["seed"]
         record_trial(trial, arch=applied, params_changed=dict(trial.params), flops=rep.total, flops_ratio=ratio,
                      params=rep.params, accuracy=acc, latency_ms=speed.get("latency_ms"),
