@@ -115,7 +115,7 @@ def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.devi
 
 def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: FitSettings, out_dir: Path | None = None,
         arch: dict[str, Any] | None = None, hooks: TrainHooks | None = None, resume: bool = False,
-        finish: bool = True, log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        finish: bool = True, log: list[dict[str, Any]] | None = None, test: bool = True) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
     Without ``out_dir`` nothing is written: the run stays in memory and ``model`` ends holding the
@@ -128,7 +128,9 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: FitSe
     (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and, last, with
     ``finish``, ``metrics.json`` (validation and test top-1 of the saved model, and of the start):
     the run's completion mark (:func:`~nascompress.io.finish_run`; a caller that adds its own
-    metrics passes ``finish=False`` and marks the run itself). Returns the metrics.
+    metrics passes ``finish=False`` and marks the run itself). ``test=False``: the saved model is not
+    scored on the test split (a caller that scores another model in the end: the DCS search's kept
+    one). Returns the metrics.
     """
     if out_dir is None and resume:
         raise ValueError("resume needs the run directory (out_dir)")
@@ -138,7 +140,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: FitSe
     try:
         with runtime.configured(device, deterministic=cfg.deterministic):
             return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
-                        hooks=hooks or TrainHooks(), resume=resume, finish=finish)
+                        hooks=hooks or TrainHooks(), resume=resume, finish=finish, test=test)
     except WriteError as e:  # a full disk mid-run: say how this run continues (a plain rerun refuses its folder)
         if out_dir is None:
             raise
@@ -174,7 +176,8 @@ class LossWatch:
 
 
 def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: FitSettings,
-         store: RunStore, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool) -> dict[str, Any]:
+         store: RunStore, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool,
+         test: bool = True) -> dict[str, Any]:
     world, main = distributed.world(), distributed.is_main()
     seed_everything(cfg.seed)
     model.to(device)
@@ -300,11 +303,14 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     step.close()
 
     distributed.barrier()  # rank 0 has written the best model
-    best_model = store.saved_model(model, device)
-    test = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
-                     amp=cfg.amp)
-    metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": test["top1"], "test_loss": test["loss"],
-               "test_n": test["n"], "start_val_top1": None if start_rec is None else start_rec["val_top1"],
+    scored: dict[str, Any] = {"top1": None, "loss": None, "n": 0}
+    if test:
+        best_model = store.saved_model(model, device)
+        scored = _evaluate(best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
+                           amp=cfg.amp)
+    metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": scored["top1"],
+               "test_loss": scored["loss"], "test_n": scored["n"],
+               "start_val_top1": None if start_rec is None else start_rec["val_top1"],
                "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name}
     if world.size > 1:
         metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)

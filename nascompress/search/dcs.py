@@ -391,7 +391,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     try:
         fit_metrics: dict[str, Any] | None = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir,
                                                  arch=hooks.arch(supernet, base_arch), hooks=hooks, resume=resume,
-                                                 finish=False, log=log)
+                                                 finish=False, log=log, test=False)  # the kept model: below
         stopped = None
     except SearchCollapsed as e:  # the gates stop here; with the baseline on, the search still ends with a model
         if not job.search.baseline:
