@@ -105,3 +105,26 @@ def test_evaluate_bad_inputs(tmp_path, tiny_run):
 def test_debug_shows_traceback(tmp_path):
     r = invoke("--debug", "evaluate", tmp_path / "nope")
     assert r.exit_code != 0 and r.exception is not None
+
+
+@pytest.mark.parametrize("command", [(), ("retrain",), ("profile",), ("study", "show")])
+def test_help_shows_flags_as_flags(command):
+    r = invoke(*command, "--help")
+    assert r.exit_code == 0, r.output
+    assert "--help" in r.stdout and "<bool>" not in r.stdout, r.stdout
+
+
+def test_a_flag_takes_no_value():
+    r = invoke("--version")
+    from nascompress import __version__
+
+    assert r.exit_code == 0 and r.stdout.strip() == f"nascompress {__version__}"
+    assert invoke("--debug", "--version").exit_code == 0
+    assert invoke("profile", "--model", "test_vit", "--json", "true").exit_code != 0  # a flag, not --json <bool>
+
+
+def test_shell_completion():
+    r = invoke("--help")
+    assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+    r = invoke("--show-completion", "bash")
+    assert r.exit_code == 0 and "complete" in r.stdout and "_COMPLETE" in r.stdout, r.output

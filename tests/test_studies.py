@@ -534,3 +534,28 @@ def test_missing_service_skips_or_fails(monkeypatch):
     monkeypatch.setattr(services, "REQUIRE", True)
     with pytest.raises(pytest.fail.Exception, match="NASCOMPRESS_REQUIRE_SERVICES=1"):
         services.unavailable("no such service")
+
+
+
+def test_piped_tables_are_not_cut(project, monkeypatch, capsys):
+    """Not a terminal (CliRunner, ``| cat``): every column and value in full, nothing cut at 80
+    columns, no two columns shown under the same cut name."""
+    from nascompress.cli.common import out
+    from nascompress.studies.inspect import render_show
+
+    monkeypatch.chdir(project)
+    r = cli("study", "show", "multi")
+    assert r.exit_code == 0 and "…" not in r.stdout, r.output
+    params = {"evit.keep_rate": 0.7, "evit.keep_layers": "3,6,9", "tome.r": 8, "dynamicvit.keep_ratio": 0.5}
+    result = {"study": "tok", "kind": "pareto", "metric_names": ["accuracy", "flops_ratio"],
+              "directions": ["maximize", "minimize"], "varying": list(params), "counts": {"COMPLETE": 1},
+              "storage": "sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
+              "trials": [{"number": 0, "params": params, "values": {"accuracy": 81.25, "flops_ratio": 0.5},
+                          "record": {"params": 5_000_000, "latency_ms": 1.5, "run": "/a/long/run/directory/x"}}]}
+    out.print(render_show(result))
+    text = capsys.readouterr().out
+    assert "…" not in text, text
+    header = next(ln for ln in text.splitlines() if "accuracy ↑" in ln)
+    for col in (*params, "flops_ratio ↓"):
+        assert col in header, header
+    assert any(result["storage"] in ln for ln in text.splitlines())  # the path whole, on one line

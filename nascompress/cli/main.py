@@ -15,12 +15,22 @@ from nascompress.models import ModelShape
 from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
 from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from nascompress import __version__
+
+        out.print(f"nascompress {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False) -> None:
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+         version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
     """nascompress: search, materialize and retrain compressed timm ViTs."""
     STATE["debug"] = debug
 
