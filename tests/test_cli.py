@@ -30,8 +30,7 @@ def test_train_evaluate_profile_on_fashion_mnist(tmp_path):
     (m,) = [v for k, v in prof["models"].items() if "compare" not in k]
     assert m["macs"] == pytest.approx(m["flop_counter_macs"])
     assert len(m["blocks"]) == 2 and m["throughput"] > 0
-    (ratios,) = prof["ratios"].values()
-    assert ratios["flops_reduction"] == pytest.approx(1.0)
+    assert prof["comparison"]["flops_ratio"] == pytest.approx(1.0)
     # resume of a finished run is a no-op that still reports metrics
     r = invoke("train", "--out", out, "--resume", "--json")
     assert r.exit_code == 0, r.output

@@ -416,3 +416,34 @@ def test_a_run_stored_with_former_key_names_continues(tmp_path):
     (out / CONFIG_FILE).write_text(old.replace("fallback: true", "fallback: false"))  # another behaviour: refused
     with pytest.raises(nascompress.NascompressError, match="stages.dcs.on_collapse is 'retry' here but 'stop' there"):
         _claim_out(pipe, force=False)
+
+
+def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path):
+    """``data.eval_limit``: the table and the decisions line give the dense base's accuracy on the
+    same images, with their count; the base's own (trained on all 200 test images) is labelled."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from nascompress.data import DataConfig
+    from nascompress.pipeline.report import comparison_rows, decision_lines, models_note, write_summary
+
+    cfg = load_config(ref["config"])
+    cfg = replace(cfg, stages=replace(cfg.stages, tokens=None), export=None)
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(ref["out"] / "config.yaml", out / "config.yaml")
+    pipe = SimpleNamespace(cfg=cfg, out=out, source=str(ref["config"]), base_dir=ref["out"] / "base", storage=None,
+                           data=DataConfig(dataset="synthetic", eval_limit=50), steps=[],
+                           result_dir=lambda: ref["out"] / "final")
+    s = write_summary(pipe)
+    assert s["dense"]["test_n"] == s["final"]["test_n"] == s["comparison"]["test_n"] == 50
+    base = s["decisions"]["base"]
+    assert (base["test_top1"], base["test_n"]) == (s["dense"]["test_top1"], 50)
+    assert base["trained_test_n"] == 200
+    rows = comparison_rows(s)
+    assert rows[0][:2] == ("test top-1 (50 images)", f"{s['dense']['test_top1']:.2f}%")
+    assert rows[2][3] == f"{s['comparison']['flops_ratio']:.3f}x the FLOPs" and "faster" in rows[5][3]
+    line = next(ln for ln in decision_lines(s) if ln.startswith("base:"))
+    assert f"test top-1 {s['dense']['test_top1']:.2f}% on 50 images" in line and "on 200 images" in line
+    assert "The same 50 test images for both" in models_note(s) and str(ref["out"] / "base") in models_note(s)
+    assert "The same 50 test images for both" in (out / "report.html").read_text()

@@ -54,9 +54,10 @@ def show(s: dict) -> None:
     from rich.table import Table
 
     from nascompress.pipeline.report import (comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                                             int8_table_rows)
+                                             int8_table_rows, models_note)
 
-    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
+    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})",
+              caption=models_note(s))
     for col in ("", "dense base", "compressed", "change"):
         t.add_column(col, justify="left" if not col else "right")
     for row in comparison_rows(s):

@@ -18,9 +18,10 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from ..profiling.compare import compare_records
 from ..utils import atomic_path, read_json, write_json
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                            int8_table_rows)
+                            int8_table_rows, models_note)
 from .sections import PipelineConfig
 
 
@@ -116,7 +117,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
 def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
     out = pipe.out
     res: dict[str, Any] = {"study": pipe.cfg.stages.tokens.study, "storage": pipe.storage,
-                           "pick_rule": pipe.cfg.goal.pick,
+                           "pick_rule": pipe.cfg.goal.pick, "eval_images": pipe.cfg.stages.tokens.eval_images,
                            "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)}
                                        for m in methods]}
     marker = out / "done" / "tokens_search.json"
@@ -158,7 +159,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     final_dir = pipe.result_dir()
     dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
     dense_model, _ = load_with_arch(pipe.base_dir)
-    decisions: dict[str, Any] = {"base": _base_decisions(pipe)}
+    decisions: dict[str, Any] = {"base": _base_decisions(pipe, dense_ev)}
     if final_dir is None:
         prof = profile(pipe.base_dir, device=cfg.device, latency=rep.latency, batch_size=rep.batch_size,
                        iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
@@ -171,22 +172,16 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         arch = {"methods": []}
     else:
         final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
-        prof = profile(pipe.base_dir, compare=final_dir, device=cfg.device, latency=rep.latency,
+        assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
+        prof = profile(final_dir, compare=pipe.base_dir, device=cfg.device, latency=rep.latency,
                        batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
-        (dense_label, final_label) = list(prof["models"])
-        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][dense_label])
-        final = _model_record(final_dir, final_ev, prof["models"][final_label])
-        cmp = {"top1_change": final["test_top1"] - dense["test_top1"],
-               "flops_ratio": final["macs"] / dense["macs"],
-               "params_ratio": final["params"] / dense["params"],
-               "file_ratio": final["file_bytes"] / dense["file_bytes"],
-               "latency_speedup": None, "throughput_speedup": None}
-        if cfg.report.latency:
-            cmp["latency_speedup"] = dense["latency_ms"] / final["latency_ms"]
-            cmp["throughput_speedup"] = final["throughput"] / dense["throughput"]
-            if dense.get("latency_ms_compiled") and final.get("latency_ms_compiled"):
-                cmp["latency_speedup_compiled"] = dense["latency_ms_compiled"] / final["latency_ms_compiled"]
-                cmp["throughput_speedup_compiled"] = final["throughput_compiled"] / dense["throughput_compiled"]
+        c = prof["comparison"]
+        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][c["reference"]])
+        final = _model_record(final_dir, final_ev, prof["models"][c["model"]])
+        # the one ratio convention (nascompress.profiling.compare): final against dense
+        cmp = {"top1_change": final["test_top1"] - dense["test_top1"], "test_n": dense["test_n"],
+               "file_ratio": final["file_bytes"] / dense["file_bytes"], "latency_speedup": None,
+               "throughput_speedup": None, **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
         goal = _goal(cfg, cmp, final)
         arch = load_arch(final_dir)
         dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
@@ -199,7 +194,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         r = read_json(rm)
         decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
                                                       "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
-                                                      "test_top1", "train_time_s")}
+                                                      "test_top1", "test_n", "train_time_s")}
         decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
@@ -253,14 +248,18 @@ def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any
     return goal
 
 
-def _base_decisions(pipe: PlannedPipeline) -> dict[str, Any]:
+def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
+    """The base's decisions; its test top-1 is the report's own (``dense_ev``: the images the
+    comparison uses), the one its training measured (possibly on other images: ``data.eval_limit``
+    draws a subset) is kept as ``trained_test_top1`` with its count."""
     b = pipe.cfg.base
     res: dict[str, Any] = {"kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
-                           "run": str(pipe.base_dir)}
+                           "run": str(pipe.base_dir), "test_top1": dense_ev["top1"], "test_n": dense_ev["n"]}
     m = pipe.base_dir / "metrics.json"
     if m.is_file():
         bm = read_json(m)
-        res.update({k: bm[k] for k in ("best_val_top1", "test_top1", "epochs", "l2", "train_time_s") if k in bm})
+        res.update({k: bm[k] for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
+        res.update({f"trained_{k}": bm[k] for k in ("test_top1", "test_n") if k in bm})
     return res
 
 
@@ -276,5 +275,5 @@ def _study_report(pipe: PlannedPipeline) -> str | None:
     return text
 
 
-__all__ = ["build_html", "comparison_rows", "int8_table_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
+__all__ = ["build_html", "comparison_rows", "int8_table_rows", "models_note", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
            "write_summary"]
