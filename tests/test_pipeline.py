@@ -223,6 +223,16 @@ def _bad(base: dict, path: str, value) -> dict:
 
 BAD = [
     ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
+    # a command's option the stage does not take: where it goes (issue 49)
+    ("stages.dcs.eval_limit", 150, "unknown key stages.dcs.eval_limit: eval_limit is set once for every stage, "
+                                   "under data: (data.eval_limit); valid: target_flops,"),
+    ("stages.retrain.dataset", "digits", "unknown key stages.retrain.dataset: dataset is set once for every "
+                                         "stage, under data: (data.dataset)"),
+    ("stages.tokens.train_limit", 100, "unknown key stages.tokens.train_limit: the study's training images are "
+                                       "train_images (search tokens --train-images)"),
+    ("stages.tokens.eval_limit", 100, "unknown key stages.tokens.eval_limit: the study's validation images are "
+                                      "eval_images (search tokens --eval-images); the test images, for every "
+                                      "stage, data.eval_limit"),
     ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
     ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop"),
     ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
