@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
                 print_json(metrics)
             else:
                 out.print(f"trial {metrics['trial']} of {study}: rebuilt top-1 {metrics['rebuilt_accuracy']:.2f}% "
-                          f"(recorded {metrics['trial_accuracy']:.2f}%), {dense_flops_text(metrics['flops_ratio'])}  -> {out_dir}")
+                          f"(recorded {metrics['trial_accuracy']:.2f}%), {dense_flops_text(metrics['flops_ratio'])}"
+                          f"  -> {out_dir}")
             return
         metrics = run(materialize_search, MaterializeJob(search_dir=str(search_dir), out=str(out_dir)), force=force)
         if json_out:

@@ -181,7 +181,8 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         # the one ratio convention (nascompress.profiling.compare): final against dense
         cmp = {"top1_change": final["test_top1"] - dense["test_top1"], "test_n": dense["test_n"],
                "file_ratio": final["file_bytes"] / dense["file_bytes"], "latency_speedup": None,
-               "throughput_speedup": None, **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
+               "throughput_speedup": None,
+               **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
         goal = _goal(cfg, cmp, final)
         arch = load_arch(final_dir)
         dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
@@ -275,5 +276,6 @@ def _study_report(pipe: PlannedPipeline) -> str | None:
     return text
 
 
-__all__ = ["build_html", "comparison_rows", "int8_table_rows", "models_note", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
+__all__ = ["build_html", "comparison_rows", "int8_table_rows", "models_note",
+           "dcs_rows", "dcs_column", "decision_lines", "goal_text",
            "write_summary"]

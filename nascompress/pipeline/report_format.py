@@ -23,7 +23,8 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
         return [(top1, f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
     rows = [(top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
             ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
-            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M", times_text(c["flops_ratio"], "FLOPs")),
+            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M",
+             times_text(c["flops_ratio"], "FLOPs")),
             ("parameters", f"{d['params']:,}", f"{f['params']:,}", times_text(c["params_ratio"], "parameters")),
             ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), times_text(c["file_ratio"], "size"))]
     if c.get("latency_speedup") is not None:
