@@ -457,3 +457,24 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
     assert f"test top-1 {s['dense']['test_top1']:.2f}% on 50 images" in line and "on 200 images" in line
     assert "The same 50 test images for both" in models_note(s) and str(ref["out"] / "base") in models_note(s)
     assert "The same 50 test images for both" in (out / "report.html").read_text()
+
+
+def test_report_front_marks_the_picked_dense_and_final_models_and_the_goal(ref):
+    """The study's front in the pipeline's report: the picked trial, the dense base, the final model
+    and the goal line, each a named trace; nothing coloured by trial number."""
+    import re
+
+    s = json.loads((ref["out"] / "summary.json").read_text())
+    picked = s["decisions"]["tokens"]["picked_trial"]
+    for page in ((ref["out"] / "tokens" / "report.html").read_text(), (ref["out"] / "report.html").read_text()):
+        figures = re.findall(r'Plotly\.newPlot\(\s*"(front-flops|pareto-objectives)",\s*(\[.*?\]),\s*\{', page, re.S)
+        assert figures, "no front figure"
+        div, data = figures[0]
+        traces = json.loads(data)
+        names = [t.get("name", "") for t in traces]
+        assert f"picked: trial {picked}" in names and "Pareto front" in names, names
+        assert any(n.startswith("dense base: 1x the FLOPs, test top-1") for n in names), names
+        assert any(n.startswith(f"final model: {s['comparison']['flops_ratio']:.3f}x the FLOPs") for n in names)
+        goal = next(t for t in traces if t.get("name") == "goal: <= 0.75x the dense FLOPs")
+        assert goal["x"] == [0.75, 0.75] and goal["mode"] == "lines"
+        assert all("colorbar" not in (t.get("marker") or {}) for t in traces)

@@ -211,7 +211,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
                "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
     study_html = None
     if cfg.stages.tokens is not None:
-        study_html = _study_report(pipe)
+        study_html = _study_report(pipe, front_marks(summary))
     summary["report"] = str((out / "report.html").resolve())
     write_json(out / "summary.json", summary)
     with atomic_path(out / "report.html") as tmp:
@@ -264,13 +264,40 @@ def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str
     return res
 
 
-def _study_report(pipe: PlannedPipeline) -> str | None:
-    """The study's own report (written to tokens/report.html); returns its HTML."""
+def front_marks(s: dict[str, Any]) -> Any:
+    """What the study's fronts mark for this pipeline: the picked trial, the dense base and the final
+    model (their test top-1, on the report's test images) and the goal."""
+    from ..studies.front_plot import FrontMarks, Mark
+
+    d, f, g = s["dense"], s["final"], s["goal"]
+    n = d["test_n"]
+    dense = {"flops_ratio": Mark(f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)",
+                                 1.0, d["test_top1"])}
+    final = {}
+    if f is not None:
+        ratio = s["comparison"]["flops_ratio"]
+        final["flops_ratio"] = Mark(f"final model: {ratio:.3f}x the FLOPs, test top-1 {f['test_top1']:.2f}% "
+                                    f"({n} test images)", ratio, f["test_top1"])
+    for kind, rec, into in (("dense base", d, dense), ("final model", f, final)):
+        if rec is not None and rec.get("latency_ms") is not None:
+            into["latency_ms"] = Mark(f"{kind}: {rec['latency_ms']:.2f} ms, test top-1 {rec['test_top1']:.2f}% "
+                                      f"({n} test images)", rec["latency_ms"], rec["test_top1"])
+    goal = ({"flops_ratio": (g["max_flops"], f"goal: <= {g['max_flops']:g}x the dense FLOPs")}
+            if g.get("max_flops") is not None else
+            {"latency_ms": (g["max_latency_ms"], f"goal: <= {g['max_latency_ms']:g} ms at batch 1")}
+            if g.get("max_latency_ms") is not None else {})
+    picked = (s["decisions"].get("tokens") or {}).get("picked_trial")
+    return FrontMarks(picked=picked, dense=dense, final=final, goal=goal)
+
+
+def _study_report(pipe: PlannedPipeline, marks: Any) -> str | None:
+    """The study's own report (written to tokens/report.html), its fronts marking ``marks``; returns
+    its HTML."""
     from ..studies.inspect import load
     from ..studies.report import build_report
 
     spec, study = load(pipe.cfg.stages.tokens.study, pipe.storage)
-    text = build_report(study, storage_display=spec.display)
+    text = build_report(study, storage_display=spec.display, marks=marks)
     with atomic_path(pipe.out / "tokens" / "report.html") as tmp:
         tmp.write_text(text, encoding="utf-8")
     return text
