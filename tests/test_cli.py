@@ -27,7 +27,7 @@ def test_train_evaluate_profile_on_fashion_mnist(tmp_path):
     r = invoke("profile", out, "--compare", out, "--iters", 2, "--batch-size", 8, "--json")
     assert r.exit_code == 0, r.output
     prof = json.loads(r.stdout)
-    (m,) = [v for k, v in prof["models"].items() if "compare" not in k]
+    (m,) = [v for k, v in prof["models"].items() if "reference" not in k]
     assert m["macs"] == pytest.approx(m["flop_counter_macs"])
     assert len(m["blocks"]) == 2 and m["throughput"] > 0
     assert prof["comparison"]["flops_ratio"] == pytest.approx(1.0)

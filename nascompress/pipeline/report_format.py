@@ -18,7 +18,7 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     """(metric, dense, final, change) rows of the comparison, as text: the final model against the
     dense base in the one ratio convention (:mod:`nascompress.profiling.compare`)."""
     d, f, c = s["dense"], s["final"], s["comparison"]
-    top1 = f"test top-1 ({d['test_n']} images)"
+    top1 = "test top-1" + ("" if d.get("test_n") is None else f" ({d['test_n']} images)")
     if f is None:  # no compressed model could be made
         return [(top1, f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
     rows = [(top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
@@ -43,8 +43,9 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 def models_note(s: dict[str, Any]) -> str:
     """Which runs the comparison's columns are, and on what it was measured."""
     d, f = s["dense"], s["final"]
-    both = f"dense base {d['run']}" + ("" if f is None else f"; compressed {f['run']}")
-    return (f"{both}. The same {d['test_n']} test images for both; 'change' is the compressed model against the "
+    both = f"dense base {d.get('run', '')}" + ("" if f is None else f"; compressed {f.get('run', '')}")
+    n = "" if d.get("test_n") is None else f" {d['test_n']}"  # a summary written before the count was kept
+    return (f"{both}. The same{n} test images for both; 'change' is the compressed model against the "
             "dense base (x the FLOPs: below 1 is smaller; x faster: above 1 is faster).")
 
 
