@@ -457,6 +457,11 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
     assert f"test top-1 {s['dense']['test_top1']:.2f}% on 50 images" in line and "on 200 images" in line
     assert "The same 50 test images for both" in models_note(s) and str(ref["out"] / "base") in models_note(s)
     assert "The same 50 test images for both" in (out / "report.html").read_text()
+    # the command's own output (the fixture's run: all 200 test images): counts, both runs, the convention
+    text = ref["output"]
+    assert "test top-1 (200 images)" in text and "x the FLOPs" in text and "x faster" in text
+    assert any(f"dense base {ref['out'] / 'base'}; compressed {ref['out'] / 'final'}. The same 200 test images" in ln
+               for ln in text.splitlines())
 
 
 def test_report_front_marks_the_picked_dense_and_final_models_and_the_goal(ref):

@@ -56,13 +56,13 @@ def show(s: dict) -> None:
     from nascompress.pipeline.report import (comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                                              int8_table_rows, models_note)
 
-    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})",
-              caption=models_note(s))
+    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):
         t.add_column(col, justify="left" if not col else "right")
     for row in comparison_rows(s):
         t.add_row(*row)
     out.print(t)
+    out.print(models_note(s), highlight=False, soft_wrap=True)  # the runs' paths whole, not wrapped to the table
     out.print(f"goal: {goal_text(s)}", highlight=False)
     if s.get("int8"):
         q = Table(title="int8 (ONNX Runtime, CPU) against fp32 (PyTorch), timed interleaved")
