@@ -64,10 +64,10 @@ def log_summary(run: Path) -> dict[str, Any]:
 
 
 def flops_ratio(dense: Path, run: Path) -> dict[str, Any]:
-    res = profile(dense, compare=run, latency=False)
-    key = next(iter(res["ratios"]))
-    m = res["models"][key]
-    return {"flops": m["macs"], "params": m["params"], "flops_ratio": 1 / res["ratios"][key]["flops_reduction"]}
+    res = profile(run, compare=dense, latency=False)
+    c = res["comparison"]
+    m = res["models"][c["model"]]
+    return {"flops": m["macs"], "params": m["params"], "flops_ratio": c["flops_ratio"]}
 
 
 def done(run: Path) -> bool:

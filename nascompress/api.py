@@ -82,8 +82,10 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
 def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None, device: str = "auto",
             latency: bool = True, batch_size: int = 64, iters: int = 10, dtype: str = "fp32",
             compile: bool = False) -> dict[str, Any]:
-    """Profile a saved run (or a timm model spec), optionally against a second run, interleaved;
-    ``dtype``: weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs
+    """Profile a saved run (or a timm model spec), optionally against a reference run ``compare``
+    (e.g. the dense base), timed interleaved: ``comparison`` then holds the target against the
+    reference (:mod:`nascompress.profiling.compare`: ``flops_ratio`` < 1 is smaller,
+    ``latency_speedup`` > 1 is faster), both labels and what the figures were measured on; ``dtype``: weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs
     on CUDA) next to the eager ones."""
     dev = resolve_device(device)
     with runtime.configured(dev):
@@ -97,12 +99,23 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
             return t.name, build_model(t)
         return str(t), load_with_arch(t, map_location=dev)[0]
 
-    models = dict([get(target)])
+    models = dict([get(target)])  # printed in this order: the target, then the reference
+    ref_label = None
     if compare is not None:
-        label, m = get(compare)
-        models[label if label not in models else f"{label} (compare)"] = m
-    res = profile_models(models, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters, dtype=dtype,
-                         compile=compile)
+        ref_label, m = get(compare)
+        ref_label = ref_label if ref_label not in models else f"{ref_label} (reference)"
+        models[ref_label] = m
+    flops_batch = 4  # random images per FLOPs count
+    # profile_models compares the other models with its first: the reference goes first
+    timed = models if ref_label is None else {ref_label: models[ref_label], **models}
+    res = profile_models(timed, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters, dtype=dtype,
+                         compile=compile, flops_batch=flops_batch)
+    res["models"] = {k: res["models"][k] for k in models}
+    if ref_label is not None:
+        ((model_label, ratios),) = res.pop("ratios").items()  # compare_records(target, reference)
+        rec = res["models"][model_label]
+        res["comparison"] = {"model": model_label, "reference": ref_label, **ratios, "flops_images": flops_batch,
+                             "latency_batch": rec.get("latency_batch"), "throughput_batch": rec.get("throughput_batch")}
     for label, m in models.items():  # early-exit models (MG-ViT): per-stage FLOPs, independent of the input
         if hasattr(m, "stage_flops"):
             res["models"][label]["stages"] = m.stage_flops()

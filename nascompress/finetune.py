@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from . import distributed, runtime
 from .api import run_data_config
 from .config import Config, StageSettings, check_bool, setting
@@ -26,6 +29,7 @@ from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch, save_model, set_labels
 from .methods import get_method
+from .models import ModelSpec, build_model
 from .train import TrainConfig, check_classes, fit, recipe_config
 from .run_dir import RunDir
 from .utils import seed_everything
@@ -146,7 +150,26 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
                       finish=False)
         metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
+    saved = model if job.zero_shot else load_with_arch(out, map_location=device, complete=False)[0]  # the best epoch
+    dense = build_model(ModelSpec.from_dict(base_arch["model"])).to(device)  # no method: DCS widths included
+    metrics.update(flops_on_test_images(saved, dense, data.test, spec, device))
     return run.finish(metrics)  # the last write: marks the run complete
+
+
+@torch.no_grad()
+def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: InputSpec, device: Any,
+                         *, images: int | None = None) -> dict[str, Any]:
+    """FLOPs per image of the method's model and of the dense model (the architecture without any
+    method), averaged over the first ``images`` test images (a token method's cost depends on the
+    image; default: as many as a study's trial), and their ratio (the model's / the dense one's:
+    below 1 is cheaper, :mod:`nascompress.profiling.compare`)."""
+    from .profiling import count_flops
+    from .search.trial_context import FLOPS_IMAGES
+
+    imgs, _ = next(iter(make_loader(test, batch_size=images or FLOPS_IMAGES, shuffle=False)))  # as a trial's
+    x = preprocess(imgs, spec).to(device)
+    flops, dense_flops = count_flops(model.eval(), x).total, count_flops(dense.eval(), x).total
+    return {"flops": flops, "dense_flops": dense_flops, "flops_ratio": flops / dense_flops, "flops_images": len(x)}
 
 
 __all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "finetune", "finetune_train_config", "split_settings",

@@ -138,7 +138,7 @@ def _upgrade_v1(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def build_from_arch(arch: dict[str, Any]) -> nn.Module:
     """Build the (randomly initialised) model that ``arch`` describes, methods applied."""
     model = build_model(ModelSpec.from_dict(arch["model"]))
-    return apply_methods(model, arch["methods"])
+    return apply_methods(model, arch["methods"], inplace=True)  # built here: no copy needed
 
 
 def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -27,11 +27,10 @@ def test_train_evaluate_profile_on_fashion_mnist(tmp_path):
     r = invoke("profile", out, "--compare", out, "--iters", 2, "--batch-size", 8, "--json")
     assert r.exit_code == 0, r.output
     prof = json.loads(r.stdout)
-    (m,) = [v for k, v in prof["models"].items() if "compare" not in k]
+    (m,) = [v for k, v in prof["models"].items() if "reference" not in k]
     assert m["macs"] == pytest.approx(m["flop_counter_macs"])
     assert len(m["blocks"]) == 2 and m["throughput"] > 0
-    (ratios,) = prof["ratios"].values()
-    assert ratios["flops_reduction"] == pytest.approx(1.0)
+    assert prof["comparison"]["flops_ratio"] == pytest.approx(1.0)
     # resume of a finished run is a no-op that still reports metrics
     r = invoke("train", "--out", out, "--resume", "--json")
     assert r.exit_code == 0, r.output
@@ -105,3 +104,26 @@ def test_evaluate_bad_inputs(tmp_path, tiny_run):
 def test_debug_shows_traceback(tmp_path):
     r = invoke("--debug", "evaluate", tmp_path / "nope")
     assert r.exit_code != 0 and r.exception is not None
+
+
+@pytest.mark.parametrize("command", [(), ("retrain",), ("profile",), ("study", "show")])
+def test_help_shows_flags_as_flags(command):
+    r = invoke(*command, "--help")
+    assert r.exit_code == 0, r.output
+    assert "--help" in r.stdout and "<bool>" not in r.stdout, r.stdout
+
+
+def test_a_flag_takes_no_value():
+    r = invoke("--version")
+    from nascompress import __version__
+
+    assert r.exit_code == 0 and r.stdout.strip() == f"nascompress {__version__}"
+    assert invoke("--debug", "--version").exit_code == 0
+    assert invoke("profile", "--model", "test_vit", "--json", "true").exit_code != 0  # a flag, not --json <bool>
+
+
+def test_shell_completion():
+    r = invoke("--help")
+    assert "--install-completion" in r.stdout and "--show-completion" in r.stdout
+    r = invoke("--show-completion", "bash")
+    assert r.exit_code == 0 and "complete" in r.stdout and "_COMPLETE" in r.stdout, r.output

@@ -225,6 +225,16 @@ def _bad(base: dict, path: str, value) -> dict:
 
 BAD = [
     ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
+    # a command's option the stage does not take: where it goes (issue 49)
+    ("stages.dcs.eval_limit", 150, "unknown key stages.dcs.eval_limit: eval_limit is set once for every stage, "
+                                   "under data: (data.eval_limit); valid: target_flops,"),
+    ("stages.retrain.dataset", "digits", "unknown key stages.retrain.dataset: dataset is set once for every "
+                                         "stage, under data: (data.dataset)"),
+    ("stages.tokens.train_limit", 100, "unknown key stages.tokens.train_limit: the study's training images are "
+                                       "train_images (search tokens --train-images)"),
+    ("stages.tokens.eval_limit", 100, "unknown key stages.tokens.eval_limit: the study's validation images are "
+                                      "eval_images (search tokens --eval-images); the test images, for every "
+                                      "stage, data.eval_limit"),
     ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
     ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop"),
     ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
@@ -442,3 +452,60 @@ def test_the_pipeline_chooses_where_to_cut(tmp_path):
     assert s["decisions"]["tokens"]["picked_study"] == pick["picked_study"]
     assert "where to cut:" in (out / "report.html").read_text()
     assert s["comparison"]["flops_ratio"] <= 0.75
+
+
+def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path):
+    """``data.eval_limit``: the table and the decisions line give the dense base's accuracy on the
+    same images, with their count; the base's own (trained on all 200 test images) is labelled."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from nascompress.data import DataConfig
+    from nascompress.pipeline.report import comparison_rows, decision_lines, models_note, write_summary
+
+    cfg = load_config(ref["config"])
+    cfg = replace(cfg, stages=replace(cfg.stages, tokens=None), export=None)
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(ref["out"] / "config.yaml", out / "config.yaml")
+    pipe = SimpleNamespace(cfg=cfg, out=out, source=str(ref["config"]), base_dir=ref["out"] / "base", storage=None,
+                           data=DataConfig(dataset="synthetic", eval_limit=50), steps=[],
+                           result_dir=lambda: ref["out"] / "final")
+    s = write_summary(pipe)
+    assert s["dense"]["test_n"] == s["final"]["test_n"] == s["comparison"]["test_n"] == 50
+    base = s["decisions"]["base"]
+    assert (base["test_top1"], base["test_n"]) == (s["dense"]["test_top1"], 50)
+    assert base["trained_test_n"] == 200
+    rows = comparison_rows(s)
+    assert rows[0][:2] == ("test top-1 (50 images)", f"{s['dense']['test_top1']:.2f}%")
+    assert rows[2][3] == f"{s['comparison']['flops_ratio']:.3f}x the FLOPs" and "faster" in rows[5][3]
+    line = next(ln for ln in decision_lines(s) if ln.startswith("base:"))
+    assert f"test top-1 {s['dense']['test_top1']:.2f}% on 50 images" in line and "on 200 images" in line
+    assert "The same 50 test images for both" in models_note(s) and str(ref["out"] / "base") in models_note(s)
+    assert "The same 50 test images for both" in (out / "report.html").read_text()
+    # the command's own output (the fixture's run: all 200 test images): counts, both runs, the convention
+    text = ref["output"]
+    assert "test top-1 (200 images)" in text and "x the FLOPs" in text and "x faster" in text
+    assert any(f"dense base {ref['out'] / 'base'}; compressed {ref['out'] / 'final'}. The same 200 test images" in ln
+               for ln in text.splitlines())
+
+
+def test_report_front_marks_the_picked_dense_and_final_models_and_the_goal(ref):
+    """The study's front in the pipeline's report: the picked trial, the dense base, the final model
+    and the goal line, each a named trace; nothing coloured by trial number."""
+    import re
+
+    s = json.loads((ref["out"] / "summary.json").read_text())
+    picked = s["decisions"]["tokens"]["picked_trial"]
+    for page in ((ref["out"] / "tokens" / "report.html").read_text(), (ref["out"] / "report.html").read_text()):
+        figures = re.findall(r'Plotly\.newPlot\(\s*"(front-flops|pareto-objectives)",\s*(\[.*?\]),\s*\{', page, re.S)
+        assert figures, "no front figure"
+        div, data = figures[0]
+        traces = json.loads(data)
+        names = [t.get("name", "") for t in traces]
+        assert f"picked: trial {picked}" in names and "Pareto front" in names, names
+        assert any(n.startswith("dense base: 1x the FLOPs, test top-1") for n in names), names
+        assert any(n.startswith(f"final model: {s['comparison']['flops_ratio']:.3f}x the FLOPs") for n in names)
+        goal = next(t for t in traces if t.get("name") == "goal: <= 0.75x the dense FLOPs")
+        assert goal["x"] == [0.75, 0.75] and goal["mode"] == "lines"
+        assert all("colorbar" not in (t.get("marker") or {}) for t in traces)

@@ -70,3 +70,48 @@ def test_thop_misses_exactly_the_attention_matmuls():
     matmuls = 12 * 2 * 197 * 197 * 192
     assert thop_macs(model, x) == pytest.approx(ours - matmuls, rel=1e-3)
     assert ours / 1e9 == pytest.approx(1.254, abs=0.001)
+
+
+def _run(path, depth: int):
+    from nascompress.io import make_arch, save_model
+    from nascompress.train import input_spec_for
+
+    spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=depth, num_heads=2, num_classes=10,
+                           in_chans=1)
+    model = build_model(spec)
+    save_model(path, model, make_arch(spec, input_spec=input_spec_for(model, "synthetic").to_dict()))
+    return path
+
+
+def test_profile_compare_names_both_models_in_the_one_ratio_convention(tmp_path):
+    """``profile SMALL --compare BIG``: SMALL against the reference BIG, "x the FLOPs" (< 1: smaller)
+    and "x faster" (> 1: faster), both named, with what the figures were measured on."""
+    import json
+
+    from .conftest import invoke
+
+    small, big = _run(tmp_path / "small", 1), _run(tmp_path / "big", 2)
+    r = invoke("profile", small, "--compare", big, "--iters", 2, "--batch-size", 4, "--json")
+    assert r.exit_code == 0, r.output
+    c = json.loads(r.stdout)["comparison"]
+    assert c["model"] == str(small) and c["reference"] == str(big)
+    assert 0.4 < c["flops_ratio"] < 0.6 and c["params_ratio"] < 1  # one block of two (plus the stem)
+    assert c["latency_speedup"] > 0 and c["throughput_speedup"] > 0
+    assert c["flops_images"] == 4 and c["latency_batch"] == 1 and c["throughput_batch"] == 4
+    r = invoke("profile", small, "--compare", big, "--iters", 2, "--batch-size", 4)
+    assert r.exit_code == 0, r.output
+    text = r.stdout
+    assert f"{small} against the reference {big}:" in text and f"{big} (reference)" in text
+    assert f"{c['flops_ratio']:.3f}x the FLOPs (per image, mean of 4 random images)" in text
+    assert "x faster" in text and "(batch 1)" in text and "(batch 4)" in text
+    assert "reduction" not in text and "vs reference" not in text
+
+
+def test_speed_and_size_texts():
+    from nascompress.profiling.compare import compare_records, speed_text, times_text
+
+    c = compare_records({"macs": 1.0, "params": 2.0, "latency_ms": 1.0, "throughput": 300.0},
+                        {"macs": 2.0, "params": 4.0, "latency_ms": 2.0, "throughput": 100.0})
+    assert c == {"flops_ratio": 0.5, "params_ratio": 0.5, "latency_speedup": 2.0, "throughput_speedup": 3.0}
+    assert times_text(0.5, "FLOPs") == "0.500x the FLOPs"
+    assert speed_text(2.0) == "2.00x faster" and speed_text(0.5) == "0.50x faster (slower)"

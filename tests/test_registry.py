@@ -22,7 +22,7 @@ from nascompress.methods.dcs import DCSConfig, make_supernet, materialize, selec
 from nascompress.methods.evit import evit_prune
 from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, sparse_coefficients, topk_mask
 from nascompress.methods.tokens import keep_prefix_and
-from nascompress.models import ModelSpec, build_model
+from nascompress.models import ModelSpec, build_model, input_size
 
 from .tome_reference import merge_batch
 
@@ -227,3 +227,22 @@ def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
 def test_selection_helpers_are_consistent():
     sup = make_supernet(dense(), DCSConfig(qk_mask="static")).eval()
     assert all(len(b["mlp_keep"]) == 32 for b in selection(sup))  # gates start open
+
+
+@pytest.mark.parametrize("name", sorted(ON))
+def test_apply_methods_leaves_its_input_as_it_was(name):
+    """apply_methods patches a copy: the same dense model takes a method twice (a second call used
+    to find it already patched), and its own output and class do not change."""
+    model = dense_for(name)
+    x = torch.randn(2, *input_size(model))
+    before, cls, keys = model(x), type(model), list(model.state_dict())
+    rec = get_method(name).prepare_fresh(copy.deepcopy(model), dict(ON[name]))[1]  # a full record (arch.json's)
+    first, second = apply_methods(model, [rec]).eval(), apply_methods(model, [rec]).eval()
+    assert first is not model and second is not first
+    assert type(model) is cls and list(model.state_dict()) == keys
+    torch.testing.assert_close(model(x), before)
+    shapes = {k: v.shape for k, v in first.state_dict().items()}  # the same architecture twice (new
+    assert {k: v.shape for k, v in second.state_dict().items()} == shapes  # predictors start random)
+    assert first(x).shape == before.shape
+    built = apply_methods(dense_for(name), [rec], inplace=True)  # a model built for it: patched in place
+    assert type(built) is type(first)

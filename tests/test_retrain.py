@@ -337,3 +337,21 @@ def test_patch_embed_input_feature_is_a_frozen_copy():
     torch.testing.assert_close(embed(x), before, rtol=0, atol=0)
     img = make_input_embed(RetrainConfig(input_pool=4), model=model, teacher=None)(x)
     torch.testing.assert_close(img, torch.nn.functional.avg_pool2d(x, 4).flatten(1))
+
+
+def test_cli_retrain_with_the_bound_off_prints_no_ib_loss(tmp_path):
+    """--teacher with eta 0 (the default): no "IB loss nan"; the test image count is printed."""
+    from nascompress.cli.main import app
+
+    src = make_model_dir(tmp_path / "compressed")
+    teacher = make_model_dir(tmp_path / "dense", methods=(), seed=1)
+    res = CliRunner().invoke(app, ["retrain", str(src), "--out", str(tmp_path / "r"), "--dataset", "synthetic",
+                                   "--epochs", "1", "--teacher", str(teacher), "--batch-size", "64",
+                                   "--train-limit", "64", "--eval-limit", "32"])
+    assert res.exit_code == 0, res.output
+    line = res.stdout.strip().splitlines()[-1]
+    assert "nan" not in line.lower() and "IB loss" not in line and "(32 images)" in line, line
+    from nascompress.cli.retrain import ib_text
+
+    assert ib_text({"eta": 50.0, "final": {"ib": 0.25}}) == "  IB loss 0.2500"
+    assert ib_text({"eta": 0.0, "final": {"ib": 0.25}}) == ib_text({"eta": 5.0, "final": {"ib": float("nan")}}) == ""

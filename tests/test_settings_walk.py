@@ -26,6 +26,9 @@ PLUMBING_OPTIONS = {
     "--json": "print the result as JSON instead of text",
     "--help": "click's help",
     "--debug": "the app's switch: tracebacks instead of one-line errors",
+    "--version": "the app's: print the version and exit",
+    "--install-completion": "Typer's shell completion (add_completion)",
+    "--show-completion": "Typer's shell completion (add_completion)",
 }
 # Per-command plumbing and inputs (a second input, as an argument is): (command, option) -> reason
 COMMAND_PLUMBING = {

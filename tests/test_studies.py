@@ -534,3 +534,85 @@ def test_missing_service_skips_or_fails(monkeypatch):
     monkeypatch.setattr(services, "REQUIRE", True)
     with pytest.raises(pytest.fail.Exception, match="NASCOMPRESS_REQUIRE_SERVICES=1"):
         services.unavailable("no such service")
+
+
+
+def test_piped_tables_are_not_cut(project, monkeypatch, capsys):
+    """Not a terminal (CliRunner, ``| cat``): every column and value in full, nothing cut at 80
+    columns, no two columns shown under the same cut name."""
+    from nascompress.cli.common import out
+    from nascompress.studies.inspect import render_show
+
+    monkeypatch.chdir(project)
+    r = cli("study", "show", "multi")
+    assert r.exit_code == 0 and "…" not in r.stdout, r.output
+    params = {"evit.keep_rate": 0.7, "evit.keep_layers": "3,6,9", "tome.r": 8, "dynamicvit.keep_ratio": 0.5}
+    result = {"study": "tok", "kind": "pareto", "metric_names": ["accuracy", "flops_ratio"],
+              "directions": ["maximize", "minimize"], "varying": list(params), "counts": {"COMPLETE": 1},
+              "storage": "sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
+              "trials": [{"number": 0, "params": params, "values": {"accuracy": 81.25, "flops_ratio": 0.5},
+                          "record": {"params": 5_000_000, "latency_ms": 1.5, "run": "/a/long/run/directory/x"}}]}
+    out.print(render_show(result))
+    text = capsys.readouterr().out
+    assert "…" not in text, text
+    header = next(ln for ln in text.splitlines() if "accuracy ↑" in ln)
+    for col in (*params, "flops_ratio ↓"):
+        assert col in header, header
+    assert any(result["storage"] in ln for ln in text.splitlines())  # the path whole, on one line
+
+
+def figure_traces(page: str, div: str) -> list[dict]:
+    """The traces of the plotly figure drawn into ``div`` of an HTML page."""
+    import re
+
+    m = re.search(r'Plotly\.newPlot\(\s*"' + re.escape(div) + r'",\s*(\[.*?\]),\s*\{', page, re.S)
+    assert m, f"no figure {div}"
+    return json.loads(m.group(1))
+
+
+def test_report_front_colours_trials_by_kind_with_one_legend(project, monkeypatch, tmp_path):
+    """The front is not coloured by trial number (no colour bar, no colour scale): trials, the front
+    and the trials over a constraint are each one named trace of one colour; the toolbar is vertical."""
+    from nascompress.studies.front_plot import COLOURS
+    from nascompress.studies.report import front_figures
+
+    monkeypatch.chdir(project)
+    assert cli("study", "report", "multi", "--out", tmp_path / "m.html").exit_code == 0
+    traces = figure_traces((tmp_path / "m.html").read_text(), "pareto-objectives")
+    assert "Pareto front" in [t.get("name") for t in traces]
+    for t in traces:
+        marker = t.get("marker") or {}
+        assert "colorbar" not in marker and "colorscale" not in marker and isinstance(marker.get("color"), str), t
+    # a study with a constraint: the trials over it grey crosses, the front among the others only
+    study = optuna.create_study(directions=["maximize", "minimize"])
+    for x in (0.2, 0.5, 0.9):
+        t = study.ask()
+        t.set_constraint("flops", x - 0.6)
+        study.tell(t, [70 + 20 * x, x])
+    ((_, fig),) = front_figures(study.get_trials(), ["accuracy", "flops_ratio"], ["maximize", "minimize"])
+    by_name = {tr.name: tr for tr in fig.data}
+    assert list(by_name["trial over the constraint"].x) == [0.9]
+    assert list(by_name["Pareto front"].x) == [0.2, 0.5] and by_name["Pareto front"].marker.color == COLOURS["front"]
+    assert fig.layout.modebar.orientation == "v" and fig.layout.legend.orientation == "h"
+
+
+def test_dashboard_shows_the_reports_front_and_writes_only_its_snapshot(project, monkeypatch):
+    from nascompress.studies.dashboard import DASHBOARD_CSS, start_dashboard
+
+    monkeypatch.chdir(project)
+    h = start_dashboard("multi", port=0)
+    try:
+        base = h.url.rsplit("/dashboard/", 1)[0]
+        study_id = h.study_url.rsplit("/", 1)[1]
+        detail = json.load(urllib.request.urlopen(f"{base}/api/studies/{study_id}?after=0", timeout=30))
+        figs = {g["id"]: json.loads(g["graph_object"]) for g in detail["plotly_graph_objects"]}
+        assert "nascompress-pareto-objectives" in figs
+        names = [t.get("name") for t in figs["nascompress-pareto-objectives"]["data"]]
+        assert "Pareto front" in names
+        page = urllib.request.urlopen(h.study_url, timeout=30).read().decode()  # the toolbar: shown on hover
+        assert f"<style>{DASHBOARD_CSS}</style></head>" in page and "modebar{opacity:0" in DASHBOARD_CSS
+    finally:
+        h.stop()
+    study = optuna.load_study(study_name="multi", storage=f"sqlite:///{project}/nascompress-studies.db")
+    attrs = study._storage.get_study_system_attrs(study._study_id)
+    assert not any(k.startswith("dashboard:") for k in attrs)  # the user's storage: untouched

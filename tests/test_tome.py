@@ -193,3 +193,17 @@ def test_the_shipped_spaces_apply_their_methods_in_an_allowed_order():
             for i, n in enumerate(names):
                 assert set(names[:i]) <= get_method(n).stacks_on, names
         assert any("tome" in s for s in seen)
+
+
+def test_cli_finetune_reports_flops(tmp_path, tiny_run):
+    """--zero-shot (and a fine-tune) report the model's FLOPs against the dense model's, on stdout and
+    in metrics.json."""
+    zs = tmp_path / "zs"
+    r = invoke("finetune", tiny_run, "--method", "tome", "--r", "4", "--zero-shot", "--out", zs, "--json")
+    assert r.exit_code == 0, r.output
+    m = json.loads(r.stdout)
+    assert 0 < m["flops"] < m["dense_flops"] and m["flops_ratio"] == pytest.approx(m["flops"] / m["dense_flops"])
+    assert m["flops_images"] > 0 and json.loads((zs / "metrics.json").read_text())["flops"] == m["flops"]
+    r = invoke("finetune", tiny_run, "--method", "tome", "--r", "4", "--zero-shot", "--out", tmp_path / "zs2")
+    assert r.exit_code == 0, r.output
+    assert f"{m['flops_ratio']:.3f}x the dense FLOPs (mean of {m['flops_images']} test images)" in r.stdout

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from typing import Annotated, Any, Callable, TypeVar
 
 import typer
-from rich.console import Console
+from typer.core import TyperOption
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
 from nascompress.config import StageSettings, setting_help, tuple_item_type
@@ -17,7 +18,35 @@ from nascompress.errors import NascompressError, write_error
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
-out = Console(quiet=not MAIN)
+
+
+def _flag_type(self: Any, ctx: Any) -> str | None:
+    """Typer's rich help writes ``<bool>`` after a flag (``--json <bool>``) as if it took a value;
+    a flag takes none, so it shows no type."""
+    return None if self.is_flag or self.count else _option_type(self, ctx)
+
+
+_option_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = _flag_type  # type: ignore[method-assign]
+
+
+class PipedConsole(Console):
+    """A console that cuts and folds nothing when its output is not a terminal (``| cat``, a file):
+    rich's default width there is 80 columns, which truncates wide tables; a terminal keeps its own
+    width."""
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = Console.size.fget(self)
+        return dims if self.is_terminal else ConsoleDimensions(max(dims.width, PIPED_WIDTH), dims.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)
+
+
+PIPED_WIDTH = 10_000  # wide enough for any table the commands print
+out = PipedConsole(quiet=not MAIN)
 err = Console(stderr=True)
 STATE = {"debug": False}
 # options of commands that do not generate them (setting_params), with the library's help

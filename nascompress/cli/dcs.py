@@ -8,6 +8,7 @@ import typer
 
 from nascompress.cli.common import fail, out, print_json, run, setting_option
 from nascompress.config import StageSettings
+from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.trial_model import TrialMaterializeJob
 
 # materialize --study: TrialMaterializeJob's settings (or a DCS SEARCH_DIR instead)
@@ -44,7 +45,8 @@ def register(app: typer.Typer) -> None:
                 print_json(metrics)
             else:
                 out.print(f"trial {metrics['trial']} of {study}: rebuilt top-1 {metrics['rebuilt_accuracy']:.2f}% "
-                          f"(recorded {metrics['trial_accuracy']:.2f}%), FLOPs {metrics['flops_ratio']:.3f}x  -> {out_dir}")
+                          f"(recorded {metrics['trial_accuracy']:.2f}%), {dense_flops_text(metrics['flops_ratio'])}"
+                          f"  -> {out_dir}")
             return
         metrics = run(materialize_search, MaterializeJob(search_dir=str(search_dir), out=str(out_dir)), force=force)
         if json_out:
@@ -52,6 +54,6 @@ def register(app: typer.Typer) -> None:
         else:
             ratio = metrics["flops_ratio_vs_dense"]
             out.print(f"materialized: {metrics['macs'] / 1e6:.2f} MFLOPs"
-                      + (f" ({ratio:.3f}x dense)" if ratio else "")
+                      + (f" ({dense_flops_text(ratio)})" if ratio else "")
                       + f", {metrics['params'] / 1e6:.3f} M params, max logit diff vs supernet "
                       f"{metrics['max_abs_logit_diff']:.1e}  -> {out_dir}")

@@ -17,6 +17,7 @@ from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_opt
                                     setting_option, settings_command, with_subsets)
 from nascompress.data import DataConfig
 from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
+from nascompress.profiling.compare import dense_flops_text
 from nascompress.train import RUNTIME_SETTINGS
 
 
@@ -187,7 +188,9 @@ def finetune(
     start = metrics.get("start_val_top1")
     extra = "" if start is None else f" (val: start {start:.2f}%, best {metrics['best_val_top1']:.2f}% at epoch " \
                                       f"{metrics['best_epoch']})"
-    out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}%{extra}  -> {out_dir}")
+    out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}% ({metrics['test_n']} images), "
+              f"{metrics['flops'] / 1e6:.2f} MFLOPs/image, {dense_flops_text(metrics['flops_ratio'])} "
+              f"(mean of {metrics['flops_images']} test images){extra}  -> {out_dir}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

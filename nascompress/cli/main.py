@@ -15,12 +15,22 @@ from nascompress.models import ModelShape
 from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
 from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from nascompress import __version__
+
+        out.print(f"nascompress {__version__}", highlight=False)
+        raise typer.Exit()
+
+
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False) -> None:
+def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+         version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                               help="Print the version and exit.")] = False) -> None:
     """nascompress: search, materialize and retrain compressed timm ViTs."""
     STATE["debug"] = debug
 
@@ -131,13 +141,16 @@ def evaluate(
 def profile(
     run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None, *,
     shape: ModelShape,  # --model --img-size ... --num-classes (PROFILE_MODEL_SETTINGS)
-    compare: Annotated[Optional[Path], typer.Option(help="A second run measured interleaved; ratios vs the first.")] = None,
+    compare: Annotated[Optional[Path], typer.Option(
+        help="A reference run (e.g. the dense base), timed interleaved: RUN_DIR's FLOPs and parameters "
+             "are given as 'x the reference's' (< 1: smaller), its speed as 'x faster' (> 1: faster).")] = None,
     measure: ProfileConfig,  # --no-latency --iters --batch-size --dtype --compile (the pipeline's report: keys)
     device: setting_option(TrainConfig, "device") = TrainConfig.device,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
     from nascompress.api import profile as profile_fn
+    from nascompress.profiling.compare import comparison_text
 
     if (run_dir is None) == (shape.model is None):
         fail("give either a RUN_DIR or --model NAME (not both)")
@@ -147,7 +160,10 @@ def profile(
         print_json(res)
         return
     for label, r in res["models"].items():
-        t = Table(title=f"{label}  ({r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params)")
+        role = " (reference)" if label == res.get("comparison", {}).get("reference") else ""
+        out.print(f"{label}{role}: {r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params", highlight=False,
+                  soft_wrap=True)  # the path whole, above a table that may be narrower
+        t = Table()
         for col in ("block", "attn MFLOPs", "mlp MFLOPs", "other MFLOPs"):
             t.add_column(col, justify="right")
         for i, b in enumerate(r["blocks"]):
@@ -171,8 +187,10 @@ def profile(
         if "qk_layout" in r:
             out.print(f"narrowed Q/K heads: {r['qk_layout']['pad']} attention(s) zero-padded to V's head dim, "
                       f"{r['qk_layout']['packed']} packed (see README, --align)")
-    for label, rr in res.get("ratios", {}).items():
-        out.print(f"{label} vs reference: " + "  ".join(f"{k} {v:.3f}x" for k, v in rr.items()))
+    if "comparison" in res:
+        c = res["comparison"]
+        for line in comparison_text(c, model=c["model"], reference=c["reference"]):
+            out.print(line, highlight=False, soft_wrap=True)
 
 
 

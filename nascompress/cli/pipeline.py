@@ -54,7 +54,7 @@ def show(s: dict) -> None:
     from rich.table import Table
 
     from nascompress.pipeline.report import (comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                                             int8_table_rows)
+                                             int8_table_rows, models_note)
 
     t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):
@@ -62,6 +62,7 @@ def show(s: dict) -> None:
     for row in comparison_rows(s):
         t.add_row(*row)
     out.print(t)
+    out.print(models_note(s), highlight=False, soft_wrap=True)  # the runs' paths whole, not wrapped to the table
     out.print(f"goal: {goal_text(s)}", highlight=False)
     if s.get("int8"):
         q = Table(title="int8 (ONNX Runtime, CPU) against fp32 (PyTorch), timed interleaved")

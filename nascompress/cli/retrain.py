@@ -52,9 +52,19 @@ def retrain(
     if json_out:
         print_json(metrics)
     else:
-        fin = metrics.get("final", {})
-        out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}%  "
-                  f"IB loss {fin.get('ib', float('nan')):.4f}  -> {out_dir}")
+        out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}% "
+                  f"({metrics['test_n']} images){ib_text(metrics)}  -> {out_dir}")
+
+
+def ib_text(metrics: dict) -> str:
+    """The IB loss of the retrained model's last epoch when the bound was on (eta > 0) and measured;
+    nothing otherwise (a bound that is off has no loss to show)."""
+    import math
+
+    ib = (metrics.get("final") or {}).get("ib")
+    if not metrics.get("eta") or ib is None or not math.isfinite(ib):
+        return ""
+    return f"  IB loss {ib:.4f}"
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,7 @@ from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
 from nascompress.methods.dcs import DCSConfig
 from nascompress.models import ModelShape
+from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from nascompress.search.trials import SearchJob
 from nascompress.train import RUNTIME_SETTINGS, TrainJob
@@ -75,7 +76,7 @@ def dcs(
         if metrics.get("family_reason"):
             out.print(f"MLP gates: {metrics['family_reason']}")
         kept = "" if metrics.get("kept", "dcs") == "dcs" else ", the magnitude-pruned model kept"
-        out.print(f"DCS search ({metrics['mlp_gates']} gates{kept}): FLOPs {metrics['flops_ratio']:.3f}x dense{note}, "
+        out.print(f"DCS search ({metrics['mlp_gates']} gates{kept}): {dense_flops_text(metrics['flops_ratio'])}{note}, "
                   f"val top-1 {metrics['val_top1']:.2f}% "
                   f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
                   f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")

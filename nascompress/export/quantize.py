@@ -383,7 +383,8 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
                 hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
             weights = run / MODEL_FILE if run.is_dir() else run
             rows.append({"model": f"{k} fp32", "runtime": f"PyTorch {torch.__version__} (eager)",
-                         "test_top1": 100 * hits / len(ds), "file_bytes": weights.stat().st_size})
+                         "test_top1": 100 * hits / len(ds), "test_n": len(ds),
+                         "file_bytes": weights.stat().st_size})
             for n in calls:
                 calls[n].append(lambda x, m=model: m(x))
             labels.append(len(rows) - 1)
@@ -397,7 +398,7 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
                     continue
             runner, desc = onnx_runner(q, spinning=False)  # timed beside PyTorch (see onnx_runner)
             hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
-            rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds),
+            rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds), "test_n": len(ds),
                          "file_bytes": q.stat().st_size})
             files[k] = q
             calls[default].append(lambda x, r=runner: r([x]))  # ORT's own default thread count

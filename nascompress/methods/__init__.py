@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from .. import _compat  # noqa: F401  (before timm imports torchvision)
 
+import copy
 import dataclasses
 import importlib
 from typing import Any, ClassVar
@@ -168,8 +169,12 @@ def available_methods() -> list[str]:
     return sorted(_METHODS)
 
 
-def apply_methods(model: nn.Module, records: list[dict[str, Any]]) -> nn.Module:
-    """Apply every recorded method to ``model`` in order (stacking checked)."""
+def apply_methods(model: nn.Module, records: list[dict[str, Any]], *, inplace: bool = False) -> nn.Module:
+    """Apply every recorded method in order (stacking checked) to a copy of ``model``, which is left
+    as it was (so the same model can take several stacks); ``inplace``: patch ``model`` itself (a
+    model built only for this, e.g. by :func:`nascompress.io.load_with_arch`, saves the copy)."""
+    if not inplace:
+        model = copy.deepcopy(model)
     for rec in records:
         if not isinstance(rec, dict) or "name" not in rec:
             raise NascompressError(f"arch.json method record {rec!r} has no name")

@@ -18,9 +18,10 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
+from ..profiling.compare import compare_records
 from ..utils import atomic_path, read_json, write_json
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                            int8_table_rows)
+                            int8_table_rows, models_note)
 from .sections import PipelineConfig
 
 
@@ -118,7 +119,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
 def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
     out = pipe.out
     res: dict[str, Any] = {"study": pipe.cfg.stages.tokens.study, "storage": pipe.storage,
-                           "pick_rule": pipe.cfg.goal.pick,
+                           "pick_rule": pipe.cfg.goal.pick, "eval_images": pipe.cfg.stages.tokens.eval_images,
                            "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)}
                                        for m in methods]}
     marker = out / "done" / "tokens_search.json"
@@ -165,7 +166,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     final_dir = pipe.result_dir()
     dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
     dense_model, _ = load_with_arch(pipe.base_dir)
-    decisions: dict[str, Any] = {"base": _base_decisions(pipe)}
+    decisions: dict[str, Any] = {"base": _base_decisions(pipe, dense_ev)}
     if final_dir is None:
         prof = profile(pipe.base_dir, device=cfg.device, latency=rep.latency, batch_size=rep.batch_size,
                        iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
@@ -178,22 +179,17 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         arch = {"methods": []}
     else:
         final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
-        prof = profile(pipe.base_dir, compare=final_dir, device=cfg.device, latency=rep.latency,
+        assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
+        prof = profile(final_dir, compare=pipe.base_dir, device=cfg.device, latency=rep.latency,
                        batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
-        (dense_label, final_label) = list(prof["models"])
-        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][dense_label])
-        final = _model_record(final_dir, final_ev, prof["models"][final_label])
-        cmp = {"top1_change": final["test_top1"] - dense["test_top1"],
-               "flops_ratio": final["macs"] / dense["macs"],
-               "params_ratio": final["params"] / dense["params"],
-               "file_ratio": final["file_bytes"] / dense["file_bytes"],
-               "latency_speedup": None, "throughput_speedup": None}
-        if cfg.report.latency:
-            cmp["latency_speedup"] = dense["latency_ms"] / final["latency_ms"]
-            cmp["throughput_speedup"] = final["throughput"] / dense["throughput"]
-            if dense.get("latency_ms_compiled") and final.get("latency_ms_compiled"):
-                cmp["latency_speedup_compiled"] = dense["latency_ms_compiled"] / final["latency_ms_compiled"]
-                cmp["throughput_speedup_compiled"] = final["throughput_compiled"] / dense["throughput_compiled"]
+        c = prof["comparison"]
+        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][c["reference"]])
+        final = _model_record(final_dir, final_ev, prof["models"][c["model"]])
+        # the one ratio convention (nascompress.profiling.compare): final against dense
+        cmp = {"top1_change": final["test_top1"] - dense["test_top1"], "test_n": dense["test_n"],
+               "file_ratio": final["file_bytes"] / dense["file_bytes"], "latency_speedup": None,
+               "throughput_speedup": None,
+               **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
         goal = _goal(cfg, cmp, final)
         arch = load_arch(final_dir)
         dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
@@ -206,7 +202,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         r = read_json(rm)
         decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
                                                       "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
-                                                      "test_top1", "train_time_s")}
+                                                      "test_top1", "test_n", "train_time_s")}
         decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
                              "dcs: channels per block (see dcs)"} for m in arch["methods"]]
@@ -222,7 +218,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
                "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
     study_html = None
     if cfg.stages.tokens is not None:
-        study_html = _study_report(pipe)
+        study_html = _study_report(pipe, front_marks(summary))
     summary["report"] = str((out / "report.html").resolve())
     write_json(out / "summary.json", summary)
     with atomic_path(out / "report.html") as tmp:
@@ -260,28 +256,60 @@ def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any
     return goal
 
 
-def _base_decisions(pipe: PlannedPipeline) -> dict[str, Any]:
+def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
+    """The base's decisions; its test top-1 is the report's own (``dense_ev``: the images the
+    comparison uses), the one its training measured (possibly on other images: ``data.eval_limit``
+    draws a subset) is kept as ``trained_test_top1`` with its count."""
     b = pipe.cfg.base
     res: dict[str, Any] = {"kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
-                           "run": str(pipe.base_dir)}
+                           "run": str(pipe.base_dir), "test_top1": dense_ev["top1"], "test_n": dense_ev["n"]}
     m = pipe.base_dir / "metrics.json"
     if m.is_file():
         bm = read_json(m)
-        res.update({k: bm[k] for k in ("best_val_top1", "test_top1", "epochs", "l2", "train_time_s") if k in bm})
+        res.update({k: bm[k] for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
+        res.update({f"trained_{k}": bm[k] for k in ("test_top1", "test_n") if k in bm})
     return res
 
 
-def _study_report(pipe: PlannedPipeline) -> str | None:
-    """The study's own report (written to tokens/report.html); returns its HTML."""
+def front_marks(s: dict[str, Any]) -> Any:
+    """What the study's fronts mark for this pipeline: the picked trial, the dense base and the final
+    model (their test top-1, on the report's test images) and the goal."""
+    from ..studies.front_plot import FrontMarks, Mark
+
+    d, f, g = s["dense"], s["final"], s["goal"]
+    n = d["test_n"]
+    dense = {"flops_ratio": Mark(f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)",
+                                 1.0, d["test_top1"])}
+    final = {}
+    if f is not None:
+        ratio = s["comparison"]["flops_ratio"]
+        final["flops_ratio"] = Mark(f"final model: {ratio:.3f}x the FLOPs, test top-1 {f['test_top1']:.2f}% "
+                                    f"({n} test images)", ratio, f["test_top1"])
+    for kind, rec, into in (("dense base", d, dense), ("final model", f, final)):
+        if rec is not None and rec.get("latency_ms") is not None:
+            into["latency_ms"] = Mark(f"{kind}: {rec['latency_ms']:.2f} ms, test top-1 {rec['test_top1']:.2f}% "
+                                      f"({n} test images)", rec["latency_ms"], rec["test_top1"])
+    goal = ({"flops_ratio": (g["max_flops"], f"goal: <= {g['max_flops']:g}x the dense FLOPs")}
+            if g.get("max_flops") is not None else
+            {"latency_ms": (g["max_latency_ms"], f"goal: <= {g['max_latency_ms']:g} ms at batch 1")}
+            if g.get("max_latency_ms") is not None else {})
+    picked = (s["decisions"].get("tokens") or {}).get("picked_trial")
+    return FrontMarks(picked=picked, dense=dense, final=final, goal=goal)
+
+
+def _study_report(pipe: PlannedPipeline, marks: Any) -> str | None:
+    """The study's own report (written to tokens/report.html), its fronts marking ``marks``; returns
+    its HTML."""
     from ..studies.inspect import load
     from ..studies.report import build_report
 
     spec, study = load(pipe.cfg.stages.tokens.study, pipe.storage)
-    text = build_report(study, storage_display=spec.display)
+    text = build_report(study, storage_display=spec.display, marks=marks)
     with atomic_path(pipe.out / "tokens" / "report.html") as tmp:
         tmp.write_text(text, encoding="utf-8")
     return text
 
 
-__all__ = ["build_html", "comparison_rows", "int8_table_rows", "dcs_rows", "dcs_column", "decision_lines", "goal_text",
+__all__ = ["build_html", "comparison_rows", "int8_table_rows", "models_note",
+           "dcs_rows", "dcs_column", "decision_lines", "goal_text",
            "write_summary"]

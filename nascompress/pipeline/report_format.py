@@ -7,36 +7,46 @@ import html
 from pathlib import Path
 from typing import Any
 
+from ..profiling.compare import dense_flops_text, speed_text, times_text
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _speed(x: float) -> str:
-    return f"{x:.2f}x faster" if x >= 1 else f"{1 / x:.2f}x slower"
-
-
 def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
-    """(metric, dense, final, change) rows of the comparison, as text."""
+    """(metric, dense, final, change) rows of the comparison, as text: the final model against the
+    dense base in the one ratio convention (:mod:`nascompress.profiling.compare`)."""
     d, f, c = s["dense"], s["final"], s["comparison"]
+    top1 = "test top-1" + ("" if d.get("test_n") is None else f" ({d['test_n']} images)")
     if f is None:  # no compressed model could be made
-        return [("test top-1", f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
-    rows = [("test top-1", f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
+        return [(top1, f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
+    rows = [(top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
             ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
-            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M", f"{c['flops_ratio']:.3f}x"),
-            ("parameters", f"{d['params']:,}", f"{f['params']:,}", f"{c['params_ratio']:.3f}x"),
-            ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), f"{c['file_ratio']:.3f}x")]
+            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M",
+             times_text(c["flops_ratio"], "FLOPs")),
+            ("parameters", f"{d['params']:,}", f"{f['params']:,}", times_text(c["params_ratio"], "parameters")),
+            ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), times_text(c["file_ratio"], "size"))]
     if c.get("latency_speedup") is not None:
         rows.append((f"latency, batch {d['latency_batch']}", f"{d['latency_ms']:.2f} ms", f"{f['latency_ms']:.2f} ms",
-                     _speed(c["latency_speedup"])))
+                     speed_text(c["latency_speedup"])))
         rows.append((f"throughput, batch {d['throughput_batch']}", f"{d['throughput']:.1f} img/s",
-                     f"{f['throughput']:.1f} img/s", _speed(c["throughput_speedup"])))
+                     f"{f['throughput']:.1f} img/s", speed_text(c["throughput_speedup"])))
     if c.get("latency_speedup_compiled") is not None:
         rows.append((f"latency, batch {d['latency_batch']}, compiled", f"{d['latency_ms_compiled']:.2f} ms",
-                     f"{f['latency_ms_compiled']:.2f} ms", _speed(c["latency_speedup_compiled"])))
+                     f"{f['latency_ms_compiled']:.2f} ms", speed_text(c["latency_speedup_compiled"])))
         rows.append((f"throughput, batch {d['throughput_batch']}, compiled", f"{d['throughput_compiled']:.1f} img/s",
-                     f"{f['throughput_compiled']:.1f} img/s", _speed(c["throughput_speedup_compiled"])))
+                     f"{f['throughput_compiled']:.1f} img/s", speed_text(c["throughput_speedup_compiled"])))
     return rows
+
+
+def models_note(s: dict[str, Any]) -> str:
+    """Which runs the comparison's columns are, and on what it was measured."""
+    d, f = s["dense"], s["final"]
+    both = f"dense base {d.get('run', '')}" + ("" if f is None else f"; compressed {f.get('run', '')}")
+    n = "" if d.get("test_n") is None else f" {d['test_n']}"  # a summary written before the count was kept
+    return (f"{both}. The same{n} test images for both; 'change' is the compressed model against the "
+            "dense base (x the FLOPs: below 1 is smaller; x faster: above 1 is faster).")
 
 
 def goal_text(s: dict[str, Any]) -> str:
@@ -74,7 +84,10 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
     dec, lines = s["decisions"], []
     base = dec.get("base", {})
     if base:
-        acc = f", test top-1 {base['test_top1']:.2f}%" if base.get("test_top1") is not None else ""
+        acc = "" if base.get("test_top1") is None else f", test top-1 {base['test_top1']:.2f}%{_on(base.get('test_n'))}"
+        if base.get("trained_test_top1") is not None and base.get("trained_test_n") != base.get("test_n"):
+            acc += (f" (when trained: {base['trained_test_top1']:.2f}%{_on(base.get('trained_test_n'))}, "
+                    "not the images of this comparison)")
         lines.append(f"base: {base['kind']} {base['run']}{acc}")
     dcs = dec.get("dcs")
     if dcs and dcs.get("dcs_outcome") == "skipped":
@@ -88,7 +101,7 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
             cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
         what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
-        lines.append(f"dcs: target {dcs.get('target_flops')}x dense FLOPs{ratio}; MLP {what} kept "
+        lines.append(f"dcs: target {dcs.get('target_flops')}x the dense FLOPs{ratio}; MLP {what} kept "
                      f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
         if dcs.get("family_reason"):
             lines.append(f"  MLP gates {dcs['family_reason']}")
@@ -102,8 +115,9 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
         acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
         lines.append(f"tokens: study {tok['study']!r}, {tok.get('trials_complete')} trials; picked trial "
                      f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
-                     + ("" if acc is None else f"accuracy {acc:.2f}% on the search's images, ")
-                     + ("" if ratio is None else f"FLOPs {ratio:.3f}x") + ")")
+                     + ("" if acc is None else f"accuracy {acc:.2f}% on the search's validation images "
+                                               f"(eval_images {tok.get('eval_images')}), ")
+                     + ("" if ratio is None else dense_flops_text(ratio)) + ")")
         if tok.get("dense_study") and tok.get("candidates"):  # where to cut: channels + tokens, or tokens alone
             parts = []
             for name, c in tok["candidates"].items():
@@ -122,8 +136,14 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
         extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
         warm = f" ({rt['warm_epochs']} CE-only)" if rt["eta"] else ""  # epochs before the IB bound joins
         lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g}{warm}, teacher "
-                     f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%")
+                     f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%"
+                     f"{_on(rt.get('test_n'))}")
     return lines
+
+
+def _on(n: int | None) -> str:
+    """`` on N images`` where the count is known."""
+    return "" if n is None else f" on {n} images"
 
 
 def _on_threads(n: Any) -> str:
@@ -138,7 +158,7 @@ def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
         if "failed" in r:
             rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
             continue
-        rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%", _mb(r["file_bytes"]),
+        rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%{_on(r.get('test_n'))}", _mb(r["file_bytes"]),
                      f"{r['latency_ms']:.2f} ms" + _on_threads(r.get("latency_threads")),
                      f"{r['throughput']:.1f} img/s" + _on_threads(r.get("throughput_threads"))))
     return rows
@@ -169,7 +189,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
     parts = [f"<h1>nascompress pipeline: {html.escape(Path(s['source']).name)}</h1><dl>{dl}</dl>",
              "<h2>Result against the dense base</h2>",
              _table(["", "dense base", "compressed", "change"], comparison_rows(s), "comparison"),
-             '<p class="note">Same test images for both; FLOPs counted as the papers count them (one multiply-add '
+             f'<p class="note">{html.escape(models_note(s))} FLOPs counted as the papers count them (one multiply-add '
              "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
              "(medians).</p>",
              *(["<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",

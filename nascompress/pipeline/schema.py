@@ -38,6 +38,10 @@ class Section(Config):
     # a former YAML key -> (its new key, {former value: new value} or None when the values are the same)
     renamed: typing.ClassVar[dict[str, tuple[str, dict[Any, Any] | None]]] = {}
 
+    # a key this section does not take but a user may write here (a command's option of the same
+    # stage) -> where it goes, e.g. ``{"train_limit": "write train_images (...)"}``
+    elsewhere: typing.ClassVar[dict[str, str]] = {}
+
     @classmethod
     def keys(cls) -> dict[str, str]:
         """YAML key -> field name, in declaration order."""
@@ -179,7 +183,9 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
             then = "; " + ", ".join(f"{k}: {str(a).lower()} is {b}" for a, b in values.items()) if values else ""
             raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {what}{then}")
         if k not in keys:
-            raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}; valid: {', '.join(keys)}")
+            hint = f": {cls.elsewhere[k]}" if k in cls.elsewhere else ""
+            raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}{hint}; valid: "
+                                   f"{', '.join(keys)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
-from ..config import StageSettings, setting
+from ..config import StageSettings, offered, setting
 from ..errors import NascompressError
 from ..importer import ImportJob
 from ..export.config import ExportConfig
@@ -24,6 +24,13 @@ from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_co
 FORMAT = "nascompress-pipeline/1"
 # the data's setting a training stage may narrow for itself (DataConfig's train_limit, same help)
 STAGE_DATA_SETTINGS = StageSettings(DataConfig, ("train_limit",))
+
+
+def data_pointers(taken: tuple[str, ...] = STAGE_DATA_SETTINGS.names) -> dict[str, str]:
+    """Where the data settings a stage does not take go (a command's ``--eval-limit`` is the
+    pipeline's ``data.eval_limit``: every stage evaluates on the same images)."""
+    return {f.name: f"{f.name} is set once for every stage, under data: (data.{f.name})"
+            for f, _, _ in offered(DataConfig) if f.name not in taken}
 # `export`'s keys: ExportConfig's settings but the check's seed (the pipeline's seed)
 EXPORT_SETTINGS = StageSettings(ExportConfig, tuple(f.name for f in fields(ExportConfig)
                                                     if "help" in f.metadata and f.name != "seed"))
@@ -129,6 +136,7 @@ class DCSStage(Section):
         "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
         "without DCS; stop: the stage fails."))
     renamed = {"fallback": ("on_collapse", {True: "retry", False: "stop"})}
+    elsewhere = data_pointers()
 
     def __post_init__(self) -> None:
         check_lr_pair(self)
@@ -151,6 +159,12 @@ class TokensStage(Section):
         "After a dcs stage, also search the token space on the dense base and keep the better pick "
         "(token-only against channels + tokens)."))
 
+    elsewhere = {**data_pointers(()),
+                 "train_limit": "the study's training images are train_images (search tokens --train-images); "
+                                "the dataset's, for every stage, data.train_limit",
+                 "eval_limit": "the study's validation images are eval_images (search tokens --eval-images); "
+                               "the test images, for every stage, data.eval_limit"}
+
 @dataclass(frozen=True)
 @library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
               lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names))
@@ -167,6 +181,7 @@ class RetrainStage(Section):
     distil_from: str = setting("base", choices=("base", "none"), help=(
         "base: distil from the dense base (the teacher); none: no teacher."))
     renamed = {"teacher": ("distil_from", None)}
+    elsewhere = data_pointers()
 
     def __post_init__(self) -> None:
         check_lr_pair(self)

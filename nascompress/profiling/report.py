@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .compare import compare_records
 from .flops import count_flops, flop_counter_macs, thop_macs
 from .latency import compile_for_speed, measure
 
@@ -19,10 +20,12 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
                    batch_sizes: tuple[int, int] = (1, 64), iters: int = 10, warmup: int = 3,
                    flops_batch: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32,
                    compile: bool = False) -> dict[str, Any]:
-    """Profile one or more models; with two or more, ratios are against the first.
+    """Profile one or more models; with two or more, each later one is compared with the first.
 
     Args:
-        models: label -> model (the first is the reference for ratios); converted to ``dtype``.
+        models: label -> model (the first is the reference of the ratios: ``ratios[label]`` is
+            :func:`~.compare.compare_records`, e.g. ``flops_ratio`` < 1 and ``latency_speedup`` > 1
+            for a smaller, faster model); converted to ``dtype``.
         latency: also time latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]``,
             all models interleaved in this process.
         flops_batch: random images per FLOPs count (per-image mean for dynamic models).
@@ -68,16 +71,7 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
                                          for name, v in t.items()})
         if len(groups) > 1:
             out["timing_note"] = "the models take different input sizes: each size was timed interleaved on its own"
-    if len(labels) > 1:
+    if len(labels) > 1:  # the one ratio convention (.compare): each model against the first
         ref = out["models"][labels[0]]
-        out["ratios"] = {}
-        for k in labels[1:]:
-            r = out["models"][k]
-            # reductions and speed-ups: reference / model (> 1 when the model is cheaper or faster)
-            ratios = {"flops_reduction": ref["macs"] / r["macs"], "params_reduction": ref["params"] / r["params"]}
-            for suffix in ("", "_compiled"):
-                if f"latency_ms{suffix}" in r and f"latency_ms{suffix}" in ref:
-                    ratios[f"latency_speedup{suffix}"] = ref[f"latency_ms{suffix}"] / r[f"latency_ms{suffix}"]
-                    ratios[f"throughput_speedup{suffix}"] = r[f"throughput{suffix}"] / ref[f"throughput{suffix}"]
-            out["ratios"][k] = ratios
+        out["ratios"] = {k: compare_records(out["models"][k], ref) for k in labels[1:]}
     return out

@@ -77,9 +77,35 @@ def _guard(app: Any, *, writable: bool) -> Any:
             start_response("403 Forbidden", [("Content-Type", "application/json"),
                                              ("Content-Length", str(len(body)))])
             return [body]
-        return app(environ, start_response)
+        if environ.get("PATH_INFO", "").startswith(("/api/", "/static/")):
+            return app(environ, start_response)
+        return _with_style(app, environ, start_response)
 
     return guarded
+
+
+# optuna-dashboard's plots keep plotly's toolbar shown over their top right corner, where its
+# Pareto front's colour bars have their titles: shown only while the pointer is over the plot
+DASHBOARD_CSS = (".js-plotly-plot .plotly .modebar{opacity:0;transition:opacity .2s}"
+                 ".js-plotly-plot:hover .plotly .modebar{opacity:1}")
+
+
+def _with_style(app: Any, environ: dict[str, Any], start_response: Any) -> Any:
+    """``app``'s answer, with :data:`DASHBOARD_CSS` in an HTML page's head."""
+    seen: dict[str, Any] = {}
+
+    def keep(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        seen.update(status=status, headers=headers, exc_info=exc_info)
+        return lambda data: None  # the page is written below, whole
+
+    body = b"".join(app(environ, keep))
+    headers = seen["headers"]
+    if any(k.lower() == "content-type" and v.startswith("text/html") for k, v in headers) and b"</head>" in body:
+        body = body.replace(b"</head>", f"<style>{DASHBOARD_CSS}</style></head>".encode(), 1)
+        headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
+        headers.append(("Content-Length", str(len(body))))
+    start_response(seen["status"], headers, seen["exc_info"])
+    return [body]
 
 
 class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
@@ -200,6 +226,23 @@ class DashboardSettings:
         check_settings(self)
 
 
+def _add_fronts(storage: Any, name: str) -> None:
+    """Add the report's fronts (:func:`~nascompress.studies.report.front_figures`: trials by kind,
+    one legend, never coloured by trial number) to the study of the dashboard's snapshot, where
+    optuna-dashboard shows them beside its own plots (its built-in Pareto front colours by trial
+    number). Only a snapshot is written, never the study's storage."""
+    import optuna
+    from optuna_dashboard import save_plotly_graph_object
+
+    from .inspect import directions, metric_names
+    from .report import front_figures
+
+    study = optuna.load_study(study_name=name, storage=storage)
+    trials = study.get_trials(deepcopy=False)
+    for div, fig in front_figures(trials, metric_names(study), directions(study)):
+        save_plotly_graph_object(study, fig, graph_object_id=f"nascompress-{div}")
+
+
 def start_dashboard(name: str, *, storage: str | None = None, host: str = DashboardSettings.host,
                     port: int = DashboardSettings.port, expose: bool = False, writable: bool = False) -> DashboardHandle:
     """Serve optuna-dashboard for the storage holding study ``name``.
@@ -246,6 +289,8 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            if snap is not None:  # the snapshot only: the study's own storage is never written
+                _add_fronts(st, name)
             app = _guard(optuna_dashboard.wsgi(st), writable=writable)
         try:
             server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)

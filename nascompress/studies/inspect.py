@@ -222,13 +222,14 @@ def render_show(result: dict[str, Any]) -> Table:
         caption += f"\nscored otherwise: {line}"
     table = Table(title=title, caption=caption)
     table.add_column("trial", justify="right")
+    # a narrow terminal folds a long name or value onto more lines: none is cut to a shared prefix
     for p in result["varying"]:
-        table.add_column(p, justify="right")
+        table.add_column(p, justify="right", overflow="fold")
     for n, d in zip(names, result["directions"]):
-        table.add_column(f"{n} {arrows[d]}", justify="right")
+        table.add_column(f"{n} {arrows[d]}", justify="right", overflow="fold")
     extra = show_columns(result)
     for c in extra:
-        table.add_column(c.replace("_", " "), justify="right")
+        table.add_column(c.replace("_", " "), justify="right", overflow="fold")
     for r in result["trials"]:
         table.add_row(str(r["number"]), *[format_value(r["params"].get(p)) for p in result["varying"]],
                       *[format_value(r["values"].get(n)) for n in names], *[format_value(r["record"].get(c)) for c in extra])

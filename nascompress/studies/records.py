@@ -74,7 +74,8 @@ def study_info(study: optuna.Study) -> dict[str, Any]:
     return dict(info) if isinstance(info, Mapping) else {}
 
 
-def _feasible(t: FrozenTrial) -> bool:
+def feasible(t: FrozenTrial) -> bool:
+    """Whether a trial is within its constraints (a trial without constraints always is)."""
     return all(v <= 0.0 for v in t.constraints.values())
 
 
@@ -88,7 +89,7 @@ def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[Any]) -> li
     signs = [1.0 if str(getattr(d, "name", d)).lower() == "minimize" else -1.0 for d in directions]
     pts = [(t, [s * v for s, v in zip(signs, t.values)]) for t in trials
            if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
-           and _feasible(t) and not any(math.isnan(v) for v in t.values)]
+           and feasible(t) and not any(math.isnan(v) for v in t.values)]
     if not pts:
         return []
     if len(signs) == 1:

@@ -23,7 +23,8 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .inspect import (check_out, count_summary, directions, format_value, load, metric_names, show_columns, trial_row,
                       varying_columns)
-from .records import mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
+from .front_plot import COLOURS, FrontMarks, front_figure
+from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
 
 REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}
@@ -72,29 +73,40 @@ class _Figures:
         self.parts.append(f"<h2>{html.escape(text)}</h2>")
 
 
-def _record_front(trials: Sequence[FrozenTrial], x_key: str, x_label: str) -> Any | None:
+def _record_front(trials: Sequence[FrozenTrial], x_key: str, x_label: str, marks: FrontMarks | None) -> Any | None:
     """Accuracy (up) vs a record field (down) over the complete trials, front highlighted."""
+    return front_figure(trials, x=lambda t: trial_record(t).get(x_key), y=lambda t: trial_record(t).get("accuracy"),
+                        x_label=x_label, y_label="accuracy (%)", minimize=(True, False), axis=x_key, marks=marks,
+                        title=f"Accuracy vs {x_label} (trial records)")
+
+
+def _objective_front(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str],
+                     marks: FrontMarks | None) -> Any:
+    """The front in objective space: two objectives as :func:`front_figure` (a minimized one on x),
+    three in 3-D with the same colours."""
+    if len(names) == 2:
+        i, j = (1, 0) if dirs[1] == "minimize" and dirs[0] != "minimize" else (0, 1)
+        return front_figure(trials, x=lambda t: t.values[i] if t.values else None,
+                            y=lambda t: t.values[j] if t.values else None, x_label=names[i], y_label=names[j],
+                            minimize=(dirs[i] == "minimize", dirs[j] == "minimize"), axis=names[i], marks=marks,
+                            title="Pareto front (objectives)")
     import plotly.graph_objects as go
 
-    pts = []
-    for t in trials:
-        rec = trial_record(t)
-        acc, x = rec.get("accuracy"), rec.get(x_key)
-        if t.state == TrialState.COMPLETE and isinstance(acc, (int, float)) and isinstance(x, (int, float)):
-            pts.append((t.number, float(x), float(acc)))
-    if not pts:
-        return None
-    front = [p for p in pts if not any(q[1] <= p[1] and q[2] >= p[2] and (q[1] < p[1] or q[2] > p[2]) for q in pts)]
-    front.sort(key=lambda p: p[1])
-    rest = [p for p in pts if p not in front]
+    front = {t.number for t in pareto_front(trials, dirs)}
+    done = [t for t in trials if t.state == TrialState.COMPLETE and t.values and len(t.values) == 3]
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=[p[1] for p in rest], y=[p[2] for p in rest], mode="markers", name="Trial",
-                             text=[f"trial {p[0]}" for p in rest], marker={"color": "#9bb8d3"}))
-    fig.add_trace(go.Scatter(x=[p[1] for p in front], y=[p[2] for p in front], mode="markers+lines",
-                             name="Pareto front", text=[f"trial {p[0]}" for p in front],
-                             marker={"color": "#d62728", "size": 9}, line={"dash": "dot"}))
-    fig.update_layout(title=f"Accuracy vs {x_label} (trial records)", xaxis_title=x_label,
-                      yaxis_title="accuracy (%)", template="plotly_white")
+    for name, pick, colour in (("trial over the constraint", lambda t: not feasible(t), COLOURS["infeasible"]),
+                               ("trial", lambda t: feasible(t) and t.number not in front, COLOURS["trial"]),
+                               ("Pareto front", lambda t: t.number in front, COLOURS["front"])):
+        sel = [t for t in done if pick(t)]
+        if sel:
+            fig.add_trace(go.Scatter3d(x=[t.values[0] for t in sel], y=[t.values[1] for t in sel],
+                                       z=[t.values[2] for t in sel], mode="markers", name=name,
+                                       text=[f"trial {t.number}" for t in sel], marker={"color": colour, "size": 5}))
+    fig.update_layout(title="Pareto front (objectives)", template="plotly_white", showlegend=True,
+                      scene={"xaxis_title": names[0], "yaxis_title": names[1], "zaxis_title": names[2]},
+                      legend={"orientation": "h", "yanchor": "top", "y": -0.05, "xanchor": "left", "x": 0},
+                      modebar={"orientation": "v"})
     return fig
 
 
@@ -102,8 +114,9 @@ def _target(i: int) -> Callable[[FrozenTrial], float]:
     return lambda t: t.values[i]
 
 
-def build_report(study: optuna.Study, *, storage_display: str) -> str:
-    """The report's HTML text (see the module docstring)."""
+def build_report(study: optuna.Study, *, storage_display: str, marks: FrontMarks | None = None) -> str:
+    """The report's HTML text (see the module docstring); ``marks``: the models and the goal a
+    pipeline's report draws on the fronts (:class:`~nascompress.studies.front_plot.FrontMarks`)."""
     names, dirs = metric_names(study), directions(study)
     trials = study.get_trials(deepcopy=False)
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
@@ -111,7 +124,7 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
     figs = _Figures()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _front_section(figs, study, trials, complete, names, dirs)
+        _front_section(figs, trials, complete, names, dirs, marks)
         _history_section(figs, study, complete, names)
         _importance_section(figs, study, complete, names)
     table = _table_html(trials, names, dirs)
@@ -135,25 +148,34 @@ def build_report(study: optuna.Study, *, storage_display: str) -> str:
             f"<h1>{html.escape(title)}</h1><dl>{dl}</dl>{''.join(figs.parts)}{table}</body></html>\n")
 
 
-def _front_section(figs: _Figures, study: optuna.Study, trials: Sequence[FrozenTrial],
-                   complete: Sequence[FrozenTrial], names: list[str], dirs: list[str]) -> None:
+def front_figures(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str],
+                  marks: FrontMarks | None = None) -> list[tuple[str, Any]]:
+    """The fronts as (div id, figure): in objective space (2 or 3 objectives), and accuracy against
+    the FLOPs ratio and the latency from the trial records where those are not the objectives; the
+    report's, and the ones ``study dashboard`` adds beside optuna-dashboard's own plots."""
+    figs: list[tuple[str, Any]] = []
+    if not any(t.state == TrialState.COMPLETE for t in trials):
+        return figs
+    if 2 <= len(dirs) <= 3:
+        figs.append(("pareto-objectives", _objective_front(trials, names, dirs, marks)))
+    pair = set(names) if len(names) == 2 else set()
+    if pair != {"accuracy", "flops_ratio"}:
+        figs.append(("front-flops", _record_front(trials, "flops_ratio", "FLOPs ratio (x the dense FLOPs)", marks)))
+    if pair != {"accuracy", "latency_ms"} and any(trial_record(t).get("latency_ms") is not None for t in trials):
+        figs.append(("front-latency", _record_front(trials, "latency_ms", "latency (ms)", marks)))
+    return [(div, fig) for div, fig in figs if fig is not None]
+
+
+def _front_section(figs: _Figures, trials: Sequence[FrozenTrial], complete: Sequence[FrozenTrial], names: list[str],
+                   dirs: list[str], marks: FrontMarks | None) -> None:
     figs.heading("Pareto front")
     if not complete:
         figs.note("No complete trials yet: nothing to plot.")
         return
-    if 2 <= len(dirs) <= 3:
-        figs.add("pareto-objectives", optuna.visualization.plot_pareto_front(study, target_names=names))
-    elif len(dirs) > 3:
+    if len(dirs) > 3:
         figs.note(f"{len(dirs)} objectives: the objective-space Pareto plot needs 2 or 3.")
-    pair = set(names) if len(names) == 2 else set()
-    if pair != {"accuracy", "flops_ratio"}:
-        fig = _record_front(trials, "flops_ratio", "FLOPs ratio")
-        if fig is not None:
-            figs.add("front-flops", fig)
-    if pair != {"accuracy", "latency_ms"} and any(trial_record(t).get("latency_ms") is not None for t in complete):
-        fig = _record_front(trials, "latency_ms", "latency (ms)")
-        if fig is not None:
-            figs.add("front-latency", fig)
+    for div, fig in front_figures(trials, names, dirs, marks):
+        figs.add(div, fig)
 
 
 def _history_section(figs: _Figures, study: optuna.Study, complete: Sequence[FrozenTrial], names: list[str]) -> None:
