@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import NascompressError
+from ..resources import resolve_file
 from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
@@ -278,8 +279,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
     s, goal = cfg.stages.tokens, cfg.goal
     try:
-        space = load_space(s.space)
-        space.check_model(dense)  # layer numbers within a plain ViT's depth; none on a pyramid ViT
+        space = load_space(s.space, model=dense)  # layers sized by (and within) a plain ViT's depth; none on a pyramid
     except NascompressError as e:
         raise ctx.err("stages.tokens.space", str(e)) from None
     try:
@@ -385,9 +385,9 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     the pipeline for ``out``. Reads files, writes nothing."""
     from ..utils import resolve_device
 
-    config = Path(config)
+    config = resolve_file(config, what="config file")  # a path, or a shipped config's name
     cfg = load_config(config, seed=seed)
-    ctx = SchemaContext(str(config), config.resolve().parent)
+    ctx = SchemaContext(str(config), Path(os.path.abspath(config)).parent)
     try:
         resolve_device(cfg.device)
     except NascompressError as e:
