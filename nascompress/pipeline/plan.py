@@ -194,6 +194,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
                                                  "a new head")
     if imp.linear_probe:
         kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
+        if imp.num_heads is not None:
+            kwargs["num_heads"] = imp.num_heads
         size = imp.img_size
         if size is None:
             try:
@@ -216,12 +218,18 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
     from ..importer import ImportJob, import_model
 
-    kwargs = {"num_classes": imp.num_classes or n_classes}
-    if imp.img_size:
-        kwargs["img_size"] = imp.img_size
-    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
+    from ..importer import weights_kwargs
+    from ..models import read_weights_file
+
     job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
-                    num_classes=imp.num_classes, data=data, eval_batch_size=imp.eval_batch_size, device=cfg.device)
+                    num_classes=imp.num_classes, num_heads=imp.num_heads, data=data,
+                    eval_batch_size=imp.eval_batch_size, device=cfg.device)
+    try:  # the model the weights describe (every shape read from them), as the import builds it
+        kwargs = weights_kwargs(job, read_weights_file(imp.weights))[0]
+    except NascompressError as e:
+        raise ctx.err("base.import.weights", str(e)) from None
+    kwargs["num_classes"] = imp.num_classes or n_classes
+    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
     return Step("base", base_dir, "redo", lambda force, resume: import_model(job, force=force),
                 outputs=("base/model.safetensors", "base/metrics.json"),
                 describe=f"import {imp.model} from {imp.weights}"), base_dir, model
