@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 import nascompress
+from nascompress.errors import NascompressError
 from nascompress.pipeline import STEPS, load_config, plan
 from nascompress.profiling import count_flops
 
@@ -416,3 +417,23 @@ def test_a_run_stored_with_former_key_names_continues(tmp_path):
     (out / CONFIG_FILE).write_text(old.replace("fallback: true", "fallback: false"))  # another behaviour: refused
     with pytest.raises(nascompress.NascompressError, match="stages.dcs.on_collapse is 'retry' here but 'stop' there"):
         _claim_out(pipe, force=False)
+
+
+def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tmp_path, monkeypatch):
+    """`nascompress pipeline demo`: the shipped config by name (its space by name too), validated from
+    a directory without a checkout; an export section without ONNX Runtime is refused before anything runs."""
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    p = plan("demo", out=tmp_path / "x")
+    assert p.source == str(REPO / "nascompress" / "configs" / "demo.yaml") and p.cfg.data.dataset == "digits"
+    assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")
+    assert [s.name for s in p.steps] == list(STEPS) and not (tmp_path / "x").exists()
+    with pytest.raises(NascompressError, match=r"config file nope does not exist: give a YAML file or the name of "
+                                               r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist\)"):
+        plan("nope", out=tmp_path / "x")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnxruntime" else real(m, *a))
+    with pytest.raises(NascompressError, match=r"demo.yaml: export: format onnx needs onnxruntime: pip install "
+                                               r"'nascompress\[export\]'"):
+        plan("demo", out=tmp_path / "x")

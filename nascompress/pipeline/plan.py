@@ -2,6 +2,7 @@
 :class:`Step` objects of a :class:`Pipeline` (:func:`plan`)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,6 +425,10 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
         current = out / "final"
     if cfg.export is not None:
+        missing = [m for m in ("onnx", "onnxruntime") if cfg.export.format == "onnx" and not importlib.util.find_spec(m)]
+        if missing:  # refused now, not after every training stage
+            raise ctx.err("export", f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', "
+                                    "or drop the export section")
         steps.append(_plan_export(cfg, out, base_dir))
     pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
                     storage=storage, data=_data_config(cfg))
