@@ -73,7 +73,8 @@ class ImportJob:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,
-                "num_classes": self.num_classes, "num_heads": self.num_heads, "data": None if self.data is None else asdict(self.data),
+                "num_classes": self.num_classes, "num_heads": self.num_heads,
+                "data": None if self.data is None else asdict(self.data),
                 "input": self.input.to_dict(), "eval_batch_size": self.eval_batch_size, "device": self.device}
 
     @classmethod

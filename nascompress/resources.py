@@ -21,7 +21,7 @@ def shipped_names(what: str) -> list[str]:
 
 def shipped_path(what: str, name: str) -> Path | None:
     """The shipped file of kind ``what`` called ``name`` (``evit`` or ``evit.yaml``), None if none is."""
-    stem = name[:-5] if name.endswith(".yaml") else name
+    stem = name.removesuffix(".yaml")
     if not stem or "/" in stem or "\\" in stem or stem.startswith("."):
         return None
     p = FOLDERS[what] / f"{stem}.yaml"

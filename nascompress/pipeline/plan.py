@@ -425,7 +425,8 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
         current = out / "final"
     if cfg.export is not None:
-        missing = [m for m in ("onnx", "onnxruntime") if cfg.export.format == "onnx" and not importlib.util.find_spec(m)]
+        needs = ("onnx", "onnxruntime") if cfg.export.format == "onnx" else ()
+        missing = [m for m in needs if importlib.util.find_spec(m) is None]
         if missing:  # refused now, not after every training stage
             raise ctx.err("export", f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', "
                                     "or drop the export section")
