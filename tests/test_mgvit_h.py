@@ -231,6 +231,9 @@ def test_search_space_loads_with_the_registry():
     d = dense()
     paper = [p for label, p in reference_configs(space, d) if label == "paper"]
     assert paper and paper[0]["mgvit-h.r_pos"] == 1.0  # the paper's Hierarchical MG-ViT (no PPSM) runs first
+    assert load_space("mgvit-h", model=d).name == "mgvit-h"  # by name, for the pyramid model
+    with pytest.raises(NascompressError, match="counts from the model's last block: the base model is a pyramid ViT"):
+        load_space("evit", model=d)  # the default space's layer range has no depth to count from here
 
 
 def test_a_study_over_the_space_on_a_pyramid_run(pvt_run, tmp_path, monkeypatch):
