@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pre
 from .conftest import invoke
 from .test_data import make_folder
 
+REPO_SPACES = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces"
 TEST_VIT = ModelSpec("test_vit", {"img_size": 32, "num_classes": 10})  # timm's tiny registered ViT (patch 16)
 
 
@@ -290,3 +292,32 @@ def test_import_reads_the_heads_from_a_q_norm(tmp_path):
     assert json.loads(r.stdout)["shapes_from_weights"]["num_heads"] == [4, 3]
     x = torch.randn(1, 3, 16, 16)
     torch.testing.assert_close(nascompress.load(out)(x), src(x), rtol=0, atol=0)
+
+
+def test_the_pipelines_import_builds_the_weights_model_and_sizes_the_default_space_by_it(tmp_path):
+    """``base.import`` plans the model the weights describe (depth 3 here, not the name's 12), so the
+    default evit space is sized by those 3 blocks; a fused qkv of another width needs ``num_heads``."""
+    import yaml
+
+    from nascompress.pipeline import plan
+
+    path, _ = _saved_vit(tmp_path, "own", patch_size=4, img_size=16, embed_dim=96, depth=3, num_heads=4,
+                         in_chans=1)
+    cfg = {"format": "nascompress-pipeline/1", "device": "cpu", "data": {"dataset": "synthetic"},
+           "base": {"import": {"model": "vit_tiny_patch16_224", "weights": str(path), "num_heads": 4}},
+           "goal": {"max_flops": 0.8}, "stages": {"tokens": {"space": "evit", "trials": 2}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    p = plan(tmp_path / "p.yaml", out=tmp_path / "out")
+    assert [s.name for s in p.steps][:3] == ["base", "tokens_search", "tokens_pick"]
+    assert not (tmp_path / "out").exists()
+    # the planned model has the weights' 3 blocks: a space written for 6 is checked against them
+    (tmp_path / "six.yaml").write_text((REPO_SPACES / "evit.yaml").read_text().replace("[2, -2]", "[2, 5]"))
+    cfg["stages"]["tokens"]["space"] = str(tmp_path / "six.yaml")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(NascompressError, match="layer 4 is beyond the model's depth 3"):
+        plan(tmp_path / "p.yaml", out=tmp_path / "out")
+    del cfg["base"]["import"]["num_heads"]
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(NascompressError, match=r"base.import.weights: weights file .* is not vit_tiny_patch16_224's "
+                                               r"shape: patch kernel \(96, 1, 4, 4\)"):
+        plan(tmp_path / "p.yaml", out=tmp_path / "out")
