@@ -32,11 +32,13 @@ def resolve_file(value: str | Path, *, what: str) -> Path:
     """The file a user means by ``value``: an existing path as given, else the shipped file of that
     name; neither is one error naming the shipped files."""
     p = Path(value).expanduser()
-    if p.exists():
+    if p.is_file():
         return p
     found = shipped_path(what, str(value))
-    if found is not None:
+    if found is not None:  # also where a folder of that name is here (pipeline demo --out demo, rerun)
         return found
+    if p.exists():
+        return p  # not a file: its reader says so
     raise NascompressError(f"{what} {value} does not exist: give a YAML file or the name of a shipped "
                            f"{what} ({', '.join(shipped_names(what))})")
 
