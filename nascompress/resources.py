@@ -1,7 +1,7 @@
 """The files shipped inside the package: the search spaces (``nascompress/search_spaces/*.yaml``)
 and the pipeline configs (``nascompress/configs/*.yaml``). A user names one by its file name
 without ``.yaml`` (``--space evit``, ``nascompress pipeline fashion-mnist``) or gives a path; an
-existing file always wins over a shipped name. They are package data, so they are found the same
+existing file always wins over a shipped name (a folder does not). They are package data, so they are found the same
 way from a checkout and from an installed wheel (the repository's top-level ``search_spaces/`` and
 ``configs/`` are links to these folders)."""
 from __future__ import annotations

@@ -425,6 +425,7 @@ def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tm
     import importlib.util
 
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()  # a folder of that name here (the output of `pipeline demo --out demo`)
     p = plan("demo", out=tmp_path / "x")
     assert p.source == str(REPO / "nascompress" / "configs" / "demo.yaml") and p.cfg.data.dataset == "digits"
     assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")

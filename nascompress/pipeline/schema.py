@@ -165,7 +165,7 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: SchemaContext
     if meta.get("path") and v not in meta.get("keywords", ()):
         found = ctx.resolve(v)
         named = shipped_path(meta["shipped"], v) if meta.get("shipped") else None
-        v = str(named) if named is not None and not os.path.exists(found) else found  # a shipped name: its file
+        v = str(named) if named is not None and not os.path.isfile(found) else found  # a shipped name: its file
     return v
 
 
