@@ -54,6 +54,8 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
     "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
                 "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time on a CPU')."),
+    "demo": ("The demo config", "one run of the shipped `configs/demo.yaml` timed with `time` (the README's 'Two "
+             "commands'): wall and CPU seconds, each stage's, the result."),
 }
 
 

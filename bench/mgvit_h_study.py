@@ -37,7 +37,7 @@ from nascompress.studies.records import trial_record  # noqa: E402
 from mgvit_h import dense_base  # noqa: E402  (the same dense base)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h_study.json"
-SPACE = ROOT / "search_spaces" / "mgvit-h.yaml"
+SPACE = "mgvit-h"  # the shipped space (nascompress/search_spaces/mgvit-h.yaml)
 
 
 def trial_row(t: optuna.trial.FrozenTrial) -> dict:

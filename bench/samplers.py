@@ -48,9 +48,8 @@ from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402
 
 BUDGETS = (10, 20, 30, 50)
-SPACES = {"evit": "search_spaces/evit.yaml", "dynamicvit": "search_spaces/dynamicvit.yaml",
-          "tome": "search_spaces/tome.yaml", "joint": "search_spaces/joint.yaml",
-          "evit-12": "search_spaces/evit-12.yaml"}
+SPACES = {"evit": "evit", "dynamicvit": "dynamicvit", "tome": "tome", "joint": "joint",
+          "evit-12": "evit-12"}  # shipped spaces, by name (nascompress/search_spaces/)
 
 # (base, space) -> {config key: (accuracy, flops_ratio, record)}: each configuration scored once
 _CACHE: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {}
@@ -67,7 +66,7 @@ class CachedObjective:
         if cache_key not in _INNER:
             _INNER[cache_key] = make_objective(job_dict)
         self.inner = _INNER[cache_key]
-        self.space = load_space(job_dict["space"])
+        self.space = load_space(job_dict["space"], model=nascompress.load(job_dict["base"]))
         self.cache = _CACHE.setdefault(cache_key, {})
 
     def __call__(self, trial: Any) -> Any:
@@ -94,7 +93,7 @@ def budget_metrics(trials: list[tuple[float, float]], budget: int, *, floor: flo
 
 
 def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str) -> dict[str, Any]:
-    space = load_space(space_path)
+    space = load_space(space_path, model=nascompress.load(base))  # layer ranges sized by the base's depth
     try:
         factory = sampler_factory(sampler, space, seed, trials=a.trials)
     except NascompressError as e:

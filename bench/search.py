@@ -87,7 +87,7 @@ def part_hv(a, tmp: Path) -> dict:
     job = search_job(a.base, a.space, "search", storage, a)
     run_search(job, progress=False)
     searched = load_study("search", storage)[1]
-    space = load_space(a.space)
+    space = load_space(a.space, model=nascompress.load(a.base))  # ranges sized by the base's depth
     grid = space.grid(a.trials)
     gjob = job.replace(study="grid", enqueue=False, trials=len(grid))
     info = {"space": space.to_dict(), "space_hash": space.hash(), "base_run": a.base, "dataset": "grid",
@@ -140,7 +140,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=("speed", "hv", "pretrained"), required=True)
     ap.add_argument("--base", required=True)
-    ap.add_argument("--space", default=None, help="default: search_spaces/evit.yaml (evit-12.yaml for pretrained)")
+    ap.add_argument("--space", default=None, help="default: the shipped evit (evit-12 for pretrained)")
     ap.add_argument("--trials", type=int, default=None, help="default: 20 (speed), 50 (hv), 30 (pretrained)")
     ap.add_argument("--eval-images", type=int, default=2000)
     ap.add_argument("--train-images", type=int, default=2000)
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/search.json")
     a = ap.parse_args()
-    a.space = a.space or ("search_spaces/evit-12.yaml" if a.part == "pretrained" else "search_spaces/evit.yaml")
+    a.space = a.space or ("evit-12" if a.part == "pretrained" else "evit")  # shipped spaces, by name
     a.trials = a.trials or {"speed": 20, "hv": 50, "pretrained": 30}[a.part]
     out = Path(a.out)
     res = json.loads(out.read_text()) if out.is_file() else {}

@@ -80,7 +80,7 @@ def main() -> None:
     a = ap.parse_args()
     rs = [int(v) for v in a.r.split(",")]
     t0 = time.time()
-    ctx = TrialContext(SearchJob(base=a.base, space="search_spaces/tome.yaml", study="bench", eval_images=a.eval_images,
+    ctx = TrialContext(SearchJob(base=a.base, space="tome", study="bench", eval_images=a.eval_images,
                                  train_images=64, calib_steps=0, batch_size=64))
     base, x, dense = ctx.base, ctx.flops_x, ctx.dense_flops
     shape = tuple(x.shape[1:])

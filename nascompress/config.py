@@ -93,18 +93,19 @@ class Config:
 
 def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
                choices: tuple[Any, ...] | None = None, path: bool = False, keywords: tuple[str, ...] = (),
-               limit: str | None = None) -> dict[str, Any]:
+               limit: str | None = None, shipped: str | None = None) -> dict[str, Any]:
     """The checks a field's metadata carries for the pipeline file: a number range, choices, a
-    path (resolved against the config's directory unless it is one of ``keywords``), or a limit
-    of :mod:`nascompress.limits` (its name) the value must not exceed."""
+    path (resolved against the config's directory unless it is one of ``keywords``; ``shipped``: the
+    kind of :mod:`nascompress.resources` file a name that is no such path means, ``search space``),
+    or a limit of :mod:`nascompress.limits` (its name) the value must not exceed."""
     return {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
-            "keywords": keywords, "limit": limit}
+            "keywords": keywords, "limit": limit, "shipped": shipped}
 
 
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
             path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None, option: str | None = None,
-            user_default: Any = dataclasses.MISSING, limit: str | None = None) -> Any:
+            user_default: Any = dataclasses.MISSING, limit: str | None = None, shipped: str | None = None) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
@@ -114,7 +115,7 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
     :func:`nascompress.limits.check_limited`)."""
     meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
-                                                      path=path, keywords=keywords, limit=limit)}
+                                                      path=path, keywords=keywords, limit=limit, shipped=shipped)}
     if flag is not None:
         meta["flag"] = flag
     if option is not None:

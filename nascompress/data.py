@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 from .config import Config, check_int, check_settings, setting
 from .data_classes import class_indices, keep_classes
 from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
-from .data_input import (CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
+from .data_input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
                          INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
                          resize)
 from .data_loader import make_loader
@@ -53,7 +53,7 @@ from .data_splits import Subset, check_classes, dataset_labels, limit_subset, sp
 from .errors import NascompressError
 from .limits import SEED_MAX
 
-__all__ = ["BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
+__all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
            "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
@@ -103,6 +103,8 @@ class DataConfig:
             the dataset (:func:`scan_images`).
         classes: keep only these classes (comma-separated names or indices; :func:`class_indices`),
             relabelled 0..k-1 in the order given, in every split (:func:`keep_classes`); None: all.
+        augment: the ImageFolder training split's augmentation (:data:`AUGMENTS`,
+            :func:`folder_transform`); in-memory datasets are never augmented.
     """
 
     # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
@@ -123,6 +125,9 @@ class DataConfig:
         "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
     classes: str | None = setting(None, help=(
         "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
+    augment: str = setting("default", choices=AUGMENTS, help=(
+        "ImageFolder training images: default (timm's RandomResizedCrop + horizontal flip), light (a milder "
+        "crop, scale 0.5-1, no flip) or none (the evaluation resize and centre crop)."))
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration
@@ -166,8 +171,8 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
             loading; in-memory images keep their size and :func:`preprocess` resizes batches).
         spec: the model's preprocessing; gives ImageFolder its size, interpolation and eval crop
             (preferred over ``img_size``, which then defaults to ``spec.img_size``).
-        augment: give an ImageFolder training split timm's training transform (False: the eval
-            transform, e.g. for extracting features).
+        augment: give an ImageFolder training split its training transform, ``cfg.augment``'s
+            (False: the eval transform, e.g. for extracting features).
     """
     if spec is None and img_size is not None:  # old callers: only a size; timm's defaults otherwise
         spec = InputSpec(tuple(img_size), 3, (0.5,), (0.5,))
@@ -199,7 +204,7 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
         eval_tf = folder_transform(spec, train=False)
-        train_tf = folder_transform(spec, train=augment)
+        train_tf = folder_transform(spec, train=augment, augment=cfg.augment)
         # the train split's images seen as evaluation images (a val split carved from train/)
         train_full = image_folder(root / "train", eval_tf)
         val = image_folder(root / "val", eval_tf) if (root / "val").is_dir() else None

@@ -30,6 +30,7 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 # resize modes both paths implement alike: torch's F.interpolate (batched) and PIL (ImageFolder)
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 CROP_MODES = ("center", "squash", "border")
+AUGMENTS = ("none", "light", "default")  # the ImageFolder training augmentation (DataConfig.augment)
 
 
 def check_input(interpolation: str | None, crop_pct: float | None, crop_mode: str | None) -> None:
@@ -135,12 +136,13 @@ def preprocess(images: torch.Tensor, spec: InputSpec) -> torch.Tensor:
     return (x - mean) / std
 
 
-def folder_transform(spec: InputSpec | None, *, train: bool) -> Any:
+def folder_transform(spec: InputSpec | None, *, train: bool, augment: str = "default") -> Any:
     """timm's ImageFolder transform for ``spec``, ending in a uint8 (C, H, W) tensor, unnormalised.
 
-    ``train``: RandomResizedCrop to ``spec.img_size`` + horizontal flip (colour jitter off; see the
-    module docstring); else resize the shorter side to ``int(size / crop_pct)`` and centre-crop.
-    Without a spec the image is only converted (native size).
+    ``train`` with ``augment`` (:data:`AUGMENTS`) ``default``: RandomResizedCrop to ``spec.img_size``
+    (timm's scale 0.08-1) + horizontal flip (colour jitter off; see the module docstring); ``light``:
+    RandomResizedCrop at scale 0.5-1, no flip; ``none``, or not ``train``: resize the shorter side
+    to ``int(size / crop_pct)`` and centre-crop. Without a spec the image is only converted (native size).
     """
     from . import _compat  # noqa: F401  (before torchvision)
 
@@ -150,9 +152,13 @@ def folder_transform(spec: InputSpec | None, *, train: bool) -> Any:
         return transforms.PILToTensor()
     from timm.data import create_transform
 
-    if train:
+    if augment not in AUGMENTS:
+        raise NascompressError(f"augment must be one of {', '.join(AUGMENTS)}, got {augment!r}")
+    if train and augment != "none":
+        light = augment == "light"
         return create_transform(tuple(spec.img_size), is_training=True, interpolation=spec.interpolation,
-                                hflip=0.5, color_jitter=None, normalize=False)
+                                hflip=0.0 if light else 0.5, scale=(0.5, 1.0) if light else None,
+                                color_jitter=None, normalize=False)
     return create_transform(tuple(spec.img_size), is_training=False, interpolation=spec.interpolation,
                             crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, normalize=False)
 

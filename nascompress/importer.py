@@ -1,7 +1,9 @@
 """``nascompress import``: a user's own timm ViT weights as a nascompress run, without training.
 
 :func:`import_model` checks the model and the weights, builds the model the weights describe
-(class count from their head, input size from their position-embedding grid unless given), takes
+(class count from their head; patch size, depth, width, MLP width and heads where the weights show
+them, and the input size from their position-embedding grid unless given: every shape read from the
+tensors, :mod:`~nascompress.import_shapes`, so nothing is resampled that was not asked for), takes
 the preprocessing the weights were made with (:func:`~nascompress.train.input_spec_for`: the timm
 model's pretrained config, or the ``input`` recorded in a nascompress file; explicit overrides
 win), optionally evaluates it on a dataset's val and test splits, and writes a run directory in
@@ -26,7 +28,8 @@ from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import file_sha256, make_arch, save_model
-from .models import ModelSpec, build_model, mismatch_report, read_weights_file, state_mismatches
+from .import_shapes import describe, read_shapes, shape_kwargs
+from .models import ModelSpec, build_model, is_pyramid, mismatch_report, read_weights_file, state_mismatches
 from .run_dir import RunDir
 from .utils import resolve_device
 from .train import TrainConfig
@@ -43,17 +46,23 @@ class ImportJob:
         out: the run directory to create.
         img_size: input size; None: the weights' position-embedding grid times the patch size.
         num_classes: None: the number of rows of the weights' ``head.weight``.
+        num_heads: None: read from a ``q_norm`` if the weights have one, else the name's (refused
+            when the weights' width differs from the name's: see :mod:`nascompress.import_shapes`).
         data: a dataset to evaluate on (val and test top-1 into metrics.json); None: no evaluation.
         input: explicit preprocessing (mean, std, interpolation, crop_pct), winning over the weights'.
         eval_batch_size: images per evaluation batch.
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
     """
 
-    model: str = setting(help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config).")
+    model: str = setting(help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config); "
+                              "the weights' own patch size, depth, width and grid are read from them.")
     weights: str = setting(path=True, help="Local .safetensors/.pth weights, with a classifier head.")
     out: str
     img_size: int | None = setting(None, lo=1, help="Input size (default: from the weights' position embedding).")
     num_classes: int | None = setting(None, lo=1, help="Classes (default: the weights' head).")
+    num_heads: int | None = setting(None, lo=1, help=(
+        "Attention heads (default: the model name's, or read from a q_norm; needed when the weights' width "
+        "differs from the name's: a fused qkv does not show them)."))
     data: DataConfig | None = None
     input: InputOverrides = field(default_factory=InputOverrides)
     eval_batch_size: int = shared(TrainConfig, "eval_batch_size")
@@ -64,7 +73,8 @@ class ImportJob:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,
-                "num_classes": self.num_classes, "data": None if self.data is None else asdict(self.data),
+                "num_classes": self.num_classes, "num_heads": self.num_heads,
+                "data": None if self.data is None else asdict(self.data),
                 "input": self.input.to_dict(), "eval_batch_size": self.eval_batch_size, "device": self.device}
 
     @classmethod
@@ -87,6 +97,28 @@ def grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | 
     return side * model.patch_embed.patch_size[0]
 
 
+def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The build settings of ``job.model`` that hold the weights ``raw`` as they are (every shape read
+    from them: :func:`~nascompress.import_shapes.shape_kwargs`; ``num_classes`` 1 until the head is
+    read), and the notes: each shape that differs from the name's."""
+    named = build_model(ModelSpec(job.model, {"num_classes": 1}))  # unknown, non-ViT and hybrid models stop here
+    if is_pyramid(named) or read_shapes(raw) is None:  # a pyramid ViT (its shape is its name's), another layout
+        if job.num_heads is not None:
+            raise NascompressError(f"--num-heads applies to a plain ViT's weights in timm's layout, not to "
+                                   f"{job.weights} for {job.model}")
+        kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
+        if job.img_size is not None:
+            kwargs["img_size"] = job.img_size
+        elif not is_pyramid(named):
+            size = grid_img_size(named, raw)
+            if size is not None and (size, size) != tuple(named.patch_embed.img_size):
+                kwargs["img_size"] = size
+        return kwargs, {}
+    kwargs, notes = shape_kwargs(job.model, named, raw, img_size=job.img_size, num_heads=job.num_heads,
+                                 source=job.weights)
+    return {"num_classes": job.num_classes or 1, **kwargs}, notes
+
+
 def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors in this timm model's layout (original checkpoint formats converted,
     position embeddings resampled to the model's grid), as ``load_pretrained`` does."""
@@ -100,17 +132,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     out = Path(job.out)
     run = RunDir.prepare(out, force=force)
     raw = read_weights_file(job.weights)
-    kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
-    if job.img_size is not None:
-        kwargs["img_size"] = job.img_size
-    model = build_model(ModelSpec(job.model, kwargs))  # unknown, non-ViT and hybrid models stop here
-    if job.img_size is None:
-        size = grid_img_size(model, raw)
-        if size is not None and (size, size) != tuple(model.patch_embed.img_size):
-            kwargs["img_size"] = size
+    kwargs, notes = weights_kwargs(job, raw)
     head = raw.get("head.weight")
     if head is None:  # maybe an original checkpoint format whose head timm renames (OpenAI CLIP's proj)
-        head = _filtered(model, raw).get("head.weight")
+        head = _filtered(build_model(ModelSpec(job.model, kwargs)), raw).get("head.weight")
     if head is None or head.ndim != 2:
         raise NascompressError(
             f"weights file {job.weights} has no classifier head (no head.* tensors: a backbone-only checkpoint); "
@@ -125,15 +150,17 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
         hint = ""
         if job.num_classes is not None and any(b.startswith("head.") for b in bad[:3]):
             hint = f"; --num-classes must match the file's head ({int(head.shape[0])} classes)"
+        shapes = read_shapes(raw)
+        real = "" if shapes is None else f" (the file: {describe(shapes)})"
         raise NascompressError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
-                               f"{mismatch_report(bad)}{hint}")
+                               f"{mismatch_report(bad)}{hint}{real}")
     model.load_state_dict(sd, strict=True)
 
     from .train import input_spec_for  # (train imports much; only needed here)
 
     dataset = job.data.dataset if job.data is not None else "fashion-mnist"
     input_spec = input_spec_for(model, dataset, weights=job.weights, overrides=job.input)
-    metrics: dict[str, Any] = {"imported": True, "dataset": None}
+    metrics: dict[str, Any] = {"imported": True, "dataset": None, "shapes_from_weights": notes}
     if job.data is not None:
         bundle = load_data(job.data, spec=input_spec, augment=False)
         if kwargs["num_classes"] != bundle.num_classes:

@@ -131,7 +131,7 @@ def model_size(spec: "ModelSpec") -> dict[str, int] | None:
     settings must have passed :func:`check_model_kwargs`."""
     kw = spec.kwargs
     switches = tuple(sorted((k, v) for k, v in kw.items() if k not in _SIZE_KEYS and not isinstance(v, list)))
-    base = _default_shape(spec.name, switches) if any(k not in kw for k in _SIZE_KEYS[:6]) else {}
+    base = _default_shape(spec.name, switches) if any(k not in kw for k in _SIZE_KEYS[:7]) else {}
     if base is None:
         return None
     get = lambda k: kw[k] if k in kw else base[k]  # noqa: E731

@@ -390,7 +390,7 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
     r = invoke("search", "tokens", tmp_path, "--study", "s", "--seed", 3, "--no-enqueue", *args)
     assert r.exit_code == 0, r.output
     cli_job = seen.pop()
-    space = Path(__file__).resolve().parents[1] / "search_spaces" / "evit.yaml"
+    space = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "evit.yaml"
     cfg = {"format": "nascompress-pipeline/1", "seed": 3, "data": {"dataset": "synthetic"},
            "base": {"run": str(tmp_path)}, "goal": {"max_flops": 0.5},
            "stages": {"tokens": {"space": str(space), "study": "s", **values}}}

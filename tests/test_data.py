@@ -350,3 +350,43 @@ def test_classes_keeps_a_subset_relabelled_in_order(tmp_path):
 def test_classes_refuses_unknown_repeated_or_single_classes(spec, msg):
     with pytest.raises(NascompressError, match=msg):
         load_data(DataConfig(dataset="digits", classes=spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# the ImageFolder training augmentation: a setting (none | light | default), recorded in the run
+
+
+def test_augment_setting_picks_the_training_transform(tmp_path):
+    import random
+
+    from nascompress.data import load_data
+
+    root = make_folder(tmp_path / "f", counts={"a": 4, "b": 4}, size=(20, 24), splits=("train", "val"))
+    spec = InputSpec((16, 16), 3, (0.5,), (0.5,))
+
+    def draws(augment):
+        train = load_data(DataConfig(dataset=str(root), augment=augment, num_workers=0), spec=spec).train
+        random.seed(0)
+        torch.manual_seed(0)
+        return [train[0][0] for _ in range(12)]
+
+    none, light, default = draws("none"), draws("light"), draws("default")
+    assert all(torch.equal(x, none[0]) for x in none)  # none: the evaluation resize + centre crop, no randomness
+    assert any(not torch.equal(x, light[0]) for x in light) and any(not torch.equal(x, default[0]) for x in default)
+    # light never flips: the left-right gradient always rises; default flips some draws
+    def rises(x):
+        return bool(x[0, :, -1].float().mean() > x[0, :, 0].float().mean())
+
+    assert all(rises(x) for x in light) and not all(rises(x) for x in default)
+    assert DataConfig().augment == "default"  # unchanged unless asked
+    with pytest.raises(NascompressError, match="augment must be one of none, light, default"):
+        DataConfig(augment="heavy")
+
+
+def test_train_records_the_augment_setting(tmp_path):
+    root = make_folder(tmp_path / "f", counts={"a": 4, "b": 4}, size=(20, 24), splits=("train", "val"))
+    out = tmp_path / "run"
+    r = invoke("train", "--out", out, "--dataset", root, "--augment", "none", "--img-size", 16, "--patch-size", 8,
+               "--embed-dim", 16, "--depth", 1, "--num-heads", 2, "--epochs", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "config.json").read_text())["data"]["augment"] == "none"

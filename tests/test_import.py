@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pre
 from .conftest import invoke
 from .test_data import make_folder
 
+REPO_SPACES = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces"
 TEST_VIT = ModelSpec("test_vit", {"img_size": 32, "num_classes": 10})  # timm's tiny registered ViT (patch 16)
 
 
@@ -132,7 +134,8 @@ def test_import_img_size_and_overrides(tmp_path, vit_weights):
     r = invoke("import", "test_vit", "--weights", path, "--out", out, "--img-size", 48, "--mean", "0.1,0.2,0.3",
                "--std", "0.4", "--interpolation", "bilinear", "--crop-pct", "0.875", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout) == {"imported": True, "dataset": None}
+    assert json.loads(r.stdout) == {"imported": True, "dataset": None,
+                                    "shapes_from_weights": {"img_size": [48, 32]}}  # asked for, and reported
     arch = json.loads((out / "arch.json").read_text())
     assert arch["model"]["kwargs"]["img_size"] == 48  # the position embedding is resampled to 3 x 3
     assert arch["input"]["mean"] == [0.1, 0.2, 0.3] and arch["input"]["std"] == [0.4] * 3
@@ -152,10 +155,16 @@ def test_import_bad_inputs_write_nothing(tmp_path, vit_weights):
     bad("resnet18 is not a timm VisionTransformer", name="resnet18")
     bad("hybrid ViTs with a CNN stem are not supported", name="vit_small_r26_s32_224")
     bad("does not exist", weights=tmp_path / "missing.safetensors")
-    # weights of another architecture: the first three mismatched tensors, with shapes
+    # weights of another width: their real shapes, and what is missing to build them (the heads)
     r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out)
-    one_line_error(r, "does not fit vit_tiny_patch16_224")
-    assert r.stderr.count("in the file but") == 3 and "cls_token has shape (1, 1, 64) in the file but (1, 1, 192)" in r.stderr
+    one_line_error(r, "is not vit_tiny_patch16_224's shape: patch kernel (64, 3, 16, 16)")
+    assert "width 64, depth 6" in r.stderr and "give --num-heads (a divisor of 64)" in r.stderr
+    assert not out.exists()
+    # what the shapes read cannot match (another class-token layout): the first three mismatched tensors
+    nocls = save_sd(tmp_path / "nocls.safetensors", {k: v for k, v in src.state_dict().items() if k != "cls_token"})
+    r = invoke("import", "test_vit", "--weights", nocls, "--out", out)
+    one_line_error(r, "does not fit test_vit")
+    assert "tensor cls_token (1, 1, 64) is missing from the file" in r.stderr and "(the file: patch kernel" in r.stderr
     assert not out.exists()
     bad("--num-classes must match the file's head (10 classes)", "--num-classes", 4)
     headless = save_sd(tmp_path / "backbone.safetensors",
@@ -226,3 +235,89 @@ def test_linear_probe_fits_only_the_head(tmp_path, vit_weights):
     assert json.loads(r.stdout)["top1"] == pytest.approx(m["best_val_top1"], abs=2.0)
     one_line_error(invoke("train", "--model", "test_vit", "--linear-probe", "--dataset", "synthetic",
                           "--out", tmp_path / "x"), "--linear-probe needs --weights")
+
+
+# ---------------------------------------------------------------------------------------------
+# every shape read from the weights: patch size, grid, depth, width, heads
+
+
+def _saved_vit(tmp_path, name, **kwargs):
+    torch.manual_seed(0)
+    model = build_model(ModelSpec("vit_tiny_patch16_224", {"num_classes": 10, **kwargs})).eval()
+    return save_sd(tmp_path / f"{name}.safetensors", model.state_dict()), model
+
+
+def test_import_matches_the_weights_patch_size_and_grid_instead_of_resampling(tmp_path):
+    """Patch-4, 32 px weights named vit_tiny_patch16_224: the model built is theirs (patch 4, 32 px),
+    said on stdout and in metrics.json, and gives the source model's outputs exactly (no resampled
+    kernel, no 128 px input)."""
+    path, src = _saved_vit(tmp_path, "p4", patch_size=4, img_size=32, depth=2)
+    out = tmp_path / "run"
+    r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "shapes read from the weights (not vit_tiny_patch16_224's): patch_size 4 (name: 16)" in r.stdout
+    assert "img_size 32 (name: 224)" in r.stdout
+    arch = json.loads((out / "arch.json").read_text())
+    assert arch["model"]["kwargs"]["patch_size"] == 4 and arch["model"]["kwargs"]["img_size"] == 32
+    assert arch["input"]["img_size"] == [32, 32]
+    notes = json.loads((out / "metrics.json").read_text())["shapes_from_weights"]
+    assert notes["patch_size"] == [4, 16] and notes["img_size"] == [32, 224] and notes["depth"] == [2, 12]
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(nascompress.load(out)(x), src(x), rtol=0, atol=0)
+
+
+def test_import_reads_depth_and_width_and_needs_the_heads_of_a_fused_qkv(tmp_path):
+    path, src = _saved_vit(tmp_path, "own", patch_size=8, img_size=32, embed_dim=96, depth=3, num_heads=4,
+                           mlp_ratio=2.0)
+    out = tmp_path / "run"
+    r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out)
+    one_line_error(r, "patch kernel (96, 3, 8, 8) (patch 8x8, 3 channels), width 96, depth 3, MLP 192")
+    assert "the number of heads cannot be read from a fused qkv: give --num-heads" in r.stderr and not out.exists()
+    one_line_error(invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--num-heads", 5),
+                   "--num-heads 5 does not divide the weights' width 96")
+    r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--num-heads", 4, "--json")
+    assert r.exit_code == 0, r.output
+    kw = json.loads((out / "arch.json").read_text())["model"]["kwargs"]
+    assert (kw["embed_dim"], kw["depth"], kw["num_heads"], kw["mlp_ratio"], kw["patch_size"]) == (96, 3, 4, 2.0, 8)
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(nascompress.load(out)(x), src(x), rtol=0, atol=0)
+
+
+def test_import_reads_the_heads_from_a_q_norm(tmp_path):
+    path, src = _saved_vit(tmp_path, "qn", patch_size=8, img_size=16, embed_dim=64, depth=1, num_heads=4,
+                           qk_norm=True)
+    out = tmp_path / "run"
+    r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["shapes_from_weights"]["num_heads"] == [4, 3]
+    x = torch.randn(1, 3, 16, 16)
+    torch.testing.assert_close(nascompress.load(out)(x), src(x), rtol=0, atol=0)
+
+
+def test_the_pipelines_import_builds_the_weights_model_and_sizes_the_default_space_by_it(tmp_path):
+    """``base.import`` plans the model the weights describe (depth 3 here, not the name's 12), so the
+    default evit space is sized by those 3 blocks; a fused qkv of another width needs ``num_heads``."""
+    import yaml
+
+    from nascompress.pipeline import plan
+
+    path, _ = _saved_vit(tmp_path, "own", patch_size=4, img_size=16, embed_dim=96, depth=3, num_heads=4,
+                         in_chans=1)
+    cfg = {"format": "nascompress-pipeline/1", "device": "cpu", "data": {"dataset": "synthetic"},
+           "base": {"import": {"model": "vit_tiny_patch16_224", "weights": str(path), "num_heads": 4}},
+           "goal": {"max_flops": 0.8}, "stages": {"tokens": {"space": "evit", "trials": 2}}}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    p = plan(tmp_path / "p.yaml", out=tmp_path / "out")
+    assert [s.name for s in p.steps][:3] == ["base", "tokens_search", "tokens_pick"]
+    assert not (tmp_path / "out").exists()
+    # the planned model has the weights' 3 blocks: a space written for 6 is checked against them
+    (tmp_path / "six.yaml").write_text((REPO_SPACES / "evit.yaml").read_text().replace("[2, -2]", "[2, 5]"))
+    cfg["stages"]["tokens"]["space"] = str(tmp_path / "six.yaml")
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(NascompressError, match="layer 4 is beyond the model's depth 3"):
+        plan(tmp_path / "p.yaml", out=tmp_path / "out")
+    del cfg["base"]["import"]["num_heads"]
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(NascompressError, match=r"base.import.weights: weights file .* is not vit_tiny_patch16_224's "
+                                               r"shape: patch kernel \(96, 1, 4, 4\)"):
+        plan(tmp_path / "p.yaml", out=tmp_path / "out")

@@ -223,7 +223,7 @@ def test_search_space_loads_with_the_registry():
     from nascompress.search.space import load_space
     from nascompress.search.trials import reference_configs
 
-    space = load_space(Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml")
+    space = load_space(Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "mgvit-h.yaml")
     configs = [space.records(p)[0]["config"] for p in space.grid(8)]
     assert {c["r_pos"] for c in configs} > {1.0} and any("r_neg" in c for c in configs)
     for c in configs:  # every configuration it proposes builds (r_pos + r_neg <= 1: r_neg only below r_pos 1)
@@ -231,6 +231,9 @@ def test_search_space_loads_with_the_registry():
     d = dense()
     paper = [p for label, p in reference_configs(space, d) if label == "paper"]
     assert paper and paper[0]["mgvit-h.r_pos"] == 1.0  # the paper's Hierarchical MG-ViT (no PPSM) runs first
+    assert load_space("mgvit-h", model=d).name == "mgvit-h"  # by name, for the pyramid model
+    with pytest.raises(NascompressError, match="counts from the model's last block: the base model is a pyramid ViT"):
+        load_space("evit", model=d)  # the default space's layer range has no depth to count from here
 
 
 def test_a_study_over_the_space_on_a_pyramid_run(pvt_run, tmp_path, monkeypatch):
@@ -242,7 +245,7 @@ def test_a_study_over_the_space_on_a_pyramid_run(pvt_run, tmp_path, monkeypatch)
     from nascompress.studies.inspect import load
 
     monkeypatch.chdir(tmp_path)
-    space = Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml"
+    space = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "mgvit-h.yaml"
     small = ["--eval-images", 16, "--train-images", 16, "--batch-size", 16]
     r = invoke("search", "tokens", pvt_run, "--study", "h", "--space", space, "--trials", 3, *small)
     assert r.exit_code == 0, r.output
@@ -548,7 +551,7 @@ def test_a_pipeline_from_a_pyramid_run(pvt_run, tmp_path):
 
     import yaml
 
-    space = Path(__file__).resolve().parents[1] / "search_spaces" / "mgvit-h.yaml"
+    space = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "mgvit-h.yaml"
     cfg = {"format": "nascompress-pipeline/1", "seed": 0, "device": "cpu", "data": {"dataset": "synthetic"},
            "base": {"run": str(pvt_run)}, "goal": {"max_flops": 1.0},
            "stages": {"tokens": {"space": str(space), "trials": 3, "eval_images": 16, "train_images": 16,

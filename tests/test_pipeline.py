@@ -18,6 +18,7 @@ import yaml
 from safetensors.torch import load_file
 
 import nascompress
+from nascompress.errors import NascompressError
 from nascompress.pipeline import STEPS, load_config, plan
 from nascompress.profiling import count_flops
 
@@ -378,7 +379,7 @@ def test_shipped_fashion_mnist_config_is_valid(tmp_path):
     p = plan(REPO / "configs" / "fashion-mnist.yaml", out=tmp_path / "x")
     assert [s.name for s in p.steps] == list(STEPS) and not (tmp_path / "x").exists()
     assert p.cfg.goal.max_flops == 0.6 and p.cfg.stages.dcs.qk_mask == "static"
-    assert p.cfg.stages.tokens.space == str(REPO / "search_spaces" / "evit.yaml")
+    assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")  # by name
 
 
 @pytest.mark.skipif(not (FMNIST and (REPO / "weights" / "dinov2_vits14_112.safetensors").is_file()),
@@ -509,3 +510,24 @@ def test_report_front_marks_the_picked_dense_and_final_models_and_the_goal(ref):
         goal = next(t for t in traces if t.get("name") == "goal: <= 0.75x the dense FLOPs")
         assert goal["x"] == [0.75, 0.75] and goal["mode"] == "lines"
         assert all("colorbar" not in (t.get("marker") or {}) for t in traces)
+
+
+def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tmp_path, monkeypatch):
+    """`nascompress pipeline demo`: the shipped config by name (its space by name too), validated from
+    a directory without a checkout; an export section without ONNX Runtime is refused before anything runs."""
+    import importlib.util
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()  # a folder of that name here (the output of `pipeline demo --out demo`)
+    p = plan("demo", out=tmp_path / "x")
+    assert p.source == str(REPO / "nascompress" / "configs" / "demo.yaml") and p.cfg.data.dataset == "digits"
+    assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")
+    assert [s.name for s in p.steps] == list(STEPS) and not (tmp_path / "x").exists()
+    with pytest.raises(NascompressError, match=r"config file nope does not exist: give a YAML file or the name of "
+                                               r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist\)"):
+        plan("nope", out=tmp_path / "x")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnxruntime" else real(m, *a))
+    with pytest.raises(NascompressError, match=r"demo.yaml: export: format onnx needs onnxruntime: pip install "
+                                               r"'nascompress\[export\]'"):
+        plan("demo", out=tmp_path / "x")

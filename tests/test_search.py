@@ -155,10 +155,10 @@ def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_
     (project / "deep.yaml").write_text(EVIT_SPACE.replace("range: [1, 2]", "range: [2, 5]"))
     r = invoke("search", "tokens", tiny_run, "--study", "d", "--space", "deep.yaml")
     assert r.exit_code == 1 and "beyond the model's depth 2" in r.output
-    # without --space, from a directory that is not the checkout: the project's own evit.yaml is
-    # read (its layers 2-5 are beyond this 2-block model), not a missing ./search_spaces/evit.yaml
+    # without --space, from a directory that is not the checkout: the shipped evit space is read
+    # (layers 2 to the last block but one: none on this 2-block model), not a missing ./search_spaces/evit.yaml
     r = invoke("search", "tokens", tiny_run, "--study", "d")
-    assert r.exit_code == 1 and "beyond the model's depth 2" in r.output and "evit.yaml" in r.output
+    assert r.exit_code == 1 and "selects no layer of this 2-block model" in r.output and "evit.yaml" in r.output
     notvit = tmp_path / "resnet"
     notvit.mkdir()
     (notvit / "model.safetensors").write_bytes(b"")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import os
 import warnings
+from types import SimpleNamespace
 
 import optuna
 import pytest
@@ -14,7 +15,13 @@ from nascompress.search import space_lattice
 from nascompress.search.space import Space, load_space
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIPPED = sorted(glob.glob(os.path.join(ROOT, "search_spaces", "*.yaml")))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "nascompress", "search_spaces", "*.yaml")))  # package data
+SIX = SimpleNamespace(blocks=[None] * 6)  # what loading a space for a model reads of it: its blocks
+
+
+def shipped(name: str, model=SIX):
+    """A shipped space by name, sized for ``model`` (default: the project's 6-block ViT)."""
+    return load_space(name, model=model, method_fields=fake_fields)
 
 # The config fields the shipped files assume (the method registry's config_cls is being rebuilt).
 FIELDS = {
@@ -60,8 +67,8 @@ def test_shipped_files_exist():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_shipped_file_loads_samples_and_round_trips(path):
-    space = load_space(path, method_fields=fake_fields)
-    space.check_depth(12 if path.endswith("-12.yaml") else 6)  # the default ViT; *-12.yaml: 12 blocks
+    depth = 12 if path.endswith("-12.yaml") else 6  # the default ViT; *-12.yaml: 12 blocks
+    space = load_space(path, model=SimpleNamespace(blocks=[None] * depth), method_fields=fake_fields)
     assert Space.from_dict(space.to_dict(), method_fields=fake_fields).hash() == space.hash()
     for recs, params in sample(space, 12):
         assert space.params_for(recs) == params
@@ -141,7 +148,7 @@ def test_missing_file_and_bad_yaml(tmp_path):
 
 
 def test_check_depth():
-    space = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    space = shipped("evit")
     space.check_depth(5)
     with pytest.raises(NascompressError, match=r"methods\[0\].params.prune_layers: layer 5 is beyond the model's "
                                                r"depth 4"):
@@ -149,7 +156,7 @@ def test_check_depth():
 
 
 def test_suggest_respects_conditions_groups_and_per_layer_lengths():
-    space = load_space(os.path.join(ROOT, "search_spaces", "joint.yaml"), method_fields=fake_fields)
+    space = shipped("joint")
     seen_groups, seen_modes = set(), set()
     for recs, params in sample(space, 60, seed=1):
         names = [r["name"] for r in recs]
@@ -167,7 +174,7 @@ def test_suggest_respects_conditions_groups_and_per_layer_lengths():
         assert ("evit.keep_rate.0" in params) == (params["group.tokens"] == "evit")
     assert seen_groups == {"evit", "dynamicvit", "tome", "none"} and seen_modes == {"unstructured", "block"}
 
-    sp = load_space(os.path.join(ROOT, "search_spaces", "sparsifiner.yaml"), method_fields=fake_fields)
+    sp = shipped("sparsifiner")
     base = {"sparsifiner.attn_keep_ratio": 0.25, "sparsifiner.n_down": 16}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -220,12 +227,12 @@ def test_an_unconditional_spaces_grid_is_optunas_qmc_sequence(tmp_path):
     xs = [p["sparsifiner.attn_keep_ratio"] for p in grid]
     assert all(0.1 <= x <= 0.8 for x in xs) and len(set(xs)) == 8
     assert {p["sparsifiner.mode"] for p in grid} == {"unstructured", "block"}
-    evit = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    evit = shipped("evit")
     assert evit.conditional() is not None and evit.grid(5) == space_lattice.grid(evit, 5)
 
 
 def test_params_for_dense_and_paper_configs_and_errors():
-    space = load_space(os.path.join(ROOT, "search_spaces", "evit.yaml"), method_fields=fake_fields)
+    space = shipped("evit")
     paper = [{"name": "evit", "config": {"keep_rate": [0.7, 0.7], "prune_layers": [2, 4], "fuse_token": True}}]
     params = space.params_for(paper)
     assert params == {"evit.prune_layers": "2,4", "evit.keep_rate.0": 0.7, "evit.keep_rate.1": 0.7}
@@ -238,7 +245,7 @@ def test_params_for_dense_and_paper_configs_and_errors():
         space.params_for([{"name": "evit", "config": {"keep_rate": [0.7], "prune_layers": [9]}}])
     with pytest.raises(NascompressError, match="fixes it to True"):
         space.params_for([{"name": "evit", "config": {"keep_rate": [0.7], "prune_layers": [2], "fuse_token": False}}])
-    joint = load_space(os.path.join(ROOT, "search_spaces", "joint.yaml"), method_fields=fake_fields)
+    joint = shipped("joint")
     dense = joint.params_for([{"name": "dcs", "config": {"target_flops": 1.0, "qk_mask": "static"}}])
     assert dense == {"dcs.target_flops": 1.0, "group.tokens": "none", "sparsifiner.on": False}
     with pytest.raises(NascompressError, match="alternatives"):
@@ -291,8 +298,8 @@ methods:
 
 def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
     for space in (load_space(write(tmp_path, UNCONDITIONAL), method_fields=None),
-                  load_space(os.path.join(ROOT, "search_spaces", "mgvit.yaml"), method_fields=fake_fields),
-                  load_space(os.path.join(ROOT, "search_spaces", "dcs-target.yaml"), method_fields=fake_fields)):
+                  shipped("mgvit"),
+                  shipped("dcs-target")):
         assert space.conditional() is None
         dists = space.distributions()
         assert list(dists) == space.param_names()
@@ -316,7 +323,7 @@ def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
                    "True"),
 ])
 def test_a_conditional_space_has_no_distributions(name, param):
-    space = load_space(os.path.join(ROOT, "search_spaces", name), method_fields=fake_fields)
+    space = shipped(name)
     with pytest.raises(NascompressError) as e:
         space.distributions()
     msg = str(e.value)
@@ -327,3 +334,44 @@ def test_an_optional_method_with_searched_params_is_conditional(tmp_path):
     text = UNCONDITIONAL.replace("      c: 1\n", "      c: {kind: int, low: 1, high: 4}\n")
     space = load_space(write(tmp_path, text), method_fields=None)
     assert space.conditional() == "gamma.c (methods[2].params.c) exists only when gamma.on is True"
+
+
+@pytest.mark.parametrize("name", ["evit", "joint", "dynamicvit"])
+def test_default_spaces_are_sized_by_the_model_depth(name):
+    """The default spaces' layer ranges count from the last block: a 4-block model gets layers
+    within its depth, a 12-block one the whole model (no longer layers 2-5 of the 6-block default)."""
+    def layer_sets(depth):
+        sp = shipped(name, model=SimpleNamespace(blocks=[None] * depth))
+        return [c for m in sp.methods for p in m.params if p.kind == "layers" for c in p.choices], sp
+
+    four, _ = layer_sets(4)
+    assert four and max(x for c in four for x in c) <= 4 and min(x for c in four for x in c) == 2
+    twelve, _ = layer_sets(12)
+    assert max(x for c in twelve for x in c) >= 11 and {x for c in twelve for x in c} >= set(range(2, 12))
+    if name == "evit":  # on the 6-block default ViT: the former layers 2-5, the same hash as before
+        six = layer_sets(6)[1]
+        assert {x for m in six.methods for p in m.params if p.kind == "layers" for c in p.choices for x in c} == \
+            {2, 3, 4, 5} and six.hash() == "22c74247533dd81a"
+    if name != "dynamicvit":  # EViT's range ends at the last block but one: none on 2 blocks
+        with pytest.raises(NascompressError, match="selects no layer of this 2-block model"):
+            layer_sets(2)
+
+
+def test_a_range_counting_from_the_last_block_needs_a_model(tmp_path):
+    text = ("format: nascompress-space/1\nname: rel\nmethods:\n  - name: evit\n    params:\n"
+            "      prune_layers: {kind: layers, range: [2, -2], size: [1, 3]}\n")
+    with pytest.raises(NascompressError, match=r"range \[2, -2\] counts from the model's last block: load the "
+                                               r"space for a model"):
+        load_space(write(tmp_path, text), method_fields=fake_fields)
+    with pytest.raises(NascompressError, match=r"layer numbers are 1-based .* got \[-3, 4\]"):
+        load_space(write(tmp_path, text.replace("[2, -2]", "[-3, 4]")), model=SIX, method_fields=fake_fields)
+    sp = load_space(write(tmp_path, text), model=SimpleNamespace(blocks=[None] * 4), method_fields=fake_fields)
+    assert sp.methods[0].params[0].source == {"kind": "layers", "range": [2, 3], "size": [1, 2]}  # size capped
+
+
+def test_shipped_spaces_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert shipped("tome").name == "tome" and shipped("evit.yaml").name == "evit"
+    with pytest.raises(NascompressError, match=r"search space nope does not exist: give a YAML file or the name "
+                                               r"of a shipped search space \(dcs-target, dynamicvit, evit"):
+        load_space("nope", method_fields=fake_fields)

@@ -19,7 +19,7 @@ IMPORT_DATA_SETTINGS = StageSettings(DataConfig, ("dataset", "data_dir", "eval_l
                                      notes={"dataset": "Given: the import is evaluated on its val and test splits."})
 IMPORT_RUN_SETTINGS = StageSettings(TrainConfig, ("seed", "device"))
 # its own settings as options (MODEL is its argument)
-IMPORT_SETTINGS = StageSettings(ImportJob, ("weights", "img_size", "num_classes", "eval_batch_size"))
+IMPORT_SETTINGS = StageSettings(ImportJob, ("weights", "img_size", "num_classes", "num_heads", "eval_batch_size"))
 
 
 def register(app: typer.Typer) -> None:
@@ -28,7 +28,7 @@ def register(app: typer.Typer) -> None:
     def import_cmd(
         model: Annotated[str, typer.Argument(help=setting_help(ImportJob, "model"))],
         out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")], *,
-        settings: Settings,  # IMPORT_SETTINGS: --weights --img-size --num-classes --eval-batch-size
+        settings: Settings,  # IMPORT_SETTINGS: --weights --img-size --num-classes --num-heads --eval-batch-size
         input: InputOverrides,  # --mean --std --interpolation --crop-pct
         data: Settings,  # IMPORT_DATA_SETTINGS: --dataset --data-dir --eval-limit --skip-bad-images
         runtime: Settings,  # IMPORT_RUN_SETTINGS: --seed (of the --eval-limit subsets) --device
@@ -47,6 +47,12 @@ def register(app: typer.Typer) -> None:
 
         job = run(build)
         metrics = run(import_model, job, force=force)
+        notes = metrics.get("shapes_from_weights") or {}
+        if notes and not json_out:  # the model built is the weights', not the name's defaults: said, not silent
+            out.print(f"shapes read from the weights (not {model}'s): " + ", ".join(
+                f"{k} {v[0]} (name: {v[1]})" if k != "img_size" or job.img_size is None else
+                f"img_size {v[0]} (given; the weights' grid makes {v[1]}: position embedding resampled)"
+                for k, v in notes.items()), highlight=False, soft_wrap=True)
         if json_out:
             print_json(metrics)
         elif metrics.get("test_top1") is not None:

@@ -21,7 +21,9 @@ EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/p
 def register(app: typer.Typer) -> None:
     @app.command(epilog=EPILOG)
     def pipeline(
-        config: Annotated[Path, typer.Argument(help="Pipeline file (format nascompress-pipeline/1; see configs/).")],
+        config: Annotated[Path, typer.Argument(help=(
+            "Pipeline file (format nascompress-pipeline/1), or the name of a shipped one (demo, fashion-mnist; "
+            "nascompress/configs/)."))],
         out_dir: Annotated[Path, typer.Option(
             "--out", help="Pipeline directory (an earlier run of the same config is continued).")],
         seed: setting_option(FILE_SEED, "seed") = None,

@@ -92,7 +92,7 @@ search_app.command("dcs")(dcs)
 
 # search tokens|joint's study settings: SearchJob's (the space's default: the command's own)
 STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), defaults={"space": None},
-                      notes={"space": "Default: tokens search_spaces/evit.yaml, joint search_spaces/joint.yaml."})
+                      notes={"space": "Default: tokens evit, joint joint (shipped spaces, sized to the base's depth)."})
 
 
 def _outer_search(kind: str, default_space: str):
@@ -131,10 +131,9 @@ def _outer_search(kind: str, default_space: str):
     return command
 
 
-# the project's shipped spaces, wherever the command runs from (setup.sh installs the checkout in place)
-SPACES = Path(__file__).resolve().parents[2] / "search_spaces"  # the repository's search_spaces/
-search_app.command("tokens")(_outer_search("tokens", str(SPACES / "evit.yaml")))
-search_app.command("joint")(_outer_search("joint", str(SPACES / "joint.yaml")))
+# the default spaces: shipped ones, by name (nascompress/search_spaces/, found wherever the command runs)
+search_app.command("tokens")(_outer_search("tokens", "evit"))
+search_app.command("joint")(_outer_search("joint", "joint"))
 
 
 def register(app: typer.Typer) -> None:

@@ -13,7 +13,7 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
     goal: {max_flops: 0.6}       # or {max_latency_ms: MS} (batch 1 on this device)
     stages:                      # each optional, run in this order
       dcs: {target_flops: 0.7, epochs: 4, train_limit: 24000, qk_mask: static}
-      tokens: {space: ../search_spaces/evit.yaml, trials: 30}
+      tokens: {space: evit, trials: 30}   # a shipped space's name, or a file
       retrain: {epochs: 4, eta: 0, distil_from: base}
     report: {latency: true, iters: 10, batch_size: 64, dtype: fp32, compile: false}
     export: {format: onnx}       # optional: OUT/export/model.onnx + .json, run and checked against PyTorch

@@ -2,6 +2,7 @@
 :func:`dump_config` (the normalized ``OUT/config.yaml``) and :func:`config_diff` (how two configs differ)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import yaml
 
 from .schema import build_section, SchemaContext, key_path, describe_value, upgrade_keys
 from .sections import PipelineConfig
+from ..resources import resolve_file
 from ..yaml_io import read_yaml_file
 
 
@@ -21,9 +23,9 @@ def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = Fa
     """Read and validate a pipeline file (schema only: types, ranges, unknown keys); ``seed``
     overrides the file's; ``upgrade``: former key names read as their new ones (a run's stored
     config), else refused. Errors name the file and the key path."""
-    path = Path(path)
+    path = resolve_file(path, what="config file")  # a path, or a shipped config's name (fashion-mnist)
     data = read_yaml(path)
-    ctx = SchemaContext(str(path), path.resolve().parent)
+    ctx = SchemaContext(str(path), Path(os.path.abspath(path)).parent)  # configs/x.yaml: the link's folder
     if not isinstance(data, dict):
         raise ctx.err("", f"the file must be a mapping of sections (format, data, base, goal, stages), "
                           f"got {describe_value(data)}")

@@ -2,12 +2,14 @@
 :class:`Step` objects of a :class:`Pipeline` (:func:`plan`)."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import NascompressError
+from ..resources import resolve_file
 from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
@@ -196,6 +198,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
                                                  "a new head")
     if imp.linear_probe:
         kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
+        if imp.num_heads is not None:
+            kwargs["num_heads"] = imp.num_heads
         size = imp.img_size
         if size is None:
             try:
@@ -218,12 +222,18 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
     from ..importer import ImportJob, import_model
 
-    kwargs = {"num_classes": imp.num_classes or n_classes}
-    if imp.img_size:
-        kwargs["img_size"] = imp.img_size
-    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
+    from ..importer import weights_kwargs
+    from ..models import read_weights_file
+
     job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
-                    num_classes=imp.num_classes, data=data, eval_batch_size=imp.eval_batch_size, device=cfg.device)
+                    num_classes=imp.num_classes, num_heads=imp.num_heads, data=data,
+                    eval_batch_size=imp.eval_batch_size, device=cfg.device)
+    try:  # the model the weights describe (every shape read from them), as the import builds it
+        kwargs = weights_kwargs(job, read_weights_file(imp.weights))[0]
+    except NascompressError as e:
+        raise ctx.err("base.import.weights", str(e)) from None
+    kwargs["num_classes"] = imp.num_classes or n_classes
+    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
     return Step("base", base_dir, "redo", lambda force, resume: import_model(job, force=force),
                 outputs=("base/model.safetensors", "base/metrics.json"),
                 describe=f"import {imp.model} from {imp.weights}"), base_dir, model
@@ -281,8 +291,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
     s, goal = cfg.stages.tokens, cfg.goal
     try:
-        space = load_space(s.space)
-        space.check_model(dense)  # layer numbers within a plain ViT's depth; none on a pyramid ViT
+        space = load_space(s.space, model=dense)  # layers sized by (and within) a plain ViT's depth; none on a pyramid
     except NascompressError as e:
         raise ctx.err("stages.tokens.space", str(e)) from None
     try:
@@ -410,9 +419,9 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     the pipeline for ``out``. Reads files, writes nothing."""
     from ..utils import resolve_device
 
-    config = Path(config)
+    config = resolve_file(config, what="config file")  # a path, or a shipped config's name
     cfg = load_config(config, seed=seed)
-    ctx = SchemaContext(str(config), config.resolve().parent)
+    ctx = SchemaContext(str(config), Path(os.path.abspath(config)).parent)
     try:
         resolve_device(cfg.device)
     except NascompressError as e:
@@ -441,6 +450,11 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
         current = out / "final"
     if cfg.export is not None:
+        needs = ("onnx", "onnxruntime") if cfg.export.format == "onnx" else ()
+        missing = [m for m in needs if importlib.util.find_spec(m) is None]
+        if missing:  # refused now, not after every training stage
+            raise ctx.err("export", f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', "
+                                    "or drop the export section")
         steps.append(_plan_export(cfg, out, base_dir))
     pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
                     storage=storage, data=_data_config(cfg))

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError
+from ..resources import shipped_path
 
 
 class KeyProblem(NascompressError):
@@ -166,7 +167,9 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: SchemaContext
     except NascompressError as e:
         raise ctx.err(path, str(e)) from None
     if meta.get("path") and v not in meta.get("keywords", ()):
-        v = ctx.resolve(v)
+        found = ctx.resolve(v)
+        named = shipped_path(meta["shipped"], v) if meta.get("shipped") else None
+        v = str(named) if named is not None and not os.path.isfile(found) else found  # a shipped name: its file
     return v
 
 

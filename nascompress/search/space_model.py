@@ -32,7 +32,7 @@ class Space:
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<dict>",
-                  method_fields: MethodFields | None = registry_method_fields) -> Space:
+                  method_fields: MethodFields | None = registry_method_fields, model: Any = None) -> Space:
         """Validate a parsed space (as read from YAML, or :meth:`to_dict`'s output).
 
         Args:
@@ -40,9 +40,19 @@ class Space:
             source: how errors name it (the file path).
             method_fields: ``name -> set of config field names`` (None: unknown method); None
                 skips the method and parameter name checks.
+            model: the model the space is for: a range of layers counting from the last block
+                (``range: [2, -2]``) is resolved against its depth, and every layer number is
+                checked against it (:meth:`check_model`). None: no model (such a range is refused).
         """
-        name, description, methods = Parser(source, method_fields).space(data)
-        return cls(name=name, description=description, methods=methods, source=source)
+        from ..models import is_pyramid
+
+        pyramid = model is not None and is_pyramid(model)
+        depth = None if model is None or pyramid else len(model.blocks)
+        name, description, methods = Parser(source, method_fields, depth, pyramid).space(data)
+        space = cls(name=name, description=description, methods=methods, source=source)
+        if model is not None:
+            space.check_model(model)
+        return space
 
     def to_dict(self) -> dict[str, Any]:
         """The normalized space as plain data (``from_dict`` of it gives the same hash)."""
@@ -248,15 +258,22 @@ class Space:
         return out
 
 
-def load_space(path: str | Path, *, method_fields: MethodFields | None = registry_method_fields) -> Space:
+def load_space(path: str | Path, *, model: Any = None,
+               method_fields: MethodFields | None = registry_method_fields) -> Space:
     """Load and validate a space file.
 
     Args:
-        path: a YAML file in the format of :mod:`nascompress.search.space_parser`'s docstring.
+        path: a YAML file in the format of :mod:`nascompress.search.space_parser`'s docstring, or
+            the name of a shipped space (``evit``: ``nascompress/search_spaces/evit.yaml``).
         method_fields: ``name -> set of config field names`` (None: unknown method); the
             default reads the method registry. None skips the name checks.
+        model: the model the space is for (see :meth:`Space.from_dict`): layer ranges counting from
+            the last block (the shipped spaces' ``range: [2, -2]``) are resolved against its depth.
     """
-    return Space.from_dict(read_space_file(path), source=str(Path(path)), method_fields=method_fields)
+    from ..resources import resolve_file
+
+    path = resolve_file(path, what="search space")
+    return Space.from_dict(read_space_file(path), source=str(path), method_fields=method_fields, model=model)
 
 
 def _suggest_one(p: Param, name: str, trial: Any) -> Any:

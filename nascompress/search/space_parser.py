@@ -27,7 +27,10 @@ Parameter kinds (any searched entry may carry ``when``):
   ``log: true`` (low > 0), not both.
 - ``int``: the same with integers.
 - ``categorical``: ``choices``, a non-empty list of distinct scalars (null, bool, number, string).
-- ``layers``: a set of 1-based layer numbers, either ``range: [lo, hi]`` (inclusive) or
+- ``layers``: a set of 1-based layer numbers, either ``range: [lo, hi]`` (inclusive; ``hi`` < 0
+  counts from the model's last block, ``-1`` being the last: ``[2, -2]`` is layers 2-5 of a 6-block
+  model and 2-11 of a 12-block one, resolved when the space is loaded for a model, with ``size``
+  capped at the layers the range has there) or
   ``candidates: [l1, l2, ...]`` (an explicit list) with ``size: k`` or ``size: [lo, hi]``
   (how many are chosen); or ``choices: [[4, 7, 10], [3, 6, 9]]`` (explicit sets). Optuna sees
   one categorical parameter whose choices are the sets written ``"4,7,10"`` (at most 10,000 sets);
@@ -115,9 +118,12 @@ def read_space_file(path: str | Path) -> Any:
 class Parser:
     """Validates a parsed space file (errors name ``source``, the entry and the problem)."""
 
-    def __init__(self, source: str, method_fields: MethodFields | None) -> None:
+    def __init__(self, source: str, method_fields: MethodFields | None, depth: int | None = None,
+                 pyramid: bool = False) -> None:
         self.source = source
         self.method_fields = method_fields
+        self.depth = depth  # the model's blocks a range counting from the last block is resolved against
+        self.pyramid = pyramid
 
     def err(self, where: str, msg: str) -> NascompressError:
         return NascompressError(f"{self.source}: {where}: {msg}" if where else f"{self.source}: {msg}")
@@ -330,12 +336,16 @@ class Parser:
                 raise self.err(f"{where}.choices", "a layer set appears twice")
             return Param(pname, "layers", where, choices=tuple(sets),
                          source={"kind": "layers", "choices": [list(s) for s in sets]})
+        relative = False
         if has[0] == "range":
             r = spec["range"]
             if (not isinstance(r, list) or len(r) != 2 or not all(is_int(v) for v in r)):
                 raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {r!r}")
-            if r[0] < 1:
-                raise self.err(f"{where}.range", f"layer numbers are 1-based (>= 1), got {r[0]}")
+            if 0 in r or r[0] < 0:
+                raise self.err(f"{where}.range", f"layer numbers are 1-based (>= 1; hi may count from the last "
+                                                 f"block: -1 is the last), got {r!r}")
+            relative = r[1] < 0
+            r = self.resolve_range(r, f"{where}.range") if relative else r
             if r[0] > r[1]:
                 raise self.err(f"{where}.range", f"empty or inverted range [{r[0]}, {r[1]}]")
             cands = list(range(r[0], r[1] + 1))
@@ -354,6 +364,8 @@ class Parser:
             raise self.err(f"{where}.size", f"size is an integer or [lo, hi], got {size!r}")
         if lo < 1 or lo > hi:
             raise self.err(f"{where}.size", f"empty or inverted size range [{lo}, {hi}] (sizes are >= 1)")
+        if relative:  # a range sized by the model: at most all of its layers
+            lo, hi = min(lo, len(cands)), min(hi, len(cands))
         if hi > len(cands):
             hint = " (for an inclusive range of layers write range: [lo, hi])" if "candidates" in spec else ""
             raise self.err(f"{where}.size", f"size {hi} exceeds the {len(cands)} candidate layers{hint}")
@@ -364,6 +376,19 @@ class Parser:
         sets = tuple(c for k in range(lo, hi + 1) for c in itertools.combinations(cands, k))
         src["size"] = [lo, hi]
         return Param(pname, "layers", where, choices=sets, source=src)
+
+    def resolve_range(self, r: list[int], where: str) -> list[int]:
+        """``[lo, -k]`` (the k-th block from the last) as absolute layer numbers of the model's depth."""
+        if self.depth is None:
+            why = ("the base model is a pyramid ViT (stages of blocks), which no layer number can address; use "
+                   "a space without layer settings (e.g. mgvit-h's)") if self.pyramid else \
+                "load the space for a model (search tokens, the pipeline and load_space(path, model=...) do)"
+            raise self.err(where, f"range {r} counts from the model's last block: {why}")
+        hi = self.depth + 1 + r[1]
+        if hi < r[0]:
+            raise self.err(where, f"range {r} selects no layer of this {self.depth}-block model (layers "
+                                  f"{r[0]}..{hi}); give a deeper model or a space with lower layers")
+        return [r[0], hi]
 
     def per_layer(self, pname: str, spec: Mapping[str, Any], where: str, earlier: dict[str, Param]) -> Param:
         if "layers" not in spec or "value" not in spec:

@@ -29,8 +29,7 @@ class TrialContext:
         self.job = job
         self.device = resolve_device(job.device)
         self.base, self.arch = load_with_arch(job.base, map_location=self.device)
-        self.space = load_space(job.space)
-        self.space.check_model(self.base)
+        self.space = load_space(job.space, model=self.base)  # sized by and checked against the base's depth
         self.spec = InputSpec.from_dict(self.arch["input"])
         data_cfg = job.data or run_data(job.base)
         data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)

@@ -38,6 +38,7 @@ from torch import nn
 from ..config import Config, StageSettings, check_settings, setting
 from ..data import DataConfig, InputSpec
 from ..errors import NascompressError
+from ..resources import resolve_file
 from ..io import load_with_arch
 from ..methods import get_method
 from ..models import ModelSpec, build_model
@@ -63,7 +64,7 @@ class SearchJob(Config):
 
     Args:
         base: the run every trial starts from (dense, imported or DCS-materialized).
-        space: a search-space file (``search_spaces/*.yaml`` or the user's own).
+        space: a search-space file, or the name of a shipped space (``evit``: ``nascompress/search_spaces/evit.yaml``).
         study: the study name (an existing study is continued).
         storage: ``sqlite:///...``, ``journal:PATH`` or ``postgresql://...`` (default: the project's files).
         trials: complete trials the study should reach.
@@ -92,7 +93,8 @@ class SearchJob(Config):
     """
 
     base: str
-    space: str = setting(path=True, help="Search-space file (search_spaces/*.yaml or your own).")
+    space: str = setting(path=True, shipped="search space", help=(
+        "Search-space file, or the name of a shipped space (evit, joint, tome, ...; nascompress/search_spaces/)."))
     study: str = setting(help="Study name; an existing study is continued.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
@@ -404,10 +406,9 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     base_path = Path(job.base)
     if not base_path.exists():
         raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
-    space = load_space(job.space)
-    factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
     base, arch = load_with_arch(job.base)
-    space.check_model(base)
+    space = load_space(job.space, model=base)  # layer ranges sized by the base's depth, checked against it
+    factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
     spec = InputSpec.from_dict(arch["input"])
     torch.manual_seed(job.seed)
     x = torch.randn(4, spec.in_chans, *spec.img_size)
@@ -426,7 +427,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
                       highlight=False)
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
-    job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
+    job_dict = job.replace(base=str(base_path.resolve()), space=str(resolve_file(job.space, what="search space").resolve())).to_dict()
     info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
             "dataset": (job.data or run_data(job.base)).dataset, "job": job_dict, "profile": profile,
             "scoring": study_scoring(job)}
