@@ -26,6 +26,7 @@ INT8_GOALS_START, INT8_GOALS_END = "<!-- int8-goals:start -->", "<!-- int8-goals
 SAMPLERS_START, SAMPLERS_END = "<!-- samplers-table:start -->", "<!-- samplers-table:end -->"
 BASE_NAMES = {"mainjob": "main job's dense base", "dinov2": "DINOv2 ViT-S/14 probe"}
 DCSGEN_START, DCSGEN_END = "<!-- dcs-generalise:start -->", "<!-- dcs-generalise:end -->"
+DEMO_START, DEMO_END = "<!-- demo-time:start -->", "<!-- demo-time:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
 FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
@@ -54,8 +55,14 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
     "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
                 "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time on a CPU')."),
-    "demo": ("The demo config", "one run of the shipped `configs/demo.yaml` timed with `time` (the README's 'Two "
-             "commands'): wall and CPU seconds, each stage's, the result."),
+    "demo": ("The demo config", "`bench/demo_time.py`: one run of the shipped demo config as a user runs it (the "
+             "installed command, another directory; the README's 'Two commands'): wall and CPU seconds, each "
+             "stage's, the result."),
+    "mainjob": ("The main job against the free alternatives", "`bench/mainjob_peers.py`: Torch-Pruning and the "
+                "in-search magnitude baseline on the main job's base, at its final model's FLOPs, retrained with "
+                "its retraining job."),
+    "tool": ("The tool's own speed", "`bench/tool_speed.py`: this machine's matmul peak (fp32, bf16), each "
+             "recipe's training step against it, where a step's time goes, the commands' wall and loop times."),
 }
 
 
@@ -563,11 +570,26 @@ def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
     return readme[:start + len(start_mark)] + "\n" + "\n".join(lines) + "\n" + readme[end:]
 
 
+def demo_time(data: dict[str, Any]) -> list[str]:
+    """The README's measured demo time, from ``demo_time.json`` (bench/demo_time.py)."""
+    d = data.get("demo_time.json")
+    if not d:
+        return ["(not measured yet: `python bench/demo_time.py`)"]
+    m, r = d.get("machine") or {}, d["result"]
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in d["stage_seconds"].items() if v >= 1)
+    final = "no compressed model" if r["final_test_top1"] is None else (
+        f"{r['dense_test_top1']:.2f}% dense -> {r['final_test_top1']:.2f}% at {r['flops_ratio']:.3f}x the FLOPs")
+    return [f"Measured by `bench/demo_time.py` ({m.get('cpu_count')} CPU cores, {m.get('cpu_threads')} torch threads, "
+            f"1-minute load average {d['load_at_start']:g} at the start, {d['load_at_end']:g} at the end): "
+            f"{d['wall_s']:.0f} s wall, {d['user_s']:.0f} s of CPU time; {stages}; test top-1 {final}."]
+
+
 def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, TABLE_START, TABLE_END, readme_table(data))
     readme = _fill(readme, INT8_START, INT8_END, int8_table(data))
     readme = _fill(readme, INT8_GOALS_START, INT8_GOALS_END, int8_goals(data))
     readme = _fill(readme, SAMPLERS_START, SAMPLERS_END, samplers_table(data))
+    readme = _fill(readme, DEMO_START, DEMO_END, demo_time(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
 

@@ -321,3 +321,25 @@ def test_the_pipelines_import_builds_the_weights_model_and_sizes_the_default_spa
     with pytest.raises(NascompressError, match=r"base.import.weights: weights file .* is not vit_tiny_patch16_224's "
                                                r"shape: patch kernel \(96, 1, 4, 4\)"):
         plan(tmp_path / "p.yaml", out=tmp_path / "out")
+
+
+def test_train_weights_never_resample_the_patch_kernel_and_say_when_the_grid_is(tmp_path, capsys, monkeypatch):
+    """``train --weights`` (load_pretrained): a patch kernel of another size is refused naming the file's
+    (timm's filter would resample it into another function); a position grid of another size is
+    resampled and said on stderr."""
+    from safetensors.torch import save_file
+
+    from nascompress.errors import NascompressError
+    from nascompress.models import build_model, custom_vit_spec, load_pretrained
+
+    spec = dict(embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    src = build_model(custom_vit_spec(img_size=16, patch_size=4, **spec))
+    w = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(w))
+    with pytest.raises(NascompressError, match=r"has 4x4 patches .* but the model has 2x2; build it with --patch-size 4"):
+        load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=2, **spec)), w)
+    load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=4, **spec)), w)
+    assert "resampled" not in capsys.readouterr().err  # the same grid: nothing to say
+    monkeypatch.setenv("NASCOMPRESS_PROGRESS", "plain")  # the tests turn the progress lines off
+    load_pretrained(build_model(custom_vit_spec(img_size=32, patch_size=4, **spec)), w)
+    assert "position embedding of" in capsys.readouterr().err
