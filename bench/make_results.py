@@ -573,9 +573,9 @@ def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
 def demo_time(data: dict[str, Any]) -> list[str]:
     """The README's measured demo time, from ``demo_time.json`` (bench/demo_time.py)."""
     d = data.get("demo_time.json")
-    if not d:
+    if not d or not isinstance(d.get("machine"), dict):  # absent, or not written by bench/demo_time.py
         return ["(not measured yet: `python bench/demo_time.py`)"]
-    m, r = d.get("machine") or {}, d["result"]
+    m, r = d["machine"], d["result"]
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in d["stage_seconds"].items() if v >= 1)
     final = "no compressed model" if r["final_test_top1"] is None else (
         f"{r['dense_test_top1']:.2f}% dense -> {r['final_test_top1']:.2f}% at {r['flops_ratio']:.3f}x the FLOPs")
