@@ -60,7 +60,8 @@ from nascompress.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
-from nascompress.search.dcs import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob, search_dcs,  # noqa: E402
+from nascompress.search import search_dcs  # noqa: E402
+from nascompress.search.dcs import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob,  # noqa: E402
                                     search_train_config)
 from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, fit  # noqa: E402

@@ -48,7 +48,8 @@ from nascompress.io import load_with_arch, save_model  # noqa: E402
 from nascompress.methods.dcs import DCSConfig  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
-from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, search_dcs, search_train_config  # noqa: E402
+from nascompress.search import search_dcs  # noqa: E402
+from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
 from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 from nascompress.utils import read_json, write_json  # noqa: E402

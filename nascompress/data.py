@@ -244,6 +244,8 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     test = val if test_is_val else limit_subset(test, cfg.eval_limit, cfg.subset_seed)
     for ds in (train, val, test):
         ds.num_workers = workers or 0  # read by make_loader (see DataConfig.num_workers)
+    # the training images are fixed (the same tensor every epoch) unless an ImageFolder's transform augments them
+    fixed = cfg.dataset in IN_MEMORY or cfg.dataset == "synthetic" or not augment or cfg.augment == "none"
     return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
                       native_channels=channels, native_size=size,
-                      extra={"skipped_images": skipped} if skipped else {})
+                      extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed})

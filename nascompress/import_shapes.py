@@ -12,6 +12,7 @@ timm does, and is reported). What cannot be matched is refused, naming the file'
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -129,4 +130,22 @@ def _grid_size(named: nn.Module, s: dict[str, Any], source: str, *, explicit: bo
     return side * s["patch_size"][0]
 
 
-__all__ = ["describe", "read_shapes", "shape_kwargs"]
+def check_resampling(raw: dict[str, torch.Tensor], model: nn.Module, path: str | Path) -> None:
+    """What timm's filter would resample, never silently: a patch kernel of another size is refused (the
+    model would compute another function), a position grid of another size is resampled and said."""
+    kernel, own = raw.get("patch_embed.proj.weight"), getattr(getattr(model, "patch_embed", None), "proj", None)
+    if kernel is not None and own is not None and kernel.ndim == 4 and tuple(kernel.shape[-2:]) != tuple(own.weight.shape[-2:]):
+        k = "x".join(map(str, kernel.shape[-2:]))
+        raise NascompressError(f"weights file {path} has {k} patches (patch kernel {tuple(kernel.shape)}) but the model "
+                               f"has {'x'.join(map(str, own.weight.shape[-2:]))}; build it with --patch-size "
+                               f"{kernel.shape[-1]}, or bring the file in with `nascompress import`, which reads every "
+                               "shape from the weights")
+    pos, own_pos = raw.get("pos_embed"), getattr(model, "pos_embed", None)
+    if pos is not None and own_pos is not None and pos.ndim == 3 and pos.shape[1] != own_pos.shape[1]:
+        from .progress import say
+
+        say(f"weights: the position embedding of {path} ({pos.shape[1]} positions) is resampled to the model's "
+            f"{own_pos.shape[1]} (its input size); give the --img-size the weights were made for to keep them as they are")
+
+
+__all__ = ["check_resampling", "describe", "read_shapes", "shape_kwargs"]

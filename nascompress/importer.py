@@ -188,4 +188,33 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     return run.finish(metrics)  # the last write: marks the run complete
 
 
-__all__ = ["ImportJob", "import_model"]
+def weights_shapes(path: str) -> dict[str, list[int]] | None:
+    """Tensor shapes of a safetensors file, without reading the tensors (None for other formats
+    and unreadable files: the stage's own reader checks and reports those)."""
+    if not path.endswith(".safetensors"):
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, "pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception:  # noqa: BLE001 (a corrupt file: reported by the stage's reader)
+        return None
+
+
+def weights_grid_size(model: Any, weights: str) -> int | None:
+    """The input size whose patch grid matches the weights' position embedding."""
+    if weights.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(weights, "pt") as f:
+                pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None
+        except Exception as e:  # noqa: BLE001 (a corrupt or foreign file: every reader raises its own type)
+            raise NascompressError(f"weights file {weights} is corrupt or not a weights file ({e})") from None
+    else:
+        pe = read_weights_file(weights).get("pos_embed")
+    return None if pe is None else grid_img_size(model, {"pos_embed": pe})
+
+
+__all__ = ["ImportJob", "import_model", "grid_img_size", "weights_grid_size", "weights_shapes"]

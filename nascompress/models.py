@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import check_settings, setting
 from .errors import NascompressError
+from .import_shapes import check_resampling
 
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
 CUSTOM_BASE = "vit_tiny_patch16_224"
@@ -393,34 +394,15 @@ def checkpoint_filter(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str
     return checkpoint_filter_fn(sd, model)
 
 
-def _check_resampling(raw: dict[str, torch.Tensor], model: VisionTransformer, path: str | Path) -> None:
-    """What timm's filter would resample, never silently: a patch kernel of another size is refused (the
-    model would compute another function), a position grid of another size is resampled and said."""
-    kernel, own = raw.get("patch_embed.proj.weight"), getattr(getattr(model, "patch_embed", None), "proj", None)
-    if kernel is not None and own is not None and kernel.ndim == 4 and tuple(kernel.shape[-2:]) != tuple(own.weight.shape[-2:]):
-        k = "x".join(map(str, kernel.shape[-2:]))
-        raise NascompressError(f"weights file {path} has {k} patches (patch kernel {tuple(kernel.shape)}) but the model "
-                               f"has {'x'.join(map(str, own.weight.shape[-2:]))}; build it with --patch-size "
-                               f"{kernel.shape[-1]}, or bring the file in with `nascompress import`, which reads every "
-                               "shape from the weights")
-    pos, own_pos = raw.get("pos_embed"), getattr(model, "pos_embed", None)
-    if pos is not None and own_pos is not None and pos.ndim == 3 and pos.shape[1] != own_pos.shape[1]:
-        from .progress import say
-
-        say(f"weights: the position embedding of {path} ({pos.shape[1]} positions) is resampled to the model's "
-            f"{own_pos.shape[1]} (its input size); give the --img-size the weights were made for to keep them as they are")
-
-
 def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: bool = False) -> None:
     """Load dense timm weights from a local file (original timm/DeiT checkpoints included).
 
-    The position embedding is resampled to the model's grid as timm does. With ``reset_head``
-    the classifier is left at its initialisation: the file's ``head.*`` tensors may have another
-    shape (class count) or be missing altogether (backbone-only checkpoints, as DINOv2, MAE and
-    CLIP ship); every other tensor must still be present and fit.
+    The position embedding is resampled to the model's grid as timm does, and said; a patch kernel of
+    another size is refused (:func:`~nascompress.import_shapes.check_resampling`). With ``reset_head``
+    the classifier is left at its initialisation: the file's ``head.*`` tensors may have another shape
+    or be missing (backbone-only checkpoints: DINOv2, MAE, CLIP); every other tensor must be there and fit.
     """
-    raw = read_weights_file(path)
-    _check_resampling(raw, model, path)
+    check_resampling(raw := read_weights_file(path), model, path)
     sd = checkpoint_filter(raw, model)
     if reset_head:
         own = model.state_dict()

@@ -390,3 +390,16 @@ def test_train_records_the_augment_setting(tmp_path):
                "--embed-dim", 16, "--depth", 1, "--num-heads", 2, "--epochs", 1, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads((out / "config.json").read_text())["data"]["augment"] == "none"
+
+
+def test_only_unaugmented_training_images_are_fixed(tmp_path):
+    """``fixed_train_images`` (what lets the DCS search cache its teacher's outputs per image): in-memory
+    data, and an ImageFolder whose training transform does not augment (``augment: none``)."""
+    from nascompress.data import DataConfig, InputSpec, load_data
+
+    root = make_folder(tmp_path / "f", splits=("train", "val"))
+    spec = InputSpec(img_size=(16, 16), in_chans=3, mean=(0.5,) * 3, std=(0.5,) * 3)
+    assert load_data(DataConfig(dataset=str(root), augment="none"), spec=spec).extra["fixed_train_images"]
+    assert not load_data(DataConfig(dataset=str(root)), spec=spec).extra["fixed_train_images"]
+    assert not load_data(DataConfig(dataset=str(root), augment="light"), spec=spec).extra["fixed_train_images"]
+    assert load_data(DataConfig(dataset="synthetic"), spec=spec).extra["fixed_train_images"]

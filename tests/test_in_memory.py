@@ -12,7 +12,8 @@ import torch
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess
 from nascompress.io import load_with_arch
 from nascompress.methods.dcs import DCSConfig
-from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_dcs, search_train_config
+from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from nascompress.search.dcs_run import search_dcs
 from nascompress.train import TrainConfig, fit
 
 TIMES = ("train_time_s", "search_time_s", "epoch_time_s", "epoch_time_s_mean", "kmeans_s", "kmeans_s_mean",
@@ -126,6 +127,7 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
                        data=DataConfig(dataset="synthetic"), train=search_train_config(epochs=2, batch_size=32))
     cached = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
     monkeypatch.setattr(dcs_mod, "IN_MEMORY", ())  # as for augmented (ImageFolder) data: the teacher runs per step
+    monkeypatch.setitem(data.extra, "fixed_train_images", False)
     live = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
     assert cached.metrics["teacher_cached"] and not live.metrics["teacher_cached"]
     for a, b in zip(cached.log[1:], live.log[1:]):

@@ -7,7 +7,8 @@ import json
 import pytest
 import yaml
 
-import nascompress.search.dcs as search_dcs_module
+import nascompress.search.dcs_run as search_dcs_module
+from nascompress.search.dcs import SearchCollapsed
 from nascompress.pipeline.fallback import milder_target
 
 from .conftest import TINY_EVIT_SPACE, invoke
@@ -44,7 +45,7 @@ def collapse_below(monkeypatch):
         def fake(job, *, force=False, resume=False):
             calls.append(job.search.target_flops)
             if job.search.target_flops < limit:
-                raise search_dcs_module.SearchCollapsed(f"the search collapsed (test, target {job.search.target_flops})")
+                raise SearchCollapsed(f"the search collapsed (test, target {job.search.target_flops})")
             return real(job, force=force, resume=resume)
         monkeypatch.setattr(search_dcs_module, "search_dcs", fake)
         return calls

@@ -28,7 +28,8 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
     collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
-    from ..search.dcs import SearchCollapsed, search_dcs
+    from ..search.dcs import SearchCollapsed
+    from ..search.dcs_run import search_dcs
     from ..utils import read_json as _read
 
     planned = job.search.target_flops

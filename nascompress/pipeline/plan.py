@@ -14,6 +14,7 @@ from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
+from ..importer import weights_grid_size, weights_shapes
 from ..utils import write_json
 
 PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
@@ -113,39 +114,6 @@ def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
         raise ctx.err(where, str(e)) from None
 
 
-def _weights_shapes(path: str) -> dict[str, list[int]] | None:
-    """Tensor shapes of a safetensors file, without reading the tensors (None for other formats
-    and unreadable files: the stage's own reader checks and reports those)."""
-    if not path.endswith(".safetensors"):
-        return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, "pt") as f:
-            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception:  # noqa: BLE001 (a corrupt file: reported by the stage's reader)
-        return None
-
-
-def _grid_size(model: Any, weights: str) -> int | None:
-    """The input size whose patch grid matches the weights' position embedding."""
-    from ..importer import grid_img_size
-
-    if weights.endswith(".safetensors"):
-        from safetensors import safe_open
-
-        try:
-            with safe_open(weights, "pt") as f:
-                pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None
-        except Exception as e:  # noqa: BLE001 (a corrupt or foreign file: every reader raises its own type)
-            raise NascompressError(f"weights file {weights} is corrupt or not a weights file ({e})") from None
-    else:
-        from ..models import read_weights_file
-
-        pe = read_weights_file(weights).get("pos_embed")
-    return None if pe is None else grid_img_size(model, {"pos_embed": pe})
-
-
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import load_arch
@@ -186,7 +154,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
     imp = b.import_
     if not Path(imp.weights).is_file():
         raise ctx.err("base.import.weights", f"file {imp.weights} does not exist")
-    shapes = _weights_shapes(imp.weights)
+    shapes = weights_shapes(imp.weights)
     if shapes is not None and not imp.linear_probe:
         head = shapes.get("head.weight")
         if head is None:
@@ -203,7 +171,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         size = imp.img_size
         if size is None:
             try:
-                size = _grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"),
+                size = weights_grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"),
                                   imp.weights)
             except NascompressError as e:
                 raise ctx.err("base.import.weights", str(e)) from None

@@ -62,19 +62,15 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ..api import count_classes, run_data_config
 from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
-from ..data import IN_MEMORY, DataConfig, InputSpec, load_data
+from ..data import IN_MEMORY, DataConfig, InputSpec
 from ..errors import NascompressError
 from ..evaluate import evaluate
-from ..io import load_with_arch, make_arch, save_model
+from ..io import save_model
 from ..methods.dcs import DCSConfig, make_record, make_supernet
-from ..models import ModelSpec, build_model, load_pretrained
 from ..progress import counted, step
 from ..auto_batch import AUTO_BATCH_NOTE
-from ..train import TrainConfig, check_classes, fit, input_spec_for, recipe_config
-from ..run_dir import RunDir
-from ..utils import read_json
+from ..train import TrainConfig, check_classes, fit, recipe_config
 from .dcs_baseline import keep_better
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .dcs_hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
@@ -327,22 +323,6 @@ class DCSSearchJob(Config):
 # The job
 
 
-def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
-    src = Path(job.source)
-    if src.is_dir():
-        model, arch = load_with_arch(src)
-        if arch["methods"]:
-            raise NascompressError(f"{src} is not a dense run (it has methods {[m['name'] for m in arch['methods']]})")
-        return model, arch, job.data or run_data_config(src) or DataConfig()
-    if job.weights is None:
-        raise NascompressError(f"{job.source} is not a run directory; to search a timm model name give --weights FILE")
-    data = job.data or DataConfig()
-    spec = ModelSpec(job.source, dict({"num_classes": count_classes(data)}, **job.model_kwargs))
-    model = build_model(spec)
-    load_pretrained(model, job.weights)
-    return model, make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict()), data
-
-
 @dataclass
 class DCSSearchResult:
     """A finished DCS search in memory: the trained supernet (gates and weights of the last epoch),
@@ -361,7 +341,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
     distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
-    directory's files are written as the search goes (:func:`search_dcs`), ``before_fit(job)`` called
+    directory's files are written as the search goes (:func:`~nascompress.search.dcs_run.search_dcs`), ``before_fit(job)`` called
     once the job's choices are resolved."""
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
@@ -378,9 +358,10 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre["weights"])
     dense.eval().requires_grad_(False).to(device)  # the distillation teacher runs beside the supernet
     distils = job.search.distill > 0 or job.search.feat_distill > 0
-    # the teacher's outputs once per image where the training images are not augmented (in-memory data)
+    # the teacher's outputs once per image where the training images are not augmented (in-memory data, an
+    # ImageFolder with augment none)
     teacher = None
-    if distils and data.name in IN_MEMORY:
+    if distils and (data.name in IN_MEMORY or data.extra.get("fixed_train_images")):
         with step(f"DCS: the dense model's outputs for the {len(data.train)} training images (computed once)"):
             teacher = TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0)
     hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
@@ -437,46 +418,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 
-def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
-               explicit: set[str] | None = None) -> dict[str, Any]:
-    """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
-    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
-    out = Path(job.out)
-    if resume:  # (explicit: the options given on the command line; each must agree with the record)
-        # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
-        guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
-        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job,
-                              explicit=None if explicit is None else explicit - {"max_val_drop"})
-        if guard is not None:
-            job = job.replace(search=job.search.replace(max_val_drop=guard))
-            reopen_stopped(out)
-    elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
-        job = job.replace(source=str(Path(job.source).resolve()))
-    distributed.init(job.train.device)
-    run = RunDir.prepare(out, force=force, resume=resume)
-    dense, base_arch, data_cfg = _build_source(job)
-    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
-
-    def create(resolved: DCSSearchJob) -> None:
-        run.create(resolved.replace(data=data_cfg).to_dict())
-
-    result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
-    if result.metrics.get("stopped"):  # the advice in the record names the command that continues the gates
-        result.metrics["stopped"]["continue"] = ("rerun the same command with --resume --max-val-drop 100 to let the "
-                                                 "gates go on from this epoch")
-    return run.finish(result.metrics)  # the last write: marks the search complete
-
-
-def reopen_stopped(out: Path) -> None:
-    """Take the completion mark off a search the guard stopped (``metrics.json``'s ``stopped``), so that
-    ``--resume`` with another ``--max-val-drop`` continues its gates from the epoch they stopped at; a
-    search that ran all its epochs is left as it is."""
-    mark = out / "metrics.json"
-    if mark.is_file() and (read_json(mark) or {}).get("stopped") and distributed.is_main():
-        mark.unlink()
-
-
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",
            "run_dcs_search", "CostModel", "LambdaSteer",
-           "search_dcs", "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
+           "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
            "init_importance", "calibration_images", "StepTag", "TeacherCache"]

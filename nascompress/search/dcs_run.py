@@ -1,0 +1,79 @@
+"""``nascompress search dcs`` into a run directory: the dense source (a run, or a timm name with local
+weights), the search itself (:func:`~nascompress.search.dcs.run_dcs_search`, in memory) writing its
+files as it goes, the completion mark; and a search the guard stopped reopened by ``--resume`` with
+another ``--max-val-drop``."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .. import distributed
+from ..api import count_classes, run_data_config
+from ..data import DataConfig, InputSpec, load_data
+from ..errors import NascompressError
+from ..io import load_with_arch, make_arch
+from ..models import ModelSpec, build_model, load_pretrained
+from ..run_dir import RunDir
+from ..train import input_spec_for
+from ..utils import read_json
+from .dcs import DCSSearchJob, run_dcs_search
+
+
+def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
+    src = Path(job.source)
+    if src.is_dir():
+        model, arch = load_with_arch(src)
+        if arch["methods"]:
+            raise NascompressError(f"{src} is not a dense run (it has methods {[m['name'] for m in arch['methods']]})")
+        return model, arch, job.data or run_data_config(src) or DataConfig()
+    if job.weights is None:
+        raise NascompressError(f"{job.source} is not a run directory; to search a timm model name give --weights FILE")
+    data = job.data or DataConfig()
+    spec = ModelSpec(job.source, dict({"num_classes": count_classes(data)}, **job.model_kwargs))
+    model = build_model(spec)
+    load_pretrained(model, job.weights)
+    return model, make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict()), data
+
+
+def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
+               explicit: set[str] | None = None) -> dict[str, Any]:
+    """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
+    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
+    out = Path(job.out)
+    if resume:  # (explicit: the options given on the command line; each must agree with the record)
+        # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
+        guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
+        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job,
+                              explicit=None if explicit is None else explicit - {"max_val_drop"})
+        if guard is not None:
+            job = job.replace(search=job.search.replace(max_val_drop=guard))
+            reopen_stopped(out)
+    elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
+        job = job.replace(source=str(Path(job.source).resolve()))
+    distributed.init(job.train.device)
+    run = RunDir.prepare(out, force=force, resume=resume)
+    dense, base_arch, data_cfg = _build_source(job)
+    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
+
+    def create(resolved: DCSSearchJob) -> None:
+        run.create(resolved.replace(data=data_cfg).to_dict())
+
+    result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
+    if result.metrics.get("stopped"):  # the advice in the record names the command that continues the gates
+        result.metrics["stopped"]["continue"] = ("rerun the same command with --resume --max-val-drop 100 to let the "
+                                                 "gates go on from this epoch")
+    return run.finish(result.metrics)  # the last write: marks the search complete
+
+
+def reopen_stopped(out: Path) -> None:
+    """Take the completion mark off a search the guard stopped (``metrics.json``'s ``stopped``), so that
+    ``--resume`` with another ``--max-val-drop`` continues its gates from the epoch they stopped at; a
+    search that ran all its epochs is left as it is."""
+    mark = out / "metrics.json"
+    if mark.is_file() and (read_json(mark) or {}).get("stopped") and distributed.is_main():
+        mark.unlink()
+
+
+__all__ = ["search_dcs", "reopen_stopped"]
