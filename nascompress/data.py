@@ -56,7 +56,7 @@ from .limits import SEED_MAX
 __all__ = ["BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
-           "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
+           "TensorImageDataset", "check_classes", "dataset_paths", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
            "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
            "load_lfw_faces_dataset", "make_loader", "preprocess",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
@@ -242,3 +242,13 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
                       native_channels=channels, native_size=size,
                       extra={"skipped_images": skipped} if skipped else {})
+
+
+def dataset_paths(cfg: DataConfig | None) -> tuple[str, ...]:
+    """The folders a data config reads (its ImageFolder root, its Fashion-MNIST folder): inputs an
+    output must not be (:func:`~nascompress.utils.refuse_overwriting_inputs`)."""
+    if cfg is None:
+        return ()
+    if cfg.dataset == "fashion-mnist":
+        return (cfg.data_dir,)
+    return () if cfg.dataset in DATASET_KEYWORDS else (cfg.dataset,)

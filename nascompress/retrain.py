@@ -42,7 +42,7 @@ from . import distributed, runtime
 from .api import run_data_config
 from .auto_batch import AUTO_BATCH_NOTE, AUTO_BATCH_SIZES, AUTO_BATCH_STEPS, auto_batch_size
 from .config import Config, StageSettings, check_settings, setting
-from .data import DataBundle, DataConfig, InputSpec, load_data
+from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
@@ -317,7 +317,8 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     else:  # recorded absolute: a resume or a reader from another directory finds them
         job = job.replace(model_dir=os.path.abspath(job.model_dir),
                           teacher=os.path.abspath(job.teacher) if job.teacher else None)
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume,
+                         inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
     arch = load_arch(job.model_dir)
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "

@@ -18,7 +18,7 @@ from torch import nn
 from . import distributed, runtime
 from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import SEED_MAX
-from .data import DataBundle, DataConfig, InputOverrides, InputSpec, default_norm, load_data
+from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
 from .errors import NascompressError
 from .hooks import TrainHooks
 from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
@@ -256,7 +256,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     if job.linear_probe and distributed.world().size > 1:
         raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "
                                "without torchrun")
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.weights, *dataset_paths(job.data)))
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
     if job.weights:

@@ -141,13 +141,30 @@ def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[st
     return diffs
 
 
-def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False) -> Path:
+def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, option: str = "--out") -> None:
+    """Refuse, whatever ``--force`` says, an output ``out`` that is one of the command's ``inputs``
+    (paths; None entries skipped) or a directory that contains one: writing it would replace or
+    delete what the command reads."""
+    dst = Path(os.path.realpath(out))
+    for src in inputs:
+        if src is None or str(src) == "":
+            continue
+        s = Path(os.path.realpath(src))
+        if s == dst or dst in s.parents:
+            what = "is" if s == dst else "contains"
+            raise NascompressError(f"{option} {out} {what} the command's input {src}: writing it would replace the "
+                                   f"input (even with --force); choose another {option}")
+
+
+def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> Path:
     """Check that ``out`` may be written, without creating it.
 
     An existing non-empty directory is refused unless ``force`` (it is then emptied when
-    :func:`create_out_dir` runs) or ``resume`` (it is kept).
+    :func:`create_out_dir` runs) or ``resume`` (it is kept). An ``out`` that is or contains one of
+    ``inputs`` (the paths the command reads) is refused whatever the flags.
     """
     out = Path(out)
+    refuse_overwriting_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
     if out.exists() and any(out.iterdir()) and not (force or resume):

@@ -243,7 +243,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
     out = Path(out)
-    created = check_outputs([out, sidecar_path(out)], force=force)
+    created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)
     if cfg.eval_images is not None:
         data_cfg = replace(data_cfg, eval_limit=cfg.eval_images, subset_seed=cfg.seed)

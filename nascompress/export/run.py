@@ -14,7 +14,7 @@ from ..errors import NascompressError, require_extra
 from ..io import file_sha256
 from ..data import InputSpec, eval_steps
 from ..progress import say
-from ..utils import atomic_path, write_json
+from ..utils import atomic_path, refuse_overwriting_inputs, write_json
 from .config import ExportConfig
 from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph
 from .paths import traceable_copy
@@ -37,8 +37,16 @@ def stage_path(out: str | Path, role: str) -> Path:
     return out if role in ("model", "sgis") else out.with_name(f"{out.stem}.{role}{out.suffix}")
 
 
-def check_outputs(paths: list[Path], *, force: bool) -> list[Path]:
-    """Refuse existing files (without force) and unwritable places; return the folders to create."""
+def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = None) -> list[Path]:
+    """Refuse existing files (without force), unwritable places and (even with force) a file of the
+    model ``run`` being read; return the folders to create."""
+    if run is not None:
+        from ..io import ARCH_FILE, MODEL_FILE
+
+        d = Path(run) if Path(run).is_dir() else Path(run).parent
+        inputs = (run, d / MODEL_FILE, d / ARCH_FILE) if Path(run).is_dir() else (run, d / ARCH_FILE)
+        for p in paths:
+            refuse_overwriting_inputs(p, inputs)
     for p in paths:
         if p.exists() and (not force or not p.is_file()):
             why = "is not a file" if not p.is_file() else "already exists; pass --force to replace it"
@@ -129,7 +137,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     check_exportable(arch, dynamic=cfg.dynamic)
     roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
-    created = check_outputs([*files, sidecar_path(out)], force=force)
+    created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
     model, arch = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)

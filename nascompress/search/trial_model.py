@@ -18,6 +18,7 @@ from ..errors import NascompressError
 from ..io import save_model
 from ..methods.dcs import materialize
 from ..run_dir import RunDir
+from ..utils import refuse_overwriting_inputs
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
@@ -146,6 +147,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
         trial = pick_trial(study, *parse_pick(job.pick))
     rec = trial_record(trial)
     search = SearchJob.from_dict(info["job"])
+    refuse_overwriting_inputs(out, (search.base, spec.path))  # the study's base run and its file
     ctx = TrialContext(search)
     records = ctx.space.records(trial.params)
     # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe

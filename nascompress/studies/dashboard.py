@@ -8,8 +8,9 @@ and PostgreSQL storages are served live.
 Safety: the dashboard has no login, so it listens on this machine's loopback address by default
 and refuses another address unless ``expose=True`` (``--expose-storage-without-login``): anyone who
 can reach the port reads every study of the storage. It is read-only unless ``writable=True``
-(``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames; on PostgreSQL and
-journal storages the live studies) are answered 403. Requests without an ``Accept-Encoding``
+(``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames) are answered 403.
+``--writable`` changes the live studies of a PostgreSQL or journal storage; on SQLite it is
+refused (the writes would go to the snapshot, not to the file the user named). Requests without an ``Accept-Encoding``
 header (curl, scripts) are served, not failed with a traceback in the terminal.
 
 The snapshot lives beside the study file, in a hidden folder ``.<file>.dashboard-<id>/`` (the
@@ -225,6 +226,12 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
                                f"could {can} the studies of its storage; keep the default --host 127.0.0.1 (and "
                                f"tunnel, e.g. ssh -L), or pass {EXPOSE_FLAG} to serve it there knowingly")
     spec, st = find_study(name, storage)
+    if writable and spec.kind == "sqlite":  # the snapshot's writes would never reach the file
+        raise NascompressError(f"{WRITABLE_FLAG} cannot change SQLite storage {spec.display}: the dashboard serves a "
+                               "snapshot copy of it (a live SQLite file that a study writes can crash it, "
+                               "optuna-dashboard#545), so deletions and edits would not reach the file; leave out "
+                               f"{WRITABLE_FLAG} to browse it, or (no study writing it) run optuna-dashboard on "
+                               f"{spec.display} itself")
     study_id = st.get_study_id_from_name(name)
     tmpdir: Path | None = None
     served, note, snap = spec, None, None

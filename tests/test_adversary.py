@@ -1,0 +1,70 @@
+"""The adversarial round of issue 53: nothing of the user's overwritten, every file read checked,
+every number bounded, no advice that fails, nothing left behind.
+
+Each test fails on the code before the fix.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nascompress.errors import NascompressError
+
+from .conftest import invoke
+from .test_reliability import one_line, plain_model_dir
+
+
+def _copy_run(tiny_run: Path, dst: Path) -> Path:
+    shutil.copytree(tiny_run, dst)
+    return dst
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. An output that is or contains an input is refused, even with --force
+
+
+def test_an_output_that_is_or_holds_an_input_is_refused_even_with_force(tmp_path, tiny_run):
+    base = _copy_run(tiny_run, tmp_path / "runs" / "base")
+    before = _files(base)
+    for out in (base, tmp_path / "runs", tmp_path):
+        r = invoke("finetune", base, "--method", "evit", "--zero-shot", "--out", out, "--force")
+        msg = one_line(r, f"--out {out} ")
+        assert ("is the command's input" if out == base else "contains the command's input") in msg
+        assert "choose another --out" in msg
+    assert _files(base) == before
+    # export: neither the model file nor its arch.json (the sidecar is OUT.json) is replaced
+    for out in (base / "model.safetensors", base / "arch"):
+        r = invoke("export", base, "--out", out, "--force")
+        one_line(r, "is the command's input")
+    assert _files(base) == before
+    # a train whose --out holds its dataset folder
+    from .test_reliability import TINY, folder
+
+    data = folder(tmp_path / "proj" / "data", {"a": 4, "b": 4})
+    r = invoke("train", "--dataset", data, "--out", tmp_path / "proj", "--force", *TINY)
+    one_line(r, f"contains the command's input {data}")
+    assert (data / "train").is_dir()
+
+
+def test_the_dashboard_refuses_writable_sqlite_saying_why(tmp_path):
+    from nascompress.studies import run_study
+    from nascompress.studies.dashboard import start_dashboard
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    storage = f"sqlite:///{tmp_path}/s.db"
+    run_study(study_name="d", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
+              progress=False, **TWO)
+    with pytest.raises(NascompressError, match="--writable cannot change SQLite storage .* snapshot copy"):
+        start_dashboard("d", storage=storage, writable=True)
+    one_line(invoke("study", "dashboard", "d", "--storage", storage, "--writable"), "leave out --writable")
+    with start_dashboard("d", storage=storage) as h:  # the advice works: read-only, served
+        assert h.snapshot is not None and not h.writable
+    assert not list(tmp_path.glob(".s.db.dashboard-*"))
