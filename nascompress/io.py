@@ -50,7 +50,8 @@ from torch import nn
 
 from .errors import NascompressError, writing
 from .methods import apply_methods
-from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict
+from .data_input import check_input_section
+from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict, model_size
 from .utils import atomic_path, read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
@@ -118,7 +119,12 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
         raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
                                f"keys {sorted(model)}")
     check_model_kwargs(model.get("kwargs", {}), source=source)
-    check_model_size(ModelSpec(model["name"], dict(model.get("kwargs", {}))), source=source)
+    spec = ModelSpec(model["name"], dict(model.get("kwargs", {})))
+    check_model_size(spec, source=source)
+    geometry = model_size(spec)  # None: a model nascompress cannot count (a pyramid ViT)
+    if geometry is not None:
+        geometry["dynamic"] = bool(spec.kwargs.get("dynamic_img_size"))
+    check_input_section(arch.get("input"), source=source, model=geometry)
     if not isinstance(arch.setdefault("methods", []), list):
         raise NascompressError(f"{source}: methods must be a list of method records")
     return arch

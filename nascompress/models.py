@@ -125,7 +125,8 @@ def _default_shape(name: str, switches: tuple[tuple[str, Any], ...]) -> dict[str
 
 
 def model_size(spec: "ModelSpec") -> dict[str, int] | None:
-    """``{"params", "depth", "tokens"}`` of the ViT ``spec`` builds, counted from its settings
+    """``{"params", "depth", "tokens", "img_size", "patch_size", "in_chans"}`` of the ViT ``spec``
+    builds (sizes as (H, W) pairs), counted from its settings
     (weights of the blocks, patch embedding, position embedding and head; norms and biases left
     out, so a slight undercount) without building it; None for a name that is no timm ViT. The
     settings must have passed :func:`check_model_kwargs`."""
@@ -145,7 +146,8 @@ def model_size(spec: "ModelSpec") -> dict[str, int] | None:
     tokens = (ih // max(ph, 1)) * (iw // max(pw, 1)) + prefix
     params = (depth * (4 * d * d + 2 * d * hidden) + int(get("in_chans")) * ph * pw * d + tokens * d
               + d * int(get("num_classes")))
-    return {"params": params, "depth": depth, "tokens": tokens}
+    return {"params": params, "depth": depth, "tokens": tokens, "img_size": (ih, iw), "patch_size": (ph, pw),
+            "in_chans": int(get("in_chans")), "prefix": prefix}
 
 
 def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -> None:

@@ -68,3 +68,42 @@ def test_the_dashboard_refuses_writable_sqlite_saying_why(tmp_path):
     with start_dashboard("d", storage=storage) as h:  # the advice works: read-only, served
         assert h.snapshot is not None and not h.writable
     assert not list(tmp_path.glob(".s.db.dashboard-*"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. arch.json's input section is checked
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("img_size", [3000, 3000], "img_size is [3000, 3000] but the model takes [16, 16]"),
+    ("img_size", [100000, 100000], "img_size is [100000, 100000] but the model takes [16, 16]"),
+    ("img_size", [32, 32], "img_size is [32, 32] but the model takes [16, 16]"),
+    ("img_size", [16, "x"], "img_size must be [H, W] of positive integers"),
+    ("in_chans", 3, "in_chans is 3 but the model (and its weights) take 1 channels"),
+    ("mean", [float("nan")], "mean must be a list of 1 or 1 (in_chans) finite numbers"),
+    ("std", [0.0], "std values must be positive"),
+    ("std", [1.0, 2.0], "std must be a list of 1 or 1 (in_chans) finite numbers"),
+])
+def test_the_input_section_of_arch_json_is_checked(tmp_path, key, value, words):
+    import nascompress
+
+    d = plain_model_dir(tmp_path / "m")
+    arch = json.loads((d / "arch.json").read_text())
+    arch["input"][key] = value
+    (d / "arch.json").write_text(json.dumps(arch))
+    with pytest.raises(NascompressError, match="arch.json: input ") as e:
+        nascompress.load(d)
+    assert words in str(e.value) and "\n" not in str(e.value)
+    one_line(invoke("evaluate", d, "--dataset", "synthetic", "--device", "cpu"), words)
+
+
+def test_a_dynamic_size_model_takes_multiples_of_its_patch_within_the_token_limit():
+    from nascompress.data_input import check_input_section
+
+    model = {"img_size": (16, 16), "patch_size": (4, 4), "in_chans": 1, "prefix": 1, "dynamic": True}
+    inp = {"img_size": [24, 32], "in_chans": 1, "mean": [0.5], "std": [0.5]}
+    check_input_section(inp, source="a", model=model)
+    with pytest.raises(NascompressError, match="not a multiple of the model's patch size"):
+        check_input_section(dict(inp, img_size=[30, 32]), source="a", model=model)
+    with pytest.raises(NascompressError, match="tokens per image is 6,250,001, above the limit"):
+        check_input_section(dict(inp, img_size=[10000, 10000]), source="a", model=model)
