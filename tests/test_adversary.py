@@ -107,3 +107,39 @@ def test_a_dynamic_size_model_takes_multiples_of_its_patch_within_the_token_limi
         check_input_section(dict(inp, img_size=[30, 32]), source="a", model=model)
     with pytest.raises(NascompressError, match="tokens per image is 6,250,001, above the limit"):
         check_input_section(dict(inp, img_size=[10000, 10000]), source="a", model=model)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Search-space files: bounded, steps checked, values the methods accept
+
+
+_SPACE = "format: nascompress-space/1\nname: t\nmethods:\n  - name: {method}\n    params:\n      {params}\n"
+
+
+@pytest.mark.parametrize("method,params,words", [
+    ("evit", "prune_layers: {kind: layers, range: [1, 1000000000], size: [1, 1000000]}",
+     "prune_layers.range: layer 1,000,000,000 is beyond the deepest model nascompress builds (256 blocks"),
+    ("evit", "prune_layers: {kind: layers, candidates: [1, 999999999], size: 1}", "layer 999,999,999 is beyond"),
+    ("evit", "keep_rate: {kind: float, low: 0.3, high: 1.0, step: 1.0e-300}",
+     "keep_rate.step: step 1e-300 gives 7.00e+299 values from 0.3 to 1.0, more than the 1,000,000"),
+    ("evit", "keep_rate: {kind: float, low: 0.3, high: .inf}", "keep_rate.high: must be a number, got inf"),
+    ("tome", "r: {kind: int, low: 0, high: 100000000000}", "the range gives 100,000,000,001 values"),
+    ("tome", "r: {kind: int, low: -5, high: 2}",
+     "params.r: r may take -5, which tome refuses: r must be a whole number of tokens >= 0"),
+    ("tome", "r: {kind: categorical, choices: [2, -1]}", "r may take -1, which tome refuses"),
+    ("evit", "keep_rate: 1.5", "keep_rate may take 1.5, which evit refuses"),
+])
+def test_a_search_space_is_bounded_and_checked_when_loaded(tmp_path, method, params, words):
+    from nascompress.search.space import load_space
+
+    f = tmp_path / "s.yaml"
+    f.write_text(_SPACE.format(method=method, params=params))
+    with pytest.raises(NascompressError) as e:
+        load_space(f)
+    assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_a_combination_refused_with_another_default_is_left_to_the_trial(tmp_path):
+    from nascompress.search.space import load_space
+
+    load_space(Path(__file__).parent.parent / "search_spaces" / "mgvit-h.yaml")  # r_neg 0.1 with r_pos's 1.0
