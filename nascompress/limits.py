@@ -19,6 +19,16 @@ what was refused and how to raise the limit: ``NASCOMPRESS_<NAME>`` in the envir
 Seeds are in [0, 2^32 - 1] (:data:`SEED_MAX`: numpy's range; the seeds derived from them, e.g. a
 trial's, stay in 64 bits): the range of the ``seed`` setting itself, not a limit to raise.
 - ``max_yaml_depth``: nesting of a pipeline or search-space file (they nest a few levels).
+- ``max_json_depth``: nesting of a JSON file nascompress reads (``arch.json``, ``config.json``,
+  ``metrics.json``, ``log.jsonl``, a checkpoint's metadata, an export sidecar): the deepest it
+  writes, a checkpoint's optimizer state, nests about 10 levels; 10^6 levels would exhaust the
+  parser's stack.
+- ``max_file_bytes``: size of such a JSON or YAML file (arch.json is a few KB; a log.jsonl of
+  10,000 epochs about 5 MB).
+
+The count, size and iteration options of the commands (epochs, batch sizes, timing iterations, ...)
+have bounds too, :data:`OPTION_BOUNDS`: the largest value a real use needs, well above it; they
+are ranges of the options (checked with them, in one line), not limits to raise.
 """
 from __future__ import annotations
 
@@ -48,6 +58,8 @@ class Limits:
     max_image_pixels: int = _limit(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
     max_trials: int = _limit(100_000, lo=1, help="Complete trials a study may be asked for.")
     max_yaml_depth: int = _limit(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
+    max_json_depth: int = _limit(100, lo=2, help="Nesting depth of a JSON file nascompress reads.")
+    max_file_bytes: int = _limit(64 * 2**20, lo=1, help="Size of a JSON or YAML file nascompress reads.")
 
 
 DEFAULT = Limits()

@@ -64,14 +64,68 @@ def write_json(path: str | Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def read_json(path: str | Path) -> Any:
-    path = Path(path)
+def nesting_depth(obj: Any) -> int:
+    """How deeply lists and dicts nest in ``obj`` (0: a scalar), counted without recursion."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return depth
+
+
+def _too_deep(source: str) -> NascompressError:
+    from .limits import env_name, limits
+
+    return NascompressError(f"{source} nests deeper than {limits().max_json_depth} levels (the max_json_depth limit): "
+                            "it was not written by nascompress or is damaged; replace it (or raise the limit with "
+                            f"{env_name('max_json_depth')}=N if it is intended)")
+
+
+def parse_json(text: str | bytes, *, source: str) -> Any:
+    """The JSON value of ``text`` (from ``source``, named in messages), bounded in size and depth
+    (:mod:`nascompress.limits`): invalid, too large or too deep JSON is one NascompressError."""
+    from .limits import check_limit, limits
+
+    check_limit("max_file_bytes", len(text), f"{source}'s size in bytes", fix="check the file")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise NascompressError(f"{path} does not exist") from e
+        obj = json.loads(text)
+    except RecursionError:
+        raise _too_deep(source) from None
     except json.JSONDecodeError as e:
-        raise NascompressError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        raise NascompressError(f"{source} is not valid JSON ({e.msg} at line {e.lineno}); it was damaged or "
+                               "edited: replace it") from None
+    except UnicodeDecodeError:
+        raise NascompressError(f"{source} is not valid JSON (not UTF-8 text); replace it") from None
+    if nesting_depth(obj) > limits().max_json_depth:
+        raise _too_deep(source)
+    return obj
+
+
+def read_file_text(path: str | Path, *, what: str = "") -> str:
+    """The text of a file nascompress reads, bounded in size (checked before reading: no
+    ``/dev/zero`` read to the end), one line for a missing or unreadable one."""
+    from .limits import check_limit
+
+    path = Path(path)
+    name = f"{what} {path}".strip()
+    try:
+        if not path.is_file():
+            if not path.exists():
+                raise NascompressError(f"{name} does not exist")
+            raise NascompressError(f"{name} is not a regular file")
+        check_limit("max_file_bytes", path.stat().st_size, f"{name}'s size in bytes", fix="check the file")
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise NascompressError(f"{name} is not text (not UTF-8); replace it") from None
+    except OSError as e:
+        raise NascompressError(f"cannot read {name}: {e.strerror or e}") from None
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON of file ``path``, bounded in size and depth (:func:`parse_json`), in one line on error."""
+    return parse_json(read_file_text(path), source=str(path))
 
 
 def append_jsonl(path: str | Path, obj: Any) -> None:
@@ -94,8 +148,17 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
+    damaged = (f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)", "it cannot be "
+               f"continued: rerun '{command}' with --force to start over")
+    if not isinstance(recorded, dict):
+        raise NascompressError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
-    job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    try:
+        job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    except NascompressError as e:
+        raise NascompressError(f"{damaged[0]}: {e}; {damaged[1]}") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise NascompressError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
     if given is not None and explicit:
         diffs = resume_differences(job, given, explicit)
         if diffs:

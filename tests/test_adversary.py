@@ -143,3 +143,138 @@ def test_a_combination_refused_with_another_default_is_left_to_the_trial(tmp_pat
     from nascompress.search.space import load_space
 
     load_space(Path(__file__).parent.parent / "search_spaces" / "mgvit-h.yaml")  # r_neg 0.1 with r_pos's 1.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Deep or huge JSON/YAML: one bounded reader, one line
+
+
+def _deep(n: int) -> str:
+    return "[" * n + "]" * n
+
+
+def test_deep_or_huge_files_are_one_line(tmp_path, monkeypatch):
+    import nascompress
+    from nascompress.utils import nesting_depth, parse_json, read_json
+
+    d = plain_model_dir(tmp_path / "m")
+    (d / "arch.json").write_text('{"format": ' + _deep(1_000_000) + "}")
+    with pytest.raises(NascompressError, match="arch.json nests deeper than 100 levels .*max_json_depth"):
+        nascompress.load(d)
+    one_line(invoke("evaluate", d, "--dataset", "synthetic"), "nests deeper than 100 levels")
+    # 150 levels: within the parser's stack, above the limit (recursive readers would be next)
+    with pytest.raises(NascompressError, match="nests deeper than 100 levels"):
+        parse_json(_deep(150), source="x")
+    monkeypatch.setenv("NASCOMPRESS_MAX_JSON_DEPTH", "200")
+    assert nesting_depth(parse_json(_deep(150), source="x")) == 150  # the limit raised: read
+    monkeypatch.delenv("NASCOMPRESS_MAX_JSON_DEPTH")
+    monkeypatch.setenv("NASCOMPRESS_MAX_FILE_BYTES", "1000")
+    (tmp_path / "big.json").write_text("[" + "0," * 1000 + "0]")
+    with pytest.raises(NascompressError, match="big.json's size in bytes is 2,003, above the limit of 1,000"):
+        read_json(tmp_path / "big.json")
+    monkeypatch.delenv("NASCOMPRESS_MAX_FILE_BYTES")
+    for bad in (tmp_path, Path("/dev/zero")):  # a folder, a device: never read to the end
+        with pytest.raises(NascompressError, match="is not a regular file"):
+            read_json(bad)
+
+
+def test_a_deep_config_json_or_checkpoint_metadata_is_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from nascompress.io import load_state
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(_deep(1_000_000))
+    one_line(invoke("train", "--resume", "--out", run), "config.json nests deeper than 100 levels")
+    import torch
+
+    save_file({"a": torch.zeros(1)}, str(tmp_path / "c.safetensors"), metadata={"nascompress_state": _deep(100_000)})
+    with pytest.raises(NascompressError, match="c.safetensors's metadata nests deeper than 100 levels"):
+        load_state(tmp_path / "c.safetensors")
+
+
+def test_a_deep_yaml_past_a_raised_limit_is_one_line(tmp_path, monkeypatch):
+    from nascompress.search.space import load_space
+
+    f = tmp_path / "s.yaml"
+    f.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    monkeypatch.setenv("NASCOMPRESS_MAX_YAML_DEPTH", "100000")
+    with pytest.raises(NascompressError, match="nested too deeply for the YAML parser"):
+        load_space(f)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Damaged run files: a half-written last log line is dropped; the rest is one line
+
+
+def _interrupted_train(out: Path) -> None:
+    from nascompress.hooks import TrainHooks
+    from nascompress.train import train
+
+    from .conftest import interrupted_at_epoch
+    from .test_reliability import _train_job
+
+    with interrupted_at_epoch(TrainHooks, at=1), pytest.raises(KeyboardInterrupt):
+        train(_train_job(out))
+
+
+def test_a_half_written_last_log_line_does_not_stop_resume(tmp_path):
+    out = tmp_path / "run"
+    _interrupted_train(out)
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"epoch": 2, "lr": 0.00')  # a kill during the per-epoch append
+    r = invoke("train", "--resume", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "dropping the half-written last line" in r.stderr
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert epochs == [0, 1, 2] and json.loads((out / "metrics.json").read_text())["finished"] is True
+
+
+def test_a_damaged_log_line_before_the_last_is_one_line(tmp_path):
+    out = tmp_path / "run"
+    _interrupted_train(out)
+    (out / "log.jsonl").write_text('{"epoch": 1, "lr"\n' + (out / "log.jsonl").read_text())
+    one_line(invoke("train", "--resume", "--out", out), "is damaged before its last line: delete it")
+    (out / "log.jsonl").unlink()  # the advice works: the resumed run starts a new log
+    assert invoke("train", "--resume", "--out", out).exit_code == 0
+
+
+def _rewrite_checkpoint(path: Path, edit) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    tensors = load_file(str(path))
+    skeleton = json.loads(meta["nascompress_state"])
+    edit(tensors, skeleton)
+    save_file(tensors, str(path), metadata={"nascompress_state": json.dumps(skeleton)})
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("config", "config.json is not the record of a 'nascompress train' run (damaged or edited): it holds a JSON "
+               "list, not an object"),
+    ("missing", "is damaged (its tensor '/model/head.bias' is missing"),
+    ("epoch", "is damaged (its epoch is 'x', not an integer)"),
+    ("shape", "is damaged: head.bias has shape (7,) in the file but (10,) in the model"),
+])
+def test_damaged_run_files_are_one_line_on_resume(tmp_path, damage, words):
+    import torch
+
+    out = tmp_path / "run"
+    _interrupted_train(out)
+    ckpt = out / "checkpoint.safetensors"
+    if damage == "config":
+        (out / "config.json").write_text("[1, 2, 3]")
+    elif damage == "missing":
+        _rewrite_checkpoint(ckpt, lambda t, s: t.pop("/model/head.bias"))
+    elif damage == "epoch":
+        _rewrite_checkpoint(ckpt, lambda t, s: s["__dict__"].__setitem__("epoch", "x"))
+    else:
+        _rewrite_checkpoint(ckpt, lambda t, s: t.__setitem__("/model/head.bias", torch.zeros(7)))
+    msg = one_line(invoke("train", "--resume", "--out", out), words)
+    if damage != "config":
+        assert "delete it" in msg
+        ckpt.unlink()  # the advice works: --resume then starts the run over
+        assert invoke("train", "--resume", "--out", out).exit_code == 0

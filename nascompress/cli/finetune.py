@@ -16,6 +16,7 @@ import typer
 from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
                                     setting_option, settings_command, with_subsets)
 from nascompress.data import DataConfig
+from nascompress.errors import NascompressError
 from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
 from nascompress.train import RUNTIME_SETTINGS
 
@@ -26,6 +27,8 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         pass
+    except RecursionError:
+        raise NascompressError(f"value {text[:40]}... nests too deeply; give a number, a list or a word") from None
     if "," in text:
         return [parse_value(v.strip()) for v in text.split(",") if v.strip()]
     return text

@@ -37,6 +37,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError
+from nascompress.utils import read_json
 
 from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
@@ -145,9 +146,9 @@ def _remove_stale_snapshots(home: Path) -> None:
     """Remove the snapshot folders of dashboards of this machine that are no longer running."""
     for d in home.glob(f".*{SNAPSHOT_TAG}*"):
         try:
-            owner = json.loads((d / "owner.json").read_text())
+            owner = read_json(d / "owner.json")
             dead = owner.get("host") == host() and not pid_alive(int(owner["pid"]), owner.get("pid_start"))
-        except (OSError, ValueError, KeyError, TypeError):  # killed before it wrote its owner
+        except (NascompressError, ValueError, KeyError, TypeError, AttributeError):  # killed before it wrote its owner
             dead = d.is_dir() and time.time() - d.stat().st_mtime > 60
         if dead:
             shutil.rmtree(d, ignore_errors=True)
