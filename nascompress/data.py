@@ -51,7 +51,7 @@ from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNI
                            synthetic_dataset)
 from .data_splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
 from .errors import NascompressError
-from .limits import SEED_MAX
+from .limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
 __all__ = ["BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
@@ -113,11 +113,11 @@ class DataConfig:
     val_fraction: float = setting(0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Share of train held out for validation."))
     split_seed: int = 0
-    train_limit: int | None = setting(None, lo=1, help=(
+    train_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
         "Use N training images (a class-stratified random subset drawn with --seed)."))
-    eval_limit: int | None = setting(None, lo=1, help="Use N val/test images (class-stratified, drawn with --seed).")
+    eval_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help="Use N val/test images (class-stratified, drawn with --seed).")
     subset_seed: int = 0
-    num_workers: int | None = setting(None, lo=0, help=(
+    num_workers: int | None = setting(None, lo=0, hi=MAX_WORKERS, help=(
         "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
     skip_bad_images: bool = setting(False, help=(
         "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))

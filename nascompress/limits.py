@@ -42,6 +42,19 @@ from .errors import NascompressError
 ENV_PREFIX = "NASCOMPRESS_"
 SEED_MAX = 2**32 - 1
 
+# The bounds of the count, size and iteration options (the ``hi`` of their settings): far above
+# what a use needs, low enough that a typo (10^9, 1e12) is refused before anything is allocated
+# or run instead of exhausting memory or running for years.
+MAX_EPOCHS = 10_000  # epochs, fine-tune and DCS epochs, warm-up epochs (ImageNet recipes: 300 to 1,000)
+MAX_BATCH = 65_536  # batch sizes: training, evaluation, export, its check, profiling
+MAX_ITERS = 100_000  # timing repetitions (profile --iters, --latency-iters)
+MAX_STEPS = 10_000_000  # optimisation steps (--calib-steps)
+MAX_IMAGES = 1_000_000_000  # image counts (--train-images, --calib-images, --train-limit, ...)
+MAX_WORKERS = 1_024  # processes (--workers, --num-workers)
+MAX_LR = 10.0  # learning rates (--lr, --base-lr, --arch-lr): AdamW diverges long before
+OPTION_BOUNDS = {"epochs": MAX_EPOCHS, "batch": MAX_BATCH, "iters": MAX_ITERS, "steps": MAX_STEPS,
+                 "images": MAX_IMAGES, "workers": MAX_WORKERS, "lr": MAX_LR}
+
 
 def _limit(default: int, *, lo: int, help: str) -> Any:  # noqa: A002 (the settings' name for it)
     # the metadata of nascompress.config.setting (not imported: config reads these limits)
@@ -105,4 +118,5 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
                                f"intended, raise the limit with {env_name(name)}=N")
 
 
-__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX"]
+__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX", "OPTION_BOUNDS", "MAX_BATCH",
+           "MAX_EPOCHS", "MAX_IMAGES", "MAX_ITERS", "MAX_LR", "MAX_STEPS", "MAX_WORKERS"]

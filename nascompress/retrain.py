@@ -42,6 +42,7 @@ from . import distributed, runtime
 from .api import run_data_config
 from .auto_batch import AUTO_BATCH_NOTE, AUTO_BATCH_SIZES, AUTO_BATCH_STEPS, auto_batch_size
 from .config import Config, StageSettings, check_settings, setting
+from .limits import MAX_IMAGES
 from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError
@@ -107,7 +108,7 @@ class RetrainConfig(Config):
     input_pool: int = 7
     kmeans_iters: int = 20
     kmeans_init: str = "k-means++"
-    cluster_samples: int | None = setting(None, lo=1, help="Cluster a fixed random subset of N training images.")
+    cluster_samples: int | None = setting(None, lo=1, hi=MAX_IMAGES, help="Cluster a fixed random subset of N training images.")
     kd_alpha: float = setting(0.5, lo=0, hi=1, help="KD weight alpha: (1 - alpha) CE + alpha KD.")
     kd_temperature: float = setting(1.0, lo=0, lo_open=True, help="KD temperature.")
     feat_kd: float | None = setting(None, lo=0, help=(

@@ -278,3 +278,45 @@ def test_damaged_run_files_are_one_line_on_resume(tmp_path, damage, words):
         assert "delete it" in msg
         ckpt.unlink()  # the advice works: --resume then starts the run over
         assert invoke("train", "--resume", "--out", out).exit_code == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Every count, size and iteration option is bounded (nascompress.limits)
+
+
+@pytest.mark.parametrize("args,words", [
+    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--epochs", "1000000000000"],
+     "--epochs must be an integer in [1, 10000], got 1000000000000"),
+    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--lr", "1e300"], "--lr must be in (0, 10], got 1e+300"),
+    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--batch-size", "1000000000"],
+     "--batch-size must be an integer in [1, 65536]"),
+    (["profile", "{run}", "--batch-size", "1000000000"], "--batch-size must be an integer in [1, 65536]"),
+    (["profile", "{run}", "--iters", "1000000000000"], "--iters must be an integer in [1, 100000]"),
+    (["export", "{run}", "--out", "{o}/m.onnx", "--batch", "1000000000"],
+     "batch must be 'dynamic' or an integer in [1, 65536]"),
+    (["export", "{run}", "--out", "{o}/m.onnx", "--verify-batch", "1000000000"],
+     "--verify-batch must be an integer in [1, 65536]"),
+    (["search", "tokens", "{run}", "--space", "search_spaces/evit.yaml", "--study", "s", "--storage",
+      "sqlite:///{o}/s.db", "--latency-iters", "1000000000000"], "--latency-iters must be an integer in [1, 100000]"),
+    (["search", "tokens", "{run}", "--space", "search_spaces/evit.yaml", "--study", "s", "--storage",
+      "sqlite:///{o}/s.db", "--finetune-epochs", "1000000000"], "--finetune-epochs must be an integer in [0, 10000]"),
+])
+def test_count_size_and_iteration_options_are_bounded(tmp_path, tiny_run, args, words):
+    r = invoke(*[a.format(o=tmp_path, run=tiny_run) for a in args])
+    one_line(r, words)
+    assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_the_option_bounds_are_stated_in_limits():
+    import dataclasses
+
+    from nascompress import limits
+    from nascompress.profiling.config import ProfileConfig
+    from nascompress.search.trials import SearchJob
+    from nascompress.train import TrainConfig
+
+    for cls, name, bound in ((TrainConfig, "epochs", "epochs"), (TrainConfig, "lr", "lr"),
+                             (TrainConfig, "batch_size", "batch"), (ProfileConfig, "iters", "iters"),
+                             (SearchJob, "latency_iters", "iters"), (SearchJob, "workers", "workers")):
+        f = next(f for f in dataclasses.fields(cls) if f.name == name)
+        assert f.metadata["hi"] == limits.OPTION_BOUNDS[bound], (cls, name)

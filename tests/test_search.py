@@ -141,7 +141,7 @@ def test_max_flops_is_a_constraint(project, tiny_run):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--workers", 0], "--workers must be an integer in [1, inf], got 0"),
+    (["--workers", 0], "--workers must be an integer in [1, 1024], got 0"),
     (["--space", "missing.yaml"], "missing.yaml"),
     (["--objective", "speed"], "--objective must be one of goal, flops, latency, throughput"),
 ])

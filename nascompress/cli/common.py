@@ -70,9 +70,20 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         full = write_error(e, verb="access")  # a full disk or a path it may not write, not named yet
         if full is not None:
             fail(str(full))
+        if out_of_memory(e):
+            fail(f"out of memory ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
+                 "lower the batch size (or the image size, the model) and rerun")
         err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Did ``e`` come from an allocation that failed (host or GPU memory)?"""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
 def given_options() -> set[str]:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..config import Config, check_int, check_settings, field_name, setting
+from ..limits import MAX_IMAGES
 from ..errors import NascompressError
 from .graphs import TWO_STAGE
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
@@ -69,10 +70,10 @@ class QuantizeConfig(Config):
 
     scheme: str = setting("int8-static", choices=SCHEMES, help=(
         "int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."))
-    calib_images: int = setting(256, lo=1, help="Training images the static scheme calibrates on.")
+    calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
     max_drop: float = setting(1.0, lo=0, help=(
         "Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."))
-    eval_images: int | None = setting(None, lo=1, help=(
+    eval_images: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
         "Validation images of the accuracy check (default: the run's whole validation split)."))
     fallback: bool = setting(True, flag="--no-fallback", help=(
         "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "

@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..config import Config, check_settings, setting
+from ..limits import MAX_EPOCHS
 from ..errors import NascompressError
 from ..io import save_model
 from ..methods.dcs import materialize
@@ -43,7 +44,7 @@ class TrialMaterializeJob(Config):
     trial: int | None = setting(None, lo=0, help="With --study: the trial number.")
     pick: str | None = setting(None, help="With --study: best-under-flops=R, best-under-latency=MS or knee.")
     storage: str | None = setting(None, help=STORAGE_HELP)
-    finetune_epochs: int = setting(0, lo=0, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
+    finetune_epochs: int = setting(0, lo=0, hi=MAX_EPOCHS, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..config import Config, StageSettings, check_settings, setting
+from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MAX_WORKERS
 from ..data import DataConfig, InputSpec
 from ..errors import NascompressError
 from ..io import load_with_arch
@@ -96,7 +97,7 @@ class SearchJob(Config):
     study: str = setting(help="Study name; an existing study is continued.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
-    workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
+    workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1, hi=MAX_WORKERS)
     objective: str = setting("goal", choices=OBJECTIVES, help=(
         "goal: accuracy alone under the constraint (--max-flops or --max-latency; a pipeline's goal), or "
         "accuracy x FLOPs without one; flops, latency or throughput: a Pareto front of accuracy and that."))
@@ -107,15 +108,15 @@ class SearchJob(Config):
     sampler: str = setting("tpe", help="tpe (multivariate), nsga2, gp (GPSampler; numeric spaces), qmc (scrambled "
                                          "Sobol' points; spaces without conditional parameters) or grid (the "
                                          "space's spread configurations in order).", choices=SAMPLERS)
-    finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0)
+    finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0, hi=MAX_EPOCHS)
     train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
-                                lo=1)
-    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1)
-    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0)
+                                lo=1, hi=MAX_IMAGES)
+    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1, hi=MAX_IMAGES)
+    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0, hi=MAX_STEPS)
     batch_size: int = setting(64, help="Images per batch of the trials' evaluation, predictor stages and "
-                                       "fine-tunes.", lo=1)
-    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1)
-    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1)
+                                       "fine-tunes.", lo=1, hi=MAX_BATCH)
+    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1, hi=MAX_EPOCHS)
+    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1, hi=MAX_ITERS)
     enqueue: bool = setting(True, help="Do not run the uncompressed and paper configurations first.",
                             flag="--no-enqueue")
     data: DataConfig | None = None
