@@ -320,3 +320,37 @@ def test_the_option_bounds_are_stated_in_limits():
                              (SearchJob, "latency_iters", "iters"), (SearchJob, "workers", "workers")):
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         assert f.metadata["hi"] == limits.OPTION_BOUNDS[bound], (cls, name)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Concurrency: two processes creating one new SQLite study at once
+
+
+def _create_at_once(url: str, barrier, results) -> None:
+    from nascompress.studies.opening import open_study
+    from nascompress.studies.storage import parse_storage
+
+    barrier.wait()
+    try:
+        study, created = open_study(parse_storage(url), study_name="s", directions=["maximize"],
+                                    metric_names=["accuracy"], info={"space_hash": "h"}, enqueue=[{"x": 1}])
+        results.put(("ok", created, len(study.trials)))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent)
+        results.put(("error", f"{type(e).__name__}: {e}", 0))
+
+
+def test_two_processes_creating_one_new_sqlite_study_both_succeed(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    for attempt in range(3):
+        url = f"sqlite:///{tmp_path}/s{attempt}.db"
+        barrier, results = ctx.Barrier(2), ctx.Queue()
+        procs = [ctx.Process(target=_create_at_once, args=(url, barrier, results)) for _ in range(2)]
+        for p in procs:
+            p.start()
+        got = sorted(results.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+        assert [g[0] for g in got] == ["ok", "ok"], got
+        assert sorted(g[1] for g in got) == [False, True] and all(g[2] == 1 for g in got), got  # one enqueued trial
