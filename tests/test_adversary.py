@@ -354,3 +354,66 @@ def test_two_processes_creating_one_new_sqlite_study_both_succeed(tmp_path):
             p.join(timeout=60)
         assert [g[0] for g in got] == ["ok", "ok"], got
         assert sorted(g[1] for g in got) == [False, True] and all(g[2] == 1 for g in got), got  # one enqueued trial
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Wrong acceptances
+
+
+def test_objective_flops_with_a_constraint_is_refused(tmp_path, tiny_run):
+    r = invoke("search", "tokens", tiny_run, "--study", "s", "--storage", f"sqlite:///{tmp_path}/s.db",
+               "--objective", "flops", "--max-flops", "0.8")
+    one_line(r, "--objective flops is a Pareto front; with --max-flops or --max-latency the study is single-objective")
+    from nascompress.search.trials import SearchJob
+
+    job = SearchJob(base="b", space="s.yaml", study="s", max_flops=0.8)
+    old = dict(job.to_dict(), objective="flops")  # a job recorded when the constraint overrode it
+    assert SearchJob.from_record(old).objective == "goal"
+
+
+def test_a_pipeline_whose_space_does_not_fit_its_base_writes_nothing(tmp_path):
+    import yaml
+
+    from .test_pipeline import REPO, tiny_config
+
+    cfg = tiny_config()
+    cfg["stages"] = {"tokens": dict(cfg["stages"]["tokens"], space=str(REPO / "search_spaces" / "mgvit-h.yaml"))}
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    one_line(invoke("pipeline", tmp_path / "p.yaml", "--out", out),
+             "method mgvit-h needs a pyramid ViT (PVT v2), and the base model is a plain ViT")
+    assert not out.exists()
+
+
+def test_a_study_is_bound_to_its_base_model(tmp_path, tiny_run):
+    from nascompress.data import DataConfig
+    from nascompress.models import custom_vit_spec
+    from nascompress.train import TrainConfig, TrainJob, train
+
+    from .conftest import TINY_EVIT_SPACE
+
+    (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
+    base = _copy_run(tiny_run, tmp_path / "base")
+    other = tmp_path / "other"  # the same architecture, other weights
+    train(TrainJob(model=custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
+                                         num_classes=10, in_chans=1),
+                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=1, batch_size=32, lr=2e-3, seed=1),
+                   out=str(other)))
+    storage = f"sqlite:///{tmp_path}/s.db"
+    common = ["--space", tmp_path / "space.yaml", "--storage", storage, "--study", "s1", "--eval-images", "20",
+              "--train-images", "20", "--calib-steps", "0", "--no-enqueue", "--device", "cpu"]
+    r = invoke("search", "tokens", base, *common, "--trials", "1")
+    assert r.exit_code == 0, r.output
+    r = invoke("search", "tokens", other, *common, "--trials", "2")
+    msg = r.stderr.strip().splitlines()[-1]  # after the space's summary line
+    assert r.exit_code == 1 and msg.startswith("error: study 's1' in ") and "Traceback" not in r.output
+    assert "was made on base model" in msg and "another model; a study keeps its base model" in msg
+    copy = _copy_run(base, tmp_path / "copy")  # the same model elsewhere: the study continues
+    r = invoke("search", "tokens", copy, *common, "--trials", "2")
+    assert r.exit_code == 0, r.output
+    # the base replaced in place: materialize names it, not "another machine"
+    shutil.rmtree(base)
+    shutil.copytree(other, base)
+    msg = one_line(invoke("materialize", "--study", "s1", "--storage", storage, "--trial", "0", "--out", tmp_path / "m"),
+                   "is not the model the study was made on")
+    assert "another machine" not in msg and not (tmp_path / "m").exists()

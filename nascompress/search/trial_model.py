@@ -127,6 +127,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
 
     from ..studies.inspect import load as load_study
     from ..studies.records import study_info, trial_record
+    from .trial_context import base_fingerprint
     from .trials import SearchJob, TrialContext, build_trial
 
     out = Path(job.out)
@@ -147,7 +148,13 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     else:
         trial = pick_trial(study, *parse_pick(job.pick))
     rec = trial_record(trial)
-    search = SearchJob.from_dict(info["job"])
+    search = SearchJob.from_record(info["job"])
+    recorded = info.get("base_fingerprint")
+    if recorded is not None and Path(search.base).exists() and base_fingerprint(search.base) != recorded:
+        raise NascompressError(f"the base run {search.base} of study {job.study!r} is not the model the study was "
+                               f"made on (its weights' sha256 {base_fingerprint(search.base)[:12]}, recorded "
+                               f"{recorded[:12]}): it was replaced since; put the original model back there, or run "
+                               "a new study on this one")
     refuse_overwriting_inputs(out, (search.base, spec.path))  # the study's base run and its file
     ctx = TrialContext(search)
     records = ctx.space.records(trial.params)

@@ -48,7 +48,7 @@ from .scoring import calibrate_stack, study_scoring, trial_scoring
 from .samplers import SAMPLERS, make_sampler, numeric_space, sampler_factory
 from .space import load_space
 from .space_reference import reference_configs, space_profile
-from .trial_context import TrialContext, run_data
+from .trial_context import TrialContext, base_fingerprint, run_data
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
@@ -130,8 +130,6 @@ class SearchJob(Config):
 
         if isinstance(self.finetune_epochs, float) and self.finetune_epochs.is_integer():
             object.__setattr__(self, "finetune_epochs", int(self.finetune_epochs))  # a job recorded when it was a float
-        if self.constrained and self.objective == "flops":  # a job recorded when the constraint overrode it
-            object.__setattr__(self, "objective", "goal")
         check_settings(self)  # every setting() against its declaration
         # the run settings are TrainConfig's (RUNTIME_SETTINGS: the trials train with them), checked there
         TrainConfig(seed=self.seed, device=self.device, amp=self.amp, deterministic=self.deterministic)
@@ -140,6 +138,15 @@ class SearchJob(Config):
         if self.constrained and self.objective != "goal":
             raise NascompressError(f"--objective {self.objective} is a Pareto front; with --max-flops or --max-latency "
                                    "the study is single-objective: leave --objective at goal")
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> "SearchJob":
+        """A job a study recorded: one recorded when a constraint overrode ``--objective flops``
+        (it said flops, and the study was single-objective) reads as ``goal``."""
+        d = dict(d)
+        if d.get("objective") == "flops" and (d.get("max_flops") is not None or d.get("max_latency_ms") is not None):
+            d["objective"] = "goal"
+        return cls.from_dict(d)
 
     @property
     def constrained(self) -> bool:
@@ -382,7 +389,7 @@ class Objective:
 
 def make_objective(job_dict: dict[str, Any]) -> Objective:
     """The picklable objective factory of :func:`nascompress.studies.run_study` (one per worker)."""
-    return Objective(SearchJob.from_dict(job_dict))
+    return Objective(SearchJob.from_record(job_dict))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,6 +432,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(Path(job.space).resolve())).to_dict()
     info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
+            "base_fingerprint": base_fingerprint(job.base),
             "dataset": (job.data or run_data(job.base)).dataset, "job": job_dict, "profile": profile,
             "scoring": study_scoring(job)}
     summary = run_study(study_name=job.study, storage=job.storage,

@@ -83,6 +83,12 @@ def _open_locked(spec: StorageSpec, storage: Any, *, study_name: str, directions
         study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
         return study, True
     check_space(study, stored, info, spec.display)
+    old, new = stored.get("base_fingerprint"), info.get("base_fingerprint")
+    if old is not None and new is not None and old != new:
+        raise NascompressError(f"study {study_name!r} in {spec.display} was made on base model "
+                               f"{stored.get('base_run', '?')} (sha256 {old[:12]}) and this run gives "
+                               f"{info.get('base_run', '?')} (sha256 {new[:12]}), another model; a study keeps its "
+                               f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name")
     old, new = stored.get("sampler"), info.get("sampler")
     if old is not None and new is not None and old != new:
         raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
