@@ -417,3 +417,95 @@ def test_a_study_is_bound_to_its_base_model(tmp_path, tiny_run):
     msg = one_line(invoke("materialize", "--study", "s1", "--storage", storage, "--trial", "0", "--out", tmp_path / "m"),
                    "is not the model the study was made on")
     assert "another machine" not in msg and not (tmp_path / "m").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Advice after Ctrl-C that works, and no leftovers
+
+
+def _interrupt(*a, **k):
+    raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_train_advises_the_resume_that_continues_it(tmp_path):
+    import shlex
+
+    from nascompress.hooks import TrainHooks
+
+    from .conftest import interrupted_at_epoch
+    from .test_reliability import TINY
+
+    out = tmp_path / "run"
+    with interrupted_at_epoch(TrainHooks, at=1):
+        r = invoke("train", "--out", out, "--dataset", "synthetic", *TINY)
+    assert r.exit_code == 130
+    advice = r.stderr.strip().splitlines()[-1]
+    assert advice.startswith("interrupted; the last finished epoch is checkpointed: continue with 'nascompress train "
+                             "--resume --out"), advice
+    cmd = shlex.split(advice.split("continue with ", 1)[1].strip("'"))
+    assert cmd[:2] == ["nascompress", "train"]
+    r = invoke(*cmd[1:])  # the advice, run
+    assert r.exit_code == 0, r.output
+    assert json.loads((out / "metrics.json").read_text())["finished"] is True
+
+
+def test_ctrl_c_in_export_advises_no_resume_and_the_rerun_works(tmp_path, tiny_run, monkeypatch):
+    import nascompress.export.run as export_run
+
+    out = tmp_path / "m.pt2"
+    with monkeypatch.context() as m:
+        m.setattr(export_run, "verify", _interrupt)
+        r = invoke("export", tiny_run, "--out", out, "--format", "torch-export")
+    assert r.exit_code == 130
+    advice = r.stderr.strip().splitlines()[-1]
+    assert "--resume" not in advice and "rerun the command" in advice, advice
+    assert not list(tmp_path.iterdir())  # nothing written
+    assert invoke("export", tiny_run, "--out", out, "--format", "torch-export").exit_code == 0  # the advice, run
+
+
+def test_ctrl_c_in_a_study_advises_rerunning_it(tmp_path, tiny_run, monkeypatch):
+    import nascompress.search.trials as trials
+
+    from .conftest import TINY_EVIT_SPACE
+
+    (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
+    args = ["search", "tokens", tiny_run, "--space", tmp_path / "space.yaml", "--storage", f"sqlite:///{tmp_path}/s.db",
+            "--study", "s", "--eval-images", "20", "--train-images", "20", "--calib-steps", "0", "--no-enqueue",
+            "--device", "cpu", "--trials", "2"]
+    with monkeypatch.context() as m:
+        m.setattr(trials, "build_trial", _interrupt)
+        r = invoke(*args)
+    assert r.exit_code == 130
+    advice = r.stderr.strip().splitlines()[-1]
+    assert "--resume" not in advice and "rerun the same command to continue it" in advice, advice
+    r = invoke(*args)  # the advice, run
+    assert r.exit_code == 0, r.output
+
+
+def test_export_and_quantize_leave_nothing_outside_out_and_clear_a_killed_run(tmp_path, tiny_run, monkeypatch):
+    import nascompress.export.quantize as quantize
+
+    out = tmp_path / "q"  # quantize --out DIR writes DIR/model.int8.onnx
+    out.mkdir()
+    # what kill -9 left: atomic-write temp files and quantize's work folder beside the output
+    (out / ".model.int8.onnx.abc123.tmp").write_bytes(b"x")
+    (out / ".model.int8.onnx.json.def456.tmp").write_bytes(b"x")
+    (out / ".model.int8.onnx.quantize-xyz").mkdir()
+    (out / ".model.int8.onnx.quantize-xyz" / "fp32.onnx").write_bytes(b"x")
+    seen = []
+
+    def spy(src, dst, **kw):
+        seen.append(Path(src).parent)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(quantize, "quantize_file", spy)
+        r = invoke("quantize", tiny_run, "--out", out)
+    assert r.exit_code == 130 and "--resume" not in r.stderr
+    assert seen and seen[0].parent == out and seen[0].name.startswith(".model.int8.onnx.quantize-")
+    assert not list(out.iterdir())  # the killed run's leftovers and its own work folder are gone
+    onnx = tmp_path / "e" / "m.onnx"
+    onnx.parent.mkdir()
+    (onnx.parent / ".m.onnx.zz9.tmp").write_bytes(b"x")
+    assert invoke("export", tiny_run, "--out", onnx).exit_code == 0
+    assert sorted(p.name for p in onnx.parent.iterdir()) == ["m.onnx", "m.onnx.json"]

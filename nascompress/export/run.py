@@ -61,6 +61,21 @@ def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = No
     return missing[::-1]
 
 
+def clear_stale(out: Path) -> None:
+    """Remove what an export or quantize of ``out`` killed mid-write (kill -9) left beside it: the
+    temp files of its atomic writes (``.<name>.*.tmp``, the sidecar's too) and quantize's work
+    folder (``.<name>.quantize-*``)."""
+    import shutil
+
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.glob(f".{out.name}.*"):
+        if p.name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
+        elif p.name.startswith(f".{out.name}.quantize-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def new_folders(created: list[Path]) -> Iterator[None]:
     """Create the missing folders of an output (:func:`check_outputs`) and remove them again if
@@ -138,6 +153,8 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
     created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
+    for f in files:
+        clear_stale(f)
     model, arch = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)
