@@ -306,7 +306,11 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     """
     path = Path(path)
     if not path.is_file():
-        raise NascompressError(f"weights file {path} does not exist")
+        if not path.exists():
+            raise NascompressError(f"weights file {path} does not exist")
+        kind = "a directory" if path.is_dir() else "a named pipe (FIFO)" if path.is_fifo() else \
+            "a device or socket"
+        raise NascompressError(f"weights file {path} is {kind}, not a regular file; give a .safetensors or .pth file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -509,3 +509,82 @@ def test_export_and_quantize_leave_nothing_outside_out_and_clear_a_killed_run(tm
     (onnx.parent / ".m.onnx.zz9.tmp").write_bytes(b"x")
     assert invoke("export", tiny_run, "--out", onnx).exit_code == 0
     assert sorted(p.name for p in onnx.parent.iterdir()) == ["m.onnx", "m.onnx.json"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Minor: file-size limit, WORLD_SIZE without torchrun, finished_files, examples, --weights kinds
+
+
+def test_the_file_size_limit_during_export_is_named(tmp_path, tiny_run):
+    import resource
+    import subprocess
+    import sys
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))
+
+    out = tmp_path / "e" / "m.onnx"
+    r = subprocess.run([sys.executable, "-c", "from nascompress.cli.main import app; app()", "export", str(tiny_run),
+                        "--out", str(out)], capture_output=True, text=True, preexec_fn=small_files, timeout=300,
+                       env={**__import__("os").environ, "NASCOMPRESS_PROGRESS": "off"})
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert "the file size limit of this shell (ulimit -f) is exceeded; raise it (ulimit -f unlimited)" in lines[0]
+    assert not out.parent.exists() or not list(out.parent.iterdir())
+
+
+def test_world_size_without_torchrun_is_one_line(tmp_path, monkeypatch):
+    from .test_reliability import TINY
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY),
+             "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: the command was not started "
+             "by torchrun; unset WORLD_SIZE to run in one process")
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY), "WORLD_SIZE='two' is not")
+    monkeypatch.delenv("WORLD_SIZE")  # the advice, run
+    assert invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY).exit_code == 0
+
+
+def test_a_completion_mark_naming_a_file_outside_the_run_is_refused(tmp_path, tiny_run):
+    import nascompress
+
+    run = _copy_run(tiny_run, tmp_path / "run")
+    (tmp_path / "x").write_bytes(b"secret")
+    m = json.loads((run / "metrics.json").read_text())
+    m["finished_files"]["../x"] = {"bytes": 6, "sha256": "0" * 64}
+    (run / "metrics.json").write_text(json.dumps(m))
+    with pytest.raises(NascompressError, match="its completion mark names '../x', not a file of the run"):
+        nascompress.load(run)
+
+
+def test_the_example_of_a_refused_per_layer_value_is_valid(tmp_path, tiny_run):
+    import re
+
+    msg = one_line(invoke("finetune", tiny_run, "--method", "tome", "--r", "1.5", "--zero-shot", "--out",
+                          tmp_path / "a"), "--r takes one integer or comma-separated integers, e.g. 8")
+    example = re.search(r"e\.g\. (\S+?),", msg).group(1)
+    r = invoke("finetune", tiny_run, "--method", "tome", "--r", example, "--zero-shot", "--out", tmp_path / "b")
+    assert r.exit_code == 0, r.output  # the example, run
+    msg = one_line(invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "x", "--zero-shot", "--out",
+                          tmp_path / "c"), "--keep-rate takes one number")
+    example = re.search(r"e\.g\. (\S+?),", msg).group(1)
+    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", example, "--zero-shot", "--out", tmp_path / "d")
+    assert r.exit_code == 0, r.output
+
+
+def test_weights_that_are_no_regular_file_are_named(tmp_path):
+    import os
+
+    from .test_reliability import TINY
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    for path, kind in ((tmp_path / "dir", "a directory"), (tmp_path / "fifo", "a named pipe (FIFO)"),
+                       (Path("/dev/zero"), "a device or socket")):
+        one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", path, *TINY),
+                 f"weights file {path} is {kind}, not a regular file")
+    one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", tmp_path / "none", *TINY),
+             "does not exist")

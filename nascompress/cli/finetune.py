@@ -55,7 +55,9 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
     elem = (tuples or scalars)[0]
     what = "integers" if elem is int else "numbers"
     if tuples and scalars:
-        metavar, forms = f"{elem.__name__.upper()}[,...]", f"one number or comma-separated {what}, e.g. 0.5 or 0.9,0.7"
+        example = "8, or one per layer: 16,8,4" if elem is int else "0.5, or one per layer: 0.9,0.7"
+        one = "integer" if elem is int else "number"
+        metavar, forms = f"{elem.__name__.upper()}[,...]", f"one {one} or comma-separated {what}, e.g. {example}"
     elif tuples:
         metavar, forms = f"{elem.__name__.upper()}[,...]", f"comma-separated {what}, e.g. 4,7,10 (or one: 2)"
     else:
