@@ -447,4 +447,4 @@ def load_state(path: str | Path) -> dict[str, Any]:
         return _unflatten(skeleton, tensors)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a tensor missing, a damaged skeleton
         raise NascompressError(f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
-                               "delete it to start over") from None
+                               "delete it (a --resume then starts the run over) or rerun with --force") from None
