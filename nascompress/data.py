@@ -56,9 +56,9 @@ from .limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 __all__ = ["BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
-           "TensorImageDataset", "check_classes", "dataset_paths", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
+           "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
            "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
-           "load_lfw_faces_dataset", "make_loader", "preprocess",
+           "load_lfw_faces_dataset", "make_loader", "preprocess", "dataset_paths",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
 
 
@@ -115,7 +115,8 @@ class DataConfig:
     split_seed: int = 0
     train_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
         "Use N training images (a class-stratified random subset drawn with --seed)."))
-    eval_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help="Use N val/test images (class-stratified, drawn with --seed).")
+    eval_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
+        "Use N val/test images (class-stratified, drawn with --seed)."))
     subset_seed: int = 0
     num_workers: int | None = setting(None, lo=0, hi=MAX_WORKERS, help=(
         "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))

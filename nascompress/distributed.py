@@ -126,8 +126,8 @@ def init(device: str | None = "auto") -> torch.device:
         raise NascompressError("this torch build has no torch.distributed; run without torchrun")
     missing = [v for v in _TORCHRUN_VARS if not os.environ.get(v)]
     if missing:
-        raise NascompressError(f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} "
-                               "not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
+        verb = "is" if len(missing) == 1 else "are"
+        raise NascompressError(f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
                                "or start it with torchrun (torchrun --nproc_per_node N $(which nascompress) ...)")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)

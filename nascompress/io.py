@@ -216,7 +216,8 @@ def _mark(d: Path) -> tuple[str, str | None]:
         return "unmarked", None
     for name, want in files.items():
         if name not in VOUCHED_FILES:  # e.g. "../../x": never read outside the run
-            return "altered", f"its completion mark names {str(name)!r}, not a file of the run ({', '.join(VOUCHED_FILES)})"
+            return "altered", (f"its completion mark names {str(name)!r}, not a file of the run "
+                               f"({', '.join(VOUCHED_FILES)})")
         p = d / str(name)
         if not isinstance(want, dict) or not p.is_file():
             return "altered", f"{name} is missing"

@@ -108,7 +108,8 @@ class RetrainConfig(Config):
     input_pool: int = 7
     kmeans_iters: int = 20
     kmeans_init: str = "k-means++"
-    cluster_samples: int | None = setting(None, lo=1, hi=MAX_IMAGES, help="Cluster a fixed random subset of N training images.")
+    cluster_samples: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
+        "Cluster a fixed random subset of N training images."))
     kd_alpha: float = setting(0.5, lo=0, hi=1, help="KD weight alpha: (1 - alpha) CE + alpha KD.")
     kd_temperature: float = setting(1.0, lo=0, lo_open=True, help="KD temperature.")
     feat_kd: float | None = setting(None, lo=0, help=(

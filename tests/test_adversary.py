@@ -414,8 +414,8 @@ def test_a_study_is_bound_to_its_base_model(tmp_path, tiny_run):
     # the base replaced in place: materialize names it, not "another machine"
     shutil.rmtree(base)
     shutil.copytree(other, base)
-    msg = one_line(invoke("materialize", "--study", "s1", "--storage", storage, "--trial", "0", "--out", tmp_path / "m"),
-                   "is not the model the study was made on")
+    r = invoke("materialize", "--study", "s1", "--storage", storage, "--trial", "0", "--out", tmp_path / "m")
+    msg = one_line(r, "is not the model the study was made on")
     assert "another machine" not in msg and not (tmp_path / "m").exists()
 
 

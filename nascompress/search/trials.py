@@ -111,12 +111,16 @@ class SearchJob(Config):
     finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0, hi=MAX_EPOCHS)
     train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
                                 lo=1, hi=MAX_IMAGES)
-    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1, hi=MAX_IMAGES)
-    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0, hi=MAX_STEPS)
+    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1,
+                               hi=MAX_IMAGES)
+    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0,
+                               hi=MAX_STEPS)
     batch_size: int = setting(64, help="Images per batch of the trials' evaluation, predictor stages and "
                                        "fine-tunes.", lo=1, hi=MAX_BATCH)
-    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1, hi=MAX_EPOCHS)
-    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1, hi=MAX_ITERS)
+    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1,
+                              hi=MAX_EPOCHS)
+    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1,
+                                 hi=MAX_ITERS)
     enqueue: bool = setting(True, help="Do not run the uncompressed and paper configurations first.",
                             flag="--no-enqueue")
     data: DataConfig | None = None
@@ -141,12 +145,9 @@ class SearchJob(Config):
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> "SearchJob":
-        """A job a study recorded: one recorded when a constraint overrode ``--objective flops``
-        (it said flops, and the study was single-objective) reads as ``goal``."""
-        d = dict(d)
-        if d.get("objective") == "flops" and (d.get("max_flops") is not None or d.get("max_latency_ms") is not None):
-            d["objective"] = "goal"
-        return cls.from_dict(d)
+        """A recorded job; one recorded when a constraint overrode ``--objective flops`` reads as ``goal``."""
+        flops = d.get("objective") == "flops" and (d.get("max_flops") is not None or d.get("max_latency_ms") is not None)
+        return cls.from_dict(dict(d, objective="goal") if flops else d)
 
     @property
     def constrained(self) -> bool:
