@@ -588,3 +588,19 @@ def test_weights_that_are_no_regular_file_are_named(tmp_path):
                  f"weights file {path} is {kind}, not a regular file")
     one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", tmp_path / "none", *TINY),
              "does not exist")
+
+
+def test_a_study_export_or_report_never_replaces_the_study_file(tmp_path):
+    from nascompress.studies import run_study
+
+    from .study_toys import SPACE_INFO, TWO, toy_factory
+
+    db = tmp_path / "s.db"
+    run_study(study_name="s", storage=f"sqlite:///{db}", n_trials=1, objective_factory=toy_factory,
+              space_info=SPACE_INFO, progress=False, **TWO)
+    before = db.read_bytes()
+    one_line(invoke("study", "export", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"),
+             "is the command's input")
+    one_line(invoke("study", "report", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"),
+             "is the command's input")
+    assert db.read_bytes() == before
