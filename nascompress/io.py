@@ -335,9 +335,8 @@ def recorded_input(path: str | Path) -> dict[str, Any] | None:
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        if "nascompress_arch" not in meta:
-            return None
-        return parse_json(meta["nascompress_arch"], source=f"{path} metadata").get("input")
+        arch = parse_json(meta["nascompress_arch"], source=f"{path} metadata") if "nascompress_arch" in meta else {}
+        return arch.get("input")
     except (SafetensorError, OSError, ValueError, AttributeError, NascompressError):
         return None
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import check_settings, setting
 from .errors import NascompressError
+from .utils import check_regular_file
 
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
 CUSTOM_BASE = "vit_tiny_patch16_224"
@@ -125,11 +126,10 @@ def _default_shape(name: str, switches: tuple[tuple[str, Any], ...]) -> dict[str
 
 
 def model_size(spec: "ModelSpec") -> dict[str, int] | None:
-    """``{"params", "depth", "tokens", "img_size", "patch_size", "in_chans"}`` of the ViT ``spec``
-    builds (sizes as (H, W) pairs), counted from its settings
-    (weights of the blocks, patch embedding, position embedding and head; norms and biases left
-    out, so a slight undercount) without building it; None for a name that is no timm ViT. The
-    settings must have passed :func:`check_model_kwargs`."""
+    """``{"params", "depth", "tokens", "img_size", "patch_size", "in_chans", "prefix"}`` of the ViT
+    ``spec`` builds, counted from its settings (weights of the blocks, patch embedding, position
+    embedding and head; norms and biases left out, so a slight undercount) without building it;
+    None for a name that is no timm ViT. The settings must have passed :func:`check_model_kwargs`."""
     kw = spec.kwargs
     switches = tuple(sorted((k, v) for k, v in kw.items() if k not in _SIZE_KEYS and not isinstance(v, list)))
     base = _default_shape(spec.name, switches) if any(k not in kw for k in _SIZE_KEYS[:6]) else {}
@@ -305,12 +305,7 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     ``{"model": ...}`` or ``{"state_dict": ...}`` checkpoint is unwrapped.
     """
     path = Path(path)
-    if not path.is_file():
-        if not path.exists():
-            raise NascompressError(f"weights file {path} does not exist")
-        kind = "a directory" if path.is_dir() else "a named pipe (FIFO)" if path.is_fifo() else \
-            "a device or socket"
-        raise NascompressError(f"weights file {path} is {kind}, not a regular file; give a .safetensors or .pth file")
+    check_regular_file(path, what="weights file", fix="give a .safetensors or .pth file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file

@@ -103,6 +103,17 @@ def parse_json(text: str | bytes, *, source: str) -> Any:
     return obj
 
 
+def check_regular_file(path: Path, *, what: str, fix: str = "give a regular file") -> None:
+    """Refuse in one line a ``path`` that is missing, or a directory, a FIFO or a device (which
+    would be read without end): what it is, and ``fix``."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise NascompressError(f"{what} {path} does not exist")
+    kind = "a directory" if path.is_dir() else "a named pipe (FIFO)" if path.is_fifo() else "a device or socket"
+    raise NascompressError(f"{what} {path} is {kind}, not a regular file; {fix}")
+
+
 def read_file_text(path: str | Path, *, what: str = "") -> str:
     """The text of a file nascompress reads, bounded in size (checked before reading: no
     ``/dev/zero`` read to the end), one line for a missing or unreadable one."""
@@ -110,11 +121,8 @@ def read_file_text(path: str | Path, *, what: str = "") -> str:
 
     path = Path(path)
     name = f"{what} {path}".strip()
+    check_regular_file(path, what=what or "file", fix="give the file itself")
     try:
-        if not path.is_file():
-            if not path.exists():
-                raise NascompressError(f"{name} does not exist")
-            raise NascompressError(f"{name} is not a regular file")
         check_limit("max_file_bytes", path.stat().st_size, f"{name}'s size in bytes", fix="check the file")
         return path.read_text()
     except UnicodeDecodeError:

@@ -173,8 +173,8 @@ def test_deep_or_huge_files_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(NascompressError, match="big.json's size in bytes is 2,003, above the limit of 1,000"):
         read_json(tmp_path / "big.json")
     monkeypatch.delenv("NASCOMPRESS_MAX_FILE_BYTES")
-    for bad in (tmp_path, Path("/dev/zero")):  # a folder, a device: never read to the end
-        with pytest.raises(NascompressError, match="is not a regular file"):
+    for bad, kind in ((tmp_path, "a directory"), (Path("/dev/zero"), "a device or socket")):  # never read to the end
+        with pytest.raises(NascompressError, match=f"is {kind}, not a regular file"):
             read_json(bad)
 
 

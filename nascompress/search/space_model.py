@@ -101,6 +101,7 @@ class Space:
         from ..models import is_pyramid
 
         kind = "pyramid" if is_pyramid(model) else "vit"
+        self.check_depth(None if kind == "pyramid" else len(model.blocks))  # layer numbers: the more precise word
         words = {"vit": "a plain ViT (vit_*, deit_*)", "pyramid": "a pyramid ViT (PVT v2)"}
         for m in self.methods:
             try:
@@ -110,7 +111,6 @@ class Space:
             if need != kind:
                 raise NascompressError(f"{self.source}: {m.where}: method {m.name} needs {words[need]}, and the base "
                                        f"model is {words[kind]}; use a space for {words[kind]}")
-        self.check_depth(None if kind == "pyramid" else len(model.blocks))
 
     def check_depth(self, depth: int | None) -> None:
         """Raise if a layer number in the space is beyond a model of ``depth`` blocks (None: a model
