@@ -274,7 +274,12 @@ def test_damaged_run_files_are_one_line_on_resume(tmp_path, damage, words):
     else:
         _rewrite_checkpoint(ckpt, lambda t, s: t.__setitem__("/model/head.bias", torch.zeros(7)))
     msg = one_line(invoke("train", "--resume", "--out", out), words)
-    if damage != "config":
+    if damage == "config":  # the advice works: the command again with --force starts over
+        from .test_reliability import TINY
+
+        assert "rerun 'nascompress train' with --force to start over" in msg
+        assert invoke("train", "--out", out, "--dataset", "synthetic", *TINY, "--force").exit_code == 0
+    else:
         assert "delete it" in msg
         ckpt.unlink()  # the advice works: --resume then starts the run over
         assert invoke("train", "--resume", "--out", out).exit_code == 0
@@ -604,3 +609,15 @@ def test_a_study_export_or_report_never_replaces_the_study_file(tmp_path):
     one_line(invoke("study", "report", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"),
              "is the command's input")
     assert db.read_bytes() == before
+
+
+def test_an_allocation_failure_is_one_line(tiny_run, monkeypatch):
+    import nascompress.io as nio
+
+    def fail(*a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 6553600000000 bytes.")
+
+    monkeypatch.setattr(nio, "check_finite", fail)
+    msg = one_line(invoke("evaluate", tiny_run, "--dataset", "synthetic"), "error: out of memory (")
+    assert "lower the batch size" in msg and "RuntimeError" not in msg
