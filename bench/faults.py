@@ -33,6 +33,8 @@ Usage (from the repository root)::
     # the hostile-input cases only (bench/results/faults_hostile.json):
     python bench/faults.py --only "hostile,open door,trial budget,full-disk-export,model identity,full-disk-train" \
         --out bench/results/faults_hostile.json
+    # the cases of issue 53 (bench/faults_r53.py) only:
+    python bench/faults.py --only r53- --out bench/results/faults_r53.json
 """
 from __future__ import annotations
 
@@ -987,6 +989,9 @@ def main() -> None:
         disk_cases(t)
         leftover_cases(t)
         hostile_cases(t)
+        from faults_r53 import round53_cases  # (imports this module: after it is defined)
+
+        round53_cases(t)
     finally:
         t.unmount_all()
         if not args.keep:

@@ -51,14 +51,14 @@ from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNI
                            synthetic_dataset)
 from .data_splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
 from .errors import NascompressError
-from .limits import SEED_MAX
+from .limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
 __all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
            "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
            "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
-           "load_lfw_faces_dataset", "make_loader", "preprocess",
+           "load_lfw_faces_dataset", "make_loader", "preprocess", "dataset_paths",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
 
 
@@ -115,11 +115,12 @@ class DataConfig:
     val_fraction: float = setting(0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Share of train held out for validation."))
     split_seed: int = 0
-    train_limit: int | None = setting(None, lo=1, help=(
+    train_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
         "Use N training images (a class-stratified random subset drawn with --seed)."))
-    eval_limit: int | None = setting(None, lo=1, help="Use N val/test images (class-stratified, drawn with --seed).")
+    eval_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
+        "Use N val/test images (class-stratified, drawn with --seed)."))
     subset_seed: int = 0
-    num_workers: int | None = setting(None, lo=0, help=(
+    num_workers: int | None = setting(None, lo=0, hi=MAX_WORKERS, help=(
         "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
     skip_bad_images: bool = setting(False, help=(
         "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
@@ -249,3 +250,13 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
                       native_channels=channels, native_size=size,
                       extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed})
+
+
+def dataset_paths(cfg: DataConfig | None) -> tuple[str, ...]:
+    """The folders a data config reads (its ImageFolder root, its Fashion-MNIST folder): inputs an
+    output must not be (:func:`~nascompress.utils.refuse_overwriting_inputs`)."""
+    if cfg is None:
+        return ()
+    if cfg.dataset == "fashion-mnist":
+        return (cfg.data_dir,)
+    return () if cfg.dataset in DATASET_KEYWORDS else (cfg.dataset,)

@@ -42,6 +42,56 @@ def check_input(interpolation: str | None, crop_pct: float | None, crop_mode: st
         raise NascompressError(f"crop_mode must be one of {', '.join(CROP_MODES)}, got {crop_mode!r}")
 
 
+def _number_list(v: Any) -> bool:
+    return (isinstance(v, list) and bool(v)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
+
+
+def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None = None) -> None:
+    """Check the ``input`` section of an arch read from a file, in one line naming ``source``:
+    ``img_size`` [H, W] of positive integers, ``in_chans`` a positive integer, ``mean``/``std`` finite
+    (``std`` > 0) with 1 or ``in_chans`` values; against ``model`` (the geometry of the model the
+    arch builds, :func:`~nascompress.models.model_size`: ``img_size``, ``patch_size``, ``in_chans``,
+    ``prefix``, with ``dynamic`` for ``dynamic_img_size``): the same channels, and the model's
+    image size (or, dynamic, a multiple of the patch within the token limit)."""
+    def bad(what: str) -> NascompressError:
+        return NascompressError(f"{source}: input {what}; the file was not written by nascompress or was edited: "
+                                "fix its input section (or write it again with the command that made it)")
+
+    if not isinstance(inp, dict):
+        raise bad(f"must be an object with img_size, in_chans, mean and std, got {type(inp).__name__}")
+    size, chans = inp.get("img_size"), inp.get("in_chans")
+    if not (isinstance(size, list) and len(size) == 2 and all(type(v) is int and v > 0 for v in size)):
+        raise bad(f"img_size must be [H, W] of positive integers, got {size!r}")
+    if type(chans) is not int or chans < 1:
+        raise bad(f"in_chans must be a positive integer, got {chans!r}")
+    for name in ("mean", "std"):
+        v = inp.get(name)
+        if not _number_list(v) or len(v) not in (1, chans):
+            raise bad(f"{name} must be a list of 1 or {chans} (in_chans) finite numbers, got {v!r}")
+    if any(s <= 0 for s in inp["std"]):
+        raise bad(f"std values must be positive, got {inp['std']!r}")
+    try:
+        check_input(inp.get("interpolation"), inp.get("crop_pct"), inp.get("crop_mode"))
+    except NascompressError as e:
+        raise bad(str(e)) from None
+    if model is None:
+        return
+    if chans != model["in_chans"]:
+        raise bad(f"in_chans is {chans} but the model (and its weights) take {model['in_chans']} channels")
+    (h, w), (ph, pw) = size, model["patch_size"]
+    if not model.get("dynamic"):
+        if (h, w) != tuple(model["img_size"]):
+            raise bad(f"img_size is {size} but the model takes {list(model['img_size'])}")
+        return
+    if h % ph or w % pw:
+        raise bad(f"img_size {size} is not a multiple of the model's patch size {[ph, pw]}")
+    from .limits import check_limit
+
+    check_limit("max_model_tokens", (h // ph) * (w // pw) + model.get("prefix", 1), f"{source}: input img_size "
+                f"{size}'s tokens per image", fix="check its input section")
+
+
 @dataclass(frozen=True)
 class InputSpec:
     """How raw images become model input. Recorded in arch.json as ``input``: everything

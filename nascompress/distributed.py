@@ -92,8 +92,18 @@ class World:
         return self.rank == 0
 
 
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    raw = os.environ.get("WORLD_SIZE", "1")
+    try:
+        size = int(raw)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise NascompressError(f"WORLD_SIZE={raw!r} is not a process count; unset it (torchrun sets it)")
+    return size
 
 
 def local_device(device: str | None) -> torch.device:
@@ -114,6 +124,11 @@ def init(device: str | None = "auto") -> torch.device:
         return dev
     if not dist.is_available():
         raise NascompressError("this torch build has no torch.distributed; run without torchrun")
+    missing = [v for v in _TORCHRUN_VARS if not os.environ.get(v)]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise NascompressError(f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
+                               "or start it with torchrun (torchrun --nproc_per_node N $(which nascompress) ...)")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")

@@ -43,10 +43,12 @@ _PROBLEMS = {
     errno.EROFS: ("the file system is read-only", "choose a writable output (or remount it read-write)"),
     errno.EACCES: ("permission denied", "make it writable for this user or choose another output"),
     errno.EPERM: ("operation not permitted", "make it writable for this user or choose another output"),
+    errno.EFBIG: ("the file size limit of this shell (ulimit -f) is exceeded",
+                  "raise it (ulimit -f unlimited) or write a smaller file"),
 }
 # SQLite reports these as text (sqlite3.OperationalError, wrapped by SQLAlchemy and Optuna)
 _SQLITE = (("database or disk is full", errno.ENOSPC), ("attempt to write a readonly database", errno.EROFS),
-           ("unable to open database file", errno.EACCES))
+           ("unable to open database file", errno.EACCES), ("File too large", errno.EFBIG))
 _OS_ERROR = re.compile(r"os error (\d+)")  # Rust's io::Error text (safetensors)
 
 

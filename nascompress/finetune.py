@@ -24,7 +24,7 @@ from torch import nn
 from . import distributed, runtime
 from .api import run_data_config
 from .config import Config, StageSettings, check_bool, setting
-from .data import DataConfig, InputSpec, load_data, make_loader, preprocess
+from .data import DataConfig, dataset_paths, InputSpec, load_data, make_loader, preprocess
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch, save_model, set_labels
@@ -112,7 +112,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
         job = RunDir.recorded(out, FinetuneJob, "nascompress finetune", given=job, explicit=explicit)
     elif Path(job.run_dir).exists():  # recorded absolute: a resume or a reader from another directory finds it
         job = job.replace(run_dir=str(Path(job.run_dir).absolute()))
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.run_dir, *dataset_paths(job.data)))
     method = get_method(job.method)
     cfg = job.train or finetune_train_config(job.method)
     runtime.prepare_deterministic(cfg.deterministic)

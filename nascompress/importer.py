@@ -130,7 +130,7 @@ def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, 
 def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     """Import ``job.weights`` as a run in ``job.out`` (see the module docstring); return the metrics."""
     out = Path(job.out)
-    run = RunDir.prepare(out, force=force)
+    run = RunDir.prepare(out, force=force, inputs=(job.weights,))
     raw = read_weights_file(job.weights)
     kwargs, notes = weights_kwargs(job, raw)
     head = raw.get("head.weight")

@@ -50,8 +50,9 @@ from torch import nn
 
 from .errors import NascompressError, writing
 from .methods import apply_methods
-from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict
-from .utils import atomic_path, read_json, write_json
+from .data_input import check_input_section
+from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict, model_size
+from .utils import atomic_path, parse_json, read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
 # /1: written before the method contract; its new-parameter names differ (see _upgrade_v1)
@@ -118,7 +119,12 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
         raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
                                f"keys {sorted(model)}")
     check_model_kwargs(model.get("kwargs", {}), source=source)
-    check_model_size(ModelSpec(model["name"], dict(model.get("kwargs", {}))), source=source)
+    spec = ModelSpec(model["name"], dict(model.get("kwargs", {})))
+    check_model_size(spec, source=source)
+    geometry = model_size(spec)  # None: a model nascompress cannot count (a pyramid ViT)
+    if geometry is not None:
+        geometry["dynamic"] = bool(spec.kwargs.get("dynamic_img_size"))
+    check_input_section(arch.get("input"), source=source, model=geometry)
     if not isinstance(arch.setdefault("methods", []), list):
         raise NascompressError(f"{source}: methods must be a list of method records")
     return arch
@@ -196,8 +202,8 @@ def _mark(d: Path) -> tuple[str, str | None]:
     if not m.is_file():
         return "absent", None
     try:
-        metrics = json.loads(m.read_text())
-    except (ValueError, OSError):
+        metrics = read_json(m)
+    except NascompressError:
         return "unmarked", None
     if not isinstance(metrics, dict):
         return "unmarked", None
@@ -209,6 +215,9 @@ def _mark(d: Path) -> tuple[str, str | None]:
     if not isinstance(files, dict):
         return "unmarked", None
     for name, want in files.items():
+        if name not in VOUCHED_FILES:  # e.g. "../../x": never read outside the run
+            return "altered", (f"its completion mark names {str(name)!r}, not a file of the run "
+                               f"({', '.join(VOUCHED_FILES)})")
         p = d / str(name)
         if not isinstance(want, dict) or not p.is_file():
             return "altered", f"{name} is missing"
@@ -236,8 +245,8 @@ def run_state(run_dir: str | Path) -> str:
 def _writer(d: Path) -> tuple[str, bool] | None:
     """(command, can it --resume) of the nascompress run whose config.json is in ``d``, else None."""
     try:
-        cfg = json.loads((d / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+        cfg = read_json(d / CONFIG_FILE)
+    except NascompressError:
         return None
     if not isinstance(cfg, dict):
         return None
@@ -313,7 +322,8 @@ def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str
                                "or its model.safetensors") from e
     if "nascompress_arch" not in meta:
         raise NascompressError(f"{path} has no arch.json beside it and no nascompress_arch metadata")
-    return path, validate_arch(json.loads(meta["nascompress_arch"]), source=f"{path} metadata")
+    source = f"{path} metadata"
+    return path, validate_arch(parse_json(meta["nascompress_arch"], source=source), source=source)
 
 
 def recorded_input(path: str | Path) -> dict[str, Any] | None:
@@ -325,8 +335,9 @@ def recorded_input(path: str | Path) -> dict[str, Any] | None:
     try:
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
-        return json.loads(meta["nascompress_arch"]).get("input") if "nascompress_arch" in meta else None
-    except (SafetensorError, OSError, ValueError, AttributeError):
+        arch = parse_json(meta["nascompress_arch"], source=f"{path} metadata") if "nascompress_arch" in meta else {}
+        return arch.get("input")
+    except (SafetensorError, OSError, ValueError, AttributeError, NascompressError):
         return None
 
 
@@ -428,8 +439,12 @@ def load_state(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
         with safe_open(str(path), "pt") as f:
-            skeleton = json.loads((f.metadata() or {})["nascompress_state"])
+            skeleton = parse_json((f.metadata() or {})["nascompress_state"], source=f"checkpoint {path}'s metadata")
         tensors = load_file(str(path))
     except (SafetensorError, OSError, KeyError, ValueError) as e:
         raise NascompressError(f"checkpoint {path} is unreadable ({e}); delete it to start over") from e
-    return _unflatten(skeleton, tensors)
+    try:
+        return _unflatten(skeleton, tensors)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a tensor missing, a damaged skeleton
+        raise NascompressError(f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
+                               "delete it (a --resume then starts the run over) or rerun with --force") from None

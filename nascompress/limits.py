@@ -19,6 +19,16 @@ what was refused and how to raise the limit: ``NASCOMPRESS_<NAME>`` in the envir
 Seeds are in [0, 2^32 - 1] (:data:`SEED_MAX`: numpy's range; the seeds derived from them, e.g. a
 trial's, stay in 64 bits): the range of the ``seed`` setting itself, not a limit to raise.
 - ``max_yaml_depth``: nesting of a pipeline or search-space file (they nest a few levels).
+- ``max_json_depth``: nesting of a JSON file nascompress reads (``arch.json``, ``config.json``,
+  ``metrics.json``, ``log.jsonl``, a checkpoint's metadata, an export sidecar): the deepest it
+  writes, a checkpoint's optimizer state, nests about 10 levels; 10^6 levels would exhaust the
+  parser's stack.
+- ``max_file_bytes``: size of such a JSON or YAML file (arch.json is a few KB; a log.jsonl of
+  10,000 epochs about 5 MB).
+
+The count, size and iteration options of the commands (epochs, batch sizes, timing iterations, ...)
+have bounds too, :data:`OPTION_BOUNDS`: the largest value a real use needs, well above it; they
+are ranges of the options (checked with them, in one line), not limits to raise.
 """
 from __future__ import annotations
 
@@ -31,6 +41,19 @@ from .errors import NascompressError
 
 ENV_PREFIX = "NASCOMPRESS_"
 SEED_MAX = 2**32 - 1
+
+# The bounds of the count, size and iteration options (the ``hi`` of their settings): far above
+# what a use needs, low enough that a typo (10^9, 1e12) is refused before anything is allocated
+# or run instead of exhausting memory or running for years.
+MAX_EPOCHS = 10_000  # epochs, fine-tune and DCS epochs, warm-up epochs (ImageNet recipes: 300 to 1,000)
+MAX_BATCH = 65_536  # batch sizes: training, evaluation, export, its check, profiling
+MAX_ITERS = 100_000  # timing repetitions (profile --iters, --latency-iters)
+MAX_STEPS = 10_000_000  # optimisation steps (--calib-steps)
+MAX_IMAGES = 1_000_000_000  # image counts (--train-images, --calib-images, --train-limit, ...)
+MAX_WORKERS = 1_024  # processes (--workers, --num-workers)
+MAX_LR = 10.0  # learning rates (--lr, --base-lr, --arch-lr): AdamW diverges long before
+OPTION_BOUNDS = {"epochs": MAX_EPOCHS, "batch": MAX_BATCH, "iters": MAX_ITERS, "steps": MAX_STEPS,
+                 "images": MAX_IMAGES, "workers": MAX_WORKERS, "lr": MAX_LR}
 
 
 def _limit(default: int, *, lo: int, help: str) -> Any:  # noqa: A002 (the settings' name for it)
@@ -48,6 +71,8 @@ class Limits:
     max_image_pixels: int = _limit(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
     max_trials: int = _limit(100_000, lo=1, help="Complete trials a study may be asked for.")
     max_yaml_depth: int = _limit(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
+    max_json_depth: int = _limit(100, lo=2, help="Nesting depth of a JSON file nascompress reads.")
+    max_file_bytes: int = _limit(64 * 2**20, lo=1, help="Size of a JSON or YAML file nascompress reads.")
 
 
 DEFAULT = Limits()
@@ -93,4 +118,5 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
                                f"intended, raise the limit with {env_name(name)}=N")
 
 
-__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX"]
+__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX", "OPTION_BOUNDS", "MAX_BATCH",
+           "MAX_EPOCHS", "MAX_IMAGES", "MAX_ITERS", "MAX_LR", "MAX_STEPS", "MAX_WORKERS"]

@@ -21,6 +21,7 @@ from torch import nn
 from .config import check_settings, setting
 from .errors import NascompressError
 from .import_shapes import check_resampling
+from .utils import check_regular_file
 
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
 CUSTOM_BASE = "vit_tiny_patch16_224"
@@ -126,10 +127,10 @@ def _default_shape(name: str, switches: tuple[tuple[str, Any], ...]) -> dict[str
 
 
 def model_size(spec: "ModelSpec") -> dict[str, int] | None:
-    """``{"params", "depth", "tokens"}`` of the ViT ``spec`` builds, counted from its settings
-    (weights of the blocks, patch embedding, position embedding and head; norms and biases left
-    out, so a slight undercount) without building it; None for a name that is no timm ViT. The
-    settings must have passed :func:`check_model_kwargs`."""
+    """``{"params", "depth", "tokens", "img_size", "patch_size", "in_chans", "prefix"}`` of the ViT
+    ``spec`` builds, counted from its settings (weights of the blocks, patch embedding, position
+    embedding and head; norms and biases left out, so a slight undercount) without building it;
+    None for a name that is no timm ViT. The settings must have passed :func:`check_model_kwargs`."""
     kw = spec.kwargs
     switches = tuple(sorted((k, v) for k, v in kw.items() if k not in _SIZE_KEYS and not isinstance(v, list)))
     base = _default_shape(spec.name, switches) if any(k not in kw for k in _SIZE_KEYS[:7]) else {}
@@ -146,7 +147,8 @@ def model_size(spec: "ModelSpec") -> dict[str, int] | None:
     tokens = (ih // max(ph, 1)) * (iw // max(pw, 1)) + prefix
     params = (depth * (4 * d * d + 2 * d * hidden) + int(get("in_chans")) * ph * pw * d + tokens * d
               + d * int(get("num_classes")))
-    return {"params": params, "depth": depth, "tokens": tokens}
+    return {"params": params, "depth": depth, "tokens": tokens, "img_size": (ih, iw), "patch_size": (ph, pw),
+            "in_chans": int(get("in_chans")), "prefix": prefix}
 
 
 def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -> None:
@@ -304,8 +306,7 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     ``{"model": ...}`` or ``{"state_dict": ...}`` checkpoint is unwrapped.
     """
     path = Path(path)
-    if not path.is_file():
-        raise NascompressError(f"weights file {path} does not exist")
+    check_regular_file(path, what="weights file", fix="give a .safetensors or .pth file")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -397,10 +398,9 @@ def checkpoint_filter(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str
 def load_pretrained(model: VisionTransformer, path: str | Path, *, reset_head: bool = False) -> None:
     """Load dense timm weights from a local file (original timm/DeiT checkpoints included).
 
-    The position embedding is resampled to the model's grid as timm does, and said; a patch kernel of
-    another size is refused (:func:`~nascompress.import_shapes.check_resampling`). With ``reset_head``
-    the classifier is left at its initialisation: the file's ``head.*`` tensors may have another shape
-    or be missing (backbone-only checkpoints: DINOv2, MAE, CLIP); every other tensor must be there and fit.
+    The position grid is resampled as timm does, and said; a patch kernel of another size is refused
+    (:func:`~nascompress.import_shapes.check_resampling`). ``reset_head``: the head is left at its
+    initialisation (the file's may differ or be missing: DINOv2, MAE, CLIP); the rest must be there and fit.
     """
     check_resampling(raw := read_weights_file(path), model, path)
     sd = checkpoint_filter(raw, model)

@@ -42,7 +42,8 @@ from . import distributed, runtime
 from .api import run_data_config
 from .auto_batch import AUTO_BATCH_NOTE, AUTO_BATCH_SIZES, AUTO_BATCH_STEPS, auto_batch_size
 from .config import Config, StageSettings, check_settings, setting
-from .data import DataBundle, DataConfig, InputSpec, load_data
+from .limits import MAX_IMAGES
+from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
@@ -107,7 +108,8 @@ class RetrainConfig(Config):
     input_pool: int = 7
     kmeans_iters: int = 20
     kmeans_init: str = "k-means++"
-    cluster_samples: int | None = setting(None, lo=1, help="Cluster a fixed random subset of N training images.")
+    cluster_samples: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
+        "Cluster a fixed random subset of N training images."))
     kd_alpha: float = setting(0.5, lo=0, hi=1, help="KD weight alpha: (1 - alpha) CE + alpha KD.")
     kd_temperature: float = setting(1.0, lo=0, lo_open=True, help="KD temperature.")
     feat_kd: float | None = setting(None, lo=0, help=(
@@ -317,7 +319,8 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     else:  # recorded absolute: a resume or a reader from another directory finds them
         job = job.replace(model_dir=os.path.abspath(job.model_dir),
                           teacher=os.path.abspath(job.teacher) if job.teacher else None)
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume,
+                         inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
     arch = load_arch(job.model_dir)
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "

@@ -31,9 +31,10 @@ class RunDir:
     resume: bool = False
 
     @classmethod
-    def prepare(cls, out: str | Path, *, force: bool = False, resume: bool = False) -> RunDir:
-        """Check that ``out`` may be written (nothing is created yet)."""
-        return cls(prepare_out_dir(out, force=force, resume=resume), force=force, resume=resume)
+    def prepare(cls, out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> RunDir:
+        """Check that ``out`` may be written (nothing is created yet); ``inputs``: the paths the job
+        reads (an ``out`` that is or contains one is refused, even with ``force``)."""
+        return cls(prepare_out_dir(out, force=force, resume=resume, inputs=inputs), force=force, resume=resume)
 
     @staticmethod
     def recorded(out: str | Path, job_cls: Any, command: str, *, given: Any = None,

@@ -17,8 +17,8 @@ from torch import nn
 
 from . import distributed, runtime
 from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
-from .limits import SEED_MAX
-from .data import DataBundle, DataConfig, InputOverrides, InputSpec, default_norm, load_data
+from .limits import MAX_BATCH, MAX_EPOCHS, MAX_LR, SEED_MAX
+from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
 from .errors import NascompressError
 from .hooks import TrainHooks
 from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
@@ -62,13 +62,13 @@ class TrainConfig(Config):
     # Fields declared with setting() are the user's: options of `train`, `search dcs`, `retrain` and keys
     # of their pipeline sections (each stage offers some, with its own recipe's defaults: StageSettings
     # below and next to each stage); seed, device, amp and deterministic are the pipeline's top-level keys.
-    epochs: int = setting(5, lo=1, help="Passes over the training split.")
-    batch_size: int = setting(128, lo=1, help="Images per step (per process under torchrun).")
-    lr: float | None = setting(None, lo=0, lo_open=True, help=(
+    epochs: int = setting(5, lo=1, hi=MAX_EPOCHS, help="Passes over the training split.")
+    batch_size: int = setting(128, lo=1, hi=MAX_BATCH, help="Images per step (per process under torchrun).")
+    lr: float | None = setting(None, lo=0, lo_open=True, hi=MAX_LR, help=(
         "Absolute peak lr; without it the peak is --base-lr x batch / 512."))
-    base_lr: float = setting(4e-3, lo=0, lo_open=True, user_default=None, help="Peak lr per 512 images.")
-    min_lr: float = setting(1e-5, lo=0, help="End of the cosine lr decay.")
-    warmup_epochs: float = setting(1.0, lo=0, help="Linear lr warm-up, in epochs.")
+    base_lr: float = setting(4e-3, lo=0, lo_open=True, hi=MAX_LR, user_default=None, help="Peak lr per 512 images.")
+    min_lr: float = setting(1e-5, lo=0, hi=MAX_LR, help="End of the cosine lr decay.")
+    warmup_epochs: float = setting(1.0, lo=0, hi=MAX_EPOCHS, help="Linear lr warm-up, in epochs.")
     weight_decay: float = setting(0.05, lo=0, help="AdamW weight decay (not on biases, norms, tokens, positions).")
     layer_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
         "Layer-wise lr decay, timm's convention (1: off)."))
@@ -76,7 +76,7 @@ class TrainConfig(Config):
     ema_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, hi_open=True, help=(
         "Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."))
     grad_clip: float = 1.0
-    eval_batch_size: int = setting(256, lo=1, help="Images per evaluation batch.")
+    eval_batch_size: int = setting(256, lo=1, hi=MAX_BATCH, help="Images per evaluation batch.")
     eval_start: bool = True
     keep: str = "best"
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
@@ -256,7 +256,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     if job.linear_probe and distributed.world().size > 1:
         raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "
                                "without torchrun")
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.weights, *dataset_paths(job.data)))
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
     if job.weights:

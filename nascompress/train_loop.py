@@ -32,7 +32,7 @@ from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .io import continue_advice, finish_run, load_state
 from .progress import make_progress
-from .train_store import CHECKPOINT_FILE, RunStore
+from .train_store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from .utils import seed_everything
 
 
@@ -211,15 +211,17 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
 
     if resume and ckpt_path is not None and ckpt_path.exists():
         st = load_state(ckpt_path)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["optimizer"])
-        if ema is not None and st.get("ema") is not None:
-            ema.state = {k: v.to(device) for k, v in st["ema"].items()}
-        hooks.load_state_dict(st.get("hooks", {}))
-        torch.set_rng_state(st["rng"])
-        runtime.restore_cuda_rng(st.get("cuda_rng"))
-        start_epoch, best, best_epoch, train_time = st["epoch"] + 1, st["best"], st["best_epoch"], st["train_time"]
-        start_rec = st.get("start")
+        with damaged_checkpoint(ckpt_path):
+            restore_model(model, st["model"], ckpt_path)
+            opt.load_state_dict(st["optimizer"])
+            if ema is not None and st.get("ema") is not None:
+                ema.state = {k: v.to(device) for k, v in st["ema"].items()}
+            hooks.load_state_dict(st.get("hooks", {}))
+            torch.set_rng_state(st["rng"])
+            runtime.restore_cuda_rng(st.get("cuda_rng"))
+            start_epoch, best_epoch = checked_int(st, "epoch") + 1, checked_int(st, "best_epoch")
+            best, train_time = checked_number(st, "best"), checked_number(st, "train_time")
+            start_rec = st.get("start")
         store.start(resume_from=start_epoch)
     else:
         store.start(resume_from=None)

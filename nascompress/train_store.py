@@ -1,28 +1,102 @@
 """Where a training run keeps its saved model, its log and its checkpoint (:class:`RunStore`): a run
-directory, which rank 0 alone writes, or memory when :func:`nascompress.train.fit` runs without one."""
+directory, which rank 0 alone writes, or memory when :func:`nascompress.train.fit` runs without one.
+
+A run killed during the per-epoch append of ``log.jsonl`` leaves a half-written last line: a resume
+drops it (with a note; the epoch's record is written again when the epoch is), whereas a damaged
+line before the last, or a damaged checkpoint (a missing tensor, an epoch of the wrong type, a
+tensor of the wrong shape), is one line saying what is wrong (:func:`damaged_checkpoint`)."""
 from __future__ import annotations
 
 import json
+import math
+import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from . import distributed
+from .errors import NascompressError
 from .io import load_with_arch, save_model, save_state
-from .utils import append_jsonl
+from .utils import append_jsonl, parse_json
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
 LOG_FILE = "log.jsonl"
 
 
+_START_OVER = "delete it (a --resume then starts the run over) or rerun with --force"
+
+
+@contextmanager
+def damaged_checkpoint(path: Path) -> Iterator[None]:
+    """Turn what a damaged checkpoint raises while it is restored (a missing entry, a value of the
+    wrong type or shape) into one line naming it."""
+    try:
+        yield
+    except NascompressError:
+        raise
+    except KeyError as e:
+        raise NascompressError(f"checkpoint {path} is damaged: it lacks {e}; {_START_OVER}") from None
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise NascompressError(f"checkpoint {path} is damaged ({why}); {_START_OVER}") from None
+
+
+def restore_model(model: nn.Module, sd: Any, path: Path) -> None:
+    """Load a checkpoint's model state, a tensor missing or of another shape named in one line."""
+    from .models import mismatch_report, state_mismatches
+
+    if not isinstance(sd, dict):
+        raise NascompressError(f"checkpoint {path} is damaged: its model state is no tensor dict; {_START_OVER}")
+    bad = state_mismatches(model, sd)
+    if bad:
+        raise NascompressError(f"checkpoint {path} is damaged: {mismatch_report(bad)}; {_START_OVER}")
+    model.load_state_dict(sd, strict=True)
+
+
+def checked_int(state: dict[str, Any], key: str) -> int:
+    v = state[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"its {key} is {v!r}, not an integer")
+    return v
+
+
+def checked_number(state: dict[str, Any], key: str) -> float:
+    v = state[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+        raise TypeError(f"its {key} is {v!r}, not a number")
+    return float(v)
+
+
 def _read_log(path: Path, *, upto: int) -> list[str]:
-    """The log lines of epochs <= ``upto`` (lines of an interrupted epoch are dropped)."""
+    """The log lines of epochs <= ``upto`` (lines of an interrupted epoch are dropped, and so is a
+    half-written last line, with a note)."""
     if not path.exists():
         return []
-    return [ln for ln in path.read_text().splitlines() if ln and int(json.loads(ln)["epoch"]) <= upto]
+    from .utils import read_file_text
+
+    lines = [ln for ln in read_file_text(path).splitlines() if ln.strip()]
+    kept = []
+    for i, ln in enumerate(lines):
+        try:
+            rec = parse_json(ln, source=f"{path} line {i + 1}")
+            epoch = rec["epoch"] if isinstance(rec, dict) else None
+            if isinstance(epoch, bool) or not isinstance(epoch, int):
+                raise NascompressError(f"{path} line {i + 1} has no integer epoch")
+        except NascompressError as e:
+            if i == len(lines) - 1:  # what a kill during the per-epoch append leaves
+                if distributed.is_main():  # shown even without progress lines: a record is dropped
+                    print(f"note: dropping the half-written last line of {path} (the run stopped while writing it)",
+                          file=sys.stderr, flush=True)
+                break
+            raise NascompressError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
+                                   "a new log) or rerun with --force") from None
+        if epoch <= upto:
+            kept.append(ln)
+    return kept
 
 
 class RunStore:
@@ -48,7 +122,7 @@ class RunStore:
             tmp.unlink()
         lines = _read_log(path, upto=resume_from)
         path.write_text("".join(ln + "\n" for ln in lines))
-        self.log.extend(json.loads(ln) for ln in lines)
+        self.log.extend(json.loads(ln) for ln in lines)  # checked by _read_log
 
     def record(self, rec: dict[str, Any]) -> None:
         self.log.append(rec)

@@ -64,14 +64,76 @@ def write_json(path: str | Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def read_json(path: str | Path) -> Any:
-    path = Path(path)
+def nesting_depth(obj: Any) -> int:
+    """How deeply lists and dicts nest in ``obj`` (0: a scalar), counted without recursion."""
+    depth, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            depth = max(depth, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return depth
+
+
+def _too_deep(source: str) -> NascompressError:
+    from .limits import env_name, limits
+
+    return NascompressError(f"{source} nests deeper than {limits().max_json_depth} levels (the max_json_depth limit): "
+                            "it was not written by nascompress or is damaged; replace it (or raise the limit with "
+                            f"{env_name('max_json_depth')}=N if it is intended)")
+
+
+def parse_json(text: str | bytes, *, source: str) -> Any:
+    """The JSON value of ``text`` (from ``source``, named in messages), bounded in size and depth
+    (:mod:`nascompress.limits`): invalid, too large or too deep JSON is one NascompressError."""
+    from .limits import check_limit, limits
+
+    check_limit("max_file_bytes", len(text), f"{source}'s size in bytes", fix="check the file")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise NascompressError(f"{path} does not exist") from e
+        obj = json.loads(text)
+    except RecursionError:
+        raise _too_deep(source) from None
     except json.JSONDecodeError as e:
-        raise NascompressError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})") from e
+        raise NascompressError(f"{source} is not valid JSON ({e.msg} at line {e.lineno}); it was damaged or "
+                               "edited: replace it") from None
+    except UnicodeDecodeError:
+        raise NascompressError(f"{source} is not valid JSON (not UTF-8 text); replace it") from None
+    if nesting_depth(obj) > limits().max_json_depth:
+        raise _too_deep(source)
+    return obj
+
+
+def check_regular_file(path: Path, *, what: str, fix: str = "give a regular file") -> None:
+    """Refuse in one line a ``path`` that is missing, or a directory, a FIFO or a device (which
+    would be read without end): what it is, and ``fix``."""
+    if path.is_file():
+        return
+    if not path.exists():
+        raise NascompressError(f"{what} {path} does not exist")
+    kind = "a directory" if path.is_dir() else "a named pipe (FIFO)" if path.is_fifo() else "a device or socket"
+    raise NascompressError(f"{what} {path} is {kind}, not a regular file; {fix}")
+
+
+def read_file_text(path: str | Path, *, what: str = "") -> str:
+    """The text of a file nascompress reads, bounded in size (checked before reading: no
+    ``/dev/zero`` read to the end), one line for a missing or unreadable one."""
+    from .limits import check_limit
+
+    path = Path(path)
+    name = f"{what} {path}".strip()
+    check_regular_file(path, what=what or "file", fix="give the file itself")
+    try:
+        check_limit("max_file_bytes", path.stat().st_size, f"{name}'s size in bytes", fix="check the file")
+        return path.read_text()
+    except UnicodeDecodeError:
+        raise NascompressError(f"{name} is not text (not UTF-8); replace it") from None
+    except OSError as e:
+        raise NascompressError(f"cannot read {name}: {e.strerror or e}") from None
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON of file ``path``, bounded in size and depth (:func:`parse_json`), in one line on error."""
+    return parse_json(read_file_text(path), source=str(path))
 
 
 def append_jsonl(path: str | Path, obj: Any) -> None:
@@ -94,8 +156,17 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
+    damaged = (f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)", "it cannot be "
+               f"continued: rerun '{command}' with --force to start over")
+    if not isinstance(recorded, dict):
+        raise NascompressError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
-    job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    try:
+        job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
+    except NascompressError as e:
+        raise NascompressError(f"{damaged[0]}: {e}; {damaged[1]}") from None
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise NascompressError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
     if given is not None and explicit:
         diffs = resume_differences(job, given, explicit)
         if diffs:
@@ -141,13 +212,30 @@ def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[st
     return diffs
 
 
-def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False) -> Path:
+def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, option: str = "--out") -> None:
+    """Refuse, whatever ``--force`` says, an output ``out`` that is one of the command's ``inputs``
+    (paths; None entries skipped) or a directory that contains one: writing it would replace or
+    delete what the command reads."""
+    dst = Path(os.path.realpath(out))
+    for src in inputs:
+        if src is None or str(src) == "":
+            continue
+        s = Path(os.path.realpath(src))
+        if s == dst or dst in s.parents:
+            what = "is" if s == dst else "contains"
+            raise NascompressError(f"{option} {out} {what} the command's input {src}: writing it would replace the "
+                                   f"input (even with --force); choose another {option}")
+
+
+def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> Path:
     """Check that ``out`` may be written, without creating it.
 
     An existing non-empty directory is refused unless ``force`` (it is then emptied when
-    :func:`create_out_dir` runs) or ``resume`` (it is kept).
+    :func:`create_out_dir` runs) or ``resume`` (it is kept). An ``out`` that is or contains one of
+    ``inputs`` (the paths the command reads) is refused whatever the flags.
     """
     out = Path(out)
+    refuse_overwriting_inputs(out, inputs)
     if out.exists() and not out.is_dir():
         raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
     if out.exists() and any(out.iterdir()) and not (force or resume):

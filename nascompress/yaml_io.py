@@ -10,20 +10,19 @@ import yaml
 
 from .config import StrictYamlLoader
 from .errors import NascompressError
+from .utils import read_file_text
 
 
 def read_yaml_file(path: str | Path, *, what: str) -> Any:
     """The parsed YAML of ``path`` (not validated); ``what`` names the file in messages
     (``config file``, ``search space``)."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise NascompressError(f"{what} {path} does not exist") from None
-    except OSError as e:
-        raise NascompressError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    text = read_file_text(path, what=what)  # bounded in size (max_file_bytes)
     try:
         return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+    except RecursionError:  # the max_yaml_depth limit raised above what the parser's stack holds
+        raise NascompressError(f"{path}: nested too deeply for the YAML parser; lower its nesting (or the "
+                               "NASCOMPRESS_MAX_YAML_DEPTH limit)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

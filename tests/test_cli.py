@@ -60,7 +60,7 @@ def _one_line_error(r, pattern):
     (["--model", "resnet18"], "not a timm VisionTransformer"),
     (["--dataset", "/nonexistent/data"], "neither a built-in dataset (fashion-mnist, digits, lfw-faces) nor a directory"),
     (["--weights", "/nonexistent/w.safetensors"], "does not exist"),
-    (["--epochs", "0"], r"--epochs must be an integer in [1, inf], got 0"),
+    (["--epochs", "0"], r"--epochs must be an integer in [1, 10000], got 0"),
 ])
 def test_train_bad_input(tmp_path, args, pattern):
     out = tmp_path / "out"

@@ -310,7 +310,7 @@ def test_cli_export_and_refusals(tmp_path, monkeypatch):
     one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--format", "tflite"),
                    "format must be one of onnx, torch-export")
     one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--batch", "zero"),
-                   "batch must be 'dynamic' or a positive integer")
+                   "batch must be 'dynamic' or an integer in [1, 65536]")
     one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--dtype", "bf16"),
                    "bf16 ONNX files cannot be checked")
     (tmp_path / "afile").write_text("")

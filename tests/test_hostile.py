@@ -386,7 +386,7 @@ def test_cli_and_library_values_out_of_range(tmp_path):
     from nascompress.search.trials import SearchJob
     from nascompress.train import TrainConfig
 
-    with pytest.raises(NascompressError, match="--lr must be a finite number in \\(0, inf\\], got inf"):
+    with pytest.raises(NascompressError, match="--lr must be a finite number in \\(0, 10\\], got inf"):
         TrainConfig(lr=float("inf"))
     with pytest.raises(NascompressError, match="--seed must be an integer in \\[0, 4294967295\\]"):
         TrainConfig(seed=2**32)

@@ -141,7 +141,7 @@ def test_max_flops_is_a_constraint(project, tiny_run):
 
 
 @pytest.mark.parametrize("args,match", [
-    (["--workers", 0], "--workers must be an integer in [1, inf], got 0"),
+    (["--workers", 0], "--workers must be an integer in [1, 1024], got 0"),
     (["--space", "missing.yaml"], "missing.yaml"),
     (["--objective", "speed"], "--objective must be one of goal, flops, latency, throughput"),
 ])
@@ -162,7 +162,8 @@ def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_
     notvit = tmp_path / "resnet"
     notvit.mkdir()
     (notvit / "model.safetensors").write_bytes(b"")
-    (notvit / "arch.json").write_text(json.dumps({"format": "nascompress-arch/2", "input": {},
+    inp = {"img_size": [32, 32], "in_chans": 3, "mean": [0.5], "std": [0.5]}
+    (notvit / "arch.json").write_text(json.dumps({"format": "nascompress-arch/2", "input": inp,
                                                   "model": {"name": "resnet18", "kwargs": {}}, "methods": []}))
     r = invoke("search", "tokens", notvit, "--study", "d", "--space", "evit.yaml")
     assert r.exit_code == 1 and "not a timm VisionTransformer" in r.output

@@ -116,7 +116,7 @@ def test_storage_has_one_help():  # was three texts
 
 def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_study_trials(monkeypatch):
     import nascompress.search.dcs as dcs
-    from nascompress.search.trials import _search_dcs
+    from nascompress.search.trial_dcs import _search_dcs
 
     seen = []
 
@@ -185,7 +185,7 @@ def test_a_range_is_checked_by_one_function_for_the_cli_and_the_pipeline(tmp_pat
     with pytest.raises(NascompressError) as lib:
         DataConfig(num_workers=-1)
     assert str(pipe.value).endswith("data.num_workers: " + str(lib.value).removeprefix("--num-workers "))
-    with pytest.raises(NascompressError, match=r"^must be an integer in \[0, inf\], got -1$"):
+    with pytest.raises(NascompressError, match=r"^must be an integer in \[0, 1024\], got -1$"):
         check_value("", -1, _field(DataConfig, "num_workers").metadata, int)
 
 

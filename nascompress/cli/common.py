@@ -89,7 +89,7 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)  # text, not markup
         raise typer.Exit(code=1)
     except KeyboardInterrupt:
-        err.print("interrupted; the last finished epoch is checkpointed: rerun with --resume to continue")
+        err.print(interrupt_advice(), highlight=False, soft_wrap=True)
         raise typer.Exit(code=130)
     except typer.Exit:
         raise
@@ -99,9 +99,50 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         full = write_error(e, verb="access")  # a full disk or a path it may not write, not named yet
         if full is not None:
             fail(str(full))
+        if out_of_memory(e):
+            fail(f"out of memory ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
+                 "lower the batch size (or the image size, the model) and rerun")
         err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)
+
+
+# commands that continue their own work when rerun as they were (no --resume option)
+_RERUN_CONTINUES = {"tokens": "the finished trials are kept in the study: rerun the same command to continue it",
+                    "joint": "the finished trials are kept in the study: rerun the same command to continue it"}
+
+
+def interrupt_advice() -> str:
+    """What to do after a Ctrl-C, for the running command: continue it with ``--resume`` where it
+    has that option (a run with checkpoints), rerun it to continue a study, else rerun it (its
+    outputs are written atomically: nothing of an interrupted one is left)."""
+    try:  # typer >= 0.2x runs on its own copy of click
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return "interrupted"
+    name = ctx.command.name or ""
+    if any(p.name == "resume" for p in ctx.command.params):
+        import shlex
+
+        out = ctx.params.get("out_dir") or ctx.params.get("out")
+        where = f" --out {shlex.quote(str(out))}" if out is not None else ""
+        command = " ".join(["nascompress", *ctx.command_path.split()[1:]])  # the program's name, as installed
+        return f"interrupted; the last finished epoch is checkpointed: continue with '{command} --resume{where}'"
+    if name in _RERUN_CONTINUES:
+        return f"interrupted; {_RERUN_CONTINUES[name]}"
+    return "interrupted; nothing was written (outputs appear only once complete): rerun the command to start again"
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Did ``e`` come from an allocation that failed (host or GPU memory)?"""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
 def given_options() -> set[str]:

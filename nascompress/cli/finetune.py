@@ -16,6 +16,7 @@ import typer
 from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
                                     setting_option, settings_command, with_subsets)
 from nascompress.data import DataConfig
+from nascompress.errors import NascompressError
 from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.train import RUNTIME_SETTINGS
@@ -27,6 +28,8 @@ def parse_value(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError:
         pass
+    except RecursionError:
+        raise NascompressError(f"value {text[:40]}... nests too deeply; give a number, a list or a word") from None
     if "," in text:
         return [parse_value(v.strip()) for v in text.split(",") if v.strip()]
     return text
@@ -53,7 +56,9 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
     elem = (tuples or scalars)[0]
     what = "integers" if elem is int else "numbers"
     if tuples and scalars:
-        metavar, forms = f"{elem.__name__.upper()}[,...]", f"one number or comma-separated {what}, e.g. 0.5 or 0.9,0.7"
+        example = "8, or one per layer: 16,8,4" if elem is int else "0.5, or one per layer: 0.9,0.7"
+        one = "integer" if elem is int else "number"
+        metavar, forms = f"{elem.__name__.upper()}[,...]", f"one {one} or comma-separated {what}, e.g. {example}"
     elif tuples:
         metavar, forms = f"{elem.__name__.upper()}[,...]", f"comma-separated {what}, e.g. 4,7,10 (or one: 2)"
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import Config, check_settings, setting
-from ..limits import SEED_MAX
+from ..limits import MAX_BATCH, SEED_MAX
 from ..errors import NascompressError
 
 FORMATS = ("onnx", "torch-export")
@@ -49,7 +49,7 @@ class ExportConfig(Config):
     opset: int | None = setting(None, help="ONNX opset (default: the exporter's; 17 to 23 load in ONNX Runtime).", lo=7)
     tolerance: float | None = setting(None, help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 "
                                                  "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
-    verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1)
+    verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1, hi=MAX_BATCH)
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="Seed of the check's random batch.")
     quantize: str = setting("none", choices=QUANTIZE, help=(
         "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
@@ -60,8 +60,8 @@ class ExportConfig(Config):
         if self.quantize != "none" and (self.format != "onnx" or self.dtype != "fp32"):
             raise NascompressError("--quantize int8 starts from the fp32 ONNX file: use --format onnx --dtype fp32")
         if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
-                                        or self.batch < 1):
-            raise NascompressError(f"batch must be 'dynamic' or a positive integer, got {self.batch!r}")
+                                        or not 1 <= self.batch <= MAX_BATCH):
+            raise NascompressError(f"batch must be 'dynamic' or an integer in [1, {MAX_BATCH}], got {self.batch!r}")
         if self.format == "onnx" and self.dtype == "bf16":
             raise NascompressError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
                                    "kernels for Conv and MatMul; use --dtype fp16, or --format torch-export for bf16")

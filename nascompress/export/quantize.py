@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from ..config import Config, check_int, check_settings, field_name, setting
+from ..limits import MAX_IMAGES
 from ..errors import NascompressError
 from .graphs import TWO_STAGE
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
@@ -69,10 +70,10 @@ class QuantizeConfig(Config):
 
     scheme: str = setting("int8-static", choices=SCHEMES, help=(
         "int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."))
-    calib_images: int = setting(256, lo=1, help="Training images the static scheme calibrates on.")
+    calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
     max_drop: float = setting(1.0, lo=0, help=(
         "Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."))
-    eval_images: int | None = setting(None, lo=1, help=(
+    eval_images: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
         "Validation images of the accuracy check (default: the run's whole validation split)."))
     fallback: bool = setting(True, flag="--no-fallback", help=(
         "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
@@ -224,7 +225,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     from ..io import load_arch
     from ..utils import atomic_path, write_json
     from .config import ExportConfig
-    from .run import check_outputs, export_run, new_folders, sidecar_path
+    from .run import check_outputs, clear_stale, export_run, new_folders, sidecar_path
     from .verify import onnx_runner
 
     cfg = config or QuantizeConfig()
@@ -243,14 +244,16 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
     out = Path(out)
-    created = check_outputs([out, sidecar_path(out)], force=force)
+    created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)
     if cfg.eval_images is not None:
         data_cfg = replace(data_cfg, eval_limit=cfg.eval_images, subset_seed=cfg.seed)
     spec = InputSpec.from_dict(arch["input"])
     bundle = load_data(data_cfg, spec=spec, augment=False)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="nascompress-quantize-") as tmp:
+    clear_stale(out)  # what a quantize of this output killed with kill -9 left
+    with new_folders(created), tempfile.TemporaryDirectory(prefix=f".{out.name}.quantize-", dir=out.parent) as tmp:
+        # (beside the output: a killed run leaves nothing outside --out, and the next run removes it)
         fp32 = Path(tmp) / "fp32.onnx"
         side = export_run(run, out=fp32, config=ecfg, force=True)
         if side["num_classes"] != bundle.num_classes:
@@ -265,44 +268,43 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         calib, n_calib = None, 0
         proto = onnx.load(str(fp32))
         attempts: list[dict[str, Any]] = []
-        with new_folders(created):
-            with atomic_path(out) as tmp_out, atomic_path(sidecar_path(out)) as tmp_side:
-                chosen = None
-                for scheme, level in cfg.attempts():
-                    nodes, kept = plan_precision(proto, level)
-                    if not nodes:  # nothing left to quantize at this level (level 1 of a 2-block model)
-                        if level == 0:
-                            raise NascompressError("the model has no linear layer with constant weights to quantize")
-                        continue
-                    if scheme == "int8-static" and calib is None:
-                        calib, n_calib = calibration_batches(bundle, spec, cfg)
-                    q = Path(tmp) / f"{scheme}.{level}.onnx"
-                    t1 = time.perf_counter()
-                    quantize_file(fp32, q, scheme=scheme, nodes=nodes, calib=calib if scheme == "int8-static" else None)
-                    got = _logits(onnx_runner(q)[0], val())
-                    a = {"scheme": scheme, "level": level, "quantized_nodes": len(nodes), "kept_fp32": kept,
-                         "seconds": round(time.perf_counter() - t1, 2),
-                         "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop)}
-                    attempts.append(a)
-                    if a["check"]["passed"]:
-                        chosen = (a, q)
-                        break
-                if chosen is None:
-                    tried = "; ".join(_describe(a) for a in attempts)
-                    raise NascompressError(
-                        f"int8 costs more than --max-drop {cfg.max_drop:g} top-1 points on the validation split "
-                        f"({len(labels)} images): {tried}; nothing was written (allow a larger --max-drop, or deploy "
-                        "the fp32 export)")
-                a, q = chosen
-                tmp_out.write_bytes(q.read_bytes())
-                fallback = None
-                if (a["scheme"], a["level"]) != (cfg.scheme, 0):
-                    fallback = (f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
-                                f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
-                                f"{' (first and last blocks fp32)' if a['level'] else ''}")
-                side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
-                                time.perf_counter() - t0)
-                write_json(tmp_side, side)
+        with atomic_path(out) as tmp_out, atomic_path(sidecar_path(out)) as tmp_side:
+            chosen = None
+            for scheme, level in cfg.attempts():
+                nodes, kept = plan_precision(proto, level)
+                if not nodes:  # nothing left to quantize at this level (level 1 of a 2-block model)
+                    if level == 0:
+                        raise NascompressError("the model has no linear layer with constant weights to quantize")
+                    continue
+                if scheme == "int8-static" and calib is None:
+                    calib, n_calib = calibration_batches(bundle, spec, cfg)
+                q = Path(tmp) / f"{scheme}.{level}.onnx"
+                t1 = time.perf_counter()
+                quantize_file(fp32, q, scheme=scheme, nodes=nodes, calib=calib if scheme == "int8-static" else None)
+                got = _logits(onnx_runner(q)[0], val())
+                a = {"scheme": scheme, "level": level, "quantized_nodes": len(nodes), "kept_fp32": kept,
+                     "seconds": round(time.perf_counter() - t1, 2),
+                     "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop)}
+                attempts.append(a)
+                if a["check"]["passed"]:
+                    chosen = (a, q)
+                    break
+            if chosen is None:
+                tried = "; ".join(_describe(a) for a in attempts)
+                raise NascompressError(
+                    f"int8 costs more than --max-drop {cfg.max_drop:g} top-1 points on the validation split "
+                    f"({len(labels)} images): {tried}; nothing was written (allow a larger --max-drop, or deploy "
+                    "the fp32 export)")
+            a, q = chosen
+            tmp_out.write_bytes(q.read_bytes())
+            fallback = None
+            if (a["scheme"], a["level"]) != (cfg.scheme, 0):
+                fallback = (f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
+                            f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
+                            f"{' (first and last blocks fp32)' if a['level'] else ''}")
+            side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
+                            time.perf_counter() - t0)
+            write_json(tmp_side, side)
     return side
 
 

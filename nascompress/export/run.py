@@ -14,7 +14,7 @@ from ..errors import NascompressError, require_extra
 from ..io import file_sha256
 from ..data import InputSpec, eval_steps
 from ..progress import say
-from ..utils import atomic_path, write_json
+from ..utils import atomic_path, refuse_overwriting_inputs, write_json
 from .config import ExportConfig
 from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph
 from .paths import traceable_copy
@@ -37,8 +37,16 @@ def stage_path(out: str | Path, role: str) -> Path:
     return out if role in ("model", "sgis") else out.with_name(f"{out.stem}.{role}{out.suffix}")
 
 
-def check_outputs(paths: list[Path], *, force: bool) -> list[Path]:
-    """Refuse existing files (without force) and unwritable places; return the folders to create."""
+def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = None) -> list[Path]:
+    """Refuse existing files (without force), unwritable places and (even with force) a file of the
+    model ``run`` being read; return the folders to create."""
+    if run is not None:
+        from ..io import ARCH_FILE, MODEL_FILE
+
+        d = Path(run) if Path(run).is_dir() else Path(run).parent
+        inputs = (run, d / MODEL_FILE, d / ARCH_FILE) if Path(run).is_dir() else (run, d / ARCH_FILE)
+        for p in paths:
+            refuse_overwriting_inputs(p, inputs)
     for p in paths:
         if p.exists() and (not force or not p.is_file()):
             why = "is not a file" if not p.is_file() else "already exists; pass --force to replace it"
@@ -51,6 +59,21 @@ def check_outputs(paths: list[Path], *, force: bool) -> list[Path]:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise NascompressError(f"cannot write {paths[0]}: {parent} is not a writable directory; choose another --out")
     return missing[::-1]
+
+
+def clear_stale(out: Path) -> None:
+    """Remove what an export or quantize of ``out`` killed mid-write (kill -9) left beside it: the
+    temp files of its atomic writes (``.<name>.*.tmp``, the sidecar's too) and quantize's work
+    folder (``.<name>.quantize-*``)."""
+    import shutil
+
+    if not out.parent.is_dir():
+        return
+    for p in out.parent.glob(f".{out.name}.*"):
+        if p.name.endswith(".tmp") and p.is_file():
+            p.unlink(missing_ok=True)
+        elif p.name.startswith(f".{out.name}.quantize-") and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -129,7 +152,9 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     check_exportable(arch, dynamic=cfg.dynamic)
     roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
     files = [stage_path(out, r) for r in roles]
-    created = check_outputs([*files, sidecar_path(out)], force=force)
+    created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
+    for f in files:
+        clear_stale(f)
     model, arch = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)

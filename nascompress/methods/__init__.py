@@ -50,6 +50,8 @@ class Method:
     recipe_cls: ClassVar[type[Config] | None] = None
     train_defaults: ClassVar[dict[str, Any]] = {}
     stacks_on: ClassVar[frozenset[str]] = frozenset()
+    # the models it patches: "vit" (timm's plain VisionTransformer) or "pyramid" (PVT v2)
+    model_kind: ClassVar[str] = "vit"
     # configurations a search enqueues first: compression off (the plain model) and the paper's
     off_config: ClassVar[dict[str, Any] | None] = None
     paper_config: ClassVar[dict[str, Any] | None] = None

@@ -542,6 +542,7 @@ class MGViTHMethod(Method):
     recipe_cls = MGViTHRecipe
     train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
     stacks_on = frozenset()
+    model_kind = "pyramid"
     off_config = {"variant": "a", "r_h": 0.0, "r_t": 1.0, "epsilon": 1.0}
     paper_config = {}
 

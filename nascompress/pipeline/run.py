@@ -13,7 +13,8 @@ import yaml
 
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, writing
-from ..utils import read_json, write_json
+from ..data import dataset_paths
+from ..utils import read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 
@@ -141,6 +142,9 @@ def run_pipeline(config: str | Path, *, out: str | Path, force: bool = False, se
     log = log or (lambda msg: None)
     pipe = plan(config, out=out, seed=seed)  # everything is checked before anything is written
     _check_out(pipe.out, force=force)
+    own = (pipe.out / "base",)  # the base run the pipeline trains itself
+    refuse_overwriting_inputs(pipe.out, [*(() if pipe.base_dir in own else (pipe.base_dir,)),
+                                         *dataset_paths(pipe.data)])
     lock = _lock(pipe.out)
     try:
         with writing(pipe.out, what=f"pipeline directory {pipe.out}", then=_CONTINUE):

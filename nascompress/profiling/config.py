@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from ..config import Config, StageSettings, check_settings, setting
+from ..limits import MAX_BATCH, MAX_ITERS
 from ..models import ModelShape
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -24,8 +25,8 @@ class ProfileConfig(Config):
     """
 
     latency: bool = setting(True, help="FLOPs and params only (no latency, no throughput).", flag="--no-latency")
-    iters: int = setting(10, help="Timed repetitions (median).", lo=1)
-    batch_size: int = setting(64, help="Batch for throughput (latency is at batch 1).", lo=1)
+    iters: int = setting(10, help="Timed repetitions (median).", lo=1, hi=MAX_ITERS)
+    batch_size: int = setting(64, help="Batch for throughput (latency is at batch 1).", lo=1, hi=MAX_BATCH)
     dtype: str = setting("fp32", help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.",
                          choices=DTYPES)
     compile: bool = setting(False, help="Also time each model torch.compile'd (CUDA graphs on CUDA) next to eager.")

@@ -64,6 +64,7 @@ from torch import nn
 from .. import distributed
 from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
 from ..data import IN_MEMORY, DataConfig, InputSpec
+from ..limits import MAX_LR
 from ..errors import NascompressError
 from ..evaluate import evaluate
 from ..io import save_model
@@ -190,7 +191,7 @@ class DCSSearchConfig(Config):
 
     # Fields declared with setting() are the user's: `search dcs` options and `stages.dcs` keys
     # (help: the CLI's; lo/hi/choices: what the pipeline file checks). The others are internal.
-    arch_lr: float | None = setting(None, lo=0, lo_open=True, help=(
+    arch_lr: float | None = setting(None, lo=0, lo_open=True, hi=MAX_LR, help=(
         "Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps)."))
     arch_lr_end: float = 0.1
     arch_beta1: float = 0.5

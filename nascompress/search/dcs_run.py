@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import distributed
 from ..api import count_classes, run_data_config
-from ..data import DataConfig, InputSpec, load_data
+from ..data import DataConfig, InputSpec, dataset_paths, load_data
 from ..errors import NascompressError
 from ..io import load_with_arch, make_arch
 from ..models import ModelSpec, build_model, load_pretrained
@@ -53,7 +53,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
-    run = RunDir.prepare(out, force=force, resume=resume)
+    run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.source, job.weights, *dataset_paths(job.data)))
     dense, base_arch, data_cfg = _build_source(job)
     data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
 

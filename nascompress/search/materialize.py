@@ -68,7 +68,7 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     Everything is checked and built in memory before anything is written.
     """
     out = Path(job.out)
-    run = RunDir.prepare(out, force=force)
+    run = RunDir.prepare(out, force=force, inputs=(job.search_dir,))
     supernet, arch, cfg = load_search(job.search_dir)
     model, record = materialize(supernet, cfg)
     spec = InputSpec.from_dict(arch["input"])

@@ -105,10 +105,22 @@ class Space:
         return names
 
     def check_model(self, model: Any) -> None:
-        """:meth:`check_depth` for ``model``: a plain ViT's block count, None for a pyramid ViT."""
+        """Every method of the space patches ``model``'s kind (a plain or a pyramid ViT), and
+        :meth:`check_depth` for it: a plain ViT's block count, None for a pyramid ViT."""
+        from .. import methods
         from ..models import is_pyramid
 
-        self.check_depth(None if is_pyramid(model) else len(model.blocks))
+        kind = "pyramid" if is_pyramid(model) else "vit"
+        self.check_depth(None if kind == "pyramid" else len(model.blocks))  # layer numbers: the more precise word
+        words = {"vit": "a plain ViT (vit_*, deit_*)", "pyramid": "a pyramid ViT (PVT v2)"}
+        for m in self.methods:
+            try:
+                need = methods.get_method(m.name).model_kind
+            except NascompressError:
+                continue  # not a registered method (a space checked without the registry)
+            if need != kind:
+                raise NascompressError(f"{self.source}: {m.where}: method {m.name} needs {words[need]}, and the base "
+                                       f"model is {words[kind]}; use a space for {words[kind]}")
 
     def check_depth(self, depth: int | None) -> None:
         """Raise if a layer number in the space is beyond a model of ``depth`` blocks (None: a model

@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping
 from ..errors import NascompressError
 from ..yaml_io import read_yaml_file
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
+from .space_values import check_grid, check_values, layer_limit
 
 FORMAT = "nascompress-space/1"
 KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
@@ -199,6 +200,10 @@ class Parser:
             if pname == "on" and optional and group is None:
                 raise self.err(pw, "'on' collides with the optional method's on/off parameter")
             params.append(self.param(pname, spec, pw, {p.name: p for p in params}))
+            if self.method_fields is registry_method_fields:  # the registry's configs check the values
+                why = check_values(name, params[-1])
+                if why is not None:
+                    raise self.err(pw, why)
         self.check_widths(name, params)
         return Method(name=name, group=group, optional=optional, params=tuple(params), where=where)
 
@@ -271,7 +276,7 @@ class Parser:
         for k in ("low", "high"):
             if k not in spec:
                 raise self.err(where, f"kind {kind} needs {k}")
-            if not check(spec[k]):
+            if not check(spec[k]) or not math.isfinite(spec[k]):
                 raise self.err(f"{where}.{k}", f"must be {tname}, got {spec[k]!r}")
         low, high = spec["low"], spec["high"]
         if kind == "float":
@@ -283,9 +288,13 @@ class Parser:
             raise self.err(f"{where}.log", f"must be true or false, got {log!r}")
         if step is not None and log:
             raise self.err(where, "step and log cannot both be given")
+        if step is not None and (not check(step) or step <= 0 or not math.isfinite(step)):
+            raise self.err(f"{where}.step", f"must be {tname} > 0, got {step!r}")
+        if not log:
+            too_many = check_grid(low, high, step, kind)
+            if too_many:
+                raise self.err(f"{where}.step" if step is not None else where, too_many)
         if step is not None:
-            if not check(step) or step <= 0:
-                raise self.err(f"{where}.step", f"must be {tname} > 0, got {step!r}")
             n = (high - low) / step
             if abs(n - round(n)) > 1e-9 * max(1.0, abs(n)):
                 raise self.err(f"{where}.step", f"high - low ({high - low:g}) must be a multiple of step ({step})")
@@ -316,6 +325,9 @@ class Parser:
         for v in x:
             if not is_int(v) or v < 1:
                 raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {v!r}")
+            if v > layer_limit():
+                raise self.err(where, f"layer {v:,} is beyond the deepest model nascompress builds ({layer_limit()} "
+                                      "blocks, the max_model_depth limit); give the model's layers")
         if len(set(x)) != len(x):
             raise self.err(where, f"layer {next(v for i, v in enumerate(x) if v in x[:i])} appears twice")
         return sorted(x)
@@ -348,6 +360,10 @@ class Parser:
             r = self.resolve_range(r, f"{where}.range") if relative else r
             if r[0] > r[1]:
                 raise self.err(f"{where}.range", f"empty or inverted range [{r[0]}, {r[1]}]")
+            if r[1] > layer_limit():
+                raise self.err(f"{where}.range", f"layer {r[1]:,} is beyond the deepest model nascompress builds "
+                                                 f"({layer_limit()} blocks, the max_model_depth limit); give the "
+                                                 "model's layers")
             cands = list(range(r[0], r[1] + 1))
             src: dict[str, Any] = {"kind": "layers", "range": list(r)}
         else:

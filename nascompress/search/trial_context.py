@@ -4,6 +4,7 @@ architecture measured once."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Iterable
 
 import torch
@@ -48,7 +49,7 @@ class TrialContext:
         self.base.eval().requires_grad_(False)
         self._speed: dict[str, dict[str, float]] = {}
         # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
-        # stopped with (search.trials._dcs_stage)
+        # stopped with (search.trial_dcs.dcs_stage)
         self.dcs_memo: dict[str, Any] = {}
 
     def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
@@ -86,4 +87,13 @@ def tensors_of(ds: Any, spec: InputSpec, batch_size: int) -> list[tuple[torch.Te
     return [(preprocess(imgs, spec), labels) for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False)]
 
 
-__all__ = ["TrialContext", "FLOPS_IMAGES", "run_data", "tensors_of"]
+def base_fingerprint(base: str | Path) -> str:
+    """The sha256 of a base run's weights file (its arch is in the file's metadata): what binds a
+    study to its base model, wherever the run is copied."""
+    from ..io import MODEL_FILE, file_sha256
+
+    p = Path(base)
+    return file_sha256(p / MODEL_FILE if p.is_dir() else p)
+
+
+__all__ = ["TrialContext", "FLOPS_IMAGES", "base_fingerprint", "run_data", "tensors_of"]

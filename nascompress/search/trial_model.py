@@ -14,10 +14,12 @@ from typing import Any
 from torch import nn
 
 from ..config import Config, check_settings, setting
+from ..limits import MAX_EPOCHS
 from ..errors import NascompressError
 from ..io import save_model
 from ..methods.dcs import materialize
 from ..run_dir import RunDir
+from ..utils import refuse_overwriting_inputs
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
@@ -42,7 +44,7 @@ class TrialMaterializeJob(Config):
     trial: int | None = setting(None, lo=0, help="With --study: the trial number.")
     pick: str | None = setting(None, help="With --study: best-under-flops=R, best-under-latency=MS or knee.")
     storage: str | None = setting(None, help=STORAGE_HELP)
-    finetune_epochs: int = setting(0, lo=0, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
+    finetune_epochs: int = setting(0, lo=0, hi=MAX_EPOCHS, help=f"With --study: {FINETUNE_EPOCHS_HELP}")
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -125,6 +127,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
 
     from ..studies.inspect import load as load_study
     from ..studies.records import study_info, trial_record
+    from .trial_context import base_fingerprint
     from .trials import SearchJob, TrialContext, build_trial
 
     out = Path(job.out)
@@ -145,7 +148,14 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     else:
         trial = pick_trial(study, *parse_pick(job.pick))
     rec = trial_record(trial)
-    search = SearchJob.from_dict(info["job"])
+    search = SearchJob.from_record(info["job"])
+    recorded = info.get("base_fingerprint")
+    if recorded is not None and Path(search.base).exists() and base_fingerprint(search.base) != recorded:
+        raise NascompressError(f"the base run {search.base} of study {job.study!r} is not the model the study was "
+                               f"made on (its weights' sha256 {base_fingerprint(search.base)[:12]}, recorded "
+                               f"{recorded[:12]}): it was replaced since; put the original model back there, or run "
+                               "a new study on this one")
+    refuse_overwriting_inputs(out, (search.base, spec.path))  # the study's base run and its file
     ctx = TrialContext(search)
     records = ctx.space.records(trial.params)
     # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from ..config import Config, StageSettings, check_settings, setting
+from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MAX_WORKERS
 from ..data import DataConfig, InputSpec
 from ..errors import NascompressError
 from ..resources import resolve_file
@@ -48,7 +49,8 @@ from .scoring import calibrate_stack, study_scoring, trial_scoring
 from .samplers import SAMPLERS, make_sampler, numeric_space, sampler_factory
 from .space import load_space
 from .space_reference import reference_configs, space_profile
-from .trial_context import TrialContext, run_data
+from .trial_context import TrialContext, base_fingerprint, run_data
+from .trial_dcs import dcs_stage
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
@@ -98,7 +100,7 @@ class SearchJob(Config):
     study: str = setting(help="Study name; an existing study is continued.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
-    workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1)
+    workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1, hi=MAX_WORKERS)
     objective: str = setting("goal", choices=OBJECTIVES, help=(
         "goal: accuracy alone under the constraint (--max-flops or --max-latency; a pipeline's goal), or "
         "accuracy x FLOPs without one; flops, latency or throughput: a Pareto front of accuracy and that."))
@@ -109,15 +111,19 @@ class SearchJob(Config):
     sampler: str = setting("tpe", help="tpe (multivariate), nsga2, gp (GPSampler; numeric spaces), qmc (scrambled "
                                          "Sobol' points; spaces without conditional parameters) or grid (the "
                                          "space's spread configurations in order).", choices=SAMPLERS)
-    finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0)
+    finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0, hi=MAX_EPOCHS)
     train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
-                                lo=1)
-    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1)
-    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0)
+                                lo=1, hi=MAX_IMAGES)
+    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1,
+                               hi=MAX_IMAGES)
+    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0,
+                               hi=MAX_STEPS)
     batch_size: int = setting(64, help="Images per batch of the trials' evaluation, predictor stages and "
-                                       "fine-tunes.", lo=1)
-    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1)
-    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1)
+                                       "fine-tunes.", lo=1, hi=MAX_BATCH)
+    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1,
+                              hi=MAX_EPOCHS)
+    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1,
+                                 hi=MAX_ITERS)
     enqueue: bool = setting(True, help="Do not run the uncompressed and paper configurations first.",
                             flag="--no-enqueue")
     data: DataConfig | None = None
@@ -131,8 +137,6 @@ class SearchJob(Config):
 
         if isinstance(self.finetune_epochs, float) and self.finetune_epochs.is_integer():
             object.__setattr__(self, "finetune_epochs", int(self.finetune_epochs))  # a job recorded when it was a float
-        if self.constrained and self.objective == "flops":  # a job recorded when the constraint overrode it
-            object.__setattr__(self, "objective", "goal")
         check_settings(self)  # every setting() against its declaration
         # the run settings are TrainConfig's (RUNTIME_SETTINGS: the trials train with them), checked there
         TrainConfig(seed=self.seed, device=self.device, amp=self.amp, deterministic=self.deterministic)
@@ -141,6 +145,12 @@ class SearchJob(Config):
         if self.constrained and self.objective != "goal":
             raise NascompressError(f"--objective {self.objective} is a Pareto front; with --max-flops or --max-latency "
                                    "the study is single-objective: leave --objective at goal")
+
+    @classmethod
+    def from_record(cls, d: dict[str, Any]) -> "SearchJob":
+        """A recorded job; one recorded when a constraint overrode ``--objective flops`` reads as ``goal``."""
+        flops = d.get("objective") == "flops" and (d.get("max_flops") is not None or d.get("max_latency_ms") is not None)
+        return cls.from_dict(dict(d, objective="goal") if flops else d)
 
     @property
     def constrained(self) -> bool:
@@ -178,58 +188,6 @@ def trial_seed(seed: int, number: int) -> int:
     return seed * 100_003 + number
 
 
-DCS_MEMO_SIZE = 12  # searched DCS models a worker keeps (a joint space's target has 11 values)
-
-
-def _dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any], bool]:
-    """A short DCS search at the trial's settings, materialized in memory: (model, its record, whether
-    it was reused from the worker's memo of earlier trials with the same settings and seed).
-
-    The gate family is chosen by the search's probe unless the space fixes ``mlp_gates``, the
-    batch size follows the trial's training images (``auto_batch``: enough architecture steps)
-    unless the space fixes ``auto_batch``, and the pre-search measurements use the study's seed
-    (``init_seed``: the same for every trial, measured once per worker)."""
-    key = json.dumps([settings, seed], sort_keys=True)
-    memo, reused = ctx.dcs_memo, key in ctx.dcs_memo
-    if not reused:
-        if len(memo) >= DCS_MEMO_SIZE:
-            memo.pop(next(iter(memo)))  # the oldest
-        try:
-            memo[key] = _search_dcs(ctx, settings, seed)
-        except NascompressError as e:  # a collapsed search fails the same way every time: once is enough
-            memo[key] = e
-            raise
-    if isinstance(memo[key], NascompressError):
-        raise memo[key]
-    model, record = memo[key]  # the memo's copy stays untouched: the trial patches its own
-    return copy.deepcopy(model), copy.deepcopy(record), reused
-
-
-def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
-    from ..methods.dcs import DCSConfig, materialize
-    from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
-
-    if ctx.arch["methods"]:
-        raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
-                               f"{[m['name'] for m in ctx.arch['methods']]}")
-    m_keys = set(DCSConfig.__dataclass_fields__)
-    method = DCSConfig.user(**{k: v for k, v in settings.items() if k in m_keys})
-    search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
-                                        **{k: v for k, v in settings.items() if k not in m_keys}})
-    train = search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size, seed=seed,
-                                device=ctx.job.device, amp=ctx.job.amp, deterministic=ctx.job.deterministic)
-    # the search's own record of where it started (the memo of pre-search measurements is keyed on it);
-    # nothing is written: the search runs on the worker's base model and data, in memory
-    job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
-                       data=ctx.data_cfg, train=train)
-    dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
-    result = run_dcs_search(job, dense, ctx.arch, ctx.data)
-    model, record = materialize(result.supernet.to(ctx.device), result.job.method)
-    model.nc_methods = ["dcs"]
-    model.nc_dcs_kept = result.metrics["kept"]  # the searched model or the magnitude baseline (trial info)
-    return model, record
-
-
 def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, report: Any = None,
                 budget: int | None | str = "job", dcs_seed: int | None = None
                 ) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
@@ -260,7 +218,7 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
             continue
         if name == "dcs":
             search_seed = seed if dcs_seed is None else dcs_seed
-            model, record, reused = _dcs_stage(ctx, settings, search_seed)
+            model, record, reused = dcs_stage(ctx, settings, search_seed)
             applied.append(record)
             info["dcs"] = {"seed": search_seed, "reused": reused, "kept": getattr(model, "nc_dcs_kept", "dcs")}
             seed_everything(seed)  # the later stages start from the same state, searched or reused
@@ -387,7 +345,7 @@ class Objective:
 
 def make_objective(job_dict: dict[str, Any]) -> Objective:
     """The picklable objective factory of :func:`nascompress.studies.run_study` (one per worker)."""
-    return Objective(SearchJob.from_dict(job_dict))
+    return Objective(SearchJob.from_record(job_dict))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +387,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     metric_names, directions = job.objectives()
     job_dict = job.replace(base=str(base_path.resolve()), space=str(resolve_file(job.space, what="search space").resolve())).to_dict()
     info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
+            "base_fingerprint": base_fingerprint(job.base),
             "dataset": (job.data or run_data(job.base)).dataset, "job": job_dict, "profile": profile,
             "scoring": study_scoring(job)}
     summary = run_study(study_name=job.study, storage=job.storage,

@@ -8,8 +8,9 @@ and PostgreSQL storages are served live.
 Safety: the dashboard has no login, so it listens on this machine's loopback address by default
 and refuses another address unless ``expose=True`` (``--expose-storage-without-login``): anyone who
 can reach the port reads every study of the storage. It is read-only unless ``writable=True``
-(``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames; on PostgreSQL and
-journal storages the live studies) are answered 403. Requests without an ``Accept-Encoding``
+(``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames) are answered 403.
+``--writable`` changes the live studies of a PostgreSQL or journal storage; on SQLite it is
+refused (the writes would go to the snapshot, not to the file the user named). Requests without an ``Accept-Encoding``
 header (curl, scripts) are served, not failed with a traceback in the terminal.
 
 The snapshot lives beside the study file, in a hidden folder ``.<file>.dashboard-<id>/`` (the
@@ -36,6 +37,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError
+from nascompress.utils import read_json
 
 from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
@@ -170,9 +172,9 @@ def _remove_stale_snapshots(home: Path) -> None:
     """Remove the snapshot folders of dashboards of this machine that are no longer running."""
     for d in home.glob(f".*{SNAPSHOT_TAG}*"):
         try:
-            owner = json.loads((d / "owner.json").read_text())
+            owner = read_json(d / "owner.json")
             dead = owner.get("host") == host() and not pid_alive(int(owner["pid"]), owner.get("pid_start"))
-        except (OSError, ValueError, KeyError, TypeError):  # killed before it wrote its owner
+        except (NascompressError, ValueError, KeyError, TypeError, AttributeError):  # killed before it wrote its owner
             dead = d.is_dir() and time.time() - d.stat().st_mtime > 60
         if dead:
             shutil.rmtree(d, ignore_errors=True)
@@ -268,6 +270,12 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
                                f"could {can} the studies of its storage; keep the default --host 127.0.0.1 (and "
                                f"tunnel, e.g. ssh -L), or pass {EXPOSE_FLAG} to serve it there knowingly")
     spec, st = find_study(name, storage)
+    if writable and spec.kind == "sqlite":  # the snapshot's writes would never reach the file
+        raise NascompressError(f"{WRITABLE_FLAG} cannot change SQLite storage {spec.display}: the dashboard serves a "
+                               "snapshot copy of it (a live SQLite file that a study writes can crash it, "
+                               "optuna-dashboard#545), so deletions and edits would not reach the file; leave out "
+                               f"{WRITABLE_FLAG} to browse it, or (no study writing it) run optuna-dashboard on "
+                               f"{spec.display} itself")
     study_id = st.get_study_id_from_name(name)
     tmpdir: Path | None = None
     served, note, snap = spec, None, None

@@ -20,6 +20,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError
+from nascompress.utils import refuse_overwriting_inputs
 
 from .records import (
     ERROR_KEY,
@@ -286,6 +287,7 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
         raise NascompressError(f"--format must be csv or json, got {fmt!r}")
     out = check_out(out, force=force)
     spec, study = load(name, storage)
+    refuse_overwriting_inputs(out, (spec.path,))  # the study's own file (even with --force)
     names = metric_names(study)
     trials = [trial_dict(t, names) for t in study.get_trials(deepcopy=False)]
     if fmt == "json":

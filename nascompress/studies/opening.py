@@ -13,6 +13,7 @@ from nascompress.errors import NascompressError
 
 from .records import RECORD_KEY, study_info
 from .storage import StorageSpec, open_storage
+from .storage_open import creation_lock
 
 
 def space_diff(a: Any, b: Any, path: str = "") -> list[str]:
@@ -46,6 +47,14 @@ def check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str
 def open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str], metric_names: Sequence[str],
                 info: dict[str, Any], enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
     storage = open_storage(spec, create=True)
+    with creation_lock(spec):  # a file storage: creation and initialization by one process at a time
+        return _open_locked(spec, storage, study_name=study_name, directions=directions, metric_names=metric_names,
+                            info=info, enqueue=enqueue)
+
+
+def _open_locked(spec: StorageSpec, storage: Any, *, study_name: str, directions: Sequence[str],
+                 metric_names: Sequence[str], info: dict[str, Any],
+                 enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
     placeholder = optuna.samplers.RandomSampler(seed=0)  # this Study object never samples
     try:
         study = optuna.create_study(study_name=study_name, storage=storage, directions=list(directions),
@@ -59,8 +68,9 @@ def open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str],
         raise NascompressError(f"study {study_name!r} in {spec.display} optimizes {have}, not {list(directions)}: "
                                "use a new study name for other objectives")
     stored = study_info(study)
-    if not created and not stored and not study.trials:
-        for _ in range(30):  # another process has just created it: let it finish initializing
+    if not created and not stored and not study.trials and spec.kind not in ("sqlite", "journal"):
+        for _ in range(30):  # another process has just created it: let it finish initializing (a file
+            # storage's creator holds creation_lock until it is initialized: nothing to wait for)
             time.sleep(0.5)
             stored = study_info(study)
             if stored:
@@ -73,6 +83,12 @@ def open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str],
         study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
         return study, True
     check_space(study, stored, info, spec.display)
+    old, new = stored.get("base_fingerprint"), info.get("base_fingerprint")
+    if old is not None and new is not None and old != new:
+        raise NascompressError(f"study {study_name!r} in {spec.display} was made on base model "
+                               f"{stored.get('base_run', '?')} (sha256 {old[:12]}) and this run gives "
+                               f"{info.get('base_run', '?')} (sha256 {new[:12]}), another model; a study keeps its "
+                               f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name")
     old, new = stored.get("sampler"), info.get("sampler")
     if old is not None and new is not None and old != new:
         raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "

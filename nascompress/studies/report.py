@@ -23,6 +23,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from .inspect import (check_out, count_summary, directions, format_value, load, metric_names, show_columns, trial_row,
                       varying_columns)
+from ..utils import refuse_overwriting_inputs
 from .front_plot import COLOURS, FrontMarks, front_figure
 from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
 
@@ -46,6 +47,7 @@ def write_report(name: str, *, out: str | Path, storage: str | None = None, forc
     """
     out = check_out(out, force=force)
     spec, study = load(name, storage)
+    refuse_overwriting_inputs(out, (spec.path,))  # the study's own file (even with --force)
     text = build_report(study, storage_display=spec.display)
     from nascompress.utils import atomic_path
 

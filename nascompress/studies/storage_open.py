@@ -3,10 +3,11 @@
 ``JournalStorage`` with :class:`~nascompress.studies.journal_lock.OwnedJournalLock`."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 from nascompress.errors import NascompressError, write_error
 
@@ -42,6 +43,30 @@ def open_storage(spec: StorageSpec, *, create: bool = True) -> BaseStorage:
     if spec.kind == "journal":
         return _open_journal(spec)
     return _open_rdb(spec)
+
+
+@contextlib.contextmanager
+def creation_lock(spec: StorageSpec) -> Iterator[None]:
+    """Hold an exclusive lock on the folder of an SQLite or journal storage (``flock`` on the folder
+    itself: no file is left behind; released by the OS if the process dies) while a storage or a
+    study is created, so two processes creating one new storage or study at once both succeed
+    (SQLite: Optuna's schema setup is not safe to run twice at once, ``UNIQUE constraint failed:
+    alembic_version``). Other storages: no lock."""
+    if spec.kind not in ("sqlite", "journal") or spec.path is None:
+        yield
+        return
+    import fcntl
+
+    try:
+        fd = os.open(spec.path.parent, os.O_RDONLY)
+    except OSError:  # a missing folder: refused by the caller in words
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _open_journal(spec: StorageSpec) -> BaseStorage:
@@ -85,7 +110,8 @@ def _open_rdb(spec: StorageSpec) -> BaseStorage:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return RDBStorage(url, engine_kwargs=engine_kwargs)
+            with creation_lock(spec):  # SQLite: one process at a time sets up a new file's schema
+                return RDBStorage(url, engine_kwargs=engine_kwargs)
     except ImportError as e:
         raise NascompressError(f"cannot open storage {spec.display}: no PostgreSQL driver is installed "
                                f"({e}); pip install 'psycopg[binary]'") from None
