@@ -6,6 +6,8 @@ importing the training engine, so loading a saved model never pulls in training 
 """
 from __future__ import annotations
 
+import math
+
 import re
 from typing import Any, Callable, Iterable
 
@@ -152,10 +154,10 @@ class TrainHooks:
 
 def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                 loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]], *,
-                steps: int, lr: float) -> dict[str, float]:
+                steps: int, lr: float, decay: bool = False) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
-    rest): ``steps`` AdamW steps (linear warm-up over the first tenth) of ``loss_fn(x, y)`` over
-    ``batches`` (cycled). Returns the mean logs of the last 10 steps and ``steps``, the optimizer
+    rest): ``steps`` AdamW steps (linear warm-up over the first tenth; with ``decay`` then a cosine to 0)
+    of ``loss_fn(x, y)`` over ``batches`` (cycled). Returns the mean logs of the last 10 steps and ``steps``, the optimizer
     steps taken; the model is left in eval mode.
 
     A loss the parameters take no part in (a method configured to keep everything, e.g. DynamicViT
@@ -174,8 +176,12 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
             except StopIteration:
                 it = iter(batches)
                 x, y = next(it)
+            warm = max(1, steps // 10)
+            scale = min(1.0, (step + 1) / warm)
+            if decay and step >= warm:
+                scale = 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
             for g in opt.param_groups:
-                g["lr"] = lr * min(1.0, (step + 1) / max(1, steps // 10))
+                g["lr"] = lr * scale
             loss, logs = loss_fn(x, y)
             tail = (tail + [logs])[-10:]
             if not loss.requires_grad:

@@ -198,3 +198,25 @@ def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_r
     assert sha(out / "model.safetensors") == sha(ref / "model.safetensors")
     log = [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()]
     assert log == [0, 1] and json.loads((out / "metrics.json").read_text())["stopped"]["epoch"] == 1
+
+
+def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
+    """The recovery is for the comparison; a candidate whose validation it lowered competes, and is kept,
+    with its state from before (the kept model is never worse than the search's end)."""
+    from nascompress.data import DataConfig, InputSpec, load_data
+    from nascompress.methods.dcs import DCSConfig, make_supernet
+    from nascompress.search.dcs_baseline import Candidate, Recovery, choose
+    from nascompress.search.dcs_cost import CostModel
+
+    dense, arch = load_with_arch(tiny_run)
+    dense.eval()
+    spec = InputSpec.from_dict(arch["input"])
+    data = load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=64), spec=spec)
+    sn = make_supernet(copy.deepcopy(dense), DCSConfig(mlp_gates="hidden", qk_mask="static", align=1))
+    cost = CostModel.build(dense, sn, torch.zeros(1, 1, 16, 16))
+    before = {k: v.clone() for k, v in sn.state_dict().items()}
+    c = Candidate("dcs", sn, DCSConfig(mlp_gates="hidden", align=1), 1.0, cost, pre_val=100.0)
+    rec = Recovery(steps=4, batch_size=16, lr=5.0, seed=0, distill=0.0, feat_distill=0.0)  # an lr that breaks it
+    kept, record = choose([c], dense, data, spec, rec, torch.device("cpu"), eval_batch_size=64)
+    assert kept is c and record["dcs"]["state"] == "before recovery" and record["dcs"]["val_recovered"] < 100.0
+    assert kept.val_top1 == 100.0 and all(torch.equal(v, before[k]) for k, v in sn.state_dict().items())

@@ -381,7 +381,8 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
         fit_metrics, stopped = None, e
         supernet.eval()
     kept, comparison = keep_better(job, supernet, cost=hooks.cost, ratio=hooks.ratio(supernet), dense=dense,
-                                   fill=pre["fill"], data=data, spec=spec, device=device, stopped=stopped)
+                                   fill=pre["fill"], data=data, spec=spec, device=device, stopped=stopped,
+                                   last_val=log[-1].get("val_top1") if len(log) > 1 else None)
     if kept.kind != "dcs":
         job = job.replace(method=kept.cfg)
     supernet = kept.supernet

@@ -14,7 +14,7 @@ closed neuron contributes its mean activation where the search measured it (the 
 structured pruning) or nothing.
 
 The recovery (:func:`recover`) is the search's weight step without the gates: ``steps`` AdamW steps
-(linear warm-up over the first tenth, then the search's peak lr) of CE + ``distill`` x KL +
+(linear warm-up over the first tenth to the search's peak lr, then a cosine to 0) of CE + ``distill`` x KL +
 ``feat_distill`` x the pre-logits feature error to the dense model, on the same seeded training batches
 for both candidates, architecture fixed (the hard masks, as materialized).
 """
@@ -158,7 +158,8 @@ def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec:
         return loss, logs
 
     try:
-        return short_stage(model, params, _batches(data, spec, rec, device), loss_fn, steps=rec.steps, lr=rec.lr)
+        return short_stage(model, params, _batches(data, spec, rec, device), loss_fn, steps=rec.steps, lr=rec.lr,
+                           decay=True)
     finally:
         if taps is not None:
             for t in taps:
@@ -181,29 +182,41 @@ class Candidate:
     cost: CostModel
     eligible: bool = True
     note: str | None = None
+    pre_val: float | None = None
     val_top1: float | None = None
+    recovered_val: float | None = None
+    state: str | None = None
     val_n: int | None = None
     recovery: dict[str, float] | None = None
 
     def record(self) -> dict[str, Any]:
         return {"flops_ratio": self.flops_ratio, "eligible": self.eligible, "note": self.note,
-                "val_top1": self.val_top1, "val_n": self.val_n, "recovery": self.recovery}
+                "val_top1": self.val_top1, "val_before_recovery": self.pre_val, "val_recovered": self.recovered_val,
+                "state": self.state, "val_n": self.val_n, "recovery": self.recovery}
 
 
 def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
            device: torch.device, *, eval_batch_size: int) -> tuple[Candidate, dict[str, Any]]:
     """Recover every eligible candidate the same way (same seed, same batches), score each on the
-    validation split, and keep the best (ties: the first, the searched model). Returns the kept
-    candidate and the ``comparison`` record (metrics.json)."""
+    validation split, and keep the best (ties: the first, the searched model). A candidate scored
+    before the recovery (``pre_val``: the searched model's last epoch) whose recovery lowered its
+    validation top-1 goes back to its state before: each competes with its best state, and the
+    kept model is never worse than what the search ended with. Returns the kept candidate and the
+    ``comparison`` record (metrics.json)."""
     eligible = [c for c in candidates if c.eligible]
     if not eligible:
         raise NascompressError("no candidate model stands at the FLOPs target; this is a bug, please report it")
     for c in eligible:
+        before = None if c.pre_val is None else {k: v.detach().clone() for k, v in c.supernet.state_dict().items()}
         torch.manual_seed(rec.seed)
         c.recovery = recover(c.supernet, dense, data, spec, rec, device)
         c.supernet.eval()
         val = evaluate(c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size)
-        c.val_top1, c.val_n = val["top1"], val["n"]
+        c.recovered_val, c.val_n = val["top1"], val["n"]
+        c.val_top1, c.state = c.recovered_val, "recovered"
+        if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
+            c.supernet.load_state_dict(before)
+            c.val_top1, c.state = c.pre_val, "before recovery"
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
@@ -221,15 +234,16 @@ def recovery_steps(images: int, train_size: int, batch_size: int) -> int:
 
 def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float, dense: nn.Module,
                 fill: list[torch.Tensor] | None, data: Any, spec: InputSpec, device: torch.device,
-                stopped: Exception | None) -> tuple[Candidate, dict[str, Any]]:
-    """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``;
+                stopped: Exception | None, last_val: float | None = None) -> tuple[Candidate, dict[str, Any]]:
+    """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
+    top-1 ``last_val`` at its last epoch;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
     target (the searched ratio without one), both recovered alike; returns the kept candidate and the
     comparison record. Without ``job.search.baseline`` the searched model is kept as it is."""
     s = job.search
     target = s.target_flops if s.target_flops is not None else ratio
     at_target = abs(ratio / target - 1) <= s.tolerance
-    dcs = Candidate("dcs", supernet, job.method, ratio, cost, eligible=at_target,
+    dcs = Candidate("dcs", supernet, job.method, ratio, cost, eligible=at_target, pre_val=last_val,
                     note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}")
     if not s.baseline:
         return dcs, {"kept": "dcs", "baseline": None}
