@@ -59,7 +59,10 @@ def test_objective_goal_is_the_default_with_one_meaning_everywhere():  # was flo
     assert free.objectives() == (["accuracy", "flops_ratio"], ["maximize", "minimize"])
     bound = SearchJob(base="b", space="s", study="x", max_flops=0.5)  # a constraint: accuracy under it
     assert bound.objectives() == (["accuracy"], ["maximize"])
-    assert SearchJob(base="b", space="s", study="x", objective="flops", max_flops=0.5).objective == "goal"  # old records
+    old = {"base": "b", "space": "s", "study": "x", "objective": "flops", "max_flops": 0.5}
+    assert SearchJob.from_record(old).objective == "goal"  # a job recorded before the refusal reads as goal
+    with pytest.raises(NascompressError, match="leave --objective at goal"):  # a new one is refused
+        SearchJob(**old)
     with pytest.raises(NascompressError, match="--objective latency is a Pareto front"):
         SearchJob(base="b", space="s", study="x", objective="latency", max_flops=0.5)
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from .space_entries import Method, Param
 from .space_model import Space, load_space
-from .space_parser import FORMAT, KINDS, MAX_LAYER_SETS, WIDTH_PARAMS, MethodFields, registry_method_fields
+from .space_parser import FORMAT, KINDS, MAX_LAYER_SETS, WIDTH_PARAMS, MethodFields
+from .space_values import registry_method_fields
 
 __all__ = ["FORMAT", "KINDS", "MAX_LAYER_SETS", "WIDTH_PARAMS", "Method", "MethodFields", "Param", "Space",
            "load_space", "registry_method_fields"]

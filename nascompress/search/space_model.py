@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from ..errors import NascompressError
 from . import space_lattice, space_replay
 from .space_entries import Method, Param, is_active, decode_layers, encode_layers, is_layer_const, max_len, plain_value
-from .space_parser import FORMAT, MethodFields, Parser, read_space_file, registry_method_fields
+from .space_parser import FORMAT, MethodFields, Parser, read_space_file
+from .space_values import registry_method_fields
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution

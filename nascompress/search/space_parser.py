@@ -66,7 +66,7 @@ from typing import Any, Callable, Mapping
 from ..errors import NascompressError
 from ..yaml_io import read_yaml_file
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
-from .space_values import check_grid, check_values, layer_limit
+from .space_values import check_grid, check_values, layer_limit, registry_method_fields
 
 FORMAT = "nascompress-space/1"
 KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
@@ -88,26 +88,6 @@ MethodFields = Callable[[str], "set[str] | None"]
 # Settings whose values are channel widths: every value a space can give them must be a multiple of
 # the method's ``align`` (its constant or every choice of it; default layers.DEFAULT_ALIGN).
 WIDTH_PARAMS: dict[str, tuple[str, ...]] = {"mgvit": ("feat_dim",)}
-
-
-def registry_method_fields(name: str) -> set[str] | None:
-    """The settings a space may give a registered method (None: no such method): its config and
-    recipe fields; for ``dcs`` also the search's (``target_flops``, ...), since a ``dcs`` entry in
-    a space runs a short DCS search in each trial (see :mod:`nascompress.search.trials`)."""
-    from nascompress import methods
-
-    try:
-        entry = methods.get_method(name)
-    except NascompressError:
-        return None
-    fields = set(entry.config_cls.__dataclass_fields__)
-    if entry.recipe_cls is not None:
-        fields |= set(entry.recipe_cls.__dataclass_fields__)
-    if name == "dcs":
-        from nascompress.search.dcs import DCSSearchConfig
-
-        fields |= set(DCSSearchConfig.__dataclass_fields__)
-    return fields
 
 
 def read_space_file(path: str | Path) -> Any:

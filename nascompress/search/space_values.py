@@ -97,4 +97,25 @@ def check_values(method: str, param: Param) -> str | None:
     return None
 
 
-__all__ = ["MAX_GRID_POINTS", "check_grid", "check_values", "extremes", "layer_limit", "registry_value_error"]
+def registry_method_fields(name: str) -> set[str] | None:
+    """The settings a space may give a registered method (None: no such method): its config and
+    recipe fields; for ``dcs`` also the search's (``target_flops``, ...), since a ``dcs`` entry in
+    a space runs a short DCS search in each trial (see :mod:`nascompress.search.trials`)."""
+    from nascompress import methods
+
+    try:
+        entry = methods.get_method(name)
+    except NascompressError:
+        return None
+    fields = set(entry.config_cls.__dataclass_fields__)
+    if entry.recipe_cls is not None:
+        fields |= set(entry.recipe_cls.__dataclass_fields__)
+    if name == "dcs":
+        from nascompress.search.dcs import DCSSearchConfig
+
+        fields |= set(DCSSearchConfig.__dataclass_fields__)
+    return fields
+
+
+
+__all__ = ["registry_method_fields", "MAX_GRID_POINTS", "check_grid", "check_values", "extremes", "layer_limit", "registry_value_error"]
