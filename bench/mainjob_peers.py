@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,8 @@ def main() -> None:
     base, final = pipe / "base", pipe / "final"
     summary = read_json(pipe / "summary.json")
     target = a.target or summary["final"]["macs"] / summary["dense"]["macs"]
-    job = RetrainJob.from_dict(read_json(final / "config.json"))
+    names = {f.name for f in dataclasses.fields(RetrainJob)}  # config.json also holds what the run derived
+    job = RetrainJob.from_dict({k: v for k, v in read_json(final / "config.json").items() if k in names})
     res: dict[str, Any] = dict(header(), pipeline=str(pipe), target_flops=target,
                                retrain={"epochs": job.train.epochs, "lr": job.train.lr, "teacher": job.teacher,
                                         "train_limit": job.data.train_limit if job.data else None},

@@ -440,6 +440,7 @@ def test_the_pipeline_chooses_where_to_cut(tmp_path):
     out = tmp_path / "out"
     r = invoke("pipeline", write_config(tmp_path, cfg), "--out", out)
     assert r.exit_code == 0, r.output
+    assert "tokens_search_dense: search" in r.output and "continuing the study" not in r.output  # a first run
     pick = json.loads((out / "tokens" / "pick.json").read_text())
     cands = pick["candidates"]
     assert set(cands) == {"pipeline", "pipeline-dense"} and pick["dense_study"] == "pipeline-dense"

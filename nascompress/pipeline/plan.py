@@ -295,7 +295,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     dense_study = f"{s.study}-dense" if cfg.stages.dcs is not None and s.also_dense else None
 
     def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> dict[str, Any]:
-        (out / "tokens").mkdir(parents=True, exist_ok=True)
+        (out / "tokens" / ("dense" if on_dense else "")).mkdir(parents=True, exist_ok=True)
         start = base_dir if on_dense else current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
                                                          tokens=True, retrain=False, upto="tokens")
         if on_dense and start == current_model(out, base_dir=base_dir, dcs=True, tokens=True, retrain=False,
@@ -319,7 +319,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     steps = [Step("tokens_search", out / "tokens", "study", search, outputs=(),
                   describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})")]
     if dense_study:
-        steps.append(Step("tokens_search_dense", out / "tokens", "study",
+        steps.append(Step("tokens_search_dense", out / "tokens" / "dense", "study",  # its own folder (a first run is not "continuing")
                           lambda force, resume, progress=True: search(force, resume, progress, on_dense=True),
                           outputs=(), describe=f"search {space.name} on the dense base too ({s.trials} trials, "
                                                f"study {dense_study!r}: token-only models)"))
