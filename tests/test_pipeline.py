@@ -532,3 +532,16 @@ def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tm
     with pytest.raises(NascompressError, match=r"demo.yaml: export: format onnx needs onnxruntime: pip install "
                                                r"'nascompress\[export\]'"):
         plan("demo", out=tmp_path / "x")
+
+
+def test_the_demo_runs_when_tokens_alone_cannot_reach_the_goal(tmp_path):
+    """The shipped demo (4 blocks: EViT alone cannot reach 0.6x on the dense base): the token study on the
+    dense base is skipped with its reason, the pick comes from the DCS model's study, the goal is met."""
+    out = tmp_path / "out"
+    r = invoke("pipeline", "demo", "--out", out)
+    assert r.exit_code == 0, r.output
+    pick = json.loads((out / "tokens" / "pick.json").read_text())
+    assert pick["picked_study"] == "pipeline" and set(pick["candidates"]) == {"pipeline"}
+    assert "no token-only model reaches the goal on the dense base" in pick["dense_skipped"]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["goal"]["met"] and "where to cut:" in (out / "report.html").read_text()

@@ -15,7 +15,7 @@ from .schema import SchemaContext, library_config, library_values
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
 from ..importer import weights_grid_size, weights_shapes
-from ..utils import write_json
+from ..utils import read_json, write_json
 
 PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
 STUDY_DB = "studies.db"
@@ -254,7 +254,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     from ..methods import get_method
     from ..search.trial_model import TrialMaterializeJob
     from ..search.space import load_space
-    from ..search.trials import STUDY_SETTINGS, run_search, sampler_factory
+    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
     from .fallback import current_model, dcs_skipped, pick_across
 
     s, goal = cfg.stages.tokens, cfg.goal
@@ -302,18 +302,26 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                                                upto="tokens"):
             return {"skipped": True, "reason": "the DCS stage was skipped: the first study already searched the base"}
         study = dense_study if on_dense else s.study
-        res = run_search(job.replace(base=str(start), study=study), progress=progress)
+        try:
+            res = run_search(job.replace(base=str(start), study=study), progress=progress)
+        except GoalUnreachable as e:
+            if not on_dense:
+                raise
+            return {"skipped": True, "reason": f"no token-only model reaches the goal on the dense base ({e})"}
         if not res.get("finished"):
             raise NascompressError(f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
                                    "rerun the same command to continue it")
         return res
 
     def pick_best(force: bool, resume: bool) -> dict[str, Any]:
-        studies = [s.study] + ([dense_study] if dense_study and not dcs_skipped(out) else [])
+        marker = out / "done" / "tokens_search_dense.json"
+        ran = marker.is_file() and not (read_json(marker).get("result") or {}).get("skipped")
+        studies = [s.study] + ([dense_study] if dense_study and ran and not dcs_skipped(out) else [])
         res = pick_across(pick, studies, force=force)
         if dense_study:  # the report's "where to cut" line
-            write_json(out / "tokens" / PICK_FILE, {"picked_study": res["picked_study"],
-                                                    "candidates": res["candidates"], "dense_study": dense_study})
+            why = None if ran else (read_json(marker).get("result") or {}).get("reason") if marker.is_file() else None
+            write_json(out / "tokens" / PICK_FILE, {"picked_study": res["picked_study"], "candidates": res["candidates"],
+                                                    "dense_study": dense_study, "dense_skipped": why})
         return res
 
     steps = [Step("tokens_search", out / "tokens", "study", search, outputs=(),

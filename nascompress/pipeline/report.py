@@ -139,7 +139,8 @@ def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> d
     pick = out / "tokens" / "pick.json"
     if pick.is_file():  # after a dcs stage: the pick on the DCS model against the one on the dense base
         pj = read_json(pick)
-        res.update(picked_study=pj.get("picked_study"), candidates=pj.get("candidates"), dense_study=pj.get("dense_study"))
+        res.update(picked_study=pj.get("picked_study"), candidates=pj.get("candidates"), dense_study=pj.get("dense_study"),
+                   dense_skipped=pj.get("dense_skipped"))
         res["study"] = pj.get("picked_study") or res["study"]
     return res
 

@@ -125,6 +125,8 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
                 parts.append(f"{name!r} ({what}): " + (f"trial {c['trial']}, {c['accuracy']:.2f}% at "
                                                        f"{c['flops_ratio']:.3f}x" if c.get("trial") is not None
                                                        else "no trial meets the goal"))
+            if tok.get("dense_skipped"):
+                parts.append(f"{tok['dense_study']!r} (tokens only): {tok['dense_skipped']}")
             lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok['picked_study']!r}")
         if tok.get("params"):
             lines.append("  params: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"

@@ -60,6 +60,10 @@ STORAGE_HELP = ("Where the studies live: sqlite:///FILE, journal:FILE or postgre
 FINETUNE_EPOCHS_HELP = "0: none; else fine-tune with the last method's recipe for this many epochs."
 
 
+class GoalUnreachable(NascompressError):
+    """No configuration of the space reaches the study's ``max_flops`` on this base (nothing is run)."""
+
+
 @dataclass(frozen=True)
 class SearchJob(Config):
     """``nascompress search tokens|joint``: what is searched, how each trial is scored, where it is stored.
@@ -373,7 +377,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     dense = count_flops(build_model(ModelSpec.from_dict(arch["model"])).eval(), x).total
     profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
     if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
-        raise NascompressError(f"no configuration of space {space.name!r} reaches --max-flops {job.max_flops}: its "
+        raise GoalUnreachable(f"no configuration of space {space.name!r} reaches --max-flops {job.max_flops}: its "
                                f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
     if progress and profile:
         from ..progress import console
