@@ -32,12 +32,16 @@ carved from train/). An unreadable ImageFolder image is named and refused, or wi
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import torch
 from torch.utils.data import Dataset
+
+from . import runtime
 
 from .config import Config, check_int, check_settings, setting
 from .data_classes import class_indices, keep_classes
@@ -58,7 +62,7 @@ __all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DI
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
            "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
            "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
-           "load_lfw_faces_dataset", "make_loader", "preprocess", "dataset_paths",
+           "load_lfw_faces_dataset", "make_loader", "preprocess", "dataset_paths", "training_batches",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
 
 
@@ -250,6 +254,16 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
                       native_channels=channels, native_size=size,
                       extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed})
+
+
+def training_batches(data: DataBundle, spec: InputSpec, *, batch_size: int, seed: int,
+                     device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """An endless stream of preprocessed training batches (x, y) on ``device``, shuffled per epoch from
+    ``seed`` (a method's predictor-only stage, the DCS search's recovery of its candidates)."""
+    for epoch in itertools.count():
+        for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch,
+                                        pin_memory=device.type == "cuda"):
+            yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
 
 
 def dataset_paths(cfg: DataConfig | None) -> tuple[str, ...]:

@@ -13,7 +13,6 @@ runs whole in every process (the same result) and rank 0 writes it.
 from __future__ import annotations
 
 import copy
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from torch import nn
 from . import distributed, runtime
 from .api import run_data_config
 from .config import Config, StageSettings, check_bool, setting
-from .data import DataConfig, dataset_paths, InputSpec, load_data, make_loader, preprocess
+from .data import DataConfig, dataset_paths, InputSpec, load_data, make_loader, preprocess, training_batches
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch, save_model, set_labels
@@ -92,16 +91,6 @@ class FinetuneJob(Config):
         check_bool("zero_shot", self.zero_shot)
 
 
-def calibration_batches(data, spec: InputSpec, *, batch_size: int, seed: int, device) -> Any:
-    """An endless stream of preprocessed training batches (x, y) for a predictor-only stage."""
-    def gen():
-        for epoch in itertools.count():
-            for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch,
-                                            pin_memory=device.type == "cuda"):
-                yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
-    return gen()
-
-
 def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
              explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
@@ -135,7 +124,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     # methods with new predictors train them alone first (backbone frozen): the zero-shot model, and
     # the start of a fine-tune, so a fine-tune never ends below its zero-shot model
     with runtime.configured(device, deterministic=cfg.deterministic), runtime.autocast(device, cfg.amp):
-        calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=calibration_batches(
+        calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=training_batches(
             data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
     if job.zero_shot:
         if distributed.is_main():

@@ -23,20 +23,19 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import InputSpec, make_loader, preprocess
+from ..data import InputSpec, training_batches
 from ..distill import FeatureTap, feature_kd_loss
 from ..errors import NascompressError
 from ..evaluate import evaluate
 from ..hooks import kl_to_teacher, short_stage
 from ..layers import aligned_width
 from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
-from .. import runtime
 from .dcs_cost import CostModel
 
 KINDS = ("dcs", "magnitude")
@@ -117,15 +116,6 @@ class Recovery:
     feat_distill: float
 
 
-def _batches(data: Any, spec: InputSpec, rec: Recovery, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    epoch = 0
-    while True:
-        for imgs, labels in make_loader(data.train, batch_size=rec.batch_size, shuffle=True, seed=rec.seed,
-                                        epoch=epoch, pin_memory=device.type == "cuda"):
-            yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
-        epoch += 1
-
-
 def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
             device: torch.device) -> dict[str, float]:
     """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
@@ -158,7 +148,8 @@ def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec:
         return loss, logs
 
     try:
-        return short_stage(model, params, _batches(data, spec, rec, device), loss_fn, steps=rec.steps, lr=rec.lr,
+        return short_stage(model, params, training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed,
+                                                            device=device), loss_fn, steps=rec.steps, lr=rec.lr,
                            decay=True)
     finally:
         if taps is not None:
@@ -250,7 +241,8 @@ def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float,
     spec_x = torch.zeros(1, spec.in_chans, *spec.img_size)
     cpu_fill = None if fill is None else [f.detach().cpu() for f in fill]
     try:
-        base, cfg, base_cost, info = magnitude_supernet(copy.deepcopy(dense).cpu(), target=target,
+        on_cpu = dense if next(dense.parameters()).device.type == "cpu" else copy.deepcopy(dense).cpu()
+        base, cfg, base_cost, info = magnitude_supernet(on_cpu, target=target,  # (it patches a copy of its own)
                                                         align=job.method.align, fill=cpu_fill, x1=spec_x)
     except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
         if not dcs.eligible:

@@ -91,7 +91,6 @@ class DCSSearchHooks(TrainHooks):
         if epoch > 0 and self.log and self.log[-1].get("epoch") == epoch and not self.rechecked:
             # a resumed search judges its last recorded epoch again (a kill after the guard stopped it, then a
             # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on)
-            self.rechecked = True
             self.check(self.log[-1], self.log[0] if self.log[0].get("start") else None)
         self.rechecked = True
         self.tau = self.cfg.tau0 * self.cfg.tau_decay ** epoch
