@@ -104,7 +104,8 @@ def dcs_blocks(dense: torch.nn.Module, share: float, align: int) -> list[dict]:
     (weight magnitude), counts rounded up to ``align``."""
     blocks = []
     for blk in dense.blocks:
-        mlp, qk = channel_importance(blk)
+        imp = channel_importance(blk)
+        mlp, qk = imp.residual, imp.qk
         C, (H, d) = mlp.numel(), qk.shape
         k = aligned_width(max(1, round(share * C)), align=align, full=C)
         kq = aligned_width(max(1, round(share * d)), align=align, full=d)
@@ -116,7 +117,7 @@ def dcs_blocks(dense: torch.nn.Module, share: float, align: int) -> list[dict]:
 def dcs_at(dense: torch.nn.Module, x: torch.Tensor, align: int) -> tuple[torch.nn.Module, dict]:
     """A DCS-materialized model near TARGET x the dense FLOPs (bisection on the kept share)."""
     ref = count_flops(dense, x).total
-    cfg = DCSConfig(qk_mask="static")
+    cfg = DCSConfig(qk_mask="static", mlp_gates="residual")
 
     def build(share: float):
         return build_materialized(copy.deepcopy(dense), cfg, dcs_blocks(dense, share, align)).eval()

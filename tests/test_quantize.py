@@ -190,6 +190,15 @@ def test_bad_settings_are_refused():
     assert r.exit_code == 1 and "max_drop must be in [0, inf]" in r.stderr
 
 
+def test_an_onnxruntime_whose_int8_kernels_refuse_the_graph_is_named(tiny_run, tmp_path, monkeypatch):
+    import onnxruntime
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.30.0")  # the GPU image's: QLinearMatMul refuses the graph
+    with pytest.raises(NascompressError, match=r"onnxruntime 1.30.0 is older than 1.32.*pip install 'onnxruntime>=1.32'"):
+        quantize_run(tiny_run, out=tmp_path / "q.onnx")
+    assert not (tmp_path / "q.onnx").exists()
+
+
 def test_mgvit_is_refused(tmp_path):
     from .test_export import make_run
 

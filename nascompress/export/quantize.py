@@ -33,6 +33,7 @@ exit decisions, which this check does not cover.
 """
 from __future__ import annotations
 
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -152,6 +153,27 @@ def _reader(name: str, batches: list[np.ndarray]) -> Any:
 # Quantizing and checking
 
 
+# ONNX Runtime 1.30's int8 kernels refuse the per-channel graphs written here (QLinearMatMul: "weight zero
+# point must be a scalar"; the static scheme fails shape inference); 1.32 is the oldest version that passes
+# the tests (the GPU image's 1.30 showed it)
+ORT_MIN = (1, 32)
+
+
+def check_onnxruntime() -> None:
+    """A one-line error unless ONNX Runtime's quantization tools are installed at :data:`ORT_MIN` or newer."""
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime
+        import onnxruntime.quantization  # noqa: F401
+    except ModuleNotFoundError:
+        raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
+    have = tuple(int(p) for p in re.findall(r"\d+", onnxruntime.__version__)[:2])
+    if have < ORT_MIN:
+        need = ".".join(map(str, ORT_MIN))
+        raise NascompressError(f"onnxruntime {onnxruntime.__version__} is older than {need}, whose int8 kernels this "
+                               f"quantization needs; pip install 'onnxruntime>={need}'")
+
+
 def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib: list[np.ndarray] | None) -> None:
     """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling."""
     import onnx
@@ -238,11 +260,8 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         raise NascompressError(f"MG-ViT is not quantized ({two_stage[0]}: two graphs and an exit rule): the rule reads "
                                "the softmax confidence, which int8 moves and this check does not cover; export it in "
                                "fp32 or fp16 (nascompress export)")
-    try:
-        import onnx
-        import onnxruntime.quantization  # noqa: F401
-    except ModuleNotFoundError:
-        raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
+    check_onnxruntime()
+    import onnx
     out = Path(out)
     created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)

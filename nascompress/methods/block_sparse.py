@@ -320,7 +320,8 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
         qs[:, :, layout.n_patch:].zero_()  # padding rows of a short last block (discarded)
         qs = qs.view(B, H * nb, bs, d)
     out = q.new_empty(B, H, n, dv)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).view(B, H, nb * bs, dv)
+    # reshape, not view: CUDA's fp32 kernels may return the output in another memory layout
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).reshape(B, H, nb * bs, dv)
     out[:, :, p:] = o[:, :, :layout.n_patch]
     if p:
         out[:, :, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale)

@@ -387,7 +387,14 @@ def protect_gates(blk: NCBlock, mask: torch.Tensor) -> None:
     mask = mask.to(device=blk.dcs_alpha.device, dtype=torch.bool)
     with torch.no_grad():
         blk.dcs_alpha[mask] = PROTECT_LOGIT
-    blk.dcs_alpha.register_hook(lambda g: g.masked_fill(mask, 0.0))
+    on = {mask.device: mask}  # the model may move (a search built on the CPU, trained on CUDA): the hook follows
+
+    def zero_protected(g: torch.Tensor) -> torch.Tensor:
+        if g.device not in on:
+            on[g.device] = mask.to(g.device)
+        return g.masked_fill(on[g.device], 0.0)
+
+    blk.dcs_alpha.register_hook(zero_protected)
     blk.register_buffer("dcs_protect", mask, persistent=False)
 
 

@@ -124,6 +124,9 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> FlopReport:
         handles.append(mod.register_forward_hook(hook))
     was_training = model.training
     model.eval()
+    p = next(model.parameters(), None)
+    if p is not None and x.device != p.device:  # counting needs no particular device: the model's
+        x = x.to(p.device)
     try:
         model(x)
     finally:

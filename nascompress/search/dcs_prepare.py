@@ -120,8 +120,9 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
     memo = _memo(job, s.init_seed if s.init_seed is not None else job.train.seed) if needs else {}
     if needs and "images" not in memo:
         tick(0, info="activation statistics")
-        memo["images"] = calibration_images(data, spec, n=s.init_images, seed=job.train.seed
-                                            if s.init_seed is None else s.init_seed)
+        dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
+        memo["images"] = [x.to(dev) for x in calibration_images(data, spec, n=s.init_images, seed=job.train.seed
+                                                                if s.init_seed is None else s.init_seed)]
         memo["stats"] = activation_stats(dense, Ticking(memo["images"], tick))
         memo["targets"] = dense_targets(dense, Ticking(memo["images"], tick))
     images, stats, targets = Ticking(memo.get("images", []), tick), memo.get("stats"), memo.get("targets")
