@@ -220,6 +220,19 @@ def test_protected_gates_stay_open_through_training_and_calibration():
     assert 3 in keep and 17 in keep
 
 
+def test_the_protected_gates_hook_follows_the_model_to_another_device():
+    # a search builds its supernet on the CPU and trains it on CUDA: the hook must not keep a CPU mask
+    # (it did, and the main job failed on a GPU); the meta device stands in for CUDA here
+    sup = make_supernet(build_model(tiny_spec()).eval(), DCSConfig(qk_mask="none", mlp_gates="residual", align=1))
+    mask = torch.zeros(48, dtype=torch.bool)
+    mask[[3, 17]] = True
+    protect_gates(sup.blocks[0], mask)
+    (hook,) = sup.blocks[0].dcs_alpha._backward_hooks.values()
+    out = hook(torch.ones(48, device="meta"))
+    assert out.device.type == "meta" and out.shape == (48,)
+    assert hook(torch.ones(48))[mask].eq(0).all() and hook(torch.ones(48))[~mask].eq(1).all()
+
+
 def test_outlier_gates_find_massive_activations():
     from nascompress.search.dcs_protect import cost_weights, outlier_gates
 
