@@ -125,11 +125,12 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     return dataclasses.field(default=default, metadata=meta)
 
 
-def shared(cls: type, name: str) -> Any:
-    """A field that is setting ``name`` of config ``cls`` again (the same default, checks and help):
-    another job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
+def shared(cls: type, name: str, *, default: Any = dataclasses.MISSING) -> Any:
+    """A field that is setting ``name`` of config ``cls`` again (the same checks and help, and the
+    same default unless a ``default`` of its own is given: a pipeline section's own choice): another
+    job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return dataclasses.field(default=f.default, metadata=f.metadata)
+    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=f.metadata)
 
 
 def user_settings(cls: type) -> list[dataclasses.Field]:
@@ -156,21 +157,33 @@ def setting_help(cls: type, name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class StageSettings:
     """The user-facing fields of library config ``cls`` that one stage offers (its CLI command's
-    options and its pipeline section's keys, in ``names``' order) and their defaults there: a
-    stage's recipe is its own (``nascompress train``'s, the DCS search's, retrain's), declared next
-    to the stage. ``defaults``: the stage's default where it differs from the field's user default
-    (None: the stage's recipe decides); ``notes``: what that default is, added to the option's help."""
+    options and its pipeline section's keys, in ``names``' order) and their defaults there.
+    ``recipe``: the stage's own instance of ``cls`` (``nascompress train``'s is ``TrainConfig()``,
+    the DCS search's, retrain's and the fine-tunes' are named instances declared next to the stage),
+    whose values are the stage's defaults; None: ``cls``'s own defaults. ``no_default``: the fields
+    offered without one (None: the stage decides when it builds its job, from the other settings or
+    the data, e.g. the batch size from the training images); ``notes``: what that default is, added
+    to the option's help."""
 
     cls: type
     names: tuple[str, ...]
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    recipe: Any = None
+    no_default: tuple[str, ...] = ()
     notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         known = {f.name for f in user_settings(self.cls)}
-        bad = [n for n in (*self.names, *self.defaults, *self.notes) if n not in known or n not in self.names]
+        bad = [n for n in (*self.names, *self.no_default, *self.notes) if n not in known or n not in self.names]
         if bad:
             raise TypeError(f"{self.cls.__name__}: {', '.join(bad)} not among the offered user settings")
+        if self.recipe is not None and not isinstance(self.recipe, self.cls):
+            raise TypeError(f"{self.cls.__name__}: the recipe is a {type(self.recipe).__name__}")
+
+    def default(self, f: dataclasses.Field) -> Any:
+        """The stage's default of offered field ``f`` (:class:`dataclasses.MISSING`: a required one)."""
+        if f.name in self.no_default:
+            return None
+        return user_default(f) if self.recipe is None else getattr(self.recipe, f.name)
 
 
 def settings_class(spec: type | StageSettings) -> type:
@@ -188,8 +201,7 @@ def offered(spec: type | StageSettings) -> list[tuple[dataclasses.Field, Any, st
     out = []
     for name in spec.names:
         f, note = fields[name], spec.notes.get(name)
-        out.append((f, spec.defaults.get(name, user_default(f)),
-                    f"{f.metadata['help']} {note}" if note else f.metadata["help"]))
+        out.append((f, spec.default(f), f"{f.metadata['help']} {note}" if note else f.metadata["help"]))
     return out
 
 

@@ -60,8 +60,8 @@ EXCLUDED = {
         "init_spread": "internal constant of the gates' initial spread",
     },
     TrainConfig: {
-        # the search's fixed training recipe (SEARCH_TRAIN_DEFAULTS)
-        "weight_decay": "search recipe constant (SEARCH_TRAIN_DEFAULTS)",
+        # the search's fixed training recipe (SEARCH_TRAIN)
+        "weight_decay": "search recipe constant (SEARCH_TRAIN)",
         "label_smoothing": "TrainConfig default, not a search setting",
         "ema_decay": "TrainConfig default, not a search setting",
         **TRAIN_INTERNAL,
@@ -99,7 +99,7 @@ STUDY_EXCLUDED = {
         "data": "the command reads the base run's data; the pipeline its data section",
     },
 }
-# Stage defaults that differ from the command's, on purpose (the stage's recipe, StageSettings.defaults)
+# Stage defaults that differ from the command's, on purpose (the pipeline section's own key)
 # (the study's trials are 50 in both: they were 30 in the pipeline; the space: the command's kind's own
 # file, a pipeline names one; the study: named on the command line, "pipeline" in a pipeline)
 STAGE_DEFAULTS = {TokensStage: {"space": dataclasses.MISSING, "study": "pipeline"}}

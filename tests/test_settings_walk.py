@@ -130,7 +130,7 @@ def _declared_defaults() -> dict[str, set]:
     StageSettings' default for it (a stage's recipe), wherever one is defined (CLI modules too)."""
     import sys
 
-    from nascompress.config import StageSettings, user_default
+    from nascompress.config import StageSettings, offered, user_default
 
     import nascompress.cli.main  # noqa: F401  (every command module, with its StageSettings)
 
@@ -141,10 +141,9 @@ def _declared_defaults() -> dict[str, set]:
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("nascompress"):
             for obj in vars(mod).values():
-                if isinstance(obj, StageSettings):
-                    for f in dataclasses.fields(obj.cls):
-                        if f.name in obj.defaults:
-                            out.setdefault(_option_name(f), set()).add(repr(obj.defaults[f.name]))
+                if isinstance(obj, StageSettings):  # its recipe's values, None where it has no default
+                    for f, d, _ in offered(obj):
+                        out.setdefault(_option_name(f), set()).add(None if d is dataclasses.MISSING else repr(d))
     return out
 
 

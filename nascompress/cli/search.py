@@ -91,7 +91,7 @@ search_app.command("dcs")(dcs)
 
 
 # search tokens|joint's study settings: SearchJob's (the space's default: the command's own)
-STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), defaults={"space": None},
+STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), no_default=("space",),
                       notes={"space": "Default: tokens evit, joint joint (shipped spaces, sized to the base's depth)."})
 
 

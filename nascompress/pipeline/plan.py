@@ -180,7 +180,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         spec = ModelSpec(imp.model, kwargs)
         model = _built_model(spec, ctx, "base.import.model")
         try:
-            tc = TrainConfig(epochs=1, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
+            tc = TrainConfig(epochs=1, lr=None, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
                            linear_probe=True)
         except NascompressError as e:
@@ -282,7 +282,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = library_config(s, STUDY_SETTINGS, base=str(current), storage=storage,
+        job = library_config(s, STUDY_SETTINGS, base=str(current), study=s.study, storage=storage,
                              max_flops=goal.max_flops if constrained else None,
                              max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)

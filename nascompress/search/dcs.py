@@ -277,25 +277,23 @@ class DCSSearchConfig(Config):
 
 
 # The search's W optimisation: a fine-tuning lr (the weights must follow the cut; see the module
-# docstring for the measurement), short warm-up, no layer decay, keep the last epoch.
-SEARCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 4, "batch_size": 128, "base_lr": 1e-3, "min_lr": 1e-6,
-                                         "warmup_epochs": 0.2, "weight_decay": 0.01, "layer_decay": 1.0,
-                                         "keep": "last"}
+# docstring for the measurement), short warm-up, no layer decay (1: off), keep the last epoch.
+SEARCH_TRAIN = TrainConfig(epochs=4, batch_size=128, lr=None, base_lr=1e-3, min_lr=1e-6, warmup_epochs=0.2,
+                           weight_decay=0.01, layer_decay=1.0, keep="last")
 
 
 # The search's training settings a user sets (`search dcs` options, `stages.dcs` keys): the recipe's
-# defaults, but batch_size (None: from the training images) and the peak lr (None: the recipe's base_lr)
+# defaults, but batch_size (None: from the training images) and base_lr (None: the recipe's)
 SEARCH_TRAIN_SETTINGS = StageSettings(
     TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
-    defaults={**{k: SEARCH_TRAIN_DEFAULTS[k] for k in ("epochs", "min_lr", "warmup_epochs", "layer_decay")},
-              "batch_size": None},
+    recipe=SEARCH_TRAIN, no_default=("batch_size", "base_lr"),
     notes={"batch_size": AUTO_BATCH_NOTE,
-           "base_lr": f"Default: {SEARCH_TRAIN_DEFAULTS['base_lr']:g} (the weights follow the cut)."})
+           "base_lr": f"Default: {SEARCH_TRAIN.base_lr:g} (the weights follow the cut)."})
 
 
 def search_train_config(**given: Any) -> TrainConfig:
-    """The search's TrainConfig: :data:`SEARCH_TRAIN_DEFAULTS` with the values ``given`` (None: the recipe's)."""
-    return recipe_config(SEARCH_TRAIN_DEFAULTS, **given)
+    """The search's TrainConfig: :data:`SEARCH_TRAIN` with the values ``given`` (None: the recipe's)."""
+    return recipe_config(SEARCH_TRAIN, **given)
 
 
 @dataclass(frozen=True)
@@ -422,5 +420,5 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
 
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",
            "run_dcs_search", "CostModel", "LambdaSteer",
-           "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
+           "calibrate", "round_blocks", "search_train_config", "SEARCH_TRAIN", "smooth_max", "prepare_search",
            "init_importance", "calibration_images", "StepTag", "TeacherCache"]
