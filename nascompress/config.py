@@ -105,13 +105,12 @@ def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: boo
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
             path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None, option: str | None = None,
-            user_default: Any = dataclasses.MISSING, limit: str | None = None, shipped: str | None = None) -> Any:
+            limit: str | None = None, shipped: str | None = None) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
     (``--no-...``, whose help ``help`` is), ``option``: the CLI option where it is not ``--name``
-    (``--max-latency`` of ``max_latency_ms``), ``user_default``: the default of the CLI and the pipeline
-    where it differs from the library's (the dataclass default), ``limit``: the limit of
+    (``--max-latency`` of ``max_latency_ms``), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
     :func:`nascompress.limits.check_limited`)."""
     meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
@@ -120,8 +119,6 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
         meta["flag"] = flag
     if option is not None:
         meta["option"] = option
-    if user_default is not dataclasses.MISSING:
-        meta["user_default"] = user_default
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -138,17 +135,6 @@ def user_settings(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("help")]
 
 
-def user_default(f: dataclasses.Field) -> Any:
-    """The default the CLI and the pipeline give field ``f`` (see :func:`setting`)."""
-    return f.metadata.get("user_default", f.default)
-
-
-def user_config(cls: type, **given: Any) -> Any:
-    """Config ``cls`` as a user's settings make it: every user-facing field at its user default
-    (:func:`user_default`), but those ``given`` (any field)."""
-    return cls(**{**{f.name: user_default(f) for f in user_settings(cls)}, **given})
-
-
 def setting_help(cls: type, name: str) -> str:
     """The help text of field ``name`` of ``cls``."""
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
@@ -160,7 +146,7 @@ class StageSettings:
     options and its pipeline section's keys, in ``names``' order) and their defaults there.
     ``recipe``: the stage's own instance of ``cls`` (``nascompress train``'s is ``TrainConfig()``,
     the DCS search's, retrain's and the fine-tunes' are named instances declared next to the stage),
-    whose values are the stage's defaults; None: ``cls``'s own defaults. ``no_default``: the fields
+    whose values are the stage's defaults; None: ``cls``'s own defaults (the dataclass defaults). ``no_default``: the fields
     offered without one (None: the stage decides when it builds its job, from the other settings or
     the data, e.g. the batch size from the training images); ``notes``: what that default is, added
     to the option's help."""
@@ -183,7 +169,7 @@ class StageSettings:
         """The stage's default of offered field ``f`` (:class:`dataclasses.MISSING`: a required one)."""
         if f.name in self.no_default:
             return None
-        return user_default(f) if self.recipe is None else getattr(self.recipe, f.name)
+        return f.default if self.recipe is None else getattr(self.recipe, f.name)
 
 
 def settings_class(spec: type | StageSettings) -> type:
@@ -193,10 +179,11 @@ def settings_class(spec: type | StageSettings) -> type:
 
 def offered(spec: type | StageSettings) -> list[tuple[dataclasses.Field, Any, str]]:
     """``(field, default, help)`` of every setting ``spec`` offers: a config class's user-facing
-    fields (:func:`user_settings`) with their user defaults, or a :class:`StageSettings`' fields with
-    the stage's defaults and notes."""
+    fields (:func:`user_settings`) with their defaults (the user's: a config's defaults are its
+    CLI command's and pipeline section's), or a :class:`StageSettings`' fields with the stage's
+    defaults and notes."""
     if not isinstance(spec, StageSettings):
-        return [(f, user_default(f), f.metadata["help"]) for f in user_settings(spec)]
+        return [(f, f.default, f.metadata["help"]) for f in user_settings(spec)]
     fields = {f.name: f for f in user_settings(spec.cls)}
     out = []
     for name in spec.names:
@@ -367,7 +354,7 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "user_config",
+__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings",
            "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",

@@ -126,17 +126,17 @@ def _sections(cls: type, path: str = ""):
 
 
 def _declared_defaults() -> dict[str, set]:
-    """Option -> every default a declaration gives it: the field's user default, and each
+    """Option -> every default a declaration gives it: the field's default, and each
     StageSettings' default for it (a stage's recipe), wherever one is defined (CLI modules too)."""
     import sys
 
-    from nascompress.config import StageSettings, offered, user_default
+    from nascompress.config import StageSettings, offered
 
     import nascompress.cli.main  # noqa: F401  (every command module, with its StageSettings)
 
     out: dict[str, set] = {}
     for _, f in SETTINGS:
-        d = user_default(f)
+        d = f.default
         out.setdefault(_option_name(f), set()).add(None if d is dataclasses.MISSING else repr(d))
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("nascompress"):

@@ -208,7 +208,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
-    from ..methods.dcs import DCSConfig
+    from ..methods.dcs import SEARCH_DCS_SETTINGS, DCSConfig
     from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
     from ..search.materialize import MaterializeJob, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
@@ -225,7 +225,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     try:
         job = DCSSearchJob(
             source=str(base_dir), out=str(out / "dcs_search"),
-            method=DCSConfig.user(**library_values(s, DCSConfig)),
+            method=DCSConfig.user(**library_values(s, SEARCH_DCS_SETTINGS)),
             search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
             train=search_train_config(**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)),
             data=_data_config(cfg, train_limit=s.train_limit))

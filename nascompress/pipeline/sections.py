@@ -12,7 +12,7 @@ from ..config import StageSettings, offered, setting, shared
 from ..errors import NascompressError
 from ..importer import ImportJob
 from ..export.config import ExportConfig
-from ..methods.dcs import DCSConfig
+from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape
 from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
@@ -119,7 +119,7 @@ class GoalSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
+@library_keys(DCSSearchConfig, SEARCH_DCS_SETTINGS, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
               lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names))
 class DCSStage(Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are

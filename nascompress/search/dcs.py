@@ -68,7 +68,7 @@ from ..limits import MAX_LR
 from ..errors import NascompressError
 from ..evaluate import evaluate
 from ..io import save_model
-from ..methods.dcs import DCSConfig, make_record, make_supernet
+from ..methods.dcs import SEARCH_DCS, DCSConfig, make_record, make_supernet
 from ..progress import counted, step
 from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, recipe_config
@@ -309,7 +309,7 @@ class DCSSearchJob(Config):
 
     source: str
     out: str
-    method: DCSConfig = field(default_factory=DCSConfig)
+    method: DCSConfig = SEARCH_DCS
     search: DCSSearchConfig = field(default_factory=DCSSearchConfig)
     train: TrainConfig = field(default_factory=search_train_config)
     data: DataConfig | None = None
