@@ -181,7 +181,8 @@ class RetrainJob(Config):
         data: dataset (default: the one recorded in ``model_dir/config.json``, else Fashion-MNIST).
         teacher: optional run directory of a (dense) teacher for knowledge distillation.
         auto_batch: choose ``train.batch_size`` from the training images (:func:`auto_batch_size`);
-            the chosen size is recorded in config.json.
+            the chosen size is recorded in config.json. The default, as ``retrain`` and
+            ``stages.retrain`` without a batch size; False: ``train.batch_size`` as given.
     """
 
     model_dir: str
@@ -190,7 +191,7 @@ class RetrainJob(Config):
     train: TrainConfig = field(default_factory=retrain_train_config)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     teacher: str | None = setting(None, path=True, help="A (dense) run to distil from (KL on logits); off by default.")
-    auto_batch: bool = False
+    auto_batch: bool = True
 
 
 def recorded_data_config(run_dir: str | Path) -> DataConfig | None:

@@ -50,7 +50,7 @@ def quick_job(model_dir, out, **rc):
     return RetrainJob(model_dir=str(model_dir), out=str(out),
                       train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0, device=TORCH_DEVICE,
                                         deterministic=TORCH_DEVICE.startswith("cuda")),
-                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}))
+                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}), auto_batch=False)
 
 
 def test_feature_tap_is_timm_pre_logits_and_changes_nothing():

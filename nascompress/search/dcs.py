@@ -186,7 +186,8 @@ class DCSSearchConfig(Config):
         auto_batch: choose the batch size from the number of training images
             (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
-            job's ``train.batch_size`` in the recorded job.
+            job's ``train.batch_size`` in the recorded job. The default, as ``search dcs`` and
+            ``stages.dcs`` without a batch size; False: ``train.batch_size`` as given.
     """
 
     # Fields declared with setting() are the user's: `search dcs` options and `stages.dcs` keys
@@ -251,7 +252,7 @@ class DCSSearchConfig(Config):
         "compared on the validation split (at most the training split)."))
     init_images: int = 256
     init_seed: int | None = None
-    auto_batch: bool = False
+    auto_batch: bool = True
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration; below: the internal fields
