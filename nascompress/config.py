@@ -146,10 +146,10 @@ class StageSettings:
     options and its pipeline section's keys, in ``names``' order) and their defaults there.
     ``recipe``: the stage's own instance of ``cls`` (``nascompress train``'s is ``TrainConfig()``,
     the DCS search's, retrain's and the fine-tunes' are named instances declared next to the stage),
-    whose values are the stage's defaults; None: ``cls``'s own defaults (the dataclass defaults). ``no_default``: the fields
-    offered without one (None: the stage decides when it builds its job, from the other settings or
-    the data, e.g. the batch size from the training images); ``notes``: what that default is, added
-    to the option's help."""
+    whose values are the stage's defaults; None: ``cls``'s dataclass defaults. ``no_default``: the
+    fields offered without one (None: the stage decides when it builds its job, from the other
+    settings or the data, e.g. the batch size from the training images); ``notes``: what that
+    default is, added to the option's help. A stage's defaults are never written anywhere else."""
 
     cls: type
     names: tuple[str, ...]

@@ -15,7 +15,6 @@ from nascompress.data import DataConfig
 from nascompress.export.config import ExportConfig
 from nascompress.methods import available_methods, get_method
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
-from nascompress.pipeline import load_config
 from nascompress.pipeline.schema import library_config
 from nascompress.pipeline.sections import ExportSection, ReportSection
 from nascompress.profiling.config import ProfileConfig
