@@ -243,7 +243,7 @@ def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict
         out = Path(args.retrain_runs) / f"retrained_{name}"
         t0 = time.perf_counter()
         m = retrain(RetrainJob(model_dir=str(src), out=str(out), data=rt_data, train=tc, retrain=rc,
-                               teacher=args.teacher), force=True)
+                               teacher=args.teacher, auto_batch=False), force=True)
         wall = time.perf_counter() - t0
         after = evaluate_run(out, data=test_data, device="cpu")
         model = nascompress.load(out).eval()
@@ -344,7 +344,8 @@ def main() -> None:
 
     # Search (static Q/K so the masks can be removed physically), then materialize.
     data_cfg = replace(base_data, train_limit=args.train_limit, eval_limit=args.eval_limit, subset_seed=args.seed)
-    search_cfg = DCSSearchConfig(target_flops=args.target_flops, arch_lr=args.arch_lr, round_mlp=args.round_mlp)
+    search_cfg = DCSSearchConfig(target_flops=args.target_flops, arch_lr=args.arch_lr, round_mlp=args.round_mlp,
+                                 auto_batch=False)
     train_cfg = search_train_config(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, device=args.device)
     job = DCSSearchJob(source=str(base), out=str(search_dir), method=DCSConfig(qk_mask=args.qk_mask),
                        search=search_cfg, train=train_cfg, data=data_cfg)

@@ -125,7 +125,7 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
     comp_dir = work / "compressed"
     r = retrain(RetrainJob(model_dir=str(pre), out=str(comp_dir), data=data, teacher=str(dense_dir),
                            train=retrain_train_config(epochs=args.retrain_epochs, seed=0),
-                           retrain=RetrainConfig(eta=0.0)))
+                           retrain=RetrainConfig(eta=0.0), auto_batch=False))
     info = {"kind": "stand-in made by this bench", "dense_epochs": args.epochs, "train_limit": args.train_limit,
             "dense_val_top1": m.get("best_val_top1"), "dcs_target_flops": target, "dcs_share": share,
             "dcs_flops_ratio": ratio, "evit_keep_rate": 0.7, "retrain_epochs": args.retrain_epochs,

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, eta in (("retrained, CE only", 0.0), (f"retrained, CE + {a.eta:g} IBB", a.eta)):
         out = runs / ("ce" if eta == 0 else "ce_ibb")
         job = RetrainJob(model_dir=str(model_dir), out=str(out), data=data_cfg, train=train_cfg,
-                         retrain=ib_cfg.replace(eta=eta))
+                         retrain=ib_cfg.replace(eta=eta), auto_batch=False)
         t0 = time.perf_counter()
         m = retrain(job, force=True)
         wall = time.perf_counter() - t0

@@ -119,7 +119,7 @@ class Bench:
             t0 = time.time()
             train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112,
                                                                         "num_classes": count_classes(self.data)}),
-                           data=self.data, train=TrainConfig(seed=self.seed), out=str(self.dense),
+                           data=self.data, train=TrainConfig(epochs=5, lr=None, seed=self.seed), out=str(self.dense),
                            weights=self.a.weights, reset_head=True, linear_probe=True), force=True)
             self.res["dense_wall_s"] = time.time() - t0
         dm = read_json(self.dense / "metrics.json")

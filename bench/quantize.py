@@ -138,7 +138,8 @@ def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     dense_dir = work / "dinov2_dense"
     t0 = time.time()
     m = train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112, "num_classes": 10}), data=data,
-                       train=TrainConfig(seed=0), out=str(dense_dir), weights=str(args.dinov2_weights),
+                       train=TrainConfig(epochs=5, lr=None, seed=0), out=str(dense_dir),
+                       weights=str(args.dinov2_weights),
                        reset_head=True, linear_probe=True), force=True)
     probe_s = time.time() - t0
     dense, arch = load_with_arch(dense_dir)

@@ -105,13 +105,12 @@ def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: boo
 def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
             path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None, option: str | None = None,
-            user_default: Any = dataclasses.MISSING, limit: str | None = None, shipped: str | None = None) -> Any:
+            limit: str | None = None, shipped: str | None = None) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
     (``--no-...``, whose help ``help`` is), ``option``: the CLI option where it is not ``--name``
-    (``--max-latency`` of ``max_latency_ms``), ``user_default``: the default of the CLI and the pipeline
-    where it differs from the library's (the dataclass default), ``limit``: the limit of
+    (``--max-latency`` of ``max_latency_ms``), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
     :func:`nascompress.limits.check_limited`)."""
     meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
@@ -120,32 +119,20 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
         meta["flag"] = flag
     if option is not None:
         meta["option"] = option
-    if user_default is not dataclasses.MISSING:
-        meta["user_default"] = user_default
     return dataclasses.field(default=default, metadata=meta)
 
 
-def shared(cls: type, name: str) -> Any:
-    """A field that is setting ``name`` of config ``cls`` again (the same default, checks and help):
-    another job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
+def shared(cls: type, name: str, *, default: Any = dataclasses.MISSING) -> Any:
+    """A field that is setting ``name`` of config ``cls`` again (the same checks and help, and the
+    same default unless a ``default`` of its own is given: a pipeline section's own choice): another
+    job's field with that meaning, still declared once (``ImportJob.eval_batch_size``)."""
     f = next(f for f in dataclasses.fields(cls) if f.name == name)
-    return dataclasses.field(default=f.default, metadata=f.metadata)
+    return dataclasses.field(default=f.default if default is dataclasses.MISSING else default, metadata=f.metadata)
 
 
 def user_settings(cls: type) -> list[dataclasses.Field]:
     """The fields of config class ``cls`` declared with :func:`setting` (those with a ``help``), in order."""
     return [f for f in dataclasses.fields(cls) if f.metadata.get("help")]
-
-
-def user_default(f: dataclasses.Field) -> Any:
-    """The default the CLI and the pipeline give field ``f`` (see :func:`setting`)."""
-    return f.metadata.get("user_default", f.default)
-
-
-def user_config(cls: type, **given: Any) -> Any:
-    """Config ``cls`` as a user's settings make it: every user-facing field at its user default
-    (:func:`user_default`), but those ``given`` (any field)."""
-    return cls(**{**{f.name: user_default(f) for f in user_settings(cls)}, **given})
 
 
 def setting_help(cls: type, name: str) -> str:
@@ -156,21 +143,33 @@ def setting_help(cls: type, name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class StageSettings:
     """The user-facing fields of library config ``cls`` that one stage offers (its CLI command's
-    options and its pipeline section's keys, in ``names``' order) and their defaults there: a
-    stage's recipe is its own (``nascompress train``'s, the DCS search's, retrain's), declared next
-    to the stage. ``defaults``: the stage's default where it differs from the field's user default
-    (None: the stage's recipe decides); ``notes``: what that default is, added to the option's help."""
+    options and its pipeline section's keys, in ``names``' order) and their defaults there.
+    ``recipe``: the stage's own instance of ``cls`` (``nascompress train``'s is ``TrainConfig()``,
+    the DCS search's, retrain's and the fine-tunes' are named instances declared next to the stage),
+    whose values are the stage's defaults; None: ``cls``'s dataclass defaults. ``no_default``: the
+    fields offered without one (None: the stage decides when it builds its job, from the other
+    settings or the data, e.g. the batch size from the training images); ``notes``: what that
+    default is, added to the option's help. A stage's defaults are never written anywhere else."""
 
     cls: type
     names: tuple[str, ...]
-    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    recipe: Any = None
+    no_default: tuple[str, ...] = ()
     notes: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         known = {f.name for f in user_settings(self.cls)}
-        bad = [n for n in (*self.names, *self.defaults, *self.notes) if n not in known or n not in self.names]
+        bad = [n for n in (*self.names, *self.no_default, *self.notes) if n not in known or n not in self.names]
         if bad:
             raise TypeError(f"{self.cls.__name__}: {', '.join(bad)} not among the offered user settings")
+        if self.recipe is not None and not isinstance(self.recipe, self.cls):
+            raise TypeError(f"{self.cls.__name__}: the recipe is a {type(self.recipe).__name__}")
+
+    def default(self, f: dataclasses.Field) -> Any:
+        """The stage's default of offered field ``f`` (:class:`dataclasses.MISSING`: a required one)."""
+        if f.name in self.no_default:
+            return None
+        return f.default if self.recipe is None else getattr(self.recipe, f.name)
 
 
 def settings_class(spec: type | StageSettings) -> type:
@@ -180,16 +179,16 @@ def settings_class(spec: type | StageSettings) -> type:
 
 def offered(spec: type | StageSettings) -> list[tuple[dataclasses.Field, Any, str]]:
     """``(field, default, help)`` of every setting ``spec`` offers: a config class's user-facing
-    fields (:func:`user_settings`) with their user defaults, or a :class:`StageSettings`' fields with
-    the stage's defaults and notes."""
+    fields (:func:`user_settings`) with their defaults (the user's: a config's defaults are its
+    CLI command's and pipeline section's), or a :class:`StageSettings`' fields with the stage's
+    defaults and notes."""
     if not isinstance(spec, StageSettings):
-        return [(f, user_default(f), f.metadata["help"]) for f in user_settings(spec)]
+        return [(f, f.default, f.metadata["help"]) for f in user_settings(spec)]
     fields = {f.name: f for f in user_settings(spec.cls)}
     out = []
     for name in spec.names:
         f, note = fields[name], spec.notes.get(name)
-        out.append((f, spec.defaults.get(name, user_default(f)),
-                    f"{f.metadata['help']} {note}" if note else f.metadata["help"]))
+        out.append((f, spec.default(f), f"{f.metadata['help']} {note}" if note else f.metadata["help"]))
     return out
 
 
@@ -355,7 +354,7 @@ StrictYamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
-__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings", "user_default", "user_config",
+__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings",
            "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",

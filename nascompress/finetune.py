@@ -5,8 +5,9 @@ imported, or DCS-materialized; it is also the distillation teacher), ``method.pr
 validates the settings, checks stacking and patches a copy; methods with new predictors run
 their short predictor-only stage (:meth:`Method.calibrate`); then either save at once
 (``zero_shot``) or :func:`train.fit` with ``method.hooks``, whose epoch 0 is that zero-shot model. The learning rate, warm-up
-and epochs default to the method's ``train_defaults`` (base lr per 512 images, scaled by the
-batch size). Every fine-tune evaluates its starting model first and keeps it if training only hurts.
+and epochs default to the method's recipe (:data:`FINETUNE_TRAIN` with the method's ``train_overrides``;
+base lr per 512 images, scaled by the batch size). Every fine-tune evaluates its starting model first
+and keeps it if training only hurts.
 Under torchrun the training is data-parallel (:mod:`nascompress.distributed`); a ``zero_shot`` job
 runs whole in every process (the same result) and rank 0 writes it.
 """
@@ -33,23 +34,30 @@ from .train import TrainConfig, check_classes, fit, recipe_config
 from .run_dir import RunDir
 from .utils import seed_everything
 
-# Every fine-tune's defaults; a method's train_defaults override them (and the user overrides both).
-FINETUNE_DEFAULTS: dict[str, Any] = {"epochs": 2, "batch_size": 64, "base_lr": 1e-4, "min_lr": 1e-6,
-                                     "warmup_epochs": 0.2, "weight_decay": 0.05}
+# Every fine-tune's recipe; a method's train_overrides change it (and the user overrides both).
+FINETUNE_TRAIN = TrainConfig(epochs=2, batch_size=64, lr=None, base_lr=1e-4, min_lr=1e-6, warmup_epochs=0.2,
+                             weight_decay=0.05)
 # The training settings ``nascompress finetune`` offers: each defaults to the method's recipe
-# (FINETUNE_DEFAULTS, then the method's ``train_defaults``; :func:`finetune_train_config`)
+# (:func:`finetune_train_config`); the help gives the generic recipe's own values
 _FINETUNE_NAMES = ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "weight_decay", "layer_decay",
                    "label_smoothing")
+_GENERIC_NOTED = ("epochs", "batch_size", "base_lr", "min_lr", "warmup_epochs", "weight_decay")
 FINETUNE_TRAIN_SETTINGS = StageSettings(
-    TrainConfig, _FINETUNE_NAMES, defaults={name: None for name in _FINETUNE_NAMES},
-    notes={name: (f"Default: the method's recipe (generic {FINETUNE_DEFAULTS[name]:g})." if name in FINETUNE_DEFAULTS
-                  else "Default: the method's recipe.") for name in _FINETUNE_NAMES})
+    TrainConfig, _FINETUNE_NAMES, recipe=FINETUNE_TRAIN, no_default=_FINETUNE_NAMES,
+    notes={name: (f"Default: the method's recipe (generic {getattr(FINETUNE_TRAIN, name):g})."
+                  if name in _GENERIC_NOTED else "Default: the method's recipe.") for name in _FINETUNE_NAMES})
+
+
+def method_train_config(method: str) -> TrainConfig:
+    """The recipe of a fine-tune of ``method``: :data:`FINETUNE_TRAIN` with the method's
+    ``train_overrides``."""
+    return FINETUNE_TRAIN.replace(**get_method(method).train_overrides.changes())
 
 
 def finetune_train_config(method: str, **overrides: Any) -> TrainConfig:
-    """The TrainConfig of a fine-tune of ``method``: generic defaults, the method's, then ``overrides``
-    (None values are ignored; :func:`~nascompress.train.recipe_config`, so layer_decay 1 is off)."""
-    return recipe_config(dict(FINETUNE_DEFAULTS, **get_method(method).train_defaults), **overrides)
+    """The TrainConfig of a fine-tune of ``method``: its recipe (:func:`method_train_config`), then
+    ``overrides`` (None values are ignored; :func:`~nascompress.train.recipe_config`, so layer_decay 1 is off)."""
+    return recipe_config(method_train_config(method), **overrides)
 
 
 def split_settings(method: str, settings: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -162,4 +170,4 @@ def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: In
 
 
 __all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "finetune", "finetune_train_config", "split_settings",
-           "FINETUNE_DEFAULTS"]
+           "FINETUNE_TRAIN", "method_train_config"]

@@ -154,22 +154,21 @@ class RetrainConfig(Config):
 
 
 # Retraining a compressed (pretrained) model: a fine-tune's defaults (base lr per 512 images).
-RETRAIN_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 10, "batch_size": 128, "base_lr": 5e-4, "min_lr": 1e-6,
-                                          "warmup_epochs": 0.2}
+RETRAIN_TRAIN = TrainConfig(epochs=10, batch_size=128, lr=None, base_lr=5e-4, min_lr=1e-6, warmup_epochs=0.2)
 
 
 def retrain_train_config(**given: Any) -> TrainConfig:
-    """Retrain's TrainConfig: :data:`RETRAIN_TRAIN_DEFAULTS` with the values ``given`` (None: the recipe's)."""
-    return recipe_config(RETRAIN_TRAIN_DEFAULTS, **given)
+    """Retrain's TrainConfig: :data:`RETRAIN_TRAIN` with the values ``given`` (None: the recipe's)."""
+    return recipe_config(RETRAIN_TRAIN, **given)
 
 
 # Retrain's training settings a user sets (`retrain` options, `stages.retrain` keys): the recipe's
-# defaults, but batch_size (None: from the training images) and the peak lr (None: the recipe's base_lr)
+# defaults, but batch_size (None: from the training images) and base_lr (None: the recipe's)
 RETRAIN_TRAIN_SETTINGS = StageSettings(
     TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
-    defaults={**{k: RETRAIN_TRAIN_DEFAULTS[k] for k in ("epochs", "min_lr", "warmup_epochs")}, "batch_size": None},
+    recipe=RETRAIN_TRAIN, no_default=("batch_size", "base_lr"),
     notes={"batch_size": AUTO_BATCH_NOTE,
-           "base_lr": f"Default: {RETRAIN_TRAIN_DEFAULTS['base_lr']:g} (safe on pretrained weights)."})
+           "base_lr": f"Default: {RETRAIN_TRAIN.base_lr:g} (safe on pretrained weights)."})
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,8 @@ class RetrainJob(Config):
         data: dataset (default: the one recorded in ``model_dir/config.json``, else Fashion-MNIST).
         teacher: optional run directory of a (dense) teacher for knowledge distillation.
         auto_batch: choose ``train.batch_size`` from the training images (:func:`auto_batch_size`);
-            the chosen size is recorded in config.json.
+            the chosen size is recorded in config.json. The default, as ``retrain`` and
+            ``stages.retrain`` without a batch size; False: ``train.batch_size`` as given.
     """
 
     model_dir: str
@@ -191,7 +191,7 @@ class RetrainJob(Config):
     train: TrainConfig = field(default_factory=retrain_train_config)
     retrain: RetrainConfig = field(default_factory=RetrainConfig)
     teacher: str | None = setting(None, path=True, help="A (dense) run to distil from (KL on logits); off by default.")
-    auto_batch: bool = False
+    auto_batch: bool = True
 
 
 def recorded_data_config(run_dir: str | Path) -> DataConfig | None:
@@ -352,5 +352,6 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
 
 __all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
            "kd_loss", "feature_kd_loss", "retrain", "run_retrain", "RetrainResult", "retrain_train_config",
+           "RETRAIN_TRAIN",
            "auto_batch_size", "AUTO_BATCH_NOTE", "AUTO_BATCH_SIZES", "AUTO_BATCH_STEPS", "IB_KEYS", "IBSettings",
            "feature_width"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 
@@ -39,7 +39,8 @@ class TrainConfig(Config):
         epochs: passes over the training split.
         batch_size: images per step (per process under torchrun: the global batch is batch_size x world).
         lr: absolute peak AdamW learning rate; None: ``base_lr * global batch / 512`` (:meth:`peak_lr_for`).
-        base_lr: peak learning rate per 512 images (each job and method has its own default).
+        base_lr: peak learning rate per 512 images (used where ``lr`` is None: each stage's recipe and
+            method has its own).
         min_lr: end of the cosine (capped at the peak lr).
         warmup_epochs: linear warm-up length, in epochs (may be fractional).
         weight_decay: AdamW decay (not applied to biases, norms, tokens, position embeddings).
@@ -59,14 +60,17 @@ class TrainConfig(Config):
             non-finite loss check): the steps between them never wait for the device.
     """
 
-    # Fields declared with setting() are the user's: options of `train`, `search dcs`, `retrain` and keys
-    # of their pipeline sections (each stage offers some, with its own recipe's defaults: StageSettings
-    # below and next to each stage); seed, device, amp and deterministic are the pipeline's top-level keys.
-    epochs: int = setting(5, lo=1, hi=MAX_EPOCHS, help="Passes over the training split.")
+    # The defaults are `nascompress train`'s from scratch (its command and the pipeline's base.train with
+    # no options build TrainConfig()); the other stages' recipes are named instances next to each stage
+    # (FINE_TUNE_TRAIN below, SEARCH_TRAIN, RETRAIN_TRAIN, FINETUNE_TRAIN). Fields declared with setting()
+    # are the user's: options of `train`, `search dcs`, `retrain` and keys of their pipeline sections
+    # (each stage offers some: StageSettings below and next to each stage); seed, device, amp and
+    # deterministic are the pipeline's top-level keys.
+    epochs: int = setting(8, lo=1, hi=MAX_EPOCHS, help="Passes over the training split.")
     batch_size: int = setting(128, lo=1, hi=MAX_BATCH, help="Images per step (per process under torchrun).")
-    lr: float | None = setting(None, lo=0, lo_open=True, hi=MAX_LR, help=(
+    lr: float | None = setting(1e-3, lo=0, lo_open=True, hi=MAX_LR, help=(
         "Absolute peak lr; without it the peak is --base-lr x batch / 512."))
-    base_lr: float = setting(4e-3, lo=0, lo_open=True, hi=MAX_LR, user_default=None, help="Peak lr per 512 images.")
+    base_lr: float = setting(4e-3, lo=0, lo_open=True, hi=MAX_LR, help="Peak lr per 512 images.")
     min_lr: float = setting(1e-5, lo=0, hi=MAX_LR, help="End of the cosine lr decay.")
     warmup_epochs: float = setting(1.0, lo=0, hi=MAX_EPOCHS, help="Linear lr warm-up, in epochs.")
     weight_decay: float = setting(0.05, lo=0, help="AdamW weight decay (not on biases, norms, tokens, positions).")
@@ -104,51 +108,43 @@ class TrainConfig(Config):
         return self.lr if self.lr is not None else self.base_lr * self.batch_size * world_size / LR_REF_BATCH
 
 
-def recipe_config(recipe: Mapping[str, Any], **given: Any) -> TrainConfig:
-    """A stage's TrainConfig: its ``recipe`` (the stage's defaults) with every value ``given`` that
-    is not None. A base_lr given without an lr replaces a recipe's absolute lr (the peak then scales
-    with the batch); layer_decay 1 is no decay (None)."""
-    d = dict(recipe)
-    d.update({k: v for k, v in given.items() if v is not None})
+def recipe_config(recipe: TrainConfig, **given: Any) -> TrainConfig:
+    """A stage's TrainConfig: its ``recipe`` (the stage's defaults, a named TrainConfig) with every
+    value ``given`` that is not None. A base_lr given without an lr replaces a recipe's absolute lr
+    (the peak then scales with the batch); layer_decay 1 is no decay (None)."""
+    changes = {k: v for k, v in given.items() if v is not None}
     if given.get("base_lr") is not None and given.get("lr") is None:
-        d.pop("lr", None)
-    if d.get("layer_decay") == 1:
-        d["layer_decay"] = None
-    return TrainConfig.from_dict(d)
+        changes["lr"] = None
+    cfg = recipe.replace(**changes)
+    return cfg.replace(layer_decay=None) if cfg.layer_decay == 1 else cfg
 
 
 # `nascompress train`'s recipes (the command and the pipeline's base.train, through train_recipe):
-# from scratch, and fine-tuning pretrained weights (the DeiT/EViT fine-tuning base lr, layer decay,
-# a short warm-up)
-SCRATCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 8, "batch_size": 128, "lr": 1e-3, "min_lr": 1e-5,
-                                          "warmup_epochs": 1.0, "weight_decay": 0.05, "label_smoothing": 0.1}
-FINE_TUNE_TRAIN_DEFAULTS: dict[str, Any] = {**{k: v for k, v in SCRATCH_TRAIN_DEFAULTS.items() if k != "lr"},
-                                            "base_lr": 5e-4, "layer_decay": 0.75, "warmup_epochs": 0.2}
+# from scratch, TrainConfig's own defaults, and fine-tuning pretrained weights (the DeiT/EViT
+# fine-tuning base lr, layer decay, a short warm-up)
+FINE_TUNE_TRAIN = TrainConfig(lr=None, base_lr=5e-4, layer_decay=0.75, warmup_epochs=0.2)
 
 
 def train_recipe(*, fine_tune: bool, **given: Any) -> TrainConfig:
     """``nascompress train``'s TrainConfig: the fine-tuning recipe for a pretrained start
-    (``fine_tune``), else the one from scratch, with the values ``given`` (None: the recipe's)."""
-    return recipe_config(FINE_TUNE_TRAIN_DEFAULTS if fine_tune else SCRATCH_TRAIN_DEFAULTS, **given)
+    (``fine_tune``), else the one from scratch (``TrainConfig()``), with the values ``given`` (None:
+    the recipe's)."""
+    return recipe_config(FINE_TUNE_TRAIN if fine_tune else TrainConfig(), **given)
 
 
-def _same_in_both(name: str) -> Any:
-    scratch, tune = SCRATCH_TRAIN_DEFAULTS.get(name), FINE_TUNE_TRAIN_DEFAULTS.get(name)
-    return scratch if scratch == tune else None
-
-
-# The training settings `nascompress train` and base.train offer; None: the recipe's (train_recipe)
+_SCRATCH = TrainConfig()
+# The training settings `nascompress train` and base.train offer; the defaults are the recipe from
+# scratch, but those the fine-tuning recipe changes (None: train_recipe's, chosen by the weights)
 TRAIN_SETTINGS = StageSettings(
     TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "layer_decay", "min_lr", "warmup_epochs", "weight_decay",
                   "label_smoothing", "ema_decay"),
-    defaults={k: _same_in_both(k) for k in ("epochs", "batch_size", "min_lr", "warmup_epochs", "weight_decay",
-                                            "label_smoothing")},
-    notes={"lr": f"From scratch the default is {SCRATCH_TRAIN_DEFAULTS['lr']:g} (unless --base-lr is given).",
-           "base_lr": f"Default with --weights: {FINE_TUNE_TRAIN_DEFAULTS['base_lr']:g} "
+    recipe=_SCRATCH, no_default=("lr", "base_lr", "layer_decay", "warmup_epochs"),
+    notes={"lr": f"From scratch the default is {_SCRATCH.lr:g} (unless --base-lr is given).",
+           "base_lr": f"Default with --weights: {FINE_TUNE_TRAIN.base_lr:g} "
                       "(the DeiT/EViT fine-tuning base).",
-           "layer_decay": f"Default with --weights: {FINE_TUNE_TRAIN_DEFAULTS['layer_decay']:g}; from scratch: off.",
-           "warmup_epochs": f"Default: {SCRATCH_TRAIN_DEFAULTS['warmup_epochs']:g} from scratch, "
-                            f"{FINE_TUNE_TRAIN_DEFAULTS['warmup_epochs']:g} with --weights."})
+           "layer_decay": f"Default with --weights: {FINE_TUNE_TRAIN.layer_decay:g}; from scratch: off.",
+           "warmup_epochs": f"Default: {_SCRATCH.warmup_epochs:g} from scratch, "
+                            f"{FINE_TUNE_TRAIN.warmup_epochs:g} with --weights."})
 # Every training job's run settings (options of each training command; the pipeline's top-level keys)
 RUNTIME_SETTINGS = StageSettings(TrainConfig, ("seed", "device", "amp", "deterministic"))
 
@@ -284,5 +280,6 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 
-__all__ = ["TrainConfig", "TrainHooks", "TrainJob", "fit", "train", "lr_at", "MODEL_FILE", "LR_REF_BATCH", "CHECKPOINT_FILE",
+__all__ = ["TrainConfig", "FINE_TUNE_TRAIN", "TRAIN_SETTINGS", "RUNTIME_SETTINGS", "recipe_config", "train_recipe",
+           "TrainHooks", "TrainJob", "fit", "train", "lr_at", "MODEL_FILE", "LR_REF_BATCH", "CHECKPOINT_FILE",
            "LAST_FILE", "LOG_FILE", "Ema", "FitSettings", "LossWatch", "RunStore"]

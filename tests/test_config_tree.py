@@ -13,10 +13,10 @@ import pytest
 import typer
 import yaml
 
-from nascompress.config import user_default, user_settings
+from nascompress.config import user_settings
 from nascompress.data import FMNIST_DIR, DataConfig
 from nascompress.errors import NascompressError
-from nascompress.methods.dcs import DCSConfig
+from nascompress.methods.dcs import SEARCH_DCS, SEARCH_DCS_SETTINGS, DCSConfig
 from nascompress.export.config import ExportConfig
 from nascompress.pipeline import (BaseTrainSection, DataSection, DCSStage, ExportSection, PipelineConfig, ReportSection,
                                   RetrainStage, TokensStage, load_config)
@@ -60,8 +60,8 @@ EXCLUDED = {
         "init_spread": "internal constant of the gates' initial spread",
     },
     TrainConfig: {
-        # the search's fixed training recipe (SEARCH_TRAIN_DEFAULTS)
-        "weight_decay": "search recipe constant (SEARCH_TRAIN_DEFAULTS)",
+        # the search's fixed training recipe (SEARCH_TRAIN)
+        "weight_decay": "search recipe constant (SEARCH_TRAIN)",
         "label_smoothing": "TrainConfig default, not a search setting",
         "ema_decay": "TrainConfig default, not a search setting",
         **TRAIN_INTERNAL,
@@ -99,7 +99,7 @@ STUDY_EXCLUDED = {
         "data": "the command reads the base run's data; the pipeline its data section",
     },
 }
-# Stage defaults that differ from the command's, on purpose (the stage's recipe, StageSettings.defaults)
+# Stage defaults that differ from the command's, on purpose (the pipeline section's own key)
 # (the study's trials are 50 in both: they were 30 in the pipeline; the space: the command's kind's own
 # file, a pipeline names one; the study: named on the command line, "pipeline" in a pipeline)
 STAGE_DEFAULTS = {TokensStage: {"space": dataclasses.MISSING, "study": "pipeline"}}
@@ -192,18 +192,18 @@ def test_library_settings_give_the_cli_and_the_pipeline_the_same_default_help_an
         assert dict(key.metadata) == dict(f.metadata), f"{f.name}: the pipeline's checks are not the library's"
 
 
-def test_the_user_defaults_are_the_library_defaults_but_mlp_gates():
-    # the DCS building block defaults to the paper's residual gates; the search's front ends to the probe
-    differ = {f.name for cls in (DCSSearchConfig, DCSConfig) for f in user_settings(cls)
-              if user_default(f) != f.default}
-    assert differ == {"mlp_gates"}
+def test_the_search_offers_the_dcs_building_block_but_its_gate_family():
+    # the DCS building block defaults to the paper's residual gates; the search's recipe to its probe
+    assert {f.name for f in user_settings(DCSConfig)
+            if getattr(SEARCH_DCS, f.name) != getattr(DCSConfig(), f.name)} == {"mlp_gates"}
+    assert SEARCH_DCS.mlp_gates == "auto" and DCSSearchJob(source="s", out="o").method == SEARCH_DCS
 
 
 def test_grad_balance_is_a_pipeline_key(tmp_path):
     s = DCSStage(grad_balance=False, block_weights=False)
     cfg = library_config(s, DCSSearchConfig, target_flops=0.5)
     assert cfg.grad_balance is False and cfg.block_weights is False and cfg.target_flops == 0.5
-    assert library_config(DCSStage(), DCSConfig).mlp_gates == "auto"
+    assert library_config(DCSStage(), SEARCH_DCS_SETTINGS).mlp_gates == "auto"
 
 
 def test_the_cli_builds_the_search_from_the_generated_options(tmp_path, monkeypatch):

@@ -161,14 +161,14 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
     """``run_dcs_search`` (what study trials call) returns the kept supernet and a job whose method
     materializes it."""
     from nascompress.data import DataConfig, InputSpec, load_data
-    from nascompress.methods.dcs import materialize
+    from nascompress.methods.dcs import DCSConfig, materialize
     from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
     dense, arch = load_with_arch(tiny_run)
     data = load_data(DataConfig(dataset="synthetic"), spec=InputSpec.from_dict(arch["input"]))
-    job = DCSSearchJob(source=str(tiny_run), out="", search=DCSSearchConfig(target_flops=0.6, target_ramp=1.0,
-                                                                            max_val_drop=1, distill=0, arch_lr=0.05,
-                                                                            recovery_images=64),
+    job = DCSSearchJob(source=str(tiny_run), out="", method=DCSConfig(),  # the residual gates
+                       search=DCSSearchConfig(target_flops=0.6, target_ramp=1.0, max_val_drop=1, distill=0,
+                                              arch_lr=0.05, recovery_images=64, auto_batch=False),
                        train=search_train_config(epochs=2, batch_size=32, lr=1.0, device="cpu"))
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
     assert res.metrics["kept"] == "magnitude" and res.job.method.mlp_gates == "hidden"

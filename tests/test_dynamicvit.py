@@ -88,7 +88,7 @@ def test_training_decisions_are_cumulative_and_losses_backprop():
     from nascompress.train import TrainConfig
 
     x, y = torch.randn(4, 3, 32, 32), torch.arange(4)
-    loss, logs = hooks.loss(model, x, y, epoch=0, cfg=TrainConfig(epochs=1))
+    loss, logs = hooks.loss(model, x, y, epoch=0, cfg=TrainConfig(epochs=1, lr=None))
     d = model.dvit_state.decisions
     assert len(d) == 3 and all(((a - b) >= 0).all() for a, b in zip(d, d[1:]))  # never re-kept
     assert set(torch.cat(d).unique().tolist()) <= {0.0, 1.0}

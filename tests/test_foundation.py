@@ -242,7 +242,8 @@ def test_same_seed_same_run(tmp_path):
     def run(name, seed):
         torch.manual_seed(1000 + len(name))  # global RNG state before the job must not matter
         job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=128),
-                       train=TrainConfig(epochs=1, batch_size=64, seed=seed, **EXACT), out=str(tmp_path / name))
+                       train=TrainConfig(epochs=1, batch_size=64, lr=None, seed=seed, **EXACT),
+                       out=str(tmp_path / name))
         train(job)
         return nascompress.load(tmp_path / name).state_dict()
 

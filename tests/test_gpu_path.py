@@ -215,7 +215,7 @@ def test_method_losses_leave_their_logs_on_the_device(name, cfg, recipe):
     teacher = vit(img=28).requires_grad_(False)
     method = get_method(name)
     model, record = method.prepare_fresh(copy.deepcopy(teacher).requires_grad_(True), cfg, recipe or None)
-    tc = TrainConfig(epochs=2)
+    tc = TrainConfig(epochs=2, lr=None)
     hooks = method.hooks(model, record, teacher=teacher, train_cfg=tc)
     hooks.steps_per_epoch = 4
     x, y = torch.randn(2, 1, 28, 28), torch.arange(2)
@@ -341,7 +341,7 @@ def test_inductor_compiles_a_tiny_model():
 
 def test_train_job_records_deterministic_and_runs(tmp_path):
     job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=64, eval_limit=32),
-                   train=TrainConfig(epochs=1, batch_size=32, device=TORCH_DEVICE, deterministic=True),
+                   train=TrainConfig(epochs=1, batch_size=32, lr=None, device=TORCH_DEVICE, deterministic=True),
                    out=str(tmp_path / "d"))
     train(job)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["deterministic"] is True

@@ -70,7 +70,7 @@ def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, mo
     train = search_train_config(epochs=2, batch_size=32, seed=1, device="cpu")
     job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out=str(tmp_path / "search"),
                        method=DCSConfig(mlp_gates="residual", qk_mask="static"),
-                       search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100),
+                       search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
                        data=DataConfig(dataset="synthetic"), train=train)
     monkeypatch.chdir(tmp_path)
     mem = run_dcs_search(job.replace(out=""), copy.deepcopy(model).requires_grad_(True), arch, data)
@@ -88,13 +88,13 @@ def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
 
     search = tmp_path / "search"
     search_dcs(DCSSearchJob(source=str(tiny_run), out=str(search), method=DCSConfig(mlp_gates="residual"),
-                            search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100),
+                            search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
                             data=DataConfig(dataset="synthetic"),
                             train=search_train_config(epochs=1, batch_size=32, device="cpu")))
     materialize_search(MaterializeJob(search_dir=str(search), out=str(tmp_path / "slim")))
     job = RetrainJob(model_dir=str(tmp_path / "slim"), out=str(tmp_path / "final"), data=DataConfig(dataset="synthetic"),
                      train=retrain_train_config(epochs=2, batch_size=32, seed=2, device="cpu"),
-                     retrain=RetrainConfig(eta=1.0, kmeans_iters=2))
+                     retrain=RetrainConfig(eta=1.0, kmeans_iters=2), auto_batch=False)
     model, arch = load_with_arch(tmp_path / "slim")
     data = load_data(job.data, spec=InputSpec.from_dict(arch["input"]))
     mem = run_retrain(job, model, arch, data)
@@ -123,7 +123,7 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
                                                             pre_logits=True), rtol=1e-5, atol=1e-5)
     job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out="",
                        method=DCSConfig(mlp_gates="hidden", qk_mask="static"),
-                       search=DCSSearchConfig(target_flops=0.7, max_val_drop=100),
+                       search=DCSSearchConfig(target_flops=0.7, max_val_drop=100, auto_batch=False),
                        data=DataConfig(dataset="synthetic"), train=search_train_config(epochs=2, batch_size=32))
     cached = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
     monkeypatch.setattr(dcs_mod, "IN_MEMORY", ())  # as for augmented (ImageFolder) data: the teacher runs per step

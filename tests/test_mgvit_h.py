@@ -526,7 +526,7 @@ def test_training_loss_and_kl_weight():
 
     x, y = torch.randn(4, 1, 64, 64), torch.randint(0, 10, (4,))
     m = mgvit_h(variant="r", r_h=0.25, r_t=0.25).train()
-    loss, logs = MGViTHHooks(1.0).loss(m, x, y, epoch=0, cfg=TrainConfig())
+    loss, logs = MGViTHHooks(1.0).loss(m, x, y, epoch=0, cfg=TrainConfig(epochs=5, lr=None))
     loss.backward()
     assert set(logs) == {"ce_mgis", "kl_sgis"}
     assert loss.item() == pytest.approx((logs["ce_mgis"] + logs["kl_sgis"]).item())
@@ -534,7 +534,7 @@ def test_training_loss_and_kl_weight():
     m.zero_grad()
     calls = []
     h = m.register_forward_hook(lambda mod, inp, out: calls.append(inp[0].shape[-1]))
-    loss, logs = MGViTHHooks(0.0).loss(m, x, y, epoch=0, cfg=TrainConfig())
+    loss, logs = MGViTHHooks(0.0).loss(m, x, y, epoch=0, cfg=TrainConfig(epochs=5, lr=None))
     h.remove()
     assert set(logs) == {"ce_mgis"} and calls == [64]  # the MG pass alone: no half-size SGIS
     _, rec = get_method("mgvit-h").prepare_fresh(dense(), {}, {"kl_weight": 0.5})

@@ -50,7 +50,7 @@ def quick_job(model_dir, out, **rc):
     return RetrainJob(model_dir=str(model_dir), out=str(out),
                       train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0, device=TORCH_DEVICE,
                                         deterministic=TORCH_DEVICE.startswith("cuda")),
-                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}))
+                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}), auto_batch=False)
 
 
 def test_feature_tap_is_timm_pre_logits_and_changes_nothing():
@@ -87,7 +87,7 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     imgs, y = data.train.__getitems__(list(range(32)))
     from nascompress.data import preprocess
     x = preprocess(imgs, spec)
-    tc = TrainConfig(label_smoothing=0.0)
+    tc = TrainConfig(epochs=5, lr=None, label_smoothing=0.0)
     warm_loss, warm_logs = hooks.loss(model.train(), x, y, epoch=1, cfg=tc)
     warm_logs = as_floats(warm_logs)  # logs stay on the device; fit reads them back once per epoch
     assert warm_loss.item() == pytest.approx(warm_logs["ce"], rel=1e-6) and "ibb" in warm_logs
@@ -141,7 +141,7 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
     spec = input_spec_for(model, "synthetic")
     imgs, y = data.train.__getitems__(list(range(16)))
     from nascompress.data import preprocess
-    x, tc = preprocess(imgs, spec), TrainConfig(label_smoothing=0.0)
+    x, tc = preprocess(imgs, spec), TrainConfig(epochs=5, lr=None, label_smoothing=0.0)
     cfg = RetrainConfig(eta=0.0, kd_alpha=0.5, feat_kd=2.0)
 
     def hooks_with(teacher):

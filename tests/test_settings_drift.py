@@ -16,7 +16,7 @@ from nascompress.config import check_value
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
 from nascompress.importer import ImportJob
-from nascompress.methods.dcs import DCSConfig
+from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.models import CUSTOM_VIT, ModelShape, custom_vit_spec
 from nascompress.pipeline import load_config
 from nascompress.pipeline.sections import (BaseImportSection, BaseTrainSection, DataSection, DCSStage, RetrainStage,
@@ -134,7 +134,7 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
         _search_dcs(ctx, {"alpha_init": 3.0}, seed=0)
     method = seen[0].method
     assert method.theta_init == 3.0 and method.alpha_init == 3.0  # as `search dcs --alpha-init 3` and stages.dcs
-    assert method.mlp_gates == _field(DCSConfig, "mlp_gates").metadata["user_default"] == "auto"
+    assert method.mlp_gates == SEARCH_DCS.mlp_gates == "auto"
     assert DCSConfig.user(alpha_init=2.0).theta_init == 2.0
 
 

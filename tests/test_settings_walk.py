@@ -126,25 +126,24 @@ def _sections(cls: type, path: str = ""):
 
 
 def _declared_defaults() -> dict[str, set]:
-    """Option -> every default a declaration gives it: the field's user default, and each
+    """Option -> every default a declaration gives it: the field's default, and each
     StageSettings' default for it (a stage's recipe), wherever one is defined (CLI modules too)."""
     import sys
 
-    from nascompress.config import StageSettings, user_default
+    from nascompress.config import StageSettings, offered
 
     import nascompress.cli.main  # noqa: F401  (every command module, with its StageSettings)
 
     out: dict[str, set] = {}
     for _, f in SETTINGS:
-        d = user_default(f)
+        d = f.default
         out.setdefault(_option_name(f), set()).add(None if d is dataclasses.MISSING else repr(d))
     for mod in list(sys.modules.values()):
         if getattr(mod, "__name__", "").startswith("nascompress"):
             for obj in vars(mod).values():
-                if isinstance(obj, StageSettings):
-                    for f in dataclasses.fields(obj.cls):
-                        if f.name in obj.defaults:
-                            out.setdefault(_option_name(f), set()).add(repr(obj.defaults[f.name]))
+                if isinstance(obj, StageSettings):  # its recipe's values, None where it has no default
+                    for f, d, _ in offered(obj):
+                        out.setdefault(_option_name(f), set()).add(None if d is dataclasses.MISSING else repr(d))
     return out
 
 

@@ -201,9 +201,10 @@ def test_save_load_roundtrip(tmp_path):
 def test_two_stage_hooks_train_the_right_parameters():
     teacher = tiny()
     model, rec = prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
-    hooks = get_method("sparsifiner").hooks(model, rec, teacher=teacher.requires_grad_(False), train_cfg=TrainConfig())
+    hooks = get_method("sparsifiner").hooks(model, rec, teacher=teacher.requires_grad_(False),
+                                            train_cfg=TrainConfig(epochs=5, lr=None))
     assert isinstance(hooks, SparsifinerHooks)
-    groups = hooks.param_groups(model, TrainConfig())
+    groups = hooks.param_groups(model, TrainConfig(epochs=5, lr=None))
     pred = [g for g in groups if any(p is model.blocks[0].attn.kernel.w_down for p in g["params"])]
     assert pred[0]["lr_scale"] == SparsifinerRecipe().predictor_lr_scale
     x, y = torch.randn(4, 1, 16, 16), torch.randint(0, 10, (4,))
@@ -211,7 +212,7 @@ def test_two_stage_hooks_train_the_right_parameters():
     for epoch, trained in ((0, "kernel.w_"), (1, "qkv")):
         model.zero_grad(set_to_none=True)
         hooks.on_epoch_start(model, epoch=epoch)
-        loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=TrainConfig())
+        loss, logs = hooks.loss(model, x, y, epoch=epoch, cfg=TrainConfig(epochs=5, lr=None))
         loss.backward()
         got = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
         assert any(trained in n for n in got)

@@ -53,7 +53,7 @@ STATE = {"debug": False}
 SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
 # the data of a command that starts from a run (retrain, finetune, search, evaluate): the run's unless given
 RUN_DATA = StageSettings(DataConfig, ("dataset", "data_dir", "train_limit", "eval_limit"),
-                         defaults={"dataset": None, "data_dir": None},
+                         no_default=("dataset", "data_dir"),
                          notes={"dataset": "Default: the run's.", "data_dir": "Default: the run's."})
 
 

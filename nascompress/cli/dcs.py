@@ -13,7 +13,7 @@ from nascompress.search.trial_model import TrialMaterializeJob
 
 # materialize --study: TrialMaterializeJob's settings (or a DCS SEARCH_DIR instead)
 FROM_STUDY = StageSettings(TrialMaterializeJob, ("study", "trial", "pick", "storage", "finetune_epochs"),
-                           defaults={"study": None})
+                           no_default=("study",))
 
 
 def register(app: typer.Typer) -> None:

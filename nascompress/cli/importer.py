@@ -15,7 +15,7 @@ from nascompress.train import TrainConfig
 # The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
 # evaluation), its val/test subset and the seed that draws it, the device
 IMPORT_DATA_SETTINGS = StageSettings(DataConfig, ("dataset", "data_dir", "eval_limit", "skip_bad_images"),
-                                     defaults={"dataset": None},
+                                     no_default=("dataset",),
                                      notes={"dataset": "Given: the import is evaluated on its val and test splits."})
 IMPORT_RUN_SETTINGS = StageSettings(TrainConfig, ("seed", "device"))
 # its own settings as options (MODEL is its argument)

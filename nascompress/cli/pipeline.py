@@ -11,7 +11,7 @@ from nascompress.config import StageSettings
 from nascompress.train import TrainConfig
 
 # --seed: the file's seed (the pipeline's top-level seed key, TrainConfig's) replaced
-FILE_SEED = StageSettings(TrainConfig, ("seed",), defaults={"seed": None},
+FILE_SEED = StageSettings(TrainConfig, ("seed",), no_default=("seed",),
                           notes={"seed": "Default: the file's (it drives every stage)."})
 
 EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "

@@ -10,7 +10,7 @@ from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_opt
                                     setting_option, settings_command, skip_bad, with_subsets)
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
-from nascompress.methods.dcs import DCSConfig
+from nascompress.methods.dcs import SEARCH_DCS_SETTINGS, DCSConfig
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
@@ -28,7 +28,7 @@ SEARCH = StageSettings(DCSSearchConfig, ("target_flops", *(f.name for f in user_
                                                             if f.name != "target_flops")))
 
 
-@settings_command(search=SEARCH, method=DCSConfig, recipe=SEARCH_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
+@settings_command(search=SEARCH, method=SEARCH_DCS_SETTINGS, recipe=SEARCH_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def dcs(
     source: Annotated[str, typer.Argument(help="A dense run directory (train/import) or a timm model name.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Search run directory to create.")] = Path("runs/dcs_search"),
@@ -37,7 +37,7 @@ def dcs(
     img_size: setting_option(SOURCE_SIZE, "img_size") = None,
     dataset: setting_option(RUN_DATA, "dataset") = None,
     search: Settings,  # --target-flops, DCSSearchConfig's settings: --arch-lr --lam ... --init-importance
-    method: Settings,  # DCSConfig's settings: --qk-mask --mlp-gates --align --hidden-fill --alpha-init
+    method: Settings,  # SEARCH_DCS_SETTINGS: --qk-mask --mlp-gates --align --hidden-fill --alpha-init
     recipe: Settings,  # SEARCH_TRAIN_SETTINGS: --epochs --batch-size --lr ...
     train_limit: setting_option(RUN_DATA, "train_limit") = None,
     eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
@@ -91,7 +91,7 @@ search_app.command("dcs")(dcs)
 
 
 # search tokens|joint's study settings: SearchJob's (the space's default: the command's own)
-STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), defaults={"space": None},
+STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), no_default=("space",),
                       notes={"space": "Default: tokens evit, joint joint (shipped spaces, sized to the base's depth)."})
 
 

@@ -6,8 +6,9 @@ with :func:`register_method`. The subclass says, in one place:
 * ``config_cls``: its settings, a frozen :class:`~nascompress.config.Config` dataclass (validated;
   fields with ``metadata={"help": ...}`` become ``nascompress finetune`` options);
 * ``recipe_cls``: its training recipe settings (None: the method is not fine-tuned by
-  ``finetune``), and ``train_defaults``: its base learning rate (per 512 images), warm-up, layer
-  decay and epochs for ``finetune``;
+  ``finetune``), and ``train_overrides``: what its fine-tune changes in the generic fine-tuning
+  recipe (:data:`nascompress.finetune.FINETUNE_TRAIN`): base learning rate (per 512 images),
+  warm-up and epochs (:class:`TrainOverrides`);
 * ``stacks_on``: the methods that may already be applied to a model before this one, which also
   fixes the order (e.g. ``dcs`` -> ``sparsifiner`` -> ``evit``); any other combination is refused;
 * ``off_config`` / ``paper_config``: compression off (the plain timm model) and the paper's
@@ -41,6 +42,21 @@ _METHOD_MODULES = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit
 _METHODS: dict[str, "Method"] = {}
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainOverrides:
+    """The training values a method's fine-tune changes in the generic fine-tuning recipe
+    (:data:`nascompress.finetune.FINETUNE_TRAIN`, a TrainConfig; None: the recipe's): typed here
+    because methods never import the training engine."""
+
+    epochs: int | None = None
+    base_lr: float | None = None
+    warmup_epochs: float | None = None
+
+    def changes(self) -> dict[str, Any]:
+        """The TrainConfig fields this sets (for ``TrainConfig.replace``)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
 class Method:
     """One compression method (see the module docstring for the contract)."""
 
@@ -48,7 +64,7 @@ class Method:
     summary: ClassVar[str] = ""
     config_cls: ClassVar[type[Config]]
     recipe_cls: ClassVar[type[Config] | None] = None
-    train_defaults: ClassVar[dict[str, Any]] = {}
+    train_overrides: ClassVar[TrainOverrides] = TrainOverrides()
     stacks_on: ClassVar[frozenset[str]] = frozenset()
     # the models it patches: "vit" (timm's plain VisionTransformer) or "pyramid" (PVT v2)
     model_kind: ClassVar[str] = "vit"
@@ -184,4 +200,4 @@ def apply_methods(model: nn.Module, records: list[dict[str, Any]], *, inplace: b
     return model
 
 
-__all__ = ["Method", "register_method", "get_method", "available_methods", "apply_methods"]
+__all__ = ["Method", "TrainOverrides", "register_method", "get_method", "available_methods", "apply_methods"]

@@ -43,7 +43,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ..config import Config, check_choice, check_range, check_settings, setting, user_config
+from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
 from ..errors import NascompressError
 from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
                       slice_linear_in, slice_linear_out, slice_qk)
@@ -137,7 +137,8 @@ class DCSConfig(Config):
             block: the MLP's input/output residual channels), ``hidden`` (the MLP's hidden neurons),
             ``none``, or ``auto`` (the search chooses from a short measured probe on the model,
             :mod:`nascompress.search.dcs_family`; ``search dcs``, the pipeline and study trials
-            default to it; a supernet is always built with the chosen family). ``true``/``false``
+            default to it: :data:`SEARCH_DCS`; a supernet is always built with the chosen family).
+            ``true``/``false``
             (records of earlier versions) read as ``residual``/``none``.
         align: every width the search keeps (MLP residual or hidden channels per block, Q/K
             channels per head) is 0, the full width or a multiple of this (1: any width).
@@ -163,7 +164,7 @@ class DCSConfig(Config):
     qk_mask: str = setting("static", choices=("static", "input", "none"), help=(
         "Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
         "time) or none."))
-    mlp_gates: str = setting("residual", user_default="auto", choices=("auto", "residual", "hidden", "none"), help=(
+    mlp_gates: str = setting("residual", choices=("auto", "residual", "hidden", "none"), help=(
         "MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
         "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
         "on the model: the family whose pruned models stay closer to the dense one)."))
@@ -179,9 +180,9 @@ class DCSConfig(Config):
     @classmethod
     def user(cls, **given: Any) -> "DCSConfig":
         """The config a user's settings make (``search dcs``, ``stages.dcs``, a study trial's dcs
-        entry): the user defaults (``mlp_gates`` auto) but those ``given``, ``theta_init`` following
-        ``alpha_init`` unless given."""
-        cfg = user_config(cls, **given)
+        entry): the search's recipe (:data:`SEARCH_DCS`: ``mlp_gates`` auto) but those ``given``,
+        ``theta_init`` following ``alpha_init`` unless given."""
+        cfg = SEARCH_DCS.replace(**given)
         return cfg if "theta_init" in given else cfg.replace(theta_init=cfg.alpha_init)
 
     def __post_init__(self) -> None:
@@ -190,6 +191,12 @@ class DCSConfig(Config):
         check_settings(self)  # every setting() against its declaration; below: the internal fields
         check_range("theta_init", self.theta_init)
         check_range("init_spread", self.init_spread, 0)
+
+
+# The DCS search's own settings (`search dcs` options, `stages.dcs` keys, a study trial's dcs entry):
+# the building block's, but the gate family, chosen by the search's probe on the model
+SEARCH_DCS = DCSConfig(mlp_gates="auto")
+SEARCH_DCS_SETTINGS = StageSettings(DCSConfig, tuple(f.name for f in user_settings(DCSConfig)), recipe=SEARCH_DCS)
 
 
 @dataclass
@@ -608,7 +615,8 @@ class DCS(Method):
                                "not by finetune")
 
 
-__all__ = ["DCS", "DCSConfig", "DCSState", "DCSQKMask", "DCSBlock", "MaterializedBlock", "gumbel_sigmoid",
+__all__ = ["DCS", "DCSConfig", "SEARCH_DCS", "SEARCH_DCS_SETTINGS", "DCSState", "DCSQKMask", "DCSBlock",
+           "MaterializedBlock", "gumbel_sigmoid",
            "ChannelImportance", "BlockStats", "channel_importance", "activation_importance", "activation_stats",
            "spread", "aligned_mask", "aligned_counts", "protect_gates", "check_family", "MLP_GATES", "PROTECT_LOGIT",
            "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",

@@ -32,7 +32,7 @@ from torch import nn
 from ..config import Config, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
-from . import Method, register_method
+from . import Method, TrainOverrides, register_method
 from .tokens import keep_prefix_and, patched_class, token_layers
 
 MASK_EPS = 1e-6
@@ -248,7 +248,7 @@ class DynamicViT(Method):
     config_cls = DynamicViTConfig
     recipe_cls = DynamicViTRecipe
     # official: 5e-4 per 512 for the predictors, the backbone at 0.01 x that
-    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=5e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
     off_config = {"rho": 1.0}
     paper_config = {"rho": 0.7}

@@ -27,7 +27,7 @@ from torch import nn
 from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
-from . import Method, register_method
+from . import Method, TrainOverrides, register_method
 from .tokens import ceil_keep, gather_tokens, keep_prefix_and, patched_class, per_layer, token_layers
 
 
@@ -201,7 +201,7 @@ class EViT(Method):
     config_cls = EViTConfig
     recipe_cls = EViTRecipe
     # official fine-tune: 2e-5 per 512 for 30 epochs; a short budget needs a larger step
-    train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=1e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
     off_config = {"keep_rate": 1.0}
     paper_config = {"keep_rate": 0.7}

@@ -52,7 +52,7 @@ from ..config import Config, check_int, check_range, check_settings, field_name,
 from ..errors import NascompressError
 from ..hooks import TrainHooks
 from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_core
-from . import Method, register_method
+from . import Method, TrainOverrides, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
 from .mgvit_ops import resample_image as _resample
@@ -397,7 +397,7 @@ class MGViTMethod(Method):
     summary = "two-stage multi-granularity inference with early exit and PPSM (seed 004)"
     config_cls = MGViTConfig
     recipe_cls = MGViTRecipe
-    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=5e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset()  # it replaces the model class and widens every block: alone only
     off_config = None
     paper_config = {}

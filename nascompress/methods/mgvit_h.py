@@ -79,7 +79,7 @@ from torch import nn
 
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
-from . import Method, register_method
+from . import Method, TrainOverrides, register_method
 from ..hooks import TrainHooks
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, match_merge, ppsm_counts, ppsm_macs, resample_image,
                         split_counts, split_groups)
@@ -540,7 +540,7 @@ class MGViTHMethod(Method):
     summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004)"
     config_cls = MGViTHConfig
     recipe_cls = MGViTHRecipe
-    train_defaults = {"base_lr": 5e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=5e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset()
     model_kind = "pyramid"
     off_config = {"variant": "a", "r_h": 0.0, "r_t": 1.0, "epsilon": 1.0}

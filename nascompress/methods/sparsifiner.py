@@ -51,7 +51,7 @@ from ..config import Config, check_choice, check_int, check_range, check_setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
 from ..layers import attention, to_core
-from . import Method, block_sparse, register_method
+from . import Method, TrainOverrides, block_sparse, register_method
 
 MODES = ("unstructured", "block")
 KERNELS = ("gather", "flex", "masked")
@@ -466,7 +466,7 @@ class Sparsifiner(Method):
     summary = "instance-dependent sparse attention from a low-rank connectivity predictor (Wei et al. 2023)"
     config_cls = SparsifinerConfig
     recipe_cls = SparsifinerRecipe
-    train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=1e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset({"dcs", "uniform"})
     off_config = {"attn_keep_ratio": 1.0}
     paper_config = {"attn_keep_ratio": 0.25}

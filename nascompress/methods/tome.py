@@ -33,7 +33,7 @@ from torch import nn
 from ..config import Config, check_bool, check_range, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
-from . import Method, register_method
+from . import Method, TrainOverrides, register_method
 from .tokens import patched_class, token_layers
 
 
@@ -274,7 +274,7 @@ class ToMe(Method):
     summary = "merge similar tokens by bipartite soft matching, training-free (Bolya et al. 2023)"
     config_cls = ToMeConfig
     recipe_cls = ToMeRecipe
-    train_defaults = {"base_lr": 1e-4, "warmup_epochs": 0.2, "epochs": 2}
+    train_overrides = TrainOverrides(base_lr=1e-4, warmup_epochs=0.2, epochs=2)
     stacks_on = frozenset({"dcs", "uniform", "sparsifiner"})
     off_config = {"r": 0}
     paper_config = {"r": 13}  # the paper's ViT-S/16 at 224 px (1.6x throughput without training)

@@ -180,7 +180,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         spec = ModelSpec(imp.model, kwargs)
         model = _built_model(spec, ctx, "base.import.model")
         try:
-            tc = TrainConfig(epochs=1, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
+            tc = TrainConfig(epochs=1, lr=None, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
                            linear_probe=True)
         except NascompressError as e:
@@ -208,7 +208,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
-    from ..methods.dcs import DCSConfig
+    from ..methods.dcs import SEARCH_DCS_SETTINGS, DCSConfig
     from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
     from ..search.materialize import MaterializeJob, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
@@ -225,7 +225,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     try:
         job = DCSSearchJob(
             source=str(base_dir), out=str(out / "dcs_search"),
-            method=DCSConfig.user(**library_values(s, DCSConfig)),
+            method=DCSConfig.user(**library_values(s, SEARCH_DCS_SETTINGS)),
             search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
             train=search_train_config(**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)),
             data=_data_config(cfg, train_limit=s.train_limit))
@@ -282,7 +282,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = library_config(s, STUDY_SETTINGS, base=str(current), storage=storage,
+        job = library_config(s, STUDY_SETTINGS, base=str(current), study=s.study, storage=storage,
                              max_flops=goal.max_flops if constrained else None,
                              max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)

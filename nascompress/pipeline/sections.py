@@ -8,17 +8,17 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
-from ..config import StageSettings, offered, setting
+from ..config import StageSettings, offered, setting, shared
 from ..errors import NascompressError
 from ..importer import ImportJob
 from ..export.config import ExportConfig
-from ..methods.dcs import DCSConfig
+from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape
 from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS, SearchJob
-from ..train import FINE_TUNE_TRAIN_DEFAULTS, RUNTIME_SETTINGS, SCRATCH_TRAIN_DEFAULTS, TRAIN_SETTINGS, TrainJob
+from ..train import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
 from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_config, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
@@ -61,10 +61,10 @@ class BaseTrainSection(Section):
         check_lr_pair(self)
         if self.reset_head and self.weights is None:
             raise KeyProblem("reset_head", "needs weights (a new head on a pretrained backbone)")
-        recipe = FINE_TUNE_TRAIN_DEFAULTS if self.fine_tune else SCRATCH_TRAIN_DEFAULTS
+        recipe = FINE_TUNE_TRAIN if self.fine_tune else TrainConfig()
         for name in ("warmup_epochs", "layer_decay"):  # the defaults that depend on the weights
             if getattr(self, name) is None:
-                object.__setattr__(self, name, recipe.get(name))
+                object.__setattr__(self, name, getattr(recipe, name))
 
     @property
     def fine_tune(self) -> bool:
@@ -119,7 +119,7 @@ class GoalSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(DCSSearchConfig, DCSConfig, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
+@library_keys(DCSSearchConfig, SEARCH_DCS_SETTINGS, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
               lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names))
 class DCSStage(Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
@@ -158,6 +158,7 @@ class TokensStage(Section):
     also_dense: bool = setting(True, help=(
         "After a dcs stage, also search the token space on the dense base and keep the better pick "
         "(token-only against channels + tokens)."))
+    study: str = shared(SearchJob, "study", default="pipeline")  # the pipeline's own study name
 
     elsewhere = {**data_pointers(()),
                  "train_limit": "the study's training images are train_images (search tokens --train-images); "

@@ -38,7 +38,7 @@ class ProfileConfig(Config):
 # The model ``nascompress profile --model`` builds: ModelShape's settings, the head's classes
 # ImageNet's (no dataset says them)
 PROFILE_MODEL_SETTINGS = StageSettings(ModelShape, tuple(f.name for f in fields(ModelShape)),
-                                       defaults={"num_classes": PROFILE_CLASSES},
+                                       recipe=ModelShape(num_classes=PROFILE_CLASSES),
                                        notes={"num_classes": f"Without a dataset (profile --model): {PROFILE_CLASSES}."})
 
 __all__ = ["ProfileConfig", "DTYPES", "PROFILE_CLASSES", "PROFILE_MODEL_SETTINGS"]

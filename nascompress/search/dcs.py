@@ -68,7 +68,7 @@ from ..limits import MAX_LR
 from ..errors import NascompressError
 from ..evaluate import evaluate
 from ..io import save_model
-from ..methods.dcs import DCSConfig, make_record, make_supernet
+from ..methods.dcs import SEARCH_DCS, DCSConfig, make_record, make_supernet
 from ..progress import counted, step
 from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, recipe_config
@@ -186,7 +186,8 @@ class DCSSearchConfig(Config):
         auto_batch: choose the batch size from the number of training images
             (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
-            job's ``train.batch_size`` in the recorded job.
+            job's ``train.batch_size`` in the recorded job. The default, as ``search dcs`` and
+            ``stages.dcs`` without a batch size; False: ``train.batch_size`` as given.
     """
 
     # Fields declared with setting() are the user's: `search dcs` options and `stages.dcs` keys
@@ -251,7 +252,7 @@ class DCSSearchConfig(Config):
         "compared on the validation split (at most the training split)."))
     init_images: int = 256
     init_seed: int | None = None
-    auto_batch: bool = False
+    auto_batch: bool = True
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration; below: the internal fields
@@ -277,25 +278,23 @@ class DCSSearchConfig(Config):
 
 
 # The search's W optimisation: a fine-tuning lr (the weights must follow the cut; see the module
-# docstring for the measurement), short warm-up, no layer decay, keep the last epoch.
-SEARCH_TRAIN_DEFAULTS: dict[str, Any] = {"epochs": 4, "batch_size": 128, "base_lr": 1e-3, "min_lr": 1e-6,
-                                         "warmup_epochs": 0.2, "weight_decay": 0.01, "layer_decay": 1.0,
-                                         "keep": "last"}
+# docstring for the measurement), short warm-up, no layer decay (1: off), keep the last epoch.
+SEARCH_TRAIN = TrainConfig(epochs=4, batch_size=128, lr=None, base_lr=1e-3, min_lr=1e-6, warmup_epochs=0.2,
+                           weight_decay=0.01, layer_decay=1.0, keep="last")
 
 
 # The search's training settings a user sets (`search dcs` options, `stages.dcs` keys): the recipe's
-# defaults, but batch_size (None: from the training images) and the peak lr (None: the recipe's base_lr)
+# defaults, but batch_size (None: from the training images) and base_lr (None: the recipe's)
 SEARCH_TRAIN_SETTINGS = StageSettings(
     TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
-    defaults={**{k: SEARCH_TRAIN_DEFAULTS[k] for k in ("epochs", "min_lr", "warmup_epochs", "layer_decay")},
-              "batch_size": None},
+    recipe=SEARCH_TRAIN, no_default=("batch_size", "base_lr"),
     notes={"batch_size": AUTO_BATCH_NOTE,
-           "base_lr": f"Default: {SEARCH_TRAIN_DEFAULTS['base_lr']:g} (the weights follow the cut)."})
+           "base_lr": f"Default: {SEARCH_TRAIN.base_lr:g} (the weights follow the cut)."})
 
 
 def search_train_config(**given: Any) -> TrainConfig:
-    """The search's TrainConfig: :data:`SEARCH_TRAIN_DEFAULTS` with the values ``given`` (None: the recipe's)."""
-    return recipe_config(SEARCH_TRAIN_DEFAULTS, **given)
+    """The search's TrainConfig: :data:`SEARCH_TRAIN` with the values ``given`` (None: the recipe's)."""
+    return recipe_config(SEARCH_TRAIN, **given)
 
 
 @dataclass(frozen=True)
@@ -311,7 +310,7 @@ class DCSSearchJob(Config):
 
     source: str
     out: str
-    method: DCSConfig = field(default_factory=DCSConfig)
+    method: DCSConfig = SEARCH_DCS
     search: DCSSearchConfig = field(default_factory=DCSSearchConfig)
     train: TrainConfig = field(default_factory=search_train_config)
     data: DataConfig | None = None
@@ -422,5 +421,5 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
 
 __all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",
            "run_dcs_search", "CostModel", "LambdaSteer",
-           "calibrate", "round_blocks", "search_train_config", "smooth_max", "prepare_search",
+           "calibrate", "round_blocks", "search_train_config", "SEARCH_TRAIN", "smooth_max", "prepare_search",
            "init_importance", "calibration_images", "StepTag", "TeacherCache"]

@@ -177,11 +177,10 @@ class SearchJob(Config):
 
 
 # The settings of a study's trials: ``search tokens|joint``'s options (every user-facing field of
-# SearchJob) and the pipeline's ``stages.tokens`` keys (these, with the pipeline's own trial count)
-STUDY_SETTINGS = StageSettings(SearchJob, ("space", "study", "trials", "workers", "objective", "sampler",
+# SearchJob) and the pipeline's ``stages.tokens`` keys (these, and the pipeline's own study name)
+STUDY_SETTINGS = StageSettings(SearchJob, ("space", "trials", "workers", "objective", "sampler",
                                            "finetune_epochs", "train_images", "eval_images", "calib_steps",
-                                           "batch_size", "dcs_epochs", "latency_iters", "enqueue"),
-                               defaults={"study": "pipeline"})
+                                           "batch_size", "dcs_epochs", "latency_iters", "enqueue"))
 
 
 # ---------------------------------------------------------------------------------------------
