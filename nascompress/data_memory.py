@@ -67,6 +67,16 @@ class CallerDataset(Dataset):
         x, y = self._item(int(i))
         return x, self._label(y)
 
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A whole batch at once, as the built-in datasets give it: (images (B, C, H, W), labels (B,))."""
+        items = [self._item(int(i)) for i in idx]
+        try:
+            images = torch.stack([x for x, _ in items])
+        except RuntimeError:
+            raise NascompressError(f"{self.what} gives images of different shapes; give them at one size "
+                                   "(the preprocessing is the caller's)") from None
+        return images, torch.as_tensor([self._label(y) for _, y in items], dtype=torch.long)
+
 
 @dataclass(frozen=True)
 class MemorySplits:

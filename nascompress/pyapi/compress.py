@@ -14,6 +14,7 @@ from ..data import DataConfig
 from ..errors import NascompressError
 from ..io import load_with_arch
 from ..pipeline import run_pipeline
+from ..progress import say
 from .common import ModelLike, Workspace, data_config, model_run, remember, write_run
 
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
@@ -88,7 +89,7 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
              epochs: int | None = None, out: str | Path | None = None, seed: int = 0, device: str = "auto",
              trials: int = 20, train_limit: int | None = None, eval_limit: int | None = None, latency: bool = True,
              dcs: Mapping[str, Any] | None = None, tokens: Mapping[str, Any] | None = None,
-             retrain: Mapping[str, Any] | None = None, force: bool = False) -> Compressed:
+             retrain: Mapping[str, Any] | None = None, force: bool = False, progress: bool = True) -> Compressed:
     """Compress a dense timm ViT to ``target_flops`` x its FLOPs: ``nascompress pipeline`` on it.
 
     ``dcs`` in ``methods`` searches and gathers its channels (``nascompress search dcs``,
@@ -117,6 +118,9 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
         dcs / tokens / retrain: any other key of the pipeline file's ``stages.dcs`` / ``stages.tokens``
             / ``stages.retrain`` sections (``dcs={"epochs": 2, "qk_mask": "static"}``).
         force: start over in ``out``.
+        progress: a line per stage and the study's progress on stderr, as the command shows them (rich
+            bars in a terminal, plain lines elsewhere, e.g. in a notebook; ``NASCOMPRESS_PROGRESS=off``
+            silences every stage).
     """
     cfg_data = data_config(train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
@@ -127,7 +131,11 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
         with tempfile.TemporaryDirectory(prefix="nascompress-") as tmp:
             cfg_file = Path(tmp) / "pipeline.yaml"
             cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
-            summary = run_pipeline(cfg_file, out=ws.path("pipeline"), force=force, progress=False)
+            try:
+                summary = run_pipeline(cfg_file, out=ws.path("pipeline"), force=force, progress=progress,
+                                       log=(lambda msg: say(f"compress: {msg}")) if progress else None)
+            except NascompressError as e:  # the pipeline names its file: here the arguments made it
+                raise NascompressError(str(e).replace(f"{cfg_file}: ", "nc.compress: ")) from None
         if not summary.get("final"):
             raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
         final, arch = load_with_arch(summary["final"]["run"])
