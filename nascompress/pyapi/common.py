@@ -108,13 +108,17 @@ class Workspace:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
-    """timm build kwargs that rebuild a plain timm VisionTransformer's shape."""
+def _check_vit(model: nn.Module) -> None:
     from timm.models.vision_transformer import VisionTransformer
 
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"nascompress works on timm VisionTransformer models, got {type(model).__name__}; a "
                                "Hugging Face ViT: nascompress.from_transformers(model) first")
+
+
+def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
+    """timm build kwargs that rebuild a plain timm VisionTransformer's shape."""
+    _check_vit(model)
     pe, blk = model.patch_embed, model.blocks[0]
     kw: dict[str, Any] = {
         "img_size": list(pe.img_size), "patch_size": list(pe.patch_size), "embed_dim": model.embed_dim,
@@ -194,6 +198,7 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
                                f"{type(model).__name__}")
     if model in _ARCHS:
         return model, _ARCHS[model]
+    _check_vit(model)
     return model, dense_arch(model, input_spec(model, data))
 
 
