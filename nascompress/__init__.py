@@ -4,7 +4,7 @@ From Python (``import nascompress as nc``; the same jobs the commands run, see `
 
 * ``nc.compress(model, train=..., target_flops=0.6)``: a model in, a smaller model out;
 * the stages one by one: ``nc.dcs.search``, ``nc.materialize``, ``nc.retrain``, ``nc.tokens.apply``,
-  ``nc.export.onnx``, ``nc.quantize``;
+  ``nc.export.onnx``, ``nc.quantize``, ``nc.study`` (an Optuna study of a search space);
 * ``nc.from_transformers`` (a Hugging Face ViT in), ``Compressed.to_transformers`` (out);
 * ``nc.load(path)`` rebuilds any saved model.
 
@@ -25,7 +25,7 @@ from .errors import NascompressError
 
 __version__ = "0.1.0"
 __all__ = ["load", "load_with_arch", "save_model", "NascompressError", "__version__", "compress", "Compressed",
-           "materialize", "retrain", "quantize", "from_transformers", "to_transformers", "dcs", "tokens", "export"]
+           "materialize", "retrain", "quantize", "from_transformers", "to_transformers", "study", "dcs", "tokens", "export"]
 
 # name -> (module, attribute; None: the module itself), imported on first use
 _LAZY = {"load": ("nascompress.io", "load"), "load_with_arch": ("nascompress.io", "load_with_arch"),
@@ -35,6 +35,7 @@ _LAZY = {"load": ("nascompress.io", "load"), "load_with_arch": ("nascompress.io"
          "quantize": ("nascompress.pyapi.stages", "quantize"),
          "from_transformers": ("nascompress.pyapi.hf", "from_transformers"),
          "to_transformers": ("nascompress.pyapi.hf", "to_transformers"),
+         "study": ("nascompress.pyapi.study", "study"),
          "dcs": ("nascompress.pyapi.dcs", None), "tokens": ("nascompress.pyapi.tokens", None),
          "export": ("nascompress.export", None)}
 

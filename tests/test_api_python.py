@@ -127,6 +127,16 @@ def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.json", "q.onnx", "q.onnx.json", "tmp"]
 
 
+def test_study_and_its_pick(tiny_run, tmp_path, no_tmp_left):
+    model = nc.load(tiny_run)
+    res = nc.study(model, "synthetic", space="tome", trials=2, max_flops=0.8, device="cpu", progress=False,
+                   eval_images=100, train_images=100)
+    assert res.summary["complete"] == 2 and res.out is None
+    assert res.picked.metrics["flops_ratio"] <= 0.8 and res.picked.arch["methods"][-1]["name"] == "tome"
+    assert res.picked.metrics["rebuilt_accuracy"] == res.picked.metrics["trial_accuracy"]
+    assert not any(no_tmp_left.iterdir())
+
+
 def test_errors_are_the_commands_one_line_errors(tiny_run):
     model = nc.load(tiny_run)
     with pytest.raises(NascompressError, match="has no setting 'bogus'"):

@@ -29,6 +29,8 @@ ENTRIES = [
     ("nc.tokens.apply", "nascompress.pyapi.tokens", "apply"),
     ("nc.export.onnx", "nascompress.export", "onnx"),
     ("nc.quantize", "nascompress.pyapi.stages", "quantize"),
+    ("nc.study", "nascompress.pyapi.study", "study"),
+    ("Study", "nascompress.pyapi.study", "Study"),
     ("nc.from_transformers", "nascompress.pyapi.hf", "from_transformers"),
     ("nc.to_transformers", "nascompress.pyapi.hf", "to_transformers"),
     ("nc.load", "nascompress.io", "load"),
