@@ -173,6 +173,25 @@ def test_hugging_face_vit_round_trip(tmp_path, tiny_run):
         nc.to_transformers(mat.model, tmp_path / "no")
 
 
+def test_a_dinov2_backbone_comes_in_with_its_pooled_output(tmp_path):
+    from transformers import Dinov2Config, Dinov2Model
+
+    torch.manual_seed(0)
+    hf = Dinov2Model(Dinov2Config(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, mlp_ratio=2, layerscale_value=0.5)).eval()
+    x = torch.randn(4, 3, 16, 16)
+    model = nc.from_transformers(hf)
+    with torch.no_grad():
+        assert (model(x) - hf(pixel_values=x).pooler_output).abs().max() < 1e-5
+    hf.save_pretrained(str(tmp_path / "d"))
+    with torch.no_grad():
+        assert (nc.from_transformers(tmp_path / "d")(x) - model(x)).abs().max() < 1e-5
+    model.reset_classifier(10)  # a head for the data: the API takes the model with its new head
+    from nascompress.pyapi.common import model_and_arch
+
+    assert model_and_arch(model)[1]["model"]["kwargs"]["num_classes"] == 10
+
+
 def test_the_readmes_python_example_runs(tmp_path):
     text = (REPO / "README.md").read_text()
     section = text.split("## From Python", 1)[1].split("\n## ", 1)[0]

@@ -103,10 +103,6 @@ class Workspace:
             self._tmp = tempfile.mkdtemp(prefix="nascompress-")
         return Path(self._tmp) / name
 
-    def __del__(self) -> None:  # a Workspace used without `with` leaves nothing behind either
-        if self._tmp is not None and self.root != Path(self._tmp):
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
 
 def _check_vit(model: nn.Module) -> None:
     from timm.models.vision_transformer import VisionTransformer
@@ -156,6 +152,9 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
         raise NascompressError(f"cannot rebuild this {type(model).__name__} from its shape (timm {name} with "
                                f"{kwargs}): {str(e).splitlines()[0]}; save it with nascompress.save_model or give "
                                "a run directory") from None
+    own_eps = [m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    for m, eps in zip((m for m in rebuilt.modules() if isinstance(m, nn.LayerNorm)), own_eps):
+        m.eps = eps  # (a converted Hugging Face model keeps its epsilon; its saved copy has timm's)
     x = torch.randn(2, *_input_shape(model), generator=torch.Generator().manual_seed(0))
     was = model.training
     with torch.no_grad():
@@ -196,9 +195,12 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
     if not isinstance(model, nn.Module):
         raise NascompressError(f"give a model (a timm nn.Module), a result of nascompress or a run directory, got "
                                f"{type(model).__name__}")
-    if model in _ARCHS:
-        return model, _ARCHS[model]
+    known = _ARCHS.get(model)
+    if known is not None and known["model"]["kwargs"].get("num_classes") in (None, getattr(model, "num_classes", None)):
+        return model, known
     _check_vit(model)
+    if known is not None and not known["methods"]:  # e.g. a converted backbone given a new head since
+        return model, dense_arch(model, known["input"])
     return model, dense_arch(model, input_spec(model, data))
 
 

@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` ViTs in and out (the optional extra ``nascompress[hf]``).
 
-:func:`from_transformers` turns a ``ViTForImageClassification`` (an object, or a local folder
+:func:`from_transformers` turns a ``ViTForImageClassification`` or a ``Dinov2Model`` backbone (an
+object, or a local folder
 ``from_pretrained`` reads; never a download) into the timm ``VisionTransformer`` nascompress works
 on: the same weights, the same logits (the LayerNorms keep the model's ``layer_norm_eps``).
 :func:`to_transformers` writes a timm ViT back as a folder ``ViTForImageClassification.from_pretrained``
@@ -38,20 +39,75 @@ def _transformers() -> Any:
     return transformers
 
 
-def _scheme(sd: dict[str, torch.Tensor]) -> tuple[str, dict[str, str]]:
-    if any(k.startswith("vit.layers.") for k in sd):
-        return "vit.layers.{i}.", _V5
-    if any(k.startswith("vit.encoder.layer.") for k in sd):
-        return "vit.encoder.layer.{i}.", _V4
-    raise NascompressError("not a transformers ViTForImageClassification state (no vit.layers.* or "
-                           "vit.encoder.layer.* weights); nascompress converts ViTForImageClassification models")
+def _scheme(sd: dict[str, torch.Tensor], root: str = "vit.") -> tuple[str, dict[str, str]]:
+    """The block prefix and the layer names of a transformers state dict (5.x or 4.x naming)."""
+    for layer in (f"{root}layers.{{i}}.", f"{root}encoder.layer.{{i}}."):
+        if f"{layer.format(i=0)}attention.q_proj.weight" in sd:
+            return layer, _V5
+        if f"{layer.format(i=0)}attention.attention.query.weight" in sd:
+            return layer, {**_V4, **({"fc1": "mlp.fc1", "fc2": "mlp.fc2"} if f"{layer.format(i=0)}mlp.fc1.weight" in sd
+                                     else {})}
+    raise NascompressError("not a transformers ViT state (no vit.layers.* or vit.encoder.layer.* attention weights); "
+                           "nascompress converts ViTForImageClassification and Dinov2Model models")
+
+
+def _timm_blocks(sd: dict[str, torch.Tensor], layer: str, names: dict[str, str], depth: int, *, qkv_bias: bool,
+                 norms: tuple[str, str], layerscale: bool = False) -> dict[str, torch.Tensor]:
+    """timm ``blocks.N.*`` weights from a transformers encoder's."""
+    out: dict[str, torch.Tensor] = {}
+    for i in range(depth):
+        p = layer.format(i=i)
+        out[f"blocks.{i}.attn.qkv.weight"] = torch.cat([sd[f"{p}{names[c]}.weight"] for c in "qkv"])
+        if qkv_bias:
+            out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([sd[f"{p}{names[c]}.bias"] for c in "qkv"])
+        for timm_name, hf_name in (("attn.proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
+            for t in ("weight", "bias"):
+                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{names[hf_name]}.{t}"]
+        for timm_name, hf_name in (("norm1", norms[0]), ("norm2", norms[1])):
+            for t in ("weight", "bias"):
+                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{hf_name}.{t}"]
+        if layerscale:
+            out[f"blocks.{i}.ls1.gamma"] = sd[f"{p}layer_scale1.lambda1"]
+            out[f"blocks.{i}.ls2.gamma"] = sd[f"{p}layer_scale2.lambda1"]
+    return out
+
+
+def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """A ``Dinov2Model`` (the backbone, no head): timm's ViT with layer scale and ``num_classes=0``,
+    whose output is the pooled class token (the model's ``pooler_output``)."""
+    cfg = hf.config
+    if hasattr(hf, "classifier") or not hasattr(hf, "embeddings"):
+        raise NascompressError(f"from_transformers converts a Dinov2Model backbone, got {type(hf).__name__}: its "
+                               "classifier reads the class token and the mean patch token together, which timm's "
+                               "ViT head does not; convert its backbone (model.dinov2) and train a head")
+    if cfg.use_swiglu_ffn or cfg.hidden_act != "gelu":
+        raise NascompressError("this DINOv2 uses a SwiGLU MLP or another activation than GELU; nascompress converts "
+                               "the GELU ones (ViT-S/B/L)")
+    size, patch = cfg.image_size, cfg.patch_size
+    spec = ModelSpec(CUSTOM_BASE, dict(
+        img_size=size, patch_size=patch, embed_dim=cfg.hidden_size, depth=cfg.num_hidden_layers,
+        num_heads=cfg.num_attention_heads, mlp_ratio=float(cfg.mlp_ratio), num_classes=0, in_chans=cfg.num_channels,
+        qkv_bias=bool(cfg.qkv_bias), init_values=float(cfg.layerscale_value)))
+    sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
+    layer, names = _scheme(sd, root="")
+    out = {"cls_token": sd["embeddings.cls_token"], "pos_embed": sd["embeddings.position_embeddings"],
+           "patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
+           "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
+           "norm.weight": sd["layernorm.weight"], "norm.bias": sd["layernorm.bias"],
+           **_timm_blocks(sd, layer, names, cfg.num_hidden_layers, qkv_bias=bool(cfg.qkv_bias), norms=("norm1", "norm2"),
+                          layerscale=True)}
+    return spec, out
 
 
 def from_transformers(model_or_dir: Any) -> nn.Module:
-    """The timm ViT equal to a Hugging Face ``ViTForImageClassification`` (an object, or a local
-    folder ``from_pretrained`` reads, offline): ``nc.from_transformers(hf_model)``; its logits are
-    the Hugging Face model's (``pixel_values`` in, the same preprocessing). Preprocessing is the
-    caller's: the arch records the image processor's mean/std when a folder holds one, else none."""
+    """The timm ViT equal to a Hugging Face ``ViTForImageClassification`` or ``Dinov2Model`` (an
+    object, or a local folder ``from_pretrained`` reads, offline): ``nc.from_transformers(hf_model)``.
+    Its logits are the ViT's (``pixel_values`` in, the same preprocessing); a ``Dinov2Model`` becomes a
+    headless timm ViT with layer scale whose output is the model's ``pooler_output`` (the normed class
+    token), for a head to be trained on (its images at the config's ``image_size``). The LayerNorms
+    keep the model's ``layer_norm_eps`` (1e-12 for ViT); a saved and reloaded copy has timm's 1e-6,
+    which moves the logits by about 1e-6. Preprocessing is the caller's: the arch records the image
+    processor's mean/std when a folder holds a ``preprocessor_config.json``, else none (mean 0, std 1)."""
     tf = _transformers()
     hf, norm = model_or_dir, {}
     if isinstance(model_or_dir, (str, Path)):
@@ -62,55 +118,56 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
             norm = read_json(pre)
         if not Path(model_or_dir).is_dir():
             raise NascompressError(f"{model_or_dir} is not a local folder (nascompress never downloads a model)")
-        hf = tf.AutoModelForImageClassification.from_pretrained(str(model_or_dir), local_files_only=True)
+        conf = tf.AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True)
+        auto = tf.AutoModel if "Dinov2Model" in (conf.architectures or []) else tf.AutoModelForImageClassification
+        hf = auto.from_pretrained(str(model_or_dir), local_files_only=True)
     cfg = getattr(hf, "config", None)
-    if getattr(cfg, "model_type", None) != "vit" or not hasattr(hf, "classifier"):
-        raise NascompressError(f"from_transformers converts a ViTForImageClassification, got "
-                               f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', None)!r})")
-    if cfg.hidden_act != "gelu":
-        raise NascompressError(f"this ViT uses the {cfg.hidden_act!r} activation; timm's ViT uses exact GELU ('gelu')")
-    if getattr(hf.vit, "pooler", None) is not None and getattr(hf.config, "use_pooler", False):
-        raise NascompressError("a ViT with a pooler layer before its classifier has no timm equivalent")
-    size, patch = cfg.image_size, cfg.patch_size
-    spec = ModelSpec(CUSTOM_BASE, dict(
-        img_size=size if isinstance(size, int) else list(size), patch_size=patch if isinstance(patch, int) else list(patch),
-        embed_dim=cfg.hidden_size, depth=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-        mlp_ratio=cfg.intermediate_size / cfg.hidden_size, num_classes=cfg.num_labels, in_chans=cfg.num_channels,
-        qkv_bias=bool(cfg.qkv_bias)))
+    if getattr(cfg, "model_type", None) == "dinov2":
+        spec, out = _from_dinov2(hf)
+    else:
+        spec, out = _from_vit(hf)
     model = build_model(spec)
-    sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
-    layer, names = _scheme(sd)
-    out: dict[str, torch.Tensor] = {
-        "cls_token": sd["vit.embeddings.cls_token"], "pos_embed": sd["vit.embeddings.position_embeddings"],
-        "patch_embed.proj.weight": sd["vit.embeddings.patch_embeddings.projection.weight"],
-        "patch_embed.proj.bias": sd["vit.embeddings.patch_embeddings.projection.bias"],
-        "norm.weight": sd["vit.layernorm.weight"], "norm.bias": sd["vit.layernorm.bias"],
-        "head.weight": sd["classifier.weight"], "head.bias": sd["classifier.bias"]}
-    for i in range(cfg.num_hidden_layers):
-        p = layer.format(i=i)
-        out[f"blocks.{i}.attn.qkv.weight"] = torch.cat([sd[f"{p}{names[c]}.weight"] for c in "qkv"])
-        if cfg.qkv_bias:
-            out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([sd[f"{p}{names[c]}.bias"] for c in "qkv"])
-        for timm_name, hf_name in (("attn.proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
-            for t in ("weight", "bias"):
-                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{names[hf_name]}.{t}"]
-        for timm_name, hf_name in (("norm1", "layernorm_before"), ("norm2", "layernorm_after")):
-            for t in ("weight", "bias"):
-                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{hf_name}.{t}"]
     model.load_state_dict(out, strict=True)
     for m in model.modules():  # Hugging Face's epsilon (1e-12), not timm's 1e-6: the same logits
         if isinstance(m, nn.LayerNorm):
             m.eps = float(cfg.layer_norm_eps)
     from ..io import make_arch
 
-    c = cfg.num_channels
+    size, c = cfg.image_size, cfg.num_channels
     mean = tuple(norm.get("image_mean") or (0.0,) * c) if norm.get("do_normalize", True) else (0.0,) * c
     std = tuple(norm.get("image_std") or (1.0,) * c) if norm.get("do_normalize", True) else (1.0,) * c
     h, w = (size, size) if isinstance(size, int) else size
     arch = make_arch(spec, input_spec={"img_size": [h, w], "in_chans": c, "mean": list(mean), "std": list(std),
                                        "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"},
-                     labels=[cfg.id2label[i] for i in range(cfg.num_labels)] if cfg.id2label else None)
+                     labels=[cfg.id2label[i] for i in range(cfg.num_labels)]
+                     if spec.kwargs["num_classes"] and cfg.id2label else None)
     return remember(model.eval(), arch)
+
+
+def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """A ``ViTForImageClassification``: timm's plain ViT, class-token head."""
+    cfg = hf.config
+    if getattr(cfg, "model_type", None) != "vit" or not hasattr(hf, "classifier"):
+        raise NascompressError(f"from_transformers converts a ViTForImageClassification or a Dinov2Model, got "
+                               f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', None)!r})")
+    if cfg.hidden_act != "gelu":
+        raise NascompressError(f"this ViT uses the {cfg.hidden_act!r} activation; timm's ViT uses exact GELU ('gelu')")
+    size, patch = cfg.image_size, cfg.patch_size
+    spec = ModelSpec(CUSTOM_BASE, dict(
+        img_size=size if isinstance(size, int) else list(size), patch_size=patch if isinstance(patch, int) else list(patch),
+        embed_dim=cfg.hidden_size, depth=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+        mlp_ratio=cfg.intermediate_size / cfg.hidden_size, num_classes=cfg.num_labels, in_chans=cfg.num_channels,
+        qkv_bias=bool(cfg.qkv_bias)))
+    sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
+    layer, names = _scheme(sd)
+    out = {"cls_token": sd["vit.embeddings.cls_token"], "pos_embed": sd["vit.embeddings.position_embeddings"],
+           "patch_embed.proj.weight": sd["vit.embeddings.patch_embeddings.projection.weight"],
+           "patch_embed.proj.bias": sd["vit.embeddings.patch_embeddings.projection.bias"],
+           "norm.weight": sd["vit.layernorm.weight"], "norm.bias": sd["vit.layernorm.bias"],
+           "head.weight": sd["classifier.weight"], "head.bias": sd["classifier.bias"],
+           **_timm_blocks(sd, layer, names, cfg.num_hidden_layers, qkv_bias=bool(cfg.qkv_bias),
+                          norms=("layernorm_before", "layernorm_after"))}
+    return spec, out
 
 
 def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
