@@ -129,7 +129,8 @@ def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left
 
 def test_study_and_its_pick(tiny_run, tmp_path, no_tmp_left):
     model = nc.load(tiny_run)
-    res = nc.study(model, "synthetic", space="tome", trials=2, max_flops=0.8, device="cpu", progress=False,
+    loader = torch.utils.data.DataLoader(tensor_data(600, 0), batch_size=32)
+    res = nc.study(model, loader, space="tome", trials=2, max_flops=0.8, device="cpu", progress=False,
                    eval_images=100, train_images=100)
     assert res.summary["complete"] == 2 and res.out is None
     assert res.picked.metrics["flops_ratio"] <= 0.8 and res.picked.arch["methods"][-1]["name"] == "tome"

@@ -51,8 +51,10 @@ the library function the matching command calls, so a call and the command give 
 the same data and seed. Models are accepted as an `nn.Module` (a plain timm `VisionTransformer`, or one
 this API returned), a result of this API, or a run directory; data as a built-in dataset name, an
 ImageFolder root, or a map-style `Dataset` / `DataLoader` of `(image tensor, label)` whose preprocessing
-is the caller's (recorded as such: mean 0, std 1). Without `out=` nothing is written; errors are the
-commands' one-line `nascompress.NascompressError`.
+is the caller's (recorded as such: mean 0, std 1). Without `out=` nothing is written; with `out=DIR`
+the given model is kept as `DIR/source` and the stage's run as `DIR/<stage>` (`dcs_search`, `dcs_mat`,
+`retrain`, the token method's name, `pipeline`). Errors are the commands' one-line
+`nascompress.NascompressError`.
 """
 
 
