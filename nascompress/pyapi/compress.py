@@ -36,7 +36,8 @@ class Compressed:
 
     def save(self, directory: str | Path) -> Path:
         """Write the model as a run directory :func:`nascompress.load` (and every command) reads."""
-        return write_run(directory, self.model, self.arch, config={"compress": self.report.get("config")},
+        cfg = self.report.get("config") or {}
+        return write_run(directory, self.model, self.arch, config={"data": cfg.get("data"), "compress": cfg},
                          metrics={k: v for k, v in self.report.items() if k != "summary"})
 
     def to_transformers(self, directory: str | Path) -> Path:
