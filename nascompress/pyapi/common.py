@@ -15,14 +15,13 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from ..data import DATASET_KEYWORDS, DataConfig
+from ..data import DataConfig
 from ..data_memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
-from ..io import load_with_arch, make_arch, save_model
+from ..io import finish_run, load_with_arch, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model
 from ..run_dir import CONFIG_FILE
 from ..utils import read_json, write_json
-from ..io import finish_run
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
 _ARCHS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
@@ -262,9 +261,9 @@ def split_settings(settings: Mapping[str, Any], groups: Mapping[str, Iterable[st
     return out
 
 
-__all__ = ["stage_values", "setting_names", "StageResult", "Workspace", "ModelLike", "data_config", "model_run", "model_and_arch", "write_run",
-           "read_result", "remember", "dense_arch", "input_spec", "split_settings", "loader_batch", "DATASET_KEYWORDS",
-           "is_memory"]
+__all__ = ["StageResult", "Workspace", "ModelLike", "data_config", "model_run", "model_and_arch", "write_run",
+           "read_result", "remember", "dense_arch", "input_spec", "split_settings", "loader_batch", "stage_values",
+           "setting_names"]
 
 
 def stage_values(spec: Any, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,6 @@ Both naming schemes of ``transformers``' ViT are read and written: 4.x
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
