@@ -223,7 +223,10 @@ def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterab
                 seed: int = 0, train_limit: int | None = None, eval_limit: int | None = None) -> DataConfig | None:
     """The caller's data as a DataConfig: a built-in dataset name, an ImageFolder path, a DataConfig,
     or a map-style Dataset / DataLoader of (image tensor, label) (``val``, ``test``: its other splits;
-    registered in memory, :mod:`nascompress.data_memory`). None stays None (the run's recorded data)."""
+    registered in memory, :mod:`nascompress.data_memory`). Of a DataLoader its dataset, batch size and
+    worker count are taken; batches are drawn in nascompress's seeded order. Labels are read once per
+    dataset (from its ``targets`` attribute when it has one, else by a pass over its items). None stays
+    None (the run's recorded data)."""
     if data is None:
         if val is not None or test is not None:
             raise NascompressError("val= and test= need train data too")
@@ -236,6 +239,9 @@ def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterab
         cfg = DataConfig(dataset=str(data))
     else:
         cfg = DataConfig(dataset=register_dataset(data, val, test, classes=list(classes) if classes else None))
+        workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
+        if workers:  # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
+            cfg = replace(cfg, num_workers=workers)
     return replace(cfg, subset_seed=seed, train_limit=train_limit if train_limit is not None else cfg.train_limit,
                    eval_limit=eval_limit if eval_limit is not None else cfg.eval_limit)
 
