@@ -14,7 +14,6 @@ from ..methods import get_method
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_and_arch, model_run,
                      read_result, remember, stage_values)
-from .common import split_settings as split_kwargs
 
 _TRAIN_NAMES = tuple(FINETUNE_TRAIN_SETTINGS.names)
 
@@ -56,7 +55,6 @@ def apply(model: ModelLike, method: str, data: Any = None, *, epochs: int = 0, v
         arch["methods"] = list(arch["methods"]) + [record]
         arch.pop("retrain", None)
         return TokenModel(model=remember(patched.eval(), arch), arch=arch)
-    split_kwargs(train, {"t": (*_TRAIN_NAMES, "amp", "deterministic")}, what="nc.tokens.apply")
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
