@@ -1,23 +1,48 @@
 """nascompress: make timm Vision Transformers cheaper without making them worse.
 
-``nascompress.load(path)`` rebuilds any saved model. Importing the package applies the
-torchvision fix for a CPU-only torch (so ``import timm`` works after it); timm itself and the
-model code are imported on first use.
+From Python (``import nascompress as nc``; the same jobs the commands run, see ``docs/api.md``):
+
+* ``nc.compress(model, train=..., target_flops=0.6)``: a model in, a smaller model out;
+* the stages one by one: ``nc.dcs.search``, ``nc.materialize``, ``nc.retrain``, ``nc.tokens.apply``,
+  ``nc.export.onnx``, ``nc.quantize``, ``nc.study`` (an Optuna study of a search space);
+* ``nc.from_transformers`` (a Hugging Face ViT in), ``Compressed.to_transformers`` (out);
+* ``nc.load(path)`` rebuilds any saved model.
+
+``nc.retrain`` is the module :mod:`nascompress.retrain`, callable: calling it is
+:func:`nascompress.pyapi.stages.retrain`; ``nc.export`` is the package :mod:`nascompress.export`, with
+:func:`nascompress.export.onnx`.
+
+Importing the package applies the torchvision fix for a CPU-only torch (so ``import timm`` works
+after it); timm itself and the model code are imported on first use.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from . import _compat  # noqa: F401  (torchvision CPU fix, before anything imports timm)
 from .errors import NascompressError
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_with_arch", "save_model", "NascompressError", "__version__"]
+__all__ = ["load", "load_with_arch", "save_model", "NascompressError", "__version__", "compress", "Compressed",
+           "materialize", "retrain", "quantize", "from_transformers", "to_transformers", "study", "dcs", "tokens", "export"]
+
+# name -> (module, attribute; None: the module itself), imported on first use
+_LAZY = {"load": ("nascompress.io", "load"), "load_with_arch": ("nascompress.io", "load_with_arch"),
+         "save_model": ("nascompress.io", "save_model"),
+         "compress": ("nascompress.pyapi.compress", "compress"), "Compressed": ("nascompress.pyapi.compress", "Compressed"),
+         "materialize": ("nascompress.pyapi.stages", "materialize"), "retrain": ("nascompress.retrain", None),
+         "quantize": ("nascompress.pyapi.stages", "quantize"),
+         "from_transformers": ("nascompress.pyapi.hf", "from_transformers"),
+         "to_transformers": ("nascompress.pyapi.hf", "to_transformers"),
+         "study": ("nascompress.pyapi.study", "study"),
+         "dcs": ("nascompress.pyapi.dcs", None), "tokens": ("nascompress.pyapi.tokens", None),
+         "export": ("nascompress.export", None)}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("load", "load_with_arch", "save_model"):
-        from . import io
-
-        return getattr(io, name)
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        mod = importlib.import_module(module)
+        return mod if attr is None else getattr(mod, attr)
     raise AttributeError(f"module 'nascompress' has no attribute {name!r}")

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import runtime
 from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, folder_classes, load_data
+from .data_memory import is_memory, memory_splits
 from .errors import NascompressError
 from .evaluate import evaluate
 from .io import load_with_arch
@@ -21,6 +22,8 @@ def count_classes(data: DataConfig) -> int:
     """Number of classes of a dataset without loading its images."""
     if data.classes is not None:  # a subset: as many as it names (checked against the classes when loaded)
         return len([t for t in data.classes.split(",") if t.strip()])
+    if is_memory(data.dataset):  # a caller's Dataset (the Python API)
+        return len(memory_splits(data.dataset).classes)
     if data.dataset in DATASET_KEYWORDS:
         return 2 if data.dataset == "lfw-faces" else 10
     train = Path(data.dataset) / "train"

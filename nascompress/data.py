@@ -50,6 +50,7 @@ from .data_input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_M
                          INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
                          resize)
 from .data_loader import make_loader
+from .data_memory import is_memory, memory_splits
 from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
                            TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
                            synthetic_dataset)
@@ -140,7 +141,7 @@ class DataConfig:
         # another directory read the same data)
         for name in ("dataset", "data_dir"):
             v = getattr(self, name)
-            if isinstance(v, str) and v not in DATASET_KEYWORDS:
+            if isinstance(v, str) and v not in DATASET_KEYWORDS and not is_memory(v):
                 object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
         check_int("--seed", self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the command's --seed
 
@@ -200,6 +201,10 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         test = synthetic_dataset(200, seed=cfg.split_seed + 1)
         val = None
         name, channels, size = "synthetic", 1, (16, 16)
+    elif is_memory(cfg.dataset):  # a caller's Dataset (the Python API): its own splits, its preprocessing
+        mem = memory_splits(cfg.dataset)
+        train_full, val, test = mem.train, mem.val, mem.test
+        name, channels, size = cfg.dataset, mem.in_chans, mem.size
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():

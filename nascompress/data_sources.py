@@ -8,7 +8,7 @@ from __future__ import annotations
 import gzip
 import struct
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -18,7 +18,19 @@ from .data_splits import stratified_indices
 from .errors import NascompressError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-DATASET_KEYWORDS = ("fashion-mnist", "digits", "lfw-faces", "synthetic")  # dataset names that are not a path
+MEMORY_PREFIX = "python:"  # the names of the datasets the Python API holds in memory (nascompress.data_memory)
+MEMORY_DATASETS: dict[str, Any] = {}  # such a name -> its splits (a MemorySplits), this process only
+
+
+class DatasetKeywords(tuple):
+    """The dataset names that are not a path: the built-in ones, and the in-memory datasets the
+    Python API registered in this process (:data:`MEMORY_DATASETS`, names ``python:<fingerprint>``)."""
+
+    def __contains__(self, name: object) -> bool:
+        return tuple.__contains__(self, name) or (isinstance(name, str) and name in MEMORY_DATASETS)
+
+
+DATASET_KEYWORDS = DatasetKeywords(("fashion-mnist", "digits", "lfw-faces", "synthetic"))  # names that are not a path
 IN_MEMORY = DATASET_KEYWORDS  # datasets held as uint8 tensors (batched preprocessing, no augmentation)
 BUILTIN_DATASETS = "fashion-mnist, digits, lfw-faces"  # the real ones, as error messages name them
 FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",

@@ -30,7 +30,10 @@ the distillation pieces :mod:`nascompress.distill` and the batch rule :mod:`nasc
 from __future__ import annotations
 
 import copy
+import importlib
 import os
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -355,3 +358,14 @@ __all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "Fe
            "RETRAIN_TRAIN",
            "auto_batch_size", "AUTO_BATCH_NOTE", "AUTO_BATCH_SIZES", "AUTO_BATCH_STEPS", "IB_KEYS", "IBSettings",
            "feature_width"]
+
+
+class _CallableModule(types.ModuleType):
+    """This module is also ``nascompress.retrain(model, data, ...)``, the Python API's retraining
+    (:func:`nascompress.pyapi.stages.retrain`): ``import nascompress as nc; nc.retrain(...)``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return importlib.import_module("nascompress.pyapi.stages").retrain(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -28,6 +28,7 @@ and keeps it only when its top-1 on the run's validation split is within the all
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,5 +51,31 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     return _export_fp(run, out=out, config=config, force=force)
 
 
-__all__ = ["ExportConfig", "FORMATS", "DTYPES", "parse_batch", "export_run", "sidecar_path", "stage_path",
+@dataclass(frozen=True)
+class Exported:
+    """What :func:`onnx` wrote: the file (``path``) and its sidecar (``sidecar``: input size and
+    preprocessing, classes, FLOPs, methods, and ``verification``: the file checked against PyTorch)."""
+
+    path: str
+    sidecar: dict[str, Any] = field(default_factory=dict)
+
+
+def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) -> Exported:
+    """``nc.export.onnx(model, "model.onnx")``: write a model (an ``nn.Module``, a result of the Python
+    API, or a run directory) as the ONNX file ``path`` and its sidecar ``path.json``, run it with ONNX
+    Runtime and compare it with the PyTorch model (``nascompress export --format onnx``, the same
+    job: :func:`export_run`). ``**settings``: the command's options by Python name (``batch``: an int
+    or ``"dynamic"``, ``opset``, ``tolerance``, ``quantize`` ...). Nothing else is written."""
+    from ..config import user_config
+    from ..pyapi.common import Workspace, model_run, setting_names, split_settings
+
+    given = split_settings(settings, {"e": setting_names(ExportConfig)}, what="nc.export.onnx")["e"]
+    cfg = user_config(ExportConfig, **{**given, "format": "onnx"})
+    cfg = cfg.replace(batch=parse_batch(str(cfg.batch)))
+    with Workspace(None) as ws:
+        side = export_run(model_run(model, ws, "model"), out=Path(path), config=cfg, force=force)
+    return Exported(path=str(Path(path)), sidecar=side)
+
+
+__all__ = ["Exported", "onnx", "ExportConfig", "FORMATS", "DTYPES", "parse_batch", "export_run", "sidecar_path", "stage_path",
            "SIDECAR_FORMAT"]

@@ -1,0 +1,287 @@
+"""What every API function shares: the model it is given (an ``nn.Module``, a stage result or a
+run directory) as a run directory (:func:`model_run`), the caller's data as a
+:class:`~nascompress.data.DataConfig` (:func:`data_config`), the directory its runs go to
+(:class:`Workspace`: ``out`` or a temporary one), and the results (:class:`StageResult`)."""
+from __future__ import annotations
+
+import copy
+import shutil
+import tempfile
+import weakref
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ..data import DataConfig
+from ..data_memory import caller_input, is_memory, register_dataset
+from ..errors import NascompressError
+from ..io import finish_run, load_with_arch, make_arch, save_model
+from ..models import CUSTOM_BASE, ModelSpec, build_model
+from ..run_dir import CONFIG_FILE
+from ..utils import read_json, write_json
+
+ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
+_ARCHS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def remember(model: nn.Module, arch: dict[str, Any]) -> nn.Module:
+    """Record the arch of a model this API made, so that it can be given to another stage."""
+    _ARCHS[model] = copy.deepcopy(arch)
+    return model
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """What a stage made: ``model`` (a plain timm ``nn.Module``, eval mode, on the CPU), its
+    ``arch`` (what :func:`nascompress.load` rebuilds it from), the stage's ``metrics`` (its
+    ``metrics.json``), its ``config`` (its ``config.json``: the job as the command records it) and
+    ``out``, the run directory when one was kept (``out=``), else None."""
+
+    model: nn.Module
+    arch: dict[str, Any]
+    metrics: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    out: str | None = None
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the model as a complete run directory that :func:`nascompress.load` reads (and
+        every command takes); returns the directory."""
+        return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics)
+
+
+def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any], *, config: Mapping[str, Any] | None = None,
+              metrics: Mapping[str, Any] | None = None) -> Path:
+    """``model`` as a complete run: weights and arch, ``config.json``, the completion mark last."""
+    d = Path(directory)
+    save_model(d, model, arch)
+    write_json(d / CONFIG_FILE, dict(config or {}))
+    finish_run(d, {k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
+    return d
+
+
+def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
+    """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
+    model, arch = load_with_arch(run)
+    cfg_path, met_path = Path(run) / CONFIG_FILE, Path(run) / "metrics.json"
+    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    metrics = {k: v for k, v in (read_json(met_path) if met_path.is_file() else {}).items()
+               if k not in ("finished", "finished_files")}
+    return cls(model=remember(model, arch), arch=arch, metrics=metrics, config=cfg,
+               out=str(Path(run).resolve()) if keep else None, **extra)
+
+
+class Workspace:
+    """Where a call's run directories go: ``out`` (kept, resumable), or a temporary directory that
+    is removed when the call returns (``with Workspace(out) as ws``)."""
+
+    def __init__(self, out: str | Path | None):
+        self.keep = out is not None
+        self.root = Path(out).expanduser().resolve() if out is not None else None
+        self._tmp: str | None = None
+
+    def __enter__(self) -> "Workspace":
+        if self.root is None:
+            self._tmp = tempfile.mkdtemp(prefix="nascompress-")
+            self.root = Path(self._tmp)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def path(self, name: str) -> Path:
+        assert self.root is not None
+        return self.root / name
+
+    def scratch(self, name: str) -> Path:
+        """A directory for the API's own files (the given model as a run): always temporary."""
+        if self._tmp is None:
+            self._tmp = tempfile.mkdtemp(prefix="nascompress-")
+        return Path(self._tmp) / name
+
+
+def _check_vit(model: nn.Module) -> None:
+    from timm.models.vision_transformer import VisionTransformer
+
+    if not isinstance(model, VisionTransformer):
+        raise NascompressError(f"nascompress works on timm VisionTransformer models, got {type(model).__name__}; a "
+                               "Hugging Face ViT: nascompress.from_transformers(model) first")
+
+
+def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
+    """timm build kwargs that rebuild a plain timm VisionTransformer's shape."""
+    _check_vit(model)
+    pe, blk = model.patch_embed, model.blocks[0]
+    kw: dict[str, Any] = {
+        "img_size": list(pe.img_size), "patch_size": list(pe.patch_size), "embed_dim": model.embed_dim,
+        "depth": len(model.blocks), "num_heads": blk.attn.num_heads, "num_classes": model.num_classes,
+        "in_chans": pe.proj.in_channels, "mlp_ratio": blk.mlp.fc1.out_features / model.embed_dim,
+        "global_pool": model.global_pool, "class_token": model.cls_token is not None,
+        "qkv_bias": blk.attn.qkv.bias is not None, "qk_norm": not isinstance(blk.attn.q_norm, nn.Identity),
+        "fc_norm": not isinstance(model.fc_norm, nn.Identity), "pre_norm": not isinstance(model.norm_pre, nn.Identity),
+        "no_embed_class": bool(model.no_embed_class)}
+    if getattr(model, "num_reg_tokens", 0):
+        kw["reg_tokens"] = int(model.num_reg_tokens)
+    if not isinstance(blk.ls1, nn.Identity):
+        kw["init_values"] = 1e-5  # the value is in the weights
+    if kw["img_size"][0] == kw["img_size"][1]:
+        kw["img_size"] = kw["img_size"][0]
+    if kw["patch_size"][0] == kw["patch_size"][1]:
+        kw["patch_size"] = kw["patch_size"][0]
+    return kw
+
+
+def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The arch of a plain timm ViT given as an object: a :class:`ModelSpec` that rebuilds it (checked:
+    the rebuilt model loads its weights strictly and gives its logits), with ``input_spec``."""
+    name = (getattr(model, "pretrained_cfg", None) or {}).get("architecture") or CUSTOM_BASE
+    kwargs = _vit_kwargs(model)
+    try:
+        spec = ModelSpec(name, kwargs)
+        rebuilt = build_model(spec)
+    except NascompressError:
+        spec = ModelSpec(CUSTOM_BASE, kwargs)
+        rebuilt = build_model(spec)
+    try:
+        rebuilt.load_state_dict(model.state_dict(), strict=True)
+    except RuntimeError as e:
+        raise NascompressError(f"cannot rebuild this {type(model).__name__} from its shape (timm {name} with "
+                               f"{kwargs}): {str(e).splitlines()[0]}; save it with nascompress.save_model or give "
+                               "a run directory") from None
+    own_eps = [m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    for m, eps in zip((m for m in rebuilt.modules() if isinstance(m, nn.LayerNorm)), own_eps):
+        m.eps = eps  # (a converted Hugging Face model keeps its epsilon; its saved copy has timm's)
+    x = torch.randn(2, *_input_shape(model), generator=torch.Generator().manual_seed(0))
+    was = model.training
+    with torch.no_grad():
+        same = torch.allclose(rebuilt.eval()(x), model.eval()(x), atol=1e-5)
+    model.train(was)
+    if not same:
+        raise NascompressError(f"this {type(model).__name__} does not compute what timm {name} with {kwargs} does (a "
+                               "changed layer or forward); give a run directory instead")
+    return make_arch(spec, input_spec=dict(input_spec))
+
+
+def _input_shape(model: nn.Module) -> tuple[int, int, int]:
+    from ..models import input_size
+
+    return input_size(model)
+
+
+def input_spec(model: nn.Module, data: DataConfig | None) -> dict[str, Any]:
+    """How images become the given model's input: the caller's own (identity) for a caller's
+    Dataset, else what ``nascompress train`` decides for the dataset (:func:`input_spec_for`)."""
+    from ..data_input import InputSpec
+    from ..train import input_spec_for
+
+    c, h, w = _input_shape(model)
+    if data is None or is_memory(data.dataset):
+        ci = caller_input(c)
+        return InputSpec((h, w), c, ci["mean"], ci["std"], interpolation=ci["interpolation"], crop_pct=ci["crop_pct"],
+                         crop_mode=ci["crop_mode"]).to_dict()
+    return input_spec_for(model, data.dataset).to_dict()
+
+
+def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """The model object and its arch, for any :data:`ModelLike`."""
+    if isinstance(model, (str, Path)):
+        return load_with_arch(model)
+    if isinstance(model, StageResult) or hasattr(model, "arch") and hasattr(model, "model"):
+        return model.model, model.arch
+    if not isinstance(model, nn.Module):
+        raise NascompressError(f"give a model (a timm nn.Module), a result of nascompress or a run directory, got "
+                               f"{type(model).__name__}")
+    known = _ARCHS.get(model)
+    if known is not None and known["model"]["kwargs"].get("num_classes") in (None, getattr(model, "num_classes", None)):
+        return model, known
+    _check_vit(model)
+    if known is not None and not known["methods"]:  # e.g. a converted backbone given a new head since
+        return model, dense_arch(model, known["input"])
+    return model, dense_arch(model, input_spec(model, data))
+
+
+def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | None = None) -> Path:
+    """A complete run directory holding ``model`` (its data section: ``data``): the directory
+    itself when a path or a kept result is given, else one written under ``ws``'s scratch space."""
+    if isinstance(model, (str, Path)):
+        return Path(model).resolve()
+    out = getattr(model, "out", None)
+    if out is not None and Path(out).is_dir():
+        return Path(out)
+    m, arch = model_and_arch(model, data)
+    config = dict(getattr(model, "config", None) or {})
+    if data is not None:
+        config["data"] = asdict(data)
+    where = ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
+    return write_run(where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None))
+
+
+def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterable[str] | None = None,
+                seed: int = 0, train_limit: int | None = None, eval_limit: int | None = None) -> DataConfig | None:
+    """The caller's data as a DataConfig: a built-in dataset name, an ImageFolder path, a DataConfig,
+    or a map-style Dataset / DataLoader of (image tensor, label) (``val``, ``test``: its other splits;
+    registered in memory, :mod:`nascompress.data_memory`). Of a DataLoader its dataset, batch size and
+    worker count are taken; batches are drawn in nascompress's seeded order. Labels are read once per
+    dataset (from its ``targets`` attribute when it has one, else by a pass over its items). None stays
+    None (the run's recorded data)."""
+    if data is None:
+        if val is not None or test is not None:
+            raise NascompressError("val= and test= need train data too")
+        return None
+    if isinstance(data, DataConfig):
+        cfg = data
+    elif isinstance(data, (str, Path)):
+        if val is not None or test is not None:
+            raise NascompressError(f"{data} brings its own splits; val= and test= go with a Dataset")
+        cfg = DataConfig(dataset=str(data))
+    else:
+        cfg = DataConfig(dataset=register_dataset(data, val, test, classes=list(classes) if classes else None))
+        workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
+        if workers:  # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
+            cfg = replace(cfg, num_workers=workers)
+    return replace(cfg, subset_seed=seed, train_limit=train_limit if train_limit is not None else cfg.train_limit,
+                   eval_limit=eval_limit if eval_limit is not None else cfg.eval_limit)
+
+
+def loader_batch(data: Any) -> int | None:
+    """The batch size of a DataLoader the caller gave (the stages then take it), else None."""
+    from torch.utils.data import DataLoader
+
+    return data.batch_size if isinstance(data, DataLoader) else None
+
+
+def split_settings(settings: Mapping[str, Any], groups: Mapping[str, Iterable[str]], *, what: str) -> dict[str, dict]:
+    """``settings`` (keyword arguments) shared out among ``groups`` by name; unknown names refused."""
+    out: dict[str, dict] = {g: {} for g in groups}
+    for k, v in settings.items():
+        for g, names in groups.items():
+            if k in set(names):
+                out[g][k] = v
+                break
+        else:
+            valid = sorted({n for names in groups.values() for n in names})
+            raise NascompressError(f"{what} has no setting {k!r}; its settings: {', '.join(valid)}")
+    return out
+
+
+__all__ = ["StageResult", "Workspace", "ModelLike", "data_config", "model_run", "model_and_arch", "write_run",
+           "read_result", "remember", "dense_arch", "input_spec", "split_settings", "loader_batch", "stage_values",
+           "setting_names"]
+
+
+def stage_values(spec: Any, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The values a command's options of ``spec`` (a config class or a StageSettings) take when only
+    ``given`` are passed: the options' defaults (:func:`~nascompress.config.offered`), then ``given``."""
+    from ..config import offered
+
+    return {**{f.name: default for f, default, _ in offered(spec)}, **given}
+
+
+def setting_names(*specs: Any) -> list[str]:
+    """The names of the settings the ``specs`` offer (config classes or StageSettings)."""
+    from ..config import offered
+
+    return [f.name for s in specs for f, _, _ in offered(s)]
