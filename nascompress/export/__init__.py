@@ -66,11 +66,10 @@ def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) 
     Runtime and compare it with the PyTorch model (``nascompress export --format onnx``, the same
     job: :func:`export_run`). ``**settings``: the command's options by Python name (``batch``: an int
     or ``"dynamic"``, ``opset``, ``tolerance``, ``quantize`` ...). Nothing else is written."""
-    from ..config import user_config
     from ..pyapi.common import Workspace, model_run, setting_names, split_settings
 
     given = split_settings(settings, {"e": setting_names(ExportConfig)}, what="nc.export.onnx")["e"]
-    cfg = user_config(ExportConfig, **{**given, "format": "onnx"})
+    cfg = ExportConfig(**{**given, "format": "onnx"})
     cfg = cfg.replace(batch=parse_batch(str(cfg.batch)))
     with Workspace(None) as ws:
         side = export_run(model_run(model, ws, "model"), out=Path(path), config=cfg, force=force)

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import user_config
 from ..data import DataConfig
 from ..export.quantize import QuantizeConfig, quantize_run
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, recorded_data_config, retrain_train_config
@@ -78,7 +77,7 @@ def retrain(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = 
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
         job = RetrainJob(model_dir=str(src), out=str(ws.path("retrain")), data=cfg_data,
                          train=retrain_train_config(**recipe, **runtime),
-                         retrain=user_config(RetrainConfig, **parts["retrain"]), teacher=t_dir,
+                         retrain=RetrainConfig(**parts["retrain"]), teacher=t_dir,
                          auto_batch=recipe["batch_size"] is None)
         retrain_job(job, force=force, resume=resume)
         return read_result(Retrained, ws.path("retrain"), keep=ws.keep)
@@ -95,7 +94,7 @@ def quantize(model: ModelLike, path: str | Path, data: Any = None, *, val: Any =
     cfg_data = data_config(data, val=val)
     with Workspace(None) as ws:
         src = model_run(model, ws, "model", data=cfg_data)
-        side = quantize_run(src, out=Path(path), config=user_config(QuantizeConfig, **parts["q"]), data=cfg_data,
+        side = quantize_run(src, out=Path(path), config=QuantizeConfig(**parts["q"]), data=cfg_data,
                             force=force)
     return Quantized(path=str(Path(path)), sidecar=side)
 
