@@ -5,12 +5,11 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess, split_indices
 from nascompress.errors import NascompressError
-from nascompress.io import build_from_arch, load_state, load_with_arch, make_arch, save_model, save_state
+from nascompress.io import build_from_arch, load_state, make_arch, save_model, save_state
 from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
 from nascompress.train import lr_at
@@ -148,7 +147,10 @@ def test_split_indices_deterministic_and_disjoint():
 
 def test_loader_order_depends_on_seed_and_epoch():
     ds = load_data(DataConfig(dataset="synthetic")).train
-    first = lambda seed, epoch: next(iter(make_loader(ds, batch_size=8, shuffle=True, seed=seed, epoch=epoch)))[1]
+
+    def first(seed, epoch):
+        return next(iter(make_loader(ds, batch_size=8, shuffle=True, seed=seed, epoch=epoch)))[1]
+
     assert torch.equal(first(0, 0), first(0, 0))
     assert not torch.equal(first(0, 0), first(0, 1))
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import nascompress
-from nascompress.data import DataConfig, InputSpec, load_data
+from nascompress.data import DataConfig, load_data
 from nascompress.errors import NascompressError
 from nascompress.hooks import as_floats
 from nascompress.io import make_arch, save_model

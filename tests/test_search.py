@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import nascompress
-from nascompress.errors import NascompressError
 
 from .conftest import TINY_EVIT_SPACE, invoke
 
