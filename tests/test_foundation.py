@@ -14,14 +14,10 @@ from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
 from nascompress.train import lr_at
 
-from .conftest import TORCH_DEVICE, needs_fmnist
+from .conftest import TORCH_DEVICE, needs_fmnist, tiny_spec
 
 # exact-replay tests on a GPU (TORCH_DEVICE=cuda) run with deterministic kernels
 EXACT = dict(device=TORCH_DEVICE, deterministic=TORCH_DEVICE.startswith("cuda"))
-
-
-def tiny_spec(**kw):
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1, **kw)
 
 
 def test_save_load_roundtrip_exact(tmp_path):
