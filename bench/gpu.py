@@ -106,7 +106,7 @@ def dcs_blocks(dense: torch.nn.Module, share: float, align: int) -> list[dict]:
     for blk in dense.blocks:
         imp = channel_importance(blk)
         mlp, qk = imp.residual, imp.qk
-        C, (H, d) = mlp.numel(), qk.shape
+        C, (_, d) = mlp.numel(), qk.shape
         k = aligned_width(max(1, round(share * C)), align=align, full=C)
         kq = aligned_width(max(1, round(share * d)), align=align, full=d)
         blocks.append({"mlp_keep": mlp.topk(k).indices.sort().values.tolist(),

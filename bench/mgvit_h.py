@@ -268,8 +268,8 @@ def main() -> None:
     with torch.no_grad():
         lat = time_models(timed, xb[:1], warmup=2, iters=args.iters)
         thr = time_models(timed, xb, warmup=1, iters=args.iters)
-    res["speed"] = {lab: {"latency_ms": 1e3 * l, "throughput_img_s": xb.shape[0] / t, "batch": xb.shape[0]}
-                    for lab, l, t in zip(labels, lat, thr)}
+    res["speed"] = {lab: {"latency_ms": 1e3 * lt, "throughput_img_s": xb.shape[0] / t, "batch": xb.shape[0]}
+                    for lab, lt, t in zip(labels, lat, thr)}
     res["classification"] = cls
     save(args.out, res)
 

@@ -12,11 +12,35 @@ import errno
 import re
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class NascompressError(Exception):
     """A problem with the user's input: the message says what is wrong and what to do."""
+
+
+class SettingError(NascompressError):
+    """A rule about a stage's config fields broken. The library names fields, never a front end's
+    words: ``template`` writes each field as ``{field_name}``; ``str()`` gives the bare names
+    (``feat_kd``), and a front end words them its own way with :meth:`worded`: the CLI as its
+    command's options (``--feat-kd``, :func:`nascompress.cli.common.run`), the pipeline as its
+    section's keys (:func:`nascompress.pipeline.schema.section_error`)."""
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.worded())
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The fields the message names, in order of first mention."""
+        import string
+
+        names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
+        return tuple(dict.fromkeys(names))
+
+    def worded(self, name: Callable[[str], str] = str) -> str:
+        """The message with every field named by ``name(field)`` (default: the field's own name)."""
+        return self.template.format_map({f: name(f) for f in self.fields})
 
 
 class WriteError(NascompressError):

@@ -36,7 +36,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -48,7 +48,7 @@ from .config import Config, StageSettings, check_settings, setting
 from .limits import MAX_IMAGES
 from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
 from .io import load_arch, load_with_arch
 from .train import TrainConfig, fit, recipe_config
@@ -197,6 +197,30 @@ class RetrainJob(Config):
     auto_batch: bool = True
 
 
+def check_teacher(job: RetrainJob) -> None:
+    """The rules between the recipe and the teacher (a :class:`~nascompress.errors.SettingError`
+    naming fields): feature distillation needs a teacher. Checked by :func:`build_job` (a command's
+    or a pipeline's job, before anything runs) and by :func:`retrain` (any job)."""
+    if job.retrain.feat_kd and job.teacher is None:
+        raise SettingError("{feat_kd} distils from a teacher's features; give the dense run with {teacher}, "
+                           "or leave {feat_kd} at 0")
+
+
+def build_job(model_dir: str | Path, out: str | Path, *, retrain: RetrainConfig, train: Mapping[str, Any],
+              data: DataConfig | None = None, teacher: str | Path | None = None) -> RetrainJob:
+    """The retraining job of ``nascompress retrain`` and of a pipeline's ``stages.retrain`` (the one
+    place it is built): ``retrain``: the recipe; ``train``: the values of
+    :data:`RETRAIN_TRAIN_SETTINGS` and :data:`~nascompress.train.RUNTIME_SETTINGS` (None: the
+    recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset (None:
+    the one recorded with the model); ``teacher``: a dense run to distil from. Checked
+    (:func:`check_teacher`); errors name fields."""
+    job = RetrainJob(model_dir=str(model_dir), out=str(out), data=data, train=retrain_train_config(**train),
+                     retrain=retrain, teacher=None if teacher is None else str(teacher),
+                     auto_batch=train.get("batch_size") is None)
+    check_teacher(job)
+    return job
+
+
 def recorded_data_config(run_dir: str | Path) -> DataConfig | None:
     """The DataConfig recorded in ``run_dir/config.json`` (None if absent or not in that format)."""
     try:
@@ -328,9 +352,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     if not arch["methods"]:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
                                "compression method); run materialize or finetune first and retrain their output")
-    if job.retrain.feat_kd and job.teacher is None:
-        raise NascompressError("--feat-kd distils from a teacher's features; give the dense run with --teacher, "
-                               "or leave --feat-kd at 0")
+    check_teacher(job)
     runtime.prepare_deterministic(job.train.deterministic)
     device = distributed.init(job.train.device)
     model, arch = load_with_arch(job.model_dir, map_location=device)
@@ -353,7 +375,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     return run.finish(result.metrics)  # the last write: marks the run complete
 
 
-__all__ = ["RetrainConfig", "RetrainJob", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
+__all__ = ["RetrainConfig", "RetrainJob", "build_job", "check_teacher", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
            "kd_loss", "feature_kd_loss", "retrain", "run_retrain", "RetrainResult", "retrain_train_config",
            "RETRAIN_TRAIN",
            "auto_batch_size", "AUTO_BATCH_NOTE", "AUTO_BATCH_SIZES", "AUTO_BATCH_STEPS", "IB_KEYS", "IBSettings",

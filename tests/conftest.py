@@ -18,6 +18,86 @@ FMNIST = (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
 
 
+# ---------------------------------------------------------------------------------------------
+# Tiny models (each shape once; the name says how it differs from tiny_spec)
+
+
+def tiny_spec(num_classes: int = 10, **kw):
+    """The tiny plain ViT most tests build: 16x16 one-channel images, 4x4 patches, 2 blocks 32 wide
+    with 2 heads (``custom_vit_spec``; ``kw``: its other arguments)."""
+    from nascompress.models import custom_vit_spec
+
+    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes,
+                           in_chans=1, **kw)
+
+
+def tiny_spec_3_heads(**kw):
+    """tiny_spec's ViT 48 wide with 3 heads (the DCS tests: masks per head), as a timm ``ModelSpec``
+    (no ``mlp_ratio`` key; ``kw``: timm's model arguments)."""
+    from nascompress.models import ModelSpec
+
+    args = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10, in_chans=1)
+    return ModelSpec("vit_tiny_patch16_224", dict(args, **kw))
+
+
+def tiny_rgb_vit(**kw):
+    """A tiny timm ViT on 32x32 RGB images with 4 blocks (32 wide, 2 heads), seeded 0, in eval mode
+    (the token methods' tests; ``kw``: timm's model arguments, e.g. ``reg_tokens``)."""
+    import timm
+
+    torch.manual_seed(0)
+    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
+    args.update(kw)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **args).eval()
+
+
+def tiny_gray_vit(img=16, depth=2, dim=32, heads=2, seed=0):
+    """tiny_spec's ViT (one channel) built and in eval mode, with its image size, depth, width and
+    heads as arguments, seeded ``seed``."""
+    from nascompress.models import build_model, custom_vit_spec
+
+    torch.manual_seed(seed)
+    return build_model(custom_vit_spec(img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads,
+                                       num_classes=10, in_chans=1)).eval()
+
+
+# ---------------------------------------------------------------------------------------------
+# Project directories for the study tests
+
+
+@pytest.fixture()
+def project(tmp_path, monkeypatch, request):
+    """A project directory, made the working directory (the study files land there), holding the
+    test module's search spaces: its ``PROJECT_SPACES`` (file name -> YAML text)."""
+    monkeypatch.chdir(tmp_path)
+    for name, text in getattr(request.module, "PROJECT_SPACES", {}).items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def project_with_studies(tmp_path_factory):
+    """A project directory (shared by a module's tests) with a toy study in each default file
+    (``multi``, ``single`` single-objective, ``tiny`` with one trial) and one in a journal
+    (``journaled``)."""
+    from functools import partial
+
+    from tests.study_toys import run_toy_study, toy_factory
+
+    d = tmp_path_factory.mktemp("project")
+    cwd = os.getcwd()
+    os.chdir(d)
+    try:
+        run_toy_study("multi", None, 6, seed=1)
+        run_toy_study("single", None, 4, seed=2, directions=["maximize"], metric_names=["accuracy"],
+                      objective_factory=partial(toy_factory, single=True))
+        run_toy_study("tiny", None, 1, seed=3)
+        run_toy_study("journaled", f"journal:{d}/nascompress-studies.journal", 3, seed=4)
+    finally:
+        os.chdir(cwd)
+    return d
+
+
 def invoke(*args):
     """Run the nascompress CLI in-process (Typer's CliRunner); arguments may be paths or numbers."""
     from typer.testing import CliRunner

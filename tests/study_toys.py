@@ -84,6 +84,18 @@ def toy_sampler(kind: str) -> Callable[[int], Any]:
     return partial(make_sampler, kind)
 
 
+def run_toy_study(name: str, storage: str | None, n: int, **kw: Any) -> dict[str, Any]:
+    """:func:`run_study` of ``n`` toy trials into study ``name`` (``storage`` None: the default file),
+    quietly, with beats a loaded test machine keeps up with; ``kw``: run_study's other arguments."""
+    from nascompress.studies import run_study
+
+    kw.setdefault("objective_factory", toy_factory)
+    kw.setdefault("progress", False)
+    kw.setdefault("heartbeat_interval", 1.0)
+    kw.setdefault("grace_period", 30.0)  # a loaded test machine may delay a beat by seconds
+    return run_study(study_name=name, storage=storage, n_trials=n, space_info=SPACE_INFO, **{**TWO, **kw})
+
+
 def main(argv: list[str]) -> None:
     from nascompress.studies import run_study
 

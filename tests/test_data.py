@@ -246,7 +246,10 @@ def test_image_folder_train_view_and_eval_view_share_split(tmp_path):
     assert b.train.base.samples is b.val.base.samples  # one scan of train/, two views
     tr, va = set(b.train.indices.tolist()), set(b.val.indices.tolist())
     assert not tr & va and len(tr | va) == sum(COUNTS.values())
-    names = lambda ds: [type(t).__name__ for t in ds.base.transform.transforms]
+
+    def names(ds):
+        return [type(t).__name__ for t in ds.base.transform.transforms]
+
     assert names(b.train)[:2] == ["RandomResizedCropAndInterpolation", "RandomHorizontalFlip"]
     assert "ColorJitter" not in names(b.train) and names(b.train)[-1] == "MaybePILToTensor"
     assert names(b.val) == ["Resize", "CenterCrop", "MaybePILToTensor"]

@@ -17,12 +17,9 @@ from nascompress.models import ModelSpec, build_model
 from nascompress.profiling import count_flops
 from nascompress.search.dcs import CostModel
 
+from .conftest import tiny_spec_3_heads
+
 QK_MODES = ["input", "static", "none"]
-
-
-def tiny_spec(**kw) -> ModelSpec:
-    args = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10, in_chans=1)
-    return ModelSpec("vit_tiny_patch16_224", dict(args, **kw))
 
 
 def randomize_gates(model, *, seed: int = 0, empty_block: bool = False) -> None:
@@ -78,7 +75,7 @@ def test_gumbel_noise_is_logistic():
 @pytest.mark.parametrize("init_values", [None, 0.1])
 def test_supernet_identity(qk, init_values):
     kw = {} if init_values is None else {"init_values": init_values}
-    dense = build_model(tiny_spec(**kw)).eval()
+    dense = build_model(tiny_spec_3_heads(**kw)).eval()
     x = torch.randn(3, 1, 16, 16)
     ref = dense(x)
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
@@ -91,7 +88,7 @@ def test_supernet_identity(qk, init_values):
 
 
 def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
-    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates="residual"))
+    sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="residual"))
     randomize_gates(sup)
     sup.train()
     sup(torch.randn(4, 1, 16, 16)).logsumexp(-1).sum().backward()
@@ -108,7 +105,7 @@ def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_g
     import nascompress.methods.dcs as dcs_mod
 
     torch.manual_seed(0)
-    model = build_model(tiny_spec())
+    model = build_model(tiny_spec_3_heads())
     fills = [torch.randn(blk.mlp.fc1.out_features) for blk in model.blocks] if fill else None
     sup = make_supernet(model, DCSConfig(qk_mask="static", mlp_gates="hidden"), fill=fills)
     randomize_gates(sup, empty_block=empty_block)
@@ -151,7 +148,7 @@ def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_g
 
 @pytest.mark.parametrize("qk", QK_MODES)
 def test_materialized_equals_supernet_and_reloads(qk, tmp_path):
-    spec = tiny_spec()
+    spec = tiny_spec_3_heads()
     dense = build_model(spec).eval()
     cfg = DCSConfig(qk_mask=qk)
     sup = make_supernet(copy.deepcopy(dense), cfg).eval()
@@ -178,7 +175,7 @@ def test_materialized_equals_supernet_and_reloads(qk, tmp_path):
 
 @pytest.mark.parametrize("qk", QK_MODES)
 def test_cost_model_matches_profiler(qk):
-    dense = build_model(tiny_spec()).eval()
+    dense = build_model(tiny_spec_3_heads()).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask=qk)).eval()
     x = torch.zeros(1, 1, 16, 16)
     cost = CostModel.build(dense, sup, x)
@@ -193,7 +190,7 @@ def test_cost_model_matches_profiler(qk):
 
 def test_static_qk_keeps_original_scale():
     cfg = DCSConfig(qk_mask="static", mlp_gates="residual", align=1)
-    sup = make_supernet(build_model(tiny_spec()), cfg).eval()
+    sup = make_supernet(build_model(tiny_spec_3_heads()), cfg).eval()
     randomize_gates(sup, seed=1)
     mat, record = materialize(sup, cfg)
     attn = mat.blocks[1].attn
@@ -204,7 +201,7 @@ def test_static_qk_keeps_original_scale():
 
 
 def test_record_round_trip_rebuilds_supernet(tmp_path):
-    spec = tiny_spec()
+    spec = tiny_spec_3_heads()
     cfg = DCSConfig(qk_mask="static", mlp_gates="residual")
     sup = make_supernet(build_model(spec), cfg).eval()
     randomize_gates(sup)
@@ -249,8 +246,8 @@ def searched(tiny_run, tmp_path_factory):
 
 
 def test_cost_gradient_reaches_every_alpha_and_theta():
-    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates="residual"))
-    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="residual"))
+    cost = CostModel.build(build_model(tiny_spec_3_heads()).eval(), sup, torch.zeros(1, 1, 16, 16))
     randomize_gates(sup, seed=2)
     sup.train()
     sup(torch.randn(2, 1, 16, 16))
@@ -263,8 +260,8 @@ def test_cost_gradient_reaches_every_alpha_and_theta():
 def test_soft_cost_tracks_the_hard_cost_as_masks_harden():
     """With the soft masks at their hard values (tau -> 0, no noise) the soft cost is the exact cost,
     up to the smooth maximum over heads (the padded Q/K width)."""
-    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates="residual", align=1))
-    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="residual", align=1))
+    cost = CostModel.build(build_model(tiny_spec_3_heads()).eval(), sup, torch.zeros(1, 1, 16, 16))
     randomize_gates(sup, seed=4)
     with torch.no_grad():
         for p in arch_parameters(sup):
@@ -280,8 +277,8 @@ def test_a_static_theta_closes_under_the_cost():
     """The cost alone (lambda log cost) closes Q/K channels: theta is pushed below the threshold."""
     from nascompress.search.dcs import CostModel
 
-    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates=False, theta_init=0.5))
-    cost = CostModel.build(build_model(tiny_spec()).eval(), sup, torch.zeros(1, 1, 16, 16))
+    sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates=False, theta_init=0.5))
+    cost = CostModel.build(build_model(tiny_spec_3_heads()).eval(), sup, torch.zeros(1, 1, 16, 16))
     theta = arch_parameters(sup)
     opt = torch.optim.Adam(theta, lr=0.05)
     sup.train()
@@ -468,7 +465,7 @@ def test_lambda_steer_is_a_signed_pi_controller():
 def test_calibrate_lands_on_target():
     from nascompress.search.dcs import calibrate
 
-    dense = build_model(tiny_spec(depth=3)).eval()
+    dense = build_model(tiny_spec_3_heads(depth=3)).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
     cost = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16))
     randomize_gates(sup, seed=5)
@@ -479,7 +476,7 @@ def test_calibrate_lands_on_target():
 def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
     from nascompress.search.dcs import round_blocks
 
-    sup = make_supernet(build_model(tiny_spec(depth=3)), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
+    sup = make_supernet(build_model(tiny_spec_3_heads(depth=3)), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
     with torch.no_grad():
         sup.blocks[0].dcs_alpha[:45] = -1.0  # 3 of 48 kept: closed
         sup.blocks[1].dcs_alpha[:2] = -1.0  # 46 of 48 kept: opened
@@ -541,7 +538,7 @@ def test_search_rescued_only_by_calibration_names_the_missing_steps():
 def test_activation_importance_ranks_dead_channels_last():
     from nascompress.methods.dcs import activation_importance
 
-    model = build_model(tiny_spec()).eval()
+    model = build_model(tiny_spec_3_heads()).eval()
     blk = model.blocks[0]
     with torch.no_grad():  # residual channel 5: LN2 emits 0 there and the MLP writes nothing to it
         blk.norm2.weight[5] = 0.0
@@ -565,7 +562,7 @@ def test_activation_importance_ranks_dead_channels_last():
 
 
 def test_supernet_gates_start_in_the_given_importance_order():
-    model = build_model(tiny_spec())
+    model = build_model(tiny_spec_3_heads())
     from nascompress.methods.dcs import ChannelImportance
 
     imp = [ChannelImportance(torch.arange(48, dtype=torch.float32), torch.arange(192, dtype=torch.float32),
@@ -577,13 +574,13 @@ def test_supernet_gates_start_in_the_given_importance_order():
         th = blk.attn.qk_mask.theta.reshape(3, 16)
         assert (th.argmin(-1) == 15).all()
     with pytest.raises(NascompressError, match="importance has 1 blocks but the model has 2"):
-        make_supernet(build_model(tiny_spec()), DCSConfig(mlp_gates="residual"), importance=imp[:1])
+        make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(mlp_gates="residual"), importance=imp[:1])
 
 
 def test_init_importance_auto_keeps_the_order_closer_to_dense():
     from nascompress.search.dcs import init_importance
 
-    model = build_model(tiny_spec()).eval()
+    model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():  # weight magnitude misleads: channels 0-9 have a tiny LN2 gain but a large LN2 bias,
         for blk in model.blocks:  # so the MLP reads a large (constant) value there, as in DINOv2's outlier channels
             blk.norm2.weight[:10] = 0.01
@@ -618,7 +615,7 @@ def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
     from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks, StepTag
 
     torch.manual_seed(0)
-    sup = make_supernet(build_model(tiny_spec()), DCSConfig(qk_mask="static", mlp_gates="hidden"))
+    sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="hidden"))
     with torch.no_grad():
         for blk in sup.blocks:  # gates at the threshold: a Gumbel sample flips about half of them
             blk.dcs_alpha.uniform_(-0.5, 0.5)
@@ -654,7 +651,7 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
     from nascompress.search.dcs_protect import SENSITIVITY_DROP, block_sensitivity
 
     torch.manual_seed(0)
-    dense = build_model(tiny_spec(depth=3)).eval()
+    dense = build_model(tiny_spec_3_heads(depth=3)).eval()
     images = [torch.randn(6, 1, 16, 16), torch.randn(4, 1, 16, 16)]
     stats = activation_stats(dense, images)
     got = block_sensitivity(dense, images, stats, family)

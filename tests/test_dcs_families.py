@@ -13,17 +13,14 @@ from nascompress.errors import NascompressError
 from nascompress.io import make_arch, save_model
 from nascompress.methods.dcs import (DCSConfig, activation_stats, aligned_mask, arch_parameters, make_record,
                                      make_supernet, materialize, protect_gates, selection)
-from nascompress.models import ModelSpec, build_model
+from nascompress.models import build_model
 from nascompress.profiling import count_flops
 from nascompress.search.dcs_cost import CostModel, calibrate
 
+from .conftest import tiny_spec_3_heads
+
 FAMILIES = ["residual", "hidden"]
 INPUT = {"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]}
-
-
-def tiny_spec(**kw) -> ModelSpec:
-    args = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10, in_chans=1)
-    return ModelSpec("vit_tiny_patch16_224", dict(args, **kw))
 
 
 def random_gates(model, *, seed: int = 0, empty_block: bool = False) -> None:
@@ -65,7 +62,7 @@ def test_aligned_mask_widens_to_the_alignment_with_the_next_logits():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_identity_gates_open_is_plain_timm(family):
     for kw in ({}, {"init_values": 0.1}):  # with and without LayerScale
-        dense = build_model(tiny_spec(**kw)).eval()
+        dense = build_model(tiny_spec_3_heads(**kw)).eval()
         x = torch.randn(3, 1, 16, 16)
         sup = make_supernet(copy.deepcopy(dense), DCSConfig(mlp_gates=family)).eval()  # every gate starts open
         torch.testing.assert_close(sup(x), dense(x))
@@ -77,7 +74,7 @@ def test_identity_gates_open_is_plain_timm(family):
 @pytest.mark.parametrize("family,fill", [("residual", "zero"), ("hidden", "zero"), ("hidden", "mean")])
 @pytest.mark.parametrize("align", [1, 8])
 def test_materialized_equals_masked_supernet_and_reloads(family, align, fill, tmp_path):
-    spec = tiny_spec(init_values=0.1)
+    spec = tiny_spec_3_heads(init_values=0.1)
     dense = build_model(spec).eval()
     cfg = DCSConfig(qk_mask="static", mlp_gates=family, align=align, hidden_fill=fill)
     means = [torch.rand(192) for _ in dense.blocks]  # the dense model's mean hidden activations (here: any)
@@ -107,7 +104,7 @@ def test_materialized_equals_masked_supernet_and_reloads(family, align, fill, tm
 
 def test_hidden_materialization_is_a_plain_block_with_fewer_neurons():
     cfg = DCSConfig(qk_mask="none", mlp_gates="hidden", align=8)
-    sup = make_supernet(build_model(tiny_spec()), cfg).eval()
+    sup = make_supernet(build_model(tiny_spec_3_heads()), cfg).eval()
     with torch.no_grad():
         sup.blocks[0].dcs_alpha[:100] = -1.0  # 92 of 192 kept -> 96 (aligned up)
     mat, record = materialize(sup, cfg)
@@ -120,7 +117,7 @@ def test_hidden_materialization_is_a_plain_block_with_fewer_neurons():
 def test_mean_fill_keeps_the_mlp_output_unbiased():
     """A closed hidden neuron filled with its mean changes the MLP's output less than a zeroed one:
     E||(h - c) W||^2 = E||(h - mu) W||^2 + ||(mu - c) W||^2 is smallest at c = mu (on the same images)."""
-    dense = build_model(tiny_spec()).eval()
+    dense = build_model(tiny_spec_3_heads()).eval()
     x = torch.randn(32, 1, 16, 16)
     stats = activation_stats(dense, [x])
     h0 = dense.patch_embed(x)
@@ -139,19 +136,19 @@ def test_mean_fill_keeps_the_mlp_output_unbiased():
 
 
 def test_hidden_gates_refuse_an_mlp_they_cannot_gate():
-    model = build_model(tiny_spec())
+    model = build_model(tiny_spec_3_heads())
     model.blocks[1].mlp.norm = torch.nn.LayerNorm(192)
     with pytest.raises(NascompressError, match="--mlp-gates hidden needs timm's plain Mlp"):
         make_supernet(model, DCSConfig(mlp_gates="hidden"))
     with pytest.raises(NascompressError, match="chosen by the search"):
-        make_supernet(build_model(tiny_spec()), DCSConfig(mlp_gates="auto"))
+        make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(mlp_gates="auto"))
 
 
 def test_old_records_read_as_before():
     """Records written before the families (mlp_gates true/false, no align) load unchanged."""
     assert DCSConfig.from_dict({"qk_mask": "static", "mlp_gates": True}).mlp_gates == "residual"
     assert DCSConfig.from_dict({"qk_mask": "static", "mlp_gates": False}).mlp_gates == "none"
-    spec = tiny_spec()
+    spec = tiny_spec_3_heads()
     cfg = DCSConfig(qk_mask="static", align=1)
     sup = make_supernet(build_model(spec), cfg).eval()
     random_gates(sup, seed=3)
@@ -173,7 +170,7 @@ def test_old_records_read_as_before():
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("align", [1, 8])
 def test_cost_model_counts_the_aligned_widths_like_the_profiler(family, align):
-    dense = build_model(tiny_spec()).eval()
+    dense = build_model(tiny_spec_3_heads()).eval()
     cfg = DCSConfig(qk_mask="static", mlp_gates=family, align=align)
     sup = make_supernet(copy.deepcopy(dense), cfg).eval()
     x = torch.zeros(1, 1, 16, 16)
@@ -186,7 +183,7 @@ def test_cost_model_counts_the_aligned_widths_like_the_profiler(family, align):
 
 
 def test_block_weights_scale_the_soft_cost_only():
-    dense = build_model(tiny_spec()).eval()
+    dense = build_model(tiny_spec_3_heads()).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="static", mlp_gates="hidden"))
     cost = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16), weights=[0.25, 4.0])
     random_gates(sup)
@@ -200,7 +197,7 @@ def test_block_weights_scale_the_soft_cost_only():
 
 
 def test_protected_gates_stay_open_through_training_and_calibration():
-    dense = build_model(tiny_spec()).eval()
+    dense = build_model(tiny_spec_3_heads()).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates="residual", align=1))
     mask = torch.zeros(48, dtype=torch.bool)
     mask[[3, 17]] = True
@@ -223,7 +220,8 @@ def test_protected_gates_stay_open_through_training_and_calibration():
 def test_the_protected_gates_hook_follows_the_model_to_another_device():
     # a search builds its supernet on the CPU and trains it on CUDA: the hook must not keep a CPU mask
     # (it did, and the main job failed on a GPU); the meta device stands in for CUDA here
-    sup = make_supernet(build_model(tiny_spec()).eval(), DCSConfig(qk_mask="none", mlp_gates="residual", align=1))
+    sup = make_supernet(build_model(tiny_spec_3_heads()).eval(),
+                        DCSConfig(qk_mask="none", mlp_gates="residual", align=1))
     mask = torch.zeros(48, dtype=torch.bool)
     mask[[3, 17]] = True
     protect_gates(sup.blocks[0], mask)
@@ -236,7 +234,7 @@ def test_the_protected_gates_hook_follows_the_model_to_another_device():
 def test_outlier_gates_find_massive_activations():
     from nascompress.search.dcs_protect import cost_weights, outlier_gates
 
-    model = build_model(tiny_spec()).eval()
+    model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():  # residual channel 5 carries a massive value into block 1 (as in DINOv2)
         model.blocks[0].mlp.fc2.bias[5] = 500.0
         model.blocks[0].mlp.fc1.bias[9] = 30.0  # hidden neuron 9 of block 0 fires far above the rest
@@ -260,7 +258,7 @@ def test_family_probe_prefers_the_family_that_keeps_the_model_alive():
     from nascompress.search.dcs_family import choose_family
 
     torch.manual_seed(0)
-    model = build_model(tiny_spec()).eval()
+    model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():
         for blk in model.blocks:
             blk.mlp.fc1.weight[96:] = blk.mlp.fc1.weight[:96]  # every hidden neuron has a twin: redundant

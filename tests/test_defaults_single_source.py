@@ -189,3 +189,39 @@ def test_no_stage_keeps_a_defaults_mapping():
         assert not [f.name for f in dataclasses.fields(cls) if "user_default" in f.metadata], cls
     for m in available_methods():
         assert not hasattr(get_method(m), "train_defaults"), m
+
+
+# ---------------------------------------------------------------------------------------------
+# one job builder per stage; its rules name fields, each front end words them
+
+
+def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_path, jobs, monkeypatch):
+    """The command and the pipeline section both build through the stage's ``build_job`` (no second
+    construction of the job anywhere)."""
+    import nascompress.retrain as retrain
+    import nascompress.search.dcs_run as dcs_run
+
+    built = []
+    for mod in (retrain, dcs_run):
+        real = mod.build_job
+        monkeypatch.setattr(mod, "build_job", lambda *a, _real=real, **kw: built.append(_real(*a, **kw)) or built[-1])
+    cli = [_cli(jobs, "dcs", "search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s"),
+           _cli(jobs, "retrain", "retrain", "compressed", "--out", tmp_path / "r")]
+    pipe = [_pipeline(tmp_path, jobs, "dcs"), _pipeline(tmp_path, jobs, "retrain", retrain={})]
+    assert cli[0] is built[0] and cli[1] is built[1] and pipe[0] is built[2]  # the second plan: dcs, retrain
+    assert pipe[1] == built[-1].replace(model_dir="compressed")  # the step starts from the model made before it
+
+
+def test_a_rule_is_checked_once_and_worded_by_each_front_end(tmp_path, jobs):
+    from nascompress.errors import SettingError
+    from nascompress.retrain import build_job
+
+    with pytest.raises(SettingError) as e:
+        build_job("m", "o", retrain=RetrainConfig(feat_kd=1.0), train={})
+    assert str(e.value) == ("feat_kd distils from a teacher's features; give the dense run with teacher, or leave "
+                            "feat_kd at 0") and e.value.fields == ("feat_kd", "teacher")
+    r = invoke("retrain", "compressed", "--out", tmp_path / "r", "--feat-kd", "1")
+    assert r.exit_code == 1 and "--feat-kd distils from a teacher's features; give the dense run with --teacher, " \
+                                "or leave --feat-kd at 0" in r.output
+    with pytest.raises(Exception, match="stages.retrain: feat_kd distils .* with distil_from: base, or leave feat_kd"):
+        _pipeline(tmp_path, jobs, "retrain", retrain={"distil_from": "none", "feat_kd": 1.0})

@@ -14,14 +14,7 @@ import nascompress.methods.dynamicvit as dv
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
 
-from .conftest import invoke
-
-
-def tiny(**kw):
-    torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
-    args.update(kw)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **args).eval()
+from .conftest import invoke, tiny_rgb_vit
 
 
 def dvit(model, **config):
@@ -30,7 +23,7 @@ def dvit(model, **config):
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
 def test_identity_rho_one(kw):
-    dense = tiny(**kw)
+    dense = tiny_rgb_vit(**kw)
     model = dvit(copy.deepcopy(dense), rho=1.0, prune_layers=[1, 2, 4])
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
@@ -43,7 +36,7 @@ def test_identity_rho_one(kw):
 def test_masked_training_equals_physical_drop(kw, monkeypatch):
     """Given the same (top-k) decisions, masking in the softmax == dropping the tokens."""
     rho, n0 = 0.7, 64
-    model = dvit(tiny(**kw), rho=rho, prune_layers=[2, 3, 4])
+    model = dvit(tiny_rgb_vit(**kw), rho=rho, prune_layers=[2, 3, 4])
     counts = iter([dv.keep_count(rho ** s, n0) for s in (1, 2, 3)])
 
     def topk_keep(logits, prev, *, tau=1.0):
@@ -82,7 +75,7 @@ def test_policy_bias_gradient_matches_multiplicative_softmax():
 
 
 def test_training_decisions_are_cumulative_and_losses_backprop():
-    teacher = tiny()
+    teacher = tiny_rgb_vit()
     model = dvit(copy.deepcopy(teacher), rho=0.5, prune_layers=[2, 3, 4]).train()
     hooks = dv.DynamicViTHooks(model, teacher.eval().requires_grad_(False), dv.DynamicViTRecipe())
     from nascompress.train import TrainConfig
@@ -144,7 +137,7 @@ def test_save_load_roundtrip(tmp_path):
 
     spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2,
                                                   num_classes=10))
-    model = dvit(tiny(), rho=0.6)
+    model = dvit(tiny_rgb_vit(), rho=0.6)
     rec = {"name": "dynamicvit", "config": {"rho": 0.6, "prune_layers": [1, 2, 3]}}
     save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
                                                                 "std": [0.5] * 3}, methods=[rec]))
@@ -153,7 +146,7 @@ def test_save_load_roundtrip(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
     keys = set(loaded.state_dict())
-    assert set(tiny().state_dict()) < keys and "blocks.0.dvit_predictor.out.4.weight" in keys
+    assert set(tiny_rgb_vit().state_dict()) < keys and "blocks.0.dvit_predictor.out.4.weight" in keys
 
 
 @pytest.mark.parametrize("config,pattern", [
@@ -167,7 +160,7 @@ def test_save_load_roundtrip(tmp_path):
 ])
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
-        dvit(tiny(), **config)
+        dvit(tiny_rgb_vit(), **config)
 
 
 def test_non_vit_rejected():
@@ -203,7 +196,7 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
 def test_stacks_on_dcs():
     from nascompress.methods.dcs import DCSConfig, make_supernet
 
-    base = make_supernet(tiny(), DCSConfig(qk_mask="input")).eval()
+    base = make_supernet(tiny_rgb_vit(), DCSConfig(qk_mask="input")).eval()
     x = torch.randn(2, 3, 32, 32)
     same = dvit(copy.deepcopy(base), rho=1.0)
     with torch.no_grad():
@@ -217,7 +210,7 @@ def test_stacks_on_dcs():
 
 
 def test_deepcopy_after_training_forward():
-    model = dvit(tiny(), rho=0.5).train()
+    model = dvit(tiny_rgb_vit(), rho=0.5).train()
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     clone = copy.deepcopy(model).eval()
     x = torch.randn(2, 3, 32, 32)
@@ -232,7 +225,7 @@ def test_stacks_on_sparsifiner(mode):
     path, gradients reach the predictors); inference drops tokens and runs the sparse attention."""
     from nascompress.methods.sparsifiner import SparsifinerKernel, combine_masks
 
-    base = get_method("sparsifiner").apply(tiny(), {"name": "sparsifiner", "config": {
+    base = get_method("sparsifiner").apply(tiny_rgb_vit(), {"name": "sparsifiner", "config": {
         "attn_keep_ratio": 0.5, "mode": mode, "n_down": 8}}).eval()
     kernel = base.blocks[0].attn.kernel
     assert isinstance(kernel, SparsifinerKernel)
@@ -258,7 +251,7 @@ def test_stacks_on_sparsifiner(mode):
 
 
 def test_per_stage_rates_multiply():
-    model = dvit(tiny(), rho=[0.8, 0.5, 1.0], prune_layers=[2, 3, 4]).eval()
+    model = dvit(tiny_rgb_vit(), rho=[0.8, 0.5, 1.0], prune_layers=[2, 3, 4]).eval()
     with torch.no_grad():
         model(torch.randn(2, 3, 32, 32))
     assert model.dvit_state.kept == [int(0.8 * 64), int(0.4 * 64), int(0.4 * 64)]
@@ -266,7 +259,7 @@ def test_per_stage_rates_multiply():
 
 def test_ratio_loss_drives_the_kept_ratio():
     """Trained on the ratio loss alone, the predictors' Gumbel decisions approach rho^s."""
-    model = dvit(tiny(depth=2), rho=0.3, prune_layers=[1]).train()
+    model = dvit(tiny_rgb_vit(depth=2), rho=0.3, prune_layers=[1]).train()
     opt = torch.optim.Adam([p for n, p in model.named_parameters() if "dvit_predictor" in n], lr=3e-3)
     x = torch.randn(8, 3, 32, 32)
     kept = []
@@ -283,7 +276,7 @@ def test_ratio_loss_drives_the_kept_ratio():
 
 
 def test_predictor_only_stage_lowers_its_loss_and_freezes_the_backbone():
-    teacher = tiny().requires_grad_(False)
+    teacher = tiny_rgb_vit().requires_grad_(False)
     model = dvit(copy.deepcopy(teacher), rho=0.25, prune_layers=[2, 3])
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(4)]

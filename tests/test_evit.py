@@ -17,14 +17,7 @@ from nascompress.methods import get_method
 from nascompress.methods.evit import evit_prune, fused_token_hard, fused_token_linearized, shrink_at
 from nascompress.methods.tokens import scale_layers
 
-from .conftest import interrupted_at_epoch, invoke
-
-
-def tiny(**kw):
-    torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
-    args.update(kw)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **args).eval()
+from .conftest import interrupted_at_epoch, invoke, tiny_rgb_vit
 
 
 def evit(model, **config):
@@ -33,7 +26,7 @@ def evit(model, **config):
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
 def test_identity_keep_rate_one(kw):
-    dense = tiny(**kw)
+    dense = tiny_rgb_vit(**kw)
     pruned = evit(copy.deepcopy(dense), keep_rate=1.0, prune_layers=[1, 2, 3, 4])
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
@@ -64,7 +57,7 @@ def reference_block(blk, x, keep):
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}])
 def test_pruned_block_matches_reference(kw):
-    model = tiny(**kw)
+    model = tiny_rgb_vit(**kw)
     blk_ref = copy.deepcopy(model.blocks[1])
     evit(model, keep_rate=0.5, prune_layers=[2])
     x = torch.randn(2, 65, 32)
@@ -76,7 +69,7 @@ def test_pruned_block_matches_reference(kw):
 
 
 def test_token_counts_and_training_backward():
-    model = evit(tiny(), keep_rate=0.7)  # depth 4 -> layers [1, 2, 3]
+    model = evit(tiny_rgb_vit(), keep_rate=0.7)  # depth 4 -> layers [1, 2, 3]
     assert scale_layers(4) == [1, 2, 3] and scale_layers(12) == [4, 7, 10] and scale_layers(6) == [2, 4, 5]
     shapes = []
     model.norm.register_forward_hook(lambda m, i, o: shapes.append(o.shape[1]))
@@ -125,7 +118,7 @@ def test_save_load_roundtrip(tmp_path):
 
     spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2,
                                                   num_classes=10))
-    model = evit(tiny(), keep_rate=0.6)
+    model = evit(tiny_rgb_vit(), keep_rate=0.6)
     rec = {"name": "evit", "config": {"keep_rate": 0.6, "prune_layers": [1, 2, 3], "fuse_token": True}}
     save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
                                                                 "std": [0.5] * 3}, methods=[rec]))
@@ -133,7 +126,7 @@ def test_save_load_roundtrip(tmp_path):
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
-    assert set(loaded.state_dict()) == set(tiny().state_dict())
+    assert set(loaded.state_dict()) == set(tiny_rgb_vit().state_dict())
 
 
 def test_keep_rate_schedule():
@@ -147,7 +140,7 @@ def test_keep_rate_schedule():
 
 
 def test_per_layer_keep_rates():
-    model = evit(tiny(), keep_rate=[0.9, 0.5], prune_layers=[1, 3])
+    model = evit(tiny_rgb_vit(), keep_rate=[0.9, 0.5], prune_layers=[1, 3])
     counts = []
     for blk in model.blocks:
         blk.register_forward_hook(lambda m, i, o: counts.append(o.shape[1]))
@@ -156,12 +149,12 @@ def test_per_layer_keep_rates():
     n1 = math.ceil(0.9 * 64) + 1  # kept + fused
     assert counts == [1 + n1, 1 + n1, 1 + math.ceil(0.5 * n1) + 1, 1 + math.ceil(0.5 * n1) + 1]
     with pytest.raises(NascompressError, match="keep_rate has 3 values but there are 2 pruning layers"):
-        evit(tiny(), keep_rate=[0.9, 0.7, 0.5], prune_layers=[1, 3])
+        evit(tiny_rgb_vit(), keep_rate=[0.9, 0.7, 0.5], prune_layers=[1, 3])
 
 
 def test_refuses_a_foreign_attention():
     """An attention class nascompress does not know is refused, never silently overridden."""
-    dense = tiny()
+    dense = tiny_rgb_vit()
     for blk in dense.blocks:
         blk.attn.__class__ = ForeignAttention
     with pytest.raises(NascompressError, match="blocks.0.attn is a ForeignAttention"):
@@ -182,7 +175,7 @@ class ForeignAttention(timm.layers.Attention):
 ])
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
-        evit(tiny(), **config)
+        evit(tiny_rgb_vit(), **config)
 
 
 def test_non_vit_rejected():
@@ -217,9 +210,9 @@ def _dcs_model(kind):
 
     torch.manual_seed(1)
     if kind == "dcs_supernet":
-        return make_supernet(tiny(), DCSConfig(qk_mask="input")).eval()
+        return make_supernet(tiny_rgb_vit(), DCSConfig(qk_mask="input")).eval()
     cfg = DCSConfig(qk_mask="static")
-    sup = make_supernet(tiny(), cfg).eval()
+    sup = make_supernet(tiny_rgb_vit(), cfg).eval()
     with torch.no_grad():
         for name, p in sup.named_parameters():
             if "dcs_" in name:
@@ -232,7 +225,8 @@ def test_stacks_on_other_methods(kind):
     from nascompress.profiling.flops import count_flops
 
     if kind == "sparsifiner":
-        base = get_method("sparsifiner").apply(tiny(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}}).eval()
+        base = get_method("sparsifiner").apply(tiny_rgb_vit(), {"name": "sparsifiner",
+                                                                "config": {"attn_keep_ratio": 0.5}}).eval()
     else:
         base = _dcs_model(kind)
     x = torch.randn(2, 3, 32, 32)
@@ -245,7 +239,7 @@ def test_stacks_on_other_methods(kind):
 
 
 def test_linearized_fused_token_in_training():
-    model = evit(tiny(), keep_rate=0.5, prune_layers=[2])
+    model = evit(tiny_rgb_vit(), keep_rate=0.5, prune_layers=[2])
     ref = copy.deepcopy(model)
     model.evit_state.fuse_temperature = 1e-6  # a near-step sigmoid: the hard token
     x = torch.randn(2, 3, 32, 32)

@@ -5,24 +5,19 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess, split_indices
 from nascompress.errors import NascompressError
-from nascompress.io import build_from_arch, load_state, load_with_arch, make_arch, save_model, save_state
+from nascompress.io import build_from_arch, load_state, make_arch, save_model, save_state
 from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
 from nascompress.train import lr_at
 
-from .conftest import TORCH_DEVICE, needs_fmnist
+from .conftest import TORCH_DEVICE, needs_fmnist, tiny_spec
 
 # exact-replay tests on a GPU (TORCH_DEVICE=cuda) run with deterministic kernels
 EXACT = dict(device=TORCH_DEVICE, deterministic=TORCH_DEVICE.startswith("cuda"))
-
-
-def tiny_spec(**kw):
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1, **kw)
 
 
 def test_save_load_roundtrip_exact(tmp_path):
@@ -148,7 +143,10 @@ def test_split_indices_deterministic_and_disjoint():
 
 def test_loader_order_depends_on_seed_and_epoch():
     ds = load_data(DataConfig(dataset="synthetic")).train
-    first = lambda seed, epoch: next(iter(make_loader(ds, batch_size=8, shuffle=True, seed=seed, epoch=epoch)))[1]
+
+    def first(seed, epoch):
+        return next(iter(make_loader(ds, batch_size=8, shuffle=True, seed=seed, epoch=epoch)))[1]
+
     assert torch.equal(first(0, 0), first(0, 0))
     assert not torch.equal(first(0, 0), first(0, 1))
 

@@ -19,14 +19,10 @@ from nascompress.errors import NascompressError
 from nascompress.hooks import TrainHooks, as_floats
 from nascompress.io import load_state, make_arch, save_state
 from nascompress.methods import get_method
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.models import ModelSpec, build_model
 from nascompress.train import LossWatch, TrainConfig, TrainJob, fit, input_spec_for, train
 
-from .conftest import TORCH_DEVICE, invoke
-
-
-def tiny_spec():
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+from .conftest import TORCH_DEVICE, invoke, tiny_spec
 
 
 def vit(img=32, dim=64, heads=2, depth=3):

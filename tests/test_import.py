@@ -14,16 +14,11 @@ import nascompress
 from nascompress.errors import NascompressError
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained, load_state_strict
 
-from .conftest import invoke
+from .conftest import invoke, tiny_spec
 from .test_data import make_folder
 
 REPO_SPACES = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces"
 TEST_VIT = ModelSpec("test_vit", {"img_size": 32, "num_classes": 10})  # timm's tiny registered ViT (patch 16)
-
-
-def tiny_spec(num_classes=10):
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes,
-                           in_chans=1)
 
 
 def save_sd(path, sd):

@@ -7,7 +7,6 @@ import copy
 import math
 
 import pytest
-import timm
 import torch
 from typer.testing import CliRunner
 

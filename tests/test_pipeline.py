@@ -290,7 +290,7 @@ def test_more_bad_configs(tmp_path):
     g = _bad(_bad(tiny_config(), "goal", {"max_latency_ms": 5.0}), "stages.tokens.objective", "flops")
     check(g, "stages.tokens.objective: flops trials record no latency")
     nt = _bad(_bad(tiny_config(), "stages.retrain.distil_from", "none"), "stages.retrain.feat_kd", 1.0)
-    check(nt, "stages.retrain: feat_kd distils from the base model's features")
+    check(nt, "stages.retrain: feat_kd distils from a teacher's features; give the dense run with distil_from: base")
     # a headless checkpoint without linear_probe
     from safetensors.torch import save_file
 

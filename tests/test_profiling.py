@@ -43,8 +43,13 @@ def test_flops_follow_real_token_count():
 
 def test_time_models_interleaved_medians():
     calls = []
-    a = lambda x: calls.append("a")
-    b = lambda x: calls.append("b")
+
+    def a(x):
+        calls.append("a")
+
+    def b(x):
+        calls.append("b")
+
     t = time_models([a, b], torch.zeros(1), warmup=1, iters=4)
     assert len(t) == 2 and all(v >= 0 for v in t)
     assert calls[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # rotating order

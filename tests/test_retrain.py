@@ -12,7 +12,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 import nascompress
-from nascompress.data import DataConfig, InputSpec, load_data
+from nascompress.data import DataConfig, load_data
 from nascompress.errors import NascompressError
 from nascompress.hooks import as_floats
 from nascompress.io import make_arch, save_model
@@ -21,7 +21,7 @@ from nascompress.retrain import (FeatureTap, IBHooks, RetrainConfig, RetrainJob,
                                  retrain)
 from nascompress.train import TrainConfig, input_spec_for
 
-from .conftest import TORCH_DEVICE, interrupted_at_epoch
+from .conftest import TORCH_DEVICE, interrupted_at_epoch, tiny_spec
 
 
 # a compression record whose method changes nothing (EViT at keep rate 1): retrain needs a compressed model
@@ -29,11 +29,6 @@ NOOP = {"name": "evit", "config": {"keep_rate": 1.0}}
 
 
 SMALL = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
-
-
-def tiny_spec(num_classes: int = 10):
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes,
-                           in_chans=1)
 
 
 def make_model_dir(path, *, methods=(NOOP,), num_classes: int = 10, seed: int = 0):

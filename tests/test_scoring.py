@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 
 import optuna
-import pytest
 import torch
 
 from .conftest import invoke
@@ -32,11 +31,7 @@ methods:
 SMALL = ["--eval-images", 40, "--train-images", 40, "--batch-size", 20]
 
 
-@pytest.fixture()
-def project(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "tokens.yaml").write_text(GROUP_SPACE)
-    return tmp_path
+PROJECT_SPACES = {"tokens.yaml": GROUP_SPACE}  # the project fixture's (conftest)
 
 
 def _complete(name):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import nascompress
-from nascompress.errors import NascompressError
 
 from .conftest import TINY_EVIT_SPACE, invoke
 
@@ -32,13 +31,7 @@ methods:
 SMALL = ["--eval-images", 60, "--train-images", 60, "--calib-steps", 3, "--batch-size", 30]
 
 
-@pytest.fixture()
-def project(tmp_path, monkeypatch):
-    """A project directory (the study files land in the working directory)."""
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "evit.yaml").write_text(EVIT_SPACE)
-    (tmp_path / "joint.yaml").write_text(JOINT_SPACE)
-    return tmp_path
+PROJECT_SPACES = {"evit.yaml": EVIT_SPACE, "joint.yaml": JOINT_SPACE}  # the project fixture's (conftest)
 
 
 def load_study(name):

@@ -17,11 +17,7 @@ from nascompress.models import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops
 from nascompress.train import TrainConfig
 
-
-def tiny(img=16, depth=2, dim=32, heads=2, seed=0):
-    torch.manual_seed(seed)
-    return build_model(custom_vit_spec(img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads,
-                                       num_classes=10, in_chans=1)).eval()
+from .conftest import tiny_gray_vit
 
 
 def sparsify(model, **cfg):
@@ -36,7 +32,7 @@ def prepare(model, settings):
 
 @pytest.mark.parametrize("cfg", [dict(attn_keep_ratio=1.0), dict(budget=17), dict(attn_keep_ratio=1.0, mode="block")])
 def test_identity_full_budget_is_dense_timm(cfg):
-    dense = tiny()
+    dense = tiny_gray_vit()
     x = torch.randn(3, 1, 16, 16)
     ref = dense(x)
     out = sparsify(copy.deepcopy(dense), **cfg)(x)
@@ -59,7 +55,7 @@ def test_topk_mask_keeps_budget_per_query_and_full_cls_row():
 
 
 def test_sparse_attention_changes_output_and_lowers_flops():
-    dense = tiny(img=32)  # 65 tokens; at 17 tokens the predictor costs more than it saves
+    dense = tiny_gray_vit(img=32)  # 65 tokens; at 17 tokens the predictor costs more than it saves
     x = torch.randn(2, 1, 32, 32)
     sp = sparsify(copy.deepcopy(dense), attn_keep_ratio=0.25, n_down=8)
     assert (sp(x) - dense(x)).abs().max() > 1e-4
@@ -93,7 +89,8 @@ def test_block_paths_match_masked_path(n, bs, p):
 
 @pytest.mark.parametrize("kernel", ["gather", "flex"])
 def test_block_inference_kernels_match_masked_path_in_the_model(kernel):
-    model = sparsify(tiny(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=7, kernel=kernel)
+    model = sparsify(tiny_gray_vit(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=7,
+                     kernel=kernel)
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         a = model(x)
@@ -162,7 +159,7 @@ def test_deit_s_mhsa_flops_reduction_at_keep_025_per_layer():
 
 
 def test_fewer_tokens_after_pruning_and_too_many_tokens():
-    model = sparsify(tiny(), attn_keep_ratio=0.5)
+    model = sparsify(tiny_gray_vit(), attn_keep_ratio=0.5)
     attn = model.blocks[0].attn
     x = torch.randn(2, 11, 32)  # 11 of 17 tokens left by a pruning method
     assert attn(x).shape == (2, 11, 32)
@@ -172,11 +169,12 @@ def test_fewer_tokens_after_pruning_and_too_many_tokens():
 
 def test_stacks_with_token_pruning():
     """Prune tokens at fixed layers (gather), sparsify attention everywhere."""
-    model = sparsify(tiny(img=16, depth=3), attn_keep_ratio=0.5)
+    model = sparsify(tiny_gray_vit(img=16, depth=3), attn_keep_ratio=0.5)
     orig = model.blocks[1].forward
     model.blocks[1].forward = lambda x, **kw: orig(x[:, :9])
     rep = count_flops(model, torch.randn(2, 1, 16, 16))
-    assert rep.blocks[2]["attn"] < count_flops(tiny(img=16, depth=3), torch.randn(2, 1, 16, 16)).blocks[2]["attn"]
+    dense = count_flops(tiny_gray_vit(img=16, depth=3), torch.randn(2, 1, 16, 16))
+    assert rep.blocks[2]["attn"] < dense.blocks[2]["attn"]
     assert rep.blocks[1]["mlp"] == pytest.approx(9 * 2 * 32 * 128)
 
 
@@ -199,7 +197,7 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_two_stage_hooks_train_the_right_parameters():
-    teacher = tiny()
+    teacher = tiny_gray_vit()
     model, rec = prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
     hooks = get_method("sparsifiner").hooks(model, rec, teacher=teacher.requires_grad_(False),
                                             train_cfg=TrainConfig(epochs=5, lr=None))
@@ -251,7 +249,7 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
 ])
 def test_bad_input(cfg, msg):
     with pytest.raises(NascompressError, match=msg):
-        prepare(tiny(), cfg)
+        prepare(tiny_gray_vit(), cfg)
 
 
 def test_legacy_flex_key_maps_to_kernel():
@@ -270,7 +268,7 @@ def test_bad_input_functions_and_non_vit():
 
     with pytest.raises(NascompressError, match="needs a timm VisionTransformer.*got ResNet"):
         sparsify(timm.create_model("test_resnet", pretrained=False))
-    model = sparsify(tiny(), attn_keep_ratio=0.5)
+    model = sparsify(tiny_gray_vit(), attn_keep_ratio=0.5)
     with pytest.raises(NascompressError, match="sparsifiner cannot be applied after sparsifiner"):
         sparsify(model)
 
@@ -280,7 +278,7 @@ def test_stacks_with_evit():
     order is refused (one canonical order per pair)."""
     from nascompress.methods import apply_methods
 
-    dense = tiny(img=32, depth=3, dim=32, heads=2)
+    dense = tiny_gray_vit(img=32, depth=3, dim=32, heads=2)
     x = torch.randn(2, 1, 32, 32)
     recs = [{"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}},
             {"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}}]
@@ -303,7 +301,7 @@ def test_on_materialized_dcs_with_narrower_qk():
     """Sparsifiner on a DCS-materialized attention (q/k narrower than v): every kernel path agrees."""
     from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
 
-    sup = make_supernet(tiny(img=28, dim=32, heads=2), DCSConfig(qk_mask="static", align=1)).eval()
+    sup = make_supernet(tiny_gray_vit(img=28, dim=32, heads=2), DCSConfig(qk_mask="static", align=1)).eval()
     with torch.no_grad():
         for blk in sup.blocks:
             blk.attn.qk_mask.theta.copy_(torch.randn_like(blk.attn.qk_mask.theta))
@@ -323,7 +321,7 @@ def test_stage1_attention_loss_goes_down():
     and leaves the backbone untouched."""
     from nascompress.methods.sparsifiner import calibrate_predictor
 
-    model, rec = prepare(tiny(img=28), {"attn_keep_ratio": 0.25, "n_down": 8})
+    model, rec = prepare(tiny_gray_vit(img=28), {"attn_keep_ratio": 0.25, "n_down": 8})
     backbone = {k: v.clone() for k, v in model.state_dict().items() if "kernel" not in k}
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(8, 1, 28, 28, generator=g), torch.zeros(8, dtype=torch.long)) for _ in range(3)]

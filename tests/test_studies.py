@@ -28,17 +28,10 @@ from nascompress.studies.records import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
 from nascompress.studies.storage import resolve_run_storage
 from tests import services
 from tests.study_toys import SPACE_INFO, TWO, toy_factory, toy_sampler, toy_values
+from tests.study_toys import run_toy_study as run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-
-def run(name: str, storage: str | None, n: int, **kw):
-    kw.setdefault("objective_factory", toy_factory)
-    kw.setdefault("progress", False)
-    kw.setdefault("heartbeat_interval", 1.0)
-    kw.setdefault("grace_period", 30.0)  # a loaded test machine may delay a beat by seconds
-    return run_study(study_name=name, storage=storage, n_trials=n, space_info=SPACE_INFO, **{**TWO, **kw})
 
 
 def trials_of(name: str, storage: str) -> list[optuna.trial.FrozenTrial]:
@@ -366,24 +359,6 @@ def test_json_progress_and_enqueue_only_when_new(tmp_path, capsys):
 # Inspection, report, dashboard
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """A project directory with a study in each default file, and a single-objective one."""
-    d = tmp_path_factory.mktemp("project")
-    cwd = os.getcwd()
-    os.chdir(d)
-    try:
-        run("multi", None, 6, seed=1)
-        run("single", None, 4, seed=2, directions=["maximize"], metric_names=["accuracy"],
-            objective_factory=partial(toy_factory, single=True))
-        run("tiny", None, 1, seed=3)
-        journal = f"journal:{d}/nascompress-studies.journal"
-        run("journaled", journal, 3, seed=4)
-    finally:
-        os.chdir(cwd)
-    return d
-
-
 def cli(*args):
     import typer
     from typer.testing import CliRunner
@@ -396,15 +371,15 @@ def cli(*args):
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
-def test_list_show_export(project, monkeypatch):
-    monkeypatch.chdir(project)
+def test_list_show_export(project_with_studies, monkeypatch):
+    monkeypatch.chdir(project_with_studies)
     r = cli("study", "list", "--json")
     assert r.exit_code == 0, r.output
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     assert set(rows) == {"multi", "single", "tiny", "journaled"}
     assert rows["multi"]["counts"]["COMPLETE"] == 6 and rows["multi"]["front_size"] >= 1
     assert rows["single"]["best"]["value"] == max(t.values[0] for t in trials_of("single", "sqlite:///"
-                                                  f"{project}/nascompress-studies.db"))
+                                                  f"{project_with_studies}/nascompress-studies.db"))
     assert rows["journaled"]["storage"].startswith("journal:")
     assert cli("study", "list").exit_code == 0
     r = cli("study", "show", "multi", "--json")
@@ -413,7 +388,7 @@ def test_list_show_export(project, monkeypatch):
     assert all(r["record"]["accuracy"] == r["values"]["accuracy"] for r in shown["trials"])
     r = cli("study", "show", "single")
     assert r.exit_code == 0 and "best 4 trials" in r.stdout
-    out = project / "multi.csv"
+    out = project_with_studies / "multi.csv"
     assert cli("study", "export", "multi", "--out", out).exit_code == 0
     head = out.read_text().splitlines()
     assert len(head) == 7 and head[0].startswith("number,state,") and "values.accuracy" in head[0]
@@ -425,8 +400,8 @@ def test_list_show_export(project, monkeypatch):
     assert data["info"]["space_hash"] == SPACE_INFO["space_hash"]
 
 
-def test_bad_input_is_one_line_and_writes_nothing(project, monkeypatch, tmp_path):
-    monkeypatch.chdir(project)
+def test_bad_input_is_one_line_and_writes_nothing(project_with_studies, monkeypatch, tmp_path):
+    monkeypatch.chdir(project_with_studies)
     r = cli("study", "show", "nope")
     assert r.exit_code == 1
     assert "no study named 'nope'" in r.output and "studies there: journaled, multi, single, tiny" in r.output
@@ -444,28 +419,28 @@ def test_bad_input_is_one_line_and_writes_nothing(project, monkeypatch, tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
-def test_report_is_self_contained(project, monkeypatch):
-    monkeypatch.chdir(project)
+def test_report_is_self_contained(project_with_studies, monkeypatch):
+    monkeypatch.chdir(project_with_studies)
     assert cli("study", "report", "multi", "--out", "multi.html").exit_code == 0
-    html = (project / "multi.html").read_text()
+    html = (project_with_studies / "multi.html").read_text()
     assert html.count("plotly.js v") == 1 and "<script src=" not in html  # inlined once, nothing fetched
     for div in ("pareto-objectives", "history-0", "history-1", "importance-0", "importance-1", "front-latency",
                 "front-table"):
         assert f'id="{div}"' in html
     assert 'id="front-flops"' not in html  # accuracy vs FLOPs ratio is already the objective plot
     assert cli("study", "report", "tiny", "--out", "tiny.html").exit_code == 0
-    tiny = (project / "tiny.html").read_text()
+    tiny = (project_with_studies / "tiny.html").read_text()
     assert "importances need at least 2 complete trials" in tiny and 'id="pareto-objectives"' in tiny
     assert cli("study", "report", "single", "--out", "single.html").exit_code == 0
-    single = (project / "single.html").read_text()
+    single = (project_with_studies / "single.html").read_text()
     assert 'id="front-flops"' in single and "Best trials (4)" in single
 
 
-def test_report_in_headless_chromium(project, tmp_path):
+def test_report_in_headless_chromium(project_with_studies, tmp_path):
     from nascompress.studies.report import write_report
 
     cwd = os.getcwd()
-    os.chdir(project)
+    os.chdir(project_with_studies)
     try:
         write_report("multi", out=tmp_path / "report.html")
     finally:
@@ -486,10 +461,10 @@ def test_report_in_headless_chromium(project, tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 10_000
 
 
-def test_dashboard_serves_and_stops(project, monkeypatch):
+def test_dashboard_serves_and_stops(project_with_studies, monkeypatch):
     from nascompress.studies.dashboard import start_dashboard
 
-    monkeypatch.chdir(project)
+    monkeypatch.chdir(project_with_studies)
     for name, snapshot in (("multi", True), ("journaled", False)):
         h = start_dashboard(name, port=0)
         try:
@@ -537,13 +512,13 @@ def test_missing_service_skips_or_fails(monkeypatch):
 
 
 
-def test_piped_tables_are_not_cut(project, monkeypatch, capsys):
+def test_piped_tables_are_not_cut(project_with_studies, monkeypatch, capsys):
     """Not a terminal (CliRunner, ``| cat``): every column and value in full, nothing cut at 80
     columns, no two columns shown under the same cut name."""
     from nascompress.cli.common import out
     from nascompress.studies.inspect import render_show
 
-    monkeypatch.chdir(project)
+    monkeypatch.chdir(project_with_studies)
     r = cli("study", "show", "multi")
     assert r.exit_code == 0 and "…" not in r.stdout, r.output
     params = {"evit.keep_rate": 0.7, "evit.keep_layers": "3,6,9", "tome.r": 8, "dynamicvit.keep_ratio": 0.5}
@@ -570,13 +545,13 @@ def figure_traces(page: str, div: str) -> list[dict]:
     return json.loads(m.group(1))
 
 
-def test_report_front_colours_trials_by_kind_with_one_legend(project, monkeypatch, tmp_path):
+def test_report_front_colours_trials_by_kind_with_one_legend(project_with_studies, monkeypatch, tmp_path):
     """The front is not coloured by trial number (no colour bar, no colour scale): trials, the front
     and the trials over a constraint are each one named trace of one colour; the toolbar is vertical."""
     from nascompress.studies.front_plot import COLOURS
     from nascompress.studies.report import front_figures
 
-    monkeypatch.chdir(project)
+    monkeypatch.chdir(project_with_studies)
     assert cli("study", "report", "multi", "--out", tmp_path / "m.html").exit_code == 0
     traces = figure_traces((tmp_path / "m.html").read_text(), "pareto-objectives")
     assert "Pareto front" in [t.get("name") for t in traces]
@@ -596,10 +571,10 @@ def test_report_front_colours_trials_by_kind_with_one_legend(project, monkeypatc
     assert fig.layout.modebar.orientation == "v" and fig.layout.legend.orientation == "h"
 
 
-def test_dashboard_shows_the_reports_front_and_writes_only_its_snapshot(project, monkeypatch):
+def test_dashboard_shows_the_reports_front_and_writes_only_its_snapshot(project_with_studies, monkeypatch):
     from nascompress.studies.dashboard import DASHBOARD_CSS, start_dashboard
 
-    monkeypatch.chdir(project)
+    monkeypatch.chdir(project_with_studies)
     h = start_dashboard("multi", port=0)
     try:
         base = h.url.rsplit("/dashboard/", 1)[0]
@@ -613,6 +588,6 @@ def test_dashboard_shows_the_reports_front_and_writes_only_its_snapshot(project,
         assert f"<style>{DASHBOARD_CSS}</style></head>" in page and "modebar{opacity:0" in DASHBOARD_CSS
     finally:
         h.stop()
-    study = optuna.load_study(study_name="multi", storage=f"sqlite:///{project}/nascompress-studies.db")
+    study = optuna.load_study(study_name="multi", storage=f"sqlite:///{project_with_studies}/nascompress-studies.db")
     attrs = study._storage.get_study_system_attrs(study._study_id)
     assert not any(k.startswith("dashboard:") for k in attrs)  # the user's storage: untouched

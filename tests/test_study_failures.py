@@ -4,7 +4,6 @@ channels and the gate family the search chose."""
 from __future__ import annotations
 
 import optuna
-import pytest
 
 import nascompress.search.dcs as search_dcs_module
 
@@ -23,11 +22,7 @@ methods:
 SMALL = ["--eval-images", 60, "--train-images", 60, "--calib-steps", 3, "--batch-size", 30, "--no-enqueue"]
 
 
-@pytest.fixture()
-def project(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "dcs.yaml").write_text(DCS_SPACE)
-    return tmp_path
+PROJECT_SPACES = {"dcs.yaml": DCS_SPACE}  # the project fixture's (conftest)
 
 
 def collapse_at(monkeypatch, targets):

@@ -7,7 +7,6 @@ import copy
 import json
 
 import pytest
-import timm
 import torch
 
 from nascompress.errors import NascompressError
@@ -15,15 +14,8 @@ from nascompress.methods import apply_methods, get_method
 from nascompress.methods.tome import bipartite_soft_matching, merge_wavg, token_counts
 from nascompress.profiling.flops import count_flops
 
-from .conftest import invoke
+from .conftest import invoke, tiny_rgb_vit
 from .tome_reference import merge_batch, tome_forward
-
-
-def tiny(**kw):
-    torch.manual_seed(0)
-    args = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
-    args.update(kw)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **args).eval()
 
 
 def tome(model, **config):
@@ -32,7 +24,7 @@ def tome(model, **config):
 
 @pytest.mark.parametrize("kw", [{}, {"init_values": 0.1, "qk_norm": True}, {"reg_tokens": 3}])
 def test_r_zero_is_the_dense_model(kw):
-    dense = tiny(**kw)
+    dense = tiny_rgb_vit(**kw)
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():
         torch.testing.assert_close(tome(copy.deepcopy(dense), r=0)(x), dense(x), rtol=0, atol=0)
@@ -46,7 +38,7 @@ def test_r_zero_is_the_dense_model(kw):
     ({"class_token": True, "reg_tokens": 1}, {"r": 9, "prop_attn": False}),
 ])
 def test_equals_the_reference_algorithm(kw, config):
-    dense = tiny(**kw)
+    dense = tiny_rgb_vit(**kw)
     model = tome(copy.deepcopy(dense), **config)
     st = model.tome_state
     x = torch.randn(4, 3, 32, 32)
@@ -86,9 +78,9 @@ def test_prefix_tokens_are_never_merged_and_sizes_are_conserved():
 
 
 def test_flops_count_the_merged_tokens_and_the_matching():
-    model = tome(tiny(), r=8)
+    model = tome(tiny_rgb_vit(), r=8)
     x = torch.randn(2, 3, 32, 32)
-    rep, dense = count_flops(model, x), count_flops(tiny(), x)
+    rep, dense = count_flops(model, x), count_flops(tiny_rgb_vit(), x)
     n = token_counts(65, model.tome_state.r)
     assert n == [65, 57, 49, 41]
     C, H, d = 32, 2, 16
@@ -105,15 +97,16 @@ def test_flops_count_the_merged_tokens_and_the_matching():
 def test_stacking_order():
     from nascompress.methods.uniform import UniformConfig  # noqa: F401  (registers uniform)
 
-    base = get_method("uniform").prepare_fresh(tiny(), {"keep": 0.5})[0]
+    base = get_method("uniform").prepare_fresh(tiny_rgb_vit(), {"keep": 0.5})[0]
     both = get_method("tome").prepare_fresh(base, {"r": 4})[0]
     assert both.nc_methods == ["uniform", "tome"]
     with pytest.raises(NascompressError, match="uniform cannot be applied after tome"):
-        get_method("uniform").prepare_fresh(tome(tiny(), r=4), {"keep": 0.5})
+        get_method("uniform").prepare_fresh(tome(tiny_rgb_vit(), r=4), {"keep": 0.5})
     with pytest.raises(NascompressError, match="evit cannot be applied after tome"):
-        apply_methods(tome(tiny(), r=4), [{"name": "evit", "config": {"keep_rate": 0.5}}])
+        apply_methods(tome(tiny_rgb_vit(), r=4), [{"name": "evit", "config": {"keep_rate": 0.5}}])
     with pytest.raises(NascompressError, match="tome cannot be applied after evit"):
-        apply_methods(tiny(), [{"name": "evit", "config": {"keep_rate": 0.5}}, {"name": "tome", "config": {"r": 2}}])
+        apply_methods(tiny_rgb_vit(), [{"name": "evit", "config": {"keep_rate": 0.5}},
+                                       {"name": "tome", "config": {"r": 2}}])
 
 
 def test_save_and_load(tmp_path):
@@ -121,7 +114,7 @@ def test_save_and_load(tmp_path):
     from nascompress.models import custom_vit_spec
 
     spec = custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
-    model, rec = get_method("tome").prepare_fresh(tiny(), {"r": [3, 2], "merge_layers": [1, 3]})
+    model, rec = get_method("tome").prepare_fresh(tiny_rgb_vit(), {"r": [3, 2], "merge_layers": [1, 3]})
     assert rec["config"] == {"r": [3, 2], "merge_layers": [1, 3], "prop_attn": True}
     save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
                                                             "std": [0.5] * 3}, methods=[rec]))
@@ -141,12 +134,12 @@ def test_save_and_load(tmp_path):
 ])
 def test_bad_config(config, msg):
     with pytest.raises(NascompressError, match=msg):
-        tome(tiny(), **config)
+        tome(tiny_rgb_vit(), **config)
 
 
 def test_needs_a_class_token_model():
     with pytest.raises(NascompressError, match="tome needs a model whose head reads the class token"):
-        tome(tiny(global_pool="avg"), r=2)
+        tome(tiny_rgb_vit(global_pool="avg"), r=2)
 
 
 def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from nascompress.config import StageSettings, setting_help, tuple_item_type
 from nascompress.data import DataConfig
-from nascompress.errors import NascompressError, write_error
+from nascompress.errors import NascompressError, SettingError, write_error
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -86,7 +86,7 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     except NascompressError as e:
         if STATE["debug"]:
             raise
-        err.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)  # text, not markup
+        err.print(f"[red]error:[/red] {escape(cli_words(e))}", highlight=False, soft_wrap=True)  # text, not markup
         raise typer.Exit(code=1)
     except KeyboardInterrupt:
         err.print(interrupt_advice(), highlight=False, soft_wrap=True)
@@ -105,6 +105,27 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
                   highlight=False, soft_wrap=True)
         raise typer.Exit(code=1)
+
+
+def option_of(field: str) -> str:
+    """The running command's option of config field ``field`` (its generated parameter of that name:
+    ``--feat-kd``, or a declared ``option``); ``--field-name`` outside a command or where it has none."""
+    try:  # typer >= 0.2x runs on its own copy of click
+        from typer._click.globals import get_current_context
+    except ImportError:
+        from click import get_current_context
+
+    ctx = get_current_context(silent=True)
+    for p in ctx.command.params if ctx is not None else ():
+        if p.name == field and p.opts:
+            return max(p.opts, key=len)  # the long form
+    return f"--{field.replace('_', '-')}"
+
+
+def cli_words(e: NascompressError) -> str:
+    """The message of ``e`` as the CLI words it: a :class:`~nascompress.errors.SettingError`'s fields
+    named as the running command's options (:func:`option_of`)."""
+    return e.worded(option_of) if isinstance(e, SettingError) else str(e)
 
 
 # commands that continue their own work when rerun as they were (no --resume option)

@@ -33,7 +33,7 @@ def retrain(
     """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
     from dataclasses import replace
 
-    from nascompress.retrain import recorded_data_config, retrain as retrain_fn, retrain_train_config
+    from nascompress.retrain import build_job, recorded_data_config, retrain as retrain_fn
 
     def build():
         data = recorded_data_config(model_dir) if model_dir.is_dir() else None
@@ -43,9 +43,8 @@ def retrain(
             data = replace(data, data_dir=data_dir)
         data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
                             skip_bad_images=skip_bad_images)
-        tc = retrain_train_config(**vars(recipe), **vars(runtime))
-        return RetrainJob(model_dir=str(model_dir), out=str(out_dir), data=data, train=tc, retrain=settings,
-                          teacher=teacher, auto_batch=recipe.batch_size is None)
+        return build_job(model_dir, out_dir, retrain=settings, train={**vars(recipe), **vars(runtime)}, data=data,
+                         teacher=teacher)
 
     job = run(build)
     metrics = run(retrain_fn, job, force=force, resume=resume, explicit=given_options())

@@ -10,7 +10,7 @@ from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_opt
                                     setting_option, settings_command, skip_bad, with_subsets)
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
-from nascompress.methods.dcs import SEARCH_DCS_SETTINGS, DCSConfig
+from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
@@ -52,19 +52,17 @@ def dcs(
 
     from nascompress.api import run_data_config
     from nascompress.search import DCSSearchJob, search_dcs
-    from nascompress.search.dcs import search_train_config
+    from nascompress.search.dcs_run import build_job
 
     def build() -> DCSSearchJob:
-        cfg = DCSSearchConfig(**vars(search), auto_batch=recipe.batch_size is None)
-        tc = search_train_config(**vars(recipe), **vars(runtime))
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
         if dataset is not None:
             data = replace(data, dataset=dataset)
         data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
                             skip_bad_images=skip_bad_images)
-        return DCSSearchJob(source=source, out=str(out_dir), method=DCSConfig.user(**vars(method)), search=cfg,
-                            train=tc, data=data, weights=weights, model_kwargs={"img_size": img_size} if img_size else {})
+        return build_job(source, out_dir, search=vars(search), method=vars(method),
+                         train={**vars(recipe), **vars(runtime)}, data=data, weights=weights, img_size=img_size)
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(search_dcs, job, force=force, resume=resume, explicit=given_options())

@@ -63,7 +63,9 @@ INIT_STD = 1e-3
 
 def default_ppsm_layers(depth: int) -> list[int]:
     """The paper's PPSM layers 3, 7, 10 of 12 scaled to ``depth`` (1-based, at least layer 2)."""
-    return sorted({min(depth, max(2, round(l * depth / PAPER_DEPTH))) for l in PAPER_PPSM_LAYERS}) if depth >= 2 else []
+    if depth < 2:
+        return []
+    return sorted({min(depth, max(2, round(layer * depth / PAPER_DEPTH))) for layer in PAPER_PPSM_LAYERS})
 
 
 def default_feat_dim(dim: int, heads: int, align: int = 1) -> int:
@@ -149,9 +151,9 @@ def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
     depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
     layers = (default_ppsm_layers(depth) if cfg.ppsm_layers is None else [cfg.ppsm_layers]
               if isinstance(cfg.ppsm_layers, int) else list(cfg.ppsm_layers))  # one layer: 5 or [5]
-    for l in layers:
-        if not isinstance(l, int) or not 2 <= l <= depth:
-            raise NascompressError(f"PPSM layer {l!r} is outside the depth: layers are 1-based and must be in "
+    for layer in layers:
+        if not isinstance(layer, int) or not 2 <= layer <= depth:
+            raise NascompressError(f"PPSM layer {layer!r} is outside the depth: layers are 1-based and must be in "
                                    f"2..{depth} (PPSM needs the class attention of an earlier layer)")
     fd = default_feat_dim(dim, heads, cfg.align) if cfg.feat_dim is None else cfg.feat_dim
     if (dim + fd) % heads:
@@ -208,7 +210,7 @@ class MGIS(nn.Module):
             core_attention(b.attn)
             b.attn.record_cls = True
             b.attn.record_values = (layer + 1) in ppsm_layers  # PPSM merges by the previous layer's values
-        self.ppsm = nn.ModuleDict({str(l): PPSM(r_pos, r_neg) for l in ppsm_layers})
+        self.ppsm = nn.ModuleDict({str(layer): PPSM(r_pos, r_neg) for layer in ppsm_layers})
         self.norm = norm(dim + extra)
         self.head = nn.Linear(dim + extra, num_classes)
 
@@ -330,7 +332,7 @@ class MGViT(VisionTransformer):
         sched = mgis_token_schedule(n, len(self.mgis.blocks), mg["ppsm_layers"], mg["r_pos"], mg["r_neg"])
         dim = self.mgis.cls_token.shape[-1]
         ins = [n] + [s - 1 for s in sched]  # patch tokens entering layer l is sched[l-2]-1 (layer 1: n)
-        return sum(ppsm_macs(1, ins[l - 1], dim, mg["r_pos"], mg["r_neg"]) for l in mg["ppsm_layers"])
+        return sum(ppsm_macs(1, ins[layer - 1], dim, mg["r_pos"], mg["r_neg"]) for layer in mg["ppsm_layers"])
 
     def reset_inference_stats(self) -> None:
         self.__dict__["_mg_stats"] = {"n": 0, "exit": 0}

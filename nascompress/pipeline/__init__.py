@@ -78,4 +78,5 @@ from .sections import (
 __all__ = ["FORMAT", "PipelineConfig", "DataSection", "BaseSection", "BaseTrainSection", "BaseImportSection",
            "GoalSection", "DCSStage", "TokensStage", "RetrainStage", "StagesSection", "ReportSection", "ExportSection",
            "Pipeline",
-           "Step", "load_config", "dump_config", "plan", "run_pipeline", "step_done", "STEPS"]
+           "Step", "load_config", "dump_config", "read_yaml", "plan", "run_pipeline", "step_done", "STEPS", "STUDY_DB",
+           "STUDY_JOURNAL", "CONFIG_FILE", "DONE_DIR", "LOCK_FILE", "opt", "DATASET_KEYWORDS"]

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ..errors import NascompressError
 from ..resources import resolve_file
 from .config_io import load_config
-from .schema import SchemaContext, library_config, library_values
+from .schema import SchemaContext, library_config, library_values, section_error
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
 from ..importer import weights_grid_size, weights_shapes
@@ -208,8 +208,9 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
-    from ..methods.dcs import SEARCH_DCS_SETTINGS, DCSConfig
-    from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
+    from ..methods.dcs import SEARCH_DCS_SETTINGS
+    from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+    from ..search.dcs_run import build_job as build_dcs_job
     from ..search.materialize import MaterializeJob, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
 
@@ -221,17 +222,15 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     if cfg.stages.tokens is None and goal.max_flops is not None and target > goal.max_flops:
         raise ctx.err("stages.dcs.target_flops", f"{target:g} is above goal.max_flops {goal.max_flops:g} and no "
                                                  "tokens stage follows to close the gap")
-    where = "stages.dcs"
     try:
-        job = DCSSearchJob(
-            source=str(base_dir), out=str(out / "dcs_search"),
-            method=DCSConfig.user(**library_values(s, SEARCH_DCS_SETTINGS)),
-            search=library_config(s, DCSSearchConfig, target_flops=target, auto_batch=s.batch_size is None),
-            train=search_train_config(**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)),
-            data=_data_config(cfg, train_limit=s.train_limit))
+        job = build_dcs_job(base_dir, out / "dcs_search", search={**library_values(s, DCSSearchConfig),
+                                                                  "target_flops": target},
+                            method=library_values(s, SEARCH_DCS_SETTINGS),
+                            train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
+                            data=_data_config(cfg, train_limit=s.train_limit))
         mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
     except NascompressError as e:
-        raise ctx.err(where, str(e)) from None
+        raise section_error(ctx, "stages.dcs", s, e) from None
 
     def materialize(force: bool, resume: bool) -> dict[str, Any]:
         if dcs_skipped(out):
@@ -339,21 +338,17 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
-    from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, retrain, retrain_train_config
+    from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
     from .fallback import current_model
 
     s = cfg.stages.retrain
     try:
-        tc = retrain_train_config(**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg))
-        rc = library_config(s, RetrainConfig)
-        if s.feat_kd and s.distil_from == "none":
-            raise NascompressError("feat_kd distils from the base model's features; set distil_from: base or "
-                                   "feat_kd: 0")
-        job = RetrainJob(model_dir=str(current), out=str(out / "final"),
-                         data=_data_config(cfg, train_limit=s.train_limit), train=tc, retrain=rc,
-                         teacher=str(base_dir) if s.distil_from == "base" else None, auto_batch=s.batch_size is None)
-    except NascompressError as e:
-        raise ctx.err("stages.retrain", str(e)) from None
+        job = build_job(current, out / "final", retrain=library_config(s, RetrainConfig),
+                        train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg)},
+                        data=_data_config(cfg, train_limit=s.train_limit),
+                        teacher=base_dir if s.distil_from == "base" else None)
+    except NascompressError as e:  # the teacher is distil_from's choice: the base
+        raise section_error(ctx, "stages.retrain", s, e, names={"teacher": "distil_from: base"}) from None
     def run(force: bool, resume: bool) -> dict[str, Any]:
         start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
                               tokens=cfg.stages.tokens is not None, retrain=True, upto="retrain")

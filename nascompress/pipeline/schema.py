@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config, check_meta, check_value, offered, settings_class
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..resources import shipped_path
 
 
@@ -124,6 +124,18 @@ class SchemaContext:
     def resolve(self, p: str) -> str:
         q = Path(p).expanduser()
         return os.path.normpath(q if q.is_absolute() else self.base_dir / q)
+
+
+def section_error(ctx: SchemaContext, path: str, section: Any, e: NascompressError, *,
+                  names: dict[str, str] | None = None) -> NascompressError:
+    """Error ``e``, raised by a stage's library while building the job of ``section`` (at ``path``),
+    as the pipeline file words it: a :class:`~nascompress.errors.SettingError`'s fields named as the
+    section's keys (``names``: a field the section sets another way, e.g. retrain's ``teacher``
+    through ``distil_from: base``); any other error as it is."""
+    if not isinstance(e, SettingError):
+        return ctx.err(path, str(e))
+    keys = {**{name: key for key, name in type(section).keys().items()}, **(names or {})}
+    return ctx.err(path, e.worded(lambda f: keys.get(f, f)))
 
 
 def key_path(path: str, key: str) -> str:

@@ -11,4 +11,4 @@ __all__ = ["FlopReport", "count_flops", "count_params", "flop_counter_macs", "me
 
 from .report import profile_models  # noqa: E402
 
-__all__.append("profile_models")
+__all__ += ["profile_models"]

@@ -5,7 +5,7 @@ another ``--max-val-drop``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -18,7 +18,23 @@ from ..models import ModelSpec, build_model, load_pretrained
 from ..run_dir import RunDir
 from ..train import input_spec_for
 from ..utils import read_json
-from .dcs import DCSSearchJob, run_dcs_search
+from ..methods.dcs import DCSConfig
+from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+
+
+def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any], method: Mapping[str, Any],
+              train: Mapping[str, Any], data: DataConfig | None = None, weights: str | None = None,
+              img_size: int | None = None) -> DCSSearchJob:
+    """The DCS search job of ``nascompress search dcs`` and of a pipeline's ``stages.dcs`` (the one
+    place it is built): ``search``: the values of :class:`~nascompress.search.dcs.DCSSearchConfig`'s
+    settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
+    :data:`~nascompress.search.dcs.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
+    (None: the recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset
+    (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
+    cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)
+    tc = search_train_config(**train)
+    return DCSSearchJob(source=str(source), out=str(out), method=DCSConfig.user(**method), search=cfg, train=tc,
+                        data=data, weights=weights, model_kwargs={"img_size": img_size} if img_size else {})
 
 
 def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
@@ -76,4 +92,4 @@ def reopen_stopped(out: Path) -> None:
         mark.unlink()
 
 
-__all__ = ["search_dcs", "reopen_stopped"]
+__all__ = ["build_job", "search_dcs", "reopen_stopped"]

@@ -17,7 +17,6 @@ from ..config import Config, check_settings, setting
 from ..limits import MAX_EPOCHS
 from ..errors import NascompressError
 from ..io import save_model
-from ..methods.dcs import materialize
 from ..run_dir import RunDir
 from ..utils import refuse_overwriting_inputs
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
