@@ -204,6 +204,8 @@ def test_the_readmes_python_example_runs(tmp_path):
                        timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x the FLOPs" in r.stdout and (tmp_path / "runs" / "small" / "model.safetensors").is_file()
+    small, dense = map(float, re.search(r"top-1 ([\d.]+)% \(dense ([\d.]+)%\)", r.stdout).groups())
+    assert dense > 70 and small > dense - 10  # a trained model, compressed without falling apart
 
 
 def test_the_api_reference_is_up_to_date():
