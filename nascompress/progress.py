@@ -1,6 +1,7 @@
 """Progress of long work, on stderr so that --json output stays clean.
 
-On a terminal: rich progress bars. Anywhere else (``| tee log``, CI logs, nohup, notebooks): plain,
+On a terminal: rich progress bars. In a Jupyter notebook (with ipywidgets): tqdm's notebook bars
+(:class:`NotebookProgress`). Anywhere else (``| tee log``, CI logs, nohup): plain,
 flushed one-line reports (:class:`PlainProgress`: the task, step/total, percentage, its info such as
 loss and lr, elapsed time and ETA), at most every ``NASCOMPRESS_PROGRESS_SECONDS`` seconds per task
 (default 10; 0: every update) and always when a task ends; a task added with ``each=True`` (the
@@ -11,6 +12,7 @@ Under torchrun only rank 0 prints. ``NASCOMPRESS_PROGRESS``: ``auto`` (the defau
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -119,12 +121,69 @@ class PlainProgress:
         return "  ".join(parts)
 
 
-def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress:
-    """A progress display: rich bars when stderr is a terminal, else :class:`PlainProgress` lines;
-    ``disable=True`` shows nothing (e.g. torchrun's other ranks)."""
+def in_notebook() -> bool:
+    """Running in a Jupyter kernel (IPython's ZMQ shell) that has ipywidgets, which tqdm's bars need."""
+    ipython = sys.modules.get("IPython")  # never imported here: a notebook has it loaded already
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+    except Exception:  # noqa: BLE001 (an IPython that cannot answer: not a notebook)
+        return False
+    return type(shell).__name__ == "ZMQInteractiveShell" and importlib.util.find_spec("ipywidgets") is not None
+
+
+class NotebookProgress:
+    """:class:`PlainProgress`'s interface as tqdm's notebook bars, one per task."""
+
+    def __init__(self) -> None:
+        from tqdm.notebook import tqdm  # (only in a notebook: tqdm comes with timm's huggingface_hub)
+
+        self._tqdm = tqdm
+        self._bars: dict[int, Any] = {}
+        self._next = 0
+
+    def __enter__(self) -> "NotebookProgress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for bar in self._bars.values():
+            bar.close()
+        self._bars.clear()
+
+    def add_task(self, description: str, total: float | None = None, completed: float = 0, info: str = "",
+                 **_: Any) -> int:
+        tid = self._next
+        self._next += 1
+        bar = self._tqdm(total=total, desc=description, initial=completed, leave=True)
+        if info:
+            bar.set_postfix_str(info)
+        self._bars[tid] = bar
+        return tid
+
+    def update(self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None,
+               **_: Any) -> None:
+        bar = self._bars.get(task)
+        if bar is None:
+            return
+        moved = completed - bar.n if completed is not None else advance
+        if moved:
+            bar.update(moved)
+        if info is not None:
+            bar.set_postfix_str(info)
+
+    def remove_task(self, task: int) -> None:
+        bar = self._bars.pop(task, None)
+        if bar is not None:
+            bar.close()
+
+
+def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress | NotebookProgress:
+    """A progress display: rich bars when stderr is a terminal, tqdm's bars in a Jupyter notebook,
+    else :class:`PlainProgress` lines; ``disable=True`` shows nothing (e.g. torchrun's other ranks)."""
     mode = _mode()
     if mode == "off":
         disable = True
+    elif disable is None and mode == "auto" and in_notebook():
+        return NotebookProgress()
     elif disable is None and (mode == "plain" or not sys.stderr.isatty()):
         return PlainProgress()
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -120,7 +120,8 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
             / ``stages.retrain`` sections (``dcs={"epochs": 2, "qk_mask": "static"}``).
         force: start over in ``out``.
         progress: a line per stage and the study's progress on stderr, as the command shows them (rich
-            bars in a terminal, plain lines elsewhere, e.g. in a notebook; ``NASCOMPRESS_PROGRESS=off``
+            bars in a terminal, tqdm's bars in a Jupyter notebook with ipywidgets, plain lines elsewhere;
+            ``NASCOMPRESS_PROGRESS=off``
             silences every stage).
     """
     cfg_data = data_config(train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
