@@ -121,8 +121,7 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
         force: start over in ``out``.
         progress: a line per stage and the study's progress on stderr, as the command shows them (rich
             bars in a terminal, tqdm's bars in a Jupyter notebook with ipywidgets, plain lines elsewhere;
-            ``NASCOMPRESS_PROGRESS=off``
-            silences every stage).
+            ``NASCOMPRESS_PROGRESS=off`` silences every stage).
     """
     cfg_data = data_config(train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
