@@ -8,8 +8,8 @@ from typing import Any
 from ..config import user_settings
 from ..data import DataConfig
 from ..methods.dcs import DCSConfig
-from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, DCSSearchJob, search_train_config
-from ..search.dcs_run import search_dcs
+from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..search.dcs_run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
                      split_settings, stage_values)
@@ -62,13 +62,12 @@ def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = N
             cfg_data = run_data_config(source) or DataConfig()
             cfg_data = data_config(cfg_data, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
         search_cfg = stage_values(DCSSearchConfig, {"target_flops": target_flops, **parts["search"]})
-        cfg = DCSSearchConfig(**{k: v for k, v in search_cfg.items()}, auto_batch=batch_size is None)
         recipe = stage_values(SEARCH_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
         if epochs is None:
             recipe.pop("epochs")
-        job = DCSSearchJob(source=str(source), out=str(ws.path("dcs_search")), method=DCSConfig.user(**parts["method"]),
-                           search=cfg, train=search_train_config(**recipe, **runtime), data=cfg_data)
+        job = build_job(source, ws.path("dcs_search"), search=search_cfg, method=parts["method"],
+                        train={**recipe, **runtime}, data=cfg_data)
         search_dcs(job, force=force, resume=resume)
         return read_result(DCSSearch, ws.path("dcs_search"), keep=ws.keep)
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..data import DataConfig
 from ..export.quantize import QuantizeConfig, quantize_run
-from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, recorded_data_config, retrain_train_config
+from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config
 from ..retrain import retrain as retrain_job
 from ..search.materialize import MaterializeJob, materialize_search
 from ..train import RUNTIME_SETTINGS
@@ -75,10 +75,8 @@ def retrain(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = 
         t_dir = None if teacher is None else str(model_run(teacher, ws, "teacher", data=cfg_data))
         recipe = stage_values(RETRAIN_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        job = RetrainJob(model_dir=str(src), out=str(ws.path("retrain")), data=cfg_data,
-                         train=retrain_train_config(**recipe, **runtime),
-                         retrain=RetrainConfig(**parts["retrain"]), teacher=t_dir,
-                         auto_batch=recipe["batch_size"] is None)
+        job = build_job(src, ws.path("retrain"), retrain=RetrainConfig(**parts["retrain"]), train={**recipe, **runtime},
+                        data=cfg_data, teacher=t_dir)
         retrain_job(job, force=force, resume=resume)
         return read_result(Retrained, ws.path("retrain"), keep=ws.keep)
 
