@@ -135,6 +135,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: FitSe
     if out_dir is None and resume:
         raise ValueError("resume needs the run directory (out_dir)")
     runtime.prepare_deterministic(cfg.deterministic)
+    runtime.keep_freed_memory()  # no page faults on every step's activations (a CPU step 1.1x faster)
     device = distributed.init(cfg.device)
     store = RunStore(out_dir, log)
     try:
