@@ -359,3 +359,14 @@ def test_train_job_records_deterministic_and_runs(tmp_path):
                    out=str(tmp_path / "d"))
     train(job)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["deterministic"] is True
+
+
+def test_cpu_bf16_training_is_deterministic_and_leaves_the_attention_flag_as_it_was(tmp_path):
+    a, _ = _fit(tmp_path / "a", amp="bf16")
+    b, _ = _fit(tmp_path / "b", amp="bf16")
+    times = ("train_time_s",)
+    assert {k: v for k, v in a.items() if k not in times} == {k: v for k, v in b.items() if k not in times}
+    model = build_model(tiny_spec())
+    fit(model, data=load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=32)),
+        input_spec=input_spec_for(model, "synthetic"), cfg=TrainConfig(epochs=1, batch_size=32, device="cpu", amp="bf16"))
+    assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))
