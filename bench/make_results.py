@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _common import ROOT, relative_paths
+from time_section import TIME_END, TIME_START, time_section
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "results.md"
@@ -54,7 +55,7 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
                  "quantize), their test top-1, sizes and CPU speed against the dense fp32 PyTorch model."),
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
     "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
-                "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time on a CPU')."),
+                "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time')."),
     "demo": ("The demo config", "`bench/demo_time.py`: one run of the shipped demo config as a user runs it (the "
              "installed command, another directory; the README's 'Two commands'): wall and CPU seconds, each "
              "stage's, the result."),
@@ -590,6 +591,7 @@ def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, INT8_GOALS_START, INT8_GOALS_END, int8_goals(data))
     readme = _fill(readme, SAMPLERS_START, SAMPLERS_END, samplers_table(data))
     readme = _fill(readme, DEMO_START, DEMO_END, demo_time(data))
+    readme = _fill(readme, TIME_START, TIME_END, time_section(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
 

@@ -5,10 +5,13 @@
 2. ``steps``: the training step of each recipe's model (forward + backward + AdamW, the loop's own
    pieces: :func:`nascompress.train_loop.fit`'s loss and optimizer) at its batch size, fp32 and bf16
    autocast interleaved (medians): images/s, achieved GFLOP/s (3 x 2 x MACs per image: the forward and
-   a backward of twice its cost) and its share of the peak of that precision. Recipes: ``main``
+   a backward of twice its cost) and its share of the peak of that precision: ``fp32``, ``bf16`` (what
+   ``--amp auto`` runs on a CPU with native bf16: autocast, attention as explicit matmuls) and
+   ``bf16_flash_attention`` (autocast with SDPA's fused CPU kernel, for comparison). Recipes: ``main``
    (the README main job's base: 28 px, patch 4, width 96, depth 6, batch 128) and ``dinov2``
    (ViT-S/14 at 112 px, batch 16, the DINOv2 recipe's fine-tuning shape).
-3. ``profile``: where a main-job step's time goes (torch.profiler, the top operators by self CPU time).
+3. ``profile``: where a main-job step's time goes (torch.profiler: forward, backward and optimizer, and the
+   top operators by self CPU time), fp32 and bf16.
 4. ``commands``: the user's commands on the main job's model as a fresh process each (start-up
    included): ``--version``-free ``nascompress --help`` (start-up alone), then ``train``, ``search dcs``
    and ``retrain`` on ``--train-limit`` images, ``--eval-limit`` evaluation images; each command's
@@ -17,7 +20,8 @@
     python bench/tool_speed.py --out bench/results/tool_speed.json
 
 Speed figures are only meaningful on a quiet machine: the 1-minute load average is recorded at the
-start and after each part. ``--parts`` picks parts (``peak,steps,profile,commands``).
+start and after each part. ``--parts`` picks parts (``peak,steps,profile,accuracy,commands``); ``accuracy``:
+the main job's base on ``--accuracy-limit`` images for 2 epochs, fp32 against bf16, seeds 0 and 1.
 """
 from __future__ import annotations
 
@@ -81,69 +85,114 @@ def build(recipe: str) -> tuple[Any, Any]:
     return model, x
 
 
-def step_speed(recipe: str, reps: int) -> dict[str, Any]:
-    """One training step (CE, AdamW) of the recipe's model, fp32 and bf16 autocast interleaved."""
+PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto` runs on this machine
+    "fp32": "off", "bf16": "bf16", "bf16_flash_attention": "bf16-flash"}
+
+
+def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
+    """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
+    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW."""
+    import contextlib
+
     import torch
     import torch.nn.functional as F
+    from torch.profiler import record_function
+
+    from nascompress import runtime
+
+    dev = torch.device("cpu")
+    attn = contextlib.nullcontext() if amp == "bf16-flash" else runtime.cpu_attention(model, dev, amp)
+    with attn:
+        with record_function("forward"), runtime.autocast(dev, amp.split("-")[0]):
+            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        with record_function("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with record_function("optimizer"):
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+            opt.step()
+
+
+def step_speed(recipe: str, reps: int) -> dict[str, Any]:
+    """One training step (CE, AdamW) of the recipe's model per precision, interleaved (medians)."""
+    import torch
 
     from nascompress.profiling import count_flops
-    from nascompress.runtime import autocast
 
-    model, x = build(recipe)
-    macs = count_flops(model.eval(), x[:2]).total  # per image
+    built = {}
+    for name in PRECISIONS:
+        torch.manual_seed(0)
+        model, x = build(recipe)
+        built[name] = (model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4))
+    macs = count_flops(build(recipe)[0].eval(), x[:2]).total  # per image
     y = torch.randint(0, 10, (x.shape[0],))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dev = torch.device("cpu")
-    model.train()
 
-    def step(amp: str) -> float:
+    def step(name: str) -> float:
         t0 = time.perf_counter()
-        with autocast(dev, amp):
-            loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        train_step(built[name][0], x, y, built[name][1], PRECISIONS[name])
         return time.perf_counter() - t0
 
-    for amp in ("off", "bf16"):
+    for name in PRECISIONS:
         for _ in range(2):
-            step(amp)
-    times: dict[str, list[float]] = {"off": [], "bf16": []}
+            step(name)
+    times: dict[str, list[float]] = {name: [] for name in PRECISIONS}
     for _ in range(reps):
-        for amp in ("off", "bf16"):
-            times[amp].append(step(amp))
+        for name in PRECISIONS:
+            times[name].append(step(name))
     res: dict[str, Any] = {"batch": x.shape[0], "macs_per_image": macs}
-    for amp, ts in times.items():
+    for name, ts in times.items():
         t = statistics.median(ts)
-        res["fp32" if amp == "off" else "bf16"] = {"step_s": t, "images_per_s": x.shape[0] / t,
-                                                   "gflops": 6 * macs * x.shape[0] / t / 1e9}
+        res[name] = {"step_s": t, "images_per_s": x.shape[0] / t, "gflops": 6 * macs * x.shape[0] / t / 1e9}
     return res
 
 
-def profile_table(recipe: str, steps: int, top: int) -> list[dict[str, Any]]:
+def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[str, Any]:
+    """Where a step's time goes: the phases (forward, backward, optimizer) and the top operators by self CPU time."""
     import torch
-    import torch.nn.functional as F
     from torch.profiler import ProfilerActivity, profile
 
+    torch.manual_seed(0)
     model, x = build(recipe)
     y = torch.randint(0, 10, (x.shape[0],))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model.train()
-
-    def step() -> None:
-        loss = F.cross_entropy(model(x), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-
-    step()
+    train_step(model, x, y, opt, amp)
+    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            step()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events) or 1.0
-    return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-             "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps} for e in events[:top]]
+            train_step(model, x, y, opt, amp)
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in ("forward", "backward", "optimizer")}
+    ops = sorted((e for e in events if e.key not in phases), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) or 1.0
+    return {"amp": amp, "step_ms_profiled": wall * 1e3, "phase_ms_per_step": phases,
+            "top": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                     "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps} for e in ops[:top]]}
+
+
+def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, Any]]:
+    """The main job's base shortened (``train_limit`` images, ``epochs``), fp32 against ``--amp bf16``
+    (the auto path here) per seed: best validation and test top-1, and the loop's time."""
+    import torch
+
+    from nascompress.data import DataConfig, load_data
+    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.train import fit, input_spec_for, train_recipe
+
+    spec = custom_vit_spec(**RECIPES["main"]["spec"])
+    ispec = input_spec_for(build_model(spec), "fashion-mnist")
+    data = load_data(DataConfig(dataset="fashion-mnist", train_limit=train_limit), spec=ispec)
+    rows = []
+    for seed in seeds:
+        for amp in ("off", "bf16"):
+            cfg = train_recipe(fine_tune=False, epochs=epochs, seed=seed, amp=amp).replace(eval_start=False)
+            torch.manual_seed(seed)
+            m = fit(build_model(spec), data=data, input_spec=ispec, cfg=cfg)
+            rows.append({"seed": seed, "amp": amp, "train_limit": train_limit, "epochs": epochs,
+                         "best_val_top1": m["best_val_top1"], "test_top1": m["test_top1"],
+                         "train_time_s": m["train_time_s"], "load_after": load()})
+    return rows
 
 
 def commands(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -181,13 +230,20 @@ def main() -> None:
     ap.add_argument("--recipes", default="main,dinov2")
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--accuracy-limit", type=int, default=24000, help="training images of the accuracy part")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tool_speed.json")
     a = ap.parse_args()
     import torch
 
+    from nascompress import runtime
+
     torch.set_num_threads(a.threads)
     parts = a.parts.split(",")
-    res: dict[str, Any] = dict(header(), threads=a.threads, load_at_start=load())
+    res: dict[str, Any] = dict(header(), threads=a.threads, load_at_start=load(),
+                               host_allocator_keeps_freed_memory=runtime.keep_freed_memory(),
+                               amp_auto=runtime.resolve_amp("auto", torch.device("cpu")))
+    # a figure is "quiet" only when the machine had no other work: the 1-minute load average under 0.5
+    res["measured_under_load"] = res["load_at_start"] >= 0.5
     if "peak" in parts:
         sizes = [int(s) for s in a.gemm.split(",")]
         res["peak"] = {d: gemm_peak(d, sizes, a.reps) for d in ("fp32", "bf16")}
@@ -198,14 +254,20 @@ def main() -> None:
         for recipe in a.recipes.split(","):
             s = step_speed(recipe, a.reps)
             if "peak" in res:
-                for prec in ("fp32", "bf16"):
-                    s[prec]["share_of_peak"] = s[prec]["gflops"] / res["peak"][prec]["gflops"]
-            s["bf16_speedup"] = s["fp32"]["step_s"] / s["bf16"]["step_s"]
+                for prec in PRECISIONS:
+                    s[prec]["share_of_peak"] = s[prec]["gflops"] / res["peak"][prec[:4]]["gflops"]
+            s["bf16_speedup"] = s["fp32"]["step_s"] / s["bf16"]["step_s"]  # the path --amp auto runs here
+            s["bf16_flash_attention_speedup"] = s["fp32"]["step_s"] / s["bf16_flash_attention"]["step_s"]
             s["load_after"] = load()
             res["steps"][recipe] = s
             save(a.out, res)
     if "profile" in parts:
-        res["profile"] = {"recipe": "main", "steps": 5, "top": profile_table("main", 5, 12)}
+        res["profile"] = {"recipe": "main", "steps": 5, "fp32": profile_table("main", 5, 12, "off"),
+                          "bf16": profile_table("main", 5, 12, "bf16")}
+        res["profile"]["load_after"] = load()
+        save(a.out, res)
+    if "accuracy" in parts:
+        res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2)
         save(a.out, res)
     if "commands" in parts:
         res["commands"] = {"train_limit": a.train_limit, "eval_limit": a.eval_limit, "rows": commands(a)}

@@ -2,9 +2,12 @@
 
 * ``dtype`` (``--dtype fp32|bf16|fp16``; evaluate, profile, the pipeline's report,
   ``nascompress.load(dtype=)``): the model's weights and inputs in that dtype (inference only).
-* ``amp`` (``--amp off|bf16``; every training job through :class:`~nascompress.train.TrainConfig`):
+* ``amp`` (``--amp off|bf16|auto``; every training job through :class:`~nascompress.train.TrainConfig`):
   the forward and the loss under ``torch.autocast(device, bfloat16)``; weights, gradients and the
-  optimizer stay float32 (bfloat16 has float32's range: no loss scaling).
+  optimizer stay float32 (bfloat16 has float32's range: no loss scaling). ``auto``
+  (:func:`resolve_amp`) is bf16 on a CPU with native bfloat16 dot products (AVX512-BF16 or AMX), where
+  the bench measured it faster at fp32's accuracy (bench/tool_speed.py), and off elsewhere (a GPU:
+  TF32). Under bf16 on a CPU the attention runs as explicit matmuls (:func:`cpu_attention`).
 * TF32: on CUDA, float32 matmuls and convolutions use TensorFloat-32 tensor cores
   (:func:`configured`), except under ``deterministic``.
 * ``deterministic`` (``--deterministic``): ``torch.use_deterministic_algorithms(True)``, cuDNN's
@@ -12,11 +15,18 @@
   cuBLAS needs to be reproducible on CUDA >= 10.2; set before the first cuBLAS call of the
   process where possible: a job calls :func:`prepare_deterministic` first). Same seed, same numbers on one
   machine, also on a GPU; slower there.
+* The host allocator (:func:`keep_freed_memory`, every training job and the CLI): glibc's malloc
+  keeps freed blocks for reuse instead of handing the activations' multi-MB buffers back to the
+  system after every op (16,500 page faults per step of the main job's base, 1,900 after; measured
+  1.09-1.11x faster steps on one thread, bench/results/tool_speed.json). Numbers are unchanged.
+  ``NASCOMPRESS_ONCE=default`` leaves malloc alone.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -24,7 +34,7 @@ import torch
 from .errors import NascompressError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-AMP_MODES = ("off", "bf16")
+AMP_MODES = ("off", "bf16", "auto")
 CUBLAS_WORKSPACE = ":4096:8"
 
 
@@ -74,8 +84,71 @@ def prepare_deterministic(deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
 
 
+_ONCE: dict[str, Any] = {}
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """glibc only (Linux), once per process: blocks up to 1 GiB come from the heap and freed memory
+    is not trimmed back to the system, so the next step reuses it without page faults (see the
+    module docstring). True when set (now or before); False elsewhere or with
+    ``NASCOMPRESS_ONCE=default``."""
+    if "set" not in _ONCE:
+        ok = False
+        if sys.platform.startswith("linux") and os.environ.get("NASCOMPRESS_ONCE", "") != "default":
+            try:
+                libc = ctypes.CDLL("libc.so.6")
+                ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+            except (OSError, AttributeError):  # another C library (musl) or no mallopt: nothing to tune
+                ok = False
+        _ONCE["set"] = ok
+    return _ONCE["set"]
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes bfloat16 dot products natively: a CPU with AVX512-BF16 or AMX
+    (its /proc/cpuinfo flags). CUDA is not measured here: False."""
+    if device.type != "cpu":
+        return False
+    if "cpu_flags" not in _ONCE:
+        try:
+            text = open("/proc/cpuinfo").read()
+        except OSError:
+            text = ""
+        _ONCE["cpu_flags"] = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                                         if ln.startswith("flags")), []))
+    return bool({"avx512_bf16", "amx_bf16"} & _ONCE["cpu_flags"])
+
+
+def resolve_amp(amp: str, device: torch.device) -> str:
+    """``auto`` -> ``bf16`` where :func:`native_bf16`, else ``off``; other values as they are."""
+    if amp == "auto":
+        return "bf16" if native_bf16(device) else "off"
+    return amp
+
+
+@contextlib.contextmanager
+def cpu_attention(model: torch.nn.Module, device: torch.device, amp: str) -> Iterator[None]:
+    """Under bf16 autocast on a CPU: the model's attention modules (timm's ``fused_attn`` flag) run
+    explicit bf16 matmuls instead of ``F.scaled_dot_product_attention``, whose CPU flash kernel is
+    slower in bf16 at ViT token counts (the main job's step: bf16 alone 1.08x, bf16 with this 2.4-3.2x,
+    fp32's own path unchanged; bench/results/tool_speed.json). The flags are restored on exit."""
+    mods = []
+    if device.type == "cpu" and resolve_amp(amp, device) == "bf16":
+        mods = [m for m in model.modules() if getattr(m, "fused_attn", None) is True]
+    for m in mods:
+        m.fused_attn = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.fused_attn = True
+
+
 def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` in bfloat16 for ``amp="bf16"``, nothing for ``"off"``."""
+    """``torch.autocast`` in bfloat16 for ``amp="bf16"`` (and ``auto`` where it resolves to bf16,
+    :func:`resolve_amp`), nothing for ``"off"``."""
+    amp = resolve_amp(amp, device)
     if amp == "off":
         return contextlib.nullcontext()
     if amp != "bf16":
@@ -104,5 +177,5 @@ def restore_cuda_rng(state: Any) -> None:
 
 
 __all__ = ["DTYPES", "AMP_MODES", "parse_dtype", "dtype_name", "configured", "prepare_deterministic", "autocast",
-           "to_device",
+           "to_device", "keep_freed_memory", "native_bf16", "resolve_amp", "cpu_attention",
            "cuda_rng_state", "restore_cuda_rng"]

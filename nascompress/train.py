@@ -53,7 +53,9 @@ class TrainConfig(Config):
         seed: drives init, data order and every random draw.
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
         amp: ``bf16``: the forward and the loss under bfloat16 autocast (weights, gradients and the
-            optimizer stay float32); ``off``: float32 (TF32 matmuls on CUDA).
+            optimizer stay float32); ``off`` (the default): float32 (TF32 matmuls on CUDA); ``auto``: bf16 on a CPU
+            with native bfloat16 (AVX512-BF16/AMX; measured faster there), else off
+            (:func:`nascompress.runtime.resolve_amp`; the choice is printed and kept in metrics.json).
         deterministic: reproducible kernels (:mod:`nascompress.runtime`): same seed, same numbers
             on one machine, also on a GPU (slower there).
         log_every: steps between two reads of the losses on the host (the progress bar, the
@@ -86,7 +88,8 @@ class TrainConfig(Config):
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
     device: str = setting("auto", help="auto, cpu or cuda[:N].")
     amp: str = setting("off", choices=runtime.AMP_MODES, help=(
-        "Mixed precision: off or bf16 (autocast; weights and optimizer stay fp32)."))
+        "Mixed precision: off, bf16 (autocast; weights and optimizer stay fp32) or auto (bf16 on a CPU "
+        "with native bfloat16, else off)."))
     deterministic: bool = setting(False, help=(
         "Deterministic kernels: same seed, same numbers, also on a GPU (slower there)."))
     log_every: int = 50

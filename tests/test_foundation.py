@@ -197,7 +197,7 @@ def test_lr_schedule():
     assert lr_at(100, total=100, warmup=10, lr=1.0, min_lr=0.1) == pytest.approx(0.1)
 
 
-def _fit_tiny(out, *, hooks=None, resume=False):
+def _fit_tiny(out, *, hooks=None, resume=False, amp="off"):
     from nascompress.train import TrainConfig, fit, input_spec_for
 
     torch.manual_seed(0)
@@ -206,14 +206,15 @@ def _fit_tiny(out, *, hooks=None, resume=False):
     spec = input_spec_for(model, "synthetic")
     arch = make_arch(tiny_spec(), input_spec=spec.to_dict())
     out.mkdir(exist_ok=True)
-    cfg = TrainConfig(epochs=3, batch_size=64, seed=3, lr=2e-3, **EXACT)
+    cfg = TrainConfig(epochs=3, batch_size=64, seed=3, lr=2e-3, amp=amp, **EXACT)
     return fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume)
 
 
-def test_training_learns_and_resume_is_exact(tmp_path):
+@pytest.mark.parametrize("amp", ["off", "bf16"])  # bf16: on a CPU, also the explicit attention (runtime.cpu_attention)
+def test_training_learns_and_resume_is_exact(tmp_path, amp):
     from nascompress.train import TrainHooks
 
-    full = _fit_tiny(tmp_path / "full")
+    full = _fit_tiny(tmp_path / "full", amp=amp)
     assert full["test_top1"] > 50.0  # 10 classes: chance is 10%
 
     class Crash(TrainHooks):
@@ -222,9 +223,9 @@ def test_training_learns_and_resume_is_exact(tmp_path):
                 raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _fit_tiny(tmp_path / "crash", hooks=Crash())
+        _fit_tiny(tmp_path / "crash", hooks=Crash(), amp=amp)
     assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 3  # the start + 2 epochs
-    resumed = _fit_tiny(tmp_path / "crash", resume=True)
+    resumed = _fit_tiny(tmp_path / "crash", resume=True, amp=amp)
     assert len((tmp_path / "crash" / "log.jsonl").read_text().splitlines()) == 4
     a = nascompress.load(tmp_path / "full" / "last.safetensors").state_dict()
     b = nascompress.load(tmp_path / "crash" / "last.safetensors").state_dict()

@@ -109,10 +109,33 @@ def test_amp_bf16_trains_under_autocast_and_deterministic_is_in_force_then_resto
     assert metrics["test_top1"] > 10.0  # learns something in one epoch
     log = [json.loads(ln) for ln in (tmp_path / "amp" / "log.jsonl").read_text().splitlines()]
     assert isinstance(log[-1]["train_ce"], float)  # device tensors read back into the log as floats
-    _, seen_off = _fit(tmp_path / "off")
-    assert not any(seen_off["autocast"]) and not any(seen_off["deterministic"])
+    assert metrics["amp"] == "bf16"
+    off, seen_off = _fit(tmp_path / "off", amp="off")
+    assert not any(seen_off["autocast"]) and not any(seen_off["deterministic"]) and off["amp"] == "off"
     with pytest.raises(NascompressError, match="--amp must be one of off, bf16"):
         TrainConfig(amp="fp16")
+
+
+def test_amp_auto_is_bf16_only_on_a_cpu_with_native_bfloat16_and_is_recorded(tmp_path, monkeypatch):
+    native = runtime.native_bf16(torch.device("cpu"))
+    metrics, seen = _fit(tmp_path / "auto", amp="auto")
+    assert metrics["amp"] == ("bf16" if native else "off") and all(a == native for a in seen["autocast"])
+    assert runtime.resolve_amp("auto", torch.device("cuda")) == "off"  # not measured on a GPU: TF32 as before
+    monkeypatch.setitem(runtime._ONCE, "cpu_flags", {"avx512f"})  # AVX-512 without BF16: fp32
+    assert runtime.resolve_amp("auto", torch.device("cpu")) == "off"
+    monkeypatch.setitem(runtime._ONCE, "cpu_flags", {"amx_bf16"})
+    assert runtime.resolve_amp("auto", torch.device("cpu")) == "bf16"
+
+
+def test_cpu_bf16_attention_runs_explicit_matmuls_and_restores_the_flag():
+    model = build_model(tiny_spec())
+    attn = [m for m in model.modules() if hasattr(m, "fused_attn")]
+    assert attn and all(m.fused_attn for m in attn)
+    with runtime.cpu_attention(model, torch.device("cpu"), "bf16"):
+        assert not any(m.fused_attn for m in attn)
+    assert all(m.fused_attn for m in attn)
+    with runtime.cpu_attention(model, torch.device("cpu"), "off"):  # fp32's own path unchanged
+        assert all(m.fused_attn for m in attn)
 
 
 def test_deterministic_and_amp_are_recorded_in_config_json(tmp_path):
@@ -341,3 +364,14 @@ def test_train_job_records_deterministic_and_runs(tmp_path):
                    out=str(tmp_path / "d"))
     train(job)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["deterministic"] is True
+
+
+def test_cpu_bf16_training_is_deterministic_and_leaves_the_attention_flag_as_it_was(tmp_path):
+    a, _ = _fit(tmp_path / "a", amp="bf16")
+    b, _ = _fit(tmp_path / "b", amp="bf16")
+    times = ("train_time_s",)
+    assert {k: v for k, v in a.items() if k not in times} == {k: v for k, v in b.items() if k not in times}
+    model = build_model(tiny_spec())
+    fit(model, data=load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=32)),
+        input_spec=input_spec_for(model, "synthetic"), cfg=TrainConfig(epochs=1, batch_size=32, device="cpu", amp="bf16"))
+    assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))

@@ -154,7 +154,7 @@ def test_amp_modes_are_the_runtimes():
         SearchJob(base="b", space="s", study="x", amp="fp16")
     with pytest.raises(NascompressError) as train:
         TrainConfig(amp="fp16")
-    assert str(study.value) == str(train.value) == "--amp must be one of off, bf16, got 'fp16'"
+    assert str(study.value) == str(train.value) == "--amp must be one of off, bf16, auto, got 'fp16'"
     assert '"bf16"' not in inspect.getsource(SearchJob)  # no literal list of the modes
 
 

@@ -33,6 +33,9 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
                                                help="Print the version and exit.")] = False) -> None:
     """nascompress: search, materialize and retrain compressed timm ViTs."""
     STATE["debug"] = debug
+    from nascompress.runtime import keep_freed_memory
+
+    keep_freed_memory()  # every command's forwards reuse freed memory (nascompress.runtime)
 
 
 Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]

@@ -345,7 +345,7 @@ class MaterializedBlock(NCBlock):
         B, N, C = x.shape
         # Gather/scatter on a 2-D (B*N, C) view: several times faster on CPU than along dim -1 of 3-D.
         h = self.norm2(x).reshape(B * N, C).index_select(1, keep).reshape(B, N, -1)  # (B, N, len(keep))
-        y = self.drop_path2(self.ls2(self.mlp(h))).reshape(B * N, -1)
+        y = self.drop_path2(self.ls2(self.mlp(h))).reshape(B * N, -1).to(x.dtype)  # bf16 under autocast: x's dtype
         if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
             return x.reshape(B * N, C).index_add(1, keep, y).reshape(B, N, C)
         return x.reshape(B * N, C).index_add_(1, keep, y).reshape(B, N, C)  # inference: x is this block's own

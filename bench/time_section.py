@@ -1,0 +1,73 @@
+"""The README's "Time" section, generated from ``bench/results/tool_speed.json`` (``bench/tool_speed.py``)
+by ``bench/make_results.py``; no torch here."""
+from __future__ import annotations
+
+from typing import Any
+
+TIME_START, TIME_END = "<!-- tool-speed:start -->", "<!-- tool-speed:end -->"
+LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attention": "bf16, SDPA flash attention"}
+
+
+def _load_note(d: dict[str, Any]) -> str:
+    if d.get("measured_under_load", True):
+        return (f"**measured under load**: other jobs shared the cores (1-minute load average {d['load_at_start']:g} "
+                "at the start), so the times are upper bounds and only the interleaved ratios are comparable")
+    return f"a quiet machine (1-minute load average {d['load_at_start']:g} at the start)"
+
+
+def time_section(data: dict[str, Any]) -> list[str]:
+    """Lines between the README's tool-speed markers."""
+    d = data.get("tool_speed.json")
+    if not d or "steps" not in d:
+        return ["(not measured yet: `python bench/tool_speed.py`)"]
+    m = d.get("machine") or {}
+    out = [f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, {d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
+           f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (opt-in; the default is fp32) trains in "
+           f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).", ""]
+    peak = d.get("peak")
+    if peak:
+        out += [f"Matmul peak of this machine (square GEMMs, best size): fp32 {peak['fp32']['gflops']:.0f} GFLOP/s, "
+                f"bf16 {peak['bf16']['gflops']:.0f} GFLOP/s.", ""]
+    out += ["| training step | batch | precision | images/s | GFLOP/s | share of its peak | vs fp32 |", "|---|---|---|---|---|---|---|"]
+    for recipe, s in d["steps"].items():
+        for prec, label in LABELS.items():
+            if prec not in s:
+                continue
+            r = s[prec]
+            share = f"{100 * r['share_of_peak']:.0f}%" if "share_of_peak" in r else "-"
+            out.append(f"| {recipe} | {s['batch']} | {label} | {r['images_per_s']:.0f} | {r['gflops']:.0f} | {share} | "
+                       f"{s['fp32']['step_s'] / r['step_s']:.2f}x |")
+    out.append("")
+    prof = d.get("profile")
+    if prof:
+        for prec in ("fp32", "bf16"):
+            p = prof.get(prec)
+            if not p:
+                continue
+            phases = ", ".join(f"{k} {v:.0f} ms" for k, v in p["phase_ms_per_step"].items())
+            ops = ", ".join(f"{o['op'].replace('aten::', '')} {100 * o['share']:.0f}%" for o in p["top"][:4])
+            out.append(f"- Where a main-job {prec} step goes (torch.profiler): {phases}; top operators {ops}.")
+        out.append("")
+    acc = d.get("accuracy")
+    if acc:
+        out += ["The main job's base shortened (training images x epochs), fp32 against bf16, per seed:", "",
+                "| seed | images x epochs | fp32 val / test top-1 | bf16 val / test top-1 |", "|---|---|---|---|"]
+        by = {(r["seed"], r["amp"]): r for r in acc}
+        for seed in sorted({r["seed"] for r in acc}):
+            f, b = by.get((seed, "off")), by.get((seed, "bf16"))
+            if f and b:
+                out.append(f"| {seed} | {f['train_limit']} x {f['epochs']} | {f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
+                           f"{b['best_val_top1']:.2f} / {b['test_top1']:.2f} |")
+        out.append("")
+    kept = d.get("changes")
+    if kept:
+        out += ["Changes to the tool's hot path, each measured alone (interleaved, medians):", ""]
+        out += [f"- {c['change']}: {c['ratio']} ({'kept' if c['kept'] else 'not kept'}). {c.get('note', '')}".rstrip()
+                for c in kept]
+        out.append("")
+    goals = d.get("goals")
+    if goals:
+        out += [f"- Goal: {g['goal']}: {g['status']}. {g.get('figures', '')}".rstrip() for g in goals]
+    while out and out[-1] == "":
+        out.pop()
+    return out
