@@ -19,7 +19,7 @@
   keeps freed blocks for reuse instead of handing the activations' multi-MB buffers back to the
   system after every op (16,500 page faults per step of the main job's base, 1,900 after; measured
   1.09-1.11x faster steps on one thread, bench/results/tool_speed.json). Numbers are unchanged.
-  ``NASCOMPRESS_ONCE=default`` leaves malloc alone.
+  ``NASCOMPRESS_MALLOC=default`` leaves malloc alone.
 """
 from __future__ import annotations
 
@@ -92,10 +92,10 @@ def keep_freed_memory() -> bool:
     """glibc only (Linux), once per process: blocks up to 1 GiB come from the heap and freed memory
     is not trimmed back to the system, so the next step reuses it without page faults (see the
     module docstring). True when set (now or before); False elsewhere or with
-    ``NASCOMPRESS_ONCE=default``."""
+    ``NASCOMPRESS_MALLOC=default``."""
     if "set" not in _ONCE:
         ok = False
-        if sys.platform.startswith("linux") and os.environ.get("NASCOMPRESS_ONCE", "") != "default":
+        if sys.platform.startswith("linux") and os.environ.get("NASCOMPRESS_MALLOC", "") != "default":
             try:
                 libc = ctypes.CDLL("libc.so.6")
                 ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
