@@ -28,6 +28,7 @@ SAMPLERS_START, SAMPLERS_END = "<!-- samplers-table:start -->", "<!-- samplers-t
 BASE_NAMES = {"mainjob": "main job's dense base", "dinov2": "DINOv2 ViT-S/14 probe"}
 DCSGEN_START, DCSGEN_END = "<!-- dcs-generalise:start -->", "<!-- dcs-generalise:end -->"
 DEMO_START, DEMO_END = "<!-- demo-time:start -->", "<!-- demo-time:end -->"
+MAINJOB_START, MAINJOB_END = "<!-- mainjob-time:start -->", "<!-- mainjob-time:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
 FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
@@ -585,12 +586,28 @@ def demo_time(data: dict[str, Any]) -> list[str]:
             f"{d['wall_s']:.0f} s wall, {d['user_s']:.0f} s of CPU time; {stages}; test top-1 {final}."]
 
 
+def mainjob_time(data: dict[str, Any]) -> list[str]:
+    """The README's measured main job, from ``pipeline_fashion_mnist.json`` (the newcomer command run
+    from a fresh clone: its summary.json with the wall times added)."""
+    d = data.get("pipeline_fashion_mnist.json")
+    if not d or "wall_s" not in d:
+        return ["(not measured yet)"]
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in d["stage_seconds"].items() if v >= 1)
+    amp = d.get("amp")
+    return [f"Measured at commit {d.get('commit', '?')} ({d.get('machine_note', '')}): "
+            f"{d['wall_s']:,.0f} s end to end after {d['setup_s']:.0f} s of `scripts/setup.sh`"
+            f"{'' if amp is None else f', training in {amp}'}; {stages}; test top-1 {d['dense']['test_top1']:.2f}% "
+            f"dense -> {d['final']['test_top1']:.2f}% at {d['comparison']['flops_ratio']:.3f}x the FLOPs "
+            "(`bench/results/pipeline_fashion_mnist.json`)."]
+
+
 def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, TABLE_START, TABLE_END, readme_table(data))
     readme = _fill(readme, INT8_START, INT8_END, int8_table(data))
     readme = _fill(readme, INT8_GOALS_START, INT8_GOALS_END, int8_goals(data))
     readme = _fill(readme, SAMPLERS_START, SAMPLERS_END, samplers_table(data))
     readme = _fill(readme, DEMO_START, DEMO_END, demo_time(data))
+    readme = _fill(readme, MAINJOB_START, MAINJOB_END, mainjob_time(data))
     readme = _fill(readme, TIME_START, TIME_END, time_section(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
