@@ -65,9 +65,25 @@ def time_section(data: dict[str, Any]) -> list[str]:
         out += [f"- {c['change']}: {c['ratio']} ({'kept' if c['kept'] else 'not kept'}). {c.get('note', '')}".rstrip()
                 for c in kept]
         out.append("")
-    goals = d.get("goals")
+    goals = [mainjob_goal(g, data.get("pipeline_fashion_mnist.json")) for g in d.get("goals") or []]
     if goals:
         out += [f"- Goal: {g['goal']}: {g['status']}. {g.get('figures', '')}".rstrip() for g in goals]
     while out and out[-1] == "":
         out.pop()
     return out
+
+
+MAINJOB_GOAL_S = 12 * 60
+
+
+def mainjob_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, Any]:
+    """The main-job time goal judged on the README command's own run (``pipeline_fashion_mnist.json``,
+    written from a fresh clone) where it has one; other goals as the bench wrote them."""
+    if not goal["goal"].startswith("the README main job") or not run or "wall_s" not in run:
+        return goal
+    met = run["wall_s"] <= MAINJOB_GOAL_S
+    return dict(goal, status=f"{'met' if met else 'not met'}: {run['wall_s']:,.0f} s (setup excluded) at commit "
+                             f"{run.get('commit', '?')}, training in {run.get('amp', 'fp32')}",
+                figures=f"{run.get('machine_note', '')}; test top-1 {run['dense']['test_top1']:.2f}% dense -> "
+                        f"{run['final']['test_top1']:.2f}% at {run['comparison']['flops_ratio']:.3f}x "
+                        "(bench/results/pipeline_fashion_mnist.json).")
