@@ -152,6 +152,14 @@ def test_errors_are_the_commands_one_line_errors(tiny_run):
         nc.dcs.search(torch.nn.Linear(2, 2), "synthetic")
 
 
+def test_save_never_overwrites_without_force(tiny_run, tmp_path):
+    evit = nc.tokens.apply(nc.load(tiny_run), "evit", keep_rate=0.7)
+    evit.save(tmp_path / "m")
+    with pytest.raises(NascompressError, match="already exists"):
+        evit.save(tmp_path / "m")
+    assert nc.load(evit.save(tmp_path / "m", force=True)) is not None and (tmp_path / "m" / "metrics.json").is_file()
+
+
 def test_hugging_face_vit_round_trip(tmp_path, tiny_run):
     from transformers import ViTConfig, ViTForImageClassification
 

@@ -252,7 +252,7 @@ BAD = [
     ("export.format", "tflite", "export.format: must be one of onnx, torch-export, got 'tflite'"),
     ("export.batch", 0, "export: batch must be 'dynamic' or an integer in [1, 65536], got 0"),
     ("export.batch", [8], "export.batch: must be a string or an integer, got a list"),
-    ("amp", "fp16", "amp: must be one of off, bf16, got 'fp16'"),
+    ("amp", "fp16", "amp: must be one of off, bf16, auto, got 'fp16'"),
     ("report.dtype", "fp8", "report.dtype: must be one of fp32, bf16, fp16, got 'fp8'"),
     ("deterministic", "yes", "deterministic: must be true or false, got 'yes'"),
 ]

@@ -18,10 +18,10 @@ from torch import nn
 from ..data import DataConfig
 from ..data_memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
-from ..io import finish_run, load_with_arch, make_arch, save_model
+from ..io import load_with_arch, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model
-from ..run_dir import CONFIG_FILE
-from ..utils import read_json, write_json
+from ..run_dir import CONFIG_FILE, RunDir
+from ..utils import read_json
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
 _ARCHS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
@@ -46,20 +46,22 @@ class StageResult:
     config: dict[str, Any] = field(default_factory=dict)
     out: str | None = None
 
-    def save(self, directory: str | Path) -> Path:
+    def save(self, directory: str | Path, *, force: bool = False) -> Path:
         """Write the model as a complete run directory that :func:`nascompress.load` reads (and
-        every command takes); returns the directory."""
-        return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics)
+        every command takes); returns the directory. An existing non-empty one is replaced only
+        with ``force``."""
+        return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics, force=force)
 
 
 def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any], *, config: Mapping[str, Any] | None = None,
-              metrics: Mapping[str, Any] | None = None) -> Path:
-    """``model`` as a complete run: weights and arch, ``config.json``, the completion mark last."""
-    d = Path(directory)
-    save_model(d, model, arch)
-    write_json(d / CONFIG_FILE, dict(config or {}))
-    finish_run(d, {k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
-    return d
+              metrics: Mapping[str, Any] | None = None, force: bool = False) -> Path:
+    """``model`` as a complete run (the commands' run life cycle): ``config.json``, weights and arch,
+    the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``."""
+    run = RunDir.prepare(directory, force=force)
+    run.create(dict(config or {}))
+    save_model(run.path, model, arch)
+    run.finish({k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
+    return run.path
 
 
 def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
@@ -216,7 +218,8 @@ def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | 
     if data is not None:
         config["data"] = asdict(data)
     where = ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
-    return write_run(where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None))
+    return write_run(where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None),
+                     force=True)  # the workspace's own copy of the given model, written again on every call
 
 
 def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterable[str] | None = None,

@@ -34,11 +34,12 @@ class Compressed:
     report: dict[str, Any] = field(default_factory=dict)
     out: str | None = None
 
-    def save(self, directory: str | Path) -> Path:
-        """Write the model as a run directory :func:`nascompress.load` (and every command) reads."""
+    def save(self, directory: str | Path, *, force: bool = False) -> Path:
+        """Write the model as a run directory :func:`nascompress.load` (and every command) reads; an
+        existing non-empty one is replaced only with ``force``."""
         cfg = self.report.get("config") or {}
         return write_run(directory, self.model, self.arch, config={"data": cfg.get("data"), "compress": cfg},
-                         metrics={k: v for k, v in self.report.items() if k != "summary"})
+                         metrics={k: v for k, v in self.report.items() if k != "summary"}, force=force)
 
     def to_transformers(self, directory: str | Path) -> Path:
         """Write the model as a Hugging Face ``transformers`` ViT folder (:func:`nascompress.pyapi.hf.to_transformers`)."""
