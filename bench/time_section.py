@@ -86,4 +86,5 @@ def mainjob_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, 
                              f"{run.get('commit', '?')}, training in {run.get('amp', 'fp32')}",
                 figures=f"{run.get('machine_note', '')}; test top-1 {run['dense']['test_top1']:.2f}% dense -> "
                         f"{run['final']['test_top1']:.2f}% at {run['comparison']['flops_ratio']:.3f}x "
-                        "(bench/results/pipeline_fashion_mnist.json).")
+                        f"(bench/results/pipeline_fashion_mnist.json). Where the CPU has no native bfloat16 the "
+                        f"run trains in fp32: {goal.get('figures', '')}")
