@@ -19,7 +19,7 @@ from ..data import DataConfig
 from ..data_memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
 from ..io import load_with_arch, make_arch, save_model
-from ..models import CUSTOM_BASE, ModelSpec, build_model
+from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..run_dir import CONFIG_FILE, RunDir
 from ..utils import read_json
 
@@ -156,7 +156,7 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
     own_eps = [m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)]
     for m, eps in zip((m for m in rebuilt.modules() if isinstance(m, nn.LayerNorm)), own_eps):
         m.eps = eps  # (a converted Hugging Face model keeps its epsilon; its saved copy has timm's)
-    x = torch.randn(2, *_input_shape(model), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, *input_size(model), generator=torch.Generator().manual_seed(0))
     was = model.training
     with torch.no_grad():
         same = torch.allclose(rebuilt.eval()(x), model.eval()(x), atol=1e-5)
@@ -167,19 +167,13 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
     return make_arch(spec, input_spec=dict(input_spec))
 
 
-def _input_shape(model: nn.Module) -> tuple[int, int, int]:
-    from ..models import input_size
-
-    return input_size(model)
-
-
 def input_spec(model: nn.Module, data: DataConfig | None) -> dict[str, Any]:
     """How images become the given model's input: the caller's own (identity) for a caller's
     Dataset, else what ``nascompress train`` decides for the dataset (:func:`input_spec_for`)."""
     from ..data_input import InputSpec
     from ..train import input_spec_for
 
-    c, h, w = _input_shape(model)
+    c, h, w = input_size(model)
     if data is None or is_memory(data.dataset):
         ci = caller_input(c)
         return InputSpec((h, w), c, ci["mean"], ci["std"], interpolation=ci["interpolation"], crop_pct=ci["crop_pct"],
