@@ -31,7 +31,7 @@ from .errors import NascompressError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .io import continue_advice, finish_run, load_state
-from .progress import make_progress
+from .progress import make_progress, say
 from .train_store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from .utils import seed_everything
 
@@ -182,8 +182,6 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     world, main = distributed.world(), distributed.is_main()
     amp = runtime.resolve_amp(cfg.amp, device)
     if cfg.amp == "auto" and main:  # the choice is printed, and recorded in metrics.json ("amp")
-        from .progress import say
-
         say(f"precision: {'bf16 autocast (auto: this CPU has native bfloat16)' if amp == 'bf16' else 'fp32 (auto)'}")
     seed_everything(cfg.seed)
     model.to(device)
@@ -260,7 +258,7 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
                 # the uint8 batch goes to the device as it is; resizing and normalising happen there
                 x, y = preprocess(runtime.to_device(imgs, device), input_spec), runtime.to_device(labels, device)
                 hooks.prepare_step(model, tag)
-                with runtime.autocast(device, cfg.amp):
+                with runtime.autocast(device, amp):  # (resolved once above)
                     loss, logs = step(x, y, epoch=epoch, cfg=cfg, tag=tag)  # hooks.loss(model, ...), under DDP
                 due = watch.add(i, loss)
                 opt.zero_grad(set_to_none=True)
