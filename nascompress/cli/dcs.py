@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from nascompress.cli.common import fail, out, print_json, run, setting_option
+from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.trial_model import TrialMaterializeJob
@@ -21,15 +22,14 @@ def register(app: typer.Typer) -> None:
     def materialize(
         search_dir: Annotated[Optional[Path], typer.Argument(
             help="The --out directory of a finished 'nascompress search dcs' (or use --study).")] = None,
-        out_dir: Annotated[Path, typer.Option("--out", help="Run directory for the compact model.")] = Path(
-            "runs/dcs_mat"),
+        out_dir: Out = Path("runs/dcs_mat"),
         study: setting_option(FROM_STUDY, "study") = None,
         trial: setting_option(FROM_STUDY, "trial") = None,
         pick: setting_option(FROM_STUDY, "pick") = None,
         storage: setting_option(FROM_STUDY, "storage") = None,
         finetune_epochs: setting_option(FROM_STUDY, "finetune_epochs") = 0,
-        force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+        force: Force = False,
+        json_out: JsonOut = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
         from nascompress.search.materialize import MaterializeJob, materialize_search

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
+from nascompress.cli.options import Force, JsonOut, out_option
 from nascompress.export.config import ExportConfig
 
 
@@ -16,11 +17,10 @@ def register(app: typer.Typer) -> None:
     def export_cmd(
         run_dir: Annotated[Path, typer.Argument(
             help="A run directory (or model.safetensors) that nascompress.load reads.")],
-        out_file: Annotated[Path, typer.Option(
-            "--out", help="The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>).")], *,
+        out_file: out_option("The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>)."), *,
         settings: Settings,  # ExportConfig: --format --batch --dtype --opset --tolerance --verify-batch --seed --quantize
-        force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
+        force: Force = False,
+        json_out: JsonOut = False,
     ) -> None:
         """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
         (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""

@@ -13,8 +13,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
-                                    setting_option, settings_command, with_subsets)
+from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
+                                    settings_command, with_subsets)
+from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
 from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
@@ -135,19 +136,19 @@ def finetune(
     run_dir: Annotated[Path, typer.Argument(help="The run to start from (dense, imported or DCS-materialized; also the teacher).")],
     *,
     method: setting_option(FinetuneJob, "method"),
-    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")],
+    out_dir: Out,
     opt: Annotated[Optional[list[str]], typer.Option(help="Any other method or recipe setting as key=value (repeatable).")] = None,
     zero_shot: setting_option(FinetuneJob, "zero_shot") = False,
-    dataset: setting_option(RUN_DATA, "dataset") = None,
-    data_dir: setting_option(RUN_DATA, "data_dir") = None,
+    dataset: RunDataset = None,
+    data_dir: RunDataDir = None,
     recipe: Settings,  # FINETUNE_TRAIN_SETTINGS: --epochs --batch-size --lr ... (default: the method's recipe)
-    train_limit: setting_option(RUN_DATA, "train_limit") = None,
-    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    train_limit: TrainLimit = None,
+    eval_limit: EvalLimit = None,
     runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
     skip_bad_images: SkipBadImages = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out (its recorded job) from its last checkpoint.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+    force: Force = False,
+    resume: Resume = False,
+    json_out: JsonOut = False,
     **method_opts: Optional[str],  # --keep-rate --rho ... (every registered method's settings: _method_params)
 ) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT or ToMe."""

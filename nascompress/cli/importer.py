@@ -1,12 +1,12 @@
 """``nascompress import``: a user's own timm ViT weights as a run directory, without training (thin)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
+from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings, setting_help
 from nascompress.data import DataConfig, InputOverrides
 from nascompress.importer import ImportJob
@@ -27,13 +27,13 @@ def register(app: typer.Typer) -> None:
     @settings_command(settings=IMPORT_SETTINGS, input=InputOverrides, data=IMPORT_DATA_SETTINGS, runtime=IMPORT_RUN_SETTINGS)
     def import_cmd(
         model: Annotated[str, typer.Argument(help=setting_help(ImportJob, "model"))],
-        out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")], *,
+        out_dir: Out, *,
         settings: Settings,  # IMPORT_SETTINGS: --weights --img-size --num-classes --num-heads --eval-batch-size
         input: InputOverrides,  # --mean --std --interpolation --crop-pct
         data: Settings,  # IMPORT_DATA_SETTINGS: --dataset --data-dir --eval-limit --skip-bad-images
         runtime: Settings,  # IMPORT_RUN_SETTINGS: --seed (of the --eval-limit subsets) --device
-        force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+        force: Force = False,
+        json_out: JsonOut = False,
     ) -> None:
         """Import a timm ViT's weights as a run directory (no training) that finetune, search, evaluate and
         nascompress.load accept; evaluate it if --dataset is given."""

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import (RUN_DATA, STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
+from nascompress.cli.common import (STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
                                     setting_option, settings_command, skip_bad)
+from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset
 from nascompress.data import DataConfig, InputOverrides
 from nascompress.evaluate import EvaluateSettings
 from nascompress.models import ModelShape
@@ -36,13 +37,6 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
     from nascompress.runtime import keep_freed_memory
 
     keep_freed_memory()  # every command's forwards reuse freed memory (nascompress.runtime)
-
-
-Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")]
-
-Out = Annotated[Path, typer.Option("--out", help="Run directory to create.")]
-Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")]
-JsonOut = Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")]
 
 
 @app.command()
@@ -93,14 +87,14 @@ def train(
 def evaluate(
     run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")], *,
     settings: EvaluateSettings,  # --split --teacher --epsilon
-    dataset: setting_option(RUN_DATA, "dataset") = None,
+    dataset: RunDataset = None,
     data_dir: setting_option(DataConfig, "data_dir") = DataConfig.data_dir,
-    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    eval_limit: EvalLimit = None,
     eval_batch_size: setting_option(TrainConfig, "eval_batch_size") = TrainConfig.eval_batch_size,
     device: setting_option(TrainConfig, "device") = TrainConfig.device,
     dtype: setting_option(ProfileConfig, "dtype") = ProfileConfig.dtype,
     skip_bad_images: SkipBadImages = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
     from dataclasses import replace
@@ -149,7 +143,7 @@ def profile(
              "are given as 'x the reference's' (< 1: smaller), its speed as 'x faster' (> 1: faster).")] = None,
     measure: ProfileConfig,  # --no-latency --iters --batch-size --dtype --compile (the pipeline's report: keys)
     device: setting_option(TrainConfig, "device") = TrainConfig.device,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
     from nascompress.api import profile as profile_fn

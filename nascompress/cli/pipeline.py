@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from nascompress.cli.common import err, out, print_json, run, setting_option
+from nascompress.cli.options import JsonOut, force_option, out_option
 from nascompress.config import StageSettings
 from nascompress.train import TrainConfig
 
@@ -24,11 +25,10 @@ def register(app: typer.Typer) -> None:
         config: Annotated[Path, typer.Argument(help=(
             "Pipeline file (format nascompress-pipeline/1), or the name of a shipped one (demo, fashion-mnist; "
             "nascompress/configs/)."))],
-        out_dir: Annotated[Path, typer.Option(
-            "--out", help="Pipeline directory (an earlier run of the same config is continued).")],
+        out_dir: out_option("Pipeline directory (an earlier run of the same config is continued)."),
         seed: setting_option(FILE_SEED, "seed") = None,
-        force: Annotated[bool, typer.Option("--force", help="Start over in --out (its contents are removed).")] = False,
-        json_out: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+        force: force_option("Start over in --out (its contents are removed).") = False,
+        json_out: JsonOut = False,
     ) -> None:
         """One command from a model to a slim, faster model: base, DCS channels, a token-method
         search picked under the goal, retraining, and a report against the dense base."""

@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import RUN_DATA, out, print_json, run, setting_option, settings_command
+from nascompress.cli.common import out, print_json, run, settings_command
+from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_option
 from nascompress.export.quantize import QuantizeConfig
 
 QUANTIZED_FILE = "model.int8.onnx"
@@ -17,13 +18,12 @@ QUANTIZED_FILE = "model.int8.onnx"
 def quantize(
     run_dir: Annotated[Path, typer.Argument(
         help="A run directory (or model.safetensors) that nascompress.load reads.")],
-    out_dir: Annotated[Path, typer.Option("--out", help=f"Directory to write {QUANTIZED_FILE} and its sidecar "
-                                                        f"{QUANTIZED_FILE}.json to.")], *,
+    out_dir: out_option(f"Directory to write {QUANTIZED_FILE} and its sidecar {QUANTIZED_FILE}.json to."), *,
     settings: QuantizeConfig,  # --scheme --calib-images --max-drop --eval-images --no-fallback
-    dataset: setting_option(RUN_DATA, "dataset") = None,
-    data_dir: setting_option(RUN_DATA, "data_dir") = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace existing files.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print the sidecar as JSON.")] = False,
+    dataset: RunDataset = None,
+    data_dir: RunDataDir = None,
+    force: Force = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Quantize a dense or compressed model to int8 ONNX (ONNX Runtime's tooling), check its top-1 on the
     validation split against the fp32 file, and keep it only within --max-drop (recorded in FILE.json)."""

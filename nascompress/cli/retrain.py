@@ -6,8 +6,9 @@ from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
+from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
                                     settings_command, with_subsets)
+from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
 from nascompress.retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob
 from nascompress.train import RUNTIME_SETTINGS
@@ -16,19 +17,19 @@ from nascompress.train import RUNTIME_SETTINGS
 @settings_command(settings=RetrainConfig, recipe=RETRAIN_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def retrain(
     model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Run directory to create.")], *,
-    dataset: setting_option(RUN_DATA, "dataset") = None,
-    data_dir: setting_option(RUN_DATA, "data_dir") = None,
+    out_dir: Out, *,
+    dataset: RunDataset = None,
+    data_dir: RunDataDir = None,
     teacher: setting_option(RetrainJob, "teacher") = None,
     settings: RetrainConfig,  # --eta --warmup-frac --feature-tap --input-tap ... (RetrainConfig's settings)
     recipe: Settings,  # RETRAIN_TRAIN_SETTINGS: --epochs --batch-size --lr --base-lr ...
-    train_limit: setting_option(RUN_DATA, "train_limit") = None,
-    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    train_limit: TrainLimit = None,
+    eval_limit: EvalLimit = None,
     runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
     skip_bad_images: SkipBadImages = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing output directory.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last checkpoint.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+    force: Force = False,
+    resume: Resume = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
     from dataclasses import replace

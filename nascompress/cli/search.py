@@ -6,8 +6,9 @@ from typing import Annotated
 
 import typer
 
-from nascompress.cli.common import (RUN_DATA, Settings, SkipBadImages, given_options, out, print_json, run,
-                                    setting_option, settings_command, skip_bad, with_subsets)
+from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
+                                    settings_command, skip_bad, with_subsets)
+from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset, TrainLimit, json_option
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
 from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
@@ -31,21 +32,21 @@ SEARCH = StageSettings(DCSSearchConfig, ("target_flops", *(f.name for f in user_
 @settings_command(search=SEARCH, method=SEARCH_DCS_SETTINGS, recipe=SEARCH_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def dcs(
     source: Annotated[str, typer.Argument(help="A dense run directory (train/import) or a timm model name.")],
-    out_dir: Annotated[Path, typer.Option("--out", help="Search run directory to create.")] = Path("runs/dcs_search"),
+    out_dir: Out = Path("runs/dcs_search"),
     *,
     weights: setting_option(SOURCE_WEIGHTS, "weights") = None,
     img_size: setting_option(SOURCE_SIZE, "img_size") = None,
-    dataset: setting_option(RUN_DATA, "dataset") = None,
+    dataset: RunDataset = None,
     search: Settings,  # --target-flops, DCSSearchConfig's settings: --arch-lr --lam ... --init-importance
     method: Settings,  # SEARCH_DCS_SETTINGS: --qk-mask --mlp-gates --align --hidden-fill --alpha-init
     recipe: Settings,  # SEARCH_TRAIN_SETTINGS: --epochs --batch-size --lr ...
-    train_limit: setting_option(RUN_DATA, "train_limit") = None,
-    eval_limit: setting_option(RUN_DATA, "eval_limit") = None,
+    train_limit: TrainLimit = None,
+    eval_limit: EvalLimit = None,
     runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
     skip_bad_images: SkipBadImages = False,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing --out.")] = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the search in --out from its checkpoint.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print metrics as JSON.")] = False,
+    force: Force = False,
+    resume: Resume = False,
+    json_out: JsonOut = False,
 ) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
     from dataclasses import replace
@@ -101,10 +102,10 @@ def _outer_search(kind: str, default_space: str):
         base: Annotated[Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")],
         *,
         study: Settings,  # SearchJob's settings: --space --study --storage --trials ... --no-enqueue
-        dataset: setting_option(RUN_DATA, "dataset") = None,
+        dataset: RunDataset = None,
         runtime: Settings,  # RUNTIME_SETTINGS: --seed (the samplers, the data subsets, the trials) --device --amp ...
         skip_bad_images: SkipBadImages = False,
-        json_out: Annotated[bool, typer.Option("--json", help="One JSON line per finished trial, then a summary.")] = False,
+        json_out: json_option("One JSON line per finished trial, then a summary.") = False,
     ) -> None:
         from nascompress.api import run_data_config
         from nascompress.search.trials import run_search

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from nascompress.cli.common import err, out, print_json, run, setting_option, settings_command
+from nascompress.cli.options import Force, JsonOut as Json, out_option
 from nascompress.studies.dashboard import DashboardSettings
 from nascompress.studies.inspect import ExportSettings, ShowSettings
 from nascompress.search.trials import SearchJob
@@ -15,8 +16,6 @@ study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list
 
 Storage = setting_option(SearchJob, "storage")  # the study's storage, as the search commands' --storage
 Name = Annotated[str, typer.Argument(help="The study name (see 'nascompress study list').")]
-Force = Annotated[bool, typer.Option("--force", help="Overwrite an existing output file.")]
-Json = Annotated[bool, typer.Option("--json", help="Print JSON.")]
 
 
 @study_app.command("list")
@@ -72,7 +71,7 @@ def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, jso
 
 @study_app.command("export")
 @settings_command(settings=ExportSettings)
-def export_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The file to write.")], *,
+def export_cmd(name: Name, out_file: out_option("The file to write."), *,
                settings: ExportSettings, storage: Storage = None, force: Force = False) -> None:
     """Every trial (number, state, values, params, record fields) to CSV or JSON."""
     from nascompress.studies.inspect import export_study
@@ -82,7 +81,7 @@ def export_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help=
 
 
 @study_app.command("report")
-def report_cmd(name: Name, out_file: Annotated[Path, typer.Option("--out", help="The HTML file to write.")] =
+def report_cmd(name: Name, out_file: out_option("The HTML file to write.") =
                Path("report.html"), storage: Storage = None, force: Force = False) -> None:
     """One self-contained HTML file: Pareto front, history, importances, the front as a table."""
     from nascompress.studies.report import write_report
