@@ -210,7 +210,8 @@ def setting_params(spec: Any) -> list[Any]:
     :class:`~nascompress.config.StageSettings` (a stage's fields and defaults): ``--name`` (or the
     declared ``option``) with the default (none: a required option) and the help, a bool off by
     default ``--name``, an optional bool ``--name/--no-name``, for a bool with a ``flag`` that flag
-    (``--no-name``, default off), and for a tuple of numbers one comma-separated value."""
+    (``--no-name``, default off), for a tuple of numbers one comma-separated value, and for a text
+    with ``choices`` those choices as its metavar (``[int8-static|int8-dynamic]``)."""
     import dataclasses
     import inspect
     import types
@@ -242,8 +243,10 @@ def setting_params(spec: Any) -> list[Any]:
         if base is bool:
             name = option_name(f)
             decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
+        choices = f.metadata.get("choices")  # the library's, shown (the library checks the value)
+        shown = {"metavar": f"[{'|'.join(map(str, choices))}]"} if choices and base is str else {}
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
-            Optional[base] if optional else base, typer.Option(*decls, help=help)]))
+            Optional[base] if optional else base, typer.Option(*decls, help=help, **shown)]))
     return params
 
 

@@ -9,7 +9,10 @@ from ..limits import MAX_BATCH, SEED_MAX
 from ..errors import NascompressError
 
 FORMATS = ("onnx", "torch-export")
-QUANTIZE = ("none", "int8", "int8-static", "int8-dynamic")  # int8: the quantize command's default scheme
+# the int8 schemes of ``nascompress quantize`` (QuantizeConfig.scheme; the first is its default), declared
+# once here for it and for ExportConfig.quantize, whose "int8" is that default scheme
+SCHEMES = ("int8-static", "int8-dynamic")
+QUANTIZE = ("none", "int8", *SCHEMES)
 DTYPES = ("fp32", "fp16", "bf16")
 # max |exported - PyTorch logits| allowed, relative to max(1, max |PyTorch logit|)
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}
@@ -78,4 +81,4 @@ class ExportConfig(Config):
         return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE[self.dtype]
 
 
-__all__ = ["ExportConfig", "FORMATS", "DTYPES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]
+__all__ = ["ExportConfig", "FORMATS", "DTYPES", "SCHEMES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]

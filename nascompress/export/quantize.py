@@ -47,11 +47,9 @@ import torch
 from ..config import Config, check_int, check_settings, field_name, setting
 from ..limits import MAX_IMAGES
 from ..errors import NascompressError
+from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES  # declared once (ExportConfig's too)
 from .graphs import TWO_STAGE
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
-
-SCHEMES = ("int8-static", "int8-dynamic")
-QUANTIZE_CHOICES = ("none", "int8", *SCHEMES)  # ExportConfig.quantize ("int8": the default scheme)
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ class QuantizeConfig(Config):
         seed: seed of the calibration subset.
     """
 
-    scheme: str = setting("int8-static", choices=SCHEMES, help=(
+    scheme: str = setting(SCHEMES[0], choices=SCHEMES, help=(
         "int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."))
     calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
     max_drop: float = setting(1.0, lo=0, help=(
