@@ -52,8 +52,9 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
     scalars = [a for a in args if a in (int, float)]
     tuples = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple]
     opt = f"--{f.name.replace('_', '-')}"
-    if not scalars and not tuples:
-        return "VALUE", parse_value
+    if not scalars and not tuples:  # a text: its declared choices shown, where it has some
+        choices = f.metadata.get("choices")
+        return (f"[{'|'.join(map(str, choices))}]" if choices else "VALUE"), parse_value
     elem = (tuples or scalars)[0]
     what = "integers" if elem is int else "numbers"
     if tuples and scalars:

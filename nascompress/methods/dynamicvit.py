@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_range, check_settings, field_name, setting
+from ..config import Config, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
 from . import Method, TrainOverrides, register_method
@@ -155,20 +155,18 @@ class DynamicViTRecipe(Config):
         predictor_steps: steps of that predictor-only stage before a zero-shot save (``--zero-shot``).
     """
 
-    w_kl: float = 0.5
-    w_distill: float = 0.5
-    w_ratio: float = 2.0
-    gumbel_tau: float = 1.0
-    backbone_lr_scale: float = 0.01
-    predictor_epochs: float = 0.0
-    predictor_steps: int = 100
+    w_kl: float = setting(0.5, lo=0, help="Weight of KL(student || dense teacher) on the logits.")
+    w_distill: float = setting(0.5, lo=0, help="Weight of the kept tokens' MSE to the dense teacher's.")
+    w_ratio: float = setting(2.0, lo=0, help="Weight of the keep-ratio loss (each stage's kept share to its target).")
+    gumbel_tau: float = setting(1.0, lo=0, lo_open=True, help="Gumbel-softmax temperature of the training masks.")
+    backbone_lr_scale: float = setting(0.01, lo=0, help="The backbone's lr relative to the predictors'.")
+    predictor_epochs: float = setting(0.0, lo=0, help=(
+        "The first epochs train the predictors only (backbone frozen, distilled to the dense model)."))
+    predictor_steps: int = setting(100, lo=0, help=(
+        "Steps of the predictor-only stage before a zero-shot model (--zero-shot)."))
 
     def __post_init__(self) -> None:
-        for k in ("w_kl", "w_distill", "w_ratio", "backbone_lr_scale", "predictor_epochs"):
-            check_range(k, getattr(self, k), 0)
-        check_range("gumbel_tau", self.gumbel_tau, 0, lo_open=True)
-        if isinstance(self.predictor_steps, bool) or not isinstance(self.predictor_steps, int) or self.predictor_steps < 0:
-            raise NascompressError(f"predictor_steps must be an integer >= 0, got {self.predictor_steps!r}")
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,11 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_bool, check_range, check_settings, field_name, setting
+from ..config import Config, check_bool, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
-from .tokens import ceil_keep, gather_tokens, keep_prefix_and, patched_class, per_layer, token_layers
+from .tokens import ceil_keep, distill_setting, gather_tokens, keep_prefix_and, patched_class, per_layer, token_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,18 +135,16 @@ class EViTRecipe(Config):
         distill: weight of KL(student || dense teacher) added to CE (the paper uses none: 0).
     """
 
-    shrink_start_epoch: float = 0.0
-    shrink_epochs: float | None = 0.0
-    linearized_temperature: float | None = None
-    distill: float = 0.0
+    shrink_start_epoch: float = setting(0.0, lo=0, help="Epochs trained at keep rate 1 before the keep rate shrinks.")
+    shrink_epochs: float | None = setting(0.0, lo=0, help=(
+        "Epochs of the cosine shrink of the keep rate from 1 to the target (0: the target from the start; "
+        "--opt shrink_epochs=null: half the epochs). Validation and the saved model use the target."))
+    linearized_temperature: float | None = setting(None, lo=0, lo_open=True, help=(
+        "Train with a linearized fused token (sigmoid steps) at this temperature (default: off)."))
+    distill: float = distill_setting()
 
     def __post_init__(self) -> None:
-        check_range("shrink_start_epoch", self.shrink_start_epoch, 0)
-        if self.shrink_epochs is not None:
-            check_range("shrink_epochs", self.shrink_epochs, 0)
-        if self.linearized_temperature is not None:
-            check_range("linearized_temperature", self.linearized_temperature, 0, lo_open=True)
-        check_range("distill", self.distill, 0)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 # ---------------------------------------------------------------------------------------------

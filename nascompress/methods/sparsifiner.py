@@ -360,18 +360,18 @@ class SparsifinerRecipe(Config):
         lambda_attn / lambda_token / lambda_cls_distill: loss weights (stage 1 / stage 2).
     """
 
-    stage1_epochs: int = 1
-    stage1_steps: int = 100
-    predictor_lr_scale: float = 10.0
-    lambda_attn: float = 1.0
-    lambda_token: float = 0.5
-    lambda_cls_distill: float = 0.5
+    stage1_epochs: int = setting(1, lo=0, help=(
+        "Epochs of stage 1 (backbone frozen, dense attention, the predictor trained to reconstruct the "
+        "attention); the rest is stage 2."))
+    stage1_steps: int = setting(100, lo=0, help="Steps of stage 1 before a zero-shot model (--zero-shot).")
+    predictor_lr_scale: float = setting(10.0, lo=0, help="The predictor's lr relative to the backbone's.")
+    lambda_attn: float = setting(1.0, lo=0, help="Weight of the attention reconstruction loss (stage 1).")
+    lambda_token: float = setting(0.5, lo=0, help="Weight of the final tokens' MSE to the dense teacher's (stage 2).")
+    lambda_cls_distill: float = setting(0.5, lo=0, help=(
+        "Weight of KL(student || dense teacher) on the logits (stage 2)."))
 
     def __post_init__(self) -> None:
-        check_int("stage1_epochs", self.stage1_epochs, 0)
-        check_int("stage1_steps", self.stage1_steps, 0)
-        for k in ("predictor_lr_scale", "lambda_attn", "lambda_token", "lambda_cls_distill"):
-            check_range(k, getattr(self, k), 0)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 PREDICTOR = ".kernel.w_"

@@ -14,8 +14,18 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from ..config import setting
 from ..errors import NascompressError
 from ..layers import to_core
+
+
+
+def distill_setting() -> Any:
+    """The recipe setting ``distill`` of the token methods that train on cross-entropy alone by
+    default (EViT, ToMe): one declaration, so ``finetune --distill`` means the same for both."""
+    return setting(0.0, lo=0, help="Weight of KL(student || dense teacher) added to the cross-entropy (0: none, "
+                                   "the paper's).")
+
 
 # The papers prune DeiT-S (12 layers) at layers 4, 7 and 10.
 REF_LAYERS = (4, 7, 10)

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import Config, check_bool, check_range, setting
+from ..config import Config, check_bool, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
-from .tokens import patched_class, token_layers
+from .tokens import distill_setting, patched_class, token_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,10 +168,10 @@ class ToMeRecipe(Config):
     """ToMe fine-tuning (the paper trains with merging on, the same r): cross-entropy, plus
     ``distill`` x KL to the dense teacher (0: none)."""
 
-    distill: float = 0.0
+    distill: float = distill_setting()
 
     def __post_init__(self) -> None:
-        check_range("distill", self.distill, 0)
+        check_settings(self, name=field_name)  # every setting() against its declaration
 
 
 # ---------------------------------------------------------------------------------------------
