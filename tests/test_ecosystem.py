@@ -234,3 +234,13 @@ def test_search_dcs_shows_its_preparation_when_piped(tmp_path, tiny_run, monkeyp
     first = [i for i, ln in enumerate(lines) if ln.startswith("DCS: measuring the dense model")]
     assert len(first) == 2 and lines[first[0]].endswith("...") and " done in " in lines[first[1]], lines
     assert any(ln.startswith("epochs:  1/1 (100%)") for ln in lines), lines
+
+
+def test_search_dcs_on_an_image_folder_reads_it_unaugmented_and_caches_the_teacher(folder_run, tmp_path):
+    """The search reads an ImageFolder's training images without their training transform (as the in-memory
+    datasets), so the dense teacher's outputs are computed once per image and read back every step."""
+    r = invoke("search", "dcs", folder_run, "--target-flops", "0.8", "--epochs", "1", "--batch-size", "8",
+               "--max-val-drop", "100", "--no-baseline", "--out", tmp_path / "s", "--json")
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((tmp_path / "s" / "metrics.json").read_text())
+    assert metrics["teacher_cached"] is True

@@ -363,7 +363,8 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     teacher = None
     if distils and (data.name in IN_MEMORY or data.extra.get("fixed_train_images")):
         with step(f"DCS: the dense model's outputs for the {len(data.train)} training images (computed once)"):
-            teacher = TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0)
+            teacher = TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0,
+                                         amp=job.train.amp)
     hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
                            base_arch=base_arch, train_size=len(data.train), init_info=pre["info"], teacher=teacher)
     if before_fit is not None:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Protocol, TypeVar
 import torch
 from torch import nn
 
+from .. import runtime
 from ..data import InputSpec, make_loader, preprocess
 from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
 from ..auto_batch import auto_batch_size
@@ -71,15 +72,15 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, f
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
 
 
-def _memo(job: SearchJob, seed: int) -> dict[str, Any]:
-    """The process's memo of one base run's measurements (a fresh one for another run or images)."""
+def _memo(job: SearchJob, seed: int, amp: str) -> dict[str, Any]:
+    """The process's memo of one base run's measurements (a fresh one for another run, images or precision)."""
     src = Path(job.source)
     weights = src / "model.safetensors" if src.is_dir() else Path(job.weights or src)
     try:
         stamp = os.stat(weights).st_mtime_ns
     except OSError:
         stamp = None
-    key = (str(src), stamp, seed, job.search.init_images, repr(job.data), job.method.align, job.method.hidden_fill)
+    key = (str(src), stamp, seed, job.search.init_images, repr(job.data), job.method.align, job.method.hidden_fill, amp)
     if key not in _MEMO:
         while len(_MEMO) >= _MEMO_SIZE:
             _MEMO.pop(next(iter(_MEMO)))
@@ -117,10 +118,21 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
         info["batch_rule"] = f"auto: {bs} for {len(data.train)} training images"
     needs = m.mlp_gates == "auto" or s.init_importance != "weight" or s.protect_ratio > 0 or s.block_weights or (
         m.mlp_gates == "hidden" and m.hidden_fill == "mean")
-    memo = _memo(job, s.init_seed if s.init_seed is not None else job.train.seed) if needs else {}
+    dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
+    # the probes' forwards in the search's precision (bf16 where --amp resolves to it: the DINOv2 ViT-S/14
+    # probes 1.6x faster, the same choices; the statistics and KLs are accumulated in fp32)
+    amp = runtime.resolve_amp(job.train.amp, dev)
+    memo = _memo(job, s.init_seed if s.init_seed is not None else job.train.seed, amp) if needs else {}
+    with runtime.autocast(dev, amp), runtime.cpu_attention(dense, dev, amp):
+        return _measure(job, dense, data, spec, memo=memo, needs=needs, tick=tick, info=info, dev=dev)
+
+
+def _measure(job: Job, dense: nn.Module, data: Any, spec: InputSpec, *, memo: dict[str, Any], needs: bool,
+             tick: Callable[..., None], info: dict[str, Any], dev: torch.device) -> tuple[Job, dict[str, Any]]:
+    """:func:`prepare_search`'s measurements, under the search's precision."""
+    s, m = job.search, job.method
     if needs and "images" not in memo:
         tick(0, info="activation statistics")
-        dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
         memo["images"] = [x.to(dev) for x in calibration_images(data, spec, n=s.init_images, seed=job.train.seed
                                                                 if s.init_seed is None else s.init_seed)]
         memo["stats"] = activation_stats(dense, Ticking(memo["images"], tick))

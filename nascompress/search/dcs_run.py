@@ -71,7 +71,9 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
     distributed.init(job.train.device)
     run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.source, job.weights, *dataset_paths(job.data)))
     dense, base_arch, data_cfg = _build_source(job)
-    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]))
+    # the search reads its training images as they are (an ImageFolder without its training transform, as the
+    # in-memory datasets its defaults were chosen on), so the dense teacher's outputs are computed once per image
+    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]), augment=False)
 
     def create(resolved: DCSSearchJob) -> None:
         run.create(resolved.replace(data=data_cfg).to_dict())

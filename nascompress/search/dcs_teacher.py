@@ -1,5 +1,5 @@
 """What the DCS search reads per step besides the batch: the frozen dense model's outputs cached
-once per training image (:class:`TeacherCache`, in-memory datasets: never augmented), the view of a
+once per training image (:class:`TeacherCache`: the search reads its training images unaugmented), the view of a
 split whose batches carry their images' indices (:class:`Indexed`), the step tags (:class:`StepTag`)
 and the order of weight and architecture steps in an epoch (:func:`interleave`)."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import runtime
 from ..data import InputSpec, make_loader, preprocess
 from ..distill import FeatureTap
 
@@ -38,14 +39,18 @@ class Indexed:
         return len(self.base)
 
     def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        imgs, labels = self.base.__getitems__(idx)
+        # an in-memory split gives the batch; an ImageFolder (or a Subset of one) a list of (image, label)
+        got = self.base.__getitems__(idx) if hasattr(self.base, "__getitems__") else [self.base[i] for i in idx]
+        imgs, labels = got if isinstance(got, tuple) else (torch.stack([x for x, _ in got]),
+                                                           torch.as_tensor([y for _, y in got]))
         return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
 
 
 @dataclass
 class TeacherCache:
     """The frozen dense model's logits (and pre-logits features) for every training image, computed
-    once before the search: the teacher is frozen and in-memory datasets are not augmented, so each
+    once before the search: the teacher is frozen and the search's training images are not augmented
+    (in-memory datasets never are; an ImageFolder is read without its training transform), so each
     image's outputs never change, and reading them saves a teacher forward on every step."""
 
     logits: torch.Tensor  # (N, classes)
@@ -54,14 +59,16 @@ class TeacherCache:
     @classmethod
     @torch.no_grad()
     def build(cls, dense: nn.Module, train: Any, spec: InputSpec, *, device: torch.device, feat: bool,
-              batch_size: int = 64) -> "TeacherCache":
+              amp: str = "off", batch_size: int = 64) -> "TeacherCache":
+        """``amp``: the search's precision (its steps' teacher forwards would run under it too)."""
         tap = FeatureTap(dense, "pre_logits") if feat else None
         logits, feats = [], []
         try:
-            for imgs, _ in make_loader(train, batch_size=batch_size, shuffle=False, num_workers=0):
-                logits.append(dense(preprocess(imgs.to(device), spec)).float())
-                if tap is not None:
-                    feats.append(tap.pop().float())
+            with runtime.autocast(device, amp), runtime.cpu_attention(dense, device, amp):
+                for imgs, _ in make_loader(train, batch_size=batch_size, shuffle=False, num_workers=0):
+                    logits.append(dense(preprocess(imgs.to(device), spec)).float())
+                    if tap is not None:
+                        feats.append(tap.pop().float())
         finally:
             if tap is not None:
                 tap.remove()

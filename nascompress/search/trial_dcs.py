@@ -10,6 +10,7 @@ from typing import Any
 
 from torch import nn
 
+from ..data import load_data
 from ..errors import NascompressError
 from .trial_context import TrialContext
 
@@ -59,7 +60,11 @@ def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple
     job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
                        data=ctx.data_cfg, train=train)
     dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
-    result = run_dcs_search(job, dense, ctx.arch, ctx.data)
+    # the search reads its training images unaugmented (as `search dcs` does): an ImageFolder's once more
+    # without its training transform, so the teacher's outputs are computed once
+    data = ctx.data if ctx.data.extra.get("fixed_train_images") else load_data(ctx.data_cfg, spec=ctx.spec,
+                                                                                augment=False)
+    result = run_dcs_search(job, dense, ctx.arch, data)
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)
     model.nc_methods = ["dcs"]
     model.nc_dcs_kept = result.metrics["kept"]  # the searched model or the magnitude baseline (trial info)
