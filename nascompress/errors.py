@@ -24,7 +24,10 @@ class SettingError(NascompressError):
     words: ``template`` writes each field as ``{field_name}``; ``str()`` gives the bare names
     (``feat_kd``), and a front end words them its own way with :meth:`worded`: the CLI as its
     command's options (``--feat-kd``, :func:`nascompress.cli.common.run`), the pipeline as its
-    section's keys (:func:`nascompress.pipeline.schema.section_error`)."""
+    section's keys (:func:`nascompress.pipeline.schema.section_error`). Advice that names a value
+    writes it after the field (``rerun with {force} {epochs} 8``), so the CLI's wording is a command
+    that works as written. Only ``{lower_snake}`` is a field: any other text (a path, a repr, a
+    value with braces) is left as it is, so values need no escaping."""
 
     def __init__(self, template: str):
         self.template = template
@@ -33,14 +36,14 @@ class SettingError(NascompressError):
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields the message names, in order of first mention."""
-        import string
-
-        names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
-        return tuple(dict.fromkeys(names))
+        return tuple(dict.fromkeys(_FIELD.findall(self.template)))
 
     def worded(self, name: Callable[[str], str] = str) -> str:
         """The message with every field named by ``name(field)`` (default: the field's own name)."""
-        return self.template.format_map({f: name(f) for f in self.fields})
+        return _FIELD.sub(lambda m: name(m.group(1)), self.template)
+
+
+_FIELD = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a field in a SettingError's template
 
 
 class WriteError(NascompressError):

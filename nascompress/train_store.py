@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .io import load_with_arch, save_model, save_state
 from .utils import append_jsonl, parse_json
 
@@ -92,8 +92,8 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
                     print(f"note: dropping the half-written last line of {path} (the run stopped while writing it)",
                           file=sys.stderr, flush=True)
                 break
-            raise NascompressError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
-                                   "a new log) or rerun with --force") from None
+            raise SettingError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
+                                   "a new log) or rerun with {force}") from None
         if epoch <= upto:
             kept.append(ln)
     return kept

@@ -151,7 +151,7 @@ def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
     for host in ("0.0.0.0", "::"):
-        with pytest.raises(NascompressError, match="has no login.*--expose-storage-without-login"):
+        with pytest.raises(NascompressError, match="has no login.*pass expose to serve it"):
             start_dashboard("d", storage=storage, host=host)
     r = invoke("study", "dashboard", "d", "--storage", storage, "--host", "0.0.0.0")
     one_line(r, "could read the studies of its storage")

@@ -55,7 +55,7 @@ def test_reset_head_loads_backbone_only_checkpoint(tmp_path):
     load_pretrained(dst, f, reset_head=True)
     torch.testing.assert_close(dst.blocks[1].attn.qkv.weight, src.blocks[1].attn.qkv.weight)
     assert torch.equal(dst.head.weight, head_before)
-    with pytest.raises(NascompressError, match=r"tensor head\.weight \(3, 32\) is missing from the file.*--reset-head"):
+    with pytest.raises(NascompressError, match=r"tensor head\.weight \(3, 32\) is missing from the file.*reset_head"):
         load_pretrained(build_model(tiny_spec(num_classes=3)), f)
     # any other missing tensor is still an error that names it
     del backbone["blocks.0.norm1.weight"]
@@ -331,7 +331,7 @@ def test_train_weights_never_resample_the_patch_kernel_and_say_when_the_grid_is(
     src = build_model(custom_vit_spec(img_size=16, patch_size=4, **spec))
     w = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(w))
-    with pytest.raises(NascompressError, match=r"has 4x4 patches .* but the model has 2x2; build it with --patch-size 4"):
+    with pytest.raises(NascompressError, match=r"has 4x4 patches .* but the model has 2x2; build it with patch_size 4"):
         load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=2, **spec)), w)
     load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=4, **spec)), w)
     assert "resampled" not in capsys.readouterr().err  # the same grid: nothing to say

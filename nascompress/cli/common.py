@@ -109,7 +109,9 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def option_of(field: str) -> str:
     """The running command's option of config field ``field`` (its generated parameter of that name:
-    ``--feat-kd``, or a declared ``option``); ``--field-name`` outside a command or where it has none."""
+    ``--feat-kd``, or a declared ``option``; run-level ones too: ``--force``, ``--resume``, ``--out``);
+    ``--field-name`` outside a command or where it has none (a positional argument is no option). The
+    one translation from a library message's field names to the CLI's words."""
     try:  # typer >= 0.2x runs on its own copy of click
         from typer._click.globals import get_current_context
     except ImportError:
@@ -117,7 +119,7 @@ def option_of(field: str) -> str:
 
     ctx = get_current_context(silent=True)
     for p in ctx.command.params if ctx is not None else ():
-        if p.name == field and p.opts:
+        if p.name == field and p.opts and p.param_type_name == "option":
             return max(p.opts, key=len)  # the long form
     return f"--{field.replace('_', '-')}"
 

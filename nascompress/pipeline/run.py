@@ -12,7 +12,7 @@ from typing import Any, Callable
 import yaml
 
 from ..config import StrictYamlLoader as _Loader
-from ..errors import NascompressError, writing
+from ..errors import NascompressError, SettingError, writing
 from ..data import dataset_paths
 from ..utils import read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
@@ -32,11 +32,11 @@ def _stray(p: Path) -> bool:
 def _check_out(out: Path, *, force: bool) -> None:
     """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force)."""
     if out.exists() and not out.is_dir():
-        raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
+        raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     used = out.is_dir() and any(not _stray(p) for p in out.iterdir())
     if used and not force and not (out / CONFIG_FILE).is_file():
-        raise NascompressError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
-                               "choose another --out or pass --force to replace it")
+        raise SettingError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
+                               "choose another {out} or pass {force} to replace it")
 
 
 def _lock(out: Path) -> int:
@@ -91,9 +91,9 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
             keep = ""
             if pipe.cfg.base.run is None and (out / "base" / "metrics.json").is_file():  # a finished base of its own
                 keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
-            raise NascompressError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
-                                   f"rerun it with the same config ({stored}) to continue it, use another --out"
-                                   f"{keep}, or pass --force to start over")
+            raise SettingError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
+                                   f"rerun it with the same config ({stored}) to continue it, use another {{out}}"
+                                   f"{keep}, or pass {{force}} to start over")
         return True
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
