@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 
 from . import runtime
 
-from .config import Config, check_int, check_settings, setting
+from .config import Config, check_field, check_int, check_settings, setting
 from .data_classes import class_indices, keep_classes
 from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .data_input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
@@ -143,7 +143,7 @@ class DataConfig:
             v = getattr(self, name)
             if isinstance(v, str) and v not in DATASET_KEYWORDS and not is_memory(v):
                 object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
-        check_int("--seed", self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the command's --seed
+        check_field("seed", check_int, self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the run's seed
 
 
 @dataclass

@@ -27,7 +27,8 @@ class SettingError(NascompressError):
     section's keys (:func:`nascompress.pipeline.schema.section_error`). Advice that names a value
     writes it after the field (``rerun with {force} {epochs} 8``), so the CLI's wording is a command
     that works as written. Only ``{lower_snake}`` is a field: any other text (a path, a repr, a
-    value with braces) is left as it is, so values need no escaping."""
+    value with braces) is left as it is, so values need no escaping; ``{{`` and ``}}`` are a literal
+    brace (:func:`literal` escapes a text that must never read as a field)."""
 
     def __init__(self, template: str):
         self.template = template
@@ -36,14 +37,19 @@ class SettingError(NascompressError):
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields the message names, in order of first mention."""
-        return tuple(dict.fromkeys(_FIELD.findall(self.template)))
+        return tuple(dict.fromkeys(f for f in _FIELD.findall(self.template) if f))
 
     def worded(self, name: Callable[[str], str] = str) -> str:
         """The message with every field named by ``name(field)`` (default: the field's own name)."""
-        return _FIELD.sub(lambda m: name(m.group(1)), self.template)
+        return _FIELD.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0], self.template)
 
 
-_FIELD = re.compile(r"\{([a-z][a-z0-9_]*)\}")  # a field in a SettingError's template
+_FIELD = re.compile(r"\{\{|\}\}|\{([a-z][a-z0-9_]*)\}")  # a field in a SettingError's template, or a literal brace
+
+
+def literal(text: str) -> str:
+    """``text`` as a part of a :class:`SettingError` template that names no field (braces escaped)."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 class WriteError(NascompressError):

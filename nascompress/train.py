@@ -19,7 +19,7 @@ from . import distributed, runtime
 from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import MAX_BATCH, MAX_EPOCHS, MAX_LR, SEED_MAX
 from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
-from .errors import NascompressError, SettingError
+from .errors import SettingError
 from .hooks import TrainHooks
 from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
@@ -224,7 +224,7 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
             return v
         if len(v) == 1 or c == 1:
             return (sum(v) / len(v),) * c
-        raise NascompressError(f"--{name} has {len(v)} values but the model takes {c} channels")
+        raise SettingError(f"{{{name}}} has {len(v)} values but the model takes {c} channels")
 
     return InputSpec((h, w), c, chans("mean"), chans("std"), interpolation=base["interpolation"],
                      crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])

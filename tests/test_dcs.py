@@ -637,7 +637,7 @@ def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
             torch.testing.assert_close(a, ref)
         DCSSearchHooks.prepare_step(stub, sup, StepTag("a"))
         assert sup.dcs_state.sample  # architecture steps always sample
-    with pytest.raises(NascompressError, match="--w-gates"):
+    with pytest.raises(NascompressError, match="w_gates"):
         DCSSearchConfig(w_gates="soft")
 
 

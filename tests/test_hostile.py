@@ -385,18 +385,18 @@ def test_cli_and_library_values_out_of_range(tmp_path):
     from nascompress.search.trials import SearchJob
     from nascompress.train import TrainConfig
 
-    with pytest.raises(NascompressError, match="--lr must be a finite number in \\(0, 10\\], got inf"):
+    with pytest.raises(NascompressError, match="lr must be a finite number in \\(0, 10\\], got inf"):
         TrainConfig(lr=float("inf"))
-    with pytest.raises(NascompressError, match="--seed must be an integer in \\[0, 4294967295\\]"):
+    with pytest.raises(NascompressError, match="seed must be an integer in \\[0, 4294967295\\]"):
         TrainConfig(seed=2**32)
-    with pytest.raises(NascompressError, match="--trials is 1,000,000,000, above the limit of 100,000"):
+    with pytest.raises(NascompressError, match="trials is 1,000,000,000, above the limit of 100,000"):
         SearchJob(base="b", space="s", study="x", trials=10**9)
     one_line(invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", *TINY, "--seed", str(10**23)),
              "--seed must be an integer in [0, 4294967295]")
     assert not (tmp_path / "run").exists()
     from nascompress.data import DataConfig
 
-    with pytest.raises(NascompressError, match="--seed must be an integer in"):  # import's and evaluate's --seed
+    with pytest.raises(NascompressError, match="seed must be an integer in"):  # import's and evaluate's --seed
         DataConfig(subset_seed=10**23)
 
 

@@ -184,7 +184,7 @@ def test_import_job_round_trips():
     job = ImportJob(model="test_vit", weights="w", out="o", img_size=32, data=DataConfig(dataset="synthetic"),
                     input=InputOverrides(mean=(0.1, 0.2, 0.3)))
     assert ImportJob.from_dict(json.loads(json.dumps(job.to_dict()))) == job
-    with pytest.raises(NascompressError, match="--img-size must be an integer in \\[1, inf\\]"):
+    with pytest.raises(NascompressError, match="img_size must be an integer in \\[1, inf\\]"):
         ImportJob(model="m", weights="w", out="o", img_size=0)
 
 

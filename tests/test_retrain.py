@@ -163,7 +163,7 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
                           teacher=teacher, input_embed=make_input_embed(cfg, model=model, teacher=teacher)
                           ).loss(model, x, y, epoch=0, cfg=tc)
     assert "feat_kd" not in logs_off
-    with pytest.raises(NascompressError, match="--feat-kd"):
+    with pytest.raises(NascompressError, match="feat_kd"):
         RetrainConfig(feat_kd=-1.0)
 
 

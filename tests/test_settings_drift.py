@@ -75,7 +75,7 @@ def test_finetune_epochs_are_whole_epochs_in_studies_and_in_materialize():  # wa
         assert p.type_descriptor.annotation is int and p.default == 0
     assert _field(SearchJob, "finetune_epochs").metadata["help"] in _field(TrialMaterializeJob,
                                                                            "finetune_epochs").metadata["help"]
-    with pytest.raises(NascompressError, match="--finetune-epochs must be an integer"):
+    with pytest.raises(NascompressError, match="finetune_epochs must be an integer"):
         SearchJob(base="b", space="s", study="x", finetune_epochs=0.5)
 
 
@@ -187,7 +187,7 @@ def test_a_range_is_checked_by_one_function_for_the_cli_and_the_pipeline(tmp_pat
     assert ("", -1) in calls
     with pytest.raises(NascompressError) as lib:
         DataConfig(num_workers=-1)
-    assert str(pipe.value).endswith("data.num_workers: " + str(lib.value).removeprefix("--num-workers "))
+    assert str(pipe.value).endswith("data.num_workers: " + str(lib.value).removeprefix("num_workers "))
     with pytest.raises(NascompressError, match=r"^must be an integer in \[0, 1024\], got -1$"):
         check_value("", -1, _field(DataConfig, "num_workers").metadata, int)
 
