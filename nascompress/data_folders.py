@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from torch.utils.data import Dataset
 
-from .errors import NascompressError, SettingError
+from .errors import NascompressError, SettingError, literal, words
 
 
 def _walk_class(folder: str) -> list[str]:
@@ -211,7 +211,8 @@ def drop_bad_images(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]
     _REPORTED.add(str(where))
     from .progress import console
 
-    console.print(f"skipped {len(bad)} unreadable image(s) in {where} (--skip-bad-images), e.g. {first}: {why}",
+    console.print(words(f"skipped {len(bad)} unreadable image(s) in {literal(str(where))} ({{skip_bad_images}}), e.g. "
+                        f"{literal(str(first))}: {literal(why)}"),
                   highlight=False, style="yellow")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import re
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -50,6 +51,26 @@ _FIELD = re.compile(r"\{\{|\}\}|\{([a-z][a-z0-9_]*)\}")  # a field in a SettingE
 def literal(text: str) -> str:
     """``text`` as a part of a :class:`SettingError` template that names no field (braces escaped)."""
     return text.replace("{", "{{").replace("}", "}}")
+
+
+_WORDING: ContextVar[Callable[[str], str]] = ContextVar("nascompress_field_wording", default=str)
+
+
+@contextmanager
+def wording(name: Callable[[str], str]) -> Iterator[None]:
+    """While the block runs, :func:`words` names fields with ``name``: the running front end's words
+    (the CLI's :func:`nascompress.cli.common.option_of`, around each library call it makes)."""
+    token = _WORDING.set(name)
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)
+
+
+def words(template: str) -> str:
+    """``template`` (a :class:`SettingError` template) worded as the running front end names fields
+    (:func:`wording`; outside one: the fields' own names): advice the library prints while it runs."""
+    return SettingError(template).worded(_WORDING.get())
 
 
 class WriteError(NascompressError):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import NascompressError, SettingError
+from .errors import NascompressError, SettingError, literal, words
 
 
 def read_shapes(sd: dict[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -144,8 +144,9 @@ def check_resampling(raw: dict[str, torch.Tensor], model: nn.Module, path: str |
     if pos is not None and own_pos is not None and pos.ndim == 3 and pos.shape[1] != own_pos.shape[1]:
         from .progress import say
 
-        say(f"weights: the position embedding of {path} ({pos.shape[1]} positions) is resampled to the model's "
-            f"{own_pos.shape[1]} (its input size); give the --img-size the weights were made for to keep them as they are")
+        say(words(f"weights: the position embedding of {literal(str(path))} ({pos.shape[1]} positions) is resampled to "
+                  f"the model's {own_pos.shape[1]} (its input size); give the {{img_size}} the weights were made for to "
+                  "keep them as they are"))
 
 
 __all__ = ["check_resampling", "describe", "read_shapes", "shape_kwargs"]

@@ -137,10 +137,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     if head is None:  # maybe an original checkpoint format whose head timm renames (OpenAI CLIP's proj)
         head = _filtered(build_model(ModelSpec(job.model, kwargs)), raw).get("head.weight")
     if head is None or head.ndim != 2:
-        raise SettingError(
+        raise NascompressError(  # a whole command line for the shell
             f"weights file {job.weights} has no classifier head (no head.* tensors: a backbone-only checkpoint); "
-            f"import needs a trained head: fit one with 'nascompress train {{model}} {job.model} {{weights}} "
-            f"{job.weights} {{reset_head}} {{linear_probe}}'")
+            f"import needs a trained head: fit one with 'nascompress train --model {job.model} --weights "
+            f"{job.weights} --reset-head --linear-probe'")
     kwargs["num_classes"] = job.num_classes or int(head.shape[0])
     spec = ModelSpec(job.model, kwargs)
     model = build_model(spec)
@@ -149,10 +149,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     if bad:
         hint = ""
         if job.num_classes is not None and any(b.startswith("head.") for b in bad[:3]):
-            hint = f"; --num-classes must match the file's head ({int(head.shape[0])} classes)"
+            hint = f"; {{num_classes}} must match the file's head ({int(head.shape[0])} classes)"
         shapes = read_shapes(raw)
         real = "" if shapes is None else f" (the file: {describe(shapes)})"
-        raise NascompressError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
+        raise SettingError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
                                f"{mismatch_report(bad)}{hint}{real}")
     model.load_state_dict(sd, strict=True)
 
@@ -166,8 +166,8 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
         if kwargs["num_classes"] != bundle.num_classes:
             raise SettingError(
                 f"the weights' head has {kwargs['num_classes']} classes but dataset {bundle.name} has "
-                f"{bundle.num_classes}; leave out {{dataset}}, or fit a new head with 'nascompress train {{model}} "
-                f"{job.model} {{weights}} {job.weights} {{reset_head}} {{linear_probe}}'")
+                f"{bundle.num_classes}; leave out {{dataset}}, or fit a new head with 'nascompress train --model "
+                f"{job.model} --weights {job.weights} --reset-head --linear-probe'")  # a whole command line
         device = resolve_device(job.device)
         t0 = time.perf_counter()
         val = evaluate(model, bundle.val, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)

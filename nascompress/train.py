@@ -19,7 +19,7 @@ from . import distributed, runtime
 from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import MAX_BATCH, MAX_EPOCHS, MAX_LR, SEED_MAX
 from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
-from .errors import SettingError
+from .errors import SettingError, words
 from .hooks import TrainHooks
 from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
@@ -266,8 +266,8 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
             t = job.train
             lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
             ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
-            say(f"train: --weights given, so the fine-tuning recipe: {lr}, layer decay {ld}, {t.warmup_epochs:g} "
-                "warm-up epochs (for weights that were never trained, leave out --weights)")
+            say(words(f"train: {{weights}} given, so the fine-tuning recipe: {lr}, layer decay {ld}, "
+                      f"{t.warmup_epochs:g} warm-up epochs (for weights that were never trained, leave out {{weights}})"))
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)

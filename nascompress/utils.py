@@ -157,16 +157,16 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
     damaged = (f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)", "it cannot be "
-               f"continued: rerun '{command}' with --force to start over")
+               f"continued: rerun '{command}' with {{force}} to start over")  # SettingError templates
     if not isinstance(recorded, dict):
-        raise NascompressError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
+        raise SettingError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
     try:
         job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
     except NascompressError as e:
-        raise NascompressError(f"{damaged[0]}: {e}; {damaged[1]}") from None
+        raise SettingError(f"{damaged[0]}: {e}; {damaged[1]}") from None
     except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise NascompressError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
+        raise SettingError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
     if given is not None and explicit:
         diffs = resume_differences(job, given, explicit)
         if diffs:

@@ -19,6 +19,10 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 # (module, flag) a user-facing library message may name literally, and why
 ALLOWED = {
     ("distributed.py", "--nproc_per_node"): "torchrun's own option, in the torchrun command line it advises",
+    **{("importer.py", f): "a whole 'nascompress train' command line, quoted for the shell"
+       for f in ("--model", "--weights", "--reset-head", "--linear-probe")},
+    **{("io.py", f): "a whole command line (the pipeline's, or the recorded one of the run's writer), quoted for "
+                     "the shell" for f in ("--out", "--resume")},
 }
 
 
@@ -74,6 +78,16 @@ def test_outside_a_command_the_cli_words_a_field_as_its_option():
 
     assert cli_words(SettingError("rerun with {force} {max_val_drop} 100")) == "rerun with --force --max-val-drop 100"
     assert cli_words(NascompressError("as {it} is")) == "as {it} is"  # not a SettingError: no fields
+
+
+def test_printed_advice_is_worded_by_the_running_front_end():
+    from nascompress.cli.common import option_of
+    from nascompress.errors import wording, words
+
+    assert words("leave out {weights}") == "leave out weights"  # no front end: the field's own name
+    with wording(option_of):  # what the CLI's run() sets around each library call
+        assert words("leave out {weights} ({{as is}})") == "leave out --weights ({as is})"
+    assert words("{max_flops}") == "max_flops"
 
 
 def test_a_rule_reads_as_the_commands_option_and_as_the_pipelines_key(tmp_path):

@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from nascompress.config import StageSettings, setting_help, tuple_item_type
 from nascompress.data import DataConfig
-from nascompress.errors import NascompressError, SettingError, write_error
+from nascompress.errors import NascompressError, SettingError, wording, write_error
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -80,9 +80,11 @@ def with_subsets(data: Any, *, train_limit: int | None, eval_limit: int | None, 
 
 
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call a library function; user errors become one stderr line and exit code 1."""
+    """Call a library function (the advice it prints naming this command's options:
+    :func:`nascompress.errors.wording`); user errors become one stderr line and exit code 1."""
     try:
-        return fn(*args, **kwargs)
+        with wording(option_of):
+            return fn(*args, **kwargs)
     except NascompressError as e:
         if STATE["debug"]:
             raise

@@ -49,8 +49,8 @@ def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = No
             refuse_overwriting_inputs(p, inputs)
     for p in paths:
         if p.exists() and (not force or not p.is_file()):
-            why = "is not a file" if not p.is_file() else "already exists; pass --force to replace it"
-            raise NascompressError(f"{p} {why}")
+            why = "is not a file" if not p.is_file() else "already exists; pass {force} to replace it"
+            raise SettingError(f"{p} {why}")
     parent = paths[0].parent
     missing = []
     while not parent.exists():

@@ -38,7 +38,7 @@ from torch import nn
 from ..config import Config, StageSettings, check_settings, setting
 from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MAX_WORKERS
 from ..data import DataConfig, InputSpec
-from ..errors import NascompressError, SettingError
+from ..errors import NascompressError, SettingError, words
 from ..resources import resolve_file
 from ..io import load_with_arch
 from ..methods import get_method
@@ -384,7 +384,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
         console.print(f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
                       f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
                       f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
-                      + ("" if job.max_flops is None else f"; --max-flops {job.max_flops:g} is reachable"),
+                      + ("" if job.max_flops is None else words(f"; {{max_flops}} {job.max_flops:g} is reachable")),
                       highlight=False)
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
