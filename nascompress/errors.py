@@ -44,6 +44,11 @@ class SettingError(NascompressError):
         """The message with every field named by ``name(field)`` (default: the field's own name)."""
         return _FIELD.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0], self.template)
 
+    def renamed(self, template_of: Callable[[str], str]) -> str:
+        """The template with every field replaced by ``template_of(field)`` (template text: a field,
+        or :func:`literal` words); literal braces stay escaped."""
+        return _FIELD.sub(lambda m: template_of(m.group(1)) if m.group(1) else m.group(0), self.template)
+
 
 _FIELD = re.compile(r"\{\{|\}\}|\{([a-z][a-z0-9_]*)\}")  # a field in a SettingError's template, or a literal brace
 

@@ -121,3 +121,22 @@ def test_a_field_with_a_declared_option_reads_as_that_option(tmp_path):
     r = invoke("search", "tokens", tmp_path / "base", "--space", tmp_path / "s.yaml", "--study", "x", "--max-flops", 0.5,
                "--max-latency", 3)
     assert r.exit_code == 1 and "give --max-flops or --max-latency, not both" in r.output, r.output
+
+
+def test_a_stage_error_at_run_time_reads_as_the_pipeline_files_keys(tmp_path):
+    """A library error while a step runs: its fields as key paths of the step's section (else data,
+    or the file's top level), the run's own (force) left to the pipeline command (--force)."""
+    from nascompress.cli.common import cli_words
+    from nascompress.pipeline import plan
+    from nascompress.pipeline.run import step_error
+    from nascompress.search.dcs import SearchCollapsed
+
+    from .test_pipeline import tiny_config, write_config
+
+    pipe = plan(write_config(tmp_path, tiny_config()), out=tmp_path / "p")
+    e = step_error(pipe, "retrain", SettingError("loss became nan; lower {lr}, or rerun with {force} ({dataset}, {seed})"))
+    assert str(e) == "loss became nan; lower stages.retrain.lr, or rerun with force (data.dataset, seed)"
+    assert cli_words(e) == "loss became nan; lower stages.retrain.lr, or rerun with --force (data.dataset, seed)"
+    stop = step_error(pipe, "dcs_search", SearchCollapsed("fell more than {max_val_drop} 5 points", "rerun"))
+    assert isinstance(stop, SearchCollapsed) and str(stop) == "fell more than stages.dcs.max_val_drop 5 points; rerun"
+    assert str(step_error(pipe, "base", SettingError("{embed_dim} {{x}}"))) == "base.train.embed_dim {x}"

@@ -2,6 +2,7 @@
 markers, and :func:`run_pipeline`, which skips complete steps and resumes the rest."""
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import shutil
@@ -12,11 +13,12 @@ from typing import Any, Callable
 import yaml
 
 from ..config import StrictYamlLoader as _Loader
-from ..errors import NascompressError, SettingError, writing
+from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
 from ..utils import read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
+from .schema import Section
 
 CONFIG_FILE = "config.yaml"
 DONE_DIR = "done"
@@ -105,6 +107,37 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     return False
 
 
+# the run's own settings: the pipeline command's options (its front end words them), not a section's keys
+_RUN_LEVEL = ("force", "resume", "out", "debug")
+
+
+def step_error(pipe: Pipeline, step: str, e: SettingError) -> SettingError:
+    """Error ``e`` of the library that runs ``step``, as the pipeline file words it: each field named
+    as its key path (``stages.dcs.max_val_drop``: the step's section, else ``data``); the run's own
+    settings (``force``, ``out``) left to the pipeline command's front end; the runtime's (``seed``)
+    are the file's top-level keys. The same exception type."""
+    from ..train import RUNTIME_SETTINGS
+
+    cfg = pipe.cfg
+    head = step.split("_")[0]
+    if head == "base":
+        sections = [(f"base.{k}", getattr(cfg.base, n)) for k, n in type(cfg.base).keys().items()]
+    else:
+        sections = [(head, cfg.export)] if head == "export" else [(f"stages.{head}", getattr(cfg.stages, head, None))]
+    keys = {n: n for n in RUNTIME_SETTINGS.names}  # seed, device, ...: the file's top-level keys
+    for path, section in [*sections, ("data", cfg.data)]:
+        if isinstance(section, Section):
+            keys = {**{n: f"{path}.{k}" for k, n in type(section).keys().items()}, **keys}
+
+    def name(f: str) -> str:
+        return "{%s}" % f if f in _RUN_LEVEL or f not in keys else literal(keys[f])
+
+    worded = copy.copy(e)
+    worded.template = e.renamed(name)
+    worded.args = (worded.worded(),)
+    return worded
+
+
 def _marker(out: Path, step: Step) -> Path:
     return out / DONE_DIR / f"{step.name}.json"
 
@@ -173,10 +206,13 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             how = " (continuing the study)"
         log(f"{step.name}: {step.describe}{how}")
         t0 = time.perf_counter()
-        if step.mode == "study":
-            res = step.run(force=False, resume=False, progress=progress)
-        else:
-            res = step.run(force=force_step, resume=resume)
+        try:
+            if step.mode == "study":
+                res = step.run(force=False, resume=False, progress=progress)
+            else:
+                res = step.run(force=force_step, resume=resume)
+        except SettingError as e:
+            raise step_error(pipe, step.name, e) from e
         if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
             log(f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
                 + (f"retried at {res['dcs_target']:g}x the dense FLOPs" if res["dcs_outcome"] == "milder"
