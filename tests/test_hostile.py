@@ -465,7 +465,12 @@ def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatc
 
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "model.safetensors").write_bytes(b"")
-    assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
+    assert "with force (it replaces the unfinished" in continue_advice(tmp_path / "bare")  # the field, outside a CLI
+    from nascompress.cli.common import option_of
+    from nascompress.errors import wording
+
+    with wording(option_of):  # as the CLI's run() calls the library: its option
+        assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
 
 
 # ---------------------------------------------------------------------------------------------
