@@ -9,7 +9,7 @@ from torch import nn
 from . import runtime
 from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, folder_classes, load_data
 from .data_memory import is_memory, memory_splits
-from .errors import NascompressError
+from .errors import SettingError
 from .evaluate import evaluate
 from .io import load_with_arch
 from .models import ModelSpec, build_model, input_size
@@ -28,8 +28,8 @@ def count_classes(data: DataConfig) -> int:
         return 2 if data.dataset == "lfw-faces" else 10
     train = Path(data.dataset) / "train"
     if not train.is_dir():
-        raise NascompressError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
-                               "directory with train/; give an ImageFolder root (train/<class>/*.png) with --dataset PATH")
+        raise SettingError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+                               "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH")
     classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
         from .data import check_classes
@@ -136,12 +136,12 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
     if isinstance(epsilons, str):
         epsilons = parse_epsilons(epsilons)
     if not epsilons:
-        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
+        raise SettingError("{epsilon} needs at least one value, e.g. {epsilon} 0.5,0.7,0.9,1")
     dev = resolve_device(device)
     model, arch = load_with_arch(run_dir, map_location=dev)
     if not isinstance(model, (MGViT, MGPVT)):
-        raise NascompressError(f"{run_dir} is not an MG-ViT run (methods: "
-                               f"{[m['name'] for m in arch['methods']] or 'none'}); --epsilon needs one")
+        raise SettingError(f"{run_dir} is not an MG-ViT run (methods: "
+                               f"{[m['name'] for m in arch['methods']] or 'none'}); {{epsilon}} needs one")
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(arch["input"])
     bundle = load_data(data, spec=spec)

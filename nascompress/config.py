@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, TypeVar
 
 import yaml
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError, literal
 from .limits import check_limited, env_name, limits
 
 C = TypeVar("C", bound="Config")
@@ -290,12 +290,13 @@ def field_name(f: dataclasses.Field) -> str:
     return f.name
 
 
-def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = option_name) -> None:
+def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] | None = None) -> None:
     """Check every declared setting of config ``obj`` (the fields with :func:`setting` or
     :func:`check_meta` metadata) against its declaration (:func:`check_value`); None passes where
     the field's type allows it. Config classes call it first in ``__post_init__``, so a range is
-    written once, in the field's declaration. ``name``: a field's name in messages (default: its
-    CLI option, ``--name``)."""
+    written once, in the field's declaration. ``name``: a field's name in messages (default: a
+    :class:`~nascompress.errors.SettingError` naming the field, which each front end words its own
+    way: the CLI as the command's option, ``--name``)."""
     hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         if "lo" not in f.metadata:  # not a declared setting
@@ -307,9 +308,28 @@ def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] = optio
         item = tuple_item_type(hints[f.name])
         if item is not None and isinstance(v, tuple):  # one value per layer / threshold: each checked
             for x in v:
-                check_value(name(f), x, f.metadata, item)
+                _check_setting(f, x, item, name)
             continue
+        _check_setting(f, v, kind, name)
+
+
+def _check_setting(f: dataclasses.Field, v: Any, kind: type | None,
+                   name: Callable[[dataclasses.Field], str] | None) -> None:
+    if name is not None:
         check_value(name(f), v, f.metadata, kind)
+        return
+    check_field(f.name, check_value, v, f.metadata, kind)
+
+
+def check_field(field: str, check: Callable[..., Any], v: Any, *args: Any) -> None:
+    """``check(name, v, *args)`` (:func:`check_value`, :func:`check_int`, ...) refusing ``v`` in a
+    :class:`~nascompress.errors.SettingError` that names ``field`` (worded by each front end)."""
+    try:
+        check("\0", v, *args)
+    except SettingError:
+        raise
+    except NascompressError as e:  # the message names the field as a template does: {field}
+        raise SettingError(literal(str(e)).replace("\0", "{%s}" % field)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,4 +378,4 @@ __all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings
            "setting_help", "shared",
            "StageSettings", "settings_class", "offered",
            "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
-           "option_name", "field_name", "tuple_item_type"]
+           "option_name", "field_name", "tuple_item_type", "check_field"]

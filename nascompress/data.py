@@ -43,7 +43,7 @@ from torch.utils.data import Dataset
 
 from . import runtime
 
-from .config import Config, check_int, check_settings, setting
+from .config import Config, check_field, check_int, check_settings, setting
 from .data_classes import class_indices, keep_classes
 from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .data_input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
@@ -55,7 +55,7 @@ from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNI
                            TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
                            synthetic_dataset)
 from .data_splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
 __all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
@@ -143,7 +143,7 @@ class DataConfig:
             v = getattr(self, name)
             if isinstance(v, str) and v not in DATASET_KEYWORDS and not is_memory(v):
                 object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
-        check_int("--seed", self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the command's --seed
+        check_field("seed", check_int, self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the run's seed
 
 
 @dataclass
@@ -208,9 +208,9 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():
-            raise NascompressError(f"dataset {cfg.dataset} does not exist (neither a built-in dataset "
+            raise SettingError(f"dataset {cfg.dataset} does not exist (neither a built-in dataset "
                                    f"({BUILTIN_DATASETS}) nor an existing directory); if the data moved, give its new "
-                                   "place with --dataset PATH")
+                                   "place with {dataset} PATH")
         if not (root / "train").is_dir():
             raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
         eval_tf = folder_transform(spec, train=False)

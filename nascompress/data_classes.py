@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .data_sources import TensorImageDataset
-from .errors import NascompressError
+from .errors import SettingError
 
 
 def keep_classes(ds: Dataset | None, keep: Sequence[int]) -> Dataset | None:
@@ -42,11 +42,11 @@ def class_indices(spec: str, classes: Sequence[str]) -> list[int]:
         elif tok.isdigit() and int(tok) < len(classes):
             k = int(tok)
         else:
-            raise NascompressError(f"--classes names {tok!r}, which is not a class of this dataset; its classes: "
+            raise SettingError(f"{{classes}} names {tok!r}, which is not a class of this dataset; its classes: "
                                    f"{', '.join(classes)} (or their indices 0-{len(classes) - 1})")
         if k in out:
-            raise NascompressError(f"--classes names class {classes[k]!r} twice")
+            raise SettingError(f"{{classes}} names class {classes[k]!r} twice")
         out.append(k)
     if len(out) < 2:
-        raise NascompressError(f"--classes must keep at least 2 classes, got {spec!r}")
+        raise SettingError(f"{{classes}} must keep at least 2 classes, got {spec!r}")
     return out

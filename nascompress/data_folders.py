@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from torch.utils.data import Dataset
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError, literal, words
 
 
 def _walk_class(folder: str) -> list[str]:
@@ -201,8 +201,8 @@ def drop_bad_images(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]
     if not skip:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         what = "image" if why.startswith(TOO_LARGE) else "unreadable image"
-        raise NascompressError(f"{what} {first} ({why}){more} in {where}: fix or remove it, or pass "
-                               "--skip-bad-images to leave unreadable images out")
+        raise SettingError(f"{what} {first} ({why}){more} in {where}: fix or remove it, or pass "
+                               "{skip_bad_images} to leave unreadable images out")
     ds.samples = [s for s in ds.samples if s[0] not in bad]
     ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
     skipped[str(where)] = len(bad)
@@ -211,7 +211,8 @@ def drop_bad_images(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]
     _REPORTED.add(str(where))
     from .progress import console
 
-    console.print(f"skipped {len(bad)} unreadable image(s) in {where} (--skip-bad-images), e.g. {first}: {why}",
+    console.print(words(f"skipped {len(bad)} unreadable image(s) in {literal(str(where))} ({{skip_bad_images}}), e.g. "
+                        f"{literal(str(first))}: {literal(why)}"),
                   highlight=False, style="yellow")
 
 

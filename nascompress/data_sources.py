@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset
 
 from .data_splits import stratified_indices
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 MEMORY_PREFIX = "python:"  # the names of the datasets the Python API holds in memory (nascompress.data_memory)
@@ -70,9 +70,9 @@ def load_fashion_mnist(root: Path = FMNIST_DIR) -> tuple[TensorImageDataset, Ten
     files = {k: root / f"{k}-ubyte.gz" for k in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1")}
     missing = [p for p in files.values() if not p.is_file()]
     if missing:
-        raise NascompressError(
+        raise SettingError(
             f"Fashion-MNIST not found ({missing[0]} is missing); install it with "
-            "'apt-get update && apt-get install -y dataset-fashion-mnist' or pass --data-dir")
+            "'apt-get update && apt-get install -y dataset-fashion-mnist' or pass {data_dir}")
     try:
         parts = {k: torch.from_numpy(_read_idx(p, 16 if "images" in k else 8).copy()) for k, p in files.items()}
     except (OSError, EOFError, struct.error, ValueError) as e:

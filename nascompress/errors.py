@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import re
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -24,7 +25,11 @@ class SettingError(NascompressError):
     words: ``template`` writes each field as ``{field_name}``; ``str()`` gives the bare names
     (``feat_kd``), and a front end words them its own way with :meth:`worded`: the CLI as its
     command's options (``--feat-kd``, :func:`nascompress.cli.common.run`), the pipeline as its
-    section's keys (:func:`nascompress.pipeline.schema.section_error`)."""
+    section's keys (:func:`nascompress.pipeline.schema.section_error`). Advice that names a value
+    writes it after the field (``rerun with {force} {epochs} 8``), so the CLI's wording is a command
+    that works as written. Only ``{lower_snake}`` is a field: any other text (a path, a repr, a
+    value with braces) is left as it is, so values need no escaping; ``{{`` and ``}}`` are a literal
+    brace (:func:`literal` escapes a text that must never read as a field)."""
 
     def __init__(self, template: str):
         self.template = template
@@ -33,14 +38,44 @@ class SettingError(NascompressError):
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields the message names, in order of first mention."""
-        import string
-
-        names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
-        return tuple(dict.fromkeys(names))
+        return tuple(dict.fromkeys(f for f in _FIELD.findall(self.template) if f))
 
     def worded(self, name: Callable[[str], str] = str) -> str:
         """The message with every field named by ``name(field)`` (default: the field's own name)."""
-        return self.template.format_map({f: name(f) for f in self.fields})
+        return _FIELD.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0], self.template)
+
+    def renamed(self, template_of: Callable[[str], str]) -> str:
+        """The template with every field replaced by ``template_of(field)`` (template text: a field,
+        or :func:`literal` words); literal braces stay escaped."""
+        return _FIELD.sub(lambda m: template_of(m.group(1)) if m.group(1) else m.group(0), self.template)
+
+
+_FIELD = re.compile(r"\{\{|\}\}|\{([a-z][a-z0-9_]*)\}")  # a field in a SettingError's template, or a literal brace
+
+
+def literal(text: str) -> str:
+    """``text`` as a part of a :class:`SettingError` template that names no field (braces escaped)."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+_WORDING: ContextVar[Callable[[str], str]] = ContextVar("nascompress_field_wording", default=str)
+
+
+@contextmanager
+def wording(name: Callable[[str], str]) -> Iterator[None]:
+    """While the block runs, :func:`words` names fields with ``name``: the running front end's words
+    (the CLI's :func:`nascompress.cli.common.option_of`, around each library call it makes)."""
+    token = _WORDING.set(name)
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)
+
+
+def words(template: str) -> str:
+    """``template`` (a :class:`SettingError` template) worded as the running front end names fields
+    (:func:`wording`; outside one: the fields' own names): advice the library prints while it runs."""
+    return SettingError(template).worded(_WORDING.get())
 
 
 class WriteError(NascompressError):

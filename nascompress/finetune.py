@@ -124,7 +124,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     spec = InputSpec.from_dict(arch["input"])
     data = load_data(data_cfg, spec=spec)
     set_labels(arch, data.classes)  # the classes trained on (--dataset may name another set of them)
-    check_classes(model.num_classes, data, fix=f"give finetune --dataset with the {model.num_classes} classes the "
+    check_classes(model.num_classes, data, fix=f"give finetune {{dataset}} with the {model.num_classes} classes the "
                   "model was trained for")
     run.create(job.replace(data=data_cfg, train=cfg).to_dict())
     teacher.eval().requires_grad_(False)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError, literal, words
 
 
 def read_shapes(sd: dict[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -96,18 +96,18 @@ def _heads(name: str, s: dict[str, Any], has: dict[str, Any], num_heads: int | N
     embed = s["embed_dim"]
     if num_heads is not None:
         if embed % num_heads:
-            raise NascompressError(f"--num-heads {num_heads} does not divide the weights' width {embed} "
+            raise SettingError(f"{{num_heads}} {num_heads} does not divide the weights' width {embed} "
                                    f"({source}: {describe(s)})")
         if s["num_heads"] is not None and s["num_heads"] != num_heads:
-            raise NascompressError(f"--num-heads {num_heads} contradicts the weights: their q_norm has head_dim "
+            raise SettingError(f"{{num_heads}} {num_heads} contradicts the weights: their q_norm has head_dim "
                                    f"{embed // s['num_heads']}, so {s['num_heads']} heads ({source})")
         return num_heads
     if s["num_heads"] is not None:
         return s["num_heads"]
     if embed != has["embed_dim"]:
-        raise NascompressError(
+        raise SettingError(
             f"weights file {source} is not {name}'s shape: {describe(s)} (the name has width {has['embed_dim']} with "
-            f"{has['num_heads']} heads); the number of heads cannot be read from a fused qkv: give --num-heads "
+            f"{has['num_heads']} heads); the number of heads cannot be read from a fused qkv: give {{num_heads}} "
             f"(a divisor of {embed})")
     return has["num_heads"]
 
@@ -123,8 +123,8 @@ def _grid_size(named: nn.Module, s: dict[str, Any], source: str, *, explicit: bo
     if side < 1 or side * side != n:
         if explicit:
             return None
-        raise NascompressError(f"weights file {source}: its position embedding has {n} patch positions (after "
-                               f"{prefix} prefix tokens), no square grid ({describe(s)}); give --img-size")
+        raise SettingError(f"weights file {source}: its position embedding has {n} patch positions (after "
+                               f"{prefix} prefix tokens), no square grid ({describe(s)}); give {{img_size}}")
     if s["patch_size"][0] != s["patch_size"][1]:
         return None if explicit else side * s["patch_size"][0]
     return side * s["patch_size"][0]
@@ -136,16 +136,17 @@ def check_resampling(raw: dict[str, torch.Tensor], model: nn.Module, path: str |
     kernel, own = raw.get("patch_embed.proj.weight"), getattr(getattr(model, "patch_embed", None), "proj", None)
     if kernel is not None and own is not None and kernel.ndim == 4 and tuple(kernel.shape[-2:]) != tuple(own.weight.shape[-2:]):
         k = "x".join(map(str, kernel.shape[-2:]))
-        raise NascompressError(f"weights file {path} has {k} patches (patch kernel {tuple(kernel.shape)}) but the model "
-                               f"has {'x'.join(map(str, own.weight.shape[-2:]))}; build it with --patch-size "
+        raise SettingError(f"weights file {path} has {k} patches (patch kernel {tuple(kernel.shape)}) but the model "
+                               f"has {'x'.join(map(str, own.weight.shape[-2:]))}; build it with {{patch_size}} "
                                f"{kernel.shape[-1]}, or bring the file in with `nascompress import`, which reads every "
                                "shape from the weights")
     pos, own_pos = raw.get("pos_embed"), getattr(model, "pos_embed", None)
     if pos is not None and own_pos is not None and pos.ndim == 3 and pos.shape[1] != own_pos.shape[1]:
         from .progress import say
 
-        say(f"weights: the position embedding of {path} ({pos.shape[1]} positions) is resampled to the model's "
-            f"{own_pos.shape[1]} (its input size); give the --img-size the weights were made for to keep them as they are")
+        say(words(f"weights: the position embedding of {literal(str(path))} ({pos.shape[1]} positions) is resampled to "
+                  f"the model's {own_pos.shape[1]} (its input size); give the {{img_size}} the weights were made for to "
+                  "keep them as they are"))
 
 
 __all__ = ["check_resampling", "describe", "read_shapes", "shape_kwargs"]

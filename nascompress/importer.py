@@ -25,7 +25,7 @@ import torch
 
 from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .evaluate import evaluate
 from .io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
@@ -104,7 +104,7 @@ def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[s
     named = build_model(ModelSpec(job.model, {"num_classes": 1}))  # unknown, non-ViT and hybrid models stop here
     if is_pyramid(named) or read_shapes(raw) is None:  # a pyramid ViT (its shape is its name's), another layout
         if job.num_heads is not None:
-            raise NascompressError(f"--num-heads applies to a plain ViT's weights in timm's layout, not to "
+            raise SettingError(f"{{num_heads}} applies to a plain ViT's weights in timm's layout, not to "
                                    f"{job.weights} for {job.model}")
         kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
         if job.img_size is not None:
@@ -137,7 +137,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     if head is None:  # maybe an original checkpoint format whose head timm renames (OpenAI CLIP's proj)
         head = _filtered(build_model(ModelSpec(job.model, kwargs)), raw).get("head.weight")
     if head is None or head.ndim != 2:
-        raise NascompressError(
+        raise NascompressError(  # a whole command line for the shell
             f"weights file {job.weights} has no classifier head (no head.* tensors: a backbone-only checkpoint); "
             f"import needs a trained head: fit one with 'nascompress train --model {job.model} --weights "
             f"{job.weights} --reset-head --linear-probe'")
@@ -149,10 +149,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     if bad:
         hint = ""
         if job.num_classes is not None and any(b.startswith("head.") for b in bad[:3]):
-            hint = f"; --num-classes must match the file's head ({int(head.shape[0])} classes)"
+            hint = f"; {{num_classes}} must match the file's head ({int(head.shape[0])} classes)"
         shapes = read_shapes(raw)
         real = "" if shapes is None else f" (the file: {describe(shapes)})"
-        raise NascompressError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
+        raise SettingError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
                                f"{mismatch_report(bad)}{hint}{real}")
     model.load_state_dict(sd, strict=True)
 
@@ -164,10 +164,10 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
     if job.data is not None:
         bundle = load_data(job.data, spec=input_spec, augment=False)
         if kwargs["num_classes"] != bundle.num_classes:
-            raise NascompressError(
+            raise SettingError(
                 f"the weights' head has {kwargs['num_classes']} classes but dataset {bundle.name} has "
-                f"{bundle.num_classes}; leave out --dataset, or fit a new head with 'nascompress train --model "
-                f"{job.model} --weights {job.weights} --reset-head --linear-probe'")
+                f"{bundle.num_classes}; leave out {{dataset}}, or fit a new head with 'nascompress train --model "
+                f"{job.model} --weights {job.weights} --reset-head --linear-probe'")  # a whole command line
         device = resolve_device(job.device)
         t0 = time.perf_counter()
         val = evaluate(model, bundle.val, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)

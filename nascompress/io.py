@@ -48,7 +48,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from .errors import NascompressError, writing
+from .errors import NascompressError, SettingError, literal, words, writing
 from .methods import apply_methods
 from .data_input import check_input_section
 from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict, model_size
@@ -261,12 +261,12 @@ def continue_advice(run_dir: str | Path) -> str:
     d = Path(run_dir)
     pipe = _pipeline_of(d)
     if pipe is not None:
-        return f"then rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' to finish it"
+        return f"then rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' to finish it"  # a command line
     writer = _writer(d)
     if writer is not None and writer[1]:
-        return f"then continue it with '{writer[0]} --resume --out {d}'"
+        return f"then continue it with '{writer[0]} --resume --out {d}'"  # a whole command line
     if d.is_dir() and any(d.iterdir()):
-        return f"then run the command again with --force (it replaces the unfinished {d})"
+        return words(f"then run the command again with {{force}} (it replaces the unfinished {literal(str(d))})")
     return "then rerun the command"
 
 
@@ -292,13 +292,13 @@ def check_complete(run_dir: str | Path) -> None:
     if pipe is not None:
         raise NascompressError(f"{d} is an unfinished stage of the pipeline in {pipe} (no {METRICS_FILE} with "
                                f"finished=true); rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' "
-                               "to finish it")
+                               "to finish it")  # a whole command line for the shell
     command, resumable = _writer(d) or ("the command that wrote it", False)
     why = f"{d} is an unfinished run: it has no {METRICS_FILE} with finished=true ({command} stopped before its end)"
     if resumable and (d / "checkpoint.safetensors").is_file():
-        raise NascompressError(f"{why}; continue it with '{command} --resume --out {d}'")
-    raise NascompressError(f"{why} and no checkpoint to continue from; delete {d} and run {command} again "
-                           "(or rerun it with --force)")
+        raise NascompressError(f"{why}; continue it with '{command} --resume --out {d}'")  # a whole command line
+    raise SettingError(f"{why} and no checkpoint to continue from; delete {d} and run {command} again "
+                           "(or rerun it with {force})")
 
 
 def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -381,9 +381,9 @@ def check_finite(model: nn.Module, *, source: str) -> None:
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise NascompressError(f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
+        raise SettingError(f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
                                "training that wrote it diverged or the file is damaged; train it again (e.g. with a "
-                               "lower --lr) or use another checkpoint")
+                               "lower {lr}) or use another checkpoint")
 
 
 def load(path: str | Path, *, map_location: str | torch.device = "cpu",
@@ -446,5 +446,5 @@ def load_state(path: str | Path) -> dict[str, Any]:
     try:
         return _unflatten(skeleton, tensors)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a tensor missing, a damaged skeleton
-        raise NascompressError(f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
-                               "delete it (a --resume then starts the run over) or rerun with --force") from None
+        raise SettingError(f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
+                               "delete it (a {resume} then starts the run over) or rerun with {force}") from None

@@ -24,7 +24,7 @@ from timm.layers.attention import maybe_add_mask, resolve_self_attn_mask
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 
 _HOOKS = {"qk_dim": None, "qk_counts": None, "qk_layout": "auto", "qk_mask": None, "kernel": None,
           "record_cls": False, "record_values": False, "values": None, "_cls_inputs": None,
@@ -395,8 +395,8 @@ def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None =
     rows are zero weights, so the heads stay one batched matmul (counted as computed); how q/k
     then reach the attention kernel is the attention's ``qk_layout``."""
     if not isinstance(attn.q_norm, nn.Identity):
-        raise NascompressError("a static Q/K mask cannot be materialized on a model with qk_norm "
-                               "(the norm needs every channel); search with --qk-mask input or none")
+        raise SettingError("a static Q/K mask cannot be materialized on a model with qk_norm "
+                               "(the norm needs every channel); search with {qk_mask} input or none")
     H, d = attn.num_heads, attn.head_dim
     if len(keep_per_head) != H:
         raise NascompressError(f"qk_keep has {len(keep_per_head)} heads but the attention has {H}")

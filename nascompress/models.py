@@ -19,7 +19,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from .config import check_settings, setting
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .import_shapes import check_resampling
 from .utils import check_regular_file
 
@@ -193,9 +193,9 @@ def custom_vit_spec(*, img_size: int, patch_size: int, embed_dim: int, depth: in
                     num_classes: int, in_chans: int = 3, mlp_ratio: float = 4.0) -> ModelSpec:
     """A small plain ViT of the given shape (built from timm's VisionTransformer)."""
     if embed_dim % num_heads:
-        raise NascompressError(f"--embed-dim {embed_dim} must be divisible by --num-heads {num_heads}")
+        raise SettingError(f"{{embed_dim}} {embed_dim} must be divisible by {{num_heads}} {num_heads}")
     if img_size % patch_size:
-        raise NascompressError(f"--img-size {img_size} must be divisible by --patch-size {patch_size}")
+        raise SettingError(f"{{img_size}} {img_size} must be divisible by {{patch_size}} {patch_size}")
     return ModelSpec(CUSTOM_BASE, dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim,
                                        depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
                                        num_classes=num_classes, in_chans=in_chans))
@@ -376,10 +376,10 @@ def load_state_strict(model: nn.Module, sd: dict[str, torch.Tensor], *, source: 
     if bad:
         hint = ""
         if any(b.startswith("tensor head.") for b in bad):
-            hint = "; the file has no classifier head (a backbone-only checkpoint): pass --reset-head for a new one"
+            hint = "; the file has no classifier head (a backbone-only checkpoint): pass {reset_head} for a new one"
         elif any(b.startswith("head.") for b in bad[:3]):
-            hint = "; the class count differs: set --num-classes to match the file, or pass --reset-head"
-        raise NascompressError(f"{source} does not match the model: {mismatch_report(bad)}{hint}")
+            hint = "; the class count differs: set {num_classes} to match the file, or pass {reset_head}"
+        raise SettingError(f"{source} does not match the model: {mismatch_report(bad)}{hint}")
     model.load_state_dict(sd, strict=True)
 
 

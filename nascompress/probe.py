@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .data import DataBundle, InputSpec, make_loader, preprocess
-from .errors import NascompressError
+from .errors import SettingError
 from .evaluate import evaluate
 from .io import save_model
 from .progress import make_progress
@@ -98,8 +98,8 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
             the grid and the timings).
     """
     if not isinstance(getattr(model, "head", None), nn.Linear):
-        raise NascompressError(f"the model's head is a {type(getattr(model, 'head', None)).__name__}, not a Linear "
-                               "classifier; set --num-classes")
+        raise SettingError(f"the model's head is a {type(getattr(model, 'head', None)).__name__}, not a Linear "
+                               "classifier; set {num_classes}")
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     model.eval().to(device)

@@ -129,7 +129,7 @@ class RetrainConfig(Config):
         check_settings(self)  # every setting() against its declaration; below: what metadata cannot say
         tap = self.feature_tap
         if tap != "pre_logits" and not (tap.startswith("module:") and len(tap) > len("module:")):
-            raise NascompressError(f"--feature-tap must be 'pre_logits' or 'module:<name>', got {self.feature_tap!r}")
+            raise SettingError(f"{{feature_tap}} must be 'pre_logits' or 'module:<name>', got {self.feature_tap!r}")
         if self.input_pool < 1 or self.kmeans_iters < 1:
             raise NascompressError("input_pool and kmeans_iters must be at least 1")
         if self.kmeans_init not in ("k-means++", "random"):
@@ -249,9 +249,9 @@ def _resolve_defaults(job: RetrainJob, model: nn.Module, teacher: nn.Module | No
     if rc.feat_kd is None:
         return job.replace(retrain=rc.replace(feat_kd=1.0 if widths[0] == widths[1] else 0.0))
     if rc.feat_kd > 0 and widths[0] != widths[1]:
-        raise NascompressError(f"--feat-kd: the model's {rc.feature_tap} feature has {widths[0]} "
-                               f"values but the teacher's {widths[1]}; pick a --feature-tap both share, or "
-                               "leave --feat-kd at 0")
+        raise SettingError(f"{{feat_kd}}: the model's {rc.feature_tap} feature has {widths[0]} "
+                               f"values but the teacher's {widths[1]}; pick a {{feature_tap}} both share, or "
+                               "leave {feat_kd} at 0")
     return job
 
 
@@ -281,7 +281,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     FeatureTap(model, job.retrain.feature_tap).remove()  # fail early on a bad tap
     job = _resolve_defaults(job, model, teacher, spec, device, train_images=len(data.train))
     if job.retrain.input_tap == "patch_embed" and not hasattr(teacher or model, "patch_embed"):
-        raise NascompressError("--input-tap patch_embed needs a model with a patch_embed module; use --input-tap image")
+        raise SettingError("{input_tap} patch_embed needs a model with a patch_embed module; use {input_tap} image")
     features = job.retrain.describe(teacher=teacher is not None)
     warm = job.retrain.warm_epochs(job.train.epochs)
     out_arch = copy.deepcopy(arch)

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AMP_MODES = ("off", "bf16", "auto")
@@ -47,7 +47,7 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype:
             raise NascompressError(f"dtype must be one of {', '.join(DTYPES)}, got {name}")
         return name
     if name not in DTYPES:
-        raise NascompressError(f"--dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+        raise SettingError(f"{{dtype}} must be one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
@@ -152,7 +152,7 @@ def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManage
     if amp == "off":
         return contextlib.nullcontext()
     if amp != "bf16":
-        raise NascompressError(f"--amp must be one of {', '.join(AMP_MODES)}, got {amp!r}")
+        raise SettingError(f"{{amp}} must be one of {', '.join(AMP_MODES)}, got {amp!r}")
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 

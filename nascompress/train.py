@@ -19,7 +19,7 @@ from . import distributed, runtime
 from .config import Config, StageSettings, check_choice, check_int, check_range, check_settings, setting
 from .limits import MAX_BATCH, MAX_EPOCHS, MAX_LR, SEED_MAX
 from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
-from .errors import NascompressError
+from .errors import SettingError, words
 from .hooks import TrainHooks
 from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
@@ -177,7 +177,7 @@ class TrainJob:
 
     def __post_init__(self) -> None:
         if self.linear_probe and not self.weights:
-            raise NascompressError("--linear-probe needs --weights: a probe fits a head on a pretrained backbone")
+            raise SettingError("{linear_probe} needs {weights}: a probe fits a head on a pretrained backbone")
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.to_dict(), "data": asdict(self.data), "train": self.train.to_dict(),
@@ -224,7 +224,7 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
             return v
         if len(v) == 1 or c == 1:
             return (sum(v) / len(v),) * c
-        raise NascompressError(f"--{name} has {len(v)} values but the model takes {c} channels")
+        raise SettingError(f"{{{name}}} has {len(v)} values but the model takes {c} channels")
 
     return InputSpec((h, w), c, chans("mean"), chans("std"), interpolation=base["interpolation"],
                      crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])
@@ -233,8 +233,8 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
 def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None = None) -> None:
     """Refuse a dataset whose class count is not the model's; ``fix``: the advice (default: --num-classes)."""
     if num_model_classes != data.num_classes:
-        raise NascompressError(f"the model has {num_model_classes} classes but dataset {data.name} has "
-                               f"{data.num_classes}; {fix or f'set --num-classes {data.num_classes}'}")
+        raise SettingError(f"the model has {num_model_classes} classes but dataset {data.name} has "
+                               f"{data.num_classes}; {fix or f'set {{num_classes}} {data.num_classes}'}")
 
 
 def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
@@ -253,7 +253,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:
-        raise NascompressError("--linear-probe runs in one process (it fits a head on cached features); run it "
+        raise SettingError("{linear_probe} runs in one process (it fits a head on cached features); run it "
                                "without torchrun")
     run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.weights, *dataset_paths(job.data)))
     seed_everything(job.train.seed)  # the seed drives the initialisation too
@@ -266,8 +266,8 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
             t = job.train
             lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
             ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
-            say(f"train: --weights given, so the fine-tuning recipe: {lr}, layer decay {ld}, {t.warmup_epochs:g} "
-                "warm-up epochs (for weights that were never trained, leave out --weights)")
+            say(words(f"train: {{weights}} given, so the fine-tuning recipe: {lr}, layer decay {ld}, "
+                      f"{t.warmup_epochs:g} warm-up epochs (for weights that were never trained, leave out {{weights}})"))
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)

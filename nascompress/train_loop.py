@@ -27,7 +27,7 @@ from torch import nn
 
 from . import distributed, runtime
 from .data import DataBundle, InputSpec, Subset, make_loader, preprocess
-from .errors import NascompressError, WriteError
+from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .io import continue_advice, finish_run, load_state
@@ -171,7 +171,7 @@ class LossWatch:
         values = torch.stack([v.float().reshape(()) for v in losses]).tolist()
         for i, v in zip(steps, values):
             if not math.isfinite(v):
-                raise NascompressError(f"loss became {v} at epoch {epoch + 1} step {i}; lower --lr "
+                raise SettingError(f"loss became {v} at epoch {epoch + 1} step {i}; lower {{lr}} "
                                        f"(the peak lr was {peak_lr:.3g})")
         return values[-1]
 

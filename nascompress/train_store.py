@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import distributed
-from .errors import NascompressError
+from .errors import NascompressError, SettingError
 from .io import load_with_arch, save_model, save_state
 from .utils import append_jsonl, parse_json
 
@@ -27,7 +27,7 @@ LAST_FILE = "last.safetensors"
 LOG_FILE = "log.jsonl"
 
 
-_START_OVER = "delete it (a --resume then starts the run over) or rerun with --force"
+_START_OVER = "delete it (a {resume} then starts the run over) or rerun with {force}"  # a SettingError template
 
 
 @contextmanager
@@ -39,10 +39,10 @@ def damaged_checkpoint(path: Path) -> Iterator[None]:
     except NascompressError:
         raise
     except KeyError as e:
-        raise NascompressError(f"checkpoint {path} is damaged: it lacks {e}; {_START_OVER}") from None
+        raise SettingError(f"checkpoint {path} is damaged: it lacks {e}; {_START_OVER}") from None
     except (TypeError, ValueError, RuntimeError, IndexError) as e:
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise NascompressError(f"checkpoint {path} is damaged ({why}); {_START_OVER}") from None
+        raise SettingError(f"checkpoint {path} is damaged ({why}); {_START_OVER}") from None
 
 
 def restore_model(model: nn.Module, sd: Any, path: Path) -> None:
@@ -50,10 +50,10 @@ def restore_model(model: nn.Module, sd: Any, path: Path) -> None:
     from .models import mismatch_report, state_mismatches
 
     if not isinstance(sd, dict):
-        raise NascompressError(f"checkpoint {path} is damaged: its model state is no tensor dict; {_START_OVER}")
+        raise SettingError(f"checkpoint {path} is damaged: its model state is no tensor dict; {_START_OVER}")
     bad = state_mismatches(model, sd)
     if bad:
-        raise NascompressError(f"checkpoint {path} is damaged: {mismatch_report(bad)}; {_START_OVER}")
+        raise SettingError(f"checkpoint {path} is damaged: {mismatch_report(bad)}; {_START_OVER}")
     model.load_state_dict(sd, strict=True)
 
 
@@ -92,8 +92,8 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
                     print(f"note: dropping the half-written last line of {path} (the run stopped while writing it)",
                           file=sys.stderr, flush=True)
                 break
-            raise NascompressError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
-                                   "a new log) or rerun with --force") from None
+            raise SettingError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
+                                   "a new log) or rerun with {force}") from None
         if epoch <= upto:
             kept.append(ln)
     return kept

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .errors import NascompressError, writing
+from .errors import NascompressError, SettingError, writing
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -34,7 +34,7 @@ def resolve_device(device: str | None) -> torch.device:
     except RuntimeError as e:
         raise NascompressError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise NascompressError(f"device {device!r} requested but CUDA is not available; use --device cpu")
+        raise SettingError(f"device {device!r} requested but CUDA is not available; use {{device}} cpu")
     return dev
 
 
@@ -157,23 +157,23 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
     damaged = (f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)", "it cannot be "
-               f"continued: rerun '{command}' with --force to start over")
+               f"continued: rerun '{command}' with {{force}} to start over")  # SettingError templates
     if not isinstance(recorded, dict):
-        raise NascompressError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
+        raise SettingError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
     try:
         job = replace(job_cls.from_dict({k: v for k, v in recorded.items() if k in names}), out=str(out))
     except NascompressError as e:
-        raise NascompressError(f"{damaged[0]}: {e}; {damaged[1]}") from None
+        raise SettingError(f"{damaged[0]}: {e}; {damaged[1]}") from None
     except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise NascompressError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
+        raise SettingError(f"{damaged[0]}: {type(e).__name__}: {e}; {damaged[1]}") from None
     if given is not None and explicit:
         diffs = resume_differences(job, given, explicit)
         if diffs:
-            raise NascompressError(f"--resume continues {out} with the settings recorded in its config.json, and "
+            raise SettingError(f"{{resume}} continues {out} with the settings recorded in its config.json, and "
                                    f"{'this differs' if len(diffs) == 1 else 'these differ'}: {'; '.join(diffs)}; leave "
                                    f"{'it' if len(diffs) == 1 else 'them'} out to continue the run as recorded, or start "
-                                   "a new run (another --out, or --force)")
+                                   "a new run (another {out}, or {force})")
     return job
 
 
@@ -212,7 +212,7 @@ def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[st
     return diffs
 
 
-def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, option: str = "--out") -> None:
+def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, field: str = "out") -> None:
     """Refuse, whatever ``--force`` says, an output ``out`` that is one of the command's ``inputs``
     (paths; None entries skipped) or a directory that contains one: writing it would replace or
     delete what the command reads."""
@@ -223,8 +223,8 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, option: str = "--
         s = Path(os.path.realpath(src))
         if s == dst or dst in s.parents:
             what = "is" if s == dst else "contains"
-            raise NascompressError(f"{option} {out} {what} the command's input {src}: writing it would replace the "
-                                   f"input (even with --force); choose another {option}")
+            raise SettingError(f"{{{field}}} {out} {what} the command's input {src}: writing it would replace the "
+                               f"input (even with {{force}}); choose another {{{field}}}")
 
 
 def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> Path:
@@ -237,14 +237,14 @@ def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = Fals
     out = Path(out)
     refuse_overwriting_inputs(out, inputs)
     if out.exists() and not out.is_dir():
-        raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
+        raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     if out.exists() and any(out.iterdir()) and not (force or resume):
-        raise NascompressError(f"output directory {out} already exists; pass --force to overwrite it or --resume to continue it")
+        raise SettingError(f"output directory {out} already exists; pass {{force}} to overwrite it or {{resume}} to continue it")
     parent = out if out.exists() else out.parent
     while not parent.exists():
         parent = parent.parent
     if not os.access(parent, os.W_OK):
-        raise NascompressError(f"output directory {out} is not writable; choose another --out")
+        raise SettingError(f"output directory {out} is not writable; choose another {{out}}")
     return out
 
 

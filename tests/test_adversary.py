@@ -62,7 +62,7 @@ def test_the_dashboard_refuses_writable_sqlite_saying_why(tmp_path):
     storage = f"sqlite:///{tmp_path}/s.db"
     run_study(study_name="d", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
               progress=False, **TWO)
-    with pytest.raises(NascompressError, match="--writable cannot change SQLite storage .* snapshot copy"):
+    with pytest.raises(NascompressError, match="writable cannot change SQLite storage .* snapshot copy"):
         start_dashboard("d", storage=storage, writable=True)
     one_line(invoke("study", "dashboard", "d", "--storage", storage, "--writable"), "leave out --writable")
     with start_dashboard("d", storage=storage) as h:  # the advice works: read-only, served

@@ -105,9 +105,9 @@ def test_dataset_labels_maps_through_subsets():
 
 
 def test_data_config_rejects_bad_limits():
-    with pytest.raises(NascompressError, match="--train-limit must be an integer"):
+    with pytest.raises(NascompressError, match="train_limit must be an integer"):
         DataConfig(train_limit=0)
-    with pytest.raises(NascompressError, match="--num-workers"):
+    with pytest.raises(NascompressError, match="num_workers"):
         DataConfig(num_workers=-1)
 
 
@@ -181,7 +181,7 @@ def test_input_spec_for_follows_weights_pretrained_config(tmp_path):
     ov = InputOverrides(mean=(0.2,), std=(0.3, 0.3, 0.3), interpolation="bilinear", crop_pct=1.0)
     spec = input_spec_for(augreg, "fashion-mnist", weights=w, overrides=ov)
     assert (spec.mean, spec.std, spec.interpolation, spec.crop_pct) == ((0.2,) * 3, (0.3,) * 3, "bilinear", 1.0)
-    with pytest.raises(NascompressError, match="--mean has 2 values but the model takes 3 channels"):
+    with pytest.raises(NascompressError, match="mean has 2 values but the model takes 3 channels"):
         input_spec_for(augreg, "fashion-mnist", overrides=InputOverrides(mean=(0.1, 0.2)))
     # a nascompress file carries the preprocessing it was trained with
     recorded = InputSpec((32, 32), 3, (0.25,) * 3, (0.75,) * 3, interpolation="nearest", crop_pct=0.8)

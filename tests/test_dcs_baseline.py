@@ -144,16 +144,16 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
         DCSSearchHooks.check(h, rec, start)  # never stops
     # at the target for a whole epoch, 15+ points down and not rising: stopped
     h.log[-1] = {"epoch": 4, "val_top1": 70.0, "target_now": 0.6}
-    with pytest.raises(SearchCollapsed, match="more than --max-val-drop 15 points, and not rising"):
+    with pytest.raises(SearchCollapsed, match="more than max_val_drop 15 points, and not rising"):
         DCSSearchHooks.check(h, h.log[-1], start)
     # while the architecture still moves: twice the limit
     h = hooks(target_flops=0.6)
     h.log += [start, {"epoch": 1, "val_top1": 50.0, "target_now": 0.8}]
-    with pytest.raises(SearchCollapsed, match="twice --max-val-drop 15 points while the architecture still moved"):
+    with pytest.raises(SearchCollapsed, match="twice max_val_drop 15 points while the architecture still moved"):
         DCSSearchHooks.check(h, h.log[-1], start)
     h = hooks(target_flops=None)  # no target, no ramp: the limit itself
     h.log += [start, {"epoch": 1, "val_top1": 65.0}]
-    with pytest.raises(SearchCollapsed, match="more than --max-val-drop 15 points"):
+    with pytest.raises(SearchCollapsed, match="more than max_val_drop 15 points"):
         DCSSearchHooks.check(h, h.log[-1], start)
 
 

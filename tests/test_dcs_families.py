@@ -138,7 +138,7 @@ def test_mean_fill_keeps_the_mlp_output_unbiased():
 def test_hidden_gates_refuse_an_mlp_they_cannot_gate():
     model = build_model(tiny_spec_3_heads())
     model.blocks[1].mlp.norm = torch.nn.LayerNorm(192)
-    with pytest.raises(NascompressError, match="--mlp-gates hidden needs timm's plain Mlp"):
+    with pytest.raises(NascompressError, match="mlp_gates hidden needs timm's plain Mlp"):
         make_supernet(model, DCSConfig(mlp_gates="hidden"))
     with pytest.raises(NascompressError, match="chosen by the search"):
         make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(mlp_gates="auto"))
@@ -281,7 +281,7 @@ def test_progressive_target_moves_from_dense_to_the_target():
     assert cfg.target_at(0.5) == pytest.approx(0.6) == cfg.target_at(0.9)
     assert DCSSearchConfig(target_flops=0.6, target_ramp=0).target_at(0.0) == 0.6
     assert DCSSearchConfig().target_at(0.3) is None
-    with pytest.raises(NascompressError, match="--arch-loss kd distils"):
+    with pytest.raises(NascompressError, match="arch_loss kd distils"):
         DCSSearchConfig(distill=0, feat_distill=0)
 
 

@@ -51,7 +51,7 @@ def test_a_wrong_mapping_fails_the_check_and_writes_nothing(tmp_path, monkeypatc
 def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, monkeypatch):
     out = tmp_path / "d.safetensors"
     out.write_bytes(b"keep me")
-    with pytest.raises(NascompressError, match="already exists; pass --force"):
+    with pytest.raises(NascompressError, match="already exists; pass force"):
         convert_dinov2(size=56, out=out)
     assert out.read_bytes() == b"keep me"
     with pytest.raises(NascompressError, match="multiple of the patch size 14"):

@@ -48,7 +48,7 @@ def test_load_in_bf16_is_close_to_fp32_and_evaluate_records_the_dtype(tiny_run):
     fp32, bf16 = (evaluate_run(tiny_run, split="val", dtype=d, device="cpu") for d in ("fp32", "bf16"))
     assert (fp32["dtype"], bf16["dtype"]) == ("fp32", "bf16")
     assert abs(fp32["top1"] - bf16["top1"]) <= 5.0 and abs(fp32["loss"] - bf16["loss"]) < 0.1
-    with pytest.raises(NascompressError, match="--dtype must be one of fp32, bf16, fp16, got 'fp8'"):
+    with pytest.raises(NascompressError, match="dtype must be one of fp32, bf16, fp16, got 'fp8'"):
         evaluate_run(tiny_run, dtype="fp8", device="cpu")
 
 
@@ -112,7 +112,7 @@ def test_amp_bf16_trains_under_autocast_and_deterministic_is_in_force_then_resto
     assert metrics["amp"] == "bf16"
     off, seen_off = _fit(tmp_path / "off", amp="off")
     assert not any(seen_off["autocast"]) and not any(seen_off["deterministic"]) and off["amp"] == "off"
-    with pytest.raises(NascompressError, match="--amp must be one of off, bf16"):
+    with pytest.raises(NascompressError, match="amp must be one of off, bf16"):
         TrainConfig(amp="fp16")
 
 
@@ -199,7 +199,7 @@ def test_loss_watch_reads_every_n_steps_and_names_the_first_bad_step():
     w.add(3, torch.tensor(1.0))
     w.add(4, torch.tensor(float("nan")))
     w.add(5, torch.tensor(float("inf")))
-    with pytest.raises(NascompressError, match=r"loss became nan at epoch 2 step 4; lower --lr \(the peak lr was 0.001\)"):
+    with pytest.raises(NascompressError, match=r"loss became nan at epoch 2 step 4; lower lr \(the peak lr was 0.001\)"):
         w.read(epoch=1, peak_lr=1e-3)
 
 

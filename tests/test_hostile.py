@@ -151,7 +151,7 @@ def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
     for host in ("0.0.0.0", "::"):
-        with pytest.raises(NascompressError, match="has no login.*--expose-storage-without-login"):
+        with pytest.raises(NascompressError, match="has no login.*pass expose to serve it"):
             start_dashboard("d", storage=storage, host=host)
     r = invoke("study", "dashboard", "d", "--storage", storage, "--host", "0.0.0.0")
     one_line(r, "could read the studies of its storage")
@@ -385,18 +385,18 @@ def test_cli_and_library_values_out_of_range(tmp_path):
     from nascompress.search.trials import SearchJob
     from nascompress.train import TrainConfig
 
-    with pytest.raises(NascompressError, match="--lr must be a finite number in \\(0, 10\\], got inf"):
+    with pytest.raises(NascompressError, match="lr must be a finite number in \\(0, 10\\], got inf"):
         TrainConfig(lr=float("inf"))
-    with pytest.raises(NascompressError, match="--seed must be an integer in \\[0, 4294967295\\]"):
+    with pytest.raises(NascompressError, match="seed must be an integer in \\[0, 4294967295\\]"):
         TrainConfig(seed=2**32)
-    with pytest.raises(NascompressError, match="--trials is 1,000,000,000, above the limit of 100,000"):
+    with pytest.raises(NascompressError, match="trials is 1,000,000,000, above the limit of 100,000"):
         SearchJob(base="b", space="s", study="x", trials=10**9)
     one_line(invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", *TINY, "--seed", str(10**23)),
              "--seed must be an integer in [0, 4294967295]")
     assert not (tmp_path / "run").exists()
     from nascompress.data import DataConfig
 
-    with pytest.raises(NascompressError, match="--seed must be an integer in"):  # import's and evaluate's --seed
+    with pytest.raises(NascompressError, match="seed must be an integer in"):  # import's and evaluate's --seed
         DataConfig(subset_seed=10**23)
 
 
@@ -465,7 +465,12 @@ def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatc
 
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "model.safetensors").write_bytes(b"")
-    assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
+    assert "with force (it replaces the unfinished" in continue_advice(tmp_path / "bare")  # the field, outside a CLI
+    from nascompress.cli.common import option_of
+    from nascompress.errors import wording
+
+    with wording(option_of):  # as the CLI's run() calls the library: its option
+        assert "with --force (it replaces the unfinished" in continue_advice(tmp_path / "bare")
 
 
 # ---------------------------------------------------------------------------------------------

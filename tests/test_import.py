@@ -55,7 +55,7 @@ def test_reset_head_loads_backbone_only_checkpoint(tmp_path):
     load_pretrained(dst, f, reset_head=True)
     torch.testing.assert_close(dst.blocks[1].attn.qkv.weight, src.blocks[1].attn.qkv.weight)
     assert torch.equal(dst.head.weight, head_before)
-    with pytest.raises(NascompressError, match=r"tensor head\.weight \(3, 32\) is missing from the file.*--reset-head"):
+    with pytest.raises(NascompressError, match=r"tensor head\.weight \(3, 32\) is missing from the file.*reset_head"):
         load_pretrained(build_model(tiny_spec(num_classes=3)), f)
     # any other missing tensor is still an error that names it
     del backbone["blocks.0.norm1.weight"]
@@ -184,7 +184,7 @@ def test_import_job_round_trips():
     job = ImportJob(model="test_vit", weights="w", out="o", img_size=32, data=DataConfig(dataset="synthetic"),
                     input=InputOverrides(mean=(0.1, 0.2, 0.3)))
     assert ImportJob.from_dict(json.loads(json.dumps(job.to_dict()))) == job
-    with pytest.raises(NascompressError, match="--img-size must be an integer in \\[1, inf\\]"):
+    with pytest.raises(NascompressError, match="img_size must be an integer in \\[1, inf\\]"):
         ImportJob(model="m", weights="w", out="o", img_size=0)
 
 
@@ -331,7 +331,7 @@ def test_train_weights_never_resample_the_patch_kernel_and_say_when_the_grid_is(
     src = build_model(custom_vit_spec(img_size=16, patch_size=4, **spec))
     w = tmp_path / "w.safetensors"
     save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(w))
-    with pytest.raises(NascompressError, match=r"has 4x4 patches .* but the model has 2x2; build it with --patch-size 4"):
+    with pytest.raises(NascompressError, match=r"has 4x4 patches .* but the model has 2x2; build it with patch_size 4"):
         load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=2, **spec)), w)
     load_pretrained(build_model(custom_vit_spec(img_size=16, patch_size=4, **spec)), w)
     assert "resampled" not in capsys.readouterr().err  # the same grid: nothing to say

@@ -360,9 +360,9 @@ def test_bad_settings(config, match):
 def test_refusals_in_one_line():
     vit = build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=2,
                                                              num_heads=2, num_classes=10, in_chans=1)))
-    with pytest.raises(NascompressError, match="mgvit-h needs a pyramid ViT .*VisionTransformer; use --method mgvit"):
+    with pytest.raises(NascompressError, match="mgvit-h needs a pyramid ViT .*VisionTransformer; use method mgvit"):
         get_method("mgvit-h").prepare_fresh(vit, {})
-    with pytest.raises(NascompressError, match="mgvit needs a plain timm ViT.*pyramid.*use --method mgvit-h"):
+    with pytest.raises(NascompressError, match="mgvit needs a plain timm ViT.*pyramid.*use method mgvit-h"):
         get_method("mgvit").prepare_fresh(dense(), {})
     with pytest.raises(NascompressError, match="image size 48x48 cannot be split into mgvit-h's coarse grid of 32 px"):
         get_method("mgvit-h").prepare_fresh(dense(img_size=48), {})
@@ -410,7 +410,7 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25,
                                          "epsilon": eps}}
     save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
-    with pytest.raises(NascompressError, match="export it with --batch dynamic"):
+    with pytest.raises(NascompressError, match="export it with batch dynamic"):
         export_run(tmp_path / "m", out=tmp_path / "fixed.pt2", config=ExportConfig(format="torch-export", batch=4))
     side = export_run(tmp_path / "m", out=tmp_path / "mg.pt2", config=ExportConfig(format="torch-export"))
     assert side["verification"]["passed"] and side["verification"]["stages"]["passed"]

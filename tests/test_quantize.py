@@ -148,7 +148,7 @@ def test_a_planted_accuracy_collapse_fails_with_the_figures_and_leaves_nothing(t
 
 def test_no_fallback_fails_at_once(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setattr(q, "quantize_file", _zero_head(q.quantize_file))
-    with pytest.raises(NascompressError, match=r"more than --max-drop 0.5 .*int8-static \(level 0\)[^;]*; nothing"):
+    with pytest.raises(NascompressError, match=r"more than max_drop 0.5 .*int8-static \(level 0\)[^;]*; nothing"):
         quantize_run(tiny_run, out=tmp_path / "m.onnx", config=QuantizeConfig(max_drop=0.5, fallback=False))
     assert list(tmp_path.iterdir()) == []
 
@@ -180,7 +180,7 @@ def test_precision_plan_keeps_the_first_and_last_blocks_at_the_milder_level(tiny
 
 
 def test_bad_settings_are_refused():
-    with pytest.raises(NascompressError, match="--quantize int8 starts from the fp32 ONNX file"):
+    with pytest.raises(NascompressError, match="quantize int8 starts from the fp32 ONNX file"):
         ExportConfig(format="torch-export", quantize="int8")
     with pytest.raises(NascompressError, match="quantize must be one of none, int8"):
         ExportConfig(quantize="int4")

@@ -163,7 +163,7 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
                           teacher=teacher, input_embed=make_input_embed(cfg, model=model, teacher=teacher)
                           ).loss(model, x, y, epoch=0, cfg=tc)
     assert "feat_kd" not in logs_off
-    with pytest.raises(NascompressError, match="--feat-kd"):
+    with pytest.raises(NascompressError, match="feat_kd"):
         RetrainConfig(feat_kd=-1.0)
 
 
@@ -282,7 +282,7 @@ def test_bad_models_and_datasets_write_nothing(tmp_path):
     wspec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=2, num_classes=10, in_chans=1)
     wmodel = build_model(wspec)
     save_model(wide, wmodel, make_arch(wspec, input_spec=input_spec_for(wmodel, "synthetic").to_dict()))
-    with pytest.raises(NascompressError, match="--feat-kd: the model's pre_logits feature has 32 values but the "
+    with pytest.raises(NascompressError, match="feat_kd: the model's pre_logits feature has 32 values but the "
                                                "teacher's 48"):
         retrain(replace(quick_job(src, out, feat_kd=1.0), teacher=str(wide)))
     retrain(replace(quick_job(src, tmp_path / "logits_only"), teacher=str(wide)))  # without --feat-kd it is fine

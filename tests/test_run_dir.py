@@ -20,7 +20,7 @@ def test_prepare_checks_without_creating_and_refuses_a_used_directory(tmp_path):
     assert not out.exists() and not out.parent.exists()  # a refused or failed job leaves nothing behind
     out.mkdir(parents=True)
     (out / "old.txt").write_text("x")
-    with pytest.raises(NascompressError, match="--force to overwrite it or --resume"):
+    with pytest.raises(NascompressError, match="force to overwrite it or resume"):
         RunDir.prepare(out)
     (tmp_path / "file").write_text("x")
     with pytest.raises(NascompressError, match="is not a directory"):

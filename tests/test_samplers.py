@@ -77,7 +77,7 @@ def test_every_sampler_is_offered():
     assert isinstance(make_sampler("nsga2", 0), optuna.samplers.NSGAIISampler)
     with pytest.raises(NascompressError, match="unknown sampler 'cma'"):
         make_sampler("cma", 0)
-    with pytest.raises(NascompressError, match="--sampler must be one of"):
+    with pytest.raises(NascompressError, match="sampler must be one of"):
         sampler_factory("cma", Space.from_dict(NUMERIC, method_fields=None), 0)
 
 

@@ -77,11 +77,11 @@ def test_storage_choice_for_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_run_storage(None, study_name="s", workers=1).path.name == "nascompress-studies.db"
     assert resolve_run_storage(None, study_name="s", workers=2).path.name == "nascompress-studies.journal"
-    with pytest.raises(NascompressError, match="SQLite, which is not safe for 2 concurrent workers: use --storage "
+    with pytest.raises(NascompressError, match="SQLite, which is not safe for 2 concurrent workers: use storage "
                                                "journal:PATH"):
         resolve_run_storage(f"sqlite:///{tmp_path}/x.db", study_name="s", workers=2)
     run("in-db", None, 1)
-    with pytest.raises(NascompressError, match="lives in nascompress-studies.db .*continue it with --workers 1"):
+    with pytest.raises(NascompressError, match="lives in nascompress-studies.db .*continue it with workers 1"):
         resolve_run_storage(None, study_name="in-db", workers=2)
     assert not (tmp_path / "nascompress-studies.journal").exists()
 

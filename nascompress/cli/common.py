@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from nascompress.config import StageSettings, setting_help, tuple_item_type
 from nascompress.data import DataConfig
-from nascompress.errors import NascompressError, SettingError, write_error
+from nascompress.errors import NascompressError, SettingError, wording, write_error
 
 T = TypeVar("T")
 MAIN = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 prints results (errors: every rank)
@@ -80,9 +80,11 @@ def with_subsets(data: Any, *, train_limit: int | None, eval_limit: int | None, 
 
 
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Call a library function; user errors become one stderr line and exit code 1."""
+    """Call a library function (the advice it prints naming this command's options:
+    :func:`nascompress.errors.wording`); user errors become one stderr line and exit code 1."""
     try:
-        return fn(*args, **kwargs)
+        with wording(option_of):
+            return fn(*args, **kwargs)
     except NascompressError as e:
         if STATE["debug"]:
             raise
@@ -109,7 +111,9 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 def option_of(field: str) -> str:
     """The running command's option of config field ``field`` (its generated parameter of that name:
-    ``--feat-kd``, or a declared ``option``); ``--field-name`` outside a command or where it has none."""
+    ``--feat-kd``, or a declared ``option``; run-level ones too: ``--force``, ``--resume``, ``--out``);
+    ``--field-name`` outside a command or where it has none (a positional argument is no option). The
+    one translation from a library message's field names to the CLI's words."""
     try:  # typer >= 0.2x runs on its own copy of click
         from typer._click.globals import get_current_context
     except ImportError:
@@ -117,7 +121,7 @@ def option_of(field: str) -> str:
 
     ctx = get_current_context(silent=True)
     for p in ctx.command.params if ctx is not None else ():
-        if p.name == field and p.opts:
+        if p.name == field and p.opts and p.param_type_name == "option":
             return max(p.opts, key=len)  # the long form
     return f"--{field.replace('_', '-')}"
 

@@ -83,7 +83,11 @@ def dcs(
         if reason:
             out.print(f"kept: {reason}")
         if metrics.get("stopped"):
-            out.print(f"the gates stopped early; {metrics['stopped']['continue']}")
+            from nascompress.cli.common import cli_words
+            from nascompress.errors import SettingError
+            from nascompress.search.dcs_run import CONTINUE
+
+            out.print(f"the gates stopped early; {cli_words(SettingError(CONTINUE))}")
 
 
 search_app.command("dcs")(dcs)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..config import Config, check_settings, setting
 from ..limits import MAX_BATCH, SEED_MAX
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 
 FORMATS = ("onnx", "torch-export")
 # the int8 schemes of ``nascompress quantize`` (QuantizeConfig.scheme; the first is its default), declared
@@ -61,16 +61,16 @@ class ExportConfig(Config):
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration; below: how they combine
         if self.quantize != "none" and (self.format != "onnx" or self.dtype != "fp32"):
-            raise NascompressError("--quantize int8 starts from the fp32 ONNX file: use --format onnx --dtype fp32")
+            raise SettingError("{quantize} int8 starts from the fp32 ONNX file: use {format} onnx {dtype} fp32")
         if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
                                         or not 1 <= self.batch <= MAX_BATCH):
             raise NascompressError(f"batch must be 'dynamic' or an integer in [1, {MAX_BATCH}], got {self.batch!r}")
         if self.format == "onnx" and self.dtype == "bf16":
-            raise NascompressError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
-                                   "kernels for Conv and MatMul; use --dtype fp16, or --format torch-export for bf16")
+            raise SettingError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
+                                   "kernels for Conv and MatMul; use {dtype} fp16, or {format} torch-export for bf16")
         if self.opset is not None:
             if self.format != "onnx":
-                raise NascompressError("opset applies to --format onnx only")
+                raise SettingError("opset applies to {format} onnx only")
 
     @property
     def dynamic(self) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import NascompressError, write_error
+from ..errors import NascompressError, SettingError, write_error
 
 EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h", "tome")
 TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule
@@ -94,8 +94,8 @@ def check_exportable(arch: dict[str, Any], *, dynamic: bool) -> None:
             raise NascompressError("this run holds the DCS supernet (channel gates and masks, not a smaller model); "
                                    "export the run `nascompress materialize` makes from it")
         if name in TWO_STAGE and not dynamic:
-            raise NascompressError("MG-ViT's second stage runs on the images that did not exit, any number of them: "
-                                   "export it with --batch dynamic")
+            raise SettingError("MG-ViT's second stage runs on the images that did not exit, any number of them: "
+                                   "export it with {batch} dynamic")
 
 
 def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str, Any] | None]:
@@ -167,11 +167,11 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
         full = write_error(e, what=f"the export into {path.parent}", then="then run the export again")
         if full is not None:  # a full disk or an unwritable folder, not the model's fault
             raise full from e
-        raise NascompressError(f"the {fmt} exporter failed on the {g.role} graph ({_one_line(e)}); rerun with "
-                               "--debug for the traceback") from e
+        raise SettingError(f"the {fmt} exporter failed on the {g.role} graph ({_one_line(e)}); rerun with "
+                               "{debug} for the traceback") from e
     if opset is not None and got != opset:
-        raise NascompressError(f"the ONNX exporter cannot write this model at opset {opset} (it fell back to "
-                               f"{got}); choose --opset {got} or leave --opset out")
+        raise SettingError(f"the ONNX exporter cannot write this model at opset {opset} (it fell back to "
+                               f"{got}); choose {{opset}} {got} or leave {{opset}} out")
     return {"opset": got}
 
 

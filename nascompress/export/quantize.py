@@ -46,7 +46,7 @@ import torch
 
 from ..config import Config, check_int, check_settings, field_name, setting
 from ..limits import MAX_IMAGES
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES  # declared once (ExportConfig's too)
 from .graphs import TWO_STAGE
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
@@ -110,8 +110,8 @@ def _run_data(run: str | Path, data: Any) -> Any:
 
     d = data or run_data_config(run)
     if d is None:
-        raise NascompressError(f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
-                               "model was trained on (--dataset)")
+        raise SettingError(f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
+                               "model was trained on ({dataset})")
     return d
 
 
@@ -251,7 +251,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     cfg = config or QuantizeConfig()
     ecfg = replace(export or ExportConfig(), quantize="none")
     if ecfg.format != "onnx" or ecfg.dtype != "fp32":
-        raise NascompressError("int8 quantization starts from the fp32 ONNX export: use --format onnx --dtype fp32")
+        raise SettingError("int8 quantization starts from the fp32 ONNX export: use {format} onnx {dtype} fp32")
     arch = load_arch(run)
     two_stage = [m["name"] for m in arch.get("methods", []) if m.get("name") in TWO_STAGE]
     if two_stage:  # mgvit, mgvit-h: two graphs and an exit rule
@@ -274,8 +274,8 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         fp32 = Path(tmp) / "fp32.onnx"
         side = export_run(run, out=fp32, config=ecfg, force=True)
         if side["num_classes"] != bundle.num_classes:
-            raise NascompressError(f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
-                                   f"{bundle.num_classes}; give the dataset it was trained on (--dataset)")
+            raise SettingError(f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
+                                   f"{bundle.num_classes}; give the dataset it was trained on ({{dataset}})")
 
         def val() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # preprocessed again per pass (memory)
             return _batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
@@ -308,9 +308,9 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                     break
             if chosen is None:
                 tried = "; ".join(_describe(a) for a in attempts)
-                raise NascompressError(
-                    f"int8 costs more than --max-drop {cfg.max_drop:g} top-1 points on the validation split "
-                    f"({len(labels)} images): {tried}; nothing was written (allow a larger --max-drop, or deploy "
+                raise SettingError(
+                    f"int8 costs more than {{max_drop}} {cfg.max_drop:g} top-1 points on the validation split "
+                    f"({len(labels)} images): {tried}; nothing was written (allow a larger {{max_drop}}, or deploy "
                     "the fp32 export)")
             a, q = chosen
             tmp_out.write_bytes(q.read_bytes())

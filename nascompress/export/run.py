@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import NascompressError, require_extra
+from ..errors import NascompressError, SettingError, require_extra
 from ..io import file_sha256
 from ..data import InputSpec, eval_steps
 from ..progress import say
@@ -49,15 +49,15 @@ def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = No
             refuse_overwriting_inputs(p, inputs)
     for p in paths:
         if p.exists() and (not force or not p.is_file()):
-            why = "is not a file" if not p.is_file() else "already exists; pass --force to replace it"
-            raise NascompressError(f"{p} {why}")
+            why = "is not a file" if not p.is_file() else "already exists; pass {force} to replace it"
+            raise SettingError(f"{p} {why}")
     parent = paths[0].parent
     missing = []
     while not parent.exists():
         missing.append(parent)
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise NascompressError(f"cannot write {paths[0]}: {parent} is not a writable directory; choose another --out")
+        raise SettingError(f"cannot write {paths[0]}: {parent} is not a writable directory; choose another {{out}}")
     return missing[::-1]
 
 

@@ -44,7 +44,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
                       slice_linear_in, slice_linear_out, slice_qk)
 from . import Method, register_method
@@ -364,9 +364,9 @@ def check_family(model: nn.Module, family: str) -> None:
         return
     for i, blk in enumerate(model.blocks):
         if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.norm, nn.Identity):
-            raise NascompressError(f"--mlp-gates hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
+            raise SettingError(f"{{mlp_gates}} hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
                                    f"has a {type(blk.mlp).__name__}{' with a hidden norm' if type(blk.mlp) is Mlp else ''}"
-                                   "; use --mlp-gates residual")
+                                   "; use {mlp_gates} residual")
 
 
 def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual", align: int = 1) -> DCSState:

@@ -49,7 +49,7 @@ from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..hooks import TrainHooks
 from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_core
 from . import Method, TrainOverrides, register_method
@@ -161,8 +161,8 @@ def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
                                f"{heads} heads, got {fd!r}")
     img = model.patch_embed.img_size
     if img[0] != img[1] or img[0] % cfg.grid:
-        raise NascompressError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {cfg.grid}; "
-                               f"pick a grid that divides {img[0]} (e.g. --opt grid=7 for 28 or 224)")
+        raise SettingError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {cfg.grid}; "
+                               f"pick a grid that divides {img[0]} (e.g. {{opt}} grid=7 for 28 or 224)")
     return cfg.replace(ppsm_layers=tuple(sorted(set(layers))), feat_dim=fd)
 
 
@@ -351,8 +351,8 @@ def _check_plain_vit(model: nn.Module) -> None:
     from ..models import is_pyramid
 
     if is_pyramid(model):
-        raise NascompressError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
-                               f"({type(model).__name__}); use --method mgvit-h (Hierarchical MG-ViT) for it")
+        raise SettingError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
+                               f"({type(model).__name__}); use {{method}} mgvit-h (Hierarchical MG-ViT) for it")
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"mgvit needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
     reasons = []
@@ -565,9 +565,9 @@ def parse_epsilons(text: str) -> list[float]:
     try:
         vals = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise NascompressError(f"--epsilon must be comma-separated numbers in (0, 1], got {text!r}") from None
+        raise SettingError(f"{{epsilon}} must be comma-separated numbers in (0, 1], got {text!r}") from None
     if not vals:
-        raise NascompressError("--epsilon needs at least one value, e.g. --epsilon 0.5,0.7,0.9,1")
+        raise SettingError("{epsilon} needs at least one value, e.g. {epsilon} 0.5,0.7,0.9,1")
     for e in vals:
         check_range("epsilon", e, 0, 1, lo_open=True)
     return vals

@@ -78,7 +78,7 @@ from timm.models.pvt_v2 import PyramidVisionTransformerV2
 from torch import nn
 
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from . import Method, TrainOverrides, register_method
 from ..hooks import TrainHooks
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, match_merge, ppsm_counts, ppsm_macs, resample_image,
@@ -182,8 +182,8 @@ def _check_pyramid(model: nn.Module) -> None:
     from ..models import PYRAMID_NAMES
 
     if not isinstance(model, PyramidVisionTransformerV2):
-        raise NascompressError(f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
-                               f"{type(model).__name__}; use --method mgvit for a plain ViT")
+        raise SettingError(f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
+                               f"{type(model).__name__}; use {{method}} mgvit for a plain ViT")
     attn = model.stages[0].blocks[0].attn
     if attn.pool is not None or attn.sr is None:
         raise NascompressError("mgvit-h needs spatial-reduction attention in stage 1 (pvt_v2_b0..b5); the linear "

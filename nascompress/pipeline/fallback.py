@@ -45,7 +45,7 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
         try:
             metrics = search_dcs(j, force=force or i > start, resume=resume and i == start)
         except SearchCollapsed as e:
-            reasons.append(f"target {j.search.target_flops:g}: {e}")
+            reasons.append(f"target {j.search.target_flops:g}: {e.reason}")  # what happened (its keys' names)
             if not fallback:
                 raise
             continue

@@ -146,7 +146,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
                            reset_head=t.reset_head)
         except NascompressError as e:
-            raise ctx.err("base.train", str(e)) from None
+            raise section_error(ctx, "base.train", t, e) from None
         model = _built_model(spec, ctx, "base.train")
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
@@ -184,7 +184,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
             job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
                            linear_probe=True)
         except NascompressError as e:
-            raise ctx.err("base.import", str(e)) from None
+            raise section_error(ctx, "base.import", imp, e) from None
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
@@ -287,7 +287,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
         pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
     except NascompressError as e:
-        raise ctx.err("stages.tokens", str(e)) from None
+        raise section_error(ctx, "stages.tokens", s, e) from None
 
     # after a dcs stage the same space is also searched on the dense base (token-only models) and the
     # goal's pick compares both studies: the pipeline chooses where to cut

@@ -2,6 +2,7 @@
 markers, and :func:`run_pipeline`, which skips complete steps and resumes the rest."""
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import shutil
@@ -12,11 +13,12 @@ from typing import Any, Callable
 import yaml
 
 from ..config import StrictYamlLoader as _Loader
-from ..errors import NascompressError, writing
+from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
 from ..utils import read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
+from .schema import Section
 
 CONFIG_FILE = "config.yaml"
 DONE_DIR = "done"
@@ -32,11 +34,11 @@ def _stray(p: Path) -> bool:
 def _check_out(out: Path, *, force: bool) -> None:
     """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force)."""
     if out.exists() and not out.is_dir():
-        raise NascompressError(f"output path {out} exists and is not a directory; choose another --out")
+        raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     used = out.is_dir() and any(not _stray(p) for p in out.iterdir())
     if used and not force and not (out / CONFIG_FILE).is_file():
-        raise NascompressError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
-                               "choose another --out or pass --force to replace it")
+        raise SettingError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
+                               "choose another {out} or pass {force} to replace it")
 
 
 def _lock(out: Path) -> int:
@@ -91,9 +93,9 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
             keep = ""
             if pipe.cfg.base.run is None and (out / "base" / "metrics.json").is_file():  # a finished base of its own
                 keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
-            raise NascompressError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
-                                   f"rerun it with the same config ({stored}) to continue it, use another --out"
-                                   f"{keep}, or pass --force to start over")
+            raise SettingError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
+                                   f"rerun it with the same config ({stored}) to continue it, use another {{out}}"
+                                   f"{keep}, or pass {{force}} to start over")
         return True
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
@@ -103,6 +105,37 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     with atomic_path(stored) as tmp:
         tmp.write_text(dump_config(pipe.cfg))
     return False
+
+
+# the run's own settings: the pipeline command's options (its front end words them), not a section's keys
+_RUN_LEVEL = ("force", "resume", "out", "debug")
+
+
+def step_error(pipe: Pipeline, step: str, e: SettingError) -> SettingError:
+    """Error ``e`` of the library that runs ``step``, as the pipeline file words it: each field named
+    as its key path (``stages.dcs.max_val_drop``: the step's section, else ``data``); the run's own
+    settings (``force``, ``out``) left to the pipeline command's front end; the runtime's (``seed``)
+    are the file's top-level keys. The same exception type."""
+    from ..train import RUNTIME_SETTINGS
+
+    cfg = pipe.cfg
+    head = step.split("_")[0]
+    if head == "base":
+        sections = [(f"base.{k}", getattr(cfg.base, n)) for k, n in type(cfg.base).keys().items()]
+    else:
+        sections = [(head, cfg.export)] if head == "export" else [(f"stages.{head}", getattr(cfg.stages, head, None))]
+    keys = {n: n for n in RUNTIME_SETTINGS.names}  # seed, device, ...: the file's top-level keys
+    for path, section in [*sections, ("data", cfg.data)]:
+        if isinstance(section, Section):
+            keys = {**{n: f"{path}.{k}" for k, n in type(section).keys().items()}, **keys}
+
+    def name(f: str) -> str:
+        return "{%s}" % f if f in _RUN_LEVEL or f not in keys else literal(keys[f])
+
+    worded = copy.copy(e)
+    worded.template = e.renamed(name)
+    worded.args = (worded.worded(),)
+    return worded
 
 
 def _marker(out: Path, step: Step) -> Path:
@@ -173,10 +206,13 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             how = " (continuing the study)"
         log(f"{step.name}: {step.describe}{how}")
         t0 = time.perf_counter()
-        if step.mode == "study":
-            res = step.run(force=False, resume=False, progress=progress)
-        else:
-            res = step.run(force=force_step, resume=resume)
+        try:
+            if step.mode == "study":
+                res = step.run(force=False, resume=False, progress=progress)
+            else:
+                res = step.run(force=force_step, resume=resume)
+        except SettingError as e:
+            raise step_error(pipe, step.name, e) from e
         if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
             log(f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
                 + (f"retried at {res['dcs_target']:g}x the dense FLOPs" if res["dcs_outcome"] == "milder"

@@ -65,7 +65,7 @@ from .. import distributed
 from ..config import Config, StageSettings, check_bool, check_int, check_range, check_settings, setting
 from ..data import IN_MEMORY, DataConfig, InputSpec
 from ..limits import MAX_LR
-from ..errors import NascompressError
+from ..errors import SettingError
 from ..evaluate import evaluate
 from ..io import save_model
 from ..methods.dcs import SEARCH_DCS, DCSConfig, make_record, make_supernet
@@ -265,8 +265,8 @@ class DCSSearchConfig(Config):
         check_range("weight_fraction", self.weight_fraction, 0, 1, lo_open=True, hi_open=True)
         check_bool("auto_batch", self.auto_batch)
         if self.arch_loss == "kd" and self.distill == 0 and self.feat_distill == 0:
-            raise NascompressError("--arch-loss kd distils from the dense model: give --distill or --feat-distill "
-                                   "a positive weight, or use --arch-loss ce")
+            raise SettingError("{arch_loss} kd distils from the dense model: give {distill} or {feat_distill} "
+                                   "a positive weight, or use {arch_loss} ce")
 
     def target_at(self, progress: float) -> float | None:
         """The controller's target after ``progress`` (0..1) of the architecture steps."""
@@ -404,7 +404,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
                    val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
                    search_val_top1=last["val_top1"], test_top1=test["top1"], test_loss=test["loss"], test_n=test["n"],
                    kept=kept.kind, comparison=comparison,
-                   stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.head},
+                   stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
                    dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
                    search_time_s=fit_metrics["train_time_s"], epoch_time_s=epoch_time,
                    mlp_kept=kept_sel["mlp_kept"], qk_kept=kept_sel.get("qk_kept"), calibrated=bool(calib),

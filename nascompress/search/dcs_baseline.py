@@ -31,7 +31,7 @@ from torch import nn
 
 from ..data import InputSpec, training_batches
 from ..distill import FeatureTap, feature_kd_loss
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..evaluate import evaluate
 from ..hooks import kl_to_teacher, short_stage
 from ..layers import aligned_width
@@ -255,8 +255,8 @@ def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float,
     if not (dcs.eligible or magnitude.eligible):
         if stopped is not None:
             raise stopped
-        raise NascompressError(f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
-                               f"stands at the target; rerun the same command with --force --target-flops {r:.2f}")
+        raise SettingError(f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
+                               f"stands at the target; rerun the same command with {{force}} {{target_flops}} {r:.2f}")
     rec = Recovery(steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
                    batch_size=job.train.batch_size, lr=job.train.peak_lr_for(world_size=1), seed=job.train.seed,
                    distill=s.distill, feat_distill=s.feat_distill)
@@ -275,14 +275,14 @@ def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Excep
         return (f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at {dcs.flops_ratio:.3f}x FLOPs): "
                 f"no magnitude baseline at the target ({magnitude.note})")
     if not dcs.eligible:
-        why = f"the searched model {dcs.note}" + (f" ({getattr(stopped, 'head', stopped)})" if stopped else "")
+        why = f"the searched model {dcs.note}" + (f" ({getattr(stopped, 'reason', stopped)})" if stopped else "")
         return (f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
                 f"{magnitude.flops_ratio:.3f}x FLOPs): {why}")
     a, b = (dcs, magnitude) if kept is dcs else (magnitude, dcs)
     names = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}
     line = (f"kept {names[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
             f"{names[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery")
-    return line + (f"; {getattr(stopped, 'head', stopped)}" if stopped else "")
+    return line + (f"; {getattr(stopped, 'reason', stopped)}" if stopped else "")
 
 
 __all__ = ["KINDS", "Candidate", "Recovery", "choose", "keep_better", "magnitude_scores", "magnitude_supernet",

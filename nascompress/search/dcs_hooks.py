@@ -14,7 +14,7 @@ from torch import nn
 from .. import distributed
 from ..data import Subset, split_indices
 from ..distill import FeatureTap, feature_kd_loss
-from ..errors import NascompressError
+from ..errors import SettingError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..methods.dcs import arch_parameters, binary_entropy, make_record
 from ..train import TrainConfig
@@ -206,12 +206,12 @@ class DCSSearchHooks(TrainHooks):
             ratio = self.ratio(model)
             target = self.cfg.target_flops
             if target is not None and abs(ratio / target - 1) > self.cfg.tolerance:
-                advice = ("hold the target while the search trains: rerun the same command with --force --budget project"
+                advice = ("hold the target while the search trains: rerun the same command with {force} {budget} project"
                           if self.cfg.budget != "project" else "give the search more architecture steps: rerun the "
-                          f"same command with --force --epochs {2 * self.epochs}")
+                          f"same command with {{force}} {{epochs}} {2 * self.epochs}")
                 if not self.cfg.calibrate:
-                    raise NascompressError(f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
-                                           f"+-{self.cfg.tolerance:.0%}; {advice}")
+                    raise SettingError(f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
+                                       f"+-{self.cfg.tolerance:.0%}; {advice}")
                 saved = [b.dcs_alpha.detach().clone() for b in model.blocks if b.dcs_alpha is not None]
                 shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp)
                 move = abs(ratio - self.ratio(model))
@@ -221,7 +221,7 @@ class DCSSearchHooks(TrainHooks):
                             a.copy_(s)
                     raise SearchOffTarget(
                         f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing there "
-                        f"would take an untrained cut of {move:.3f} (more than --max-calibration "
+                        f"would take an untrained cut of {move:.3f} (more than {{max_calibration}} "
                         f"{self.cfg.max_calibration:g}), which is not applied", advice)
                 rec["calibration"] = {"ratio_before": ratio, "ratio_after": self.ratio(model), "move": move,
                                       "alpha_shift": shift}
@@ -255,9 +255,9 @@ class DCSSearchHooks(TrainHooks):
             return
         head = (f"the gate search stopped after epoch {record['epoch']}: validation top-1 fell from "
                 f"{start['val_top1']:.2f}% (the dense model) to {record['val_top1']:.2f}%, more than "
-                + (f"twice --max-val-drop {self.cfg.max_val_drop:g} points while the architecture still moved"
-                   if settling else f"--max-val-drop {self.cfg.max_val_drop:g} points, and not rising"))
-        go_on = "to let the gates go on instead, rerun the same command with --resume --max-val-drop 100"
+                + (f"twice {{max_val_drop}} {self.cfg.max_val_drop:g} points while the architecture still moved"
+                   if settling else f"{{max_val_drop}} {self.cfg.max_val_drop:g} points, and not rising"))
+        go_on = "to let the gates go on instead, rerun the same command with {resume} {max_val_drop} 100"
         calib = record.get("calibration")
         if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
             # the gates did not get near the target by themselves: the end-of-search threshold shift
@@ -266,7 +266,7 @@ class DCSSearchHooks(TrainHooks):
                 f"{head}, after the end-of-search calibration had to move the FLOPs ratio from "
                 f"{calib['ratio_before']:.3f} to the target {self.cfg.target_flops}",
                 f"the search had too few architecture steps to get there itself: rerun the same command with "
-                f"--force --epochs {2 * self.epochs}")
+                f"{{force}} {{epochs}} {2 * self.epochs}")
         raise SearchCollapsed(head, go_on)
 
     def state_dict(self) -> dict[str, Any]:
@@ -278,16 +278,22 @@ class DCSSearchHooks(TrainHooks):
             self.steer.integral = state["integral"]
 
 
-class SearchCollapsed(NascompressError):
+class SearchCollapsed(SettingError):
     """A DCS search whose validation accuracy fell below ``max_val_drop``: ``head`` says what happened,
-    ``advice`` what to run (the message is both). With the baseline on (the default) the search ends
-    with the better of the searched and the baseline model instead (``head`` is the reason it
+    ``advice`` what to run (the message is both; templates naming fields, a
+    :class:`~nascompress.errors.SettingError`). With the baseline on (the default) the search ends
+    with the better of the searched and the baseline model instead (:attr:`reason` is the reason it
     records); without it, the pipeline retries with a milder target and a study records the trial as
     failed, with this message."""
 
     def __init__(self, head: str, advice: str | None = None):
         super().__init__(head if advice is None else f"{head}; {advice}")
         self.head, self.advice = head, advice
+
+    @property
+    def reason(self) -> str:
+        """What happened (``head``), its fields named as the config's (what a record keeps)."""
+        return SettingError(self.head).worded()
 
 
 class SearchOffTarget(SearchCollapsed):

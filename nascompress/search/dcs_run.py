@@ -12,7 +12,7 @@ from torch import nn
 from .. import distributed
 from ..api import count_classes, run_data_config
 from ..data import DataConfig, InputSpec, dataset_paths, load_data
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..io import load_with_arch, make_arch
 from ..models import ModelSpec, build_model, load_pretrained
 from ..run_dir import RunDir
@@ -37,6 +37,11 @@ def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any],
                         data=data, weights=weights, model_kwargs={"img_size": img_size} if img_size else {})
 
 
+# how to let the gates of a search the guard stopped go on (a SettingError template: a front end words
+# its fields, e.g. the CLI as the command that continues it)
+CONTINUE = "rerun the same command with {resume} {max_val_drop} 100 to let the gates go on from this epoch"
+
+
 def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
     src = Path(job.source)
     if src.is_dir():
@@ -45,7 +50,7 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataCon
             raise NascompressError(f"{src} is not a dense run (it has methods {[m['name'] for m in arch['methods']]})")
         return model, arch, job.data or run_data_config(src) or DataConfig()
     if job.weights is None:
-        raise NascompressError(f"{job.source} is not a run directory; to search a timm model name give --weights FILE")
+        raise SettingError(f"{job.source} is not a run directory; to search a timm model name give {{weights}} FILE")
     data = job.data or DataConfig()
     spec = ModelSpec(job.source, dict({"num_classes": count_classes(data)}, **job.model_kwargs))
     model = build_model(spec)
@@ -79,9 +84,8 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
         run.create(resolved.replace(data=data_cfg).to_dict())
 
     result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
-    if result.metrics.get("stopped"):  # the advice in the record names the command that continues the gates
-        result.metrics["stopped"]["continue"] = ("rerun the same command with --resume --max-val-drop 100 to let the "
-                                                 "gates go on from this epoch")
+    if result.metrics.get("stopped"):  # how to continue the gates (a front end words CONTINUE its own way)
+        result.metrics["stopped"]["continue"] = "resume the run with max_val_drop 100 to let the gates go on from this epoch"
     return run.finish(result.metrics)  # the last write: marks the search complete
 
 
@@ -94,4 +98,4 @@ def reopen_stopped(out: Path) -> None:
         mark.unlink()
 
 
-__all__ = ["build_job", "search_dcs", "reopen_stopped"]
+__all__ = ["CONTINUE", "build_job", "search_dcs", "reopen_stopped"]

@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import Config
 from ..data import InputSpec
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..io import load_with_arch, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
@@ -39,12 +39,12 @@ def load_search(search_dir: str | Path) -> tuple[nn.Module, dict[str, Any], DCSC
     """Load a finished DCS search (supernet, arch, config); refuse unfinished or inconsistent ones."""
     d = Path(search_dir)
     if not d.is_dir():
-        raise NascompressError(f"{d} is not a directory; give the --out directory of 'nascompress search dcs'")
+        raise SettingError(f"{d} is not a directory; give the {{out}} directory of 'nascompress search dcs'")
     supernet, arch = load_with_arch(d)  # an unfinished search is refused here (--resume continues it)
     methods = arch.get("methods") or []
     if not methods or methods[-1].get("name") != "dcs" or methods[-1].get("stage", "supernet") != "supernet":
-        raise NascompressError(f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
-                               "supernet); give the --out directory of 'nascompress search dcs'")
+        raise SettingError(f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
+                               "supernet); give the {out} directory of 'nascompress search dcs'")
     rec = methods[-1]
     cfg = DCSConfig.from_dict(dict(rec.get("config", {})))
     if rec.get("blocks") is not None and rec["blocks"] != selection(supernet):

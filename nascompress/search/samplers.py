@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Sequence
 
-from ..config import check_choice
+from ..config import check_choice, check_field
 from ..errors import NascompressError
 from .space import Space
 
@@ -69,7 +69,7 @@ def sampler_factory(kind: str, space: Space, seed: int, *, trials: int = 50) -> 
     space's ``trials`` spread points (:mod:`nascompress.search.grid`). ``qmc`` on a space with
     conditional parameters and ``gp`` on one with categorical or conditional parameters are
     refused (one line naming the parameter)."""
-    check_choice("--sampler", kind, SAMPLERS)
+    check_field("sampler", check_choice, kind, SAMPLERS)
     if kind == "grid":
         return functools.partial(make_sampler, kind, points=space.grid(trials))
     if kind == "gp":

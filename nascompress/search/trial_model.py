@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, check_settings, setting
 from ..limits import MAX_EPOCHS
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..io import save_model
 from ..run_dir import RunDir
 from ..utils import refuse_overwriting_inputs
@@ -48,7 +48,7 @@ class TrialMaterializeJob(Config):
     def __post_init__(self) -> None:
         check_settings(self)
         if (self.trial is None) == (self.pick is None):
-            raise NascompressError("give either --trial N or --pick RULE (best-under-flops=0.6, "
+            raise SettingError("give either {trial} N or {pick} RULE (best-under-flops=0.6, "
                                    "best-under-latency=MS or knee)")
         if self.pick is not None:
             parse_pick(self.pick)
@@ -57,17 +57,17 @@ class TrialMaterializeJob(Config):
 def parse_pick(text: str) -> tuple[str, float | None]:
     rule, _, value = text.partition("=")
     if rule not in PICK_RULES:
-        raise NascompressError(f"--pick {text!r}: the rule must be one of best-under-flops=R, best-under-latency=MS, knee")
+        raise SettingError(f"{{pick}} {text!r}: the rule must be one of best-under-flops=R, best-under-latency=MS, knee")
     if rule == "knee":
         if value:
-            raise NascompressError("--pick knee takes no value")
+            raise SettingError("{pick} knee takes no value")
         return rule, None
     try:
         v = float(value)
     except ValueError:
-        raise NascompressError(f"--pick {text!r}: {rule} needs a number, e.g. {rule}=0.6") from None
+        raise SettingError(f"{{pick}} {text!r}: {rule} needs a number, e.g. {rule}=0.6") from None
     if v <= 0:
-        raise NascompressError(f"--pick {text!r}: the bound must be positive")
+        raise SettingError(f"{{pick}} {text!r}: the bound must be positive")
     return rule, v
 
 
@@ -97,16 +97,16 @@ def pick_trial(study: Any, rule: str, value: float | None) -> Any:
     recs = {t.number: trial_record(t) for t in done}
     if rule == "knee":
         if len(study.directions) < 2:
-            raise NascompressError("--pick knee needs a two-objective study; this one is single-objective: "
-                                   "use --pick best-under-flops=R")
+            raise SettingError("{pick} knee needs a two-objective study; this one is single-objective: "
+                                   "use {pick} best-under-flops=R")
         front = pareto_front(done, study.directions)
         sign = 1 if study.directions[1].name.lower() == "minimize" else -1
         return knee([(t, t.values[0], sign * t.values[1]) for t in front])
     key = "flops_ratio" if rule == "best-under-flops" else "latency_ms"
     have = [t for t in done if recs[t.number].get(key) is not None]
     if not have:
-        raise NascompressError(f"no trial of study {study.study_name!r} recorded {key.replace('_', ' ')}; "
-                               "search with --objective latency (or --max-latency) to pick by latency")
+        raise SettingError(f"no trial of study {study.study_name!r} recorded {key.replace('_', ' ')}; "
+                               "search with {objective} latency (or {max_latency}) to pick by latency")
     ok = [t for t in have if recs[t.number][key] <= value]
     if not ok:
         closest = min(have, key=lambda t: recs[t.number][key])

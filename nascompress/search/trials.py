@@ -38,7 +38,7 @@ from torch import nn
 from ..config import Config, StageSettings, check_settings, setting
 from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MAX_WORKERS
 from ..data import DataConfig, InputSpec
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError, words
 from ..resources import resolve_file
 from ..io import load_with_arch
 from ..methods import get_method
@@ -60,7 +60,7 @@ STORAGE_HELP = ("Where the studies live: sqlite:///FILE, journal:FILE or postgre
 FINETUNE_EPOCHS_HELP = "0: none; else fine-tune with the last method's recipe for this many epochs."
 
 
-class GoalUnreachable(NascompressError):
+class GoalUnreachable(SettingError):
     """No configuration of the space reaches the study's ``max_flops`` on this base (nothing is run)."""
 
 
@@ -145,10 +145,10 @@ class SearchJob(Config):
         # the run settings are TrainConfig's (RUNTIME_SETTINGS: the trials train with them), checked there
         TrainConfig(seed=self.seed, device=self.device, amp=self.amp, deterministic=self.deterministic)
         if self.max_flops is not None and self.max_latency_ms is not None:
-            raise NascompressError("give --max-flops or --max-latency, not both")
+            raise SettingError("give {max_flops} or {max_latency_ms}, not both")
         if self.constrained and self.objective != "goal":
-            raise NascompressError(f"--objective {self.objective} is a Pareto front; with --max-flops or --max-latency "
-                                   "the study is single-objective: leave --objective at goal")
+            raise SettingError(f"{{objective}} {self.objective} is a Pareto front; with {{max_flops}} or {{max_latency_ms}} "
+                                   "the study is single-objective: leave {objective} at goal")
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> "SearchJob":
@@ -376,7 +376,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     dense = count_flops(build_model(ModelSpec.from_dict(arch["model"])).eval(), x).total
     profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
     if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
-        raise GoalUnreachable(f"no configuration of space {space.name!r} reaches --max-flops {job.max_flops}: its "
+        raise GoalUnreachable(f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
                                f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
     if progress and profile:
         from ..progress import console
@@ -384,7 +384,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
         console.print(f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
                       f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
                       f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
-                      + ("" if job.max_flops is None else f"; --max-flops {job.max_flops:g} is reachable"),
+                      + ("" if job.max_flops is None else words(f"; {{max_flops}} {job.max_flops:g} is reachable")),
                       highlight=False)
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()

@@ -36,14 +36,13 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from nascompress.config import check_settings, setting
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, SettingError
 from nascompress.utils import read_json
 
 from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
 
 SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
-EXPOSE_FLAG = "--expose-storage-without-login"
 WRITABLE_FLAG = "--writable"
 _READ_METHODS = ("GET", "HEAD", "OPTIONS")
 
@@ -266,15 +265,15 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
 
     if not expose and not is_loopback(host):
         can = "read, change and delete" if writable else "read"
-        raise NascompressError(f"the dashboard has no login: on --host {host} every machine that reaches this one "
-                               f"could {can} the studies of its storage; keep the default --host 127.0.0.1 (and "
-                               f"tunnel, e.g. ssh -L), or pass {EXPOSE_FLAG} to serve it there knowingly")
+        raise SettingError(f"the dashboard has no login: on {{host}} {host} every machine that reaches this one "
+                               f"could {can} the studies of its storage; keep the default {{host}} 127.0.0.1 (and "
+                               "tunnel, e.g. ssh -L), or pass {expose} to serve it there knowingly")
     spec, st = find_study(name, storage)
     if writable and spec.kind == "sqlite":  # the snapshot's writes would never reach the file
-        raise NascompressError(f"{WRITABLE_FLAG} cannot change SQLite storage {spec.display}: the dashboard serves a "
+        raise SettingError(f"{{writable}} cannot change SQLite storage {spec.display}: the dashboard serves a "
                                "snapshot copy of it (a live SQLite file that a study writes can crash it, "
                                "optuna-dashboard#545), so deletions and edits would not reach the file; leave out "
-                               f"{WRITABLE_FLAG} to browse it, or (no study writing it) run optuna-dashboard on "
+                               "{writable} to browse it, or (no study writing it) run optuna-dashboard on "
                                f"{spec.display} itself")
     study_id = st.get_study_id_from_name(name)
     tmpdir: Path | None = None

@@ -19,7 +19,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.config import check_settings, setting
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, SettingError
 from nascompress.utils import refuse_overwriting_inputs
 
 from .records import (
@@ -267,9 +267,9 @@ def check_out(out: str | Path, *, force: bool) -> Path:
     if out.is_dir():
         raise NascompressError(f"{out} is a directory; give a file name")
     if out.exists() and not force:
-        raise NascompressError(f"{out} already exists; pass --force to overwrite it")
+        raise SettingError(f"{out} already exists; pass {{force}} to overwrite it")
     if not out.parent.is_dir():
-        raise NascompressError(f"directory {out.parent} does not exist; create it or choose another --out")
+        raise SettingError(f"directory {out.parent} does not exist; create it or choose another {{out}}")
     return out
 
 
@@ -284,7 +284,7 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
         force: overwrite an existing file.
     """
     if fmt not in ("csv", "json"):
-        raise NascompressError(f"--format must be csv or json, got {fmt!r}")
+        raise SettingError(f"{{format}} must be csv or json, got {fmt!r}")
     out = check_out(out, force=force)
     spec, study = load(name, storage)
     refuse_overwriting_inputs(out, (spec.path,))  # the study's own file (even with --force)

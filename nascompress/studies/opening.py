@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import optuna
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, SettingError, literal
 
 from .records import RECORD_KEY, study_info
 from .storage import StorageSpec, open_storage
@@ -91,14 +91,15 @@ def _open_locked(spec: StorageSpec, storage: Any, *, study_name: str, directions
                                f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name")
     old, new = stored.get("sampler"), info.get("sampler")
     if old is not None and new is not None and old != new:
-        raise NascompressError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
-                               f"asks for {new!r}; a study keeps its sampler: rerun with --sampler {old} or use a new "
+        raise SettingError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
+                               f"asks for {new!r}; a study keeps its sampler: rerun with {{sampler}} {old} or use a new "
                                "study name")
     old, new = stored.get("scoring"), info.get("scoring")
     if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
-        diff = [f"--{k.replace('_', '-')} {old[k]} (this run: {new[k]})" for k in old if k in new and old[k] != new[k]]
+        diff = [f"{{{k}}} {literal(str(old[k]))} (this run: {literal(str(new[k]))})"
+                for k in old if k in new and old[k] != new[k]]
         if diff:
-            raise NascompressError(f"study {study_name!r} in {spec.display} scores every trial alike and this run "
+            raise SettingError(f"study {study_name!r} in {spec.display} scores every trial alike and this run "
                                    f"differs: {', '.join(diff)}; rerun with the study's settings or use a new "
                                    "study name")
     names = study.metric_names

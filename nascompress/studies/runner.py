@@ -83,7 +83,8 @@ from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
 from nascompress.limits import check_limited
-from nascompress.errors import NascompressError, WriteError, storage_problem, write_error, writing
+from nascompress.errors import (NascompressError, SettingError, WriteError, literal, storage_problem, write_error,
+                               writing)
 
 from .display import Display
 from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
@@ -419,8 +420,8 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     timed_out = loop.deadline is not None and time.time() >= loop.deadline
     if complete < n_trials and errors and not timed_out:
         first = errors[0]
-        hint = " (rerun with --workers 1 --debug for the traceback)" if first.get("traceback") else ""
-        raise NascompressError(f"worker {first['worker']} failed: {first['error']}{hint}; the study has "
+        hint = " (rerun with {workers} 1 {debug} for the traceback)" if first.get("traceback") else ""
+        raise SettingError(f"worker {first['worker']} failed: {literal(first['error'])}{hint}; the study has "
                                f"{complete} of {n_trials} complete trials: rerun the same command to continue it")
     front = pareto_front(trials, directions)
     return {"study": study_name, "storage": spec.display, "n_trials": n_trials, "complete": complete,

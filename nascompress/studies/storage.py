@@ -43,7 +43,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, SettingError
 
 from .journal_lock import OwnedJournalLock
 from .storage_open import CONNECT_TIMEOUT_S, open_storage
@@ -97,12 +97,12 @@ def find_study(name: str, storage: str | None = None, *,
     opened = existing_storages(storage, project_dir=project_dir)
     if not opened:
         db, journal = default_storages(project_dir)
-        raise NascompressError(f"no study named {name!r}: this directory has no studies yet (neither "
-                               f"{db.path.name} nor {journal.path.name} exists; pass --storage to look elsewhere)")
+        raise SettingError(f"no study named {name!r}: this directory has no studies yet (neither "
+                               f"{db.path.name} nor {journal.path.name} exists; pass {{storage}} to look elsewhere)")
     found = [(s, st) for s, st in opened if has_study(st, name)]
     if len(found) > 1:
-        raise NascompressError(f"study {name!r} exists in both {found[0][0].display} and {found[1][0].display}: "
-                               "pass --storage to choose one")
+        raise SettingError(f"study {name!r} exists in both {found[0][0].display} and {found[1][0].display}: "
+                               "pass {storage} to choose one")
     if found:
         return found[0]
     names = sorted({n for _, st in opened for n in study_names(st)})
@@ -124,21 +124,21 @@ def resolve_run_storage(storage: str | None, *, study_name: str, workers: int = 
     if storage is not None:
         spec = parse_storage(storage)
         if spec.kind == "sqlite" and workers > 1:
-            raise NascompressError(f"--storage {spec.display} is SQLite, which is not safe for {workers} "
-                                   "concurrent workers: use --storage journal:PATH (one machine), "
-                                   "postgresql://... (several machines) or --workers 1")
+            raise SettingError(f"{{storage}} {spec.display} is SQLite, which is not safe for {workers} "
+                                   "concurrent workers: use {storage} journal:PATH (one machine), "
+                                   "postgresql://... (several machines) or {workers} 1")
         return spec
     db, journal = default_storages(project_dir)
     in_db = bool(db.path and db.path.exists() and has_study(open_storage(db, create=False), study_name))
     in_journal = bool(journal.path and journal.path.exists()
                       and has_study(open_storage(journal, create=False), study_name))
     if in_db and in_journal:
-        raise NascompressError(f"study {study_name!r} exists in both {db.path.name} and {journal.path.name}: "
-                               "pass --storage to choose one")
+        raise SettingError(f"study {study_name!r} exists in both {db.path.name} and {journal.path.name}: "
+                               "pass {storage} to choose one")
     if in_db:
         if workers > 1:
-            raise NascompressError(f"study {study_name!r} lives in {db.path.name} (SQLite), which is not safe "
-                                   f"for {workers} workers: continue it with --workers 1, or start a new study "
+            raise SettingError(f"study {study_name!r} lives in {db.path.name} (SQLite), which is not safe "
+                                   f"for {workers} workers: continue it with {{workers}} 1, or start a new study "
                                    f"name (new multi-worker studies go to {journal.path.name})")
         return db
     if in_journal:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from nascompress.errors import NascompressError
+from nascompress.errors import SettingError
 
 DEFAULT_DB = "nascompress-studies.db"
 DEFAULT_JOURNAL = "nascompress-studies.journal"
@@ -88,11 +88,11 @@ def parse_storage(text: str) -> StorageSpec:
     if t.startswith("sqlite:///"):
         path = t[len("sqlite:///"):]
         if not path or path == ":memory:":
-            raise NascompressError(f"--storage {t}: give a file, e.g. sqlite:///studies.db (an in-memory "
+            raise SettingError(f"{{storage}} {t}: give a file, e.g. sqlite:///studies.db (an in-memory "
                                    "database would lose the study)")
         return StorageSpec("sqlite", t, Path(path))
     if t.startswith("sqlite:"):
-        raise NascompressError(f"--storage {t}: write SQLite storages as sqlite:///PATH (three slashes; "
+        raise SettingError(f"{{storage}} {t}: write SQLite storages as sqlite:///PATH (three slashes; "
                                "four for an absolute path)")
     if t.startswith("postgres://"):
         t = "postgresql://" + t[len("postgres://"):]
@@ -103,6 +103,6 @@ def parse_storage(text: str) -> StorageSpec:
         if path.startswith("//"):
             path = path[2:]
         if not path:
-            raise NascompressError("--storage journal: needs a file, e.g. journal:studies.journal")
+            raise SettingError("{storage} journal: needs a file, e.g. journal:studies.journal")
         return StorageSpec("journal", f"journal:{path}", Path(path))
-    raise NascompressError(f"--storage {mask_url(t)} is not a storage nascompress knows: use {_FORMS}")
+    raise SettingError(f"{{storage}} {mask_url(t)} is not a storage nascompress knows: use {_FORMS}")
