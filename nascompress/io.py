@@ -51,8 +51,9 @@ from torch import nn
 from .errors import NascompressError, writing
 from .methods import apply_methods
 from .models import ModelSpec, build_model, load_state_strict
-from .run_files import (ARCH_FILE, ARCH_FORMAT, Arch, METRICS_FILE, READ_FORMATS, read_arch_json, read_metrics_json,  # noqa: F401
-                        validate_arch, write_arch_json, write_metrics_json)
+from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
+from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
+                        write_arch_json, write_metrics_json)
 from .utils import atomic_path, parse_json, read_json
 
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),

@@ -33,7 +33,7 @@ def register(app: typer.Typer) -> None:
             return
         from nascompress.run_files import Sidecar
 
-        typed = Sidecar.from_dict(side, source=f"{Path(out_file).name}.json")
+        typed = run(lambda: Sidecar.from_dict(side, source=f"{Path(out_file).name}.json"))
         v = typed.verification
         if typed.quantization is not None:
             q = typed.quantization

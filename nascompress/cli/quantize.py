@@ -45,7 +45,7 @@ def quantize(
         return
     from nascompress.run_files import Sidecar
 
-    typed = Sidecar.from_dict(side, source=f"{target.name}.json")
+    typed = run(lambda: Sidecar.from_dict(side, source=f"{target.name}.json"))
     q, v = typed.quantization, typed.verification
     if q.fallback:
         out.print(f"fallback: {q.fallback}", highlight=False, soft_wrap=True)
