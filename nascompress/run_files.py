@@ -119,9 +119,9 @@ class Record:
         return cls(**kwargs, extra=copy.deepcopy({k: v for k, v in d.items() if k not in typed}), order=tuple(d))
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object: the file's keys in its order, then fields set since (None: left out)."""
+        """The JSON object: the file's keys in its order, then fields set since (None or empty: left out)."""
         typed = self.typed_fields()
-        keys = [*self.order, *(k for k in typed if k not in self.order and getattr(self, k) is not None),
+        keys = [*self.order, *(k for k in typed if k not in self.order and getattr(self, k) not in (None, ())),
                 *(k for k in self.extra if k not in self.order)]
         return {k: _plain(getattr(self, k) if k in typed else self.extra[k]) for k in keys
                 if k in typed or k in self.extra}
