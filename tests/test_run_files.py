@@ -181,3 +181,10 @@ def test_the_scan_finds_a_direct_read():
            'def g(d):\n    return json.loads((d / ARCH_FILE).read_text())\n'
            'def h(d):\n    return read_json(d / "config.json"), read_json(d / "done" / "search.json")\n')
     assert direct_file_access(ast.parse(src)) == [3, 5]
+
+
+def test_a_record_built_in_code_writes_only_what_it_holds():
+    m = RunMetrics(test_top1=50.0, extra={"epochs": 2})
+    assert m.to_dict() == {"test_top1": 50.0, "epochs": 2} and m.get("macs", "none") == "none"
+    s = Sidecar(format="nascompress-export/1", file="m.onnx")
+    assert s.to_dict() == {"format": "nascompress-export/1", "file": "m.onnx"}
