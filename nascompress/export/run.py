@@ -150,7 +150,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
     for f in files:
         clear_stale(f)
-    model, arch = load_with_arch(run)
+    model, _ = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -181,7 +181,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
             if not check["passed"]:
                 hint = ("; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
-                        "tokens in another runtime" if arch["methods"] else "")
+                        "tokens in another runtime" if recorded.methods else "")
                 raise NascompressError(
                     f"the exported file differs from the PyTorch model: max |logit difference| "
                     f"{check['max_abs_diff']:.3g} > {cfg.tol:g} x max(1, {check['logit_scale']:.3g}), top-1 "
@@ -195,15 +195,15 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                                                                                  cfg.dtype),
                            "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
                 "batch": cfg.batch, "dtype": cfg.dtype,
-                "input": {**arch["input"], "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
+                "input": {**recorded.input, "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
                           "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
-                          "steps": eval_steps(InputSpec.from_dict(arch["input"]))},
+                          "steps": eval_steps(InputSpec.from_dict(dict(recorded.input)))},
                 "num_classes": int(model.num_classes),
-                "id2label": ({str(i): name for i, name in enumerate(arch["labels"])} if arch.get("labels") else None),
+                "id2label": ({str(i): name for i, name in enumerate(recorded.labels)} if recorded.labels else None),
                 "flops": flops,
-                "model": arch["model"],
-                "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m
-                                                                                 else {})} for m in arch["methods"]],
+                "model": dict(recorded.model),
+                "methods": [{"name": m.name, "config": m.get("config", {}), **({"stage": m.stage} if "stage" in m
+                                                                               else {})} for m in recorded.methods],
                 "exit_rule": rule,
                 "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
                 "verification": check,
