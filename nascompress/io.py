@@ -50,18 +50,15 @@ from torch import nn
 
 from .errors import NascompressError, SettingError, literal, words, writing
 from .methods import apply_methods
-from .data_input import check_input_section
-from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict, model_size
-from .utils import atomic_path, parse_json, read_json, write_json
+from .models import ModelSpec, build_model, load_state_strict
+from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
+from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
+                        write_arch_json, write_metrics_json)
+from .utils import atomic_path, parse_json, read_json
 
-ARCH_FORMAT = "nascompress-arch/2"
-# /1: written before the method contract; its new-parameter names differ (see _upgrade_v1)
-READ_FORMATS = ("nascompress-arch/1", ARCH_FORMAT)
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
-ARCH_FILE = "arch.json"
 MODEL_FILE = "model.safetensors"
-METRICS_FILE = "metrics.json"
 CONFIG_FILE = "config.json"
 # files only a run writes (a plain model directory has none of them; nor a config.json of a run)
 RUN_FILES = (METRICS_FILE, "log.jsonl", "checkpoint.safetensors", "last.safetensors")
@@ -108,28 +105,6 @@ def timm_pretrained_cfg(model: nn.Module, arch: dict[str, Any]) -> dict[str, Any
     return cfg
 
 
-def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
-    """Check an arch read from a file: its format, and that ``model`` holds a timm name and only the
-    build settings nascompress writes (:data:`~nascompress.models.MODEL_KWARGS`): the file is data,
-    and its settings go to ``timm.create_model``."""
-    if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or not isinstance(arch.get("model"), dict):
-        raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
-    model = arch["model"]
-    if not isinstance(model.get("name"), str) or set(model) - {"name", "kwargs"}:
-        raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
-                               f"keys {sorted(model)}")
-    check_model_kwargs(model.get("kwargs", {}), source=source)
-    spec = ModelSpec(model["name"], dict(model.get("kwargs", {})))
-    check_model_size(spec, source=source)
-    geometry = model_size(spec)  # None: a model nascompress cannot count (a pyramid ViT)
-    if geometry is not None:
-        geometry["dynamic"] = bool(spec.kwargs.get("dynamic_img_size"))
-    check_input_section(arch.get("input"), source=source, model=geometry)
-    if not isinstance(arch.setdefault("methods", []), list):
-        raise NascompressError(f"{source}: methods must be a list of method records")
-    return arch
-
-
 def _upgrade_v1(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """State dicts of format /1 name the methods' new parameters differently: rename them."""
     out = {}
@@ -160,7 +135,7 @@ def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, f
     path = run_dir / filename
     with atomic_path(path) as tmp:
         save_file(_state_dict_for_save(model), str(tmp), metadata={"nascompress_arch": json.dumps(arch)})
-    write_json(run_dir / ARCH_FILE, arch)
+    write_arch_json(run_dir, arch)
     return path
 
 
@@ -191,18 +166,17 @@ def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
     d = Path(run_dir)
     files = {name: {"bytes": (d / name).stat().st_size, "sha256": file_sha256(d / name)}
              for name in VOUCHED_FILES if (d / name).is_file()}
-    write_json(d / METRICS_FILE, dict(metrics, finished=True, finished_files=files))
+    write_metrics_json(d, dict(metrics, finished=True, finished_files=files))
 
 
 def _mark(d: Path) -> tuple[str, str | None]:
     """(state, what differs) of the completion mark in ``d/metrics.json``: ``complete``,
     ``altered`` (a vouched file changed since), ``unmarked`` (no mark, or not the boolean true)
     or ``absent`` (no metrics.json)."""
-    m = d / METRICS_FILE
-    if not m.is_file():
+    if not (d / METRICS_FILE).is_file():
         return "absent", None
     try:
-        metrics = read_json(m)
+        metrics = read_metrics_json(d)
     except NascompressError:
         return "unmarked", None
     if not isinstance(metrics, dict):
@@ -312,7 +286,7 @@ def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str
         if not weights.is_file():
             raise NascompressError(f"{path} holds no {MODEL_FILE}; is it a finished nascompress run?")
         if (path / ARCH_FILE).is_file():
-            return weights, validate_arch(read_json(path / ARCH_FILE), source=str(path / ARCH_FILE))
+            return weights, read_arch_json(path / ARCH_FILE)
         path = weights
     try:
         with safe_open(str(path), "pt") as f:
@@ -344,6 +318,13 @@ def recorded_input(path: str | Path) -> dict[str, Any] | None:
 def load_arch(path: str | Path) -> dict[str, Any]:
     """The arch of a saved model (a complete run, a plain model directory, or a weights file)."""
     return _resolve(path)[1]
+
+
+def read_arch(path: str | Path) -> Arch:
+    """The typed arch (:class:`~nascompress.run_files.Arch`) of a saved model, read as :func:`load_arch`."""
+    p = Path(path)
+    source = str(p / ARCH_FILE) if p.is_dir() and (p / ARCH_FILE).is_file() else f"{p} metadata"
+    return Arch.from_dict(load_arch(p), source=source)
 
 
 def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu",

@@ -50,7 +50,7 @@ from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError, SettingError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
-from .io import load_arch, load_with_arch
+from .io import load_with_arch, read_arch
 from .train import TrainConfig, fit, recipe_config
 from .run_dir import RunDir
 
@@ -348,8 +348,7 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
                           teacher=os.path.abspath(job.teacher) if job.teacher else None)
     run = RunDir.prepare(out, force=force, resume=resume,
                          inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
-    arch = load_arch(job.model_dir)
-    if not arch["methods"]:
+    if not read_arch(job.model_dir).methods:
         raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
                                "compression method); run materialize or finetune first and retrain their output")
     check_teacher(job)

@@ -26,7 +26,8 @@ from .models import ModelSpec, build_model, input_size, load_pretrained, pretrai
 from .train_loop import Ema, FitSettings, LossWatch, fit, lr_at
 from .train_store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
 from .run_dir import RunDir
-from .utils import seed_everything, write_json
+from .run_files import write_arch_json
+from .utils import seed_everything
 
 LR_REF_BATCH = 512  # base learning rates are given per 512 images (peak lr = base_lr * batch / 512)
 
@@ -278,7 +279,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
 
         return run.finish(fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch))
     if distributed.is_main() and not (out / ARCH_FILE).exists():
-        write_json(out / ARCH_FILE, arch)
+        write_arch_json(out, arch)
     distributed.barrier()  # the run directory is ready
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 

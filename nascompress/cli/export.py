@@ -31,17 +31,20 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(side)
             return
-        v = side["verification"]
-        if "quantization" in side:
-            q = side["quantization"]
-            fallback = f", fallback: {q['fallback']}" if q["fallback"] else ""
-            out.print(f"wrote {side['file']} ({q['scheme']}{fallback}) + "
+        from nascompress.run_files import Sidecar
+
+        typed = run(lambda: Sidecar.from_dict(side, source=f"{Path(out_file).name}.json"))
+        v = typed.verification
+        if typed.quantization is not None:
+            q = typed.quantization
+            fallback = f", fallback: {q.fallback}" if q.fallback else ""
+            out.print(f"wrote {typed.file} ({q.scheme}{fallback}) + "
                       f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
                       f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
                       f"{v['max_abs_logit_diff']:.3g}", highlight=False, soft_wrap=True)
             return
-        files = ", ".join(f["file"] for f in side["files"])
-        out.print(f"wrote {files} ({side['runtime']}, {side['dtype']}, batch {side['batch']}) + "
+        files = ", ".join(f["file"] for f in typed.files)
+        out.print(f"wrote {files} ({typed.runtime}, {typed.dtype}, batch {typed.batch}) + "
                   f"{Path(out_file).name}.json"
                   f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
                   f"top-1 agreement {100 * v['top1_agreement']:.1f}%", highlight=False, soft_wrap=True)

@@ -43,12 +43,15 @@ def quantize(
     if json_out:
         print_json(side)
         return
-    q, v = side["quantization"], side["verification"]
-    if q["fallback"]:
-        out.print(f"fallback: {q['fallback']}", highlight=False, soft_wrap=True)
-    kept = ", ".join(f"{n} {why}" for why, n in q["kept_fp32_summary"].items())
-    calib = f", calibrated on {q['calibration']['images']} training images" if q["calibration"] else ""
-    out.print(f"wrote {target} + {target.name}.json ({q['scheme']}{calib}; {q['quantized_nodes']} layers int8, kept "
+    from nascompress.run_files import Sidecar
+
+    typed = run(lambda: Sidecar.from_dict(side, source=f"{target.name}.json"))
+    q, v = typed.quantization, typed.verification
+    if q.fallback:
+        out.print(f"fallback: {q.fallback}", highlight=False, soft_wrap=True)
+    kept = ", ".join(f"{n} {why}" for why, n in q.kept_fp32_summary.items())
+    calib = f", calibrated on {q.calibration['images']} training images" if q.calibration else ""
+    out.print(f"wrote {target} + {target.name}.json ({q.scheme}{calib}; {q.quantized_nodes} layers int8, kept "
               f"fp32: {kept})  check on {v['n']} {v['dataset']} validation images: top-1 {v['fp32_top1']:.2f}% fp32 "
               f"-> {v['int8_top1']:.2f}% int8 (drop {v['top1_drop']:.2f} pts <= {v['max_drop']:g}), agreement "
               f"{v['top1_agreement']:.1f}%, max |logit diff| {v['max_abs_logit_diff']:.3g}", highlight=False,

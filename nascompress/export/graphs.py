@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError, SettingError, write_error
+from ..run_files import Arch
 
 EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h", "tome")
 TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule
@@ -84,13 +85,13 @@ class _Stage2(nn.Module):
         return self.model._mgis(image, tokens, casr)
 
 
-def check_exportable(arch: dict[str, Any], *, dynamic: bool) -> None:
+def check_exportable(arch: Arch, *, dynamic: bool) -> None:
     """Refuse, with the reason, models that have no export path."""
-    for rec in arch.get("methods", []):
-        name = rec.get("name")
+    for rec in arch.methods:
+        name = rec.name
         if name not in EXPORTABLE:
             raise NascompressError(f"method {name!r} has no export path (exportable: {', '.join(EXPORTABLE)})")
-        if name == "dcs" and rec.get("stage", "supernet") != "materialized":
+        if name == "dcs" and (rec.stage or "supernet") != "materialized":
             raise NascompressError("this run holds the DCS supernet (channel gates and masks, not a smaller model); "
                                    "export the run `nascompress materialize` makes from it")
         if name in TWO_STAGE and not dynamic:

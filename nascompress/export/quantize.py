@@ -242,18 +242,19 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     from dataclasses import replace
 
     from ..data import InputSpec, load_data
-    from ..io import load_arch
-    from ..utils import atomic_path, write_json
+    from ..io import read_arch
+    from ..run_files import sidecar_path, write_sidecar_json
+    from ..utils import atomic_path
     from .config import ExportConfig
-    from .run import check_outputs, clear_stale, export_run, new_folders, sidecar_path
+    from .run import check_outputs, clear_stale, export_run, new_folders
     from .verify import onnx_runner
 
     cfg = config or QuantizeConfig()
     ecfg = replace(export or ExportConfig(), quantize="none")
     if ecfg.format != "onnx" or ecfg.dtype != "fp32":
         raise SettingError("int8 quantization starts from the fp32 ONNX export: use {format} onnx {dtype} fp32")
-    arch = load_arch(run)
-    two_stage = [m["name"] for m in arch.get("methods", []) if m.get("name") in TWO_STAGE]
+    arch = read_arch(run)
+    two_stage = [name for name in arch.method_names if name in TWO_STAGE]
     if two_stage:  # mgvit, mgvit-h: two graphs and an exit rule
         raise NascompressError(f"MG-ViT is not quantized ({two_stage[0]}: two graphs and an exit rule): the rule reads "
                                "the softmax confidence, which int8 moves and this check does not cover; export it in "
@@ -265,7 +266,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     data_cfg = _run_data(run, data)
     if cfg.eval_images is not None:
         data_cfg = replace(data_cfg, eval_limit=cfg.eval_images, subset_seed=cfg.seed)
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data_cfg, spec=spec, augment=False)
     t0 = time.perf_counter()
     clear_stale(out)  # what a quantize of this output killed with kill -9 left
@@ -321,7 +322,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                             f"{' (first and last blocks fp32)' if a['level'] else ''}")
             side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
                             time.perf_counter() - t0)
-            write_json(tmp_side, side)
+            write_sidecar_json(tmp_side, side)
     return side
 
 

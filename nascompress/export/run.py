@@ -14,7 +14,8 @@ from ..errors import NascompressError, SettingError, require_extra
 from ..io import file_sha256
 from ..data import InputSpec, eval_steps
 from ..progress import say
-from ..utils import atomic_path, refuse_overwriting_inputs, write_json
+from ..run_files import sidecar_path, write_sidecar_json
+from ..utils import atomic_path, refuse_overwriting_inputs
 from .config import ExportConfig
 from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph
 from .paths import traceable_copy
@@ -23,12 +24,6 @@ from .verify import runner_for, verify, with_exit_rule
 SIDECAR_FORMAT = "nascompress-export/1"
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ONNX_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-
-
-def sidecar_path(out: str | Path) -> Path:
-    """``FILE.json`` beside ``FILE``."""
-    out = Path(out)
-    return out.with_name(out.name + ".json")
 
 
 def stage_path(out: str | Path, role: str) -> Path:
@@ -138,7 +133,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     A ``config.quantize`` is refused here: :func:`nascompress.export.export_run` sends such a config to
     :func:`~nascompress.export.quantize.quantize_run`, which exports through this function first.
     """
-    from ..io import MODEL_FILE, load_arch, load_with_arch
+    from ..io import MODEL_FILE, load_with_arch, read_arch
     from ..models import input_size
 
     cfg = config or ExportConfig()
@@ -147,15 +142,15 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                                "from nascompress.export.export_run or nascompress.export.quantize.quantize_run")
     if cfg.format == "onnx":
         require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
-    arch = load_arch(run)  # a missing or unreadable run is reported here, before anything else
+    recorded = read_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
-    check_exportable(arch, dynamic=cfg.dynamic)
-    roles = ("sgis", "mgis") if any(m.get("name") in TWO_STAGE for m in arch["methods"]) else ("model",)
+    check_exportable(recorded, dynamic=cfg.dynamic)
+    roles = ("sgis", "mgis") if any(name in TWO_STAGE for name in recorded.method_names) else ("model",)
     files = [stage_path(out, r) for r in roles]
     created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
     for f in files:
         clear_stale(f)
-    model, arch = load_with_arch(run)
+    model, _ = load_with_arch(run)
     dtype = TORCH_DTYPES[cfg.dtype]
     shape = input_size(model)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -186,7 +181,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
             if not check["passed"]:
                 hint = ("; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
-                        "tokens in another runtime" if arch["methods"] else "")
+                        "tokens in another runtime" if recorded.methods else "")
                 raise NascompressError(
                     f"the exported file differs from the PyTorch model: max |logit difference| "
                     f"{check['max_abs_diff']:.3g} > {cfg.tol:g} x max(1, {check['logit_scale']:.3g}), top-1 "
@@ -200,15 +195,15 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                                                                                  cfg.dtype),
                            "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
                 "batch": cfg.batch, "dtype": cfg.dtype,
-                "input": {**arch["input"], "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
+                "input": {**recorded.input, "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
                           "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
-                          "steps": eval_steps(InputSpec.from_dict(arch["input"]))},
+                          "steps": eval_steps(InputSpec.from_dict(dict(recorded.input)))},
                 "num_classes": int(model.num_classes),
-                "id2label": ({str(i): name for i, name in enumerate(arch["labels"])} if arch.get("labels") else None),
+                "id2label": ({str(i): name for i, name in enumerate(recorded.labels)} if recorded.labels else None),
                 "flops": flops,
-                "model": arch["model"],
-                "methods": [{"name": m["name"], "config": m.get("config", {}), **({"stage": m["stage"]} if "stage" in m
-                                                                                 else {})} for m in arch["methods"]],
+                "model": dict(recorded.model),
+                "methods": [{"name": m.name, "config": m.get("config", {}), **({"stage": m.stage} if "stage" in m
+                                                                               else {})} for m in recorded.methods],
                 "exit_rule": rule,
                 "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
                 "verification": check,
@@ -216,7 +211,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                              "settings": cfg.to_dict()},
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
-            write_json(side_tmp, side)
+            write_sidecar_json(side_tmp, side)
     return side
 
 

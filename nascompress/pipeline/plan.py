@@ -116,21 +116,21 @@ def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
 
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
-    from ..io import load_arch
+    from ..io import read_arch
     from ..models import ModelShape, ModelSpec
     from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
 
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
         try:
-            arch = load_arch(b.run)
+            arch = read_arch(b.run)
         except NascompressError as e:
             raise ctx.err("base.run", str(e)) from None
-        if arch["methods"]:
+        if arch.methods:
             raise ctx.err("base.run", f"{b.run} is not a dense run (it applies "
-                                      f"{', '.join(m['name'] for m in arch['methods'])}); give the dense run it came "
+                                      f"{', '.join(arch.method_names)}); give the dense run it came "
                                       "from, so the result is compared with the uncompressed model")
-        model = _built_model(ModelSpec.from_dict(arch["model"]), ctx, "base.run")
+        model = _built_model(arch.spec, ctx, "base.run")
         if model.num_classes != n_classes:
             raise ctx.err("base.run", f"the run's model has {model.num_classes} classes but dataset "
                                       f"{cfg.data.dataset} has {n_classes}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, Sequence
 
 from ..profiling.compare import compare_records
+from ..run_files import find_metrics
 from ..utils import atomic_path, read_json, write_json
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                             int8_table_rows, models_note)
@@ -101,9 +102,8 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
         res.update({"config": dcs_rec.get("config"), "mlp_gates": family, "blocks": blocks,
                     "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
                     "mlp_total": sum(b["mlp_total"] for b in blocks)})
-    m = out / "dcs_search" / "metrics.json"
-    if m.is_file() and dcs_rec is not None:
-        sm = read_json(m)
+    sm = find_metrics(out / "dcs_search") if dcs_rec is not None else None
+    if sm is not None:
         res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "calibration_move",
                                            "budget", "at_target_share", "val_top1",
                                            "dense_val_top1", "lam", "search_time_s", "train_images", "batch_size",
@@ -127,9 +127,9 @@ def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> d
         r = read_json(marker).get("result") or {}
         res["trials_complete"] = r.get("complete")
         res["trials_requested"] = r.get("n_trials")
-    pm, pc = out / "tokens" / "picked" / "metrics.json", out / "tokens" / "picked" / "config.json"
-    if pm.is_file():
-        m = read_json(pm)
+    pc = out / "tokens" / "picked" / "config.json"
+    m = find_metrics(out / "tokens" / "picked")
+    if m is not None:
         res.update(picked_trial=m.get("trial"), trial_accuracy=m.get("trial_accuracy"),
                    trial_flops_ratio=m.get("flops_ratio"), trial_params=m.get("params"))
     if pc.is_file():
@@ -160,7 +160,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
     from ..api import evaluate_run, profile
-    from ..io import load_arch, load_with_arch
+    from ..io import load_with_arch, read_arch
 
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
@@ -177,7 +177,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
         final, cmp = None, None
         goal = {"max_flops": cfg.goal.max_flops, "max_latency_ms": cfg.goal.max_latency_ms, "value": None,
                 "met": False, "statement": f"no compressed model could be made: {reason}"}
-        arch = {"methods": []}
+        methods: list[dict[str, Any]] = []
     else:
         final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
         assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
@@ -192,21 +192,20 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
                "throughput_speedup": None,
                **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
         goal = _goal(cfg, cmp, final)
-        arch = load_arch(final_dir)
-        dcs_rec = next((m for m in arch["methods"] if m.get("name") == "dcs"), None)
+        methods = [m.to_dict() for m in read_arch(final_dir).methods]
+        dcs_rec = next((m for m in methods if m.get("name") == "dcs"), None)
         if cfg.stages.dcs is not None:
             decisions["dcs"] = _dcs_decisions(out, dcs_rec, dense_model)
     if cfg.stages.tokens is not None and final_dir is not None:
-        decisions["tokens"] = _tokens_decisions(pipe, [m for m in arch["methods"] if m.get("name") != "dcs"])
-    rm = out / "final" / "metrics.json"
-    if cfg.stages.retrain is not None and rm.is_file() and final_dir == out / "final":
-        r = read_json(rm)
+        decisions["tokens"] = _tokens_decisions(pipe, [m for m in methods if m.get("name") != "dcs"])
+    r = find_metrics(out / "final") if cfg.stages.retrain is not None and final_dir == out / "final" else None
+    if r is not None:
         decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
                                                       "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
                                                       "test_top1", "test_n", "train_time_s")}
         decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
     decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
-                             "dcs: channels per block (see dcs)"} for m in arch["methods"]]
+                             "dcs: channels per block (see dcs)"} for m in methods]
     int8 = None
     if cfg.export is not None and cfg.export.quantize != "none" and final_dir is not None:
         int8 = _int8(pipe, final_dir)
@@ -264,11 +263,10 @@ def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str
     b = pipe.cfg.base
     res: dict[str, Any] = {"kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
                            "run": str(pipe.base_dir), "test_top1": dense_ev["top1"], "test_n": dense_ev["n"]}
-    m = pipe.base_dir / "metrics.json"
-    if m.is_file():
-        bm = read_json(m)
-        res.update({k: bm[k] for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
-        res.update({f"trained_{k}": bm[k] for k in ("test_top1", "test_n") if k in bm})
+    bm = find_metrics(pipe.base_dir)
+    if bm is not None:
+        res.update({k: bm.get(k) for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
+        res.update({f"trained_{k}": bm.get(k) for k in ("test_top1", "test_n") if k in bm})
     return res
 
 

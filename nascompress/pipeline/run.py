@@ -15,6 +15,7 @@ import yaml
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
+from ..run_files import has_metrics
 from ..utils import read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
@@ -91,7 +92,7 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
             diff = config_diff(new, old if isinstance(old, dict) else {})
             more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
             keep = ""
-            if pipe.cfg.base.run is None and (out / "base" / "metrics.json").is_file():  # a finished base of its own
+            if pipe.cfg.base.run is None and has_metrics(out / "base"):  # a finished base of its own
                 keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
             raise SettingError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
                                    f"rerun it with the same config ({stored}) to continue it, use another {{out}}"

@@ -21,6 +21,7 @@ from ..errors import NascompressError
 from ..io import load_with_arch, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..run_dir import CONFIG_FILE, RunDir
+from ..run_files import find_metrics
 from ..utils import read_json
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
@@ -67,10 +68,9 @@ def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any], *, 
 def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
     model, arch = load_with_arch(run)
-    cfg_path, met_path = Path(run) / CONFIG_FILE, Path(run) / "metrics.json"
+    cfg_path, recorded = Path(run) / CONFIG_FILE, find_metrics(run)
     cfg = read_json(cfg_path) if cfg_path.is_file() else {}
-    metrics = {k: v for k, v in (read_json(met_path) if met_path.is_file() else {}).items()
-               if k not in ("finished", "finished_files")}
+    metrics = recorded.results() if recorded is not None else {}
     return cls(model=remember(model, arch), arch=arch, metrics=metrics, config=cfg,
                out=str(Path(run).resolve()) if keep else None, **extra)
 

@@ -17,7 +17,7 @@ from ..io import load_with_arch, make_arch
 from ..models import ModelSpec, build_model, load_pretrained
 from ..run_dir import RunDir
 from ..train import input_spec_for
-from ..utils import read_json
+from ..run_files import METRICS_FILE, find_metrics
 from ..methods.dcs import DCSConfig
 from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
@@ -93,9 +93,9 @@ def reopen_stopped(out: Path) -> None:
     """Take the completion mark off a search the guard stopped (``metrics.json``'s ``stopped``), so that
     ``--resume`` with another ``--max-val-drop`` continues its gates from the epoch they stopped at; a
     search that ran all its epochs is left as it is."""
-    mark = out / "metrics.json"
-    if mark.is_file() and (read_json(mark) or {}).get("stopped") and distributed.is_main():
-        mark.unlink()
+    mark = find_metrics(out)
+    if mark is not None and mark.get("stopped") and distributed.is_main():
+        (out / METRICS_FILE).unlink()
 
 
 __all__ = ["CONTINUE", "build_job", "search_dcs", "reopen_stopped"]

@@ -21,6 +21,7 @@ from ..io import load_with_arch, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
 from ..run_dir import RunDir
+from ..run_files import read_metrics
 from ..utils import read_json
 
 
@@ -84,11 +85,10 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     sup_flops, flops = count_flops(supernet, x[:2]), count_flops(model, x[:2])
     cfg_path = Path(job.search_dir) / "config.json"
     search_cfg = read_json(cfg_path) if cfg_path.is_file() else {}
-    search_metrics = read_json(Path(job.search_dir) / "metrics.json")
+    dense_macs = read_metrics(job.search_dir).dense_macs
     metrics = {"macs": flops.total, "params": flops.params, "supernet_macs": sup_flops.total,
-               "supernet_params": sup_flops.params, "dense_macs": search_metrics.get("dense_macs"),
-               "flops_ratio_vs_dense": (flops.total / search_metrics["dense_macs"]
-                                        if search_metrics.get("dense_macs") else None),
+               "supernet_params": sup_flops.params, "dense_macs": dense_macs,
+               "flops_ratio_vs_dense": flops.total / dense_macs if dense_macs else None,
                "max_abs_logit_diff": diff, "qk_mask": cfg.qk_mask,
                "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
                "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]]}

@@ -1,0 +1,190 @@
+"""The typed run files (nascompress.run_files): arch.json, metrics.json and the export sidecar are
+read and written in one place, round-trip byte for byte, keep unknown keys, and a damaged file is
+one NascompressError line; no other module reads or writes those files itself."""
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from nascompress.errors import NascompressError
+from nascompress.io import read_arch
+from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, RunMetrics, Sidecar, find_metrics, read_metrics,
+                                   read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
+from tests.conftest import tiny_spec
+
+PKG = Path(__file__).resolve().parents[1] / "nascompress"
+
+
+def _saved(tmp_path, methods=None, labels=None):
+    from nascompress.io import make_arch, save_model
+    from nascompress.models import build_model
+
+    spec = tiny_spec()
+    arch = make_arch(spec, input_spec={"in_chans": 1, "img_size": [16, 16], "mean": [0.5], "std": [0.5]},
+                     methods=methods, labels=labels)
+    save_model(tmp_path, build_model(spec), arch)
+    return tmp_path
+
+
+def test_a_real_runs_files_round_trip_unchanged(tiny_run, tmp_path):
+    """Read and written again, a trained run's arch.json and metrics.json are the same bytes."""
+    arch = read_arch(tiny_run)
+    assert arch.spec.name and arch.methods == () and arch.input["img_size"] == [16, 16]
+    metrics = read_metrics(tiny_run)
+    assert metrics.finished is True and isinstance(metrics.test_top1, float) and "best_val_top1" in metrics
+    write_arch_json(tmp_path, arch)
+    write_metrics_json(tmp_path, metrics)
+    for name in (ARCH_FILE, METRICS_FILE):
+        assert (tmp_path / name).read_bytes() == (tiny_run / name).read_bytes(), name
+
+
+def test_write_read_write_gives_identical_json(tmp_path):
+    d = _saved(tmp_path / "m", methods=[{"name": "evit", "config": {"keep_rate": 0.7, "prune_layers": [1]}}],
+               labels=["a", "b"])
+    first = (d / ARCH_FILE).read_bytes()
+    arch = read_arch(d)
+    assert arch.method_names == ("evit",) and arch.method("evit").config["keep_rate"] == 0.7
+    assert arch.labels == ("a", "b") and arch.method("dcs") is None
+    write_arch_json(d, arch)
+    assert (d / ARCH_FILE).read_bytes() == first
+    write_metrics_json(d, {"test_top1": 51.5, "stage_only": {"x": [1, 2]}, "macs": 3, "finished": True})
+    first = (d / METRICS_FILE).read_bytes()
+    m = read_metrics(d)
+    assert (m.test_top1, m.macs, m.val_top1, m.get("stage_only")) == (51.5, 3, None, {"x": [1, 2]})
+    write_metrics_json(d, m)
+    assert (d / METRICS_FILE).read_bytes() == first
+
+
+def test_unknown_keys_are_kept_in_their_place():
+    arch = {"format": "nascompress-arch/2", "model": {"name": "vit"}, "future": {"a": 1},
+            "input": {"in_chans": 1}, "methods": [{"name": "dcs", "stage": "supernet", "blocks": [None]}],
+            "retrain": {"eta": 0.1}}
+    a = Arch.from_dict(arch, source="arch.json")
+    assert a.extra == {"future": {"a": 1}, "retrain": {"eta": 0.1}} and a.method("dcs").get("blocks") == [None]
+    assert json.dumps(a.to_dict()) == json.dumps(arch)
+    m = {"finished": True, "comparison": {"reason": "r"}, "test_top1": None, "flops_ratio": 0.5}
+    rm = RunMetrics.from_dict(m, source="metrics.json")
+    assert rm.get("comparison") == {"reason": "r"} and "test_top1" in rm and "val_top1" not in rm
+    assert json.dumps(rm.to_dict()) == json.dumps(m) and rm.results() == {k: m[k] for k in list(m)[1:]}
+    side = {"format": "nascompress-export/1", "file": "m.onnx", "files": [{"file": "m.onnx"}], "batch": "batch",
+            "quantization": {"scheme": "int8-static", "kept_fp32_summary": {"head": 1}, "tool": "ort"}}
+    s = Sidecar.from_dict(side, source="m.onnx.json")
+    assert s.quantization.kept_fp32_summary == {"head": 1} and s.quantization.extra == {"tool": "ort"}
+    assert json.dumps(s.to_dict()) == json.dumps(side)
+
+
+def test_the_sidecar_is_read_beside_its_file(tmp_path):
+    side = {"format": "nascompress-export/1", "file": "m.onnx", "runtime": "onnx", "dtype": "fp32", "batch": 1,
+            "files": [{"file": "m.onnx"}], "verification": {"passed": True}}
+    write_sidecar_json(tmp_path / "m.onnx.json", side)
+    for p in (tmp_path / "m.onnx", tmp_path / "m.onnx.json"):
+        s = read_sidecar(p)
+        assert (s.runtime, s.quantization, s.verification["passed"]) == ("onnx", None, True)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "is not valid JSON"),
+    ('{"format": "nascompress-arch/2", "model": {"name": "x", "evil": 1}, "input": {}}', "model must be"),
+    ("[1, 2]", "is not a nascompress arch"),
+])
+def test_a_damaged_arch_is_one_line(tmp_path, text, says):
+    d = _saved(tmp_path)
+    (d / ARCH_FILE).write_text(text)
+    with pytest.raises(NascompressError) as e:
+        read_arch(d)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "is not valid JSON"),
+    ('{"test_top1": "high"}', "test_top1 must be a number"),
+    ('{"finished": "yes"}', "finished must be a boolean"),
+    ("[1]", "must be a JSON object"),
+])
+def test_damaged_metrics_are_one_line(tmp_path, text, says):
+    (tmp_path / METRICS_FILE).write_text(text)
+    with pytest.raises(NascompressError) as e:
+        read_metrics(tmp_path)
+    assert says in str(e.value) and "\n" not in str(e.value) and METRICS_FILE in str(e.value)
+    assert find_metrics(tmp_path / "nowhere") is None
+
+
+def test_a_damaged_method_record_or_labels_is_one_line():
+    base = {"format": "nascompress-arch/2", "model": {"name": "vit"}}
+    for bad, says in (({"methods": [3]}, "methods[0] must be a JSON object"),
+                      ({"methods": [{"config": {}}]}, "methods[0] has no name"),
+                      ({"labels": "cat"}, "labels must be a list of class names")):
+        with pytest.raises(NascompressError, match=says.replace("[", r"\[").replace("]", r"\]")):
+            Arch.from_dict(dict(base, **bad), source="arch.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# No module other than run_files reads or writes arch.json / metrics.json itself.
+
+NAMES = {"arch.json", "metrics.json", "ARCH_FILE", "METRICS_FILE"}
+IO_CALLS = {"read_json", "write_json", "open", "read_text", "write_text", "read_bytes", "load", "loads", "parse_json"}
+# modules allowed to (with the reason); empty: every reader and writer goes through run_files
+ALLOWED: dict[str, str] = {}
+
+
+def _mentions(node: ast.AST, names: set[str]) -> bool:
+    for n in ast.walk(node):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and n.value.rsplit("/", 1)[-1] in NAMES:
+            return True
+        if isinstance(n, ast.Name) and n.id in names:
+            return True
+        if isinstance(n, ast.Attribute) and n.attr in NAMES:
+            return True
+    return False
+
+
+def direct_file_access(tree: ast.AST) -> list[int]:
+    """Lines that read or write one of the files by name: a JSON/file call whose arguments (or
+    receiver) name it, directly or through a variable assigned a path that names it."""
+    hits = []
+    for fn in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+        tainted = set(NAMES)
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Assign) and _mentions(n.value, tainted):
+                tainted |= {t.id for tgt in n.targets for t in ast.walk(tgt) if isinstance(t, ast.Name)}
+        for n in ast.walk(fn):
+            if not isinstance(n, ast.Call):
+                continue
+            name = n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", None)
+            if name not in IO_CALLS:
+                continue
+            parts = [*n.args, *(k.value for k in n.keywords)]
+            if isinstance(n.func, ast.Attribute):
+                parts.append(n.func.value)
+            if any(_mentions(p, tainted) for p in parts):
+                hits.append(n.lineno)
+    return sorted(set(hits))
+
+
+def test_no_other_module_reads_or_writes_the_run_files_itself():
+    found = {}
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(PKG))
+        if rel == "run_files.py" or rel in ALLOWED:
+            continue
+        lines = direct_file_access(ast.parse(p.read_text()))
+        if lines:
+            found[rel] = lines
+    assert found == {}, f"read arch.json / metrics.json through nascompress.run_files: {found}"
+
+
+def test_the_scan_finds_a_direct_read():
+    src = ('def f(d):\n    m = d / "metrics.json"\n    return read_json(m)\n'
+           'def g(d):\n    return json.loads((d / ARCH_FILE).read_text())\n'
+           'def h(d):\n    return read_json(d / "config.json"), read_json(d / "done" / "search.json")\n')
+    assert direct_file_access(ast.parse(src)) == [3, 5]
+
+
+def test_a_record_built_in_code_writes_only_what_it_holds():
+    m = RunMetrics(test_top1=50.0, extra={"epochs": 2})
+    assert m.to_dict() == {"test_top1": 50.0, "epochs": 2} and m.get("macs", "none") == "none"
+    s = Sidecar(format="nascompress-export/1", file="m.onnx")
+    assert s.to_dict() == {"format": "nascompress-export/1", "file": "m.onnx"}
