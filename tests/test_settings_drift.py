@@ -129,7 +129,8 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
 
     monkeypatch.setattr(dcs, "run_dcs_search", stop)
     ctx = SimpleNamespace(arch={"methods": []}, job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
-                          data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2), data=None)
+                          data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2),
+                          data=SimpleNamespace(extra={"fixed_train_images": True}))
     with pytest.raises(RuntimeError, match="stop"):
         _search_dcs(ctx, {"alpha_init": 3.0}, seed=0)
     method = seen[0].method
