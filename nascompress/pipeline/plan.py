@@ -118,7 +118,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import read_arch
     from ..models import ModelShape, ModelSpec
-    from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
+    from ..train import PROBE_TRAIN, TRAIN_SETTINGS, build_job as build_train_job, train
 
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
@@ -142,9 +142,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
             raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
         try:
             spec = library_config(t, ModelShape).spec(n_classes)
-            tc = train_recipe(fine_tune=t.fine_tune, **library_values(t, TRAIN_SETTINGS), **_runtime(cfg))
-            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
-                           reset_head=t.reset_head)
+            job = build_train_job(spec, base_dir, data=data, train={**library_values(t, TRAIN_SETTINGS), **_runtime(cfg)},
+                                  weights=t.weights, reset_head=t.reset_head)
         except NascompressError as e:
             raise section_error(ctx, "base.train", t, e) from None
         model = _built_model(spec, ctx, "base.train")
@@ -180,9 +179,9 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         spec = ModelSpec(imp.model, kwargs)
         model = _built_model(spec, ctx, "base.import.model")
         try:
-            tc = TrainConfig(epochs=1, lr=None, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
-            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
-                           linear_probe=True)
+            job = build_train_job(spec, base_dir, data=data, recipe=PROBE_TRAIN, train={
+                "seed": cfg.seed, "device": cfg.device, "eval_batch_size": imp.eval_batch_size},
+                weights=imp.weights, reset_head=True, linear_probe=True)
         except NascompressError as e:
             raise section_error(ctx, "base.import", imp, e) from None
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
