@@ -210,7 +210,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     from ..methods.dcs import SEARCH_DCS_SETTINGS
     from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
     from ..search.dcs_run import build_job as build_dcs_job
-    from ..search.materialize import MaterializeJob, materialize_search
+    from ..search.materialize import build_job as build_mat_job, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
 
     s, goal = cfg.stages.dcs, cfg.goal
@@ -227,7 +227,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
                             method=library_values(s, SEARCH_DCS_SETTINGS),
                             train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
                             data=_data_config(cfg, train_limit=s.train_limit))
-        mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
+        mat = build_mat_job(out / "dcs_search", out / "dcs_mat", seed=cfg.seed)
     except NascompressError as e:
         raise section_error(ctx, "stages.dcs", s, e) from None
 
@@ -250,7 +250,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
 def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
                  base_dir: Path) -> tuple[list[Step], str]:
     from ..methods import get_method
-    from ..search.trial_model import TrialMaterializeJob
+    from ..search.trial_model import build_job as build_pick_job
     from ..search.space import load_space
     from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
     from .fallback import current_model, dcs_skipped, pick_across
@@ -284,7 +284,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                              max_flops=goal.max_flops if constrained else None,
                              max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
                              seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
-        pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
+        pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise section_error(ctx, "stages.tokens", s, e) from None
 

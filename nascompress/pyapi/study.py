@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..search.trial_model import TrialMaterializeJob, materialize_trial
+from ..search.trial_model import build_job as build_pick_job, materialize_trial
 from ..search.trials import SearchJob, run_search
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, model_run, read_result, setting_names, split_settings,
@@ -66,7 +66,7 @@ def study(model: ModelLike, data: Any = None, *, space: str = "evit", trials: in
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)
         picked = None
         if pick is not None:
-            job = TrialMaterializeJob(study=name, out=str(ws.path("picked")), pick=pick, storage=storage)
+            job = build_pick_job(name, ws.path("picked"), pick=pick, storage=storage)
             materialize_trial(job, force=True)
             picked = read_result(Picked, ws.path("picked"), keep=ws.keep)
         return Study(summary=summary, picked=picked, out=str(ws.root) if ws.keep else None)
