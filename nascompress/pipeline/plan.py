@@ -187,14 +187,12 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
-    from ..importer import ImportJob, import_model
+    from ..importer import ImportJob, build_job as build_import_job, import_model
 
     from ..importer import weights_kwargs
     from ..models import read_weights_file
 
-    job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
-                    num_classes=imp.num_classes, num_heads=imp.num_heads, data=data,
-                    eval_batch_size=imp.eval_batch_size, device=cfg.device)
+    job = build_import_job(library_values(imp, ImportJob), base_dir, data=data, device=cfg.device)
     try:  # the model the weights describe (every shape read from them), as the import builds it
         kwargs = weights_kwargs(job, read_weights_file(imp.weights))[0]
     except NascompressError as e:
