@@ -250,7 +250,7 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     from ..methods import get_method
     from ..search.trial_model import build_job as build_pick_job
     from ..search.space import load_space
-    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
+    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
     from .fallback import current_model, dcs_skipped, pick_across
 
     s, goal = cfg.stages.tokens, cfg.goal
@@ -278,10 +278,10 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = library_config(s, STUDY_SETTINGS, base=str(current), study=s.study, storage=storage,
-                             max_flops=goal.max_flops if constrained else None,
-                             max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
-                             seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
+        job = build_study_job(current, search={**library_values(s, STUDY_SETTINGS), "study": s.study, "storage": storage,
+                                               "max_flops": goal.max_flops if constrained else None,
+                                               "max_latency_ms": goal.max_latency_ms if constrained else None},
+                              runtime=_runtime(cfg), data=_data_config(cfg))
         pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise section_error(ctx, "stages.tokens", s, e) from None

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..search.trial_model import build_job as build_pick_job, materialize_trial
-from ..search.trials import SearchJob, run_search
+from ..search.trials import SearchJob, build_job, run_search
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, model_run, read_result, setting_names, split_settings,
                      stage_values)
@@ -62,7 +62,7 @@ def study(model: ModelLike, data: Any = None, *, space: str = "evit", trials: in
         values = stage_values(SearchJob, {"space": space, "study": name, "storage": storage, "trials": trials,
                                           "max_flops": max_flops, "max_latency_ms": max_latency_ms, **parts["s"]})
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        summary = run_search(SearchJob(**values, **runtime, base=str(base), data=cfg_data), progress=progress)
+        summary = run_search(build_job(base, search=values, runtime=runtime, data=cfg_data), progress=progress)
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)
         picked = None
         if pick is not None:
