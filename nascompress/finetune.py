@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -99,6 +99,18 @@ class FinetuneJob(Config):
         check_bool("zero_shot", self.zero_shot)
 
 
+def build_job(run_dir: str | Path, out: str | Path, *, method: str, config: Mapping[str, Any],
+              recipe: Mapping[str, Any], train: Mapping[str, Any], data: DataConfig | None = None,
+              zero_shot: bool = False) -> FinetuneJob:
+    """The job of ``nascompress finetune`` and of ``nc.tokens.apply`` with data (the one place it is
+    built): ``config`` / ``recipe``: the method's settings and its recipe's (:func:`split_settings`);
+    ``train``: the values of :data:`FINETUNE_TRAIN_SETTINGS` and :data:`~nascompress.train.RUNTIME_SETTINGS`
+    (None: the method's recipe's, :func:`finetune_train_config`); ``data``: the dataset (None: the
+    run's)."""
+    return FinetuneJob(run_dir=str(run_dir), method=method, config=dict(config), recipe=dict(recipe), data=data,
+                       train=finetune_train_config(method, **train), out=str(out), zero_shot=zero_shot)
+
+
 def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
              explicit: set[str] | None = None) -> dict[str, Any]:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
@@ -169,5 +181,5 @@ def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: In
     return {"flops": flops, "dense_flops": dense_flops, "flops_ratio": flops / dense_flops, "flops_images": len(x)}
 
 
-__all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "finetune", "finetune_train_config", "split_settings",
+__all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "build_job", "finetune", "finetune_train_config", "split_settings",
            "FINETUNE_TRAIN", "method_train_config"]

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -83,6 +83,15 @@ class ImportJob:
         d["data"] = DataConfig(**d["data"]) if d.get("data") else None
         d["input"] = InputOverrides.from_dict(d.get("input"))
         return cls(**d)
+
+
+def build_job(settings: Mapping[str, Any], out: str | Path, *, data: DataConfig | None = None,
+              input: InputOverrides | None = None, device: str = "auto") -> ImportJob:
+    """The job of ``nascompress import`` and of a pipeline's ``base.import`` (the one place it is
+    built): ``settings``: the values of :class:`ImportJob`'s settings (``model``, ``weights``,
+    ``img_size``, ``num_classes``, ``num_heads``, ``eval_batch_size``); ``data``: a dataset to
+    evaluate on (None: none); ``input``: explicit preprocessing."""
+    return ImportJob(**settings, out=str(out), data=data, input=input or InputOverrides(), device=device)
 
 
 def grid_img_size(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> int | None:
@@ -217,4 +226,4 @@ def weights_grid_size(model: Any, weights: str) -> int | None:
     return None if pe is None else grid_img_size(model, {"pos_embed": pe})
 
 
-__all__ = ["ImportJob", "import_model", "grid_img_size", "weights_grid_size", "weights_shapes"]
+__all__ = ["ImportJob", "build_job", "import_model", "grid_img_size", "weights_grid_size", "weights_shapes"]

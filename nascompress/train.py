@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -192,6 +192,25 @@ class TrainJob:
                    input=InputOverrides.from_dict(d.get("input")), linear_probe=d.get("linear_probe", False))
 
 
+# the pipeline's base.import with linear_probe: its recipe (a probe reads eval_batch_size, seed and device only)
+PROBE_TRAIN = TrainConfig(epochs=1, lr=None)
+
+
+def build_job(model: ModelSpec, out: str | Path, *, data: DataConfig, train: Mapping[str, Any],
+              weights: str | None = None, reset_head: bool = False, input: InputOverrides | None = None,
+              linear_probe: bool = False, recipe: TrainConfig | None = None) -> TrainJob:
+    """The training job of ``nascompress train`` and of a pipeline's ``base.train`` (and its
+    ``base.import`` with ``linear_probe``) (the one place it is built): ``model``: the model to
+    build; ``data``: the dataset; ``train``: the values of :data:`TRAIN_SETTINGS` and
+    :data:`RUNTIME_SETTINGS` (None: the recipe's); ``recipe``: the TrainConfig they change (None:
+    :func:`train_recipe`'s, the fine-tuning recipe when ``weights`` are given without
+    ``linear_probe``, else the one from scratch)."""
+    cfg = (train_recipe(fine_tune=weights is not None and not linear_probe, **train) if recipe is None
+           else recipe_config(recipe, **train))
+    return TrainJob(model=model, data=data, train=cfg, out=str(out), weights=weights, reset_head=reset_head,
+                    input=input or InputOverrides(), linear_probe=linear_probe)
+
+
 def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None = None,
                    overrides: InputOverrides | None = None) -> InputSpec:
     """The one place that decides how images become ``model``'s input (arch.json ``input``).
@@ -284,6 +303,6 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 
-__all__ = ["TrainConfig", "FINE_TUNE_TRAIN", "TRAIN_SETTINGS", "RUNTIME_SETTINGS", "recipe_config", "train_recipe",
+__all__ = ["TrainConfig", "FINE_TUNE_TRAIN", "PROBE_TRAIN", "build_job", "TRAIN_SETTINGS", "RUNTIME_SETTINGS", "recipe_config", "train_recipe",
            "TrainHooks", "TrainJob", "fit", "train", "lr_at", "MODEL_FILE", "LR_REF_BATCH", "CHECKPOINT_FILE",
            "LAST_FILE", "LOG_FILE", "Ema", "FitSettings", "LossWatch", "RunStore"]

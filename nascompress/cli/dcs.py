@@ -32,13 +32,13 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOut = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
-        from nascompress.search.materialize import MaterializeJob, materialize_search
-        from nascompress.search.trial_model import materialize_trial
+        from nascompress.search.materialize import build_job, materialize_search
+        from nascompress.search.trial_model import build_job as build_trial_job, materialize_trial
 
         if (search_dir is None) == (study is None):
             fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")
         if study is not None:
-            job = run(TrialMaterializeJob, study=study, out=str(out_dir), trial=trial, pick=pick, storage=storage,
+            job = run(build_trial_job, study, out_dir, trial=trial, pick=pick, storage=storage,
                       finetune_epochs=finetune_epochs)
             metrics = run(materialize_trial, job, force=force)
             if json_out:
@@ -48,7 +48,7 @@ def register(app: typer.Typer) -> None:
                           f"(recorded {metrics['trial_accuracy']:.2f}%), {dense_flops_text(metrics['flops_ratio'])}"
                           f"  -> {out_dir}")
             return
-        metrics = run(materialize_search, MaterializeJob(search_dir=str(search_dir), out=str(out_dir)), force=force)
+        metrics = run(materialize_search, run(build_job, search_dir, out_dir), force=force)
         if json_out:
             print_json(metrics)
         else:

@@ -25,8 +25,9 @@ def register(app: typer.Typer) -> None:
         """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
         (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""
         from nascompress.export import export_run, parse_batch
+        from nascompress.export.config import build_config
 
-        cfg = run(lambda: ExportConfig(**{**vars(settings), "batch": parse_batch(str(settings.batch))}))
+        cfg = run(lambda: build_config({**vars(settings), "batch": parse_batch(str(settings.batch))}))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:
             print_json(side)

@@ -157,7 +157,7 @@ def finetune(
 
     from nascompress.api import run_data_config
     from nascompress.errors import NascompressError
-    from nascompress.finetune import finetune as finetune_fn, finetune_train_config, split_settings
+    from nascompress.finetune import build_job, finetune as finetune_fn, split_settings
 
     fields = method_option_fields()
 
@@ -183,9 +183,8 @@ def finetune(
             data = replace(data, data_dir=data_dir)
         data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
                             skip_bad_images=skip_bad_images)
-        tc = finetune_train_config(method, **vars(recipe), **vars(runtime))
-        return FinetuneJob(run_dir=str(run_dir), method=method, config=config, recipe=recipe_settings, data=data,
-                           train=tc, out=str(out_dir), zero_shot=zero_shot)
+        return build_job(run_dir, out_dir, method=method, config=config, recipe=recipe_settings,
+                         train={**vars(recipe), **vars(runtime)}, data=data, zero_shot=zero_shot)
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())

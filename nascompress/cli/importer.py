@@ -38,11 +38,11 @@ def register(app: typer.Typer) -> None:
         """Import a timm ViT's weights as a run directory (no training) that finetune, search, evaluate and
         nascompress.load accept; evaluate it if --dataset is given."""
         from nascompress.data import DataConfig
-        from nascompress.importer import import_model
+        from nascompress.importer import build_job, import_model
 
         def build():
             evaluated = None if data.dataset is None else DataConfig(**vars(data), subset_seed=runtime.seed)
-            return ImportJob(model=model, out=str(out_dir), **vars(settings), data=evaluated, input=input,
+            return build_job({"model": model, **vars(settings)}, out_dir, data=evaluated, input=input,
                              device=runtime.device)
 
         job = run(build)

@@ -57,15 +57,13 @@ def train(
     """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
     --linear-probe fit only a new head on a frozen pretrained backbone."""
     from nascompress.api import count_classes
-    from nascompress.train import train as train_job, train_recipe
+    from nascompress.train import build_job, train as train_job
 
     def build():
         data_cfg = DataConfig(**vars(data), split_seed=0, subset_seed=runtime.seed)
         spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data_cfg))
-        cfg = train_recipe(fine_tune=weights is not None and not linear_probe,  # a pretrained start: fine-tuning
-                           **vars(recipe), **vars(runtime))
-        return TrainJob(model=spec, data=data_cfg, train=cfg, out=str(out_dir), weights=weights, reset_head=reset_head,
-                        input=input, linear_probe=linear_probe)
+        return build_job(spec, out_dir, data=data_cfg, train={**vars(recipe), **vars(runtime)}, weights=weights,
+                         reset_head=reset_head, input=input, linear_probe=linear_probe)
 
     job = run(build)
     metrics = run(train_job, job, force=force, resume=resume, explicit=given_options())

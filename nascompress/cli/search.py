@@ -112,13 +112,13 @@ def _outer_search(kind: str, default_space: str):
         json_out: json_option("One JSON line per finished trial, then a summary.") = False,
     ) -> None:
         from nascompress.api import run_data_config
-        from nascompress.search.trials import run_search
+        from nascompress.search.trials import build_job, run_search
 
         def build() -> SearchJob:
             data = DataConfig(dataset=dataset) if dataset is not None else None
             if skip_bad_images:
                 data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
-            return SearchJob(**{**vars(study), "space": study.space or default_space}, **vars(runtime), base=str(base),
+            return build_job(base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime),
                              data=data)
 
         job = run(build)

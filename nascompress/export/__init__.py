@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import DTYPES, FORMATS, ExportConfig, parse_batch
+from .config import DTYPES, FORMATS, ExportConfig, build_config, parse_batch
 from .run import SIDECAR_FORMAT, sidecar_path, stage_path
 from .run import export_run as _export_fp
 
@@ -69,8 +69,7 @@ def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) 
     from ..pyapi.common import Workspace, model_run, setting_names, split_settings
 
     given = split_settings(settings, {"e": setting_names(ExportConfig)}, what="nc.export.onnx")["e"]
-    cfg = ExportConfig(**{**given, "format": "onnx"})
-    cfg = cfg.replace(batch=parse_batch(str(cfg.batch)))
+    cfg = build_config({**given, "format": "onnx"})  # (its batch: "dynamic" or an int, as checked there)
     with Workspace(None) as ws:
         side = export_run(model_run(model, ws, "model"), out=Path(path), config=cfg, force=force)
     return Exported(path=str(Path(path)), sidecar=side)

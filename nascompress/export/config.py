@@ -3,6 +3,7 @@ pipeline's ``export:`` keys are read from it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 from ..config import Config, check_settings, setting
 from ..limits import MAX_BATCH, SEED_MAX
@@ -81,4 +82,11 @@ class ExportConfig(Config):
         return self.tolerance if self.tolerance is not None else DEFAULT_TOLERANCE[self.dtype]
 
 
-__all__ = ["ExportConfig", "FORMATS", "DTYPES", "SCHEMES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]
+def build_config(settings: Mapping[str, Any]) -> ExportConfig:
+    """The export settings of ``nascompress export``, of a pipeline's ``export`` section (its seed: the
+    pipeline's) and of ``nc.export.onnx`` (the one place they are built): ``settings``: the values of
+    :class:`ExportConfig`'s settings (None of them: its defaults); checked there."""
+    return ExportConfig(**settings)
+
+
+__all__ = ["ExportConfig", "build_config", "FORMATS", "DTYPES", "SCHEMES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]

@@ -118,7 +118,7 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
     """The base step, the base run directory, and the dense model (built, for its depth)."""
     from ..io import read_arch
     from ..models import ModelShape, ModelSpec
-    from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
+    from ..train import PROBE_TRAIN, TRAIN_SETTINGS, build_job as build_train_job, train
 
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
@@ -142,9 +142,8 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
             raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
         try:
             spec = library_config(t, ModelShape).spec(n_classes)
-            tc = train_recipe(fine_tune=t.fine_tune, **library_values(t, TRAIN_SETTINGS), **_runtime(cfg))
-            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=t.weights,
-                           reset_head=t.reset_head)
+            job = build_train_job(spec, base_dir, data=data, train={**library_values(t, TRAIN_SETTINGS), **_runtime(cfg)},
+                                  weights=t.weights, reset_head=t.reset_head)
         except NascompressError as e:
             raise section_error(ctx, "base.train", t, e) from None
         model = _built_model(spec, ctx, "base.train")
@@ -180,22 +179,20 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         spec = ModelSpec(imp.model, kwargs)
         model = _built_model(spec, ctx, "base.import.model")
         try:
-            tc = TrainConfig(epochs=1, lr=None, seed=cfg.seed, device=cfg.device, eval_batch_size=imp.eval_batch_size)
-            job = TrainJob(model=spec, data=data, train=tc, out=str(base_dir), weights=imp.weights, reset_head=True,
-                           linear_probe=True)
+            job = build_train_job(spec, base_dir, data=data, recipe=PROBE_TRAIN, train={
+                "seed": cfg.seed, "device": cfg.device, "eval_batch_size": imp.eval_batch_size},
+                weights=imp.weights, reset_head=True, linear_probe=True)
         except NascompressError as e:
             raise section_error(ctx, "base.import", imp, e) from None
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
-    from ..importer import ImportJob, import_model
+    from ..importer import ImportJob, build_job as build_import_job, import_model
 
     from ..importer import weights_kwargs
     from ..models import read_weights_file
 
-    job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
-                    num_classes=imp.num_classes, num_heads=imp.num_heads, data=data,
-                    eval_batch_size=imp.eval_batch_size, device=cfg.device)
+    job = build_import_job(library_values(imp, ImportJob), base_dir, data=data, device=cfg.device)
     try:  # the model the weights describe (every shape read from them), as the import builds it
         kwargs = weights_kwargs(job, read_weights_file(imp.weights))[0]
     except NascompressError as e:
@@ -211,7 +208,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     from ..methods.dcs import SEARCH_DCS_SETTINGS
     from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
     from ..search.dcs_run import build_job as build_dcs_job
-    from ..search.materialize import MaterializeJob, materialize_search
+    from ..search.materialize import build_job as build_mat_job, materialize_search
     from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
 
     s, goal = cfg.stages.dcs, cfg.goal
@@ -228,7 +225,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
                             method=library_values(s, SEARCH_DCS_SETTINGS),
                             train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
                             data=_data_config(cfg, train_limit=s.train_limit))
-        mat = MaterializeJob(search_dir=str(out / "dcs_search"), out=str(out / "dcs_mat"), seed=cfg.seed)
+        mat = build_mat_job(out / "dcs_search", out / "dcs_mat", seed=cfg.seed)
     except NascompressError as e:
         raise section_error(ctx, "stages.dcs", s, e) from None
 
@@ -251,9 +248,9 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
 def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
                  base_dir: Path) -> tuple[list[Step], str]:
     from ..methods import get_method
-    from ..search.trial_model import TrialMaterializeJob
+    from ..search.trial_model import build_job as build_pick_job
     from ..search.space import load_space
-    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
+    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
     from .fallback import current_model, dcs_skipped, pick_across
 
     s, goal = cfg.stages.tokens, cfg.goal
@@ -281,11 +278,11 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                else f"journal:{out.resolve() / STUDY_JOURNAL}")
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = library_config(s, STUDY_SETTINGS, base=str(current), study=s.study, storage=storage,
-                             max_flops=goal.max_flops if constrained else None,
-                             max_latency_ms=goal.max_latency_ms if constrained else None, data=_data_config(cfg),
-                             seed=cfg.seed, device=cfg.device, amp=cfg.amp, deterministic=cfg.deterministic)
-        pick = TrialMaterializeJob(study=s.study, out=str(out / "tokens" / "picked"), pick=goal.pick, storage=storage)
+        job = build_study_job(current, search={**library_values(s, STUDY_SETTINGS), "study": s.study, "storage": storage,
+                                               "max_flops": goal.max_flops if constrained else None,
+                                               "max_latency_ms": goal.max_latency_ms if constrained else None},
+                              runtime=_runtime(cfg), data=_data_config(cfg))
+        pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise section_error(ctx, "stages.tokens", s, e) from None
 

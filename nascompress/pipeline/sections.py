@@ -11,7 +11,7 @@ from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS:
 from ..config import StageSettings, offered, setting, shared
 from ..errors import NascompressError
 from ..importer import ImportJob
-from ..export.config import ExportConfig
+from ..export.config import ExportConfig, build_config
 from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape
 from ..profiling.config import ProfileConfig
@@ -19,7 +19,7 @@ from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS, SearchJob
 from ..train import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
-from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_config, library_keys, opt
+from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_keys, library_values, opt
 
 FORMAT = "nascompress-pipeline/1"
 # the data's setting a training stage may narrow for itself (DataConfig's train_limit, same help)
@@ -226,7 +226,7 @@ class ExportSection(Section):
             raise KeyProblem("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
 
     def config(self, *, seed: int) -> Any:
-        return library_config(self, EXPORT_SETTINGS, seed=seed)
+        return build_config({**library_values(self, EXPORT_SETTINGS), "seed": seed})
 
     @property
     def filename(self) -> str:

@@ -10,7 +10,7 @@ from ..data import DataConfig
 from ..export.quantize import QuantizeConfig, quantize_run
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config
 from ..retrain import retrain as retrain_job
-from ..search.materialize import MaterializeJob, materialize_search
+from ..search.materialize import build_job as build_materialize_job, materialize_search
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
                      split_settings, stage_values)
@@ -42,7 +42,7 @@ def materialize(search: ModelLike, *, out: str | Path | None = None, force: bool
     ``out``: keep the run directory there (None: nothing is written)."""
     with Workspace(out) as ws:
         src = model_run(search, ws, "dcs_search")
-        materialize_search(MaterializeJob(search_dir=str(src), out=str(ws.path("dcs_mat"))), force=force)
+        materialize_search(build_materialize_job(src, ws.path("dcs_mat")), force=force)
         return read_result(Materialized, ws.path("dcs_mat"), keep=ws.keep)
 
 

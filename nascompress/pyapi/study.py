@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..search.trial_model import TrialMaterializeJob, materialize_trial
-from ..search.trials import SearchJob, run_search
+from ..search.trial_model import build_job as build_pick_job, materialize_trial
+from ..search.trials import SearchJob, build_job, run_search
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, model_run, read_result, setting_names, split_settings,
                      stage_values)
@@ -62,11 +62,11 @@ def study(model: ModelLike, data: Any = None, *, space: str = "evit", trials: in
         values = stage_values(SearchJob, {"space": space, "study": name, "storage": storage, "trials": trials,
                                           "max_flops": max_flops, "max_latency_ms": max_latency_ms, **parts["s"]})
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        summary = run_search(SearchJob(**values, **runtime, base=str(base), data=cfg_data), progress=progress)
+        summary = run_search(build_job(base, search=values, runtime=runtime, data=cfg_data), progress=progress)
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)
         picked = None
         if pick is not None:
-            job = TrialMaterializeJob(study=name, out=str(ws.path("picked")), pick=pick, storage=storage)
+            job = build_pick_job(name, ws.path("picked"), pick=pick, storage=storage)
             materialize_trial(job, force=True)
             picked = read_result(Picked, ws.path("picked"), keep=ws.keep)
         return Study(summary=summary, picked=picked, out=str(ws.root) if ws.keep else None)

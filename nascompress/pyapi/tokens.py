@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError
-from ..finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob, finetune, finetune_train_config, split_settings
+from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, split_settings
 from ..methods import get_method
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_and_arch, model_run,
@@ -63,9 +63,8 @@ def apply(model: ModelLike, method: str, data: Any = None, *, epochs: int = 0, v
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device,
                                                   **{k: v for k, v in train.items() if k in ("amp", "deterministic")}})
         rec = {k: v for k, v in rec.items() if k not in runtime}
-        job = FinetuneJob(run_dir=str(src), method=method, config=config, recipe=recipe, data=cfg_data,
-                          train=finetune_train_config(method, **rec, **runtime), out=str(ws.path(method)),
-                          zero_shot=not epochs)
+        job = build_job(src, ws.path(method), method=method, config=config, recipe=recipe, train={**rec, **runtime},
+                        data=cfg_data, zero_shot=not epochs)
         finetune(job, force=force, resume=resume)
         return read_result(TokenModel, ws.path(method), keep=ws.keep)
 

@@ -36,6 +36,13 @@ class MaterializeJob(Config):
     seed: int = 0
 
 
+def build_job(search_dir: str | Path, out: str | Path, *, seed: int = 0) -> MaterializeJob:
+    """The materialization job of ``nascompress materialize SEARCH_DIR``, of a pipeline's
+    ``stages.dcs`` and of ``nc.materialize`` (the one place it is built): ``search_dir``: a finished
+    DCS search; ``out``: the run to create; ``seed``: of the random batch the check runs on."""
+    return MaterializeJob(search_dir=str(search_dir), out=str(out), seed=seed)
+
+
 def load_search(search_dir: str | Path) -> tuple[nn.Module, dict[str, Any], DCSConfig]:
     """Load a finished DCS search (supernet, arch, config); refuse unfinished or inconsistent ones."""
     d = Path(search_dir)
@@ -98,4 +105,4 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     return run.finish(metrics)  # the last write: marks the run complete
 
 
-__all__ = ["MaterializeJob", "materialize_search", "load_search", "source_data"]
+__all__ = ["MaterializeJob", "build_job", "materialize_search", "load_search", "source_data"]

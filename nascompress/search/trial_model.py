@@ -54,6 +54,15 @@ class TrialMaterializeJob(Config):
             parse_pick(self.pick)
 
 
+def build_job(study: str, out: str | Path, *, trial: int | None = None, pick: str | None = None,
+              storage: str | None = None, finetune_epochs: int = 0) -> TrialMaterializeJob:
+    """The job that rebuilds a study's trial: of ``nascompress materialize --study``, of a pipeline's
+    ``stages.tokens`` (its pick) and of ``nc.study`` (the one place it is built); the arguments are
+    :class:`TrialMaterializeJob`'s (checked there: a ``trial`` or a ``pick`` rule)."""
+    return TrialMaterializeJob(study=study, out=str(out), trial=trial, pick=pick, storage=storage,
+                               finetune_epochs=finetune_epochs)
+
+
 def parse_pick(text: str) -> tuple[str, float | None]:
     rule, _, value = text.partition("=")
     if rule not in PICK_RULES:
@@ -202,4 +211,4 @@ def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]],
     return fit(model, data=data, input_spec=ctx.spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, finish=False)
 
 
-__all__ = ["TrialMaterializeJob", "materialize_trial", "pick_trial", "parse_pick", "knee"]
+__all__ = ["TrialMaterializeJob", "build_job", "materialize_trial", "pick_trial", "parse_pick", "knee"]

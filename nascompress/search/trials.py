@@ -30,7 +30,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -181,6 +181,15 @@ class SearchJob(Config):
 STUDY_SETTINGS = StageSettings(SearchJob, ("space", "trials", "workers", "objective", "sampler",
                                            "finetune_epochs", "train_images", "eval_images", "calib_steps",
                                            "batch_size", "dcs_epochs", "latency_iters", "enqueue"))
+
+
+def build_job(base: str | Path, *, search: Mapping[str, Any], runtime: Mapping[str, Any],
+              data: DataConfig | None = None) -> SearchJob:
+    """The study job of ``nascompress search tokens|joint``, of a pipeline's ``stages.tokens`` and of
+    ``nc.study`` (the one place it is built): ``search``: the values of :class:`SearchJob`'s settings
+    (the space, the study's name and storage, its constraint, :data:`STUDY_SETTINGS`'); ``runtime``:
+    :data:`~nascompress.train.RUNTIME_SETTINGS`'; ``data``: the dataset (None: the base run's)."""
+    return SearchJob(**search, **runtime, base=str(base), data=data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,5 +412,5 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     return summary
 
 
-__all__ = ["SearchJob", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
+__all__ = ["SearchJob", "build_job", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
            "numeric_space", "sampler_factory", "reference_configs", "space_profile", "trial_seed", "SAMPLERS"]
