@@ -238,9 +238,11 @@ def test_search_dcs_shows_its_preparation_when_piped(tmp_path, tiny_run, monkeyp
 
 def test_search_dcs_on_an_image_folder_reads_it_unaugmented_and_caches_the_teacher(folder_run, tmp_path):
     """The search reads an ImageFolder's training images without their training transform (as the in-memory
-    datasets), so the dense teacher's outputs are computed once per image and read back every step."""
+    datasets), so the dense teacher's outputs are computed once per image and read back every step; the
+    candidates' recovery runs in the search's precision."""
     r = invoke("search", "dcs", folder_run, "--target-flops", "0.8", "--epochs", "1", "--batch-size", "8",
-               "--max-val-drop", "100", "--no-baseline", "--out", tmp_path / "s", "--json")
+               "--max-val-drop", "100", "--amp", "bf16", "--out", tmp_path / "s", "--json")
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "s" / "metrics.json").read_text())
     assert metrics["teacher_cached"] is True
+    assert metrics["comparison"]["recovery"]["amp"] == "bf16"  # the baseline's recovery in the search's precision

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import runtime
 from ..data import InputSpec, training_batches
 from ..distill import FeatureTap, feature_kd_loss
 from ..errors import NascompressError, SettingError
@@ -36,9 +37,11 @@ from ..evaluate import evaluate
 from ..hooks import kl_to_teacher, short_stage
 from ..layers import aligned_width
 from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
+from ..progress import step as shown
 from .dcs_cost import CostModel
 
 KINDS = ("dcs", "magnitude")
+NAMES = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}  # as the messages call them
 
 
 @torch.no_grad()
@@ -106,7 +109,8 @@ def magnitude_supernet(dense: nn.Module, *, target: float, align: int, fill: lis
 @dataclass(frozen=True)
 class Recovery:
     """The same short recovery for every candidate: ``steps`` steps of ``batch_size`` training
-    images drawn with ``seed``, peak lr ``lr``, the distillation weights of the search."""
+    images drawn with ``seed``, peak lr ``lr``, the distillation weights of the search, in the
+    search's precision ``amp`` (its forwards under bf16 autocast where the search's are)."""
 
     steps: int
     batch_size: int
@@ -114,6 +118,7 @@ class Recovery:
     seed: int
     distill: float
     feat_distill: float
+    amp: str = "off"
 
 
 def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
@@ -133,24 +138,26 @@ def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec:
     dense.eval()
 
     def loss_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = model(x)
-        loss = F.cross_entropy(logits, y)
-        logs = {"ce": loss.detach()}
-        if rec.distill > 0 or taps is not None:
-            with torch.no_grad():
-                t_logits = dense(x)
-            if rec.distill > 0:
-                kl = kl_to_teacher(logits, t_logits)
-                loss, logs["kl"] = loss + rec.distill * kl, kl.detach()
-            if taps is not None:
-                fkd = feature_kd_loss(taps[0].pop().float(), taps[1].pop().float())
-                loss, logs["feat"] = loss + rec.feat_distill * fkd, fkd.detach()
+        with runtime.autocast(device, rec.amp):
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            logs = {"ce": loss.detach()}
+            if rec.distill > 0 or taps is not None:
+                with torch.no_grad():
+                    t_logits = dense(x)
+                if rec.distill > 0:
+                    kl = kl_to_teacher(logits, t_logits)
+                    loss, logs["kl"] = loss + rec.distill * kl, kl.detach()
+                if taps is not None:
+                    fkd = feature_kd_loss(taps[0].pop().float(), taps[1].pop().float())
+                    loss, logs["feat"] = loss + rec.feat_distill * fkd, fkd.detach()
         return loss, logs
 
     try:
-        return short_stage(model, params, training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed,
-                                                            device=device), loss_fn, steps=rec.steps, lr=rec.lr,
-                           decay=True)
+        with runtime.cpu_attention(model, device, rec.amp), runtime.cpu_attention(dense, device, rec.amp):
+            return short_stage(model, params, training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed,
+                                                                device=device), loss_fn, steps=rec.steps, lr=rec.lr,
+                               decay=True)
     finally:
         if taps is not None:
             for t in taps:
@@ -200,9 +207,12 @@ def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: Input
     for c in eligible:
         before = None if c.pre_val is None else {k: v.detach().clone() for k, v in c.supernet.state_dict().items()}
         torch.manual_seed(rec.seed)
-        c.recovery = recover(c.supernet, dense, data, spec, rec, device)
-        c.supernet.eval()
-        val = evaluate(c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size)
+        with shown(f"DCS: {NAMES[c.kind]}: {rec.steps} recovery steps of {rec.batch_size} images, then its "
+                   f"validation top-1"):
+            c.recovery = recover(c.supernet, dense, data, spec, rec, device)
+            c.supernet.eval()
+            val = evaluate(c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size,
+                           amp=rec.amp)
         c.recovered_val, c.val_n = val["top1"], val["n"]
         c.val_top1, c.state = c.recovered_val, "recovered"
         if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
@@ -213,7 +223,8 @@ def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: Input
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
     record = {"kept": kept.kind, "margin_pt": margin,
               "recovery": {"steps": rec.steps, "batch_size": rec.batch_size, "images": rec.steps * rec.batch_size,
-                           "lr": rec.lr, "seed": rec.seed, "distill": rec.distill, "feat_distill": rec.feat_distill},
+                           "lr": rec.lr, "seed": rec.seed, "distill": rec.distill, "feat_distill": rec.feat_distill,
+                           "amp": rec.amp},
               **{c.kind: c.record() for c in candidates}}
     return kept, record
 
@@ -259,7 +270,7 @@ def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float,
                                f"stands at the target; rerun the same command with {{force}} {{target_flops}} {r:.2f}")
     rec = Recovery(steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
                    batch_size=job.train.batch_size, lr=job.train.peak_lr_for(world_size=1), seed=job.train.seed,
-                   distill=s.distill, feat_distill=s.feat_distill)
+                   distill=s.distill, feat_distill=s.feat_distill, amp=runtime.resolve_amp(job.train.amp, device))
     kept, record = choose([dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size)
     if not magnitude.eligible:
         record["magnitude_note"] = magnitude.note
@@ -279,9 +290,8 @@ def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Excep
         return (f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
                 f"{magnitude.flops_ratio:.3f}x FLOPs): {why}")
     a, b = (dcs, magnitude) if kept is dcs else (magnitude, dcs)
-    names = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}
-    line = (f"kept {names[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
-            f"{names[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery")
+    line = (f"kept {NAMES[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
+            f"{NAMES[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery")
     return line + (f"; {getattr(stopped, 'reason', stopped)}" if stopped else "")
 
 
