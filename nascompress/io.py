@@ -127,9 +127,10 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, filename: str = MODEL_FILE) -> Path:
+def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *,
+               filename: str = MODEL_FILE) -> Path:
     """Write ``filename`` (weights, arch in metadata) and ``arch.json`` atomically into run_dir."""
-    run_dir = Path(run_dir)
+    run_dir, arch = Path(run_dir), arch.to_dict() if isinstance(arch, Arch) else arch
     with writing(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / filename
@@ -354,6 +355,13 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
     check_finite(model, source=str(weights))
     model = model.to(map_location) if dt is None else model.to(map_location, dt)
     return model.eval(), arch
+
+
+def load_typed(path: str | Path, *, map_location: str | torch.device = "cpu", complete: bool = True,
+               dtype: str | torch.dtype | None = None) -> tuple[nn.Module, Arch]:
+    """:func:`load_with_arch` with the typed :class:`~nascompress.run_files.Arch`."""
+    model, arch = load_with_arch(path, map_location=map_location, complete=complete, dtype=dtype)
+    return model, Arch.from_dict(arch, source=str(path))
 
 
 def check_finite(model: nn.Module, *, source: str) -> None:

@@ -17,9 +17,9 @@ Every record keeps the keys it does not type (``extra``) and the order of the fi
 from __future__ import annotations
 
 import copy
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from .data_input import check_input_section
 from .errors import NascompressError
@@ -126,6 +126,18 @@ class Record:
         return {k: _plain(getattr(self, k) if k in typed else self.extra[k]) for k in keys
                 if k in typed or k in self.extra}
 
+    def set(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (typed fields or other keys), as a dict assigned them: a new key goes last."""
+        typed, keys = self.typed_fields(), tuple(self.to_dict())
+        return replace(self, **{k: v for k, v in changes.items() if k in typed},
+                       extra={**self.extra, **{k: copy.deepcopy(v) for k, v in changes.items() if k not in typed}},
+                       order=(*keys, *(k for k in changes if k not in keys)))
+
+    def without(self, *keys: str) -> Any:
+        """A copy without the untyped ``keys`` (as popped from a dict)."""
+        return replace(self, extra={k: v for k, v in self.extra.items() if k not in keys},
+                       order=tuple(k for k in self.order if k not in keys))
+
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``key`` (typed or not), ``default`` when the file has none."""
         if key in self.typed_fields():
@@ -146,6 +158,10 @@ class MethodRecord(Record):
     stage: str | None = None
 
     CHECKS = {"name": _str, "config": _optional(_map), "stage": _optional(_str)}
+
+
+def _record(record: Mapping[str, Any] | MethodRecord) -> MethodRecord:
+    return record if isinstance(record, MethodRecord) else MethodRecord.from_dict(record, source="method record")
 
 
 def _methods(v: Any, where: str) -> tuple[MethodRecord, ...]:
@@ -181,6 +197,23 @@ class Arch(Record):
     def method(self, name: str) -> MethodRecord | None:
         """The (first) record of method ``name``, None if the model has none."""
         return next((m for m in self.methods if m.name == name), None)
+
+    @classmethod
+    def of(cls, arch: Mapping[str, Any] | Arch, *, source: str = "arch") -> Arch:
+        """``arch`` typed (an :class:`Arch` as it is, a dict read with :meth:`from_dict`)."""
+        return arch if isinstance(arch, Arch) else cls.from_dict(arch, source=source)
+
+    def with_method(self, *records: Mapping[str, Any] | MethodRecord) -> Arch:
+        """A copy with ``records`` applied last, in order (compression decisions added)."""
+        return self.set(methods=(*self.methods, *map(_record, records)))
+
+    def with_last_method(self, record: Mapping[str, Any] | MethodRecord) -> Arch:
+        """A copy whose last method record is ``record`` (e.g. a DCS supernet's, materialized)."""
+        return self.set(methods=(*self.methods[:-1], _record(record)))
+
+    def with_labels(self, labels: Sequence[Any] | None) -> Arch:
+        """A copy recording ``labels`` (class names by output index); None: ``self``."""
+        return self if labels is None else self.set(labels=tuple(str(c) for c in labels))
 
 
 @dataclass(frozen=True, kw_only=True)

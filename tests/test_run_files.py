@@ -11,7 +11,7 @@ import pytest
 
 from nascompress.errors import NascompressError
 from nascompress.io import read_arch
-from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, RunMetrics, Sidecar, find_metrics, read_metrics,
+from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, MethodRecord, RunMetrics, Sidecar, find_metrics, read_metrics,
                                    read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
 from tests.conftest import tiny_spec
 
@@ -188,3 +188,21 @@ def test_a_record_built_in_code_writes_only_what_it_holds():
     assert m.to_dict() == {"test_top1": 50.0, "epochs": 2} and m.get("macs", "none") == "none"
     s = Sidecar(format="nascompress-export/1", file="m.onnx")
     assert s.to_dict() == {"format": "nascompress-export/1", "file": "m.onnx"}
+
+
+def test_a_changed_arch_writes_as_the_dict_it_replaces():
+    """with_method / with_labels / set / without give the JSON the former dict edits gave."""
+    d = {"format": "nascompress-arch/2", "model": {"name": "vit"}, "input": {"in_chans": 1},
+         "methods": [{"name": "dcs", "stage": "supernet"}], "retrain": {"eta": 0.1}}
+    a = Arch.from_dict(d, source="arch.json")
+    rec = {"name": "evit", "config": {"keep_rate": 0.7}}
+    assert a.with_method(rec).to_dict() == dict(d, methods=[*d["methods"], rec])
+    assert json.dumps(a.with_labels(["x", 1]).to_dict()) == json.dumps(dict(d, labels=["x", "1"]))
+    assert a.with_labels(None) is a and a.with_method().to_dict() == d
+    last = {"name": "dcs", "stage": "materialized", "blocks": [None]}
+    assert a.with_last_method(last).to_dict() == dict(d, methods=[last])
+    assert json.dumps(a.without("retrain").set(source={"k": 1}).to_dict()) == json.dumps(
+        {**{k: v for k, v in d.items() if k != "retrain"}, "source": {"k": 1}})
+    built = Arch(format="nascompress-arch/2", model={"name": "vit"}, methods=(MethodRecord(name="tome"),))
+    assert list(built.with_labels(["a"]).to_dict()) == ["format", "model", "methods", "labels"]
+    assert Arch.of(d) == a and Arch.of(a) is a and d["methods"] == [{"name": "dcs", "stage": "supernet"}]
