@@ -11,7 +11,7 @@ from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, fol
 from .data_memory import is_memory, memory_splits
 from .errors import SettingError
 from .evaluate import evaluate
-from .io import load_with_arch
+from .io import load_typed, load_with_arch
 from .models import ModelSpec, build_model, input_size
 from .profiling import profile_models
 from .train import check_classes
@@ -62,15 +62,15 @@ def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: 
 
 
 def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> dict[str, Any]:
-    model, arch = load_with_arch(run_dir, map_location=dev, dtype=dtype)
+    model, arch = load_typed(run_dir, map_location=dev, dtype=dtype)
     data = data or run_data_config(run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     t_model = t_spec = None
     if teacher is not None:
-        t_model, t_arch = load_with_arch(teacher, map_location=dev, dtype=dtype)
-        t_spec = InputSpec.from_dict(t_arch["input"])
+        t_model, t_arch = load_typed(teacher, map_location=dev, dtype=dtype)
+        t_spec = InputSpec.from_dict(dict(t_arch.input))
     dynamic = hasattr(model, "inference_stats")  # early-exit models (MG-ViT) count exits and FLOPs
     if dynamic:
         model.reset_inference_stats()
@@ -78,7 +78,7 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
                    teacher=t_model, teacher_spec=t_spec)
     if dynamic:
         res.update(model.inference_stats())
-    res.update(split=split, dataset=bundle.name, methods=[m["name"] for m in arch["methods"]])
+    res.update(split=split, dataset=bundle.name, methods=list(arch.method_names))
     return res
 
 
@@ -138,12 +138,12 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
     if not epsilons:
         raise SettingError("{epsilon} needs at least one value, e.g. {epsilon} 0.5,0.7,0.9,1")
     dev = resolve_device(device)
-    model, arch = load_with_arch(run_dir, map_location=dev)
+    model, arch = load_typed(run_dir, map_location=dev)
     if not isinstance(model, (MGViT, MGPVT)):
         raise SettingError(f"{run_dir} is not an MG-ViT run (methods: "
-                               f"{[m['name'] for m in arch['methods']] or 'none'}); {{epsilon}} needs one")
+                               f"{list(arch.method_names) or 'none'}); {{epsilon}} needs one")
     data = data or run_data_config(run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     batches = ((preprocess(imgs, spec), y) for imgs, y in make_loader(bundle.split(split), batch_size=batch_size,
