@@ -206,3 +206,51 @@ def test_a_changed_arch_writes_as_the_dict_it_replaces():
     built = Arch(format="nascompress-arch/2", model={"name": "vit"}, methods=(MethodRecord(name="tome"),))
     assert list(built.with_labels(["a"]).to_dict()) == ["format", "model", "methods", "labels"]
     assert Arch.of(d) == a and Arch.of(a) is a and d["methods"] == [{"name": "dcs", "stage": "supernet"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# No module other than the loader indexes an arch dict by key: the others read the typed Arch.
+
+# modules allowed to (with the reason)
+ARCH_DICT_ALLOWED = {
+    "run_files.py": "the loader itself: validates the dict read from the file and types it",
+    "io.py": "the model format: builds the model and timm's pretrained_cfg from the validated dict it read",
+}
+
+
+def _arch_named(node: ast.AST) -> bool:
+    """A name (``arch``, ``base_arch``, ``self.arch``, ``ctx.arch`` ...) an arch is kept under."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name is not None and (name == "arch" or name.endswith("_arch"))
+
+
+def arch_dict_indexing(tree: ast.AST) -> list[int]:
+    """Lines that index an arch by a string key (``arch["input"]``, ``base_arch.get("labels")``,
+    ``arch.pop("retrain")``), a heuristic on the names an arch is kept under."""
+    hits = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and _arch_named(n.value) and isinstance(n.slice, ast.Constant) \
+                and isinstance(n.slice.value, str):
+            hits.append(n.lineno)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "pop", "setdefault") \
+                and _arch_named(n.func.value) and n.args and isinstance(n.args[0], ast.Constant):
+            hits.append(n.lineno)
+    return sorted(set(hits))
+
+
+def test_no_other_module_indexes_an_arch_dict():
+    found = {}
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(PKG))
+        if rel not in ARCH_DICT_ALLOWED:
+            lines = arch_dict_indexing(ast.parse(p.read_text()))
+            if lines:
+                found[rel] = lines
+    assert found == {}, f"read the typed Arch (nascompress.io.load_typed / read_arch), not the dict: {found}"
+
+
+def test_the_scan_finds_arch_dict_indexing():
+    src = ('def f(arch, self, ctx):\n    s = arch["input"]\n    base_arch.get("labels")\n'
+           '    self.arch["methods"].append(1)\n    ctx.arch.pop("retrain", None)\n'
+           '    return arch.input, arch.method("dcs"), rec["name"], archive["x"]\n')
+    assert arch_dict_indexing(ast.parse(src)) == [2, 3, 4, 5]
