@@ -15,7 +15,8 @@ from .io import load_typed, load_with_arch
 from .models import ModelSpec, build_model, input_size
 from .profiling import profile_models
 from .train import check_classes
-from .utils import read_json, resolve_device
+from .pipeline_files import find_run_config
+from .utils import resolve_device
 
 
 def count_classes(data: DataConfig) -> int:
@@ -40,12 +41,8 @@ def count_classes(data: DataConfig) -> int:
 
 def run_data_config(run_dir: str | Path) -> DataConfig | None:
     """The DataConfig a run was made with (its config.json ``data`` section), if recorded."""
-    cfg = Path(run_dir) / "config.json"
-    if Path(run_dir).is_dir() and cfg.is_file():
-        d = read_json(cfg).get("data")
-        if d:
-            return DataConfig(**d)
-    return None
+    cfg = find_run_config(run_dir) if Path(run_dir).is_dir() else None
+    return DataConfig(**cfg.data) if cfg is not None and cfg.data else None
 
 
 def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: str = "test",

@@ -51,10 +51,11 @@ from torch import nn
 from .errors import NascompressError, SettingError, literal, words, writing
 from .methods import apply_methods
 from .models import ModelSpec, build_model, load_state_strict
+from .pipeline_files import find_run_config
 from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
 from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
                         write_arch_json, write_metrics_json)
-from .utils import atomic_path, parse_json, read_json
+from .utils import atomic_path, parse_json
 
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
@@ -220,10 +221,10 @@ def run_state(run_dir: str | Path) -> str:
 def _writer(d: Path) -> tuple[str, bool] | None:
     """(command, can it --resume) of the nascompress run whose config.json is in ``d``, else None."""
     try:
-        cfg = read_json(d / CONFIG_FILE)
+        cfg = find_run_config(d)  # a damaged one (not a JSON object): none
     except NascompressError:
         return None
-    if not isinstance(cfg, dict):
+    if cfg is None:
         return None
     return next(((c, r) for keys, c, r in _COMMANDS if all(k in cfg for k in keys)), None)
 

@@ -90,6 +90,8 @@ def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
 
 
 _str, _map, _list, _bool = _kind(str, "a string"), _kind(dict, "an object"), _kind(list, "a list"), _kind(bool, "a boolean")
+# the field checks, for records typed beside these (nascompress.pipeline_files)
+check_str, check_map, check_number, optional = _str, _map, _number, _optional
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,6 +332,6 @@ def read_sidecar(path: str | Path) -> Sidecar:
 
 
 __all__ = ["ARCH_FILE", "ARCH_FORMAT", "METRICS_FILE", "READ_FORMATS", "Arch", "MethodRecord", "Quantization",
-           "Record", "RunMetrics", "Sidecar", "find_metrics", "has_metrics", "read_arch_json",
-           "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path", "validate_arch", "write_arch_json",
-           "write_metrics_json", "write_sidecar_json"]
+           "Record", "RunMetrics", "Sidecar", "check_map", "check_number", "check_str", "find_metrics", "has_metrics",
+           "read_arch_json", "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path", "validate_arch", "write_arch_json",
+           "write_metrics_json", "write_sidecar_json", "optional"]

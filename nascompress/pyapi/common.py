@@ -19,9 +19,9 @@ from ..data_memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
 from ..io import load_typed, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
-from ..run_dir import CONFIG_FILE, RunDir
+from ..run_dir import RunDir
+from ..pipeline_files import find_run_config
 from ..run_files import Arch, find_metrics
-from ..utils import read_json
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
 _ARCHS: "weakref.WeakKeyDictionary[nn.Module, Arch]" = weakref.WeakKeyDictionary()
@@ -67,8 +67,8 @@ def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any] | Ar
 def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
     model, arch = load_typed(run)
-    cfg_path, recorded = Path(run) / CONFIG_FILE, find_metrics(run)
-    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    recorded, config = find_metrics(run), find_run_config(run)
+    cfg = config.to_dict() if config is not None else {}
     metrics = recorded.results() if recorded is not None else {}
     return cls(model=remember(model, arch), arch=arch.to_dict(), metrics=metrics, config=cfg,
                out=str(Path(run).resolve()) if keep else None, **extra)

@@ -21,7 +21,7 @@ from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
 from ..run_dir import RunDir
 from ..run_files import Arch, read_metrics
-from ..utils import read_json
+from ..pipeline_files import find_run_config
 
 
 
@@ -57,9 +57,8 @@ def source_data(search_cfg: dict[str, Any]) -> dict[str, Any] | None:
     """The ``data`` section of the dense run a search started from (its dataset, without the
     search's own --train-limit), else the search's."""
     src = Path(search_cfg.get("source", ""))
-    if src.is_dir() and (src / "config.json").is_file():
-        return read_json(src / "config.json").get("data") or search_cfg.get("data")
-    return search_cfg.get("data")
+    cfg = find_run_config(src) if src.is_dir() else None
+    return (cfg.data if cfg is not None else None) or search_cfg.get("data")
 
 
 def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str, Any]:
@@ -81,8 +80,8 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
                                "this is a bug, please report it")
     new_arch = arch.with_last_method(record)
     sup_flops, flops = count_flops(supernet, x[:2]), count_flops(model, x[:2])
-    cfg_path = Path(job.search_dir) / "config.json"
-    search_cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    recorded = find_run_config(job.search_dir)
+    search_cfg = recorded.to_dict() if recorded is not None else {}
     dense_macs = read_metrics(job.search_dir).dense_macs
     metrics = {"macs": flops.total, "params": flops.params, "supernet_macs": sup_flops.total,
                "supernet_params": sup_flops.params, "dense_macs": dense_macs,
