@@ -3,7 +3,10 @@
 - ``arch.json`` (the model format, :mod:`nascompress.io`): :class:`Arch` (format, model spec,
   input spec, labels, method records as :class:`MethodRecord`); :func:`nascompress.io.read_arch`
   gives it for a run directory (also a plain model directory or a weights file), validated in one
-  place (:func:`validate_arch`: a damaged file is one NascompressError line).
+  place (:func:`validate_arch`: a damaged file is one NascompressError line);
+  :func:`nascompress.io.load_typed` gives it with the model. Records are frozen: a stage that adds a
+  decision makes a new one (:meth:`Arch.with_method`, :meth:`Arch.with_labels`, :meth:`Record.set`,
+  :meth:`Record.without`), written as the dict edited the same way would be.
 - ``metrics.json`` (the completion mark, :func:`nascompress.io.finish_run`, and each stage's
   results): :class:`RunMetrics`, the fields every stage writes typed (``test_top1``, ``val_top1``,
   ``flops_ratio``, ``macs``, ``dense_macs``, ``finished``) and the stage's own in ``extra``;
@@ -11,8 +14,10 @@
 - an export's sidecar ``FILE.json``: :class:`Sidecar` (its ``quantization``: :class:`Quantization`);
   :func:`read_sidecar`.
 
-Every record keeps the keys it does not type (``extra``) and the order of the file, so
-``Record.from_dict(d).to_dict() == d`` and a file read and written again is the same bytes.
+The pipeline's own files and a run's ``config.json`` are typed the same way in
+:mod:`nascompress.pipeline_files`. Every record keeps the keys it does not type (``extra``) and the
+order of the file, so ``Record.from_dict(d).to_dict() == d`` and a file read and written again is
+the same bytes.
 """
 from __future__ import annotations
 
@@ -333,5 +338,5 @@ def read_sidecar(path: str | Path) -> Sidecar:
 
 __all__ = ["ARCH_FILE", "ARCH_FORMAT", "METRICS_FILE", "READ_FORMATS", "Arch", "MethodRecord", "Quantization",
            "Record", "RunMetrics", "Sidecar", "check_map", "check_number", "check_str", "find_metrics", "has_metrics",
-           "read_arch_json", "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path", "validate_arch", "write_arch_json",
-           "write_metrics_json", "write_sidecar_json", "optional"]
+           "optional", "read_arch_json", "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path",
+           "validate_arch", "write_arch_json", "write_metrics_json", "write_sidecar_json"]
