@@ -11,11 +11,12 @@ from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, fol
 from .data_memory import is_memory, memory_splits
 from .errors import SettingError
 from .evaluate import evaluate
-from .io import load_with_arch
+from .io import load_typed, load_with_arch
 from .models import ModelSpec, build_model, input_size
 from .profiling import profile_models
 from .train import check_classes
-from .utils import read_json, resolve_device
+from .pipeline_files import find_run_config
+from .utils import resolve_device
 
 
 def count_classes(data: DataConfig) -> int:
@@ -40,12 +41,8 @@ def count_classes(data: DataConfig) -> int:
 
 def run_data_config(run_dir: str | Path) -> DataConfig | None:
     """The DataConfig a run was made with (its config.json ``data`` section), if recorded."""
-    cfg = Path(run_dir) / "config.json"
-    if Path(run_dir).is_dir() and cfg.is_file():
-        d = read_json(cfg).get("data")
-        if d:
-            return DataConfig(**d)
-    return None
+    cfg = find_run_config(run_dir) if Path(run_dir).is_dir() else None
+    return DataConfig(**cfg.data) if cfg is not None and cfg.data else None
 
 
 def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: str = "test",
@@ -62,15 +59,15 @@ def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: 
 
 
 def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> dict[str, Any]:
-    model, arch = load_with_arch(run_dir, map_location=dev, dtype=dtype)
+    model, arch = load_typed(run_dir, map_location=dev, dtype=dtype)
     data = data or run_data_config(run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     t_model = t_spec = None
     if teacher is not None:
-        t_model, t_arch = load_with_arch(teacher, map_location=dev, dtype=dtype)
-        t_spec = InputSpec.from_dict(t_arch["input"])
+        t_model, t_arch = load_typed(teacher, map_location=dev, dtype=dtype)
+        t_spec = InputSpec.from_dict(dict(t_arch.input))
     dynamic = hasattr(model, "inference_stats")  # early-exit models (MG-ViT) count exits and FLOPs
     if dynamic:
         model.reset_inference_stats()
@@ -78,7 +75,7 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
                    teacher=t_model, teacher_spec=t_spec)
     if dynamic:
         res.update(model.inference_stats())
-    res.update(split=split, dataset=bundle.name, methods=[m["name"] for m in arch["methods"]])
+    res.update(split=split, dataset=bundle.name, methods=list(arch.method_names))
     return res
 
 
@@ -138,12 +135,12 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
     if not epsilons:
         raise SettingError("{epsilon} needs at least one value, e.g. {epsilon} 0.5,0.7,0.9,1")
     dev = resolve_device(device)
-    model, arch = load_with_arch(run_dir, map_location=dev)
+    model, arch = load_typed(run_dir, map_location=dev)
     if not isinstance(model, (MGViT, MGPVT)):
         raise SettingError(f"{run_dir} is not an MG-ViT run (methods: "
-                               f"{[m['name'] for m in arch['methods']] or 'none'}); {{epsilon}} needs one")
+                               f"{list(arch.method_names) or 'none'}); {{epsilon}} needs one")
     data = data or run_data_config(run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
     batches = ((preprocess(imgs, spec), y) for imgs, y in make_loader(bundle.split(split), batch_size=batch_size,

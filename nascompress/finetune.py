@@ -27,9 +27,9 @@ from .config import Config, StageSettings, check_bool, setting
 from .data import DataConfig, dataset_paths, InputSpec, load_data, make_loader, preprocess, training_batches
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import load_with_arch, save_model, set_labels
+from .io import load_typed, load_with_arch, save_model
 from .methods import get_method
-from .models import ModelSpec, build_model
+from .models import build_model
 from .train import TrainConfig, check_classes, fit, recipe_config
 from .run_dir import RunDir
 from .utils import seed_everything
@@ -126,16 +126,14 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     cfg = job.train or finetune_train_config(job.method)
     runtime.prepare_deterministic(cfg.deterministic)
     device = distributed.init(cfg.device)
-    teacher, base_arch = load_with_arch(job.run_dir, map_location=device)
+    teacher, base_arch = load_typed(job.run_dir, map_location=device)
     seed_everything(cfg.seed)
     model, record = method.prepare_fresh(copy.deepcopy(teacher), dict(job.config), dict(job.recipe) or None)
-    arch = copy.deepcopy(base_arch)
-    arch["methods"] = list(arch["methods"]) + [record]
-    arch.pop("retrain", None)
+    arch = base_arch.with_method(record).without("retrain")
     data_cfg = job.data or run_data_config(job.run_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     data = load_data(data_cfg, spec=spec)
-    set_labels(arch, data.classes)  # the classes trained on (--dataset may name another set of them)
+    arch = arch.with_labels(data.classes)  # the classes trained on (--dataset may name another set of them)
     check_classes(model.num_classes, data, fix=f"give finetune {{dataset}} with the {model.num_classes} classes the "
                   "model was trained for")
     run.create(job.replace(data=data_cfg, train=cfg).to_dict())
@@ -160,7 +158,7 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
         metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
     saved = model if job.zero_shot else load_with_arch(out, map_location=device, complete=False)[0]  # the best epoch
-    dense = build_model(ModelSpec.from_dict(base_arch["model"])).to(device)  # no method: DCS widths included
+    dense = build_model(base_arch.spec).to(device)  # no method: DCS widths included
     metrics.update(flops_on_test_images(saved, dense, data.test, spec, device))
     return run.finish(metrics)  # the last write: marks the run complete
 

@@ -31,6 +31,7 @@ from .io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
 from .models import ModelSpec, build_model, is_pyramid, mismatch_report, read_weights_file, state_mismatches
 from .run_dir import RunDir
+from .run_files import Arch
 from .utils import resolve_device
 from .train import TrainConfig
 
@@ -190,8 +191,8 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
 
     source = {"weights": str(Path(job.weights).resolve()), "sha256": file_sha256(job.weights), "timm_name": job.model,
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    arch = make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
-    arch["source"] = source
+    arch = Arch.of(make_arch(spec, input_spec=input_spec.to_dict(),
+                             labels=bundle.classes if job.data is not None else None)).set(source=source)
     run.create({"import": job.to_dict(), "data": None if job.data is None else asdict(job.data), "source": source})
     save_model(out, model, arch)
     return run.finish(metrics)  # the last write: marks the run complete

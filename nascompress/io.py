@@ -51,10 +51,11 @@ from torch import nn
 from .errors import NascompressError, SettingError, literal, words, writing
 from .methods import apply_methods
 from .models import ModelSpec, build_model, load_state_strict
+from .pipeline_files import find_run_config
 from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
 from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
                         write_arch_json, write_metrics_json)
-from .utils import atomic_path, parse_json, read_json
+from .utils import atomic_path, parse_json
 
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
@@ -127,9 +128,10 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any], *, filename: str = MODEL_FILE) -> Path:
+def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *,
+               filename: str = MODEL_FILE) -> Path:
     """Write ``filename`` (weights, arch in metadata) and ``arch.json`` atomically into run_dir."""
-    run_dir = Path(run_dir)
+    run_dir, arch = Path(run_dir), arch.to_dict() if isinstance(arch, Arch) else arch
     with writing(run_dir):
         run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / filename
@@ -219,10 +221,10 @@ def run_state(run_dir: str | Path) -> str:
 def _writer(d: Path) -> tuple[str, bool] | None:
     """(command, can it --resume) of the nascompress run whose config.json is in ``d``, else None."""
     try:
-        cfg = read_json(d / CONFIG_FILE)
+        cfg = find_run_config(d)  # a damaged one (not a JSON object): none
     except NascompressError:
         return None
-    if not isinstance(cfg, dict):
+    if cfg is None:
         return None
     return next(((c, r) for keys, c, r in _COMMANDS if all(k in cfg for k in keys)), None)
 
@@ -354,6 +356,13 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
     check_finite(model, source=str(weights))
     model = model.to(map_location) if dt is None else model.to(map_location, dt)
     return model.eval(), arch
+
+
+def load_typed(path: str | Path, *, map_location: str | torch.device = "cpu", complete: bool = True,
+               dtype: str | torch.dtype | None = None) -> tuple[nn.Module, Arch]:
+    """:func:`load_with_arch` with the typed :class:`~nascompress.run_files.Arch`."""
+    model, arch = load_with_arch(path, map_location=map_location, complete=complete, dtype=dtype)
+    return model, Arch.from_dict(arch, source=str(path))
 
 
 def check_finite(model: nn.Module, *, source: str) -> None:

@@ -29,7 +29,6 @@ the distillation pieces :mod:`nascompress.distill` and the batch rule :mod:`nasc
 """
 from __future__ import annotations
 
-import copy
 import importlib
 import os
 import sys
@@ -50,9 +49,10 @@ from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError, SettingError
 from .ib_hooks import IB_KEYS, IBHooks, IBSettings, make_input_embed
-from .io import load_with_arch, read_arch
+from .io import load_typed, read_arch
 from .train import TrainConfig, fit, recipe_config
 from .run_dir import RunDir
+from .run_files import Arch
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
 INPUT_DOC = {"image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per channel, flattened",
@@ -266,7 +266,7 @@ class RetrainResult:
     metrics: dict[str, Any]
 
 
-def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: DataBundle, *,
+def run_retrain(job: RetrainJob, model: nn.Module, arch: Arch | dict[str, Any], data: DataBundle, *,
                 teacher: nn.Module | None = None, out_dir: Path | None = None, resume: bool = False,
                 before_fit: Callable[[RetrainJob, dict[str, Any]], None] | None = None) -> RetrainResult:
     """IB retraining on models and data in memory: ``model`` (compressed, with its ``arch``), ``data``
@@ -274,7 +274,8 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
     ``out_dir``; with it the run directory's files are written as training goes (:func:`retrain`),
     ``before_fit(job, features)`` called once the job's defaults are resolved."""
     device = distributed.init(job.train.device)
-    spec = InputSpec.from_dict(arch["input"])
+    arch = Arch.of(arch)
+    spec = InputSpec.from_dict(dict(arch.input))
     _check_head(model, data, what=f"model in {job.model_dir}")
     if teacher is not None:
         _check_head(teacher, data, what=f"teacher {job.teacher}")
@@ -284,13 +285,11 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
         raise SettingError("{input_tap} patch_embed needs a model with a patch_embed module; use {input_tap} image")
     features = job.retrain.describe(teacher=teacher is not None)
     warm = job.retrain.warm_epochs(job.train.epochs)
-    out_arch = copy.deepcopy(arch)
-    out_arch["labels"] = [str(c) for c in data.classes]  # the classes retrained on
-    # provenance (the source model's path) is in metrics.json and config.json, not in the arch: the model
-    # file's bytes (the arch is its metadata) are the same wherever the run was written
-    out_arch["retrain"] = {"eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac,
-                           "eta_schedule": job.retrain.eta_schedule, "warm_epochs": warm, "epochs": job.train.epochs,
-                           "kd": teacher is not None, **features}
+    # the classes retrained on; provenance (the source model's path) is in metrics.json and config.json, not in
+    # the arch: the model file's bytes (the arch is its metadata) are the same wherever the run was written
+    out_arch = arch.with_labels(data.classes).set(retrain={
+        "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac, "eta_schedule": job.retrain.eta_schedule,
+        "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features})
     if before_fit is not None:
         before_fit(job, features)
     hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
@@ -301,7 +300,7 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: dict[str, Any], data: D
                   resume=resume, finish=False, log=log)
     last = log[-1] if log else {}
     mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
-    metrics.update(source_model=str(job.model_dir), methods=[m["name"] for m in arch["methods"]],
+    metrics.update(source_model=str(job.model_dir), methods=list(arch.method_names),
                    eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, eta_schedule=job.retrain.eta_schedule,
                    warm_epochs=warm,
                    kd=teacher is not None, feat_kd=job.retrain.feat_kd, batch_size=job.train.batch_size, **features,
@@ -354,17 +353,17 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     check_teacher(job)
     runtime.prepare_deterministic(job.train.deterministic)
     device = distributed.init(job.train.device)
-    model, arch = load_with_arch(job.model_dir, map_location=device)
+    model, arch = load_typed(job.model_dir, map_location=device)
     data_cfg = job.data or recorded_data_config(job.model_dir) or DataConfig()
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     data = load_data(data_cfg, spec=spec)
     _check_head(model, data, what=f"model in {job.model_dir}")
     teacher = None
     if job.teacher is not None:
-        teacher, t_arch = load_with_arch(job.teacher, map_location=device)
-        if InputSpec.from_dict(t_arch["input"]) != spec:
-            raise NascompressError(f"teacher {job.teacher} expects input {t_arch['input']} "
-                                   f"but the model {arch['input']}")
+        teacher, t_arch = load_typed(job.teacher, map_location=device)
+        if InputSpec.from_dict(dict(t_arch.input)) != spec:
+            raise NascompressError(f"teacher {job.teacher} expects input {dict(t_arch.input)} "
+                                   f"but the model {dict(arch.input)}")
         teacher.eval().requires_grad_(False)
 
     def create(resolved: RetrainJob, features: dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ from typing import Any
 
 from . import distributed
 from .io import CONFIG_FILE, finish_run
-from .utils import create_out_dir, prepare_out_dir, recorded_job, write_json
+from .pipeline_files import write_run_config
+from .utils import create_out_dir, prepare_out_dir, recorded_job
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class RunDir:
         distributed.barrier()  # every rank has checked the directory before rank 0 creates it
         if distributed.is_main():
             create_out_dir(self.path, force=self.force, resume=self.resume)
-            write_json(self.path / CONFIG_FILE, config)
+            write_run_config(self.path, config)
         distributed.barrier()  # the directory is ready
         return self.path
 

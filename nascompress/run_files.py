@@ -3,7 +3,10 @@
 - ``arch.json`` (the model format, :mod:`nascompress.io`): :class:`Arch` (format, model spec,
   input spec, labels, method records as :class:`MethodRecord`); :func:`nascompress.io.read_arch`
   gives it for a run directory (also a plain model directory or a weights file), validated in one
-  place (:func:`validate_arch`: a damaged file is one NascompressError line).
+  place (:func:`validate_arch`: a damaged file is one NascompressError line);
+  :func:`nascompress.io.load_typed` gives it with the model. Records are frozen: a stage that adds a
+  decision makes a new one (:meth:`Arch.with_method`, :meth:`Arch.with_labels`, :meth:`Record.set`,
+  :meth:`Record.without`), written as the dict edited the same way would be.
 - ``metrics.json`` (the completion mark, :func:`nascompress.io.finish_run`, and each stage's
   results): :class:`RunMetrics`, the fields every stage writes typed (``test_top1``, ``val_top1``,
   ``flops_ratio``, ``macs``, ``dense_macs``, ``finished``) and the stage's own in ``extra``;
@@ -11,15 +14,17 @@
 - an export's sidecar ``FILE.json``: :class:`Sidecar` (its ``quantization``: :class:`Quantization`);
   :func:`read_sidecar`.
 
-Every record keeps the keys it does not type (``extra``) and the order of the file, so
-``Record.from_dict(d).to_dict() == d`` and a file read and written again is the same bytes.
+The pipeline's own files and a run's ``config.json`` are typed the same way in
+:mod:`nascompress.pipeline_files`. Every record keeps the keys it does not type (``extra``) and the
+order of the file, so ``Record.from_dict(d).to_dict() == d`` and a file read and written again is
+the same bytes.
 """
 from __future__ import annotations
 
 import copy
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from .data_input import check_input_section
 from .errors import NascompressError
@@ -90,6 +95,8 @@ def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
 
 
 _str, _map, _list, _bool = _kind(str, "a string"), _kind(dict, "an object"), _kind(list, "a list"), _kind(bool, "a boolean")
+# the field checks, for records typed beside these (nascompress.pipeline_files)
+check_str, check_map, check_number, optional = _str, _map, _number, _optional
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +133,18 @@ class Record:
         return {k: _plain(getattr(self, k) if k in typed else self.extra[k]) for k in keys
                 if k in typed or k in self.extra}
 
+    def set(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (typed fields or other keys), as a dict assigned them: a new key goes last."""
+        typed, keys = self.typed_fields(), tuple(self.to_dict())
+        return replace(self, **{k: v for k, v in changes.items() if k in typed},
+                       extra={**self.extra, **{k: copy.deepcopy(v) for k, v in changes.items() if k not in typed}},
+                       order=(*keys, *(k for k in changes if k not in keys)))
+
+    def without(self, *keys: str) -> Any:
+        """A copy without the untyped ``keys`` (as popped from a dict)."""
+        return replace(self, extra={k: v for k, v in self.extra.items() if k not in keys},
+                       order=tuple(k for k in self.order if k not in keys))
+
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``key`` (typed or not), ``default`` when the file has none."""
         if key in self.typed_fields():
@@ -146,6 +165,10 @@ class MethodRecord(Record):
     stage: str | None = None
 
     CHECKS = {"name": _str, "config": _optional(_map), "stage": _optional(_str)}
+
+
+def _record(record: Mapping[str, Any] | MethodRecord) -> MethodRecord:
+    return record if isinstance(record, MethodRecord) else MethodRecord.from_dict(record, source="method record")
 
 
 def _methods(v: Any, where: str) -> tuple[MethodRecord, ...]:
@@ -181,6 +204,23 @@ class Arch(Record):
     def method(self, name: str) -> MethodRecord | None:
         """The (first) record of method ``name``, None if the model has none."""
         return next((m for m in self.methods if m.name == name), None)
+
+    @classmethod
+    def of(cls, arch: Mapping[str, Any] | Arch, *, source: str = "arch") -> Arch:
+        """``arch`` typed (an :class:`Arch` as it is, a dict read with :meth:`from_dict`)."""
+        return arch if isinstance(arch, Arch) else cls.from_dict(arch, source=source)
+
+    def with_method(self, *records: Mapping[str, Any] | MethodRecord) -> Arch:
+        """A copy with ``records`` applied last, in order (compression decisions added)."""
+        return self.set(methods=(*self.methods, *map(_record, records)))
+
+    def with_last_method(self, record: Mapping[str, Any] | MethodRecord) -> Arch:
+        """A copy whose last method record is ``record`` (e.g. a DCS supernet's, materialized)."""
+        return self.set(methods=(*self.methods[:-1], _record(record)))
+
+    def with_labels(self, labels: Sequence[Any] | None) -> Arch:
+        """A copy recording ``labels`` (class names by output index); None: ``self``."""
+        return self if labels is None else self.set(labels=tuple(str(c) for c in labels))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,6 +337,6 @@ def read_sidecar(path: str | Path) -> Sidecar:
 
 
 __all__ = ["ARCH_FILE", "ARCH_FORMAT", "METRICS_FILE", "READ_FORMATS", "Arch", "MethodRecord", "Quantization",
-           "Record", "RunMetrics", "Sidecar", "find_metrics", "has_metrics", "read_arch_json",
-           "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path", "validate_arch", "write_arch_json",
-           "write_metrics_json", "write_sidecar_json"]
+           "Record", "RunMetrics", "Sidecar", "check_map", "check_number", "check_str", "find_metrics", "has_metrics",
+           "optional", "read_arch_json", "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path",
+           "validate_arch", "write_arch_json", "write_metrics_json", "write_sidecar_json"]

@@ -198,7 +198,7 @@ def test_a_dinov2_backbone_comes_in_with_its_pooled_output(tmp_path):
     model.reset_classifier(10)  # a head for the data: the API takes the model with its new head
     from nascompress.pyapi.common import model_and_arch
 
-    assert model_and_arch(model)[1]["model"]["kwargs"]["num_classes"] == 10
+    assert model_and_arch(model)[1].spec.kwargs["num_classes"] == 10
 
 
 def test_the_readmes_python_example_runs(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from nascompress.errors import NascompressError
 from nascompress.io import read_arch
-from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, RunMetrics, Sidecar, find_metrics, read_metrics,
+from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, MethodRecord, RunMetrics, Sidecar, find_metrics, read_metrics,
                                    read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
 from tests.conftest import tiny_spec
 
@@ -124,10 +124,17 @@ def test_a_damaged_method_record_or_labels_is_one_line():
 # ---------------------------------------------------------------------------------------------
 # No module other than run_files reads or writes arch.json / metrics.json itself.
 
-NAMES = {"arch.json", "metrics.json", "ARCH_FILE", "METRICS_FILE"}
+NAMES = {"arch.json", "metrics.json", "ARCH_FILE", "METRICS_FILE",
+         # the pipeline's own files and a run's config.json (nascompress.pipeline_files)
+         "done", "DONE_DIR", "pick.json", "PICK_FILE", "summary.json", "SUMMARY_FILE", "config.json", "CONFIG_FILE",
+         "RUN_CONFIG_FILE"}
 IO_CALLS = {"read_json", "write_json", "open", "read_text", "write_text", "read_bytes", "load", "loads", "parse_json"}
-# modules allowed to (with the reason); empty: every reader and writer goes through run_files
-ALLOWED: dict[str, str] = {}
+# modules allowed to (with the reason); every other reader and writer goes through run_files / pipeline_files
+ALLOWED: dict[str, str] = {
+    "pipeline_files.py": "the reader and writer of the pipeline's files and a run's config.json",
+    "utils.py": "recorded_job reads config.json itself: utils is below pipeline_files (which imports it), and it "
+                "words a damaged record its own way for --resume",
+}
 
 
 def _mentions(node: ast.AST, names: set[str]) -> bool:
@@ -180,7 +187,8 @@ def test_the_scan_finds_a_direct_read():
     src = ('def f(d):\n    m = d / "metrics.json"\n    return read_json(m)\n'
            'def g(d):\n    return json.loads((d / ARCH_FILE).read_text())\n'
            'def h(d):\n    return read_json(d / "config.json"), read_json(d / "done" / "search.json")\n')
-    assert direct_file_access(ast.parse(src)) == [3, 5]
+    assert direct_file_access(ast.parse(src)) == [3, 5, 7]
+    assert direct_file_access(ast.parse('def f(d):\n    return read_json(d / "other.json")\n')) == []
 
 
 def test_a_record_built_in_code_writes_only_what_it_holds():
@@ -188,3 +196,106 @@ def test_a_record_built_in_code_writes_only_what_it_holds():
     assert m.to_dict() == {"test_top1": 50.0, "epochs": 2} and m.get("macs", "none") == "none"
     s = Sidecar(format="nascompress-export/1", file="m.onnx")
     assert s.to_dict() == {"format": "nascompress-export/1", "file": "m.onnx"}
+
+
+def test_a_changed_arch_writes_as_the_dict_it_replaces():
+    """with_method / with_labels / set / without give the JSON the former dict edits gave."""
+    d = {"format": "nascompress-arch/2", "model": {"name": "vit"}, "input": {"in_chans": 1},
+         "methods": [{"name": "dcs", "stage": "supernet"}], "retrain": {"eta": 0.1}}
+    a = Arch.from_dict(d, source="arch.json")
+    rec = {"name": "evit", "config": {"keep_rate": 0.7}}
+    assert a.with_method(rec).to_dict() == dict(d, methods=[*d["methods"], rec])
+    assert json.dumps(a.with_labels(["x", 1]).to_dict()) == json.dumps(dict(d, labels=["x", "1"]))
+    assert a.with_labels(None) is a and a.with_method().to_dict() == d
+    last = {"name": "dcs", "stage": "materialized", "blocks": [None]}
+    assert a.with_last_method(last).to_dict() == dict(d, methods=[last])
+    assert json.dumps(a.without("retrain").set(source={"k": 1}).to_dict()) == json.dumps(
+        {**{k: v for k, v in d.items() if k != "retrain"}, "source": {"k": 1}})
+    built = Arch(format="nascompress-arch/2", model={"name": "vit"}, methods=(MethodRecord(name="tome"),))
+    assert list(built.with_labels(["a"]).to_dict()) == ["format", "model", "methods", "labels"]
+    assert Arch.of(d) == a and Arch.of(a) is a and d["methods"] == [{"name": "dcs", "stage": "supernet"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# No module other than the loader indexes an arch dict by key: the others read the typed Arch.
+
+# modules allowed to (with the reason)
+ARCH_DICT_ALLOWED = {
+    "run_files.py": "the loader itself: validates the dict read from the file and types it",
+    "io.py": "the model format: builds the model and timm's pretrained_cfg from the validated dict it read",
+}
+
+
+def _arch_named(node: ast.AST) -> bool:
+    """A name (``arch``, ``base_arch``, ``self.arch``, ``ctx.arch`` ...) an arch is kept under."""
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+    return name is not None and (name == "arch" or name.endswith("_arch"))
+
+
+def arch_dict_indexing(tree: ast.AST) -> list[int]:
+    """Lines that index an arch by a string key (``arch["input"]``, ``base_arch.get("labels")``,
+    ``arch.pop("retrain")``), a heuristic on the names an arch is kept under."""
+    hits = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and _arch_named(n.value) and isinstance(n.slice, ast.Constant) \
+                and isinstance(n.slice.value, str):
+            hits.append(n.lineno)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "pop", "setdefault") \
+                and _arch_named(n.func.value) and n.args and isinstance(n.args[0], ast.Constant):
+            hits.append(n.lineno)
+    return sorted(set(hits))
+
+
+def test_no_other_module_indexes_an_arch_dict():
+    found = {}
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(PKG))
+        if rel not in ARCH_DICT_ALLOWED:
+            lines = arch_dict_indexing(ast.parse(p.read_text()))
+            if lines:
+                found[rel] = lines
+    assert found == {}, f"read the typed Arch (nascompress.io.load_typed / read_arch), not the dict: {found}"
+
+
+def test_the_scan_finds_arch_dict_indexing():
+    src = ('def f(arch, self, ctx):\n    s = arch["input"]\n    base_arch.get("labels")\n'
+           '    self.arch["methods"].append(1)\n    ctx.arch.pop("retrain", None)\n'
+           '    return arch.input, arch.method("dcs"), rec["name"], archive["x"]\n')
+    assert arch_dict_indexing(ast.parse(src)) == [2, 3, 4, 5]
+
+
+def test_the_pipeline_files_round_trip_unchanged(tmp_path):
+    """A step marker, pick.json, summary.json and a run's config.json: read and written again, the same
+    bytes; a marker or pick built in code writes every key (null where there is no value)."""
+    from nascompress.pipeline_files import (Pick, StepMarker, find_pick, find_run_config, find_step_marker,
+                                            read_summary, step_marker_path, write_pick, write_run_config,
+                                            write_step_marker, write_summary_json)
+    from nascompress.utils import write_json
+
+    m = StepMarker.new("dcs_search", seconds=1.5, finished="2026-01-01T00:00:00+00:00", dir=None,
+                       result={"skipped": True, "reason": "r"})
+    path = write_step_marker(tmp_path, m)
+    assert path == step_marker_path(tmp_path, "dcs_search") == tmp_path / "done" / "dcs_search.json"
+    assert list(json.loads(path.read_text())) == ["step", "seconds", "finished", "dir", "result"]
+    back = find_step_marker(tmp_path, "dcs_search")
+    assert back.skipped and back.dir is None and back.result["reason"] == "r" and find_step_marker(tmp_path, "x") is None
+    first = path.read_bytes()
+    write_step_marker(tmp_path, back)
+    assert path.read_bytes() == first
+    write_pick(tmp_path, Pick.new(picked_study="s", candidates=[{"study": "s"}], dense_study="d", dense_skipped=None))
+    p = find_pick(tmp_path)
+    assert (p.picked_study, p.dense_skipped, p.candidates) == ("s", None, [{"study": "s"}])
+    assert json.loads((tmp_path / "pick.json").read_text())["dense_skipped"] is None
+    summary = {"source": "c.yaml", "final": None, "goal": {"met": True}, "decisions": {"dcs": {}}, "stages": []}
+    write_summary_json(tmp_path, summary)
+    first = (tmp_path / "summary.json").read_bytes()
+    s = read_summary(tmp_path)
+    assert s.final is None and s.goal["met"] and s.get("decisions") == {"dcs": {}}
+    write_summary_json(tmp_path, s)
+    assert (tmp_path / "summary.json").read_bytes() == first
+    write_run_config(tmp_path, {"import": {"model": "vit"}, "data": None, "source": {"sha256": "x"}})
+    c = find_run_config(tmp_path)
+    assert c.data is None and "data" in c and c.get("import") == {"model": "vit"} and find_run_config(tmp_path / "no") is None
+    write_json(tmp_path / "done" / "bad.json", {"seconds": 1})
+    with pytest.raises(NascompressError, match="has no step"):
+        find_step_marker(tmp_path, "bad")

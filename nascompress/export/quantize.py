@@ -383,7 +383,7 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
     temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
     whose int8 file fails its check gets a row with the reason and no figures."""
     from ..data import InputSpec, load_data
-    from ..io import MODEL_FILE, load_with_arch
+    from ..io import MODEL_FILE, load_typed
     from ..profiling import time_models_by_threads
     from .verify import onnx_runner
 
@@ -395,8 +395,8 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
     with tempfile.TemporaryDirectory(prefix="nascompress-int8-rows-") as tmp:
         files: dict[str, Path | str] = {}
         for k, run in runs.items():
-            model, arch = load_with_arch(run)
-            spec = InputSpec.from_dict(arch["input"])
+            model, arch = load_typed(run)
+            spec = InputSpec.from_dict(dict(arch.input))
             ds = load_data(data, spec=spec, augment=False).split(split)
             idx = list(range(len(ds)))
             with torch.inference_mode():

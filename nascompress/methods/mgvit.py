@@ -460,14 +460,14 @@ def load_sgis_from_run(model: VisionTransformer, run: str | Path) -> None:
     """
     from timm.models.vision_transformer import checkpoint_filter_fn
 
-    from ..io import load_with_arch
+    from ..io import load_typed
     from ..models import load_state_strict
 
     if not Path(run).exists():
         raise NascompressError(f"sgis_run {run} does not exist; give a dense run directory made by `nascompress train`")
-    other, arch = load_with_arch(run)
-    if arch.get("methods"):
-        names = [m.get("name") for m in arch["methods"]]
+    other, arch = load_typed(run)
+    if arch.methods:
+        names = list(arch.method_names)
         raise NascompressError(f"sgis_run {run} is not a dense run (it applies {names}); pass a run made by `nascompress train`")
     if not isinstance(other, VisionTransformer) or other.embed_dim != model.embed_dim or \
             len(other.blocks) != len(model.blocks) or other.patch_embed.patch_size != model.patch_embed.patch_size:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..utils import read_json
+from ..pipeline_files import find_run_config, find_step_marker
 
-DCS_MARKER = Path("done") / "dcs_search.json"
 OUTCOMES = ("planned", "milder", "skipped")
 
 
@@ -30,15 +29,14 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     attempt its ``config.json`` records (the retry, if it had started)."""
     from ..search.dcs import SearchCollapsed
     from ..search.dcs_run import search_dcs
-    from ..utils import read_json as _read
 
     planned = job.search.target_flops
     mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
     attempts = [("planned", job)] + ([("milder", mild)] if fallback else [])
     start = 0
-    cfg = Path(job.out) / "config.json"
-    if resume and cfg.is_file() and fallback:
-        recorded = (_read(cfg).get("search") or {}).get("target_flops")
+    cfg = find_run_config(job.out) if resume and fallback else None
+    if cfg is not None:
+        recorded = (cfg.get("search") or {}).get("target_flops")
         start = 1 if recorded is not None and abs(recorded - planned) > 1e-9 else 0
     reasons: list[str] = []
     for i, (name, j) in enumerate(attempts[start:], start):
@@ -58,10 +56,8 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
 def dcs_outcome(out: Path) -> dict[str, Any] | None:
     """The recorded result of the DCS stage (``dcs_outcome``, ``dcs_target``, ``dcs_reason``), or
     None if it has not finished (or the pipeline has no DCS stage)."""
-    marker = Path(out) / DCS_MARKER
-    if not marker.is_file():
-        return None
-    return read_json(marker).get("result") or {}
+    marker = find_step_marker(out, "dcs_search")
+    return None if marker is None else dict(marker.result)
 
 
 def dcs_skipped(out: Path) -> bool:

@@ -15,9 +15,9 @@ from .schema import SchemaContext, library_config, library_values, section_error
 from ..data import BUILTIN_DATASETS
 from .sections import DATASET_KEYWORDS, PipelineConfig
 from ..importer import weights_grid_size, weights_shapes
-from ..utils import read_json, write_json
+from ..pipeline_files import PICK_FILE, Pick, find_step_marker, write_pick  # noqa: F401  (PICK_FILE: kept importable here)
 
-PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
+# PICK_FILE (tokens/pick.json): each study's pick and which one was kept (pipeline_files)
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
 STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_search_dense", "tokens_pick", "retrain", "export",
@@ -310,14 +310,14 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
         return res
 
     def pick_best(force: bool, resume: bool) -> dict[str, Any]:
-        marker = out / "done" / "tokens_search_dense.json"
-        ran = marker.is_file() and not (read_json(marker).get("result") or {}).get("skipped")
+        marker = find_step_marker(out, "tokens_search_dense")
+        ran = marker is not None and not marker.skipped
         studies = [s.study] + ([dense_study] if dense_study and ran and not dcs_skipped(out) else [])
         res = pick_across(pick, studies, force=force)
         if dense_study:  # the report's "where to cut" line
-            why = None if ran else (read_json(marker).get("result") or {}).get("reason") if marker.is_file() else None
-            write_json(out / "tokens" / PICK_FILE, {"picked_study": res["picked_study"], "candidates": res["candidates"],
-                                                    "dense_study": dense_study, "dense_skipped": why})
+            why = None if ran or marker is None else marker.result.get("reason")
+            write_pick(out / "tokens", Pick.new(picked_study=res["picked_study"], candidates=res["candidates"],
+                                                dense_study=dense_study, dense_skipped=why))
         return res
 
     steps = [Step("tokens_search", out / "tokens", "study", search, outputs=(),

@@ -20,7 +20,8 @@ from typing import Any, Protocol, Sequence
 
 from ..profiling.compare import compare_records
 from ..run_files import find_metrics
-from ..utils import atomic_path, read_json, write_json
+from ..pipeline_files import find_pick, find_run_config, find_step_marker, write_summary_json
+from ..utils import atomic_path
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                             int8_table_rows, models_note)
 from .sections import PipelineConfig
@@ -122,36 +123,33 @@ def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> d
                            "pick_rule": pipe.cfg.goal.pick, "eval_images": pipe.cfg.stages.tokens.eval_images,
                            "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)}
                                        for m in methods]}
-    marker = out / "done" / "tokens_search.json"
-    if marker.is_file():
-        r = read_json(marker).get("result") or {}
-        res["trials_complete"] = r.get("complete")
-        res["trials_requested"] = r.get("n_trials")
-    pc = out / "tokens" / "picked" / "config.json"
+    marker = find_step_marker(out, "tokens_search")
+    if marker is not None:
+        res["trials_complete"] = marker.result.get("complete")
+        res["trials_requested"] = marker.result.get("n_trials")
+    pc = find_run_config(out / "tokens" / "picked")
     m = find_metrics(out / "tokens" / "picked")
     if m is not None:
         res.update(picked_trial=m.get("trial"), trial_accuracy=m.get("trial_accuracy"),
                    trial_flops_ratio=m.get("flops_ratio"), trial_params=m.get("params"))
-    if pc.is_file():
-        prov = read_json(pc).get("from_study") or {}
+    if pc is not None:
+        prov = pc.get("from_study") or {}
         res["params"] = prov.get("params")
         res["trial_seed"] = prov.get("seed")
-    pick = out / "tokens" / "pick.json"
-    if pick.is_file():  # after a dcs stage: the pick on the DCS model against the one on the dense base
-        pj = read_json(pick)
-        res.update(picked_study=pj.get("picked_study"), candidates=pj.get("candidates"), dense_study=pj.get("dense_study"),
-                   dense_skipped=pj.get("dense_skipped"))
-        res["study"] = pj.get("picked_study") or res["study"]
+    pj = find_pick(out / "tokens")
+    if pj is not None:  # after a dcs stage: the pick on the DCS model against the one on the dense base
+        res.update(picked_study=pj.picked_study, candidates=pj.candidates, dense_study=pj.dense_study,
+                   dense_skipped=pj.dense_skipped)
+        res["study"] = pj.picked_study or res["study"]
     return res
 
 
 def _stage_log(pipe: PlannedPipeline) -> list[dict[str, Any]]:
     rows = []
     for step in pipe.steps:
-        marker = pipe.out / "done" / f"{step.name}.json"
-        m = read_json(marker) if marker.is_file() else {}
+        m = find_step_marker(pipe.out, step.name)
         rows.append({"step": step.name, "what": step.describe, "dir": None if step.dir is None else str(step.dir),
-                     "seconds": m.get("seconds"), "finished": m.get("finished")})
+                     "seconds": None if m is None else m.seconds, "finished": None if m is None else m.finished})
     return rows
 
 
@@ -220,7 +218,7 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     if cfg.stages.tokens is not None:
         study_html = _study_report(pipe, front_marks(summary))
     summary["report"] = str((out / "report.html").resolve())
-    write_json(out / "summary.json", summary)
+    write_summary_json(out, summary)
     with atomic_path(out / "report.html") as tmp:
         tmp.write_text(build_html(summary, config_text=(out / "config.yaml").read_text(), study_html=study_html),
                        encoding="utf-8")

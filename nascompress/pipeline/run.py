@@ -15,14 +15,16 @@ import yaml
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
+from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
+from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..run_files import has_metrics
-from ..utils import read_json, refuse_overwriting_inputs, write_json
+from ..utils import refuse_overwriting_inputs
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 from .schema import Section
 
 CONFIG_FILE = "config.yaml"
-DONE_DIR = "done"
+DONE_DIR = STEP_DONE_DIR
 LOCK_FILE = ".pipeline.lock"
 _CONTINUE = "then rerun the same command to continue the pipeline there"
 
@@ -139,19 +141,13 @@ def step_error(pipe: Pipeline, step: str, e: SettingError) -> SettingError:
     return worded
 
 
-def _marker(out: Path, step: Step) -> Path:
-    return out / DONE_DIR / f"{step.name}.json"
-
-
 def step_done(out: Path, step: Step) -> bool:
     """A step is complete when its marker and every output exist (or its marker says it was
     skipped: a DCS stage that collapsed twice, and the steps that then had nothing to do)."""
-    marker = _marker(out, step)
-    if not marker.is_file():
+    marker = find_step_marker(out, step.name)
+    if marker is None:
         return False
-    if all((out / p).exists() for p in step.outputs):
-        return True
-    return bool((read_json(marker).get("result") or {}).get("skipped"))
+    return all((out / p).exists() for p in step.outputs) or marker.skipped
 
 
 def _compact(res: Any) -> Any:
@@ -220,13 +216,13 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
                    else "the pipeline goes on without DCS"))
         elif isinstance(res, dict) and res.get("skipped"):
             log(f"{step.name}: skipped ({res.get('reason')})")
-        (pipe.out / DONE_DIR).mkdir(exist_ok=True)
-        write_json(_marker(pipe.out, step), {"step": step.name, "seconds": round(time.perf_counter() - t0, 3),
-                                             "finished": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                                             "dir": None if d is None else str(d), "result": _compact(res)})
+        write_step_marker(pipe.out, StepMarker.new(
+            step.name, seconds=round(time.perf_counter() - t0, 3),
+            finished=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            dir=None if d is None else str(d), result=_compact(res)))
         ran[step.name] = True
         log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s")
-    summary = read_json(pipe.out / "summary.json")
+    summary = read_summary(pipe.out).to_dict()
     summary["this_run"] = {"resumed": resumed, "ran": [k for k, v in ran.items() if v],
                            "skipped": [k for k, v in ran.items() if not v]}
     return summary

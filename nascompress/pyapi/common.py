@@ -4,7 +4,6 @@ run directory) as a run directory (:func:`model_run`), the caller's data as a
 (:class:`Workspace`: ``out`` or a temporary one), and the results (:class:`StageResult`)."""
 from __future__ import annotations
 
-import copy
 import shutil
 import tempfile
 import weakref
@@ -18,19 +17,19 @@ from torch import nn
 from ..data import DataConfig
 from ..data_memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
-from ..io import load_with_arch, make_arch, save_model
+from ..io import load_typed, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
-from ..run_dir import CONFIG_FILE, RunDir
-from ..run_files import find_metrics
-from ..utils import read_json
+from ..run_dir import RunDir
+from ..pipeline_files import find_run_config
+from ..run_files import Arch, find_metrics
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
-_ARCHS: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+_ARCHS: "weakref.WeakKeyDictionary[nn.Module, Arch]" = weakref.WeakKeyDictionary()
 
 
-def remember(model: nn.Module, arch: dict[str, Any]) -> nn.Module:
+def remember(model: nn.Module, arch: dict[str, Any] | Arch) -> nn.Module:
     """Record the arch of a model this API made, so that it can be given to another stage."""
-    _ARCHS[model] = copy.deepcopy(arch)
+    _ARCHS[model] = Arch.of(arch)
     return model
 
 
@@ -54,7 +53,7 @@ class StageResult:
         return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics, force=force)
 
 
-def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any], *, config: Mapping[str, Any] | None = None,
+def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *, config: Mapping[str, Any] | None = None,
               metrics: Mapping[str, Any] | None = None, force: bool = False) -> Path:
     """``model`` as a complete run (the commands' run life cycle): ``config.json``, weights and arch,
     the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``."""
@@ -67,11 +66,11 @@ def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any], *, 
 
 def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
-    model, arch = load_with_arch(run)
-    cfg_path, recorded = Path(run) / CONFIG_FILE, find_metrics(run)
-    cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    model, arch = load_typed(run)
+    recorded, config = find_metrics(run), find_run_config(run)
+    cfg = config.to_dict() if config is not None else {}
     metrics = recorded.results() if recorded is not None else {}
-    return cls(model=remember(model, arch), arch=arch, metrics=metrics, config=cfg,
+    return cls(model=remember(model, arch), arch=arch.to_dict(), metrics=metrics, config=cfg,
                out=str(Path(run).resolve()) if keep else None, **extra)
 
 
@@ -181,22 +180,22 @@ def input_spec(model: nn.Module, data: DataConfig | None) -> dict[str, Any]:
     return input_spec_for(model, data.dataset).to_dict()
 
 
-def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """The model object and its arch, for any :data:`ModelLike`."""
+def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn.Module, Arch]:
+    """The model object and its (typed) arch, for any :data:`ModelLike`."""
     if isinstance(model, (str, Path)):
-        return load_with_arch(model)
+        return load_typed(model)
     if isinstance(model, StageResult) or hasattr(model, "arch") and hasattr(model, "model"):
-        return model.model, model.arch
+        return model.model, Arch.of(model.arch)
     if not isinstance(model, nn.Module):
         raise NascompressError(f"give a model (a timm nn.Module), a result of nascompress or a run directory, got "
                                f"{type(model).__name__}")
     known = _ARCHS.get(model)
-    if known is not None and known["model"]["kwargs"].get("num_classes") in (None, getattr(model, "num_classes", None)):
+    if known is not None and known.spec.kwargs.get("num_classes") in (None, getattr(model, "num_classes", None)):
         return model, known
     _check_vit(model)
-    if known is not None and not known["methods"]:  # e.g. a converted backbone given a new head since
-        return model, dense_arch(model, known["input"])
-    return model, dense_arch(model, input_spec(model, data))
+    if known is not None and not known.methods:  # e.g. a converted backbone given a new head since
+        return model, Arch.of(dense_arch(model, dict(known.input)))
+    return model, Arch.of(dense_arch(model, input_spec(model, data)))
 
 
 def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | None = None) -> Path:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import NascompressError
 from ..models import CUSTOM_BASE, ModelSpec, build_model
+from ..run_files import Arch
 from .common import remember
 
 _V5 = {"q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj", "o": "attention.o_proj",
@@ -205,7 +206,8 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
         raise NascompressError(f"cannot write this model as a transformers ViT: {why}")
     pe, blk = model.patch_embed, model.blocks[0]
     eps = model.norm.eps
-    labels = (arch or {}).get("labels")
+    typed = None if arch is None else Arch.of(arch)
+    labels = typed.labels if typed is not None else None
     cfg = tf.ViTConfig(image_size=int(pe.img_size[0]), patch_size=int(pe.patch_size[0]), num_channels=pe.proj.in_channels,
                        hidden_size=model.embed_dim, num_hidden_layers=len(model.blocks),
                        num_attention_heads=blk.attn.num_heads, intermediate_size=width, hidden_act="gelu",
@@ -241,8 +243,8 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
     hf.load_state_dict({k: v.contiguous().clone() for k, v in out.items()}, strict=True)
     directory = Path(directory)
     hf.save_pretrained(str(directory))
-    if arch is not None:
-        inp = arch["input"]
+    if typed is not None:
+        inp = dict(typed.input)
         from ..utils import write_json
 
         write_json(directory / "preprocessor_config.json", {

@@ -51,10 +51,8 @@ def apply(model: ModelLike, method: str, data: Any = None, *, epochs: int = 0, v
             raise NascompressError(f"{method} trains its predictor before use: give nc.tokens.apply data")
         base, arch = model_and_arch(model)
         patched, record = m.prepare_fresh(copy.deepcopy(base).cpu().eval(), dict(config), dict(recipe) or None)
-        arch = copy.deepcopy(arch)
-        arch["methods"] = list(arch["methods"]) + [record]
-        arch.pop("retrain", None)
-        return TokenModel(model=remember(patched.eval(), arch), arch=arch)
+        arch = arch.with_method(record).without("retrain")
+        return TokenModel(model=remember(patched.eval(), arch), arch=arch.to_dict())
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:

@@ -70,6 +70,7 @@ from ..evaluate import evaluate
 from ..io import save_model
 from ..methods.dcs import SEARCH_DCS, DCSConfig, make_record, make_supernet
 from ..progress import counted, step
+from ..run_files import Arch
 from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, recipe_config
 from .dcs_baseline import keep_better
@@ -335,7 +336,7 @@ class DCSSearchResult:
     metrics: dict[str, Any]
 
 
-def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any], data: Any, *,
+def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[str, Any], data: Any, *,
                    out_dir: Path | None = None, resume: bool = False,
                    before_fit: Callable[[DCSSearchJob], None] | None = None) -> DCSSearchResult:
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
@@ -345,10 +346,11 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
     once the job's choices are resolved."""
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
-    spec = InputSpec.from_dict(base_arch["input"])
+    base_arch = Arch.of(base_arch)
+    spec = InputSpec.from_dict(dict(base_arch.input))
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
-    base_arch = dict(base_arch, labels=[str(c) for c in data.classes])  # the classes searched on
+    base_arch = base_arch.with_labels(data.classes)  # the classes searched on
     with counted("DCS: measuring the dense model before the search (activation statistics, gate probes)",
                  unit="probe batches") as tick:
         job, pre = prepare_search(job, dense, data, spec, tick=tick)
@@ -387,8 +389,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: dict[str, Any
         job = job.replace(method=kept.cfg)
     supernet = kept.supernet
     if out_dir is not None and distributed.is_main():  # the kept model is the run's model (materialize reads it)
-        save_model(out_dir, supernet, dict(base_arch, methods=list(base_arch["methods"]) +
-                                           [make_record(supernet, kept.cfg, stage="supernet")]))
+        save_model(out_dir, supernet, base_arch.with_method(make_record(supernet, kept.cfg, stage="supernet")))
     last = log[-1]
     calib = [r["calibration"] for r in log if "calibration" in r]
     budget = [r["budget"] for r in log if "budget" in r]

@@ -17,6 +17,7 @@ from ..distill import FeatureTap, feature_kd_loss
 from ..errors import SettingError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..methods.dcs import arch_parameters, binary_entropy, make_record
+from ..run_files import Arch
 from ..train import TrainConfig
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
 from .dcs_prepare import SearchJob
@@ -27,7 +28,7 @@ class DCSSearchHooks(TrainHooks):
     """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
 
     def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: SearchJob,
-                 base_arch: dict[str, Any], train_size: int, init_info: dict[str, Any] | None = None,
+                 base_arch: Arch, train_size: int, init_info: dict[str, Any] | None = None,
                  teacher: TeacherCache | None = None):
         self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
         self.init_info = init_info or {}  # what the pre-search measurements chose: logged with the first epoch
@@ -228,9 +229,8 @@ class DCSSearchHooks(TrainHooks):
         rec.update(selection_record(model, self.cost))
         return rec
 
-    def arch(self, model: nn.Module, arch: dict[str, Any]) -> dict[str, Any]:
-        return dict(self.base_arch, methods=list(self.base_arch["methods"]) +
-                    [make_record(model, self.job.method, stage="supernet")])
+    def arch(self, model: nn.Module, arch: Arch | dict[str, Any]) -> Arch:
+        return self.base_arch.with_method(make_record(model, self.job.method, stage="supernet"))
 
     def check(self, record: dict[str, Any], start: dict[str, Any] | None) -> None:
         """The accuracy guard (:attr:`DCSSearchConfig.max_val_drop`): judged on the epoch's record and

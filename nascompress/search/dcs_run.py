@@ -13,11 +13,11 @@ from .. import distributed
 from ..api import count_classes, run_data_config
 from ..data import DataConfig, InputSpec, dataset_paths, load_data
 from ..errors import NascompressError, SettingError
-from ..io import load_with_arch, make_arch
+from ..io import load_typed, make_arch
 from ..models import ModelSpec, build_model, load_pretrained
 from ..run_dir import RunDir
 from ..train import input_spec_for
-from ..run_files import METRICS_FILE, find_metrics
+from ..run_files import METRICS_FILE, Arch, find_metrics
 from ..methods.dcs import DCSConfig
 from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
@@ -42,12 +42,12 @@ def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any],
 CONTINUE = "rerun the same command with {resume} {max_val_drop} 100 to let the gates go on from this epoch"
 
 
-def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataConfig]:
+def _build_source(job: DCSSearchJob) -> tuple[nn.Module, Arch, DataConfig]:
     src = Path(job.source)
     if src.is_dir():
-        model, arch = load_with_arch(src)
-        if arch["methods"]:
-            raise NascompressError(f"{src} is not a dense run (it has methods {[m['name'] for m in arch['methods']]})")
+        model, arch = load_typed(src)
+        if arch.methods:
+            raise NascompressError(f"{src} is not a dense run (it has methods {list(arch.method_names)})")
         return model, arch, job.data or run_data_config(src) or DataConfig()
     if job.weights is None:
         raise SettingError(f"{job.source} is not a run directory; to search a timm model name give {{weights}} FILE")
@@ -55,7 +55,7 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, dict[str, Any], DataCon
     spec = ModelSpec(job.source, dict({"num_classes": count_classes(data)}, **job.model_kwargs))
     model = build_model(spec)
     load_pretrained(model, job.weights)
-    return model, make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict()), data
+    return model, Arch.of(make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict())), data
 
 
 def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
@@ -78,7 +78,7 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
     dense, base_arch, data_cfg = _build_source(job)
     # the search reads its training images as they are (an ImageFolder without its training transform, as the
     # in-memory datasets its defaults were chosen on), so the dense teacher's outputs are computed once per image
-    data = load_data(data_cfg, spec=InputSpec.from_dict(base_arch["input"]), augment=False)
+    data = load_data(data_cfg, spec=InputSpec.from_dict(dict(base_arch.input)), augment=False)
 
     def create(resolved: DCSSearchJob) -> None:
         run.create(resolved.replace(data=data_cfg).to_dict())

@@ -6,7 +6,6 @@ compact model reproduces the masked supernet, and only then write the run.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,12 +16,12 @@ from torch import nn
 from ..config import Config
 from ..data import InputSpec
 from ..errors import NascompressError, SettingError
-from ..io import load_with_arch, save_model
+from ..io import load_typed, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
 from ..run_dir import RunDir
-from ..run_files import read_metrics
-from ..utils import read_json
+from ..run_files import Arch, read_metrics
+from ..pipeline_files import find_run_config
 
 
 
@@ -43,19 +42,19 @@ def build_job(search_dir: str | Path, out: str | Path, *, seed: int = 0) -> Mate
     return MaterializeJob(search_dir=str(search_dir), out=str(out), seed=seed)
 
 
-def load_search(search_dir: str | Path) -> tuple[nn.Module, dict[str, Any], DCSConfig]:
+def load_search(search_dir: str | Path) -> tuple[nn.Module, Arch, DCSConfig]:
     """Load a finished DCS search (supernet, arch, config); refuse unfinished or inconsistent ones."""
     d = Path(search_dir)
     if not d.is_dir():
         raise SettingError(f"{d} is not a directory; give the {{out}} directory of 'nascompress search dcs'")
-    supernet, arch = load_with_arch(d)  # an unfinished search is refused here (--resume continues it)
-    methods = arch.get("methods") or []
-    if not methods or methods[-1].get("name") != "dcs" or methods[-1].get("stage", "supernet") != "supernet":
+    supernet, arch = load_typed(d)  # an unfinished search is refused here (--resume continues it)
+    methods = arch.methods
+    if not methods or methods[-1].name != "dcs" or (methods[-1].stage or "supernet") != "supernet":
         raise SettingError(f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
                                "supernet); give the {out} directory of 'nascompress search dcs'")
     rec = methods[-1]
-    cfg = DCSConfig.from_dict(dict(rec.get("config", {})))
-    if rec.get("blocks") is not None and rec["blocks"] != selection(supernet):
+    cfg = DCSConfig.from_dict(dict(rec.config or {}))
+    if rec.get("blocks") is not None and rec.get("blocks") != selection(supernet):
         raise NascompressError(f"{d}/arch.json records selected channels that do not match the gates in "
                                f"{d}/model.safetensors; re-run the search or restore the matching arch.json")
     return supernet, arch, cfg
@@ -65,9 +64,8 @@ def source_data(search_cfg: dict[str, Any]) -> dict[str, Any] | None:
     """The ``data`` section of the dense run a search started from (its dataset, without the
     search's own --train-limit), else the search's."""
     src = Path(search_cfg.get("source", ""))
-    if src.is_dir() and (src / "config.json").is_file():
-        return read_json(src / "config.json").get("data") or search_cfg.get("data")
-    return search_cfg.get("data")
+    cfg = find_run_config(src) if src.is_dir() else None
+    return (cfg.data if cfg is not None else None) or search_cfg.get("data")
 
 
 def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str, Any]:
@@ -79,7 +77,7 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     run = RunDir.prepare(out, force=force, inputs=(job.search_dir,))
     supernet, arch, cfg = load_search(job.search_dir)
     model, record = materialize(supernet, cfg)
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     g = torch.Generator().manual_seed(job.seed)
     x = torch.randn(job.check_batch, spec.in_chans, *spec.img_size, generator=g)
     with torch.no_grad():
@@ -87,11 +85,10 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     if diff > 1e-4:
         raise NascompressError(f"materialized logits differ from the supernet's by {diff:.2e} (> 1e-4): "
                                "this is a bug, please report it")
-    new_arch = copy.deepcopy(arch)
-    new_arch["methods"][-1] = record
+    new_arch = arch.with_last_method(record)
     sup_flops, flops = count_flops(supernet, x[:2]), count_flops(model, x[:2])
-    cfg_path = Path(job.search_dir) / "config.json"
-    search_cfg = read_json(cfg_path) if cfg_path.is_file() else {}
+    recorded = find_run_config(job.search_dir)
+    search_cfg = recorded.to_dict() if recorded is not None else {}
     dense_macs = read_metrics(job.search_dir).dense_macs
     metrics = {"macs": flops.total, "params": flops.params, "supernet_macs": sup_flops.total,
                "supernet_params": sup_flops.params, "dense_macs": dense_macs,

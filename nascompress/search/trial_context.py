@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
-from ..io import load_with_arch
-from ..models import ModelSpec, build_model
+from ..io import load_typed
+from ..models import build_model
 from ..profiling import count_flops, measure
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
@@ -29,9 +29,9 @@ class TrialContext:
         """``job``: the search's :class:`~nascompress.search.trials.SearchJob`."""
         self.job = job
         self.device = resolve_device(job.device)
-        self.base, self.arch = load_with_arch(job.base, map_location=self.device)
+        self.base, self.arch = load_typed(job.base, map_location=self.device)
         self.space = load_space(job.space, model=self.base)  # sized by and checked against the base's depth
-        self.spec = InputSpec.from_dict(self.arch["input"])
+        self.spec = InputSpec.from_dict(dict(self.arch.input))
         data_cfg = job.data or run_data(job.base)
         data_cfg = dataclasses.replace(data_cfg, train_limit=job.train_images, eval_limit=job.eval_images)
         data_cfg = dataclasses.replace(data_cfg, subset_seed=job.seed)
@@ -42,7 +42,7 @@ class TrialContext:
         # the identity of the validation subset every trial of the study is scored on
         self.eval_subset = subset_fingerprint(self.data.val, torch.cat([y for _, y in self.val]) if self.val
                                               else torch.zeros(0), seed=data_cfg.subset_seed)
-        self.uncompressed = build_model(ModelSpec.from_dict(self.arch["model"])).to(self.device).eval()
+        self.uncompressed = build_model(self.arch.spec).to(self.device).eval()
         x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
         self.flops_x = x
         self.dense_flops = count_flops(self.uncompressed, x[:2]).total

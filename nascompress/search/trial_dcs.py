@@ -46,9 +46,9 @@ def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple
     from ..methods.dcs import DCSConfig, materialize
     from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
-    if ctx.arch["methods"]:
+    if ctx.arch.methods:
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
-                               f"{[m['name'] for m in ctx.arch['methods']]}")
+                               f"{list(ctx.arch.method_names)}")
     m_keys = set(DCSConfig.__dataclass_fields__)
     method = DCSConfig.user(**{k: v for k, v in settings.items() if k in m_keys})
     search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,

@@ -6,7 +6,6 @@ DCS materialization of a finished channel search is :mod:`nascompress.search.mat
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from ..limits import MAX_EPOCHS
 from ..errors import NascompressError, SettingError
 from ..io import save_model
 from ..run_dir import RunDir
+from ..run_files import Arch
 from ..utils import refuse_overwriting_inputs
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
 
@@ -176,9 +176,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
         raise NascompressError(f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "
                                f"{rec['accuracy']:.3f}%: it was made on another machine or torch build, where "
                                "training is not bit-identical; rerun the search here or fine-tune the result")
-    arch = copy.deepcopy(ctx.arch)
-    arch["methods"] = list(arch["methods"]) + applied
-    arch.pop("retrain", None)
+    arch = ctx.arch.with_method(*applied).without("retrain")
     from ..api import run_data_config
 
     data = run_data_config(search.base) or ctx.data_cfg
@@ -196,7 +194,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     return run.finish(metrics)  # the last write: marks the run complete
 
 
-def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]], arch: dict[str, Any], out: Path,
+def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]], arch: Arch, out: Path,
                       epochs: int, seed: int, data_cfg: Any) -> dict[str, Any]:
     """Fine-tune the rebuilt model with its last method's recipe into ``out`` (the start kept if best)."""
     from ..data import load_data

@@ -40,9 +40,9 @@ from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MA
 from ..data import DataConfig, InputSpec
 from ..errors import NascompressError, SettingError, words
 from ..resources import resolve_file
-from ..io import load_with_arch
+from ..io import load_typed
 from ..methods import get_method
-from ..models import ModelSpec, build_model
+from ..models import build_model
 from ..profiling import count_flops
 from ..utils import seed_everything
 from .scoring import calibrate_stack, study_scoring, trial_scoring
@@ -275,7 +275,7 @@ def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str,
     hooks = method.hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)
     if report is not None:
         hooks = _Reporting(hooks, report)
-    arch = dict(ctx.arch, methods=list(ctx.arch["methods"]) + applied)
+    arch = ctx.arch.with_method(*applied)
     metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, arch=arch, hooks=hooks)  # in memory
     return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"],
             "calib_steps": steps}
@@ -376,13 +376,13 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     base_path = Path(job.base)
     if not base_path.exists():
         raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
-    base, arch = load_with_arch(job.base)
+    base, arch = load_typed(job.base)
     space = load_space(job.space, model=base)  # layer ranges sized by the base's depth, checked against it
     factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
-    spec = InputSpec.from_dict(arch["input"])
+    spec = InputSpec.from_dict(dict(arch.input))
     torch.manual_seed(job.seed)
     x = torch.randn(4, spec.in_chans, *spec.img_size)
-    dense = count_flops(build_model(ModelSpec.from_dict(arch["model"])).eval(), x).total
+    dense = count_flops(build_model(arch.spec).eval(), x).total
     profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
     if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
         raise GoalUnreachable(f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
