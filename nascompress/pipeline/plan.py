@@ -12,10 +12,27 @@ from ..errors import NascompressError
 from ..resources import resolve_file
 from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values, section_error
-from ..data import BUILTIN_DATASETS
+from ..data import BUILTIN_DATASETS, DataConfig, load_data
 from .sections import DATASET_KEYWORDS, PipelineConfig
-from ..importer import weights_grid_size, weights_shapes
-from ..utils import read_json, write_json
+from ..importer import ImportJob, import_model, weights_grid_size, weights_kwargs, weights_shapes
+from ..utils import read_json, resolve_device, write_json
+from ..api import count_classes
+from ..export import export_run
+from ..io import load_arch
+from ..layers import require_vit
+from ..methods import get_method
+from ..methods.dcs import SEARCH_DCS_SETTINGS
+from ..models import ModelShape, ModelSpec, build_model, read_weights_file
+from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
+from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..search.dcs_run import build_job as build_dcs_job
+from ..search.materialize import MaterializeJob, materialize_search
+from ..search.space import load_space
+from ..search.trial_model import TrialMaterializeJob
+from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
+from ..train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
+from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
+from .report import write_summary
 
 PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
 STUDY_DB = "studies.db"
@@ -60,31 +77,23 @@ class Pipeline:
     def result_dir(self) -> Path | None:
         """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
         skipped steps when the DCS stage fell back; None when no compressed model was made."""
-        from .fallback import current_model
-
         st = self.cfg.stages
         return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
                              retrain=st.retrain is not None, upto="final")
 
 
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
-    from ..data import DataConfig
-
     stage = {"train_limit": train_limit} if train_limit is not None else {}  # a stage's own training images
     return library_config(cfg.data, DataConfig, split_seed=0, subset_seed=cfg.seed, **stage)
 
 
 def _runtime(cfg: PipelineConfig) -> dict[str, Any]:
     """The top-level settings every training stage runs with (seed, device, amp, deterministic)."""
-    from ..train import RUNTIME_SETTINGS
-
     return library_values(cfg, RUNTIME_SETTINGS)
 
 
 def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     """The dataset exists; returns its class count."""
-    from ..api import count_classes
-
     d = cfg.data
     if d.dataset == "fashion-mnist":
         need = Path(d.data_dir) / "train-images-idx3-ubyte.gz"
@@ -97,8 +106,6 @@ def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     try:
         n = count_classes(_data_config(cfg))
         if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
-            from ..data import load_data
-
             load_data(_data_config(cfg))
         return n
     except NascompressError as e:
@@ -106,8 +113,6 @@ def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
 
 
 def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
-    from ..models import build_model
-
     try:
         return build_model(spec)
     except NascompressError as e:
@@ -116,10 +121,6 @@ def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
 
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
-    from ..io import load_arch
-    from ..models import ModelShape, ModelSpec
-    from ..train import TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
-
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
         try:
@@ -188,10 +189,6 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
-    from ..importer import ImportJob, import_model
-
-    from ..importer import weights_kwargs
-    from ..models import read_weights_file
 
     job = ImportJob(model=imp.model, weights=imp.weights, out=str(base_dir), img_size=imp.img_size,
                     num_classes=imp.num_classes, num_heads=imp.num_heads, data=data,
@@ -208,12 +205,6 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
-    from ..methods.dcs import SEARCH_DCS_SETTINGS
-    from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-    from ..search.dcs_run import build_job as build_dcs_job
-    from ..search.materialize import MaterializeJob, materialize_search
-    from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
-
     s, goal = cfg.stages.dcs, cfg.goal
     target = s.target_flops if s.target_flops is not None else goal.max_flops
     if target is None:
@@ -250,12 +241,6 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
 
 def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
                  base_dir: Path) -> tuple[list[Step], str]:
-    from ..methods import get_method
-    from ..search.trial_model import TrialMaterializeJob
-    from ..search.space import load_space
-    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler_factory
-    from .fallback import current_model, dcs_skipped, pick_across
-
     s, goal = cfg.stages.tokens, cfg.goal
     try:
         space = load_space(s.space, model=dense)  # layers sized by (and within) a plain ViT's depth; none on a pyramid
@@ -338,9 +323,6 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
-    from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
-    from .fallback import current_model
-
     s = cfg.stages.retrain
     try:
         job = build_job(current, out / "final", retrain=library_config(s, RetrainConfig),
@@ -363,9 +345,6 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
-    from ..export import export_run
-    from .fallback import current_model
-
     s = cfg.export
     target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
 
@@ -388,8 +367,6 @@ def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
 def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:
     """Validate ``config`` completely (schema, files, models, space, every stage's job) and return
     the pipeline for ``out``. Reads files, writes nothing."""
-    from ..utils import resolve_device
-
     config = resolve_file(config, what="config file")  # a path, or a shipped config's name
     cfg = load_config(config, seed=seed)
     ctx = SchemaContext(str(config), Path(os.path.abspath(config)).parent)
@@ -403,8 +380,6 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     steps = [base_step]
     current = base_dir
     if cfg.stages.dcs is not None:
-        from ..layers import require_vit
-
         try:
             require_vit(dense, "DCS")
         except NascompressError as e:
@@ -431,8 +406,6 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
                     storage=storage, data=_data_config(cfg))
 
     def report(force: bool, resume: bool) -> dict[str, Any]:
-        from .report import write_summary
-
         return write_summary(pipe)
 
     steps.append(Step("report", None, "redo", report, outputs=("summary.json", "report.html"),

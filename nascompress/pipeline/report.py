@@ -23,6 +23,13 @@ from ..utils import atomic_path, read_json, write_json
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                             int8_table_rows, models_note)
 from .sections import PipelineConfig
+from ..api import evaluate_run, profile
+from ..export.quantize import config_for, int8_rows
+from ..io import MODEL_FILE, load_arch, load_with_arch
+from ..studies.front_plot import FrontMarks, Mark
+from ..studies.inspect import load
+from ..studies.report import build_report
+from .fallback import dcs_outcome
 
 
 class PlannedStep(Protocol):
@@ -54,8 +61,6 @@ SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
 
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
-    from ..io import MODEL_FILE
-
     rec = {"run": str(run), "test_top1": ev["top1"], "test_loss": ev["loss"], "test_n": ev["n"],
            "params": prof["params"], "file_bytes": (run / MODEL_FILE).stat().st_size, "macs": prof["macs"],
            "methods": ev.get("methods", [])}
@@ -84,8 +89,6 @@ def _method_summary(rec: dict[str, Any]) -> str:
 def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
     """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
     and whether it fell back (a milder target, or skipped)."""
-    from .fallback import dcs_outcome
-
     res: dict[str, Any] = {}
     if dcs_rec is not None:
         family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
@@ -159,9 +162,6 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
-    from ..api import evaluate_run, profile
-    from ..io import load_arch, load_with_arch
-
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
     final_dir = pipe.result_dir()
@@ -231,8 +231,6 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
 def _int8(pipe: PlannedPipeline, final_dir: Path) -> dict[str, Any]:
     """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.quantize.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
-    from ..export.quantize import config_for, int8_rows
-
     cfg = pipe.cfg
     made = pipe.out / "export" / cfg.export.filename
     return int8_rows(pipe.base_dir, final_dir, compressed_int8=made if made.is_file() else None, data=pipe.data,
@@ -275,8 +273,6 @@ def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str
 def front_marks(s: dict[str, Any]) -> Any:
     """What the study's fronts mark for this pipeline: the picked trial, the dense base and the final
     model (their test top-1, on the report's test images) and the goal."""
-    from ..studies.front_plot import FrontMarks, Mark
-
     d, f, g = s["dense"], s["final"], s["goal"]
     n = d["test_n"]
     dense = {"flops_ratio": Mark(f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)",
@@ -301,9 +297,6 @@ def front_marks(s: dict[str, Any]) -> Any:
 def _study_report(pipe: PlannedPipeline, marks: Any) -> str | None:
     """The study's own report (written to tokens/report.html), its fronts marking ``marks``; returns
     its HTML."""
-    from ..studies.inspect import load
-    from ..studies.report import build_report
-
     spec, study = load(pipe.cfg.stages.tokens.study, pipe.storage)
     text = build_report(study, storage_display=spec.display, marks=marks)
     with atomic_path(pipe.out / "tokens" / "report.html") as tmp:

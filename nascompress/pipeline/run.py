@@ -14,7 +14,7 @@ import yaml
 from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, writing
 from ..data import dataset_paths
-from ..utils import read_json, refuse_overwriting_inputs, write_json
+from ..utils import atomic_path, read_json, refuse_overwriting_inputs, write_json
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 
@@ -98,7 +98,6 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    from ..utils import atomic_path
 
     with atomic_path(stored) as tmp:
         tmp.write_text(dump_config(pipe.cfg))
