@@ -13,6 +13,8 @@ import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
+import importlib.util
+import string
 
 
 class NascompressError(Exception):
@@ -33,8 +35,6 @@ class SettingError(NascompressError):
     @property
     def fields(self) -> tuple[str, ...]:
         """The fields the message names, in order of first mention."""
-        import string
-
         names = [f for _, f, _, _ in string.Formatter().parse(self.template) if f]
         return tuple(dict.fromkeys(names))
 
@@ -132,8 +132,6 @@ def write_error(e: BaseException, path: str | Path | None = None, *, then: str =
 def require_extra(extra: str, modules: tuple[str, ...], *, what: str) -> None:
     """Refuse in one line, naming the extra to install, when a module of an optional extra
     (pyproject's ``[project.optional-dependencies]``) is missing."""
-    import importlib.util
-
     missing = []
     for name in modules:
         try:

@@ -42,6 +42,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
+import hashlib
 
 import torch
 from safetensors import SafetensorError
@@ -53,6 +54,7 @@ from .methods import apply_methods
 from .data_input import check_input_section
 from .models import ModelSpec, build_model, check_model_kwargs, check_model_size, load_state_strict, model_size
 from .utils import atomic_path, parse_json, read_json, write_json
+from .runtime import parse_dtype
 
 ARCH_FORMAT = "nascompress-arch/2"
 # /1: written before the method contract; its new-parameter names differ (see _upgrade_v1)
@@ -171,8 +173,6 @@ _SHA256: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: 
 
 def file_sha256(path: str | Path) -> str:
     """The sha256 of a file (hashed once per process for a given size and modification time)."""
-    import hashlib
-
     st = os.stat(path)
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _SHA256:
@@ -357,8 +357,6 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
         dtype: ``fp32``, ``bf16``, ``fp16`` or a torch dtype (None: as saved, float32): the floating
             weights are converted for inference; feed the model inputs of that dtype.
     """
-    from .runtime import parse_dtype
-
     dt = None if dtype is None else parse_dtype(dtype)
     weights, arch = _resolve(path, complete=complete)
     model = build_from_arch(arch)

@@ -27,6 +27,8 @@ from .train_loop import Ema, FitSettings, LossWatch, fit, lr_at
 from .train_store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
 from .run_dir import RunDir
 from .utils import seed_everything, write_json
+from .probe import fit_linear_probe
+from .progress import say
 
 LR_REF_BATCH = 512  # base learning rates are given per 512 images (peak lr = base_lr * batch / 512)
 
@@ -261,8 +263,6 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     if job.weights:
         load_pretrained(model, job.weights, reset_head=job.reset_head or job.linear_probe)
         if not job.linear_probe and not resume and distributed.is_main():  # not silently: the recipe changes
-            from .progress import say
-
             t = job.train
             lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
             ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
@@ -274,8 +274,6 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     arch = make_arch(job.model, input_spec=spec.to_dict(), labels=data.classes)
     run.create(job.to_dict())
     if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
-        from .probe import fit_linear_probe
-
         return run.finish(fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch))
     if distributed.is_main() and not (out / ARCH_FILE).exists():
         write_json(out / ARCH_FILE, arch)
