@@ -9,6 +9,7 @@ import typer
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, out_option
 from nascompress.export.config import ExportConfig
+from nascompress.export import export_run, parse_batch
 
 
 def register(app: typer.Typer) -> None:
@@ -24,8 +25,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
         (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""
-        from nascompress.export import export_run, parse_batch
-
         cfg = run(lambda: ExportConfig(**{**vars(settings), "batch": parse_batch(str(settings.batch))}))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:

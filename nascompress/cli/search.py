@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from dataclasses import replace
 
 import typer
 
@@ -15,8 +16,11 @@ from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from nascompress.search.trials import SearchJob
+from nascompress.search.trials import SearchJob, run_search
 from nascompress.train import RUNTIME_SETTINGS, TrainJob
+from nascompress.api import run_data_config
+from nascompress.search import DCSSearchJob, search_dcs
+from nascompress.search.dcs_run import build_job
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -49,12 +53,6 @@ def dcs(
     json_out: JsonOut = False,
 ) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
-    from dataclasses import replace
-
-    from nascompress.api import run_data_config
-    from nascompress.search import DCSSearchJob, search_dcs
-    from nascompress.search.dcs_run import build_job
-
     def build() -> DCSSearchJob:
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
@@ -107,9 +105,6 @@ def _outer_search(kind: str, default_space: str):
         skip_bad_images: SkipBadImages = False,
         json_out: json_option("One JSON line per finished trial, then a summary.") = False,
     ) -> None:
-        from nascompress.api import run_data_config
-        from nascompress.search.trials import run_search
-
         def build() -> SearchJob:
             data = DataConfig(dataset=dataset) if dataset is not None else None
             if skip_bad_images:
