@@ -42,7 +42,7 @@ def _check_out(out: Path, *, force: bool) -> None:
 def _lock(out: Path) -> int:
     """Hold an exclusive lock on OUT for this process (released by the OS when it exits, even on
     kill -9), so two runs never write into one pipeline directory at once."""
-    import fcntl
+    import fcntl  # POSIX only: the run lock
 
     try:
         with writing(out, what=f"pipeline directory {out}", then=_CONTINUE):
