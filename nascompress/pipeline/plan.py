@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import NascompressError
 from ..resources import resolve_file
@@ -33,53 +32,13 @@ from ..search.trials import STUDY_SETTINGS, GoalUnreachable, run_search, sampler
 from ..train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob, train, train_recipe
 from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
 from .report import write_summary
+from .steps import Pipeline, Step
 
 PICK_FILE = "pick.json"  # tokens/pick.json: each study's pick and which one was kept
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
 STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_search_dense", "tokens_pick", "retrain", "export",
          "report")
-
-
-@dataclass
-class Step:
-    """One resumable unit of work.
-
-    Args:
-        name: its name in ``OUT/done/<name>.json``.
-        dir: its output directory (None: nothing written by the step itself).
-        mode: ``train`` (resumed from its checkpoint), ``redo`` (rebuilt from scratch when
-            incomplete) or ``study`` (continued by name).
-        outputs: files (relative to OUT) that must exist for the step to count as complete.
-    """
-
-    name: str
-    dir: Path | None
-    mode: str
-    run: Callable[..., dict[str, Any]]
-    outputs: tuple[str, ...] = ()
-    describe: str = ""
-
-
-@dataclass
-class Pipeline:
-    """A validated pipeline for one OUT: the config, the directories, and the steps."""
-
-    cfg: PipelineConfig
-    out: Path
-    source: str
-    steps: list[Step]
-    base_dir: Path  # the dense base run
-    final_dir: Path  # the model the pipeline ends with, as planned (see :meth:`result_dir`)
-    storage: str | None = None
-    data: Any = None
-
-    def result_dir(self) -> Path | None:
-        """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
-        skipped steps when the DCS stage fell back; None when no compressed model was made."""
-        st = self.cfg.stages
-        return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
-                             retrain=st.retrain is not None, upto="final")
 
 
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
