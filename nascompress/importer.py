@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import timm
+from safetensors import safe_open
 
 from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
@@ -29,10 +31,10 @@ from .errors import NascompressError, SettingError
 from .evaluate import evaluate
 from .io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
-from .models import ModelSpec, build_model, is_pyramid, mismatch_report, read_weights_file, state_mismatches
+from .models import ModelSpec, build_model, checkpoint_filter, is_pyramid, mismatch_report, read_weights_file, state_mismatches
 from .run_dir import RunDir
 from .utils import resolve_device
-from .train import TrainConfig
+from .train import TrainConfig, input_spec_for
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,6 @@ def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[s
 def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors in this timm model's layout (original checkpoint formats converted,
     position embeddings resampled to the model's grid), as ``load_pretrained`` does."""
-    from .models import checkpoint_filter
-
     return checkpoint_filter(dict(sd), model)
 
 
@@ -165,8 +165,6 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
                                f"{mismatch_report(bad)}{hint}{real}")
     model.load_state_dict(sd, strict=True)
 
-    from .train import input_spec_for  # (train imports much; only needed here)
-
     dataset = job.data.dataset if job.data is not None else "fashion-mnist"
     input_spec = input_spec_for(model, dataset, weights=job.weights, overrides=job.input)
     metrics: dict[str, Any] = {"imported": True, "dataset": None, "shapes_from_weights": notes}
@@ -186,8 +184,6 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
                        eval_time_s=time.perf_counter() - t0)
         model.cpu()
 
-    import timm
-
     source = {"weights": str(Path(job.weights).resolve()), "sha256": file_sha256(job.weights), "timm_name": job.model,
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     arch = make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
@@ -202,8 +198,6 @@ def weights_shapes(path: str) -> dict[str, list[int]] | None:
     and unreadable files: the stage's own reader checks and reports those)."""
     if not path.endswith(".safetensors"):
         return None
-    from safetensors import safe_open
-
     try:
         with safe_open(path, "pt") as f:
             return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -214,8 +208,6 @@ def weights_shapes(path: str) -> dict[str, list[int]] | None:
 def weights_grid_size(model: Any, weights: str) -> int | None:
     """The input size whose patch grid matches the weights' position embedding."""
     if weights.endswith(".safetensors"):
-        from safetensors import safe_open
-
         try:
             with safe_open(weights, "pt") as f:
                 pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None

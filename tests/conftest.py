@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -149,3 +150,17 @@ def interrupted_at_epoch(hooks_cls, at: int = 1):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(hooks_cls, "on_epoch_start", crash)
         yield
+
+
+def patch_everywhere(monkeypatch, module, name: str, value) -> None:
+    """``monkeypatch.setattr(module, name, value)``, and the same on every loaded nascompress module that
+    imported that object (``from ..train import train``): the modules import what they use at their
+    top, so a patch of the defining module alone would not reach them."""
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, value)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod is module or not mod_name.startswith("nascompress"):
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if obj is real:
+                monkeypatch.setattr(mod, attr, value)

@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ..utils import read_json
+from ..errors import NascompressError
+from ..search.dcs import SearchCollapsed
+from ..search.dcs_run import search_dcs
+from ..search.trial_model import materialize_trial, parse_pick, pick_trial
+from ..studies.inspect import load
+from ..studies.records import trial_record
 
 DCS_MARKER = Path("done") / "dcs_search.json"
 OUTCOMES = ("planned", "milder", "skipped")
@@ -28,17 +34,13 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
     collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
-    from ..search.dcs import SearchCollapsed
-    from ..search.dcs_run import search_dcs
-    from ..utils import read_json as _read
-
     planned = job.search.target_flops
     mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
     attempts = [("planned", job)] + ([("milder", mild)] if fallback else [])
     start = 0
     cfg = Path(job.out) / "config.json"
     if resume and cfg.is_file() and fallback:
-        recorded = (_read(cfg).get("search") or {}).get("target_flops")
+        recorded = (read_json(cfg).get("search") or {}).get("target_flops")
         start = 1 if recorded is not None and abs(recorded - planned) > 1e-9 else 0
     reasons: list[str] = []
     for i, (name, j) in enumerate(attempts[start:], start):
@@ -92,11 +94,6 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     """Rebuild the trial the goal's rule picks (``job``: a TrialMaterializeJob); when no trial meets
     the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
     stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
-    from ..errors import NascompressError
-    from ..search.trial_model import materialize_trial, parse_pick
-    from ..studies.inspect import load
-    from ..studies.records import trial_record
-
     try:
         return materialize_trial(job, force=force)
     except NascompressError as e:
@@ -119,11 +116,6 @@ def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
     the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the
     goal in any study, the first study's closest trial, as :func:`pick_or_closest`. Returns the rebuilt
     run's metrics with ``picked_study`` and ``candidates`` (each study's pick: trial, accuracy, FLOPs)."""
-    from ..errors import NascompressError
-    from ..search.trial_model import parse_pick, pick_trial
-    from ..studies.inspect import load
-    from ..studies.records import trial_record
-
     rule, value = parse_pick(job.pick)
     candidates: dict[str, Any] = {}
     subsets = set()
