@@ -13,6 +13,7 @@ from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_
 from nascompress.export.quantize import QuantizeConfig, quantize_run
 from nascompress.api import run_data_config
 from nascompress.data import DataConfig
+from nascompress.run_files import Sidecar
 
 QUANTIZED_FILE = "model.int8.onnx"
 
@@ -39,8 +40,6 @@ def quantize(
     if json_out:
         print_json(side)
         return
-    from nascompress.run_files import Sidecar
-
     typed = run(lambda: Sidecar.from_dict(side, source=f"{target.name}.json"))
     q, v = typed.quantization, typed.verification
     if q.fallback:
