@@ -21,7 +21,7 @@ _lib = None  # kept alive: dropping the Library object would unregister the sche
 def ensure_torchvision() -> None:
     global _lib
     try:
-        import torchvision  # noqa: F401
+        import torchvision  # noqa: F401  (the import under test: it fails on a CPU-only torch)
     except RuntimeError as e:
         if "operator torchvision::nms does not exist" not in str(e):
             raise
@@ -30,7 +30,7 @@ def ensure_torchvision() -> None:
         _lib = torch.library.Library("torchvision", "DEF")
         for schema in SCHEMAS:
             _lib.define(schema)
-        import torchvision  # noqa: F401
+        import torchvision  # noqa: F401  (again, now that the schemas exist)
 
 
 ensure_torchvision()

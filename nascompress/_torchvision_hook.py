@@ -38,7 +38,7 @@ class _TorchvisionCPU(importlib.abc.MetaPathFinder):
         spec = importlib.machinery.PathFinder.find_spec("torchvision")
         if spec is None or not spec.submodule_search_locations:
             return None
-        import torch
+        import torch  # the .pth runs this file in every interpreter: torch only once torchvision is imported
 
         libs = sorted(Path(next(iter(spec.submodule_search_locations))).glob("_C*.so"))
         try:

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 
 from . import runtime
-from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, folder_classes, load_data
+from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, check_classes as check_class_names, folder_classes, load_data, make_loader, preprocess
 from .data_memory import is_memory, memory_splits
 from .errors import SettingError
 from .evaluate import evaluate
@@ -17,6 +17,8 @@ from .profiling import profile_models
 from .train import check_classes
 from .pipeline_files import find_run_config
 from .utils import resolve_device
+from .methods.mgvit import MGViT, parse_epsilons, sweep_model
+from .methods.mgvit_h import MGPVT
 
 
 def count_classes(data: DataConfig) -> int:
@@ -33,9 +35,7 @@ def count_classes(data: DataConfig) -> int:
                                "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH")
     classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
-        from .data import check_classes
-
-        check_classes(classes, {}, name=data.dataset)
+        check_class_names(classes, {}, name=data.dataset)
     return len(classes)
 
 
@@ -126,10 +126,6 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
 def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfig | None = None, split: str = "test",
                   device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
     """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
-    from .data import make_loader, preprocess
-    from .methods.mgvit import MGViT, parse_epsilons, sweep_model
-    from .methods.mgvit_h import MGPVT
-
     if isinstance(epsilons, str):
         epsilons = parse_epsilons(epsilons)
     if not epsilons:

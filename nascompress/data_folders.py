@@ -14,10 +14,17 @@ import warnings
 from functools import partial
 from pathlib import Path
 from typing import Any, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from torch.utils.data import Dataset
+from PIL import Image
+from torchvision import datasets
+from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from .errors import NascompressError, SettingError, literal, words
+from . import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
+from .limits import env_name, limits
+from .progress import console
 
 
 def _walk_class(folder: str) -> list[str]:
@@ -25,8 +32,6 @@ def _walk_class(folder: str) -> list[str]:
     by name), symlinks followed, hidden files and folders (``.ipynb_checkpoints``) left out. A link
     back to a folder that contains it (a loop) or a second way into one folder is refused in one
     line, instead of walking forever."""
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
     top = os.path.realpath(folder)
     seen: dict[str, str] = {}
     found: list[tuple[str, list[str]]] = []
@@ -89,9 +94,6 @@ def _folder_class() -> type:
     first use: torchvision is imported after :mod:`nascompress._compat`)."""
     if _FOLDER_CLASS:
         return _FOLDER_CLASS[0]
-    from . import _compat  # noqa: F401
-    from torchvision import datasets
-
     class _Folder(datasets.ImageFolder):
         @staticmethod
         def find_classes(directory: Any) -> tuple[list[str], dict[str, int]]:
@@ -132,10 +134,6 @@ def _unreadable(path: str, max_pixels: int | None = None) -> str | None:
     """Why the image at ``path`` cannot be read as the loader reads it (None: it can); an image
     above ``max_pixels`` (default: the limit :mod:`nascompress.limits` sets) is refused from its
     header, before it is decoded."""
-    from PIL import Image
-
-    from .limits import env_name, limits
-
     max_pixels = max_pixels or limits().max_image_pixels
     big = (f"{TOO_LARGE}: {{}} pixels, above the limit of {max_pixels:,} (max_image_pixels); shrink it, or raise "
            f"the limit with {env_name('max_image_pixels')}=N")
@@ -172,12 +170,6 @@ def scan_images(paths: Sequence[str], *, workers: int | None = None) -> dict[str
     would (JPEGs at 1/8 scale), in ``workers`` threads (default ``min(8, cpu count)``). Results are
     kept for the process (keyed by path, size and modification time), so the stages of one
     pipeline scan a dataset once."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from PIL import Image
-
-    from .limits import limits
-
     # the size check below replaces PIL's warning (a raw DecompressionBombWarning on the terminal)
     warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
     max_pixels = limits().max_image_pixels
@@ -209,8 +201,6 @@ def drop_bad_images(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]
     if str(where) in _REPORTED:
         return
     _REPORTED.add(str(where))
-    from .progress import console
-
     console.print(words(f"skipped {len(bad)} unreadable image(s) in {literal(str(where))} ({{skip_bad_images}}), e.g. "
                         f"{literal(str(first))}: {literal(why)}"),
                   highlight=False, style="yellow")

@@ -21,8 +21,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from timm.data import create_transform
+from torchvision import transforms
 
 from .errors import NascompressError
+from . import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
+from .limits import check_limit
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
 DIGITS_MEAN, DIGITS_STD = 0.3057, 0.3763  # scikit-learn's digits scaled to [0, 1] (measured on its training split)
@@ -86,8 +90,6 @@ def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None =
         return
     if h % ph or w % pw:
         raise bad(f"img_size {size} is not a multiple of the model's patch size {[ph, pw]}")
-    from .limits import check_limit
-
     check_limit("max_model_tokens", (h // ph) * (w // pw) + model.get("prefix", 1), f"{source}: input img_size "
                 f"{size}'s tokens per image", fix="check its input section")
 
@@ -194,14 +196,8 @@ def folder_transform(spec: InputSpec | None, *, train: bool, augment: str = "def
     RandomResizedCrop at scale 0.5-1, no flip; ``none``, or not ``train``: resize the shorter side
     to ``int(size / crop_pct)`` and centre-crop. Without a spec the image is only converted (native size).
     """
-    from . import _compat  # noqa: F401  (before torchvision)
-
     if spec is None:
-        from torchvision import transforms
-
         return transforms.PILToTensor()
-    from timm.data import create_transform
-
     if augment not in AUGMENTS:
         raise NascompressError(f"augment must be one of {', '.join(AUGMENTS)}, got {augment!r}")
     if train and augment != "none":

@@ -95,7 +95,7 @@ def load_digits_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorImageD
     """(train, test) from scikit-learn's bundled digits (1,797 8x8 grey images, 10 classes, no
     download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Pixel values 0-16
     are scaled to 0-255."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # only the `digits` dataset; ~40 ms at start-up
 
     d = load_digits()
     imgs = torch.from_numpy((d.images * (255.0 / 16.0)).round().astype("uint8"))[:, None]  # (N, 1, 8, 8)
@@ -110,7 +110,7 @@ def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorIma
     download): a fixed class-stratified ``DIGITS_TEST`` share is the test split. Another domain
     than the handwriting and product photos of the other built-ins (photographs, 2 classes)."""
     try:
-        from skimage.data import lfw_subset
+        from skimage.data import lfw_subset  # optional (nascompress[datasets])
     except ImportError:
         raise NascompressError("the lfw-faces dataset is read from scikit-image's bundled data: "
                                "pip install 'scikit-image>=0.24,<1' (or nascompress[datasets])") from None

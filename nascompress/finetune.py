@@ -33,6 +33,8 @@ from .models import build_model
 from .train import TrainConfig, check_classes, fit, recipe_config
 from .run_dir import RunDir
 from .utils import seed_everything
+from .profiling import count_flops
+from .search.trial_context import FLOPS_IMAGES
 
 # Every fine-tune's recipe; a method's train_overrides change it (and the user overrides both).
 FINETUNE_TRAIN = TrainConfig(epochs=2, batch_size=64, lr=None, base_lr=1e-4, min_lr=1e-6, warmup_epochs=0.2,
@@ -170,9 +172,6 @@ def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: In
     method), averaged over the first ``images`` test images (a token method's cost depends on the
     image; default: as many as a study's trial), and their ratio (the model's / the dense one's:
     below 1 is cheaper, :mod:`nascompress.profiling.compare`)."""
-    from .profiling import count_flops
-    from .search.trial_context import FLOPS_IMAGES
-
     imgs, _ = next(iter(make_loader(test, batch_size=images or FLOPS_IMAGES, shuffle=False)))  # as a trial's
     x = preprocess(imgs, spec).to(device)
     flops, dense_flops = count_flops(model.eval(), x).total, count_flops(dense.eval(), x).total

@@ -2,13 +2,12 @@
 for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped up), the clusters of the
 learned feature X~ and Q(a|y) refreshed over the training set before the first epoch and after
 every epoch; and the fixed input-feature map X (:func:`make_input_embed`). The settings are a
-:class:`~nascompress.retrain.RetrainConfig` (declared with the ``retrain`` job), read through
-:class:`IBSettings`."""
+:class:`~nascompress.retrain_config.RetrainConfig` (re-exported by :mod:`nascompress.retrain`)."""
 from __future__ import annotations
 
 import copy
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,42 +19,13 @@ from .data import InputSpec, Subset, make_loader, preprocess
 from .distill import FeatureTap, feature_kd_loss, kd_loss
 from .errors import NascompressError
 from .hooks import TrainHooks
+from .retrain_config import RetrainConfig
 from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, variational_q
 
 IB_KEYS = ("ib", "i_xt_x", "i_xt_y", "ibb_full")
 
 
-class IBSettings(Protocol):
-    """What the IB hooks read of their settings (:class:`nascompress.retrain.RetrainConfig` has them all)."""
-
-    @property
-    def eta(self) -> float: ...
-    @property
-    def kd_alpha(self) -> float: ...
-    @property
-    def kd_temperature(self) -> float: ...
-    @property
-    def feat_kd(self) -> float | None: ...
-    @property
-    def feature_tap(self) -> str: ...
-    @property
-    def input_tap(self) -> str: ...
-    @property
-    def input_pool(self) -> int: ...
-    @property
-    def kmeans_init(self) -> Any: ...
-    @property
-    def kmeans_iters(self) -> int: ...
-    @property
-    def cluster_samples(self) -> int | None: ...
-    @property
-    def measures_ib(self) -> bool: ...
-
-    def warm_epochs(self, epochs: int) -> int: ...
-    def eta_at(self, epoch: int, epochs: int) -> float: ...
-
-
-def make_input_embed(cfg: IBSettings, *, model: nn.Module,
+def make_input_embed(cfg: RetrainConfig, *, model: nn.Module,
                      teacher: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor]:
     """The fixed input-feature map X = f(x): preprocessed images (B, C, H, W) -> (B, D_in)."""
     if cfg.input_tap == "image":
@@ -81,7 +51,7 @@ class IBHooks(TrainHooks):
     """CE (+ KD) for the warm-up epochs, then CE (+ KD) + eta * IBB; Q and the clusters of X~
     refreshed over the training set before the first epoch and after every epoch."""
 
-    def __init__(self, cfg: IBSettings, *, train_set: Dataset, input_spec: InputSpec, num_classes: int,
+    def __init__(self, cfg: RetrainConfig, *, train_set: Dataset, input_spec: InputSpec, num_classes: int,
                  epochs: int, input_embed: Callable[[torch.Tensor], torch.Tensor], teacher: nn.Module | None = None,
                  seed: int = 0, batch_size: int = 256):
         self.cfg, self.spec, self.num_classes, self.seed, self.bs = cfg, input_spec, num_classes, seed, batch_size

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import NascompressError, SettingError, literal, words
+from .progress import say
 
 
 def read_shapes(sd: dict[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -142,8 +143,6 @@ def check_resampling(raw: dict[str, torch.Tensor], model: nn.Module, path: str |
                                "shape from the weights")
     pos, own_pos = raw.get("pos_embed"), getattr(model, "pos_embed", None)
     if pos is not None and own_pos is not None and pos.ndim == 3 and pos.shape[1] != own_pos.shape[1]:
-        from .progress import say
-
         say(words(f"weights: the position embedding of {literal(str(path))} ({pos.shape[1]} positions) is resampled to "
                   f"the model's {own_pos.shape[1]} (its input size); give the {{img_size}} the weights were made for to "
                   "keep them as they are"))

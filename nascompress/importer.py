@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import timm
+from safetensors import safe_open
 
 from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
@@ -29,11 +31,11 @@ from .errors import NascompressError, SettingError
 from .evaluate import evaluate
 from .io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
-from .models import ModelSpec, build_model, is_pyramid, mismatch_report, read_weights_file, state_mismatches
+from .models import ModelSpec, build_model, checkpoint_filter, is_pyramid, mismatch_report, read_weights_file, state_mismatches
 from .run_dir import RunDir
 from .run_files import Arch
 from .utils import resolve_device
-from .train import TrainConfig
+from .train import TrainConfig, input_spec_for
 
 
 @dataclass(frozen=True)
@@ -132,8 +134,6 @@ def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[s
 def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The file's tensors in this timm model's layout (original checkpoint formats converted,
     position embeddings resampled to the model's grid), as ``load_pretrained`` does."""
-    from .models import checkpoint_filter
-
     return checkpoint_filter(dict(sd), model)
 
 
@@ -166,8 +166,6 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
                                f"{mismatch_report(bad)}{hint}{real}")
     model.load_state_dict(sd, strict=True)
 
-    from .train import input_spec_for  # (train imports much; only needed here)
-
     dataset = job.data.dataset if job.data is not None else "fashion-mnist"
     input_spec = input_spec_for(model, dataset, weights=job.weights, overrides=job.input)
     metrics: dict[str, Any] = {"imported": True, "dataset": None, "shapes_from_weights": notes}
@@ -187,8 +185,6 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
                        eval_time_s=time.perf_counter() - t0)
         model.cpu()
 
-    import timm
-
     source = {"weights": str(Path(job.weights).resolve()), "sha256": file_sha256(job.weights), "timm_name": job.model,
               "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     arch = Arch.of(make_arch(spec, input_spec=input_spec.to_dict(),
@@ -203,8 +199,6 @@ def weights_shapes(path: str) -> dict[str, list[int]] | None:
     and unreadable files: the stage's own reader checks and reports those)."""
     if not path.endswith(".safetensors"):
         return None
-    from safetensors import safe_open
-
     try:
         with safe_open(path, "pt") as f:
             return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -215,8 +209,6 @@ def weights_shapes(path: str) -> dict[str, list[int]] | None:
 def weights_grid_size(model: Any, weights: str) -> int | None:
     """The input size whose patch grid matches the weights' position embedding."""
     if weights.endswith(".safetensors"):
-        from safetensors import safe_open
-
         try:
             with safe_open(weights, "pt") as f:
                 pe = f.get_tensor("pos_embed") if "pos_embed" in f.keys() else None

@@ -42,6 +42,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
+import hashlib
 
 import torch
 from safetensors import SafetensorError
@@ -56,6 +57,7 @@ from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the
 from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
                         write_arch_json, write_metrics_json)
 from .utils import atomic_path, parse_json
+from .runtime import parse_dtype
 
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
@@ -148,8 +150,6 @@ _SHA256: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: 
 
 def file_sha256(path: str | Path) -> str:
     """The sha256 of a file (hashed once per process for a given size and modification time)."""
-    import hashlib
-
     st = os.stat(path)
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _SHA256:
@@ -340,8 +340,6 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
         dtype: ``fp32``, ``bf16``, ``fp16`` or a torch dtype (None: as saved, float32): the floating
             weights are converted for inference; feed the model inputs of that dtype.
     """
-    from .runtime import parse_dtype
-
     dt = None if dtype is None else parse_dtype(dtype)
     weights, arch = _resolve(path, complete=complete)
     model = build_from_arch(arch)

@@ -10,18 +10,23 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+import warnings
 
 from . import _compat  # noqa: F401  (must run before timm imports torchvision)
 
 import timm
 import torch
-from timm.models.vision_transformer import VisionTransformer
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 from torch import nn
+from safetensors.torch import load_file
+from timm.data import resolve_data_config
+from timm.models.pvt_v2 import PyramidVisionTransformerV2, checkpoint_filter_fn as pvt_filter
 
 from .config import check_settings, setting
 from .errors import NascompressError, SettingError
 from .import_shapes import check_resampling
 from .utils import check_regular_file
+from .limits import check_limit
 
 # The base timm entry used for a custom small ViT; every size comes from the overrides.
 CUSTOM_BASE = "vit_tiny_patch16_224"
@@ -154,8 +159,6 @@ def model_size(spec: "ModelSpec") -> dict[str, int] | None:
 def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -> None:
     """Refuse a model too large to build (:mod:`nascompress.limits`) before anything is allocated:
     a model file must not be able to exhaust the machine."""
-    from .limits import check_limit
-
     size = model_size(spec)
     if size is None:
         return
@@ -227,8 +230,6 @@ def _hybrid_message(name: str, stem: str) -> str:
 
 def is_pyramid(model: nn.Module) -> bool:
     """A pyramid ViT (timm PVT v2) rather than a plain VisionTransformer."""
-    from timm.models.pvt_v2 import PyramidVisionTransformerV2
-
     return isinstance(model, PyramidVisionTransformerV2)
 
 
@@ -291,8 +292,6 @@ def pretrained_data_config(model: nn.Module) -> dict[str, Any]:
     """Mean, std, interpolation, crop_pct and crop_mode from the timm model's pretrained config
     (``timm.data.resolve_data_config``; the config of the name's tag, or timm's default tag).
     The input size is not taken from it: it is the model's own (:func:`input_size`)."""
-    from timm.data import resolve_data_config
-
     cfg = resolve_data_config({}, model=model)
     interp = cfg["interpolation"] if cfg["interpolation"] in ("bilinear", "bicubic", "nearest") else "bicubic"
     return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"]), "interpolation": interp,
@@ -309,11 +308,8 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     check_regular_file(path, what="weights file", fix="give a .safetensors or .pth file")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
             sd = load_file(str(path))
         else:
-            import warnings
-
             with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses a file:
                 warnings.simplefilter("ignore")  # the refusal below says it in one line
                 sd = torch.load(path, map_location="cpu", weights_only=True)
@@ -387,11 +383,7 @@ def checkpoint_filter(sd: dict[str, torch.Tensor], model: nn.Module) -> dict[str
     """``sd`` in ``model``'s timm layout: timm's own filter of the model's family (original checkpoint
     formats renamed; a ViT's position embedding resampled to its grid)."""
     if is_pyramid(model):
-        from timm.models.pvt_v2 import checkpoint_filter_fn as pvt_filter
-
         return pvt_filter(sd, model)
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
     return checkpoint_filter_fn(sd, model)
 
 

@@ -12,15 +12,14 @@ returns the model it started from. Method-specific work (losses, schedules, alte
 stop checks) plugs in through :class:`~nascompress.hooks.TrainHooks`. Under ``torchrun`` it trains
 data-parallel (:mod:`nascompress.distributed`: DistributedDataParallel, a shard of every epoch per
 process, split evaluation, files written by rank 0 only). Its settings are a
-:class:`~nascompress.train.TrainConfig` (declared with the ``train`` job that owns them; the loop
-reads them through :class:`FitSettings`).
+:class:`~nascompress.train_config.TrainConfig` (re-exported by :mod:`nascompress.train`).
 """
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,43 +31,9 @@ from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .io import continue_advice, finish_run, load_state
 from .progress import make_progress, say
+from .train_config import TrainConfig
 from .train_store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from .utils import seed_everything
-
-
-class FitSettings(Protocol):
-    """What the loop reads of its settings (:class:`nascompress.train.TrainConfig` has them all)."""
-
-    @property
-    def epochs(self) -> int: ...
-    @property
-    def batch_size(self) -> int: ...
-    @property
-    def eval_batch_size(self) -> int: ...
-    @property
-    def min_lr(self) -> float: ...
-    @property
-    def warmup_epochs(self) -> float: ...
-    @property
-    def ema_decay(self) -> float | None: ...
-    @property
-    def grad_clip(self) -> float: ...
-    @property
-    def eval_start(self) -> bool: ...
-    @property
-    def keep(self) -> str: ...
-    @property
-    def log_every(self) -> int: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def device(self) -> str: ...
-    @property
-    def amp(self) -> str: ...
-    @property
-    def deterministic(self) -> bool: ...
-
-    def peak_lr_for(self, *, world_size: int) -> float: ...
 
 
 def lr_at(step: int, *, total: int, warmup: int, lr: float, min_lr: float) -> float:
@@ -113,7 +78,7 @@ def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.devi
     return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
 
 
-def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: FitSettings, out_dir: Path | None = None,
+def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path | None = None,
         arch: dict[str, Any] | None = None, hooks: TrainHooks | None = None, resume: bool = False,
         finish: bool = True, log: list[dict[str, Any]] | None = None, test: bool = True) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
@@ -176,7 +141,7 @@ class LossWatch:
         return values[-1]
 
 
-def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: FitSettings,
+def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig,
          store: RunStore, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool,
          test: bool = True) -> dict[str, Any]:
     world, main = distributed.world(), distributed.is_main()

@@ -20,7 +20,8 @@ from torch import nn
 from . import distributed
 from .errors import NascompressError, SettingError
 from .io import load_with_arch, save_model, save_state
-from .utils import append_jsonl, parse_json
+from .utils import append_jsonl, parse_json, read_file_text
+from .models import mismatch_report, state_mismatches
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
@@ -47,8 +48,6 @@ def damaged_checkpoint(path: Path) -> Iterator[None]:
 
 def restore_model(model: nn.Module, sd: Any, path: Path) -> None:
     """Load a checkpoint's model state, a tensor missing or of another shape named in one line."""
-    from .models import mismatch_report, state_mismatches
-
     if not isinstance(sd, dict):
         raise SettingError(f"checkpoint {path} is damaged: its model state is no tensor dict; {_START_OVER}")
     bad = state_mismatches(model, sd)
@@ -76,8 +75,6 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
     half-written last line, with a note)."""
     if not path.exists():
         return []
-    from .utils import read_file_text
-
     lines = [ln for ln in read_file_text(path).splitlines() if ln.strip()]
     kept = []
     for i, ln in enumerate(lines):

@@ -9,11 +9,13 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+from dataclasses import fields, replace
 
 import numpy as np
 import torch
 
 from .errors import NascompressError, SettingError, writing
+from .limits import check_limit, env_name, limits
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -76,8 +78,6 @@ def nesting_depth(obj: Any) -> int:
 
 
 def _too_deep(source: str) -> NascompressError:
-    from .limits import env_name, limits
-
     return NascompressError(f"{source} nests deeper than {limits().max_json_depth} levels (the max_json_depth limit): "
                             "it was not written by nascompress or is damaged; replace it (or raise the limit with "
                             f"{env_name('max_json_depth')}=N if it is intended)")
@@ -86,8 +86,6 @@ def _too_deep(source: str) -> NascompressError:
 def parse_json(text: str | bytes, *, source: str) -> Any:
     """The JSON value of ``text`` (from ``source``, named in messages), bounded in size and depth
     (:mod:`nascompress.limits`): invalid, too large or too deep JSON is one NascompressError."""
-    from .limits import check_limit, limits
-
     check_limit("max_file_bytes", len(text), f"{source}'s size in bytes", fix="check the file")
     try:
         obj = json.loads(text)
@@ -117,8 +115,6 @@ def check_regular_file(path: Path, *, what: str, fix: str = "give a regular file
 def read_file_text(path: str | Path, *, what: str = "") -> str:
     """The text of a file nascompress reads, bounded in size (checked before reading: no
     ``/dev/zero`` read to the end), one line for a missing or unreadable one."""
-    from .limits import check_limit
-
     path = Path(path)
     name = f"{what} {path}".strip()
     check_regular_file(path, what=what or "file", fix="give the file itself")
@@ -151,8 +147,6 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
     line naming each difference (a resumed run continues the recorded job; it cannot apply another
     epoch count or method setting halfway). Without ``explicit`` nothing is compared (a library
     caller passing a job with resolved or default values)."""
-    from dataclasses import fields, replace
-
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")

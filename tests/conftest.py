@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -149,3 +151,26 @@ def interrupted_at_epoch(hooks_cls, at: int = 1):
     with pytest.MonkeyPatch.context() as m:
         m.setattr(hooks_cls, "on_epoch_start", crash)
         yield
+
+
+# the modules that import the library's functions (loaded before any patch_everywhere: see its doc)
+_FRONT_ENDS = ("nascompress.cli.main", "nascompress.pipeline.run", "nascompress.pyapi.compress", "nascompress.pyapi.dcs",
+               "nascompress.pyapi.hf", "nascompress.pyapi.stages", "nascompress.pyapi.study", "nascompress.pyapi.tokens")
+
+
+def patch_everywhere(monkeypatch, module, name: str, value) -> None:
+    """``monkeypatch.setattr(module, name, value)``, and the same on every loaded nascompress module that
+    imported that object (``from ..train import train``): the modules import what they use at their
+    top, so a patch of the defining module alone would not reach them. The front ends are loaded first:
+    a module first imported while the patch is on would keep the fake after the test (``from x import f``
+    binds it), and the next test's patch, looking for the real object, would miss it."""
+    for front_end in _FRONT_ENDS:
+        importlib.import_module(front_end)
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, value)
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or mod is module or not mod_name.startswith("nascompress"):
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if obj is real:
+                monkeypatch.setattr(mod, attr, value)

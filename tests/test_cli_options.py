@@ -14,7 +14,7 @@ import nascompress.cli as cli_pkg
 from nascompress.cli import options
 from nascompress.methods import get_method
 
-from .conftest import invoke
+from .conftest import invoke, patch_everywhere
 
 CLI = Path(cli_pkg.__file__).parent
 PLUMBING = ("--out", "--force", "--resume", "--json")
@@ -123,7 +123,7 @@ def test_recipe_options_and_opt_reach_the_same_recipe(tmp_path, monkeypatch):
     import nascompress.finetune as finetune
 
     seen = []
-    monkeypatch.setattr(finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
+    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
     base = ("finetune", tmp_path, "--method", "dynamicvit", "--dataset", "synthetic", "--out", tmp_path / "o", "--json")
     for extra in (["--w-ratio", "4", "--predictor-steps", "5"], ["--opt", "w_ratio=4", "--opt", "predictor_steps=5"]):
         r = invoke(*base, *extra)

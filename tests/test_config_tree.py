@@ -27,7 +27,7 @@ from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob
 from nascompress.search.trials import STUDY_SETTINGS, SearchJob
 from nascompress.train import TrainConfig, TrainJob
 
-from .conftest import invoke, needs_fmnist
+from .conftest import invoke, needs_fmnist, patch_everywhere
 
 # TrainConfig fields no stage offers: the training loop's internal constants (and what a stage sets itself)
 TRAIN_INTERNAL = {
@@ -215,7 +215,7 @@ def test_the_cli_builds_the_search_from_the_generated_options(tmp_path, monkeypa
         seen["job"] = job
         return {"ok": True}
 
-    monkeypatch.setattr(search, "search_dcs", fake)
+    patch_everywhere(monkeypatch, search, "search_dcs", fake)
     r = invoke("search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "o", "--target-flops", "0.6",
                "--no-grad-balance", "--no-calibrate", "--lam", "0.3", "--mlp-gates", "hidden", "--alpha-init", "3",
                "--min-lr", "2e-6", "--json")
@@ -255,11 +255,11 @@ def captured(monkeypatch):
             return {"methods": ["x"], "test_top1": 0.0, "best_val_top1": 0.0, "train_time_s": 0.0}
         return fake
 
-    monkeypatch.setattr(train, "train", keep("train"))
-    monkeypatch.setattr(search, "search_dcs", keep("dcs"))
-    monkeypatch.setattr(fallback, "run_dcs_with_fallback", keep("dcs"))
-    monkeypatch.setattr(retrain, "retrain", keep("retrain"))
-    monkeypatch.setattr(fallback, "current_model", lambda *a, **kw: Path("compressed"))
+    patch_everywhere(monkeypatch, train, "train", keep("train"))
+    patch_everywhere(monkeypatch, search, "search_dcs", keep("dcs"))
+    patch_everywhere(monkeypatch, fallback, "run_dcs_with_fallback", keep("dcs"))
+    patch_everywhere(monkeypatch, retrain, "retrain", keep("retrain"))
+    patch_everywhere(monkeypatch, fallback, "current_model", lambda *a, **kw: Path("compressed"))
     return jobs
 
 
@@ -381,7 +381,7 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
         seen.append(job)
         return {"study": job.study, "storage": "x", "complete": 0, "n_trials": 0, "front": []}
 
-    monkeypatch.setattr(trials, "run_search", fake)
+    patch_everywhere(monkeypatch, trials, "run_search", fake)
     values = {"trials": 7, "workers": 1, "sampler": "nsga2", "finetune_epochs": 1, "train_images": 300,
               "eval_images": 200, "calib_steps": 4, "batch_size": 16, "dcs_epochs": 2, "latency_iters": 3,
               "enqueue": False, "objective": "latency"}
@@ -418,7 +418,7 @@ def test_finetune_training_options_are_the_library_settings_with_the_methods_rec
             p = opts[_cli_name(f)]
             assert p.default is None and p.help.startswith(f.metadata["help"]), f.name
     seen = []
-    monkeypatch.setattr(finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
+    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
     for extra in ([], ["--epochs", 3, "--layer-decay", 0.8]):
         r = invoke("finetune", tiny_run, "--method", "evit", "--out", tmp_path / "o", "--seed", 4, *extra, "--json")
         assert r.exit_code == 0, r.output

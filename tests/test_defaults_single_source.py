@@ -23,7 +23,7 @@ from nascompress.search.dcs import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, 
 from nascompress.search.trials import SearchJob
 from nascompress.train import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainConfig, TrainJob
 
-from .conftest import invoke
+from .conftest import invoke, patch_everywhere
 
 
 @pytest.fixture
@@ -47,16 +47,16 @@ def jobs(monkeypatch):
                     "storage": "x", "complete": 0, "n_trials": 0, "front": [], "finished": True}
         return fake
 
-    monkeypatch.setattr(train, "train", keep("train"))
-    monkeypatch.setattr(search, "search_dcs", keep("dcs"))
-    monkeypatch.setattr(fallback, "run_dcs_with_fallback", keep("dcs"))
-    monkeypatch.setattr(retrain, "retrain", keep("retrain"))
-    monkeypatch.setattr(finetune, "finetune", keep("finetune"))
-    monkeypatch.setattr(trials, "run_search", keep("study"))
-    monkeypatch.setattr(fallback, "current_model", lambda *a, **kw: Path("compressed"))
-    monkeypatch.setattr(export, "export_run", lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(
+    patch_everywhere(monkeypatch, train, "train", keep("train"))
+    patch_everywhere(monkeypatch, search, "search_dcs", keep("dcs"))
+    patch_everywhere(monkeypatch, fallback, "run_dcs_with_fallback", keep("dcs"))
+    patch_everywhere(monkeypatch, retrain, "retrain", keep("retrain"))
+    patch_everywhere(monkeypatch, finetune, "finetune", keep("finetune"))
+    patch_everywhere(monkeypatch, trials, "run_search", keep("study"))
+    patch_everywhere(monkeypatch, fallback, "current_model", lambda *a, **kw: Path("compressed"))
+    patch_everywhere(monkeypatch, export, "export_run", lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(
         config) or {})
-    monkeypatch.setattr(api, "profile", lambda target, **kw: seen.setdefault("profile", []).append(kw) or {})
+    patch_everywhere(monkeypatch, api, "profile", lambda target, **kw: seen.setdefault("profile", []).append(kw) or {})
     return seen
 
 
@@ -204,7 +204,7 @@ def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_pat
     built = []
     for mod in (retrain, dcs_run):
         real = mod.build_job
-        monkeypatch.setattr(mod, "build_job", lambda *a, _real=real, **kw: built.append(_real(*a, **kw)) or built[-1])
+        patch_everywhere(monkeypatch, mod, "build_job", lambda *a, _real=real, **kw: built.append(_real(*a, **kw)) or built[-1])
     cli = [_cli(jobs, "dcs", "search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s"),
            _cli(jobs, "retrain", "retrain", "compressed", "--out", tmp_path / "r")]
     pipe = [_pipeline(tmp_path, jobs, "dcs"), _pipeline(tmp_path, jobs, "retrain", retrain={})]

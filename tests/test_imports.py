@@ -166,6 +166,46 @@ def test_the_study_runner_still_exports_what_it_did_before_the_split():
     assert callable(runner.run_study) and callable(runner.storage_full) and runner.FLOPS_BUCKETS
 
 
+def unexplained_local_imports(pkg: Path = PKG) -> list[str]:
+    """``module:line`` for each import of a module of the package made inside a function without a
+    ``# reason`` comment on its line. The package's imports are at the top of each module, where a
+    reader (and a tool) sees the dependency; one inside a function says why it must be there."""
+    root = pkg.name
+    found = set()
+    for name, path in _modules(pkg).items():
+        src = path.read_text()
+        lines = src.splitlines()
+        for fn in ast.walk(ast.parse(src)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    ours = any(a.name == root or a.name.startswith(root + ".") for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    mod = node.module or ""
+                    ours = bool(node.level) or mod == root or mod.startswith(root + ".")
+                else:
+                    continue
+                if ours and not any("#" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                    found.add(f"{name}:{node.lineno}")
+    return sorted(found)
+
+
+def test_a_function_local_import_of_the_package_says_why():
+    assert unexplained_local_imports() == []
+
+
+def test_the_local_import_check_finds_one(tmp_path):
+    pkg = tmp_path / "toy"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("import os\n\n\ndef f():\n    from .b import g\n    import toy.b\n"
+                              "    from . import b  # the registry imports this module\n    import json\n"
+                              "    from toy.b import (g,\n                       h)\n")
+    (pkg / "b.py").write_text("def g(): ...\ndef h(): ...\n")
+    assert unexplained_local_imports(pkg) == ["toy.a:5", "toy.a:6", "toy.a:9"]
+
+
 # Helpers that were written two or more times, each now written once: a text that marks its body, and
 # the one module that holds it.
 WRITTEN_ONCE = {

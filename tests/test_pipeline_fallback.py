@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+import nascompress.pipeline.fallback as fallback_module
 import nascompress.search.dcs_run as search_dcs_module
 from nascompress.search.dcs import SearchCollapsed
 from nascompress.pipeline.fallback import milder_target
@@ -47,7 +48,7 @@ def collapse_below(monkeypatch):
             if job.search.target_flops < limit:
                 raise SearchCollapsed(f"the search collapsed (test, target {job.search.target_flops})")
             return real(job, force=force, resume=resume)
-        monkeypatch.setattr(search_dcs_module, "search_dcs", fake)
+        monkeypatch.setattr(fallback_module, "search_dcs", fake)  # where the pipeline looks it up
         return calls
     return arm
 

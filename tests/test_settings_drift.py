@@ -25,7 +25,7 @@ from nascompress.search.trial_model import TrialMaterializeJob
 from nascompress.search.trials import STORAGE_HELP, SearchJob
 from nascompress.train import TrainConfig
 
-from .conftest import invoke
+from .conftest import invoke, patch_everywhere
 
 
 def _command(*path: str):
@@ -95,7 +95,7 @@ def test_the_custom_vit_defaults_are_written_once(tmp_path, monkeypatch):
     expected = custom_vit_spec(**CUSTOM_VIT, num_classes=10)
     assert ModelShape().spec(10) == expected
     seen = []
-    monkeypatch.setattr(train, "train", lambda job, **kw: seen.append(job) or {"best_val_top1": 0, "test_top1": 0,
+    patch_everywhere(monkeypatch, train, "train", lambda job, **kw: seen.append(job) or {"best_val_top1": 0, "test_top1": 0,
                                                                                "train_time_s": 0})
     r = invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", "--json")
     assert r.exit_code == 0, r.output
@@ -127,7 +127,7 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
         seen.append(job)
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(dcs, "run_dcs_search", stop)
+    patch_everywhere(monkeypatch, dcs, "run_dcs_search", stop)
     ctx = SimpleNamespace(arch={"methods": []}, job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
                           data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2),
                           data=SimpleNamespace(extra={"fixed_train_images": True}))

@@ -7,7 +7,7 @@ import optuna
 
 import nascompress.search.dcs as search_dcs_module
 
-from .conftest import invoke
+from .conftest import invoke, patch_everywhere
 
 DCS_SPACE = """
 format: nascompress-space/1
@@ -32,7 +32,7 @@ def collapse_at(monkeypatch, targets):
         if job.search.target_flops in targets:
             raise search_dcs_module.SearchCollapsed(f"the search collapsed at {job.search.target_flops}")
         return real(job, *args, **kwargs)
-    monkeypatch.setattr(search_dcs_module, "run_dcs_search", fake)
+    patch_everywhere(monkeypatch, search_dcs_module, "run_dcs_search", fake)
 
 
 def trials(name):

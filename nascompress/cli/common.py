@@ -5,14 +5,21 @@ import json
 import os
 import sys
 from types import SimpleNamespace
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, Optional, TypeVar
+import dataclasses
+import functools
+import inspect
+import shlex
+import types
+import typing
+from dataclasses import replace
 
 import typer
 from typer.core import TyperOption
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
-from nascompress.config import StageSettings, setting_help, tuple_item_type
+from nascompress.config import StageSettings, offered, option_name, setting_help, settings_class, tuple_item_type
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, SettingError, wording, write_error
 
@@ -61,10 +68,6 @@ def skip_bad(data: Any, skip: bool) -> Any:
     """``data`` (a DataConfig or None) with unreadable images skipped when ``--skip-bad-images`` is given."""
     if not skip:
         return data
-    from dataclasses import replace
-
-    from nascompress.data import DataConfig
-
     return replace(data or DataConfig(), skip_bad_images=True)
 
 
@@ -72,8 +75,6 @@ def with_subsets(data: Any, *, train_limit: int | None, eval_limit: int | None, 
     """``data`` (a DataConfig, e.g. the source run's) with the command's ``--train-limit`` /
     ``--eval-limit`` where given (else the recorded ones), its subsets drawn with ``--seed``, and
     ``--skip-bad-images``."""
-    from dataclasses import replace
-
     data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
                    eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
     return skip_bad(data, skip_bad_images)
@@ -115,9 +116,9 @@ def option_of(field: str) -> str:
     ``--field-name`` outside a command or where it has none (a positional argument is no option). The
     one translation from a library message's field names to the CLI's words."""
     try:  # typer >= 0.2x runs on its own copy of click
-        from typer._click.globals import get_current_context
+        from typer._click.globals import get_current_context  # typer >= 0.2x: its own copy of click
     except ImportError:
-        from click import get_current_context
+        from click import get_current_context  # older typer: click itself
 
     ctx = get_current_context(silent=True)
     for p in ctx.command.params if ctx is not None else ():
@@ -142,17 +143,15 @@ def interrupt_advice() -> str:
     has that option (a run with checkpoints), rerun it to continue a study, else rerun it (its
     outputs are written atomically: nothing of an interrupted one is left)."""
     try:  # typer >= 0.2x runs on its own copy of click
-        from typer._click.globals import get_current_context
+        from typer._click.globals import get_current_context  # typer >= 0.2x: its own copy of click
     except ImportError:
-        from click import get_current_context
+        from click import get_current_context  # older typer: click itself
 
     ctx = get_current_context(silent=True)
     if ctx is None:
         return "interrupted"
     name = ctx.command.name or ""
     if any(p.name == "resume" for p in ctx.command.params):
-        import shlex
-
         out = ctx.params.get("out_dir") or ctx.params.get("out")
         where = f" --out {shlex.quote(str(out))}" if out is not None else ""
         command = " ".join(["nascompress", *ctx.command_path.split()[1:]])  # the program's name, as installed
@@ -174,9 +173,9 @@ def given_options() -> set[str]:
     """The parameters of the running command given on its command line (or by environment), not
     defaulted: what a --resume must not silently ignore (:func:`nascompress.utils.recorded_job`)."""
     try:  # typer >= 0.2x runs on its own copy of click
-        from typer._click.globals import get_current_context
+        from typer._click.globals import get_current_context  # typer >= 0.2x: its own copy of click
     except ImportError:
-        from click import get_current_context
+        from click import get_current_context  # older typer: click itself
 
     ctx = get_current_context(silent=True)
     if ctx is None:
@@ -216,14 +215,6 @@ def setting_params(spec: Any) -> list[Any]:
     default ``--name``, an optional bool ``--name/--no-name``, for a bool with a ``flag`` that flag
     (``--no-name``, default off), for a tuple of numbers one comma-separated value, and for a text
     with ``choices`` those choices as its metavar (``[int8-static|int8-dynamic]``)."""
-    import dataclasses
-    import inspect
-    import types
-    import typing
-    from typing import Optional
-
-    from nascompress.config import offered, option_name, settings_class
-
     hints = typing.get_type_hints(settings_class(spec))
     params = []
     for f, default, help in offered(spec):
@@ -264,10 +255,6 @@ def setting_option(spec: Any, name: str) -> Any:
 def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The values of the user-facing fields ``spec`` offers from a command's arguments (see
     :func:`setting_params`)."""
-    import typing
-
-    from nascompress.config import offered, option_name, settings_class
-
     hints = typing.get_type_hints(settings_class(spec))
     values = {}
     for f, _, _ in offered(spec):
@@ -295,9 +282,6 @@ def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[
     its own options and arguments, as written; ``extra``: further generated parameters, given to the
     command's ``**kwargs`` (``finetune``'s method options). One shared helper builds every command's
     settings."""
-    import functools
-    import inspect
-
     def deco(fn: Callable[..., T]) -> Callable[..., T]:
         sig = inspect.signature(fn, eval_str=True)
         params, own = [], []

@@ -10,7 +10,8 @@ from nascompress.cli.common import fail, out, print_json, run, setting_option
 from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings
 from nascompress.profiling.compare import dense_flops_text
-from nascompress.search.trial_model import TrialMaterializeJob
+from nascompress.search.materialize import build_job, materialize_search
+from nascompress.search.trial_model import TrialMaterializeJob, build_job as build_trial_job, materialize_trial
 
 # materialize --study: TrialMaterializeJob's settings (or a DCS SEARCH_DIR instead)
 FROM_STUDY = StageSettings(TrialMaterializeJob, ("study", "trial", "pick", "storage", "finetune_epochs"),
@@ -32,9 +33,6 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOut = False,
     ) -> None:
         """Gather a DCS search's channels into a smaller model, or rebuild a study trial's model."""
-        from nascompress.search.materialize import build_job, materialize_search
-        from nascompress.search.trial_model import build_job as build_trial_job, materialize_trial
-
         if (search_dir is None) == (study is None):
             fail("give either a DCS SEARCH_DIR or --study NAME (with --trial N or --pick RULE)")
         if study is not None:

@@ -8,7 +8,9 @@ import typer
 
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, out_option
-from nascompress.export.config import ExportConfig
+from nascompress.export import export_run, parse_batch
+from nascompress.export.config import ExportConfig, build_config
+from nascompress.run_files import Sidecar
 
 
 def register(app: typer.Typer) -> None:
@@ -24,16 +26,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write the model as an ONNX file or a torch.export program that runs without nascompress, run it
         (ONNX Runtime / torch.export.load) against the PyTorch model, and record the check in FILE.json."""
-        from nascompress.export import export_run, parse_batch
-        from nascompress.export.config import build_config
-
         cfg = run(lambda: build_config({**vars(settings), "batch": parse_batch(str(settings.batch))}))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:
             print_json(side)
             return
-        from nascompress.run_files import Sidecar
-
         typed = run(lambda: Sidecar.from_dict(side, source=f"{Path(out_file).name}.json"))
         v = typed.verification
         if typed.quantization is not None:

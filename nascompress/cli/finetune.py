@@ -10,6 +10,8 @@ import json
 import types
 from pathlib import Path
 from typing import Annotated, Any, Optional
+import typing
+from dataclasses import replace
 
 import typer
 
@@ -18,9 +20,11 @@ from nascompress.cli.common import (Settings, SkipBadImages, given_options, out,
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
-from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob
+from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob, build_job, finetune as finetune_fn, split_settings
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.train import RUNTIME_SETTINGS
+from nascompress.api import run_data_config
+from nascompress.methods import available_methods, get_method
 
 
 def parse_value(text: str) -> Any:
@@ -42,10 +46,6 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
     ``tuple[int, ...]`` (layers): one or more integers, ``4,7,10`` or ``2``; ``float | tuple[float, ...]``
     (a rate or one per layer): one number or several; ``int`` / ``float``: one number; anything else as
     :func:`parse_value`. A value of the wrong form is refused naming the option and the forms it takes."""
-    import typing
-
-    from nascompress.errors import NascompressError
-
     tp = typing.get_type_hints(owner)[f.name]
     args = [a for a in (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,))
             if a is not type(None)]
@@ -83,8 +83,6 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
 
 def parse_opts(opts: list[str]) -> dict[str, Any]:
     """``key=value`` pairs (values as :func:`parse_value`)."""
-    from nascompress.errors import NascompressError
-
     d = {}
     for o in opts:
         if "=" not in o:
@@ -96,8 +94,6 @@ def parse_opts(opts: list[str]) -> dict[str, Any]:
 
 def method_option_fields() -> dict[str, tuple[Any, list[str]]]:
     """CLI-exposed fields of every registered method: name -> (a field, the methods that have it)."""
-    from nascompress.methods import available_methods, get_method
-
     fields: dict[str, tuple[Any, list[str]]] = {}
     for name in available_methods():
         for f in get_method(name).cli_fields():
@@ -110,8 +106,6 @@ def method_option_fields() -> dict[str, tuple[Any, list[str]]]:
 
 def method_option_form(method: str, name: str) -> tuple[str, Any]:
     """:func:`option_form` of method ``method``'s option ``name`` (its config or recipe field)."""
-    from nascompress.methods import get_method
-
     m = get_method(method)
     for owner in (m.config_cls, m.recipe_cls):
         if owner is not None and name in owner.__dataclass_fields__:
@@ -153,12 +147,6 @@ def finetune(
     **method_opts: Optional[str],  # --keep-rate --rho ... (every registered method's settings: _method_params)
 ) -> None:
     """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT or ToMe."""
-    from dataclasses import replace
-
-    from nascompress.api import run_data_config
-    from nascompress.errors import NascompressError
-    from nascompress.finetune import build_job, finetune as finetune_fn, split_settings
-
     fields = method_option_fields()
 
     def build() -> FinetuneJob:

@@ -9,7 +9,7 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings, setting_help
 from nascompress.data import DataConfig, InputOverrides
-from nascompress.importer import ImportJob
+from nascompress.importer import ImportJob, build_job, import_model
 from nascompress.train import TrainConfig
 
 # The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
@@ -37,9 +37,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Import a timm ViT's weights as a run directory (no training) that finetune, search, evaluate and
         nascompress.load accept; evaluate it if --dataset is given."""
-        from nascompress.data import DataConfig
-        from nascompress.importer import build_job, import_model
-
         def build():
             evaluated = None if data.dataset is None else DataConfig(**vars(data), subset_seed=runtime.seed)
             return build_job({"model": model, **vars(settings)}, out_dir, data=evaluated, input=input,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated, Optional
+import importlib
+from dataclasses import replace
 
 import typer
 from rich.table import Table
@@ -14,7 +16,11 @@ from nascompress.data import DataConfig, InputOverrides
 from nascompress.evaluate import EvaluateSettings
 from nascompress.models import ModelShape
 from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
-from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
+from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob, build_job, train as train_job
+from nascompress import __version__
+from nascompress.api import count_classes, epsilon_sweep, evaluate_run, profile as profile_fn, run_data_config
+from nascompress.profiling.compare import comparison_text
+from nascompress.runtime import keep_freed_memory
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Make Vision Transformers cheaper without making them worse.")
@@ -22,8 +28,6 @@ app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_e
 
 def _print_version(value: bool) -> None:
     if value:
-        from nascompress import __version__
-
         out.print(f"nascompress {__version__}", highlight=False)
         raise typer.Exit()
 
@@ -34,8 +38,6 @@ def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebac
                                                help="Print the version and exit.")] = False) -> None:
     """nascompress: search, materialize and retrain compressed timm ViTs."""
     STATE["debug"] = debug
-    from nascompress.runtime import keep_freed_memory
-
     keep_freed_memory()  # every command's forwards reuse freed memory (nascompress.runtime)
 
 
@@ -56,9 +58,6 @@ def train(
 ) -> None:
     """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
     --linear-probe fit only a new head on a frozen pretrained backbone."""
-    from nascompress.api import count_classes
-    from nascompress.train import build_job, train as train_job
-
     def build():
         data_cfg = DataConfig(**vars(data), split_seed=0, subset_seed=runtime.seed)
         spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data_cfg))
@@ -95,10 +94,6 @@ def evaluate(
     json_out: JsonOut = False,
 ) -> None:
     """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
-    from dataclasses import replace
-
-    from nascompress.api import evaluate_run, run_data_config
-
     split, epsilon = settings.split, settings.epsilon
     data = run_data_config(run_dir) if run_dir.is_dir() else None
     if dataset is not None or data is None:
@@ -107,8 +102,6 @@ def evaluate(
         data = replace(data, eval_limit=eval_limit)
     data = skip_bad(data, skip_bad_images)
     if epsilon is not None:
-        from nascompress.api import epsilon_sweep
-
         res = run(lambda: epsilon_sweep(run_dir, list(epsilon), data=data, split=split, device=device,
                                         batch_size=eval_batch_size))
         if json_out:
@@ -144,9 +137,6 @@ def profile(
     json_out: JsonOut = False,
 ) -> None:
     """Parameters, FLOPs (1 MAC = 1 FLOP, attention matmuls included) per block, latency, throughput."""
-    from nascompress.api import profile as profile_fn
-    from nascompress.profiling.compare import comparison_text
-
     if (run_dir is None) == (shape.model is None):
         fail("give either a RUN_DIR or --model NAME (not both)")
     target = run_dir if run_dir is not None else run(shape.spec, PROFILE_CLASSES)
@@ -192,8 +182,6 @@ def profile(
 
 def _register_optional() -> None:
     """Method commands live in their own modules; each adds itself to ``app``."""
-    import importlib
-
     for mod in ("nascompress.cli.finetune", "nascompress.cli.dcs", "nascompress.cli.retrain", "nascompress.cli.search", "nascompress.cli.importer", "nascompress.cli.study",
                 "nascompress.cli.pipeline", "nascompress.cli.export", "nascompress.cli.quantize"):
         try:

@@ -5,11 +5,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
 from nascompress.cli.common import err, out, print_json, run, setting_option
 from nascompress.cli.options import JsonOut, force_option, out_option
 from nascompress.config import StageSettings
 from nascompress.train import TrainConfig
+from nascompress.pipeline import run_pipeline
+from nascompress.pipeline.report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text, int8_table_rows, models_note
 
 # --seed: the file's seed (the pipeline's top-level seed key, TrainConfig's) replaced
 FILE_SEED = StageSettings(TrainConfig, ("seed",), no_default=("seed",),
@@ -32,8 +35,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One command from a model to a slim, faster model: base, DCS channels, a token-method
         search picked under the goal, retraining, and a report against the dense base."""
-        from nascompress.pipeline import run_pipeline
-
         def log(msg: str) -> None:
             err.print(f"[bold]pipeline[/bold] {msg}", highlight=False, soft_wrap=True)
 
@@ -53,11 +54,6 @@ def register(app: typer.Typer) -> None:
 
 def show(s: dict) -> None:
     """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
-    from rich.table import Table
-
-    from nascompress.pipeline.report import (comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                                             int8_table_rows, models_note)
-
     t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
     for col in ("", "dense base", "compressed", "change"):
         t.add_column(col, justify="left" if not col else "right")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from dataclasses import replace
 
 import typer
 
 from nascompress.cli.common import out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_option
-from nascompress.export.quantize import QuantizeConfig
+from nascompress.export.quantize import QuantizeConfig, quantize_run
+from nascompress.api import run_data_config
+from nascompress.data import DataConfig
+from nascompress.run_files import Sidecar
 
 QUANTIZED_FILE = "model.int8.onnx"
 
@@ -27,15 +31,8 @@ def quantize(
 ) -> None:
     """Quantize a dense or compressed model to int8 ONNX (ONNX Runtime's tooling), check its top-1 on the
     validation split against the fp32 file, and keep it only within --max-drop (recorded in FILE.json)."""
-    from nascompress.data import DataConfig
-    from nascompress.export.quantize import quantize_run
-
     data = None
     if dataset is not None or data_dir is not None:  # the run's data settings, another dataset
-        from dataclasses import replace
-
-        from nascompress.api import run_data_config
-
         given = {k: v for k, v in (("dataset", dataset), ("data_dir", data_dir)) if v is not None}
         data = run(lambda: replace(run_data_config(run_dir) or DataConfig(), **given))
     target = Path(out_dir) / QUANTIZED_FILE
@@ -43,8 +40,6 @@ def quantize(
     if json_out:
         print_json(side)
         return
-    from nascompress.run_files import Sidecar
-
     typed = run(lambda: Sidecar.from_dict(side, source=f"{target.name}.json"))
     q, v = typed.quantization, typed.verification
     if q.fallback:

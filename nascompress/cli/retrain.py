@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+import math
+from dataclasses import replace
 
 import typer
 
@@ -10,7 +12,7 @@ from nascompress.cli.common import (Settings, SkipBadImages, given_options, out,
                                     settings_command, with_subsets)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
-from nascompress.retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob
+from nascompress.retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, build_job, recorded_data_config, retrain as retrain_fn
 from nascompress.train import RUNTIME_SETTINGS
 
 
@@ -32,10 +34,6 @@ def retrain(
     json_out: JsonOut = False,
 ) -> None:
     """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
-    from dataclasses import replace
-
-    from nascompress.retrain import build_job, recorded_data_config, retrain as retrain_fn
-
     def build():
         data = recorded_data_config(model_dir) if model_dir.is_dir() else None
         if dataset is not None or data is None:
@@ -59,8 +57,6 @@ def retrain(
 def ib_text(metrics: dict) -> str:
     """The IB loss of the retrained model's last epoch when the bound was on (eta > 0) and measured;
     nothing otherwise (a bound that is off has no loss to show)."""
-    import math
-
     ib = (metrics.get("final") or {}).get("ib")
     if not metrics.get("eta") or ib is None or not math.isfinite(ib):
         return ""

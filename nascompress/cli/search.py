@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+from dataclasses import replace
 
 import typer
 
-from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
-                                    settings_command, skip_bad, with_subsets)
+from nascompress.cli.common import (Settings, SkipBadImages, cli_words, given_options, out, print_json, run,
+                                    setting_option, settings_command, skip_bad, with_subsets)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset, TrainLimit, json_option
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
@@ -15,8 +16,12 @@ from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from nascompress.search.trials import SearchJob
+from nascompress.search.trials import SearchJob, build_job as build_search_job, run_search
 from nascompress.train import RUNTIME_SETTINGS, TrainJob
+from nascompress.api import run_data_config
+from nascompress.search import DCSSearchJob, search_dcs
+from nascompress.search.dcs_run import CONTINUE, build_job
+from nascompress.errors import SettingError
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")
 
@@ -49,12 +54,6 @@ def dcs(
     json_out: JsonOut = False,
 ) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
-    from dataclasses import replace
-
-    from nascompress.api import run_data_config
-    from nascompress.search import DCSSearchJob, search_dcs
-    from nascompress.search.dcs_run import build_job
-
     def build() -> DCSSearchJob:
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
@@ -83,10 +82,6 @@ def dcs(
         if reason:
             out.print(f"kept: {reason}")
         if metrics.get("stopped"):
-            from nascompress.cli.common import cli_words
-            from nascompress.errors import SettingError
-            from nascompress.search.dcs_run import CONTINUE
-
             out.print(f"the gates stopped early; {cli_words(SettingError(CONTINUE))}")
 
 
@@ -111,14 +106,11 @@ def _outer_search(kind: str, default_space: str):
         skip_bad_images: SkipBadImages = False,
         json_out: json_option("One JSON line per finished trial, then a summary.") = False,
     ) -> None:
-        from nascompress.api import run_data_config
-        from nascompress.search.trials import build_job, run_search
-
         def build() -> SearchJob:
             data = DataConfig(dataset=dataset) if dataset is not None else None
             if skip_bad_images:
                 data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
-            return build_job(base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime),
+            return build_search_job(base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime),
                              data=data)
 
         job = run(build)

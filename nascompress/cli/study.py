@@ -3,14 +3,18 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
+import signal
 
 import typer
+from rich import box
+from rich.table import Table
 
 from nascompress.cli.common import err, out, print_json, run, setting_option, settings_command
 from nascompress.cli.options import Force, JsonOut as Json, out_option
-from nascompress.studies.dashboard import DashboardSettings
-from nascompress.studies.inspect import ExportSettings, ShowSettings
+from nascompress.studies.dashboard import DashboardSettings, start_dashboard
+from nascompress.studies.inspect import ExportSettings, ShowSettings, export_study, list_studies, render_show, show_study
 from nascompress.search.trials import SearchJob
+from nascompress.studies.report import write_report
 
 study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")
 
@@ -21,10 +25,6 @@ Name = Annotated[str, typer.Argument(help="The study name (see 'nascompress stud
 @study_app.command("list")
 def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
     """Every study: objectives, trials complete/failed/running, best value or front size, created."""
-    from rich.table import Table
-
-    from nascompress.studies.inspect import list_studies
-
     rows = run(list_studies, storage)
     if json_out:
         print_json(rows)
@@ -32,8 +32,6 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
     if not rows:
         out.print("no studies yet (nascompress-studies.db / .journal in this directory, or --storage)")
         return
-    from rich import box
-
     t = Table(title="studies", caption="db / journal: nascompress-studies.db / .journal here", box=box.SIMPLE_HEAD,
               padding=(0, 1))
     for col in ("study", "objectives", "done", "failed", "running", "best / front", "created", "storage"):
@@ -57,8 +55,6 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
 @settings_command(settings=ShowSettings)
 def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, json_out: Json = False) -> None:
     """The Pareto front (or the best trials) with the parameters that differ between them."""
-    from nascompress.studies.inspect import render_show, show_study
-
     res = run(show_study, name, storage, limit=settings.limit)
     if json_out:
         print_json(res)
@@ -74,8 +70,6 @@ def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, jso
 def export_cmd(name: Name, out_file: out_option("The file to write."), *,
                settings: ExportSettings, storage: Storage = None, force: Force = False) -> None:
     """Every trial (number, state, values, params, record fields) to CSV or JSON."""
-    from nascompress.studies.inspect import export_study
-
     path = run(export_study, name, fmt=settings.format, out=out_file, storage=storage, force=force)
     out.print(f"wrote {path}")
 
@@ -84,8 +78,6 @@ def export_cmd(name: Name, out_file: out_option("The file to write."), *,
 def report_cmd(name: Name, out_file: out_option("The HTML file to write.") =
                Path("report.html"), storage: Storage = None, force: Force = False) -> None:
     """One self-contained HTML file: Pareto front, history, importances, the front as a table."""
-    from nascompress.studies.report import write_report
-
     path = run(write_report, name, out=out_file, storage=storage, force=force)
     out.print(f"wrote {path}")
 
@@ -95,10 +87,6 @@ def report_cmd(name: Name, out_file: out_option("The HTML file to write.") =
 def dashboard_cmd(name: Name, storage: Storage = None, *, settings: DashboardSettings) -> None:
     """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM): read-only, on this
     machine only, unless asked otherwise."""
-    import signal
-
-    from nascompress.studies.dashboard import start_dashboard
-
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 

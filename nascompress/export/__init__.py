@@ -35,6 +35,8 @@ from typing import Any
 from .config import DTYPES, FORMATS, ExportConfig, build_config, parse_batch
 from .run import SIDECAR_FORMAT, sidecar_path, stage_path
 from .run import export_run as _export_fp
+from ..pyapi.common import Workspace, model_run, setting_names, split_settings
+from .quantize import config_for, quantize_run
 
 
 def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False,
@@ -45,8 +47,6 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     settings (:func:`nascompress.export.quantize.quantize_run`), calibrated and checked on ``data``
     (None: the run's dataset)."""
     if config is not None and config.quantize != "none":
-        from .quantize import config_for, quantize_run
-
         return quantize_run(run, out=out, config=config_for(config.quantize), export=config, data=data, force=force)
     return _export_fp(run, out=out, config=config, force=force)
 
@@ -66,8 +66,6 @@ def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) 
     Runtime and compare it with the PyTorch model (``nascompress export --format onnx``, the same
     job: :func:`export_run`). ``**settings``: the command's options by Python name (``batch``: an int
     or ``"dynamic"``, ``opset``, ``tolerance``, ``quantize`` ...). Nothing else is written."""
-    from ..pyapi.common import Workspace, model_run, setting_names, split_settings
-
     given = split_settings(settings, {"e": setting_names(ExportConfig)}, what="nc.export.onnx")["e"]
     cfg = build_config({**given, "format": "onnx"})  # (its batch: "dynamic" or an int, as checked there)
     with Workspace(None) as ws:

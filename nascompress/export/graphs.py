@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError, SettingError, write_error
+from ..methods.mgvit_h import MGPVT
 from ..run_files import Arch
 
 EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h", "tome")
@@ -102,8 +103,6 @@ def check_exportable(arch: Arch, *, dynamic: bool) -> None:
 def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str, Any] | None]:
     """The graphs to export for ``model`` (a :func:`~nascompress.export.paths.traceable_copy`) and
     MG-ViT's exit rule (None for a single graph); ``x`` is the example batch."""
-    from ..methods.mgvit_h import MGPVT
-
     if isinstance(model, MGPVT):
         rule = {"epsilon": float(model.mg["epsilon"]),
                 "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "

@@ -75,8 +75,8 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
     path is one ``Add`` of a constant 1-D bias into ``Flatten(axis=-1) -> Gemm(W, b) -> Reshape`` back
     to the input's leading dimensions (the Gemm keeps the MatMul's name and name scopes, so ``nodes``
     still selects it). Returns how many were rewritten; the function is unchanged (same math)."""
-    import onnx
-    from onnx import helper, numpy_helper
+    import onnx  # optional (nascompress[export])
+    from onnx import helper, numpy_helper  # optional (nascompress[export])
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}

@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -47,9 +47,17 @@ import torch
 from ..config import Config, check_int, check_settings, field_name, setting
 from ..limits import MAX_IMAGES
 from ..errors import NascompressError, SettingError
-from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES  # declared once (ExportConfig's too)
-from .graphs import TWO_STAGE
+from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES, ExportConfig  # declared once (ExportConfig's too)
+from .graphs import TWO_STAGE, quiet
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
+from ..api import run_data_config
+from ..data import InputSpec, Subset, dataset_labels, load_data, make_loader, preprocess, stratified_indices
+from ..io import MODEL_FILE, load_typed, read_arch
+from ..profiling import time_models_by_threads
+from ..run_files import sidecar_path, write_sidecar_json
+from ..utils import atomic_path
+from .run import check_outputs, clear_stale, export_run, new_folders
+from .verify import onnx_runner
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,6 @@ def config_for(quantize: str) -> QuantizeConfig:
 
 
 def _run_data(run: str | Path, data: Any) -> Any:
-    from ..api import run_data_config
-
     d = data or run_data_config(run)
     if d is None:
         raise SettingError(f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
@@ -116,8 +122,6 @@ def _run_data(run: str | Path, data: Any) -> Any:
 
 
 def _batches(ds: Any, idx: list[int], spec: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    from ..data import Subset, make_loader, preprocess
-
     loader = make_loader(Subset(ds, torch.as_tensor(idx)), batch_size=batch_size, shuffle=False)
     for xb, yb in loader:
         yield preprocess(xb, spec), torch.as_tensor(yb)
@@ -125,8 +129,6 @@ def _batches(ds: Any, idx: list[int], spec: Any, batch_size: int) -> Iterator[tu
 
 def calibration_batches(bundle: Any, spec: Any, cfg: QuantizeConfig) -> tuple[list[np.ndarray], int]:
     """``calib_images`` class-stratified training images (eval transform), preprocessed, as batches."""
-    from ..data import dataset_labels, stratified_indices
-
     n = min(cfg.calib_images, len(bundle.train))
     idx = stratified_indices(dataset_labels(bundle.train), n, seed=cfg.seed).tolist() \
         if n < len(bundle.train) else list(range(n))
@@ -135,7 +137,7 @@ def calibration_batches(bundle: Any, spec: Any, cfg: QuantizeConfig) -> tuple[li
 
 def _reader(name: str, batches: list[np.ndarray]) -> Any:
     """ONNX Runtime's CalibrationDataReader over preprocessed batches (input ``name``)."""
-    from onnxruntime.quantization import CalibrationDataReader
+    from onnxruntime.quantization import CalibrationDataReader  # optional (nascompress[export])
 
     class Reader(CalibrationDataReader):
         def __init__(self) -> None:
@@ -160,9 +162,9 @@ ORT_MIN = (1, 32)
 def check_onnxruntime() -> None:
     """A one-line error unless ONNX Runtime's quantization tools are installed at :data:`ORT_MIN` or newer."""
     try:
-        import onnx  # noqa: F401
-        import onnxruntime
-        import onnxruntime.quantization  # noqa: F401
+        import onnx  # noqa: F401  optional (nascompress[export])
+        import onnxruntime  # optional (nascompress[export])
+        import onnxruntime.quantization  # noqa: F401  optional (nascompress[export])
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
     have = tuple(int(p) for p in re.findall(r"\d+", onnxruntime.__version__)[:2])
@@ -174,10 +176,8 @@ def check_onnxruntime() -> None:
 
 def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib: list[np.ndarray] | None) -> None:
     """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling."""
-    import onnx
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
-
-    from .graphs import quiet
+    import onnx  # optional (nascompress[export])
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static  # optional (nascompress[export])
 
     with quiet():
         if scheme == "int8-dynamic":
@@ -239,16 +239,6 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
             (None: the run's, from its config.json).
         force: replace existing files.
     """
-    from dataclasses import replace
-
-    from ..data import InputSpec, load_data
-    from ..io import read_arch
-    from ..run_files import sidecar_path, write_sidecar_json
-    from ..utils import atomic_path
-    from .config import ExportConfig
-    from .run import check_outputs, clear_stale, export_run, new_folders
-    from .verify import onnx_runner
-
     cfg = config or QuantizeConfig()
     ecfg = replace(export or ExportConfig(), quantize="none")
     if ecfg.format != "onnx" or ecfg.dtype != "fp32":
@@ -260,7 +250,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                                "the softmax confidence, which int8 moves and this check does not cover; export it in "
                                "fp32 or fp16 (nascompress export)")
     check_onnxruntime()
-    import onnx
+    import onnx  # optional (nascompress[export])
     out = Path(out)
     created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)
@@ -329,7 +319,7 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
 def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecfg: Any, chosen: dict[str, Any],
              attempts: list[dict[str, Any]], fallback: str | None, bundle: Any, data_cfg: Any, n_calib: int,
              seconds: float) -> dict[str, Any]:
-    import onnxruntime as ort
+    import onnxruntime as ort  # optional (nascompress[export])
 
     side = dict(side)
     side["file"] = out.name
@@ -382,11 +372,6 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
     The dense int8 file is made here (:func:`quantize_run` with ``config`` and ``export``, into a
     temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
     whose int8 file fails its check gets a row with the reason and no figures."""
-    from ..data import InputSpec, load_data
-    from ..io import MODEL_FILE, load_typed
-    from ..profiling import time_models_by_threads
-    from .verify import onnx_runner
-
     runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
     rows: list[dict[str, Any]] = []
     default = torch.get_num_threads()

@@ -7,11 +7,12 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
+import shutil
 
 import torch
 
 from ..errors import NascompressError, SettingError, require_extra
-from ..io import file_sha256
+from ..io import ARCH_FILE, MODEL_FILE, file_sha256, load_with_arch, read_arch
 from ..data import InputSpec, eval_steps
 from ..progress import say
 from ..run_files import sidecar_path, write_sidecar_json
@@ -20,6 +21,8 @@ from .config import ExportConfig
 from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph
 from .paths import traceable_copy
 from .verify import runner_for, verify, with_exit_rule
+from ..models import input_size
+from ..profiling import count_flops
 
 SIDECAR_FORMAT = "nascompress-export/1"
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -36,8 +39,6 @@ def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = No
     """Refuse existing files (without force), unwritable places and (even with force) a file of the
     model ``run`` being read; return the folders to create."""
     if run is not None:
-        from ..io import ARCH_FILE, MODEL_FILE
-
         d = Path(run) if Path(run).is_dir() else Path(run).parent
         inputs = (run, d / MODEL_FILE, d / ARCH_FILE) if Path(run).is_dir() else (run, d / ARCH_FILE)
         for p in paths:
@@ -60,8 +61,6 @@ def clear_stale(out: Path) -> None:
     """Remove what an export or quantize of ``out`` killed mid-write (kill -9) left beside it: the
     temp files of its atomic writes (``.<name>.*.tmp``, the sidecar's too) and quantize's work
     folder (``.<name>.quantize-*``)."""
-    import shutil
-
     if not out.parent.is_dir():
         return
     for p in out.parent.glob(f".{out.name}.*"):
@@ -87,8 +86,6 @@ def new_folders(created: list[Path]) -> Iterator[None]:
 
 
 def _flops(model: torch.nn.Module, x1: torch.Tensor) -> dict[str, Any]:
-    from ..profiling import count_flops
-
     rep = count_flops(model, x1)
     out: dict[str, Any] = {"macs_per_image": rep.total, "gflops_per_image": rep.gflops, "params": rep.params,
                            "convention": "1 multiply-add = 1 FLOP, attention matmuls included"}
@@ -133,9 +130,6 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     A ``config.quantize`` is refused here: :func:`nascompress.export.export_run` sends such a config to
     :func:`~nascompress.export.quantize.quantize_run`, which exports through this function first.
     """
-    from ..io import MODEL_FILE, load_with_arch, read_arch
-    from ..models import input_size
-
     cfg = config or ExportConfig()
     if cfg.quantize != "none":
         raise NascompressError("nascompress.export.run.export_run writes fp32/fp16/bf16 files; quantized files come "

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import NascompressError
+from .graphs import quiet
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 
@@ -24,7 +25,7 @@ def onnx_runner(path: str | Path, *, threads: int | None = None, spinning: bool 
     while (its default, fastest alone): needed when it is timed interleaved with PyTorch, whose
     threads the spinning ones would otherwise starve."""
     try:
-        import onnxruntime as ort
+        import onnxruntime as ort  # optional (nascompress[export])
     except ModuleNotFoundError:
         raise NascompressError("onnxruntime is not installed; pip install 'nascompress[export]'") from None
     so = ort.SessionOptions()
@@ -49,8 +50,6 @@ def onnx_runner(path: str | Path, *, threads: int | None = None, spinning: bool 
 
 def program_runner(path: str | Path) -> tuple[Runner, str]:
     """A callable running a saved ``torch.export`` program (``torch.export.load``)."""
-    from .graphs import quiet
-
     with open(path, "rb") as f, quiet():
         mod = torch.export.load(f).module()
 

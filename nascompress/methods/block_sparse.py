@@ -56,6 +56,11 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import torch._dynamo
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ..errors import NascompressError
 
 _COMPILED: dict[str, Callable] = {}
 _FLEX_OK: dict[tuple, bool] = {}  # flex_kernel_ok's verdicts, per compiled configuration
@@ -335,8 +340,6 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
 def make_block_mask(idx: torch.Tensor, layout: BlockLayout):
     """A FlexAttention ``BlockMask`` for patch queries over the keys [patch blocks (padded to nb * bs),
     prefix keys]: each query block keeps its blocks ``idx`` plus the prefix block (index nb)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     B, H, nb, keep = idx.shape
     extra = 1 if layout.prefix else 0  # the prefix keys form block nb
     kv_idx = torch.cat([idx, idx.new_full((B, H, nb, extra), nb)], -1).to(torch.int32)
@@ -356,9 +359,6 @@ def make_block_mask(idx: torch.Tensor, layout: BlockLayout):
 def compiled_flex_attention() -> Callable:
     """``torch.compile(flex_attention, dynamic=False)``, built once per process."""
     if "flex" not in _COMPILED:
-        import torch._dynamo
-        from torch.nn.attention.flex_attention import flex_attention
-
         # every (shape, block size) is its own specialization (dynamic=False); past dynamo's
         # default limit of 8 it would silently fall back to the eager, dense flex_attention
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -370,8 +370,6 @@ def flex_multiple(kernel: str, block_size: int | None, device: torch.device) -> 
     """The multiple an automatic block side is for ``kernel``: 16 for ``flex`` (on every device, so
     a model computes the same blocks on the CPU and on a GPU), else 1. An explicit ``block_size``
     that CUDA's flex kernel cannot tile is refused with one line."""
-    from ..errors import NascompressError
-
     if kernel != "flex":
         return 1
     if device.type == "cuda" and block_size is not None and block_size % CUDA_FLEX_MULTIPLE:
@@ -391,8 +389,6 @@ def cuda_kernel_options(layout: BlockLayout) -> dict[str, int]:
 def flex_usable() -> bool:
     """False under a dispatch / torch-function mode (FlopCounterMode, tracing), where the compiled
     kernel cannot run; callers then use an equivalent path."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is None and not torch._C._is_torch_function_mode_enabled()
 
 

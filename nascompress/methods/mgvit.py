@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
-from timm.models.vision_transformer import Block, VisionTransformer
+from timm.models.vision_transformer import Block, VisionTransformer, checkpoint_filter_fn
 from torch import nn
 
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
@@ -56,6 +56,9 @@ from . import Method, TrainOverrides, register_method
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
 from .mgvit_ops import resample_image as _resample
+from ..models import is_pyramid, load_state_strict
+from ..io import load_typed
+from ..profiling.flops import count_flops
 
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
 INIT_STD = 1e-3
@@ -308,8 +311,6 @@ class MGViT(VisionTransformer):
         """Per-image MACs of SGIS alone and of SGIS + MGIS (token counts are input independent)."""
         cache = self.__dict__.get("_mg_flops")
         if cache is None:
-            from ..profiling.flops import count_flops
-
             p = next(self.parameters())
             x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device,
                             dtype=p.dtype)
@@ -348,8 +349,6 @@ class MGViT(VisionTransformer):
 
 
 def _check_plain_vit(model: nn.Module) -> None:
-    from ..models import is_pyramid
-
     if is_pyramid(model):
         raise SettingError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
                                f"({type(model).__name__}); use {{method}} mgvit-h (Hierarchical MG-ViT) for it")
@@ -458,11 +457,6 @@ def load_sgis_from_run(model: VisionTransformer, run: str | Path) -> None:
     E.g. a 28 px Fashion-MNIST run as the SGIS of an MG-ViT built on a 56 px run: the 7x7 coarse
     grid of the 56 px image is then exactly what that run was trained on.
     """
-    from timm.models.vision_transformer import checkpoint_filter_fn
-
-    from ..io import load_typed
-    from ..models import load_state_strict
-
     if not Path(run).exists():
         raise NascompressError(f"sgis_run {run} does not exist; give a dense run directory made by `nascompress train`")
     other, arch = load_typed(run)

@@ -83,6 +83,8 @@ from . import Method, TrainOverrides, register_method
 from ..hooks import TrainHooks
 from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, match_merge, ppsm_counts, ppsm_macs, resample_image,
                         split_counts, split_groups)
+from ..models import PYRAMID_NAMES
+from ..profiling.flops import count_flops
 
 PAPER_MG_HEADS = 8
 VARIANTS = ("a", "r")
@@ -179,8 +181,6 @@ def _stage1_shape(model: PyramidVisionTransformerV2) -> tuple[int, int, int, int
 
 
 def _check_pyramid(model: nn.Module) -> None:
-    from ..models import PYRAMID_NAMES
-
     if not isinstance(model, PyramidVisionTransformerV2):
         raise SettingError(f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
                                f"{type(model).__name__}; use {{method}} mgvit for a plain ViT")
@@ -440,8 +440,6 @@ class MGPVT(PyramidVisionTransformerV2):
         epsilon = 1, where no SGIS runs)."""
         cache = self.__dict__.get("_mg_flops")
         if cache is None:
-            from ..profiling.flops import count_flops
-
             p = next(self.parameters())
             x = torch.randn(1, self.patch_embed.proj.in_channels, *self.nc_img_size, device=p.device, dtype=p.dtype)
             cache = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any
+import copy
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ from torch import nn
 from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, slice_hidden, slice_qk, to_core
-from . import Method, register_method
+from . import Method, get_method, register_method
+from ..profiling import count_flops
 
 
 @dataclass(frozen=True)
@@ -111,10 +113,6 @@ def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool
     With aligned widths the FLOPs ratio is a step function of the share: the share returned is the
     smallest one whose ratio is nearest ``target`` (within ``tol`` when a step lands there; else the
     nearer of the two steps around it). Bisection over the share, one FLOPs count per probe."""
-    import copy
-
-    from ..profiling import count_flops
-
     dense = count_flops(model, x).total
     cache: dict[float, float] = {}
 
@@ -136,8 +134,6 @@ def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool
 
 
 def get_uniform() -> Uniform:
-    from . import get_method
-
     return get_method("uniform")  # type: ignore[return-value]
 
 

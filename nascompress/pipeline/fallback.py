@@ -14,6 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from ..pipeline_files import find_run_config, find_step_marker
+from ..errors import NascompressError
+from ..search.dcs import SearchCollapsed
+from ..search.dcs_run import search_dcs
+from ..search.trial_model import materialize_trial, parse_pick, pick_trial
+from ..studies.inspect import load
+from ..studies.records import trial_record
 
 OUTCOMES = ("planned", "milder", "skipped")
 
@@ -27,9 +33,6 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
     collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
-    from ..search.dcs import SearchCollapsed
-    from ..search.dcs_run import search_dcs
-
     planned = job.search.target_flops
     mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
     attempts = [("planned", job)] + ([("milder", mild)] if fallback else [])
@@ -88,11 +91,6 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     """Rebuild the trial the goal's rule picks (``job``: a TrialMaterializeJob); when no trial meets
     the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
     stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
-    from ..errors import NascompressError
-    from ..search.trial_model import materialize_trial, parse_pick
-    from ..studies.inspect import load
-    from ..studies.records import trial_record
-
     try:
         return materialize_trial(job, force=force)
     except NascompressError as e:
@@ -115,11 +113,6 @@ def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
     the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the
     goal in any study, the first study's closest trial, as :func:`pick_or_closest`. Returns the rebuilt
     run's metrics with ``picked_study`` and ``candidates`` (each study's pick: trial, accuracy, FLOPs)."""
-    from ..errors import NascompressError
-    from ..search.trial_model import parse_pick, pick_trial
-    from ..studies.inspect import load
-    from ..studies.records import trial_record
-
     rule, value = parse_pick(job.pick)
     candidates: dict[str, Any] = {}
     subsets = set()

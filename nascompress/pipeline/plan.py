@@ -4,18 +4,37 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import NascompressError
 from ..resources import resolve_file
 from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values, section_error
-from ..data import BUILTIN_DATASETS
+from ..data import BUILTIN_DATASETS, DataConfig, load_data
 from .sections import DATASET_KEYWORDS, PipelineConfig
 from ..importer import weights_grid_size, weights_shapes
 from ..pipeline_files import PICK_FILE, Pick, find_step_marker, write_pick  # noqa: F401  (PICK_FILE: kept importable here)
+from ..importer import (ImportJob, build_job as build_import_job, import_model, weights_kwargs)
+from ..utils import resolve_device
+from ..api import count_classes
+from ..export import export_run
+from ..io import read_arch
+from ..layers import require_vit
+from ..methods import get_method
+from ..methods.dcs import SEARCH_DCS_SETTINGS
+from ..models import ModelShape, ModelSpec, build_model, read_weights_file
+from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
+from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..search.dcs_run import build_job as build_dcs_job
+from ..search.materialize import build_job as build_mat_job, materialize_search
+from ..search.space import load_space
+from ..search.trial_model import build_job as build_pick_job
+from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
+from ..train import PROBE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, build_job as build_train_job, train
+from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
+from .report import write_summary
+from .steps import Pipeline, Step
 
 # PICK_FILE (tokens/pick.json): each study's pick and which one was kept (pipeline_files)
 STUDY_DB = "studies.db"
@@ -24,67 +43,18 @@ STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_search_dense"
          "report")
 
 
-@dataclass
-class Step:
-    """One resumable unit of work.
-
-    Args:
-        name: its name in ``OUT/done/<name>.json``.
-        dir: its output directory (None: nothing written by the step itself).
-        mode: ``train`` (resumed from its checkpoint), ``redo`` (rebuilt from scratch when
-            incomplete) or ``study`` (continued by name).
-        outputs: files (relative to OUT) that must exist for the step to count as complete.
-    """
-
-    name: str
-    dir: Path | None
-    mode: str
-    run: Callable[..., dict[str, Any]]
-    outputs: tuple[str, ...] = ()
-    describe: str = ""
-
-
-@dataclass
-class Pipeline:
-    """A validated pipeline for one OUT: the config, the directories, and the steps."""
-
-    cfg: PipelineConfig
-    out: Path
-    source: str
-    steps: list[Step]
-    base_dir: Path  # the dense base run
-    final_dir: Path  # the model the pipeline ends with, as planned (see :meth:`result_dir`)
-    storage: str | None = None
-    data: Any = None
-
-    def result_dir(self) -> Path | None:
-        """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
-        skipped steps when the DCS stage fell back; None when no compressed model was made."""
-        from .fallback import current_model
-
-        st = self.cfg.stages
-        return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
-                             retrain=st.retrain is not None, upto="final")
-
-
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
-    from ..data import DataConfig
-
     stage = {"train_limit": train_limit} if train_limit is not None else {}  # a stage's own training images
     return library_config(cfg.data, DataConfig, split_seed=0, subset_seed=cfg.seed, **stage)
 
 
 def _runtime(cfg: PipelineConfig) -> dict[str, Any]:
     """The top-level settings every training stage runs with (seed, device, amp, deterministic)."""
-    from ..train import RUNTIME_SETTINGS
-
     return library_values(cfg, RUNTIME_SETTINGS)
 
 
 def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     """The dataset exists; returns its class count."""
-    from ..api import count_classes
-
     d = cfg.data
     if d.dataset == "fashion-mnist":
         need = Path(d.data_dir) / "train-images-idx3-ubyte.gz"
@@ -97,8 +67,6 @@ def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     try:
         n = count_classes(_data_config(cfg))
         if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
-            from ..data import load_data
-
             load_data(_data_config(cfg))
         return n
     except NascompressError as e:
@@ -106,8 +74,6 @@ def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
 
 
 def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
-    from ..models import build_model
-
     try:
         return build_model(spec)
     except NascompressError as e:
@@ -116,10 +82,6 @@ def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
 
 def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
     """The base step, the base run directory, and the dense model (built, for its depth)."""
-    from ..io import read_arch
-    from ..models import ModelShape, ModelSpec
-    from ..train import PROBE_TRAIN, TRAIN_SETTINGS, build_job as build_train_job, train
-
     b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
     if b.kind == "run":
         try:
@@ -187,10 +149,6 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
                     outputs=("base/model.safetensors", "base/metrics.json"),
                     describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
-    from ..importer import ImportJob, build_job as build_import_job, import_model
-
-    from ..importer import weights_kwargs
-    from ..models import read_weights_file
 
     job = build_import_job(library_values(imp, ImportJob), base_dir, data=data, device=cfg.device)
     try:  # the model the weights describe (every shape read from them), as the import builds it
@@ -205,12 +163,6 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
-    from ..methods.dcs import SEARCH_DCS_SETTINGS
-    from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-    from ..search.dcs_run import build_job as build_dcs_job
-    from ..search.materialize import build_job as build_mat_job, materialize_search
-    from .fallback import dcs_skipped, milder_target, run_dcs_with_fallback
-
     s, goal = cfg.stages.dcs, cfg.goal
     target = s.target_flops if s.target_flops is not None else goal.max_flops
     if target is None:
@@ -247,12 +199,6 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
 
 def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
                  base_dir: Path) -> tuple[list[Step], str]:
-    from ..methods import get_method
-    from ..search.trial_model import build_job as build_pick_job
-    from ..search.space import load_space
-    from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
-    from .fallback import current_model, dcs_skipped, pick_across
-
     s, goal = cfg.stages.tokens, cfg.goal
     try:
         space = load_space(s.space, model=dense)  # layers sized by (and within) a plain ViT's depth; none on a pyramid
@@ -335,9 +281,6 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
-    from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
-    from .fallback import current_model
-
     s = cfg.stages.retrain
     try:
         job = build_job(current, out / "final", retrain=library_config(s, RetrainConfig),
@@ -360,9 +303,6 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
-    from ..export import export_run
-    from .fallback import current_model
-
     s = cfg.export
     target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
 
@@ -385,8 +325,6 @@ def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
 def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:
     """Validate ``config`` completely (schema, files, models, space, every stage's job) and return
     the pipeline for ``out``. Reads files, writes nothing."""
-    from ..utils import resolve_device
-
     config = resolve_file(config, what="config file")  # a path, or a shipped config's name
     cfg = load_config(config, seed=seed)
     ctx = SchemaContext(str(config), Path(os.path.abspath(config)).parent)
@@ -400,8 +338,6 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     steps = [base_step]
     current = base_dir
     if cfg.stages.dcs is not None:
-        from ..layers import require_vit
-
         try:
             require_vit(dense, "DCS")
         except NascompressError as e:
@@ -428,8 +364,6 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
                     storage=storage, data=_data_config(cfg))
 
     def report(force: bool, resume: bool) -> dict[str, Any]:
-        from .report import write_summary
-
         return write_summary(pipe)
 
     steps.append(Step("report", None, "redo", report, outputs=("summary.json", "report.html"),

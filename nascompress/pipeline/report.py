@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime as _dt
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any
 
 from ..profiling.compare import compare_records
 from ..run_files import find_metrics
@@ -24,40 +24,20 @@ from ..pipeline_files import find_pick, find_run_config, find_step_marker, write
 from ..utils import atomic_path
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                             int8_table_rows, models_note)
-from .sections import PipelineConfig
-
-
-class PlannedStep(Protocol):
-    """What the report reads of one step of a plan (:class:`nascompress.pipeline.plan.Step`)."""
-
-    name: str
-    describe: str
-    dir: Path | None
-
-
-class PlannedPipeline(Protocol):
-    """What the report reads of a plan (:class:`nascompress.pipeline.plan.Pipeline`); declared here
-    so that the report does not import the planner that calls it."""
-
-    cfg: PipelineConfig
-    out: Path
-    source: str
-    base_dir: Path
-    storage: str | None
-    data: Any
-
-    @property
-    def steps(self) -> Sequence[PlannedStep]: ...
-
-    def result_dir(self) -> Path | None: ...
+from ..api import evaluate_run, profile
+from ..export.quantize import config_for, int8_rows
+from ..io import MODEL_FILE, load_with_arch, read_arch
+from ..studies.front_plot import FrontMarks, Mark
+from ..studies.inspect import load
+from ..studies.report import build_report
+from .fallback import dcs_outcome
+from .steps import Pipeline
 
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
 
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
-    from ..io import MODEL_FILE
-
     rec = {"run": str(run), "test_top1": ev["top1"], "test_loss": ev["loss"], "test_n": ev["n"],
            "params": prof["params"], "file_bytes": (run / MODEL_FILE).stat().st_size, "macs": prof["macs"],
            "methods": ev.get("methods", [])}
@@ -86,8 +66,6 @@ def _method_summary(rec: dict[str, Any]) -> str:
 def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
     """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
     and whether it fell back (a milder target, or skipped)."""
-    from .fallback import dcs_outcome
-
     res: dict[str, Any] = {}
     if dcs_rec is not None:
         family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
@@ -117,7 +95,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
     return res
 
 
-def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
+def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
     out = pipe.out
     res: dict[str, Any] = {"study": pipe.cfg.stages.tokens.study, "storage": pipe.storage,
                            "pick_rule": pipe.cfg.goal.pick, "eval_images": pipe.cfg.stages.tokens.eval_images,
@@ -144,7 +122,7 @@ def _tokens_decisions(pipe: PlannedPipeline, methods: list[dict[str, Any]]) -> d
     return res
 
 
-def _stage_log(pipe: PlannedPipeline) -> list[dict[str, Any]]:
+def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
     rows = []
     for step in pipe.steps:
         m = find_step_marker(pipe.out, step.name)
@@ -153,13 +131,10 @@ def _stage_log(pipe: PlannedPipeline) -> list[dict[str, Any]]:
     return rows
 
 
-def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
+def write_summary(pipe: Pipeline) -> dict[str, Any]:
     """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
-    from ..api import evaluate_run, profile
-    from ..io import load_with_arch, read_arch
-
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
     final_dir = pipe.result_dir()
@@ -225,11 +200,9 @@ def write_summary(pipe: PlannedPipeline) -> dict[str, Any]:
     return summary
 
 
-def _int8(pipe: PlannedPipeline, final_dir: Path) -> dict[str, Any]:
+def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
     """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.quantize.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
-    from ..export.quantize import config_for, int8_rows
-
     cfg = pipe.cfg
     made = pipe.out / "export" / cfg.export.filename
     return int8_rows(pipe.base_dir, final_dir, compressed_int8=made if made.is_file() else None, data=pipe.data,
@@ -254,7 +227,7 @@ def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any
     return goal
 
 
-def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
+def _base_decisions(pipe: Pipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
     """The base's decisions; its test top-1 is the report's own (``dense_ev``: the images the
     comparison uses), the one its training measured (possibly on other images: ``data.eval_limit``
     draws a subset) is kept as ``trained_test_top1`` with its count."""
@@ -271,8 +244,6 @@ def _base_decisions(pipe: PlannedPipeline, dense_ev: dict[str, Any]) -> dict[str
 def front_marks(s: dict[str, Any]) -> Any:
     """What the study's fronts mark for this pipeline: the picked trial, the dense base and the final
     model (their test top-1, on the report's test images) and the goal."""
-    from ..studies.front_plot import FrontMarks, Mark
-
     d, f, g = s["dense"], s["final"], s["goal"]
     n = d["test_n"]
     dense = {"flops_ratio": Mark(f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)",
@@ -294,12 +265,9 @@ def front_marks(s: dict[str, Any]) -> Any:
     return FrontMarks(picked=picked, dense=dense, final=final, goal=goal)
 
 
-def _study_report(pipe: PlannedPipeline, marks: Any) -> str | None:
+def _study_report(pipe: Pipeline, marks: Any) -> str | None:
     """The study's own report (written to tokens/report.html), its fronts marking ``marks``; returns
     its HTML."""
-    from ..studies.inspect import load
-    from ..studies.report import build_report
-
     spec, study = load(pipe.cfg.stages.tokens.study, pipe.storage)
     text = build_report(study, storage_display=spec.display, marks=marks)
     with atomic_path(pipe.out / "tokens" / "report.html") as tmp:

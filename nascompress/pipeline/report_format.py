@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..profiling.compare import dense_flops_text, speed_text, times_text
+from ..studies.report import REPORT_CSS
 
 
 def _mb(n: float) -> str:
@@ -183,8 +184,6 @@ def _study_fragment(text: str) -> str:
 
 def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
     """The pipeline's report: one self-contained HTML file (no external resources)."""
-    from ..studies.report import REPORT_CSS
-
     meta = [("config", s["source"]), ("output", s["out"]), ("dataset", s.get("dataset")), ("seed", s["seed"]),
             ("device", s.get("device")), ("goal", goal_text(s)), ("written", s["written"])]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v is not None)

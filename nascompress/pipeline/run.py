@@ -19,6 +19,8 @@ from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
 from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..run_files import has_metrics
 from ..utils import refuse_overwriting_inputs
+from ..train import RUNTIME_SETTINGS
+from ..utils import atomic_path
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 from .schema import Section
@@ -47,7 +49,7 @@ def _check_out(out: Path, *, force: bool) -> None:
 def _lock(out: Path) -> int:
     """Hold an exclusive lock on OUT for this process (released by the OS when it exits, even on
     kill -9), so two runs never write into one pipeline directory at once."""
-    import fcntl
+    import fcntl  # POSIX only: the run lock
 
     try:
         with writing(out, what=f"pipeline directory {out}", then=_CONTINUE):
@@ -103,7 +105,6 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    from ..utils import atomic_path
 
     with atomic_path(stored) as tmp:
         tmp.write_text(dump_config(pipe.cfg))
@@ -119,8 +120,6 @@ def step_error(pipe: Pipeline, step: str, e: SettingError) -> SettingError:
     as its key path (``stages.dcs.max_val_drop``: the step's section, else ``data``); the run's own
     settings (``force``, ``out``) left to the pipeline command's front end; the runtime's (``seed``)
     are the file's top-level keys. The same exception type."""
-    from ..train import RUNTIME_SETTINGS
-
     cfg = pipe.cfg
     head = step.split("_")[0]
     if head == "base":

@@ -21,10 +21,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+import copy
 
 import torch
 from timm.layers import Attention
 from torch import nn
+from timm.models.pvt_v2 import Attention as PvtAttention
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 _BLOCK_RE = re.compile(r"^blocks\.(\d+)(?:\.(attn|mlp))?(?:\.|$)")
 
@@ -99,8 +103,6 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> FlopReport:
         else:
             blocks[idx][kind] += macs
 
-    from timm.models.pvt_v2 import Attention as PvtAttention
-
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
@@ -147,9 +149,6 @@ def flop_counter_macs(model: nn.Module, x: torch.Tensor) -> float:
     FlopCounterMode has no formula for the CPU fused SDPA kernel, so it runs under the MATH
     backend, where attention decomposes into counted bmm's. It counts FLOPs = 2 x MACs.
     """
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.utils.flop_counter import FlopCounterMode
-
     was_training = model.training
     model.eval()
     try:
@@ -166,9 +165,7 @@ def thop_macs(model: nn.Module, x: torch.Tensor) -> float:
 
     Runs on a copy (thop attaches counters to the modules it profiles).
     """
-    import copy
-
-    from thop import profile
+    from thop import profile  # the fallback counter only; ~70 ms at start-up
 
     m = copy.deepcopy(model).eval()
     macs, _ = profile(m, inputs=(x,), verbose=False)

@@ -9,6 +9,9 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+import torch._dynamo
+
+from ..progress import say
 
 
 def _sync(device: torch.device) -> None:
@@ -87,13 +90,9 @@ def compile_for_speed(model: nn.Module, device: torch.device) -> tuple[Callable 
     note = getattr(model, "compile_note", None)
     if note:
         return None, note
-    import torch._dynamo
-
     # every model shares VisionTransformer.forward: each (model, batch size) is its own graph, past
     # dynamo's default limit of 8 per code object it would silently run eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" else None
-    from ..progress import say
-
     say("profile: torch.compile (the first timed calls compile the model: this can take a minute) ...")
     return torch.compile(model, mode=mode, dynamic=False), None

@@ -9,10 +9,12 @@ from torch import nn
 from .compare import compare_records
 from .flops import count_flops, flop_counter_macs, thop_macs
 from .latency import compile_for_speed, measure
+from ..layers import qk_layout_summary
+from ..models import input_size
+from ..runtime import dtype_name
 
 
 def _input_shape(model: nn.Module) -> tuple[int, int, int]:
-    from ..models import input_size
     return input_size(model)
 
 
@@ -34,9 +36,6 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
             graphs on CUDA), interleaved with the eager ones: ``*_compiled`` fields and ratios
             against the compiled reference. A model that cannot be compiled says why (``compile_note``).
     """
-    from ..layers import qk_layout_summary
-    from ..runtime import dtype_name
-
     g = torch.Generator().manual_seed(seed)
     out: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "models": {}}
     for label, m in models.items():

@@ -13,6 +13,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from timm.models.vision_transformer import VisionTransformer
+from torch.utils.data import DataLoader
 
 from ..data import DataConfig
 from ..data_memory import caller_input, is_memory, register_dataset
@@ -22,6 +24,9 @@ from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..run_dir import RunDir
 from ..pipeline_files import find_run_config
 from ..run_files import Arch, find_metrics
+from ..config import offered
+from ..data_input import InputSpec
+from ..train import input_spec_for
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
 _ARCHS: "weakref.WeakKeyDictionary[nn.Module, Arch]" = weakref.WeakKeyDictionary()
@@ -105,8 +110,6 @@ class Workspace:
 
 
 def _check_vit(model: nn.Module) -> None:
-    from timm.models.vision_transformer import VisionTransformer
-
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"nascompress works on timm VisionTransformer models, got {type(model).__name__}; a "
                                "Hugging Face ViT: nascompress.from_transformers(model) first")
@@ -169,9 +172,6 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
 def input_spec(model: nn.Module, data: DataConfig | None) -> dict[str, Any]:
     """How images become the given model's input: the caller's own (identity) for a caller's
     Dataset, else what ``nascompress train`` decides for the dataset (:func:`input_spec_for`)."""
-    from ..data_input import InputSpec
-    from ..train import input_spec_for
-
     c, h, w = input_size(model)
     if data is None or is_memory(data.dataset):
         ci = caller_input(c)
@@ -244,8 +244,6 @@ def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterab
 
 def loader_batch(data: Any) -> int | None:
     """The batch size of a DataLoader the caller gave (the stages then take it), else None."""
-    from torch.utils.data import DataLoader
-
     return data.batch_size if isinstance(data, DataLoader) else None
 
 
@@ -271,13 +269,9 @@ __all__ = ["StageResult", "Workspace", "ModelLike", "data_config", "model_run", 
 def stage_values(spec: Any, given: Mapping[str, Any]) -> dict[str, Any]:
     """The values a command's options of ``spec`` (a config class or a StageSettings) take when only
     ``given`` are passed: the options' defaults (:func:`~nascompress.config.offered`), then ``given``."""
-    from ..config import offered
-
     return {**{f.name: default for f, default, _ in offered(spec)}, **given}
 
 
 def setting_names(*specs: Any) -> list[str]:
     """The names of the settings the ``specs`` offer (config classes or StageSettings)."""
-    from ..config import offered
-
     return [f.name for s in specs for f, _, _ in offered(s)]

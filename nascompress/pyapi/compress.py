@@ -16,6 +16,7 @@ from ..io import load_with_arch
 from ..pipeline import run_pipeline
 from ..progress import say
 from .common import ModelLike, Workspace, data_config, model_run, remember, write_run
+from .hf import to_transformers
 
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
 TOKEN_METHODS = ("evit", "dynamicvit", "tome", "sparsifiner", "mgvit", "mgvit-h")
@@ -43,8 +44,6 @@ class Compressed:
 
     def to_transformers(self, directory: str | Path) -> Path:
         """Write the model as a Hugging Face ``transformers`` ViT folder (:func:`nascompress.pyapi.hf.to_transformers`)."""
-        from .hf import to_transformers
-
         return to_transformers(self.model, directory, arch=self.arch)
 
 

@@ -13,6 +13,7 @@ from ..search.dcs_run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
                      split_settings, stage_values)
+from ..api import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
 
@@ -57,8 +58,6 @@ def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = N
     with Workspace(out) as ws:
         source = model_run(model, ws, "source", data=cfg_data)
         if cfg_data is None:
-            from ..api import run_data_config
-
             cfg_data = run_data_config(source) or DataConfig()
             cfg_data = data_config(cfg_data, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
         search_cfg = stage_values(DCSSearchConfig, {"target_flops": target_flops, **parts["search"]})

@@ -19,11 +19,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
 from ..errors import NascompressError
 from ..models import CUSTOM_BASE, ModelSpec, build_model
 from ..run_files import Arch
 from .common import remember
+from ..io import make_arch
+from ..utils import read_json, write_json
 
 _V5 = {"q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj", "o": "attention.o_proj",
        "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
@@ -33,7 +36,7 @@ _V4 = {"q": "attention.attention.query", "k": "attention.attention.key", "v": "a
 
 def _transformers() -> Any:
     try:
-        import transformers
+        import transformers  # optional (nascompress[hf])
     except ImportError:
         raise NascompressError("Hugging Face models need transformers: pip install 'nascompress[hf]'") from None
     return transformers
@@ -113,8 +116,6 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
     if isinstance(model_or_dir, (str, Path)):
         pre = Path(model_or_dir) / "preprocessor_config.json"
         if pre.is_file():
-            from ..utils import read_json
-
             norm = read_json(pre)
         if not Path(model_or_dir).is_dir():
             raise NascompressError(f"{model_or_dir} is not a local folder (nascompress never downloads a model)")
@@ -131,8 +132,6 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
     for m in model.modules():  # Hugging Face's epsilon (1e-12), not timm's 1e-6: the same logits
         if isinstance(m, nn.LayerNorm):
             m.eps = float(cfg.layer_norm_eps)
-    from ..io import make_arch
-
     size, c = cfg.image_size, cfg.num_channels
     mean = tuple(norm.get("image_mean") or (0.0,) * c) if norm.get("do_normalize", True) else (0.0,) * c
     std = tuple(norm.get("image_std") or (1.0,) * c) if norm.get("do_normalize", True) else (1.0,) * c
@@ -172,8 +171,6 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
 
 def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
     """The MLP width a ViTConfig would take for ``model``, or (0, why it cannot express it)."""
-    from timm.models.vision_transformer import Attention, Block, VisionTransformer
-
     if type(model) is not VisionTransformer:
         return 0, f"a {type(model).__name__} (not a plain timm VisionTransformer)"
     if model.cls_token is None or model.global_pool != "token" or getattr(model, "num_reg_tokens", 0):
@@ -245,7 +242,6 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
     hf.save_pretrained(str(directory))
     if typed is not None:
         inp = dict(typed.input)
-        from ..utils import write_json
 
         write_json(directory / "preprocessor_config.json", {
             "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": inp["img_size"][0],

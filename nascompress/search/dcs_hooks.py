@@ -20,14 +20,14 @@ from ..methods.dcs import arch_parameters, binary_entropy, make_record
 from ..run_files import Arch
 from ..train import TrainConfig
 from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
-from .dcs_prepare import SearchJob
+from .dcs_prepare import DCSJobView
 from .dcs_teacher import Indexed, StepTag, TeacherCache, interleave
 
 
 class DCSSearchHooks(TrainHooks):
     """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
 
-    def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: SearchJob,
+    def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSJobView,
                  base_arch: Arch, train_size: int, init_info: dict[str, Any] | None = None,
                  teacher: TeacherCache | None = None):
         self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense

@@ -19,28 +19,29 @@ import torch
 from torch import nn
 
 from .. import runtime
-from ..data import InputSpec, make_loader, preprocess
+from ..data import DataConfig, InputSpec, make_loader, preprocess
+from ..train import TrainConfig
 from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
 from ..auto_batch import auto_batch_size
 from .dcs_family import choose_family, dense_targets, probe_kl
 from .dcs_protect import protection
 
 
-class SearchJob(Protocol):
-    """What the measurements read of a search job (:class:`nascompress.search.dcs.DCSSearchJob`, whose
+class DCSJobView(Protocol):
+    """What the measurements read of a DCS search job (:class:`nascompress.search.dcs.DCSSearchJob`, whose
     search calls :func:`prepare_search`; declared here so that this module does not import its caller)."""
 
     source: str
     weights: str | None
     search: Any  # DCSSearchConfig
     method: DCSConfig
-    train: Any  # TrainConfig
-    data: Any  # DataConfig
+    train: TrainConfig
+    data: DataConfig
 
     def replace(self: Job, **changes: Any) -> Job: ...
 
 
-Job = TypeVar("Job", bound=SearchJob)
+Job = TypeVar("Job", bound=DCSJobView)
 
 INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
 INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 0.9x the weight order's
@@ -72,7 +73,7 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, f
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
 
 
-def _memo(job: SearchJob, seed: int, amp: str) -> dict[str, Any]:
+def _memo(job: DCSJobView, seed: int, amp: str) -> dict[str, Any]:
     """The process's memo of one base run's measurements (a fresh one for another run, images or precision)."""
     src = Path(job.source)
     weights = src / "model.safetensors" if src.is_dir() else Path(job.weights or src)

@@ -25,6 +25,7 @@ from torch import nn
 
 from ..layers import aligned_width
 from ..methods.dcs import BlockStats, DCSConfig, make_supernet
+from .dcs_family import dense_targets
 
 SENSITIVITY_DROP = 0.5  # share of one block's gates dropped to measure its sensitivity
 WEIGHT_CLIP = 4.0  # cost weights stay within [1/4, 4]
@@ -69,8 +70,6 @@ def block_sensitivity(dense: nn.Module, images: list[torch.Tensor], stats: list[
     Blocks before j are the dense model's, so their output is computed once per image (advanced one
     block per probe) and replayed: probing block j runs blocks j.. only (the same function, about 40%
     fewer block forwards on a 12-block model)."""
-    from .dcs_family import dense_targets
-
     targets = targets or dense_targets(dense, images)
     cfg = DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0, align=align, hidden_fill="mean")
     probe = make_supernet(copy.deepcopy(dense), cfg, fill=[s.hidden_mean for s in stats]).eval()

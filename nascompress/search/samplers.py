@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Mapping, Sequence
+import warnings
+
+import optuna
+from optuna.distributions import CategoricalDistribution
 
 from ..config import check_choice, check_field
 from ..errors import NascompressError
 from .space import Space
+from .grid import GridPointSampler
+from .qmc import qmc_sampler
 
 SAMPLERS = ("nsga2", "tpe", "gp", "qmc", "grid")
 
@@ -19,22 +25,14 @@ def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
     """The sampler of a trial, seeded by ``seed`` (the runner's per-trial seed): ``nsga2``, ``tpe``
     or ``gp``; ``qmc`` needs the study's seed and the space's distributions too, ``grid`` the
     space's points (:func:`sampler_factory` binds them)."""
-    import warnings
-
-    import optuna
-
     if kind == "qmc":
         if study_seed is None or distributions is None:
             raise NascompressError("the qmc sampler needs the study's seed and the space's distributions "
                                    "(build its factory with sampler_factory)")
-        from .qmc import qmc_sampler
-
         return qmc_sampler(distributions, study_seed=study_seed, seed=seed)
     if kind == "grid":
         if points is None:
             raise NascompressError("the grid sampler needs the space's points (build its factory with sampler_factory)")
-        from .grid import GridPointSampler
-
         return GridPointSampler(points, seed=seed)
     if kind not in SAMPLERS:
         raise NascompressError(f"unknown sampler {kind!r}; choose one of {', '.join(SAMPLERS)}")
@@ -54,8 +52,6 @@ def numeric_space(space: Space) -> str | None:
     why = space.conditional()
     if why is not None:
         return why
-    from optuna.distributions import CategoricalDistribution
-
     for name, d in space.distributions().items():
         if isinstance(d, CategoricalDistribution) and not d.single():
             return f"{name} is categorical ({len(d.choices)} choices)"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -89,3 +89,18 @@ def max_len(m: Method, p: Param) -> int:
 def is_active(p: Param, values: Mapping[str, Any]) -> bool:
     return all(name in values and values[name] in vals for name, vals in p.when)
 
+
+class SpaceView(Protocol):
+    """What the lattice (:func:`~nascompress.search.space_lattice.grid`) and replay
+    (:func:`~nascompress.search.space_replay.params_for`) read of a space: the
+    :class:`nascompress.search.space_model.Space` that calls them (declared here, below both, so
+    that neither imports its caller)."""
+
+    name: str
+    methods: list[Method]
+
+    def groups(self) -> dict[str, list[Method]]: ...
+
+    def param_names(self) -> list[str]: ...
+
+    def suggest(self, trial: Any) -> Any: ...

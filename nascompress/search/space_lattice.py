@@ -7,21 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import NascompressError
+from .space_entries import SpaceView
 
 
-class Space(Protocol):
-    """What the lattice reads of a space (:class:`nascompress.search.space_model.Space`, which calls
-    :func:`grid`; declared here so that this module does not import its caller)."""
-
-    def param_names(self) -> list[str]: ...
-
-    def suggest(self, trial: Any) -> Any: ...
-
-
-def grid(space: Space, n: int) -> list[dict[str, Any]]:
+def grid(space: SpaceView, n: int) -> list[dict[str, Any]]:
     """About ``n`` evenly spread configurations, as Optuna params (enqueue-ready).
 
     Every Optuna parameter the space can produce (:meth:`Space.param_names`) is one coordinate of

@@ -9,12 +9,20 @@ import hashlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
+import warnings
+
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
 from ..errors import NascompressError
 from . import space_lattice, space_replay
 from .space_entries import Method, Param, is_active, decode_layers, encode_layers, is_layer_const, max_len, plain_value
 from .space_parser import FORMAT, MethodFields, Parser, read_space_file
 from .space_values import registry_method_fields
+from .. import methods
+from ..models import is_pyramid
+from ..resources import resolve_file
+from .qmc import points
 
 if TYPE_CHECKING:
     from optuna.distributions import BaseDistribution
@@ -45,8 +53,6 @@ class Space:
                 (``range: [2, -2]``) is resolved against its depth, and every layer number is
                 checked against it (:meth:`check_model`). None: no model (such a range is refused).
         """
-        from ..models import is_pyramid
-
         pyramid = model is not None and is_pyramid(model)
         depth = None if model is None or pyramid else len(model.blocks)
         name, description, methods = Parser(source, method_fields, depth, pyramid).space(data)
@@ -108,9 +114,6 @@ class Space:
     def check_model(self, model: Any) -> None:
         """Every method of the space patches ``model``'s kind (a plain or a pyramid ViT), and
         :meth:`check_depth` for it: a plain ViT's block count, None for a pyramid ViT."""
-        from .. import methods
-        from ..models import is_pyramid
-
         kind = "pyramid" if is_pyramid(model) else "vit"
         self.check_depth(None if kind == "pyramid" else len(model.blocks))  # layer numbers: the more precise word
         words = {"vit": "a plain ViT (vit_*, deit_*)", "pyramid": "a pyramid ViT (PVT v2)"}
@@ -172,10 +175,6 @@ class Space:
 
     def records(self, params: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The method records that the Optuna ``params`` produce (a ``FixedTrial`` replay)."""
-        import warnings
-
-        import optuna
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return self.suggest(optuna.trial.FixedTrial(dict(params)))
@@ -202,8 +201,6 @@ class Space:
             n: the number of points (>= 1).
         """
         if isinstance(n, int) and n >= 1 and self.conditional() is None:
-            from .qmc import points
-
             return points(self.distributions(), n)
         return space_lattice.grid(self, n)
 
@@ -252,8 +249,6 @@ class Space:
         if why is not None:
             raise NascompressError(f"{self.source}: space {self.name!r} is conditional, so it has no fixed set "
                                    f"of Optuna distributions: {why}")
-        from optuna.distributions import CategoricalDistribution
-
         out: dict[str, BaseDistribution] = {}
         for m in self.methods:
             if m.group is not None and f"group.{m.group}" not in out:
@@ -283,8 +278,6 @@ def load_space(path: str | Path, *, model: Any = None,
         model: the model the space is for (see :meth:`Space.from_dict`): layer ranges counting from
             the last block (the shipped spaces' ``range: [2, -2]``) are resolved against its depth.
     """
-    from ..resources import resolve_file
-
     path = resolve_file(path, what="search space")
     return Space.from_dict(read_space_file(path), source=str(path), method_fields=method_fields, model=model)
 
@@ -320,8 +313,6 @@ def _suggest_method(m: Method, trial: Any) -> dict[str, Any]:
 
 def _distribution(p: Param) -> BaseDistribution:
     """The distribution :func:`_suggest_one` (or a layers entry) gives Optuna for ``p``."""
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
     if p.kind == "float":
         return FloatDistribution(p.low, p.high, step=p.step, log=p.log)
     if p.kind == "int":

@@ -67,6 +67,7 @@ from ..errors import NascompressError
 from ..yaml_io import read_yaml_file
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
 from .space_values import check_grid, check_values, layer_limit, registry_method_fields
+from nascompress.layers import DEFAULT_ALIGN
 
 FORMAT = "nascompress-space/1"
 KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
@@ -189,8 +190,6 @@ class Parser:
 
     def check_widths(self, method: str, params: list[Param]) -> None:
         """Width settings (:data:`WIDTH_PARAMS`) must only take multiples of the method's ``align``."""
-        from nascompress.layers import DEFAULT_ALIGN
-
         by = {p.name: p for p in params}
         a = by.get("align")
         aligns = [DEFAULT_ALIGN] if a is None else list(a.choices) if a.kind == "categorical" else \

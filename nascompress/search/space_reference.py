@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+import itertools
 
 from torch import nn
 
@@ -12,6 +13,7 @@ from ..errors import NascompressError
 from ..methods import get_method
 from ..profiling import count_flops
 from .space import Space
+from ..finetune import split_settings
 
 
 def reference_configs(space: Space, model: nn.Module) -> list[tuple[str, dict[str, Any]]]:
@@ -20,8 +22,6 @@ def reference_configs(space: Space, model: nn.Module) -> list[tuple[str, dict[st
 
     Uncompressed: every method that is always on at its ``off_config``, the optional ones left
     out. Paper: every method at its ``paper_config`` (one configuration per member of each group)."""
-    import itertools
-
     groups = space.groups()
     choices = [members for members in groups.values()]
     out: list[tuple[str, dict[str, Any]]] = []
@@ -75,8 +75,6 @@ def space_profile(ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n:
         model = copy.deepcopy(base)
         try:
             for r in recs:
-                from ..finetune import split_settings
-
                 config, recipe = split_settings(r["name"], r["config"])
                 model, _ = get_method(r["name"]).prepare_fresh(model, config, recipe or None)
         except NascompressError:

@@ -3,23 +3,13 @@ return given method records (stored records, the dense model's or a paper's conf
 value checked against the space."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import NascompressError
-from .space_entries import Method, Param, is_active, encode_layers, is_int, is_num
+from .space_entries import Method, Param, SpaceView, is_active, encode_layers, is_int, is_num
 
 
-class Space(Protocol):
-    """What replay reads of a space (:class:`nascompress.search.space_model.Space`, which calls
-    :func:`params_for`; declared here so that this module does not import its caller)."""
-
-    name: str
-    methods: list[Method]
-
-    def groups(self) -> dict[str, list[Method]]: ...
-
-
-def params_for(space: Space, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def params_for(space: SpaceView, records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The Optuna params that make ``space.suggest`` return ``records`` (for ``enqueue_trial``).
 
     Config keys the space does not declare are ignored; a value outside the space is an error.

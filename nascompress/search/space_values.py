@@ -16,6 +16,9 @@ from typing import Any
 
 from ..errors import NascompressError
 from .space_entries import Param
+from .. import methods
+from ..limits import limits
+from .dcs import DCSSearchConfig
 
 MAX_GRID_POINTS = 1_000_000
 
@@ -40,8 +43,6 @@ def check_grid(low: float, high: float, step: float | None, kind: str) -> str | 
 
 
 def layer_limit() -> int:
-    from ..limits import limits
-
     return limits().max_model_depth
 
 
@@ -63,16 +64,12 @@ def registry_value_error(method: str, pname: str, value: Any) -> str | None:
     ``pname = value`` on its own, or None. Only refusals that name ``pname`` count: another
     setting's default is not this entry's problem, so a refusal naming another setting too (e.g.
     ``r_pos + r_neg``, a combination) is left to the trial."""
-    from .. import methods
-
     try:
         entry = methods.get_method(method)
     except NascompressError:
         return None
     classes = [entry.config_cls, entry.recipe_cls]
     if method == "dcs":
-        from .dcs import DCSSearchConfig
-
         classes.append(DCSSearchConfig)
     for cls in classes:
         if cls is None or pname not in getattr(cls, "__dataclass_fields__", {}):
@@ -101,8 +98,6 @@ def registry_method_fields(name: str) -> set[str] | None:
     """The settings a space may give a registered method (None: no such method): its config and
     recipe fields; for ``dcs`` also the search's (``target_flops``, ...), since a ``dcs`` entry in
     a space runs a short DCS search in each trial (see :mod:`nascompress.search.trials`)."""
-    from nascompress import methods
-
     try:
         entry = methods.get_method(name)
     except NascompressError:
@@ -111,8 +106,6 @@ def registry_method_fields(name: str) -> set[str] | None:
     if entry.recipe_cls is not None:
         fields |= set(entry.recipe_cls.__dataclass_fields__)
     if name == "dcs":
-        from nascompress.search.dcs import DCSSearchConfig
-
         fields |= set(DCSSearchConfig.__dataclass_fields__)
     return fields
 

@@ -13,10 +13,12 @@ from torch import nn
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..io import load_typed
 from ..models import build_model
+from ..io import MODEL_FILE, file_sha256
 from ..profiling import count_flops, measure
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
 from .space import load_space
+from ..api import run_data_config
 
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 
@@ -77,8 +79,6 @@ class TrialContext:
 
 
 def run_data(run_dir: str) -> DataConfig:
-    from ..api import run_data_config
-
     return run_data_config(run_dir) or DataConfig()
 
 
@@ -90,8 +90,6 @@ def tensors_of(ds: Any, spec: InputSpec, batch_size: int) -> list[tuple[torch.Te
 def base_fingerprint(base: str | Path) -> str:
     """The sha256 of a base run's weights file (its arch is in the file's metadata): what binds a
     study to its base model, wherever the run is copied."""
-    from ..io import MODEL_FILE, file_sha256
-
     p = Path(base)
     return file_sha256(p / MODEL_FILE if p.is_dir() else p)
 

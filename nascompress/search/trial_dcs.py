@@ -13,6 +13,8 @@ from torch import nn
 from ..data import load_data
 from ..errors import NascompressError
 from .trial_context import TrialContext
+from ..methods.dcs import DCSConfig, materialize
+from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
 
 DCS_MEMO_SIZE = 12  # searched DCS models a worker keeps (a joint space's target has 11 values)
@@ -43,8 +45,6 @@ def dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[n
 
 
 def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
-    from ..methods.dcs import DCSConfig, materialize
-    from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
     if ctx.arch.methods:
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "

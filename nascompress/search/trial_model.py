@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from optuna.trial import TrialState
 
 from ..config import Config, check_settings, setting
 from ..limits import MAX_EPOCHS
@@ -19,7 +20,15 @@ from ..io import save_model
 from ..run_dir import RunDir
 from ..run_files import Arch
 from ..utils import refuse_overwriting_inputs
-from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP
+from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP, SearchJob, TrialContext, build_trial
+from ..api import run_data_config
+from ..data import load_data
+from ..finetune import finetune_train_config
+from ..methods import get_method
+from ..studies.inspect import load as load_study
+from ..studies.records import pareto_front, study_info, trial_record
+from ..train import fit
+from .trial_context import base_fingerprint
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
 
@@ -96,10 +105,6 @@ def knee(points: list[tuple[Any, float, float]]) -> Any:
 
 def pick_trial(study: Any, rule: str, value: float | None) -> Any:
     """The COMPLETE trial a pick rule selects; a rule no trial satisfies names the closest one."""
-    from optuna.trial import TrialState
-
-    from ..studies.records import pareto_front, trial_record
-
     done = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
     if not done:
         raise NascompressError(f"study {study.study_name!r} has no complete trial yet; run the search first")
@@ -131,13 +136,6 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     configuration, seed, predictor stage or fine-tune), check that it reproduces the trial's
     recorded accuracy, optionally fine-tune it, and save a run directory. Nothing is written
     before everything has been checked and built."""
-    from optuna.trial import TrialState
-
-    from ..studies.inspect import load as load_study
-    from ..studies.records import study_info, trial_record
-    from .trial_context import base_fingerprint
-    from .trials import SearchJob, TrialContext, build_trial
-
     out = Path(job.out)
     run = RunDir.prepare(out, force=force)
     spec, study = load_study(job.study, job.storage)
@@ -177,7 +175,6 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
                                f"{rec['accuracy']:.3f}%: it was made on another machine or torch build, where "
                                "training is not bit-identical; rerun the search here or fine-tune the result")
     arch = ctx.arch.with_method(*applied).without("retrain")
-    from ..api import run_data_config
 
     data = run_data_config(search.base) or ctx.data_cfg
     provenance = {"study": job.study, "storage": spec.display, "trial": trial.number, "params": dict(trial.params),
@@ -197,11 +194,6 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
 def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]], arch: Arch, out: Path,
                       epochs: int, seed: int, data_cfg: Any) -> dict[str, Any]:
     """Fine-tune the rebuilt model with its last method's recipe into ``out`` (the start kept if best)."""
-    from ..data import load_data
-    from ..finetune import finetune_train_config
-    from ..methods import get_method
-    from ..train import fit
-
     last = applied[-1]["name"]
     cfg = finetune_train_config(last, epochs=epochs, seed=seed, device=ctx.job.device)
     hooks = get_method(last).hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)

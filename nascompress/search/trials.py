@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+import optuna
 
 from ..config import Config, StageSettings, check_settings, setting
 from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MAX_WORKERS
@@ -51,6 +52,11 @@ from .space import load_space
 from .space_reference import reference_configs, space_profile
 from .trial_context import TrialContext, base_fingerprint, run_data
 from .trial_dcs import dcs_stage
+from .. import runtime
+from ..finetune import finetune_train_config, split_settings
+from ..progress import console
+from ..studies import record_trial, run_study
+from ..train import TrainConfig, fit
 
 SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
                      "throughput": ("throughput", "maximize")}
@@ -137,8 +143,6 @@ class SearchJob(Config):
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        from ..train import TrainConfig
-
         if isinstance(self.finetune_epochs, float) and self.finetune_epochs.is_integer():
             object.__setattr__(self, "finetune_epochs", int(self.finetune_epochs))  # a job recorded when it was a float
         check_settings(self)  # every setting() against its declaration
@@ -235,8 +239,6 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
             info["dcs"] = {"seed": search_seed, "reused": reused, "kept": getattr(model, "nc_dcs_kept", "dcs")}
             seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
-        from ..finetune import split_settings
-
         config, recipe = split_settings(name, settings)
         model, record = get_method(name).prepare_fresh(model, config, recipe or None)
         applied.append(record)
@@ -245,8 +247,6 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
         info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report, budget=budget)
         info["calib_steps"] = info["finetune"].pop("calib_steps")
     else:
-        from .. import runtime
-
         with runtime.configured(ctx.device, deterministic=ctx.job.deterministic), runtime.autocast(ctx.device,
                                                                                                     ctx.job.amp):
             logs, steps = calibrate_stack(model, applied, teacher=ctx.base, batches=ctx.calibration_batches(),
@@ -260,9 +260,6 @@ def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str,
                     report: Any, budget: int | None) -> dict[str, Any]:
     """A short fine-tune with the recipe of the last method of the stack (every other method's
     predictor-only stage first, ``budget`` steps each; ``calib_steps`` in the result: their steps)."""
-    from ..finetune import finetune_train_config
-    from ..train import fit
-
     _, steps = calibrate_stack(model, applied[:-1], teacher=ctx.base, batches=ctx.calibration_batches(),
                                budget=budget, cycle_to=ctx.job.calib_steps)
     steps[applied[-1]["name"]] = 0  # trained by the fine-tune itself
@@ -311,10 +308,6 @@ class Objective:
         self.ctx: TrialContext | None = None
 
     def __call__(self, trial: Any) -> Any:
-        import optuna
-
-        from ..studies import record_trial
-
         job = self.job
         if self.ctx is None:
             self.ctx = TrialContext(job)
@@ -328,8 +321,6 @@ class Objective:
                 trial.report(value, epoch)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned after epoch {epoch} at {value:.2f}%")
-        from .. import runtime
-
         with runtime.configured(ctx.device, deterministic=job.deterministic):
             model, applied, info = build_trial(ctx, records, seed=seed, report=report, dcs_seed=job.seed)
             acc = ctx.accuracy(model)
@@ -369,9 +360,6 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
 
     Everything is checked (space file, base run, storage) before the study is created.
     """
-    from .. import runtime
-    from ..studies import run_study
-
     runtime.prepare_deterministic(job.deterministic)
     base_path = Path(job.base)
     if not base_path.exists():
@@ -388,8 +376,6 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
         raise GoalUnreachable(f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
                                f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
     if progress and profile:
-        from ..progress import console
-
         console.print(f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
                       f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
                       f"{profile['params_max']:,} over {profile['configurations']} spread configurations"

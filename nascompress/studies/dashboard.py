@@ -34,6 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+import ipaddress
+import socket
+
+import optuna
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError, SettingError
@@ -41,6 +45,8 @@ from nascompress.utils import read_json
 
 from ._procs import host, pid_alive, pid_start
 from .storage import StorageSpec, find_study, open_storage
+from .inspect import directions, metric_names
+from .report import front_figures
 
 SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
 WRITABLE_FLAG = "--writable"
@@ -49,9 +55,6 @@ _READ_METHODS = ("GET", "HEAD", "OPTIONS")
 
 def is_loopback(host: str) -> bool:
     """Is ``host`` an address (or name) of this machine's loopback interface only?"""
-    import ipaddress
-    import socket
-
     if host.strip().lower() == "localhost":
         return True
     try:
@@ -232,11 +235,7 @@ def _add_fronts(storage: Any, name: str) -> None:
     one legend, never coloured by trial number) to the study of the dashboard's snapshot, where
     optuna-dashboard shows them beside its own plots (its built-in Pareto front colours by trial
     number). Only a snapshot is written, never the study's storage."""
-    import optuna
-    from optuna_dashboard import save_plotly_graph_object
-
-    from .inspect import directions, metric_names
-    from .report import front_figures
+    from optuna_dashboard import save_plotly_graph_object  # ~2 s at start-up; `study dashboard` only
 
     study = optuna.load_study(study_name=name, storage=storage)
     trials = study.get_trials(deepcopy=False)
@@ -261,7 +260,7 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
     Returns:
         A :class:`DashboardHandle` (``.url``, ``.stop()``).
     """
-    import optuna_dashboard
+    import optuna_dashboard  # ~2 s at start-up; `study dashboard` only
 
     if not expose and not is_loopback(host):
         can = "read, change and delete" if writable else "read"

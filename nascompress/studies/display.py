@@ -8,8 +8,12 @@ import time
 from typing import Any, Sequence
 
 from optuna.trial import FrozenTrial, TrialState
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
 
 from .records import ERROR_KEY, FAIL_REASON_KEY, SURPLUS_KEY, pareto_front, trial_record
+from nascompress.progress import console
 
 FLOPS_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -56,10 +60,6 @@ class Display:
 
     def __enter__(self) -> Display:
         if self.rich:
-            from rich.live import Live
-
-            from nascompress.progress import console
-
             self.live = Live(get_renderable=self._render, console=console, refresh_per_second=2, transient=False)
             self.live.start()
         return self
@@ -107,8 +107,6 @@ class Display:
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
         elif self.rich:
-            from nascompress.progress import console
-
             if t.state == TrialState.COMPLETE and t.values:
                 vals = "  ".join(f"{n} {v:.4g}" for n, v in zip(self.metric_names, t.values))
                 d = _duration(t)
@@ -120,9 +118,6 @@ class Display:
                               highlight=False, style="yellow" if t.state == TrialState.FAIL else None)
 
     def _render(self) -> Any:
-        from rich.table import Table
-        from rich.text import Text
-
         s = self.state or {"counts": {}, "front": [], "buckets": {}, "mean_s": None}
         c = s["counts"]
         g = Table.grid(padding=(0, 2))

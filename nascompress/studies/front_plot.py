@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from optuna.trial import FrozenTrial, TrialState
+import plotly.graph_objects as go
 
 from .records import feasible
 
@@ -46,8 +47,6 @@ def front_figure(trials: Sequence[FrozenTrial], *, x: Callable[[FrozenTrial], An
                  marks: FrontMarks | None = None, axis: str | None = None) -> Any | None:
     """A 2-D front: ``x``/``y`` read a trial's two values (``minimize``: each axis's direction);
     ``axis``: the record key of the x axis, to look up ``marks``. None when no trial has both."""
-    import plotly.graph_objects as go
-
     pts = []
     for t in trials:
         if t.state != TrialState.COMPLETE:

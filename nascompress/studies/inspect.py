@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+from rich.table import Table
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError, SettingError
-from nascompress.utils import refuse_overwriting_inputs
+from nascompress.utils import atomic_path, refuse_overwriting_inputs
 
 from .records import (
     ERROR_KEY,
@@ -210,8 +211,6 @@ def show_columns(result: dict[str, Any]) -> list[str]:
 
 def render_show(result: dict[str, Any]) -> Table:
     """:func:`show_study`'s result as a rich table."""
-    from rich.table import Table
-
     names = result["metric_names"]
     title = (f"{result['study']}: Pareto front, {len(result['trials'])} trials" if result["kind"] == "pareto"
              else f"{result['study']}: best {len(result['trials'])} trials")
@@ -296,8 +295,6 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
                           indent=2) + "\n"
     else:
         text = _csv(trials, names)
-    from nascompress.utils import atomic_path
-
     with atomic_path(out) as tmp:
         tmp.write_text(text)
     return out

@@ -20,12 +20,14 @@ from typing import Any, Callable, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+import plotly.graph_objects as go
 
 from .inspect import (check_out, count_summary, directions, format_value, load, metric_names, show_columns, trial_row,
                       varying_columns)
 from ..utils import refuse_overwriting_inputs
 from .front_plot import COLOURS, FrontMarks, front_figure
 from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
+from nascompress.utils import atomic_path
 
 REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}
@@ -49,8 +51,6 @@ def write_report(name: str, *, out: str | Path, storage: str | None = None, forc
     spec, study = load(name, storage)
     refuse_overwriting_inputs(out, (spec.path,))  # the study's own file (even with --force)
     text = build_report(study, storage_display=spec.display)
-    from nascompress.utils import atomic_path
-
     with atomic_path(out) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return out
@@ -92,8 +92,6 @@ def _objective_front(trials: Sequence[FrozenTrial], names: list[str], dirs: list
                             y=lambda t: t.values[j] if t.values else None, x_label=names[i], y_label=names[j],
                             minimize=(dirs[i] == "minimize", dirs[j] == "minimize"), axis=names[i], marks=marks,
                             title="Pareto front (objectives)")
-    import plotly.graph_objects as go
-
     front = {t.number for t in pareto_front(trials, dirs)}
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.values and len(t.values) == 3]
     fig = go.Figure()

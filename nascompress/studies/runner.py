@@ -81,6 +81,7 @@ import optuna
 from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
+import torch
 
 from nascompress.limits import check_limited
 from nascompress.errors import (NascompressError, SettingError, WriteError, literal, storage_problem, write_error,
@@ -277,8 +278,6 @@ def _worker_main(args: WorkerArgs, results: Any) -> None:
     msg: dict[str, Any] = {"worker": args.index}
     code = 0
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
     try:
         with _quiet_optuna():
@@ -405,8 +404,6 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 # the workers share this machine's cores: N workers with torch's default thread count
                 # each oversubscribe them (measured: 2 workers on 2 cores ran half as many trials a
                 # minute as one)
-                import torch
-
                 threads = max(1, torch.get_num_threads() // workers)
                 args = [WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
                         for k in range(workers)]

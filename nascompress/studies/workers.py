@@ -7,6 +7,7 @@ import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+import multiprocessing as mp
 
 import optuna
 from optuna.samplers import BaseSampler
@@ -43,8 +44,6 @@ def run_workers(args: list[WorkerArgs], study: optuna.Study, display: Display, *
                  target: Callable[[WorkerArgs, Any], None]) -> list[dict[str, Any]]:
     """Run a spawned process ``target(args[k], results)`` per worker, refreshing ``display`` until all
     have ended; returns each worker's message (put on ``results``), by worker."""
-    import multiprocessing as mp
-
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(a, results), name=f"nascompress-worker-{a.index}")
