@@ -59,13 +59,14 @@ def time_section(data: dict[str, Any]) -> list[str]:
                 out.append(f"| {seed} | {f['train_limit']} x {f['epochs']} | {f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
                            f"{b['best_val_top1']:.2f} / {b['test_top1']:.2f} |")
         out.append("")
-    kept = d.get("changes")
+    kept = [compile_change(c, data.get("compile_step.json")) for c in d.get("changes") or []]
     if kept:
         out += ["Changes to the tool's hot path, each measured alone (interleaved, medians):", ""]
         out += [f"- {c['change']}: {c['ratio']} ({'kept' if c['kept'] else 'not kept'}). {c.get('note', '')}".rstrip()
                 for c in kept]
         out.append("")
-    goals = [mainjob_goal(g, data.get("pipeline_fashion_mnist.json")) for g in d.get("goals") or []]
+    goals = [search_goal(mainjob_goal(g, data.get("pipeline_fashion_mnist.json")),
+                         data.get("dcs_search_time_folder.json")) for g in d.get("goals") or []]
     if goals:
         out += [f"- Goal: {g['goal']}: {g['status']}. {g.get('figures', '')}".rstrip() for g in goals]
     while out and out[-1] == "":
@@ -88,3 +89,39 @@ def mainjob_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, 
                         f"{run['final']['test_top1']:.2f}% at {run['comparison']['flops_ratio']:.3f}x "
                         f"(bench/results/pipeline_fashion_mnist.json). Where the CPU has no native bfloat16 the "
                         f"run trains in fp32: {goal.get('figures', '')}")
+
+
+def compile_change(change: dict[str, Any], run: dict[str, Any] | None) -> dict[str, Any]:
+    """The torch.compile line from ``bench/compile_step.py``'s run where it has one."""
+    if not change["change"].startswith("torch.compile") or not run:
+        return change
+    up, comp = run["compiled_speedup"], run["compile_s"]
+    load = f"1-minute load average {run['load_at_start']:g} at the start" if run["load_at_start"] >= 0.5 else "quiet"
+    return dict(change, change="torch.compile of the forward + loss (inductor), the main job's base step",
+                ratio=f"fp32 {up['fp32']:.2f}x, bf16 {up['bf16']:.2f}x per step ({run['threads']} thread, {load}); "
+                      f"compiling takes {comp['fp32']:.0f} s (fp32) / {comp['bf16']:.0f} s (bf16)",
+                kept=False, note="the compile costs more than it saves on the main job's base (bf16 a few minutes "
+                                 "in all); bench/results/compile_step.json")
+
+
+def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, Any]:
+    """The DINOv2 search-time goal judged on ``bench/dcs_search_time.py --folder``'s runs where there are some."""
+    if not goal["goal"].startswith("search dcs of the DINOv2") or not run or not run.get("runs"):
+        return goal
+    rows = run["runs"]
+    best = min(rows, key=lambda r: r["wall_s"])
+    met = best["wall_s"] <= best["goal_s"]
+    parts = "; ".join(f"--amp {r['amp']} ({r.get('precision') or '?'}): {r['wall_s']:.0f} s, probes "
+                      f"{_probe_s(r):.0f} s, epochs {', '.join(f'{t:.0f}' for t in r['epoch_time_s'])} s, landed "
+                      f"{r['flops_ratio']:.3f}x, validation {r['val_top1']:.1f}% (dense {r['dense_val_top1']:.1f}%), "
+                      f"kept {r.get('kept')}" for r in rows)
+    load = run["machine"].get("load_average_at_start", 0)
+    return dict(goal, status=f"{'met' if met else 'not met'} with --amp {best['amp']}: {best['wall_s']:.0f} s against "
+                             f"{best['goal_s']:.0f} s",
+                figures=f"4 epochs on 2,000 ImageFolder PNGs (bench/results/dcs_search_time_folder.json, "
+                        f"{run['machine'].get('cpu_threads')} threads, 1-minute load average {load:.1f} at the start): "
+                        f"{parts}")
+
+
+def _probe_s(r: dict[str, Any]) -> float:
+    return next((v for k, v in r["phases_s"].items() if k.startswith("DCS: measuring")), float("nan"))
