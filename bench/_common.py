@@ -132,7 +132,7 @@ def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data
     import torch
 
     import nascompress
-    from nascompress.io import save_model
+    from nascompress.runs.io import save_model
     from nascompress.methods import get_method
     from nascompress.methods.uniform import UniformConfig, keep_for_flops
     from nascompress.utils import create_out_dir, prepare_out_dir, write_json

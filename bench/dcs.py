@@ -56,14 +56,14 @@ import nascompress  # noqa: E402  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
 from nascompress.hooks import TrainHooks  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
-from nascompress.search import search_dcs  # noqa: E402
-from nascompress.search.dcs import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob,  # noqa: E402
-                                    search_train_config)
-from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
+from nascompress.dcs_search import search_dcs  # noqa: E402
+from nascompress.dcs_search.search import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob,  # noqa: E402
+                                           search_train_config)
+from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, fit  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 

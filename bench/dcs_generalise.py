@@ -34,7 +34,7 @@ from typing import Any
 from _common import header  # noqa: E402  (puts the repository on sys.path)
 import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
 from nascompress.data import DataConfig  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.models import custom_vit_spec  # noqa: E402
 from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
@@ -122,7 +122,7 @@ class Cell(pretrained.Bench):
 
         from _common import hidden_keep_model, torch_pruning_keep
         from nascompress.api import evaluate_run
-        from nascompress.io import save_model
+        from nascompress.runs.io import save_model
         from nascompress.profiling import count_flops
         from nascompress.utils import create_out_dir, prepare_out_dir, write_json
 

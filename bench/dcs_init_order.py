@@ -10,7 +10,7 @@ channels (``methods.dcs.slice_mlp``, the materialized DCS block), ranked by
 
 and is evaluated on ``--eval-images`` validation images (a seeded shuffle of the run's validation
 split). Also written: the KLs that ``search dcs --init-importance auto`` compares (on the same
-calibration draw as the search, ``search.dcs.calibration_images``) and the order it picks.
+calibration draw as the search, ``dcs_search.search.calibration_images``) and the order it picks.
 
     python bench/dcs_init_order.py --run runs/pretrained/dense --out bench/results/dcs_init_order_dinov2.json
     python bench/dcs_init_order.py --run runs/base --out bench/results/dcs_init_order_fmnist.json
@@ -29,9 +29,9 @@ import torch  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import run_data_config  # noqa: E402
 from nascompress.data import InputSpec, load_data, make_loader, preprocess  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import activation_importance, channel_importance, slice_mlp  # noqa: E402
-from nascompress.search.dcs import calibration_images, init_importance  # noqa: E402
+from nascompress.dcs_search.search import calibration_images, init_importance  # noqa: E402
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ import nascompress  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.export import ExportConfig, export_run  # noqa: E402
 from nascompress.export.verify import onnx_runner, program_runner  # noqa: E402
-from nascompress.io import load_arch, load_with_arch, make_arch, save_model  # noqa: E402
+from nascompress.runs.io import load_arch, load_with_arch, make_arch, save_model  # noqa: E402
 from nascompress.layers import aligned_width  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, activation_importance, channel_importance, materialize  # noqa: E402

@@ -310,7 +310,7 @@ def judge_refusal(c: Case, r: Ran, must: str = "", *, one_line: bool = False) ->
 def finished_outputs(root: Path, before: set[str]) -> list[str]:
     """Files and run directories under ``root`` that are new since ``before`` and that a reader
     accepts as finished (a run whose mark says complete, a plain model directory, any other file)."""
-    from nascompress.io import run_state
+    from nascompress.runs.io import run_state
 
     found = []
     for p in sorted(root.rglob("*")):

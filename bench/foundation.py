@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.models import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, flop_counter_macs, profile_models  # noqa: E402
 from nascompress.profiling.flops import thop_macs  # noqa: E402

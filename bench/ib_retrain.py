@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
-from nascompress.io import load_arch, load_with_arch  # noqa: E402
+from nascompress.runs.io import load_arch, load_with_arch  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.retrain import IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain  # noqa: E402
 from nascompress.train import TrainConfig  # noqa: E402

@@ -9,7 +9,7 @@ model's FLOPs ratio (or ``--target``), retrains it with that same job, and score
 - ``torch-pruning``: Torch-Pruning 1.6.1 (``pip install torch-pruning==1.6.1``), ``MetaPruner`` with its
   group L2 magnitude importance, global pruning of the MLP hidden neurons, ``round_to`` 8, its pruning
   ratio bisected to the FLOPs target (:func:`_common.torch_pruning_keep`);
-- ``magnitude``: the library's in-search baseline (:func:`nascompress.search.dcs_baseline.magnitude_supernet`:
+- ``magnitude``: the library's in-search baseline (:func:`nascompress.dcs_search.baseline.magnitude_supernet`:
   the same rule, mean-normalized per block, with the bias correction of the closed neurons).
 
     python bench/mainjob_peers.py --pipeline runs/demo --out bench/results/mainjob_peers.json
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from _common import header, hidden_keep_model, save, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
-from nascompress.io import load_with_arch, save_model  # noqa: E402
+from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.retrain import RetrainJob, retrain  # noqa: E402
 from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
@@ -42,7 +42,7 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
     import torch
 
     from nascompress.methods.dcs import materialize
-    from nascompress.search.dcs_baseline import magnitude_supernet
+    from nascompress.dcs_search.baseline import magnitude_supernet
 
     dense, arch = load_with_arch(base)
     dense.eval()

@@ -50,7 +50,7 @@ from nascompress.api import epsilon_sweep, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load, load_with_arch  # noqa: E402
+from nascompress.runs.io import load, load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.models import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402

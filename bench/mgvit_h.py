@@ -42,7 +42,7 @@ import nascompress  # noqa: E402,F401
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.mgvit import sweep_model  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402

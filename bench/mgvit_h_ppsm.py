@@ -29,7 +29,7 @@ import nascompress  # noqa: E402,F401
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from mgvit_h import dense_base  # noqa: E402  (the same dense base)

@@ -44,13 +44,13 @@ import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.api import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch, save_model  # noqa: E402
+from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
 from nascompress.methods.dcs import DCSConfig  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
-from nascompress.search import search_dcs  # noqa: E402
-from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
-from nascompress.search.materialize import MaterializeJob, materialize_search  # noqa: E402
+from nascompress.dcs_search import search_dcs  # noqa: E402
+from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
+from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 from nascompress.utils import read_json, write_json  # noqa: E402
 
@@ -205,8 +205,8 @@ class Bench:
             return
         from nascompress.data import InputSpec, load_data
         from nascompress.methods.dcs import activation_stats
-        from nascompress.search.dcs import calibration_images
-        from nascompress.search.dcs_family import choose_family
+        from nascompress.dcs_search.search import calibration_images
+        from nascompress.dcs_search.family import choose_family
 
         dense, arch = load_with_arch(self.dense)
         spec = InputSpec.from_dict(arch["input"])

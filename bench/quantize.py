@@ -46,7 +46,7 @@ from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noq
 from nascompress.export import ExportConfig, export_run  # noqa: E402
 from nascompress.export.quantize import QuantizeConfig, quantize_run  # noqa: E402
 from nascompress.export.verify import onnx_runner  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.profiling import time_models, time_models_by_threads  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 

@@ -101,7 +101,7 @@ def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str
     job = SearchJob(base=base, space=space_path, study=f"{sampler}-{seed}", storage=storage, trials=a.trials,
                     sampler=sampler, eval_images=a.eval_images, train_images=a.train_images,
                     calib_steps=a.calib_steps, batch_size=a.batch_size, seed=a.job_seed)
-    from nascompress.io import load
+    from nascompress.runs.io import load
 
     enqueue = [p for _, p in reference_configs(space, load(base))]
     job_dict = job.to_dict()

@@ -42,7 +42,7 @@ from nascompress.api import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
-from nascompress.io import load_with_arch  # noqa: E402
+from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import block_sparse, get_method  # noqa: E402
 from nascompress.methods.sparsifiner import SparsifinerRecipe, region_init, sparse_modules  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402

@@ -28,8 +28,8 @@ __all__ = ["load", "load_with_arch", "save_model", "NascompressError", "__versio
            "materialize", "retrain", "quantize", "from_transformers", "to_transformers", "study", "dcs", "tokens", "export"]
 
 # name -> (module, attribute; None: the module itself), imported on first use
-_LAZY = {"load": ("nascompress.io", "load"), "load_with_arch": ("nascompress.io", "load_with_arch"),
-         "save_model": ("nascompress.io", "save_model"),
+_LAZY = {"load": ("nascompress.runs.io", "load"), "load_with_arch": ("nascompress.runs.io", "load_with_arch"),
+         "save_model": ("nascompress.runs.io", "save_model"),
          "compress": ("nascompress.pyapi.compress", "compress"), "Compressed": ("nascompress.pyapi.compress", "Compressed"),
          "materialize": ("nascompress.pyapi.stages", "materialize"), "retrain": ("nascompress.retrain", None),
          "quantize": ("nascompress.pyapi.stages", "quantize"),

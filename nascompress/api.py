@@ -8,10 +8,10 @@ from torch import nn
 
 from . import runtime
 from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, check_classes as check_class_names, folder_classes, load_data, make_loader, preprocess
-from .data_memory import is_memory, memory_splits
+from .data.memory import is_memory, memory_splits
 from .errors import SettingError
 from .evaluate import evaluate
-from .io import load_typed, load_with_arch
+from .runs.io import load_typed, load_with_arch
 from .models import ModelSpec, build_model, input_size
 from .profiling import profile_models
 from .train import check_classes

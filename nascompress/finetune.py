@@ -27,11 +27,11 @@ from .config import Config, StageSettings, check_bool, setting
 from .data import DataConfig, dataset_paths, InputSpec, load_data, make_loader, preprocess, training_batches
 from .errors import NascompressError
 from .evaluate import evaluate
-from .io import load_typed, load_with_arch, save_model
+from .runs.io import load_typed, load_with_arch, save_model
 from .methods import get_method
 from .models import build_model
 from .train import TrainConfig, check_classes, fit, recipe_config
-from .run_dir import RunDir
+from .runs.run_dir import RunDir
 from .utils import seed_everything
 from .profiling import count_flops
 from .search.trial_context import FLOPS_IMAGES

@@ -29,11 +29,11 @@ from .config import check_settings, setting, shared
 from .data import DataConfig, InputOverrides, load_data
 from .errors import NascompressError, SettingError
 from .evaluate import evaluate
-from .io import file_sha256, make_arch, save_model
+from .runs.io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
 from .models import ModelSpec, build_model, checkpoint_filter, is_pyramid, mismatch_report, read_weights_file, state_mismatches
-from .run_dir import RunDir
-from .run_files import Arch
+from .runs.run_dir import RunDir
+from .runs.files import Arch
 from .utils import resolve_device
 from .train import TrainConfig, input_spec_for
 

@@ -1,5 +1,5 @@
 """The pipeline's own JSON files and a run's ``config.json``, typed and read and written here only
-(the style of :mod:`nascompress.run_files`: typed fields, the rest in ``extra``, the file's key order
+(the style of :mod:`nascompress.runs.files`: typed fields, the rest in ``extra``, the file's key order
 kept, so a file read and written again is the same bytes).
 
 - ``OUT/done/<step>.json``, a step's completion marker (:mod:`nascompress.pipeline.run`):
@@ -8,7 +8,7 @@ kept, so a file read and written again is the same bytes).
   :class:`Pick`; :func:`find_pick` / :func:`write_pick`.
 - ``OUT/summary.json``, the pipeline's summary (:mod:`nascompress.pipeline.report`): :class:`Summary`;
   :func:`read_summary` / :func:`write_summary_json`.
-- a run's ``config.json``, the job its command recorded (:class:`nascompress.run_dir.RunDir`):
+- a run's ``config.json``, the job its command recorded (:class:`nascompress.runs.run_dir.RunDir`):
   :class:`RunConfig`; :func:`find_run_config` / :func:`write_run_config`.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from .run_files import Record, check_map, check_number, check_str, optional
+from .runs.files import Record, check_map, check_number, check_str, optional
 from .utils import read_json, write_json
 
 DONE_DIR = "done"

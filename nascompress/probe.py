@@ -27,7 +27,7 @@ from torch.utils.data import Dataset
 from .data import DataBundle, InputSpec, make_loader, preprocess
 from .errors import SettingError
 from .evaluate import evaluate
-from .io import save_model
+from .runs.io import save_model
 from .progress import make_progress
 from .utils import resolve_device, seed_everything
 

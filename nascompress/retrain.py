@@ -1,6 +1,6 @@
 """``nascompress retrain``: retrain a compressed model with CE + eta * IBB (DCS paper, Algorithm 1).
 
-The model is loaded with :func:`nascompress.io.load_with_arch` and keeps its architecture, so
+The model is loaded with :func:`nascompress.runs.io.load_with_arch` and keeps its architecture, so
 any compressed nascompress model can be retrained (a materialized DCS model, a token method's
 fine-tuned model, or a stack of them). Training runs through the shared :func:`train.fit` loop
 (checkpoint every epoch, ``--resume``); the IB machinery plugs in as :class:`IBHooks`:
@@ -48,11 +48,11 @@ from .data import DataBundle, DataConfig, dataset_paths, InputSpec, load_data
 from .distill import FeatureTap, feature_kd_loss, feature_width, kd_loss
 from .errors import NascompressError, SettingError
 from .ib_hooks import IB_KEYS, IBHooks, make_input_embed
-from .io import load_typed, read_arch
+from .runs.io import load_typed, read_arch
 from .retrain_config import RetrainConfig
 from .train import TrainConfig, fit, recipe_config
-from .run_dir import RunDir
-from .run_files import Arch
+from .runs.run_dir import RunDir
+from .runs.files import Arch
 
 # Retraining a compressed (pretrained) model: a fine-tune's defaults (base lr per 512 images).
 RETRAIN_TRAIN = TrainConfig(epochs=10, batch_size=128, lr=None, base_lr=5e-4, min_lr=1e-6, warmup_epochs=0.2)

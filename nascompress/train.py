@@ -4,7 +4,7 @@ stages' recipes (:func:`recipe_config`, :func:`train_recipe`).
 
 The one training engine is :func:`nascompress.train_loop.fit` (AdamW, warm-up + cosine, EMA, exact
 resume, never worse than the start, data-parallel under torchrun), which keeps its files through
-:class:`nascompress.train_store.RunStore`; both are importable from here too.
+:class:`nascompress.runs.store.RunStore`; both are importable from here too.
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ from .config import StageSettings, setting
 from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSpec, default_norm, load_data
 from .errors import SettingError, words
 from .hooks import TrainHooks
-from .io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
+from .runs.io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
 from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
 from .train_config import LR_REF_BATCH, TrainConfig
 from .train_loop import Ema, LossWatch, fit, lr_at
-from .train_store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
-from .run_dir import RunDir
-from .run_files import write_arch_json
+from .runs.store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
+from .runs.run_dir import RunDir
+from .runs.files import write_arch_json
 from .utils import seed_everything
 from .probe import fit_linear_probe
 from .progress import say
@@ -183,7 +183,7 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
     Under torchrun every process runs this; rank 0 alone writes the run directory. ``explicit``: the
     options given on the command line, each of which must agree with the recorded job on resume
-    (:meth:`~nascompress.run_dir.RunDir.recorded`).
+    (:meth:`~nascompress.runs.run_dir.RunDir.recorded`).
     """
     out = Path(job.out)
     if resume:

@@ -29,10 +29,10 @@ from .data import DataBundle, InputSpec, Subset, make_loader, preprocess
 from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
-from .io import continue_advice, finish_run, load_state
+from .runs.io import continue_advice, finish_run, load_state
 from .progress import make_progress, say
 from .train_config import TrainConfig
-from .train_store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
+from .runs.store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from .utils import seed_everything
 
 
@@ -92,7 +92,7 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     last with ``cfg.keep="last"``), ``last.safetensors``, ``arch.json``, ``checkpoint.safetensors``
     (for resume), ``log.jsonl`` (epoch 0 = the start, then one line per epoch) and, last, with
     ``finish``, ``metrics.json`` (validation and test top-1 of the saved model, and of the start):
-    the run's completion mark (:func:`~nascompress.io.finish_run`; a caller that adds its own
+    the run's completion mark (:func:`~nascompress.runs.io.finish_run`; a caller that adds its own
     metrics passes ``finish=False`` and marks the run itself). ``test=False``: the saved model is not
     scored on the test split (a caller that scores another model in the end: the DCS search's kept
     one). Returns the metrics.

@@ -98,7 +98,7 @@ def test_the_input_section_of_arch_json_is_checked(tmp_path, key, value, words):
 
 
 def test_a_dynamic_size_model_takes_multiples_of_its_patch_within_the_token_limit():
-    from nascompress.data_input import check_input_section
+    from nascompress.data.input import check_input_section
 
     model = {"img_size": (16, 16), "patch_size": (4, 4), "in_chans": 1, "prefix": 1, "dynamic": True}
     inp = {"img_size": [24, 32], "in_chans": 1, "mean": [0.5], "std": [0.5]}
@@ -181,7 +181,7 @@ def test_deep_or_huge_files_are_one_line(tmp_path, monkeypatch):
 def test_a_deep_config_json_or_checkpoint_metadata_is_one_line(tmp_path):
     from safetensors.torch import save_file
 
-    from nascompress.io import load_state
+    from nascompress.runs.io import load_state
 
     run = tmp_path / "run"
     run.mkdir()
@@ -612,7 +612,7 @@ def test_a_study_export_or_report_never_replaces_the_study_file(tmp_path):
 
 
 def test_an_allocation_failure_is_one_line(tiny_run, monkeypatch):
-    import nascompress.io as nio
+    import nascompress.runs.io as nio
 
     def fail(*a, **k):
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "

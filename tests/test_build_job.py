@@ -20,7 +20,7 @@ FRONT_ENDS = [*sorted((PKG / "cli").glob("*.py")), *sorted((PKG / "pipeline").gl
 # jobs that are settings dataclasses of a stage without a *Job class, and their builder's name
 OTHER_JOBS = {"ExportConfig": ("nascompress.export.config", "build_config")}
 # a job whose builder lives beside the stage's run, not beside the class
-BUILDER_MODULES = {"DCSSearchJob": "nascompress.search.dcs_run"}
+BUILDER_MODULES = {"DCSSearchJob": "nascompress.dcs_search.run"}
 # "path:ClassName" -> why it is still built there (none: every front end calls the builder)
 ALLOWED: dict[str, str] = {}
 
@@ -38,7 +38,7 @@ def job_classes() -> dict[str, tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef) and node.name.endswith("Job"):
                 if any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases):
-                    continue  # a type (search.dcs_prepare.SearchJob: what a DCS search reads), not a job
+                    continue  # a type (dcs_search.prepare.SearchJob: what a DCS search reads), not a job
                 assert node.name not in found, f"two job classes named {node.name}"
                 found[node.name] = (BUILDER_MODULES.get(node.name, _module_name(path)), "build_job")
     return found

@@ -23,7 +23,7 @@ from nascompress.pipeline import (BaseTrainSection, DataSection, DCSStage, Expor
 from nascompress.profiling.config import ProfileConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.retrain import RetrainConfig, RetrainJob
-from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob
+from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob
 from nascompress.search.trials import STUDY_SETTINGS, SearchJob
 from nascompress.train import TrainConfig, TrainJob
 

@@ -161,7 +161,7 @@ def test_input_spec_for_follows_weights_pretrained_config(tmp_path):
     from safetensors.torch import save_file
 
     from nascompress.data import FMNIST_MEAN, IMAGENET_MEAN
-    from nascompress.io import make_arch
+    from nascompress.runs.io import make_arch
     from nascompress.models import ModelSpec, build_model
     from nascompress.train import input_spec_for
 

@@ -10,12 +10,12 @@ from typer.testing import CliRunner
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.methods.dcs import (DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, materialize,
                                      selection)
 from nascompress.models import ModelSpec, build_model
 from nascompress.profiling import count_flops
-from nascompress.search.dcs import CostModel
+from nascompress.dcs_search.search import CostModel
 
 from .conftest import tiny_spec_3_heads
 
@@ -275,7 +275,7 @@ def test_soft_cost_tracks_the_hard_cost_as_masks_harden():
 
 def test_a_static_theta_closes_under_the_cost():
     """The cost alone (lambda log cost) closes Q/K channels: theta is pushed below the threshold."""
-    from nascompress.search.dcs import CostModel
+    from nascompress.dcs_search.search import CostModel
 
     sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates=False, theta_init=0.5))
     cost = CostModel.build(build_model(tiny_spec_3_heads()).eval(), sup, torch.zeros(1, 1, 16, 16))
@@ -335,7 +335,7 @@ def test_materialize_cli_and_load(searched, tmp_path):
 
 
 def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
-    import nascompress.search.dcs_hooks as sd  # the search's hooks record the selection after every epoch
+    import nascompress.dcs_search.hooks as sd  # the search's hooks record the selection after every epoch
 
     full = tmp_path / "full"
     assert run_cli(*search_args(tiny_run, full)).exit_code == 0
@@ -388,7 +388,7 @@ def test_materialize_refuses_unfinished_search(tiny_run, tmp_path):
 def _edited(run, arch) -> None:
     """Write an edited arch.json into a finished run: first refused as a run whose files changed
     since; then vouched for again (as if the run had written it) for the checks behind."""
-    from nascompress.io import METRICS_FILE, file_sha256
+    from nascompress.runs.io import METRICS_FILE, file_sha256
 
     (run / "arch.json").write_text(json.dumps(arch))
     with pytest.raises(nascompress.NascompressError, match="arch.json is not the file the run finished with"):
@@ -451,7 +451,7 @@ def test_search_from_timm_name_with_local_weights(tmp_path):
 
 
 def test_lambda_steer_is_a_signed_pi_controller():
-    from nascompress.search.dcs import LambdaSteer
+    from nascompress.dcs_search.search import LambdaSteer
 
     s = LambdaSteer(target=0.5, integral=0.0, gain=2.0, rate=0.1, lam_max=5.0)
     # every gate still open (ratio 1): proportional push only, the integral does not wind up
@@ -463,7 +463,7 @@ def test_lambda_steer_is_a_signed_pi_controller():
 
 
 def test_calibrate_lands_on_target():
-    from nascompress.search.dcs import calibrate
+    from nascompress.dcs_search.search import calibrate
 
     dense = build_model(tiny_spec_3_heads(depth=3)).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
@@ -474,7 +474,7 @@ def test_calibrate_lands_on_target():
 
 
 def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
-    from nascompress.search.dcs import round_blocks
+    from nascompress.dcs_search.search import round_blocks
 
     sup = make_supernet(build_model(tiny_spec_3_heads(depth=3)), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
     with torch.no_grad():
@@ -500,7 +500,7 @@ def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
 
 def test_grad_balance_scales_the_cost_where_ce_outweighs_it():
     """lam_scale = max(1, median |dCE/dlogit| / median |d log cost/dlogit|), from gradients alone."""
-    from nascompress.search.dcs import DCSSearchHooks
+    from nascompress.dcs_search.search import DCSSearchHooks
 
     hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what grad_balance() reads
     alpha, theta = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(2))
@@ -517,7 +517,7 @@ def test_grad_balance_scales_the_cost_where_ce_outweighs_it():
 def test_search_rescued_only_by_calibration_names_the_missing_steps():
     """When the end-of-search threshold shift did the pruning (the gates never got near the target) and
     that broke the model, the message says the search lacked steps, not that an lr was too high."""
-    from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks
+    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchHooks
 
     hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what check() reads
     hooks.cfg, hooks.arch_lr, hooks.epochs, hooks.log = DCSSearchConfig(target_flops=0.65), 0.3, 2, []
@@ -581,7 +581,7 @@ def test_supernet_gates_start_in_the_given_importance_order():
 
 
 def test_init_importance_auto_keeps_the_order_closer_to_dense():
-    from nascompress.search.dcs import init_importance
+    from nascompress.dcs_search.search import init_importance
 
     model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():  # weight magnitude misleads: channels 0-9 have a tiny LN2 gain but a large LN2 bias,
@@ -615,7 +615,7 @@ def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
     (no Gumbel noise: the same output twice, equal to inference); an architecture step samples."""
     from types import SimpleNamespace
 
-    from nascompress.search.dcs import DCSSearchConfig, DCSSearchHooks, StepTag
+    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchHooks, StepTag
 
     torch.manual_seed(0)
     sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="hidden"))
@@ -650,8 +650,8 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
     import torch.nn.functional as F
 
     from nascompress.methods.dcs import activation_stats
-    from nascompress.search.dcs_family import dense_targets
-    from nascompress.search.dcs_protect import SENSITIVITY_DROP, block_sensitivity
+    from nascompress.dcs_search.family import dense_targets
+    from nascompress.dcs_search.protect import SENSITIVITY_DROP, block_sensitivity
 
     torch.manual_seed(0)
     dense = build_model(tiny_spec_3_heads(depth=3)).eval()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nascompress.io import load_with_arch
+from nascompress.runs.io import load_with_arch
 
 from .conftest import invoke
 
@@ -101,7 +101,7 @@ def test_an_off_target_search_advice_runs_as_written(tiny_run, tmp_path):
 
 
 def test_the_magnitude_rule_is_global_and_lands_on_the_target(tiny_run):
-    from nascompress.search.dcs_baseline import magnitude_scores, magnitude_supernet
+    from nascompress.dcs_search.baseline import magnitude_scores, magnitude_supernet
     from nascompress.methods.dcs import materialize, selection
     from nascompress.profiling import count_flops
 
@@ -129,8 +129,8 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
     92.0% -> 64.6 (target moving) / 63.2 (the target reached at the epoch's end) / 77.3 / 89.1. The former
     guard stopped it after epoch 2 (at the target, 28.8 > 15); an epoch that did not start at the target is
     judged by twice the limit, and one at the target only when validation is not rising."""
-    from nascompress.search.dcs import DCSSearchConfig
-    from nascompress.search.dcs_hooks import DCSSearchHooks, SearchCollapsed
+    from nascompress.dcs_search.search import DCSSearchConfig
+    from nascompress.dcs_search.hooks import DCSSearchHooks, SearchCollapsed
 
     def hooks(**cfg):
         return SimpleNamespace(cfg=DCSSearchConfig(**cfg), epochs=4, log=[])
@@ -162,7 +162,7 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
     materializes it."""
     from nascompress.data import DataConfig, InputSpec, load_data
     from nascompress.methods.dcs import DCSConfig, materialize
-    from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
     dense, arch = load_with_arch(tiny_run)
     data = load_data(DataConfig(dataset="synthetic"), spec=InputSpec.from_dict(arch["input"]))
@@ -179,7 +179,7 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
 def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_run, tmp_path, monkeypatch):
     """A kill -9 between the guard's stop and the run's end (the comparison): a plain --resume ends as the
     uninterrupted run did (the last recorded epoch is judged again), not by training the gates on."""
-    from nascompress.search import dcs_baseline
+    from nascompress.dcs_search import baseline as dcs_baseline
 
     ref = tmp_path / "ref"
     assert invoke(*search_args(tiny_run, ref, *COLLAPSE)).exit_code == 0
@@ -205,8 +205,8 @@ def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
     with its state from before (the kept model is never worse than the search's end)."""
     from nascompress.data import DataConfig, InputSpec, load_data
     from nascompress.methods.dcs import DCSConfig, make_supernet
-    from nascompress.search.dcs_baseline import Candidate, Recovery, choose
-    from nascompress.search.dcs_cost import CostModel
+    from nascompress.dcs_search.baseline import Candidate, Recovery, choose
+    from nascompress.dcs_search.cost import CostModel
 
     dense, arch = load_with_arch(tiny_run)
     dense.eval()

@@ -10,12 +10,12 @@ import torch
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.methods.dcs import (DCSConfig, activation_stats, aligned_mask, arch_parameters, make_record,
                                      make_supernet, materialize, protect_gates, selection)
 from nascompress.models import build_model
 from nascompress.profiling import count_flops
-from nascompress.search.dcs_cost import CostModel, calibrate
+from nascompress.dcs_search.cost import CostModel, calibrate
 
 from .conftest import tiny_spec_3_heads
 
@@ -157,7 +157,7 @@ def test_old_records_read_as_before():
     record["config"]["mlp_gates"] = True
     for b in record["blocks"]:
         b.pop("hidden_keep")
-    from nascompress.io import build_from_arch
+    from nascompress.runs.io import build_from_arch
 
     model = build_from_arch(make_arch(spec, input_spec=INPUT, methods=[record]))
     assert [b.mlp.fc1.in_features for b in model.blocks] == [len(b["mlp_keep"]) or 48 for b in record["blocks"]]
@@ -232,7 +232,7 @@ def test_the_protected_gates_hook_follows_the_model_to_another_device():
 
 
 def test_outlier_gates_find_massive_activations():
-    from nascompress.search.dcs_protect import cost_weights, outlier_gates
+    from nascompress.dcs_search.protect import cost_weights, outlier_gates
 
     model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():  # residual channel 5 carries a massive value into block 1 (as in DINOv2)
@@ -255,7 +255,7 @@ def test_outlier_gates_find_massive_activations():
 def test_family_probe_prefers_the_family_that_keeps_the_model_alive():
     """A model that depends on a few residual channels (massive activations) loses them under the
     residual family's pruning; its hidden neurons are redundant: the probe chooses hidden, and says why."""
-    from nascompress.search.dcs_family import choose_family
+    from nascompress.dcs_search.family import choose_family
 
     torch.manual_seed(0)
     model = build_model(tiny_spec_3_heads()).eval()
@@ -274,7 +274,7 @@ def test_family_probe_prefers_the_family_that_keeps_the_model_alive():
 
 
 def test_progressive_target_moves_from_dense_to_the_target():
-    from nascompress.search.dcs import DCSSearchConfig
+    from nascompress.dcs_search.search import DCSSearchConfig
 
     cfg = DCSSearchConfig(target_flops=0.6, target_ramp=0.5)
     assert cfg.target_at(0.0) == 1.0 and cfg.target_at(0.25) == pytest.approx(0.8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nascompress.data import DataConfig
-from nascompress.io import finish_run, load_with_arch, save_model
+from nascompress.runs.io import finish_run, load_with_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
 from nascompress.train import TrainConfig, TrainJob, train
 

@@ -19,7 +19,7 @@ from nascompress.pipeline.schema import library_config
 from nascompress.pipeline.sections import ExportSection, ReportSection
 from nascompress.profiling.config import ProfileConfig
 from nascompress.retrain import RETRAIN_TRAIN, RetrainConfig, RetrainJob
-from nascompress.search.dcs import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
+from nascompress.dcs_search.search import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
 from nascompress.search.trials import SearchJob
 from nascompress.train import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainConfig, TrainJob
 
@@ -199,7 +199,7 @@ def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_pat
     """The command and the pipeline section both build through the stage's ``build_job`` (no second
     construction of the job anywhere)."""
     import nascompress.retrain as retrain
-    import nascompress.search.dcs_run as dcs_run
+    import nascompress.dcs_search.run as dcs_run
 
     built = []
     for mod in (retrain, dcs_run):

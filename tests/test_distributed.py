@@ -295,7 +295,7 @@ class HeadlessHooks(TrainHooks):
 def test_a_parameter_left_out_of_the_loss_stops_with_one_line(tmp_path, ddp_group):
     from nascompress.data import DataConfig, load_data
     from nascompress.errors import NascompressError
-    from nascompress.io import make_arch
+    from nascompress.runs.io import make_arch
     from nascompress.models import build_model, custom_vit_spec
     from nascompress.train import TrainConfig, fit, input_spec_for
 

@@ -22,7 +22,7 @@ from nascompress.errors import NascompressError
 from nascompress.export import ExportConfig, export_run, sidecar_path, stage_path
 from nascompress.export.paths import TraceableSparsifiner
 from nascompress.export.verify import onnx_runner, program_runner, with_exit_rule
-from nascompress.io import load, make_arch, save_model
+from nascompress.runs.io import load, make_arch, save_model
 from nascompress.methods import available_methods, get_method
 from nascompress.models import build_model, custom_vit_spec
 

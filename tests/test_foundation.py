@@ -9,7 +9,7 @@ import torch
 import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess, split_indices
 from nascompress.errors import NascompressError
-from nascompress.io import build_from_arch, load_state, make_arch, save_model, save_state
+from nascompress.runs.io import build_from_arch, load_state, make_arch, save_model, save_state
 from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
 from nascompress.train import lr_at

@@ -292,7 +292,7 @@ def test_nan_weights_are_refused_by_the_loader(tmp_path):
 def test_the_completion_mark_is_typed_and_tied_to_its_files(tmp_path, tiny_run):
     import shutil
 
-    from nascompress.io import run_state
+    from nascompress.runs.io import run_state
 
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
@@ -319,7 +319,7 @@ def test_the_completion_mark_is_typed_and_tied_to_its_files(tmp_path, tiny_run):
 
 
 def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
-    from nascompress.io import file_sha256
+    from nascompress.runs.io import file_sha256
 
     from .test_retrain import make_model_dir
 
@@ -440,7 +440,7 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch, fmt):
 def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    import nascompress.io as nio
+    import nascompress.runs.io as nio
 
     real, calls = nio.save_file, []
 
@@ -461,7 +461,7 @@ def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatc
     assert r.exit_code == 0, r.output
     assert nascompress.load(out) is not None
     # nothing to continue (the disk full before the run's config was written): --force, not --resume
-    from nascompress.io import continue_advice
+    from nascompress.runs.io import continue_advice
 
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "model.safetensors").write_bytes(b"")

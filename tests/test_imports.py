@@ -209,7 +209,7 @@ def test_the_local_import_check_finds_one(tmp_path):
 # Helpers that were written two or more times, each now written once: a text that marks its body, and
 # the one module that holds it.
 WRITTEN_ONCE = {
-    "iter(lambda: f.read(": "io.py",  # a file's sha256 (io.file_sha256)
+    "iter(lambda: f.read(": "runs/io.py",  # a file's sha256 (io.file_sha256)
     "problem_mark": "yaml_io.py",  # a YAML file's one-line error (yaml_io.read_yaml_file)
     "; and {len(bad) - ": "models.py",  # the state-dict mismatch report (models.mismatch_report)
     "check_token_model(model,": "methods/tokens.py",  # a token method's resolve() header (tokens.token_layers)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess
-from nascompress.io import load_with_arch
+from nascompress.runs.io import load_with_arch
 from nascompress.methods.dcs import DCSConfig
-from nascompress.search.dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
-from nascompress.search.dcs_run import search_dcs
+from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from nascompress.dcs_search.run import search_dcs
 from nascompress.train import TrainConfig, fit
 
 TIMES = ("train_time_s", "search_time_s", "epoch_time_s", "epoch_time_s_mean", "kmeans_s", "kmeans_s_mean",
@@ -84,7 +84,7 @@ def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, mo
 
 def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
     from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config, run_retrain
-    from nascompress.search.materialize import MaterializeJob, materialize_search
+    from nascompress.dcs_search.materialize import MaterializeJob, materialize_search
 
     search = tmp_path / "search"
     search_dcs(DCSSearchJob(source=str(tiny_run), out=str(search), method=DCSConfig(mlp_gates="residual"),
@@ -107,8 +107,8 @@ def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
 def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_path, monkeypatch):
     """In-memory training images are not augmented: the dense teacher's outputs are computed once per
     image and read back by index; the search is the one that runs the teacher on every step."""
-    import nascompress.search.dcs as dcs_mod
-    from nascompress.search.dcs import TeacherCache
+    import nascompress.dcs_search.search as dcs_mod
+    from nascompress.dcs_search.search import TeacherCache
 
     model, arch = load_with_arch(tiny_run)
     spec = InputSpec.from_dict(arch["input"])

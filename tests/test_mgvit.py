@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.methods import get_method
 from nascompress.finetune import split_settings
 from nascompress.methods.mgvit import MGViT, MGViTHooks, sweep_model

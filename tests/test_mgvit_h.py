@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.methods import get_method
 from nascompress.methods.mgvit_h import MGLayer, MGPVT, RankingAttention
 from nascompress.methods.mgvit_ops import resample_image

@@ -78,7 +78,7 @@ def test_thop_misses_exactly_the_attention_matmuls():
 
 
 def _run(path, depth: int):
-    from nascompress.io import make_arch, save_model
+    from nascompress.runs.io import make_arch, save_model
     from nascompress.train import input_spec_for
 
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=depth, num_heads=2, num_classes=10,

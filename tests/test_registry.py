@@ -207,7 +207,7 @@ def test_refused_pairs(first, second):
 
 
 def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
-    from nascompress.io import make_arch, save_model
+    from nascompress.runs.io import make_arch, save_model
 
     spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2,
                                                   num_classes=10, in_chans=1))
@@ -218,7 +218,7 @@ def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
                                                         "std": [0.5]}, methods=recs))
     code = ("import sys, nascompress; m = nascompress.load(sys.argv[1]); "
             "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retrain', "
-            "'nascompress.search', 'nascompress.data', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
+            "'nascompress.search', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
             "print(','.join(engine) or 'clean')")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "clean", out.stdout + out.stderr

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
 
 from .conftest import invoke
@@ -429,7 +429,7 @@ def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues
 def test_a_full_disk_while_saving_a_model_leaves_nothing(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
-    import nascompress.io as nio
+    import nascompress.runs.io as nio
 
     def full(*a, **kw):  # what safetensors raises when the disk fills up
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")

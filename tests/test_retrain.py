@@ -15,7 +15,7 @@ import nascompress
 from nascompress.data import DataConfig, load_data
 from nascompress.errors import NascompressError
 from nascompress.hooks import as_floats
-from nascompress.io import make_arch, save_model
+from nascompress.runs.io import make_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
 from nascompress.retrain import (FeatureTap, IBHooks, RetrainConfig, RetrainJob, bound_contribution, make_input_embed,
                                  retrain)

@@ -1,4 +1,4 @@
-"""The one run-directory helper (nascompress.run_dir.RunDir) and that every job uses it."""
+"""The one run-directory helper (nascompress.runs.run_dir.RunDir) and that every job uses it."""
 from __future__ import annotations
 
 import ast
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from nascompress.errors import NascompressError
-from nascompress.io import run_state
-from nascompress.run_dir import RunDir
+from nascompress.runs.io import run_state
+from nascompress.runs.run_dir import RunDir
 
 PKG = Path(__file__).resolve().parents[1] / "nascompress"
 
@@ -48,7 +48,7 @@ def test_finish_marks_the_run_complete_and_returns_the_metrics(tmp_path):
 
 
 def test_recorded_reads_the_job_of_an_earlier_run(tmp_path):
-    from nascompress.search.materialize import MaterializeJob
+    from nascompress.dcs_search.materialize import MaterializeJob
 
     with pytest.raises(NascompressError, match="nothing to resume"):
         RunDir.recorded(tmp_path, MaterializeJob, "nascompress materialize")
@@ -60,14 +60,14 @@ def test_recorded_reads_the_job_of_an_earlier_run(tmp_path):
 # The life-cycle functions RunDir wraps; only run_dir.py calls them, and train_loop's fit (a training
 # run's mark written inside the loop, where a full disk gets the resume advice).
 LIFE_CYCLE = {"prepare_out_dir", "create_out_dir", "recorded_job", "finish_run"}
-ALLOWED = {"run_dir.py": LIFE_CYCLE, "train_loop.py": {"finish_run"},
-           "utils.py": LIFE_CYCLE, "io.py": LIFE_CYCLE}  # where they are defined
+ALLOWED = {"runs/run_dir.py": LIFE_CYCLE, "train_loop.py": {"finish_run"},
+           "utils.py": LIFE_CYCLE, "runs/io.py": LIFE_CYCLE}  # where they are defined
 
 
 def test_every_job_goes_through_the_run_directory_helper():
     found = []
     for p in sorted(PKG.rglob("*.py")):
-        allowed = ALLOWED.get(p.name, set()) if p.parent == PKG else set()
+        allowed = ALLOWED.get(p.relative_to(PKG).as_posix(), set())
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.Call):
                 f = node.func

@@ -1,4 +1,4 @@
-"""The typed run files (nascompress.run_files): arch.json, metrics.json and the export sidecar are
+"""The typed run files (nascompress.runs.files): arch.json, metrics.json and the export sidecar are
 read and written in one place, round-trip byte for byte, keep unknown keys, and a damaged file is
 one NascompressError line; no other module reads or writes those files itself."""
 from __future__ import annotations
@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 
 from nascompress.errors import NascompressError
-from nascompress.io import read_arch
-from nascompress.run_files import (ARCH_FILE, METRICS_FILE, Arch, MethodRecord, RunMetrics, Sidecar, find_metrics, read_metrics,
-                                   read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
+from nascompress.runs.io import read_arch
+from nascompress.runs.files import (ARCH_FILE, METRICS_FILE, Arch, MethodRecord, RunMetrics, Sidecar, find_metrics, read_metrics,
+                                    read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
 from tests.conftest import tiny_spec
 
 PKG = Path(__file__).resolve().parents[1] / "nascompress"
 
 
 def _saved(tmp_path, methods=None, labels=None):
-    from nascompress.io import make_arch, save_model
+    from nascompress.runs.io import make_arch, save_model
     from nascompress.models import build_model
 
     spec = tiny_spec()
@@ -175,12 +175,12 @@ def test_no_other_module_reads_or_writes_the_run_files_itself():
     found = {}
     for p in PKG.rglob("*.py"):
         rel = str(p.relative_to(PKG))
-        if rel == "run_files.py" or rel in ALLOWED:
+        if rel == "runs/files.py" or rel in ALLOWED:
             continue
         lines = direct_file_access(ast.parse(p.read_text()))
         if lines:
             found[rel] = lines
-    assert found == {}, f"read arch.json / metrics.json through nascompress.run_files: {found}"
+    assert found == {}, f"read arch.json / metrics.json through nascompress.runs.files: {found}"
 
 
 def test_the_scan_finds_a_direct_read():
@@ -221,8 +221,8 @@ def test_a_changed_arch_writes_as_the_dict_it_replaces():
 
 # modules allowed to (with the reason)
 ARCH_DICT_ALLOWED = {
-    "run_files.py": "the loader itself: validates the dict read from the file and types it",
-    "io.py": "the model format: builds the model and timm's pretrained_cfg from the validated dict it read",
+    "runs/files.py": "the loader itself: validates the dict read from the file and types it",
+    "runs/io.py": "the model format: builds the model and timm's pretrained_cfg from the validated dict it read",
 }
 
 
@@ -254,7 +254,7 @@ def test_no_other_module_indexes_an_arch_dict():
             lines = arch_dict_indexing(ast.parse(p.read_text()))
             if lines:
                 found[rel] = lines
-    assert found == {}, f"read the typed Arch (nascompress.io.load_typed / read_arch), not the dict: {found}"
+    assert found == {}, f"read the typed Arch (nascompress.runs.io.load_typed / read_arch), not the dict: {found}"
 
 
 def test_the_scan_finds_arch_dict_indexing():

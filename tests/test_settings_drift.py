@@ -118,7 +118,7 @@ def test_storage_has_one_help():  # was three texts
 
 
 def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_study_trials(monkeypatch):
-    import nascompress.search.dcs as dcs
+    import nascompress.dcs_search.search as dcs
     from nascompress.search.trial_dcs import _search_dcs
 
     seen = []

@@ -179,7 +179,7 @@ def test_stacks_with_token_pruning():
 
 
 def test_save_load_roundtrip(tmp_path):
-    from nascompress.io import load_with_arch, make_arch, save_model
+    from nascompress.runs.io import load_with_arch, make_arch, save_model
 
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_two_stage_hooks_train_the_right_parameters():
 def test_finetune_job_end_to_end(tiny_run, tmp_path):
     from nascompress.data import DataConfig
     from nascompress.finetune import FinetuneJob, finetune
-    from nascompress.io import load_with_arch
+    from nascompress.runs.io import load_with_arch
 
     data = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
     job = FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", config={"attn_keep_ratio": 0.5},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import optuna
 
-import nascompress.search.dcs as search_dcs_module
+import nascompress.dcs_search.search as search_dcs_module
 
 from .conftest import invoke, patch_everywhere
 

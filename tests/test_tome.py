@@ -110,7 +110,7 @@ def test_stacking_order():
 
 
 def test_save_and_load(tmp_path):
-    from nascompress.io import load, make_arch, save_model
+    from nascompress.runs.io import load, make_arch, save_model
     from nascompress.models import custom_vit_spec
 
     spec = custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)

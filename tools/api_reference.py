@@ -33,7 +33,7 @@ ENTRIES = [
     ("Study", "nascompress.pyapi.study", "Study"),
     ("nc.from_transformers", "nascompress.pyapi.hf", "from_transformers"),
     ("nc.to_transformers", "nascompress.pyapi.hf", "to_transformers"),
-    ("nc.load", "nascompress.io", "load"),
+    ("nc.load", "nascompress.runs.io", "load"),
     ("StageResult", "nascompress.pyapi.common", "StageResult"),
     ("Materialized", "nascompress.pyapi.stages", "Materialized"),
     ("Retrained", "nascompress.pyapi.stages", "Retrained"),

@@ -10,7 +10,7 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, out_option
 from nascompress.export import export_run, parse_batch
 from nascompress.export.config import ExportConfig, build_config
-from nascompress.run_files import Sidecar
+from nascompress.runs.files import Sidecar
 
 
 def register(app: typer.Typer) -> None:

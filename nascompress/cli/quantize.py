@@ -13,7 +13,7 @@ from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_
 from nascompress.export.quantize import QuantizeConfig, quantize_run
 from nascompress.api import run_data_config
 from nascompress.data import DataConfig
-from nascompress.run_files import Sidecar
+from nascompress.runs.files import Sidecar
 
 QUANTIZED_FILE = "model.int8.onnx"
 

@@ -15,12 +15,12 @@ from nascompress.data import DataConfig
 from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
-from nascompress.search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from nascompress.dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from nascompress.search.trials import SearchJob, build_job as build_search_job, run_search
 from nascompress.train import RUNTIME_SETTINGS, TrainJob
 from nascompress.api import run_data_config
-from nascompress.search import DCSSearchJob, search_dcs
-from nascompress.search.dcs_run import CONTINUE, build_job
+from nascompress.dcs_search import DCSSearchJob, search_dcs
+from nascompress.dcs_search.run import CONTINUE, build_job
 from nascompress.errors import SettingError
 
 search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs (channels), tokens and joint (Optuna).")

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import NascompressError, SettingError, write_error
 from ..methods.mgvit_h import MGPVT
-from ..run_files import Arch
+from ..runs.files import Arch
 
 EXPORTABLE = ("dcs", "uniform", "sparsifiner", "evit", "dynamicvit", "mgvit", "mgvit-h", "tome")
 TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule

@@ -52,9 +52,9 @@ from .graphs import TWO_STAGE, quiet
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
 from ..api import run_data_config
 from ..data import InputSpec, Subset, dataset_labels, load_data, make_loader, preprocess, stratified_indices
-from ..io import MODEL_FILE, load_typed, read_arch
+from ..runs.io import MODEL_FILE, load_typed, read_arch
 from ..profiling import time_models_by_threads
-from ..run_files import sidecar_path, write_sidecar_json
+from ..runs.files import sidecar_path, write_sidecar_json
 from ..utils import atomic_path
 from .run import check_outputs, clear_stale, export_run, new_folders
 from .verify import onnx_runner

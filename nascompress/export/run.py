@@ -12,10 +12,10 @@ import shutil
 import torch
 
 from ..errors import NascompressError, SettingError, require_extra
-from ..io import ARCH_FILE, MODEL_FILE, file_sha256, load_with_arch, read_arch
+from ..runs.io import ARCH_FILE, MODEL_FILE, file_sha256, load_with_arch, read_arch
 from ..data import InputSpec, eval_steps
 from ..progress import say
-from ..run_files import sidecar_path, write_sidecar_json
+from ..runs.files import sidecar_path, write_sidecar_json
 from ..utils import atomic_path, refuse_overwriting_inputs
 from .config import ExportConfig
 from .graphs import TWO_STAGE, check_exportable, graphs_for, write_graph

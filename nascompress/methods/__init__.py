@@ -190,7 +190,7 @@ def available_methods() -> list[str]:
 def apply_methods(model: nn.Module, records: list[dict[str, Any]], *, inplace: bool = False) -> nn.Module:
     """Apply every recorded method in order (stacking checked) to a copy of ``model``, which is left
     as it was (so the same model can take several stacks); ``inplace``: patch ``model`` itself (a
-    model built only for this, e.g. by :func:`nascompress.io.load_with_arch`, saves the copy)."""
+    model built only for this, e.g. by :func:`nascompress.runs.io.load_with_arch`, saves the copy)."""
     if not inplace:
         model = copy.deepcopy(model)
     for rec in records:

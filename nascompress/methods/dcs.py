@@ -11,7 +11,7 @@ Two selections inside every block, searched jointly (the search is ``nascompress
   ``residual`` (section 3.2, the paper's): alpha (C,) per block, the gate g multiplies the MLP's
   input and output residual channels; ``hidden``: alpha (Hm,) per block gates the MLP's hidden
   neurons (fc1 rows / fc2 columns), which leaves the residual stream untouched (far less
-  destructive on pretrained models, see :mod:`nascompress.search.dcs_family`).
+  destructive on pretrained models, see :mod:`nascompress.dcs_search.family`).
 
 Both are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward. At
 inference (no noise) the mask keeps the channels with ``logit > 0``, their count widened to the
@@ -136,7 +136,7 @@ class DCSConfig(Config):
         mlp_gates: the MLP gate family: ``residual`` (the paper's, the default of this building
             block: the MLP's input/output residual channels), ``hidden`` (the MLP's hidden neurons),
             ``none``, or ``auto`` (the search chooses from a short measured probe on the model,
-            :mod:`nascompress.search.dcs_family`; ``search dcs``, the pipeline and study trials
+            :mod:`nascompress.dcs_search.family`; ``search dcs``, the pipeline and study trials
             default to it: :data:`SEARCH_DCS`; a supernet is always built with the chosen family).
             ``true``/``false``
             (records of earlier versions) read as ``residual``/``none``.
@@ -358,7 +358,7 @@ class MaterializedBlock(NCBlock):
 def check_family(model: nn.Module, family: str) -> None:
     """``family`` can gate ``model``'s MLPs (``hidden`` needs timm's plain Mlp without a hidden norm)."""
     if family == "auto":
-        raise NascompressError("mlp_gates 'auto' is chosen by the search (nascompress.search.dcs_family); "
+        raise NascompressError("mlp_gates 'auto' is chosen by the search (nascompress.dcs_search.family); "
                                "build a supernet with residual, hidden or none")
     if family != "hidden":
         return

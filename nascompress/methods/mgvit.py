@@ -57,7 +57,7 @@ from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mg
                         patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
 from .mgvit_ops import resample_image as _resample
 from ..models import is_pyramid, load_state_strict
-from ..io import load_typed
+from ..runs.io import load_typed
 from ..profiling.flops import count_flops
 
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12

@@ -26,8 +26,8 @@ Relative paths in the file are relative to the file's own directory; the normali
 
 Stages and their directories under OUT (each step's job is the library function the matching
 command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``base.run``),
-``dcs_search/`` (:func:`~nascompress.search.dcs_run.search_dcs`), ``dcs_mat/``
-(:func:`~nascompress.search.materialize.materialize_search`), ``tokens/`` (the study, in
+``dcs_search/`` (:func:`~nascompress.dcs_search.run.search_dcs`), ``dcs_mat/``
+(:func:`~nascompress.dcs_search.materialize.materialize_search`), ``tokens/`` (the study, in
 ``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
 :func:`~nascompress.search.trial_model.materialize_trial`), ``final/``

@@ -1,6 +1,6 @@
 """The pipeline's answer to a stage that fails: nothing aborts on one bad stage.
 
-A DCS search that collapses (:class:`~nascompress.search.dcs.SearchCollapsed`: validation fell more
+A DCS search that collapses (:class:`~nascompress.dcs_search.search.SearchCollapsed`: validation fell more
 than ``max_val_drop`` below the dense model) is retried once at a milder target, halfway between
 the planned one and 1.0; if that collapses too, the pipeline goes on without DCS (the token stage
 then searches the dense base) and says so. Which way the stage went is kept in its marker
@@ -15,8 +15,8 @@ from typing import Any
 
 from ..pipeline_files import find_run_config, find_step_marker
 from ..errors import NascompressError
-from ..search.dcs import SearchCollapsed
-from ..search.dcs_run import search_dcs
+from ..dcs_search.search import SearchCollapsed
+from ..dcs_search.run import search_dcs
 from ..search.trial_model import materialize_trial, parse_pick, pick_trial
 from ..studies.inspect import load
 from ..studies.records import trial_record

@@ -19,15 +19,15 @@ from ..importer import (ImportJob, build_job as build_import_job, import_model, 
 from ..utils import resolve_device
 from ..api import count_classes
 from ..export import export_run
-from ..io import read_arch
+from ..runs.io import read_arch
 from ..layers import require_vit
 from ..methods import get_method
 from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape, ModelSpec, build_model, read_weights_file
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
-from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from ..search.dcs_run import build_job as build_dcs_job
-from ..search.materialize import build_job as build_mat_job, materialize_search
+from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.run import build_job as build_dcs_job
+from ..dcs_search.materialize import build_job as build_mat_job, materialize_search
 from ..search.space import load_space
 from ..search.trial_model import build_job as build_pick_job
 from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory

@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from ..profiling.compare import compare_records
-from ..run_files import find_metrics
+from ..runs.files import find_metrics
 from ..pipeline_files import find_pick, find_run_config, find_step_marker, write_summary_json
 from ..utils import atomic_path
 from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
                             int8_table_rows, models_note)
 from ..api import evaluate_run, profile
 from ..export.quantize import config_for, int8_rows
-from ..io import MODEL_FILE, load_with_arch, read_arch
+from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
 from ..studies.inspect import load
 from ..studies.report import build_report

@@ -17,7 +17,7 @@ from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
 from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
 from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
-from ..run_files import has_metrics
+from ..runs.files import has_metrics
 from ..utils import refuse_overwriting_inputs
 from ..train import RUNTIME_SETTINGS
 from ..utils import atomic_path

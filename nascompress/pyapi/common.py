@@ -17,15 +17,15 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.utils.data import DataLoader
 
 from ..data import DataConfig
-from ..data_memory import caller_input, is_memory, register_dataset
+from ..data.memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError
-from ..io import load_typed, make_arch, save_model
+from ..runs.io import load_typed, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
-from ..run_dir import RunDir
+from ..runs.run_dir import RunDir
 from ..pipeline_files import find_run_config
-from ..run_files import Arch, find_metrics
+from ..runs.files import Arch, find_metrics
 from ..config import offered
-from ..data_input import InputSpec
+from ..data.input import InputSpec
 from ..train import input_spec_for
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
@@ -219,7 +219,7 @@ def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterab
                 seed: int = 0, train_limit: int | None = None, eval_limit: int | None = None) -> DataConfig | None:
     """The caller's data as a DataConfig: a built-in dataset name, an ImageFolder path, a DataConfig,
     or a map-style Dataset / DataLoader of (image tensor, label) (``val``, ``test``: its other splits;
-    registered in memory, :mod:`nascompress.data_memory`). Of a DataLoader its dataset, batch size and
+    registered in memory, :mod:`nascompress.data.memory`). Of a DataLoader its dataset, batch size and
     worker count are taken; batches are drawn in nascompress's seeded order. Labels are read once per
     dataset (from its ``targets`` attribute when it has one, else by a pass over its items). None stays
     None (the run's recorded data)."""

@@ -12,7 +12,7 @@ import yaml
 from ..config import user_settings
 from ..data import DataConfig
 from ..errors import NascompressError
-from ..io import load_with_arch
+from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
 from ..progress import say
 from .common import ModelLike, Workspace, data_config, model_run, remember, write_run

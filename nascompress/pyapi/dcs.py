@@ -8,8 +8,8 @@ from typing import Any
 from ..config import user_settings
 from ..data import DataConfig
 from ..methods.dcs import DCSConfig
-from ..search.dcs import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from ..search.dcs_run import build_job, search_dcs
+from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
                      split_settings, stage_values)
@@ -31,7 +31,7 @@ def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = N
            resume: bool = False, force: bool = False, **settings: Any) -> DCSSearch:
     """Search which Q/K and MLP channels of a dense ViT to keep for ``target_flops`` x its FLOPs.
 
-    The job of ``nascompress search dcs`` (:func:`~nascompress.search.dcs_run.search_dcs`) with the
+    The job of ``nascompress search dcs`` (:func:`~nascompress.dcs_search.run.search_dcs`) with the
     same defaults.
 
     Args:

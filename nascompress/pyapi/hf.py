@@ -23,9 +23,9 @@ from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
 from ..errors import NascompressError
 from ..models import CUSTOM_BASE, ModelSpec, build_model
-from ..run_files import Arch
+from ..runs.files import Arch
 from .common import remember
-from ..io import make_arch
+from ..runs.io import make_arch
 from ..utils import read_json, write_json
 
 _V5 = {"q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj", "o": "attention.o_proj",

@@ -10,7 +10,7 @@ from ..data import DataConfig
 from ..export.quantize import QuantizeConfig, quantize_run
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config
 from ..retrain import retrain as retrain_job
-from ..search.materialize import build_job as build_materialize_job, materialize_search
+from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
 from ..train import RUNTIME_SETTINGS
 from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
                      split_settings, stage_values)

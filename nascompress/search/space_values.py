@@ -18,7 +18,7 @@ from ..errors import NascompressError
 from .space_entries import Param
 from .. import methods
 from ..limits import limits
-from .dcs import DCSSearchConfig
+from ..dcs_search.search import DCSSearchConfig
 
 MAX_GRID_POINTS = 1_000_000
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
-from ..io import load_typed
+from ..runs.io import load_typed
 from ..models import build_model
-from ..io import MODEL_FILE, file_sha256
+from ..runs.io import MODEL_FILE, file_sha256
 from ..profiling import count_flops, measure
 from ..utils import resolve_device
 from .scoring import subset_fingerprint

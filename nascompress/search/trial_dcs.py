@@ -1,5 +1,5 @@
 """A trial's DCS stage: a short DCS search at the trial's settings, in memory, on the worker's base
-model and data (:func:`~nascompress.search.dcs.run_dcs_search`, its baseline comparison included), and
+model and data (:func:`~nascompress.dcs_search.search.run_dcs_search`, its baseline comparison included), and
 the worker's memo of the searches it made (a space whose trials share DCS settings searches once)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..data import load_data
 from ..errors import NascompressError
 from .trial_context import TrialContext
 from ..methods.dcs import DCSConfig, materialize
-from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from ..dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
 
 DCS_MEMO_SIZE = 12  # searched DCS models a worker keeps (a joint space's target has 11 values)

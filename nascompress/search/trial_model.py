@@ -2,7 +2,7 @@
 
 Rebuilds the trial's model from its base run and its recorded parameters (the search's own trial
 builder, :mod:`nascompress.search.trials`), fine-tunes it as the trial did, and writes the run.
-DCS materialization of a finished channel search is :mod:`nascompress.search.materialize`.
+DCS materialization of a finished channel search is :mod:`nascompress.dcs_search.materialize`.
 """
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from optuna.trial import TrialState
 from ..config import Config, check_settings, setting
 from ..limits import MAX_EPOCHS
 from ..errors import NascompressError, SettingError
-from ..io import save_model
-from ..run_dir import RunDir
-from ..run_files import Arch
+from ..runs.io import save_model
+from ..runs.run_dir import RunDir
+from ..runs.files import Arch
 from ..utils import refuse_overwriting_inputs
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP, SearchJob, TrialContext, build_trial
 from ..api import run_data_config

@@ -41,7 +41,7 @@ from ..limits import MAX_BATCH, MAX_EPOCHS, MAX_IMAGES, MAX_ITERS, MAX_STEPS, MA
 from ..data import DataConfig, InputSpec
 from ..errors import NascompressError, SettingError, words
 from ..resources import resolve_file
-from ..io import load_typed
+from ..runs.io import load_typed
 from ..methods import get_method
 from ..models import build_model
 from ..profiling import count_flops

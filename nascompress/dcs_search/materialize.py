@@ -16,11 +16,11 @@ from torch import nn
 from ..config import Config
 from ..data import InputSpec
 from ..errors import NascompressError, SettingError
-from ..io import load_typed, save_model
+from ..runs.io import load_typed, save_model
 from ..methods.dcs import DCSConfig, materialize, selection
 from ..profiling import count_flops
-from ..run_dir import RunDir
-from ..run_files import Arch, read_metrics
+from ..runs.run_dir import RunDir
+from ..runs.files import Arch, read_metrics
 from ..pipeline_files import find_run_config
 
 

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from .data_sources import MEMORY_DATASETS, MEMORY_PREFIX
-from .errors import NascompressError
+from .sources import MEMORY_DATASETS, MEMORY_PREFIX
+from ..errors import NascompressError
 
 
 class CallerDataset(Dataset):

@@ -39,7 +39,7 @@ class CostModel:
     once per token); ``qk[j]`` the MACs of one Q/K channel of every head of block j (its q and k
     rows of qkv and its share of QK^T: 2 N C + N^2), 0 when the block's Q/K channels are not
     searched. ``weights[j]`` scales block j in the differentiable cost only (a sensitive block's
-    gates feel less of the cost's push; :mod:`nascompress.search.dcs_protect`); the hard counts,
+    gates feel less of the cost's push; :mod:`nascompress.dcs_search.protect`); the hard counts,
     which the controller steers, are never weighted.
     """
 

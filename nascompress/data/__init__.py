@@ -3,15 +3,15 @@ built-in datasets or an ImageFolder directory, with a deterministic held-out val
 
 The parts, one module each (their names are importable from here too):
 
-* :mod:`nascompress.data_input`: how raw images become model input (:class:`InputSpec`,
+* :mod:`nascompress.data.input`: how raw images become model input (:class:`InputSpec`,
   :func:`preprocess`, the one place that normalises; timm's ImageFolder transforms);
-* :mod:`nascompress.data_sources`: the in-memory datasets (Fashion-MNIST from the Debian package,
+* :mod:`nascompress.data.sources`: the in-memory datasets (Fashion-MNIST from the Debian package,
   scikit-learn's digits, scikit-image's LFW faces, synthetic images for tests);
-* :mod:`nascompress.data_classes`: a subset of the classes (``--classes``);
-* :mod:`nascompress.data_folders`: ImageFolder directories, every image checked once when loaded;
-* :mod:`nascompress.data_splits`: seeded splits and class-stratified subsets, and the check that a
+* :mod:`nascompress.data.classes`: a subset of the classes (``--classes``);
+* :mod:`nascompress.data.folders`: ImageFolder directories, every image checked once when loaded;
+* :mod:`nascompress.data.splits`: seeded splits and class-stratified subsets, and the check that a
   dataset can train a classifier;
-* :mod:`nascompress.data_loader`: batches in an order that depends only on (seed, epoch).
+* :mod:`nascompress.data.loader`: batches in an order that depends only on (seed, epoch).
 
 Two loading paths:
 
@@ -41,22 +41,22 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import Dataset
 
-from . import runtime
+from .. import runtime
 
-from .config import Config, check_field, check_int, check_settings, setting
-from .data_classes import class_indices, keep_classes
-from .data_folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
-from .data_input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
-                         INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
-                         resize)
-from .data_loader import make_loader
-from .data_memory import is_memory, memory_splits
-from .data_sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
-                           TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
-                           synthetic_dataset)
-from .data_splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
-from .errors import NascompressError, SettingError
-from .limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
+from ..config import Config, check_field, check_int, check_settings, setting
+from .classes import class_indices, keep_classes
+from .folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
+from .input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
+                    INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
+                    resize)
+from .loader import make_loader
+from .memory import is_memory, memory_splits
+from .sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
+                      TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
+                      synthetic_dataset)
+from .splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
+from ..errors import NascompressError, SettingError
+from ..limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
 __all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
            "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",

@@ -21,10 +21,10 @@ from PIL import Image
 from torchvision import datasets
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from .errors import NascompressError, SettingError, literal, words
-from . import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
-from .limits import env_name, limits
-from .progress import console
+from ..errors import NascompressError, SettingError, literal, words
+from .. import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
+from ..limits import env_name, limits
+from ..progress import console
 
 
 def _walk_class(folder: str) -> list[str]:
@@ -114,7 +114,7 @@ def _folder_class() -> type:
     return _Folder
 
 
-def __getattr__(name: str) -> Any:  # nascompress.data_folders._Folder, for pickle in a worker process
+def __getattr__(name: str) -> Any:  # nascompress.data.folders._Folder, for pickle in a worker process
     if name == "_Folder":
         return _folder_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ finetune, the DCS search, materialize, a study trial's model, import, the linear
    first, ``--resume`` keeps it) and records the job in ``config.json``; under torchrun every rank
    waits until every rank has checked ``OUT`` before, and until it is ready after;
 3. :meth:`RunDir.finish`: rank 0 writes the completion mark (``metrics.json``,
-   :func:`~nascompress.io.finish_run`), the run's last write.
+   :func:`~nascompress.runs.io.finish_run`), the run's last write.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import distributed
+from .. import distributed
 from .io import CONFIG_FILE, finish_run
-from .pipeline_files import write_run_config
-from .utils import create_out_dir, prepare_out_dir, recorded_job
+from ..pipeline_files import write_run_config
+from ..utils import create_out_dir, prepare_out_dir, recorded_job
 
 
 @dataclass(frozen=True)

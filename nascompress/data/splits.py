@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .errors import NascompressError
+from ..errors import NascompressError
 
 
 class Subset(Dataset):

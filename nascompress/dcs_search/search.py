@@ -1,7 +1,7 @@
 """``nascompress search dcs``: the DCS differentiable channel search (seed 003 section 3.4, A.2).
 
 It runs on the one training loop (:func:`nascompress.train.fit`) with
-:class:`~nascompress.search.dcs_hooks.DCSSearchHooks`; this module holds its settings and the job.
+:class:`~nascompress.dcs_search.hooks.DCSSearchHooks`; this module holds its settings and the job.
 Each epoch the training split is cut once (:func:`~nascompress.data.split_indices`, fixed seed)
 into 70% for the network weights W and 30% for the architecture parameters (every MLP gate
 alpha and static Q/K theta); W-steps and arch-steps alternate, spread evenly over the epoch
@@ -13,7 +13,7 @@ close to itself while its channels go); arch-steps minimise
 
 where task is that distillation loss (``arch_loss="kd"``: a few thousand labels say less about
 which channels matter than the dense model's outputs do) or CE (``"ce"``, the paper's), and cost
-(:class:`~nascompress.search.dcs_cost.CostModel`) is the analytic MACs of the network with each
+(:class:`~nascompress.dcs_search.cost.CostModel`) is the analytic MACs of the network with each
 block's gated MLP width replaced by the soft count sum(g_hat) and each block's Q/K width by a
 smooth maximum over heads of the soft per-head counts, so the cost is differentiable in every
 alpha and theta. The temperature starts at 4.5 and is multiplied by 0.95 every epoch. The weights
@@ -26,13 +26,13 @@ frozen (peak 3.1e-6 at batch 16) and the searched model at 69.5% validation top-
 model's 83.2%; 1e-3 without layer decay ends at 86.7%.
 
 Before the search, on ``init_images`` training images (:mod:`~nascompress.methods.dcs_importance`):
-the MLP gate family is chosen where ``mlp_gates="auto"`` (:mod:`~nascompress.search.dcs_family`),
+the MLP gate family is chosen where ``mlp_gates="auto"`` (:mod:`~nascompress.dcs_search.family`),
 the gates' start is ordered by importance (``init_importance``), the outlier channels of a
 pretrained model are fixed open and every block's cost is weighted by its measured sensitivity
-(:mod:`~nascompress.search.dcs_protect`).
+(:mod:`~nascompress.dcs_search.protect`).
 
 With ``target_flops`` lambda is steered after every arch-step by a PI controller
-(:class:`~nascompress.search.dcs_cost.LambdaSteer`) on ``ratio / target_t - 1``, where ratio is the
+(:class:`~nascompress.dcs_search.cost.LambdaSteer`) on ``ratio / target_t - 1``, where ratio is the
 exact FLOPs of the hard architecture as it will be materialized (aligned widths, ``round_mlp``
 applied) and the target moves from 1.0 down to ``target_flops`` over the first ``target_ramp`` of
 the architecture steps (the model gives up its channels progressively, not at once); lambda is the
@@ -67,17 +67,17 @@ from ..data import IN_MEMORY, DataConfig, InputSpec
 from ..limits import MAX_LR
 from ..errors import SettingError
 from ..evaluate import evaluate
-from ..io import save_model
+from ..runs.io import save_model
 from ..methods.dcs import SEARCH_DCS, DCSConfig, make_record, make_supernet
 from ..progress import counted, step
-from ..run_files import Arch
+from ..runs.files import Arch
 from ..auto_batch import AUTO_BATCH_NOTE
 from ..train import TrainConfig, check_classes, fit, recipe_config
-from .dcs_baseline import keep_better
-from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
-from .dcs_hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
-from .dcs_prepare import calibration_images, init_importance, prepare_search
-from .dcs_teacher import StepTag, TeacherCache
+from .baseline import keep_better
+from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
+from .hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
+from .prepare import calibration_images, init_importance, prepare_search
+from .teacher import StepTag, TeacherCache
 
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
@@ -106,7 +106,7 @@ class DCSSearchConfig(Config):
         budget: how the target is held while the search trains. ``project`` (default): after every
             architecture step, where the hard architecture is more than ``project_band`` off the
             current (moving) target, every unprotected gate logit is shifted by one constant so that
-            it sits on it (:func:`~nascompress.search.dcs_cost.calibrate`, the projection of the
+            it sits on it (:func:`~nascompress.dcs_search.cost.calibrate`, the projection of the
             gates onto the budget): the gradients order the channels, the projection sets how many
             stay, and the weights train at the architecture the search will end with for the last
             ``1 - target_ramp`` of the search (``at_target_share`` in metrics.json). ``steer``: the
@@ -139,7 +139,7 @@ class DCSSearchConfig(Config):
             channels matter) or ``ce`` (the paper's). The weight steps always add both to CE.
         protect_ratio: fix open the gates of outlier channels, whose activation exceeds this many
             times their block's median (at most 5% of a block's gates, the largest;
-            :mod:`~nascompress.search.dcs_protect`; 0: off). 5: on DINOv2 ViT-S/14 the residual
+            :mod:`~nascompress.dcs_search.protect`; 0: off). 5: on DINOv2 ViT-S/14 the residual
             channel that carries its largest activations (278) stands 5-10x above the median in
             blocks 3-11, where no channel reaches 20x.
         block_weights: weight every block's differentiable cost by its measured sensitivity (a
@@ -151,7 +151,7 @@ class DCSSearchConfig(Config):
             not rise over the previous epoch (a search on its way back is not stopped). A stopped search is
             not an error where ``baseline`` is on: it is compared with the baseline like a finished one (if
             its architecture stands at the target) and the better model is kept.
-        baseline: build the magnitude-pruned model at the same FLOPs (:mod:`~nascompress.search.dcs_baseline`),
+        baseline: build the magnitude-pruned model at the same FLOPs (:mod:`~nascompress.dcs_search.baseline`),
             give it and the searched model the same short recovery, score both on the validation split and
             keep the better (``comparison`` in metrics.json); the user never gets less than the free
             alternative, and never an error instead of a model.
@@ -183,7 +183,7 @@ class DCSSearchConfig(Config):
         init_images: training images the pre-search measurements use.
         init_seed: the seed that draws them (None: the job's seed). Study trials give the study's
             seed, so every trial's search measures the same base model on the same images and the
-            process reuses the measurements (:mod:`~nascompress.search.dcs_prepare`).
+            process reuses the measurements (:mod:`~nascompress.dcs_search.prepare`).
         auto_batch: choose the batch size from the number of training images
             (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
@@ -342,7 +342,7 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[s
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
     distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
-    directory's files are written as the search goes (:func:`~nascompress.search.dcs_run.search_dcs`), ``before_fit(job)`` called
+    directory's files are written as the search goes (:func:`~nascompress.dcs_search.run.search_dcs`), ``before_fit(job)`` called
     once the job's choices are resolved."""
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture

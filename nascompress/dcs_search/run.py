@@ -1,5 +1,5 @@
 """``nascompress search dcs`` into a run directory: the dense source (a run, or a timm name with local
-weights), the search itself (:func:`~nascompress.search.dcs.run_dcs_search`, in memory) writing its
+weights), the search itself (:func:`~nascompress.dcs_search.search.run_dcs_search`, in memory) writing its
 files as it goes, the completion mark; and a search the guard stopped reopened by ``--resume`` with
 another ``--max-val-drop``."""
 from __future__ import annotations
@@ -13,22 +13,22 @@ from .. import distributed
 from ..api import count_classes, run_data_config
 from ..data import DataConfig, InputSpec, dataset_paths, load_data
 from ..errors import NascompressError, SettingError
-from ..io import load_typed, make_arch
+from ..runs.io import load_typed, make_arch
 from ..models import ModelSpec, build_model, load_pretrained
-from ..run_dir import RunDir
+from ..runs.run_dir import RunDir
 from ..train import input_spec_for
-from ..run_files import METRICS_FILE, Arch, find_metrics
+from ..runs.files import METRICS_FILE, Arch, find_metrics
 from ..methods.dcs import DCSConfig
-from .dcs import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from .search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
 
 def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any], method: Mapping[str, Any],
               train: Mapping[str, Any], data: DataConfig | None = None, weights: str | None = None,
               img_size: int | None = None) -> DCSSearchJob:
     """The DCS search job of ``nascompress search dcs`` and of a pipeline's ``stages.dcs`` (the one
-    place it is built): ``search``: the values of :class:`~nascompress.search.dcs.DCSSearchConfig`'s
+    place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search.DCSSearchConfig`'s
     settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
-    :data:`~nascompress.search.dcs.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
+    :data:`~nascompress.dcs_search.search.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
     (None: the recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset
     (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
     cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from timm.data import create_transform
 from torchvision import transforms
 
-from .errors import NascompressError
-from . import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
-from .limits import check_limit
+from ..errors import NascompressError
+from .. import _compat  # noqa: F401  (torchvision's CPU fix, before torchvision is used)
+from ..limits import check_limit
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530
 DIGITS_MEAN, DIGITS_STD = 0.3057, 0.3763  # scikit-learn's digits scaled to [0, 1] (measured on its training split)

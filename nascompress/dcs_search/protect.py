@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import aligned_width
 from ..methods.dcs import BlockStats, DCSConfig, make_supernet
-from .dcs_family import dense_targets
+from .family import dense_targets
 
 SENSITIVITY_DROP = 0.5  # share of one block's gates dropped to measure its sensitivity
 WEIGHT_CLIP = 4.0  # cost weights stay within [1/4, 4]

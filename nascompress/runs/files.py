@@ -1,13 +1,13 @@
 """The JSON files of a run directory, typed and read and written here only.
 
-- ``arch.json`` (the model format, :mod:`nascompress.io`): :class:`Arch` (format, model spec,
-  input spec, labels, method records as :class:`MethodRecord`); :func:`nascompress.io.read_arch`
+- ``arch.json`` (the model format, :mod:`nascompress.runs.io`): :class:`Arch` (format, model spec,
+  input spec, labels, method records as :class:`MethodRecord`); :func:`nascompress.runs.io.read_arch`
   gives it for a run directory (also a plain model directory or a weights file), validated in one
   place (:func:`validate_arch`: a damaged file is one NascompressError line);
-  :func:`nascompress.io.load_typed` gives it with the model. Records are frozen: a stage that adds a
+  :func:`nascompress.runs.io.load_typed` gives it with the model. Records are frozen: a stage that adds a
   decision makes a new one (:meth:`Arch.with_method`, :meth:`Arch.with_labels`, :meth:`Record.set`,
   :meth:`Record.without`), written as the dict edited the same way would be.
-- ``metrics.json`` (the completion mark, :func:`nascompress.io.finish_run`, and each stage's
+- ``metrics.json`` (the completion mark, :func:`nascompress.runs.io.finish_run`, and each stage's
   results): :class:`RunMetrics`, the fields every stage writes typed (``test_top1``, ``val_top1``,
   ``flops_ratio``, ``macs``, ``dense_macs``, ``finished``) and the stage's own in ``extra``;
   :func:`read_metrics` / :func:`find_metrics`.
@@ -26,10 +26,10 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from .data_input import check_input_section
-from .errors import NascompressError
-from .models import ModelSpec, check_model_kwargs, check_model_size, model_size
-from .utils import read_json, write_json
+from ..data.input import check_input_section
+from ..errors import NascompressError
+from ..models import ModelSpec, check_model_kwargs, check_model_size, model_size
+from ..utils import read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
 # /1: written before the method contract; its new-parameter names differ (io's _upgrade_v1)
@@ -183,7 +183,7 @@ def _labels(v: Any, where: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class Arch(Record):
-    """``arch.json``: the model format (:mod:`nascompress.io`)."""
+    """``arch.json``: the model format (:mod:`nascompress.runs.io`)."""
     format: str
     model: Mapping[str, Any]
     input: Mapping[str, Any] | None = None
@@ -232,7 +232,7 @@ class RunMetrics(Record):
     flops_ratio: float | None = None
     macs: float | None = None
     dense_macs: float | None = None
-    finished: bool | None = None  # the completion mark (nascompress.io.finish_run)
+    finished: bool | None = None  # the completion mark (nascompress.runs.io.finish_run)
     finished_files: Mapping[str, Any] | None = None  # size and sha256 of the files it vouches for
 
     CHECKS = {**{k: _optional(_number) for k in ("test_top1", "val_top1", "flops_ratio", "macs", "dense_macs")},
@@ -296,7 +296,7 @@ def read_metrics_json(run_dir: str | Path) -> Any:
 
 
 def write_metrics_json(run_dir: str | Path, metrics: Mapping[str, Any] | RunMetrics) -> Path:
-    """Write ``run_dir/metrics.json`` atomically (the run's last write: :func:`nascompress.io.finish_run`)."""
+    """Write ``run_dir/metrics.json`` atomically (the run's last write: :func:`nascompress.runs.io.finish_run`)."""
     path = Path(run_dir) / METRICS_FILE
     write_json(path, metrics.to_dict() if isinstance(metrics, RunMetrics) else metrics)
     return path

@@ -49,15 +49,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from .errors import NascompressError, SettingError, literal, words, writing
-from .methods import apply_methods
-from .models import ModelSpec, build_model, load_state_strict
-from .pipeline_files import find_run_config
-from .run_files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
-from .run_files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
-                        write_arch_json, write_metrics_json)
-from .utils import atomic_path, parse_json
-from .runtime import parse_dtype
+from ..errors import NascompressError, SettingError, literal, words, writing
+from ..methods import apply_methods
+from ..models import ModelSpec, build_model, load_state_strict
+from ..pipeline_files import find_run_config
+from .files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
+from .files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
+                    write_arch_json, write_metrics_json)
+from ..utils import atomic_path, parse_json
+from ..runtime import parse_dtype
 
 _V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
                (".attn.dcs_theta", ".attn.qk_mask.theta"))
@@ -323,7 +323,7 @@ def load_arch(path: str | Path) -> dict[str, Any]:
 
 
 def read_arch(path: str | Path) -> Arch:
-    """The typed arch (:class:`~nascompress.run_files.Arch`) of a saved model, read as :func:`load_arch`."""
+    """The typed arch (:class:`~nascompress.runs.files.Arch`) of a saved model, read as :func:`load_arch`."""
     p = Path(path)
     source = str(p / ARCH_FILE) if p.is_dir() and (p / ARCH_FILE).is_file() else f"{p} metadata"
     return Arch.from_dict(load_arch(p), source=source)
@@ -358,7 +358,7 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
 
 def load_typed(path: str | Path, *, map_location: str | torch.device = "cpu", complete: bool = True,
                dtype: str | torch.dtype | None = None) -> tuple[nn.Module, Arch]:
-    """:func:`load_with_arch` with the typed :class:`~nascompress.run_files.Arch`."""
+    """:func:`load_with_arch` with the typed :class:`~nascompress.runs.files.Arch`."""
     model, arch = load_with_arch(path, map_location=map_location, complete=complete, dtype=dtype)
     return model, Arch.from_dict(arch, source=str(path))
 

@@ -9,8 +9,8 @@ from typing import Sequence
 import torch
 from torch.utils.data import Dataset
 
-from .data_sources import TensorImageDataset
-from .errors import SettingError
+from .sources import TensorImageDataset
+from ..errors import SettingError
 
 
 def keep_classes(ds: Dataset | None, keep: Sequence[int]) -> Dataset | None:

@@ -23,12 +23,12 @@ from ..data import DataConfig, InputSpec, make_loader, preprocess
 from ..train import TrainConfig
 from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
 from ..auto_batch import auto_batch_size
-from .dcs_family import choose_family, dense_targets, probe_kl
-from .dcs_protect import protection
+from .family import choose_family, dense_targets, probe_kl
+from .protect import protection
 
 
 class DCSJobView(Protocol):
-    """What the measurements read of a DCS search job (:class:`nascompress.search.dcs.DCSSearchJob`, whose
+    """What the measurements read of a DCS search job (:class:`nascompress.dcs_search.search.DCSSearchJob`, whose
     search calls :func:`prepare_search`; declared here so that this module does not import its caller)."""
 
     source: str

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .data_splits import stratified_indices
-from .errors import NascompressError, SettingError
+from .splits import stratified_indices
+from ..errors import NascompressError, SettingError
 
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
-MEMORY_PREFIX = "python:"  # the names of the datasets the Python API holds in memory (nascompress.data_memory)
+MEMORY_PREFIX = "python:"  # the names of the datasets the Python API holds in memory (nascompress.data.memory)
 MEMORY_DATASETS: dict[str, Any] = {}  # such a name -> its splits (a MemorySplits), this process only
 
 

@@ -38,7 +38,7 @@ from ..hooks import kl_to_teacher, short_stage
 from ..layers import aligned_width
 from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
 from ..progress import step as shown
-from .dcs_cost import CostModel
+from .cost import CostModel
 
 KINDS = ("dcs", "magnitude")
 NAMES = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}  # as the messages call them

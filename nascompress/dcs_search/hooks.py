@@ -1,7 +1,7 @@
 """The DCS search as training hooks (:class:`DCSSearchHooks`, run by the one training loop
 :func:`nascompress.train.fit`): the alternating weight and architecture steps, the budget (the
 lambda controller and the projection onto the moving target), the end-of-search guard and the
-accuracy stop (see :mod:`nascompress.search.dcs`)."""
+accuracy stop (see :mod:`nascompress.dcs_search.search`)."""
 from __future__ import annotations
 
 import math
@@ -17,11 +17,11 @@ from ..distill import FeatureTap, feature_kd_loss
 from ..errors import SettingError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..methods.dcs import arch_parameters, binary_entropy, make_record
-from ..run_files import Arch
+from ..runs.files import Arch
 from ..train import TrainConfig
-from .dcs_cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
-from .dcs_prepare import DCSJobView
-from .dcs_teacher import Indexed, StepTag, TeacherCache, interleave
+from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
+from .prepare import DCSJobView
+from .teacher import Indexed, StepTag, TeacherCache, interleave
 
 
 class DCSSearchHooks(TrainHooks):
