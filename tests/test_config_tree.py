@@ -207,7 +207,7 @@ def test_grad_balance_is_a_pipeline_key(tmp_path):
 
 
 def test_the_cli_builds_the_search_from_the_generated_options(tmp_path, monkeypatch):
-    import nascompress.search as search
+    import nascompress.dcs_search as search
 
     seen = {}
 
@@ -244,7 +244,7 @@ def captured(monkeypatch):
     """The jobs the CLI commands and the pipeline's steps would run (nothing runs)."""
     import nascompress.pipeline.fallback as fallback
     import nascompress.retrain as retrain
-    import nascompress.search as search
+    import nascompress.dcs_search as search
     import nascompress.train as train
 
     jobs: dict[str, list] = {"train": [], "dcs": [], "retrain": []}

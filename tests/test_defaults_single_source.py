@@ -34,7 +34,7 @@ def jobs(monkeypatch):
     import nascompress.finetune as finetune
     import nascompress.pipeline.fallback as fallback
     import nascompress.retrain as retrain
-    import nascompress.search as search
+    import nascompress.dcs_search as search
     import nascompress.search.trials as trials
     import nascompress.train as train
 

@@ -128,7 +128,7 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
         raise RuntimeError("stop")
 
     patch_everywhere(monkeypatch, dcs, "run_dcs_search", stop)
-    ctx = SimpleNamespace(arch={"methods": []}, job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
+    ctx = SimpleNamespace(arch=SimpleNamespace(methods=()), job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
                           data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2),
                           data=SimpleNamespace(extra={"fixed_train_images": True}))
     with pytest.raises(RuntimeError, match="stop"):
