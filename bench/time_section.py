@@ -101,7 +101,7 @@ def compile_change(change: dict[str, Any], run: dict[str, Any] | None) -> dict[s
                 ratio=f"fp32 {up['fp32']:.2f}x, bf16 {up['bf16']:.2f}x per step ({run['threads']} thread, {load}); "
                       f"compiling takes {comp['fp32']:.0f} s (fp32) / {comp['bf16']:.0f} s (bf16)",
                 kept=False, note="the gain is about the compile's own cost on the main job's base (bf16 1.1x of a "
-                                 "323-s base saves about 30 s; the compile, plus recompiles for the last partial "
+                                 "5-minute bf16 base saves about 30 s; the compile, plus recompiles for the last partial "
                                  "batch and evaluation, takes about as long); bench/results/compile_step.json")
 
 
