@@ -49,7 +49,7 @@ from .folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, s
 from .input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
                     INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
                     resize)
-from .loader import make_loader
+from .loader import collate_batch, make_loader
 from .memory import is_memory, memory_splits
 from .sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
                       TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
@@ -63,7 +63,7 @@ __all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DI
            "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
            "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
            "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
-           "load_lfw_faces_dataset", "make_loader", "preprocess", "dataset_paths", "training_batches",
+           "load_lfw_faces_dataset", "collate_batch", "make_loader", "preprocess", "dataset_paths", "training_batches",
            "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
 
 

@@ -10,8 +10,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset
 
 
-def _batched_collate(batch):
-    # Datasets with __getitems__ already return (images, labels); ImageFolder returns a list.
+def collate_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch as (images, labels): datasets with ``__getitems__`` already give that tuple; an
+    ImageFolder (or a Subset of one) gives a list of (image, label) pairs, stacked here."""
     if isinstance(batch, tuple):
         return batch
     xs, ys = zip(*batch)
@@ -48,5 +49,5 @@ def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, e
     extra: dict[str, Any] = {}
     if num_workers > 0:  # (without workers the generator is not passed: the global RNG stream stays as before)
         extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919 + rank * 1_000_003)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=_batched_collate, num_workers=num_workers,
+    return DataLoader(ds, batch_sampler=sampler, collate_fn=collate_batch, num_workers=num_workers,
                       pin_memory=pin_memory and torch.cuda.is_available(), **extra)

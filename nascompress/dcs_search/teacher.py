@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .. import runtime
-from ..data import InputSpec, make_loader, preprocess
+from ..data import InputSpec, collate_batch, make_loader, preprocess
 from ..distill import FeatureTap
 
 
@@ -39,10 +39,8 @@ class Indexed:
         return len(self.base)
 
     def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # an in-memory split gives the batch; an ImageFolder (or a Subset of one) a list of (image, label)
         got = self.base.__getitems__(idx) if hasattr(self.base, "__getitems__") else [self.base[i] for i in idx]
-        imgs, labels = got if isinstance(got, tuple) else (torch.stack([x for x, _ in got]),
-                                                           torch.as_tensor([y for _, y in got]))
+        imgs, labels = collate_batch(got)  # an in-memory split's batch, or an ImageFolder's (image, label) pairs
         return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
 
 
