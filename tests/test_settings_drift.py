@@ -130,7 +130,7 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
     patch_everywhere(monkeypatch, dcs, "run_dcs_search", stop)
     ctx = SimpleNamespace(arch=SimpleNamespace(methods=()), job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
                           data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2),
-                          data=SimpleNamespace(extra={"fixed_train_images": True}))
+                          search_data=lambda: None)
     with pytest.raises(RuntimeError, match="stop"):
         _search_dcs(ctx, {"alpha_init": 3.0}, seed=0)
     method = seen[0].method

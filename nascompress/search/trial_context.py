@@ -11,9 +11,8 @@ import torch
 from torch import nn
 
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
-from ..runs.io import load_typed
+from ..runs.io import MODEL_FILE, file_sha256, load_typed
 from ..models import build_model
-from ..runs.io import MODEL_FILE, file_sha256
 from ..profiling import count_flops, measure
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
@@ -53,6 +52,16 @@ class TrialContext:
         # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
         # stopped with (search.trial_dcs.dcs_stage)
         self.dcs_memo: dict[str, Any] = {}
+        self._search_data: Any = None
+
+    def search_data(self) -> Any:
+        """The splits a trial's DCS search reads: the training images unaugmented (as ``search dcs``
+        reads them), so the teacher's outputs are computed once; an ImageFolder's loaded once more without
+        its training transform, the first time a DCS stage asks."""
+        if self._search_data is None:
+            fixed = self.data.extra.get("fixed_train_images")
+            self._search_data = self.data if fixed else load_data(self.data_cfg, spec=self.spec, augment=False)
+        return self._search_data
 
     def calibration_batches(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
         return [(x.to(self.device), y.to(self.device)) for x, y in self.calib]

@@ -10,7 +10,6 @@ from typing import Any
 
 from torch import nn
 
-from ..data import load_data
 from ..errors import NascompressError
 from .trial_context import TrialContext
 from ..methods.dcs import DCSConfig, materialize
@@ -45,7 +44,6 @@ def dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[n
 
 
 def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
-
     if ctx.arch.methods:
         raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
                                f"{list(ctx.arch.method_names)}")
@@ -60,11 +58,7 @@ def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple
     job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
                        data=ctx.data_cfg, train=train)
     dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
-    # the search reads its training images unaugmented (as `search dcs` does): an ImageFolder's once more
-    # without its training transform, so the teacher's outputs are computed once
-    data = ctx.data if ctx.data.extra.get("fixed_train_images") else load_data(ctx.data_cfg, spec=ctx.spec,
-                                                                                augment=False)
-    result = run_dcs_search(job, dense, ctx.arch, data)
+    result = run_dcs_search(job, dense, ctx.arch, ctx.search_data())
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)
     model.nc_methods = ["dcs"]
     model.nc_dcs_kept = result.metrics["kept"]  # the searched model or the magnitude baseline (trial info)
