@@ -13,9 +13,9 @@ from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values, section_error
 from ..data import BUILTIN_DATASETS, DataConfig, load_data
 from .sections import DATASET_KEYWORDS, PipelineConfig
-from ..importer import weights_grid_size, weights_shapes
 from ..pipeline_files import PICK_FILE, Pick, find_step_marker, write_pick  # noqa: F401  (PICK_FILE: kept importable here)
-from ..importer import (ImportJob, build_job as build_import_job, import_model, weights_kwargs)
+from ..importer import (ImportJob, build_job as build_import_job, import_model, weights_grid_size, weights_kwargs,
+                        weights_shapes)
 from ..utils import resolve_device
 from ..api import count_classes
 from ..export import export_run

@@ -18,9 +18,8 @@ from ..data import dataset_paths
 from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
 from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..runs.files import has_metrics
-from ..utils import refuse_overwriting_inputs
 from ..train import RUNTIME_SETTINGS
-from ..utils import atomic_path
+from ..utils import atomic_path, refuse_overwriting_inputs
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 from .schema import Section
