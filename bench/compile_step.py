@@ -1,7 +1,7 @@
 """Is ``torch.compile`` of the training step worth it on this CPU? (issue 50: candidates measured, not
 assumed.) The main job's base step (``tool_speed.py``'s ``main`` recipe: CE with label smoothing,
 clip, AdamW) in fp32 and in bf16 (the ``--amp auto`` path: explicit bf16 attention), eager against
-the forward + loss compiled by ``torch.compile`` (inductor, the backward through AOTAutograd), all
+the model's forward compiled by ``torch.compile`` (inductor, the backward through AOTAutograd), all
 four interleaved in one process (medians of ``--reps`` steps after 3 warm-up steps each); the
 compile's own time is the compiled variants' warm-up. Writes ``bench/results/compile_step.json``.
 
@@ -31,45 +31,24 @@ def main() -> None:
     # a cold compile: inductor's cache in a fresh folder (a warm one would hide the compile's cost)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
     import torch
-    import torch.nn.functional as F
-
-    from nascompress import runtime
 
     torch.set_num_threads(a.threads)
-    dev = torch.device("cpu")
     res: dict[str, Any] = dict(header(), recipe=a.recipe, threads=a.threads, load_at_start=tool_speed.load())
-    variants: dict[str, tuple[Any, Any, str, Any]] = {}
+    variants: dict[str, tuple[Any, Any, str]] = {}
     for name in ("fp32", "fp32_compiled", "bf16", "bf16_compiled"):
         torch.manual_seed(0)
         model, x = tool_speed.build(a.recipe)
         model.train()
-        amp = "bf16" if name.startswith("bf16") else "off"
-        fwd = None
-        if name.endswith("compiled"):
-            if amp == "bf16":  # the --amp auto path: explicit bf16 attention (runtime.cpu_attention)
-                for mod in model.modules():
-                    if getattr(mod, "fused_attn", None) is True:
-                        mod.fused_attn = False
-
-            def loss(x: Any, y: Any, model: Any = model, amp: str = amp) -> Any:
-                with runtime.autocast(dev, amp):
-                    return F.cross_entropy(model(x), y, label_smoothing=0.1)
-
-            fwd = torch.compile(loss)
-        variants[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4), amp, fwd)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        # the same step (tool_speed.train_step: its autocast and attention path), the model's forward compiled
+        variants[name] = (torch.compile(model) if name.endswith("compiled") else model, opt,
+                          "bf16" if name.startswith("bf16") else "off")
     y = torch.randint(0, 10, (x.shape[0],))
 
     def step(name: str) -> float:
-        model, opt, amp, fwd = variants[name]
+        model, opt, amp = variants[name]
         t0 = time.perf_counter()
-        if fwd is None:
-            tool_speed.train_step(model, x, y, opt, amp)
-        else:
-            loss = fwd(x, y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-            opt.step()
+        tool_speed.train_step(model, x, y, opt, amp)
         return time.perf_counter() - t0
 
     warm = {}

@@ -97,7 +97,7 @@ def compile_change(change: dict[str, Any], run: dict[str, Any] | None) -> dict[s
         return change
     up, comp = run["compiled_speedup"], run["compile_s"]
     load = f"1-minute load average {run['load_at_start']:g} at the start" if run["load_at_start"] >= 0.5 else "quiet"
-    return dict(change, change="torch.compile of the forward + loss (inductor), the main job's base step",
+    return dict(change, change="torch.compile of the model's forward (inductor), the main job's base step",
                 ratio=f"fp32 {up['fp32']:.2f}x, bf16 {up['bf16']:.2f}x per step ({run['threads']} thread, {load}); "
                       f"compiling takes {comp['fp32']:.0f} s (fp32) / {comp['bf16']:.0f} s (bf16)",
                 kept=False, note="the gain is about the compile's own cost on the main job's base (bf16 1.1x of a "
