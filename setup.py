@@ -1,6 +1,7 @@
 """Everything is declared in pyproject.toml; this only adds one file to the wheel's root: the
 ``.pth`` line that runs nascompress/_torchvision_hook.py at start-up, so that a plain ``import timm``
 works after ``pip install nascompress`` next to a CPU-only torch (see that module for why)."""
+
 import os
 import sys
 

@@ -1,4 +1,5 @@
 """Helpers shared by the benchmark scripts (run as ``python bench/<name>.py``, so this folder is on sys.path)."""
+
 from __future__ import annotations
 
 import os
@@ -30,7 +31,7 @@ def relative_path(path: str, root: Path = ROOT) -> str:
     if path == root_s:
         return "."
     if path.startswith(root_s + "/"):
-        return path[len(root_s) + 1:]
+        return path[len(root_s) + 1 :]
     parts = path.strip("/").split("/")
     if parts[0] in _REPO_FOLDERS:  # already relative (``sqlite:///runs/x.db``): left alone
         return path
@@ -83,9 +84,14 @@ def machine() -> dict[str, Any]:
     """Where the figures were measured: torch threads, CPU count, load, platform, versions."""
     import torch
 
-    info: dict[str, Any] = {"cpu_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-                            "platform": platform.platform(), "python": platform.python_version(),
-                            "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    info: dict[str, Any] = {
+        "cpu_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
     try:
         import timm
 
@@ -106,11 +112,20 @@ def header() -> dict[str, Any]:
 
 def data_sizes(bundle: Any, cfg: Any = None) -> dict[str, Any]:
     """The split sizes of a loaded DataBundle (and the limits / subset seed that drew them)."""
-    out: dict[str, Any] = {"dataset": bundle.name, "train_images": len(bundle.train), "val_images": len(bundle.val),
-                           "test_images": len(bundle.test)}
+    out: dict[str, Any] = {
+        "dataset": bundle.name,
+        "train_images": len(bundle.train),
+        "val_images": len(bundle.val),
+        "test_images": len(bundle.test),
+    }
     if cfg is not None:
-        out.update(train_limit=cfg.train_limit, eval_limit=cfg.eval_limit, subset_seed=cfg.subset_seed,
-                   split_seed=cfg.split_seed, val_fraction=cfg.val_fraction)
+        out.update(
+            train_limit=cfg.train_limit,
+            eval_limit=cfg.eval_limit,
+            subset_seed=cfg.subset_seed,
+            split_seed=cfg.split_seed,
+            val_fraction=cfg.val_fraction,
+        )
     return out
 
 
@@ -124,7 +139,9 @@ def save(path: str | Path, result: dict[str, Any]) -> None:
     write_json(path, relative_paths(result))
 
 
-def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data_section: dict | None) -> dict[str, Any]:
+def build_uniform(
+    dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data_section: dict | None
+) -> dict[str, Any]:
     """Uniform magnitude pruning (MLP hidden neurons and each head's Q/K channels, the same share in
     every block; ``methods.uniform``) at ``ratio`` x the dense FLOPs, saved as a run in ``out``."""
     import copy
@@ -145,16 +162,20 @@ def build_uniform(dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data
     prepare_out_dir(out, force=True)
     create_out_dir(out, force=True)
     save_model(out, model, new_arch)
-    write_json(out / "config.json", {"data": data_section, "uniform": {"keep": keep, "qk": True,
-                                                                       "target_flops_ratio": ratio}})
+    write_json(
+        out / "config.json", {"data": data_section, "uniform": {"keep": keep, "qk": True, "target_flops_ratio": ratio}}
+    )
     back = nascompress.load(out).eval()
     with torch.no_grad():
         x = torch.randn(4, *x1.shape[1:], generator=torch.Generator().manual_seed(0))
         diff = (model(x) - back(x)).abs().max().item()
     blocks = record["blocks"]
-    return {"keep": keep, "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
-            "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
-            "reload_max_abs_logit_diff": diff}
+    return {
+        "keep": keep,
+        "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
+        "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
+        "reload_max_abs_logit_diff": diff,
+    }
 
 
 def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) -> tuple[list[list[int]], float]:
@@ -176,11 +197,20 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
         m = copy.deepcopy(dense)
         keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
         ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
-        pr = tp.pruner.MetaPruner(m, x, importance=tp.importance.GroupMagnitudeImportance(p=2), global_pruning=True,
-                                  pruning_ratio=ratio, ignored_layers=ignored, round_to=round_to)
+        pr = tp.pruner.MetaPruner(
+            m,
+            x,
+            importance=tp.importance.GroupMagnitudeImportance(p=2),
+            global_pruning=True,
+            pruning_ratio=ratio,
+            ignored_layers=ignored,
+            round_to=round_to,
+        )
         pr.step()
-        return [torch.cdist(b1.mlp.fc1.weight, b0.mlp.fc1.weight).argmin(1).sort().values.tolist()
-                for b0, b1 in zip(dense.blocks, m.blocks)]
+        return [
+            torch.cdist(b1.mlp.fc1.weight, b0.mlp.fc1.weight).argmin(1).sort().values.tolist()
+            for b0, b1 in zip(dense.blocks, m.blocks)
+        ]
 
     def flops_of(keep: list[list[int]]) -> float:
         return count_flops(hidden_keep_model(dense, keep)[0], x).total / full

@@ -14,6 +14,7 @@ Writes bench/results/command_times.json (``--out`` for another file). The machin
 average is recorded at the start and after each command: on a shared machine other jobs slow every
 command, and the times are only comparable at a similar load.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,15 +58,21 @@ def main() -> None:
     try:
         for name, cli in chain:
             t0 = time.perf_counter()
-            r = subprocess.run([sys.executable, "-m", "nascompress.cli.main", *cli], capture_output=True, text=True,
-                               env=env, cwd=work)
+            r = subprocess.run(
+                [sys.executable, "-m", "nascompress.cli.main", *cli], capture_output=True, text=True, env=env, cwd=work
+            )
             seconds = time.perf_counter() - t0
             if r.returncode != 0:
                 raise SystemExit(f"{name} failed ({r.returncode}): {r.stderr.strip()[-1500:]}")
-            rows.append({"cli": "nascompress " + " ".join(c if not c.startswith(str(work)) else
-                                                         c.replace(str(work), "RUNS") for c in cli),
-                         "name": name, "seconds": round(seconds, 1),
-                         "load_avg_1min_after": round(os.getloadavg()[0], 1)})
+            rows.append(
+                {
+                    "cli": "nascompress "
+                    + " ".join(c if not c.startswith(str(work)) else c.replace(str(work), "RUNS") for c in cli),
+                    "name": name,
+                    "seconds": round(seconds, 1),
+                    "load_avg_1min_after": round(os.getloadavg()[0], 1),
+                }
+            )
             print(f"{name}: {seconds:.1f} s", flush=True)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-c", "import nascompress.cli.main"], check=True, env=env)
@@ -74,11 +81,18 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     info = header()
     info["machine"].update(cpu_threads=args.threads, load_average_at_start=load0)  # (the commands' threads)
-    res = {**info, "dataset": "fashion-mnist", "model": "the default custom ViT (28 px, width 96, depth 6, 3 heads)",
-           "train_limit": args.train_limit, "eval_limit": args.eval_limit, "epochs": args.epochs,
-           "cli_startup_s": round(startup, 1), "commands": rows,
-           "note": "each command in a fresh process (start-up included), on train_limit training images for epochs "
-                   "epochs and eval_limit validation and test images"}
+    res = {
+        **info,
+        "dataset": "fashion-mnist",
+        "model": "the default custom ViT (28 px, width 96, depth 6, 3 heads)",
+        "train_limit": args.train_limit,
+        "eval_limit": args.eval_limit,
+        "epochs": args.epochs,
+        "cli_startup_s": round(startup, 1),
+        "commands": rows,
+        "note": "each command in a fresh process (start-up included), on train_limit training images for epochs "
+        "epochs and eval_limit validation and test images",
+    }
     save(args.out, res)
     print(f"wrote {args.out}")
 

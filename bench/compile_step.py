@@ -7,6 +7,7 @@ compile's own time is the compiled variants' warm-up. Writes ``bench/results/com
 
     python bench/compile_step.py --threads 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,11 @@ def main() -> None:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         # the same step (tool_speed.train_step: its autocast and attention path), the model's forward compiled
-        variants[name] = (torch.compile(model) if name.endswith("compiled") else model, opt,
-                          "bf16" if name.startswith("bf16") else "off")
+        variants[name] = (
+            torch.compile(model) if name.endswith("compiled") else model,
+            opt,
+            "bf16" if name.startswith("bf16") else "off",
+        )
     y = torch.randint(0, 10, (x.shape[0],))
 
     def step(name: str) -> float:

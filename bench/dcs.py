@@ -33,6 +33,7 @@ Records:
 Writes bench/results/dcs.json (``--out``). ``--paper-search DIR`` reuses a finished search there
 (made with ``nascompress search dcs`` without --round-mlp), else runs it (the same job, --round-mlp 0).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,13 @@ from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noq
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
-from nascompress.dcs_search.search import (CostModel, DCSSearchConfig, DCSSearchHooks, DCSSearchJob,  # noqa: E402
-                                           search_train_config)
+from nascompress.dcs_search.search import (
+    CostModel,
+    DCSSearchConfig,
+    DCSSearchHooks,
+    DCSSearchJob,  # noqa: E402
+    search_train_config,
+)
 from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402
 from nascompress.train import TrainConfig, fit  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
@@ -95,8 +101,9 @@ def _step(model, opt, hooks: TrainHooks, x, y, tag, cfg: TrainConfig) -> None:
     hooks.after_step(model, tag)
 
 
-def interleaved_step_ratio(job: DCSSearchJob, dense: torch.nn.Module, arch: dict, spec: InputSpec, data, *,
-                           rounds: int, steps: int = 10) -> dict[str, Any]:
+def interleaved_step_ratio(
+    job: DCSSearchJob, dense: torch.nn.Module, arch: dict, spec: InputSpec, data, *, rounds: int, steps: int = 10
+) -> dict[str, Any]:
     """Search steps vs dense training steps on the same batches, interleaved in this process.
 
     The search side is the real search step: :class:`DCSSearchHooks` (built as ``search_dcs``
@@ -113,14 +120,21 @@ def interleaved_step_ratio(job: DCSSearchJob, dense: torch.nn.Module, arch: dict
     sup = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0)
     cost = CostModel.build(dense, sup, torch.zeros(1, spec.in_chans, *spec.img_size))
     teacher = copy.deepcopy(dense).eval().requires_grad_(False)
-    hooks = DCSSearchHooks(sup, dense=teacher if job.search.distill > 0 else None, cost=cost, job=job,
-                           base_arch=arch, train_size=len(data.train))
+    hooks = DCSSearchHooks(
+        sup,
+        dense=teacher if job.search.distill > 0 else None,
+        cost=cost,
+        job=job,
+        base_arch=arch,
+        train_size=len(data.train),
+    )
     student, plain = copy.deepcopy(dense), TrainHooks()
     opt_s, opt_d = _optimizer(sup, hooks, cfg), _optimizer(student, plain, cfg)
 
     def loader_for(epoch: int):
-        return lambda ds, stream=0: make_loader(ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream,
-                                                epoch=epoch)
+        return lambda ds, stream=0: make_loader(
+            ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream, epoch=epoch
+        )
 
     def stream():
         for epoch in itertools.count():
@@ -159,16 +173,24 @@ def interleaved_step_ratio(job: DCSSearchJob, dense: torch.nn.Module, arch: dict
                 kinds[kind] += 1
     for p in sup.parameters():
         p.requires_grad_(True)
-    return {"rounds": rounds, "steps_per_round": steps, "batch_size": cfg.batch_size, "w_steps": kinds["w"],
-            "arch_steps": kinds["a"], "distill_teacher_forward_on_w_steps": job.search.distill > 0,
-            "dense_steps_s": t_dense, "search_steps_s": t_search,
-            "ratio": t_search / t_dense if t_dense else None,
-            "how": "DCSSearchHooks steps (prepare_step, loss, backward, clip, AdamW, after_step) vs dense CE steps "
-                   "on the same batches, alternating order per round, round 0 warm-up"}
+    return {
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "batch_size": cfg.batch_size,
+        "w_steps": kinds["w"],
+        "arch_steps": kinds["a"],
+        "distill_teacher_forward_on_w_steps": job.search.distill > 0,
+        "dense_steps_s": t_dense,
+        "search_steps_s": t_search,
+        "ratio": t_search / t_dense if t_dense else None,
+        "how": "DCSSearchHooks steps (prepare_step, loss, backward, clip, AdamW, after_step) vs dense CE steps "
+        "on the same batches, alternating order per round, round 0 warm-up",
+    }
 
 
-def dense_epoch_time(dense: torch.nn.Module, arch: dict, spec: InputSpec, data_cfg: DataConfig,
-                     train_cfg: TrainConfig) -> dict[str, Any]:
+def dense_epoch_time(
+    dense: torch.nn.Module, arch: dict, spec: InputSpec, data_cfg: DataConfig, train_cfg: TrainConfig
+) -> dict[str, Any]:
     """Seconds of one dense training epoch (fit) on the images the search trained on, with the
     search's optimisation settings (batch, lr groups, clipping); validation not timed."""
     data = load_data(replace(data_cfg, eval_limit=min(data_cfg.eval_limit or 500, 500)), spec=spec)
@@ -188,8 +210,10 @@ def speed(models: list[torch.nn.Module], labels: list[str], input_shape, iters: 
     t = measure(models, tuple(input_shape), device=CPU, batch_sizes=(1, 64), iters=iters, warmup=5)
     out: dict[str, Any] = {"iters": iters, "timings": dict(zip(labels, t))}
     for lab, ti in zip(labels[1:], t[1:]):
-        out[lab] = {"throughput_speedup_batch64": ti["throughput"] / t[0]["throughput"],
-                    "latency_speedup_batch1": t[0]["latency_ms"] / ti["latency_ms"]}
+        out[lab] = {
+            "throughput_speedup_batch64": ti["throughput"] / t[0]["throughput"],
+            "latency_speedup_batch1": t[0]["latency_ms"] / ti["latency_ms"],
+        }
     return out
 
 
@@ -198,12 +222,20 @@ def landed(metrics: dict[str, Any], tol: float) -> dict[str, Any]:
     target = metrics.get("target_flops")
     cal = metrics.get("calibration")
     own = cal["ratio_before"] if cal else metrics["flops_ratio"]
-    out = {"target_flops": target, "tolerance": tol, "flops_ratio": metrics["flops_ratio"],
-           "landed_ratio_by_itself": own, "calibrated": bool(metrics.get("calibrated")), "calibration": cal}
+    out = {
+        "target_flops": target,
+        "tolerance": tol,
+        "flops_ratio": metrics["flops_ratio"],
+        "landed_ratio_by_itself": own,
+        "calibrated": bool(metrics.get("calibrated")),
+        "calibration": cal,
+    }
     if target:
-        out.update(within_tolerance=abs(metrics["flops_ratio"] / target - 1) <= tol,
-                   landed_within_tolerance_by_itself=abs(own / target - 1) <= tol,
-                   calibration_moved_ratio_by=None if not cal else metrics["flops_ratio"] - own)
+        out.update(
+            within_tolerance=abs(metrics["flops_ratio"] / target - 1) <= tol,
+            landed_within_tolerance_by_itself=abs(own / target - 1) <= tol,
+            calibration_moved_ratio_by=None if not cal else metrics["flops_ratio"] - own,
+        )
     return out
 
 
@@ -222,8 +254,19 @@ def top1_se(acc: float, n: int) -> float:
 # The uniform-pruning comparison
 
 
-def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict, mat_dir: Path,
-                    test_data: DataConfig, base_data: DataConfig) -> dict[str, Any]:
+def compare_uniform(
+    args,
+    *,
+    dense,
+    arch,
+    spec,
+    x1,
+    dense_flops,
+    dense_rec: dict,
+    mat_dir: Path,
+    test_data: DataConfig,
+    base_data: DataConfig,
+) -> dict[str, Any]:
     compact = nascompress.load(mat_dir).eval()
     dcs_flops = count_flops(compact, x1)
     ratio = dcs_flops.total / dense_flops.total
@@ -233,8 +276,15 @@ def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict
     uni_flops = count_flops(uni, x1)
     rt_data = replace(test_data, train_limit=args.retrain_limit, subset_seed=args.seed)
     lr = args.retrain_lr
-    tc = TrainConfig(epochs=args.retrain_epochs, batch_size=args.retrain_batch_size, lr=lr, warmup_epochs=0.2,
-                     seed=args.seed, device=args.device, min_lr=min(1e-6, lr))
+    tc = TrainConfig(
+        epochs=args.retrain_epochs,
+        batch_size=args.retrain_batch_size,
+        lr=lr,
+        warmup_epochs=0.2,
+        seed=args.seed,
+        device=args.device,
+        min_lr=min(1e-6, lr),
+    )
     rc = RetrainConfig(eta=0.0, cluster_samples=args.cluster_samples)
     rows: dict[str, Any] = {}
     models, labels = [dense], ["dense"]
@@ -242,22 +292,44 @@ def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict
         before = evaluate_run(src, data=test_data, device="cpu")
         out = Path(args.retrain_runs) / f"retrained_{name}"
         t0 = time.perf_counter()
-        m = retrain(RetrainJob(model_dir=str(src), out=str(out), data=rt_data, train=tc, retrain=rc,
-                               teacher=args.teacher, auto_batch=False), force=True)
+        m = retrain(
+            RetrainJob(
+                model_dir=str(src),
+                out=str(out),
+                data=rt_data,
+                train=tc,
+                retrain=rc,
+                teacher=args.teacher,
+                auto_batch=False,
+            ),
+            force=True,
+        )
         wall = time.perf_counter() - t0
         after = evaluate_run(out, data=test_data, device="cpu")
         model = nascompress.load(out).eval()
         models.append(model)
         labels.append(name)
-        rows[name] = {"source": str(src), "retrained": str(out), "macs": rep.total, "params": rep.params,
-                      "flops_ratio_vs_dense": rep.total / dense_flops.total,
-                      "params_ratio_vs_dense": rep.params / dense_flops.params,
-                      "test_top1_before_retraining": before["top1"], "test_top1": after["top1"], "test_n": after["n"],
-                      "test_top1_se": top1_se(after["top1"], after["n"]),
-                      "test_top1_minus_dense": after["top1"] - dense_rec["test_top1"],
-                      "retrain": {"best_val_top1": m["best_val_top1"], "best_epoch": m["best_epoch"],
-                                  "start_val_top1": m["start_val_top1"], "train_time_s": m["train_time_s"],
-                                  "wall_s": wall, "epoch_time_s_mean": m["epoch_time_s_mean"]}}
+        rows[name] = {
+            "source": str(src),
+            "retrained": str(out),
+            "macs": rep.total,
+            "params": rep.params,
+            "flops_ratio_vs_dense": rep.total / dense_flops.total,
+            "params_ratio_vs_dense": rep.params / dense_flops.params,
+            "test_top1_before_retraining": before["top1"],
+            "test_top1": after["top1"],
+            "test_n": after["n"],
+            "test_top1_se": top1_se(after["top1"], after["n"]),
+            "test_top1_minus_dense": after["top1"] - dense_rec["test_top1"],
+            "retrain": {
+                "best_val_top1": m["best_val_top1"],
+                "best_epoch": m["best_epoch"],
+                "start_val_top1": m["start_val_top1"],
+                "train_time_s": m["train_time_s"],
+                "wall_s": wall,
+                "epoch_time_s_mean": m["epoch_time_s_mean"],
+            },
+        }
         print(name, json.dumps(rows[name]), flush=True)
     sp = speed(models, labels, (spec.in_chans, *spec.img_size), args.iters)
     for name in ("dcs", "uniform"):
@@ -265,17 +337,31 @@ def compare_uniform(args, *, dense, arch, spec, x1, dense_flops, dense_rec: dict
     diff = rows["dcs"]["test_top1"] - rows["uniform"]["test_top1"]
     se = math.hypot(rows["dcs"]["test_top1_se"], rows["uniform"]["test_top1_se"])
     winner = "dcs" if diff > 0 else "uniform" if diff < 0 else "tie"
-    return {"target_flops_ratio": ratio, "uniform": dict(uni_info, dir=str(uni_dir)),
-            "budget": {"epochs": args.retrain_epochs, "train_limit": args.retrain_limit, "seed": args.seed,
-                       "lr": lr, "batch_size": args.retrain_batch_size, "warmup_epochs": 0.2, "eta": 0.0,
-                       "cluster_samples": args.cluster_samples, "teacher": args.teacher,
-                       "data": data_sizes(load_data(rt_data, spec=spec), rt_data)},
-            "rows": rows, "speed": sp,
-            "winner_by_test_top1": winner, "test_top1_dcs_minus_uniform": diff,
-            "difference_se_unpaired": se, "difference_over_se": diff / se if se else None,
-            "note": "same FLOPs target (the DCS-materialized model's ratio), same retraining budget; top-1 on the "
-                    "same test images; throughput ratios of the retrained models vs dense measured interleaved "
-                    "in one process (batch 64), latency at batch 1"}
+    return {
+        "target_flops_ratio": ratio,
+        "uniform": dict(uni_info, dir=str(uni_dir)),
+        "budget": {
+            "epochs": args.retrain_epochs,
+            "train_limit": args.retrain_limit,
+            "seed": args.seed,
+            "lr": lr,
+            "batch_size": args.retrain_batch_size,
+            "warmup_epochs": 0.2,
+            "eta": 0.0,
+            "cluster_samples": args.cluster_samples,
+            "teacher": args.teacher,
+            "data": data_sizes(load_data(rt_data, spec=spec), rt_data),
+        },
+        "rows": rows,
+        "speed": sp,
+        "winner_by_test_top1": winner,
+        "test_top1_dcs_minus_uniform": diff,
+        "difference_se_unpaired": se,
+        "difference_over_se": diff / se if se else None,
+        "note": "same FLOPs target (the DCS-materialized model's ratio), same retraining budget; top-1 on the "
+        "same test images; throughput ratios of the retrained models vs dense measured interleaved "
+        "in one process (batch 64), latency at batch 1",
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,8 +376,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--batch-size", type=int, default=None, help="search batch (default: the search's, 128)")
     ap.add_argument("--train-limit", type=int, default=24000)
-    ap.add_argument("--eval-limit", type=int, default=None,
-                    help="val/test images for the search and every test top-1 here (default: all; dry runs only)")
+    ap.add_argument(
+        "--eval-limit",
+        type=int,
+        default=None,
+        help="val/test images for the search and every test top-1 here (default: all; dry runs only)",
+    )
     ap.add_argument("--target-flops", type=float, default=0.6)
     ap.add_argument("--arch-lr", type=float, default=None, help="default: the search's (sized from the budget)")
     ap.add_argument("--qk-mask", default="static")
@@ -299,15 +389,21 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", help="device of the search and the retraining (speed: always CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    ap.add_argument("--paper-search", default=None,
-                    help="The same search without --round-mlp: reused if finished there, else run there.")
+    ap.add_argument(
+        "--paper-search",
+        default=None,
+        help="The same search without --round-mlp: reused if finished there, else run there.",
+    )
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--step-rounds", type=int, default=6, help="Rounds of 10+10 interleaved training steps (0: skip).")
     ap.add_argument("--skip-search", action="store_true", help="Reuse an existing finished --search.")
     ap.add_argument("--skip-epoch-time", action="store_true", help="Do not time a dense epoch.")
     ap.add_argument("--also-input", action="store_true", help="Also measure the input-dependent Q/K variant.")
-    ap.add_argument("--compare-uniform", action="store_true",
-                    help="Uniform pruning at the DCS model's FLOPs; both retrained with the same budget.")
+    ap.add_argument(
+        "--compare-uniform",
+        action="store_true",
+        help="Uniform pruning at the DCS model's FLOPs; both retrained with the same budget.",
+    )
     ap.add_argument("--uniform", default="runs/uniform", help="run directory of the uniformly pruned model")
     ap.add_argument("--retrain-runs", default="runs/bench_dcs_retrain", help="where the two retrained runs go")
     ap.add_argument("--retrain-epochs", type=int, default=4)
@@ -337,50 +433,81 @@ def main() -> None:
     base_data = run_data_config(base) or DataConfig()
     test_data = replace(base_data, eval_limit=args.eval_limit)
     dense_test = evaluate_run(base, data=test_data, device="cpu")
-    res["dense"] = {"dir": str(base), "macs": dense_flops.total, "params": dense_flops.params,
-                    "test_top1": dense_test["top1"], "test_n": dense_test["n"],
-                    "file_bytes": (base / "model.safetensors").stat().st_size}
+    res["dense"] = {
+        "dir": str(base),
+        "macs": dense_flops.total,
+        "params": dense_flops.params,
+        "test_top1": dense_test["top1"],
+        "test_n": dense_test["n"],
+        "file_bytes": (base / "model.safetensors").stat().st_size,
+    }
     res["test_data"] = data_sizes(load_data(test_data, spec=spec), test_data)
 
     # Search (static Q/K so the masks can be removed physically), then materialize.
     data_cfg = replace(base_data, train_limit=args.train_limit, eval_limit=args.eval_limit, subset_seed=args.seed)
-    search_cfg = DCSSearchConfig(target_flops=args.target_flops, arch_lr=args.arch_lr, round_mlp=args.round_mlp,
-                                 auto_batch=False)
+    search_cfg = DCSSearchConfig(
+        target_flops=args.target_flops, arch_lr=args.arch_lr, round_mlp=args.round_mlp, auto_batch=False
+    )
     train_cfg = search_train_config(epochs=args.epochs, batch_size=args.batch_size, seed=args.seed, device=args.device)
-    job = DCSSearchJob(source=str(base), out=str(search_dir), method=DCSConfig(qk_mask=args.qk_mask),
-                       search=search_cfg, train=train_cfg, data=data_cfg)
+    job = DCSSearchJob(
+        source=str(base),
+        out=str(search_dir),
+        method=DCSConfig(qk_mask=args.qk_mask),
+        search=search_cfg,
+        train=train_cfg,
+        data=data_cfg,
+    )
     if not args.skip_search:
         search_dcs(job, force=True)
     search_metrics = read_json(search_dir / "metrics.json")
     log = [json.loads(ln) for ln in (search_dir / "log.jsonl").read_text().splitlines() if ln]
     search_data = load_data(data_cfg, spec=spec)
     sup_test = evaluate_run(search_dir, data=test_data, device="cpu")
-    res["search"] = {"dir": str(search_dir), "job": job.to_dict(), "data": data_sizes(search_data, data_cfg),
-                     **landed(search_metrics, search_cfg.tolerance),
-                     "final_lambda": search_metrics["lam"], "expected_flops_ratio": log[-1].get("expected_flops_ratio"),
-                     "dense_val_top1": search_metrics.get("dense_val_top1"), "val_top1": search_metrics["val_top1"],
-                     "supernet_test_top1": sup_test["top1"], "epoch_time_s": search_metrics["epoch_time_s"],
-                     "search_time_s": search_metrics["search_time_s"],
-                     "mlp_kept": search_metrics["mlp_kept"], "qk_kept": search_metrics.get("qk_kept"), "log": log}
-    print("search", json.dumps({k: res["search"][k] for k in ("flops_ratio", "landed_ratio_by_itself", "calibrated",
-                                                               "supernet_test_top1")}), flush=True)
+    res["search"] = {
+        "dir": str(search_dir),
+        "job": job.to_dict(),
+        "data": data_sizes(search_data, data_cfg),
+        **landed(search_metrics, search_cfg.tolerance),
+        "final_lambda": search_metrics["lam"],
+        "expected_flops_ratio": log[-1].get("expected_flops_ratio"),
+        "dense_val_top1": search_metrics.get("dense_val_top1"),
+        "val_top1": search_metrics["val_top1"],
+        "supernet_test_top1": sup_test["top1"],
+        "epoch_time_s": search_metrics["epoch_time_s"],
+        "search_time_s": search_metrics["search_time_s"],
+        "mlp_kept": search_metrics["mlp_kept"],
+        "qk_kept": search_metrics.get("qk_kept"),
+        "log": log,
+    }
+    print(
+        "search",
+        json.dumps(
+            {k: res["search"][k] for k in ("flops_ratio", "landed_ratio_by_itself", "calibrated", "supernet_test_top1")}
+        ),
+        flush=True,
+    )
     checkpoint()
 
     mat_metrics = materialize_search(MaterializeJob(search_dir=str(search_dir), out=str(mat_dir)), force=True)
     compact = nascompress.load(mat_dir).eval()
     mat_test = evaluate_run(mat_dir, data=test_data, device="cpu")
     flops = count_flops(compact, x1)
-    res["materialized"] = {"dir": str(mat_dir), "macs": flops.total, "params": flops.params,
-                           "test_top1_before_retraining": mat_test["top1"], "test_n": mat_test["n"],
-                           "file_bytes": (mat_dir / "model.safetensors").stat().st_size,
-                           "max_abs_logit_diff_vs_supernet": mat_metrics["max_abs_logit_diff"],
-                           "mlp_kept": mat_metrics["mlp_kept"], "qk_kept_per_head": mat_metrics["qk_kept"],
-                           "qk_dim_padded": qk_dims(compact),
-                           "mlp_width": [blk.mlp.fc1.in_features if hasattr(blk.mlp, "fc1") else 0
-                                         for blk in dense.blocks],
-                           "flops_ratio_vs_dense": flops.total / dense_flops.total,
-                           "flops_ratio_dense_over_compact": dense_flops.total / flops.total,
-                           "params_ratio": dense_flops.params / flops.params}
+    res["materialized"] = {
+        "dir": str(mat_dir),
+        "macs": flops.total,
+        "params": flops.params,
+        "test_top1_before_retraining": mat_test["top1"],
+        "test_n": mat_test["n"],
+        "file_bytes": (mat_dir / "model.safetensors").stat().st_size,
+        "max_abs_logit_diff_vs_supernet": mat_metrics["max_abs_logit_diff"],
+        "mlp_kept": mat_metrics["mlp_kept"],
+        "qk_kept_per_head": mat_metrics["qk_kept"],
+        "qk_dim_padded": qk_dims(compact),
+        "mlp_width": [blk.mlp.fc1.in_features if hasattr(blk.mlp, "fc1") else 0 for blk in dense.blocks],
+        "flops_ratio_vs_dense": flops.total / dense_flops.total,
+        "flops_ratio_dense_over_compact": dense_flops.total / flops.total,
+        "params_ratio": dense_flops.params / flops.params,
+    }
 
     # Throughput, interleaved in this process; the claim: speedup >= 0.8 x FLOPs ratio.
     sp = speed([dense, compact], ["dense", "compact"], shape, args.iters)
@@ -388,17 +515,34 @@ def main() -> None:
     sp.update(sp.pop("compact"), flops_ratio=fr, required_speedup=0.8 * fr)
     sp["passes"] = sp["throughput_speedup_batch64"] >= 0.8 * fr
     res["speed"] = sp
-    print("speed", json.dumps({k: sp[k] for k in ("throughput_speedup_batch64", "latency_speedup_batch1",
-                                                   "flops_ratio")}), flush=True)
+    print(
+        "speed",
+        json.dumps({k: sp[k] for k in ("throughput_speedup_batch64", "latency_speedup_batch1", "flops_ratio")}),
+        flush=True,
+    )
     checkpoint()
 
     if args.compare_uniform:
-        res["uniform_comparison"] = compare_uniform(args, dense=dense, arch=arch, spec=spec, x1=x1,
-                                                    dense_flops=dense_flops, dense_rec=res["dense"], mat_dir=mat_dir,
-                                                    test_data=test_data, base_data=base_data)
+        res["uniform_comparison"] = compare_uniform(
+            args,
+            dense=dense,
+            arch=arch,
+            spec=spec,
+            x1=x1,
+            dense_flops=dense_flops,
+            dense_rec=res["dense"],
+            mat_dir=mat_dir,
+            test_data=test_data,
+            base_data=base_data,
+        )
         uc = res["uniform_comparison"]
-        print("uniform comparison", json.dumps({k: uc[k] for k in ("target_flops_ratio", "winner_by_test_top1",
-                                                                    "test_top1_dcs_minus_uniform")}), flush=True)
+        print(
+            "uniform comparison",
+            json.dumps(
+                {k: uc[k] for k in ("target_flops_ratio", "winner_by_test_top1", "test_top1_dcs_minus_uniform")}
+            ),
+            flush=True,
+        )
         checkpoint()
 
     if args.paper_search:  # the same search without block rounding: channels spread over the blocks
@@ -414,11 +558,19 @@ def main() -> None:
         sp_p = speed([dense, p_model], ["dense", "compact"], shape, args.iters)["compact"]
         fr_p = dense_flops.total / pm["macs"]
         res["without_round_mlp"] = {
-            "search_dir": str(pdir), "ran_here": ran, "mlp_kept": pm["mlp_kept"], "qk_kept_per_head": pm["qk_kept"],
-            "macs": pm["macs"], "params": pm["params"], "flops_ratio": fr_p, "flops_ratio_vs_dense": 1 / fr_p,
+            "search_dir": str(pdir),
+            "ran_here": ran,
+            "mlp_kept": pm["mlp_kept"],
+            "qk_kept_per_head": pm["qk_kept"],
+            "macs": pm["macs"],
+            "params": pm["params"],
+            "flops_ratio": fr_p,
+            "flops_ratio_vs_dense": 1 / fr_p,
             "supernet_test_top1": evaluate_run(pdir, data=test_data, device="cpu")["top1"],
-            **sp_p, "required_speedup": 0.8 * fr_p, **{f"search_{k}": v for k, v in
-                                                       landed(p_metrics, search_cfg.tolerance).items()}}
+            **sp_p,
+            "required_speedup": 0.8 * fr_p,
+            **{f"search_{k}": v for k, v in landed(p_metrics, search_cfg.tolerance).items()},
+        }
         checkpoint()
 
     if args.also_input:  # the paper's input-dependent Q/K mask, same MLP selection: runtime mask kept
@@ -432,9 +584,13 @@ def main() -> None:
         f_in = count_flops(m_in, x1)
         sp_in = speed([dense, m_in], ["dense", "compact"], shape, args.iters)["compact"]
         res["input_dependent_variant_same_mlp"] = {
-            "macs": f_in.total, "params": f_in.params, "flops_ratio": dense_flops.total / f_in.total,
-            "flops_ratio_vs_dense": f_in.total / dense_flops.total, **sp_in,
-            "note": "theta Linear kept at run time (counted); untrained theta, speed/FLOPs only"}
+            "macs": f_in.total,
+            "params": f_in.params,
+            "flops_ratio": dense_flops.total / f_in.total,
+            "flops_ratio_vs_dense": f_in.total / dense_flops.total,
+            **sp_in,
+            "note": "theta Linear kept at run time (counted); untrained theta, speed/FLOPs only",
+        }
         checkpoint()
 
     # Search epoch vs dense training epoch on the same images.
@@ -450,8 +606,9 @@ def main() -> None:
     res["status"] = "ok"
     checkpoint()
     summary = {k: res[k] for k in ("dense", "materialized", "speed", "search_epoch_vs_dense_epoch")}
-    summary["search"] = {k: res["search"][k] for k in ("flops_ratio", "landed_ratio_by_itself", "calibrated",
-                                                       "calibration")}
+    summary["search"] = {
+        k: res["search"][k] for k in ("flops_ratio", "landed_ratio_by_itself", "calibrated", "calibration")
+    }
     print(json.dumps(summary, indent=2))
 
 

@@ -18,6 +18,7 @@ materialize path (``methods.dcs.slice_mlp``). Every form is checked equal to ``g
 
     python bench/dcs_gather.py --out bench/results/dcs_gather_cpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,19 @@ from nascompress.models import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
 
 # (label, width, heads, tokens, batches)
-CASES = [("main job (96 wide, 50 tokens)", 96, 3, 50, (1, 64)),
-         ("DeiT-S (384 wide, 197 tokens)", 384, 6, 197, (1, 64))]
+CASES = [("main job (96 wide, 50 tokens)", 96, 3, 50, (1, 64)), ("DeiT-S (384 wide, 197 tokens)", 384, 6, 197, (1, 64))]
 
 
 def block_pair(dim: int, heads: int, keep: float, align: int, seed: int = 0):
     """(dense block, materialized block) of a ViT with ``dim`` channels, ``keep`` of its MLP's
     residual channels kept (largest weight-magnitude importance; the count rounded up to ``align``)."""
     torch.manual_seed(seed)
-    m = build_model(ModelSpec("vit_tiny_patch16_224", dict(embed_dim=dim, num_heads=heads, depth=1, num_classes=10,
-                                                           img_size=32, patch_size=4, init_values=0.1)))
+    m = build_model(
+        ModelSpec(
+            "vit_tiny_patch16_224",
+            dict(embed_dim=dim, num_heads=heads, depth=1, num_classes=10, img_size=32, patch_size=4, init_values=0.1),
+        )
+    )
     blk = to_core(m, method="dcs").blocks[0].eval()
     dense = copy.deepcopy(blk)
     imp, _ = channel_importance(blk)
@@ -95,8 +99,9 @@ def main() -> None:
             forms = {
                 "dense": dense.mlp_half,
                 "gather_2d": mat.mlp_half,
-                "gather_3d": lambda x, b=mat: x.index_add(-1, b.mlp_keep,
-                                                          b.drop_path2(b.ls2(b.mlp(b.norm2(x).index_select(-1, b.mlp_keep))))),
+                "gather_3d": lambda x, b=mat: x.index_add(
+                    -1, b.mlp_keep, b.drop_path2(b.ls2(b.mlp(b.norm2(x).index_select(-1, b.mlp_keep))))
+                ),
                 "fold": fold.mlp_half,
             }
             if not args.no_compile:
@@ -111,15 +116,29 @@ def main() -> None:
                 fns = [lambda x, f=forms[k]: f(x.clone()) for k in names]  # index_add_ works in place: a fresh x
                 times = time_models(fns, x, warmup=3, iters=args.iters)
                 clone_t = time_models([lambda x: x.clone()], x, warmup=2, iters=args.iters)[0]
-                row = {"case": label, "batch": B, "tokens": tokens, "width": dim, "kept": int(mat.mlp_keep.numel()),
-                       "keep_share": keep, "align": align, "clone_ms": clone_t * 1e3,
-                       "ms": {k: t * 1e3 for k, t in zip(names, times)},
-                       "speedup_vs_dense": {k: times[0] / t for k, t in zip(names, times)},
-                       "max_abs_diff_vs_gather_2d": diffs}
+                row = {
+                    "case": label,
+                    "batch": B,
+                    "tokens": tokens,
+                    "width": dim,
+                    "kept": int(mat.mlp_keep.numel()),
+                    "keep_share": keep,
+                    "align": align,
+                    "clone_ms": clone_t * 1e3,
+                    "ms": {k: t * 1e3 for k, t in zip(names, times)},
+                    "speedup_vs_dense": {k: times[0] / t for k, t in zip(names, times)},
+                    "max_abs_diff_vs_gather_2d": diffs,
+                }
                 row["fastest_selection_form"] = min((k for k in names if k != "dense"), key=lambda k: row["ms"][k])
                 res["rows"].append(row)
-                print(label, f"B={B} keep={keep} kept={row['kept']}:", {k: round(v, 3) for k, v in row["ms"].items()},
-                      "fastest", row["fastest_selection_form"], flush=True)
+                print(
+                    label,
+                    f"B={B} keep={keep} kept={row['kept']}:",
+                    {k: round(v, 3) for k, v in row["ms"].items()},
+                    "fastest",
+                    row["fastest_selection_form"],
+                    flush=True,
+                )
     res["wall_s"] = time.perf_counter() - t0
     save(args.out, res)
 

@@ -23,6 +23,7 @@ skipped when finished, so the bench resumes.
 
     python bench/dcs_generalise.py --datasets fashion-mnist,digits --bases scratch,dinov2 --seeds 0,1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,13 @@ class Cell(pretrained.Bench):
         name, _, k = dataset.partition(":")
         lo, _, hi = k.partition("-")
         keep = range(int(lo), int(hi) + 1) if hi else range(int(k)) if k else None
-        self.data = DataConfig(dataset=name, train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed,
-                               classes=",".join(str(c) for c in keep) if keep else None)
+        self.data = DataConfig(
+            dataset=name,
+            train_limit=a.train_limit,
+            eval_limit=a.eval_limit,
+            subset_seed=seed,
+            classes=",".join(str(c) for c in keep) if keep else None,
+        )
 
     def merge(self, disk: dict[str, Any]) -> None:
         """Units under ``dataset/base`` -> ``seedN`` (merged, not replaced)."""
@@ -80,9 +86,15 @@ class Cell(pretrained.Bench):
 
             t0 = time.time()
             spec = custom_vit_spec(**SCRATCH, num_classes=count_classes(self.data), in_chans=1)
-            train(TrainJob(model=spec, data=self.data, out=str(self.dense),
-                           train=train_recipe(fine_tune=False, epochs=SCRATCH_EPOCHS, batch_size=64, seed=self.seed)),
-                  force=True)
+            train(
+                TrainJob(
+                    model=spec,
+                    data=self.data,
+                    out=str(self.dense),
+                    train=train_recipe(fine_tune=False, epochs=SCRATCH_EPOCHS, batch_size=64, seed=self.seed),
+                ),
+                force=True,
+            )
             self.res["dense_wall_s"] = time.time() - t0
         dm = read_json(self.dense / "metrics.json")
         self.res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"]}
@@ -100,12 +112,17 @@ class Cell(pretrained.Bench):
         entry = self.res.setdefault(f"uniform@{target}", {})
         if not pretrained.done(uni):
             model, arch = load_with_arch(self.dense)
-            entry["pruned"] = build_uniform(model, arch, torch.randn(1, 1, 28, 28), target, uni, dict(self.data.__dict__))
+            entry["pruned"] = build_uniform(
+                model, arch, torch.randn(1, 1, 28, 28), target, uni, dict(self.data.__dict__)
+            )
             from nascompress.utils import write_json
 
             write_json(uni / "metrics.json", entry["pruned"])
         entry["pruned"] = read_json(uni / "metrics.json")
-        entry["zero_shot"] = {"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        entry["zero_shot"] = {
+            "val_top1": evaluate_run(uni, split="val")["top1"],
+            "test_top1": evaluate_run(uni)["top1"],
+        }
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
 
@@ -142,12 +159,23 @@ class Cell(pretrained.Bench):
             create_out_dir(run, force=True)
             save_model(run, model.eval(), new_arch)
             write_json(run / "config.json", {"data": dict(self.data.__dict__)})
-            write_json(run / "metrics.json", {"pruning_ratio": ratio, "flops_ratio": r, "torch_pruning": tp.__version__,
-                                              "importance": "GroupMagnitudeImportance(p=2)", "global_pruning": True,
-                                              "round_to": 8,
-                                              "hidden_kept": [len(b["hidden_keep"]) for b in record["blocks"]]})
+            write_json(
+                run / "metrics.json",
+                {
+                    "pruning_ratio": ratio,
+                    "flops_ratio": r,
+                    "torch_pruning": tp.__version__,
+                    "importance": "GroupMagnitudeImportance(p=2)",
+                    "global_pruning": True,
+                    "round_to": 8,
+                    "hidden_kept": [len(b["hidden_keep"]) for b in record["blocks"]],
+                },
+            )
         entry["pruned"] = read_json(run / "metrics.json")
-        entry["zero_shot"] = {"val_top1": evaluate_run(run, split="val")["top1"], "test_top1": evaluate_run(run)["top1"]}
+        entry["zero_shot"] = {
+            "val_top1": evaluate_run(run, split="val")["top1"],
+            "test_top1": evaluate_run(run)["top1"],
+        }
         entry["retrained"] = self.retrain(run, rt)
         self.save()
 
@@ -168,18 +196,37 @@ class Cell(pretrained.Bench):
             bound = eta > 0  # no bound: nothing to warm up or ramp
             for w in self.a.ib_warmups if bound else [default.warmup_frac]:
                 for sched in self.a.ib_schedules if bound else [default.eta_schedule]:
-                    tag = (f"eta{eta:g}" + ("" if w == default.warmup_frac else f"_warmup{w:g}")
-                           + ("" if sched == default.eta_schedule else f"_{sched}"))
+                    tag = (
+                        f"eta{eta:g}"
+                        + ("" if w == default.warmup_frac else f"_warmup{w:g}")
+                        + ("" if sched == default.eta_schedule else f"_{sched}")
+                    )
                     rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
                     if not pretrained.done(rt):
                         tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
                         rc = RetrainConfig(eta=eta, warmup_frac=w, eta_schedule=sched)
-                        retrain(RetrainJob(model_dir=str(mat), out=str(rt), data=self.data, train=tc, retrain=rc,
-                                           teacher=str(self.dense), auto_batch=True), force=True)
+                        retrain(
+                            RetrainJob(
+                                model_dir=str(mat),
+                                out=str(rt),
+                                data=self.data,
+                                train=tc,
+                                retrain=rc,
+                                teacher=str(self.dense),
+                                auto_batch=True,
+                            ),
+                            force=True,
+                        )
                     m = read_json(rt / "metrics.json")
-                    entry[tag] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "warmup_frac": w,
-                                  "eta_schedule": sched, "warm_epochs": m.get("warm_epochs"),
-                                  "best_epoch": m["best_epoch"], **pretrained.log_summary(rt)}
+                    entry[tag] = {
+                        "val_top1": m["best_val_top1"],
+                        "test_top1": m["test_top1"],
+                        "warmup_frac": w,
+                        "eta_schedule": sched,
+                        "warm_epochs": m.get("warm_epochs"),
+                        "best_epoch": m["best_epoch"],
+                        **pretrained.log_summary(rt),
+                    }
         self.save()
 
     def dcs(self, family: str, target: float) -> None:
@@ -188,8 +235,20 @@ class Cell(pretrained.Bench):
         sm = self.runs / f"dcs_{family}_{target}_search" / "metrics.json"
         if sm.is_file():
             m = read_json(sm)
-            entry["search"].update({k: m.get(k) for k in ("budget", "at_target_share", "calibration_move", "projections",
-                                                          "teacher_cached", "mlp_gates", "search_time_s")})
+            entry["search"].update(
+                {
+                    k: m.get(k)
+                    for k in (
+                        "budget",
+                        "at_target_share",
+                        "calibration_move",
+                        "projections",
+                        "teacher_cached",
+                        "mlp_gates",
+                        "search_time_s",
+                    )
+                }
+            )
             self.save()
 
 
@@ -204,32 +263,39 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     cells = {key: seeds for key, seeds in res.items() if "/" in key and isinstance(seeds, dict)}
     # every target measured in the file, not only this run's (a run of one target keeps the others' summary)
-    targets = sorted({*targets, *(float(u.rpartition("@")[2]) for seeds in cells.values() for r in seeds.values()
-                                  for u in r if "@" in u)}, reverse=True)
+    targets = sorted(
+        {
+            *targets,
+            *(float(u.rpartition("@")[2]) for seeds in cells.values() for r in seeds.values() for u in r if "@" in u),
+        },
+        reverse=True,
+    )
     for key, seeds in cells.items():
         for seed, r in seeds.items():
             dense, ft = _get(r, "dense", "test_top1"), _get(r, "dense_ft", "retrained", "test_top1")
             for t in targets:
                 dcs, uni = r.get(f"dcs-auto@{t}") or {}, r.get(f"uniform@{t}") or {}
-                cell: dict[str, Any] = {"dense": dense, "dense_ft": ft,
-                                        "search_flops_ratio": _get(dcs, "search", "flops_ratio"),
-                                        "at_target_share": _get(dcs, "search", "at_target_share"),
-                                        "calibration_move": _get(dcs, "search", "calibration_move"),
-                                        "searched": _get(dcs, "materialized", "test_top1"),
-                                        "dcs": _get(dcs, "retrained", "test_top1"),
-                                        "dcs_flops": _get(dcs, "retrained", "flops_ratio"),
-                                        "uniform": _get(uni, "retrained", "test_top1"),
-                                        "uniform_flops": _get(uni, "retrained", "flops_ratio"),
-                                        "torch_pruning": _get(r, f"torch-pruning@{t}", "retrained", "test_top1"),
-                                        "torch_pruning_flops": _get(r, f"torch-pruning@{t}", "retrained", "flops_ratio"),
-                                        "failed": _get(dcs, "search", "failed"),
-                                        # the baseline inside the search: which model it kept, both validation scores
-                                        "kept": _get(dcs, "search", "kept"),
-                                        "kept_val": _get(dcs, "search", "val_top1"),
-                                        "in_search_dcs_val": _get(dcs, "search", "comparison", "dcs", "val_top1"),
-                                        "in_search_magnitude_val": _get(dcs, "search", "comparison", "magnitude",
-                                                                        "val_top1"),
-                                        "stopped": _get(dcs, "search", "stopped", "reason")}
+                cell: dict[str, Any] = {
+                    "dense": dense,
+                    "dense_ft": ft,
+                    "search_flops_ratio": _get(dcs, "search", "flops_ratio"),
+                    "at_target_share": _get(dcs, "search", "at_target_share"),
+                    "calibration_move": _get(dcs, "search", "calibration_move"),
+                    "searched": _get(dcs, "materialized", "test_top1"),
+                    "dcs": _get(dcs, "retrained", "test_top1"),
+                    "dcs_flops": _get(dcs, "retrained", "flops_ratio"),
+                    "uniform": _get(uni, "retrained", "test_top1"),
+                    "uniform_flops": _get(uni, "retrained", "flops_ratio"),
+                    "torch_pruning": _get(r, f"torch-pruning@{t}", "retrained", "test_top1"),
+                    "torch_pruning_flops": _get(r, f"torch-pruning@{t}", "retrained", "flops_ratio"),
+                    "failed": _get(dcs, "search", "failed"),
+                    # the baseline inside the search: which model it kept, both validation scores
+                    "kept": _get(dcs, "search", "kept"),
+                    "kept_val": _get(dcs, "search", "val_top1"),
+                    "in_search_dcs_val": _get(dcs, "search", "comparison", "dcs", "val_top1"),
+                    "in_search_magnitude_val": _get(dcs, "search", "comparison", "magnitude", "val_top1"),
+                    "stopped": _get(dcs, "search", "stopped", "reason"),
+                }
                 before = 6.0 if t >= 0.7 else 12.0
                 after = 1.0 if t >= 0.7 else 2.0
                 goals = {}
@@ -244,8 +310,9 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                 if t >= 0.7 and dense is not None and cell["dcs"] is not None:
                     goals["not below the base"] = cell["dcs"] >= dense
                 if cell["kept"] is not None and cell["in_search_magnitude_val"] is not None:
-                    goals["kept >= the magnitude baseline (validation)"] = \
+                    goals["kept >= the magnitude baseline (validation)"] = (
                         cell["kept_val"] >= cell["in_search_magnitude_val"]
+                    )
                 if cell["torch_pruning"] is not None and cell["dcs"] is not None:
                     goals["kept >= Torch-Pruning (test)"] = cell["dcs"] >= cell["torch_pruning"]
                 if key.endswith("/dinov2") and dense is not None and cell["dcs"] is not None:
@@ -271,13 +338,23 @@ def main() -> None:
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--retrain-epochs", type=int, default=3)
-    ap.add_argument("--units", default="dense_ft,dcs,uniform,torch-pruning",
-                    help="in order: dense_ft, dcs, uniform, torch-pruning, ib (at every target)")
+    ap.add_argument(
+        "--units",
+        default="dense_ft,dcs,uniform,torch-pruning",
+        help="in order: dense_ft, dcs, uniform, torch-pruning, ib (at every target)",
+    )
     ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
-    ap.add_argument("--ib-warmups", default="0.3", help="the ib unit's warm-up shares (epochs on CE + KD only before "
-                                                        "the bound joins; 0.3: the paper's and the default), per eta > 0")
-    ap.add_argument("--ib-schedules", default="step", help="the ib unit's weight schedules after the warm-up "
-                                                           "(step: the paper's and the default; linear: ramped)")
+    ap.add_argument(
+        "--ib-warmups",
+        default="0.3",
+        help="the ib unit's warm-up shares (epochs on CE + KD only before "
+        "the bound joins; 0.3: the paper's and the default), per eta > 0",
+    )
+    ap.add_argument(
+        "--ib-schedules",
+        default="step",
+        help="the ib unit's weight schedules after the warm-up (step: the paper's and the default; linear: ramped)",
+    )
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
@@ -291,17 +368,21 @@ def main() -> None:
     a.data_dir, a.summary_targets = None, a.targets
     out = Path(a.out)
     res: dict[str, Any] = dict(header())
-    res["protocol"] = {"train_images": a.train_limit, "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs,
-                       "scratch_base": dict(SCRATCH, epochs=SCRATCH_EPOCHS),
-                       "dinov2_base": "vit_small_patch14_dinov2 at 112 px + linear probe (train --linear-probe)",
-                       "defaults": "library defaults for search dcs (mlp_gates auto) and retrain; nothing per dataset"}
+    res["protocol"] = {
+        "train_images": a.train_limit,
+        "eval_images": a.eval_limit,
+        "retrain_epochs": a.retrain_epochs,
+        "scratch_base": dict(SCRATCH, epochs=SCRATCH_EPOCHS),
+        "dinov2_base": "vit_small_patch14_dinov2 at 112 px + linear probe (train --linear-probe)",
+        "defaults": "library defaults for search dcs (mlp_gates auto) and retrain; nothing per dataset",
+    }
     for dataset in a.datasets.split(","):
         for base in a.bases.split(","):
             for seed in [int(s) for s in a.seeds.split(",")]:
                 c = Cell(a, dataset, base, seed, res, out)
                 c.ensure_dense()
                 for u in a.units.split(","):
-                    for t in (a.targets if u != "dense_ft" else [None]):
+                    for t in a.targets if u != "dense_ft" else [None]:
                         if u == "dense_ft":
                             c.dense_ft()
                         elif u == "uniform":

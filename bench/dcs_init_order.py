@@ -15,6 +15,7 @@ calibration draw as the search, ``dcs_search.search.calibration_images``) and th
     python bench/dcs_init_order.py --run runs/pretrained/dense --out bench/results/dcs_init_order_dinov2.json
     python bench/dcs_init_order.py --run runs/base --out bench/results/dcs_init_order_fmnist.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,16 +60,25 @@ def main() -> None:
     calib = calibration_images(data, spec, n=a.calib_images, seed=a.seed)
     val, n = [], 0
     for imgs, y in make_loader(data.val, batch_size=100, shuffle=True, seed=a.seed + 1):
-        val.append((preprocess(imgs, spec)[:a.eval_images - n], y[:a.eval_images - n]))
+        val.append((preprocess(imgs, spec)[: a.eval_images - n], y[: a.eval_images - n]))
         n += len(val[-1][1])
         if n >= a.eval_images:
             break
     t0 = time.time()
-    orders = {"weight": [channel_importance(b).residual for b in model.blocks],
-              "activation": [ci.residual for ci in activation_importance(model, calib)]}
+    orders = {
+        "weight": [channel_importance(b).residual for b in model.blocks],
+        "activation": [ci.residual for ci in activation_importance(model, calib)],
+    }
     _, auto = init_importance(model, calib, "auto")
-    res = {**header(), "run": str(a.run), "eval_images": n, "calib_images": a.calib_images,
-           "dense_val_top1": accuracy(model, val), "auto": auto, "rows": []}
+    res = {
+        **header(),
+        "run": str(a.run),
+        "eval_images": n,
+        "calib_images": a.calib_images,
+        "dense_val_top1": accuracy(model, val),
+        "auto": auto,
+        "rows": [],
+    }
     for f in [float(v) for v in a.drop.split(",")]:
         for name, imp in orders.items():
             m = copy.deepcopy(model)

@@ -22,6 +22,7 @@ search's ``--amp`` values to time (each run in turn):
     python bench/dcs_search_time.py --folder runs/fmnist_folder --targets 0.6 --amps auto,off \
         --out bench/results/dcs_search_time_folder.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,14 +41,35 @@ GOAL_S = 600.0  # the in-memory base's goal (its issue); an ImageFolder base's: 
 GOAL_FOLDER_S = 240.0
 
 
-def user_command(base: str, target: float, a: argparse.Namespace, out: Path,
-                 amp: str | None = None) -> tuple[list[str], dict[str, str]]:
+def user_command(
+    base: str, target: float, a: argparse.Namespace, out: Path, amp: str | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The user's ``search dcs BASE --target-flops T --epochs 4`` (``--max-val-drop 100``: run to the end)
     on ``a``'s images and seed, into ``out`` (``amp``: its ``--amp``; None: the default), and the
     environment to run it in (plain progress lines)."""
-    cmd = [sys.executable, "-m", "nascompress.cli.main", "search", "dcs", base, "--target-flops", str(target),
-           "--epochs", "4", "--train-limit", str(a.train_limit), "--eval-limit", str(a.eval_limit),
-           "--seed", str(a.seed), "--max-val-drop", "100", "--out", str(out), *(["--amp", amp] if amp else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nascompress.cli.main",
+        "search",
+        "dcs",
+        base,
+        "--target-flops",
+        str(target),
+        "--epochs",
+        "4",
+        "--train-limit",
+        str(a.train_limit),
+        "--eval-limit",
+        str(a.eval_limit),
+        "--seed",
+        str(a.seed),
+        "--max-val-drop",
+        "100",
+        "--out",
+        str(out),
+        *(["--amp", amp] if amp else []),
+    ]
     return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
 
 
@@ -76,10 +98,30 @@ def probe_base(folder: Path, weights: str) -> str:
     """The DINOv2 ViT-S/14 112-px linear probe on ``folder`` (the README's recipe), made once."""
     out = folder.with_name(folder.name + "_probe")
     if not (out / "metrics.json").is_file():
-        subprocess.run([sys.executable, "-m", "nascompress.cli.main", "train", "--model", "vit_small_patch14_dinov2",
-                        "--img-size", "112", "--weights", weights, "--reset-head", "--linear-probe", "--dataset",
-                        str(folder), "--out", str(out), "--force"], check=True, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nascompress.cli.main",
+                "train",
+                "--model",
+                "vit_small_patch14_dinov2",
+                "--img-size",
+                "112",
+                "--weights",
+                weights,
+                "--reset-head",
+                "--linear-probe",
+                "--dataset",
+                str(folder),
+                "--out",
+                str(out),
+                "--force",
+            ],
+            check=True,
+            cwd=ROOT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        )
     return str(out)
 
 
@@ -98,20 +140,40 @@ def one(base: str, target: float, a: argparse.Namespace, amp: str | None = None)
         wall = time.perf_counter() - t0
         if rc != 0:
             raise SystemExit(f"the search failed (exit {rc}):\n" + "\n".join(lines[-5:]))
-        phases = {m.group(1): float(m.group(2)) for m in
-                  (re.match(r"(.*): done in ([\d.]+) s$", ln) for ln in lines) if m}
+        phases = {
+            m.group(1): float(m.group(2)) for m in (re.match(r"(.*): done in ([\d.]+) s$", ln) for ln in lines) if m
+        }
         m = read_json(out / "metrics.json")
         train = read_json(out / "config.json")["train"]
     goal = GOAL_FOLDER_S if a.folder else GOAL_S
-    return {"target_flops": target, "amp": amp or "default", "precision": m.get("amp"), "wall_s": wall,
-            "first_progress_line_s": first, "goal_s": goal, "within_goal": wall <= goal, "phases_s": phases, "epoch_time_s": m["epoch_time_s"],
-            "search_time_s": m["search_time_s"], "flops_ratio": m["flops_ratio"],
-            "calibration_move": m["calibration_move"], "at_target_share": m["at_target_share"],
-            "val_top1": m["val_top1"], "test_top1": m.get("test_top1"), "dense_val_top1": m["dense_val_top1"],
-            "mlp_gates": m["mlp_gates"], "batch_size": m["batch_size"], "teacher_cached": m["teacher_cached"],
-            "train_images": m["train_images"], "threads": a.threads,
-            "base_lr": train["base_lr"], "layer_decay": train["layer_decay"] or 1.0, "peak_lr": m["peak_lr"],
-            "kept": m.get("kept"), "comparison_reason": (m.get("comparison") or {}).get("reason")}
+    return {
+        "target_flops": target,
+        "amp": amp or "default",
+        "precision": m.get("amp"),
+        "wall_s": wall,
+        "first_progress_line_s": first,
+        "goal_s": goal,
+        "within_goal": wall <= goal,
+        "phases_s": phases,
+        "epoch_time_s": m["epoch_time_s"],
+        "search_time_s": m["search_time_s"],
+        "flops_ratio": m["flops_ratio"],
+        "calibration_move": m["calibration_move"],
+        "at_target_share": m["at_target_share"],
+        "val_top1": m["val_top1"],
+        "test_top1": m.get("test_top1"),
+        "dense_val_top1": m["dense_val_top1"],
+        "mlp_gates": m["mlp_gates"],
+        "batch_size": m["batch_size"],
+        "teacher_cached": m["teacher_cached"],
+        "train_images": m["train_images"],
+        "threads": a.threads,
+        "base_lr": train["base_lr"],
+        "layer_decay": train["layer_decay"] or 1.0,
+        "peak_lr": m["peak_lr"],
+        "kept": m.get("kept"),
+        "comparison_reason": (m.get("comparison") or {}).get("reason"),
+    }
 
 
 def main() -> None:
@@ -125,21 +187,29 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/dcs_search_time.json")
     ap.add_argument("--folder", default=None, help="an ImageFolder base instead (see the module docstring)")
     ap.add_argument("--weights", default="weights/dinov2_vits14_112.safetensors")
-    ap.add_argument("--amps", default="", help="the search's --amp values to time, comma-separated (default: none given)")
+    ap.add_argument(
+        "--amps", default="", help="the search's --amp values to time, comma-separated (default: none given)"
+    )
     a = ap.parse_args()
     res = dict(header())
     if a.folder:
         image_folder(Path(a.folder))
         a.base = probe_base(Path(a.folder), a.weights)
     base_metrics = read_json(Path(a.base) / "metrics.json")
-    res["base"] = {"run": a.base, "dataset": base_metrics.get("dataset"), "val_top1": base_metrics.get("best_val_top1"),
-                   "test_top1": base_metrics.get("test_top1")}
+    res["base"] = {
+        "run": a.base,
+        "dataset": base_metrics.get("dataset"),
+        "val_top1": base_metrics.get("best_val_top1"),
+        "test_top1": base_metrics.get("test_top1"),
+    }
     res["runs"] = [one(a.base, float(t), a, amp or None) for t in a.targets.split(",") for amp in a.amps.split(",")]
     save(a.out, res)
     for r in res["runs"]:
-        print(f"target {r['target_flops']} amp {r['amp']}: {r['wall_s']:.0f} s (goal {r['goal_s']:.0f} s), first line after "
-              f"{r['first_progress_line_s']:.1f} s, landed {r['flops_ratio']:.3f}, val {r['val_top1']:.1f} "
-              f"(dense {r['dense_val_top1']:.1f})")
+        print(
+            f"target {r['target_flops']} amp {r['amp']}: {r['wall_s']:.0f} s (goal {r['goal_s']:.0f} s), first line after "
+            f"{r['first_progress_line_s']:.1f} s, landed {r['flops_ratio']:.3f}, val {r['val_top1']:.1f} "
+            f"(dense {r['dense_val_top1']:.1f})"
+        )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ own markers) and the result (summary.json). Writes ``bench/results/demo_time.jso
 
     python bench/demo_time.py [--config demo] [--threads 2]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def main() -> None:
     load0 = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    r = subprocess.run([str(exe), "pipeline", a.config, "--out", str(work / "out")], cwd=work, env=env,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [str(exe), "pipeline", a.config, "--out", str(work / "out")], cwd=work, env=env, capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if r.returncode != 0:
@@ -43,13 +45,24 @@ def main() -> None:
     out = work / "out"
     stages = {p.stem: json.loads(p.read_text())["seconds"] for p in sorted((out / "done").glob("*.json"))}
     s = json.loads((out / "summary.json").read_text())
-    res = dict(header(), config=a.config, wall_s=round(wall, 1), user_s=round(after.ru_utime - before.ru_utime, 1),
-               sys_s=round(after.ru_stime - before.ru_stime, 1), load_at_start=round(load0, 2),
-               load_at_end=round(os.getloadavg()[0], 2), stage_seconds=stages,
-               result={"dataset": s["dataset"], "dense_test_top1": s["dense"]["test_top1"],
-                       "final_test_top1": (s["final"] or {}).get("test_top1"),
-                       "flops_ratio": (s["comparison"] or {}).get("flops_ratio"), "goal_met": s["goal"]["met"],
-                       "picked_study": (s["decisions"].get("tokens") or {}).get("picked_study")})
+    res = dict(
+        header(),
+        config=a.config,
+        wall_s=round(wall, 1),
+        user_s=round(after.ru_utime - before.ru_utime, 1),
+        sys_s=round(after.ru_stime - before.ru_stime, 1),
+        load_at_start=round(load0, 2),
+        load_at_end=round(os.getloadavg()[0], 2),
+        stage_seconds=stages,
+        result={
+            "dataset": s["dataset"],
+            "dense_test_top1": s["dense"]["test_top1"],
+            "final_test_top1": (s["final"] or {}).get("test_top1"),
+            "flops_ratio": (s["comparison"] or {}).get("flops_ratio"),
+            "goal_met": s["goal"]["met"],
+            "picked_study": (s["decisions"].get("tokens") or {}).get("picked_study"),
+        },
+    )
     save(a.out, res)
     print(json.dumps(res, indent=1))
 

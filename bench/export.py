@@ -23,6 +23,7 @@ batch 1 and a larger batch; the compressed/dense throughput ratio is reported pe
 
     python bench/export.py --threads 2 --out bench/results/export.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -105,31 +106,61 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
 
     cfg = yaml.safe_load((ROOT / "configs" / "fashion-mnist.yaml").read_text())
     t = cfg["base"]["train"]
-    spec = custom_vit_spec(img_size=t["img_size"], patch_size=t["patch_size"], embed_dim=t["embed_dim"],
-                           depth=t["depth"], num_heads=t["num_heads"], num_classes=10, in_chans=t["in_chans"])
+    spec = custom_vit_spec(
+        img_size=t["img_size"],
+        patch_size=t["patch_size"],
+        embed_dim=t["embed_dim"],
+        depth=t["depth"],
+        num_heads=t["num_heads"],
+        num_classes=10,
+        in_chans=t["in_chans"],
+    )
     data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
     dense_dir = work / "dense"
-    m = train(TrainJob(model=spec, data=data, out=str(dense_dir),
-                       train=TrainConfig(epochs=args.epochs, batch_size=t["batch_size"], lr=t["lr"], seed=0)))
+    m = train(
+        TrainJob(
+            model=spec,
+            data=data,
+            out=str(dense_dir),
+            train=TrainConfig(epochs=args.epochs, batch_size=t["batch_size"], lr=t["lr"], seed=0),
+        )
+    )
     dense, arch = load_with_arch(dense_dir)
     bundle = load_data(data, spec=InputSpec.from_dict(arch["input"]), augment=False)
     xs = bundle.train.__getitems__(list(range(min(512, len(bundle.train)))))[0]
-    batches = [preprocess(xs[i:i + 128], InputSpec.from_dict(arch["input"])) for i in range(0, len(xs), 128)]
+    batches = [preprocess(xs[i : i + 128], InputSpec.from_dict(arch["input"])) for i in range(0, len(xs), 128)]
     imp = activation_importance(copy.deepcopy(dense), batches)
     x1 = batches[0][:1]
     target = cfg["stages"]["dcs"]["target_flops"]
     ratio, share, dcs_model, dcs_rec = dcs_at_flops(dense, imp, target, x1)
     evit_model, evit_rec = get_method("evit").prepare_fresh(dcs_model, {"keep_rate": 0.7})
-    pre = save_run(work, "dcs_evit", evit_model.eval(), ModelSpec.from_dict(arch["model"]), arch["input"],
-                   [dcs_rec, evit_rec])
+    pre = save_run(
+        work, "dcs_evit", evit_model.eval(), ModelSpec.from_dict(arch["model"]), arch["input"], [dcs_rec, evit_rec]
+    )
     comp_dir = work / "compressed"
-    r = retrain(RetrainJob(model_dir=str(pre), out=str(comp_dir), data=data, teacher=str(dense_dir),
-                           train=retrain_train_config(epochs=args.retrain_epochs, seed=0),
-                           retrain=RetrainConfig(eta=0.0), auto_batch=False))
-    info = {"kind": "stand-in made by this bench", "dense_epochs": args.epochs, "train_limit": args.train_limit,
-            "dense_val_top1": m.get("best_val_top1"), "dcs_target_flops": target, "dcs_share": share,
-            "dcs_flops_ratio": ratio, "evit_keep_rate": 0.7, "retrain_epochs": args.retrain_epochs,
-            "retrained_val_top1": r.get("best_val_top1")}
+    r = retrain(
+        RetrainJob(
+            model_dir=str(pre),
+            out=str(comp_dir),
+            data=data,
+            teacher=str(dense_dir),
+            train=retrain_train_config(epochs=args.retrain_epochs, seed=0),
+            retrain=RetrainConfig(eta=0.0),
+            auto_batch=False,
+        )
+    )
+    info = {
+        "kind": "stand-in made by this bench",
+        "dense_epochs": args.epochs,
+        "train_limit": args.train_limit,
+        "dense_val_top1": m.get("best_val_top1"),
+        "dcs_target_flops": target,
+        "dcs_share": share,
+        "dcs_flops_ratio": ratio,
+        "evit_keep_rate": 0.7,
+        "retrain_epochs": args.retrain_epochs,
+        "retrained_val_top1": r.get("best_val_top1"),
+    }
     return dense_dir, comp_dir, info
 
 
@@ -137,16 +168,24 @@ def deit_runs(args, work: Path) -> dict[str, Path]:
     spec = ModelSpec("deit_small_patch16_224", {"num_classes": 10})
     torch.manual_seed(0)
     dense = build_model(spec).eval()
-    inp = {"img_size": [224, 224], "in_chans": 3, **IMAGENET, "interpolation": "bicubic", "crop_pct": 1.0,
-           "crop_mode": "center"}
+    inp = {
+        "img_size": [224, 224],
+        "in_chans": 3,
+        **IMAGENET,
+        "interpolation": "bicubic",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
     x1 = torch.randn(1, 3, 224, 224)
     evit, evit_rec = get_method("evit").prepare_fresh(copy.deepcopy(dense), {"keep_rate": 0.7})
     sup, _ = get_method("dcs").prepare_fresh(copy.deepcopy(dense), DCSConfig(qk_mask="static"))
     imp = [channel_importance(b) for b in sup.blocks]
     ratio, share, dcs, dcs_rec = dcs_at_flops(dense, imp, args.deit_dcs_flops, x1)
-    return {"dense": save_run(work, "deit_dense", dense, spec, inp, []),
-            "evit_0.7": save_run(work, "deit_evit", evit.eval(), spec, inp, [evit_rec]),
-            f"dcs_{ratio:.2f}x": save_run(work, "deit_dcs", dcs, spec, inp, [dcs_rec])}
+    return {
+        "dense": save_run(work, "deit_dense", dense, spec, inp, []),
+        "evit_0.7": save_run(work, "deit_evit", evit.eval(), spec, inp, [evit_rec]),
+        f"dcs_{ratio:.2f}x": save_run(work, "deit_dcs", dcs, spec, inp, [dcs_rec]),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +194,9 @@ def deit_runs(args, work: Path) -> dict[str, Path]:
 
 def test_images(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` class-stratified Fashion-MNIST test images (uint8, seed 0) and their labels."""
-    bundle = load_data(DataConfig(dataset="fashion-mnist", eval_limit=n, subset_seed=0), img_size=(28, 28),
-                       augment=False)
+    bundle = load_data(
+        DataConfig(dataset="fashion-mnist", eval_limit=n, subset_seed=0), img_size=(28, 28), augment=False
+    )
     return bundle.test.__getitems__(list(range(len(bundle.test))))
 
 
@@ -166,25 +206,30 @@ def agreement(run: Path, files: dict[str, Path], images: torch.Tensor, labels: t
     runners = {"onnxruntime": onnx_runner(files["onnx"])[0], "torch.export": program_runner(files["torch-export"])[0]}
     ref, got = [], {k: [] for k in runners}
     for i in range(0, len(images), 100):
-        x = preprocess(images[i:i + 100], spec)
+        x = preprocess(images[i : i + 100], spec)
         with torch.inference_mode():
             ref.append(model(x))
         for k, fn in runners.items():
             got[k].append(fn([x])[0].float())
     ref = torch.cat(ref)
-    out: dict[str, Any] = {"images": len(images),
-                           "pytorch_top1": 100 * float((ref.argmax(-1) == labels).float().mean())}
+    out: dict[str, Any] = {
+        "images": len(images),
+        "pytorch_top1": 100 * float((ref.argmax(-1) == labels).float().mean()),
+    }
     for k, v in got.items():
         v = torch.cat(v)
-        out[k] = {"max_abs_logit_diff": float((v - ref).abs().max()),
-                  "top1_agreement": 100 * float((v.argmax(-1) == ref.argmax(-1)).float().mean()),
-                  "top1": 100 * float((v.argmax(-1) == labels).float().mean())}
+        out[k] = {
+            "max_abs_logit_diff": float((v - ref).abs().max()),
+            "top1_agreement": 100 * float((v.argmax(-1) == ref.argmax(-1)).float().mean()),
+            "top1": 100 * float((v.argmax(-1) == labels).float().mean()),
+        }
     out["logit_scale"] = float(ref.abs().max())
     return out
 
 
-def speed(runs: dict[str, Path], files: dict[str, dict[str, Path]], shape: tuple, batches: list[int], iters: int,
-          threads: int) -> dict[str, Any]:
+def speed(
+    runs: dict[str, Path], files: dict[str, dict[str, Path]], shape: tuple, batches: list[int], iters: int, threads: int
+) -> dict[str, Any]:
     """Every model in PyTorch eager and in ONNX Runtime, all interleaved; medians; ratios to dense."""
     models = {k: nascompress.load(r).eval() for k, r in runs.items()}
     sessions = {k: onnx_runner(f["onnx"], threads=threads)[0] for k, f in files.items()}
@@ -197,18 +242,23 @@ def speed(runs: dict[str, Path], files: dict[str, dict[str, Path]], shape: tuple
             def f(x):
                 with torch.inference_mode():
                     return m(x)
+
             return f
 
         calls = [eager(models[k]) for k in names] + [(lambda x, s=sessions[k]: s([x])) for k in names]
         t = time_models(calls, x, warmup=2, iters=iters)
-        pt, ort = dict(zip(names, t[:len(names)])), dict(zip(names, t[len(names):]))
-        res: dict[str, Any] = {"batch": bs, "iters": iters,
-                               "pytorch_ms": {k: 1e3 * v for k, v in pt.items()},
-                               "onnxruntime_ms": {k: 1e3 * v for k, v in ort.items()},
-                               "onnxruntime_vs_pytorch_speedup": {k: pt[k] / ort[k] for k in names}}
+        pt, ort = dict(zip(names, t[: len(names)])), dict(zip(names, t[len(names) :]))
+        res: dict[str, Any] = {
+            "batch": bs,
+            "iters": iters,
+            "pytorch_ms": {k: 1e3 * v for k, v in pt.items()},
+            "onnxruntime_ms": {k: 1e3 * v for k, v in ort.items()},
+            "onnxruntime_vs_pytorch_speedup": {k: pt[k] / ort[k] for k in names},
+        }
         dense = names[0]
-        res["ratio_vs_dense"] = {k: {"pytorch": pt[dense] / pt[k], "onnxruntime": ort[dense] / ort[k]}
-                                 for k in names[1:]}
+        res["ratio_vs_dense"] = {
+            k: {"pytorch": pt[dense] / pt[k], "onnxruntime": ort[dense] / ort[k]} for k in names[1:]
+        }
         out[f"batch_{bs}"] = res
     return out
 
@@ -222,9 +272,11 @@ def export_all(runs: dict[str, Path], work: Path) -> tuple[dict[str, dict[str, P
             t0 = time.perf_counter()
             side = export_run(run, out=out, config=ExportConfig(format=fmt), force=True)
             files[k][fmt] = out
-            info[k][fmt] = {"seconds": round(time.perf_counter() - t0, 1), "file_mb": out.stat().st_size / 2 ** 20,
-                            "check": {q: side["verification"][q] for q in
-                                      ("n", "max_abs_diff", "top1_agreement", "passed")}}
+            info[k][fmt] = {
+                "seconds": round(time.perf_counter() - t0, 1),
+                "file_mb": out.stat().st_size / 2**20,
+                "check": {q: side["verification"][q] for q in ("n", "max_abs_diff", "top1_agreement", "passed")},
+            }
         info[k]["macs_per_image"] = side["flops"]["macs_per_image"]
         info[k]["methods"] = [m["name"] for m in side["methods"]]
     return files, info
@@ -244,15 +296,31 @@ def family(name: str, runs: dict[str, Path], work: Path, images, labels, args, b
 
 
 def goals(res: dict[str, Any]) -> dict[str, Any]:
-    worst_diff = max(m["agreement"][rt]["max_abs_logit_diff"] for f in ("main_job", "deit_s_224")
-                     for m in res[f]["models"].values() for rt in ("onnxruntime", "torch.export"))
-    worst_agree = min(m["agreement"][rt]["top1_agreement"] for f in ("main_job", "deit_s_224")
-                      for m in res[f]["models"].values() for rt in ("onnxruntime", "torch.export"))
-    ratios = [(f, b, k, r) for f in ("main_job", "deit_s_224") for b, s in res[f]["speed"].items()
-              for k, r in s["ratio_vs_dense"].items()]
-    return {"max_abs_logit_diff": worst_diff, "agreement_goal_1e-4_met": worst_diff <= 1e-4,
-            "min_top1_agreement": worst_agree, "top1_goal_100_met": worst_agree == 100.0,
-            "ort_ratio_at_least_pytorch": {f"{f}/{b}/{k}": r["onnxruntime"] >= r["pytorch"] for f, b, k, r in ratios}}
+    worst_diff = max(
+        m["agreement"][rt]["max_abs_logit_diff"]
+        for f in ("main_job", "deit_s_224")
+        for m in res[f]["models"].values()
+        for rt in ("onnxruntime", "torch.export")
+    )
+    worst_agree = min(
+        m["agreement"][rt]["top1_agreement"]
+        for f in ("main_job", "deit_s_224")
+        for m in res[f]["models"].values()
+        for rt in ("onnxruntime", "torch.export")
+    )
+    ratios = [
+        (f, b, k, r)
+        for f in ("main_job", "deit_s_224")
+        for b, s in res[f]["speed"].items()
+        for k, r in s["ratio_vs_dense"].items()
+    ]
+    return {
+        "max_abs_logit_diff": worst_diff,
+        "agreement_goal_1e-4_met": worst_diff <= 1e-4,
+        "min_top1_agreement": worst_agree,
+        "top1_goal_100_met": worst_agree == 100.0,
+        "ort_ratio_at_least_pytorch": {f"{f}/{b}/{k}": r["onnxruntime"] >= r["pytorch"] for f, b, k, r in ratios},
+    }
 
 
 def main() -> None:
@@ -285,12 +353,16 @@ def main() -> None:
             dense, comp, source = main_job_standin(args, work)
         else:
             dense, comp, source = args.dense, args.compressed, {"kind": "pipeline runs given on the command line"}
-        res["main_job"] = {"source": source, **family("main job", {"dense": dense, "compressed": comp}, work, images,
-                                                      labels, args, [1, 64])}
+        res["main_job"] = {
+            "source": source,
+            **family("main job", {"dense": dense, "compressed": comp}, work, images, labels, args, [1, 64]),
+        }
         save(args.out, res)
         if not args.skip_deit:
-            res["deit_s_224"] = {"source": "deit_small_patch16_224, random weights (seed 0), 10 classes",
-                                 **family("deit-s", deit_runs(args, work), work, images, labels, args, [1, 16])}
+            res["deit_s_224"] = {
+                "source": "deit_small_patch16_224, random weights (seed 0), 10 classes",
+                **family("deit-s", deit_runs(args, work), work, images, labels, args, [1, 16]),
+            }
             res["goals"] = goals(res)
         save(args.out, res)
     print(f"wrote {args.out}")

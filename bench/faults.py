@@ -36,6 +36,7 @@ Usage (from the repository root)::
     # the cases of issue 53 (bench/faults_r53.py) only:
     python bench/faults.py --only r53- --out bench/results/faults_r53.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,10 +59,33 @@ from typing import Any, Callable
 from _common import ROOT, header, save
 
 PY = sys.executable
-ENV = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           PYTHONWARNINGS="ignore", COLUMNS="200", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-TINY = ["--dataset", "synthetic", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "2",
-        "--num-heads", "2", "--batch-size", "32", "--device", "cpu", "--seed", "0"]
+ENV = dict(
+    os.environ,
+    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    PYTHONWARNINGS="ignore",
+    COLUMNS="200",
+    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+)
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--img-size",
+    "16",
+    "--patch-size",
+    "4",
+    "--embed-dim",
+    "32",
+    "--depth",
+    "2",
+    "--num-heads",
+    "2",
+    "--batch-size",
+    "32",
+    "--device",
+    "cpu",
+    "--seed",
+    "0",
+]
 SPACE = """format: nascompress-space/1
 name: tiny-evit
 methods:
@@ -83,13 +107,29 @@ stages:
   retrain: {epochs: 2, eta: 0, batch_size: 32}
 report: {iters: 2, batch_size: 8}
 """
-STUDY = ["--space", "space.yaml", "--train-images", "60", "--eval-images", "60", "--batch-size", "30",
-         "--calib-steps", "2", "--device", "cpu", "--seed", "0"]
+STUDY = [
+    "--space",
+    "space.yaml",
+    "--train-images",
+    "60",
+    "--eval-images",
+    "60",
+    "--batch-size",
+    "30",
+    "--calib-steps",
+    "2",
+    "--device",
+    "cpu",
+    "--seed",
+    "0",
+]
 # a CLI run whose SQLite connections hold at most NASCOMPRESS_FAULTS_PAGES pages (a full disk, simulated)
-SMALL_SQLITE = ("import os, sys\nfrom sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
-                "@event.listens_for(Engine, 'connect')\ndef _small(c, _r):\n"
-                "    c.execute('PRAGMA max_page_count = ' + os.environ['NASCOMPRESS_FAULTS_PAGES'])\n"
-                "from nascompress.cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n")
+SMALL_SQLITE = (
+    "import os, sys\nfrom sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
+    "@event.listens_for(Engine, 'connect')\ndef _small(c, _r):\n"
+    "    c.execute('PRAGMA max_page_count = ' + os.environ['NASCOMPRESS_FAULTS_PAGES'])\n"
+    "from nascompress.cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n"
+)
 RAW_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b|Errno|Traceback")
 
 
@@ -122,9 +162,11 @@ class Ran:
 # Starts a command from a small process and records its peak resident memory: a process's maxrss
 # counts the memory of the process it was forked from (Linux carries it across exec), so the
 # command is forked from this launcher (~10 MB), not from the bench (hundreds of MB).
-LAUNCH = ("import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
-          "_, status, usage = os.wait4(pid, 0)\nwith open(sys.argv[1], 'w') as f:\n    f.write(str(usage.ru_maxrss))\n"
-          "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n")
+LAUNCH = (
+    "import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
+    "_, status, usage = os.wait4(pid, 0)\nwith open(sys.argv[1], 'w') as f:\n    f.write(str(usage.ru_maxrss))\n"
+    "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n"
+)
 
 
 def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> Ran:
@@ -132,10 +174,20 @@ def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: flo
     whether it was killed at ``timeout`` seconds (a hang)."""
     import threading
 
-    with tempfile.TemporaryFile("w+") as fo, tempfile.TemporaryFile("w+") as fe, \
-            tempfile.NamedTemporaryFile("r", suffix=".rss") as rss:
-        p = subprocess.Popen([PY, "-W", "ignore", "-c", LAUNCH, rss.name, *cmd], cwd=cwd, env=env, stdout=fo, stderr=fe, text=True,
-                             start_new_session=True)
+    with (
+        tempfile.TemporaryFile("w+") as fo,
+        tempfile.TemporaryFile("w+") as fe,
+        tempfile.NamedTemporaryFile("r", suffix=".rss") as rss,
+    ):
+        p = subprocess.Popen(
+            [PY, "-W", "ignore", "-c", LAUNCH, rss.name, *cmd],
+            cwd=cwd,
+            env=env,
+            stdout=fo,
+            stderr=fe,
+            text=True,
+            start_new_session=True,
+        )
         hung = threading.Event()
 
         def kill() -> None:
@@ -162,8 +214,15 @@ class Table:
         self.can_mount = mount and self._try_mount()
 
     # -- running commands ----------------------------------------------------------------------
-    def nc(self, args: list[Any], cwd: Path, *, timeout: float = 300, env: dict[str, str] | None = None,
-           small_sqlite: int | None = None) -> Ran:
+    def nc(
+        self,
+        args: list[Any],
+        cwd: Path,
+        *,
+        timeout: float = 300,
+        env: dict[str, str] | None = None,
+        small_sqlite: int | None = None,
+    ) -> Ran:
         cmd = [PY, "-c", SMALL_SQLITE] if small_sqlite is not None else [PY, "-m", "nascompress.cli.main"]
         e = dict(ENV, **(env or {}))
         if small_sqlite is not None:
@@ -172,8 +231,14 @@ class Table:
 
     def kill_when(self, args: list[Any], cwd: Path, ready: Callable[[], bool], *, timeout: float = 300) -> bool:
         """Start the command, SIGKILL it as soon as ``ready()``; False if it ended before."""
-        p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *map(str, args)], cwd=cwd, env=ENV, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+        p = subprocess.Popen(
+            [PY, "-m", "nascompress.cli.main", *map(str, args)],
+            cwd=cwd,
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         end = time.time() + timeout
         try:
             while p.poll() is None and time.time() < end:
@@ -205,14 +270,41 @@ class Table:
     def command(self, kind: str) -> list[Any]:
         """The killed commands (run in a case's folder): train, search (dcs), study (tokens), pipeline."""
         base = self.base_run() if kind in ("search", "study") else None
-        return {"train": ["train", "--out", "run", "--epochs", "3", *TINY],
-                # (the one-epoch tiny base loses accuracy when the search really cuts it to 0.8x: this case
-                # checks the resume, so the accuracy stop is off)
-                "search": ["search", "dcs", base, "--out", "run", "--epochs", "3", "--target-flops", "0.8",
-                           "--batch-size", "32", "--device", "cpu", "--max-val-drop", "100"],
-                "study": ["search", "tokens", base, "--study", "s", "--storage", "sqlite:///s.db", "--trials", "12",
-                          *STUDY],
-                "pipeline": ["pipeline", "p.yaml", "--out", "run"]}[kind]
+        return {
+            "train": ["train", "--out", "run", "--epochs", "3", *TINY],
+            # (the one-epoch tiny base loses accuracy when the search really cuts it to 0.8x: this case
+            # checks the resume, so the accuracy stop is off)
+            "search": [
+                "search",
+                "dcs",
+                base,
+                "--out",
+                "run",
+                "--epochs",
+                "3",
+                "--target-flops",
+                "0.8",
+                "--batch-size",
+                "32",
+                "--device",
+                "cpu",
+                "--max-val-drop",
+                "100",
+            ],
+            "study": [
+                "search",
+                "tokens",
+                base,
+                "--study",
+                "s",
+                "--storage",
+                "sqlite:///s.db",
+                "--trials",
+                "12",
+                *STUDY,
+            ],
+            "pipeline": ["pipeline", "p.yaml", "--out", "run"],
+        }[kind]
 
     def reference(self, kind: str) -> Path:
         """An uninterrupted run of each killed command (made once): train, search, study, pipeline."""
@@ -232,8 +324,12 @@ class Table:
     def _try_mount(self) -> bool:
         probe = self.work / ".mount-probe"
         probe.mkdir(parents=True, exist_ok=True)
-        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)],
-                            capture_output=True).returncode == 0
+        ok = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)], capture_output=True
+            ).returncode
+            == 0
+        )
         if ok:
             subprocess.run(["umount", str(probe)], capture_output=True)
         probe.rmdir()
@@ -278,11 +374,14 @@ class Table:
             finally:
                 self.unmount_all()
             c.seconds = round(time.perf_counter() - t0, 1)
-            c.command, c.error_line, c.note = (None if x is None else self.scrub(x, d)
-                                               for x in (c.command, c.error_line, c.note))
+            c.command, c.error_line, c.note = (
+                None if x is None else self.scrub(x, d) for x in (c.command, c.error_line, c.note)
+            )
             self.cases.append(c)
-            print(f"{name:38s} {c.outcome:20s} rc={c.exit_code} {c.seconds:6.1f}s  {c.error_line or c.note}",
-                  flush=True)
+            print(
+                f"{name:38s} {c.outcome:20s} rc={c.exit_code} {c.seconds:6.1f}s  {c.error_line or c.note}", flush=True
+            )
+
         return run
 
 
@@ -302,8 +401,14 @@ def judge_refusal(c: Case, r: Ran, must: str = "", *, one_line: bool = False) ->
         c.outcome = "hang"
         return
     errs = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
-    clean = (r.rc != 0 and len(errs) == 1 and "Traceback" not in r.err and not RAW_NAME.search(errs[0])
-             and must.lower() in errs[0].lower() and not (one_line and len(r.err.strip().splitlines()) != 1))
+    clean = (
+        r.rc != 0
+        and len(errs) == 1
+        and "Traceback" not in r.err
+        and not RAW_NAME.search(errs[0])
+        and must.lower() in errs[0].lower()
+        and not (one_line and len(r.err.strip().splitlines()) != 1)
+    )
     c.outcome = "clean refusal" if clean else ("raw error" if r.rc != 0 else "wrong")
 
 
@@ -351,14 +456,17 @@ def study_trials(db: Path, name: str) -> list[tuple]:
         if row is None:
             return []
         sid = row[0]
-        rows = con.execute("select trial_id, number, state from trials where study_id=? order by number",
-                           (sid,)).fetchall()
+        rows = con.execute(
+            "select trial_id, number, state from trials where study_id=? order by number", (sid,)
+        ).fetchall()
         out = []
         for tid, num, state in rows:
-            params = sorted(con.execute("select param_name, param_value from trial_params where trial_id=?",
-                                        (tid,)).fetchall())
-            values = [v for (v,) in con.execute("select value from trial_values where trial_id=? order by objective",
-                                                (tid,))]
+            params = sorted(
+                con.execute("select param_name, param_value from trial_params where trial_id=?", (tid,)).fetchall()
+            )
+            values = [
+                v for (v,) in con.execute("select value from trial_values where trial_id=? order by objective", (tid,))
+            ]
             out.append((num, state, params, values))
         return out
     finally:
@@ -376,9 +484,11 @@ def complete(trials: list[tuple]) -> list[tuple]:
 def kill_cases(t: Table) -> None:
     reference = t.reference
 
-    for kind, name, shown in (("train", "kill-train-mid-epoch", "train --out run --epochs 3 (tiny ViT)"),
-                              ("search", "kill-search-dcs-mid-epoch",
-                               "search dcs BASE --out run --epochs 3 --target-flops 0.8")):
+    for kind, name, shown in (
+        ("train", "kill-train-mid-epoch", "train --out run --epochs 3 (tiny ViT)"),
+        ("search", "kill-search-dcs-mid-epoch", "search dcs BASE --out run --epochs 3 --target-flops 0.8"),
+    ):
+
         @t.case(name, "kill -9", "rerun with --resume gives the uninterrupted run's weights")
         def _(c: Case, d: Path, kind: str = kind, shown: str = shown) -> None:
             cmd = t.command(kind)
@@ -412,12 +522,15 @@ def kill_cases(t: Table) -> None:
         c.data_lost = not set(map(str, strip(before))) <= set(map(str, strip(after)))
         c.note = f"{len(before)} trials complete at the kill"
 
-    stages = [("base", lambda o: (o / "base" / "checkpoint.safetensors").is_file()),
-              ("dcs-search", lambda o: (o / "dcs_search" / "checkpoint.safetensors").is_file()),
-              ("token-study", lambda o: (o / "studies.db").is_file() and _n_complete(o / "studies.db") >= 2),
-              ("retrain", lambda o: (o / "final" / "checkpoint.safetensors").is_file()),
-              ("report", lambda o: (o / "done" / "retrain.json").is_file())]
+    stages = [
+        ("base", lambda o: (o / "base" / "checkpoint.safetensors").is_file()),
+        ("dcs-search", lambda o: (o / "dcs_search" / "checkpoint.safetensors").is_file()),
+        ("token-study", lambda o: (o / "studies.db").is_file() and _n_complete(o / "studies.db") >= 2),
+        ("retrain", lambda o: (o / "final" / "checkpoint.safetensors").is_file()),
+        ("report", lambda o: (o / "done" / "retrain.json").is_file()),
+    ]
     for stage, ready in stages:
+
         @t.case(f"kill-pipeline-{stage}", "kill -9", "rerunning the same command gives the uninterrupted result")
         def _(c: Case, d: Path, ready: Callable[[Path], bool] = ready, stage: str = stage) -> None:
             (d / "p.yaml").write_text(PIPELINE)
@@ -433,8 +546,10 @@ def kill_cases(t: Table) -> None:
             same = tensors_equal(d / "run" / "final" / "model.safetensors", want / "final" / "model.safetensors")
             if same:
                 s1, s2 = (json.loads((x / "summary.json").read_text()) for x in (d / "run", want))
-                same = (s1["final"]["test_top1"], s1["comparison"]["flops_ratio"]) == \
-                       (s2["final"]["test_top1"], s2["comparison"]["flops_ratio"])
+                same = (s1["final"]["test_top1"], s1["comparison"]["flops_ratio"]) == (
+                    s2["final"]["test_top1"],
+                    s2["comparison"]["flops_ratio"],
+                )
             c.outcome = "resumed identical" if killed and r.rc == 0 and same else "resumed different"
             c.data_lost = any(digest(d / "run" / "done" / n) != h for n, h in done_before.items())
             c.note = f"the rerun took {rerun_s:.1f} s" if killed else "the run ended before the kill point"
@@ -452,8 +567,16 @@ def _n_complete(db: Path) -> int:
 
 
 def bad_input_cases(t: Table) -> None:
-    def refusal(name: str, category: str, expected: str, args: list[Any], *, prepare: Callable[[Path], None],
-                must: str = "", out: str | None = None) -> None:
+    def refusal(
+        name: str,
+        category: str,
+        expected: str,
+        args: list[Any],
+        *,
+        prepare: Callable[[Path], None],
+        must: str = "",
+        out: str | None = None,
+    ) -> None:
         @t.case(name, category, expected)
         def _(c: Case, d: Path) -> None:
             prepare(d)
@@ -469,18 +592,27 @@ def bad_input_cases(t: Table) -> None:
         return lambda d: (d / "p.yaml").write_text(text)
 
     for name, text, must in (
-            ("yaml-syntax-error", PIPELINE.replace("seed: 0", "seed: [0"), "p.yaml"),
-            ("yaml-unknown-key", PIPELINE.replace("seed: 0", "seed: 0\nsed: 1"), "sed"),
-            ("yaml-wrong-type", PIPELINE.replace("trials: 4", "trials: four"), "trials"),
-            ("yaml-not-a-mapping", "- just\n- a list\n", "p.yaml"),
-            ("yaml-empty", "", "p.yaml")):
-        refusal(f"config-{name}", "broken config", "one line naming the file and key; nothing written",
-                ["pipeline", "p.yaml", "--out", "run"], prepare=yaml_cfg(text), must=must, out="run")
+        ("yaml-syntax-error", PIPELINE.replace("seed: 0", "seed: [0"), "p.yaml"),
+        ("yaml-unknown-key", PIPELINE.replace("seed: 0", "seed: 0\nsed: 1"), "sed"),
+        ("yaml-wrong-type", PIPELINE.replace("trials: 4", "trials: four"), "trials"),
+        ("yaml-not-a-mapping", "- just\n- a list\n", "p.yaml"),
+        ("yaml-empty", "", "p.yaml"),
+    ):
+        refusal(
+            f"config-{name}",
+            "broken config",
+            "one line naming the file and key; nothing written",
+            ["pipeline", "p.yaml", "--out", "run"],
+            prepare=yaml_cfg(text),
+            must=must,
+            out="run",
+        )
 
     def run_with(mutate: Callable[[Path], None]) -> Callable[[Path], None]:
         def prep(d: Path) -> None:
             shutil.copytree(t.base_run(), d / "run")
             mutate(d / "run")
+
         return prep
 
     def truncate(p: Path) -> None:
@@ -491,17 +623,40 @@ def bad_input_cases(t: Table) -> None:
         b[8:40] = b"\xff" * 32
         (p / "model.safetensors").write_bytes(bytes(b))
 
-    refusal("truncated-safetensors", "corrupt file", "one line: the file is corrupt",
-            ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=run_with(truncate), must="run")
-    refusal("corrupt-safetensors-header", "corrupt file", "one line: the file is corrupt",
-            ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=run_with(garbage_header),
-            must="run")
-    refusal("text-file-as-weights", "corrupt file", "one line: not a weights file",
-            ["train", "--out", "new", "--weights", "notes.txt", "--epochs", "1", *TINY],
-            prepare=lambda d: (d / "notes.txt").write_text("hello\n"), must="notes.txt", out="new")
-    refusal("truncated-weights-pth", "corrupt file", "one line: not a complete weights file",
-            ["train", "--out", "new", "--weights", "w.pth", "--epochs", "1", *TINY],
-            prepare=lambda d: (d / "w.pth").write_bytes(_pth_bytes()[:700]), must="w.pth", out="new")
+    refusal(
+        "truncated-safetensors",
+        "corrupt file",
+        "one line: the file is corrupt",
+        ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"],
+        prepare=run_with(truncate),
+        must="run",
+    )
+    refusal(
+        "corrupt-safetensors-header",
+        "corrupt file",
+        "one line: the file is corrupt",
+        ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"],
+        prepare=run_with(garbage_header),
+        must="run",
+    )
+    refusal(
+        "text-file-as-weights",
+        "corrupt file",
+        "one line: not a weights file",
+        ["train", "--out", "new", "--weights", "notes.txt", "--epochs", "1", *TINY],
+        prepare=lambda d: (d / "notes.txt").write_text("hello\n"),
+        must="notes.txt",
+        out="new",
+    )
+    refusal(
+        "truncated-weights-pth",
+        "corrupt file",
+        "one line: not a complete weights file",
+        ["train", "--out", "new", "--weights", "w.pth", "--epochs", "1", *TINY],
+        prepare=lambda d: (d / "w.pth").write_bytes(_pth_bytes()[:700]),
+        must="w.pth",
+        out="new",
+    )
 
     def arch_kw(key: str, value: Any) -> Callable[[Path], None]:
         def mutate(p: Path) -> None:
@@ -514,13 +669,23 @@ def bad_input_cases(t: Table) -> None:
             for f in p.iterdir():
                 if f.name not in ("model.safetensors", "arch.json"):
                     shutil.rmtree(f) if f.is_dir() else f.unlink()
+
         return run_with(mutate)
 
-    for key, value in (("checkpoint_path", "../notes.txt"), ("pretrained_cfg_overlay", {"file": "x.bin"}),
-                       ("act_layer", "os.system"), ("global_pool", "os.system")):
-        refusal(f"arch-json-{key}", "malicious arch.json", "one line naming the key; no file opened",
-                ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], prepare=arch_kw(key, value),
-                must=key)
+    for key, value in (
+        ("checkpoint_path", "../notes.txt"),
+        ("pretrained_cfg_overlay", {"file": "x.bin"}),
+        ("act_layer", "os.system"),
+        ("global_pool", "os.system"),
+    ):
+        refusal(
+            f"arch-json-{key}",
+            "malicious arch.json",
+            "one line naming the key; no file opened",
+            ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"],
+            prepare=arch_kw(key, value),
+            must=key,
+        )
 
     def folder(classes: dict[str, dict[str, int]], corrupt: bool = False) -> Callable[[Path], None]:
         def prep(d: Path) -> None:
@@ -533,22 +698,63 @@ def bad_input_cases(t: Table) -> None:
                     (d / "imgs" / split / cls).mkdir(parents=True, exist_ok=True)
                     for i in range(n):
                         Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(
-                            d / "imgs" / split / cls / f"{i}.png")
+                            d / "imgs" / split / cls / f"{i}.png"
+                        )
             if corrupt:
                 p = d / "imgs" / "train" / "a" / "0.png"
                 p.write_bytes(p.read_bytes()[:60])
+
         return prep
 
-    fold = ["--dataset", "imgs", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1",
-            "--num-heads", "2", "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--num-workers", "0"]
-    refusal("imagefolder-corrupt-png", "bad dataset", "one line naming the image; nothing written",
-            ["train", "--out", "new", *fold], prepare=folder({"train": {"a": 12, "b": 12}}, corrupt=True),
-            must="0.png", out="new")
-    refusal("imagefolder-one-class", "bad dataset", "one line: fewer than two classes; nothing written",
-            ["train", "--out", "new", *fold], prepare=folder({"train": {"a": 12}}), must="class", out="new")
-    refusal("imagefolder-empty-class-in-val", "bad dataset", "one line naming the class and split",
-            ["train", "--out", "new", *fold],
-            prepare=folder({"train": {"a": 12, "b": 12}, "val": {"a": 4, "b": 0}}), must="val", out="new")
+    fold = [
+        "--dataset",
+        "imgs",
+        "--img-size",
+        "16",
+        "--patch-size",
+        "4",
+        "--embed-dim",
+        "32",
+        "--depth",
+        "1",
+        "--num-heads",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+        "--num-workers",
+        "0",
+    ]
+    refusal(
+        "imagefolder-corrupt-png",
+        "bad dataset",
+        "one line naming the image; nothing written",
+        ["train", "--out", "new", *fold],
+        prepare=folder({"train": {"a": 12, "b": 12}}, corrupt=True),
+        must="0.png",
+        out="new",
+    )
+    refusal(
+        "imagefolder-one-class",
+        "bad dataset",
+        "one line: fewer than two classes; nothing written",
+        ["train", "--out", "new", *fold],
+        prepare=folder({"train": {"a": 12}}),
+        must="class",
+        out="new",
+    )
+    refusal(
+        "imagefolder-empty-class-in-val",
+        "bad dataset",
+        "one line naming the class and split",
+        ["train", "--out", "new", *fold],
+        prepare=folder({"train": {"a": 12, "b": 12}, "val": {"a": 4, "b": 0}}),
+        must="val",
+        out="new",
+    )
 
     @t.case("imagefolder-corrupt-png-skipped", "bad dataset", "--skip-bad-images trains, counting the skipped image")
     def _(c: Case, d: Path) -> None:
@@ -629,10 +835,17 @@ def disk_cases(t: Table) -> None:
             c.partial_outputs = finished_outputs(d, set())
             t.grow(d / "small")
             r = t.nc(args + ["--resume"], d)
-            same = tensors_equal(d / "small" / "run" / "model.safetensors",
-                                 t.reference("train") / "run" / "model.safetensors")
-            c.note = ("with more space, --resume finished it " + ("with the uninterrupted run's weights" if same else
-                      "with other weights")) if r.rc == 0 else f"with more space, --resume failed: {error_line(r)}"
+            same = tensors_equal(
+                d / "small" / "run" / "model.safetensors", t.reference("train") / "run" / "model.safetensors"
+            )
+            c.note = (
+                (
+                    "with more space, --resume finished it "
+                    + ("with the uninterrupted run's weights" if same else "with other weights")
+                )
+                if r.rc == 0
+                else f"with more space, --resume failed: {error_line(r)}"
+            )
 
     @t.case("full-disk-pipeline", "full disk", "one line: no space left; the finished steps kept")
     def _(c: Case, d: Path) -> None:
@@ -650,12 +863,17 @@ def disk_cases(t: Table) -> None:
             want = t.reference("pipeline") / "run" / "final" / "model.safetensors"
             same = tensors_equal(d / "small" / "run" / "final" / "model.safetensors", want)
             c.data_lost = any(digest(d / "small" / "run" / "done" / n) != h for n, h in done.items())
-            c.note = (f"{len(done)} steps done when the disk filled; with more space the same command "
-                      + ("finished with the uninterrupted run's final weights" if r.rc == 0 and same else
-                         f"ended with exit code {r.rc}, same weights: {same}"))
+            c.note = f"{len(done)} steps done when the disk filled; with more space the same command " + (
+                "finished with the uninterrupted run's final weights"
+                if r.rc == 0 and same
+                else f"ended with exit code {r.rc}, same weights: {same}"
+            )
 
-    @t.case("full-disk-study-storage", "full disk", "one line: the storage is full; moved to a bigger disk, "
-                                                     "the same command continues the same trials")
+    @t.case(
+        "full-disk-study-storage",
+        "full disk",
+        "one line: the storage is full; moved to a bigger disk, the same command continues the same trials",
+    )
     def _(c: Case, d: Path) -> None:
         ref_db = t.reference("study") / "s.db"
         cmd = ["search", "tokens", str(base), "--study", "s", "--trials", "12", *STUDY]
@@ -669,8 +887,10 @@ def disk_cases(t: Table) -> None:
             db = d / "s.db"
             pages = 29
         args = cmd + ["--storage", f"sqlite:///{db.relative_to(d)}"]
-        c.command = ("nascompress search tokens BASE --study s --trials 12 ... --storage sqlite:///"
-                     f"{db.relative_to(d)}  (then: more space, the same command)")
+        c.command = (
+            "nascompress search tokens BASE --study s --trials 12 ... --storage sqlite:///"
+            f"{db.relative_to(d)}  (then: more space, the same command)"
+        )
         judge_refusal(c, t.nc(args, d, small_sqlite=pages), "no space")
         before = complete(study_trials(db, "s"))
         if t.can_mount:
@@ -679,9 +899,11 @@ def disk_cases(t: Table) -> None:
         after, want = complete(study_trials(db, "s")), complete(study_trials(ref_db, "s"))
         strip = lambda ts: [(p, [round(v, 9) for v in vals]) for _, _, p, vals in ts]  # noqa: E731
         c.data_lost = not set(map(str, strip(before))) <= set(map(str, strip(after)))
-        c.note = (f"{len(before)} trials complete when the disk filled; with more space the same command "
-                  + ("gave the uninterrupted study's trials" if r.rc == 0 and strip(after) == strip(want)
-                     else "differed from the uninterrupted study"))
+        c.note = f"{len(before)} trials complete when the disk filled; with more space the same command " + (
+            "gave the uninterrupted study's trials"
+            if r.rc == 0 and strip(after) == strip(want)
+            else "differed from the uninterrupted study"
+        )
 
     @t.case("read-only-study-storage", "unwritable study storage", "one line: the storage cannot be written")
     def _(c: Case, d: Path) -> None:
@@ -691,8 +913,18 @@ def disk_cases(t: Table) -> None:
             before = digest(d / "st" / "s.db")
             t.read_only(d / "st")
             c.how = "read-only bind mount"
-            args = ["search", "tokens", str(base), "--study", "s", "--trials", "8", *STUDY, "--storage",
-                    "sqlite:///st/s.db"]
+            args = [
+                "search",
+                "tokens",
+                str(base),
+                "--study",
+                "s",
+                "--trials",
+                "8",
+                *STUDY,
+                "--storage",
+                "sqlite:///st/s.db",
+            ]
             c.command = "nascompress search tokens BASE --study s --trials 8 ... --storage sqlite:///st/s.db"
             judge_refusal(c, t.nc(args, d), "st/s.db")
             t.unmount_all()
@@ -711,7 +943,9 @@ def leftover_cases(t: Table) -> None:
         dead = subprocess.Popen(["true"])
         dead.wait()
         os.symlink(f"{d}/s.journal.owner=" + json.dumps([socket.gethostname(), dead.pid, None]), d / "s.journal.lock")
-        c.command = "nascompress search tokens BASE --study j --storage journal:s.journal --trials 4  (dead writer's lock)"
+        c.command = (
+            "nascompress search tokens BASE --study j --storage journal:s.journal --trials 4  (dead writer's lock)"
+        )
         t0 = time.perf_counter()
         r = t.nc(cmd + ["--trials", "4"], d)
         wall = time.perf_counter() - t0
@@ -728,8 +962,15 @@ def leftover_cases(t: Table) -> None:
         snaps = lambda: sorted(p.name for p in d.glob(".s.db.dashboard-*"))  # noqa: E731
         left = []
         for k in range(2):
-            p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+            p = subprocess.Popen(
+                [PY, "-m", "nascompress.cli.main", *args],
+                cwd=d,
+                env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                start_new_session=True,
+            )
             try:
                 up = p.stdout.readline()
                 if k == 0:
@@ -749,8 +990,26 @@ def leftover_cases(t: Table) -> None:
 def hostile_cases(t: Table) -> None:
     """Hostile inputs (issue 37): nothing hangs, nothing eats memory, no open door."""
     base = t.base_run()
-    fold = ["--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1", "--num-heads", "2",
-            "--epochs", "1", "--batch-size", "16", "--device", "cpu", "--num-workers", "0"]
+    fold = [
+        "--img-size",
+        "16",
+        "--patch-size",
+        "4",
+        "--embed-dim",
+        "32",
+        "--depth",
+        "1",
+        "--num-heads",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+        "--num-workers",
+        "0",
+    ]
 
     def images(d: Path, counts: dict[str, int], split: str = "train") -> Path:
         import numpy as np
@@ -760,11 +1019,22 @@ def hostile_cases(t: Table) -> None:
         for cls, n in counts.items():
             (d / "imgs" / split / cls).mkdir(parents=True, exist_ok=True)
             for i in range(n):
-                Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(d / "imgs" / split / cls / f"{i}.png")
+                Image.fromarray(rng.integers(0, 255, (16, 16), dtype=np.uint8)).save(
+                    d / "imgs" / split / cls / f"{i}.png"
+                )
         return d / "imgs"
 
-    def refuse(c: Case, d: Path, args: list[Any], must: str, *, out: str | None = None, timeout: float = 120,
-               one_line: bool = False, env: dict[str, str] | None = None) -> Ran:
+    def refuse(
+        c: Case,
+        d: Path,
+        args: list[Any],
+        must: str,
+        *,
+        out: str | None = None,
+        timeout: float = 120,
+        one_line: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> Ran:
         before = snapshot(d)
         c.command = "nascompress " + " ".join(map(str, args))
         r = t.nc(args, d, timeout=timeout, env=env)
@@ -802,15 +1072,25 @@ def hostile_cases(t: Table) -> None:
         c.error_line = error_line(r) if r.rc else None
         c.note = f"classes of the trained model: {classes}"
 
-    @t.case("imagefolder-10000x10000-png", "hostile dataset", "one line naming the image and the pixel limit, "
-                                                               "read from its header (no decode)")
+    @t.case(
+        "imagefolder-10000x10000-png",
+        "hostile dataset",
+        "one line naming the image and the pixel limit, read from its header (no decode)",
+    )
     def _(c: Case, d: Path) -> None:
         from PIL import Image
 
         root = images(d, {"a": 6, "b": 6})
         Image.new("L", (10000, 10000)).save(root / "train" / "b" / "huge.png")
-        r = refuse(c, d, ["train", "--out", "new", "--dataset", "imgs", *fold], "huge.png", out="new", one_line=True,
-                   env={"PYTHONWARNINGS": "default"})
+        r = refuse(
+            c,
+            d,
+            ["train", "--out", "new", "--dataset", "imgs", *fold],
+            "huge.png",
+            out="new",
+            one_line=True,
+            env={"PYTHONWARNINGS": "default"},
+        )
         if "DecompressionBomb" in r.err:
             c.outcome, c.note = "raw error", "PIL's DecompressionBombWarning printed"
 
@@ -821,14 +1101,16 @@ def hostile_cases(t: Table) -> None:
             a = json.loads((base / "arch.json").read_text())
             a["model"]["kwargs"][key] = value
             (d / "run" / "arch.json").write_text(json.dumps(a))
+
         return prep
 
     for key, value in (("depth", 1_000_000), ("embed_dim", 1_000_000), ("img_size", 100_000)):
+
         @t.case(f"arch-json-huge-{key}", "hostile model file", "one line naming the limit; nothing built")
         def _(c: Case, d: Path, key: str = key, value: Any = value) -> None:
             arch_kw(key, value)(d)
             refuse(c, d, ["evaluate", "run", "--dataset", "synthetic", "--device", "cpu"], "above the limit")
-            c.note = f'arch.json model.kwargs.{key} = {value}'
+            c.note = f"arch.json model.kwargs.{key} = {value}"
 
     @t.case("nan-weights", "hostile model file", "one line: the weights are not finite")
     def _(c: Case, d: Path) -> None:
@@ -861,14 +1143,23 @@ def hostile_cases(t: Table) -> None:
         import pickle
 
         (d / "w.pkl").write_bytes(pickle.dumps({"w": [1, 2]}, protocol=4))
-        refuse(c, d, ["train", "--out", "new", "--weights", "w.pkl", "--epochs", "1", *TINY], "w.pkl", out="new",
-               one_line=True, env={"PYTHONWARNINGS": "default"})
+        refuse(
+            c,
+            d,
+            ["train", "--out", "new", "--weights", "w.pkl", "--epochs", "1", *TINY],
+            "w.pkl",
+            out="new",
+            one_line=True,
+            env={"PYTHONWARNINGS": "default"},
+        )
 
     for name, text, must in (
-            ("trials-1e9", PIPELINE.replace("trials: 4", "trials: 1000000000"), "max_trials"),
-            ("seed-1e23", PIPELINE.replace("seed: 0", "seed: 100000000000000000000000"), "seed"),
-            ("lr-inf", PIPELINE.replace("lr: 0.002", "lr: .inf"), "finite"),
-            ("nested-5000", PIPELINE + "extra: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper")):
+        ("trials-1e9", PIPELINE.replace("trials: 4", "trials: 1000000000"), "max_trials"),
+        ("seed-1e23", PIPELINE.replace("seed: 0", "seed: 100000000000000000000000"), "seed"),
+        ("lr-inf", PIPELINE.replace("lr: 0.002", "lr: .inf"), "finite"),
+        ("nested-5000", PIPELINE + "extra: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper"),
+    ):
+
         @t.case(f"config-{name}", "hostile config", "one line naming the key or the limit; nothing written")
         def _(c: Case, d: Path, text: str = text, must: str = must) -> None:
             (d / "p.yaml").write_text(text)
@@ -877,19 +1168,34 @@ def hostile_cases(t: Table) -> None:
     @t.case("dashboard-public-bind", "open door", "refused without --expose-storage-without-login")
     def _(c: Case, d: Path) -> None:
         shutil.copy(t.reference("study") / "s.db", d / "s.db")
-        refuse(c, d, ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--host", "0.0.0.0", "--port", "0"],
-               "--expose-storage-without-login", timeout=60)
+        refuse(
+            c,
+            d,
+            ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--host", "0.0.0.0", "--port", "0"],
+            "--expose-storage-without-login",
+            timeout=60,
+        )
 
-    @t.case("dashboard-delete-study", "open door", "read-only: DELETE /api/studies/N answered 403, the study kept; "
-                                                    "/static/* served without Accept-Encoding")
+    @t.case(
+        "dashboard-delete-study",
+        "open door",
+        "read-only: DELETE /api/studies/N answered 403, the study kept; /static/* served without Accept-Encoding",
+    )
     def _(c: Case, d: Path) -> None:
         import http.client
 
         shutil.copy(t.reference("study") / "s.db", d / "s.db")
         args = ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--port", "0"]
         c.command = "nascompress " + " ".join(args) + "  (then DELETE /api/studies/0, GET /static/bundle.js)"
-        p = subprocess.Popen([PY, "-m", "nascompress.cli.main", *args], cwd=d, env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+        p = subprocess.Popen(
+            [PY, "-m", "nascompress.cli.main", *args],
+            cwd=d,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             up = p.stdout.readline()
             port = int(re.search(r":(\d+)/dashboard", up).group(1))
@@ -916,8 +1222,20 @@ def hostile_cases(t: Table) -> None:
 
     @t.case("study-two-workers-budget", "trial budget", "2 workers, --trials 4: exactly 4 complete trials")
     def _(c: Case, d: Path) -> None:
-        args = ["search", "tokens", str(base), "--study", "w", "--storage", "journal:w.journal", "--trials", "4",
-                "--workers", "2", *STUDY]
+        args = [
+            "search",
+            "tokens",
+            str(base),
+            "--study",
+            "w",
+            "--storage",
+            "journal:w.journal",
+            "--trials",
+            "4",
+            "--workers",
+            "2",
+            *STUDY,
+        ]
         c.command = "nascompress search tokens BASE --study w --storage journal:w.journal --trials 4 --workers 2 ..."
         r = t.nc(args, d, timeout=600)
         c.exit_code, c.peak_rss_mb = r.rc, r.peak_rss_mb
@@ -927,6 +1245,7 @@ def hostile_cases(t: Table) -> None:
         c.note = f"{n} complete trials"
 
     for fmt, name in (("onnx", "m.onnx"), ("torch-export", "m.pt2")):
+
         @t.case(f"full-disk-export-{fmt}", "full disk", "one line: no space left; nothing written")
         def _(c: Case, d: Path, fmt: str = fmt, name: str = name) -> None:
             if not t.can_mount:
@@ -937,8 +1256,11 @@ def hostile_cases(t: Table) -> None:
             refuse(c, d, ["export", str(base), "--out", f"small/{name}", "--format", fmt], "no space", timeout=300)
             c.partial_outputs += [str(p.relative_to(d)) for p in (d / "small").iterdir()]
 
-    @t.case("pipeline-two-folders-same-bytes", "model identity", "the same pipeline in another folder writes "
-                                                                 "byte-identical model files")
+    @t.case(
+        "pipeline-two-folders-same-bytes",
+        "model identity",
+        "the same pipeline in another folder writes byte-identical model files",
+    )
     def _(c: Case, d: Path) -> None:
         want = t.reference("pipeline") / "run"
         other = t.work / "kill-pipeline-report" / "run"  # the same pipeline, finished in another folder
@@ -952,7 +1274,8 @@ def hostile_cases(t: Table) -> None:
         differ = [n for n in names if digest(want / n) != digest(other / n)]
         c.outcome = "accepted" if names and not differ else "wrong"
         c.note = f"{len(names) - len(differ)} of {len(names)} model files identical" + (
-            f"; differ: {', '.join(differ)}" if differ else "")
+            f"; differ: {', '.join(differ)}" if differ else ""
+        )
 
 
 def journal_trials(path: Path, name: str) -> list[tuple]:
@@ -971,10 +1294,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", type=Path, default=None, help="Scratch folder (default: a new temporary folder).")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "faults.json")
-    ap.add_argument("--only", default=None, help="Run the cases whose name contains this (or of this category); several: comma-separated.")
+    ap.add_argument(
+        "--only",
+        default=None,
+        help="Run the cases whose name contains this (or of this category); several: comma-separated.",
+    )
     ap.add_argument("--keep", action="store_true", help="Keep the scratch folder.")
-    ap.add_argument("--no-mount", action="store_true",
-                    help="Do not mount tmpfs (what runs where mounting is not permitted: simulated or not run).")
+    ap.add_argument(
+        "--no-mount",
+        action="store_true",
+        help="Do not mount tmpfs (what runs where mounting is not permitted: simulated or not run).",
+    )
     args = ap.parse_args()
     work = (args.work or Path(tempfile.mkdtemp(prefix="nascompress-faults-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -998,13 +1328,20 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     cases = [asdict(c) for c in t.cases]
     tried = [c for c in cases if c["outcome"] != "not run"]
-    blowups = [c["name"] for c in tried if baseline and c["peak_rss_mb"] and c["outcome"] in (
-        "clean refusal", "raw error", "hang") and c["peak_rss_mb"] > 2 * baseline]
+    blowups = [
+        c["name"]
+        for c in tried
+        if baseline
+        and c["peak_rss_mb"]
+        and c["outcome"] in ("clean refusal", "raw error", "hang")
+        and c["peak_rss_mb"] > 2 * baseline
+    ]
     summary = {
         "cases_tried": len(tried),
         "clean_refusals": sum(c["outcome"] == "clean refusal" for c in tried),
-        "refusals_expected": sum(c["category"] not in ("kill -9", "leftover of kill -9") and c["outcome"] != "accepted"
-                                 for c in tried),
+        "refusals_expected": sum(
+            c["category"] not in ("kill -9", "leftover of kill -9") and c["outcome"] != "accepted" for c in tried
+        ),
         "resumed_identically": sum(c["outcome"] == "resumed identical" for c in tried),
         "kill_cases": sum(c["category"] == "kill -9" for c in tried),
         "recovered_leftovers": sum(c["outcome"] == "recovered" for c in tried),
@@ -1013,10 +1350,17 @@ def main() -> None:
         "hangs": sum(c["outcome"] == "hang" for c in tried),
         "evaluate_peak_rss_mb": baseline,
         "memory_blowups": blowups,
-        "max_refusal_peak_rss_mb": max((c["peak_rss_mb"] for c in tried if c["peak_rss_mb"] and c["outcome"] in (
-            "clean refusal", "raw error", "hang")), default=None),
-        "wrong_or_bench_failures": sum(c["outcome"] in ("wrong", "resumed different", "bench failure", "hang")
-                                       for c in tried),
+        "max_refusal_peak_rss_mb": max(
+            (
+                c["peak_rss_mb"]
+                for c in tried
+                if c["peak_rss_mb"] and c["outcome"] in ("clean refusal", "raw error", "hang")
+            ),
+            default=None,
+        ),
+        "wrong_or_bench_failures": sum(
+            c["outcome"] in ("wrong", "resumed different", "bench failure", "hang") for c in tried
+        ),
         "partial_outputs_left": sum(bool(c["partial_outputs"]) for c in tried),
         "data_lost": sum(bool(c["data_lost"]) for c in tried),
         "not_run": [c["name"] for c in cases if c["outcome"] == "not run"],

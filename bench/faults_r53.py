@@ -8,6 +8,7 @@ Run only these (from the repository root)::
 
 :func:`round53_cases` is called by ``bench/faults.py`` with its :class:`~faults.Table`.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _common import ROOT
-from faults import (PIPELINE, TINY, Case, Ran, Table, digest, error_line, finished_outputs, judge_refusal,
-                    snapshot)
+from faults import PIPELINE, TINY, Case, Ran, Table, digest, error_line, finished_outputs, judge_refusal, snapshot
 
 DEEP = "[" * 1_000_000 + "]" * 1_000_000
 
@@ -31,8 +31,9 @@ def round53_cases(t: Table) -> None:
     """The cases of issue 53 (see the module docstring)."""
     base = t.base_run()
 
-    def refuse(c: Case, d: Path, args: list[Any], must: str, *, out: str | None = None,
-               env: dict[str, str] | None = None) -> Ran:
+    def refuse(
+        c: Case, d: Path, args: list[Any], must: str, *, out: str | None = None, env: dict[str, str] | None = None
+    ) -> Ran:
         before = snapshot(d)
         c.command = "nascompress " + " ".join(map(str, args))
         r = t.nc(args, d, timeout=180, env=env)
@@ -55,8 +56,12 @@ def round53_cases(t: Table) -> None:
     def _(c: Case, d: Path) -> None:
         shutil.copytree(base, d / "base")
         before = {p.name: digest(p) for p in (d / "base").iterdir() if p.is_file()}
-        refuse(c, d, ["finetune", "base", "--method", "evit", "--zero-shot", "--out", "base", "--force"],
-               "is the command's input")
+        refuse(
+            c,
+            d,
+            ["finetune", "base", "--method", "evit", "--zero-shot", "--out", "base", "--force"],
+            "is the command's input",
+        )
         c.data_lost = {p.name: digest(p) for p in (d / "base").iterdir() if p.is_file()} != before
 
     @t.case("r53-dashboard-writable-sqlite", "issue 53: data lost", "refused on SQLite, saying why")
@@ -67,8 +72,12 @@ def round53_cases(t: Table) -> None:
         refuse(c, d, ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--writable"], "snapshot copy")
 
     # 2. arch.json's input section
-    for key, value, must in (("img_size", [3000, 3000], "but the model takes"), ("img_size", [32, 32], "but the model"),
-                             ("in_chans", 3, "in_chans is 3"), ("mean", [float("nan")], "finite numbers")):
+    for key, value, must in (
+        ("img_size", [3000, 3000], "but the model takes"),
+        ("img_size", [32, 32], "but the model"),
+        ("in_chans", 3, "in_chans is 3"),
+        ("mean", [float("nan")], "finite numbers"),
+    ):
         name = f"r53-arch-input-{key}-{str(value).replace(' ', '')}"
 
         @t.case(name, "issue 53: model file", "one line naming the input setting; nothing allocated")
@@ -78,16 +87,27 @@ def round53_cases(t: Table) -> None:
 
     # 3. search-space files, 4. deep files
     for name, text, must in (
-            ("layers-range-1e9", _space("prune_layers: {kind: layers, range: [1, 1000000000], size: [1, 1000000]}"),
-             "beyond the deepest model"),
-            ("step-1e-300", _space("keep_rate: {kind: float, low: 0.3, high: 1.0, step: 1.0e-300}"), "values from"),
-            ("tome-r-negative", _space("r: {kind: int, low: -5, high: 2}", "tome"), "which tome refuses"),
-            ("nested-5000-raised-limit", "a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply")):
+        (
+            "layers-range-1e9",
+            _space("prune_layers: {kind: layers, range: [1, 1000000000], size: [1, 1000000]}"),
+            "beyond the deepest model",
+        ),
+        ("step-1e-300", _space("keep_rate: {kind: float, low: 0.3, high: 1.0, step: 1.0e-300}"), "values from"),
+        ("tome-r-negative", _space("r: {kind: int, low: -5, high: 2}", "tome"), "which tome refuses"),
+        ("nested-5000-raised-limit", "a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ):
+
         @t.case(f"r53-space-{name}", "issue 53: search space", "one line at load time; no study created")
         def _(c: Case, d: Path, text: str = text, must: str = must) -> None:
             (d / "bad.yaml").write_text(text)
-            refuse(c, d, ["search", "tokens", base, "--space", "bad.yaml", "--study", "s", "--storage",
-                          "sqlite:///s.db"], must, out="s.db", env={"NASCOMPRESS_MAX_YAML_DEPTH": "100000"})
+            refuse(
+                c,
+                d,
+                ["search", "tokens", base, "--space", "bad.yaml", "--study", "s", "--storage", "sqlite:///s.db"],
+                must,
+                out="s.db",
+                env={"NASCOMPRESS_MAX_YAML_DEPTH": "100000"},
+            )
 
     @t.case("r53-deep-arch-json", "issue 53: model file", "one line: nests deeper than the limit; no RecursionError")
     def _(c: Case, d: Path) -> None:
@@ -112,9 +132,12 @@ def round53_cases(t: Table) -> None:
         c.outcome = "accepted" if ok else ("raw error" if r.rc else "wrong")
         c.data_lost = r.rc != 0
 
-    for name, damage, must in (("config-json-list", "config", "not the record"),
-                               ("checkpoint-missing-tensor", "missing", "is damaged"),
-                               ("checkpoint-epoch-string", "epoch", "is damaged")):
+    for name, damage, must in (
+        ("config-json-list", "config", "not the record"),
+        ("checkpoint-missing-tensor", "missing", "is damaged"),
+        ("checkpoint-epoch-string", "epoch", "is damaged"),
+    ):
+
         @t.case(f"r53-{name}", "issue 53: resume safety", "one line naming the damage and what to do")
         def _(c: Case, d: Path, damage: str = damage, must: str = must) -> None:
             from safetensors import safe_open
@@ -137,13 +160,30 @@ def round53_cases(t: Table) -> None:
 
     # 6. unbounded options, 8. wrong acceptances, 10. minor
     for name, args, must in (
-            ("export-batch-1e9", ["export", base, "--out", "m.onnx", "--batch", "1000000000"], "[1, 65536]"),
-            ("train-lr-1e300", ["train", "--out", "run", "--lr", "1e300", *TINY], "(0, 10]"),
-            ("train-epochs-1e12", ["train", "--out", "run", "--epochs", "1000000000000", *TINY], "[1, 10000]"),
-            ("profile-iters-1e12", ["profile", base, "--iters", "1000000000000"], "[1, 100000]"),
-            ("objective-flops-max-flops", ["search", "tokens", base, "--study", "s", "--storage", "sqlite:///s.db",
-                                           "--objective", "flops", "--max-flops", "0.8"], "Pareto front"),
-            ("weights-fifo", ["train", "--out", "run", "--weights", "fifo", "--epochs", "1", *TINY], "named pipe")):
+        ("export-batch-1e9", ["export", base, "--out", "m.onnx", "--batch", "1000000000"], "[1, 65536]"),
+        ("train-lr-1e300", ["train", "--out", "run", "--lr", "1e300", *TINY], "(0, 10]"),
+        ("train-epochs-1e12", ["train", "--out", "run", "--epochs", "1000000000000", *TINY], "[1, 10000]"),
+        ("profile-iters-1e12", ["profile", base, "--iters", "1000000000000"], "[1, 100000]"),
+        (
+            "objective-flops-max-flops",
+            [
+                "search",
+                "tokens",
+                base,
+                "--study",
+                "s",
+                "--storage",
+                "sqlite:///s.db",
+                "--objective",
+                "flops",
+                "--max-flops",
+                "0.8",
+            ],
+            "Pareto front",
+        ),
+        ("weights-fifo", ["train", "--out", "run", "--weights", "fifo", "--epochs", "1", *TINY], "named pipe"),
+    ):
+
         @t.case(f"r53-{name}", "issue 53: bounds and acceptances", "one line; nothing written")
         def _(c: Case, d: Path, args: list[Any] = args, must: str = must) -> None:
             os.mkfifo(d / "fifo")
@@ -151,11 +191,20 @@ def round53_cases(t: Table) -> None:
 
     @t.case("r53-world-size-without-torchrun", "issue 53: minor", "one line: not started by torchrun")
     def _(c: Case, d: Path) -> None:
-        refuse(c, d, ["train", "--out", "run", "--epochs", "1", *TINY], "not started by torchrun", out="run",
-               env={"WORLD_SIZE": "2"})
+        refuse(
+            c,
+            d,
+            ["train", "--out", "run", "--epochs", "1", *TINY],
+            "not started by torchrun",
+            out="run",
+            env={"WORLD_SIZE": "2"},
+        )
 
-    @t.case("r53-pipeline-space-of-another-model-kind", "issue 53: bounds and acceptances",
-            "refused before its output folder is written")
+    @t.case(
+        "r53-pipeline-space-of-another-model-kind",
+        "issue 53: bounds and acceptances",
+        "refused before its output folder is written",
+    )
     def _(c: Case, d: Path) -> None:
         shutil.copy(ROOT / "search_spaces" / "mgvit-h.yaml", d / "mgvit-h.yaml")
         (d / "p.yaml").write_text(PIPELINE.replace("space: space.yaml", "space: mgvit-h.yaml"))

@@ -7,6 +7,7 @@ figures its own metrics.json recorded; latency (batch 1) and throughput (batch 6
 
     python bench/foundation.py --base runs/base --out bench/results/foundation.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,12 @@ def main() -> None:
     for name, paper in PAPER_GFLOPS:
         m = build_model(ModelSpec(name)).eval()
         x = torch.randn(1, 3, 224, 224)
-        res["paper_flops"][name] = {"paper_gflops": paper, "nascompress_gflops": count_flops(m, x).gflops,
-                                    "flop_counter_mode_gflops": flop_counter_macs(m, x) / 1e9,
-                                    "thop_gflops_missing_attention": thop_macs(m, x) / 1e9}
+        res["paper_flops"][name] = {
+            "paper_gflops": paper,
+            "nascompress_gflops": count_flops(m, x).gflops,
+            "flop_counter_mode_gflops": flop_counter_macs(m, x) / 1e9,
+            "thop_gflops_missing_attention": thop_macs(m, x) / 1e9,
+        }
         print(name, json.dumps(res["paper_flops"][name]), flush=True)
     base = Path(args.base)
     if (base / "metrics.json").is_file():
@@ -53,18 +57,35 @@ def main() -> None:
         prof = profile_models({"base": model}, device=torch.device("cpu"), iters=args.iters)["models"]["base"]
         data_cfg = run_data_config(base) or DataConfig()
         test = evaluate_run(base, data=data_cfg, device="cpu")
-        log = [json.loads(ln) for ln in (base / "log.jsonl").read_text().splitlines() if ln] \
-            if (base / "log.jsonl").is_file() else []
+        log = (
+            [json.loads(ln) for ln in (base / "log.jsonl").read_text().splitlines() if ln]
+            if (base / "log.jsonl").is_file()
+            else []
+        )
         epochs = [r for r in log if not r.get("start")]
-        res["base_run"] = {"dir": str(base), "config": read_json(base / "config.json"), "metrics": metrics,
-                           "data": data_sizes(load_data(data_cfg, spec=InputSpec.from_dict(arch["input"])), data_cfg),
-                           "test_top1_measured_here": test["top1"], "test_n": test["n"],
-                           "epoch_time_s": [r.get("epoch_time_s") for r in epochs],
-                           "gflops": prof["gflops"], "params": prof["params"],
-                           "latency_ms_batch1": prof["latency_ms"], "throughput_batch64": prof["throughput"],
-                           "timing_iters": args.iters}
-        print("base", json.dumps({k: res["base_run"][k] for k in ("test_top1_measured_here", "gflops", "params",
-                                                                  "latency_ms_batch1", "throughput_batch64")}))
+        res["base_run"] = {
+            "dir": str(base),
+            "config": read_json(base / "config.json"),
+            "metrics": metrics,
+            "data": data_sizes(load_data(data_cfg, spec=InputSpec.from_dict(arch["input"])), data_cfg),
+            "test_top1_measured_here": test["top1"],
+            "test_n": test["n"],
+            "epoch_time_s": [r.get("epoch_time_s") for r in epochs],
+            "gflops": prof["gflops"],
+            "params": prof["params"],
+            "latency_ms_batch1": prof["latency_ms"],
+            "throughput_batch64": prof["throughput"],
+            "timing_iters": args.iters,
+        }
+        print(
+            "base",
+            json.dumps(
+                {
+                    k: res["base_run"][k]
+                    for k in ("test_top1_measured_here", "gflops", "params", "latency_ms_batch1", "throughput_batch64")
+                }
+            ),
+        )
     else:
         res["base_run"] = {"dir": str(base), "status": "not finished (no metrics.json): not measured"}
     save(args.out, res)

@@ -29,6 +29,7 @@ Goals of issue 23 (H100, bf16, batch 256) are evaluated in ``goals`` when the de
     python bench/gpu.py --sections models --dtypes bf16  # one part
     python bench/gpu.py --device cpu                     # small sizes, this machine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,11 +71,25 @@ TARGET = 0.6  # the FLOPs ratio of the channel-pruned models
 def sizes(device: torch.device) -> dict[str, Any]:
     """DeiT-S/224 on CUDA; a small ViT with the same structure on the CPU."""
     if device.type == "cuda":
-        return {"model": ModelSpec("deit_small_patch16_224", {"num_classes": 1000}), "big_batch": 256,
-                "iters": 20, "tokens": (197, 785, 3137), "heads": 6, "head_dim": 64}
-    return {"model": ModelSpec("vit_small_patch16_224", {"img_size": 56, "patch_size": 8, "embed_dim": 192,
-                                                         "num_heads": 3, "depth": 6, "num_classes": 10}),
-            "big_batch": 16, "iters": 10, "tokens": (65, 197), "heads": 3, "head_dim": 64}
+        return {
+            "model": ModelSpec("deit_small_patch16_224", {"num_classes": 1000}),
+            "big_batch": 256,
+            "iters": 20,
+            "tokens": (197, 785, 3137),
+            "heads": 6,
+            "head_dim": 64,
+        }
+    return {
+        "model": ModelSpec(
+            "vit_small_patch16_224",
+            {"img_size": 56, "patch_size": 8, "embed_dim": 192, "num_heads": 3, "depth": 6, "num_classes": 10},
+        ),
+        "big_batch": 16,
+        "iters": 10,
+        "tokens": (65, 197),
+        "heads": 3,
+        "head_dim": 64,
+    }
 
 
 def device_label(device: torch.device) -> str:
@@ -95,8 +110,11 @@ def dense_model(spec: ModelSpec) -> torch.nn.Module:
 def uniform_at(dense: torch.nn.Module, x: torch.Tensor, align: int) -> tuple[torch.nn.Module, dict]:
     keep = keep_for_flops(copy.deepcopy(dense), TARGET, x, align=align)
     model, rec = get_method("uniform").prepare_fresh(copy.deepcopy(dense), UniformConfig(keep=keep, align=align))
-    return model, {"keep": keep, "hidden": [len(b["hidden_keep"]) for b in rec["blocks"]],
-                   "qk": [len(b["qk_keep"][0]) for b in rec["blocks"]]}
+    return model, {
+        "keep": keep,
+        "hidden": [len(b["hidden_keep"]) for b in rec["blocks"]],
+        "qk": [len(b["qk_keep"][0]) for b in rec["blocks"]],
+    }
 
 
 def dcs_blocks(dense: torch.nn.Module, share: float, align: int) -> list[dict]:
@@ -109,8 +127,12 @@ def dcs_blocks(dense: torch.nn.Module, share: float, align: int) -> list[dict]:
         C, (_, d) = mlp.numel(), qk.shape
         k = aligned_width(max(1, round(share * C)), align=align, full=C)
         kq = aligned_width(max(1, round(share * d)), align=align, full=d)
-        blocks.append({"mlp_keep": mlp.topk(k).indices.sort().values.tolist(),
-                       "qk_keep": [row.topk(kq).indices.sort().values.tolist() for row in qk]})
+        blocks.append(
+            {
+                "mlp_keep": mlp.topk(k).indices.sort().values.tolist(),
+                "qk_keep": [row.topk(kq).indices.sort().values.tolist() for row in qk],
+            }
+        )
     return blocks
 
 
@@ -131,12 +153,16 @@ def dcs_at(dense: torch.nn.Module, x: torch.Tensor, align: int) -> tuple[torch.n
     model = build(share)
     model.nc_methods = ["dcs"]
     blocks = dcs_blocks(dense, share, align)
-    return model, {"share": share, "mlp": [len(b["mlp_keep"]) for b in blocks],
-                   "qk": [len(b["qk_keep"][0]) for b in blocks]}
+    return model, {
+        "share": share,
+        "mlp": [len(b["mlp_keep"]) for b in blocks],
+        "qk": [len(b["qk_keep"][0]) for b in blocks],
+    }
 
 
 def model_zoo(dense: torch.nn.Module, x: torch.Tensor) -> dict[str, tuple[Callable[[], torch.nn.Module], dict]]:
     """name -> (a builder, settings): every model of the ``models`` section."""
+
     def fresh(name: str, cfg: dict) -> Callable[[], torch.nn.Module]:
         return lambda: get_method(name).prepare_fresh(copy.deepcopy(dense), dict(cfg))[0].eval()
 
@@ -146,8 +172,10 @@ def model_zoo(dense: torch.nn.Module, x: torch.Tensor) -> dict[str, tuple[Callab
         "dynamicvit_0.7": (fresh("dynamicvit", {"rho": 0.7}), {"rho": 0.7}),
         "sparsifiner": (fresh("sparsifiner", {}), {"mode": "unstructured", "attn_keep_ratio": 0.25}),
         "sparsifiner_block_gather": (fresh("sparsifiner", {"mode": "block"}), {"mode": "block", "kernel": "gather"}),
-        "sparsifiner_block_flex": (fresh("sparsifiner", {"mode": "block", "kernel": "flex"}),
-                                   {"mode": "block", "kernel": "flex"}),
+        "sparsifiner_block_flex": (
+            fresh("sparsifiner", {"mode": "block", "kernel": "flex"}),
+            {"mode": "block", "kernel": "flex"},
+        ),
         "mgvit": (fresh("mgvit", {"epsilon": 1.0}), {"epsilon": 1.0}),
     }
     for align in (8, 1):
@@ -184,8 +212,14 @@ def section_models(device: torch.device, dtypes: list[str], compile_: bool, only
     zoo = model_zoo(dense, x1)
     if only:
         zoo = {k: v for k, v in zoo.items() if k in only}
-    out: dict[str, Any] = {"model": sz["model"].to_dict(), "big_batch": sz["big_batch"], "iters": sz["iters"],
-                           "settings": {k: v[1] for k, v in zoo.items()}, "flops": {}, "by_dtype": {}}
+    out: dict[str, Any] = {
+        "model": sz["model"].to_dict(),
+        "big_batch": sz["big_batch"],
+        "iters": sz["iters"],
+        "settings": {k: v[1] for k, v in zoo.items()},
+        "flops": {},
+        "by_dtype": {},
+    }
     models = {"dense": dense}
     for k, (build, _) in zoo.items():
         try:
@@ -218,11 +252,17 @@ def section_models(device: torch.device, dtypes: list[str], compile_: bool, only
                         fns[k] = fn
                 x = torch.randn(1, *shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
                 t = timed(fns, x, sz["iters"])
-                res["batch_1_compiled"] = {"ms": t, "speedup_vs_compiled_dense": {
-                    k: (t["dense"] / v if v and t.get("dense") else None) for k, v in t.items()},
-                    "not_compiled": notes, "compile_and_time_s": time.perf_counter() - t0}
-                print(dname, "batch_1_compiled", {k: None if v is None else round(v, 3) for k, v in t.items()},
-                      flush=True)
+                res["batch_1_compiled"] = {
+                    "ms": t,
+                    "speedup_vs_compiled_dense": {
+                        k: (t["dense"] / v if v and t.get("dense") else None) for k, v in t.items()
+                    },
+                    "not_compiled": notes,
+                    "compile_and_time_s": time.perf_counter() - t0,
+                }
+                print(
+                    dname, "batch_1_compiled", {k: None if v is None else round(v, 3) for k, v in t.items()}, flush=True
+                )
                 torch._dynamo.reset()
         out["by_dtype"][dname] = res
     return out
@@ -252,9 +292,13 @@ def section_qk_layout(device: torch.device, dtypes: list[str]) -> dict:
             for B in (1, sz["big_batch"]):
                 x = torch.randn(B, *shape, generator=torch.Generator().manual_seed(2)).to(device, dtype)
                 t = timed(fns, x, sz["iters"])
-                res[f"batch_{B}"] = {"ms": t, "pad_speedup_over_packed": {
-                    k: t[f"{k}/packed"] / t[f"{k}/pad"] if t[f"{k}/packed"] and t[f"{k}/pad"] else None
-                    for k in narrowed}}
+                res[f"batch_{B}"] = {
+                    "ms": t,
+                    "pad_speedup_over_packed": {
+                        k: t[f"{k}/packed"] / t[f"{k}/pad"] if t[f"{k}/packed"] and t[f"{k}/pad"] else None
+                        for k in narrowed
+                    },
+                }
                 print(dname, B, res[f"batch_{B}"]["pad_speedup_over_packed"], flush=True)
         out[dname] = res
     return out
@@ -264,8 +308,11 @@ def section_sparsifiner(device: torch.device, dtypes: list[str]) -> dict:
     """One attention call, batch 1: dense SDPA vs the block-sparse paths, predictor included."""
     sz = sizes(device)
     H, d, r = sz["heads"], sz["head_dim"], 32
-    out: dict[str, Any] = {"setup": f"batch 1, {H} heads, head dim {d}, keep ratio 0.25, n_down {r}, predictor "
-                                    "included; flex blocks a multiple of 16", "by_dtype": {}}
+    out: dict[str, Any] = {
+        "setup": f"batch 1, {H} heads, head dim {d}, keep ratio 0.25, n_down {r}, predictor "
+        "included; flex blocks a multiple of 16",
+        "by_dtype": {},
+    }
     for dname in dtypes:
         dtype = runtime.parse_dtype(dname)
         rows = []
@@ -280,10 +327,13 @@ def section_sparsifiner(device: torch.device, dtypes: list[str]) -> dict:
             row: dict[str, Any] = {"tokens": n}
             fns: dict[str, Callable] = {"dense_sdpa": lambda _: F.scaled_dot_product_attention(q, k, v)}
             for kernel in ("gather", "flex"):
-                layout = block_sparse.plan_blocks(n, 1, budget, multiple=block_sparse.flex_multiple(kernel, None, device))
+                layout = block_sparse.plan_blocks(
+                    n, 1, budget, multiple=block_sparse.flex_multiple(kernel, None, device)
+                )
                 basis = block_sparse.pooled_basis(w_up, 1e-2, layout)
-                fns[kernel] = (lambda _, L=layout, b=basis, kn=kernel: block_sparse.block_sparse_attention(
-                    q, k, v, w_down, b, L, scale=d ** -0.5, tau=0.05, kernel=kn)[0])
+                fns[kernel] = lambda _, L=layout, b=basis, kn=kernel: block_sparse.block_sparse_attention(
+                    q, k, v, w_down, b, L, scale=d**-0.5, tau=0.05, kernel=kn
+                )[0]
                 row[f"{kernel}_layout"] = {"block_size": layout.bs, "blocks": layout.nb, "kept": layout.keep}
                 if kernel == "flex":
                     row["flex_kernel_used"] = block_sparse.flex_kernel_ok(layout, q)
@@ -291,8 +341,11 @@ def section_sparsifiner(device: torch.device, dtypes: list[str]) -> dict:
             row.update(ms=t, speedup_vs_dense={kn: (t["dense_sdpa"] / v if v else None) for kn, v in t.items()})
             print(dname, n, {kn: None if v is None else round(v, 3) for kn, v in t.items()}, flush=True)
             rows.append(row)
-        faster = [r_["tokens"] for r_ in rows if max((v or 0) for kn, v in r_["speedup_vs_dense"].items()
-                                                     if kn != "dense_sdpa") > 1]
+        faster = [
+            r_["tokens"]
+            for r_ in rows
+            if max((v or 0) for kn, v in r_["speedup_vs_dense"].items() if kn != "dense_sdpa") > 1
+        ]
         out["by_dtype"][dname] = {"rows": rows, "crossover_tokens": min(faster) if faster else None}
     return out
 
@@ -338,17 +391,33 @@ def section_pipeline(device: torch.device, config: str | None, workdir: Path) ->
     t0 = time.perf_counter()
     summary = run_pipeline(config, out=out, force=True, progress=False)
     wall = time.perf_counter() - t0
-    res = {"config": Path(config).name if Path(config).parent == workdir else str(Path(config).relative_to(ROOT)),
-           "wall_s": wall, "steps_s": {s["step"]: s["seconds"] for s in summary["stages"]},
-           "report": {"comparison": summary["comparison"], "goal": summary["goal"], "dtype": summary.get("dtype"),
-                      "dense": {k: summary["dense"].get(k) for k in ("test_top1", "macs", "latency_ms", "throughput")},
-                      "final": {k: summary["final"].get(k) for k in ("test_top1", "macs", "latency_ms", "throughput")}}}
+    res = {
+        "config": Path(config).name if Path(config).parent == workdir else str(Path(config).relative_to(ROOT)),
+        "wall_s": wall,
+        "steps_s": {s["step"]: s["seconds"] for s in summary["stages"]},
+        "report": {
+            "comparison": summary["comparison"],
+            "goal": summary["goal"],
+            "dtype": summary.get("dtype"),
+            "dense": {k: summary["dense"].get(k) for k in ("test_top1", "macs", "latency_ms", "throughput")},
+            "final": {k: summary["final"].get(k) for k in ("test_top1", "macs", "latency_ms", "throughput")},
+        },
+    }
     with runtime.configured(device):
         for dname in ("fp32", "bf16"):
-            prof = profile(out / "final", compare=out / "base", device=str(device), dtype=dname, compile=True,
-                           batch_size=64, iters=10)
-            res[f"final_vs_dense_{dname}"] = {"ratios": prof["comparison"],
-                                              "qk_layout": [m.get("qk_layout") for m in prof["models"].values()]}
+            prof = profile(
+                out / "final",
+                compare=out / "base",
+                device=str(device),
+                dtype=dname,
+                compile=True,
+                batch_size=64,
+                iters=10,
+            )
+            res[f"final_vs_dense_{dname}"] = {
+                "ratios": prof["comparison"],
+                "qk_layout": [m.get("qk_layout") for m in prof["models"].values()],
+            }
             print(dname, res[f"final_vs_dense_{dname}"]["ratios"], flush=True)
     return res
 
@@ -367,8 +436,7 @@ def goals(result: dict) -> dict:
     for k in big:
         if k.startswith(("uniform", "dcs")) and big[k]:
             cut = 1 / m["flops_ratio"][k]
-            out["channel_pruned"][k] = {"throughput_speedup": big[k], "flops_cut": cut,
-                                        "met": big[k] >= 0.8 * cut}
+            out["channel_pruned"][k] = {"throughput_speedup": big[k], "flops_cut": cut, "met": big[k] >= 0.8 * cut}
     if big.get("evit_0.7"):
         out["evit_0.7_bf16_big_batch"] = {"speedup": big["evit_0.7"], "met": big["evit_0.7"] >= 1.4}
     comp = bf.get("batch_1_compiled", {}).get("speedup_vs_compiled_dense", {})
@@ -378,8 +446,10 @@ def goals(result: dict) -> dict:
     pipe = result.get("pipeline")
     if pipe:
         thr = pipe["report"]["comparison"].get("throughput_speedup")
-        out["main_job_faster_than_dense_at_batch_64"] = {"throughput_speedup": thr,
-                                                         "met": None if thr is None else thr > 1}
+        out["main_job_faster_than_dense_at_batch_64"] = {
+            "throughput_speedup": thr,
+            "met": None if thr is None else thr > 1,
+        }
     return out
 
 
@@ -390,11 +460,18 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--models", default=None, help="only these compressed models (comma-separated names)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled batch-1 timings")
-    ap.add_argument("--pipeline-config", default=None, help="default: configs/fashion-mnist.yaml on CUDA, a tiny "
-                                                            "synthetic pipeline on the CPU")
+    ap.add_argument(
+        "--pipeline-config",
+        default=None,
+        help="default: configs/fashion-mnist.yaml on CUDA, a tiny synthetic pipeline on the CPU",
+    )
     ap.add_argument("--out", default=None, help="default bench/results/gpu_<device>.json")
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a shared "
-                                                           "machine 1 keeps the timings steadier")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default); on a shared machine 1 keeps the timings steadier",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -429,8 +506,11 @@ def main() -> None:
             part = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         part["section_s"] = time.perf_counter() - t0
         result[sec] = part
-        result["goals"] = goals(result) if device.type == "cuda" else {
-            "note": "the goals are for an H100 (bf16, batch 256); this run checks the code path on the CPU"}
+        result["goals"] = (
+            goals(result)
+            if device.type == "cuda"
+            else {"note": "the goals are for an H100 (bf16, batch 256); this run checks the code path on the CPU"}
+        )
         save(out, result)
         print(f"-> {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", flush=True)
 

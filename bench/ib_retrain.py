@@ -11,6 +11,7 @@ every model measured the same way (the paper's Table 4 shape), and K-means time 
 Writes bench/results/ib_retrain.json (``--out``; runs go to ``--runs``, default runs/bench_ib/, which git ignores).
 Every test top-1 is on the same test images (``--test-limit``: a seeded class-stratified subset).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,20 @@ def wait_for(path: Path, deadline: dt.datetime) -> bool:
 def measure_ib(run_dir: Path, data, cfg: RetrainConfig, seed: int) -> dict:
     """IB loss of a saved model on the cluster subset of the training split (same X clusters for all)."""
     model, arch = load_with_arch(run_dir)
-    hooks = IBHooks(cfg, train_set=data.train, input_spec=InputSpec.from_dict(arch["input"]),
-                    num_classes=data.num_classes, epochs=1, input_embed=make_input_embed(cfg, model=model, teacher=None),
-                    seed=seed)
+    hooks = IBHooks(
+        cfg,
+        train_set=data.train,
+        input_spec=InputSpec.from_dict(arch["input"]),
+        num_classes=data.num_classes,
+        epochs=1,
+        input_embed=make_input_embed(cfg, model=model, teacher=None),
+        seed=seed,
+    )
     s = hooks.refresh(model, epoch=-1)
-    return {k: s[k] for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_top1_eval", "cluster_n", "kmeans_s",
-                              "feature_pass_s")}
+    return {
+        k: s[k]
+        for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_top1_eval", "cluster_n", "kmeans_s", "feature_pass_s")
+    }
 
 
 def flops_of(run_dir: Path, data) -> float:
@@ -77,8 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="training seed and the seed of the data subsets")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--keep", default="best", choices=["best", "last"],
-                   help="save the best validation epoch (fit's default; may be a CE-only warm-up epoch) or the last")
+    p.add_argument(
+        "--keep",
+        default="best",
+        choices=["best", "last"],
+        help="save the best validation epoch (fit's default; may be a CE-only warm-up epoch) or the last",
+    )
     p.add_argument("--runs", default=str(ROOT / "runs/bench_ib"))
     p.add_argument("--wait-until", default=None, help="UTC HH:MM: poll for --model until then")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 is fastest on a contended CPU)")
@@ -86,8 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, min(a.threads, os.cpu_count() or 1)))
     model_dir, dense_dir, runs = Path(a.model), Path(a.dense), Path(a.runs)
-    result: dict = {**header(), "model": str(model_dir), "dense": str(dense_dir),
-                    "started_utc": dt.datetime.now(dt.timezone.utc).isoformat()}
+    result: dict = {
+        **header(),
+        "model": str(model_dir),
+        "dense": str(dense_dir),
+        "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(),
+    }
     if a.wait_until:
         hh, mm = map(int, a.wait_until.split(":"))
         now = dt.datetime.now(dt.timezone.utc)
@@ -108,39 +125,89 @@ def main(argv: list[str] | None = None) -> dict:
     spec = InputSpec.from_dict(load_arch(model_dir)["input"])
     data = load_data(data_cfg, spec=spec)
     ib_cfg = RetrainConfig(eta=a.eta, warmup_frac=a.warmup_frac, cluster_samples=a.cluster_samples)
-    train_cfg = TrainConfig(epochs=a.epochs, batch_size=a.batch_size, lr=a.lr, min_lr=min(1e-6, a.lr),
-                            warmup_epochs=0.2, seed=a.seed, device=a.device, keep=a.keep)
+    train_cfg = TrainConfig(
+        epochs=a.epochs,
+        batch_size=a.batch_size,
+        lr=a.lr,
+        min_lr=min(1e-6, a.lr),
+        warmup_epochs=0.2,
+        seed=a.seed,
+        device=a.device,
+        keep=a.keep,
+    )
 
     rows = {}
     for label, run_dir in (("dense base", dense_dir), ("compressed, before retraining", model_dir)):
         t0 = time.perf_counter()
         test = evaluate_run(run_dir, data=full_eval, device="cpu")
-        rows[label] = {"run": str(run_dir), "macs_per_image": flops_of(run_dir, data),
-                       "test_top1": test["top1"], "test_n": test["n"], **measure_ib(run_dir, data, ib_cfg, a.seed),
-                       "measure_s": time.perf_counter() - t0}
+        rows[label] = {
+            "run": str(run_dir),
+            "macs_per_image": flops_of(run_dir, data),
+            "test_top1": test["top1"],
+            "test_n": test["n"],
+            **measure_ib(run_dir, data, ib_cfg, a.seed),
+            "measure_s": time.perf_counter() - t0,
+        }
         print(label, json.dumps(rows[label]), flush=True)
     retrained = {}
     for label, eta in (("retrained, CE only", 0.0), (f"retrained, CE + {a.eta:g} IBB", a.eta)):
         out = runs / ("ce" if eta == 0 else "ce_ibb")
-        job = RetrainJob(model_dir=str(model_dir), out=str(out), data=data_cfg, train=train_cfg,
-                         retrain=ib_cfg.replace(eta=eta), auto_batch=False)
+        job = RetrainJob(
+            model_dir=str(model_dir),
+            out=str(out),
+            data=data_cfg,
+            train=train_cfg,
+            retrain=ib_cfg.replace(eta=eta),
+            auto_batch=False,
+        )
         t0 = time.perf_counter()
         m = retrain(job, force=True)
         wall = time.perf_counter() - t0
         log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines() if ln.strip()]
         test = evaluate_run(out, data=full_eval, device="cpu")
-        rows[label] = {"run": str(out), "macs_per_image": flops_of(out, data),
-                       "test_top1": test["top1"], "test_n": test["n"], **measure_ib(out, data, ib_cfg, a.seed)}
-        retrained[label] = {"eta": eta, "warm_epochs": m["warm_epochs"], "best_val_top1": m["best_val_top1"],
-                            "best_epoch": m["best_epoch"], "start_val_top1": m["start_val_top1"],
-                            # fit keeps the best validation epoch: did the saved model train with IBB at all?
-                            "saved_epoch_trained_with_ibb": eta > 0 and m["best_epoch"] > m["warm_epochs"],
-                            "test_top1_fit": m["test_top1"], "wall_s": wall, "epoch_time_s_mean": m["epoch_time_s_mean"],
-                            "kmeans_s_mean": m["kmeans_s_mean"], "feature_pass_s_mean": m["feature_pass_s_mean"],
-                            "kmeans_vs_epoch": m["kmeans_vs_epoch"],
-                            "log": [{k: r.get(k) for k in ("epoch", "start", "ib_active", "train_ce", "train_ibb", "ib",
-                                                            "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
-                                                            "epoch_time_s", "kmeans_s", "feature_pass_s")} for r in log]}
+        rows[label] = {
+            "run": str(out),
+            "macs_per_image": flops_of(out, data),
+            "test_top1": test["top1"],
+            "test_n": test["n"],
+            **measure_ib(out, data, ib_cfg, a.seed),
+        }
+        retrained[label] = {
+            "eta": eta,
+            "warm_epochs": m["warm_epochs"],
+            "best_val_top1": m["best_val_top1"],
+            "best_epoch": m["best_epoch"],
+            "start_val_top1": m["start_val_top1"],
+            # fit keeps the best validation epoch: did the saved model train with IBB at all?
+            "saved_epoch_trained_with_ibb": eta > 0 and m["best_epoch"] > m["warm_epochs"],
+            "test_top1_fit": m["test_top1"],
+            "wall_s": wall,
+            "epoch_time_s_mean": m["epoch_time_s_mean"],
+            "kmeans_s_mean": m["kmeans_s_mean"],
+            "feature_pass_s_mean": m["feature_pass_s_mean"],
+            "kmeans_vs_epoch": m["kmeans_vs_epoch"],
+            "log": [
+                {
+                    k: r.get(k)
+                    for k in (
+                        "epoch",
+                        "start",
+                        "ib_active",
+                        "train_ce",
+                        "train_ibb",
+                        "ib",
+                        "i_xt_x",
+                        "i_xt_y",
+                        "train_top1_eval",
+                        "val_top1",
+                        "epoch_time_s",
+                        "kmeans_s",
+                        "feature_pass_s",
+                    )
+                }
+                for r in log
+            ],
+        }
         print(label, json.dumps(rows[label]), flush=True)
     dense_top1 = rows["dense base"]["test_top1"]
     dense_macs = rows["dense base"]["macs_per_image"]
@@ -150,16 +217,41 @@ def main(argv: list[str] | None = None) -> dict:
         r["within_1pt_of_dense"] = r["test_top1"] >= dense_top1 - 1.0
     result.update(
         status="ok",
-        setup={"data": data_sizes(data, data_cfg), "test_data": data_sizes(load_data(full_eval, spec=spec), full_eval),
-               "train_images": len(data.train), "val_images": len(data.val), "test_images": rows["dense base"]["test_n"],
-               "epochs": a.epochs, "keep": a.keep, "seed": a.seed, "lr": a.lr, "batch_size": a.batch_size, "eta": a.eta,
-               "warmup_frac": a.warmup_frac, "cluster_samples": a.cluster_samples, "device": a.device,
-               "torch_threads": torch.get_num_threads(), **ib_cfg.describe(teacher=False),
-               "ib_measured_on": "the same fixed random subset of the training split for every model, "
-                                 "A = B = classes clusters, input clusters identical for all rows"},
-        table4=[{"model": k, "flops_ratio_vs_dense": v["flops_ratio_vs_dense"], "test_top1": v["test_top1"],
-                 "ib_loss": v["ib"], "i_xt_x": v["i_xt_x"], "i_xt_y": v["i_xt_y"]} for k, v in rows.items()],
-        rows=rows, retrain=retrained, finished_utc=dt.datetime.now(dt.timezone.utc).isoformat())
+        setup={
+            "data": data_sizes(data, data_cfg),
+            "test_data": data_sizes(load_data(full_eval, spec=spec), full_eval),
+            "train_images": len(data.train),
+            "val_images": len(data.val),
+            "test_images": rows["dense base"]["test_n"],
+            "epochs": a.epochs,
+            "keep": a.keep,
+            "seed": a.seed,
+            "lr": a.lr,
+            "batch_size": a.batch_size,
+            "eta": a.eta,
+            "warmup_frac": a.warmup_frac,
+            "cluster_samples": a.cluster_samples,
+            "device": a.device,
+            "torch_threads": torch.get_num_threads(),
+            **ib_cfg.describe(teacher=False),
+            "ib_measured_on": "the same fixed random subset of the training split for every model, "
+            "A = B = classes clusters, input clusters identical for all rows",
+        },
+        table4=[
+            {
+                "model": k,
+                "flops_ratio_vs_dense": v["flops_ratio_vs_dense"],
+                "test_top1": v["test_top1"],
+                "ib_loss": v["ib"],
+                "i_xt_x": v["i_xt_x"],
+                "i_xt_y": v["i_xt_y"],
+            }
+            for k, v in rows.items()
+        ],
+        rows=rows,
+        retrain=retrained,
+        finished_utc=dt.datetime.now(dt.timezone.utc).isoformat(),
+    )
     save(a.out, result)
     print(json.dumps(result["table4"], indent=2))
     return result

@@ -14,6 +14,7 @@ model's FLOPs ratio (or ``--target``), retrains it with that same job, and score
 
     python bench/mainjob_peers.py --pipeline runs/demo --out bench/results/mainjob_peers.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ from nascompress.retrain import RetrainJob, retrain  # noqa: E402
 from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
 
 
-def _save_run(out: Path, model: Any, arch: dict[str, Any], record: dict[str, Any], data: Any, info: dict[str, Any]) -> None:
+def _save_run(
+    out: Path, model: Any, arch: dict[str, Any], record: dict[str, Any], data: Any, info: dict[str, Any]
+) -> None:
     prepare_out_dir(out, force=True)
     create_out_dir(out, force=True)
     save_model(out, model.eval(), dict(copy.deepcopy(arch), methods=[record]))
@@ -80,20 +83,34 @@ def main() -> None:
     target = a.target or summary["final"]["macs"] / summary["dense"]["macs"]
     names = {f.name for f in dataclasses.fields(RetrainJob)}  # config.json also holds what the run derived
     job = RetrainJob.from_dict({k: v for k, v in read_json(final / "config.json").items() if k in names})
-    res: dict[str, Any] = dict(header(), pipeline=str(pipe), target_flops=target,
-                               retrain={"epochs": job.train.epochs, "lr": job.train.lr, "teacher": job.teacher,
-                                        "train_limit": job.data.train_limit if job.data else None},
-                               main_job={"dense_test_top1": summary["dense"]["test_top1"],
-                                         "test_top1": summary["final"]["test_top1"],
-                                         "flops_ratio": summary["final"]["macs"] / summary["dense"]["macs"]})
+    res: dict[str, Any] = dict(
+        header(),
+        pipeline=str(pipe),
+        target_flops=target,
+        retrain={
+            "epochs": job.train.epochs,
+            "lr": job.train.lr,
+            "teacher": job.teacher,
+            "train_limit": job.data.train_limit if job.data else None,
+        },
+        main_job={
+            "dense_test_top1": summary["dense"]["test_top1"],
+            "test_top1": summary["final"]["test_top1"],
+            "flops_ratio": summary["final"]["macs"] / summary["dense"]["macs"],
+        },
+    )
     for kind in a.peers.split(","):
         pruned, rt = runs / kind, runs / f"{kind}_retrained"
         t0 = time.time()
         info = build_peer(kind, base, target, pruned)
         retrain(job.replace(model_dir=str(pruned), out=str(rt)), force=True)
         m = read_json(rt / "metrics.json")
-        res[kind] = {"pruned": info, "test_top1": m["test_top1"], "best_val_top1": m["best_val_top1"],
-                     "wall_s": time.time() - t0}
+        res[kind] = {
+            "pruned": info,
+            "test_top1": m["test_top1"],
+            "best_val_top1": m["best_val_top1"],
+            "wall_s": time.time() - t0,
+        }
         save(a.out, res)
     print({k: res[k]["test_top1"] for k in a.peers.split(",")}, "main job", res["main_job"])
 

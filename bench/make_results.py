@@ -7,6 +7,7 @@ Every file under bench/results/ gets a section: the command recorded in it, the 
 (a table per list of records, a key/value table for the rest). A few families have a summary table of
 their own on top. Nothing here imports torch, so the check runs in a plain Python.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,39 +33,77 @@ MAINJOB_START, MAINJOB_END = "<!-- mainjob-time:start -->", "<!-- mainjob-time:e
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
 
 FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
-    "pipeline": ("The main job: `nascompress pipeline`", "The newcomer command end to end (dense base, DCS, "
-                 "EViT study, retrain, report) on Fashion-MNIST."),
-    "pretrained": ("A real pretrained ViT: DINOv2 ViT-S/14 on Fashion-MNIST at 112 px", "`bench/pretrained.py`: the "
-                   "DINOv2 backbone with a linear-probe head as the dense model, each method at a small budget; "
-                   "`*_config.json`, `*_metrics.json` and `*_log.jsonl` are the run directories' own files."),
-    "dcs": ("DCS channel search", "`bench/dcs.py` (search, materialize, against uniform pruning), "
-            "`bench/dcs_init_order.py` (which importance orders the gates), `bench/dcs_gather.py`."),
-    "search": ("The Optuna outer search", "`bench/search.py`: Pareto front against a grid, workers, the pretrained ViT."),
-    "samplers": ("Samplers", "`bench/samplers.py`: each `--sampler` per base, space and seed: hypervolume of the "
-                 "accuracy x FLOPs front and the best top-1 under 0.6x FLOPs after 10/20/30/50 trials."),
+    "pipeline": (
+        "The main job: `nascompress pipeline`",
+        "The newcomer command end to end (dense base, DCS, EViT study, retrain, report) on Fashion-MNIST.",
+    ),
+    "pretrained": (
+        "A real pretrained ViT: DINOv2 ViT-S/14 on Fashion-MNIST at 112 px",
+        "`bench/pretrained.py`: the "
+        "DINOv2 backbone with a linear-probe head as the dense model, each method at a small budget; "
+        "`*_config.json`, `*_metrics.json` and `*_log.jsonl` are the run directories' own files.",
+    ),
+    "dcs": (
+        "DCS channel search",
+        "`bench/dcs.py` (search, materialize, against uniform pruning), "
+        "`bench/dcs_init_order.py` (which importance orders the gates), `bench/dcs_gather.py`.",
+    ),
+    "search": (
+        "The Optuna outer search",
+        "`bench/search.py`: Pareto front against a grid, workers, the pretrained ViT.",
+    ),
+    "samplers": (
+        "Samplers",
+        "`bench/samplers.py`: each `--sampler` per base, space and seed: hypervolume of the "
+        "accuracy x FLOPs front and the best top-1 under 0.6x FLOPs after 10/20/30/50 trials.",
+    ),
     "tome": ("ToMe", "`bench/tome.py`: ToMe zero-shot per r against EViT at the same FLOPs, and its CPU speed-up."),
     "token": ("EViT and DynamicViT", "`bench/token_pruning.py`: DeiT-S FLOPs and throughput, Fashion-MNIST accuracy."),
-    "sparsifiner": ("Sparsifiner", "`bench/sparsifiner.py`: attention speed against dense SDPA, Fashion-MNIST accuracy."),
+    "sparsifiner": (
+        "Sparsifiner",
+        "`bench/sparsifiner.py`: attention speed against dense SDPA, Fashion-MNIST accuracy.",
+    ),
     "mgvit": ("MG-ViT", "`bench/mgvit.py`: DeiT-S FLOPs and the two-stage model on 56 px Fashion-MNIST."),
-    "ib": ("Information-bottleneck retraining", "`bench/ib_retrain.py`: retraining the DCS model with and without the IB term."),
+    "ib": (
+        "Information-bottleneck retraining",
+        "`bench/ib_retrain.py`: retraining the DCS model with and without the IB term.",
+    ),
     "faults": ("Faults and refusals", "`bench/faults.py`: what each fault does to a run and what the user sees."),
     "gpu": ("GPU", "`bench/gpu.py`: every method against dense in fp32 and bf16, eager and compiled."),
     "qk": ("Narrowed Q/K layouts", "`bench/qk_layout.py`: how narrowed Q/K heads reach the attention kernel."),
-    "ddp": ("Data parallelism", "`bench/ddp_cpu.py`: step time of 2-process gloo training, this code against another checkout."),
+    "ddp": (
+        "Data parallelism",
+        "`bench/ddp_cpu.py`: step time of 2-process gloo training, this code against another checkout.",
+    ),
     "export": ("Export", "`bench/export.py`: exported files against PyTorch."),
-    "quantize": ("int8 quantization", "`bench/quantize.py`: each model's fp32 and int8 ONNX files (nascompress "
-                 "quantize), their test top-1, sizes and CPU speed against the dense fp32 PyTorch model."),
+    "quantize": (
+        "int8 quantization",
+        "`bench/quantize.py`: each model's fp32 and int8 ONNX files (nascompress "
+        "quantize), their test top-1, sizes and CPU speed against the dense fp32 PyTorch model.",
+    ),
     "foundation": ("Foundation", "`bench/foundation.py`: the dense base and the FLOPs counter."),
-    "command": ("Time of each command on a CPU", "`bench/command_times.py`: the README's commands chained on "
-                "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time')."),
-    "demo": ("The demo config", "`bench/demo_time.py`: one run of the shipped demo config as a user runs it (the "
-             "installed command, another directory; the README's 'Two commands'): wall and CPU seconds, each "
-             "stage's, the result."),
-    "mainjob": ("The main job against the free alternatives", "`bench/mainjob_peers.py`: Torch-Pruning and the "
-                "in-search magnitude baseline on the main job's base, at its final model's FLOPs, retrained with "
-                "its retraining job."),
-    "tool": ("The tool's own speed", "`bench/tool_speed.py`: this machine's matmul peak (fp32, bf16), each "
-             "recipe's training step against it, where a step's time goes, the commands' wall and loop times."),
+    "command": (
+        "Time of each command on a CPU",
+        "`bench/command_times.py`: the README's commands chained on "
+        "Fashion-MNIST at reduced size, each in a fresh process (the README's 'Time').",
+    ),
+    "demo": (
+        "The demo config",
+        "`bench/demo_time.py`: one run of the shipped demo config as a user runs it (the "
+        "installed command, another directory; the README's 'Two commands'): wall and CPU seconds, each "
+        "stage's, the result.",
+    ),
+    "mainjob": (
+        "The main job against the free alternatives",
+        "`bench/mainjob_peers.py`: Torch-Pruning and the "
+        "in-search magnitude baseline on the main job's base, at its final model's FLOPs, retrained with "
+        "its retraining job.",
+    ),
+    "tool": (
+        "The tool's own speed",
+        "`bench/tool_speed.py`: this machine's matmul peak (fp32, bf16), each "
+        "recipe's training step against it, where a step's time goes, the commands' wall and loop times.",
+    ),
 }
 
 
@@ -235,15 +274,38 @@ def pipeline_summary(data: dict[str, Any]) -> list[str]:
         if not name.startswith("pipeline") or "comparison" not in d:
             continue
         c, dense, final = d["comparison"], d["dense"], d["final"]
-        rows.append([f"`{name}`", f"{c['flops_ratio']:.3f}x", f"{dense['test_top1']:.2f}%", f"{final['test_top1']:.2f}%",
-                     f"{c['top1_change']:+.2f}", f"{c['params_ratio']:.3f}x", f"{c['throughput_speedup']:.2f}x",
-                     f"{c['latency_speedup']:.2f}x", "yes" if d.get("goal", {}).get("met") else "no"])
+        rows.append(
+            [
+                f"`{name}`",
+                f"{c['flops_ratio']:.3f}x",
+                f"{dense['test_top1']:.2f}%",
+                f"{final['test_top1']:.2f}%",
+                f"{c['top1_change']:+.2f}",
+                f"{c['params_ratio']:.3f}x",
+                f"{c['throughput_speedup']:.2f}x",
+                f"{c['latency_speedup']:.2f}x",
+                "yes" if d.get("goal", {}).get("met") else "no",
+            ]
+        )
     if not rows:
         return []
-    return ["Summary (speed-ups are dense time / compressed time, measured interleaved in one process; "
-            "below 1 is slower):", ""] + table(
-        ["JSON", "FLOPs vs dense", "dense test top-1", "final test top-1", "change (points)", "params",
-         "throughput b64", "latency b1", "goal met"], rows)
+    return [
+        "Summary (speed-ups are dense time / compressed time, measured interleaved in one process; below 1 is slower):",
+        "",
+    ] + table(
+        [
+            "JSON",
+            "FLOPs vs dense",
+            "dense test top-1",
+            "final test top-1",
+            "change (points)",
+            "params",
+            "throughput b64",
+            "latency b1",
+            "goal met",
+        ],
+        rows,
+    )
 
 
 def pretrained_rows(data: dict[str, Any]) -> list[list[str]]:
@@ -258,12 +320,19 @@ def pretrained_rows(data: dict[str, Any]) -> list[list[str]]:
             start = m.get("zero_shot") or m.get("pruned") or m.get("materialized") or {}
             final = m.get("finetuned") or m.get("retrained") or {}
             speed = m.get("speed")
-            cfg = ", ".join(f"{k} {v}" for k, v in (m.get("config") or {}).items()) or \
-                (f"target {m['search'].get('target_flops')}" if isinstance(m.get("search"), dict) else "")
-            rows.append([f"{method} {cfg}".strip(), ratio((speed or {}).get("flops_ratio"), 3),
-                         f"{fmt(start.get('val_top1'))} / {fmt(start.get('test_top1'))}",
-                         f"{fmt(final.get('val_top1'))} / {fmt(final.get('test_top1'))}", *speed_cells(speed),
-                         f"`{name}`"])
+            cfg = ", ".join(f"{k} {v}" for k, v in (m.get("config") or {}).items()) or (
+                f"target {m['search'].get('target_flops')}" if isinstance(m.get("search"), dict) else ""
+            )
+            rows.append(
+                [
+                    f"{method} {cfg}".strip(),
+                    ratio((speed or {}).get("flops_ratio"), 3),
+                    f"{fmt(start.get('val_top1'))} / {fmt(start.get('test_top1'))}",
+                    f"{fmt(final.get('val_top1'))} / {fmt(final.get('test_top1'))}",
+                    *speed_cells(speed),
+                    f"`{name}`",
+                ]
+            )
     return rows
 
 
@@ -272,11 +341,32 @@ def pretrained_summary(data: dict[str, Any]) -> list[str]:
     dense = data.get("pretrained.json", {}).get("dense")
     if not rows:
         return []
-    head = [f"Dense (linear probe): {fmt(dense['val_top1'])}% val / {fmt(dense['test_top1'])}% test "
-            "(`pretrained.json`)." if dense else "", ""]
-    return head + ["Summary of the bench's method runs (top-1 on 2,000-image class-balanced subsets; "
-                   "start = zero-shot or before retraining):", ""] + table(
-        ["method", "FLOPs vs dense", "start val / test", "final val / test", "throughput b64", "latency b1", "JSON"], rows)
+    head = [
+        f"Dense (linear probe): {fmt(dense['val_top1'])}% val / {fmt(dense['test_top1'])}% test (`pretrained.json`)."
+        if dense
+        else "",
+        "",
+    ]
+    return (
+        head
+        + [
+            "Summary of the bench's method runs (top-1 on 2,000-image class-balanced subsets; "
+            "start = zero-shot or before retraining):",
+            "",
+        ]
+        + table(
+            [
+                "method",
+                "FLOPs vs dense",
+                "start val / test",
+                "final val / test",
+                "throughput b64",
+                "latency b1",
+                "JSON",
+            ],
+            rows,
+        )
+    )
 
 
 def samplers_summary(data: dict[str, Any]) -> list[str]:
@@ -296,11 +386,26 @@ def samplers_summary(data: dict[str, Any]) -> list[str]:
                     best = " / ".join(fmt(per[str(b)]["best_under_goal"]) if str(b) in per else "-" for b in budgets)
                     goal = summ["reaches_99pct_of_best_within_30_on_every_seed"].get(sampler)
                     best30 = summ.get("best_at_30") or []
-                    rows.append([f"`{name}`", base, space, sampler + (" (best at 30)" if sampler in best30 else ""),
-                                 hv, best,
-                                 "-" if goal is None else ("yes" if goal else "no")])
-    head = ["file", "base", "space", "sampler", f"hypervolume at {'/'.join(map(str, budgets))} trials (mean of seeds)",
-            "best top-1 under the goal", ">= 99% of the best within 30, every seed"]
+                    rows.append(
+                        [
+                            f"`{name}`",
+                            base,
+                            space,
+                            sampler + (" (best at 30)" if sampler in best30 else ""),
+                            hv,
+                            best,
+                            "-" if goal is None else ("yes" if goal else "no"),
+                        ]
+                    )
+    head = [
+        "file",
+        "base",
+        "space",
+        "sampler",
+        f"hypervolume at {'/'.join(map(str, budgets))} trials (mean of seeds)",
+        "best top-1 under the goal",
+        ">= 99% of the best within 30, every seed",
+    ]
     return table(head, rows) + [""]
 
 
@@ -321,25 +426,61 @@ def samplers_table(data: dict[str, Any]) -> list[str]:
                 cells = []
                 for sm in names:
                     per = mean.get(sm)
-                    cells.append("-" if per is None else "refuses" if "refused" in per else
-                                 (f"**{per['30']['hypervolume']:.2f}**" if sm in best30 else f"{per['30']['hypervolume']:.2f}"))
+                    cells.append(
+                        "-"
+                        if per is None
+                        else "refuses"
+                        if "refused" in per
+                        else (
+                            f"**{per['30']['hypervolume']:.2f}**" if sm in best30 else f"{per['30']['hypervolume']:.2f}"
+                        )
+                    )
                 reach = summ["reaches_99pct_of_best_within_30_on_every_seed"].get("tpe")
-                partial = "" if d.get("complete", True) or res.get("seeds_done") is None else \
-                    f", seeds {','.join(map(str, res['seeds_done']))} only"
-                rows.append([f"{BASE_NAMES.get(base, base)}, `{space}` (`{name}`, {d['settings']['eval_images']:,} val "
-                             f"images{partial})", *cells, f"{summ['best_hypervolume_at_50']:.2f}",
-                             "-" if reach is None else "yes" if reach else "no"])
+                partial = (
+                    ""
+                    if d.get("complete", True) or res.get("seeds_done") is None
+                    else f", seeds {','.join(map(str, res['seeds_done']))} only"
+                )
+                rows.append(
+                    [
+                        f"{BASE_NAMES.get(base, base)}, `{space}` (`{name}`, {d['settings']['eval_images']:,} val "
+                        f"images{partial})",
+                        *cells,
+                        f"{summ['best_hypervolume_at_50']:.2f}",
+                        "-" if reach is None else "yes" if reach else "no",
+                    ]
+                )
     if not rows:
         return []
-    return table(["base, space (file)", "TPE", "grid", "NSGA-II", "GP", "QMC", "best found at 50",
-                  "TPE >= 99% of it within 30, every seed"], rows)[:-1]
+    return table(
+        [
+            "base, space (file)",
+            "TPE",
+            "grid",
+            "NSGA-II",
+            "GP",
+            "QMC",
+            "best found at 50",
+            "TPE >= 99% of it within 30, every seed",
+        ],
+        rows,
+    )[:-1]
 
 
 SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
-    "pipeline": pipeline_summary, "pretrained": pretrained_summary, "samplers": samplers_summary}
+    "pipeline": pipeline_summary,
+    "pretrained": pretrained_summary,
+    "samplers": samplers_summary,
+}
 
 
-METHOD_NAMES = {"dcs": "DCS", "evit": "EViT", "dynamicvit": "DynamicViT", "sparsifiner": "Sparsifiner", "mgvit": "MG-ViT"}
+METHOD_NAMES = {
+    "dcs": "DCS",
+    "evit": "EViT",
+    "dynamicvit": "DynamicViT",
+    "sparsifiner": "Sparsifiner",
+    "mgvit": "MG-ViT",
+}
 
 
 def small_data_rows(d: dict[str, Any] | None) -> list[list[str]]:
@@ -354,45 +495,88 @@ def small_data_rows(d: dict[str, Any] | None) -> list[list[str]]:
         return []
     rows = []
     for target in sorted((k for k in s if isinstance(s[k], dict)), reverse=True):
-        for fam, label in (("dcs-hidden", "DCS (hidden gates)"), ("dcs-residual", "DCS (residual gates)"),
-                           ("uniform", "uniform magnitude")):
+        for fam, label in (
+            ("dcs-hidden", "DCS (hidden gates)"),
+            ("dcs-residual", "DCS (residual gates)"),
+            ("uniform", "uniform magnitude"),
+        ):
             if s[target].get(fam) is not None:
-                rows.append([f"DINOv2 ViT-S/14, {n:,} images: {label} {target}x + retrain",
-                             f"{s[target][fam + '_flops']:.3f}x", f"{dense:.2f}% -> {s[target][fam]:.2f}%", "-", name])
+                rows.append(
+                    [
+                        f"DINOv2 ViT-S/14, {n:,} images: {label} {target}x + retrain",
+                        f"{s[target][fam + '_flops']:.3f}x",
+                        f"{dense:.2f}% -> {s[target][fam]:.2f}%",
+                        "-",
+                        name,
+                    ]
+                )
     if s.get("dense_ft_test") is not None:
-        rows.append([f"DINOv2 ViT-S/14, {n:,} images: dense, same retrain budget", "1.000x",
-                     f"{dense:.2f}% -> {s['dense_ft_test']:.2f}%", "-", name])
+        rows.append(
+            [
+                f"DINOv2 ViT-S/14, {n:,} images: dense, same retrain budget",
+                "1.000x",
+                f"{dense:.2f}% -> {s['dense_ft_test']:.2f}%",
+                "-",
+                name,
+            ]
+        )
     return rows
 
 
 def readme_table(data: dict[str, Any]) -> list[str]:
     """The README's one results table: the main job and the DINOv2 cases, every figure read from its JSON."""
     rows = []
-    for name, case in (("pipeline_fashion_mnist.json", "Fashion-MNIST main job"),
-                       ("pipeline_dinov2.json", "DINOv2 ViT-S/14 probe, 2,000 images: pipeline")):
+    for name, case in (
+        ("pipeline_fashion_mnist.json", "Fashion-MNIST main job"),
+        ("pipeline_dinov2.json", "DINOv2 ViT-S/14 probe, 2,000 images: pipeline"),
+    ):
         p = data.get(name)
         if p:
             c = p["comparison"]
             names = " + ".join(METHOD_NAMES.get(m, m) for m in p["final"]["methods"]) or "no method"
-            rows.append([f"{case} ({names}, retrained)", f"{c['flops_ratio']:.3f}x",
-                         f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
-                         f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x", f"`{name}`"])
+            rows.append(
+                [
+                    f"{case} ({names}, retrained)",
+                    f"{c['flops_ratio']:.3f}x",
+                    f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
+                    f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x",
+                    f"`{name}`",
+                ]
+            )
     dense = data.get("pretrained.json", {}).get("dense", {}).get("test_top1")
-    for name, method, label in (("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
-                                ("pretrained_evit.json", "evit", "DINOv2 ViT-S/14, EViT keep 0.7, fine-tuned")):
+    for name, method, label in (
+        ("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
+        ("pretrained_evit.json", "evit", "DINOv2 ViT-S/14, EViT keep 0.7, fine-tuned"),
+    ):
         m = data.get(name, {}).get(method)
         if not m or dense is None:
             continue
         final = m.get("finetuned") or m.get("retrained")
-        rows.append([label, f"{m['speed']['flops_ratio']:.3f}x", f"{dense:.2f}% -> {final['test_top1']:.2f}%",
-                     " / ".join(speed_cells(m["speed"])), f"`{name}`"])
+        rows.append(
+            [
+                label,
+                f"{m['speed']['flops_ratio']:.3f}x",
+                f"{dense:.2f}% -> {final['test_top1']:.2f}%",
+                " / ".join(speed_cells(m["speed"])),
+                f"`{name}`",
+            ]
+        )
     ft = data.get("pretrained_dense_finetuned_metrics.json")
     if ft and dense is not None:
-        rows.append(["DINOv2 ViT-S/14 dense, fine-tuned as EViT (the fair reference)", "1.000x",
-                     f"{dense:.2f}% -> {ft['test_top1']:.2f}%", "-", "`pretrained_dense_finetuned_metrics.json`"])
+        rows.append(
+            [
+                "DINOv2 ViT-S/14 dense, fine-tuned as EViT (the fair reference)",
+                "1.000x",
+                f"{dense:.2f}% -> {ft['test_top1']:.2f}%",
+                "-",
+                "`pretrained_dense_finetuned_metrics.json`",
+            ]
+        )
     rows += small_data_rows(data.get("pretrained_small_data.json"))
-    return table(["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
-                 rows)[:-1]
+    return table(
+        ["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
+        rows,
+    )[:-1]
 
 
 def int8_table(data: dict[str, Any]) -> list[str]:
@@ -401,8 +585,10 @@ def int8_table(data: dict[str, Any]) -> list[str]:
     q = data.get("quantize.json")
     gaps = " ".join((q or {}).get("not_measured", []))
     rows = []
-    for fam, label in (("main_job", "Fashion-MNIST main job" + (" (stand-in)" if "stand-in" in gaps else "")),
-                       ("dinov2", "DINOv2 ViT-S/14 112 px probe")):
+    for fam, label in (
+        ("main_job", "Fashion-MNIST main job" + (" (stand-in)" if "stand-in" in gaps else "")),
+        ("dinov2", "DINOv2 ViT-S/14 112 px probe"),
+    ):
         f = (q or {}).get(fam)
         if not f:
             continue
@@ -415,19 +601,41 @@ def int8_table(data: dict[str, Any]) -> list[str]:
             if fam == "dinov2" and k != "dense":  # a DINOv2 DCS model from --dinov2-runs is trained, the rest zero-shot
                 retrained = k.startswith("dcs") and "retrained from it" in f.get("source", {}).get("kind", "")
                 note = " (searched, retrained)" if retrained else " (not retrained)"
-            rows.append([f"{label}: {k}{note}", f"{m['flops_ratio']:.3f}x", scheme,
-                         f"{t['pytorch_fp32']:.2f}% -> {t['ort_int8']:.2f}%", f"{sz['fp32']:.2f} -> {sz['int8']:.2f}",
-                         f"{sp[big][k + '/ort_fp32']:.2f}x / {sp[big][k + '/ort_int8']:.2f}x",
-                         f"{sp['batch_1'][k + '/ort_fp32']:.2f}x / {sp['batch_1'][k + '/ort_int8']:.2f}x",
-                         big.replace("batch_", "b"),
-                         (f"{sp[big][k + '/pytorch_int8_dynamic']:.2f}x, {t['pytorch_int8_dynamic']:.2f}%"
-                          if "pytorch_int8_dynamic" in t else
-                          "does not run" if str(m.get("pytorch_int8_dynamic", "")).startswith("does not") else "-")])
+            rows.append(
+                [
+                    f"{label}: {k}{note}",
+                    f"{m['flops_ratio']:.3f}x",
+                    scheme,
+                    f"{t['pytorch_fp32']:.2f}% -> {t['ort_int8']:.2f}%",
+                    f"{sz['fp32']:.2f} -> {sz['int8']:.2f}",
+                    f"{sp[big][k + '/ort_fp32']:.2f}x / {sp[big][k + '/ort_int8']:.2f}x",
+                    f"{sp['batch_1'][k + '/ort_fp32']:.2f}x / {sp['batch_1'][k + '/ort_int8']:.2f}x",
+                    big.replace("batch_", "b"),
+                    (
+                        f"{sp[big][k + '/pytorch_int8_dynamic']:.2f}x, {t['pytorch_int8_dynamic']:.2f}%"
+                        if "pytorch_int8_dynamic" in t
+                        else "does not run"
+                        if str(m.get("pytorch_int8_dynamic", "")).startswith("does not")
+                        else "-"
+                    ),
+                ]
+            )
     if not rows:
         return []
-    return table(["model", "FLOPs vs dense", "int8 scheme", "test top-1 fp32 -> int8", "file MB fp32 -> int8",
-                  "ORT fp32 / int8 vs dense PyTorch fp32, large batch", "same, b1", "large batch",
-                  "PyTorch dynamic int8: large batch, test top-1"], rows)[:-1]
+    return table(
+        [
+            "model",
+            "FLOPs vs dense",
+            "int8 scheme",
+            "test top-1 fp32 -> int8",
+            "file MB fp32 -> int8",
+            "ORT fp32 / int8 vs dense PyTorch fp32, large batch",
+            "same, b1",
+            "large batch",
+            "PyTorch dynamic int8: large batch, test top-1",
+        ],
+        rows,
+    )[:-1]
 
 
 def int8_goals(data: dict[str, Any]) -> list[str]:
@@ -446,38 +654,51 @@ def int8_goals(data: dict[str, Any]) -> list[str]:
 
     def same(fam: str, batch: str, label: str) -> str:  # the ratio with both runtimes at each thread count
         by = q[fam]["speed"][batch].get("ms_by_threads") or {}
-        return ", ".join(f"{v['dense/pytorch_fp32'] / v[label]:.2f}x at {n_threads(th)}" for th, v in sorted(by.items()))
+        return ", ".join(
+            f"{v['dense/pytorch_fp32'] / v[label]:.2f}x at {n_threads(th)}" for th, v in sorted(by.items())
+        )
 
     out = []
     if "main_job" in g:
         mj, c = g["main_job"], q["main_job"]["models"]["compressed"]["test_top1"]
-        out.append(f"- Main job, compressed + int8 vs dense fp32 PyTorch: throughput at b64 "
-                   f"{mj['throughput_b64_vs_dense_pytorch_fp32']:.2f}x (goal 2.5x {met(mj['throughput_goal_2.5x_met'])}), "
-                   f"latency at b1 {mj['latency_b1_vs_dense_pytorch_fp32']:.2f}x (goal 1.5x "
-                   f"{met(mj['latency_goal_1.5x_met'])}; the int8 file on {threads('main_job', 'batch_1', 'compressed/ort_int8')} "
-                   f"against PyTorch on {threads('main_job', 'batch_1', 'dense/pytorch_fp32')}, each its fastest; "
-                   f"both runtimes at the same count: {same('main_job', 'batch_1', 'compressed/ort_int8')}), int8 test top-1 "
-                   f"{c['ort_int8']:.2f}% against the compressed fp32 model's {c['pytorch_fp32']:.2f}% (goal 0.5 pt "
-                   f"{met(mj['accuracy_goal_0.5pt_met'])}; {q['main_job']['test_images']:,} test images).")
+        out.append(
+            f"- Main job, compressed + int8 vs dense fp32 PyTorch: throughput at b64 "
+            f"{mj['throughput_b64_vs_dense_pytorch_fp32']:.2f}x (goal 2.5x {met(mj['throughput_goal_2.5x_met'])}), "
+            f"latency at b1 {mj['latency_b1_vs_dense_pytorch_fp32']:.2f}x (goal 1.5x "
+            f"{met(mj['latency_goal_1.5x_met'])}; the int8 file on {threads('main_job', 'batch_1', 'compressed/ort_int8')} "
+            f"against PyTorch on {threads('main_job', 'batch_1', 'dense/pytorch_fp32')}, each its fastest; "
+            f"both runtimes at the same count: {same('main_job', 'batch_1', 'compressed/ort_int8')}), int8 test top-1 "
+            f"{c['ort_int8']:.2f}% against the compressed fp32 model's {c['pytorch_fp32']:.2f}% (goal 0.5 pt "
+            f"{met(mj['accuracy_goal_0.5pt_met'])}; {q['main_job']['test_images']:,} test images)."
+        )
     if "dinov2_dcs" in g:
         d = g["dinov2_dcs"]
         big = next(k for k in d if k.startswith("throughput_"))
         t = q["dinov2"]["models"][d["model"]]["test_top1"]
-        out.append(f"- DINOv2 ViT-S/14 {d['model']} + int8 ({d['note']}): {d[big]:.2f}x dense fp32 PyTorch at "
-                   f"{big.split('_')[1]} {big.split('_')[2]} (goal 2x {met(d['speed_goal_2x_met'])}), int8 test top-1 "
-                   f"{t['ort_int8']:.2f}% against its fp32 {t['pytorch_fp32']:.2f}% (goal 1 pt "
-                   f"{met(d['accuracy_goal_1pt_met'])}; {q['dinov2']['test_images']:,} test images).")
-    stacks = ([("main job compressed", g["main_job_stacking"])] if "main_job_stacking" in g else []) + \
-        [(f"DINOv2 {k}", v) for k, v in (g.get("dinov2_stacking") or {}).items()]
+        out.append(
+            f"- DINOv2 ViT-S/14 {d['model']} + int8 ({d['note']}): {d[big]:.2f}x dense fp32 PyTorch at "
+            f"{big.split('_')[1]} {big.split('_')[2]} (goal 2x {met(d['speed_goal_2x_met'])}), int8 test top-1 "
+            f"{t['ort_int8']:.2f}% against its fp32 {t['pytorch_fp32']:.2f}% (goal 1 pt "
+            f"{met(d['accuracy_goal_1pt_met'])}; {q['dinov2']['test_images']:,} test images)."
+        )
+    stacks = ([("main job compressed", g["main_job_stacking"])] if "main_job_stacking" in g else []) + [
+        (f"DINOv2 {k}", v) for k, v in (g.get("dinov2_stacking") or {}).items()
+    ]
     for name, st in stacks:
-        sp = " / ".join(f"{v:.2f}x ({b.replace('batch_', 'b')})" for b, v in st["compressed_int8_vs_dense_int8_speedup"].items())
-        line = (f"- Stacking, {name}: its int8 file is {sp} the dense int8 file's speed (faster: {met(st['faster_met'])}), "
-                f"test top-1 {st['compressed_int8_top1']:.2f}% against the bound {st['bound_top1']:.2f}% (dense int8 minus "
-                f"the compression's own drop: {met(st['accuracy_met'])})")
+        sp = " / ".join(
+            f"{v:.2f}x ({b.replace('batch_', 'b')})" for b, v in st["compressed_int8_vs_dense_int8_speedup"].items()
+        )
+        line = (
+            f"- Stacking, {name}: its int8 file is {sp} the dense int8 file's speed (faster: {met(st['faster_met'])}), "
+            f"test top-1 {st['compressed_int8_top1']:.2f}% against the bound {st['bound_top1']:.2f}% (dense int8 minus "
+            f"the compression's own drop: {met(st['accuracy_met'])})"
+        )
         v = st.get("val_split")
         if v:
-            line += (f"; on the {v['n']:,} validation images {v['compressed_int8_top1']:.2f}% against "
-                     f"{v['bound_top1']:.2f}% ({met(v['accuracy_met'])})")
+            line += (
+                f"; on the {v['n']:,} validation images {v['compressed_int8_top1']:.2f}% against "
+                f"{v['bound_top1']:.2f}% ({met(v['accuracy_met'])})"
+            )
         out.append(line + ".")
     return out
 
@@ -501,15 +722,41 @@ def dcs_generalise_table(data: dict[str, Any]) -> list[str]:
     rows = []
     for cell, c in summ.items():
         where, _, target = cell.rpartition("@")
-        rows.append([where.replace("/", " / "), f"{float(target):.1f}x", fmt(c.get("dense")), fmt(c.get("dense_ft")),
-                     "collapsed" if c.get("failed") else fmt(c.get("searched")), fmt(c.get("dcs")), fmt(c.get("uniform")), fmt(c.get("torch_pruning")),
-                     fmt(c.get("search_flops_ratio")), fmt(c.get("at_target_share")), fmt(c.get("calibration_move")),
-                     _goals_cell(c, c.get("goals") or {})])
+        rows.append(
+            [
+                where.replace("/", " / "),
+                f"{float(target):.1f}x",
+                fmt(c.get("dense")),
+                fmt(c.get("dense_ft")),
+                "collapsed" if c.get("failed") else fmt(c.get("searched")),
+                fmt(c.get("dcs")),
+                fmt(c.get("uniform")),
+                fmt(c.get("torch_pruning")),
+                fmt(c.get("search_flops_ratio")),
+                fmt(c.get("at_target_share")),
+                fmt(c.get("calibration_move")),
+                _goals_cell(c, c.get("goals") or {}),
+            ]
+        )
     if not rows:
         return []
-    return table(["dataset / base / seed", "target", "dense", "dense retrained", "searched (before retraining)",
-                  "DCS retrained", "uniform retrained", "Torch-Pruning retrained", "search FLOPs", "at target share",
-                  "calibration move", "goals met"], rows) + dcs_generalise_summary(summ)
+    return table(
+        [
+            "dataset / base / seed",
+            "target",
+            "dense",
+            "dense retrained",
+            "searched (before retraining)",
+            "DCS retrained",
+            "uniform retrained",
+            "Torch-Pruning retrained",
+            "search FLOPs",
+            "at target share",
+            "calibration move",
+            "goals met",
+        ],
+        rows,
+    ) + dcs_generalise_summary(summ)
 
 
 def dcs_generalise_summary(summ: dict[str, Any]) -> list[str]:
@@ -525,8 +772,10 @@ def dcs_generalise_summary(summ: dict[str, Any]) -> list[str]:
         for key, name in (("uniform", "uniform"), ("torch_pruning", "Torch-Pruning")):
             diff = [c["dcs"] - c[key] for c in cells if c.get("dcs") is not None and c.get(key) is not None]
             if diff:
-                parts.append(f"DCS minus {name} {sum(diff) / len(diff):+.2f} pt on average "
-                             f"({min(diff):+.2f} to {max(diff):+.2f}, {len(diff)} cells)")
+                parts.append(
+                    f"DCS minus {name} {sum(diff) / len(diff):+.2f} pt on average "
+                    f"({min(diff):+.2f} to {max(diff):+.2f}, {len(diff)} cells)"
+                )
         out.append("- " + "; ".join(parts) + ".")
     return out
 
@@ -537,11 +786,15 @@ def render(data: dict[str, Any]) -> str:
     for name in data:
         fams.setdefault(family(name), []).append(name)
     order = [f for f in FAMILIES if f in fams] + sorted(f for f in fams if f not in FAMILIES)
-    out = ["# Measured results", "",
-           "Generated by `python bench/make_results.py` from `bench/results/*.json` and `*.jsonl` only: do not edit "
-           "by hand (`python bench/make_results.py --check` fails when this file is out of date). Speeds are ratios "
-           "against the dense model measured interleaved in one process (medians); FLOPs count one multiply-add "
-           "as one FLOP, attention matmuls included. The machine of each run is the one recorded in its JSON.", ""]
+    out = [
+        "# Measured results",
+        "",
+        "Generated by `python bench/make_results.py` from `bench/results/*.json` and `*.jsonl` only: do not edit "
+        "by hand (`python bench/make_results.py --check` fails when this file is out of date). Speeds are ratios "
+        "against the dense model measured interleaved in one process (medians); FLOPs count one multiply-add "
+        "as one FLOP, attention matmuls included. The machine of each run is the one recorded in its JSON.",
+        "",
+    ]
     out += ["Contents: " + ", ".join(f"[{FAMILIES.get(f, (f,))[0].split(':')[0].strip('`')}](#{f})" for f in order), ""]
     for fam in order:
         title, what = FAMILIES.get(fam, (f"`{fam}*`", "Results without a description in bench/make_results.py."))
@@ -555,8 +808,12 @@ def render(data: dict[str, Any]) -> str:
             d = data[name]
             out += [f"### `{name}`", ""]
             cmd = find(d, "command") or find(d, "newcomer_command")
-            out += [f"Run: `{cmd}`" if cmd else "Run: the command is not recorded in the JSON.", "",
-                    f"Machine: {machine_line(find(d, 'machine'))}.", ""]
+            out += [
+                f"Run: `{cmd}`" if cmd else "Run: the command is not recorded in the JSON.",
+                "",
+                f"Machine: {machine_line(find(d, 'machine'))}.",
+                "",
+            ]
             if isinstance(d, dict):
                 d = {k: v for k, v in d.items() if k != "command"}
             out += body(d)
@@ -569,7 +826,7 @@ def _fill(readme: str, start_mark: str, end_mark: str, lines: list[str]) -> str:
     start, end = readme.find(start_mark), readme.find(end_mark)
     if start < 0 or end < start:
         return readme
-    return readme[:start + len(start_mark)] + "\n" + "\n".join(lines) + "\n" + readme[end:]
+    return readme[: start + len(start_mark)] + "\n" + "\n".join(lines) + "\n" + readme[end:]
 
 
 def demo_time(data: dict[str, Any]) -> list[str]:
@@ -579,11 +836,16 @@ def demo_time(data: dict[str, Any]) -> list[str]:
         return ["(not measured yet: `python bench/demo_time.py`)"]
     m, r = d["machine"], d["result"]
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in d["stage_seconds"].items() if v >= 1)
-    final = "no compressed model" if r["final_test_top1"] is None else (
-        f"{r['dense_test_top1']:.2f}% dense -> {r['final_test_top1']:.2f}% at {r['flops_ratio']:.3f}x the FLOPs")
-    return [f"Measured by `bench/demo_time.py` ({m.get('cpu_count')} CPU cores, {m.get('cpu_threads')} torch threads, "
-            f"1-minute load average {d['load_at_start']:g} at the start, {d['load_at_end']:g} at the end): "
-            f"{d['wall_s']:.0f} s wall, {d['user_s']:.0f} s of CPU time; {stages}; test top-1 {final}."]
+    final = (
+        "no compressed model"
+        if r["final_test_top1"] is None
+        else (f"{r['dense_test_top1']:.2f}% dense -> {r['final_test_top1']:.2f}% at {r['flops_ratio']:.3f}x the FLOPs")
+    )
+    return [
+        f"Measured by `bench/demo_time.py` ({m.get('cpu_count')} CPU cores, {m.get('cpu_threads')} torch threads, "
+        f"1-minute load average {d['load_at_start']:g} at the start, {d['load_at_end']:g} at the end): "
+        f"{d['wall_s']:.0f} s wall, {d['user_s']:.0f} s of CPU time; {stages}; test top-1 {final}."
+    ]
 
 
 def mainjob_time(data: dict[str, Any]) -> list[str]:
@@ -594,11 +856,13 @@ def mainjob_time(data: dict[str, Any]) -> list[str]:
         return ["(not measured yet)"]
     stages = ", ".join(f"{k} {v:.0f} s" for k, v in d["stage_seconds"].items() if v >= 1)
     amp = d.get("amp")
-    return [f"Measured at commit {d.get('commit', '?')} ({d.get('machine_note', '')}): "
-            f"{d['wall_s']:,.0f} s end to end after {d['setup_s']:.0f} s of `scripts/setup.sh`"
-            f"{'' if amp is None else f', training in {amp}'}; {stages}; test top-1 {d['dense']['test_top1']:.2f}% "
-            f"dense -> {d['final']['test_top1']:.2f}% at {d['comparison']['flops_ratio']:.3f}x the FLOPs "
-            "(`bench/results/pipeline_fashion_mnist.json`)."]
+    return [
+        f"Measured at commit {d.get('commit', '?')} ({d.get('machine_note', '')}): "
+        f"{d['wall_s']:,.0f} s end to end after {d['setup_s']:.0f} s of `scripts/setup.sh`"
+        f"{'' if amp is None else f', training in {amp}'}; {stages}; test top-1 {d['dense']['test_top1']:.2f}% "
+        f"dense -> {d['final']['test_top1']:.2f}% at {d['comparison']['flops_ratio']:.3f}x the FLOPs "
+        "(`bench/results/pipeline_fashion_mnist.json`)."
+    ]
 
 
 def with_readme_table(readme: str, data: dict[str, Any]) -> str:
@@ -640,8 +904,10 @@ def main(argv: list[str] | None = None) -> int:
         clean = relative_paths(value)
         if clean != value:
             if args.check:
-                problems.append(f"bench/results/{name} holds a path of the machine it ran on: "
-                                "run python bench/make_results.py to make it relative")
+                problems.append(
+                    f"bench/results/{name} holds a path of the machine it ran on: "
+                    "run python bench/make_results.py to make it relative"
+                )
             else:
                 path = RESULTS / name
                 path.write_text(dump(name, clean, path.read_text()))

@@ -31,6 +31,7 @@ own dense base).
 
 writes bench/results/mgvit.json (``--out``); ``--base`` / ``--base56`` name the dense runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,9 +71,13 @@ def deit_reference() -> dict:
     for name, cfg in (("mgvit", {}), ("mgvit_no_ppsm", {"r_pos": 1.0, "r_neg": 0.0})):
         m, _ = get_method("mgvit").prepare_fresh(copy.deepcopy(d), cfg)
         f = m.eval().stage_flops()
-        out[name] = {"sgis_gflops": f["sgis_flops"] / 1e9, "mgis_gflops": f["mgis_flops"] / 1e9,
-                     "ppsm_gflops": f["ppsm_flops"] / 1e9,
-                     "epsilon1_gflops": (f["sgis_flops"] + f["mgis_flops"]) / 1e9, "config": m.mg}
+        out[name] = {
+            "sgis_gflops": f["sgis_flops"] / 1e9,
+            "mgis_gflops": f["mgis_flops"] / 1e9,
+            "ppsm_gflops": f["ppsm_flops"] / 1e9,
+            "epsilon1_gflops": (f["sgis_flops"] + f["mgis_flops"]) / 1e9,
+            "config": m.mg,
+        }
     return out
 
 
@@ -86,15 +91,17 @@ def throughput(dense: torch.nn.Module, mg: torch.nn.Module, x: torch.Tensor, ite
         labels.append(f"eps={e}")
     with torch.no_grad():
         t = time_models(models, x, warmup=2, iters=iters)
-    return {lab: {"s_per_batch": ti, "img_per_s": x.shape[0] / ti, "vs_dense": t[0] / ti}
-            for lab, ti in zip(labels, t)}
+    return {lab: {"s_per_batch": ti, "img_per_s": x.shape[0] / ti, "vs_dense": t[0] / ti} for lab, ti in zip(labels, t)}
 
 
 def configs(args: argparse.Namespace) -> dict[str, tuple[Path, dict, dict]]:
     """name -> (dense base run, MG-ViT config, recipe)."""
     base, base56 = Path(args.base), Path(args.base56)
-    return {"grid4": (base, {"grid": 4}, {}), "grid7": (base, {"grid": 7}, {}),
-            "up56": (base56, {"grid": 7}, {"sgis_run": str(base.resolve())})}
+    return {
+        "grid4": (base, {"grid": 4}, {}),
+        "grid7": (base, {"grid": 7}, {}),
+        "up56": (base56, {"grid": 7}, {"sgis_run": str(base.resolve())}),
+    }
 
 
 def base_data(base: Path) -> DataConfig:
@@ -118,8 +125,9 @@ def rethroughput(args: argparse.Namespace, out: Path) -> None:
             continue
         dense, xb = batch_of(cfgs[name][0], args.batch)
         mg = load(Path(args.runs) / f"bench_mgvit_{name}")
-        entry[f"throughput_threads{args.threads}"] = dict(throughput(dense, mg, xb, args.iters),
-                                                         command=header()["command"])
+        entry[f"throughput_threads{args.threads}"] = dict(
+            throughput(dense, mg, xb, args.iters), command=header()["command"]
+        )
         save(out, res)
         print(name, json.dumps(entry[f"throughput_threads{args.threads}"]), flush=True)
 
@@ -129,9 +137,16 @@ def dense_entry(base: Path, test, spec: InputSpec) -> dict:
     t0 = time.time()
     d_eval = evaluate(dense, test, input_spec=spec, device=torch.device("cpu"))
     d_flops = count_flops(dense, torch.randn(1, spec.in_chans, *spec.img_size)).total
-    return {"run": str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else str(base),
-            "img_size": list(spec.img_size), "test_top1": d_eval["top1"], "flops": d_flops, "mflops": d_flops / 1e6,
-            "test_n": d_eval["n"], "eval_s": time.time() - t0, "metrics": read_json(base / "metrics.json")}
+    return {
+        "run": str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else str(base),
+        "img_size": list(spec.img_size),
+        "test_top1": d_eval["top1"],
+        "flops": d_flops,
+        "mflops": d_flops / 1e6,
+        "test_n": d_eval["n"],
+        "eval_s": time.time() - t0,
+        "metrics": read_json(base / "metrics.json"),
+    }
 
 
 def main() -> None:
@@ -153,8 +168,11 @@ def main() -> None:
     ap.add_argument("--skip-deit", action="store_true", help="keep the DeiT-S reference of --out as it is")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--throughput-only", action="store_true",
-                    help="re-time the saved fine-tuned runs into an existing JSON (key throughput_threads<N>)")
+    ap.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="re-time the saved fine-tuned runs into an existing JSON (key throughput_threads<N>)",
+    )
     args = ap.parse_args()
     out = Path(args.out)
     if args.throughput_only:
@@ -185,18 +203,38 @@ def main() -> None:
         limit = args.train_limit or None
         t0 = time.time()
         data_cfg = replace(base_data(base), train_limit=limit, eval_limit=args.val_limit, subset_seed=args.seed)
-        tc = finetune_train_config("mgvit", epochs=args.epochs, batch_size=128, lr=args.lr, min_lr=1e-5,
-                                   warmup_epochs=0.1, seed=args.seed, label_smoothing=args.label_smoothing,
-                                   device="cpu")
-        entry: dict = {"command": h["command"], "dense": dense, "method_config": cfg, "recipe": recipe,
-                       "train_images": limit or "all", "epochs": args.epochs, "lr": args.lr,
-                       "label_smoothing": args.label_smoothing, "threads": torch.get_num_threads(),
-                       "finetune_data": data_sizes(load_data(data_cfg, spec=spec), data_cfg),
-                       "test_data": data_sizes(test_bundle, test_cfg),
-                       "note": f"fine-tuned from the dense base, epsilon=1, CE(MGIS)+KL(SGIS||MGIS); val/test inside the "
-                               f"fine-tune limited to {args.val_limit} images; the sweep uses test_data"}
-        m = finetune(FinetuneJob(run_dir=str(base), method="mgvit", config=cfg, recipe=recipe, data=data_cfg, train=tc,
-                                 out=str(out_dir)), force=True)
+        tc = finetune_train_config(
+            "mgvit",
+            epochs=args.epochs,
+            batch_size=128,
+            lr=args.lr,
+            min_lr=1e-5,
+            warmup_epochs=0.1,
+            seed=args.seed,
+            label_smoothing=args.label_smoothing,
+            device="cpu",
+        )
+        entry: dict = {
+            "command": h["command"],
+            "dense": dense,
+            "method_config": cfg,
+            "recipe": recipe,
+            "train_images": limit or "all",
+            "epochs": args.epochs,
+            "lr": args.lr,
+            "label_smoothing": args.label_smoothing,
+            "threads": torch.get_num_threads(),
+            "finetune_data": data_sizes(load_data(data_cfg, spec=spec), data_cfg),
+            "test_data": data_sizes(test_bundle, test_cfg),
+            "note": f"fine-tuned from the dense base, epsilon=1, CE(MGIS)+KL(SGIS||MGIS); val/test inside the "
+            f"fine-tune limited to {args.val_limit} images; the sweep uses test_data",
+        }
+        m = finetune(
+            FinetuneJob(
+                run_dir=str(base), method="mgvit", config=cfg, recipe=recipe, data=data_cfg, train=tc, out=str(out_dir)
+            ),
+            force=True,
+        )
         entry["finetune_metrics"] = m
         entry["finetune_s"] = time.time() - t0
         mg = load(out_dir)
@@ -214,8 +252,17 @@ def main() -> None:
         res["configs"][name] = entry
         res["elapsed_s"] = time.time() - t_start
         save(out, res)
-        print(json.dumps({name: [(r["epsilon"], round(r["top1"], 2), round(r["exit_share"], 3),
-                                  round(r["mean_flops"] / 1e6, 2)) for r in sw["rows"]]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    name: [
+                        (r["epsilon"], round(r["top1"], 2), round(r["exit_share"], 3), round(r["mean_flops"] / 1e6, 2))
+                        for r in sw["rows"]
+                    ]
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

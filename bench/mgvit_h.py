@@ -24,6 +24,7 @@ budget (see the result's ``budget``); the numbers are what that budget gives, no
 
     python bench/mgvit_h.py --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,10 @@ from nascompress.train import TrainConfig, TrainJob, fit, train  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "mgvit_h.json"
 EPSILONS = [0.5, 0.7, 0.9, 0.99, 1.0]
-PAPER = {"mask_rcnn_gflops": {"pvt_small": 245, "mgvit_a": 258, "mgvit_r": 227},
-         "semantic_fpn_gflops": {"pvt_small": 44.5, "mgvit_a": 46.4, "mgvit_r": 41.3}}
+PAPER = {
+    "mask_rcnn_gflops": {"pvt_small": 245, "mgvit_a": 258, "mgvit_r": 227},
+    "semantic_fpn_gflops": {"pvt_small": 44.5, "mgvit_a": 46.4, "mgvit_r": 41.3},
+}
 
 
 class FPNSeg(nn.Module):
@@ -78,9 +81,15 @@ def dense_base(base: Path, data_cfg: DataConfig, res: dict, *, img_size: int, ep
     metrics and the data sizes recorded in ``res``: (model, input spec, data)."""
     if not (reuse and (base / "metrics.json").is_file()):
         spec_m = ModelSpec("pvt_v2_b0", {"img_size": img_size, "num_classes": 10, "in_chans": 1})
-        train(TrainJob(model=spec_m, data=data_cfg, out=str(base),
-                       train=TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0)),
-              force=True)
+        train(
+            TrainJob(
+                model=spec_m,
+                data=data_cfg,
+                out=str(base),
+                train=TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0),
+            ),
+            force=True,
+        )
     res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
     dense, arch = load_with_arch(base)
     spec = InputSpec.from_dict(arch["input"])
@@ -98,8 +107,12 @@ def masks_of(imgs: torch.Tensor, size: tuple[int, int], threshold: int) -> torch
 def seg_run(backbone: nn.Module, data, spec: InputSpec, args, seed: int = 0) -> dict:
     """One segmentation run: the head initialised and the images shuffled from ``seed``."""
     with torch.no_grad():
-        chans = [f.shape[1] for f in backbone.forward_intermediates(torch.zeros(1, spec.in_chans, *spec.img_size),
-                                                                    intermediates_only=True)]
+        chans = [
+            f.shape[1]
+            for f in backbone.forward_intermediates(
+                torch.zeros(1, spec.in_chans, *spec.img_size), intermediates_only=True
+            )
+        ]
     torch.manual_seed(seed)
     model = FPNSeg(copy.deepcopy(backbone), chans).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.seg_lr, weight_decay=0.01)
@@ -126,9 +139,16 @@ def seg_run(backbone: nn.Module, data, spec: InputSpec, args, seed: int = 0) -> 
                 union[c] += ((pred == c) | (y == c)).sum()
         flops = count_flops(model, torch.randn(2, spec.in_chans, *spec.img_size))
     iou = (inter / union.clamp_min(1)).tolist()
-    return {"miou": 100 * sum(iou) / 2, "iou_background": 100 * iou[0], "iou_foreground": 100 * iou[1],
-            "flops": flops.total, "mflops": flops.total / 1e6, "params": flops.params, "train_steps": steps,
-            "train_s": train_s}
+    return {
+        "miou": 100 * sum(iou) / 2,
+        "iou_background": 100 * iou[0],
+        "iou_foreground": 100 * iou[1],
+        "flops": flops.total,
+        "mflops": flops.total / 1e6,
+        "params": flops.params,
+        "train_steps": steps,
+        "train_s": train_s,
+    }
 
 
 def reference_224() -> dict:
@@ -146,8 +166,12 @@ def reference_224() -> dict:
         for v in ("a", "r"):
             m, rec = get_method("mgvit-h").prepare_fresh(copy.deepcopy(d), {"variant": v})
             st = m.eval().stage_flops()
-            row[v] = {"mg_pass_gflops": st["mgis_flops"] / 1e9, "sgis_gflops": st["sgis_flops"] / 1e9,
-                      "vs_dense": st["mgis_flops"] / 1e9 / row["dense_gflops"], "cells_split": rec["cells_split"]}
+            row[v] = {
+                "mg_pass_gflops": st["mgis_flops"] / 1e9,
+                "sgis_gflops": st["sgis_flops"] / 1e9,
+                "vs_dense": st["mgis_flops"] / 1e9 / row["dense_gflops"],
+                "cells_split": rec["cells_split"],
+            }
         out[name] = row
     return out
 
@@ -170,17 +194,27 @@ def main() -> None:
     ap.add_argument("--kl-weight", type=float, default=1.0, help="mgvit-h recipe: the SGIS KL term's weight")
     ap.add_argument("--skip-seg", action="store_true", help="classification only")
     ap.add_argument("--reuse-base", action="store_true", help="reuse the dense run in --runs if it is finished")
-    ap.add_argument("--r-h", type=float, default=0.25,
-                    help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)")
+    ap.add_argument(
+        "--r-h",
+        type=float,
+        default=0.25,
+        help="head share (the paper's 0.1 makes no head cell of a 64 px image's 2x2 grid)",
+    )
     ap.add_argument("--r-t", type=float, default=0.75)
     ap.add_argument("--variants", default="a,r", help="mgvit-h variants fine-tuned: a,r / a / r")
-    ap.add_argument("--r-pos", type=float, default=1.0,
-                    help="PPSM positive share of the split cells; below 1 (or --r-neg above 0) adds the row r_ppsm")
+    ap.add_argument(
+        "--r-pos",
+        type=float,
+        default=1.0,
+        help="PPSM positive share of the split cells; below 1 (or --r-neg above 0) adds the row r_ppsm",
+    )
     ap.add_argument("--r-neg", type=float, default=0.0, help="PPSM negative share of the split cells (r_ppsm)")
     ap.add_argument("--seg-epochs", type=int, default=1)
-    ap.add_argument("--seg-seeds", default="0",
-                    help="segmentation runs per backbone, one per seed (head init and shuffle): 0 / 0,1,2; mIoU is "
-                         "their mean")
+    ap.add_argument(
+        "--seg-seeds",
+        default="0",
+        help="segmentation runs per backbone, one per seed (head init and shuffle): 0 / 0,1,2; mIoU is their mean",
+    )
     ap.add_argument("--seg-limit", type=int, default=400)
     ap.add_argument("--seg-batch", type=int, default=32)
     ap.add_argument("--seg-lr", type=float, default=1e-3)
@@ -190,8 +224,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", default=str(ROOT / "runs"))
     ap.add_argument("--out", default=str(OUT))
-    ap.add_argument("--reference-only", action="store_true",
-                    help="only add the 224 px FLOP reference (reference_224) to the existing --out file")
+    ap.add_argument(
+        "--reference-only",
+        action="store_true",
+        help="only add the 224 px FLOP reference (reference_224) to the existing --out file",
+    )
     args = ap.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     if not variants or set(variants) - {"a", "r"}:
@@ -213,8 +250,9 @@ def main() -> None:
 
     # 1. dense base
     base = runs / f"bench_mgvith_dense{args.img_size}"
-    dense, spec, data = dense_base(base, data_cfg, res, img_size=args.img_size, epochs=args.epochs,
-                                   reuse=args.reuse_base)
+    dense, spec, data = dense_base(
+        base, data_cfg, res, img_size=args.img_size, epochs=args.epochs, reuse=args.reuse_base
+    )
     res["dense_base_s"] = time.time() - t_start
 
     # 2. the same fine-tuning budget for dense, -A, -R
@@ -230,8 +268,18 @@ def main() -> None:
     for v, config in rows.items():
         t0 = time.time()
         out = runs / f"bench_mgvith_{v}{args.img_size}"
-        finetune(FinetuneJob(run_dir=str(base), method="mgvit-h", out=str(out), data=data_cfg, train=cfg,
-                             config=config, recipe={"kl_weight": args.kl_weight}), force=True)
+        finetune(
+            FinetuneJob(
+                run_dir=str(base),
+                method="mgvit-h",
+                out=str(out),
+                data=data_cfg,
+                train=cfg,
+                config=config,
+                recipe={"kl_weight": args.kl_weight},
+            ),
+            force=True,
+        )
         models[v], arch = load_with_arch(out)
         models[v].eval()
         if v == "r_ppsm":
@@ -251,12 +299,17 @@ def main() -> None:
             row.update(flops=f.total, mflops=f.total / 1e6, params=f.params)
         else:
             st = m.stage_flops()
-            row.update(flops=m.mean_flops(0.0, 1.0), mflops=m.mean_flops(0.0, 1.0) / 1e6,
-                       params=sum(p.numel() for p in m.parameters()), stages=st, config=m.mg)
+            row.update(
+                flops=m.mean_flops(0.0, 1.0),
+                mflops=m.mean_flops(0.0, 1.0) / 1e6,
+                params=sum(p.numel() for p in m.parameters()),
+                stages=st,
+                config=m.mg,
+            )
             sw = sweep_model(m, batches, epsilons=EPSILONS)
             row.update(sweep=sw["rows"], sgis_top1=sw["sgis_top1"], mgis_top1=sw["mgis_top1"])
         cls[name] = row
-    xb = batches[0][0][:args.batch]
+    xb = batches[0][0][: args.batch]
     timed = [models["dense"]]
     labels = ["dense"]
     for v in rows:
@@ -268,8 +321,10 @@ def main() -> None:
     with torch.no_grad():
         lat = time_models(timed, xb[:1], warmup=2, iters=args.iters)
         thr = time_models(timed, xb, warmup=1, iters=args.iters)
-    res["speed"] = {lab: {"latency_ms": 1e3 * lt, "throughput_img_s": xb.shape[0] / t, "batch": xb.shape[0]}
-                    for lab, lt, t in zip(labels, lat, thr)}
+    res["speed"] = {
+        lab: {"latency_ms": 1e3 * lt, "throughput_img_s": xb.shape[0] / t, "batch": xb.shape[0]}
+        for lab, lt, t in zip(labels, lat, thr)
+    }
     res["classification"] = cls
     save(args.out, res)
 
@@ -300,8 +355,11 @@ def main() -> None:
     save(args.out, res)
     for name in models:
         c, s = cls[name], res["segmentation"][name]
-        print(f"{name}: top-1 {c['test_top1']:.2f}%  {c['mflops']:.2f} MFLOPs  |  seg mIoU {s['miou']:.2f}  "
-              f"{s['mflops']:.2f} MFLOPs", flush=True)
+        print(
+            f"{name}: top-1 {c['test_top1']:.2f}%  {c['mflops']:.2f} MFLOPs  |  seg mIoU {s['miou']:.2f}  "
+            f"{s['mflops']:.2f} MFLOPs",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ what it costs, on the tiny configuration of ``bench/mgvit_h.py`` (``pvt_v2_b0`` 
 
     python bench/mgvit_h_ppsm.py --base /path/to/bench_mgvith_dense64 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,8 +50,9 @@ def main() -> None:
     ap.add_argument("--variant", default="r")
     ap.add_argument("--r-h", type=float, default=0.25)
     ap.add_argument("--r-t", type=float, default=0.25, help="64 px, r_h 0.25, r_t 0.25: 3 of the 4 cells split")
-    ap.add_argument("--configs", nargs="+", default=["1,0", "0.5,0.1", "0,0.5"],
-                    help="r_pos,r_neg pairs; 1,0 is PPSM off")
+    ap.add_argument(
+        "--configs", nargs="+", default=["1,0", "0.5,0.1", "0,0.5"], help="r_pos,r_neg pairs; 1,0 is PPSM off"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--base", default=None, help="a dense pvt_v2_b0 run at --img-size (trained here if missing)")
     ap.add_argument("--runs", default=str(ROOT / "runs"))
@@ -70,18 +72,38 @@ def main() -> None:
         t0 = time.time()
         out = runs / f"bench_mgvith_ppsm_{args.variant}{args.img_size}_{r_pos:g}_{r_neg:g}"
         config = {"variant": args.variant, "r_h": args.r_h, "r_t": args.r_t, "r_pos": r_pos, "r_neg": r_neg}
-        finetune(FinetuneJob(run_dir=str(base), method="mgvit-h", out=str(out), data=data_cfg, train=cfg,
-                             config=config, recipe={"kl_weight": args.kl_weight}), force=True)
+        finetune(
+            FinetuneJob(
+                run_dir=str(base),
+                method="mgvit-h",
+                out=str(out),
+                data=data_cfg,
+                train=cfg,
+                config=config,
+                recipe={"kl_weight": args.kl_weight},
+            ),
+            force=True,
+        )
         m, a = load_with_arch(out)
         m.eval()
         rec = a["methods"][-1]
         e = evaluate(m, data.test, input_spec=spec, device=torch.device("cpu"))
         st = m.stage_flops()
         trained[(r_pos, r_neg)] = m
-        rows.append({"r_pos": r_pos, "r_neg": r_neg, "test_top1": e["top1"], "test_n": e["n"],
-                     "mg_pass_flops": st["mgis_flops"], "mg_pass_mflops": st["mgis_flops"] / 1e6,
-                     "ppsm_cells": rec["ppsm_cells"], "cells_split": rec["cells_split"],
-                     "mg_group_tokens": rec["mg_group_tokens"], "finetune_s": time.time() - t0})
+        rows.append(
+            {
+                "r_pos": r_pos,
+                "r_neg": r_neg,
+                "test_top1": e["top1"],
+                "test_n": e["n"],
+                "mg_pass_flops": st["mgis_flops"],
+                "mg_pass_mflops": st["mgis_flops"] / 1e6,
+                "ppsm_cells": rec["ppsm_cells"],
+                "cells_split": rec["cells_split"],
+                "mg_group_tokens": rec["mg_group_tokens"],
+                "finetune_s": time.time() - t0,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     res["finetuned"] = rows
     # the slimming alone: each setting on the weights fine-tuned with PPSM off
@@ -89,20 +111,31 @@ def main() -> None:
     off = trained.get((1.0, 0.0))
     if off is not None:
         for r_pos, r_neg in pairs:
-            m, rec = get_method("mgvit-h").prepare_fresh(copy.deepcopy(dense), {
-                "variant": args.variant, "r_h": args.r_h, "r_t": args.r_t, "r_pos": r_pos, "r_neg": r_neg})
+            m, rec = get_method("mgvit-h").prepare_fresh(
+                copy.deepcopy(dense),
+                {"variant": args.variant, "r_h": args.r_h, "r_t": args.r_t, "r_pos": r_pos, "r_neg": r_neg},
+            )
             m.load_state_dict(off.state_dict())
             m.eval()
             e = evaluate(m, data.test, input_spec=spec, device=torch.device("cpu"))
-            same.append({"r_pos": r_pos, "r_neg": r_neg, "test_top1": e["top1"],
-                         "mg_pass_mflops": m.stage_flops()["mgis_flops"] / 1e6, "ppsm_cells": rec["ppsm_cells"]})
+            same.append(
+                {
+                    "r_pos": r_pos,
+                    "r_neg": r_neg,
+                    "test_top1": e["top1"],
+                    "mg_pass_mflops": m.stage_flops()["mgis_flops"] / 1e6,
+                    "ppsm_cells": rec["ppsm_cells"],
+                }
+            )
             print("same weights", json.dumps(same[-1]), flush=True)
     res["same_weights"] = same
     dense_f = count_flops(dense.eval(), torch.randn(1, 1, args.img_size, args.img_size)).total
     res["dense_mflops"] = dense_f / 1e6
-    res["note"] = ("PPSM slims only the finer tokens of the proxy groups (the MG layer's keys and values); the "
-                   "sub-token embeddings and every stage stay as they are, so its saving is a small share of the "
-                   "MG pass. Tiny budget on shared CPU cores: one seed, 400 test images (1 image = 0.25 pt).")
+    res["note"] = (
+        "PPSM slims only the finer tokens of the proxy groups (the MG layer's keys and values); the "
+        "sub-token embeddings and every stage stay as they are, so its saving is a small share of the "
+        "MG pass. Tiny budget on shared CPU cores: one seed, 400 test images (1 image = 0.25 pt)."
+    )
     res["total_s"] = time.time() - t_start
     save(args.out, res)
 

@@ -16,6 +16,7 @@ r_neg, epsilon) on the tiny trained ``pvt_v2_b0`` of ``bench/mgvit_h.py``, throu
 
     python bench/mgvit_h_study.py --base runs/bench_mgvith_dense64 --trials 10 --threads 1
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,17 @@ SPACE = "mgvit-h"  # the shipped space (nascompress/search_spaces/mgvit-h.yaml)
 def trial_row(t: optuna.trial.FrozenTrial) -> dict:
     rec = trial_record(t)
     arch = rec["arch"][0]
-    return {"trial": t.number, "params": dict(t.params), "accuracy": rec["accuracy"],
-            "flops_ratio": rec["flops_ratio"], "mflops": rec["flops"] / 1e6, "cells_split": arch["cells_split"],
-            "ppsm_cells": arch["ppsm_cells"], "mg_group_tokens": arch["mg_group_tokens"], "wall_s": rec["wall_s"]}
+    return {
+        "trial": t.number,
+        "params": dict(t.params),
+        "accuracy": rec["accuracy"],
+        "flops_ratio": rec["flops_ratio"],
+        "mflops": rec["flops"] / 1e6,
+        "cells_split": arch["cells_split"],
+        "ppsm_cells": arch["ppsm_cells"],
+        "mg_group_tokens": arch["mg_group_tokens"],
+        "wall_s": rec["wall_s"],
+    }
 
 
 def main() -> None:
@@ -71,42 +80,80 @@ def main() -> None:
     runs = Path(args.runs)
     res = {**header(), "budget": vars(args)}
     base = Path(args.base) if args.base else runs / f"bench_mgvith_dense{args.img_size}"
-    dense_base(base, DataConfig(train_limit=args.train_images, eval_limit=args.eval_images), res,
-               img_size=args.img_size, epochs=args.epochs, reuse=True)
+    dense_base(
+        base,
+        DataConfig(train_limit=args.train_images, eval_limit=args.eval_images),
+        res,
+        img_size=args.img_size,
+        epochs=args.epochs,
+        reuse=True,
+    )
     storage = args.storage
     if storage is None:
         db = runs / f"{args.study}.db"
         db.unlink(missing_ok=True)  # a fresh study: the figures are this run's
         storage = f"sqlite:///{db}"
-    job = SearchJob(base=str(base), space=str(SPACE), study=args.study, storage=storage, trials=args.trials,
-                    finetune_epochs=args.finetune_epochs, train_images=args.train_images,
-                    eval_images=args.eval_images, batch_size=args.batch_size, sampler=args.sampler, seed=args.seed)
+    job = SearchJob(
+        base=str(base),
+        space=str(SPACE),
+        study=args.study,
+        storage=storage,
+        trials=args.trials,
+        finetune_epochs=args.finetune_epochs,
+        train_images=args.train_images,
+        eval_images=args.eval_images,
+        batch_size=args.batch_size,
+        sampler=args.sampler,
+        seed=args.seed,
+    )
     summary = run_search(job, progress=True)
     res["search_s"] = time.time() - t_start
     study = load_study(args.study, storage)[1]
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     res["trials"] = [trial_row(t) for t in done]
-    res["failed"] = [{"trial": t.number, "state": t.state.name, "params": dict(t.params)}
-                     for t in study.trials if t.state != optuna.trial.TrialState.COMPLETE]
+    res["failed"] = [
+        {"trial": t.number, "state": t.state.name, "params": dict(t.params)}
+        for t in study.trials
+        if t.state != optuna.trial.TrialState.COMPLETE
+    ]
     space = load_space(SPACE)
     names = [f"{m.name}.{p.name}" for m in space.methods for p in m.params]
     coverage = {n: sorted({t.params[n] for t in done if n in t.params}, key=str) for n in names}
-    res["coverage"] = {"parameters": names, "values": coverage,
-                       "every_parameter_sampled": all(coverage[n] for n in names),
-                       "every_parameter_varied": all(len(coverage[n]) > 1 for n in names)}
+    res["coverage"] = {
+        "parameters": names,
+        "values": coverage,
+        "every_parameter_sampled": all(coverage[n] for n in names),
+        "every_parameter_varied": all(len(coverage[n]) > 1 for n in names),
+    }
     # the dense base on the same validation subset the trials are scored on (FLOPs ratio 1)
     ctx = TrialContext(job)
-    res["dense_on_the_same_subset"] = {"accuracy": ctx.accuracy(ctx.base), "flops_ratio": 1.0,
-                                       "mflops": ctx.dense_flops / 1e6}
+    res["dense_on_the_same_subset"] = {
+        "accuracy": ctx.accuracy(ctx.base),
+        "flops_ratio": 1.0,
+        "mflops": ctx.dense_flops / 1e6,
+    }
     shown = show_study(args.study, storage)
-    res["front"] = {"kind": shown["kind"], "scoring": shown["scoring"],
-                    "trials": [{"trial": r["number"], "values": r["values"], "params": r["params"],
-                                "flops_ratio": r["record"].get("flops_ratio")} for r in shown["trials"]]}
+    res["front"] = {
+        "kind": shown["kind"],
+        "scoring": shown["scoring"],
+        "trials": [
+            {
+                "trial": r["number"],
+                "values": r["values"],
+                "params": r["params"],
+                "flops_ratio": r["record"].get("flops_ratio"),
+            }
+            for r in shown["trials"]
+        ],
+    }
     res["summary"] = {k: summary[k] for k in ("complete", "enqueued") if k in summary}
     res["total_s"] = time.time() - t_start
     save(args.out, res)
-    print(f"{len(done)} trials, every parameter sampled: {res['coverage']['every_parameter_sampled']}, "
-          f"front: {[r['trial'] for r in res['front']['trials']]}", flush=True)
+    print(
+        f"{len(done)} trials, every parameter sampled: {res['coverage']['every_parameter_sampled']}, "
+        f"front: {[r['trial'] for r in res['front']['trials']]}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ are units too.
     python bench/pretrained.py --runs runs/pretrained_small --seeds 0 --threads 1 \
         --units dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,9 +60,11 @@ TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsi
 
 def log_summary(run: Path) -> dict[str, Any]:
     log = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln.strip()]
-    return {"start_val_top1": log[0].get("val_top1") if log and log[0].get("start") else None,
-            "val_per_epoch": [r["val_top1"] for r in log if not r.get("start")],
-            "epoch_time_s": [r.get("epoch_time_s") for r in log if not r.get("start")]}
+    return {
+        "start_val_top1": log[0].get("val_top1") if log and log[0].get("start") else None,
+        "val_per_epoch": [r["val_top1"] for r in log if not r.get("start")],
+        "epoch_time_s": [r.get("epoch_time_s") for r in log if not r.get("start")],
+    }
 
 
 def flops_ratio(dense: Path, run: Path) -> dict[str, Any]:
@@ -83,8 +86,13 @@ class Bench:
         self.a, self.seed, self.out = a, seed, out
         self.runs = Path(a.runs) / f"seed{seed}"
         self.res = res.setdefault(f"seed{seed}", {})
-        self.data = DataConfig(dataset="fashion-mnist", **({"data_dir": a.data_dir} if a.data_dir else {}),
-                               train_limit=a.train_limit, eval_limit=a.eval_limit, subset_seed=seed)
+        self.data = DataConfig(
+            dataset="fashion-mnist",
+            **({"data_dir": a.data_dir} if a.data_dir else {}),
+            train_limit=a.train_limit,
+            eval_limit=a.eval_limit,
+            subset_seed=seed,
+        )
         self.dense = self.runs / "dense"
         self.full = res
 
@@ -117,10 +125,20 @@ class Bench:
             from nascompress.api import count_classes
 
             t0 = time.time()
-            train(TrainJob(model=ModelSpec("vit_small_patch14_dinov2", {"img_size": 112,
-                                                                        "num_classes": count_classes(self.data)}),
-                           data=self.data, train=TrainConfig(epochs=5, lr=None, seed=self.seed), out=str(self.dense),
-                           weights=self.a.weights, reset_head=True, linear_probe=True), force=True)
+            train(
+                TrainJob(
+                    model=ModelSpec(
+                        "vit_small_patch14_dinov2", {"img_size": 112, "num_classes": count_classes(self.data)}
+                    ),
+                    data=self.data,
+                    train=TrainConfig(epochs=5, lr=None, seed=self.seed),
+                    out=str(self.dense),
+                    weights=self.a.weights,
+                    reset_head=True,
+                    linear_probe=True,
+                ),
+                force=True,
+            )
             self.res["dense_wall_s"] = time.time() - t0
         dm = read_json(self.dense / "metrics.json")
         self.res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"], "l2": dm.get("l2")}
@@ -131,14 +149,32 @@ class Bench:
         if not done(rt):
             tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
             rc = RetrainConfig(eta=0.0)
-            retrain(RetrainJob(model_dir=str(model_dir), out=str(rt), data=self.data, train=tc, retrain=rc,
-                               teacher=str(self.dense), auto_batch=True), force=True)
+            retrain(
+                RetrainJob(
+                    model_dir=str(model_dir),
+                    out=str(rt),
+                    data=self.data,
+                    train=tc,
+                    retrain=rc,
+                    teacher=str(self.dense),
+                    auto_batch=True,
+                ),
+                force=True,
+            )
         m = read_json(rt / "metrics.json")
         cfg = read_json(rt / "config.json")
-        return {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], "best_epoch": m["best_epoch"],
-                "peak_lr": m["peak_lr"], "batch_size": cfg["train"]["batch_size"],
-                "feat_kd": cfg["retrain"]["feat_kd"], "epochs": cfg["train"]["epochs"],
-                "train_time_s": m["train_time_s"], **log_summary(rt), **flops_ratio(self.dense, rt)}
+        return {
+            "val_top1": m["best_val_top1"],
+            "test_top1": m["test_top1"],
+            "best_epoch": m["best_epoch"],
+            "peak_lr": m["peak_lr"],
+            "batch_size": cfg["train"]["batch_size"],
+            "feat_kd": cfg["retrain"]["feat_kd"],
+            "epochs": cfg["train"]["epochs"],
+            "train_time_s": m["train_time_s"],
+            **log_summary(rt),
+            **flops_ratio(self.dense, rt),
+        }
 
     def dense_ft(self) -> None:
         off = self.runs / "dense_off"
@@ -160,11 +196,15 @@ class Bench:
         entry = self.res.setdefault(f"uniform@{target}", {})
         if not done(uni):
             model, arch = load_with_arch(self.dense)
-            entry["pruned"] = build_uniform(model, arch, torch.randn(1, 3, 112, 112), target, uni,
-                                            dict(self.data.__dict__))
+            entry["pruned"] = build_uniform(
+                model, arch, torch.randn(1, 3, 112, 112), target, uni, dict(self.data.__dict__)
+            )
             write_json(uni / "metrics.json", entry["pruned"])
         entry["pruned"] = read_json(uni / "metrics.json")
-        entry["zero_shot"] = {"val_top1": evaluate_run(uni, split="val")["top1"], "test_top1": evaluate_run(uni)["top1"]}
+        entry["zero_shot"] = {
+            "val_top1": evaluate_run(uni, split="val")["top1"],
+            "test_top1": evaluate_run(uni)["top1"],
+        }
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
 
@@ -172,9 +212,14 @@ class Bench:
         name = f"dcs-{family}@{target}"
         search, mat = self.runs / f"dcs_{family}_{target}_search", self.runs / f"dcs_{family}_{target}_mat"
         entry = self.res.setdefault(name, {})
-        job = DCSSearchJob(source=str(self.dense.resolve()), out=str(search), method=DCSConfig(mlp_gates=family),
-                           search=DCSSearchConfig(target_flops=target, auto_batch=True),
-                           train=search_train_config(seed=self.seed), data=self.data)
+        job = DCSSearchJob(
+            source=str(self.dense.resolve()),
+            out=str(search),
+            method=DCSConfig(mlp_gates=family),
+            search=DCSSearchConfig(target_flops=target, auto_batch=True),
+            train=search_train_config(seed=self.seed),
+            data=self.data,
+        )
         t0 = time.time()
         if not (done(search) and read_json(search / "metrics.json").get("finished")):
             resume = (search / "checkpoint.safetensors").is_file()
@@ -186,14 +231,36 @@ class Bench:
                 return
             entry["search_wall_s"] = time.time() - t0
         sm = read_json(search / "metrics.json")
-        keys = ("flops_ratio", "calibrated", "calibration", "mlp_gates", "mlp_kept", "qk_kept", "dense_val_top1",
-                "val_top1", "batch_size", "init", "init_kl", "protected", "block_weights", "block_sensitivity",
-                "search_time_s", "kept", "comparison", "stopped", "search_val_top1", "test_top1")
+        keys = (
+            "flops_ratio",
+            "calibrated",
+            "calibration",
+            "mlp_gates",
+            "mlp_kept",
+            "qk_kept",
+            "dense_val_top1",
+            "val_top1",
+            "batch_size",
+            "init",
+            "init_kl",
+            "protected",
+            "block_weights",
+            "block_sensitivity",
+            "search_time_s",
+            "kept",
+            "comparison",
+            "stopped",
+            "search_val_top1",
+            "test_top1",
+        )
         entry["search"] = {"target_flops": target, **{k: sm.get(k) for k in keys}, **log_summary(search)}
         if not done(mat):
             materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
-        entry["materialized"] = {"val_top1": evaluate_run(mat, split="val")["top1"], "test_top1": evaluate_run(mat)["top1"],
-                                 "max_abs_logit_diff": read_json(mat / "metrics.json")["max_abs_logit_diff"]}
+        entry["materialized"] = {
+            "val_top1": evaluate_run(mat, split="val")["top1"],
+            "test_top1": evaluate_run(mat)["top1"],
+            "max_abs_logit_diff": read_json(mat / "metrics.json")["max_abs_logit_diff"],
+        }
         self.save()
         entry["retrained"] = self.retrain(mat, self.runs / f"dcs_{family}_{target}_retrained")
         self.save()
@@ -211,23 +278,41 @@ class Bench:
         dense, arch = load_with_arch(self.dense)
         spec = InputSpec.from_dict(arch["input"])
         images = calibration_images(load_data(self.data, spec=spec), spec, n=256, seed=self.seed)
-        family, info = choose_family(dense, images, activation_stats(dense, images), target=target, align=8,
-                                     hidden_fill="mean")
+        family, info = choose_family(
+            dense, images, activation_stats(dense, images), target=target, align=8, hidden_fill="mean"
+        )
         self.res[key] = {"mlp_gates": family, **info}
         self.save()
 
     def token(self, name: str) -> None:
         entry = self.res.setdefault(name, {"config": TOKEN_METHODS[name]})
         zs, ft = self.runs / f"{name}_zero_shot", self.runs / f"{name}_finetuned"
-        m = finetune(FinetuneJob(run_dir=str(self.dense), method=name, config=TOKEN_METHODS[name], out=str(zs),
-                                 data=self.data, zero_shot=True, train=finetune_train_config(name, seed=self.seed)),
-                     force=True)
+        m = finetune(
+            FinetuneJob(
+                run_dir=str(self.dense),
+                method=name,
+                config=TOKEN_METHODS[name],
+                out=str(zs),
+                data=self.data,
+                zero_shot=True,
+                train=finetune_train_config(name, seed=self.seed),
+            ),
+            force=True,
+        )
         entry["zero_shot"] = {"val_top1": m["val_top1"], "test_top1": m["test_top1"]}
         tc = finetune_train_config(name, epochs=self.a.epochs, seed=self.seed)
-        m = finetune(FinetuneJob(run_dir=str(self.dense), method=name, config=TOKEN_METHODS[name], out=str(ft),
-                                 data=self.data, train=tc), force=True)
-        entry["finetuned"] = {"val_top1": m["best_val_top1"], "test_top1": m["test_top1"], **log_summary(ft),
-                              **flops_ratio(self.dense, ft)}
+        m = finetune(
+            FinetuneJob(
+                run_dir=str(self.dense), method=name, config=TOKEN_METHODS[name], out=str(ft), data=self.data, train=tc
+            ),
+            force=True,
+        )
+        entry["finetuned"] = {
+            "val_top1": m["best_val_top1"],
+            "test_top1": m["test_top1"],
+            **log_summary(ft),
+            **flops_ratio(self.dense, ft),
+        }
         self.save()
 
 
@@ -245,12 +330,19 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
                 vals.append(float(v))
         return sum(vals) / len(vals) if vals else None
 
-    out: dict[str, Any] = {"seeds": len(seeds), "dense_probe_test": mean(["dense", "test_top1"]),
-                           "dense_ft_test": mean(["dense_ft", "retrained", "test_top1"])}
+    out: dict[str, Any] = {
+        "seeds": len(seeds),
+        "dense_probe_test": mean(["dense", "test_top1"]),
+        "dense_ft_test": mean(["dense_ft", "retrained", "test_top1"]),
+    }
     for t in targets:
         row = {m: mean([f"{m}@{t}", "retrained", "test_top1"]) for m in ("uniform", "dcs-hidden", "dcs-residual")}
-        row.update({f"{m}_flops": mean([f"{m}@{t}", "retrained", "flops_ratio"]) for m in ("uniform", "dcs-hidden",
-                                                                                         "dcs-residual")})
+        row.update(
+            {
+                f"{m}_flops": mean([f"{m}@{t}", "retrained", "flops_ratio"])
+                for m in ("uniform", "dcs-hidden", "dcs-residual")
+            }
+        )
         ref = out["dense_ft_test"]
         best = max((row[m] for m in ("dcs-hidden", "dcs-residual") if row[m] is not None), default=None)
         if ref is not None and best is not None:
@@ -263,22 +355,31 @@ def summarize(res: dict[str, Any], targets: list[float]) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", default="weights/dinov2_vits14_112.safetensors",
-                    help="the DINOv2 ViT-S/14 backbone as a timm state dict at 112 px (tools/convert_dinov2.py --size 112)")
+    ap.add_argument(
+        "--weights",
+        default="weights/dinov2_vits14_112.safetensors",
+        help="the DINOv2 ViT-S/14 backbone as a timm state dict at 112 px (tools/convert_dinov2.py --size 112)",
+    )
     ap.add_argument("--runs", default="runs/pretrained_small")
     ap.add_argument("--out", default="bench/results/pretrained_small_data.json")
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--seeds", default="0")
-    ap.add_argument("--units", default="dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6,"
-                                       "dcs-residual@0.7,dcs-residual@0.6",
-                    help="in order: dense_ft, uniform@T, dcs-hidden@T, dcs-residual@T (T a FLOPs target), "
-                         f"and token methods {', '.join(TOKEN_METHODS)}")
+    ap.add_argument(
+        "--units",
+        default="dense_ft,dcs-hidden@0.7,uniform@0.7,dcs-hidden@0.6,uniform@0.6,dcs-residual@0.7,dcs-residual@0.6",
+        help="in order: dense_ft, uniform@T, dcs-hidden@T, dcs-residual@T (T a FLOPs target), "
+        f"and token methods {', '.join(TOKEN_METHODS)}",
+    )
     ap.add_argument("--summary-targets", default="0.7,0.6", help="the targets the summary compares")
     ap.add_argument("--retrain-epochs", type=int, default=3, help="the retraining budget of every model")
     ap.add_argument("--epochs", type=int, default=1, help="token methods' fine-tune epochs")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (1 on a shared machine: several 2-thread processes on 2 cores stall each other)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (1 on a shared machine: several 2-thread processes on 2 cores stall each other)",
+    )
     ap.add_argument("--data-dir", default=None, help="Fashion-MNIST IDX folder (default: the Debian package's)")
     a = ap.parse_args()
     if a.threads:
@@ -286,11 +387,16 @@ def main() -> None:
     a.summary_targets = [float(t) for t in a.summary_targets.split(",")]
     out = Path(a.out)
     res: dict[str, Any] = dict(header())
-    res["protocol"] = {"model": "vit_small_patch14_dinov2 (DINOv2 ViT-S/14 backbone), 112 px, 65 tokens",
-                       "weights": Path(a.weights).name, "dataset": "fashion-mnist", "train_images": a.train_limit,
-                       "eval_images": a.eval_limit, "retrain_epochs": a.retrain_epochs,
-                       "defaults": "library defaults for search dcs and retrain (auto batch, feature KD with the "
-                                   "dense teacher); only the gate family is fixed per DCS run"}
+    res["protocol"] = {
+        "model": "vit_small_patch14_dinov2 (DINOv2 ViT-S/14 backbone), 112 px, 65 tokens",
+        "weights": Path(a.weights).name,
+        "dataset": "fashion-mnist",
+        "train_images": a.train_limit,
+        "eval_images": a.eval_limit,
+        "retrain_epochs": a.retrain_epochs,
+        "defaults": "library defaults for search dcs and retrain (auto batch, feature KD with the "
+        "dense teacher); only the gate family is fixed per DCS run",
+    }
     units = a.units.split(",")
     for seed in [int(s) for s in a.seeds.split(",")]:
         b = Bench(a, seed, res, out)

@@ -9,6 +9,7 @@ The figures decide ``layers.CPU_PAD_QK``; on CUDA ``bench/gpu.py`` measures the 
 
     python bench/qk_layout.py --out bench/results/qk_layout_cpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,11 @@ from nascompress.methods.dcs import slice_qk
 from nascompress.profiling import time_models
 
 # (label, width, heads, tokens, batches, Q/K widths kept per head)
-CASES = [("main job (96 wide, 3 heads, 50 tokens)", 96, 3, 50, (1, 64), (8, 16, 24)),
-         ("DeiT-S (384 wide, 6 heads, 197 tokens)", 384, 6, 197, (1, 16), (16, 32, 40, 48, 56)),
-         ("DINOv2 ViT-S/14 at 112 px (384 wide, 6 heads, 65 tokens)", 384, 6, 65, (1, 64), (32, 48))]
+CASES = [
+    ("main job (96 wide, 3 heads, 50 tokens)", 96, 3, 50, (1, 64), (8, 16, 24)),
+    ("DeiT-S (384 wide, 6 heads, 197 tokens)", 384, 6, 197, (1, 16), (16, 32, 40, 48, 56)),
+    ("DINOv2 ViT-S/14 at 112 px (384 wide, 6 heads, 65 tokens)", 384, 6, 65, (1, 64), (32, 48)),
+]
 
 
 def attention(dim: int, heads: int, kept: int | None, *, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -48,8 +51,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default); on a shared "
-                                                           "machine 1 keeps the timings steadier")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default); on a shared machine 1 keeps the timings steadier",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,13 +76,26 @@ def main() -> None:
                 with torch.inference_mode():
                     err = (packed(x) - pad(x)).abs().max().item()
                 t_dense, t_packed, t_pad = time_models([dense, packed, pad], x, warmup=3, iters=args.iters)
-                row = {"case": label, "batch": B, "tokens": tokens, "head_dim": dim // heads, "qk_width": w,
-                       "dense_ms": t_dense * 1e3, "packed_ms": t_packed * 1e3, "pad_ms": t_pad * 1e3,
-                       "pad_speedup_over_packed": t_packed / t_pad, "packed_vs_dense": t_dense / t_packed,
-                       "pad_vs_dense": t_dense / t_pad, "max_abs_diff_packed_pad": err}
+                row = {
+                    "case": label,
+                    "batch": B,
+                    "tokens": tokens,
+                    "head_dim": dim // heads,
+                    "qk_width": w,
+                    "dense_ms": t_dense * 1e3,
+                    "packed_ms": t_packed * 1e3,
+                    "pad_ms": t_pad * 1e3,
+                    "pad_speedup_over_packed": t_packed / t_pad,
+                    "packed_vs_dense": t_dense / t_packed,
+                    "pad_vs_dense": t_dense / t_pad,
+                    "max_abs_diff_packed_pad": err,
+                }
                 res["rows"].append(row)
-                print(f"{label} B={B} qk={w}: dense {row['dense_ms']:.3f} ms, packed {row['packed_ms']:.3f}, "
-                      f"pad {row['pad_ms']:.3f} (pad {row['pad_speedup_over_packed']:.2f}x packed)", flush=True)
+                print(
+                    f"{label} B={B} qk={w}: dense {row['dense_ms']:.3f} ms, packed {row['packed_ms']:.3f}, "
+                    f"pad {row['pad_ms']:.3f} (pad {row['pad_speedup_over_packed']:.2f}x packed)",
+                    flush=True,
+                )
     rows = res["rows"]
     res["pad_faster_in"] = sum(r["pad_speedup_over_packed"] > 1 for r in rows)
     res["cases"] = len(rows)

@@ -25,6 +25,7 @@ hypervolume any sampler found at the largest budget, within 30 trials, on every 
         --spaces evit,dynamicvit,tome,joint --seeds 0,1,2 --trials 50
     python bench/samplers.py --make-base runs/bench_tiny ...   # train a small base first (see --help)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,13 @@ from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402
 
 BUDGETS = (10, 20, 30, 50)
-SPACES = {"evit": "evit", "dynamicvit": "dynamicvit", "tome": "tome", "joint": "joint",
-          "evit-12": "evit-12"}  # shipped spaces, by name (nascompress/search_spaces/)
+SPACES = {
+    "evit": "evit",
+    "dynamicvit": "dynamicvit",
+    "tome": "tome",
+    "joint": "joint",
+    "evit-12": "evit-12",
+}  # shipped spaces, by name (nascompress/search_spaces/)
 
 # (base, space) -> {config key: (accuracy, flops_ratio, record)}: each configuration scored once
 _CACHE: dict[str, dict[str, tuple[Any, dict[str, Any]]]] = {}
@@ -88,8 +94,11 @@ def budget_metrics(trials: list[tuple[float, float]], budget: int, *, floor: flo
     """Hypervolume and best accuracy under the goal of the first ``budget`` (accuracy, ratio) trials."""
     first = trials[:budget]
     under = [a for a, r in first if r <= goal]
-    return {"trials": len(first), "hypervolume": hypervolume([(r, a) for a, r in first], 1.0, floor),
-            "best_under_goal": max(under) if under else None}
+    return {
+        "trials": len(first),
+        "hypervolume": hypervolume([(r, a) for a, r in first], 1.0, floor),
+        "best_under_goal": max(under) if under else None,
+    }
 
 
 def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str) -> dict[str, Any]:
@@ -98,34 +107,57 @@ def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str
         factory = sampler_factory(sampler, space, seed, trials=a.trials)
     except NascompressError as e:
         return {"refused": str(e)}
-    job = SearchJob(base=base, space=space_path, study=f"{sampler}-{seed}", storage=storage, trials=a.trials,
-                    sampler=sampler, eval_images=a.eval_images, train_images=a.train_images,
-                    calib_steps=a.calib_steps, batch_size=a.batch_size, seed=a.job_seed)
+    job = SearchJob(
+        base=base,
+        space=space_path,
+        study=f"{sampler}-{seed}",
+        storage=storage,
+        trials=a.trials,
+        sampler=sampler,
+        eval_images=a.eval_images,
+        train_images=a.train_images,
+        calib_steps=a.calib_steps,
+        batch_size=a.batch_size,
+        seed=a.job_seed,
+    )
     from nascompress.runs.io import load
 
     enqueue = [p for _, p in reference_configs(space, load(base))]
     job_dict = job.to_dict()
     t0 = time.time()
-    run_study(study_name=job.study, storage=storage,
-              objective_factory=functools.partial(cached_objective_factory, job_dict, f"{base}|{space_path}"),
-              n_trials=a.trials, directions=["maximize", "minimize"], metric_names=["accuracy", "flops_ratio"],
-              space_info={"space": space.to_dict(), "space_hash": space.hash(), "sampler": sampler},
-              sampler_factory=factory, seed=seed, enqueue=enqueue, progress=False)
+    run_study(
+        study_name=job.study,
+        storage=storage,
+        objective_factory=functools.partial(cached_objective_factory, job_dict, f"{base}|{space_path}"),
+        n_trials=a.trials,
+        directions=["maximize", "minimize"],
+        metric_names=["accuracy", "flops_ratio"],
+        space_info={"space": space.to_dict(), "space_hash": space.hash(), "sampler": sampler},
+        sampler_factory=factory,
+        seed=seed,
+        enqueue=enqueue,
+        progress=False,
+    )
     import optuna
 
     study = optuna.load_study(study_name=job.study, storage=storage)
     done = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)
     pts = [(float(trial_record(t)["accuracy"]), float(trial_record(t)["flops_ratio"])) for t in done]
-    return {"wall_s": time.time() - t0, "trials": [{"accuracy": acc, "flops_ratio": r} for acc, r in pts],
-            "budgets": {str(b): budget_metrics(pts, b, floor=a.hv_floor, goal=a.goal) for b in a.budgets}}
+    return {
+        "wall_s": time.time() - t0,
+        "trials": [{"accuracy": acc, "flops_ratio": r} for acc, r in pts],
+        "budgets": {str(b): budget_metrics(pts, b, floor=a.hv_floor, goal=a.goal) for b in a.budgets},
+    }
 
 
 def summarize(runs: dict[str, dict[str, dict[str, Any]]], budgets: list[int]) -> dict[str, Any]:
     """Per sampler: the mean over seeds per budget; the best at 30; the 99%-of-best goal."""
     out: dict[str, Any] = {"mean": {}}
     top = str(max(budgets))
-    best_hv = max((r["budgets"][top]["hypervolume"] for per in runs.values() for r in per.values()
-                   if "budgets" in r), default=None)
+    best_hv = max(
+        (r["budgets"][top]["hypervolume"] for per in runs.values() for r in per.values() if "budgets" in r),
+        default=None,
+    )
     goal_met = {}
     for sampler, per in runs.items():
         ok = [r for r in per.values() if "budgets" in r]
@@ -138,9 +170,13 @@ def summarize(runs: dict[str, dict[str, dict[str, Any]]], budgets: list[int]) ->
             bests = [r["budgets"][str(b)]["best_under_goal"] for r in ok]
             out["mean"][sampler][str(b)] = {
                 "hypervolume": sum(hvs) / len(hvs),
-                "best_under_goal": (sum(v for v in bests if v is not None) / len([v for v in bests if v is not None])
-                                    if any(v is not None for v in bests) else None),
-                "seeds_with_a_trial_under_goal": sum(v is not None for v in bests)}
+                "best_under_goal": (
+                    sum(v for v in bests if v is not None) / len([v for v in bests if v is not None])
+                    if any(v is not None for v in bests)
+                    else None
+                ),
+                "seeds_with_a_trial_under_goal": sum(v is not None for v in bests),
+            }
         if best_hv is not None and "30" in ok[0]["budgets"]:
             goal_met[sampler] = all(r["budgets"]["30"]["hypervolume"] >= 0.99 * best_hv for r in ok)
     ranked = [s for s in out["mean"] if "refused" not in out["mean"][s] and "30" in out["mean"][s]]
@@ -161,10 +197,14 @@ def make_base(out: Path, a) -> str:
     from nascompress.models import custom_vit_spec
     from nascompress.train import TrainConfig, TrainJob, train
 
-    job = TrainJob(model=custom_vit_spec(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3,
-                                         num_classes=10, in_chans=1),
-                   data=DataConfig(dataset="fashion-mnist", train_limit=a.base_train_images, eval_limit=2000),
-                   train=TrainConfig(epochs=a.base_epochs, batch_size=128, lr=1e-3, seed=0), out=str(out))
+    job = TrainJob(
+        model=custom_vit_spec(
+            img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, num_classes=10, in_chans=1
+        ),
+        data=DataConfig(dataset="fashion-mnist", train_limit=a.base_train_images, eval_limit=2000),
+        train=TrainConfig(epochs=a.base_epochs, batch_size=128, lr=1e-3, seed=0),
+        out=str(out),
+    )
     train(job)
     return str(out)
 
@@ -210,14 +250,32 @@ def main() -> None:
     spaces = [s.strip() for s in a.spaces.split(",") if s.strip()]
     samplers = [s.strip() for s in a.samplers.split(",") if s.strip()]
     seeds = [int(s) for s in a.seeds.split(",")]
-    res: dict[str, Any] = {**header(), "complete": False, "settings": {
-        "trials": a.trials, "budgets": a.budgets, "seeds": seeds, "samplers": samplers, "eval_images": a.eval_images,
-        "train_images": a.train_images, "calib_steps": a.calib_steps, "goal_flops": a.goal, "hv_floor": a.hv_floor,
-        "hv_reference_flops_ratio": 1.0, "job_seed": a.job_seed,
-        "bases": {k: v for k, v in bases.items()},
-        "made_base": None if not a.make_base else {"epochs": a.base_epochs, "train_images": a.base_train_images,
-                                                    "arch": "custom ViT 28 px, patch 4, width 96, depth 6, 3 heads"}},
-        "results": {}}
+    res: dict[str, Any] = {
+        **header(),
+        "complete": False,
+        "settings": {
+            "trials": a.trials,
+            "budgets": a.budgets,
+            "seeds": seeds,
+            "samplers": samplers,
+            "eval_images": a.eval_images,
+            "train_images": a.train_images,
+            "calib_steps": a.calib_steps,
+            "goal_flops": a.goal,
+            "hv_floor": a.hv_floor,
+            "hv_reference_flops_ratio": 1.0,
+            "job_seed": a.job_seed,
+            "bases": {k: v for k, v in bases.items()},
+            "made_base": None
+            if not a.make_base
+            else {
+                "epochs": a.base_epochs,
+                "train_images": a.base_train_images,
+                "arch": "custom ViT 28 px, patch 4, width 96, depth 6, 3 heads",
+            },
+        },
+        "results": {},
+    }
     t_all = time.time()
     with tempfile.TemporaryDirectory(prefix="nascompress-samplers-") as tmp:
         for bname, base in bases.items():
@@ -232,9 +290,12 @@ def main() -> None:
                         msg = r.get("refused") or {b: round(m["hypervolume"], 2) for b, m in r["budgets"].items()}
                         print(f"{bname} {sname} {sampler} seed {seed}: {msg}", flush=True)
                         res["results"].setdefault(bname, {})[sname] = {
-                            "space": path, "configurations_scored": len(_CACHE.get(f"{base}|{path}", {})),
+                            "space": path,
+                            "configurations_scored": len(_CACHE.get(f"{base}|{path}", {})),
                             "seeds_done": seeds[:i] + ([seed] if sampler == samplers[-1] else []),
-                            "summary": summarize({k: v for k, v in runs.items() if v}, a.budgets), "runs": runs}
+                            "summary": summarize({k: v for k, v in runs.items() if v}, a.budgets),
+                            "runs": runs,
+                        }
                         res["wall_s"] = time.time() - t_all
                         save(a.out, relative_paths(res))  # after every run: a cut-short bench keeps what it measured
                 print(json.dumps(res["results"][bname][sname]["summary"], indent=1), flush=True)

@@ -17,6 +17,7 @@
     python bench/search.py --part hv --base runs/base --trials 50
     python bench/search.py --part pretrained --base runs/pretrained/dense --trials 30
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,13 +57,30 @@ def hypervolume(points: list[tuple[float, float]], ref_ratio: float, floor: floa
 
 def front(study) -> list[dict]:
     done = [t for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
-    return [{"trial": t.number, "accuracy": trial_record(t)["accuracy"], "flops_ratio": trial_record(t)["flops_ratio"],
-             "params": dict(t.params)} for t in pareto_front(done, study.directions)]
+    return [
+        {
+            "trial": t.number,
+            "accuracy": trial_record(t)["accuracy"],
+            "flops_ratio": trial_record(t)["flops_ratio"],
+            "params": dict(t.params),
+        }
+        for t in pareto_front(done, study.directions)
+    ]
 
 
 def search_job(base: str, space: str, study: str, storage: str, a, **kw) -> SearchJob:
-    return SearchJob(base=base, space=space, study=study, storage=storage, trials=a.trials, seed=a.seed,
-                     eval_images=a.eval_images, train_images=a.train_images, batch_size=a.batch_size, **kw)
+    return SearchJob(
+        base=base,
+        space=space,
+        study=study,
+        storage=storage,
+        trials=a.trials,
+        seed=a.seed,
+        eval_images=a.eval_images,
+        train_images=a.train_images,
+        batch_size=a.batch_size,
+        **kw,
+    )
 
 
 def part_speed(a, tmp: Path) -> dict:
@@ -75,9 +93,12 @@ def part_speed(a, tmp: Path) -> dict:
         wall = time.time() - t0
         study = load_study(job.study, storage)[1]
         trial_s = [trial_record(t)["wall_s"] for t in study.trials if t.state.name == "COMPLETE"]
-        out[f"workers_{workers}"] = {"trials": res["complete"], "wall_s": wall,
-                                     "trials_per_minute": 60 * res["complete"] / wall,
-                                     "median_trial_s": sorted(trial_s)[len(trial_s) // 2]}
+        out[f"workers_{workers}"] = {
+            "trials": res["complete"],
+            "wall_s": wall,
+            "trials_per_minute": 60 * res["complete"] / wall,
+            "median_trial_s": sorted(trial_s)[len(trial_s) // 2],
+        }
         print(workers, out[f"workers_{workers}"], flush=True)
     return out
 
@@ -90,18 +111,35 @@ def part_hv(a, tmp: Path) -> dict:
     space = load_space(a.space, model=nascompress.load(a.base))  # ranges sized by the base's depth
     grid = space.grid(a.trials)
     gjob = job.replace(study="grid", enqueue=False, trials=len(grid))
-    info = {"space": space.to_dict(), "space_hash": space.hash(), "base_run": a.base, "dataset": "grid",
-            "job": gjob.to_dict()}
-    run_study(study_name="grid", storage=storage, objective_factory=functools.partial(make_objective, gjob.to_dict()),
-              n_trials=len(grid), directions=["maximize", "minimize"], metric_names=["accuracy", "flops_ratio"],
-              space_info=info, sampler_factory=functools.partial(make_sampler, "nsga2"), seed=a.seed, enqueue=grid,
-              progress=False)
+    info = {
+        "space": space.to_dict(),
+        "space_hash": space.hash(),
+        "base_run": a.base,
+        "dataset": "grid",
+        "job": gjob.to_dict(),
+    }
+    run_study(
+        study_name="grid",
+        storage=storage,
+        objective_factory=functools.partial(make_objective, gjob.to_dict()),
+        n_trials=len(grid),
+        directions=["maximize", "minimize"],
+        metric_names=["accuracy", "flops_ratio"],
+        space_info=info,
+        sampler_factory=functools.partial(make_sampler, "nsga2"),
+        seed=a.seed,
+        enqueue=grid,
+        progress=False,
+    )
     gridded = load_study("grid", storage)[1]
     res = {"reference_point": {"flops_ratio": 1.0, "top1": a.hv_floor}}
     for name, study in (("search_nsga2", searched), ("grid", gridded)):
         f = front(study)
-        res[name] = {"trials": sum(t.state.name == "COMPLETE" for t in study.trials), "front": f,
-                     "hypervolume": hypervolume([(p["flops_ratio"], p["accuracy"]) for p in f], 1.0, a.hv_floor)}
+        res[name] = {
+            "trials": sum(t.state.name == "COMPLETE" for t in study.trials),
+            "front": f,
+            "hypervolume": hypervolume([(p["flops_ratio"], p["accuracy"]) for p in f], 1.0, a.hv_floor),
+        }
         print(name, res[name]["trials"], res[name]["hypervolume"], flush=True)
     res["winner"] = max(("search_nsga2", "grid"), key=lambda k: res[k]["hypervolume"])
     return res
@@ -126,14 +164,28 @@ def part_pretrained(a, tmp: Path) -> dict:
         r = count_flops(m.eval(), ctx.flops_x).total / ctx.dense_flops
         lo, hi = (kr, hi) if r < target else (lo, kr)
     m, _ = get_method("evit").prepare_fresh(copy.deepcopy(ctx.base), {"keep_rate": kr, "prune_layers": [4, 7, 10]})
-    paper = {"keep_rate": kr, "prune_layers": [4, 7, 10], "flops_ratio": count_flops(m.eval(), ctx.flops_x).total / ctx.dense_flops,
-             "accuracy": ctx.accuracy(m)}
+    paper = {
+        "keep_rate": kr,
+        "prune_layers": [4, 7, 10],
+        "flops_ratio": count_flops(m.eval(), ctx.flops_x).total / ctx.dense_flops,
+        "accuracy": ctx.accuracy(m),
+    }
     uncompressed = ctx.accuracy(ctx.base)
-    return {"max_flops": a.max_flops, "trials": sum(t.state.name == "COMPLETE" for t in study.trials), "wall_s": wall,
-            "best_trial": {"number": best.number, "params": dict(best.params), "arch": rec["arch"],
-                           "flops_ratio": rec["flops_ratio"], "accuracy": rec["accuracy"]},
-            "paper_default_same_flops": paper, "uncompressed_accuracy": uncompressed,
-            "search_minus_paper_points": rec["accuracy"] - paper["accuracy"]}
+    return {
+        "max_flops": a.max_flops,
+        "trials": sum(t.state.name == "COMPLETE" for t in study.trials),
+        "wall_s": wall,
+        "best_trial": {
+            "number": best.number,
+            "params": dict(best.params),
+            "arch": rec["arch"],
+            "flops_ratio": rec["flops_ratio"],
+            "accuracy": rec["accuracy"],
+        },
+        "paper_default_same_flops": paper,
+        "uncompressed_accuracy": uncompressed,
+        "search_minus_paper_points": rec["accuracy"] - paper["accuracy"],
+    }
 
 
 def main() -> None:
@@ -156,9 +208,14 @@ def main() -> None:
     res = json.loads(out.read_text()) if out.is_file() else {}
     with tempfile.TemporaryDirectory(prefix="nascompress-bench-") as tmp:
         part = {"speed": part_speed, "hv": part_hv, "pretrained": part_pretrained}[a.part](a, Path(tmp))
-    res[a.part] = dict(part, command=" ".join(sys.argv), base=a.base, space=a.space, eval_images=a.eval_images,
-                       machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
-                                "torch": torch.__version__})
+    res[a.part] = dict(
+        part,
+        command=" ".join(sys.argv),
+        base=a.base,
+        space=a.space,
+        eval_images=a.eval_images,
+        machine={"cpu_threads": torch.get_num_threads(), "platform": platform.platform(), "torch": torch.__version__},
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, res)
     print(json.dumps(res[a.part], indent=1)[:3000])

@@ -1,5 +1,6 @@
 """The README's "Time" section, generated from ``bench/results/tool_speed.json`` (``bench/tool_speed.py``)
 by ``bench/make_results.py``; no torch here."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,8 +11,10 @@ LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attent
 
 def _load_note(d: dict[str, Any]) -> str:
     if d.get("measured_under_load", True):
-        return (f"**measured under load**: other jobs shared the cores (1-minute load average {d['load_at_start']:g} "
-                "at the start), so the times are upper bounds and only the interleaved ratios are comparable")
+        return (
+            f"**measured under load**: other jobs shared the cores (1-minute load average {d['load_at_start']:g} "
+            "at the start), so the times are upper bounds and only the interleaved ratios are comparable"
+        )
     return f"a quiet machine (1-minute load average {d['load_at_start']:g} at the start)"
 
 
@@ -21,22 +24,33 @@ def time_section(data: dict[str, Any]) -> list[str]:
     if not d or "steps" not in d:
         return ["(not measured yet: `python bench/tool_speed.py`)"]
     m = d.get("machine") or {}
-    out = [f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, {d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
-           f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (opt-in; the default is fp32) trains in "
-           f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).", ""]
+    out = [
+        f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, {d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
+        f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (opt-in; the default is fp32) trains in "
+        f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).",
+        "",
+    ]
     peak = d.get("peak")
     if peak:
-        out += [f"Matmul peak of this machine (square GEMMs, best size): fp32 {peak['fp32']['gflops']:.0f} GFLOP/s, "
-                f"bf16 {peak['bf16']['gflops']:.0f} GFLOP/s.", ""]
-    out += ["| training step | batch | precision | images/s | GFLOP/s | share of its peak | vs fp32 |", "|---|---|---|---|---|---|---|"]
+        out += [
+            f"Matmul peak of this machine (square GEMMs, best size): fp32 {peak['fp32']['gflops']:.0f} GFLOP/s, "
+            f"bf16 {peak['bf16']['gflops']:.0f} GFLOP/s.",
+            "",
+        ]
+    out += [
+        "| training step | batch | precision | images/s | GFLOP/s | share of its peak | vs fp32 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for recipe, s in d["steps"].items():
         for prec, label in LABELS.items():
             if prec not in s:
                 continue
             r = s[prec]
             share = f"{100 * r['share_of_peak']:.0f}%" if "share_of_peak" in r else "-"
-            out.append(f"| {recipe} | {s['batch']} | {label} | {r['images_per_s']:.0f} | {r['gflops']:.0f} | {share} | "
-                       f"{s['fp32']['step_s'] / r['step_s']:.2f}x |")
+            out.append(
+                f"| {recipe} | {s['batch']} | {label} | {r['images_per_s']:.0f} | {r['gflops']:.0f} | {share} | "
+                f"{s['fp32']['step_s'] / r['step_s']:.2f}x |"
+            )
     out.append("")
     prof = d.get("profile")
     if prof:
@@ -50,23 +64,33 @@ def time_section(data: dict[str, Any]) -> list[str]:
         out.append("")
     acc = d.get("accuracy")
     if acc:
-        out += ["The main job's base shortened (training images x epochs), fp32 against bf16, per seed:", "",
-                "| seed | images x epochs | fp32 val / test top-1 | bf16 val / test top-1 |", "|---|---|---|---|"]
+        out += [
+            "The main job's base shortened (training images x epochs), fp32 against bf16, per seed:",
+            "",
+            "| seed | images x epochs | fp32 val / test top-1 | bf16 val / test top-1 |",
+            "|---|---|---|---|",
+        ]
         by = {(r["seed"], r["amp"]): r for r in acc}
         for seed in sorted({r["seed"] for r in acc}):
             f, b = by.get((seed, "off")), by.get((seed, "bf16"))
             if f and b:
-                out.append(f"| {seed} | {f['train_limit']} x {f['epochs']} | {f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
-                           f"{b['best_val_top1']:.2f} / {b['test_top1']:.2f} |")
+                out.append(
+                    f"| {seed} | {f['train_limit']} x {f['epochs']} | {f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
+                    f"{b['best_val_top1']:.2f} / {b['test_top1']:.2f} |"
+                )
         out.append("")
     kept = [compile_change(c, data.get("compile_step.json")) for c in d.get("changes") or []]
     if kept:
         out += ["Changes to the tool's hot path, each measured alone (interleaved, medians):", ""]
-        out += [f"- {c['change']}: {c['ratio']} ({'kept' if c['kept'] else 'not kept'}). {c.get('note', '')}".rstrip()
-                for c in kept]
+        out += [
+            f"- {c['change']}: {c['ratio']} ({'kept' if c['kept'] else 'not kept'}). {c.get('note', '')}".rstrip()
+            for c in kept
+        ]
         out.append("")
-    goals = [search_goal(mainjob_goal(g, data.get("pipeline_fashion_mnist.json")),
-                         data.get("dcs_search_time_folder.json")) for g in d.get("goals") or []]
+    goals = [
+        search_goal(mainjob_goal(g, data.get("pipeline_fashion_mnist.json")), data.get("dcs_search_time_folder.json"))
+        for g in d.get("goals") or []
+    ]
     if goals:
         out += [f"- Goal: {g['goal']}: {g['status']}. {g.get('figures', '')}".rstrip() for g in goals]
     while out and out[-1] == "":
@@ -83,12 +107,15 @@ def mainjob_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, 
     if not goal["goal"].startswith("the README main job") or not run or "wall_s" not in run:
         return goal
     met = run["wall_s"] <= MAINJOB_GOAL_S
-    return dict(goal, status=f"{'met' if met else 'not met'}: {run['wall_s']:,.0f} s (setup excluded) at commit "
-                             f"{run.get('commit', '?')}, training in {run.get('amp', 'fp32')}",
-                figures=f"{run.get('machine_note', '')}; test top-1 {run['dense']['test_top1']:.2f}% dense -> "
-                        f"{run['final']['test_top1']:.2f}% at {run['comparison']['flops_ratio']:.3f}x "
-                        f"(bench/results/pipeline_fashion_mnist.json). Where the CPU has no native bfloat16 the "
-                        f"run trains in fp32: {goal.get('figures', '')}")
+    return dict(
+        goal,
+        status=f"{'met' if met else 'not met'}: {run['wall_s']:,.0f} s (setup excluded) at commit "
+        f"{run.get('commit', '?')}, training in {run.get('amp', 'fp32')}",
+        figures=f"{run.get('machine_note', '')}; test top-1 {run['dense']['test_top1']:.2f}% dense -> "
+        f"{run['final']['test_top1']:.2f}% at {run['comparison']['flops_ratio']:.3f}x "
+        f"(bench/results/pipeline_fashion_mnist.json). Where the CPU has no native bfloat16 the "
+        f"run trains in fp32: {goal.get('figures', '')}",
+    )
 
 
 def compile_change(change: dict[str, Any], run: dict[str, Any] | None) -> dict[str, Any]:
@@ -97,12 +124,16 @@ def compile_change(change: dict[str, Any], run: dict[str, Any] | None) -> dict[s
         return change
     up, comp = run["compiled_speedup"], run["compile_s"]
     load = f"1-minute load average {run['load_at_start']:g} at the start" if run["load_at_start"] >= 0.5 else "quiet"
-    return dict(change, change="torch.compile of the model's forward (inductor), the main job's base step",
-                ratio=f"fp32 {up['fp32']:.2f}x, bf16 {up['bf16']:.2f}x per step ({run['threads']} thread, {load}); "
-                      f"compiling takes {comp['fp32']:.0f} s (fp32) / {comp['bf16']:.0f} s (bf16)",
-                kept=False, note="the gain is about the compile's own cost on the main job's base (bf16 1.1x of a "
-                                 "5-minute bf16 base saves about 30 s; the compile, plus recompiles for the last partial "
-                                 "batch and evaluation, takes about as long); bench/results/compile_step.json")
+    return dict(
+        change,
+        change="torch.compile of the model's forward (inductor), the main job's base step",
+        ratio=f"fp32 {up['fp32']:.2f}x, bf16 {up['bf16']:.2f}x per step ({run['threads']} thread, {load}); "
+        f"compiling takes {comp['fp32']:.0f} s (fp32) / {comp['bf16']:.0f} s (bf16)",
+        kept=False,
+        note="the gain is about the compile's own cost on the main job's base (bf16 1.1x of a "
+        "5-minute bf16 base saves about 30 s; the compile, plus recompiles for the last partial "
+        "batch and evaluation, takes about as long); bench/results/compile_step.json",
+    )
 
 
 def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, Any]:
@@ -112,16 +143,22 @@ def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, A
     rows = run["runs"]
     best = min(rows, key=lambda r: r["wall_s"])
     met = best["wall_s"] <= best["goal_s"]
-    parts = "; ".join(f"--amp {r['amp']} ({r.get('precision') or '?'}): {r['wall_s']:.0f} s, probes "
-                      f"{_probe_s(r):.0f} s, epochs {', '.join(f'{t:.0f}' for t in r['epoch_time_s'])} s, landed "
-                      f"{r['flops_ratio']:.3f}x, validation {r['val_top1']:.1f}% (dense {r['dense_val_top1']:.1f}%), "
-                      f"kept {r.get('kept')}" for r in rows)
+    parts = "; ".join(
+        f"--amp {r['amp']} ({r.get('precision') or '?'}): {r['wall_s']:.0f} s, probes "
+        f"{_probe_s(r):.0f} s, epochs {', '.join(f'{t:.0f}' for t in r['epoch_time_s'])} s, landed "
+        f"{r['flops_ratio']:.3f}x, validation {r['val_top1']:.1f}% (dense {r['dense_val_top1']:.1f}%), "
+        f"kept {r.get('kept')}"
+        for r in rows
+    )
     load = run["machine"].get("load_average_at_start", 0)
-    return dict(goal, status=f"{'met' if met else 'not met'} with --amp {best['amp']}: {best['wall_s']:.0f} s against "
-                             f"{best['goal_s']:.0f} s",
-                figures=f"4 epochs on 2,000 ImageFolder PNGs (bench/results/dcs_search_time_folder.json, "
-                        f"{run['machine'].get('cpu_threads')} threads, 1-minute load average {load:.1f} at the start): "
-                        f"{parts}")
+    return dict(
+        goal,
+        status=f"{'met' if met else 'not met'} with --amp {best['amp']}: {best['wall_s']:.0f} s against "
+        f"{best['goal_s']:.0f} s",
+        figures=f"4 epochs on 2,000 ImageFolder PNGs (bench/results/dcs_search_time_folder.json, "
+        f"{run['machine'].get('cpu_threads')} threads, 1-minute load average {load:.1f} at the start): "
+        f"{parts}",
+    )
 
 
 def _probe_s(r: dict[str, Any]) -> float:

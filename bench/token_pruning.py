@@ -16,6 +16,7 @@
 
 Both write into (and merge with) bench/results/token_pruning.json (``--out``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,12 @@ from nascompress.profiling import count_flops, time_models  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 
 # (method, config, absolute peak lr of the 1-epoch fine-tune at batch 128)
-SETTINGS = [("evit", {"keep_rate": 0.7}, 1e-4), ("evit", {"keep_rate": 0.5}, 1e-4),
-            ("dynamicvit", {"rho": 0.7}, 1e-3), ("dynamicvit", {"rho": 0.5}, 1e-3)]
+SETTINGS = [
+    ("evit", {"keep_rate": 0.7}, 1e-4),
+    ("evit", {"keep_rate": 0.5}, 1e-4),
+    ("dynamicvit", {"rho": 0.7}, 1e-3),
+    ("dynamicvit", {"rho": 0.5}, 1e-3),
+]
 
 
 def throughput(res: dict, *, model: str, img_size: int, batch: int, iters: int) -> None:
@@ -52,33 +57,49 @@ def throughput(res: dict, *, model: str, img_size: int, batch: int, iters: int) 
     dvit, _ = get_method("dynamicvit").prepare_fresh(copy.deepcopy(dense), {"rho": 0.7})
     names, models = ["dense", "evit_0.7", "dynamicvit_0.7"], [dense, evit.eval(), dvit.eval()]
     x1 = torch.randn(1, 3, img_size, img_size)
-    out: dict = {"model": f"{model} (random weights, eval, {img_size}x{img_size})", "threads": torch.get_num_threads(),
-                 "gflops": {n: count_flops(m, x1).gflops for n, m in zip(names, models)}}
+    out: dict = {
+        "model": f"{model} (random weights, eval, {img_size}x{img_size})",
+        "threads": torch.get_num_threads(),
+        "gflops": {n: count_flops(m, x1).gflops for n, m in zip(names, models)},
+    }
     out["gflops_predictors_dynamicvit"] = sum(b.get("other", 0.0) for b in count_flops(dvit, x1).blocks) / 1e9
     for bs, it in ((1, iters * 3), (batch, iters)):
         x = torch.randn(bs, 3, img_size, img_size)
         t = time_models(models, x, warmup=1 if bs > 1 else 3, iters=it)
-        out[f"batch{bs}"] = {"iters": it, "median_s": dict(zip(names, t)),
-                             "images_per_s": {n: bs / s for n, s in zip(names, t)},
-                             "speedup_vs_dense": {n: t[0] / s for n, s in zip(names[1:], t[1:])}}
+        out[f"batch{bs}"] = {
+            "iters": it,
+            "median_s": dict(zip(names, t)),
+            "images_per_s": {n: bs / s for n, s in zip(names, t)},
+            "speedup_vs_dense": {n: t[0] / s for n, s in zip(names[1:], t[1:])},
+        }
         print(json.dumps(out[f"batch{bs}"]), flush=True)
     res["throughput"] = out
 
 
-def fashion_mnist(res: dict, *, base: Path, train_limit: int, eval_limit: int | None, seed: int,
-                  batch_size: int, runs: Path | None) -> None:
-    data = replace(run_data_config(base) or DataConfig(), train_limit=train_limit, eval_limit=eval_limit,
-                   subset_seed=seed)
+def fashion_mnist(
+    res: dict, *, base: Path, train_limit: int, eval_limit: int | None, seed: int, batch_size: int, runs: Path | None
+) -> None:
+    data = replace(
+        run_data_config(base) or DataConfig(), train_limit=train_limit, eval_limit=eval_limit, subset_seed=seed
+    )
     arch = read_json(base / "arch.json")
     spec = InputSpec.from_dict(arch["input"])
     x = torch.randn(64, spec.in_chans, *spec.img_size)
     dense = nascompress.load(base)
     dense_test = evaluate_run(base, data=data, device="cpu")  # the same test images as every row below
-    out: dict = {"base": str(base), "base_metrics": read_json(base / "metrics.json"),
-                 "dense_test_top1": dense_test["top1"], "dense_test_n": dense_test["n"],
-                 "dense_mflops": count_flops(dense, x).total / 1e6, "train_limit": train_limit,
-                 "eval_limit": eval_limit, "seed": seed, "data": data_sizes(load_data(data, spec=spec), data),
-                 "predictor_steps_default": DynamicViTRecipe().predictor_steps, "runs": []}
+    out: dict = {
+        "base": str(base),
+        "base_metrics": read_json(base / "metrics.json"),
+        "dense_test_top1": dense_test["top1"],
+        "dense_test_n": dense_test["n"],
+        "dense_mflops": count_flops(dense, x).total / 1e6,
+        "train_limit": train_limit,
+        "eval_limit": eval_limit,
+        "seed": seed,
+        "data": data_sizes(load_data(data, spec=spec), data),
+        "predictor_steps_default": DynamicViTRecipe().predictor_steps,
+        "runs": [],
+    }
     print("dense", json.dumps({k: out[k] for k in ("dense_test_top1", "dense_test_n", "dense_mflops")}), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         root = runs or Path(tmp)
@@ -86,43 +107,69 @@ def fashion_mnist(res: dict, *, base: Path, train_limit: int, eval_limit: int | 
             row = {"method": method, "config": cfg}
             variants = [("zero_shot", True, {})]
             if method == "dynamicvit":  # untrained predictors, and the library's predictor-only stage (default)
-                variants = [("zero_shot_untrained_predictors", True, {"predictor_steps": 0}),
-                            ("zero_shot", True, {})]
+                variants = [("zero_shot_untrained_predictors", True, {"predictor_steps": 0}), ("zero_shot", True, {})]
             variants.append(("finetuned", False, {}))
             for tag, zero_shot, recipe in variants:
-                tc = finetune_train_config(method, epochs=1, batch_size=batch_size, lr=lr, warmup_epochs=0.0,
-                                           min_lr=lr / 100, seed=seed, device="cpu")
-                job = FinetuneJob(run_dir=str(base), method=method, config=dict(cfg), recipe=dict(recipe), data=data,
-                                  train=tc, out=str(root / f"{method}_{list(cfg.values())[0]}_{tag}"),
-                                  zero_shot=zero_shot)
+                tc = finetune_train_config(
+                    method,
+                    epochs=1,
+                    batch_size=batch_size,
+                    lr=lr,
+                    warmup_epochs=0.0,
+                    min_lr=lr / 100,
+                    seed=seed,
+                    device="cpu",
+                )
+                job = FinetuneJob(
+                    run_dir=str(base),
+                    method=method,
+                    config=dict(cfg),
+                    recipe=dict(recipe),
+                    data=data,
+                    train=tc,
+                    out=str(root / f"{method}_{list(cfg.values())[0]}_{tag}"),
+                    zero_shot=zero_shot,
+                )
                 t0 = time.perf_counter()
                 m = finetune(job, force=True)
                 model = nascompress.load(job.out)
-                row[tag] = {"test_top1": m["test_top1"], "test_n": m["test_n"], "seconds": time.perf_counter() - t0,
-                            "mflops": count_flops(model, x).total / 1e6,
-                            "top1_minus_dense": m["test_top1"] - dense_test["top1"]}
+                row[tag] = {
+                    "test_top1": m["test_top1"],
+                    "test_n": m["test_n"],
+                    "seconds": time.perf_counter() - t0,
+                    "mflops": count_flops(model, x).total / 1e6,
+                    "top1_minus_dense": m["test_top1"] - dense_test["top1"],
+                }
                 if zero_shot:
                     row[tag]["calibration"] = m.get("calibration")
                     if method == "dynamicvit":
-                        row[tag]["predictor_steps"] = recipe.get("predictor_steps",
-                                                                 DynamicViTRecipe().predictor_steps)
+                        row[tag]["predictor_steps"] = recipe.get("predictor_steps", DynamicViTRecipe().predictor_steps)
                         row[tag]["predictor_stage_batch_size"] = batch_size
                 else:
-                    row[tag].update(lr=lr, batch_size=batch_size, epochs=1, train_images=out["data"]["train_images"],
-                                    best_epoch=m["best_epoch"], start_val_top1=m["start_val_top1"],
-                                    best_val_top1=m["best_val_top1"], kept_start=m["best_epoch"] == 0)
+                    row[tag].update(
+                        lr=lr,
+                        batch_size=batch_size,
+                        epochs=1,
+                        train_images=out["data"]["train_images"],
+                        best_epoch=m["best_epoch"],
+                        start_val_top1=m["start_val_top1"],
+                        best_val_top1=m["best_val_top1"],
+                        kept_start=m["best_epoch"] == 0,
+                    )
                 print(method, cfg, tag, json.dumps(row[tag]), flush=True)
             out["runs"].append(row)
-    out["note"] = ("zero_shot: the method applied to the dense weights without training the backbone (EViT: "
-                   "nothing to train; DynamicViT: after the predictor-only stage, predictor_steps steps with the "
-                   "backbone frozen, distilled to the dense run, as `nascompress finetune --zero-shot` does). "
-                   "zero_shot_untrained_predictors: DynamicViT with randomly initialised predictors, i.e. a random "
-                   "token choice. finetuned: 1 epoch of nascompress.finetune on a seeded class-stratified subset of "
-                   "train_limit training images (EViT: CE at its target keep rate from the first "
-                   "step; DynamicViT: CE + 0.5 KL + 0.5 token MSE + 2 ratio loss against the dense run, predictors "
-                   "at lr, backbone at 0.01 lr); fit evaluates the start first and keeps it if training only hurt "
-                   "(kept_start). Test top-1 on the same seeded class-stratified test subset as dense_test_top1. "
-                   "FLOPs per image (MACs).")
+    out["note"] = (
+        "zero_shot: the method applied to the dense weights without training the backbone (EViT: "
+        "nothing to train; DynamicViT: after the predictor-only stage, predictor_steps steps with the "
+        "backbone frozen, distilled to the dense run, as `nascompress finetune --zero-shot` does). "
+        "zero_shot_untrained_predictors: DynamicViT with randomly initialised predictors, i.e. a random "
+        "token choice. finetuned: 1 epoch of nascompress.finetune on a seeded class-stratified subset of "
+        "train_limit training images (EViT: CE at its target keep rate from the first "
+        "step; DynamicViT: CE + 0.5 KL + 0.5 token MSE + 2 ratio loss against the dense run, predictors "
+        "at lr, backbone at 0.01 lr); fit evaluates the start first and keeps it if training only hurt "
+        "(kept_start). Test top-1 on the same seeded class-stratified test subset as dense_test_top1. "
+        "FLOPs per image (MACs)."
+    )
     res["fashion_mnist"] = out
 
 
@@ -153,8 +200,13 @@ def main() -> None:
     res.setdefault("commands", {})
     if not args.skip_throughput:
         res["commands"]["throughput"] = h["command"]
-        throughput(res, model=args.throughput_model, img_size=args.throughput_img_size, batch=args.throughput_batch,
-                   iters=args.iters)
+        throughput(
+            res,
+            model=args.throughput_model,
+            img_size=args.throughput_img_size,
+            batch=args.throughput_batch,
+            iters=args.iters,
+        )
         res["throughput"]["machine"] = h["machine"]
         save(out, res)
     if args.skip_fmnist:
@@ -166,8 +218,15 @@ def main() -> None:
         time.sleep(20)
     if (base / "metrics.json").is_file():
         res["commands"]["fashion_mnist"] = h["command"]
-        fashion_mnist(res, base=base, train_limit=args.train_limit, eval_limit=args.eval_limit, seed=args.seed,
-                      batch_size=args.batch_size, runs=Path(args.runs) if args.runs else None)
+        fashion_mnist(
+            res,
+            base=base,
+            train_limit=args.train_limit,
+            eval_limit=args.eval_limit,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            runs=Path(args.runs) if args.runs else None,
+        )
         res["fashion_mnist"]["machine"] = h["machine"]
     else:
         print(f"{base}/metrics.json not found: Fashion-MNIST part skipped")

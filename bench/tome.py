@@ -11,6 +11,7 @@ weights: speed and FLOPs only).
 
     python bench/tome.py --base runs/pretrained/dense --r 4,8,12 --eval-images 1000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,9 @@ from nascompress.profiling.latency import time_models  # noqa: E402
 from nascompress.search.trials import SearchJob, TrialContext  # noqa: E402
 
 
-def evit_at(base: torch.nn.Module, target: float, x: torch.Tensor, dense: float) -> tuple[torch.nn.Module, float, float]:
+def evit_at(
+    base: torch.nn.Module, target: float, x: torch.Tensor, dense: float
+) -> tuple[torch.nn.Module, float, float]:
     """EViT at the papers' layers with the keep rate whose FLOPs ratio is closest to ``target``."""
     layers = scale_layers(len(base.blocks))
     lo, hi, best = 0.02, 1.0, None
@@ -62,9 +65,18 @@ def deit_speed(rs: list[int], iters: int) -> dict[str, Any]:
         ratio = count_flops(m.eval(), x).total / d_flops
         ev, kr, ev_ratio = evit_at(dense, ratio, x, d_flops)
         s = speeds([dense, m, ev], (3, 224, 224), batch=64, iters=iters)
-        out["rows"].append({"r": r, "flops_ratio": ratio, "gflops": ratio * d_flops / 1e9,
-                            "speedup_b64": s[1] / s[0], "speedup_over_flops_reduction": (s[1] / s[0]) * ratio,
-                            "evit_keep_rate": kr, "evit_flops_ratio": ev_ratio, "evit_speedup_b64": s[2] / s[0]})
+        out["rows"].append(
+            {
+                "r": r,
+                "flops_ratio": ratio,
+                "gflops": ratio * d_flops / 1e9,
+                "speedup_b64": s[1] / s[0],
+                "speedup_over_flops_reduction": (s[1] / s[0]) * ratio,
+                "evit_keep_rate": kr,
+                "evit_flops_ratio": ev_ratio,
+                "evit_speedup_b64": s[2] / s[0],
+            }
+        )
         print("deit", out["rows"][-1], flush=True)
     return out
 
@@ -80,12 +92,28 @@ def main() -> None:
     a = ap.parse_args()
     rs = [int(v) for v in a.r.split(",")]
     t0 = time.time()
-    ctx = TrialContext(SearchJob(base=a.base, space="tome", study="bench", eval_images=a.eval_images,
-                                 train_images=64, calib_steps=0, batch_size=64))
+    ctx = TrialContext(
+        SearchJob(
+            base=a.base,
+            space="tome",
+            study="bench",
+            eval_images=a.eval_images,
+            train_images=64,
+            calib_steps=0,
+            batch_size=64,
+        )
+    )
     base, x, dense = ctx.base, ctx.flops_x, ctx.dense_flops
     shape = tuple(x.shape[1:])
-    res: dict[str, Any] = {**header(), "base": a.base, "eval_images": len(ctx.data.val), "input": list(shape),
-                           "dense_gflops": dense / 1e9, "dense_top1": ctx.accuracy(base), "rows": []}
+    res: dict[str, Any] = {
+        **header(),
+        "base": a.base,
+        "eval_images": len(ctx.data.val),
+        "input": list(shape),
+        "dense_gflops": dense / 1e9,
+        "dense_top1": ctx.accuracy(base),
+        "rows": [],
+    }
     print("dense", res["dense_top1"], flush=True)
     for r in rs:
         m, _ = get_method("tome").prepare_fresh(copy.deepcopy(base), {"r": r})
@@ -93,12 +121,23 @@ def main() -> None:
         ev, kr, ev_ratio = evit_at(base, ratio, x, dense)
         s64 = speeds([base, m, ev], shape, batch=64, iters=a.iters)
         s1 = speeds([base, m, ev], shape, batch=1, iters=3 * a.iters)
-        row = {"r": r, "flops_ratio": ratio, "top1": ctx.accuracy(m),
-               "speedup_b64": s64[1] / s64[0], "speedup_b1": s1[1] / s1[0],
-               "speedup_over_flops_reduction_b64": (s64[1] / s64[0]) * ratio,
-               "evit": {"keep_rate": kr, "prune_layers": scale_layers(len(base.blocks)), "flops_ratio": ev_ratio,
-                        "top1": ctx.accuracy(ev), "speedup_b64": s64[2] / s64[0], "speedup_b1": s1[2] / s1[0]},
-               "dense_images_per_s_b64": s64[0]}
+        row = {
+            "r": r,
+            "flops_ratio": ratio,
+            "top1": ctx.accuracy(m),
+            "speedup_b64": s64[1] / s64[0],
+            "speedup_b1": s1[1] / s1[0],
+            "speedup_over_flops_reduction_b64": (s64[1] / s64[0]) * ratio,
+            "evit": {
+                "keep_rate": kr,
+                "prune_layers": scale_layers(len(base.blocks)),
+                "flops_ratio": ev_ratio,
+                "top1": ctx.accuracy(ev),
+                "speedup_b64": s64[2] / s64[0],
+                "speedup_b1": s1[2] / s1[0],
+            },
+            "dense_images_per_s_b64": s64[0],
+        }
         res["rows"].append(row)
         print(row, flush=True)
     if a.deit:

@@ -23,6 +23,7 @@ Speed figures are only meaningful on a quiet machine: the 1-minute load average 
 start and after each part. ``--parts`` picks parts (``peak,steps,profile,accuracy,commands``); ``accuracy``:
 the main job's base on ``--accuracy-limit`` images for 2 epochs, fp32 against bf16, seeds 0 and 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ from typing import Any
 from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
 
 RECIPES = {  # the model and batch of each recipe's training step
-    "main": {"spec": dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, in_chans=1, num_classes=10),
-             "batch": 128},
+    "main": {
+        "spec": dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, in_chans=1, num_classes=10),
+        "batch": 128,
+    },
     "dinov2": {"timm": "vit_small_patch14_dinov2", "kwargs": dict(img_size=112, num_classes=10), "batch": 16},
 }
 
@@ -64,7 +67,7 @@ def gemm_peak(dtype_name: str, sizes: list[int], reps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             a @ b
             ts.append(time.perf_counter() - t0)
-        out[str(n)] = 2 * n ** 3 / statistics.median(ts) / 1e9
+        out[str(n)] = 2 * n**3 / statistics.median(ts) / 1e9
     return {"gflops": max(out.values()), "by_size": out}
 
 
@@ -86,7 +89,10 @@ def build(recipe: str) -> tuple[Any, Any]:
 
 
 PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto` runs on this machine
-    "fp32": "off", "bf16": "bf16", "bf16_flash_attention": "bf16-flash"}
+    "fp32": "off",
+    "bf16": "bf16",
+    "bf16_flash_attention": "bf16-flash",
+}
 
 
 def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
@@ -166,9 +172,20 @@ def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[s
     phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in ("forward", "backward", "optimizer")}
     ops = sorted((e for e in events if e.key not in phases), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in ops) or 1.0
-    return {"amp": amp, "step_ms_profiled": wall * 1e3, "phase_ms_per_step": phases,
-            "top": [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                     "share": e.self_cpu_time_total / total, "calls_per_step": e.count / steps} for e in ops[:top]]}
+    return {
+        "amp": amp,
+        "step_ms_profiled": wall * 1e3,
+        "phase_ms_per_step": phases,
+        "top": [
+            {
+                "op": e.key,
+                "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+                "share": e.self_cpu_time_total / total,
+                "calls_per_step": e.count / steps,
+            }
+            for e in ops[:top]
+        ],
+    }
 
 
 def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, Any]]:
@@ -189,9 +206,18 @@ def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, 
             cfg = train_recipe(fine_tune=False, epochs=epochs, seed=seed, amp=amp).replace(eval_start=False)
             torch.manual_seed(seed)
             m = fit(build_model(spec), data=data, input_spec=ispec, cfg=cfg)
-            rows.append({"seed": seed, "amp": amp, "train_limit": train_limit, "epochs": epochs,
-                         "best_val_top1": m["best_val_top1"], "test_top1": m["test_top1"],
-                         "train_time_s": m["train_time_s"], "load_after": load()})
+            rows.append(
+                {
+                    "seed": seed,
+                    "amp": amp,
+                    "train_limit": train_limit,
+                    "epochs": epochs,
+                    "best_val_top1": m["best_val_top1"],
+                    "test_top1": m["test_top1"],
+                    "train_time_s": m["train_time_s"],
+                    "load_after": load(),
+                }
+            )
     return rows
 
 
@@ -200,16 +226,19 @@ def commands(a: argparse.Namespace) -> list[dict[str, Any]]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads), NASCOMPRESS_PROGRESS="off")
     limits = ["--train-limit", str(a.train_limit), "--eval-limit", str(a.eval_limit)]
     base, sup, mat, ret = (str(work / n) for n in ("base", "dcs", "mat", "final"))
-    chain = [("start-up (nascompress --help)", ["--help"], None),
-             ("train", ["train", "--out", base, "--epochs", "1", *limits], base),
-             ("search dcs", ["search", "dcs", base, "--out", sup, "--target-flops", "0.7", "--epochs", "1", *limits], sup),
-             ("materialize", ["materialize", sup, "--out", mat], None),
-             ("retrain", ["retrain", mat, "--out", ret, "--epochs", "1", *limits], ret)]
+    chain = [
+        ("start-up (nascompress --help)", ["--help"], None),
+        ("train", ["train", "--out", base, "--epochs", "1", *limits], base),
+        ("search dcs", ["search", "dcs", base, "--out", sup, "--target-flops", "0.7", "--epochs", "1", *limits], sup),
+        ("materialize", ["materialize", sup, "--out", mat], None),
+        ("retrain", ["retrain", mat, "--out", ret, "--epochs", "1", *limits], ret),
+    ]
     rows = []
     for name, cli, run in chain:
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-m", "nascompress.cli.main", *cli], capture_output=True, text=True,
-                           env=env, cwd=str(work))
+        r = subprocess.run(
+            [sys.executable, "-m", "nascompress.cli.main", *cli], capture_output=True, text=True, env=env, cwd=str(work)
+        )
         wall = time.perf_counter() - t0
         row: dict[str, Any] = {"command": name, "wall_s": wall, "ok": r.returncode == 0, "load_after": load()}
         if r.returncode != 0:
@@ -239,9 +268,13 @@ def main() -> None:
 
     torch.set_num_threads(a.threads)
     parts = a.parts.split(",")
-    res: dict[str, Any] = dict(header(), threads=a.threads, load_at_start=load(),
-                               host_allocator_keeps_freed_memory=runtime.keep_freed_memory(),
-                               amp_auto=runtime.resolve_amp("auto", torch.device("cpu")))
+    res: dict[str, Any] = dict(
+        header(),
+        threads=a.threads,
+        load_at_start=load(),
+        host_allocator_keeps_freed_memory=runtime.keep_freed_memory(),
+        amp_auto=runtime.resolve_amp("auto", torch.device("cpu")),
+    )
     # a figure is "quiet" only when the machine had no other work: the 1-minute load average under 0.5
     res["measured_under_load"] = res["load_at_start"] >= 0.5
     if "peak" in parts:
@@ -262,8 +295,12 @@ def main() -> None:
             res["steps"][recipe] = s
             save(a.out, res)
     if "profile" in parts:
-        res["profile"] = {"recipe": "main", "steps": 5, "fp32": profile_table("main", 5, 12, "off"),
-                          "bf16": profile_table("main", 5, 12, "bf16")}
+        res["profile"] = {
+            "recipe": "main",
+            "steps": 5,
+            "fp32": profile_table("main", 5, 12, "off"),
+            "bf16": profile_table("main", 5, 12, "bf16"),
+        }
         res["profile"]["load_after"] = load()
         save(a.out, res)
     if "accuracy" in parts:

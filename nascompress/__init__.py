@@ -15,6 +15,7 @@ From Python (``import nascompress as nc``; the same jobs the commands run, see `
 Importing the package applies the torchvision fix for a CPU-only torch (so ``import timm`` works
 after it); timm itself and the model code are imported on first use.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,20 +25,42 @@ from . import _compat  # noqa: F401  (torchvision CPU fix, before anything impor
 from .errors import NascompressError
 
 __version__ = "0.1.0"
-__all__ = ["load", "load_with_arch", "save_model", "NascompressError", "__version__", "compress", "Compressed",
-           "materialize", "retrain", "quantize", "from_transformers", "to_transformers", "study", "dcs", "tokens", "export"]
+__all__ = [
+    "load",
+    "load_with_arch",
+    "save_model",
+    "NascompressError",
+    "__version__",
+    "compress",
+    "Compressed",
+    "materialize",
+    "retrain",
+    "quantize",
+    "from_transformers",
+    "to_transformers",
+    "study",
+    "dcs",
+    "tokens",
+    "export",
+]
 
 # name -> (module, attribute; None: the module itself), imported on first use
-_LAZY = {"load": ("nascompress.runs.io", "load"), "load_with_arch": ("nascompress.runs.io", "load_with_arch"),
-         "save_model": ("nascompress.runs.io", "save_model"),
-         "compress": ("nascompress.pyapi.compress", "compress"), "Compressed": ("nascompress.pyapi.compress", "Compressed"),
-         "materialize": ("nascompress.pyapi.stages", "materialize"), "retrain": ("nascompress.retrain", None),
-         "quantize": ("nascompress.pyapi.stages", "quantize"),
-         "from_transformers": ("nascompress.pyapi.hf", "from_transformers"),
-         "to_transformers": ("nascompress.pyapi.hf", "to_transformers"),
-         "study": ("nascompress.pyapi.study", "study"),
-         "dcs": ("nascompress.pyapi.dcs", None), "tokens": ("nascompress.pyapi.tokens", None),
-         "export": ("nascompress.export", None)}
+_LAZY = {
+    "load": ("nascompress.runs.io", "load"),
+    "load_with_arch": ("nascompress.runs.io", "load_with_arch"),
+    "save_model": ("nascompress.runs.io", "save_model"),
+    "compress": ("nascompress.pyapi.compress", "compress"),
+    "Compressed": ("nascompress.pyapi.compress", "Compressed"),
+    "materialize": ("nascompress.pyapi.stages", "materialize"),
+    "retrain": ("nascompress.retrain", None),
+    "quantize": ("nascompress.pyapi.stages", "quantize"),
+    "from_transformers": ("nascompress.pyapi.hf", "from_transformers"),
+    "to_transformers": ("nascompress.pyapi.hf", "to_transformers"),
+    "study": ("nascompress.pyapi.study", "study"),
+    "dcs": ("nascompress.pyapi.dcs", None),
+    "tokens": ("nascompress.pyapi.tokens", None),
+    "export": ("nascompress.export", None),
+}
 
 
 def __getattr__(name: str) -> Any:

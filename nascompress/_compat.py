@@ -7,6 +7,7 @@ error, declare the two missing operator schemas so torchvision's Python layer ca
 fake kernels, and import again. Only the compiled detection ops stay unavailable, which
 nascompress never uses. With a CUDA torch the error does not occur and nothing changes.
 """
+
 from __future__ import annotations
 
 import sys

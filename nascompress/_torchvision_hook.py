@@ -13,20 +13,25 @@ unavailable). Where the ops load (a CUDA torch, or a matching CPU torchvision) n
 ``nascompress._compat`` applies the same remedy after the failure, for environments without the
 ``.pth`` (an editable install: scripts/setup.sh installs the ``.pth`` there when needed).
 """
+
 import importlib.abc
 import importlib.machinery
 import sys
 from pathlib import Path
 
 # the operator schemas torchvision's Python layer needs (also used by nascompress._compat)
-SCHEMAS = ("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-           "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+SCHEMAS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
 _lib = None  # kept alive: dropping the Library object would unregister the schemas
 # the .pth line (one line; ``sitedir`` is the site-packages directory site.addpackage is reading)
 PTH_NAME = "nascompress-torchvision-cpu.pth"
-PTH_LINE = ("import os, pathlib; f = os.path.join(sitedir, 'nascompress', '_torchvision_hook.py'); "
-            "os.path.isfile(f) and exec(compile(pathlib.Path(f).read_text(), f, 'exec'), "
-            "{'__name__': '_nascompress_torchvision_hook'})\n")
+PTH_LINE = (
+    "import os, pathlib; f = os.path.join(sitedir, 'nascompress', '_torchvision_hook.py'); "
+    "os.path.isfile(f) and exec(compile(pathlib.Path(f).read_text(), f, 'exec'), "
+    "{'__name__': '_nascompress_torchvision_hook'})\n"
+)
 
 
 class _TorchvisionCPU(importlib.abc.MetaPathFinder):

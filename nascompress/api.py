@@ -1,4 +1,5 @@
 """Library entry points behind the dense CLI commands (evaluate, profile)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +8,17 @@ from typing import Any
 from torch import nn
 
 from . import runtime
-from .data import BUILTIN_DATASETS, DATASET_KEYWORDS, DataConfig, InputSpec, check_classes as check_class_names, folder_classes, load_data, make_loader, preprocess
+from .data import (
+    BUILTIN_DATASETS,
+    DATASET_KEYWORDS,
+    DataConfig,
+    InputSpec,
+    check_classes as check_class_names,
+    folder_classes,
+    load_data,
+    make_loader,
+    preprocess,
+)
 from .data.memory import is_memory, memory_splits
 from .errors import SettingError
 from .evaluate import evaluate
@@ -31,8 +42,10 @@ def count_classes(data: DataConfig) -> int:
         return 2 if data.dataset == "lfw-faces" else 10
     train = Path(data.dataset) / "train"
     if not train.is_dir():
-        raise SettingError(f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
-                               "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH")
+        raise SettingError(
+            f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+            "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH"
+        )
     classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
     if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
         check_class_names(classes, {}, name=data.dataset)
@@ -45,15 +58,29 @@ def run_data_config(run_dir: str | Path) -> DataConfig | None:
     return DataConfig(**cfg.data) if cfg is not None and cfg.data else None
 
 
-def evaluate_run(run_dir: str | Path, *, data: DataConfig | None = None, split: str = "test",
-                 teacher: str | Path | None = None, device: str = "auto", batch_size: int = 256,
-                 dtype: str = "fp32") -> dict[str, Any]:
+def evaluate_run(
+    run_dir: str | Path,
+    *,
+    data: DataConfig | None = None,
+    split: str = "test",
+    teacher: str | Path | None = None,
+    device: str = "auto",
+    batch_size: int = 256,
+    dtype: str = "fp32",
+) -> dict[str, Any]:
     """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher;
     ``dtype`` (fp32, bf16, fp16): the weights and inputs (TF32 matmuls for fp32 on CUDA)."""
     dev = resolve_device(device)
     with runtime.configured(dev):
-        res = _evaluate_run(run_dir, data=data, split=split, teacher=teacher, dev=dev, batch_size=batch_size,
-                            dtype=runtime.parse_dtype(dtype))
+        res = _evaluate_run(
+            run_dir,
+            data=data,
+            split=split,
+            teacher=teacher,
+            dev=dev,
+            batch_size=batch_size,
+            dtype=runtime.parse_dtype(dtype),
+        )
     res["dtype"] = runtime.dtype_name(runtime.parse_dtype(dtype))
     return res
 
@@ -71,17 +98,32 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
     dynamic = hasattr(model, "inference_stats")  # early-exit models (MG-ViT) count exits and FLOPs
     if dynamic:
         model.reset_inference_stats()
-    res = evaluate(model, bundle.split(split), input_spec=spec, device=dev, batch_size=batch_size,
-                   teacher=t_model, teacher_spec=t_spec)
+    res = evaluate(
+        model,
+        bundle.split(split),
+        input_spec=spec,
+        device=dev,
+        batch_size=batch_size,
+        teacher=t_model,
+        teacher_spec=t_spec,
+    )
     if dynamic:
         res.update(model.inference_stats())
     res.update(split=split, dataset=bundle.name, methods=list(arch.method_names))
     return res
 
 
-def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None, device: str = "auto",
-            latency: bool = True, batch_size: int = 64, iters: int = 10, dtype: str = "fp32",
-            compile: bool = False) -> dict[str, Any]:
+def profile(
+    target: str | Path | ModelSpec,
+    *,
+    compare: str | Path | None = None,
+    device: str = "auto",
+    latency: bool = True,
+    batch_size: int = 64,
+    iters: int = 10,
+    dtype: str = "fp32",
+    compile: bool = False,
+) -> dict[str, Any]:
     """Profile a saved run (or a timm model spec), optionally against a reference run ``compare``
     (e.g. the dense base), timed interleaved: ``comparison`` then holds the target against the
     reference (:mod:`nascompress.profiling.compare`: ``flops_ratio`` < 1 is smaller,
@@ -89,8 +131,16 @@ def profile(target: str | Path | ModelSpec, *, compare: str | Path | None = None
     on CUDA) next to the eager ones."""
     dev = resolve_device(device)
     with runtime.configured(dev):
-        return _profile(target, compare=compare, dev=dev, latency=latency, batch_size=batch_size, iters=iters,
-                        dtype=runtime.parse_dtype(dtype), compile=compile)
+        return _profile(
+            target,
+            compare=compare,
+            dev=dev,
+            latency=latency,
+            batch_size=batch_size,
+            iters=iters,
+            dtype=runtime.parse_dtype(dtype),
+            compile=compile,
+        )
 
 
 def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile) -> dict[str, Any]:
@@ -108,14 +158,28 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
     flops_batch = 4  # random images per FLOPs count
     # profile_models compares the other models with its first: the reference goes first
     timed = models if ref_label is None else {ref_label: models[ref_label], **models}
-    res = profile_models(timed, device=dev, latency=latency, batch_sizes=(1, batch_size), iters=iters, dtype=dtype,
-                         compile=compile, flops_batch=flops_batch)
+    res = profile_models(
+        timed,
+        device=dev,
+        latency=latency,
+        batch_sizes=(1, batch_size),
+        iters=iters,
+        dtype=dtype,
+        compile=compile,
+        flops_batch=flops_batch,
+    )
     res["models"] = {k: res["models"][k] for k in models}
     if ref_label is not None:
         ((model_label, ratios),) = res.pop("ratios").items()  # compare_records(target, reference)
         rec = res["models"][model_label]
-        res["comparison"] = {"model": model_label, "reference": ref_label, **ratios, "flops_images": flops_batch,
-                             "latency_batch": rec.get("latency_batch"), "throughput_batch": rec.get("throughput_batch")}
+        res["comparison"] = {
+            "model": model_label,
+            "reference": ref_label,
+            **ratios,
+            "flops_images": flops_batch,
+            "latency_batch": rec.get("latency_batch"),
+            "throughput_batch": rec.get("throughput_batch"),
+        }
     for label, m in models.items():  # early-exit models (MG-ViT): per-stage FLOPs, independent of the input
         if hasattr(m, "stage_flops"):
             res["models"][label]["stages"] = m.stage_flops()
@@ -123,8 +187,15 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
     return res
 
 
-def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfig | None = None, split: str = "test",
-                  device: str = "auto", batch_size: int = 256) -> dict[str, Any]:
+def epsilon_sweep(
+    run_dir: str | Path,
+    epsilons: list[float],
+    *,
+    data: DataConfig | None = None,
+    split: str = "test",
+    device: str = "auto",
+    batch_size: int = 256,
+) -> dict[str, Any]:
     """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
     if isinstance(epsilons, str):
         epsilons = parse_epsilons(epsilons)
@@ -133,14 +204,17 @@ def epsilon_sweep(run_dir: str | Path, epsilons: list[float], *, data: DataConfi
     dev = resolve_device(device)
     model, arch = load_typed(run_dir, map_location=dev)
     if not isinstance(model, (MGViT, MGPVT)):
-        raise SettingError(f"{run_dir} is not an MG-ViT run (methods: "
-                               f"{list(arch.method_names) or 'none'}); {{epsilon}} needs one")
+        raise SettingError(
+            f"{run_dir} is not an MG-ViT run (methods: {list(arch.method_names) or 'none'}); {{epsilon}} needs one"
+        )
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(dict(arch.input))
     bundle = load_data(data, spec=spec)
     check_classes(model.num_classes, bundle)
-    batches = ((preprocess(imgs, spec), y) for imgs, y in make_loader(bundle.split(split), batch_size=batch_size,
-                                                                       shuffle=False))
+    batches = (
+        (preprocess(imgs, spec), y)
+        for imgs, y in make_loader(bundle.split(split), batch_size=batch_size, shuffle=False)
+    )
     res = sweep_model(model, batches, epsilons=list(epsilons))
     res.update(split=split, dataset=bundle.name)
     return res

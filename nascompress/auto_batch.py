@@ -1,5 +1,6 @@
 """The batch size a training run takes when none is given (retrain, the DCS search): from the number
 of training images (:func:`auto_batch_size`)."""
+
 from __future__ import annotations
 
 AUTO_BATCH_SIZES = (16, 32, 64, 128)

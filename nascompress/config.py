@@ -5,6 +5,7 @@ round-tripped through plain dicts (JSON) with :class:`Config`.
 fields from their type annotations and turns JSON lists back into tuples where a field is a tuple.
 Validation errors are :class:`~nascompress.errors.NascompressError` (one line for the user).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -72,8 +73,9 @@ class Config:
         unknown = sorted(set(d) - set(names))
         if unknown:
             label = what or getattr(cls, "config_name", cls.__name__)
-            raise NascompressError(f"unknown {label} setting(s) {', '.join(map(str, unknown))}; "
-                                   f"valid: {', '.join(names)}")
+            raise NascompressError(
+                f"unknown {label} setting(s) {', '.join(map(str, unknown))}; valid: {', '.join(names)}"
+            )
         hints = _hints(cls)
         for k, v in list(d.items()):
             sub = _dataclass_type(hints.get(k))
@@ -91,21 +93,51 @@ class Config:
 # User-facing settings: one declaration that the CLI and the pipeline file read
 
 
-def check_meta(*, lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
-               choices: tuple[Any, ...] | None = None, path: bool = False, keywords: tuple[str, ...] = (),
-               limit: str | None = None, shipped: str | None = None) -> dict[str, Any]:
+def check_meta(
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    choices: tuple[Any, ...] | None = None,
+    path: bool = False,
+    keywords: tuple[str, ...] = (),
+    limit: str | None = None,
+    shipped: str | None = None,
+) -> dict[str, Any]:
     """The checks a field's metadata carries for the pipeline file: a number range, choices, a
     path (resolved against the config's directory unless it is one of ``keywords``; ``shipped``: the
     kind of :mod:`nascompress.resources` file a name that is no such path means, ``search space``),
     or a limit of :mod:`nascompress.limits` (its name) the value must not exceed."""
-    return {"lo": lo, "hi": hi, "lo_open": lo_open, "hi_open": hi_open, "choices": choices, "path": path,
-            "keywords": keywords, "limit": limit, "shipped": shipped}
+    return {
+        "lo": lo,
+        "hi": hi,
+        "lo_open": lo_open,
+        "hi_open": hi_open,
+        "choices": choices,
+        "path": path,
+        "keywords": keywords,
+        "limit": limit,
+        "shipped": shipped,
+    }
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
-            path: bool = False, keywords: tuple[str, ...] = (), flag: str | None = None, option: str | None = None,
-            limit: str | None = None, shipped: str | None = None) -> Any:
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    help: str,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    choices: tuple[Any, ...] | None = None,
+    path: bool = False,
+    keywords: tuple[str, ...] = (),
+    flag: str | None = None,
+    option: str | None = None,
+    limit: str | None = None,
+    shipped: str | None = None,
+) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
     :func:`nascompress.pipeline.schema.opt`), ``flag``: the CLI flag of a bool that defaults to True
@@ -113,8 +145,20 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, lo: float | None =
     (``--max-latency`` of ``max_latency_ms``), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
     :func:`nascompress.limits.check_limited`)."""
-    meta: dict[str, Any] = {"help": help, **check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices,
-                                                      path=path, keywords=keywords, limit=limit, shipped=shipped)}
+    meta: dict[str, Any] = {
+        "help": help,
+        **check_meta(
+            lo=lo,
+            hi=hi,
+            lo_open=lo_open,
+            hi_open=hi_open,
+            choices=choices,
+            path=path,
+            keywords=keywords,
+            limit=limit,
+            shipped=shipped,
+        ),
+    }
     if flag is not None:
         meta["flag"] = flag
     if option is not None:
@@ -205,8 +249,9 @@ def _must(name: str, rule: str) -> str:
     return f"{name} must {rule}" if name else f"must {rule}"
 
 
-def check_range(name: str, v: Any, lo: float | None = None, hi: float | None = None, *,
-                lo_open: bool = False, hi_open: bool = False) -> float:
+def check_range(
+    name: str, v: Any, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> float:
     """``v`` must be a finite number in the given interval; returns it as a float."""
     ok = is_number(v) and math.isfinite(v)
     if ok and lo is not None:
@@ -313,8 +358,9 @@ def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] | None 
         _check_setting(f, v, kind, name)
 
 
-def _check_setting(f: dataclasses.Field, v: Any, kind: type | None,
-                   name: Callable[[dataclasses.Field], str] | None) -> None:
+def _check_setting(
+    f: dataclasses.Field, v: Any, kind: type | None, name: Callable[[dataclasses.Field], str] | None
+) -> None:
     if name is not None:
         check_value(name(f), v, f.metadata, kind)
         return
@@ -349,8 +395,12 @@ class StrictYamlLoader(yaml.SafeLoader):
             limit = limits().max_yaml_depth
             if self._depth > limit:
                 raise yaml.composer.ComposerError(
-                    None, None, f"nested deeper than {limit} levels (the max_yaml_depth limit; raise it with "
-                                f"{env_name('max_yaml_depth')}=N if it is intended)", self.peek_event().start_mark)
+                    None,
+                    None,
+                    f"nested deeper than {limit} levels (the max_yaml_depth limit; raise it with "
+                    f"{env_name('max_yaml_depth')}=N if it is intended)",
+                    self.peek_event().start_mark,
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -369,13 +419,34 @@ def _mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = Fals
 StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
 StrictYamlLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
-               r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
+        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
 
 
-__all__ = ["Config", "StrictYamlLoader", "check_meta", "setting", "user_settings",
-           "setting_help", "shared",
-           "StageSettings", "settings_class", "offered",
-           "check_range", "check_int", "check_choice", "check_bool", "is_number", "check_value", "check_settings",
-           "option_name", "field_name", "tuple_item_type", "check_field"]
+__all__ = [
+    "Config",
+    "StrictYamlLoader",
+    "check_meta",
+    "setting",
+    "user_settings",
+    "setting_help",
+    "shared",
+    "StageSettings",
+    "settings_class",
+    "offered",
+    "check_range",
+    "check_int",
+    "check_choice",
+    "check_bool",
+    "is_number",
+    "check_value",
+    "check_settings",
+    "option_name",
+    "field_name",
+    "tuple_item_type",
+    "check_field",
+]

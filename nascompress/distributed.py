@@ -59,6 +59,7 @@ Debugging: with ``NASCOMPRESS_CHECK_SYNC=1`` fit compares a digest of every rank
 optimizer and hook state after each epoch (:func:`check_in_sync`), fails if they differ and logs
 the digest as ``state_digest``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -127,8 +128,10 @@ def init(device: str | None = "auto") -> torch.device:
     missing = [v for v in _TORCHRUN_VARS if not os.environ.get(v)]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
-        raise NascompressError(f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
-                               "or start it with torchrun (torchrun --nproc_per_node N $(which nascompress) ...)")
+        raise NascompressError(
+            f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
+            "or start it with torchrun (torchrun --nproc_per_node N $(which nascompress) ...)"
+        )
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
@@ -230,9 +233,11 @@ def broadcast_model(model: nn.Module) -> None:
 
 
 # buffers are synced when a wrapper is built, not at every forward (the keyword's name since torch 2.13)
-_NO_BUFFER_SYNC = ({"forward_sync_buffers": False}
-                   if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
-                   else {"broadcast_buffers": False})
+_NO_BUFFER_SYNC = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 class LossStep(nn.Module):
@@ -282,10 +287,12 @@ class DataParallel:
         ddp = self.wrappers.get(key)
         if ddp is None:
             if not any(key):
-                raise NascompressError("no parameter of the model requires a gradient at this step; the recipe froze "
-                                       "everything")
+                raise NascompressError(
+                    "no parameter of the model requires a gradient at this step; the recipe froze everything"
+                )
             ddp = self.wrappers[key] = nn.parallel.DistributedDataParallel(
-                self.step, find_unused_parameters=self.find_unused, **_NO_BUFFER_SYNC)
+                self.step, find_unused_parameters=self.find_unused, **_NO_BUFFER_SYNC
+            )
             self._new = key
         return ddp(*args, **kwargs)
 
@@ -298,8 +305,10 @@ class DataParallel:
         missing = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
         if missing and not self.find_unused:
             self.close()  # the wrapper's reduction is unfinished: its hooks must not see later backward passes
-            raise NascompressError(f"{len(missing)} trainable parameter(s) took no part in the loss under torchrun "
-                                   f"(e.g. {missing[0]}); the recipe must set TrainHooks.unused_parameters = True")
+            raise NascompressError(
+                f"{len(missing)} trainable parameter(s) took no part in the loss under torchrun "
+                f"(e.g. {missing[0]}); the recipe must set TrainHooks.unused_parameters = True"
+            )
 
     def close(self) -> None:
         """Drop the wrappers and the hooks their reducers put on the model's parameters (the model
@@ -346,6 +355,22 @@ def check_in_sync(state: dict[str, Any], *, when: str) -> str | None:
     return mine
 
 
-__all__ = ["World", "init", "world", "is_main", "barrier", "part", "all_sum", "merge_means", "gather_rows",
-           "broadcast_", "broadcast_model", "local_device", "digest", "check_in_sync", "LossStep",
-           "DataParallel", "CHECK_SYNC_ENV"]
+__all__ = [
+    "World",
+    "init",
+    "world",
+    "is_main",
+    "barrier",
+    "part",
+    "all_sum",
+    "merge_means",
+    "gather_rows",
+    "broadcast_",
+    "broadcast_model",
+    "local_device",
+    "digest",
+    "check_in_sync",
+    "LossStep",
+    "DataParallel",
+    "CHECK_SYNC_ENV",
+]

@@ -6,6 +6,7 @@ SQLite's ``database or disk is full`` inside Optuna's ``StorageInternalError``).
 recognises them all, wherever in the exception's chain, and turns them into one NascompressError
 naming the path and what to do; :func:`writing` applies it to a block of writes.
 """
+
 from __future__ import annotations
 
 import errno
@@ -103,12 +104,18 @@ _PROBLEMS = {
     errno.EROFS: ("the file system is read-only", "choose a writable output (or remount it read-write)"),
     errno.EACCES: ("permission denied", "make it writable for this user or choose another output"),
     errno.EPERM: ("operation not permitted", "make it writable for this user or choose another output"),
-    errno.EFBIG: ("the file size limit of this shell (ulimit -f) is exceeded",
-                  "raise it (ulimit -f unlimited) or write a smaller file"),
+    errno.EFBIG: (
+        "the file size limit of this shell (ulimit -f) is exceeded",
+        "raise it (ulimit -f unlimited) or write a smaller file",
+    ),
 }
 # SQLite reports these as text (sqlite3.OperationalError, wrapped by SQLAlchemy and Optuna)
-_SQLITE = (("database or disk is full", errno.ENOSPC), ("attempt to write a readonly database", errno.EROFS),
-           ("unable to open database file", errno.EACCES), ("File too large", errno.EFBIG))
+_SQLITE = (
+    ("database or disk is full", errno.ENOSPC),
+    ("attempt to write a readonly database", errno.EROFS),
+    ("unable to open database file", errno.EACCES),
+    ("File too large", errno.EFBIG),
+)
 _OS_ERROR = re.compile(r"os error (\d+)")  # Rust's io::Error text (safetensors)
 
 
@@ -141,8 +148,14 @@ def storage_problem(e: BaseException) -> tuple[int, str | None] | None:
     return None
 
 
-def write_error(e: BaseException, path: str | Path | None = None, *, then: str = "then rerun the command",
-                what: str | None = None, verb: str = "write") -> WriteError | None:
+def write_error(
+    e: BaseException,
+    path: str | Path | None = None,
+    *,
+    then: str = "then rerun the command",
+    what: str | None = None,
+    verb: str = "write",
+) -> WriteError | None:
     """The one-line NascompressError for a full disk or an unwritable path behind ``e`` (None when
     ``e`` is something else).
 
@@ -177,8 +190,10 @@ def require_extra(extra: str, modules: tuple[str, ...], *, what: str) -> None:
         if not found:
             missing.append(name)
     if missing:
-        raise NascompressError(f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
-                               f"installed; install nascompress's '{extra}' extra: pip install 'nascompress[{extra}]'")
+        raise NascompressError(
+            f"{what} needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not "
+            f"installed; install nascompress's '{extra}' extra: pip install 'nascompress[{extra}]'"
+        )
 
 
 @contextmanager

@@ -1,4 +1,5 @@
 """Top-1 accuracy, loss and teacher agreement on a split."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ class EvaluateSettings:
 
     split: str = setting("test", choices=SPLITS, help="train, val or test.")
     teacher: str | None = setting(None, path=True, help="A run whose top-1 predictions to compare with.")
-    epsilon: tuple[float, ...] | None = setting(None, lo=0, hi=1, lo_open=True, help=(
-        "MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1."))
+    epsilon: tuple[float, ...] | None = setting(
+        None, lo=0, hi=1, lo_open=True, help=("MG-ViT: sweep early-exit thresholds, e.g. 0.5,0.7,0.9,1.")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -36,9 +38,17 @@ def model_dtype(model: nn.Module) -> torch.dtype:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, ds: Dataset, *, input_spec: InputSpec, device: torch.device,
-             batch_size: int = 256, teacher: nn.Module | None = None,
-             teacher_spec: InputSpec | None = None, amp: str = "off") -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    ds: Dataset,
+    *,
+    input_spec: InputSpec,
+    device: torch.device,
+    batch_size: int = 256,
+    teacher: nn.Module | None = None,
+    teacher_spec: InputSpec | None = None,
+    amp: str = "off",
+) -> dict[str, Any]:
     """Return ``{"top1", "loss", "n"}`` (and ``"agreement"`` with a teacher) over ``ds``.
 
     Args:

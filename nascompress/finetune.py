@@ -11,6 +11,7 @@ and keeps it if training only hurts.
 Under torchrun the training is data-parallel (:mod:`nascompress.distributed`); a ``zero_shot`` job
 runs whole in every process (the same result) and rank 0 writes it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,17 +38,37 @@ from .profiling import count_flops
 from .search.trial_context import FLOPS_IMAGES
 
 # Every fine-tune's recipe; a method's train_overrides change it (and the user overrides both).
-FINETUNE_TRAIN = TrainConfig(epochs=2, batch_size=64, lr=None, base_lr=1e-4, min_lr=1e-6, warmup_epochs=0.2,
-                             weight_decay=0.05)
+FINETUNE_TRAIN = TrainConfig(
+    epochs=2, batch_size=64, lr=None, base_lr=1e-4, min_lr=1e-6, warmup_epochs=0.2, weight_decay=0.05
+)
 # The training settings ``nascompress finetune`` offers: each defaults to the method's recipe
 # (:func:`finetune_train_config`); the help gives the generic recipe's own values
-_FINETUNE_NAMES = ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "weight_decay", "layer_decay",
-                   "label_smoothing")
+_FINETUNE_NAMES = (
+    "epochs",
+    "batch_size",
+    "lr",
+    "base_lr",
+    "min_lr",
+    "warmup_epochs",
+    "weight_decay",
+    "layer_decay",
+    "label_smoothing",
+)
 _GENERIC_NOTED = ("epochs", "batch_size", "base_lr", "min_lr", "warmup_epochs", "weight_decay")
 FINETUNE_TRAIN_SETTINGS = StageSettings(
-    TrainConfig, _FINETUNE_NAMES, recipe=FINETUNE_TRAIN, no_default=_FINETUNE_NAMES,
-    notes={name: (f"Default: the method's recipe (generic {getattr(FINETUNE_TRAIN, name):g})."
-                  if name in _GENERIC_NOTED else "Default: the method's recipe.") for name in _FINETUNE_NAMES})
+    TrainConfig,
+    _FINETUNE_NAMES,
+    recipe=FINETUNE_TRAIN,
+    no_default=_FINETUNE_NAMES,
+    notes={
+        name: (
+            f"Default: the method's recipe (generic {getattr(FINETUNE_TRAIN, name):g})."
+            if name in _GENERIC_NOTED
+            else "Default: the method's recipe."
+        )
+        for name in _FINETUNE_NAMES
+    },
+)
 
 
 def method_train_config(method: str) -> TrainConfig:
@@ -69,8 +90,10 @@ def split_settings(method: str, settings: dict[str, Any]) -> tuple[dict[str, Any
     rec_keys = set(m.recipe_cls.__dataclass_fields__) if m.recipe_cls is not None else set()
     unknown = sorted(set(settings) - cfg_keys - rec_keys)
     if unknown:
-        raise NascompressError(f"unknown {method} option(s) {unknown}; valid options: "
-                               f"{', '.join(sorted(cfg_keys))}" + (f"; recipe: {', '.join(sorted(rec_keys))}" if rec_keys else ""))
+        raise NascompressError(
+            f"unknown {method} option(s) {unknown}; valid options: "
+            f"{', '.join(sorted(cfg_keys))}" + (f"; recipe: {', '.join(sorted(rec_keys))}" if rec_keys else "")
+        )
     return ({k: v for k, v in settings.items() if k in cfg_keys}, {k: v for k, v in settings.items() if k in rec_keys})
 
 
@@ -94,27 +117,45 @@ class FinetuneJob(Config):
     data: DataConfig | None = None
     train: TrainConfig | None = None
     out: str = "runs/finetuned"
-    zero_shot: bool = setting(False, help=(
-        "Apply without training (after the method's short predictor-only stage, if any)."))
+    zero_shot: bool = setting(
+        False, help=("Apply without training (after the method's short predictor-only stage, if any).")
+    )
 
     def __post_init__(self) -> None:
         check_bool("zero_shot", self.zero_shot)
 
 
-def build_job(run_dir: str | Path, out: str | Path, *, method: str, config: Mapping[str, Any],
-              recipe: Mapping[str, Any], train: Mapping[str, Any], data: DataConfig | None = None,
-              zero_shot: bool = False) -> FinetuneJob:
+def build_job(
+    run_dir: str | Path,
+    out: str | Path,
+    *,
+    method: str,
+    config: Mapping[str, Any],
+    recipe: Mapping[str, Any],
+    train: Mapping[str, Any],
+    data: DataConfig | None = None,
+    zero_shot: bool = False,
+) -> FinetuneJob:
     """The job of ``nascompress finetune`` and of ``nc.tokens.apply`` with data (the one place it is
     built): ``config`` / ``recipe``: the method's settings and its recipe's (:func:`split_settings`);
     ``train``: the values of :data:`FINETUNE_TRAIN_SETTINGS` and :data:`~nascompress.train.RUNTIME_SETTINGS`
     (None: the method's recipe's, :func:`finetune_train_config`); ``data``: the dataset (None: the
     run's)."""
-    return FinetuneJob(run_dir=str(run_dir), method=method, config=dict(config), recipe=dict(recipe), data=data,
-                       train=finetune_train_config(method, **train), out=str(out), zero_shot=zero_shot)
+    return FinetuneJob(
+        run_dir=str(run_dir),
+        method=method,
+        config=dict(config),
+        recipe=dict(recipe),
+        data=data,
+        train=finetune_train_config(method, **train),
+        out=str(out),
+        zero_shot=zero_shot,
+    )
 
 
-def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
-             explicit: set[str] | None = None) -> dict[str, Any]:
+def finetune(
+    job: FinetuneJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
+) -> dict[str, Any]:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
     returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1.
     ``explicit``: the options given on the command line (on resume each must agree with the record)."""
@@ -136,27 +177,45 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
     spec = InputSpec.from_dict(dict(arch.input))
     data = load_data(data_cfg, spec=spec)
     arch = arch.with_labels(data.classes)  # the classes trained on (--dataset may name another set of them)
-    check_classes(model.num_classes, data, fix=f"give finetune {{dataset}} with the {model.num_classes} classes the "
-                  "model was trained for")
+    check_classes(
+        model.num_classes,
+        data,
+        fix=f"give finetune {{dataset}} with the {model.num_classes} classes the model was trained for",
+    )
     run.create(job.replace(data=data_cfg, train=cfg).to_dict())
     teacher.eval().requires_grad_(False)
     model.to(device)
     # methods with new predictors train them alone first (backbone frozen): the zero-shot model, and
     # the start of a fine-tune, so a fine-tune never ends below its zero-shot model
     with runtime.configured(device, deterministic=cfg.deterministic), runtime.autocast(device, cfg.amp):
-        calib = {} if resume else method.calibrate(model, record, teacher=teacher, batches=training_batches(
-            data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device))
+        calib = (
+            {}
+            if resume
+            else method.calibrate(
+                model,
+                record,
+                teacher=teacher,
+                batches=training_batches(data, spec, batch_size=cfg.batch_size, seed=cfg.seed, device=device),
+            )
+        )
     if job.zero_shot:
         if distributed.is_main():
             save_model(out, model, arch)
         val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
-        metrics = {"val_top1": val["top1"], "test_top1": test["top1"], "test_loss": test["loss"], "test_n": test["n"],
-                   "zero_shot": True, "calibration": calib}
+        metrics = {
+            "val_top1": val["top1"],
+            "test_top1": test["top1"],
+            "test_loss": test["loss"],
+            "test_n": test["n"],
+            "zero_shot": True,
+            "calibration": calib,
+        }
     else:
         hooks = method.hooks(model, record, teacher=teacher, train_cfg=cfg)
-        metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume,
-                      finish=False)
+        metrics = fit(
+            model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume, finish=False
+        )
         metrics.update(zero_shot=False, calibration=calib)
     metrics["method"] = job.method
     saved = model if job.zero_shot else load_with_arch(out, map_location=device, complete=False)[0]  # the best epoch
@@ -166,8 +225,9 @@ def finetune(job: FinetuneJob, *, force: bool = False, resume: bool = False,
 
 
 @torch.no_grad()
-def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: InputSpec, device: Any,
-                         *, images: int | None = None) -> dict[str, Any]:
+def flops_on_test_images(
+    model: nn.Module, dense: nn.Module, test: Any, spec: InputSpec, device: Any, *, images: int | None = None
+) -> dict[str, Any]:
     """FLOPs per image of the method's model and of the dense model (the architecture without any
     method), averaged over the first ``images`` test images (a token method's cost depends on the
     image; default: as many as a study's trial), and their ratio (the model's / the dense one's:
@@ -178,5 +238,13 @@ def flops_on_test_images(model: nn.Module, dense: nn.Module, test: Any, spec: In
     return {"flops": flops, "dense_flops": dense_flops, "flops_ratio": flops / dense_flops, "flops_images": len(x)}
 
 
-__all__ = ["FINETUNE_TRAIN_SETTINGS", "FinetuneJob", "build_job", "finetune", "finetune_train_config", "split_settings",
-           "FINETUNE_TRAIN", "method_train_config"]
+__all__ = [
+    "FINETUNE_TRAIN_SETTINGS",
+    "FinetuneJob",
+    "build_job",
+    "finetune",
+    "finetune_train_config",
+    "split_settings",
+    "FINETUNE_TRAIN",
+    "method_train_config",
+]

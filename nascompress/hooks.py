@@ -4,6 +4,7 @@ method's recipe, plus the optimizer parameter groups every recipe shares.
 This module imports only torch: method modules define their recipes against it without
 importing the training engine, so loading a saved model never pulls in training code.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,9 +31,14 @@ def layer_id(name: str, num_layers: int) -> int:
     return num_layers + 1
 
 
-def param_groups(model: nn.Module, *, weight_decay: float, layer_decay: float | None = None,
-                 is_new: Callable[[str], bool] | None = None,
-                 scale: Callable[[str], float] | None = None) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module,
+    *,
+    weight_decay: float,
+    layer_decay: float | None = None,
+    is_new: Callable[[str], bool] | None = None,
+    scale: Callable[[str], float] | None = None,
+) -> list[dict[str, Any]]:
     """AdamW parameter groups: no weight decay on biases, norms, tokens and position embeddings;
     with ``layer_decay`` (timm's convention) block i's lr is scaled by ``decay ** (L + 1 - (i + 1))``.
 
@@ -102,8 +108,12 @@ class TrainHooks:
 
     def param_groups(self, model: nn.Module, cfg: Any) -> list[dict[str, Any]]:
         markers = self.new_param_markers
-        return param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
-                            is_new=lambda name: any(m in name for m in markers))
+        return param_groups(
+            model,
+            weight_decay=cfg.weight_decay,
+            layer_decay=cfg.layer_decay,
+            is_new=lambda name: any(m in name for m in markers),
+        )
 
     def batches(self, data: Any, *, epoch: int, loader: Callable[..., Iterable]) -> tuple[Iterable[Batch], int]:
         """The epoch's training batches as ``(images, labels, tag)`` and their count.
@@ -116,8 +126,9 @@ class TrainHooks:
     def prepare_step(self, model: nn.Module, tag: Any) -> None:
         """Before a step's forward (e.g. choose which parameters this step differentiates)."""
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any, tag: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The step's loss and its logs: floats or detached 0-d tensors (left on the device: ``fit``
         reads them back once per epoch, :func:`as_floats`; never call ``.item()`` here)."""
         logits = model(x)
@@ -152,9 +163,16 @@ class TrainHooks:
         pass
 
 
-def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]], *,
-                steps: int, lr: float, decay: bool = False) -> dict[str, float]:
+def short_stage(
+    model: nn.Module,
+    params: list[nn.Parameter],
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    *,
+    steps: int,
+    lr: float,
+    decay: bool = False,
+) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
     rest): ``steps`` AdamW steps (linear warm-up over the first tenth; with ``decay`` then a cosine to 0)
     of ``loss_fn(x, y)`` over ``batches`` (cycled). Returns the mean logs of the last 10 steps and ``steps``, the optimizer
@@ -200,8 +218,16 @@ def short_stage(model: nn.Module, params: list[nn.Parameter], batches: Iterable[
 
 def kl_to_teacher(logits: torch.Tensor, teacher_logits: torch.Tensor, *, tau: float = 1.0) -> torch.Tensor:
     """``tau^2 KL(teacher || student)`` on softmax(logits / tau), averaged over the batch. (B, K), (B, K)."""
-    return F.kl_div(F.log_softmax(logits / tau, -1), F.log_softmax(teacher_logits / tau, -1), reduction="batchmean",
-                    log_target=True) * tau * tau
+    return (
+        F.kl_div(
+            F.log_softmax(logits / tau, -1),
+            F.log_softmax(teacher_logits / tau, -1),
+            reduction="batchmean",
+            log_target=True,
+        )
+        * tau
+        * tau
+    )
 
 
 def features_and_logits(model: nn.Module, teacher: nn.Module, x: torch.Tensor):
@@ -217,4 +243,13 @@ def features_and_logits(model: nn.Module, teacher: nn.Module, x: torch.Tensor):
     return feats, logits, t_feats, t_logits
 
 
-__all__ = ["TrainHooks", "as_floats", "param_groups", "own_group", "short_stage", "layer_id", "kl_to_teacher", "features_and_logits"]
+__all__ = [
+    "TrainHooks",
+    "as_floats",
+    "param_groups",
+    "own_group",
+    "short_stage",
+    "layer_id",
+    "kl_to_teacher",
+    "features_and_logits",
+]

@@ -14,6 +14,7 @@ Pure tensor functions, no hidden state (Algorithm 1's bookkeeping lives in ``ret
 Notation: ``A`` clusters of the learned features X~, ``B`` clusters of the input features X,
 ``C`` classes (the paper takes A = B = C); ``N`` samples.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,7 +57,7 @@ def _kmeanspp(x: torch.Tensor, k: int, generator: torch.Generator, max_points: i
     x_sq = (x * x).sum(-1, keepdim=True)
     first = int(torch.randint(n, (1,), generator=generator))
     cents = [x[first]]
-    d2 = sq_dists(x, x[first:first + 1], x_sq=x_sq).squeeze(1)  # (N,)
+    d2 = sq_dists(x, x[first : first + 1], x_sq=x_sq).squeeze(1)  # (N,)
     for _ in range(1, k):
         total = d2.sum()
         if not total > 0:  # fewer distinct points than clusters: pick uniformly
@@ -65,13 +66,20 @@ def _kmeanspp(x: torch.Tensor, k: int, generator: torch.Generator, max_points: i
             u = torch.rand((), generator=generator).to(x.device, x.dtype) * total
             idx = int(torch.searchsorted(d2.cumsum(0), u.reshape(1)).clamp_max(n - 1))
         cents.append(x[idx])
-        d2 = torch.minimum(d2, sq_dists(x, x[idx:idx + 1], x_sq=x_sq).squeeze(1))
+        d2 = torch.minimum(d2, sq_dists(x, x[idx : idx + 1], x_sq=x_sq).squeeze(1))
     return torch.stack(cents)
 
 
 @torch.no_grad()
-def kmeans(x: torch.Tensor, k: int, *, iters: int = 20, init: str = "k-means++", tol: float = 1e-6,
-           generator: torch.Generator | None = None) -> KMeansResult:
+def kmeans(
+    x: torch.Tensor,
+    k: int,
+    *,
+    iters: int = 20,
+    init: str = "k-means++",
+    tol: float = 1e-6,
+    generator: torch.Generator | None = None,
+) -> KMeansResult:
     """Cluster ``x`` (N, D) into ``k`` groups with Lloyd's algorithm, on ``x``'s device.
 
     Args:
@@ -154,8 +162,14 @@ def variational_q(phi: torch.Tensor, labels: torch.Tensor, num_classes: int, *, 
     return q / q.sum(1, keepdim=True)
 
 
-def ib_bound(phi_feat: torch.Tensor, phi_in: torch.Tensor, labels: torch.Tensor, q: torch.Tensor, *,
-             log_phi_in: torch.Tensor | None = None) -> torch.Tensor:
+def ib_bound(
+    phi_feat: torch.Tensor,
+    phi_in: torch.Tensor,
+    labels: torch.Tensor,
+    q: torch.Tensor,
+    *,
+    log_phi_in: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The batch bound ``IBB_j`` of eq. (2), averaged over the batch (a differentiable loss).
 
     ``IBB_j = 1/|B_j| [ sum_{i,a,b} phi(X~_i,a) phi(X_i,b) log phi(X_i,b)
@@ -229,5 +243,14 @@ def ib_loss(phi_feat: torch.Tensor, phi_in: torch.Tensor, labels: torch.Tensor, 
     return {"i_xt_x": i_x, "i_xt_y": i_y, "ib": i_x - i_y}
 
 
-__all__ = ["KMeansResult", "kmeans", "sq_dists", "soft_assign", "variational_q", "ib_bound",
-           "lemma_d1_marginal_term", "mutual_information", "ib_loss"]
+__all__ = [
+    "KMeansResult",
+    "kmeans",
+    "sq_dists",
+    "soft_assign",
+    "variational_q",
+    "ib_bound",
+    "lemma_d1_marginal_term",
+    "mutual_information",
+    "ib_loss",
+]

@@ -3,6 +3,7 @@ for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped up), t
 learned feature X~ and Q(a|y) refreshed over the training set before the first epoch and after
 every epoch; and the fixed input-feature map X (:func:`make_input_embed`). The settings are a
 :class:`~nascompress.retrain_config.RetrainConfig` (re-exported by :mod:`nascompress.retrain`)."""
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,9 @@ from .ib import ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, soft_assign, 
 IB_KEYS = ("ib", "i_xt_x", "i_xt_y", "ibb_full")
 
 
-def make_input_embed(cfg: RetrainConfig, *, model: nn.Module,
-                     teacher: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor]:
+def make_input_embed(
+    cfg: RetrainConfig, *, model: nn.Module, teacher: nn.Module | None
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The fixed input-feature map X = f(x): preprocessed images (B, C, H, W) -> (B, D_in)."""
     if cfg.input_tap == "image":
         return lambda x: F.adaptive_avg_pool2d(x, cfg.input_pool).flatten(1)
@@ -35,6 +37,7 @@ def make_input_embed(cfg: RetrainConfig, *, model: nn.Module,
     def embed(x: torch.Tensor) -> torch.Tensor:
         t = pe.to(x.device)(x)
         return t.flatten(1, -2).mean(1) if t.ndim >= 3 else t
+
     return embed
 
 
@@ -51,15 +54,25 @@ class IBHooks(TrainHooks):
     """CE (+ KD) for the warm-up epochs, then CE (+ KD) + eta * IBB; Q and the clusters of X~
     refreshed over the training set before the first epoch and after every epoch."""
 
-    def __init__(self, cfg: RetrainConfig, *, train_set: Dataset, input_spec: InputSpec, num_classes: int,
-                 epochs: int, input_embed: Callable[[torch.Tensor], torch.Tensor], teacher: nn.Module | None = None,
-                 seed: int = 0, batch_size: int = 256):
+    def __init__(
+        self,
+        cfg: RetrainConfig,
+        *,
+        train_set: Dataset,
+        input_spec: InputSpec,
+        num_classes: int,
+        epochs: int,
+        input_embed: Callable[[torch.Tensor], torch.Tensor],
+        teacher: nn.Module | None = None,
+        seed: int = 0,
+        batch_size: int = 256,
+    ):
         self.cfg, self.spec, self.num_classes, self.seed, self.bs = cfg, input_spec, num_classes, seed, batch_size
         self.warm, self.epochs = cfg.warm_epochs(epochs), epochs
         self.input_embed, self.teacher = input_embed, teacher
         if cfg.cluster_samples is not None and cfg.cluster_samples < len(train_set):
             g = torch.Generator().manual_seed(seed)
-            keep = torch.randperm(len(train_set), generator=g)[:cfg.cluster_samples].sort().values
+            keep = torch.randperm(len(train_set), generator=g)[: cfg.cluster_samples].sort().values
             train_set = Subset(train_set, keep)
         self.cluster_set = train_set
         self.c_feat: torch.Tensor | None = None  # (A, D) centroids of X~ (previous epoch)
@@ -82,8 +95,9 @@ class IBHooks(TrainHooks):
     def active(self, epoch: int) -> bool:
         return self.cfg.eta_at(epoch, self.epochs) > 0
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int,
-             cfg: Any, tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any, tag: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         """x (B, C, H, W) preprocessed, y (B,) -> (CE [+ KD] [+ eta * IBB], logs)."""
         tap = self._tap_for(model)
         logits = _logits(model(x))  # (B, K)
@@ -145,14 +159,24 @@ class IBHooks(TrainHooks):
         stats: dict[str, Any] = {}
         if self.c_in is None:  # X is fixed: cluster it once (seeded)
             t1 = time.perf_counter()
-            self.c_in = kmeans(self._in_emb, k, iters=self.cfg.kmeans_iters, init=self.cfg.kmeans_init,
-                               generator=torch.Generator().manual_seed(self.seed)).centroids
+            self.c_in = kmeans(
+                self._in_emb,
+                k,
+                iters=self.cfg.kmeans_iters,
+                init=self.cfg.kmeans_init,
+                generator=torch.Generator().manual_seed(self.seed),
+            ).centroids
             _sync(device)
             stats["kmeans_input_s"] = time.perf_counter() - t1
         self.c_in = self.c_in.to(device)
         t1 = time.perf_counter()
-        km = kmeans(feats_t, k, iters=self.cfg.kmeans_iters, init=self.cfg.kmeans_init,
-                    generator=torch.Generator().manual_seed(self.seed * 1009 + epoch + 1))
+        km = kmeans(
+            feats_t,
+            k,
+            iters=self.cfg.kmeans_iters,
+            init=self.cfg.kmeans_init,
+            generator=torch.Generator().manual_seed(self.seed * 1009 + epoch + 1),
+        )
         distributed.broadcast_(km.centroids, self.c_in)  # every rank holds rank 0's clusters
         _sync(device)
         kmeans_s = time.perf_counter() - t1
@@ -164,11 +188,18 @@ class IBHooks(TrainHooks):
         distributed.broadcast_(q)
         ib = ib_loss(phi_feat, phi_in, labels_t, k)
         self.c_feat, self.q = km.centroids, q
-        stats.update(ib=ib["ib"], i_xt_x=ib["i_xt_x"], i_xt_y=ib["i_xt_y"],
-                     ibb_full=float(ib_bound(phi_feat, phi_in, labels_t, q, log_phi_in=log_phi_in)),
-                     lemma_d1_term=float(lemma_d1_marginal_term(phi_in)),
-                     train_top1_eval=100.0 * correct / max(len(labels_t), 1), cluster_n=len(labels_t),
-                     kmeans_s=kmeans_s, kmeans_iters=km.iterations, feature_pass_s=pass_s)
+        stats.update(
+            ib=ib["ib"],
+            i_xt_x=ib["i_xt_x"],
+            i_xt_y=ib["i_xt_y"],
+            ibb_full=float(ib_bound(phi_feat, phi_in, labels_t, q, log_phi_in=log_phi_in)),
+            lemma_d1_term=float(lemma_d1_marginal_term(phi_in)),
+            train_top1_eval=100.0 * correct / max(len(labels_t), 1),
+            cluster_n=len(labels_t),
+            kmeans_s=kmeans_s,
+            kmeans_iters=km.iterations,
+            feature_pass_s=pass_s,
+        )
         return stats
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
@@ -178,8 +209,11 @@ class IBHooks(TrainHooks):
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         if not self.cfg.measures_ib:
             return {"ib_active": False}
-        rec = {"ib_active": self.active(epoch), "eta_now": self.cfg.eta_at(epoch, self.epochs),
-               **self.refresh(model, epoch=epoch)}
+        rec = {
+            "ib_active": self.active(epoch),
+            "eta_now": self.cfg.eta_at(epoch, self.epochs),
+            **self.refresh(model, epoch=epoch),
+        }
         if epoch == 0 and self.initial:
             rec.update({f"initial_{k}": self.initial[k] for k in IB_KEYS if k in self.initial})
         return rec

@@ -12,6 +12,7 @@ the format ``nascompress train`` writes (``model.safetensors``, ``arch.json``, `
 accept. Provenance (source path, its sha256, timm name and version, time) goes into
 ``config.json`` and ``arch.json`` (``source``). Every check runs before anything is written.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,7 +32,15 @@ from .errors import NascompressError, SettingError
 from .evaluate import evaluate
 from .runs.io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
-from .models import ModelSpec, build_model, checkpoint_filter, is_pyramid, mismatch_report, read_weights_file, state_mismatches
+from .models import (
+    ModelSpec,
+    build_model,
+    checkpoint_filter,
+    is_pyramid,
+    mismatch_report,
+    read_weights_file,
+    state_mismatches,
+)
 from .runs.run_dir import RunDir
 from .runs.files import Arch
 from .utils import resolve_device
@@ -57,15 +66,22 @@ class ImportJob:
         device: ``auto``, ``cpu`` or ``cuda[:N]``.
     """
 
-    model: str = setting(help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config); "
-                              "the weights' own patch size, depth, width and grid are read from them.")
+    model: str = setting(
+        help="timm model name, e.g. vit_small_patch16_224 (a .tag picks its pretrained config); "
+        "the weights' own patch size, depth, width and grid are read from them."
+    )
     weights: str = setting(path=True, help="Local .safetensors/.pth weights, with a classifier head.")
     out: str
     img_size: int | None = setting(None, lo=1, help="Input size (default: from the weights' position embedding).")
     num_classes: int | None = setting(None, lo=1, help="Classes (default: the weights' head).")
-    num_heads: int | None = setting(None, lo=1, help=(
-        "Attention heads (default: the model name's, or read from a q_norm; needed when the weights' width "
-        "differs from the name's: a fused qkv does not show them)."))
+    num_heads: int | None = setting(
+        None,
+        lo=1,
+        help=(
+            "Attention heads (default: the model name's, or read from a q_norm; needed when the weights' width "
+            "differs from the name's: a fused qkv does not show them)."
+        ),
+    )
     data: DataConfig | None = None
     input: InputOverrides = field(default_factory=InputOverrides)
     eval_batch_size: int = shared(TrainConfig, "eval_batch_size")
@@ -75,10 +91,18 @@ class ImportJob:
         check_settings(self)  # every setting() against its declaration
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "weights": self.weights, "out": self.out, "img_size": self.img_size,
-                "num_classes": self.num_classes, "num_heads": self.num_heads,
-                "data": None if self.data is None else asdict(self.data),
-                "input": self.input.to_dict(), "eval_batch_size": self.eval_batch_size, "device": self.device}
+        return {
+            "model": self.model,
+            "weights": self.weights,
+            "out": self.out,
+            "img_size": self.img_size,
+            "num_classes": self.num_classes,
+            "num_heads": self.num_heads,
+            "data": None if self.data is None else asdict(self.data),
+            "input": self.input.to_dict(),
+            "eval_batch_size": self.eval_batch_size,
+            "device": self.device,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ImportJob":
@@ -88,8 +112,14 @@ class ImportJob:
         return cls(**d)
 
 
-def build_job(settings: Mapping[str, Any], out: str | Path, *, data: DataConfig | None = None,
-              input: InputOverrides | None = None, device: str = "auto") -> ImportJob:
+def build_job(
+    settings: Mapping[str, Any],
+    out: str | Path,
+    *,
+    data: DataConfig | None = None,
+    input: InputOverrides | None = None,
+    device: str = "auto",
+) -> ImportJob:
     """The job of ``nascompress import`` and of a pipeline's ``base.import`` (the one place it is
     built): ``settings``: the values of :class:`ImportJob`'s settings (``model``, ``weights``,
     ``img_size``, ``num_classes``, ``num_heads``, ``eval_batch_size``); ``data``: a dataset to
@@ -116,8 +146,9 @@ def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[s
     named = build_model(ModelSpec(job.model, {"num_classes": 1}))  # unknown, non-ViT and hybrid models stop here
     if is_pyramid(named) or read_shapes(raw) is None:  # a pyramid ViT (its shape is its name's), another layout
         if job.num_heads is not None:
-            raise SettingError(f"{{num_heads}} applies to a plain ViT's weights in timm's layout, not to "
-                                   f"{job.weights} for {job.model}")
+            raise SettingError(
+                f"{{num_heads}} applies to a plain ViT's weights in timm's layout, not to {job.weights} for {job.model}"
+            )
         kwargs: dict[str, Any] = {"num_classes": job.num_classes or 1}
         if job.img_size is not None:
             kwargs["img_size"] = job.img_size
@@ -126,8 +157,9 @@ def weights_kwargs(job: ImportJob, raw: dict[str, torch.Tensor]) -> tuple[dict[s
             if size is not None and (size, size) != tuple(named.patch_embed.img_size):
                 kwargs["img_size"] = size
         return kwargs, {}
-    kwargs, notes = shape_kwargs(job.model, named, raw, img_size=job.img_size, num_heads=job.num_heads,
-                                 source=job.weights)
+    kwargs, notes = shape_kwargs(
+        job.model, named, raw, img_size=job.img_size, num_heads=job.num_heads, source=job.weights
+    )
     return {"num_classes": job.num_classes or 1, **kwargs}, notes
 
 
@@ -150,7 +182,8 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
         raise NascompressError(  # a whole command line for the shell
             f"weights file {job.weights} has no classifier head (no head.* tensors: a backbone-only checkpoint); "
             f"import needs a trained head: fit one with 'nascompress train --model {job.model} --weights "
-            f"{job.weights} --reset-head --linear-probe'")
+            f"{job.weights} --reset-head --linear-probe'"
+        )
     kwargs["num_classes"] = job.num_classes or int(head.shape[0])
     spec = ModelSpec(job.model, kwargs)
     model = build_model(spec)
@@ -162,8 +195,9 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
             hint = f"; {{num_classes}} must match the file's head ({int(head.shape[0])} classes)"
         shapes = read_shapes(raw)
         real = "" if shapes is None else f" (the file: {describe(shapes)})"
-        raise SettingError(f"weights file {job.weights} does not fit {spec.name} {kwargs}: "
-                               f"{mismatch_report(bad)}{hint}{real}")
+        raise SettingError(
+            f"weights file {job.weights} does not fit {spec.name} {kwargs}: {mismatch_report(bad)}{hint}{real}"
+        )
     model.load_state_dict(sd, strict=True)
 
     dataset = job.data.dataset if job.data is not None else "fashion-mnist"
@@ -175,20 +209,35 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
             raise SettingError(
                 f"the weights' head has {kwargs['num_classes']} classes but dataset {bundle.name} has "
                 f"{bundle.num_classes}; leave out {{dataset}}, or fit a new head with 'nascompress train --model "
-                f"{job.model} --weights {job.weights} --reset-head --linear-probe'")  # a whole command line
+                f"{job.model} --weights {job.weights} --reset-head --linear-probe'"
+            )  # a whole command line
         device = resolve_device(job.device)
         t0 = time.perf_counter()
         val = evaluate(model, bundle.val, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
         test = evaluate(model, bundle.test, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
-        metrics.update(dataset=bundle.name, best_val_top1=val["top1"], val_top1=val["top1"], val_loss=val["loss"],
-                       val_n=val["n"], test_top1=test["top1"], test_loss=test["loss"], test_n=test["n"],
-                       eval_time_s=time.perf_counter() - t0)
+        metrics.update(
+            dataset=bundle.name,
+            best_val_top1=val["top1"],
+            val_top1=val["top1"],
+            val_loss=val["loss"],
+            val_n=val["n"],
+            test_top1=test["top1"],
+            test_loss=test["loss"],
+            test_n=test["n"],
+            eval_time_s=time.perf_counter() - t0,
+        )
         model.cpu()
 
-    source = {"weights": str(Path(job.weights).resolve()), "sha256": file_sha256(job.weights), "timm_name": job.model,
-              "timm_version": timm.__version__, "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    arch = Arch.of(make_arch(spec, input_spec=input_spec.to_dict(),
-                             labels=bundle.classes if job.data is not None else None)).set(source=source)
+    source = {
+        "weights": str(Path(job.weights).resolve()),
+        "sha256": file_sha256(job.weights),
+        "timm_name": job.model,
+        "timm_version": timm.__version__,
+        "imported_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    arch = Arch.of(
+        make_arch(spec, input_spec=input_spec.to_dict(), labels=bundle.classes if job.data is not None else None)
+    ).set(source=source)
     run.create({"import": job.to_dict(), "data": None if job.data is None else asdict(job.data), "source": source})
     save_model(out, model, arch)
     return run.finish(metrics)  # the last write: marks the run complete

@@ -11,6 +11,7 @@ plain timm ViT's blocks into these classes in place (state-dict keys unchanged);
 The gather helpers build new layers with ``index_select`` and set the layer's metadata in the same
 place (Torch-Pruning's mirrored prune-in / prune-out style).
 """
+
 from __future__ import annotations
 
 from . import _compat  # noqa: F401  (before timm imports torchvision)
@@ -26,9 +27,19 @@ from torch import nn
 
 from .errors import NascompressError, SettingError
 
-_HOOKS = {"qk_dim": None, "qk_counts": None, "qk_layout": "auto", "qk_mask": None, "kernel": None,
-          "record_cls": False, "record_values": False, "values": None, "_cls_inputs": None,
-          "record_keys": False, "keys": None}
+_HOOKS = {
+    "qk_dim": None,
+    "qk_counts": None,
+    "qk_layout": "auto",
+    "qk_mask": None,
+    "kernel": None,
+    "record_cls": False,
+    "record_values": False,
+    "values": None,
+    "_cls_inputs": None,
+    "record_keys": False,
+    "keys": None,
+}
 
 # ---------------------------------------------------------------------------------------------
 # The Q/K layout of a head whose Q/K keep fewer channels than V (DCS, uniform pruning)
@@ -104,8 +115,16 @@ def cls_row(q: torch.Tensor, k: torch.Tensor, scale: float, attn_mask: torch.Ten
     return logits.softmax(dim=-1).squeeze(2)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-              scale: float, dropout_p: float = 0.0, is_causal: bool = False) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+) -> torch.Tensor:
     """``F.scaled_dot_product_attention``, except where only the mask needs a gradient.
 
     CUDA's memory-efficient kernel keeps the log-sum-exp its backward needs only when q, k or v
@@ -114,11 +133,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
     (strideH)". That case runs the math path here (the same attention, written out). q, k (B, H, N,
     d_qk), v (B, H, N, d_v), mask bool (True = attend) or additive, broadcastable to (B, H, N, N).
     """
-    bias_only = (attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled()
-                 and not (q.requires_grad or k.requires_grad or v.requires_grad))
+    bias_only = (
+        attn_mask is not None
+        and attn_mask.requires_grad
+        and torch.is_grad_enabled()
+        and not (q.requires_grad or k.requires_grad or v.requires_grad)
+    )
     if not bias_only:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                              scale=scale)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+        )
     scores = (q * scale) @ k.transpose(-2, -1)
     scores = maybe_add_mask(scores, resolve_self_attn_mask(q.shape[-2], scores, attn_mask, is_causal))
     return F.dropout(scores.softmax(dim=-1), p=dropout_p) @ v
@@ -168,8 +192,11 @@ class NCAttention(Attention):
             return qkv.reshape(B, N, 3, H, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         S = H * self.qk_dim
         q, k, v = qkv.split([S, S, self.attn_dim], dim=-1)
-        return (q.reshape(B, N, H, self.qk_dim).transpose(1, 2), k.reshape(B, N, H, self.qk_dim).transpose(1, 2),
-                v.reshape(B, N, H, self.head_dim).transpose(1, 2))
+        return (
+            q.reshape(B, N, H, self.qk_dim).transpose(1, 2),
+            k.reshape(B, N, H, self.qk_dim).transpose(1, 2),
+            v.reshape(B, N, H, self.head_dim).transpose(1, 2),
+        )
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         B, N, _ = x.shape
@@ -209,8 +236,13 @@ class NCAttention(Attention):
         """Whether a forward on ``x`` zero-pads the narrowed q/k to ``head_dim`` (see ``qk_layout``)."""
         if self.qk_dim is None or self.kernel is not None or not self.fused_attn:
             return False
-        return qk_pads(self.qk_layout, qk_dim=self.qk_dim, head_dim=self.head_dim, device_type=x.device.type,
-                       dtype=compute_dtype(x, self.qkv.weight.dtype))
+        return qk_pads(
+            self.qk_layout,
+            qk_dim=self.qk_dim,
+            head_dim=self.head_dim,
+            device_type=x.device.type,
+            dtype=compute_dtype(x, self.qkv.weight.dtype),
+        )
 
     def matmul_macs(self, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> float:
         """QK^T and AV (or what the kernel computed), whole batch; padded Q/K channels count as computed."""
@@ -239,7 +271,9 @@ class NCBlock(Block):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
         return self.mlp_half(self.attn_half(x, attn_mask=attn_mask, is_causal=is_causal))
 
-    def attn_half(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    def attn_half(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False
+    ) -> torch.Tensor:
         return x + self.drop_path1(self.ls1(self.attn(self.norm1(x), attn_mask=attn_mask, is_causal=is_causal)))
 
     def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,8 +285,10 @@ def core_attention(attn: nn.Module, *, where: str = "attention") -> NCAttention:
     if isinstance(attn, NCAttention):
         return attn
     if type(attn) is not Attention:
-        raise NascompressError(f"{where} is a {type(attn).__name__}; nascompress patches timm's Attention "
-                               "(vit_*/deit_* models with standard blocks)")
+        raise NascompressError(
+            f"{where} is a {type(attn).__name__}; nascompress patches timm's Attention "
+            "(vit_*/deit_* models with standard blocks)"
+        )
     attn.__class__ = NCAttention
     for k, v in _HOOKS.items():
         setattr(attn, k, v)
@@ -275,8 +311,10 @@ def to_core(model: nn.Module, *, method: str) -> VisionTransformer:
     for i, blk in enumerate(model.blocks):
         if not isinstance(blk, NCBlock):
             if type(blk) is not Block:
-                raise NascompressError(f"{method} patches timm's standard Block; blocks.{i} is a "
-                                       f"{type(blk).__name__} (parallel/post-norm blocks are not supported)")
+                raise NascompressError(
+                    f"{method} patches timm's standard Block; blocks.{i} is a "
+                    f"{type(blk).__name__} (parallel/post-norm blocks are not supported)"
+                )
             blk.__class__ = NCBlock
         core_attention(blk.attn, where=f"blocks.{i}.attn")
     return model
@@ -332,8 +370,9 @@ def as_index(keep: Any, size: int, *, what: str, device: torch.device | None = N
 
 def slice_linear_out(layer: nn.Linear, keep: torch.Tensor) -> nn.Linear:
     """A new Linear with only the output rows ``keep`` (weight and bias)."""
-    new = nn.Linear(layer.in_features, len(keep), bias=layer.bias is not None,
-                    device=layer.weight.device, dtype=layer.weight.dtype)
+    new = nn.Linear(
+        layer.in_features, len(keep), bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype
+    )
     with torch.no_grad():
         new.weight.copy_(layer.weight.index_select(0, keep))
         if layer.bias is not None:
@@ -343,8 +382,9 @@ def slice_linear_out(layer: nn.Linear, keep: torch.Tensor) -> nn.Linear:
 
 def slice_linear_in(layer: nn.Linear, keep: torch.Tensor) -> nn.Linear:
     """A new Linear that reads only the input columns ``keep`` (the bias is unchanged)."""
-    new = nn.Linear(len(keep), layer.out_features, bias=layer.bias is not None,
-                    device=layer.weight.device, dtype=layer.weight.dtype)
+    new = nn.Linear(
+        len(keep), layer.out_features, bias=layer.bias is not None, device=layer.weight.device, dtype=layer.weight.dtype
+    )
     with torch.no_grad():
         new.weight.copy_(layer.weight.index_select(1, keep))
         if layer.bias is not None:
@@ -362,8 +402,13 @@ def slice_layerscale(ls: nn.Module, keep: torch.Tensor) -> nn.Module:
 
 def with_zero_row(layer: nn.Linear) -> nn.Linear:
     """``layer`` with one extra all-zero output row (weight and bias) at the end."""
-    new = nn.Linear(layer.in_features, layer.out_features + 1, bias=layer.bias is not None,
-                    device=layer.weight.device, dtype=layer.weight.dtype)
+    new = nn.Linear(
+        layer.in_features,
+        layer.out_features + 1,
+        bias=layer.bias is not None,
+        device=layer.weight.device,
+        dtype=layer.weight.dtype,
+    )
     with torch.no_grad():
         new.weight.zero_()[:-1].copy_(layer.weight)
         if layer.bias is not None:
@@ -395,8 +440,10 @@ def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None =
     rows are zero weights, so the heads stay one batched matmul (counted as computed); how q/k
     then reach the attention kernel is the attention's ``qk_layout``."""
     if not isinstance(attn.q_norm, nn.Identity):
-        raise SettingError("a static Q/K mask cannot be materialized on a model with qk_norm "
-                               "(the norm needs every channel); search with {qk_mask} input or none")
+        raise SettingError(
+            "a static Q/K mask cannot be materialized on a model with qk_norm "
+            "(the norm needs every channel); search with {qk_mask} input or none"
+        )
     H, d = attn.num_heads, attn.head_dim
     if len(keep_per_head) != H:
         raise NascompressError(f"qk_keep has {len(keep_per_head)} heads but the attention has {H}")
@@ -404,20 +451,42 @@ def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None =
     keeps = [as_index(kh, d, what=f"qk_keep of head {h}", device=dev) for h, kh in enumerate(keep_per_head)]
     kmax = max(1, *(len(kh) for kh in keeps))
     if width is not None and not kmax <= width <= d:
-        raise NascompressError(f"the padded Q/K width {width} must hold the largest kept count {kmax} and "
-                               f"be at most the head dim {d}")
+        raise NascompressError(
+            f"the padded Q/K width {width} must hold the largest kept count {kmax} and be at most the head dim {d}"
+        )
     width = kmax if width is None else width
     zero = 3 * A  # index of an all-zero row appended below qkv's rows: the padding
     q_rows = torch.cat([torch.cat([h * d + kh, kh.new_full((width - len(kh),), zero)]) for h, kh in enumerate(keeps)])
     k_rows = torch.where(q_rows == zero, q_rows, q_rows + A)
     rows = torch.cat([q_rows, k_rows, torch.arange(2 * A, 3 * A, device=dev)])
-    attn.qkv = slice_linear_out(with_zero_row(attn.qkv), rows) if (q_rows == zero).any() else \
-        slice_linear_out(attn.qkv, rows)
+    attn.qkv = (
+        slice_linear_out(with_zero_row(attn.qkv), rows) if (q_rows == zero).any() else slice_linear_out(attn.qkv, rows)
+    )
     attn.qk_counts, attn.qk_dim = [len(kh) for kh in keeps], width
     attn.qk_mask = None
     return attn
 
 
-__all__ = ["attention", "slice_hidden", "slice_qk", "DEFAULT_ALIGN", "aligned_width", "QK_LAYOUTS", "qk_pads", "set_qk_layout", "qk_layout_summary",
-           "compute_dtype", "NCAttention", "NCBlock", "ClsScore", "to_core", "core_attention", "cls_row", "as_index", "slice_linear_in",
-           "slice_linear_out", "slice_layerscale", "with_zero_row"]
+__all__ = [
+    "attention",
+    "slice_hidden",
+    "slice_qk",
+    "DEFAULT_ALIGN",
+    "aligned_width",
+    "QK_LAYOUTS",
+    "qk_pads",
+    "set_qk_layout",
+    "qk_layout_summary",
+    "compute_dtype",
+    "NCAttention",
+    "NCBlock",
+    "ClsScore",
+    "to_core",
+    "core_attention",
+    "cls_row",
+    "as_index",
+    "slice_linear_in",
+    "slice_linear_out",
+    "slice_layerscale",
+    "with_zero_row",
+]

@@ -30,6 +30,7 @@ The count, size and iteration options of the commands (epochs, batch sizes, timi
 have bounds too, :data:`OPTION_BOUNDS`: the largest value a real use needs, well above it; they
 are ranges of the options (checked with them, in one line), not limits to raise.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,15 @@ MAX_STEPS = 10_000_000  # optimisation steps (--calib-steps)
 MAX_IMAGES = 1_000_000_000  # image counts (--train-images, --calib-images, --train-limit, ...)
 MAX_WORKERS = 1_024  # processes (--workers, --num-workers)
 MAX_LR = 10.0  # learning rates (--lr, --base-lr, --arch-lr): AdamW diverges long before
-OPTION_BOUNDS = {"epochs": MAX_EPOCHS, "batch": MAX_BATCH, "iters": MAX_ITERS, "steps": MAX_STEPS,
-                 "images": MAX_IMAGES, "workers": MAX_WORKERS, "lr": MAX_LR}
+OPTION_BOUNDS = {
+    "epochs": MAX_EPOCHS,
+    "batch": MAX_BATCH,
+    "iters": MAX_ITERS,
+    "steps": MAX_STEPS,
+    "images": MAX_IMAGES,
+    "workers": MAX_WORKERS,
+    "lr": MAX_LR,
+}
 
 
 def _limit(default: int, *, lo: int, help: str) -> Any:  # noqa: A002 (the settings' name for it)
@@ -94,8 +102,10 @@ def limits() -> Limits:
         except ValueError:
             v = -1
         if v < f.metadata["lo"]:
-            raise NascompressError(f"{env_name(f.name)}={raw!r} must be an integer >= {f.metadata['lo']} "
-                                   f"(the default is {getattr(DEFAULT, f.name):,}); fix or unset it")
+            raise NascompressError(
+                f"{env_name(f.name)}={raw!r} must be an integer >= {f.metadata['lo']} "
+                f"(the default is {getattr(DEFAULT, f.name):,}); fix or unset it"
+            )
         changes[f.name] = v
     return dataclasses.replace(DEFAULT, **changes) if changes else DEFAULT
 
@@ -114,9 +124,25 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
     limit = getattr(limits(), name)
     if value > limit:
         how = f"{fix}; " if fix else ""
-        raise NascompressError(f"{what} is {value:,}, above the limit of {limit:,} ({name}); {how}if it is "
-                               f"intended, raise the limit with {env_name(name)}=N")
+        raise NascompressError(
+            f"{what} is {value:,}, above the limit of {limit:,} ({name}); {how}if it is "
+            f"intended, raise the limit with {env_name(name)}=N"
+        )
 
 
-__all__ = ["Limits", "limits", "check_limit", "check_limited", "env_name", "SEED_MAX", "OPTION_BOUNDS", "MAX_BATCH",
-           "MAX_EPOCHS", "MAX_IMAGES", "MAX_ITERS", "MAX_LR", "MAX_STEPS", "MAX_WORKERS"]
+__all__ = [
+    "Limits",
+    "limits",
+    "check_limit",
+    "check_limited",
+    "env_name",
+    "SEED_MAX",
+    "OPTION_BOUNDS",
+    "MAX_BATCH",
+    "MAX_EPOCHS",
+    "MAX_IMAGES",
+    "MAX_ITERS",
+    "MAX_LR",
+    "MAX_STEPS",
+    "MAX_WORKERS",
+]

@@ -3,6 +3,7 @@
 A model is described by a :class:`ModelSpec` (a timm name plus build kwargs). Weights never
 come from a hub: ``pretrained=False`` always, and weights are loaded from local files.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -67,7 +68,10 @@ MODEL_KWARGS: dict[str, tuple[str, Any]] = {
     "embed_dim": ("a positive integer", _pos_int),
     "depth": ("a positive integer", _pos_int),
     "num_heads": ("a positive integer", _pos_int),
-    "num_classes": ("an integer >= 0 (0: no head)", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "num_classes": (
+        "an integer >= 0 (0: no head)",
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    ),
     "in_chans": ("a positive integer", _pos_int),
     "mlp_ratio": ("a positive number", _pos_float),
     "global_pool": (f"one of {', '.join(repr(g) for g in GLOBAL_POOLS)}", lambda v: v in GLOBAL_POOLS),
@@ -94,9 +98,11 @@ def check_model_kwargs(kwargs: Any, *, source: str = "the model settings") -> di
         raise NascompressError(f"{source}: model kwargs must be a mapping of settings, got {type(kwargs).__name__}")
     for k, v in kwargs.items():
         if k not in MODEL_KWARGS:
-            raise NascompressError(f"{source}: model setting {k!r} is not one nascompress accepts "
-                                   f"({', '.join(MODEL_KWARGS)}); the file was not written by nascompress or was "
-                                   "edited: remove the setting")
+            raise NascompressError(
+                f"{source}: model setting {k!r} is not one nascompress accepts "
+                f"({', '.join(MODEL_KWARGS)}); the file was not written by nascompress or was "
+                "edited: remove the setting"
+            )
         what, ok = MODEL_KWARGS[k]
         if not ok(v):
             raise NascompressError(f"{source}: model setting {k} must be {what}, got {v!r}")
@@ -104,8 +110,18 @@ def check_model_kwargs(kwargs: Any, *, source: str = "the model settings") -> di
 
 
 # the build settings that size a model (the rest are switches): counted by model_size before building
-_SIZE_KEYS = ("img_size", "patch_size", "embed_dim", "depth", "mlp_ratio", "num_classes", "in_chans", "reg_tokens",
-              "class_token", "num_heads")
+_SIZE_KEYS = (
+    "img_size",
+    "patch_size",
+    "embed_dim",
+    "depth",
+    "mlp_ratio",
+    "num_classes",
+    "in_chans",
+    "reg_tokens",
+    "class_token",
+    "num_heads",
+)
 
 
 def _pair(v: Any) -> tuple[int, int]:
@@ -124,11 +140,16 @@ def _default_shape(name: str, switches: tuple[tuple[str, Any], ...]) -> dict[str
         m.patch_embed.proj, m.blocks[0].mlp.fc1  # noqa: B018 (a plain ViT, else refused when built)
     except Exception:  # noqa: BLE001 (any other model or setting is refused by build_model, in words)
         return None
-    return {"img_size": tuple(m.patch_embed.img_size), "patch_size": tuple(m.patch_embed.patch_size),
-            "embed_dim": m.embed_dim, "depth": len(m.blocks),
-            "mlp_ratio": m.blocks[0].mlp.fc1.out_features / m.embed_dim if len(m.blocks) else 4.0,
-            "num_classes": m.num_classes, "in_chans": m.patch_embed.proj.in_channels,
-            "prefix": m.num_prefix_tokens}
+    return {
+        "img_size": tuple(m.patch_embed.img_size),
+        "patch_size": tuple(m.patch_embed.patch_size),
+        "embed_dim": m.embed_dim,
+        "depth": len(m.blocks),
+        "mlp_ratio": m.blocks[0].mlp.fc1.out_features / m.embed_dim if len(m.blocks) else 4.0,
+        "num_classes": m.num_classes,
+        "in_chans": m.patch_embed.proj.in_channels,
+        "prefix": m.num_prefix_tokens,
+    }
 
 
 def model_size(spec: "ModelSpec") -> dict[str, int] | None:
@@ -150,10 +171,21 @@ def model_size(spec: "ModelSpec") -> dict[str, int] | None:
     else:
         prefix = base["prefix"]
     tokens = (ih // max(ph, 1)) * (iw // max(pw, 1)) + prefix
-    params = (depth * (4 * d * d + 2 * d * hidden) + int(get("in_chans")) * ph * pw * d + tokens * d
-              + d * int(get("num_classes")))
-    return {"params": params, "depth": depth, "tokens": tokens, "img_size": (ih, iw), "patch_size": (ph, pw),
-            "in_chans": int(get("in_chans")), "prefix": prefix}
+    params = (
+        depth * (4 * d * d + 2 * d * hidden)
+        + int(get("in_chans")) * ph * pw * d
+        + tokens * d
+        + d * int(get("num_classes"))
+    )
+    return {
+        "params": params,
+        "depth": depth,
+        "tokens": tokens,
+        "img_size": (ih, iw),
+        "patch_size": (ph, pw),
+        "in_chans": int(get("in_chans")),
+        "prefix": prefix,
+    }
 
 
 def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -> None:
@@ -162,11 +194,16 @@ def check_model_size(spec: "ModelSpec", *, source: str = "the model settings") -
     size = model_size(spec)
     if size is None:
         return
-    fix = ("the file was not written by nascompress or was edited: check its model settings"
-           if source != "the model settings" else "choose a smaller model")
-    for name, key, what in (("max_model_depth", "depth", "depth (blocks)"),
-                            ("max_model_tokens", "tokens", "tokens per image"),
-                            ("max_model_params", "params", "parameter count")):
+    fix = (
+        "the file was not written by nascompress or was edited: check its model settings"
+        if source != "the model settings"
+        else "choose a smaller model"
+    )
+    for name, key, what in (
+        ("max_model_depth", "depth", "depth (blocks)"),
+        ("max_model_tokens", "tokens", "tokens per image"),
+        ("max_model_params", "params", "parameter count"),
+    ):
         check_limit(name, size[key], f"{source}: model {spec.name}'s {what}", fix=fix)
 
 
@@ -192,16 +229,35 @@ class ModelSpec:
         return cls(name=d["name"], kwargs=dict(d.get("kwargs", {})))
 
 
-def custom_vit_spec(*, img_size: int, patch_size: int, embed_dim: int, depth: int, num_heads: int,
-                    num_classes: int, in_chans: int = 3, mlp_ratio: float = 4.0) -> ModelSpec:
+def custom_vit_spec(
+    *,
+    img_size: int,
+    patch_size: int,
+    embed_dim: int,
+    depth: int,
+    num_heads: int,
+    num_classes: int,
+    in_chans: int = 3,
+    mlp_ratio: float = 4.0,
+) -> ModelSpec:
     """A small plain ViT of the given shape (built from timm's VisionTransformer)."""
     if embed_dim % num_heads:
         raise SettingError(f"{{embed_dim}} {embed_dim} must be divisible by {{num_heads}} {num_heads}")
     if img_size % patch_size:
         raise SettingError(f"{{img_size}} {img_size} must be divisible by {{patch_size}} {patch_size}")
-    return ModelSpec(CUSTOM_BASE, dict(img_size=img_size, patch_size=patch_size, embed_dim=embed_dim,
-                                       depth=depth, num_heads=num_heads, mlp_ratio=mlp_ratio,
-                                       num_classes=num_classes, in_chans=in_chans))
+    return ModelSpec(
+        CUSTOM_BASE,
+        dict(
+            img_size=img_size,
+            patch_size=patch_size,
+            embed_dim=embed_dim,
+            depth=depth,
+            num_heads=num_heads,
+            mlp_ratio=mlp_ratio,
+            num_classes=num_classes,
+            in_chans=in_chans,
+        ),
+    )
 
 
 def _check_name(name: str) -> str:
@@ -219,13 +275,17 @@ def _check_name(name: str) -> str:
     if tag:
         tags = [n.split(".", 1)[1] for n in timm.list_pretrained(f"{arch}.*")]
         if tag not in tags:
-            raise NascompressError(f"unknown pretrained tag {tag!r} for {arch}; known tags: {', '.join(tags) or 'none'}")
+            raise NascompressError(
+                f"unknown pretrained tag {tag!r} for {arch}; known tags: {', '.join(tags) or 'none'}"
+            )
     return arch
 
 
 def _hybrid_message(name: str, stem: str) -> str:
-    return (f"hybrid ViTs with a CNN stem are not supported: {name} embeds patches with a {stem} (timm HybridEmbed), "
-            "which nascompress cannot profile or compress; use a plain patch-embedding ViT (vit_*_patch*, deit_*)")
+    return (
+        f"hybrid ViTs with a CNN stem are not supported: {name} embeds patches with a {stem} (timm HybridEmbed), "
+        "which nascompress cannot profile or compress; use a plain patch-embedding ViT (vit_*_patch*, deit_*)"
+    )
 
 
 def is_pyramid(model: nn.Module) -> bool:
@@ -235,15 +295,19 @@ def is_pyramid(model: nn.Module) -> bool:
 
 def _build_pyramid(spec: ModelSpec, arch: str) -> nn.Module:
     if arch not in PYRAMID_NAMES:
-        raise NascompressError(f"{spec.name} is not supported: of the pyramid ViTs nascompress builds "
-                               f"{', '.join(PYRAMID_NAMES)} (spatial-reduction attention)")
+        raise NascompressError(
+            f"{spec.name} is not supported: of the pyramid ViTs nascompress builds "
+            f"{', '.join(PYRAMID_NAMES)} (spatial-reduction attention)"
+        )
     kwargs = dict(spec.kwargs)
     img = kwargs.pop("img_size", 224)
     img = (img, img) if isinstance(img, int) else tuple(img)
     bad = sorted(set(kwargs) - {"num_classes", "in_chans"})
     if bad:
-        raise NascompressError(f"cannot build {spec.name} with {', '.join(bad)}: a pyramid ViT takes only img_size, "
-                               "num_classes and in_chans (its shape is the timm name's)")
+        raise NascompressError(
+            f"cannot build {spec.name} with {', '.join(bad)}: a pyramid ViT takes only img_size, "
+            "num_classes and in_chans (its shape is the timm name's)"
+        )
     model = timm.create_model(spec.name, pretrained=False, **kwargs)
     model.nc_img_size = img
     return model
@@ -265,7 +329,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
     if module not in _VIT_MODULES:
         raise NascompressError(
             f"{spec.name} is not a timm VisionTransformer (it comes from timm.models.{module}); "
-            "nascompress supports ViT-family models (vit_*, deit_*) and the pyramid ViTs pvt_v2_b0..b5")
+            "nascompress supports ViT-family models (vit_*, deit_*) and the pyramid ViTs pvt_v2_b0..b5"
+        )
     check_model_size(spec)
     try:
         model = timm.create_model(spec.name, pretrained=False, **spec.kwargs)
@@ -274,7 +339,8 @@ def build_model(spec: ModelSpec) -> nn.Module:
     if not isinstance(model, VisionTransformer):
         raise NascompressError(
             f"{spec.name} is a {type(model).__name__}, not a timm VisionTransformer; "
-            "nascompress supports ViT-family models (vit_*, deit_*)")
+            "nascompress supports ViT-family models (vit_*, deit_*)"
+        )
     if getattr(model.patch_embed, "backbone", None) is not None:  # HybridEmbed, wherever it is registered
         raise NascompressError(_hybrid_message(spec.name, type(model.patch_embed.backbone).__name__))
     return model
@@ -294,8 +360,13 @@ def pretrained_data_config(model: nn.Module) -> dict[str, Any]:
     The input size is not taken from it: it is the model's own (:func:`input_size`)."""
     cfg = resolve_data_config({}, model=model)
     interp = cfg["interpolation"] if cfg["interpolation"] in ("bilinear", "bicubic", "nearest") else "bicubic"
-    return {"mean": tuple(cfg["mean"]), "std": tuple(cfg["std"]), "interpolation": interp,
-            "crop_pct": float(cfg["crop_pct"]), "crop_mode": cfg["crop_mode"]}
+    return {
+        "mean": tuple(cfg["mean"]),
+        "std": tuple(cfg["std"]),
+        "interpolation": interp,
+        "crop_pct": float(cfg["crop_pct"]),
+        "crop_mode": cfg["crop_mode"],
+    }
 
 
 def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
@@ -314,8 +385,10 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
                 warnings.simplefilter("ignore")  # the refusal below says it in one line
                 sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # corrupt or truncated file: every reader raises its own type
-        raise NascompressError(f"weights file {path} is corrupt or not a weights file ({_unreadable(path, e)}); "
-                               "give a .safetensors or .pth state dict (download or export it again)") from e
+        raise NascompressError(
+            f"weights file {path} is corrupt or not a weights file ({_unreadable(path, e)}); "
+            "give a .safetensors or .pth state dict (download or export it again)"
+        ) from e
     for key in ("model", "state_dict", "model_ema"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
@@ -426,8 +499,9 @@ class ModelShape:
     embed_dim: int | None = setting(None, lo=1, help=_shape_help("Width", "embed_dim"))
     depth: int | None = setting(None, lo=1, help=_shape_help("Blocks", "depth"))
     num_heads: int | None = setting(None, lo=1, help=_shape_help("Heads", "num_heads"))
-    in_chans: int | None = setting(None, lo=1, help=_shape_help("Input channels", "in_chans",
-                                                                 "; grey images are repeated for 3"))
+    in_chans: int | None = setting(
+        None, lo=1, help=_shape_help("Input channels", "in_chans", "; grey images are repeated for 3")
+    )
     num_classes: int | None = setting(None, lo=1, help="Classes (default: the dataset's).")
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ kept, so a file read and written again is the same bytes).
 - a run's ``config.json``, the job its command recorded (:class:`nascompress.runs.run_dir.RunDir`):
   :class:`RunConfig`; :func:`find_run_config` / :func:`write_run_config`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,20 +36,32 @@ def _as_is(v: Any, where: str) -> Any:
 class StepMarker(Record):
     """``done/<step>.json``: the step, how long it took, when it finished, its directory and its
     result (scalars only; the stage's own files hold the rest)."""
+
     step: str
     seconds: float | None = None
     finished: str | None = None
     dir: str | None = None
     result: Mapping[str, Any] = field(default_factory=dict)
 
-    CHECKS = {"step": check_str, "seconds": optional(check_number), "finished": optional(check_str),
-              "dir": optional(check_str), "result": lambda v, where: {} if v is None else check_map(v, where)}
+    CHECKS = {
+        "step": check_str,
+        "seconds": optional(check_number),
+        "finished": optional(check_str),
+        "dir": optional(check_str),
+        "result": lambda v, where: {} if v is None else check_map(v, where),
+    }
 
     @classmethod
     def new(cls, step: str, *, seconds: float, finished: str, dir: str | None, result: Mapping[str, Any]) -> StepMarker:
         """A marker with every key written (``dir`` null for a step without a directory)."""
-        return cls(step=step, seconds=seconds, finished=finished, dir=dir, result=dict(result),
-                   order=("step", "seconds", "finished", "dir", "result"))
+        return cls(
+            step=step,
+            seconds=seconds,
+            finished=finished,
+            dir=dir,
+            result=dict(result),
+            order=("step", "seconds", "finished", "dir", "result"),
+        )
 
     @property
     def skipped(self) -> bool:
@@ -60,26 +73,38 @@ class StepMarker(Record):
 class Pick(Record):
     """``tokens/pick.json``: the study whose pick was kept, the candidates, the study on the dense base
     and why it did not run (``dense_skipped``)."""
+
     picked_study: str | None = None
     candidates: Any = None
     dense_study: str | None = None
     dense_skipped: str | None = None
 
-    CHECKS = {"picked_study": optional(check_str), "candidates": _as_is, "dense_study": optional(check_str),
-              "dense_skipped": optional(check_str)}
+    CHECKS = {
+        "picked_study": optional(check_str),
+        "candidates": _as_is,
+        "dense_study": optional(check_str),
+        "dense_skipped": optional(check_str),
+    }
 
     @classmethod
-    def new(cls, *, picked_study: str | None, candidates: Any, dense_study: str | None,
-            dense_skipped: str | None) -> Pick:
+    def new(
+        cls, *, picked_study: str | None, candidates: Any, dense_study: str | None, dense_skipped: str | None
+    ) -> Pick:
         """A pick with every key written (null where there is no value)."""
-        return cls(picked_study=picked_study, candidates=copy.deepcopy(candidates), dense_study=dense_study,
-                   dense_skipped=dense_skipped, order=("picked_study", "candidates", "dense_study", "dense_skipped"))
+        return cls(
+            picked_study=picked_study,
+            candidates=copy.deepcopy(candidates),
+            dense_study=dense_study,
+            dense_skipped=dense_skipped,
+            order=("picked_study", "candidates", "dense_study", "dense_skipped"),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class Summary(Record):
     """``summary.json``: the final model (None: none could be made), the goal and the dense base typed,
     the rest (comparison, decisions, stages ...) in ``extra``."""
+
     final: Mapping[str, Any] | None = None
     goal: Mapping[str, Any] | None = None
     dense: Mapping[str, Any] | None = None
@@ -91,6 +116,7 @@ class Summary(Record):
 class RunConfig(Record):
     """A run's ``config.json``: the job its command recorded; its ``data`` section (the dataset) typed,
     the rest (the job's own sections) in ``extra``."""
+
     data: Any = None
 
     CHECKS = {"data": _as_is}
@@ -148,6 +174,22 @@ def write_run_config(run_dir: str | Path, config: Mapping[str, Any] | RunConfig)
     return path
 
 
-__all__ = ["DONE_DIR", "PICK_FILE", "RUN_CONFIG_FILE", "SUMMARY_FILE", "Pick", "RunConfig", "StepMarker", "Summary",
-           "find_pick", "find_run_config", "find_step_marker", "read_summary", "step_marker_path", "write_pick",
-           "write_run_config", "write_step_marker", "write_summary_json"]
+__all__ = [
+    "DONE_DIR",
+    "PICK_FILE",
+    "RUN_CONFIG_FILE",
+    "SUMMARY_FILE",
+    "Pick",
+    "RunConfig",
+    "StepMarker",
+    "Summary",
+    "find_pick",
+    "find_run_config",
+    "find_step_marker",
+    "read_summary",
+    "step_marker_path",
+    "write_pick",
+    "write_run_config",
+    "write_step_marker",
+    "write_summary_json",
+]

@@ -13,6 +13,7 @@ fine-tune (measured here: DINOv2 ViT-S features reach 92-93% where an epoch of f
 
 :func:`fit_linear_probe` is what ``nascompress train --linear-probe`` runs.
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,15 @@ MAX_ITER = 300  # L-BFGS iterations per L2 weight (full batch)
 
 
 @torch.no_grad()
-def extract_features(model: nn.Module, ds: Dataset, *, input_spec: InputSpec, device: torch.device,
-                     batch_size: int = 256, label: str = "features") -> tuple[torch.Tensor, torch.Tensor]:
+def extract_features(
+    model: nn.Module,
+    ds: Dataset,
+    *,
+    input_spec: InputSpec,
+    device: torch.device,
+    batch_size: int = 256,
+    label: str = "features",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pre-logits features (N, D) float32 and labels (N,) of every image of ``ds``, in order."""
     model.eval().to(device)
     feats, labels = [], []
@@ -52,8 +60,15 @@ def extract_features(model: nn.Module, ds: Dataset, *, input_spec: InputSpec, de
     return torch.cat(feats), torch.cat(labels)
 
 
-def fit_logistic(x: torch.Tensor, y: torch.Tensor, *, num_classes: int, l2: float, max_iter: int = MAX_ITER,
-                 init: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_logistic(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    num_classes: int,
+    l2: float,
+    max_iter: int = MAX_ITER,
+    init: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Multinomial logistic regression by full-batch L-BFGS: minimise mean CE + l2/2 ||W||^2.
 
     Args:
@@ -67,8 +82,15 @@ def fit_logistic(x: torch.Tensor, y: torch.Tensor, *, num_classes: int, l2: floa
     n, d = x.shape
     w = (init[0].clone() if init else torch.zeros(num_classes, d, device=x.device)).requires_grad_(True)
     b = (init[1].clone() if init else torch.zeros(num_classes, device=x.device)).requires_grad_(True)
-    opt = torch.optim.LBFGS([w, b], lr=1.0, max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe",
-                            tolerance_grad=1e-7, tolerance_change=1e-10)
+    opt = torch.optim.LBFGS(
+        [w, b],
+        lr=1.0,
+        max_iter=max_iter,
+        history_size=20,
+        line_search_fn="strong_wolfe",
+        tolerance_grad=1e-7,
+        tolerance_change=1e-10,
+    )
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -84,8 +106,16 @@ def _top1(logits: torch.Tensor, y: torch.Tensor) -> float:
     return 100.0 * (logits.argmax(-1) == y).float().mean().item()
 
 
-def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Any, out_dir: Path,
-                     arch: dict[str, Any], l2_grid: tuple[float, ...] = L2_GRID) -> dict[str, Any]:
+def fit_linear_probe(
+    model: nn.Module,
+    *,
+    data: DataBundle,
+    input_spec: InputSpec,
+    cfg: Any,
+    out_dir: Path,
+    arch: dict[str, Any],
+    l2_grid: tuple[float, ...] = L2_GRID,
+) -> dict[str, Any]:
     """Fit ``model.head`` on frozen features (see the module docstring); save the run; return metrics.
 
     Args:
@@ -98,18 +128,22 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
             the grid and the timings).
     """
     if not isinstance(getattr(model, "head", None), nn.Linear):
-        raise SettingError(f"the model's head is a {type(getattr(model, 'head', None)).__name__}, not a Linear "
-                               "classifier; set {num_classes}")
+        raise SettingError(
+            f"the model's head is a {type(getattr(model, 'head', None)).__name__}, not a Linear "
+            "classifier; set {num_classes}"
+        )
     device = resolve_device(cfg.device)
     seed_everything(cfg.seed)
     model.eval().to(device)
     for p in model.parameters():
         p.requires_grad_(False)
     t0 = time.perf_counter()
-    x_tr, y_tr = extract_features(model, data.train, input_spec=input_spec, device=device,
-                                  batch_size=cfg.eval_batch_size, label="train features")
-    x_va, y_va = extract_features(model, data.val, input_spec=input_spec, device=device,
-                                  batch_size=cfg.eval_batch_size, label="val features")
+    x_tr, y_tr = extract_features(
+        model, data.train, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, label="train features"
+    )
+    x_va, y_va = extract_features(
+        model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, label="val features"
+    )
     feature_time = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -135,12 +169,27 @@ def fit_linear_probe(model: nn.Module, *, data: DataBundle, input_spec: InputSpe
     save_model(out_dir, model, arch)
     t0 = time.perf_counter()
     test = evaluate(model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
-    metrics = {"best_val_top1": val_top1, "best_epoch": None, "test_top1": test["top1"], "test_loss": test["loss"],
-               "test_n": test["n"], "start_val_top1": None, "epochs": 0, "peak_lr": None,
-               "train_time_s": feature_time + fit_time, "dataset": data.name, "linear_probe": True,
-               "l2": chosen["l2"], "l2_grid": grid, "feature_time_s": feature_time, "fit_time_s": fit_time,
-               "test_time_s": time.perf_counter() - t0, "n_train": len(y_tr), "n_val": len(y_va),
-               "feature_dim": int(x_tr.shape[1])}
+    metrics = {
+        "best_val_top1": val_top1,
+        "best_epoch": None,
+        "test_top1": test["top1"],
+        "test_loss": test["loss"],
+        "test_n": test["n"],
+        "start_val_top1": None,
+        "epochs": 0,
+        "peak_lr": None,
+        "train_time_s": feature_time + fit_time,
+        "dataset": data.name,
+        "linear_probe": True,
+        "l2": chosen["l2"],
+        "l2_grid": grid,
+        "feature_time_s": feature_time,
+        "fit_time_s": fit_time,
+        "test_time_s": time.perf_counter() - t0,
+        "n_train": len(y_tr),
+        "n_val": len(y_va),
+        "feature_dim": int(x_tr.shape[1]),
+    }
     return metrics
 
 

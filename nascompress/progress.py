@@ -10,6 +10,7 @@ statistics, an export's checks) as a line when it starts and one when it ends, o
 Under torchrun only rank 0 prints. ``NASCOMPRESS_PROGRESS``: ``auto`` (the default, as above),
 ``plain`` (plain lines on a terminal too) or ``off`` (nothing; the test suite's setting).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -79,16 +80,24 @@ class PlainProgress:
     def __exit__(self, *exc: Any) -> None:
         self._tasks.clear()
 
-    def add_task(self, description: str, total: float | None = None, completed: float = 0, info: str = "",
-                 each: bool = False, **_: Any) -> int:
+    def add_task(
+        self,
+        description: str,
+        total: float | None = None,
+        completed: float = 0,
+        info: str = "",
+        each: bool = False,
+        **_: Any,
+    ) -> int:
         now = time.perf_counter()
         tid = self._next
         self._next += 1
         self._tasks[tid] = _Task(description, total, completed, info, now, completed, now, each)
         return tid
 
-    def update(self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None,
-               **_: Any) -> None:
+    def update(
+        self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None, **_: Any
+    ) -> None:
         t = self._tasks.get(task)
         if t is None:
             return
@@ -149,8 +158,9 @@ class NotebookProgress:
             bar.close()
         self._bars.clear()
 
-    def add_task(self, description: str, total: float | None = None, completed: float = 0, info: str = "",
-                 **_: Any) -> int:
+    def add_task(
+        self, description: str, total: float | None = None, completed: float = 0, info: str = "", **_: Any
+    ) -> int:
         tid = self._next
         self._next += 1
         bar = self._tqdm(total=total, desc=description, initial=completed, leave=True)
@@ -159,8 +169,9 @@ class NotebookProgress:
         self._bars[tid] = bar
         return tid
 
-    def update(self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None,
-               **_: Any) -> None:
+    def update(
+        self, task: int, *, advance: float = 0, completed: float | None = None, info: str | None = None, **_: Any
+    ) -> None:
         bar = self._bars.get(task)
         if bar is None:
             return
@@ -186,9 +197,17 @@ def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress | 
         return NotebookProgress()
     elif disable is None and (mode == "plain" or not sys.stderr.isatty()):
         return PlainProgress()
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=console, disable=bool(disable), transient=False)
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=bool(disable),
+        transient=False,
+    )
 
 
 @contextmanager
@@ -214,4 +233,5 @@ def counted(what: str, *, unit: str) -> Iterator[Callable[..., None]]:
 
             def tick(n: int = 1, info: str | None = None) -> None:
                 prog.update(tid, advance=n, **({} if info is None else {"info": info}))
+
             yield tick

@@ -4,6 +4,7 @@ without ``.yaml`` (``--space evit``, ``nascompress pipeline fashion-mnist``) or 
 existing file always wins over a shipped name (a folder does not). They are package data, so they are found the same
 way from a checkout and from an installed wheel (the repository's top-level ``search_spaces/`` and
 ``configs/`` are links to these folders)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -39,8 +40,10 @@ def resolve_file(value: str | Path, *, what: str) -> Path:
         return found
     if p.exists():
         return p  # not a file: its reader says so
-    raise NascompressError(f"{what} {value} does not exist: give a YAML file or the name of a shipped "
-                           f"{what} ({', '.join(shipped_names(what))})")
+    raise NascompressError(
+        f"{what} {value} does not exist: give a YAML file or the name of a shipped "
+        f"{what} ({', '.join(shipped_names(what))})"
+    )
 
 
 __all__ = ["FOLDERS", "PACKAGE_DIR", "resolve_file", "shipped_names", "shipped_path"]

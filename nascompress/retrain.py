@@ -27,6 +27,7 @@ This module holds the job, its settings and its recipe; the hooks are :mod:`nasc
 the distillation pieces :mod:`nascompress.distill` and the batch rule :mod:`nascompress.auto_batch`
 (their names are importable from here too).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -66,10 +67,15 @@ def retrain_train_config(**given: Any) -> TrainConfig:
 # Retrain's training settings a user sets (`retrain` options, `stages.retrain` keys): the recipe's
 # defaults, but batch_size (None: from the training images) and base_lr (None: the recipe's)
 RETRAIN_TRAIN_SETTINGS = StageSettings(
-    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
-    recipe=RETRAIN_TRAIN, no_default=("batch_size", "base_lr"),
-    notes={"batch_size": AUTO_BATCH_NOTE,
-           "base_lr": f"Default: {RETRAIN_TRAIN.base_lr:g} (safe on pretrained weights)."})
+    TrainConfig,
+    ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
+    recipe=RETRAIN_TRAIN,
+    no_default=("batch_size", "base_lr"),
+    notes={
+        "batch_size": AUTO_BATCH_NOTE,
+        "base_lr": f"Default: {RETRAIN_TRAIN.base_lr:g} (safe on pretrained weights).",
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -100,21 +106,35 @@ def check_teacher(job: RetrainJob) -> None:
     naming fields): feature distillation needs a teacher. Checked by :func:`build_job` (a command's
     or a pipeline's job, before anything runs) and by :func:`retrain` (any job)."""
     if job.retrain.feat_kd and job.teacher is None:
-        raise SettingError("{feat_kd} distils from a teacher's features; give the dense run with {teacher}, "
-                           "or leave {feat_kd} at 0")
+        raise SettingError(
+            "{feat_kd} distils from a teacher's features; give the dense run with {teacher}, or leave {feat_kd} at 0"
+        )
 
 
-def build_job(model_dir: str | Path, out: str | Path, *, retrain: RetrainConfig, train: Mapping[str, Any],
-              data: DataConfig | None = None, teacher: str | Path | None = None) -> RetrainJob:
+def build_job(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    retrain: RetrainConfig,
+    train: Mapping[str, Any],
+    data: DataConfig | None = None,
+    teacher: str | Path | None = None,
+) -> RetrainJob:
     """The retraining job of ``nascompress retrain`` and of a pipeline's ``stages.retrain`` (the one
     place it is built): ``retrain``: the recipe; ``train``: the values of
     :data:`RETRAIN_TRAIN_SETTINGS` and :data:`~nascompress.train.RUNTIME_SETTINGS` (None: the
     recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset (None:
     the one recorded with the model); ``teacher``: a dense run to distil from. Checked
     (:func:`check_teacher`); errors name fields."""
-    job = RetrainJob(model_dir=str(model_dir), out=str(out), data=data, train=retrain_train_config(**train),
-                     retrain=retrain, teacher=None if teacher is None else str(teacher),
-                     auto_batch=train.get("batch_size") is None)
+    job = RetrainJob(
+        model_dir=str(model_dir),
+        out=str(out),
+        data=data,
+        train=retrain_train_config(**train),
+        retrain=retrain,
+        teacher=None if teacher is None else str(teacher),
+        auto_batch=train.get("batch_size") is None,
+    )
     check_teacher(job)
     return job
 
@@ -130,12 +150,21 @@ def recorded_data_config(run_dir: str | Path) -> DataConfig | None:
 def _check_head(model: nn.Module, data: DataBundle, *, what: str) -> None:
     n = getattr(model, "num_classes", None)
     if n != data.num_classes:
-        raise NascompressError(f"the {what} has {n} classes but dataset {data.name} has {data.num_classes}; "
-                               "retrain on the dataset the model was trained for")
+        raise NascompressError(
+            f"the {what} has {n} classes but dataset {data.name} has {data.num_classes}; "
+            "retrain on the dataset the model was trained for"
+        )
 
 
-def _resolve_defaults(job: RetrainJob, model: nn.Module, teacher: nn.Module | None, spec: InputSpec,
-                      device: torch.device, *, train_images: int) -> RetrainJob:
+def _resolve_defaults(
+    job: RetrainJob,
+    model: nn.Module,
+    teacher: nn.Module | None,
+    spec: InputSpec,
+    device: torch.device,
+    *,
+    train_images: int,
+) -> RetrainJob:
     """The job with ``auto_batch`` and ``feat_kd=None`` resolved (and an explicit ``feat_kd``
     checked against the feature widths)."""
     if job.auto_batch:
@@ -147,9 +176,11 @@ def _resolve_defaults(job: RetrainJob, model: nn.Module, teacher: nn.Module | No
     if rc.feat_kd is None:
         return job.replace(retrain=rc.replace(feat_kd=1.0 if widths[0] == widths[1] else 0.0))
     if rc.feat_kd > 0 and widths[0] != widths[1]:
-        raise SettingError(f"{{feat_kd}}: the model's {rc.feature_tap} feature has {widths[0]} "
-                               f"values but the teacher's {widths[1]}; pick a {{feature_tap}} both share, or "
-                               "leave {feat_kd} at 0")
+        raise SettingError(
+            f"{{feat_kd}}: the model's {rc.feature_tap} feature has {widths[0]} "
+            f"values but the teacher's {widths[1]}; pick a {{feature_tap}} both share, or "
+            "leave {feat_kd} at 0"
+        )
     return job
 
 
@@ -164,9 +195,17 @@ class RetrainResult:
     metrics: dict[str, Any]
 
 
-def run_retrain(job: RetrainJob, model: nn.Module, arch: Arch | dict[str, Any], data: DataBundle, *,
-                teacher: nn.Module | None = None, out_dir: Path | None = None, resume: bool = False,
-                before_fit: Callable[[RetrainJob, dict[str, Any]], None] | None = None) -> RetrainResult:
+def run_retrain(
+    job: RetrainJob,
+    model: nn.Module,
+    arch: Arch | dict[str, Any],
+    data: DataBundle,
+    *,
+    teacher: nn.Module | None = None,
+    out_dir: Path | None = None,
+    resume: bool = False,
+    before_fit: Callable[[RetrainJob, dict[str, Any]], None] | None = None,
+) -> RetrainResult:
     """IB retraining on models and data in memory: ``model`` (compressed, with its ``arch``), ``data``
     loaded for its input spec, an optional frozen ``teacher``. Nothing is written without
     ``out_dir``; with it the run directory's files are written as training goes (:func:`retrain`),
@@ -185,30 +224,69 @@ def run_retrain(job: RetrainJob, model: nn.Module, arch: Arch | dict[str, Any], 
     warm = job.retrain.warm_epochs(job.train.epochs)
     # the classes retrained on; provenance (the source model's path) is in metrics.json and config.json, not in
     # the arch: the model file's bytes (the arch is its metadata) are the same wherever the run was written
-    out_arch = arch.with_labels(data.classes).set(retrain={
-        "eta": job.retrain.eta, "warmup_frac": job.retrain.warmup_frac, "eta_schedule": job.retrain.eta_schedule,
-        "warm_epochs": warm, "epochs": job.train.epochs, "kd": teacher is not None, **features})
+    out_arch = arch.with_labels(data.classes).set(
+        retrain={
+            "eta": job.retrain.eta,
+            "warmup_frac": job.retrain.warmup_frac,
+            "eta_schedule": job.retrain.eta_schedule,
+            "warm_epochs": warm,
+            "epochs": job.train.epochs,
+            "kd": teacher is not None,
+            **features,
+        }
+    )
     if before_fit is not None:
         before_fit(job, features)
-    hooks = IBHooks(job.retrain, train_set=data.train, input_spec=spec, num_classes=data.num_classes,
-                    epochs=job.train.epochs, input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
-                    teacher=teacher, seed=job.train.seed, batch_size=job.train.eval_batch_size)
+    hooks = IBHooks(
+        job.retrain,
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=data.num_classes,
+        epochs=job.train.epochs,
+        input_embed=make_input_embed(job.retrain, model=model, teacher=teacher),
+        teacher=teacher,
+        seed=job.train.seed,
+        batch_size=job.train.eval_batch_size,
+    )
     log: list[dict[str, Any]] = []
-    metrics = fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir, arch=out_arch, hooks=hooks,
-                  resume=resume, finish=False, log=log)
+    metrics = fit(
+        model,
+        data=data,
+        input_spec=spec,
+        cfg=job.train,
+        out_dir=out_dir,
+        arch=out_arch,
+        hooks=hooks,
+        resume=resume,
+        finish=False,
+        log=log,
+    )
     last = log[-1] if log else {}
     mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
-    metrics.update(source_model=str(job.model_dir), methods=list(arch.method_names),
-                   eta=job.retrain.eta, warmup_frac=job.retrain.warmup_frac, eta_schedule=job.retrain.eta_schedule,
-                   warm_epochs=warm,
-                   kd=teacher is not None, feat_kd=job.retrain.feat_kd, batch_size=job.train.batch_size, **features,
-                   final={k: last.get(k) for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb",
-                                                   "train_top1_eval", "val_top1") if k in last},
-                   initial={k: hooks.initial[k] for k in IB_KEYS if k in hooks.initial},
-                   epoch_time_s_mean=mean("epoch_time_s"), kmeans_s_mean=mean("kmeans_s"),
-                   feature_pass_s_mean=mean("feature_pass_s"))
-    metrics["kmeans_vs_epoch"] = (metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"]
-                                  if metrics["epoch_time_s_mean"] else None)
+    metrics.update(
+        source_model=str(job.model_dir),
+        methods=list(arch.method_names),
+        eta=job.retrain.eta,
+        warmup_frac=job.retrain.warmup_frac,
+        eta_schedule=job.retrain.eta_schedule,
+        warm_epochs=warm,
+        kd=teacher is not None,
+        feat_kd=job.retrain.feat_kd,
+        batch_size=job.train.batch_size,
+        **features,
+        final={
+            k: last.get(k)
+            for k in ("ib", "i_xt_x", "i_xt_y", "ibb_full", "train_ce", "train_ibb", "train_top1_eval", "val_top1")
+            if k in last
+        },
+        initial={k: hooks.initial[k] for k in IB_KEYS if k in hooks.initial},
+        epoch_time_s_mean=mean("epoch_time_s"),
+        kmeans_s_mean=mean("kmeans_s"),
+        feature_pass_s_mean=mean("feature_pass_s"),
+    )
+    metrics["kmeans_vs_epoch"] = (
+        metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"] if metrics["epoch_time_s_mean"] else None
+    )
     if job.retrain.eta > 0:
         metrics["bound_contribution"] = bound_contribution(log)
     return RetrainResult(model=model, job=job, log=log, metrics=metrics)
@@ -222,11 +300,16 @@ def bound_contribution(log: list[dict[str, Any]]) -> dict[str, Any]:
     val = [(bool(r.get("ib_active")), r["val_top1"]) for r in log if r.get("val_top1") is not None]
     before = max((v for on, v in val if not on), default=None)
     after = max((v for on, v in val if on), default=None)
-    return {"best_val_without_bound": before, "best_val_with_bound": after,
-            "change": None if before is None or after is None else after - before}
+    return {
+        "best_val_without_bound": before,
+        "best_val_with_bound": after,
+        "change": None if before is None or after is None else after - before,
+    }
 
 
-def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
+def retrain(
+    job: RetrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
+) -> dict[str, Any]:
     """Run ``job`` into the run directory ``job.out`` (:func:`run_retrain` on the models and data it
     names): validate everything, then retrain and save; returns metrics.
 
@@ -241,13 +324,15 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     if resume:
         job = RunDir.recorded(out, RetrainJob, "nascompress retrain", given=job, explicit=explicit)
     else:  # recorded absolute: a resume or a reader from another directory finds them
-        job = job.replace(model_dir=os.path.abspath(job.model_dir),
-                          teacher=os.path.abspath(job.teacher) if job.teacher else None)
-    run = RunDir.prepare(out, force=force, resume=resume,
-                         inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
+        job = job.replace(
+            model_dir=os.path.abspath(job.model_dir), teacher=os.path.abspath(job.teacher) if job.teacher else None
+        )
+    run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
     if not read_arch(job.model_dir).methods:
-        raise NascompressError(f"{job.model_dir} is not a compressed model (its arch.json lists no "
-                               "compression method); run materialize or finetune first and retrain their output")
+        raise NascompressError(
+            f"{job.model_dir} is not a compressed model (its arch.json lists no "
+            "compression method); run materialize or finetune first and retrain their output"
+        )
     check_teacher(job)
     runtime.prepare_deterministic(job.train.deterministic)
     device = distributed.init(job.train.device)
@@ -260,8 +345,9 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     if job.teacher is not None:
         teacher, t_arch = load_typed(job.teacher, map_location=device)
         if InputSpec.from_dict(dict(t_arch.input)) != spec:
-            raise NascompressError(f"teacher {job.teacher} expects input {dict(t_arch.input)} "
-                                   f"but the model {dict(arch.input)}")
+            raise NascompressError(
+                f"teacher {job.teacher} expects input {dict(t_arch.input)} but the model {dict(arch.input)}"
+            )
         teacher.eval().requires_grad_(False)
 
     def create(resolved: RetrainJob, features: dict[str, Any]) -> None:
@@ -271,11 +357,29 @@ def retrain(job: RetrainJob, *, force: bool = False, resume: bool = False, expli
     return run.finish(result.metrics)  # the last write: marks the run complete
 
 
-__all__ = ["RetrainConfig", "RetrainJob", "build_job", "check_teacher", "recorded_data_config", "IBHooks", "FeatureTap", "make_input_embed",
-           "kd_loss", "feature_kd_loss", "retrain", "run_retrain", "RetrainResult", "retrain_train_config",
-           "RETRAIN_TRAIN",
-           "auto_batch_size", "AUTO_BATCH_NOTE", "AUTO_BATCH_SIZES", "AUTO_BATCH_STEPS", "IB_KEYS",
-           "feature_width"]
+__all__ = [
+    "RetrainConfig",
+    "RetrainJob",
+    "build_job",
+    "check_teacher",
+    "recorded_data_config",
+    "IBHooks",
+    "FeatureTap",
+    "make_input_embed",
+    "kd_loss",
+    "feature_kd_loss",
+    "retrain",
+    "run_retrain",
+    "RetrainResult",
+    "retrain_train_config",
+    "RETRAIN_TRAIN",
+    "auto_batch_size",
+    "AUTO_BATCH_NOTE",
+    "AUTO_BATCH_SIZES",
+    "AUTO_BATCH_STEPS",
+    "IB_KEYS",
+    "feature_width",
+]
 
 
 class _CallableModule(types.ModuleType):

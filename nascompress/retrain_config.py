@@ -1,6 +1,7 @@
 """The IB retraining recipe (:class:`RetrainConfig`), below both the ``retrain`` job
 (:mod:`nascompress.retrain`, which re-exports it) and the IB hooks that read it
 (:mod:`nascompress.ib_hooks`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,8 +11,10 @@ from .errors import NascompressError, SettingError
 from .limits import MAX_IMAGES
 
 LEARNED_DOC = {"pre_logits": "input of model.head (timm forward_head(..., pre_logits=True))"}
-INPUT_DOC = {"image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per channel, flattened",
-             "patch_embed": "token mean of a frozen copy of the {src} patch embedding"}
+INPUT_DOC = {
+    "image": "preprocessed image, adaptive-avg-pooled to {p}x{p} per channel, flattened",
+    "patch_embed": "token mean of a frozen copy of the {src} patch embedding",
+}
 
 
 @dataclass(frozen=True)
@@ -53,28 +56,45 @@ class RetrainConfig(Config):
 
     # Fields declared with setting() are the user's: `retrain` options and `stages.retrain` keys
     # (help: the CLI's; lo/hi/choices: what the pipeline file checks). The others are internal.
-    eta: float = setting(0.0, lo=0, help=(
-        "Weight of the IB bound IBB after the warm-up (0 = CE + KD only, the default; the paper's is 50)."))
-    warmup_frac: float = setting(0.3, lo=0, hi=1, hi_open=True, help=(
-        "Share of epochs on CE only before IBB is added, in [0, 1)."))
-    eta_schedule: str = setting("step", choices=("step", "linear"), help=(
-        "The bound's weight after the warm-up: 'step' (eta at once, the paper's) or 'linear' (ramped to eta "
-        "over the remaining epochs)."))
+    eta: float = setting(
+        0.0,
+        lo=0,
+        help=("Weight of the IB bound IBB after the warm-up (0 = CE + KD only, the default; the paper's is 50)."),
+    )
+    warmup_frac: float = setting(
+        0.3, lo=0, hi=1, hi_open=True, help=("Share of epochs on CE only before IBB is added, in [0, 1).")
+    )
+    eta_schedule: str = setting(
+        "step",
+        choices=("step", "linear"),
+        help=(
+            "The bound's weight after the warm-up: 'step' (eta at once, the paper's) or 'linear' (ramped to eta "
+            "over the remaining epochs)."
+        ),
+    )
     feature_tap: str = setting("pre_logits", help="Learned feature X~: 'pre_logits' or 'module:<name>'.")
-    input_tap: str = setting("image", choices=tuple(INPUT_DOC), help=(
-        "Input feature X: 'image' (pooled image) or 'patch_embed'."))
+    input_tap: str = setting(
+        "image", choices=tuple(INPUT_DOC), help=("Input feature X: 'image' (pooled image) or 'patch_embed'.")
+    )
     input_pool: int = 7
     kmeans_iters: int = 20
     kmeans_init: str = "k-means++"
-    cluster_samples: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
-        "Cluster a fixed random subset of N training images."))
+    cluster_samples: int | None = setting(
+        None, lo=1, hi=MAX_IMAGES, help=("Cluster a fixed random subset of N training images.")
+    )
     kd_alpha: float = setting(0.5, lo=0, hi=1, help="KD weight alpha: (1 - alpha) CE + alpha KD.")
     kd_temperature: float = setting(1.0, lo=0, lo_open=True, help="KD temperature.")
-    feat_kd: float | None = setting(None, lo=0, help=(
-        "With a teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap "
-        "feature (0: off; default: 1 with a teacher whose feature has the model's width, else 0)."))
-    log_ib: bool | None = setting(None, help=(
-        "Cluster and log the IB metrics every epoch (default: only when --eta > 0)."))
+    feat_kd: float | None = setting(
+        None,
+        lo=0,
+        help=(
+            "With a teacher: weight of the feature distillation term, ||s - t||^2 / ||t||^2 on the --feature-tap "
+            "feature (0: off; default: 1 with a teacher whose feature has the model's width, else 0)."
+        ),
+    )
+    log_ib: bool | None = setting(
+        None, help=("Cluster and log the IB metrics every epoch (default: only when --eta > 0).")
+    )
 
     @property
     def measures_ib(self) -> bool:
@@ -107,8 +127,10 @@ class RetrainConfig(Config):
         """Our reading of the paper's features, recorded in config.json, arch.json and metrics."""
         learned = LEARNED_DOC.get(self.feature_tap, f"output of {self.feature_tap[7:]} (token-mean if (B, N, C))")
         src = "teacher's" if teacher else "starting model's"
-        return {"learned_feature": f"{self.feature_tap}: {learned}",
-                "input_feature": f"{self.input_tap}: " + INPUT_DOC[self.input_tap].format(p=self.input_pool, src=src)}
+        return {
+            "learned_feature": f"{self.feature_tap}: {learned}",
+            "input_feature": f"{self.input_tap}: " + INPUT_DOC[self.input_tap].format(p=self.input_pool, src=src),
+        }
 
 
 __all__ = ["RetrainConfig", "LEARNED_DOC", "INPUT_DOC"]

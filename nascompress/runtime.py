@@ -21,6 +21,7 @@
   1.09-1.11x faster steps on one thread, bench/results/tool_speed.json). Numbers are unchanged.
   ``NASCOMPRESS_MALLOC=default`` leaves malloc alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,13 @@ def configured(device: torch.device, *, deterministic: bool = False) -> Iterator
     """Inside: TF32 for float32 on CUDA (off when ``deterministic``) and, with ``deterministic``,
     the deterministic mode (see the module docstring). The previous settings are restored on exit,
     so one job's choice does not leak into the next one of the same process."""
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
     try:
         if deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -74,8 +80,12 @@ def configured(device: torch.device, *, deterministic: bool = False) -> Iterator
         yield
     finally:
         torch.use_deterministic_algorithms(saved[0])
-        (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32,
-         torch.backends.cudnn.allow_tf32) = saved[1:]
+        (
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+        ) = saved[1:]
 
 
 def prepare_deterministic(deterministic: bool) -> None:
@@ -115,8 +125,9 @@ def native_bf16(device: torch.device) -> bool:
             text = open("/proc/cpuinfo").read()
         except OSError:
             text = ""
-        _ONCE["cpu_flags"] = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                                         if ln.startswith("flags")), []))
+        _ONCE["cpu_flags"] = set(
+            next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
+        )
     return bool({"avx512_bf16", "amx_bf16"} & _ONCE["cpu_flags"])
 
 
@@ -176,6 +187,19 @@ def restore_cuda_rng(state: Any) -> None:
         torch.cuda.set_rng_state_all(states)
 
 
-__all__ = ["DTYPES", "AMP_MODES", "parse_dtype", "dtype_name", "configured", "prepare_deterministic", "autocast",
-           "to_device", "keep_freed_memory", "native_bf16", "resolve_amp", "cpu_attention",
-           "cuda_rng_state", "restore_cuda_rng"]
+__all__ = [
+    "DTYPES",
+    "AMP_MODES",
+    "parse_dtype",
+    "dtype_name",
+    "configured",
+    "prepare_deterministic",
+    "autocast",
+    "to_device",
+    "keep_freed_memory",
+    "native_bf16",
+    "resolve_amp",
+    "cpu_attention",
+    "cuda_rng_state",
+    "restore_cuda_rng",
+]

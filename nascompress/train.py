@@ -6,6 +6,7 @@ The one training engine is :func:`nascompress.train_loop.fit` (AdamW, warm-up + 
 resume, never worse than the start, data-parallel under torchrun), which keeps its files through
 :class:`nascompress.runs.store.RunStore`; both are importable from here too.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,15 +61,29 @@ _SCRATCH = TrainConfig()
 # The training settings `nascompress train` and base.train offer; the defaults are the recipe from
 # scratch, but those the fine-tuning recipe changes (None: train_recipe's, chosen by the weights)
 TRAIN_SETTINGS = StageSettings(
-    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "layer_decay", "min_lr", "warmup_epochs", "weight_decay",
-                  "label_smoothing", "ema_decay"),
-    recipe=_SCRATCH, no_default=("lr", "base_lr", "layer_decay", "warmup_epochs"),
-    notes={"lr": f"From scratch the default is {_SCRATCH.lr:g} (unless --base-lr is given).",
-           "base_lr": f"Default with --weights: {FINE_TUNE_TRAIN.base_lr:g} "
-                      "(the DeiT/EViT fine-tuning base).",
-           "layer_decay": f"Default with --weights: {FINE_TUNE_TRAIN.layer_decay:g}; from scratch: off.",
-           "warmup_epochs": f"Default: {_SCRATCH.warmup_epochs:g} from scratch, "
-                            f"{FINE_TUNE_TRAIN.warmup_epochs:g} with --weights."})
+    TrainConfig,
+    (
+        "epochs",
+        "batch_size",
+        "lr",
+        "base_lr",
+        "layer_decay",
+        "min_lr",
+        "warmup_epochs",
+        "weight_decay",
+        "label_smoothing",
+        "ema_decay",
+    ),
+    recipe=_SCRATCH,
+    no_default=("lr", "base_lr", "layer_decay", "warmup_epochs"),
+    notes={
+        "lr": f"From scratch the default is {_SCRATCH.lr:g} (unless --base-lr is given).",
+        "base_lr": f"Default with --weights: {FINE_TUNE_TRAIN.base_lr:g} (the DeiT/EViT fine-tuning base).",
+        "layer_decay": f"Default with --weights: {FINE_TUNE_TRAIN.layer_decay:g}; from scratch: off.",
+        "warmup_epochs": f"Default: {_SCRATCH.warmup_epochs:g} from scratch, "
+        f"{FINE_TUNE_TRAIN.warmup_epochs:g} with --weights.",
+    },
+)
 # Every training job's run settings (options of each training command; the pipeline's top-level keys)
 RUNTIME_SETTINGS = StageSettings(TrainConfig, ("seed", "device", "amp", "deterministic"))
 
@@ -90,49 +105,86 @@ class TrainJob:
     train: TrainConfig = field(default_factory=TrainConfig)
     out: str = "runs/base"
     weights: str | None = setting(None, path=True, help="Local .safetensors/.pth weights to start from.")
-    reset_head: bool = setting(False, help=(
-        "A new head: the weights' is missing (backbone only) or has another class count."))
+    reset_head: bool = setting(
+        False, help=("A new head: the weights' is missing (backbone only) or has another class count.")
+    )
     input: InputOverrides = field(default_factory=InputOverrides)
-    linear_probe: bool = setting(False, help=(
-        "Freeze the --weights backbone; fit only a new head on its cached features (logistic regression)."))
+    linear_probe: bool = setting(
+        False, help=("Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")
+    )
 
     def __post_init__(self) -> None:
         if self.linear_probe and not self.weights:
             raise SettingError("{linear_probe} needs {weights}: a probe fits a head on a pretrained backbone")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.to_dict(), "data": asdict(self.data), "train": self.train.to_dict(),
-                "out": self.out, "weights": self.weights, "reset_head": self.reset_head,
-                "input": self.input.to_dict(), "linear_probe": self.linear_probe}
+        return {
+            "model": self.model.to_dict(),
+            "data": asdict(self.data),
+            "train": self.train.to_dict(),
+            "out": self.out,
+            "weights": self.weights,
+            "reset_head": self.reset_head,
+            "input": self.input.to_dict(),
+            "linear_probe": self.linear_probe,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrainJob":
-        return cls(model=ModelSpec.from_dict(d["model"]), data=DataConfig(**d["data"]), train=TrainConfig.from_dict(d["train"]),
-                   out=d["out"], weights=d.get("weights"), reset_head=d.get("reset_head", False),
-                   input=InputOverrides.from_dict(d.get("input")), linear_probe=d.get("linear_probe", False))
+        return cls(
+            model=ModelSpec.from_dict(d["model"]),
+            data=DataConfig(**d["data"]),
+            train=TrainConfig.from_dict(d["train"]),
+            out=d["out"],
+            weights=d.get("weights"),
+            reset_head=d.get("reset_head", False),
+            input=InputOverrides.from_dict(d.get("input")),
+            linear_probe=d.get("linear_probe", False),
+        )
 
 
 # the pipeline's base.import with linear_probe: its recipe (a probe reads eval_batch_size, seed and device only)
 PROBE_TRAIN = TrainConfig(epochs=1, lr=None)
 
 
-def build_job(model: ModelSpec, out: str | Path, *, data: DataConfig, train: Mapping[str, Any],
-              weights: str | None = None, reset_head: bool = False, input: InputOverrides | None = None,
-              linear_probe: bool = False, recipe: TrainConfig | None = None) -> TrainJob:
+def build_job(
+    model: ModelSpec,
+    out: str | Path,
+    *,
+    data: DataConfig,
+    train: Mapping[str, Any],
+    weights: str | None = None,
+    reset_head: bool = False,
+    input: InputOverrides | None = None,
+    linear_probe: bool = False,
+    recipe: TrainConfig | None = None,
+) -> TrainJob:
     """The training job of ``nascompress train`` and of a pipeline's ``base.train`` (and its
     ``base.import`` with ``linear_probe``) (the one place it is built): ``model``: the model to
     build; ``data``: the dataset; ``train``: the values of :data:`TRAIN_SETTINGS` and
     :data:`RUNTIME_SETTINGS` (None: the recipe's); ``recipe``: the TrainConfig they change (None:
     :func:`train_recipe`'s, the fine-tuning recipe when ``weights`` are given without
     ``linear_probe``, else the one from scratch)."""
-    cfg = (train_recipe(fine_tune=weights is not None and not linear_probe, **train) if recipe is None
-           else recipe_config(recipe, **train))
-    return TrainJob(model=model, data=data, train=cfg, out=str(out), weights=weights, reset_head=reset_head,
-                    input=input or InputOverrides(), linear_probe=linear_probe)
+    cfg = (
+        train_recipe(fine_tune=weights is not None and not linear_probe, **train)
+        if recipe is None
+        else recipe_config(recipe, **train)
+    )
+    return TrainJob(
+        model=model,
+        data=data,
+        train=cfg,
+        out=str(out),
+        weights=weights,
+        reset_head=reset_head,
+        input=input or InputOverrides(),
+        linear_probe=linear_probe,
+    )
 
 
-def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None = None,
-                   overrides: InputOverrides | None = None) -> InputSpec:
+def input_spec_for(
+    model: nn.Module, dataset: str, *, weights: str | Path | None = None, overrides: InputOverrides | None = None
+) -> InputSpec:
     """The one place that decides how images become ``model``'s input (arch.json ``input``).
 
     Size and channels always come from the model's own patch embedding. Normalisation,
@@ -166,18 +218,29 @@ def input_spec_for(model: nn.Module, dataset: str, *, weights: str | Path | None
             return (sum(v) / len(v),) * c
         raise SettingError(f"{{{name}}} has {len(v)} values but the model takes {c} channels")
 
-    return InputSpec((h, w), c, chans("mean"), chans("std"), interpolation=base["interpolation"],
-                     crop_pct=float(base["crop_pct"]), crop_mode=base["crop_mode"])
+    return InputSpec(
+        (h, w),
+        c,
+        chans("mean"),
+        chans("std"),
+        interpolation=base["interpolation"],
+        crop_pct=float(base["crop_pct"]),
+        crop_mode=base["crop_mode"],
+    )
 
 
 def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None = None) -> None:
     """Refuse a dataset whose class count is not the model's; ``fix``: the advice (default: --num-classes)."""
     if num_model_classes != data.num_classes:
-        raise SettingError(f"the model has {num_model_classes} classes but dataset {data.name} has "
-                               f"{data.num_classes}; {fix or f'set {{num_classes}} {data.num_classes}'}")
+        raise SettingError(
+            f"the model has {num_model_classes} classes but dataset {data.name} has "
+            f"{data.num_classes}; {fix or f'set {{num_classes}} {data.num_classes}'}"
+        )
 
 
-def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None) -> dict[str, Any]:
+def train(
+    job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
+) -> dict[str, Any]:
     """The ``nascompress train`` job: validate everything, then create the run and fit it.
 
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
@@ -193,8 +256,9 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     runtime.prepare_deterministic(job.train.deterministic)
     distributed.init(job.train.device)
     if job.linear_probe and distributed.world().size > 1:
-        raise SettingError("{linear_probe} runs in one process (it fits a head on cached features); run it "
-                               "without torchrun")
+        raise SettingError(
+            "{linear_probe} runs in one process (it fits a head on cached features); run it without torchrun"
+        )
     run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.weights, *dataset_paths(job.data)))
     seed_everything(job.train.seed)  # the seed drives the initialisation too
     model = build_model(job.model)
@@ -204,8 +268,12 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
             t = job.train
             lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
             ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
-            say(words(f"train: {{weights}} given, so the fine-tuning recipe: {lr}, layer decay {ld}, "
-                      f"{t.warmup_epochs:g} warm-up epochs (for weights that were never trained, leave out {{weights}})"))
+            say(
+                words(
+                    f"train: {{weights}} given, so the fine-tuning recipe: {lr}, layer decay {ld}, "
+                    f"{t.warmup_epochs:g} warm-up epochs (for weights that were never trained, leave out {{weights}})"
+                )
+            )
     spec = input_spec_for(model, job.data.dataset, weights=job.weights, overrides=job.input)
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
@@ -219,6 +287,26 @@ def train(job: TrainJob, *, force: bool = False, resume: bool = False, explicit:
     return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 
-__all__ = ["TrainConfig", "FINE_TUNE_TRAIN", "PROBE_TRAIN", "build_job", "TRAIN_SETTINGS", "RUNTIME_SETTINGS", "recipe_config", "train_recipe",
-           "TrainHooks", "TrainJob", "fit", "train", "lr_at", "MODEL_FILE", "LR_REF_BATCH", "CHECKPOINT_FILE",
-           "LAST_FILE", "LOG_FILE", "Ema", "LossWatch", "RunStore"]
+__all__ = [
+    "TrainConfig",
+    "FINE_TUNE_TRAIN",
+    "PROBE_TRAIN",
+    "build_job",
+    "TRAIN_SETTINGS",
+    "RUNTIME_SETTINGS",
+    "recipe_config",
+    "train_recipe",
+    "TrainHooks",
+    "TrainJob",
+    "fit",
+    "train",
+    "lr_at",
+    "MODEL_FILE",
+    "LR_REF_BATCH",
+    "CHECKPOINT_FILE",
+    "LAST_FILE",
+    "LOG_FILE",
+    "Ema",
+    "LossWatch",
+    "RunStore",
+]

@@ -1,6 +1,7 @@
 """The settings of every training run (:class:`TrainConfig`), below both the ``train`` job
 (:mod:`nascompress.train`, which declares the stages' recipes and re-exports it) and the loop that reads
 them (:func:`nascompress.train_loop.fit`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,28 +52,42 @@ class TrainConfig(Config):
     # deterministic are the pipeline's top-level keys.
     epochs: int = setting(8, lo=1, hi=MAX_EPOCHS, help="Passes over the training split.")
     batch_size: int = setting(128, lo=1, hi=MAX_BATCH, help="Images per step (per process under torchrun).")
-    lr: float | None = setting(1e-3, lo=0, lo_open=True, hi=MAX_LR, help=(
-        "Absolute peak lr; without it the peak is --base-lr x batch / 512."))
+    lr: float | None = setting(
+        1e-3, lo=0, lo_open=True, hi=MAX_LR, help=("Absolute peak lr; without it the peak is --base-lr x batch / 512.")
+    )
     base_lr: float = setting(4e-3, lo=0, lo_open=True, hi=MAX_LR, help="Peak lr per 512 images.")
     min_lr: float = setting(1e-5, lo=0, hi=MAX_LR, help="End of the cosine lr decay.")
     warmup_epochs: float = setting(1.0, lo=0, hi=MAX_EPOCHS, help="Linear lr warm-up, in epochs.")
     weight_decay: float = setting(0.05, lo=0, help="AdamW weight decay (not on biases, norms, tokens, positions).")
-    layer_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
-        "Layer-wise lr decay, timm's convention (1: off)."))
+    layer_decay: float | None = setting(
+        None, lo=0, hi=1, lo_open=True, help=("Layer-wise lr decay, timm's convention (1: off).")
+    )
     label_smoothing: float = setting(0.1, lo=0, hi=1, hi_open=True, help="Cross-entropy label smoothing.")
-    ema_decay: float | None = setting(None, lo=0, hi=1, lo_open=True, hi_open=True, help=(
-        "Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."))
+    ema_decay: float | None = setting(
+        None,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        hi_open=True,
+        help=("Keep an EMA of the weights (e.g. 0.999) and evaluate and save it."),
+    )
     grad_clip: float = 1.0
     eval_batch_size: int = setting(256, lo=1, hi=MAX_BATCH, help="Images per evaluation batch.")
     eval_start: bool = True
     keep: str = "best"
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
     device: str = setting("auto", help="auto, cpu or cuda[:N].")
-    amp: str = setting("off", choices=runtime.AMP_MODES, help=(
-        "Mixed precision: off, bf16 (autocast; weights and optimizer stay fp32) or auto (bf16 on a CPU "
-        "with native bfloat16, else off)."))
-    deterministic: bool = setting(False, help=(
-        "Deterministic kernels: same seed, same numbers, also on a GPU (slower there)."))
+    amp: str = setting(
+        "off",
+        choices=runtime.AMP_MODES,
+        help=(
+            "Mixed precision: off, bf16 (autocast; weights and optimizer stay fp32) or auto (bf16 on a CPU "
+            "with native bfloat16, else off)."
+        ),
+    )
+    deterministic: bool = setting(
+        False, help=("Deterministic kernels: same seed, same numbers, also on a GPU (slower there).")
+    )
     log_every: int = 50
 
     def __post_init__(self) -> None:

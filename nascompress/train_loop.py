@@ -14,6 +14,7 @@ data-parallel (:mod:`nascompress.distributed`: DistributedDataParallel, a shard 
 process, split evaluation, files written by rank 0 only). Its settings are a
 :class:`~nascompress.train_config.TrainConfig` (re-exported by :mod:`nascompress.train`).
 """
+
 from __future__ import annotations
 
 import math
@@ -66,21 +67,39 @@ class Ema:
         return live
 
 
-def _evaluate(model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int,
-              amp: str = "off") -> dict[str, Any]:
+def _evaluate(
+    model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int, amp: str = "off"
+) -> dict[str, Any]:
     """:func:`evaluate` over ``ds``; under torchrun each rank evaluates its part and the counts are
     summed, so every rank gets the same numbers."""
     if distributed.world().size == 1:
         return evaluate(model, ds, input_spec=input_spec, device=device, batch_size=batch_size, amp=amp)
-    mine = evaluate(model, Subset(ds, distributed.part(len(ds))), input_spec=input_spec, device=device,
-                    batch_size=batch_size, amp=amp)
+    mine = evaluate(
+        model,
+        Subset(ds, distributed.part(len(ds))),
+        input_spec=input_spec,
+        device=device,
+        batch_size=batch_size,
+        amp=amp,
+    )
     correct, loss, n = distributed.all_sum([round(mine["top1"] * mine["n"] / 100), mine["loss"] * mine["n"], mine["n"]])
     return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
 
 
-def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig, out_dir: Path | None = None,
-        arch: dict[str, Any] | None = None, hooks: TrainHooks | None = None, resume: bool = False,
-        finish: bool = True, log: list[dict[str, Any]] | None = None, test: bool = True) -> dict[str, Any]:
+def fit(
+    model: nn.Module,
+    *,
+    data: DataBundle,
+    input_spec: InputSpec,
+    cfg: TrainConfig,
+    out_dir: Path | None = None,
+    arch: dict[str, Any] | None = None,
+    hooks: TrainHooks | None = None,
+    resume: bool = False,
+    finish: bool = True,
+    log: list[dict[str, Any]] | None = None,
+    test: bool = True,
+) -> dict[str, Any]:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
     Without ``out_dir`` nothing is written: the run stays in memory and ``model`` ends holding the
@@ -105,8 +124,19 @@ def fit(model: nn.Module, *, data: DataBundle, input_spec: InputSpec, cfg: Train
     store = RunStore(out_dir, log)
     try:
         with runtime.configured(device, deterministic=cfg.deterministic), runtime.cpu_attention(model, device, cfg.amp):
-            return _fit(model, device=device, data=data, input_spec=input_spec, cfg=cfg, store=store, arch=arch or {},
-                        hooks=hooks or TrainHooks(), resume=resume, finish=finish, test=test)
+            return _fit(
+                model,
+                device=device,
+                data=data,
+                input_spec=input_spec,
+                cfg=cfg,
+                store=store,
+                arch=arch or {},
+                hooks=hooks or TrainHooks(),
+                resume=resume,
+                finish=finish,
+                test=test,
+            )
     except WriteError as e:  # a full disk mid-run: say how this run continues (a plain rerun refuses its folder)
         if out_dir is None:
             raise
@@ -136,14 +166,26 @@ class LossWatch:
         values = torch.stack([v.float().reshape(()) for v in losses]).tolist()
         for i, v in zip(steps, values):
             if not math.isfinite(v):
-                raise SettingError(f"loss became {v} at epoch {epoch + 1} step {i}; lower {{lr}} "
-                                       f"(the peak lr was {peak_lr:.3g})")
+                raise SettingError(
+                    f"loss became {v} at epoch {epoch + 1} step {i}; lower {{lr}} (the peak lr was {peak_lr:.3g})"
+                )
         return values[-1]
 
 
-def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec: InputSpec, cfg: TrainConfig,
-         store: RunStore, arch: dict[str, Any], hooks: TrainHooks, resume: bool, finish: bool,
-         test: bool = True) -> dict[str, Any]:
+def _fit(
+    model: nn.Module,
+    *,
+    device: torch.device,
+    data: DataBundle,
+    input_spec: InputSpec,
+    cfg: TrainConfig,
+    store: RunStore,
+    arch: dict[str, Any],
+    hooks: TrainHooks,
+    resume: bool,
+    finish: bool,
+    test: bool = True,
+) -> dict[str, Any]:
     world, main = distributed.world(), distributed.is_main()
     amp = runtime.resolve_amp(cfg.amp, device)
     if cfg.amp == "auto" and main:  # the choice is printed, and recorded in metrics.json ("amp")
@@ -162,8 +204,15 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     pin = device.type == "cuda"  # pinned host batches: non-blocking copies to the GPU
 
     def loader_for(epoch: int):
-        return lambda ds, stream=0: make_loader(ds, batch_size=cfg.batch_size, shuffle=True, seed=cfg.seed + stream,
-                                                epoch=epoch, shard=(world.rank, world.size), pin_memory=pin)
+        return lambda ds, stream=0: make_loader(
+            ds,
+            batch_size=cfg.batch_size,
+            shuffle=True,
+            seed=cfg.seed + stream,
+            epoch=epoch,
+            shard=(world.rank, world.size),
+            pin_memory=pin,
+        )
 
     steps_per_epoch = hooks.batches(data, epoch=0, loader=loader_for(0))[1]
     if steps_per_epoch == 0 and world.size > 1:
@@ -175,8 +224,9 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
 
     def validate() -> dict[str, Any]:
         hooks.before_eval(model)
-        return _evaluate(model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size,
-                         amp=cfg.amp)
+        return _evaluate(
+            model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, amp=cfg.amp
+        )
 
     if resume and ckpt_path is not None and ckpt_path.exists():
         st = load_state(ckpt_path)
@@ -215,9 +265,16 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
             for i, (imgs, labels, tag) in enumerate(batches):
                 lr = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=warmup_steps, lr=peak, min_lr=min_lr)
                 for g in opt.param_groups:
-                    if "own_lr" in g:  # a group with its own cosine (architecture logits): own_lr -> own_lr_end x own_lr
-                        g["lr"] = lr_at(epoch * steps_per_epoch + i, total=total_steps, warmup=0, lr=g["own_lr"],
-                                        min_lr=g["own_lr"] * g.get("own_lr_end", 1.0))
+                    if (
+                        "own_lr" in g
+                    ):  # a group with its own cosine (architecture logits): own_lr -> own_lr_end x own_lr
+                        g["lr"] = lr_at(
+                            epoch * steps_per_epoch + i,
+                            total=total_steps,
+                            warmup=0,
+                            lr=g["own_lr"],
+                            min_lr=g["own_lr"] * g.get("own_lr_end", 1.0),
+                        )
                     else:
                         g["lr"] = lr * g.get("lr_scale", 1.0)
                 # the uint8 batch goes to the device as it is; resizing and normalising happen there
@@ -258,16 +315,28 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
             if live is not None:
                 model.load_state_dict(live)
             if world.size > 1:  # a debugging aid (NASCOMPRESS_CHECK_SYNC=1): every rank holds the same state
-                digest = distributed.check_in_sync({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                                    "hooks": hooks.state_dict()}, when=f"after epoch {epoch + 1}")
+                digest = distributed.check_in_sync(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "hooks": hooks.state_dict()},
+                    when=f"after epoch {epoch + 1}",
+                )
                 if digest is not None:
                     record["state_digest"] = digest
             if store.dir is not None and main:
-                store.checkpoint({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                                  "ema": ema.state if ema else None, "hooks": hooks.state_dict(),
-                                  "rng": torch.get_rng_state(), "cuda_rng": runtime.cuda_rng_state(),
-                                  "epoch": epoch, "best": best,
-                                  "best_epoch": best_epoch, "train_time": train_time, "start": start_rec})
+                store.checkpoint(
+                    {
+                        "model": model.state_dict(),
+                        "optimizer": opt.state_dict(),
+                        "ema": ema.state if ema else None,
+                        "hooks": hooks.state_dict(),
+                        "rng": torch.get_rng_state(),
+                        "cuda_rng": runtime.cuda_rng_state(),
+                        "epoch": epoch,
+                        "best": best,
+                        "best_epoch": best_epoch,
+                        "train_time": train_time,
+                        "start": start_rec,
+                    }
+                )
             store.record(record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
             hooks.check(record, start_rec)
@@ -278,12 +347,22 @@ def _fit(model: nn.Module, *, device: torch.device, data: DataBundle, input_spec
     if test:
         best_model = store.saved_model(model, device)
         with runtime.cpu_attention(best_model, device, cfg.amp):  # as `model` runs (a reloaded copy, or itself)
-            scored = _evaluate(best_model, data.test, input_spec=input_spec, device=device,
-                               batch_size=cfg.eval_batch_size, amp=cfg.amp)
-    metrics = {"best_val_top1": best, "best_epoch": best_epoch, "test_top1": scored["top1"],
-               "test_loss": scored["loss"], "test_n": scored["n"],
-               "start_val_top1": None if start_rec is None else start_rec["val_top1"],
-               "epochs": cfg.epochs, "peak_lr": peak, "train_time_s": train_time, "dataset": data.name, "amp": amp}
+            scored = _evaluate(
+                best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, amp=cfg.amp
+            )
+    metrics = {
+        "best_val_top1": best,
+        "best_epoch": best_epoch,
+        "test_top1": scored["top1"],
+        "test_loss": scored["loss"],
+        "test_n": scored["n"],
+        "start_val_top1": None if start_rec is None else start_rec["val_top1"],
+        "epochs": cfg.epochs,
+        "peak_lr": peak,
+        "train_time_s": train_time,
+        "dataset": data.name,
+        "amp": amp,
+    }
     if world.size > 1:
         metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
     if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder

@@ -1,4 +1,5 @@
 """Small shared helpers: seeding, device choice, atomic writes, output directories."""
+
 from __future__ import annotations
 
 import json
@@ -78,9 +79,11 @@ def nesting_depth(obj: Any) -> int:
 
 
 def _too_deep(source: str) -> NascompressError:
-    return NascompressError(f"{source} nests deeper than {limits().max_json_depth} levels (the max_json_depth limit): "
-                            "it was not written by nascompress or is damaged; replace it (or raise the limit with "
-                            f"{env_name('max_json_depth')}=N if it is intended)")
+    return NascompressError(
+        f"{source} nests deeper than {limits().max_json_depth} levels (the max_json_depth limit): "
+        "it was not written by nascompress or is damaged; replace it (or raise the limit with "
+        f"{env_name('max_json_depth')}=N if it is intended)"
+    )
 
 
 def parse_json(text: str | bytes, *, source: str) -> Any:
@@ -92,8 +95,9 @@ def parse_json(text: str | bytes, *, source: str) -> Any:
     except RecursionError:
         raise _too_deep(source) from None
     except json.JSONDecodeError as e:
-        raise NascompressError(f"{source} is not valid JSON ({e.msg} at line {e.lineno}); it was damaged or "
-                               "edited: replace it") from None
+        raise NascompressError(
+            f"{source} is not valid JSON ({e.msg} at line {e.lineno}); it was damaged or edited: replace it"
+        ) from None
     except UnicodeDecodeError:
         raise NascompressError(f"{source} is not valid JSON (not UTF-8 text); replace it") from None
     if nesting_depth(obj) > limits().max_json_depth:
@@ -137,8 +141,7 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
         f.write(json.dumps(obj) + "\n")
 
 
-def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
-                 explicit: set[str] | None = None) -> Any:
+def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None, explicit: set[str] | None = None) -> Any:
     """The job stored in ``out/config.json`` by an earlier run of ``command`` (for ``--resume``),
     with ``out`` as given now. ``job_cls`` is a dataclass with ``from_dict``.
 
@@ -150,8 +153,10 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
     if not (out / "config.json").is_file():
         raise NascompressError(f"nothing to resume in {out}: it has no config.json from an earlier '{command}'")
     recorded = read_json(out / "config.json")
-    damaged = (f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)", "it cannot be "
-               f"continued: rerun '{command}' with {{force}} to start over")  # SettingError templates
+    damaged = (
+        f"{out / 'config.json'} is not the record of a '{command}' run (damaged or edited)",
+        f"it cannot be continued: rerun '{command}' with {{force}} to start over",
+    )  # SettingError templates
     if not isinstance(recorded, dict):
         raise SettingError(f"{damaged[0]}: it holds a JSON {type(recorded).__name__}, not an object; {damaged[1]}")
     names = {f.name for f in fields(job_cls)}  # config.json may also hold what the run derived (features, ...)
@@ -164,10 +169,12 @@ def recorded_job(out: Path, job_cls: Any, command: str, *, given: Any = None,
     if given is not None and explicit:
         diffs = resume_differences(job, given, explicit)
         if diffs:
-            raise SettingError(f"{{resume}} continues {out} with the settings recorded in its config.json, and "
-                                   f"{'this differs' if len(diffs) == 1 else 'these differ'}: {'; '.join(diffs)}; leave "
-                                   f"{'it' if len(diffs) == 1 else 'them'} out to continue the run as recorded, or start "
-                                   "a new run (another {out}, or {force})")
+            raise SettingError(
+                f"{{resume}} continues {out} with the settings recorded in its config.json, and "
+                f"{'this differs' if len(diffs) == 1 else 'these differ'}: {'; '.join(diffs)}; leave "
+                f"{'it' if len(diffs) == 1 else 'them'} out to continue the run as recorded, or start "
+                "a new run (another {out}, or {force})"
+            )
     return job
 
 
@@ -186,14 +193,20 @@ def _same(a: Any, b: Any) -> bool:
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, str) and isinstance(b, str) and a != b and os.path.exists(a) and os.path.exists(b):
         return os.path.samefile(a, b)  # one path written two ways
-    return a == b or (isinstance(a, (int, float)) and isinstance(b, (int, float)) and float(a) == float(b)
-                      and not isinstance(a, bool) and not isinstance(b, bool))
+    return a == b or (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and float(a) == float(b)
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    )
 
 
 def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[str]:
     """``key value (recorded value)`` for each setting of job ``given`` that differs from job
     ``recorded`` and that an option named in ``explicit`` sets (a key part equal to the option's name:
     ``--epochs`` sets ``train.epochs``, ``--keep-rate`` ``config.keep_rate``)."""
+
     def as_dict(job: Any) -> dict[str, Any]:
         return json.loads(json.dumps(job.to_dict(), default=str))
 
@@ -217,8 +230,10 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, field: str = "out
         s = Path(os.path.realpath(src))
         if s == dst or dst in s.parents:
             what = "is" if s == dst else "contains"
-            raise SettingError(f"{{{field}}} {out} {what} the command's input {src}: writing it would replace the "
-                               f"input (even with {{force}}); choose another {{{field}}}")
+            raise SettingError(
+                f"{{{field}}} {out} {what} the command's input {src}: writing it would replace the "
+                f"input (even with {{force}}); choose another {{{field}}}"
+            )
 
 
 def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> Path:
@@ -233,7 +248,9 @@ def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = Fals
     if out.exists() and not out.is_dir():
         raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     if out.exists() and any(out.iterdir()) and not (force or resume):
-        raise SettingError(f"output directory {out} already exists; pass {{force}} to overwrite it or {{resume}} to continue it")
+        raise SettingError(
+            f"output directory {out} already exists; pass {{force}} to overwrite it or {{resume}} to continue it"
+        )
     parent = out if out.exists() else out.parent
     while not parent.exists():
         parent = parent.parent

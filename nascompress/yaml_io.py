@@ -1,6 +1,7 @@
 """Reading a YAML file of the user's (a pipeline, a search space) with the strict loader
 (:class:`~nascompress.config.StrictYamlLoader`): a missing, unreadable or invalid file is one line
 naming the file (and the line of a YAML error)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,10 @@ def read_yaml_file(path: str | Path, *, what: str) -> Any:
     try:
         return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
     except RecursionError:  # the max_yaml_depth limit raised above what the parser's stack holds
-        raise NascompressError(f"{path}: nested too deeply for the YAML parser; lower its nesting (or the "
-                               "NASCOMPRESS_MAX_YAML_DEPTH limit)") from None
+        raise NascompressError(
+            f"{path}: nested too deeply for the YAML parser; lower its nesting (or the "
+            "NASCOMPRESS_MAX_YAML_DEPTH limit)"
+        ) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

@@ -29,8 +29,9 @@ def tiny_spec(num_classes: int = 10, **kw):
     with 2 heads (``custom_vit_spec``; ``kw``: its other arguments)."""
     from nascompress.models import custom_vit_spec
 
-    return custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes,
-                           in_chans=1, **kw)
+    return custom_vit_spec(
+        img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes, in_chans=1, **kw
+    )
 
 
 def tiny_spec_3_heads(**kw):
@@ -59,8 +60,11 @@ def tiny_gray_vit(img=16, depth=2, dim=32, heads=2, seed=0):
     from nascompress.models import build_model, custom_vit_spec
 
     torch.manual_seed(seed)
-    return build_model(custom_vit_spec(img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads,
-                                       num_classes=10, in_chans=1)).eval()
+    return build_model(
+        custom_vit_spec(
+            img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads, num_classes=10, in_chans=1
+        )
+    ).eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -91,8 +95,15 @@ def project_with_studies(tmp_path_factory):
     os.chdir(d)
     try:
         run_toy_study("multi", None, 6, seed=1)
-        run_toy_study("single", None, 4, seed=2, directions=["maximize"], metric_names=["accuracy"],
-                      objective_factory=partial(toy_factory, single=True))
+        run_toy_study(
+            "single",
+            None,
+            4,
+            seed=2,
+            directions=["maximize"],
+            metric_names=["accuracy"],
+            objective_factory=partial(toy_factory, single=True),
+        )
         run_toy_study("tiny", None, 1, seed=3)
         run_toy_study("journaled", f"journal:{d}/nascompress-studies.journal", 3, seed=4)
     finally:
@@ -117,10 +128,14 @@ def tiny_run(tmp_path_factory):
     from nascompress.train import TrainConfig, TrainJob, train
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    job = TrainJob(model=custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                         num_classes=10, in_chans=1),
-                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=2, batch_size=32, lr=2e-3, seed=0),
-                   out=str(out))
+    job = TrainJob(
+        model=custom_vit_spec(
+            img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1
+        ),
+        data=DataConfig(dataset="synthetic"),
+        train=TrainConfig(epochs=2, batch_size=32, lr=2e-3, seed=0),
+        out=str(out),
+    )
     train(job)
     return out
 
@@ -154,8 +169,16 @@ def interrupted_at_epoch(hooks_cls, at: int = 1):
 
 
 # the modules that import the library's functions (loaded before any patch_everywhere: see its doc)
-_FRONT_ENDS = ("nascompress.cli.main", "nascompress.pipeline.run", "nascompress.pyapi.compress", "nascompress.pyapi.dcs",
-               "nascompress.pyapi.hf", "nascompress.pyapi.stages", "nascompress.pyapi.study", "nascompress.pyapi.tokens")
+_FRONT_ENDS = (
+    "nascompress.cli.main",
+    "nascompress.pipeline.run",
+    "nascompress.pyapi.compress",
+    "nascompress.pyapi.dcs",
+    "nascompress.pyapi.hf",
+    "nascompress.pyapi.stages",
+    "nascompress.pyapi.study",
+    "nascompress.pyapi.tokens",
+)
 
 
 def patch_everywhere(monkeypatch, module, name: str, value) -> None:

@@ -12,6 +12,7 @@ Chromium: Debian packages ``chromium`` and ``chromium-driver``, driven by seleni
 flags from shared/ENVIRONMENT.md; selenium's driver download is never used (the driver path is
 given and ``SE_OFFLINE=true``).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,9 +34,17 @@ from typing import Iterator
 import pytest
 
 REQUIRE = os.environ.get("NASCOMPRESS_REQUIRE_SERVICES") == "1"
-CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--window-size=1280,2400"]
+CHROMIUM_FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,2400",
+]
 
 
 def unavailable(msg: str) -> None:
@@ -63,8 +72,11 @@ def port_open(host: str, port: int) -> bool:
 
 def pg_bindir() -> Path | None:
     """The PostgreSQL server binaries (newest installed version), or None."""
-    for d in sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name)
-                    if Path(p).parent.name.isdigit() else 0, reverse=True):
+    for d in sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+        reverse=True,
+    ):
         if (Path(d) / "initdb").exists() and (Path(d) / "pg_ctl").exists():
             return Path(d)
     initdb = shutil.which("initdb")
@@ -111,23 +123,47 @@ class PostgresServer:
                 raise RuntimeError(f"running as root needs the 'postgres' user to own the data dir: {e}") from None
         data, sock = self.dir / "data", self.dir / "sock"
         self._run("mkdir", "-p", str(sock))
-        r = self._run(str(self.bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth-local=trust",
-                      "--auth-host=scram-sha-256", "-E", "UTF8", "--no-sync")
+        r = self._run(
+            str(self.bindir / "initdb"),
+            "-D",
+            str(data),
+            "-U",
+            "postgres",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        )
         if r.returncode != 0:
             raise RuntimeError(f"initdb failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
         for _ in range(3):  # a free port can be taken between choosing and binding it: retry
             self.port = free_port()
-            opts = (f"-p {self.port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
-                    "-c max_connections=50 -c shared_buffers=16MB")
-            r = self._run(str(self.bindir / "pg_ctl"), "-D", str(data), "-o", opts, "-l",
-                          str(self.dir / "server.log"), "-w", "-t", "30", "start")
+            opts = (
+                f"-p {self.port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off "
+                "-c max_connections=50 -c shared_buffers=16MB"
+            )
+            r = self._run(
+                str(self.bindir / "pg_ctl"),
+                "-D",
+                str(data),
+                "-o",
+                opts,
+                "-l",
+                str(self.dir / "server.log"),
+                "-w",
+                "-t",
+                "30",
+                "start",
+            )
             if r.returncode == 0:
                 break
         else:
             log = (self.dir / "server.log").read_text()[-300:] if (self.dir / "server.log").exists() else ""
             raise RuntimeError(f"pg_ctl start failed: {(r.stderr or r.stdout).strip()[-200:]} {log}")
-        with psycopg.connect(host=str(sock), port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            host=str(sock), port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
             conn.execute(f"CREATE ROLE {self.user} LOGIN PASSWORD '{self.password}'")  # hex: no quoting issue
             conn.execute(f"CREATE DATABASE {self.database} OWNER {self.user}")
 
@@ -183,8 +219,9 @@ def serve_dir(directory: str | Path) -> Iterator[str]:
 def chromium_paths() -> tuple[str, str] | None:
     """(browser, driver) from the Debian packages, or None."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver")
-                                              else None)
+    driver = shutil.which("chromedriver") or (
+        "/usr/bin/chromedriver" if os.path.exists("/usr/bin/chromedriver") else None
+    )
     return (browser, driver) if browser and driver else None
 
 
@@ -212,10 +249,16 @@ def chromium() -> Iterator[object]:
         driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
     except Exception as e:  # noqa: BLE001 (one line: why the browser did not start)
         unavailable(f"headless Chromium cannot be started: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
-    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": (
-        "window.__errors = [];"
-        "window.addEventListener('error', e => window.__errors.push(String(e.message || e)));"
-        "window.addEventListener('unhandledrejection', e => window.__errors.push(String(e.reason)));")})
+    driver.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument",
+        {
+            "source": (
+                "window.__errors = [];"
+                "window.addEventListener('error', e => window.__errors.push(String(e.message || e)));"
+                "window.addEventListener('unhandledrejection', e => window.__errors.push(String(e.reason)));"
+            )
+        },
+    )
 
     def js_errors() -> list[str]:
         errs = list(driver.execute_script("return window.__errors || []") or [])

@@ -7,6 +7,7 @@ The space: ``x`` in [0, 1] (continuous, so two sampled trials never share params
 SIGKILL tests); JSON holds run_study's keyword arguments plus the toy's (``toy``) and optionally
 ``sampler`` (``nsga2`` or ``tpe``: the search's own samplers, :func:`toy_sampler`).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,17 @@ from typing import Any, Callable
 
 from nascompress.studies import record_trial
 
-SPACE_INFO = {"space": {"format": "nascompress-space/1", "name": "toy",
-                        "methods": [{"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0}}}]},
-              "space_hash": "toyhash000000000", "base_run": "runs/toy", "dataset": "synthetic", "command": "test"}
+SPACE_INFO = {
+    "space": {
+        "format": "nascompress-space/1",
+        "name": "toy",
+        "methods": [{"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0}}}],
+    },
+    "space_hash": "toyhash000000000",
+    "base_run": "runs/toy",
+    "dataset": "synthetic",
+    "command": "test",
+}
 TWO = {"directions": ["maximize", "minimize"], "metric_names": ["accuracy", "flops_ratio"]}
 
 
@@ -38,8 +47,16 @@ def _wait_for_workers(ready_dir: str, n: int) -> None:
         time.sleep(0.05)
 
 
-def _objective(trial: Any, *, sleep: float = 0.0, marker_dir: str | None = None, hang_at: int | None = None,
-               single: bool = False, fail: str | None = None, ready: tuple[str, int] | None = None) -> Any:
+def _objective(
+    trial: Any,
+    *,
+    sleep: float = 0.0,
+    marker_dir: str | None = None,
+    hang_at: int | None = None,
+    single: bool = False,
+    fail: str | None = None,
+    ready: tuple[str, int] | None = None,
+) -> Any:
     if ready is not None:
         _wait_for_workers(*ready)
     x = trial.suggest_float("x", 0.0, 1.0)
@@ -64,9 +81,18 @@ def _objective(trial: Any, *, sleep: float = 0.0, marker_dir: str | None = None,
     import torch
 
     trial.set_user_attr("torch_threads", torch.get_num_threads())
-    record_trial(trial, arch=[{"name": "toy", "config": {"x": x, "mode": mode}}], flops=1e6 * ratio,
-                 flops_ratio=ratio, params=1000 + trial.number, accuracy=acc,
-                 latency_ms=1.0 + ratio if mode == "a" else None, throughput=None, wall_s=sleep, seed=0)
+    record_trial(
+        trial,
+        arch=[{"name": "toy", "config": {"x": x, "mode": mode}}],
+        flops=1e6 * ratio,
+        flops_ratio=ratio,
+        params=1000 + trial.number,
+        accuracy=acc,
+        latency_ms=1.0 + ratio if mode == "a" else None,
+        throughput=None,
+        wall_s=sleep,
+        seed=0,
+    )
     return acc if single else (acc, ratio)
 
 

@@ -3,6 +3,7 @@ every number bounded, no advice that fails, nothing left behind.
 
 Each test fails on the code before the fix.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,15 @@ def test_the_dashboard_refuses_writable_sqlite_saying_why(tmp_path):
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     storage = f"sqlite:///{tmp_path}/s.db"
-    run_study(study_name="d", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
-              progress=False, **TWO)
+    run_study(
+        study_name="d",
+        storage=storage,
+        n_trials=1,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )
     with pytest.raises(NascompressError, match="writable cannot change SQLite storage .* snapshot copy"):
         start_dashboard("d", storage=storage, writable=True)
     one_line(invoke("study", "dashboard", "d", "--storage", storage, "--writable"), "leave out --writable")
@@ -74,16 +82,19 @@ def test_the_dashboard_refuses_writable_sqlite_saying_why(tmp_path):
 # 2. arch.json's input section is checked
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("img_size", [3000, 3000], "img_size is [3000, 3000] but the model takes [16, 16]"),
-    ("img_size", [100000, 100000], "img_size is [100000, 100000] but the model takes [16, 16]"),
-    ("img_size", [32, 32], "img_size is [32, 32] but the model takes [16, 16]"),
-    ("img_size", [16, "x"], "img_size must be [H, W] of positive integers"),
-    ("in_chans", 3, "in_chans is 3 but the model (and its weights) take 1 channels"),
-    ("mean", [float("nan")], "mean must be a list of 1 or 1 (in_chans) finite numbers"),
-    ("std", [0.0], "std values must be positive"),
-    ("std", [1.0, 2.0], "std must be a list of 1 or 1 (in_chans) finite numbers"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("img_size", [3000, 3000], "img_size is [3000, 3000] but the model takes [16, 16]"),
+        ("img_size", [100000, 100000], "img_size is [100000, 100000] but the model takes [16, 16]"),
+        ("img_size", [32, 32], "img_size is [32, 32] but the model takes [16, 16]"),
+        ("img_size", [16, "x"], "img_size must be [H, W] of positive integers"),
+        ("in_chans", 3, "in_chans is 3 but the model (and its weights) take 1 channels"),
+        ("mean", [float("nan")], "mean must be a list of 1 or 1 (in_chans) finite numbers"),
+        ("std", [0.0], "std values must be positive"),
+        ("std", [1.0, 2.0], "std must be a list of 1 or 1 (in_chans) finite numbers"),
+    ],
+)
 def test_the_input_section_of_arch_json_is_checked(tmp_path, key, value, words):
     import nascompress
 
@@ -116,19 +127,31 @@ def test_a_dynamic_size_model_takes_multiples_of_its_patch_within_the_token_limi
 _SPACE = "format: nascompress-space/1\nname: t\nmethods:\n  - name: {method}\n    params:\n      {params}\n"
 
 
-@pytest.mark.parametrize("method,params,words", [
-    ("evit", "prune_layers: {kind: layers, range: [1, 1000000000], size: [1, 1000000]}",
-     "prune_layers.range: layer 1,000,000,000 is beyond the deepest model nascompress builds (256 blocks"),
-    ("evit", "prune_layers: {kind: layers, candidates: [1, 999999999], size: 1}", "layer 999,999,999 is beyond"),
-    ("evit", "keep_rate: {kind: float, low: 0.3, high: 1.0, step: 1.0e-300}",
-     "keep_rate.step: step 1e-300 gives 7.00e+299 values from 0.3 to 1.0, more than the 1,000,000"),
-    ("evit", "keep_rate: {kind: float, low: 0.3, high: .inf}", "keep_rate.high: must be a number, got inf"),
-    ("tome", "r: {kind: int, low: 0, high: 100000000000}", "the range gives 100,000,000,001 values"),
-    ("tome", "r: {kind: int, low: -5, high: 2}",
-     "params.r: r may take -5, which tome refuses: r must be a whole number of tokens >= 0"),
-    ("tome", "r: {kind: categorical, choices: [2, -1]}", "r may take -1, which tome refuses"),
-    ("evit", "keep_rate: 1.5", "keep_rate may take 1.5, which evit refuses"),
-])
+@pytest.mark.parametrize(
+    "method,params,words",
+    [
+        (
+            "evit",
+            "prune_layers: {kind: layers, range: [1, 1000000000], size: [1, 1000000]}",
+            "prune_layers.range: layer 1,000,000,000 is beyond the deepest model nascompress builds (256 blocks",
+        ),
+        ("evit", "prune_layers: {kind: layers, candidates: [1, 999999999], size: 1}", "layer 999,999,999 is beyond"),
+        (
+            "evit",
+            "keep_rate: {kind: float, low: 0.3, high: 1.0, step: 1.0e-300}",
+            "keep_rate.step: step 1e-300 gives 7.00e+299 values from 0.3 to 1.0, more than the 1,000,000",
+        ),
+        ("evit", "keep_rate: {kind: float, low: 0.3, high: .inf}", "keep_rate.high: must be a number, got inf"),
+        ("tome", "r: {kind: int, low: 0, high: 100000000000}", "the range gives 100,000,000,001 values"),
+        (
+            "tome",
+            "r: {kind: int, low: -5, high: 2}",
+            "params.r: r may take -5, which tome refuses: r must be a whole number of tokens >= 0",
+        ),
+        ("tome", "r: {kind: categorical, choices: [2, -1]}", "r may take -1, which tome refuses"),
+        ("evit", "keep_rate: 1.5", "keep_rate may take 1.5, which evit refuses"),
+    ],
+)
 def test_a_search_space_is_bounded_and_checked_when_loaded(tmp_path, method, params, words):
     from nascompress.search.space import load_space
 
@@ -252,13 +275,19 @@ def _rewrite_checkpoint(path: Path, edit) -> None:
     save_file(tensors, str(path), metadata={"nascompress_state": json.dumps(skeleton)})
 
 
-@pytest.mark.parametrize("damage,words", [
-    ("config", "config.json is not the record of a 'nascompress train' run (damaged or edited): it holds a JSON "
-               "list, not an object"),
-    ("missing", "is damaged (its tensor '/model/head.bias' is missing"),
-    ("epoch", "is damaged (its epoch is 'x', not an integer)"),
-    ("shape", "is damaged: head.bias has shape (7,) in the file but (10,) in the model"),
-])
+@pytest.mark.parametrize(
+    "damage,words",
+    [
+        (
+            "config",
+            "config.json is not the record of a 'nascompress train' run (damaged or edited): it holds a JSON "
+            "list, not an object",
+        ),
+        ("missing", "is damaged (its tensor '/model/head.bias' is missing"),
+        ("epoch", "is damaged (its epoch is 'x', not an integer)"),
+        ("shape", "is damaged: head.bias has shape (7,) in the file but (10,) in the model"),
+    ],
+)
 def test_damaged_run_files_are_one_line_on_resume(tmp_path, damage, words):
     import torch
 
@@ -289,23 +318,62 @@ def test_damaged_run_files_are_one_line_on_resume(tmp_path, damage, words):
 # 6. Every count, size and iteration option is bounded (nascompress.limits)
 
 
-@pytest.mark.parametrize("args,words", [
-    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--epochs", "1000000000000"],
-     "--epochs must be an integer in [1, 10000], got 1000000000000"),
-    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--lr", "1e300"], "--lr must be in (0, 10], got 1e+300"),
-    (["train", "--out", "{o}/t", "--dataset", "synthetic", "--batch-size", "1000000000"],
-     "--batch-size must be an integer in [1, 65536]"),
-    (["profile", "{run}", "--batch-size", "1000000000"], "--batch-size must be an integer in [1, 65536]"),
-    (["profile", "{run}", "--iters", "1000000000000"], "--iters must be an integer in [1, 100000]"),
-    (["export", "{run}", "--out", "{o}/m.onnx", "--batch", "1000000000"],
-     "batch must be 'dynamic' or an integer in [1, 65536]"),
-    (["export", "{run}", "--out", "{o}/m.onnx", "--verify-batch", "1000000000"],
-     "--verify-batch must be an integer in [1, 65536]"),
-    (["search", "tokens", "{run}", "--space", "search_spaces/evit.yaml", "--study", "s", "--storage",
-      "sqlite:///{o}/s.db", "--latency-iters", "1000000000000"], "--latency-iters must be an integer in [1, 100000]"),
-    (["search", "tokens", "{run}", "--space", "search_spaces/evit.yaml", "--study", "s", "--storage",
-      "sqlite:///{o}/s.db", "--finetune-epochs", "1000000000"], "--finetune-epochs must be an integer in [0, 10000]"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (
+            ["train", "--out", "{o}/t", "--dataset", "synthetic", "--epochs", "1000000000000"],
+            "--epochs must be an integer in [1, 10000], got 1000000000000",
+        ),
+        (["train", "--out", "{o}/t", "--dataset", "synthetic", "--lr", "1e300"], "--lr must be in (0, 10], got 1e+300"),
+        (
+            ["train", "--out", "{o}/t", "--dataset", "synthetic", "--batch-size", "1000000000"],
+            "--batch-size must be an integer in [1, 65536]",
+        ),
+        (["profile", "{run}", "--batch-size", "1000000000"], "--batch-size must be an integer in [1, 65536]"),
+        (["profile", "{run}", "--iters", "1000000000000"], "--iters must be an integer in [1, 100000]"),
+        (
+            ["export", "{run}", "--out", "{o}/m.onnx", "--batch", "1000000000"],
+            "batch must be 'dynamic' or an integer in [1, 65536]",
+        ),
+        (
+            ["export", "{run}", "--out", "{o}/m.onnx", "--verify-batch", "1000000000"],
+            "--verify-batch must be an integer in [1, 65536]",
+        ),
+        (
+            [
+                "search",
+                "tokens",
+                "{run}",
+                "--space",
+                "search_spaces/evit.yaml",
+                "--study",
+                "s",
+                "--storage",
+                "sqlite:///{o}/s.db",
+                "--latency-iters",
+                "1000000000000",
+            ],
+            "--latency-iters must be an integer in [1, 100000]",
+        ),
+        (
+            [
+                "search",
+                "tokens",
+                "{run}",
+                "--space",
+                "search_spaces/evit.yaml",
+                "--study",
+                "s",
+                "--storage",
+                "sqlite:///{o}/s.db",
+                "--finetune-epochs",
+                "1000000000",
+            ],
+            "--finetune-epochs must be an integer in [0, 10000]",
+        ),
+    ],
+)
 def test_count_size_and_iteration_options_are_bounded(tmp_path, tiny_run, args, words):
     r = invoke(*[a.format(o=tmp_path, run=tiny_run) for a in args])
     one_line(r, words)
@@ -320,9 +388,14 @@ def test_the_option_bounds_are_stated_in_limits():
     from nascompress.search.trials import SearchJob
     from nascompress.train import TrainConfig
 
-    for cls, name, bound in ((TrainConfig, "epochs", "epochs"), (TrainConfig, "lr", "lr"),
-                             (TrainConfig, "batch_size", "batch"), (ProfileConfig, "iters", "iters"),
-                             (SearchJob, "latency_iters", "iters"), (SearchJob, "workers", "workers")):
+    for cls, name, bound in (
+        (TrainConfig, "epochs", "epochs"),
+        (TrainConfig, "lr", "lr"),
+        (TrainConfig, "batch_size", "batch"),
+        (ProfileConfig, "iters", "iters"),
+        (SearchJob, "latency_iters", "iters"),
+        (SearchJob, "workers", "workers"),
+    ):
         f = next(f for f in dataclasses.fields(cls) if f.name == name)
         assert f.metadata["hi"] == limits.OPTION_BOUNDS[bound], (cls, name)
 
@@ -337,8 +410,14 @@ def _create_at_once(url: str, barrier, results) -> None:
 
     barrier.wait()
     try:
-        study, created = open_study(parse_storage(url), study_name="s", directions=["maximize"],
-                                    metric_names=["accuracy"], info={"space_hash": "h"}, enqueue=[{"x": 1}])
+        study, created = open_study(
+            parse_storage(url),
+            study_name="s",
+            directions=["maximize"],
+            metric_names=["accuracy"],
+            info={"space_hash": "h"},
+            enqueue=[{"x": 1}],
+        )
         results.put(("ok", created, len(study.trials)))
     except BaseException as e:  # noqa: BLE001 (reported to the parent)
         results.put(("error", f"{type(e).__name__}: {e}", 0))
@@ -366,8 +445,19 @@ def test_two_processes_creating_one_new_sqlite_study_both_succeed(tmp_path):
 
 
 def test_objective_flops_with_a_constraint_is_refused(tmp_path, tiny_run):
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--storage", f"sqlite:///{tmp_path}/s.db",
-               "--objective", "flops", "--max-flops", "0.8")
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "s",
+        "--storage",
+        f"sqlite:///{tmp_path}/s.db",
+        "--objective",
+        "flops",
+        "--max-flops",
+        "0.8",
+    )
     one_line(r, "--objective flops is a Pareto front; with --max-flops or --max-latency the study is single-objective")
     from nascompress.search.trials import SearchJob
 
@@ -385,8 +475,10 @@ def test_a_pipeline_whose_space_does_not_fit_its_base_writes_nothing(tmp_path):
     cfg["stages"] = {"tokens": dict(cfg["stages"]["tokens"], space=str(REPO / "search_spaces" / "mgvit-h.yaml"))}
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "out"
-    one_line(invoke("pipeline", tmp_path / "p.yaml", "--out", out),
-             "method mgvit-h needs a pyramid ViT (PVT v2), and the base model is a plain ViT")
+    one_line(
+        invoke("pipeline", tmp_path / "p.yaml", "--out", out),
+        "method mgvit-h needs a pyramid ViT (PVT v2), and the base model is a plain ViT",
+    )
     assert not out.exists()
 
 
@@ -400,13 +492,34 @@ def test_a_study_is_bound_to_its_base_model(tmp_path, tiny_run):
     (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
     base = _copy_run(tiny_run, tmp_path / "base")
     other = tmp_path / "other"  # the same architecture, other weights
-    train(TrainJob(model=custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                         num_classes=10, in_chans=1),
-                   data=DataConfig(dataset="synthetic"), train=TrainConfig(epochs=1, batch_size=32, lr=2e-3, seed=1),
-                   out=str(other)))
+    train(
+        TrainJob(
+            model=custom_vit_spec(
+                img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1
+            ),
+            data=DataConfig(dataset="synthetic"),
+            train=TrainConfig(epochs=1, batch_size=32, lr=2e-3, seed=1),
+            out=str(other),
+        )
+    )
     storage = f"sqlite:///{tmp_path}/s.db"
-    common = ["--space", tmp_path / "space.yaml", "--storage", storage, "--study", "s1", "--eval-images", "20",
-              "--train-images", "20", "--calib-steps", "0", "--no-enqueue", "--device", "cpu"]
+    common = [
+        "--space",
+        tmp_path / "space.yaml",
+        "--storage",
+        storage,
+        "--study",
+        "s1",
+        "--eval-images",
+        "20",
+        "--train-images",
+        "20",
+        "--calib-steps",
+        "0",
+        "--no-enqueue",
+        "--device",
+        "cpu",
+    ]
     r = invoke("search", "tokens", base, *common, "--trials", "1")
     assert r.exit_code == 0, r.output
     r = invoke("search", "tokens", other, *common, "--trials", "2")
@@ -445,8 +558,9 @@ def test_ctrl_c_in_train_advises_the_resume_that_continues_it(tmp_path):
         r = invoke("train", "--out", out, "--dataset", "synthetic", *TINY)
     assert r.exit_code == 130
     advice = r.stderr.strip().splitlines()[-1]
-    assert advice.startswith("interrupted; the last finished epoch is checkpointed: continue with 'nascompress train "
-                             "--resume --out"), advice
+    assert advice.startswith(
+        "interrupted; the last finished epoch is checkpointed: continue with 'nascompress train --resume --out"
+    ), advice
     cmd = shlex.split(advice.split("continue with ", 1)[1].strip("'"))
     assert cmd[:2] == ["nascompress", "train"]
     r = invoke(*cmd[1:])  # the advice, run
@@ -474,9 +588,28 @@ def test_ctrl_c_in_a_study_advises_rerunning_it(tmp_path, tiny_run, monkeypatch)
     from .conftest import TINY_EVIT_SPACE
 
     (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
-    args = ["search", "tokens", tiny_run, "--space", tmp_path / "space.yaml", "--storage", f"sqlite:///{tmp_path}/s.db",
-            "--study", "s", "--eval-images", "20", "--train-images", "20", "--calib-steps", "0", "--no-enqueue",
-            "--device", "cpu", "--trials", "2"]
+    args = [
+        "search",
+        "tokens",
+        tiny_run,
+        "--space",
+        tmp_path / "space.yaml",
+        "--storage",
+        f"sqlite:///{tmp_path}/s.db",
+        "--study",
+        "s",
+        "--eval-images",
+        "20",
+        "--train-images",
+        "20",
+        "--calib-steps",
+        "0",
+        "--no-enqueue",
+        "--device",
+        "cpu",
+        "--trials",
+        "2",
+    ]
     with monkeypatch.context() as m:
         m.setattr(trials, "build_trial", _interrupt)
         r = invoke(*args)
@@ -529,9 +662,22 @@ def test_the_file_size_limit_during_export_is_named(tmp_path, tiny_run):
         resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 1024, 20 * 1024))
 
     out = tmp_path / "e" / "m.onnx"
-    r = subprocess.run([sys.executable, "-c", "from nascompress.cli.main import app; app()", "export", str(tiny_run),
-                        "--out", str(out)], capture_output=True, text=True, preexec_fn=small_files, timeout=300,
-                       env={**__import__("os").environ, "NASCOMPRESS_PROGRESS": "off"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from nascompress.cli.main import app; app()",
+            "export",
+            str(tiny_run),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=small_files,
+        timeout=300,
+        env={**__import__("os").environ, "NASCOMPRESS_PROGRESS": "off"},
+    )
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "the file size limit of this shell (ulimit -f) is exceeded; raise it (ulimit -f unlimited)" in lines[0]
@@ -544,9 +690,11 @@ def test_world_size_without_torchrun_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     for v in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(v, raising=False)
-    one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY),
-             "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: the command was not started "
-             "by torchrun; unset WORLD_SIZE to run in one process")
+    one_line(
+        invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY),
+        "WORLD_SIZE=2 is set but RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT are not: the command was not started "
+        "by torchrun; unset WORLD_SIZE to run in one process",
+    )
     monkeypatch.setenv("WORLD_SIZE", "two")
     one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", *TINY), "WORLD_SIZE='two' is not")
     monkeypatch.delenv("WORLD_SIZE")  # the advice, run
@@ -568,13 +716,17 @@ def test_a_completion_mark_naming_a_file_outside_the_run_is_refused(tmp_path, ti
 def test_the_example_of_a_refused_per_layer_value_is_valid(tmp_path, tiny_run):
     import re
 
-    msg = one_line(invoke("finetune", tiny_run, "--method", "tome", "--r", "1.5", "--zero-shot", "--out",
-                          tmp_path / "a"), "--r takes one integer or comma-separated integers, e.g. 8")
+    msg = one_line(
+        invoke("finetune", tiny_run, "--method", "tome", "--r", "1.5", "--zero-shot", "--out", tmp_path / "a"),
+        "--r takes one integer or comma-separated integers, e.g. 8",
+    )
     example = re.search(r"e\.g\. (\S+?),", msg).group(1)
     r = invoke("finetune", tiny_run, "--method", "tome", "--r", example, "--zero-shot", "--out", tmp_path / "b")
     assert r.exit_code == 0, r.output  # the example, run
-    msg = one_line(invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "x", "--zero-shot", "--out",
-                          tmp_path / "c"), "--keep-rate takes one number")
+    msg = one_line(
+        invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "x", "--zero-shot", "--out", tmp_path / "c"),
+        "--keep-rate takes one number",
+    )
     example = re.search(r"e\.g\. (\S+?),", msg).group(1)
     r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", example, "--zero-shot", "--out", tmp_path / "d")
     assert r.exit_code == 0, r.output
@@ -587,12 +739,19 @@ def test_weights_that_are_no_regular_file_are_named(tmp_path):
 
     os.mkfifo(tmp_path / "fifo")
     (tmp_path / "dir").mkdir()
-    for path, kind in ((tmp_path / "dir", "a directory"), (tmp_path / "fifo", "a named pipe (FIFO)"),
-                       (Path("/dev/zero"), "a device or socket")):
-        one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", path, *TINY),
-                 f"weights file {path} is {kind}, not a regular file")
-    one_line(invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", tmp_path / "none", *TINY),
-             "does not exist")
+    for path, kind in (
+        (tmp_path / "dir", "a directory"),
+        (tmp_path / "fifo", "a named pipe (FIFO)"),
+        (Path("/dev/zero"), "a device or socket"),
+    ):
+        one_line(
+            invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", path, *TINY),
+            f"weights file {path} is {kind}, not a regular file",
+        )
+    one_line(
+        invoke("train", "--out", tmp_path / "r", "--dataset", "synthetic", "--weights", tmp_path / "none", *TINY),
+        "does not exist",
+    )
 
 
 def test_a_study_export_or_report_never_replaces_the_study_file(tmp_path):
@@ -601,13 +760,22 @@ def test_a_study_export_or_report_never_replaces_the_study_file(tmp_path):
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     db = tmp_path / "s.db"
-    run_study(study_name="s", storage=f"sqlite:///{db}", n_trials=1, objective_factory=toy_factory,
-              space_info=SPACE_INFO, progress=False, **TWO)
+    run_study(
+        study_name="s",
+        storage=f"sqlite:///{db}",
+        n_trials=1,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )
     before = db.read_bytes()
-    one_line(invoke("study", "export", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"),
-             "is the command's input")
-    one_line(invoke("study", "report", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"),
-             "is the command's input")
+    one_line(
+        invoke("study", "export", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"), "is the command's input"
+    )
+    one_line(
+        invoke("study", "report", "s", "--storage", f"sqlite:///{db}", "--out", db, "--force"), "is the command's input"
+    )
     assert db.read_bytes() == before
 
 
@@ -615,8 +783,10 @@ def test_an_allocation_failure_is_one_line(tiny_run, monkeypatch):
     import nascompress.runs.io as nio
 
     def fail(*a, **k):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                           "you tried to allocate 6553600000000 bytes.")
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 6553600000000 bytes."
+        )
 
     monkeypatch.setattr(nio, "check_finite", fail)
     msg = one_line(invoke("evaluate", tiny_run, "--dataset", "synthetic"), "error: out of memory (")

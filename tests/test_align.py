@@ -1,5 +1,6 @@
 """Hardware-aligned widths (uniform pruning, MG-ViT's C', search spaces) and the Q/K layout of
 narrowed heads (packed vs zero-padded to V's head dim): same outputs, FLOPs counted as computed."""
+
 from __future__ import annotations
 
 import copy
@@ -22,9 +23,20 @@ from nascompress.search.space import Space
 
 def vit(embed_dim=96, heads=3, depth=2, img=16):
     torch.manual_seed(0)
-    return build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=img, patch_size=4, embed_dim=embed_dim,
-                                                              depth=depth, num_heads=heads, num_classes=10,
-                                                              in_chans=1))).eval()
+    return build_model(
+        ModelSpec(
+            "vit_tiny_patch16_224",
+            dict(
+                img_size=img,
+                patch_size=4,
+                embed_dim=embed_dim,
+                depth=depth,
+                num_heads=heads,
+                num_classes=10,
+                in_chans=1,
+            ),
+        )
+    ).eval()
 
 
 # ---------------------------------------------------------------------------------------------

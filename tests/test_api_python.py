@@ -1,6 +1,7 @@
 """The Python API (``import nascompress as nc``): the same weights as the commands for the same data
 and seed, model objects and a caller's Dataset/DataLoader at every stage, nothing written without
 ``out=``, Hugging Face ViTs in and out, one-line errors, the README's example and docs/api.md."""
+
 from __future__ import annotations
 
 import re
@@ -47,15 +48,34 @@ def tensor_data(n: int, seed: int) -> torch.utils.data.TensorDataset:
 
 def test_stages_give_the_command_chains_weights(tiny_run, tmp_path, no_tmp_left):
     """search dcs -> materialize -> retrain --teacher: the commands and the functions on model objects."""
-    assert invoke("search", "dcs", tiny_run, "--out", tmp_path / "s", "--target-flops", 0.7, "--dataset", "synthetic",
-                  *DCS).exit_code == 0
+    assert (
+        invoke(
+            "search", "dcs", tiny_run, "--out", tmp_path / "s", "--target-flops", 0.7, "--dataset", "synthetic", *DCS
+        ).exit_code
+        == 0
+    )
     assert invoke("materialize", tmp_path / "s", "--out", tmp_path / "m").exit_code == 0
-    r = invoke("retrain", tmp_path / "m", "--out", tmp_path / "r", "--dataset", "synthetic", "--epochs", 1,
-               "--batch-size", 32, "--teacher", tiny_run, "--device", "cpu")
+    r = invoke(
+        "retrain",
+        tmp_path / "m",
+        "--out",
+        tmp_path / "r",
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        "--teacher",
+        tiny_run,
+        "--device",
+        "cpu",
+    )
     assert r.exit_code == 0, r.output
     dense = nc.load(tiny_run)
-    search = nc.dcs.search(dense, "synthetic", target_flops=0.7, epochs=1, batch_size=32, arch_lr=0.05,
-                           mlp_gates="residual", device="cpu")
+    search = nc.dcs.search(
+        dense, "synthetic", target_flops=0.7, epochs=1, batch_size=32, arch_lr=0.05, mlp_gates="residual", device="cpu"
+    )
     same_weights(search.model, nc.load(tmp_path / "s"))
     mat = nc.materialize(search)
     same_weights(mat.model, nc.load(tmp_path / "m"))
@@ -69,13 +89,29 @@ def test_stages_give_the_command_chains_weights(tiny_run, tmp_path, no_tmp_left)
 
 def test_compress_gives_the_pipeline_commands_weights(tiny_run, tmp_path, no_tmp_left):
     stages = {"dcs": {"epochs": 1, "batch_size": 32, "arch_lr": 0.05}, "retrain": {"batch_size": 32}}
-    small = nc.compress(nc.load(tiny_run), "synthetic", target_flops=0.7, methods=("dcs",), epochs=1, device="cpu",
-                        latency=False, progress=False, dcs=stages["dcs"], retrain=stages["retrain"])
+    small = nc.compress(
+        nc.load(tiny_run),
+        "synthetic",
+        target_flops=0.7,
+        methods=("dcs",),
+        epochs=1,
+        device="cpu",
+        latency=False,
+        progress=False,
+        dcs=stages["dcs"],
+        retrain=stages["retrain"],
+    )
     assert not any(no_tmp_left.iterdir()) and small.out is None
-    cfg = {"format": "nascompress-pipeline/1", "seed": 0, "device": "cpu", "data": {"dataset": "synthetic"},
-           "base": {"run": str(tiny_run)}, "goal": {"max_flops": 0.7},
-           "stages": {"dcs": {"target_flops": 0.7, **stages["dcs"]}, "retrain": {"epochs": 1, **stages["retrain"]}},
-           "report": {"latency": False, "iters": 5}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "seed": 0,
+        "device": "cpu",
+        "data": {"dataset": "synthetic"},
+        "base": {"run": str(tiny_run)},
+        "goal": {"max_flops": 0.7},
+        "stages": {"dcs": {"target_flops": 0.7, **stages["dcs"]}, "retrain": {"epochs": 1, **stages["retrain"]}},
+        "report": {"latency": False, "iters": 5},
+    }
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
     res = invoke("pipeline", tmp_path / "p.yaml", "--out", tmp_path / "p")
     assert res.exit_code == 0, res.output
@@ -90,15 +126,37 @@ def test_compress_gives_the_pipeline_commands_weights(tiny_run, tmp_path, no_tmp
 def test_compress_on_a_tensor_dataset_records_the_callers_preprocessing(tiny_run, tmp_path):
     model = nc.load(tiny_run)
     kept = tmp_path / "kept"
-    small = nc.compress(model, tensor_data(600, 0), val=tensor_data(200, 1), target_flops=0.7, methods=("dcs",),
-                        epochs=1, device="cpu", latency=False, progress=False, out=kept,
-                        dcs={"epochs": 1, "batch_size": 32}, retrain={"batch_size": 32})
+    small = nc.compress(
+        model,
+        tensor_data(600, 0),
+        val=tensor_data(200, 1),
+        target_flops=0.7,
+        methods=("dcs",),
+        epochs=1,
+        device="cpu",
+        latency=False,
+        progress=False,
+        out=kept,
+        dcs={"epochs": 1, "batch_size": 32},
+        retrain={"batch_size": 32},
+    )
     assert small.arch["input"]["mean"] == [0.0] and small.arch["input"]["std"] == [1.0]
     assert small.report["test_images"] == 200 and small.report["accuracy"] > 10
     assert (kept / "pipeline" / "summary.json").is_file() and small.out == str(kept / "pipeline")
-    again = nc.compress(model, tensor_data(600, 0), val=tensor_data(200, 1), target_flops=0.7, methods=("dcs",),
-                        epochs=1, device="cpu", latency=False, progress=False, out=kept,
-                        dcs={"epochs": 1, "batch_size": 32}, retrain={"batch_size": 32})  # continued: all done
+    again = nc.compress(
+        model,
+        tensor_data(600, 0),
+        val=tensor_data(200, 1),
+        target_flops=0.7,
+        methods=("dcs",),
+        epochs=1,
+        device="cpu",
+        latency=False,
+        progress=False,
+        out=kept,
+        dcs={"epochs": 1, "batch_size": 32},
+        retrain={"batch_size": 32},
+    )  # continued: all done
     same_weights(again.model, small.model)
 
 
@@ -106,8 +164,9 @@ def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left
     from nascompress.models import build_model, custom_vit_spec
 
     torch.manual_seed(0)
-    model = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
-                                        in_chans=1))
+    model = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    )
     loader = torch.utils.data.DataLoader(tensor_data(600, 0), batch_size=32, shuffle=True)
     search = nc.dcs.search(model, loader, target_flops=0.7, epochs=1, device="cpu", mlp_gates="residual")
     assert search.config["train"]["batch_size"] == 32  # the loader's
@@ -130,8 +189,17 @@ def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left
 def test_study_and_its_pick(tiny_run, tmp_path, no_tmp_left):
     model = nc.load(tiny_run)
     loader = torch.utils.data.DataLoader(tensor_data(600, 0), batch_size=32)
-    res = nc.study(model, loader, space="tome", trials=2, max_flops=0.8, device="cpu", progress=False,
-                   eval_images=100, train_images=100)
+    res = nc.study(
+        model,
+        loader,
+        space="tome",
+        trials=2,
+        max_flops=0.8,
+        device="cpu",
+        progress=False,
+        eval_images=100,
+        train_images=100,
+    )
     assert res.summary["complete"] == 2 and res.out is None
     assert res.picked.metrics["flops_ratio"] <= 0.8 and res.picked.arch["methods"][-1]["name"] == "tome"
     assert res.picked.metrics["rebuilt_accuracy"] == res.picked.metrics["trial_accuracy"]
@@ -164,9 +232,18 @@ def test_hugging_face_vit_round_trip(tmp_path, tiny_run):
     from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
-    hf = ViTForImageClassification(ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32,
-                                             num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                             num_labels=5)).eval()
+    hf = ViTForImageClassification(
+        ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            num_labels=5,
+        )
+    ).eval()
     x = torch.rand(4, 3, 16, 16) * 2 - 1
     model = nc.from_transformers(hf)
     with torch.no_grad():
@@ -176,8 +253,17 @@ def test_hugging_face_vit_round_trip(tmp_path, tiny_run):
     with torch.no_grad():
         assert (back(pixel_values=x).logits - hf(pixel_values=x).logits).abs().max() < 1e-5
         assert (nc.from_transformers(tmp_path / "hf")(x) - model(x)).abs().max() < 1e-5
-    mat = nc.materialize(nc.dcs.search(nc.load(tiny_run), "synthetic", target_flops=0.7, epochs=1, batch_size=32,
-                                       mlp_gates="residual", device="cpu"))
+    mat = nc.materialize(
+        nc.dcs.search(
+            nc.load(tiny_run),
+            "synthetic",
+            target_flops=0.7,
+            epochs=1,
+            batch_size=32,
+            mlp_gates="residual",
+            device="cpu",
+        )
+    )
     with pytest.raises(NascompressError, match="cannot write this model as a transformers ViT: .*ViTConfig"):
         nc.to_transformers(mat.model, tmp_path / "no")
 
@@ -186,8 +272,18 @@ def test_a_dinov2_backbone_comes_in_with_its_pooled_output(tmp_path):
     from transformers import Dinov2Config, Dinov2Model
 
     torch.manual_seed(0)
-    hf = Dinov2Model(Dinov2Config(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, mlp_ratio=2, layerscale_value=0.5)).eval()
+    hf = Dinov2Model(
+        Dinov2Config(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            mlp_ratio=2,
+            layerscale_value=0.5,
+        )
+    ).eval()
     x = torch.randn(4, 3, 16, 16)
     model = nc.from_transformers(hf)
     with torch.no_grad():
@@ -206,10 +302,16 @@ def test_the_readmes_python_example_runs(tmp_path):
     section = text.split("## From Python", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "example.py").write_text(code)
-    env = {"PYTHONPATH": str(REPO), "NASCOMPRESS_PROGRESS": "off", "OMP_NUM_THREADS": "1",
-           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
+    env = {
+        "PYTHONPATH": str(REPO),
+        "NASCOMPRESS_PROGRESS": "off",
+        "OMP_NUM_THREADS": "1",
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+    }
+    r = subprocess.run(
+        [sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "x the FLOPs" in r.stdout and (tmp_path / "runs" / "small" / "model.safetensors").is_file()
     small, dense = map(float, re.search(r"top-1 ([\d.]+)% \(dense ([\d.]+)%\)", r.stdout).groups())
@@ -217,6 +319,7 @@ def test_the_readmes_python_example_runs(tmp_path):
 
 
 def test_the_api_reference_is_up_to_date():
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "api_reference.py"), "--check"], capture_output=True,
-                       text=True)
+    r = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "api_reference.py"), "--check"], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr

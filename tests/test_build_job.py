@@ -3,6 +3,7 @@ library function, which the stage's CLI command, its pipeline section and the Py
 front end (``nascompress/cli/``, ``nascompress/pipeline/``, ``nascompress/pyapi/`` and
 ``nc.export.onnx``) that constructs a job class itself (``TrainJob(...)``, ``run(TrainJob, ...)``,
 ``library_config(section, <a job's settings>)``) fails here."""
+
 from __future__ import annotations
 
 import ast
@@ -15,8 +16,12 @@ import pytest
 from nascompress.config import StageSettings
 
 PKG = Path(__file__).resolve().parents[1] / "nascompress"
-FRONT_ENDS = [*sorted((PKG / "cli").glob("*.py")), *sorted((PKG / "pipeline").glob("*.py")),
-              *sorted((PKG / "pyapi").glob("*.py")), PKG / "export" / "__init__.py"]  # nc.export.onnx
+FRONT_ENDS = [
+    *sorted((PKG / "cli").glob("*.py")),
+    *sorted((PKG / "pipeline").glob("*.py")),
+    *sorted((PKG / "pyapi").glob("*.py")),
+    PKG / "export" / "__init__.py",
+]  # nc.export.onnx
 # jobs that are settings dataclasses of a stage without a *Job class, and their builder's name
 OTHER_JOBS = {"ExportConfig": ("nascompress.export.config", "build_config")}
 # a job whose builder lives beside the stage's run, not beside the class
@@ -50,13 +55,15 @@ def settings_names() -> dict[str, str]:
     jobs, names = job_classes(), {}
     for path in PKG.rglob("*.py"):
         mod = importlib.import_module(_module_name(path))
-        names |= {k: v.cls.__name__ for k, v in vars(mod).items()
-                  if isinstance(v, StageSettings) and v.cls.__name__ in jobs}
+        names |= {
+            k: v.cls.__name__ for k, v in vars(mod).items() if isinstance(v, StageSettings) and v.cls.__name__ in jobs
+        }
     return names
 
 
 def constructions(path: Path, jobs: set[str], settings: dict[str, str]) -> list[tuple[int, str]]:
     """(line, class) of each place ``path`` builds a job itself."""
+
     def name(node: ast.AST) -> str | None:
         if isinstance(node, ast.Name):
             return node.id
@@ -71,8 +78,11 @@ def constructions(path: Path, jobs: set[str], settings: dict[str, str]) -> list[
             found.append((node.lineno, called))
         elif called == "run" and node.args and name(node.args[0]) in jobs:  # the CLI's run(TrainJob, ...)
             found.append((node.lineno, name(node.args[0])))
-        elif called in ("library_config", "settings_class") and len(node.args) > 1 and \
-                (name(node.args[1]) in jobs or name(node.args[1]) in settings):  # a section -> a job
+        elif (
+            called in ("library_config", "settings_class")
+            and len(node.args) > 1
+            and (name(node.args[1]) in jobs or name(node.args[1]) in settings)
+        ):  # a section -> a job
             found.append((node.lineno, settings.get(name(node.args[1]), name(node.args[1]))))
     return found
 
@@ -81,8 +91,9 @@ def test_every_job_class_has_its_build_job():
     for cls, (module, builder) in job_classes().items():
         fn = getattr(importlib.import_module(module), builder, None)
         assert callable(fn), f"{module} has no {builder} for {cls}"
-        assert inspect.signature(fn).return_annotation in (cls, getattr(importlib.import_module(module), cls)), \
+        assert inspect.signature(fn).return_annotation in (cls, getattr(importlib.import_module(module), cls)), (
             f"{module}.{builder} does not return a {cls}"
+        )
 
 
 def test_no_front_end_builds_a_job_itself():
@@ -101,15 +112,21 @@ def test_no_front_end_builds_a_job_itself():
 
 def test_the_scan_sees_a_job_built_directly(tmp_path):
     src = tmp_path / "front.py"
-    src.write_text("from nascompress.train import TrainJob\n\n"
-                   "def build(run, spec, s):\n"
-                   "    a = TrainJob(model=spec)\n"
-                   "    b = run(TrainJob, model=spec)\n"
-                   "    c = library_config(s, STUDY_SETTINGS)\n"
-                   "    d = nascompress.importer.ImportJob(model='m', weights='w', out='o')\n"
-                   "    return build_job(spec, 'o'), setting_option(TrainJob, 'weights')\n")
+    src.write_text(
+        "from nascompress.train import TrainJob\n\n"
+        "def build(run, spec, s):\n"
+        "    a = TrainJob(model=spec)\n"
+        "    b = run(TrainJob, model=spec)\n"
+        "    c = library_config(s, STUDY_SETTINGS)\n"
+        "    d = nascompress.importer.ImportJob(model='m', weights='w', out='o')\n"
+        "    return build_job(spec, 'o'), setting_option(TrainJob, 'weights')\n"
+    )
     assert constructions(src, set(job_classes()), {"STUDY_SETTINGS": "SearchJob"}) == [
-        (4, "TrainJob"), (5, "TrainJob"), (6, "SearchJob"), (7, "ImportJob")]
+        (4, "TrainJob"),
+        (5, "TrainJob"),
+        (6, "SearchJob"),
+        (7, "ImportJob"),
+    ]
 
 
 @pytest.mark.parametrize("allowed", sorted(ALLOWED))

@@ -1,4 +1,5 @@
 """Every dense command through Typer's CliRunner, and the bad inputs the foundation names."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,15 @@ def test_train_evaluate_profile_on_fashion_mnist(tmp_path):
     assert r.exit_code == 0, r.output
     metrics = json.loads(r.stdout)
     assert metrics["test_n"] == 256 and 0 <= metrics["test_top1"] <= 100
-    for f in ("model.safetensors", "arch.json", "config.json", "metrics.json", "log.jsonl", "checkpoint.safetensors",
-              "last.safetensors"):
+    for f in (
+        "model.safetensors",
+        "arch.json",
+        "config.json",
+        "metrics.json",
+        "log.jsonl",
+        "checkpoint.safetensors",
+        "last.safetensors",
+    ):
         assert (out / f).is_file(), f
     r = invoke("evaluate", out, "--eval-limit", 100, "--json", "--teacher", out)
     assert r.exit_code == 0, r.output
@@ -55,13 +63,19 @@ def _one_line_error(r, pattern):
     assert pattern in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("args,pattern", [
-    (["--model", "deit_smal_patch16_224"], "unknown model name"),
-    (["--model", "resnet18"], "not a timm VisionTransformer"),
-    (["--dataset", "/nonexistent/data"], "neither a built-in dataset (fashion-mnist, digits, lfw-faces) nor a directory"),
-    (["--weights", "/nonexistent/w.safetensors"], "does not exist"),
-    (["--epochs", "0"], r"--epochs must be an integer in [1, 10000], got 0"),
-])
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--model", "deit_smal_patch16_224"], "unknown model name"),
+        (["--model", "resnet18"], "not a timm VisionTransformer"),
+        (
+            ["--dataset", "/nonexistent/data"],
+            "neither a built-in dataset (fashion-mnist, digits, lfw-faces) nor a directory",
+        ),
+        (["--weights", "/nonexistent/w.safetensors"], "does not exist"),
+        (["--epochs", "0"], r"--epochs must be an integer in [1, 10000], got 0"),
+    ],
+)
 def test_train_bad_input(tmp_path, args, pattern):
     out = tmp_path / "out"
     _one_line_error(invoke("train", "--out", out, *TINY, *args), pattern)
@@ -74,7 +88,9 @@ def test_train_bad_weights_and_class_count(tmp_path, tiny_run):
     out = tmp_path / "out"
     base = ["train", "--out", out, "--img-size", 16, *TINY, "--dataset", "synthetic"]
     _one_line_error(invoke(*base, "--weights", bad), "corrupt")
-    _one_line_error(invoke(*base, "--weights", tiny_run / "model.safetensors", "--num-classes", 5), "class count differs")
+    _one_line_error(
+        invoke(*base, "--weights", tiny_run / "model.safetensors", "--num-classes", 5), "class count differs"
+    )
     assert not out.exists()
 
 
@@ -102,7 +118,9 @@ def test_unwritable_output(tmp_path):
 def test_evaluate_bad_inputs(tmp_path, tiny_run):
     _one_line_error(invoke("evaluate", tmp_path / "nope"), "does not exist")
     _one_line_error(invoke("evaluate", tmp_path), "no model.safetensors")
-    _one_line_error(invoke("evaluate", tiny_run, "--split", "bogus"), "--split must be one of train, val, test")  # its declared choices
+    _one_line_error(
+        invoke("evaluate", tiny_run, "--split", "bogus"), "--split must be one of train, val, test"
+    )  # its declared choices
 
 
 def test_debug_shows_traceback(tmp_path):

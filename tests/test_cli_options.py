@@ -1,6 +1,7 @@
 """The CLI's plumbing options are declared once (nascompress/cli/options.py) with one help text each,
 the quantize schemes once (the library's), and the token methods' recipe fields are options with
 help like every other setting."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,20 +37,23 @@ def _commands():
 
 def _helps(option: str) -> dict[str, str]:
     """Command -> the help of its ``option``, for every command that has it."""
-    return {name: p.help for name, cmd in _commands() for p in cmd.params
-            if p.param_type_name == "option" and option in p.opts}
+    return {
+        name: p.help
+        for name, cmd in _commands()
+        for p in cmd.params
+        if p.param_type_name == "option" and option in p.opts
+    }
 
 
 @pytest.mark.parametrize("option", PLUMBING)
 def test_each_plumbing_option_is_declared_once_in_the_cli_sources(option):
     """Only options.py writes ``typer.Option("--out", ...)`` (and --force, --resume, --json)."""
-    where = [p.name for p in sorted(CLI.glob("*.py"))
-             if re.search(rf'typer\.Option\(\s*"{option}"', p.read_text())]
+    where = [p.name for p in sorted(CLI.glob("*.py")) if re.search(rf'typer\.Option\(\s*"{option}"', p.read_text())]
     assert where == ["options.py"], where
 
 
 def test_a_runs_data_options_are_declared_once_in_the_cli_sources():
-    pattern = re.compile(r'setting_option\(\s*RUN_DATA\s*,')
+    pattern = re.compile(r"setting_option\(\s*RUN_DATA\s*,")
     where = [p.name for p in sorted(CLI.glob("*.py")) if pattern.search(p.read_text())]
     assert where == ["options.py"], where
 
@@ -89,18 +93,32 @@ def test_the_quantize_schemes_are_declared_once_and_the_cli_shows_them():
     assert quantize.QUANTIZE_CHOICES is export_config.QUANTIZE == ("none", "int8", *export_config.SCHEMES)
     assert quantize.QuantizeConfig().scheme == export_config.SCHEMES[0] == "int8-static"
     assert quantize.config_for("int8") == quantize.QuantizeConfig()
-    (metavar,) = {p.metavar for name, cmd in _commands() if name == "quantize" for p in cmd.params
-                  if "--scheme" in p.opts}
+    (metavar,) = {
+        p.metavar for name, cmd in _commands() if name == "quantize" for p in cmd.params if "--scheme" in p.opts
+    }
     assert metavar == "[int8-static|int8-dynamic]"
 
 
 # the recipes' defaults before they became settings (the defaults must not move)
 RECIPES = {
     "evit": {"shrink_start_epoch": 0.0, "shrink_epochs": 0.0, "linearized_temperature": None, "distill": 0.0},
-    "dynamicvit": {"w_kl": 0.5, "w_distill": 0.5, "w_ratio": 2.0, "gumbel_tau": 1.0, "backbone_lr_scale": 0.01,
-                   "predictor_epochs": 0.0, "predictor_steps": 100},
-    "sparsifiner": {"stage1_epochs": 1, "stage1_steps": 100, "predictor_lr_scale": 10.0, "lambda_attn": 1.0,
-                    "lambda_token": 0.5, "lambda_cls_distill": 0.5},
+    "dynamicvit": {
+        "w_kl": 0.5,
+        "w_distill": 0.5,
+        "w_ratio": 2.0,
+        "gumbel_tau": 1.0,
+        "backbone_lr_scale": 0.01,
+        "predictor_epochs": 0.0,
+        "predictor_steps": 100,
+    },
+    "sparsifiner": {
+        "stage1_epochs": 1,
+        "stage1_steps": 100,
+        "predictor_lr_scale": 10.0,
+        "lambda_attn": 1.0,
+        "lambda_token": 0.5,
+        "lambda_cls_distill": 0.5,
+    },
     "tome": {"distill": 0.0},
 }
 

@@ -4,6 +4,7 @@ key of its pipeline section, or in an explicit exclusion list below (with the re
 ``search dcs`` / ``stages.dcs``, ``train`` / ``base.train`` and ``data``, ``retrain`` /
 ``stages.retrain``, ``search tokens`` / ``stages.tokens``, ``finetune``'s training options,
 ``profile`` / ``report``, ``export`` / ``export``. The CLI and the pipeline give the same defaults, and build the same jobs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +19,17 @@ from nascompress.data import FMNIST_DIR, DataConfig
 from nascompress.errors import NascompressError
 from nascompress.methods.dcs import SEARCH_DCS, SEARCH_DCS_SETTINGS, DCSConfig
 from nascompress.export.config import ExportConfig
-from nascompress.pipeline import (BaseTrainSection, DataSection, DCSStage, ExportSection, PipelineConfig, ReportSection,
-                                  RetrainStage, TokensStage, load_config)
+from nascompress.pipeline import (
+    BaseTrainSection,
+    DataSection,
+    DCSStage,
+    ExportSection,
+    PipelineConfig,
+    ReportSection,
+    RetrainStage,
+    TokensStage,
+    load_config,
+)
 from nascompress.profiling.config import ProfileConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.retrain import RetrainConfig, RetrainJob
@@ -186,16 +196,18 @@ def test_library_settings_give_the_cli_and_the_pipeline_the_same_default_help_an
             assert p.default is False and key.default is True, f.name
         else:
             stage = STAGE_DEFAULTS.get(section, {})
-            assert key.default == stage.get(f.name, p.default), \
+            assert key.default == stage.get(f.name, p.default), (
                 f"{f.name}: CLI default {p.default!r}, pipeline {key.default!r}"
+            )
             assert p.help.startswith(f.metadata["help"]), f.name  # (and the stage's note on its default)
         assert dict(key.metadata) == dict(f.metadata), f"{f.name}: the pipeline's checks are not the library's"
 
 
 def test_the_search_offers_the_dcs_building_block_but_its_gate_family():
     # the DCS building block defaults to the paper's residual gates; the search's recipe to its probe
-    assert {f.name for f in user_settings(DCSConfig)
-            if getattr(SEARCH_DCS, f.name) != getattr(DCSConfig(), f.name)} == {"mlp_gates"}
+    assert {
+        f.name for f in user_settings(DCSConfig) if getattr(SEARCH_DCS, f.name) != getattr(DCSConfig(), f.name)
+    } == {"mlp_gates"}
     assert SEARCH_DCS.mlp_gates == "auto" and DCSSearchJob(source="s", out="o").method == SEARCH_DCS
 
 
@@ -216,13 +228,31 @@ def test_the_cli_builds_the_search_from_the_generated_options(tmp_path, monkeypa
         return {"ok": True}
 
     patch_everywhere(monkeypatch, search, "search_dcs", fake)
-    r = invoke("search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "o", "--target-flops", "0.6",
-               "--no-grad-balance", "--no-calibrate", "--lam", "0.3", "--mlp-gates", "hidden", "--alpha-init", "3",
-               "--min-lr", "2e-6", "--json")
+    r = invoke(
+        "search",
+        "dcs",
+        "vit_tiny_patch16_224",
+        "--out",
+        tmp_path / "o",
+        "--target-flops",
+        "0.6",
+        "--no-grad-balance",
+        "--no-calibrate",
+        "--lam",
+        "0.3",
+        "--mlp-gates",
+        "hidden",
+        "--alpha-init",
+        "3",
+        "--min-lr",
+        "2e-6",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     job = seen["job"]
-    assert job.search == DCSSearchConfig(target_flops=0.6, grad_balance=False, calibrate=False, lam=0.3,
-                                         auto_batch=True)
+    assert job.search == DCSSearchConfig(
+        target_flops=0.6, grad_balance=False, calibrate=False, lam=0.3, auto_batch=True
+    )
     assert job.method == DCSConfig(mlp_gates="hidden", alpha_init=3.0, theta_init=3.0)
     assert job.train.min_lr == 2e-6
 
@@ -232,8 +262,13 @@ def test_the_cli_builds_the_search_from_the_generated_options(tmp_path, monkeypa
 
 
 def _pipeline_config(tmp_path: Path, base_train: dict, **stages: dict) -> Path:
-    cfg = {"format": "nascompress-pipeline/1", "data": {"dataset": "synthetic"}, "base": {"train": base_train},
-           "goal": {"max_flops": 0.5}, "stages": {"dcs": {}, **stages}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "data": {"dataset": "synthetic"},
+        "base": {"train": base_train},
+        "goal": {"max_flops": 0.5},
+        "stages": {"dcs": {}, **stages},
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -253,6 +288,7 @@ def captured(monkeypatch):
         def fake(job, **kw):
             jobs[kind].append(job)
             return {"methods": ["x"], "test_top1": 0.0, "best_val_top1": 0.0, "train_time_s": 0.0}
+
         return fake
 
     patch_everywhere(monkeypatch, train, "train", keep("train"))
@@ -272,8 +308,9 @@ def _pipeline_jobs(path: Path, captured: dict) -> None:
 
 
 # what `train` from scratch and the main pipeline's base.train ran before the recipe moved into the library
-SCRATCH = TrainConfig(epochs=8, batch_size=128, lr=1e-3, min_lr=1e-5, warmup_epochs=1.0, weight_decay=0.05,
-                      label_smoothing=0.1)
+SCRATCH = TrainConfig(
+    epochs=8, batch_size=128, lr=1e-3, min_lr=1e-5, warmup_epochs=1.0, weight_decay=0.05, label_smoothing=0.1
+)
 
 
 def test_train_from_scratch_is_the_same_in_the_cli_and_the_pipeline(tmp_path, captured):
@@ -307,15 +344,23 @@ def test_train_with_weights_uses_the_fine_tuning_recipe_in_the_cli_and_the_pipel
     assert cli.train == pipe.train == tuned
     assert load_config(tmp_path / "p.yaml").base.train.layer_decay == 0.75  # written out in OUT/config.yaml
     # layer_decay 1 is off in both
-    assert invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", "--weights", weights,
-                  "--layer-decay", "1").exit_code == 0
+    assert (
+        invoke(
+            "train", "--out", tmp_path / "o", "--dataset", "synthetic", "--weights", weights, "--layer-decay", "1"
+        ).exit_code
+        == 0
+    )
     _pipeline_jobs(_pipeline_config(tmp_path, {"weights": "w.safetensors", "layer_decay": 1}), captured)
     assert captured["train"][2].train == captured["train"][3].train == tuned.replace(layer_decay=None)
 
 
 def test_the_search_and_retrain_defaults_are_the_same_in_the_cli_and_the_pipeline(tmp_path, captured):
-    assert invoke("search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s", "--target-flops", "0.5",
-                  "--json").exit_code == 0
+    assert (
+        invoke(
+            "search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s", "--target-flops", "0.5", "--json"
+        ).exit_code
+        == 0
+    )
     assert invoke("retrain", "compressed", "--out", tmp_path / "r", "--json").exit_code == 0
     _pipeline_jobs(_pipeline_config(tmp_path, {}, retrain={"distil_from": "none"}), captured)
     (cli_dcs, pipe_dcs), (cli_re, pipe_re) = captured["dcs"], captured["retrain"]
@@ -326,17 +371,20 @@ def test_the_search_and_retrain_defaults_are_the_same_in_the_cli_and_the_pipelin
     assert cli_re.train == pipe_re.train and cli_re.train.base_lr == 5e-4 and cli_re.auto_batch and pipe_re.auto_batch
 
 
-@pytest.mark.parametrize("path,value,match", [
-    ("stages.retrain.eta", -1, "stages.retrain.eta: must be in [0, inf], got -1.0"),
-    ("stages.retrain.input_tap", "pixels", "stages.retrain.input_tap: must be one of image, patch_embed"),
-    ("stages.retrain.log_ib", "yes", "stages.retrain.log_ib: must be true or false"),
-    ("stages.retrain.layer_decay", 0, "stages.retrain.layer_decay: must be in (0, 1], got 0"),
-    ("base.train.layer_decay", 1.5, "base.train.layer_decay: must be in (0, 1], got 1.5"),
-    ("base.train.warmup_epochs", -1, "base.train.warmup_epochs: must be in [0, 10000], got -1.0"),
-    ("data.val_fraction", 1, "data.val_fraction: must be in (0, 1), got 1"),
-    ("data.num_workers", -1, "data.num_workers: must be an integer in [0, 1024], got -1"),  # one check (config.py)
-    ("seed", -1, "seed: must be an integer in [0, 4294967295], got -1"),
-])
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        ("stages.retrain.eta", -1, "stages.retrain.eta: must be in [0, inf], got -1.0"),
+        ("stages.retrain.input_tap", "pixels", "stages.retrain.input_tap: must be one of image, patch_embed"),
+        ("stages.retrain.log_ib", "yes", "stages.retrain.log_ib: must be true or false"),
+        ("stages.retrain.layer_decay", 0, "stages.retrain.layer_decay: must be in (0, 1], got 0"),
+        ("base.train.layer_decay", 1.5, "base.train.layer_decay: must be in (0, 1], got 1.5"),
+        ("base.train.warmup_epochs", -1, "base.train.warmup_epochs: must be in [0, 10000], got -1.0"),
+        ("data.val_fraction", 1, "data.val_fraction: must be in (0, 1), got 1"),
+        ("data.num_workers", -1, "data.num_workers: must be an integer in [0, 1024], got -1"),  # one check (config.py)
+        ("seed", -1, "seed: must be an integer in [0, 4294967295], got -1"),
+    ],
+)
 def test_the_library_checks_name_the_pipeline_key(tmp_path, path, value, match):
     cfg = yaml.safe_load(_pipeline_config(tmp_path, {}, retrain={}).read_text())
     *parents, last = path.split(".")
@@ -359,11 +407,14 @@ def test_data_paths_are_resolved_against_the_config_but_for_the_keywords(tmp_pat
     assert load_config(path).data.dataset == str(tmp_path / "imgs")
 
 
-@pytest.mark.parametrize("args,pattern", [
-    (["--layer-decay", "0"], "--layer-decay must be in (0, 1], got 0.0"),
-    (["--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1.0"),
-    (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
-])
+@pytest.mark.parametrize(
+    "args,pattern",
+    [
+        (["--layer-decay", "0"], "--layer-decay must be in (0, 1], got 0.0"),
+        (["--val-fraction", "1"], "--val-fraction must be in (0, 1), got 1.0"),
+        (["--seed", "-1"], "--seed must be an integer in [0, 4294967295], got -1"),
+    ],
+)
 def test_train_cli_errors_are_one_line(tmp_path, args, pattern):
     r = invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", *args)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
@@ -382,23 +433,43 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
         return {"study": job.study, "storage": "x", "complete": 0, "n_trials": 0, "front": []}
 
     patch_everywhere(monkeypatch, trials, "run_search", fake)
-    values = {"trials": 7, "workers": 1, "sampler": "nsga2", "finetune_epochs": 1, "train_images": 300,
-              "eval_images": 200, "calib_steps": 4, "batch_size": 16, "dcs_epochs": 2, "latency_iters": 3,
-              "enqueue": False, "objective": "latency"}
-    assert set(values) == {f.name for f in user_settings(SearchJob)} - set(STUDY_EXCLUDED[SearchJob]) - {"space", "study"}
+    values = {
+        "trials": 7,
+        "workers": 1,
+        "sampler": "nsga2",
+        "finetune_epochs": 1,
+        "train_images": 300,
+        "eval_images": 200,
+        "calib_steps": 4,
+        "batch_size": 16,
+        "dcs_epochs": 2,
+        "latency_iters": 3,
+        "enqueue": False,
+        "objective": "latency",
+    }
+    assert set(values) == {f.name for f in user_settings(SearchJob)} - set(STUDY_EXCLUDED[SearchJob]) - {
+        "space",
+        "study",
+    }
     args = [a for k, v in values.items() if k != "enqueue" for a in (f"--{k.replace('_', '-')}", v)]
     r = invoke("search", "tokens", tmp_path, "--study", "s", "--seed", 3, "--no-enqueue", *args)
     assert r.exit_code == 0, r.output
     cli_job = seen.pop()
     space = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "evit.yaml"
-    cfg = {"format": "nascompress-pipeline/1", "seed": 3, "data": {"dataset": "synthetic"},
-           "base": {"run": str(tmp_path)}, "goal": {"max_flops": 0.5},
-           "stages": {"tokens": {"space": str(space), "study": "s", **values}}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "seed": 3,
+        "data": {"dataset": "synthetic"},
+        "base": {"run": str(tmp_path)},
+        "goal": {"max_flops": 0.5},
+        "stages": {"tokens": {"space": str(space), "study": "s", **values}},
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     pipe = load_config(path)
     assert library_config(pipe.stages.tokens, STUDY_SETTINGS, base="b", space="s", study="s") == SearchJob(
-        base="b", space="s", study="s", **values)
+        base="b", space="s", study="s", **values
+    )
     for f in user_settings(SearchJob):
         if f.name not in ("space", "study"):  # the command's own default space; its --study
             assert getattr(cli_job, f.name) == values.get(f.name, f.default), f.name

@@ -1,5 +1,6 @@
 """Data: stratified seeded limits, preprocessing from the model's pretrained config, timm's
 ImageFolder conventions (eval crop, training transform, two views of one split), loader workers."""
+
 from __future__ import annotations
 
 import json
@@ -8,8 +9,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nascompress.data import (DataConfig, InputOverrides, InputSpec, Subset, dataset_labels, folder_transform,
-                              load_data, make_loader, preprocess, stratified_indices)
+from nascompress.data import (
+    DataConfig,
+    InputOverrides,
+    InputSpec,
+    Subset,
+    dataset_labels,
+    folder_transform,
+    load_data,
+    make_loader,
+    preprocess,
+    stratified_indices,
+)
 from nascompress.errors import NascompressError
 
 from .conftest import invoke, needs_fmnist
@@ -59,8 +70,12 @@ def test_image_folder_limit_draws_every_class_in_proportion(tmp_path):
     assert len(full.train) == 24 and len(full.val) == 6
 
     def limited(seed, n=12):
-        b = load_data(DataConfig(dataset=str(root), val_fraction=0.2, num_workers=0, train_limit=n, eval_limit=3,
-                                 subset_seed=seed), img_size=(16, 16))
+        b = load_data(
+            DataConfig(
+                dataset=str(root), val_fraction=0.2, num_workers=0, train_limit=n, eval_limit=3, subset_seed=seed
+            ),
+            img_size=(16, 16),
+        )
         return b, dataset_labels(b.train)
 
     b, labels = limited(0)
@@ -101,7 +116,9 @@ def test_dataset_labels_maps_through_subsets():
     outer = Subset(inner, torch.tensor([2, 0]))
     expected = torch.stack([outer[i][1] for i in range(2)])
     assert torch.equal(dataset_labels(outer), expected)
-    assert torch.equal(dataset_labels(torch.utils.data.Subset(b.train, [3, 4])), torch.stack([b.train[3][1], b.train[4][1]]))
+    assert torch.equal(
+        dataset_labels(torch.utils.data.Subset(b.train, [3, 4])), torch.stack([b.train[3][1], b.train[4][1]])
+    )
 
 
 def test_data_config_rejects_bad_limits():
@@ -113,8 +130,30 @@ def test_data_config_rejects_bad_limits():
 
 def test_cli_train_records_subset_seed(tmp_path):
     out = tmp_path / "run"
-    r = invoke("train", "--out", out, "--img-size", 16, "--embed-dim", 32, "--depth", 1, "--num-heads", 2,
-               "--dataset", "synthetic", "--train-limit", 64, "--eval-limit", 20, "--epochs", 1, "--seed", 7, "--json")
+    r = invoke(
+        "train",
+        "--out",
+        out,
+        "--img-size",
+        16,
+        "--embed-dim",
+        32,
+        "--depth",
+        1,
+        "--num-heads",
+        2,
+        "--dataset",
+        "synthetic",
+        "--train-limit",
+        64,
+        "--eval-limit",
+        20,
+        "--epochs",
+        1,
+        "--seed",
+        7,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     data = json.loads((out / "config.json").read_text())["data"]
     assert data["subset_seed"] == 7 and data["train_limit"] == 64
@@ -186,19 +225,42 @@ def test_input_spec_for_follows_weights_pretrained_config(tmp_path):
     # a nascompress file carries the preprocessing it was trained with
     recorded = InputSpec((32, 32), 3, (0.25,) * 3, (0.75,) * 3, interpolation="nearest", crop_pct=0.8)
     f = tmp_path / "n.safetensors"
-    save_file({"x": torch.zeros(1)}, str(f), metadata={"nascompress_arch": json.dumps(
-        make_arch(ModelSpec("vit_small_patch16_224"), input_spec=recorded.to_dict()))})
+    save_file(
+        {"x": torch.zeros(1)},
+        str(f),
+        metadata={
+            "nascompress_arch": json.dumps(make_arch(ModelSpec("vit_small_patch16_224"), input_spec=recorded.to_dict()))
+        },
+    )
     assert input_spec_for(augreg, "fashion-mnist", weights=f) == recorded
 
 
 def test_train_with_weights_records_pretrained_preprocessing(tmp_path, tiny_run):
     from nascompress.models import build_model, custom_vit_spec
 
-    src = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
-                                      in_chans=1))
+    src = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    )
     torch.save(src.state_dict(), tmp_path / "foreign.pth")
-    base = ["train", "--img-size", 16, "--embed-dim", 32, "--depth", 2, "--num-heads", 2, "--dataset", "synthetic",
-            "--train-limit", 64, "--eval-limit", 20, "--epochs", 1]
+    base = [
+        "train",
+        "--img-size",
+        16,
+        "--embed-dim",
+        32,
+        "--depth",
+        2,
+        "--num-heads",
+        2,
+        "--dataset",
+        "synthetic",
+        "--train-limit",
+        64,
+        "--eval-limit",
+        20,
+        "--epochs",
+        1,
+    ]
 
     def arch_input(name, *args):
         r = invoke(*base, "--out", tmp_path / name, *args)
@@ -207,13 +269,31 @@ def test_train_with_weights_records_pretrained_preprocessing(tmp_path, tiny_run)
 
     # the custom ViT is timm's vit_tiny_patch16_224 (augreg: mean/std 0.5, bicubic, crop 0.9)
     foreign = arch_input("foreign", "--weights", tmp_path / "foreign.pth")
-    assert foreign == {"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5], "interpolation": "bicubic",
-                       "crop_pct": 0.9, "crop_mode": "center"}
+    assert foreign == {
+        "img_size": [16, 16],
+        "in_chans": 1,
+        "mean": [0.5],
+        "std": [0.5],
+        "interpolation": "bicubic",
+        "crop_pct": 0.9,
+        "crop_mode": "center",
+    }
     # a nascompress run's weights keep the preprocessing they were trained with
     own = json.loads((tiny_run / "arch.json").read_text())["input"]
     assert arch_input("own", "--weights", tiny_run / "model.safetensors")["mean"] == own["mean"]
-    over = arch_input("over", "--weights", tmp_path / "foreign.pth", "--mean", "0.1", "--std", "0.2",
-                      "--interpolation", "nearest", "--crop-pct", "0.5")
+    over = arch_input(
+        "over",
+        "--weights",
+        tmp_path / "foreign.pth",
+        "--mean",
+        "0.1",
+        "--std",
+        "0.2",
+        "--interpolation",
+        "nearest",
+        "--crop-pct",
+        "0.5",
+    )
     assert (over["mean"], over["std"], over["interpolation"], over["crop_pct"]) == ([0.1], [0.2], "nearest", 0.5)
     r = invoke(*base, "--out", tmp_path / "bad", "--mean", "a,b")
     assert r.exit_code == 1 and "--mean takes comma-separated numbers" in r.stderr and not (tmp_path / "bad").exists()
@@ -340,16 +420,22 @@ def test_classes_keeps_a_subset_relabelled_in_order(tmp_path):
                 assert torch.equal(b.test[j][0], x) and int(b.test[j][1]) == {7: 0, 1: 1, 3: 2}[int(y)]
     # the same subset by name on an ImageFolder, relabelled as named (a limit then draws from it)
     root = make_folder(tmp_path)
-    f = load_data(DataConfig(dataset=str(root), classes="cat,ant", val_fraction=0.25, num_workers=0),
-                  img_size=(16, 16))
+    f = load_data(DataConfig(dataset=str(root), classes="cat,ant", val_fraction=0.25, num_workers=0), img_size=(16, 16))
     assert f.classes == ["cat", "ant"] and len(f.train) + len(f.val) == COUNTS["cat"] + COUNTS["ant"]
     assert set(dataset_labels(f.train).tolist()) == {0, 1}
     _, ys = next(iter(make_loader(f.train, batch_size=64, shuffle=False)))
     assert torch.equal(ys, dataset_labels(f.train))
 
 
-@pytest.mark.parametrize("spec, msg", [("3,x", "'x', which is not a class"), ("4", "at least 2 classes"),
-                                       ("2,2", "twice"), ("1,10", "'10', which is not a class")])
+@pytest.mark.parametrize(
+    "spec, msg",
+    [
+        ("3,x", "'x', which is not a class"),
+        ("4", "at least 2 classes"),
+        ("2,2", "twice"),
+        ("1,10", "'10', which is not a class"),
+    ],
+)
 def test_classes_refuses_unknown_repeated_or_single_classes(spec, msg):
     with pytest.raises(NascompressError, match=msg):
         load_data(DataConfig(dataset="digits", classes=spec))
@@ -376,6 +462,7 @@ def test_augment_setting_picks_the_training_transform(tmp_path):
     none, light, default = draws("none"), draws("light"), draws("default")
     assert all(torch.equal(x, none[0]) for x in none)  # none: the evaluation resize + centre crop, no randomness
     assert any(not torch.equal(x, light[0]) for x in light) and any(not torch.equal(x, default[0]) for x in default)
+
     # light never flips: the left-right gradient always rises; default flips some draws
     def rises(x):
         return bool(x[0, :, -1].float().mean() > x[0, :, 0].float().mean())
@@ -389,8 +476,28 @@ def test_augment_setting_picks_the_training_transform(tmp_path):
 def test_train_records_the_augment_setting(tmp_path):
     root = make_folder(tmp_path / "f", counts={"a": 4, "b": 4}, size=(20, 24), splits=("train", "val"))
     out = tmp_path / "run"
-    r = invoke("train", "--out", out, "--dataset", root, "--augment", "none", "--img-size", 16, "--patch-size", 8,
-               "--embed-dim", 16, "--depth", 1, "--num-heads", 2, "--epochs", 1, "--json")
+    r = invoke(
+        "train",
+        "--out",
+        out,
+        "--dataset",
+        root,
+        "--augment",
+        "none",
+        "--img-size",
+        16,
+        "--patch-size",
+        8,
+        "--embed-dim",
+        16,
+        "--depth",
+        1,
+        "--num-heads",
+        2,
+        "--epochs",
+        1,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert json.loads((out / "config.json").read_text())["data"]["augment"] == "none"
 

@@ -1,4 +1,5 @@
 """DCS: Gumbel-sigmoid masks, the supernet identity, materialization equivalence, search and CLI."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,15 @@ from typer.testing import CliRunner
 import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
-from nascompress.methods.dcs import (DCSConfig, arch_parameters, gumbel_sigmoid, make_record, make_supernet, materialize,
-                                     selection)
+from nascompress.methods.dcs import (
+    DCSConfig,
+    arch_parameters,
+    gumbel_sigmoid,
+    make_record,
+    make_supernet,
+    materialize,
+    selection,
+)
 from nascompress.models import ModelSpec, build_model
 from nascompress.profiling import count_flops
 from nascompress.dcs_search.search import CostModel
@@ -97,8 +105,9 @@ def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
 
 @pytest.mark.parametrize("fill", [False, True])
 @pytest.mark.parametrize("empty_block", [False, True])
-def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_gradients(fill, empty_block,
-                                                                                         monkeypatch):
+def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_gradients(
+    fill, empty_block, monkeypatch
+):
     """A hidden-gated MLP under a hard mask in training (the search's weight steps) computes only its
     open neurons: the same logits and the same weight gradients as the masked dense computation.
     Inference keeps the masked computation (the profiler counts the supernet's Linear modules)."""
@@ -194,7 +203,7 @@ def test_static_qk_keeps_original_scale():
     randomize_gates(sup, seed=1)
     mat, record = materialize(sup, cfg)
     attn = mat.blocks[1].attn
-    assert attn.scale == pytest.approx(attn.head_dim ** -0.5)
+    assert attn.scale == pytest.approx(attn.head_dim**-0.5)
     assert attn.qk_counts == [len(h) for h in record["blocks"][1]["qk_keep"]]
     assert attn.qkv.out_features == 2 * attn.num_heads * attn.qk_dim + attn.attn_dim  # padded to the largest head
     assert attn.qk_dim == max(attn.qk_counts) < attn.head_dim
@@ -205,8 +214,11 @@ def test_record_round_trip_rebuilds_supernet(tmp_path):
     cfg = DCSConfig(qk_mask="static", mlp_gates="residual")
     sup = make_supernet(build_model(spec), cfg).eval()
     randomize_gates(sup)
-    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
-                     methods=[make_record(sup, cfg, stage="supernet")])
+    arch = make_arch(
+        spec,
+        input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
+        methods=[make_record(sup, cfg, stage="supernet")],
+    )
     save_model(tmp_path, sup, arch)
     x = torch.randn(2, 1, 16, 16)
     torch.testing.assert_close(nascompress.load(tmp_path)(x), sup(x))
@@ -223,8 +235,28 @@ def run_cli(*args):
 
 
 def search_args(tiny_run, out, *extra):
-    return ["search", "dcs", tiny_run, "--out", out, "--epochs", 2, "--batch-size", 32, "--arch-lr", 0.05,
-            "--alpha-init", 0.5, "--device", "cpu", "--mlp-gates", "residual", "--align", 1, *extra]
+    return [
+        "search",
+        "dcs",
+        tiny_run,
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        "--arch-lr",
+        0.05,
+        "--alpha-init",
+        0.5,
+        "--device",
+        "cpu",
+        "--mlp-gates",
+        "residual",
+        "--align",
+        1,
+        *extra,
+    ]
 
 
 def landing_args(tiny_run, out, *extra):
@@ -232,9 +264,39 @@ def landing_args(tiny_run, out, *extra):
     CE on the architecture steps and the target from the first step (the paper's): the distillation
     loss to this barely trained model and the ramp hold its gates open longer than 81 steps allow (the
     defaults land on the pretrained-like model of test_dcs_recovery)."""
-    return ["search", "dcs", tiny_run, "--out", out, "--epochs", 3, "--batch-size", 16, "--train-limit", 480,
-            "--eval-limit", 100, "--arch-lr", 0.15, "--alpha-init", 1.0, "--base-lr", 1e-3, "--device", "cpu",
-            "--no-calibrate", "--mlp-gates", "residual", "--align", 1, "--arch-loss", "ce", "--target-ramp", 0, *extra]
+    return [
+        "search",
+        "dcs",
+        tiny_run,
+        "--out",
+        out,
+        "--epochs",
+        3,
+        "--batch-size",
+        16,
+        "--train-limit",
+        480,
+        "--eval-limit",
+        100,
+        "--arch-lr",
+        0.15,
+        "--alpha-init",
+        1.0,
+        "--base-lr",
+        1e-3,
+        "--device",
+        "cpu",
+        "--no-calibrate",
+        "--mlp-gates",
+        "residual",
+        "--align",
+        1,
+        "--arch-loss",
+        "ce",
+        "--target-ramp",
+        0,
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -394,8 +456,10 @@ def _edited(run, arch) -> None:
     with pytest.raises(nascompress.NascompressError, match="arch.json is not the file the run finished with"):
         nascompress.load(run)
     metrics = json.loads((run / METRICS_FILE).read_text())
-    metrics["finished_files"]["arch.json"] = {"bytes": (run / "arch.json").stat().st_size,
-                                              "sha256": file_sha256(run / "arch.json")}
+    metrics["finished_files"]["arch.json"] = {
+        "bytes": (run / "arch.json").stat().st_size,
+        "sha256": file_sha256(run / "arch.json"),
+    }
     (run / METRICS_FILE).write_text(json.dumps(metrics))
 
 
@@ -438,9 +502,33 @@ def test_search_from_timm_name_with_local_weights(tmp_path):
     out = tmp_path / "s"
     res = run_cli("search", "dcs", "vit_tiny_patch16_224", "--dataset", "synthetic", "--out", out)
     assert res.exit_code == 1 and "--weights" in res.output and not out.exists()
-    res = run_cli("search", "dcs", "vit_tiny_patch16_224", "--weights", tmp_path / "w.safetensors", "--img-size", 16,
-                  "--dataset", "synthetic", "--out", out, "--epochs", 1, "--train-limit", 64, "--eval-limit", 32,
-                  "--batch-size", 32, "--lr", 1e-9, "--min-lr", 1e-10, "--device", "cpu")
+    res = run_cli(
+        "search",
+        "dcs",
+        "vit_tiny_patch16_224",
+        "--weights",
+        tmp_path / "w.safetensors",
+        "--img-size",
+        16,
+        "--dataset",
+        "synthetic",
+        "--out",
+        out,
+        "--epochs",
+        1,
+        "--train-limit",
+        64,
+        "--eval-limit",
+        32,
+        "--batch-size",
+        32,
+        "--lr",
+        1e-9,
+        "--min-lr",
+        1e-10,
+        "--device",
+        "cpu",
+    )
     assert res.exit_code == 0, res.output
     arch = json.loads((out / "arch.json").read_text())
     assert arch["model"]["name"] == "vit_tiny_patch16_224" and len(arch["methods"][0]["blocks"]) == 12
@@ -568,8 +656,14 @@ def test_supernet_gates_start_in_the_given_importance_order():
     model = build_model(tiny_spec_3_heads())
     from nascompress.methods.dcs import ChannelImportance
 
-    imp = [ChannelImportance(torch.arange(48, dtype=torch.float32), torch.arange(192, dtype=torch.float32),
-                             torch.arange(48, dtype=torch.float32).reshape(3, 16).flip(-1)) for _ in model.blocks]
+    imp = [
+        ChannelImportance(
+            torch.arange(48, dtype=torch.float32),
+            torch.arange(192, dtype=torch.float32),
+            torch.arange(48, dtype=torch.float32).reshape(3, 16).flip(-1),
+        )
+        for _ in model.blocks
+    ]
     sup = make_supernet(model, DCSConfig(qk_mask="static", mlp_gates="residual"), importance=imp)
     for blk in sup.blocks:
         assert blk.dcs_alpha.argmin() == 0 and blk.dcs_alpha.argmax() == 47
@@ -591,7 +685,9 @@ def test_init_importance_auto_keeps_the_order_closer_to_dense():
     images = [torch.randn(16, 1, 16, 16)]
     imp, info = init_importance(model, images, "auto")
     kl = info["init_kl"]
-    assert set(kl) == {"weight", "activation"} and info["init"] == ("activation" if kl["activation"] < 0.9 * kl["weight"] else "weight")
+    assert set(kl) == {"weight", "activation"} and info["init"] == (
+        "activation" if kl["activation"] < 0.9 * kl["weight"] else "weight"
+    )
     assert (imp is None) == (info["init"] == "weight")
     assert info["init"] == "activation" and kl["activation"] < kl["weight"]
     assert init_importance(model, images, "weight") == (None, {"init": "weight"})
@@ -660,16 +756,20 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
     got = block_sensitivity(dense, images, stats, family)
     targets = dense_targets(dense, images)
     want = []
-    probe = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0,
-                                                          hidden_fill="mean"),
-                          fill=[s.hidden_mean for s in stats]).eval()
+    probe = make_supernet(
+        copy.deepcopy(dense),
+        DCSConfig(qk_mask="none", mlp_gates=family, init_spread=0.0, hidden_fill="mean"),
+        fill=[s.hidden_mean for s in stats],
+    ).eval()
     with torch.no_grad():
         for j, (blk, s) in enumerate(zip(probe.blocks, stats)):
             imp = s.importance.mlp(family)
             blk.dcs_alpha.fill_(-1.0)
             blk.dcs_alpha[imp.topk(round((1 - SENSITIVITY_DROP) * imp.numel())).indices] = 1.0
-            kl = sum(F.kl_div(F.log_softmax(probe(x), -1), t, log_target=True, reduction="sum").item()
-                     for x, t in zip(images, targets))
+            kl = sum(
+                F.kl_div(F.log_softmax(probe(x), -1), t, log_target=True, reduction="sum").item()
+                for x, t in zip(images, targets)
+            )
             want.append(kl / 10)
             blk.dcs_alpha.fill_(1.0)
     assert len(got) == 3 and all(w > 0 for w in want)

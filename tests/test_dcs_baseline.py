@@ -1,6 +1,7 @@
 """The baseline inside the DCS search: a search that falls apart ends with the magnitude-pruned model
 (exit 0, the reason recorded, reproducible from the seed); every piece of advice the search gives runs
 as written; the magnitude rule itself."""
+
 from __future__ import annotations
 
 import copy
@@ -20,8 +21,26 @@ COLLAPSE = ["--lr", 1.0, "--max-val-drop", 1, "--distill", 0, "--target-flops", 
 
 
 def search_args(run, out, *extra):
-    return ["search", "dcs", run, "--out", out, "--epochs", 2, "--batch-size", 32, "--arch-lr", 0.05,
-            "--device", "cpu", "--align", 1, "--recovery-images", 64, *extra]
+    return [
+        "search",
+        "dcs",
+        run,
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        "--arch-lr",
+        0.05,
+        "--device",
+        "cpu",
+        "--align",
+        1,
+        "--recovery-images",
+        64,
+        *extra,
+    ]
 
 
 def sha(path) -> str:
@@ -72,7 +91,11 @@ def test_without_the_baseline_a_collapse_is_an_error_whose_advice_runs(tiny_run,
     res = invoke(*search_args(tiny_run, out, *COLLAPSE, "--no-baseline"), "--resume", "--max-val-drop", 100)
     assert res.exit_code == 0, res.output
     m = json.loads((out / "metrics.json").read_text())
-    assert m["kept"] == "dcs" and [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert m["kept"] == "dcs" and [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+        2,
+    ]
 
 
 def test_other_changed_settings_are_still_refused_on_resume(tiny_run, tmp_path):
@@ -138,8 +161,12 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
     h = hooks(target_flops=0.6)
     start = {"epoch": 0, "start": True, "val_top1": 92.0}
     h.log.append(start)
-    for rec in ({"epoch": 1, "val_top1": 64.6, "target_now": 0.8}, {"epoch": 2, "val_top1": 63.2, "target_now": 0.6},
-                {"epoch": 3, "val_top1": 77.3, "target_now": 0.6}, {"epoch": 4, "val_top1": 89.1, "target_now": 0.6}):
+    for rec in (
+        {"epoch": 1, "val_top1": 64.6, "target_now": 0.8},
+        {"epoch": 2, "val_top1": 63.2, "target_now": 0.6},
+        {"epoch": 3, "val_top1": 77.3, "target_now": 0.6},
+        {"epoch": 4, "val_top1": 89.1, "target_now": 0.6},
+    ):
         h.log.append(rec)
         DCSSearchHooks.check(h, rec, start)  # never stops
     # at the target for a whole epoch, 15+ points down and not rising: stopped
@@ -166,10 +193,21 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
 
     dense, arch = load_with_arch(tiny_run)
     data = load_data(DataConfig(dataset="synthetic"), spec=InputSpec.from_dict(arch["input"]))
-    job = DCSSearchJob(source=str(tiny_run), out="", method=DCSConfig(),  # the residual gates
-                       search=DCSSearchConfig(target_flops=0.6, target_ramp=1.0, max_val_drop=1, distill=0,
-                                              arch_lr=0.05, recovery_images=64, auto_batch=False),
-                       train=search_train_config(epochs=2, batch_size=32, lr=1.0, device="cpu"))
+    job = DCSSearchJob(
+        source=str(tiny_run),
+        out="",
+        method=DCSConfig(),  # the residual gates
+        search=DCSSearchConfig(
+            target_flops=0.6,
+            target_ramp=1.0,
+            max_val_drop=1,
+            distill=0,
+            arch_lr=0.05,
+            recovery_images=64,
+            auto_batch=False,
+        ),
+        train=search_train_config(epochs=2, batch_size=32, lr=1.0, device="cpu"),
+    )
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
     assert res.metrics["kept"] == "magnitude" and res.job.method.mlp_gates == "hidden"
     model, _ = materialize(res.supernet, res.job.method)

@@ -1,5 +1,6 @@
 """DCS gate families (residual, hidden), aligned widths, mean fill, protected gates, the family probe,
 the progressive target and the pre-search measurements: identity, equivalence, alignment, round trip."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,17 @@ import torch
 import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
-from nascompress.methods.dcs import (DCSConfig, activation_stats, aligned_mask, arch_parameters, make_record,
-                                     make_supernet, materialize, protect_gates, selection)
+from nascompress.methods.dcs import (
+    DCSConfig,
+    activation_stats,
+    aligned_mask,
+    arch_parameters,
+    make_record,
+    make_supernet,
+    materialize,
+    protect_gates,
+    selection,
+)
 from nascompress.models import build_model
 from nascompress.profiling import count_flops
 from nascompress.dcs_search.cost import CostModel, calibrate
@@ -39,8 +49,10 @@ def widths(model) -> list[int]:
     """Every gated width of a materialized model: MLP hidden or residual widths, Q/K counts per head."""
     out = []
     for blk in model.blocks:
-        out += [blk.mlp.fc1.out_features if hasattr(blk.mlp, "fc1") else 0, blk.mlp.fc1.in_features
-                if hasattr(blk.mlp, "fc1") else 0]
+        out += [
+            blk.mlp.fc1.out_features if hasattr(blk.mlp, "fc1") else 0,
+            blk.mlp.fc1.in_features if hasattr(blk.mlp, "fc1") else 0,
+        ]
         out += list(blk.attn.qk_counts or [])
     return out
 
@@ -50,9 +62,13 @@ def widths(model) -> list[int]:
 
 
 def test_aligned_mask_widens_to_the_alignment_with_the_next_logits():
-    logits = torch.tensor([[3.0, -0.5, 2.0, -2.0, -0.1, 1.0, -3.0, -1.0],  # 3 positive -> 4: + the next (-0.1)
-                           [-1.0] * 8,  # none -> 0
-                           [1.0] * 7 + [-1.0]])  # 7 -> 8 (full)
+    logits = torch.tensor(
+        [
+            [3.0, -0.5, 2.0, -2.0, -0.1, 1.0, -3.0, -1.0],  # 3 positive -> 4: + the next (-0.1)
+            [-1.0] * 8,  # none -> 0
+            [1.0] * 7 + [-1.0],
+        ]
+    )  # 7 -> 8 (full)
     m = aligned_mask(logits, align=4)
     assert m.sum(-1).tolist() == [4, 0, 8]
     assert m[0].tolist() == [1, 0, 1, 0, 1, 1, 0, 0]
@@ -84,8 +100,9 @@ def test_materialized_equals_masked_supernet_and_reloads(family, align, fill, tm
     x = torch.randn(5, 1, 16, 16)
     torch.testing.assert_close(mat(x), sup(x), rtol=0, atol=1e-4)
     key = "hidden_keep" if family == "hidden" else "mlp_keep"
-    assert all(b[key] is not None and b["hidden_keep" if key == "mlp_keep" else "mlp_keep"] is None
-               for b in record["blocks"])
+    assert all(
+        b[key] is not None and b["hidden_keep" if key == "mlp_keep" else "mlp_keep"] is None for b in record["blocks"]
+    )
     full = 192 if family == "hidden" else 48
     for b in record["blocks"]:  # every kept width is 0, full or a multiple of align
         assert len(b[key]) in (0, full) or len(b[key]) % align == 0
@@ -98,7 +115,9 @@ def test_materialized_equals_masked_supernet_and_reloads(family, align, fill, tm
     torch.testing.assert_close(reloaded(x), sup(x), rtol=0, atol=1e-4)
     assert json.loads((tmp_path / "mat" / "arch.json").read_text())["methods"][0]["config"]["mlp_gates"] == family
     # the supernet record round-trips too (the fill buffer is in its state dict)
-    save_model(tmp_path / "sup", sup, make_arch(spec, input_spec=INPUT, methods=[make_record(sup, cfg, stage="supernet")]))
+    save_model(
+        tmp_path / "sup", sup, make_arch(spec, input_spec=INPUT, methods=[make_record(sup, cfg, stage="supernet")])
+    )
     torch.testing.assert_close(nascompress.load(tmp_path / "sup")(x), sup(x))
 
 
@@ -189,8 +208,14 @@ def test_block_weights_scale_the_soft_cost_only():
     random_gates(sup)
     sup.train()
     sup(torch.randn(2, 1, 16, 16))
-    grads = [torch.autograd.grad(torch.log(cost.soft_macs(sup, weighted=True) / cost.dense_weighted), blk.dcs_alpha,
-                                 retain_graph=True)[0].abs().mean() for blk in sup.blocks]
+    grads = [
+        torch.autograd.grad(
+            torch.log(cost.soft_macs(sup, weighted=True) / cost.dense_weighted), blk.dcs_alpha, retain_graph=True
+        )[0]
+        .abs()
+        .mean()
+        for blk in sup.blocks
+    ]
     assert grads[1] > 4 * grads[0]  # the heavier block's gates feel more of the cost
     plain = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16))
     assert cost.hard_macs(sup.eval()) == plain.hard_macs(sup)  # the real FLOPs are never weighted
@@ -220,8 +245,9 @@ def test_protected_gates_stay_open_through_training_and_calibration():
 def test_the_protected_gates_hook_follows_the_model_to_another_device():
     # a search builds its supernet on the CPU and trains it on CUDA: the hook must not keep a CPU mask
     # (it did, and the main job failed on a GPU); the meta device stands in for CUDA here
-    sup = make_supernet(build_model(tiny_spec_3_heads()).eval(),
-                        DCSConfig(qk_mask="none", mlp_gates="residual", align=1))
+    sup = make_supernet(
+        build_model(tiny_spec_3_heads()).eval(), DCSConfig(qk_mask="none", mlp_gates="residual", align=1)
+    )
     mask = torch.zeros(48, dtype=torch.bool)
     mask[[3, 17]] = True
     protect_gates(sup.blocks[0], mask)

@@ -1,5 +1,6 @@
 """A DCS search that collapses with the paper's settings on a pretrained-like model is recovered by the
 mechanisms for pretrained models (the family probe, mean fill, distillation, the progressive target)."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,25 @@ from .conftest import invoke
 SPEC = dict(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1)
 # the paper's search: residual gates, CE on the architecture steps, the target at once, no distillation,
 # no protection, weight-magnitude order, no fill
-PAPER = ["--mlp-gates", "residual", "--arch-loss", "ce", "--target-ramp", 0, "--protect-ratio", 0,
-         "--no-block-weights", "--distill", 0, "--feat-distill", 0, "--init-importance", "weight",
-         "--hidden-fill", "zero"]
+PAPER = [
+    "--mlp-gates",
+    "residual",
+    "--arch-loss",
+    "ce",
+    "--target-ramp",
+    0,
+    "--protect-ratio",
+    0,
+    "--no-block-weights",
+    "--distill",
+    0,
+    "--feat-distill",
+    0,
+    "--init-importance",
+    "weight",
+    "--hidden-fill",
+    "zero",
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +48,14 @@ def pretrained_like(tmp_path_factory):
     carry nothing."""
     d = tmp_path_factory.mktemp("pretrained_like")
     spec = custom_vit_spec(**SPEC)
-    train(TrainJob(model=spec, data=DataConfig(dataset="synthetic"), out=str(d / "small"),
-                   train=TrainConfig(epochs=6, batch_size=32, lr=2e-3, seed=0)))
+    train(
+        TrainJob(
+            model=spec,
+            data=DataConfig(dataset="synthetic"),
+            out=str(d / "small"),
+            train=TrainConfig(epochs=6, batch_size=32, lr=2e-3, seed=0),
+        )
+    )
     small, arch = load_with_arch(d / "small")
     wide_spec = custom_vit_spec(**SPEC, mlp_ratio=8.0)
     wide = build_model(wide_spec)
@@ -40,11 +63,11 @@ def pretrained_like(tmp_path_factory):
     with torch.no_grad():
         for k, v in small.state_dict().items():
             if "mlp.fc1" in k:
-                sd[k].zero_()[:v.shape[0]] = v
+                sd[k].zero_()[: v.shape[0]] = v
                 if k.endswith("bias"):
-                    sd[k][v.shape[0]:] = -10.0
+                    sd[k][v.shape[0] :] = -10.0
             elif "mlp.fc2.weight" in k:
-                sd[k].zero_()[:, :v.shape[1]] = v
+                sd[k].zero_()[:, : v.shape[1]] = v
             else:
                 sd[k].copy_(v)
     wide.load_state_dict(sd)
@@ -57,8 +80,27 @@ def pretrained_like(tmp_path_factory):
 
 
 def search(base, out, *extra):
-    return invoke("search", "dcs", base, "--out", out, "--epochs", 2, "--train-limit", 480, "--eval-limit", 200,
-                  "--device", "cpu", "--target-flops", 0.45, "--max-val-drop", 5, "--json", *extra)
+    return invoke(
+        "search",
+        "dcs",
+        base,
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--train-limit",
+        480,
+        "--eval-limit",
+        200,
+        "--device",
+        "cpu",
+        "--target-flops",
+        0.45,
+        "--max-val-drop",
+        5,
+        "--json",
+        *extra,
+    )
 
 
 # the former weight recipe of the search: a pretrained-safe lr (1e-4 per 512 images) with layer decay 0.75,
@@ -103,14 +145,33 @@ def test_collapsing_search_is_recovered_by_the_pretrained_mechanisms(pretrained_
 def test_an_off_target_search_is_a_failed_search_not_an_untrained_cut(pretrained_like, tmp_path):
     # gates that barely move (tiny arch lr) and no projection: the search ends far above its target; the
     # guard refuses the large untrained threshold shift instead of applying it
-    r = search(pretrained_like, tmp_path / "steer", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100,
-               "--no-baseline")
+    r = search(
+        pretrained_like,
+        tmp_path / "steer",
+        "--budget",
+        "steer",
+        "--arch-lr",
+        1e-5,
+        "--max-val-drop",
+        100,
+        "--no-baseline",
+    )
     assert r.exit_code == 1
     assert "untrained cut" in r.output and "--max-calibration 0.02" in r.output
     assert not (tmp_path / "steer" / "metrics.json").exists()  # not a finished search
     # the same with a guard that allows the cut: applied and reported
-    r = search(pretrained_like, tmp_path / "allowed", "--budget", "steer", "--arch-lr", 1e-5, "--max-val-drop", 100,
-               "--max-calibration", 1)
+    r = search(
+        pretrained_like,
+        tmp_path / "allowed",
+        "--budget",
+        "steer",
+        "--arch-lr",
+        1e-5,
+        "--max-val-drop",
+        100,
+        "--max-calibration",
+        1,
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "allowed" / "metrics.json").read_text())
     assert m["calibrated"] and m["calibration_move"] > 0.02 and abs(m["flops_ratio"] / 0.45 - 1) <= 0.05

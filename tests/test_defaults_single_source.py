@@ -3,6 +3,7 @@ share a config, the stage's named recipe: ``SEARCH_TRAIN``, ``RETRAIN_TRAIN``, `
 ``SEARCH_DCS``, a method's ``train_overrides``). Per stage, the config built with no options by the
 CLI command and by the pipeline section (each through its own building path: the jobs they would
 run are captured, nothing runs) equals that library default."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,8 +44,19 @@ def jobs(monkeypatch):
     def keep(kind):
         def fake(job, **kw):
             seen.setdefault(kind, []).append(job)
-            return {"methods": ["x"], "test_top1": 0.0, "best_val_top1": 0.0, "train_time_s": 0.0, "study": "s",
-                    "storage": "x", "complete": 0, "n_trials": 0, "front": [], "finished": True}
+            return {
+                "methods": ["x"],
+                "test_top1": 0.0,
+                "best_val_top1": 0.0,
+                "train_time_s": 0.0,
+                "study": "s",
+                "storage": "x",
+                "complete": 0,
+                "n_trials": 0,
+                "front": [],
+                "finished": True,
+            }
+
         return fake
 
     patch_everywhere(monkeypatch, train, "train", keep("train"))
@@ -54,8 +66,12 @@ def jobs(monkeypatch):
     patch_everywhere(monkeypatch, finetune, "finetune", keep("finetune"))
     patch_everywhere(monkeypatch, trials, "run_search", keep("study"))
     patch_everywhere(monkeypatch, fallback, "current_model", lambda *a, **kw: Path("compressed"))
-    patch_everywhere(monkeypatch, export, "export_run", lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(
-        config) or {})
+    patch_everywhere(
+        monkeypatch,
+        export,
+        "export_run",
+        lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(config) or {},
+    )
     patch_everywhere(monkeypatch, api, "profile", lambda target, **kw: seen.setdefault("profile", []).append(kw) or {})
     return seen
 
@@ -71,8 +87,13 @@ def _pipeline(tmp_path: Path, jobs: dict, kind: str, *, base_train: dict | None 
     with no keys unless given; the goal: 0.5 of the FLOPs)."""
     from nascompress.pipeline import plan
 
-    cfg = {"format": "nascompress-pipeline/1", "data": {"dataset": "synthetic"}, "base": {"train": base_train or {}},
-           "goal": {"max_flops": 0.5}, "stages": {"dcs": {}, **stages}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "data": {"dataset": "synthetic"},
+        "base": {"train": base_train or {}},
+        "goal": {"max_flops": 0.5},
+        "stages": {"dcs": {}, **stages},
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     steps = {"train": "base", "dcs": "dcs_search", "retrain": "retrain", "study": "tokens_search"}
@@ -144,8 +165,9 @@ def test_retrain_defaults_are_the_retrain_job_defaults(tmp_path, jobs):
 def test_finetune_defaults_are_the_methods_recipe(tmp_path, jobs, method):
     from nascompress.finetune import FINETUNE_TRAIN, method_train_config
 
-    cli = _cli(jobs, "finetune", "finetune", tmp_path, "--method", method, "--out", tmp_path / "f",
-               "--dataset", "synthetic")
+    cli = _cli(
+        jobs, "finetune", "finetune", tmp_path, "--method", method, "--out", tmp_path / "f", "--dataset", "synthetic"
+    )
     recipe = method_train_config(method)
     assert cli.train == recipe == FINETUNE_TRAIN.replace(**get_method(method).train_overrides.changes())
 
@@ -184,8 +206,16 @@ def test_no_stage_keeps_a_defaults_mapping():
     from nascompress.pipeline.sections import PipelineConfig  # noqa: F401
 
     assert "defaults" not in {f.name for f in dataclasses.fields(StageSettings)}
-    for cls in (TrainConfig, DCSConfig, DCSSearchConfig, RetrainConfig, SearchJob, DataConfig, ExportConfig,
-                ProfileConfig):
+    for cls in (
+        TrainConfig,
+        DCSConfig,
+        DCSSearchConfig,
+        RetrainConfig,
+        SearchJob,
+        DataConfig,
+        ExportConfig,
+        ProfileConfig,
+    ):
         assert not [f.name for f in dataclasses.fields(cls) if "user_default" in f.metadata], cls
     for m in available_methods():
         assert not hasattr(get_method(m), "train_defaults"), m
@@ -204,9 +234,13 @@ def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_pat
     built = []
     for mod in (retrain, dcs_run):
         real = mod.build_job
-        patch_everywhere(monkeypatch, mod, "build_job", lambda *a, _real=real, **kw: built.append(_real(*a, **kw)) or built[-1])
-    cli = [_cli(jobs, "dcs", "search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s"),
-           _cli(jobs, "retrain", "retrain", "compressed", "--out", tmp_path / "r")]
+        patch_everywhere(
+            monkeypatch, mod, "build_job", lambda *a, _real=real, **kw: built.append(_real(*a, **kw)) or built[-1]
+        )
+    cli = [
+        _cli(jobs, "dcs", "search", "dcs", "vit_tiny_patch16_224", "--out", tmp_path / "s"),
+        _cli(jobs, "retrain", "retrain", "compressed", "--out", tmp_path / "r"),
+    ]
     pipe = [_pipeline(tmp_path, jobs, "dcs"), _pipeline(tmp_path, jobs, "retrain", retrain={})]
     assert cli[0] is built[0] and cli[1] is built[1] and pipe[0] is built[2]  # the second plan: dcs, retrain
     assert pipe[1] == built[-1].replace(model_dir="compressed")  # the step starts from the model made before it
@@ -218,10 +252,14 @@ def test_a_rule_is_checked_once_and_worded_by_each_front_end(tmp_path, jobs):
 
     with pytest.raises(SettingError) as e:
         build_job("m", "o", retrain=RetrainConfig(feat_kd=1.0), train={})
-    assert str(e.value) == ("feat_kd distils from a teacher's features; give the dense run with teacher, or leave "
-                            "feat_kd at 0") and e.value.fields == ("feat_kd", "teacher")
+    assert str(e.value) == (
+        "feat_kd distils from a teacher's features; give the dense run with teacher, or leave feat_kd at 0"
+    ) and e.value.fields == ("feat_kd", "teacher")
     r = invoke("retrain", "compressed", "--out", tmp_path / "r", "--feat-kd", "1")
-    assert r.exit_code == 1 and "--feat-kd distils from a teacher's features; give the dense run with --teacher, " \
-                                "or leave --feat-kd at 0" in r.output
+    assert (
+        r.exit_code == 1
+        and "--feat-kd distils from a teacher's features; give the dense run with --teacher, or leave --feat-kd at 0"
+        in r.output
+    )
     with pytest.raises(Exception, match="stages.retrain: feat_kd distils .* with distil_from: base, or leave feat_kd"):
         _pipeline(tmp_path, jobs, "retrain", retrain={"distil_from": "none", "feat_kd": 1.0})

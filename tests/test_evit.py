@@ -1,5 +1,6 @@
 """EViT: identity at keep_rate 1, the pruned block against a direct reference, the linearized
 fused token, paper FLOPs on DeiT-S, save/load, the schedule, bad input and the CLI."""
+
 from __future__ import annotations
 
 import copy
@@ -116,12 +117,18 @@ def test_save_load_roundtrip(tmp_path):
     from nascompress.runs.io import load, make_arch, save_model
     from nascompress.models import ModelSpec
 
-    spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2,
-                                                  num_classes=10))
+    spec = ModelSpec(
+        "vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
+    )
     model = evit(tiny_rgb_vit(), keep_rate=0.6)
     rec = {"name": "evit", "config": {"keep_rate": 0.6, "prune_layers": [1, 2, 3], "fuse_token": True}}
-    save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
-                                                                "std": [0.5] * 3}, methods=[rec]))
+    save_model(
+        tmp_path,
+        model,
+        make_arch(
+            spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3, "std": [0.5] * 3}, methods=[rec]
+        ),
+    )
     loaded = load(tmp_path)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -165,14 +172,17 @@ class ForeignAttention(timm.layers.Attention):
     """Stand-in for another library's attention subclass."""
 
 
-@pytest.mark.parametrize("config,pattern", [
-    ({"keep_rate": 1.5}, r"keep_rate must be in \(0, 1\], got 1.5"),
-    ({"keep_rate": 0}, r"keep_rate must be in \(0, 1\], got 0"),
-    ({"prune_layers": [0, 2]}, r"\[0\] outside the model's depth: valid layers are 1..4"),
-    ({"prune_layers": [5]}, r"valid layers are 1..4"),
-    ({"prune_layers": [3, 2]}, r"strictly increasing"),
-    ({"bogus": 1}, r"unknown evit setting\(s\) bogus; valid: keep_rate"),
-])
+@pytest.mark.parametrize(
+    "config,pattern",
+    [
+        ({"keep_rate": 1.5}, r"keep_rate must be in \(0, 1\], got 1.5"),
+        ({"keep_rate": 0}, r"keep_rate must be in \(0, 1\], got 0"),
+        ({"prune_layers": [0, 2]}, r"\[0\] outside the model's depth: valid layers are 1..4"),
+        ({"prune_layers": [5]}, r"valid layers are 1..4"),
+        ({"prune_layers": [3, 2]}, r"strictly increasing"),
+        ({"bogus": 1}, r"unknown evit setting\(s\) bogus; valid: keep_rate"),
+    ],
+)
 def test_bad_config(config, pattern):
     with pytest.raises(NascompressError, match=pattern):
         evit(tiny_rgb_vit(), **config)
@@ -191,8 +201,21 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     arch = json.loads((zs / "arch.json").read_text())
     assert arch["methods"][-1]["name"] == "evit" and arch["methods"][-1]["config"]["keep_rate"] == 0.5
     ft = tmp_path / "ft"
-    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.5", "--epochs", "1",
-               "--opt", "shrink_epochs=0.5", "--out", ft, "--json")
+    r = invoke(
+        "finetune",
+        tiny_run,
+        "--method",
+        "evit",
+        "--keep-rate",
+        "0.5",
+        "--epochs",
+        "1",
+        "--opt",
+        "shrink_epochs=0.5",
+        "--out",
+        ft,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     log = [json.loads(ln) for ln in (ft / "log.jsonl").read_text().splitlines()]
     assert log[0]["start"] and log[0]["epoch"] == 0  # the starting (zero-shot) model, evaluated first
@@ -225,8 +248,11 @@ def test_stacks_on_other_methods(kind):
     from nascompress.profiling.flops import count_flops
 
     if kind == "sparsifiner":
-        base = get_method("sparsifiner").apply(tiny_rgb_vit(), {"name": "sparsifiner",
-                                                                "config": {"attn_keep_ratio": 0.5}}).eval()
+        base = (
+            get_method("sparsifiner")
+            .apply(tiny_rgb_vit(), {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.5}})
+            .eval()
+        )
     else:
         base = _dcs_model(kind)
     x = torch.randn(2, 3, 32, 32)
@@ -262,8 +288,20 @@ def test_finetune_resume_continues_the_recorded_job(tmp_path, tiny_run):
     assert invoke(*args, "--out", tmp_path / "full").exit_code == 0
     with interrupted_at_epoch(EViTHooks):
         assert invoke(*args, "--out", tmp_path / "cut").exit_code == 130
-    r = invoke("finetune", tiny_run, "--method", "evit", "--keep-rate", "0.9", "--epochs", "5", "--out", tmp_path / "cut",
-               "--resume", "--json")
+    r = invoke(
+        "finetune",
+        tiny_run,
+        "--method",
+        "evit",
+        "--keep-rate",
+        "0.9",
+        "--epochs",
+        "5",
+        "--out",
+        tmp_path / "cut",
+        "--resume",
+        "--json",
+    )
     assert r.exit_code == 1 and "config.keep_rate 0.9 (recorded 0.5); train.epochs 5 (recorded 2)" in r.output, r.output
     r = invoke("finetune", tiny_run, "--method", "evit", "--out", tmp_path / "cut", "--resume", "--json")
     assert r.exit_code == 0, r.output

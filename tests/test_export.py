@@ -6,6 +6,7 @@ and exported from the run directory, as a user does. New parameters are randomis
 selections are not degenerate: an untrained Sparsifiner predictor scores whole regions equally,
 and a top-k over tied scores may pick other keys in another runtime (the check reports that).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,23 @@ from nascompress.models import build_model, custom_vit_spec
 from .conftest import invoke
 
 SPEC = custom_vit_spec(img_size=28, patch_size=4, embed_dim=16, depth=2, num_heads=2, num_classes=5, in_chans=1)
-INPUT = {"img_size": [28, 28], "in_chans": 1, "mean": [0.286], "std": [0.353], "interpolation": "bilinear",
-         "crop_pct": 1.0, "crop_mode": "center"}
-SETTINGS = {"uniform": {"keep": 0.5}, "evit": {"keep_rate": 0.5}, "dynamicvit": {"rho": 0.5},
-            "sparsifiner": {"attn_keep_ratio": 0.25, "mode": "block"}, "mgvit": {"epsilon": 0.5}, "tome": {"r": 6}}
+INPUT = {
+    "img_size": [28, 28],
+    "in_chans": 1,
+    "mean": [0.286],
+    "std": [0.353],
+    "interpolation": "bilinear",
+    "crop_pct": 1.0,
+    "crop_mode": "center",
+}
+SETTINGS = {
+    "uniform": {"keep": 0.5},
+    "evit": {"keep_rate": 0.5},
+    "dynamicvit": {"rho": 0.5},
+    "sparsifiner": {"attn_keep_ratio": 0.25, "mode": "block"},
+    "mgvit": {"epsilon": 0.5},
+    "tome": {"r": 6},
+}
 
 
 def allowed_stacks() -> list[tuple[str, ...]]:
@@ -157,16 +171,19 @@ def test_traceable_sparsifiner_equals_the_kernels_own_paths(n_patch, block_size,
     n, H, r = n_patch + prefix, 2, 8
     g = torch.Generator().manual_seed(1)
     wd, wu = region_init(n, r, prefix=prefix, grid=None)
-    k0 = SparsifinerKernel(SparsifinerConfig(attn_keep_ratio=0.3, mode="block", block_size=block_size),
-                           wd + 0.05 * torch.randn(H, r, n, generator=g), wu + 0.05 * torch.randn(H, r, n, generator=g),
-                           prefix).eval()
+    k0 = SparsifinerKernel(
+        SparsifinerConfig(attn_keep_ratio=0.3, mode="block", block_size=block_size),
+        wd + 0.05 * torch.randn(H, r, n, generator=g),
+        wu + 0.05 * torch.randn(H, r, n, generator=g),
+        prefix,
+    ).eval()
     q, k, v = torch.randn(3, 2, H, n, 8, generator=g).unbind(0)
     masked = SparsifinerKernel(k0.cfg.replace(kernel="masked"), k0.w_down.data, k0.w_up.data, prefix).eval()
     with torch.no_grad():
-        want = k0(q, k, v, scale=8 ** -0.5)
-        ref_masked = masked(q, k, v, scale=8 ** -0.5)
+        want = k0(q, k, v, scale=8**-0.5)
+        ref_masked = masked(q, k, v, scale=8**-0.5)
         k0.__class__ = TraceableSparsifiner
-        got = k0(q, k, v, scale=8 ** -0.5)
+        got = k0(q, k, v, scale=8**-0.5)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(got, ref_masked, rtol=0, atol=1e-6)
 
@@ -252,8 +269,13 @@ def test_onnx_file_runs_in_a_process_without_nascompress(tmp_path, exports):
     run, out, _ = exports(("uniform", "sparsifiner", "dynamicvit"))
     x = torch.randn(5, 1, 28, 28)
     np.save(tmp_path / "x.npy", x.numpy())
-    r = subprocess.run([sys.executable, "-c", RUN_WITHOUT_NASCOMPRESS, str(out), str(tmp_path / "x.npy"),
-                        str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_NASCOMPRESS, str(out), str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "5"
     with torch.no_grad():
@@ -263,10 +285,13 @@ def test_onnx_file_runs_in_a_process_without_nascompress(tmp_path, exports):
 
 def test_torch_program_loads_in_a_process_without_nascompress(tmp_path, exports):
     _, out, _ = exports(("dcs", "evit"), "torch-export")
-    code = ("import sys, torch; m = torch.export.load(sys.argv[1]).module(); y = m(torch.zeros(3, 1, 28, 28)); "
-            "assert not [k for k in sys.modules if k.split('.')[0] == 'nascompress']; print(tuple(y.shape))")
-    r = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True,
-                       timeout=120, cwd=tmp_path)
+    code = (
+        "import sys, torch; m = torch.export.load(sys.argv[1]).module(); y = m(torch.zeros(3, 1, 28, 28)); "
+        "assert not [k for k in sys.modules if k.split('.')[0] == 'nascompress']; print(tuple(y.shape))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
     assert r.returncode == 0 and r.stdout.strip() == "(3, 5)", r.stderr
 
 
@@ -307,12 +332,17 @@ def test_cli_export_and_refusals(tmp_path, monkeypatch):
     assert invoke("export", run, "--out", out, "--force", "--format", "torch-export").exit_code == 0
     assert json.loads(sidecar_path(out).read_text())["runtime"] == "torch-export"
 
-    one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--format", "tflite"),
-                   "format must be one of onnx, torch-export")
-    one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--batch", "zero"),
-                   "batch must be 'dynamic' or an integer in [1, 65536]")
-    one_line_error(invoke("export", run, "--out", tmp_path / "x.onnx", "--dtype", "bf16"),
-                   "bf16 ONNX files cannot be checked")
+    one_line_error(
+        invoke("export", run, "--out", tmp_path / "x.onnx", "--format", "tflite"),
+        "format must be one of onnx, torch-export",
+    )
+    one_line_error(
+        invoke("export", run, "--out", tmp_path / "x.onnx", "--batch", "zero"),
+        "batch must be 'dynamic' or an integer in [1, 65536]",
+    )
+    one_line_error(
+        invoke("export", run, "--out", tmp_path / "x.onnx", "--dtype", "bf16"), "bf16 ONNX files cannot be checked"
+    )
     (tmp_path / "afile").write_text("")
     one_line_error(invoke("export", run, "--out", tmp_path / "afile" / "x.onnx"), "is not a writable directory")
     one_line_error(invoke("export", tmp_path / "nothing", "--out", tmp_path / "x.onnx"), "does not exist")
@@ -320,20 +350,26 @@ def test_cli_export_and_refusals(tmp_path, monkeypatch):
     from nascompress.methods.dcs import DCSConfig, make_record
 
     model, _ = get_method("dcs").prepare_fresh(build_model(SPEC), DCSConfig())
-    save_model(tmp_path / "supernet", model, make_arch(SPEC, input_spec=INPUT,
-                                                       methods=[make_record(model, DCSConfig(), stage="supernet")]))
+    save_model(
+        tmp_path / "supernet",
+        model,
+        make_arch(SPEC, input_spec=INPUT, methods=[make_record(model, DCSConfig(), stage="supernet")]),
+    )
     one_line_error(invoke("export", tmp_path / "supernet", "--out", tmp_path / "x.onnx"), "holds the DCS supernet")
     # every registered method exports today: a method without an export path, as a new one would be
     import nascompress.export.graphs as graphs
 
     with monkeypatch.context() as m:
         m.setattr(graphs, "EXPORTABLE", tuple(n for n in graphs.EXPORTABLE if n != "tome"))
-        one_line_error(invoke("export", make_run(tmp_path, ("dcs", "tome")), "--out", tmp_path / "x.onnx"),
-                       "method 'tome' has no export path")
+        one_line_error(
+            invoke("export", make_run(tmp_path, ("dcs", "tome")), "--out", tmp_path / "x.onnx"),
+            "method 'tome' has no export path",
+        )
     mg = make_run(tmp_path, ("mgvit",))
     one_line_error(invoke("export", mg, "--out", tmp_path / "x.onnx", "--batch", "4"), "export it with --batch dynamic")
     dense = make_run(tmp_path, ())
-    one_line_error(invoke("export", dense, "--out", tmp_path / "x.onnx", "--opset", "14"),
-                   "cannot write this model at opset 14")
+    one_line_error(
+        invoke("export", dense, "--out", tmp_path / "x.onnx", "--opset", "14"), "cannot write this model at opset 14"
+    )
     left = [p.name for p in tmp_path.rglob("*") if p.name.startswith(("x.", ".x.")) or p.suffix == ".tmp"]
     assert left == [] and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["m.onnx", "m.onnx.json"]

@@ -1,4 +1,5 @@
 """The FlexAttention safety rule: a wrong compiled kernel never reaches the output (issue 10 §1)."""
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ def safe_vs_masked(q, k, v, idx, layout):
     scale = q.shape[-1] ** -0.5
     with torch.no_grad():
         got = block_sparse.flex_block_attention(q, k, v, idx, layout, scale=scale)
-    torch.testing.assert_close(got, block_sparse.masked_block_attention(q, k, v, idx, layout, scale=scale),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        got, block_sparse.masked_block_attention(q, k, v, idx, layout, scale=scale), atol=1e-5, rtol=1e-5
+    )
 
 
 def flex_warnings(rec):
@@ -40,6 +42,7 @@ def flex_warnings(rec):
 @pytest.mark.parametrize("n,bs,p", [(33, 8, 1), (64, 8, 0), (49, 24, 1)])
 def test_refused_block_sizes_never_reach_the_compiled_kernel(monkeypatch, n, bs, p):
     """Blocks below 16 tokens or of 16 k + 8 (wrong on some CPUs) run the gather path without compiling."""
+
     def no_compile():
         raise AssertionError("the compiled flex kernel must not be built for this block size")
 
@@ -95,11 +98,17 @@ def test_flex_block_sides_are_multiples_of_16(n_patch, bs):
     """DeiT-S at 224 (196 patches) took 28-token blocks, which Inductor's CUDA kernel refuses."""
     assert block_sparse.auto_block_size(n_patch, 16) == bs
     assert block_sparse.auto_block_size(196) == 28  # the gather kernel keeps its own choice
-    layout = block_sparse.plan_blocks(n_patch + 1, 1, budget=math.ceil(0.25 * (n_patch + 1)),
-                               multiple=block_sparse.flex_multiple("flex", None, torch.device("cpu")))
+    layout = block_sparse.plan_blocks(
+        n_patch + 1,
+        1,
+        budget=math.ceil(0.25 * (n_patch + 1)),
+        multiple=block_sparse.flex_multiple("flex", None, torch.device("cpu")),
+    )
     assert layout.bs == bs
     tiles = block_sparse.cuda_kernel_options(layout)
-    assert layout.bs % tiles["BLOCK_M"] == 0 and tiles["BLOCK_M"] == tiles["BLOCK_N"] and tiles["BLOCK_M"] >= min(16, bs)
+    assert (
+        layout.bs % tiles["BLOCK_M"] == 0 and tiles["BLOCK_M"] == tiles["BLOCK_N"] and tiles["BLOCK_M"] >= min(16, bs)
+    )
 
 
 def test_an_explicit_block_size_cuda_cannot_tile_is_refused_with_one_line():
@@ -117,10 +126,15 @@ def test_a_flex_model_takes_the_same_blocks_on_every_device():
     from nascompress.models import ModelSpec, build_model
 
     torch.manual_seed(0)
-    dense = build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=56, patch_size=4, embed_dim=32, depth=1,
-                                                               num_heads=2, num_classes=10, in_chans=1))).eval()
-    model, _ = get_method("sparsifiner").prepare_fresh(dense, {"attn_keep_ratio": 0.25, "n_down": 8, "mode": "block",
-                                                               "kernel": "flex"})
+    dense = build_model(
+        ModelSpec(
+            "vit_tiny_patch16_224",
+            dict(img_size=56, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, in_chans=1),
+        )
+    ).eval()
+    model, _ = get_method("sparsifiner").prepare_fresh(
+        dense, {"attn_keep_ratio": 0.25, "n_down": 8, "mode": "block", "kernel": "flex"}
+    )
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.eval()(torch.randn(1, 1, 56, 56))

@@ -1,4 +1,5 @@
 """The spine: model building, the file format and loader, checkpoints, data splits, training."""
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ def test_load_pretrained_pth_and_reset_head(tmp_path):
     dst = build_model(tiny_spec())
     load_pretrained(dst, tmp_path / "w.pth")
     torch.testing.assert_close(dst.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
-    other = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                        num_classes=3, in_chans=1))
+    other = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=3, in_chans=1)
+    )
     with pytest.raises(NascompressError, match="num_classes"):
         load_pretrained(other, tmp_path / "w.pth")
     load_pretrained(other, tmp_path / "w.pth", reset_head=True)
@@ -100,8 +102,11 @@ def test_method_registry_and_arch_records(monkeypatch):
             model.register_buffer("test_marker", torch.tensor(float(cfg.x)))
             return model
 
-    arch = make_arch(tiny_spec(), input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
-                     methods=[{"name": "_test_marker", "config": {"x": 3}}])
+    arch = make_arch(
+        tiny_spec(),
+        input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]},
+        methods=[{"name": "_test_marker", "config": {"x": 3}}],
+    )
     model = build_from_arch(arch)
     assert calls == [3] and float(model.test_marker) == 3.0 and model.nc_methods == ["_test_marker"]
     with pytest.raises(NascompressError, match="unknown method 'nope'; available: _test_marker, dcs, dynamicvit"):
@@ -240,9 +245,12 @@ def test_same_seed_same_run(tmp_path):
 
     def run(name, seed):
         torch.manual_seed(1000 + len(name))  # global RNG state before the job must not matter
-        job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=128),
-                       train=TrainConfig(epochs=1, batch_size=64, lr=None, seed=seed, **EXACT),
-                       out=str(tmp_path / name))
+        job = TrainJob(
+            model=tiny_spec(),
+            data=DataConfig(dataset="synthetic", train_limit=128),
+            train=TrainConfig(epochs=1, batch_size=64, lr=None, seed=seed, **EXACT),
+            out=str(tmp_path / name),
+        )
         train(job)
         return nascompress.load(tmp_path / name).state_dict()
 

@@ -2,6 +2,7 @@
 autocast training, ``--deterministic`` (recorded, in force during the job, restored after), the
 CUDA RNG state in checkpoints, losses read back without per-step host syncs, the attention that
 falls back to the math path where only its mask needs a gradient, static shapes for compilation."""
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,12 @@ from .conftest import TORCH_DEVICE, invoke, tiny_spec
 
 def vit(img=32, dim=64, heads=2, depth=3):
     torch.manual_seed(0)
-    return build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=img, patch_size=4, embed_dim=dim, depth=depth,
-                                                              num_heads=heads, num_classes=10, in_chans=1))).eval()
+    return build_model(
+        ModelSpec(
+            "vit_tiny_patch16_224",
+            dict(img_size=img, patch_size=4, embed_dim=dim, depth=depth, num_heads=heads, num_classes=10, in_chans=1),
+        )
+    ).eval()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,9 +70,17 @@ def test_cli_evaluate_and_profile_in_bf16(tiny_run):
     assert r.exit_code == 1 and "--dtype must be one of fp32, bf16, fp16" in r.output
 
 
-@pytest.mark.parametrize("name,cfg", [("evit", {"keep_rate": 0.5}), ("dynamicvit", {"rho": 0.5}),
-                                      ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block"}),
-                                      ("uniform", {"keep": 0.5}), ("mgvit", {"epsilon": 0.5}), ("tome", {"r": 6})])
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("evit", {"keep_rate": 0.5}),
+        ("dynamicvit", {"rho": 0.5}),
+        ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block"}),
+        ("uniform", {"keep": 0.5}),
+        ("mgvit", {"epsilon": 0.5}),
+        ("tome", {"r": 6}),
+    ],
+)
 def test_every_method_runs_in_bf16(name, cfg):
     model, _ = get_method(name).prepare_fresh(vit(img=28), cfg)
     x = torch.randn(3, 1, 28, 28)
@@ -97,8 +110,15 @@ def _fit(out, **cfg_kw):
             seen["deterministic"].append(torch.are_deterministic_algorithms_enabled())
             return super().loss(model, x, y, epoch=epoch, cfg=cfg, tag=tag)
 
-    metrics = fit(model, data=data, input_spec=spec, cfg=cfg, out_dir=out,
-                  arch=make_arch(tiny_spec(), input_spec=spec.to_dict()), hooks=Spy())
+    metrics = fit(
+        model,
+        data=data,
+        input_spec=spec,
+        cfg=cfg,
+        out_dir=out,
+        arch=make_arch(tiny_spec(), input_spec=spec.to_dict()),
+        hooks=Spy(),
+    )
     return metrics, seen
 
 
@@ -139,9 +159,32 @@ def test_cpu_bf16_attention_runs_explicit_matmuls_and_restores_the_flag():
 
 
 def test_deterministic_and_amp_are_recorded_in_config_json(tmp_path):
-    r = invoke("train", "--dataset", "synthetic", "--img-size", 16, "--embed-dim", 32, "--depth", 1,
-               "--num-heads", 2, "--epochs", 1, "--train-limit", 64, "--eval-limit", 32, "--device", "cpu",
-               "--deterministic", "--amp", "bf16", "--out", tmp_path / "run")
+    r = invoke(
+        "train",
+        "--dataset",
+        "synthetic",
+        "--img-size",
+        16,
+        "--embed-dim",
+        32,
+        "--depth",
+        1,
+        "--num-heads",
+        2,
+        "--epochs",
+        1,
+        "--train-limit",
+        64,
+        "--eval-limit",
+        32,
+        "--device",
+        "cpu",
+        "--deterministic",
+        "--amp",
+        "bf16",
+        "--out",
+        tmp_path / "run",
+    )
     assert r.exit_code == 0, r.output
     rec = json.loads((tmp_path / "run" / "config.json").read_text())["train"]
     assert rec["deterministic"] is True and rec["amp"] == "bf16"
@@ -182,9 +225,15 @@ def test_resume_calls_restore_with_the_saved_state(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = build_model(tiny_spec())
     spec = input_spec_for(model, "synthetic")
-    fit(model, data=load_data(DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)), input_spec=spec,
-        cfg=TrainConfig(epochs=2, batch_size=32, lr=2e-3, seed=0, device="cpu"), out_dir=tmp_path / "r",
-        arch=make_arch(tiny_spec(), input_spec=spec.to_dict()), resume=True)
+    fit(
+        model,
+        data=load_data(DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)),
+        input_spec=spec,
+        cfg=TrainConfig(epochs=2, batch_size=32, lr=2e-3, seed=0, device="cpu"),
+        out_dir=tmp_path / "r",
+        arch=make_arch(tiny_spec(), input_spec=spec.to_dict()),
+        resume=True,
+    )
     assert len(got) == 1
     if torch.cuda.is_available():  # the states saved at the interruption, one per device
         assert len(got[0]) == torch.cuda.device_count()
@@ -199,7 +248,9 @@ def test_loss_watch_reads_every_n_steps_and_names_the_first_bad_step():
     w.add(3, torch.tensor(1.0))
     w.add(4, torch.tensor(float("nan")))
     w.add(5, torch.tensor(float("inf")))
-    with pytest.raises(NascompressError, match=r"loss became nan at epoch 2 step 4; lower lr \(the peak lr was 0.001\)"):
+    with pytest.raises(
+        NascompressError, match=r"loss became nan at epoch 2 step 4; lower lr \(the peak lr was 0.001\)"
+    ):
         w.read(epoch=1, peak_lr=1e-3)
 
 
@@ -214,22 +265,35 @@ def test_a_nan_loss_stops_fit_with_one_line(tmp_path):
     model = build_model(tiny_spec())
     spec = input_spec_for(model, "synthetic")
     with pytest.raises(NascompressError, match="loss became nan at epoch 1 step 2"):
-        fit(model, data=load_data(DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)), input_spec=spec,
-            cfg=TrainConfig(epochs=1, batch_size=32, lr=2e-3, device="cpu"), out_dir=tmp_path,
-            arch=make_arch(tiny_spec(), input_spec=spec.to_dict()), hooks=Nan())
+        fit(
+            model,
+            data=load_data(DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)),
+            input_spec=spec,
+            cfg=TrainConfig(epochs=1, batch_size=32, lr=2e-3, device="cpu"),
+            out_dir=tmp_path,
+            arch=make_arch(tiny_spec(), input_spec=spec.to_dict()),
+            hooks=Nan(),
+        )
     assert not (tmp_path / "checkpoint.safetensors").exists()
 
 
 def _no_item():
     def boom(self, *a, **k):
         raise AssertionError("a training loss read a value back to the host (.item())")
+
     return mock.patch.object(torch.Tensor, "item", boom)
 
 
-@pytest.mark.parametrize("name,cfg,recipe", [
-    ("evit", {"keep_rate": 0.5}, {"distill": 0.5}), ("dynamicvit", {"rho": 0.5}, {}),
-    ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}, {"stage1_epochs": 1}), ("mgvit", {}, {}),
-    ("tome", {"r": 6}, {"distill": 0.5})])
+@pytest.mark.parametrize(
+    "name,cfg,recipe",
+    [
+        ("evit", {"keep_rate": 0.5}, {"distill": 0.5}),
+        ("dynamicvit", {"rho": 0.5}, {}),
+        ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}, {"stage1_epochs": 1}),
+        ("mgvit", {}, {}),
+        ("tome", {"r": 6}, {"distill": 0.5}),
+    ],
+)
 def test_method_losses_leave_their_logs_on_the_device(name, cfg, recipe):
     teacher = vit(img=28).requires_grad_(False)
     method = get_method(name)
@@ -260,16 +324,19 @@ def test_attention_takes_the_math_path_where_only_the_mask_needs_a_gradient():
     real = F.scaled_dot_product_attention
 
     def strict(q_, k_, v_, attn_mask=None, **kw):
-        if attn_mask is not None and attn_mask.requires_grad and not (q_.requires_grad or k_.requires_grad
-                                                                       or v_.requires_grad):
+        if (
+            attn_mask is not None
+            and attn_mask.requires_grad
+            and not (q_.requires_grad or k_.requires_grad or v_.requires_grad)
+        ):
             raise RuntimeError("LSE is not correctly aligned (strideH)")
         return real(q_, k_, v_, attn_mask=attn_mask, **kw)
 
     with mock.patch.object(F, "scaled_dot_product_attention", strict):
-        out = attention(q, k, v, attn_mask=bias, scale=8 ** -0.5)
+        out = attention(q, k, v, attn_mask=bias, scale=8**-0.5)
         out.sum().backward()
         assert bias.grad is not None and bias.grad.abs().sum() > 0
-        torch.testing.assert_close(out, real(q, k, v, attn_mask=bias.detach(), scale=8 ** -0.5))
+        torch.testing.assert_close(out, real(q, k, v, attn_mask=bias.detach(), scale=8**-0.5))
         # DynamicViT's predictor-only stage (backbone frozen) through the model
         from nascompress.methods.dynamicvit import calibrate_predictors
 
@@ -286,8 +353,9 @@ def test_predictor_stage_of_a_method_that_keeps_everything_trains_nothing():
     teacher = vit().requires_grad_(False)
     model, record = get_method("dynamicvit").prepare_fresh(copy.deepcopy(teacher), {"rho": 1.0})
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    logs = get_method("dynamicvit").calibrate(model, record, teacher=teacher,
-                                              batches=[(torch.randn(2, 1, 32, 32), torch.arange(2))] * 3)
+    logs = get_method("dynamicvit").calibrate(
+        model, record, teacher=teacher, batches=[(torch.randn(2, 1, 32, 32), torch.arange(2))] * 3
+    )
     assert "ce" in logs
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -295,10 +363,14 @@ def test_predictor_stage_of_a_method_that_keeps_everything_trains_nothing():
 def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, tmp_path):
     from nascompress.search.trials import SearchJob, TrialContext, build_trial
 
-    (tmp_path / "s.yaml").write_text("format: nascompress-space/1\nname: s\nmethods:\n  - name: evit\n"
-                                     "    params: {keep_rate: 0.5}\n")
-    ctx = TrialContext(SearchJob(base=str(tiny_run), space=str(tmp_path / "s.yaml"), study="s", train_images=20,
-                                 eval_images=20, device="cpu"))
+    (tmp_path / "s.yaml").write_text(
+        "format: nascompress-space/1\nname: s\nmethods:\n  - name: evit\n    params: {keep_rate: 0.5}\n"
+    )
+    ctx = TrialContext(
+        SearchJob(
+            base=str(tiny_run), space=str(tmp_path / "s.yaml"), study="s", train_images=20, eval_images=20, device="cpu"
+        )
+    )
     assert not any(p.requires_grad for p in ctx.base.parameters())
     model, _, _ = build_trial(ctx, [{"name": "evit", "config": {"keep_rate": 0.5}}], seed=0)
     assert all(p.requires_grad for p in model.parameters())
@@ -308,11 +380,17 @@ def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, t
 # Static shapes: token methods compile to one graph, without breaks or recompiles
 
 
-@pytest.mark.parametrize("name,cfg", [("evit", {"keep_rate": 0.5}), ("dynamicvit", {"rho": 0.5}),
-                                      ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}),
-                                      ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block",
-                                                       "block_size": 16}),
-                                      ("uniform", {"keep": 0.5}), ("tome", {"r": 6})])
+@pytest.mark.parametrize(
+    "name,cfg",
+    [
+        ("evit", {"keep_rate": 0.5}),
+        ("dynamicvit", {"rho": 0.5}),
+        ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8}),
+        ("sparsifiner", {"attn_keep_ratio": 0.3, "n_down": 8, "mode": "block", "block_size": 16}),
+        ("uniform", {"keep": 0.5}),
+        ("tome", {"r": 6}),
+    ],
+)
 def test_token_and_channel_methods_trace_to_one_static_graph(name, cfg):
     from torch._dynamo.utils import counters
 
@@ -335,10 +413,18 @@ def test_profile_compile_times_the_compiled_model_and_explains_mgvit():
 
     dense = vit(img=28, dim=32, depth=1)
     mg, _ = get_method("mgvit").prepare_fresh(copy.deepcopy(dense), {"epsilon": 0.5})
-    with mock.patch("nascompress.profiling.latency.torch.compile",
-                    lambda m, mode=None, dynamic=None: torch._dynamo.optimize("eager", dynamic=dynamic)(m)):
-        res = profile_models({"dense": dense, "mgvit": mg}, device=torch.device("cpu"), batch_sizes=(1, 2), iters=2,
-                             warmup=1, compile=True)
+    with mock.patch(
+        "nascompress.profiling.latency.torch.compile",
+        lambda m, mode=None, dynamic=None: torch._dynamo.optimize("eager", dynamic=dynamic)(m),
+    ):
+        res = profile_models(
+            {"dense": dense, "mgvit": mg},
+            device=torch.device("cpu"),
+            batch_sizes=(1, 2),
+            iters=2,
+            warmup=1,
+            compile=True,
+        )
     d, m = res["models"]["dense"], res["models"]["mgvit"]
     assert d["latency_ms_compiled"] > 0 and d["throughput_compiled"] > 0 and "latency_ms_compiled" not in m
     assert "early exit" in m["compile_note"]
@@ -359,9 +445,12 @@ def test_inductor_compiles_a_tiny_model():
 
 
 def test_train_job_records_deterministic_and_runs(tmp_path):
-    job = TrainJob(model=tiny_spec(), data=DataConfig(dataset="synthetic", train_limit=64, eval_limit=32),
-                   train=TrainConfig(epochs=1, batch_size=32, lr=None, device=TORCH_DEVICE, deterministic=True),
-                   out=str(tmp_path / "d"))
+    job = TrainJob(
+        model=tiny_spec(),
+        data=DataConfig(dataset="synthetic", train_limit=64, eval_limit=32),
+        train=TrainConfig(epochs=1, batch_size=32, lr=None, device=TORCH_DEVICE, deterministic=True),
+        out=str(tmp_path / "d"),
+    )
     train(job)
     assert json.loads((tmp_path / "d" / "config.json").read_text())["train"]["deterministic"] is True
 
@@ -372,6 +461,10 @@ def test_cpu_bf16_training_is_deterministic_and_leaves_the_attention_flag_as_it_
     times = ("train_time_s",)
     assert {k: v for k, v in a.items() if k not in times} == {k: v for k, v in b.items() if k not in times}
     model = build_model(tiny_spec())
-    fit(model, data=load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=32)),
-        input_spec=input_spec_for(model, "synthetic"), cfg=TrainConfig(epochs=1, batch_size=32, device="cpu", amp="bf16"))
+    fit(
+        model,
+        data=load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=32)),
+        input_spec=input_spec_for(model, "synthetic"),
+        cfg=TrainConfig(epochs=1, batch_size=32, device="cpu", amp="bf16"),
+    )
     assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))

@@ -5,6 +5,7 @@ a huge model, the dashboard's binding and write API, the trial budget across wor
 weights and a forged completion mark, ImageFolder oddities, out-of-range pipeline values,
 file identity independent of the output path, full disks in export.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,7 +54,8 @@ def test_hidden_folders_are_no_class_and_a_linked_class_is_refused(tmp_path):
     ck.mkdir()
     (root / "train" / "a" / ".ipynb_checkpoints").mkdir()
     (root / "train" / "a" / ".ipynb_checkpoints" / "0-checkpoint.png").write_bytes(
-        (root / "train" / "a" / "0.png").read_bytes())
+        (root / "train" / "a" / "0.png").read_bytes()
+    )
     b = load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
     assert b.classes == ["a", "b"] and len(b.train) == 8
     r = invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY, "--epochs", "1")  # the CLI counts 2 too
@@ -89,11 +91,14 @@ def test_a_huge_image_is_refused_from_its_header(tmp_path, monkeypatch, recwarn)
 # 2. A model file cannot make nascompress build a huge model
 
 
-@pytest.mark.parametrize("key,value,what", [
-    ("depth", 1_000_000, "depth (blocks) is 1,000,000, above the limit of 256"),
-    ("embed_dim", 1_000_000, "parameter count is"),
-    ("img_size", 100_000, "tokens per image is 625,000,001"),
-])
+@pytest.mark.parametrize(
+    "key,value,what",
+    [
+        ("depth", 1_000_000, "depth (blocks) is 1,000,000, above the limit of 256"),
+        ("embed_dim", 1_000_000, "parameter count is"),
+        ("img_size", 100_000, "tokens per image is 625,000,001"),
+    ],
+)
 def test_an_arch_json_with_a_huge_model_is_refused_before_building(tmp_path, key, value, what):
     d = plain_model_dir(tmp_path / "m")
     arch = json.loads((d / "arch.json").read_text())
@@ -146,8 +151,15 @@ def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     storage = f"journal:{tmp_path}/s.journal"  # served live: a DELETE would delete the study itself
-    run_study(study_name="d", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
-              progress=False, **TWO)
+    run_study(
+        study_name="d",
+        storage=storage,
+        n_trials=1,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
     for host in ("0.0.0.0", "::"):
@@ -164,8 +176,12 @@ def test_the_dashboard_is_local_and_read_only_unless_asked(tmp_path, capfd):
     assert "KeyError" not in capfd.readouterr().err
     import optuna
 
-    assert [s.study_name for s in optuna.get_all_study_summaries(
-        optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{tmp_path}/s.journal")))] == ["d"]
+    assert [
+        s.study_name
+        for s in optuna.get_all_study_summaries(
+            optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(f"{tmp_path}/s.journal"))
+        )
+    ] == ["d"]
     with start_dashboard("d", storage=storage, writable=True) as h:
         assert _request(h.port, "DELETE", "/api/studies/0")[0] in (200, 204)
 
@@ -188,8 +204,12 @@ def test_a_trial_that_reaches_the_storage_last_is_the_surplus_one():
 
     t0 = dt.datetime(2026, 1, 1, 10, 0, 0)
     done = [SimpleNamespace(_trial_id=i, number=i, state=TrialState.COMPLETE, datetime_start=t0) for i in (0, 1)]
-    first = SimpleNamespace(_trial_id=2, number=2, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=2))
-    second = SimpleNamespace(_trial_id=3, number=3, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=1))
+    first = SimpleNamespace(
+        _trial_id=2, number=2, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=2)
+    )
+    second = SimpleNamespace(
+        _trial_id=3, number=3, state=TrialState.RUNNING, datetime_start=t0 + dt.timedelta(seconds=1)
+    )
 
     class Seen:
         def __init__(self, trials):
@@ -226,8 +246,15 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
 
     storage, n = f"journal:{tmp_path}/s.journal", 4  # 1 complete first: 3 slots for 2 or 4 workers in step
     run_study = runner.run_study
-    run_study(study_name="w", storage=storage, n_trials=1, objective_factory=toy_factory, space_info=SPACE_INFO,
-              progress=False, **TWO)  # creates the study (one trial complete)
+    run_study(
+        study_name="w",
+        storage=storage,
+        n_trials=1,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )  # creates the study (one trial complete)
     real_ask = optuna.Study.ask
 
     def slow_ask(self, *a, **kw):
@@ -245,8 +272,9 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
         return real_write(self, op_code, extra_fields)
 
     monkeypatch.setattr(journal.JournalStorage, "_write_log", late_write)
-    cfg = runner.LoopConfig(n_trials=n, deadline=time.time() + 120, heartbeat_interval=0.2, grace_period=60.0,
-                             max_retries=2, max_failures=3)
+    cfg = runner.LoopConfig(
+        n_trials=n, deadline=time.time() + 120, heartbeat_interval=0.2, grace_period=60.0, max_retries=2, max_failures=3
+    )
     errors: list[BaseException] = []
 
     def worker(k: int) -> None:
@@ -330,8 +358,28 @@ def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
     shutil.copytree(srcs[0], srcs[1])
     outs = [tmp_path / "a" / "final", tmp_path / "elsewhere" / "final"]
     for src, out in zip(srcs, outs):
-        r = invoke("retrain", src, "--out", out, "--dataset", "synthetic", "--epochs", "1", "--eta", "0",
-                   "--batch-size", "64", "--lr", "1e-3", "--train-limit", "64", "--eval-limit", "32", "--device", "cpu")
+        r = invoke(
+            "retrain",
+            src,
+            "--out",
+            out,
+            "--dataset",
+            "synthetic",
+            "--epochs",
+            "1",
+            "--eta",
+            "0",
+            "--batch-size",
+            "64",
+            "--lr",
+            "1e-3",
+            "--train-limit",
+            "64",
+            "--eval-limit",
+            "32",
+            "--device",
+            "cpu",
+        )
         assert r.exit_code == 0, r.output
     assert str(srcs[0]) not in (outs[0] / "arch.json").read_text()
     assert file_sha256(outs[0] / "model.safetensors") == file_sha256(outs[1] / "model.safetensors")
@@ -344,13 +392,19 @@ def test_the_same_retrain_in_two_folders_writes_the_same_model_file(tmp_path):
 # 7. Pipeline values out of any sensible range are refused before anything is written
 
 
-@pytest.mark.parametrize("path,value,match", [
-    ("stages.tokens.trials", 1_000_000_000, "stages.tokens.trials: the value is 1,000,000,000, above the limit of "
-                                            "100,000 (max_trials)"),
-    ("seed", 10**23, "seed: must be an integer in [0, 4294967295], got 100000000000000000000000"),
-    ("base.train.lr", float("inf"), "base.train.lr: must be a finite number, got inf"),
-    ("stages.retrain.lr", float("nan"), "stages.retrain.lr: must be a finite number, got nan"),
-])
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        (
+            "stages.tokens.trials",
+            1_000_000_000,
+            "stages.tokens.trials: the value is 1,000,000,000, above the limit of 100,000 (max_trials)",
+        ),
+        ("seed", 10**23, "seed: must be an integer in [0, 4294967295], got 100000000000000000000000"),
+        ("base.train.lr", float("inf"), "base.train.lr: must be a finite number, got inf"),
+        ("stages.retrain.lr", float("nan"), "stages.retrain.lr: must be a finite number, got nan"),
+    ],
+)
 def test_out_of_range_pipeline_values_are_one_line_and_write_nothing(tmp_path, path, value, match):
     from .test_pipeline import _bad, tiny_config, write_config
 
@@ -391,8 +445,10 @@ def test_cli_and_library_values_out_of_range(tmp_path):
         TrainConfig(seed=2**32)
     with pytest.raises(NascompressError, match="trials is 1,000,000,000, above the limit of 100,000"):
         SearchJob(base="b", space="s", study="x", trials=10**9)
-    one_line(invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", *TINY, "--seed", str(10**23)),
-             "--seed must be an integer in [0, 4294967295]")
+    one_line(
+        invoke("train", "--out", tmp_path / "run", "--dataset", "synthetic", *TINY, "--seed", str(10**23)),
+        "--seed must be an integer in [0, 4294967295]",
+    )
     assert not (tmp_path / "run").exists()
     from nascompress.data import DataConfig
 
@@ -425,8 +481,10 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch, fmt):
     else:
         monkeypatch.setattr(torch.export, "save", full)
     out = tmp_path / "out" / ("m.onnx" if fmt == "onnx" else "m.pt2")
-    msg = one_line(invoke("export", run, "--out", out, "--format", fmt),
-                   f"cannot write the export into {out.parent}: no space is left on its disk")
+    msg = one_line(
+        invoke("export", run, "--out", out, "--format", fmt),
+        f"cannot write the export into {out.parent}: no space is left on its disk",
+    )
     assert "graph" not in msg and "Errno" not in msg and "then run the export again" in msg
     assert not out.exists() and not list(out.parent.glob("*"))
     if fmt == "torch-export":  # serialized in memory: torch's C++ writer never meets the full disk
@@ -482,7 +540,9 @@ def test_a_pickle_as_weights_is_one_line_without_a_torch_warning(tmp_path, recwa
 
     (tmp_path / "w.pkl").write_bytes(pickle.dumps({"w": [1, 2]}, protocol=4))
     out = tmp_path / "new"
-    msg = one_line(invoke("train", "--out", out, "--dataset", "synthetic", "--weights", tmp_path / "w.pkl", *TINY),
-                   f"weights file {tmp_path / 'w.pkl'} is corrupt or not a weights file")
+    msg = one_line(
+        invoke("train", "--out", out, "--dataset", "synthetic", "--weights", tmp_path / "w.pkl", *TINY),
+        f"weights file {tmp_path / 'w.pkl'} is corrupt or not a weights file",
+    )
     assert "never unpickles" in msg and not out.exists()
     assert not [w for w in recwarn if "pickle protocol" in str(w.message)]

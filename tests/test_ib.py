@@ -1,4 +1,5 @@
 """The IB loss, its variational bound IBB (DCS paper, section 3.3, Appendix D) and K-means."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,15 @@ import torch
 from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_rand_score
 
-from nascompress.ib import (ib_bound, ib_loss, kmeans, lemma_d1_marginal_term, mutual_information, soft_assign,
-                            variational_q)
+from nascompress.ib import (
+    ib_bound,
+    ib_loss,
+    kmeans,
+    lemma_d1_marginal_term,
+    mutual_information,
+    soft_assign,
+    variational_q,
+)
 
 from .conftest import TORCH_DEVICE
 
@@ -147,7 +155,11 @@ def test_ibb_decreases_as_features_separate_the_classes():
     for s in (0.0, 0.5, 1.0, 2.0, 4.0):
         g = torch.Generator().manual_seed(0)
         y = torch.arange(n) % c
-        means, noise, x = torch.randn(c, 16, generator=g), torch.randn(n, 16, generator=g), torch.randn(n, 12, generator=g)
+        means, noise, x = (
+            torch.randn(c, 16, generator=g),
+            torch.randn(n, 16, generator=g),
+            torch.randn(n, 12, generator=g),
+        )
         phi_f, phi_i, q = memberships(means[y] * s + noise, x, y, c, 0)
         values.append(float(ib_bound(phi_f, phi_i, y, q)))
     assert all(b <= a + 1e-6 for a, b in zip(values, values[1:])), values

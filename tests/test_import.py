@@ -1,5 +1,6 @@
 """Bringing a user's own model: backbone-only checkpoints, hybrid ViTs, ``nascompress import``,
 and ``train --linear-probe``."""
+
 from __future__ import annotations
 
 import hashlib
@@ -66,8 +67,9 @@ def test_reset_head_loads_backbone_only_checkpoint(tmp_path):
 
 def test_mismatch_names_up_to_three_tensors():
     model = build_model(tiny_spec())
-    other = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2,
-                                        num_classes=10, in_chans=1))
+    other = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=64, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    )
     with pytest.raises(NascompressError) as e:
         load_state_strict(model, other.state_dict(), source="f")
     msg = str(e.value)
@@ -86,7 +88,9 @@ def test_hybrid_vits_are_refused(tmp_path):
 def test_pretrained_tags():
     m = build_model(ModelSpec("vit_base_patch16_clip_224.openai", {"depth": 1, "img_size": 32, "num_classes": 2}))
     assert m.pretrained_cfg["tag"] == "openai"
-    with pytest.raises(NascompressError, match="unknown pretrained tag 'nope' for vit_base_patch16_clip_224; known tags"):
+    with pytest.raises(
+        NascompressError, match="unknown pretrained tag 'nope' for vit_base_patch16_clip_224; known tags"
+    ):
         build_model(ModelSpec("vit_base_patch16_clip_224.nope"))
 
 
@@ -97,8 +101,9 @@ def test_pretrained_tags():
 def test_import_writes_a_run_that_loads_and_evaluates(tmp_path, vit_weights):
     path, src = vit_weights
     out = tmp_path / "imported"
-    r = invoke("import", "test_vit", "--weights", path, "--out", out, "--dataset", "synthetic", "--eval-limit", 40,
-               "--json")
+    r = invoke(
+        "import", "test_vit", "--weights", path, "--out", out, "--dataset", "synthetic", "--eval-limit", 40, "--json"
+    )
     assert r.exit_code == 0, r.output
     metrics = json.loads(r.stdout)
     assert metrics["val_n"] == 40 and metrics["test_n"] == 40 and 0 <= metrics["test_top1"] <= 100
@@ -108,8 +113,15 @@ def test_import_writes_a_run_that_loads_and_evaluates(tmp_path, vit_weights):
     arch = json.loads((out / "arch.json").read_text())
     assert arch["model"] == {"name": "test_vit", "kwargs": {"num_classes": 10, "img_size": 32}}  # both from the file
     # preprocessing: test_vit's pretrained config (mean/std 0.5, bicubic, crop 0.95), size from the model
-    assert arch["input"] == {"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3, "std": [0.5] * 3,
-                             "interpolation": "bicubic", "crop_pct": 0.95, "crop_mode": "center"}
+    assert arch["input"] == {
+        "img_size": [32, 32],
+        "in_chans": 3,
+        "mean": [0.5] * 3,
+        "std": [0.5] * 3,
+        "interpolation": "bicubic",
+        "crop_pct": 0.95,
+        "crop_mode": "center",
+    }
     src_info = arch["source"]
     assert src_info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert src_info["timm_name"] == "test_vit" and src_info["timm_version"] and src_info["imported_at"]
@@ -126,11 +138,31 @@ def test_import_writes_a_run_that_loads_and_evaluates(tmp_path, vit_weights):
 def test_import_img_size_and_overrides(tmp_path, vit_weights):
     path, _ = vit_weights
     out = tmp_path / "o"
-    r = invoke("import", "test_vit", "--weights", path, "--out", out, "--img-size", 48, "--mean", "0.1,0.2,0.3",
-               "--std", "0.4", "--interpolation", "bilinear", "--crop-pct", "0.875", "--json")
+    r = invoke(
+        "import",
+        "test_vit",
+        "--weights",
+        path,
+        "--out",
+        out,
+        "--img-size",
+        48,
+        "--mean",
+        "0.1,0.2,0.3",
+        "--std",
+        "0.4",
+        "--interpolation",
+        "bilinear",
+        "--crop-pct",
+        "0.875",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout) == {"imported": True, "dataset": None,
-                                    "shapes_from_weights": {"img_size": [48, 32]}}  # asked for, and reported
+    assert json.loads(r.stdout) == {
+        "imported": True,
+        "dataset": None,
+        "shapes_from_weights": {"img_size": [48, 32]},
+    }  # asked for, and reported
     arch = json.loads((out / "arch.json").read_text())
     assert arch["model"]["kwargs"]["img_size"] == 48  # the position embedding is resampled to 3 x 3
     assert arch["input"]["mean"] == [0.1, 0.2, 0.3] and arch["input"]["std"] == [0.4] * 3
@@ -162,8 +194,9 @@ def test_import_bad_inputs_write_nothing(tmp_path, vit_weights):
     assert "tensor cls_token (1, 1, 64) is missing from the file" in r.stderr and "(the file: patch kernel" in r.stderr
     assert not out.exists()
     bad("--num-classes must match the file's head (10 classes)", "--num-classes", 4)
-    headless = save_sd(tmp_path / "backbone.safetensors",
-                       {k: v for k, v in src.state_dict().items() if not k.startswith("head.")})
+    headless = save_sd(
+        tmp_path / "backbone.safetensors", {k: v for k, v in src.state_dict().items() if not k.startswith("head.")}
+    )
     bad("train --model test_vit --weights", weights=headless)
     bad("--reset-head --linear-probe", "--num-classes", 10, weights=headless)
     make_folder(tmp_path / "folder", counts={"a": 2, "b": 2}, splits=("train", "val"))
@@ -181,8 +214,14 @@ def test_import_job_round_trips():
     from nascompress.data import DataConfig, InputOverrides
     from nascompress.importer import ImportJob
 
-    job = ImportJob(model="test_vit", weights="w", out="o", img_size=32, data=DataConfig(dataset="synthetic"),
-                    input=InputOverrides(mean=(0.1, 0.2, 0.3)))
+    job = ImportJob(
+        model="test_vit",
+        weights="w",
+        out="o",
+        img_size=32,
+        data=DataConfig(dataset="synthetic"),
+        input=InputOverrides(mean=(0.1, 0.2, 0.3)),
+    )
     assert ImportJob.from_dict(json.loads(json.dumps(job.to_dict()))) == job
     with pytest.raises(NascompressError, match="img_size must be an integer in \\[1, inf\\]"):
         ImportJob(model="m", weights="w", out="o", img_size=0)
@@ -210,14 +249,31 @@ def test_linear_probe_fits_only_the_head(tmp_path, vit_weights):
     backbone = {k: v for k, v in src.state_dict().items() if not k.startswith("head.")}
     w = save_sd(tmp_path / "backbone.safetensors", backbone)  # as DINOv2/MAE/CLIP ship: no head
     out = tmp_path / "probe"
-    r = invoke("train", "--model", "test_vit", "--img-size", 32, "--weights", w, "--reset-head", "--linear-probe",
-               "--dataset", "synthetic", "--train-limit", 300, "--out", out, "--json")
+    r = invoke(
+        "train",
+        "--model",
+        "test_vit",
+        "--img-size",
+        32,
+        "--weights",
+        w,
+        "--reset-head",
+        "--linear-probe",
+        "--dataset",
+        "synthetic",
+        "--train-limit",
+        300,
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     m = json.loads(r.stdout)
     assert m["linear_probe"] and m["n_train"] == 300 and m["n_val"] == 60 and m["test_n"] == 200
     assert m["l2"] in [row["l2"] for row in m["l2_grid"]] and len(m["l2_grid"]) == 6
     assert max(row["val_top1"] for row in m["l2_grid"]) == pytest.approx(
-        next(row["val_top1"] for row in m["l2_grid"] if row["l2"] == m["l2"]))
+        next(row["val_top1"] for row in m["l2_grid"] if row["l2"] == m["l2"])
+    )
     assert m["feature_time_s"] > 0 and m["fit_time_s"] > 0 and m["feature_dim"] == 64
     assert m["test_top1"] > 50  # random features of the synthetic patterns are still linearly separable
     model = nascompress.load(out)
@@ -228,8 +284,10 @@ def test_linear_probe_fits_only_the_head(tmp_path, vit_weights):
     r = invoke("evaluate", out, "--split", "val", "--json")  # the saved head is what was measured
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["top1"] == pytest.approx(m["best_val_top1"], abs=2.0)
-    one_line_error(invoke("train", "--model", "test_vit", "--linear-probe", "--dataset", "synthetic",
-                          "--out", tmp_path / "x"), "--linear-probe needs --weights")
+    one_line_error(
+        invoke("train", "--model", "test_vit", "--linear-probe", "--dataset", "synthetic", "--out", tmp_path / "x"),
+        "--linear-probe needs --weights",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +320,17 @@ def test_import_matches_the_weights_patch_size_and_grid_instead_of_resampling(tm
 
 
 def test_import_reads_depth_and_width_and_needs_the_heads_of_a_fused_qkv(tmp_path):
-    path, src = _saved_vit(tmp_path, "own", patch_size=8, img_size=32, embed_dim=96, depth=3, num_heads=4,
-                           mlp_ratio=2.0)
+    path, src = _saved_vit(
+        tmp_path, "own", patch_size=8, img_size=32, embed_dim=96, depth=3, num_heads=4, mlp_ratio=2.0
+    )
     out = tmp_path / "run"
     r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out)
     one_line_error(r, "patch kernel (96, 3, 8, 8) (patch 8x8, 3 channels), width 96, depth 3, MLP 192")
     assert "the number of heads cannot be read from a fused qkv: give --num-heads" in r.stderr and not out.exists()
-    one_line_error(invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--num-heads", 5),
-                   "--num-heads 5 does not divide the weights' width 96")
+    one_line_error(
+        invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--num-heads", 5),
+        "--num-heads 5 does not divide the weights' width 96",
+    )
     r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--num-heads", 4, "--json")
     assert r.exit_code == 0, r.output
     kw = json.loads((out / "arch.json").read_text())["model"]["kwargs"]
@@ -279,8 +340,7 @@ def test_import_reads_depth_and_width_and_needs_the_heads_of_a_fused_qkv(tmp_pat
 
 
 def test_import_reads_the_heads_from_a_q_norm(tmp_path):
-    path, src = _saved_vit(tmp_path, "qn", patch_size=8, img_size=16, embed_dim=64, depth=1, num_heads=4,
-                           qk_norm=True)
+    path, src = _saved_vit(tmp_path, "qn", patch_size=8, img_size=16, embed_dim=64, depth=1, num_heads=4, qk_norm=True)
     out = tmp_path / "run"
     r = invoke("import", "vit_tiny_patch16_224", "--weights", path, "--out", out, "--json")
     assert r.exit_code == 0, r.output
@@ -296,11 +356,15 @@ def test_the_pipelines_import_builds_the_weights_model_and_sizes_the_default_spa
 
     from nascompress.pipeline import plan
 
-    path, _ = _saved_vit(tmp_path, "own", patch_size=4, img_size=16, embed_dim=96, depth=3, num_heads=4,
-                         in_chans=1)
-    cfg = {"format": "nascompress-pipeline/1", "device": "cpu", "data": {"dataset": "synthetic"},
-           "base": {"import": {"model": "vit_tiny_patch16_224", "weights": str(path), "num_heads": 4}},
-           "goal": {"max_flops": 0.8}, "stages": {"tokens": {"space": "evit", "trials": 2}}}
+    path, _ = _saved_vit(tmp_path, "own", patch_size=4, img_size=16, embed_dim=96, depth=3, num_heads=4, in_chans=1)
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "device": "cpu",
+        "data": {"dataset": "synthetic"},
+        "base": {"import": {"model": "vit_tiny_patch16_224", "weights": str(path), "num_heads": 4}},
+        "goal": {"max_flops": 0.8},
+        "stages": {"tokens": {"space": "evit", "trials": 2}},
+    }
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
     p = plan(tmp_path / "p.yaml", out=tmp_path / "out")
     assert [s.name for s in p.steps][:3] == ["base", "tokens_search", "tokens_pick"]
@@ -313,8 +377,11 @@ def test_the_pipelines_import_builds_the_weights_model_and_sizes_the_default_spa
         plan(tmp_path / "p.yaml", out=tmp_path / "out")
     del cfg["base"]["import"]["num_heads"]
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.raises(NascompressError, match=r"base.import.weights: weights file .* is not vit_tiny_patch16_224's "
-                                               r"shape: patch kernel \(96, 1, 4, 4\)"):
+    with pytest.raises(
+        NascompressError,
+        match=r"base.import.weights: weights file .* is not vit_tiny_patch16_224's "
+        r"shape: patch kernel \(96, 1, 4, 4\)",
+    ):
         plan(tmp_path / "p.yaml", out=tmp_path / "out")
 
 

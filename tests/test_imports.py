@@ -1,6 +1,7 @@
 """The package's import graph has no cycle (imports inside functions and ``if TYPE_CHECKING:`` blocks
 included: a type-only circle still ties the modules together for a reader): every module can be read,
 tested and moved on its own. No module imports another module's private (``_name``) names."""
+
 from __future__ import annotations
 
 import ast
@@ -27,7 +28,7 @@ def _base(name: str, path: Path, node: ast.ImportFrom) -> str:
     if not node.level:
         return node.module or ""
     pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-    pkg = pkg[:len(pkg) - (node.level - 1)]
+    pkg = pkg[: len(pkg) - (node.level - 1)]
     return ".".join(pkg + ([node.module] if node.module else []))
 
 
@@ -123,8 +124,10 @@ def test_a_type_only_import_closes_a_circle(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "plan.py").write_text("def run():\n    from .report import write\n    write()\n")
-    (pkg / "report.py").write_text("from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
-                                   "if TYPE_CHECKING:\n    from .plan import Plan\n")
+    (pkg / "report.py").write_text(
+        "from __future__ import annotations\nfrom typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from .plan import Plan\n"
+    )
     assert cycles(import_graph(pkg)) == [["toy.plan", "toy.report"]]
 
 
@@ -138,8 +141,10 @@ def test_the_private_import_check_finds_one(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     for f in ("__init__.py", "_compat.py", "sub/__init__.py", "sub/_impl.py"):
         (pkg / f).write_text("")
-    (pkg / "a.py").write_text("from ._compat import x\nfrom . import _compat\nfrom .b import _helper, public\n"
-                              "from .sub import _impl\nimport torch._dynamo\nfrom torch._C import _x\n")
+    (pkg / "a.py").write_text(
+        "from ._compat import x\nfrom . import _compat\nfrom .b import _helper, public\n"
+        "from .sub import _impl\nimport torch._dynamo\nfrom torch._C import _x\n"
+    )
     (pkg / "b.py").write_text("def _helper(): ...\ndef public(): ...\n")
     (pkg / "sub" / "c.py").write_text("from .. import _compat\nfrom . import _impl\n")
     assert private_imports(pkg) == ["toy.a: toy.b._helper", "toy.a: toy.sub._impl"]
@@ -156,11 +161,27 @@ def test_the_library_never_imports_typer():
 def test_the_study_runner_still_exports_what_it_did_before_the_split():
     from nascompress.studies import liveness, records, runner, seeding
 
-    for mod, names in ((records, ["RECORD_KEY", "WORKER_KEY", "FAIL_REASON_KEY", "SURPLUS_KEY", "RETRIES_KEY",
-                                  "RETRY_OF_KEY", "ERROR_KEY", "RECORD_FIELDS", "record_trial", "trial_record",
-                                  "study_info", "pareto_front"]),
-                       (seeding, ["default_sampler", "sampler_seed", "ParamSeeded", "Seeding"]),
-                       (liveness, ["stale_trials", "fail_stale_trials"])):
+    for mod, names in (
+        (
+            records,
+            [
+                "RECORD_KEY",
+                "WORKER_KEY",
+                "FAIL_REASON_KEY",
+                "SURPLUS_KEY",
+                "RETRIES_KEY",
+                "RETRY_OF_KEY",
+                "ERROR_KEY",
+                "RECORD_FIELDS",
+                "record_trial",
+                "trial_record",
+                "study_info",
+                "pareto_front",
+            ],
+        ),
+        (seeding, ["default_sampler", "sampler_seed", "ParamSeeded", "Seeding"]),
+        (liveness, ["stale_trials", "fail_stale_trials"]),
+    ):
         for name in names:
             assert getattr(runner, name) is getattr(mod, name), name
     assert callable(runner.run_study) and callable(runner.storage_full) and runner.FLOPS_BUCKETS
@@ -186,7 +207,7 @@ def unexplained_local_imports(pkg: Path = PKG) -> list[str]:
                     ours = bool(node.level) or mod == root or mod.startswith(root + ".")
                 else:
                     continue
-                if ours and not any("#" in line for line in lines[node.lineno - 1:node.end_lineno]):
+                if ours and not any("#" in line for line in lines[node.lineno - 1 : node.end_lineno]):
                     found.add(f"{name}:{node.lineno}")
     return sorted(found)
 
@@ -199,9 +220,11 @@ def test_the_local_import_check_finds_one(tmp_path):
     pkg = tmp_path / "toy"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("import os\n\n\ndef f():\n    from .b import g\n    import toy.b\n"
-                              "    from . import b  # the registry imports this module\n    import json\n"
-                              "    from toy.b import (g,\n                       h)\n")
+    (pkg / "a.py").write_text(
+        "import os\n\n\ndef f():\n    from .b import g\n    import toy.b\n"
+        "    from . import b  # the registry imports this module\n    import json\n"
+        "    from toy.b import (g,\n                       h)\n"
+    )
     (pkg / "b.py").write_text("def g(): ...\ndef h(): ...\n")
     assert unexplained_local_imports(pkg) == ["toy.a:5", "toy.a:6", "toy.a:9"]
 
@@ -224,8 +247,13 @@ def test_the_shared_helpers_are_written_once():
 
 # Modules over 450 lines, each of one concern: a compression method is one module (the package's
 # design), block_sparse is Sparsifiner's kernel. The list is exact: it only shrinks.
-LONG_MODULES = {"methods/dcs.py", "methods/mgvit.py", "methods/mgvit_h.py", "methods/sparsifiner.py",
-                "methods/block_sparse.py"}
+LONG_MODULES = {
+    "methods/dcs.py",
+    "methods/mgvit.py",
+    "methods/mgvit_h.py",
+    "methods/sparsifiner.py",
+    "methods/block_sparse.py",
+}
 
 
 def test_no_other_module_is_over_450_lines():

@@ -1,5 +1,6 @@
 """Stages on models and data in memory: training, the DCS search and IB retraining run without a run
 directory (nothing written) and give what their run-directory wrappers give, which write and resume."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,17 @@ from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs
 from nascompress.dcs_search.run import search_dcs
 from nascompress.train import TrainConfig, fit
 
-TIMES = ("train_time_s", "search_time_s", "epoch_time_s", "epoch_time_s_mean", "kmeans_s", "kmeans_s_mean",
-         "feature_pass_s", "feature_pass_s_mean", "kmeans_vs_epoch")  # wall clock: differs run to run
+TIMES = (
+    "train_time_s",
+    "search_time_s",
+    "epoch_time_s",
+    "epoch_time_s_mean",
+    "kmeans_s",
+    "kmeans_s_mean",
+    "feature_pass_s",
+    "feature_pass_s_mean",
+    "kmeans_vs_epoch",
+)  # wall clock: differs run to run
 
 
 def _files(root: Path) -> set[str]:
@@ -54,8 +64,9 @@ def test_fit_in_memory_writes_nothing_and_matches_a_run_directory(base, tmp_path
     assert _files(tmp_path) == before  # no run directory, no stray file
     disk_log: list = []
     (tmp_path / "run").mkdir()
-    m_disk = fit(copy.deepcopy(model), data=data, input_spec=spec, cfg=cfg, out_dir=tmp_path / "run", arch=arch,
-                 log=disk_log)
+    m_disk = fit(
+        copy.deepcopy(model), data=data, input_spec=spec, cfg=cfg, out_dir=tmp_path / "run", arch=arch, log=disk_log
+    )
     assert _without_times(m_mem) == _without_times(m_disk)
     strip = lambda log: [{k: v for k, v in r.items() if k not in TIMES} for r in log]  # noqa: E731
     assert strip(mem_log) == strip(disk_log) and len(mem_log) == 3  # the start, then one record per epoch
@@ -68,10 +79,14 @@ def test_fit_in_memory_writes_nothing_and_matches_a_run_directory(base, tmp_path
 def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, monkeypatch):
     model, arch, data = base
     train = search_train_config(epochs=2, batch_size=32, seed=1, device="cpu")
-    job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out=str(tmp_path / "search"),
-                       method=DCSConfig(mlp_gates="residual", qk_mask="static"),
-                       search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
-                       data=DataConfig(dataset="synthetic"), train=train)
+    job = DCSSearchJob(
+        source=str(Path(tiny_run).resolve()),
+        out=str(tmp_path / "search"),
+        method=DCSConfig(mlp_gates="residual", qk_mask="static"),
+        search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
+        data=DataConfig(dataset="synthetic"),
+        train=train,
+    )
     monkeypatch.chdir(tmp_path)
     mem = run_dcs_search(job.replace(out=""), copy.deepcopy(model).requires_grad_(True), arch, data)
     assert not (tmp_path / "search").exists() and os.listdir(tmp_path) == []
@@ -87,14 +102,25 @@ def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
     from nascompress.dcs_search.materialize import MaterializeJob, materialize_search
 
     search = tmp_path / "search"
-    search_dcs(DCSSearchJob(source=str(tiny_run), out=str(search), method=DCSConfig(mlp_gates="residual"),
-                            search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
-                            data=DataConfig(dataset="synthetic"),
-                            train=search_train_config(epochs=1, batch_size=32, device="cpu")))
+    search_dcs(
+        DCSSearchJob(
+            source=str(tiny_run),
+            out=str(search),
+            method=DCSConfig(mlp_gates="residual"),
+            search=DCSSearchConfig(target_flops=0.7, arch_lr=0.05, max_val_drop=100, auto_batch=False),
+            data=DataConfig(dataset="synthetic"),
+            train=search_train_config(epochs=1, batch_size=32, device="cpu"),
+        )
+    )
     materialize_search(MaterializeJob(search_dir=str(search), out=str(tmp_path / "slim")))
-    job = RetrainJob(model_dir=str(tmp_path / "slim"), out=str(tmp_path / "final"), data=DataConfig(dataset="synthetic"),
-                     train=retrain_train_config(epochs=2, batch_size=32, seed=2, device="cpu"),
-                     retrain=RetrainConfig(eta=1.0, kmeans_iters=2), auto_batch=False)
+    job = RetrainJob(
+        model_dir=str(tmp_path / "slim"),
+        out=str(tmp_path / "final"),
+        data=DataConfig(dataset="synthetic"),
+        train=retrain_train_config(epochs=2, batch_size=32, seed=2, device="cpu"),
+        retrain=RetrainConfig(eta=1.0, kmeans_iters=2),
+        auto_batch=False,
+    )
     model, arch = load_with_arch(tmp_path / "slim")
     data = load_data(job.data, spec=InputSpec.from_dict(arch["input"]))
     mem = run_retrain(job, model, arch, data)
@@ -119,12 +145,20 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
     logits, feat = cache.read(idx, torch.device("cpu"))
     with torch.no_grad():
         torch.testing.assert_close(logits, model(preprocess(imgs, spec)), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(feat, model.forward_head(model.forward_features(preprocess(imgs, spec)),
-                                                            pre_logits=True), rtol=1e-5, atol=1e-5)
-    job = DCSSearchJob(source=str(Path(tiny_run).resolve()), out="",
-                       method=DCSConfig(mlp_gates="hidden", qk_mask="static"),
-                       search=DCSSearchConfig(target_flops=0.7, max_val_drop=100, auto_batch=False),
-                       data=DataConfig(dataset="synthetic"), train=search_train_config(epochs=2, batch_size=32))
+        torch.testing.assert_close(
+            feat,
+            model.forward_head(model.forward_features(preprocess(imgs, spec)), pre_logits=True),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    job = DCSSearchJob(
+        source=str(Path(tiny_run).resolve()),
+        out="",
+        method=DCSConfig(mlp_gates="hidden", qk_mask="static"),
+        search=DCSSearchConfig(target_flops=0.7, max_val_drop=100, auto_batch=False),
+        data=DataConfig(dataset="synthetic"),
+        train=search_train_config(epochs=2, batch_size=32),
+    )
     cached = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
     monkeypatch.setattr(dcs_mod, "IN_MEMORY", ())  # as for augmented (ImageFolder) data: the teacher runs per step
     monkeypatch.setitem(data.extra, "fixed_train_images", False)

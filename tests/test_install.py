@@ -8,6 +8,7 @@ everything it requires (a CUDA torch's nvidia packages included): to pip it is t
 the test needs no 200 MB copy. It resolves against the index pip is configured with in the
 environment (``PIP_INDEX_URL``, default PyPI), never against local caps such as this machine's pip
 config, which would hide the problem; it is skipped only when that index cannot be reached."""
+
 from __future__ import annotations
 
 import json
@@ -68,8 +69,12 @@ def _source(tmp_path: Path) -> Path:
 
 
 def _pip_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX", "PIP_EXTRA_INDEX_URL", "PIP_REQUIRE_VIRTUALENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("PIP_FIND_LINKS", "PIP_CONSTRAINT", "PIP_NO_INDEX", "PIP_EXTRA_INDEX_URL", "PIP_REQUIRE_VIRTUALENV")
+    }
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1")
     return env
 
@@ -81,22 +86,34 @@ def test_pip_install_into_an_environment_with_the_cpu_torch_keeps_torch(tmp_path
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, capture_output=True)
     py = venv / "bin" / "python"
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     have = {}
     for dist in _closure("torch"):
         info = Path(dist._path)  # the .dist-info directory
         shutil.copytree(info, site / info.name)
         have[_norm(dist.metadata["Name"])] = dist.version
     report = tmp_path / "report.json"
-    r = subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), str(_source(tmp_path))],
-                       capture_output=True, text=True, env=_pip_env(), timeout=600)
+    r = subprocess.run(
+        [str(py), "-m", "pip", "install", "--dry-run", "--quiet", "--report", str(report), str(_source(tmp_path))],
+        capture_output=True,
+        text=True,
+        env=_pip_env(),
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     plan = {_norm(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
     assert "nascompress" in plan and "timm" in plan, sorted(plan)
     changed = {n: v for n, v in plan.items() if n in have or n == "torch" or n.startswith("nvidia-") or n == "triton"}
-    assert not changed, (f"pip install nascompress next to torch {torch_dist.version} would install {changed} "
-                         f"(installed: {have})")
+    assert not changed, (
+        f"pip install nascompress next to torch {torch_dist.version} would install {changed} (installed: {have})"
+    )
 
 
 def test_the_wheel_makes_plain_import_timm_work_without_importing_nascompress(tmp_path):
@@ -104,19 +121,42 @@ def test_the_wheel_makes_plain_import_timm_work_without_importing_nascompress(tm
     works in a fresh interpreter where a CUDA torchvision sits next to a CPU torch (here: the
     environment's own torchvision, its .pth files not processed)."""
     src, wheels = _source(tmp_path), tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(wheels), str(src)], check=True, capture_output=True, env=_pip_env(), timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        env=_pip_env(),
+        timeout=300,
+    )
     (wheel,) = wheels.glob("nascompress-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as z:
         pths = [n for n in z.namelist() if n.endswith(".pth") and "/" not in n]
         assert pths == ["nascompress-torchvision-cpu.pth"], z.namelist()[:20]
         z.extractall(site)
-    code = ("import sys, site; sys.path[:0] = [{env!r}]; site.addsitedir({site!r}); import timm, torchvision; "
-            "timm.create_model('vit_tiny_patch16_224', img_size=32, num_classes=3); "
-            "assert not any(m.startswith('nascompress') for m in sys.modules); print('ok')")
+    code = (
+        "import sys, site; sys.path[:0] = [{env!r}]; site.addsitedir({site!r}); import timm, torchvision; "
+        "timm.create_model('vit_tiny_patch16_224', img_size=32, num_classes=3); "
+        "assert not any(m.startswith('nascompress') for m in sys.modules); print('ok')"
+    )
     env_site = sysconfig.get_paths()["purelib"]
     # -S: the environment's own .pth files (a hook scripts/setup.sh installed) are not run
-    r = subprocess.run([sys.executable, "-S", "-c", code.format(env=env_site, site=str(site))],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-S", "-c", code.format(env=env_site, site=str(site))],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -1,6 +1,7 @@
 """MG-ViT: the 161-token split, CASR, sub-patch indices, PPSM merges, identity (SGIS == dense),
 batched early exit against per-image runs, FLOPs against the paper's complexity model and DeiT-S,
 save/load, training loss, bad input and the evaluate CLI."""
+
 from __future__ import annotations
 
 import copy
@@ -16,16 +17,28 @@ from nascompress.runs.io import make_arch, save_model
 from nascompress.methods import get_method
 from nascompress.finetune import split_settings
 from nascompress.methods.mgvit import MGViT, MGViTHooks, sweep_model
-from nascompress.methods.mgvit_ops import (casr_update, layer_macs, mgis_token_schedule, num_mgis_tokens, ppsm,
-                                           ppsm_counts, ppsm_out_tokens, resample_grid, split_counts, split_groups,
-                                           subpatch_index)
+from nascompress.methods.mgvit_ops import (
+    casr_update,
+    layer_macs,
+    mgis_token_schedule,
+    num_mgis_tokens,
+    ppsm,
+    ppsm_counts,
+    ppsm_out_tokens,
+    resample_grid,
+    split_counts,
+    split_groups,
+    subpatch_index,
+)
 from nascompress.models import ModelSpec, build_model
 from nascompress.profiling.flops import count_flops, flop_counter_macs
 from nascompress.train import TrainConfig
 
 runner = CliRunner()
-SPEC = ModelSpec("vit_tiny_patch16_224", dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2,
-                                              num_classes=10, in_chans=1))
+SPEC = ModelSpec(
+    "vit_tiny_patch16_224",
+    dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1),
+)
 
 
 def dense(**kw):
@@ -103,7 +116,7 @@ def test_ppsm_merges(scatter):
     for b in range(B):
         order = score[b].argsort(descending=True).tolist()
         torch.testing.assert_close(out[b, :n_pos], x[b, order[:n_pos]])
-        bdy = order[n_pos:n_pos + n_b]
+        bdy = order[n_pos : n_pos + n_b]
         A, Bs = bdy[0::2], bdy[1::2]
         cos = torch.nn.functional.cosine_similarity(v[b, A][:, None], v[b, Bs][None], dim=-1)
         match = cos.argmax(1).tolist()
@@ -111,7 +124,7 @@ def test_ppsm_merges(scatter):
             members = [tb] + [A[i] for i in range(len(A)) if match[i] == j]
             w = score[b, members]
             torch.testing.assert_close(out[b, n_pos + j], (w[:, None] * x[b, members]).sum(0) / w.sum())
-        neg = order[n - n_neg:]
+        neg = order[n - n_neg :]
         w = score[b, neg]
         torch.testing.assert_close(out[b, -1], (w[:, None] * x[b, neg]).sum(0) / w.sum())
     assert len(bdy) // 2 == len(Bs)  # the boundary count halves
@@ -138,7 +151,7 @@ def test_early_exit_batched_equals_per_image():
         m.mg["epsilon"] = eps
         out = m(x)
         for i in range(8):
-            ref = s[i] if conf[i] > eps else m.forward_both(x[i:i + 1])[1][0]
+            ref = s[i] if conf[i] > eps else m.forward_both(x[i : i + 1])[1][0]
             torch.testing.assert_close(out[i], ref, rtol=1e-4, atol=1e-5)
     share = (conf > eps).float().mean().item()
     assert 0 < share < 1
@@ -183,8 +196,14 @@ def test_deit_small_7x7_sgis_is_1_10_gflops():
     # here (that would test the choice of C', not the code); the per-stage counts follow the paper's
     # complexity model exactly (test_flops_match_paper_complexity_model) and grow with C'
     st = m.stage_flops()
-    wider = get_method("mgvit").apply(build_model(ModelSpec("deit_small_patch16_224", {})),
-                                      {"name": "mgvit", "config": {"epsilon": 1e-6, "feat_dim": 96}}).stage_flops()
+    wider = (
+        get_method("mgvit")
+        .apply(
+            build_model(ModelSpec("deit_small_patch16_224", {})),
+            {"name": "mgvit", "config": {"epsilon": 1e-6, "feat_dim": 96}},
+        )
+        .stage_flops()
+    )
     assert st["sgis_flops"] == pytest.approx(wider["sgis_flops"]) and wider["mgis_flops"] > st["mgis_flops"]
 
 
@@ -196,8 +215,11 @@ def test_save_load_roundtrip(tmp_path):
         for p in m.mgis.parameters():
             p.add_(0.01 * torch.randn_like(p))
     rec = {"name": "mgvit", "config": dict(m.mg)}
-    save_model(tmp_path / "mg", m, make_arch(SPEC, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5],
-                                                               "std": [0.5]}, methods=[rec]))
+    save_model(
+        tmp_path / "mg",
+        m,
+        make_arch(SPEC, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5], "std": [0.5]}, methods=[rec]),
+    )
     loaded = nascompress.load(tmp_path / "mg")
     assert isinstance(loaded, MGViT) and loaded.mg == m.mg
     x = torch.randn(6, 1, 28, 28)
@@ -217,34 +239,44 @@ def test_training_loss_reaches_both_stages():
     assert m.mgis.reuse.fc2.weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"r_h": 0.6, "r_t": 0.5}, "r_h \\+ r_t .*1.1"),
-    ({"r_pos": 0.7, "r_neg": 0.4}, "r_pos \\+ r_neg .*1.1"),
-    ({"ppsm_layers": [4]}, "PPSM layer 4"),
-    ({"ppsm_layers": [1]}, "PPSM layer 1"),
-    ({"epsilon": 0.0}, "epsilon must be in \\(0, 1\\], got 0.0"),
-    ({"epsilon": 1.5}, "epsilon .*1.5"),
-    ({"grid": 5}, "image size 28x28 .* coarse grid 5"),
-    ({"feat_dim": 3}, "feat_dim"),
-    ({"keep_rate": 0.5}, "unknown mgvit option.*keep_rate"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"r_h": 0.6, "r_t": 0.5}, "r_h \\+ r_t .*1.1"),
+        ({"r_pos": 0.7, "r_neg": 0.4}, "r_pos \\+ r_neg .*1.1"),
+        ({"ppsm_layers": [4]}, "PPSM layer 4"),
+        ({"ppsm_layers": [1]}, "PPSM layer 1"),
+        ({"epsilon": 0.0}, "epsilon must be in \\(0, 1\\], got 0.0"),
+        ({"epsilon": 1.5}, "epsilon .*1.5"),
+        ({"grid": 5}, "image size 28x28 .* coarse grid 5"),
+        ({"feat_dim": 3}, "feat_dim"),
+        ({"keep_rate": 0.5}, "unknown mgvit option.*keep_rate"),
+    ],
+)
 def test_bad_input(config, match):
     with pytest.raises(NascompressError, match=match):
         prepare(dense(), config)
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"reg_tokens": 2}, "exactly one prefix token, this model has 3"),
-    ({"class_token": False, "global_pool": "avg"}, "needs a class token read by the head"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"reg_tokens": 2}, "exactly one prefix token, this model has 3"),
+        ({"class_token": False, "global_pool": "avg"}, "needs a class token read by the head"),
+    ],
+)
 def test_refuses_register_tokens_and_no_class_token(kw, match):
     with pytest.raises(NascompressError, match=match):
         prepare(dense(**kw), {})
 
 
 def test_refuses_a_distilled_deit():
-    model = build_model(ModelSpec("deit_tiny_distilled_patch16_224", dict(img_size=28, patch_size=4, embed_dim=32,
-                                                                          depth=2, num_heads=2, num_classes=10)))
+    model = build_model(
+        ModelSpec(
+            "deit_tiny_distilled_patch16_224",
+            dict(img_size=28, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10),
+        )
+    )
     with pytest.raises(NascompressError, match="exactly one prefix token, this model has 2"):
         prepare(model, {})
 
@@ -255,8 +287,11 @@ def test_evaluate_cli(tmp_path):
     m = mgvit(epsilon=0.5)
     rec = {"name": "mgvit", "config": dict(m.mg)}
     run = tmp_path / "mg"
-    save_model(run, m, make_arch(SPEC, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5], "std": [0.5]},
-                                 methods=[rec]))
+    save_model(
+        run,
+        m,
+        make_arch(SPEC, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5], "std": [0.5]}, methods=[rec]),
+    )
     r = runner.invoke(app, ["evaluate", str(run), "--dataset", "synthetic", "--eval-limit", "32"])
     assert r.exit_code == 0, r.output
     assert "SGIS exit" in r.output and "MFLOPs/image" in r.output
@@ -276,8 +311,11 @@ def test_sgis_from_another_run(tmp_path):
     small = ModelSpec(SPEC.name, dict(SPEC.kwargs, img_size=16))  # 4x4 grid, like the 2x2-coarser SGIS
     torch.manual_seed(1)
     other = build_model(small)
-    save_model(tmp_path / "small", other, make_arch(small, input_spec={"img_size": [16, 16], "in_chans": 1,
-                                                                       "mean": [0.5], "std": [0.5]}))
+    save_model(
+        tmp_path / "small",
+        other,
+        make_arch(small, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.5], "std": [0.5]}),
+    )
     base = dense(img_size=32)  # 8x8 grid; SGIS grid 4 sees the image at 16 px, as the small run does
     m = mgvit(base, grid=4, sgis_run=str(tmp_path / "small"))
     torch.testing.assert_close(m.blocks[1].mlp.fc1.weight, other.blocks[1].mlp.fc1.weight)
@@ -289,8 +327,11 @@ def test_sgis_from_another_run(tmp_path):
         ref = other(torch.nn.functional.interpolate(x, size=(16, 16), mode="bilinear", antialias=True))
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
     wide = ModelSpec(SPEC.name, dict(SPEC.kwargs, embed_dim=48, num_heads=2))
-    save_model(tmp_path / "wide", build_model(wide), make_arch(wide, input_spec={"img_size": [28, 28], "in_chans": 1,
-                                                                                 "mean": [0.5], "std": [0.5]}))
+    save_model(
+        tmp_path / "wide",
+        build_model(wide),
+        make_arch(wide, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5], "std": [0.5]}),
+    )
     with pytest.raises(NascompressError, match="sgis_run .* does not match the model: it needs the same width"):
         mgvit(dense(), sgis_run=str(tmp_path / "wide"))
     with pytest.raises(NascompressError, match="sgis_run .*nowhere does not exist"):

@@ -2,6 +2,7 @@
 at init), the ranking score, the sub-token embedding and the proxy-only MG layer against their
 references, dense feature shapes, honest FLOPs, batched early exit, -A/-R from a trained run
 (fine-tune, save, reload), the search space and the one-line refusals."""
+
 from __future__ import annotations
 
 import copy
@@ -76,8 +77,10 @@ def test_dense_feature_shapes_and_timm_conventions():
         with torch.no_grad():
             want = [f.shape for f in d.forward_intermediates(x, intermediates_only=True)]
             assert [f.shape for f in m.forward_intermediates(x, intermediates_only=True)] == want
-            assert [f.shape for f in m.forward_intermediates(x, indices=[0, 2], intermediates_only=True)] == \
-                   [want[0], want[2]]
+            assert [f.shape for f in m.forward_intermediates(x, indices=[0, 2], intermediates_only=True)] == [
+                want[0],
+                want[2],
+            ]
             last, inter = m.forward_intermediates(x, indices=2)
             assert last.shape == want[-1] and [f.shape for f in inter] == want[2:]
             assert m.forward_features(x).shape == d.forward_features(x).shape == (2, 256, 2, 2)
@@ -109,7 +112,7 @@ def test_sub_tokens_are_the_stem_on_the_resampled_image():
         for b in range(2):
             for j in range(2):
                 r, c = divmod(idx[b, j].item(), 2)
-                cell = full[b, r * 8 * s:(r + 1) * 8 * s, c * 8 * s:(c + 1) * 8 * s]
+                cell = full[b, r * 8 * s : (r + 1) * 8 * s, c * 8 * s : (c + 1) * 8 * s]
                 want = cell.reshape(8, s, 8, s, 32).permute(0, 2, 1, 3, 4)
                 torch.testing.assert_close(got[b, j], want, atol=1e-5, rtol=1e-5)
 
@@ -160,8 +163,8 @@ def test_early_exit_batched_equals_per_image():
         m.reset_inference_stats()
         got = m(x)
         for i in range(6):
-            ref = s[i:i + 1] if conf[i] > m.mg["epsilon"] else m.forward_head(m.forward_features(x[i:i + 1]))
-            torch.testing.assert_close(got[i:i + 1], ref, atol=1e-5, rtol=1e-5)
+            ref = s[i : i + 1] if conf[i] > m.mg["epsilon"] else m.forward_head(m.forward_features(x[i : i + 1]))
+            torch.testing.assert_close(got[i : i + 1], ref, atol=1e-5, rtol=1e-5)
     st = m.inference_stats()
     assert st["exit_share"] == pytest.approx((conf > m.mg["epsilon"]).float().mean().item())
 
@@ -173,8 +176,14 @@ def pvt_run(tmp_path_factory):
     from nascompress.train import TrainConfig, TrainJob, train
 
     out = tmp_path_factory.mktemp("runs") / "pvt"
-    train(TrainJob(model=SPEC, data=DataConfig(dataset="synthetic", train_limit=64, eval_limit=32),
-                   train=TrainConfig(epochs=1, batch_size=32, lr=1e-3, seed=0), out=str(out)))
+    train(
+        TrainJob(
+            model=SPEC,
+            data=DataConfig(dataset="synthetic", train_limit=64, eval_limit=32),
+            train=TrainConfig(epochs=1, batch_size=32, lr=1e-3, seed=0),
+            out=str(out),
+        )
+    )
     return out
 
 
@@ -184,10 +193,16 @@ def test_builds_from_a_trained_run_trains_saves_and_reloads(pvt_run, tmp_path, v
     from nascompress.finetune import FinetuneJob, finetune, finetune_train_config
 
     out = tmp_path / variant
-    m = finetune(FinetuneJob(run_dir=str(pvt_run), method="mgvit-h", out=str(out),
-                             config={"variant": variant, "r_h": 0.25, "r_t": 0.25},
-                             data=DataConfig(dataset="synthetic", train_limit=32, eval_limit=32),
-                             train=finetune_train_config("mgvit-h", epochs=1, batch_size=16, seed=0, keep="last")))
+    m = finetune(
+        FinetuneJob(
+            run_dir=str(pvt_run),
+            method="mgvit-h",
+            out=str(out),
+            config={"variant": variant, "r_h": 0.25, "r_t": 0.25},
+            data=DataConfig(dataset="synthetic", train_limit=32, eval_limit=32),
+            train=finetune_train_config("mgvit-h", epochs=1, batch_size=16, seed=0, keep="last"),
+        )
+    )
     assert m["method"] == "mgvit-h"
     loaded = nascompress.load(out)
     base = nascompress.load(pvt_run)
@@ -205,11 +220,33 @@ def test_builds_from_a_trained_run_trains_saves_and_reloads(pvt_run, tmp_path, v
 
 def test_save_load_keeps_early_exit_config(tmp_path):
     m = perturb(mgvit_h(variant="r", epsilon=0.6, r_h=0.25, r_t=0.25))
-    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[{"name": "mgvit-h",
-                                                                            "config": {k: m.mg[k] for k in (
-                                                                                "variant", "r_h", "r_t", "epsilon",
-                                                                                "mg_heads", "mg_mlp_ratio",
-                                                                                "sgis_scale", "lam", "casr_start")}}]))
+    save_model(
+        tmp_path / "m",
+        m,
+        make_arch(
+            SPEC,
+            input_spec=INPUT,
+            methods=[
+                {
+                    "name": "mgvit-h",
+                    "config": {
+                        k: m.mg[k]
+                        for k in (
+                            "variant",
+                            "r_h",
+                            "r_t",
+                            "epsilon",
+                            "mg_heads",
+                            "mg_mlp_ratio",
+                            "sgis_scale",
+                            "lam",
+                            "casr_start",
+                        )
+                    },
+                }
+            ],
+        ),
+    )
     loaded = nascompress.load(tmp_path / "m")
     x = torch.randn(4, 1, 64, 64)
     with torch.no_grad():
@@ -331,8 +368,22 @@ def test_ppsm_in_the_proxy_groups_keeps_the_grid_and_counts_its_flops():
 
 def test_ppsm_settings_survive_save_and_load(tmp_path):
     m = perturb(mgvit_h(**SLIM))
-    cfg = {k: m.mg[k] for k in ("variant", "r_h", "r_t", "r_pos", "r_neg", "epsilon", "mg_heads", "mg_mlp_ratio",
-                                "sgis_scale", "lam", "casr_start")}
+    cfg = {
+        k: m.mg[k]
+        for k in (
+            "variant",
+            "r_h",
+            "r_t",
+            "r_pos",
+            "r_neg",
+            "epsilon",
+            "mg_heads",
+            "mg_mlp_ratio",
+            "sgis_scale",
+            "lam",
+            "casr_start",
+        )
+    }
     save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[{"name": "mgvit-h", "config": cfg}]))
     loaded = nascompress.load(tmp_path / "m")
     x = torch.randn(2, 1, 64, 64)
@@ -341,14 +392,17 @@ def test_ppsm_settings_survive_save_and_load(tmp_path):
     assert loaded.mg["r_pos"] == 0.25 and loaded.mg["r_neg"] == 0.25
 
 
-@pytest.mark.parametrize("config, match", [
-    ({"variant": "x"}, "variant"),
-    ({"r_h": 0.6, "r_t": 0.5}, "r_h \\+ r_t .*1.1"),
-    ({"epsilon": 0.0}, "epsilon must be in \\(0, 1\\]"),
-    ({"mg_heads": 3}, "mg_heads 3 does not divide stage 1's width 32"),
-    ({"r_pos": 0.7, "r_neg": 0.4}, "r_pos \\+ r_neg .*1.1"),
-    ({"r_neg": -0.1}, "r_neg"),
-])
+@pytest.mark.parametrize(
+    "config, match",
+    [
+        ({"variant": "x"}, "variant"),
+        ({"r_h": 0.6, "r_t": 0.5}, "r_h \\+ r_t .*1.1"),
+        ({"epsilon": 0.0}, "epsilon must be in \\(0, 1\\]"),
+        ({"mg_heads": 3}, "mg_heads 3 does not divide stage 1's width 32"),
+        ({"r_pos": 0.7, "r_neg": 0.4}, "r_pos \\+ r_neg .*1.1"),
+        ({"r_neg": -0.1}, "r_neg"),
+    ],
+)
 def test_bad_settings(config, match):
     from nascompress.finetune import split_settings
 
@@ -358,8 +412,12 @@ def test_bad_settings(config, match):
 
 
 def test_refusals_in_one_line():
-    vit = build_model(ModelSpec("vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=2,
-                                                             num_heads=2, num_classes=10, in_chans=1)))
+    vit = build_model(
+        ModelSpec(
+            "vit_tiny_patch16_224",
+            dict(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1),
+        )
+    )
     with pytest.raises(NascompressError, match="mgvit-h needs a pyramid ViT .*VisionTransformer; use method mgvit"):
         get_method("mgvit-h").prepare_fresh(vit, {})
     with pytest.raises(NascompressError, match="mgvit needs a plain timm ViT.*pyramid.*use method mgvit-h"):
@@ -407,8 +465,10 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     with torch.no_grad():
         conf = m._sgis(x).softmax(-1).amax(-1)
     eps = float(conf.median())
-    rec = {"name": "mgvit-h", "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25,
-                                         "epsilon": eps}}
+    rec = {
+        "name": "mgvit-h",
+        "config": {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25, "epsilon": eps},
+    }
     save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[rec]))
     with pytest.raises(NascompressError, match="export it with batch dynamic"):
         export_run(tmp_path / "m", out=tmp_path / "fixed.pt2", config=ExportConfig(format="torch-export", batch=4))
@@ -416,8 +476,9 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     assert side["verification"]["passed"] and side["verification"]["stages"]["passed"]
     assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
     assert side["flops"]["stages"] == nascompress.load(tmp_path / "m").stage_flops()
-    both = with_exit_rule(program_runner(tmp_path / "mg.pt2")[0],
-                          program_runner(stage_path(tmp_path / "mg.pt2", "mgis"))[0], eps)
+    both = with_exit_rule(
+        program_runner(tmp_path / "mg.pt2")[0], program_runner(stage_path(tmp_path / "mg.pt2", "mgis"))[0], eps
+    )
     with torch.no_grad():
         want = nascompress.load(tmp_path / "m")(x)
     assert 0 < int((conf > eps).sum()) < len(x)  # both branches of the rule run
@@ -450,15 +511,21 @@ def test_export_onnx_fp16_with_ppsm_in_the_proxy_groups(tmp_path):
             blk.attn.q.weight.mul_(16)
     config = {"variant": "r", "r_h": 0.25, "r_t": 0.25, "r_pos": 0.5, "r_neg": 0.25}
     m = perturb(mgvit_h(d, **config))
-    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[
-        {"name": "mgvit-h", "config": {**config, "epsilon": 0.15}}]))
+    save_model(
+        tmp_path / "m",
+        m,
+        make_arch(SPEC, input_spec=INPUT, methods=[{"name": "mgvit-h", "config": {**config, "epsilon": 0.15}}]),
+    )
     side = export_run(tmp_path / "m", out=tmp_path / "h.onnx", config=ExportConfig(dtype="fp16"))
     v = side["verification"]
     assert v["passed"] and v["stages"]["passed"] and v["top1_agreement"] == 1.0, v
     assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["dtype"] == "fp16"
     nodes = onnx.load(str(stage_path(tmp_path / "h.onnx", "mgis"))).graph.node
-    assert not [n for n in nodes if n.op_type.startswith("Scatter")
-                and any(a.name == "reduction" and a.s != b"none" for a in n.attribute)]
+    assert not [
+        n
+        for n in nodes
+        if n.op_type.startswith("Scatter") and any(a.name == "reduction" and a.s != b"none" for a in n.attribute)
+    ]
     assert {"TopK", "ArgMax"} <= {n.op_type for n in nodes}  # the ranking and the match are in the graph
 
 
@@ -471,9 +538,32 @@ def test_deepcopy_after_a_training_forward():
 
 
 def test_cli_finetune_variant_r(pvt_run, tmp_path):
-    r = invoke("finetune", pvt_run, "--method", "mgvit-h", "--variant", "r", "--r-h", "0.25", "--r-t", "0.25",
-               "--r-pos", "0.5", "--r-neg", "0.25", "--epochs", "1", "--batch-size", "16", "--train-limit", "32",
-               "--eval-limit", "32", "--out", tmp_path / "r")
+    r = invoke(
+        "finetune",
+        pvt_run,
+        "--method",
+        "mgvit-h",
+        "--variant",
+        "r",
+        "--r-h",
+        "0.25",
+        "--r-t",
+        "0.25",
+        "--r-pos",
+        "0.5",
+        "--r-neg",
+        "0.25",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "16",
+        "--train-limit",
+        "32",
+        "--eval-limit",
+        "32",
+        "--out",
+        tmp_path / "r",
+    )
     assert r.exit_code == 0, r.output
     m = nascompress.load(tmp_path / "r")
     assert isinstance(m, MGPVT) and m.mg["variant"] == "r" and m.mg["r_h"] == 0.25 and m.mg["r_pos"] == 0.5
@@ -495,19 +585,30 @@ def test_import_and_train_from_pyramid_weights(tmp_path):
     d = dense(in_chans=3)
     sd = {k: v.contiguous() for k, v in d.state_dict().items()}
     save_file(sd, str(tmp_path / "pvt.safetensors"))
-    original = {k.replace("patch_embed.", "patch_embed1.").replace("stages.0.blocks.", "block1.")
-                .replace("stages.0.norm", "norm1"): v for k, v in sd.items()}
+    original = {
+        k.replace("patch_embed.", "patch_embed1.")
+        .replace("stages.0.blocks.", "block1.")
+        .replace("stages.0.norm", "norm1"): v
+        for k, v in sd.items()
+    }
     torch.save(original, tmp_path / "orig.pth")
     x = torch.randn(2, 3, 64, 64)
     for name in ("pvt.safetensors", "orig.pth"):
-        import_model(ImportJob(model="pvt_v2_b0", weights=str(tmp_path / name), out=str(tmp_path / f"run_{name}"),
-                               img_size=64))
+        import_model(
+            ImportJob(model="pvt_v2_b0", weights=str(tmp_path / name), out=str(tmp_path / f"run_{name}"), img_size=64)
+        )
         with torch.no_grad():
             torch.testing.assert_close(nascompress.load(tmp_path / f"run_{name}")(x), d(x))
     spec = ModelSpec("pvt_v2_b0", {"img_size": 64, "num_classes": 10})
-    train(TrainJob(model=spec, weights=str(tmp_path / "orig.pth"),
-                   data=DataConfig(dataset="synthetic", train_limit=16, eval_limit=16), out=str(tmp_path / "t"),
-                   train=TrainConfig(epochs=1, batch_size=16, lr=1e-5, seed=0)))
+    train(
+        TrainJob(
+            model=spec,
+            weights=str(tmp_path / "orig.pth"),
+            data=DataConfig(dataset="synthetic", train_limit=16, eval_limit=16),
+            out=str(tmp_path / "t"),
+            train=TrainConfig(epochs=1, batch_size=16, lr=1e-5, seed=0),
+        )
+    )
     m = mgvit_h(nascompress.load(tmp_path / "run_pvt.safetensors"), variant="r")
     assert m.mg["grid"] == 2
 
@@ -552,12 +653,27 @@ def test_a_pipeline_from_a_pyramid_run(pvt_run, tmp_path):
     import yaml
 
     space = Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "mgvit-h.yaml"
-    cfg = {"format": "nascompress-pipeline/1", "seed": 0, "device": "cpu", "data": {"dataset": "synthetic"},
-           "base": {"run": str(pvt_run)}, "goal": {"max_flops": 1.0},
-           "stages": {"tokens": {"space": str(space), "trials": 3, "eval_images": 16, "train_images": 16,
-                                 "batch_size": 16, "objective": "flops"},
-                      "retrain": {"epochs": 1, "batch_size": 16, "train_limit": 32}},
-           "report": {"iters": 2, "batch_size": 8}, "export": {"format": "onnx"}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "seed": 0,
+        "device": "cpu",
+        "data": {"dataset": "synthetic"},
+        "base": {"run": str(pvt_run)},
+        "goal": {"max_flops": 1.0},
+        "stages": {
+            "tokens": {
+                "space": str(space),
+                "trials": 3,
+                "eval_images": 16,
+                "train_images": 16,
+                "batch_size": 16,
+                "objective": "flops",
+            },
+            "retrain": {"epochs": 1, "batch_size": 16, "train_limit": 32},
+        },
+        "report": {"iters": 2, "batch_size": 8},
+        "export": {"format": "onnx"},
+    }
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
     r = invoke("pipeline", tmp_path / "p.yaml", "--out", tmp_path / "out")
     assert r.exit_code == 0, r.output
@@ -583,8 +699,15 @@ def test_a_pipeline_from_a_pyramid_run(pvt_run, tmp_path):
 def test_quantize_refuses_it_in_one_line(tmp_path):
     """Two graphs and an exit rule, as mgvit: int8 is refused (it wrote one file under two stage names)."""
     m = mgvit_h(variant="r", epsilon=0.6, r_h=0.25, r_t=0.25)
-    save_model(tmp_path / "m", m, make_arch(SPEC, input_spec=INPUT, methods=[
-        {"name": "mgvit-h", "config": {k: m.mg[k] for k in ("variant", "r_h", "r_t", "epsilon")}}]))
+    save_model(
+        tmp_path / "m",
+        m,
+        make_arch(
+            SPEC,
+            input_spec=INPUT,
+            methods=[{"name": "mgvit-h", "config": {k: m.mg[k] for k in ("variant", "r_h", "r_t", "epsilon")}}],
+        ),
+    )
     r = invoke("quantize", tmp_path / "m", "--out", tmp_path / "q", "--dataset", "synthetic")
     assert r.exit_code == 1 and "MG-ViT is not quantized (mgvit-h: two graphs and an exit rule)" in r.output, r.output
     assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "q").exists()

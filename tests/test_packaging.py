@@ -1,6 +1,7 @@
 """Packaging that fits a user's environment: ranges in pyproject.toml, exact versions only in
 constraints.txt, no top-level package but ``nascompress``, and a plain ``import timm`` that works
 without importing nascompress first."""
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,7 @@ def _requirements() -> dict[str, str]:
     out = {}
     for req in PROJECT["dependencies"]:
         name = re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower()
-        out[name] = req[len(name):]
+        out[name] = req[len(name) :]
     return out
 
 
@@ -58,6 +59,8 @@ def test_only_the_nascompress_package_is_installed_and_the_cli_lives_inside_it()
 
 
 def test_plain_import_timm_works_without_nascompress():
-    code = "import sys, timm, torchvision; assert not any(m.startswith('nascompress') for m in sys.modules); print('ok')"
+    code = (
+        "import sys, timm, torchvision; assert not any(m.startswith('nascompress') for m in sys.modules); print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

@@ -1,5 +1,6 @@
 """``nascompress pipeline``: a tiny pipeline end to end (every stage), resume after SIGKILL with
 the same result as an uninterrupted run, and bad configs refused before anything is written."""
+
 from __future__ import annotations
 
 import json
@@ -32,16 +33,44 @@ SPACE = TINY_EVIT_SPACE
 def tiny_config() -> dict:
     """Every stage, seconds each: a 2-block ViT on the synthetic 16 px dataset."""
     return {
-        "format": "nascompress-pipeline/1", "seed": 0, "device": "cpu",
+        "format": "nascompress-pipeline/1",
+        "seed": 0,
+        "device": "cpu",
         "data": {"dataset": "synthetic"},
-        "base": {"train": {"img_size": 16, "patch_size": 4, "embed_dim": 32, "depth": 2, "num_heads": 2,
-                           "in_chans": 1, "epochs": 1, "batch_size": 32, "lr": 2e-3}},
+        "base": {
+            "train": {
+                "img_size": 16,
+                "patch_size": 4,
+                "embed_dim": 32,
+                "depth": 2,
+                "num_heads": 2,
+                "in_chans": 1,
+                "epochs": 1,
+                "batch_size": 32,
+                "lr": 2e-3,
+            }
+        },
         "goal": {"max_flops": 0.75},
-        "stages": {"dcs": {"target_flops": 0.85, "epochs": 3, "batch_size": 32, "alpha_init": 0.5, "base_lr": 1e-3,
-                           "arch_lr": 0.15},
-                   "tokens": {"space": "space.yaml", "trials": 4, "eval_images": 60, "train_images": 60,
-                              "calib_steps": 3, "batch_size": 30, "also_dense": False},
-                   "retrain": {"epochs": 1, "eta": 0, "batch_size": 32}},
+        "stages": {
+            "dcs": {
+                "target_flops": 0.85,
+                "epochs": 3,
+                "batch_size": 32,
+                "alpha_init": 0.5,
+                "base_lr": 1e-3,
+                "arch_lr": 0.15,
+            },
+            "tokens": {
+                "space": "space.yaml",
+                "trials": 4,
+                "eval_images": 60,
+                "train_images": 60,
+                "calib_steps": 3,
+                "batch_size": 30,
+                "also_dense": False,
+            },
+            "retrain": {"epochs": 1, "eta": 0, "batch_size": 32},
+        },
         "report": {"iters": 2, "batch_size": 8},
         "export": {"format": "torch-export"},
     }
@@ -120,8 +149,14 @@ def test_a_finished_pipeline_is_not_rerun(ref):
 
 def _cli(cfg: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-m", "nascompress.cli.main", "pipeline", str(cfg), "--out", str(out)], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nascompress.cli.main", "pipeline", str(cfg), "--out", str(out)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_kill_9_mid_run_then_resume_gives_the_same_result(ref, tmp_path):
@@ -169,8 +204,9 @@ def _running_trial(db: Path, at_least: int) -> bool:
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=0.1)
         try:
-            row = con.execute("SELECT COUNT(*) FROM trials WHERE state = 'RUNNING' AND number >= ?",
-                              (at_least,)).fetchone()
+            row = con.execute(
+                "SELECT COUNT(*) FROM trials WHERE state = 'RUNNING' AND number >= ?", (at_least,)
+            ).fetchone()
         finally:
             con.close()
     except sqlite3.Error:  # the schema is being created, or the file is locked for a write
@@ -211,7 +247,10 @@ def test_kill_9_during_the_study_then_resume_picks_the_same_trial(ref, tmp_path)
     for k in ("picked_trial", "params", "trial_seed", "trial_accuracy", "trial_flops_ratio", "trials_complete"):
         assert tb[k] == ta[k], k
     assert rb["final"]["test_top1"] == pytest.approx(ra["final"]["test_top1"])
-    assert rb["final"]["macs"] == ra["final"]["macs"] and rb["comparison"]["flops_ratio"] == ra["comparison"]["flops_ratio"]
+    assert (
+        rb["final"]["macs"] == ra["final"]["macs"]
+        and rb["comparison"]["flops_ratio"] == ra["comparison"]["flops_ratio"]
+    )
 
 
 def _bad(base: dict, path: str, value) -> dict:
@@ -227,25 +266,51 @@ def _bad(base: dict, path: str, value) -> dict:
 BAD = [
     ("stages.dcs.epoch", 2, "unknown key stages.dcs.epoch; valid: target_flops, epochs,"),
     # a command's option the stage does not take: where it goes (issue 49)
-    ("stages.dcs.eval_limit", 150, "unknown key stages.dcs.eval_limit: eval_limit is set once for every stage, "
-                                   "under data: (data.eval_limit); valid: target_flops,"),
-    ("stages.retrain.dataset", "digits", "unknown key stages.retrain.dataset: dataset is set once for every "
-                                         "stage, under data: (data.dataset)"),
-    ("stages.tokens.train_limit", 100, "unknown key stages.tokens.train_limit: the study's training images are "
-                                       "train_images (search tokens --train-images)"),
-    ("stages.tokens.eval_limit", 100, "unknown key stages.tokens.eval_limit: the study's validation images are "
-                                      "eval_images (search tokens --eval-images); the test images, for every "
-                                      "stage, data.eval_limit"),
+    (
+        "stages.dcs.eval_limit",
+        150,
+        "unknown key stages.dcs.eval_limit: eval_limit is set once for every stage, "
+        "under data: (data.eval_limit); valid: target_flops,",
+    ),
+    (
+        "stages.retrain.dataset",
+        "digits",
+        "unknown key stages.retrain.dataset: dataset is set once for every stage, under data: (data.dataset)",
+    ),
+    (
+        "stages.tokens.train_limit",
+        100,
+        "unknown key stages.tokens.train_limit: the study's training images are "
+        "train_images (search tokens --train-images)",
+    ),
+    (
+        "stages.tokens.eval_limit",
+        100,
+        "unknown key stages.tokens.eval_limit: the study's validation images are "
+        "eval_images (search tokens --eval-images); the test images, for every "
+        "stage, data.eval_limit",
+    ),
     ("base.train.epochs", "two", "base.train.epochs: must be an integer, got 'two'"),
-    ("stages.dcs.fallback", False, "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop"),
+    (
+        "stages.dcs.fallback",
+        False,
+        "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop",
+    ),
     ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
     ("stages.dcs.target_flops", 1.5, "stages.dcs.target_flops: must be in (0, 1], got 1.5"),
     ("base.run", "/nonexistent/run", "base: give exactly one of run, train, import; got run, train"),
-    ("base", {"import": {"model": "vit_tiny_patch16_224", "weights": "missing.safetensors"}},
-     "base.import.weights: file "),
+    (
+        "base",
+        {"import": {"model": "vit_tiny_patch16_224", "weights": "missing.safetensors"}},
+        "base.import.weights: file ",
+    ),
     ("stages.tokens.space", "nope.yaml", "stages.tokens.space: search space "),
-    ("stages.tokens.sampler", "qmc", "stages.tokens.sampler: sampler qmc needs a space without conditional "
-                                     "parameters, and space 'tiny-evit' has one: evit.keep_rate.1"),
+    (
+        "stages.tokens.sampler",
+        "qmc",
+        "stages.tokens.sampler: sampler qmc needs a space without conditional "
+        "parameters, and space 'tiny-evit' has one: evit.keep_rate.1",
+    ),
     ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
     ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
@@ -296,8 +361,9 @@ def test_more_bad_configs(tmp_path):
 
     from nascompress.models import ModelSpec, build_model, custom_vit_spec
 
-    m = build_model(custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10,
-                                    in_chans=1))
+    m = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    )
     save_file({k: v for k, v in m.state_dict().items() if not k.startswith("head.")}, str(tmp_path / "bb.safetensors"))
     imp = {"model": "vit_tiny_patch16_224", "weights": "bb.safetensors", "img_size": 16}
     check(_bad(tiny_config(), "base", {"import": imp}), "base.import.linear_probe: the weights in")
@@ -313,7 +379,8 @@ def test_an_existing_run_as_the_base(ref, tmp_path):
     c["base"] = {"run": str(ref["out"] / "base")}
     p = plan(write_config(tmp_path, c), out=tmp_path / "out")
     assert [s.name for s in p.steps] == ["base", "tokens_search", "tokens_pick", "retrain"] + (
-        ["export"] if c.get("export") else []) + ["report"]
+        ["export"] if c.get("export") else []
+    ) + ["report"]
     assert p.base_dir == ref["out"] / "base" and p.final_dir == tmp_path / "out" / "final"
     c["base"] = {"run": str(ref["out"] / "dcs_mat")}
     with pytest.raises(nascompress.NascompressError, match=r"base.run: .*is not a dense run \(it applies dcs\)"):
@@ -382,8 +449,10 @@ def test_shipped_fashion_mnist_config_is_valid(tmp_path):
     assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")  # by name
 
 
-@pytest.mark.skipif(not (FMNIST and (REPO / "weights" / "dinov2_vits14_112.safetensors").is_file()),
-                    reason="needs Fashion-MNIST and the converted DINOv2 weights in weights/")
+@pytest.mark.skipif(
+    not (FMNIST and (REPO / "weights" / "dinov2_vits14_112.safetensors").is_file()),
+    reason="needs Fashion-MNIST and the converted DINOv2 weights in weights/",
+)
 def test_shipped_dinov2_config_is_valid(tmp_path):
     p = plan(REPO / "configs" / "dinov2-fashion-mnist.yaml", out=tmp_path / "x")
     assert p.cfg.base.import_.linear_probe and p.cfg.stages.tokens.space.endswith("search_spaces/evit-12.yaml")
@@ -470,9 +539,16 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(ref["out"] / "config.yaml", out / "config.yaml")
-    pipe = SimpleNamespace(cfg=cfg, out=out, source=str(ref["config"]), base_dir=ref["out"] / "base", storage=None,
-                           data=DataConfig(dataset="synthetic", eval_limit=50), steps=[],
-                           result_dir=lambda: ref["out"] / "final")
+    pipe = SimpleNamespace(
+        cfg=cfg,
+        out=out,
+        source=str(ref["config"]),
+        base_dir=ref["out"] / "base",
+        storage=None,
+        data=DataConfig(dataset="synthetic", eval_limit=50),
+        steps=[],
+        result_dir=lambda: ref["out"] / "final",
+    )
     s = write_summary(pipe)
     assert s["dense"]["test_n"] == s["final"]["test_n"] == s["comparison"]["test_n"] == 50
     base = s["decisions"]["base"]
@@ -488,8 +564,10 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
     # the command's own output (the fixture's run: all 200 test images): counts, both runs, the convention
     text = ref["output"]
     assert "test top-1 (200 images)" in text and "x the FLOPs" in text and "x faster" in text
-    assert any(f"dense base {ref['out'] / 'base'}; compressed {ref['out'] / 'final'}. The same 200 test images" in ln
-               for ln in text.splitlines())
+    assert any(
+        f"dense base {ref['out'] / 'base'}; compressed {ref['out'] / 'final'}. The same 200 test images" in ln
+        for ln in text.splitlines()
+    )
 
 
 def test_report_front_marks_the_picked_dense_and_final_models_and_the_goal(ref):
@@ -524,13 +602,19 @@ def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tm
     assert p.source == str(REPO / "nascompress" / "configs" / "demo.yaml") and p.cfg.data.dataset == "digits"
     assert p.cfg.stages.tokens.space == str(REPO / "nascompress" / "search_spaces" / "evit.yaml")
     assert [s.name for s in p.steps] == list(STEPS) and not (tmp_path / "x").exists()
-    with pytest.raises(NascompressError, match=r"config file nope does not exist: give a YAML file or the name of "
-                                               r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist\)"):
+    with pytest.raises(
+        NascompressError,
+        match=r"config file nope does not exist: give a YAML file or the name of "
+        r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist\)",
+    ):
         plan("nope", out=tmp_path / "x")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "onnxruntime" else real(m, *a))
-    with pytest.raises(NascompressError, match=r"demo.yaml: export: format onnx needs onnxruntime: pip install "
-                                               r"'nascompress\[export\]'"):
+    with pytest.raises(
+        NascompressError,
+        match=r"demo.yaml: export: format onnx needs onnxruntime: pip install "
+        r"'nascompress\[export\]'",
+    ):
         plan("demo", out=tmp_path / "x")
 
 

@@ -1,5 +1,6 @@
 """The pipeline never aborts on a collapsing DCS stage: it retries at a milder target, then goes on
 without DCS, and says so (summary.json, report.html); a resumed run takes the same way."""
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,37 @@ from .conftest import TINY_EVIT_SPACE, invoke
 
 
 def config(tiny_run, *, tokens: bool = True, target: float = 0.6) -> dict:
-    stages = {"dcs": {"target_flops": target, "epochs": 1, "batch_size": 32, "alpha_init": 0.5, "arch_lr": 0.15,
-                      "mlp_gates": "residual", "align": 1}}
+    stages = {
+        "dcs": {
+            "target_flops": target,
+            "epochs": 1,
+            "batch_size": 32,
+            "alpha_init": 0.5,
+            "arch_lr": 0.15,
+            "mlp_gates": "residual",
+            "align": 1,
+        }
+    }
     if tokens:
-        stages["tokens"] = {"space": "space.yaml", "trials": 2, "eval_images": 40, "train_images": 40,
-                            "calib_steps": 2, "batch_size": 20}
+        stages["tokens"] = {
+            "space": "space.yaml",
+            "trials": 2,
+            "eval_images": 40,
+            "train_images": 40,
+            "calib_steps": 2,
+            "batch_size": 20,
+        }
     stages["retrain"] = {"epochs": 1, "eta": 0, "batch_size": 32}
-    return {"format": "nascompress-pipeline/1", "seed": 0, "device": "cpu", "data": {"dataset": "synthetic"},
-            "base": {"run": str(tiny_run)}, "goal": {"max_flops": 0.75 if tokens else 0.9}, "stages": stages,
-            "report": {"latency": False}}
+    return {
+        "format": "nascompress-pipeline/1",
+        "seed": 0,
+        "device": "cpu",
+        "data": {"dataset": "synthetic"},
+        "base": {"run": str(tiny_run)},
+        "goal": {"max_flops": 0.75 if tokens else 0.9},
+        "stages": stages,
+        "report": {"latency": False},
+    }
 
 
 def write(tmp_path, cfg: dict):
@@ -48,8 +71,10 @@ def collapse_below(monkeypatch):
             if job.search.target_flops < limit:
                 raise SearchCollapsed(f"the search collapsed (test, target {job.search.target_flops})")
             return real(job, force=force, resume=resume)
+
         monkeypatch.setattr(fallback_module, "search_dcs", fake)  # where the pipeline looks it up
         return calls
+
     return arm
 
 

@@ -1,5 +1,6 @@
 """Models with register tokens, a distillation token or no class token: every method is either
 correct on them or refuses them with the reason (never a tensor-size crash)."""
+
 from __future__ import annotations
 
 import copy
@@ -24,9 +25,14 @@ DISTILLED = "deit_tiny_distilled_patch16_224"  # class + distillation token
 
 
 @pytest.mark.parametrize("kind", ["registers", "distilled"])
-@pytest.mark.parametrize("method,off,on", [("evit", {"keep_rate": 1.0}, {"keep_rate": 0.5, "prune_layers": [2, 3]}),
-                                           ("dynamicvit", {"rho": 1.0}, {"rho": 0.5, "prune_layers": [2, 3]}),
-                                           ("tome", {"r": 0}, {"r": 6, "merge_layers": [2, 3]})])
+@pytest.mark.parametrize(
+    "method,off,on",
+    [
+        ("evit", {"keep_rate": 1.0}, {"keep_rate": 0.5, "prune_layers": [2, 3]}),
+        ("dynamicvit", {"rho": 1.0}, {"rho": 0.5, "prune_layers": [2, 3]}),
+        ("tome", {"r": 0}, {"r": 6, "merge_layers": [2, 3]}),
+    ],
+)
 def test_token_pruning_keeps_every_prefix_token(kind, method, off, on):
     dense = model(**REGISTERS) if kind == "registers" else model(DISTILLED)
     p = dense.num_prefix_tokens

@@ -1,4 +1,5 @@
 """FLOPs as the papers count them (attention matmuls included), checked against the papers' figures."""
+
 from __future__ import annotations
 
 import pytest
@@ -21,16 +22,18 @@ def test_deit_flops_match_papers(name, gflops):
 
 
 def test_analytic_count_equals_flop_counter_mode():
-    model = build_model(custom_vit_spec(img_size=32, patch_size=4, embed_dim=48, depth=3, num_heads=3,
-                                        num_classes=10, in_chans=3))
+    model = build_model(
+        custom_vit_spec(img_size=32, patch_size=4, embed_dim=48, depth=3, num_heads=3, num_classes=10, in_chans=3)
+    )
     x = torch.randn(2, 3, 32, 32)
     assert count_flops(model, x).total == pytest.approx(flop_counter_macs(model, x), rel=1e-9)
 
 
 def test_flops_follow_real_token_count():
     """Tokens dropped in a forward are not counted: the counter reads real input shapes."""
-    model = build_model(custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2,
-                                        num_classes=10, in_chans=1))
+    model = build_model(
+        custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
+    )
     full = count_flops(model, torch.randn(1, 1, 32, 32))
     orig = model.blocks[1].forward
     model.blocks[1].forward = lambda x, **kw: orig(x[:, :33])  # keep CLS + 32 of 64 patches
@@ -81,8 +84,9 @@ def _run(path, depth: int):
     from nascompress.runs.io import make_arch, save_model
     from nascompress.train import input_spec_for
 
-    spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=depth, num_heads=2, num_classes=10,
-                           in_chans=1)
+    spec = custom_vit_spec(
+        img_size=16, patch_size=4, embed_dim=32, depth=depth, num_heads=2, num_classes=10, in_chans=1
+    )
     model = build_model(spec)
     save_model(path, model, make_arch(spec, input_spec=input_spec_for(model, "synthetic").to_dict()))
     return path
@@ -115,8 +119,10 @@ def test_profile_compare_names_both_models_in_the_one_ratio_convention(tmp_path)
 def test_speed_and_size_texts():
     from nascompress.profiling.compare import compare_records, speed_text, times_text
 
-    c = compare_records({"macs": 1.0, "params": 2.0, "latency_ms": 1.0, "throughput": 300.0},
-                        {"macs": 2.0, "params": 4.0, "latency_ms": 2.0, "throughput": 100.0})
+    c = compare_records(
+        {"macs": 1.0, "params": 2.0, "latency_ms": 1.0, "throughput": 300.0},
+        {"macs": 2.0, "params": 4.0, "latency_ms": 2.0, "throughput": 100.0},
+    )
     assert c == {"flops_ratio": 0.5, "params_ratio": 0.5, "latency_speedup": 2.0, "throughput_speedup": 3.0}
     assert times_text(0.5, "FLOPs") == "0.500x the FLOPs"
     assert speed_text(2.0) == "2.00x faster" and speed_text(0.5) == "0.50x faster (slower)"

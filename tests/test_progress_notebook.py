@@ -1,6 +1,7 @@
 """Progress in a Jupyter notebook: tqdm's notebook bars (a fake kernel and a recording tqdm stand in
 for Jupyter here); plain lines where the kernel lacks ipywidgets; rich bars and plain lines elsewhere
 are tested with the commands (test_ecosystem)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -39,7 +40,9 @@ def notebook(monkeypatch):
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
     monkeypatch.setitem(sys.modules, "tqdm.notebook", types.SimpleNamespace(tqdm=Bar))
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "ipywidgets" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "ipywidgets" else real(name, *a)
+    )
     Bar.made.clear()
 
 

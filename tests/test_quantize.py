@@ -1,6 +1,7 @@
 """``nascompress quantize`` / ``export --quantize`` / the pipeline's ``export.quantize``: a tiny model
 quantizes to int8 ONNX and is checked on its validation split; an accuracy collapse is caught and
 leaves nothing (or a milder scheme is kept and said so); the file runs without nascompress."""
+
 from __future__ import annotations
 
 import json
@@ -65,15 +66,22 @@ def test_the_file_runs_in_a_process_without_nascompress_or_torch(quantized, tmp_
     run, out, side, _ = quantized
     x = np.random.default_rng(0).standard_normal((3, 1, 16, 16)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
-    code = ("import sys\n"
-            "for m in ('nascompress', 'torch', 'timm'): sys.modules[m] = None  # importing them fails\n"
-            "import json, numpy as np, onnxruntime as ort\n"
-            "side = json.load(open(sys.argv[1] + '.json'))\n"
-            "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
-            "y = s.run(None, {side['files'][0]['inputs'][0]['name']: np.load(sys.argv[2])})[0]\n"
-            "np.save(sys.argv[3], y); print(side['quantization']['scheme'], y.shape)\n")
-    r = subprocess.run([sys.executable, "-I", "-c", code, str(out / FILE), str(tmp_path / "x.npy"),
-                        str(tmp_path / "y.npy")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    code = (
+        "import sys\n"
+        "for m in ('nascompress', 'torch', 'timm'): sys.modules[m] = None  # importing them fails\n"
+        "import json, numpy as np, onnxruntime as ort\n"
+        "side = json.load(open(sys.argv[1] + '.json'))\n"
+        "s = ort.InferenceSession(sys.argv[1], providers=['CPUExecutionProvider'])\n"
+        "y = s.run(None, {side['files'][0]['inputs'][0]['name']: np.load(sys.argv[2])})[0]\n"
+        "np.save(sys.argv[3], y); print(side['quantization']['scheme'], y.shape)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", code, str(out / FILE), str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split()[0] == "int8-static"
     import nascompress
@@ -94,9 +102,15 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
 
     from nascompress.pipeline import plan
 
-    cfg = {"format": "nascompress-pipeline/1", "seed": 0, "data": {"dataset": "synthetic"}, "base": {"run": str(run)},
-           "goal": {"max_flops": 0.9}, "stages": {"dcs": {"target_flops": 0.9, "epochs": 1}},
-           "export": {"format": "onnx", "quantize": "int8"}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "seed": 0,
+        "data": {"dataset": "synthetic"},
+        "base": {"run": str(run)},
+        "goal": {"max_flops": 0.9},
+        "stages": {"dcs": {"target_flops": 0.9, "epochs": 1}},
+        "export": {"format": "onnx", "quantize": "int8"},
+    }
     (tmp_path / "p.yaml").write_text(json.dumps(cfg))
     pipe = plan(tmp_path / "p.yaml", out=tmp_path / "pipe")
     step = next(s for s in pipe.steps if s.name == "export")
@@ -111,9 +125,19 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     rows = _int8(pipe, tmp_path / "pipe" / "dcs_mat")
     assert [r["model"] for r in rows["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
     assert rows["throughput_batch"] == pipe.cfg.report.batch_size and rows["split"] == "test"
-    s = {"source": "p.yaml", "out": "o", "seed": 0, "written": "now", "goal": {"value": None, "statement": "x"},
-         "dense": {"test_top1": 1.0, "macs": 1.0}, "final": None, "comparison": None, "int8": rows,
-         "decisions": {}, "stages": []}
+    s = {
+        "source": "p.yaml",
+        "out": "o",
+        "seed": 0,
+        "written": "now",
+        "goal": {"value": None, "statement": "x"},
+        "dense": {"test_top1": 1.0, "macs": 1.0},
+        "final": None,
+        "comparison": None,
+        "int8": rows,
+        "decisions": {},
+        "stages": [],
+    }
     page = build_html(s, config_text="")
     assert 'id="int8"' in page and "compressed int8" in page
 
@@ -155,14 +179,17 @@ def test_no_fallback_fails_at_once(tiny_run, tmp_path, monkeypatch):
 
 def test_a_collapse_of_the_static_scheme_falls_back_to_dynamic_and_says_so(tiny_run, tmp_path, monkeypatch):
     real, broken = q.quantize_file, _zero_head(q.quantize_file)
-    monkeypatch.setattr(q, "quantize_file", lambda src, dst, **kw: (broken if kw["scheme"] == "int8-static"
-                                                                    else real)(src, dst, **kw))
+    monkeypatch.setattr(
+        q, "quantize_file", lambda src, dst, **kw: (broken if kw["scheme"] == "int8-static" else real)(src, dst, **kw)
+    )
     side = quantize_run(tiny_run, out=tmp_path / "m.onnx", config=QuantizeConfig(calib_images=32))
     qz = side["quantization"]
     assert qz["scheme"] == "int8-dynamic" and qz["level"] == 0 and qz["requested"] == "int8-static"
     assert "kept the milder int8-dynamic" in qz["fallback"]
     assert [(a["scheme"], a["level"], a["check"]["passed"]) for a in qz["attempts"]] == [
-        ("int8-static", 0, False), ("int8-dynamic", 0, True)]  # (level 1 would keep both blocks: skipped)
+        ("int8-static", 0, False),
+        ("int8-dynamic", 0, True),
+    ]  # (level 1 would keep both blocks: skipped)
     assert "MatMulInteger" in _op_types(tmp_path / "m.onnx")
 
 
@@ -174,8 +201,10 @@ def test_precision_plan_keeps_the_first_and_last_blocks_at_the_milder_level(tiny
     q0, kept0 = q.plan_precision(m, 0)
     q1, kept1 = q.plan_precision(m, 1)  # 2 blocks: both are the first or the last
     assert len(q0) == 8 and q1 == []
-    assert sorted(k["why"] for k in kept1 if "block" in k["why"]) == ["first block (milder level)"] * 4 + [
-        "last block (milder level)"] * 4
+    assert (
+        sorted(k["why"] for k in kept1 if "block" in k["why"])
+        == ["first block (milder level)"] * 4 + ["last block (milder level)"] * 4
+    )
     assert {k["module"] for k in kept1 if "block" in k["why"]} >= {"blocks.0.attn.qkv", "blocks.1.mlp.fc2"}
 
 
@@ -194,7 +223,9 @@ def test_an_onnxruntime_whose_int8_kernels_refuse_the_graph_is_named(tiny_run, t
     import onnxruntime
 
     monkeypatch.setattr(onnxruntime, "__version__", "1.30.0")  # the GPU image's: QLinearMatMul refuses the graph
-    with pytest.raises(NascompressError, match=r"onnxruntime 1.30.0 is older than 1.32.*pip install 'onnxruntime>=1.32'"):
+    with pytest.raises(
+        NascompressError, match=r"onnxruntime 1.30.0 is older than 1.32.*pip install 'onnxruntime>=1.32'"
+    ):
         quantize_run(tiny_run, out=tmp_path / "q.onnx")
     assert not (tmp_path / "q.onnx").exists()
 
@@ -216,8 +247,9 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
 
     _, out, side, _ = quantized
     threads = torch.get_num_threads()
-    res = int8_rows(tiny_run, tiny_run, compressed_int8=out / FILE, data=DataConfig(dataset="synthetic"), iters=2,
-                    batch=8)
+    res = int8_rows(
+        tiny_run, tiny_run, compressed_int8=out / FILE, data=DataConfig(dataset="synthetic"), iters=2, batch=8
+    )
     assert torch.get_num_threads() == threads  # the one-thread pass gives the count back
     for r in res["rows"]:  # each figure from the faster of the default-threads and the one-thread pass
         assert r["latency_threads"] in ("default", 1) and r["throughput_threads"] in ("default", 1)
@@ -231,8 +263,9 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     text = [" | ".join(r) for r in int8_table_rows({"int8": res})]
     assert text[1].startswith("dense int8 | onnxruntime") and "img/s" in text[1]
     # a model whose int8 file fails its check gets a row saying so
-    rows = int8_table_rows({"int8": {"rows": [{"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is "
-                                               "not quantized"}]}})
+    rows = int8_table_rows(
+        {"int8": {"rows": [{"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is not quantized"}]}}
+    )
     assert rows == [("dense int8", "onnxruntime", "not kept: MG-ViT is not quantized", "-", "-", "-")]
 
 

@@ -5,6 +5,7 @@ it does not allow is refused; loading a saved model does not import the training
 
 A new method must add its entries to ``OFF`` and ``ON`` below (the first test checks that).
 """
+
 from __future__ import annotations
 
 import copy
@@ -115,8 +116,11 @@ def reference_forward(base, stacked, names, x):
     n0 = t.shape[1] - p
     sp = [blk.attn.kernel for blk in stacked.blocks] if "sparsifiner" in names else None
     ev = stacked.evit_state if "evit" in names else None
-    dv = {i: blk.dvit_predictor for i, blk in enumerate(stacked.blocks) if getattr(blk, "dvit_stage", 0)} \
-        if "dynamicvit" in names else {}
+    dv = (
+        {i: blk.dvit_predictor for i, blk in enumerate(stacked.blocks) if getattr(blk, "dvit_stage", 0)}
+        if "dynamicvit" in names
+        else {}
+    )
     ratios = stacked.dvit_state.ratios if dv else []
     tm = stacked.tome_state if "tome" in names else None
     size = t.new_ones(t.shape[0], t.shape[1])  # ToMe's token sizes
@@ -140,7 +144,7 @@ def reference_forward(base, stacked, names, x):
             q, k, v = qkv.split([S, S, a.attn_dim], -1)
             q, k = (z.reshape(B, N, H, qk_dim).transpose(1, 2) for z in (q, k))
             v = v.reshape(B, N, H, a.head_dim).transpose(1, 2)
-        scale = a.head_dim ** -0.5
+        scale = a.head_dim**-0.5
         scores = (q * scale) @ k.transpose(-2, -1)
         if tm is not None and tm.prop_attn:  # ToMe's proportional attention
             scores = scores + size.log()[:, None, None, :]
@@ -177,10 +181,19 @@ REFUSED = [(a, b) for a, b in itertools.product(sorted(OFF), repeat=2) if (a, b)
 
 
 def test_the_allowed_order():
-    assert set(ALLOWED) == {("dcs", "sparsifiner"), ("dcs", "evit"), ("dcs", "dynamicvit"), ("uniform", "sparsifiner"),
-                            ("uniform", "evit"), ("uniform", "dynamicvit"), ("sparsifiner", "evit"),
-                            ("sparsifiner", "dynamicvit"), ("dcs", "tome"), ("uniform", "tome"),
-                            ("sparsifiner", "tome")}
+    assert set(ALLOWED) == {
+        ("dcs", "sparsifiner"),
+        ("dcs", "evit"),
+        ("dcs", "dynamicvit"),
+        ("uniform", "sparsifiner"),
+        ("uniform", "evit"),
+        ("uniform", "dynamicvit"),
+        ("sparsifiner", "evit"),
+        ("sparsifiner", "dynamicvit"),
+        ("dcs", "tome"),
+        ("uniform", "tome"),
+        ("sparsifiner", "tome"),
+    }
 
 
 @pytest.mark.parametrize("first,second", ALLOWED)
@@ -209,17 +222,25 @@ def test_refused_pairs(first, second):
 def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
     from nascompress.runs.io import make_arch, save_model
 
-    spec = ModelSpec("vit_tiny_patch16_224", dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2,
-                                                  num_classes=10, in_chans=1))
-    m = apply_methods(dense(), [{"name": "sparsifiner", "config": ON["sparsifiner"]},
-                                {"name": "evit", "config": ON["evit"]}])
+    spec = ModelSpec(
+        "vit_tiny_patch16_224",
+        dict(img_size=28, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1),
+    )
+    m = apply_methods(
+        dense(), [{"name": "sparsifiner", "config": ON["sparsifiner"]}, {"name": "evit", "config": ON["evit"]}]
+    )
     recs = [{"name": "sparsifiner", "config": ON["sparsifiner"]}, {"name": "evit", "config": ON["evit"]}]
-    save_model(tmp_path, m, make_arch(spec, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5],
-                                                        "std": [0.5]}, methods=recs))
-    code = ("import sys, nascompress; m = nascompress.load(sys.argv[1]); "
-            "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retrain', "
-            "'nascompress.search', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
-            "print(','.join(engine) or 'clean')")
+    save_model(
+        tmp_path,
+        m,
+        make_arch(spec, input_spec={"img_size": [28, 28], "in_chans": 1, "mean": [0.5], "std": [0.5]}, methods=recs),
+    )
+    code = (
+        "import sys, nascompress; m = nascompress.load(sys.argv[1]); "
+        "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retrain', "
+        "'nascompress.search', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
+        "print(','.join(engine) or 'clean')"
+    )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "clean", out.stdout + out.stderr
 

@@ -1,5 +1,6 @@
 """Reliability: model files are data, runs are complete only when marked so, bad datasets and
 unwritable outputs are refused in one line, and leftovers of a killed run are recovered."""
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,17 @@ def plain_model_dir(d: Path) -> Path:
 # arch.json's model settings are an allow-list
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("checkpoint_path", "TEXT", "model setting 'checkpoint_path' is not one nascompress accepts"),
-    ("pretrained_cfg_overlay", {"file": "x.bin"}, "model setting 'pretrained_cfg_overlay' is not one"),
-    ("act_layer", "os.system", "model setting 'act_layer' is not one nascompress accepts"),
-    ("img_size", "16", "model setting img_size must be a positive integer or \\[H, W\\], got '16'"),
-    ("global_pool", "os.system", "model setting global_pool must be one of"),
-    ("qkv_bias", "yes", "model setting qkv_bias must be true or false"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("checkpoint_path", "TEXT", "model setting 'checkpoint_path' is not one nascompress accepts"),
+        ("pretrained_cfg_overlay", {"file": "x.bin"}, "model setting 'pretrained_cfg_overlay' is not one"),
+        ("act_layer", "os.system", "model setting 'act_layer' is not one nascompress accepts"),
+        ("img_size", "16", "model setting img_size must be a positive integer or \\[H, W\\], got '16'"),
+        ("global_pool", "os.system", "model setting global_pool must be one of"),
+        ("qkv_bias", "yes", "model setting qkv_bias must be true or false"),
+    ],
+)
 def test_arch_json_model_settings_are_an_allow_list(tmp_path, key, value, match):
     d = plain_model_dir(tmp_path / "m")
     text = tmp_path / "notes.txt"
@@ -60,12 +64,27 @@ def test_arch_json_model_settings_are_an_allow_list(tmp_path, key, value, match)
 
 def test_every_setting_the_project_writes_is_allowed():
     build_model(SPEC)  # custom ViT: img_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, classes, chans
-    for kw in ({"reg_tokens": 2, "class_token": True}, {"class_token": False, "global_pool": "avg"},
-               {"init_values": 0.1, "qk_norm": True, "qkv_bias": False}, {"img_size": [16, 20], "patch_size": 4},
-               {"no_embed_class": True, "dynamic_img_size": True, "fc_norm": None, "pre_norm": True}):
-        build_model(ModelSpec("vit_tiny_patch16_224", dict(kw, depth=1, embed_dim=32, num_heads=2, num_classes=3,
-                                                           **({} if "img_size" in kw else {"img_size": 16}),
-                                                           **({} if "patch_size" in kw else {"patch_size": 4}))))
+    for kw in (
+        {"reg_tokens": 2, "class_token": True},
+        {"class_token": False, "global_pool": "avg"},
+        {"init_values": 0.1, "qk_norm": True, "qkv_bias": False},
+        {"img_size": [16, 20], "patch_size": 4},
+        {"no_embed_class": True, "dynamic_img_size": True, "fc_norm": None, "pre_norm": True},
+    ):
+        build_model(
+            ModelSpec(
+                "vit_tiny_patch16_224",
+                dict(
+                    kw,
+                    depth=1,
+                    embed_dim=32,
+                    num_heads=2,
+                    num_classes=3,
+                    **({} if "img_size" in kw else {"img_size": 16}),
+                    **({} if "patch_size" in kw else {"patch_size": 4}),
+                ),
+            )
+        )
     with pytest.raises(NascompressError, match="'drop_path_rate' is not one"):
         build_model(ModelSpec("vit_tiny_patch16_224", {"drop_path_rate": 0.1}))
 
@@ -79,8 +98,11 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
 
     for name in ("w.safetensors", "w.pth"):
         (tmp_path / name).write_text("hello\n")
-        with pytest.raises(NascompressError, match="corrupt or not a weights file \\(it holds text, not tensors\\); "
-                                                   "give a .safetensors or .pth state dict"):
+        with pytest.raises(
+            NascompressError,
+            match="corrupt or not a weights file \\(it holds text, not tensors\\); "
+            "give a .safetensors or .pth state dict",
+        ):
             read_weights_file(tmp_path / name)
     # truncated files: the reader's words, never a bare exception name (KeyError: 101, IndexError)
     good = tmp_path / "good.pth"
@@ -88,8 +110,10 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
     (tmp_path / "cut.pth").write_bytes(good.read_bytes()[:900])
     save_file({"a": torch.zeros(1000)}, str(tmp_path / "good.safetensors"))
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "good.safetensors").read_bytes()[:900])
-    for name, words in (("cut.pth", "neither a complete PyTorch zip checkpoint nor a pickle of tensors"),
-                        ("cut.safetensors", "not a complete safetensors file")):
+    for name, words in (
+        ("cut.pth", "neither a complete PyTorch zip checkpoint nor a pickle of tensors"),
+        ("cut.safetensors", "not a complete safetensors file"),
+    ):
         with pytest.raises(NascompressError, match=words) as e:
             read_weights_file(tmp_path / name)
         assert "Error:" not in str(e.value)
@@ -102,8 +126,24 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
 # A run is complete only once metrics.json (finished=true) is written; readers check it
 
 
-TINY = ["--img-size", "16", "--patch-size", "4", "--embed-dim", "32", "--depth", "1", "--num-heads", "2",
-        "--epochs", "2", "--batch-size", "64", "--device", "cpu"]
+TINY = [
+    "--img-size",
+    "16",
+    "--patch-size",
+    "4",
+    "--embed-dim",
+    "32",
+    "--depth",
+    "1",
+    "--num-heads",
+    "2",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "64",
+    "--device",
+    "cpu",
+]
 
 
 def one_line(r, pattern: str) -> str:
@@ -119,8 +159,12 @@ def _train_job(out: Path, **data):
     from nascompress.train import TrainConfig, TrainJob
 
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, in_chans=1)
-    return TrainJob(model=spec, data=DataConfig(**{"dataset": "synthetic", "train_limit": 128, **data}),
-                    train=TrainConfig(epochs=2, batch_size=64, lr=2e-3, device="cpu"), out=str(out))
+    return TrainJob(
+        model=spec,
+        data=DataConfig(**{"dataset": "synthetic", "train_limit": 128, **data}),
+        train=TrainConfig(epochs=2, batch_size=64, lr=2e-3, device="cpu"),
+        out=str(out),
+    )
 
 
 def test_an_interrupted_run_is_refused_until_resumed(tmp_path):
@@ -218,11 +262,14 @@ def test_a_corrupt_image_is_named_before_anything_is_written(tmp_path):
     assert invoke("evaluate", out).exit_code == 0
 
 
-@pytest.mark.parametrize("counts,splits,match", [
-    ({"only": 6}, ("train", "val"), "has 1 class (only): a classifier needs at least two"),
-    ({"a": 6, "b": 6, "c": 0}, ("train",), "class 'c' of dataset"),
-    ({"a": 6, "b": 1}, ("train",), "class 'b' of dataset"),  # one image: none left for the carved val split
-])
+@pytest.mark.parametrize(
+    "counts,splits,match",
+    [
+        ({"only": 6}, ("train", "val"), "has 1 class (only): a classifier needs at least two"),
+        ({"a": 6, "b": 6, "c": 0}, ("train",), "class 'c' of dataset"),
+        ({"a": 6, "b": 1}, ("train",), "class 'b' of dataset"),  # one image: none left for the carved val split
+    ],
+)
 def test_datasets_that_cannot_train_a_classifier(tmp_path, counts, splits, match):
     root = folder(tmp_path / "data", counts, splits)
     out = tmp_path / "run"
@@ -234,8 +281,10 @@ def test_a_class_with_no_image_in_one_split_is_named(tmp_path):
     root = folder(tmp_path / "data", {"a": 4, "b": 4})
     for p in (root / "val" / "b").iterdir():
         p.unlink()
-    one_line(invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY),
-             f"class 'b' of dataset {root} has no image in {root}/val")
+    one_line(
+        invoke("train", "--dataset", root, "--out", tmp_path / "run", *TINY),
+        f"class 'b' of dataset {root} has no image in {root}/val",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +311,15 @@ def test_a_journal_lock_left_by_a_killed_writer_is_recovered_at_once(tmp_path, c
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     storage = f"journal:{tmp_path}/s.journal"
-    kw = dict(study_name="j", storage=storage, objective_factory=toy_factory, space_info=SPACE_INFO, progress=False,
-              heartbeat_interval=1.0, **TWO)
+    kw = dict(
+        study_name="j",
+        storage=storage,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        heartbeat_interval=1.0,
+        **TWO,
+    )
     run_study(n_trials=2, **kw)
     lock = tmp_path / "s.journal.lock"
     assert not os.path.lexists(lock)
@@ -294,15 +350,24 @@ def test_the_dashboard_snapshot_lives_beside_the_study_and_is_cleaned(tmp_path):
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     db = tmp_path / "studies.db"
-    run_study(study_name="d", storage=f"sqlite:///{db}", n_trials=2, objective_factory=toy_factory,
-              space_info=SPACE_INFO, progress=False, **TWO)
+    run_study(
+        study_name="d",
+        storage=f"sqlite:///{db}",
+        n_trials=2,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )
     snaps = lambda: sorted(tmp_path.glob(".studies.db.dashboard-*"))  # noqa: E731
     with start_dashboard("d", storage=f"sqlite:///{db}") as h:
         assert h.snapshot is not None and h.snapshot.parent.parent == tmp_path and len(snaps()) == 1
     assert snaps() == []
     # a dashboard killed with kill -9 leaves its snapshot; the next start removes it
-    code = ("import sys, time; from nascompress.studies.dashboard import start_dashboard; "
-            f"h = start_dashboard('d', storage={f'sqlite:///{db}'!r}); print('up', flush=True); time.sleep(120)")
+    code = (
+        "import sys, time; from nascompress.studies.dashboard import start_dashboard; "
+        f"h = start_dashboard('d', storage={f'sqlite:///{db}'!r}); print('up', flush=True); time.sleep(120)"
+    )
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
@@ -353,8 +418,15 @@ def test_study_export_into_an_unwritable_folder_is_one_line(tmp_path, monkeypatc
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     db = f"sqlite:///{tmp_path}/studies.db"
-    run_study(study_name="e", storage=db, n_trials=2, objective_factory=toy_factory, space_info=SPACE_INFO,
-              progress=False, **TWO)
+    run_study(
+        study_name="e",
+        storage=db,
+        n_trials=2,
+        objective_factory=toy_factory,
+        space_info=SPACE_INFO,
+        progress=False,
+        **TWO,
+    )
     ro = tmp_path / "ro"
     ro.mkdir()
     _refuse_writes_in(monkeypatch, ro, code)
@@ -371,9 +443,11 @@ def test_a_pipeline_resumed_in_a_read_only_folder_is_one_line(tmp_path, monkeypa
 
     cfg = tmp_path / "p.yaml"
     (tmp_path / "space.yaml").write_text(TINY_EVIT_SPACE)
-    cfg.write_text("format: nascompress-pipeline/1\ndevice: cpu\ndata: {dataset: synthetic}\n"
-                   "base: {train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, epochs: 1}}\n"
-                   "goal: {max_flops: 0.75}\nstages: {tokens: {space: space.yaml, trials: 2}}\n")
+    cfg.write_text(
+        "format: nascompress-pipeline/1\ndevice: cpu\ndata: {dataset: synthetic}\n"
+        "base: {train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, epochs: 1}}\n"
+        "goal: {max_flops: 0.75}\nstages: {tokens: {space: space.yaml, trials: 2}}\n"
+    )
     out = tmp_path / "out"
     out.mkdir()  # what an earlier (killed) run left: its config, no lock
     (out / "config.yaml").write_text(dump_config(load_config(cfg)))
@@ -396,8 +470,16 @@ def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
     def study(name, n):
-        return run_study(study_name=name, storage=f"sqlite:///{tmp_path}/{name}.db", n_trials=n, seed=3,
-                         objective_factory=toy_factory, space_info=SPACE_INFO, progress=False, **TWO)
+        return run_study(
+            study_name=name,
+            storage=f"sqlite:///{tmp_path}/{name}.db",
+            n_trials=n,
+            seed=3,
+            objective_factory=toy_factory,
+            space_info=SPACE_INFO,
+            progress=False,
+            **TWO,
+        )
 
     study("full", 2)
     pages = (tmp_path / "full.db").stat().st_size // 4096
@@ -421,8 +503,11 @@ def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues
     done = study("full", k + 3)
     assert done["complete"] == k + 3 and done["counts"].get("FAIL", 0) == 0
     assert study("ref", k + 3)["complete"] == k + 3
-    params = lambda name: [t.params for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db")  # noqa: E731
-                           if t.state.name == "COMPLETE"]
+    params = lambda name: [
+        t.params
+        for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db")  # noqa: E731
+        if t.state.name == "COMPLETE"
+    ]
     assert params("full") == params("ref")
 
 
@@ -436,8 +521,10 @@ def test_a_full_disk_while_saving_a_model_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(nio, "save_file", full)
     d = tmp_path / "m"
-    with pytest.raises(NascompressError, match=f"cannot write {d / 'model.safetensors'}: no space is left on its "
-                                               "disk; free space there"):
+    with pytest.raises(
+        NascompressError,
+        match=f"cannot write {d / 'model.safetensors'}: no space is left on its disk; free space there",
+    ):
         save_model(d, build_model(SPEC), make_arch(SPEC, input_spec=INPUT))
     assert list(d.iterdir()) == []
     r = invoke("evaluate", d, "--dataset", "synthetic")

@@ -1,5 +1,6 @@
 """docs/results.md and the README's results table are generated from bench/results/ and cannot drift from it;
 the repository names no folder of a particular machine."""
+
 from __future__ import annotations
 
 import re
@@ -17,8 +18,12 @@ from _common import relative_paths  # noqa: E402
 
 
 def test_results_doc_is_up_to_date():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "make_results.py"), "--check"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "make_results.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -30,10 +35,17 @@ def test_every_result_file_has_a_section():
 
 
 def test_unknown_and_fault_results_render_with_their_command():
-    data = {"faults.json": {"command": "python bench/faults.py", "machine": {"cpu_threads": 2, "cpu_count": 2},
-                            "faults": [{"fault": "kill -9 during the base", "outcome": "resumed", "same_result": True}]},
-            "zzz_new.json": {"command": "python bench/zzz.py --x 1", "rows": {"a": {"x": 1.5, "y": 2},
-                                                                              "b": {"x": 3.25, "y": 4}}}}
+    data = {
+        "faults.json": {
+            "command": "python bench/faults.py",
+            "machine": {"cpu_threads": 2, "cpu_count": 2},
+            "faults": [{"fault": "kill -9 during the base", "outcome": "resumed", "same_result": True}],
+        },
+        "zzz_new.json": {
+            "command": "python bench/zzz.py --x 1",
+            "rows": {"a": {"x": 1.5, "y": 2}, "b": {"x": 3.25, "y": 4}},
+        },
+    }
     doc = make_results.render(data)
     assert "## Faults and refusals" in doc and "kill -9 during the base" in doc
     assert "Run: `python bench/faults.py`" in doc and "2 torch threads of 2 CPUs" in doc
@@ -50,16 +62,19 @@ def test_readme_table_figures_come_from_their_json():
     assert f"{summary['comparison']['flops_ratio']:.3f}x" in rows and "pipeline_fashion_mnist.json" in rows
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("--weights /home/me/weights/vit.safetensors --runs runs/p", "--weights weights/vit.safetensors --runs runs/p"),
-    ("sqlite:////home/me/proj/runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
-    ("sqlite:///runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
-    ("--storage sqlite:///small/s.db", "--storage sqlite:///small/s.db"),
-    ("http://host.example/a/b", "http://host.example/a/b"),
-    ("/var/scratch/sp_bench", "sp_bench"),
-    ("/usr/share/datasets/fashion-mnist", "/usr/share/datasets/fashion-mnist"),
-    ("val / test 0.5/1.0", "val / test 0.5/1.0"),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("--weights /home/me/weights/vit.safetensors --runs runs/p", "--weights weights/vit.safetensors --runs runs/p"),
+        ("sqlite:////home/me/proj/runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
+        ("sqlite:///runs/demo/studies.db", "sqlite:///runs/demo/studies.db"),
+        ("--storage sqlite:///small/s.db", "--storage sqlite:///small/s.db"),
+        ("http://host.example/a/b", "http://host.example/a/b"),
+        ("/var/scratch/sp_bench", "sp_bench"),
+        ("/usr/share/datasets/fashion-mnist", "/usr/share/datasets/fashion-mnist"),
+        ("val / test 0.5/1.0", "val / test 0.5/1.0"),
+    ],
+)
 def test_machine_paths_are_made_relative(text, expected):
     assert relative_paths({"a": [text]}) == {"a": [expected]}
     assert relative_paths(relative_paths(text)) == expected  # idempotent
@@ -80,8 +95,12 @@ def test_repository_holds_no_machine_path():
 
 
 def test_readme_cli_reference_matches_the_app():
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "cli_reference.py"), "--check"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "cli_reference.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -109,12 +128,15 @@ def test_sampler_table_rows_come_from_the_50_trial_files():
 
 
 def test_dcs_summary_counts_goals_and_peer_margins_per_base():
-    summ = {"d/dinov2/seed0@0.7": {"dcs": 90.0, "uniform": 85.0, "torch_pruning": 89.5,
-                                   "goals": {"a": True, "b": False}},
-            "d/dinov2/seed1@0.7": {"dcs": 91.0, "uniform": 90.0, "torch_pruning": None, "goals": {"a": True}},
-            "d/scratch/seed0@0.6": {"dcs": None, "uniform": 80.0, "goals": {}}}
+    summ = {
+        "d/dinov2/seed0@0.7": {"dcs": 90.0, "uniform": 85.0, "torch_pruning": 89.5, "goals": {"a": True, "b": False}},
+        "d/dinov2/seed1@0.7": {"dcs": 91.0, "uniform": 90.0, "torch_pruning": None, "goals": {"a": True}},
+        "d/scratch/seed0@0.6": {"dcs": None, "uniform": 80.0, "goals": {}},
+    }
     lines = make_results.dcs_generalise_summary(summ)
-    assert lines[0] == ("- **dinov2**: 2 of 3 goals met over 2 cells; DCS minus uniform +3.00 pt on average "
-                        "(+1.00 to +5.00, 2 cells); DCS minus Torch-Pruning +0.50 pt on average "
-                        "(+0.50 to +0.50, 1 cells).")
+    assert lines[0] == (
+        "- **dinov2**: 2 of 3 goals met over 2 cells; DCS minus uniform +3.00 pt on average "
+        "(+1.00 to +5.00, 2 cells); DCS minus Torch-Pruning +0.50 pt on average "
+        "(+0.50 to +0.50, 1 cells)."
+    )
     assert lines[1] == "- **scratch**: 0 of 0 goals met over 1 cells."

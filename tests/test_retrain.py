@@ -1,4 +1,5 @@
 """``nascompress retrain``: IB hooks on the shared fit loop, the CLI, the shipped model, bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -17,8 +18,15 @@ from nascompress.errors import NascompressError
 from nascompress.hooks import as_floats
 from nascompress.runs.io import make_arch, save_model
 from nascompress.models import build_model, custom_vit_spec
-from nascompress.retrain import (FeatureTap, IBHooks, RetrainConfig, RetrainJob, bound_contribution, make_input_embed,
-                                 retrain)
+from nascompress.retrain import (
+    FeatureTap,
+    IBHooks,
+    RetrainConfig,
+    RetrainJob,
+    bound_contribution,
+    make_input_embed,
+    retrain,
+)
 from nascompress.train import TrainConfig, input_spec_for
 
 from .conftest import TORCH_DEVICE, interrupted_at_epoch, tiny_spec
@@ -34,18 +42,32 @@ SMALL = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
 def make_model_dir(path, *, methods=(NOOP,), num_classes: int = 10, seed: int = 0):
     torch.manual_seed(seed)
     model = build_model(tiny_spec(num_classes))
-    arch = make_arch(tiny_spec(num_classes), input_spec=input_spec_for(model, "synthetic").to_dict(),
-                     methods=[dict(m) for m in methods])
+    arch = make_arch(
+        tiny_spec(num_classes),
+        input_spec=input_spec_for(model, "synthetic").to_dict(),
+        methods=[dict(m) for m in methods],
+    )
     save_model(path, model, arch)
     (path / "config.json").write_text(json.dumps({"data": asdict(SMALL)}))
     return path
 
 
 def quick_job(model_dir, out, **rc):
-    return RetrainJob(model_dir=str(model_dir), out=str(out),
-                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-3, warmup_epochs=0.0, seed=0, device=TORCH_DEVICE,
-                                        deterministic=TORCH_DEVICE.startswith("cuda")),
-                      retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}), auto_batch=False)
+    return RetrainJob(
+        model_dir=str(model_dir),
+        out=str(out),
+        train=TrainConfig(
+            epochs=2,
+            batch_size=64,
+            lr=1e-3,
+            warmup_epochs=0.0,
+            seed=0,
+            device=TORCH_DEVICE,
+            deterministic=TORCH_DEVICE.startswith("cuda"),
+        ),
+        retrain=RetrainConfig(**{"eta": 50.0, "warmup_frac": 0.5, **rc}),
+        auto_batch=False,
+    )
 
 
 def test_feature_tap_is_timm_pre_logits_and_changes_nothing():
@@ -72,8 +94,15 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     model = build_model(tiny_spec())
     spec = input_spec_for(model, "synthetic")
     cfg = RetrainConfig(eta=50.0, warmup_frac=0.5)
-    hooks = IBHooks(cfg, train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
-                    input_embed=make_input_embed(cfg, model=model, teacher=None), seed=0)
+    hooks = IBHooks(
+        cfg,
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=10,
+        epochs=4,
+        input_embed=make_input_embed(cfg, model=model, teacher=None),
+        seed=0,
+    )
     assert hooks.warm == 2
     hooks.on_epoch_start(model, epoch=0)  # initial K-means of X~ and X, Q^{(0)}
     assert hooks.q.shape == (10, 10) and hooks.c_in.shape == (10, 49) and hooks.c_feat.shape == (10, 32)
@@ -81,6 +110,7 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     assert set(hooks.initial) >= {"ib", "i_xt_x", "i_xt_y", "kmeans_s", "feature_pass_s"}
     imgs, y = data.train.__getitems__(list(range(32)))
     from nascompress.data import preprocess
+
     x = preprocess(imgs, spec)
     tc = TrainConfig(epochs=5, lr=None, label_smoothing=0.0)
     warm_loss, warm_logs = hooks.loss(model.train(), x, y, epoch=1, cfg=tc)
@@ -92,23 +122,41 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     # eta = 0 with log_ib: CE only in every epoch, IBB still logged
-    hooks0 = IBHooks(replace(cfg, eta=0.0, log_ib=True), train_set=data.train, input_spec=spec, num_classes=10,
-                     epochs=4, input_embed=make_input_embed(cfg, model=model, teacher=None))
+    hooks0 = IBHooks(
+        replace(cfg, eta=0.0, log_ib=True),
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=10,
+        epochs=4,
+        input_embed=make_input_embed(cfg, model=model, teacher=None),
+    )
     hooks0.on_epoch_start(model, epoch=0)
     loss0, logs0 = hooks0.loss(model, x, y, epoch=3, cfg=tc)
     logs0 = as_floats(logs0)
     assert loss0.item() == pytest.approx(logs0["ce"], rel=1e-6) and "ibb" in logs0
     # eta = 0 by default: no clustering pass at all (a CE-only retrain pays nothing for IB)
-    hooks_off = IBHooks(replace(cfg, eta=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=4,
-                        input_embed=make_input_embed(cfg, model=model, teacher=None))
+    hooks_off = IBHooks(
+        replace(cfg, eta=0.0),
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=10,
+        epochs=4,
+        input_embed=make_input_embed(cfg, model=model, teacher=None),
+    )
     hooks_off.on_epoch_start(model, epoch=0)
     assert hooks_off.c_feat is None and hooks_off.on_epoch_end(model, epoch=0) == {"ib_active": False}
     loss_off, logs_off = hooks_off.loss(model, x, y, epoch=3, cfg=tc)
     logs_off = as_floats(logs_off)
     assert loss_off.item() == pytest.approx(logs_off["ce"], rel=1e-6) and "ibb" not in logs_off
     # a linear schedule ramps the weight over the epochs after the warm-up: 25 in epoch 2, 50 in epoch 3
-    ramp = IBHooks(replace(cfg, eta_schedule="linear"), train_set=data.train, input_spec=spec, num_classes=10,
-                   epochs=4, input_embed=make_input_embed(cfg, model=model, teacher=None))
+    ramp = IBHooks(
+        replace(cfg, eta_schedule="linear"),
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=10,
+        epochs=4,
+        input_embed=make_input_embed(cfg, model=model, teacher=None),
+    )
     ramp.on_epoch_start(model, epoch=0)
     for epoch, eta in ((1, 0.0), (2, 25.0), (3, 50.0)):
         loss_r, logs_r = ramp.loss(model, x, y, epoch=epoch, cfg=tc)
@@ -117,9 +165,16 @@ def test_hooks_ce_during_warmup_then_ce_plus_eta_ibb():
         assert ramp.on_epoch_end(model, epoch=epoch)["eta_now"] == eta
 
 
-@pytest.mark.parametrize("schedule, warmup, epochs, expect", [
-    ("step", 0.3, 3, [0, 50, 50]), ("linear", 0.3, 3, [0, 25, 50]), ("linear", 0.0, 4, [12.5, 25, 37.5, 50]),
-    ("linear", 0.0, 1, [50]), ("step", 0.9, 2, [0, 50])])
+@pytest.mark.parametrize(
+    "schedule, warmup, epochs, expect",
+    [
+        ("step", 0.3, 3, [0, 50, 50]),
+        ("linear", 0.3, 3, [0, 25, 50]),
+        ("linear", 0.0, 4, [12.5, 25, 37.5, 50]),
+        ("linear", 0.0, 1, [50]),
+        ("step", 0.9, 2, [0, 50]),
+    ],
+)
 def test_eta_schedule(schedule, warmup, epochs, expect):
     cfg = RetrainConfig(eta=50.0, warmup_frac=warmup, eta_schedule=schedule)
     assert [cfg.eta_at(e, epochs) for e in range(epochs)] == expect
@@ -136,12 +191,21 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
     spec = input_spec_for(model, "synthetic")
     imgs, y = data.train.__getitems__(list(range(16)))
     from nascompress.data import preprocess
+
     x, tc = preprocess(imgs, spec), TrainConfig(epochs=5, lr=None, label_smoothing=0.0)
     cfg = RetrainConfig(eta=0.0, kd_alpha=0.5, feat_kd=2.0)
 
     def hooks_with(teacher):
-        return IBHooks(cfg, train_set=data.train, input_spec=spec, num_classes=10, epochs=1, teacher=teacher,
-                       input_embed=make_input_embed(cfg, model=model, teacher=teacher))
+        return IBHooks(
+            cfg,
+            train_set=data.train,
+            input_spec=spec,
+            num_classes=10,
+            epochs=1,
+            teacher=teacher,
+            input_embed=make_input_embed(cfg, model=model, teacher=teacher),
+        )
+
     same = hooks_with(copy.deepcopy(model).eval())
     loss, logs = same.loss(model.eval(), x, y, epoch=0, cfg=tc)
     logs = as_floats(logs)
@@ -159,9 +223,15 @@ def test_feature_distillation_matches_the_teachers_pre_logits():
     loss.backward()
     assert all(p.grad is None for p in teacher.parameters())
     # off (the default): no tap on the teacher, no term
-    _, logs_off = IBHooks(replace(cfg, feat_kd=0.0), train_set=data.train, input_spec=spec, num_classes=10, epochs=1,
-                          teacher=teacher, input_embed=make_input_embed(cfg, model=model, teacher=teacher)
-                          ).loss(model, x, y, epoch=0, cfg=tc)
+    _, logs_off = IBHooks(
+        replace(cfg, feat_kd=0.0),
+        train_set=data.train,
+        input_spec=spec,
+        num_classes=10,
+        epochs=1,
+        teacher=teacher,
+        input_embed=make_input_embed(cfg, model=model, teacher=teacher),
+    ).loss(model, x, y, epoch=0, cfg=tc)
     assert "feat_kd" not in logs_off
     with pytest.raises(NascompressError, match="feat_kd"):
         RetrainConfig(feat_kd=-1.0)
@@ -174,12 +244,40 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     teacher = make_model_dir(tmp_path / "dense", methods=(), seed=1)
     out = tmp_path / "retrained"
     runner = CliRunner()
-    res = runner.invoke(app, ["retrain", str(src), "--out", str(out), "--dataset", "synthetic", "--epochs", "2",
-                              "--eta", "50", "--warmup-frac", "0.5", "--teacher", str(teacher), "--kd-temperature",
-                              "2", "--feat-kd", "1", "--batch-size", "64", "--lr", "1e-3", "--train-limit", "128",
-                              "--eval-limit", "64", "--json"])
+    res = runner.invoke(
+        app,
+        [
+            "retrain",
+            str(src),
+            "--out",
+            str(out),
+            "--dataset",
+            "synthetic",
+            "--epochs",
+            "2",
+            "--eta",
+            "50",
+            "--warmup-frac",
+            "0.5",
+            "--teacher",
+            str(teacher),
+            "--kd-temperature",
+            "2",
+            "--feat-kd",
+            "1",
+            "--batch-size",
+            "64",
+            "--lr",
+            "1e-3",
+            "--train-limit",
+            "128",
+            "--eval-limit",
+            "64",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
-    metrics = json.loads(res.stdout[res.stdout.index("{"):])
+    metrics = json.loads(res.stdout[res.stdout.index("{") :])
     for f in ("model.safetensors", "arch.json", "metrics.json", "log.jsonl", "config.json"):
         assert (out / f).is_file(), f
     log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
@@ -187,8 +285,19 @@ def test_cli_retrain_writes_a_model_that_loads_anywhere(tmp_path):
     log = log[1:]
     assert [r["ib_active"] for r in log] == [False, True]
     for r in log:
-        for k in ("train_ce", "train_ibb", "train_kd", "train_feat_kd", "ib", "i_xt_x", "i_xt_y", "train_top1_eval", "val_top1",
-                  "kmeans_s", "epoch_time_s"):
+        for k in (
+            "train_ce",
+            "train_ibb",
+            "train_kd",
+            "train_feat_kd",
+            "ib",
+            "i_xt_x",
+            "i_xt_y",
+            "train_top1_eval",
+            "val_top1",
+            "kmeans_s",
+            "epoch_time_s",
+        ):
             assert k in r, k
     arch = json.loads((out / "arch.json").read_text())
     assert arch["methods"] == [NOOP]
@@ -237,18 +346,21 @@ def test_resume_replays_an_interrupted_run(tmp_path):
 def test_the_default_retraining_has_no_bound_and_records_none():
     # measured (bench/dcs_generalise.py ib units): the bound did not help, so the default is CE (+ KD) only
     assert RetrainConfig().eta == 0.0
-    assert bound_contribution([{"epoch": 0, "start": True, "val_top1": 50.0},
-                               {"epoch": 1, "val_top1": 60.0, "ib_active": False}]) == \
-        {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
+    assert bound_contribution(
+        [{"epoch": 0, "start": True, "val_top1": 50.0}, {"epoch": 1, "val_top1": 60.0, "ib_active": False}]
+    ) == {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--eta", "-1"], r"--eta must be in \[0, inf\]"),
-    (["--warmup-frac", "1.0"], r"--warmup-frac must be in \[0, 1\)"),
-    (["--warmup-frac", "-0.1"], r"--warmup-frac must be in \[0, 1\)"),
-    (["--feat-kd", "-1"], r"--feat-kd must be in \[0, inf\]"),
-    (["--feat-kd", "1"], "--feat-kd distils from a teacher's features; give the dense run with --teacher"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--eta", "-1"], r"--eta must be in \[0, inf\]"),
+        (["--warmup-frac", "1.0"], r"--warmup-frac must be in \[0, 1\)"),
+        (["--warmup-frac", "-0.1"], r"--warmup-frac must be in \[0, 1\)"),
+        (["--feat-kd", "-1"], r"--feat-kd must be in \[0, inf\]"),
+        (["--feat-kd", "1"], "--feat-kd distils from a teacher's features; give the dense run with --teacher"),
+    ],
+)
 def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
     from nascompress.cli.main import app
 
@@ -258,6 +370,7 @@ def test_cli_rejects_bad_options_and_writes_nothing(tmp_path, args, match):
     assert res.exit_code == 1
     assert len(res.stderr.strip().splitlines()) == 1
     import re
+
     assert re.search(match, res.stderr), res.stderr
     assert not out.exists()
 
@@ -282,8 +395,9 @@ def test_bad_models_and_datasets_write_nothing(tmp_path):
     wspec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=2, num_classes=10, in_chans=1)
     wmodel = build_model(wspec)
     save_model(wide, wmodel, make_arch(wspec, input_spec=input_spec_for(wmodel, "synthetic").to_dict()))
-    with pytest.raises(NascompressError, match="feat_kd: the model's pre_logits feature has 32 values but the "
-                                               "teacher's 48"):
+    with pytest.raises(
+        NascompressError, match="feat_kd: the model's pre_logits feature has 32 values but the teacher's 48"
+    ):
         retrain(replace(quick_job(src, out, feat_kd=1.0), teacher=str(wide)))
     retrain(replace(quick_job(src, tmp_path / "logits_only"), teacher=str(wide)))  # without --feat-kd it is fine
     with pytest.raises(NascompressError, match="does not exist"):
@@ -340,9 +454,27 @@ def test_cli_retrain_with_the_bound_off_prints_no_ib_loss(tmp_path):
 
     src = make_model_dir(tmp_path / "compressed")
     teacher = make_model_dir(tmp_path / "dense", methods=(), seed=1)
-    res = CliRunner().invoke(app, ["retrain", str(src), "--out", str(tmp_path / "r"), "--dataset", "synthetic",
-                                   "--epochs", "1", "--teacher", str(teacher), "--batch-size", "64",
-                                   "--train-limit", "64", "--eval-limit", "32"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "retrain",
+            str(src),
+            "--out",
+            str(tmp_path / "r"),
+            "--dataset",
+            "synthetic",
+            "--epochs",
+            "1",
+            "--teacher",
+            str(teacher),
+            "--batch-size",
+            "64",
+            "--train-limit",
+            "64",
+            "--eval-limit",
+            "32",
+        ],
+    )
     assert res.exit_code == 0, res.output
     line = res.stdout.strip().splitlines()[-1]
     assert "nan" not in line.lower() and "IB loss" not in line and "(32 images)" in line, line

@@ -1,4 +1,5 @@
 """The one run-directory helper (nascompress.runs.run_dir.RunDir) and that every job uses it."""
+
 from __future__ import annotations
 
 import ast
@@ -60,8 +61,12 @@ def test_recorded_reads_the_job_of_an_earlier_run(tmp_path):
 # The life-cycle functions RunDir wraps; only run_dir.py calls them, and train_loop's fit (a training
 # run's mark written inside the loop, where a full disk gets the resume advice).
 LIFE_CYCLE = {"prepare_out_dir", "create_out_dir", "recorded_job", "finish_run"}
-ALLOWED = {"runs/run_dir.py": LIFE_CYCLE, "train_loop.py": {"finish_run"},
-           "utils.py": LIFE_CYCLE, "runs/io.py": LIFE_CYCLE}  # where they are defined
+ALLOWED = {
+    "runs/run_dir.py": LIFE_CYCLE,
+    "train_loop.py": {"finish_run"},
+    "utils.py": LIFE_CYCLE,
+    "runs/io.py": LIFE_CYCLE,
+}  # where they are defined
 
 
 def test_every_job_goes_through_the_run_directory_helper():

@@ -1,6 +1,7 @@
 """The typed run files (nascompress.runs.files): arch.json, metrics.json and the export sidecar are
 read and written in one place, round-trip byte for byte, keep unknown keys, and a damaged file is
 one NascompressError line; no other module reads or writes those files itself."""
+
 from __future__ import annotations
 
 import ast
@@ -11,8 +12,20 @@ import pytest
 
 from nascompress.errors import NascompressError
 from nascompress.runs.io import read_arch
-from nascompress.runs.files import (ARCH_FILE, METRICS_FILE, Arch, MethodRecord, RunMetrics, Sidecar, find_metrics, read_metrics,
-                                    read_sidecar, write_arch_json, write_metrics_json, write_sidecar_json)
+from nascompress.runs.files import (
+    ARCH_FILE,
+    METRICS_FILE,
+    Arch,
+    MethodRecord,
+    RunMetrics,
+    Sidecar,
+    find_metrics,
+    read_metrics,
+    read_sidecar,
+    write_arch_json,
+    write_metrics_json,
+    write_sidecar_json,
+)
 from tests.conftest import tiny_spec
 
 PKG = Path(__file__).resolve().parents[1] / "nascompress"
@@ -23,8 +36,12 @@ def _saved(tmp_path, methods=None, labels=None):
     from nascompress.models import build_model
 
     spec = tiny_spec()
-    arch = make_arch(spec, input_spec={"in_chans": 1, "img_size": [16, 16], "mean": [0.5], "std": [0.5]},
-                     methods=methods, labels=labels)
+    arch = make_arch(
+        spec,
+        input_spec={"in_chans": 1, "img_size": [16, 16], "mean": [0.5], "std": [0.5]},
+        methods=methods,
+        labels=labels,
+    )
     save_model(tmp_path, build_model(spec), arch)
     return tmp_path
 
@@ -42,8 +59,9 @@ def test_a_real_runs_files_round_trip_unchanged(tiny_run, tmp_path):
 
 
 def test_write_read_write_gives_identical_json(tmp_path):
-    d = _saved(tmp_path / "m", methods=[{"name": "evit", "config": {"keep_rate": 0.7, "prune_layers": [1]}}],
-               labels=["a", "b"])
+    d = _saved(
+        tmp_path / "m", methods=[{"name": "evit", "config": {"keep_rate": 0.7, "prune_layers": [1]}}], labels=["a", "b"]
+    )
     first = (d / ARCH_FILE).read_bytes()
     arch = read_arch(d)
     assert arch.method_names == ("evit",) and arch.method("evit").config["keep_rate"] == 0.7
@@ -59,9 +77,14 @@ def test_write_read_write_gives_identical_json(tmp_path):
 
 
 def test_unknown_keys_are_kept_in_their_place():
-    arch = {"format": "nascompress-arch/2", "model": {"name": "vit"}, "future": {"a": 1},
-            "input": {"in_chans": 1}, "methods": [{"name": "dcs", "stage": "supernet", "blocks": [None]}],
-            "retrain": {"eta": 0.1}}
+    arch = {
+        "format": "nascompress-arch/2",
+        "model": {"name": "vit"},
+        "future": {"a": 1},
+        "input": {"in_chans": 1},
+        "methods": [{"name": "dcs", "stage": "supernet", "blocks": [None]}],
+        "retrain": {"eta": 0.1},
+    }
     a = Arch.from_dict(arch, source="arch.json")
     assert a.extra == {"future": {"a": 1}, "retrain": {"eta": 0.1}} and a.method("dcs").get("blocks") == [None]
     assert json.dumps(a.to_dict()) == json.dumps(arch)
@@ -69,27 +92,42 @@ def test_unknown_keys_are_kept_in_their_place():
     rm = RunMetrics.from_dict(m, source="metrics.json")
     assert rm.get("comparison") == {"reason": "r"} and "test_top1" in rm and "val_top1" not in rm
     assert json.dumps(rm.to_dict()) == json.dumps(m) and rm.results() == {k: m[k] for k in list(m)[1:]}
-    side = {"format": "nascompress-export/1", "file": "m.onnx", "files": [{"file": "m.onnx"}], "batch": "batch",
-            "quantization": {"scheme": "int8-static", "kept_fp32_summary": {"head": 1}, "tool": "ort"}}
+    side = {
+        "format": "nascompress-export/1",
+        "file": "m.onnx",
+        "files": [{"file": "m.onnx"}],
+        "batch": "batch",
+        "quantization": {"scheme": "int8-static", "kept_fp32_summary": {"head": 1}, "tool": "ort"},
+    }
     s = Sidecar.from_dict(side, source="m.onnx.json")
     assert s.quantization.kept_fp32_summary == {"head": 1} and s.quantization.extra == {"tool": "ort"}
     assert json.dumps(s.to_dict()) == json.dumps(side)
 
 
 def test_the_sidecar_is_read_beside_its_file(tmp_path):
-    side = {"format": "nascompress-export/1", "file": "m.onnx", "runtime": "onnx", "dtype": "fp32", "batch": 1,
-            "files": [{"file": "m.onnx"}], "verification": {"passed": True}}
+    side = {
+        "format": "nascompress-export/1",
+        "file": "m.onnx",
+        "runtime": "onnx",
+        "dtype": "fp32",
+        "batch": 1,
+        "files": [{"file": "m.onnx"}],
+        "verification": {"passed": True},
+    }
     write_sidecar_json(tmp_path / "m.onnx.json", side)
     for p in (tmp_path / "m.onnx", tmp_path / "m.onnx.json"):
         s = read_sidecar(p)
         assert (s.runtime, s.quantization, s.verification["passed"]) == ("onnx", None, True)
 
 
-@pytest.mark.parametrize("text, says", [
-    ("{not json", "is not valid JSON"),
-    ('{"format": "nascompress-arch/2", "model": {"name": "x", "evil": 1}, "input": {}}', "model must be"),
-    ("[1, 2]", "is not a nascompress arch"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"format": "nascompress-arch/2", "model": {"name": "x", "evil": 1}, "input": {}}', "model must be"),
+        ("[1, 2]", "is not a nascompress arch"),
+    ],
+)
 def test_a_damaged_arch_is_one_line(tmp_path, text, says):
     d = _saved(tmp_path)
     (d / ARCH_FILE).write_text(text)
@@ -98,12 +136,15 @@ def test_a_damaged_arch_is_one_line(tmp_path, text, says):
     assert says in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("text, says", [
-    ("{not json", "is not valid JSON"),
-    ('{"test_top1": "high"}', "test_top1 must be a number"),
-    ('{"finished": "yes"}', "finished must be a boolean"),
-    ("[1]", "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"test_top1": "high"}', "test_top1 must be a number"),
+        ('{"finished": "yes"}', "finished must be a boolean"),
+        ("[1]", "must be a JSON object"),
+    ],
+)
 def test_damaged_metrics_are_one_line(tmp_path, text, says):
     (tmp_path / METRICS_FILE).write_text(text)
     with pytest.raises(NascompressError) as e:
@@ -114,9 +155,11 @@ def test_damaged_metrics_are_one_line(tmp_path, text, says):
 
 def test_a_damaged_method_record_or_labels_is_one_line():
     base = {"format": "nascompress-arch/2", "model": {"name": "vit"}}
-    for bad, says in (({"methods": [3]}, "methods[0] must be a JSON object"),
-                      ({"methods": [{"config": {}}]}, "methods[0] has no name"),
-                      ({"labels": "cat"}, "labels must be a list of class names")):
+    for bad, says in (
+        ({"methods": [3]}, "methods[0] must be a JSON object"),
+        ({"methods": [{"config": {}}]}, "methods[0] has no name"),
+        ({"labels": "cat"}, "labels must be a list of class names"),
+    ):
         with pytest.raises(NascompressError, match=says.replace("[", r"\[").replace("]", r"\]")):
             Arch.from_dict(dict(base, **bad), source="arch.json")
 
@@ -124,16 +167,28 @@ def test_a_damaged_method_record_or_labels_is_one_line():
 # ---------------------------------------------------------------------------------------------
 # No module other than run_files reads or writes arch.json / metrics.json itself.
 
-NAMES = {"arch.json", "metrics.json", "ARCH_FILE", "METRICS_FILE",
-         # the pipeline's own files and a run's config.json (nascompress.pipeline_files)
-         "done", "DONE_DIR", "pick.json", "PICK_FILE", "summary.json", "SUMMARY_FILE", "config.json", "CONFIG_FILE",
-         "RUN_CONFIG_FILE"}
+NAMES = {
+    "arch.json",
+    "metrics.json",
+    "ARCH_FILE",
+    "METRICS_FILE",
+    # the pipeline's own files and a run's config.json (nascompress.pipeline_files)
+    "done",
+    "DONE_DIR",
+    "pick.json",
+    "PICK_FILE",
+    "summary.json",
+    "SUMMARY_FILE",
+    "config.json",
+    "CONFIG_FILE",
+    "RUN_CONFIG_FILE",
+}
 IO_CALLS = {"read_json", "write_json", "open", "read_text", "write_text", "read_bytes", "load", "loads", "parse_json"}
 # modules allowed to (with the reason); every other reader and writer goes through run_files / pipeline_files
 ALLOWED: dict[str, str] = {
     "pipeline_files.py": "the reader and writer of the pipeline's files and a run's config.json",
     "utils.py": "recorded_job reads config.json itself: utils is below pipeline_files (which imports it), and it "
-                "words a damaged record its own way for --resume",
+    "words a damaged record its own way for --resume",
 }
 
 
@@ -184,9 +239,11 @@ def test_no_other_module_reads_or_writes_the_run_files_itself():
 
 
 def test_the_scan_finds_a_direct_read():
-    src = ('def f(d):\n    m = d / "metrics.json"\n    return read_json(m)\n'
-           'def g(d):\n    return json.loads((d / ARCH_FILE).read_text())\n'
-           'def h(d):\n    return read_json(d / "config.json"), read_json(d / "done" / "search.json")\n')
+    src = (
+        'def f(d):\n    m = d / "metrics.json"\n    return read_json(m)\n'
+        "def g(d):\n    return json.loads((d / ARCH_FILE).read_text())\n"
+        'def h(d):\n    return read_json(d / "config.json"), read_json(d / "done" / "search.json")\n'
+    )
     assert direct_file_access(ast.parse(src)) == [3, 5, 7]
     assert direct_file_access(ast.parse('def f(d):\n    return read_json(d / "other.json")\n')) == []
 
@@ -200,8 +257,13 @@ def test_a_record_built_in_code_writes_only_what_it_holds():
 
 def test_a_changed_arch_writes_as_the_dict_it_replaces():
     """with_method / with_labels / set / without give the JSON the former dict edits gave."""
-    d = {"format": "nascompress-arch/2", "model": {"name": "vit"}, "input": {"in_chans": 1},
-         "methods": [{"name": "dcs", "stage": "supernet"}], "retrain": {"eta": 0.1}}
+    d = {
+        "format": "nascompress-arch/2",
+        "model": {"name": "vit"},
+        "input": {"in_chans": 1},
+        "methods": [{"name": "dcs", "stage": "supernet"}],
+        "retrain": {"eta": 0.1},
+    }
     a = Arch.from_dict(d, source="arch.json")
     rec = {"name": "evit", "config": {"keep_rate": 0.7}}
     assert a.with_method(rec).to_dict() == dict(d, methods=[*d["methods"], rec])
@@ -210,7 +272,8 @@ def test_a_changed_arch_writes_as_the_dict_it_replaces():
     last = {"name": "dcs", "stage": "materialized", "blocks": [None]}
     assert a.with_last_method(last).to_dict() == dict(d, methods=[last])
     assert json.dumps(a.without("retrain").set(source={"k": 1}).to_dict()) == json.dumps(
-        {**{k: v for k, v in d.items() if k != "retrain"}, "source": {"k": 1}})
+        {**{k: v for k, v in d.items() if k != "retrain"}, "source": {"k": 1}}
+    )
     built = Arch(format="nascompress-arch/2", model={"name": "vit"}, methods=(MethodRecord(name="tome"),))
     assert list(built.with_labels(["a"]).to_dict()) == ["format", "model", "methods", "labels"]
     assert Arch.of(d) == a and Arch.of(a) is a and d["methods"] == [{"name": "dcs", "stage": "supernet"}]
@@ -237,11 +300,21 @@ def arch_dict_indexing(tree: ast.AST) -> list[int]:
     ``arch.pop("retrain")``), a heuristic on the names an arch is kept under."""
     hits = []
     for n in ast.walk(tree):
-        if isinstance(n, ast.Subscript) and _arch_named(n.value) and isinstance(n.slice, ast.Constant) \
-                and isinstance(n.slice.value, str):
+        if (
+            isinstance(n, ast.Subscript)
+            and _arch_named(n.value)
+            and isinstance(n.slice, ast.Constant)
+            and isinstance(n.slice.value, str)
+        ):
             hits.append(n.lineno)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("get", "pop", "setdefault") \
-                and _arch_named(n.func.value) and n.args and isinstance(n.args[0], ast.Constant):
+        if (
+            isinstance(n, ast.Call)
+            and isinstance(n.func, ast.Attribute)
+            and n.func.attr in ("get", "pop", "setdefault")
+            and _arch_named(n.func.value)
+            and n.args
+            and isinstance(n.args[0], ast.Constant)
+        ):
             hits.append(n.lineno)
     return sorted(set(hits))
 
@@ -258,27 +331,46 @@ def test_no_other_module_indexes_an_arch_dict():
 
 
 def test_the_scan_finds_arch_dict_indexing():
-    src = ('def f(arch, self, ctx):\n    s = arch["input"]\n    base_arch.get("labels")\n'
-           '    self.arch["methods"].append(1)\n    ctx.arch.pop("retrain", None)\n'
-           '    return arch.input, arch.method("dcs"), rec["name"], archive["x"]\n')
+    src = (
+        'def f(arch, self, ctx):\n    s = arch["input"]\n    base_arch.get("labels")\n'
+        '    self.arch["methods"].append(1)\n    ctx.arch.pop("retrain", None)\n'
+        '    return arch.input, arch.method("dcs"), rec["name"], archive["x"]\n'
+    )
     assert arch_dict_indexing(ast.parse(src)) == [2, 3, 4, 5]
 
 
 def test_the_pipeline_files_round_trip_unchanged(tmp_path):
     """A step marker, pick.json, summary.json and a run's config.json: read and written again, the same
     bytes; a marker or pick built in code writes every key (null where there is no value)."""
-    from nascompress.pipeline_files import (Pick, StepMarker, find_pick, find_run_config, find_step_marker,
-                                            read_summary, step_marker_path, write_pick, write_run_config,
-                                            write_step_marker, write_summary_json)
+    from nascompress.pipeline_files import (
+        Pick,
+        StepMarker,
+        find_pick,
+        find_run_config,
+        find_step_marker,
+        read_summary,
+        step_marker_path,
+        write_pick,
+        write_run_config,
+        write_step_marker,
+        write_summary_json,
+    )
     from nascompress.utils import write_json
 
-    m = StepMarker.new("dcs_search", seconds=1.5, finished="2026-01-01T00:00:00+00:00", dir=None,
-                       result={"skipped": True, "reason": "r"})
+    m = StepMarker.new(
+        "dcs_search",
+        seconds=1.5,
+        finished="2026-01-01T00:00:00+00:00",
+        dir=None,
+        result={"skipped": True, "reason": "r"},
+    )
     path = write_step_marker(tmp_path, m)
     assert path == step_marker_path(tmp_path, "dcs_search") == tmp_path / "done" / "dcs_search.json"
     assert list(json.loads(path.read_text())) == ["step", "seconds", "finished", "dir", "result"]
     back = find_step_marker(tmp_path, "dcs_search")
-    assert back.skipped and back.dir is None and back.result["reason"] == "r" and find_step_marker(tmp_path, "x") is None
+    assert (
+        back.skipped and back.dir is None and back.result["reason"] == "r" and find_step_marker(tmp_path, "x") is None
+    )
     first = path.read_bytes()
     write_step_marker(tmp_path, back)
     assert path.read_bytes() == first
@@ -295,7 +387,12 @@ def test_the_pipeline_files_round_trip_unchanged(tmp_path):
     assert (tmp_path / "summary.json").read_bytes() == first
     write_run_config(tmp_path, {"import": {"model": "vit"}, "data": None, "source": {"sha256": "x"}})
     c = find_run_config(tmp_path)
-    assert c.data is None and "data" in c and c.get("import") == {"model": "vit"} and find_run_config(tmp_path / "no") is None
+    assert (
+        c.data is None
+        and "data" in c
+        and c.get("import") == {"model": "vit"}
+        and find_run_config(tmp_path / "no") is None
+    )
     write_json(tmp_path / "done" / "bad.json", {"seconds": 1})
     with pytest.raises(NascompressError, match="has no step"):
         find_step_marker(tmp_path, "bad")

@@ -2,6 +2,7 @@
 for the same seed, and a study stopped and rerun continues the sequence of an uninterrupted one;
 gp refuses a space that is not numeric in one line; grid takes the space's spread points in
 order; the sampler is recorded in the study and a study keeps its sampler."""
+
 from __future__ import annotations
 
 import functools
@@ -18,16 +19,46 @@ from nascompress.studies import run_study
 
 from .conftest import invoke
 
-NUMERIC = {"format": "nascompress-space/1", "name": "numeric", "methods": [
-    {"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0},
-                               "n": {"kind": "int", "low": 0, "high": 8}}}]}
-MIXED = {"format": "nascompress-space/1", "name": "mixed", "methods": [
-    {"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0},
-                               "mode": {"kind": "categorical", "choices": ["a", "b"]}}}]}
-CONDITIONAL = {"format": "nascompress-space/1", "name": "cond", "methods": [
-    {"name": "toy", "params": {"layers": {"kind": "layers", "range": [1, 4], "size": [1, 2]},
-                               "rate": {"kind": "per_layer", "layers": "layers",
-                                        "value": {"kind": "float", "low": 0.5, "high": 1.0, "step": 0.1}}}}]}
+NUMERIC = {
+    "format": "nascompress-space/1",
+    "name": "numeric",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0}, "n": {"kind": "int", "low": 0, "high": 8}},
+        }
+    ],
+}
+MIXED = {
+    "format": "nascompress-space/1",
+    "name": "mixed",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {
+                "x": {"kind": "float", "low": 0.0, "high": 1.0},
+                "mode": {"kind": "categorical", "choices": ["a", "b"]},
+            },
+        }
+    ],
+}
+CONDITIONAL = {
+    "format": "nascompress-space/1",
+    "name": "cond",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {
+                "layers": {"kind": "layers", "range": [1, 4], "size": [1, 2]},
+                "rate": {
+                    "kind": "per_layer",
+                    "layers": "layers",
+                    "value": {"kind": "float", "low": 0.5, "high": 1.0, "step": 0.1},
+                },
+            },
+        }
+    ],
+}
 
 
 def _objective(space_dict: dict, trial: optuna.Trial) -> tuple[float, float]:
@@ -43,15 +74,24 @@ def _factory(space_dict: dict):
     return functools.partial(_objective, space_dict)
 
 
-def run(tmp_path, name: str, kind: str, n: int, seed: int, space_dict: dict = NUMERIC, trials: int = 14,
-        enqueue=()) -> list[dict]:
+def run(
+    tmp_path, name: str, kind: str, n: int, seed: int, space_dict: dict = NUMERIC, trials: int = 14, enqueue=()
+) -> list[dict]:
     space = Space.from_dict(space_dict, method_fields=None)
     storage = f"sqlite:///{tmp_path / 'samplers.db'}"
-    run_study(study_name=name, storage=storage, objective_factory=functools.partial(_factory, space_dict),
-              n_trials=n, directions=["maximize", "minimize"], metric_names=["accuracy", "flops_ratio"],
-              space_info={"space": space.to_dict(), "space_hash": space.hash(), "sampler": kind},
-              sampler_factory=sampler_factory(kind, space, seed, trials=trials), seed=seed, enqueue=list(enqueue),
-              progress=False)
+    run_study(
+        study_name=name,
+        storage=storage,
+        objective_factory=functools.partial(_factory, space_dict),
+        n_trials=n,
+        directions=["maximize", "minimize"],
+        metric_names=["accuracy", "flops_ratio"],
+        space_info={"space": space.to_dict(), "space_hash": space.hash(), "sampler": kind},
+        sampler_factory=sampler_factory(kind, space, seed, trials=trials),
+        seed=seed,
+        enqueue=list(enqueue),
+        progress=False,
+    )
     study = optuna.load_study(study_name=name, storage=storage)
     return [t.params for t in sorted(study.trials, key=lambda t: t.number)]
 
@@ -81,10 +121,13 @@ def test_every_sampler_is_offered():
         sampler_factory("cma", Space.from_dict(NUMERIC, method_fields=None), 0)
 
 
-@pytest.mark.parametrize("space_dict,why", [
-    (MIXED, "toy.mode is categorical (2 choices)"),
-    (CONDITIONAL, "exists only when toy.layers has at least 2 layers"),
-])
+@pytest.mark.parametrize(
+    "space_dict,why",
+    [
+        (MIXED, "toy.mode is categorical (2 choices)"),
+        (CONDITIONAL, "exists only when toy.layers has at least 2 layers"),
+    ],
+)
 def test_gp_refuses_a_space_that_is_not_numeric_in_one_line(space_dict, why):
     with pytest.raises(NascompressError) as e:
         sampler_factory("gp", Space.from_dict(space_dict, method_fields=None), 0)
@@ -107,25 +150,32 @@ def test_grid_takes_the_spread_points_in_order_on_any_space(tmp_path):
 
 def test_the_sampler_is_recorded_and_a_study_keeps_it(tmp_path, tiny_run, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tome.yaml").write_text("format: nascompress-space/1\nname: tiny-tome\nmethods:\n"
-                                        "  - name: tome\n    params:\n      r: {kind: int, low: 0, high: 6}\n")
+    (tmp_path / "tome.yaml").write_text(
+        "format: nascompress-space/1\nname: tiny-tome\nmethods:\n"
+        "  - name: tome\n    params:\n      r: {kind: int, low: 0, high: 6}\n"
+    )
     small = ["--train-images", 64, "--eval-images", 64, "--calib-steps", 0, "--batch-size", 32]
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tome.yaml", "--trials", 4, "--sampler", "gp",
-               *small)
+    r = invoke(
+        "search", "tokens", tiny_run, "--study", "s", "--space", "tome.yaml", "--trials", 4, "--sampler", "gp", *small
+    )
     assert r.exit_code == 0, r.output
     r = invoke("study", "list", "--json")
     assert r.exit_code == 0, r.output
     assert [s["sampler"] for s in json.loads(r.stdout) if s["name"] == "s"] == ["gp"]
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tome.yaml", "--trials", 5, "--sampler", "tpe",
-               *small)
+    r = invoke(
+        "search", "tokens", tiny_run, "--study", "s", "--space", "tome.yaml", "--trials", 5, "--sampler", "tpe", *small
+    )
     assert r.exit_code == 1
     assert "study 's' in" in r.output and "was created with sampler 'gp' and this run asks for 'tpe'" in r.output
-    r = invoke("search", "tokens", tiny_run, "--study", "j", "--space", "tome.yaml", "--sampler", "gp", "--trials", 2,
-               *small)
+    r = invoke(
+        "search", "tokens", tiny_run, "--study", "j", "--space", "tome.yaml", "--sampler", "gp", "--trials", 2, *small
+    )
     assert r.exit_code == 0, r.output  # an int-only space is numeric
-    (tmp_path / "cat.yaml").write_text("format: nascompress-space/1\nname: cat\nmethods:\n  - name: tome\n"
-                                       "    params:\n      r: {kind: int, low: 0, high: 6}\n"
-                                       "      prop_attn: {kind: categorical, choices: [true, false]}\n")
+    (tmp_path / "cat.yaml").write_text(
+        "format: nascompress-space/1\nname: cat\nmethods:\n  - name: tome\n"
+        "    params:\n      r: {kind: int, low: 0, high: 6}\n"
+        "      prop_attn: {kind: categorical, choices: [true, false]}\n"
+    )
     r = invoke("search", "tokens", tiny_run, "--study", "c", "--space", "cat.yaml", "--sampler", "gp")
     assert r.exit_code == 1 and "sampler gp needs a space of numeric parameters" in r.output
     assert "tome.prop_attn is categorical (2 choices)" in r.output

@@ -1,6 +1,7 @@
 """A fair zero-shot score (issue 39, item 3): every trial of a study, with a predictor stage
 (DynamicViT, Sparsifiner) or training-free (EViT, ToMe), is scored on the same validation subset
 after the same budget of calibration steps, and each trial's record says which it got."""
+
 from __future__ import annotations
 
 import copy
@@ -48,16 +49,42 @@ def _method(t):
 def test_trials_of_different_methods_record_the_same_subset_and_budget(project, tiny_run):
     from nascompress.studies.records import mixed_scoring
 
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tokens.yaml", "--trials", 2,
-               "--calib-steps", 3, *SMALL)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "s",
+        "--space",
+        "tokens.yaml",
+        "--trials",
+        2,
+        "--calib-steps",
+        3,
+        *SMALL,
+    )
     assert r.exit_code == 0, r.output
     from nascompress.studies.inspect import load
 
-    for params in ({"group.tokens": "evit", "evit.keep_rate": 0.6}, {"group.tokens": "dynamicvit",
-                                                                     "dynamicvit.rho": 0.6}):
+    for params in (
+        {"group.tokens": "evit", "evit.keep_rate": 0.6},
+        {"group.tokens": "dynamicvit", "dynamicvit.rho": 0.6},
+    ):
         load("s")[1].enqueue_trial(params)  # the continued study runs them first
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tokens.yaml", "--trials", 4,
-               "--calib-steps", 3, *SMALL)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "s",
+        "--space",
+        "tokens.yaml",
+        "--trials",
+        4,
+        "--calib-steps",
+        3,
+        *SMALL,
+    )
     assert r.exit_code == 0, r.output
     done = _complete("s")
     assert len(done) == 4
@@ -77,15 +104,44 @@ def test_trials_of_different_methods_record_the_same_subset_and_budget(project, 
     study = load("s")[1]
     assert study.user_attrs["nascompress"]["scoring"]["calib_steps"] == 3
     shown = show_study("s")
-    assert shown["scoring"].startswith("3 calibration steps per predictor stage") and "40 validation images" in \
-        shown["scoring"] and by_method["evit"]["eval_subset"]["sha256"] in shown["scoring"]
+    assert (
+        shown["scoring"].startswith("3 calibration steps per predictor stage")
+        and "40 validation images" in shown["scoring"]
+        and by_method["evit"]["eval_subset"]["sha256"] in shown["scoring"]
+    )
     assert shown["scoring"] in build_report(study, storage_display="x")
     # continuing the study with another budget or subset is refused, naming the setting; nothing runs
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tokens.yaml", "--trials", 5,
-               "--calib-steps", 5, *SMALL)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "s",
+        "--space",
+        "tokens.yaml",
+        "--trials",
+        5,
+        "--calib-steps",
+        5,
+        *SMALL,
+    )
     assert r.exit_code == 1 and "--calib-steps 3 (this run: 5)" in r.output
-    r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "tokens.yaml", "--trials", 5,
-               "--calib-steps", 3, *SMALL[:-2], "--batch-size", 10)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "s",
+        "--space",
+        "tokens.yaml",
+        "--trials",
+        5,
+        "--calib-steps",
+        3,
+        *SMALL[:-2],
+        "--batch-size",
+        10,
+    )
     assert r.exit_code == 1 and "--batch-size 20 (this run: 10)" in r.output
     assert len(_complete("s")) == 4
 
@@ -102,8 +158,16 @@ def test_a_trial_given_another_budget_shows_it_in_its_record(tmp_path, tiny_run)
     study = optuna.create_study(directions=["maximize", "minimize"])
     params = {"group.tokens": "dynamicvit", "dynamicvit.rho": 0.6}
     for steps in (2, 4):
-        job = SearchJob(base=str(tiny_run), space=str(tmp_path / "s.yaml"), study="x", trials=1, calib_steps=steps,
-                        eval_images=40, train_images=40, batch_size=20)
+        job = SearchJob(
+            base=str(tiny_run),
+            space=str(tmp_path / "s.yaml"),
+            study="x",
+            trials=1,
+            calib_steps=steps,
+            eval_images=40,
+            train_images=40,
+            batch_size=20,
+        )
         study.enqueue_trial(params)
         study.optimize(Objective(job), n_trials=1)
     a, b = (t.user_attrs["nascompress"]["scoring"] for t in study.trials)
@@ -113,8 +177,11 @@ def test_a_trial_given_another_budget_shows_it_in_its_record(tmp_path, tiny_run)
     odd = mixed_scoring(study.trials)
     assert len(odd) == 1 and odd[0].startswith("trial 1: calibration budget 4")
     # a trial of a study made before scoring was recorded is named too
-    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, values=[1.0, 1.0],
-                                              user_attrs={"nascompress": {"accuracy": 1.0}}))
+    study.add_trial(
+        optuna.trial.create_trial(
+            params={}, distributions={}, values=[1.0, 1.0], user_attrs={"nascompress": {"accuracy": 1.0}}
+        )
+    )
     odd = mixed_scoring(study.trials)
     assert len(odd) == 2 and odd[0].startswith("trials 2: no scoring recorded")
 
@@ -131,8 +198,10 @@ def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):
 
     def stack(rho):
         model, recs = copy.deepcopy(base).requires_grad_(True), []
-        for name, cfg in (("sparsifiner", {"attn_keep_ratio": 0.5, "n_down": 4}),
-                          ("dynamicvit", {"rho": rho, "prune_layers": [2]})):
+        for name, cfg in (
+            ("sparsifiner", {"attn_keep_ratio": 0.5, "n_down": 4}),
+            ("dynamicvit", {"rho": rho, "prune_layers": [2]}),
+        ):
             model, rec = get_method(name).prepare_fresh(model, cfg)
             recs.append(rec)
         return model, recs
@@ -150,8 +219,9 @@ def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):
     assert steps == {"sparsifiner": 3, "dynamicvit": 0}
     # a trial of a study made before budgets were recorded is rebuilt as it was scored: each
     # method's recipe count over the cached batches (materialize --study)
-    model, rec = get_method("dynamicvit").prepare_fresh(copy.deepcopy(base).requires_grad_(True),
-                                                        {"rho": 0.5, "prune_layers": [2]}, {"predictor_steps": 5})
+    model, rec = get_method("dynamicvit").prepare_fresh(
+        copy.deepcopy(base).requires_grad_(True), {"rho": 0.5, "prune_layers": [2]}, {"predictor_steps": 5}
+    )
     _, steps = calibrate_stack(model, [rec], teacher=base, batches=batches, budget=None, cycle_to=2)
     assert steps == {"dynamicvit": 5}
 
@@ -170,10 +240,21 @@ methods:
   - name: dynamicvit
     params: {prune_layers: [2], rho: 0.6}
 """)
-    job = SearchJob(base=str(tiny_run), space=str(tmp_path / "s.yaml"), study="x", trials=1, calib_steps=2,
-                    finetune_epochs=1, eval_images=40, train_images=40, batch_size=20)
+    job = SearchJob(
+        base=str(tiny_run),
+        space=str(tmp_path / "s.yaml"),
+        study="x",
+        trials=1,
+        calib_steps=2,
+        finetune_epochs=1,
+        eval_images=40,
+        train_images=40,
+        batch_size=20,
+    )
     study = optuna.create_study(directions=["maximize", "minimize"])
     study.optimize(Objective(job), n_trials=1)
     sc = study.trials[0].user_attrs["nascompress"]["scoring"]
     assert sc["calib_steps"] == {"sparsifiner": 2, "dynamicvit": 0} and sc["finetune_epochs"] == 1.0
-    assert sc["calib_budget"] == 2 and "calib_steps" not in study.trials[0].user_attrs["nascompress_training"]["finetune"]
+    assert (
+        sc["calib_budget"] == 2 and "calib_steps" not in study.trials[0].user_attrs["nascompress_training"]["finetune"]
+    )

@@ -1,6 +1,7 @@
 """``nascompress search tokens|joint`` on the tiny run, and ``materialize --study``: trials built
 through the method contract, the reference configurations first, resume, constraints, rebuilding
 a trial's model exactly, and bad input."""
+
 from __future__ import annotations
 
 import json
@@ -61,7 +62,11 @@ def test_search_tokens_runs_the_reference_configurations_first_and_resumes(proje
     assert r.exit_code == 0, r.output
     study = load_study("s")
     done2 = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    assert len(done2) == 7 and done2[0].values == done[0].values and done2[0].user_attrs["nascompress"]["accuracy"] == base_acc
+    assert (
+        len(done2) == 7
+        and done2[0].values == done[0].values
+        and done2[0].user_attrs["nascompress"]["accuracy"] == base_acc
+    )
     # another space under the same name is refused, nothing changes
     (project / "other.yaml").write_text(EVIT_SPACE.replace("high: 1.0", "high: 0.9"))
     r = invoke("search", "tokens", tiny_run, "--study", "s", "--space", "other.yaml", "--trials", 9, *SMALL)
@@ -119,8 +124,9 @@ def test_pick_rules_and_bad_input(project, tiny_run):
 
 
 def test_max_flops_is_a_constraint(project, tiny_run):
-    r = invoke("search", "tokens", tiny_run, "--study", "c", "--space", "evit.yaml", "--trials", 4, "--max-flops", 0.8,
-               *SMALL)
+    r = invoke(
+        "search", "tokens", tiny_run, "--study", "c", "--space", "evit.yaml", "--trials", 4, "--max-flops", 0.8, *SMALL
+    )
     assert r.exit_code == 0, r.output
     study = load_study("c")
     assert len(study.directions) == 1 and list(study.metric_names) == ["accuracy"]
@@ -128,16 +134,31 @@ def test_max_flops_is_a_constraint(project, tiny_run):
         if t.state == optuna.trial.TrialState.COMPLETE:
             c = t.system_attrs["constraints:flops"] if "constraints:flops" in t.system_attrs else None
             assert c == pytest.approx(t.user_attrs["nascompress"]["flops_ratio"] - 0.8)
-    r = invoke("search", "tokens", tiny_run, "--study", "c2", "--space", "evit.yaml", "--trials", 2, "--max-flops",
-               0.05, *SMALL)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "c2",
+        "--space",
+        "evit.yaml",
+        "--trials",
+        2,
+        "--max-flops",
+        0.05,
+        *SMALL,
+    )
     assert r.exit_code == 1 and "no configuration of space 'tiny-evit' reaches --max-flops 0.05" in r.output
 
 
-@pytest.mark.parametrize("args,match", [
-    (["--workers", 0], "--workers must be an integer in [1, 1024], got 0"),
-    (["--space", "missing.yaml"], "missing.yaml"),
-    (["--objective", "speed"], "--objective must be one of goal, flops, latency, throughput"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--workers", 0], "--workers must be an integer in [1, 1024], got 0"),
+        (["--space", "missing.yaml"], "missing.yaml"),
+        (["--objective", "speed"], "--objective must be one of goal, flops, latency, throughput"),
+    ],
+)
 def test_bad_search_input(project, tiny_run, args, match):
     r = invoke("search", "tokens", tiny_run, "--study", "b", "--space", "evit.yaml", *args)
     assert r.exit_code == 1 and match in r.output
@@ -156,8 +177,11 @@ def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_
     notvit.mkdir()
     (notvit / "model.safetensors").write_bytes(b"")
     inp = {"img_size": [32, 32], "in_chans": 3, "mean": [0.5], "std": [0.5]}
-    (notvit / "arch.json").write_text(json.dumps({"format": "nascompress-arch/2", "input": inp,
-                                                  "model": {"name": "resnet18", "kwargs": {}}, "methods": []}))
+    (notvit / "arch.json").write_text(
+        json.dumps(
+            {"format": "nascompress-arch/2", "input": inp, "model": {"name": "resnet18", "kwargs": {}}, "methods": []}
+        )
+    )
     r = invoke("search", "tokens", notvit, "--study", "d", "--space", "evit.yaml")
     assert r.exit_code == 1 and "not a timm VisionTransformer" in r.output
     assert not (project / "nascompress-studies.db").exists()
@@ -165,8 +189,23 @@ def test_space_beyond_the_model_depth_and_a_non_vit_base(project, tiny_run, tmp_
 
 def test_qmc_sampler_searches_an_unconditional_space_and_refuses_a_conditional_one(project, tiny_run):
     (project / "flat.yaml").write_text(JOINT_SPACE.split("  - name: dynamicvit")[0].replace("    optional: true\n", ""))
-    r = invoke("search", "tokens", tiny_run, "--study", "q", "--space", "flat.yaml", "--trials", 3, "--sampler",
-               "qmc", "--seed", 4, "--no-enqueue", *SMALL)
+    r = invoke(
+        "search",
+        "tokens",
+        tiny_run,
+        "--study",
+        "q",
+        "--space",
+        "flat.yaml",
+        "--trials",
+        3,
+        "--sampler",
+        "qmc",
+        "--seed",
+        4,
+        "--no-enqueue",
+        *SMALL,
+    )
     assert r.exit_code == 0, r.output
     study = load_study("q")
     assert len({t.params["sparsifiner.attn_keep_ratio"] for t in study.trials}) == 3
@@ -196,8 +235,9 @@ def test_a_dcs_stage_is_searched_once_per_worker_and_reused(project, tiny_run):
     """Trials with the same DCS settings reuse the worker's first search (the study's seed); the later
     stages start from the same random state either way, so a reused trial rebuilds exactly."""
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
-    r = invoke("search", "joint", tiny_run, "--study", "dt", "--space", "dt.yaml", "--trials", 3, "--no-enqueue",
-               *SMALL)
+    r = invoke(
+        "search", "joint", tiny_run, "--study", "dt", "--space", "dt.yaml", "--trials", 3, "--no-enqueue", *SMALL
+    )
     assert r.exit_code == 0, r.output
     done = [t for t in load_study("dt").trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(done) == 3
@@ -219,8 +259,17 @@ def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tin
     from nascompress.search.trials import SearchJob, TrialContext, build_trial
 
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
-    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60,
-                                 calib_steps=3, batch_size=30))
+    ctx = TrialContext(
+        SearchJob(
+            base=str(tiny_run),
+            space="dt.yaml",
+            study="x",
+            eval_images=60,
+            train_images=60,
+            calib_steps=3,
+            batch_size=30,
+        )
+    )
     records = ctx.space.records({"dcs.target_flops": 0.8, "dynamicvit.rho": 0.7})
     built = [build_trial(ctx, records, seed=5, dcs_seed=0) for _ in range(2)]
     assert [b[2]["dcs"]["reused"] for b in built] == [False, True]
@@ -235,10 +284,20 @@ def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
     from nascompress.search.trials import SearchJob, TrialContext, build_trial
 
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE.replace("choices: [0.8]", "choices: [0.8, 1.0]"))
-    ctx = TrialContext(SearchJob(base=str(tiny_run), space="dt.yaml", study="x", eval_images=60, train_images=60,
-                                 calib_steps=3, batch_size=30))
-    model, applied, info = build_trial(ctx, ctx.space.records({"dcs.target_flops": 1.0, "dynamicvit.rho": 0.7}),
-                                       seed=5, dcs_seed=0)
+    ctx = TrialContext(
+        SearchJob(
+            base=str(tiny_run),
+            space="dt.yaml",
+            study="x",
+            eval_images=60,
+            train_images=60,
+            calib_steps=3,
+            batch_size=30,
+        )
+    )
+    model, applied, info = build_trial(
+        ctx, ctx.space.records({"dcs.target_flops": 1.0, "dynamicvit.rho": 0.7}), seed=5, dcs_seed=0
+    )
     assert [r["name"] for r in applied] == ["dynamicvit"] and "skipped" in info["dcs"]
     assert not ctx.dcs_memo  # no search ran
     x = torch.randn(2, 1, 16, 16)

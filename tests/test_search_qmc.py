@@ -1,6 +1,7 @@
 """``--sampler qmc``: Optuna's QMCSampler through the study runner (rebuilt before every trial by
 ``ParamSeeded``): successive trials take successive points of one scrambled Sobol' sequence, the same
 seed gives the same trials, a resumed study continues the sequence, a conditional space is refused."""
+
 from __future__ import annotations
 
 import functools
@@ -15,19 +16,52 @@ from nascompress.search.space import Space
 from nascompress.search.trials import make_sampler, sampler_factory
 from nascompress.studies import run_study
 
-TWO_D = {"format": "nascompress-space/1", "name": "square", "methods": [
-    {"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0},
-                               "y": {"kind": "float", "low": 0.0, "high": 1.0}}}]}
-MIXED = {"format": "nascompress-space/1", "name": "mixed", "methods": [
-    {"name": "toy", "params": {"x": {"kind": "float", "low": 0.0, "high": 1.0},
-                               "n": {"kind": "int", "low": 1, "high": 9, "step": 2},
-                               "mode": {"kind": "categorical", "choices": ["a", "b", "c"]},
-                               "layers": {"kind": "layers", "range": [1, 4], "size": 2},
-                               "rate": {"kind": "per_layer", "layers": "layers",
-                                        "value": {"kind": "float", "low": 0.5, "high": 1.0, "step": 0.1}}}}]}
-CONDITIONAL = {"format": "nascompress-space/1", "name": "cond", "methods": [
-    {"name": "toy", "params": {"mode": {"kind": "categorical", "choices": ["a", "b"]},
-                               "k": {"kind": "int", "low": 1, "high": 4, "when": {"mode": "b"}}}}]}
+TWO_D = {
+    "format": "nascompress-space/1",
+    "name": "square",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {
+                "x": {"kind": "float", "low": 0.0, "high": 1.0},
+                "y": {"kind": "float", "low": 0.0, "high": 1.0},
+            },
+        }
+    ],
+}
+MIXED = {
+    "format": "nascompress-space/1",
+    "name": "mixed",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {
+                "x": {"kind": "float", "low": 0.0, "high": 1.0},
+                "n": {"kind": "int", "low": 1, "high": 9, "step": 2},
+                "mode": {"kind": "categorical", "choices": ["a", "b", "c"]},
+                "layers": {"kind": "layers", "range": [1, 4], "size": 2},
+                "rate": {
+                    "kind": "per_layer",
+                    "layers": "layers",
+                    "value": {"kind": "float", "low": 0.5, "high": 1.0, "step": 0.1},
+                },
+            },
+        }
+    ],
+}
+CONDITIONAL = {
+    "format": "nascompress-space/1",
+    "name": "cond",
+    "methods": [
+        {
+            "name": "toy",
+            "params": {
+                "mode": {"kind": "categorical", "choices": ["a", "b"]},
+                "k": {"kind": "int", "low": 1, "high": 4, "when": {"mode": "b"}},
+            },
+        }
+    ],
+}
 
 
 def _objective(space_dict: dict, trial: optuna.Trial) -> float:
@@ -41,11 +75,18 @@ def _objective_factory(space_dict: dict):
 
 def run(tmp_path, name: str, space_dict: dict, n: int, seed: int) -> list[dict]:
     space = Space.from_dict(space_dict, method_fields=None)
-    run_study(study_name=name, storage=f"sqlite:///{tmp_path / (name + '.db')}",
-              objective_factory=functools.partial(_objective_factory, space_dict), n_trials=n,
-              directions=["maximize"], metric_names=["value"],
-              space_info={"space": space.to_dict(), "space_hash": space.hash()},
-              sampler_factory=sampler_factory("qmc", space, seed), seed=seed, progress=False)
+    run_study(
+        study_name=name,
+        storage=f"sqlite:///{tmp_path / (name + '.db')}",
+        objective_factory=functools.partial(_objective_factory, space_dict),
+        n_trials=n,
+        directions=["maximize"],
+        metric_names=["value"],
+        space_info={"space": space.to_dict(), "space_hash": space.hash()},
+        sampler_factory=sampler_factory("qmc", space, seed),
+        seed=seed,
+        progress=False,
+    )
     study = optuna.load_study(study_name=name, storage=f"sqlite:///{tmp_path / (name + '.db')}")
     attrs = study._storage.get_study_system_attrs(study._study_id)
     assert not any(k.startswith("qmc:") for k in attrs)  # points by trial number, not by Optuna's counter

@@ -1,5 +1,6 @@
 """One meaning per setting: the drifts issue 34 listed, each with the same default and meaning on the
 command line, in the pipeline file and in study trials, and the one validator every config uses."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,14 @@ from nascompress.importer import ImportJob
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.models import CUSTOM_VIT, ModelShape, custom_vit_spec
 from nascompress.pipeline import load_config
-from nascompress.pipeline.sections import (BaseImportSection, BaseTrainSection, DataSection, DCSStage, RetrainStage,
-                                           TokensStage)
+from nascompress.pipeline.sections import (
+    BaseImportSection,
+    BaseTrainSection,
+    DataSection,
+    DCSStage,
+    RetrainStage,
+    TokensStage,
+)
 from nascompress.search.trial_model import TrialMaterializeJob
 from nascompress.search.trials import STORAGE_HELP, SearchJob
 from nascompress.train import TrainConfig
@@ -73,8 +80,10 @@ def test_finetune_epochs_are_whole_epochs_in_studies_and_in_materialize():  # wa
     for path in (("search", "tokens"), ("materialize",)):
         p = _option(path, "--finetune-epochs")
         assert p.type_descriptor.annotation is int and p.default == 0
-    assert _field(SearchJob, "finetune_epochs").metadata["help"] in _field(TrialMaterializeJob,
-                                                                           "finetune_epochs").metadata["help"]
+    assert (
+        _field(SearchJob, "finetune_epochs").metadata["help"]
+        in _field(TrialMaterializeJob, "finetune_epochs").metadata["help"]
+    )
     with pytest.raises(NascompressError, match="finetune_epochs must be an integer"):
         SearchJob(base="b", space="s", study="x", finetune_epochs=0.5)
 
@@ -95,21 +104,33 @@ def test_the_custom_vit_defaults_are_written_once(tmp_path, monkeypatch):
     expected = custom_vit_spec(**CUSTOM_VIT, num_classes=10)
     assert ModelShape().spec(10) == expected
     seen = []
-    patch_everywhere(monkeypatch, train, "train", lambda job, **kw: seen.append(job) or {"best_val_top1": 0, "test_top1": 0,
-                                                                               "train_time_s": 0})
+    patch_everywhere(
+        monkeypatch,
+        train,
+        "train",
+        lambda job, **kw: seen.append(job) or {"best_val_top1": 0, "test_top1": 0, "train_time_s": 0},
+    )
     r = invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", "--json")
     assert r.exit_code == 0, r.output
-    assert seen[0].model.name == expected.name and {k: v for k, v in seen[0].model.kwargs.items()
-                                                    if k != "num_classes"} == {
-        k: v for k, v in expected.kwargs.items() if k != "num_classes"}
+    assert seen[0].model.name == expected.name and {
+        k: v for k, v in seen[0].model.kwargs.items() if k != "num_classes"
+    } == {k: v for k, v in expected.kwargs.items() if k != "num_classes"}
     section = BaseTrainSection()
     assert ModelShape(**{f.name: getattr(section, f.name) for f in dataclasses.fields(ModelShape)}).spec(10) == expected
     for name, value in CUSTOM_VIT.items():  # the help says the default the code uses
         assert f"custom ViT default {value}" in _option(("train",), f"--{name.replace('_', '-')}").help
 
 
-STUDY_COMMANDS = [("search", "tokens"), ("search", "joint"), ("materialize",), ("study", "list"), ("study", "show"),
-                  ("study", "export"), ("study", "report"), ("study", "dashboard")]
+STUDY_COMMANDS = [
+    ("search", "tokens"),
+    ("search", "joint"),
+    ("materialize",),
+    ("study", "list"),
+    ("study", "show"),
+    ("study", "export"),
+    ("study", "report"),
+    ("study", "dashboard"),
+]
 
 
 def test_storage_has_one_help():  # was three texts
@@ -128,9 +149,13 @@ def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_s
         raise RuntimeError("stop")
 
     patch_everywhere(monkeypatch, dcs, "run_dcs_search", stop)
-    ctx = SimpleNamespace(arch=SimpleNamespace(methods=()), job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
-                          data_cfg=DataConfig(dataset="synthetic"), base=nn.Linear(2, 2),
-                          search_data=lambda: None)
+    ctx = SimpleNamespace(
+        arch=SimpleNamespace(methods=()),
+        job=SearchJob(base="b", space="s", study="x", dcs_epochs=1),
+        data_cfg=DataConfig(dataset="synthetic"),
+        base=nn.Linear(2, 2),
+        search_data=lambda: None,
+    )
     with pytest.raises(RuntimeError, match="stop"):
         _search_dcs(ctx, {"alpha_init": 3.0}, seed=0)
     method = seen[0].method
@@ -179,8 +204,13 @@ def test_a_range_is_checked_by_one_function_for_the_cli_and_the_pipeline(tmp_pat
         return real(name, v, meta, kind)
 
     monkeypatch.setattr(schema, "check_value", spy)
-    cfg = {"format": "nascompress-pipeline/1", "data": {"dataset": "synthetic", "num_workers": -1},
-           "base": {"train": {}}, "goal": {"max_flops": 0.5}, "stages": {"dcs": {"target_flops": 0.5}}}
+    cfg = {
+        "format": "nascompress-pipeline/1",
+        "data": {"dataset": "synthetic", "num_workers": -1},
+        "base": {"train": {}},
+        "goal": {"max_flops": 0.5},
+        "stages": {"dcs": {"target_flops": 0.5}},
+    }
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with pytest.raises(NascompressError) as pipe:
@@ -196,9 +226,28 @@ def test_a_range_is_checked_by_one_function_for_the_cli_and_the_pipeline(tmp_pat
 def test_commands_show_their_options_in_their_signature():
     """Every command function lists its own options and its settings groups (typed) in its signature:
     no ``**kw`` read by string look-ups (but finetune's per-method options)."""
-    for path in [(), *[tuple(p.split()) for p in ("train", "import", "evaluate", "profile", "finetune", "retrain",
-                                                   "materialize", "search dcs", "search tokens", "pipeline",
-                                                   "export", "quantize", "study show", "study dashboard")]]:
+    for path in [
+        (),
+        *[
+            tuple(p.split())
+            for p in (
+                "train",
+                "import",
+                "evaluate",
+                "profile",
+                "finetune",
+                "retrain",
+                "materialize",
+                "search dcs",
+                "search tokens",
+                "pipeline",
+                "export",
+                "quantize",
+                "study show",
+                "study dashboard",
+            )
+        ],
+    ]:
         if not path:
             continue
         fn = _command(*path).callback

@@ -4,6 +4,7 @@ but the plumbing listed below (with the reason for each).
 
 The walk is by introspection (click's command tree under Typer, the pipeline sections' dataclass
 fields), so a command or a key added by hand later fails here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,12 +35,25 @@ PLUMBING_OPTIONS = {
 COMMAND_PLUMBING = {
     ("profile", "--compare"): "a second run to measure, an input like the RUN_DIR argument",
     ("finetune", "--opt"): "key=value for any method or recipe setting: each key is checked against the method's "
-                           "declared config and recipe fields (finetune.split_settings)",
+    "declared config and recipe fields (finetune.split_settings)",
 }
 # Pipeline keys that are the file's structure, not settings: the format tag, the sections, and base.run
 # (the dense run the pipeline starts from: its input, as a command's argument)
-PIPELINE_STRUCTURE = {"format", "data", "base", "goal", "stages", "report", "export",
-                      "base.run", "base.train", "base.import", "stages.dcs", "stages.tokens", "stages.retrain"}
+PIPELINE_STRUCTURE = {
+    "format",
+    "data",
+    "base",
+    "goal",
+    "stages",
+    "report",
+    "export",
+    "base.run",
+    "base.train",
+    "base.import",
+    "stages.dcs",
+    "stages.tokens",
+    "stages.retrain",
+}
 
 
 def _library_settings() -> list[tuple[type, dataclasses.Field]]:
@@ -57,7 +71,8 @@ def _library_settings() -> list[tuple[type, dataclasses.Field]]:
 
     for mod in list(sys.modules.values()):
         if not getattr(mod, "__name__", "").startswith("nascompress.") or mod.__name__.startswith(
-                ("nascompress.pipeline", "nascompress.cli")):
+            ("nascompress.pipeline", "nascompress.cli")
+        ):
             continue
         for obj in vars(mod).values():
             if isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj not in seen:
@@ -94,9 +109,26 @@ def _generated(opt: str, param) -> bool:
 
 def test_the_walk_reaches_every_command():
     names = {" ".join(p) for p, _ in _commands()}
-    assert {"train", "import", "evaluate", "profile", "finetune", "retrain", "materialize", "search dcs",
-            "search tokens", "search joint", "pipeline", "export", "quantize", "study list", "study show",
-            "study export", "study report", "study dashboard"} <= names
+    assert {
+        "train",
+        "import",
+        "evaluate",
+        "profile",
+        "finetune",
+        "retrain",
+        "materialize",
+        "search dcs",
+        "search tokens",
+        "search joint",
+        "pipeline",
+        "export",
+        "quantize",
+        "study list",
+        "study show",
+        "study export",
+        "study report",
+        "study dashboard",
+    } <= names
     assert len(SETTINGS) > 100
 
 
@@ -156,8 +188,12 @@ def test_every_generated_option_has_a_declared_default():
             if p.param_type_name != "option" or getattr(p, "is_flag", False):
                 continue
             opt = max(p.opts, key=len)
-            if opt in PLUMBING_OPTIONS or (" ".join(path), opt) in COMMAND_PLUMBING or path[:1] == ("finetune",) and \
-                    p.name in _method_option_names():
+            if (
+                opt in PLUMBING_OPTIONS
+                or (" ".join(path), opt) in COMMAND_PLUMBING
+                or path[:1] == ("finetune",)
+                and p.name in _method_option_names()
+            ):
                 continue
             if repr(p.default) not in defaults.get(opt, set()) and not (p.required and None in defaults.get(opt, ())):
                 bad.append(f"{' '.join(path)} {opt}={p.default!r} (declared: {sorted(defaults.get(opt, set()))})")
@@ -190,5 +226,12 @@ def test_a_hand_written_option_or_key_fails_the_walk(monkeypatch):
 
     p = click.Option(["--img-size"], help="Input size.")
     assert not _generated("--img-size", p)
-    assert _generated("--img-size", click.Option(["--img-size"], help=next(
-        f.metadata["help"] for _, f in SETTINGS if f.name == "img_size" and "custom ViT" in f.metadata["help"])))
+    assert _generated(
+        "--img-size",
+        click.Option(
+            ["--img-size"],
+            help=next(
+                f.metadata["help"] for _, f in SETTINGS if f.name == "img_size" and "custom ViT" in f.metadata["help"]
+            ),
+        ),
+    )

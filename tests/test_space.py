@@ -1,4 +1,5 @@
 """Search-space files: the shipped ones load, every kind of bad entry is named, suggest/grid/params_for."""
+
 from __future__ import annotations
 
 import glob
@@ -22,6 +23,7 @@ SIX = SimpleNamespace(blocks=[None] * 6)  # what loading a space for a model rea
 def shipped(name: str, model=SIX):
     """A shipped space by name, sized for ``model`` (default: the project's 6-block ViT)."""
     return load_space(name, model=model, method_fields=fake_fields)
+
 
 # The config fields the shipped files assume (the method registry's config_cls is being rebuilt).
 FIELDS = {
@@ -61,8 +63,16 @@ def sample(space: Space, n: int, seed: int = 0) -> list[optuna.trial.FrozenTrial
 
 def test_shipped_files_exist():
     names = {os.path.basename(p) for p in SHIPPED}
-    assert {"evit.yaml", "dynamicvit.yaml", "sparsifiner.yaml", "mgvit.yaml", "mgvit-h.yaml", "dcs-target.yaml",
-            "joint.yaml", "tome.yaml"} <= names
+    assert {
+        "evit.yaml",
+        "dynamicvit.yaml",
+        "sparsifiner.yaml",
+        "mgvit.yaml",
+        "mgvit-h.yaml",
+        "dcs-target.yaml",
+        "joint.yaml",
+        "tome.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
@@ -84,8 +94,10 @@ def test_shipped_file_loads_samples_and_round_trips(path):
 BAD = {
     "unknown top-level key": ("extra: 1\n", "space.yaml: unknown key 'extra'"),
     "unknown method key": ("  - name: evit\n    grup: x\n", "methods[1]: unknown key 'grup'"),
-    "unknown param key": ("      p: {kind: float, low: 0, high: 1, stepp: 0.1}\n",
-                          "methods[1].params.p: unknown key 'stepp'"),
+    "unknown param key": (
+        "      p: {kind: float, low: 0, high: 1, stepp: 0.1}\n",
+        "methods[1].params.p: unknown key 'stepp'",
+    ),
     "inverted range": ("      p: {kind: float, low: 1, high: 0}\n", "methods[1].params.p: empty or inverted range"),
     "empty range": ("      p: {kind: int, low: 3, high: 3}\n", "methods[1].params.p: empty or inverted range"),
     "wrong type": ("      p: {kind: float, low: a, high: 1}\n", "methods[1].params.p.low: must be a number"),
@@ -93,16 +105,20 @@ BAD = {
     "step and log": ("      p: {kind: float, low: 0.1, high: 1, step: 0.1, log: true}\n", "step and log cannot both"),
     "step not dividing": ("      p: {kind: float, low: 0, high: 1, step: 0.3}\n", "must be a multiple of step"),
     "log with low 0": ("      p: {kind: float, low: 0, high: 1, log: true}\n", "log: true needs low > 0"),
-    "unknown kind": ("      p: {kind: gaussian, low: 0, high: 1}\n",
-                     "methods[1].params.p.kind: unknown kind 'gaussian'"),
+    "unknown kind": (
+        "      p: {kind: gaussian, low: 0, high: 1}\n",
+        "methods[1].params.p.kind: unknown kind 'gaussian'",
+    ),
     "mapping without kind": ("      p: {low: 0, high: 1}\n", "methods[1].params.p: a mapping needs kind"),
     "empty choices": ("      p: {kind: categorical, choices: []}\n", "methods[1].params.p.choices: a non-empty list"),
     "duplicate choice": ("      p: {kind: categorical, choices: [a, a]}\n", "choice 'a' appears twice"),
     "layer 0": ("      p: {kind: layers, candidates: [0, 2], size: 1}\n", "layer numbers are integers >= 1"),
     "size too big": ("      p: {kind: layers, candidates: [2, 11], size: [1, 3]}\n", "size 3 exceeds the 2 candidate"),
     "layers without size": ("      p: {kind: layers, range: [2, 5]}\n", "needs size"),
-    "per_layer bad ref": ("      p: {kind: per_layer, layers: q, value: {kind: float, low: 0, high: 1}}\n",
-                          "methods[1].params.p.layers: refers to 'q'"),
+    "per_layer bad ref": (
+        "      p: {kind: per_layer, layers: q, value: {kind: float, low: 0, high: 1}}\n",
+        "methods[1].params.p.layers: refers to 'q'",
+    ),
     "when undeclared": ("      p: {kind: int, low: 1, high: 4, when: {mode: block}}\n", "when: refers to 'mode'"),
     "unknown method": ("  - name: nope\n", "methods[1].name: unknown method 'nope'"),
     "unknown parameter": ("      foo: 1\n", "methods[1].params.foo: unknown parameter 'foo' of method 'mgvit'"),
@@ -128,16 +144,20 @@ def test_bad_entry_names_file_entry_and_problem(tmp_path, case):
 
 
 def test_when_value_must_be_a_choice(tmp_path):
-    text = ("format: nascompress-space/1\nname: t\nmethods:\n  - name: sparsifiner\n    params:\n"
-            "      mode: {kind: categorical, choices: [unstructured, block]}\n"
-            "      kernel: {kind: categorical, choices: [gather, flex], when: {mode: blocky}}\n")
+    text = (
+        "format: nascompress-space/1\nname: t\nmethods:\n  - name: sparsifiner\n    params:\n"
+        "      mode: {kind: categorical, choices: [unstructured, block]}\n"
+        "      kernel: {kind: categorical, choices: [gather, flex], when: {mode: blocky}}\n"
+    )
     with pytest.raises(NascompressError, match=r"params.kernel.when: mode can never be 'blocky'"):
         load_space(write(tmp_path, text), method_fields=fake_fields)
 
 
 def test_group_members_must_agree_on_optional(tmp_path):
-    text = ("format: nascompress-space/1\nname: t\nmethods:\n  - {name: evit, group: tokens, optional: true}\n"
-            "  - {name: dynamicvit, group: tokens}\n")
+    text = (
+        "format: nascompress-space/1\nname: t\nmethods:\n  - {name: evit, group: tokens, optional: true}\n"
+        "  - {name: dynamicvit, group: tokens}\n"
+    )
     with pytest.raises(NascompressError, match=r"methods\[1\].optional: the methods of group 'tokens' must agree"):
         load_space(write(tmp_path, text), method_fields=fake_fields)
 
@@ -152,8 +172,11 @@ def test_missing_file_and_bad_yaml(tmp_path):
 def test_check_depth():
     space = shipped("evit")
     space.check_depth(5)
-    with pytest.raises(NascompressError, match=r"methods\[0\].params.prune_layers: layer 5 is beyond the model's "
-                                               r"depth 4"):
+    with pytest.raises(
+        NascompressError,
+        match=r"methods\[0\].params.prune_layers: layer 5 is beyond the model's "
+        r"depth 4",
+    ):
         space.check_depth(4)
 
 
@@ -186,21 +209,33 @@ def test_suggest_respects_conditions_groups_and_per_layer_lengths():
 
 
 def test_grid_size_and_spacing(tmp_path):
-    text = ("format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
-            "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n")
+    text = (
+        "format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
+        "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n"
+    )
     space = load_space(write(tmp_path, text), method_fields=fake_fields)
     grid = space_lattice.grid(space, 7)  # the lattice (what a conditional space's grid uses)
     xs = sorted(p["sparsifiner.attn_keep_ratio"] for p in grid)
     assert len(grid) == 7
     assert xs == pytest.approx([0.1 + 0.7 * (k + 0.5) / 7 for k in range(7)])
     assert grid[0]["sparsifiner.attn_keep_ratio"] == pytest.approx(0.45)  # the first point is the middle
-    two = space_lattice.grid(load_space(write(tmp_path, text + "      mode: {kind: categorical, choices: "
-                                                             "[unstructured, block]}\n"), method_fields=fake_fields), 10)
+    two = space_lattice.grid(
+        load_space(
+            write(tmp_path, text + "      mode: {kind: categorical, choices: [unstructured, block]}\n"),
+            method_fields=fake_fields,
+        ),
+        10,
+    )
     assert len(two) == 10 and {p["sparsifiner.mode"] for p in two} == {"unstructured", "block"}
     assert len({p["sparsifiner.attn_keep_ratio"] for p in two}) == 10  # evenly spread in each coordinate
-    cat = load_space(write(tmp_path, "format: nascompress-space/1\nname: c\nmethods:\n  - name: sparsifiner\n"
-                                     "    params:\n      mode: {kind: categorical, choices: [unstructured, block]}\n"),
-                     method_fields=fake_fields)
+    cat = load_space(
+        write(
+            tmp_path,
+            "format: nascompress-space/1\nname: c\nmethods:\n  - name: sparsifiner\n"
+            "    params:\n      mode: {kind: categorical, choices: [unstructured, block]}\n",
+        ),
+        method_fields=fake_fields,
+    )
     assert len(cat.grid(10)) == 2  # only two distinct configurations exist
     with pytest.raises(NascompressError):
         cat.grid(0)
@@ -212,9 +247,11 @@ def test_an_unconditional_spaces_grid_is_optunas_qmc_sequence(tmp_path):
 
     from nascompress.search.qmc import qmc_sampler
 
-    text = ("format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
-            "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n"
-            "      mode: {kind: categorical, choices: [unstructured, block]}\n")
+    text = (
+        "format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"
+        "      attn_keep_ratio: {kind: float, low: 0.1, high: 0.8}\n"
+        "      mode: {kind: categorical, choices: [unstructured, block]}\n"
+    )
     space = load_space(write(tmp_path, text), method_fields=fake_fields)
     assert space.conditional() is None
     grid = space.grid(8)
@@ -251,17 +288,24 @@ def test_params_for_dense_and_paper_configs_and_errors():
     dense = joint.params_for([{"name": "dcs", "config": {"target_flops": 1.0, "qk_mask": "static"}}])
     assert dense == {"dcs.target_flops": 1.0, "group.tokens": "none", "sparsifiner.on": False}
     with pytest.raises(NascompressError, match="alternatives"):
-        joint.params_for([{"name": "dcs", "config": {"target_flops": 1.0}},
-                          {"name": "evit", "config": {"keep_rate": [1.0], "prune_layers": [2]}},
-                          {"name": "dynamicvit", "config": {"rho": [1.0], "prune_layers": [2]}}])
+        joint.params_for(
+            [
+                {"name": "dcs", "config": {"target_flops": 1.0}},
+                {"name": "evit", "config": {"keep_rate": [1.0], "prune_layers": [2]}},
+                {"name": "dynamicvit", "config": {"rho": [1.0], "prune_layers": [2]}},
+            ]
+        )
 
 
 def test_hash_is_stable_and_ignores_name_and_description(tmp_path):
-    text = ("format: nascompress-space/1\nname: a\ndescription: one\nmethods:\n  - name: dcs\n    params:\n"
-            "      target_flops: {kind: float, low: 0.4, high: 0.9, step: 0.05}\n")
+    text = (
+        "format: nascompress-space/1\nname: a\ndescription: one\nmethods:\n  - name: dcs\n    params:\n"
+        "      target_flops: {kind: float, low: 0.4, high: 0.9, step: 0.05}\n"
+    )
     h1 = load_space(write(tmp_path, text), method_fields=fake_fields).hash()
-    h2 = load_space(write(tmp_path, text.replace("name: a", "name: b").replace("one", "two")),
-                    method_fields=fake_fields).hash()
+    h2 = load_space(
+        write(tmp_path, text.replace("name: a", "name: b").replace("one", "two")), method_fields=fake_fields
+    ).hash()
     h3 = load_space(write(tmp_path, text.replace("0.9", "0.8")), method_fields=fake_fields).hash()
     assert h1 == h2 != h3 and len(h1) == 16
 
@@ -299,9 +343,11 @@ methods:
 
 
 def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
-    for space in (load_space(write(tmp_path, UNCONDITIONAL), method_fields=None),
-                  shipped("mgvit"),
-                  shipped("dcs-target")):
+    for space in (
+        load_space(write(tmp_path, UNCONDITIONAL), method_fields=None),
+        shipped("mgvit"),
+        shipped("dcs-target"),
+    ):
         assert space.conditional() is None
         dists = space.distributions()
         assert list(dists) == space.param_names()
@@ -317,13 +363,21 @@ def test_distributions_equal_what_a_real_trial_suggests(tmp_path):
     assert flat["group.only"].single() and flat["alpha.layers"].choices[0] == "1,2"
 
 
-@pytest.mark.parametrize("name,param", [
-    ("sparsifiner.yaml", "sparsifiner.kernel (methods[0].params.kernel) exists only when mode is 'block' (when:)"),
-    ("evit.yaml", "evit.keep_rate.1 (methods[0].params.keep_rate) exists only when evit.prune_layers has at "
-                  "least 2 layers (its sets have 1 to 3)"),
-    ("joint.yaml", "sparsifiner.attn_keep_ratio (methods[1].params.attn_keep_ratio) exists only when sparsifiner.on is "
-                   "True"),
-])
+@pytest.mark.parametrize(
+    "name,param",
+    [
+        ("sparsifiner.yaml", "sparsifiner.kernel (methods[0].params.kernel) exists only when mode is 'block' (when:)"),
+        (
+            "evit.yaml",
+            "evit.keep_rate.1 (methods[0].params.keep_rate) exists only when evit.prune_layers has at "
+            "least 2 layers (its sets have 1 to 3)",
+        ),
+        (
+            "joint.yaml",
+            "sparsifiner.attn_keep_ratio (methods[1].params.attn_keep_ratio) exists only when sparsifiner.on is True",
+        ),
+    ],
+)
 def test_a_conditional_space_has_no_distributions(name, param):
     space = shipped(name)
     with pytest.raises(NascompressError) as e:
@@ -342,6 +396,7 @@ def test_an_optional_method_with_searched_params_is_conditional(tmp_path):
 def test_default_spaces_are_sized_by_the_model_depth(name):
     """The default spaces' layer ranges count from the last block: a 4-block model gets layers
     within its depth, a 12-block one the whole model (no longer layers 2-5 of the 6-block default)."""
+
     def layer_sets(depth):
         sp = shipped(name, model=SimpleNamespace(blocks=[None] * depth))
         return [c for m in sp.methods for p in m.params if p.kind == "layers" for c in p.choices], sp
@@ -352,18 +407,27 @@ def test_default_spaces_are_sized_by_the_model_depth(name):
     assert max(x for c in twelve for x in c) >= 11 and {x for c in twelve for x in c} >= set(range(2, 12))
     if name == "evit":  # on the 6-block default ViT: the former layers 2-5, the same hash as before
         six = layer_sets(6)[1]
-        assert {x for m in six.methods for p in m.params if p.kind == "layers" for c in p.choices for x in c} == \
-            {2, 3, 4, 5} and six.hash() == "22c74247533dd81a"
+        assert {x for m in six.methods for p in m.params if p.kind == "layers" for c in p.choices for x in c} == {
+            2,
+            3,
+            4,
+            5,
+        } and six.hash() == "22c74247533dd81a"
     if name != "dynamicvit":  # EViT's range ends at the last block but one: none on 2 blocks
         with pytest.raises(NascompressError, match="selects no layer of this 2-block model"):
             layer_sets(2)
 
 
 def test_a_range_counting_from_the_last_block_needs_a_model(tmp_path):
-    text = ("format: nascompress-space/1\nname: rel\nmethods:\n  - name: evit\n    params:\n"
-            "      prune_layers: {kind: layers, range: [2, -2], size: [1, 3]}\n")
-    with pytest.raises(NascompressError, match=r"range \[2, -2\] counts from the model's last block: load the "
-                                               r"space for a model"):
+    text = (
+        "format: nascompress-space/1\nname: rel\nmethods:\n  - name: evit\n    params:\n"
+        "      prune_layers: {kind: layers, range: [2, -2], size: [1, 3]}\n"
+    )
+    with pytest.raises(
+        NascompressError,
+        match=r"range \[2, -2\] counts from the model's last block: load the "
+        r"space for a model",
+    ):
         load_space(write(tmp_path, text), method_fields=fake_fields)
     with pytest.raises(NascompressError, match=r"layer numbers are 1-based .* got \[-3, 4\]"):
         load_space(write(tmp_path, text.replace("[2, -2]", "[-3, 4]")), model=SIX, method_fields=fake_fields)
@@ -374,6 +438,9 @@ def test_a_range_counting_from_the_last_block_needs_a_model(tmp_path):
 def test_shipped_spaces_by_name_from_any_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert shipped("tome").name == "tome" and shipped("evit.yaml").name == "evit"
-    with pytest.raises(NascompressError, match=r"search space nope does not exist: give a YAML file or the name "
-                                               r"of a shipped search space \(dcs-target, dynamicvit, evit"):
+    with pytest.raises(
+        NascompressError,
+        match=r"search space nope does not exist: give a YAML file or the name "
+        r"of a shipped search space \(dcs-target, dynamicvit, evit",
+    ):
         load_space("nope", method_fields=fake_fields)

@@ -1,4 +1,5 @@
 """Sparsifiner: identity, block path == masked path, honest FLOPs, training stages, bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -11,8 +12,14 @@ import torch.nn.functional as F
 from nascompress.errors import NascompressError
 from nascompress.methods import block_sparse, get_method
 from nascompress.finetune import split_settings
-from nascompress.methods.sparsifiner import (SparsifinerHooks, SparsifinerRecipe, attention_budget, masked_attention,
-                                             sparse_modules, topk_mask)
+from nascompress.methods.sparsifiner import (
+    SparsifinerHooks,
+    SparsifinerRecipe,
+    attention_budget,
+    masked_attention,
+    sparse_modules,
+    topk_mask,
+)
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops
 from nascompress.train import TrainConfig
@@ -43,7 +50,7 @@ def test_masked_path_with_all_keys_equals_dense_attention():
     q, k, v = (torch.randn(2, 3, 17, 8) for _ in range(3))
     full = topk_mask(torch.randn(2, 3, 17, 17), 17)
     assert full.all()
-    torch.testing.assert_close(masked_attention(q, k, v, full, scale=8 ** -0.5), F.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(masked_attention(q, k, v, full, scale=8**-0.5), F.scaled_dot_product_attention(q, k, v))
 
 
 def test_topk_mask_keeps_budget_per_query_and_full_cls_row():
@@ -78,10 +85,10 @@ def test_block_paths_match_masked_path(n, bs, p):
     mask = block_sparse.dense_block_mask(idx, layout)
     assert mask[:, :, :p].all() and mask[:, :, :, :p].all() and not mask[:, :, p:, p:].all()
     assert (mask[:, :, p:].sum(-1) >= p + layout.keep * bs - (bs - layout.last)).all()
-    want = block_sparse.masked_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+    want = block_sparse.masked_block_attention(q, k, v, idx, layout, scale=d**-0.5)
     with torch.no_grad():
-        got = block_sparse.gather_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
-        flex = block_sparse.flex_block_attention(q, k, v, idx, layout, scale=d ** -0.5)
+        got = block_sparse.gather_block_attention(q, k, v, idx, layout, scale=d**-0.5)
+        flex = block_sparse.flex_block_attention(q, k, v, idx, layout, scale=d**-0.5)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(flex, want, atol=1e-5, rtol=1e-5)
     assert block_sparse.kept_pairs(idx, layout).sum().item() == mask.sum().item()
@@ -89,8 +96,9 @@ def test_block_paths_match_masked_path(n, bs, p):
 
 @pytest.mark.parametrize("kernel", ["gather", "flex"])
 def test_block_inference_kernels_match_masked_path_in_the_model(kernel):
-    model = sparsify(tiny_gray_vit(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=7,
-                     kernel=kernel)
+    model = sparsify(
+        tiny_gray_vit(img=28, dim=32, heads=2), attn_keep_ratio=0.25, mode="block", block_size=7, kernel=kernel
+    )
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         a = model(x)
@@ -110,15 +118,21 @@ def test_block_predictor_equals_pooled_unstructured_scores():
     B, H, d, r, n, bs = 2, 2, 16, 6, 50, 8
     q, k = torch.randn(B, H, n, d), torch.randn(B, H, n, d)
     w_down, w_up = torch.rand(H, r, n) / n, torch.randn(H, r, n) * 0.05
-    scale, tau, wt = d ** -0.5, 0.2, 1e-2
+    scale, tau, wt = d**-0.5, 0.2, 1e-2
     coef = sparse_coefficients(lowrank_attention(q, k, w_down, scale), tau)
     assert (coef == 0).any() and (coef != 0).any()
     layout = block_sparse.plan_blocks(n, 1, budget=13, block_size=bs)
     s = (coef @ sparse_basis(w_up, wt))[..., 1:, 1:]  # patch rows x patch columns (n - 1 = 49)
     tiles = F.pad(s, (0, 7, 0, 7)).reshape(B, H, 7, 8, 7, 8).sum((3, 5))
-    torch.testing.assert_close(block_sparse.block_scores(coef, block_sparse.pooled_basis(w_up, wt, layout), layout), tiles,
-                               atol=1e-6, rtol=1e-5)
-    idx = block_sparse.predict_blocks(q, k, w_down, block_sparse.pooled_basis(w_up, wt, layout), scale=scale, tau=tau, layout=layout)
+    torch.testing.assert_close(
+        block_sparse.block_scores(coef, block_sparse.pooled_basis(w_up, wt, layout), layout),
+        tiles,
+        atol=1e-6,
+        rtol=1e-5,
+    )
+    idx = block_sparse.predict_blocks(
+        q, k, w_down, block_sparse.pooled_basis(w_up, wt, layout), scale=scale, tau=tau, layout=layout
+    )
     assert torch.equal(idx, block_sparse.top_blocks(tiles, layout.keep))
 
 
@@ -154,7 +168,9 @@ def test_deit_s_mhsa_flops_reduction_at_keep_025_per_layer():
     red = [1 - (b2["attn"] - proj) / dense for b2 in rep2.blocks]
     print("MHSA attention-matrix FLOPs reduction per layer (tau=0):", [round(v, 4) for v in per_layer])
     print("MHSA attention-matrix FLOPs reduction per layer (tau=0.05):", [round(v, 4) for v in red])
-    print("MHSA incl. qkv/proj per layer (tau=0.05):", [round(1 - b2["attn"] / (dense + proj), 4) for b2 in rep2.blocks])
+    print(
+        "MHSA incl. qkv/proj per layer (tau=0.05):", [round(1 - b2["attn"] / (dense + proj), 4) for b2 in rep2.blocks]
+    )
     assert all(0.572 - 1e-3 <= v < 0.75 for v in red)
 
 
@@ -187,8 +203,7 @@ def test_save_load_roundtrip(tmp_path):
     model, rec = prepare(model, {"attn_keep_ratio": 0.5, "mode": "block", "kernel": "masked"})
     with torch.no_grad():
         model.blocks[0].attn.kernel.w_up.add_(0.1)
-    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.3], "std": [0.3]},
-                     methods=[rec])
+    arch = make_arch(spec, input_spec={"img_size": [16, 16], "in_chans": 1, "mean": [0.3], "std": [0.3]}, methods=[rec])
     save_model(tmp_path, model, arch)
     loaded, _ = load_with_arch(tmp_path)
     assert "blocks.0.attn.kernel.w_down" in loaded.state_dict() and "blocks.0.attn.qkv.weight" in loaded.state_dict()
@@ -199,8 +214,9 @@ def test_save_load_roundtrip(tmp_path):
 def test_two_stage_hooks_train_the_right_parameters():
     teacher = tiny_gray_vit()
     model, rec = prepare(copy.deepcopy(teacher), {"attn_keep_ratio": 0.25, "stage1_epochs": 1, "n_down": 4})
-    hooks = get_method("sparsifiner").hooks(model, rec, teacher=teacher.requires_grad_(False),
-                                            train_cfg=TrainConfig(epochs=5, lr=None))
+    hooks = get_method("sparsifiner").hooks(
+        model, rec, teacher=teacher.requires_grad_(False), train_cfg=TrainConfig(epochs=5, lr=None)
+    )
     assert isinstance(hooks, SparsifinerHooks)
     groups = hooks.param_groups(model, TrainConfig(epochs=5, lr=None))
     pred = [g for g in groups if any(p is model.blocks[0].attn.kernel.w_down for p in g["params"])]
@@ -226,27 +242,45 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
     from nascompress.runs.io import load_with_arch
 
     data = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
-    job = FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", config={"attn_keep_ratio": 0.5},
-                      recipe={"stage1_epochs": 1}, data=data,
-                      train=TrainConfig(epochs=2, batch_size=64, lr=1e-4, warmup_epochs=0.0), out=str(tmp_path / "ft"))
+    job = FinetuneJob(
+        run_dir=str(tiny_run),
+        method="sparsifiner",
+        config={"attn_keep_ratio": 0.5},
+        recipe={"stage1_epochs": 1},
+        data=data,
+        train=TrainConfig(epochs=2, batch_size=64, lr=1e-4, warmup_epochs=0.0),
+        out=str(tmp_path / "ft"),
+    )
     metrics = finetune(job)
     model, arch = load_with_arch(tmp_path / "ft")
     assert arch["methods"][-1]["name"] == "sparsifiner" and metrics["zero_shot"] is False
     assert len(sparse_modules(model)) == 2
-    zs = finetune(FinetuneJob(run_dir=str(tiny_run), method="sparsifiner", config={"attn_keep_ratio": 0.5},
-                              recipe={"stage1_steps": 3}, data=data, out=str(tmp_path / "zs"), zero_shot=True))
+    zs = finetune(
+        FinetuneJob(
+            run_dir=str(tiny_run),
+            method="sparsifiner",
+            config={"attn_keep_ratio": 0.5},
+            recipe={"stage1_steps": 3},
+            data=data,
+            out=str(tmp_path / "zs"),
+            zero_shot=True,
+        )
+    )
     assert zs["zero_shot"] is True and "l_attn" in zs["calibration"]
 
 
-@pytest.mark.parametrize("cfg,msg", [
-    ({"attn_keep_ratio": 0.0}, r"attn_keep_ratio must be in \(0, 1\], got 0.0"),
-    ({"attn_keep_ratio": 1.5}, r"attn_keep_ratio must be in \(0, 1\], got 1.5"),
-    ({"budget": 18}, r"budget 18 is larger than the token count: valid range 1..17"),
-    ({"mode": "dense"}, r"mode must be one of unstructured, block, got 'dense'"),
-    ({"kernel": "cuda"}, r"kernel must be one of gather, flex, masked, got 'cuda'"),
-    ({"keep": 0.5}, r"unknown sparsifiner option\(s\) \['keep'\]; valid options: attn_keep_ratio"),
-    ({"stage1_epochs": -1}, r"stage1_epochs must be an integer in \[0, inf\], got -1"),
-])
+@pytest.mark.parametrize(
+    "cfg,msg",
+    [
+        ({"attn_keep_ratio": 0.0}, r"attn_keep_ratio must be in \(0, 1\], got 0.0"),
+        ({"attn_keep_ratio": 1.5}, r"attn_keep_ratio must be in \(0, 1\], got 1.5"),
+        ({"budget": 18}, r"budget 18 is larger than the token count: valid range 1..17"),
+        ({"mode": "dense"}, r"mode must be one of unstructured, block, got 'dense'"),
+        ({"kernel": "cuda"}, r"kernel must be one of gather, flex, masked, got 'cuda'"),
+        ({"keep": 0.5}, r"unknown sparsifiner option\(s\) \['keep'\]; valid options: attn_keep_ratio"),
+        ({"stage1_epochs": -1}, r"stage1_epochs must be an integer in \[0, inf\], got -1"),
+    ],
+)
 def test_bad_input(cfg, msg):
     with pytest.raises(NascompressError, match=msg):
         prepare(tiny_gray_vit(), cfg)
@@ -280,8 +314,10 @@ def test_stacks_with_evit():
 
     dense = tiny_gray_vit(img=32, depth=3, dim=32, heads=2)
     x = torch.randn(2, 1, 32, 32)
-    recs = [{"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}},
-            {"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}}]
+    recs = [
+        {"name": "sparsifiner", "config": {"attn_keep_ratio": 0.25, "n_down": 8}},
+        {"name": "evit", "config": {"keep_rate": 0.5, "prune_layers": [2]}},
+    ]
     model = apply_methods(copy.deepcopy(dense), recs).eval()
     with torch.no_grad():
         out = model(x)
@@ -289,8 +325,10 @@ def test_stacks_with_evit():
     rep, ref = count_flops(model, x), count_flops(dense, x)
     assert rep.blocks[2]["mlp"] < ref.blocks[2]["mlp"]  # tokens pruned before layer 3
     assert rep.blocks[0]["attn"] < ref.blocks[0]["attn"] and rep.blocks[2]["attn"] < ref.blocks[2]["attn"]
-    off = [{"name": "sparsifiner", "config": {"attn_keep_ratio": 1.0}},
-           {"name": "evit", "config": {"keep_rate": 1.0, "prune_layers": [2], "fuse_token": False}}]
+    off = [
+        {"name": "sparsifiner", "config": {"attn_keep_ratio": 1.0}},
+        {"name": "evit", "config": {"keep_rate": 1.0, "prune_layers": [2], "fuse_token": False}},
+    ]
     with torch.no_grad():
         torch.testing.assert_close(apply_methods(copy.deepcopy(dense), off).eval()(x), dense(x))
     with pytest.raises(NascompressError, match="sparsifiner cannot be applied after evit"):

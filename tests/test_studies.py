@@ -3,6 +3,7 @@
 PostgreSQL and Chromium tests start real services (tests/services.py); without them these tests
 skip with one line, or fail when NASCOMPRESS_REQUIRE_SERVICES=1 (CI).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ import torch
 from optuna.trial import TrialState
 
 from nascompress.errors import NascompressError
-from nascompress.studies import (fail_stale_trials, mask_url, open_storage, parse_storage, record_trial, run_study,
-                                 stale_trials)
+from nascompress.studies import (
+    fail_stale_trials,
+    mask_url,
+    open_storage,
+    parse_storage,
+    record_trial,
+    run_study,
+    stale_trials,
+)
 from nascompress.studies.records import FAIL_REASON_KEY, RETRIES_KEY, WORKER_KEY
 from nascompress.studies.storage import resolve_run_storage
 from tests import services
@@ -66,8 +74,11 @@ def test_parse_and_mask():
     assert parse_storage("postgresql://u:s3cret@db/x").display == "postgresql://u:***@db/x"
     assert parse_storage("journal:a/b.journal").path.name == "b.journal"
     assert parse_storage("sqlite:///x.db").kind == "sqlite"
-    for bad, msg in (("mysql://u:pw@h/db", "not a storage nascompress knows"), ("sqlite://x.db", "three slashes"),
-                     ("sqlite:///:memory:", "in-memory")):
+    for bad, msg in (
+        ("mysql://u:pw@h/db", "not a storage nascompress knows"),
+        ("sqlite://x.db", "three slashes"),
+        ("sqlite:///:memory:", "in-memory"),
+    ):
         with pytest.raises(NascompressError, match=msg) as e:
             parse_storage(bad)
         assert "pw" not in str(e.value)
@@ -77,8 +88,9 @@ def test_storage_choice_for_workers(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_run_storage(None, study_name="s", workers=1).path.name == "nascompress-studies.db"
     assert resolve_run_storage(None, study_name="s", workers=2).path.name == "nascompress-studies.journal"
-    with pytest.raises(NascompressError, match="SQLite, which is not safe for 2 concurrent workers: use storage "
-                                               "journal:PATH"):
+    with pytest.raises(
+        NascompressError, match="SQLite, which is not safe for 2 concurrent workers: use storage journal:PATH"
+    ):
         resolve_run_storage(f"sqlite:///{tmp_path}/x.db", study_name="s", workers=2)
     run("in-db", None, 1)
     with pytest.raises(NascompressError, match="lives in nascompress-studies.db .*continue it with workers 1"):
@@ -112,8 +124,13 @@ def test_record_trial_validates_and_merges():
     t = study.ask()
     record_trial(t, accuracy=81, flops_ratio=0.5)
     rec = record_trial(t, params=1234, latency_ms=None, arch=[{"name": "evit", "config": {"keep_rate": 0.7}}])
-    assert rec == {"accuracy": 81.0, "flops_ratio": 0.5, "params": 1234, "latency_ms": None,
-                   "arch": [{"name": "evit", "config": {"keep_rate": 0.7}}]}
+    assert rec == {
+        "accuracy": 81.0,
+        "flops_ratio": 0.5,
+        "params": 1234,
+        "latency_ms": None,
+        "arch": [{"name": "evit", "config": {"keep_rate": 0.7}}],
+    }
     assert t.user_attrs["nascompress"] == rec
     with pytest.raises(TypeError, match="unknown field 'acc'"):
         record_trial(t, acc=1.0)
@@ -131,9 +148,18 @@ def _killed_mid_trial(tmp_path, kw: dict, hang_at: int) -> dict:
     markers = tmp_path / "markers"
     markers.mkdir()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "tests.study_toys",
-                             json.dumps({**kw, "toy": {"marker_dir": str(markers), "hang_at": hang_at}})],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.study_toys",
+            json.dumps({**kw, "toy": {"marker_dir": str(markers), "hang_at": hang_at}}),
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         assert services.wait_until(lambda: (markers / f"start-{hang_at}").exists() or proc.poll() is not None, 120)
         assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
@@ -153,8 +179,16 @@ def _sequence(trials) -> list[tuple]:
 def test_sigkill_mid_trial_then_resume_sqlite(tmp_path, monkeypatch):
     """(a) A run killed with SIGKILL mid-trial loses nothing; the rerun takes the killed trial over in
     its place and ends with the trials an uninterrupted run has."""
-    kw = {"study_name": "kill", "storage": None, "n_trials": 6, "seed": 3, "space_info": SPACE_INFO,
-          "enqueue": [{"x": 0.5, "mode": "a"}], "heartbeat_interval": 1.0, **TWO}
+    kw = {
+        "study_name": "kill",
+        "storage": None,
+        "n_trials": 6,
+        "seed": 3,
+        "space_info": SPACE_INFO,
+        "enqueue": [{"x": 0.5, "mode": "a"}],
+        "heartbeat_interval": 1.0,
+        **TWO,
+    }
     killed = _killed_mid_trial(tmp_path, kw, hang_at=3)
     storage = f"sqlite:///{tmp_path}/nascompress-studies.db"
     before = {t.number: t for t in trials_of("kill", storage)}
@@ -186,8 +220,16 @@ def test_sigkill_mid_trial_then_resume_sqlite(tmp_path, monkeypatch):
 def test_sigkill_resume_continues_the_same_sequence(tmp_path, monkeypatch, sampler, n, hang_at):
     """The search's own samplers (NSGA-II past its first generation of 20, TPE past its 10 random
     startup trials): kill -9 mid-trial, rerun = the uninterrupted study, trial for trial."""
-    kw = {"study_name": "seq", "storage": None, "n_trials": n, "seed": 11, "space_info": SPACE_INFO,
-          "enqueue": [{"x": 0.5, "mode": "a"}], "heartbeat_interval": 1.0, **TWO}
+    kw = {
+        "study_name": "seq",
+        "storage": None,
+        "n_trials": n,
+        "seed": 11,
+        "space_info": SPACE_INFO,
+        "enqueue": [{"x": 0.5, "mode": "a"}],
+        "heartbeat_interval": 1.0,
+        **TWO,
+    }
     killed = _killed_mid_trial(tmp_path, {**kw, "sampler": sampler}, hang_at=hang_at)
     monkeypatch.chdir(tmp_path)
     run_study(objective_factory=toy_factory, sampler_factory=toy_sampler(sampler), progress=False, **kw)
@@ -204,8 +246,15 @@ def _two_workers(name: str, storage: str | None, tmp_path):
     ready = tmp_path / f"ready-{name}"
     ready.mkdir()
     enqueue = [{"x": 0.0, "mode": "a"}, {"x": 1.0, "mode": "b"}, {"x": 0.25, "mode": "a"}]
-    summary = run(name, storage, 8, workers=2, seed=5, enqueue=enqueue,
-                  objective_factory=partial(toy_factory, sleep=0.15, ready=(str(ready), 2)))
+    summary = run(
+        name,
+        storage,
+        8,
+        workers=2,
+        seed=5,
+        enqueue=enqueue,
+        objective_factory=partial(toy_factory, sleep=0.15, ready=(str(ready), 2)),
+    )
     assert summary["complete"] == 8 and summary["finished"] and not summary["worker_errors"]
     return summary, enqueue
 
@@ -220,7 +269,8 @@ def _check_two_workers(trials, enqueue):
     assert len(pids) == 2 and os.getpid() not in pids
     # the two workers split this machine's torch threads instead of each taking all of them
     assert {t.user_attrs["torch_threads"] for t in trials if t.state == TrialState.COMPLETE} == {
-        max(1, torch.get_num_threads() // 2)}
+        max(1, torch.get_num_threads() // 2)
+    }
 
 
 def test_two_workers_postgres(pg, tmp_path):
@@ -248,14 +298,29 @@ def test_space_change_is_refused(tmp_path):
     other["space"]["methods"][0]["params"]["x"]["high"] = 2.0
     other["space_hash"] = "otherhash0000000"
     with pytest.raises(NascompressError) as e:
-        run_study(study_name="sp", storage=storage, n_trials=4, objective_factory=toy_factory, space_info=other,
-                  progress=False, **TWO)
+        run_study(
+            study_name="sp",
+            storage=storage,
+            n_trials=4,
+            objective_factory=toy_factory,
+            space_info=other,
+            progress=False,
+            **TWO,
+        )
     msg = str(e.value)
     assert "'toy' (hash toyhash000000000)" in msg and "'toy2' (hash otherhash0000000)" in msg
     assert "methods[0].params.x.high" in msg
     with pytest.raises(NascompressError, match="optimizes"):
-        run_study(study_name="sp", storage=storage, n_trials=4, objective_factory=toy_factory,
-                  space_info=SPACE_INFO, progress=False, directions=["maximize"], metric_names=["accuracy"])
+        run_study(
+            study_name="sp",
+            storage=storage,
+            n_trials=4,
+            objective_factory=toy_factory,
+            space_info=SPACE_INFO,
+            progress=False,
+            directions=["maximize"],
+            metric_names=["accuracy"],
+        )
     assert len(trials_of("sp", storage)) == 2
 
 
@@ -298,8 +363,10 @@ def test_stale_trials_by_heartbeat_and_dead_pid(tmp_path):
     study._storage.set_trial_user_attr(released._trial_id, RETRIES_KEY, 2)  # a Ctrl-C does not count
     assert fail_stale_trials(study, grace_period=60, max_retries=2) == [gone.number]
     states = {t.number: t.state for t in study.trials}
-    assert states[gone.number] == TrialState.FAIL and "died 3 times" in study.trials[gone.number].system_attrs[
-        FAIL_REASON_KEY]
+    assert (
+        states[gone.number] == TrialState.FAIL
+        and "died 3 times" in study.trials[gone.number].system_attrs[FAIL_REASON_KEY]
+    )
     assert states[old.number] == states[fresh.number] == states[released.number] == TrialState.RUNNING
 
 
@@ -320,8 +387,11 @@ def test_interrupt_releases_the_trial_then_resume_runs_it_in_place(tmp_path):
 
 def test_failing_objective_stops_after_max_failures(tmp_path):
     storage = f"sqlite:///{tmp_path}/f.db"
-    with pytest.raises(NascompressError, match=r"3 trials in a row failed \(trial 0: RuntimeError: toy failure; "
-                                               r"trial 1: RuntimeError: toy failure; trial 2: RuntimeError: toy"):
+    with pytest.raises(
+        NascompressError,
+        match=r"3 trials in a row failed \(trial 0: RuntimeError: toy failure; "
+        r"trial 1: RuntimeError: toy failure; trial 2: RuntimeError: toy",
+    ):
         run("fail", storage, 5, objective_factory=partial(toy_factory, fail="always"))
     trials = trials_of("fail", storage)
     assert [t.state for t in trials] == [TrialState.FAIL] * 3
@@ -339,8 +409,10 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
     assert failed[0].user_attrs["nascompress_error"] == "the search collapsed in trial 1"
     with pytest.raises(NascompressError) as e:  # only failures in a row stop it, each reason listed
         run("coll2", storage, 4, objective_factory=partial(toy_factory, fail="collapse"))
-    assert "3 trials in a row failed (trial 0: the search collapsed in trial 0; trial 1: the search collapsed " \
-           "in trial 1; trial 2: the search collapsed in trial 2)" in str(e.value)
+    assert (
+        "3 trials in a row failed (trial 0: the search collapsed in trial 0; trial 1: the search collapsed "
+        "in trial 1; trial 2: the search collapsed in trial 2)" in str(e.value)
+    )
 
 
 def test_json_progress_and_enqueue_only_when_new(tmp_path, capsys):
@@ -378,8 +450,9 @@ def test_list_show_export(project_with_studies, monkeypatch):
     rows = {x["name"]: x for x in json.loads(r.stdout)}
     assert set(rows) == {"multi", "single", "tiny", "journaled"}
     assert rows["multi"]["counts"]["COMPLETE"] == 6 and rows["multi"]["front_size"] >= 1
-    assert rows["single"]["best"]["value"] == max(t.values[0] for t in trials_of("single", "sqlite:///"
-                                                  f"{project_with_studies}/nascompress-studies.db"))
+    assert rows["single"]["best"]["value"] == max(
+        t.values[0] for t in trials_of("single", f"sqlite:///{project_with_studies}/nascompress-studies.db")
+    )
     assert rows["journaled"]["storage"].startswith("journal:")
     assert cli("study", "list").exit_code == 0
     r = cli("study", "show", "multi", "--json")
@@ -424,8 +497,15 @@ def test_report_is_self_contained(project_with_studies, monkeypatch):
     assert cli("study", "report", "multi", "--out", "multi.html").exit_code == 0
     html = (project_with_studies / "multi.html").read_text()
     assert html.count("plotly.js v") == 1 and "<script src=" not in html  # inlined once, nothing fetched
-    for div in ("pareto-objectives", "history-0", "history-1", "importance-0", "importance-1", "front-latency",
-                "front-table"):
+    for div in (
+        "pareto-objectives",
+        "history-0",
+        "history-1",
+        "importance-0",
+        "importance-1",
+        "front-latency",
+        "front-table",
+    ):
         assert f'id="{div}"' in html
     assert 'id="front-flops"' not in html  # accuracy vs FLOPs ratio is already the objective plot
     assert cli("study", "report", "tiny", "--out", "tiny.html").exit_code == 0
@@ -495,6 +575,7 @@ def test_worker_whose_trial_was_taken_over_keeps_going(tmp_path):
                 st.set_trial_state_values(trial._trial_id, TrialState.FAIL)
                 record_trial(trial, accuracy=1.0)  # raises: the trial is finished
             return toy_values(x, mode)
+
         return objective
 
     summary = run("taken", storage, 3, objective_factory=factory)
@@ -511,7 +592,6 @@ def test_missing_service_skips_or_fails(monkeypatch):
         services.unavailable("no such service")
 
 
-
 def test_piped_tables_are_not_cut(project_with_studies, monkeypatch, capsys):
     """Not a terminal (CliRunner, ``| cat``): every column and value in full, nothing cut at 80
     columns, no two columns shown under the same cut name."""
@@ -522,11 +602,23 @@ def test_piped_tables_are_not_cut(project_with_studies, monkeypatch, capsys):
     r = cli("study", "show", "multi")
     assert r.exit_code == 0 and "…" not in r.stdout, r.output
     params = {"evit.keep_rate": 0.7, "evit.keep_layers": "3,6,9", "tome.r": 8, "dynamicvit.keep_ratio": 0.5}
-    result = {"study": "tok", "kind": "pareto", "metric_names": ["accuracy", "flops_ratio"],
-              "directions": ["maximize", "minimize"], "varying": list(params), "counts": {"COMPLETE": 1},
-              "storage": "sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
-              "trials": [{"number": 0, "params": params, "values": {"accuracy": 81.25, "flops_ratio": 0.5},
-                          "record": {"params": 5_000_000, "latency_ms": 1.5, "run": "/a/long/run/directory/x"}}]}
+    result = {
+        "study": "tok",
+        "kind": "pareto",
+        "metric_names": ["accuracy", "flops_ratio"],
+        "directions": ["maximize", "minimize"],
+        "varying": list(params),
+        "counts": {"COMPLETE": 1},
+        "storage": "sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
+        "trials": [
+            {
+                "number": 0,
+                "params": params,
+                "values": {"accuracy": 81.25, "flops_ratio": 0.5},
+                "record": {"params": 5_000_000, "latency_ms": 1.5, "run": "/a/long/run/directory/x"},
+            }
+        ],
+    }
     out.print(render_show(result))
     text = capsys.readouterr().out
     assert "…" not in text, text

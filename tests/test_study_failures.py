@@ -1,6 +1,7 @@
 """A study whose DCS search collapses in one trial records that trial as failed, with its reason, and
 goes on; only failures in a row stop it, listing each reason. A DCS trial records the materialized
 channels and the gate family the search chose."""
+
 from __future__ import annotations
 
 import optuna
@@ -32,6 +33,7 @@ def collapse_at(monkeypatch, targets):
         if job.search.target_flops in targets:
             raise search_dcs_module.SearchCollapsed(f"the search collapsed at {job.search.target_flops}")
         return real(job, *args, **kwargs)
+
     patch_everywhere(monkeypatch, search_dcs_module, "run_dcs_search", fake)
 
 

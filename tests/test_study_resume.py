@@ -1,5 +1,6 @@
 """A trial taken over after its worker died mid-suggestion gets the parameters an uninterrupted run
 would have given it (the sampler is seeded per trial and, for independent draws, per parameter)."""
+
 from __future__ import annotations
 
 import warnings
@@ -61,8 +62,17 @@ def test_a_trial_killed_between_ask_and_its_first_beat_is_run_again_in_its_place
     from tests.study_toys import SPACE_INFO, TWO, toy_factory
 
     def run(db, n, **kw):
-        return run_study(study_name="s", storage=f"sqlite:///{db}", objective_factory=partial(toy_factory),
-                         n_trials=n, space_info=SPACE_INFO, seed=3, progress=False, **TWO, **kw)
+        return run_study(
+            study_name="s",
+            storage=f"sqlite:///{db}",
+            objective_factory=partial(toy_factory),
+            n_trials=n,
+            space_info=SPACE_INFO,
+            seed=3,
+            progress=False,
+            **TWO,
+            **kw,
+        )
 
     def trials(db):
         study = optuna.load_study(study_name="s", storage=f"sqlite:///{db}")

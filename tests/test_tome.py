@@ -1,6 +1,7 @@
 """ToMe: the dense model at r = 0, parity with an independent reference of the paper's algorithm
 (tests/tome_reference.py), prefix tokens kept, sizes conserved, the matching cost in the FLOPs,
 the stacking order, save/load, bad input and the CLI (zero-shot and fine-tuned)."""
+
 from __future__ import annotations
 
 import copy
@@ -30,13 +31,16 @@ def test_r_zero_is_the_dense_model(kw):
         torch.testing.assert_close(tome(copy.deepcopy(dense), r=0)(x), dense(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kw,config", [
-    ({}, {"r": 6}),
-    ({}, {"r": [20, 3, 0, 5]}),  # a per-layer schedule; 20 is clipped to half the patch tokens
-    ({"init_values": 0.1, "qk_norm": True}, {"r": 4, "merge_layers": [2, 3]}),
-    ({"reg_tokens": 3}, {"r": 7}),  # four prefix tokens, two in each matching set
-    ({"class_token": True, "reg_tokens": 1}, {"r": 9, "prop_attn": False}),
-])
+@pytest.mark.parametrize(
+    "kw,config",
+    [
+        ({}, {"r": 6}),
+        ({}, {"r": [20, 3, 0, 5]}),  # a per-layer schedule; 20 is clipped to half the patch tokens
+        ({"init_values": 0.1, "qk_norm": True}, {"r": 4, "merge_layers": [2, 3]}),
+        ({"reg_tokens": 3}, {"r": 7}),  # four prefix tokens, two in each matching set
+        ({"class_token": True, "reg_tokens": 1}, {"r": 9, "prop_attn": False}),
+    ],
+)
 def test_equals_the_reference_algorithm(kw, config):
     dense = tiny_rgb_vit(**kw)
     model = tome(copy.deepcopy(dense), **config)
@@ -105,8 +109,9 @@ def test_stacking_order():
     with pytest.raises(NascompressError, match="evit cannot be applied after tome"):
         apply_methods(tome(tiny_rgb_vit(), r=4), [{"name": "evit", "config": {"keep_rate": 0.5}}])
     with pytest.raises(NascompressError, match="tome cannot be applied after evit"):
-        apply_methods(tiny_rgb_vit(), [{"name": "evit", "config": {"keep_rate": 0.5}},
-                                       {"name": "tome", "config": {"r": 2}}])
+        apply_methods(
+            tiny_rgb_vit(), [{"name": "evit", "config": {"keep_rate": 0.5}}, {"name": "tome", "config": {"r": 2}}]
+        )
 
 
 def test_save_and_load(tmp_path):
@@ -116,8 +121,13 @@ def test_save_and_load(tmp_path):
     spec = custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
     model, rec = get_method("tome").prepare_fresh(tiny_rgb_vit(), {"r": [3, 2], "merge_layers": [1, 3]})
     assert rec["config"] == {"r": [3, 2], "merge_layers": [1, 3], "prop_attn": True}
-    save_model(tmp_path, model, make_arch(spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3,
-                                                            "std": [0.5] * 3}, methods=[rec]))
+    save_model(
+        tmp_path,
+        model,
+        make_arch(
+            spec, input_spec={"img_size": [32, 32], "in_chans": 3, "mean": [0.5] * 3, "std": [0.5] * 3}, methods=[rec]
+        ),
+    )
     back = load(tmp_path)
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
@@ -125,13 +135,16 @@ def test_save_and_load(tmp_path):
     assert back.tome_state.r == (3, 0, 2, 0)
 
 
-@pytest.mark.parametrize("config,msg", [
-    ({"r": -1}, r"r must be a whole number of tokens >= 0"),
-    ({"r": 1.5}, r"r must be a whole number of tokens >= 0"),
-    ({"r": [1, 2]}, r"r has 2 values but there are 4 merging layers"),
-    ({"r": 2, "merge_layers": [5]}, r"merge_layers \[5\] outside the model's depth: valid layers are 1..4"),
-    ({"bogus": 1}, r"unknown tome setting\(s\) bogus"),
-])
+@pytest.mark.parametrize(
+    "config,msg",
+    [
+        ({"r": -1}, r"r must be a whole number of tokens >= 0"),
+        ({"r": 1.5}, r"r must be a whole number of tokens >= 0"),
+        ({"r": [1, 2]}, r"r has 2 values but there are 4 merging layers"),
+        ({"r": 2, "merge_layers": [5]}, r"merge_layers \[5\] outside the model's depth: valid layers are 1..4"),
+        ({"bogus": 1}, r"unknown tome setting\(s\) bogus"),
+    ],
+)
 def test_bad_config(config, msg):
     with pytest.raises(NascompressError, match=msg):
         tome(tiny_rgb_vit(), **config)
@@ -148,11 +161,27 @@ def test_cli_finetune_zero_shot_and_train(tmp_path, tiny_run):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["zero_shot"] is True
     arch = json.loads((zs / "arch.json").read_text())
-    assert arch["methods"][-1] == {"name": "tome", "config": {"r": 4, "merge_layers": [1, 2], "prop_attn": True},
-                                   "recipe": {"distill": 0.0}}
+    assert arch["methods"][-1] == {
+        "name": "tome",
+        "config": {"r": 4, "merge_layers": [1, 2], "prop_attn": True},
+        "recipe": {"distill": 0.0},
+    }
     ft = tmp_path / "ft"
-    r = invoke("finetune", tiny_run, "--method", "tome", "--r", "4,2", "--epochs", "1", "--opt", "distill=0.5",
-               "--out", ft, "--json")
+    r = invoke(
+        "finetune",
+        tiny_run,
+        "--method",
+        "tome",
+        "--r",
+        "4,2",
+        "--epochs",
+        "1",
+        "--opt",
+        "distill=0.5",
+        "--out",
+        ft,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     log = [json.loads(ln) for ln in (ft / "log.jsonl").read_text().splitlines()]
     assert log[0]["start"] and "train_kl" in log[1]

@@ -7,13 +7,15 @@ of the keys, mean over heads); keep the r most similar edges; merge each kept A 
 token by a size-weighted average; concatenate the rest. The class token (and any other prefix
 token) takes no part. Proportional attention: softmax(QK^T / sqrt(d) + log s) with s the sizes.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def merge_one_image(x: torch.Tensor, keys: torch.Tensor, size: torch.Tensor, r: int,
-                    prefix: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_one_image(
+    x: torch.Tensor, keys: torch.Tensor, size: torch.Tensor, r: int, prefix: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x (N, C), keys (H, N, d), size (N,) of one image -> the merged (N - r', C) and sizes."""
     n = x.shape[0]
     r = min(r, (n - prefix) // 2)
@@ -36,8 +38,11 @@ def merge_one_image(x: torch.Tensor, keys: torch.Tensor, size: torch.Tensor, r: 
         weighted[j] = weighted[j] + weighted[i]
         sizes[j] = sizes[j] + sizes[i]
         gone.add(i)
-    order = list(range(prefix)) + [i for i in range(prefix, n) if i % 2 == 0 and i not in gone] + \
-        [j for j in range(prefix, n) if j % 2 == 1]
+    order = (
+        list(range(prefix))
+        + [i for i in range(prefix, n) if i % 2 == 0 and i not in gone]
+        + [j for j in range(prefix, n) if j % 2 == 1]
+    )
     new_size = torch.stack([sizes[i] for i in order])
     return torch.stack([weighted[i] for i in order]) / new_size[:, None], new_size
 
@@ -59,7 +64,7 @@ def tome_forward(model, x: torch.Tensor, r: list[int], *, prop_attn: bool = True
         B, N, C = t.shape
         q, k, v = a.qkv(blk.norm1(t)).reshape(B, N, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4)
         q, k = a.q_norm(q), a.k_norm(k)
-        logits = (q * a.head_dim ** -0.5) @ k.transpose(-2, -1)
+        logits = (q * a.head_dim**-0.5) @ k.transpose(-2, -1)
         if prop_attn:
             logits = logits + size.log()[:, None, None, :]
         o = (logits.softmax(-1) @ v).transpose(1, 2).reshape(B, N, C)

@@ -4,6 +4,7 @@ and signatures.
     python tools/api_reference.py           # rewrite docs/api.md
     python tools/api_reference.py --check   # exit 1 when docs/api.md differs from the code
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,11 @@ def _signature(obj: Any) -> str:
     sig = inspect.signature(obj)
     params = []
     for p in sig.parameters.values():
-        text = p.name if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) else ("**" if p.kind == p.VAR_KEYWORD else "*") + p.name
+        text = (
+            p.name
+            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+            else ("**" if p.kind == p.VAR_KEYWORD else "*") + p.name
+        )
         if p.default is not p.empty:
             text += f"={p.default!r}"
         params.append(text)
@@ -76,8 +81,11 @@ def section(name: str, obj: Any) -> str:
     if inspect.isclass(obj) and dataclasses.is_dataclass(obj):
         fields = ", ".join(f.name for f in dataclasses.fields(obj))
         head = f"### `{name}`\n\nA frozen dataclass: `{fields}`."
-        methods = [f"- `{m}{_signature(getattr(obj, m))}`: {inspect.cleandoc(getattr(obj, m).__doc__ or '').splitlines()[0]}"
-                   for m in ("save", "to_transformers") if m in vars(obj)]
+        methods = [
+            f"- `{m}{_signature(getattr(obj, m))}`: {inspect.cleandoc(getattr(obj, m).__doc__ or '').splitlines()[0]}"
+            for m in ("save", "to_transformers")
+            if m in vars(obj)
+        ]
         return "\n\n".join([head, doc, *(["\n".join(methods)] if methods else [])]) + "\n"
     return f"### `{name}{_signature(obj)}`\n\n{doc}\n"
 

@@ -1,8 +1,9 @@
 """Write the README's CLI reference (one row per command: arguments, what it does, its options) from the Typer app.
 
-    python tools/cli_reference.py           # rewrite the table between the README's cli-reference markers
-    python tools/cli_reference.py --check   # exit 1 when the README's table differs from the app
+python tools/cli_reference.py           # rewrite the table between the README's cli-reference markers
+python tools/cli_reference.py --check   # exit 1 when the README's table differs from the app
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,7 +51,7 @@ def with_reference(readme: str, table: str) -> str:
     start, end = readme.find(START), readme.find(END)
     if start < 0 or end < start:
         raise SystemExit(f"{README.name} has no {START} ... {END} markers")
-    return readme[:start + len(START)] + "\n" + table + "\n" + readme[end:]
+    return readme[: start + len(START)] + "\n" + table + "\n" + readme[end:]
 
 
 def main(argv: list[str] | None = None) -> int:

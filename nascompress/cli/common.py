@@ -1,4 +1,5 @@
 """Shared CLI plumbing: running one library call with clean errors, printing tables/JSON."""
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,12 @@ STATE = {"debug": False}
 # options of commands that do not generate them (setting_params), with the library's help
 SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
 # the data of a command that starts from a run (retrain, finetune, search, evaluate): the run's unless given
-RUN_DATA = StageSettings(DataConfig, ("dataset", "data_dir", "train_limit", "eval_limit"),
-                         no_default=("dataset", "data_dir"),
-                         notes={"dataset": "Default: the run's.", "data_dir": "Default: the run's."})
+RUN_DATA = StageSettings(
+    DataConfig,
+    ("dataset", "data_dir", "train_limit", "eval_limit"),
+    no_default=("dataset", "data_dir"),
+    notes={"dataset": "Default: the run's.", "data_dir": "Default: the run's."},
+)
 
 
 def skip_bad(data: Any, skip: bool) -> Any:
@@ -71,12 +75,18 @@ def skip_bad(data: Any, skip: bool) -> Any:
     return replace(data or DataConfig(), skip_bad_images=True)
 
 
-def with_subsets(data: Any, *, train_limit: int | None, eval_limit: int | None, seed: int, skip_bad_images: bool) -> Any:
+def with_subsets(
+    data: Any, *, train_limit: int | None, eval_limit: int | None, seed: int, skip_bad_images: bool
+) -> Any:
     """``data`` (a DataConfig, e.g. the source run's) with the command's ``--train-limit`` /
     ``--eval-limit`` where given (else the recorded ones), its subsets drawn with ``--seed``, and
     ``--skip-bad-images``."""
-    data = replace(data, train_limit=train_limit if train_limit is not None else data.train_limit,
-                   eval_limit=eval_limit if eval_limit is not None else data.eval_limit, subset_seed=seed)
+    data = replace(
+        data,
+        train_limit=train_limit if train_limit is not None else data.train_limit,
+        eval_limit=eval_limit if eval_limit is not None else data.eval_limit,
+        subset_seed=seed,
+    )
     return skip_bad(data, skip_bad_images)
 
 
@@ -103,10 +113,15 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         if full is not None:
             fail(str(full))
         if out_of_memory(e):
-            fail(f"out of memory ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
-                 "lower the batch size (or the image size, the model) and rerun")
-        err.print(f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
-                  highlight=False, soft_wrap=True)
+            fail(
+                f"out of memory ({str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__}): "
+                "lower the batch size (or the image size, the model) and rerun"
+            )
+        err.print(
+            f"[red]error:[/red] {type(e).__name__}: {escape(str(e))} (rerun with --debug for the traceback)",
+            highlight=False,
+            soft_wrap=True,
+        )
         raise typer.Exit(code=1)
 
 
@@ -134,8 +149,10 @@ def cli_words(e: NascompressError) -> str:
 
 
 # commands that continue their own work when rerun as they were (no --resume option)
-_RERUN_CONTINUES = {"tokens": "the finished trials are kept in the study: rerun the same command to continue it",
-                    "joint": "the finished trials are kept in the study: rerun the same command to continue it"}
+_RERUN_CONTINUES = {
+    "tokens": "the finished trials are kept in the study: rerun the same command to continue it",
+    "joint": "the finished trials are kept in the study: rerun the same command to continue it",
+}
 
 
 def interrupt_advice() -> str:
@@ -220,8 +237,14 @@ def setting_params(spec: Any) -> list[Any]:
     for f, default, help in offered(spec):
         flag = f.metadata.get("flag")
         if flag:
-            params.append(inspect.Parameter(flag.lstrip("-").replace("-", "_"), inspect.Parameter.KEYWORD_ONLY,
-                                            default=False, annotation=Annotated[bool, typer.Option(flag, help=help)]))
+            params.append(
+                inspect.Parameter(
+                    flag.lstrip("-").replace("-", "_"),
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=False,
+                    annotation=Annotated[bool, typer.Option(flag, help=help)],
+                )
+            )
             continue
         tp = hints[f.name]
         decls: tuple[str, ...] = (f.metadata["option"],) if f.metadata.get("option") else ()
@@ -229,8 +252,16 @@ def setting_params(spec: Any) -> list[Any]:
         extra = {"default": inspect.Parameter.empty if required else default}
         item = tuple_item_type(tp)
         if item is not None:  # e.g. --mean 0.5,0.5,0.5
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
-                Optional[str], typer.Option(*decls, help=help, metavar=f"{item.__name__.upper()}[,...]")]))
+            params.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    **extra,
+                    annotation=Annotated[
+                        Optional[str], typer.Option(*decls, help=help, metavar=f"{item.__name__.upper()}[,...]")
+                    ],
+                )
+            )
             continue
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
         optional = type(None) in args or default is None
@@ -240,8 +271,14 @@ def setting_params(spec: Any) -> list[Any]:
             decls = (f"{name}/--no-{name[2:]}",) if optional else (name,)
         choices = f.metadata.get("choices")  # the library's, shown (the library checks the value)
         shown = {"metavar": f"[{'|'.join(map(str, choices))}]"} if choices and base is str else {}
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, **extra, annotation=Annotated[
-            Optional[base] if optional else base, typer.Option(*decls, help=help, **shown)]))
+        params.append(
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                **extra,
+                annotation=Annotated[Optional[base] if optional else base, typer.Option(*decls, help=help, **shown)],
+            )
+        )
     return params
 
 
@@ -282,6 +319,7 @@ def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[
     its own options and arguments, as written; ``extra``: further generated parameters, given to the
     command's ``**kwargs`` (``finetune``'s method options). One shared helper builds every command's
     settings."""
+
     def deco(fn: Callable[..., T]) -> Callable[..., T]:
         sig = inspect.signature(fn, eval_str=True)
         params, own = [], []
@@ -293,9 +331,11 @@ def settings_command(extra: list[Any] | None = None, **groups: Any) -> Callable[
             else:
                 params.append(p.replace(kind=inspect.Parameter.KEYWORD_ONLY))
                 own.append(p.name)
-        built = {name: sig.parameters[name].annotation for name in groups
-                 if isinstance(sig.parameters[name].annotation, type)
-                 and sig.parameters[name].annotation is not Settings}
+        built = {
+            name: sig.parameters[name].annotation
+            for name in groups
+            if isinstance(sig.parameters[name].annotation, type) and sig.parameters[name].annotation is not Settings
+        }
 
         def gather(kw: dict[str, Any]) -> dict[str, Any]:
             values = {}

@@ -1,4 +1,5 @@
 """``nascompress export RUN --format onnx|torch-export --out FILE``: a deployable, checked file (thin)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,9 +18,11 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     @settings_command(settings=ExportConfig)
     def export_cmd(
-        run_dir: Annotated[Path, typer.Argument(
-            help="A run directory (or model.safetensors) that nascompress.load reads.")],
-        out_file: out_option("The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>)."), *,
+        run_dir: Annotated[
+            Path, typer.Argument(help="A run directory (or model.safetensors) that nascompress.load reads.")
+        ],
+        out_file: out_option("The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>)."),
+        *,
         settings: Settings,  # ExportConfig: --format --batch --dtype --opset --tolerance --verify-batch --seed --quantize
         force: Force = False,
         json_out: JsonOut = False,
@@ -36,13 +39,21 @@ def register(app: typer.Typer) -> None:
         if typed.quantization is not None:
             q = typed.quantization
             fallback = f", fallback: {q.fallback}" if q.fallback else ""
-            out.print(f"wrote {typed.file} ({q.scheme}{fallback}) + "
-                      f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
-                      f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
-                      f"{v['max_abs_logit_diff']:.3g}", highlight=False, soft_wrap=True)
+            out.print(
+                f"wrote {typed.file} ({q.scheme}{fallback}) + "
+                f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
+                f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
+                f"{v['max_abs_logit_diff']:.3g}",
+                highlight=False,
+                soft_wrap=True,
+            )
             return
         files = ", ".join(f["file"] for f in typed.files)
-        out.print(f"wrote {files} ({typed.runtime}, {typed.dtype}, batch {typed.batch}) + "
-                  f"{Path(out_file).name}.json"
-                  f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
-                  f"top-1 agreement {100 * v['top1_agreement']:.1f}%", highlight=False, soft_wrap=True)
+        out.print(
+            f"wrote {files} ({typed.runtime}, {typed.dtype}, batch {typed.batch}) + "
+            f"{Path(out_file).name}.json"
+            f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
+            f"top-1 agreement {100 * v['top1_agreement']:.1f}%",
+            highlight=False,
+            soft_wrap=True,
+        )

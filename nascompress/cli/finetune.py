@@ -3,6 +3,7 @@
 The method options (``--keep-rate``, ``--rho``, ...) are not written here: they come from the method
 registry (config and recipe fields with a ``help`` metadata), so a new method brings its own.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -15,12 +16,27 @@ from dataclasses import replace
 
 import typer
 
-from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
-                                    settings_command, with_subsets)
+from nascompress.cli.common import (
+    Settings,
+    SkipBadImages,
+    given_options,
+    out,
+    print_json,
+    run,
+    setting_option,
+    settings_command,
+    with_subsets,
+)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
-from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, FinetuneJob, build_job, finetune as finetune_fn, split_settings
+from nascompress.finetune import (
+    FINETUNE_TRAIN_SETTINGS,
+    FinetuneJob,
+    build_job,
+    finetune as finetune_fn,
+    split_settings,
+)
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.train import RUNTIME_SETTINGS
 from nascompress.api import run_data_config
@@ -47,8 +63,11 @@ def option_form(f: Any, owner: type) -> tuple[str, Any]:
     (a rate or one per layer): one number or several; ``int`` / ``float``: one number; anything else as
     :func:`parse_value`. A value of the wrong form is refused naming the option and the forms it takes."""
     tp = typing.get_type_hints(owner)[f.name]
-    args = [a for a in (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,))
-            if a is not type(None)]
+    args = [
+        a
+        for a in (typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,))
+        if a is not type(None)
+    ]
     scalars = [a for a in args if a in (int, float)]
     tuples = [typing.get_args(a)[0] for a in args if typing.get_origin(a) is tuple]
     opt = f"--{f.name.replace('_', '-')}"
@@ -120,19 +139,33 @@ def _method_params() -> list[inspect.Parameter]:
     extra = []
     for name, (f, methods) in method_option_fields().items():
         help_text = f"{f.metadata['help']} (for {', '.join(methods)})"
-        extra.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
-            Optional[str], typer.Option(f"--{name.replace('_', '-')}", help=help_text,
-                                        metavar=method_option_form(methods[0], name)[0])]))
+        extra.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=None,
+                annotation=Annotated[
+                    Optional[str],
+                    typer.Option(
+                        f"--{name.replace('_', '-')}", help=help_text, metavar=method_option_form(methods[0], name)[0]
+                    ),
+                ],
+            )
+        )
     return extra
 
 
 @settings_command(extra=_method_params(), recipe=FINETUNE_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def finetune(
-    run_dir: Annotated[Path, typer.Argument(help="The run to start from (dense, imported or DCS-materialized; also the teacher).")],
+    run_dir: Annotated[
+        Path, typer.Argument(help="The run to start from (dense, imported or DCS-materialized; also the teacher).")
+    ],
     *,
     method: setting_option(FinetuneJob, "method"),
     out_dir: Out,
-    opt: Annotated[Optional[list[str]], typer.Option(help="Any other method or recipe setting as key=value (repeatable).")] = None,
+    opt: Annotated[
+        Optional[list[str]], typer.Option(help="Any other method or recipe setting as key=value (repeatable).")
+    ] = None,
     zero_shot: setting_option(FinetuneJob, "zero_shot") = False,
     dataset: RunDataset = None,
     data_dir: RunDataDir = None,
@@ -155,8 +188,9 @@ def finetune(
             if value is None:
                 continue
             if method not in fields[name][1]:
-                raise NascompressError(f"--{name.replace('_', '-')} is not a {method} option (it belongs to "
-                                       f"{', '.join(fields[name][1])})")
+                raise NascompressError(
+                    f"--{name.replace('_', '-')} is not a {method} option (it belongs to {', '.join(fields[name][1])})"
+                )
             settings[name] = method_option_form(method, name)[1](value)
         settings.update(parse_opts(opt or []))
         config, recipe_settings = split_settings(method, settings)
@@ -165,14 +199,25 @@ def finetune(
         else:
             data = run_data_config(run_dir)
             if data is None:
-                raise NascompressError(f"{run_dir} records no dataset (an import without --dataset); give finetune "
-                                       "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)")
+                raise NascompressError(
+                    f"{run_dir} records no dataset (an import without --dataset); give finetune "
+                    "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)"
+                )
         if data_dir is not None:
             data = replace(data, data_dir=data_dir)
-        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
-                            skip_bad_images=skip_bad_images)
-        return build_job(run_dir, out_dir, method=method, config=config, recipe=recipe_settings,
-                         train={**vars(recipe), **vars(runtime)}, data=data, zero_shot=zero_shot)
+        data = with_subsets(
+            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        )
+        return build_job(
+            run_dir,
+            out_dir,
+            method=method,
+            config=config,
+            recipe=recipe_settings,
+            train={**vars(recipe), **vars(runtime)},
+            data=data,
+            zero_shot=zero_shot,
+        )
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())
@@ -180,11 +225,17 @@ def finetune(
         print_json(metrics)
         return
     start = metrics.get("start_val_top1")
-    extra = "" if start is None else f" (val: start {start:.2f}%, best {metrics['best_val_top1']:.2f}% at epoch " \
-                                      f"{metrics['best_epoch']})"
-    out.print(f"{method}: test top-1 {metrics['test_top1']:.2f}% ({metrics['test_n']} images), "
-              f"{metrics['flops'] / 1e6:.2f} MFLOPs/image, {dense_flops_text(metrics['flops_ratio'])} "
-              f"(mean of {metrics['flops_images']} test images){extra}  -> {out_dir}", highlight=False)
+    extra = (
+        ""
+        if start is None
+        else f" (val: start {start:.2f}%, best {metrics['best_val_top1']:.2f}% at epoch {metrics['best_epoch']})"
+    )
+    out.print(
+        f"{method}: test top-1 {metrics['test_top1']:.2f}% ({metrics['test_n']} images), "
+        f"{metrics['flops'] / 1e6:.2f} MFLOPs/image, {dense_flops_text(metrics['flops_ratio'])} "
+        f"(mean of {metrics['flops_images']} test images){extra}  -> {out_dir}",
+        highlight=False,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
 """The ``nascompress`` command line: parse, build a config, call one library function, print."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +10,19 @@ from dataclasses import replace
 import typer
 from rich.table import Table
 
-from nascompress.cli.common import (STATE, Settings, SkipBadImages, fail, given_options, out, print_json, run,
-                                    setting_option, settings_command, skip_bad)
+from nascompress.cli.common import (
+    STATE,
+    Settings,
+    SkipBadImages,
+    fail,
+    given_options,
+    out,
+    print_json,
+    run,
+    setting_option,
+    settings_command,
+    skip_bad,
+)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset
 from nascompress.data import DataConfig, InputOverrides
 from nascompress.evaluate import EvaluateSettings
@@ -22,8 +34,12 @@ from nascompress.api import count_classes, epsilon_sweep, evaluate_run, profile 
 from nascompress.profiling.compare import comparison_text
 from nascompress.runtime import keep_freed_memory
 
-app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Make Vision Transformers cheaper without making them worse.")
+app = typer.Typer(
+    add_completion=True,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Make Vision Transformers cheaper without making them worse.",
+)
 
 
 def _print_version(value: bool) -> None:
@@ -33,19 +49,24 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
-         version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                               help="Print the version and exit.")] = False) -> None:
+def main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks on errors.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """nascompress: search, materialize and retrain compressed timm ViTs."""
     STATE["debug"] = debug
     keep_freed_memory()  # every command's forwards reuse freed memory (nascompress.runtime)
 
 
 @app.command()
-@settings_command(shape=ModelShape, input=InputOverrides, data=DataConfig, recipe=TRAIN_SETTINGS,
-                  runtime=RUNTIME_SETTINGS)
+@settings_command(
+    shape=ModelShape, input=InputOverrides, data=DataConfig, recipe=TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS
+)
 def train(
-    out_dir: Out = Path("runs/base"), *,
+    out_dir: Out = Path("runs/base"),
+    *,
     shape: ModelShape,  # --model --img-size --patch-size --embed-dim --depth --num-heads --in-chans --num-classes
     weights: setting_option(TrainJob, "weights") = None,
     reset_head: setting_option(TrainJob, "reset_head") = False,
@@ -54,35 +75,49 @@ def train(
     data: Settings,  # DataConfig: --dataset --data-dir --val-fraction --train-limit ...
     recipe: Settings,  # TRAIN_SETTINGS: --epochs --batch-size --lr --base-lr ...
     runtime: Settings,  # RUNTIME_SETTINGS: --seed --device --amp --deterministic
-    force: Force = False, resume: Resume = False, json_out: JsonOut = False,
+    force: Force = False,
+    resume: Resume = False,
+    json_out: JsonOut = False,
 ) -> None:
     """Train a timm ViT densely on a real dataset (the base model every method compresses), or with
     --linear-probe fit only a new head on a frozen pretrained backbone."""
+
     def build():
         data_cfg = DataConfig(**vars(data), split_seed=0, subset_seed=runtime.seed)
         spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data_cfg))
-        return build_job(spec, out_dir, data=data_cfg, train={**vars(recipe), **vars(runtime)}, weights=weights,
-                         reset_head=reset_head, input=input, linear_probe=linear_probe)
+        return build_job(
+            spec,
+            out_dir,
+            data=data_cfg,
+            train={**vars(recipe), **vars(runtime)},
+            weights=weights,
+            reset_head=reset_head,
+            input=input,
+            linear_probe=linear_probe,
+        )
 
     job = run(build)
     metrics = run(train_job, job, force=force, resume=resume, explicit=given_options())
     if json_out:
         print_json(metrics)
     elif metrics.get("linear_probe"):
-        out.print(f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
-                  f"L2 {metrics['l2']:g}  features {metrics['feature_time_s']:.0f}s  fit {metrics['fit_time_s']:.1f}s"
-                  f"  -> {out_dir}")
+        out.print(
+            f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
+            f"L2 {metrics['l2']:g}  features {metrics['feature_time_s']:.0f}s  fit {metrics['fit_time_s']:.1f}s"
+            f"  -> {out_dir}"
+        )
     else:
-        out.print(f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
-                  f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}")
-
-
+        out.print(
+            f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
+            f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}"
+        )
 
 
 @app.command()
 @settings_command(settings=EvaluateSettings)
 def evaluate(
-    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")], *,
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (or model.safetensors).")],
+    *,
     settings: EvaluateSettings,  # --split --teacher --epsilon
     dataset: RunDataset = None,
     data_dir: setting_option(DataConfig, "data_dir") = DataConfig.data_dir,
@@ -102,17 +137,30 @@ def evaluate(
         data = replace(data, eval_limit=eval_limit)
     data = skip_bad(data, skip_bad_images)
     if epsilon is not None:
-        res = run(lambda: epsilon_sweep(run_dir, list(epsilon), data=data, split=split, device=device,
-                                        batch_size=eval_batch_size))
+        res = run(
+            lambda: epsilon_sweep(
+                run_dir, list(epsilon), data=data, split=split, device=device, batch_size=eval_batch_size
+            )
+        )
         if json_out:
             print_json(res)
             return
         for r in res["rows"]:
-            out.print(f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
-                      f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image")
+            out.print(
+                f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
+                f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image"
+            )
         return
-    res = run(evaluate_run, run_dir, data=data, split=split, teacher=settings.teacher, device=device,
-              batch_size=eval_batch_size, dtype=dtype)
+    res = run(
+        evaluate_run,
+        run_dir,
+        data=data,
+        split=split,
+        teacher=settings.teacher,
+        device=device,
+        batch_size=eval_batch_size,
+        dtype=dtype,
+    )
     if json_out:
         print_json(res)
         return
@@ -127,11 +175,16 @@ def evaluate(
 @app.command()
 @settings_command(shape=PROFILE_MODEL_SETTINGS, measure=ProfileConfig)
 def profile(
-    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None, *,
+    run_dir: Annotated[Optional[Path], typer.Argument(help="A run directory; or use --model.")] = None,
+    *,
     shape: ModelShape,  # --model --img-size ... --num-classes (PROFILE_MODEL_SETTINGS)
-    compare: Annotated[Optional[Path], typer.Option(
-        help="A reference run (e.g. the dense base), timed interleaved: RUN_DIR's FLOPs and parameters "
-             "are given as 'x the reference's' (< 1: smaller), its speed as 'x faster' (> 1: faster).")] = None,
+    compare: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="A reference run (e.g. the dense base), timed interleaved: RUN_DIR's FLOPs and parameters "
+            "are given as 'x the reference's' (< 1: smaller), its speed as 'x faster' (> 1: faster)."
+        ),
+    ] = None,
     measure: ProfileConfig,  # --no-latency --iters --batch-size --dtype --compile (the pipeline's report: keys)
     device: setting_option(TrainConfig, "device") = TrainConfig.device,
     json_out: JsonOut = False,
@@ -146,8 +199,11 @@ def profile(
         return
     for label, r in res["models"].items():
         role = " (reference)" if label == res.get("comparison", {}).get("reference") else ""
-        out.print(f"{label}{role}: {r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params", highlight=False,
-                  soft_wrap=True)  # the path whole, above a table that may be narrower
+        out.print(
+            f"{label}{role}: {r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params",
+            highlight=False,
+            soft_wrap=True,
+        )  # the path whole, above a table that may be narrower
         t = Table()
         for col in ("block", "attn MFLOPs", "mlp MFLOPs", "other MFLOPs"):
             t.add_column(col, justify="right")
@@ -158,32 +214,47 @@ def profile(
         if "stages" in r:  # MG-ViT: the table's blocks are the SGIS; MGIS and PPSM are in "rest"
             st = r["stages"]
             ppsm = f" (PPSM {st['ppsm_flops'] / 1e6:.3f})" if "ppsm_flops" in st else ""  # mgvit-h has none
-            out.print(f"MG-ViT stages per image: SGIS {st['sgis_flops'] / 1e6:.2f} MFLOPs, MGIS "
-                      f"{st['mgis_flops'] / 1e6:.2f} MFLOPs{ppsm}; an image that exits at "
-                      f"SGIS costs the first, any other both (the table counts the random profiling images' paths)")
+            out.print(
+                f"MG-ViT stages per image: SGIS {st['sgis_flops'] / 1e6:.2f} MFLOPs, MGIS "
+                f"{st['mgis_flops'] / 1e6:.2f} MFLOPs{ppsm}; an image that exits at "
+                f"SGIS costs the first, any other both (the table counts the random profiling images' paths)"
+            )
         if "latency_ms" in r:
-            out.print(f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
-                      f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']} "
-                      f"({res['dtype']})")
+            out.print(
+                f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
+                f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']} "
+                f"({res['dtype']})"
+            )
         if "latency_ms_compiled" in r:
-            out.print(f"compiled: latency {r['latency_ms_compiled']:.2f} ms   throughput {r['throughput_compiled']:.1f} img/s")
+            out.print(
+                f"compiled: latency {r['latency_ms_compiled']:.2f} ms   throughput {r['throughput_compiled']:.1f} img/s"
+            )
         if "compile_note" in r:
             out.print(r["compile_note"])
         if "qk_layout" in r:
-            out.print(f"narrowed Q/K heads: {r['qk_layout']['pad']} attention(s) zero-padded to V's head dim, "
-                      f"{r['qk_layout']['packed']} packed (see README, --align)")
+            out.print(
+                f"narrowed Q/K heads: {r['qk_layout']['pad']} attention(s) zero-padded to V's head dim, "
+                f"{r['qk_layout']['packed']} packed (see README, --align)"
+            )
     if "comparison" in res:
         c = res["comparison"]
         for line in comparison_text(c, model=c["model"], reference=c["reference"]):
             out.print(line, highlight=False, soft_wrap=True)
 
 
-
-
 def _register_optional() -> None:
     """Method commands live in their own modules; each adds itself to ``app``."""
-    for mod in ("nascompress.cli.finetune", "nascompress.cli.dcs", "nascompress.cli.retrain", "nascompress.cli.search", "nascompress.cli.importer", "nascompress.cli.study",
-                "nascompress.cli.pipeline", "nascompress.cli.export", "nascompress.cli.quantize"):
+    for mod in (
+        "nascompress.cli.finetune",
+        "nascompress.cli.dcs",
+        "nascompress.cli.retrain",
+        "nascompress.cli.search",
+        "nascompress.cli.importer",
+        "nascompress.cli.study",
+        "nascompress.cli.pipeline",
+        "nascompress.cli.export",
+        "nascompress.cli.quantize",
+    ):
         try:
             importlib.import_module(mod).register(app)
         except ModuleNotFoundError as e:

@@ -1,4 +1,5 @@
 """``nascompress pipeline CONFIG.yaml --out DIR``: every stage from one config file (thin)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,22 +13,39 @@ from nascompress.cli.options import JsonOut, force_option, out_option
 from nascompress.config import StageSettings
 from nascompress.train import TrainConfig
 from nascompress.pipeline import run_pipeline
-from nascompress.pipeline.report import comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text, int8_table_rows, models_note
+from nascompress.pipeline.report import (
+    comparison_rows,
+    dcs_column,
+    dcs_rows,
+    decision_lines,
+    goal_text,
+    int8_table_rows,
+    models_note,
+)
 
 # --seed: the file's seed (the pipeline's top-level seed key, TrainConfig's) replaced
-FILE_SEED = StageSettings(TrainConfig, ("seed",), no_default=("seed",),
-                          notes={"seed": "Default: the file's (it drives every stage)."})
+FILE_SEED = StageSettings(
+    TrainConfig, ("seed",), no_default=("seed",), notes={"seed": "Default: the file's (it drives every stage)."}
+)
 
-EPILOG = ("Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "
-          "(rerun the same command after a crash or Ctrl-C: it continues where it stopped)")
+EPILOG = (
+    "Example: nascompress pipeline configs/fashion-mnist.yaml --out runs/pipeline  "
+    "(rerun the same command after a crash or Ctrl-C: it continues where it stopped)"
+)
 
 
 def register(app: typer.Typer) -> None:
     @app.command(epilog=EPILOG)
     def pipeline(
-        config: Annotated[Path, typer.Argument(help=(
-            "Pipeline file (format nascompress-pipeline/1), or the name of a shipped one (demo, fashion-mnist; "
-            "nascompress/configs/)."))],
+        config: Annotated[
+            Path,
+            typer.Argument(
+                help=(
+                    "Pipeline file (format nascompress-pipeline/1), or the name of a shipped one (demo, fashion-mnist; "
+                    "nascompress/configs/)."
+                )
+            ),
+        ],
         out_dir: out_option("Pipeline directory (an earlier run of the same config is continued)."),
         seed: setting_option(FILE_SEED, "seed") = None,
         force: force_option("Start over in --out (its contents are removed).") = False,
@@ -35,6 +53,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One command from a model to a slim, faster model: base, DCS channels, a token-method
         search picked under the goal, retraining, and a report against the dense base."""
+
         def log(msg: str) -> None:
             err.print(f"[bold]pipeline[/bold] {msg}", highlight=False, soft_wrap=True)
 
@@ -64,8 +83,14 @@ def show(s: dict) -> None:
     out.print(f"goal: {goal_text(s)}", highlight=False)
     if s.get("int8"):
         q = Table(title="int8 (ONNX Runtime, CPU) against fp32 (PyTorch), timed interleaved")
-        for col in ("model", "runtime", "test top-1", "file size", f"latency b{s['int8']['latency_batch']}",
-                    f"throughput b{s['int8']['throughput_batch']}"):
+        for col in (
+            "model",
+            "runtime",
+            "test top-1",
+            "file size",
+            f"latency b{s['int8']['latency_batch']}",
+            f"throughput b{s['int8']['throughput_batch']}",
+        ):
             q.add_column(col, justify="left" if col in ("model", "runtime") else "right")
         for row in int8_table_rows(s):
             q.add_row(*row)

@@ -1,5 +1,6 @@
 """``nascompress quantize RUN --out DIR``: an int8 ONNX file of a (compressed) model, checked on the
 validation split (thin: options generated from QuantizeConfig)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,9 +21,11 @@ QUANTIZED_FILE = "model.int8.onnx"
 
 @settings_command(settings=QuantizeConfig)
 def quantize(
-    run_dir: Annotated[Path, typer.Argument(
-        help="A run directory (or model.safetensors) that nascompress.load reads.")],
-    out_dir: out_option(f"Directory to write {QUANTIZED_FILE} and its sidecar {QUANTIZED_FILE}.json to."), *,
+    run_dir: Annotated[
+        Path, typer.Argument(help="A run directory (or model.safetensors) that nascompress.load reads.")
+    ],
+    out_dir: out_option(f"Directory to write {QUANTIZED_FILE} and its sidecar {QUANTIZED_FILE}.json to."),
+    *,
     settings: QuantizeConfig,  # --scheme --calib-images --max-drop --eval-images --no-fallback
     dataset: RunDataset = None,
     data_dir: RunDataDir = None,
@@ -46,11 +49,14 @@ def quantize(
         out.print(f"fallback: {q.fallback}", highlight=False, soft_wrap=True)
     kept = ", ".join(f"{n} {why}" for why, n in q.kept_fp32_summary.items())
     calib = f", calibrated on {q.calibration['images']} training images" if q.calibration else ""
-    out.print(f"wrote {target} + {target.name}.json ({q.scheme}{calib}; {q.quantized_nodes} layers int8, kept "
-              f"fp32: {kept})  check on {v['n']} {v['dataset']} validation images: top-1 {v['fp32_top1']:.2f}% fp32 "
-              f"-> {v['int8_top1']:.2f}% int8 (drop {v['top1_drop']:.2f} pts <= {v['max_drop']:g}), agreement "
-              f"{v['top1_agreement']:.1f}%, max |logit diff| {v['max_abs_logit_diff']:.3g}", highlight=False,
-              soft_wrap=True)
+    out.print(
+        f"wrote {target} + {target.name}.json ({q.scheme}{calib}; {q.quantized_nodes} layers int8, kept "
+        f"fp32: {kept})  check on {v['n']} {v['dataset']} validation images: top-1 {v['fp32_top1']:.2f}% fp32 "
+        f"-> {v['int8_top1']:.2f}% int8 (drop {v['top1_drop']:.2f} pts <= {v['max_drop']:g}), agreement "
+        f"{v['top1_agreement']:.1f}%, max |logit diff| {v['max_abs_logit_diff']:.3g}",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
 """``nascompress retrain``: retrain a compressed model with CE + eta * IBB (thin)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,18 +9,35 @@ from dataclasses import replace
 
 import typer
 
-from nascompress.cli.common import (Settings, SkipBadImages, given_options, out, print_json, run, setting_option,
-                                    settings_command, with_subsets)
+from nascompress.cli.common import (
+    Settings,
+    SkipBadImages,
+    given_options,
+    out,
+    print_json,
+    run,
+    setting_option,
+    settings_command,
+    with_subsets,
+)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
-from nascompress.retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, RetrainJob, build_job, recorded_data_config, retrain as retrain_fn
+from nascompress.retrain import (
+    RETRAIN_TRAIN_SETTINGS,
+    RetrainConfig,
+    RetrainJob,
+    build_job,
+    recorded_data_config,
+    retrain as retrain_fn,
+)
 from nascompress.train import RUNTIME_SETTINGS
 
 
 @settings_command(settings=RetrainConfig, recipe=RETRAIN_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def retrain(
     model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
-    out_dir: Out, *,
+    out_dir: Out,
+    *,
     dataset: RunDataset = None,
     data_dir: RunDataDir = None,
     teacher: setting_option(RetrainJob, "teacher") = None,
@@ -34,24 +52,29 @@ def retrain(
     json_out: JsonOut = False,
 ) -> None:
     """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
+
     def build():
         data = recorded_data_config(model_dir) if model_dir.is_dir() else None
         if dataset is not None or data is None:
             data = DataConfig(dataset=dataset or "fashion-mnist")
         if data_dir is not None:
             data = replace(data, data_dir=data_dir)
-        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
-                            skip_bad_images=skip_bad_images)
-        return build_job(model_dir, out_dir, retrain=settings, train={**vars(recipe), **vars(runtime)}, data=data,
-                         teacher=teacher)
+        data = with_subsets(
+            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        )
+        return build_job(
+            model_dir, out_dir, retrain=settings, train={**vars(recipe), **vars(runtime)}, data=data, teacher=teacher
+        )
 
     job = run(build)
     metrics = run(retrain_fn, job, force=force, resume=resume, explicit=given_options())
     if json_out:
         print_json(metrics)
     else:
-        out.print(f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}% "
-                  f"({metrics['test_n']} images){ib_text(metrics)}  -> {out_dir}")
+        out.print(
+            f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}% "
+            f"({metrics['test_n']} images){ib_text(metrics)}  -> {out_dir}"
+        )
 
 
 def ib_text(metrics: dict) -> str:

@@ -1,4 +1,5 @@
 """``nascompress search ...``: architecture searches (a sub-app; ``dcs`` lives here)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,8 +8,19 @@ from dataclasses import replace
 
 import typer
 
-from nascompress.cli.common import (Settings, SkipBadImages, cli_words, given_options, out, print_json, run,
-                                    setting_option, settings_command, skip_bad, with_subsets)
+from nascompress.cli.common import (
+    Settings,
+    SkipBadImages,
+    cli_words,
+    given_options,
+    out,
+    print_json,
+    run,
+    setting_option,
+    settings_command,
+    skip_bad,
+    with_subsets,
+)
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset, TrainLimit, json_option
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
@@ -30,8 +42,9 @@ search_app = typer.Typer(no_args_is_help=True, help="Architecture searches: dcs 
 SOURCE_WEIGHTS = StageSettings(TrainJob, ("weights",), notes={"weights": "With a timm SOURCE."})
 SOURCE_SIZE = StageSettings(ModelShape, ("img_size",), notes={"img_size": "With a timm SOURCE: its override."})
 # the search's settings: the target first, then DCSSearchConfig's and DCSConfig's in field order
-SEARCH = StageSettings(DCSSearchConfig, ("target_flops", *(f.name for f in user_settings(DCSSearchConfig)
-                                                            if f.name != "target_flops")))
+SEARCH = StageSettings(
+    DCSSearchConfig, ("target_flops", *(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops"))
+)
 
 
 @settings_command(search=SEARCH, method=SEARCH_DCS_SETTINGS, recipe=SEARCH_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
@@ -54,15 +67,25 @@ def dcs(
     json_out: JsonOut = False,
 ) -> None:
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
+
     def build() -> DCSSearchJob:
         data = run_data_config(source) if Path(source).is_dir() else None
         data = data or DataConfig()
         if dataset is not None:
             data = replace(data, dataset=dataset)
-        data = with_subsets(data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed,
-                            skip_bad_images=skip_bad_images)
-        return build_job(source, out_dir, search=vars(search), method=vars(method),
-                         train={**vars(recipe), **vars(runtime)}, data=data, weights=weights, img_size=img_size)
+        data = with_subsets(
+            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        )
+        return build_job(
+            source,
+            out_dir,
+            search=vars(search),
+            method=vars(method),
+            train={**vars(recipe), **vars(runtime)},
+            data=data,
+            weights=weights,
+            img_size=img_size,
+        )
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(search_dcs, job, force=force, resume=resume, explicit=given_options())
@@ -74,10 +97,12 @@ def dcs(
         if metrics.get("family_reason"):
             out.print(f"MLP gates: {metrics['family_reason']}")
         kept = "" if metrics.get("kept", "dcs") == "dcs" else ", the magnitude-pruned model kept"
-        out.print(f"DCS search ({metrics['mlp_gates']} gates{kept}): {dense_flops_text(metrics['flops_ratio'])}{note}, "
-                  f"val top-1 {metrics['val_top1']:.2f}% "
-                  f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
-                  f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}")
+        out.print(
+            f"DCS search ({metrics['mlp_gates']} gates{kept}): {dense_flops_text(metrics['flops_ratio'])}{note}, "
+            f"val top-1 {metrics['val_top1']:.2f}% "
+            f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
+            f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}"
+        )
         reason = (metrics.get("comparison") or {}).get("reason")
         if reason:
             out.print(f"kept: {reason}")
@@ -89,8 +114,12 @@ search_app.command("dcs")(dcs)
 
 
 # search tokens|joint's study settings: SearchJob's (the space's default: the command's own)
-STUDY = StageSettings(SearchJob, tuple(f.name for f in user_settings(SearchJob)), no_default=("space",),
-                      notes={"space": "Default: tokens evit, joint joint (shipped spaces, sized to the base's depth)."})
+STUDY = StageSettings(
+    SearchJob,
+    tuple(f.name for f in user_settings(SearchJob)),
+    no_default=("space",),
+    notes={"space": "Default: tokens evit, joint joint (shipped spaces, sized to the base's depth)."},
+)
 
 
 def _outer_search(kind: str, default_space: str):
@@ -98,7 +127,9 @@ def _outer_search(kind: str, default_space: str):
 
     @settings_command(study=STUDY, runtime=RUNTIME_SETTINGS)
     def command(
-        base: Annotated[Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")],
+        base: Annotated[
+            Path, typer.Argument(help="The run every trial starts from (dense, imported or DCS-materialized).")
+        ],
         *,
         study: Settings,  # SearchJob's settings: --space --study --storage --trials ... --no-enqueue
         dataset: RunDataset = None,
@@ -110,19 +141,24 @@ def _outer_search(kind: str, default_space: str):
             data = DataConfig(dataset=dataset) if dataset is not None else None
             if skip_bad_images:
                 data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
-            return build_search_job(base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime),
-                             data=data)
+            return build_search_job(
+                base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime), data=data
+            )
 
         job = run(build)
         res = run(run_search, job, progress=not json_out, json_progress=json_out)
         if json_out:
             print_json(res)
             return
-        out.print(f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
-                  f"{len(res['front'])} on the front; see `nascompress study show {res['study']}`")
+        out.print(
+            f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
+            f"{len(res['front'])} on the front; see `nascompress study show {res['study']}`"
+        )
 
-    command.__doc__ = (f"Optuna search over a search-space file ({kind}): each trial applies the methods to the base "
-                       "run, scores accuracy and FLOPs (or latency/throughput); resumable, several workers.")
+    command.__doc__ = (
+        f"Optuna search over a search-space file ({kind}): each trial applies the methods to the base "
+        "run, scores accuracy and FLOPs (or latency/throughput); resumable, several workers."
+    )
     return command
 
 

@@ -1,4 +1,5 @@
 """``nascompress study ...``: inspect Optuna studies (list, show, export, report, dashboard)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,14 @@ from rich.table import Table
 from nascompress.cli.common import err, out, print_json, run, setting_option, settings_command
 from nascompress.cli.options import Force, JsonOut as Json, out_option
 from nascompress.studies.dashboard import DashboardSettings, start_dashboard
-from nascompress.studies.inspect import ExportSettings, ShowSettings, export_study, list_studies, render_show, show_study
+from nascompress.studies.inspect import (
+    ExportSettings,
+    ShowSettings,
+    export_study,
+    list_studies,
+    render_show,
+    show_study,
+)
 from nascompress.search.trials import SearchJob
 from nascompress.studies.report import write_report
 
@@ -32,22 +40,39 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
     if not rows:
         out.print("no studies yet (nascompress-studies.db / .journal in this directory, or --storage)")
         return
-    t = Table(title="studies", caption="db / journal: nascompress-studies.db / .journal here", box=box.SIMPLE_HEAD,
-              padding=(0, 1))
+    t = Table(
+        title="studies",
+        caption="db / journal: nascompress-studies.db / .journal here",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+    )
     for col in ("study", "objectives", "done", "failed", "running", "best / front", "created", "storage"):
         t.add_column(col, justify="right" if col in ("done", "failed", "running") else "left")
     for r in rows:
         objs = " ".join(f"{n}{'↑' if d == 'maximize' else '↓'}" for n, d in zip(r["metric_names"], r["directions"]))
-        best = (f"front {r['front_size']}" if r["front_size"] is not None
-                else f"{r['best']['value']:.4g} (#{r['best']['number']})" if r["best"] else "-")
+        best = (
+            f"front {r['front_size']}"
+            if r["front_size"] is not None
+            else f"{r['best']['value']:.4g} (#{r['best']['number']})"
+            if r["best"]
+            else "-"
+        )
         c = r["counts"]
         created = (r["created"] or "-")[5:16].replace("T", " ") if r["created"] else "-"
         where = r["storage"]
         for default, short in (("nascompress-studies.db", "db"), ("nascompress-studies.journal", "journal")):
             if where.startswith(("sqlite:///", "journal:")) and Path(where.split(":", 1)[1]) == Path.cwd() / default:
                 where = short
-        t.add_row(r["name"], objs, str(c.get("COMPLETE", 0)), str(c.get("FAIL", 0)), str(c.get("RUNNING", 0)), best,
-                  created, where)
+        t.add_row(
+            r["name"],
+            objs,
+            str(c.get("COMPLETE", 0)),
+            str(c.get("FAIL", 0)),
+            str(c.get("RUNNING", 0)),
+            best,
+            created,
+            where,
+        )
     out.print(t)
 
 
@@ -67,16 +92,26 @@ def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, jso
 
 @study_app.command("export")
 @settings_command(settings=ExportSettings)
-def export_cmd(name: Name, out_file: out_option("The file to write."), *,
-               settings: ExportSettings, storage: Storage = None, force: Force = False) -> None:
+def export_cmd(
+    name: Name,
+    out_file: out_option("The file to write."),
+    *,
+    settings: ExportSettings,
+    storage: Storage = None,
+    force: Force = False,
+) -> None:
     """Every trial (number, state, values, params, record fields) to CSV or JSON."""
     path = run(export_study, name, fmt=settings.format, out=out_file, storage=storage, force=force)
     out.print(f"wrote {path}")
 
 
 @study_app.command("report")
-def report_cmd(name: Name, out_file: out_option("The HTML file to write.") =
-               Path("report.html"), storage: Storage = None, force: Force = False) -> None:
+def report_cmd(
+    name: Name,
+    out_file: out_option("The HTML file to write.") = Path("report.html"),
+    storage: Storage = None,
+    force: Force = False,
+) -> None:
     """One self-contained HTML file: Pareto front, history, importances, the front as a table."""
     path = run(write_report, name, out=out_file, storage=storage, force=force)
     out.print(f"wrote {path}")
@@ -87,6 +122,7 @@ def report_cmd(name: Name, out_file: out_option("The HTML file to write.") =
 def dashboard_cmd(name: Name, storage: Storage = None, *, settings: DashboardSettings) -> None:
     """Serve optuna-dashboard on the study's storage until Ctrl-C (or SIGTERM): read-only, on this
     machine only, unless asked otherwise."""
+
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 

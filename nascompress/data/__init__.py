@@ -30,6 +30,7 @@ carved from train/). An unreadable ImageFolder image is named and refused, or wi
 ``skip_bad_images`` (``--skip-bad-images``) left out and counted
 (``DataBundle.extra["skipped_images"]``).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -46,25 +47,89 @@ from .. import runtime
 from ..config import Config, check_field, check_int, check_settings, setting
 from .classes import class_indices, keep_classes
 from .folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
-from .input import (AUGMENTS, CROP_MODES, DIGITS_MEAN, DIGITS_STD, FMNIST_MEAN, FMNIST_STD, IMAGENET_MEAN, IMAGENET_STD,
-                    INTERPOLATIONS, InputSpec, check_input, default_norm, eval_steps, folder_transform, preprocess,
-                    resize)
+from .input import (
+    AUGMENTS,
+    CROP_MODES,
+    DIGITS_MEAN,
+    DIGITS_STD,
+    FMNIST_MEAN,
+    FMNIST_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INTERPOLATIONS,
+    InputSpec,
+    check_input,
+    default_norm,
+    eval_steps,
+    folder_transform,
+    preprocess,
+    resize,
+)
 from .loader import collate_batch, make_loader
 from .memory import is_memory, memory_splits
-from .sources import (BUILTIN_DATASETS, DATASET_KEYWORDS, DIGITS_TEST, FMNIST_CLASSES, FMNIST_DIR, IN_MEMORY,
-                      TensorImageDataset, load_digits_dataset, load_fashion_mnist, load_lfw_faces_dataset,
-                      synthetic_dataset)
+from .sources import (
+    BUILTIN_DATASETS,
+    DATASET_KEYWORDS,
+    DIGITS_TEST,
+    FMNIST_CLASSES,
+    FMNIST_DIR,
+    IN_MEMORY,
+    TensorImageDataset,
+    load_digits_dataset,
+    load_fashion_mnist,
+    load_lfw_faces_dataset,
+    synthetic_dataset,
+)
 from .splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
 from ..errors import NascompressError, SettingError
 from ..limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
-__all__ = ["AUGMENTS", "BUILTIN_DATASETS", "CROP_MODES", "DATASET_KEYWORDS", "DIGITS_MEAN", "DIGITS_STD", "DIGITS_TEST",
-           "FMNIST_CLASSES", "FMNIST_DIR", "FMNIST_MEAN", "FMNIST_STD", "IMAGENET_MEAN", "IMAGENET_STD", "INTERPOLATIONS",
-           "IN_MEMORY", "TOO_LARGE", "DataBundle", "DataConfig", "InputOverrides", "InputSpec", "Subset",
-           "TensorImageDataset", "check_classes", "class_indices", "dataset_labels", "default_norm", "eval_steps", "folder_classes",
-           "folder_transform", "keep_classes", "load_data", "load_digits_dataset", "load_fashion_mnist",
-           "load_lfw_faces_dataset", "collate_batch", "make_loader", "preprocess", "dataset_paths", "training_batches",
-           "resize", "scan_images", "split_indices", "stratified_indices", "synthetic_dataset"]
+__all__ = [
+    "AUGMENTS",
+    "BUILTIN_DATASETS",
+    "CROP_MODES",
+    "DATASET_KEYWORDS",
+    "DIGITS_MEAN",
+    "DIGITS_STD",
+    "DIGITS_TEST",
+    "FMNIST_CLASSES",
+    "FMNIST_DIR",
+    "FMNIST_MEAN",
+    "FMNIST_STD",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "INTERPOLATIONS",
+    "IN_MEMORY",
+    "TOO_LARGE",
+    "DataBundle",
+    "DataConfig",
+    "InputOverrides",
+    "InputSpec",
+    "Subset",
+    "TensorImageDataset",
+    "check_classes",
+    "class_indices",
+    "dataset_labels",
+    "default_norm",
+    "eval_steps",
+    "folder_classes",
+    "folder_transform",
+    "keep_classes",
+    "load_data",
+    "load_digits_dataset",
+    "load_fashion_mnist",
+    "load_lfw_faces_dataset",
+    "collate_batch",
+    "make_loader",
+    "preprocess",
+    "dataset_paths",
+    "training_batches",
+    "resize",
+    "scan_images",
+    "split_indices",
+    "stratified_indices",
+    "synthetic_dataset",
+]
 
 
 @dataclass(frozen=True)
@@ -72,13 +137,21 @@ class InputOverrides(Config):
     """Explicit preprocessing choices (``--mean``/``--std``/``--interpolation``/``--crop-pct``) that
     win over the pretrained config and the dataset defaults; None keeps the resolved value."""
 
-    mean: tuple[float, ...] | None = setting(None, help=(
-        "Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's)."))
+    mean: tuple[float, ...] | None = setting(
+        None,
+        help=("Normalisation mean, comma-separated (default: the weights' pretrained config, else the dataset's)."),
+    )
     std: tuple[float, ...] | None = setting(None, help="Normalisation std, comma-separated (default: as --mean).")
-    interpolation: str | None = setting(None, choices=INTERPOLATIONS, help=(
-        "Resize filter: bilinear, bicubic or nearest (default: as --mean)."))
-    crop_pct: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
-        "ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean)."))
+    interpolation: str | None = setting(
+        None, choices=INTERPOLATIONS, help=("Resize filter: bilinear, bicubic or nearest (default: as --mean).")
+    )
+    crop_pct: float | None = setting(
+        None,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help=("ImageFolder eval crop: resize to size/crop_pct, centre-crop (default: as --mean)."),
+    )
     crop_mode: str | None = None
 
     def __post_init__(self) -> None:
@@ -114,26 +187,44 @@ class DataConfig:
 
     # Fields declared with setting() are the user's: `train` options and `data` keys of the pipeline
     # file (a path there is resolved against the file's directory, but for the keywords).
-    dataset: str = setting("fashion-mnist", path=True, keywords=DATASET_KEYWORDS, help=(
-        "'fashion-mnist', 'digits' (scikit-learn's bundled 8x8 digits) or an ImageFolder root with train/ (val/, test/)."))
+    dataset: str = setting(
+        "fashion-mnist",
+        path=True,
+        keywords=DATASET_KEYWORDS,
+        help=(
+            "'fashion-mnist', 'digits' (scikit-learn's bundled 8x8 digits) or an ImageFolder root with train/ (val/, test/)."
+        ),
+    )
     data_dir: str = setting(str(FMNIST_DIR), path=True, help="Where Fashion-MNIST's IDX files are.")
-    val_fraction: float = setting(0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=(
-        "Share of train held out for validation."))
+    val_fraction: float = setting(
+        0.1, lo=0, hi=1, lo_open=True, hi_open=True, help=("Share of train held out for validation.")
+    )
     split_seed: int = 0
-    train_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
-        "Use N training images (a class-stratified random subset drawn with --seed)."))
-    eval_limit: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
-        "Use N val/test images (class-stratified, drawn with --seed)."))
+    train_limit: int | None = setting(
+        None, lo=1, hi=MAX_IMAGES, help=("Use N training images (a class-stratified random subset drawn with --seed).")
+    )
+    eval_limit: int | None = setting(
+        None, lo=1, hi=MAX_IMAGES, help=("Use N val/test images (class-stratified, drawn with --seed).")
+    )
     subset_seed: int = 0
-    num_workers: int | None = setting(None, lo=0, hi=MAX_WORKERS, help=(
-        "DataLoader workers (default: up to 4 for ImageFolder, 0 in memory)."))
-    skip_bad_images: bool = setting(False, help=(
-        "ImageFolder: leave unreadable images out (counted) instead of refusing the dataset."))
-    classes: str | None = setting(None, help=(
-        "Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."))
-    augment: str = setting("default", choices=AUGMENTS, help=(
-        "ImageFolder training images: default (timm's RandomResizedCrop + horizontal flip), light (a milder "
-        "crop, scale 0.5-1, no flip) or none (the evaluation resize and centre crop)."))
+    num_workers: int | None = setting(
+        None, lo=0, hi=MAX_WORKERS, help=("DataLoader workers (default: up to 4 for ImageFolder, 0 in memory).")
+    )
+    skip_bad_images: bool = setting(
+        False, help=("ImageFolder: leave unreadable images out (counted) instead of refusing the dataset.")
+    )
+    classes: str | None = setting(
+        None,
+        help=("Keep only these classes (comma-separated names or indices, e.g. 0,1,2,3,4), relabelled in that order."),
+    )
+    augment: str = setting(
+        "default",
+        choices=AUGMENTS,
+        help=(
+            "ImageFolder training images: default (timm's RandomResizedCrop + horizontal flip), light (a milder "
+            "crop, scale 0.5-1, no flip) or none (the evaluation resize and centre crop)."
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration
@@ -167,8 +258,9 @@ class DataBundle:
         return getattr(self, name)
 
 
-def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec: InputSpec | None = None,
-              augment: bool = True) -> DataBundle:
+def load_data(
+    cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec: InputSpec | None = None, augment: bool = True
+) -> DataBundle:
     """Load the dataset ``cfg`` names, with a deterministic held-out validation split.
 
     Args:
@@ -208,11 +300,15 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     else:
         root = Path(cfg.dataset)
         if not root.is_dir():
-            raise SettingError(f"dataset {cfg.dataset} does not exist (neither a built-in dataset "
-                                   f"({BUILTIN_DATASETS}) nor an existing directory); if the data moved, give its new "
-                                   "place with {dataset} PATH")
+            raise SettingError(
+                f"dataset {cfg.dataset} does not exist (neither a built-in dataset "
+                f"({BUILTIN_DATASETS}) nor an existing directory); if the data moved, give its new "
+                "place with {dataset} PATH"
+            )
         if not (root / "train").is_dir():
-            raise NascompressError(f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)")
+            raise NascompressError(
+                f"ImageFolder dataset {root} has no train/ folder (expected {root}/train/<class>/*.png)"
+            )
         eval_tf = folder_transform(spec, train=False)
         train_tf = folder_transform(spec, train=augment, augment=cfg.augment)
         # the train split's images seen as evaluation images (a val split carved from train/)
@@ -227,9 +323,15 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         for part, ds in (("train", train_full), ("val", val), ("test", test if test is not val else None)):
             if ds is not None:
                 drop_bad_images(ds, root / part, skip=cfg.skip_bad_images, skipped=skipped)
-        check_classes(train_full.classes, {f"{root}/{p}": ds.targets for p, ds in
-                                           (("train", train_full), ("val", val), ("test", test)) if ds is not None},
-                      name=str(root))
+        check_classes(
+            train_full.classes,
+            {
+                f"{root}/{p}": ds.targets
+                for p, ds in (("train", train_full), ("val", val), ("test", test))
+                if ds is not None
+            },
+            name=str(root),
+        )
         name, channels, size = str(root), 3, None  # ImageFolder decodes every image to RGB
         if workers is None:
             workers = min(4, os.cpu_count() or 1)
@@ -242,10 +344,15 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
     if val is None:  # the same split indices over two views: train transform / eval transform
         tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
         train, val = Subset(train_src, tr_idx), Subset(train_full, va_idx)
-        check_classes(train_full.classes, {"the training split": dataset_labels(train),
-                                           f"the validation split carved from the training images (val_fraction "
-                                           f"{cfg.val_fraction:g}; add a val/ folder or more images)": dataset_labels(val)},
-                      name=name)
+        check_classes(
+            train_full.classes,
+            {
+                "the training split": dataset_labels(train),
+                f"the validation split carved from the training images (val_fraction "
+                f"{cfg.val_fraction:g}; add a val/ folder or more images)": dataset_labels(val),
+            },
+            name=name,
+        )
     else:
         train = train_src
     test_is_val = test is None or test is val
@@ -256,18 +363,27 @@ def load_data(cfg: DataConfig, *, img_size: tuple[int, int] | None = None, spec:
         ds.num_workers = workers or 0  # read by make_loader (see DataConfig.num_workers)
     # the training images are fixed (the same tensor every epoch) unless an ImageFolder's transform augments them
     fixed = cfg.dataset in IN_MEMORY or cfg.dataset == "synthetic" or not augment or cfg.augment == "none"
-    return DataBundle(train=train, val=val, test=test, classes=list(train_full.classes), name=name,
-                      native_channels=channels, native_size=size,
-                      extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed})
+    return DataBundle(
+        train=train,
+        val=val,
+        test=test,
+        classes=list(train_full.classes),
+        name=name,
+        native_channels=channels,
+        native_size=size,
+        extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed},
+    )
 
 
-def training_batches(data: DataBundle, spec: InputSpec, *, batch_size: int, seed: int,
-                     device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def training_batches(
+    data: DataBundle, spec: InputSpec, *, batch_size: int, seed: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """An endless stream of preprocessed training batches (x, y) on ``device``, shuffled per epoch from
     ``seed`` (a method's predictor-only stage, the DCS search's recovery of its candidates)."""
     for epoch in itertools.count():
-        for imgs, labels in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch,
-                                        pin_memory=device.type == "cuda"):
+        for imgs, labels in make_loader(
+            data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch, pin_memory=device.type == "cuda"
+        ):
             yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
 
 

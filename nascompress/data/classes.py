@@ -1,6 +1,7 @@
 """A subset of a dataset's classes (``--classes``): which classes a spec names (:func:`class_indices`)
 and a split with only those, relabelled in the order named (:func:`keep_classes`), for in-memory
 datasets and ImageFolders alike."""
+
 from __future__ import annotations
 
 import copy
@@ -42,8 +43,10 @@ def class_indices(spec: str, classes: Sequence[str]) -> list[int]:
         elif tok.isdigit() and int(tok) < len(classes):
             k = int(tok)
         else:
-            raise SettingError(f"{{classes}} names {tok!r}, which is not a class of this dataset; its classes: "
-                                   f"{', '.join(classes)} (or their indices 0-{len(classes) - 1})")
+            raise SettingError(
+                f"{{classes}} names {tok!r}, which is not a class of this dataset; its classes: "
+                f"{', '.join(classes)} (or their indices 0-{len(classes) - 1})"
+            )
         if k in out:
             raise SettingError(f"{{classes}} names class {classes[k]!r} twice")
         out.append(k)

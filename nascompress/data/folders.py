@@ -6,6 +6,7 @@ refused, or with ``skip_bad_images`` (``--skip-bad-images``) left out and counte
 (:func:`drop_bad_images`). Files whose extension is not an image's are not part of an ImageFolder
 and are ignored.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,11 +41,14 @@ def _walk_class(folder: str) -> list[str]:
         d = stack.pop()
         real = os.path.realpath(d)
         if d != folder and (top == real or top.startswith(real.rstrip(os.sep) + os.sep)):
-            raise NascompressError(f"{d} is a symlink to {real}, a folder that contains it (a loop): remove the link "
-                                   "from the dataset")
+            raise NascompressError(
+                f"{d} is a symlink to {real}, a folder that contains it (a loop): remove the link from the dataset"
+            )
         if real in seen:
-            raise NascompressError(f"{d} leads to {real}, already read as {seen[real]} (two links to one folder, or a "
-                                   "loop): remove one of them from the dataset")
+            raise NascompressError(
+                f"{d} leads to {real}, already read as {seen[real]} (two links to one folder, or a "
+                "loop): remove one of them from the dataset"
+            )
         seen[real] = d
         files, dirs = [], []
         try:
@@ -80,8 +84,10 @@ def folder_classes(directory: str | Path) -> list[str]:
     for c in classes:
         r = os.path.realpath(os.path.join(directory, c))
         if r in real:
-            raise NascompressError(f"class folders {real[r]!r} and {c!r} of {directory} are the same folder ({r}; one "
-                                   "is a link to the other): remove one, a class must be one folder")
+            raise NascompressError(
+                f"class folders {real[r]!r} and {c!r} of {directory} are the same folder ({r}; one "
+                "is a link to the other): remove one, a class must be one folder"
+            )
         real[r] = c
     return classes
 
@@ -94,20 +100,28 @@ def _folder_class() -> type:
     first use: torchvision is imported after :mod:`nascompress._compat`)."""
     if _FOLDER_CLASS:
         return _FOLDER_CLASS[0]
+
     class _Folder(datasets.ImageFolder):
         @staticmethod
         def find_classes(directory: Any) -> tuple[list[str], dict[str, int]]:
             classes = folder_classes(directory)
             if not classes:
-                raise NascompressError(f"{directory} is not an ImageFolder directory with one folder per class "
-                                       "(it has no class folder)")
+                raise NascompressError(
+                    f"{directory} is not an ImageFolder directory with one folder per class (it has no class folder)"
+                )
             return classes, {c: i for i, c in enumerate(classes)}
 
         @staticmethod
-        def make_dataset(directory: Any, class_to_idx: dict[str, int], extensions: Any = None,
-                         is_valid_file: Any = None, allow_empty: bool = False) -> list[tuple[str, int]]:
-            return [(p, class_to_idx[c]) for c in sorted(class_to_idx)
-                    for p in _walk_class(os.path.join(str(directory), c))]
+        def make_dataset(
+            directory: Any,
+            class_to_idx: dict[str, int],
+            extensions: Any = None,
+            is_valid_file: Any = None,
+            allow_empty: bool = False,
+        ) -> list[tuple[str, int]]:
+            return [
+                (p, class_to_idx[c]) for c in sorted(class_to_idx) for p in _walk_class(os.path.join(str(directory), c))
+            ]
 
     _Folder.__module__, _Folder.__qualname__ = __name__, "_Folder"  # picklable (DataLoader workers)
     _FOLDER_CLASS.append(_Folder)
@@ -135,8 +149,10 @@ def _unreadable(path: str, max_pixels: int | None = None) -> str | None:
     above ``max_pixels`` (default: the limit :mod:`nascompress.limits` sets) is refused from its
     header, before it is decoded."""
     max_pixels = max_pixels or limits().max_image_pixels
-    big = (f"{TOO_LARGE}: {{}} pixels, above the limit of {max_pixels:,} (max_image_pixels); shrink it, or raise "
-           f"the limit with {env_name('max_image_pixels')}=N")
+    big = (
+        f"{TOO_LARGE}: {{}} pixels, above the limit of {max_pixels:,} (max_image_pixels); shrink it, or raise "
+        f"the limit with {env_name('max_image_pixels')}=N"
+    )
     try:
         with Image.open(path) as im:
             w, h = im.size
@@ -153,7 +169,9 @@ def _unreadable(path: str, max_pixels: int | None = None) -> str | None:
         return msg or "it cannot be decoded"
 
 
-_SCANNED: dict[tuple[str, int, int, int], str | None] = {}  # (path, size, mtime, max pixels) -> reason: a file is decoded once per process
+_SCANNED: dict[
+    tuple[str, int, int, int], str | None
+] = {}  # (path, size, mtime, max pixels) -> reason: a file is decoded once per process
 _REPORTED: set[str] = set()  # folders whose skipped images were reported (once per process)
 
 
@@ -178,8 +196,9 @@ def scan_images(paths: Sequence[str], *, workers: int | None = None) -> dict[str
     if todo:
         workers = workers or min(8, os.cpu_count() or 1)
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for k, r in zip(todo, pool.map(partial(_unreadable, max_pixels=max_pixels), [k[0] for k in todo],
-                                           chunksize=64)):
+            for k, r in zip(
+                todo, pool.map(partial(_unreadable, max_pixels=max_pixels), [k[0] for k in todo], chunksize=64)
+            ):
                 _SCANNED[k] = r
     return {k[0]: _SCANNED[k] for k in keys if _SCANNED[k] is not None}
 
@@ -193,17 +212,24 @@ def drop_bad_images(ds: Any, where: Path, *, skip: bool, skipped: dict[str, int]
     if not skip:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         what = "image" if why.startswith(TOO_LARGE) else "unreadable image"
-        raise SettingError(f"{what} {first} ({why}){more} in {where}: fix or remove it, or pass "
-                               "{skip_bad_images} to leave unreadable images out")
+        raise SettingError(
+            f"{what} {first} ({why}){more} in {where}: fix or remove it, or pass "
+            "{skip_bad_images} to leave unreadable images out"
+        )
     ds.samples = [s for s in ds.samples if s[0] not in bad]
     ds.imgs, ds.targets = ds.samples, [t for _, t in ds.samples]
     skipped[str(where)] = len(bad)
     if str(where) in _REPORTED:
         return
     _REPORTED.add(str(where))
-    console.print(words(f"skipped {len(bad)} unreadable image(s) in {literal(str(where))} ({{skip_bad_images}}), e.g. "
-                        f"{literal(str(first))}: {literal(why)}"),
-                  highlight=False, style="yellow")
+    console.print(
+        words(
+            f"skipped {len(bad)} unreadable image(s) in {literal(str(where))} ({{skip_bad_images}}), e.g. "
+            f"{literal(str(first))}: {literal(why)}"
+        ),
+        highlight=False,
+        style="yellow",
+    )
 
 
 def with_transform(ds: Dataset, transform: Any) -> Dataset:

@@ -13,6 +13,7 @@ uint8 (C, H, W) tensor (``normalize=False``): evaluation resizes the shorter sid
 fine-tunes of pretrained models on small datasets, where jitter mostly costs accuracy and CPU time;
 timm turns it off too whenever RandAugment is on).
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,11 @@ def check_input(interpolation: str | None, crop_pct: float | None, crop_mode: st
 
 
 def _number_list(v: Any) -> bool:
-    return (isinstance(v, list) and bool(v)
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v))
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v)
+    )
 
 
 def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None = None) -> None:
@@ -58,9 +62,12 @@ def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None =
     arch builds, :func:`~nascompress.models.model_size`: ``img_size``, ``patch_size``, ``in_chans``,
     ``prefix``, with ``dynamic`` for ``dynamic_img_size``): the same channels, and the model's
     image size (or, dynamic, a multiple of the patch within the token limit)."""
+
     def bad(what: str) -> NascompressError:
-        return NascompressError(f"{source}: input {what}; the file was not written by nascompress or was edited: "
-                                "fix its input section (or write it again with the command that made it)")
+        return NascompressError(
+            f"{source}: input {what}; the file was not written by nascompress or was edited: "
+            "fix its input section (or write it again with the command that made it)"
+        )
 
     if not isinstance(inp, dict):
         raise bad(f"must be an object with img_size, in_chans, mean and std, got {type(inp).__name__}")
@@ -90,8 +97,12 @@ def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None =
         return
     if h % ph or w % pw:
         raise bad(f"img_size {size} is not a multiple of the model's patch size {[ph, pw]}")
-    check_limit("max_model_tokens", (h // ph) * (w // pw) + model.get("prefix", 1), f"{source}: input img_size "
-                f"{size}'s tokens per image", fix="check its input section")
+    check_limit(
+        "max_model_tokens",
+        (h // ph) * (w // pw) + model.get("prefix", 1),
+        f"{source}: input img_size {size}'s tokens per image",
+        fix="check its input section",
+    )
 
 
 @dataclass(frozen=True)
@@ -127,16 +138,28 @@ class InputSpec:
             raise NascompressError(f"std values must be positive, got {list(self.std)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"img_size": list(self.img_size), "in_chans": self.in_chans, "mean": list(self.mean),
-                "std": list(self.std), "interpolation": self.interpolation, "crop_pct": self.crop_pct,
-                "crop_mode": self.crop_mode}
+        return {
+            "img_size": list(self.img_size),
+            "in_chans": self.in_chans,
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "interpolation": self.interpolation,
+            "crop_pct": self.crop_pct,
+            "crop_mode": self.crop_mode,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "InputSpec":
         """Also reads arch.json files written before interpolation/crop_pct/crop_mode existed."""
-        return cls(tuple(int(v) for v in d["img_size"]), int(d["in_chans"]), tuple(d["mean"]), tuple(d["std"]),
-                   interpolation=d.get("interpolation", "bilinear"), crop_pct=float(d.get("crop_pct", 1.0)),
-                   crop_mode=d.get("crop_mode", "center"))
+        return cls(
+            tuple(int(v) for v in d["img_size"]),
+            int(d["in_chans"]),
+            tuple(d["mean"]),
+            tuple(d["std"]),
+            interpolation=d.get("interpolation", "bilinear"),
+            crop_pct=float(d.get("crop_pct", 1.0)),
+            crop_mode=d.get("crop_mode", "center"),
+        )
 
 
 def default_norm(dataset: str, in_chans: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -202,11 +225,23 @@ def folder_transform(spec: InputSpec | None, *, train: bool, augment: str = "def
         raise NascompressError(f"augment must be one of {', '.join(AUGMENTS)}, got {augment!r}")
     if train and augment != "none":
         light = augment == "light"
-        return create_transform(tuple(spec.img_size), is_training=True, interpolation=spec.interpolation,
-                                hflip=0.0 if light else 0.5, scale=(0.5, 1.0) if light else None,
-                                color_jitter=None, normalize=False)
-    return create_transform(tuple(spec.img_size), is_training=False, interpolation=spec.interpolation,
-                            crop_pct=spec.crop_pct, crop_mode=spec.crop_mode, normalize=False)
+        return create_transform(
+            tuple(spec.img_size),
+            is_training=True,
+            interpolation=spec.interpolation,
+            hflip=0.0 if light else 0.5,
+            scale=(0.5, 1.0) if light else None,
+            color_jitter=None,
+            normalize=False,
+        )
+    return create_transform(
+        tuple(spec.img_size),
+        is_training=False,
+        interpolation=spec.interpolation,
+        crop_pct=spec.crop_pct,
+        crop_mode=spec.crop_mode,
+        normalize=False,
+    )
 
 
 def eval_steps(spec: InputSpec) -> list[dict[str, Any]]:
@@ -216,26 +251,51 @@ def eval_steps(spec: InputSpec) -> list[dict[str, Any]]:
     resized whole, which these steps also do for a square image."""
     h, w = spec.img_size
     scale = (math.floor(h / spec.crop_pct), math.floor(w / spec.crop_pct))  # timm: floor(size / crop_pct)
-    steps: list[dict[str, Any]] = [{"op": "decode", "mode": "RGB", "dtype": "uint8",
-                                    "note": "8-bit RGB (a grey image repeated to 3 channels)"}]
+    steps: list[dict[str, Any]] = [
+        {"op": "decode", "mode": "RGB", "dtype": "uint8", "note": "8-bit RGB (a grey image repeated to 3 channels)"}
+    ]
     if spec.crop_mode == "squash":
-        steps.append({"op": "resize", "size": list(scale), "interpolation": spec.interpolation,
-                      "note": "to exactly (height, width), PIL's filter of that name (antialiased)"})
+        steps.append(
+            {
+                "op": "resize",
+                "size": list(scale),
+                "interpolation": spec.interpolation,
+                "note": "to exactly (height, width), PIL's filter of that name (antialiased)",
+            }
+        )
     elif spec.crop_mode == "center" and scale[0] == scale[1]:
-        steps.append({"op": "resize", "shorter_side": scale[0], "interpolation": spec.interpolation,
-                      "note": "shorter side to shorter_side, longer side to int(shorter_side * long / short) "
-                              "(truncated), PIL's filter of that name (antialiased)"})
+        steps.append(
+            {
+                "op": "resize",
+                "shorter_side": scale[0],
+                "interpolation": spec.interpolation,
+                "note": "shorter side to shorter_side, longer side to int(shorter_side * long / short) "
+                "(truncated), PIL's filter of that name (antialiased)",
+            }
+        )
     else:
-        steps.append({"op": "resize_keep_ratio", "size": list(scale), "interpolation": spec.interpolation,
-                      "longest": 1.0 if spec.crop_mode == "border" else 0.0,
-                      "note": "timm.data.ResizeKeepRatio (aspect kept; border: fit the longest side)"})
-    steps.append({"op": "center_crop", "size": [h, w],
-                  "note": "top = round((H - height) / 2), left = round((W - width) / 2)"
-                          + ("; pad with the mean colour where smaller" if spec.crop_mode == "border" else "")})
+        steps.append(
+            {
+                "op": "resize_keep_ratio",
+                "size": list(scale),
+                "interpolation": spec.interpolation,
+                "longest": 1.0 if spec.crop_mode == "border" else 0.0,
+                "note": "timm.data.ResizeKeepRatio (aspect kept; border: fit the longest side)",
+            }
+        )
+    steps.append(
+        {
+            "op": "center_crop",
+            "size": [h, w],
+            "note": "top = round((H - height) / 2), left = round((W - width) / 2)"
+            + ("; pad with the mean colour where smaller" if spec.crop_mode == "border" else ""),
+        }
+    )
     steps.append({"op": "scale", "factor": 1 / 255, "note": "to float32 in [0, 1]"})
     if spec.in_chans == 1:
         steps.append({"op": "to_grey", "note": "mean of the R, G, B channels"})
-    steps.append({"op": "normalize", "mean": list(spec.mean), "std": list(spec.std),
-                  "note": "(x - mean) / std per channel"})
+    steps.append(
+        {"op": "normalize", "mean": list(spec.mean), "std": list(spec.std), "note": "(x - mean) / std per channel"}
+    )
     steps.append({"op": "layout", "to": "NCHW", "note": "channels first, a batch dimension in front"})
     return steps

@@ -2,6 +2,7 @@
 resumed run replays the same order; sharded for data-parallel training; decoded in the worker
 processes a loaded split asks for.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,9 +20,18 @@ def collate_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(xs), torch.as_tensor(ys)
 
 
-def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, epoch: int = 0,
-                drop_last: bool = False, num_workers: int | None = None,
-                shard: tuple[int, int] = (0, 1), pin_memory: bool = False) -> DataLoader:
+def make_loader(
+    ds: Dataset,
+    *,
+    batch_size: int,
+    shuffle: bool,
+    seed: int = 0,
+    epoch: int = 0,
+    drop_last: bool = False,
+    num_workers: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+    pin_memory: bool = False,
+) -> DataLoader:
     """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order.
 
     ``shard=(rank, world)`` (data-parallel training, :mod:`nascompress.distributed`): this rank's
@@ -44,10 +54,16 @@ def make_loader(ds: Dataset, *, batch_size: int, shuffle: bool, seed: int = 0, e
         order = list(range(len(ds)))
     rank, world = shard
     if world > 1:
-        order = order[:len(order) - len(order) % world][rank::world]
+        order = order[: len(order) - len(order) % world][rank::world]
     sampler = BatchSampler(order, batch_size=batch_size, drop_last=drop_last)
     extra: dict[str, Any] = {}
     if num_workers > 0:  # (without workers the generator is not passed: the global RNG stream stays as before)
         extra["generator"] = torch.Generator().manual_seed(seed * 100_003 + epoch + 7_919 + rank * 1_000_003)
-    return DataLoader(ds, batch_sampler=sampler, collate_fn=collate_batch, num_workers=num_workers,
-                      pin_memory=pin_memory and torch.cuda.is_available(), **extra)
+    return DataLoader(
+        ds,
+        batch_sampler=sampler,
+        collate_fn=collate_batch,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        **extra,
+    )

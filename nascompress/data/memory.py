@@ -11,6 +11,7 @@ names the registered dataset, so that a reader knows the preprocessing was the c
 lives in the process that registered it; the same data registered again (e.g. to continue a run
 with ``out=``) gets the same name: the fingerprint is the splits' lengths, types and a few items.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,8 +31,10 @@ class CallerDataset(Dataset):
 
     def __init__(self, base: Dataset, *, classes: Sequence[str] | None = None, what: str = "the dataset"):
         if isinstance(base, IterableDataset) or not hasattr(base, "__getitem__") or not hasattr(base, "__len__"):
-            raise NascompressError(f"{what} must be a map-style torch Dataset (with __len__ and __getitem__) of "
-                                   f"(image tensor, label) pairs, got {type(base).__name__}")
+            raise NascompressError(
+                f"{what} must be a map-style torch Dataset (with __len__ and __getitem__) of "
+                f"(image tensor, label) pairs, got {type(base).__name__}"
+            )
         if len(base) == 0:
             raise NascompressError(f"{what} holds no images")
         self.base, self.what = base, what
@@ -47,13 +50,16 @@ class CallerDataset(Dataset):
     def _item(self, i: int) -> tuple[torch.Tensor, Any]:
         item = self.base[i]
         if not isinstance(item, (tuple, list)) or len(item) < 2:
-            raise NascompressError(f"{self.what} must give (image tensor, label) pairs; item {i} is a "
-                                   f"{type(item).__name__}")
+            raise NascompressError(
+                f"{self.what} must give (image tensor, label) pairs; item {i} is a {type(item).__name__}"
+            )
         x = item[0]
         if not isinstance(x, torch.Tensor) or x.ndim != 3:
-            raise NascompressError(f"{self.what} gives {type(x).__name__} images; give (C, H, W) tensors (the "
-                                   "preprocessing is the caller's: e.g. a torchvision transform ending in ToTensor "
-                                   "and Normalize)")
+            raise NascompressError(
+                f"{self.what} gives {type(x).__name__} images; give (C, H, W) tensors (the "
+                "preprocessing is the caller's: e.g. a torchvision transform ending in ToTensor "
+                "and Normalize)"
+            )
         return x, item[1]
 
     @staticmethod
@@ -73,8 +79,10 @@ class CallerDataset(Dataset):
         try:
             images = torch.stack([x for x, _ in items])
         except RuntimeError:
-            raise NascompressError(f"{self.what} gives images of different shapes; give them at one size "
-                                   "(the preprocessing is the caller's)") from None
+            raise NascompressError(
+                f"{self.what} gives images of different shapes; give them at one size "
+                "(the preprocessing is the caller's)"
+            ) from None
         return images, torch.as_tensor([self._label(y) for _, y in items], dtype=torch.long)
 
 
@@ -131,8 +139,10 @@ def register_dataset(train: Any, val: Any = None, test: Any = None, *, classes: 
 def memory_splits(name: str) -> MemorySplits:
     """The splits registered as ``name``; a name of another process is refused in one line."""
     if name not in MEMORY_DATASETS:
-        raise NascompressError(f"dataset {name} was held in memory by the Python API in another process; pass the "
-                               "same Dataset again (nascompress.compress(..., train=...)) to use it")
+        raise NascompressError(
+            f"dataset {name} was held in memory by the Python API in another process; pass the "
+            "same Dataset again (nascompress.compress(..., train=...)) to use it"
+        )
     return MEMORY_DATASETS[name]
 
 
@@ -144,8 +154,13 @@ def is_memory(name: str) -> bool:
 def caller_input(in_chans: int) -> dict[str, Any]:
     """The preprocessing recorded for a model trained on the caller's tensors: none (mean 0,
     std 1, the whole image; images of another size are resized bilinearly)."""
-    return {"mean": (0.0,) * in_chans, "std": (1.0,) * in_chans, "interpolation": "bilinear", "crop_pct": 1.0,
-            "crop_mode": "center"}
+    return {
+        "mean": (0.0,) * in_chans,
+        "std": (1.0,) * in_chans,
+        "interpolation": "bilinear",
+        "crop_pct": 1.0,
+        "crop_mode": "center",
+    }
 
 
 __all__ = ["CallerDataset", "MemorySplits", "register_dataset", "memory_splits", "is_memory", "caller_input"]

@@ -3,6 +3,7 @@ fetched and resized at once, no augmentation): Fashion-MNIST from the Debian pac
 scikit-learn's bundled digits and scikit-image's LFW faces (each with a fixed stratified test split),
 and learnable synthetic images for unit tests.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -33,8 +34,18 @@ class DatasetKeywords(tuple):
 DATASET_KEYWORDS = DatasetKeywords(("fashion-mnist", "digits", "lfw-faces", "synthetic"))  # names that are not a path
 IN_MEMORY = DATASET_KEYWORDS  # datasets held as uint8 tensors (batched preprocessing, no augmentation)
 BUILTIN_DATASETS = "fashion-mnist, digits, lfw-faces"  # the real ones, as error messages name them
-FMNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
-                  "Sneaker", "Bag", "Ankle boot"]
+FMNIST_CLASSES = [
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+]
 DIGITS_TEST = 0.25  # share of scikit-learn's digits held out as the test split (it ships no split)
 
 
@@ -67,22 +78,31 @@ def _read_idx(path: Path, header: int) -> np.ndarray:
 
 def load_fashion_mnist(root: Path = FMNIST_DIR) -> tuple[TensorImageDataset, TensorImageDataset]:
     """(train 60k, test 10k) from the IDX gzip files of Debian's dataset-fashion-mnist."""
-    files = {k: root / f"{k}-ubyte.gz" for k in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1")}
+    files = {
+        k: root / f"{k}-ubyte.gz"
+        for k in ("train-images-idx3", "train-labels-idx1", "t10k-images-idx3", "t10k-labels-idx1")
+    }
     missing = [p for p in files.values() if not p.is_file()]
     if missing:
         raise SettingError(
             f"Fashion-MNIST not found ({missing[0]} is missing); install it with "
-            "'apt-get update && apt-get install -y dataset-fashion-mnist' or pass {data_dir}")
+            "'apt-get update && apt-get install -y dataset-fashion-mnist' or pass {data_dir}"
+        )
     try:
         parts = {k: torch.from_numpy(_read_idx(p, 16 if "images" in k else 8).copy()) for k, p in files.items()}
     except (OSError, EOFError, struct.error, ValueError) as e:
-        raise NascompressError(f"Fashion-MNIST files in {root} are corrupt ({e}); reinstall dataset-fashion-mnist") from e
-    return (TensorImageDataset(parts["train-images-idx3"], parts["train-labels-idx1"], FMNIST_CLASSES),
-            TensorImageDataset(parts["t10k-images-idx3"], parts["t10k-labels-idx1"], FMNIST_CLASSES))
+        raise NascompressError(
+            f"Fashion-MNIST files in {root} are corrupt ({e}); reinstall dataset-fashion-mnist"
+        ) from e
+    return (
+        TensorImageDataset(parts["train-images-idx3"], parts["train-labels-idx1"], FMNIST_CLASSES),
+        TensorImageDataset(parts["t10k-images-idx3"], parts["t10k-labels-idx1"], FMNIST_CLASSES),
+    )
 
 
-def fixed_test_split(imgs: torch.Tensor, labels: torch.Tensor, classes: list[str], *,
-                     seed: int) -> tuple[TensorImageDataset, TensorImageDataset]:
+def fixed_test_split(
+    imgs: torch.Tensor, labels: torch.Tensor, classes: list[str], *, seed: int
+) -> tuple[TensorImageDataset, TensorImageDataset]:
     """(train, test) of a dataset that ships no split: a fixed class-stratified ``DIGITS_TEST`` share
     (drawn with ``seed``) is the test split, the rest in their order the training split."""
     test_idx = set(stratified_indices(labels, int(round(DIGITS_TEST * len(labels))), seed=seed).tolist())
@@ -112,8 +132,10 @@ def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorIma
     try:
         from skimage.data import lfw_subset  # optional (nascompress[datasets])
     except ImportError:
-        raise NascompressError("the lfw-faces dataset is read from scikit-image's bundled data: "
-                               "pip install 'scikit-image>=0.24,<1' (or nascompress[datasets])") from None
+        raise NascompressError(
+            "the lfw-faces dataset is read from scikit-image's bundled data: "
+            "pip install 'scikit-image>=0.24,<1' (or nascompress[datasets])"
+        ) from None
     x = lfw_subset()  # (200, 25, 25) floats in [0, 1]
     imgs = torch.from_numpy((x * 255.0).round().clip(0, 255).astype("uint8"))[:, None]
     labels = torch.cat([torch.zeros(100, dtype=torch.long), torch.ones(len(x) - 100, dtype=torch.long)])
@@ -121,10 +143,14 @@ def load_lfw_faces_dataset(seed: int = 0) -> tuple[TensorImageDataset, TensorIma
     return fixed_test_split(imgs, labels, classes, seed=seed)
 
 
-def synthetic_dataset(n: int, *, num_classes: int = 10, size: int = 16, channels: int = 1, seed: int = 0) -> TensorImageDataset:
+def synthetic_dataset(
+    n: int, *, num_classes: int = 10, size: int = 16, channels: int = 1, seed: int = 0
+) -> TensorImageDataset:
     """Learnable toy images for unit tests only: a class-specific pattern plus noise."""
     g = torch.Generator().manual_seed(seed)
-    protos = (torch.rand(num_classes, channels, size, size, generator=torch.Generator().manual_seed(1234)) > 0.5).float()
+    protos = (
+        torch.rand(num_classes, channels, size, size, generator=torch.Generator().manual_seed(1234)) > 0.5
+    ).float()
     labels = torch.arange(n) % num_classes
     noise = torch.rand(n, channels, size, size, generator=g)
     imgs = ((protos[labels] * 0.6 + noise * 0.4) * 255).clamp(0, 255).to(torch.uint8)

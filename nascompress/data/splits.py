@@ -4,6 +4,7 @@ labels read without loading images, seeded class-stratified subsets (:func:`stra
 that a dataset can train a classifier (:func:`check_classes`: two classes or more, each with an image
 in every split).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -87,7 +88,7 @@ def split_indices(n: int, fractions: Sequence[float], *, seed: int) -> list[torc
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n, generator=g)
     bounds = np.round(np.cumsum([0.0, *fractions]) * n).astype(int)
-    return [perm[bounds[i]:bounds[i + 1]].sort().values for i in range(len(fractions))]
+    return [perm[bounds[i] : bounds[i + 1]].sort().values for i in range(len(fractions))]
 
 
 def limit_subset(ds: Dataset, n: int | None, seed: int) -> Dataset:
@@ -106,13 +107,17 @@ def check_classes(classes: Sequence[str], splits: dict[str, Any], *, name: str) 
         name: the dataset, as the message names it.
     """
     if len(classes) < 2:
-        raise NascompressError(f"dataset {name} has {len(classes)} class{'' if len(classes) == 1 else 'es'}"
-                               f"{' (' + classes[0] + ')' if classes else ''}: a classifier needs at least two; add a "
-                               "folder of images per class")
+        raise NascompressError(
+            f"dataset {name} has {len(classes)} class{'' if len(classes) == 1 else 'es'}"
+            f"{' (' + classes[0] + ')' if classes else ''}: a classifier needs at least two; add a "
+            "folder of images per class"
+        )
     for split, labels in splits.items():
         have = set(torch.as_tensor(labels, dtype=torch.long).tolist())
         empty = [c for i, c in enumerate(classes) if i not in have]
         if empty:
             more = f" (and {len(empty) - 1} more)" if len(empty) > 1 else ""
-            raise NascompressError(f"class {empty[0]!r}{more} of dataset {name} has no image in {split}: every class "
-                                   "needs images in every split; add images or remove the class folder")
+            raise NascompressError(
+                f"class {empty[0]!r}{more} of dataset {name} has no image in {split}: every class "
+                "needs images in every split; add images or remove the class folder"
+            )

@@ -2,6 +2,7 @@
 the materialize job beside it (:mod:`.materialize`). Its parts: the cost model (:mod:`.cost`), the
 training hooks (:mod:`.hooks`), preparing the supernet (:mod:`.prepare`, :mod:`.family`,
 :mod:`.protect`), the teacher cache (:mod:`.teacher`) and the uniform baseline (:mod:`.baseline`)."""
+
 from __future__ import annotations
 
 from .search import CostModel, DCSSearchConfig, DCSSearchJob

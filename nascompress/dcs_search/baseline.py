@@ -18,6 +18,7 @@ The recovery (:func:`recover`) is the search's weight step without the gates: ``
 ``feat_distill`` x the pre-logits feature error to the dense model, on the same seeded training batches
 for both candidates, architecture fixed (the hard masks, as materialized).
 """
+
 from __future__ import annotations
 
 import copy
@@ -73,8 +74,9 @@ def _set_gates(supernet: nn.Module, scores: list[torch.Tensor], threshold: float
     return counts
 
 
-def magnitude_supernet(dense: nn.Module, *, target: float, align: int, fill: list[torch.Tensor] | None,
-                       x1: torch.Tensor) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
+def magnitude_supernet(
+    dense: nn.Module, *, target: float, align: int, fill: list[torch.Tensor] | None, x1: torch.Tensor
+) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
     """The magnitude baseline at ``target`` x the dense FLOPs as a fixed DCS supernet (module
     docstring): (supernet, its DCSConfig, its cost model, info: ``flops_ratio``, ``hidden_kept``,
     ``threshold``).
@@ -100,9 +102,13 @@ def magnitude_supernet(dense: nn.Module, *, target: float, align: int, fill: lis
         best = min(best, (abs(r - target), mid))
         lo, hi = (mid, hi) if r > target else (lo, mid)
     counts = _set_gates(supernet, scores, best[1], align)
-    info = {"flops_ratio": cost.hard_macs(supernet) / cost.dense, "hidden_kept": counts, "threshold": best[1],
-            "rule": "global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
-                    "(Torch-Pruning's GroupMagnitudeImportance(p=2), global_pruning)"}
+    info = {
+        "flops_ratio": cost.hard_macs(supernet) / cost.dense,
+        "hidden_kept": counts,
+        "threshold": best[1],
+        "rule": "global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
+        "(Torch-Pruning's GroupMagnitudeImportance(p=2), global_pruning)",
+    }
     return supernet, cfg, cost, info
 
 
@@ -121,8 +127,9 @@ class Recovery:
     amp: str = "off"
 
 
-def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
-            device: torch.device) -> dict[str, float]:
+def recover(
+    model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery, device: torch.device
+) -> dict[str, float]:
     """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
     the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`)."""
     arch = {id(p) for p in arch_parameters(model)}
@@ -155,9 +162,15 @@ def recover(model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec:
 
     try:
         with runtime.cpu_attention(model, device, rec.amp), runtime.cpu_attention(dense, device, rec.amp):
-            return short_stage(model, params, training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed,
-                                                                device=device), loss_fn, steps=rec.steps, lr=rec.lr,
-                               decay=True)
+            return short_stage(
+                model,
+                params,
+                training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed, device=device),
+                loss_fn,
+                steps=rec.steps,
+                lr=rec.lr,
+                decay=True,
+            )
     finally:
         if taps is not None:
             for t in taps:
@@ -188,13 +201,29 @@ class Candidate:
     recovery: dict[str, float] | None = None
 
     def record(self) -> dict[str, Any]:
-        return {"flops_ratio": self.flops_ratio, "eligible": self.eligible, "note": self.note,
-                "val_top1": self.val_top1, "val_before_recovery": self.pre_val, "val_recovered": self.recovered_val,
-                "state": self.state, "val_n": self.val_n, "recovery": self.recovery}
+        return {
+            "flops_ratio": self.flops_ratio,
+            "eligible": self.eligible,
+            "note": self.note,
+            "val_top1": self.val_top1,
+            "val_before_recovery": self.pre_val,
+            "val_recovered": self.recovered_val,
+            "state": self.state,
+            "val_n": self.val_n,
+            "recovery": self.recovery,
+        }
 
 
-def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery,
-           device: torch.device, *, eval_batch_size: int) -> tuple[Candidate, dict[str, Any]]:
+def choose(
+    candidates: list[Candidate],
+    dense: nn.Module,
+    data: Any,
+    spec: InputSpec,
+    rec: Recovery,
+    device: torch.device,
+    *,
+    eval_batch_size: int,
+) -> tuple[Candidate, dict[str, Any]]:
     """Recover every eligible candidate the same way (same seed, same batches), score each on the
     validation split, and keep the best (ties: the first, the searched model). A candidate scored
     before the recovery (``pre_val``: the searched model's last epoch) whose recovery lowered its
@@ -207,12 +236,14 @@ def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: Input
     for c in eligible:
         before = None if c.pre_val is None else {k: v.detach().clone() for k, v in c.supernet.state_dict().items()}
         torch.manual_seed(rec.seed)
-        with shown(f"DCS: {NAMES[c.kind]}: {rec.steps} recovery steps of {rec.batch_size} images, then its "
-                   f"validation top-1"):
+        with shown(
+            f"DCS: {NAMES[c.kind]}: {rec.steps} recovery steps of {rec.batch_size} images, then its validation top-1"
+        ):
             c.recovery = recover(c.supernet, dense, data, spec, rec, device)
             c.supernet.eval()
-            val = evaluate(c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size,
-                           amp=rec.amp)
+            val = evaluate(
+                c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size, amp=rec.amp
+            )
         c.recovered_val, c.val_n = val["top1"], val["n"]
         c.val_top1, c.state = c.recovered_val, "recovered"
         if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
@@ -221,11 +252,21 @@ def choose(candidates: list[Candidate], dense: nn.Module, data: Any, spec: Input
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
-    record = {"kept": kept.kind, "margin_pt": margin,
-              "recovery": {"steps": rec.steps, "batch_size": rec.batch_size, "images": rec.steps * rec.batch_size,
-                           "lr": rec.lr, "seed": rec.seed, "distill": rec.distill, "feat_distill": rec.feat_distill,
-                           "amp": rec.amp},
-              **{c.kind: c.record() for c in candidates}}
+    record = {
+        "kept": kept.kind,
+        "margin_pt": margin,
+        "recovery": {
+            "steps": rec.steps,
+            "batch_size": rec.batch_size,
+            "images": rec.steps * rec.batch_size,
+            "lr": rec.lr,
+            "seed": rec.seed,
+            "distill": rec.distill,
+            "feat_distill": rec.feat_distill,
+            "amp": rec.amp,
+        },
+        **{c.kind: c.record() for c in candidates},
+    }
     return kept, record
 
 
@@ -234,9 +275,20 @@ def recovery_steps(images: int, train_size: int, batch_size: int) -> int:
     return max(1, math.ceil(min(images, train_size) / batch_size))
 
 
-def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float, dense: nn.Module,
-                fill: list[torch.Tensor] | None, data: Any, spec: InputSpec, device: torch.device,
-                stopped: Exception | None, last_val: float | None = None) -> tuple[Candidate, dict[str, Any]]:
+def keep_better(
+    job: Any,
+    supernet: nn.Module,
+    *,
+    cost: CostModel,
+    ratio: float,
+    dense: nn.Module,
+    fill: list[torch.Tensor] | None,
+    data: Any,
+    spec: InputSpec,
+    device: torch.device,
+    stopped: Exception | None,
+    last_val: float | None = None,
+) -> tuple[Candidate, dict[str, Any]]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
     top-1 ``last_val`` at its last epoch;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
@@ -245,32 +297,62 @@ def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float,
     s = job.search
     target = s.target_flops if s.target_flops is not None else ratio
     at_target = abs(ratio / target - 1) <= s.tolerance
-    dcs = Candidate("dcs", supernet, job.method, ratio, cost, eligible=at_target, pre_val=last_val,
-                    note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}")
+    dcs = Candidate(
+        "dcs",
+        supernet,
+        job.method,
+        ratio,
+        cost,
+        eligible=at_target,
+        pre_val=last_val,
+        note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}",
+    )
     if not s.baseline:
         return dcs, {"kept": "dcs", "baseline": None}
     spec_x = torch.zeros(1, spec.in_chans, *spec.img_size)
     cpu_fill = None if fill is None else [f.detach().cpu() for f in fill]
     try:
         on_cpu = dense if next(dense.parameters()).device.type == "cpu" else copy.deepcopy(dense).cpu()
-        base, cfg, base_cost, info = magnitude_supernet(on_cpu, target=target,  # (it patches a copy of its own)
-                                                        align=job.method.align, fill=cpu_fill, x1=spec_x)
+        base, cfg, base_cost, info = magnitude_supernet(
+            on_cpu,
+            target=target,  # (it patches a copy of its own)
+            align=job.method.align,
+            fill=cpu_fill,
+            x1=spec_x,
+        )
     except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
         if not dcs.eligible:
             raise (stopped or e)
         return dcs, {"kept": "dcs", "baseline": None, "baseline_note": str(e)}
     r = info["flops_ratio"]
     reach = abs(r / target - 1) <= s.tolerance
-    magnitude = Candidate("magnitude", base.to(device), cfg, r, base_cost, eligible=reach, note=None if reach else (
-        f"the MLP hidden neurons alone reach {r:.3f}x at the nearest, outside {target:g} +-{s.tolerance:.0%}"))
+    magnitude = Candidate(
+        "magnitude",
+        base.to(device),
+        cfg,
+        r,
+        base_cost,
+        eligible=reach,
+        note=None
+        if reach
+        else (f"the MLP hidden neurons alone reach {r:.3f}x at the nearest, outside {target:g} +-{s.tolerance:.0%}"),
+    )
     if not (dcs.eligible or magnitude.eligible):
         if stopped is not None:
             raise stopped
-        raise SettingError(f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
-                               f"stands at the target; rerun the same command with {{force}} {{target_flops}} {r:.2f}")
-    rec = Recovery(steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
-                   batch_size=job.train.batch_size, lr=job.train.peak_lr_for(world_size=1), seed=job.train.seed,
-                   distill=s.distill, feat_distill=s.feat_distill, amp=runtime.resolve_amp(job.train.amp, device))
+        raise SettingError(
+            f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
+            f"stands at the target; rerun the same command with {{force}} {{target_flops}} {r:.2f}"
+        )
+    rec = Recovery(
+        steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
+        batch_size=job.train.batch_size,
+        lr=job.train.peak_lr_for(world_size=1),
+        seed=job.train.seed,
+        distill=s.distill,
+        feat_distill=s.feat_distill,
+        amp=runtime.resolve_amp(job.train.amp, device),
+    )
     kept, record = choose([dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size)
     if not magnitude.eligible:
         record["magnitude_note"] = magnitude.note
@@ -283,17 +365,33 @@ def keep_better(job: Any, supernet: nn.Module, *, cost: CostModel, ratio: float,
 def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Exception | None) -> str:
     """One line: which model the search kept, and why."""
     if kept is dcs and not magnitude.eligible:
-        return (f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at {dcs.flops_ratio:.3f}x FLOPs): "
-                f"no magnitude baseline at the target ({magnitude.note})")
+        return (
+            f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at {dcs.flops_ratio:.3f}x FLOPs): "
+            f"no magnitude baseline at the target ({magnitude.note})"
+        )
     if not dcs.eligible:
         why = f"the searched model {dcs.note}" + (f" ({getattr(stopped, 'reason', stopped)})" if stopped else "")
-        return (f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
-                f"{magnitude.flops_ratio:.3f}x FLOPs): {why}")
+        return (
+            f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
+            f"{magnitude.flops_ratio:.3f}x FLOPs): {why}"
+        )
     a, b = (dcs, magnitude) if kept is dcs else (magnitude, dcs)
-    line = (f"kept {NAMES[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
-            f"{NAMES[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery")
+    line = (
+        f"kept {NAMES[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
+        f"{NAMES[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery"
+    )
     return line + (f"; {getattr(stopped, 'reason', stopped)}" if stopped else "")
 
 
-__all__ = ["KINDS", "Candidate", "Recovery", "choose", "keep_better", "magnitude_scores", "magnitude_supernet",
-           "reason", "recover", "recovery_steps"]
+__all__ = [
+    "KINDS",
+    "Candidate",
+    "Recovery",
+    "choose",
+    "keep_better",
+    "magnitude_scores",
+    "magnitude_supernet",
+    "reason",
+    "recover",
+    "recovery_steps",
+]

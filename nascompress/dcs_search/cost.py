@@ -6,6 +6,7 @@ Every hard count is the aligned one (:func:`~nascompress.methods.dcs.aligned_cou
 width or a multiple of ``align``), so the controller, the calibration and the pipeline's goal
 check see the widths the materialized model really has.
 """
+
 from __future__ import annotations
 
 import math
@@ -54,8 +55,9 @@ class CostModel:
     weights: list[float] = field(default_factory=list)
 
     @classmethod
-    def build(cls, dense_model: nn.Module, supernet: nn.Module, x: torch.Tensor, *,
-              weights: list[float] | None = None) -> "CostModel":
+    def build(
+        cls, dense_model: nn.Module, supernet: nn.Module, x: torch.Tensor, *, weights: list[float] | None = None
+    ) -> "CostModel":
         dense = count_flops(dense_model, x).total
         rep = count_flops(supernet, x)  # gates still all open (alpha_init > 0): full widths
         n = int(supernet.patch_embed.num_patches) + int(supernet.num_prefix_tokens)
@@ -67,15 +69,26 @@ class CostModel:
             static = a.qk_mask is not None and a.qk_mask.mode == "static"
             # where the materialized q/k run zero-padded to the head dim (layers.qk_pads: the CPU's
             # fused kernel), a kept channel saves its qkv rows only, not its share of QK^T
-            pads = qk_pads(a.qk_layout, qk_dim=1, head_dim=a.head_dim, device_type=x.device.type,
-                           dtype=a.qkv.weight.dtype) and a.fused_attn
+            pads = (
+                qk_pads(a.qk_layout, qk_dim=1, head_dim=a.head_dim, device_type=x.device.type, dtype=a.qkv.weight.dtype)
+                and a.fused_attn
+            )
             qk.append(float(2 * n * a.qkv.in_features + (0 if pads else n * n)) if static else 0.0)
             heads.append(a.num_heads)
             dims.append(a.head_dim)
             width.append(blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features)
         full_qk = sum(q * h * d for q, h, d in zip(qk, heads, dims))
-        return cls(dense=dense, fixed=rep.total - sum(mlp) - full_qk, mlp=mlp, width=width, qk=qk, heads=heads,
-                   head_dim=dims, align=supernet.dcs_state.align, weights=list(weights or [1.0] * len(mlp)))
+        return cls(
+            dense=dense,
+            fixed=rep.total - sum(mlp) - full_qk,
+            mlp=mlp,
+            width=width,
+            qk=qk,
+            heads=heads,
+            head_dim=dims,
+            align=supernet.dcs_state.align,
+            weights=list(weights or [1.0] * len(mlp)),
+        )
 
     def _block_macs(self, j: int, blk: nn.Module, st: Any, *, soft: bool, round_mlp: int) -> Any:
         alpha, C = blk.dcs_alpha, self.width[j]
@@ -111,8 +124,9 @@ class CostModel:
     @property
     def dense_weighted(self) -> float:
         """The dense model's MACs with every block scaled by its weight (the soft cost's unit)."""
-        return self.fixed + sum(w * (m + q * h * d) for w, m, q, h, d in
-                                zip(self.weights, self.mlp, self.qk, self.heads, self.head_dim))
+        return self.fixed + sum(
+            w * (m + q * h * d) for w, m, q, h, d in zip(self.weights, self.mlp, self.qk, self.heads, self.head_dim)
+        )
 
     def hard_macs(self, supernet: nn.Module, *, round_mlp: int = 0) -> float:
         """Exact MACs of the materialized model the current gates give (= the profiler's count):
@@ -129,7 +143,9 @@ class CostModel:
         """MACs in expectation over the Gumbel noise: P(gate on) = sigmoid(logit)."""
         st = supernet.dcs_state
         saved = st.soft_gates, st.soft_qk
-        st.soft_gates = {j: torch.sigmoid(b.dcs_alpha) for j, b in enumerate(supernet.blocks) if b.dcs_alpha is not None}
+        st.soft_gates = {
+            j: torch.sigmoid(b.dcs_alpha) for j, b in enumerate(supernet.blocks) if b.dcs_alpha is not None
+        }
         st.soft_qk = {j: torch.sigmoid(b.attn.qk_mask.theta) for j, b in enumerate(supernet.blocks) if self.qk[j]}
         try:
             return float(self._macs(supernet, soft=True))
@@ -197,8 +213,9 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
 
 
 @torch.no_grad()
-def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0,
-              apply_round: bool = True) -> float:
+def calibrate(
+    supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0, apply_round: bool = True
+) -> float:
     """Shift every (unprotected) alpha by one constant so that the hard ratio (counted with
     ``round_mlp`` as :func:`round_blocks` would round) is closest to ``target``; return the shift.
     Kept counts fall monotonically as the shift rises (rounding and alignment keep that order), so
@@ -208,8 +225,9 @@ def calibrate(supernet: nn.Module, cost: CostModel, target: float, *, round_mlp:
     blocks = [blk for blk in supernet.blocks if blk.dcs_alpha is not None]
     if not blocks:
         return 0.0
-    free = [~_protected(b) if _protected(b) is not None else torch.ones_like(b.dcs_alpha, dtype=torch.bool)
-            for b in blocks]
+    free = [
+        ~_protected(b) if _protected(b) is not None else torch.ones_like(b.dcs_alpha, dtype=torch.bool) for b in blocks
+    ]
     alphas = [b.dcs_alpha for b in blocks]
     vals = torch.cat([a[f].flatten() for a, f in zip(alphas, free)]).sort().values
     if not len(vals):
@@ -249,8 +267,12 @@ def selection_record(supernet: nn.Module, cost: CostModel) -> dict[str, Any]:
         qm = blk.attn.qk_mask
         if qm is not None and qm.mode == "static":
             qk_kept.append(aligned_counts(qm.theta.reshape(qm.heads, -1), align=cost.align))
-    rec = {"macs": macs, "flops_ratio": macs / cost.dense, "expected_flops_ratio": cost.expected_macs(supernet) / cost.dense,
-           "mlp_kept": mlp_kept}
+    rec = {
+        "macs": macs,
+        "flops_ratio": macs / cost.dense,
+        "expected_flops_ratio": cost.expected_macs(supernet) / cost.dense,
+        "mlp_kept": mlp_kept,
+    }
     if qk_kept:
         rec["qk_kept"] = qk_kept
     return rec

@@ -13,6 +13,7 @@ every later block reads; a model trained from scratch with DCS in mind tolerates
 pretrained model stores information (and its "massive activations") in specific residual channels,
 and removing them breaks it, while its MLP hidden neurons are highly redundant.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,9 +47,18 @@ def mlp_share(dense: nn.Module, x: torch.Tensor, ratio: float) -> float:
 
 
 @torch.no_grad()
-def probe_kl(dense: nn.Module, images: list[torch.Tensor], importance: list[ChannelImportance], family: str,
-             shares: list[float], *, align: int, hidden_fill: str, fill: list[torch.Tensor] | None = None,
-             targets: list[torch.Tensor] | None = None) -> float:
+def probe_kl(
+    dense: nn.Module,
+    images: list[torch.Tensor],
+    importance: list[ChannelImportance],
+    family: str,
+    shares: list[float],
+    *,
+    align: int,
+    hidden_fill: str,
+    fill: list[torch.Tensor] | None = None,
+    targets: list[torch.Tensor] | None = None,
+) -> float:
     """Sum over ``shares`` of the mean KL(dense || model whose every block keeps that share of its
     ``family`` gates by ``importance``) on ``images`` (batches of preprocessed images)."""
     targets = targets or dense_targets(dense, images)
@@ -61,14 +71,27 @@ def probe_kl(dense: nn.Module, images: list[torch.Tensor], importance: list[Chan
             k = aligned_width(round(share * imp.numel()), align=align, full=imp.numel(), mode="up")
             blk.dcs_alpha.fill_(-1.0)
             blk.dcs_alpha[imp.topk(k).indices] = 1.0
-        total += sum(F.kl_div(F.log_softmax(probe(x).float(), -1), t, log_target=True, reduction="sum").item()
-                     for x, t in zip(images, targets)) / n
+        total += (
+            sum(
+                F.kl_div(F.log_softmax(probe(x).float(), -1), t, log_target=True, reduction="sum").item()
+                for x, t in zip(images, targets)
+            )
+            / n
+        )
     return total
 
 
 @torch.no_grad()
-def choose_family(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], *, target: float | None,
-                  align: int, hidden_fill: str, targets: list[torch.Tensor] | None = None) -> tuple[str, dict[str, Any]]:
+def choose_family(
+    dense: nn.Module,
+    images: list[torch.Tensor],
+    stats: list[BlockStats],
+    *,
+    target: float | None,
+    align: int,
+    hidden_fill: str,
+    targets: list[torch.Tensor] | None = None,
+) -> tuple[str, dict[str, Any]]:
     """``(family, info)``: the family whose probe models stay closer to ``dense`` (see the module
     docstring); info ``{"family_kl": {family: KL}, "family_shares": [...], "family_reason": "..."}``."""
     target = DEFAULT_PROBE_TARGET if target is None else target
@@ -76,13 +99,17 @@ def choose_family(dense: nn.Module, images: list[torch.Tensor], stats: list[Bloc
     shares = [mlp_share(dense, x, r) for r in (1 - (1 - target) / 2, target)]
     targets = targets or dense_targets(dense, images)
     imp, fill = [s.importance for s in stats], [s.hidden_mean for s in stats]
-    kls = {f: probe_kl(dense, images, imp, f, shares, align=align, hidden_fill=hidden_fill, fill=fill, targets=targets)
-           for f in FAMILIES}
+    kls = {
+        f: probe_kl(dense, images, imp, f, shares, align=align, hidden_fill=hidden_fill, fill=fill, targets=targets)
+        for f in FAMILIES
+    }
     chosen = min(FAMILIES, key=lambda f: (kls[f], f != "residual"))  # a tie keeps the paper's family
     other = next(f for f in FAMILIES if f != chosen)
-    reason = (f"{chosen}: its models pruned to {1 - (1 - target) / 2:.3g}x and {target:.3g}x the FLOPs (MLPs only, "
-              f"by activation importance, no training) stay closer to the dense model (KL {kls[chosen]:.4g} against "
-              f"{kls[other]:.4g} for {other})")
+    reason = (
+        f"{chosen}: its models pruned to {1 - (1 - target) / 2:.3g}x and {target:.3g}x the FLOPs (MLPs only, "
+        f"by activation importance, no training) stay closer to the dense model (KL {kls[chosen]:.4g} against "
+        f"{kls[other]:.4g} for {other})"
+    )
     return chosen, {"family_kl": kls, "family_shares": shares, "family_reason": reason}
 
 

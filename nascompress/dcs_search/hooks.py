@@ -2,6 +2,7 @@
 :func:`nascompress.train.fit`): the alternating weight and architecture steps, the budget (the
 lambda controller and the projection onto the moving target), the end-of-search guard and the
 accuracy stop (see :mod:`nascompress.dcs_search.search`)."""
+
 from __future__ import annotations
 
 import math
@@ -27,22 +28,35 @@ from .teacher import Indexed, StepTag, TeacherCache, interleave
 class DCSSearchHooks(TrainHooks):
     """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
 
-    def __init__(self, supernet: nn.Module, *, dense: nn.Module | None, cost: CostModel, job: DCSJobView,
-                 base_arch: Arch, train_size: int, init_info: dict[str, Any] | None = None,
-                 teacher: TeacherCache | None = None):
+    def __init__(
+        self,
+        supernet: nn.Module,
+        *,
+        dense: nn.Module | None,
+        cost: CostModel,
+        job: DCSJobView,
+        base_arch: Arch,
+        train_size: int,
+        init_info: dict[str, Any] | None = None,
+        teacher: TeacherCache | None = None,
+    ):
         self.cost, self.cfg, self.job, self.base_arch, self.dense = cost, job.search, job, base_arch, dense
         self.init_info = init_info or {}  # what the pre-search measurements chose: logged with the first epoch
         self.epochs = job.train.epochs
         self.arch_params = arch_parameters(supernet)
         ids = {id(p) for p in self.arch_params}
         self.w_params = [p for p in supernet.parameters() if id(p) not in ids]
-        self.w_idx, self.a_idx = split_indices(train_size, (self.cfg.weight_fraction, 1 - self.cfg.weight_fraction),
-                                               seed=job.train.seed)
+        self.w_idx, self.a_idx = split_indices(
+            train_size, (self.cfg.weight_fraction, 1 - self.cfg.weight_fraction), seed=job.train.seed
+        )
         self.lam = self.cfg.lam
         # lambda is the controller's output with a target (integral from 0: no wind-up while the
         # gates are still far from the threshold); without one it is the paper's constant --lam
-        self.steer = None if self.cfg.target_flops is None else LambdaSteer(
-            self.cfg.target_at(0.0), 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
+        self.steer = (
+            None
+            if self.cfg.target_flops is None
+            else LambdaSteer(self.cfg.target_at(0.0), 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
+        )
         self.tau = self.cfg.tau0
         self.lam_scale: float = 1.0
         self.measure_balance = False  # set at every epoch's start when the balance is measured
@@ -54,8 +68,11 @@ class DCSSearchHooks(TrainHooks):
         self.arch_per_epoch = math.ceil(len(self.a_idx) / (job.train.batch_size * distributed.world().size))
         arch_steps = self.epochs * self.arch_per_epoch
         self.arch_steps, self.arch_step = max(1, arch_steps), 0
-        self.arch_lr = self.cfg.arch_lr if self.cfg.arch_lr is not None else min(0.5, max(
-            0.01, job.method.alpha_init / (0.4 * max(1, arch_steps))))
+        self.arch_lr = (
+            self.cfg.arch_lr
+            if self.cfg.arch_lr is not None
+            else min(0.5, max(0.01, job.method.alpha_init / (0.4 * max(1, arch_steps))))
+        )
         distils = dense is not None and (self.cfg.distill > 0 or self.cfg.feat_distill > 0)
         self.taps = None
         if distils and self.cfg.feat_distill > 0:
@@ -72,8 +89,14 @@ class DCSSearchHooks(TrainHooks):
         # the architecture logits follow their own schedule (cosine from arch_lr to arch_lr_end x arch_lr,
         # so the controller still moves them at the end, ever more finely) and a short momentum (less
         # lag between lambda and the FLOPs, so less overshoot around the target)
-        return own_group(groups, self.arch_params, weight_decay=0.0, own_lr=self.arch_lr,
-                         own_lr_end=self.cfg.arch_lr_end, betas=(self.cfg.arch_beta1, 0.999))
+        return own_group(
+            groups,
+            self.arch_params,
+            weight_decay=0.0,
+            own_lr=self.arch_lr,
+            own_lr_end=self.cfg.arch_lr_end,
+            betas=(self.cfg.arch_beta1, 0.999),
+        )
 
     def batches(self, data, *, epoch, loader):
         train = data.train if self.teacher is None else Indexed(data.train)  # the cache is read by image index
@@ -86,6 +109,7 @@ class DCSSearchHooks(TrainHooks):
             for kind in order:
                 imgs, labels, *idx = next(w_it if kind == "w" else a_it)
                 yield imgs, labels, StepTag(kind, idx[0] if idx else None)
+
         return gen(), len(order)
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
@@ -94,7 +118,7 @@ class DCSSearchHooks(TrainHooks):
             # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on)
             self.check(self.log[-1], self.log[0] if self.log[0].get("start") else None)
         self.rechecked = True
-        self.tau = self.cfg.tau0 * self.cfg.tau_decay ** epoch
+        self.tau = self.cfg.tau0 * self.cfg.tau_decay**epoch
         model.dcs_state.tau = self.tau
         self.arch_step = epoch * self.arch_per_epoch  # from the epoch: the same after a resume
         self.epoch_stats = {"arch_steps": 0, "at_target": 0, "projections": 0, "projected_move": 0.0}
@@ -107,8 +131,9 @@ class DCSSearchHooks(TrainHooks):
         for p in self.arch_params:
             p.requires_grad_(tag == "a")
 
-    def distillation(self, logits: torch.Tensor, x: torch.Tensor,
-                     idx: torch.Tensor | None = None) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    def distillation(
+        self, logits: torch.Tensor, x: torch.Tensor, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         """``distill`` x KL + ``feat_distill`` x the pre-logits feature error to the dense model
         (its outputs read from the cache at the batch's image indices ``idx`` where there is one)."""
         if self.dense is None or (self.cfg.distill == 0 and self.taps is None):
@@ -152,8 +177,12 @@ class DCSSearchHooks(TrainHooks):
             self.lam_scale = self.grad_balance(ce if epoch == 0 or kd is None else task, log_cost)
             self.measure_balance = False
         loss = task + self.lam_scale * self.lam * log_cost + self.cfg.entropy_weight * ent
-        return loss, {"ce_a": ce.detach(), **{f"{k}_a": v for k, v in kd_logs.items()}, "log_cost": log_cost.detach(),
-                      "entropy": ent.detach()}
+        return loss, {
+            "ce_a": ce.detach(),
+            **{f"{k}_a": v for k, v in kd_logs.items()},
+            "log_cost": log_cost.detach(),
+            "entropy": ent.detach(),
+        }
 
     def grad_balance(self, task: torch.Tensor, log_cost: torch.Tensor) -> float:
         """``max(1, r)``, r = median |d task / d logit| / median |d log cost / d logit| over every
@@ -207,12 +236,17 @@ class DCSSearchHooks(TrainHooks):
             ratio = self.ratio(model)
             target = self.cfg.target_flops
             if target is not None and abs(ratio / target - 1) > self.cfg.tolerance:
-                advice = ("hold the target while the search trains: rerun the same command with {force} {budget} project"
-                          if self.cfg.budget != "project" else "give the search more architecture steps: rerun the "
-                          f"same command with {{force}} {{epochs}} {2 * self.epochs}")
+                advice = (
+                    "hold the target while the search trains: rerun the same command with {force} {budget} project"
+                    if self.cfg.budget != "project"
+                    else "give the search more architecture steps: rerun the "
+                    f"same command with {{force}} {{epochs}} {2 * self.epochs}"
+                )
                 if not self.cfg.calibrate:
-                    raise SettingError(f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
-                                       f"+-{self.cfg.tolerance:.0%}; {advice}")
+                    raise SettingError(
+                        f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
+                        f"+-{self.cfg.tolerance:.0%}; {advice}"
+                    )
                 saved = [b.dcs_alpha.detach().clone() for b in model.blocks if b.dcs_alpha is not None]
                 shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp)
                 move = abs(ratio - self.ratio(model))
@@ -223,9 +257,15 @@ class DCSSearchHooks(TrainHooks):
                     raise SearchOffTarget(
                         f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing there "
                         f"would take an untrained cut of {move:.3f} (more than {{max_calibration}} "
-                        f"{self.cfg.max_calibration:g}), which is not applied", advice)
-                rec["calibration"] = {"ratio_before": ratio, "ratio_after": self.ratio(model), "move": move,
-                                      "alpha_shift": shift}
+                        f"{self.cfg.max_calibration:g}), which is not applied",
+                        advice,
+                    )
+                rec["calibration"] = {
+                    "ratio_before": ratio,
+                    "ratio_after": self.ratio(model),
+                    "move": move,
+                    "alpha_shift": shift,
+                }
         rec.update(selection_record(model, self.cost))
         return rec
 
@@ -243,8 +283,12 @@ class DCSSearchHooks(TrainHooks):
         if prev is not None and prev.get("start"):
             prev_at = target is not None and target >= 1.0  # the start: the dense model stands at the target 1 only
         else:
-            prev_at = prev is not None and prev.get("target_now") is not None and target is not None \
+            prev_at = (
+                prev is not None
+                and prev.get("target_now") is not None
+                and target is not None
                 and prev["target_now"] <= target * (1 + 1e-6)
+            )
         # while the target still moves, and in the epoch where it arrives, the weights chase a shrinking
         # architecture and dip, then recover (DINOv2 ViT-S/14 probe at 0.6x: 92.0 -> 64.6 / 63.2 / 77.3 /
         # 89.1% over 4 epochs): there only twice the drop stops it
@@ -253,10 +297,15 @@ class DCSSearchHooks(TrainHooks):
         limit = self.cfg.max_val_drop * (2 if settling else 1)
         if drop <= limit or (not settling and rising):
             return
-        head = (f"the gate search stopped after epoch {record['epoch']}: validation top-1 fell from "
-                f"{start['val_top1']:.2f}% (the dense model) to {record['val_top1']:.2f}%, more than "
-                + (f"twice {{max_val_drop}} {self.cfg.max_val_drop:g} points while the architecture still moved"
-                   if settling else f"{{max_val_drop}} {self.cfg.max_val_drop:g} points, and not rising"))
+        head = (
+            f"the gate search stopped after epoch {record['epoch']}: validation top-1 fell from "
+            f"{start['val_top1']:.2f}% (the dense model) to {record['val_top1']:.2f}%, more than "
+            + (
+                f"twice {{max_val_drop}} {self.cfg.max_val_drop:g} points while the architecture still moved"
+                if settling
+                else f"{{max_val_drop}} {self.cfg.max_val_drop:g} points, and not rising"
+            )
+        )
         go_on = "to let the gates go on instead, rerun the same command with {resume} {max_val_drop} 100"
         calib = record.get("calibration")
         if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
@@ -266,7 +315,8 @@ class DCSSearchHooks(TrainHooks):
                 f"{head}, after the end-of-search calibration had to move the FLOPs ratio from "
                 f"{calib['ratio_before']:.3f} to the target {self.cfg.target_flops}",
                 f"the search had too few architecture steps to get there itself: rerun the same command with "
-                f"{{force}} {{epochs}} {2 * self.epochs}")
+                f"{{force}} {{epochs}} {2 * self.epochs}",
+            )
         raise SearchCollapsed(head, go_on)
 
     def state_dict(self) -> dict[str, Any]:
@@ -300,7 +350,6 @@ class SearchOffTarget(SearchCollapsed):
     """A DCS search that ended so far from its FLOPs target that landing there would take an
     untrained cut larger than ``max_calibration`` (handled as a collapse: the pipeline retries
     milder, a study records the trial as failed)."""
-
 
 
 __all__ = ["DCSSearchHooks", "SearchCollapsed", "SearchOffTarget"]

@@ -4,6 +4,7 @@ The gather itself belongs to the DCS method (:func:`nascompress.methods.dcs.mate
 the job beside the search: load the finished supernet, materialize it in memory, check that the
 compact model reproduces the masked supernet, and only then write the run.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,6 @@ from ..profiling import count_flops
 from ..runs.run_dir import RunDir
 from ..runs.files import Arch, read_metrics
 from ..pipeline_files import find_run_config
-
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,17 @@ def load_search(search_dir: str | Path) -> tuple[nn.Module, Arch, DCSConfig]:
     supernet, arch = load_typed(d)  # an unfinished search is refused here (--resume continues it)
     methods = arch.methods
     if not methods or methods[-1].name != "dcs" or (methods[-1].stage or "supernet") != "supernet":
-        raise SettingError(f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
-                               "supernet); give the {out} directory of 'nascompress search dcs'")
+        raise SettingError(
+            f"{d} holds no finished DCS search (its arch.json's last method is not dcs at stage "
+            "supernet); give the {out} directory of 'nascompress search dcs'"
+        )
     rec = methods[-1]
     cfg = DCSConfig.from_dict(dict(rec.config or {}))
     if rec.get("blocks") is not None and rec.get("blocks") != selection(supernet):
-        raise NascompressError(f"{d}/arch.json records selected channels that do not match the gates in "
-                               f"{d}/model.safetensors; re-run the search or restore the matching arch.json")
+        raise NascompressError(
+            f"{d}/arch.json records selected channels that do not match the gates in "
+            f"{d}/model.safetensors; re-run the search or restore the matching arch.json"
+        )
     return supernet, arch, cfg
 
 
@@ -83,21 +87,35 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     with torch.no_grad():
         diff = (supernet.eval()(x) - model(x)).abs().max().item()
     if diff > 1e-4:
-        raise NascompressError(f"materialized logits differ from the supernet's by {diff:.2e} (> 1e-4): "
-                               "this is a bug, please report it")
+        raise NascompressError(
+            f"materialized logits differ from the supernet's by {diff:.2e} (> 1e-4): this is a bug, please report it"
+        )
     new_arch = arch.with_last_method(record)
     sup_flops, flops = count_flops(supernet, x[:2]), count_flops(model, x[:2])
     recorded = find_run_config(job.search_dir)
     search_cfg = recorded.to_dict() if recorded is not None else {}
     dense_macs = read_metrics(job.search_dir).dense_macs
-    metrics = {"macs": flops.total, "params": flops.params, "supernet_macs": sup_flops.total,
-               "supernet_params": sup_flops.params, "dense_macs": dense_macs,
-               "flops_ratio_vs_dense": flops.total / dense_macs if dense_macs else None,
-               "max_abs_logit_diff": diff, "qk_mask": cfg.qk_mask,
-               "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
-               "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]]}
-    run.create({"materialize": job.to_dict(), "data": source_data(search_cfg), "search": search_cfg.get("search"),
-                "search_data": search_cfg.get("data"), "source": search_cfg.get("source")})
+    metrics = {
+        "macs": flops.total,
+        "params": flops.params,
+        "supernet_macs": sup_flops.total,
+        "supernet_params": sup_flops.params,
+        "dense_macs": dense_macs,
+        "flops_ratio_vs_dense": flops.total / dense_macs if dense_macs else None,
+        "max_abs_logit_diff": diff,
+        "qk_mask": cfg.qk_mask,
+        "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
+        "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]],
+    }
+    run.create(
+        {
+            "materialize": job.to_dict(),
+            "data": source_data(search_cfg),
+            "search": search_cfg.get("search"),
+            "search_data": search_cfg.get("data"),
+            "source": search_cfg.get("source"),
+        }
+    )
     save_model(out, model, new_arch)
     return run.finish(metrics)  # the last write: marks the run complete
 

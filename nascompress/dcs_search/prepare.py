@@ -9,6 +9,7 @@ and the protection) are kept in memory for the process and reused (:data:`_MEMO`
 base run's file, its modification time and the images drawn), which the trials' searches ask for
 with ``init_seed`` (the study's seed, not the trial's).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,9 +51,17 @@ _MEMO_SIZE = 2
 
 
 @torch.no_grad()
-def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, family: str = "residual",
-                    stats: list[BlockStats] | None = None, align: int = 1, hidden_fill: str = "zero",
-                    targets: list[torch.Tensor] | None = None) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
+def init_importance(
+    dense: nn.Module,
+    images: list[torch.Tensor],
+    how: str,
+    *,
+    family: str = "residual",
+    stats: list[BlockStats] | None = None,
+    align: int = 1,
+    hidden_fill: str = "zero",
+    targets: list[torch.Tensor] | None = None,
+) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
     """The gate-initialisation importance of :attr:`DCSSearchConfig.init_importance` on the
     preprocessed calibration ``images`` (batches; ``stats`` from :func:`activation_stats` if already
     measured): ``(importance or None for weight magnitude, info)``, info ``{"init": chosen,
@@ -66,9 +75,12 @@ def init_importance(dense: nn.Module, images: list[torch.Tensor], how: str, *, f
     shares = [1 - d for d in INIT_PROBE_DROPS]
     fill = [s.hidden_mean for s in stats]
     targets = targets or dense_targets(dense, images)
-    kls = {name: probe_kl(dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill,
-                          targets=targets)
-           for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))}
+    kls = {
+        name: probe_kl(
+            dense, images, imp, family, shares, align=align, hidden_fill=hidden_fill, fill=fill, targets=targets
+        )
+        for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))
+    }
     chosen = "activation" if kls["activation"] < INIT_MARGIN * kls["weight"] else "weight"
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
 
@@ -102,8 +114,9 @@ class Ticking(list):
             self.tick()
 
 
-def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
-                   tick: Callable[..., None] | None = None) -> tuple[Job, dict[str, Any]]:
+def prepare_search(
+    job: Job, dense: nn.Module, data: Any, spec: InputSpec, tick: Callable[..., None] | None = None
+) -> tuple[Job, dict[str, Any]]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
     the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
     the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
@@ -117,8 +130,13 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
         bs = auto_batch_size(len(data.train))
         job = job.replace(train=job.train.replace(batch_size=bs), search=s.replace(auto_batch=False))
         info["batch_rule"] = f"auto: {bs} for {len(data.train)} training images"
-    needs = m.mlp_gates == "auto" or s.init_importance != "weight" or s.protect_ratio > 0 or s.block_weights or (
-        m.mlp_gates == "hidden" and m.hidden_fill == "mean")
+    needs = (
+        m.mlp_gates == "auto"
+        or s.init_importance != "weight"
+        or s.protect_ratio > 0
+        or s.block_weights
+        or (m.mlp_gates == "hidden" and m.hidden_fill == "mean")
+    )
     dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
     # the probes' forwards in the search's precision (bf16 where --amp resolves to it: the DINOv2 ViT-S/14
     # probes 1.6x faster, the same choices; the statistics and KLs are accumulated in fp32)
@@ -128,14 +146,28 @@ def prepare_search(job: Job, dense: nn.Module, data: Any, spec: InputSpec,
         return _measure(job, dense, data, spec, memo=memo, needs=needs, tick=tick, info=info, dev=dev)
 
 
-def _measure(job: Job, dense: nn.Module, data: Any, spec: InputSpec, *, memo: dict[str, Any], needs: bool,
-             tick: Callable[..., None], info: dict[str, Any], dev: torch.device) -> tuple[Job, dict[str, Any]]:
+def _measure(
+    job: Job,
+    dense: nn.Module,
+    data: Any,
+    spec: InputSpec,
+    *,
+    memo: dict[str, Any],
+    needs: bool,
+    tick: Callable[..., None],
+    info: dict[str, Any],
+    dev: torch.device,
+) -> tuple[Job, dict[str, Any]]:
     """:func:`prepare_search`'s measurements, under the search's precision."""
     s, m = job.search, job.method
     if needs and "images" not in memo:
         tick(0, info="activation statistics")
-        memo["images"] = [x.to(dev) for x in calibration_images(data, spec, n=s.init_images, seed=job.train.seed
-                                                                if s.init_seed is None else s.init_seed)]
+        memo["images"] = [
+            x.to(dev)
+            for x in calibration_images(
+                data, spec, n=s.init_images, seed=job.train.seed if s.init_seed is None else s.init_seed
+            )
+        ]
         memo["stats"] = activation_stats(dense, Ticking(memo["images"], tick))
         memo["targets"] = dense_targets(dense, Ticking(memo["images"], tick))
     images, stats, targets = Ticking(memo.get("images", []), tick), memo.get("stats"), memo.get("targets")
@@ -143,8 +175,9 @@ def _measure(job: Job, dense: nn.Module, data: Any, spec: InputSpec, *, memo: di
         key = ("family", s.target_flops)
         if key not in memo:
             tick(0, info="gate family probes")
-            memo[key] = choose_family(dense, images, stats, target=s.target_flops, align=m.align,
-                                      hidden_fill=m.hidden_fill, targets=targets)
+            memo[key] = choose_family(
+                dense, images, stats, target=s.target_flops, align=m.align, hidden_fill=m.hidden_fill, targets=targets
+            )
         family, finfo = memo[key]
         m = m.replace(mlp_gates=family)
         job = job.replace(method=m)
@@ -152,8 +185,16 @@ def _measure(job: Job, dense: nn.Module, data: Any, spec: InputSpec, *, memo: di
     key = ("init", s.init_importance, m.mlp_gates)
     if key not in memo:
         tick(0, info="start order probes")
-        memo[key] = init_importance(dense, images, s.init_importance, family=m.mlp_gates, stats=stats, align=m.align,
-                                    hidden_fill=m.hidden_fill, targets=targets)
+        memo[key] = init_importance(
+            dense,
+            images,
+            s.init_importance,
+            family=m.mlp_gates,
+            stats=stats,
+            align=m.align,
+            hidden_fill=m.hidden_fill,
+            targets=targets,
+        )
     importance, iinfo = memo[key]
     info.update(iinfo)
     protect, weights = None, None
@@ -161,8 +202,16 @@ def _measure(job: Job, dense: nn.Module, data: Any, spec: InputSpec, *, memo: di
         key = ("protect", m.mlp_gates, s.protect_ratio, s.block_weights)
         if key not in memo:
             tick(0, info="block sensitivity")
-            memo[key] = protection(dense, images, stats, m.mlp_gates, ratio=s.protect_ratio,
-                                   block_weights=s.block_weights, align=m.align, targets=targets)
+            memo[key] = protection(
+                dense,
+                images,
+                stats,
+                m.mlp_gates,
+                ratio=s.protect_ratio,
+                block_weights=s.block_weights,
+                align=m.align,
+                targets=targets,
+            )
         protect, weights, pinfo = memo[key]
         info.update(pinfo)
     fill = [st.hidden_mean for st in stats] if stats is not None else None
@@ -175,14 +224,12 @@ def calibration_images(data: Any, spec: InputSpec, *, n: int, seed: int, batch_s
     with torch.random.fork_rng(devices=[]):  # seeded augmentation draws; the caller's RNG is untouched
         torch.manual_seed(seed)
         for imgs, _ in make_loader(data.train, batch_size=batch_size, shuffle=True, seed=seed, num_workers=0):
-            x = preprocess(imgs, spec)[:n - got]
+            x = preprocess(imgs, spec)[: n - got]
             out.append(x)
             got += len(x)
             if got >= n:
                 break
     return out
-
-
 
 
 __all__ = ["prepare_search", "init_importance", "calibration_images", "INIT_PROBE_DROPS", "INIT_MARGIN"]

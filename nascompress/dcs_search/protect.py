@@ -14,6 +14,7 @@
   that hurts more when pruned feels less of the cost's push, as a global importance ranking
   (NViT, Torch-Pruning's global pruning) would prune it less.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,8 +33,7 @@ WEIGHT_CLIP = 4.0  # cost weights stay within [1/4, 4]
 
 
 @torch.no_grad()
-def outlier_gates(stats: list[BlockStats], family: str, *, ratio: float,
-                  max_share: float = 0.05) -> list[torch.Tensor]:
+def outlier_gates(stats: list[BlockStats], family: str, *, ratio: float, max_share: float = 0.05) -> list[torch.Tensor]:
     """Per block, a bool mask over the family's gates: the outlier channels to keep open."""
     out = []
     for s in stats:
@@ -61,9 +61,16 @@ class _Replay(nn.Module):
 
 
 @torch.no_grad()
-def block_sensitivity(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], family: str, *,
-                      align: int = 1, protect: list[torch.Tensor] | None = None,
-                      targets: list[torch.Tensor] | None = None) -> list[float]:
+def block_sensitivity(
+    dense: nn.Module,
+    images: list[torch.Tensor],
+    stats: list[BlockStats],
+    family: str,
+    *,
+    align: int = 1,
+    protect: list[torch.Tensor] | None = None,
+    targets: list[torch.Tensor] | None = None,
+) -> list[float]:
     """Per block j: mean KL(dense || model with block j's ``SENSITIVITY_DROP`` least important
     gates of ``family`` closed) on the preprocessed ``images`` (batches). One probe supernet.
 
@@ -113,14 +120,22 @@ def block_sensitivity(dense: nn.Module, images: list[torch.Tensor], stats: list[
 def cost_weights(sensitivity: list[float]) -> list[float]:
     """``clip(sqrt(median / s_j), 1/WEIGHT_CLIP, WEIGHT_CLIP)`` per block (1 where all are equal)."""
     med = float(torch.tensor(sensitivity).median())
-    return [min(WEIGHT_CLIP, max(1 / WEIGHT_CLIP, (med / max(s, 1e-12)) ** 0.5)) if med > 0 else 1.0
-            for s in sensitivity]
+    return [
+        min(WEIGHT_CLIP, max(1 / WEIGHT_CLIP, (med / max(s, 1e-12)) ** 0.5)) if med > 0 else 1.0 for s in sensitivity
+    ]
 
 
-def protection(dense: nn.Module, images: list[torch.Tensor], stats: list[BlockStats], family: str, *,
-               ratio: float, block_weights: bool, align: int,
-               targets: list[torch.Tensor] | None = None) -> tuple[list[torch.Tensor] | None,
-                                                                      list[float] | None, dict[str, Any]]:
+def protection(
+    dense: nn.Module,
+    images: list[torch.Tensor],
+    stats: list[BlockStats],
+    family: str,
+    *,
+    ratio: float,
+    block_weights: bool,
+    align: int,
+    targets: list[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor] | None, list[float] | None, dict[str, Any]]:
     """Outlier masks (``ratio`` 0: none), block cost weights (or None) and their log record."""
     info: dict[str, Any] = {}
     protect = None

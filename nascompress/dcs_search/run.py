@@ -2,6 +2,7 @@
 weights), the search itself (:func:`~nascompress.dcs_search.search.run_dcs_search`, in memory) writing its
 files as it goes, the completion mark; and a search the guard stopped reopened by ``--resume`` with
 another ``--max-val-drop``."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +23,17 @@ from ..methods.dcs import DCSConfig
 from .search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
 
 
-def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any], method: Mapping[str, Any],
-              train: Mapping[str, Any], data: DataConfig | None = None, weights: str | None = None,
-              img_size: int | None = None) -> DCSSearchJob:
+def build_job(
+    source: str | Path,
+    out: str | Path,
+    *,
+    search: Mapping[str, Any],
+    method: Mapping[str, Any],
+    train: Mapping[str, Any],
+    data: DataConfig | None = None,
+    weights: str | None = None,
+    img_size: int | None = None,
+) -> DCSSearchJob:
     """The DCS search job of ``nascompress search dcs`` and of a pipeline's ``stages.dcs`` (the one
     place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search.DCSSearchConfig`'s
     settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
@@ -33,8 +42,16 @@ def build_job(source: str | Path, out: str | Path, *, search: Mapping[str, Any],
     (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
     cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)
     tc = search_train_config(**train)
-    return DCSSearchJob(source=str(source), out=str(out), method=DCSConfig.user(**method), search=cfg, train=tc,
-                        data=data, weights=weights, model_kwargs={"img_size": img_size} if img_size else {})
+    return DCSSearchJob(
+        source=str(source),
+        out=str(out),
+        method=DCSConfig.user(**method),
+        search=cfg,
+        train=tc,
+        data=data,
+        weights=weights,
+        model_kwargs={"img_size": img_size} if img_size else {},
+    )
 
 
 # how to let the gates of a search the guard stopped go on (a SettingError template: a front end words
@@ -58,16 +75,22 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, Arch, DataConfig]:
     return model, Arch.of(make_arch(spec, input_spec=input_spec_for(model, data.dataset).to_dict())), data
 
 
-def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
-               explicit: set[str] | None = None) -> dict[str, Any]:
+def search_dcs(
+    job: DCSSearchJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
+) -> dict[str, Any]:
     """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
     on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
     out = Path(job.out)
     if resume:  # (explicit: the options given on the command line; each must agree with the record)
         # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
         guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
-        job = RunDir.recorded(out, DCSSearchJob, "nascompress search dcs", given=job,
-                              explicit=None if explicit is None else explicit - {"max_val_drop"})
+        job = RunDir.recorded(
+            out,
+            DCSSearchJob,
+            "nascompress search dcs",
+            given=job,
+            explicit=None if explicit is None else explicit - {"max_val_drop"},
+        )
         if guard is not None:
             job = job.replace(search=job.search.replace(max_val_drop=guard))
             reopen_stopped(out)
@@ -85,7 +108,9 @@ def search_dcs(job: DCSSearchJob, *, force: bool = False, resume: bool = False,
 
     result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
     if result.metrics.get("stopped"):  # how to continue the gates (a front end words CONTINUE its own way)
-        result.metrics["stopped"]["continue"] = "resume the run with max_val_drop 100 to let the gates go on from this epoch"
+        result.metrics["stopped"]["continue"] = (
+            "resume the run with max_val_drop 100 to let the gates go on from this epoch"
+        )
     return run.finish(result.metrics)  # the last write: marks the search complete
 
 

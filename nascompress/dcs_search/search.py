@@ -51,6 +51,7 @@ epoch; the shards are equal, so every process interleaves its W- and arch-steps 
 and the gradients averaged by DistributedDataParallel (one wrapper for the W-steps' weights, one for
 the arch-steps' logits) keep the architecture (and so lambda) the same everywhere.
 """
+
 from __future__ import annotations
 
 import copy
@@ -193,64 +194,133 @@ class DCSSearchConfig(Config):
 
     # Fields declared with setting() are the user's: `search dcs` options and `stages.dcs` keys
     # (help: the CLI's; lo/hi/choices: what the pipeline file checks). The others are internal.
-    arch_lr: float | None = setting(None, lo=0, lo_open=True, hi=MAX_LR, help=(
-        "Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps)."))
+    arch_lr: float | None = setting(
+        None,
+        lo=0,
+        lo_open=True,
+        hi=MAX_LR,
+        help=("Peak AdamW lr of the architecture parameters (default: sized from the number of arch steps)."),
+    )
     arch_lr_end: float = 0.1
     arch_beta1: float = 0.5
-    lam: float = setting(0.2, lo=0, help=(
-        "lambda of lambda*log(cost) (paper range 0.1-0.5); with --target-flops it is steered instead."))
+    lam: float = setting(
+        0.2, lo=0, help=("lambda of lambda*log(cost) (paper range 0.1-0.5); with --target-flops it is steered instead.")
+    )
     entropy_weight: float = setting(0.01, lo=0, help="Weight of the gates' entropy penalty.")
     tau0: float = setting(4.5, lo=0, lo_open=True, help="Initial Gumbel temperature (x0.95 per epoch).")
     tau_decay: float = 0.95
-    target_flops: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
-        "Land within +-5% of this FLOPs ratio of the dense model, in (0, 1]."))
-    target_ramp: float = setting(0.5, lo=0, hi=1, help=(
-        "Share of the search over which the target moves from 1.0 down to --target-flops (0: at once)."))
-    budget: str = setting("project", choices=BUDGETS, help=(
-        "How the search holds its FLOPs target while it trains: project (after every architecture step the "
-        "gate threshold moves so the architecture sits on the moving target, and the weights train at it) "
-        "or steer (the lambda controller alone)."))
-    max_calibration: float = setting(0.02, lo=0, hi=1, help=(
-        "The end-of-search guard: the largest FLOPs-ratio move the untrained threshold shift may make when "
-        "the search ends off target; a larger one fails the search."))
-    w_gates: str = setting("hard", choices=W_GATES, help=(
-        "The gates the weight steps train under: hard (the aligned architecture the search would materialize "
-        "at that step) or sampled (a Gumbel sample per step, the paper's)."))
+    target_flops: float | None = setting(
+        None, lo=0, hi=1, lo_open=True, help=("Land within +-5% of this FLOPs ratio of the dense model, in (0, 1].")
+    )
+    target_ramp: float = setting(
+        0.5,
+        lo=0,
+        hi=1,
+        help=("Share of the search over which the target moves from 1.0 down to --target-flops (0: at once)."),
+    )
+    budget: str = setting(
+        "project",
+        choices=BUDGETS,
+        help=(
+            "How the search holds its FLOPs target while it trains: project (after every architecture step the "
+            "gate threshold moves so the architecture sits on the moving target, and the weights train at it) "
+            "or steer (the lambda controller alone)."
+        ),
+    )
+    max_calibration: float = setting(
+        0.02,
+        lo=0,
+        hi=1,
+        help=(
+            "The end-of-search guard: the largest FLOPs-ratio move the untrained threshold shift may make when "
+            "the search ends off target; a larger one fails the search."
+        ),
+    )
+    w_gates: str = setting(
+        "hard",
+        choices=W_GATES,
+        help=(
+            "The gates the weight steps train under: hard (the aligned architecture the search would materialize "
+            "at that step) or sampled (a Gumbel sample per step, the paper's)."
+        ),
+    )
     project_band: float = 0.01
     tolerance: float = 0.05
     steer_gain: float = 2.0
     steer_rate: float = 0.05
     weight_fraction: float = 0.7
-    round_mlp: int = setting(0, lo=0, help=(
-        "Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for)."))
+    round_mlp: int = setting(
+        0,
+        lo=0,
+        help=("Not in the paper: close block MLPs left with < K channels, open those with > C-K (steered for)."),
+    )
     distill: float = setting(0.5, lo=0, help="Weight of KL to the dense model's logits (0: off).")
-    feat_distill: float = setting(1.0, lo=0, help=(
-        "Weight of the relative error to the dense model's pre-logits feature (0: off)."))
-    arch_loss: str = setting("kd", choices=ARCH_LOSSES, help=(
-        "The architecture steps' task loss: kd (the distillation terms) or ce (the paper's)."))
-    protect_ratio: float = setting(5.0, lo=0, help=(
-        "Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
-        "block's gates; 0: off)."))
-    block_weights: bool = setting(True, flag="--no-block-weights", help=(
-        "Do not weight each block's cost by its measured sensitivity."))
-    max_val_drop: float = setting(15.0, lo=0, help=(
-        "Stop when validation top-1 falls more than this many points below the dense model's (twice this while "
-        "the target still moves: the weights dip and recover there)."))
-    calibrate: bool = setting(True, flag="--no-calibrate", help=(
-        "Fail instead of shifting the gate threshold when the search ends off target."))
-    grad_balance: bool = setting(True, flag="--no-grad-balance", help=(
-        "Keep lambda in absolute units (by default, with --target-flops, the cost term is scaled up where the "
-        "CE gradient per gate outweighs it, as on pretrained models)."))
-    init_importance: str = setting("auto", choices=INIT_IMPORTANCE, help=(
-        "What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
-        "(activation where its 20%- and 40%-pruned models are clearly closer to the dense model, else weight)."))
-    baseline: bool = setting(True, flag="--no-baseline", help=(
-        "Do not build the magnitude-pruned model at the same FLOPs (global magnitude pruning of the MLP hidden "
-        "neurons, Torch-Pruning's rule) to compare the searched model with; a search that falls apart then ends "
-        "in an error instead of the baseline's model."))
-    recovery_images: int = setting(1024, lo=1, hi=10_000_000, help=(
-        "Training images of the short recovery the searched and the baseline model both get before they are "
-        "compared on the validation split (at most the training split)."))
+    feat_distill: float = setting(
+        1.0, lo=0, help=("Weight of the relative error to the dense model's pre-logits feature (0: off).")
+    )
+    arch_loss: str = setting(
+        "kd",
+        choices=ARCH_LOSSES,
+        help=("The architecture steps' task loss: kd (the distillation terms) or ce (the paper's)."),
+    )
+    protect_ratio: float = setting(
+        5.0,
+        lo=0,
+        help=(
+            "Fix open the gates of outlier channels (activation > this x the block median, at most 5% of a "
+            "block's gates; 0: off)."
+        ),
+    )
+    block_weights: bool = setting(
+        True, flag="--no-block-weights", help=("Do not weight each block's cost by its measured sensitivity.")
+    )
+    max_val_drop: float = setting(
+        15.0,
+        lo=0,
+        help=(
+            "Stop when validation top-1 falls more than this many points below the dense model's (twice this while "
+            "the target still moves: the weights dip and recover there)."
+        ),
+    )
+    calibrate: bool = setting(
+        True,
+        flag="--no-calibrate",
+        help=("Fail instead of shifting the gate threshold when the search ends off target."),
+    )
+    grad_balance: bool = setting(
+        True,
+        flag="--no-grad-balance",
+        help=(
+            "Keep lambda in absolute units (by default, with --target-flops, the cost term is scaled up where the "
+            "CE gradient per gate outweighs it, as on pretrained models)."
+        ),
+    )
+    init_importance: str = setting(
+        "auto",
+        choices=INIT_IMPORTANCE,
+        help=(
+            "What orders the gates' start: weight (magnitude), activation (measured on 256 training images) or auto "
+            "(activation where its 20%- and 40%-pruned models are clearly closer to the dense model, else weight)."
+        ),
+    )
+    baseline: bool = setting(
+        True,
+        flag="--no-baseline",
+        help=(
+            "Do not build the magnitude-pruned model at the same FLOPs (global magnitude pruning of the MLP hidden "
+            "neurons, Torch-Pruning's rule) to compare the searched model with; a search that falls apart then ends "
+            "in an error instead of the baseline's model."
+        ),
+    )
+    recovery_images: int = setting(
+        1024,
+        lo=1,
+        hi=10_000_000,
+        help=(
+            "Training images of the short recovery the searched and the baseline model both get before they are "
+            "compared on the validation split (at most the training split)."
+        ),
+    )
     init_images: int = 256
     init_seed: int | None = None
     auto_batch: bool = True
@@ -266,8 +336,10 @@ class DCSSearchConfig(Config):
         check_range("weight_fraction", self.weight_fraction, 0, 1, lo_open=True, hi_open=True)
         check_bool("auto_batch", self.auto_batch)
         if self.arch_loss == "kd" and self.distill == 0 and self.feat_distill == 0:
-            raise SettingError("{arch_loss} kd distils from the dense model: give {distill} or {feat_distill} "
-                                   "a positive weight, or use {arch_loss} ce")
+            raise SettingError(
+                "{arch_loss} kd distils from the dense model: give {distill} or {feat_distill} "
+                "a positive weight, or use {arch_loss} ce"
+            )
 
     def target_at(self, progress: float) -> float | None:
         """The controller's target after ``progress`` (0..1) of the architecture steps."""
@@ -280,17 +352,31 @@ class DCSSearchConfig(Config):
 
 # The search's W optimisation: a fine-tuning lr (the weights must follow the cut; see the module
 # docstring for the measurement), short warm-up, no layer decay (1: off), keep the last epoch.
-SEARCH_TRAIN = TrainConfig(epochs=4, batch_size=128, lr=None, base_lr=1e-3, min_lr=1e-6, warmup_epochs=0.2,
-                           weight_decay=0.01, layer_decay=1.0, keep="last")
+SEARCH_TRAIN = TrainConfig(
+    epochs=4,
+    batch_size=128,
+    lr=None,
+    base_lr=1e-3,
+    min_lr=1e-6,
+    warmup_epochs=0.2,
+    weight_decay=0.01,
+    layer_decay=1.0,
+    keep="last",
+)
 
 
 # The search's training settings a user sets (`search dcs` options, `stages.dcs` keys): the recipe's
 # defaults, but batch_size (None: from the training images) and base_lr (None: the recipe's)
 SEARCH_TRAIN_SETTINGS = StageSettings(
-    TrainConfig, ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
-    recipe=SEARCH_TRAIN, no_default=("batch_size", "base_lr"),
-    notes={"batch_size": AUTO_BATCH_NOTE,
-           "base_lr": f"Default: {SEARCH_TRAIN.base_lr:g} (the weights follow the cut)."})
+    TrainConfig,
+    ("epochs", "batch_size", "lr", "base_lr", "min_lr", "warmup_epochs", "layer_decay"),
+    recipe=SEARCH_TRAIN,
+    no_default=("batch_size", "base_lr"),
+    notes={
+        "batch_size": AUTO_BATCH_NOTE,
+        "base_lr": f"Default: {SEARCH_TRAIN.base_lr:g} (the weights follow the cut).",
+    },
+)
 
 
 def search_train_config(**given: Any) -> TrainConfig:
@@ -319,7 +405,6 @@ class DCSSearchJob(Config):
     model_kwargs: dict = field(default_factory=dict)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The job
 
@@ -336,9 +421,16 @@ class DCSSearchResult:
     metrics: dict[str, Any]
 
 
-def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[str, Any], data: Any, *,
-                   out_dir: Path | None = None, resume: bool = False,
-                   before_fit: Callable[[DCSSearchJob], None] | None = None) -> DCSSearchResult:
+def run_dcs_search(
+    job: DCSSearchJob,
+    dense: nn.Module,
+    base_arch: Arch | dict[str, Any],
+    data: Any,
+    *,
+    out_dir: Path | None = None,
+    resume: bool = False,
+    before_fit: Callable[[DCSSearchJob], None] | None = None,
+) -> DCSSearchResult:
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
     distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
@@ -351,12 +443,19 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[s
     device = distributed.init(job.train.device)
     check_classes(dense.num_classes, data)
     base_arch = base_arch.with_labels(data.classes)  # the classes searched on
-    with counted("DCS: measuring the dense model before the search (activation statistics, gate probes)",
-                 unit="probe batches") as tick:
+    with counted(
+        "DCS: measuring the dense model before the search (activation statistics, gate probes)", unit="probe batches"
+    ) as tick:
         job, pre = prepare_search(job, dense, data, spec, tick=tick)
     torch.manual_seed(job.train.seed)
-    supernet = make_supernet(copy.deepcopy(dense), job.method, tau=job.search.tau0, importance=pre["importance"],
-                             fill=pre["fill"], protect=pre["protect"])
+    supernet = make_supernet(
+        copy.deepcopy(dense),
+        job.method,
+        tau=job.search.tau0,
+        importance=pre["importance"],
+        fill=pre["fill"],
+        protect=pre["protect"],
+    )
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre["weights"])
     dense.eval().requires_grad_(False).to(device)  # the distillation teacher runs beside the supernet
     distils = job.search.distill > 0 or job.search.feat_distill > 0
@@ -365,26 +464,55 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[s
     teacher = None
     if distils and (data.name in IN_MEMORY or data.extra.get("fixed_train_images")):
         with step(f"DCS: the dense model's outputs for the {len(data.train)} training images (computed once)"):
-            teacher = TeacherCache.build(dense, data.train, spec, device=device, feat=job.search.feat_distill > 0,
-                                         amp=job.train.amp)
-    hooks = DCSSearchHooks(supernet, dense=dense if distils else None, cost=cost, job=job,
-                           base_arch=base_arch, train_size=len(data.train), init_info=pre["info"], teacher=teacher)
+            teacher = TeacherCache.build(
+                dense, data.train, spec, device=device, feat=job.search.feat_distill > 0, amp=job.train.amp
+            )
+    hooks = DCSSearchHooks(
+        supernet,
+        dense=dense if distils else None,
+        cost=cost,
+        job=job,
+        base_arch=base_arch,
+        train_size=len(data.train),
+        init_info=pre["info"],
+        teacher=teacher,
+    )
     if before_fit is not None:
         before_fit(job)
     log: list[dict[str, Any]] = hooks.log  # fit appends every epoch's record; the guard reads the previous one
     try:
-        fit_metrics: dict[str, Any] | None = fit(supernet, data=data, input_spec=spec, cfg=job.train, out_dir=out_dir,
-                                                 arch=hooks.arch(supernet, base_arch), hooks=hooks, resume=resume,
-                                                 finish=False, log=log, test=False)  # the kept model: below
+        fit_metrics: dict[str, Any] | None = fit(
+            supernet,
+            data=data,
+            input_spec=spec,
+            cfg=job.train,
+            out_dir=out_dir,
+            arch=hooks.arch(supernet, base_arch),
+            hooks=hooks,
+            resume=resume,
+            finish=False,
+            log=log,
+            test=False,
+        )  # the kept model: below
         stopped = None
     except SearchCollapsed as e:  # the gates stop here; with the baseline on, the search still ends with a model
         if not job.search.baseline:
             raise
         fit_metrics, stopped = None, e
         supernet.eval()
-    kept, comparison = keep_better(job, supernet, cost=hooks.cost, ratio=hooks.ratio(supernet), dense=dense,
-                                   fill=pre["fill"], data=data, spec=spec, device=device, stopped=stopped,
-                                   last_val=log[-1].get("val_top1") if len(log) > 1 else None)
+    kept, comparison = keep_better(
+        job,
+        supernet,
+        cost=hooks.cost,
+        ratio=hooks.ratio(supernet),
+        dense=dense,
+        fill=pre["fill"],
+        data=data,
+        spec=spec,
+        device=device,
+        stopped=stopped,
+        last_val=log[-1].get("val_top1") if len(log) > 1 else None,
+    )
     if kept.kind != "dcs":
         job = job.replace(method=kept.cfg)
     supernet = kept.supernet
@@ -398,30 +526,65 @@ def run_dcs_search(job: DCSSearchJob, dense: nn.Module, base_arch: Arch | dict[s
     if fit_metrics is None:  # stopped by the guard: the test split is scored below, for the kept model
         fit_metrics = {"epochs": job.train.epochs, "train_time_s": sum(epoch_time), "dataset": data.name}
     kept_sel = selection_record(supernet, kept.cost)
-    test = evaluate(supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size,
-                    amp=job.train.amp)
-    metrics = dict(fit_metrics, finished=True, dense_macs=cost.dense, macs=kept_sel["macs"],
-                   flops_ratio=kept_sel["flops_ratio"], target_flops=job.search.target_flops, lam=last.get("lam"),
-                   val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
-                   search_val_top1=last["val_top1"], test_top1=test["top1"], test_loss=test["loss"], test_n=test["n"],
-                   kept=kept.kind, comparison=comparison,
-                   stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
-                   dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
-                   search_time_s=fit_metrics["train_time_s"], epoch_time_s=epoch_time,
-                   mlp_kept=kept_sel["mlp_kept"], qk_kept=kept_sel.get("qk_kept"), calibrated=bool(calib),
-                   calibration=calib[-1] if calib else None,
-                   calibration_move=calib[-1]["move"] if calib else (0.0 if budget else None),
-                   budget=job.search.budget if budget else None,
-                   at_target_share=sum(b["at_target"] for b in budget) / arch_steps if arch_steps else None,
-                   projections=sum(b["projections"] for b in budget) if budget else None,
-                   train_images=len(data.train), dataset=data.name,
-                   mlp_gates=job.method.mlp_gates, align=job.method.align, batch_size=job.train.batch_size,
-                   teacher_cached=teacher is not None,
-                   **pre["info"])
+    test = evaluate(
+        supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size, amp=job.train.amp
+    )
+    metrics = dict(
+        fit_metrics,
+        finished=True,
+        dense_macs=cost.dense,
+        macs=kept_sel["macs"],
+        flops_ratio=kept_sel["flops_ratio"],
+        target_flops=job.search.target_flops,
+        lam=last.get("lam"),
+        val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
+        search_val_top1=last["val_top1"],
+        test_top1=test["top1"],
+        test_loss=test["loss"],
+        test_n=test["n"],
+        kept=kept.kind,
+        comparison=comparison,
+        stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
+        dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
+        search_time_s=fit_metrics["train_time_s"],
+        epoch_time_s=epoch_time,
+        mlp_kept=kept_sel["mlp_kept"],
+        qk_kept=kept_sel.get("qk_kept"),
+        calibrated=bool(calib),
+        calibration=calib[-1] if calib else None,
+        calibration_move=calib[-1]["move"] if calib else (0.0 if budget else None),
+        budget=job.search.budget if budget else None,
+        at_target_share=sum(b["at_target"] for b in budget) / arch_steps if arch_steps else None,
+        projections=sum(b["projections"] for b in budget) if budget else None,
+        train_images=len(data.train),
+        dataset=data.name,
+        mlp_gates=job.method.mlp_gates,
+        align=job.method.align,
+        batch_size=job.train.batch_size,
+        teacher_cached=teacher is not None,
+        **pre["info"],
+    )
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 
-__all__ = ["DCSSearchConfig", "DCSSearchJob", "DCSSearchHooks", "DCSSearchResult", "SearchCollapsed", "SearchOffTarget",
-           "run_dcs_search", "CostModel", "LambdaSteer",
-           "calibrate", "round_blocks", "search_train_config", "SEARCH_TRAIN", "smooth_max", "prepare_search",
-           "init_importance", "calibration_images", "StepTag", "TeacherCache"]
+__all__ = [
+    "DCSSearchConfig",
+    "DCSSearchJob",
+    "DCSSearchHooks",
+    "DCSSearchResult",
+    "SearchCollapsed",
+    "SearchOffTarget",
+    "run_dcs_search",
+    "CostModel",
+    "LambdaSteer",
+    "calibrate",
+    "round_blocks",
+    "search_train_config",
+    "SEARCH_TRAIN",
+    "smooth_max",
+    "prepare_search",
+    "init_importance",
+    "calibration_images",
+    "StepTag",
+    "TeacherCache",
+]

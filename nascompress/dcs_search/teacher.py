@@ -2,6 +2,7 @@
 once per training image (:class:`TeacherCache`: the search reads its training images unaugmented), the view of a
 split whose batches carry their images' indices (:class:`Indexed`), the step tags (:class:`StepTag`)
 and the order of weight and architecture steps in an epoch (:func:`interleave`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,8 +57,17 @@ class TeacherCache:
 
     @classmethod
     @torch.no_grad()
-    def build(cls, dense: nn.Module, train: Any, spec: InputSpec, *, device: torch.device, feat: bool,
-              amp: str = "off", batch_size: int = 64) -> "TeacherCache":
+    def build(
+        cls,
+        dense: nn.Module,
+        train: Any,
+        spec: InputSpec,
+        *,
+        device: torch.device,
+        feat: bool,
+        amp: str = "off",
+        batch_size: int = 64,
+    ) -> "TeacherCache":
         """``amp``: the search's precision (its steps' teacher forwards would run under it too)."""
         tap = FeatureTap(dense, "pre_logits") if feat else None
         logits, feats = [], []
@@ -82,7 +92,6 @@ def interleave(n_w: int, n_a: int) -> list[str]:
     """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
     keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
     return [k for _, k in sorted(keys)]
-
 
 
 __all__ = ["StepTag", "Indexed", "TeacherCache", "interleave"]

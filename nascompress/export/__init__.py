@@ -26,6 +26,7 @@ int8: ``config.quantize`` (``export --quantize int8``) or :mod:`.quantize` (``na
 writes an int8 ONNX file made with ONNX Runtime's quantization tooling from the checked fp32 file,
 and keeps it only when its top-1 on the run's validation split is within the allowed drop.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,8 +40,9 @@ from ..pyapi.common import Workspace, model_run, setting_names, split_settings
 from .quantize import config_for, quantize_run
 
 
-def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False,
-               data: Any = None) -> dict[str, Any]:
+def export_run(
+    run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False, data: Any = None
+) -> dict[str, Any]:
     """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents
     (:func:`nascompress.export.run.export_run`). With ``config.quantize`` (``int8``, ``int8-static``,
     ``int8-dynamic``) the file is the int8 ONNX file ``nascompress quantize`` writes with its default
@@ -73,5 +75,15 @@ def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) 
     return Exported(path=str(Path(path)), sidecar=side)
 
 
-__all__ = ["Exported", "onnx", "ExportConfig", "FORMATS", "DTYPES", "parse_batch", "export_run", "sidecar_path", "stage_path",
-           "SIDECAR_FORMAT"]
+__all__ = [
+    "Exported",
+    "onnx",
+    "ExportConfig",
+    "FORMATS",
+    "DTYPES",
+    "parse_batch",
+    "export_run",
+    "sidecar_path",
+    "stage_path",
+    "SIDECAR_FORMAT",
+]

@@ -1,5 +1,6 @@
 """Settings of ``nascompress export`` (one dataclass: the CLI options' help and defaults and the
 pipeline's ``export:`` keys are read from it)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,29 +47,44 @@ class ExportConfig(Config):
             ``int8-static``; or ``int8-dynamic``), with its default settings.
     """
 
-    format: str = setting("onnx", help="onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2).",
-                          choices=FORMATS)
+    format: str = setting(
+        "onnx",
+        help="onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2).",
+        choices=FORMATS,
+    )
     batch: str | int = setting("dynamic", help="dynamic (any batch size) or a fixed batch size N.")
     dtype: str = setting("fp32", help="fp32, fp16 or bf16 (weights and input).", choices=DTYPES)
     opset: int | None = setting(None, help="ONNX opset (default: the exporter's; 17 to 23 load in ONNX Runtime).", lo=7)
-    tolerance: float | None = setting(None, help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 "
-                                                 "fp32, 1e-2 fp16, 5e-2 bf16).", lo=0, lo_open=True)
+    tolerance: float | None = setting(
+        None,
+        help="Allowed max |logit difference| / max(1, max |logit|) (default: 1e-4 fp32, 1e-2 fp16, 5e-2 bf16).",
+        lo=0,
+        lo_open=True,
+    )
     verify_batch: int = setting(8, help="Images in the fixed random batch the file is checked on.", lo=1, hi=MAX_BATCH)
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="Seed of the check's random batch.")
-    quantize: str = setting("none", choices=QUANTIZE, help=(
-        "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
-        "(its default settings), checked on the validation split."))
+    quantize: str = setting(
+        "none",
+        choices=QUANTIZE,
+        help=(
+            "none, or int8 (int8-static / int8-dynamic): write the int8 ONNX file nascompress quantize writes "
+            "(its default settings), checked on the validation split."
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration; below: how they combine
         if self.quantize != "none" and (self.format != "onnx" or self.dtype != "fp32"):
             raise SettingError("{quantize} int8 starts from the fp32 ONNX file: use {format} onnx {dtype} fp32")
-        if self.batch != "dynamic" and (isinstance(self.batch, bool) or not isinstance(self.batch, int)
-                                        or not 1 <= self.batch <= MAX_BATCH):
+        if self.batch != "dynamic" and (
+            isinstance(self.batch, bool) or not isinstance(self.batch, int) or not 1 <= self.batch <= MAX_BATCH
+        ):
             raise NascompressError(f"batch must be 'dynamic' or an integer in [1, {MAX_BATCH}], got {self.batch!r}")
         if self.format == "onnx" and self.dtype == "bf16":
-            raise SettingError("bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
-                                   "kernels for Conv and MatMul; use {dtype} fp16, or {format} torch-export for bf16")
+            raise SettingError(
+                "bf16 ONNX files cannot be checked: ONNX Runtime's CPU provider has no bfloat16 "
+                "kernels for Conv and MatMul; use {dtype} fp16, or {format} torch-export for bf16"
+            )
         if self.opset is not None:
             if self.format != "onnx":
                 raise SettingError("opset applies to {format} onnx only")
@@ -89,4 +105,13 @@ def build_config(settings: Mapping[str, Any]) -> ExportConfig:
     return ExportConfig(**settings)
 
 
-__all__ = ["ExportConfig", "build_config", "FORMATS", "DTYPES", "SCHEMES", "QUANTIZE", "DEFAULT_TOLERANCE", "parse_batch"]
+__all__ = [
+    "ExportConfig",
+    "build_config",
+    "FORMATS",
+    "DTYPES",
+    "SCHEMES",
+    "QUANTIZE",
+    "DEFAULT_TOLERANCE",
+    "parse_batch",
+]

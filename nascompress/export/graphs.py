@@ -10,6 +10,7 @@ is exported as its two stages plus the exit rule (recorded in the sidecar and ap
 An image exits with stage 1's logits when its top softmax probability is above ``epsilon``; the
 other rows of (image, tokens, casr) go through stage 2, whose logits replace stage 1's.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -93,32 +94,44 @@ def check_exportable(arch: Arch, *, dynamic: bool) -> None:
         if name not in EXPORTABLE:
             raise NascompressError(f"method {name!r} has no export path (exportable: {', '.join(EXPORTABLE)})")
         if name == "dcs" and (rec.stage or "supernet") != "materialized":
-            raise NascompressError("this run holds the DCS supernet (channel gates and masks, not a smaller model); "
-                                   "export the run `nascompress materialize` makes from it")
+            raise NascompressError(
+                "this run holds the DCS supernet (channel gates and masks, not a smaller model); "
+                "export the run `nascompress materialize` makes from it"
+            )
         if name in TWO_STAGE and not dynamic:
-            raise SettingError("MG-ViT's second stage runs on the images that did not exit, any number of them: "
-                                   "export it with {batch} dynamic")
+            raise SettingError(
+                "MG-ViT's second stage runs on the images that did not exit, any number of them: "
+                "export it with {batch} dynamic"
+            )
 
 
 def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str, Any] | None]:
     """The graphs to export for ``model`` (a :func:`~nascompress.export.paths.traceable_copy`) and
     MG-ViT's exit rule (None for a single graph); ``x`` is the example batch."""
     if isinstance(model, MGPVT):
-        rule = {"epsilon": float(model.mg["epsilon"]),
-                "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "
-                        "1: then stage 2 alone gives every image's logits); the images of the other rows go "
-                        "through stage 2, whose logits replace stage 1's"}
-        return [Graph("sgis", _SGIS(model).eval(), (x,), ("image",), ("logits",)),
-                Graph("mgis", _MGPass(model).eval(), (x,), ("image",), ("logits",))], rule
+        rule = {
+            "epsilon": float(model.mg["epsilon"]),
+            "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "
+            "1: then stage 2 alone gives every image's logits); the images of the other rows go "
+            "through stage 2, whose logits replace stage 1's",
+        }
+        return [
+            Graph("sgis", _SGIS(model).eval(), (x,), ("image",), ("logits",)),
+            Graph("mgis", _MGPass(model).eval(), (x,), ("image",), ("logits",)),
+        ], rule
     if hasattr(model, "mgis") and hasattr(model, "_sgis"):
         s1, s2 = _Stage1(model).eval(), _Stage2(model).eval()
         with torch.no_grad():
             _, tokens, casr = s1(x)
-        rule = {"epsilon": float(model.mg["epsilon"]),
-                "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon; the rows of "
-                        "(image, tokens, casr) of the other images go through stage 2, whose logits replace stage 1's"}
-        return [Graph("sgis", s1, (x,), ("image",), ("logits", "tokens", "casr")),
-                Graph("mgis", s2, (x, tokens, casr), ("image", "tokens", "casr"), ("logits",))], rule
+        rule = {
+            "epsilon": float(model.mg["epsilon"]),
+            "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon; the rows of "
+            "(image, tokens, casr) of the other images go through stage 2, whose logits replace stage 1's",
+        }
+        return [
+            Graph("sgis", s1, (x,), ("image",), ("logits", "tokens", "casr")),
+            Graph("mgis", s2, (x, tokens, casr), ("image", "tokens", "casr"), ("logits",)),
+        ], rule
     return [Graph("model", model, (x,), ("image",), ("logits",))], None
 
 
@@ -156,9 +169,16 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
                 with open(path, "wb") as f:
                     f.write(buf.getbuffer())
                 return {}
-            prog = torch.onnx.export(g.module, g.inputs, dynamo=True, dynamic_shapes=shapes,
-                                     input_names=list(g.input_names), output_names=list(g.output_names),
-                                     opset_version=opset, verbose=False)
+            prog = torch.onnx.export(
+                g.module,
+                g.inputs,
+                dynamo=True,
+                dynamic_shapes=shapes,
+                input_names=list(g.input_names),
+                output_names=list(g.output_names),
+                opset_version=opset,
+                verbose=False,
+            )
             prog.save(str(path))
             got = next(o.version for o in prog.model_proto.opset_import if o.domain in ("", "ai.onnx"))
     except NascompressError:
@@ -167,11 +187,14 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
         full = write_error(e, what=f"the export into {path.parent}", then="then run the export again")
         if full is not None:  # a full disk or an unwritable folder, not the model's fault
             raise full from e
-        raise SettingError(f"the {fmt} exporter failed on the {g.role} graph ({_one_line(e)}); rerun with "
-                               "{debug} for the traceback") from e
+        raise SettingError(
+            f"the {fmt} exporter failed on the {g.role} graph ({_one_line(e)}); rerun with {{debug}} for the traceback"
+        ) from e
     if opset is not None and got != opset:
-        raise SettingError(f"the ONNX exporter cannot write this model at opset {opset} (it fell back to "
-                               f"{got}); choose {{opset}} {got} or leave {{opset}} out")
+        raise SettingError(
+            f"the ONNX exporter cannot write this model at opset {opset} (it fell back to "
+            f"{got}); choose {{opset}} {got} or leave {{opset}} out"
+        )
     return {"opset": got}
 
 

@@ -26,6 +26,7 @@ uniform's and DCS's sliced layers, DCS's channel gathers): the selections become
 classes they replace (``__class__`` only: parameters, buffers and state-dict keys are the model's;
 a token method's class over a DCS block keeps its own forward).
 """
+
 from __future__ import annotations
 
 import copy
@@ -42,8 +43,15 @@ from ..methods.sparsifiner import SparsifinerKernel, attention_budget, combine_m
 from ..methods.tokens import patched_class
 
 
-def gathered_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                             layout: "block_sparse.BlockLayout", *, scale: float) -> torch.Tensor:
+def gathered_block_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    layout: "block_sparse.BlockLayout",
+    *,
+    scale: float,
+) -> torch.Tensor:
     """Attention over the prefix keys and the kept key blocks ``idx`` with plain ops.
 
     Args:
@@ -62,7 +70,7 @@ def gathered_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not layout.exact:  # a short last block: padding query rows, discarded below
         qp = F.pad(qp, (0, 0, 0, nb * bs - layout.n_patch))
     o = F.scaled_dot_product_attention(qp.reshape(B, H * nb, bs, d), ks, vs, attn_mask=pad_mask, scale=scale)
-    o = o.view(B, H, nb * bs, dv)[:, :, :layout.n_patch]
+    o = o.view(B, H, nb * bs, dv)[:, :, : layout.n_patch]
     if p:
         o = torch.cat([F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale), o], dim=2)
     return o
@@ -107,8 +115,16 @@ class TraceableBlockSparse:
     kernel's masked path on the same kept blocks); anything else is the kernel's own forward.
     """
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        scale: float,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
         cfg = self.cfg
         if cfg.mode != "block" or self.training:
             return super().forward(q, k, v, attn_mask=attn_mask, scale=scale, dropout_p=dropout_p)
@@ -120,13 +136,18 @@ class TraceableBlockSparse:
         basis = block_sparse.pooled_basis(self.w_up[..., :n], cfg.w_thresh, layout)
         idx = block_sparse.predict_blocks(q, k, self.w_down[..., :n], basis, scale=scale, tau=cfg.tau, layout=layout)
         if attn_mask is not None:  # an external mask (ToMe's size bias): the kernel's masked path, traced
-            return masked_attention(q, k, v, combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask),
-                                    scale=scale)
+            return masked_attention(
+                q, k, v, combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask), scale=scale
+            )
         return gathered_block_attention(q, k, v, idx, layout, scale=scale)
 
 
-_SWAPS = ((MaterializedBlock, GatherAddMLP), (SparsifinerKernel, TraceableBlockSparse), (PPSM, ScatterFreeMerge),
-          (GroupSlim, ScatterFreeMerge))
+_SWAPS = (
+    (MaterializedBlock, GatherAddMLP),
+    (SparsifinerKernel, TraceableBlockSparse),
+    (PPSM, ScatterFreeMerge),
+    (GroupSlim, ScatterFreeMerge),
+)
 TraceableSparsifiner = patched_class(SparsifinerKernel, TraceableBlockSparse, "Traceable")
 
 
@@ -149,5 +170,11 @@ def traceable_copy(model: nn.Module, *, dtype: torch.dtype = torch.float32) -> n
     return m
 
 
-__all__ = ["GatherAddMLP", "ScatterFreeMerge", "TraceableBlockSparse", "TraceableSparsifiner", "gathered_block_attention",
-           "traceable_copy"]
+__all__ = [
+    "GatherAddMLP",
+    "ScatterFreeMerge",
+    "TraceableBlockSparse",
+    "TraceableSparsifiner",
+    "gathered_block_attention",
+    "traceable_copy",
+]

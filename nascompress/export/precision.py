@@ -7,6 +7,7 @@ LayerNorm stay fp32, and at the milder level the first and last blocks' linear l
 ``MatMul`` + bias ``Add`` (the exporter's form for token inputs ``(B, N, C)``) becomes one ``Gemm`` on
 the flattened tokens, so ONNX Runtime runs it as one int8 ``QGemm`` with the bias inside (int32) and
 an fp32 output, instead of an int8 matmul, a requantization, a dequantization and an fp32 bias add."""
+
 from __future__ import annotations
 
 import re
@@ -80,8 +81,10 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-              for v in onnx.shape_inference.infer_shapes(model).graph.value_info}
+    shapes = {
+        v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+        for v in onnx.shape_inference.infer_shapes(model).graph.value_info
+    }
     users = _users(g.node)
     wanted, done, out = set(nodes), set(), []
     for n in g.node:
@@ -91,8 +94,15 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
         after = users.get(n.output[0], [])
         add = after[0] if len(after) == 1 and after[0].op_type == "Add" else None
         bias = [i for i in add.input if i != n.output[0]] if add is not None else []
-        if (n.name not in wanted or w is None or len(w.dims) != 2 or len(bias) != 1 or bias[0] not in inits
-                or list(inits[bias[0]].dims) != [w.dims[1]] or any(o.name == n.output[0] for o in g.output)):
+        if (
+            n.name not in wanted
+            or w is None
+            or len(w.dims) != 2
+            or len(bias) != 1
+            or bias[0] not in inits
+            or list(inits[bias[0]].dims) != [w.dims[1]]
+            or any(o.name == n.output[0] for o in g.output)
+        ):
             out.append(n)
             continue
         p = f"{n.name}/as_gemm"
@@ -106,9 +116,10 @@ def linears_as_gemm(model: Any, nodes: list[str]) -> int:
         else:
             width = numpy_helper.from_array(np.array([w.dims[1]], dtype=np.int64), f"{p}/width")
             g.initializer.append(width)
-            out += [helper.make_node("Shape", [n.input[0]], [f"{p}/lead"], end=-1, name=f"{p}/shape"),
-                    helper.make_node("Concat", [f"{p}/lead", width.name], [f"{p}/shape_out"], axis=0,
-                                     name=f"{p}/concat")]
+            out += [
+                helper.make_node("Shape", [n.input[0]], [f"{p}/lead"], end=-1, name=f"{p}/shape"),
+                helper.make_node("Concat", [f"{p}/lead", width.name], [f"{p}/shape_out"], axis=0, name=f"{p}/concat"),
+            ]
         out.append(helper.make_node("Reshape", [f"{p}/y2d", f"{p}/shape_out"], [add.output[0]], name=f"{p}/reshape"))
         done.add(id(add))  # the bias Add, now inside the Gemm
     del g.node[:]
@@ -142,8 +153,12 @@ def _elementwise_in_2d(g: Any, nodes: list[Any]) -> list[Any]:
         if act is None or act.op_type not in _ELEMENTWISE or len(users.get(act.output[0], [])) != 1:
             continue
         rs = made.get(act.input[0])
-        if (rs is None or not rs.name.endswith("/as_gemm/reshape") or len(users.get(rs.output[0], [])) != 1
-                or rs.input[1] not in consts):  # (a shape read at run time: its Shape/Concat would dangle)
+        if (
+            rs is None
+            or not rs.name.endswith("/as_gemm/reshape")
+            or len(users.get(rs.output[0], [])) != 1
+            or rs.input[1] not in consts
+        ):  # (a shape read at run time: its Shape/Concat would dangle)
             continue
         act.input[0] = rs.input[0]  # the first layer's (tokens, width) output
         for u in users.get(f.output[0], []):

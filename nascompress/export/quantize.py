@@ -31,6 +31,7 @@ agreement, max |logit difference|). The fp32 export's own check is under ``fp32_
 MG-ViT (two graphs and an exit rule that reads softmax confidences) is refused: int8 logits move the
 exit decisions, which this check does not cover.
 """
+
 from __future__ import annotations
 
 import re
@@ -75,16 +76,31 @@ class QuantizeConfig(Config):
         seed: seed of the calibration subset.
     """
 
-    scheme: str = setting(SCHEMES[0], choices=SCHEMES, help=(
-        "int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."))
+    scheme: str = setting(
+        SCHEMES[0],
+        choices=SCHEMES,
+        help=("int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."),
+    )
     calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
-    max_drop: float = setting(1.0, lo=0, help=(
-        "Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."))
-    eval_images: int | None = setting(None, lo=1, hi=MAX_IMAGES, help=(
-        "Validation images of the accuracy check (default: the run's whole validation split)."))
-    fallback: bool = setting(True, flag="--no-fallback", help=(
-        "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
-        "blocks in fp32, then int8-dynamic)."))
+    max_drop: float = setting(
+        1.0,
+        lo=0,
+        help=("Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."),
+    )
+    eval_images: int | None = setting(
+        None,
+        lo=1,
+        hi=MAX_IMAGES,
+        help=("Validation images of the accuracy check (default: the run's whole validation split)."),
+    )
+    fallback: bool = setting(
+        True,
+        flag="--no-fallback",
+        help=(
+            "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
+            "blocks in fp32, then int8-dynamic)."
+        ),
+    )
     batch_size: int = 64
     seed: int = 0
 
@@ -116,8 +132,10 @@ def config_for(quantize: str) -> QuantizeConfig:
 def _run_data(run: str | Path, data: Any) -> Any:
     d = data or run_data_config(run)
     if d is None:
-        raise SettingError(f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
-                               "model was trained on ({dataset})")
+        raise SettingError(
+            f"{run} records no dataset (its config.json has no 'data'); give the dataset the "
+            "model was trained on ({dataset})"
+        )
     return d
 
 
@@ -130,8 +148,11 @@ def _batches(ds: Any, idx: list[int], spec: Any, batch_size: int) -> Iterator[tu
 def calibration_batches(bundle: Any, spec: Any, cfg: QuantizeConfig) -> tuple[list[np.ndarray], int]:
     """``calib_images`` class-stratified training images (eval transform), preprocessed, as batches."""
     n = min(cfg.calib_images, len(bundle.train))
-    idx = stratified_indices(dataset_labels(bundle.train), n, seed=cfg.seed).tolist() \
-        if n < len(bundle.train) else list(range(n))
+    idx = (
+        stratified_indices(dataset_labels(bundle.train), n, seed=cfg.seed).tolist()
+        if n < len(bundle.train)
+        else list(range(n))
+    )
     return [x.numpy() for x, _ in _batches(bundle.train, idx, spec, cfg.batch_size)], n
 
 
@@ -170,34 +191,57 @@ def check_onnxruntime() -> None:
     have = tuple(int(p) for p in re.findall(r"\d+", onnxruntime.__version__)[:2])
     if have < ORT_MIN:
         need = ".".join(map(str, ORT_MIN))
-        raise NascompressError(f"onnxruntime {onnxruntime.__version__} is older than {need}, whose int8 kernels this "
-                               f"quantization needs; pip install 'onnxruntime>={need}'")
+        raise NascompressError(
+            f"onnxruntime {onnxruntime.__version__} is older than {need}, whose int8 kernels this "
+            f"quantization needs; pip install 'onnxruntime>={need}'"
+        )
 
 
 def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib: list[np.ndarray] | None) -> None:
     """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling."""
     import onnx  # optional (nascompress[export])
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static  # optional (nascompress[export])
+    from onnxruntime.quantization import (
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )  # optional (nascompress[export])
 
     with quiet():
         if scheme == "int8-dynamic":
-            quantize_dynamic(src, dst, op_types_to_quantize=list(LINEAR_OPS), nodes_to_quantize=nodes,
-                             per_channel=True, weight_type=QuantType.QInt8)
+            quantize_dynamic(
+                src,
+                dst,
+                op_types_to_quantize=list(LINEAR_OPS),
+                nodes_to_quantize=nodes,
+                per_channel=True,
+                weight_type=QuantType.QInt8,
+            )
             return
         model = onnx.load(str(src))
         linears_as_gemm(model, nodes)  # one QGemm per linear layer, bias inside (see linears_as_gemm)
         prepared = Path(dst).with_name(Path(dst).name + ".gemm.onnx")
         onnx.save(model, str(prepared))
         try:
-            quantize_static(prepared, dst, _reader(model.graph.input[0].name, calib or []),
-                            quant_format=QuantFormat.QDQ, op_types_to_quantize=list(LINEAR_OPS),
-                            nodes_to_quantize=nodes, per_channel=True, activation_type=QuantType.QUInt8,
-                            weight_type=QuantType.QInt8,
-                            extra_options={"WeightSymmetric": True, "ActivationSymmetric": False,
-                                           # fp32 out of the int8 GEMM: no requantize + dequantize pair
-                                           # (a MatMul left as it is keeps its pair: ORT's fused
-                                           # MatMulIntegerToFloat refuses per-channel weights of some)
-                                           "OpTypesToExcludeOutputQuantization": ["Gemm"]})
+            quantize_static(
+                prepared,
+                dst,
+                _reader(model.graph.input[0].name, calib or []),
+                quant_format=QuantFormat.QDQ,
+                op_types_to_quantize=list(LINEAR_OPS),
+                nodes_to_quantize=nodes,
+                per_channel=True,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                extra_options={
+                    "WeightSymmetric": True,
+                    "ActivationSymmetric": False,
+                    # fp32 out of the int8 GEMM: no requantize + dequantize pair
+                    # (a MatMul left as it is keeps its pair: ORT's fused
+                    # MatMulIntegerToFloat refuses per-channel weights of some)
+                    "OpTypesToExcludeOutputQuantization": ["Gemm"],
+                },
+            )
         finally:
             prepared.unlink(missing_ok=True)
 
@@ -212,21 +256,37 @@ def accuracy_check(ref: torch.Tensor, got: torch.Tensor, labels: torch.Tensor, *
     fp32 = 100 * float((ref.argmax(-1) == labels).float().mean())
     int8 = 100 * float((got.argmax(-1) == labels).float().mean())
     drop = fp32 - int8
-    return {"n": int(labels.numel()), "fp32_top1": fp32, "int8_top1": int8, "top1_drop": drop,
-            "top1_agreement": 100 * float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "max_abs_logit_diff": float((got - ref).abs().max()), "logit_scale": float(ref.abs().max()),
-            "max_drop": max_drop, "passed": drop <= max_drop}
+    return {
+        "n": int(labels.numel()),
+        "fp32_top1": fp32,
+        "int8_top1": int8,
+        "top1_drop": drop,
+        "top1_agreement": 100 * float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "max_abs_logit_diff": float((got - ref).abs().max()),
+        "logit_scale": float(ref.abs().max()),
+        "max_drop": max_drop,
+        "passed": drop <= max_drop,
+    }
 
 
 def _describe(a: dict[str, Any]) -> str:
     c = a["check"]
-    return (f"{a['scheme']} (level {a['level']}): top-1 {c['fp32_top1']:.2f}% -> {c['int8_top1']:.2f}% "
-            f"(drop {c['top1_drop']:.2f} pts), agreement {c['top1_agreement']:.1f}%, max |logit diff| "
-            f"{c['max_abs_logit_diff']:.3g}")
+    return (
+        f"{a['scheme']} (level {a['level']}): top-1 {c['fp32_top1']:.2f}% -> {c['int8_top1']:.2f}% "
+        f"(drop {c['top1_drop']:.2f} pts), agreement {c['top1_agreement']:.1f}%, max |logit diff| "
+        f"{c['max_abs_logit_diff']:.3g}"
+    )
 
 
-def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | None = None, export: Any = None,
-                 data: Any = None, force: bool = False) -> dict[str, Any]:
+def quantize_run(
+    run: str | Path,
+    *,
+    out: str | Path,
+    config: QuantizeConfig | None = None,
+    export: Any = None,
+    data: Any = None,
+    force: bool = False,
+) -> dict[str, Any]:
     """Quantize the model saved in ``run`` to the int8 ONNX file ``out`` and check it; returns the sidecar.
 
     Args:
@@ -246,11 +306,14 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
     arch = read_arch(run)
     two_stage = [name for name in arch.method_names if name in TWO_STAGE]
     if two_stage:  # mgvit, mgvit-h: two graphs and an exit rule
-        raise NascompressError(f"MG-ViT is not quantized ({two_stage[0]}: two graphs and an exit rule): the rule reads "
-                               "the softmax confidence, which int8 moves and this check does not cover; export it in "
-                               "fp32 or fp16 (nascompress export)")
+        raise NascompressError(
+            f"MG-ViT is not quantized ({two_stage[0]}: two graphs and an exit rule): the rule reads "
+            "the softmax confidence, which int8 moves and this check does not cover; export it in "
+            "fp32 or fp16 (nascompress export)"
+        )
     check_onnxruntime()
     import onnx  # optional (nascompress[export])
+
     out = Path(out)
     created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)
@@ -265,8 +328,10 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
         fp32 = Path(tmp) / "fp32.onnx"
         side = export_run(run, out=fp32, config=ecfg, force=True)
         if side["num_classes"] != bundle.num_classes:
-            raise SettingError(f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
-                                   f"{bundle.num_classes}; give the dataset it was trained on ({{dataset}})")
+            raise SettingError(
+                f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
+                f"{bundle.num_classes}; give the dataset it was trained on ({{dataset}})"
+            )
 
         def val() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # preprocessed again per pass (memory)
             return _batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
@@ -290,9 +355,14 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                 t1 = time.perf_counter()
                 quantize_file(fp32, q, scheme=scheme, nodes=nodes, calib=calib if scheme == "int8-static" else None)
                 got = _logits(onnx_runner(q)[0], val())
-                a = {"scheme": scheme, "level": level, "quantized_nodes": len(nodes), "kept_fp32": kept,
-                     "seconds": round(time.perf_counter() - t1, 2),
-                     "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop)}
+                a = {
+                    "scheme": scheme,
+                    "level": level,
+                    "quantized_nodes": len(nodes),
+                    "kept_fp32": kept,
+                    "seconds": round(time.perf_counter() - t1, 2),
+                    "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop),
+                }
                 attempts.append(a)
                 if a["check"]["passed"]:
                     chosen = (a, q)
@@ -302,23 +372,38 @@ def quantize_run(run: str | Path, *, out: str | Path, config: QuantizeConfig | N
                 raise SettingError(
                     f"int8 costs more than {{max_drop}} {cfg.max_drop:g} top-1 points on the validation split "
                     f"({len(labels)} images): {tried}; nothing was written (allow a larger {{max_drop}}, or deploy "
-                    "the fp32 export)")
+                    "the fp32 export)"
+                )
             a, q = chosen
             tmp_out.write_bytes(q.read_bytes())
             fallback = None
             if (a["scheme"], a["level"]) != (cfg.scheme, 0):
-                fallback = (f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
-                            f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
-                            f"{' (first and last blocks fp32)' if a['level'] else ''}")
-            side = _sidecar(side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib,
-                            time.perf_counter() - t0)
+                fallback = (
+                    f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
+                    f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
+                    f"{' (first and last blocks fp32)' if a['level'] else ''}"
+                )
+            side = _sidecar(
+                side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib, time.perf_counter() - t0
+            )
             write_sidecar_json(tmp_side, side)
     return side
 
 
-def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecfg: Any, chosen: dict[str, Any],
-             attempts: list[dict[str, Any]], fallback: str | None, bundle: Any, data_cfg: Any, n_calib: int,
-             seconds: float) -> dict[str, Any]:
+def _sidecar(
+    side: dict[str, Any],
+    out: Path,
+    run: Any,
+    cfg: QuantizeConfig,
+    ecfg: Any,
+    chosen: dict[str, Any],
+    attempts: list[dict[str, Any]],
+    fallback: str | None,
+    bundle: Any,
+    data_cfg: Any,
+    n_calib: int,
+    seconds: float,
+) -> dict[str, Any]:
     import onnxruntime as ort  # optional (nascompress[export])
 
     side = dict(side)
@@ -326,24 +411,47 @@ def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecf
     side["files"] = [dict(f, file=out.name) for f in side["files"]]
     side["dtype"] = "int8"
     side["fp32_verification"] = side.pop("verification")
-    side["verification"] = dict(chosen["check"], split="val", dataset=bundle.name,
-                                reference="the fp32 ONNX export of the same run (checked against PyTorch: "
-                                          "fp32_verification)", runtime=f"onnxruntime {ort.__version__} "
-                                                                        "(CPUExecutionProvider)")
+    side["verification"] = dict(
+        chosen["check"],
+        split="val",
+        dataset=bundle.name,
+        reference="the fp32 ONNX export of the same run (checked against PyTorch: fp32_verification)",
+        runtime=f"onnxruntime {ort.__version__} (CPUExecutionProvider)",
+    )
     static = chosen["scheme"] == "int8-static"
     side["quantization"] = {
-        "scheme": chosen["scheme"], "level": chosen["level"], "requested": cfg.scheme, "fallback": fallback,
+        "scheme": chosen["scheme"],
+        "level": chosen["level"],
+        "requested": cfg.scheme,
+        "fallback": fallback,
         "weights": "int8, symmetric, per output channel",
-        "activations": ("uint8, asymmetric, scales calibrated (min/max) and fixed" if static else
-                        "uint8, scales computed per batch at run time (DynamicQuantizeLinear)"),
-        "format": ("QDQ (QuantizeLinear/DequantizeLinear pairs); linear layers as Gemm with the bias, fp32 outputs "
-                   "(ONNX Runtime: QGemm)") if static else "MatMulInteger",
-        "calibration": ({"split": "train", "images": n_calib, "seed": cfg.seed, "dataset": bundle.name,
-                         "train_limit": data_cfg.train_limit, "method": "MinMax",
-                         "preprocessing": "the model's own (the sidecar's input), no augmentation"}
-                        if static else None),
+        "activations": (
+            "uint8, asymmetric, scales calibrated (min/max) and fixed"
+            if static
+            else "uint8, scales computed per batch at run time (DynamicQuantizeLinear)"
+        ),
+        "format": (
+            "QDQ (QuantizeLinear/DequantizeLinear pairs); linear layers as Gemm with the bias, fp32 outputs "
+            "(ONNX Runtime: QGemm)"
+        )
+        if static
+        else "MatMulInteger",
+        "calibration": (
+            {
+                "split": "train",
+                "images": n_calib,
+                "seed": cfg.seed,
+                "dataset": bundle.name,
+                "train_limit": data_cfg.train_limit,
+                "method": "MinMax",
+                "preprocessing": "the model's own (the sidecar's input), no augmentation",
+            }
+            if static
+            else None
+        ),
         "quantized_nodes": chosen["quantized_nodes"],
-        "kept_fp32": chosen["kept_fp32"], "kept_fp32_summary": summarise_kept(chosen["kept_fp32"]),
+        "kept_fp32": chosen["kept_fp32"],
+        "kept_fp32_summary": summarise_kept(chosen["kept_fp32"]),
         "also_fp32": "GELU, residual adds and the token selection ops (TopK, Gather): only MatMul/Gemm are quantized",
         "attempts": [{k: v for k, v in a.items() if k != "kept_fp32"} for a in attempts],
         "settings": cfg.to_dict(),
@@ -359,9 +467,18 @@ def _sidecar(side: dict[str, Any], out: Path, run: Any, cfg: QuantizeConfig, ecf
 # The pipeline report's int8 rows
 
 
-def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_int8: str | Path | None, data: Any,
-              config: QuantizeConfig | None = None, export: Any = None, split: str = "test", batch: int = 64,
-              iters: int = 10) -> dict[str, Any]:
+def int8_rows(
+    dense_run: str | Path,
+    compressed_run: str | Path,
+    *,
+    compressed_int8: str | Path | None,
+    data: Any,
+    config: QuantizeConfig | None = None,
+    export: Any = None,
+    split: str = "test",
+    batch: int = 64,
+    iters: int = 10,
+) -> dict[str, Any]:
     """Dense fp32, dense int8, compressed fp32, compressed int8: test top-1, file size, latency at batch
     1 and throughput at ``batch``, all four timed interleaved in one process (fp32: PyTorch eager, as
     the pipeline's report times it; int8: ONNX Runtime on the CPU). Each batch is timed in one pass
@@ -387,9 +504,15 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
             with torch.inference_mode():
                 hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
             weights = run / MODEL_FILE if run.is_dir() else run
-            rows.append({"model": f"{k} fp32", "runtime": f"PyTorch {torch.__version__} (eager)",
-                         "test_top1": 100 * hits / len(ds), "test_n": len(ds),
-                         "file_bytes": weights.stat().st_size})
+            rows.append(
+                {
+                    "model": f"{k} fp32",
+                    "runtime": f"PyTorch {torch.__version__} (eager)",
+                    "test_top1": 100 * hits / len(ds),
+                    "test_n": len(ds),
+                    "file_bytes": weights.stat().st_size,
+                }
+            )
             for n in calls:
                 calls[n].append(lambda x, m=model: m(x))
             labels.append(len(rows) - 1)
@@ -403,8 +526,15 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
                     continue
             runner, desc = onnx_runner(q, spinning=False)  # timed beside PyTorch (see onnx_runner)
             hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
-            rows.append({"model": f"{k} int8", "runtime": desc, "test_top1": 100 * hits / len(ds), "test_n": len(ds),
-                         "file_bytes": q.stat().st_size})
+            rows.append(
+                {
+                    "model": f"{k} int8",
+                    "runtime": desc,
+                    "test_top1": 100 * hits / len(ds),
+                    "test_n": len(ds),
+                    "file_bytes": q.stat().st_size,
+                }
+            )
             files[k] = q
             calls[default].append(lambda x, r=runner: r([x]))  # ORT's own default thread count
             if default != 1:
@@ -420,11 +550,25 @@ def int8_rows(dense_run: str | Path, compressed_run: str | Path, *, compressed_i
                     n = min(calls, key=lambda n: times[n][j])
                     rows[i][key] = 1e3 * times[n][j] if key == "latency_ms" else bs / times[n][j]
                     rows[i][tkey] = "default" if n == default else n
-    return {"split": split, "images": len(ds), "latency_batch": 1, "throughput_batch": batch, "iters": iters,
-            "rows": rows}
+    return {
+        "split": split,
+        "images": len(ds),
+        "latency_batch": 1,
+        "throughput_batch": batch,
+        "iters": iters,
+        "rows": rows,
+    }
 
 
-
-__all__ = ["QuantizeConfig", "SCHEMES", "QUANTIZE_CHOICES", "quantize_run", "quantize_file", "plan_precision",
-           "accuracy_check", "calibration_batches", "int8_rows",
-           "config_for"]
+__all__ = [
+    "QuantizeConfig",
+    "SCHEMES",
+    "QUANTIZE_CHOICES",
+    "quantize_run",
+    "quantize_file",
+    "plan_precision",
+    "accuracy_check",
+    "calibration_batches",
+    "int8_rows",
+    "config_for",
+]

@@ -1,4 +1,5 @@
 """``export_run``: a saved model -> a checked deployment file and its sidecar (see the package doc)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -87,17 +88,26 @@ def new_folders(created: list[Path]) -> Iterator[None]:
 
 def _flops(model: torch.nn.Module, x1: torch.Tensor) -> dict[str, Any]:
     rep = count_flops(model, x1)
-    out: dict[str, Any] = {"macs_per_image": rep.total, "gflops_per_image": rep.gflops, "params": rep.params,
-                           "convention": "1 multiply-add = 1 FLOP, attention matmuls included"}
+    out: dict[str, Any] = {
+        "macs_per_image": rep.total,
+        "gflops_per_image": rep.gflops,
+        "params": rep.params,
+        "convention": "1 multiply-add = 1 FLOP, attention matmuls included",
+    }
     if hasattr(model, "stage_flops"):  # MG-ViT: per-stage costs (an exiting image pays stage 1 only)
         out["stages"] = model.stage_flops()
     return out
 
 
 def _io_spec(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], batch: Any, dtype: str) -> list[dict]:
-    return [{"name": n, "shape": [batch, *t.shape[1:]],
-             "dtype": ONNX_DTYPES[dtype] if t.is_floating_point() else str(t.dtype).replace("torch.", "")}
-            for n, t in zip(names, tensors)]
+    return [
+        {
+            "name": n,
+            "shape": [batch, *t.shape[1:]],
+            "dtype": ONNX_DTYPES[dtype] if t.is_floating_point() else str(t.dtype).replace("torch.", ""),
+        }
+        for n, t in zip(names, tensors)
+    ]
 
 
 def _both_stages(model: torch.nn.Module) -> Any:
@@ -116,8 +126,9 @@ def _both_files(stage1: Any, stage2: Any) -> Any:
     return run
 
 
-def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None,
-               force: bool = False) -> dict[str, Any]:
+def export_run(
+    run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False
+) -> dict[str, Any]:
     """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
 
     Args:
@@ -132,8 +143,10 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     """
     cfg = config or ExportConfig()
     if cfg.quantize != "none":
-        raise NascompressError("nascompress.export.run.export_run writes fp32/fp16/bf16 files; quantized files come "
-                               "from nascompress.export.export_run or nascompress.export.quantize.quantize_run")
+        raise NascompressError(
+            "nascompress.export.run.export_run writes fp32/fp16/bf16 files; quantized files come "
+            "from nascompress.export.export_run or nascompress.export.quantize.quantize_run"
+        )
     if cfg.format == "onnx":
         require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
     recorded = read_arch(run)  # a missing or unreadable run is reported here, before anything else
@@ -159,8 +172,10 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
         with contextlib.ExitStack() as stack:
             tmps = [stack.enter_context(atomic_path(f)) for f in files]
             side_tmp = stack.enter_context(atomic_path(sidecar_path(out)))  # every file appears together
-            written = [write_graph(gr, tmp, fmt=cfg.format, dynamic=cfg.dynamic, opset=cfg.opset)
-                       for gr, tmp in zip(graphs, tmps)]
+            written = [
+                write_graph(gr, tmp, fmt=cfg.format, dynamic=cfg.dynamic, opset=cfg.opset)
+                for gr, tmp in zip(graphs, tmps)
+            ]
             export_s = time.perf_counter() - t0
             say(f"export: written in {export_s:.1f} s; checking the file against the PyTorch model ...")
             runners = [runner_for(tmp, cfg.format) for tmp in tmps]
@@ -169,40 +184,63 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             model.to(dtype)
             check = verify(model, run_fn, batches, tolerance=cfg.tol)
             if rule is not None:  # each stage on every image, whatever the exit rule picked
-                check["stages"] = verify(_both_stages(model), _both_files(runners[0][0], runners[1][0]), batches,
-                                         tolerance=cfg.tol)
+                check["stages"] = verify(
+                    _both_stages(model), _both_files(runners[0][0], runners[1][0]), batches, tolerance=cfg.tol
+                )
                 check["passed"] = check["passed"] and check["stages"]["passed"]
             check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
             if not check["passed"]:
-                hint = ("; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
-                        "tokens in another runtime" if recorded.methods else "")
+                hint = (
+                    "; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
+                    "tokens in another runtime"
+                    if recorded.methods
+                    else ""
+                )
                 raise NascompressError(
                     f"the exported file differs from the PyTorch model: max |logit difference| "
                     f"{check['max_abs_diff']:.3g} > {cfg.tol:g} x max(1, {check['logit_scale']:.3g}), top-1 "
-                    f"agreement {100 * check['top1_agreement']:.1f}%{hint}; nothing was written")
+                    f"agreement {100 * check['top1_agreement']:.1f}%{hint}; nothing was written"
+                )
             batch = "batch" if cfg.dynamic else cfg.batch
             side = {
                 "format": SIDECAR_FORMAT,
                 "file": files[0].name,
                 "runtime": cfg.format,
-                "files": [{"file": f.name, "stage": gr.role, "inputs": _io_spec(gr.input_names, gr.inputs, batch,
-                                                                                 cfg.dtype),
-                           "outputs": gr.output_names, **w} for f, gr, w in zip(files, graphs, written)],
-                "batch": cfg.batch, "dtype": cfg.dtype,
-                "input": {**recorded.input, "layout": "NCHW", "value": "(pixel / 255 - mean) / std per channel, "
-                          "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
-                          "steps": eval_steps(InputSpec.from_dict(dict(recorded.input)))},
+                "files": [
+                    {
+                        "file": f.name,
+                        "stage": gr.role,
+                        "inputs": _io_spec(gr.input_names, gr.inputs, batch, cfg.dtype),
+                        "outputs": gr.output_names,
+                        **w,
+                    }
+                    for f, gr, w in zip(files, graphs, written)
+                ],
+                "batch": cfg.batch,
+                "dtype": cfg.dtype,
+                "input": {
+                    **recorded.input,
+                    "layout": "NCHW",
+                    "value": "(pixel / 255 - mean) / std per channel, "
+                    "after resizing to img_size with interpolation (ImageFolder: crop_pct / crop_mode first)",
+                    "steps": eval_steps(InputSpec.from_dict(dict(recorded.input))),
+                },
                 "num_classes": int(model.num_classes),
                 "id2label": ({str(i): name for i, name in enumerate(recorded.labels)} if recorded.labels else None),
                 "flops": flops,
                 "model": dict(recorded.model),
-                "methods": [{"name": m.name, "config": m.get("config", {}), **({"stage": m.stage} if "stage" in m
-                                                                               else {})} for m in recorded.methods],
+                "methods": [
+                    {"name": m.name, "config": m.get("config", {}), **({"stage": m.stage} if "stage" in m else {})}
+                    for m in recorded.methods
+                ],
                 "exit_rule": rule,
                 "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
                 "verification": check,
-                "exporter": {"torch": torch.__version__, "export_seconds": round(export_s, 2),
-                             "settings": cfg.to_dict()},
+                "exporter": {
+                    "torch": torch.__version__,
+                    "export_seconds": round(export_s, 2),
+                    "settings": cfg.to_dict(),
+                },
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
             write_sidecar_json(side_tmp, side)

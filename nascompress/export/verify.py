@@ -4,6 +4,7 @@ ONNX files run in ONNX Runtime (CPU provider); ``torch.export`` programs through
 ``torch.export.load(...).module()``. Neither imports nascompress. The comparison is on logits:
 max |difference|, the logit scale (max |PyTorch logit|) and top-1 agreement.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -84,24 +85,32 @@ def with_exit_rule(stage1: Runner, stage2: Runner, epsilon: float) -> Runner:
 def compare(ref: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
     """max |got - ref|, the logit scale and top-1 agreement of two logit batches (B, classes)."""
     if tuple(got.shape) != tuple(ref.shape):
-        raise NascompressError(f"the exported file returns logits of shape {tuple(got.shape)}, the model "
-                               f"{tuple(ref.shape)}")
+        raise NascompressError(
+            f"the exported file returns logits of shape {tuple(got.shape)}, the model {tuple(ref.shape)}"
+        )
     ref, got = ref.float(), got.float()
-    return {"n": int(ref.shape[0]), "max_abs_diff": float((got - ref).abs().max()),
-            "logit_scale": float(ref.abs().max()),
-            "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean())}
+    return {
+        "n": int(ref.shape[0]),
+        "max_abs_diff": float((got - ref).abs().max()),
+        "logit_scale": float(ref.abs().max()),
+        "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+    }
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Several batches' comparisons as one (worst difference, image-weighted agreement)."""
     n = sum(r["n"] for r in results)
-    return {"n": n, "max_abs_diff": max(r["max_abs_diff"] for r in results),
-            "logit_scale": max(r["logit_scale"] for r in results),
-            "top1_agreement": sum(r["top1_agreement"] * r["n"] for r in results) / n}
+    return {
+        "n": n,
+        "max_abs_diff": max(r["max_abs_diff"] for r in results),
+        "logit_scale": max(r["logit_scale"] for r in results),
+        "top1_agreement": sum(r["top1_agreement"] * r["n"] for r in results) / n,
+    }
 
 
-def verify(model: Callable[[torch.Tensor], torch.Tensor], run: Runner, batches: Sequence[torch.Tensor], *,
-           tolerance: float) -> dict[str, Any]:
+def verify(
+    model: Callable[[torch.Tensor], torch.Tensor], run: Runner, batches: Sequence[torch.Tensor], *, tolerance: float
+) -> dict[str, Any]:
     """Run the exported file and ``model`` (the PyTorch side) on each batch; the merged comparison,
     with ``passed``.
 
@@ -117,8 +126,11 @@ def verify(model: Callable[[torch.Tensor], torch.Tensor], run: Runner, batches: 
             raise NascompressError(f"the exported file does not run on a batch of {x.shape[0]}: {first[:300]}") from e
         results.append(compare(ref, got))
     res = merge(results)
-    res.update(batches=[int(x.shape[0]) for x in batches], tolerance=tolerance,
-               passed=res["max_abs_diff"] <= tolerance * max(1.0, res["logit_scale"]))
+    res.update(
+        batches=[int(x.shape[0]) for x in batches],
+        tolerance=tolerance,
+        passed=res["max_abs_diff"] <= tolerance * max(1.0, res["logit_scale"]),
+    )
     return res
 
 

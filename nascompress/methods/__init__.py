@@ -23,6 +23,7 @@ with :func:`register_method`. The subclass says, in one place:
 :meth:`Method.apply`, which checks stacking first. Method modules import
 :mod:`nascompress.hooks` only, never the training engine.
 """
+
 from __future__ import annotations
 
 from .. import _compat  # noqa: F401  (before timm imports torchvision)
@@ -94,8 +95,9 @@ class Method:
         """The recipe's :class:`~nascompress.hooks.TrainHooks` (losses against ``teacher``, schedules)."""
         raise NascompressError(f"{self.name} has no fine-tuning recipe")
 
-    def calibrate(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module,
-                  batches: Any, steps: int | None = None) -> dict[str, float]:
+    def calibrate(
+        self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, batches: Any, steps: int | None = None
+    ) -> dict[str, float]:
         """A short stage that trains only the method's new parameters (backbone frozen) so that a
         zero-shot model is meaningful; ``batches`` yields preprocessed (x, y). ``steps``: that many
         optimizer steps (None: the recipe's own count, ``finetune --zero-shot``). Returns its logs
@@ -129,8 +131,10 @@ class Method:
         bad = [m for m in applied if m not in self.stacks_on]
         if bad:
             allowed = ", ".join(sorted(self.stacks_on)) or "no other method"
-            raise NascompressError(f"{self.name} cannot be applied after {', '.join(bad)} (it stacks on {allowed}, in "
-                                   f"that order); applied so far: {', '.join(applied)}")
+            raise NascompressError(
+                f"{self.name} cannot be applied after {', '.join(bad)} (it stacks on {allowed}, in "
+                f"that order); applied so far: {', '.join(applied)}"
+            )
 
     def _mark(self, model: nn.Module) -> None:
         model.nc_methods = [*getattr(model, "nc_methods", []), self.name]
@@ -143,8 +147,9 @@ class Method:
         self._mark(model)
         return model
 
-    def prepare_fresh(self, model: nn.Module, config: dict[str, Any] | Config,
-                      recipe: dict[str, Any] | Config | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    def prepare_fresh(
+        self, model: nn.Module, config: dict[str, Any] | Config, recipe: dict[str, Any] | Config | None = None
+    ) -> tuple[nn.Module, dict[str, Any]]:
         """Validate, check stacking and :meth:`prepare` (the entry point of finetune and the searches)."""
         self.check_stack(model)
         cfg = self.config(model, config)

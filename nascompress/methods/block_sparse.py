@@ -45,6 +45,7 @@ Measured on this CPU (torch 2.13, 785 tokens, 6 heads, head dim 64, 1 thread): t
 flex kernel costs about dense time per kept tile, so the gather path is the default; see
 bench/sparsifiner.py for the figures.
 """
+
 from __future__ import annotations
 
 import math
@@ -141,7 +142,7 @@ def block_sizes(layout: BlockLayout, *, device=None) -> torch.Tensor:
 
 def pool_patch_rows(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     """Sum the patch rows of ``x`` (..., n, r) per block -> (..., nb, r) (prefix rows dropped)."""
-    return _block_sum(x[..., layout.prefix:, :], layout)
+    return _block_sum(x[..., layout.prefix :, :], layout)
 
 
 def _block_sum(x: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -183,8 +184,16 @@ def top_blocks(scores: torch.Tensor, keep: int) -> torch.Tensor:
     return scores.topk(keep, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
-def predict_blocks(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, basis_pooled: torch.Tensor, *,
-                   scale: float, tau: float, layout: BlockLayout) -> torch.Tensor:
+def predict_blocks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w_down: torch.Tensor,
+    basis_pooled: torch.Tensor,
+    *,
+    scale: float,
+    tau: float,
+    layout: BlockLayout,
+) -> torch.Tensor:
     """Sparsifiner's predictor at block resolution -> kept key blocks (B, H, nb, keep).
 
     A_down = softmax(Q (W_down K)^T * scale) for the patch query rows only (prefix rows are dense);
@@ -192,7 +201,7 @@ def predict_blocks(q: torch.Tensor, k: torch.Tensor, w_down: torch.Tensor, basis
     ``min(row max, next float above tau)``); tile scores and top blocks as above. No n x n tensor.
     """
     k_down = (w_down @ k).mul_(scale)  # (B, H, r, d), the scale folded into the r rows
-    a = (q[..., layout.prefix:, :] @ k_down.transpose(-2, -1)).softmax(-1)  # (B, H, n_p, r)
+    a = (q[..., layout.prefix :, :] @ k_down.transpose(-2, -1)).softmax(-1)  # (B, H, n_p, r)
     thr = a.amax(-1, keepdim=True).clamp_(max=_strict_above(tau))
     coef = a.masked_fill_(a < thr, 0.0)
     return top_blocks(_block_sum(coef, layout) @ basis_pooled, layout.keep)
@@ -209,15 +218,16 @@ def dense_block_mask(idx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
     p, bs, n = layout.prefix, layout.bs, layout.n
     blk = torch.zeros(B, H, nb, nb, dtype=torch.bool, device=idx.device)
     blk.scatter_(-1, idx, True)
-    tile = blk.repeat_interleave(bs, -2).repeat_interleave(bs, -1)[..., :n - p, :n - p]
+    tile = blk.repeat_interleave(bs, -2).repeat_interleave(bs, -1)[..., : n - p, : n - p]
     m = torch.ones(B, H, n, n, dtype=torch.bool, device=idx.device)
     m[..., p:, p:] = tile
     return m
 
 
 def masked_block_attention(q, k, v, idx, layout: BlockLayout, *, scale: float, dropout_p: float = 0.0):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense_block_mask(idx, layout), dropout_p=dropout_p,
-                                          scale=scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense_block_mask(idx, layout), dropout_p=dropout_p, scale=scale
+    )
 
 
 def kept_pairs(idx: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
@@ -250,7 +260,9 @@ def _row_view(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
     return flat, (st[0] // d, st[1] // d, st[2] // d)
 
 
-def gather_index(idx: torch.Tensor, layout: BlockLayout, strides: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gather_index(
+    idx: torch.Tensor, layout: BlockLayout, strides: tuple[int, int, int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Row indices of the keys each query block attends (prefix keys, then its kept blocks).
 
     Returns (rows (B * H * nb * L,), pad mask (B, H * nb, 1, L) or None when no block is short),
@@ -263,7 +275,7 @@ def gather_index(idx: torch.Tensor, layout: BlockLayout, strides: tuple[int, int
     tok = tok.flatten(-2)
     mask = None
     if not layout.exact:
-        mask = (tok < n)
+        mask = tok < n
         tok = tok.clamp(max=n - 1)
         mask = F.pad(mask, (p, 0), value=True).view(B, H * nb, 1, -1)
     if p:
@@ -294,8 +306,9 @@ def _workspace(tag: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Te
     return buf[:numel].view(shape)
 
 
-def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                           layout: BlockLayout, *, scale: float) -> torch.Tensor:
+def gather_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, layout: BlockLayout, *, scale: float
+) -> torch.Tensor:
     """Attention over the prefix keys and the kept key blocks ``idx``, via gathered rows + fused SDPA.
 
     Args:
@@ -321,13 +334,13 @@ def gather_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
         ks = torch.index_select(kf, 0, rows, out=_workspace("k", (rows.numel(), d), kf)).view(B, H * nb, L, d)
         vs = torch.index_select(vf, 0, vrows, out=_workspace("v", (rows.numel(), dv), vf)).view(B, H * nb, L, dv)
         qs = _workspace("q", (B, H, nb * bs, d), q)
-        qs[:, :, :layout.n_patch].copy_(q[:, :, p:])
-        qs[:, :, layout.n_patch:].zero_()  # padding rows of a short last block (discarded)
+        qs[:, :, : layout.n_patch].copy_(q[:, :, p:])
+        qs[:, :, layout.n_patch :].zero_()  # padding rows of a short last block (discarded)
         qs = qs.view(B, H * nb, bs, d)
     out = q.new_empty(B, H, n, dv)
     # reshape, not view: CUDA's fp32 kernels may return the output in another memory layout
     o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).reshape(B, H, nb * bs, dv)
-    out[:, :, p:] = o[:, :, :layout.n_patch]
+    out[:, :, p:] = o[:, :, : layout.n_patch]
     if p:
         out[:, :, :p] = F.scaled_dot_product_attention(q[:, :, :p], k, v, scale=scale)
     return out
@@ -352,8 +365,10 @@ def make_block_mask(idx: torch.Tensor, layout: BlockLayout):
 
         def mask_mod(b, h, q_idx, kv_idx):
             return (kv_idx < n_patch) | (kv_idx >= pad_end)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=layout.bs, mask_mod=mask_mod,
-                                    seq_lengths=(layout.n_patch, kv_len))
+
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, BLOCK_SIZE=layout.bs, mask_mod=mask_mod, seq_lengths=(layout.n_patch, kv_len)
+    )
 
 
 def compiled_flex_attention() -> Callable:
@@ -373,9 +388,11 @@ def flex_multiple(kernel: str, block_size: int | None, device: torch.device) -> 
     if kernel != "flex":
         return 1
     if device.type == "cuda" and block_size is not None and block_size % CUDA_FLEX_MULTIPLE:
-        raise NascompressError(f"Sparsifiner's flex kernel on CUDA needs blocks of a multiple of {CUDA_FLEX_MULTIPLE} "
-                               f"tokens (Inductor tiles them by BLOCK_M x BLOCK_N), got block_size={block_size}; set "
-                               f"block_size to a multiple of {CUDA_FLEX_MULTIPLE}, leave it out, or use kernel=gather")
+        raise NascompressError(
+            f"Sparsifiner's flex kernel on CUDA needs blocks of a multiple of {CUDA_FLEX_MULTIPLE} "
+            f"tokens (Inductor tiles them by BLOCK_M x BLOCK_N), got block_size={block_size}; set "
+            f"block_size to a multiple of {CUDA_FLEX_MULTIPLE}, leave it out, or use kernel=gather"
+        )
     return CUDA_FLEX_MULTIPLE
 
 
@@ -413,16 +430,26 @@ def flex_kernel_ok(layout: BlockLayout, q: torch.Tensor) -> bool:
     if key not in _FLEX_OK:
         bs = layout.bs
         if q.is_cuda:
-            why = (f"blocks of {bs} tokens are not a multiple of {CUDA_FLEX_MULTIPLE}" if bs % CUDA_FLEX_MULTIPLE
-                   else _flex_self_check(layout, q))
+            why = (
+                f"blocks of {bs} tokens are not a multiple of {CUDA_FLEX_MULTIPLE}"
+                if bs % CUDA_FLEX_MULTIPLE
+                else _flex_self_check(layout, q)
+            )
         else:
-            why = (f"blocks of {bs} tokens (below {MIN_FLEX_BLOCK}, or 16 k + 8) are wrong on some CPUs"
-                   if bs < MIN_FLEX_BLOCK or bs % 16 == 8 else _flex_self_check(layout, q))
+            why = (
+                f"blocks of {bs} tokens (below {MIN_FLEX_BLOCK}, or 16 k + 8) are wrong on some CPUs"
+                if bs < MIN_FLEX_BLOCK or bs % 16 == 8
+                else _flex_self_check(layout, q)
+            )
         _FLEX_OK[key] = why is None
         if why:
-            warnings.warn(f"Sparsifiner: compiled FlexAttention disabled for BLOCK_SIZE={bs} "
-                          f"(q {tuple(q.shape)}, prefix {layout.prefix}, keep {layout.keep}, {q.dtype}, "
-                          f"{q.device}): {why}; using the gather path", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"Sparsifiner: compiled FlexAttention disabled for BLOCK_SIZE={bs} "
+                f"(q {tuple(q.shape)}, prefix {layout.prefix}, keep {layout.keep}, {q.dtype}, "
+                f"{q.device}): {why}; using the gather path",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return _FLEX_OK[key]
 
 
@@ -432,15 +459,16 @@ def _flex_self_check(layout: BlockLayout, q: torch.Tensor) -> str | None:
     B, H, _, d = q.shape
     qkv = torch.randn(3, *q.shape, generator=g).to(q.device, q.dtype).unbind(0)
     idx = top_blocks(torch.rand(B, H, layout.nb, layout.nb, generator=g), layout.keep).to(q.device)
-    got = _flex_kernel_attention(*qkv, idx, layout, scale=d ** -0.5).float()
-    want = masked_block_attention(*(t.float() for t in qkv), idx, layout, scale=d ** -0.5)
+    got = _flex_kernel_attention(*qkv, idx, layout, scale=d**-0.5).float()
+    want = masked_block_attention(*(t.float() for t in qkv), idx, layout, scale=d**-0.5)
     err = (got - want).abs().max().item()
     tol = 1e-4 if q.dtype in (torch.float32, torch.float64) else 2e-2
     return None if err <= tol else f"its self-check is {err:.3g} off the masked path (tolerance {tol:g})"
 
 
-def flex_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                         layout: BlockLayout, *, scale: float) -> torch.Tensor:
+def flex_block_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, layout: BlockLayout, *, scale: float
+) -> torch.Tensor:
     """The same attention as :func:`gather_block_attention`, with compiled FlexAttention where
     :func:`flex_kernel_ok` accepts the configuration (and q/k and v share a head dim, which is
     what the self-check covers), else with :func:`gather_block_attention`."""
@@ -449,8 +477,9 @@ def flex_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx:
     return attend(q, k, v, idx, layout, scale=scale)
 
 
-def _flex_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor,
-                           layout: BlockLayout, *, scale: float) -> torch.Tensor:
+def _flex_kernel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, layout: BlockLayout, *, scale: float
+) -> torch.Tensor:
     """The compiled flex kernel, unchecked (use :func:`flex_block_attention`).
 
     The patch queries attend over [patch keys padded to whole blocks, prefix keys] with the
@@ -472,9 +501,18 @@ def _flex_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, id
     return out
 
 
-def block_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w_down: torch.Tensor,
-                           basis_pooled: torch.Tensor, layout: BlockLayout, *, scale: float, tau: float,
-                           kernel: str = "gather") -> tuple[torch.Tensor, torch.Tensor]:
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    w_down: torch.Tensor,
+    basis_pooled: torch.Tensor,
+    layout: BlockLayout,
+    *,
+    scale: float,
+    tau: float,
+    kernel: str = "gather",
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole inference path (no grad): block predictor -> kept blocks -> attention.
 
     Args:

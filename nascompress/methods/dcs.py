@@ -31,6 +31,7 @@ The ``arch.json`` record is ``{"name": "dcs", "config": DCSConfig, "stage": "sup
 "qk_keep": [[...] per head]}]}``; DCS must be the first method of a model (it changes channels
 that later methods read).
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,11 +46,28 @@ from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
 from ..errors import NascompressError, SettingError
-from ..layers import (DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width, as_index, slice_hidden, slice_layerscale,
-                      slice_linear_in, slice_linear_out, slice_qk)
+from ..layers import (
+    DEFAULT_ALIGN,
+    NCAttention,
+    NCBlock,
+    aligned_width,
+    as_index,
+    slice_hidden,
+    slice_layerscale,
+    slice_linear_in,
+    slice_linear_out,
+    slice_qk,
+)
 from . import Method, register_method
-from .dcs_importance import (BlockStats, ChannelImportance, activation_importance, activation_stats,
-                             channel_importance, check_supported, spread)
+from .dcs_importance import (
+    BlockStats,
+    ChannelImportance,
+    activation_importance,
+    activation_stats,
+    channel_importance,
+    check_supported,
+    spread,
+)
 
 QK_MODES = ("input", "static", "none")
 MLP_GATES = ("residual", "hidden", "none", "auto")
@@ -62,16 +80,18 @@ PROTECT_LOGIT = 30.0  # a protected gate's logit: no Gumbel sample closes it (P 
 # Pure functions
 
 
-def gumbel_noise(shape: torch.Size | tuple[int, ...], *, like: torch.Tensor,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+def gumbel_noise(
+    shape: torch.Size | tuple[int, ...], *, like: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """g1 - g2 with g1, g2 ~ Gumbel(0, 1) i.i.d. (a Logistic(0, 1) sample), shaped ``shape``."""
     u = torch.rand((2, *shape), generator=generator, device=like.device, dtype=like.dtype)
     g = -torch.log(-torch.log(u.clamp_min(1e-10)))
     return g[0] - g[1]
 
 
-def gumbel_sigmoid(logits: torch.Tensor, *, tau: float, noise: bool = True, hard: bool = True,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_sigmoid(
+    logits: torch.Tensor, *, tau: float, noise: bool = True, hard: bool = True, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Binary Gumbel-sigmoid mask of ``logits`` (any shape).
 
     soft = sigmoid((logits + g1 - g2) / tau); with ``hard`` the forward value is ``1[soft > 0.5]``
@@ -161,18 +181,36 @@ class DCSConfig(Config):
 
     # Fields declared with setting() are `search dcs` options and `stages.dcs` keys (the CLI's help, the
     # pipeline's checks; choices in the order the messages list them); theta_init follows alpha_init there.
-    qk_mask: str = setting("static", choices=("static", "input", "none"), help=(
-        "Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
-        "time) or none."))
-    mlp_gates: str = setting("residual", choices=("auto", "residual", "hidden", "none"), help=(
-        "MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
-        "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
-        "on the model: the family whose pruned models stay closer to the dense one)."))
-    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
-        "Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
-        "(GPU kernels leave their fast paths below multiples of 8; 1: any width)."))
-    hidden_fill: str = setting("mean", choices=("mean", "zero"), help=(
-        "Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias)."))
+    qk_mask: str = setting(
+        "static",
+        choices=("static", "input", "none"),
+        help=(
+            "Q/K channel mask: static (searched per channel, materializable), input (the paper's, kept at run "
+            "time) or none."
+        ),
+    )
+    mlp_gates: str = setting(
+        "residual",
+        choices=("auto", "residual", "hidden", "none"),
+        help=(
+            "MLP gate family: residual (the paper's: the MLP's input/output residual channels), hidden (its hidden "
+            "neurons: far less destructive on pretrained models), none, or auto (chosen by a short measured probe "
+            "on the model: the family whose pruned models stay closer to the dense one)."
+        ),
+    )
+    align: int = setting(
+        DEFAULT_ALIGN,
+        lo=1,
+        help=(
+            "Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
+            "(GPU kernels leave their fast paths below multiples of 8; 1: any width)."
+        ),
+    )
+    hidden_fill: str = setting(
+        "mean",
+        choices=("mean", "zero"),
+        help=("Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias)."),
+    )
     alpha_init: float = setting(5.0, help="Initial mean gate logit alpha/theta (> 0: gates start open).")
     theta_init: float = 5.0
     init_spread: float = 1.0
@@ -218,8 +256,14 @@ class DCSState:
     align: int = 1
 
     def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft values are graph tensors: not copied
-        return DCSState(tau=self.tau, force_dense=self.force_dense, sample=self.sample, tokens=self.tokens,
-                        family=self.family, align=self.align)
+        return DCSState(
+            tau=self.tau,
+            force_dense=self.force_dense,
+            sample=self.sample,
+            tokens=self.tokens,
+            family=self.family,
+            align=self.align,
+        )
 
 
 def _gate(logits: torch.Tensor, st: DCSState, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,8 +287,17 @@ class DCSQKMask(nn.Module):
     the state has ``force_dense``.
     """
 
-    def __init__(self, mode: str, *, in_features: int, heads: int, head_dim: int, init: float,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        mode: str,
+        *,
+        in_features: int,
+        heads: int,
+        head_dim: int,
+        init: float,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.mode, self.heads, self.head_dim = mode, heads, head_dim
         if mode == "input":
@@ -315,8 +368,12 @@ def _compactable(m: nn.Module) -> bool:
     """Whether a hidden-gated MLP can skip its closed neurons in training: fc1 -> act -> fc2 with no
     norm between and no dropout drawn on the hidden activations (its draws would change)."""
     drop = m.drop1
-    return (isinstance(getattr(m, "norm", None), (nn.Identity, type(None))) and isinstance(m.fc1, nn.Linear)
-            and isinstance(m.fc2, nn.Linear) and (isinstance(drop, nn.Identity) or getattr(drop, "p", 0.0) == 0.0))
+    return (
+        isinstance(getattr(m, "norm", None), (nn.Identity, type(None)))
+        and isinstance(m.fc1, nn.Linear)
+        and isinstance(m.fc2, nn.Linear)
+        and (isinstance(drop, nn.Identity) or getattr(drop, "p", 0.0) == 0.0)
+    )
 
 
 class ConstantMLP(nn.Module):
@@ -358,15 +415,19 @@ class MaterializedBlock(NCBlock):
 def check_family(model: nn.Module, family: str) -> None:
     """``family`` can gate ``model``'s MLPs (``hidden`` needs timm's plain Mlp without a hidden norm)."""
     if family == "auto":
-        raise NascompressError("mlp_gates 'auto' is chosen by the search (nascompress.dcs_search.family); "
-                               "build a supernet with residual, hidden or none")
+        raise NascompressError(
+            "mlp_gates 'auto' is chosen by the search (nascompress.dcs_search.family); "
+            "build a supernet with residual, hidden or none"
+        )
     if family != "hidden":
         return
     for i, blk in enumerate(model.blocks):
         if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.norm, nn.Identity):
-            raise SettingError(f"{{mlp_gates}} hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
-                                   f"has a {type(blk.mlp).__name__}{' with a hidden norm' if type(blk.mlp) is Mlp else ''}"
-                                   "; use {mlp_gates} residual")
+            raise SettingError(
+                f"{{mlp_gates}} hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
+                f"has a {type(blk.mlp).__name__}{' with a hidden norm' if type(blk.mlp) is Mlp else ''}"
+                "; use {mlp_gates} residual"
+            )
 
 
 def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual", align: int = 1) -> DCSState:
@@ -383,8 +444,15 @@ def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual"
 def add_qk_mask(attn: NCAttention, mode: str, *, theta_init: float) -> None:
     """Plug a fresh DCS Q/K mask (``mode`` input or static) into ``attn``."""
     w = attn.qkv.weight
-    attn.qk_mask = DCSQKMask(mode, in_features=attn.qkv.in_features, heads=attn.num_heads, head_dim=attn.head_dim,
-                             init=theta_init, device=w.device, dtype=w.dtype)
+    attn.qk_mask = DCSQKMask(
+        mode,
+        in_features=attn.qkv.in_features,
+        heads=attn.num_heads,
+        head_dim=attn.head_dim,
+        init=theta_init,
+        device=w.device,
+        dtype=w.dtype,
+    )
 
 
 def protect_gates(blk: NCBlock, mask: torch.Tensor) -> None:
@@ -405,9 +473,15 @@ def protect_gates(blk: NCBlock, mask: torch.Tensor) -> None:
     blk.register_buffer("dcs_protect", mask, persistent=False)
 
 
-def make_supernet(model: VisionTransformer, cfg: DCSConfig, *, tau: float = 1.0,
-                  importance: list[ChannelImportance] | None = None, fill: list[torch.Tensor] | None = None,
-                  protect: list[torch.Tensor | None] | None = None) -> VisionTransformer:
+def make_supernet(
+    model: VisionTransformer,
+    cfg: DCSConfig,
+    *,
+    tau: float = 1.0,
+    importance: list[ChannelImportance] | None = None,
+    fill: list[torch.Tensor] | None = None,
+    protect: list[torch.Tensor | None] | None = None,
+) -> VisionTransformer:
     """Patch ``model`` in place into the DCS supernet; dense weights keep their keys.
 
     Args:
@@ -472,8 +546,11 @@ def selection(model: nn.Module) -> list[dict[str, Any]]:
     for blk in model.blocks:
         alpha = getattr(blk, "dcs_alpha", None)
         keep = None if alpha is None else _kept(aligned_mask(alpha, align=st.align))
-        rec: dict[str, Any] = {"mlp_keep": keep if st.family == "residual" else None,
-                               "hidden_keep": keep if st.family == "hidden" else None, "qk_keep": None}
+        rec: dict[str, Any] = {
+            "mlp_keep": keep if st.family == "residual" else None,
+            "hidden_keep": keep if st.family == "hidden" else None,
+            "qk_keep": None,
+        }
         qm = blk.attn.qk_mask
         if qm is not None and qm.mode == "static":
             m = aligned_mask(qm.theta.reshape(qm.heads, qm.head_dim), align=st.align)
@@ -484,8 +561,13 @@ def selection(model: nn.Module) -> list[dict[str, Any]]:
 
 def make_record(model: nn.Module, cfg: DCSConfig, *, stage: str) -> dict[str, Any]:
     """The ``arch.json`` method record of a supernet (stage ``supernet`` or ``materialized``)."""
-    return {"name": "dcs", "config": cfg.to_dict(), "stage": stage, "tau": float(model.dcs_state.tau),
-            "blocks": selection(model)}
+    return {
+        "name": "dcs",
+        "config": cfg.to_dict(),
+        "stage": stage,
+        "tau": float(model.dcs_state.tau),
+        "blocks": selection(model),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,8 +644,9 @@ def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]
             blk.__class__ = NCBlock
 
 
-def build_materialized(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]], *,
-                       tau: float = 1.0) -> nn.Module:
+def build_materialized(
+    model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]], *, tau: float = 1.0
+) -> nn.Module:
     """Shape a fresh dense timm ViT as the materialized model ``blocks`` describes (for loading)."""
     check_supported(model)
     if cfg.qk_mask == "input":
@@ -611,14 +694,45 @@ class DCS(Method):
         return []  # not a finetune method: its settings' options belong to `search dcs`
 
     def hooks(self, model, record, *, teacher, train_cfg):
-        raise NascompressError("dcs is trained by `nascompress search dcs` (then `materialize` and `retrain`), "
-                               "not by finetune")
+        raise NascompressError(
+            "dcs is trained by `nascompress search dcs` (then `materialize` and `retrain`), not by finetune"
+        )
 
 
-__all__ = ["DCS", "DCSConfig", "SEARCH_DCS", "SEARCH_DCS_SETTINGS", "DCSState", "DCSQKMask", "DCSBlock",
-           "MaterializedBlock", "gumbel_sigmoid",
-           "ChannelImportance", "BlockStats", "channel_importance", "activation_importance", "activation_stats",
-           "spread", "aligned_mask", "aligned_counts", "protect_gates", "check_family", "MLP_GATES", "PROTECT_LOGIT",
-           "gumbel_noise", "binary_entropy", "make_supernet", "arch_parameters", "selection", "make_record",
-           "attach_state", "slice_mlp", "slice_hidden_gates", "ConstantMLP", "slice_qk", "build_materialized", "materialize",
-           "check_supported"]
+__all__ = [
+    "DCS",
+    "DCSConfig",
+    "SEARCH_DCS",
+    "SEARCH_DCS_SETTINGS",
+    "DCSState",
+    "DCSQKMask",
+    "DCSBlock",
+    "MaterializedBlock",
+    "gumbel_sigmoid",
+    "ChannelImportance",
+    "BlockStats",
+    "channel_importance",
+    "activation_importance",
+    "activation_stats",
+    "spread",
+    "aligned_mask",
+    "aligned_counts",
+    "protect_gates",
+    "check_family",
+    "MLP_GATES",
+    "PROTECT_LOGIT",
+    "gumbel_noise",
+    "binary_entropy",
+    "make_supernet",
+    "arch_parameters",
+    "selection",
+    "make_record",
+    "attach_state",
+    "slice_mlp",
+    "slice_hidden_gates",
+    "ConstantMLP",
+    "slice_qk",
+    "build_materialized",
+    "materialize",
+    "check_supported",
+]

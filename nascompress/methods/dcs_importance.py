@@ -16,6 +16,7 @@ least important residual channels of every MLP gave 11.3% by weight magnitude an
 activation score; on the Fashion-MNIST base trained from scratch 88.7% and 88.2% (dense 89.0%)
 (``bench/dcs_init_order.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ def check_supported(model: nn.Module) -> None:
     to_core(model, method="dcs")
     for i, blk in enumerate(model.blocks):
         if type(blk) is not NCBlock:
-            raise NascompressError(f"dcs must be the first method of a model; blocks.{i} is already a {type(blk).__name__}")
+            raise NascompressError(
+                f"dcs must be the first method of a model; blocks.{i} is already a {type(blk).__name__}"
+            )
         if not (hasattr(blk.mlp, "fc1") and hasattr(blk.mlp, "fc2")):
             raise NascompressError(f"DCS supports MLPs with fc1/fc2; block {i} has {type(blk.mlp).__name__}")
 
@@ -83,7 +86,7 @@ def channel_importance(blk: NCBlock) -> ChannelImportance:
     hidden = fc1.norm(dim=1) * fc2.norm(dim=0)
     a = blk.attn
     w = a.qkv.weight
-    qk = (w[:a.attn_dim].norm(dim=1) * w[a.attn_dim:2 * a.attn_dim].norm(dim=1)).reshape(a.num_heads, a.head_dim)
+    qk = (w[: a.attn_dim].norm(dim=1) * w[a.attn_dim : 2 * a.attn_dim].norm(dim=1)).reshape(a.num_heads, a.head_dim)
     return ChannelImportance(residual.float(), hidden.float(), qk.float())
 
 
@@ -103,12 +106,14 @@ def activation_stats(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[
             acc[i]["xmax"] = torch.maximum(torch.as_tensor(acc[i]["xmax"]), x.abs().amax(0))
             h = out.flatten(0, -2).float()
             acc[i]["h2"] = acc[i]["h2"] + (h * h).sum(0)
+
         return hook
 
     def mlp_hook(i: int, blk: nn.Module):
         def hook(mod, inp, out):
             y = blk.ls2(out).flatten(0, -2).float()
             acc[i]["y2"] = acc[i]["y2"] + (y * y).sum(0)
+
         return hook
 
     def fc2_hook(i: int):
@@ -116,21 +121,26 @@ def activation_stats(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[
             h = inp[0].flatten(0, -2).float()
             acc[i]["hid"] = acc[i]["hid"] + h.sum(0)
             acc[i]["hid2"] = acc[i]["hid2"] + (h * h).sum(0)
+
         return hook
 
     def qkv_hook(i: int, a: NCAttention):
         def hook(mod, inp, out):
             o = out.flatten(0, -2).float()
-            q, k = o[:, :a.attn_dim], o[:, a.attn_dim:2 * a.attn_dim]
+            q, k = o[:, : a.attn_dim], o[:, a.attn_dim : 2 * a.attn_dim]
             acc[i]["q2"] = acc[i]["q2"] + (q * q).sum(0)
             acc[i]["k2"] = acc[i]["k2"] + (k * k).sum(0)
+
         return hook
 
     handles = []
     for i, blk in enumerate(model.blocks):
-        handles += [blk.norm2.register_forward_hook(norm2_hook(i)), blk.mlp.register_forward_hook(mlp_hook(i, blk)),
-                    blk.mlp.fc2.register_forward_pre_hook(fc2_hook(i)),
-                    blk.attn.qkv.register_forward_hook(qkv_hook(i, blk.attn))]
+        handles += [
+            blk.norm2.register_forward_hook(norm2_hook(i)),
+            blk.mlp.register_forward_hook(mlp_hook(i, blk)),
+            blk.mlp.fc2.register_forward_pre_hook(fc2_hook(i)),
+            blk.attn.qkv.register_forward_hook(qkv_hook(i, blk.attn)),
+        ]
     was_training = model.training
     model.eval()
     try:
@@ -152,8 +162,16 @@ def activation_stats(model: nn.Module, batches: Iterable[torch.Tensor]) -> list[
         hidden = hidden_rms * blk.mlp.fc2.weight.detach().float().norm(dim=0)
         att = blk.attn
         qk = ((a["q2"] / n).sqrt() * (a["k2"] / n).sqrt()).reshape(att.num_heads, att.head_dim)
-        out.append(BlockStats(ChannelImportance(residual, hidden, qk), residual_rms=(a["x2"] / n).sqrt(),
-                              residual_absmax=a["xmax"], hidden_mean=a["hid"] / n, hidden_rms=hidden_rms, tokens=int(n)))
+        out.append(
+            BlockStats(
+                ChannelImportance(residual, hidden, qk),
+                residual_rms=(a["x2"] / n).sqrt(),
+                residual_absmax=a["xmax"],
+                hidden_mean=a["hid"] / n,
+                hidden_rms=hidden_rms,
+                tokens=int(n),
+            )
+        )
     return out
 
 
@@ -163,5 +181,11 @@ def activation_importance(model: nn.Module, batches: Iterable[torch.Tensor]) -> 
     return [s.importance for s in activation_stats(model, batches)]
 
 
-__all__ = ["ChannelImportance", "BlockStats", "spread", "channel_importance", "activation_stats",
-           "activation_importance"]
+__all__ = [
+    "ChannelImportance",
+    "BlockStats",
+    "spread",
+    "channel_importance",
+    "activation_stats",
+    "activation_importance",
+]

@@ -19,6 +19,7 @@ of a fine-tune.
 
 Record: ``{"name": "dynamicvit", "config": {"rho": 0.7, "prune_layers": [4, 7, 10]}, "recipe": {...}}``.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,8 +56,9 @@ class ScorePredictor(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
         self.inp = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, dim), nn.GELU())
-        self.out = nn.Sequential(nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, dim // 4), nn.GELU(),
-                                 nn.Linear(dim // 4, 2))
+        self.out = nn.Sequential(
+            nn.Linear(dim, dim // 2), nn.GELU(), nn.Linear(dim // 2, dim // 4), nn.GELU(), nn.Linear(dim // 4, 2)
+        )
 
     def forward(self, x: torch.Tensor, policy: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, N, C) patch tokens, policy (B, N) in {0, 1} or None (all kept) -> (B, N, 2)."""
@@ -128,10 +130,16 @@ class DynamicViTConfig(Config):
         prune_layers: 1-based layers whose input is pruned (default: 4, 7, 10 of 12 scaled).
     """
 
-    rho: float | tuple[float, ...] = setting(0.7, lo=0, hi=1, lo_open=True, help=(
-        "DynamicViT keep ratio rho in (0, 1] (stage s keeps rho^s), or one rate per stage: 0.9,0.7,0.7."))
-    prune_layers: tuple[int, ...] | None = setting(None, help=(
-        "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."))
+    rho: float | tuple[float, ...] = setting(
+        0.7,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help=("DynamicViT keep ratio rho in (0, 1] (stage s keeps rho^s), or one rate per stage: 0.9,0.7,0.7."),
+    )
+    prune_layers: tuple[int, ...] | None = setting(
+        None, help=("Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12).")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, name=field_name)  # every setting() against its declaration
@@ -160,10 +168,12 @@ class DynamicViTRecipe(Config):
     w_ratio: float = setting(2.0, lo=0, help="Weight of the keep-ratio loss (each stage's kept share to its target).")
     gumbel_tau: float = setting(1.0, lo=0, lo_open=True, help="Gumbel-softmax temperature of the training masks.")
     backbone_lr_scale: float = setting(0.01, lo=0, help="The backbone's lr relative to the predictors'.")
-    predictor_epochs: float = setting(0.0, lo=0, help=(
-        "The first epochs train the predictors only (backbone frozen, distilled to the dense model)."))
-    predictor_steps: int = setting(100, lo=0, help=(
-        "Steps of the predictor-only stage before a zero-shot model (--zero-shot)."))
+    predictor_epochs: float = setting(
+        0.0, lo=0, help=("The first epochs train the predictors only (backbone frozen, distilled to the dense model).")
+    )
+    predictor_steps: int = setting(
+        100, lo=0, help=("Steps of the predictor-only stage before a zero-shot model (--zero-shot).")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, name=field_name)  # every setting() against its declaration
@@ -255,8 +265,10 @@ class DynamicViT(Method):
     def resolve(self, model: nn.Module, cfg: DynamicViTConfig) -> DynamicViTConfig:
         layers = token_layers(model, "dynamicvit", cfg.prune_layers)
         if isinstance(cfg.rho, tuple) and len(cfg.rho) != len(layers):
-            raise NascompressError(f"rho has {len(cfg.rho)} per-stage rates but there are {len(layers)} pruning "
-                                   "layers; give one rho or one ratio per layer")
+            raise NascompressError(
+                f"rho has {len(cfg.rho)} per-stage rates but there are {len(layers)} pruning "
+                "layers; give one rho or one ratio per layer"
+            )
         return cfg.replace(prune_layers=tuple(layers))
 
     def patch(self, model: nn.Module, cfg: DynamicViTConfig, record: dict[str, Any]) -> nn.Module:
@@ -283,15 +295,23 @@ class DynamicViT(Method):
 
     def calibrate(self, model, record, *, teacher, batches, steps=None):
         """Untrained predictors are a random token choice: train them alone first."""
-        return calibrate_predictors(model, teacher, batches, recipe=DynamicViTRecipe.from_dict(record.get("recipe", {})),
-                                    steps=steps)
+        return calibrate_predictors(
+            model, teacher, batches, recipe=DynamicViTRecipe.from_dict(record.get("recipe", {})), steps=steps
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # Training: the recipe, and the predictor-only stage
 # ---------------------------------------------------------------------------------------------
-def dynamicvit_loss(model: nn.Module, teacher: nn.Module, x: torch.Tensor, y: torch.Tensor, r: DynamicViTRecipe, *,
-                    label_smoothing: float = 0.0) -> tuple[torch.Tensor, dict[str, Any]]:
+def dynamicvit_loss(
+    model: nn.Module,
+    teacher: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    r: DynamicViTRecipe,
+    *,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """L = CE + w_kl KL(student || teacher) + w_distill kept-token MSE + w_ratio ratio loss."""
     st: DynamicViTState = model.dvit_state
     feats, logits, t_feats, t_logits = features_and_logits(model, teacher, x)
@@ -299,12 +319,18 @@ def dynamicvit_loss(model: nn.Module, teacher: nn.Module, x: torch.Tensor, y: to
     kl = kl_to_teacher(logits, t_logits)
     p = st.prefix
     mask = st.policy[:, p:].detach() if st.policy is not None else feats.new_ones(feats.shape[0], feats.shape[1] - p)
-    distill = token_distill_loss(feats[:, p:], t_feats[:, p:], mask) if feats.shape == t_feats.shape \
-        else feats.new_zeros(())
-    ratio = ratio_loss(st.decisions, st.ratios[:len(st.decisions)]) if st.decisions else feats.new_zeros(())
+    distill = (
+        token_distill_loss(feats[:, p:], t_feats[:, p:], mask) if feats.shape == t_feats.shape else feats.new_zeros(())
+    )
+    ratio = ratio_loss(st.decisions, st.ratios[: len(st.decisions)]) if st.decisions else feats.new_zeros(())
     loss = ce + r.w_kl * kl + r.w_distill * distill + r.w_ratio * ratio
-    return loss, {"ce": ce.detach(), "kl": kl.detach(), "distill": distill.detach(), "ratio": ratio.detach(),
-                  "kept_last": mask.float().mean()}
+    return loss, {
+        "ce": ce.detach(),
+        "kl": kl.detach(),
+        "distill": distill.detach(),
+        "ratio": ratio.detach(),
+        "kept_last": mask.float().mean(),
+    }
 
 
 def _freeze_backbone(model: nn.Module, frozen: bool) -> None:
@@ -313,8 +339,15 @@ def _freeze_backbone(model: nn.Module, frozen: bool) -> None:
             p.requires_grad_(not frozen)
 
 
-def calibrate_predictors(model: nn.Module, teacher: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                         recipe: DynamicViTRecipe | None = None, lr: float = 1e-3, steps: int | None = None) -> dict[str, float]:
+def calibrate_predictors(
+    model: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    recipe: DynamicViTRecipe | None = None,
+    lr: float = 1e-3,
+    steps: int | None = None,
+) -> dict[str, float]:
     """The predictor-only stage: backbone frozen, the predictors trained with the recipe's loss
     (distillation to the dense ``teacher`` included) on preprocessed ``batches`` (x, y).
 
@@ -324,9 +357,14 @@ def calibrate_predictors(model: nn.Module, teacher: nn.Module, batches: Iterable
     teacher.eval()
     _freeze_backbone(model, True)
     try:
-        return short_stage(model, [p for n, p in model.named_parameters() if PREDICTOR in n], batches,
-                           lambda x, y: dynamicvit_loss(model, teacher, x, y, r),
-                           steps=r.predictor_steps if steps is None else steps, lr=lr)
+        return short_stage(
+            model,
+            [p for n, p in model.named_parameters() if PREDICTOR in n],
+            batches,
+            lambda x, y: dynamicvit_loss(model, teacher, x, y, r),
+            steps=r.predictor_steps if steps is None else steps,
+            lr=lr,
+        )
     finally:
         _freeze_backbone(model, False)
 
@@ -343,8 +381,13 @@ class DynamicViTHooks(TrainHooks):
         self.unused_parameters = any(r >= 1 for r in self.state.ratios)
 
     def param_groups(self, model, cfg):
-        return param_groups(model, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
-                            is_new=lambda n: PREDICTOR in n, scale=lambda n: self.r.backbone_lr_scale)
+        return param_groups(
+            model,
+            weight_decay=cfg.weight_decay,
+            layer_decay=cfg.layer_decay,
+            is_new=lambda n: PREDICTOR in n,
+            scale=lambda n: self.r.backbone_lr_scale,
+        )
 
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
         self._epoch, self._step = epoch, 0
@@ -362,6 +405,18 @@ class DynamicViTHooks(TrainHooks):
         return {}
 
 
-__all__ = ["DynamicViT", "DynamicViTConfig", "DynamicViTRecipe", "DynamicViTState", "DynamicViTBlock",
-           "ScorePredictor", "calibrate_predictors", "dynamicvit_loss", "gumbel_keep", "keep_count", "policy_attn_bias",
-           "ratio_loss", "token_distill_loss"]
+__all__ = [
+    "DynamicViT",
+    "DynamicViTConfig",
+    "DynamicViTRecipe",
+    "DynamicViTState",
+    "DynamicViTBlock",
+    "ScorePredictor",
+    "calibrate_predictors",
+    "dynamicvit_loss",
+    "gumbel_keep",
+    "keep_count",
+    "policy_attn_bias",
+    "ratio_loss",
+    "token_distill_loss",
+]

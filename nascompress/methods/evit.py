@@ -14,6 +14,7 @@ Record (``arch.json``)::
     {"name": "evit", "config": {"keep_rate": 0.7, "prune_layers": [4, 7, 10], "fuse_token": true},
      "recipe": {"shrink_start_epoch": 0, "shrink_epochs": null, ...}}
 """
+
 from __future__ import annotations
 
 import math
@@ -109,10 +110,16 @@ class EViTConfig(Config):
         fuse_token: fuse the pruned tokens into one extra token (the paper's default).
     """
 
-    keep_rate: float | tuple[float, ...] = setting(0.7, lo=0, hi=1, lo_open=True, help=(
-        "EViT keep rate kappa in (0, 1] (one value, or one per pruning layer: 0.9,0.7,0.5)."))
-    prune_layers: tuple[int, ...] | None = setting(None, help=(
-        "Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12)."))
+    keep_rate: float | tuple[float, ...] = setting(
+        0.7,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help=("EViT keep rate kappa in (0, 1] (one value, or one per pruning layer: 0.9,0.7,0.5)."),
+    )
+    prune_layers: tuple[int, ...] | None = setting(
+        None, help=("Token pruning layers, 1-based, e.g. 4,7,10 (default: scaled from 4,7,10 of 12).")
+    )
     fuse_token: bool = True
 
     def __post_init__(self) -> None:
@@ -136,11 +143,20 @@ class EViTRecipe(Config):
     """
 
     shrink_start_epoch: float = setting(0.0, lo=0, help="Epochs trained at keep rate 1 before the keep rate shrinks.")
-    shrink_epochs: float | None = setting(0.0, lo=0, help=(
-        "Epochs of the cosine shrink of the keep rate from 1 to the target (0: the target from the start; "
-        "--opt shrink_epochs=null: half the epochs). Validation and the saved model use the target."))
-    linearized_temperature: float | None = setting(None, lo=0, lo_open=True, help=(
-        "Train with a linearized fused token (sigmoid steps) at this temperature (default: off)."))
+    shrink_epochs: float | None = setting(
+        0.0,
+        lo=0,
+        help=(
+            "Epochs of the cosine shrink of the keep rate from 1 to the target (0: the target from the start; "
+            "--opt shrink_epochs=null: half the epochs). Validation and the saved model use the target."
+        ),
+    )
+    linearized_temperature: float | None = setting(
+        None,
+        lo=0,
+        lo_open=True,
+        help=("Train with a linearized fused token (sigmoid steps) at this temperature (default: off)."),
+    )
     distill: float = distill_setting()
 
     def __post_init__(self) -> None:
@@ -211,8 +227,11 @@ class EViT(Method):
 
     def patch(self, model: nn.Module, cfg: EViTConfig, record: dict[str, Any]) -> nn.Module:
         layers = list(cfg.prune_layers)
-        state = EViTState(rates=per_layer(cfg.keep_rate, len(layers), "keep_rate"),
-                          prefix=int(model.num_prefix_tokens), fuse_token=cfg.fuse_token)
+        state = EViTState(
+            rates=per_layer(cfg.keep_rate, len(layers), "keep_rate"),
+            prefix=int(model.num_prefix_tokens),
+            fuse_token=cfg.fuse_token,
+        )
         for stage, layer in enumerate(layers):
             blk = model.blocks[layer - 1]
             if isinstance(blk, EViTBlock):
@@ -226,8 +245,14 @@ class EViT(Method):
     def hooks(self, model, record, *, teacher, train_cfg):
         r = EViTRecipe.from_dict(record.get("recipe", {}))
         length = train_cfg.epochs / 2 if r.shrink_epochs is None else r.shrink_epochs
-        return EViTHooks(model, teacher, start=r.shrink_start_epoch, length=length,
-                         temperature=r.linearized_temperature, distill=r.distill)
+        return EViTHooks(
+            model,
+            teacher,
+            start=r.shrink_start_epoch,
+            length=length,
+            temperature=r.linearized_temperature,
+            distill=r.distill,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,8 +261,16 @@ class EViT(Method):
 class EViTHooks(TrainHooks):
     """CE (+ distill * KL to the dense teacher) with the official keep-rate schedule, per step."""
 
-    def __init__(self, model: nn.Module, teacher: nn.Module | None, *, start: float, length: float,
-                 temperature: float | None = None, distill: float = 0.0):
+    def __init__(
+        self,
+        model: nn.Module,
+        teacher: nn.Module | None,
+        *,
+        start: float,
+        length: float,
+        temperature: float | None = None,
+        distill: float = 0.0,
+    ):
         self.start, self.length, self.teacher, self.distill = start, length, teacher, distill
         self.state: EViTState = model.evit_state
         self.state.fuse_temperature = temperature
@@ -268,5 +301,14 @@ class EViTHooks(TrainHooks):
         self.state.shrink = 0.0  # validate and save at the target rates
 
 
-__all__ = ["EViT", "EViTConfig", "EViTRecipe", "EViTState", "EViTBlock", "evit_prune", "fused_token_hard",
-           "fused_token_linearized", "shrink_at"]
+__all__ = [
+    "EViT",
+    "EViTConfig",
+    "EViTRecipe",
+    "EViTState",
+    "EViTBlock",
+    "evit_prune",
+    "fused_token_hard",
+    "fused_token_linearized",
+    "shrink_at",
+]

@@ -33,6 +33,7 @@ the larger head dim); the C' extra channels start as N(0, 1e-3^2) weights, zero 
 norm gains, so at init MGIS computes about what the dense ViT computes on the multi-granularity
 tokens while every new weight still gets gradients. The feature-reuse MLP has timm's default init.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,20 @@ from ..errors import NascompressError, SettingError
 from ..hooks import TrainHooks
 from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, core_attention, to_core
 from . import Method, TrainOverrides, register_method
-from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, gather_tokens, mgis_token_schedule, num_mgis_tokens,
-                        patchify, ppsm, ppsm_macs, resample_grid, split_groups, subpatch_index)
+from .mgvit_ops import (
+    HEAD_SPLIT,
+    MIDDLE_SPLIT,
+    casr_update,
+    gather_tokens,
+    mgis_token_schedule,
+    num_mgis_tokens,
+    patchify,
+    ppsm,
+    ppsm_macs,
+    resample_grid,
+    split_groups,
+    subpatch_index,
+)
 from .mgvit_ops import resample_image as _resample
 from ..models import is_pyramid, load_state_strict
 from ..runs.io import load_typed
@@ -82,8 +95,7 @@ def default_feat_dim(dim: int, heads: int, align: int = 1) -> int:
     lo = max(1, math.ceil(dim / 8))
 
     def ok(c: int, head_dim_too: bool) -> bool:
-        return (c % align == 0 and (dim + c) % heads == 0
-                and (not head_dim_too or ((dim + c) // heads) % align == 0))
+        return c % align == 0 and (dim + c) % heads == 0 and (not head_dim_too or ((dim + c) // heads) % align == 0)
 
     for head_dim_too in (True, False):  # an aligned MGIS head dim where C allows one, else C' alone
         c = next((c for c in range(lo, lo + heads * align * align + 1) if ok(c, head_dim_too)), None)
@@ -112,12 +124,16 @@ class MGViTConfig(Config):
     r_t: float = setting(0.4, lo=0, hi=1, help="MG-ViT tail ratio r_t (coarse patches kept coarse).")
     r_pos: float = setting(0.5, lo=0, hi=1, help="MG-ViT PPSM positive ratio r_pos.")
     r_neg: float = setting(0.1, lo=0, hi=1, help="MG-ViT PPSM negative ratio r_neg.")
-    ppsm_layers: tuple[int, ...] | None = setting(None, help=(
-        "MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12)."))
+    ppsm_layers: tuple[int, ...] | None = setting(
+        None, help=("MG-ViT PPSM layers, 1-based (default scaled from 3,7,10 of 12).")
+    )
     epsilon: float = setting(1.0, lo=0, hi=1, lo_open=True, help="MG-ViT early-exit threshold in (0, 1].")
     feat_dim: int | None = None
-    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
-        "Round every width a method makes up to a multiple of this (8: GPU-friendly; 1: off)."))
+    align: int = setting(
+        DEFAULT_ALIGN,
+        lo=1,
+        help=("Round every width a method makes up to a multiple of this (8: GPU-friendly; 1: off)."),
+    )
     grid: int = 7
     lam: float = 0.98
     casr_start: int = 3
@@ -126,11 +142,14 @@ class MGViTConfig(Config):
         check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
         check_range("lam", self.lam, 0, 1)
         if self.r_h + self.r_t > 1:
-            raise NascompressError(f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = "
-                                   f"{self.r_h + self.r_t:g}")
+            raise NascompressError(
+                f"r_h + r_t must be at most 1, got r_h={self.r_h} + r_t={self.r_t} = {self.r_h + self.r_t:g}"
+            )
         if self.r_pos + self.r_neg > 1:
-            raise NascompressError(f"r_pos + r_neg must be at most 1, got r_pos={self.r_pos} + r_neg={self.r_neg} = "
-                                   f"{self.r_pos + self.r_neg:g}")
+            raise NascompressError(
+                f"r_pos + r_neg must be at most 1, got r_pos={self.r_pos} + r_neg={self.r_neg} = "
+                f"{self.r_pos + self.r_neg:g}"
+            )
         check_int("grid", self.grid, 1)
         check_int("casr_start", self.casr_start, 1)
         if self.feat_dim is not None:
@@ -152,20 +171,30 @@ class MGViTRecipe(Config):
 def resolve_config(cfg: MGViTConfig, model: VisionTransformer) -> MGViTConfig:
     """``cfg`` checked against ``model``, model-dependent defaults filled in."""
     depth, dim, heads = len(model.blocks), model.embed_dim, model.blocks[0].attn.num_heads
-    layers = (default_ppsm_layers(depth) if cfg.ppsm_layers is None else [cfg.ppsm_layers]
-              if isinstance(cfg.ppsm_layers, int) else list(cfg.ppsm_layers))  # one layer: 5 or [5]
+    layers = (
+        default_ppsm_layers(depth)
+        if cfg.ppsm_layers is None
+        else [cfg.ppsm_layers]
+        if isinstance(cfg.ppsm_layers, int)
+        else list(cfg.ppsm_layers)
+    )  # one layer: 5 or [5]
     for layer in layers:
         if not isinstance(layer, int) or not 2 <= layer <= depth:
-            raise NascompressError(f"PPSM layer {layer!r} is outside the depth: layers are 1-based and must be in "
-                                   f"2..{depth} (PPSM needs the class attention of an earlier layer)")
+            raise NascompressError(
+                f"PPSM layer {layer!r} is outside the depth: layers are 1-based and must be in "
+                f"2..{depth} (PPSM needs the class attention of an earlier layer)"
+            )
     fd = default_feat_dim(dim, heads, cfg.align) if cfg.feat_dim is None else cfg.feat_dim
     if (dim + fd) % heads:
-        raise NascompressError(f"feat_dim (C') must be a positive int with C + C' = {dim} + C' divisible by the "
-                               f"{heads} heads, got {fd!r}")
+        raise NascompressError(
+            f"feat_dim (C') must be a positive int with C + C' = {dim} + C' divisible by the {heads} heads, got {fd!r}"
+        )
     img = model.patch_embed.img_size
     if img[0] != img[1] or img[0] % cfg.grid:
-        raise SettingError(f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {cfg.grid}; "
-                               f"pick a grid that divides {img[0]} (e.g. {{opt}} grid=7 for 28 or 224)")
+        raise SettingError(
+            f"image size {img[0]}x{img[1]} is not divisible by the coarse grid {cfg.grid}; "
+            f"pick a grid that divides {img[0]} (e.g. {{opt}} grid=7 for 28 or 224)"
+        )
     return cfg.replace(ppsm_layers=tuple(sorted(set(layers))), feat_dim=fd)
 
 
@@ -196,9 +225,24 @@ class PPSM(nn.Module):
 class MGIS(nn.Module):
     """The multi-granularity stage: its own patch embedding, position grid, feature reuse and ViT."""
 
-    def __init__(self, *, in_chans: int, patch: int, dim: int, extra: int, depth: int, heads: int, mlp_ratio: float,
-                 qkv_bias: bool, num_classes: int, pos_grid: int, ln_eps: float, ppsm_layers: list[int],
-                 r_pos: float, r_neg: float):
+    def __init__(
+        self,
+        *,
+        in_chans: int,
+        patch: int,
+        dim: int,
+        extra: int,
+        depth: int,
+        heads: int,
+        mlp_ratio: float,
+        qkv_bias: bool,
+        num_classes: int,
+        pos_grid: int,
+        ln_eps: float,
+        ppsm_layers: list[int],
+        r_pos: float,
+        r_neg: float,
+    ):
         super().__init__()
         norm = partial(nn.LayerNorm, eps=ln_eps)
         self.proj = nn.Conv2d(in_chans, dim, patch, patch)
@@ -206,8 +250,9 @@ class MGIS(nn.Module):
         self.pos_embed = nn.Parameter(torch.randn(1, pos_grid * pos_grid, dim) * 0.02)
         self.reuse_norm = norm(dim)
         self.reuse = Mlp(dim, hidden_features=dim, out_features=extra)
-        self.blocks = nn.ModuleList(Block(dim + extra, heads, mlp_ratio, qkv_bias=qkv_bias, norm_layer=norm)
-                                    for _ in range(depth))
+        self.blocks = nn.ModuleList(
+            Block(dim + extra, heads, mlp_ratio, qkv_bias=qkv_bias, norm_layer=norm) for _ in range(depth)
+        )
         for layer, b in enumerate(self.blocks, 1):
             b.__class__ = NCBlock
             core_attention(b.attn)
@@ -222,23 +267,31 @@ class MGViT(VisionTransformer):
     """A timm VisionTransformer (the SGIS) with an MGIS stage and early exit. See the module doc."""
 
     mg: dict[str, Any]
-    compile_note = ("MG-ViT is timed eager only: its early exit sends a data-dependent subset of the batch "
-                    "through the MGIS stage, so its shapes change with the input (no static graph)")
+    compile_note = (
+        "MG-ViT is timed eager only: its early exit sends a data-dependent subset of the batch "
+        "through the MGIS stage, so its shapes change with the input (no static graph)"
+    )
 
     def _sgis(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (B, C, H, W) -> SGIS logits (B, classes), output patch tokens (B, N, C), CASR (B, N)."""
         g, P, pg = self.mg["grid"], self.patch_embed.patch_size[0], self.patch_embed.grid_size[0]
         t = self.patch_embed.norm(self.patch_embed.proj(_resample(x, g * P)).flatten(2).transpose(1, 2))
         pos = self.pos_embed
-        t = torch.cat([(self.cls_token + pos[:, :1]).expand(t.shape[0], -1, -1),
-                       t + resample_grid(pos[:, 1:], pg, g)], 1)
+        t = torch.cat(
+            [(self.cls_token + pos[:, :1]).expand(t.shape[0], -1, -1), t + resample_grid(pos[:, 1:], pg, g)], 1
+        )
         t = self.norm_pre(self.pos_drop(t))
         casr = None
         for layer, blk in enumerate(self.blocks, 1):
             t = blk(t)
             if blk.attn.record_cls:
-                casr = casr_update(casr, blk.attn.cls_attention()[:, :, 1:].mean(1), layer=layer, start=self.mg["casr_start"],
-                                   lam=self.mg["lam"])
+                casr = casr_update(
+                    casr,
+                    blk.attn.cls_attention()[:, :, 1:].mean(1),
+                    layer=layer,
+                    start=self.mg["casr_start"],
+                    lam=self.mg["lam"],
+                )
         t = self.norm(t)
         return self.forward_head(t), t[:, 1:], casr
 
@@ -262,9 +315,14 @@ class MGViT(VisionTransformer):
         head, mid, tail = groups
         fr = m.reuse(m.reuse_norm(gather_tokens(s_tokens, torch.cat([head, mid], 1))))
         n_h = head.shape[1]
-        fr = torch.cat([fr[:, :n_h].repeat_interleave(HEAD_SPLIT ** 2, 1),
-                        fr[:, n_h:].repeat_interleave(MIDDLE_SPLIT ** 2, 1),
-                        fr.new_zeros(B, tail.shape[1], fr.shape[-1])], 1)
+        fr = torch.cat(
+            [
+                fr[:, :n_h].repeat_interleave(HEAD_SPLIT**2, 1),
+                fr[:, n_h:].repeat_interleave(MIDDLE_SPLIT**2, 1),
+                fr.new_zeros(B, tail.shape[1], fr.shape[-1]),
+            ],
+            1,
+        )
         t = torch.cat([m.cls_token.expand(B, -1, -1), torch.cat([emb, fr], -1)], 1)
         score = values = None
         for layer, blk in enumerate(m.blocks, 1):
@@ -274,8 +332,9 @@ class MGViT(VisionTransformer):
             t = blk(t)
             if str(layer + 1) in m.ppsm:
                 values = blk.attn.values.transpose(1, 2).flatten(2)  # (B, N, H * hd)
-            score = casr_update(score, blk.attn.cls_attention()[:, :, 1:].mean(1), layer=layer, start=mg["casr_start"],
-                                lam=mg["lam"])
+            score = casr_update(
+                score, blk.attn.cls_attention()[:, :, 1:].mean(1), layer=layer, start=mg["casr_start"], lam=mg["lam"]
+            )
         return m.head(m.norm(t)[:, 0])
 
     def forward_both(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,8 +371,9 @@ class MGViT(VisionTransformer):
         cache = self.__dict__.get("_mg_flops")
         if cache is None:
             p = next(self.parameters())
-            x = torch.randn(1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device,
-                            dtype=p.dtype)
+            x = torch.randn(
+                1, self.patch_embed.proj.in_channels, *self.patch_embed.img_size, device=p.device, dtype=p.dtype
+            )
             cache = {}
             for mode in ("sgis", "mgis"):
                 self._mg_force = mode
@@ -321,8 +381,11 @@ class MGViT(VisionTransformer):
                     cache[mode] = count_flops(self, x).total
                 finally:
                     self._mg_force = None
-            cache = {"sgis_flops": cache["sgis"], "mgis_flops": cache["mgis"] - cache["sgis"],
-                     "ppsm_flops": self.ppsm_flops()}
+            cache = {
+                "sgis_flops": cache["sgis"],
+                "mgis_flops": cache["mgis"] - cache["sgis"],
+                "ppsm_flops": self.ppsm_flops(),
+            }
             self.__dict__["_mg_flops"] = cache
         return dict(cache)
 
@@ -344,31 +407,38 @@ class MGViT(VisionTransformer):
         share = st["exit"] / max(st["n"], 1)
         f = self.stage_flops()
         mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
-        return {"epsilon": self.mg["epsilon"], "exit_share": share, "mean_flops": mean, "mean_gflops": mean / 1e9,
-                **f}
+        return {"epsilon": self.mg["epsilon"], "exit_share": share, "mean_flops": mean, "mean_gflops": mean / 1e9, **f}
 
 
 def _check_plain_vit(model: nn.Module) -> None:
     if is_pyramid(model):
-        raise SettingError(f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
-                               f"({type(model).__name__}); use {{method}} mgvit-h (Hierarchical MG-ViT) for it")
+        raise SettingError(
+            f"mgvit needs a plain timm ViT, but this run holds a pyramid ViT "
+            f"({type(model).__name__}); use {{method}} mgvit-h (Hierarchical MG-ViT) for it"
+        )
     if not isinstance(model, VisionTransformer):
         raise NascompressError(f"mgvit needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
     reasons = []
     if model.cls_token is None or model.global_pool != "token":
-        reasons.append(f"it needs a class token read by the head (class_token={model.cls_token is not None}, "
-                       f"global_pool={model.global_pool!r})")
+        reasons.append(
+            f"it needs a class token read by the head (class_token={model.cls_token is not None}, "
+            f"global_pool={model.global_pool!r})"
+        )
     if model.num_prefix_tokens != 1:
-        reasons.append(f"it needs exactly one prefix token, this model has {model.num_prefix_tokens} (register or "
-                       "distillation tokens)")
+        reasons.append(
+            f"it needs exactly one prefix token, this model has {model.num_prefix_tokens} (register or "
+            "distillation tokens)"
+        )
     if model.no_embed_class or model.pos_embed is None:
         reasons.append("it needs a position embedding that includes the class token")
     if not (isinstance(model.norm_pre, nn.Identity) and isinstance(model.fc_norm, nn.Identity)):
         reasons.append("it needs no pre-norm and no fc_norm")
     if not all(isinstance(b.attn.q_norm, nn.Identity) and isinstance(b.attn.norm, nn.Identity) for b in model.blocks):
         reasons.append("it does not support qk-norm or scale-norm attention")
-    if not (model.patch_embed.patch_size[0] == model.patch_embed.patch_size[1]
-            and model.patch_embed.grid_size[0] == model.patch_embed.grid_size[1]):
+    if not (
+        model.patch_embed.patch_size[0] == model.patch_embed.patch_size[1]
+        and model.patch_embed.grid_size[0] == model.patch_embed.grid_size[1]
+    ):
         reasons.append("it needs square patches and a square grid")
     if reasons:
         raise NascompressError("mgvit supports plain timm ViTs only: " + "; ".join(reasons))
@@ -381,12 +451,22 @@ def _build(model: VisionTransformer, c: MGViTConfig) -> "MGViT":
     dim, heads = model.embed_dim, blk.attn.num_heads
     for layer, b in enumerate(model.blocks, 1):
         _recording(b.attn, layer >= min(c.casr_start, len(model.blocks)))
-    model.mgis = MGIS(in_chans=model.patch_embed.proj.in_channels, patch=model.patch_embed.patch_size[0], dim=dim,
-                      extra=c.feat_dim, depth=len(model.blocks), heads=heads,
-                      mlp_ratio=blk.mlp.fc1.out_features / dim, qkv_bias=blk.attn.qkv.bias is not None,
-                      num_classes=model.num_classes, pos_grid=model.patch_embed.grid_size[0],
-                      ln_eps=getattr(model.norm, "eps", 1e-6), ppsm_layers=list(c.ppsm_layers),
-                      r_pos=c.r_pos, r_neg=c.r_neg).to(model.pos_embed.device)
+    model.mgis = MGIS(
+        in_chans=model.patch_embed.proj.in_channels,
+        patch=model.patch_embed.patch_size[0],
+        dim=dim,
+        extra=c.feat_dim,
+        depth=len(model.blocks),
+        heads=heads,
+        mlp_ratio=blk.mlp.fc1.out_features / dim,
+        qkv_bias=blk.attn.qkv.bias is not None,
+        num_classes=model.num_classes,
+        pos_grid=model.patch_embed.grid_size[0],
+        ln_eps=getattr(model.norm, "eps", 1e-6),
+        ppsm_layers=list(c.ppsm_layers),
+        r_pos=c.r_pos,
+        r_neg=c.r_neg,
+    ).to(model.pos_embed.device)
     model.__class__ = MGViT
     model.mg = c.to_dict()
     return model
@@ -413,8 +493,10 @@ class MGViTMethod(Method):
     def prepare(self, model: nn.Module, cfg: MGViTConfig, recipe: MGViTRecipe | None):
         """Both stages start from the dense run, or the SGIS from ``recipe.sgis_run``."""
         if cfg.feat_dim % cfg.align:  # a new model only: records written before align existed still load
-            raise NascompressError(f"feat_dim (C') {cfg.feat_dim} is not a multiple of align {cfg.align}; give an "
-                                   f"aligned feat_dim, leave it out (the default is aligned) or set align=1")
+            raise NascompressError(
+                f"feat_dim (C') {cfg.feat_dim} is not a multiple of align {cfg.align}; give an "
+                f"aligned feat_dim, leave it out (the default is aligned) or set align=1"
+            )
         recipe = recipe or MGViTRecipe()
         source = None  # MGIS starts from the run's dense weights: the SGIS's own unless sgis_run replaces them
         if recipe.sgis_run is not None:
@@ -423,7 +505,7 @@ class MGViTMethod(Method):
         record = self.make_record(cfg, recipe)
         model = _build(model, cfg)
         init_mgis_from_dense(model, source=source)
-        n = num_mgis_tokens(cfg.grid ** 2, cfg.r_h, cfg.r_t)
+        n = num_mgis_tokens(cfg.grid**2, cfg.r_h, cfg.r_t)
         sched = mgis_token_schedule(n, len(model.blocks), list(cfg.ppsm_layers), cfg.r_pos, cfg.r_neg)
         record.update(mgis_patch_tokens=n, mgis_tokens_per_layer=sched, width=model.embed_dim + cfg.feat_dim)
         return model, record
@@ -433,8 +515,9 @@ class MGViTMethod(Method):
 
 
 @torch.no_grad()
-def _widen(new: nn.Module, old: nn.Module, out_idx: torch.Tensor | None, in_idx: torch.Tensor | None,
-           scale: float = 1.0) -> None:
+def _widen(
+    new: nn.Module, old: nn.Module, out_idx: torch.Tensor | None, in_idx: torch.Tensor | None, scale: float = 1.0
+) -> None:
     """Copy ``old``'s weight into rows ``out_idx`` x columns ``in_idx`` of ``new``; other entries small/zero."""
     if isinstance(new, nn.LayerNorm):
         new.weight.fill_(1.0)
@@ -462,11 +545,19 @@ def load_sgis_from_run(model: VisionTransformer, run: str | Path) -> None:
     other, arch = load_typed(run)
     if arch.methods:
         names = list(arch.method_names)
-        raise NascompressError(f"sgis_run {run} is not a dense run (it applies {names}); pass a run made by `nascompress train`")
-    if not isinstance(other, VisionTransformer) or other.embed_dim != model.embed_dim or \
-            len(other.blocks) != len(model.blocks) or other.patch_embed.patch_size != model.patch_embed.patch_size:
-        raise NascompressError(f"sgis_run {run} does not match the model: it needs the same width, depth and patch size "
-                               f"(got width {getattr(other, 'embed_dim', '?')}, depth {len(getattr(other, 'blocks', []))})")
+        raise NascompressError(
+            f"sgis_run {run} is not a dense run (it applies {names}); pass a run made by `nascompress train`"
+        )
+    if (
+        not isinstance(other, VisionTransformer)
+        or other.embed_dim != model.embed_dim
+        or len(other.blocks) != len(model.blocks)
+        or other.patch_embed.patch_size != model.patch_embed.patch_size
+    ):
+        raise NascompressError(
+            f"sgis_run {run} does not match the model: it needs the same width, depth and patch size "
+            f"(got width {getattr(other, 'embed_dim', '?')}, depth {len(getattr(other, 'blocks', []))})"
+        )
     sd = checkpoint_filter_fn(other.state_dict(), model)
     load_state_strict(model, sd, source=f"sgis_run {run}")
 
@@ -509,12 +600,14 @@ def init_mgis_from_dense(model: MGViT, source: VisionTransformer | None = None) 
 class MGViTHooks(TrainHooks):
     """Loss = CE(D^M, y) + KL(D^M || D^S), every image through both stages (epsilon = 1)."""
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any, tag: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         s_logits, m_logits = model.forward_both(x)
         ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
-        kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
-                      reduction="batchmean")
+        kl = F.kl_div(
+            s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True, reduction="batchmean"
+        )
         return ce + kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
 
 
@@ -549,8 +642,15 @@ def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> dict[st
             mean = model.mean_flops(share, e)
         else:
             mean = f["sgis_flops"] + (1 - share) * f["mgis_flops"]
-        rows.append({"epsilon": e, "top1": 100.0 * correct[i].item() / max(n, 1), "exit_share": share,
-                     "mean_flops": mean, "mean_gflops": mean / 1e9})
+        rows.append(
+            {
+                "epsilon": e,
+                "top1": 100.0 * correct[i].item() / max(n, 1),
+                "exit_share": share,
+                "mean_flops": mean,
+                "mean_gflops": mean / 1e9,
+            }
+        )
     return {"rows": rows, "n": n, "sgis_top1": 100.0 * s_ok / max(n, 1), "mgis_top1": 100.0 * m_ok / max(n, 1), **f}
 
 
@@ -567,5 +667,18 @@ def parse_epsilons(text: str) -> list[float]:
     return vals
 
 
-__all__ = ["MGViTMethod", "MGViTConfig", "MGViTRecipe", "MGViT", "MGIS", "PPSM", "MGViTHooks", "init_mgis_from_dense",
-           "load_sgis_from_run", "sweep_model", "parse_epsilons", "default_ppsm_layers", "default_feat_dim"]
+__all__ = [
+    "MGViTMethod",
+    "MGViTConfig",
+    "MGViTRecipe",
+    "MGViT",
+    "MGIS",
+    "PPSM",
+    "MGViTHooks",
+    "init_mgis_from_dense",
+    "load_sgis_from_run",
+    "sweep_model",
+    "parse_epsilons",
+    "default_ppsm_layers",
+    "default_feat_dim",
+]

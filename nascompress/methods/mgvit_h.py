@@ -62,6 +62,7 @@ Table 6: H_MG heads, MLP ratio E_MG) that refines the head and middle patches wi
 Not carried over from plain MG-ViT: feature reuse by widening (the pyramid's widths must stay the
 dense ones for its weights and its feature maps), and PPSM on the pyramid's own tokens (above).
 """
+
 from __future__ import annotations
 
 import copy
@@ -81,8 +82,17 @@ from ..config import Config, check_int, check_range, check_settings, field_name,
 from ..errors import NascompressError, SettingError
 from . import Method, TrainOverrides, register_method
 from ..hooks import TrainHooks
-from .mgvit_ops import (HEAD_SPLIT, MIDDLE_SPLIT, casr_update, match_merge, ppsm_counts, ppsm_macs, resample_image,
-                        split_counts, split_groups)
+from .mgvit_ops import (
+    HEAD_SPLIT,
+    MIDDLE_SPLIT,
+    casr_update,
+    match_merge,
+    ppsm_counts,
+    ppsm_macs,
+    resample_image,
+    split_counts,
+    split_groups,
+)
 from ..models import PYRAMID_NAMES
 from ..profiling.flops import count_flops
 
@@ -108,15 +118,26 @@ class MGViTHConfig(Config):
         lam / casr_start: CASR's decay and first layer (of stage 1).
     """
 
-    variant: str = setting("a", choices=VARIANTS, help=(
-        "Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."))
+    variant: str = setting(
+        "a",
+        choices=VARIANTS,
+        help=("Hierarchical MG-ViT variant: a (MG layer added after stage 1) or r (replaces stage 1's last layer)."),
+    )
     r_h: float = setting(0.1, lo=0, hi=1, help="MG-ViT head ratio r_h (coarse patches split 3x3).")
     r_t: float = setting(0.4, lo=0, hi=1, help="MG-ViT tail ratio r_t (coarse patches kept coarse).")
     epsilon: float = setting(1.0, lo=0, hi=1, lo_open=True, help="MG-ViT early-exit threshold in (0, 1].")
-    r_pos: float = setting(1.0, lo=0, hi=1, help=(
-        "mgvit-h: PPSM positive share of the split cells (their proxy groups keep every finer token)."))
-    r_neg: float = setting(0.0, lo=0, hi=1, help=(
-        "mgvit-h: PPSM negative share of the split cells (each proxy group's finer tokens merged into one)."))
+    r_pos: float = setting(
+        1.0,
+        lo=0,
+        hi=1,
+        help=("mgvit-h: PPSM positive share of the split cells (their proxy groups keep every finer token)."),
+    )
+    r_neg: float = setting(
+        0.0,
+        lo=0,
+        hi=1,
+        help=("mgvit-h: PPSM negative share of the split cells (each proxy group's finer tokens merged into one)."),
+    )
     mg_heads: int | None = None
     mg_mlp_ratio: float | None = None
     sgis_scale: float = 0.5
@@ -148,8 +169,9 @@ class MGViTHRecipe(Config):
             the MG pass alone (the SGIS is not run), for a model used without early exit (epsilon 1).
     """
 
-    kl_weight: float = setting(1.0, lo=0, help=(
-        "mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone)."))
+    kl_weight: float = setting(
+        1.0, lo=0, help=("mgvit-h: weight of the SGIS's KL term (1: the paper's loss; 0: train the MG pass alone).")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, name=field_name)  # every setting() against its declaration
@@ -162,15 +184,17 @@ class MGViTHHooks(TrainHooks):
     def __init__(self, kl_weight: float = 1.0):
         self.kl_weight = kl_weight
 
-    def loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any,
-             tag: Any = None) -> tuple[torch.Tensor, dict[str, Any]]:
+    def loss(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, epoch: int, cfg: Any, tag: Any = None
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
         if self.kl_weight == 0:
             ce = F.cross_entropy(model(x), y, label_smoothing=cfg.label_smoothing)
             return ce, {"ce_mgis": ce.detach()}
         s_logits, m_logits = model.forward_both(x)
         ce = F.cross_entropy(m_logits, y, label_smoothing=cfg.label_smoothing)
-        kl = F.kl_div(s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True,
-                      reduction="batchmean")
+        kl = F.kl_div(
+            s_logits.log_softmax(-1), m_logits.detach().log_softmax(-1), log_target=True, reduction="batchmean"
+        )
         return ce + self.kl_weight * kl, {"ce_mgis": ce.detach(), "kl_sgis": kl.detach()}
 
 
@@ -182,12 +206,16 @@ def _stage1_shape(model: PyramidVisionTransformerV2) -> tuple[int, int, int, int
 
 def _check_pyramid(model: nn.Module) -> None:
     if not isinstance(model, PyramidVisionTransformerV2):
-        raise SettingError(f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
-                               f"{type(model).__name__}; use {{method}} mgvit for a plain ViT")
+        raise SettingError(
+            f"mgvit-h needs a pyramid ViT ({', '.join(PYRAMID_NAMES)}), got "
+            f"{type(model).__name__}; use {{method}} mgvit for a plain ViT"
+        )
     attn = model.stages[0].blocks[0].attn
     if attn.pool is not None or attn.sr is None:
-        raise NascompressError("mgvit-h needs spatial-reduction attention in stage 1 (pvt_v2_b0..b5); the linear "
-                               "variant pools its keys to a fixed grid, which has no coarse cells")
+        raise NascompressError(
+            "mgvit-h needs spatial-reduction attention in stage 1 (pvt_v2_b0..b5); the linear "
+            "variant pools its keys to a fixed grid, which has no coarse cells"
+        )
 
 
 def default_mg_heads(dim: int) -> int:
@@ -206,12 +234,16 @@ def resolve_config(cfg: MGViTHConfig, model: PyramidVisionTransformerV2) -> MGVi
     cell = stride * sr
     h, w = model.nc_img_size
     if h != w or h % cell:
-        raise NascompressError(f"image size {h}x{w} cannot be split into mgvit-h's coarse grid of {cell} px cells "
-                               f"(stem stride {stride} x stage-1 spatial reduction {sr}): use a square image whose "
-                               f"side is a multiple of {cell} (e.g. {max(cell, h // cell * cell)})")
+        raise NascompressError(
+            f"image size {h}x{w} cannot be split into mgvit-h's coarse grid of {cell} px cells "
+            f"(stem stride {stride} x stage-1 spatial reduction {sr}): use a square image whose "
+            f"side is a multiple of {cell} (e.g. {max(cell, h // cell * cell)})"
+        )
     if cfg.variant == "r" and depth < 2:
-        raise NascompressError(f"variant r replaces one of stage 1's {depth} layer(s) and needs one before the MG "
-                               "layer to rank the cells; use variant a")
+        raise NascompressError(
+            f"variant r replaces one of stage 1's {depth} layer(s) and needs one before the MG "
+            "layer to rank the cells; use variant a"
+        )
     heads = default_mg_heads(dim) if cfg.mg_heads is None else cfg.mg_heads
     if dim % heads:
         raise NascompressError(f"mg_heads {heads} does not divide stage 1's width {dim}")
@@ -239,8 +271,9 @@ class SubEmbed(nn.Module):
     """The stem convolution on the crops of the selected cells (parameter free: it is given the
     stem's weights, so the FLOP counter sees exactly the crops it embeds)."""
 
-    def forward(self, crops: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                stride: int) -> torch.Tensor:
+    def forward(
+        self, crops: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride: int
+    ) -> torch.Tensor:
         return F.conv2d(crops, weight, bias, stride=stride)
 
     def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
@@ -304,8 +337,10 @@ class MGPVT(PyramidVisionTransformerV2):
     """A timm PVT v2 with Hierarchical MG-ViT's MG layer, ranking and early exit (module doc)."""
 
     mg: dict[str, Any]
-    compile_note = ("Hierarchical MG-ViT is timed eager only: the cells it splits, and with early exit the images "
-                    "that run the MG pass, depend on the input (no static graph)")
+    compile_note = (
+        "Hierarchical MG-ViT is timed eager only: the cells it splits, and with early exit the images "
+        "that run the MG pass, depend on the input (no static graph)"
+    )
 
     # ---- the two passes --------------------------------------------------------------------
     def _stage1(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
@@ -326,7 +361,7 @@ class MGPVT(PyramidVisionTransformerV2):
         x = self.stages[0].norm(t).reshape(B, hw[0], hw[1], C).permute(0, 3, 1, 2).contiguous()
         feats = [x]
         last = len(self.stages) - 1 if upto is None else upto
-        for st in self.stages[1:last + 1]:
+        for st in self.stages[1 : last + 1]:
             x = st(x)
             feats.append(x)
         return feats
@@ -390,9 +425,15 @@ class MGPVT(PyramidVisionTransformerV2):
         """The last stage's map (B, C4, H/32, W/32) of the MG pass (no early exit)."""
         return self._mgis_features(x)[-1]
 
-    def forward_intermediates(self, x: torch.Tensor, indices: int | list[int] | None = None, norm: bool = False,
-                              stop_early: bool = False, output_fmt: str = "NCHW",
-                              intermediates_only: bool = False) -> Any:
+    def forward_intermediates(
+        self,
+        x: torch.Tensor,
+        indices: int | list[int] | None = None,
+        norm: bool = False,
+        stop_early: bool = False,
+        output_fmt: str = "NCHW",
+        intermediates_only: bool = False,
+    ) -> Any:
         """timm's convention (NCHW stage maps; ``indices`` as timm): the MG pass's stage outputs, a list
         (``intermediates_only``) or (last map, list)."""
         if output_fmt != "NCHW":
@@ -466,8 +507,13 @@ class MGPVT(PyramidVisionTransformerV2):
         st = self.__dict__.get("_mg_stats", {"n": 0, "exit": 0})
         share = st["exit"] / max(st["n"], 1)
         mean = self.mean_flops(share)
-        return {"epsilon": self.mg["epsilon"], "exit_share": share, "mean_flops": mean, "mean_gflops": mean / 1e9,
-                **self.stage_flops()}
+        return {
+            "epsilon": self.mg["epsilon"],
+            "exit_share": share,
+            "mean_flops": mean,
+            "mean_gflops": mean / 1e9,
+            **self.stage_flops(),
+        }
 
 
 def group_domains(first: int, n: int, n_split: int, mg: dict[str, Any]) -> list[tuple[int, int, str]]:
@@ -498,16 +544,22 @@ def _build(model: PyramidVisionTransformerV2, c: MGViTHConfig) -> MGPVT:
         b.attn.__class__ = RankingAttention
     ref = blocks[0]
     dev = model.patch_embed.proj.weight.device
-    model.mg_layer = MGLayer(dim, c.mg_heads, c.mg_mlp_ratio, qkv_bias=ref.attn.q.bias is not None,
-                             eps=getattr(ref.norm1, "eps", 1e-6)).to(dev)
+    model.mg_layer = MGLayer(
+        dim, c.mg_heads, c.mg_mlp_ratio, qkv_bias=ref.attn.q.bias is not None, eps=getattr(ref.norm1, "eps", 1e-6)
+    ).to(dev)
     model.mg_embed = SubEmbed()
     model.mg_slim = GroupSlim()
-    model.mg_pos_head = nn.Parameter(torch.zeros(HEAD_SPLIT ** 2, dim, device=dev))
-    model.mg_pos_middle = nn.Parameter(torch.zeros(MIDDLE_SPLIT ** 2, dim, device=dev))
+    model.mg_pos_head = nn.Parameter(torch.zeros(HEAD_SPLIT**2, dim, device=dev))
+    model.mg_pos_middle = nn.Parameter(torch.zeros(MIDDLE_SPLIT**2, dim, device=dev))
     model.__class__ = MGPVT
     cell = stride * sr
-    model.mg = dict(c.to_dict(), cell_tokens=sr, cell_px=cell, grid=model.nc_img_size[0] // cell,
-                    sgis_size=sgis_size(model.nc_img_size[0], cell, c.sgis_scale))
+    model.mg = dict(
+        c.to_dict(),
+        cell_tokens=sr,
+        cell_px=cell,
+        grid=model.nc_img_size[0] // cell,
+        sgis_size=sgis_size(model.nc_img_size[0], cell, c.sgis_scale),
+    )
     return model
 
 
@@ -561,17 +613,38 @@ class MGViTHMethod(Method):
         n_h, n_m, n_t = split_counts(n, cfg.r_h, cfg.r_t)
         r2 = model.mg["cell_tokens"] ** 2
         n_pos, n_b, n_neg = ppsm_counts(n_h + n_m, cfg.r_pos, cfg.r_neg)
-        group = sum((hi - lo) * (slimmed_tokens(s * s, dom) + 1)
-                    for first, k, s in ((0, n_h, HEAD_SPLIT), (n_h, n_m, MIDDLE_SPLIT))
-                    for lo, hi, dom in group_domains(first, k, n_h + n_m, model.mg))
-        record.update(coarse_grid=model.mg["grid"], cells_split=[n_h, n_m, n_t], sgis_size=model.mg["sgis_size"],
-                      ppsm_cells=[n_pos, n_b, n_neg], mg_group_tokens=r2 * group)
+        group = sum(
+            (hi - lo) * (slimmed_tokens(s * s, dom) + 1)
+            for first, k, s in ((0, n_h, HEAD_SPLIT), (n_h, n_m, MIDDLE_SPLIT))
+            for lo, hi, dom in group_domains(first, k, n_h + n_m, model.mg)
+        )
+        record.update(
+            coarse_grid=model.mg["grid"],
+            cells_split=[n_h, n_m, n_t],
+            sgis_size=model.mg["sgis_size"],
+            ppsm_cells=[n_pos, n_b, n_neg],
+            mg_group_tokens=r2 * group,
+        )
         return model, record
 
     def hooks(self, model, record, *, teacher, train_cfg):
         return MGViTHHooks(MGViTHRecipe.from_dict(record.get("recipe") or {}, what="mgvit-h recipe").kl_weight)
 
 
-__all__ = ["MGViTHMethod", "MGViTHConfig", "MGViTHRecipe", "MGViTHHooks", "MGPVT", "MGLayer", "SubEmbed", "GroupSlim",
-           "RankingAttention", "init_mg_layer", "group_domains", "slimmed_tokens",
-           "resolve_config", "default_mg_heads", "sgis_size"]
+__all__ = [
+    "MGViTHMethod",
+    "MGViTHConfig",
+    "MGViTHRecipe",
+    "MGViTHHooks",
+    "MGPVT",
+    "MGLayer",
+    "SubEmbed",
+    "GroupSlim",
+    "RankingAttention",
+    "init_mg_layer",
+    "group_domains",
+    "slimmed_tokens",
+    "resolve_config",
+    "default_mg_heads",
+    "sgis_size",
+]

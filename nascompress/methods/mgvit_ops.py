@@ -12,6 +12,7 @@ Shapes: B images, n patch tokens (the class token is handled by the caller), D c
   Eq. 21, boundary match-merge by cosine similarity of value vectors, weighted averages).
 * :func:`layer_macs`: the paper's complexity model, SA ``4NC^2 + 2N^2C`` and FFN ``8NC^2``.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,7 @@ def split_counts(n: int, r_h: float, r_t: float) -> tuple[int, int, int]:
 def num_mgis_tokens(n: int, r_h: float, r_t: float) -> int:
     """Patch tokens after subsplitting: 9 N_h + 4 N_m + N_t (161 for 7x7, r_h 0.1, r_t 0.4)."""
     n_h, n_m, n_t = split_counts(n, r_h, r_t)
-    return HEAD_SPLIT ** 2 * n_h + MIDDLE_SPLIT ** 2 * n_m + n_t
+    return HEAD_SPLIT**2 * n_h + MIDDLE_SPLIT**2 * n_m + n_t
 
 
 def split_groups(casr: torch.Tensor, r_h: float, r_t: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,7 +62,7 @@ def split_groups(casr: torch.Tensor, r_h: float, r_t: float) -> tuple[torch.Tens
     """
     n_h, n_m, _ = split_counts(casr.shape[1], r_h, r_t)
     order = casr.argsort(dim=1, descending=True)
-    return order[:, :n_h], order[:, n_h:n_h + n_m], order[:, n_h + n_m:]
+    return order[:, :n_h], order[:, n_h : n_h + n_m], order[:, n_h + n_m :]
 
 
 def subpatch_index(idx: torch.Tensor, grid: int, s: int) -> torch.Tensor:
@@ -75,8 +76,8 @@ def subpatch_index(idx: torch.Tensor, grid: int, s: int) -> torch.Tensor:
     """
     r, c = idx // grid, idx % grid
     off = torch.arange(s, device=idx.device)
-    rows = (r[..., None, None] * s + off[:, None])  # (B, k, s, 1)
-    cols = (c[..., None, None] * s + off[None, :])  # (B, k, 1, s)
+    rows = r[..., None, None] * s + off[:, None]  # (B, k, s, 1)
+    cols = c[..., None, None] * s + off[None, :]  # (B, k, 1, s)
     return (rows * grid * s + cols).flatten(1)
 
 
@@ -109,8 +110,9 @@ def _weighted_merge(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x * w[..., None]).sum(1, keepdim=True) / w.sum(1, keepdim=True)[..., None].clamp_min(1e-12)
 
 
-def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, *,
-                scatter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def match_merge(
+    x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, *, scatter: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPSM's boundary rule on tokens in rank order: they alternate into set A (1st, 3rd, ...) and
     set B (2nd, 4th, ...), each A token is matched to the B token with the most cosine-similar value
     vector, and every B token becomes the score-weighted average of itself and its A tokens.
@@ -139,8 +141,9 @@ def match_merge(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, *,
     return num / den[..., None].clamp_min(1e-12), den
 
 
-def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: float,
-         r_neg: float, *, scatter: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def ppsm(
+    x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: float, r_neg: float, *, scatter: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Three-way decision slimming of the patch tokens (the class token stays with the caller).
 
     Tokens are ranked by ``score`` (their global class attention). The top ``n_pos`` are kept;
@@ -165,15 +168,16 @@ def ppsm(x: torch.Tensor, score: torch.Tensor, values: torch.Tensor, r_pos: floa
     xs, ss, vs = gather_tokens(x, order), score.gather(1, order), gather_tokens(values, order)
     parts, scores = [xs[:, :n_pos]], [ss[:, :n_pos]]
     if n_b >= 2:
-        merged, den = match_merge(xs[:, n_pos:n_pos + n_b], ss[:, n_pos:n_pos + n_b], vs[:, n_pos:n_pos + n_b],
-                                  scatter=scatter)
+        merged, den = match_merge(
+            xs[:, n_pos : n_pos + n_b], ss[:, n_pos : n_pos + n_b], vs[:, n_pos : n_pos + n_b], scatter=scatter
+        )
         parts.append(merged)
         scores.append(den)
     elif n_b == 1:
-        parts.append(xs[:, n_pos:n_pos + 1])
-        scores.append(ss[:, n_pos:n_pos + 1])
+        parts.append(xs[:, n_pos : n_pos + 1])
+        scores.append(ss[:, n_pos : n_pos + 1])
     if n_neg > 0:
-        xn, sn = xs[:, n - n_neg:], ss[:, n - n_neg:]
+        xn, sn = xs[:, n - n_neg :], ss[:, n - n_neg :]
         parts.append(_weighted_merge(xn, sn))
         scores.append(sn.sum(1, keepdim=True))
     return torch.cat(parts, 1), torch.cat(scores, 1)
@@ -190,7 +194,7 @@ def ppsm_macs(batch: int, num: int, dim: int, r_pos: float, r_neg: float) -> flo
 
 def layer_macs(n_tokens: int, dim: int, mlp_ratio: float = 4.0) -> float:
     """The paper's complexity model of one layer on N tokens: SA 4NC^2 + 2N^2C, FFN 8NC^2 (mlp 4)."""
-    return 4 * n_tokens * dim ** 2 + 2 * n_tokens ** 2 * dim + 2 * mlp_ratio * n_tokens * dim ** 2
+    return 4 * n_tokens * dim**2 + 2 * n_tokens**2 * dim + 2 * mlp_ratio * n_tokens * dim**2
 
 
 def mgis_token_schedule(n_patches: int, depth: int, ppsm_layers: list[int], r_pos: float, r_neg: float) -> list[int]:

@@ -37,6 +37,7 @@ Readings (where the paper or the official code leave a choice):
       built from the block indices; training and ``kernel="masked"`` use the same mask in the
       masked path (all three tested equal). MACs/density are computed when read.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,13 @@ class SparsifinerConfig(Config):
             fastest on CPU), ``flex`` (compiled FlexAttention with a BlockMask) or ``masked``.
     """
 
-    attn_keep_ratio: float = setting(0.25, lo=0, hi=1, lo_open=True, help=(
-        "Sparsifiner attention keep ratio in (0, 1]: keys kept per query = ceil(ratio x tokens)."))
+    attn_keep_ratio: float = setting(
+        0.25,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help=("Sparsifiner attention keep ratio in (0, 1]: keys kept per query = ceil(ratio x tokens)."),
+    )
     budget: int | None = None
     n_down: int = 32
     tau: float = 0.05
@@ -150,8 +156,9 @@ def topk_mask(scores: torch.Tensor, budget: int, *, full_rows: int = 0) -> torch
     return mask
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float,
-                     dropout_p: float = 0.0) -> torch.Tensor:
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, scale: float, dropout_p: float = 0.0
+) -> torch.Tensor:
     """Softmax over the kept entries of each row only: q, k, v (B, H, n, d), mask (B, H, n, n) bool
     (or additive, when an external mask is combined in)."""
     return attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
@@ -191,8 +198,18 @@ def region_init(n: int, n_down: int, *, prefix: int, grid: tuple[int, int] | Non
     return onehot.clone(), onehot.clone()
 
 
-def unstructured_macs(*, batch: int, heads: int, n: int, head_dim: int, v_dim: int, n_down: int, budget: int,
-                      prefix: int, product_macs: float) -> float:
+def unstructured_macs(
+    *,
+    batch: int,
+    heads: int,
+    n: int,
+    head_dim: int,
+    v_dim: int,
+    n_down: int,
+    budget: int,
+    prefix: int,
+    product_macs: float,
+) -> float:
     """MACs of one Sparsifiner attention (whole batch) in the paper's accounting.
 
     predictor: W_down K (r n d) + Q K_down^T (n r d) per head, plus ``product_macs`` (the sparse
@@ -232,8 +249,16 @@ class SparsifinerKernel(nn.Module):
         self._density = 1.0
         return attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
-                scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask: torch.Tensor | None = None,
+        scale: float,
+        dropout_p: float = 0.0,
+    ) -> torch.Tensor:
         """q, k (B, H, n, d_qk), v (B, H, n, d_v) -> (B, H, n, d_v).
 
         ``attn_mask`` (an external mask, e.g. DynamicViT's training policy; bool or additive,
@@ -250,8 +275,11 @@ class SparsifinerKernel(nn.Module):
             with torch.no_grad():
                 logits = (q * scale) @ k.transpose(-2, -1)
                 if attn_mask is not None:  # the attention the model really computes (e.g. DynamicViT's policy)
-                    logits = logits.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+                    logits = (
+                        logits.masked_fill(~attn_mask, float("-inf"))
+                        if attn_mask.dtype == torch.bool
                         else logits + attn_mask
+                    )
                 target = logits.softmax(-1)
             self.recon_loss = (approx[:, :, p:] - target[:, :, p:]).pow(2).sum() / B
             return self._dense(q, k, v, attn_mask, scale, dropout_p)
@@ -266,27 +294,37 @@ class SparsifinerKernel(nn.Module):
                 mask = topk_mask(coef @ basis, budget, full_rows=p)
                 # nnz-based product MACs, a device tensor read when asked for (no host sync here)
                 prod = ((coef != 0).float() @ (basis != 0).float().sum(-1, keepdim=True)).sum()
-                self._unstructured_stats = (prod, dict(batch=B, heads=H, n=n, head_dim=d, v_dim=v.shape[-1],
-                                                       n_down=r, budget=budget, prefix=p))
+                self._unstructured_stats = (
+                    prod,
+                    dict(batch=B, heads=H, n=n, head_dim=d, v_dim=v.shape[-1], n_down=r, budget=budget, prefix=p),
+                )
                 self._macs = None
                 self._block_stats = None
                 self._density = budget / n
             return masked_attention(q, k, v, combine_masks(mask, attn_mask), scale=scale, dropout_p=dropout_p)
-        layout = block_sparse.plan_blocks(n, p, budget, cfg.block_size,
-                                   multiple=block_sparse.flex_multiple(cfg.kernel, cfg.block_size, q.device))
+        layout = block_sparse.plan_blocks(
+            n, p, budget, cfg.block_size, multiple=block_sparse.flex_multiple(cfg.kernel, cfg.block_size, q.device)
+        )
         if not layout.sparse:
             return self._dense(q, k, v, attn_mask, scale, dropout_p)
         inference = not self.training and not torch.is_grad_enabled()
         basis = self._pooled_basis(w_up, layout, cache=inference)
         if inference and cfg.kernel != "masked" and attn_mask is None:
             kernel = "flex" if cfg.kernel == "flex" and block_sparse.flex_usable() else "gather"
-            out, idx = block_sparse.block_sparse_attention(q, k, v, w_down, basis, layout, scale=scale, tau=cfg.tau,
-                                                    kernel=kernel)
+            out, idx = block_sparse.block_sparse_attention(
+                q, k, v, w_down, basis, layout, scale=scale, tau=cfg.tau, kernel=kernel
+            )
         else:
             with torch.no_grad():  # the mask is discrete: no gradient flows through the predictor here
                 idx = block_sparse.predict_blocks(q, k, w_down, basis, scale=scale, tau=cfg.tau, layout=layout)
-            out = masked_attention(q, k, v, combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask),
-                                   scale=scale, dropout_p=dropout_p)
+            out = masked_attention(
+                q,
+                k,
+                v,
+                combine_masks(block_sparse.dense_block_mask(idx, layout), attn_mask),
+                scale=scale,
+                dropout_p=dropout_p,
+            )
         # the statistics are read lazily (last_macs / density): no .item() sync in the forward
         self._block_stats = (idx, layout, r, d, v.shape[-1])
         self._macs = None
@@ -360,15 +398,21 @@ class SparsifinerRecipe(Config):
         lambda_attn / lambda_token / lambda_cls_distill: loss weights (stage 1 / stage 2).
     """
 
-    stage1_epochs: int = setting(1, lo=0, help=(
-        "Epochs of stage 1 (backbone frozen, dense attention, the predictor trained to reconstruct the "
-        "attention); the rest is stage 2."))
+    stage1_epochs: int = setting(
+        1,
+        lo=0,
+        help=(
+            "Epochs of stage 1 (backbone frozen, dense attention, the predictor trained to reconstruct the "
+            "attention); the rest is stage 2."
+        ),
+    )
     stage1_steps: int = setting(100, lo=0, help="Steps of stage 1 before a zero-shot model (--zero-shot).")
     predictor_lr_scale: float = setting(10.0, lo=0, help="The predictor's lr relative to the backbone's.")
     lambda_attn: float = setting(1.0, lo=0, help="Weight of the attention reconstruction loss (stage 1).")
     lambda_token: float = setting(0.5, lo=0, help="Weight of the final tokens' MSE to the dense teacher's (stage 2).")
-    lambda_cls_distill: float = setting(0.5, lo=0, help=(
-        "Weight of KL(student || dense teacher) on the logits (stage 2)."))
+    lambda_cls_distill: float = setting(
+        0.5, lo=0, help=("Weight of KL(student || dense teacher) on the logits (stage 2).")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self, name=field_name)  # every setting() against its declaration
@@ -438,8 +482,14 @@ class SparsifinerHooks(TrainHooks):
         return {"stage": stage, "w_up_density": nz / max(tot, 1)}
 
 
-def calibrate_predictor(model: nn.Module, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], *,
-                        recipe: SparsifinerRecipe | None = None, lr: float = 1e-3, steps: int | None = None) -> dict[str, float]:
+def calibrate_predictor(
+    model: nn.Module,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    recipe: SparsifinerRecipe | None = None,
+    lr: float = 1e-3,
+    steps: int | None = None,
+) -> dict[str, float]:
     """Stage 1 alone, for a zero-shot model: the predictors learn to reconstruct the dense
     attention (backbone frozen). Returns the mean L_attn of the last 10 steps; eval mode after."""
     r = recipe or SparsifinerRecipe()
@@ -447,9 +497,14 @@ def calibrate_predictor(model: nn.Module, batches: Iterable[tuple[torch.Tensor, 
         return {}
     _stage1(model, True)
     try:
-        return short_stage(model, [p for n, p in model.named_parameters() if PREDICTOR in n], batches,
-                           lambda x, y: _stage1_loss(model, x, 1.0), steps=r.stage1_steps if steps is None else steps,
-                           lr=lr)
+        return short_stage(
+            model,
+            [p for n, p in model.named_parameters() if PREDICTOR in n],
+            batches,
+            lambda x, y: _stage1_loss(model, x, 1.0),
+            steps=r.stage1_steps if steps is None else steps,
+            lr=lr,
+        )
     finally:
         _stage1(model, False)
         for p in model.parameters():
@@ -479,8 +534,9 @@ class Sparsifiner(Method):
             attention_budget(cfg.attn_keep_ratio, n, cfg.budget)
         for i, blk in enumerate(model.blocks):
             if blk.attn.kernel is not None:
-                raise NascompressError(f"blocks.{i}.attn already has a {type(blk.attn.kernel).__name__}; apply "
-                                       "sparsifiner once")
+                raise NascompressError(
+                    f"blocks.{i}.attn already has a {type(blk.attn.kernel).__name__}; apply sparsifiner once"
+                )
         return cfg
 
     def patch(self, model: nn.Module, cfg: SparsifinerConfig, record: dict[str, Any]) -> nn.Module:
@@ -488,14 +544,17 @@ class Sparsifiner(Method):
         grid = tuple(model.patch_embed.grid_size) if getattr(model.patch_embed, "grid_size", None) else None
         n = int(model.patch_embed.num_patches) + prefix
         if "n_tokens" in record and int(record["n_tokens"]) != n:
-            raise NascompressError(f"the sparsifiner record was made for {record['n_tokens']} tokens, the model has {n}")
+            raise NascompressError(
+                f"the sparsifiner record was made for {record['n_tokens']} tokens, the model has {n}"
+            )
         r = min(cfg.n_down, n)
         w_down, w_up = region_init(n, r, prefix=prefix, grid=grid)
         for blk in model.blocks:
             attn = blk.attn
             H, dev = attn.num_heads, attn.qkv.weight.device
-            attn.kernel = SparsifinerKernel(cfg, w_down.expand(H, -1, -1).clone().to(dev),
-                                            w_up.expand(H, -1, -1).clone().to(dev), prefix)
+            attn.kernel = SparsifinerKernel(
+                cfg, w_down.expand(H, -1, -1).clone().to(dev), w_up.expand(H, -1, -1).clone().to(dev), prefix
+            )
         return model
 
     def prepare(self, model, cfg, recipe):
@@ -510,10 +569,25 @@ class Sparsifiner(Method):
 
     def calibrate(self, model, record, *, teacher, batches, steps=None):
         """Stage 1 alone: the region-initialised predictor learns the dense attention."""
-        return calibrate_predictor(model, batches, recipe=SparsifinerRecipe.from_dict(record.get("recipe", {})),
-                                   steps=steps)
+        return calibrate_predictor(
+            model, batches, recipe=SparsifinerRecipe.from_dict(record.get("recipe", {})), steps=steps
+        )
 
 
-__all__ = ["Sparsifiner", "SparsifinerConfig", "SparsifinerRecipe", "SparsifinerKernel", "SparsifinerHooks",
-           "attention_budget", "lowrank_attention", "sparse_coefficients", "sparse_basis", "topk_mask",
-           "masked_attention", "combine_masks", "region_init", "sparse_modules", "calibrate_predictor"]
+__all__ = [
+    "Sparsifiner",
+    "SparsifinerConfig",
+    "SparsifinerRecipe",
+    "SparsifinerKernel",
+    "SparsifinerHooks",
+    "attention_budget",
+    "lowrank_attention",
+    "sparse_coefficients",
+    "sparse_basis",
+    "topk_mask",
+    "masked_attention",
+    "combine_masks",
+    "region_init",
+    "sparse_modules",
+    "calibrate_predictor",
+]

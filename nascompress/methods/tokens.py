@@ -5,6 +5,7 @@ Layers are numbered from 1 here, as in the papers and on the command line. Prefi
 class token, a distillation token, register tokens: timm's ``num_prefix_tokens``) are never
 pruned; only the patch tokens after them are ranked.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,12 +20,12 @@ from ..errors import NascompressError
 from ..layers import to_core
 
 
-
 def distill_setting() -> Any:
     """The recipe setting ``distill`` of the token methods that train on cross-entropy alone by
     default (EViT, ToMe): one declaration, so ``finetune --distill`` means the same for both."""
-    return setting(0.0, lo=0, help="Weight of KL(student || dense teacher) added to the cross-entropy (0: none, "
-                                   "the paper's).")
+    return setting(
+        0.0, lo=0, help="Weight of KL(student || dense teacher) added to the cross-entropy (0: none, the paper's)."
+    )
 
 
 # The papers prune DeiT-S (12 layers) at layers 4, 7 and 10.
@@ -49,15 +50,18 @@ def check_token_model(model: nn.Module, method: str) -> VisionTransformer:
     """A timm ViT with a class token read by the head (``global_pool='token'``): token pruning keeps
     the prefix tokens and ranks the patch tokens. Anything else is refused with the reason."""
     if not isinstance(model, VisionTransformer):
-        raise NascompressError(
-            f"{method} needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
+        raise NascompressError(f"{method} needs a timm VisionTransformer (vit_*, deit_*), got {type(model).__name__}")
     if getattr(model, "cls_token", None) is None:
-        raise NascompressError(f"{method} ranks tokens by the class token's attention; this model has no class token "
-                               f"(class_token=False, global_pool={model.global_pool!r}): use dcs or sparsifiner")
+        raise NascompressError(
+            f"{method} ranks tokens by the class token's attention; this model has no class token "
+            f"(class_token=False, global_pool={model.global_pool!r}): use dcs or sparsifiner"
+        )
     if model.global_pool != "token":
-        raise NascompressError(f"{method} needs a model whose head reads the class token (global_pool='token'); this "
-                               f"one pools {model.global_pool!r} over the tokens, which pruning would change: "
-                               "use dcs or sparsifiner")
+        raise NascompressError(
+            f"{method} needs a model whose head reads the class token (global_pool='token'); this "
+            f"one pools {model.global_pool!r} over the tokens, which pruning would change: "
+            "use dcs or sparsifiner"
+        )
     to_core(model, method=method)
     return model
 
@@ -73,8 +77,11 @@ def check_layers(layers: Any, depth: int, name: str = "prune_layers") -> list[in
     """1-based, strictly increasing layer numbers within [1, depth]."""
     if isinstance(layers, int) and not isinstance(layers, bool):
         layers = [layers]
-    if not isinstance(layers, (list, tuple)) or not layers or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in layers):
+    if (
+        not isinstance(layers, (list, tuple))
+        or not layers
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+    ):
         raise NascompressError(f"{name} must be a non-empty list of layer numbers in [1, {depth}], got {layers!r}")
     bad = [v for v in layers if not 1 <= v <= depth]
     if bad:
@@ -88,8 +95,9 @@ def per_layer(values: Any, n: int, name: str) -> tuple[float, ...]:
     """A rate for each of ``n`` pruning layers: one number (the same everywhere) or a list of n."""
     if isinstance(values, (list, tuple)):
         if len(values) != n:
-            raise NascompressError(f"{name} has {len(values)} values but there are {n} pruning layers; give one "
-                                   "value or one per layer")
+            raise NascompressError(
+                f"{name} has {len(values)} values but there are {n} pruning layers; give one value or one per layer"
+            )
         return tuple(check_rate(v, name) for v in values)
     return (check_rate(values, name),) * n
 
@@ -129,9 +137,14 @@ def patched_class(cls: type, mixin: type, prefix: str) -> type:
     return _PATCHED[key]
 
 
-
-def token_layers(model: nn.Module, method: str, layers: Any, *, name: str = "prune_layers",
-                 default: Callable[[int], list[int]] = scale_layers) -> list[int]:
+def token_layers(
+    model: nn.Module,
+    method: str,
+    layers: Any,
+    *,
+    name: str = "prune_layers",
+    default: Callable[[int], list[int]] = scale_layers,
+) -> list[int]:
     """The start of every token method's ``resolve``: ``model`` checked (:func:`check_token_model`),
     then its layers: ``layers`` checked against the depth (:func:`check_layers`), or ``default(depth)``
     (the papers' layers scaled, :func:`scale_layers`) when None."""
@@ -139,5 +152,16 @@ def token_layers(model: nn.Module, method: str, layers: Any, *, name: str = "pru
     return default(depth) if layers is None else check_layers(layers, depth, name)
 
 
-__all__ = ["scale_layers", "check_token_model", "check_rate", "check_layers", "token_layers", "per_layer", "gather_tokens",
-           "keep_prefix_and", "ceil_keep", "patched_class", "REF_LAYERS"]
+__all__ = [
+    "scale_layers",
+    "check_token_model",
+    "check_rate",
+    "check_layers",
+    "token_layers",
+    "per_layer",
+    "gather_tokens",
+    "keep_prefix_and",
+    "ceil_keep",
+    "patched_class",
+    "REF_LAYERS",
+]

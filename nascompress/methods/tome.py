@@ -21,6 +21,7 @@ Record (``arch.json``)::
     {"name": "tome", "config": {"r": 8, "merge_layers": [1, 2, ..., 12], "prop_attn": true},
      "recipe": {"distill": 0.0}}
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -83,16 +84,24 @@ def merge_targets(m: Matching, n: int, *, prefix: int = 1) -> torch.Tensor:
     dev = m.src.device
     na, nb = (n + 1) // 2, n // 2
     pa, pb = (prefix + 1) // 2, prefix // 2
-    keep = torch.cat([torch.arange(prefix, device=dev).expand(B, prefix), 2 * m.unmerged[:, pa:],
-                      (2 * torch.arange(pb, nb, device=dev) + 1).expand(B, nb - pb)], dim=1)  # (B, n - r)
+    keep = torch.cat(
+        [
+            torch.arange(prefix, device=dev).expand(B, prefix),
+            2 * m.unmerged[:, pa:],
+            (2 * torch.arange(pb, nb, device=dev) + 1).expand(B, nb - pb),
+        ],
+        dim=1,
+    )  # (B, n - r)
     target = torch.zeros(B, n, dtype=torch.long, device=dev).scatter(
-        1, keep, torch.arange(n - r, device=dev).expand(B, n - r))
+        1, keep, torch.arange(n - r, device=dev).expand(B, n - r)
+    )
     first_b = prefix + (na - pa - r)  # where the B tokens start in the output
     return target.scatter(1, 2 * m.src, first_b + m.dst - pb)
 
 
-def merge_wavg(x: torch.Tensor, size: torch.Tensor | None, m: Matching, *,
-               prefix: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_wavg(
+    x: torch.Tensor, size: torch.Tensor | None, m: Matching, *, prefix: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Size-weighted merge: x (B, N, C), size (B, N, 1) (None: all ones) -> x' (B, N - r, C), size'.
 
     Each output token is the size-weighted mean of the input tokens it holds: ``x' = W x`` with
@@ -137,8 +146,9 @@ def _check_r(values: Any, n: int) -> tuple[int, ...]:
     if len(vals) == 1:
         return (vals[0],) * n
     if len(vals) != n:
-        raise NascompressError(f"r has {len(vals)} values but there are {n} merging layers; give one value or one "
-                               "per layer")
+        raise NascompressError(
+            f"r has {len(vals)} values but there are {n} merging layers; give one value or one per layer"
+        )
     return tuple(vals)
 
 
@@ -153,9 +163,12 @@ class ToMeConfig(Config):
         prop_attn: proportional attention (log size added to the attention logits; the paper's default).
     """
 
-    r: int | tuple[int, ...] = setting(8, help="ToMe: tokens merged per layer (one value, or one per merging layer: 16,8,4).")
-    merge_layers: tuple[int, ...] | None = setting(None, help=(
-        "ToMe merging layers, 1-based, e.g. 1,2,3 (default: every layer)."))
+    r: int | tuple[int, ...] = setting(
+        8, help="ToMe: tokens merged per layer (one value, or one per merging layer: 16,8,4)."
+    )
+    merge_layers: tuple[int, ...] | None = setting(
+        None, help=("ToMe merging layers, 1-based, e.g. 1,2,3 (default: every layer).")
+    )
     prop_attn: bool = True
 
     def __post_init__(self) -> None:
@@ -196,8 +209,9 @@ class ToMeMerge(nn.Module):
         super().__init__()
         self.prefix = prefix
 
-    def forward(self, x: torch.Tensor, keys: torch.Tensor, size: torch.Tensor | None,
-                r: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, keys: torch.Tensor, size: torch.Tensor | None, r: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         m = bipartite_soft_matching(keys.mean(dim=1), r, prefix=self.prefix)
         if m is None:
             return x, size
@@ -280,8 +294,9 @@ class ToMe(Method):
     paper_config = {"r": 13}  # the paper's ViT-S/16 at 224 px (1.6x throughput without training)
 
     def resolve(self, model: nn.Module, cfg: ToMeConfig) -> ToMeConfig:
-        layers = token_layers(model, "tome", cfg.merge_layers, name="merge_layers",
-                              default=lambda depth: list(range(1, depth + 1)))  # ToMe merges in every layer
+        layers = token_layers(
+            model, "tome", cfg.merge_layers, name="merge_layers", default=lambda depth: list(range(1, depth + 1))
+        )  # ToMe merges in every layer
         _check_r(cfg.r, len(layers))
         return cfg.replace(merge_layers=tuple(layers))
 
@@ -289,8 +304,9 @@ class ToMe(Method):
         depth = len(model.blocks)
         per_layer = dict(zip(cfg.merge_layers, _check_r(cfg.r, len(cfg.merge_layers))))
         prefix = int(model.num_prefix_tokens)
-        state = ToMeState(r=tuple(per_layer.get(i + 1, 0) for i in range(depth)), prefix=prefix,
-                          prop_attn=cfg.prop_attn)
+        state = ToMeState(
+            r=tuple(per_layer.get(i + 1, 0) for i in range(depth)), prefix=prefix, prop_attn=cfg.prop_attn
+        )
         for i, blk in enumerate(model.blocks):
             if isinstance(blk, ToMeBlock):
                 raise NascompressError(f"tome is already applied to blocks.{i}")
@@ -327,5 +343,18 @@ class ToMeHooks(TrainHooks):
         return (ce if kl is None else ce + self.distill * kl), logs
 
 
-__all__ = ["ToMe", "ToMeConfig", "ToMeRecipe", "ToMeState", "ToMeBlock", "ToMeMerge", "ToMeBias", "Matching",
-           "bipartite_soft_matching", "merge_targets", "merge_wavg", "size_bias", "token_counts"]
+__all__ = [
+    "ToMe",
+    "ToMeConfig",
+    "ToMeRecipe",
+    "ToMeState",
+    "ToMeBlock",
+    "ToMeMerge",
+    "ToMeBias",
+    "Matching",
+    "bipartite_soft_matching",
+    "merge_targets",
+    "merge_wavg",
+    "size_bias",
+    "token_counts",
+]

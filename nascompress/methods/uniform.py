@@ -12,6 +12,7 @@ Record: ``{"name": "uniform", "config": {"keep": 0.6, "qk": true, "align": 8}, "
 [{"hidden_keep": [...], "qk_keep": [[...] per head]}]}``; the model is rebuilt from the kept
 indices, so records written before ``align`` existed load unchanged.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,16 +33,19 @@ from ..profiling import count_flops
 @dataclass(frozen=True)
 class UniformConfig(Config):
     """Args:
-        keep: share of the MLP hidden neurons and of each head's Q/K channels every block keeps.
-        qk: prune the Q/K channels too (else only the MLP hidden neurons).
-        align: every kept count is rounded up to a multiple of this (1: exactly ``ceil(keep * n)``,
-            the widths before alignment existed; 8 by default, what GPU kernels need).
+    keep: share of the MLP hidden neurons and of each head's Q/K channels every block keeps.
+    qk: prune the Q/K channels too (else only the MLP hidden neurons).
+    align: every kept count is rounded up to a multiple of this (1: exactly ``ceil(keep * n)``,
+        the widths before alignment existed; 8 by default, what GPU kernels need).
     """
 
     keep: float = 0.6
     qk: bool = True
-    align: int = setting(DEFAULT_ALIGN, lo=1, help=(
-        "Round every kept width up to a multiple of this (8: GPU-friendly; 1: exact shares)."))
+    align: int = setting(
+        DEFAULT_ALIGN,
+        lo=1,
+        help=("Round every kept width up to a multiple of this (8: GPU-friendly; 1: exact shares)."),
+    )
 
     def __post_init__(self) -> None:
         check_range("keep", self.keep, 0, 1, lo_open=True)
@@ -66,7 +70,7 @@ def importance(model: nn.Module, cfg: UniformConfig) -> list[dict[str, Any]]:
         if cfg.qk:
             a = blk.attn
             w = a.qkv.weight
-            q, kk = w[:a.attn_dim], w[a.attn_dim:2 * a.attn_dim]
+            q, kk = w[: a.attn_dim], w[a.attn_dim : 2 * a.attn_dim]
             s = (q.pow(2).sum(1) + kk.pow(2).sum(1)).reshape(a.num_heads, a.head_dim)
             kq = kept_count(cfg.keep, a.head_dim, cfg.align)
             rec["qk_keep"] = [row.topk(kq).indices.sort().values.tolist() for row in s]
@@ -87,14 +91,17 @@ class Uniform(Method):
         to_core(model, method="uniform")
         for i, blk in enumerate(model.blocks):
             if type(blk) is not NCBlock:
-                raise NascompressError(f"uniform must be the first method of a model; blocks.{i} is a {type(blk).__name__}")
+                raise NascompressError(
+                    f"uniform must be the first method of a model; blocks.{i} is a {type(blk).__name__}"
+                )
         return cfg
 
     def patch(self, model: nn.Module, cfg: UniformConfig, record: dict[str, Any]) -> nn.Module:
         blocks = record.get("blocks")
         if blocks is None or len(blocks) != len(model.blocks):
-            raise NascompressError(f"the uniform record lists {len(blocks or [])} blocks but the model has "
-                                   f"{len(model.blocks)}")
+            raise NascompressError(
+                f"the uniform record lists {len(blocks or [])} blocks but the model has {len(model.blocks)}"
+            )
         for blk, rec in zip(model.blocks, blocks):
             slice_hidden(blk, rec["hidden_keep"])
             if rec.get("qk_keep") is not None:
@@ -106,8 +113,9 @@ class Uniform(Method):
         return self.patch(model, cfg, record), record
 
 
-def keep_for_flops(model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True,
-                   align: int = DEFAULT_ALIGN, tol: float = 0.002) -> float:
+def keep_for_flops(
+    model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True, align: int = DEFAULT_ALIGN, tol: float = 0.002
+) -> float:
     """The keep share whose uniformly pruned model has ``target`` x the FLOPs of ``model``.
 
     With aligned widths the FLOPs ratio is a step function of the share: the share returned is the

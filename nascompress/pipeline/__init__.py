@@ -52,6 +52,7 @@ directory, its lock and markers, :func:`run_pipeline`), :mod:`~nascompress.pipel
 collapsing DCS stage) and :mod:`~nascompress.pipeline.report` (the summary and the HTML report).
 This module re-exports the public API.
 """
+
 from __future__ import annotations
 
 from .config_io import dump_config, load_config, read_yaml
@@ -75,8 +76,34 @@ from .sections import (
     TokensStage,
 )
 
-__all__ = ["FORMAT", "PipelineConfig", "DataSection", "BaseSection", "BaseTrainSection", "BaseImportSection",
-           "GoalSection", "DCSStage", "TokensStage", "RetrainStage", "StagesSection", "ReportSection", "ExportSection",
-           "Pipeline",
-           "Step", "load_config", "dump_config", "read_yaml", "plan", "run_pipeline", "step_done", "STEPS", "STUDY_DB",
-           "STUDY_JOURNAL", "CONFIG_FILE", "DONE_DIR", "LOCK_FILE", "opt", "DATASET_KEYWORDS"]
+__all__ = [
+    "FORMAT",
+    "PipelineConfig",
+    "DataSection",
+    "BaseSection",
+    "BaseTrainSection",
+    "BaseImportSection",
+    "GoalSection",
+    "DCSStage",
+    "TokensStage",
+    "RetrainStage",
+    "StagesSection",
+    "ReportSection",
+    "ExportSection",
+    "Pipeline",
+    "Step",
+    "load_config",
+    "dump_config",
+    "read_yaml",
+    "plan",
+    "run_pipeline",
+    "step_done",
+    "STEPS",
+    "STUDY_DB",
+    "STUDY_JOURNAL",
+    "CONFIG_FILE",
+    "DONE_DIR",
+    "LOCK_FILE",
+    "opt",
+    "DATASET_KEYWORDS",
+]

@@ -1,5 +1,6 @@
 """Reading and writing pipeline files: :func:`read_yaml`, :func:`load_config` (validated),
 :func:`dump_config` (the normalized ``OUT/config.yaml``) and :func:`config_diff` (how two configs differ)."""
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,19 @@ def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = Fa
     data = read_yaml(path)
     ctx = SchemaContext(str(path), Path(os.path.abspath(path)).parent)  # configs/x.yaml: the link's folder
     if not isinstance(data, dict):
-        raise ctx.err("", f"the file must be a mapping of sections (format, data, base, goal, stages), "
-                          f"got {describe_value(data)}")
+        raise ctx.err(
+            "", f"the file must be a mapping of sections (format, data, base, goal, stages), got {describe_value(data)}"
+        )
     if seed is not None:
         data = dict(data, seed=seed)
     return build_section(PipelineConfig, upgrade_keys(PipelineConfig, data) if upgrade else data, "", ctx)
 
 
 def dump_config(cfg: PipelineConfig) -> str:
-    head = ("# nascompress pipeline: the validated config of this run (defaults filled in, paths absolute).\n"
-            "# Rerun (resumes where it stopped): nascompress pipeline THIS_FILE --out THIS_DIRECTORY\n")
+    head = (
+        "# nascompress pipeline: the validated config of this run (defaults filled in, paths absolute).\n"
+        "# Rerun (resumes where it stopped): nascompress pipeline THIS_FILE --out THIS_DIRECTORY\n"
+    )
     return head + yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=False)
 
 

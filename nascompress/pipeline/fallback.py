@@ -8,6 +8,7 @@ then searches the dense base) and says so. Which way the stage went is kept in i
 with the target used and the reasons), so a resumed pipeline takes the same way; the later steps
 ask :func:`dcs_outcome` for the model they start from (:func:`current_model`).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -50,10 +51,20 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
             if not fallback:
                 raise
             continue
-        return dict(metrics, dcs_outcome=name, dcs_target=j.search.target_flops, planned_target=planned,
-                    dcs_reason=" | ".join(reasons) or None)
-    return {"skipped": True, "dcs_outcome": "skipped", "dcs_target": None, "planned_target": planned,
-            "dcs_reason": " | ".join(reasons)}
+        return dict(
+            metrics,
+            dcs_outcome=name,
+            dcs_target=j.search.target_flops,
+            planned_target=planned,
+            dcs_reason=" | ".join(reasons) or None,
+        )
+    return {
+        "skipped": True,
+        "dcs_outcome": "skipped",
+        "dcs_target": None,
+        "planned_target": planned,
+        "dcs_reason": " | ".join(reasons),
+    }
 
 
 def dcs_outcome(out: Path) -> dict[str, Any] | None:
@@ -100,7 +111,9 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     rule, _ = parse_pick(job.pick)
     key = "flops_ratio" if rule == "best-under-flops" else "latency_ms"
     _, study = load(job.study, job.storage)
-    done = [(trial_record(t).get(key), t.number) for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"]
+    done = [
+        (trial_record(t).get(key), t.number) for t in study.get_trials(deepcopy=False) if t.state.name == "COMPLETE"
+    ]
     closest = min((v, n) for v, n in done if v is not None)[1]
     res = materialize_trial(job.replace(pick=None, trial=closest), force=force)
     return dict(res, goal_unmet=f"{reason}; the closest trial was taken")
@@ -125,15 +138,31 @@ def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
             continue
         rec = trial_record(t)
         subsets.add(str((rec.get("scoring") or {}).get("eval_subset")))
-        candidates[name] = {"trial": t.number, "accuracy": rec.get("accuracy"), "flops_ratio": rec.get("flops_ratio"),
-                            "latency_ms": rec.get("latency_ms"), "params": dict(t.params)}
+        candidates[name] = {
+            "trial": t.number,
+            "accuracy": rec.get("accuracy"),
+            "flops_ratio": rec.get("flops_ratio"),
+            "latency_ms": rec.get("latency_ms"),
+            "params": dict(t.params),
+        }
     if len(subsets) > 1:
-        raise NascompressError(f"the studies {', '.join(studies)} scored their trials on different images; rerun "
-                               "them with the same data, eval_images and seed")
+        raise NascompressError(
+            f"the studies {', '.join(studies)} scored their trials on different images; rerun "
+            "them with the same data, eval_images and seed"
+        )
     scored = [(c["accuracy"], -i, n) for i, (n, c) in enumerate(candidates.items()) if c.get("accuracy") is not None]
     chosen = max(scored)[2] if scored else studies[0]
     res = pick_or_closest(job.replace(study=chosen), force=force)
     return dict(res, picked_study=chosen, candidates=candidates)
 
 
-__all__ = ["pick_across", "pick_or_closest", "milder_target", "run_dcs_with_fallback", "dcs_outcome", "dcs_skipped", "current_model", "OUTCOMES"]
+__all__ = [
+    "pick_across",
+    "pick_or_closest",
+    "milder_target",
+    "run_dcs_with_fallback",
+    "dcs_outcome",
+    "dcs_skipped",
+    "current_model",
+    "OUTCOMES",
+]

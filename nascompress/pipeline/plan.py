@@ -1,5 +1,6 @@
 """Planning a pipeline: every stage's job built (and so validated) before anything runs, as
 :class:`Step` objects of a :class:`Pipeline` (:func:`plan`)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,8 +15,14 @@ from .schema import SchemaContext, library_config, library_values, section_error
 from ..data import BUILTIN_DATASETS, DataConfig, load_data
 from .sections import DATASET_KEYWORDS, PipelineConfig
 from ..pipeline_files import PICK_FILE, Pick, find_step_marker, write_pick  # noqa: F401  (PICK_FILE: kept importable here)
-from ..importer import (ImportJob, build_job as build_import_job, import_model, weights_grid_size, weights_kwargs,
-                        weights_shapes)
+from ..importer import (
+    ImportJob,
+    build_job as build_import_job,
+    import_model,
+    weights_grid_size,
+    weights_kwargs,
+    weights_shapes,
+)
 from ..utils import resolve_device
 from ..api import count_classes
 from ..export import export_run
@@ -39,8 +46,17 @@ from .steps import Pipeline, Step
 # PICK_FILE (tokens/pick.json): each study's pick and which one was kept (pipeline_files)
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
-STEPS = ("base", "dcs_search", "dcs_mat", "tokens_search", "tokens_search_dense", "tokens_pick", "retrain", "export",
-         "report")
+STEPS = (
+    "base",
+    "dcs_search",
+    "dcs_mat",
+    "tokens_search",
+    "tokens_search_dense",
+    "tokens_pick",
+    "retrain",
+    "export",
+    "report",
+)
 
 
 def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
@@ -59,11 +75,17 @@ def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
     if d.dataset == "fashion-mnist":
         need = Path(d.data_dir) / "train-images-idx3-ubyte.gz"
         if not need.is_file():
-            raise ctx.err("data.data_dir", f"Fashion-MNIST is not in {d.data_dir} (no {need.name}); install the "
-                                           "Debian package dataset-fashion-mnist or point data_dir at its IDX files")
+            raise ctx.err(
+                "data.data_dir",
+                f"Fashion-MNIST is not in {d.data_dir} (no {need.name}); install the "
+                "Debian package dataset-fashion-mnist or point data_dir at its IDX files",
+            )
     elif d.dataset not in DATASET_KEYWORDS and not (Path(d.dataset) / "train").is_dir():
-        raise ctx.err("data.dataset", f"{d.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
-                                      "ImageFolder root with a train/ folder")
+        raise ctx.err(
+            "data.dataset",
+            f"{d.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
+            "ImageFolder root with a train/ folder",
+        )
     try:
         n = count_classes(_data_config(cfg))
         if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
@@ -89,13 +111,18 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         except NascompressError as e:
             raise ctx.err("base.run", str(e)) from None
         if arch.methods:
-            raise ctx.err("base.run", f"{b.run} is not a dense run (it applies "
-                                      f"{', '.join(arch.method_names)}); give the dense run it came "
-                                      "from, so the result is compared with the uncompressed model")
+            raise ctx.err(
+                "base.run",
+                f"{b.run} is not a dense run (it applies "
+                f"{', '.join(arch.method_names)}); give the dense run it came "
+                "from, so the result is compared with the uncompressed model",
+            )
         model = _built_model(arch.spec, ctx, "base.run")
         if model.num_classes != n_classes:
-            raise ctx.err("base.run", f"the run's model has {model.num_classes} classes but dataset "
-                                      f"{cfg.data.dataset} has {n_classes}")
+            raise ctx.err(
+                "base.run",
+                f"the run's model has {model.num_classes} classes but dataset {cfg.data.dataset} has {n_classes}",
+            )
         step = Step("base", None, "redo", lambda **kw: {"run": b.run}, describe=f"the dense run {b.run}")
         return step, Path(b.run), model
     if b.kind == "train":
@@ -104,14 +131,29 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
             raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
         try:
             spec = library_config(t, ModelShape).spec(n_classes)
-            job = build_train_job(spec, base_dir, data=data, train={**library_values(t, TRAIN_SETTINGS), **_runtime(cfg)},
-                                  weights=t.weights, reset_head=t.reset_head)
+            job = build_train_job(
+                spec,
+                base_dir,
+                data=data,
+                train={**library_values(t, TRAIN_SETTINGS), **_runtime(cfg)},
+                weights=t.weights,
+                reset_head=t.reset_head,
+            )
         except NascompressError as e:
             raise section_error(ctx, "base.train", t, e) from None
         model = _built_model(spec, ctx, "base.train")
-        return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
-                    outputs=("base/model.safetensors", "base/metrics.json"),
-                    describe=f"train the dense base ({t.epochs} epochs)"), base_dir, model
+        return (
+            Step(
+                "base",
+                base_dir,
+                "train",
+                lambda force, resume: train(job, force=force, resume=resume),
+                outputs=("base/model.safetensors", "base/metrics.json"),
+                describe=f"train the dense base ({t.epochs} epochs)",
+            ),
+            base_dir,
+            model,
+        )
     imp = b.import_
     if not Path(imp.weights).is_file():
         raise ctx.err("base.import.weights", f"file {imp.weights} does not exist")
@@ -119,12 +161,18 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
     if shapes is not None and not imp.linear_probe:
         head = shapes.get("head.weight")
         if head is None:
-            raise ctx.err("base.import.linear_probe", f"the weights in {imp.weights} have no classifier head (a "
-                                                      "backbone-only checkpoint); set linear_probe: true to fit one")
+            raise ctx.err(
+                "base.import.linear_probe",
+                f"the weights in {imp.weights} have no classifier head (a "
+                "backbone-only checkpoint); set linear_probe: true to fit one",
+            )
         if imp.num_classes is None and head[0] != n_classes:
-            raise ctx.err("base.import.weights", f"the weights' head has {head[0]} classes but dataset "
-                                                 f"{cfg.data.dataset} has {n_classes}; set linear_probe: true to fit "
-                                                 "a new head")
+            raise ctx.err(
+                "base.import.weights",
+                f"the weights' head has {head[0]} classes but dataset "
+                f"{cfg.data.dataset} has {n_classes}; set linear_probe: true to fit "
+                "a new head",
+            )
     if imp.linear_probe:
         kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
         if imp.num_heads is not None:
@@ -132,8 +180,9 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         size = imp.img_size
         if size is None:
             try:
-                size = weights_grid_size(_built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"),
-                                  imp.weights)
+                size = weights_grid_size(
+                    _built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"), imp.weights
+                )
             except NascompressError as e:
                 raise ctx.err("base.import.weights", str(e)) from None
         if size is not None:
@@ -141,14 +190,30 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         spec = ModelSpec(imp.model, kwargs)
         model = _built_model(spec, ctx, "base.import.model")
         try:
-            job = build_train_job(spec, base_dir, data=data, recipe=PROBE_TRAIN, train={
-                "seed": cfg.seed, "device": cfg.device, "eval_batch_size": imp.eval_batch_size},
-                weights=imp.weights, reset_head=True, linear_probe=True)
+            job = build_train_job(
+                spec,
+                base_dir,
+                data=data,
+                recipe=PROBE_TRAIN,
+                train={"seed": cfg.seed, "device": cfg.device, "eval_batch_size": imp.eval_batch_size},
+                weights=imp.weights,
+                reset_head=True,
+                linear_probe=True,
+            )
         except NascompressError as e:
             raise section_error(ctx, "base.import", imp, e) from None
-        return Step("base", base_dir, "train", lambda force, resume: train(job, force=force, resume=resume),
-                    outputs=("base/model.safetensors", "base/metrics.json"),
-                    describe=f"import {imp.model} and fit a linear-probe head"), base_dir, model
+        return (
+            Step(
+                "base",
+                base_dir,
+                "train",
+                lambda force, resume: train(job, force=force, resume=resume),
+                outputs=("base/model.safetensors", "base/metrics.json"),
+                describe=f"import {imp.model} and fit a linear-probe head",
+            ),
+            base_dir,
+            model,
+        )
 
     job = build_import_job(library_values(imp, ImportJob), base_dir, data=data, device=cfg.device)
     try:  # the model the weights describe (every shape read from them), as the import builds it
@@ -157,26 +222,42 @@ def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: in
         raise ctx.err("base.import.weights", str(e)) from None
     kwargs["num_classes"] = imp.num_classes or n_classes
     model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
-    return Step("base", base_dir, "redo", lambda force, resume: import_model(job, force=force),
-                outputs=("base/model.safetensors", "base/metrics.json"),
-                describe=f"import {imp.model} from {imp.weights}"), base_dir, model
+    return (
+        Step(
+            "base",
+            base_dir,
+            "redo",
+            lambda force, resume: import_model(job, force=force),
+            outputs=("base/model.safetensors", "base/metrics.json"),
+            describe=f"import {imp.model} from {imp.weights}",
+        ),
+        base_dir,
+        model,
+    )
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
     s, goal = cfg.stages.dcs, cfg.goal
     target = s.target_flops if s.target_flops is not None else goal.max_flops
     if target is None:
-        raise ctx.err("stages.dcs.target_flops", "required when the goal is a latency (the FLOPs ratio the "
-                                                 "channel search should land at)")
+        raise ctx.err(
+            "stages.dcs.target_flops",
+            "required when the goal is a latency (the FLOPs ratio the channel search should land at)",
+        )
     if cfg.stages.tokens is None and goal.max_flops is not None and target > goal.max_flops:
-        raise ctx.err("stages.dcs.target_flops", f"{target:g} is above goal.max_flops {goal.max_flops:g} and no "
-                                                 "tokens stage follows to close the gap")
+        raise ctx.err(
+            "stages.dcs.target_flops",
+            f"{target:g} is above goal.max_flops {goal.max_flops:g} and no tokens stage follows to close the gap",
+        )
     try:
-        job = build_dcs_job(base_dir, out / "dcs_search", search={**library_values(s, DCSSearchConfig),
-                                                                  "target_flops": target},
-                            method=library_values(s, SEARCH_DCS_SETTINGS),
-                            train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
-                            data=_data_config(cfg, train_limit=s.train_limit))
+        job = build_dcs_job(
+            base_dir,
+            out / "dcs_search",
+            search={**library_values(s, DCSSearchConfig), "target_flops": target},
+            method=library_values(s, SEARCH_DCS_SETTINGS),
+            train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
+            data=_data_config(cfg, train_limit=s.train_limit),
+        )
         mat = build_mat_job(out / "dcs_search", out / "dcs_mat", seed=cfg.seed)
     except NascompressError as e:
         raise section_error(ctx, "stages.dcs", s, e) from None
@@ -188,17 +269,29 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
 
     again = s.on_collapse == "retry"
     retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if again else ""
-    return [Step("dcs_search", out / "dcs_search", "train",
-                 lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=again),
-                 outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
-                 describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})"),
-            Step("dcs_mat", out / "dcs_mat", "redo", materialize,
-                 outputs=("dcs_mat/model.safetensors", "dcs_mat/metrics.json"),
-                 describe="materialize the searched channels")]
+    return [
+        Step(
+            "dcs_search",
+            out / "dcs_search",
+            "train",
+            lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=again),
+            outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
+            describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})",
+        ),
+        Step(
+            "dcs_mat",
+            out / "dcs_mat",
+            "redo",
+            materialize,
+            outputs=("dcs_mat/model.safetensors", "dcs_mat/metrics.json"),
+            describe="materialize the searched channels",
+        ),
+    ]
 
 
-def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any,
-                 base_dir: Path) -> tuple[list[Step], str]:
+def _plan_tokens(
+    cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, dense: Any, base_dir: Path
+) -> tuple[list[Step], str]:
     s, goal = cfg.stages.tokens, cfg.goal
     try:
         space = load_space(s.space, model=dense)  # layers sized by (and within) a plain ViT's depth; none on a pyramid
@@ -211,23 +304,36 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
     names = [m.name for m in space.methods]
     if cfg.stages.dcs is not None:
         if "dcs" in names:
-            raise ctx.err("stages.tokens.space", f"space {s.space} searches dcs, but the dcs stage already ran: "
-                                                 "drop one of them")
+            raise ctx.err(
+                "stages.tokens.space", f"space {s.space} searches dcs, but the dcs stage already ran: drop one of them"
+            )
         cannot = [n for n in names if "dcs" not in get_method(n).stacks_on]
         if cannot:
-            raise ctx.err("stages.tokens.space", f"{', '.join(cannot)} cannot follow the dcs stage (it stacks on "
-                                                 f"{', '.join(sorted(get_method(cannot[0]).stacks_on)) or 'nothing'})")
+            raise ctx.err(
+                "stages.tokens.space",
+                f"{', '.join(cannot)} cannot follow the dcs stage (it stacks on "
+                f"{', '.join(sorted(get_method(cannot[0]).stacks_on)) or 'nothing'})",
+            )
     if goal.max_latency_ms is not None and s.objective == "flops":
-        raise ctx.err("stages.tokens.objective", "flops trials record no latency, but the goal is max_latency_ms: "
-                                                 "use goal, latency or throughput")
-    storage = (f"sqlite:///{out.resolve() / STUDY_DB}" if s.workers == 1
-               else f"journal:{out.resolve() / STUDY_JOURNAL}")
+        raise ctx.err(
+            "stages.tokens.objective",
+            "flops trials record no latency, but the goal is max_latency_ms: use goal, latency or throughput",
+        )
+    storage = f"sqlite:///{out.resolve() / STUDY_DB}" if s.workers == 1 else f"journal:{out.resolve() / STUDY_JOURNAL}"
     try:
         constrained = s.objective == "goal"  # the goal is the study's constraint
-        job = build_study_job(current, search={**library_values(s, STUDY_SETTINGS), "study": s.study, "storage": storage,
-                                               "max_flops": goal.max_flops if constrained else None,
-                                               "max_latency_ms": goal.max_latency_ms if constrained else None},
-                              runtime=_runtime(cfg), data=_data_config(cfg))
+        job = build_study_job(
+            current,
+            search={
+                **library_values(s, STUDY_SETTINGS),
+                "study": s.study,
+                "storage": storage,
+                "max_flops": goal.max_flops if constrained else None,
+                "max_latency_ms": goal.max_latency_ms if constrained else None,
+            },
+            runtime=_runtime(cfg),
+            data=_data_config(cfg),
+        )
         pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
     except NascompressError as e:
         raise section_error(ctx, "stages.tokens", s, e) from None
@@ -238,10 +344,16 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
 
     def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> dict[str, Any]:
         (out / "tokens" / ("dense" if on_dense else "")).mkdir(parents=True, exist_ok=True)
-        start = base_dir if on_dense else current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
-                                                         tokens=True, retrain=False, upto="tokens")
-        if on_dense and start == current_model(out, base_dir=base_dir, dcs=True, tokens=True, retrain=False,
-                                               upto="tokens"):
+        start = (
+            base_dir
+            if on_dense
+            else current_model(
+                out, base_dir=base_dir, dcs=cfg.stages.dcs is not None, tokens=True, retrain=False, upto="tokens"
+            )
+        )
+        if on_dense and start == current_model(
+            out, base_dir=base_dir, dcs=True, tokens=True, retrain=False, upto="tokens"
+        ):
             return {"skipped": True, "reason": "the DCS stage was skipped: the first study already searched the base"}
         study = dense_study if on_dense else s.study
         try:
@@ -251,8 +363,10 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
                 raise
             return {"skipped": True, "reason": f"no token-only model reaches the goal on the dense base ({e})"}
         if not res.get("finished"):
-            raise NascompressError(f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
-                                   "rerun the same command to continue it")
+            raise NascompressError(
+                f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
+                "rerun the same command to continue it"
+            )
         return res
 
     def pick_best(force: bool, resume: bool) -> dict[str, Any]:
@@ -262,44 +376,89 @@ def _plan_tokens(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Pa
         res = pick_across(pick, studies, force=force)
         if dense_study:  # the report's "where to cut" line
             why = None if ran or marker is None else marker.result.get("reason")
-            write_pick(out / "tokens", Pick.new(picked_study=res["picked_study"], candidates=res["candidates"],
-                                                dense_study=dense_study, dense_skipped=why))
+            write_pick(
+                out / "tokens",
+                Pick.new(
+                    picked_study=res["picked_study"],
+                    candidates=res["candidates"],
+                    dense_study=dense_study,
+                    dense_skipped=why,
+                ),
+            )
         return res
 
-    steps = [Step("tokens_search", out / "tokens", "study", search, outputs=(),
-                  describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})")]
+    steps = [
+        Step(
+            "tokens_search",
+            out / "tokens",
+            "study",
+            search,
+            outputs=(),
+            describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})",
+        )
+    ]
     if dense_study:
-        steps.append(Step("tokens_search_dense", out / "tokens" / "dense", "study",  # its own folder (a first run is not "continuing")
-                          lambda force, resume, progress=True: search(force, resume, progress, on_dense=True),
-                          outputs=(), describe=f"search {space.name} on the dense base too ({s.trials} trials, "
-                                               f"study {dense_study!r}: token-only models)"))
-    steps.append(Step("tokens_pick", out / "tokens" / "picked", "redo", pick_best,
-                      outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
-                      describe=f"rebuild the trial picked by {goal.pick}"
-                               + (f", the better of studies {s.study!r} and {dense_study!r}" if dense_study else "")))
+        steps.append(
+            Step(
+                "tokens_search_dense",
+                out / "tokens" / "dense",
+                "study",  # its own folder (a first run is not "continuing")
+                lambda force, resume, progress=True: search(force, resume, progress, on_dense=True),
+                outputs=(),
+                describe=f"search {space.name} on the dense base too ({s.trials} trials, "
+                f"study {dense_study!r}: token-only models)",
+            )
+        )
+    steps.append(
+        Step(
+            "tokens_pick",
+            out / "tokens" / "picked",
+            "redo",
+            pick_best,
+            outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
+            describe=f"rebuild the trial picked by {goal.pick}"
+            + (f", the better of studies {s.study!r} and {dense_study!r}" if dense_study else ""),
+        )
+    )
     return steps, storage
 
 
 def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
     s = cfg.stages.retrain
     try:
-        job = build_job(current, out / "final", retrain=library_config(s, RetrainConfig),
-                        train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg)},
-                        data=_data_config(cfg, train_limit=s.train_limit),
-                        teacher=base_dir if s.distil_from == "base" else None)
+        job = build_job(
+            current,
+            out / "final",
+            retrain=library_config(s, RetrainConfig),
+            train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg)},
+            data=_data_config(cfg, train_limit=s.train_limit),
+            teacher=base_dir if s.distil_from == "base" else None,
+        )
     except NascompressError as e:  # the teacher is distil_from's choice: the base
         raise section_error(ctx, "stages.retrain", s, e, names={"teacher": "distil_from: base"}) from None
+
     def run(force: bool, resume: bool) -> dict[str, Any]:
-        start = current_model(out, base_dir=base_dir, dcs=cfg.stages.dcs is not None,
-                              tokens=cfg.stages.tokens is not None, retrain=True, upto="retrain")
+        start = current_model(
+            out,
+            base_dir=base_dir,
+            dcs=cfg.stages.dcs is not None,
+            tokens=cfg.stages.tokens is not None,
+            retrain=True,
+            upto="retrain",
+        )
         if start is None:
             return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
         return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
 
-    return Step("retrain", out / "final", "train", run,
-                outputs=("final/model.safetensors", "final/metrics.json"),
-                describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
-                         f"{', teacher: the base' if s.distil_from == 'base' else ''})")
+    return Step(
+        "retrain",
+        out / "final",
+        "train",
+        run,
+        outputs=("final/model.safetensors", "final/metrics.json"),
+        describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
+        f"{', teacher: the base' if s.distil_from == 'base' else ''})",
+    )
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
@@ -308,18 +467,27 @@ def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
 
     def run(force: bool, resume: bool) -> dict[str, Any]:
         st = cfg.stages
-        final = current_model(out, base_dir=base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
-                              retrain=st.retrain is not None, upto="final")  # after a DCS fallback: what was made
+        final = current_model(
+            out,
+            base_dir=base_dir,
+            dcs=st.dcs is not None,
+            tokens=st.tokens is not None,
+            retrain=st.retrain is not None,
+            upto="final",
+        )  # after a DCS fallback: what was made
         # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
         # (int8: calibrated and checked on the pipeline's data)
         return export_run(final or base_dir, out=target, config=ec, force=True, data=_data_config(cfg))["verification"]
 
-    return Step("export", out / "export", "redo",  # the step owns OUT/export: an earlier attempt is replaced
-                run,
-                outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
-                describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch"
-                         + (f"; quantized ({s.quantize}) and checked on the validation split" if s.quantize != "none"
-                            else ""))
+    return Step(
+        "export",
+        out / "export",
+        "redo",  # the step owns OUT/export: an earlier attempt is replaced
+        run,
+        outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
+        describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch"
+        + (f"; quantized ({s.quantize}) and checked on the validation split" if s.quantize != "none" else ""),
+    )
 
 
 def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pipeline:
@@ -341,8 +509,9 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         try:
             require_vit(dense, "DCS")
         except NascompressError as e:
-            raise ctx.err("stages.dcs", f"{e}: drop stages.dcs (a pyramid ViT's stage is tokens, with "
-                                        "search_spaces/mgvit-h.yaml)") from None
+            raise ctx.err(
+                "stages.dcs", f"{e}: drop stages.dcs (a pyramid ViT's stage is tokens, with search_spaces/mgvit-h.yaml)"
+            ) from None
         steps += _plan_dcs(cfg, out, ctx, base_dir)
         current = out / "dcs_mat"
     storage = None
@@ -357,15 +526,34 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         needs = ("onnx", "onnxruntime") if cfg.export.format == "onnx" else ()
         missing = [m for m in needs if importlib.util.find_spec(m) is None]
         if missing:  # refused now, not after every training stage
-            raise ctx.err("export", f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', "
-                                    "or drop the export section")
+            raise ctx.err(
+                "export",
+                f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', "
+                "or drop the export section",
+            )
         steps.append(_plan_export(cfg, out, base_dir))
-    pipe = Pipeline(cfg=cfg, out=out, source=str(config), steps=steps, base_dir=base_dir, final_dir=current,
-                    storage=storage, data=_data_config(cfg))
+    pipe = Pipeline(
+        cfg=cfg,
+        out=out,
+        source=str(config),
+        steps=steps,
+        base_dir=base_dir,
+        final_dir=current,
+        storage=storage,
+        data=_data_config(cfg),
+    )
 
     def report(force: bool, resume: bool) -> dict[str, Any]:
         return write_summary(pipe)
 
-    steps.append(Step("report", None, "redo", report, outputs=("summary.json", "report.html"),
-                      describe="compare with the dense base; write summary.json and report.html"))
+    steps.append(
+        Step(
+            "report",
+            None,
+            "redo",
+            report,
+            outputs=("summary.json", "report.html"),
+            describe="compare with the dense base; write summary.json and report.html",
+        )
+    )
     return pipe

@@ -12,6 +12,7 @@ JavaScript inlined once) is written to ``OUT/tokens/report.html`` and embedded i
 :mod:`nascompress.pipeline.report_format` formats the summary for the terminal and the HTML alike
 (:func:`comparison_rows`, :func:`dcs_rows`, :func:`build_html`; importable from here too).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -22,8 +23,16 @@ from ..profiling.compare import compare_records
 from ..runs.files import find_metrics
 from ..pipeline_files import find_pick, find_run_config, find_step_marker, write_summary_json
 from ..utils import atomic_path
-from .report_format import (build_html, comparison_rows, dcs_column, dcs_rows, decision_lines, goal_text,
-                            int8_table_rows, models_note)
+from .report_format import (
+    build_html,
+    comparison_rows,
+    dcs_column,
+    dcs_rows,
+    decision_lines,
+    goal_text,
+    int8_table_rows,
+    models_note,
+)
 from ..api import evaluate_run, profile
 from ..export.quantize import config_for, int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
@@ -38,13 +47,21 @@ SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
 
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
-    rec = {"run": str(run), "test_top1": ev["top1"], "test_loss": ev["loss"], "test_n": ev["n"],
-           "params": prof["params"], "file_bytes": (run / MODEL_FILE).stat().st_size, "macs": prof["macs"],
-           "methods": ev.get("methods", [])}
+    rec = {
+        "run": str(run),
+        "test_top1": ev["top1"],
+        "test_loss": ev["loss"],
+        "test_n": ev["n"],
+        "params": prof["params"],
+        "file_bytes": (run / MODEL_FILE).stat().st_size,
+        "macs": prof["macs"],
+        "methods": ev.get("methods", []),
+    }
     for k in ("latency_ms", "latency_batch", "throughput", "throughput_batch"):
         rec[k] = prof.get(k)
-    rec.update({k: prof[k] for k in ("latency_ms_compiled", "throughput_compiled", "compile_note", "qk_layout")
-                if k in prof})
+    rec.update(
+        {k: prof[k] for k in ("latency_ms_compiled", "throughput_compiled", "compile_note", "qk_layout") if k in prof}
+    )
     return rec
 
 
@@ -75,32 +92,74 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
             hidden = family == "hidden"
             c = blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features
             keep = b.get("hidden_keep") if hidden else b.get("mlp_keep")
-            blocks.append({"block": j + 1, "mlp_kept": c if keep is None else len(keep), "mlp_total": c,
-                           "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
-                           "heads": blk.attn.num_heads, "head_dim": blk.attn.head_dim})
-        res.update({"config": dcs_rec.get("config"), "mlp_gates": family, "blocks": blocks,
-                    "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
-                    "mlp_total": sum(b["mlp_total"] for b in blocks)})
+            blocks.append(
+                {
+                    "block": j + 1,
+                    "mlp_kept": c if keep is None else len(keep),
+                    "mlp_total": c,
+                    "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
+                    "heads": blk.attn.num_heads,
+                    "head_dim": blk.attn.head_dim,
+                }
+            )
+        res.update(
+            {
+                "config": dcs_rec.get("config"),
+                "mlp_gates": family,
+                "blocks": blocks,
+                "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
+                "mlp_total": sum(b["mlp_total"] for b in blocks),
+            }
+        )
     sm = find_metrics(out / "dcs_search") if dcs_rec is not None else None
     if sm is not None:
-        res.update({k: sm.get(k) for k in ("target_flops", "flops_ratio", "calibrated", "calibration", "calibration_move",
-                                           "budget", "at_target_share", "val_top1",
-                                           "dense_val_top1", "lam", "search_time_s", "train_images", "batch_size",
-                                           "family_reason", "family_kl", "protected", "block_weights", "kept",
-                                           "stopped")})
+        res.update(
+            {
+                k: sm.get(k)
+                for k in (
+                    "target_flops",
+                    "flops_ratio",
+                    "calibrated",
+                    "calibration",
+                    "calibration_move",
+                    "budget",
+                    "at_target_share",
+                    "val_top1",
+                    "dense_val_top1",
+                    "lam",
+                    "search_time_s",
+                    "train_images",
+                    "batch_size",
+                    "family_reason",
+                    "family_kl",
+                    "protected",
+                    "block_weights",
+                    "kept",
+                    "stopped",
+                )
+            }
+        )
         res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
     outcome = dcs_outcome(out) or {}
-    res.update({k: outcome.get(k) for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
-                if outcome.get(k) is not None})
+    res.update(
+        {
+            k: outcome.get(k)
+            for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
+            if outcome.get(k) is not None
+        }
+    )
     return res
 
 
 def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
     out = pipe.out
-    res: dict[str, Any] = {"study": pipe.cfg.stages.tokens.study, "storage": pipe.storage,
-                           "pick_rule": pipe.cfg.goal.pick, "eval_images": pipe.cfg.stages.tokens.eval_images,
-                           "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)}
-                                       for m in methods]}
+    res: dict[str, Any] = {
+        "study": pipe.cfg.stages.tokens.study,
+        "storage": pipe.storage,
+        "pick_rule": pipe.cfg.goal.pick,
+        "eval_images": pipe.cfg.stages.tokens.eval_images,
+        "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)} for m in methods],
+    }
     marker = find_step_marker(out, "tokens_search")
     if marker is not None:
         res["trials_complete"] = marker.result.get("complete")
@@ -108,16 +167,24 @@ def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str
     pc = find_run_config(out / "tokens" / "picked")
     m = find_metrics(out / "tokens" / "picked")
     if m is not None:
-        res.update(picked_trial=m.get("trial"), trial_accuracy=m.get("trial_accuracy"),
-                   trial_flops_ratio=m.get("flops_ratio"), trial_params=m.get("params"))
+        res.update(
+            picked_trial=m.get("trial"),
+            trial_accuracy=m.get("trial_accuracy"),
+            trial_flops_ratio=m.get("flops_ratio"),
+            trial_params=m.get("params"),
+        )
     if pc is not None:
         prov = pc.get("from_study") or {}
         res["params"] = prov.get("params")
         res["trial_seed"] = prov.get("seed")
     pj = find_pick(out / "tokens")
     if pj is not None:  # after a dcs stage: the pick on the DCS model against the one on the dense base
-        res.update(picked_study=pj.picked_study, candidates=pj.candidates, dense_study=pj.dense_study,
-                   dense_skipped=pj.dense_skipped)
+        res.update(
+            picked_study=pj.picked_study,
+            candidates=pj.candidates,
+            dense_study=pj.dense_study,
+            dense_skipped=pj.dense_skipped,
+        )
         res["study"] = pj.picked_study or res["study"]
     return res
 
@@ -126,8 +193,15 @@ def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
     rows = []
     for step in pipe.steps:
         m = find_step_marker(pipe.out, step.name)
-        rows.append({"step": step.name, "what": step.describe, "dir": None if step.dir is None else str(step.dir),
-                     "seconds": None if m is None else m.seconds, "finished": None if m is None else m.finished})
+        rows.append(
+            {
+                "step": step.name,
+                "what": step.describe,
+                "dir": None if step.dir is None else str(step.dir),
+                "seconds": None if m is None else m.seconds,
+                "finished": None if m is None else m.finished,
+            }
+        )
     return rows
 
 
@@ -142,28 +216,52 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     dense_model, _ = load_with_arch(pipe.base_dir)
     decisions: dict[str, Any] = {"base": _base_decisions(pipe, dense_ev)}
     if final_dir is None:
-        prof = profile(pipe.base_dir, device=cfg.device, latency=rep.latency, batch_size=rep.batch_size,
-                       iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
+        prof = profile(
+            pipe.base_dir,
+            device=cfg.device,
+            latency=rep.latency,
+            batch_size=rep.batch_size,
+            iters=rep.iters,
+            dtype=rep.dtype,
+            compile=rep.compile,
+        )
         dense = _model_record(pipe.base_dir, dense_ev, next(iter(prof["models"].values())))
         decisions["dcs"] = _dcs_decisions(out, None, dense_model)
         reason = decisions["dcs"].get("dcs_reason") or "no stage compressed the model"
         final, cmp = None, None
-        goal = {"max_flops": cfg.goal.max_flops, "max_latency_ms": cfg.goal.max_latency_ms, "value": None,
-                "met": False, "statement": f"no compressed model could be made: {reason}"}
+        goal = {
+            "max_flops": cfg.goal.max_flops,
+            "max_latency_ms": cfg.goal.max_latency_ms,
+            "value": None,
+            "met": False,
+            "statement": f"no compressed model could be made: {reason}",
+        }
         methods: list[dict[str, Any]] = []
     else:
         final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
         assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
-        prof = profile(final_dir, compare=pipe.base_dir, device=cfg.device, latency=rep.latency,
-                       batch_size=rep.batch_size, iters=rep.iters, dtype=rep.dtype, compile=rep.compile)
+        prof = profile(
+            final_dir,
+            compare=pipe.base_dir,
+            device=cfg.device,
+            latency=rep.latency,
+            batch_size=rep.batch_size,
+            iters=rep.iters,
+            dtype=rep.dtype,
+            compile=rep.compile,
+        )
         c = prof["comparison"]
         dense = _model_record(pipe.base_dir, dense_ev, prof["models"][c["reference"]])
         final = _model_record(final_dir, final_ev, prof["models"][c["model"]])
         # the one ratio convention (nascompress.profiling.compare): final against dense
-        cmp = {"top1_change": final["test_top1"] - dense["test_top1"], "test_n": dense["test_n"],
-               "file_ratio": final["file_bytes"] / dense["file_bytes"], "latency_speedup": None,
-               "throughput_speedup": None,
-               **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]])}
+        cmp = {
+            "top1_change": final["test_top1"] - dense["test_top1"],
+            "test_n": dense["test_n"],
+            "file_ratio": final["file_bytes"] / dense["file_bytes"],
+            "latency_speedup": None,
+            "throughput_speedup": None,
+            **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]]),
+        }
         goal = _goal(cfg, cmp, final)
         methods = [m.to_dict() for m in read_arch(final_dir).methods]
         dcs_rec = next((m for m in methods if m.get("name") == "dcs"), None)
@@ -173,30 +271,62 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         decisions["tokens"] = _tokens_decisions(pipe, [m for m in methods if m.get("name") != "dcs"])
     r = find_metrics(out / "final") if cfg.stages.retrain is not None and final_dir == out / "final" else None
     if r is not None:
-        decisions["retrain"] = {k: r.get(k) for k in ("epochs", "eta", "warm_epochs", "kd", "feat_kd", "batch_size",
-                                                      "peak_lr", "start_val_top1", "best_val_top1", "best_epoch",
-                                                      "test_top1", "test_n", "train_time_s")}
+        decisions["retrain"] = {
+            k: r.get(k)
+            for k in (
+                "epochs",
+                "eta",
+                "warm_epochs",
+                "kd",
+                "feat_kd",
+                "batch_size",
+                "peak_lr",
+                "start_val_top1",
+                "best_val_top1",
+                "best_epoch",
+                "test_top1",
+                "test_n",
+                "train_time_s",
+            )
+        }
         decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
-    decisions["methods"] = [{"name": m.get("name"), "summary": _method_summary(m) if m.get("name") != "dcs" else
-                             "dcs: channels per block (see dcs)"} for m in methods]
+    decisions["methods"] = [
+        {
+            "name": m.get("name"),
+            "summary": _method_summary(m) if m.get("name") != "dcs" else "dcs: channels per block (see dcs)",
+        }
+        for m in methods
+    ]
     int8 = None
     if cfg.export is not None and cfg.export.quantize != "none" and final_dir is not None:
         int8 = _int8(pipe, final_dir)
-    summary = {"format": SUMMARY_FORMAT, "config": str((out / "config.yaml").resolve()),
-               "source": str(Path(pipe.source).resolve()),
-               "out": str(out.resolve()), "seed": cfg.seed, "device": prof.get("device"), "dtype": prof.get("dtype"),
-               "dataset": dense_ev.get("dataset"),
-               "goal": goal, "dense": dense, "final": final, "comparison": cmp, "int8": int8, "decisions": decisions,
-               "stages": _stage_log(pipe),
-               "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    summary = {
+        "format": SUMMARY_FORMAT,
+        "config": str((out / "config.yaml").resolve()),
+        "source": str(Path(pipe.source).resolve()),
+        "out": str(out.resolve()),
+        "seed": cfg.seed,
+        "device": prof.get("device"),
+        "dtype": prof.get("dtype"),
+        "dataset": dense_ev.get("dataset"),
+        "goal": goal,
+        "dense": dense,
+        "final": final,
+        "comparison": cmp,
+        "int8": int8,
+        "decisions": decisions,
+        "stages": _stage_log(pipe),
+        "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
     study_html = None
     if cfg.stages.tokens is not None:
         study_html = _study_report(pipe, front_marks(summary))
     summary["report"] = str((out / "report.html").resolve())
     write_summary_json(out, summary)
     with atomic_path(out / "report.html") as tmp:
-        tmp.write_text(build_html(summary, config_text=(out / "config.yaml").read_text(), study_html=study_html),
-                       encoding="utf-8")
+        tmp.write_text(
+            build_html(summary, config_text=(out / "config.yaml").read_text(), study_html=study_html), encoding="utf-8"
+        )
     return summary
 
 
@@ -205,9 +335,16 @@ def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
     cfg = pipe.cfg
     made = pipe.out / "export" / cfg.export.filename
-    return int8_rows(pipe.base_dir, final_dir, compressed_int8=made if made.is_file() else None, data=pipe.data,
-                     config=config_for(cfg.export.quantize), export=cfg.export.config(seed=cfg.seed),
-                     batch=cfg.report.batch_size, iters=cfg.report.iters)
+    return int8_rows(
+        pipe.base_dir,
+        final_dir,
+        compressed_int8=made if made.is_file() else None,
+        data=pipe.data,
+        config=config_for(cfg.export.quantize),
+        export=cfg.export.config(seed=cfg.seed),
+        batch=cfg.report.batch_size,
+        iters=cfg.report.iters,
+    )
 
 
 def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
@@ -215,15 +352,22 @@ def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any
         met = cmp["flops_ratio"] <= cfg.goal.max_flops + 1e-9
         goal = {"max_flops": cfg.goal.max_flops, "value": cmp["flops_ratio"], "met": met}
         if not met:
-            goal["statement"] = (f"the final model has {cmp['flops_ratio']:.3f}x the dense FLOPs, above the goal "
-                                 f"{cfg.goal.max_flops:g}x: no model the stages could make meets it")
+            goal["statement"] = (
+                f"the final model has {cmp['flops_ratio']:.3f}x the dense FLOPs, above the goal "
+                f"{cfg.goal.max_flops:g}x: no model the stages could make meets it"
+            )
         return goal
     lat = final.get("latency_ms")
-    goal = {"max_latency_ms": cfg.goal.max_latency_ms, "value": lat,
-            "met": None if lat is None else lat <= cfg.goal.max_latency_ms}
+    goal = {
+        "max_latency_ms": cfg.goal.max_latency_ms,
+        "value": lat,
+        "met": None if lat is None else lat <= cfg.goal.max_latency_ms,
+    }
     if goal["met"] is False:
-        goal["statement"] = (f"the final model takes {lat:.2f} ms at batch 1, above the goal "
-                             f"{cfg.goal.max_latency_ms:g} ms: no model the stages could make meets it")
+        goal["statement"] = (
+            f"the final model takes {lat:.2f} ms at batch 1, above the goal "
+            f"{cfg.goal.max_latency_ms:g} ms: no model the stages could make meets it"
+        )
     return goal
 
 
@@ -232,8 +376,12 @@ def _base_decisions(pipe: Pipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
     comparison uses), the one its training measured (possibly on other images: ``data.eval_limit``
     draws a subset) is kept as ``trained_test_top1`` with its count."""
     b = pipe.cfg.base
-    res: dict[str, Any] = {"kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
-                           "run": str(pipe.base_dir), "test_top1": dense_ev["top1"], "test_n": dense_ev["n"]}
+    res: dict[str, Any] = {
+        "kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
+        "run": str(pipe.base_dir),
+        "test_top1": dense_ev["top1"],
+        "test_n": dense_ev["n"],
+    }
     bm = find_metrics(pipe.base_dir)
     if bm is not None:
         res.update({k: bm.get(k) for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
@@ -246,21 +394,33 @@ def front_marks(s: dict[str, Any]) -> Any:
     model (their test top-1, on the report's test images) and the goal."""
     d, f, g = s["dense"], s["final"], s["goal"]
     n = d["test_n"]
-    dense = {"flops_ratio": Mark(f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)",
-                                 1.0, d["test_top1"])}
+    dense = {
+        "flops_ratio": Mark(
+            f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)", 1.0, d["test_top1"]
+        )
+    }
     final = {}
     if f is not None:
         ratio = s["comparison"]["flops_ratio"]
-        final["flops_ratio"] = Mark(f"final model: {ratio:.3f}x the FLOPs, test top-1 {f['test_top1']:.2f}% "
-                                    f"({n} test images)", ratio, f["test_top1"])
+        final["flops_ratio"] = Mark(
+            f"final model: {ratio:.3f}x the FLOPs, test top-1 {f['test_top1']:.2f}% ({n} test images)",
+            ratio,
+            f["test_top1"],
+        )
     for kind, rec, into in (("dense base", d, dense), ("final model", f, final)):
         if rec is not None and rec.get("latency_ms") is not None:
-            into["latency_ms"] = Mark(f"{kind}: {rec['latency_ms']:.2f} ms, test top-1 {rec['test_top1']:.2f}% "
-                                      f"({n} test images)", rec["latency_ms"], rec["test_top1"])
-    goal = ({"flops_ratio": (g["max_flops"], f"goal: <= {g['max_flops']:g}x the dense FLOPs")}
-            if g.get("max_flops") is not None else
-            {"latency_ms": (g["max_latency_ms"], f"goal: <= {g['max_latency_ms']:g} ms at batch 1")}
-            if g.get("max_latency_ms") is not None else {})
+            into["latency_ms"] = Mark(
+                f"{kind}: {rec['latency_ms']:.2f} ms, test top-1 {rec['test_top1']:.2f}% ({n} test images)",
+                rec["latency_ms"],
+                rec["test_top1"],
+            )
+    goal = (
+        {"flops_ratio": (g["max_flops"], f"goal: <= {g['max_flops']:g}x the dense FLOPs")}
+        if g.get("max_flops") is not None
+        else {"latency_ms": (g["max_latency_ms"], f"goal: <= {g['max_latency_ms']:g} ms at batch 1")}
+        if g.get("max_latency_ms") is not None
+        else {}
+    )
     picked = (s["decisions"].get("tokens") or {}).get("picked_trial")
     return FrontMarks(picked=picked, dense=dense, final=final, goal=goal)
 
@@ -275,6 +435,14 @@ def _study_report(pipe: Pipeline, marks: Any) -> str | None:
     return text
 
 
-__all__ = ["build_html", "comparison_rows", "int8_table_rows", "models_note",
-           "dcs_rows", "dcs_column", "decision_lines", "goal_text",
-           "write_summary"]
+__all__ = [
+    "build_html",
+    "comparison_rows",
+    "int8_table_rows",
+    "models_note",
+    "dcs_rows",
+    "dcs_column",
+    "decision_lines",
+    "goal_text",
+    "write_summary",
+]

@@ -1,6 +1,7 @@
 """A pipeline summary (``OUT/summary.json``, :func:`nascompress.pipeline.report.write_summary`) as the
 terminal prints it and as one self-contained HTML file (:func:`build_html`): the comparison with the
 dense base, the int8 rows, the DCS channels per block, every decision and the stages."""
+
 from __future__ import annotations
 
 import html
@@ -22,22 +23,52 @@ def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     top1 = "test top-1" + ("" if d.get("test_n") is None else f" ({d['test_n']} images)")
     if f is None:  # no compressed model could be made
         return [(top1, f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
-    rows = [(top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
-            ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
-            ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", f"{f['macs'] / 1e6:.2f} M",
-             times_text(c["flops_ratio"], "FLOPs")),
-            ("parameters", f"{d['params']:,}", f"{f['params']:,}", times_text(c["params_ratio"], "parameters")),
-            ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), times_text(c["file_ratio"], "size"))]
+    rows = [
+        (top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
+        ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
+        (
+            "FLOPs / image",
+            f"{d['macs'] / 1e6:.2f} M",
+            f"{f['macs'] / 1e6:.2f} M",
+            times_text(c["flops_ratio"], "FLOPs"),
+        ),
+        ("parameters", f"{d['params']:,}", f"{f['params']:,}", times_text(c["params_ratio"], "parameters")),
+        ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), times_text(c["file_ratio"], "size")),
+    ]
     if c.get("latency_speedup") is not None:
-        rows.append((f"latency, batch {d['latency_batch']}", f"{d['latency_ms']:.2f} ms", f"{f['latency_ms']:.2f} ms",
-                     speed_text(c["latency_speedup"])))
-        rows.append((f"throughput, batch {d['throughput_batch']}", f"{d['throughput']:.1f} img/s",
-                     f"{f['throughput']:.1f} img/s", speed_text(c["throughput_speedup"])))
+        rows.append(
+            (
+                f"latency, batch {d['latency_batch']}",
+                f"{d['latency_ms']:.2f} ms",
+                f"{f['latency_ms']:.2f} ms",
+                speed_text(c["latency_speedup"]),
+            )
+        )
+        rows.append(
+            (
+                f"throughput, batch {d['throughput_batch']}",
+                f"{d['throughput']:.1f} img/s",
+                f"{f['throughput']:.1f} img/s",
+                speed_text(c["throughput_speedup"]),
+            )
+        )
     if c.get("latency_speedup_compiled") is not None:
-        rows.append((f"latency, batch {d['latency_batch']}, compiled", f"{d['latency_ms_compiled']:.2f} ms",
-                     f"{f['latency_ms_compiled']:.2f} ms", speed_text(c["latency_speedup_compiled"])))
-        rows.append((f"throughput, batch {d['throughput_batch']}, compiled", f"{d['throughput_compiled']:.1f} img/s",
-                     f"{f['throughput_compiled']:.1f} img/s", speed_text(c["throughput_speedup_compiled"])))
+        rows.append(
+            (
+                f"latency, batch {d['latency_batch']}, compiled",
+                f"{d['latency_ms_compiled']:.2f} ms",
+                f"{f['latency_ms_compiled']:.2f} ms",
+                speed_text(c["latency_speedup_compiled"]),
+            )
+        )
+        rows.append(
+            (
+                f"throughput, batch {d['throughput_batch']}, compiled",
+                f"{d['throughput_compiled']:.1f} img/s",
+                f"{f['throughput_compiled']:.1f} img/s",
+                speed_text(c["throughput_speedup_compiled"]),
+            )
+        )
     return rows
 
 
@@ -46,8 +77,10 @@ def models_note(s: dict[str, Any]) -> str:
     d, f = s["dense"], s["final"]
     both = f"dense base {d.get('run', '')}" + ("" if f is None else f"; compressed {f.get('run', '')}")
     n = "" if d.get("test_n") is None else f" {d['test_n']}"  # a summary written before the count was kept
-    return (f"{both}. The same{n} test images for both; 'change' is the compressed model against the "
-            "dense base (x the FLOPs: below 1 is smaller; x faster: above 1 is faster).")
+    return (
+        f"{both}. The same{n} test images for both; 'change' is the compressed model against the "
+        "dense base (x the FLOPs: below 1 is smaller; x faster: above 1 is faster)."
+    )
 
 
 def goal_text(s: dict[str, Any]) -> str:
@@ -58,8 +91,7 @@ def goal_text(s: dict[str, Any]) -> str:
         return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {'met' if g['met'] else 'NOT met'}"
     if g["value"] is None:
         return f"latency <= {g['max_latency_ms']:g} ms at batch 1: not measured (report.latency is off)"
-    return (f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, "
-            f"{'met' if g['met'] else 'NOT met'}")
+    return f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, {'met' if g['met'] else 'NOT met'}"
 
 
 def dcs_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -87,60 +119,86 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
     if base:
         acc = "" if base.get("test_top1") is None else f", test top-1 {base['test_top1']:.2f}%{_on(base.get('test_n'))}"
         if base.get("trained_test_top1") is not None and base.get("trained_test_n") != base.get("test_n"):
-            acc += (f" (when trained: {base['trained_test_top1']:.2f}%{_on(base.get('trained_test_n'))}, "
-                    "not the images of this comparison)")
+            acc += (
+                f" (when trained: {base['trained_test_top1']:.2f}%{_on(base.get('trained_test_n'))}, "
+                "not the images of this comparison)"
+            )
         lines.append(f"base: {base['kind']} {base['run']}{acc}")
     dcs = dec.get("dcs")
     if dcs and dcs.get("dcs_outcome") == "skipped":
-        lines.append(f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
-                     f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})")
+        lines.append(
+            f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
+            f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})"
+        )
     elif dcs and dcs.get("blocks") is not None:
         move = dcs.get("calibration_move")
-        cal = ((" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
-               if dcs.get("calibrated") else "")
+        cal = (
+            (" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
+            if dcs.get("calibrated")
+            else ""
+        )
         if dcs.get("at_target_share") is not None:
             cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
         what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
-        lines.append(f"dcs: target {dcs.get('target_flops')}x the dense FLOPs{ratio}; MLP {what} kept "
-                     f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}")
+        lines.append(
+            f"dcs: target {dcs.get('target_flops')}x the dense FLOPs{ratio}; MLP {what} kept "
+            f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}"
+        )
         if dcs.get("family_reason"):
             lines.append(f"  MLP gates {dcs['family_reason']}")
         if dcs.get("kept_reason"):  # the searched model against the magnitude baseline at the same FLOPs
             lines.append(f"  {dcs['kept_reason']}")
         if dcs.get("dcs_outcome") == "milder":
-            lines.append(f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
-                         f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})")
+            lines.append(
+                f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
+                f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})"
+            )
     tok = dec.get("tokens")
     if tok:
         acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
-        lines.append(f"tokens: study {tok['study']!r}, {tok.get('trials_complete')} trials; picked trial "
-                     f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
-                     + ("" if acc is None else f"accuracy {acc:.2f}% on the search's validation images "
-                                               f"(eval_images {tok.get('eval_images')}), ")
-                     + ("" if ratio is None else dense_flops_text(ratio)) + ")")
+        lines.append(
+            f"tokens: study {tok['study']!r}, {tok.get('trials_complete')} trials; picked trial "
+            f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
+            + (
+                ""
+                if acc is None
+                else f"accuracy {acc:.2f}% on the search's validation images (eval_images {tok.get('eval_images')}), "
+            )
+            + ("" if ratio is None else dense_flops_text(ratio))
+            + ")"
+        )
         if tok.get("dense_study") and tok.get("candidates"):  # where to cut: channels + tokens, or tokens alone
             parts = []
             for name, c in tok["candidates"].items():
                 what = "tokens only, on the dense base" if name == tok["dense_study"] else "on the DCS model"
-                parts.append(f"{name!r} ({what}): " + (f"trial {c['trial']}, {c['accuracy']:.2f}% at "
-                                                       f"{c['flops_ratio']:.3f}x" if c.get("trial") is not None
-                                                       else "no trial meets the goal"))
+                parts.append(
+                    f"{name!r} ({what}): "
+                    + (
+                        f"trial {c['trial']}, {c['accuracy']:.2f}% at {c['flops_ratio']:.3f}x"
+                        if c.get("trial") is not None
+                        else "no trial meets the goal"
+                    )
+                )
             if tok.get("dense_skipped"):
                 parts.append(f"{tok['dense_study']!r} (tokens only): {tok['dense_skipped']}")
             lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok['picked_study']!r}")
         if tok.get("params"):
-            lines.append("  params: " + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
-                                                  for k, v in tok["params"].items()))
+            lines.append(
+                "  params: "
+                + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tok["params"].items())
+            )
         for m in tok["methods"]:
             lines.append(f"  {m['summary']}")
     rt = dec.get("retrain")
     if rt:
         extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
         warm = f" ({rt['warm_epochs']} CE-only)" if rt["eta"] else ""  # epochs before the IB bound joins
-        lines.append(f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g}{warm}, teacher "
-                     f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%"
-                     f"{_on(rt.get('test_n'))}")
+        lines.append(
+            f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g}{warm}, teacher "
+            f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%"
+            f"{_on(rt.get('test_n'))}"
+        )
     return lines
 
 
@@ -161,9 +219,16 @@ def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
         if "failed" in r:
             rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
             continue
-        rows.append((r["model"], r["runtime"], f"{r['test_top1']:.2f}%{_on(r.get('test_n'))}", _mb(r["file_bytes"]),
-                     f"{r['latency_ms']:.2f} ms" + _on_threads(r.get("latency_threads")),
-                     f"{r['throughput']:.1f} img/s" + _on_threads(r.get("throughput_threads"))))
+        rows.append(
+            (
+                r["model"],
+                r["runtime"],
+                f"{r['test_top1']:.2f}%{_on(r.get('test_n'))}",
+                _mb(r["file_bytes"]),
+                f"{r['latency_ms']:.2f} ms" + _on_threads(r.get("latency_threads")),
+                f"{r['throughput']:.1f} img/s" + _on_threads(r.get("throughput_threads")),
+            )
+        )
     return rows
 
 
@@ -178,45 +243,81 @@ def _study_fragment(text: str) -> str:
     body = text.split("<body>", 1)[-1].rsplit("</body>", 1)[0]
     if body.startswith("<h1>"):
         end = body.index("</h1>")
-        body = f"<h2>{body[4:end]}</h2>" + body[end + 5:]
+        body = f"<h2>{body[4:end]}</h2>" + body[end + 5 :]
     return f'<section id="study">{body}</section>'
 
 
 def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
     """The pipeline's report: one self-contained HTML file (no external resources)."""
-    meta = [("config", s["source"]), ("output", s["out"]), ("dataset", s.get("dataset")), ("seed", s["seed"]),
-            ("device", s.get("device")), ("goal", goal_text(s)), ("written", s["written"])]
+    meta = [
+        ("config", s["source"]),
+        ("output", s["out"]),
+        ("dataset", s.get("dataset")),
+        ("seed", s["seed"]),
+        ("device", s.get("device")),
+        ("goal", goal_text(s)),
+        ("written", s["written"]),
+    ]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v is not None)
-    parts = [f"<h1>nascompress pipeline: {html.escape(Path(s['source']).name)}</h1><dl>{dl}</dl>",
-             "<h2>Result against the dense base</h2>",
-             _table(["", "dense base", "compressed", "change"], comparison_rows(s), "comparison"),
-             f'<p class="note">{html.escape(models_note(s))} FLOPs counted as the papers count them (one multiply-add '
-             "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
-             "(medians).</p>",
-             *(["<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",
-                _table(["model", "runtime", "test top-1",  "file size",
+    parts = [
+        f"<h1>nascompress pipeline: {html.escape(Path(s['source']).name)}</h1><dl>{dl}</dl>",
+        "<h2>Result against the dense base</h2>",
+        _table(["", "dense base", "compressed", "change"], comparison_rows(s), "comparison"),
+        f'<p class="note">{html.escape(models_note(s))} FLOPs counted as the papers count them (one multiply-add '
+        "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
+        "(medians).</p>",
+        *(
+            [
+                "<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",
+                _table(
+                    [
+                        "model",
+                        "runtime",
+                        "test top-1",
+                        "file size",
                         f"latency, batch {s['int8']['latency_batch']}",
-                        f"throughput, batch {s['int8']['throughput_batch']}"], int8_table_rows(s), "int8"),
+                        f"throughput, batch {s['int8']['throughput_batch']}",
+                    ],
+                    int8_table_rows(s),
+                    "int8",
+                ),
                 '<p class="note">The four models timed interleaved in one process (medians); the dense int8 file is '
-                "made with the export's quantize settings for this comparison.</p>"] if s.get("int8") else []),
-             "<h2>Decisions</h2>",
-             "<ul>" + "".join(f"<li>{html.escape(line.strip())}</li>" for line in decision_lines(s)) + "</ul>"]
+                "made with the export's quantize settings for this comparison.</p>",
+            ]
+            if s.get("int8")
+            else []
+        ),
+        "<h2>Decisions</h2>",
+        "<ul>" + "".join(f"<li>{html.escape(line.strip())}</li>" for line in decision_lines(s)) + "</ul>",
+    ]
     rows = dcs_rows(s)
     if rows:
-        parts += ["<h3>DCS: channels kept per block</h3>",
-                  _table(["block", dcs_column(s), "Q/K channels per head"], rows, "dcs-blocks")]
+        parts += [
+            "<h3>DCS: channels kept per block</h3>",
+            _table(["block", dcs_column(s), "Q/K channels per head"], rows, "dcs-blocks"),
+        ]
     methods = s["decisions"].get("tokens", {}).get("methods") or []
     if methods:
         rows2 = [(m["name"], m["summary"].split(": ", 1)[-1]) for m in methods]
-        parts += ["<h3>Token / attention methods of the final model</h3>",
-                  _table(["method", "settings"], rows2, "token-methods")]
-    stage_rows = [(r["step"], r["what"], "" if r["seconds"] is None else f"{r['seconds']:.1f}", r["dir"] or "")
-                  for r in s["stages"]]
-    parts += ["<h2>Stages</h2>", _table(["step", "what", "seconds", "directory"], stage_rows, "stages"),
-              "<h2>Config</h2>", f"<pre>{html.escape(config_text)}</pre>"]
+        parts += [
+            "<h3>Token / attention methods of the final model</h3>",
+            _table(["method", "settings"], rows2, "token-methods"),
+        ]
+    stage_rows = [
+        (r["step"], r["what"], "" if r["seconds"] is None else f"{r['seconds']:.1f}", r["dir"] or "")
+        for r in s["stages"]
+    ]
+    parts += [
+        "<h2>Stages</h2>",
+        _table(["step", "what", "seconds", "directory"], stage_rows, "stages"),
+        "<h2>Config</h2>",
+        f"<pre>{html.escape(config_text)}</pre>",
+    ]
     if study_html:
         parts.append(_study_fragment(study_html))
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>nascompress pipeline</title>'
-            f'<link rel="icon" href="data:,"><style>{REPORT_CSS}pre{{background:#f7f7f7;padding:6px;overflow-x:auto}}'
-            f'td:first-child,#stages td,#token-methods td{{text-align:left}}</style></head>'
-            f'<body>{"".join(parts)}</body></html>\n')
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>nascompress pipeline</title>'
+        f'<link rel="icon" href="data:,"><style>{REPORT_CSS}pre{{background:#f7f7f7;padding:6px;overflow-x:auto}}'
+        f"td:first-child,#stages td,#token-methods td{{text-align:left}}</style></head>"
+        f"<body>{''.join(parts)}</body></html>\n"
+    )

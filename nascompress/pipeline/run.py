@@ -1,5 +1,6 @@
 """Running a planned pipeline: the output directory (checks, lock, claim), the per-step done
 markers, and :func:`run_pipeline`, which skips complete steps and resumes the rest."""
+
 from __future__ import annotations
 
 import copy
@@ -41,8 +42,10 @@ def _check_out(out: Path, *, force: bool) -> None:
         raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     used = out.is_dir() and any(not _stray(p) for p in out.iterdir())
     if used and not force and not (out / CONFIG_FILE).is_file():
-        raise SettingError(f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
-                               "choose another {out} or pass {force} to replace it")
+        raise SettingError(
+            f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
+            "choose another {out} or pass {force} to replace it"
+        )
 
 
 def _lock(out: Path) -> int:
@@ -60,8 +63,9 @@ def _lock(out: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise NascompressError(f"another 'nascompress pipeline' is running in {out}; wait for it to finish or stop "
-                               "it first") from None
+        raise NascompressError(
+            f"another 'nascompress pipeline' is running in {out}; wait for it to finish or stop it first"
+        ) from None
     return fd
 
 
@@ -97,9 +101,11 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
             keep = ""
             if pipe.cfg.base.run is None and has_metrics(out / "base"):  # a finished base of its own
                 keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
-            raise SettingError(f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
-                                   f"rerun it with the same config ({stored}) to continue it, use another {{out}}"
-                                   f"{keep}, or pass {{force}} to start over")
+            raise SettingError(
+                f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
+                f"rerun it with the same config ({stored}) to continue it, use another {{out}}"
+                f"{keep}, or pass {{force}} to start over"
+            )
         return True
     for p in out.iterdir():  # start over (force), or clear what a killed first run left
         if p.name != LOCK_FILE:
@@ -155,8 +161,15 @@ def _compact(res: Any) -> Any:
     return {k: v for k, v in res.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
-def run_pipeline(config: str | Path, *, out: str | Path, force: bool = False, seed: int | None = None,
-                 progress: bool = True, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_pipeline(
+    config: str | Path,
+    *,
+    out: str | Path,
+    force: bool = False,
+    seed: int | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Validate ``config``, then run (or continue) the pipeline in ``out``; return the summary.
 
     Args:
@@ -171,8 +184,9 @@ def run_pipeline(config: str | Path, *, out: str | Path, force: bool = False, se
     pipe = plan(config, out=out, seed=seed)  # everything is checked before anything is written
     _check_out(pipe.out, force=force)
     own = (pipe.out / "base",)  # the base run the pipeline trains itself
-    refuse_overwriting_inputs(pipe.out, [*(() if pipe.base_dir in own else (pipe.base_dir,)),
-                                         *dataset_paths(pipe.data)])
+    refuse_overwriting_inputs(
+        pipe.out, [*(() if pipe.base_dir in own else (pipe.base_dir,)), *dataset_paths(pipe.data)]
+    )
     lock = _lock(pipe.out)
     try:
         with writing(pipe.out, what=f"pipeline directory {pipe.out}", then=_CONTINUE):
@@ -209,18 +223,32 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
         except SettingError as e:
             raise step_error(pipe, step.name, e) from e
         if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
-            log(f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
-                + (f"retried at {res['dcs_target']:g}x the dense FLOPs" if res["dcs_outcome"] == "milder"
-                   else "the pipeline goes on without DCS"))
+            log(
+                f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
+                + (
+                    f"retried at {res['dcs_target']:g}x the dense FLOPs"
+                    if res["dcs_outcome"] == "milder"
+                    else "the pipeline goes on without DCS"
+                )
+            )
         elif isinstance(res, dict) and res.get("skipped"):
             log(f"{step.name}: skipped ({res.get('reason')})")
-        write_step_marker(pipe.out, StepMarker.new(
-            step.name, seconds=round(time.perf_counter() - t0, 3),
-            finished=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-            dir=None if d is None else str(d), result=_compact(res)))
+        write_step_marker(
+            pipe.out,
+            StepMarker.new(
+                step.name,
+                seconds=round(time.perf_counter() - t0, 3),
+                finished=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                dir=None if d is None else str(d),
+                result=_compact(res),
+            ),
+        )
         ran[step.name] = True
         log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s")
     summary = read_summary(pipe.out).to_dict()
-    summary["this_run"] = {"resumed": resumed, "ran": [k for k, v in ran.items() if v],
-                           "skipped": [k for k, v in ran.items() if not v]}
+    summary["this_run"] = {
+        "resumed": resumed,
+        "ran": [k for k, v in ran.items() if v],
+        "skipped": [k for k, v in ran.items() if not v],
+    }
     return summary

@@ -1,5 +1,6 @@
 """The pipeline file's schema engine: frozen sections whose fields carry their own checks
 (:func:`opt` metadata), built from YAML by :func:`build_section`, which names the key path in every error."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,13 +24,25 @@ class KeyProblem(NascompressError):
         self.key = key
 
 
-def opt(default: Any = dataclasses.MISSING, *, lo: float | None = None, hi: float | None = None,
-        lo_open: bool = False, hi_open: bool = False, choices: tuple[Any, ...] | None = None,
-        path: bool = False, keywords: tuple[str, ...] = ()) -> Any:
+def opt(
+    default: Any = dataclasses.MISSING,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+    choices: tuple[Any, ...] | None = None,
+    path: bool = False,
+    keywords: tuple[str, ...] = (),
+) -> Any:
     """A field with checks: a number range, choices, or a path (resolved against the config's
     directory unless it is one of ``keywords``)."""
-    return field(default=default, metadata=check_meta(lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open,
-                                                      choices=choices, path=path, keywords=keywords))
+    return field(
+        default=default,
+        metadata=check_meta(
+            lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open, choices=choices, path=path, keywords=keywords
+        ),
+    )
 
 
 class Section(Config):
@@ -126,8 +139,9 @@ class SchemaContext:
         return os.path.normpath(q if q.is_absolute() else self.base_dir / q)
 
 
-def section_error(ctx: SchemaContext, path: str, section: Any, e: NascompressError, *,
-                  names: dict[str, str] | None = None) -> NascompressError:
+def section_error(
+    ctx: SchemaContext, path: str, section: Any, e: NascompressError, *, names: dict[str, str] | None = None
+) -> NascompressError:
     """Error ``e``, raised by a stage's library while building the job of ``section`` (at ``path``),
     as the pipeline file words it: a :class:`~nascompress.errors.SettingError`'s fields named as the
     section's keys (``names``: a field the section sets another way, e.g. retrain's ``teacher``
@@ -156,7 +170,9 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: SchemaContext
     if len(kinds) > 1:  # e.g. export.batch: str | int (the library config checks which values it takes)
         if isinstance(v, bool) or not isinstance(v, tuple(kinds)):
             names = {str: "a string", int: "an integer", float: "a number"}
-            raise ctx.err(path, f"must be {' or '.join(names.get(k, k.__name__) for k in kinds)}, got {describe_value(v)}")
+            raise ctx.err(
+                path, f"must be {' or '.join(names.get(k, k.__name__) for k in kinds)}, got {describe_value(v)}"
+            )
         kinds = []
     base = kinds[0] if kinds else (tp if not args else None)
     if base is bool:
@@ -199,8 +215,9 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
             raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {what}{then}")
         if k not in keys:
             hint = f": {cls.elsewhere[k]}" if k in cls.elsewhere else ""
-            raise NascompressError(f"{ctx.source}: unknown key {key_path(path, str(k))}{hint}; valid: "
-                                   f"{', '.join(keys)}")
+            raise NascompressError(
+                f"{ctx.source}: unknown key {key_path(path, str(k))}{hint}; valid: {', '.join(keys)}"
+            )
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
@@ -240,8 +257,9 @@ def upgrade_keys(cls: type[Section], data: Any) -> Any:
 def check_one_of(section: Any, names: dict[str, str], what: str) -> None:
     given = [key for name, key in names.items() if getattr(section, name) is not None]
     if len(given) != 1:
-        raise NascompressError(f"give exactly one of {', '.join(names.values())}{what}; "
-                               f"got {', '.join(given) if given else 'none'}")
+        raise NascompressError(
+            f"give exactly one of {', '.join(names.values())}{what}; got {', '.join(given) if given else 'none'}"
+        )
 
 
 def check_lr_pair(section: Any) -> None:

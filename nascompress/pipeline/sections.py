@@ -1,5 +1,6 @@
 """The pipeline file's sections: one frozen dataclass per YAML section (``data``, ``base``,
 ``goal``, ``stages``, ``report``, ``export``) and :class:`PipelineConfig`, the whole file."""
+
 from __future__ import annotations
 
 import typing
@@ -29,11 +30,17 @@ STAGE_DATA_SETTINGS = StageSettings(DataConfig, ("train_limit",))
 def data_pointers(taken: tuple[str, ...] = STAGE_DATA_SETTINGS.names) -> dict[str, str]:
     """Where the data settings a stage does not take go (a command's ``--eval-limit`` is the
     pipeline's ``data.eval_limit``: every stage evaluates on the same images)."""
-    return {f.name: f"{f.name} is set once for every stage, under data: (data.{f.name})"
-            for f, _, _ in offered(DataConfig) if f.name not in taken}
+    return {
+        f.name: f"{f.name} is set once for every stage, under data: (data.{f.name})"
+        for f, _, _ in offered(DataConfig)
+        if f.name not in taken
+    }
+
+
 # `export`'s keys: ExportConfig's settings but the check's seed (the pipeline's seed)
-EXPORT_SETTINGS = StageSettings(ExportConfig, tuple(f.name for f in fields(ExportConfig)
-                                                    if "help" in f.metadata and f.name != "seed"))
+EXPORT_SETTINGS = StageSettings(
+    ExportConfig, tuple(f.name for f in fields(ExportConfig) if "help" in f.metadata and f.name != "seed")
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,12 @@ class DataSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(ModelShape, StageSettings(TrainJob, ("weights", "reset_head")), TRAIN_SETTINGS,
-              lead=(*(f.name for f in fields(ModelShape)), "weights", "reset_head"))
+@library_keys(
+    ModelShape,
+    StageSettings(TrainJob, ("weights", "reset_head")),
+    TRAIN_SETTINGS,
+    lead=(*(f.name for f in fields(ModelShape)), "weights", "reset_head"),
+)
 class BaseTrainSection(Section):
     """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``
     (the model's keys are :class:`~nascompress.models.ModelShape`'s, ``nascompress train``'s options).
@@ -73,8 +84,11 @@ class BaseTrainSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(ImportJob, StageSettings(TrainJob, ("linear_probe",)),
-              lead=("model", "weights", "img_size", "num_classes", "linear_probe"))
+@library_keys(
+    ImportJob,
+    StageSettings(TrainJob, ("linear_probe",)),
+    lead=("model", "weights", "img_size", "num_classes", "linear_probe"),
+)
 class BaseImportSection(Section):
     """``base.import``: a user's timm model from local weights (``nascompress import``: its settings,
     :class:`~nascompress.importer.ImportJob`'s, same names), or with ``linear_probe`` a new head
@@ -119,8 +133,13 @@ class GoalSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(DCSSearchConfig, SEARCH_DCS_SETTINGS, SEARCH_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
-              lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names))
+@library_keys(
+    DCSSearchConfig,
+    SEARCH_DCS_SETTINGS,
+    SEARCH_TRAIN_SETTINGS,
+    STAGE_DATA_SETTINGS,
+    lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names),
+)
 class DCSStage(Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
     the search's settings (same names): every user-facing field of
@@ -132,9 +151,14 @@ class DCSStage(Section):
     a search that collapses is retried once at a milder target, then skipped
     (:mod:`nascompress.pipeline.fallback`); ``stop`` fails the stage."""
 
-    on_collapse: str = setting("retry", choices=("retry", "stop"), help=(
-        "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
-        "without DCS; stop: the stage fails."))
+    on_collapse: str = setting(
+        "retry",
+        choices=("retry", "stop"),
+        help=(
+            "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
+            "without DCS; stop: the stage fails."
+        ),
+    )
     renamed = {"fallback": ("on_collapse", {True: "retry", False: "stop"})}
     elsewhere = data_pointers()
 
@@ -155,20 +179,31 @@ class TokensStage(Section):
     picks, scored on the same images (:func:`~nascompress.pipeline.fallback.pick_across`): the pipeline
     chooses between cutting channels and tokens, both, or tokens alone."""
 
-    also_dense: bool = setting(True, help=(
-        "After a dcs stage, also search the token space on the dense base and keep the better pick "
-        "(token-only against channels + tokens)."))
+    also_dense: bool = setting(
+        True,
+        help=(
+            "After a dcs stage, also search the token space on the dense base and keep the better pick "
+            "(token-only against channels + tokens)."
+        ),
+    )
     study: str = shared(SearchJob, "study", default="pipeline")  # the pipeline's own study name
 
-    elsewhere = {**data_pointers(()),
-                 "train_limit": "the study's training images are train_images (search tokens --train-images); "
-                                "the dataset's, for every stage, data.train_limit",
-                 "eval_limit": "the study's validation images are eval_images (search tokens --eval-images); "
-                               "the test images, for every stage, data.eval_limit"}
+    elsewhere = {
+        **data_pointers(()),
+        "train_limit": "the study's training images are train_images (search tokens --train-images); "
+        "the dataset's, for every stage, data.train_limit",
+        "eval_limit": "the study's validation images are eval_images (search tokens --eval-images); "
+        "the test images, for every stage, data.eval_limit",
+    }
+
 
 @dataclass(frozen=True)
-@library_keys(RetrainConfig, RETRAIN_TRAIN_SETTINGS, STAGE_DATA_SETTINGS,
-              lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names))
+@library_keys(
+    RetrainConfig,
+    RETRAIN_TRAIN_SETTINGS,
+    STAGE_DATA_SETTINGS,
+    lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names),
+)
 class RetrainStage(Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
@@ -179,8 +214,9 @@ class RetrainStage(Section):
     among its own runs; the command's ``--teacher`` is a run directory) and the data's ``train_limit``
     for this stage."""
 
-    distil_from: str = setting("base", choices=("base", "none"), help=(
-        "base: distil from the dense base (the teacher); none: no teacher."))
+    distil_from: str = setting(
+        "base", choices=("base", "none"), help=("base: distil from the dense base (the teacher); none: no teacher.")
+    )
     renamed = {"teacher": ("distil_from", None)}
     elsewhere = data_pointers()
 
@@ -217,8 +253,10 @@ class ExportSection(Section):
     :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
     pipeline's)."""
 
-    file: str | None = setting(None, help=(
-        "The file in OUT/export/ (default model.onnx; model.int8.onnx quantized; model.pt2 for torch-export)."))
+    file: str | None = setting(
+        None,
+        help=("The file in OUT/export/ (default model.onnx; model.int8.onnx quantized; model.pt2 for torch-export)."),
+    )
 
     def __post_init__(self) -> None:
         self.config(seed=0)

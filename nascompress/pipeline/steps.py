@@ -1,6 +1,7 @@
 """A plan's steps and the plan itself (:class:`Step`, :class:`Pipeline`), below both the planner
 (:mod:`nascompress.pipeline.plan`, which builds them and re-exports them) and the runner and report
 that read them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,14 @@ class Pipeline:
         """The model the pipeline really ended with: :attr:`final_dir`, or the model before the
         skipped steps when the DCS stage fell back; None when no compressed model was made."""
         st = self.cfg.stages
-        return current_model(self.out, base_dir=self.base_dir, dcs=st.dcs is not None, tokens=st.tokens is not None,
-                             retrain=st.retrain is not None, upto="final")
+        return current_model(
+            self.out,
+            base_dir=self.base_dir,
+            dcs=st.dcs is not None,
+            tokens=st.tokens is not None,
+            retrain=st.retrain is not None,
+            upto="final",
+        )
 
 
 __all__ = ["Step", "Pipeline"]

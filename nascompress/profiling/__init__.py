@@ -1,4 +1,5 @@
 """One profiler for every method: FLOPs (attention matmuls included), params, latency."""
+
 from __future__ import annotations
 
 from .. import _compat  # noqa: F401  (before timm imports torchvision)
@@ -6,8 +7,15 @@ from .. import _compat  # noqa: F401  (before timm imports torchvision)
 from .flops import FlopReport, count_flops, count_params, flop_counter_macs
 from .latency import measure, time_models, time_models_by_threads
 
-__all__ = ["FlopReport", "count_flops", "count_params", "flop_counter_macs", "measure", "time_models",
-           "time_models_by_threads"]
+__all__ = [
+    "FlopReport",
+    "count_flops",
+    "count_params",
+    "flop_counter_macs",
+    "measure",
+    "time_models",
+    "time_models_by_threads",
+]
 
 from .report import profile_models  # noqa: E402
 

@@ -8,6 +8,7 @@
 ``profile RUN --compare REF``, the pipeline's report (:mod:`nascompress.pipeline.report`) and the
 commands that state a FLOPs ratio against the dense model all use these keys and words.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -48,12 +49,16 @@ def speed_text(speedup: float) -> str:
 def comparison_text(c: dict[str, Any], *, model: str, reference: str) -> list[str]:
     """A profile's comparison (:func:`~nascompress.api.profile` with ``compare=``) as lines: both
     models named, what each figure was measured on."""
-    lines = [f"{model} against the reference {reference}:",
-             f"  {times_text(c['flops_ratio'], 'FLOPs')} (per image, mean of {c['flops_images']} random images), "
-             f"{times_text(c['params_ratio'], 'parameters')}"]
+    lines = [
+        f"{model} against the reference {reference}:",
+        f"  {times_text(c['flops_ratio'], 'FLOPs')} (per image, mean of {c['flops_images']} random images), "
+        f"{times_text(c['params_ratio'], 'parameters')}",
+    ]
     for suffix, how in (("", ""), ("_compiled", ", compiled")):
         if c.get(f"latency_speedup{suffix}") is not None:
-            lines.append(f"  latency {speed_text(c[f'latency_speedup{suffix}'])} (batch {c['latency_batch']}{how}), "
-                         f"throughput {speed_text(c[f'throughput_speedup{suffix}'])} "
-                         f"(batch {c['throughput_batch']}{how}); timed interleaved in one process")
+            lines.append(
+                f"  latency {speed_text(c[f'latency_speedup{suffix}'])} (batch {c['latency_batch']}{how}), "
+                f"throughput {speed_text(c[f'throughput_speedup{suffix}'])} "
+                f"(batch {c['throughput_batch']}{how}); timed interleaved in one process"
+            )
     return lines

@@ -16,6 +16,7 @@ MACs are attributed to buckets by module name: ``blocks.<i>.attn``, ``blocks.<i>
 embedding, head, model-level predictors). Totals are reported per image (divided by batch), so
 dynamic models get the mean over the images of the batch.
 """
+
 from __future__ import annotations
 
 import re
@@ -69,8 +70,14 @@ class FlopReport:
         return self.total / 1e9
 
     def to_dict(self) -> dict[str, Any]:
-        return {"macs": self.total, "gflops": self.gflops, "params": self.params, "other_macs": self.other,
-                "blocks": self.blocks, "batch": self.batch}
+        return {
+            "macs": self.total,
+            "gflops": self.gflops,
+            "params": self.params,
+            "other_macs": self.other,
+            "blocks": self.blocks,
+            "batch": self.batch,
+        }
 
 
 def _bucket(name: str) -> tuple[int | None, str]:
@@ -106,13 +113,16 @@ def count_flops(model: nn.Module, x: torch.Tensor) -> FlopReport:
     handles = []
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear):
+
             def hook(m, inp, out, name=name):
                 add(name, inp[0].numel() / m.in_features * m.in_features * m.out_features)
         elif isinstance(mod, nn.Conv2d):
+
             def hook(m, inp, out, name=name):
                 k = m.kernel_size[0] * m.kernel_size[1]
                 add(name, out.numel() * (m.in_channels // m.groups) * k)
         elif hasattr(mod, "matmul_macs") or isinstance(mod, (Attention, PvtAttention)):
+
             def hook(m, inp, out, name=name):
                 fn = getattr(m, "matmul_macs", None)
                 if fn is not None:

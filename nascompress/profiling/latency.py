@@ -1,6 +1,7 @@
 """Latency and throughput, measured as the papers' users care about: medians after warm-up,
 and comparisons as ratios measured interleaved in one process (the machines are shared and
 absolute times drift; ratios of interleaved medians do not)."""
+
 from __future__ import annotations
 
 import statistics
@@ -20,8 +21,9 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def time_models(models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tensor, *, warmup: int = 3,
-                iters: int = 10) -> list[float]:
+def time_models(
+    models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tensor, *, warmup: int = 3, iters: int = 10
+) -> list[float]:
     """Median seconds per forward of each model on ``x``, the models run interleaved.
 
     Each round runs every model once, in a rotating order, so slow drifts of the machine hit
@@ -46,8 +48,9 @@ def time_models(models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tenso
     return [statistics.median(t) for t in times]
 
 
-def time_models_by_threads(calls: dict[int, Sequence[nn.Module] | Sequence[Callable]], x: torch.Tensor, *,
-                           warmup: int = 3, iters: int = 10) -> dict[int, list[float]]:
+def time_models_by_threads(
+    calls: dict[int, Sequence[nn.Module] | Sequence[Callable]], x: torch.Tensor, *, warmup: int = 3, iters: int = 10
+) -> dict[int, list[float]]:
     """:func:`time_models` once per intra-op thread count: ``calls[n]`` (the models as run at ``n``
     threads, e.g. ONNX Runtime sessions made with ``n`` threads) timed interleaved with torch set to
     ``n`` threads, torch's count restored after. Returns each count's medians (seconds per forward),
@@ -63,9 +66,17 @@ def time_models_by_threads(calls: dict[int, Sequence[nn.Module] | Sequence[Calla
     return out
 
 
-def measure(models: Sequence[nn.Module] | Sequence[Callable], input_shape: tuple[int, int, int], *,
-            device: torch.device, batch_sizes: tuple[int, int] = (1, 64), warmup: int = 3, iters: int = 10,
-            seed: int = 0, dtype: torch.dtype = torch.float32) -> list[dict[str, float]]:
+def measure(
+    models: Sequence[nn.Module] | Sequence[Callable],
+    input_shape: tuple[int, int, int],
+    *,
+    device: torch.device,
+    batch_sizes: tuple[int, int] = (1, 64),
+    warmup: int = 3,
+    iters: int = 10,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> list[dict[str, float]]:
     """Latency at ``batch_sizes[0]`` and throughput at ``batch_sizes[1]`` for each model (inputs in ``dtype``)."""
     g = torch.Generator().manual_seed(seed)
     out: list[dict[str, float]] = [{} for _ in models]

@@ -1,4 +1,5 @@
 """``nascompress profile``: FLOPs breakdown, params, latency/throughput, and interleaved ratios."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,10 +19,19 @@ def _input_shape(model: nn.Module) -> tuple[int, int, int]:
     return input_size(model)
 
 
-def profile_models(models: dict[str, nn.Module], *, device: torch.device, latency: bool = True,
-                   batch_sizes: tuple[int, int] = (1, 64), iters: int = 10, warmup: int = 3,
-                   flops_batch: int = 4, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   compile: bool = False) -> dict[str, Any]:
+def profile_models(
+    models: dict[str, nn.Module],
+    *,
+    device: torch.device,
+    latency: bool = True,
+    batch_sizes: tuple[int, int] = (1, 64),
+    iters: int = 10,
+    warmup: int = 3,
+    flops_batch: int = 4,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    compile: bool = False,
+) -> dict[str, Any]:
     """Profile one or more models; with two or more, each later one is compared with the first.
 
     Args:
@@ -63,11 +73,20 @@ def profile_models(models: dict[str, nn.Module], *, device: torch.device, latenc
         for run in runs:
             groups.setdefault(tuple(_input_shape(models[run[0]])), []).append(run)
         for shape, group in groups.items():
-            timings = measure([fn for _, fn, _ in group], shape, device=device, batch_sizes=batch_sizes,
-                              iters=iters, warmup=warmup, seed=seed, dtype=dtype)
+            timings = measure(
+                [fn for _, fn, _ in group],
+                shape,
+                device=device,
+                batch_sizes=batch_sizes,
+                iters=iters,
+                warmup=warmup,
+                seed=seed,
+                dtype=dtype,
+            )
             for (k, _, suffix), t in zip(group, timings):
-                out["models"][k].update({f"{name}{suffix}" if name in ("latency_ms", "throughput") else name: v
-                                         for name, v in t.items()})
+                out["models"][k].update(
+                    {f"{name}{suffix}" if name in ("latency_ms", "throughput") else name: v for name, v in t.items()}
+                )
         if len(groups) > 1:
             out["timing_note"] = "the models take different input sizes: each size was timed interleaved on its own"
     if len(labels) > 1:  # the one ratio convention (.compare): each model against the first

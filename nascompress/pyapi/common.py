@@ -2,6 +2,7 @@
 run directory) as a run directory (:func:`model_run`), the caller's data as a
 :class:`~nascompress.data.DataConfig` (:func:`data_config`), the directory its runs go to
 (:class:`Workspace`: ``out`` or a temporary one), and the results (:class:`StageResult`)."""
+
 from __future__ import annotations
 
 import shutil
@@ -58,8 +59,15 @@ class StageResult:
         return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics, force=force)
 
 
-def write_run(directory: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *, config: Mapping[str, Any] | None = None,
-              metrics: Mapping[str, Any] | None = None, force: bool = False) -> Path:
+def write_run(
+    directory: str | Path,
+    model: nn.Module,
+    arch: dict[str, Any] | Arch,
+    *,
+    config: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    force: bool = False,
+) -> Path:
     """``model`` as a complete run (the commands' run life cycle): ``config.json``, weights and arch,
     the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``."""
     run = RunDir.prepare(directory, force=force)
@@ -75,8 +83,14 @@ def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     recorded, config = find_metrics(run), find_run_config(run)
     cfg = config.to_dict() if config is not None else {}
     metrics = recorded.results() if recorded is not None else {}
-    return cls(model=remember(model, arch), arch=arch.to_dict(), metrics=metrics, config=cfg,
-               out=str(Path(run).resolve()) if keep else None, **extra)
+    return cls(
+        model=remember(model, arch),
+        arch=arch.to_dict(),
+        metrics=metrics,
+        config=cfg,
+        out=str(Path(run).resolve()) if keep else None,
+        **extra,
+    )
 
 
 class Workspace:
@@ -111,8 +125,10 @@ class Workspace:
 
 def _check_vit(model: nn.Module) -> None:
     if not isinstance(model, VisionTransformer):
-        raise NascompressError(f"nascompress works on timm VisionTransformer models, got {type(model).__name__}; a "
-                               "Hugging Face ViT: nascompress.from_transformers(model) first")
+        raise NascompressError(
+            f"nascompress works on timm VisionTransformer models, got {type(model).__name__}; a "
+            "Hugging Face ViT: nascompress.from_transformers(model) first"
+        )
 
 
 def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
@@ -120,13 +136,22 @@ def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
     _check_vit(model)
     pe, blk = model.patch_embed, model.blocks[0]
     kw: dict[str, Any] = {
-        "img_size": list(pe.img_size), "patch_size": list(pe.patch_size), "embed_dim": model.embed_dim,
-        "depth": len(model.blocks), "num_heads": blk.attn.num_heads, "num_classes": model.num_classes,
-        "in_chans": pe.proj.in_channels, "mlp_ratio": blk.mlp.fc1.out_features / model.embed_dim,
-        "global_pool": model.global_pool, "class_token": model.cls_token is not None,
-        "qkv_bias": blk.attn.qkv.bias is not None, "qk_norm": not isinstance(blk.attn.q_norm, nn.Identity),
-        "fc_norm": not isinstance(model.fc_norm, nn.Identity), "pre_norm": not isinstance(model.norm_pre, nn.Identity),
-        "no_embed_class": bool(model.no_embed_class)}
+        "img_size": list(pe.img_size),
+        "patch_size": list(pe.patch_size),
+        "embed_dim": model.embed_dim,
+        "depth": len(model.blocks),
+        "num_heads": blk.attn.num_heads,
+        "num_classes": model.num_classes,
+        "in_chans": pe.proj.in_channels,
+        "mlp_ratio": blk.mlp.fc1.out_features / model.embed_dim,
+        "global_pool": model.global_pool,
+        "class_token": model.cls_token is not None,
+        "qkv_bias": blk.attn.qkv.bias is not None,
+        "qk_norm": not isinstance(blk.attn.q_norm, nn.Identity),
+        "fc_norm": not isinstance(model.fc_norm, nn.Identity),
+        "pre_norm": not isinstance(model.norm_pre, nn.Identity),
+        "no_embed_class": bool(model.no_embed_class),
+    }
     if getattr(model, "num_reg_tokens", 0):
         kw["reg_tokens"] = int(model.num_reg_tokens)
     if not isinstance(blk.ls1, nn.Identity):
@@ -152,9 +177,11 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
     try:
         rebuilt.load_state_dict(model.state_dict(), strict=True)
     except RuntimeError as e:
-        raise NascompressError(f"cannot rebuild this {type(model).__name__} from its shape (timm {name} with "
-                               f"{kwargs}): {str(e).splitlines()[0]}; save it with nascompress.save_model or give "
-                               "a run directory") from None
+        raise NascompressError(
+            f"cannot rebuild this {type(model).__name__} from its shape (timm {name} with "
+            f"{kwargs}): {str(e).splitlines()[0]}; save it with nascompress.save_model or give "
+            "a run directory"
+        ) from None
     own_eps = [m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)]
     for m, eps in zip((m for m in rebuilt.modules() if isinstance(m, nn.LayerNorm)), own_eps):
         m.eps = eps  # (a converted Hugging Face model keeps its epsilon; its saved copy has timm's)
@@ -164,8 +191,10 @@ def dense_arch(model: nn.Module, input_spec: Mapping[str, Any]) -> dict[str, Any
         same = torch.allclose(rebuilt.eval()(x), model.eval()(x), atol=1e-5)
     model.train(was)
     if not same:
-        raise NascompressError(f"this {type(model).__name__} does not compute what timm {name} with {kwargs} does (a "
-                               "changed layer or forward); give a run directory instead")
+        raise NascompressError(
+            f"this {type(model).__name__} does not compute what timm {name} with {kwargs} does (a "
+            "changed layer or forward); give a run directory instead"
+        )
     return make_arch(spec, input_spec=dict(input_spec))
 
 
@@ -175,8 +204,15 @@ def input_spec(model: nn.Module, data: DataConfig | None) -> dict[str, Any]:
     c, h, w = input_size(model)
     if data is None or is_memory(data.dataset):
         ci = caller_input(c)
-        return InputSpec((h, w), c, ci["mean"], ci["std"], interpolation=ci["interpolation"], crop_pct=ci["crop_pct"],
-                         crop_mode=ci["crop_mode"]).to_dict()
+        return InputSpec(
+            (h, w),
+            c,
+            ci["mean"],
+            ci["std"],
+            interpolation=ci["interpolation"],
+            crop_pct=ci["crop_pct"],
+            crop_mode=ci["crop_mode"],
+        ).to_dict()
     return input_spec_for(model, data.dataset).to_dict()
 
 
@@ -187,8 +223,9 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
     if isinstance(model, StageResult) or hasattr(model, "arch") and hasattr(model, "model"):
         return model.model, Arch.of(model.arch)
     if not isinstance(model, nn.Module):
-        raise NascompressError(f"give a model (a timm nn.Module), a result of nascompress or a run directory, got "
-                               f"{type(model).__name__}")
+        raise NascompressError(
+            f"give a model (a timm nn.Module), a result of nascompress or a run directory, got {type(model).__name__}"
+        )
     known = _ARCHS.get(model)
     if known is not None and known.spec.kwargs.get("num_classes") in (None, getattr(model, "num_classes", None)):
         return model, known
@@ -211,12 +248,21 @@ def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | 
     if data is not None:
         config["data"] = asdict(data)
     where = ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
-    return write_run(where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None),
-                     force=True)  # the workspace's own copy of the given model, written again on every call
+    return write_run(
+        where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None), force=True
+    )  # the workspace's own copy of the given model, written again on every call
 
 
-def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterable[str] | None = None,
-                seed: int = 0, train_limit: int | None = None, eval_limit: int | None = None) -> DataConfig | None:
+def data_config(
+    data: Any,
+    *,
+    val: Any = None,
+    test: Any = None,
+    classes: Iterable[str] | None = None,
+    seed: int = 0,
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+) -> DataConfig | None:
     """The caller's data as a DataConfig: a built-in dataset name, an ImageFolder path, a DataConfig,
     or a map-style Dataset / DataLoader of (image tensor, label) (``val``, ``test``: its other splits;
     registered in memory, :mod:`nascompress.data.memory`). Of a DataLoader its dataset, batch size and
@@ -238,8 +284,12 @@ def data_config(data: Any, *, val: Any = None, test: Any = None, classes: Iterab
         workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
         if workers:  # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
             cfg = replace(cfg, num_workers=workers)
-    return replace(cfg, subset_seed=seed, train_limit=train_limit if train_limit is not None else cfg.train_limit,
-                   eval_limit=eval_limit if eval_limit is not None else cfg.eval_limit)
+    return replace(
+        cfg,
+        subset_seed=seed,
+        train_limit=train_limit if train_limit is not None else cfg.train_limit,
+        eval_limit=eval_limit if eval_limit is not None else cfg.eval_limit,
+    )
 
 
 def loader_batch(data: Any) -> int | None:
@@ -261,9 +311,23 @@ def split_settings(settings: Mapping[str, Any], groups: Mapping[str, Iterable[st
     return out
 
 
-__all__ = ["StageResult", "Workspace", "ModelLike", "data_config", "model_run", "model_and_arch", "write_run",
-           "read_result", "remember", "dense_arch", "input_spec", "split_settings", "loader_batch", "stage_values",
-           "setting_names"]
+__all__ = [
+    "StageResult",
+    "Workspace",
+    "ModelLike",
+    "data_config",
+    "model_run",
+    "model_and_arch",
+    "write_run",
+    "read_result",
+    "remember",
+    "dense_arch",
+    "input_spec",
+    "split_settings",
+    "loader_batch",
+    "stage_values",
+    "setting_names",
+]
 
 
 def stage_values(spec: Any, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """``nc.compress``: a model in, a smaller model out, in one call: the job of ``nascompress pipeline``
 (:func:`~nascompress.pipeline.run_pipeline`) on the given model as the dense base."""
+
 from __future__ import annotations
 
 import tempfile
@@ -39,8 +40,14 @@ class Compressed:
         """Write the model as a run directory :func:`nascompress.load` (and every command) reads; an
         existing non-empty one is replaced only with ``force``."""
         cfg = self.report.get("config") or {}
-        return write_run(directory, self.model, self.arch, config={"data": cfg.get("data"), "compress": cfg},
-                         metrics={k: v for k, v in self.report.items() if k != "summary"}, force=force)
+        return write_run(
+            directory,
+            self.model,
+            self.arch,
+            config={"data": cfg.get("data"), "compress": cfg},
+            metrics={k: v for k, v in self.report.items() if k != "summary"},
+            force=force,
+        )
 
     def to_transformers(self, directory: str | Path) -> Path:
         """Write the model as a Hugging Face ``transformers`` ViT folder (:func:`nascompress.pyapi.hf.to_transformers`)."""
@@ -49,48 +56,102 @@ class Compressed:
 
 def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     dense, final, cmp = summary.get("dense") or {}, summary.get("final") or {}, summary.get("comparison") or {}
-    return {"accuracy": final.get("test_top1"), "dense_accuracy": dense.get("test_top1"), "test_images": dense.get("test_n"),
-            "flops": final.get("macs"), "dense_flops": dense.get("macs"), "flops_ratio": cmp.get("flops_ratio"),
-            "params": final.get("params"), "dense_params": dense.get("params"), "latency_ms": final.get("latency_ms"),
-            "dense_latency_ms": dense.get("latency_ms"), "latency_speedup": cmp.get("latency_speedup"),
-            "goal_met": (summary.get("goal") or {}).get("met"), "methods": final.get("methods"),
-            "config": dict(config), "summary": dict(summary)}
+    return {
+        "accuracy": final.get("test_top1"),
+        "dense_accuracy": dense.get("test_top1"),
+        "test_images": dense.get("test_n"),
+        "flops": final.get("macs"),
+        "dense_flops": dense.get("macs"),
+        "flops_ratio": cmp.get("flops_ratio"),
+        "params": final.get("params"),
+        "dense_params": dense.get("params"),
+        "latency_ms": final.get("latency_ms"),
+        "dense_latency_ms": dense.get("latency_ms"),
+        "latency_speedup": cmp.get("latency_speedup"),
+        "goal_met": (summary.get("goal") or {}).get("met"),
+        "methods": final.get("methods"),
+        "config": dict(config),
+        "summary": dict(summary),
+    }
 
 
-def pipeline_config(data: DataConfig, base: Path, *, target_flops: float, methods: Sequence[str], teacher: Any,
-                    epochs: int | None, seed: int, device: str, trials: int, latency: bool,
-                    stages: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
+def pipeline_config(
+    data: DataConfig,
+    base: Path,
+    *,
+    target_flops: float,
+    methods: Sequence[str],
+    teacher: Any,
+    epochs: int | None,
+    seed: int,
+    device: str,
+    trials: int,
+    latency: bool,
+    stages: Mapping[str, Mapping[str, Any] | None],
+) -> dict[str, Any]:
     """The ``nascompress pipeline`` file ``compress`` runs (as plain data)."""
     methods = list(methods)
     bad = [m for m in methods if m != "dcs" and m not in TOKEN_METHODS]
     tokens = [m for m in methods if m in TOKEN_METHODS]
     if bad or len(tokens) > 1 or not methods or len(set(methods)) != len(methods):
-        raise NascompressError(f"methods must be 'dcs' and/or one token method of {', '.join(TOKEN_METHODS)}, got "
-                               f"{tuple(methods)}")
+        raise NascompressError(
+            f"methods must be 'dcs' and/or one token method of {', '.join(TOKEN_METHODS)}, got {tuple(methods)}"
+        )
     if teacher not in (None, False):
-        raise NascompressError("nc.compress distils from the dense model it is given (teacher=None) or from none "
-                               "(teacher=False); for another teacher run the stages: nc.retrain(..., teacher=...)")
+        raise NascompressError(
+            "nc.compress distils from the dense model it is given (teacher=None) or from none "
+            "(teacher=False); for another teacher run the stages: nc.retrain(..., teacher=...)"
+        )
     st: dict[str, Any] = {}
     if "dcs" in methods:  # with a token method the channels take the square root of the goal, the tokens the rest
-        st["dcs"] = {"target_flops": round(target_flops ** 0.5, 3) if tokens else target_flops,
-                     **dict(stages.get("dcs") or {})}
+        st["dcs"] = {
+            "target_flops": round(target_flops**0.5, 3) if tokens else target_flops,
+            **dict(stages.get("dcs") or {}),
+        }
     if tokens:
         st["tokens"] = {"space": tokens[0], "trials": trials, **dict(stages.get("tokens") or {})}
     if epochs != 0:
-        st["retrain"] = {**({"epochs": epochs} if epochs else {}), "distil_from": "none" if teacher is False else "base",
-                         **dict(stages.get("retrain") or {})}
+        st["retrain"] = {
+            **({"epochs": epochs} if epochs else {}),
+            "distil_from": "none" if teacher is False else "base",
+            **dict(stages.get("retrain") or {}),
+        }
     d = {f.name: getattr(data, f.name) for f in user_settings(DataConfig)}
-    return {"format": "nascompress-pipeline/1", "seed": seed, "device": device, "data": d, "base": {"run": str(base)},
-            "goal": {"max_flops": target_flops}, "stages": st,
-            "report": {"latency": latency, "iters": 5, **dict(stages.get("report") or {})}}
+    return {
+        "format": "nascompress-pipeline/1",
+        "seed": seed,
+        "device": device,
+        "data": d,
+        "base": {"run": str(base)},
+        "goal": {"max_flops": target_flops},
+        "stages": st,
+        "report": {"latency": latency, "iters": 5, **dict(stages.get("report") or {})},
+    }
 
 
-def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *, test: Any = None,
-             target_flops: float = 0.6, methods: Sequence[str] = ("dcs", "evit"), teacher: Any = None,
-             epochs: int | None = None, out: str | Path | None = None, seed: int = 0, device: str = "auto",
-             trials: int = 20, train_limit: int | None = None, eval_limit: int | None = None, latency: bool = True,
-             dcs: Mapping[str, Any] | None = None, tokens: Mapping[str, Any] | None = None,
-             retrain: Mapping[str, Any] | None = None, force: bool = False, progress: bool = True) -> Compressed:
+def compress(
+    model: ModelLike,
+    train: Any = "fashion-mnist",
+    val: Any = None,
+    *,
+    test: Any = None,
+    target_flops: float = 0.6,
+    methods: Sequence[str] = ("dcs", "evit"),
+    teacher: Any = None,
+    epochs: int | None = None,
+    out: str | Path | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    trials: int = 20,
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    latency: bool = True,
+    dcs: Mapping[str, Any] | None = None,
+    tokens: Mapping[str, Any] | None = None,
+    retrain: Mapping[str, Any] | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> Compressed:
     """Compress a dense timm ViT to ``target_flops`` x its FLOPs: ``nascompress pipeline`` on it.
 
     ``dcs`` in ``methods`` searches and gathers its channels (``nascompress search dcs``,
@@ -126,22 +187,41 @@ def compress(model: ModelLike, train: Any = "fashion-mnist", val: Any = None, *,
     cfg_data = data_config(train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
         base = model_run(model, ws, "source", data=cfg_data)
-        config = pipeline_config(cfg_data, base, target_flops=target_flops, methods=methods, teacher=teacher,
-                                 epochs=epochs, seed=seed, device=device, trials=trials, latency=latency,
-                                 stages={"dcs": dcs, "tokens": tokens, "retrain": retrain})
+        config = pipeline_config(
+            cfg_data,
+            base,
+            target_flops=target_flops,
+            methods=methods,
+            teacher=teacher,
+            epochs=epochs,
+            seed=seed,
+            device=device,
+            trials=trials,
+            latency=latency,
+            stages={"dcs": dcs, "tokens": tokens, "retrain": retrain},
+        )
         with tempfile.TemporaryDirectory(prefix="nascompress-") as tmp:
             cfg_file = Path(tmp) / "pipeline.yaml"
             cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
             try:
-                summary = run_pipeline(cfg_file, out=ws.path("pipeline"), force=force, progress=progress,
-                                       log=(lambda msg: say(f"compress: {msg}")) if progress else None)
+                summary = run_pipeline(
+                    cfg_file,
+                    out=ws.path("pipeline"),
+                    force=force,
+                    progress=progress,
+                    log=(lambda msg: say(f"compress: {msg}")) if progress else None,
+                )
             except NascompressError as e:  # the pipeline names its file: here the arguments made it
                 raise NascompressError(str(e).replace(f"{cfg_file}: ", "nc.compress: ")) from None
         if not summary.get("final"):
             raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
         final, arch = load_with_arch(summary["final"]["run"])
-        return Compressed(model=remember(final, arch), arch=arch, report=_report(summary, config),
-                          out=str(ws.path("pipeline")) if ws.keep else None)
+        return Compressed(
+            model=remember(final, arch),
+            arch=arch,
+            report=_report(summary, config),
+            out=str(ws.path("pipeline")) if ws.keep else None,
+        )
 
 
 __all__ = ["Compressed", "compress", "pipeline_config", "TOKEN_METHODS"]

@@ -1,4 +1,5 @@
 """``nc.dcs.search``: the DCS channel search on a model object (``nascompress search dcs``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,8 +12,18 @@ from ..methods.dcs import DCSConfig
 from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
-from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
-                     split_settings, stage_values)
+from .common import (
+    ModelLike,
+    StageResult,
+    Workspace,
+    data_config,
+    loader_batch,
+    model_run,
+    read_result,
+    setting_names,
+    split_settings,
+    stage_values,
+)
 from ..api import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
@@ -25,10 +36,24 @@ class DCSSearch(StageResult):
     to :func:`nascompress.materialize` for the smaller model."""
 
 
-def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = None, target_flops: float = 0.6,
-           epochs: int | None = None, batch_size: int | None = None, seed: int = 0, device: str = "auto",
-           train_limit: int | None = None, eval_limit: int | None = None, out: str | Path | None = None,
-           resume: bool = False, force: bool = False, **settings: Any) -> DCSSearch:
+def search(
+    model: ModelLike,
+    data: Any = None,
+    *,
+    val: Any = None,
+    test: Any = None,
+    target_flops: float = 0.6,
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    **settings: Any,
+) -> DCSSearch:
     """Search which Q/K and MLP channels of a dense ViT to keep for ``target_flops`` x its FLOPs.
 
     The job of ``nascompress search dcs`` (:func:`~nascompress.dcs_search.run.search_dcs`) with the
@@ -50,9 +75,16 @@ def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = N
         **settings: any other option of the command, by its Python name (``arch_lr=0.05``,
             ``qk_mask="static"``, ``mlp_gates="residual"``, ``lr``, ``amp``, ``deterministic`` ...).
     """
-    parts = split_settings(settings, {"search": SEARCH_NAMES, "method": setting_names(DCSConfig),
-                                      "recipe": setting_names(SEARCH_TRAIN_SETTINGS),
-                                      "runtime": ("amp", "deterministic")}, what="nc.dcs.search")
+    parts = split_settings(
+        settings,
+        {
+            "search": SEARCH_NAMES,
+            "method": setting_names(DCSConfig),
+            "recipe": setting_names(SEARCH_TRAIN_SETTINGS),
+            "runtime": ("amp", "deterministic"),
+        },
+        what="nc.dcs.search",
+    )
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
@@ -65,8 +97,14 @@ def search(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = N
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
         if epochs is None:
             recipe.pop("epochs")
-        job = build_job(source, ws.path("dcs_search"), search=search_cfg, method=parts["method"],
-                        train={**recipe, **runtime}, data=cfg_data)
+        job = build_job(
+            source,
+            ws.path("dcs_search"),
+            search=search_cfg,
+            method=parts["method"],
+            train={**recipe, **runtime},
+            data=cfg_data,
+        )
         search_dcs(job, force=force, resume=resume)
         return read_result(DCSSearch, ws.path("dcs_search"), keep=ws.keep)
 

@@ -12,6 +12,7 @@ at inference (EViT, ToMe ...) cannot be, and is refused in one line saying which
 Both naming schemes of ``transformers``' ViT are read and written: 4.x
 (``vit.encoder.layer.N.attention.attention.query``) and 5.x (``vit.layers.N.attention.q_proj``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,10 +29,22 @@ from .common import remember
 from ..runs.io import make_arch
 from ..utils import read_json, write_json
 
-_V5 = {"q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj", "o": "attention.o_proj",
-       "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
-_V4 = {"q": "attention.attention.query", "k": "attention.attention.key", "v": "attention.attention.value",
-       "o": "attention.output.dense", "fc1": "intermediate.dense", "fc2": "output.dense"}
+_V5 = {
+    "q": "attention.q_proj",
+    "k": "attention.k_proj",
+    "v": "attention.v_proj",
+    "o": "attention.o_proj",
+    "fc1": "mlp.fc1",
+    "fc2": "mlp.fc2",
+}
+_V4 = {
+    "q": "attention.attention.query",
+    "k": "attention.attention.key",
+    "v": "attention.attention.value",
+    "o": "attention.output.dense",
+    "fc1": "intermediate.dense",
+    "fc2": "output.dense",
+}
 
 
 def _transformers() -> Any:
@@ -48,14 +61,26 @@ def _scheme(sd: dict[str, torch.Tensor], root: str = "vit.") -> tuple[str, dict[
         if f"{layer.format(i=0)}attention.q_proj.weight" in sd:
             return layer, _V5
         if f"{layer.format(i=0)}attention.attention.query.weight" in sd:
-            return layer, {**_V4, **({"fc1": "mlp.fc1", "fc2": "mlp.fc2"} if f"{layer.format(i=0)}mlp.fc1.weight" in sd
-                                     else {})}
-    raise NascompressError("not a transformers ViT state (no vit.layers.* or vit.encoder.layer.* attention weights); "
-                           "nascompress converts ViTForImageClassification and Dinov2Model models")
+            return layer, {
+                **_V4,
+                **({"fc1": "mlp.fc1", "fc2": "mlp.fc2"} if f"{layer.format(i=0)}mlp.fc1.weight" in sd else {}),
+            }
+    raise NascompressError(
+        "not a transformers ViT state (no vit.layers.* or vit.encoder.layer.* attention weights); "
+        "nascompress converts ViTForImageClassification and Dinov2Model models"
+    )
 
 
-def _timm_blocks(sd: dict[str, torch.Tensor], layer: str, names: dict[str, str], depth: int, *, qkv_bias: bool,
-                 norms: tuple[str, str], layerscale: bool = False) -> dict[str, torch.Tensor]:
+def _timm_blocks(
+    sd: dict[str, torch.Tensor],
+    layer: str,
+    names: dict[str, str],
+    depth: int,
+    *,
+    qkv_bias: bool,
+    norms: tuple[str, str],
+    layerscale: bool = False,
+) -> dict[str, torch.Tensor]:
     """timm ``blocks.N.*`` weights from a transformers encoder's."""
     out: dict[str, torch.Tensor] = {}
     for i in range(depth):
@@ -80,25 +105,51 @@ def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     whose output is the pooled class token (the model's ``pooler_output``)."""
     cfg = hf.config
     if hasattr(hf, "classifier") or not hasattr(hf, "embeddings"):
-        raise NascompressError(f"from_transformers converts a Dinov2Model backbone, got {type(hf).__name__}: its "
-                               "classifier reads the class token and the mean patch token together, which timm's "
-                               "ViT head does not; convert its backbone (model.dinov2) and train a head")
+        raise NascompressError(
+            f"from_transformers converts a Dinov2Model backbone, got {type(hf).__name__}: its "
+            "classifier reads the class token and the mean patch token together, which timm's "
+            "ViT head does not; convert its backbone (model.dinov2) and train a head"
+        )
     if cfg.use_swiglu_ffn or cfg.hidden_act != "gelu":
-        raise NascompressError("this DINOv2 uses a SwiGLU MLP or another activation than GELU; nascompress converts "
-                               "the GELU ones (ViT-S/B/L)")
+        raise NascompressError(
+            "this DINOv2 uses a SwiGLU MLP or another activation than GELU; nascompress converts "
+            "the GELU ones (ViT-S/B/L)"
+        )
     size, patch = cfg.image_size, cfg.patch_size
-    spec = ModelSpec(CUSTOM_BASE, dict(
-        img_size=size, patch_size=patch, embed_dim=cfg.hidden_size, depth=cfg.num_hidden_layers,
-        num_heads=cfg.num_attention_heads, mlp_ratio=float(cfg.mlp_ratio), num_classes=0, in_chans=cfg.num_channels,
-        qkv_bias=bool(cfg.qkv_bias), init_values=float(cfg.layerscale_value)))
+    spec = ModelSpec(
+        CUSTOM_BASE,
+        dict(
+            img_size=size,
+            patch_size=patch,
+            embed_dim=cfg.hidden_size,
+            depth=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            mlp_ratio=float(cfg.mlp_ratio),
+            num_classes=0,
+            in_chans=cfg.num_channels,
+            qkv_bias=bool(cfg.qkv_bias),
+            init_values=float(cfg.layerscale_value),
+        ),
+    )
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
     layer, names = _scheme(sd, root="")
-    out = {"cls_token": sd["embeddings.cls_token"], "pos_embed": sd["embeddings.position_embeddings"],
-           "patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
-           "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
-           "norm.weight": sd["layernorm.weight"], "norm.bias": sd["layernorm.bias"],
-           **_timm_blocks(sd, layer, names, cfg.num_hidden_layers, qkv_bias=bool(cfg.qkv_bias), norms=("norm1", "norm2"),
-                          layerscale=True)}
+    out = {
+        "cls_token": sd["embeddings.cls_token"],
+        "pos_embed": sd["embeddings.position_embeddings"],
+        "patch_embed.proj.weight": sd["embeddings.patch_embeddings.projection.weight"],
+        "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": sd["layernorm.weight"],
+        "norm.bias": sd["layernorm.bias"],
+        **_timm_blocks(
+            sd,
+            layer,
+            names,
+            cfg.num_hidden_layers,
+            qkv_bias=bool(cfg.qkv_bias),
+            norms=("norm1", "norm2"),
+            layerscale=True,
+        ),
+    }
     return spec, out
 
 
@@ -136,10 +187,21 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
     mean = tuple(norm.get("image_mean") or (0.0,) * c) if norm.get("do_normalize", True) else (0.0,) * c
     std = tuple(norm.get("image_std") or (1.0,) * c) if norm.get("do_normalize", True) else (1.0,) * c
     h, w = (size, size) if isinstance(size, int) else size
-    arch = make_arch(spec, input_spec={"img_size": [h, w], "in_chans": c, "mean": list(mean), "std": list(std),
-                                       "interpolation": "bilinear", "crop_pct": 1.0, "crop_mode": "center"},
-                     labels=[cfg.id2label[i] for i in range(cfg.num_labels)]
-                     if spec.kwargs["num_classes"] and cfg.id2label else None)
+    arch = make_arch(
+        spec,
+        input_spec={
+            "img_size": [h, w],
+            "in_chans": c,
+            "mean": list(mean),
+            "std": list(std),
+            "interpolation": "bilinear",
+            "crop_pct": 1.0,
+            "crop_mode": "center",
+        },
+        labels=[cfg.id2label[i] for i in range(cfg.num_labels)]
+        if spec.kwargs["num_classes"] and cfg.id2label
+        else None,
+    )
     return remember(model.eval(), arch)
 
 
@@ -147,25 +209,47 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     """A ``ViTForImageClassification``: timm's plain ViT, class-token head."""
     cfg = hf.config
     if getattr(cfg, "model_type", None) != "vit" or not hasattr(hf, "classifier"):
-        raise NascompressError(f"from_transformers converts a ViTForImageClassification or a Dinov2Model, got "
-                               f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', None)!r})")
+        raise NascompressError(
+            f"from_transformers converts a ViTForImageClassification or a Dinov2Model, got "
+            f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', None)!r})"
+        )
     if cfg.hidden_act != "gelu":
         raise NascompressError(f"this ViT uses the {cfg.hidden_act!r} activation; timm's ViT uses exact GELU ('gelu')")
     size, patch = cfg.image_size, cfg.patch_size
-    spec = ModelSpec(CUSTOM_BASE, dict(
-        img_size=size if isinstance(size, int) else list(size), patch_size=patch if isinstance(patch, int) else list(patch),
-        embed_dim=cfg.hidden_size, depth=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
-        mlp_ratio=cfg.intermediate_size / cfg.hidden_size, num_classes=cfg.num_labels, in_chans=cfg.num_channels,
-        qkv_bias=bool(cfg.qkv_bias)))
+    spec = ModelSpec(
+        CUSTOM_BASE,
+        dict(
+            img_size=size if isinstance(size, int) else list(size),
+            patch_size=patch if isinstance(patch, int) else list(patch),
+            embed_dim=cfg.hidden_size,
+            depth=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads,
+            mlp_ratio=cfg.intermediate_size / cfg.hidden_size,
+            num_classes=cfg.num_labels,
+            in_chans=cfg.num_channels,
+            qkv_bias=bool(cfg.qkv_bias),
+        ),
+    )
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
     layer, names = _scheme(sd)
-    out = {"cls_token": sd["vit.embeddings.cls_token"], "pos_embed": sd["vit.embeddings.position_embeddings"],
-           "patch_embed.proj.weight": sd["vit.embeddings.patch_embeddings.projection.weight"],
-           "patch_embed.proj.bias": sd["vit.embeddings.patch_embeddings.projection.bias"],
-           "norm.weight": sd["vit.layernorm.weight"], "norm.bias": sd["vit.layernorm.bias"],
-           "head.weight": sd["classifier.weight"], "head.bias": sd["classifier.bias"],
-           **_timm_blocks(sd, layer, names, cfg.num_hidden_layers, qkv_bias=bool(cfg.qkv_bias),
-                          norms=("layernorm_before", "layernorm_after"))}
+    out = {
+        "cls_token": sd["vit.embeddings.cls_token"],
+        "pos_embed": sd["vit.embeddings.position_embeddings"],
+        "patch_embed.proj.weight": sd["vit.embeddings.patch_embeddings.projection.weight"],
+        "patch_embed.proj.bias": sd["vit.embeddings.patch_embeddings.projection.bias"],
+        "norm.weight": sd["vit.layernorm.weight"],
+        "norm.bias": sd["vit.layernorm.bias"],
+        "head.weight": sd["classifier.weight"],
+        "head.bias": sd["classifier.bias"],
+        **_timm_blocks(
+            sd,
+            layer,
+            names,
+            cfg.num_hidden_layers,
+            qkv_bias=bool(cfg.qkv_bias),
+            norms=("layernorm_before", "layernorm_after"),
+        ),
+    }
     return spec, out
 
 
@@ -180,10 +264,12 @@ def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
     widths = []
     for i, b in enumerate(model.blocks):
         if type(b) is not Block or type(b.attn) is not Attention:
-            return 0, (f"block {i} is a {type(b).__name__} with {type(b.attn).__name__}: its channels or tokens were "
-                       "pruned (DCS gathers uneven Q/K and MLP widths per block, token methods drop tokens at "
-                       "inference), which a transformers ViTConfig (one hidden_size, one intermediate_size, full "
-                       "attention) cannot express; use nascompress.export.onnx or nascompress.load instead")
+            return 0, (
+                f"block {i} is a {type(b).__name__} with {type(b.attn).__name__}: its channels or tokens were "
+                "pruned (DCS gathers uneven Q/K and MLP widths per block, token methods drop tokens at "
+                "inference), which a transformers ViTConfig (one hidden_size, one intermediate_size, full "
+                "attention) cannot express; use nascompress.export.onnx or nascompress.load instead"
+            )
         if not isinstance(b.ls1, nn.Identity) or not isinstance(b.attn.q_norm, nn.Identity):
             return 0, f"block {i} has layer scale or Q/K norms, which ViTForImageClassification has not"
         widths.append(b.mlp.fc1.out_features)
@@ -205,29 +291,42 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
     eps = model.norm.eps
     typed = None if arch is None else Arch.of(arch)
     labels = typed.labels if typed is not None else None
-    cfg = tf.ViTConfig(image_size=int(pe.img_size[0]), patch_size=int(pe.patch_size[0]), num_channels=pe.proj.in_channels,
-                       hidden_size=model.embed_dim, num_hidden_layers=len(model.blocks),
-                       num_attention_heads=blk.attn.num_heads, intermediate_size=width, hidden_act="gelu",
-                       layer_norm_eps=eps, qkv_bias=blk.attn.qkv.bias is not None, num_labels=model.num_classes,
-                       **({"id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}}
-                          if labels else {}))
+    cfg = tf.ViTConfig(
+        image_size=int(pe.img_size[0]),
+        patch_size=int(pe.patch_size[0]),
+        num_channels=pe.proj.in_channels,
+        hidden_size=model.embed_dim,
+        num_hidden_layers=len(model.blocks),
+        num_attention_heads=blk.attn.num_heads,
+        intermediate_size=width,
+        hidden_act="gelu",
+        layer_norm_eps=eps,
+        qkv_bias=blk.attn.qkv.bias is not None,
+        num_labels=model.num_classes,
+        **({"id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}} if labels else {}),
+    )
     if pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1]:
         raise NascompressError("cannot write this model as a transformers ViT: its images or patches are not square")
     hf = tf.ViTForImageClassification(cfg)
     layer, names = _scheme(hf.state_dict())
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     d = model.embed_dim
-    out = {"vit.embeddings.cls_token": sd["cls_token"], "vit.embeddings.position_embeddings": sd["pos_embed"],
-           "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-           "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-           "vit.layernorm.weight": sd["norm.weight"], "vit.layernorm.bias": sd["norm.bias"],
-           "classifier.weight": sd["head.weight"], "classifier.bias": sd["head.bias"]}
+    out = {
+        "vit.embeddings.cls_token": sd["cls_token"],
+        "vit.embeddings.position_embeddings": sd["pos_embed"],
+        "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
+        "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
+        "vit.layernorm.weight": sd["norm.weight"],
+        "vit.layernorm.bias": sd["norm.bias"],
+        "classifier.weight": sd["head.weight"],
+        "classifier.bias": sd["head.bias"],
+    }
     for i in range(len(model.blocks)):
         p = layer.format(i=i)
         for j, c in enumerate("qkv"):
-            out[f"{p}{names[c]}.weight"] = sd[f"blocks.{i}.attn.qkv.weight"][j * d:(j + 1) * d]
+            out[f"{p}{names[c]}.weight"] = sd[f"blocks.{i}.attn.qkv.weight"][j * d : (j + 1) * d]
             if cfg.qkv_bias:
-                out[f"{p}{names[c]}.bias"] = sd[f"blocks.{i}.attn.qkv.bias"][j * d:(j + 1) * d]
+                out[f"{p}{names[c]}.bias"] = sd[f"blocks.{i}.attn.qkv.bias"][j * d : (j + 1) * d]
         for timm_name, hf_name in (("attn.proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
             for t in ("weight", "bias"):
                 out[f"{p}{names[hf_name]}.{t}"] = sd[f"blocks.{i}.{timm_name}.{t}"]
@@ -243,11 +342,19 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
     if typed is not None:
         inp = dict(typed.input)
 
-        write_json(directory / "preprocessor_config.json", {
-            "image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": inp["img_size"][0],
-                                                                                    "width": inp["img_size"][1]},
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(inp["mean"]),
-            "image_std": list(inp["std"])})
+        write_json(
+            directory / "preprocessor_config.json",
+            {
+                "image_processor_type": "ViTImageProcessor",
+                "do_resize": True,
+                "size": {"height": inp["img_size"][0], "width": inp["img_size"][1]},
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": list(inp["mean"]),
+                "image_std": list(inp["std"]),
+            },
+        )
     return directory
 
 

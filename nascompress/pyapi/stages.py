@@ -1,5 +1,6 @@
 """``nc.materialize``, ``nc.retrain`` and ``nc.quantize``: the jobs of ``nascompress materialize``,
 ``retrain`` and ``quantize`` on model objects."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,8 +13,18 @@ from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded
 from ..retrain import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
 from ..train import RUNTIME_SETTINGS
-from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_run, read_result, setting_names,
-                     split_settings, stage_values)
+from .common import (
+    ModelLike,
+    StageResult,
+    Workspace,
+    data_config,
+    loader_batch,
+    model_run,
+    read_result,
+    setting_names,
+    split_settings,
+    stage_values,
+)
 
 
 @dataclass(frozen=True)
@@ -46,10 +57,24 @@ def materialize(search: ModelLike, *, out: str | Path | None = None, force: bool
         return read_result(Materialized, ws.path("dcs_mat"), keep=ws.keep)
 
 
-def retrain(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = None, teacher: ModelLike = None,
-            epochs: int | None = None, batch_size: int | None = None, seed: int = 0, device: str = "auto",
-            train_limit: int | None = None, eval_limit: int | None = None, out: str | Path | None = None,
-            resume: bool = False, force: bool = False, **settings: Any) -> Retrained:
+def retrain(
+    model: ModelLike,
+    data: Any = None,
+    *,
+    val: Any = None,
+    test: Any = None,
+    teacher: ModelLike = None,
+    epochs: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    **settings: Any,
+) -> Retrained:
     """Retrain a compressed model (``nascompress retrain``): CE, + distillation from ``teacher``,
     + ``eta`` x the IB bound; the best validation epoch is kept.
 
@@ -62,27 +87,41 @@ def retrain(model: ModelLike, data: Any = None, *, val: Any = None, test: Any = 
         **settings: retrain's other options by Python name (``eta``, ``kd_alpha``, ``feat_kd``,
             ``lr``, ``base_lr``, ``warmup_epochs``, ``amp``, ``deterministic`` ...).
     """
-    parts = split_settings(settings, {"retrain": setting_names(RetrainConfig),
-                                      "recipe": setting_names(RETRAIN_TRAIN_SETTINGS),
-                                      "runtime": ("amp", "deterministic")}, what="nc.retrain")
+    parts = split_settings(
+        settings,
+        {
+            "retrain": setting_names(RetrainConfig),
+            "recipe": setting_names(RETRAIN_TRAIN_SETTINGS),
+            "runtime": ("amp", "deterministic"),
+        },
+        what="nc.retrain",
+    )
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     with Workspace(out) as ws:
         src = model_run(model, ws, "model", data=cfg_data)
         if cfg_data is None:
-            cfg_data = data_config(recorded_data_config(src) or DataConfig(), seed=seed, train_limit=train_limit,
-                                   eval_limit=eval_limit)
+            cfg_data = data_config(
+                recorded_data_config(src) or DataConfig(), seed=seed, train_limit=train_limit, eval_limit=eval_limit
+            )
         t_dir = None if teacher is None else str(model_run(teacher, ws, "teacher", data=cfg_data))
         recipe = stage_values(RETRAIN_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        job = build_job(src, ws.path("retrain"), retrain=RetrainConfig(**parts["retrain"]), train={**recipe, **runtime},
-                        data=cfg_data, teacher=t_dir)
+        job = build_job(
+            src,
+            ws.path("retrain"),
+            retrain=RetrainConfig(**parts["retrain"]),
+            train={**recipe, **runtime},
+            data=cfg_data,
+            teacher=t_dir,
+        )
         retrain_job(job, force=force, resume=resume)
         return read_result(Retrained, ws.path("retrain"), keep=ws.keep)
 
 
-def quantize(model: ModelLike, path: str | Path, data: Any = None, *, val: Any = None, force: bool = False,
-             **settings: Any) -> Quantized:
+def quantize(
+    model: ModelLike, path: str | Path, data: Any = None, *, val: Any = None, force: bool = False, **settings: Any
+) -> Quantized:
     """Quantize a model to an int8 ONNX file at ``path`` (``nascompress quantize``): calibrated on the
     training images, checked on the validation split against the fp32 file, kept only within
     ``max_drop`` points of top-1. ``data``: as :func:`nascompress.dcs.search`'s (None: the model's
@@ -92,8 +131,7 @@ def quantize(model: ModelLike, path: str | Path, data: Any = None, *, val: Any =
     cfg_data = data_config(data, val=val)
     with Workspace(None) as ws:
         src = model_run(model, ws, "model", data=cfg_data)
-        side = quantize_run(src, out=Path(path), config=QuantizeConfig(**parts["q"]), data=cfg_data,
-                            force=force)
+        side = quantize_run(src, out=Path(path), config=QuantizeConfig(**parts["q"]), data=cfg_data, force=force)
     return Quantized(path=str(Path(path)), sidecar=side)
 
 

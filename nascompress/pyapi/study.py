@@ -1,5 +1,6 @@
 """``nc.study``: an Optuna study of a search space on a model object (``nascompress search tokens`` /
 ``search joint``), and the picked trial's model (``nascompress materialize --study --pick``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,8 +10,17 @@ from typing import Any
 from ..search.trial_model import build_job as build_pick_job, materialize_trial
 from ..search.trials import SearchJob, build_job, run_search
 from ..train import RUNTIME_SETTINGS
-from .common import (ModelLike, StageResult, Workspace, data_config, model_run, read_result, setting_names, split_settings,
-                     stage_values)
+from .common import (
+    ModelLike,
+    StageResult,
+    Workspace,
+    data_config,
+    model_run,
+    read_result,
+    setting_names,
+    split_settings,
+    stage_values,
+)
 
 STUDY_DB = "studies.db"
 
@@ -31,10 +41,23 @@ class Study:
     out: str | None = None
 
 
-def study(model: ModelLike, data: Any = None, *, space: str = "evit", trials: int = 20, max_flops: float | None = None,
-          max_latency_ms: float | None = None, pick: str | None = None, name: str = "nc", seed: int = 0,
-          device: str = "auto", val: Any = None, out: str | Path | None = None, progress: bool = True,
-          **settings: Any) -> Study:
+def study(
+    model: ModelLike,
+    data: Any = None,
+    *,
+    space: str = "evit",
+    trials: int = 20,
+    max_flops: float | None = None,
+    max_latency_ms: float | None = None,
+    pick: str | None = None,
+    name: str = "nc",
+    seed: int = 0,
+    device: str = "auto",
+    val: Any = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+    **settings: Any,
+) -> Study:
     """Search a space's configurations on ``model`` with Optuna (``nascompress search tokens``), each
     trial applying the methods and scoring accuracy and FLOPs (or latency), then rebuild one trial.
 
@@ -51,16 +74,32 @@ def study(model: ModelLike, data: Any = None, *, space: str = "evit", trials: in
         **settings: the command's other options (``sampler``, ``objective``, ``train_images``,
             ``eval_images``, ``finetune_epochs``, ``batch_size``, ``enqueue``, ``amp`` ...).
     """
-    parts = split_settings(settings, {"s": [n for n in setting_names(SearchJob) if n not in ("space", "study", "storage")],
-                                      "runtime": ("amp", "deterministic")}, what="nc.study")
+    parts = split_settings(
+        settings,
+        {
+            "s": [n for n in setting_names(SearchJob) if n not in ("space", "study", "storage")],
+            "runtime": ("amp", "deterministic"),
+        },
+        what="nc.study",
+    )
     cfg_data = data_config(data, val=val, seed=seed)
     with Workspace(out) as ws:
         base = model_run(model, ws, "source", data=cfg_data)
         db = ws.path(STUDY_DB) if ws.keep else ws.scratch(STUDY_DB)
         db.parent.mkdir(parents=True, exist_ok=True)
         storage = f"sqlite:///{db}"
-        values = stage_values(SearchJob, {"space": space, "study": name, "storage": storage, "trials": trials,
-                                          "max_flops": max_flops, "max_latency_ms": max_latency_ms, **parts["s"]})
+        values = stage_values(
+            SearchJob,
+            {
+                "space": space,
+                "study": name,
+                "storage": storage,
+                "trials": trials,
+                "max_flops": max_flops,
+                "max_latency_ms": max_latency_ms,
+                **parts["s"],
+            },
+        )
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
         summary = run_search(build_job(base, search=values, runtime=runtime, data=cfg_data), progress=progress)
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)

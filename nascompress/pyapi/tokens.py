@@ -1,6 +1,7 @@
 """``nc.tokens.apply``: a token method (EViT, DynamicViT, ToMe, Sparsifiner, MG-ViT) on a model
 object: applied as the method registry applies it (training-free), or with data as
 ``nascompress finetune`` does (zero-shot after the method's predictor-only stage, or fine-tuned)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,18 @@ from ..errors import NascompressError
 from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, split_settings
 from ..methods import get_method
 from ..train import RUNTIME_SETTINGS
-from .common import (ModelLike, StageResult, Workspace, data_config, loader_batch, model_and_arch, model_run,
-                     read_result, remember, stage_values)
+from .common import (
+    ModelLike,
+    StageResult,
+    Workspace,
+    data_config,
+    loader_batch,
+    model_and_arch,
+    model_run,
+    read_result,
+    remember,
+    stage_values,
+)
 
 _TRAIN_NAMES = tuple(FINETUNE_TRAIN_SETTINGS.names)
 
@@ -24,10 +35,24 @@ class TokenModel(StageResult):
     ``flops_ratio`` (mean over test images: a token method's cost depends on the image)."""
 
 
-def apply(model: ModelLike, method: str, data: Any = None, *, epochs: int = 0, val: Any = None, test: Any = None,
-          batch_size: int | None = None, seed: int = 0, device: str = "auto", train_limit: int | None = None,
-          eval_limit: int | None = None, out: str | Path | None = None, resume: bool = False, force: bool = False,
-          **settings: Any) -> TokenModel:
+def apply(
+    model: ModelLike,
+    method: str,
+    data: Any = None,
+    *,
+    epochs: int = 0,
+    val: Any = None,
+    test: Any = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    train_limit: int | None = None,
+    eval_limit: int | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    **settings: Any,
+) -> TokenModel:
     """Apply token method ``method`` (``evit``, ``tome``, ``dynamicvit``, ``sparsifiner``, ``mgvit``)
     to ``model``: ``nc.tokens.apply(model, "evit", keep_rate=0.7)``.
 
@@ -58,11 +83,21 @@ def apply(model: ModelLike, method: str, data: Any = None, *, epochs: int = 0, v
     with Workspace(out) as ws:
         src = model_run(model, ws, "source", data=cfg_data)
         rec = stage_values(FINETUNE_TRAIN_SETTINGS, {"epochs": epochs or None, "batch_size": batch_size, **train})
-        runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device,
-                                                  **{k: v for k, v in train.items() if k in ("amp", "deterministic")}})
+        runtime = stage_values(
+            RUNTIME_SETTINGS,
+            {"seed": seed, "device": device, **{k: v for k, v in train.items() if k in ("amp", "deterministic")}},
+        )
         rec = {k: v for k, v in rec.items() if k not in runtime}
-        job = build_job(src, ws.path(method), method=method, config=config, recipe=recipe, train={**rec, **runtime},
-                        data=cfg_data, zero_shot=not epochs)
+        job = build_job(
+            src,
+            ws.path(method),
+            method=method,
+            config=config,
+            recipe=recipe,
+            train={**rec, **runtime},
+            data=cfg_data,
+            zero_shot=not epochs,
+        )
         finetune(job, force=force, resume=resume)
         return read_result(TokenModel, ws.path(method), keep=ws.keep)
 

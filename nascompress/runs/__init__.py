@@ -4,6 +4,7 @@ and saving/loading models and run completeness (:mod:`.io`).
 
 The public names of those modules are importable from here; they are imported on first use, so that
 ``nascompress.runs.files`` stays cheap to import (``runs.io`` builds models: timm, the methods)."""
+
 from __future__ import annotations
 
 import importlib

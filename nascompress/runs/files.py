@@ -19,6 +19,7 @@ The pipeline's own files and a run's ``config.json`` are typed the same way in
 order of the file, so ``Record.from_dict(d).to_dict() == d`` and a file read and written again is
 the same bytes.
 """
+
 from __future__ import annotations
 
 import copy
@@ -46,8 +47,9 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
         raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
     model = arch["model"]
     if not isinstance(model.get("name"), str) or set(model) - {"name", "kwargs"}:
-        raise NascompressError(f"{source}: model must be {{\"name\": <timm name>, \"kwargs\": {{...}}}}, got "
-                               f"keys {sorted(model)}")
+        raise NascompressError(
+            f'{source}: model must be {{"name": <timm name>, "kwargs": {{...}}}}, got keys {sorted(model)}'
+        )
     check_model_kwargs(model.get("kwargs", {}), source=source)
     spec = ModelSpec(model["name"], dict(model.get("kwargs", {})))
     check_model_size(spec, source=source)
@@ -63,6 +65,7 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # Typed records: the typed fields, the rest in ``extra``, the file's key order in ``order``.
 
+
 def _plain(v: Any) -> Any:
     """``v`` as JSON values (records as their dicts, tuples as lists), copied."""
     if isinstance(v, Record):
@@ -76,17 +79,20 @@ def _plain(v: Any) -> Any:
 
 def _number(v: Any, where: str) -> float | int:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise NascompressError(f"{where} must be a number, got {type(v).__name__}; the file was damaged or edited: "
-                               "replace it")
+        raise NascompressError(
+            f"{where} must be a number, got {type(v).__name__}; the file was damaged or edited: replace it"
+        )
     return v
 
 
 def _kind(kind: type, what: str) -> Callable[[Any, str], Any]:
     def check(v: Any, where: str) -> Any:
         if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise NascompressError(f"{where} must be {what}, got {type(v).__name__}; the file was damaged or edited: "
-                                   "replace it")
+            raise NascompressError(
+                f"{where} must be {what}, got {type(v).__name__}; the file was damaged or edited: replace it"
+            )
         return copy.deepcopy(v)
+
     return check
 
 
@@ -94,7 +100,12 @@ def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
     return lambda v, where: None if v is None else check(v, where)
 
 
-_str, _map, _list, _bool = _kind(str, "a string"), _kind(dict, "an object"), _kind(list, "a list"), _kind(bool, "a boolean")
+_str, _map, _list, _bool = (
+    _kind(str, "a string"),
+    _kind(dict, "an object"),
+    _kind(list, "a list"),
+    _kind(bool, "a boolean"),
+)
 # the field checks, for records typed beside these (nascompress.pipeline_files)
 check_str, check_map, check_number, optional = _str, _map, _number, _optional
 
@@ -102,6 +113,7 @@ check_str, check_map, check_number, optional = _str, _map, _number, _optional
 @dataclass(frozen=True, kw_only=True)
 class Record:
     """A JSON object with some fields typed (the subclass's) and the rest kept as they are."""
+
     extra: Mapping[str, Any] = field(default_factory=dict)  # the keys this record does not type
     order: tuple[str, ...] = field(default=(), repr=False, compare=False)  # the file's key order
 
@@ -115,11 +127,13 @@ class Record:
     def from_dict(cls, d: Any, *, source: str) -> Any:
         """The record of the JSON object ``d`` (from ``source``, named in messages)."""
         if not isinstance(d, Mapping):
-            raise NascompressError(f"{source} must be a JSON object, got {type(d).__name__}; the file was damaged "
-                                   "or edited: replace it")
+            raise NascompressError(
+                f"{source} must be a JSON object, got {type(d).__name__}; the file was damaged or edited: replace it"
+            )
         typed = cls.typed_fields()
-        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING
-                   and f.default_factory is MISSING]
+        missing = [
+            f.name for f in fields(cls) if f.name not in d and f.default is MISSING and f.default_factory is MISSING
+        ]
         if missing:
             raise NascompressError(f"{source} has no {missing[0]}; the file was damaged or edited: replace it")
         kwargs = {k: cls.CHECKS[k](d[k], f"{source}: {k}") for k in typed if k in d}
@@ -128,22 +142,32 @@ class Record:
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: the file's keys in its order, then fields set since (None or empty: left out)."""
         typed = self.typed_fields()
-        keys = [*self.order, *(k for k in typed if k not in self.order and getattr(self, k) not in (None, ())),
-                *(k for k in self.extra if k not in self.order)]
-        return {k: _plain(getattr(self, k) if k in typed else self.extra[k]) for k in keys
-                if k in typed or k in self.extra}
+        keys = [
+            *self.order,
+            *(k for k in typed if k not in self.order and getattr(self, k) not in (None, ())),
+            *(k for k in self.extra if k not in self.order),
+        ]
+        return {
+            k: _plain(getattr(self, k) if k in typed else self.extra[k]) for k in keys if k in typed or k in self.extra
+        }
 
     def set(self, **changes: Any) -> Any:
         """A copy with ``changes`` (typed fields or other keys), as a dict assigned them: a new key goes last."""
         typed, keys = self.typed_fields(), tuple(self.to_dict())
-        return replace(self, **{k: v for k, v in changes.items() if k in typed},
-                       extra={**self.extra, **{k: copy.deepcopy(v) for k, v in changes.items() if k not in typed}},
-                       order=(*keys, *(k for k in changes if k not in keys)))
+        return replace(
+            self,
+            **{k: v for k, v in changes.items() if k in typed},
+            extra={**self.extra, **{k: copy.deepcopy(v) for k, v in changes.items() if k not in typed}},
+            order=(*keys, *(k for k in changes if k not in keys)),
+        )
 
     def without(self, *keys: str) -> Any:
         """A copy without the untyped ``keys`` (as popped from a dict)."""
-        return replace(self, extra={k: v for k, v in self.extra.items() if k not in keys},
-                       order=tuple(k for k in self.order if k not in keys))
+        return replace(
+            self,
+            extra={k: v for k, v in self.extra.items() if k not in keys},
+            order=tuple(k for k in self.order if k not in keys),
+        )
 
     def get(self, key: str, default: Any = None) -> Any:
         """The value of ``key`` (typed or not), ``default`` when the file has none."""
@@ -153,13 +177,16 @@ class Record:
         return self.extra.get(key, default)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.extra or (key in self.typed_fields() and (key in self.order or getattr(self, key) is not None))
+        return key in self.extra or (
+            key in self.typed_fields() and (key in self.order or getattr(self, key) is not None)
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
 class MethodRecord(Record):
     """One compression decision of ``arch.json`` (``{"name", "config", "stage"?, ...}``; the rest,
     e.g. DCS's ``blocks``, in ``extra``)."""
+
     name: str
     config: Mapping[str, Any] | None = None
     stage: str | None = None
@@ -184,13 +211,20 @@ def _labels(v: Any, where: str) -> tuple[str, ...]:
 @dataclass(frozen=True, kw_only=True)
 class Arch(Record):
     """``arch.json``: the model format (:mod:`nascompress.runs.io`)."""
+
     format: str
     model: Mapping[str, Any]
     input: Mapping[str, Any] | None = None
     labels: tuple[str, ...] | None = None
     methods: tuple[MethodRecord, ...] = ()
 
-    CHECKS = {"format": _str, "model": _map, "input": _optional(_map), "labels": _optional(_labels), "methods": _methods}
+    CHECKS = {
+        "format": _str,
+        "model": _map,
+        "input": _optional(_map),
+        "labels": _optional(_labels),
+        "methods": _methods,
+    }
 
     @property
     def spec(self) -> ModelSpec:
@@ -227,6 +261,7 @@ class Arch(Record):
 class RunMetrics(Record):
     """``metrics.json``: what every stage writes typed (None: the stage writes no such value), the
     stage's own results in ``extra`` (``get`` reads either)."""
+
     test_top1: float | None = None
     val_top1: float | None = None
     flops_ratio: float | None = None
@@ -235,8 +270,11 @@ class RunMetrics(Record):
     finished: bool | None = None  # the completion mark (nascompress.runs.io.finish_run)
     finished_files: Mapping[str, Any] | None = None  # size and sha256 of the files it vouches for
 
-    CHECKS = {**{k: _optional(_number) for k in ("test_top1", "val_top1", "flops_ratio", "macs", "dense_macs")},
-              "finished": _optional(_bool), "finished_files": _optional(_map)}
+    CHECKS = {
+        **{k: _optional(_number) for k in ("test_top1", "val_top1", "flops_ratio", "macs", "dense_macs")},
+        "finished": _optional(_bool),
+        "finished_files": _optional(_map),
+    }
 
     def results(self) -> dict[str, Any]:
         """The metrics without the completion mark (``finished``, ``finished_files``)."""
@@ -247,19 +285,26 @@ class RunMetrics(Record):
 class Quantization(Record):
     """An int8 sidecar's ``quantization``: the scheme kept, why another was (``fallback``), the
     calibration, and which layers stayed fp32 (``kept_fp32_summary``: reason -> count)."""
+
     scheme: str
     fallback: str | None = None
     calibration: Mapping[str, Any] | None = None
     quantized_nodes: int | None = None
     kept_fp32_summary: Mapping[str, int] | None = None
 
-    CHECKS = {"scheme": _str, "fallback": _optional(_str), "calibration": _optional(_map),
-              "quantized_nodes": _optional(_kind(int, "an integer")), "kept_fp32_summary": _optional(_map)}
+    CHECKS = {
+        "scheme": _str,
+        "fallback": _optional(_str),
+        "calibration": _optional(_map),
+        "quantized_nodes": _optional(_kind(int, "an integer")),
+        "kept_fp32_summary": _optional(_map),
+    }
 
 
 @dataclass(frozen=True, kw_only=True)
 class Sidecar(Record):
     """An export's sidecar ``FILE.json`` (:mod:`nascompress.export`)."""
+
     format: str
     file: str
     runtime: str | None = None
@@ -269,14 +314,21 @@ class Sidecar(Record):
     verification: Mapping[str, Any] | None = None
     quantization: Quantization | None = None
 
-    CHECKS = {"format": _str, "file": _str, "runtime": _optional(_str), "dtype": _optional(_str),
-              "batch": lambda v, where: copy.deepcopy(v), "files": lambda v, where: tuple(_list(v, where)),
-              "verification": _optional(_map),
-              "quantization": _optional(lambda v, where: Quantization.from_dict(v, source=where))}
+    CHECKS = {
+        "format": _str,
+        "file": _str,
+        "runtime": _optional(_str),
+        "dtype": _optional(_str),
+        "batch": lambda v, where: copy.deepcopy(v),
+        "files": lambda v, where: tuple(_list(v, where)),
+        "verification": _optional(_map),
+        "quantization": _optional(lambda v, where: Quantization.from_dict(v, source=where)),
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # The one place each file is read and written.
+
 
 def read_arch_json(path: str | Path) -> dict[str, Any]:
     """The validated arch of the ``arch.json`` file ``path``, as its dict (:func:`validate_arch`)."""
@@ -336,7 +388,30 @@ def read_sidecar(path: str | Path) -> Sidecar:
     return Sidecar.from_dict(read_json(p), source=str(p))
 
 
-__all__ = ["ARCH_FILE", "ARCH_FORMAT", "METRICS_FILE", "READ_FORMATS", "Arch", "MethodRecord", "Quantization",
-           "Record", "RunMetrics", "Sidecar", "check_map", "check_number", "check_str", "find_metrics", "has_metrics",
-           "optional", "read_arch_json", "read_metrics", "read_metrics_json", "read_sidecar", "sidecar_path",
-           "validate_arch", "write_arch_json", "write_metrics_json", "write_sidecar_json"]
+__all__ = [
+    "ARCH_FILE",
+    "ARCH_FORMAT",
+    "METRICS_FILE",
+    "READ_FORMATS",
+    "Arch",
+    "MethodRecord",
+    "Quantization",
+    "Record",
+    "RunMetrics",
+    "Sidecar",
+    "check_map",
+    "check_number",
+    "check_str",
+    "find_metrics",
+    "has_metrics",
+    "optional",
+    "read_arch_json",
+    "read_metrics",
+    "read_metrics_json",
+    "read_sidecar",
+    "sidecar_path",
+    "validate_arch",
+    "write_arch_json",
+    "write_metrics_json",
+    "write_sidecar_json",
+]

@@ -36,6 +36,7 @@ complete: ``metrics.json`` was already their last write. The mark is typed (only
 model replaced or damaged after the run). A model whose weights are not all finite (NaN or inf)
 is refused by the loader, naming the tensor.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,25 +55,47 @@ from ..methods import apply_methods
 from ..models import ModelSpec, build_model, load_state_strict
 from ..pipeline_files import find_run_config
 from .files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
-from .files import (ARCH_FILE, ARCH_FORMAT, METRICS_FILE, Arch, read_arch_json, read_metrics_json, validate_arch,
-                    write_arch_json, write_metrics_json)
+from .files import (
+    ARCH_FILE,
+    ARCH_FORMAT,
+    METRICS_FILE,
+    Arch,
+    read_arch_json,
+    read_metrics_json,
+    validate_arch,
+    write_arch_json,
+    write_metrics_json,
+)
 from ..utils import atomic_path, parse_json
 from ..runtime import parse_dtype
 
-_V1_RENAMES = ((".attn.sp_w_down", ".attn.kernel.w_down"), (".attn.sp_w_up", ".attn.kernel.w_up"),
-               (".attn.dcs_theta", ".attn.qk_mask.theta"))
+_V1_RENAMES = (
+    (".attn.sp_w_down", ".attn.kernel.w_down"),
+    (".attn.sp_w_up", ".attn.kernel.w_up"),
+    (".attn.dcs_theta", ".attn.qk_mask.theta"),
+)
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 # files only a run writes (a plain model directory has none of them; nor a config.json of a run)
 RUN_FILES = (METRICS_FILE, "log.jsonl", "checkpoint.safetensors", "last.safetensors")
 # the command that wrote a run, told apart by its config.json's keys; (command, can it --resume)
-_COMMANDS = ((("import",), "nascompress import", False), (("materialize",), "nascompress materialize", False),
-             (("source", "search"), "nascompress search dcs", True), (("model_dir", "retrain"), "nascompress retrain", True),
-             (("run_dir", "method"), "nascompress finetune", True), (("model", "train"), "nascompress train", True))
+_COMMANDS = (
+    (("import",), "nascompress import", False),
+    (("materialize",), "nascompress materialize", False),
+    (("source", "search"), "nascompress search dcs", True),
+    (("model_dir", "retrain"), "nascompress retrain", True),
+    (("run_dir", "method"), "nascompress finetune", True),
+    (("model", "train"), "nascompress train", True),
+)
 
 
-def make_arch(spec: ModelSpec, *, input_spec: dict[str, Any], methods: list[dict[str, Any]] | None = None,
-              labels: Sequence[str] | None = None) -> dict[str, Any]:
+def make_arch(
+    spec: ModelSpec,
+    *,
+    input_spec: dict[str, Any],
+    methods: list[dict[str, Any]] | None = None,
+    labels: Sequence[str] | None = None,
+) -> dict[str, Any]:
     """A new arch; ``labels``: the class names by output index (the dataset's classes)."""
     arch = {"format": ARCH_FORMAT, "model": spec.to_dict(), "input": dict(input_spec)}
     if labels is not None:
@@ -97,14 +120,27 @@ def timm_pretrained_cfg(model: nn.Module, arch: dict[str, Any]) -> dict[str, Any
     inp = arch["input"]
     orig = dict(getattr(model, "pretrained_cfg", None) or {})
     n = int(getattr(model, "num_classes", 0))
-    labels = list(arch["labels"]) if arch.get("labels") else (
-        orig.get("label_names") if orig.get("num_classes") == n else None)
-    cfg = {k: v for k, v in orig.items()
-           if k not in ("test_input_size", "test_crop_pct", "fixed_input_size", "label_descriptions")}
+    labels = (
+        list(arch["labels"])
+        if arch.get("labels")
+        else (orig.get("label_names") if orig.get("num_classes") == n else None)
+    )
+    cfg = {
+        k: v
+        for k, v in orig.items()
+        if k not in ("test_input_size", "test_crop_pct", "fixed_input_size", "label_descriptions")
+    }
     h, w = (int(v) for v in inp["img_size"])
-    cfg.update(input_size=(int(inp["in_chans"]), h, w), mean=tuple(inp["mean"]), std=tuple(inp["std"]),
-               interpolation=inp.get("interpolation", "bilinear"), crop_pct=float(inp.get("crop_pct", 1.0)),
-               crop_mode=inp.get("crop_mode", "center"), num_classes=n, label_names=labels)
+    cfg.update(
+        input_size=(int(inp["in_chans"]), h, w),
+        mean=tuple(inp["mean"]),
+        std=tuple(inp["std"]),
+        interpolation=inp.get("interpolation", "bilinear"),
+        crop_pct=float(inp.get("crop_pct", 1.0)),
+        crop_mode=inp.get("crop_mode", "center"),
+        num_classes=n,
+        label_names=labels,
+    )
     return cfg
 
 
@@ -130,8 +166,9 @@ def _state_dict_for_save(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def save_model(run_dir: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *,
-               filename: str = MODEL_FILE) -> Path:
+def save_model(
+    run_dir: str | Path, model: nn.Module, arch: dict[str, Any] | Arch, *, filename: str = MODEL_FILE
+) -> Path:
     """Write ``filename`` (weights, arch in metadata) and ``arch.json`` atomically into run_dir."""
     run_dir, arch = Path(run_dir), arch.to_dict() if isinstance(arch, Arch) else arch
     with writing(run_dir):
@@ -166,8 +203,11 @@ def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
     ``"finished_files"``: the size and sha256 of its model files) atomically. Call it after every
     other write of the run: it is the mark every reader checks (:func:`run_state`)."""
     d = Path(run_dir)
-    files = {name: {"bytes": (d / name).stat().st_size, "sha256": file_sha256(d / name)}
-             for name in VOUCHED_FILES if (d / name).is_file()}
+    files = {
+        name: {"bytes": (d / name).stat().st_size, "sha256": file_sha256(d / name)}
+        for name in VOUCHED_FILES
+        if (d / name).is_file()
+    }
     write_metrics_json(d, dict(metrics, finished=True, finished_files=files))
 
 
@@ -192,8 +232,9 @@ def _mark(d: Path) -> tuple[str, str | None]:
         return "unmarked", None
     for name, want in files.items():
         if name not in VOUCHED_FILES:  # e.g. "../../x": never read outside the run
-            return "altered", (f"its completion mark names {str(name)!r}, not a file of the run "
-                               f"({', '.join(VOUCHED_FILES)})")
+            return "altered", (
+                f"its completion mark names {str(name)!r}, not a file of the run ({', '.join(VOUCHED_FILES)})"
+            )
         p = d / str(name)
         if not isinstance(want, dict) or not p.is_file():
             return "altered", f"{name} is missing"
@@ -259,22 +300,27 @@ def check_complete(run_dir: str | Path) -> None:
     d = Path(run_dir)
     state = run_state(d)
     if state == "altered":
-        raise NascompressError(f"{d} is a finished run whose files changed since (replaced, edited or damaged): "
-                               f"{_mark(d)[1]}; run the command that wrote it again, or keep the new files as a plain "
-                               f"model directory ({MODEL_FILE} + {ARCH_FILE} only)")
+        raise NascompressError(
+            f"{d} is a finished run whose files changed since (replaced, edited or damaged): "
+            f"{_mark(d)[1]}; run the command that wrote it again, or keep the new files as a plain "
+            f"model directory ({MODEL_FILE} + {ARCH_FILE} only)"
+        )
     if state != "unfinished":
         return
     pipe = _pipeline_of(d)
     if pipe is not None:
-        raise NascompressError(f"{d} is an unfinished stage of the pipeline in {pipe} (no {METRICS_FILE} with "
-                               f"finished=true); rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' "
-                               "to finish it")  # a whole command line for the shell
+        raise NascompressError(
+            f"{d} is an unfinished stage of the pipeline in {pipe} (no {METRICS_FILE} with "
+            f"finished=true); rerun 'nascompress pipeline {pipe / 'config.yaml'} --out {pipe}' "
+            "to finish it"
+        )  # a whole command line for the shell
     command, resumable = _writer(d) or ("the command that wrote it", False)
     why = f"{d} is an unfinished run: it has no {METRICS_FILE} with finished=true ({command} stopped before its end)"
     if resumable and (d / "checkpoint.safetensors").is_file():
         raise NascompressError(f"{why}; continue it with '{command} --resume --out {d}'")  # a whole command line
-    raise SettingError(f"{why} and no checkpoint to continue from; delete {d} and run {command} again "
-                           "(or rerun it with {force})")
+    raise SettingError(
+        f"{why} and no checkpoint to continue from; delete {d} and run {command} again (or rerun it with {{force}})"
+    )
 
 
 def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str, Any]]:
@@ -294,8 +340,10 @@ def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str
         with safe_open(str(path), "pt") as f:
             meta = f.metadata() or {}
     except (SafetensorError, OSError, ValueError) as e:
-        raise NascompressError(f"{path} is not a readable safetensors file ({e}); give a nascompress run directory "
-                               "or its model.safetensors") from e
+        raise NascompressError(
+            f"{path} is not a readable safetensors file ({e}); give a nascompress run directory "
+            "or its model.safetensors"
+        ) from e
     if "nascompress_arch" not in meta:
         raise NascompressError(f"{path} has no arch.json beside it and no nascompress_arch metadata")
     source = f"{path} metadata"
@@ -329,8 +377,13 @@ def read_arch(path: str | Path) -> Arch:
     return Arch.from_dict(load_arch(p), source=source)
 
 
-def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu",
-                   complete: bool = True, dtype: str | torch.dtype | None = None) -> tuple[nn.Module, dict[str, Any]]:
+def load_with_arch(
+    path: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    complete: bool = True,
+    dtype: str | torch.dtype | None = None,
+) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a saved model from its directory (or safetensors file) and load it strictly.
 
     Args:
@@ -356,8 +409,13 @@ def load_with_arch(path: str | Path, *, map_location: str | torch.device = "cpu"
     return model.eval(), arch
 
 
-def load_typed(path: str | Path, *, map_location: str | torch.device = "cpu", complete: bool = True,
-               dtype: str | torch.dtype | None = None) -> tuple[nn.Module, Arch]:
+def load_typed(
+    path: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    complete: bool = True,
+    dtype: str | torch.dtype | None = None,
+) -> tuple[nn.Module, Arch]:
     """:func:`load_with_arch` with the typed :class:`~nascompress.runs.files.Arch`."""
     model, arch = load_with_arch(path, map_location=map_location, complete=complete, dtype=dtype)
     return model, Arch.from_dict(arch, source=str(path))
@@ -369,13 +427,16 @@ def check_finite(model: nn.Module, *, source: str) -> None:
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
     if bad:
         more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise SettingError(f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
-                               "training that wrote it diverged or the file is damaged; train it again (e.g. with a "
-                               "lower {lr}) or use another checkpoint")
+        raise SettingError(
+            f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
+            "training that wrote it diverged or the file is damaged; train it again (e.g. with a "
+            "lower {lr}) or use another checkpoint"
+        )
 
 
-def load(path: str | Path, *, map_location: str | torch.device = "cpu",
-         dtype: str | torch.dtype | None = None) -> nn.Module:
+def load(
+    path: str | Path, *, map_location: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+) -> nn.Module:
     """Load any saved nascompress model: ``nascompress.load("runs/base")``, or for bfloat16 inference
     on a GPU ``nascompress.load("runs/base", map_location="cuda", dtype="bf16")``. Eval mode."""
     return load_with_arch(path, map_location=map_location, dtype=dtype)[0]
@@ -383,6 +444,7 @@ def load(path: str | Path, *, map_location: str | torch.device = "cpu",
 
 # ----------------------------------------------------------------------------------------------
 # Checkpoints of arbitrary nested state (model + optimizer + schedule), without pickle.
+
 
 def _flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
     if isinstance(obj, torch.Tensor):
@@ -394,8 +456,10 @@ def _flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
             return {"__dict__": {k: _flatten(v, tensors, f"{prefix}/{k}") for k, v in obj.items()}}
         return {"__items__": [[k, _flatten(v, tensors, f"{prefix}/{k}")] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [_flatten(v, tensors, f"{prefix}/{i}") for i, v in enumerate(obj)],
-                "tuple": isinstance(obj, tuple)}
+        return {
+            "__list__": [_flatten(v, tensors, f"{prefix}/{i}") for i, v in enumerate(obj)],
+            "tuple": isinstance(obj, tuple),
+        }
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     raise TypeError(f"cannot save {type(obj).__name__} at {prefix!r} in a checkpoint")
@@ -434,5 +498,7 @@ def load_state(path: str | Path) -> dict[str, Any]:
     try:
         return _unflatten(skeleton, tensors)
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a tensor missing, a damaged skeleton
-        raise SettingError(f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
-                               "delete it (a {resume} then starts the run over) or rerun with {force}") from None
+        raise SettingError(
+            f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
+            "delete it (a {resume} then starts the run over) or rerun with {force}"
+        ) from None

@@ -11,6 +11,7 @@ finetune, the DCS search, materialize, a study trial's model, import, the linear
 3. :meth:`RunDir.finish`: rank 0 writes the completion mark (``metrics.json``,
    :func:`~nascompress.runs.io.finish_run`), the run's last write.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ class RunDir:
         return cls(prepare_out_dir(out, force=force, resume=resume, inputs=inputs), force=force, resume=resume)
 
     @staticmethod
-    def recorded(out: str | Path, job_cls: Any, command: str, *, given: Any = None,
-                 explicit: set[str] | None = None) -> Any:
+    def recorded(
+        out: str | Path, job_cls: Any, command: str, *, given: Any = None, explicit: set[str] | None = None
+    ) -> Any:
         """The job an earlier run of ``command`` recorded in ``out/config.json``, for ``--resume``
         (:func:`~nascompress.utils.recorded_job`: ``explicit`` options that differ are refused)."""
         return recorded_job(Path(out), job_cls, command, given=given, explicit=explicit)

@@ -5,6 +5,7 @@ A run killed during the per-epoch append of ``log.jsonl`` leaves a half-written 
 drops it (with a note; the epoch's record is written again when the epoch is), whereas a damaged
 line before the last, or a damaged checkpoint (a missing tensor, an epoch of the wrong type, a
 tensor of the wrong shape), is one line saying what is wrong (:func:`damaged_checkpoint`)."""
+
 from __future__ import annotations
 
 import json
@@ -86,11 +87,16 @@ def _read_log(path: Path, *, upto: int) -> list[str]:
         except NascompressError as e:
             if i == len(lines) - 1:  # what a kill during the per-epoch append leaves
                 if distributed.is_main():  # shown even without progress lines: a record is dropped
-                    print(f"note: dropping the half-written last line of {path} (the run stopped while writing it)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"note: dropping the half-written last line of {path} (the run stopped while writing it)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 break
-            raise SettingError(f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
-                                   "a new log) or rerun with {force}") from None
+            raise SettingError(
+                f"{e}; {path} is damaged before its last line: delete it (the resumed run starts "
+                "a new log) or rerun with {force}"
+            ) from None
         if epoch <= upto:
             kept.append(ln)
     return kept

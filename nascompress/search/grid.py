@@ -15,6 +15,7 @@ trials keep their fixed params (a point equal to one of them counts as held). On
 held, the remaining trials are random (seeded per trial by the runner). Two workers that start
 trials at the same moment may take the same point (as with Optuna's GridSampler).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ class GridPointSampler(BaseSampler):
     def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
         return {}
 
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         return {}
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
@@ -67,15 +69,17 @@ class GridPointSampler(BaseSampler):
                 study._storage.set_trial_system_attr(trial._trial_id, POINT_KEY, p)
                 return
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
         point = trial.system_attrs.get(POINT_KEY)
         if point is not None and param_name in point:
             return point[param_name]
         return self._random.sample_independent(study, trial, param_name, param_distribution)
 
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
         self._random.after_trial(study, trial, state, values)
 
 

@@ -21,6 +21,7 @@ before every trial as ``factory(per-trial seed)`` (:class:`~nascompress.studies.
   finished trial, so the first trial is a QMC point too. A conditional space has no such fixed
   set and is refused before the study starts.
 """
+
 from __future__ import annotations
 
 import threading
@@ -44,17 +45,23 @@ class SpaceQMCSampler(QMCSampler):
     """
 
     def __init__(self, distributions: Mapping[str, BaseDistribution], *, seed: int, independent_seed: int) -> None:
-        super().__init__(qmc_type="sobol", scramble=True, seed=seed,
-                         independent_sampler=RandomSampler(seed=independent_seed),
-                         warn_asynchronous_seeding=False, warn_independent_sampling=False)
+        super().__init__(
+            qmc_type="sobol",
+            scramble=True,
+            seed=seed,
+            independent_sampler=RandomSampler(seed=independent_seed),
+            warn_asynchronous_seeding=False,
+            warn_independent_sampling=False,
+        )
         self._space = {name: d for name, d in distributions.items() if not d.single()}
         self._trial = threading.local()
 
     def infer_relative_search_space(self, study: optuna.Study, trial: Any) -> dict[str, BaseDistribution]:
         return dict(self._space)
 
-    def sample_relative(self, study: optuna.Study, trial: Any,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def sample_relative(
+        self, study: optuna.Study, trial: Any, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         self._trial.number = trial.number
         try:
             return super().sample_relative(study, trial, search_space)

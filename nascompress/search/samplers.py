@@ -2,6 +2,7 @@
 spaces only), scrambled Sobol QMC (:mod:`~nascompress.search.qmc`) and the space's spread points
 (:mod:`~nascompress.search.grid`), each seeded per trial by the study runner, and the picklable
 factory a search hands to :func:`nascompress.studies.run_study`."""
+
 from __future__ import annotations
 
 import functools
@@ -20,15 +21,23 @@ from .qmc import qmc_sampler
 SAMPLERS = ("nsga2", "tpe", "gp", "qmc", "grid")
 
 
-def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
-                 distributions: Mapping[str, Any] | None = None, points: Sequence[Mapping[str, Any]] | None = None):
+def make_sampler(
+    kind: str,
+    seed: int,
+    *,
+    study_seed: int | None = None,
+    distributions: Mapping[str, Any] | None = None,
+    points: Sequence[Mapping[str, Any]] | None = None,
+):
     """The sampler of a trial, seeded by ``seed`` (the runner's per-trial seed): ``nsga2``, ``tpe``
     or ``gp``; ``qmc`` needs the study's seed and the space's distributions too, ``grid`` the
     space's points (:func:`sampler_factory` binds them)."""
     if kind == "qmc":
         if study_seed is None or distributions is None:
-            raise NascompressError("the qmc sampler needs the study's seed and the space's distributions "
-                                   "(build its factory with sampler_factory)")
+            raise NascompressError(
+                "the qmc sampler needs the study's seed and the space's distributions "
+                "(build its factory with sampler_factory)"
+            )
         return qmc_sampler(distributions, study_seed=study_seed, seed=seed)
     if kind == "grid":
         if points is None:
@@ -42,8 +51,9 @@ def make_sampler(kind: str, seed: int, *, study_seed: int | None = None,
             return optuna.samplers.NSGAIISampler(seed=seed, population_size=20)
         if kind == "gp":
             return optuna.samplers.GPSampler(seed=seed, warn_independent_sampling=False)
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          warn_independent_sampling=False)
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, group=True, constant_liar=True, warn_independent_sampling=False
+        )
 
 
 def numeric_space(space: Space) -> str | None:
@@ -71,14 +81,18 @@ def sampler_factory(kind: str, space: Space, seed: int, *, trials: int = 50) -> 
     if kind == "gp":
         why = numeric_space(space)
         if why is not None:
-            raise NascompressError(f"sampler gp needs a space of numeric parameters, and space {space.name!r} has "
-                                   f"another: {why}; use sampler tpe for it")
+            raise NascompressError(
+                f"sampler gp needs a space of numeric parameters, and space {space.name!r} has "
+                f"another: {why}; use sampler tpe for it"
+            )
     if kind != "qmc":
         return functools.partial(make_sampler, kind)
     why = space.conditional()
     if why is not None:
-        raise NascompressError(f"sampler qmc needs a space without conditional parameters, and space "
-                               f"{space.name!r} has one: {why}; use sampler nsga2 or tpe for it")
+        raise NascompressError(
+            f"sampler qmc needs a space without conditional parameters, and space "
+            f"{space.name!r} has one: {why}; use sampler nsga2 or tpe for it"
+        )
     return functools.partial(make_sampler, kind, study_seed=seed, distributions=space.distributions())
 
 

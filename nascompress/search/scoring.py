@@ -17,6 +17,7 @@ record, ``scoring``), so a trial scored otherwise is visible in ``study show`` /
 The study runner refuses to continue a study with other scoring settings
 (:func:`nascompress.studies.run_study`, the study record's ``scoring``).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -61,9 +62,15 @@ def subset_fingerprint(ds: Dataset, labels: torch.Tensor, *, seed: int) -> dict[
     return {"images": int(len(labels)), "seed": int(seed), "sha256": h.hexdigest()[:16]}
 
 
-def calibrate_stack(model: nn.Module, applied: Sequence[dict[str, Any]], *, teacher: nn.Module,
-                    batches: Sequence[tuple[torch.Tensor, torch.Tensor]], budget: int | None,
-                    cycle_to: int | None = None) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
+def calibrate_stack(
+    model: nn.Module,
+    applied: Sequence[dict[str, Any]],
+    *,
+    teacher: nn.Module,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    budget: int | None,
+    cycle_to: int | None = None,
+) -> tuple[dict[str, dict[str, float]], dict[str, int]]:
     """Run the predictor-only stage of every method of ``applied`` that has one, ``budget`` steps
     each over ``batches`` (cycled). ``budget`` None: each method's recipe count over ``cycle_to``
     cached batches (how studies scored trials before budgets were recorded; rebuilding such trials).
@@ -92,15 +99,19 @@ def _cycle(batches: Sequence[Any], steps: int) -> list[Any]:
     return [batches[i % len(batches)] for i in range(steps)] if batches else []
 
 
-def trial_scoring(*, budget: int, steps: Mapping[str, int], eval_subset: Mapping[str, Any],
-                  finetune_epochs: float = 0.0) -> dict[str, Any]:
+def trial_scoring(
+    *, budget: int, steps: Mapping[str, int], eval_subset: Mapping[str, Any], finetune_epochs: float = 0.0
+) -> dict[str, Any]:
     """One trial's ``scoring`` record: ``calib_budget`` (steps per method with a predictor stage),
     ``calib_steps`` (steps taken, by method), ``calib_steps_total``, ``eval_subset``
     (:func:`subset_fingerprint`) and ``finetune_epochs``."""
-    return {"calib_budget": int(budget), "calib_steps": {k: int(v) for k, v in steps.items()},
-            "calib_steps_total": int(sum(steps.values())), "eval_subset": dict(eval_subset),
-            "finetune_epochs": float(finetune_epochs)}
+    return {
+        "calib_budget": int(budget),
+        "calib_steps": {k: int(v) for k, v in steps.items()},
+        "calib_steps_total": int(sum(steps.values())),
+        "eval_subset": dict(eval_subset),
+        "finetune_epochs": float(finetune_epochs),
+    }
 
 
-__all__ = ["SCORING_FIELDS", "study_scoring", "subset_fingerprint", "calibrate_stack",
-           "trial_scoring"]
+__all__ = ["SCORING_FIELDS", "study_scoring", "subset_fingerprint", "calibrate_stack", "trial_scoring"]

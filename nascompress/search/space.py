@@ -11,6 +11,7 @@ The space file format and its validation: :mod:`nascompress.search.space_parser`
 
 This module re-exports their public names.
 """
+
 from __future__ import annotations
 
 from .space_entries import Method, Param
@@ -18,5 +19,15 @@ from .space_model import Space, load_space
 from .space_parser import FORMAT, KINDS, MAX_LAYER_SETS, WIDTH_PARAMS, MethodFields
 from .space_values import registry_method_fields
 
-__all__ = ["FORMAT", "KINDS", "MAX_LAYER_SETS", "WIDTH_PARAMS", "Method", "MethodFields", "Param", "Space",
-           "load_space", "registry_method_fields"]
+__all__ = [
+    "FORMAT",
+    "KINDS",
+    "MAX_LAYER_SETS",
+    "WIDTH_PARAMS",
+    "Method",
+    "MethodFields",
+    "Param",
+    "Space",
+    "load_space",
+    "registry_method_fields",
+]

@@ -1,5 +1,6 @@
 """The normalized entries of a search space: :class:`Param` (one entry of a method's ``params``),
 :class:`Method`, and the small value helpers the parser, the model and replay share."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,7 +47,6 @@ def decode_layers(text: str) -> list[int]:
     return [int(x) for x in str(text).split(",") if x != ""]
 
 
-
 def is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -68,8 +68,9 @@ def plain_value(x: Any) -> Any:
 
 
 def is_layer_const_value(p: Param) -> bool:
-    return (p.kind == "const" and isinstance(p.value, list) and bool(p.value)
-            and all(is_int(v) and v >= 1 for v in p.value))
+    return (
+        p.kind == "const" and isinstance(p.value, list) and bool(p.value) and all(is_int(v) and v >= 1 for v in p.value)
+    )
 
 
 def is_layer_const(m: Method, p: Param) -> bool:
@@ -83,7 +84,6 @@ def max_len(m: Method, p: Param) -> int:
     sib = m.param(p.layers_ref or "")
     assert sib is not None
     return max(len(c) for c in sib.choices) if sib.kind == "layers" else len(sib.value)
-
 
 
 def is_active(p: Param, values: Mapping[str, Any]) -> bool:

@@ -3,6 +3,7 @@ lattice in the unit cube, one coordinate per Optuna parameter), for the spread c
 conditional space (the space's FLOPs profile). An unconditional space has a fixed set of Optuna
 distributions and takes Optuna's QMC points instead (:meth:`Space.grid
 <nascompress.search.space_model.Space.grid>`)."""
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,7 @@ def _korobov(n: int, d: int) -> list[int]:
     """Generator ``(1, a, a^2, ...) mod n`` of an n-point rank-1 lattice in d dimensions."""
     if n == 1 or d == 0:
         return [1] * d
-    target = n / ((1 + 5 ** 0.5) / 2)
+    target = n / ((1 + 5**0.5) / 2)
     a = min((c for c in range(1, n) if math.gcd(c, n) == 1), key=lambda c: (abs(c - target), c))
     gen, g = [], 1
     for _ in range(d):
@@ -71,8 +72,9 @@ class _LatticeTrial:
     def _bin(self, name: str, n: int) -> int:
         return min(int(self.u[name] * n), n - 1)
 
-    def suggest_float(self, name: str, low: float, high: float, *, step: float | None = None,
-                      log: bool = False) -> float:
+    def suggest_float(
+        self, name: str, low: float, high: float, *, step: float | None = None, log: bool = False
+    ) -> float:
         u = self.u[name]
         if step is not None:
             n = int(round((high - low) / step)) + 1

@@ -3,6 +3,7 @@
 (params back to method records) and :meth:`Space.distributions` (an unconditional space as Optuna
 distributions). Parsing, replay and the grid live in ``space_parser``, ``space_replay`` and
 ``space_lattice``."""
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,14 @@ class Space:
     # -- construction -------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "<dict>",
-                  method_fields: MethodFields | None = registry_method_fields, model: Any = None) -> Space:
+    def from_dict(
+        cls,
+        data: Any,
+        *,
+        source: str = "<dict>",
+        method_fields: MethodFields | None = registry_method_fields,
+        model: Any = None,
+    ) -> Space:
         """Validate a parsed space (as read from YAML, or :meth:`to_dict`'s output).
 
         Args:
@@ -63,17 +70,22 @@ class Space:
 
     def to_dict(self) -> dict[str, Any]:
         """The normalized space as plain data (``from_dict`` of it gives the same hash)."""
-        return {"format": FORMAT, "name": self.name, "description": self.description,
-                "methods": self._methods_dict()}
+        return {"format": FORMAT, "name": self.name, "description": self.description, "methods": self._methods_dict()}
 
     def _methods_dict(self) -> list[dict[str, Any]]:
-        return [{"name": m.name, "group": m.group, "optional": m.optional,
-                 "params": {p.name: plain_value(p.source) for p in m.params}} for m in self.methods]
+        return [
+            {
+                "name": m.name,
+                "group": m.group,
+                "optional": m.optional,
+                "params": {p.name: plain_value(p.source) for p in m.params},
+            }
+            for m in self.methods
+        ]
 
     def hash(self) -> str:
         """A stable 16-hex-digit hash of the normalized methods (name and description excluded)."""
-        blob = json.dumps({"format": FORMAT, "methods": self._methods_dict()}, sort_keys=True,
-                          separators=(",", ":"))
+        blob = json.dumps({"format": FORMAT, "methods": self._methods_dict()}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     def __repr__(self) -> str:
@@ -123,8 +135,10 @@ class Space:
             except NascompressError:
                 continue  # not a registered method (a space checked without the registry)
             if need != kind:
-                raise NascompressError(f"{self.source}: {m.where}: method {m.name} needs {words[need]}, and the base "
-                                       f"model is {words[kind]}; use a space for {words[kind]}")
+                raise NascompressError(
+                    f"{self.source}: {m.where}: method {m.name} needs {words[need]}, and the base "
+                    f"model is {words[kind]}; use a space for {words[kind]}"
+                )
 
     def check_depth(self, depth: int | None) -> None:
         """Raise if a layer number in the space is beyond a model of ``depth`` blocks (None: a model
@@ -141,12 +155,14 @@ class Space:
                 if layers and depth is None:
                     raise NascompressError(
                         f"{self.source}: {p.where}: layer numbers address a plain ViT's blocks, and the base model "
-                        "is a pyramid ViT (stages of blocks); use a space without layer settings (e.g. mgvit-h's)")
+                        "is a pyramid ViT (stages of blocks); use a space without layer settings (e.g. mgvit-h's)"
+                    )
                 bad = sorted({x for x in layers if x > depth})
                 if bad:
                     raise NascompressError(
                         f"{self.source}: {p.where}: layer {bad[0]} is beyond the model's depth {depth} "
-                        f"(layers are 1-based, 1..{depth}); narrow the space for this model")
+                        f"(layers are 1-based, 1..{depth}); narrow the space for this model"
+                    )
 
     # -- sampling -----------------------------------------------------------------------------
 
@@ -233,8 +249,10 @@ class Space:
                     sib = m.param(p.layers_ref)
                     sizes = sorted({len(c) for c in sib.choices}) if sib is not None and sib.kind == "layers" else []
                     if len(sizes) > 1:
-                        return (f"{name}.{sizes[0]} ({p.where}) exists only when {m.name}.{p.layers_ref} has at "
-                                f"least {sizes[0] + 1} layers (its sets have {sizes[0]} to {sizes[-1]})")
+                        return (
+                            f"{name}.{sizes[0]} ({p.where}) exists only when {m.name}.{p.layers_ref} has at "
+                            f"least {sizes[0] + 1} layers (its sets have {sizes[0]} to {sizes[-1]})"
+                        )
         return None
 
     def distributions(self) -> dict[str, BaseDistribution]:
@@ -247,8 +265,10 @@ class Space:
         """
         why = self.conditional()
         if why is not None:
-            raise NascompressError(f"{self.source}: space {self.name!r} is conditional, so it has no fixed set "
-                                   f"of Optuna distributions: {why}")
+            raise NascompressError(
+                f"{self.source}: space {self.name!r} is conditional, so it has no fixed set "
+                f"of Optuna distributions: {why}"
+            )
         out: dict[str, BaseDistribution] = {}
         for m in self.methods:
             if m.group is not None and f"group.{m.group}" not in out:
@@ -266,8 +286,9 @@ class Space:
         return out
 
 
-def load_space(path: str | Path, *, model: Any = None,
-               method_fields: MethodFields | None = registry_method_fields) -> Space:
+def load_space(
+    path: str | Path, *, model: Any = None, method_fields: MethodFields | None = registry_method_fields
+) -> Space:
     """Load and validate a space file.
 
     Args:

@@ -54,6 +54,7 @@ and the problem. :meth:`Space.check_depth` checks layer numbers against a model'
 The hash (:meth:`Space.hash`) covers the normalized ``methods`` only: a changed name or
 description does not change it.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -100,8 +101,9 @@ def read_space_file(path: str | Path) -> Any:
 class Parser:
     """Validates a parsed space file (errors name ``source``, the entry and the problem)."""
 
-    def __init__(self, source: str, method_fields: MethodFields | None, depth: int | None = None,
-                 pyramid: bool = False) -> None:
+    def __init__(
+        self, source: str, method_fields: MethodFields | None, depth: int | None = None, pyramid: bool = False
+    ) -> None:
         self.source = source
         self.method_fields = method_fields
         self.depth = depth  # the model's blocks a range counting from the last block is resolved against
@@ -142,9 +144,11 @@ class Parser:
                 continue
             first = groups.setdefault(m.group, m)
             if first.optional != m.optional:
-                raise self.err(f"methods[{i}].optional",
-                               f"the methods of group {m.group!r} must agree on optional "
-                               f"({first.name} says {first.optional}, {m.name} says {m.optional})")
+                raise self.err(
+                    f"methods[{i}].optional",
+                    f"the methods of group {m.group!r} must agree on optional "
+                    f"({first.name} says {first.optional}, {m.name} says {m.optional})",
+                )
             if m.name == "none":
                 raise self.err(f"methods[{i}].name", "'none' is reserved in groups")
         return name, desc, parsed
@@ -176,8 +180,10 @@ class Parser:
             if not isinstance(pname, str) or not _NAME_RE.match(pname):
                 raise self.err(pw, "a parameter name is a config field name (letters, digits, _)")
             if fields is not None and pname not in fields:
-                raise self.err(pw, f"unknown parameter {pname!r} of method {name!r} "
-                                   f"(its config fields: {', '.join(sorted(fields))})")
+                raise self.err(
+                    pw,
+                    f"unknown parameter {pname!r} of method {name!r} (its config fields: {', '.join(sorted(fields))})",
+                )
             if pname == "on" and optional and group is None:
                 raise self.err(pw, "'on' collides with the optional method's on/off parameter")
             params.append(self.param(pname, spec, pw, {p.name: p for p in params}))
@@ -192,8 +198,15 @@ class Parser:
         """Width settings (:data:`WIDTH_PARAMS`) must only take multiples of the method's ``align``."""
         by = {p.name: p for p in params}
         a = by.get("align")
-        aligns = [DEFAULT_ALIGN] if a is None else list(a.choices) if a.kind == "categorical" else \
-            [a.value] if a.kind == "const" else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
+        aligns = (
+            [DEFAULT_ALIGN]
+            if a is None
+            else list(a.choices)
+            if a.kind == "categorical"
+            else [a.value]
+            if a.kind == "const"
+            else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
+        )
         if not all(is_int(v) and v >= 1 for v in aligns):
             raise self.err(a.where, f"align takes integers >= 1, got {aligns}")
         need = math.lcm(*aligns)
@@ -208,24 +221,35 @@ class Parser:
             elif p.kind == "int" and not p.log:
                 values = [p.low, p.high] + ([p.step] if p.step else [1])
             else:
-                raise self.err(p.where, f"{pname} is a width: search it as an int with a step (a multiple of align "
-                                        f"{need}), or as choices")
+                raise self.err(
+                    p.where,
+                    f"{pname} is a width: search it as an int with a step (a multiple of align {need}), or as choices",
+                )
             bad = [v for v in values if v is not None and (not is_int(v) or v % need)]
             if bad:
-                raise self.err(p.where, f"{pname} is a width and must only take multiples of align {need} (its low, "
-                                        f"high and step too); {bad[0]!r} is not. Use multiples of {need}, or set "
-                                        f"align: 1 for this method")
+                raise self.err(
+                    p.where,
+                    f"{pname} is a width and must only take multiples of align {need} (its low, "
+                    f"high and step too); {bad[0]!r} is not. Use multiples of {need}, or set "
+                    f"align: 1 for this method",
+                )
 
     def param(self, pname: str, spec: Any, where: str, earlier: dict[str, Param]) -> Param:
         if not isinstance(spec, Mapping):
             if is_scalar(spec) or (isinstance(spec, list) and all(is_scalar(x) for x in spec)):
-                return Param(pname, "const", where, value=plain_value(spec), source={"kind": "const", "value": plain_value(spec)})
-            raise self.err(where, "a constant is a scalar or a list of scalars; write mappings as "
-                                  "{kind: const, value: {...}}")
+                return Param(
+                    pname, "const", where, value=plain_value(spec), source={"kind": "const", "value": plain_value(spec)}
+                )
+            raise self.err(
+                where, "a constant is a scalar or a list of scalars; write mappings as {kind: const, value: {...}}"
+            )
         kind = spec.get("kind")
         if kind is None:
-            raise self.err(where, f"a mapping needs kind: one of {', '.join(KINDS)} (a constant mapping is "
-                                  "{kind: const, value: {...}})")
+            raise self.err(
+                where,
+                f"a mapping needs kind: one of {', '.join(KINDS)} (a constant mapping is "
+                "{kind: const, value: {...}})",
+            )
         if kind not in KINDS:
             raise self.err(f"{where}.kind", f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
         self.keys(spec, _KEYS[kind], where)
@@ -234,8 +258,13 @@ class Parser:
         if kind == "const":
             if "value" not in spec:
                 raise self.err(where, "kind const needs value")
-            return Param(pname, "const", where, value=plain_value(spec["value"]),
-                         source={"kind": "const", "value": plain_value(spec["value"])})
+            return Param(
+                pname,
+                "const",
+                where,
+                value=plain_value(spec["value"]),
+                source={"kind": "const", "value": plain_value(spec["value"])},
+            )
         if kind in ("float", "int"):
             p = self.numeric(pname, kind, spec, where)
         elif kind == "categorical":
@@ -295,8 +324,13 @@ class Parser:
         if len(set(keys)) != len(keys):
             dup = next(c for i, c in enumerate(choices) if keys[i] in keys[:i])
             raise self.err(f"{where}.choices", f"choice {dup!r} appears twice")
-        return Param(pname, "categorical", where, choices=tuple(choices),
-                     source={"kind": "categorical", "choices": list(choices)})
+        return Param(
+            pname,
+            "categorical",
+            where,
+            choices=tuple(choices),
+            source={"kind": "categorical", "choices": list(choices)},
+        )
 
     def layer_list(self, x: Any, where: str) -> list[int]:
         if not isinstance(x, list) or not x:
@@ -305,8 +339,11 @@ class Parser:
             if not is_int(v) or v < 1:
                 raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {v!r}")
             if v > layer_limit():
-                raise self.err(where, f"layer {v:,} is beyond the deepest model nascompress builds ({layer_limit()} "
-                                      "blocks, the max_model_depth limit); give the model's layers")
+                raise self.err(
+                    where,
+                    f"layer {v:,} is beyond the deepest model nascompress builds ({layer_limit()} "
+                    "blocks, the max_model_depth limit); give the model's layers",
+                )
         if len(set(x)) != len(x):
             raise self.err(where, f"layer {next(v for i, v in enumerate(x) if v in x[:i])} appears twice")
         return sorted(x)
@@ -314,8 +351,11 @@ class Parser:
     def layers(self, pname: str, spec: Mapping[str, Any], where: str) -> Param:
         has = [k for k in ("range", "candidates", "choices") if k in spec]
         if len(has) != 1:
-            raise self.err(where, "kind layers needs exactly one of range: [lo, hi], candidates: [...] "
-                                  f"(both with size) or choices: [[...], ...]; got {has or 'none'}")
+            raise self.err(
+                where,
+                "kind layers needs exactly one of range: [lo, hi], candidates: [...] "
+                f"(both with size) or choices: [[...], ...]; got {has or 'none'}",
+            )
         if has[0] == "choices":
             if "size" in spec:
                 raise self.err(f"{where}.size", "size goes with range or candidates, not with choices")
@@ -325,24 +365,34 @@ class Parser:
             sets = [tuple(self.layer_list(c, f"{where}.choices[{i}]")) for i, c in enumerate(raw)]
             if len(set(sets)) != len(sets):
                 raise self.err(f"{where}.choices", "a layer set appears twice")
-            return Param(pname, "layers", where, choices=tuple(sets),
-                         source={"kind": "layers", "choices": [list(s) for s in sets]})
+            return Param(
+                pname,
+                "layers",
+                where,
+                choices=tuple(sets),
+                source={"kind": "layers", "choices": [list(s) for s in sets]},
+            )
         relative = False
         if has[0] == "range":
             r = spec["range"]
-            if (not isinstance(r, list) or len(r) != 2 or not all(is_int(v) for v in r)):
+            if not isinstance(r, list) or len(r) != 2 or not all(is_int(v) for v in r):
                 raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {r!r}")
             if 0 in r or r[0] < 0:
-                raise self.err(f"{where}.range", f"layer numbers are 1-based (>= 1; hi may count from the last "
-                                                 f"block: -1 is the last), got {r!r}")
+                raise self.err(
+                    f"{where}.range",
+                    f"layer numbers are 1-based (>= 1; hi may count from the last block: -1 is the last), got {r!r}",
+                )
             relative = r[1] < 0
             r = self.resolve_range(r, f"{where}.range") if relative else r
             if r[0] > r[1]:
                 raise self.err(f"{where}.range", f"empty or inverted range [{r[0]}, {r[1]}]")
             if r[1] > layer_limit():
-                raise self.err(f"{where}.range", f"layer {r[1]:,} is beyond the deepest model nascompress builds "
-                                                 f"({layer_limit()} blocks, the max_model_depth limit); give the "
-                                                 "model's layers")
+                raise self.err(
+                    f"{where}.range",
+                    f"layer {r[1]:,} is beyond the deepest model nascompress builds "
+                    f"({layer_limit()} blocks, the max_model_depth limit); give the "
+                    "model's layers",
+                )
             cands = list(range(r[0], r[1] + 1))
             src: dict[str, Any] = {"kind": "layers", "range": list(r)}
         else:
@@ -366,8 +416,11 @@ class Parser:
             raise self.err(f"{where}.size", f"size {hi} exceeds the {len(cands)} candidate layers{hint}")
         total = sum(math.comb(len(cands), k) for k in range(lo, hi + 1))
         if total > MAX_LAYER_SETS:
-            raise self.err(where, f"{total} layer sets is too many (at most {MAX_LAYER_SETS}): narrow the "
-                                  "candidates or the size, or list the sets with choices")
+            raise self.err(
+                where,
+                f"{total} layer sets is too many (at most {MAX_LAYER_SETS}): narrow the "
+                "candidates or the size, or list the sets with choices",
+            )
         sets = tuple(c for k in range(lo, hi + 1) for c in itertools.combinations(cands, k))
         src["size"] = [lo, hi]
         return Param(pname, "layers", where, choices=sets, source=src)
@@ -375,14 +428,22 @@ class Parser:
     def resolve_range(self, r: list[int], where: str) -> list[int]:
         """``[lo, -k]`` (the k-th block from the last) as absolute layer numbers of the model's depth."""
         if self.depth is None:
-            why = ("the base model is a pyramid ViT (stages of blocks), which no layer number can address; use "
-                   "a space without layer settings (e.g. mgvit-h's)") if self.pyramid else \
-                "load the space for a model (search tokens, the pipeline and load_space(path, model=...) do)"
+            why = (
+                (
+                    "the base model is a pyramid ViT (stages of blocks), which no layer number can address; use "
+                    "a space without layer settings (e.g. mgvit-h's)"
+                )
+                if self.pyramid
+                else "load the space for a model (search tokens, the pipeline and load_space(path, model=...) do)"
+            )
             raise self.err(where, f"range {r} counts from the model's last block: {why}")
         hi = self.depth + 1 + r[1]
         if hi < r[0]:
-            raise self.err(where, f"range {r} selects no layer of this {self.depth}-block model (layers "
-                                  f"{r[0]}..{hi}); give a deeper model or a space with lower layers")
+            raise self.err(
+                where,
+                f"range {r} selects no layer of this {self.depth}-block model (layers "
+                f"{r[0]}..{hi}); give a deeper model or a space with lower layers",
+            )
         return [r[0], hi]
 
     def per_layer(self, pname: str, spec: Mapping[str, Any], where: str, earlier: dict[str, Param]) -> Param:
@@ -392,11 +453,15 @@ class Parser:
         if isinstance(ref, str):
             sib = earlier.get(ref)
             if sib is None:
-                raise self.err(f"{where}.layers", f"refers to {ref!r}, which must be a parameter declared "
-                                                  f"before {pname!r} in the same method")
+                raise self.err(
+                    f"{where}.layers",
+                    f"refers to {ref!r}, which must be a parameter declared before {pname!r} in the same method",
+                )
             if not (sib.kind == "layers" or is_layer_const_value(sib)):
-                raise self.err(f"{where}.layers", f"{ref!r} must be a layers parameter or a constant list of "
-                                                  f"layer numbers, it is {sib.kind}")
+                raise self.err(
+                    f"{where}.layers",
+                    f"{ref!r} must be a layers parameter or a constant list of layer numbers, it is {sib.kind}",
+                )
         else:
             lst = tuple(self.layer_list(ref, f"{where}.layers"))
             ref = None
@@ -407,8 +472,11 @@ class Parser:
         if "when" in item_spec:
             raise self.err(f"{iw}.when", "put when on the per_layer entry, not on its value")
         self.keys(item_spec, _KEYS[item_spec["kind"]], iw)
-        item = (self.categorical(pname, item_spec, iw) if item_spec["kind"] == "categorical"
-                else self.numeric(pname, item_spec["kind"], item_spec, iw))
+        item = (
+            self.categorical(pname, item_spec, iw)
+            if item_spec["kind"] == "categorical"
+            else self.numeric(pname, item_spec["kind"], item_spec, iw)
+        )
         src = {"kind": "per_layer", "layers": ref if ref is not None else list(lst), "value": dict(item.source)}
         return Param(pname, "per_layer", where, layers_ref=ref, layers_list=lst, item=item, source=src)
 
@@ -420,8 +488,9 @@ class Parser:
         for sib_name, val in raw.items():
             sib = earlier.get(sib_name)
             if sib is None:
-                raise self.err(ww, f"refers to {sib_name!r}, which must be a parameter declared before this one "
-                                   "in the same method")
+                raise self.err(
+                    ww, f"refers to {sib_name!r}, which must be a parameter declared before this one in the same method"
+                )
             if sib.kind not in ("categorical", "const"):
                 raise self.err(ww, f"{sib_name!r} is {sib.kind}; when can only test a categorical or constant")
             vals = tuple(val) if isinstance(val, list) else (val,)
@@ -434,4 +503,3 @@ class Parser:
                     raise self.err(ww, f"{sib_name} can never be {v!r} (its values: {opts})")
             out.append((sib_name, vals))
         return tuple(out)
-

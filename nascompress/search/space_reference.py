@@ -1,6 +1,7 @@
 """Reference points of a search space: the uncompressed configuration and the papers' defaults as
 Optuna params (:func:`reference_configs`, the study's first trials), and the FLOPs range of a space
 over spread configurations without training (:func:`space_profile`)."""
+
 from __future__ import annotations
 
 import copy
@@ -64,8 +65,9 @@ def _per_layer_lists(m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def space_profile(ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n: int = 12,
-                  max_flops: float | None = None) -> dict[str, Any]:
+def space_profile(
+    ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n: int = 12, max_flops: float | None = None
+) -> dict[str, Any]:
     """FLOPs ratio and params over ``n`` spread configurations of the space (structure only, no
     training): min / median / max, and whether a FLOPs constraint is satisfiable."""
     x, dense = ctx_like["x"], ctx_like["dense_flops"]
@@ -85,8 +87,14 @@ def space_profile(ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n:
     if not ratios:
         return {}
     ratios.sort()
-    prof = {"configurations": len(ratios), "flops_ratio_min": ratios[0], "flops_ratio_median": ratios[len(ratios) // 2],
-            "flops_ratio_max": ratios[-1], "params_min": min(params), "params_max": max(params)}
+    prof = {
+        "configurations": len(ratios),
+        "flops_ratio_min": ratios[0],
+        "flops_ratio_median": ratios[len(ratios) // 2],
+        "flops_ratio_max": ratios[-1],
+        "params_min": min(params),
+        "params_max": max(params),
+    }
     if max_flops is not None:
         prof["max_flops_satisfiable"] = ratios[0] <= max_flops
     return prof

@@ -1,6 +1,7 @@
 """Replay: the Optuna params that make :meth:`Space.suggest <nascompress.search.space_model.Space.suggest>`
 return given method records (stored records, the dense model's or a paper's configuration), each
 value checked against the space."""
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
@@ -30,14 +31,16 @@ def params_for(space: SpaceView, records: Sequence[Mapping[str, Any]]) -> dict[s
     known = {m.name for m in space.methods}
     extra = sorted(set(by_name) - known)
     if extra:
-        raise NascompressError(f"records: method {extra[0]!r} is not in space {space.name!r} "
-                               f"(its methods: {', '.join(sorted(known))})")
+        raise NascompressError(
+            f"records: method {extra[0]!r} is not in space {space.name!r} (its methods: {', '.join(sorted(known))})"
+        )
     params: dict[str, Any] = {}
     for g, members in space.groups().items():
         present = [m.name for m in members if m.name in by_name]
         if len(present) > 1:
-            raise NascompressError(f"records: {present[0]!r} and {present[1]!r} are alternatives "
-                                   f"(group {g!r}); give at most one")
+            raise NascompressError(
+                f"records: {present[0]!r} and {present[1]!r} are alternatives (group {g!r}); give at most one"
+            )
         if not present and not members[0].optional:
             raise NascompressError(f"records: group {g!r} needs one of {[m.name for m in members]}")
         params[f"group.{g}"] = present[0] if present else "none"
@@ -45,8 +48,7 @@ def params_for(space: SpaceView, records: Sequence[Mapping[str, Any]]) -> dict[s
         if m.group is None and m.optional:
             params[f"{m.name}.on"] = m.name in by_name
         elif m.group is None and m.name not in by_name:
-            raise NascompressError(f"records: method {m.name!r} is always on in space {space.name!r}; "
-                                   "give its record")
+            raise NascompressError(f"records: method {m.name!r} is always on in space {space.name!r}; give its record")
         if m.name in by_name:
             cfg = by_name[m.name].get("config") or {}
             params.update(_params_for_method(m, cfg))
@@ -80,8 +82,11 @@ def _params_for_method(m: Method, cfg: Mapping[str, Any]) -> dict[str, Any]:
             continue
         name, where = f"{m.name}.{p.name}", f"records: {m.name}.config.{p.name}"
         if p.kind == "const":
-            if p.name in cfg and cfg[p.name] != p.value and not (
-                    isinstance(cfg[p.name], tuple) and list(cfg[p.name]) == p.value):
+            if (
+                p.name in cfg
+                and cfg[p.name] != p.value
+                and not (isinstance(cfg[p.name], tuple) and list(cfg[p.name]) == p.value)
+            ):
                 raise NascompressError(f"{where} is {cfg[p.name]!r} but the space fixes it to {p.value!r}")
             values[p.name] = p.value
             continue

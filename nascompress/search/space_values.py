@@ -9,6 +9,7 @@
   setting of a ViT);
 - layer numbers stop at the ``max_model_depth`` limit (a range [1, 10^9] would be listed).
 """
+
 from __future__ import annotations
 
 import re
@@ -37,8 +38,10 @@ def check_grid(low: float, high: float, step: float | None, kind: str) -> str | 
     if n > MAX_GRID_POINTS:
         what = f"step {step!r}" if step is not None else "the range"
         count = f"{n:,.0f}" if n < 1e15 else f"{n:.2e}"
-        return (f"{what} gives {count} values from {low!r} to {high!r}, more than the {MAX_GRID_POINTS:,} a search "
-                "entry may hold; use a larger step or a narrower range")
+        return (
+            f"{what} gives {count} values from {low!r} to {high!r}, more than the {MAX_GRID_POINTS:,} a search "
+            "entry may hold; use a larger step or a narrower range"
+        )
     return None
 
 
@@ -110,5 +113,12 @@ def registry_method_fields(name: str) -> set[str] | None:
     return fields
 
 
-
-__all__ = ["registry_method_fields", "MAX_GRID_POINTS", "check_grid", "check_values", "extremes", "layer_limit", "registry_value_error"]
+__all__ = [
+    "registry_method_fields",
+    "MAX_GRID_POINTS",
+    "check_grid",
+    "check_values",
+    "extremes",
+    "layer_limit",
+    "registry_value_error",
+]

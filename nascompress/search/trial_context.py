@@ -1,6 +1,7 @@
 """One study worker's cached state (:class:`TrialContext`): the base model, the uncompressed
 model's cost, the validation and calibration images preprocessed once, and the speed of each
 architecture measured once."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,8 +42,11 @@ class TrialContext:
         self.val = tensors_of(self.data.val, self.spec, job.batch_size)
         self.calib = tensors_of(self.data.train, self.spec, job.batch_size)
         # the identity of the validation subset every trial of the study is scored on
-        self.eval_subset = subset_fingerprint(self.data.val, torch.cat([y for _, y in self.val]) if self.val
-                                              else torch.zeros(0), seed=data_cfg.subset_seed)
+        self.eval_subset = subset_fingerprint(
+            self.data.val,
+            torch.cat([y for _, y in self.val]) if self.val else torch.zeros(0),
+            seed=data_cfg.subset_seed,
+        )
         self.uncompressed = build_model(self.arch.spec).to(self.device).eval()
         x = self.val[0][0][:FLOPS_IMAGES].to(self.device)
         self.flops_x = x
@@ -80,10 +84,15 @@ class TrialContext:
         model; cached per architecture ``key``."""
         if key not in self._speed:
             shape = tuple(self.flops_x.shape[1:])
-            dense, cand = measure([self.uncompressed, model], shape, device=self.device,
-                                  iters=self.job.latency_iters, seed=self.job.seed)
-            self._speed[key] = {"latency_ms": cand["latency_ms"], "throughput": cand["throughput"],
-                                "dense_latency_ms": dense["latency_ms"], "dense_throughput": dense["throughput"]}
+            dense, cand = measure(
+                [self.uncompressed, model], shape, device=self.device, iters=self.job.latency_iters, seed=self.job.seed
+            )
+            self._speed[key] = {
+                "latency_ms": cand["latency_ms"],
+                "throughput": cand["throughput"],
+                "dense_latency_ms": dense["latency_ms"],
+                "dense_throughput": dense["throughput"],
+            }
         return self._speed[key]
 
 

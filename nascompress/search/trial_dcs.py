@@ -1,6 +1,7 @@
 """A trial's DCS stage: a short DCS search at the trial's settings, in memory, on the worker's base
 model and data (:func:`~nascompress.dcs_search.search.run_dcs_search`, its baseline comparison included), and
 the worker's memo of the searches it made (a space whose trials share DCS settings searches once)."""
+
 from __future__ import annotations
 
 import copy
@@ -45,18 +46,28 @@ def dcs_stage(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[n
 
 def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple[nn.Module, dict[str, Any]]:
     if ctx.arch.methods:
-        raise NascompressError(f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
-                               f"{list(ctx.arch.method_names)}")
+        raise NascompressError(
+            f"a space with a dcs entry needs a dense base run; {ctx.job.base} already applies "
+            f"{list(ctx.arch.method_names)}"
+        )
     m_keys = set(DCSConfig.__dataclass_fields__)
     method = DCSConfig.user(**{k: v for k, v in settings.items() if k in m_keys})
-    search = DCSSearchConfig.from_dict({"auto_batch": True, "init_seed": ctx.job.seed,
-                                        **{k: v for k, v in settings.items() if k not in m_keys}})
-    train = search_train_config(epochs=ctx.job.dcs_epochs, batch_size=ctx.job.batch_size, seed=seed,
-                                device=ctx.job.device, amp=ctx.job.amp, deterministic=ctx.job.deterministic)
+    search = DCSSearchConfig.from_dict(
+        {"auto_batch": True, "init_seed": ctx.job.seed, **{k: v for k, v in settings.items() if k not in m_keys}}
+    )
+    train = search_train_config(
+        epochs=ctx.job.dcs_epochs,
+        batch_size=ctx.job.batch_size,
+        seed=seed,
+        device=ctx.job.device,
+        amp=ctx.job.amp,
+        deterministic=ctx.job.deterministic,
+    )
     # the search's own record of where it started (the memo of pre-search measurements is keyed on it);
     # nothing is written: the search runs on the worker's base model and data, in memory
-    job = DCSSearchJob(source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search,
-                       data=ctx.data_cfg, train=train)
+    job = DCSSearchJob(
+        source=str(Path(ctx.job.base).resolve()), out="", method=method, search=search, data=ctx.data_cfg, train=train
+    )
     dense = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base stays frozen and untouched
     result = run_dcs_search(job, dense, ctx.arch, ctx.search_data())
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)

@@ -4,6 +4,7 @@ Rebuilds the trial's model from its base run and its recorded parameters (the se
 builder, :mod:`nascompress.search.trials`), fine-tunes it as the trial did, and writes the run.
 DCS materialization of a finished channel search is :mod:`nascompress.dcs_search.materialize`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,25 +58,36 @@ class TrialMaterializeJob(Config):
     def __post_init__(self) -> None:
         check_settings(self)
         if (self.trial is None) == (self.pick is None):
-            raise SettingError("give either {trial} N or {pick} RULE (best-under-flops=0.6, "
-                                   "best-under-latency=MS or knee)")
+            raise SettingError(
+                "give either {trial} N or {pick} RULE (best-under-flops=0.6, best-under-latency=MS or knee)"
+            )
         if self.pick is not None:
             parse_pick(self.pick)
 
 
-def build_job(study: str, out: str | Path, *, trial: int | None = None, pick: str | None = None,
-              storage: str | None = None, finetune_epochs: int = 0) -> TrialMaterializeJob:
+def build_job(
+    study: str,
+    out: str | Path,
+    *,
+    trial: int | None = None,
+    pick: str | None = None,
+    storage: str | None = None,
+    finetune_epochs: int = 0,
+) -> TrialMaterializeJob:
     """The job that rebuilds a study's trial: of ``nascompress materialize --study``, of a pipeline's
     ``stages.tokens`` (its pick) and of ``nc.study`` (the one place it is built); the arguments are
     :class:`TrialMaterializeJob`'s (checked there: a ``trial`` or a ``pick`` rule)."""
-    return TrialMaterializeJob(study=study, out=str(out), trial=trial, pick=pick, storage=storage,
-                               finetune_epochs=finetune_epochs)
+    return TrialMaterializeJob(
+        study=study, out=str(out), trial=trial, pick=pick, storage=storage, finetune_epochs=finetune_epochs
+    )
 
 
 def parse_pick(text: str) -> tuple[str, float | None]:
     rule, _, value = text.partition("=")
     if rule not in PICK_RULES:
-        raise SettingError(f"{{pick}} {text!r}: the rule must be one of best-under-flops=R, best-under-latency=MS, knee")
+        raise SettingError(
+            f"{{pick}} {text!r}: the rule must be one of best-under-flops=R, best-under-latency=MS, knee"
+        )
     if rule == "knee":
         if value:
             raise SettingError("{pick} knee takes no value")
@@ -111,23 +123,28 @@ def pick_trial(study: Any, rule: str, value: float | None) -> Any:
     recs = {t.number: trial_record(t) for t in done}
     if rule == "knee":
         if len(study.directions) < 2:
-            raise SettingError("{pick} knee needs a two-objective study; this one is single-objective: "
-                                   "use {pick} best-under-flops=R")
+            raise SettingError(
+                "{pick} knee needs a two-objective study; this one is single-objective: use {pick} best-under-flops=R"
+            )
         front = pareto_front(done, study.directions)
         sign = 1 if study.directions[1].name.lower() == "minimize" else -1
         return knee([(t, t.values[0], sign * t.values[1]) for t in front])
     key = "flops_ratio" if rule == "best-under-flops" else "latency_ms"
     have = [t for t in done if recs[t.number].get(key) is not None]
     if not have:
-        raise SettingError(f"no trial of study {study.study_name!r} recorded {key.replace('_', ' ')}; "
-                               "search with {objective} latency (or {max_latency}) to pick by latency")
+        raise SettingError(
+            f"no trial of study {study.study_name!r} recorded {key.replace('_', ' ')}; "
+            "search with {objective} latency (or {max_latency}) to pick by latency"
+        )
     ok = [t for t in have if recs[t.number][key] <= value]
     if not ok:
         closest = min(have, key=lambda t: recs[t.number][key])
         unit = "x" if key == "flops_ratio" else " ms"
-        raise NascompressError(f"no complete trial has {key.replace('_', ' ')} <= {value:g}; the closest is trial "
-                               f"{closest.number} at {recs[closest.number][key]:.3f}{unit} "
-                               f"({recs[closest.number].get('accuracy', float('nan')):.2f}%)")
+        raise NascompressError(
+            f"no complete trial has {key.replace('_', ' ')} <= {value:g}; the closest is trial "
+            f"{closest.number} at {recs[closest.number][key]:.3f}{unit} "
+            f"({recs[closest.number].get('accuracy', float('nan')):.2f}%)"
+        )
     return max(ok, key=lambda t: (recs[t.number].get("accuracy", -1.0), -t.number))
 
 
@@ -141,58 +158,92 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     spec, study = load_study(job.study, job.storage)
     info = study_info(study)
     if "job" not in info:
-        raise NascompressError(f"study {job.study!r} was not made by `nascompress search tokens|joint` (it holds no "
-                               "search job to rebuild trials from)")
+        raise NascompressError(
+            f"study {job.study!r} was not made by `nascompress search tokens|joint` (it holds no "
+            "search job to rebuild trials from)"
+        )
     if job.trial is not None:
         trials = [t for t in study.get_trials(deepcopy=False) if t.number == job.trial]
         if not trials:
             raise NascompressError(f"study {job.study!r} has no trial {job.trial} (trials 0..{len(study.trials) - 1})")
         trial = trials[0]
         if trial.state != TrialState.COMPLETE:
-            raise NascompressError(f"trial {job.trial} of study {job.study!r} is {trial.state.name}, not COMPLETE; "
-                                   "pick a complete trial (`nascompress study show` lists them)")
+            raise NascompressError(
+                f"trial {job.trial} of study {job.study!r} is {trial.state.name}, not COMPLETE; "
+                "pick a complete trial (`nascompress study show` lists them)"
+            )
     else:
         trial = pick_trial(study, *parse_pick(job.pick))
     rec = trial_record(trial)
     search = SearchJob.from_record(info["job"])
     recorded = info.get("base_fingerprint")
     if recorded is not None and Path(search.base).exists() and base_fingerprint(search.base) != recorded:
-        raise NascompressError(f"the base run {search.base} of study {job.study!r} is not the model the study was "
-                               f"made on (its weights' sha256 {base_fingerprint(search.base)[:12]}, recorded "
-                               f"{recorded[:12]}): it was replaced since; put the original model back there, or run "
-                               "a new study on this one")
+        raise NascompressError(
+            f"the base run {search.base} of study {job.study!r} is not the model the study was "
+            f"made on (its weights' sha256 {base_fingerprint(search.base)[:12]}, recorded "
+            f"{recorded[:12]}): it was replaced since; put the original model back there, or run "
+            "a new study on this one"
+        )
     refuse_overwriting_inputs(out, (search.base, spec.path))  # the study's base run and its file
     ctx = TrialContext(search)
     records = ctx.space.records(trial.params)
     # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe
     # counts, how studies scored trials before budgets were recorded)
     scoring = rec.get("scoring") or {}
-    model, applied, training = build_trial(ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"),
-                                           dcs_seed=scoring.get("dcs_seed"))
+    model, applied, training = build_trial(
+        ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"), dcs_seed=scoring.get("dcs_seed")
+    )
     acc = ctx.accuracy(model)
     if abs(acc - rec["accuracy"]) > 1e-6:
-        raise NascompressError(f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "
-                               f"{rec['accuracy']:.3f}%: it was made on another machine or torch build, where "
-                               "training is not bit-identical; rerun the search here or fine-tune the result")
+        raise NascompressError(
+            f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "
+            f"{rec['accuracy']:.3f}%: it was made on another machine or torch build, where "
+            "training is not bit-identical; rerun the search here or fine-tune the result"
+        )
     arch = ctx.arch.with_method(*applied).without("retrain")
 
     data = run_data_config(search.base) or ctx.data_cfg
-    provenance = {"study": job.study, "storage": spec.display, "trial": trial.number, "params": dict(trial.params),
-                  "seed": rec["seed"], "search": info["job"]}
-    run.create({"materialize": job.to_dict(), "from_study": provenance,
-                "data": data.__dict__ if hasattr(data, "__dict__") else data})
-    metrics: dict[str, Any] = {"trial": trial.number, "trial_accuracy": rec["accuracy"], "rebuilt_accuracy": acc,
-                               "flops_ratio": rec.get("flops_ratio"), "params": rec.get("params")}
+    provenance = {
+        "study": job.study,
+        "storage": spec.display,
+        "trial": trial.number,
+        "params": dict(trial.params),
+        "seed": rec["seed"],
+        "search": info["job"],
+    }
+    run.create(
+        {
+            "materialize": job.to_dict(),
+            "from_study": provenance,
+            "data": data.__dict__ if hasattr(data, "__dict__") else data,
+        }
+    )
+    metrics: dict[str, Any] = {
+        "trial": trial.number,
+        "trial_accuracy": rec["accuracy"],
+        "rebuilt_accuracy": acc,
+        "flops_ratio": rec.get("flops_ratio"),
+        "params": rec.get("params"),
+    }
     if job.finetune_epochs > 0:
-        metrics["finetune"] = _finetune_rebuilt(ctx, model, applied, arch, out, job.finetune_epochs, int(rec["seed"]),
-                                                data)
+        metrics["finetune"] = _finetune_rebuilt(
+            ctx, model, applied, arch, out, job.finetune_epochs, int(rec["seed"]), data
+        )
     else:
         save_model(out, model, arch)
     return run.finish(metrics)  # the last write: marks the run complete
 
 
-def _finetune_rebuilt(ctx: Any, model: nn.Module, applied: list[dict[str, Any]], arch: Arch, out: Path,
-                      epochs: int, seed: int, data_cfg: Any) -> dict[str, Any]:
+def _finetune_rebuilt(
+    ctx: Any,
+    model: nn.Module,
+    applied: list[dict[str, Any]],
+    arch: Arch,
+    out: Path,
+    epochs: int,
+    seed: int,
+    data_cfg: Any,
+) -> dict[str, Any]:
     """Fine-tune the rebuilt model with its last method's recipe into ``out`` (the start kept if best)."""
     last = applied[-1]["name"]
     cfg = finetune_train_config(last, epochs=epochs, seed=seed, device=ctx.job.device)

@@ -22,6 +22,7 @@ The uncompressed configuration and the papers' configurations are enqueued first
 space can express them). Everything needed to rebuild a trial is stored in the study: the job
 (``study.user_attrs``), each trial's method records and seed (:func:`build_trial` rebuilds it).
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,11 +59,16 @@ from ..progress import console
 from ..studies import record_trial, run_study
 from ..train import TrainConfig, fit
 
-SECOND_OBJECTIVES = {"flops": ("flops_ratio", "minimize"), "latency": ("latency_ms", "minimize"),
-                     "throughput": ("throughput", "maximize")}
+SECOND_OBJECTIVES = {
+    "flops": ("flops_ratio", "minimize"),
+    "latency": ("latency_ms", "minimize"),
+    "throughput": ("throughput", "maximize"),
+}
 OBJECTIVES = ("goal", *SECOND_OBJECTIVES)
-STORAGE_HELP = ("Where the studies live: sqlite:///FILE, journal:FILE or postgresql://USER:PASS@HOST:PORT/DB "
-                "(default: ./nascompress-studies.db; with several --workers ./nascompress-studies.journal).")
+STORAGE_HELP = (
+    "Where the studies live: sqlite:///FILE, journal:FILE or postgresql://USER:PASS@HOST:PORT/DB "
+    "(default: ./nascompress-studies.db; with several --workers ./nascompress-studies.journal)."
+)
 FINETUNE_EPOCHS_HELP = "0: none; else fine-tune with the last method's recipe for this many epochs."
 
 
@@ -105,37 +111,68 @@ class SearchJob(Config):
     """
 
     base: str
-    space: str = setting(path=True, shipped="search space", help=(
-        "Search-space file, or the name of a shipped space (evit, joint, tome, ...; nascompress/search_spaces/)."))
+    space: str = setting(
+        path=True,
+        shipped="search space",
+        help=(
+            "Search-space file, or the name of a shipped space (evit, joint, tome, ...; nascompress/search_spaces/)."
+        ),
+    )
     study: str = setting(help="Study name; an existing study is continued.")
     storage: str | None = setting(None, help=STORAGE_HELP)
     trials: int = setting(50, help="Complete trials the study should reach.", lo=1, limit="max_trials")
     workers: int = setting(1, help="Worker processes on this machine sharing the study.", lo=1, hi=MAX_WORKERS)
-    objective: str = setting("goal", choices=OBJECTIVES, help=(
-        "goal: accuracy alone under the constraint (--max-flops or --max-latency; a pipeline's goal), or "
-        "accuracy x FLOPs without one; flops, latency or throughput: a Pareto front of accuracy and that."))
-    max_flops: float | None = setting(None, lo=0, hi=1, lo_open=True, help=(
-        "Single objective: accuracy with FLOPs <= this ratio of the uncompressed model."))
-    max_latency_ms: float | None = setting(None, lo=0, lo_open=True, option="--max-latency", help=(
-        "Single objective: accuracy with batch-1 latency <= this many ms on --device."))
-    sampler: str = setting("tpe", help="tpe (multivariate), nsga2, gp (GPSampler; numeric spaces), qmc (scrambled "
-                                         "Sobol' points; spaces without conditional parameters) or grid (the "
-                                         "space's spread configurations in order).", choices=SAMPLERS)
+    objective: str = setting(
+        "goal",
+        choices=OBJECTIVES,
+        help=(
+            "goal: accuracy alone under the constraint (--max-flops or --max-latency; a pipeline's goal), or "
+            "accuracy x FLOPs without one; flops, latency or throughput: a Pareto front of accuracy and that."
+        ),
+    )
+    max_flops: float | None = setting(
+        None,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help=("Single objective: accuracy with FLOPs <= this ratio of the uncompressed model."),
+    )
+    max_latency_ms: float | None = setting(
+        None,
+        lo=0,
+        lo_open=True,
+        option="--max-latency",
+        help=("Single objective: accuracy with batch-1 latency <= this many ms on --device."),
+    )
+    sampler: str = setting(
+        "tpe",
+        help="tpe (multivariate), nsga2, gp (GPSampler; numeric spaces), qmc (scrambled "
+        "Sobol' points; spaces without conditional parameters) or grid (the "
+        "space's spread configurations in order).",
+        choices=SAMPLERS,
+    )
     finetune_epochs: int = setting(0, help=FINETUNE_EPOCHS_HELP, lo=0, hi=MAX_EPOCHS)
-    train_images: int = setting(2000, help="Class-balanced training images for predictor stages and fine-tunes.",
-                                lo=1, hi=MAX_IMAGES)
-    eval_images: int = setting(2000, help="Class-balanced validation images accuracy is measured on.", lo=1,
-                               hi=MAX_IMAGES)
-    calib_steps: int = setting(50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0,
-                               hi=MAX_STEPS)
-    batch_size: int = setting(64, help="Images per batch of the trials' evaluation, predictor stages and "
-                                       "fine-tunes.", lo=1, hi=MAX_BATCH)
-    dcs_epochs: int = setting(1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1,
-                              hi=MAX_EPOCHS)
-    latency_iters: int = setting(10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1,
-                                 hi=MAX_ITERS)
-    enqueue: bool = setting(True, help="Do not run the uncompressed and paper configurations first.",
-                            flag="--no-enqueue")
+    train_images: int = setting(
+        2000, help="Class-balanced training images for predictor stages and fine-tunes.", lo=1, hi=MAX_IMAGES
+    )
+    eval_images: int = setting(
+        2000, help="Class-balanced validation images accuracy is measured on.", lo=1, hi=MAX_IMAGES
+    )
+    calib_steps: int = setting(
+        50, help="Steps of the predictor-only stage (DynamicViT, Sparsifiner).", lo=0, hi=MAX_STEPS
+    )
+    batch_size: int = setting(
+        64, help="Images per batch of the trials' evaluation, predictor stages and fine-tunes.", lo=1, hi=MAX_BATCH
+    )
+    dcs_epochs: int = setting(
+        1, help="Epochs of the per-trial DCS search (spaces with a dcs entry).", lo=1, hi=MAX_EPOCHS
+    )
+    latency_iters: int = setting(
+        10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1, hi=MAX_ITERS
+    )
+    enqueue: bool = setting(
+        True, help="Do not run the uncompressed and paper configurations first.", flag="--no-enqueue"
+    )
     data: DataConfig | None = None
     seed: int = 0
     device: str = "auto"
@@ -151,13 +188,17 @@ class SearchJob(Config):
         if self.max_flops is not None and self.max_latency_ms is not None:
             raise SettingError("give {max_flops} or {max_latency_ms}, not both")
         if self.constrained and self.objective != "goal":
-            raise SettingError(f"{{objective}} {self.objective} is a Pareto front; with {{max_flops}} or {{max_latency_ms}} "
-                                   "the study is single-objective: leave {objective} at goal")
+            raise SettingError(
+                f"{{objective}} {self.objective} is a Pareto front; with {{max_flops}} or {{max_latency_ms}} "
+                "the study is single-objective: leave {objective} at goal"
+            )
 
     @classmethod
     def from_record(cls, d: dict[str, Any]) -> "SearchJob":
         """A recorded job; one recorded when a constraint overrode ``--objective flops`` reads as ``goal``."""
-        flops = d.get("objective") == "flops" and (d.get("max_flops") is not None or d.get("max_latency_ms") is not None)
+        flops = d.get("objective") == "flops" and (
+            d.get("max_flops") is not None or d.get("max_latency_ms") is not None
+        )
         return cls.from_dict(dict(d, objective="goal") if flops else d)
 
     @property
@@ -182,13 +223,29 @@ class SearchJob(Config):
 
 # The settings of a study's trials: ``search tokens|joint``'s options (every user-facing field of
 # SearchJob) and the pipeline's ``stages.tokens`` keys (these, and the pipeline's own study name)
-STUDY_SETTINGS = StageSettings(SearchJob, ("space", "trials", "workers", "objective", "sampler",
-                                           "finetune_epochs", "train_images", "eval_images", "calib_steps",
-                                           "batch_size", "dcs_epochs", "latency_iters", "enqueue"))
+STUDY_SETTINGS = StageSettings(
+    SearchJob,
+    (
+        "space",
+        "trials",
+        "workers",
+        "objective",
+        "sampler",
+        "finetune_epochs",
+        "train_images",
+        "eval_images",
+        "calib_steps",
+        "batch_size",
+        "dcs_epochs",
+        "latency_iters",
+        "enqueue",
+    ),
+)
 
 
-def build_job(base: str | Path, *, search: Mapping[str, Any], runtime: Mapping[str, Any],
-              data: DataConfig | None = None) -> SearchJob:
+def build_job(
+    base: str | Path, *, search: Mapping[str, Any], runtime: Mapping[str, Any], data: DataConfig | None = None
+) -> SearchJob:
     """The study job of ``nascompress search tokens|joint``, of a pipeline's ``stages.tokens`` and of
     ``nc.study`` (the one place it is built): ``search``: the values of :class:`SearchJob`'s settings
     (the space, the study's name and storage, its constraint, :data:`STUDY_SETTINGS`'); ``runtime``:
@@ -204,9 +261,15 @@ def trial_seed(seed: int, number: int) -> int:
     return seed * 100_003 + number
 
 
-def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, report: Any = None,
-                budget: int | None | str = "job", dcs_seed: int | None = None
-                ) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
+def build_trial(
+    ctx: TrialContext,
+    records: list[dict[str, Any]],
+    *,
+    seed: int,
+    report: Any = None,
+    budget: int | None | str = "job",
+    dcs_seed: int | None = None,
+) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
     """The model of one trial: the base with ``records`` applied, calibrated or fine-tuned as the job says.
 
     Deterministic for the same (records, seed, dcs_seed) on the same machine, so a study's trial can be
@@ -247,35 +310,60 @@ def build_trial(ctx: TrialContext, records: list[dict[str, Any]], *, seed: int, 
         info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report, budget=budget)
         info["calib_steps"] = info["finetune"].pop("calib_steps")
     else:
-        with runtime.configured(ctx.device, deterministic=ctx.job.deterministic), runtime.autocast(ctx.device,
-                                                                                                    ctx.job.amp):
-            logs, steps = calibrate_stack(model, applied, teacher=ctx.base, batches=ctx.calibration_batches(),
-                                          budget=budget, cycle_to=ctx.job.calib_steps)
+        with (
+            runtime.configured(ctx.device, deterministic=ctx.job.deterministic),
+            runtime.autocast(ctx.device, ctx.job.amp),
+        ):
+            logs, steps = calibrate_stack(
+                model,
+                applied,
+                teacher=ctx.base,
+                batches=ctx.calibration_batches(),
+                budget=budget,
+                cycle_to=ctx.job.calib_steps,
+            )
         info.update({f"calibration_{name}": out for name, out in logs.items()})
         info["calib_steps"] = steps
     return model.eval(), applied, info
 
 
-def _finetune_trial(ctx: TrialContext, model: nn.Module, applied: list[dict[str, Any]], *, seed: int,
-                    report: Any, budget: int | None) -> dict[str, Any]:
+def _finetune_trial(
+    ctx: TrialContext, model: nn.Module, applied: list[dict[str, Any]], *, seed: int, report: Any, budget: int | None
+) -> dict[str, Any]:
     """A short fine-tune with the recipe of the last method of the stack (every other method's
     predictor-only stage first, ``budget`` steps each; ``calib_steps`` in the result: their steps)."""
-    _, steps = calibrate_stack(model, applied[:-1], teacher=ctx.base, batches=ctx.calibration_batches(),
-                               budget=budget, cycle_to=ctx.job.calib_steps)
+    _, steps = calibrate_stack(
+        model,
+        applied[:-1],
+        teacher=ctx.base,
+        batches=ctx.calibration_batches(),
+        budget=budget,
+        cycle_to=ctx.job.calib_steps,
+    )
     steps[applied[-1]["name"]] = 0  # trained by the fine-tune itself
     last = applied[-1]["name"]
     epochs = max(1, round(ctx.job.finetune_epochs))
-    cfg = finetune_train_config(last, epochs=epochs, batch_size=ctx.job.batch_size, seed=seed, device=ctx.job.device,
-                                amp=ctx.job.amp, deterministic=ctx.job.deterministic).replace(eval_start=False,
-                                                                                              keep="last")
+    cfg = finetune_train_config(
+        last,
+        epochs=epochs,
+        batch_size=ctx.job.batch_size,
+        seed=seed,
+        device=ctx.job.device,
+        amp=ctx.job.amp,
+        deterministic=ctx.job.deterministic,
+    ).replace(eval_start=False, keep="last")
     method = get_method(last)
     hooks = method.hooks(model, applied[-1], teacher=ctx.base, train_cfg=cfg)
     if report is not None:
         hooks = _Reporting(hooks, report)
     arch = ctx.arch.with_method(*applied)
     metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, arch=arch, hooks=hooks)  # in memory
-    return {"epochs": epochs, "val_top1": metrics["best_val_top1"], "train_time_s": metrics["train_time_s"],
-            "calib_steps": steps}
+    return {
+        "epochs": epochs,
+        "val_top1": metrics["best_val_top1"],
+        "train_time_s": metrics["train_time_s"],
+        "calib_steps": steps,
+    }
 
 
 class _Reporting:
@@ -317,23 +405,40 @@ class Objective:
         seed = trial_seed(job.seed, trial.number)
         report = None
         if job.constrained and job.finetune_epochs > 0:
+
             def report(epoch: int, value: float) -> None:
                 trial.report(value, epoch)
                 if trial.should_prune():
                     raise optuna.TrialPruned(f"pruned after epoch {epoch} at {value:.2f}%")
+
         with runtime.configured(ctx.device, deterministic=job.deterministic):
             model, applied, info = build_trial(ctx, records, seed=seed, report=report, dcs_seed=job.seed)
             acc = ctx.accuracy(model)
         rep = count_flops(model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
         speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
-        scoring = trial_scoring(budget=job.calib_steps, steps=info.pop("calib_steps"), eval_subset=ctx.eval_subset,
-                                finetune_epochs=job.finetune_epochs)
+        scoring = trial_scoring(
+            budget=job.calib_steps,
+            steps=info.pop("calib_steps"),
+            eval_subset=ctx.eval_subset,
+            finetune_epochs=job.finetune_epochs,
+        )
         if "seed" in info.get("dcs", {}):
             scoring["dcs_seed"] = info["dcs"]["seed"]
-        record_trial(trial, arch=applied, params_changed=dict(trial.params), flops=rep.total, flops_ratio=ratio,
-                     params=rep.params, accuracy=acc, latency_ms=speed.get("latency_ms"),
-                     throughput=speed.get("throughput"), wall_s=time.perf_counter() - t0, seed=seed, scoring=scoring)
+        record_trial(
+            trial,
+            arch=applied,
+            params_changed=dict(trial.params),
+            flops=rep.total,
+            flops_ratio=ratio,
+            params=rep.params,
+            accuracy=acc,
+            latency_ms=speed.get("latency_ms"),
+            throughput=speed.get("throughput"),
+            wall_s=time.perf_counter() - t0,
+            seed=seed,
+            scoring=scoring,
+        )
         if info:
             trial.set_user_attr("nascompress_training", json.loads(json.dumps(info)))
         if job.max_flops is not None:
@@ -363,40 +468,81 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     runtime.prepare_deterministic(job.deterministic)
     base_path = Path(job.base)
     if not base_path.exists():
-        raise NascompressError(f"base run {job.base} does not exist; give a run directory (train, import or materialize)")
+        raise NascompressError(
+            f"base run {job.base} does not exist; give a run directory (train, import or materialize)"
+        )
     base, arch = load_typed(job.base)
     space = load_space(job.space, model=base)  # layer ranges sized by the base's depth, checked against it
-    factory = sampler_factory(job.sampler, space, job.seed, trials=job.trials)  # qmc/gp on what they cannot search: refused here
+    factory = sampler_factory(
+        job.sampler, space, job.seed, trials=job.trials
+    )  # qmc/gp on what they cannot search: refused here
     spec = InputSpec.from_dict(dict(arch.input))
     torch.manual_seed(job.seed)
     x = torch.randn(4, spec.in_chans, *spec.img_size)
     dense = count_flops(build_model(arch.spec).eval(), x).total
     profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
     if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
-        raise GoalUnreachable(f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
-                               f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space")
+        raise GoalUnreachable(
+            f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
+            f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space"
+        )
     if progress and profile:
-        console.print(f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
-                      f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
-                      f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
-                      + ("" if job.max_flops is None else words(f"; {{max_flops}} {job.max_flops:g} is reachable")),
-                      highlight=False)
+        console.print(
+            f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
+            f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
+            f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
+            + ("" if job.max_flops is None else words(f"; {{max_flops}} {job.max_flops:g} is reachable")),
+            highlight=False,
+        )
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
-    job_dict = job.replace(base=str(base_path.resolve()), space=str(resolve_file(job.space, what="search space").resolve())).to_dict()
-    info = {"space": space.to_dict(), "space_hash": space.hash(), "sampler": job.sampler, "base_run": job_dict["base"],
-            "base_fingerprint": base_fingerprint(job.base),
-            "dataset": (job.data or run_data(job.base)).dataset, "job": job_dict, "profile": profile,
-            "scoring": study_scoring(job)}
-    summary = run_study(study_name=job.study, storage=job.storage,
-                        objective_factory=functools.partial(make_objective, job_dict),
-                        n_trials=job.trials, directions=directions, metric_names=metric_names, space_info=info,
-                        sampler_factory=factory, seed=job.seed,
-                        workers=job.workers, enqueue=enqueue, progress=progress, json_progress=json_progress)
+    job_dict = job.replace(
+        base=str(base_path.resolve()), space=str(resolve_file(job.space, what="search space").resolve())
+    ).to_dict()
+    info = {
+        "space": space.to_dict(),
+        "space_hash": space.hash(),
+        "sampler": job.sampler,
+        "base_run": job_dict["base"],
+        "base_fingerprint": base_fingerprint(job.base),
+        "dataset": (job.data or run_data(job.base)).dataset,
+        "job": job_dict,
+        "profile": profile,
+        "scoring": study_scoring(job),
+    }
+    summary = run_study(
+        study_name=job.study,
+        storage=job.storage,
+        objective_factory=functools.partial(make_objective, job_dict),
+        n_trials=job.trials,
+        directions=directions,
+        metric_names=metric_names,
+        space_info=info,
+        sampler_factory=factory,
+        seed=job.seed,
+        workers=job.workers,
+        enqueue=enqueue,
+        progress=progress,
+        json_progress=json_progress,
+    )
     summary["profile"] = profile
     summary["enqueued"] = len(enqueue)
     return summary
 
 
-__all__ = ["SearchJob", "build_job", "TrialContext", "Objective", "build_trial", "run_search", "make_objective", "make_sampler",
-           "numeric_space", "sampler_factory", "reference_configs", "space_profile", "trial_seed", "SAMPLERS"]
+__all__ = [
+    "SearchJob",
+    "build_job",
+    "TrialContext",
+    "Objective",
+    "build_trial",
+    "run_search",
+    "make_objective",
+    "make_sampler",
+    "numeric_space",
+    "sampler_factory",
+    "reference_configs",
+    "space_profile",
+    "trial_seed",
+    "SAMPLERS",
+]

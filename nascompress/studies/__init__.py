@@ -7,6 +7,7 @@
 - :mod:`.inspect`: list, show and export studies; :mod:`.report`: a self-contained HTML report;
   :mod:`.dashboard`: optuna-dashboard on a study's storage.
 """
+
 from __future__ import annotations
 
 from .liveness import fail_stale_trials, stale_trials
@@ -24,6 +25,23 @@ from .storage import (
     resolve_run_storage,
 )
 
-__all__ = ["RECORD_FIELDS", "DEFAULT_DB", "DEFAULT_JOURNAL", "StorageSpec", "default_sampler", "fail_stale_trials",
-           "find_study", "mask_url", "open_storage", "pareto_front", "parse_storage", "record_trial",
-           "resolve_run_storage", "run_study", "sampler_seed", "stale_trials", "study_info", "trial_record"]
+__all__ = [
+    "RECORD_FIELDS",
+    "DEFAULT_DB",
+    "DEFAULT_JOURNAL",
+    "StorageSpec",
+    "default_sampler",
+    "fail_stale_trials",
+    "find_study",
+    "mask_url",
+    "open_storage",
+    "pareto_front",
+    "parse_storage",
+    "record_trial",
+    "resolve_run_storage",
+    "run_study",
+    "sampler_seed",
+    "stale_trials",
+    "study_info",
+    "trial_record",
+]

@@ -1,5 +1,6 @@
 """Is a process of this machine still alive? (pids recorded by study workers, journal locks and
 dashboard snapshots, told apart from a reused pid by the process's start time)."""
+
 from __future__ import annotations
 
 import os

@@ -18,6 +18,7 @@ system's temporary folder only when the study's folder is read-only), removed wh
 stops; a folder left by a dashboard killed with kill -9 is removed by the next start (its owner,
 recorded in ``owner.json``, is dead).
 """
+
 from __future__ import annotations
 
 import json
@@ -76,10 +77,10 @@ def _guard(app: Any, *, writable: bool) -> Any:
     def guarded(environ: dict[str, Any], start_response: Any) -> Any:
         environ.setdefault("HTTP_ACCEPT_ENCODING", "")
         if not writable and environ.get("REQUEST_METHOD", "GET").upper() not in _READ_METHODS:
-            body = json.dumps({"reason": f"this dashboard is read-only: restart it with {WRITABLE_FLAG} to change "
-                                         "studies"}).encode()
-            start_response("403 Forbidden", [("Content-Type", "application/json"),
-                                             ("Content-Length", str(len(body)))])
+            body = json.dumps(
+                {"reason": f"this dashboard is read-only: restart it with {WRITABLE_FLAG} to change studies"}
+            ).encode()
+            start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
             return [body]
         if environ.get("PATH_INFO", "").startswith(("/api/", "/static/")):
             return app(environ, start_response)
@@ -90,8 +91,10 @@ def _guard(app: Any, *, writable: bool) -> Any:
 
 # optuna-dashboard's plots keep plotly's toolbar shown over their top right corner, where its
 # Pareto front's colour bars have their titles: shown only while the pointer is over the plot
-DASHBOARD_CSS = (".js-plotly-plot .plotly .modebar{opacity:0;transition:opacity .2s}"
-                 ".js-plotly-plot:hover .plotly .modebar{opacity:1}")
+DASHBOARD_CSS = (
+    ".js-plotly-plot .plotly .modebar{opacity:0;transition:opacity .2s}"
+    ".js-plotly-plot:hover .plotly .modebar{opacity:1}"
+)
 
 
 def _with_style(app: Any, environ: dict[str, Any], start_response: Any) -> Any:
@@ -220,11 +223,17 @@ class DashboardSettings:
 
     host: str = setting("127.0.0.1", help="Address to listen on (default: this machine only).")
     port: int = setting(0, lo=0, hi=65535, help="Port (0: a free one).")
-    expose: bool = setting(False, option="--expose-storage-without-login", help=(
-        "Allow a --host other than loopback: the dashboard has no login, so every machine that reaches the "
-        "port reads all studies of the storage."))
-    writable: bool = setting(False, help=(
-        "Let the dashboard change the storage (delete studies, notes); default read-only."))
+    expose: bool = setting(
+        False,
+        option="--expose-storage-without-login",
+        help=(
+            "Allow a --host other than loopback: the dashboard has no login, so every machine that reaches the "
+            "port reads all studies of the storage."
+        ),
+    )
+    writable: bool = setting(
+        False, help=("Let the dashboard change the storage (delete studies, notes); default read-only.")
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -243,8 +252,15 @@ def _add_fronts(storage: Any, name: str) -> None:
         save_plotly_graph_object(study, fig, graph_object_id=f"nascompress-{div}")
 
 
-def start_dashboard(name: str, *, storage: str | None = None, host: str = DashboardSettings.host,
-                    port: int = DashboardSettings.port, expose: bool = False, writable: bool = False) -> DashboardHandle:
+def start_dashboard(
+    name: str,
+    *,
+    storage: str | None = None,
+    host: str = DashboardSettings.host,
+    port: int = DashboardSettings.port,
+    expose: bool = False,
+    writable: bool = False,
+) -> DashboardHandle:
     """Serve optuna-dashboard for the storage holding study ``name``.
 
     Args:
@@ -264,16 +280,20 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
 
     if not expose and not is_loopback(host):
         can = "read, change and delete" if writable else "read"
-        raise SettingError(f"the dashboard has no login: on {{host}} {host} every machine that reaches this one "
-                               f"could {can} the studies of its storage; keep the default {{host}} 127.0.0.1 (and "
-                               "tunnel, e.g. ssh -L), or pass {expose} to serve it there knowingly")
+        raise SettingError(
+            f"the dashboard has no login: on {{host}} {host} every machine that reaches this one "
+            f"could {can} the studies of its storage; keep the default {{host}} 127.0.0.1 (and "
+            "tunnel, e.g. ssh -L), or pass {expose} to serve it there knowingly"
+        )
     spec, st = find_study(name, storage)
     if writable and spec.kind == "sqlite":  # the snapshot's writes would never reach the file
-        raise SettingError(f"{{writable}} cannot change SQLite storage {spec.display}: the dashboard serves a "
-                               "snapshot copy of it (a live SQLite file that a study writes can crash it, "
-                               "optuna-dashboard#545), so deletions and edits would not reach the file; leave out "
-                               "{writable} to browse it, or (no study writing it) run optuna-dashboard on "
-                               f"{spec.display} itself")
+        raise SettingError(
+            f"{{writable}} cannot change SQLite storage {spec.display}: the dashboard serves a "
+            "snapshot copy of it (a live SQLite file that a study writes can crash it, "
+            "optuna-dashboard#545), so deletions and edits would not reach the file; leave out "
+            "{writable} to browse it, or (no study writing it) run optuna-dashboard on "
+            f"{spec.display} itself"
+        )
     study_id = st.get_study_id_from_name(name)
     tmpdir: Path | None = None
     served, note, snap = spec, None, None
@@ -289,8 +309,10 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
             raise
         snap = served.path
         stamp = time.strftime("%H:%M:%S")
-        note = (f"serving a snapshot of {spec.display} taken at {stamp} (a live SQLite file that a study writes "
-                "can crash it, optuna-dashboard#545); restart the dashboard to refresh")
+        note = (
+            f"serving a snapshot of {spec.display} taken at {stamp} (a live SQLite file that a study writes "
+            "can crash it, optuna-dashboard#545); restart the dashboard to refresh"
+        )
         st = open_storage(served, create=False)
     try:
         with warnings.catch_warnings():
@@ -311,7 +333,16 @@ def start_dashboard(name: str, *, storage: str | None = None, host: str = Dashbo
     thread.start()
     url_host = f"[{host}]" if ":" in host else host
     base = f"http://{url_host}:{real_port}/dashboard/"
-    return DashboardHandle(url=base, study_url=f"{base}studies/{study_id}", host=host, port=real_port,
-                           storage=spec.display, snapshot=snap, note=note, writable=writable, _server=server,
-                           _thread=thread,
-                           _tmpdir=tmpdir)
+    return DashboardHandle(
+        url=base,
+        study_url=f"{base}studies/{study_id}",
+        host=host,
+        port=real_port,
+        storage=spec.display,
+        snapshot=snap,
+        note=note,
+        writable=writable,
+        _server=server,
+        _thread=thread,
+        _tmpdir=tmpdir,
+    )

@@ -1,4 +1,5 @@
 """Progress of a running study: a rich live view on stderr, or one JSON line per finished trial."""
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,17 @@ def _duration(t: FrozenTrial) -> float | None:
 class Display:
     """Live progress on stderr, or JSON lines on stdout (one per finished trial)."""
 
-    def __init__(self, *, study_name: str, n_trials: int, directions: Sequence[str], metric_names: Sequence[str],
-                 rich: bool, json_lines: bool, finished_before: set[int]) -> None:
+    def __init__(
+        self,
+        *,
+        study_name: str,
+        n_trials: int,
+        directions: Sequence[str],
+        metric_names: Sequence[str],
+        rich: bool,
+        json_lines: bool,
+        finished_before: set[int],
+    ) -> None:
         self.name = study_name
         self.n = n_trials
         self.directions = list(directions)
@@ -84,8 +94,12 @@ class Display:
                 b = _bucket(float(ratio))
                 buckets[b] = max(buckets.get(b, -math.inf), float(acc))
         durs = [d for d in (_duration(t) for t in complete) if d is not None]
-        self.state = {"counts": counts, "front": front, "buckets": buckets,
-                      "mean_s": sum(durs) / len(durs) if durs else None}
+        self.state = {
+            "counts": counts,
+            "front": front,
+            "buckets": buckets,
+            "mean_s": sum(durs) / len(durs) if durs else None,
+        }
         for t in sorted(trials, key=lambda t: t.number):
             if t.state.is_finished() and t.number not in self.seen:
                 self.seen.add(t.number)
@@ -97,32 +111,49 @@ class Display:
     def _finished(self, t: FrozenTrial) -> None:
         c = self.state["counts"]
         if self.json_lines:
-            line = {"event": "trial", "study": self.name, "number": t.number, "state": t.state.name,
-                    "values": dict(zip(self.metric_names, t.values)) if t.values else None,
-                    "params": t.params, "record": {k: v for k, v in trial_record(t).items() if k != "arch"},
-                    "error": t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY),
-                    "complete": c.get("COMPLETE", 0), "n_trials": self.n, "running": c.get("RUNNING", 0),
-                    "failed": c.get("FAIL", 0), "front_size": len(self.state["front"]),
-                    "elapsed_s": round(time.time() - self.t0, 3)}
+            line = {
+                "event": "trial",
+                "study": self.name,
+                "number": t.number,
+                "state": t.state.name,
+                "values": dict(zip(self.metric_names, t.values)) if t.values else None,
+                "params": t.params,
+                "record": {k: v for k, v in trial_record(t).items() if k != "arch"},
+                "error": t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY),
+                "complete": c.get("COMPLETE", 0),
+                "n_trials": self.n,
+                "running": c.get("RUNNING", 0),
+                "failed": c.get("FAIL", 0),
+                "front_size": len(self.state["front"]),
+                "elapsed_s": round(time.time() - self.t0, 3),
+            }
             sys.stdout.write(json.dumps(line) + "\n")
             sys.stdout.flush()
         elif self.rich:
             if t.state == TrialState.COMPLETE and t.values:
                 vals = "  ".join(f"{n} {v:.4g}" for n, v in zip(self.metric_names, t.values))
                 d = _duration(t)
-                console.print(f"trial {t.number} complete  {vals}" + (f"  ({d:.1f} s)" if d is not None else ""),
-                              highlight=False)
+                console.print(
+                    f"trial {t.number} complete  {vals}" + (f"  ({d:.1f} s)" if d is not None else ""), highlight=False
+                )
             else:
                 why = t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY) or ""
-                console.print(f"trial {t.number} {t.state.name.lower()}" + (f": {why}" if why else ""),
-                              highlight=False, style="yellow" if t.state == TrialState.FAIL else None)
+                console.print(
+                    f"trial {t.number} {t.state.name.lower()}" + (f": {why}" if why else ""),
+                    highlight=False,
+                    style="yellow" if t.state == TrialState.FAIL else None,
+                )
 
     def _render(self) -> Any:
         s = self.state or {"counts": {}, "front": [], "buckets": {}, "mean_s": None}
         c = s["counts"]
         g = Table.grid(padding=(0, 2))
-        head = Text.assemble((f"study {self.name}", "bold"), f"  {c.get('COMPLETE', 0)}/{self.n} complete",
-                             f"  {c.get('RUNNING', 0)} running", f"  {c.get('FAIL', 0)} failed")
+        head = Text.assemble(
+            (f"study {self.name}", "bold"),
+            f"  {c.get('COMPLETE', 0)}/{self.n} complete",
+            f"  {c.get('RUNNING', 0)} running",
+            f"  {c.get('FAIL', 0)} failed",
+        )
         if len(self.directions) > 1:
             head.append(f"  Pareto front {len(s['front'])}")
         elif s["front"]:

@@ -6,6 +6,7 @@ report gives them (:class:`FrontMarks`), the picked trial (a gold star), the den
 diamond), the final model (a green square) and the goal (a dashed line). The legend sits under the
 plot and plotly's toolbar stands on its right edge: neither covers the title or the points.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,15 @@ import plotly.graph_objects as go
 
 from .records import feasible
 
-COLOURS = {"trial": "#6f9fd8", "infeasible": "#b5b5b5", "front": "#d62728", "picked": "#f2b705",
-           "dense": "#111111", "final": "#2ca02c", "goal": "#555555"}
+COLOURS = {
+    "trial": "#6f9fd8",
+    "infeasible": "#b5b5b5",
+    "front": "#d62728",
+    "picked": "#f2b705",
+    "dense": "#111111",
+    "final": "#2ca02c",
+    "goal": "#555555",
+}
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,18 @@ class FrontMarks:
     goal: dict[str, tuple[float, str]] = field(default_factory=dict)
 
 
-def front_figure(trials: Sequence[FrozenTrial], *, x: Callable[[FrozenTrial], Any], y: Callable[[FrozenTrial], Any],
-                 x_label: str, y_label: str, minimize: tuple[bool, bool], title: str,
-                 marks: FrontMarks | None = None, axis: str | None = None) -> Any | None:
+def front_figure(
+    trials: Sequence[FrozenTrial],
+    *,
+    x: Callable[[FrozenTrial], Any],
+    y: Callable[[FrozenTrial], Any],
+    x_label: str,
+    y_label: str,
+    minimize: tuple[bool, bool],
+    title: str,
+    marks: FrontMarks | None = None,
+    axis: str | None = None,
+) -> Any | None:
     """A 2-D front: ``x``/``y`` read a trial's two values (``minimize``: each axis's direction);
     ``axis``: the record key of the x axis, to look up ``marks``. None when no trial has both."""
     pts = []
@@ -58,48 +75,105 @@ def front_figure(trials: Sequence[FrozenTrial], *, x: Callable[[FrozenTrial], An
         return None
     sx, sy = (1 if minimize[0] else -1), (1 if minimize[1] else -1)
     within = [p for p in pts if p[3]]
-    front = [p for p in within
-             if not any(sx * q[1] <= sx * p[1] and sy * q[2] <= sy * p[2] and (q[1], q[2]) != (p[1], p[2])
-                        for q in within)]
+    front = [
+        p
+        for p in within
+        if not any(sx * q[1] <= sx * p[1] and sy * q[2] <= sy * p[2] and (q[1], q[2]) != (p[1], p[2]) for q in within)
+    ]
     front.sort(key=lambda p: p[1])
     rest = [p for p in within if p not in front]
     over = [p for p in pts if not p[3]]
 
     def scatter(points: list[tuple], name: str, **kw: Any) -> Any:
-        return go.Scatter(x=[p[1] for p in points], y=[p[2] for p in points], name=name,
-                          text=[f"trial {p[0]}" for p in points], hovertemplate="%{text}: (%{x:.4g}, %{y:.4g})",
-                          **kw)
+        return go.Scatter(
+            x=[p[1] for p in points],
+            y=[p[2] for p in points],
+            name=name,
+            text=[f"trial {p[0]}" for p in points],
+            hovertemplate="%{text}: (%{x:.4g}, %{y:.4g})",
+            **kw,
+        )
 
     fig = go.Figure()
     if over:
-        fig.add_trace(scatter(over, "trial over the constraint", mode="markers",
-                              marker={"color": COLOURS["infeasible"], "symbol": "x", "size": 8}))
+        fig.add_trace(
+            scatter(
+                over,
+                "trial over the constraint",
+                mode="markers",
+                marker={"color": COLOURS["infeasible"], "symbol": "x", "size": 8},
+            )
+        )
     if rest:
         fig.add_trace(scatter(rest, "trial", mode="markers", marker={"color": COLOURS["trial"], "size": 8}))
-    fig.add_trace(scatter(front, "Pareto front", mode="markers+lines", line={"dash": "dot", "color": COLOURS["front"]},
-                          marker={"color": COLOURS["front"], "size": 10}))
+    fig.add_trace(
+        scatter(
+            front,
+            "Pareto front",
+            mode="markers+lines",
+            line={"dash": "dot", "color": COLOURS["front"]},
+            marker={"color": COLOURS["front"], "size": 10},
+        )
+    )
     marks = marks or FrontMarks()
     picked = [p for p in pts if p[0] == marks.picked]
     if picked:
-        fig.add_trace(scatter(picked, f"picked: trial {marks.picked}", mode="markers",
-                              marker={"color": COLOURS["picked"], "symbol": "star", "size": 20,
-                                      "line": {"color": "#222222", "width": 1}}))
+        fig.add_trace(
+            scatter(
+                picked,
+                f"picked: trial {marks.picked}",
+                mode="markers",
+                marker={
+                    "color": COLOURS["picked"],
+                    "symbol": "star",
+                    "size": 20,
+                    "line": {"color": "#222222", "width": 1},
+                },
+            )
+        )
     for kind, symbol in (("dense", "diamond"), ("final", "square")):
         m = getattr(marks, kind).get(axis)
         if m is not None:
-            fig.add_trace(go.Scatter(x=[m.x], y=[m.y], name=m.label, mode="markers", hovertemplate=m.label,
-                                     marker={"color": COLOURS[kind], "symbol": symbol, "size": 13,
-                                             "line": {"color": "#ffffff", "width": 1}}))
+            fig.add_trace(
+                go.Scatter(
+                    x=[m.x],
+                    y=[m.y],
+                    name=m.label,
+                    mode="markers",
+                    hovertemplate=m.label,
+                    marker={
+                        "color": COLOURS[kind],
+                        "symbol": symbol,
+                        "size": 13,
+                        "line": {"color": "#ffffff", "width": 1},
+                    },
+                )
+            )
     if axis in marks.goal:
         value, label = marks.goal[axis]
-        fig.add_trace(go.Scatter(x=[value, value], y=_y_span(fig), name=label, mode="lines", hoverinfo="name",
-                                 line={"color": COLOURS["goal"], "dash": "dash", "width": 2}))
+        fig.add_trace(
+            go.Scatter(
+                x=[value, value],
+                y=_y_span(fig),
+                name=label,
+                mode="lines",
+                hoverinfo="name",
+                line={"color": COLOURS["goal"], "dash": "dash", "width": 2},
+            )
+        )
     if marks.dense or marks.final:  # the models' accuracy is their test top-1, the trials' the search's
         title += "<br><sub>trials: accuracy on the search's validation images; models: test top-1</sub>"
     # the toolbar stands beside the plot (vertical), not over its title in a narrow card (optuna-dashboard)
-    fig.update_layout(title=title, xaxis_title=x_label, yaxis_title=y_label, template="plotly_white", showlegend=True,
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.2, "xanchor": "left", "x": 0},
-                      margin={"t": 70, "b": 110}, modebar={"orientation": "v"})
+    fig.update_layout(
+        title=title,
+        xaxis_title=x_label,
+        yaxis_title=y_label,
+        template="plotly_white",
+        showlegend=True,
+        legend={"orientation": "h", "yanchor": "top", "y": -0.2, "xanchor": "left", "x": 0},
+        margin={"t": 70, "b": 110},
+        modebar={"orientation": "v"},
+    )
     return fig
 
 

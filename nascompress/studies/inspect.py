@@ -4,6 +4,7 @@ Read-only except for the export file (written atomically, never over an existing
 ``force``). Studies are looked up in both default files of the project directory
 (``nascompress-studies.db`` and ``nascompress-studies.journal``) unless a storage is given.
 """
+
 from __future__ import annotations
 
 import csv
@@ -75,8 +76,10 @@ def directions(study: optuna.Study) -> list[str]:
 
 
 def _counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
-    out = {s.name: 0 for s in (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING,
-                               TrialState.PRUNED)}
+    out = {
+        s.name: 0
+        for s in (TrialState.COMPLETE, TrialState.FAIL, TrialState.RUNNING, TrialState.WAITING, TrialState.PRUNED)
+    }
     for t in trials:
         out[t.state.name] = out.get(t.state.name, 0) + 1
     return out
@@ -108,10 +111,18 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
             trials = study.get_trials(deepcopy=False)
             dirs = directions(study)
             front = pareto_front(trials, dirs)
-            row: dict[str, Any] = {"name": fs.study_name, "storage": spec.display, "metric_names": metric_names(study),
-                                   "directions": dirs, "counts": _counts(trials), "created": _created(study, trials),
-                                   "space": (study_info(study).get("space") or {}).get("name"),
-                                   "sampler": study_info(study).get("sampler"), "best": None, "front_size": None}
+            row: dict[str, Any] = {
+                "name": fs.study_name,
+                "storage": spec.display,
+                "metric_names": metric_names(study),
+                "directions": dirs,
+                "counts": _counts(trials),
+                "created": _created(study, trials),
+                "space": (study_info(study).get("space") or {}).get("name"),
+                "sampler": study_info(study).get("sampler"),
+                "best": None,
+                "front_size": None,
+            }
             if len(dirs) == 1:
                 row["best"] = {"number": front[0].number, "value": front[0].values[0]} if front else None
             else:
@@ -122,8 +133,12 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
 
 def trial_row(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
     rec = trial_record(t)
-    return {"number": t.number, "values": dict(zip(names, t.values)) if t.values else {},
-            "params": dict(t.params), "record": {k: rec.get(k) for k in RECORD_COLUMNS}}
+    return {
+        "number": t.number,
+        "values": dict(zip(names, t.values)) if t.values else {},
+        "params": dict(t.params),
+        "record": {k: rec.get(k) for k in RECORD_COLUMNS},
+    }
 
 
 def varying_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
@@ -175,20 +190,37 @@ def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettin
     if len(dirs) > 1:
         shown = pareto_front(trials, dirs)
         kind = "pareto"
-        key_name = "flops_ratio" if all(isinstance(trial_record(t).get("flops_ratio"), (int, float))
-                                        for t in shown) else None
+        key_name = (
+            "flops_ratio" if all(isinstance(trial_record(t).get("flops_ratio"), (int, float)) for t in shown) else None
+        )
         shown.sort(key=lambda t: (trial_record(t)["flops_ratio"] if key_name else t.values[1], t.number))
     else:
         sign = -1.0 if dirs[0] == "maximize" else 1.0
-        feas = [t for t in trials if t.state == TrialState.COMPLETE and t.values
-                and all(v <= 0 for v in t.constraints.values()) and not math.isnan(t.values[0])]
+        feas = [
+            t
+            for t in trials
+            if t.state == TrialState.COMPLETE
+            and t.values
+            and all(v <= 0 for v in t.constraints.values())
+            and not math.isnan(t.values[0])
+        ]
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:limit]
         kind = "best"
     rows = [trial_row(t, names) for t in shown]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    return {"study": name, "storage": spec.display, "metric_names": names, "directions": dirs, "kind": kind,
-            "counts": _counts(trials), "info": study_info(study), "varying": varying_columns(rows), "trials": rows,
-            "scoring": scoring_summary(study_info(study), complete), "scored_otherwise": mixed_scoring(complete)}
+    return {
+        "study": name,
+        "storage": spec.display,
+        "metric_names": names,
+        "directions": dirs,
+        "kind": kind,
+        "counts": _counts(trials),
+        "info": study_info(study),
+        "varying": varying_columns(rows),
+        "trials": rows,
+        "scoring": scoring_summary(study_info(study), complete),
+        "scored_otherwise": mixed_scoring(complete),
+    }
 
 
 def format_value(v: Any) -> str:
@@ -205,15 +237,21 @@ def format_value(v: Any) -> str:
 
 def show_columns(result: dict[str, Any]) -> list[str]:
     """The record columns worth showing: recorded somewhere and not already an objective."""
-    return [c for c in RECORD_COLUMNS
-            if c not in result["metric_names"] and any(r["record"].get(c) is not None for r in result["trials"])]
+    return [
+        c
+        for c in RECORD_COLUMNS
+        if c not in result["metric_names"] and any(r["record"].get(c) is not None for r in result["trials"])
+    ]
 
 
 def render_show(result: dict[str, Any]) -> Table:
     """:func:`show_study`'s result as a rich table."""
     names = result["metric_names"]
-    title = (f"{result['study']}: Pareto front, {len(result['trials'])} trials" if result["kind"] == "pareto"
-             else f"{result['study']}: best {len(result['trials'])} trials")
+    title = (
+        f"{result['study']}: Pareto front, {len(result['trials'])} trials"
+        if result["kind"] == "pareto"
+        else f"{result['study']}: best {len(result['trials'])} trials"
+    )
     arrows = {"maximize": "↑", "minimize": "↓"}
     caption = f"{result['storage']}  {count_summary(result['counts'])}"
     if result.get("scoring"):
@@ -231,14 +269,21 @@ def render_show(result: dict[str, Any]) -> Table:
     for c in extra:
         table.add_column(c.replace("_", " "), justify="right", overflow="fold")
     for r in result["trials"]:
-        table.add_row(str(r["number"]), *[format_value(r["params"].get(p)) for p in result["varying"]],
-                      *[format_value(r["values"].get(n)) for n in names], *[format_value(r["record"].get(c)) for c in extra])
+        table.add_row(
+            str(r["number"]),
+            *[format_value(r["params"].get(p)) for p in result["varying"]],
+            *[format_value(r["values"].get(n)) for n in names],
+            *[format_value(r["record"].get(c)) for c in extra],
+        )
     return table
 
 
 def count_summary(counts: dict[str, int]) -> str:
-    parts = [f"{counts.get('COMPLETE', 0)} complete", f"{counts.get('FAIL', 0)} failed",
-             f"{counts.get('RUNNING', 0)} running"]
+    parts = [
+        f"{counts.get('COMPLETE', 0)} complete",
+        f"{counts.get('FAIL', 0)} failed",
+        f"{counts.get('RUNNING', 0)} running",
+    ]
     parts += [f"{counts[k]} {k.lower()}" for k in ("WAITING", "PRUNED") if counts.get(k)]
     return ", ".join(parts)
 
@@ -249,15 +294,22 @@ def count_summary(counts: dict[str, int]) -> str:
 
 def trial_dict(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
     """One trial as plain data: number, state, times, values, params, record, constraints."""
-    dur = ((t.datetime_complete - t.datetime_start).total_seconds()
-           if t.datetime_start and t.datetime_complete else None)
-    return {"number": t.number, "state": t.state.name,
-            "datetime_start": t.datetime_start.isoformat() if t.datetime_start else None,
-            "datetime_complete": t.datetime_complete.isoformat() if t.datetime_complete else None,
-            "duration_s": dur, "values": dict(zip(names, t.values)) if t.values else None,
-            "params": dict(t.params), "record": trial_record(t), "constraints": dict(t.constraints),
-            "error": t.user_attrs.get(ERROR_KEY), "fail_reason": t.system_attrs.get(FAIL_REASON_KEY),
-            "retry_of": t.user_attrs.get(RETRY_OF_KEY), "surplus": bool(t.system_attrs.get(SURPLUS_KEY))}
+    dur = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_start and t.datetime_complete else None
+    return {
+        "number": t.number,
+        "state": t.state.name,
+        "datetime_start": t.datetime_start.isoformat() if t.datetime_start else None,
+        "datetime_complete": t.datetime_complete.isoformat() if t.datetime_complete else None,
+        "duration_s": dur,
+        "values": dict(zip(names, t.values)) if t.values else None,
+        "params": dict(t.params),
+        "record": trial_record(t),
+        "constraints": dict(t.constraints),
+        "error": t.user_attrs.get(ERROR_KEY),
+        "fail_reason": t.system_attrs.get(FAIL_REASON_KEY),
+        "retry_of": t.user_attrs.get(RETRY_OF_KEY),
+        "surplus": bool(t.system_attrs.get(SURPLUS_KEY)),
+    }
 
 
 def check_out(out: str | Path, *, force: bool) -> Path:
@@ -290,9 +342,20 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
     names = metric_names(study)
     trials = [trial_dict(t, names) for t in study.get_trials(deepcopy=False)]
     if fmt == "json":
-        text = json.dumps({"study": name, "storage": spec.display, "metric_names": names,
-                           "directions": directions(study), "info": study_info(study), "trials": trials},
-                          indent=2) + "\n"
+        text = (
+            json.dumps(
+                {
+                    "study": name,
+                    "storage": spec.display,
+                    "metric_names": names,
+                    "directions": directions(study),
+                    "info": study_info(study),
+                    "trials": trials,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     else:
         text = _csv(trials, names)
     with atomic_path(out) as tmp:
@@ -306,10 +369,14 @@ def _csv(trials: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
     for t in trials:
         params += [k for k in t["params"] if k not in params]
         cons += [k for k in t["constraints"] if k not in cons]
-    head = (["number", "state", "datetime_start", "datetime_complete", "duration_s"]
-            + [f"values.{n}" for n in names] + [f"params.{p}" for p in params]
-            + [f"record.{f}" for f in RECORD_FIELDS] + [f"constraints.{c}" for c in cons]
-            + ["error", "fail_reason", "retry_of", "surplus"])
+    head = (
+        ["number", "state", "datetime_start", "datetime_complete", "duration_s"]
+        + [f"values.{n}" for n in names]
+        + [f"params.{p}" for p in params]
+        + [f"record.{f}" for f in RECORD_FIELDS]
+        + [f"constraints.{c}" for c in cons]
+        + ["error", "fail_reason", "retry_of", "surplus"]
+    )
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(head)
@@ -321,9 +388,12 @@ def _csv(trials: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
 
     for t in trials:
         vals = t["values"] or {}
-        w.writerow([t["number"], t["state"], cell(t["datetime_start"]), cell(t["datetime_complete"]),
-                    cell(t["duration_s"])] + [cell(vals.get(n)) for n in names]
-                   + [cell(t["params"].get(p)) for p in params] + [cell(t["record"].get(f)) for f in RECORD_FIELDS]
-                   + [cell(t["constraints"].get(c)) for c in cons]
-                   + [cell(t["error"]), cell(t["fail_reason"]), cell(t["retry_of"]), t["surplus"]])
+        w.writerow(
+            [t["number"], t["state"], cell(t["datetime_start"]), cell(t["datetime_complete"]), cell(t["duration_s"])]
+            + [cell(vals.get(n)) for n in names]
+            + [cell(t["params"].get(p)) for p in params]
+            + [cell(t["record"].get(f)) for f in RECORD_FIELDS]
+            + [cell(t["constraints"].get(c)) for c in cons]
+            + [cell(t["error"]), cell(t["fail_reason"]), cell(t["retry_of"]), t["surplus"]]
+        )
     return buf.getvalue()

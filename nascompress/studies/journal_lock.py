@@ -1,6 +1,7 @@
 """The lock of a journal storage (:class:`OwnedJournalLock`): Optuna's symlink lock with its owner
 (host, pid, process start) written into the link, so a lock left by a killed process of this
 machine is taken over at once."""
+
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """Liveness of the workers that run a study's trials: who runs a trial (heartbeats), which RUNNING
 trials are stale (their worker is gone), and claiming, releasing or failing such trials."""
+
 from __future__ import annotations
 
 import os
@@ -69,8 +70,9 @@ def _died(t: FrozenTrial) -> bool:
     return not (isinstance(w, Mapping) and w.get("released"))
 
 
-def stale_trials(study: optuna.Study, *, grace_period: float,
-                 trials: Sequence[FrozenTrial] | None = None) -> list[FrozenTrial]:
+def stale_trials(
+    study: optuna.Study, *, grace_period: float, trials: Sequence[FrozenTrial] | None = None
+) -> list[FrozenTrial]:
     """The RUNNING trials whose worker is gone (see :mod:`nascompress.studies.runner`), by number.
 
     Args:
@@ -81,12 +83,15 @@ def stale_trials(study: optuna.Study, *, grace_period: float,
     """
     me = Me.now()
     trials = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)) if trials is None else trials
-    return sorted((t for t in trials if t.state == TrialState.RUNNING
-                   and _is_stale(t, study.study_name, grace_period, me)), key=lambda t: t.number)
+    return sorted(
+        (t for t in trials if t.state == TrialState.RUNNING and _is_stale(t, study.study_name, grace_period, me)),
+        key=lambda t: t.number,
+    )
 
 
-def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: int = 2,
-                      trials: Sequence[FrozenTrial] | None = None) -> list[int]:
+def fail_stale_trials(
+    study: optuna.Study, *, grace_period: float, max_retries: int = 2, trials: Sequence[FrozenTrial] | None = None
+) -> list[int]:
     """Fail the stale trials that may not be taken over again: their worker died ``max_retries``
     times already (a configuration that kills its process). The others are left RUNNING for a
     worker to take over in place (:func:`nascompress.studies.runner.run_study`).
@@ -99,8 +104,11 @@ def fail_stale_trials(study: optuna.Study, *, grace_period: float, max_retries: 
         retries = int(t.user_attrs.get(RETRIES_KEY, 0))
         if _died(t) and retries >= max_retries:
             w = t.system_attrs.get(WORKER_KEY) or {}
-            reason = (f"stale: worker {w.get('host')}:{w.get('pid')} stopped beating" if w
-                      else "stale: its worker never reported") + f" (its worker died {retries + 1} times)"
+            reason = (
+                f"stale: worker {w.get('host')}:{w.get('pid')} stopped beating"
+                if w
+                else "stale: its worker never reported"
+            ) + f" (its worker died {retries + 1} times)"
             if _fail(study, t, reason):
                 failed.append(t.number)
     return failed
@@ -112,8 +120,9 @@ def take_over(study: optuna.Study, t: FrozenTrial, me: Me) -> bool:
     storage = study._storage
     tid = t._trial_id
     try:
-        storage.set_trial_system_attr(tid, WORKER_KEY, {"host": me.host, "pid": me.pid, "pid_start": me.pid_start,
-                                                        "beat": time.time()})
+        storage.set_trial_system_attr(
+            tid, WORKER_KEY, {"host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time()}
+        )
         now = storage.get_trial(tid)
         w = now.system_attrs.get(WORKER_KEY) or {}
         if now.state != TrialState.RUNNING or w.get("pid") != me.pid or w.get("host") != me.host:
@@ -139,8 +148,11 @@ class Heartbeat:
 
     def beat(self) -> None:
         self.last = time.time()
-        self.storage.set_trial_system_attr(self.trial_id, WORKER_KEY, {
-            "host": self.me.host, "pid": self.me.pid, "pid_start": self.me.pid_start, "beat": self.last})
+        self.storage.set_trial_system_attr(
+            self.trial_id,
+            WORKER_KEY,
+            {"host": self.me.host, "pid": self.me.pid, "pid_start": self.me.pid_start, "beat": self.last},
+        )
 
     def _run(self) -> None:
         while not self.stop.wait(self.interval):
@@ -164,5 +176,8 @@ class Heartbeat:
 
 def let_go(study: optuna.Study, trial: optuna.Trial, me: Me) -> None:
     """Mark the trial released by its worker: the next run takes it over at once, in its place."""
-    study._storage.set_trial_system_attr(trial._trial_id, WORKER_KEY, {
-        "host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(), "released": True})
+    study._storage.set_trial_system_attr(
+        trial._trial_id,
+        WORKER_KEY,
+        {"host": me.host, "pid": me.pid, "pid_start": me.pid_start, "beat": time.time(), "released": True},
+    )

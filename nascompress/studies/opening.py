@@ -2,6 +2,7 @@
 the search space of a continued study must be the ones it was created with (:func:`check_space`
 names where two spaces differ); a new study gets its metric names, its first trials and, last, its
 record (what marks it initialized)."""
+
 from __future__ import annotations
 
 import time
@@ -35,38 +36,65 @@ def check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str
     if old_hash == new_hash:
         return
     old_space, new_space = stored.get("space") or {}, new.get("space") or {}
-    diff = space_diff({k: v for k, v in old_space.items() if k in ("methods",)},
-                 {k: v for k, v in new_space.items() if k in ("methods",)})
+    diff = space_diff(
+        {k: v for k, v in old_space.items() if k in ("methods",)},
+        {k: v for k, v in new_space.items() if k in ("methods",)},
+    )
     where_diff = f"; they differ in {', '.join(diff[:4])}" + (" ..." if len(diff) > 4 else "") if diff else ""
     raise NascompressError(
         f"study {study.study_name!r} in {where} was created with search space {old_space.get('name', '?')!r} "
         f"(hash {old_hash}) and this run uses {new_space.get('name', '?')!r} (hash {new_hash}){where_diff}. "
-        "A study keeps one search space: use a new study name, or rerun with the original space")
+        "A study keeps one search space: use a new study name, or rerun with the original space"
+    )
 
 
-def open_study(spec: StorageSpec, *, study_name: str, directions: Sequence[str], metric_names: Sequence[str],
-                info: dict[str, Any], enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
+def open_study(
+    spec: StorageSpec,
+    *,
+    study_name: str,
+    directions: Sequence[str],
+    metric_names: Sequence[str],
+    info: dict[str, Any],
+    enqueue: Sequence[Mapping[str, Any]],
+) -> tuple[optuna.Study, bool]:
     storage = open_storage(spec, create=True)
     with creation_lock(spec):  # a file storage: creation and initialization by one process at a time
-        return _open_locked(spec, storage, study_name=study_name, directions=directions, metric_names=metric_names,
-                            info=info, enqueue=enqueue)
+        return _open_locked(
+            spec,
+            storage,
+            study_name=study_name,
+            directions=directions,
+            metric_names=metric_names,
+            info=info,
+            enqueue=enqueue,
+        )
 
 
-def _open_locked(spec: StorageSpec, storage: Any, *, study_name: str, directions: Sequence[str],
-                 metric_names: Sequence[str], info: dict[str, Any],
-                 enqueue: Sequence[Mapping[str, Any]]) -> tuple[optuna.Study, bool]:
+def _open_locked(
+    spec: StorageSpec,
+    storage: Any,
+    *,
+    study_name: str,
+    directions: Sequence[str],
+    metric_names: Sequence[str],
+    info: dict[str, Any],
+    enqueue: Sequence[Mapping[str, Any]],
+) -> tuple[optuna.Study, bool]:
     placeholder = optuna.samplers.RandomSampler(seed=0)  # this Study object never samples
     try:
-        study = optuna.create_study(study_name=study_name, storage=storage, directions=list(directions),
-                                    sampler=placeholder)
+        study = optuna.create_study(
+            study_name=study_name, storage=storage, directions=list(directions), sampler=placeholder
+        )
         created = True
     except optuna.exceptions.DuplicatedStudyError:
         study = optuna.load_study(study_name=study_name, storage=storage, sampler=placeholder)
         created = False
     have = [d.name.lower() for d in study.directions]
     if have != list(directions):
-        raise NascompressError(f"study {study_name!r} in {spec.display} optimizes {have}, not {list(directions)}: "
-                               "use a new study name for other objectives")
+        raise NascompressError(
+            f"study {study_name!r} in {spec.display} optimizes {have}, not {list(directions)}: "
+            "use a new study name for other objectives"
+        )
     stored = study_info(study)
     if not created and not stored and not study.trials and spec.kind not in ("sqlite", "journal"):
         for _ in range(30):  # another process has just created it: let it finish initializing (a file
@@ -85,25 +113,36 @@ def _open_locked(spec: StorageSpec, storage: Any, *, study_name: str, directions
     check_space(study, stored, info, spec.display)
     old, new = stored.get("base_fingerprint"), info.get("base_fingerprint")
     if old is not None and new is not None and old != new:
-        raise NascompressError(f"study {study_name!r} in {spec.display} was made on base model "
-                               f"{stored.get('base_run', '?')} (sha256 {old[:12]}) and this run gives "
-                               f"{info.get('base_run', '?')} (sha256 {new[:12]}), another model; a study keeps its "
-                               f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name")
+        raise NascompressError(
+            f"study {study_name!r} in {spec.display} was made on base model "
+            f"{stored.get('base_run', '?')} (sha256 {old[:12]}) and this run gives "
+            f"{info.get('base_run', '?')} (sha256 {new[:12]}), another model; a study keeps its "
+            f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name"
+        )
     old, new = stored.get("sampler"), info.get("sampler")
     if old is not None and new is not None and old != new:
-        raise SettingError(f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
-                               f"asks for {new!r}; a study keeps its sampler: rerun with {{sampler}} {old} or use a new "
-                               "study name")
+        raise SettingError(
+            f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
+            f"asks for {new!r}; a study keeps its sampler: rerun with {{sampler}} {old} or use a new "
+            "study name"
+        )
     old, new = stored.get("scoring"), info.get("scoring")
     if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
-        diff = [f"{{{k}}} {literal(str(old[k]))} (this run: {literal(str(new[k]))})"
-                for k in old if k in new and old[k] != new[k]]
+        diff = [
+            f"{{{k}}} {literal(str(old[k]))} (this run: {literal(str(new[k]))})"
+            for k in old
+            if k in new and old[k] != new[k]
+        ]
         if diff:
-            raise SettingError(f"study {study_name!r} in {spec.display} scores every trial alike and this run "
-                                   f"differs: {', '.join(diff)}; rerun with the study's settings or use a new "
-                                   "study name")
+            raise SettingError(
+                f"study {study_name!r} in {spec.display} scores every trial alike and this run "
+                f"differs: {', '.join(diff)}; rerun with the study's settings or use a new "
+                "study name"
+            )
     names = study.metric_names
     if names is not None and list(names) != list(metric_names):
-        raise NascompressError(f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
-                               f"{list(metric_names)}: use a new study name for other objectives")
+        raise NascompressError(
+            f"study {study_name!r} in {spec.display} has objectives {list(names)}, not "
+            f"{list(metric_names)}: use a new study name for other objectives"
+        )
     return study, created

@@ -1,6 +1,7 @@
 """Trial and study records: the attribute keys nascompress stores in Optuna trials and studies,
 :func:`record_trial` / :func:`trial_record` / :func:`study_info`, the Pareto front of a study, and
 how its trials were scored (:func:`scoring_summary`, :func:`mixed_scoring`)."""
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,19 @@ SURPLUS_KEY = "nascompress:surplus"
 RETRIES_KEY = "nascompress_retries"
 RETRY_OF_KEY = "nascompress_retry_of"
 ERROR_KEY = "nascompress_error"
-RECORD_FIELDS: dict[str, type] = {"arch": list, "params_changed": dict, "flops": float, "flops_ratio": float,
-                                  "params": int, "accuracy": float, "latency_ms": float, "throughput": float,
-                                  "wall_s": float, "seed": int, "scoring": dict}
+RECORD_FIELDS: dict[str, type] = {
+    "arch": list,
+    "params_changed": dict,
+    "flops": float,
+    "flops_ratio": float,
+    "params": int,
+    "accuracy": float,
+    "latency_ms": float,
+    "throughput": float,
+    "wall_s": float,
+    "seed": int,
+    "scoring": dict,
+}
 _NULLABLE = {"latency_ms", "throughput"}
 
 
@@ -87,9 +98,15 @@ def pareto_front(trials: Sequence[FrozenTrial], directions: Sequence[Any]) -> li
         directions: ``StudyDirection`` values or ``"maximize"``/``"minimize"`` strings.
     """
     signs = [1.0 if str(getattr(d, "name", d)).lower() == "minimize" else -1.0 for d in directions]
-    pts = [(t, [s * v for s, v in zip(signs, t.values)]) for t in trials
-           if t.state == TrialState.COMPLETE and t.values is not None and len(t.values) == len(signs)
-           and feasible(t) and not any(math.isnan(v) for v in t.values)]
+    pts = [
+        (t, [s * v for s, v in zip(signs, t.values)])
+        for t in trials
+        if t.state == TrialState.COMPLETE
+        and t.values is not None
+        and len(t.values) == len(signs)
+        and feasible(t)
+        and not any(math.isnan(v) for v in t.values)
+    ]
     if not pts:
         return []
     if len(signs) == 1:
@@ -118,11 +135,16 @@ def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
         if first is None:
             first = (number, key)
         elif key != first[1]:
-            odd.append(f"trial {number}: calibration budget {key[0]}, fine-tune epochs {key[1]}, validation subset "
-                       f"{key[2]} (trial {first[0]}: {first[1][0]}, {first[1][1]}, {first[1][2]})")
+            odd.append(
+                f"trial {number}: calibration budget {key[0]}, fine-tune epochs {key[1]}, validation subset "
+                f"{key[2]} (trial {first[0]}: {first[1][0]}, {first[1][1]}, {first[1][2]})"
+            )
     if first is not None and unrecorded:  # a study continued across the change that records scoring
-        odd.insert(0, f"trials {', '.join(map(str, unrecorded))}: no scoring recorded (scored before budgets were "
-                      "recorded: each predictor stage ran its recipe's step count)")
+        odd.insert(
+            0,
+            f"trials {', '.join(map(str, unrecorded))}: no scoring recorded (scored before budgets were "
+            "recorded: each predictor stage ran its recipe's step count)",
+        )
     return odd
 
 
@@ -133,10 +155,22 @@ def scoring_summary(info: Mapping[str, Any], trials: Sequence[FrozenTrial]) -> s
     sc = info.get("scoring")
     if not isinstance(sc, Mapping):
         return None
-    subset = next((trial_record(t)["scoring"].get("eval_subset") for t in sorted(trials, key=lambda t: t.number)
-                   if isinstance(trial_record(t).get("scoring"), Mapping)), None) or {}
+    subset = (
+        next(
+            (
+                trial_record(t)["scoring"].get("eval_subset")
+                for t in sorted(trials, key=lambda t: t.number)
+                if isinstance(trial_record(t).get("scoring"), Mapping)
+            ),
+            None,
+        )
+        or {}
+    )
     ft = sc.get("finetune_epochs") or 0
-    line = (f"{sc.get('calib_steps')} calibration steps per predictor stage (training-free methods: 0), "
-            f"{subset.get('images', sc.get('eval_images'))} validation images (seed {sc.get('seed')}"
-            + (f", subset {subset['sha256']}" if subset.get("sha256") else "") + ")")
+    line = (
+        f"{sc.get('calib_steps')} calibration steps per predictor stage (training-free methods: 0), "
+        f"{subset.get('images', sc.get('eval_images'))} validation images (seed {sc.get('seed')}"
+        + (f", subset {subset['sha256']}" if subset.get("sha256") else "")
+        + ")"
+    )
     return line + (f", {ft:g} fine-tune epochs per trial" if ft else ", zero-shot")

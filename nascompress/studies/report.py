@@ -8,6 +8,7 @@ importances of every objective (``target=``), and an HTML table of the front (or
 Parts that a tiny study cannot have (importances need 2 complete trials whose parameters vary)
 are replaced by a note.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -22,8 +23,17 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 import plotly.graph_objects as go
 
-from .inspect import (check_out, count_summary, directions, format_value, load, metric_names, show_columns, trial_row,
-                      varying_columns)
+from .inspect import (
+    check_out,
+    count_summary,
+    directions,
+    format_value,
+    load,
+    metric_names,
+    show_columns,
+    trial_row,
+    varying_columns,
+)
 from ..utils import refuse_overwriting_inputs
 from .front_plot import COLOURS, FrontMarks, front_figure
 from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
@@ -64,8 +74,14 @@ class _Figures:
         self.has_js = False
 
     def add(self, div_id: str, fig: Any) -> None:
-        self.parts.append(fig.to_html(full_html=False, include_plotlyjs=not self.has_js, div_id=div_id,
-                                      config={"displaylogo": False, "responsive": True}))
+        self.parts.append(
+            fig.to_html(
+                full_html=False,
+                include_plotlyjs=not self.has_js,
+                div_id=div_id,
+                config={"displaylogo": False, "responsive": True},
+            )
+        )
         self.has_js = True
 
     def note(self, text: str) -> None:
@@ -77,36 +93,64 @@ class _Figures:
 
 def _record_front(trials: Sequence[FrozenTrial], x_key: str, x_label: str, marks: FrontMarks | None) -> Any | None:
     """Accuracy (up) vs a record field (down) over the complete trials, front highlighted."""
-    return front_figure(trials, x=lambda t: trial_record(t).get(x_key), y=lambda t: trial_record(t).get("accuracy"),
-                        x_label=x_label, y_label="accuracy (%)", minimize=(True, False), axis=x_key, marks=marks,
-                        title=f"Accuracy vs {x_label} (trial records)")
+    return front_figure(
+        trials,
+        x=lambda t: trial_record(t).get(x_key),
+        y=lambda t: trial_record(t).get("accuracy"),
+        x_label=x_label,
+        y_label="accuracy (%)",
+        minimize=(True, False),
+        axis=x_key,
+        marks=marks,
+        title=f"Accuracy vs {x_label} (trial records)",
+    )
 
 
-def _objective_front(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str],
-                     marks: FrontMarks | None) -> Any:
+def _objective_front(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str], marks: FrontMarks | None) -> Any:
     """The front in objective space: two objectives as :func:`front_figure` (a minimized one on x),
     three in 3-D with the same colours."""
     if len(names) == 2:
         i, j = (1, 0) if dirs[1] == "minimize" and dirs[0] != "minimize" else (0, 1)
-        return front_figure(trials, x=lambda t: t.values[i] if t.values else None,
-                            y=lambda t: t.values[j] if t.values else None, x_label=names[i], y_label=names[j],
-                            minimize=(dirs[i] == "minimize", dirs[j] == "minimize"), axis=names[i], marks=marks,
-                            title="Pareto front (objectives)")
+        return front_figure(
+            trials,
+            x=lambda t: t.values[i] if t.values else None,
+            y=lambda t: t.values[j] if t.values else None,
+            x_label=names[i],
+            y_label=names[j],
+            minimize=(dirs[i] == "minimize", dirs[j] == "minimize"),
+            axis=names[i],
+            marks=marks,
+            title="Pareto front (objectives)",
+        )
     front = {t.number for t in pareto_front(trials, dirs)}
     done = [t for t in trials if t.state == TrialState.COMPLETE and t.values and len(t.values) == 3]
     fig = go.Figure()
-    for name, pick, colour in (("trial over the constraint", lambda t: not feasible(t), COLOURS["infeasible"]),
-                               ("trial", lambda t: feasible(t) and t.number not in front, COLOURS["trial"]),
-                               ("Pareto front", lambda t: t.number in front, COLOURS["front"])):
+    for name, pick, colour in (
+        ("trial over the constraint", lambda t: not feasible(t), COLOURS["infeasible"]),
+        ("trial", lambda t: feasible(t) and t.number not in front, COLOURS["trial"]),
+        ("Pareto front", lambda t: t.number in front, COLOURS["front"]),
+    ):
         sel = [t for t in done if pick(t)]
         if sel:
-            fig.add_trace(go.Scatter3d(x=[t.values[0] for t in sel], y=[t.values[1] for t in sel],
-                                       z=[t.values[2] for t in sel], mode="markers", name=name,
-                                       text=[f"trial {t.number}" for t in sel], marker={"color": colour, "size": 5}))
-    fig.update_layout(title="Pareto front (objectives)", template="plotly_white", showlegend=True,
-                      scene={"xaxis_title": names[0], "yaxis_title": names[1], "zaxis_title": names[2]},
-                      legend={"orientation": "h", "yanchor": "top", "y": -0.05, "xanchor": "left", "x": 0},
-                      modebar={"orientation": "v"})
+            fig.add_trace(
+                go.Scatter3d(
+                    x=[t.values[0] for t in sel],
+                    y=[t.values[1] for t in sel],
+                    z=[t.values[2] for t in sel],
+                    mode="markers",
+                    name=name,
+                    text=[f"trial {t.number}" for t in sel],
+                    marker={"color": colour, "size": 5},
+                )
+            )
+    fig.update_layout(
+        title="Pareto front (objectives)",
+        template="plotly_white",
+        showlegend=True,
+        scene={"xaxis_title": names[0], "yaxis_title": names[1], "zaxis_title": names[2]},
+        legend={"orientation": "h", "yanchor": "top", "y": -0.05, "xanchor": "left", "x": 0},
+        modebar={"orientation": "v"},
+    )
     return fig
 
 
@@ -132,24 +176,34 @@ def build_report(study: optuna.Study, *, storage_display: str, marks: FrontMarks
     for t in trials:
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
     space = info.get("space") or {}
-    meta = [("storage", storage_display), ("objectives", ", ".join(f"{n} ({d})" for n, d in zip(names, dirs))),
-            ("trials", count_summary(counts)), ("created", info.get("created")),
-            ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
-            ("base run", info.get("base_run")), ("dataset", info.get("dataset")), ("command", info.get("command")),
-            ("sampler", info.get("sampler")), ("seed", info.get("seed")),
-            ("scoring", scoring_summary(info, complete)),
-            ("trials scored otherwise", "; ".join(mixed_scoring(complete))),
-            ("report written", _dt.datetime.now().astimezone().isoformat(timespec="seconds")),
-            ("optuna", optuna.__version__)]
+    meta = [
+        ("storage", storage_display),
+        ("objectives", ", ".join(f"{n} ({d})" for n, d in zip(names, dirs))),
+        ("trials", count_summary(counts)),
+        ("created", info.get("created")),
+        ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
+        ("base run", info.get("base_run")),
+        ("dataset", info.get("dataset")),
+        ("command", info.get("command")),
+        ("sampler", info.get("sampler")),
+        ("seed", info.get("seed")),
+        ("scoring", scoring_summary(info, complete)),
+        ("trials scored otherwise", "; ".join(mixed_scoring(complete))),
+        ("report written", _dt.datetime.now().astimezone().isoformat(timespec="seconds")),
+        ("optuna", optuna.__version__),
+    ]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v not in (None, ""))
     title = f"nascompress study {study.study_name}"
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-            f'<link rel="icon" href="data:,"><style>{REPORT_CSS}</style></head><body>'
-            f"<h1>{html.escape(title)}</h1><dl>{dl}</dl>{''.join(figs.parts)}{table}</body></html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f'<link rel="icon" href="data:,"><style>{REPORT_CSS}</style></head><body>'
+        f"<h1>{html.escape(title)}</h1><dl>{dl}</dl>{''.join(figs.parts)}{table}</body></html>\n"
+    )
 
 
-def front_figures(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str],
-                  marks: FrontMarks | None = None) -> list[tuple[str, Any]]:
+def front_figures(
+    trials: Sequence[FrozenTrial], names: list[str], dirs: list[str], marks: FrontMarks | None = None
+) -> list[tuple[str, Any]]:
     """The fronts as (div id, figure): in objective space (2 or 3 objectives), and accuracy against
     the FLOPs ratio and the latency from the trial records where those are not the objectives; the
     report's, and the ones ``study dashboard`` adds beside optuna-dashboard's own plots."""
@@ -166,8 +220,14 @@ def front_figures(trials: Sequence[FrozenTrial], names: list[str], dirs: list[st
     return [(div, fig) for div, fig in figs if fig is not None]
 
 
-def _front_section(figs: _Figures, trials: Sequence[FrozenTrial], complete: Sequence[FrozenTrial], names: list[str],
-                   dirs: list[str], marks: FrontMarks | None) -> None:
+def _front_section(
+    figs: _Figures,
+    trials: Sequence[FrozenTrial],
+    complete: Sequence[FrozenTrial],
+    names: list[str],
+    dirs: list[str],
+    marks: FrontMarks | None,
+) -> None:
     figs.heading("Pareto front")
     if not complete:
         figs.note("No complete trials yet: nothing to plot.")
@@ -188,14 +248,16 @@ def _history_section(figs: _Figures, study: optuna.Study, complete: Sequence[Fro
         figs.add(f"history-{i}", optuna.visualization.plot_optimization_history(study, target=target, target_name=n))
 
 
-def _importance_section(figs: _Figures, study: optuna.Study, complete: Sequence[FrozenTrial],
-                        names: list[str]) -> None:
+def _importance_section(figs: _Figures, study: optuna.Study, complete: Sequence[FrozenTrial], names: list[str]) -> None:
     figs.heading("Parameter importances")
-    varying = [p for p in {k for t in complete for k in t.params}
-               if len({json.dumps(t.params.get(p)) for t in complete}) > 1]
+    varying = [
+        p for p in {k for t in complete for k in t.params} if len({json.dumps(t.params.get(p)) for t in complete}) > 1
+    ]
     if len(complete) < 2 or not varying:
-        figs.note(f"Skipped: importances need at least 2 complete trials whose parameters vary "
-                  f"(this study has {len(complete)} complete).")
+        figs.note(
+            f"Skipped: importances need at least 2 complete trials whose parameters vary "
+            f"(this study has {len(complete)} complete)."
+        )
         return
     for i, n in enumerate(names):
         target = _target(i) if len(names) > 1 else None
@@ -213,8 +275,14 @@ def _table_html(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str]
         heading = f"Pareto front ({len(shown)} trials)"
     else:
         sign = -1.0 if dirs[0] == "maximize" else 1.0
-        feas = [t for t in trials if t.state == TrialState.COMPLETE and t.values and not math.isnan(t.values[0])
-                and all(v <= 0 for v in t.constraints.values())]
+        feas = [
+            t
+            for t in trials
+            if t.state == TrialState.COMPLETE
+            and t.values
+            and not math.isnan(t.values[0])
+            and all(v <= 0 for v in t.constraints.values())
+        ]
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:20]
         heading = f"Best trials ({len(shown)})"
     rows = [trial_row(t, names) for t in shown]
@@ -223,9 +291,23 @@ def _table_html(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str]
     extra = show_columns(result)
     head = ["trial"] + varying + names + [c.replace("_", " ") for c in extra]
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(format_value(v))}</td>" for v in
-                         [r["number"]] + [r["params"].get(p) for p in varying] + [r["values"].get(n) for n in names]
-                         + [r["record"].get(c) for c in extra]) + "</tr>" for r in rows)
-    table = (f'<table id="front-table"><thead><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in head)}</tr></thead>'
-             f"<tbody>{body}</tbody></table>") if rows else '<p class="note">No complete trials yet.</p>'
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(format_value(v))}</td>"
+            for v in [r["number"]]
+            + [r["params"].get(p) for p in varying]
+            + [r["values"].get(n) for n in names]
+            + [r["record"].get(c) for c in extra]
+        )
+        + "</tr>"
+        for r in rows
+    )
+    table = (
+        (
+            f'<table id="front-table"><thead><tr>{"".join(f"<th>{html.escape(h)}</th>" for h in head)}</tr></thead>'
+            f"<tbody>{body}</tbody></table>"
+        )
+        if rows
+        else '<p class="note">No complete trials yet.</p>'
+    )
     return f"<h2>{html.escape(heading)}</h2>{table}"

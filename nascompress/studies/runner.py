@@ -64,6 +64,7 @@ This module is the ask/tell loop and the entry points; the rest lives beside it:
 :mod:`.liveness` (heartbeats, stale trials), :mod:`.display` (progress) and :mod:`.workers`
 (spawning worker processes).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -84,8 +85,15 @@ from optuna.trial import FrozenTrial, TrialState
 import torch
 
 from nascompress.limits import check_limited
-from nascompress.errors import (NascompressError, SettingError, WriteError, literal, storage_problem, write_error,
-                               writing)
+from nascompress.errors import (
+    NascompressError,
+    SettingError,
+    WriteError,
+    literal,
+    storage_problem,
+    write_error,
+    writing,
+)
 
 from .display import Display
 from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
@@ -112,8 +120,14 @@ def _as_values(out: Any, n: int) -> list[float]:
     return [float(v) for v in vals]
 
 
-def _finish(study: optuna.Study, trial: optuna.Trial, *, values: list[float] | None = None,
-            state: TrialState | None = None, error: str | None = None) -> bool:
+def _finish(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    *,
+    values: list[float] | None = None,
+    state: TrialState | None = None,
+    error: str | None = None,
+) -> bool:
     """Tell a trial's end; False if it had been finished meanwhile (another worker took it over
     as stale and told it first)."""
     try:
@@ -165,12 +179,19 @@ def storage_full(e: BaseException, spec: StorageSpec) -> WriteError | None:
 def _failure_stop(reasons: list[str]) -> NascompressError:
     """The error that ends a run after ``max_failures`` failed trials in a row, each with its reason."""
     listed = "; ".join(r if len(r) <= 300 else r[:297] + "..." for r in reasons)
-    return NascompressError(f"{len(reasons)} trials in a row failed ({listed}). Fix the cause and rerun the same "
-                            "command to continue the study")
+    return NascompressError(
+        f"{len(reasons)} trials in a row failed ({listed}). Fix the cause and rerun the same "
+        "command to continue the study"
+    )
 
 
-def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: LoopConfig, seeding: Seeding,
-          on_update: Callable[[Sequence[FrozenTrial]], None] | None = None) -> int:
+def _work(
+    study: optuna.Study,
+    objective: Callable[[optuna.Trial], Any],
+    cfg: LoopConfig,
+    seeding: Seeding,
+    on_update: Callable[[Sequence[FrozenTrial]], None] | None = None,
+) -> int:
     """One worker's loop: take over a stale trial, or ask a new one; run it; tell it. Returns the
     number of trials it ran to an end."""
     me = Me.now()
@@ -196,8 +217,10 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: Lo
         # ask and that beat (a kill -9 there). Asking a new trial meanwhile would draw the killed
         # trial's parameters (the sampler's seed counts the trials told) under the next number, so
         # wait until it beats or, once stale (grace_period), is taken over in its own place.
-        unbeaten = any(t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs
-                       and t.number not in stale_numbers for t in trials)
+        unbeaten = any(
+            t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs and t.number not in stale_numbers
+            for t in trials
+        )
         trial = None
         if stale and take_over(study, stale[0], me):  # a killed trial first, in its own place
             seeding.reseed(study, trials)
@@ -235,7 +258,7 @@ def _work(study: optuna.Study, objective: Callable[[optuna.Trial], Any], cfg: Lo
                     try:
                         let_go(study, trial, me)
                     except Exception:  # noqa: BLE001 (the storage may refuse this write too: the trial then
-                        pass           # counts as dead by its pid, with the same effect)
+                        pass  # counts as dead by its pid, with the same effect)
                     raise
                 reason = str(e) if isinstance(e, NascompressError) else f"{type(e).__name__}: {e}"
                 _finish(study, trial, state=TrialState.FAIL, error=reason)
@@ -283,8 +306,9 @@ def _worker_main(args: WorkerArgs, results: Any) -> None:
         with _quiet_optuna():
             storage = open_storage(args.spec, create=False)
             seeding = Seeding(args.sampler_factory, args.seed, args.index)
-            study = optuna.load_study(study_name=args.study_name, storage=storage,
-                                      sampler=args.sampler_factory(args.seed))
+            study = optuna.load_study(
+                study_name=args.study_name, storage=storage, sampler=args.sampler_factory(args.seed)
+            )
             objective = args.objective_factory()
             msg["ran"] = _work(study, objective, args.loop, seeding)
     except KeyboardInterrupt:
@@ -309,12 +333,27 @@ def _worker_main(args: WorkerArgs, results: Any) -> None:
 # The entry point
 
 
-def run_study(*, study_name: str, storage: str | None, objective_factory: Callable[[], Callable[[optuna.Trial], Any]],
-              n_trials: int, directions: Sequence[str], metric_names: Sequence[str], space_info: Mapping[str, Any],
-              sampler_factory: Callable[[int], BaseSampler] | None = None, seed: int = 0, workers: int = 1,
-              enqueue: Sequence[Mapping[str, Any]] = (), timeout: float | None = None,
-              heartbeat_interval: float = 30.0, grace_period: float | None = None, progress: bool = True,
-              json_progress: bool = False, max_retries: int = 2, max_failures: int = 3) -> dict[str, Any]:
+def run_study(
+    *,
+    study_name: str,
+    storage: str | None,
+    objective_factory: Callable[[], Callable[[optuna.Trial], Any]],
+    n_trials: int,
+    directions: Sequence[str],
+    metric_names: Sequence[str],
+    space_info: Mapping[str, Any],
+    sampler_factory: Callable[[int], BaseSampler] | None = None,
+    seed: int = 0,
+    workers: int = 1,
+    enqueue: Sequence[Mapping[str, Any]] = (),
+    timeout: float | None = None,
+    heartbeat_interval: float = 30.0,
+    grace_period: float | None = None,
+    progress: bool = True,
+    json_progress: bool = False,
+    max_retries: int = 2,
+    max_failures: int = 3,
+) -> dict[str, Any]:
     """Create or continue a study and run it until it has ``n_trials`` COMPLETE trials.
 
     Args:
@@ -368,25 +407,43 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
             try:
                 pickle.dumps(obj)
             except Exception as e:
-                raise NascompressError(f"{what} must be picklable (a top-level function or functools.partial of "
-                                       f"one) to run {workers} worker processes: {e}") from None
+                raise NascompressError(
+                    f"{what} must be picklable (a top-level function or functools.partial of "
+                    f"one) to run {workers} worker processes: {e}"
+                ) from None
     spec = resolve_run_storage(storage, study_name=study_name, workers=workers)
-    info = {**dict(space_info), "objectives": list(metric_names), "seed": int(seed),
-            "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds")}
+    info = {
+        **dict(space_info),
+        "objectives": list(metric_names),
+        "seed": int(seed),
+        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
     info.setdefault("command", " ".join(sys.argv))
-    loop = LoopConfig(n_trials=n_trials, deadline=t0 + timeout if timeout is not None else None,
-                       heartbeat_interval=float(heartbeat_interval), grace_period=grace,
-                       max_retries=max_retries, max_failures=max_failures)
+    loop = LoopConfig(
+        n_trials=n_trials,
+        deadline=t0 + timeout if timeout is not None else None,
+        heartbeat_interval=float(heartbeat_interval),
+        grace_period=grace,
+        max_retries=max_retries,
+        max_failures=max_failures,
+    )
     with _quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=_CONTINUE):
-        study, created = open_study(spec, study_name=study_name, directions=directions, metric_names=metric_names,
-                                     info=info, enqueue=enqueue)
+        study, created = open_study(
+            spec, study_name=study_name, directions=directions, metric_names=metric_names, info=info, enqueue=enqueue
+        )
         stale = fail_stale_trials(study, grace_period=grace, max_retries=max_retries)
         resumed = [t.number for t in stale_trials(study, grace_period=grace)]
         trials = study.get_trials(deepcopy=False)
         finished_before = {t.number for t in trials if t.state.is_finished()}
-        display = Display(study_name=study_name, n_trials=n_trials, directions=directions,
-                           metric_names=metric_names, rich=progress, json_lines=json_progress,
-                           finished_before=finished_before)
+        display = Display(
+            study_name=study_name,
+            n_trials=n_trials,
+            directions=directions,
+            metric_names=metric_names,
+            rich=progress,
+            json_lines=json_progress,
+            finished_before=finished_before,
+        )
         worker_msgs: list[dict[str, Any]] = []
         with display:
             display.update(trials)
@@ -395,8 +452,9 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 pass
             elif workers == 1:
                 seeding = Seeding(sampler_factory, int(seed))
-                wstudy = optuna.load_study(study_name=study_name, storage=study._storage,
-                                           sampler=sampler_factory(int(seed)))
+                wstudy = optuna.load_study(
+                    study_name=study_name, storage=study._storage, sampler=sampler_factory(int(seed))
+                )
                 objective = objective_factory()
                 _work(wstudy, objective, loop, seeding, on_update=display.update)
                 display.update(study.get_trials(deepcopy=False))
@@ -405,8 +463,10 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
                 # each oversubscribe them (measured: 2 workers on 2 cores ran half as many trials a
                 # minute as one)
                 threads = max(1, torch.get_num_threads() // workers)
-                args = [WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
-                        for k in range(workers)]
+                args = [
+                    WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
+                    for k in range(workers)
+                ]
                 worker_msgs = run_workers(args, study, display, target=_worker_main)
         trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
@@ -418,12 +478,25 @@ def run_study(*, study_name: str, storage: str | None, objective_factory: Callab
     if complete < n_trials and errors and not timed_out:
         first = errors[0]
         hint = " (rerun with {workers} 1 {debug} for the traceback)" if first.get("traceback") else ""
-        raise SettingError(f"worker {first['worker']} failed: {literal(first['error'])}{hint}; the study has "
-                               f"{complete} of {n_trials} complete trials: rerun the same command to continue it")
+        raise SettingError(
+            f"worker {first['worker']} failed: {literal(first['error'])}{hint}; the study has "
+            f"{complete} of {n_trials} complete trials: rerun the same command to continue it"
+        )
     front = pareto_front(trials, directions)
-    return {"study": study_name, "storage": spec.display, "n_trials": n_trials, "complete": complete,
-            "counts": counts, "metric_names": list(metric_names), "directions": directions,
-            "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
-            "wall_s": round(time.time() - t0, 3), "workers": workers, "created": created,
-            "stale_failed": stale, "stale_resumed": resumed, "finished": complete >= n_trials,
-            "worker_errors": [{"worker": m["worker"], "error": m["error"]} for m in errors]}
+    return {
+        "study": study_name,
+        "storage": spec.display,
+        "n_trials": n_trials,
+        "complete": complete,
+        "counts": counts,
+        "metric_names": list(metric_names),
+        "directions": directions,
+        "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
+        "wall_s": round(time.time() - t0, 3),
+        "workers": workers,
+        "created": created,
+        "stale_failed": stale,
+        "stale_resumed": resumed,
+        "finished": complete >= n_trials,
+        "worker_errors": [{"worker": m["worker"], "error": m["error"]} for m in errors],
+    }

@@ -1,5 +1,6 @@
 """Sampler seeding: the sampler a worker rebuilds before each trial, as a function of the study's
 seed, the trials already told and the worker (so a resumed study proposes the same trials)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -18,8 +19,9 @@ def default_sampler(seed: int) -> BaseSampler:
     """TPE (multivariate, grouped for conditional spaces, constant liar for parallel workers)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, constant_liar=True,
-                                          warn_independent_sampling=False)
+        return optuna.samplers.TPESampler(
+            seed=seed, multivariate=True, group=True, constant_liar=True, warn_independent_sampling=False
+        )
 
 
 def sampler_seed(seed: int, told: int, worker: int = 0) -> int:
@@ -58,15 +60,19 @@ class ParamSeeded(BaseSampler):
     def sample_relative(self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, Any]) -> dict[str, Any]:
         return self._inner.sample_relative(study, trial, search_space)
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any) -> Any:
-        return self._factory(self._param_seed(param_name)).sample_independent(study, trial, param_name,
-                                                                                param_distribution)
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: Any
+    ) -> Any:
+        return self._factory(self._param_seed(param_name)).sample_independent(
+            study, trial, param_name, param_distribution
+        )
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         self._inner.before_trial(study, trial)
 
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
         self._inner.after_trial(study, trial, state, values)
 
     def reseed_rng(self) -> None:

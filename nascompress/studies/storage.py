@@ -38,6 +38,7 @@ The parts: :mod:`~nascompress.studies.storage_url` (the forms, masking),
 :mod:`~nascompress.studies.journal_lock` (the journal's lock); this module finds a study's storage.
 Their names are importable from here too.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,9 +53,23 @@ from .storage_url import DEFAULT_DB, DEFAULT_JOURNAL, StorageSpec, default_stora
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
-__all__ = ["CONNECT_TIMEOUT_S", "DEFAULT_DB", "DEFAULT_JOURNAL", "OwnedJournalLock", "StorageSpec", "default_storages",
-           "existing_storages", "find_study", "has_study", "mask_url", "open_storage", "parse_storage",
-           "resolve_run_storage", "scrub", "study_names"]
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "DEFAULT_DB",
+    "DEFAULT_JOURNAL",
+    "OwnedJournalLock",
+    "StorageSpec",
+    "default_storages",
+    "existing_storages",
+    "find_study",
+    "has_study",
+    "mask_url",
+    "open_storage",
+    "parse_storage",
+    "resolve_run_storage",
+    "scrub",
+    "study_names",
+]
 
 
 def study_names(storage: BaseStorage) -> list[str]:
@@ -70,8 +85,9 @@ def has_study(storage: BaseStorage, name: str) -> bool:
     return True
 
 
-def existing_storages(storage: str | None = None, *,
-                      project_dir: str | Path | None = None) -> list[tuple[StorageSpec, BaseStorage]]:
+def existing_storages(
+    storage: str | None = None, *, project_dir: str | Path | None = None
+) -> list[tuple[StorageSpec, BaseStorage]]:
     """The storages a read-only study command looks in, opened.
 
     Args:
@@ -85,8 +101,9 @@ def existing_storages(storage: str | None = None, *,
     return [(s, open_storage(s, create=False)) for s in default_storages(project_dir) if s.path and s.path.exists()]
 
 
-def find_study(name: str, storage: str | None = None, *,
-               project_dir: str | Path | None = None) -> tuple[StorageSpec, BaseStorage]:
+def find_study(
+    name: str, storage: str | None = None, *, project_dir: str | Path | None = None
+) -> tuple[StorageSpec, BaseStorage]:
     """The storage holding study ``name``; a clear error listing the studies that do exist.
 
     Args:
@@ -97,12 +114,16 @@ def find_study(name: str, storage: str | None = None, *,
     opened = existing_storages(storage, project_dir=project_dir)
     if not opened:
         db, journal = default_storages(project_dir)
-        raise SettingError(f"no study named {name!r}: this directory has no studies yet (neither "
-                               f"{db.path.name} nor {journal.path.name} exists; pass {{storage}} to look elsewhere)")
+        raise SettingError(
+            f"no study named {name!r}: this directory has no studies yet (neither "
+            f"{db.path.name} nor {journal.path.name} exists; pass {{storage}} to look elsewhere)"
+        )
     found = [(s, st) for s, st in opened if has_study(st, name)]
     if len(found) > 1:
-        raise SettingError(f"study {name!r} exists in both {found[0][0].display} and {found[1][0].display}: "
-                               "pass {storage} to choose one")
+        raise SettingError(
+            f"study {name!r} exists in both {found[0][0].display} and {found[1][0].display}: "
+            "pass {storage} to choose one"
+        )
     if found:
         return found[0]
     names = sorted({n for _, st in opened for n in study_names(st)})
@@ -111,8 +132,9 @@ def find_study(name: str, storage: str | None = None, *,
     raise NascompressError(f"no study named {name!r} in {where}; studies there: {have}")
 
 
-def resolve_run_storage(storage: str | None, *, study_name: str, workers: int = 1,
-                        project_dir: str | Path | None = None) -> StorageSpec:
+def resolve_run_storage(
+    storage: str | None, *, study_name: str, workers: int = 1, project_dir: str | Path | None = None
+) -> StorageSpec:
     """Choose the storage of a study run (see the module docstring for the rules).
 
     Args:
@@ -124,22 +146,29 @@ def resolve_run_storage(storage: str | None, *, study_name: str, workers: int = 
     if storage is not None:
         spec = parse_storage(storage)
         if spec.kind == "sqlite" and workers > 1:
-            raise SettingError(f"{{storage}} {spec.display} is SQLite, which is not safe for {workers} "
-                                   "concurrent workers: use {storage} journal:PATH (one machine), "
-                                   "postgresql://... (several machines) or {workers} 1")
+            raise SettingError(
+                f"{{storage}} {spec.display} is SQLite, which is not safe for {workers} "
+                "concurrent workers: use {storage} journal:PATH (one machine), "
+                "postgresql://... (several machines) or {workers} 1"
+            )
         return spec
     db, journal = default_storages(project_dir)
     in_db = bool(db.path and db.path.exists() and has_study(open_storage(db, create=False), study_name))
-    in_journal = bool(journal.path and journal.path.exists()
-                      and has_study(open_storage(journal, create=False), study_name))
+    in_journal = bool(
+        journal.path and journal.path.exists() and has_study(open_storage(journal, create=False), study_name)
+    )
     if in_db and in_journal:
-        raise SettingError(f"study {study_name!r} exists in both {db.path.name} and {journal.path.name}: "
-                               "pass {storage} to choose one")
+        raise SettingError(
+            f"study {study_name!r} exists in both {db.path.name} and {journal.path.name}: "
+            "pass {storage} to choose one"
+        )
     if in_db:
         if workers > 1:
-            raise SettingError(f"study {study_name!r} lives in {db.path.name} (SQLite), which is not safe "
-                                   f"for {workers} workers: continue it with {{workers}} 1, or start a new study "
-                                   f"name (new multi-worker studies go to {journal.path.name})")
+            raise SettingError(
+                f"study {study_name!r} lives in {db.path.name} (SQLite), which is not safe "
+                f"for {workers} workers: continue it with {{workers}} 1, or start a new study "
+                f"name (new multi-worker studies go to {journal.path.name})"
+            )
         return db
     if in_journal:
         return journal

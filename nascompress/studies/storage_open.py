@@ -1,6 +1,7 @@
 """Opening a parsed storage, every failure one line: SQLite and PostgreSQL through Optuna's
 ``RDBStorage`` (the installed PostgreSQL driver, a connect timeout), journal files through
 ``JournalStorage`` with :class:`~nascompress.studies.journal_lock.OwnedJournalLock`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,11 +38,13 @@ def open_storage(spec: StorageSpec, *, create: bool = True) -> BaseStorage:
             if not create:
                 raise NascompressError(f"storage {spec.display} does not exist (no file {spec.path})")
             if not spec.path.parent.is_dir():
-                raise NascompressError(f"cannot create storage {spec.display}: directory {spec.path.parent} "
-                                       "does not exist")
+                raise NascompressError(
+                    f"cannot create storage {spec.display}: directory {spec.path.parent} does not exist"
+                )
             if not os.access(spec.path.parent, os.W_OK):
-                raise NascompressError(f"cannot create storage {spec.display}: directory {spec.path.parent} "
-                                       "is not writable")
+                raise NascompressError(
+                    f"cannot create storage {spec.display}: directory {spec.path.parent} is not writable"
+                )
         elif spec.path.is_dir():
             raise NascompressError(f"storage {spec.display} is a directory, not a file")
     if spec.kind == "journal":
@@ -80,8 +83,9 @@ def _open_journal(spec: StorageSpec) -> BaseStorage:
             lock = OwnedJournalLock(str(spec.path))
             return JournalStorage(JournalFileBackend(str(spec.path), lock_obj=lock))
     except (ValueError, UnicodeDecodeError, KeyError) as e:
-        raise NascompressError(f"cannot open storage {spec.display}: it is not an Optuna journal file "
-                               f"({type(e).__name__}: {e})") from None
+        raise NascompressError(
+            f"cannot open storage {spec.display}: it is not an Optuna journal file ({type(e).__name__}: {e})"
+        ) from None
     except OSError as e:
         raise NascompressError(f"cannot open storage {spec.display}: {e.strerror}") from None
 
@@ -93,7 +97,7 @@ def _driver_url(url: str) -> str:
         return url
     for module, dialect in (("psycopg", "psycopg"), ("psycopg2", "psycopg2")):
         if importlib.util.find_spec(module) is not None:
-            return f"postgresql+{dialect}://" + url[len("postgresql://"):]
+            return f"postgresql+{dialect}://" + url[len("postgresql://") :]
     return url
 
 
@@ -110,8 +114,10 @@ def _open_rdb(spec: StorageSpec) -> BaseStorage:
             with creation_lock(spec):  # SQLite: one process at a time sets up a new file's schema
                 return RDBStorage(url, engine_kwargs=engine_kwargs)
     except ImportError as e:
-        raise NascompressError(f"cannot open storage {spec.display}: no PostgreSQL driver is installed "
-                               f"({e}); pip install 'psycopg[binary]'") from None
+        raise NascompressError(
+            f"cannot open storage {spec.display}: no PostgreSQL driver is installed "
+            f"({e}); pip install 'psycopg[binary]'"
+        ) from None
     except Exception as e:  # SQLAlchemy / driver / Optuna schema errors
         full = write_error(e, what=f"study storage {spec.display}", then="then rerun the command")
         raise full or NascompressError(_rdb_error(spec, e)) from None

@@ -1,6 +1,7 @@
 """``--storage`` values: the accepted forms parsed into a :class:`StorageSpec`, the project's default
 files, and passwords masked wherever a storage is printed (:func:`mask_url`, :func:`scrub`); see
 :mod:`nascompress.studies.storage` for the rules."""
+
 from __future__ import annotations
 
 import re
@@ -74,8 +75,10 @@ def default_storages(project_dir: str | Path | None = None) -> tuple[StorageSpec
     d = Path(project_dir) if project_dir is not None else Path.cwd()
     db = d / DEFAULT_DB
     journal = d / DEFAULT_JOURNAL
-    return (StorageSpec("sqlite", f"sqlite:///{db}", db, True),
-            StorageSpec("journal", f"journal:{journal}", journal, True))
+    return (
+        StorageSpec("sqlite", f"sqlite:///{db}", db, True),
+        StorageSpec("journal", f"journal:{journal}", journal, True),
+    )
 
 
 def parse_storage(text: str) -> StorageSpec:
@@ -86,20 +89,22 @@ def parse_storage(text: str) -> StorageSpec:
     """
     t = text.strip()
     if t.startswith("sqlite:///"):
-        path = t[len("sqlite:///"):]
+        path = t[len("sqlite:///") :]
         if not path or path == ":memory:":
-            raise SettingError(f"{{storage}} {t}: give a file, e.g. sqlite:///studies.db (an in-memory "
-                                   "database would lose the study)")
+            raise SettingError(
+                f"{{storage}} {t}: give a file, e.g. sqlite:///studies.db (an in-memory database would lose the study)"
+            )
         return StorageSpec("sqlite", t, Path(path))
     if t.startswith("sqlite:"):
-        raise SettingError(f"{{storage}} {t}: write SQLite storages as sqlite:///PATH (three slashes; "
-                               "four for an absolute path)")
+        raise SettingError(
+            f"{{storage}} {t}: write SQLite storages as sqlite:///PATH (three slashes; four for an absolute path)"
+        )
     if t.startswith("postgres://"):
-        t = "postgresql://" + t[len("postgres://"):]
+        t = "postgresql://" + t[len("postgres://") :]
     if re.match(r"postgresql(\+\w+)?://", t):
         return StorageSpec("postgresql", t)
     if t.startswith("journal:"):
-        path = t[len("journal:"):]
+        path = t[len("journal:") :]
         if path.startswith("//"):
             path = path[2:]
         if not path:

@@ -1,4 +1,5 @@
 """Spawning a study's worker processes (multiprocessing 'spawn') and collecting what each reports."""
+
 from __future__ import annotations
 
 import os
@@ -40,14 +41,14 @@ class WorkerArgs:
     threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
 
 
-def run_workers(args: list[WorkerArgs], study: optuna.Study, display: Display, *,
-                 target: Callable[[WorkerArgs, Any], None]) -> list[dict[str, Any]]:
+def run_workers(
+    args: list[WorkerArgs], study: optuna.Study, display: Display, *, target: Callable[[WorkerArgs, Any], None]
+) -> list[dict[str, Any]]:
     """Run a spawned process ``target(args[k], results)`` per worker, refreshing ``display`` until all
     have ended; returns each worker's message (put on ``results``), by worker."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(a, results), name=f"nascompress-worker-{a.index}")
-             for a in args]
+    procs = [ctx.Process(target=target, args=(a, results), name=f"nascompress-worker-{a.index}") for a in args]
     msgs: list[dict[str, Any]] = []
 
     def drain() -> None:
