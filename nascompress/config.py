@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import types
 import typing
 from functools import lru_cache
 from typing import Any, Callable, Mapping, TypeVar
 
-import yaml
-
 from .errors import NascompressError, SettingError, literal
-from .limits import check_limited, env_name, limits
+from .limits import check_limited
 
 C = TypeVar("C", bound="Config")
 
@@ -378,58 +375,8 @@ def check_field(field: str, check: Callable[..., Any], v: Any, *args: Any) -> No
         raise SettingError(literal(str(e)).replace("\0", "{%s}" % field)) from None
 
 
-# ---------------------------------------------------------------------------------------------
-# YAML config files (pipelines, search spaces)
-
-
-class StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys, reads ``1e-3`` as a number (YAML 1.1 wants ``1.0e-3``)
-    and refuses nesting deeper than the ``max_yaml_depth`` limit (:mod:`nascompress.limits`; a
-    deeper file would exhaust Python's recursion)."""
-
-    _depth = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        self._depth += 1
-        try:
-            limit = limits().max_yaml_depth
-            if self._depth > limit:
-                raise yaml.composer.ComposerError(
-                    None,
-                    None,
-                    f"nested deeper than {limit} levels (the max_yaml_depth limit; raise it with "
-                    f"{env_name('max_yaml_depth')}=N if it is intended)",
-                    self.peek_event().start_mark,
-                )
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-def _mapping(loader: StrictYamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-        seen.add(key)
-    return loader.construct_mapping(node, deep=deep)
-
-
-StrictYamlLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
-StrictYamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+"
-        r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
-
-
 __all__ = [
     "Config",
-    "StrictYamlLoader",
     "check_meta",
     "setting",
     "user_settings",

@@ -13,7 +13,6 @@ from typing import Any, Callable
 
 import yaml
 
-from ..config import StrictYamlLoader as _Loader
 from ..errors import NascompressError, SettingError, literal, writing
 from ..data import dataset_paths
 from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
@@ -21,6 +20,7 @@ from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_s
 from ..runs.files import has_metrics
 from ..train import RUNTIME_SETTINGS
 from ..utils import atomic_path, refuse_overwriting_inputs
+from ..yaml_io import StrictYamlLoader as _Loader
 from .config_io import config_diff, dump_config, load_config, read_yaml
 from .plan import Pipeline, Step, plan
 from .schema import Section
