@@ -32,15 +32,8 @@ from .errors import NascompressError, SettingError
 from .evaluate import evaluate
 from .runs.io import file_sha256, make_arch, save_model
 from .import_shapes import describe, read_shapes, shape_kwargs
-from .models import (
-    ModelSpec,
-    build_model,
-    checkpoint_filter,
-    is_pyramid,
-    mismatch_report,
-    read_weights_file,
-    state_mismatches,
-)
+from .models import ModelSpec, build_model, is_pyramid
+from .weights import checkpoint_filter, mismatch_report, read_weights_file, state_mismatches
 from .runs.run_dir import RunDir
 from .runs.files import Arch
 from .utils import resolve_device

@@ -22,7 +22,8 @@ from .data import DataBundle, DataConfig, dataset_paths, InputOverrides, InputSp
 from .errors import SettingError, words
 from .hooks import TrainHooks
 from .runs.io import ARCH_FILE, MODEL_FILE, make_arch, recorded_input
-from .models import ModelSpec, build_model, input_size, load_pretrained, pretrained_data_config
+from .models import ModelSpec, build_model, input_size, pretrained_data_config
+from .weights import load_pretrained
 from .train_config import LR_REF_BATCH, TrainConfig
 from .train_loop import Ema, LossWatch, fit, lr_at
 from .runs.store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore

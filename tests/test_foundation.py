@@ -12,7 +12,8 @@ from nascompress.data import DataConfig, InputSpec, load_data, make_loader, prep
 from nascompress.errors import NascompressError
 from nascompress.runs.io import build_from_arch, load_state, make_arch, save_model, save_state
 from nascompress.methods import get_method, register_method
-from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained
+from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.weights import load_pretrained
 from nascompress.train import lr_at
 
 from .conftest import TORCH_DEVICE, needs_fmnist, tiny_spec

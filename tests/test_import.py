@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.models import ModelSpec, build_model, custom_vit_spec, load_pretrained, load_state_strict
+from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.weights import load_pretrained, load_state_strict
 
 from .conftest import invoke, tiny_spec
 from .test_data import make_folder
@@ -392,7 +393,8 @@ def test_train_weights_never_resample_the_patch_kernel_and_say_when_the_grid_is(
     from safetensors.torch import save_file
 
     from nascompress.errors import NascompressError
-    from nascompress.models import build_model, custom_vit_spec, load_pretrained
+    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.weights import load_pretrained
 
     spec = dict(embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
     src = build_model(custom_vit_spec(img_size=16, patch_size=4, **spec))

@@ -94,7 +94,7 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
     bad.write_text("hello\n")
     with pytest.raises(NascompressError, match="is not a readable safetensors file"):
         nascompress.load(bad)
-    from nascompress.models import read_weights_file
+    from nascompress.weights import read_weights_file
 
     for name in ("w.safetensors", "w.pth"):
         (tmp_path / name).write_text("hello\n")

@@ -15,7 +15,8 @@ from ..api import count_classes, run_data_config
 from ..data import DataConfig, InputSpec, dataset_paths, load_data
 from ..errors import NascompressError, SettingError
 from ..runs.io import load_typed, make_arch
-from ..models import ModelSpec, build_model, load_pretrained
+from ..models import ModelSpec, build_model
+from ..weights import load_pretrained
 from ..runs.run_dir import RunDir
 from ..train import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics

@@ -69,7 +69,8 @@ from .mgvit_ops import (
     subpatch_index,
 )
 from .mgvit_ops import resample_image as _resample
-from ..models import is_pyramid, load_state_strict
+from ..models import is_pyramid
+from ..weights import load_state_strict
 from ..runs.io import load_typed
 from ..profiling.flops import count_flops
 

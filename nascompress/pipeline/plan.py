@@ -30,7 +30,8 @@ from ..runs.io import read_arch
 from ..layers import require_vit
 from ..methods import get_method
 from ..methods.dcs import SEARCH_DCS_SETTINGS
-from ..models import ModelShape, ModelSpec, build_model, read_weights_file
+from ..models import ModelShape, ModelSpec, build_model
+from ..weights import read_weights_file
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
 from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job as build_dcs_job

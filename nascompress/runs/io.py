@@ -52,7 +52,8 @@ from torch import nn
 
 from ..errors import NascompressError, SettingError, literal, words, writing
 from ..methods import apply_methods
-from ..models import ModelSpec, build_model, load_state_strict
+from ..models import ModelSpec, build_model
+from ..weights import load_state_strict
 from ..pipeline_files import find_run_config
 from .files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
 from .files import (

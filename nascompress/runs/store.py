@@ -22,7 +22,7 @@ from .. import distributed
 from ..errors import NascompressError, SettingError
 from .io import load_with_arch, save_model, save_state
 from ..utils import append_jsonl, parse_json, read_file_text
-from ..models import mismatch_report, state_mismatches
+from ..weights import mismatch_report, state_mismatches
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
