@@ -30,7 +30,8 @@ from .data import DataBundle, InputSpec, Subset, make_loader, preprocess
 from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
-from .runs.io import continue_advice, finish_run, load_state
+from .runs.checkpoint import load_state
+from .runs.io import continue_advice, finish_run
 from .progress import make_progress, say
 from .train_config import TrainConfig
 from .runs.store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model

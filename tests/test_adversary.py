@@ -204,7 +204,7 @@ def test_deep_or_huge_files_are_one_line(tmp_path, monkeypatch):
 def test_a_deep_config_json_or_checkpoint_metadata_is_one_line(tmp_path):
     from safetensors.torch import save_file
 
-    from nascompress.runs.io import load_state
+    from nascompress.runs.checkpoint import load_state
 
     run = tmp_path / "run"
     run.mkdir()

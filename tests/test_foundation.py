@@ -10,7 +10,8 @@ import torch
 import nascompress
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess, split_indices
 from nascompress.errors import NascompressError
-from nascompress.runs.io import build_from_arch, load_state, make_arch, save_model, save_state
+from nascompress.runs.checkpoint import load_state, save_state
+from nascompress.runs.io import build_from_arch, make_arch, save_model
 from nascompress.methods import get_method, register_method
 from nascompress.models import ModelSpec, build_model, custom_vit_spec
 from nascompress.weights import load_pretrained

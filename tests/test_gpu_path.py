@@ -18,7 +18,8 @@ from nascompress import runtime
 from nascompress.data import DataConfig, load_data
 from nascompress.errors import NascompressError
 from nascompress.hooks import TrainHooks, as_floats
-from nascompress.runs.io import load_state, make_arch, save_state
+from nascompress.runs.checkpoint import load_state, save_state
+from nascompress.runs.io import make_arch
 from nascompress.methods import get_method
 from nascompress.models import ModelSpec, build_model
 from nascompress.train import LossWatch, TrainConfig, TrainJob, fit, input_spec_for, train

@@ -1,6 +1,7 @@
 """A run's folder on disk: the arch.json/metrics.json formats and sidecars (:mod:`.files`), the run
 directory, its config and its lock (:mod:`.run_dir`), training checkpoints and logs (:mod:`.store`),
-and saving/loading models and run completeness (:mod:`.io`).
+the checkpoint file format (:mod:`.checkpoint`), and saving/loading models and run completeness
+(:mod:`.io`).
 
 The public names of those modules are importable from here; they are imported on first use, so that
 ``nascompress.runs.files`` stays cheap to import (``runs.io`` builds models: timm, the methods)."""
@@ -47,7 +48,7 @@ _NAMES = {
     "has_metrics": "files",
     "load": "io",
     "load_arch": "io",
-    "load_state": "io",
+    "load_state": "checkpoint",
     "load_typed": "io",
     "load_with_arch": "io",
     "make_arch": "io",
@@ -61,7 +62,7 @@ _NAMES = {
     "restore_model": "store",
     "run_state": "io",
     "save_model": "io",
-    "save_state": "io",
+    "save_state": "checkpoint",
     "set_labels": "io",
     "sidecar_path": "files",
     "timm_pretrained_cfg": "io",

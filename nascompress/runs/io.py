@@ -16,8 +16,9 @@ hold the recorded input size, mean/std, interpolation, crop and ``label_names``,
 ``timm.data.resolve_data_config(model=model)`` and ``timm.data.create_transform(**that)`` build the
 model's evaluation transform (:func:`timm_pretrained_cfg`).
 
-Training checkpoints (optimizer, schedules, RNG) are saved with :func:`save_state`, which
-stores tensors in safetensors and everything else as JSON: nothing is pickled.
+Training checkpoints (optimizer, schedules, RNG) are saved with
+:func:`~nascompress.runs.checkpoint.save_state`, which stores tensors in safetensors and everything
+else as JSON: nothing is pickled.
 
 Complete runs. A run directory (what ``train``, ``import``, ``finetune``, ``search dcs``,
 ``materialize`` and ``retrain`` write, the pipeline's stages included) is complete only once its
@@ -441,65 +442,3 @@ def load(
     """Load any saved nascompress model: ``nascompress.load("runs/base")``, or for bfloat16 inference
     on a GPU ``nascompress.load("runs/base", map_location="cuda", dtype="bf16")``. Eval mode."""
     return load_with_arch(path, map_location=map_location, dtype=dtype)[0]
-
-
-# ----------------------------------------------------------------------------------------------
-# Checkpoints of arbitrary nested state (model + optimizer + schedule), without pickle.
-
-
-def _flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
-    if isinstance(obj, torch.Tensor):
-        key = prefix or "_"
-        tensors[key] = obj.detach().to("cpu").contiguous().clone()
-        return {"__tensor__": key}
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj):
-            return {"__dict__": {k: _flatten(v, tensors, f"{prefix}/{k}") for k, v in obj.items()}}
-        return {"__items__": [[k, _flatten(v, tensors, f"{prefix}/{k}")] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {
-            "__list__": [_flatten(v, tensors, f"{prefix}/{i}") for i, v in enumerate(obj)],
-            "tuple": isinstance(obj, tuple),
-        }
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    raise TypeError(f"cannot save {type(obj).__name__} at {prefix!r} in a checkpoint")
-
-
-def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__dict__" in obj:
-            return {k: _unflatten(v, tensors) for k, v in obj["__dict__"].items()}
-        if "__items__" in obj:
-            return {k: _unflatten(v, tensors) for k, v in obj["__items__"]}
-        if "__list__" in obj:
-            items = [_unflatten(v, tensors) for v in obj["__list__"]]
-            return tuple(items) if obj.get("tuple") else items
-    return obj
-
-
-def save_state(path: str | Path, state: dict[str, Any]) -> None:
-    """Save nested state (tensors, dicts with int keys, lists, scalars) atomically, no pickle."""
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = _flatten(state, tensors, "")
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"nascompress_state": json.dumps(skeleton)})
-
-
-def load_state(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    try:
-        with safe_open(str(path), "pt") as f:
-            skeleton = parse_json((f.metadata() or {})["nascompress_state"], source=f"checkpoint {path}'s metadata")
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, KeyError, ValueError) as e:
-        raise NascompressError(f"checkpoint {path} is unreadable ({e}); delete it to start over") from e
-    try:
-        return _unflatten(skeleton, tensors)
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a tensor missing, a damaged skeleton
-        raise SettingError(
-            f"checkpoint {path} is damaged (its tensor {e} is missing or its layout broken); "
-            "delete it (a {resume} then starts the run over) or rerun with {force}"
-        ) from None

@@ -20,7 +20,8 @@ from torch import nn
 
 from .. import distributed
 from ..errors import NascompressError, SettingError
-from .io import load_with_arch, save_model, save_state
+from .checkpoint import save_state
+from .io import load_with_arch, save_model
 from ..utils import append_jsonl, parse_json, read_file_text
 from ..weights import mismatch_report, state_mismatches
 
