@@ -46,18 +46,8 @@ from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
 from ..errors import NascompressError, SettingError
-from ..layers import (
-    DEFAULT_ALIGN,
-    NCAttention,
-    NCBlock,
-    aligned_width,
-    as_index,
-    slice_hidden,
-    slice_layerscale,
-    slice_linear_in,
-    slice_linear_out,
-    slice_qk,
-)
+from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width
+from ..slicing import as_index, slice_hidden, slice_layerscale, slice_linear_in, slice_linear_out, slice_qk
 from . import Method, register_method
 from .dcs_importance import (
     BlockStats,

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, slice_hidden, slice_qk, to_core
+from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, to_core
+from ..slicing import slice_hidden, slice_qk
 from . import Method, get_method, register_method
 from ..profiling import count_flops
 
