@@ -200,7 +200,7 @@ def test_a_trial_that_reaches_the_storage_last_is_the_surplus_one():
 
     from optuna.trial import TrialState
 
-    from nascompress.studies.runner import _surplus
+    from nascompress.studies.loop import _surplus
 
     t0 = dt.datetime(2026, 1, 1, 10, 0, 0)
     done = [SimpleNamespace(_trial_id=i, number=i, state=TrialState.COMPLETE, datetime_start=t0) for i in (0, 1)]
@@ -237,7 +237,7 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
     import optuna
     from optuna.trial import TrialState
 
-    from nascompress.studies import runner
+    from nascompress.studies import loop, runner
     from nascompress.studies.records import SURPLUS_KEY
     from nascompress.studies.seeding import Seeding, default_sampler
     from nascompress.studies.storage import open_storage, parse_storage
@@ -281,11 +281,11 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
         try:
             st = open_storage(parse_storage(storage), create=False)
             study = optuna.load_study(study_name="w", storage=st, sampler=default_sampler(0))
-            runner._work(study, toy_factory(sleep=0.1), cfg, Seeding(default_sampler, 0, k))
+            loop.work(study, toy_factory(sleep=0.1), cfg, Seeding(default_sampler, 0, k))
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    with runner._quiet_optuna():
+    with loop.quiet_optuna():
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(workers)]
         for t in threads:
             t.start()

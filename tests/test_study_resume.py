@@ -25,7 +25,7 @@ def _run(killed_at: int | None, suggested_before_kill: int = 1, n_trials: int = 
         if number == killed_at:
             _params(trial, suggested_before_kill)  # the worker dies after its first suggestions
             seeding.reseed(study, study.get_trials(deepcopy=False))
-            trial = optuna.Trial(study, trial._trial_id)  # taken over in place (runner._work)
+            trial = optuna.Trial(study, trial._trial_id)  # taken over in place (loop.work)
         p = _params(trial)
         out.append(p)
         study.tell(trial, sum(x * x for x in p))

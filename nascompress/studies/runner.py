@@ -59,274 +59,43 @@ Trial record (:func:`record_trial`): ``trial.user_attrs["nascompress"]`` holds `
 ``study.user_attrs["nascompress"]`` holds ``space``, ``space_hash``, ``base_run``,
 ``objectives``, ``dataset``, ``created``, ``command``, ``seed``.
 
-This module is the ask/tell loop and the entry points; the rest lives beside it:
-:mod:`.records` (trial and study records, the Pareto front), :mod:`.seeding` (sampler seeding),
-:mod:`.liveness` (heartbeats, stale trials), :mod:`.display` (progress) and :mod:`.workers`
-(spawning worker processes).
+This module is the entry point; the rest lives beside it: :mod:`.loop` (the ask/tell loop and a
+worker process's entry point), :mod:`.records` (trial and study records, the Pareto front),
+:mod:`.seeding` (sampler seeding), :mod:`.liveness` (heartbeats, stale trials), :mod:`.display`
+(progress) and :mod:`.workers` (spawning worker processes).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import pickle
-import random
-import signal
 import sys
 import time
-import traceback
-import warnings
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import optuna
-from optuna.exceptions import UpdateFinishedTrialError
 from optuna.samplers import BaseSampler
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 import torch
 
 from nascompress.limits import check_limited
-from nascompress.errors import (
-    NascompressError,
-    SettingError,
-    WriteError,
-    literal,
-    storage_problem,
-    write_error,
-    writing,
-)
+from nascompress.errors import NascompressError, SettingError, literal, writing
 
 from .display import Display
-from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
+from .liveness import fail_stale_trials, stale_trials
 from .opening import open_study
-from .records import ERROR_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY, pareto_front
+from .records import pareto_front
 from .seeding import Seeding, default_sampler
-from .storage import StorageSpec, open_storage, resolve_run_storage
+from .storage import resolve_run_storage
+from .loop import CONTINUE, quiet_optuna, work, worker_main
 from .workers import LoopConfig, WorkerArgs, run_workers
 
 # Defined here before the split, still importable from here:
+from .loop import storage_full  # noqa: F401
 from .display import FLOPS_BUCKETS  # noqa: F401
 from .records import FAIL_REASON_KEY, RECORD_FIELDS, RECORD_KEY, record_trial, study_info, trial_record  # noqa: F401
+from .records import ERROR_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY  # noqa: F401
 from .seeding import ParamSeeded, sampler_seed  # noqa: F401
-
-
-# ----------------------------------------------------------------------------------------------
-# The ask/tell loop
-
-
-def _as_values(out: Any, n: int) -> list[float]:
-    vals = list(out) if isinstance(out, (list, tuple)) else [out]
-    if len(vals) != n:
-        raise ValueError(f"the objective returned {len(vals)} value(s) for {n} objective(s)")
-    return [float(v) for v in vals]
-
-
-def _finish(
-    study: optuna.Study,
-    trial: optuna.Trial,
-    *,
-    values: list[float] | None = None,
-    state: TrialState | None = None,
-    error: str | None = None,
-) -> bool:
-    """Tell a trial's end; False if it had been finished meanwhile (another worker took it over
-    as stale and told it first)."""
-    try:
-        if error is not None:
-            trial.set_user_attr(ERROR_KEY, error[:1000])
-        ft = study.tell(trial, values, state=state, skip_if_finished=True)
-    except UpdateFinishedTrialError:
-        return False
-    return ft.state == (state or TrialState.COMPLETE)
-
-
-def _surplus(study: optuna.Study, trial: optuna.Trial, n_trials: int) -> bool:
-    """Did this trial start when ``n_trials`` others were already complete or running (a start race)?
-
-    Read after the trial is in the storage (RUNNING, with its first beat), so every trial that
-    reached the storage before it is seen here. Every other COMPLETE or RUNNING trial counts,
-    whatever its number or start time (those order trials differently from the storage: a
-    journal client stamps its trial's start before it gets the file's lock, an enqueued trial
-    keeps its early number): of any n_trials + 1 trials that would run at once, the last to reach
-    the storage sees the n others and is released. Two trials racing for one place may both be
-    released; both workers then ask again (after a random pause) and one of them gets it.
-    """
-    trials = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.RUNNING))
-    if not any(t._trial_id == trial._trial_id for t in trials):
-        return False
-    return sum(1 for t in trials if t._trial_id != trial._trial_id) >= n_trials
-
-
-def _release(study: optuna.Study, trial: optuna.Trial) -> None:
-    storage = study._storage
-    ft = storage.get_trial(trial._trial_id)
-    storage.set_trial_system_attr(trial._trial_id, SURPLUS_KEY, True)
-    study.tell(trial, state=TrialState.PRUNED)
-    fixed = ft.system_attrs.get("fixed_params")
-    if fixed:
-        keep = {k: v for k, v in ft.user_attrs.items() if k in (RETRIES_KEY, RETRY_OF_KEY)}
-        study.enqueue_trial(dict(fixed), user_attrs=keep or None)
-
-
-_CONTINUE = "then rerun the same command to continue the study"
-_JITTER = random.Random()  # pauses after a released start only: never the samplers' streams
-
-
-def storage_full(e: BaseException, spec: StorageSpec) -> WriteError | None:
-    """One line for a study stopped by a full disk or an unwritable storage (None: another failure)."""
-    return write_error(e, what=f"study storage {spec.display}", then=_CONTINUE)
-
-
-def _failure_stop(reasons: list[str]) -> NascompressError:
-    """The error that ends a run after ``max_failures`` failed trials in a row, each with its reason."""
-    listed = "; ".join(r if len(r) <= 300 else r[:297] + "..." for r in reasons)
-    return NascompressError(
-        f"{len(reasons)} trials in a row failed ({listed}). Fix the cause and rerun the same "
-        "command to continue the study"
-    )
-
-
-def _work(
-    study: optuna.Study,
-    objective: Callable[[optuna.Trial], Any],
-    cfg: LoopConfig,
-    seeding: Seeding,
-    on_update: Callable[[Sequence[FrozenTrial]], None] | None = None,
-) -> int:
-    """One worker's loop: take over a stale trial, or ask a new one; run it; tell it. Returns the
-    number of trials it ran to an end."""
-    me = Me.now()
-    n_obj = len(study.directions)
-    poll = min(1.0, cfg.heartbeat_interval)
-    ran = 0
-    reasons: list[str] = []  # the failures in a row, with their reasons
-    while True:
-        if cfg.deadline is not None and time.time() >= cfg.deadline:
-            return ran
-        trials = study.get_trials(deepcopy=False)
-        if fail_stale_trials(study, grace_period=cfg.grace_period, max_retries=cfg.max_retries, trials=trials):
-            trials = study.get_trials(deepcopy=False)
-        complete = sum(t.state == TrialState.COMPLETE for t in trials)
-        running = sum(t.state == TrialState.RUNNING for t in trials)
-        if on_update is not None:
-            on_update(trials)
-        if complete >= cfg.n_trials:
-            return ran
-        stale = stale_trials(study, grace_period=cfg.grace_period, trials=trials)
-        stale_numbers = {t.number for t in stale}
-        # A RUNNING trial without a first beat was asked a moment ago, or its worker died between
-        # ask and that beat (a kill -9 there). Asking a new trial meanwhile would draw the killed
-        # trial's parameters (the sampler's seed counts the trials told) under the next number, so
-        # wait until it beats or, once stale (grace_period), is taken over in its own place.
-        unbeaten = any(
-            t.state == TrialState.RUNNING and WORKER_KEY not in t.system_attrs and t.number not in stale_numbers
-            for t in trials
-        )
-        trial = None
-        if stale and take_over(study, stale[0], me):  # a killed trial first, in its own place
-            seeding.reseed(study, trials)
-            study._thread_local.cached_all_trials = None  # as Study.ask does: read the trials afresh
-            trial = optuna.Trial(study, stale[0]._trial_id)
-        elif stale or unbeaten or complete + running >= cfg.n_trials:  # the rest run elsewhere (or were just claimed)
-            time.sleep(poll)
-            continue
-        if trial is None:
-            seeding.reseed(study, trials)
-            trial = study.ask()
-        key = (study.study_name, trial._trial_id)
-        ACTIVE.add(key)
-        try:
-            heartbeat = Heartbeat(study, trial._trial_id, cfg.heartbeat_interval, me)
-            heartbeat.beat()  # claim it at once, so no other worker ever sees it without an owner
-            if trial.number not in stale_numbers and _surplus(study, trial, cfg.n_trials):
-                _release(study, trial)
-                time.sleep(poll * (0.5 + _JITTER.random()))  # workers that raced do not meet again in step
-                continue
-            try:
-                with heartbeat:
-                    values = _as_values(objective(trial), n_obj)
-            except optuna.TrialPruned:
-                _finish(study, trial, state=TrialState.PRUNED)
-            except KeyboardInterrupt:  # released: the next run takes it over at once, in its place
-                let_go(study, trial, me)
-                raise
-            except UpdateFinishedTrialError:
-                pass  # failed as stale by another worker meanwhile: its retry runs the configuration again
-            except Exception as e:  # the trial fails with its reason; the study goes on (see _failure_stop)
-                if isinstance(e, WriteError) or storage_problem(e) is not None:
-                    # a full disk or an unwritable storage is no fault of the trial: stop now; the rerun
-                    # (once there is room) takes the trial over in its place
-                    try:
-                        let_go(study, trial, me)
-                    except Exception:  # noqa: BLE001 (the storage may refuse this write too: the trial then
-                        pass  # counts as dead by its pid, with the same effect)
-                    raise
-                reason = str(e) if isinstance(e, NascompressError) else f"{type(e).__name__}: {e}"
-                _finish(study, trial, state=TrialState.FAIL, error=reason)
-                reasons.append(f"trial {trial.number}: {reason}")
-                if len(reasons) >= cfg.max_failures:
-                    raise _failure_stop(reasons) from e
-            else:
-                if _finish(study, trial, values=values):
-                    reasons = []
-            ran += 1
-        finally:
-            ACTIVE.discard(key)
-
-
-@contextmanager
-def _quiet_optuna() -> Iterator[None]:
-    """Optuna's per-trial INFO logs and experimental warnings off (our progress replaces them)."""
-    old = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-            warnings.filterwarnings("ignore", message=".*enqueue.*")
-            yield
-    finally:
-        optuna.logging.set_verbosity(old)
-
-
-# ----------------------------------------------------------------------------------------------
-# A worker process (spawned by :func:`nascompress.studies.workers._run_workers`)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
-def _worker_main(args: WorkerArgs, results: Any) -> None:
-    """Entry point of a spawned worker process."""
-    signal.signal(signal.SIGTERM, _interrupt)
-    msg: dict[str, Any] = {"worker": args.index}
-    code = 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        with _quiet_optuna():
-            storage = open_storage(args.spec, create=False)
-            seeding = Seeding(args.sampler_factory, args.seed, args.index)
-            study = optuna.load_study(
-                study_name=args.study_name, storage=storage, sampler=args.sampler_factory(args.seed)
-            )
-            objective = args.objective_factory()
-            msg["ran"] = _work(study, objective, args.loop, seeding)
-    except KeyboardInterrupt:
-        msg["interrupted"] = True
-        code = 130
-    except NascompressError as e:
-        msg["error"] = str(e)
-        code = 1
-    except BaseException as e:  # noqa: BLE001 (reported to the parent, which prints one line)
-        full = storage_full(e, args.spec) if isinstance(e, Exception) else None
-        msg["error"] = str(full) if full is not None else f"{type(e).__name__}: {e}"
-        if full is None:
-            msg["traceback"] = traceback.format_exc()
-        code = 1
-    results.put(msg)
-    results.close()
-    results.join_thread()
-    sys.exit(code)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,7 +196,7 @@ def run_study(
         max_retries=max_retries,
         max_failures=max_failures,
     )
-    with _quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=_CONTINUE):
+    with quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=CONTINUE):
         study, created = open_study(
             spec, study_name=study_name, directions=directions, metric_names=metric_names, info=info, enqueue=enqueue
         )
@@ -456,7 +225,7 @@ def run_study(
                     study_name=study_name, storage=study._storage, sampler=sampler_factory(int(seed))
                 )
                 objective = objective_factory()
-                _work(wstudy, objective, loop, seeding, on_update=display.update)
+                work(wstudy, objective, loop, seeding, on_update=display.update)
                 display.update(study.get_trials(deepcopy=False))
             else:
                 # the workers share this machine's cores: N workers with torch's default thread count
@@ -467,7 +236,7 @@ def run_study(
                     WorkerArgs(k, spec, study_name, objective_factory, sampler_factory, int(seed), loop, threads)
                     for k in range(workers)
                 ]
-                worker_msgs = run_workers(args, study, display, target=_worker_main)
+                worker_msgs = run_workers(args, study, display, target=worker_main)
         trials = study.get_trials(deepcopy=False)
     counts: dict[str, int] = {}
     for t in trials:
