@@ -362,7 +362,8 @@ def test_predictor_stage_of_a_method_that_keeps_everything_trains_nothing():
 
 
 def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, tmp_path):
-    from nascompress.search.trials import SearchJob, TrialContext, build_trial
+    from nascompress.search.trial_build import build_trial
+    from nascompress.search.trials import SearchJob, TrialContext
 
     (tmp_path / "s.yaml").write_text(
         "format: nascompress-space/1\nname: s\nmethods:\n  - name: evit\n    params: {keep_rate: 0.5}\n"

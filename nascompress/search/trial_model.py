@@ -21,7 +21,8 @@ from ..runs.io import save_model
 from ..runs.run_dir import RunDir
 from ..runs.files import Arch
 from ..utils import refuse_overwriting_inputs
-from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP, SearchJob, TrialContext, build_trial
+from .trial_build import build_trial
+from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP, SearchJob, TrialContext
 from ..api import run_data_config
 from ..data import load_data
 from ..finetune import finetune_train_config
