@@ -12,26 +12,13 @@ from ..errors import NascompressError
 from ..resources import resolve_file
 from .config_io import load_config
 from .schema import SchemaContext, library_config, library_values, section_error
-from ..data import BUILTIN_DATASETS, DataConfig, load_data
-from .sections import DATASET_KEYWORDS, PipelineConfig
+from .sections import PipelineConfig
 from ..pipeline_files import PICK_FILE, Pick, find_step_marker, write_pick  # noqa: F401  (PICK_FILE: kept importable here)
-from ..importer import (
-    ImportJob,
-    build_job as build_import_job,
-    import_model,
-    weights_grid_size,
-    weights_kwargs,
-    weights_shapes,
-)
 from ..utils import resolve_device
-from ..api import count_classes
 from ..export import export_run
-from ..runs.io import read_arch
 from ..layers import require_vit
 from ..methods import get_method
 from ..methods.dcs import SEARCH_DCS_SETTINGS
-from ..models import ModelShape, ModelSpec, build_model
-from ..weights import read_weights_file
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
 from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job as build_dcs_job
@@ -39,10 +26,10 @@ from ..dcs_search.materialize import build_job as build_mat_job, materialize_sea
 from ..search.space import load_space
 from ..search.trial_model import build_job as build_pick_job
 from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
-from ..train import PROBE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, build_job as build_train_job, train
 from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
 from .report import write_summary
 from .steps import Pipeline, Step
+from .base_stage import check_data, data_config, plan_base, runtime_values
 
 # PICK_FILE (tokens/pick.json): each study's pick and which one was kept (pipeline_files)
 STUDY_DB = "studies.db"
@@ -58,183 +45,6 @@ STEPS = (
     "export",
     "report",
 )
-
-
-def _data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
-    stage = {"train_limit": train_limit} if train_limit is not None else {}  # a stage's own training images
-    return library_config(cfg.data, DataConfig, split_seed=0, subset_seed=cfg.seed, **stage)
-
-
-def _runtime(cfg: PipelineConfig) -> dict[str, Any]:
-    """The top-level settings every training stage runs with (seed, device, amp, deterministic)."""
-    return library_values(cfg, RUNTIME_SETTINGS)
-
-
-def _check_data(cfg: PipelineConfig, ctx: SchemaContext) -> int:
-    """The dataset exists; returns its class count."""
-    d = cfg.data
-    if d.dataset == "fashion-mnist":
-        need = Path(d.data_dir) / "train-images-idx3-ubyte.gz"
-        if not need.is_file():
-            raise ctx.err(
-                "data.data_dir",
-                f"Fashion-MNIST is not in {d.data_dir} (no {need.name}); install the "
-                "Debian package dataset-fashion-mnist or point data_dir at its IDX files",
-            )
-    elif d.dataset not in DATASET_KEYWORDS and not (Path(d.dataset) / "train").is_dir():
-        raise ctx.err(
-            "data.dataset",
-            f"{d.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor an "
-            "ImageFolder root with a train/ folder",
-        )
-    try:
-        n = count_classes(_data_config(cfg))
-        if d.dataset not in DATASET_KEYWORDS:  # an ImageFolder: its images and classes, before anything is written
-            load_data(_data_config(cfg))
-        return n
-    except NascompressError as e:
-        raise ctx.err("data.dataset", str(e)) from None
-
-
-def _built_model(spec: Any, ctx: SchemaContext, where: str) -> Any:
-    try:
-        return build_model(spec)
-    except NascompressError as e:
-        raise ctx.err(where, str(e)) from None
-
-
-def _plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int) -> tuple[Step | None, Path, Any]:
-    """The base step, the base run directory, and the dense model (built, for its depth)."""
-    b, data, base_dir = cfg.base, _data_config(cfg), out / "base"
-    if b.kind == "run":
-        try:
-            arch = read_arch(b.run)
-        except NascompressError as e:
-            raise ctx.err("base.run", str(e)) from None
-        if arch.methods:
-            raise ctx.err(
-                "base.run",
-                f"{b.run} is not a dense run (it applies "
-                f"{', '.join(arch.method_names)}); give the dense run it came "
-                "from, so the result is compared with the uncompressed model",
-            )
-        model = _built_model(arch.spec, ctx, "base.run")
-        if model.num_classes != n_classes:
-            raise ctx.err(
-                "base.run",
-                f"the run's model has {model.num_classes} classes but dataset {cfg.data.dataset} has {n_classes}",
-            )
-        step = Step("base", None, "redo", lambda **kw: {"run": b.run}, describe=f"the dense run {b.run}")
-        return step, Path(b.run), model
-    if b.kind == "train":
-        t = b.train
-        if t.weights is not None and not Path(t.weights).is_file():
-            raise ctx.err("base.train.weights", f"file {t.weights} does not exist")
-        try:
-            spec = library_config(t, ModelShape).spec(n_classes)
-            job = build_train_job(
-                spec,
-                base_dir,
-                data=data,
-                train={**library_values(t, TRAIN_SETTINGS), **_runtime(cfg)},
-                weights=t.weights,
-                reset_head=t.reset_head,
-            )
-        except NascompressError as e:
-            raise section_error(ctx, "base.train", t, e) from None
-        model = _built_model(spec, ctx, "base.train")
-        return (
-            Step(
-                "base",
-                base_dir,
-                "train",
-                lambda force, resume: train(job, force=force, resume=resume),
-                outputs=("base/model.safetensors", "base/metrics.json"),
-                describe=f"train the dense base ({t.epochs} epochs)",
-            ),
-            base_dir,
-            model,
-        )
-    imp = b.import_
-    if not Path(imp.weights).is_file():
-        raise ctx.err("base.import.weights", f"file {imp.weights} does not exist")
-    shapes = weights_shapes(imp.weights)
-    if shapes is not None and not imp.linear_probe:
-        head = shapes.get("head.weight")
-        if head is None:
-            raise ctx.err(
-                "base.import.linear_probe",
-                f"the weights in {imp.weights} have no classifier head (a "
-                "backbone-only checkpoint); set linear_probe: true to fit one",
-            )
-        if imp.num_classes is None and head[0] != n_classes:
-            raise ctx.err(
-                "base.import.weights",
-                f"the weights' head has {head[0]} classes but dataset "
-                f"{cfg.data.dataset} has {n_classes}; set linear_probe: true to fit "
-                "a new head",
-            )
-    if imp.linear_probe:
-        kwargs: dict[str, Any] = {"num_classes": imp.num_classes or n_classes}
-        if imp.num_heads is not None:
-            kwargs["num_heads"] = imp.num_heads
-        size = imp.img_size
-        if size is None:
-            try:
-                size = weights_grid_size(
-                    _built_model(ModelSpec(imp.model, dict(kwargs)), ctx, "base.import.model"), imp.weights
-                )
-            except NascompressError as e:
-                raise ctx.err("base.import.weights", str(e)) from None
-        if size is not None:
-            kwargs["img_size"] = size
-        spec = ModelSpec(imp.model, kwargs)
-        model = _built_model(spec, ctx, "base.import.model")
-        try:
-            job = build_train_job(
-                spec,
-                base_dir,
-                data=data,
-                recipe=PROBE_TRAIN,
-                train={"seed": cfg.seed, "device": cfg.device, "eval_batch_size": imp.eval_batch_size},
-                weights=imp.weights,
-                reset_head=True,
-                linear_probe=True,
-            )
-        except NascompressError as e:
-            raise section_error(ctx, "base.import", imp, e) from None
-        return (
-            Step(
-                "base",
-                base_dir,
-                "train",
-                lambda force, resume: train(job, force=force, resume=resume),
-                outputs=("base/model.safetensors", "base/metrics.json"),
-                describe=f"import {imp.model} and fit a linear-probe head",
-            ),
-            base_dir,
-            model,
-        )
-
-    job = build_import_job(library_values(imp, ImportJob), base_dir, data=data, device=cfg.device)
-    try:  # the model the weights describe (every shape read from them), as the import builds it
-        kwargs = weights_kwargs(job, read_weights_file(imp.weights))[0]
-    except NascompressError as e:
-        raise ctx.err("base.import.weights", str(e)) from None
-    kwargs["num_classes"] = imp.num_classes or n_classes
-    model = _built_model(ModelSpec(imp.model, kwargs), ctx, "base.import.model")
-    return (
-        Step(
-            "base",
-            base_dir,
-            "redo",
-            lambda force, resume: import_model(job, force=force),
-            outputs=("base/model.safetensors", "base/metrics.json"),
-            describe=f"import {imp.model} from {imp.weights}",
-        ),
-        base_dir,
-        model,
-    )
 
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
@@ -256,8 +66,8 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
             out / "dcs_search",
             search={**library_values(s, DCSSearchConfig), "target_flops": target},
             method=library_values(s, SEARCH_DCS_SETTINGS),
-            train={**library_values(s, SEARCH_TRAIN_SETTINGS), **_runtime(cfg)},
-            data=_data_config(cfg, train_limit=s.train_limit),
+            train={**library_values(s, SEARCH_TRAIN_SETTINGS), **runtime_values(cfg)},
+            data=data_config(cfg, train_limit=s.train_limit),
         )
         mat = build_mat_job(out / "dcs_search", out / "dcs_mat", seed=cfg.seed)
     except NascompressError as e:
@@ -332,8 +142,8 @@ def _plan_tokens(
                 "max_flops": goal.max_flops if constrained else None,
                 "max_latency_ms": goal.max_latency_ms if constrained else None,
             },
-            runtime=_runtime(cfg),
-            data=_data_config(cfg),
+            runtime=runtime_values(cfg),
+            data=data_config(cfg),
         )
         pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
     except NascompressError as e:
@@ -431,8 +241,8 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
             current,
             out / "final",
             retrain=library_config(s, RetrainConfig),
-            train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **_runtime(cfg)},
-            data=_data_config(cfg, train_limit=s.train_limit),
+            train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **runtime_values(cfg)},
+            data=data_config(cfg, train_limit=s.train_limit),
             teacher=base_dir if s.distil_from == "base" else None,
         )
     except NascompressError as e:  # the teacher is distil_from's choice: the base
@@ -478,7 +288,7 @@ def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
         )  # after a DCS fallback: what was made
         # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
         # (int8: calibrated and checked on the pipeline's data)
-        return export_run(final or base_dir, out=target, config=ec, force=True, data=_data_config(cfg))["verification"]
+        return export_run(final or base_dir, out=target, config=ec, force=True, data=data_config(cfg))["verification"]
 
     return Step(
         "export",
@@ -502,8 +312,8 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     except NascompressError as e:
         raise ctx.err("device", str(e)) from None
     out = Path(os.path.abspath(out))
-    n_classes = _check_data(cfg, ctx)
-    base_step, base_dir, dense = _plan_base(cfg, out, ctx, n_classes)
+    n_classes = check_data(cfg, ctx)
+    base_step, base_dir, dense = plan_base(cfg, out, ctx, n_classes)
     steps = [base_step]
     current = base_dir
     if cfg.stages.dcs is not None:
@@ -541,7 +351,7 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         base_dir=base_dir,
         final_dir=current,
         storage=storage,
-        data=_data_config(cfg),
+        data=data_config(cfg),
     )
 
     def report(force: bool, resume: bool) -> dict[str, Any]:
