@@ -45,7 +45,8 @@ import torch  # noqa: E402
 import nascompress  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.export import ExportConfig, export_run  # noqa: E402
-from nascompress.export.quantize import QuantizeConfig, quantize_run  # noqa: E402
+from nascompress.export.config import QuantizeConfig  # noqa: E402
+from nascompress.export.quantize import quantize_run  # noqa: E402
 from nascompress.export.verify import onnx_runner  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.profiling import time_models, time_models_by_threads  # noqa: E402

@@ -88,11 +88,11 @@ def test_the_quantize_schemes_are_declared_once_and_the_cli_shows_them():
     from nascompress.export import config as export_config
     from nascompress.export import quantize
 
-    scheme = next(f for f in dataclasses.fields(quantize.QuantizeConfig) if f.name == "scheme")
+    scheme = next(f for f in dataclasses.fields(export_config.QuantizeConfig) if f.name == "scheme")
     assert scheme.metadata["choices"] is export_config.SCHEMES is quantize.SCHEMES
     assert quantize.QUANTIZE_CHOICES is export_config.QUANTIZE == ("none", "int8", *export_config.SCHEMES)
-    assert quantize.QuantizeConfig().scheme == export_config.SCHEMES[0] == "int8-static"
-    assert quantize.config_for("int8") == quantize.QuantizeConfig()
+    assert export_config.QuantizeConfig().scheme == export_config.SCHEMES[0] == "int8-static"
+    assert export_config.config_for("int8") == export_config.QuantizeConfig()
     (metavar,) = {
         p.metavar for name, cmd in _commands() if name == "quantize" for p in cmd.params if "--scheme" in p.opts
     }

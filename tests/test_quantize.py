@@ -16,7 +16,8 @@ import torch
 from nascompress.errors import NascompressError
 from nascompress.export import ExportConfig, export_run
 from nascompress.export import quantize as q
-from nascompress.export.quantize import QuantizeConfig, quantize_run
+from nascompress.export.config import QuantizeConfig
+from nascompress.export.quantize import quantize_run
 
 from .conftest import invoke
 
@@ -240,7 +241,7 @@ def test_mgvit_is_refused(tmp_path):
 
 def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     from nascompress.data import DataConfig
-    from nascompress.export.quantize import int8_rows
+    from nascompress.export.int8_rows import int8_rows
     from nascompress.pipeline.report import int8_table_rows
 
     import torch

@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import DTYPES, FORMATS, ExportConfig, build_config, parse_batch
+from .config import DTYPES, FORMATS, ExportConfig, build_config, config_for, parse_batch
 from .run import SIDECAR_FORMAT, sidecar_path, stage_path
 from .run import export_run as _export_fp
 from ..pyapi.common import Workspace, model_run, setting_names, split_settings
-from .quantize import config_for, quantize_run
+from .quantize import quantize_run
 
 
 def export_run(

@@ -1,13 +1,13 @@
-"""Settings of ``nascompress export`` (one dataclass: the CLI options' help and defaults and the
-pipeline's ``export:`` keys are read from it)."""
+"""Settings of ``nascompress export`` and ``nascompress quantize`` (one dataclass each: the CLI options'
+help and defaults and the pipeline's ``export:`` keys are read from them)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from ..config import Config, check_settings, setting
-from ..limits import MAX_BATCH, SEED_MAX
+from ..config import Config, check_int, check_settings, field_name, setting
+from ..limits import MAX_BATCH, MAX_IMAGES, SEED_MAX
 from ..errors import NascompressError, SettingError
 
 FORMATS = ("onnx", "torch-export")
@@ -105,6 +105,70 @@ def build_config(settings: Mapping[str, Any]) -> ExportConfig:
     return ExportConfig(**settings)
 
 
+@dataclass(frozen=True)
+class QuantizeConfig(Config):
+    """How a model is quantized and checked.
+
+    Args:
+        scheme: ``int8-static`` (calibrated activation scales) or ``int8-dynamic`` (per-batch scales).
+        calib_images: training images the static scheme calibrates on (class-stratified, ``seed``).
+        max_drop: the largest allowed top-1 drop (points) of the int8 file against the fp32 file on
+            the validation split.
+        eval_images: validation images of the check (None: the run's whole validation split).
+        fallback: on a failed check try milder levels (first/last blocks fp32, then dynamic).
+        batch_size: images per batch of the calibration and the check.
+        seed: seed of the calibration subset.
+    """
+
+    scheme: str = setting(
+        SCHEMES[0],
+        choices=SCHEMES,
+        help=("int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."),
+    )
+    calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
+    max_drop: float = setting(
+        1.0,
+        lo=0,
+        help=("Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."),
+    )
+    eval_images: int | None = setting(
+        None,
+        lo=1,
+        hi=MAX_IMAGES,
+        help=("Validation images of the accuracy check (default: the run's whole validation split)."),
+    )
+    fallback: bool = setting(
+        True,
+        flag="--no-fallback",
+        help=(
+            "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
+            "blocks in fp32, then int8-dynamic)."
+        ),
+    )
+    batch_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
+        check_int("batch_size", self.batch_size, 1)
+        check_int("seed", self.seed, 0)
+
+    def attempts(self) -> list[tuple[str, int]]:
+        """(scheme, level) in the order tried: level 0 keeps the default layers in fp32, level 1 also
+        the first and last blocks."""
+        order = [(self.scheme, 0)]
+        if self.fallback:
+            order.append((self.scheme, 1))
+            if self.scheme == "int8-static":
+                order += [("int8-dynamic", 0), ("int8-dynamic", 1)]
+        return order
+
+
+def config_for(quantize: str) -> QuantizeConfig:
+    """The QuantizeConfig of an ExportConfig's ``quantize`` choice (``int8``: the default scheme)."""
+    return QuantizeConfig() if quantize == "int8" else QuantizeConfig(scheme=quantize)
+
+
 __all__ = [
     "ExportConfig",
     "build_config",
@@ -114,4 +178,6 @@ __all__ = [
     "QUANTIZE",
     "DEFAULT_TOLERANCE",
     "parse_batch",
+    "QuantizeConfig",
+    "config_for",
 ]

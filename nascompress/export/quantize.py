@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -45,84 +45,17 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..config import Config, check_int, check_settings, field_name, setting
-from ..limits import MAX_IMAGES
 from ..errors import NascompressError, SettingError
-from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES, ExportConfig  # declared once (ExportConfig's too)
+from .config import QUANTIZE as QUANTIZE_CHOICES, SCHEMES, ExportConfig, QuantizeConfig  # declared once there
 from .graphs import TWO_STAGE, quiet
 from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_kept  # noqa: F401 (plan_precision: read from here too)
 from ..api import run_data_config
 from ..data import InputSpec, Subset, dataset_labels, load_data, make_loader, preprocess, stratified_indices
-from ..runs.io import MODEL_FILE, load_typed, read_arch
-from ..profiling import time_models_by_threads
+from ..runs.io import read_arch
 from ..runs.files import sidecar_path, write_sidecar_json
 from ..utils import atomic_path
 from .run import check_outputs, clear_stale, export_run, new_folders
 from .verify import onnx_runner
-
-
-@dataclass(frozen=True)
-class QuantizeConfig(Config):
-    """How a model is quantized and checked.
-
-    Args:
-        scheme: ``int8-static`` (calibrated activation scales) or ``int8-dynamic`` (per-batch scales).
-        calib_images: training images the static scheme calibrates on (class-stratified, ``seed``).
-        max_drop: the largest allowed top-1 drop (points) of the int8 file against the fp32 file on
-            the validation split.
-        eval_images: validation images of the check (None: the run's whole validation split).
-        fallback: on a failed check try milder levels (first/last blocks fp32, then dynamic).
-        batch_size: images per batch of the calibration and the check.
-        seed: seed of the calibration subset.
-    """
-
-    scheme: str = setting(
-        SCHEMES[0],
-        choices=SCHEMES,
-        help=("int8-static (activation scales calibrated on training images) or int8-dynamic (scales per batch)."),
-    )
-    calib_images: int = setting(256, lo=1, hi=MAX_IMAGES, help="Training images the static scheme calibrates on.")
-    max_drop: float = setting(
-        1.0,
-        lo=0,
-        help=("Largest allowed top-1 drop (points) of the int8 file vs the fp32 file on the validation split."),
-    )
-    eval_images: int | None = setting(
-        None,
-        lo=1,
-        hi=MAX_IMAGES,
-        help=("Validation images of the accuracy check (default: the run's whole validation split)."),
-    )
-    fallback: bool = setting(
-        True,
-        flag="--no-fallback",
-        help=(
-            "Fail at once when the scheme is beyond --max-drop (default: try milder levels first: the first and last "
-            "blocks in fp32, then int8-dynamic)."
-        ),
-    )
-    batch_size: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        check_settings(self, name=field_name)  # every setting() against its declaration; below: the rest
-        check_int("batch_size", self.batch_size, 1)
-        check_int("seed", self.seed, 0)
-
-    def attempts(self) -> list[tuple[str, int]]:
-        """(scheme, level) in the order tried: level 0 keeps the default layers in fp32, level 1 also
-        the first and last blocks."""
-        order = [(self.scheme, 0)]
-        if self.fallback:
-            order.append((self.scheme, 1))
-            if self.scheme == "int8-static":
-                order += [("int8-dynamic", 0), ("int8-dynamic", 1)]
-        return order
-
-
-def config_for(quantize: str) -> QuantizeConfig:
-    """The QuantizeConfig of an ExportConfig's ``quantize`` choice (``int8``: the default scheme)."""
-    return QuantizeConfig() if quantize == "int8" else QuantizeConfig(scheme=quantize)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +72,10 @@ def _run_data(run: str | Path, data: Any) -> Any:
     return d
 
 
-def _batches(ds: Any, idx: list[int], spec: Any, batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def labelled_batches(
+    ds: Any, idx: list[int], spec: Any, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The images ``idx`` of ``ds`` in batches, preprocessed as the model is evaluated, with their labels."""
     loader = make_loader(Subset(ds, torch.as_tensor(idx)), batch_size=batch_size, shuffle=False)
     for xb, yb in loader:
         yield preprocess(xb, spec), torch.as_tensor(yb)
@@ -153,7 +89,7 @@ def calibration_batches(bundle: Any, spec: Any, cfg: QuantizeConfig) -> tuple[li
         if n < len(bundle.train)
         else list(range(n))
     )
-    return [x.numpy() for x, _ in _batches(bundle.train, idx, spec, cfg.batch_size)], n
+    return [x.numpy() for x, _ in labelled_batches(bundle.train, idx, spec, cfg.batch_size)], n
 
 
 def _reader(name: str, batches: list[np.ndarray]) -> Any:
@@ -334,7 +270,7 @@ def quantize_run(
             )
 
         def val() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # preprocessed again per pass (memory)
-            return _batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
+            return labelled_batches(bundle.val, list(range(len(bundle.val))), spec, cfg.batch_size)
 
         labels = torch.cat([y for _, y in val()])
         ref = _logits(onnx_runner(fp32)[0], val())
@@ -463,103 +399,6 @@ def _sidecar(
     return side
 
 
-# ---------------------------------------------------------------------------------------------
-# The pipeline report's int8 rows
-
-
-def int8_rows(
-    dense_run: str | Path,
-    compressed_run: str | Path,
-    *,
-    compressed_int8: str | Path | None,
-    data: Any,
-    config: QuantizeConfig | None = None,
-    export: Any = None,
-    split: str = "test",
-    batch: int = 64,
-    iters: int = 10,
-) -> dict[str, Any]:
-    """Dense fp32, dense int8, compressed fp32, compressed int8: test top-1, file size, latency at batch
-    1 and throughput at ``batch``, all four timed interleaved in one process (fp32: PyTorch eager, as
-    the pipeline's report times it; int8: ONNX Runtime on the CPU). Each batch is timed in one pass
-    with both runtimes at their default thread counts and one with both on one thread; each row keeps
-    its faster figure and records its count (``latency_threads``, ``throughput_threads``): a small
-    model at batch 1 is often fastest on one thread.
-
-    The dense int8 file is made here (:func:`quantize_run` with ``config`` and ``export``, into a
-    temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
-    whose int8 file fails its check gets a row with the reason and no figures."""
-    runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
-    rows: list[dict[str, Any]] = []
-    default = torch.get_num_threads()
-    calls: dict[int, list[Any]] = {n: [] for n in dict.fromkeys((default, 1))}  # per thread count timed
-    labels: list[int] = []
-    with tempfile.TemporaryDirectory(prefix="nascompress-int8-rows-") as tmp:
-        files: dict[str, Path | str] = {}
-        for k, run in runs.items():
-            model, arch = load_typed(run)
-            spec = InputSpec.from_dict(dict(arch.input))
-            ds = load_data(data, spec=spec, augment=False).split(split)
-            idx = list(range(len(ds)))
-            with torch.inference_mode():
-                hits = sum(int((model(x).argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
-            weights = run / MODEL_FILE if run.is_dir() else run
-            rows.append(
-                {
-                    "model": f"{k} fp32",
-                    "runtime": f"PyTorch {torch.__version__} (eager)",
-                    "test_top1": 100 * hits / len(ds),
-                    "test_n": len(ds),
-                    "file_bytes": weights.stat().st_size,
-                }
-            )
-            for n in calls:
-                calls[n].append(lambda x, m=model: m(x))
-            labels.append(len(rows) - 1)
-            q = Path(compressed_int8) if k == "compressed" and compressed_int8 is not None else None
-            if q is None:
-                q = Path(tmp) / f"{k}.int8.onnx"
-                try:
-                    quantize_run(run, out=q, config=config, export=export, data=data, force=True)
-                except NascompressError as e:
-                    rows.append({"model": f"{k} int8", "runtime": "onnxruntime", "failed": str(e)})
-                    continue
-            runner, desc = onnx_runner(q, spinning=False)  # timed beside PyTorch (see onnx_runner)
-            hits = sum(int((runner([x])[0].argmax(-1) == y).sum()) for x, y in _batches(ds, idx, spec, batch))
-            rows.append(
-                {
-                    "model": f"{k} int8",
-                    "runtime": desc,
-                    "test_top1": 100 * hits / len(ds),
-                    "test_n": len(ds),
-                    "file_bytes": q.stat().st_size,
-                }
-            )
-            files[k] = q
-            calls[default].append(lambda x, r=runner: r([x]))  # ORT's own default thread count
-            if default != 1:
-                one = onnx_runner(q, threads=1, spinning=False)[0]
-                calls[1].append(lambda x, r=one: r([x]))
-            labels.append(len(rows) - 1)
-        shape = (spec.in_chans, *spec.img_size)
-        g = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
-            for bs, key, tkey in ((1, "latency_ms", "latency_threads"), (batch, "throughput", "throughput_threads")):
-                times = time_models_by_threads(calls, torch.randn(bs, *shape, generator=g), warmup=2, iters=iters)
-                for j, i in enumerate(labels):  # each row at its faster count (the default one on a tie)
-                    n = min(calls, key=lambda n: times[n][j])
-                    rows[i][key] = 1e3 * times[n][j] if key == "latency_ms" else bs / times[n][j]
-                    rows[i][tkey] = "default" if n == default else n
-    return {
-        "split": split,
-        "images": len(ds),
-        "latency_batch": 1,
-        "throughput_batch": batch,
-        "iters": iters,
-        "rows": rows,
-    }
-
-
 __all__ = [
     "QuantizeConfig",
     "SCHEMES",
@@ -569,6 +408,4 @@ __all__ = [
     "plan_precision",
     "accuracy_check",
     "calibration_batches",
-    "int8_rows",
-    "config_for",
 ]

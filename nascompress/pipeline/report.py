@@ -34,7 +34,8 @@ from .report_format import (
     models_note,
 )
 from ..api import evaluate_run, profile
-from ..export.quantize import config_for, int8_rows
+from ..export.config import config_for
+from ..export.int8_rows import int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
 from ..studies.inspect import load
@@ -331,7 +332,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
 
 
 def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
-    """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.quantize.int8_rows`):
+    """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.int8_rows.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
     cfg = pipe.cfg
     made = pipe.out / "export" / cfg.export.filename

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DataConfig
-from ..export.quantize import QuantizeConfig, quantize_run
+from ..export.config import QuantizeConfig
+from ..export.quantize import quantize_run
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config
 from ..retrain import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
