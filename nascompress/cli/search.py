@@ -27,7 +27,7 @@ from nascompress.data import DataConfig
 from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models import ModelShape
 from nascompress.profiling.compare import dense_flops_text
-from nascompress.dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from nascompress.dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from nascompress.search.trials import SearchJob, build_job as build_search_job, run_search
 from nascompress.train import RUNTIME_SETTINGS, TrainJob
 from nascompress.api import run_data_config

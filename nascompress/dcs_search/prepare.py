@@ -29,7 +29,7 @@ from .protect import protection
 
 
 class DCSJobView(Protocol):
-    """What the measurements read of a DCS search job (:class:`nascompress.dcs_search.search.DCSSearchJob`, whose
+    """What the measurements read of a DCS search job (:class:`nascompress.dcs_search.search_config.DCSSearchJob`, whose
     search calls :func:`prepare_search`; declared here so that this module does not import its caller)."""
 
     source: str

@@ -21,7 +21,8 @@ from ..runs.run_dir import RunDir
 from ..train import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics
 from ..methods.dcs import DCSConfig
-from .search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from .search import run_dcs_search
+from .search_config import DCSSearchConfig, DCSSearchJob, search_train_config
 
 
 def build_job(
@@ -36,9 +37,9 @@ def build_job(
     img_size: int | None = None,
 ) -> DCSSearchJob:
     """The DCS search job of ``nascompress search dcs`` and of a pipeline's ``stages.dcs`` (the one
-    place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search.DCSSearchConfig`'s
+    place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search_config.DCSSearchConfig`'s
     settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
-    :data:`~nascompress.dcs_search.search.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
+    :data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
     (None: the recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset
     (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
     cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)

@@ -20,7 +20,7 @@ from ..layers import require_vit
 from ..methods import get_method
 from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
-from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job as build_dcs_job
 from ..dcs_search.materialize import build_job as build_mat_job, materialize_search
 from ..search.space import load_space

@@ -17,7 +17,7 @@ from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape
 from ..profiling.config import ProfileConfig
 from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
-from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS, SearchJob
 from ..train import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
 from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_keys, library_values, opt
@@ -143,8 +143,8 @@ class GoalSection(Section):
 class DCSStage(Section):
     """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
     the search's settings (same names): every user-facing field of
-    :class:`~nascompress.dcs_search.search.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
-    the search's training settings (:data:`~nascompress.dcs_search.search.SEARCH_TRAIN_SETTINGS`; null: the
+    :class:`~nascompress.dcs_search.search_config.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
+    the search's training settings (:data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`; null: the
     recipe's, ``batch_size`` null: from the training images), all declared in the library with their
     checks (:func:`~nascompress.pipeline.schema.library_keys`), and the keys below (the data's
     ``train_limit`` for this stage, and the pipeline's own ``on_collapse``). With ``on_collapse: retry``

@@ -9,7 +9,7 @@ from typing import Any
 from ..config import user_settings
 from ..data import DataConfig
 from ..methods.dcs import DCSConfig
-from ..dcs_search.search import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
 from .common import (

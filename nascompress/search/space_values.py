@@ -19,7 +19,7 @@ from ..errors import NascompressError
 from .space_entries import Param
 from .. import methods
 from ..limits import limits
-from ..dcs_search.search import DCSSearchConfig
+from ..dcs_search.search_config import DCSSearchConfig
 
 MAX_GRID_POINTS = 1_000_000
 

@@ -14,7 +14,8 @@ from torch import nn
 from ..errors import NascompressError
 from .trial_context import TrialContext
 from ..methods.dcs import DCSConfig, materialize
-from ..dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from ..dcs_search.search import run_dcs_search
+from ..dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config
 
 
 DCS_MEMO_SIZE = 12  # searched DCS models a worker keeps (a joint space's target has 11 values)
