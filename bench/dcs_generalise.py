@@ -54,7 +54,8 @@ class Cell(pretrained.Bench):
         self.full = res
         self.runs = Path(a.runs) / dataset.replace("/", "_").replace(":", "_classes") / base / f"seed{seed}"
         self.dense = self.runs / "dense"
-        # "digits:5": the first 5 classes only (a class-count subset); "fashion-mnist:5-9": classes 5 to 9 (another task)
+        # "digits:5": the first 5 classes only (a class-count subset); "fashion-mnist:5-9": classes 5 to 9
+        # (another task)
         name, _, k = dataset.partition(":")
         lo, _, hi = k.partition("-")
         keep = range(int(lo), int(hi) + 1) if hi else range(int(k)) if k else None

@@ -206,7 +206,8 @@ def main() -> None:
     save(a.out, res)
     for r in res["runs"]:
         print(
-            f"target {r['target_flops']} amp {r['amp']}: {r['wall_s']:.0f} s (goal {r['goal_s']:.0f} s), first line after "
+            f"target {r['target_flops']} amp {r['amp']}: {r['wall_s']:.0f} s (goal {r['goal_s']:.0f} s), "
+            "first line after "
             f"{r['first_progress_line_s']:.1f} s, landed {r['flops_ratio']:.3f}, val {r['val_top1']:.1f} "
             f"(dense {r['dense_val_top1']:.1f})"
         )

@@ -99,7 +99,8 @@ seed: 0
 device: cpu
 data: {dataset: synthetic}
 base:
-  train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, in_chans: 1, epochs: 2, batch_size: 32, lr: 0.002}
+  train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, in_chans: 1, epochs: 2,
+    batch_size: 32, lr: 0.002}
 goal: {max_flops: 0.75}
 stages:
   dcs: {target_flops: 0.85, epochs: 2, batch_size: 32, alpha_init: 0.5, base_lr: 0.001, arch_lr: 0.15}
@@ -984,7 +985,10 @@ def leftover_cases(t: Table) -> None:
         c.exit_code = p.returncode
         ok = "optuna-dashboard" in up and len(left) == 1 and left[0] not in after_restart and snaps() == []
         c.outcome = "recovered" if ok else "wrong"
-        c.note = f"snapshot left by kill -9: {len(left)}; after the restart: {len(after_restart)} (its own); after Ctrl-C: {len(snaps())}"
+        c.note = (
+            f"snapshot left by kill -9: {len(left)}; after the restart: {len(after_restart)} (its own); "
+            f"after Ctrl-C: {len(snaps())}"
+        )
 
 
 def hostile_cases(t: Table) -> None:

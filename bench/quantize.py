@@ -480,7 +480,8 @@ def not_measured(args, res: dict[str, Any]) -> list[str]:
             ("main job", "main_job" not in res),
             ("DINOv2 models", "dinov2" not in res),
             (
-                "retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used: their accuracy goals are not meaningful "
+                "retrained DINOv2 DCS 0.6x / EViT 0.7 models (zero-shot ones used: their accuracy goals are "
+                "not meaningful "
                 "here)",
                 "dinov2" in res and not dcs_retrained(res),
             ),

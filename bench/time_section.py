@@ -25,7 +25,8 @@ def time_section(data: dict[str, Any]) -> list[str]:
         return ["(not measured yet: `python bench/tool_speed.py`)"]
     m = d.get("machine") or {}
     out = [
-        f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, {d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
+        f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, "
+        f"{d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
         f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (opt-in; the default is fp32) trains in "
         f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).",
         "",
@@ -75,7 +76,8 @@ def time_section(data: dict[str, Any]) -> list[str]:
             f, b = by.get((seed, "off")), by.get((seed, "bf16"))
             if f and b:
                 out.append(
-                    f"| {seed} | {f['train_limit']} x {f['epochs']} | {f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
+                    f"| {seed} | {f['train_limit']} x {f['epochs']} | "
+                    f"{f['best_val_top1']:.2f} / {f['test_top1']:.2f} | "
                     f"{b['best_val_top1']:.2f} / {b['test_top1']:.2f} |"
                 )
         out.append("")

@@ -127,8 +127,9 @@ def profile(
     """Profile a saved run (or a timm model spec), optionally against a reference run ``compare``
     (e.g. the dense base), timed interleaved: ``comparison`` then holds the target against the
     reference (:mod:`nascompress.profiling.compare`: ``flops_ratio`` < 1 is smaller,
-    ``latency_speedup`` > 1 is faster), both labels and what the figures were measured on; ``dtype``: weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs
-    on CUDA) next to the eager ones."""
+    ``latency_speedup`` > 1 is faster), both labels and what the figures were measured on; ``dtype``:
+    weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs on CUDA)
+    next to the eager ones."""
     dev = resolve_device(device)
     with runtime.configured(dev):
         return _profile(

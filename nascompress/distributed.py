@@ -129,7 +129,8 @@ def init(device: str | None = "auto") -> torch.device:
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise NascompressError(
-            f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started by torchrun; unset WORLD_SIZE to run in one process, "
+            f"WORLD_SIZE={_env_size()} is set but {', '.join(missing)} {verb} not: the command was not started "
+            "by torchrun; unset WORLD_SIZE to run in one process, "
             "or start it with torchrun (torchrun --nproc_per_node N $(which nascompress) ...)"
         )
     if dev.type == "cuda":

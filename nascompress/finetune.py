@@ -4,10 +4,10 @@ The job is the same for every method (:class:`~nascompress.methods.Method`): loa
 imported, or DCS-materialized; it is also the distillation teacher), ``method.prepare_fresh``
 validates the settings, checks stacking and patches a copy; methods with new predictors run
 their short predictor-only stage (:meth:`Method.calibrate`); then either save at once
-(``zero_shot``) or :func:`train.fit` with ``method.hooks``, whose epoch 0 is that zero-shot model. The learning rate, warm-up
-and epochs default to the method's recipe (:data:`FINETUNE_TRAIN` with the method's ``train_overrides``;
-base lr per 512 images, scaled by the batch size). Every fine-tune evaluates its starting model first
-and keeps it if training only hurts.
+(``zero_shot``) or :func:`train.fit` with ``method.hooks``, whose epoch 0 is that zero-shot model. The
+learning rate, warm-up and epochs default to the method's recipe (:data:`FINETUNE_TRAIN` with the
+method's ``train_overrides``; base lr per 512 images, scaled by the batch size). Every fine-tune
+evaluates its starting model first and keeps it if training only hurts.
 Under torchrun the training is data-parallel (:mod:`nascompress.distributed`); a ``zero_shot`` job
 runs whole in every process (the same result) and rank 0 writes it.
 """

@@ -175,8 +175,8 @@ def short_stage(
 ) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
     rest): ``steps`` AdamW steps (linear warm-up over the first tenth; with ``decay`` then a cosine to 0)
-    of ``loss_fn(x, y)`` over ``batches`` (cycled). Returns the mean logs of the last 10 steps and ``steps``, the optimizer
-    steps taken; the model is left in eval mode.
+    of ``loss_fn(x, y)`` over ``batches`` (cycled). Returns the mean logs of the last 10 steps and
+    ``steps``, the optimizer steps taken; the model is left in eval mode.
 
     A loss the parameters take no part in (a method configured to keep everything, e.g. DynamicViT
     at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""

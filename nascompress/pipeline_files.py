@@ -65,7 +65,8 @@ class StepMarker(Record):
 
     @property
     def skipped(self) -> bool:
-        """Whether the step was skipped (a DCS stage that collapsed twice, and the steps that then had nothing to do)."""
+        """Whether the step was skipped (a DCS stage that collapsed twice, and the steps that then had
+        nothing to do)."""
         return bool(self.result.get("skipped"))
 
 

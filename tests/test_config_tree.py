@@ -3,7 +3,8 @@
 key of its pipeline section, or in an explicit exclusion list below (with the reason):
 ``search dcs`` / ``stages.dcs``, ``train`` / ``base.train`` and ``data``, ``retrain`` /
 ``stages.retrain``, ``search tokens`` / ``stages.tokens``, ``finetune``'s training options,
-``profile`` / ``report``, ``export`` / ``export``. The CLI and the pipeline give the same defaults, and build the same jobs."""
+``profile`` / ``report``, ``export`` / ``export``. The CLI and the pipeline give the same defaults, and build
+the same jobs."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ EXCLUDED = {
         "tau_decay": "temperature factor per epoch, internal constant (the help of --tau0 says x0.95)",
         "tolerance": "the +-5% band around the target, internal constant (the help of --target-flops says it)",
         "steer_gain": "lambda controller gain, internal constant",
-        "project_band": "relative distance from the moving target beyond which --budget project shifts the gates, internal constant",
+        "project_band": (
+            "relative distance from the moving target beyond which --budget project shifts the gates, internal constant"
+        ),
         "steer_rate": "lambda controller gain, internal constant",
         "weight_fraction": "W / arch split of the training images, internal constant",
         "init_images": "images of the pre-search measurements, internal constant (the help of --init-importance)",

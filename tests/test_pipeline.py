@@ -294,7 +294,8 @@ BAD = [
     (
         "stages.dcs.fallback",
         False,
-        "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; fallback: true is retry, fallback: false is stop",
+        "key stages.dcs.fallback was renamed; write on_collapse: retry | stop; "
+        "fallback: true is retry, fallback: false is stop",
     ),
     ("stages.retrain.teacher", "base", "key stages.retrain.teacher was renamed; write distil_from: base | none"),
     ("stages.dcs.target_flops", 1.5, "stages.dcs.target_flops: must be in (0, 1], got 1.5"),

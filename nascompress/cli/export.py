@@ -23,7 +23,8 @@ def register(app: typer.Typer) -> None:
         ],
         out_file: out_option("The file to write (sidecar: FILE.json; MG-ViT's stage 2: <stem>.mgis<suffix>)."),
         *,
-        settings: Settings,  # ExportConfig: --format --batch --dtype --opset --tolerance --verify-batch --seed --quantize
+        # ExportConfig: --format --batch --dtype --opset --tolerance --verify-batch --seed --quantize
+        settings: Settings,
         force: Force = False,
         json_out: JsonOut = False,
     ) -> None:

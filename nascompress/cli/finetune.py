@@ -179,7 +179,8 @@ def finetune(
     json_out: JsonOut = False,
     **method_opts: Optional[str],  # --keep-rate --rho ... (every registered method's settings: _method_params)
 ) -> None:
-    """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT or ToMe."""
+    """Fine-tune (or apply zero-shot) a method on a run: EViT, DynamicViT, Sparsifiner, (Hierarchical) MG-ViT
+    or ToMe."""
     fields = method_option_fields()
 
     def build() -> FinetuneJob:

@@ -168,7 +168,10 @@ def evaluate(
     if "agreement" in res:
         msg += f"  agreement with teacher {res['agreement']:.2f}%"
     if "exit_share" in res:
-        msg += f"  SGIS exit {100 * res['exit_share']:.1f}% (epsilon {res['epsilon']:g})  {res['mean_flops'] / 1e6:.2f} MFLOPs/image"
+        msg += (
+            f"  SGIS exit {100 * res['exit_share']:.1f}% (epsilon {res['epsilon']:g})  "
+            f"{res['mean_flops'] / 1e6:.2f} MFLOPs/image"
+        )
     out.print(msg)
 
 

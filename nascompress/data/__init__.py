@@ -192,7 +192,8 @@ class DataConfig:
         path=True,
         keywords=DATASET_KEYWORDS,
         help=(
-            "'fashion-mnist', 'digits' (scikit-learn's bundled 8x8 digits) or an ImageFolder root with train/ (val/, test/)."
+            "'fashion-mnist', 'digits' (scikit-learn's bundled 8x8 digits) or an ImageFolder root with "
+            "train/ (val/, test/)."
         ),
     )
     data_dir: str = setting(str(FMNIST_DIR), path=True, help="Where Fashion-MNIST's IDX files are.")

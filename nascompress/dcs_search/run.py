@@ -39,7 +39,8 @@ def build_job(
     """The DCS search job of ``nascompress search dcs`` and of a pipeline's ``stages.dcs`` (the one
     place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search_config.DCSSearchConfig`'s
     settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
-    :data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`' and :data:`~nascompress.train.RUNTIME_SETTINGS`'
+    :data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`' and
+    :data:`~nascompress.train.RUNTIME_SETTINGS`'
     (None: the recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset
     (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
     cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)

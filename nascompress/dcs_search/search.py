@@ -108,8 +108,8 @@ def run_dcs_search(
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
     distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
-    directory's files are written as the search goes (:func:`~nascompress.dcs_search.run.search_dcs`), ``before_fit(job)`` called
-    once the job's choices are resolved."""
+    directory's files are written as the search goes (:func:`~nascompress.dcs_search.run.search_dcs`),
+    ``before_fit(job)`` called once the job's choices are resolved."""
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
     base_arch = Arch.of(base_arch)

@@ -2,8 +2,8 @@
 
 Every block keeps the same share ``keep`` of its MLP hidden neurons and of each head's Q/K
 channels (each count rounded up to a multiple of ``align``, :func:`~nascompress.layers.aligned_width`:
-the widths the fast GPU kernels want), chosen by weight magnitude (Torch-Pruning's group L2 importance: a hidden neuron j is
-scored by ||fc1.weight[j]||^2 + ||fc2.weight[:, j]||^2, a Q/K channel c of head h by
+the widths the fast GPU kernels want), chosen by weight magnitude (Torch-Pruning's group L2 importance: a
+hidden neuron j is scored by ||fc1.weight[j]||^2 + ||fc2.weight[:, j]||^2, a Q/K channel c of head h by
 ||W_q[c]||^2 + ||W_k[c]||^2). The pruned layers are gathered physically (fc1 rows / fc2 columns,
 and the per-head Q/K rows of qkv), so the model is really smaller. :func:`keep_for_flops` finds
 the share that meets a FLOPs target.

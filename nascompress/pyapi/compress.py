@@ -50,7 +50,8 @@ class Compressed:
         )
 
     def to_transformers(self, directory: str | Path) -> Path:
-        """Write the model as a Hugging Face ``transformers`` ViT folder (:func:`nascompress.pyapi.hf.to_transformers`)."""
+        """Write the model as a Hugging Face ``transformers`` ViT folder
+        (:func:`nascompress.pyapi.hf.to_transformers`)."""
         return to_transformers(self.model, directory, arch=self.arch)
 
 

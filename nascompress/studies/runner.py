@@ -39,7 +39,8 @@ How it behaves, on every storage (SQLite, journal file, PostgreSQL):
   ``max_retries`` of them (a configuration that kills its process) the trial is marked FAIL.
   Two workers that claim the same trial at the same moment both run it; the first tell wins
   (the objective is deterministic). Finished trials are never touched. Studies written before
-  this rule may hold FAIL trials with a re-enqueued copy (``nascompress_retry_of``). Optuna's own RDB heartbeat is not used: it works only inside
+  this rule may hold FAIL trials with a re-enqueued copy (``nascompress_retry_of``). Optuna's own RDB
+  heartbeat is not used: it works only inside
   ``study.optimize`` and on RDB storages (the journal has none), while this loop asks and tells
   itself; one mechanism keeps the behaviour identical on all three storages.
 - Objective errors: the trial is FAIL with its reason in ``user_attrs["nascompress_error"]`` (shown
