@@ -498,6 +498,7 @@ def test_a_full_disk_during_export_is_one_line(tmp_path, monkeypatch, fmt):
 def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatch):
     from safetensors import SafetensorError
 
+    import nascompress.runs.checkpoint as nckpt
     import nascompress.runs.io as nio
 
     real, calls = nio.save_file, []
@@ -508,12 +509,14 @@ def test_a_full_disk_mid_training_advises_what_continues_it(tmp_path, monkeypatc
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
         return real(*a, **kw)
 
-    monkeypatch.setattr(nio, "save_file", fills_up)
+    monkeypatch.setattr(nio, "save_file", fills_up)  # the model files
+    monkeypatch.setattr(nckpt, "save_file", fills_up)  # the checkpoints
     out = tmp_path / "run"
     args = ["train", "--out", out, "--dataset", "synthetic", "--train-limit", "128", *TINY]
     msg = one_line(invoke(*args), "no space is left on its disk")
     assert f"then continue it with 'nascompress train --resume --out {out}'" in msg
     monkeypatch.setattr(nio, "save_file", real)
+    monkeypatch.setattr(nckpt, "save_file", real)
     one_line(invoke(*args), "already exists")  # what the old advice ("rerun the command") led to
     r = invoke(*args, "--resume")  # what the advice says
     assert r.exit_code == 0, r.output
