@@ -36,7 +36,6 @@ from typing import Any
 from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 import nascompress  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
@@ -47,7 +46,10 @@ from nascompress.layers import aligned_width  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, activation_importance, channel_importance, materialize  # noqa: E402
 from nascompress.models import ModelSpec, build_model, custom_vit_spec  # noqa: E402
+from nascompress.pipeline import load_config  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
+from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
@@ -101,19 +103,16 @@ def save_run(root: Path, name: str, model, spec: ModelSpec, input_spec: dict, re
 
 def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
     """The main job's dense and compressed models made here (see the module docstring)."""
-    from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
-    from nascompress.train import TrainConfig, TrainJob, train
-
-    cfg = yaml.safe_load((ROOT / "configs" / "fashion-mnist.yaml").read_text())
-    t = cfg["base"]["train"]
+    cfg = load_config(ROOT / "configs" / "fashion-mnist.yaml")  # the library's loader: validated
+    t = cfg.base.train
     spec = custom_vit_spec(
-        img_size=t["img_size"],
-        patch_size=t["patch_size"],
-        embed_dim=t["embed_dim"],
-        depth=t["depth"],
-        num_heads=t["num_heads"],
+        img_size=t.img_size,
+        patch_size=t.patch_size,
+        embed_dim=t.embed_dim,
+        depth=t.depth,
+        num_heads=t.num_heads,
         num_classes=10,
-        in_chans=t["in_chans"],
+        in_chans=t.in_chans,
     )
     data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
     dense_dir = work / "dense"
@@ -122,7 +121,7 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
             model=spec,
             data=data,
             out=str(dense_dir),
-            train=TrainConfig(epochs=args.epochs, batch_size=t["batch_size"], lr=t["lr"], seed=0),
+            train=TrainConfig(epochs=args.epochs, batch_size=t.batch_size, lr=t.lr, seed=0),
         )
     )
     dense, arch = load_with_arch(dense_dir)
@@ -131,7 +130,7 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
     batches = [preprocess(xs[i : i + 128], InputSpec.from_dict(arch["input"])) for i in range(0, len(xs), 128)]
     imp = activation_importance(copy.deepcopy(dense), batches)
     x1 = batches[0][:1]
-    target = cfg["stages"]["dcs"]["target_flops"]
+    target = cfg.stages.dcs.target_flops
     ratio, share, dcs_model, dcs_rec = dcs_at_flops(dense, imp, target, x1)
     evit_model, evit_rec = get_method("evit").prepare_fresh(dcs_model, {"keep_rate": 0.7})
     pre = save_run(
