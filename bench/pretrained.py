@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
 import json
 import time
 from pathlib import Path
@@ -40,13 +41,18 @@ from typing import Any
 
 import torch
 
-from _common import build_uniform, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import header, log_summary, save, uniform_summary  # noqa: E402  (puts the repository on sys.path)
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
-from nascompress.api import evaluate_run, profile  # noqa: E402
-from nascompress.data import DataConfig  # noqa: E402
+from nascompress.api import count_classes, evaluate_run, profile  # noqa: E402
+from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
+from nascompress.dcs_search.family import choose_family  # noqa: E402
+from nascompress.dcs_search.search import calibration_images  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
+from nascompress.methods.uniform import UniformConfig, uniform_at_flops  # noqa: E402
+from nascompress.pyapi.common import write_run  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
-from nascompress.methods.dcs import DCSConfig  # noqa: E402
+from nascompress.methods.dcs import DCSConfig, activation_stats  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
@@ -56,15 +62,6 @@ from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 from nascompress.utils import read_json, write_json  # noqa: E402
 
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
-
-
-def log_summary(run: Path) -> dict[str, Any]:
-    log = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln.strip()]
-    return {
-        "start_val_top1": log[0].get("val_top1") if log and log[0].get("start") else None,
-        "val_per_epoch": [r["val_top1"] for r in log if not r.get("start")],
-        "epoch_time_s": [r.get("epoch_time_s") for r in log if not r.get("start")],
-    }
 
 
 def flops_ratio(dense: Path, run: Path) -> dict[str, Any]:
@@ -98,8 +95,6 @@ class Bench:
 
     def save(self) -> None:
         """Merge this process's units into ``--out`` under a lock (several bench processes may share it)."""
-        import fcntl
-
         lock = self.out.with_name(self.out.name + ".lock")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         with open(lock, "w") as fh:
@@ -122,8 +117,6 @@ class Bench:
 
     def ensure_dense(self) -> None:
         if not done(self.dense):
-            from nascompress.api import count_classes
-
             t0 = time.time()
             train(
                 TrainJob(
@@ -179,9 +172,6 @@ class Bench:
     def dense_ft(self) -> None:
         off = self.runs / "dense_off"
         if not done(off):  # compression off (uniform keep 1: the plain model), so retrain applies as is
-            from nascompress.methods import get_method
-            from nascompress.methods.uniform import UniformConfig
-
             model, arch = load_with_arch(self.dense)
             model, record = get_method("uniform").prepare_fresh(model, UniformConfig(keep=1.0))
             off.mkdir(parents=True, exist_ok=True)
@@ -196,9 +186,12 @@ class Bench:
         entry = self.res.setdefault(f"uniform@{target}", {})
         if not done(uni):
             model, arch = load_with_arch(self.dense)
-            entry["pruned"] = build_uniform(
-                model, arch, torch.randn(1, 3, 112, 112), target, uni, dict(self.data.__dict__)
-            )
+            spec = arch["input"]
+            x1 = torch.randn(1, spec["in_chans"], *spec["img_size"])
+            pruned, record = uniform_at_flops(model.eval(), target, x1)  # the library's uniform pruning
+            config = {"data": dict(self.data.__dict__), "uniform": {**record["config"], "target_flops_ratio": target}}
+            write_run(uni, pruned.eval(), dict(copy.deepcopy(arch), methods=[record]), config=config, force=True)
+            entry["pruned"] = uniform_summary(record)
             write_json(uni / "metrics.json", entry["pruned"])
         entry["pruned"] = read_json(uni / "metrics.json")
         entry["zero_shot"] = {
@@ -270,11 +263,6 @@ class Bench:
         key = f"auto_family@{target}"
         if key in self.res:
             return
-        from nascompress.data import InputSpec, load_data
-        from nascompress.methods.dcs import activation_stats
-        from nascompress.dcs_search.search import calibration_images
-        from nascompress.dcs_search.family import choose_family
-
         dense, arch = load_with_arch(self.dense)
         spec = InputSpec.from_dict(arch["input"])
         images = calibration_images(load_data(self.data, spec=spec), spec, n=256, seed=self.seed)
