@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -20,8 +21,12 @@ if str(ROOT) not in sys.path:  # the repository's nascompress, also when it is n
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 import timm  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
 
+from nascompress import runtime  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
+from nascompress.models import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.utils import write_json  # noqa: E402
 
@@ -215,3 +220,54 @@ def uniform_summary(record: dict[str, Any]) -> dict[str, Any]:
         "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
         "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
     }
+
+
+# The timed training step of bench/tool_speed.py and bench/compile_step.py
+
+RECIPES = {  # the model and batch of each recipe's training step
+    "main": {
+        "spec": dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, in_chans=1, num_classes=10),
+        "batch": 128,
+    },
+    "dinov2": {"timm": "vit_small_patch14_dinov2", "kwargs": dict(img_size=112, num_classes=10), "batch": 16},
+}
+
+
+def load() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
+
+
+def build(recipe: str) -> tuple[Any, Any]:
+    """The model and input batch of a timed recipe (:data:`RECIPES`: the main job's base, DINOv2-S)."""
+    r = RECIPES[recipe]
+    if "spec" in r:
+        model = build_model(custom_vit_spec(**r["spec"]))
+        x = torch.randn(r["batch"], r["spec"]["in_chans"], r["spec"]["img_size"], r["spec"]["img_size"])
+    else:
+        model = timm.create_model(r["timm"], pretrained=False, **r["kwargs"])
+        x = torch.randn(r["batch"], 3, r["kwargs"]["img_size"], r["kwargs"]["img_size"])
+    return model, x
+
+
+PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto` runs on this machine
+    "fp32": "off",
+    "bf16": "bf16",
+    "bf16_flash_attention": "bf16-flash",
+}
+
+
+def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
+    """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
+    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW."""
+    dev = torch.device("cpu")
+    attn = contextlib.nullcontext() if amp == "bf16-flash" else runtime.cpu_attention(model, dev, amp)
+    with attn:
+        with record_function("forward"), runtime.autocast(dev, amp.split("-")[0]):
+            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        with record_function("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with record_function("optimizer"):
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+            opt.step()
