@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import json
@@ -220,6 +221,38 @@ def uniform_summary(record: dict[str, Any]) -> dict[str, Any]:
         "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
         "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
     }
+
+
+def user_command(
+    base: str, target: float, a: argparse.Namespace, out: Path, amp: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The user's ``search dcs BASE --target-flops T --epochs 4`` (``--max-val-drop 100``: run to the end)
+    on ``a``'s images and seed, into ``out`` (``amp``: its ``--amp``; None: the default), and the
+    environment to run it in (plain progress lines)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "nascompress.cli.main",
+        "search",
+        "dcs",
+        base,
+        "--target-flops",
+        str(target),
+        "--epochs",
+        "4",
+        "--train-limit",
+        str(a.train_limit),
+        "--eval-limit",
+        str(a.eval_limit),
+        "--seed",
+        str(a.seed),
+        "--max-val-drop",
+        "100",
+        "--out",
+        str(out),
+        *(["--amp", amp] if amp else []),
+    ]
+    return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
 
 
 # The timed training step of bench/tool_speed.py and bench/compile_step.py

@@ -38,8 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (the repository's nascompress first on sys.path)
-from _common import header, relative_paths, save
-from search import hypervolume
+from _common import header, hypervolume, relative_paths, save
 
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.errors import NascompressError  # noqa: E402
