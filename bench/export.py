@@ -338,7 +338,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = header()
-    import onnxruntime
+    import onnxruntime  # optional: the runtime this bench measures
 
     res["machine"]["onnxruntime"] = onnxruntime.__version__
     res["machine"]["note"] = "shared machine: other jobs ran beside this one; compare ratios, not times"

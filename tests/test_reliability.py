@@ -503,10 +503,8 @@ def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues
     done = study("full", k + 3)
     assert done["complete"] == k + 3 and done["counts"].get("FAIL", 0) == 0
     assert study("ref", k + 3)["complete"] == k + 3
-    params = lambda name: [
-        t.params
-        for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db")  # noqa: E731
-        if t.state.name == "COMPLETE"
+    params = lambda name: [  # noqa: E731
+        t.params for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db") if t.state.name == "COMPLETE"
     ]
     assert params("full") == params("ref")
 
