@@ -18,7 +18,6 @@ KNOWN_BENCH_IMPORTS = {
     "dcs_generalise: pretrained",  # its Cell is pretrained.Bench's units on other datasets
     "faults: faults_r53",  # issue 53's cases, split off the fault table (and importing it back)
     "faults_r53: faults",
-    "make_results: time_section",
     "mgvit_h_ppsm: mgvit_h",  # the same dense base (mgvit_h.dense_base)
     "mgvit_h_study: mgvit_h",
     "quantize: export",  # export's stand-in models (dcs_at_flops, save_run, main_job_standin)
@@ -35,14 +34,15 @@ def _modules(node: ast.Import | ast.ImportFrom) -> list[str]:
 
 
 def bench_imports(bench: Path = BENCH) -> list[str]:
-    """``script: module`` for each bench module a bench script imports other than ``_common``."""
+    """``module: imported`` for each bench module a bench module imports that is not a helper (an
+    ``_``-prefixed module)."""
     own = {p.stem for p in bench.glob("*.py")}
     found = set()
     for path in bench.glob("*.py"):
         for node in _imports(ast.parse(path.read_text())):
             for mod in _modules(node):
                 top = mod.split(".")[0]
-                if top in own and top != "_common":
+                if top in own and not top.startswith("_"):
                     found.add(f"{path.stem}: {top}")
     return sorted(found)
 
