@@ -18,11 +18,9 @@ KNOWN_BENCH_IMPORTS = {
     "dcs_generalise: pretrained",  # its Cell is pretrained.Bench's units on other datasets
     "faults: faults_r53",  # issue 53's cases, split off the fault table (and importing it back)
     "faults_r53: faults",
-    "mgvit_h_ppsm: mgvit_h",  # the same dense base (mgvit_h.dense_base)
-    "mgvit_h_study: mgvit_h",
     "quantize: export",  # export's stand-in models (dcs_at_flops, save_run, main_job_standin)
 }
-KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53", "gpu", "mgvit_h", "quantize", "samplers", "tome"}
+KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53", "gpu", "quantize", "samplers", "tome"}
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
