@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import header, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
-import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
+from _common import header, log_summary, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _pretrained import Bench, done  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)
 import torch  # noqa: E402
 
 from nascompress.api import count_classes, evaluate_run  # noqa: E402
@@ -52,8 +52,8 @@ SCRATCH = dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3)  #
 SCRATCH_EPOCHS = 30  # on 2,000 images: 480 steps, as many as the main job's base on 54,000 images gets in 1 epoch
 
 
-class Cell(pretrained.Bench):
-    """One (dataset, base, seed): ``pretrained.Bench``'s units on that dataset and base."""
+class Cell(Bench):
+    """One (dataset, base, seed): ``Bench``'s units (those of ``bench/pretrained.py``) on that dataset and base."""
 
     def __init__(self, a: argparse.Namespace, dataset: str, base: str, seed: int, res: dict[str, Any], out: Path):
         self.key = f"{dataset}/{base}"
@@ -89,7 +89,7 @@ class Cell(pretrained.Bench):
     def ensure_dense(self) -> None:
         if self.base_kind == "dinov2":
             return super().ensure_dense()
-        if not pretrained.done(self.dense):
+        if not done(self.dense):
             t0 = time.time()
             spec = custom_vit_spec(**SCRATCH, num_classes=count_classes(self.data), in_chans=1)
             train(
@@ -116,7 +116,7 @@ class Cell(pretrained.Bench):
 
         run, rt = self.runs / f"tp_{target}", self.runs / f"tp_{target}_retrained"
         entry = self.res.setdefault(f"torch-pruning@{target}", {})
-        if not pretrained.done(run):
+        if not done(run):
             dense, arch = load_with_arch(self.dense)
             dense.eval()
             spec = arch["input"]
@@ -151,7 +151,7 @@ class Cell(pretrained.Bench):
         bench's own retraining): what the bound contributes, per eta."""
 
         mat = self.runs / f"dcs_auto_{target}_mat"
-        if not pretrained.done(mat):
+        if not done(mat):
             return
         unit = f"ib@{target}"
         # a unit holds several runs: start from the file's, so that a run of some settings keeps the others
@@ -168,7 +168,7 @@ class Cell(pretrained.Bench):
                         + ("" if sched == default.eta_schedule else f"_{sched}")
                     )
                     rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
-                    if not pretrained.done(rt):
+                    if not done(rt):
                         tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
                         rc = RetrainConfig(eta=eta, warmup_frac=w, eta_schedule=sched)
                         retrain(
@@ -191,7 +191,7 @@ class Cell(pretrained.Bench):
                         "eta_schedule": sched,
                         "warm_epochs": m.get("warm_epochs"),
                         "best_epoch": m["best_epoch"],
-                        **pretrained.log_summary(rt),
+                        **log_summary(rt),
                     }
         self.save()
 

@@ -15,7 +15,6 @@ OPTIONAL = {"torch_pruning", "onnx", "onnxruntime"}
 # What is still to move (each pair: a script and the bench module it imports; each a script's
 # function-local imports). The lists are exact: they only shrink.
 KNOWN_BENCH_IMPORTS = {
-    "dcs_generalise: pretrained",  # its Cell is pretrained.Bench's units on other datasets
     "faults: faults_r53",  # issue 53's cases, split off the fault table (and importing it back)
     "faults_r53: faults",
     "quantize: export",  # export's stand-in models (dcs_at_flops, save_run, main_job_standin)
