@@ -17,9 +17,8 @@ OPTIONAL = {"torch_pruning", "onnx", "onnxruntime"}
 KNOWN_BENCH_IMPORTS = {
     "faults: faults_r53",  # issue 53's cases, split off the fault table (and importing it back)
     "faults_r53: faults",
-    "quantize: export",  # export's stand-in models (dcs_at_flops, save_run, main_job_standin)
 }
-KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53", "gpu", "quantize", "samplers", "tome"}
+KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53", "gpu", "samplers", "tome"}
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
