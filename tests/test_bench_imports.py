@@ -18,7 +18,7 @@ KNOWN_BENCH_IMPORTS = {
     "faults: faults_r53",  # issue 53's cases, split off the fault table (and importing it back)
     "faults_r53: faults",
 }
-KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53", "gpu", "samplers", "tome"}
+KNOWN_LOCAL_IMPORTS = {"faults", "faults_r53"}
 
 
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
