@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import copy
+import json
 import os
 import platform
 import re
@@ -14,6 +18,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the repository's nascompress, also when it is not installed
     sys.path.insert(0, str(ROOT))
+
+import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
+import timm  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import record_function  # noqa: E402
+
+from nascompress import runtime  # noqa: E402
+from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
+from nascompress.models import build_model, custom_vit_spec  # noqa: E402
+from nascompress.profiling import count_flops  # noqa: E402
+from nascompress.utils import write_json  # noqa: E402
 
 
 # An absolute path of the machine a bench ran on (``/home/me/runs/base``); system folders are kept.
@@ -82,8 +98,6 @@ def command_line() -> str:
 
 def machine() -> dict[str, Any]:
     """Where the figures were measured: torch threads, CPU count, load, platform, versions."""
-    import torch
-
     info: dict[str, Any] = {
         "cpu_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
@@ -92,12 +106,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
     }
-    try:
-        import timm
-
-        info["timm"] = timm.__version__
-    except ImportError:  # pragma: no cover
-        pass
+    info["timm"] = timm.__version__
     try:
         info["load_average_at_start"] = os.getloadavg()[0]
     except OSError:  # pragma: no cover
@@ -132,50 +141,9 @@ def data_sizes(bundle: Any, cfg: Any = None) -> dict[str, Any]:
 def save(path: str | Path, result: dict[str, Any]) -> None:
     """Write ``result`` to ``path`` atomically (parent folders created), machine paths made relative so
     that a result committed under ``bench/results/`` names no folder of the machine it ran on."""
-    from nascompress.utils import write_json
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, relative_paths(result))
-
-
-def build_uniform(
-    dense: Any, arch: dict, x1: Any, ratio: float, out: Path, data_section: dict | None
-) -> dict[str, Any]:
-    """Uniform magnitude pruning (MLP hidden neurons and each head's Q/K channels, the same share in
-    every block; ``methods.uniform``) at ``ratio`` x the dense FLOPs, saved as a run in ``out``."""
-    import copy
-
-    import torch
-
-    import nascompress
-    from nascompress.runs.io import save_model
-    from nascompress.methods import get_method
-    from nascompress.methods.uniform import UniformConfig, keep_for_flops
-    from nascompress.utils import create_out_dir, prepare_out_dir, write_json
-
-    keep = keep_for_flops(copy.deepcopy(dense), ratio, x1, qk=True)
-    model, record = get_method("uniform").prepare_fresh(copy.deepcopy(dense), UniformConfig(keep=keep, qk=True))
-    model.eval()
-    new_arch = copy.deepcopy(arch)
-    new_arch["methods"] = [record]
-    prepare_out_dir(out, force=True)
-    create_out_dir(out, force=True)
-    save_model(out, model, new_arch)
-    write_json(
-        out / "config.json", {"data": data_section, "uniform": {"keep": keep, "qk": True, "target_flops_ratio": ratio}}
-    )
-    back = nascompress.load(out).eval()
-    with torch.no_grad():
-        x = torch.randn(4, *x1.shape[1:], generator=torch.Generator().manual_seed(0))
-        diff = (model(x) - back(x)).abs().max().item()
-    blocks = record["blocks"]
-    return {
-        "keep": keep,
-        "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
-        "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
-        "reload_max_abs_logit_diff": diff,
-    }
 
 
 def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) -> tuple[list[list[int]], float]:
@@ -183,13 +151,9 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
     ``MetaPruner`` with its group L2 magnitude importance, global pruning of the MLP hidden neurons
     (fc1 out / fc2 in; every other layer ignored), ``round_to``, its pruning ratio bisected to the FLOPs
     ratio ``target`` of ``dense`` on input ``x``. Returns (the fc1 rows kept per block, the pruning
-    ratio); the rows are matched back to ``dense``'s so a nascompress record can hold them."""
-    import copy
-
-    import torch
-    import torch_pruning as tp
-
-    from nascompress.profiling import count_flops
+    ratio); the rows are matched back to ``dense``'s so that the library's
+    :func:`~nascompress.methods.uniform.uniform_from_keep` builds the model (a nascompress run) from them."""
+    import torch_pruning as tp  # optional: the external peer (pip install torch-pruning==1.6.1)
 
     full = count_flops(dense, x).total
 
@@ -213,7 +177,7 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
         ]
 
     def flops_of(keep: list[list[int]]) -> float:
-        return count_flops(hidden_keep_model(dense, keep)[0], x).total / full
+        return count_flops(uniform_from_keep(dense, keep)[0], x).total / full
 
     lo, hi, best = 0.0, 0.95, None
     for _ in range(12):  # the FLOPs ratio falls as the pruning ratio rises
@@ -226,17 +190,117 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
     return best[2], best[1]
 
 
-def hidden_keep_model(dense: Any, keep: list[list[int]]) -> tuple[Any, dict[str, Any]]:
-    """A copy of ``dense`` keeping the MLP hidden neurons ``keep`` (per block) and every Q/K channel,
-    with its ``uniform`` method record (what a Torch-Pruning result becomes in a nascompress run)."""
-    import copy
+def log_summary(run: Path) -> dict[str, Any]:
+    """A training run's ``log.jsonl``: its validation top-1 before training (if logged), per epoch, and
+    the epoch times."""
+    log = [json.loads(ln) for ln in (run / "log.jsonl").read_text().splitlines() if ln.strip()]
+    return {
+        "start_val_top1": log[0].get("val_top1") if log and log[0].get("start") else None,
+        "val_per_epoch": [r["val_top1"] for r in log if not r.get("start")],
+        "epoch_time_s": [r.get("epoch_time_s") for r in log if not r.get("start")],
+    }
 
-    from nascompress.methods import get_method
-    from nascompress.methods.uniform import UniformConfig
 
-    cfg = UniformConfig(keep=1.0, qk=False)
-    method = get_method("uniform")
-    record = dict(method.make_record(cfg), blocks=[{"hidden_keep": k, "qk_keep": None} for k in keep])
-    model = copy.deepcopy(dense)
-    method.resolve(model, cfg)
-    return method.patch(model, cfg, record), record
+def hypervolume(points: list[tuple[float, float]], ref_ratio: float, floor: float) -> float:
+    """Area dominated by (flops_ratio (min), top1 (max)) points within [0, ref_ratio] x [floor, 100]."""
+    pts = sorted({(r, a) for r, a in points if r <= ref_ratio and a >= floor})
+    area, best = 0.0, floor
+    for i, (r, a) in enumerate(pts):  # sweep by increasing cost; a point counts while it beats the best so far
+        best = max(best, a)
+        nxt = pts[i + 1][0] if i + 1 < len(pts) else ref_ratio
+        area += (nxt - r) * (best - floor)
+    return area
+
+
+def uniform_summary(record: dict[str, Any]) -> dict[str, Any]:
+    """A ``uniform`` method record (``nascompress.methods.uniform``) as a result reports it: the share
+    kept and the kept counts per block (MLP hidden neurons; Q/K channels per head, None: all)."""
+    blocks = record["blocks"]
+    return {
+        "keep": record["config"]["keep"],
+        "hidden_kept": [len(b["hidden_keep"]) for b in blocks],
+        "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
+    }
+
+
+def user_command(
+    base: str, target: float, a: argparse.Namespace, out: Path, amp: str | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The user's ``search dcs BASE --target-flops T --epochs 4`` (``--max-val-drop 100``: run to the end)
+    on ``a``'s images and seed, into ``out`` (``amp``: its ``--amp``; None: the default), and the
+    environment to run it in (plain progress lines)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "nascompress.cli.main",
+        "search",
+        "dcs",
+        base,
+        "--target-flops",
+        str(target),
+        "--epochs",
+        "4",
+        "--train-limit",
+        str(a.train_limit),
+        "--eval-limit",
+        str(a.eval_limit),
+        "--seed",
+        str(a.seed),
+        "--max-val-drop",
+        "100",
+        "--out",
+        str(out),
+        *(["--amp", amp] if amp else []),
+    ]
+    return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
+
+
+# The timed training step of bench/tool_speed.py and bench/compile_step.py
+
+RECIPES = {  # the model and batch of each recipe's training step
+    "main": {
+        "spec": dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, in_chans=1, num_classes=10),
+        "batch": 128,
+    },
+    "dinov2": {"timm": "vit_small_patch14_dinov2", "kwargs": dict(img_size=112, num_classes=10), "batch": 16},
+}
+
+
+def load() -> float:
+    """The 1-minute load average now."""
+    return round(os.getloadavg()[0], 2)
+
+
+def build(recipe: str) -> tuple[Any, Any]:
+    """The model and input batch of a timed recipe (:data:`RECIPES`: the main job's base, DINOv2-S)."""
+    r = RECIPES[recipe]
+    if "spec" in r:
+        model = build_model(custom_vit_spec(**r["spec"]))
+        x = torch.randn(r["batch"], r["spec"]["in_chans"], r["spec"]["img_size"], r["spec"]["img_size"])
+    else:
+        model = timm.create_model(r["timm"], pretrained=False, **r["kwargs"])
+        x = torch.randn(r["batch"], 3, r["kwargs"]["img_size"], r["kwargs"]["img_size"])
+    return model, x
+
+
+PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto` runs on this machine
+    "fp32": "off",
+    "bf16": "bf16",
+    "bf16_flash_attention": "bf16-flash",
+}
+
+
+def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
+    """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
+    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW."""
+    dev = torch.device("cpu")
+    attn = contextlib.nullcontext() if amp == "bf16-flash" else runtime.cpu_attention(model, dev, amp)
+    with attn:
+        with record_function("forward"), runtime.autocast(dev, amp.split("-")[0]):
+            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
+        with record_function("backward"):
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        with record_function("optimizer"):
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
+            opt.step()

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
-import tool_speed  # noqa: E402  (the recipes and the eager step)
+from _common import ROOT, build, header, load, save, train_step  # noqa: E402  (puts the repository on sys.path)
+import torch  # noqa: E402
 
 
 def main() -> None:
@@ -31,17 +31,15 @@ def main() -> None:
     a = ap.parse_args()
     # a cold compile: inductor's cache in a fresh folder (a warm one would hide the compile's cost)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-")
-    import torch
-
     torch.set_num_threads(a.threads)
-    res: dict[str, Any] = dict(header(), recipe=a.recipe, threads=a.threads, load_at_start=tool_speed.load())
+    res: dict[str, Any] = dict(header(), recipe=a.recipe, threads=a.threads, load_at_start=load())
     variants: dict[str, tuple[Any, Any, str]] = {}
     for name in ("fp32", "fp32_compiled", "bf16", "bf16_compiled"):
         torch.manual_seed(0)
-        model, x = tool_speed.build(a.recipe)
+        model, x = build(a.recipe)
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        # the same step (tool_speed.train_step: its autocast and attention path), the model's forward compiled
+        # the same step (_common.train_step, tool_speed's: its autocast and attention path), its forward compiled
         variants[name] = (
             torch.compile(model) if name.endswith("compiled") else model,
             opt,
@@ -52,7 +50,7 @@ def main() -> None:
     def step(name: str) -> float:
         model, opt, amp = variants[name]
         t0 = time.perf_counter()
-        tool_speed.train_step(model, x, y, opt, amp)
+        train_step(model, x, y, opt, amp)
         return time.perf_counter() - t0
 
     warm = {}
@@ -70,7 +68,7 @@ def main() -> None:
     res["warmup_3_steps_s"] = warm
     res["compiled_speedup"] = {p: med[p] / med[f"{p}_compiled"] for p in ("fp32", "bf16")}
     res["compile_s"] = {p: warm[f"{p}_compiled"] - 3 * med[f"{p}_compiled"] for p in ("fp32", "bf16")}
-    res["load_after"] = tool_speed.load()
+    res["load_after"] = load()
     save(a.out, res)
     print({k: res[k] for k in ("step_s", "compiled_speedup", "compile_s")})
 

@@ -49,7 +49,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _common import build_uniform, data_sizes, header, save, wait_for_base  # noqa: E402  (puts the repository on sys.path)
+from _common import data_sizes, header, save, uniform_summary, wait_for_base  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 
@@ -59,7 +59,9 @@ from nascompress.data import DataConfig, InputSpec, load_data, make_loader, prep
 from nascompress.hooks import TrainHooks  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noqa: E402
+from nascompress.methods.uniform import uniform_at_flops  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
+from nascompress.pyapi.common import write_run  # noqa: E402
 from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
 from nascompress.dcs_search.search import (
@@ -271,7 +273,13 @@ def compare_uniform(
     dcs_flops = count_flops(compact, x1)
     ratio = dcs_flops.total / dense_flops.total
     uni_dir = Path(args.uniform)
-    uni_info = build_uniform(dense, arch, x1, ratio, uni_dir, dataclasses.asdict(base_data))
+    uni_model, uni_record = uniform_at_flops(dense, ratio, x1)  # the library's uniform pruning at the DCS FLOPs
+    uni_config = {
+        "data": dataclasses.asdict(base_data),
+        "uniform": {**uni_record["config"], "target_flops_ratio": ratio},
+    }
+    write_run(uni_dir, uni_model.eval(), dict(copy.deepcopy(arch), methods=[uni_record]), config=uni_config, force=True)
+    uni_info = uniform_summary(uni_record)
     uni = nascompress.load(uni_dir).eval()
     uni_flops = count_flops(uni, x1)
     rt_data = replace(test_data, train_limit=args.retrain_limit, subset_seed=args.seed)

@@ -27,25 +27,33 @@ skipped when finished, so the bench resumes.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import header  # noqa: E402  (puts the repository on sys.path)
-import pretrained  # noqa: E402  (the units: dense_ft, uniform@T, dcs-<family>@T)
+from _common import header, log_summary, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _pretrained import Bench, done  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)
+import torch  # noqa: E402
+
+from nascompress.api import count_classes, evaluate_run  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
+from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.models import custom_vit_spec  # noqa: E402
+from nascompress.profiling import count_flops  # noqa: E402
+from nascompress.pyapi.common import write_run  # noqa: E402
+from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.utils import read_json, write_json  # noqa: E402
 
 SCRATCH = dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3)  # the README main job's base
 SCRATCH_EPOCHS = 30  # on 2,000 images: 480 steps, as many as the main job's base on 54,000 images gets in 1 epoch
 
 
-class Cell(pretrained.Bench):
-    """One (dataset, base, seed): ``pretrained.Bench``'s units on that dataset and base."""
+class Cell(Bench):
+    """One (dataset, base, seed): ``Bench``'s units (those of ``bench/pretrained.py``) on that dataset and base."""
 
     def __init__(self, a: argparse.Namespace, dataset: str, base: str, seed: int, res: dict[str, Any], out: Path):
         self.key = f"{dataset}/{base}"
@@ -82,9 +90,7 @@ class Cell(pretrained.Bench):
     def ensure_dense(self) -> None:
         if self.base_kind == "dinov2":
             return super().ensure_dense()
-        if not pretrained.done(self.dense):
-            from nascompress.api import count_classes
-
+        if not done(self.dense):
             t0 = time.time()
             spec = custom_vit_spec(**SCRATCH, num_classes=count_classes(self.data), in_chans=1)
             train(
@@ -101,65 +107,26 @@ class Cell(pretrained.Bench):
         self.res["dense"] = {"val_top1": dm["best_val_top1"], "test_top1": dm["test_top1"]}
         self.save()
 
-    def uniform(self, target: float) -> None:
-        if self.base_kind == "dinov2":
-            return super().uniform(target)
-        import torch
-
-        from _common import build_uniform
-        from nascompress.api import evaluate_run
-
-        uni, rt = self.runs / f"uniform_{target}", self.runs / f"uniform_{target}_retrained"
-        entry = self.res.setdefault(f"uniform@{target}", {})
-        if not pretrained.done(uni):
-            model, arch = load_with_arch(self.dense)
-            entry["pruned"] = build_uniform(
-                model, arch, torch.randn(1, 1, 28, 28), target, uni, dict(self.data.__dict__)
-            )
-            from nascompress.utils import write_json
-
-            write_json(uni / "metrics.json", entry["pruned"])
-        entry["pruned"] = read_json(uni / "metrics.json")
-        entry["zero_shot"] = {
-            "val_top1": evaluate_run(uni, split="val")["top1"],
-            "test_top1": evaluate_run(uni)["top1"],
-        }
-        entry["retrained"] = self.retrain(uni, rt)
-        self.save()
-
     def torch_pruning(self, target: float) -> None:
         """Torch-Pruning (the tool a user would pick instead): ``MetaPruner`` with its group L2
         magnitude importance, global pruning of the MLP hidden neurons (fc1 out / fc2 in; every other
         layer ignored), ``round_to`` 8, its pruning ratio bisected to the FLOPs target; the kept
         neurons are gathered into a nascompress run (the ``uniform`` record with those indices) and
         retrained with the same recipe."""
-        import copy
-
-        import torch
-        import torch_pruning as tp
-
-        from _common import hidden_keep_model, torch_pruning_keep
-        from nascompress.api import evaluate_run
-        from nascompress.runs.io import save_model
-        from nascompress.profiling import count_flops
-        from nascompress.utils import create_out_dir, prepare_out_dir, write_json
+        import torch_pruning as tp  # optional: the external peer (pip install torch-pruning==1.6.1)
 
         run, rt = self.runs / f"tp_{target}", self.runs / f"tp_{target}_retrained"
         entry = self.res.setdefault(f"torch-pruning@{target}", {})
-        if not pretrained.done(run):
+        if not done(run):
             dense, arch = load_with_arch(self.dense)
             dense.eval()
             spec = arch["input"]
             x = torch.randn(1, spec["in_chans"], *spec["img_size"])
             keep, ratio = torch_pruning_keep(dense, x, target)
-            model, record = hidden_keep_model(dense, keep)
+            model, record = uniform_from_keep(dense, keep)  # the kept neurons as a nascompress model
             r = count_flops(model, x).total / count_flops(dense, x).total
-            new_arch = copy.deepcopy(arch)
-            new_arch["methods"] = [record]
-            prepare_out_dir(run, force=True)
-            create_out_dir(run, force=True)
-            save_model(run, model.eval(), new_arch)
-            write_json(run / "config.json", {"data": dict(self.data.__dict__)})
+            new_arch = dict(copy.deepcopy(arch), methods=[record])
+            write_run(run, model.eval(), new_arch, config={"data": dict(self.data.__dict__)}, force=True)
             write_json(
                 run / "metrics.json",
                 {
@@ -183,10 +150,9 @@ class Cell(pretrained.Bench):
     def ib(self, target: float) -> None:
         """The IB bound's weight on the same retraining of the searched model (``--etas``; 0 is the
         bench's own retraining): what the bound contributes, per eta."""
-        from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
 
         mat = self.runs / f"dcs_auto_{target}_mat"
-        if not pretrained.done(mat):
+        if not done(mat):
             return
         unit = f"ib@{target}"
         # a unit holds several runs: start from the file's, so that a run of some settings keeps the others
@@ -203,7 +169,7 @@ class Cell(pretrained.Bench):
                         + ("" if sched == default.eta_schedule else f"_{sched}")
                     )
                     rt = self.runs / f"dcs_auto_{target}_retrained_{tag}"
-                    if not pretrained.done(rt):
+                    if not done(rt):
                         tc = retrain_train_config(epochs=self.a.retrain_epochs, seed=self.seed)
                         rc = RetrainConfig(eta=eta, warmup_frac=w, eta_schedule=sched)
                         retrain(
@@ -226,7 +192,7 @@ class Cell(pretrained.Bench):
                         "eta_schedule": sched,
                         "warm_epochs": m.get("warm_epochs"),
                         "best_epoch": m["best_epoch"],
-                        **pretrained.log_summary(rt),
+                        **log_summary(rt),
                     }
         self.save()
 
@@ -359,8 +325,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
-        import torch
-
         torch.set_num_threads(a.threads)
     a.targets = [float(t) for t in a.targets.split(",")]
     a.etas = [float(e) for e in a.etas.split(",")]

@@ -24,10 +24,8 @@ import argparse
 import subprocess
 from pathlib import Path
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
-from dcs_search_time import user_command  # noqa: E402  (the user's command, as that bench times it)
+from _common import ROOT, header, log_summary, save, user_command  # noqa: E402  (puts the repository on sys.path)
 from nascompress.utils import read_json  # noqa: E402
-from pretrained import log_summary  # noqa: E402
 
 
 def run_dir(a: argparse.Namespace, recipe: str, target: float) -> Path:

@@ -34,52 +34,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save, user_command  # noqa: E402  (puts the repository on sys.path)
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from nascompress.data import load_fashion_mnist  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
 
 GOAL_S = 600.0  # the in-memory base's goal (its issue); an ImageFolder base's: GOAL_FOLDER_S (issue 50)
 GOAL_FOLDER_S = 240.0
 
 
-def user_command(
-    base: str, target: float, a: argparse.Namespace, out: Path, amp: str | None = None
-) -> tuple[list[str], dict[str, str]]:
-    """The user's ``search dcs BASE --target-flops T --epochs 4`` (``--max-val-drop 100``: run to the end)
-    on ``a``'s images and seed, into ``out`` (``amp``: its ``--amp``; None: the default), and the
-    environment to run it in (plain progress lines)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "nascompress.cli.main",
-        "search",
-        "dcs",
-        base,
-        "--target-flops",
-        str(target),
-        "--epochs",
-        "4",
-        "--train-limit",
-        str(a.train_limit),
-        "--eval-limit",
-        str(a.eval_limit),
-        "--seed",
-        str(a.seed),
-        "--max-val-drop",
-        "100",
-        "--out",
-        str(out),
-        *(["--amp", amp] if amp else []),
-    ]
-    return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
-
-
 def image_folder(root: Path, seed: int = 123) -> None:
     """2,000 train/ and 1,000 val/ PNGs drawn (seeded) from Fashion-MNIST's test split, one folder per class."""
-    import torch
-    from PIL import Image
-
-    from nascompress.data import load_fashion_mnist
-
     if (root / "val").is_dir():
         return
     _, test = load_fashion_mnist()

@@ -36,132 +36,23 @@ from typing import Any
 from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
-import yaml  # noqa: E402
 
 import nascompress  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.export import ExportConfig, export_run  # noqa: E402
 from nascompress.export.verify import onnx_runner, program_runner  # noqa: E402
-from nascompress.runs.io import load_arch, load_with_arch, make_arch, save_model  # noqa: E402
-from nascompress.layers import aligned_width  # noqa: E402
+from nascompress.runs.io import load_arch, load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, activation_importance, channel_importance, materialize  # noqa: E402
-from nascompress.models import ModelSpec, build_model, custom_vit_spec  # noqa: E402
-from nascompress.profiling import count_flops, time_models  # noqa: E402
+from nascompress.methods.dcs import DCSConfig, channel_importance  # noqa: E402
+from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.profiling import time_models  # noqa: E402
+from _standins import dcs_at_flops, main_job_standin, save_run  # noqa: E402  (shared with quantize)
 
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 
 
 # ---------------------------------------------------------------------------------------------
 # Models
-
-
-def dcs_from_importance(dense: torch.nn.Module, importance: list, share: float, align: int = 8):
-    """DCS with the ``share`` most important MLP residual channels and Q/K channels per head of every
-    block (counts rounded up to multiples of ``align``) set as the supernet's gates, then
-    materialized by the method's own path. Returns (model, record)."""
-    cfg = DCSConfig(qk_mask="static")
-    sup, _ = get_method("dcs").prepare_fresh(copy.deepcopy(dense), cfg)
-    with torch.no_grad():
-        for blk, imp in zip(sup.blocks, importance):
-            mlp_imp, qk_imp = imp.mlp(cfg.mlp_gates), imp.qk  # methods.dcs_importance.ChannelImportance
-            C = mlp_imp.numel()
-            k = aligned_width(max(1, round(share * C)), align=align, full=C)
-            alpha = torch.full((C,), -1.0)
-            alpha[mlp_imp.topk(k).indices] = 1.0
-            blk.dcs_alpha.copy_(alpha)
-            H, d = qk_imp.shape
-            kq = aligned_width(max(1, round(share * d)), align=align, full=d)
-            theta = torch.full((H, d), -1.0)
-            theta.scatter_(1, qk_imp.topk(kq, dim=1).indices, 1.0)
-            blk.attn.qk_mask.theta.copy_(theta.flatten())
-    model, rec = materialize(sup.eval(), cfg)
-    return model.eval(), rec
-
-
-def dcs_at_flops(dense: torch.nn.Module, importance: list, target: float, x1: torch.Tensor):
-    """:func:`dcs_from_importance` at the share whose FLOPs are closest to ``target`` x dense (bisection)."""
-    full = count_flops(dense, x1).total
-    lo, hi, best = 0.05, 1.0, None
-    for _ in range(10):
-        mid = (lo + hi) / 2
-        model, rec = dcs_from_importance(dense, importance, mid)
-        r = count_flops(model, x1).total / full
-        if best is None or abs(r - target) < abs(best[0] - target):
-            best = (r, mid, model, rec)
-        lo, hi = (mid, hi) if r < target else (lo, mid)
-    return best
-
-
-def save_run(root: Path, name: str, model, spec: ModelSpec, input_spec: dict, records: list) -> Path:
-    run = root / name
-    save_model(run, model, make_arch(spec, input_spec=input_spec, methods=records))
-    return run
-
-
-def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
-    """The main job's dense and compressed models made here (see the module docstring)."""
-    from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config
-    from nascompress.train import TrainConfig, TrainJob, train
-
-    cfg = yaml.safe_load((ROOT / "configs" / "fashion-mnist.yaml").read_text())
-    t = cfg["base"]["train"]
-    spec = custom_vit_spec(
-        img_size=t["img_size"],
-        patch_size=t["patch_size"],
-        embed_dim=t["embed_dim"],
-        depth=t["depth"],
-        num_heads=t["num_heads"],
-        num_classes=10,
-        in_chans=t["in_chans"],
-    )
-    data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
-    dense_dir = work / "dense"
-    m = train(
-        TrainJob(
-            model=spec,
-            data=data,
-            out=str(dense_dir),
-            train=TrainConfig(epochs=args.epochs, batch_size=t["batch_size"], lr=t["lr"], seed=0),
-        )
-    )
-    dense, arch = load_with_arch(dense_dir)
-    bundle = load_data(data, spec=InputSpec.from_dict(arch["input"]), augment=False)
-    xs = bundle.train.__getitems__(list(range(min(512, len(bundle.train)))))[0]
-    batches = [preprocess(xs[i : i + 128], InputSpec.from_dict(arch["input"])) for i in range(0, len(xs), 128)]
-    imp = activation_importance(copy.deepcopy(dense), batches)
-    x1 = batches[0][:1]
-    target = cfg["stages"]["dcs"]["target_flops"]
-    ratio, share, dcs_model, dcs_rec = dcs_at_flops(dense, imp, target, x1)
-    evit_model, evit_rec = get_method("evit").prepare_fresh(dcs_model, {"keep_rate": 0.7})
-    pre = save_run(
-        work, "dcs_evit", evit_model.eval(), ModelSpec.from_dict(arch["model"]), arch["input"], [dcs_rec, evit_rec]
-    )
-    comp_dir = work / "compressed"
-    r = retrain(
-        RetrainJob(
-            model_dir=str(pre),
-            out=str(comp_dir),
-            data=data,
-            teacher=str(dense_dir),
-            train=retrain_train_config(epochs=args.retrain_epochs, seed=0),
-            retrain=RetrainConfig(eta=0.0),
-            auto_batch=False,
-        )
-    )
-    info = {
-        "kind": "stand-in made by this bench",
-        "dense_epochs": args.epochs,
-        "train_limit": args.train_limit,
-        "dense_val_top1": m.get("best_val_top1"),
-        "dcs_target_flops": target,
-        "dcs_share": share,
-        "dcs_flops_ratio": ratio,
-        "evit_keep_rate": 0.7,
-        "retrain_epochs": args.retrain_epochs,
-        "retrained_val_top1": r.get("best_val_top1"),
-    }
-    return dense_dir, comp_dir, info
 
 
 def deit_runs(args, work: Path) -> dict[str, Path]:
@@ -339,7 +230,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     res: dict[str, Any] = header()
-    import onnxruntime
+    import onnxruntime  # optional: the runtime this bench measures
 
     res["machine"]["onnxruntime"] = onnxruntime.__version__
     res["machine"]["note"] = "shared machine: other jobs ran beside this one; compare ratios, not times"

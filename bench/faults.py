@@ -33,450 +33,56 @@ Usage (from the repository root)::
     # the hostile-input cases only (bench/results/faults_hostile.json):
     python bench/faults.py --only "hostile,open door,trial budget,full-disk-export,model identity,full-disk-train" \
         --out bench/results/faults_hostile.json
-    # the cases of issue 53 (bench/faults_r53.py) only:
+    # the cases of issue 53 (bench/_faults_r53.py) only:
     python bench/faults.py --only r53- --out bench/results/faults_r53.json
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import hashlib
+import http.client
+import io
 import json
 import os
+import pickle
 import re
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+import optuna
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
 from _common import ROOT, header, save
-
-PY = sys.executable
-ENV = dict(
-    os.environ,
-    PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    PYTHONWARNINGS="ignore",
-    COLUMNS="200",
-    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+from _faults import (
+    ENV,
+    PIPELINE,
+    PY,
+    STUDY,
+    TINY,
+    Case,
+    Ran,
+    Table,
+    complete,
+    digest,
+    error_line,
+    finished_outputs,
+    judge_refusal,
+    snapshot,
+    study_trials,
+    tensors_equal,
 )
-TINY = [
-    "--dataset",
-    "synthetic",
-    "--img-size",
-    "16",
-    "--patch-size",
-    "4",
-    "--embed-dim",
-    "32",
-    "--depth",
-    "2",
-    "--num-heads",
-    "2",
-    "--batch-size",
-    "32",
-    "--device",
-    "cpu",
-    "--seed",
-    "0",
-]
-SPACE = """format: nascompress-space/1
-name: tiny-evit
-methods:
-  - name: evit
-    params:
-      prune_layers: {kind: layers, range: [1, 2], size: [1, 2]}
-      keep_rate: {kind: per_layer, layers: prune_layers, value: {kind: float, low: 0.3, high: 1.0, step: 0.1}}
-"""
-PIPELINE = """format: nascompress-pipeline/1
-seed: 0
-device: cpu
-data: {dataset: synthetic}
-base:
-  train: {img_size: 16, patch_size: 4, embed_dim: 32, depth: 2, num_heads: 2, in_chans: 1, epochs: 2,
-    batch_size: 32, lr: 0.002}
-goal: {max_flops: 0.75}
-stages:
-  dcs: {target_flops: 0.85, epochs: 2, batch_size: 32, alpha_init: 0.5, base_lr: 0.001, arch_lr: 0.15}
-  tokens: {space: space.yaml, trials: 4, eval_images: 60, train_images: 60, calib_steps: 3, batch_size: 30}
-  retrain: {epochs: 2, eta: 0, batch_size: 32}
-report: {iters: 2, batch_size: 8}
-"""
-STUDY = [
-    "--space",
-    "space.yaml",
-    "--train-images",
-    "60",
-    "--eval-images",
-    "60",
-    "--batch-size",
-    "30",
-    "--calib-steps",
-    "2",
-    "--device",
-    "cpu",
-    "--seed",
-    "0",
-]
-# a CLI run whose SQLite connections hold at most NASCOMPRESS_FAULTS_PAGES pages (a full disk, simulated)
-SMALL_SQLITE = (
-    "import os, sys\nfrom sqlalchemy import event\nfrom sqlalchemy.engine import Engine\n"
-    "@event.listens_for(Engine, 'connect')\ndef _small(c, _r):\n"
-    "    c.execute('PRAGMA max_page_count = ' + os.environ['NASCOMPRESS_FAULTS_PAGES'])\n"
-    "from nascompress.cli.main import app\nsys.argv = ['nascompress'] + sys.argv[1:]\napp()\n"
-)
-RAW_NAME = re.compile(r"\b[A-Z][A-Za-z]*(Error|Exception)\b|Errno|Traceback")
-
-
-@dataclass
-class Case:
-    name: str
-    category: str
-    command: str
-    expected: str
-    outcome: str = "wrong"
-    exit_code: int | None = None
-    error_line: str | None = None
-    partial_outputs: list[str] = field(default_factory=list)
-    data_lost: bool = False
-    how: str = "real"
-    seconds: float = 0.0
-    peak_rss_mb: float | None = None
-    note: str = ""
-
-
-@dataclass
-class Ran:
-    rc: int
-    out: str
-    err: str
-    peak_rss_mb: float = 0.0
-    timed_out: bool = False
-
-
-# Starts a command from a small process and records its peak resident memory: a process's maxrss
-# counts the memory of the process it was forked from (Linux carries it across exec), so the
-# command is forked from this launcher (~10 MB), not from the bench (hundreds of MB).
-LAUNCH = (
-    "import os, signal, sys\npid = os.fork()\nif pid == 0:\n    os.execv(sys.argv[2], sys.argv[2:])\n"
-    "_, status, usage = os.wait4(pid, 0)\nwith open(sys.argv[1], 'w') as f:\n    f.write(str(usage.ru_maxrss))\n"
-    "code = os.waitstatus_to_exitcode(status)\nif code < 0:\n    os.kill(os.getpid(), -code)\nsys.exit(code)\n"
-)
-
-
-def run_measured(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> Ran:
-    """Run ``cmd``; its exit code, output, peak resident memory (its maxrss, see LAUNCH) and
-    whether it was killed at ``timeout`` seconds (a hang)."""
-    import threading
-
-    with (
-        tempfile.TemporaryFile("w+") as fo,
-        tempfile.TemporaryFile("w+") as fe,
-        tempfile.NamedTemporaryFile("r", suffix=".rss") as rss,
-    ):
-        p = subprocess.Popen(
-            [PY, "-W", "ignore", "-c", LAUNCH, rss.name, *cmd],
-            cwd=cwd,
-            env=env,
-            stdout=fo,
-            stderr=fe,
-            text=True,
-            start_new_session=True,
-        )
-        hung = threading.Event()
-
-        def kill() -> None:
-            hung.set()
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        try:
-            p.wait()
-        finally:
-            timer.cancel()
-        fo.seek(0)
-        fe.seek(0)
-        peak = rss.read().strip()
-        return Ran(p.returncode, fo.read(), fe.read(), round(int(peak) / 1024, 1) if peak else 0.0, hung.is_set())
-
-
-class Table:
-    def __init__(self, work: Path, only: str | None, *, mount: bool = True) -> None:
-        self.work, self.only, self.cases = work, only, []
-        self.mounts: list[Path] = []
-        self.can_mount = mount and self._try_mount()
-
-    # -- running commands ----------------------------------------------------------------------
-    def nc(
-        self,
-        args: list[Any],
-        cwd: Path,
-        *,
-        timeout: float = 300,
-        env: dict[str, str] | None = None,
-        small_sqlite: int | None = None,
-    ) -> Ran:
-        cmd = [PY, "-c", SMALL_SQLITE] if small_sqlite is not None else [PY, "-m", "nascompress.cli.main"]
-        e = dict(ENV, **(env or {}))
-        if small_sqlite is not None:
-            e["NASCOMPRESS_FAULTS_PAGES"] = str(small_sqlite)
-        return run_measured(cmd + [str(a) for a in args], cwd=cwd, env=e, timeout=timeout)
-
-    def kill_when(self, args: list[Any], cwd: Path, ready: Callable[[], bool], *, timeout: float = 300) -> bool:
-        """Start the command, SIGKILL it as soon as ``ready()``; False if it ended before."""
-        p = subprocess.Popen(
-            [PY, "-m", "nascompress.cli.main", *map(str, args)],
-            cwd=cwd,
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        end = time.time() + timeout
-        try:
-            while p.poll() is None and time.time() < end:
-                if ready():
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-                    return True
-                time.sleep(0.05)
-            return False
-        finally:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-    def scrub(self, text: str, d: Path) -> str:
-        """No machine path in the results: the case's folder is '.', the scratch folder <work>."""
-        return text.replace(str(d) + "/", "").replace(str(d), ".").replace(str(self.work), "<work>")
-
-    # -- shared runs -----------------------------------------------------------------------------
-    def base_run(self) -> Path:
-        """A tiny dense run (one epoch) every search starts from (made once)."""
-        b = self.work / "shared-base"
-        if not (b / "metrics.json").is_file():
-            shutil.rmtree(b, ignore_errors=True)
-            r = self.nc(["train", "--out", b, "--epochs", "1", *TINY], self.work)
-            assert r.rc == 0, r.err[-2000:]
-        return b
-
-    def command(self, kind: str) -> list[Any]:
-        """The killed commands (run in a case's folder): train, search (dcs), study (tokens), pipeline."""
-        base = self.base_run() if kind in ("search", "study") else None
-        return {
-            "train": ["train", "--out", "run", "--epochs", "3", *TINY],
-            # (the one-epoch tiny base loses accuracy when the search really cuts it to 0.8x: this case
-            # checks the resume, so the accuracy stop is off)
-            "search": [
-                "search",
-                "dcs",
-                base,
-                "--out",
-                "run",
-                "--epochs",
-                "3",
-                "--target-flops",
-                "0.8",
-                "--batch-size",
-                "32",
-                "--device",
-                "cpu",
-                "--max-val-drop",
-                "100",
-            ],
-            "study": [
-                "search",
-                "tokens",
-                base,
-                "--study",
-                "s",
-                "--storage",
-                "sqlite:///s.db",
-                "--trials",
-                "12",
-                *STUDY,
-            ],
-            "pipeline": ["pipeline", "p.yaml", "--out", "run"],
-        }[kind]
-
-    def reference(self, kind: str) -> Path:
-        """An uninterrupted run of each killed command (made once): train, search, study, pipeline."""
-        d = self.work / f"reference-{kind}"
-        if (d / "finished").is_file():
-            return d
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-        (d / "space.yaml").write_text(SPACE)
-        (d / "p.yaml").write_text(PIPELINE)
-        r = self.nc(self.command(kind), d, timeout=600)
-        assert r.rc == 0, r.err[-2000:]
-        (d / "finished").touch()
-        return d
-
-    # -- mounts ----------------------------------------------------------------------------------
-    def _try_mount(self) -> bool:
-        probe = self.work / ".mount-probe"
-        probe.mkdir(parents=True, exist_ok=True)
-        ok = (
-            subprocess.run(
-                ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(probe)], capture_output=True
-            ).returncode
-            == 0
-        )
-        if ok:
-            subprocess.run(["umount", str(probe)], capture_output=True)
-        probe.rmdir()
-        return ok
-
-    def tmpfs(self, d: Path, *, size: str, ro: bool = False) -> None:
-        d.mkdir(parents=True, exist_ok=True)
-        opts = f"size={size}" + (",ro" if ro else "")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(d)], check=True)
-        self.mounts.append(d)
-
-    def grow(self, d: Path) -> None:
-        """Free space: the tmpfs at ``d`` grows to 64 MiB (its files stay)."""
-        subprocess.run(["mount", "-o", "remount,size=64m", str(d)], check=True)
-
-    def read_only(self, d: Path) -> None:
-        """Remount the existing folder ``d`` read-only (a bind mount on itself)."""
-        subprocess.run(["mount", "--bind", str(d), str(d)], check=True)
-        self.mounts.append(d)
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(d)], check=True)
-
-    def unmount_all(self) -> None:
-        for d in reversed(self.mounts):
-            subprocess.run(["umount", str(d)], capture_output=True)
-        self.mounts = []
-
-    # -- cases -----------------------------------------------------------------------------------
-    def case(self, name: str, category: str, expected: str) -> Callable[[Callable[[Case, Path], None]], None]:
-        def run(fn: Callable[[Case, Path], None]) -> None:
-            if self.only and not any(o in name or o in category for o in self.only.split(",")):
-                return
-            d = self.work / name
-            shutil.rmtree(d, ignore_errors=True)
-            d.mkdir(parents=True)
-            (d / "space.yaml").write_text(SPACE)
-            c = Case(name=name, category=category, command="", expected=expected)
-            t0 = time.perf_counter()
-            try:
-                fn(c, d)
-            except Exception as e:  # the bench itself failed: record it, go on
-                c.outcome, c.note = "bench failure", f"{type(e).__name__}: {e}"
-            finally:
-                self.unmount_all()
-            c.seconds = round(time.perf_counter() - t0, 1)
-            c.command, c.error_line, c.note = (
-                None if x is None else self.scrub(x, d) for x in (c.command, c.error_line, c.note)
-            )
-            self.cases.append(c)
-            print(
-                f"{name:38s} {c.outcome:20s} rc={c.exit_code} {c.seconds:6.1f}s  {c.error_line or c.note}", flush=True
-            )
-
-        return run
-
-
-# ----------------------------------------------------------------------------------------------
-# Judging a result
-
-
-def error_line(r: Ran) -> str | None:
-    lines = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
-    return lines[-1] if lines else (r.err.strip().splitlines() or [None])[-1]
-
-
-def judge_refusal(c: Case, r: Ran, must: str = "", *, one_line: bool = False) -> None:
-    """``one_line``: stderr must hold nothing but the error line (no warning printed before it)."""
-    c.exit_code, c.error_line, c.peak_rss_mb = r.rc, error_line(r), r.peak_rss_mb
-    if r.timed_out:
-        c.outcome = "hang"
-        return
-    errs = [ln for ln in r.err.splitlines() if ln.startswith("error:")]
-    clean = (
-        r.rc != 0
-        and len(errs) == 1
-        and "Traceback" not in r.err
-        and not RAW_NAME.search(errs[0])
-        and must.lower() in errs[0].lower()
-        and not (one_line and len(r.err.strip().splitlines()) != 1)
-    )
-    c.outcome = "clean refusal" if clean else ("raw error" if r.rc != 0 else "wrong")
-
-
-def finished_outputs(root: Path, before: set[str]) -> list[str]:
-    """Files and run directories under ``root`` that are new since ``before`` and that a reader
-    accepts as finished (a run whose mark says complete, a plain model directory, any other file)."""
-    from nascompress.runs.io import run_state
-
-    found = []
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if rel in before or p.name.startswith(".") or any(part.startswith(".") for part in p.relative_to(root).parts):
-            continue
-        if p.is_dir() and (p / "model.safetensors").is_file():
-            if run_state(p) in ("complete", "plain"):
-                found.append(rel + "/")
-        elif p.is_file() and p.suffix in (".csv", ".html", ".onnx", ".pt2") and p.stat().st_size > 0:
-            found.append(rel)
-    return found
-
-
-def snapshot(root: Path) -> set[str]:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
-
-
-def digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
-
-
-def tensors_equal(a: Path, b: Path) -> bool:
-    import torch
-    from safetensors.torch import load_file
-
-    if not (a.is_file() and b.is_file()):
-        return False
-    x, y = load_file(str(a)), load_file(str(b))
-    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-
-
-def study_trials(db: Path, name: str) -> list[tuple]:
-    """(number, state, params, values) of every trial, straight from the SQLite file."""
-    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
-    try:
-        row = con.execute("select study_id from studies where study_name=?", (name,)).fetchone()
-        if row is None:
-            return []
-        sid = row[0]
-        rows = con.execute(
-            "select trial_id, number, state from trials where study_id=? order by number", (sid,)
-        ).fetchall()
-        out = []
-        for tid, num, state in rows:
-            params = sorted(
-                con.execute("select param_name, param_value from trial_params where trial_id=?", (tid,)).fetchall()
-            )
-            values = [
-                v for (v,) in con.execute("select value from trial_values where trial_id=? order by objective", (tid,))
-            ]
-            out.append((num, state, params, values))
-        return out
-    finally:
-        con.close()
-
-
-def complete(trials: list[tuple]) -> list[tuple]:
-    return [t for t in trials if t[1] == "COMPLETE"]
-
+from _faults_r53 import round53_cases
 
 # ----------------------------------------------------------------------------------------------
 # The cases
@@ -690,9 +296,6 @@ def bad_input_cases(t: Table) -> None:
 
     def folder(classes: dict[str, dict[str, int]], corrupt: bool = False) -> Callable[[Path], None]:
         def prep(d: Path) -> None:
-            import numpy as np
-            from PIL import Image
-
             rng = np.random.default_rng(0)
             for split, counts in classes.items():
                 for cls, n in counts.items():
@@ -769,10 +372,6 @@ def bad_input_cases(t: Table) -> None:
 
 
 def _pth_bytes() -> bytes:
-    import io
-
-    import torch
-
     buf = io.BytesIO()
     torch.save({"w": torch.zeros(2000)}, buf)
     return buf.getvalue()
@@ -937,8 +536,6 @@ def leftover_cases(t: Table) -> None:
 
     @t.case("stale-journal-lock", "leftover of kill -9", "the lock of a dead writer is recovered at once")
     def _(c: Case, d: Path) -> None:
-        import socket
-
         cmd = ["search", "tokens", str(base), "--study", "j", "--storage", "journal:s.journal", *STUDY]
         assert t.nc(cmd + ["--trials", "2"], d).rc == 0
         dead = subprocess.Popen(["true"])
@@ -1016,9 +613,6 @@ def hostile_cases(t: Table) -> None:
     ]
 
     def images(d: Path, counts: dict[str, int], split: str = "train") -> Path:
-        import numpy as np
-        from PIL import Image
-
         rng = np.random.default_rng(0)
         for cls, n in counts.items():
             (d / "imgs" / split / cls).mkdir(parents=True, exist_ok=True)
@@ -1082,8 +676,6 @@ def hostile_cases(t: Table) -> None:
         "one line naming the image and the pixel limit, read from its header (no decode)",
     )
     def _(c: Case, d: Path) -> None:
-        from PIL import Image
-
         root = images(d, {"a": 6, "b": 6})
         Image.new("L", (10000, 10000)).save(root / "train" / "b" / "huge.png")
         r = refuse(
@@ -1118,8 +710,6 @@ def hostile_cases(t: Table) -> None:
 
     @t.case("nan-weights", "hostile model file", "one line: the weights are not finite")
     def _(c: Case, d: Path) -> None:
-        from safetensors.torch import load_file, save_file
-
         (d / "m").mkdir()
         shutil.copy(base / "arch.json", d / "m" / "arch.json")
         sd = load_file(str(base / "model.safetensors"))
@@ -1144,8 +734,6 @@ def hostile_cases(t: Table) -> None:
 
     @t.case("pickle-as-weights", "hostile model file", "one line and nothing else (no torch warning)")
     def _(c: Case, d: Path) -> None:
-        import pickle
-
         (d / "w.pkl").write_bytes(pickle.dumps({"w": [1, 2]}, protocol=4))
         refuse(
             c,
@@ -1186,8 +774,6 @@ def hostile_cases(t: Table) -> None:
         "read-only: DELETE /api/studies/N answered 403, the study kept; /static/* served without Accept-Encoding",
     )
     def _(c: Case, d: Path) -> None:
-        import http.client
-
         shutil.copy(t.reference("study") / "s.db", d / "s.db")
         args = ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--port", "0"]
         c.command = "nascompress " + " ".join(args) + "  (then DELETE /api/studies/0, GET /static/bundle.js)"
@@ -1284,8 +870,6 @@ def hostile_cases(t: Table) -> None:
 
 def journal_trials(path: Path, name: str) -> list[tuple]:
     """(number, state, params, values) of every trial of a journal study."""
-    import optuna
-
     st = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
     try:
         study = optuna.load_study(study_name=name, storage=st)
@@ -1323,8 +907,6 @@ def main() -> None:
         disk_cases(t)
         leftover_cases(t)
         hostile_cases(t)
-        from faults_r53 import round53_cases  # (imports this module: after it is defined)
-
         round53_cases(t)
     finally:
         t.unmount_all()

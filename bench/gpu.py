@@ -50,12 +50,14 @@ import torch.nn.functional as F  # noqa: E402
 
 import nascompress  # noqa: E402,F401
 from nascompress import runtime  # noqa: E402
+from nascompress.api import profile  # noqa: E402
 from nascompress.layers import aligned_width, qk_layout_summary, set_qk_layout  # noqa: E402
 from nascompress.methods import block_sparse, get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
 from nascompress.methods.sparsifiner import region_init  # noqa: E402
 from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
 from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.pipeline import run_pipeline  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
 from nascompress.profiling.latency import compile_for_speed  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
@@ -378,9 +380,6 @@ methods:
 
 
 def section_pipeline(device: torch.device, config: str | None, workdir: Path) -> dict:
-    from nascompress.api import profile
-    from nascompress.pipeline import run_pipeline
-
     if config is None and device.type == "cuda":
         config = str(ROOT / "configs" / "fashion-mnist.yaml")
     if config is None:  # the CPU check of this code path: a tiny synthetic pipeline

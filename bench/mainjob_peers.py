@@ -24,7 +24,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import header, hidden_keep_model, save, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _common import header, save, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+import torch  # noqa: E402
+
+from nascompress.dcs_search.baseline import magnitude_supernet  # noqa: E402
+from nascompress.methods.dcs import materialize  # noqa: E402
+from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.retrain import RetrainJob, retrain  # noqa: E402
@@ -42,11 +47,6 @@ def _save_run(
 
 
 def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any]:
-    import torch
-
-    from nascompress.methods.dcs import materialize
-    from nascompress.dcs_search.baseline import magnitude_supernet
-
     dense, arch = load_with_arch(base)
     dense.eval()
     spec = arch["input"]
@@ -54,10 +54,10 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
     full = count_flops(dense, x).total
     data = read_json(base / "config.json").get("data")
     if kind == "torch-pruning":
-        import torch_pruning as tp
+        import torch_pruning as tp  # optional: the external peer (pip install torch-pruning==1.6.1)
 
         keep, ratio = torch_pruning_keep(dense, x, target)
-        model, record = hidden_keep_model(dense, keep)
+        model, record = uniform_from_keep(dense, keep)  # the kept neurons as a nascompress model
         info = {"pruning_ratio": ratio, "torch_pruning": tp.__version__}
     elif kind == "magnitude":
         sn, cfg, _, info = magnitude_supernet(copy.deepcopy(dense), target=target, align=8, fill=None, x1=x)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from _common import ROOT, relative_paths
-from time_section import TIME_END, TIME_START, time_section
+from _time_section import TIME_END, TIME_START, time_section
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "results.md"

@@ -33,7 +33,7 @@ import json
 import time
 from pathlib import Path
 
-from _common import ROOT, data_sizes, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -44,10 +44,12 @@ from nascompress.data import DataConfig, InputSpec, load_data, make_loader, prep
 from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.mgvit import sweep_model  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
+from nascompress.models import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, fit, train  # noqa: E402
+from nascompress.train import fit  # noqa: E402
+from _mgvit_h import dense_base  # noqa: E402  (shared with mgvit_h_ppsm and mgvit_h_study)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h.json"
 EPSILONS = [0.5, 0.7, 0.9, 0.99, 1.0]
@@ -74,28 +76,6 @@ class FPNSeg(nn.Module):
             y = lat(f) + F.interpolate(y, size=f.shape[-2:], mode="nearest")
         y = self.cls(F.relu(self.smooth(y)))
         return F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
-
-
-def dense_base(base: Path, data_cfg: DataConfig, res: dict, *, img_size: int, epochs: int, reuse: bool):
-    """The dense pvt_v2_b0 base every variant starts from (trained unless ``reuse`` and finished), its
-    metrics and the data sizes recorded in ``res``: (model, input spec, data)."""
-    if not (reuse and (base / "metrics.json").is_file()):
-        spec_m = ModelSpec("pvt_v2_b0", {"img_size": img_size, "num_classes": 10, "in_chans": 1})
-        train(
-            TrainJob(
-                model=spec_m,
-                data=data_cfg,
-                out=str(base),
-                train=TrainConfig(epochs=epochs, batch_size=64, lr=1e-3, warmup_epochs=0.2, seed=0),
-            ),
-            force=True,
-        )
-    res["dense_base_metrics"] = json.loads((base / "metrics.json").read_text())
-    dense, arch = load_with_arch(base)
-    spec = InputSpec.from_dict(arch["input"])
-    data = load_data(data_cfg, spec=spec)
-    res["data"] = data_sizes(data, data_cfg)
-    return dense, spec, data
 
 
 def masks_of(imgs: torch.Tensor, size: tuple[int, int], threshold: int) -> torch.Tensor:
@@ -155,9 +135,6 @@ def reference_224() -> dict:
     """Per-image GFLOPs at 224 px (the paper's 7x7 coarse grid, r_h 0.1, r_t 0.4; random weights: counts
     do not depend on them) of pvt_v2_b0 and pvt_v2_b2 (the PVT v2 counterpart of the paper's PVT-Small):
     dense, -A and -R (the MG pass; the SGIS at 112 px on top for an image that does not exit)."""
-    from nascompress.methods import get_method
-    from nascompress.models import build_model
-
     out = {}
     x = torch.randn(1, 3, 224, 224)
     for name in ("pvt_v2_b0", "pvt_v2_b2"):

@@ -33,7 +33,7 @@ from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  #
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from mgvit_h import dense_base  # noqa: E402  (the same dense base)
+from _mgvit_h import dense_base  # noqa: E402  (the same dense base)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h_ppsm.json"
 

@@ -35,7 +35,7 @@ from nascompress.search.trials import SearchJob, TrialContext, run_search  # noq
 from nascompress.studies.inspect import load as load_study  # noqa: E402
 from nascompress.studies.inspect import show_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402
-from mgvit_h import dense_base  # noqa: E402  (the same dense base)
+from _mgvit_h import dense_base  # noqa: E402  (the same dense base)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h_study.json"
 SPACE = "mgvit-h"  # the shipped space (nascompress/search_spaces/mgvit-h.yaml)

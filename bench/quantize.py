@@ -32,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tempfile
 import time
+import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +46,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402
+from nascompress.api import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.export import ExportConfig, export_run  # noqa: E402
 from nascompress.export.config import QuantizeConfig  # noqa: E402
 from nascompress.export.quantize import quantize_run  # noqa: E402
 from nascompress.export.verify import onnx_runner  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
+from nascompress.methods.dcs import activation_importance  # noqa: E402
+from nascompress.models import ModelSpec  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
-from nascompress.profiling import time_models, time_models_by_threads  # noqa: E402
+from nascompress.profiling import count_flops, time_models, time_models_by_threads  # noqa: E402
+from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 from nascompress.utils import read_json  # noqa: E402
+from _standins import dcs_at_flops, main_job_standin, save_run  # noqa: E402  (bench/export.py's stand-ins)
 
 CPU_FLAGS = (
     "avx2",
@@ -73,10 +82,10 @@ CPU_FLAGS = (
 def cpu_int8(threads: int) -> dict[str, Any]:
     """The CPU's flags that decide ONNX Runtime's (MLAS) int8 GEMM kernel, and one GEMM timed in fp32
     and as ORT's static int8 (QDQ -> QLinearMatMul / int8 GEMM) with the same threads."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+    import onnx  # optional: the ONNX graph of the one GEMM timed (pip install onnx)
+    import onnxruntime as ort  # optional: the runtime this bench measures
+    from onnx import TensorProto, helper, numpy_helper  # optional (see above)
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static  # optional
 
     flags: set[str] = set()
     model_name = ""
@@ -155,13 +164,6 @@ def cpu_int8(threads: int) -> dict[str, Any]:
 
 def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
     """The DINOv2 linear probe and, from it without retraining, DCS ~0.6x and EViT 0.7 (see the docstring)."""
-    from export import dcs_at_flops, save_run  # bench/export.py (this folder is on sys.path)
-
-    from nascompress.methods import get_method
-    from nascompress.methods.dcs import activation_importance
-    from nascompress.models import ModelSpec
-    from nascompress.train import TrainConfig, TrainJob, train
-
     data = DataConfig(dataset="fashion-mnist", train_limit=args.dinov2_train, eval_limit=args.eval_images)  # (see main)
     dense_dir = work / "dinov2_dense"
     t0 = time.time()
@@ -206,12 +208,6 @@ def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
 
 def dinov2_given_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any], DataConfig]:
     """``--dinov2-runs DENSE DCS``: the probe, the trained DCS model, and EViT 0.7 on the probe (zero-shot)."""
-    from export import save_run  # bench/export.py (this folder is on sys.path)
-
-    from nascompress.api import run_data_config
-    from nascompress.methods import get_method
-    from nascompress.models import ModelSpec
-
     dense_dir, dcs_dir = args.dinov2_runs
     dense, arch = load_with_arch(dense_dir)
     evit, evit_rec = get_method("evit").prepare_fresh(copy.deepcopy(dense), {"keep_rate": 0.7})
@@ -225,8 +221,6 @@ def dinov2_given_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]
         "dcs_run": str(dcs_dir),
         "dcs_test_top1": dcs_metrics.get("test_top1"),
     }
-    from nascompress.profiling import count_flops
-
     x = torch.zeros(1, 3, *arch["input"]["img_size"])
     ratio = count_flops(load_with_arch(dcs_dir)[0].eval(), x).total / count_flops(dense.eval(), x).total
     info["dcs_flops_ratio"] = ratio
@@ -238,8 +232,6 @@ def dinov2_given_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]
 
 
 def test_set(data: DataConfig, spec: InputSpec, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from dataclasses import replace
-
     bundle = load_data(replace(data, eval_limit=n, subset_seed=0), spec=spec, augment=False)
     return bundle.test.__getitems__(list(range(len(bundle.test))))
 
@@ -254,8 +246,6 @@ def top1(fn, images: torch.Tensor, labels: torch.Tensor, spec: InputSpec, bs: in
 
 
 def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args, batches: list[int]) -> dict[str, Any]:
-    from dataclasses import replace
-
     models: dict[str, Any] = {}
     files: dict[str, dict[str, Path]] = {}
     qdata = replace(data, eval_limit=args.eval_images)
@@ -453,9 +443,6 @@ def torch_int8(model: torch.nn.Module) -> Any:
     """PyTorch's dynamic int8 (``torch.ao.quantization.quantize_dynamic`` of the ``nn.Linear`` layers,
     weights int8 per tensor, activations quantized per batch; FBGEMM/x86 kernels) of a copy of
     ``model``, or why it does not run on it (one line)."""
-    import copy
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notice
         try:
@@ -539,15 +526,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "quantize.json")
     args = ap.parse_args()
     if args.derive_only:
-        import json
-
         res = json.loads(args.out.read_text())
         res["goals"], res["not_measured"] = goals(res), not_measured(args, res)
         res["derived_by"] = command_line()  # goals and not_measured recomputed from the figures above
         save(args.out, res)
         return
     torch.set_num_threads(args.threads)
-    import onnxruntime
+    import onnxruntime  # optional: the runtime this bench measures (--derive-only runs without it)
 
     res: dict[str, Any] = header()
     res["machine"]["onnxruntime"] = onnxruntime.__version__
@@ -572,14 +557,10 @@ def main() -> None:
             if (args.dense is None) != (args.compressed is None):
                 raise SystemExit("give both --dense and --compressed, or neither (a stand-in is made)")
             if args.dense is None:
-                from export import main_job_standin  # bench/export.py
-
                 print("[main job] making the stand-in ...", flush=True)
                 dense, comp, source = main_job_standin(args, work)
                 data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
             else:
-                from nascompress.api import run_data_config
-
                 dense, comp = args.dense, args.compressed
                 source = {
                     "kind": "runs given on the command line",

@@ -38,15 +38,20 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (the repository's nascompress first on sys.path)
-from _common import header, relative_paths, save
-from search import hypervolume
+from _common import header, hypervolume, relative_paths, save
+
+import optuna  # noqa: E402
 
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
+from nascompress.data import DataConfig  # noqa: E402
 from nascompress.errors import NascompressError  # noqa: E402
+from nascompress.models import custom_vit_spec  # noqa: E402
+from nascompress.runs.io import load  # noqa: E402
 from nascompress.search.space import load_space  # noqa: E402
 from nascompress.search.trials import SAMPLERS, SearchJob, make_objective, reference_configs, sampler_factory  # noqa: E402
 from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402
+from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 
 BUDGETS = (10, 20, 30, 50)
 SPACES = {
@@ -120,8 +125,6 @@ def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str
         batch_size=a.batch_size,
         seed=a.job_seed,
     )
-    from nascompress.runs.io import load
-
     enqueue = [p for _, p in reference_configs(space, load(base))]
     job_dict = job.to_dict()
     t0 = time.time()
@@ -138,8 +141,6 @@ def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str
         enqueue=enqueue,
         progress=False,
     )
-    import optuna
-
     study = optuna.load_study(study_name=job.study, storage=storage)
     done = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)
     pts = [(float(trial_record(t)["accuracy"]), float(trial_record(t)["flops_ratio"])) for t in done]
@@ -193,10 +194,6 @@ def make_base(out: Path, a) -> str:
     depth 6, 3 heads), trained ``--base-epochs`` on ``--base-train-images`` images."""
     if (out / "metrics.json").is_file():
         return str(out)
-    from nascompress.data import DataConfig
-    from nascompress.models import custom_vit_spec
-    from nascompress.train import TrainConfig, TrainJob, train
-
     job = TrainJob(
         model=custom_vit_spec(
             img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, num_classes=10, in_chans=1

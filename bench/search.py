@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+from _common import hypervolume  # noqa: E402  (puts the repository on sys.path)
+import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
@@ -42,17 +42,6 @@ from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.inspect import load as load_study  # noqa: E402
 from nascompress.studies.records import pareto_front, trial_record  # noqa: E402
 from nascompress.utils import write_json  # noqa: E402
-
-
-def hypervolume(points: list[tuple[float, float]], ref_ratio: float, floor: float) -> float:
-    """Area dominated by (flops_ratio (min), top1 (max)) points within [0, ref_ratio] x [floor, 100]."""
-    pts = sorted({(r, a) for r, a in points if r <= ref_ratio and a >= floor})
-    area, best = 0.0, floor
-    for i, (r, a) in enumerate(pts):  # sweep by increasing cost; a point counts while it beats the best so far
-        best = max(best, a)
-        nxt = pts[i + 1][0] if i + 1 < len(pts) else ref_ratio
-        area += (nxt - r) * (best - floor)
-    return area
 
 
 def front(study) -> list[dict]:

@@ -22,7 +22,8 @@ from typing import Any
 import _common  # noqa: F401  (the repository's nascompress first on sys.path)
 from _common import header, save
 
-import nascompress  # noqa: E402,F401
+import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
+import timm  # noqa: E402
 import torch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.tokens import scale_layers  # noqa: E402
@@ -54,8 +55,6 @@ def speeds(models: list[torch.nn.Module], shape: tuple[int, ...], *, batch: int,
 
 
 def deit_speed(rs: list[int], iters: int) -> dict[str, Any]:
-    import timm
-
     dense = timm.create_model("deit_small_patch16_224", pretrained=False, num_classes=1000).eval()
     x = torch.randn(2, 3, 224, 224)
     d_flops = count_flops(dense, x).total

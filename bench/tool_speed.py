@@ -37,25 +37,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import PRECISIONS, RECIPES, ROOT, build, header, load, save, train_step  # noqa: E402  (puts the repository on sys.path)
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-RECIPES = {  # the model and batch of each recipe's training step
-    "main": {
-        "spec": dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3, in_chans=1, num_classes=10),
-        "batch": 128,
-    },
-    "dinov2": {"timm": "vit_small_patch14_dinov2", "kwargs": dict(img_size=112, num_classes=10), "batch": 16},
-}
-
-
-def load() -> float:
-    return round(os.getloadavg()[0], 2)
+from nascompress import runtime  # noqa: E402
+from nascompress.data import DataConfig, load_data  # noqa: E402
+from nascompress.models import build_model, custom_vit_spec  # noqa: E402
+from nascompress.profiling import count_flops  # noqa: E402
+from nascompress.train import fit, input_spec_for, train_recipe  # noqa: E402
 
 
 def gemm_peak(dtype_name: str, sizes: list[int], reps: int) -> dict[str, Any]:
     """GFLOP/s of square GEMMs (2 n^3 FLOPs each), the median of ``reps`` after a warm-up; the best size."""
-    import torch
-
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     out = {}
     for n in sizes:
@@ -71,60 +65,8 @@ def gemm_peak(dtype_name: str, sizes: list[int], reps: int) -> dict[str, Any]:
     return {"gflops": max(out.values()), "by_size": out}
 
 
-def build(recipe: str) -> tuple[Any, Any]:
-    import torch
-
-    from nascompress.models import build_model, custom_vit_spec
-
-    r = RECIPES[recipe]
-    if "spec" in r:
-        model = build_model(custom_vit_spec(**r["spec"]))
-        x = torch.randn(r["batch"], r["spec"]["in_chans"], r["spec"]["img_size"], r["spec"]["img_size"])
-    else:
-        import timm
-
-        model = timm.create_model(r["timm"], pretrained=False, **r["kwargs"])
-        x = torch.randn(r["batch"], 3, r["kwargs"]["img_size"], r["kwargs"]["img_size"])
-    return model, x
-
-
-PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto` runs on this machine
-    "fp32": "off",
-    "bf16": "bf16",
-    "bf16_flash_attention": "bf16-flash",
-}
-
-
-def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
-    """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
-    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW."""
-    import contextlib
-
-    import torch
-    import torch.nn.functional as F
-    from torch.profiler import record_function
-
-    from nascompress import runtime
-
-    dev = torch.device("cpu")
-    attn = contextlib.nullcontext() if amp == "bf16-flash" else runtime.cpu_attention(model, dev, amp)
-    with attn:
-        with record_function("forward"), runtime.autocast(dev, amp.split("-")[0]):
-            loss = F.cross_entropy(model(x), y, label_smoothing=0.1)
-        with record_function("backward"):
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-        with record_function("optimizer"):
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 1.0)
-            opt.step()
-
-
 def step_speed(recipe: str, reps: int) -> dict[str, Any]:
     """One training step (CE, AdamW) of the recipe's model per precision, interleaved (medians)."""
-    import torch
-
-    from nascompress.profiling import count_flops
-
     built = {}
     for name in PRECISIONS:
         torch.manual_seed(0)
@@ -154,9 +96,6 @@ def step_speed(recipe: str, reps: int) -> dict[str, Any]:
 
 def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[str, Any]:
     """Where a step's time goes: the phases (forward, backward, optimizer) and the top operators by self CPU time."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
     torch.manual_seed(0)
     model, x = build(recipe)
     y = torch.randint(0, 10, (x.shape[0],))
@@ -191,12 +130,6 @@ def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[s
 def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, Any]]:
     """The main job's base shortened (``train_limit`` images, ``epochs``), fp32 against ``--amp bf16``
     (the auto path here) per seed: best validation and test top-1, and the loop's time."""
-    import torch
-
-    from nascompress.data import DataConfig, load_data
-    from nascompress.models import build_model, custom_vit_spec
-    from nascompress.train import fit, input_spec_for, train_recipe
-
     spec = custom_vit_spec(**RECIPES["main"]["spec"])
     ispec = input_spec_for(build_model(spec), "fashion-mnist")
     data = load_data(DataConfig(dataset="fashion-mnist", train_limit=train_limit), spec=ispec)
@@ -262,10 +195,6 @@ def main() -> None:
     ap.add_argument("--accuracy-limit", type=int, default=24000, help="training images of the accuracy part")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tool_speed.json")
     a = ap.parse_args()
-    import torch
-
-    from nascompress import runtime
-
     torch.set_num_threads(a.threads)
     parts = a.parts.split(",")
     res: dict[str, Any] = dict(

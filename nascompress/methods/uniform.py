@@ -142,8 +142,45 @@ def keep_for_flops(
     return min((lo, hi), key=lambda k: (abs(ratio(k) - target), k))
 
 
+def uniform_at_flops(
+    model: nn.Module, target: float, x: torch.Tensor, *, qk: bool = True, align: int = DEFAULT_ALIGN
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A uniformly pruned copy of ``model`` at ``target`` x its FLOPs on input ``x`` (the share from
+    :func:`keep_for_flops`, kept by weight magnitude), and its method record (the share is
+    ``record["config"]["keep"]``); ``model`` is left as it is."""
+    keep = keep_for_flops(model, target, x, qk=qk, align=align)
+    return get_uniform().prepare_fresh(copy.deepcopy(model), UniformConfig(keep=keep, qk=qk, align=align))
+
+
+def uniform_from_keep(
+    model: nn.Module, hidden_keep: list[list[int]], qk_keep: list[list[list[int]] | None] | None = None
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A copy of ``model`` keeping, per block, the MLP hidden neurons ``hidden_keep[i]`` and the Q/K
+    channels per head ``qk_keep[i]`` (None: every Q/K channel), chosen by any rule (an external
+    pruner's, as indices of ``model``'s layers), with its ``uniform`` method record: such a model
+    is a nascompress run like any other (saved, reloaded, exported). ``model`` is left as it is."""
+    if qk_keep is None:
+        qk_keep = [None] * len(hidden_keep)
+    if len(qk_keep) != len(hidden_keep):
+        raise NascompressError(f"{len(hidden_keep)} blocks of hidden neurons but {len(qk_keep)} of Q/K channels")
+    cfg = UniformConfig(keep=1.0, qk=any(q is not None for q in qk_keep))
+    method = get_uniform()
+    blocks = [{"hidden_keep": list(h), "qk_keep": q} for h, q in zip(hidden_keep, qk_keep)]
+    record = dict(method.make_record(cfg), blocks=blocks)
+    return method.apply(copy.deepcopy(model), record), record
+
+
 def get_uniform() -> Uniform:
     return get_method("uniform")  # type: ignore[return-value]
 
 
-__all__ = ["Uniform", "UniformConfig", "importance", "keep_for_flops", "kept_count", "slice_hidden"]
+__all__ = [
+    "Uniform",
+    "UniformConfig",
+    "importance",
+    "keep_for_flops",
+    "kept_count",
+    "slice_hidden",
+    "uniform_at_flops",
+    "uniform_from_keep",
+]

@@ -6,7 +6,7 @@ Run only these (from the repository root)::
 
     python bench/faults.py --only r53- --out bench/results/faults_r53.json
 
-:func:`round53_cases` is called by ``bench/faults.py`` with its :class:`~faults.Table`.
+:func:`round53_cases` is called by ``bench/faults.py`` with its :class:`~_faults.Table`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable
 
+import optuna
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from _common import ROOT
-from faults import PIPELINE, TINY, Case, Ran, Table, digest, error_line, finished_outputs, judge_refusal, snapshot
+from _faults import PIPELINE, TINY, Case, Ran, Table, digest, error_line, finished_outputs, judge_refusal, snapshot
 
 DEEP = "[" * 1_000_000 + "]" * 1_000_000
 
@@ -66,8 +70,6 @@ def round53_cases(t: Table) -> None:
 
     @t.case("r53-dashboard-writable-sqlite", "issue 53: data lost", "refused on SQLite, saying why")
     def _(c: Case, d: Path) -> None:
-        import optuna
-
         optuna.create_study(study_name="s", storage=f"sqlite:///{d}/s.db")
         refuse(c, d, ["study", "dashboard", "s", "--storage", "sqlite:///s.db", "--writable"], "snapshot copy")
 
@@ -140,9 +142,6 @@ def round53_cases(t: Table) -> None:
 
         @t.case(f"r53-{name}", "issue 53: resume safety", "one line naming the damage and what to do")
         def _(c: Case, d: Path, damage: str = damage, must: str = must) -> None:
-            from safetensors import safe_open
-            from safetensors.torch import load_file, save_file
-
             cmd = killed_train(d)
             ck = d / "run" / "checkpoint.safetensors"
             if damage == "config":
