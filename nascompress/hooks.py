@@ -166,8 +166,8 @@ class TrainHooks:
 def short_stage(
     model: nn.Module,
     params: list[nn.Parameter],
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, Any]]],
+    batches: Iterable[tuple[torch.Tensor, ...]],
+    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, Any]]],
     *,
     steps: int,
     lr: float,
@@ -175,8 +175,8 @@ def short_stage(
 ) -> dict[str, float]:
     """A short stage that trains only ``params`` (a method's new predictors; the caller freezes the
     rest): ``steps`` AdamW steps (linear warm-up over the first tenth; with ``decay`` then a cosine to 0)
-    of ``loss_fn(x, y)`` over ``batches`` (cycled). Returns the mean logs of the last 10 steps and
-    ``steps``, the optimizer steps taken; the model is left in eval mode.
+    of ``loss_fn(x, y, *rest)`` over ``batches`` of ``(x, y, *rest)`` (cycled). Returns the mean logs
+    of the last 10 steps and ``steps``, the optimizer steps taken; the model is left in eval mode.
 
     A loss the parameters take no part in (a method configured to keep everything, e.g. DynamicViT
     at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""
@@ -190,17 +190,17 @@ def short_stage(
         it = iter(batches)
         for step in range(steps):
             try:
-                x, y = next(it)
+                x, y, *rest = next(it)
             except StopIteration:
                 it = iter(batches)
-                x, y = next(it)
+                x, y, *rest = next(it)
             warm = max(1, steps // 10)
             scale = min(1.0, (step + 1) / warm)
             if decay and step >= warm:
                 scale = 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, steps - warm)))
             for g in opt.param_groups:
                 g["lr"] = lr * scale
-            loss, logs = loss_fn(x, y)
+            loss, logs = loss_fn(x, y, *rest)
             tail = (tail + [logs])[-10:]
             if not loss.requires_grad:
                 break

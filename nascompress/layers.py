@@ -202,7 +202,8 @@ class NCAttention(Attention):
         q, k = self.q_norm(q), self.k_norm(k)
         if self.qk_mask is not None:
             m = self.qk_mask(x)
-            if m is not None:
+            if m is not None:  # in q's precision (bf16 under autocast: an fp32 mask would promote q and k)
+                m = m.to(q.dtype)
                 q, k = q * m, k * m
         if self.record_cls:
             self._cls_inputs = (q[:, :, :1], k, None if attn_mask is None else attn_mask[..., :1, :])

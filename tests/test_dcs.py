@@ -104,20 +104,22 @@ def test_supernet_masks_change_output_and_train_gradients_reach_alpha():
 
 
 @pytest.mark.parametrize("fill", [False, True])
-@pytest.mark.parametrize("empty_block", [False, True])
-def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_gradients(
-    fill, empty_block, monkeypatch
-):
+@pytest.mark.parametrize("block0", ["random", "empty", "open"])
+def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_gradients(fill, block0, monkeypatch):
     """A hidden-gated MLP under a hard mask in training (the search's weight steps) computes only its
-    open neurons: the same logits and the same weight gradients as the masked dense computation.
-    Inference keeps the masked computation (the profiler counts the supernet's Linear modules)."""
+    open neurons (a block with every neuron open: its plain MLP): the same logits and the same weight
+    gradients as the masked dense computation. Inference keeps the masked computation (the profiler
+    counts the supernet's Linear modules)."""
     import nascompress.methods.dcs as dcs_mod
 
     torch.manual_seed(0)
     model = build_model(tiny_spec_3_heads())
     fills = [torch.randn(blk.mlp.fc1.out_features) for blk in model.blocks] if fill else None
     sup = make_supernet(model, DCSConfig(qk_mask="static", mlp_gates="hidden"), fill=fills)
-    randomize_gates(sup, empty_block=empty_block)
+    randomize_gates(sup, empty_block=block0 == "empty")
+    if block0 == "open":
+        with torch.no_grad():
+            sup.blocks[0].dcs_alpha.fill_(1.0)
     sup.dcs_state.sample = False  # a weight step at the current architecture
     for p in arch_parameters(sup):
         p.requires_grad_(False)
@@ -774,3 +776,26 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
             blk.dcs_alpha.fill_(1.0)
     assert len(got) == 3 and all(w > 0 for w in want)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=1e-7)
+
+
+def test_gates_multiply_in_the_activations_precision_under_bf16_autocast():
+    """Under bf16 autocast the hidden gates and the Q/K mask (fp32 parameters) multiply bf16
+    activations in bf16: an fp32 gate would promote every gated activation to fp32 and the next
+    matmul would cast it back (the search's steps were 1.3x slower). The gates stay exact 0/1, so
+    the forward is the one gated in fp32, cast to bf16 where the next matmul reads it."""
+    torch.manual_seed(0)
+    model = build_model(tiny_spec_3_heads())
+    fills = [torch.randn(blk.mlp.fc1.out_features) for blk in model.blocks]
+    sup = make_supernet(model, DCSConfig(qk_mask="static", mlp_gates="hidden"), fill=fills)
+    randomize_gates(sup)
+    sup.train()
+    sup.dcs_state.sample = True  # an architecture step: the masked path, gradients to the gates
+    seen = {}
+    sup.blocks[0].mlp.fc2.register_forward_pre_hook(lambda m, a: seen.setdefault("fc2_in", a[0]))
+    sup.blocks[0].attn.record_keys = True
+    x = torch.randn(4, 1, 16, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sup(x)
+    out.float().logsumexp(-1).sum().backward()
+    assert seen["fc2_in"].dtype == torch.bfloat16 and sup.blocks[0].attn.keys.dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in arch_parameters(sup))

@@ -5,6 +5,7 @@ as written; the magnitude rule itself."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 from types import SimpleNamespace
@@ -258,3 +259,66 @@ def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
     kept, record = choose([c], dense, data, spec, rec, torch.device("cpu"), eval_batch_size=64)
     assert kept is c and record["dcs"]["state"] == "before recovery" and record["dcs"]["val_recovered"] < 100.0
     assert kept.val_top1 == 100.0 and all(torch.equal(v, before[k]) for k, v in sn.state_dict().items())
+
+
+@pytest.mark.parametrize("feat_distill", [0.0, 0.5])
+def test_the_recovery_reads_the_searchs_teacher_cache(tiny_run, feat_distill):
+    """The recovery of a candidate reads the dense model's outputs from the search's cache (no teacher
+    forward) and trains as the recovery that runs the teacher does: the same batches, the same targets."""
+    from nascompress.data import DataConfig, InputSpec, load_data
+    from nascompress.methods.dcs import DCSConfig, make_supernet
+    from nascompress.dcs_search.baseline import Recovery, recover
+    from nascompress.dcs_search.teacher import TeacherCache
+
+    dense, arch = load_with_arch(tiny_run)
+    dense.eval().requires_grad_(False)
+    spec = InputSpec.from_dict(arch["input"])
+    data = load_data(DataConfig(dataset="synthetic", train_limit=64, eval_limit=32), spec=spec)
+    cpu = torch.device("cpu")
+    cache = TeacherCache.build(dense, data.train, spec, device=cpu, feat=feat_distill > 0)
+    rec = Recovery(steps=6, batch_size=16, lr=1e-3, seed=0, distill=1.0, feat_distill=feat_distill)
+    sn = make_supernet(copy.deepcopy(dense), DCSConfig(mlp_gates="hidden", qk_mask="static", align=1))
+    models, calls = [], []
+    dense.register_forward_hook(lambda *a: calls.append(1))
+    for teacher in (None, cache):
+        m = copy.deepcopy(sn)
+        calls.clear()
+        torch.manual_seed(0)
+        logs = recover(m, dense, data, spec, rec, cpu, teacher)
+        models.append(m)
+        assert logs["kl"] > 0 and (feat_distill == 0 or logs["feat"] > 0)
+        assert len(calls) == (rec.steps if teacher is None else 0)
+    for (k, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
+    assert any(not torch.equal(a, b) for a, b in zip(models[0].state_dict().values(), sn.state_dict().values()))
+
+
+def test_without_a_test_split_the_kept_models_validation_is_its_test(tiny_run, tmp_path, monkeypatch):
+    """Where the test split is the validation split (an ImageFolder with val/ only), the kept model's
+    test figures are its validation figures of the comparison, not a second pass over the same images."""
+    from nascompress.data import DataConfig, InputSpec, load_data
+    from nascompress.dcs_search import search as dcs_search_mod
+    from nascompress.methods.dcs import DCSConfig
+    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+
+    dense, arch = load_with_arch(tiny_run)
+    data = load_data(
+        DataConfig(dataset="synthetic", train_limit=64, eval_limit=32), spec=InputSpec.from_dict(arch["input"])
+    )
+    data = dataclasses.replace(data, test=data.val)  # as load_data gives an ImageFolder with no test/
+    assert data.test is data.val
+    job = DCSSearchJob(
+        source=str(tiny_run),
+        out="",
+        method=DCSConfig(mlp_gates="hidden", align=1),
+        search=DCSSearchConfig(target_flops=0.7, target_ramp=0, arch_lr=0.05, recovery_images=32, auto_batch=False),
+        train=search_train_config(epochs=2, batch_size=16, device="cpu"),
+    )
+    passes = []
+    real = dcs_search_mod.evaluate
+    monkeypatch.setattr(dcs_search_mod, "evaluate", lambda *a, **k: passes.append(1) or real(*a, **k))
+    res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
+    cmp = res.metrics["comparison"]
+    kept = cmp[res.metrics["kept"]]
+    assert kept["state"] == "recovered" and not passes
+    assert res.metrics["test_top1"] == kept["val_top1"] and res.metrics["test_n"] == 32

@@ -65,7 +65,7 @@ from .input import (
     preprocess,
     resize,
 )
-from .loader import collate_batch, make_loader
+from .loader import Indexed, collate_batch, make_loader
 from .memory import is_memory, memory_splits
 from .sources import (
     BUILTIN_DATASETS,
@@ -105,6 +105,7 @@ __all__ = [
     "DataConfig",
     "InputOverrides",
     "InputSpec",
+    "Indexed",
     "Subset",
     "TensorImageDataset",
     "check_classes",
@@ -377,15 +378,17 @@ def load_data(
 
 
 def training_batches(
-    data: DataBundle, spec: InputSpec, *, batch_size: int, seed: int, device: torch.device
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    data: DataBundle, spec: InputSpec, *, batch_size: int, seed: int, device: torch.device, indexed: bool = False
+) -> Iterator[tuple[torch.Tensor, ...]]:
     """An endless stream of preprocessed training batches (x, y) on ``device``, shuffled per epoch from
-    ``seed`` (a method's predictor-only stage, the DCS search's recovery of its candidates)."""
+    ``seed`` (a method's predictor-only stage, the DCS search's recovery of its candidates); with
+    ``indexed``, (x, y, idx): the images' indices in the training split (the same batches)."""
+    train = Indexed(data.train) if indexed else data.train
     for epoch in itertools.count():
-        for imgs, labels in make_loader(
-            data.train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch, pin_memory=device.type == "cuda"
+        for imgs, labels, *idx in make_loader(
+            train, batch_size=batch_size, shuffle=True, seed=seed, epoch=epoch, pin_memory=device.type == "cuda"
         ):
-            yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device)
+            yield preprocess(runtime.to_device(imgs, device), spec), runtime.to_device(labels, device), *idx
 
 
 def dataset_paths(cfg: DataConfig | None) -> tuple[str, ...]:

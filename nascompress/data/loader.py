@@ -20,6 +20,23 @@ def collate_batch(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack(xs), torch.as_tensor(ys)
 
 
+class Indexed:
+    """A view of a training split whose batches also carry their images' indices in it."""
+
+    def __init__(self, base: Any):
+        self.base, self.classes = base, base.classes
+        if hasattr(base, "num_workers"):
+            self.num_workers = base.num_workers
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        got = self.base.__getitems__(idx) if hasattr(self.base, "__getitems__") else [self.base[i] for i in idx]
+        imgs, labels = collate_batch(got)  # an in-memory split's batch, or an ImageFolder's (image, label) pairs
+        return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
+
+
 def make_loader(
     ds: Dataset,
     *,

@@ -40,6 +40,7 @@ from ..layers import aligned_width
 from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
 from ..progress import step as shown
 from .cost import CostModel
+from .teacher import TeacherCache
 
 KINDS = ("dcs", "magnitude")
 NAMES = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}  # as the messages call them
@@ -128,10 +129,17 @@ class Recovery:
 
 
 def recover(
-    model: nn.Module, dense: nn.Module, data: Any, spec: InputSpec, rec: Recovery, device: torch.device
+    model: nn.Module,
+    dense: nn.Module,
+    data: Any,
+    spec: InputSpec,
+    rec: Recovery,
+    device: torch.device,
+    teacher: TeacherCache | None = None,
 ) -> dict[str, float]:
     """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
-    the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`)."""
+    the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`). ``teacher``: the
+    search's cache of the dense model's outputs per training image, read instead of a teacher forward."""
     arch = {id(p) for p in arch_parameters(model)}
     params = [p for p in model.parameters() if id(p) not in arch]
     state = getattr(model, "dcs_state", None)
@@ -141,22 +149,31 @@ def recover(
     flags = [(p, p.requires_grad) for p in model.parameters()]
     for p in model.parameters():
         p.requires_grad_(id(p) not in arch)
-    taps = (FeatureTap(model, "pre_logits"), FeatureTap(dense, "pre_logits")) if rec.feat_distill > 0 else None
+    cached = teacher is not None and (rec.feat_distill == 0 or teacher.feat is not None)
+    taps = None
+    if rec.feat_distill > 0:
+        taps = (FeatureTap(model, "pre_logits"),) + (() if cached else (FeatureTap(dense, "pre_logits"),))
     dense.eval()
 
-    def loss_fn(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_fn(
+        x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with runtime.autocast(device, rec.amp):
             logits = model(x)
             loss = F.cross_entropy(logits, y)
             logs = {"ce": loss.detach()}
             if rec.distill > 0 or taps is not None:
-                with torch.no_grad():
-                    t_logits = dense(x)
+                if idx is not None:  # the search's cache of the teacher's outputs for these images
+                    t_logits, t_feat = teacher.read(idx, logits.device)
+                else:
+                    with torch.no_grad():
+                        t_logits = dense(x)
+                    t_feat = taps[1].pop() if taps is not None else None
                 if rec.distill > 0:
                     kl = kl_to_teacher(logits, t_logits)
                     loss, logs["kl"] = loss + rec.distill * kl, kl.detach()
                 if taps is not None:
-                    fkd = feature_kd_loss(taps[0].pop().float(), taps[1].pop().float())
+                    fkd = feature_kd_loss(taps[0].pop().float(), t_feat.float())
                     loss, logs["feat"] = loss + rec.feat_distill * fkd, fkd.detach()
         return loss, logs
 
@@ -165,7 +182,7 @@ def recover(
             return short_stage(
                 model,
                 params,
-                training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed, device=device),
+                training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed, device=device, indexed=cached),
                 loss_fn,
                 steps=rec.steps,
                 lr=rec.lr,
@@ -199,6 +216,7 @@ class Candidate:
     state: str | None = None
     val_n: int | None = None
     recovery: dict[str, float] | None = None
+    val_eval: dict[str, Any] | None = None  # evaluate()'s record of the validation split in the model's kept state
 
     def record(self) -> dict[str, Any]:
         return {
@@ -223,6 +241,7 @@ def choose(
     device: torch.device,
     *,
     eval_batch_size: int,
+    teacher: TeacherCache | None = None,
 ) -> tuple[Candidate, dict[str, Any]]:
     """Recover every eligible candidate the same way (same seed, same batches), score each on the
     validation split, and keep the best (ties: the first, the searched model). A candidate scored
@@ -239,16 +258,16 @@ def choose(
         with shown(
             f"DCS: {NAMES[c.kind]}: {rec.steps} recovery steps of {rec.batch_size} images, then its validation top-1"
         ):
-            c.recovery = recover(c.supernet, dense, data, spec, rec, device)
+            c.recovery = recover(c.supernet, dense, data, spec, rec, device, teacher)
             c.supernet.eval()
             val = evaluate(
                 c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size, amp=rec.amp
             )
         c.recovered_val, c.val_n = val["top1"], val["n"]
-        c.val_top1, c.state = c.recovered_val, "recovered"
+        c.val_top1, c.state, c.val_eval = c.recovered_val, "recovered", val
         if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
             c.supernet.load_state_dict(before)
-            c.val_top1, c.state = c.pre_val, "before recovery"
+            c.val_top1, c.state, c.val_eval = c.pre_val, "before recovery", None
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
@@ -288,12 +307,14 @@ def keep_better(
     device: torch.device,
     stopped: Exception | None,
     last_val: float | None = None,
+    teacher: TeacherCache | None = None,
 ) -> tuple[Candidate, dict[str, Any]]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
     top-1 ``last_val`` at its last epoch;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
     target (the searched ratio without one), both recovered alike; returns the kept candidate and the
-    comparison record. Without ``job.search.baseline`` the searched model is kept as it is."""
+    comparison record. Without ``job.search.baseline`` the searched model is kept as it is. ``teacher``:
+    the search's cache of the dense model's outputs, which the recoveries read."""
     s = job.search
     target = s.target_flops if s.target_flops is not None else ratio
     at_target = abs(ratio / target - 1) <= s.tolerance
@@ -353,7 +374,9 @@ def keep_better(
         feat_distill=s.feat_distill,
         amp=runtime.resolve_amp(job.train.amp, device),
     )
-    kept, record = choose([dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size)
+    kept, record = choose(
+        [dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size, teacher=teacher
+    )
     if not magnitude.eligible:
         record["magnitude_note"] = magnitude.note
     record["magnitude"]["rule"] = info["rule"]

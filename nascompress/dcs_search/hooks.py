@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed
-from ..data import Subset, split_indices
+from ..data import Indexed, Subset, split_indices
 from ..distill import FeatureTap, feature_kd_loss
 from ..errors import SettingError
 from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
@@ -22,7 +22,7 @@ from ..runs.files import Arch
 from ..train import TrainConfig
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
 from .prepare import DCSJobView
-from .teacher import Indexed, StepTag, TeacherCache, interleave
+from .teacher import StepTag, TeacherCache, interleave
 
 
 class DCSSearchHooks(TrainHooks):

@@ -186,6 +186,7 @@ def run_dcs_search(
         device=device,
         stopped=stopped,
         last_val=log[-1].get("val_top1") if len(log) > 1 else None,
+        teacher=teacher,
     )
     if kept.kind != "dcs":
         job = job.replace(method=kept.cfg)
@@ -200,9 +201,12 @@ def run_dcs_search(
     if fit_metrics is None:  # stopped by the guard: the test split is scored below, for the kept model
         fit_metrics = {"epochs": job.train.epochs, "train_time_s": sum(epoch_time), "dataset": data.name}
     kept_sel = selection_record(supernet, kept.cost)
-    test = evaluate(
-        supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size, amp=job.train.amp
-    )
+    if data.test is data.val and kept.val_eval is not None:  # no test split of its own: the kept model's validation
+        test = kept.val_eval
+    else:
+        test = evaluate(
+            supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size, amp=job.train.amp
+        )
     metrics = dict(
         fit_metrics,
         finished=True,

@@ -1,6 +1,6 @@
 """What the DCS search reads per step besides the batch: the frozen dense model's outputs cached
-once per training image (:class:`TeacherCache`: the search reads its training images unaugmented), the view of a
-split whose batches carry their images' indices (:class:`Indexed`), the step tags (:class:`StepTag`)
+once per training image (:class:`TeacherCache`: the search reads its training images unaugmented; its
+batches carry their images' indices, :class:`~nascompress.data.Indexed`), the step tags (:class:`StepTag`)
 and the order of weight and architecture steps in an epoch (:func:`interleave`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import runtime
-from ..data import InputSpec, collate_batch, make_loader, preprocess
+from ..data import InputSpec, make_loader, preprocess
 from ..distill import FeatureTap
 
 
@@ -26,23 +26,6 @@ class StepTag(str):
         tag = super().__new__(cls, kind)
         tag.idx = idx
         return tag
-
-
-class Indexed:
-    """A view of a training split whose batches also carry their images' indices in it."""
-
-    def __init__(self, base: Any):
-        self.base, self.classes = base, base.classes
-        if hasattr(base, "num_workers"):
-            self.num_workers = base.num_workers
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        got = self.base.__getitems__(idx) if hasattr(self.base, "__getitems__") else [self.base[i] for i in idx]
-        imgs, labels = collate_batch(got)  # an in-memory split's batch, or an ImageFolder's (image, label) pairs
-        return imgs, labels, torch.as_tensor(idx, dtype=torch.long)
 
 
 @dataclass
@@ -94,4 +77,4 @@ def interleave(n_w: int, n_a: int) -> list[str]:
     return [k for _, k in sorted(keys)]
 
 
-__all__ = ["StepTag", "Indexed", "TeacherCache", "interleave"]
+__all__ = ["StepTag", "TeacherCache", "interleave"]

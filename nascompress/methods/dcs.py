@@ -339,15 +339,23 @@ class DCSBlock(NCBlock):
             fill = getattr(self, "dcs_fill", None)
             if g.requires_grad or not self.training or not _compactable(m):
                 h = m.drop1(m.act(m.fc1(self.norm2(x))))  # (B, N, Hm)
-                h = h * g if fill is None else h * g + (1 - g) * fill
+                g = g.to(h.dtype)  # h's precision (bf16 under autocast): an fp32 gate would promote h
+                h = h * g if fill is None else h * g + (1 - g) * fill.to(h.dtype)
                 return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.norm(h)))))
             # training under a hard 0/1 mask (the search's weight steps at the current architecture):
             # only the open neurons are computed, ``fc2(h * g + (1 - g) * fill)`` =
             # ``fc2[:, open](h[open]) + fc2((1 - g) * fill)``; the same function and gradients, fewer
             # MACs. (Inference keeps the masked form: the profiler counts the Linear modules it runs.)
             keep = g.nonzero().flatten()
-            h = m.act(F.linear(self.norm2(x), m.fc1.weight[keep], None if m.fc1.bias is None else m.fc1.bias[keep]))
-            out = F.linear(h, m.fc2.weight[:, keep], m.fc2.bias)
+            if keep.numel() == g.numel():  # every neuron open: the plain MLP (no gather, no scatter back)
+                return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.act(m.fc1(self.norm2(x)))))))
+            # index_select, whose backward is an index_add (advanced indexing's index_put is several times slower)
+            w1, b1 = (
+                m.fc1.weight.index_select(0, keep),
+                None if m.fc1.bias is None else m.fc1.bias.index_select(0, keep),
+            )
+            h = m.act(F.linear(self.norm2(x), w1, b1))
+            out = F.linear(h, m.fc2.weight.index_select(1, keep), m.fc2.bias)
             if fill is not None:
                 out = out + F.linear((1 - g) * fill, m.fc2.weight)
             return x + self.drop_path2(self.ls2(m.drop2(out)))
