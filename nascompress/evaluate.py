@@ -58,7 +58,9 @@ def evaluate(
             first (pinned, non-blocking on CUDA) and preprocessed there.
         input_spec: the model's preprocessing.
         teacher: optional model whose top-1 predictions the model's are compared to.
-        amp: ``bf16``: the forwards under bfloat16 autocast (a training job's validation).
+        amp: ``bf16``: the forwards under bfloat16 autocast (a training job's validation), the
+            attention as explicit bf16 matmuls on a CPU (:func:`~nascompress.runtime.cpu_attention`,
+            as the training steps run it).
     """
     model.eval().to(device)
     dtype = model_dtype(model)
@@ -71,7 +73,7 @@ def evaluate(
     for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False, pin_memory=device.type == "cuda"):
         raw, y = runtime.to_device(imgs, device), runtime.to_device(labels, device)
         x = preprocess(raw, input_spec)
-        with runtime.autocast(device, amp):
+        with runtime.autocast(device, amp), runtime.cpu_attention(model, device, amp):
             logits = model(x.to(dtype)).float()
             loss_sum += F.cross_entropy(logits, y, reduction="sum")
             pred = logits.argmax(-1)

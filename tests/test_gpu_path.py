@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 import nascompress
 from nascompress import runtime
-from nascompress.data import DataConfig, load_data
+from nascompress.data import DataConfig, InputSpec, load_data
+from nascompress.evaluate import evaluate
 from nascompress.errors import NascompressError
 from nascompress.hooks import TrainHooks, as_floats
 from nascompress.runs.checkpoint import load_state, save_state
@@ -157,6 +158,25 @@ def test_cpu_bf16_attention_runs_explicit_matmuls_and_restores_the_flag():
     assert all(m.fused_attn for m in attn)
     with runtime.cpu_attention(model, torch.device("cpu"), "off"):  # fp32's own path unchanged
         assert all(m.fused_attn for m in attn)
+
+
+def test_a_bf16_evaluation_on_a_cpu_runs_the_attention_as_its_training_does(monkeypatch):
+    """evaluate(amp="bf16") outside a training loop (the DCS search's comparison and test) runs the
+    attention as explicit bf16 matmuls, as the training steps and their validation do: not SDPA's
+    CPU flash kernel (slower in bf16, and a second numerical path for the same model)."""
+    model = build_model(tiny_spec())
+    spec = InputSpec(img_size=(16, 16), in_chans=1, mean=(0.5,), std=(0.5,))
+    data = load_data(DataConfig(dataset="synthetic", eval_limit=32), spec=spec)
+    real = torch.nn.functional.scaled_dot_product_attention
+    calls = []
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    bf16 = evaluate(model, data.val, input_spec=spec, device=torch.device("cpu"), amp="bf16")
+    assert not calls and bf16["n"] == 32
+    evaluate(model, data.val, input_spec=spec, device=torch.device("cpu"), amp="off")
+    assert calls  # fp32's own path unchanged
+    assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))
 
 
 def test_deterministic_and_amp_are_recorded_in_config_json(tmp_path):

@@ -217,6 +217,7 @@ class Candidate:
     val_n: int | None = None
     recovery: dict[str, float] | None = None
     val_eval: dict[str, Any] | None = None  # evaluate()'s record of the validation split in the model's kept state
+    pre_eval: dict[str, Any] | None = None  # the same before the recovery (the search's last validation), if known
 
     def record(self) -> dict[str, Any]:
         return {
@@ -267,7 +268,7 @@ def choose(
         c.val_top1, c.state, c.val_eval = c.recovered_val, "recovered", val
         if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
             c.supernet.load_state_dict(before)
-            c.val_top1, c.state, c.val_eval = c.pre_val, "before recovery", None
+            c.val_top1, c.state, c.val_eval = c.pre_val, "before recovery", c.pre_eval
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
@@ -289,6 +290,14 @@ def choose(
     return kept, record
 
 
+def last_validation(log: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
+    """The search's last epoch's validation record (``log.jsonl``'s last line) as :func:`evaluate`
+    gives it (``n``: the validation split's size), None before the first epoch."""
+    if len(log) < 2 or "val_top1" not in log[-1]:
+        return None
+    return {"top1": log[-1]["val_top1"], "loss": log[-1].get("val_loss"), "n": n}
+
+
 def recovery_steps(images: int, train_size: int, batch_size: int) -> int:
     """Steps of the recovery: ``images`` training images (at most the training split), at least one."""
     return max(1, math.ceil(min(images, train_size) / batch_size))
@@ -306,11 +315,11 @@ def keep_better(
     spec: InputSpec,
     device: torch.device,
     stopped: Exception | None,
-    last_val: float | None = None,
+    last_eval: dict[str, Any] | None = None,
     teacher: TeacherCache | None = None,
 ) -> tuple[Candidate, dict[str, Any]]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
-    top-1 ``last_val`` at its last epoch;
+    top-1 ``last_eval["top1"]`` at its last epoch, :func:`last_validation`;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
     target (the searched ratio without one), both recovered alike; returns the kept candidate and the
     comparison record. Without ``job.search.baseline`` the searched model is kept as it is. ``teacher``:
@@ -325,7 +334,8 @@ def keep_better(
         ratio,
         cost,
         eligible=at_target,
-        pre_val=last_val,
+        pre_val=None if last_eval is None else last_eval["top1"],
+        pre_eval=last_eval,
         note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}",
     )
     if not s.baseline:
@@ -412,6 +422,7 @@ __all__ = [
     "Recovery",
     "choose",
     "keep_better",
+    "last_validation",
     "magnitude_scores",
     "magnitude_supernet",
     "reason",

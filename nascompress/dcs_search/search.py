@@ -71,7 +71,7 @@ from ..methods.dcs import make_record, make_supernet
 from ..progress import counted, step
 from ..runs.files import Arch
 from ..train import check_classes, fit
-from .baseline import keep_better
+from .baseline import keep_better, last_validation
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
 from .prepare import calibration_images, init_importance, prepare_search
@@ -185,7 +185,7 @@ def run_dcs_search(
         spec=spec,
         device=device,
         stopped=stopped,
-        last_val=log[-1].get("val_top1") if len(log) > 1 else None,
+        last_eval=last_validation(log, len(data.val)),
         teacher=teacher,
     )
     if kept.kind != "dcs":
