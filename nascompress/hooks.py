@@ -182,7 +182,8 @@ def short_stage(
     at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""
     if not params or steps <= 0:
         return {}
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    fused = {"fused": True} if params[0].device.type == "cpu" else {}  # as runtime.adamw (why: there)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **fused)
     model.train()
     tail: list[dict[str, float]] = []
     taken = 0

@@ -156,6 +156,14 @@ def cpu_attention(model: torch.nn.Module, device: torch.device, amp: str) -> Ite
             m.fused_attn = True
 
 
+def adamw(params: Any, device: torch.device, **kw: Any) -> torch.optim.AdamW:
+    """AdamW over ``params`` (tensors or groups; ``kw``: its arguments): on a CPU the fused kernel, one pass
+    over every tensor instead of a Python loop per tensor (DINOv2 ViT-S/14, 22M weights in 176 tensors, 2
+    threads: the optimizer step 23.7 -> 7.7 ms, the bf16 training step 1.07x; the main job's 0.7M weights
+    1.02x); elsewhere PyTorch's default (CUDA: its multi-tensor kernel)."""
+    return torch.optim.AdamW(params, **kw, **({"fused": True} if device.type == "cpu" else {}))
+
+
 def autocast(device: torch.device, amp: str) -> contextlib.AbstractContextManager:
     """``torch.autocast`` in bfloat16 for ``amp="bf16"`` (and ``auto`` where it resolves to bf16,
     :func:`resolve_amp`), nothing for ``"off"``."""

@@ -196,7 +196,7 @@ def _fit(
     distributed.broadcast_model(model)
     peak = cfg.peak_lr_for(world_size=world.size)
     min_lr = min(cfg.min_lr, peak)
-    opt = torch.optim.AdamW(hooks.param_groups(model, cfg), lr=peak, betas=(0.9, 0.999))
+    opt = runtime.adamw(hooks.param_groups(model, cfg), device, lr=peak, betas=(0.9, 0.999))
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
     # the step's forward + loss as one module, DistributedDataParallel under torchrun (checkpoints and
     # evaluation use `model` itself)
