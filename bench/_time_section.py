@@ -89,6 +89,7 @@ def time_section(data: dict[str, Any]) -> list[str]:
             for c in kept
         ]
         out.append("")
+    out += search_step_lines(data.get("search_step.json"))
     goals = [
         search_goal(mainjob_goal(g, data.get("pipeline_fashion_mnist.json")), data.get("dcs_search_time_folder.json"))
         for g in d.get("goals") or []
@@ -98,6 +99,31 @@ def time_section(data: dict[str, Any]) -> list[str]:
     while out and out[-1] == "":
         out.pop()
     return out
+
+
+def search_step_lines(d: dict[str, Any] | None) -> list[str]:
+    """The DCS search's steps against the dense model's, before and after a change of the search's hot
+    path (``bench/search_step.py``, one run per checkout), and AdamW's default against its fused kernel."""
+    if not d or len(d.get("runs") or {}) < 2:
+        return []
+    (before, b), (after, a) = list(d["runs"].items())[:2]
+    out = [
+        f"The DCS search's steps, as a share of the dense model's step (`bench/search_step.py`, "
+        f"{a['threads']} threads, {a['models']['dinov2']['precision']}; `bench/results/search_step.json`), "
+        f"{before} -> {after}:",
+        "",
+        "| model | batch | weight step / dense | architecture step / dense | AdamW step, default -> fused |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in a["models"].items():
+        o = b["models"][name]
+        ms = m["median_ms"]
+        out.append(
+            f"| {name} | {m['batch']} | {o['weight_step_over_dense']:.3f} -> {m['weight_step_over_dense']:.3f} | "
+            f"{o['arch_step_over_dense']:.3f} -> {m['arch_step_over_dense']:.3f} | "
+            f"{ms['adamw_default']:.1f} -> {ms['adamw_fused']:.1f} ms ({m['adamw_fused_speedup']:.1f}x) |"
+        )
+    return out + [""]
 
 
 MAINJOB_GOAL_S = 12 * 60
