@@ -252,7 +252,6 @@ LONG_MODULES = {
     "methods/mgvit.py",
     "methods/mgvit_h.py",
     "methods/sparsifiner.py",
-    "methods/block_sparse.py",
 }
 
 
