@@ -251,7 +251,6 @@ LONG_MODULES = {
     "methods/dcs.py",
     "methods/mgvit.py",
     "methods/mgvit_h.py",
-    "methods/sparsifiner.py",
 }
 
 
