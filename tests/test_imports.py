@@ -249,7 +249,6 @@ def test_the_shared_helpers_are_written_once():
 # design), block_sparse is Sparsifiner's kernel. The list is exact: it only shrinks.
 LONG_MODULES = {
     "methods/dcs.py",
-    "methods/mgvit_h.py",
 }
 
 
