@@ -110,7 +110,7 @@ def test_hard_hidden_gates_compute_only_open_neurons_with_the_same_outputs_and_g
     open neurons (a block with every neuron open: its plain MLP): the same logits and the same weight
     gradients as the masked dense computation. Inference keeps the masked computation (the profiler
     counts the supernet's Linear modules)."""
-    import nascompress.methods.dcs as dcs_mod
+    import nascompress.methods.dcs_supernet as dcs_mod  # where DCSBlock looks _compactable up
 
     torch.manual_seed(0)
     model = build_model(tiny_spec_3_heads())

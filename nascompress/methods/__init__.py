@@ -1,7 +1,9 @@
 """The method contract and its one registry.
 
 A compression method is one module that defines one :class:`Method` subclass and registers it
-with :func:`register_method`. The subclass says, in one place:
+with :func:`register_method` (its parts may live in sibling modules named after it, e.g.
+``dcs_gates``, which it imports; only the modules of ``_METHOD_MODULES`` register methods). The
+subclass says, in one place:
 
 * ``config_cls``: its settings, a frozen :class:`~nascompress.config.Config` dataclass (validated;
   fields with ``metadata={"help": ...}`` become ``nascompress finetune`` options);

@@ -30,24 +30,26 @@ The ``arch.json`` record is ``{"name": "dcs", "config": DCSConfig, "stage": "sup
 "materialized", "tau": float, "blocks": [{"mlp_keep": [...] | None, "hidden_keep": [...] | None,
 "qk_keep": [[...] per head]}]}``; DCS must be the first method of a model (it changes channels
 that later methods read).
+
+This module holds the config, the supernet and materialized model builders and the method; the gate
+functions are :mod:`.dcs_gates`'s, the state and patched modules :mod:`.dcs_supernet`'s, the per-block
+gather :mod:`.dcs_materialize`'s and the channel importance :mod:`.dcs_importance`'s (re-exported here).
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from timm.layers import Mlp
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
-from ..errors import NascompressError, SettingError
-from ..layers import DEFAULT_ALIGN, NCAttention, NCBlock, aligned_width
-from ..slicing import as_index, slice_hidden, slice_layerscale, slice_linear_in, slice_linear_out, slice_qk
+from ..errors import NascompressError
+from ..layers import DEFAULT_ALIGN, NCBlock
+from ..slicing import slice_qk
 from . import Method, register_method
 from .dcs_importance import (
     BlockStats,
@@ -58,82 +60,35 @@ from .dcs_importance import (
     check_supported,
     spread,
 )
+from .dcs_gates import (
+    PROTECT_LOGIT,
+    aligned_counts,
+    aligned_mask,
+    binary_entropy,
+    gumbel_noise,
+    gumbel_sigmoid,
+    protect_gates,
+)
+from .dcs_materialize import ConstantMLP, MaterializedBlock, drop_gates, slice_hidden_gates, slice_mlp
+from .dcs_supernet import (
+    DCSBlock,
+    DCSQKMask,
+    DCSState,
+    add_qk_mask,
+    arch_parameters,
+    attach_state,
+    check_family,
+    selection,
+)
 
 QK_MODES = ("input", "static", "none")
 MLP_GATES = ("residual", "hidden", "none", "auto")
 HIDDEN_FILLS = ("zero", "mean")
 STAGES = ("supernet", "materialized")
-PROTECT_LOGIT = 30.0  # a protected gate's logit: no Gumbel sample closes it (P < 1e-13), and its gradient is zeroed
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure functions
-
-
-def gumbel_noise(
-    shape: torch.Size | tuple[int, ...], *, like: torch.Tensor, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """g1 - g2 with g1, g2 ~ Gumbel(0, 1) i.i.d. (a Logistic(0, 1) sample), shaped ``shape``."""
-    u = torch.rand((2, *shape), generator=generator, device=like.device, dtype=like.dtype)
-    g = -torch.log(-torch.log(u.clamp_min(1e-10)))
-    return g[0] - g[1]
-
-
-def gumbel_sigmoid(
-    logits: torch.Tensor, *, tau: float, noise: bool = True, hard: bool = True, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Binary Gumbel-sigmoid mask of ``logits`` (any shape).
-
-    soft = sigmoid((logits + g1 - g2) / tau); with ``hard`` the forward value is ``1[soft > 0.5]``
-    and the gradient is that of ``soft`` (straight-through). Without ``noise`` (inference)
-    the mask is ``1[logits > 0]``.
-
-    Returns:
-        (mask, soft), both shaped like ``logits``; without autograd (inference) soft is the mask.
-    """
-    z = logits + gumbel_noise(logits.shape, like=logits, generator=generator) if noise else logits
-    if hard and not (torch.is_grad_enabled() and z.requires_grad):  # inference: no soft values needed
-        mask = (z > 0).to(z.dtype)
-        return mask, mask
-    soft = torch.sigmoid(z / tau)
-    if not hard:
-        return soft, soft
-    mask = (z > 0).to(soft.dtype)
-    # Straight-through: forward value exactly mask (1 - soft is exact for soft >= 0.5), gradient of soft.
-    return (mask - soft).detach() + soft, soft
-
-
-def binary_entropy(p: torch.Tensor) -> torch.Tensor:
-    """Mean binary entropy (nats) of probabilities ``p``; 0 when every p is 0 or 1."""
-    p = p.clamp(1e-6, 1 - 1e-6)
-    return -(p * p.log() + (1 - p) * (1 - p).log()).mean()
-
-
-def aligned_counts(logits: torch.Tensor, *, align: int) -> list[int]:
-    """The width each row of ``logits`` (..., n) keeps at inference: the count of positive logits,
-    rounded up to the alignment (:func:`~nascompress.layers.aligned_width`, mode ``up``)."""
-    n = logits.shape[-1]
-    counts = (logits.detach() > 0).reshape(-1, n).sum(-1).tolist()
-    return [aligned_width(int(c), align=align, full=n, mode="up") for c in counts]
-
-
-def aligned_mask(logits: torch.Tensor, *, align: int) -> torch.Tensor:
-    """The inference mask of gate ``logits`` (..., n): per row, its ``logit > 0`` channels, widened
-    to the aligned count (:func:`aligned_counts`) with the next channels by logit (ties: the lower
-    index). Every kept width is 0, n or a multiple of ``align``; ``align=1`` gives ``1[logit > 0]``."""
-    z = logits.detach()
-    if align == 1:
-        return (z > 0).to(z.dtype)
-    n = z.shape[-1]
-    rows = z.reshape(-1, n)
-    order = torch.sort(-rows, dim=-1, stable=True).indices  # channels by logit, highest first
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(n, device=z.device).expand_as(order))
-    width = torch.tensor(aligned_counts(rows, align=align), device=z.device).unsqueeze(-1)
-    return (rank < width).to(z.dtype).reshape(z.shape)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config and shared state
+# Config
 
 
 @dataclass(frozen=True)
@@ -227,248 +182,8 @@ SEARCH_DCS = DCSConfig(mlp_gates="auto")
 SEARCH_DCS_SETTINGS = StageSettings(DCSConfig, tuple(f.name for f in user_settings(DCSConfig)), recipe=SEARCH_DCS)
 
 
-@dataclass
-class DCSState:
-    """Shared by every patched module of one model (the search sets ``tau``).
-
-    ``soft_gates[i]`` / ``soft_qk[i]`` are block i's soft MLP gate / static Q/K mask of the last
-    forward (for the differentiable cost), ``tokens`` the sequence length the attention saw,
-    ``family`` the MLP gate family and ``align`` the width alignment of the inference masks.
-    """
-
-    tau: float = 1.0
-    force_dense: bool = False
-    sample: bool = True  # training forwards draw Gumbel samples (False: the aligned mask, as at inference)
-    soft_gates: dict[int, torch.Tensor] = field(default_factory=dict)
-    soft_qk: dict[int, torch.Tensor] = field(default_factory=dict)
-    tokens: int = 0
-    family: str = "residual"
-    align: int = 1
-
-    def __deepcopy__(self, memo: dict) -> "DCSState":  # the soft values are graph tensors: not copied
-        return DCSState(
-            tau=self.tau,
-            force_dense=self.force_dense,
-            sample=self.sample,
-            tokens=self.tokens,
-            family=self.family,
-            align=self.align,
-        )
-
-
-def _gate(logits: torch.Tensor, st: DCSState, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask, soft) of gate logits: a Gumbel sample in training (where the state samples), else the
-    aligned mask (inference, and a search's weight steps at the current architecture)."""
-    if training and st.sample:
-        return gumbel_sigmoid(logits, tau=st.tau, noise=True)
-    m = aligned_mask(logits, align=st.align)
-    return m, m
-
-
 # ---------------------------------------------------------------------------------------------
-# The supernet's modules
-
-
-class DCSQKMask(nn.Module):
-    """The Q/K channel mask of one attention, plugged in as :attr:`NCAttention.qk_mask`.
-
-    ``input``: theta = Linear(C -> H * d)(x) per token, mask (B, H, N, d); ``static``: theta (H * d,)
-    a parameter, mask (1, H, 1, d), per head aligned at inference. The mask is 1 everywhere when
-    the state has ``force_dense``.
-    """
-
-    def __init__(
-        self,
-        mode: str,
-        *,
-        in_features: int,
-        heads: int,
-        head_dim: int,
-        init: float,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ):
-        super().__init__()
-        self.mode, self.heads, self.head_dim = mode, heads, head_dim
-        if mode == "input":
-            self.theta = nn.Linear(in_features, heads * head_dim, device=device, dtype=dtype)
-            nn.init.zeros_(self.theta.weight)
-            nn.init.constant_(self.theta.bias, init)
-        else:
-            self.theta = nn.Parameter(torch.full((heads * head_dim,), init, device=device, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        st: DCSState = self._dcs_state
-        st.tokens = x.shape[1]
-        if st.force_dense:
-            return None
-        B, N, _ = x.shape
-        if self.mode == "input":
-            m, _ = gumbel_sigmoid(self.theta(x), tau=st.tau, noise=self.training)
-            return m.reshape(B, N, self.heads, self.head_dim).transpose(1, 2)  # (B, H, N, d)
-        theta = self.theta.reshape(self.heads, self.head_dim)
-        m, soft = _gate(theta, st, self.training)
-        st.soft_qk[self._dcs_index] = soft.reshape(-1)
-        return m.reshape(1, self.heads, 1, self.head_dim)
-
-
-class DCSBlock(NCBlock):
-    """:class:`NCBlock` whose MLP half is gated by DCS channel gates of the state's family.
-
-    Modifications: ``residual``: ``x + drop_path2(ls2(mlp(norm2(x) * g) * g))``, g (C,);
-    ``hidden``: the MLP's hidden activations h (after fc1 and the activation) become
-    ``h * g + (1 - g) * dcs_fill``, g (Hm,), ``dcs_fill`` 0 or the dense model's mean activation.
-    g is a Gumbel-sigmoid gate of the architecture parameters ``dcs_alpha`` (aligned at
-    inference); its soft value is stored in the shared state.
-    """
-
-    def mlp_gate(self) -> torch.Tensor | None:
-        st: DCSState = self._dcs_state
-        if self.dcs_alpha is None or st.force_dense:
-            return None
-        g, soft = _gate(self.dcs_alpha, st, self.training)
-        st.soft_gates[self._dcs_index] = soft
-        return g
-
-    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
-        g = self.mlp_gate()
-        if g is None:
-            return super().mlp_half(x)
-        if self._dcs_state.family == "hidden":
-            m = self.mlp
-            fill = getattr(self, "dcs_fill", None)
-            if g.requires_grad or not self.training or not _compactable(m):
-                h = m.drop1(m.act(m.fc1(self.norm2(x))))  # (B, N, Hm)
-                g = g.to(h.dtype)  # h's precision (bf16 under autocast): an fp32 gate would promote h
-                h = h * g if fill is None else h * g + (1 - g) * fill.to(h.dtype)
-                return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.norm(h)))))
-            # training under a hard 0/1 mask (the search's weight steps at the current architecture):
-            # only the open neurons are computed, ``fc2(h * g + (1 - g) * fill)`` =
-            # ``fc2[:, open](h[open]) + fc2((1 - g) * fill)``; the same function and gradients, fewer
-            # MACs. (Inference keeps the masked form: the profiler counts the Linear modules it runs.)
-            keep = g.nonzero().flatten()
-            if keep.numel() == g.numel():  # every neuron open: the plain MLP (no gather, no scatter back)
-                return x + self.drop_path2(self.ls2(m.drop2(m.fc2(m.act(m.fc1(self.norm2(x)))))))
-            # index_select, whose backward is an index_add (advanced indexing's index_put is several times slower)
-            w1, b1 = (
-                m.fc1.weight.index_select(0, keep),
-                None if m.fc1.bias is None else m.fc1.bias.index_select(0, keep),
-            )
-            h = m.act(F.linear(self.norm2(x), w1, b1))
-            out = F.linear(h, m.fc2.weight.index_select(1, keep), m.fc2.bias)
-            if fill is not None:
-                out = out + F.linear((1 - g) * fill, m.fc2.weight)
-            return x + self.drop_path2(self.ls2(m.drop2(out)))
-        return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x) * g) * g))
-
-
-def _compactable(m: nn.Module) -> bool:
-    """Whether a hidden-gated MLP can skip its closed neurons in training: fc1 -> act -> fc2 with no
-    norm between and no dropout drawn on the hidden activations (its draws would change)."""
-    drop = m.drop1
-    return (
-        isinstance(getattr(m, "norm", None), (nn.Identity, type(None)))
-        and isinstance(m.fc1, nn.Linear)
-        and isinstance(m.fc2, nn.Linear)
-        and (isinstance(drop, nn.Identity) or getattr(drop, "p", 0.0) == 0.0)
-    )
-
-
-class ConstantMLP(nn.Module):
-    """A hidden-gated MLP with no neuron left: its output is fc2's bias for every token (0 MACs)."""
-
-    def __init__(self, bias: torch.Tensor):
-        super().__init__()
-        self.bias = nn.Parameter(bias.clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, N, C_out)
-        return self.bias.expand(*x.shape[:-1], self.bias.numel())
-
-
-class MaterializedBlock(NCBlock):
-    """:class:`NCBlock` whose MLP reads and writes only the DCS-selected residual channels.
-
-    Modifications: ``h = norm2(x)[..., keep]``; ``x = x.index_add(-1, keep, drop_path2(ls2(mlp(h))))``;
-    fc1 has ``len(keep)`` inputs, fc2 ``len(keep)`` outputs, ls2 ``len(keep)`` channels; with no
-    channel kept the MLP is gone (``mlp = ls2 = Identity``) and skipped.
-    """
-
-    def mlp_half(self, x: torch.Tensor) -> torch.Tensor:
-        keep = self.mlp_keep
-        if keep.numel() == 0:
-            return x
-        B, N, C = x.shape
-        # Gather/scatter on a 2-D (B*N, C) view: several times faster on CPU than along dim -1 of 3-D.
-        h = self.norm2(x).reshape(B * N, C).index_select(1, keep).reshape(B, N, -1)  # (B, N, len(keep))
-        y = self.drop_path2(self.ls2(self.mlp(h))).reshape(B * N, -1).to(x.dtype)  # bf16 under autocast: x's dtype
-        if torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
-            return x.reshape(B * N, C).index_add(1, keep, y).reshape(B, N, C)
-        return x.reshape(B * N, C).index_add_(1, keep, y).reshape(B, N, C)  # inference: x is this block's own
-
-
-# ---------------------------------------------------------------------------------------------
-# Building, reading and recording
-
-
-def check_family(model: nn.Module, family: str) -> None:
-    """``family`` can gate ``model``'s MLPs (``hidden`` needs timm's plain Mlp without a hidden norm)."""
-    if family == "auto":
-        raise NascompressError(
-            "mlp_gates 'auto' is chosen by the search (nascompress.dcs_search.family); "
-            "build a supernet with residual, hidden or none"
-        )
-    if family != "hidden":
-        return
-    for i, blk in enumerate(model.blocks):
-        if type(blk.mlp) is not Mlp or not isinstance(blk.mlp.norm, nn.Identity):
-            raise SettingError(
-                f"{{mlp_gates}} hidden needs timm's plain Mlp (fc1, act, fc2) in every block; block {i} "
-                f"has a {type(blk.mlp).__name__}{' with a hidden norm' if type(blk.mlp) is Mlp else ''}"
-                "; use {mlp_gates} residual"
-            )
-
-
-def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual", align: int = 1) -> DCSState:
-    """Give the model (and each of its blocks and Q/K masks) one shared :class:`DCSState`."""
-    st = DCSState(tau=tau, family=family, align=align)
-    model.dcs_state = st
-    for i, blk in enumerate(model.blocks):
-        blk._dcs_state, blk._dcs_index = st, i
-        if blk.attn.qk_mask is not None:
-            blk.attn.qk_mask._dcs_state, blk.attn.qk_mask._dcs_index = st, i
-    return st
-
-
-def add_qk_mask(attn: NCAttention, mode: str, *, theta_init: float) -> None:
-    """Plug a fresh DCS Q/K mask (``mode`` input or static) into ``attn``."""
-    w = attn.qkv.weight
-    attn.qk_mask = DCSQKMask(
-        mode,
-        in_features=attn.qkv.in_features,
-        heads=attn.num_heads,
-        head_dim=attn.head_dim,
-        init=theta_init,
-        device=w.device,
-        dtype=w.dtype,
-    )
-
-
-def protect_gates(blk: NCBlock, mask: torch.Tensor) -> None:
-    """Fix the gates ``mask`` (bool, alpha's shape) of ``blk`` open: their logit is set to
-    :data:`PROTECT_LOGIT` and their gradient zeroed (Adam then never moves them; the arch group has
-    no weight decay). Recorded as the non-persistent buffer ``dcs_protect``."""
-    mask = mask.to(device=blk.dcs_alpha.device, dtype=torch.bool)
-    with torch.no_grad():
-        blk.dcs_alpha[mask] = PROTECT_LOGIT
-    on = {mask.device: mask}  # the model may move (a search built on the CPU, trained on CUDA): the hook follows
-
-    def zero_protected(g: torch.Tensor) -> torch.Tensor:
-        if g.device not in on:
-            on[g.device] = mask.to(g.device)
-        return g.masked_fill(on[g.device], 0.0)
-
-    blk.dcs_alpha.register_hook(zero_protected)
-    blk.register_buffer("dcs_protect", mask, persistent=False)
+# Building and recording (the state, modules and readers: dcs_supernet; the gates: dcs_gates)
 
 
 def make_supernet(
@@ -518,45 +233,6 @@ def make_supernet(
     return model
 
 
-def arch_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The architecture parameters: every alpha, and the static theta (updated on the 30% split)."""
-    ps = []
-    for blk in model.blocks:
-        if getattr(blk, "dcs_alpha", None) is not None:
-            ps.append(blk.dcs_alpha)
-        qm = blk.attn.qk_mask
-        if qm is not None and qm.mode == "static":
-            ps.append(qm.theta)
-    return ps
-
-
-def _kept(mask: torch.Tensor) -> list[int]:
-    return torch.nonzero(mask > 0).flatten().tolist()
-
-
-@torch.no_grad()
-def selection(model: nn.Module) -> list[dict[str, Any]]:
-    """The channels the eval-mode supernet keeps (its aligned masks), per block: ``mlp_keep``
-    (residual family) or ``hidden_keep`` (hidden family) and, for the static Q/K mask, ``qk_keep``
-    (per head). ``None`` means no selection."""
-    st: DCSState = model.dcs_state
-    out = []
-    for blk in model.blocks:
-        alpha = getattr(blk, "dcs_alpha", None)
-        keep = None if alpha is None else _kept(aligned_mask(alpha, align=st.align))
-        rec: dict[str, Any] = {
-            "mlp_keep": keep if st.family == "residual" else None,
-            "hidden_keep": keep if st.family == "hidden" else None,
-            "qk_keep": None,
-        }
-        qm = blk.attn.qk_mask
-        if qm is not None and qm.mode == "static":
-            m = aligned_mask(qm.theta.reshape(qm.heads, qm.head_dim), align=st.align)
-            rec["qk_keep"] = [_kept(row) for row in m]
-        out.append(rec)
-    return out
-
-
 def make_record(model: nn.Module, cfg: DCSConfig, *, stage: str) -> dict[str, Any]:
     """The ``arch.json`` method record of a supernet (stage ``supernet`` or ``materialized``)."""
     return {
@@ -569,60 +245,7 @@ def make_record(model: nn.Module, cfg: DCSConfig, *, stage: str) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------
-# Materialization
-
-
-def _drop_gates(block: NCBlock) -> None:
-    for name in ("dcs_alpha", "dcs_fill", "dcs_protect"):
-        if hasattr(block, name):
-            delattr(block, name)
-
-
-def slice_mlp(block: NCBlock, keep: Any) -> NCBlock:
-    """Gather the MLP residual channels ``keep`` of ``block`` physically (see :class:`MaterializedBlock`).
-
-    With every channel kept the block is a plain :class:`NCBlock` (no gather, no write-back).
-    """
-    C = block.mlp.fc1.in_features
-    idx = as_index(keep, C, what="mlp_keep", device=block.mlp.fc1.weight.device)
-    _drop_gates(block)
-    if len(idx) == C:
-        block.__class__ = NCBlock
-        return block
-    if len(idx) == 0:
-        block.mlp, block.ls2 = nn.Identity(), nn.Identity()
-    else:
-        block.mlp.fc1 = slice_linear_in(block.mlp.fc1, idx)
-        block.mlp.fc2 = slice_linear_out(block.mlp.fc2, idx)
-        block.ls2 = slice_layerscale(block.ls2, idx)
-    block.__class__ = MaterializedBlock
-    block.register_buffer("mlp_keep", idx, persistent=False)
-    return block
-
-
-@torch.no_grad()
-def slice_hidden_gates(block: NCBlock, keep: Any) -> NCBlock:
-    """Keep the MLP hidden neurons ``keep`` of ``block`` physically (fc1 rows, fc2 columns; a plain
-    :class:`NCBlock`, no gather). A supernet block's ``dcs_fill`` of the closed neurons is folded
-    into fc2's bias first, so the result equals the eval-mode supernet block."""
-
-    fc1, fc2 = block.mlp.fc1, block.mlp.fc2
-    idx = as_index(keep, fc1.out_features, what="hidden_keep", device=fc1.weight.device)
-    fill = getattr(block, "dcs_fill", None)
-    if fill is not None and len(idx) < fc1.out_features:
-        closed = torch.ones(fc1.out_features, dtype=torch.bool, device=idx.device)
-        closed[idx] = False
-        shift = fc2.weight[:, closed] @ fill[closed]  # (C,)
-        if fc2.bias is None:
-            fc2.bias = nn.Parameter(torch.zeros(fc2.out_features, device=shift.device, dtype=fc2.weight.dtype))
-        fc2.bias.add_(shift.to(fc2.bias.dtype))
-    _drop_gates(block)
-    block.__class__ = NCBlock
-    if len(idx) == 0:  # no hidden neuron left: the MLP is fc2's bias (the fill folded in), a constant
-        block.mlp = ConstantMLP(fc2.bias.detach() if fc2.bias is not None else torch.zeros(fc2.out_features))
-    elif len(idx) < fc1.out_features:
-        slice_hidden(block, idx)
-    return block
+# Materialization (the per-block gather: dcs_materialize)
 
 
 def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]) -> None:
@@ -638,7 +261,7 @@ def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]
         elif rec.get("mlp_keep") is not None:
             slice_mlp(blk, rec["mlp_keep"])
         elif isinstance(blk, DCSBlock):  # no MLP gates: plain block again
-            _drop_gates(blk)
+            drop_gates(blk)
             blk.__class__ = NCBlock
 
 
