@@ -21,7 +21,7 @@ from ..methods.dcs import arch_parameters, binary_entropy, make_record
 from ..runs.files import Arch
 from ..train import TrainConfig
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
-from .prepare import DCSJobView
+from .search_config import DCSSearchJob
 from .teacher import StepTag, TeacherCache, interleave
 
 
@@ -34,7 +34,7 @@ class DCSSearchHooks(TrainHooks):
         *,
         dense: nn.Module | None,
         cost: CostModel,
-        job: DCSJobView,
+        job: DCSSearchJob,
         base_arch: Arch,
         train_size: int,
         init_info: dict[str, Any] | None = None,

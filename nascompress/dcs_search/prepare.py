@@ -15,35 +15,19 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, TypeVar
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from .. import runtime
-from ..data import DataConfig, InputSpec, make_loader, preprocess
-from ..train import TrainConfig
-from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, activation_stats, channel_importance
+from ..data import InputSpec, make_loader, preprocess
+from ..methods.dcs import BlockStats, ChannelImportance, activation_stats, channel_importance
 from ..auto_batch import auto_batch_size
 from .family import choose_family, dense_targets, probe_kl
 from .protect import protection
+from .search_config import DCSSearchJob
 
-
-class DCSJobView(Protocol):
-    """What the measurements read of a DCS search job (:class:`nascompress.dcs_search.search_config.DCSSearchJob`, whose
-    search calls :func:`prepare_search`; declared here so that this module does not import its caller)."""
-
-    source: str
-    weights: str | None
-    search: Any  # DCSSearchConfig
-    method: DCSConfig
-    train: TrainConfig
-    data: DataConfig
-
-    def replace(self: Job, **changes: Any) -> Job: ...
-
-
-Job = TypeVar("Job", bound=DCSJobView)
 
 INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
 INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 0.9x the weight order's
@@ -90,7 +74,7 @@ def init_importance(
     return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
 
 
-def _memo(job: DCSJobView, seed: int, amp: str) -> dict[str, Any]:
+def _memo(job: DCSSearchJob, seed: int, amp: str) -> dict[str, Any]:
     """The process's memo of one base run's measurements (a fresh one for another run, images or precision)."""
     src = Path(job.source)
     weights = src / "model.safetensors" if src.is_dir() else Path(job.weights or src)
@@ -120,8 +104,8 @@ class Ticking(list):
 
 
 def prepare_search(
-    job: Job, dense: nn.Module, data: Any, spec: InputSpec, tick: Callable[..., None] | None = None
-) -> tuple[Job, dict[str, Any]]:
+    job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec, tick: Callable[..., None] | None = None
+) -> tuple[DCSSearchJob, dict[str, Any]]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
     the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
     the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
@@ -152,7 +136,7 @@ def prepare_search(
 
 
 def _measure(
-    job: Job,
+    job: DCSSearchJob,
     dense: nn.Module,
     data: Any,
     spec: InputSpec,
@@ -162,7 +146,7 @@ def _measure(
     tick: Callable[..., None],
     info: dict[str, Any],
     dev: torch.device,
-) -> tuple[Job, dict[str, Any]]:
+) -> tuple[DCSSearchJob, dict[str, Any]]:
     """:func:`prepare_search`'s measurements, under the search's precision."""
     s, m = job.search, job.method
     if needs and "images" not in memo:
