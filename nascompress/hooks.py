@@ -1,8 +1,9 @@
 """The hook interface between the one training loop (:func:`nascompress.train.fit`) and a
 method's recipe, plus the optimizer parameter groups every recipe shares.
 
-This module imports only torch: method modules define their recipes against it without
-importing the training engine, so loading a saved model never pulls in training code.
+This module imports only torch and the runtime's settings (:mod:`nascompress.runtime`): method modules
+define their recipes against it without importing the training engine, so loading a saved model never
+pulls in training code.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .runtime import adamw
 
 _BLOCK = re.compile(r"^(?:.*\.)?blocks\.(\d+)\.")
 _EMBED = ("cls_token", "pos_embed", "reg_token", "dist_token", "patch_embed.")
@@ -182,8 +185,7 @@ def short_stage(
     at rho 1: no predictor runs) trains nothing: the stage stops after its first step."""
     if not params or steps <= 0:
         return {}
-    fused = {"fused": True} if params[0].device.type == "cpu" else {}  # as runtime.adamw (why: there)
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, **fused)
+    opt = adamw(params, params[0].device, lr=lr, weight_decay=0.0)
     model.train()
     tail: list[dict[str, float]] = []
     taken = 0

@@ -40,7 +40,7 @@ from ..layers import aligned_width
 from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
 from ..progress import step as shown
 from .cost import CostModel
-from .teacher import TeacherCache
+from .teacher import TeacherCache, teacher_outputs
 
 KINDS = ("dcs", "magnitude")
 NAMES = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}  # as the messages call them
@@ -150,9 +150,7 @@ def recover(
     for p in model.parameters():
         p.requires_grad_(id(p) not in arch)
     cached = teacher is not None and (rec.feat_distill == 0 or teacher.feat is not None)
-    taps = None
-    if rec.feat_distill > 0:
-        taps = (FeatureTap(model, "pre_logits"),) + (() if cached else (FeatureTap(dense, "pre_logits"),))
+    taps = (FeatureTap(model, "pre_logits"), FeatureTap(dense, "pre_logits")) if rec.feat_distill > 0 else None
     dense.eval()
 
     def loss_fn(
@@ -163,12 +161,8 @@ def recover(
             loss = F.cross_entropy(logits, y)
             logs = {"ce": loss.detach()}
             if rec.distill > 0 or taps is not None:
-                if idx is not None:  # the search's cache of the teacher's outputs for these images
-                    t_logits, t_feat = teacher.read(idx, logits.device)
-                else:
-                    with torch.no_grad():
-                        t_logits = dense(x)
-                    t_feat = taps[1].pop() if taps is not None else None
+                tap = None if taps is None else taps[1]
+                t_logits, t_feat = teacher_outputs(dense, x, cache=teacher if cached else None, idx=idx, tap=tap)
                 if rec.distill > 0:
                     kl = kl_to_teacher(logits, t_logits)
                     loss, logs["kl"] = loss + rec.distill * kl, kl.detach()
@@ -210,14 +204,18 @@ class Candidate:
     cost: CostModel
     eligible: bool = True
     note: str | None = None
-    pre_val: float | None = None
+    pre_eval: dict[str, Any] | None = None  # evaluate()'s record before the recovery (the search's last validation)
     val_top1: float | None = None
     recovered_val: float | None = None
     state: str | None = None
     val_n: int | None = None
     recovery: dict[str, float] | None = None
     val_eval: dict[str, Any] | None = None  # evaluate()'s record of the validation split in the model's kept state
-    pre_eval: dict[str, Any] | None = None  # the same before the recovery (the search's last validation), if known
+
+    @property
+    def pre_val(self) -> float | None:
+        """The validation top-1 before the recovery, if known."""
+        return None if self.pre_eval is None else self.pre_eval["top1"]
 
     def record(self) -> dict[str, Any]:
         return {
@@ -246,7 +244,7 @@ def choose(
 ) -> tuple[Candidate, dict[str, Any]]:
     """Recover every eligible candidate the same way (same seed, same batches), score each on the
     validation split, and keep the best (ties: the first, the searched model). A candidate scored
-    before the recovery (``pre_val``: the searched model's last epoch) whose recovery lowered its
+    before the recovery (``pre_eval``: the searched model's last epoch) whose recovery lowered its
     validation top-1 goes back to its state before: each competes with its best state, and the
     kept model is never worse than what the search ended with. Returns the kept candidate and the
     ``comparison`` record (metrics.json)."""
@@ -334,7 +332,6 @@ def keep_better(
         ratio,
         cost,
         eligible=at_target,
-        pre_val=None if last_eval is None else last_eval["top1"],
         pre_eval=last_eval,
         note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}",
     )

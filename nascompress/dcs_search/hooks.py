@@ -22,7 +22,7 @@ from ..runs.files import Arch
 from ..train import TrainConfig
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
 from .search_config import DCSSearchJob
-from .teacher import StepTag, TeacherCache, interleave
+from .teacher import StepTag, TeacherCache, interleave, teacher_outputs
 
 
 class DCSSearchHooks(TrainHooks):
@@ -140,12 +140,8 @@ class DCSSearchHooks(TrainHooks):
             if self.taps is not None:
                 self.taps[0].pop()
             return None, {}
-        if self.teacher is not None and idx is not None:
-            t_logits, t_feat = self.teacher.read(idx, logits.device)
-        else:
-            with torch.no_grad():
-                t_logits = self.dense(x)
-            t_feat = self.taps[1].pop() if self.taps is not None else None
+        tap = None if self.taps is None else self.taps[1]
+        t_logits, t_feat = teacher_outputs(self.dense, x, cache=self.teacher, idx=idx, tap=tap)
         kl = kl_to_teacher(logits, t_logits)
         loss, logs = self.cfg.distill * kl, {"kl": kl.detach()}
         if self.taps is not None:

@@ -71,10 +71,28 @@ class TeacherCache:
         return self.logits[idx].to(device), feat
 
 
+def teacher_outputs(
+    dense: nn.Module,
+    x: torch.Tensor,
+    *,
+    cache: TeacherCache | None = None,
+    idx: torch.Tensor | None = None,
+    tap: FeatureTap | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen dense model's logits and pre-logits features (``tap``'s; None without one) for the
+    batch ``x``: read from ``cache`` at the batch's image indices ``idx`` where both are given, else
+    a forward of ``dense``."""
+    if cache is not None and idx is not None:
+        return cache.read(idx, x.device)
+    with torch.no_grad():
+        logits = dense(x)
+    return logits, (tap.pop() if tap is not None else None)
+
+
 def interleave(n_w: int, n_a: int) -> list[str]:
     """``n_w`` 'w' and ``n_a`` 'a' steps, the arch-steps spread evenly between the W-steps."""
     keys = [((i + 0.5) / n_w, "w") for i in range(n_w)] + [((j + 1.0) / n_a, "a") for j in range(n_a)]
     return [k for _, k in sorted(keys)]
 
 
-__all__ = ["StepTag", "TeacherCache", "interleave"]
+__all__ = ["StepTag", "TeacherCache", "interleave", "teacher_outputs"]
