@@ -70,18 +70,20 @@ def evaluate(
     agree = torch.zeros((), dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     n = 0
-    for imgs, labels in make_loader(ds, batch_size=batch_size, shuffle=False, pin_memory=device.type == "cuda"):
-        raw, y = runtime.to_device(imgs, device), runtime.to_device(labels, device)
-        x = preprocess(raw, input_spec)
-        with runtime.autocast(device, amp), runtime.cpu_attention(model, device, amp):
-            logits = model(x.to(dtype)).float()
-            loss_sum += F.cross_entropy(logits, y, reduction="sum")
-            pred = logits.argmax(-1)
-            correct += (pred == y).sum()
-            if teacher is not None:
-                tx = x if teacher_spec is None else preprocess(raw, teacher_spec)
-                agree += (teacher(tx.to(model_dtype(teacher))).argmax(-1) == pred).sum()
-        n += len(y)
+    loader = make_loader(ds, batch_size=batch_size, shuffle=False, pin_memory=device.type == "cuda")
+    with runtime.cpu_attention(model, device, amp):  # once for the split, not per batch
+        for imgs, labels in loader:
+            raw, y = runtime.to_device(imgs, device), runtime.to_device(labels, device)
+            x = preprocess(raw, input_spec)
+            with runtime.autocast(device, amp):
+                logits = model(x.to(dtype)).float()
+                loss_sum += F.cross_entropy(logits, y, reduction="sum")
+                pred = logits.argmax(-1)
+                correct += (pred == y).sum()
+                if teacher is not None:
+                    tx = x if teacher_spec is None else preprocess(raw, teacher_spec)
+                    agree += (teacher(tx.to(model_dtype(teacher))).argmax(-1) == pred).sum()
+            n += len(y)
     # one read-back for the whole split
     correct_n, agree_n, loss_total = torch.stack([correct.double(), agree.double(), loss_sum]).tolist()
     out: dict[str, Any] = {"top1": 100.0 * correct_n / max(n, 1), "loss": loss_total / max(n, 1), "n": n}
