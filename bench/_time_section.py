@@ -27,7 +27,7 @@ def time_section(data: dict[str, Any]) -> list[str]:
     out = [
         f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, "
         f"{d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
-        f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (opt-in; the default is fp32) trains in "
+        f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (the default) trains in "
         f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).",
         "",
     ]
@@ -181,7 +181,8 @@ def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, A
     load = run["machine"].get("load_average_at_start", 0)
     return dict(
         goal,
-        status=f"{'met' if met else 'not met'} with --amp {best['amp']}: {best['wall_s']:.0f} s against "
+        status=f"{'met' if met else 'not met'} with --amp {best['amp']}"
+        f"{' (the default)' if best['amp'] == 'auto' else ''}: {best['wall_s']:.0f} s against "
         f"{best['goal_s']:.0f} s",
         figures=f"4 epochs on 2,000 ImageFolder PNGs (bench/results/dcs_search_time_folder.json, "
         f"{run['machine'].get('cpu_threads')} threads, 1-minute load average {load:.1f} at the start): "

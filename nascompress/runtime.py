@@ -5,9 +5,10 @@
 * ``amp`` (``--amp off|bf16|auto``; every training job through :class:`~nascompress.train.TrainConfig`):
   the forward and the loss under ``torch.autocast(device, bfloat16)``; weights, gradients and the
   optimizer stay float32 (bfloat16 has float32's range: no loss scaling). ``auto``
-  (:func:`resolve_amp`) is bf16 on a CPU with native bfloat16 dot products (AVX512-BF16 or AMX), where
-  the bench measured it faster at fp32's accuracy (bench/tool_speed.py), and off elsewhere (a GPU:
-  TF32). Under bf16 on a CPU the attention runs as explicit matmuls (:func:`cpu_attention`).
+  (:func:`resolve_amp`, the default) is bf16 on a CPU with native bfloat16 dot products (AVX512-BF16
+  or AMX), where the bench measured it faster at fp32's accuracy (bench/tool_speed.py), and off
+  elsewhere (a CPU without them; a GPU: TF32). ``NASCOMPRESS_NATIVE_BF16=0`` (or ``1``) overrides the
+  CPU's flags. Under bf16 on a CPU the attention runs as explicit matmuls (:func:`cpu_attention`).
 * TF32: on CUDA, float32 matmuls and convolutions use TensorFloat-32 tensor cores
   (:func:`configured`), except under ``deterministic``.
 * ``deterministic`` (``--deterministic``): ``torch.use_deterministic_algorithms(True)``, cuDNN's
@@ -117,9 +118,13 @@ def keep_freed_memory() -> bool:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bfloat16 dot products natively: a CPU with AVX512-BF16 or AMX
-    (its /proc/cpuinfo flags). CUDA is not measured here: False."""
+    (its /proc/cpuinfo flags; ``NASCOMPRESS_NATIVE_BF16=0|1`` overrides them). CUDA is not measured
+    here: False."""
     if device.type != "cpu":
         return False
+    forced = os.environ.get("NASCOMPRESS_NATIVE_BF16", "")
+    if forced in ("0", "1"):
+        return forced == "1"
     if "cpu_flags" not in _ONCE:
         try:
             text = open("/proc/cpuinfo").read()

@@ -78,7 +78,7 @@ class TrainConfig(Config):
     seed: int = setting(0, lo=0, hi=SEED_MAX, help="One seed for init, data order and every random draw.")
     device: str = setting("auto", help="auto, cpu or cuda[:N].")
     amp: str = setting(
-        "off",
+        "auto",
         choices=runtime.AMP_MODES,
         help=(
             "Mixed precision: off, bf16 (autocast; weights and optimizer stay fp32) or auto (bf16 on a CPU "

@@ -15,6 +15,9 @@ torch.set_num_threads(1)  # tiny models: one thread is as fast, and robust on a 
 # no progress lines on stderr (not a terminal here) between a command's output and its one-line error
 # checks; tests of the progress display set NASCOMPRESS_PROGRESS themselves
 os.environ["NASCOMPRESS_PROGRESS"] = "off"
+# --amp auto (the default) resolves to fp32 on every machine, so a test's numbers do not depend on
+# whether this CPU has AVX512-BF16/AMX; the tests of auto itself set NASCOMPRESS_NATIVE_BF16 themselves
+os.environ["NASCOMPRESS_NATIVE_BF16"] = "0"
 TORCH_DEVICE = os.environ.get("TORCH_DEVICE", "cpu")
 FMNIST = (FMNIST_DIR / "train-images-idx3-ubyte.gz").is_file()
 needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")

@@ -138,15 +138,21 @@ def test_amp_bf16_trains_under_autocast_and_deterministic_is_in_force_then_resto
         TrainConfig(amp="fp16")
 
 
-def test_amp_auto_is_bf16_only_on_a_cpu_with_native_bfloat16_and_is_recorded(tmp_path, monkeypatch):
-    native = runtime.native_bf16(torch.device("cpu"))
-    metrics, seen = _fit(tmp_path / "auto", amp="auto")
-    assert metrics["amp"] == ("bf16" if native else "off") and all(a == native for a in seen["autocast"])
+@pytest.mark.parametrize("native", ["0", "1"])  # both answers on every machine (the flags overridden)
+def test_amp_auto_is_bf16_only_on_a_cpu_with_native_bfloat16_and_is_recorded(tmp_path, monkeypatch, native):
+    monkeypatch.setenv("NASCOMPRESS_NATIVE_BF16", native)
+    assert TrainConfig().amp == "auto"  # the default
+    metrics, seen = _fit(tmp_path / "auto")
+    on = native == "1"
+    assert metrics["amp"] == ("bf16" if on else "off") and all(a == on for a in seen["autocast"])
     assert runtime.resolve_amp("auto", torch.device("cuda")) == "off"  # not measured on a GPU: TF32 as before
+    monkeypatch.delenv("NASCOMPRESS_NATIVE_BF16")  # the CPU's own flags
     monkeypatch.setitem(runtime._ONCE, "cpu_flags", {"avx512f"})  # AVX-512 without BF16: fp32
     assert runtime.resolve_amp("auto", torch.device("cpu")) == "off"
     monkeypatch.setitem(runtime._ONCE, "cpu_flags", {"amx_bf16"})
     assert runtime.resolve_amp("auto", torch.device("cpu")) == "bf16"
+    monkeypatch.setenv("NASCOMPRESS_NATIVE_BF16", "0")  # the override wins over the flags
+    assert runtime.resolve_amp("auto", torch.device("cpu")) == "off"
 
 
 def test_cpu_bf16_attention_runs_explicit_matmuls_and_restores_the_flag():

@@ -5,8 +5,8 @@ A pipeline is a YAML file a user keeps (format ``nascompress-pipeline/1``, see `
     format: nascompress-pipeline/1
     seed: 0                      # one seed drives every stage (init, data order, subsets, samplers)
     device: auto
-    amp: off                     # bf16: every training stage under bfloat16 autocast; auto: bf16 where
-                                 # the CPU has it natively
+    amp: auto                    # bf16 where the CPU has it natively (the default); bf16: every training
+                                 # stage under bfloat16 autocast; off: fp32
     deterministic: false         # true: deterministic kernels in every training stage
     data: {dataset: fashion-mnist, train_limit: null, eval_limit: null}
     base:                        # exactly one of run / train / import

@@ -171,7 +171,7 @@ class SearchJob(Config):
     data: DataConfig | None = None
     seed: int = 0
     device: str = "auto"
-    amp: str = "off"
+    amp: str = "auto"
     deterministic: bool = False
 
     def __post_init__(self) -> None:
