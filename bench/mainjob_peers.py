@@ -10,7 +10,10 @@ model's FLOPs ratio (or ``--target``), retrains it with that same job, and score
   group L2 magnitude importance, global pruning of the MLP hidden neurons, ``round_to`` 8, its pruning
   ratio bisected to the FLOPs target (:func:`_common.torch_pruning_keep`);
 - ``magnitude``: the library's in-search baseline (:func:`nascompress.dcs_search.baseline.magnitude_supernet`:
-  the same rule, mean-normalized per block, with the bias correction of the closed neurons).
+  the same rule, mean-normalized per block, with the bias correction of the closed neurons);
+- ``plain``: not a peer but the main job's own retraining recipe against plain fine-tuning: the
+  model the pipeline picked (``tokens/picked/``, before its retraining) fine-tuned with the same job
+  but cross-entropy only (no teacher: no logit or feature distillation, no IB bound).
 
     python bench/mainjob_peers.py --pipeline runs/demo --out bench/results/mainjob_peers.json
 """
@@ -72,7 +75,7 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pipeline", default="runs/demo", help="a finished pipeline run (the README main job's --out)")
-    ap.add_argument("--peers", default="torch-pruning,magnitude")
+    ap.add_argument("--peers", default="torch-pruning,magnitude,plain")
     ap.add_argument("--target", type=float, default=None, help="FLOPs ratio (default: the final model's)")
     ap.add_argument("--runs", default="runs/mainjob_peers")
     ap.add_argument("--out", default="bench/results/mainjob_peers.json")
@@ -99,11 +102,21 @@ def main() -> None:
             "flops_ratio": summary["final"]["macs"] / summary["dense"]["macs"],
         },
     )
+    if Path(a.out).is_file():  # the peers of an earlier run of this bench on the same pipeline run are kept
+        old = read_json(Path(a.out))
+        if old.get("main_job") == res["main_job"]:
+            res.update({k: v for k, v in old.items() if k in ("torch-pruning", "magnitude", "plain")})
     for kind in a.peers.split(","):
         pruned, rt = runs / kind, runs / f"{kind}_retrained"
         t0 = time.time()
-        info = build_peer(kind, base, target, pruned)
-        retrain(job.replace(model_dir=str(pruned), out=str(rt)), force=True)
+        if kind == "plain":  # the same picked model and job, cross-entropy only
+            picked = pipe / "tokens" / "picked"
+            info = {"model": str(picked), "flops_ratio": read_json(picked / "metrics.json").get("flops_ratio")}
+            plain = job.replace(teacher=None, retrain=job.retrain.replace(feat_kd=0.0, eta=0.0))
+            retrain(plain.replace(model_dir=str(picked), out=str(rt)), force=True)
+        else:
+            info = build_peer(kind, base, target, pruned)
+            retrain(job.replace(model_dir=str(pruned), out=str(rt)), force=True)
         m = read_json(rt / "metrics.json")
         res[kind] = {
             "pruned": info,

@@ -205,17 +205,30 @@ class Candidate:
     eligible: bool = True
     note: str | None = None
     pre_eval: dict[str, Any] | None = None  # evaluate()'s record before the recovery (the search's last validation)
-    val_top1: float | None = None
-    recovered_val: float | None = None
+    recovered_eval: dict[str, Any] | None = None  # evaluate()'s record after the recovery
+    val_eval: dict[str, Any] | None = None  # the record of the model's kept state: one of the two above
     state: str | None = None
-    val_n: int | None = None
     recovery: dict[str, float] | None = None
-    val_eval: dict[str, Any] | None = None  # evaluate()'s record of the validation split in the model's kept state
 
     @property
     def pre_val(self) -> float | None:
         """The validation top-1 before the recovery, if known."""
         return None if self.pre_eval is None else self.pre_eval["top1"]
+
+    @property
+    def recovered_val(self) -> float | None:
+        """The validation top-1 after the recovery, once recovered."""
+        return None if self.recovered_eval is None else self.recovered_eval["top1"]
+
+    @property
+    def val_top1(self) -> float | None:
+        """The validation top-1 of the kept state, once scored."""
+        return None if self.val_eval is None else self.val_eval["top1"]
+
+    @property
+    def val_n(self) -> int | None:
+        """The validation images it was scored on."""
+        return None if self.val_eval is None else self.val_eval["n"]
 
     def record(self) -> dict[str, Any]:
         return {
@@ -262,11 +275,10 @@ def choose(
             val = evaluate(
                 c.supernet, data.val, input_spec=spec, device=device, batch_size=eval_batch_size, amp=rec.amp
             )
-        c.recovered_val, c.val_n = val["top1"], val["n"]
-        c.val_top1, c.state, c.val_eval = c.recovered_val, "recovered", val
+        c.recovered_eval, c.val_eval, c.state = val, val, "recovered"
         if before is not None and c.pre_val > c.recovered_val:  # the recovery cost it: its state before is its best
             c.supernet.load_state_dict(before)
-            c.val_top1, c.state, c.val_eval = c.pre_val, "before recovery", c.pre_eval
+            c.val_eval, c.state = c.pre_eval, "before recovery"
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
