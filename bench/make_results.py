@@ -543,6 +543,8 @@ def readme_table(data: dict[str, Any]) -> list[str]:
                     f"`{name}`",
                 ]
             )
+        if name == "pipeline_fashion_mnist.json":
+            rows += mainjob_peer_rows(data.get("mainjob_peers.json"))
     dense = data.get("pretrained.json", {}).get("dense", {}).get("test_top1")
     for name, method, label in (
         ("pretrained_dcs_10k_fkd.json", "dcs", "DINOv2 ViT-S/14, DCS 0.65 + retrain"),
@@ -577,6 +579,27 @@ def readme_table(data: dict[str, Any]) -> list[str]:
         ["case", "FLOPs vs dense", "test top-1 (dense -> compressed)", "CPU speed-up b64 / b1", "from bench/results/"],
         rows,
     )[:-1]
+
+
+def mainjob_peer_rows(d: dict[str, Any] | None) -> list[list[str]]:
+    """Under the main job's row: what a user gets for free on its base at its FLOPs with its retraining
+    job (``mainjob_peers.json``), and its picked model fine-tuned with cross-entropy only."""
+    if not d:
+        return []
+    labels = {
+        "torch-pruning": "Fashion-MNIST main job's base: Torch-Pruning 1.6.1 (MLP neurons) + the same retraining",
+        "magnitude": "Fashion-MNIST main job's base: magnitude (the in-search baseline) + the same retraining",
+        "plain": "Fashion-MNIST main job's picked model, fine-tuned with cross-entropy only (same budget)",
+    }
+    rows = []
+    for kind, label in labels.items():
+        m = d.get(kind)
+        if not m:
+            continue
+        ratio = (m.get("pruned") or {}).get("flops_ratio") or d["target_flops"]
+        top1 = f"{d['main_job']['dense_test_top1']:.2f}% -> {m['test_top1']:.2f}%"
+        rows.append([label, f"{ratio:.3f}x", top1, "-", "`mainjob_peers.json`"])
+    return rows
 
 
 def int8_table(data: dict[str, Any]) -> list[str]:
