@@ -28,6 +28,8 @@ INT8_GOALS_START, INT8_GOALS_END = "<!-- int8-goals:start -->", "<!-- int8-goals
 SAMPLERS_START, SAMPLERS_END = "<!-- samplers-table:start -->", "<!-- samplers-table:end -->"
 BASE_NAMES = {"mainjob": "main job's dense base", "dinov2": "DINOv2 ViT-S/14 probe"}
 DCSGEN_START, DCSGEN_END = "<!-- dcs-generalise:start -->", "<!-- dcs-generalise:end -->"
+KEPT_START, KEPT_END = "<!-- dcs-kept:start -->", "<!-- dcs-kept:end -->"
+DIP_START, DIP_END = "<!-- dcs-dip:start -->", "<!-- dcs-dip:end -->"
 DEMO_START, DEMO_END = "<!-- demo-time:start -->", "<!-- demo-time:end -->"
 MAINJOB_START, MAINJOB_END = "<!-- mainjob-time:start -->", "<!-- mainjob-time:end -->"
 MAX_ROWS, MAX_COLS, MAX_LIST = 40, 12, 16
@@ -804,6 +806,83 @@ def dcs_generalise_summary(summ: dict[str, Any]) -> list[str]:
     return out
 
 
+KEPT_FILES = ("dcs_generalise_baseline.json", "dcs_generalise_baseline_scratch.json")
+
+
+def dcs_kept_table(data: dict[str, Any]) -> list[str]:
+    """The README's table of the search with its in-search baseline (``dcs_generalise.py`` runs into
+    ``KEPT_FILES``): per cell, which model the search kept and both validation scores after the same
+    recovery, then test top-1 of the kept model retrained against the dense model retrained with the
+    same budget and Torch-Pruning with the same retraining."""
+    rows, kept, cells = [], [], 0
+    for name in KEPT_FILES:
+        for cell, c in ((data.get(name) or {}).get("summary") or {}).items():
+            where, _, target = cell.rpartition("@")
+            goals = c.get("goals") or {}
+            missed = [g for g, ok in goals.items() if not ok]
+            rows.append(
+                [
+                    where.replace("/", " / "),
+                    f"{float(target):.1f}x",
+                    fmt(c.get("dense")),
+                    c.get("kept") or ("collapsed" if c.get("failed") else "-"),
+                    f"{fmt(c.get('in_search_dcs_val'))} / {fmt(c.get('in_search_magnitude_val'))}",
+                    fmt(c.get("dcs")),
+                    fmt(c.get("dense_ft")),
+                    fmt(c.get("torch_pruning")),
+                    f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else ""),
+                ]
+            )
+            if "/dinov2/" in cell and c.get("kept"):
+                cells += 1
+                kept.append(c["kept"] == "dcs")
+    if not rows:
+        return ["(not measured yet: `python bench/dcs_generalise.py --out bench/results/dcs_generalise_baseline.json`)"]
+    out = table(
+        [
+            "dataset / base / seed",
+            "target",
+            "dense (probe)",
+            "kept",
+            "in-search validation: searched / magnitude",
+            "kept, retrained",
+            "dense retrained",
+            "Torch-Pruning retrained",
+            "goals met",
+        ],
+        rows,
+    )
+    if cells:
+        out.append(f"- **dinov2**: the searched model kept in {sum(kept)} of {cells} cells.")
+    return out
+
+
+def dcs_dip_table(data: dict[str, Any]) -> list[str]:
+    """The README's table of ``dcs_dip.json``: per base and variant, validation top-1 after every
+    epoch of the search, the dip (lowest epoch minus dense), the end and which model was kept."""
+    d = data.get("dcs_dip.json")
+    if not d:
+        return ["(not measured yet: `python bench/dcs_dip.py`)"]
+    rows = []
+    for base, b in d["bases"].items():
+        for r in b["rows"]:
+            rows.append(
+                [
+                    base,
+                    r["variant"],
+                    " ".join(r["options"]) or "(none)",
+                    fmt(r["dense_val_top1"]),
+                    " / ".join(fmt(v) for v in r["val_per_epoch"]),
+                    f"{r['dip_pt']:+.1f}",
+                    fmt(r["val_top1"]),
+                    r.get("kept") or "-",
+                ]
+            )
+    return table(
+        ["base", "variant", "options", "dense val", "val after epochs 1-4", "dip (pt)", "end val", "kept"], rows
+    )
+
+
 # --------------------------------------------------------------------------------------------- the document
 def render(data: dict[str, Any]) -> str:
     fams: dict[str, list[str]] = {}
@@ -897,6 +976,8 @@ def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, DEMO_START, DEMO_END, demo_time(data))
     readme = _fill(readme, MAINJOB_START, MAINJOB_END, mainjob_time(data))
     readme = _fill(readme, TIME_START, TIME_END, time_section(data))
+    readme = _fill(readme, KEPT_START, KEPT_END, dcs_kept_table(data))
+    readme = _fill(readme, DIP_START, DIP_END, dcs_dip_table(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
 
 
