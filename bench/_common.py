@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from nascompress import runtime  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.models import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.utils import write_json  # noqa: E402
+from nascompress.utils import read_json, write_json  # noqa: E402
 
 
 # An absolute path of the machine a bench ran on (``/home/me/runs/base``); system folders are kept.
@@ -253,6 +254,20 @@ def user_command(
         *(["--amp", amp] if amp else []),
     ]
     return cmd, dict(os.environ, NASCOMPRESS_PROGRESS="plain", PYTHONPATH=str(ROOT))
+
+
+def run_user_search(base: str, target: float, a: argparse.Namespace, out: Path, options: list[str]) -> Path:
+    """:func:`user_command` plus ``options``, run into ``out`` (``a.threads``: its OMP_NUM_THREADS) unless
+    ``out`` holds a finished search; an interrupted one is resumed."""
+    m = out / "metrics.json"
+    if m.is_file() and read_json(m).get("finished") is True:
+        return out
+    cmd, env = user_command(base, target, a, out)
+    cmd += options + (["--resume"] if (out / "checkpoint.safetensors").is_file() else ["--force"])
+    if a.threads:
+        env["OMP_NUM_THREADS"] = str(a.threads)
+    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
+    return out
 
 
 # The timed training step of bench/tool_speed.py and bench/compile_step.py

@@ -20,10 +20,9 @@ directory under ``--runs``, skipped when finished, so the bench resumes.
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
-from _common import ROOT, header, log_summary, save, user_command  # noqa: E402  (puts the repository on sys.path)
+from _common import header, log_summary, run_user_search, save  # noqa: E402  (puts the repository on sys.path)
 from nascompress.utils import read_json  # noqa: E402
 
 VARIANTS: dict[str, list[str]] = {
@@ -43,16 +42,7 @@ VARIANTS: dict[str, list[str]] = {
 
 def search(a: argparse.Namespace, dataset: str, base: str, variant: str) -> Path:
     out = Path(a.runs) / dataset / f"{variant}_t{a.target:g}_s{a.seed}"
-    m = out / "metrics.json"
-    if m.is_file() and read_json(m).get("finished") is True:
-        return out
-    cmd, env = user_command(base, a.target, a, out)
-    cmd += VARIANTS[variant]
-    cmd += ["--resume"] if (out / "checkpoint.safetensors").is_file() else ["--force"]
-    if a.threads:
-        env["OMP_NUM_THREADS"] = str(a.threads)
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-    return out
+    return run_user_search(base, a.target, a, out, VARIANTS[variant])
 
 
 def record(out: Path, variant: str) -> dict:

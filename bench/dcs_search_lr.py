@@ -21,10 +21,9 @@ time it was measured, recorded there with their recipe) as rows of their own.
 from __future__ import annotations
 
 import argparse
-import subprocess
 from pathlib import Path
 
-from _common import ROOT, header, log_summary, save, user_command  # noqa: E402  (puts the repository on sys.path)
+from _common import header, log_summary, run_user_search, save  # noqa: E402  (puts the repository on sys.path)
 from nascompress.utils import read_json  # noqa: E402
 
 
@@ -34,18 +33,8 @@ def run_dir(a: argparse.Namespace, recipe: str, target: float) -> Path:
 
 
 def search(a: argparse.Namespace, recipe: str, target: float) -> Path:
-    out = run_dir(a, recipe, target)
-    m = out / "metrics.json"
-    if m.is_file() and read_json(m).get("finished") is True:
-        return out
     lr, ld = recipe.split(":")
-    cmd, env = user_command(a.base, target, a, out)
-    cmd += ["--base-lr", lr, "--layer-decay", ld]
-    cmd += ["--resume"] if (out / "checkpoint.safetensors").is_file() else ["--force"]
-    if a.threads:
-        env["OMP_NUM_THREADS"] = str(a.threads)
-    subprocess.run(cmd, check=True, env=env, cwd=ROOT)
-    return out
+    return run_user_search(a.base, target, a, run_dir(a, recipe, target), ["--base-lr", lr, "--layer-decay", ld])
 
 
 def record(out: Path, recipe: str) -> dict:
