@@ -18,7 +18,9 @@ from nascompress.runs.io import load_with_arch
 from .conftest import invoke
 
 # a search whose weights blow up (lr 1.0) and whose guard stops it after epoch 1, mid-ramp (off target)
-COLLAPSE = ["--lr", 1.0, "--max-val-drop", 1, "--distill", 0, "--target-flops", 0.6, "--target-ramp", 1.0]
+# the target at once (--target-ramp 0: epoch 1, in which it arrives, is not judged) and a learning rate
+# that wrecks the weights: epoch 2 runs at the target from its start, far below the dense model, and stops
+COLLAPSE = ["--lr", 1.0, "--max-val-drop", 1, "--distill", 0, "--target-flops", 0.6, "--target-ramp", 0, "--epochs", 4]
 
 
 def search_args(run, out, *extra):
@@ -48,19 +50,22 @@ def sha(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_a_collapsing_search_ends_with_the_baselines_model(tiny_run, tmp_path):
+def test_a_collapsing_search_ends_with_a_model_not_an_error(tiny_run, tmp_path):
+    """A search the guard stops (at its target) ends like a finished one: the better of it and the
+    magnitude baseline after the same recovery, exit 0, the advice to go on printed and working."""
     out = tmp_path / "c"
     res = invoke(*search_args(tiny_run, out, *COLLAPSE))
     assert res.exit_code == 0, res.output
-    assert "the magnitude-pruned model kept" in res.output and "kept the magnitude-pruned model" in res.output
     assert "--resume --max-val-drop 100" in res.output  # how to let the gates go on instead
     m = json.loads((out / "metrics.json").read_text())
-    assert m["kept"] == "magnitude" and m["stopped"]["epoch"] == 1
-    assert "the gate search stopped after epoch 1" in m["stopped"]["reason"]
+    stop = m["stopped"]["epoch"]
+    assert stop >= 2 and f"the gate search stopped after epoch {stop}" in m["stopped"]["reason"]
     cmp = m["comparison"]
-    assert cmp["dcs"]["eligible"] is False and cmp["magnitude"]["eligible"] is True
+    assert cmp["dcs"]["eligible"] and cmp["magnitude"]["eligible"]  # stopped at its target: it competes
+    best = max(("dcs", "magnitude"), key=lambda k: (cmp[k]["val_top1"], k == "dcs"))  # ties: the searched model
+    assert m["kept"] == best and cmp[best]["val_top1"] == m["val_top1"] and "kept: kept the" in res.output
     assert abs(m["flops_ratio"] / 0.6 - 1) <= 0.05 and m["mlp_gates"] == "hidden" and m["test_n"] > 0
-    assert cmp["magnitude"]["val_top1"] == m["val_top1"] and cmp["recovery"]["steps"] == 2
+    assert cmp["recovery"]["steps"] == 2
     # the kept model is the run's model: materialize gathers it and reproduces it
     mat = tmp_path / "mat"
     res = invoke("materialize", out, "--out", mat, "--json")
@@ -78,7 +83,7 @@ def test_a_collapsing_search_ends_with_the_baselines_model(tiny_run, tmp_path):
     m2 = json.loads((out / "metrics.json").read_text())
     assert m2["stopped"] is None
     log = [json.loads(ln) for ln in (out / "log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == [0, 1, 2]  # epoch 1 kept, epoch 2 added
+    assert [r["epoch"] for r in log] == [0, 1, 2, 3, 4]  # the epochs up to the stop kept, the rest added
     assert m2["kept"] in ("dcs", "magnitude") and m2["comparison"]["dcs"]["eligible"]
 
 
@@ -86,17 +91,14 @@ def test_without_the_baseline_a_collapse_is_an_error_whose_advice_runs(tiny_run,
     out = tmp_path / "c"
     res = invoke(*search_args(tiny_run, out, *COLLAPSE, "--no-baseline"))
     assert res.exit_code == 1
-    assert "the gate search stopped after epoch 1" in res.output
+    assert "the gate search stopped after epoch" in res.output
     assert "rerun the same command with --resume --max-val-drop 100" in res.output
     assert not (out / "metrics.json").exists()
     res = invoke(*search_args(tiny_run, out, *COLLAPSE, "--no-baseline"), "--resume", "--max-val-drop", 100)
     assert res.exit_code == 0, res.output
     m = json.loads((out / "metrics.json").read_text())
-    assert m["kept"] == "dcs" and [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()] == [
-        0,
-        1,
-        2,
-    ]
+    epochs = [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()]
+    assert m["kept"] == "dcs" and epochs == [0, 1, 2, 3, 4]
 
 
 def test_other_changed_settings_are_still_refused_on_resume(tiny_run, tmp_path):
@@ -152,7 +154,8 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
     """The user's run of the issue (DINOv2 ViT-S/14 probe at 0.6x, 2,000 images, 4 epochs, ramp 0.5):
     92.0% -> 64.6 (target moving) / 63.2 (the target reached at the epoch's end) / 77.3 / 89.1. The former
     guard stopped it after epoch 2 (at the target, 28.8 > 15); an epoch that did not start at the target is
-    judged by twice the limit, and one at the target only when validation is not rising."""
+    not judged (the digits probe fell 98.5 -> 59.3% in epoch 1: twice the limit stopped it there), and one at
+    the target only when validation is not rising."""
     from nascompress.dcs_search.search import DCSSearchConfig
     from nascompress.dcs_search.hooks import DCSSearchHooks, SearchCollapsed
 
@@ -174,10 +177,14 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
     h.log[-1] = {"epoch": 4, "val_top1": 70.0, "target_now": 0.6}
     with pytest.raises(SearchCollapsed, match="more than max_val_drop 15 points, and not rising"):
         DCSSearchHooks.check(h, h.log[-1], start)
-    # while the architecture still moves: twice the limit
+    # while the architecture still moves, and in the epoch where it arrives: not judged, however deep the dip
     h = hooks(target_flops=0.6)
-    h.log += [start, {"epoch": 1, "val_top1": 50.0, "target_now": 0.8}]
-    with pytest.raises(SearchCollapsed, match="twice max_val_drop 15 points while the architecture still moved"):
+    h.log += [start, {"epoch": 1, "val_top1": 10.0, "target_now": 0.8}]
+    DCSSearchHooks.check(h, h.log[-1], start)
+    h.log.append({"epoch": 2, "val_top1": 9.0, "target_now": 0.6})
+    DCSSearchHooks.check(h, h.log[-1], start)
+    h.log.append({"epoch": 3, "val_top1": 8.0, "target_now": 0.6})  # a whole epoch at the target: judged
+    with pytest.raises(SearchCollapsed, match="more than max_val_drop 15 points, and not rising"):
         DCSSearchHooks.check(h, h.log[-1], start)
     h = hooks(target_flops=None)  # no target, no ramp: the limit itself
     h.log += [start, {"epoch": 1, "val_top1": 65.0}]
@@ -198,21 +205,22 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
         source=str(tiny_run),
         out="",
         method=DCSConfig(),  # the residual gates
+        # gates that barely move and no projection: the search ends off its target, the baseline is kept
         search=DCSSearchConfig(
-            target_flops=0.6,
-            target_ramp=1.0,
-            max_val_drop=1,
+            target_flops=0.5,
+            budget="steer",
+            max_val_drop=100,
             distill=0,
-            arch_lr=0.05,
+            arch_lr=1e-5,
             recovery_images=64,
             auto_batch=False,
         ),
-        train=search_train_config(epochs=2, batch_size=32, lr=1.0, device="cpu"),
+        train=search_train_config(epochs=2, batch_size=32, device="cpu"),
     )
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
     assert res.metrics["kept"] == "magnitude" and res.job.method.mlp_gates == "hidden"
     model, _ = materialize(res.supernet, res.job.method)
-    assert abs(res.metrics["flops_ratio"] / 0.6 - 1) <= 0.05 and model is not None
+    assert abs(res.metrics["flops_ratio"] / 0.5 - 1) <= 0.05 and model is not None
 
 
 def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_run, tmp_path, monkeypatch):
@@ -236,7 +244,8 @@ def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_r
     assert res.exit_code == 0, res.output
     assert sha(out / "model.safetensors") == sha(ref / "model.safetensors")
     log = [json.loads(ln)["epoch"] for ln in (out / "log.jsonl").read_text().splitlines()]
-    assert log == [0, 1] and json.loads((out / "metrics.json").read_text())["stopped"]["epoch"] == 1
+    stop = json.loads((ref / "metrics.json").read_text())["stopped"]["epoch"]
+    assert log == list(range(stop + 1)) and json.loads((out / "metrics.json").read_text())["stopped"]["epoch"] == stop
 
 
 def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):

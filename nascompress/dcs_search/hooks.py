@@ -115,7 +115,9 @@ class DCSSearchHooks(TrainHooks):
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
         if epoch > 0 and self.log and self.log[-1].get("epoch") == epoch and not self.rechecked:
             # a resumed search judges its last recorded epoch again (a kill after the guard stopped it, then a
-            # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on)
+            # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on), with the
+            # temperature that epoch ended with (recorded in the kept model's arch.json)
+            self.tau = model.dcs_state.tau = self.cfg.tau0 * self.cfg.tau_decay ** (epoch - 1)
             self.check(self.log[-1], self.log[0] if self.log[0].get("start") else None)
         self.rechecked = True
         self.tau = self.cfg.tau0 * self.cfg.tau_decay**epoch
@@ -286,21 +288,19 @@ class DCSSearchHooks(TrainHooks):
                 and prev["target_now"] <= target * (1 + 1e-6)
             )
         # while the target still moves, and in the epoch where it arrives, the weights chase a shrinking
-        # architecture and dip, then recover (DINOv2 ViT-S/14 probe at 0.6x: 92.0 -> 64.6 / 63.2 / 77.3 /
-        # 89.1% over 4 epochs): there only twice the drop stops it
+        # architecture and dip, then recover at the final one (DINOv2 ViT-S/14 probes at 0.6x: 92.0 -> 64.6 /
+        # 63.2 / 77.3 / 89.1% over 4 epochs; bench/results/dcs_dip.json): those epochs are not judged. A
+        # search stopped there stands off its target, so the user would get the magnitude baseline, which
+        # on a pretrained model scores far below a finished search (digits: 98.5 -> 59.3% after epoch 1,
+        # stopped; the baseline kept at 14.1%; bench/results/dcs_generalise_baseline.json).
         settling = target is not None and now is not None and (now > target * (1 + 1e-6) or not prev_at)
         rising = prev is not None and record["val_top1"] > prev["val_top1"]
-        limit = self.cfg.max_val_drop * (2 if settling else 1)
-        if drop <= limit or (not settling and rising):
+        if settling or drop <= self.cfg.max_val_drop or rising:
             return
         head = (
             f"the gate search stopped after epoch {record['epoch']}: validation top-1 fell from "
             f"{start['val_top1']:.2f}% (the dense model) to {record['val_top1']:.2f}%, more than "
-            + (
-                f"twice {{max_val_drop}} {self.cfg.max_val_drop:g} points while the architecture still moved"
-                if settling
-                else f"{{max_val_drop}} {self.cfg.max_val_drop:g} points, and not rising"
-            )
+            f"{{max_val_drop}} {self.cfg.max_val_drop:g} points, and not rising"
         )
         go_on = "to let the gates go on instead, rerun the same command with {resume} {max_val_drop} 100"
         calib = record.get("calibration")

@@ -84,9 +84,10 @@ class DCSSearchConfig(Config):
             block whose pruning hurts more feels less of the cost's push; the controller still
             steers the real FLOPs).
         max_val_drop: stop spending time on the gates when validation top-1 falls more than this many
-            points below the dense model's: twice this while the target still moves or the epoch did not
-            start at it (the weights dip there and recover), and once at the target only if validation did
-            not rise over the previous epoch (a search on its way back is not stopped). A stopped search is
+            points below the dense model's, judged only on an epoch that ran at the target from its start
+            and only if validation did not rise over the previous epoch (a search on its way back is not
+            stopped). The epochs of the ramp, and the one in which the target arrives, are not judged:
+            the weights dip there and recover at the final architecture (``bench/dcs_dip.py``). A stopped search is
             not an error where ``baseline`` is on: it is compared with the baseline like a finished one (if
             its architecture stands at the target) and the better model is kept.
         baseline: build the magnitude-pruned model at the same FLOPs (:mod:`~nascompress.dcs_search.baseline`),
@@ -215,8 +216,8 @@ class DCSSearchConfig(Config):
         15.0,
         lo=0,
         help=(
-            "Stop when validation top-1 falls more than this many points below the dense model's (twice this while "
-            "the target still moves: the weights dip and recover there)."
+            "Stop when validation top-1 falls more than this many points below the dense model's, judged once the "
+            "search runs at its target and is not rising (the dip while the target moves is not judged)."
         ),
     )
     calibrate: bool = setting(
