@@ -814,7 +814,8 @@ def dcs_kept_table(data: dict[str, Any]) -> list[str]:
     ``KEPT_FILES``): per cell, which model the search kept and both validation scores after the same
     recovery, then test top-1 of the kept model retrained against the dense model retrained with the
     same budget and Torch-Pruning with the same retraining."""
-    rows, kept, cells = [], [], 0
+    rows: list[list[str]] = []
+    per_base: dict[str, list[dict[str, Any]]] = {}
     for name in KEPT_FILES:
         for cell, c in ((data.get(name) or {}).get("summary") or {}).items():
             where, _, target = cell.rpartition("@")
@@ -833,9 +834,8 @@ def dcs_kept_table(data: dict[str, Any]) -> list[str]:
                     f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else ""),
                 ]
             )
-            if "/dinov2/" in cell and c.get("kept"):
-                cells += 1
-                kept.append(c["kept"] == "dcs")
+            if c.get("kept"):
+                per_base.setdefault(cell.split("/")[1], []).append(c)
     if not rows:
         return ["(not measured yet: `python bench/dcs_generalise.py --out bench/results/dcs_generalise_baseline.json`)"]
     out = table(
@@ -852,8 +852,19 @@ def dcs_kept_table(data: dict[str, Any]) -> list[str]:
         ],
         rows,
     )
-    if cells:
-        out.append(f"- **dinov2**: the searched model kept in {sum(kept)} of {cells} cells.")
+    for base, cells in per_base.items():
+        n_dcs = sum(c["kept"] == "dcs" for c in cells)
+        parts = [f"**{base}**: the searched model kept in {n_dcs} of {len(cells)} cells"]
+        diff = [c["dcs"] - c["torch_pruning"] for c in cells if None not in (c.get("dcs"), c.get("torch_pruning"))]
+        if diff:
+            parts.append(
+                f"kept and retrained minus Torch-Pruning {sum(diff) / len(diff):+.2f} pt on average "
+                f"({min(diff):+.2f} to {max(diff):+.2f})"
+            )
+        near = [c["dense_ft"] - c["dcs"] <= 2.0 for c in cells if None not in (c.get("dcs"), c.get("dense_ft"))]
+        if near:
+            parts.append(f"within 2 pt of the dense model retrained with the same budget in {sum(near)} of {len(near)}")
+        out.append("- " + "; ".join(parts) + ".")
     return out
 
 
