@@ -172,7 +172,7 @@ def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, A
     best = min(rows, key=lambda r: r["wall_s"])
     met = best["wall_s"] <= best["goal_s"]
     parts = "; ".join(
-        f"--amp {r['amp']} ({r.get('precision') or '?'}): {r['wall_s']:.0f} s, probes "
+        f"{_amp(r['amp'])} ({r.get('precision') or '?'}): {r['wall_s']:.0f} s, probes "
         f"{_probe_s(r):.0f} s, epochs {', '.join(f'{t:.0f}' for t in r['epoch_time_s'])} s, landed "
         f"{r['flops_ratio']:.3f}x, validation {r['val_top1']:.1f}% (dense {r['dense_val_top1']:.1f}%), "
         f"kept {r.get('kept')}"
@@ -181,13 +181,17 @@ def search_goal(goal: dict[str, Any], run: dict[str, Any] | None) -> dict[str, A
     load = run["machine"].get("load_average_at_start", 0)
     return dict(
         goal,
-        status=f"{'met' if met else 'not met'} with --amp {best['amp']}"
-        f"{' (the default)' if best['amp'] == 'auto' else ''}: {best['wall_s']:.0f} s against "
+        status=f"{'met' if met else 'not met'} with {_amp(best['amp'])}: {best['wall_s']:.0f} s against "
         f"{best['goal_s']:.0f} s",
         figures=f"4 epochs on 2,000 ImageFolder PNGs (bench/results/dcs_search_time_folder.json, "
         f"{run['machine'].get('cpu_threads')} threads, 1-minute load average {load:.1f} at the start): "
         f"{parts}",
     )
+
+
+def _amp(amp: str) -> str:
+    """A timed run's precision option as the goal line names it (``default``: no --amp given)."""
+    return "the default --amp (auto)" if amp in ("default", "auto") else f"--amp {amp}"
 
 
 def _probe_s(r: dict[str, Any]) -> float:
