@@ -39,6 +39,9 @@ from nascompress.retrain import RetrainJob, retrain  # noqa: E402
 from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
 
 
+PEERS = ("torch-pruning", "magnitude", "plain")  # the units, in the order they run by default
+
+
 def _save_run(
     out: Path, model: Any, arch: dict[str, Any], record: dict[str, Any], data: Any, info: dict[str, Any]
 ) -> None:
@@ -75,7 +78,7 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pipeline", default="runs/demo", help="a finished pipeline run (the README main job's --out)")
-    ap.add_argument("--peers", default="torch-pruning,magnitude,plain")
+    ap.add_argument("--peers", default=",".join(PEERS))
     ap.add_argument("--target", type=float, default=None, help="FLOPs ratio (default: the final model's)")
     ap.add_argument("--runs", default="runs/mainjob_peers")
     ap.add_argument("--out", default="bench/results/mainjob_peers.json")
@@ -105,7 +108,7 @@ def main() -> None:
     if Path(a.out).is_file():  # the peers of an earlier run of this bench on the same pipeline run are kept
         old = read_json(Path(a.out))
         if old.get("main_job") == res["main_job"]:
-            res.update({k: v for k, v in old.items() if k in ("torch-pruning", "magnitude", "plain")})
+            res.update({k: v for k, v in old.items() if k in PEERS})
     for kind in a.peers.split(","):
         pruned, rt = runs / kind, runs / f"{kind}_retrained"
         t0 = time.time()

@@ -729,12 +729,17 @@ def int8_goals(data: dict[str, Any]) -> list[str]:
     return out
 
 
+def _goals_text(goals: dict[str, bool]) -> str:
+    """Goals met / measured, and the missed ones by name."""
+    missed = [g for g, ok in goals.items() if not ok]
+    return f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")
+
+
 def _goals_cell(c: dict[str, Any], goals: dict[str, bool]) -> str:
     """A DCS table row's goals column: met / measured, the missed ones, and what has not run yet."""
     if not goals:
         return "not measured yet (the cell's search has not run)"
-    missed = [g for g, ok in goals.items() if not ok]
-    text = f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else "")
+    text = _goals_text(goals)
     if c.get("failed") or None not in (c.get("uniform"), c.get("torch_pruning")):
         return text
     return text + ("; peers not run yet" if c.get("dcs") is not None else "; retraining and peers not run yet")
@@ -819,8 +824,6 @@ def dcs_kept_table(data: dict[str, Any]) -> list[str]:
     for name in KEPT_FILES:
         for cell, c in ((data.get(name) or {}).get("summary") or {}).items():
             where, _, target = cell.rpartition("@")
-            goals = c.get("goals") or {}
-            missed = [g for g, ok in goals.items() if not ok]
             rows.append(
                 [
                     where.replace("/", " / "),
@@ -831,7 +834,7 @@ def dcs_kept_table(data: dict[str, Any]) -> list[str]:
                     fmt(c.get("dcs")),
                     fmt(c.get("dense_ft")),
                     fmt(c.get("torch_pruning")),
-                    f"{len(goals) - len(missed)}/{len(goals)}" + (f" (missed: {'; '.join(missed)})" if missed else ""),
+                    _goals_text(c.get("goals") or {}),
                 ]
             )
             if c.get("kept"):

@@ -112,16 +112,19 @@ class DCSSearchHooks(TrainHooks):
 
         return gen(), len(order)
 
+    def set_tau(self, model: nn.Module, epoch: int) -> None:
+        """The Gumbel temperature of ``epoch`` (``tau0`` x ``tau_decay`` per epoch), here and in the model."""
+        self.tau = model.dcs_state.tau = self.cfg.tau0 * self.cfg.tau_decay**epoch
+
     def on_epoch_start(self, model: nn.Module, *, epoch: int) -> None:
         if epoch > 0 and self.log and self.log[-1].get("epoch") == epoch and not self.rechecked:
             # a resumed search judges its last recorded epoch again (a kill after the guard stopped it, then a
             # plain --resume, ends as the uninterrupted run did; --resume --max-val-drop 100 goes on), with the
             # temperature that epoch ended with (recorded in the kept model's arch.json)
-            self.tau = model.dcs_state.tau = self.cfg.tau0 * self.cfg.tau_decay ** (epoch - 1)
+            self.set_tau(model, epoch - 1)
             self.check(self.log[-1], self.log[0] if self.log[0].get("start") else None)
         self.rechecked = True
-        self.tau = self.cfg.tau0 * self.cfg.tau_decay**epoch
-        model.dcs_state.tau = self.tau
+        self.set_tau(model, epoch)
         self.arch_step = epoch * self.arch_per_epoch  # from the epoch: the same after a resume
         self.epoch_stats = {"arch_steps": 0, "at_target": 0, "projections": 0, "projected_move": 0.0}
         self.measure_balance = self.steer is not None and self.cfg.grad_balance
@@ -292,7 +295,7 @@ class DCSSearchHooks(TrainHooks):
         # 63.2 / 77.3 / 89.1% over 4 epochs; bench/results/dcs_dip.json): those epochs are not judged. A
         # search stopped there stands off its target, so the user would get the magnitude baseline, which
         # on a pretrained model scores far below a finished search (digits: 98.5 -> 59.3% after epoch 1,
-        # stopped; the baseline kept at 14.1%; bench/results/dcs_generalise_baseline.json).
+        # stopped; the baseline kept at 14.1%; bench/results/dcs_generalise_baseline_digits_guard2x.json).
         settling = target is not None and now is not None and (now > target * (1 + 1e-6) or not prev_at)
         rising = prev is not None and record["val_top1"] > prev["val_top1"]
         if settling or drop <= self.cfg.max_val_drop or rising:
