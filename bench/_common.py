@@ -305,10 +305,11 @@ PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto`
 }
 
 
-def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str) -> None:
+def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str, dev: Any = None) -> None:
     """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
-    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW."""
-    dev = torch.device("cpu")
+    autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW;
+    on ``dev`` (default the CPU; model, batch and optimizer already there)."""
+    dev = dev or torch.device("cpu")
     attn = contextlib.nullcontext() if amp == "bf16-flash" else runtime.cpu_attention(model, dev, amp)
     with attn:
         with record_function("forward"), runtime.autocast(dev, amp.split("-")[0]):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from _gpu_section import GPU_FILE, gpu_goal, gpu_time_lines
+
 TIME_START, TIME_END = "<!-- tool-speed:start -->", "<!-- tool-speed:end -->"
 LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attention": "bf16, SDPA flash attention"}
 
@@ -90,8 +92,15 @@ def time_section(data: dict[str, Any]) -> list[str]:
         ]
         out.append("")
     out += search_step_lines(data.get("search_step.json"))
+    gpu = gpu_time_lines(data)
+    out += gpu + ([""] if gpu else [])
     goals = [
-        search_goal(mainjob_goal(g, data.get("pipeline_fashion_mnist.json")), data.get("dcs_search_time_folder.json"))
+        gpu_goal(
+            search_goal(
+                mainjob_goal(g, data.get("pipeline_fashion_mnist.json")), data.get("dcs_search_time_folder.json")
+            ),
+            data.get(GPU_FILE),
+        )
         for g in d.get("goals") or []
     ]
     if goals:

@@ -379,9 +379,22 @@ methods:
 """
 
 
-def section_pipeline(device: torch.device, config: str | None, workdir: Path) -> dict:
+def section_pipeline(
+    device: torch.device,
+    config: str | None,
+    workdir: Path,
+    amp: str | None = None,
+    keep: Callable[[dict], None] = lambda part: None,
+) -> dict:
+    """The pipeline end to end, its figures handed to ``keep`` (saved) before the compiled profiles."""
     if config is None and device.type == "cuda":
         config = str(ROOT / "configs" / "fashion-mnist.yaml")
+    if amp is not None and config is not None:  # the same job at another --amp: a copy of its config
+        text = Path(config).read_text()
+        text, n = re.subn(r"(?m)^amp:.*$", f"amp: {amp}", text)
+        copy_ = workdir / Path(config).name
+        copy_.write_text(text if n else f"amp: {amp}\n{text}")
+        config = str(copy_)
     if config is None:  # the CPU check of this code path: a tiny synthetic pipeline
         (workdir / "space.yaml").write_text(TINY_SPACE)
         (workdir / "pipeline.yaml").write_text(TINY_PIPELINE.format(device=device.type))
@@ -392,6 +405,7 @@ def section_pipeline(device: torch.device, config: str | None, workdir: Path) ->
     wall = time.perf_counter() - t0
     res = {
         "config": Path(config).name if Path(config).parent == workdir else str(Path(config).relative_to(ROOT)),
+        "amp": amp or "the config's",
         "wall_s": wall,
         "steps_s": {s["step"]: s["seconds"] for s in summary["stages"]},
         "report": {
@@ -402,6 +416,7 @@ def section_pipeline(device: torch.device, config: str | None, workdir: Path) ->
             "final": {k: summary["final"].get(k) for k in ("test_top1", "macs", "latency_ms", "throughput")},
         },
     }
+    keep(res)
     with runtime.configured(device):
         for dname in ("fp32", "bf16"):
             prof = profile(
@@ -464,6 +479,7 @@ def main() -> None:
         default=None,
         help="default: configs/fashion-mnist.yaml on CUDA, a tiny synthetic pipeline on the CPU",
     )
+    ap.add_argument("--pipeline-amp", default=None, help="run the pipeline at this --amp (default: its config's)")
     ap.add_argument("--out", default=None, help="default bench/results/gpu_<device>.json")
     ap.add_argument(
         "--threads",
@@ -484,6 +500,7 @@ def main() -> None:
     for sec in args.sections.split(","):
         if sec not in SECTIONS:
             raise SystemExit(f"unknown section {sec!r}; choose from {', '.join(SECTIONS)}")
+        key = sec if sec != "pipeline" or not args.pipeline_amp else f"pipeline_amp_{args.pipeline_amp}"
         t0 = time.perf_counter()
         print(f"== {sec}", flush=True)
         try:
@@ -497,14 +514,20 @@ def main() -> None:
             else:
                 work = Path(tempfile.mkdtemp(prefix="nascompress-gpu-bench-"))
                 try:
-                    part = section_pipeline(device, args.pipeline_config, work)
+                    part = section_pipeline(
+                        device,
+                        args.pipeline_config,
+                        work,
+                        args.pipeline_amp,
+                        lambda p: save(out, {**result, key: dict(p, unfinished="the compiled profiles")}),
+                    )
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
         except Exception as e:  # noqa: BLE001 (recorded: the other sections still run)
             traceback.print_exc()
             part = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         part["section_s"] = time.perf_counter() - t0
-        result[sec] = part
+        result[key] = part
         result["goals"] = (
             goals(result)
             if device.type == "cuda"

@@ -19,6 +19,9 @@
 
     python bench/tool_speed.py --out bench/results/tool_speed.json
 
+``--device cuda``: the same parts on a GPU (the peak from CUDA GEMMs, fp32 as the runs compute it, with
+TF32; every timing synchronized; the commands on the CLI's default device, which is the GPU).
+
 Speed figures are only meaningful on a quiet machine: the 1-minute load average is recorded at the
 start and after each part. ``--parts`` picks parts (``peak,steps,profile,accuracy,commands``); ``accuracy``:
 the main job's base on ``--accuracy-limit`` images for 2 epochs, fp32 against bf16, seeds 0 and 1.
@@ -48,36 +51,48 @@ from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.train import fit, input_spec_for, train_recipe  # noqa: E402
 
 
-def gemm_peak(dtype_name: str, sizes: list[int], reps: int) -> dict[str, Any]:
-    """GFLOP/s of square GEMMs (2 n^3 FLOPs each), the median of ``reps`` after a warm-up; the best size."""
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def gemm_peak(dtype_name: str, sizes: list[int], reps: int, dev: torch.device) -> dict[str, Any]:
+    """GFLOP/s of square GEMMs (2 n^3 FLOPs each, random data), the median of ``reps`` after a warm-up;
+    the best size."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     out = {}
     for n in sizes:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
         for _ in range(3):
             a @ b
         ts = []
         for _ in range(reps):
+            sync(dev)
             t0 = time.perf_counter()
             a @ b
+            sync(dev)
             ts.append(time.perf_counter() - t0)
         out[str(n)] = 2 * n**3 / statistics.median(ts) / 1e9
     return {"gflops": max(out.values()), "by_size": out}
 
 
-def step_speed(recipe: str, reps: int) -> dict[str, Any]:
+def step_speed(recipe: str, reps: int, dev: torch.device) -> dict[str, Any]:
     """One training step (CE, AdamW) of the recipe's model per precision, interleaved (medians)."""
     built = {}
     for name in PRECISIONS:
         torch.manual_seed(0)
         model, x = build(recipe)
-        built[name] = (model.train(), torch.optim.AdamW(model.parameters(), lr=1e-4))
+        model = model.to(dev)
+        built[name] = (model.train(), runtime.adamw(model.parameters(), dev, lr=1e-4))
     macs = count_flops(build(recipe)[0].eval(), x[:2]).total  # per image
-    y = torch.randint(0, 10, (x.shape[0],))
+    x = x.to(dev)
+    y = torch.randint(0, 10, (x.shape[0],), device=dev)
 
     def step(name: str) -> float:
+        sync(dev)
         t0 = time.perf_counter()
-        train_step(built[name][0], x, y, built[name][1], PRECISIONS[name])
+        train_step(built[name][0], x, y, built[name][1], PRECISIONS[name], dev)
+        sync(dev)
         return time.perf_counter() - t0
 
     for name in PRECISIONS:
@@ -94,32 +109,43 @@ def step_speed(recipe: str, reps: int) -> dict[str, Any]:
     return res
 
 
-def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[str, Any]:
-    """Where a step's time goes: the phases (forward, backward, optimizer) and the top operators by self CPU time."""
+def profile_table(recipe: str, steps: int, top: int, amp: str, dev: torch.device) -> dict[str, Any]:
+    """Where a step's time goes: the phases (forward, backward, optimizer) and the top operators by self
+    time on the device (CPU time on a CPU, kernel time on CUDA)."""
     torch.manual_seed(0)
     model, x = build(recipe)
-    y = torch.randint(0, 10, (x.shape[0],))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.train()
-    train_step(model, x, y, opt, amp)
+    model, x = model.to(dev).train(), x.to(dev)
+    y = torch.randint(0, 10, (x.shape[0],), device=dev)
+    opt = runtime.adamw(model.parameters(), dev, lr=1e-4)
+    train_step(model, x, y, opt, amp, dev)
+    cuda = dev.type == "cuda"
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    sync(dev)
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=acts) as prof:
         for _ in range(steps):
-            train_step(model, x, y, opt, amp)
+            train_step(model, x, y, opt, amp, dev)
+        sync(dev)
     wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
+
+    def self_us(e: Any) -> float:
+        return float(getattr(e, "self_device_time_total", 0.0) if cuda else e.self_cpu_time_total)
+
     phases = {e.key: e.cpu_time_total / 1e3 / steps for e in events if e.key in ("forward", "backward", "optimizer")}
-    ops = sorted((e for e in events if e.key not in phases), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in ops) or 1.0
+    ops = sorted((e for e in events if e.key not in phases), key=self_us, reverse=True)
+    total = sum(self_us(e) for e in ops) or 1.0
     return {
         "amp": amp,
         "step_ms_profiled": wall * 1e3,
-        "phase_ms_per_step": phases,
+        "phase_ms_per_step": phases,  # host time of each phase (on CUDA: launching its kernels)
+        "top_by": "self CUDA kernel time" if cuda else "self CPU time",
+        "device_busy_share": total / 1e3 / steps / (wall * 1e3) if cuda else None,
         "top": [
             {
                 "op": e.key,
-                "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
-                "share": e.self_cpu_time_total / total,
+                "self_ms_per_step": self_us(e) / 1e3 / steps,
+                "share": self_us(e) / total,
                 "calls_per_step": e.count / steps,
             }
             for e in ops[:top]
@@ -127,7 +153,7 @@ def profile_table(recipe: str, steps: int, top: int, amp: str = "off") -> dict[s
     }
 
 
-def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, Any]]:
+def accuracy(seeds: list[int], train_limit: int, epochs: int, dev: torch.device) -> list[dict[str, Any]]:
     """The main job's base shortened (``train_limit`` images, ``epochs``), fp32 against ``--amp bf16``
     (the auto path here) per seed: best validation and test top-1, and the loop's time."""
     spec = custom_vit_spec(**RECIPES["main"]["spec"])
@@ -136,7 +162,9 @@ def accuracy(seeds: list[int], train_limit: int, epochs: int) -> list[dict[str, 
     rows = []
     for seed in seeds:
         for amp in ("off", "bf16"):
-            cfg = train_recipe(fine_tune=False, epochs=epochs, seed=seed, amp=amp).replace(eval_start=False)
+            cfg = train_recipe(fine_tune=False, epochs=epochs, seed=seed, amp=amp).replace(
+                eval_start=False, device=str(dev)
+            )
             torch.manual_seed(seed)
             m = fit(build_model(spec), data=data, input_spec=ispec, cfg=cfg)
             rows.append(
@@ -187,7 +215,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="peak,steps,profile,commands")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gemm", default="512,1024,2048")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: the same parts on the GPU")
+    ap.add_argument("--gemm", default=None, help="GEMM sizes of the peak (default 512,1024,2048; CUDA 4096,8192)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--recipes", default="main,dinov2")
     ap.add_argument("--train-limit", type=int, default=2000)
@@ -196,25 +225,31 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tool_speed.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    dev = torch.device(a.device)
     parts = a.parts.split(",")
     res: dict[str, Any] = dict(
         header(),
         threads=a.threads,
         load_at_start=load(),
         host_allocator_keeps_freed_memory=runtime.keep_freed_memory(),
-        amp_auto=runtime.resolve_amp("auto", torch.device("cpu")),
+        device=str(dev),
+        amp_auto=runtime.resolve_amp("auto", dev),
     )
+    if dev.type == "cuda":
+        res["machine"]["gpu"] = torch.cuda.get_device_name(dev)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # runtime.configured's fp32
     # a figure is "quiet" only when the machine had no other work: the 1-minute load average under 0.5
     res["measured_under_load"] = res["load_at_start"] >= 0.5
     if "peak" in parts:
-        sizes = [int(s) for s in a.gemm.split(",")]
-        res["peak"] = {d: gemm_peak(d, sizes, a.reps) for d in ("fp32", "bf16")}
+        gemm = a.gemm or ("4096,8192" if dev.type == "cuda" else "512,1024,2048")
+        sizes = [int(s) for s in gemm.split(",")]
+        res["peak"] = {d: gemm_peak(d, sizes, a.reps, dev) for d in ("fp32", "bf16")}
         res["peak"]["load_after"] = load()
         save(a.out, res)
     if "steps" in parts:
         res["steps"] = {}
         for recipe in a.recipes.split(","):
-            s = step_speed(recipe, a.reps)
+            s = step_speed(recipe, a.reps, dev)
             if "peak" in res:
                 for prec in PRECISIONS:
                     s[prec]["share_of_peak"] = s[prec]["gflops"] / res["peak"][prec[:4]]["gflops"]
@@ -227,13 +262,13 @@ def main() -> None:
         res["profile"] = {
             "recipe": "main",
             "steps": 5,
-            "fp32": profile_table("main", 5, 12, "off"),
-            "bf16": profile_table("main", 5, 12, "bf16"),
+            "fp32": profile_table("main", 5, 12, "off", dev),
+            "bf16": profile_table("main", 5, 12, "bf16", dev),
         }
         res["profile"]["load_after"] = load()
         save(a.out, res)
     if "accuracy" in parts:
-        res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2)
+        res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2, dev)
         save(a.out, res)
     if "commands" in parts:
         res["commands"] = {"train_limit": a.train_limit, "eval_limit": a.eval_limit, "rows": commands(a)}

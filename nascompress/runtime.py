@@ -118,8 +118,10 @@ def keep_freed_memory() -> bool:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` computes bfloat16 dot products natively: a CPU with AVX512-BF16 or AMX
-    (its /proc/cpuinfo flags; ``NASCOMPRESS_NATIVE_BF16=0|1`` overrides them). CUDA is not measured
-    here: False."""
+    (its /proc/cpuinfo flags; ``NASCOMPRESS_NATIVE_BF16=0|1`` overrides them). On CUDA False: the
+    training steps of the main job and of DINOv2 ViT-S/14 on an H200 are bound by launching kernels
+    (the GPU busy 14% of a step) and bf16 autocast made them slower, 0.85x and 0.82x
+    (bench/results/tool_speed_nvidia-h200.json), so ``auto`` keeps fp32 (TF32) there."""
     if device.type != "cpu":
         return False
     forced = os.environ.get("NASCOMPRESS_NATIVE_BF16", "")

@@ -302,7 +302,7 @@ def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
     )
     assert [r["name"] for r in applied] == ["dynamicvit"] and "skipped" in info["dcs"]
     assert not ctx.dcs_memo  # no search ran
-    x = torch.randn(2, 1, 16, 16)
+    x = torch.randn(2, 1, 16, 16, device=model.patch_embed.proj.weight.device)  # the job's device (TORCH_DEVICE)
     assert model.patch_embed.proj.weight.shape == ctx.base.patch_embed.proj.weight.shape
     assert all(b.mlp.fc1.out_features == c.mlp.fc1.out_features for b, c in zip(model.blocks, ctx.base.blocks))
     assert model.eval()(x).shape == (2, 10)
