@@ -30,14 +30,19 @@ import argparse
 import copy
 import json
 import time
+
+import yaml
 from pathlib import Path
 from typing import Any
 
-from _common import header, log_summary, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
-from _pretrained import Bench, done  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)
+from _common import ROOT, header, log_summary, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _pretrained import Bench, done, flops_ratio  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)
 import torch  # noqa: E402
 
 from nascompress.api import count_classes, evaluate_run  # noqa: E402
+from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.methods import get_method  # noqa: E402
+from nascompress.pipeline import run_pipeline  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
@@ -218,6 +223,96 @@ class Cell(Bench):
             )
             self.save()
 
+    def evit(self, target: float) -> None:
+        """Token-only, what EViT alone gives: its default layers (4, 7, 10 of 12) with one keep rate,
+        bisected on the FLOPs to land at or under ``target``, fine-tuned (``finetune``'s EViT recipe)
+        for ``--retrain-epochs``, the budget every other unit's retraining gets."""
+        ft = self.runs / f"evit_{target}_finetuned"
+        entry = self.res.setdefault(f"evit@{target}", {})
+        dense, arch = load_with_arch(self.dense)
+        spec = arch["input"]
+        x = torch.randn(1, spec["in_chans"], *spec["img_size"])
+        ref = count_flops(dense.eval(), x).total
+
+        def ratio(keep: float) -> float:
+            model = get_method("evit").prepare_fresh(copy.deepcopy(dense), {"keep_rate": keep})[0]
+            return count_flops(model.eval(), x).total / ref
+
+        lo, hi = 0.05, 1.0  # the FLOPs grow with the keep rate: the largest rate at or under the target
+        for _ in range(12):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ratio(mid) <= target else (lo, mid)
+        keep = round(lo, 4)
+        if not done(ft):
+            tc = finetune_train_config("evit", epochs=self.a.retrain_epochs, seed=self.seed)
+            finetune(
+                FinetuneJob(
+                    run_dir=str(self.dense),
+                    method="evit",
+                    config={"keep_rate": keep},
+                    out=str(ft),
+                    data=self.data,
+                    train=tc,
+                ),
+                force=True,
+            )
+        m = read_json(ft / "metrics.json")
+        entry.update(
+            keep_rate=keep,
+            val_top1=m["best_val_top1"],
+            test_top1=m["test_top1"],
+            epochs=self.a.retrain_epochs,
+            **log_summary(ft),
+            **flops_ratio(self.dense, ft),
+        )
+        self.save()
+
+    def pipeline(self, target: float) -> None:
+        """``nascompress pipeline`` as a user runs it on this base: the shipped recipe's stages
+        (``configs/dinov2-fashion-mnist.yaml`` on the DINOv2 base, ``configs/fashion-mnist.yaml`` on the
+        scratch one), this cell's data and seed, the dense run as its base, the goal ``max_flops`` at
+        ``target`` and ``--retrain-epochs`` of retraining (the budget of the other units); no
+        latency report. Its study picks channels + tokens or tokens alone; the pick is recorded."""
+        out = self.runs / f"pipeline_{target}"
+        recipe = "dinov2-fashion-mnist.yaml" if self.base_kind == "dinov2" else "fashion-mnist.yaml"
+        cfg = yaml.safe_load((ROOT / "configs" / recipe).read_text())
+        cfg["seed"] = self.seed
+        cfg["data"] = {
+            k: v
+            for k, v in dict(
+                dataset=self.data.dataset,
+                train_limit=self.data.train_limit,
+                eval_limit=self.data.eval_limit,
+                classes=self.data.classes,
+            ).items()
+            if v is not None
+        }
+        cfg["base"] = {"run": str(self.dense.resolve())}
+        cfg["goal"] = {"max_flops": target}
+        for stage in cfg["stages"].values():
+            stage.pop("train_limit", None)  # the cell's images, every stage
+        cfg["stages"]["retrain"]["epochs"] = self.a.retrain_epochs
+        cfg.pop("export", None)
+        cfg["report"] = {"latency": False}
+        path = self.runs / f"pipeline_{target}.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+        t0 = time.time()
+        summ = run_pipeline(path, out=out, progress=False)
+        pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
+        self.res[f"pipeline@{target}"] = {
+            "recipe": recipe,
+            "test_top1": summ["final"]["test_top1"],
+            "flops_ratio": summ["comparison"]["flops_ratio"],
+            "methods": summ["final"].get("methods"),
+            "picked_study": pick.get("picked_study"),
+            "candidates": pick.get("candidates"),
+            "dcs": {k: summ["decisions"].get("dcs", {}).get(k) for k in ("kept", "reason", "mlp_gates")},
+            "stage_seconds": {st["step"]: st["seconds"] for st in summ.get("stages", [])},
+            "wall_s_this_call": time.time() - t0,
+        }
+        self.save()
+
 
 def _get(d: Any, *path: str) -> Any:
     for p in path:
@@ -308,7 +403,7 @@ def main() -> None:
     ap.add_argument(
         "--units",
         default="dense_ft,dcs,uniform,torch-pruning",
-        help="in order: dense_ft, dcs, uniform, torch-pruning, ib (at every target)",
+        help="in order: dense_ft, dcs, uniform, torch-pruning, ib, evit (token-only), pipeline (at every target)",
     )
     ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
     ap.add_argument(
@@ -358,6 +453,10 @@ def main() -> None:
                             c.torch_pruning(t)
                         elif u == "ib":
                             c.ib(t)
+                        elif u == "evit":
+                            c.evit(t)
+                        elif u == "pipeline":
+                            c.pipeline(t)
                         else:
                             raise SystemExit(f"unknown unit {u!r}")
     print(json.dumps(json.loads(out.read_text()).get("summary"), indent=1))
