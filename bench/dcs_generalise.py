@@ -272,8 +272,12 @@ class Cell(Bench):
         (``configs/dinov2-fashion-mnist.yaml`` on the DINOv2 base, ``configs/fashion-mnist.yaml`` on the
         scratch one), this cell's data and seed, the dense run as its base, the goal ``max_flops`` at
         ``target`` and ``--retrain-epochs`` of retraining (the budget of the other units); no
-        latency report. Its study picks channels + tokens or tokens alone; the pick is recorded."""
-        out = self.runs / f"pipeline_{target}"
+        latency report. Its study picks channels + tokens or tokens alone; the pick is recorded.
+        ``--pipeline-dcs-target``: the recipe with its DCS stage at that target instead (unit
+        ``pipeline-dcsX@T``)."""
+        dcs_t = self.a.pipeline_dcs_target
+        tag = "" if dcs_t is None else f"_dcs{dcs_t:g}"
+        out = self.runs / f"pipeline_{target}{tag}"
         recipe = "dinov2-fashion-mnist.yaml" if self.base_kind == "dinov2" else "fashion-mnist.yaml"
         cfg = yaml.safe_load((ROOT / "configs" / recipe).read_text())
         cfg["seed"] = self.seed
@@ -292,16 +296,19 @@ class Cell(Bench):
         for stage in cfg["stages"].values():
             stage.pop("train_limit", None)  # the cell's images, every stage
         cfg["stages"]["retrain"]["epochs"] = self.a.retrain_epochs
+        if dcs_t is not None:
+            cfg["stages"]["dcs"]["target_flops"] = dcs_t
         cfg.pop("export", None)
         cfg["report"] = {"latency": False}
-        path = self.runs / f"pipeline_{target}.yaml"
+        path = self.runs / f"pipeline_{target}{tag}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         t0 = time.time()
         summ = run_pipeline(path, out=out, progress=False)
         pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
-        self.res[f"pipeline@{target}"] = {
+        self.res[f"pipeline{tag.replace('_', '-')}@{target}"] = {
             "recipe": recipe,
+            "dcs_target": cfg["stages"]["dcs"]["target_flops"],
             "test_top1": summ["final"]["test_top1"],
             "flops_ratio": summ["comparison"]["flops_ratio"],
             "methods": summ["final"].get("methods"),
@@ -416,6 +423,9 @@ def main() -> None:
         "--ib-schedules",
         default="step",
         help="the ib unit's weight schedules after the warm-up (step: the paper's and the default; linear: ramped)",
+    )
+    ap.add_argument(
+        "--pipeline-dcs-target", type=float, default=None, help="the pipeline unit's DCS target (default: its recipe's)"
     )
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()

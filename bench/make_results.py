@@ -19,6 +19,7 @@ from typing import Any, Callable
 from _common import ROOT, relative_paths
 from _gpu_section import GPU_END, GPU_START, gpu_table
 from _time_section import TIME_END, TIME_START, time_section
+from _where_section import WHERE_END, WHERE_START, where_table
 
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "results.md"
@@ -992,6 +993,7 @@ def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, MAINJOB_START, MAINJOB_END, mainjob_time(data))
     readme = _fill(readme, TIME_START, TIME_END, time_section(data))
     readme = _fill(readme, GPU_START, GPU_END, gpu_table(data))
+    readme = _fill(readme, WHERE_START, WHERE_END, where_table(data))
     readme = _fill(readme, KEPT_START, KEPT_END, dcs_kept_table(data))
     readme = _fill(readme, DIP_START, DIP_END, dcs_dip_table(data))
     return _fill(readme, DCSGEN_START, DCSGEN_END, dcs_generalise_table(data))
