@@ -15,40 +15,62 @@ def _f(v: Any) -> str:
     return "-" if v is None else f"{v:.2f}".rstrip("0").rstrip(".")
 
 
+def _channel(units: dict[str, Any], cell: dict[str, Any], t: str) -> tuple[Any, Any]:
+    """Channel-only test top-1 and FLOPs: this file's own DCS unit, else the baseline file's cell when it
+    stands on the same base (the same probe's test top-1)."""
+    own = (units.get(f"dcs-auto@{t}") or {}).get("retrained") or {}
+    if own.get("test_top1") is not None:
+        return own["test_top1"], own.get("flops_ratio")
+    if cell.get("dense") is not None and cell.get("dense") == (units.get("dense") or {}).get("test_top1"):
+        return cell.get("dcs"), cell.get("dcs_flops")
+    return None, None
+
+
+def _r(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def where_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (dataset/base, seed, target) that has a pipeline unit."""
+    """One row per (dataset/base, seed, target) that has a pipeline unit: every pipeline variant."""
     d, ch = data.get(WHERE_FILE) or {}, data.get(CHANNEL_FILE) or {}
     rows = []
     for key, seeds in d.items():
         if "/" not in key or not isinstance(seeds, dict):
             continue
         for seed, units in seeds.items():
-            for unit, p in units.items():
-                if not unit.startswith("pipeline@"):
-                    continue
-                t = unit.partition("@")[2]
+            targets = sorted({u.partition("@")[2] for u in units if u.startswith("pipeline")})
+            for t in targets:
                 tok = units.get(f"evit@{t}") or {}
                 cell = (ch.get("summary") or {}).get(f"{key}/{seed}@{t}") or {}
-                channel = cell.get("dcs")
+                channel, channel_flops = _channel(units, cell, t)
                 better = max((v for v in (channel, tok.get("test_top1")) if v is not None), default=None)
+                pipes = {
+                    p.get("dcs_target", "recipe"): p
+                    for u, p in sorted(units.items())
+                    if u.startswith("pipeline") and u.endswith(f"@{t}")
+                }
                 rows.append(
                     {
                         "cell": f"{key.replace('/', ' / ')} / {seed}",
                         "target": float(t),
                         "dense": (units.get("dense") or {}).get("test_top1"),
-                        "dense_ft": cell.get("dense_ft"),
+                        "dense_ft": cell.get("dense_ft") if channel == cell.get("dcs") else None,
                         "channel": channel,
-                        "channel_flops": cell.get("dcs_flops"),
+                        "channel_flops": channel_flops,
                         "token": tok.get("test_top1"),
                         "token_flops": tok.get("flops_ratio"),
                         "keep_rate": tok.get("keep_rate"),
-                        "pipeline": p["test_top1"],
-                        "pipeline_flops": p["flops_ratio"],
-                        "methods": " + ".join(p.get("methods") or []) or "-",
-                        "met": None if better is None else p["test_top1"] >= better,
+                        "better": better,
+                        "pipelines": pipes,
                     }
                 )
     return rows
+
+
+def _pipe_cell(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "-"
+    return f"{_f(p['test_top1'])} ({' + '.join(p.get('methods') or []) or '-'}, {_r(p['flops_ratio'])}x)"
 
 
 def where_table(data: dict[str, Any]) -> list[str]:
@@ -59,24 +81,33 @@ def where_table(data: dict[str, Any]) -> list[str]:
             "(not measured yet: `python bench/dcs_generalise.py --bases dinov2 --targets 0.6 --units evit,pipeline "
             "--out bench/results/dcs_generalise_where.json`)"
         ]
+    variants = sorted({v for r in rows for v in r["pipelines"]}, key=lambda v: -float(v))
     out = [
-        "| dataset / base / seed | dense (probe) | channel-only: DCS, retrained | token-only: EViT, fine-tuned "
-        "| pipeline (its pick) | dense retrained | pipeline >= the better |",
-        "|---|---|---|---|---|---|---|",
+        "| dataset / base / seed | dense (probe) | channel-only: DCS, retrained | token-only: EViT, fine-tuned | "
+        + " | ".join(f"pipeline, DCS at {v:g} | >= the better" for v in variants)
+        + " |",
+        "|---|---|---|---|" + "---|---|" * len(variants),
     ]
     for r in rows:
+        cells = []
+        for v in variants:
+            p = r["pipelines"].get(v)
+            met = None if p is None or r["better"] is None else p["test_top1"] >= r["better"]
+            cells += [_pipe_cell(p), "-" if met is None else "yes" if met else "no"]
         out.append(
-            f"| {r['cell']} | {_f(r['dense'])} | {_f(r['channel'])} ({_f(r['channel_flops'])}x) | "
-            f"{_f(r['token'])} (keep {_f(r['keep_rate'])}, {_f(r['token_flops'])}x) | "
-            f"{_f(r['pipeline'])} ({r['methods']}, {_f(r['pipeline_flops'])}x) | {_f(r['dense_ft'])} | "
-            f"{'-' if r['met'] is None else 'yes' if r['met'] else 'no'} |"
+            f"| {r['cell']} | {_f(r['dense'])} | "
+            + ("-" if r["channel"] is None else f"{_f(r['channel'])} ({_r(r['channel_flops'])}x)")
+            + " | "
+            f"{_f(r['token'])} (keep {_f(r['keep_rate'])}, {_r(r['token_flops'])}x) | " + " | ".join(cells) + " |"
         )
-    judged = [r for r in rows if r["met"] is not None]
-    gaps = [r["pipeline"] - max(v for v in (r["channel"], r["token"]) if v is not None) for r in judged]
-    if judged:
-        out += [
-            "",
-            f"- The pipeline at or above the better of channel-only and token-only in {sum(r['met'] for r in judged)} "
-            f"of {len(judged)} cells (pipeline minus the better: {', '.join(f'{g:+.1f}' for g in gaps)} pt).",
-        ]
+    out.append("")
+    for v in variants:
+        judged = [(r, r["pipelines"][v]) for r in rows if v in r["pipelines"] and r["better"] is not None]
+        if judged:
+            gaps = [p["test_top1"] - r["better"] for r, p in judged]
+            out.append(
+                f"- Pipeline with DCS at {v:g}: at or above the better of channel-only and token-only in "
+                f"{sum(g >= 0 for g in gaps)} of {len(judged)} cells (minus the better: "
+                f"{', '.join(f'{g:+.1f}' for g in gaps)} pt)."
+            )
     return out

@@ -563,6 +563,42 @@ def test_calibrate_lands_on_target():
     assert abs(cost.hard_macs(sup) / cost.dense / 0.55 - 1) < 0.02
 
 
+def test_calibrate_at_most_lands_at_or_just_under_the_target():
+    """``at_most`` (the pipeline's goal): of the shifts, the closest at or under the target, never above;
+    without it the closest either side."""
+    from nascompress.dcs_search.search import calibrate
+
+    dense = build_model(tiny_spec_3_heads(depth=3)).eval()
+    for target in (0.5, 0.61, 0.73):
+        sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
+        cost = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16))
+        randomize_gates(sup, seed=5)
+        saved = [b.dcs_alpha.clone() for b in sup.blocks]
+        calibrate(sup, cost, target)
+        nearest = cost.hard_macs(sup) / cost.dense
+        with torch.no_grad():
+            for b, a in zip(sup.blocks, saved):
+                b.dcs_alpha.copy_(a)
+        calibrate(sup, cost, target, at_most=True)
+        under = cost.hard_macs(sup) / cost.dense
+        assert under <= target and abs(under / target - 1) < 0.05, (target, under)
+        assert under == nearest if nearest <= target else under < nearest
+
+
+def test_search_at_most_ends_at_or_under_its_target(tiny_run, tmp_path):
+    """``--at-most``: the searched architecture stands at or under the target (a search that ended just
+    above it is shifted, reported as calibration with reason at_most)."""
+    out = tmp_path / "r"
+    res = run_cli(*landing_args(tiny_run, out, "--target-flops", 0.6, "--at-most"))
+    assert res.exit_code == 0, res.output
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["flops_ratio"] <= 0.6 and abs(m["flops_ratio"] / 0.6 - 1) <= 0.05
+    assert json.loads((out / "config.json").read_text())["search"]["at_most"] is True
+    if m["calibrated"]:
+        assert m["calibration"]["ratio_after"] <= 0.6 < m["calibration"]["ratio_before"]
+        assert m["calibration"]["reason"] in ("at_most", "off target")
+
+
 def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
     from nascompress.dcs_search.search import round_blocks
 

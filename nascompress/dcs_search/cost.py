@@ -214,10 +214,17 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
 
 @torch.no_grad()
 def calibrate(
-    supernet: nn.Module, cost: CostModel, target: float, *, round_mlp: int = 0, apply_round: bool = True
+    supernet: nn.Module,
+    cost: CostModel,
+    target: float,
+    *,
+    round_mlp: int = 0,
+    apply_round: bool = True,
+    at_most: bool = False,
 ) -> float:
     """Shift every (unprotected) alpha by one constant so that the hard ratio (counted with
-    ``round_mlp`` as :func:`round_blocks` would round) is closest to ``target``; return the shift.
+    ``round_mlp`` as :func:`round_blocks` would round) is closest to ``target`` (``at_most``: the
+    closest at or under it); return the shift.
     Kept counts fall monotonically as the shift rises (rounding and alignment keep that order), so
     the shift is bisected. With ``apply_round`` the rounding is then applied to the logits (the end
     of a search); without it (the projection during the search) only the shift is.
@@ -247,7 +254,7 @@ def calibrate(
         r = cost.hard_macs(supernet, round_mlp=round_mlp) / cost.dense
         for a, s in zip(alphas, saved):
             a.copy_(s)
-        if abs(r / target - 1) < best_err:
+        if abs(r / target - 1) < best_err and (not at_most or r <= target):
             best, best_err = cuts[mid], abs(r / target - 1)
         lo, hi = (mid + 1, hi) if r > target else (lo, mid - 1)
     shifted(best)

@@ -236,29 +236,33 @@ class DCSSearchHooks(TrainHooks):
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
             ratio = self.ratio(model)
             target = self.cfg.target_flops
-            if target is not None and abs(ratio / target - 1) > self.cfg.tolerance:
+            off = target is not None and abs(ratio / target - 1) > self.cfg.tolerance
+            # at_most: inside the band but above a target that is a limit (the pipeline's goal), the few
+            # channels between are cut too, an untrained shift bounded like the landing of a search off target
+            above = target is not None and self.cfg.at_most and ratio > target
+            if off or above:
                 advice = (
                     "hold the target while the search trains: rerun the same command with {force} {budget} project"
                     if self.cfg.budget != "project"
                     else "give the search more architecture steps: rerun the "
                     f"same command with {{force}} {{epochs}} {2 * self.epochs}"
                 )
-                if not self.cfg.calibrate:
+                if off and not self.cfg.calibrate:
                     raise SettingError(
                         f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
                         f"+-{self.cfg.tolerance:.0%}; {advice}"
                     )
                 saved = [b.dcs_alpha.detach().clone() for b in model.blocks if b.dcs_alpha is not None]
-                shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp)
+                shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp, at_most=self.cfg.at_most)
                 move = abs(ratio - self.ratio(model))
                 if move > self.cfg.max_calibration:
                     with torch.no_grad():  # leave the supernet as the search trained it
                         for a, s in zip((b.dcs_alpha for b in model.blocks if b.dcs_alpha is not None), saved):
                             a.copy_(s)
                     raise SearchOffTarget(
-                        f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing there "
-                        f"would take an untrained cut of {move:.3f} (more than {{max_calibration}} "
-                        f"{self.cfg.max_calibration:g}), which is not applied",
+                        f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing "
+                        f"{'under' if above and not off else 'there'} would take an untrained cut of {move:.3f} "
+                        f"(more than {{max_calibration}} {self.cfg.max_calibration:g}), which is not applied",
                         advice,
                     )
                 rec["calibration"] = {
@@ -266,6 +270,7 @@ class DCSSearchHooks(TrainHooks):
                     "ratio_after": self.ratio(model),
                     "move": move,
                     "alpha_shift": shift,
+                    "reason": "off target" if off else "at_most",
                 }
         rec.update(selection_record(model, self.cost))
         return rec

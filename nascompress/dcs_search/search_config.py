@@ -98,6 +98,10 @@ class DCSSearchConfig(Config):
             size and peak lr, the same seeded batches).
         calibrate: if the last epoch ends outside the band, shift the gate threshold to land inside
             it (reported); False: fail instead.
+        at_most: the target is a limit: a search that ends above it, inside the band, has its gate
+            threshold shifted to land at or just under it (an untrained cut of a few channels, reported
+            as ``calibration`` with reason ``at_most``); the landing of a search outside the band lands
+            under it too. The pipeline sets it when its DCS stage's target is at or under the goal.
         grad_balance: with a target, measure lambda in units of the task gradient: at the first
             architecture step of every epoch the median |d task / d logit| over every gate (CE at
             the first: the distillation loss is 0 while the supernet is the dense model) is compared
@@ -224,6 +228,13 @@ class DCSSearchConfig(Config):
         True,
         flag="--no-calibrate",
         help=("Fail instead of shifting the gate threshold when the search ends off target."),
+    )
+    at_most: bool = setting(
+        False,
+        help=(
+            "Treat the target as a limit: a search that ends just above it is shifted to land at or under it "
+            "(a few untrained channels; reported as calibration)."
+        ),
     )
     grad_balance: bool = setting(
         True,
