@@ -274,9 +274,9 @@ class Cell(Bench):
         ``target`` and ``--retrain-epochs`` of retraining (the budget of the other units); no
         latency report. Its study picks channels + tokens or tokens alone; the pick is recorded.
         ``--pipeline-dcs-target``: the recipe with its DCS stage at that target instead (unit
-        ``pipeline-dcsX@T``)."""
+        ``pipeline-dcsX@T``); ``--pipeline-at-most``: that stage with ``at_most`` (``-atmost``)."""
         dcs_t = self.a.pipeline_dcs_target
-        tag = "" if dcs_t is None else f"_dcs{dcs_t:g}"
+        tag = ("" if dcs_t is None else f"_dcs{dcs_t:g}") + ("_atmost" if self.a.pipeline_at_most else "")
         out = self.runs / f"pipeline_{target}{tag}"
         recipe = "dinov2-fashion-mnist.yaml" if self.base_kind == "dinov2" else "fashion-mnist.yaml"
         cfg = yaml.safe_load((ROOT / "configs" / recipe).read_text())
@@ -298,6 +298,8 @@ class Cell(Bench):
         cfg["stages"]["retrain"]["epochs"] = self.a.retrain_epochs
         if dcs_t is not None:
             cfg["stages"]["dcs"]["target_flops"] = dcs_t
+        if self.a.pipeline_at_most:
+            cfg["stages"]["dcs"]["at_most"] = True
         cfg.pop("export", None)
         cfg["report"] = {"latency": False}
         path = self.runs / f"pipeline_{target}{tag}.yaml"
@@ -309,6 +311,7 @@ class Cell(Bench):
         self.res[f"pipeline{tag.replace('_', '-')}@{target}"] = {
             "recipe": recipe,
             "dcs_target": cfg["stages"]["dcs"]["target_flops"],
+            "dcs_at_most": bool(self.a.pipeline_at_most),
             "test_top1": summ["final"]["test_top1"],
             "flops_ratio": summ["comparison"]["flops_ratio"],
             "methods": summ["final"].get("methods"),
@@ -427,6 +430,7 @@ def main() -> None:
     ap.add_argument(
         "--pipeline-dcs-target", type=float, default=None, help="the pipeline unit's DCS target (default: its recipe's)"
     )
+    ap.add_argument("--pipeline-at-most", action="store_true", help="the pipeline unit's DCS stage with at_most")
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args()
     if a.threads:
