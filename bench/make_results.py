@@ -540,7 +540,7 @@ def readme_table(data: dict[str, Any]) -> list[str]:
             names = " + ".join(METHOD_NAMES.get(m, m) for m in p["final"]["methods"]) or "no method"
             rows.append(
                 [
-                    f"{case} ({names}, retrained)",
+                    f"{case} ({names}, retrained{'; ' + p['recipe_note'] if p.get('recipe_note') else ''})",
                     f"{c['flops_ratio']:.3f}x",
                     f"{p['dense']['test_top1']:.2f}% -> {p['final']['test_top1']:.2f}%",
                     f"{c['throughput_speedup']:.2f}x / {c['latency_speedup']:.2f}x",
