@@ -30,10 +30,10 @@ import argparse
 import copy
 import json
 import time
-
-import yaml
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from _common import ROOT, header, log_summary, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
 from _pretrained import Bench, done, flops_ratio  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)

@@ -237,42 +237,42 @@ def main() -> None:
     )
     if dev.type == "cuda":
         res["machine"]["gpu"] = torch.cuda.get_device_name(dev)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # runtime.configured's fp32
     # a figure is "quiet" only when the machine had no other work: the 1-minute load average under 0.5
     res["measured_under_load"] = res["load_at_start"] >= 0.5
-    if "peak" in parts:
-        gemm = a.gemm or ("4096,8192" if dev.type == "cuda" else "512,1024,2048")
-        sizes = [int(s) for s in gemm.split(",")]
-        res["peak"] = {d: gemm_peak(d, sizes, a.reps, dev) for d in ("fp32", "bf16")}
-        res["peak"]["load_after"] = load()
-        save(a.out, res)
-    if "steps" in parts:
-        res["steps"] = {}
-        for recipe in a.recipes.split(","):
-            s = step_speed(recipe, a.reps, dev)
-            if "peak" in res:
-                for prec in PRECISIONS:
-                    s[prec]["share_of_peak"] = s[prec]["gflops"] / res["peak"][prec[:4]]["gflops"]
-            s["bf16_speedup"] = s["fp32"]["step_s"] / s["bf16"]["step_s"]  # the path --amp auto runs here
-            s["bf16_flash_attention_speedup"] = s["fp32"]["step_s"] / s["bf16_flash_attention"]["step_s"]
-            s["load_after"] = load()
-            res["steps"][recipe] = s
+    with runtime.configured(dev):  # the runs' settings: fp32 on CUDA as TF32
+        if "peak" in parts:
+            gemm = a.gemm or ("4096,8192" if dev.type == "cuda" else "512,1024,2048")
+            sizes = [int(s) for s in gemm.split(",")]
+            res["peak"] = {d: gemm_peak(d, sizes, a.reps, dev) for d in ("fp32", "bf16")}
+            res["peak"]["load_after"] = load()
             save(a.out, res)
-    if "profile" in parts:
-        res["profile"] = {
-            "recipe": "main",
-            "steps": 5,
-            "fp32": profile_table("main", 5, 12, "off", dev),
-            "bf16": profile_table("main", 5, 12, "bf16", dev),
-        }
-        res["profile"]["load_after"] = load()
-        save(a.out, res)
-    if "accuracy" in parts:
-        res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2, dev)
-        save(a.out, res)
-    if "commands" in parts:
-        res["commands"] = {"train_limit": a.train_limit, "eval_limit": a.eval_limit, "rows": commands(a)}
-        save(a.out, res)
+        if "steps" in parts:
+            res["steps"] = {}
+            for recipe in a.recipes.split(","):
+                s = step_speed(recipe, a.reps, dev)
+                if "peak" in res:
+                    for prec in PRECISIONS:
+                        s[prec]["share_of_peak"] = s[prec]["gflops"] / res["peak"][prec[:4]]["gflops"]
+                s["bf16_speedup"] = s["fp32"]["step_s"] / s["bf16"]["step_s"]  # the path --amp auto runs here
+                s["bf16_flash_attention_speedup"] = s["fp32"]["step_s"] / s["bf16_flash_attention"]["step_s"]
+                s["load_after"] = load()
+                res["steps"][recipe] = s
+                save(a.out, res)
+        if "profile" in parts:
+            res["profile"] = {
+                "recipe": "main",
+                "steps": 5,
+                "fp32": profile_table("main", 5, 12, "off", dev),
+                "bf16": profile_table("main", 5, 12, "bf16", dev),
+            }
+            res["profile"]["load_after"] = load()
+            save(a.out, res)
+        if "accuracy" in parts:
+            res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2, dev)
+            save(a.out, res)
+        if "commands" in parts:
+            res["commands"] = {"train_limit": a.train_limit, "eval_limit": a.eval_limit, "rows": commands(a)}
+            save(a.out, res)
     print(json.dumps({k: v for k, v in res.items() if k in ("peak", "steps")}, indent=1, default=str)[:4000])
 
 
