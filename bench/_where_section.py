@@ -67,10 +67,21 @@ def where_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _label(p: dict[str, Any]) -> str:
+    """The picked model's methods; a token method at keep 1 everywhere (runs before trials at their off
+    setting were built without it) prunes nothing and is named as such."""
+    methods = list(p.get("methods") or [])
+    pick = (p.get("candidates") or {}).get(p.get("picked_study") or "") or {}
+    rates = [v for k, v in (pick.get("params") or {}).items() if "keep_rate" in k]
+    if "evit" in methods and rates and all(v == 1.0 for v in rates):
+        return " + ".join(m for m in methods if m != "evit") + ", evit at keep 1"
+    return " + ".join(methods) or "-"
+
+
 def _pipe_cell(p: dict[str, Any] | None) -> str:
     if not p:
         return "-"
-    return f"{_f(p['test_top1'])} ({' + '.join(p.get('methods') or []) or '-'}, {_r(p['flops_ratio'])}x)"
+    return f"{_f(p['test_top1'])} ({_label(p)}, {_r(p['flops_ratio'])}x)"
 
 
 def where_table(data: dict[str, Any]) -> list[str]:

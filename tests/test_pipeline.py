@@ -520,11 +520,15 @@ def test_the_pipeline_chooses_where_to_cut(tmp_path):
     cands = pick["candidates"]
     assert set(cands) == {"pipeline", "pipeline-dense"} and pick["dense_study"] == "pipeline-dense"
     scored = {k: c["accuracy"] for k, c in cands.items() if c.get("trial") is not None}
-    assert scored and pick["picked_study"] == max(scored, key=lambda k: (scored[k], k == "pipeline"))
+    flops = {k: c["flops_ratio"] for k, c in cands.items() if c.get("trial") is not None}
+    best = max(scored, key=lambda k: (scored[k], -flops[k], k == "pipeline"))  # ties: the cheaper, then the first
+    assert scored and pick["picked_study"] == best
     picked = json.loads((out / "tokens" / "picked" / "metrics.json").read_text())
     assert picked["trial"] == cands[pick["picked_study"]]["trial"]
     methods = [m["name"] for m in json.loads((out / "final" / "arch.json").read_text())["methods"]]
     assert ("dcs" in methods) == (pick["picked_study"] == "pipeline")  # token-only: no channel cut
+    rates = [v for k, v in cands[pick["picked_study"]]["params"].items() if "keep_rate" in k]
+    assert ("evit" in methods) == any(v < 1.0 for v in rates), (methods, rates)  # every token kept: no EViT
     s = json.loads((out / "summary.json").read_text())
     assert s["decisions"]["tokens"]["picked_study"] == pick["picked_study"]
     assert "where to cut:" in (out / "report.html").read_text()

@@ -159,6 +159,19 @@ class Method:
         self._mark(model)
         return model, record
 
+    def is_off(self, model: nn.Module, config: dict[str, Any] | Config) -> bool:
+        """Whether ``config`` turns this method off on ``model``: every setting of :attr:`off_config` at
+        its off value (a per-layer list: every entry), so that applying it changes no output (its
+        identity test) and the model without it is the same model, cheaper to run."""
+        if not self.off_config:
+            return False
+        cfg = self.config(model, config).to_dict()
+
+        def off(value: Any, at: Any) -> bool:
+            return all(v == at for v in value) if isinstance(value, (list, tuple)) else value == at
+
+        return all(off(cfg.get(k), at) for k, at in self.off_config.items())
+
     def cli_fields(self) -> list[dataclasses.Field]:
         """The config and recipe fields exposed as CLI options (those with a ``help`` metadata)."""
         out = [f for f in dataclasses.fields(self.config_cls) if f.metadata.get("help")]

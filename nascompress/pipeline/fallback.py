@@ -122,7 +122,8 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
 def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
     """The goal's pick over several studies of one storage (the token study on the DCS model and on the
     dense base): each study's pick (:func:`~nascompress.search.trial_model.pick_trial`), the most accurate
-    of them rebuilt (:func:`pick_or_closest`; ties: the first study). Trials of all the studies are scored on
+    of them rebuilt (:func:`pick_or_closest`; ties: the fewer FLOPs, then the first study: on images that
+    every candidate gets right, the cheaper model is the better one). Trials of all the studies are scored on
     the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the
     goal in any study, the first study's closest trial, as :func:`pick_or_closest`. Returns the rebuilt
     run's metrics with ``picked_study`` and ``candidates`` (each study's pick: trial, accuracy, FLOPs)."""
@@ -150,8 +151,12 @@ def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
             f"the studies {', '.join(studies)} scored their trials on different images; rerun "
             "them with the same data, eval_images and seed"
         )
-    scored = [(c["accuracy"], -i, n) for i, (n, c) in enumerate(candidates.items()) if c.get("accuracy") is not None]
-    chosen = max(scored)[2] if scored else studies[0]
+    scored = [
+        (c["accuracy"], -(c.get("flops_ratio") or 0.0), -i, n)
+        for i, (n, c) in enumerate(candidates.items())
+        if c.get("accuracy") is not None
+    ]
+    chosen = max(scored)[-1] if scored else studies[0]
     res = pick_or_closest(job.replace(study=chosen), force=force)
     return dict(res, picked_study=chosen, candidates=candidates)
 
