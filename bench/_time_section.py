@@ -11,6 +11,9 @@ TIME_START, TIME_END = "<!-- tool-speed:start -->", "<!-- tool-speed:end -->"
 LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attention": "bf16, SDPA flash attention"}
 
 
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")  # the profiler's matmul kernels
+
+
 def _load_note(d: dict[str, Any]) -> str:
     if d.get("measured_under_load", True):
         return (
@@ -63,7 +66,18 @@ def time_section(data: dict[str, Any]) -> list[str]:
                 continue
             phases = ", ".join(f"{k} {v:.0f} ms" for k, v in p["phase_ms_per_step"].items())
             ops = ", ".join(f"{o['op'].replace('aten::', '')} {100 * o['share']:.0f}%" for o in p["top"][:4])
-            out.append(f"- Where a main-job {prec} step goes (torch.profiler): {phases}; top operators {ops}.")
+            mm = sum(o["self_ms_per_step"] for o in p["top"] if o["op"] in MATMULS)
+            rest = p["step_ms_profiled"] - mm
+            out.append(
+                f"- Where a main-job {prec} step goes (torch.profiler): {phases}; top operators {ops}; the "
+                f"matmuls (mm, addmm, bmm) {mm:.0f} ms of the profiled {p['step_ms_profiled']:.0f} ms, everything "
+                f"else {rest:.0f} ms ("
+                + ", ".join(
+                    f"{o['op'].replace('aten::', '')} {o['self_ms_per_step']:.0f} ms"
+                    for o in [o for o in p["top"] if o["op"] not in MATMULS][:4]
+                )
+                + ")."
+            )
         out.append("")
     acc = d.get("accuracy")
     if acc:
