@@ -11,6 +11,7 @@ TIME_START, TIME_END = "<!-- tool-speed:start -->", "<!-- tool-speed:end -->"
 LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attention": "bf16, SDPA flash attention"}
 
 
+OVERHEADS_FILE = "tool_speed_overheads.json"
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")  # the profiler's matmul kernels
 
 
@@ -105,6 +106,7 @@ def time_section(data: dict[str, Any]) -> list[str]:
             for c in kept
         ]
         out.append("")
+    out += overhead_lines(data.get(OVERHEADS_FILE))
     out += search_step_lines(data.get("search_step.json"))
     gpu = gpu_time_lines(data)
     out += gpu + ([""] if gpu else [])
@@ -122,6 +124,35 @@ def time_section(data: dict[str, Any]) -> list[str]:
     while out and out[-1] == "":
         out.pop()
     return out
+
+
+def overhead_lines(d: dict[str, Any] | None) -> list[str]:
+    """The candidates of the loop besides its step (``bench/tool_speed.py --parts overheads``): data
+    loading, the per-epoch validation pass, the batch size."""
+    o = (d or {}).get("overheads")
+    if not o:
+        return []
+    rates = o["batch_images_per_s"]
+    ref = rates.get(str(o["batch"]))
+    by_batch = ", ".join(
+        f"{b}: {r:.0f}" + (f" ({r / ref:.2f}x)" if ref and b != str(o["batch"]) else "") for b, r in rates.items()
+    )
+    threads = d.get("threads")
+    return [
+        f"What the main job's loop spends besides its steps ({o['amp']}, batch {o['batch']}, {threads} thread"
+        f"{'s' if threads != 1 else ''}, {_load_note(d)}; `bench/tool_speed.py --parts overheads`, "
+        f"`bench/results/{OVERHEADS_FILE}`):",
+        "",
+        f"- Data: a training batch from the real Fashion-MNIST split (the loop's loader and preprocessing) takes "
+        f"{1e3 * o['data_s']:.2f} ms against {1e3 * o['step_s']:.0f} ms for its step: {100 * o['data_share']:.2f}% "
+        "of the loop, all that loading on another thread could save (not done).",
+        f"- Evaluation: the validation pass ({o['eval_images']:,} images) takes {o['eval_s']:.1f} s against "
+        f"{o['epoch_steps_s']:.0f} s for an epoch of steps ({o['train_images']:,} images): "
+        f"{100 * o['eval_share']:.1f}% of an epoch; it picks the best epoch, so it stays.",
+        f"- Batch size, the step's images/s (batch: images/s, against batch {o['batch']}): {by_batch}. "
+        "A different batch is a different recipe (its learning rate and accuracy), so the main job's stays.",
+        "",
+    ]
 
 
 def search_step_lines(d: dict[str, Any] | None) -> list[str]:

@@ -22,6 +22,11 @@
 ``--device cuda``: the same parts on a GPU (the peak from CUDA GEMMs, fp32 as the runs compute it, with
 TF32; every timing synchronized; the commands on the CLI's default device, which is the GPU).
 
+``overheads`` (not in the default parts): what the main job's loop spends besides its steps (a batch
+from the real Fashion-MNIST split against its bf16 step, a validation pass against an epoch of steps) and
+the bf16 step's images/s at ``--batches``; write it to its own ``--out``
+(``bench/results/tool_speed_overheads.json``).
+
 Speed figures are only meaningful on a quiet machine: the 1-minute load average is recorded at the
 start and after each part. ``--parts`` picks parts (``peak,steps,profile,accuracy,commands``); ``accuracy``:
 the main job's base on ``--accuracy-limit`` images for 2 epochs, fp32 against bf16, seeds 0 and 1.
@@ -182,6 +187,85 @@ def accuracy(seeds: list[int], train_limit: int, epochs: int, dev: torch.device)
     return rows
 
 
+def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any]:
+    """What the main job's fit loop spends besides its steps, on the real data: a training batch from the
+    Fashion-MNIST split through the loop's own loader and preprocessing, against the bf16 step of that
+    batch (interleaved, medians; the share the data would save if it came from another thread); one
+    epoch's validation pass (the 6,000 validation images at the loop's evaluation batch) against the
+    epoch's training steps (54,000 images at the measured step); and the bf16 step's images/s at
+    ``batches`` (do larger batches fill the cores better?)."""
+    from nascompress.data import training_batches
+    from nascompress.evaluate import evaluate
+
+    spec = custom_vit_spec(**RECIPES["main"]["spec"])
+    torch.manual_seed(0)
+    model = build_model(spec).to(dev).train()
+    ispec = input_spec_for(model, "fashion-mnist")
+    data = load_data(DataConfig(dataset="fashion-mnist"), spec=ispec)
+    opt = runtime.adamw(model.parameters(), dev, lr=1e-4)
+    batch = RECIPES["main"]["batch"]
+    amp = runtime.resolve_amp("auto", dev)  # the loop's precision here
+    stream = training_batches(data, ispec, batch_size=batch, seed=0, device=dev)
+    next(stream)
+
+    def timed(fn: Any) -> tuple[float, Any]:
+        sync(dev)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(dev)
+        return time.perf_counter() - t0, out
+
+    data_s, step_s = [], []
+    for i in range(reps + 2):
+        td, (x, y) = timed(lambda: next(stream))
+        ts, _ = timed(lambda: train_step(model, x, y, opt, amp, dev))
+        if i >= 2:
+            data_s.append(td)
+            step_s.append(ts)
+    d, st = statistics.median(data_s), statistics.median(step_s)
+    model.eval()
+    ev, rec = timed(
+        lambda: evaluate(
+            model,
+            data.val,
+            input_spec=ispec,
+            device=dev,
+            batch_size=train_recipe(fine_tune=False).eval_batch_size,
+            amp=amp,
+        )
+    )
+    epoch_steps = -(-len(data.train) // batch)
+    out: dict[str, Any] = {
+        "amp": amp,
+        "batch": batch,
+        "data_s": d,
+        "step_s": st,
+        "data_share": d / (d + st),
+        "eval_s": ev,
+        "eval_images": rec["n"],
+        "train_images": len(data.train),
+        "epoch_steps_s": epoch_steps * (d + st),
+        "eval_share": ev / (ev + epoch_steps * (d + st)),
+    }
+    built = {}
+    for b in batches:
+        torch.manual_seed(0)
+        m = build_model(spec).to(dev).train()
+        built[b] = (
+            m,
+            runtime.adamw(m.parameters(), dev, lr=1e-4),
+            *[t.to(dev) for t in next(training_batches(data, ispec, batch_size=b, seed=0, device=dev))],
+        )
+    times: dict[int, list[float]] = {b: [] for b in batches}
+    for i in range(reps + 2):
+        for b, (m, o, x, y) in built.items():
+            t, _ = timed(lambda: train_step(m, x, y, o, amp, dev))
+            if i >= 2:
+                times[b].append(t)
+    out["batch_images_per_s"] = {str(b): b / statistics.median(ts) for b, ts in times.items()}
+    return out
+
+
 def commands(a: argparse.Namespace) -> list[dict[str, Any]]:
     work = Path(tempfile.mkdtemp(prefix="nc-speed-"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(a.threads), NASCOMPRESS_PROGRESS="off")
@@ -221,6 +305,7 @@ def main() -> None:
     ap.add_argument("--recipes", default="main,dinov2")
     ap.add_argument("--train-limit", type=int, default=2000)
     ap.add_argument("--eval-limit", type=int, default=500)
+    ap.add_argument("--batches", default="64,128,256,512", help="batch sizes of the overheads part")
     ap.add_argument("--accuracy-limit", type=int, default=24000, help="training images of the accuracy part")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tool_speed.json")
     a = ap.parse_args()
@@ -266,6 +351,10 @@ def main() -> None:
                 "bf16": profile_table("main", 5, 12, "bf16", dev),
             }
             res["profile"]["load_after"] = load()
+            save(a.out, res)
+        if "overheads" in parts:
+            res["overheads"] = overheads(a.reps, [int(b) for b in a.batches.split(",")], dev)
+            res["overheads"]["load_after"] = load()
             save(a.out, res)
         if "accuracy" in parts:
             res["accuracy"] = accuracy([0, 1], a.accuracy_limit, 2, dev)
