@@ -272,7 +272,9 @@ class Cell(Bench):
         (``configs/dinov2-fashion-mnist.yaml`` on the DINOv2 base, ``configs/fashion-mnist.yaml`` on the
         scratch one), this cell's data and seed, the dense run as its base, the goal ``max_flops`` at
         ``target`` and ``--retrain-epochs`` of retraining (the budget of the other units); no
-        latency report. Its study picks channels + tokens or tokens alone; the pick is recorded.
+        latency report. Its study picks channels + tokens or tokens alone; the pick is recorded. Its
+        ``test_top1`` is the retraining loop's test evaluation (``final/metrics.json``, in the loop's precision,
+        as every other unit's); ``test_top1_report`` the report's (``summary.json``, fp32).
         ``--pipeline-dcs-target``: the recipe with its DCS stage at that target instead (unit
         ``pipeline-dcsX@T``); ``--pipeline-at-most``: that stage with ``at_most`` (``-atmost``)."""
         dcs_t = self.a.pipeline_dcs_target
@@ -308,11 +310,15 @@ class Cell(Bench):
         t0 = time.time()
         summ = run_pipeline(path, out=out, progress=False)
         pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
+        final = out / "final" / "metrics.json"  # the retraining loop's test evaluation, as every other unit's
+        loop = read_json(final).get("test_top1") if final.is_file() else None
         self.res[f"pipeline{tag.replace('_', '-')}@{target}"] = {
             "recipe": recipe,
             "dcs_target": cfg["stages"]["dcs"]["target_flops"],
             "dcs_at_most": bool(self.a.pipeline_at_most),
-            "test_top1": summ["final"]["test_top1"],
+            "test_top1": summ["final"]["test_top1"] if loop is None else loop,
+            "test_top1_report": summ["final"]["test_top1"],  # the report's evaluation (summary.json: fp32)
+            "test_top1_from": "the report" if loop is None else "the retraining loop",
             "flops_ratio": summ["comparison"]["flops_ratio"],
             "methods": summ["final"].get("methods"),
             "picked_study": pick.get("picked_study"),
