@@ -150,7 +150,11 @@ def overhead_lines(d: dict[str, Any] | None) -> list[str]:
         f"{o['epoch_steps_s']:.0f} s for an epoch of steps ({o['train_images']:,} images): "
         f"{100 * o['eval_share']:.1f}% of an epoch; it picks the best epoch, so it stays.",
         f"- Batch size, the step's images/s (batch: images/s, against batch {o['batch']}): {by_batch}. "
-        "A different batch is a different recipe (its learning rate and accuracy), so the main job's stays.",
+        + (
+            f"The main job's batch {o['batch']} is the fastest per image of these."
+            if ref is not None and ref >= max(rates.values())
+            else "A different batch is a different recipe (its learning rate and accuracy): not changed."
+        ),
         "",
     ]
 
