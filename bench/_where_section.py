@@ -123,6 +123,6 @@ def where_table(data: dict[str, Any]) -> list[str]:
             out.append(
                 f"- Pipeline, {label(v)}: at or above the better of channel-only and token-only in "
                 f"{sum(g >= 0 for g in gaps)} of {len(judged)} cells (minus the better: "
-                f"{', '.join(f'{g:+.1f}' for g in gaps)} pt)."
+                f"{', '.join(f'{g:+.1f}' for g in gaps)} pt; mean {sum(gaps) / len(gaps):+.2f} pt)."
             )
     return out
