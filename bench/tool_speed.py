@@ -50,7 +50,8 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from nascompress import runtime  # noqa: E402
-from nascompress.data import DataConfig, load_data  # noqa: E402
+from nascompress.data import DataConfig, load_data, training_batches  # noqa: E402
+from nascompress.evaluate import evaluate  # noqa: E402
 from nascompress.models import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.train import fit, input_spec_for, train_recipe  # noqa: E402
@@ -194,9 +195,6 @@ def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any
     epoch's validation pass (the 6,000 validation images at the loop's evaluation batch) against the
     epoch's training steps (54,000 images at the measured step); and the bf16 step's images/s at
     ``batches`` (do larger batches fill the cores better?)."""
-    from nascompress.data import training_batches
-    from nascompress.evaluate import evaluate
-
     spec = custom_vit_spec(**RECIPES["main"]["spec"])
     torch.manual_seed(0)
     model = build_model(spec).to(dev).train()
