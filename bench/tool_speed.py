@@ -62,6 +62,15 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def timed(dev: torch.device, fn: Any) -> tuple[float, Any]:
+    """(seconds, result) of ``fn()``, synchronized on ``dev`` before and after."""
+    sync(dev)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(dev)
+    return time.perf_counter() - t0, out
+
+
 def gemm_peak(dtype_name: str, sizes: list[int], reps: int, dev: torch.device) -> dict[str, Any]:
     """GFLOP/s of square GEMMs (2 n^3 FLOPs each, random data), the median of ``reps`` after a warm-up;
     the best size."""
@@ -71,13 +80,7 @@ def gemm_peak(dtype_name: str, sizes: list[int], reps: int, dev: torch.device) -
         a, b = torch.randn(n, n, device=dev).to(dtype), torch.randn(n, n, device=dev).to(dtype)
         for _ in range(3):
             a @ b
-        ts = []
-        for _ in range(reps):
-            sync(dev)
-            t0 = time.perf_counter()
-            a @ b
-            sync(dev)
-            ts.append(time.perf_counter() - t0)
+        ts = [timed(dev, lambda: a @ b)[0] for _ in range(reps)]
         out[str(n)] = 2 * n**3 / statistics.median(ts) / 1e9
     return {"gflops": max(out.values()), "by_size": out}
 
@@ -95,11 +98,7 @@ def step_speed(recipe: str, reps: int, dev: torch.device) -> dict[str, Any]:
     y = torch.randint(0, 10, (x.shape[0],), device=dev)
 
     def step(name: str) -> float:
-        sync(dev)
-        t0 = time.perf_counter()
-        train_step(built[name][0], x, y, built[name][1], PRECISIONS[name], dev)
-        sync(dev)
-        return time.perf_counter() - t0
+        return timed(dev, lambda: train_step(built[name][0], x, y, built[name][1], PRECISIONS[name], dev))[0]
 
     for name in PRECISIONS:
         for _ in range(2):
@@ -190,11 +189,11 @@ def accuracy(seeds: list[int], train_limit: int, epochs: int, dev: torch.device)
 
 def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any]:
     """What the main job's fit loop spends besides its steps, on the real data: a training batch from the
-    Fashion-MNIST split through the loop's own loader and preprocessing, against the bf16 step of that
-    batch (interleaved, medians; the share the data would save if it came from another thread); one
-    epoch's validation pass (the 6,000 validation images at the loop's evaluation batch) against the
-    epoch's training steps (54,000 images at the measured step); and the bf16 step's images/s at
-    ``batches`` (do larger batches fill the cores better?)."""
+    Fashion-MNIST split through the loop's own loader and preprocessing, against the step of that batch in
+    the loop's precision (``--amp auto``; interleaved, medians: the share the data would save if it came
+    from another thread); one epoch's validation pass (the 6,000 validation images at the loop's
+    evaluation batch) against the epoch's training steps (54,000 images at the measured step); and the
+    step's images/s at ``batches`` (do larger batches fill the cores better?)."""
     spec = custom_vit_spec(**RECIPES["main"]["spec"])
     torch.manual_seed(0)
     model = build_model(spec).to(dev).train()
@@ -205,24 +204,17 @@ def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any
     amp = runtime.resolve_amp("auto", dev)  # the loop's precision here
     stream = training_batches(data, ispec, batch_size=batch, seed=0, device=dev)
     next(stream)
-
-    def timed(fn: Any) -> tuple[float, Any]:
-        sync(dev)
-        t0 = time.perf_counter()
-        out = fn()
-        sync(dev)
-        return time.perf_counter() - t0, out
-
     data_s, step_s = [], []
     for i in range(reps + 2):
-        td, (x, y) = timed(lambda: next(stream))
-        ts, _ = timed(lambda: train_step(model, x, y, opt, amp, dev))
+        td, (x, y) = timed(dev, lambda: next(stream))
+        ts, _ = timed(dev, lambda: train_step(model, x, y, opt, amp, dev))
         if i >= 2:
             data_s.append(td)
             step_s.append(ts)
     d, st = statistics.median(data_s), statistics.median(step_s)
     model.eval()
     ev, rec = timed(
+        dev,
         lambda: evaluate(
             model,
             data.val,
@@ -230,7 +222,7 @@ def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any
             device=dev,
             batch_size=train_recipe(fine_tune=False).eval_batch_size,
             amp=amp,
-        )
+        ),
     )
     epoch_steps = -(-len(data.train) // batch)
     out: dict[str, Any] = {
@@ -252,12 +244,12 @@ def overheads(reps: int, batches: list[int], dev: torch.device) -> dict[str, Any
         built[b] = (
             m,
             runtime.adamw(m.parameters(), dev, lr=1e-4),
-            *[t.to(dev) for t in next(training_batches(data, ispec, batch_size=b, seed=0, device=dev))],
+            *next(training_batches(data, ispec, batch_size=b, seed=0, device=dev)),  # already on dev
         )
     times: dict[int, list[float]] = {b: [] for b in batches}
     for i in range(reps + 2):
         for b, (m, o, x, y) in built.items():
-            t, _ = timed(lambda: train_step(m, x, y, o, amp, dev))
+            t, _ = timed(dev, lambda: train_step(m, x, y, o, amp, dev))
             if i >= 2:
                 times[b].append(t)
     out["batch_images_per_s"] = {str(b): b / statistics.median(ts) for b, ts in times.items()}

@@ -11,6 +11,7 @@ ask :func:`dcs_outcome` for the model they start from (:func:`current_model`).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -152,7 +153,7 @@ def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
             "them with the same data, eval_images and seed"
         )
     scored = [
-        (c["accuracy"], -(c.get("flops_ratio") or 0.0), -i, n)
+        (c["accuracy"], -(c["flops_ratio"] if c.get("flops_ratio") is not None else math.inf), -i, n)
         for i, (n, c) in enumerate(candidates.items())
         if c.get("accuracy") is not None
     ]

@@ -66,13 +66,14 @@ def build_trial(
             seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
         config, recipe = split_settings(name, settings)
-        if ctx.job.finetune_epochs <= 0 and get_method(name).is_off(model, config):
+        method = get_method(name)
+        if ctx.job.finetune_epochs <= 0 and method.is_off(model, config):
             # compression off (EViT keeping every token): the trial is the model without it, so a picked
             # trial is labelled and built as what it is (the channel-only model of a stacked study). A
             # fine-tuned trial keeps it: the last method's recipe trains the stack
-            info[name] = {"skipped": f"{name} at its off setting {get_method(name).off_config}: nothing to apply"}
+            info[name] = {"skipped": f"{name} at its off setting {method.off_config}: nothing to apply"}
             continue
-        model, record = get_method(name).prepare_fresh(model, config, recipe or None)
+        model, record = method.prepare_fresh(model, config, recipe or None)
         applied.append(record)
     model.to(ctx.device)
     if ctx.job.finetune_epochs > 0 and applied:
