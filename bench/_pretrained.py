@@ -174,15 +174,18 @@ class Bench:
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
 
-    def dcs(self, family: str, target: float) -> None:
-        name = f"dcs-{family}@{target}"
-        search, mat = self.runs / f"dcs_{family}_{target}_search", self.runs / f"dcs_{family}_{target}_mat"
+    def dcs(self, family: str, target: float, at_most: bool = False) -> None:
+        """``search dcs --target-flops target`` with every default (``at_most``: the target as a limit, as the
+        pipeline's DCS stage runs it; unit ``dcs-<family>-atmost@T``), materialized and retrained."""
+        tag = "-atmost" if at_most else ""
+        name, stem = f"dcs-{family}{tag}@{target}", self.runs / f"dcs_{family}_{target}{tag.replace('-', '_')}"
+        search, mat = Path(f"{stem}_search"), Path(f"{stem}_mat")
         entry = self.res.setdefault(name, {})
         job = DCSSearchJob(
             source=str(self.dense.resolve()),
             out=str(search),
             method=DCSConfig(mlp_gates=family),
-            search=DCSSearchConfig(target_flops=target, auto_batch=True),
+            search=DCSSearchConfig(target_flops=target, auto_batch=True, at_most=at_most),
             train=search_train_config(seed=self.seed),
             data=self.data,
         )
@@ -228,7 +231,7 @@ class Bench:
             "max_abs_logit_diff": read_json(mat / "metrics.json")["max_abs_logit_diff"],
         }
         self.save()
-        entry["retrained"] = self.retrain(mat, self.runs / f"dcs_{family}_{target}_retrained")
+        entry["retrained"] = self.retrain(mat, Path(f"{stem}_retrained"))
         self.save()
 
     def family_probe(self, target: float) -> None:

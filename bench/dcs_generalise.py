@@ -12,9 +12,10 @@ units of ``bench/pretrained.py``: ``dense_ft`` (the base retrained with compress
 reference), ``uniform@T`` (uniform magnitude pruning, then the same retraining), ``torch-pruning@T``
 (Torch-Pruning, ``pip install torch-pruning==1.6.1``: global group-magnitude pruning of the MLP hidden
 neurons, ``round_to`` 8, then the same retraining) and ``dcs@T`` (``search dcs --target-flops T``
-with every default, ``materialize``, the same retraining), and ``ib@T`` (the searched model retrained
-with the IB bound at each weight of ``--etas`` and warm-up share of ``--ib-warmups``, the rest as the library's
-``retrain`` defaults); each DCS search's
+with every default, ``materialize``, the same retraining; ``dcs-atmost@T`` the same with ``at_most``, the
+target a limit as the pipeline's DCS stage sets it, so that channel-only lands at or under T), and
+``ib@T`` (the searched model retrained with the IB bound at each weight of ``--etas`` and warm-up share
+of ``--ib-warmups``, the rest as the library's ``retrain`` defaults); each DCS search's
 budget record (``budget``, ``at_target_share``, ``calibration_move``, ``projections``) is kept.
 
 Results per dataset, base and seed in ``--out`` (default ``bench/results/dcs_generalise.json``) and
@@ -201,10 +202,11 @@ class Cell(Bench):
                     }
         self.save()
 
-    def dcs(self, family: str, target: float) -> None:
-        super().dcs(family, target)
-        entry = self.res[f"dcs-{family}@{target}"]
-        sm = self.runs / f"dcs_{family}_{target}_search" / "metrics.json"
+    def dcs(self, family: str, target: float, at_most: bool = False) -> None:
+        super().dcs(family, target, at_most=at_most)
+        tag = "-atmost" if at_most else ""
+        entry = self.res[f"dcs-{family}{tag}@{target}"]
+        sm = self.runs / f"dcs_{family}_{target}{tag.replace('-', '_')}_search" / "metrics.json"
         if sm.is_file():
             m = read_json(sm)
             entry["search"].update(
@@ -419,7 +421,8 @@ def main() -> None:
     ap.add_argument(
         "--units",
         default="dense_ft,dcs,uniform,torch-pruning",
-        help="in order: dense_ft, dcs, uniform, torch-pruning, ib, evit (token-only), pipeline (at every target)",
+        help="in order: dense_ft, dcs, dcs-atmost (dcs with the target as a limit, as the pipeline's DCS stage), "
+        "uniform, torch-pruning, ib, evit (token-only), pipeline (at every target)",
     )
     ap.add_argument("--etas", default="0,5,50", help="the ib unit's IB-bound weights (50: the paper's)")
     ap.add_argument(
@@ -469,6 +472,8 @@ def main() -> None:
                             c.uniform(t)
                         elif u == "dcs":
                             c.dcs("auto", t)
+                        elif u == "dcs-atmost":
+                            c.dcs("auto", t, at_most=True)
                         elif u == "torch-pruning":
                             c.torch_pruning(t)
                         elif u == "ib":
