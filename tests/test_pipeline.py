@@ -531,12 +531,33 @@ def test_the_pipeline_chooses_where_to_cut(tmp_path):
     assert ("evit" in methods) == any(v < 1.0 for v in rates), (methods, rates)  # every token kept: no EViT
     s = json.loads((out / "summary.json").read_text())
     assert s["decisions"]["tokens"]["picked_study"] == pick["picked_study"]
-    assert "where to cut:" in (out / "report.html").read_text()
+    html = (out / "report.html").read_text()
+    assert "where to cut:" in html
+    # the DCS stage's landing is reported whether or not its model is the one kept
+    assert s["decisions"]["dcs"]["in_final_model"] == ("dcs" in methods)
+    if s["decisions"]["dcs"]["dcs_outcome"] == "planned":
+        assert s["decisions"]["dcs"]["flops_ratio"] is not None
+        assert ("not in the final model" in html) == ("dcs" not in methods)
     assert s["comparison"]["flops_ratio"] <= 0.75
     # at_most: the channel stage at the goal lands at or under it, so the channel-only trial can be picked
     assert json.loads((out / "dcs_search" / "config.json").read_text())["search"]["at_most"] is True
     if s["decisions"]["dcs"]["dcs_outcome"] == "planned":
         assert json.loads((out / "dcs_search" / "metrics.json").read_text())["flops_ratio"] <= 0.75
+
+
+def test_the_report_names_a_dcs_stage_whose_model_was_not_kept():
+    """A token-only final model (the pick took the dense base's study): the DCS stage's landing is still a
+    decision line, saying that its model is not the one kept; with its model kept, the usual line."""
+    from nascompress.pipeline.report import decision_lines
+
+    dcs = {"in_final_model": False, "target_flops": 0.6, "flops_ratio": 0.59997, "val_top1": 88.25}
+    lines = decision_lines({"decisions": {"dcs": dcs}})
+    assert lines == [
+        "dcs: target 0.6x the dense FLOPs, landed at 0.600x, validation top-1 88.25%; not in the final model: "
+        "the pick across the token studies took a token-only model of the dense base"
+    ]
+    kept = dict(dcs, in_final_model=True, blocks=[], mlp_kept_total=8, mlp_total=16, config={"qk_mask": "auto"})
+    assert not any("not in the final model" in ln for ln in decision_lines({"decisions": {"dcs": kept}}))
 
 
 def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path):

@@ -83,8 +83,9 @@ def _method_summary(rec: dict[str, Any]) -> str:
 
 def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
     """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
-    and whether it fell back (a milder target, or skipped)."""
-    res: dict[str, Any] = {}
+    and whether it fell back (a milder target, or skipped); ``in_final_model``: False where the final model
+    is a token-only pick on the dense base (the search's landing is still recorded)."""
+    res: dict[str, Any] = {"in_final_model": dcs_rec is not None}
     if dcs_rec is not None:
         family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
         family = {True: "residual", False: "none"}.get(family, family)
@@ -112,7 +113,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
                 "mlp_total": sum(b["mlp_total"] for b in blocks),
             }
         )
-    sm = find_metrics(out / "dcs_search") if dcs_rec is not None else None
+    sm = find_metrics(out / "dcs_search")
     if sm is not None:
         res.update(
             {

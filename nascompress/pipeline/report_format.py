@@ -154,6 +154,12 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
                 f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
                 f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})"
             )
+    elif dcs and dcs.get("in_final_model") is False and dcs.get("flops_ratio") is not None:
+        val = "" if dcs.get("val_top1") is None else f", validation top-1 {dcs['val_top1']:.2f}%"
+        lines.append(
+            f"dcs: target {dcs.get('target_flops')}x the dense FLOPs, landed at {dcs['flops_ratio']:.3f}x{val}; "
+            "not in the final model: the pick across the token studies took a token-only model of the dense base"
+        )
     tok = dec.get("tokens")
     if tok:
         acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
