@@ -313,7 +313,8 @@ class Cell(Bench):
         summ = run_pipeline(path, out=out, progress=False)
         pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
         final = out / "final" / "metrics.json"  # the retraining loop's test evaluation, as every other unit's
-        loop = read_json(final).get("test_top1") if final.is_file() else None
+        fm = read_json(final) if final.is_file() else {}
+        loop = fm.get("test_top1")
         self.res[f"pipeline{tag.replace('_', '-')}@{target}"] = {
             "recipe": recipe,
             "dcs_target": cfg["stages"]["dcs"]["target_flops"],
@@ -321,6 +322,8 @@ class Cell(Bench):
             "test_top1": summ["final"]["test_top1"] if loop is None else loop,
             "test_top1_report": summ["final"]["test_top1"],  # the report's evaluation (summary.json: fp32)
             "test_top1_from": "the report" if loop is None else "the retraining loop",
+            # the retraining's best validation top-1: what a keep-the-better rule against channel-only would compare
+            "val_top1": fm.get("best_val_top1"),
             "flops_ratio": summ["comparison"]["flops_ratio"],
             "methods": summ["final"].get("methods"),
             "picked_study": pick.get("picked_study"),
