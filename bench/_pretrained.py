@@ -174,11 +174,16 @@ class Bench:
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
 
+    def dcs_unit(self, family: str, target: float, at_most: bool = False) -> tuple[str, Path]:
+        """The DCS unit's result key and the stem of its run directories (``STEM_search``, ``_mat``,
+        ``_retrained``)."""
+        tag = "-atmost" if at_most else ""
+        return f"dcs-{family}{tag}@{target}", self.runs / f"dcs_{family}_{target}{tag.replace('-', '_')}"
+
     def dcs(self, family: str, target: float, at_most: bool = False) -> None:
         """``search dcs --target-flops target`` with every default (``at_most``: the target as a limit, as the
         pipeline's DCS stage runs it; unit ``dcs-<family>-atmost@T``), materialized and retrained."""
-        tag = "-atmost" if at_most else ""
-        name, stem = f"dcs-{family}{tag}@{target}", self.runs / f"dcs_{family}_{target}{tag.replace('-', '_')}"
+        name, stem = self.dcs_unit(family, target, at_most)
         search, mat = Path(f"{stem}_search"), Path(f"{stem}_mat")
         entry = self.res.setdefault(name, {})
         job = DCSSearchJob(

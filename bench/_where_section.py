@@ -84,6 +84,13 @@ def _label(p: dict[str, Any]) -> str:
     return " + ".join(methods) or "-"
 
 
+def _verdict(p: dict[str, Any] | None, better: Any) -> str:
+    """Whether the pipeline ``p`` is at or above ``better`` ("-" where either is missing)."""
+    if p is None or better is None:
+        return "-"
+    return "yes" if p["test_top1"] >= better else "no"
+
+
 def _pipe_cell(p: dict[str, Any] | None) -> str:
     if not p:
         return "-"
@@ -118,12 +125,9 @@ def where_table(data: dict[str, Any]) -> list[str]:
         cells = []
         for v in variants:
             p = r["pipelines"].get(v)
-            met = None if p is None or r["better"] is None else p["test_top1"] >= r["better"]
-            cells += [_pipe_cell(p), "-" if met is None else "yes" if met else "no"]
+            cells += [_pipe_cell(p), _verdict(p, r["better"])]
         if same:
-            p = r["pipelines"].get(last)
-            met = None if p is None or r["better_same_flops"] is None else p["test_top1"] >= r["better_same_flops"]
-            cells.append("-" if met is None else "yes" if met else "no")
+            cells.append(_verdict(r["pipelines"].get(last), r["better_same_flops"]))
         ch_same = (
             "-" if r["channel_at_most"] is None else f"{_f(r['channel_at_most'])} ({_r(r['channel_at_most_flops'])}x)"
         )

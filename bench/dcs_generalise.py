@@ -204,9 +204,9 @@ class Cell(Bench):
 
     def dcs(self, family: str, target: float, at_most: bool = False) -> None:
         super().dcs(family, target, at_most=at_most)
-        tag = "-atmost" if at_most else ""
-        entry = self.res[f"dcs-{family}{tag}@{target}"]
-        sm = self.runs / f"dcs_{family}_{target}{tag.replace('-', '_')}_search" / "metrics.json"
+        name, stem = self.dcs_unit(family, target, at_most)
+        entry = self.res[name]
+        sm = Path(f"{stem}_search") / "metrics.json"
         if sm.is_file():
             m = read_json(sm)
             entry["search"].update(
