@@ -92,9 +92,15 @@ def _verdict(p: dict[str, Any] | None, better: Any) -> str:
 
 
 def _pipe_cell(p: dict[str, Any] | None) -> str:
+    """Test top-1 (methods, FLOPs); where the confirm step ran, the model it set aside and its test top-1."""
     if not p:
         return "-"
-    return f"{_f(p['test_top1'])} ({_label(p)}, {_r(p['flops_ratio'])}x)"
+    ck, why = p.get("confirm") or {}, ""
+    if ck.get("kept") == "channel-only":
+        why = f"; confirm: kept over the {ck['pick_kind']} pick, {_f(ck['pick_test_top1'])}"
+    elif ck.get("kept") == "pick" and ck.get("channel_test_top1") is not None:
+        why = f"; confirm: kept over channel-only, {_f(ck['channel_test_top1'])}"
+    return f"{_f(p['test_top1'])} ({_label(p)}, {_r(p['flops_ratio'])}x{why})"
 
 
 def where_table(data: dict[str, Any]) -> list[str]:

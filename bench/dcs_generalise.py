@@ -312,7 +312,9 @@ class Cell(Bench):
         t0 = time.time()
         summ = run_pipeline(path, out=out, progress=False)
         pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
-        final = out / "final" / "metrics.json"  # the retraining loop's test evaluation, as every other unit's
+        # the retraining loop's test evaluation, as every other unit's, of the model the pipeline kept (its
+        # retrained pick, or the channel-only model that its confirm step kept instead)
+        final = Path(summ["final"]["run"]) / "metrics.json"
         fm = read_json(final) if final.is_file() else {}
         loop = fm.get("test_top1")
         self.res[f"pipeline{tag.replace('_', '-')}@{target}"] = {
@@ -329,6 +331,8 @@ class Cell(Bench):
             "picked_study": pick.get("picked_study"),
             "candidates": pick.get("candidates"),
             "dcs": {k: summ["decisions"].get("dcs", {}).get(k) for k in ("kept", "reason", "mlp_gates")},
+            # the pick against the channel-only model after the same retraining (stages.retrain.confirm_pick)
+            "confirm": summ["decisions"].get("confirm"),
             "stage_seconds": {st["step"]: st["seconds"] for st in summ.get("stages", [])},
             "wall_s_this_call": time.time() - t0,
         }

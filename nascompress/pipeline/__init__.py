@@ -32,13 +32,15 @@ command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``ba
 ``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
 :func:`~nascompress.search.trial_model.materialize_trial`), ``final/``
-(:func:`~nascompress.retrain.retrain`), ``export/`` (:func:`~nascompress.export.export_run`, when the
+(:func:`~nascompress.retrain.retrain`), ``final_channel/`` (the ``confirm`` step,
+:mod:`~nascompress.pipeline.confirm`: when the pick cuts tokens, the channel-only model retrained beside
+it, the better on validation kept), ``export/`` (:func:`~nascompress.export.export_run`, when the
 file has an ``export`` section), then ``summary.json`` and ``report.html``
 (:mod:`nascompress.pipeline.report`).
 
 Resume: a step is complete when its marker ``OUT/done/<step>.json`` (written atomically after its
 outputs) exists and its outputs do; complete steps are skipped. An interrupted training step
-(base, DCS search, retrain) continues from its last epoch checkpoint (``resume=True``: the same
+(base, DCS search, retrain, confirm) continues from its last epoch checkpoint (``resume=True``: the same
 result as an uninterrupted run), the study continues by name (a trial killed mid-run is run
 again in its place and the sampler continues from the seed and the trials told, so the study
 and the pick are those of an uninterrupted run, see :mod:`nascompress.studies.runner`), and the

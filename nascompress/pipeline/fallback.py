@@ -22,6 +22,7 @@ from ..dcs_search.run import search_dcs
 from ..search.trial_model import materialize_trial, parse_pick, pick_trial
 from ..studies.inspect import load
 from ..studies.records import trial_record
+from .confirm import CHANNEL_DIR
 
 OUTCOMES = ("planned", "milder", "skipped")
 
@@ -80,9 +81,16 @@ def dcs_skipped(out: Path) -> bool:
     return bool(res and res.get("skipped"))
 
 
+def kept_channel_only(out: Path) -> bool:
+    """Whether the ``confirm`` step kept the channel-only model over the pick (:mod:`.confirm`)."""
+    marker = find_step_marker(out, "confirm")
+    return marker is not None and marker.result.get("kept") == "channel-only"
+
+
 def current_model(out: Path, *, base_dir: Path, dcs: bool, tokens: bool, retrain: bool, upto: str) -> Path | None:
     """The model the step ``upto`` (``tokens``, ``retrain`` or ``final``) starts from or the
-    pipeline ends with, following the DCS outcome; None: no compressed model was made."""
+    pipeline ends with, following the DCS outcome and the ``confirm`` step's choice; None: no
+    compressed model was made."""
     out = Path(out)
     current: Path | None = base_dir
     compressed = False
@@ -95,7 +103,7 @@ def current_model(out: Path, *, base_dir: Path, dcs: bool, tokens: bool, retrain
     if upto == "retrain":
         return current if compressed else None
     if retrain and compressed:
-        current = out / "final"
+        current = out / (CHANNEL_DIR if kept_channel_only(out) else "final")
     return current if compressed else None
 
 
@@ -170,5 +178,6 @@ __all__ = [
     "dcs_outcome",
     "dcs_skipped",
     "current_model",
+    "kept_channel_only",
     "OUTCOMES",
 ]

@@ -26,6 +26,8 @@ from ..dcs_search.materialize import build_job as build_mat_job, materialize_sea
 from ..search.space import load_space
 from ..search.trial_model import build_job as build_pick_job
 from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
+from . import confirm
+from ..runs.files import find_metrics
 from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
 from .report import write_summary
 from .steps import Pipeline, Step
@@ -42,6 +44,7 @@ STEPS = (
     "tokens_search_dense",
     "tokens_pick",
     "retrain",
+    "confirm",
     "export",
     "report",
 )
@@ -234,7 +237,7 @@ def _plan_tokens(
     return steps, storage
 
 
-def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> Step:
+def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: Path, base_dir: Path) -> list[Step]:
     s = cfg.stages.retrain
     try:
         job = build_job(
@@ -261,15 +264,46 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
             return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
         return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
 
-    return Step(
-        "retrain",
-        out / "final",
-        "train",
-        run,
-        outputs=("final/model.safetensors", "final/metrics.json"),
-        describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
-        f"{', teacher: the base' if s.distil_from == 'base' else ''})",
+    steps = [
+        Step(
+            "retrain",
+            out / "final",
+            "train",
+            run,
+            outputs=("final/model.safetensors", "final/metrics.json"),
+            describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
+            f"{', teacher: the base' if s.distil_from == 'base' else ''})",
+        )
+    ]
+    if not (s.confirm_pick and cfg.stages.dcs is not None and cfg.stages.tokens is not None):
+        return steps
+
+    def check(force: bool, resume: bool) -> dict[str, Any]:
+        if dcs_skipped(out):
+            return {"skipped": True, "reason": "the DCS stage was skipped: no channel-only model"}
+        reason = confirm.why_not(out, cfg.goal.max_flops)
+        if reason is not None:
+            return {"skipped": True, "reason": reason, "kept": "pick"}
+        kind = confirm.pick_kind(out)
+        retrain(
+            job.replace(model_dir=str(out / "dcs_mat"), out=str(out / confirm.CHANNEL_DIR)), force=force, resume=resume
+        )
+        picked = find_metrics(out / "tokens" / "picked") or {}
+        flops = {"pick": picked.get("flops_ratio"), "channel": confirm.channel_only_flops(out)}
+        return confirm.decide(out, kind, flops)
+
+    steps.append(
+        Step(
+            "confirm",
+            out / confirm.CHANNEL_DIR,
+            "train",
+            check,
+            outputs=(f"{confirm.CHANNEL_DIR}/model.safetensors", f"{confirm.CHANNEL_DIR}/metrics.json"),
+            describe="when the pick cuts tokens: retrain the channel-only model too (if it meets the goal) and "
+            "keep the better of the two on validation",
+        )
     )
+    return steps
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
@@ -331,7 +365,7 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
         steps += tok
         current = out / "tokens" / "picked"
     if cfg.stages.retrain is not None:
-        steps.append(_plan_retrain(cfg, out, ctx, current, base_dir))
+        steps += _plan_retrain(cfg, out, ctx, current, base_dir)
         current = out / "final"
     if cfg.export is not None:
         needs = ("onnx", "onnxruntime") if cfg.export.format == "onnx" else ()

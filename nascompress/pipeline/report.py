@@ -40,11 +40,19 @@ from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
 from ..studies.inspect import load
 from ..studies.report import build_report
+from .confirm import CHANNEL_DIR
 from .fallback import dcs_outcome
 from .steps import Pipeline
 
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
+
+
+# the retraining's record in summary.json (from the kept run's metrics.json)
+_RETRAIN_KEYS = (
+    "epochs eta warm_epochs kd feat_kd batch_size peak_lr start_val_top1 best_val_top1 best_epoch test_top1 test_n "
+    "train_time_s"
+).split()
 
 
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
@@ -271,26 +279,13 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
             decisions["dcs"] = _dcs_decisions(out, dcs_rec, dense_model)
     if cfg.stages.tokens is not None and final_dir is not None:
         decisions["tokens"] = _tokens_decisions(pipe, [m for m in methods if m.get("name") != "dcs"])
-    r = find_metrics(out / "final") if cfg.stages.retrain is not None and final_dir == out / "final" else None
+    kept_runs = (out / "final", out / CHANNEL_DIR)
+    r = find_metrics(final_dir) if cfg.stages.retrain is not None and final_dir in kept_runs else None
+    check = find_step_marker(out, "confirm")
+    if check is not None:  # the pick checked against the channel-only model at the full budget
+        decisions["confirm"] = dict(check.result)
     if r is not None:
-        decisions["retrain"] = {
-            k: r.get(k)
-            for k in (
-                "epochs",
-                "eta",
-                "warm_epochs",
-                "kd",
-                "feat_kd",
-                "batch_size",
-                "peak_lr",
-                "start_val_top1",
-                "best_val_top1",
-                "best_epoch",
-                "test_top1",
-                "test_n",
-                "train_time_s",
-            )
-        }
+        decisions["retrain"] = {k: r.get(k) for k in _RETRAIN_KEYS}
         decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
     decisions["methods"] = [
         {

@@ -196,6 +196,9 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
             )
         for m in tok["methods"]:
             lines.append(f"  {m['summary']}")
+    ck = dec.get("confirm")
+    if ck:
+        lines.append(f"confirm: not run ({ck.get('reason')})" if ck.get("skipped") else f"confirm: {ck.get('reason')}")
     rt = dec.get("retrain")
     if rt:
         extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"

@@ -211,11 +211,20 @@ class RetrainStage(Section):
     training settings (:data:`~nascompress.retrain.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
     ``batch_size`` null: from the training images), declared in the library with their checks, and
     the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
-    among its own runs; the command's ``--teacher`` is a run directory) and the data's ``train_limit``
-    for this stage."""
+    among its own runs; the command's ``--teacher`` is a run directory), ``confirm_pick`` (the
+    ``confirm`` step: :mod:`nascompress.pipeline.confirm`) and the data's ``train_limit`` for this
+    stage."""
 
     distil_from: str = setting(
         "base", choices=("base", "none"), help=("base: distil from the dense base (the teacher); none: no teacher.")
+    )
+    confirm_pick: bool = setting(
+        True,
+        help=(
+            "When the pick cuts tokens and the DCS stage's channel-only model meets the FLOPs goal by itself, "
+            "retrain that one too with the same recipe and keep the better of the two on validation "
+            "(the token study scores its trials on few images; this checks its pick at the full budget)."
+        ),
     )
     renamed = {"teacher": ("distil_from", None)}
     elsewhere = data_pointers()
