@@ -41,6 +41,33 @@ def test_the_better_on_validation(pick, channel, kept):
     assert confirm.better_on_validation(pick, channel) == kept
 
 
+def test_when_the_check_runs(tmp_path):
+    """A token-only pick is checked only when the channel-only model meets a FLOPs goal by itself; each
+    other case is one line naming why not."""
+    from nascompress.pipeline_files import Pick, write_pick
+    from nascompress.utils import write_json
+
+    (tmp_path / "tokens").mkdir()
+    (tmp_path / "dcs_mat").mkdir()
+    write_pick(
+        tmp_path / "tokens", Pick.new(picked_study="s-dense", candidates={}, dense_study="s-dense", dense_skipped=None)
+    )
+    assert confirm.pick_kind(tmp_path) == "token-only"
+    assert "the goal is a latency" in confirm.why_not(tmp_path, None)
+    assert "does not meet the goal" in confirm.why_not(tmp_path, 0.6)  # no channel-only model measured
+    write_json(tmp_path / "dcs_mat" / "metrics.json", {"flops_ratio_vs_dense": 0.6047})
+    assert confirm.why_not(tmp_path, 0.6) == "the channel-only model (0.6047x) does not meet the goal (0.6x) by itself"
+    write_json(tmp_path / "dcs_mat" / "metrics.json", {"flops_ratio_vs_dense": 0.59997})
+    assert confirm.why_not(tmp_path, 0.6) is None
+    run = tmp_path / "final"
+    run.mkdir()
+    write_json(run / "metrics.json", {"best_val_top1": 90.5, "best_epoch": 2, "test_top1": 90.1})
+    log = [{"epoch": 0, "start": True, "val_top1": 88.0, "val_loss": 0.5}]
+    log += [{"epoch": e, "val_top1": v, "val_loss": loss} for e, v, loss in ((1, 90.0, 0.4), (2, 90.5, 0.3))]
+    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    assert confirm.validation_record(run) == {"val_top1": 90.5, "val_loss": 0.3, "test_top1": 90.1}
+
+
 def _cfg(**retrain):
     cfg = tiny_config()
     cfg["stages"]["tokens"].pop("also_dense")  # the default: the dense base's study too
