@@ -52,13 +52,19 @@ def test_when_the_check_runs(tmp_path):
     write_pick(
         tmp_path / "tokens", Pick.new(picked_study="s-dense", candidates={}, dense_study="s-dense", dense_skipped=None)
     )
-    assert confirm.pick_kind(tmp_path) == "token-only"
-    assert "the goal is a latency" in confirm.why_not(tmp_path, None)
-    assert "does not meet the goal" in confirm.why_not(tmp_path, 0.6)  # no channel-only model measured
+    kind = confirm.pick_kind(tmp_path)
+    assert kind == "token-only"
+
+    def why_not(max_flops):
+        return confirm.why_not(kind, confirm.channel_only_flops(tmp_path), max_flops)
+
+    assert "the goal is a latency" in why_not(None)
+    assert "does not meet the goal" in why_not(0.6)  # no channel-only model measured
     write_json(tmp_path / "dcs_mat" / "metrics.json", {"flops_ratio_vs_dense": 0.6047})
-    assert confirm.why_not(tmp_path, 0.6) == "the channel-only model (0.6047x) does not meet the goal (0.6x) by itself"
+    assert why_not(0.6) == "the channel-only model (0.6047x) does not meet the goal (0.6x) by itself"
     write_json(tmp_path / "dcs_mat" / "metrics.json", {"flops_ratio_vs_dense": 0.59997})
-    assert confirm.why_not(tmp_path, 0.6) is None
+    assert why_not(0.6) is None
+    assert confirm.why_not("channel-only", 0.59997, 0.6) == "the pick is the channel-only model itself"
     run = tmp_path / "final"
     run.mkdir()
     write_json(run / "metrics.json", {"best_val_top1": 90.5, "best_epoch": 2, "test_top1": 90.1})

@@ -19,6 +19,7 @@ from typing import Any
 from ..pipeline_files import find_pick
 from ..runs.files import find_metrics
 from ..runs.io import read_arch
+from ..runs.store import LOG_FILE
 
 CHANNEL_DIR = "final_channel"
 _TIE = 1e-9
@@ -41,15 +42,14 @@ def channel_only_flops(out: Path) -> float | None:
     return None if m is None else m.get("flops_ratio_vs_dense")
 
 
-def why_not(out: Path, max_flops: float | None) -> str | None:
-    """Why the pick needs no check (a one-line reason), or None when the channel-only model is retrained
-    beside it."""
-    kind = pick_kind(out)
+def why_not(kind: str, ratio: float | None, max_flops: float | None) -> str | None:
+    """Why a pick of ``kind`` (:func:`pick_kind`) needs no check against the channel-only model at FLOPs
+    ratio ``ratio`` (:func:`channel_only_flops`) under the goal ``max_flops`` (None: a latency goal): a
+    one-line reason, or None when the channel-only model is retrained beside it."""
     if kind == "channel-only":
         return "the pick is the channel-only model itself"
     if max_flops is None:
         return "the goal is a latency: the channel-only model is not measured against it"
-    ratio = channel_only_flops(out)
     if ratio is None or ratio > max_flops + _TIE:
         at = "" if ratio is None else f" ({ratio:.4f}x)"
         return f"the channel-only model{at} does not meet the goal ({max_flops:g}x) by itself"
@@ -61,7 +61,7 @@ def validation_record(run: Path) -> dict[str, Any]:
     epoch (from its ``log.jsonl``; None where the log has none)."""
     m = find_metrics(run) or {}
     best, loss = m.get("best_epoch"), None
-    log = run / "log.jsonl"
+    log = run / LOG_FILE
     if best is not None and log.is_file():
         for line in log.read_text().splitlines():
             rec = json.loads(line) if line.strip() else {}

@@ -281,16 +281,15 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
     def check(force: bool, resume: bool) -> dict[str, Any]:
         if dcs_skipped(out):
             return {"skipped": True, "reason": "the DCS stage was skipped: no channel-only model"}
-        reason = confirm.why_not(out, cfg.goal.max_flops)
+        kind, ratio = confirm.pick_kind(out), confirm.channel_only_flops(out)
+        reason = confirm.why_not(kind, ratio, cfg.goal.max_flops)
         if reason is not None:
             return {"skipped": True, "reason": reason, "kept": "pick"}
-        kind = confirm.pick_kind(out)
         retrain(
             job.replace(model_dir=str(out / "dcs_mat"), out=str(out / confirm.CHANNEL_DIR)), force=force, resume=resume
         )
         picked = find_metrics(out / "tokens" / "picked") or {}
-        flops = {"pick": picked.get("flops_ratio"), "channel": confirm.channel_only_flops(out)}
-        return confirm.decide(out, kind, flops)
+        return confirm.decide(out, kind, {"pick": picked.get("flops_ratio"), "channel": ratio})
 
     steps.append(
         Step(
