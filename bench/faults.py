@@ -35,6 +35,8 @@ Usage (from the repository root)::
         --out bench/results/faults_hostile.json
     # the cases of issue 53 (bench/_faults_r53.py) only:
     python bench/faults.py --only r53- --out bench/results/faults_r53.json
+    # the cases of issue 64 (bench/_faults_r64.py: --force and the Python API never delete the user's files) only:
+    python bench/faults.py --only r64- --out bench/results/faults_r64.json
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from _faults import (
     tensors_equal,
 )
 from _faults_r53 import round53_cases
+from _faults_r64 import after_write_failure, round64_cases
 
 # ----------------------------------------------------------------------------------------------
 # The cases
@@ -422,30 +425,28 @@ def disk_cases(t: Table) -> None:
             t.unmount_all()
             c.data_lost = any(digest(p) != h for p, h in before.items())
 
-    @t.case("full-disk-train", "full disk", "one line: no space left; no run that looks finished")
+    @t.case(
+        "full-disk-train",
+        "full disk",
+        "one line: no space left; no run that looks finished: the unfinished run removed (then a plain rerun) or "
+        "kept with its checkpoint (then --resume), which with more space gives the uninterrupted run's weights",
+    )
     def _(c: Case, d: Path) -> None:
         if needs_mount(c):
             t.tmpfs(d / "small", size="96k")
             c.how = "tmpfs of 96 KiB"
             args = ["train", "--out", "small/run", "--epochs", "3", *TINY]
-            c.command = "nascompress " + " ".join(args) + "  (then: more space, rerun with --resume)"
+            c.command = "nascompress " + " ".join(args) + "  (then: more space, the rerun the message advises)"
             judge_refusal(c, t.nc(args, d), "no space")
-            if c.outcome == "clean refusal" and "--resume" not in (c.error_line or ""):
-                c.outcome = "wrong"  # the advice must be what continues the run (a plain rerun refuses the folder)
             c.partial_outputs = finished_outputs(d, set())
-            t.grow(d / "small")
-            r = t.nc(args + ["--resume"], d)
-            same = tensors_equal(
-                d / "small" / "run" / "model.safetensors", t.reference("train") / "run" / "model.safetensors"
-            )
-            c.note = (
-                (
-                    "with more space, --resume finished it "
-                    + ("with the uninterrupted run's weights" if same else "with other weights")
-                )
-                if r.rc == 0
-                else f"with more space, --resume failed: {error_line(r)}"
-            )
+
+            def rerun(resume: bool) -> Ran:
+                t.grow(d / "small")
+                return t.nc(args + (["--resume"] if resume else []), d)
+
+            # the advice must be what finishes the run: a plain rerun where the run was removed, --resume
+            # where it was kept (a plain rerun refuses that folder)
+            after_write_failure(c, d / "small" / "run", rerun, t.reference("train") / "run" / "model.safetensors")
 
     @t.case("full-disk-pipeline", "full disk", "one line: no space left; the finished steps kept")
     def _(c: Case, d: Path) -> None:
@@ -908,6 +909,7 @@ def main() -> None:
         leftover_cases(t)
         hostile_cases(t)
         round53_cases(t)
+        round64_cases(t)
     finally:
         t.unmount_all()
         if not args.keep:

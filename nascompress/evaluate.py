@@ -11,8 +11,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from . import runtime
-from .config import check_settings, setting
+from .config import check_field, check_int, check_settings, setting
 from .data import InputSpec, make_loader, preprocess
+from .errors import NascompressError
+from .limits import MAX_BATCH
 
 SPLITS = ("train", "val", "test")
 
@@ -62,6 +64,7 @@ def evaluate(
             attention as explicit bf16 matmuls on a CPU (:func:`~nascompress.runtime.cpu_attention`,
             as the training steps run it).
     """
+    check_field("batch_size", check_int, batch_size, 1, MAX_BATCH)
     model.eval().to(device)
     dtype = model_dtype(model)
     if teacher is not None:
@@ -69,12 +72,14 @@ def evaluate(
     correct = torch.zeros((), dtype=torch.long, device=device)
     agree = torch.zeros((), dtype=torch.long, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    finite = torch.ones((), dtype=torch.bool, device=device)  # every preprocessed image finite
     n = 0
     loader = make_loader(ds, batch_size=batch_size, shuffle=False, pin_memory=device.type == "cuda")
     with runtime.cpu_attention(model, device, amp):  # once for the split, not per batch
         for imgs, labels in loader:
             raw, y = runtime.to_device(imgs, device), runtime.to_device(labels, device)
             x = preprocess(raw, input_spec)
+            finite &= torch.isfinite(x).all()
             with runtime.autocast(device, amp):
                 logits = model(x.to(dtype)).float()
                 loss_sum += F.cross_entropy(logits, y, reduction="sum")
@@ -85,7 +90,14 @@ def evaluate(
                     agree += (teacher(tx.to(model_dtype(teacher))).argmax(-1) == pred).sum()
             n += len(y)
     # one read-back for the whole split
-    correct_n, agree_n, loss_total = torch.stack([correct.double(), agree.double(), loss_sum]).tolist()
+    correct_n, agree_n, loss_total, finite_n = torch.stack(
+        [correct.double(), agree.double(), loss_sum, finite.double()]
+    ).tolist()
+    if not finite_n:
+        raise NascompressError(
+            "the images hold values that are not finite (NaN or inf) once normalised: check the data "
+            "(a caller's tensors) and the normalisation's mean and std"
+        )
     out: dict[str, Any] = {"top1": 100.0 * correct_n / max(n, 1), "loss": loss_total / max(n, 1), "n": n}
     if teacher is not None:
         out["agreement"] = 100.0 * agree_n / max(n, 1)

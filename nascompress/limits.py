@@ -15,16 +15,29 @@ what was refused and how to raise the limit: ``NASCOMPRESS_<NAME>`` in the envir
   ~300 MB decoded before the resize): a 40-megapixel camera photo passes.
 - ``max_trials``: complete trials a study may be asked for (a study of 100,000 zero-shot trials
   already runs for weeks).
+- ``max_label_scan``: items of a caller's Dataset (the Python API) read one by one for their labels
+  when it has no ``targets`` attribute: each read loads an image, so 10^6 tensor items take seconds
+  and 10^8 would look like a hang (a ``targets`` attribute needs no pass at all).
 
 Seeds are in [0, 2^32 - 1] (:data:`SEED_MAX`: numpy's range; the seeds derived from them, e.g. a
 trial's, stay in 64 bits): the range of the ``seed`` setting itself, not a limit to raise.
 - ``max_yaml_depth``: nesting of a pipeline or search-space file (they nest a few levels).
+- ``max_yaml_values``: values (numbers, strings, lists, mappings) of such a file, counted by the C
+  parser before the file is read (a shipped one holds under 200; a search space's 10,000 layer sets
+  written out hold about 50,000): a list of 2,000,000 choices would take minutes to read.
 - ``max_json_depth``: nesting of a JSON file nascompress reads (``arch.json``, ``config.json``,
   ``metrics.json``, ``log.jsonl``, a checkpoint's metadata, an export sidecar): the deepest it
   writes, a checkpoint's optimizer state, nests about 10 levels; 10^6 levels would exhaust the
   parser's stack.
 - ``max_file_bytes``: size of such a JSON or YAML file (arch.json is a few KB; a log.jsonl of
   10,000 epochs about 5 MB).
+- ``max_journal_record_bytes``: one record (line) of a journal study storage (``journal:PATH``): a
+  trial's record is a few KB; a file that is no journal (one endless line) is refused after this
+  many bytes instead of being read into memory whole.
+
+An output's path is checked against its file system's limits before anything is written
+(:func:`check_path_names`): a name longer than ``NAME_MAX`` bytes (255 on ext4, XFS, btrfs, APFS,
+NTFS) or a path longer than ``PATH_MAX`` (4,096) cannot be created there; not a limit to raise.
 
 The count, size and iteration options of the commands (epochs, batch sizes, timing iterations, ...)
 have bounds too, :data:`OPTION_BOUNDS`: the largest value a real use needs, well above it; they
@@ -36,9 +49,10 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .errors import NascompressError
+from .errors import NascompressError, SettingError, literal
 
 ENV_PREFIX = "NASCOMPRESS_"
 SEED_MAX = 2**32 - 1
@@ -78,9 +92,12 @@ class Limits:
     max_model_tokens: int = _limit(16_384, lo=1, help="Tokens per image of a model (patches + prefix tokens).")
     max_image_pixels: int = _limit(40_000_000, lo=1, help="Pixels of one ImageFolder image.")
     max_trials: int = _limit(100_000, lo=1, help="Complete trials a study may be asked for.")
+    max_label_scan: int = _limit(1_000_000, lo=1, help="Items of a Dataset without targets read for their labels.")
     max_yaml_depth: int = _limit(50, lo=2, help="Nesting depth of a pipeline or search-space YAML file.")
+    max_yaml_values: int = _limit(100_000, lo=1, help="Values of a pipeline or search-space YAML file.")
     max_json_depth: int = _limit(100, lo=2, help="Nesting depth of a JSON file nascompress reads.")
     max_file_bytes: int = _limit(64 * 2**20, lo=1, help="Size of a JSON or YAML file nascompress reads.")
+    max_journal_record_bytes: int = _limit(64 * 2**20, lo=1, help="Size of one record (line) of a journal storage.")
 
 
 DEFAULT = Limits()
@@ -130,8 +147,50 @@ def check_limit(name: str, value: int, what: str, *, fix: str = "") -> None:
         )
 
 
+NAME_MAX, PATH_MAX = 255, 4096  # bytes of a file name, of a path (where the file system does not say)
+
+
+def _fs_limit(path: Path, name: str, default: int) -> int:
+    """The file system's ``pathconf`` value ``name`` where ``path`` (its nearest existing folder) lies."""
+    d = Path(os.path.abspath(path))
+    while not os.path.isdir(d) and d != d.parent:  # (os.path's: False for a name too long to stat)
+        d = d.parent
+    try:
+        return int(os.pathconf(d, name))
+    except (OSError, ValueError, AttributeError):  # no pathconf (Windows), or the system gives none
+        return default
+
+
+def check_path_names(path: str | Path, *, field: str = "out", extra: int = 0) -> None:
+    """Refuse, naming setting ``field``, an output ``path`` that its file system cannot hold: a name
+    longer than its ``NAME_MAX`` bytes (``extra``: the bytes the last name gets beside it, e.g. a
+    sidecar's ``.json`` and an atomic write's temp name) or a path longer than ``PATH_MAX``."""
+    p = Path(path)
+    parts = [q for q in p.parts if q not in ("/", ".", "..")]
+    name_max = _fs_limit(p, "PC_NAME_MAX", NAME_MAX)
+    for i, part in enumerate(parts):
+        n, add = len(os.fsencode(part)), extra if i == len(parts) - 1 else 0
+        if n + add > name_max:
+            more = f" and the files written beside it add {add}" if add else ""
+            fix = f" (a name of at most {name_max - add} bytes)" if add else ""
+            raise SettingError(
+                f"{{{field}}} has a name of {n:,} bytes ({literal(repr(part[:16]))}...){more}: longer than "
+                f"the {name_max} bytes a file name may have; choose a shorter {{{field}}}{fix}"
+            )
+    total = len(os.fsencode(os.path.abspath(p))) + extra
+    path_max = _fs_limit(p, "PC_PATH_MAX", PATH_MAX)
+    if total >= path_max:
+        raise SettingError(
+            f"{{{field}}} is a path of {total:,} bytes, longer than the {path_max:,} this system allows; "
+            f"choose a shorter {{{field}}}"
+        )
+
+
 __all__ = [
     "Limits",
+    "NAME_MAX",
+    "PATH_MAX",
+    "check_path_names",
     "limits",
     "check_limit",
     "check_limited",

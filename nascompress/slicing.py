@@ -23,9 +23,12 @@ def as_index(keep: Any, size: int, *, what: str, device: torch.device | None = N
     idx = torch.as_tensor(keep, dtype=torch.long).flatten()
     bad = [int(i) for i in idx if not 0 <= int(i) < size]
     if bad:
-        raise NascompressError(f"{what}: all indices should fall into [0, {size}). Invalid indices: {bad}")
+        more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+        raise NascompressError(f"{what}: all indices should fall into [0, {size}). Invalid indices: {bad[:5]}{more}")
     if len(set(idx.tolist())) != len(idx):
-        raise NascompressError(f"{what}: indices must be unique, got {idx.tolist()}")
+        seen: set[int] = set()
+        twice = next(i for i in idx.tolist() if i in seen or seen.add(i))
+        raise NascompressError(f"{what}: indices must be unique, got {twice} twice (of {len(idx)} indices)")
     return idx.sort().values.to(device)
 
 

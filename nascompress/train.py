@@ -279,13 +279,16 @@ def train(
     data = load_data(job.data, spec=spec, augment=not job.linear_probe)  # a probe's features: no augmentation
     check_classes(model.num_classes, data)
     arch = make_arch(job.model, input_spec=spec.to_dict(), labels=data.classes)
-    run.create(job.to_dict())
-    if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
-        return run.finish(fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch))
-    if distributed.is_main() and not (out / ARCH_FILE).exists():
-        write_arch_json(out, arch)
-    distributed.barrier()  # the run directory is ready
-    return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
+    with run.removed_if_unwritable():  # a full disk before the first checkpoint leaves no half-written run
+        run.create(job.to_dict())
+        if job.linear_probe:  # not checkpointed: a resumed probe runs again (it is deterministic)
+            return run.finish(
+                fit_linear_probe(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch)
+            )
+        if distributed.is_main() and not (out / ARCH_FILE).exists():
+            write_arch_json(out, arch)
+        distributed.barrier()  # the run directory is ready
+        return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
 
 
 __all__ = [

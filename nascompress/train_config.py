@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from . import runtime
 from .config import Config, check_choice, check_int, check_range, check_settings, setting
+from .errors import SettingError
 from .limits import MAX_BATCH, MAX_EPOCHS, MAX_LR, SEED_MAX
 
 LR_REF_BATCH = 512  # base learning rates are given per 512 images (peak lr = base_lr * batch / 512)
@@ -23,7 +24,8 @@ class TrainConfig(Config):
         lr: absolute peak AdamW learning rate; None: ``base_lr * global batch / 512`` (:meth:`peak_lr_for`).
         base_lr: peak learning rate per 512 images (used where ``lr`` is None: each stage's recipe and
             method has its own).
-        min_lr: end of the cosine (capped at the peak lr).
+        min_lr: end of the cosine: at most ``lr`` (or, without it, ``base_lr``); a larger one is
+            refused (the loop still caps it at the peak lr, which a small batch makes lower).
         warmup_epochs: linear warm-up length, in epochs (may be fractional).
         weight_decay: AdamW decay (not applied to biases, norms, tokens, position embeddings).
         layer_decay: layer-wise lr decay (timm's convention: block i of L at decay^(L - i)); None: off.
@@ -92,6 +94,12 @@ class TrainConfig(Config):
 
     def __post_init__(self) -> None:
         check_settings(self)  # every setting() against its declaration; below: the internal fields
+        peak, which = (self.lr, "{lr}") if self.lr is not None else (self.base_lr, "{base_lr}")
+        if self.min_lr > peak:  # the cosine would climb from the peak to it (the loop caps it there)
+            raise SettingError(
+                f"{{min_lr}} {self.min_lr:g} is above the peak learning rate, {which} {peak:g}: the cosine "
+                f"decays from the peak to {{min_lr}}; give {{min_lr}} at most {peak:g} (e.g. {{min_lr}} 0)"
+            )
         check_range("grad_clip", self.grad_clip, 0)
         check_choice("keep", self.keep, ("best", "last"))
         check_int("log_every", self.log_every, 1)

@@ -147,25 +147,33 @@ def fit(
 class LossWatch:
     """The training losses of the last steps, kept on the device and read back in one host sync
     every ``every`` steps: the progress bar's loss, and the non-finite check (which names the first
-    bad step; the epoch's checkpoint is written only after it passed)."""
+    bad step, and its images when they were not finite; the epoch's checkpoint is written only after
+    it passed)."""
 
     def __init__(self, every: int):
         self.every = every
-        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (step, loss, inputs finite)
 
-    def add(self, step: int, loss: torch.Tensor) -> bool:
-        """Keep ``loss``; True when a read is due."""
-        self.pending.append((step, loss.detach()))
+    def add(self, step: int, loss: torch.Tensor, inputs: torch.Tensor | None = None) -> bool:
+        """Keep ``loss`` (and whether the step's ``inputs`` were all finite); True when a read is due."""
+        ok = torch.ones((), dtype=torch.bool, device=loss.device) if inputs is None else torch.isfinite(inputs).all()
+        self.pending.append((step, loss.detach(), ok))
         return len(self.pending) >= self.every
 
     def read(self, *, epoch: int, peak_lr: float) -> float | None:
         """The last loss (None if none is pending); stops with one line at the first non-finite one."""
         if not self.pending:
             return None
-        steps, losses = zip(*self.pending)
+        steps, losses, finite = zip(*self.pending)
         self.pending = []
         values = torch.stack([v.float().reshape(()) for v in losses]).tolist()
-        for i, v in zip(steps, values):
+        inputs_ok = torch.stack(finite).tolist()
+        for i, v, ok in zip(steps, values, inputs_ok):
+            if not math.isfinite(v) and not ok:  # NaN/inf images (or normalisation): not the lr
+                raise NascompressError(
+                    f"the images of epoch {epoch + 1} step {i} hold values that are not finite (NaN or inf) "
+                    "once normalised: check the data (a caller's tensors) and the normalisation's mean and std"
+                )
             if not math.isfinite(v):
                 raise SettingError(
                     f"loss became {v} at epoch {epoch + 1} step {i}; lower {{lr}} (the peak lr was {peak_lr:.3g})"
@@ -283,7 +291,7 @@ def _fit(
                 hooks.prepare_step(model, tag)
                 with runtime.autocast(device, amp):  # (resolved once above)
                     loss, logs = step(x, y, epoch=epoch, cfg=cfg, tag=tag)  # hooks.loss(model, ...), under DDP
-                due = watch.add(i, loss)
+                due = watch.add(i, loss, x if torch.is_tensor(x) else None)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()  # under torchrun DDP averages the gradients over the ranks meanwhile
                 step.check()
@@ -322,6 +330,9 @@ def _fit(
                 )
                 if digest is not None:
                     record["state_digest"] = digest
+            # the epoch's record before its checkpoint: a run killed between the two resumes from the
+            # epoch before and drops the record (RunStore.start), so every epoch's record is written once
+            store.record(record)
             if store.dir is not None and main:
                 store.checkpoint(
                     {
@@ -338,7 +349,6 @@ def _fit(
                         "start": start_rec,
                     }
                 )
-            store.record(record)
             progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
             hooks.check(record, start_rec)
     step.close()

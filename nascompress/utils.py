@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,7 +15,8 @@ import numpy as np
 import torch
 
 from .errors import NascompressError, SettingError, writing
-from .limits import check_limit, env_name, limits
+from .limits import check_limit, check_path_names, env_name, limits
+from .runs.owner import check_replaceable, clear_own, write_mark
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -38,6 +38,25 @@ def resolve_device(device: str | None) -> torch.device:
         raise NascompressError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SettingError(f"device {device!r} requested but CUDA is not available; use {{device}} cpu")
+    return dev
+
+
+def machine_device(value: str | torch.device, *, field: str = "device") -> torch.device:
+    """``value`` (a ``map_location``) as a device this machine has; anything else refused in one
+    line naming ``field`` (not torch's AssertionError from a CPU build)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise SettingError(f"{{{field}}} {value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SettingError(
+            f"{{{field}}} {value!r} needs CUDA, which this machine (or its torch build) has not; use {{{field}}} 'cpu'"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SettingError(
+            f"{{{field}}} {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"use {{{field}}} 'cuda' or 'cpu'"
+        )
     return dev
 
 
@@ -219,17 +238,31 @@ def resume_differences(recorded: Any, given: Any, explicit: set[str]) -> list[st
     return diffs
 
 
+def _ids(p: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
 def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, field: str = "out") -> None:
     """Refuse, whatever ``--force`` says, an output ``out`` that is one of the command's ``inputs``
     (paths; None entries skipped) or a directory that contains one: writing it would replace or
-    delete what the command reads."""
+    delete what the command reads. Paths are compared as the files they are (device and inode), so
+    a bind mount, a hard link or another spelling of an input is the input."""
+    if str(out).strip() == "":
+        raise SettingError(f"{{{field}}} is empty; give the directory to write")
     dst = Path(os.path.realpath(out))
+    dst_id = _ids(dst)
     for src in inputs:
         if src is None or str(src) == "":
             continue
         s = Path(os.path.realpath(src))
-        if s == dst or dst in s.parents:
-            what = "is" if s == dst else "contains"
+        same = s == dst or (dst_id is not None and _ids(s) == dst_id)
+        inside = dst in s.parents or (dst_id is not None and any(_ids(p) == dst_id for p in s.parents))
+        if same or inside:
+            what = "is" if same else "contains"
             raise SettingError(
                 f"{{{field}}} {out} {what} the command's input {src}: writing it would replace the "
                 f"input (even with {{force}}); choose another {{{field}}}"
@@ -239,18 +272,25 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Any, *, field: str = "out
 def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = False, inputs: Any = ()) -> Path:
     """Check that ``out`` may be written, without creating it.
 
-    An existing non-empty directory is refused unless ``force`` (it is then emptied when
-    :func:`create_out_dir` runs) or ``resume`` (it is kept). An ``out`` that is or contains one of
-    ``inputs`` (the paths the command reads) is refused whatever the flags.
+    An existing non-empty directory is refused unless ``resume`` (it is kept) or ``force`` and it is
+    a nascompress output holding nothing else (:func:`~nascompress.runs.owner.check_replaceable`:
+    its entries are removed when :func:`create_out_dir` runs; any other directory is refused, so
+    ``force`` never deletes a file nascompress did not write). An ``out`` that is or contains one
+    of ``inputs`` (the paths the command reads) is refused whatever the flags.
     """
-    out = Path(out)
     refuse_overwriting_inputs(out, inputs)
+    check_path_names(out)  # a name its file system cannot hold: one line, not OSError, before anything
+    out = Path(out)
+    if out.is_symlink() and not out.is_dir():
+        raise SettingError(f"output path {out} is a symbolic link to no directory; choose another {{out}}")
     if out.exists() and not out.is_dir():
         raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
-    if out.exists() and any(out.iterdir()) and not (force or resume):
-        raise SettingError(
-            f"output directory {out} already exists; pass {{force}} to overwrite it or {{resume}} to continue it"
-        )
+    if out.is_dir() and any(out.iterdir()) and not resume:
+        if not force:
+            raise SettingError(
+                f"output directory {out} already exists; pass {{force}} to overwrite it or {{resume}} to continue it"
+            )
+        check_replaceable(out)
     parent = out if out.exists() else out.parent
     while not parent.exists():
         parent = parent.parent
@@ -259,13 +299,16 @@ def prepare_out_dir(out: str | Path, *, force: bool = False, resume: bool = Fals
     return out
 
 
-def create_out_dir(out: Path, *, force: bool = False, resume: bool = False) -> Path:
-    """Create ``out`` (after :func:`prepare_out_dir` accepted it). With force, clear it first."""
+def create_out_dir(out: Path, *, force: bool = False, resume: bool = False, kind: str = "run") -> Path:
+    """Create ``out`` (after :func:`prepare_out_dir` accepted it) and mark it as a nascompress
+    output. With force, its entries (all nascompress's: checked again here) are removed first."""
     try:
         with writing(out, what=f"output directory {out}"):
-            if out.exists() and force and not resume:
-                shutil.rmtree(out)
+            if out.is_dir() and force and not resume and any(out.iterdir()):
+                check_replaceable(out)
+                clear_own(out)
             out.mkdir(parents=True, exist_ok=True)
+            write_mark(out, kind)
     except OSError as e:  # not a disk or permission problem (those are one line already)
         raise NascompressError(f"cannot create output directory {out}: {e.strerror}") from e
     return out

@@ -48,6 +48,13 @@ def read_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
             break
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise NascompressError(f"weights file {path} does not hold a state dict of tensors")
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # they would train and evaluate to NaN (a NaN loss is no learning-rate problem)
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise NascompressError(
+            f"weights file {path} holds values that are not finite (NaN or inf) in {bad[0]}{more}: the "
+            "file is damaged or the training that wrote it diverged; give other weights"
+        )
     return sd
 
 

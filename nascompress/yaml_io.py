@@ -1,6 +1,7 @@
 """YAML config files of the user's (pipelines, search spaces): the strict loader
-(:class:`StrictYamlLoader`), and reading a file with it: a missing, unreadable or invalid file is one
-line naming the file (and the line of a YAML error)."""
+(:class:`StrictYamlLoader`), and reading a file with it: a missing, unreadable, invalid or too large
+file is one line naming the file (and the line of a YAML error), never quoting its content
+(:func:`shown`: a value as a message shows it)."""
 
 from __future__ import annotations
 
@@ -60,13 +61,57 @@ StrictYamlLoader.add_implicit_resolver(
 )
 
 
-def read_yaml_file(path: str | Path, *, what: str) -> Any:
+SHOWN_CHARS = 32  # the longest text a message quotes (a word the user wrote at a key, not a file's content)
+
+
+def shown(v: Any) -> str:
+    """A value read from a file as a message shows it: a number, a bool, a short one-line text or a
+    short list of such as written, anything else by its kind (a long text could be the first line
+    of whatever file was given: it is never quoted)."""
+    if isinstance(v, str) and (len(v) > SHOWN_CHARS or not v.isprintable()):
+        return f"a text of {len(v):,} characters"
+    if isinstance(v, (dict, list)):
+        text = repr(v)
+        short = len(text) <= 2 * SHOWN_CHARS and all(
+            shown(x) == repr(x) for x in (v.values() if isinstance(v, dict) else v)
+        )
+        items = f"{len(v):,} item{'' if len(v) == 1 else 's'}"
+        return text if short else "a mapping" if isinstance(v, dict) else f"a list of {items}"
+    return repr(v)
+
+
+_VALUES = (yaml.ScalarEvent, yaml.SequenceStartEvent, yaml.MappingStartEvent, yaml.AliasEvent)
+
+
+def _check_values(text: str, path: Path) -> None:
+    """Refuse a file of more values than the ``max_yaml_values`` limit, counted by libyaml's C parser
+    (where PyYAML has it) before the strict loader, whose pure-Python reading takes about 50 us a
+    value, reads it; a syntax error is left to that loader to report."""
+    limit, n = limits().max_yaml_values, 0
+    try:
+        for event in yaml.parse(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+            n += isinstance(event, _VALUES)
+            if n > limit:
+                raise NascompressError(
+                    f"{path} holds more than {limit:,} values (the max_yaml_values limit): it is no pipeline "
+                    f"or search-space file, or lists far too many choices; shorten it (or raise the limit "
+                    f"with {env_name('max_yaml_values')}=N if it is intended)"
+                )
+    except yaml.YAMLError:
+        return
+
+
+def read_yaml_file(path: str | Path, *, what: str, mapping: str | None = None) -> Any:
     """The parsed YAML of ``path`` (not validated); ``what`` names the file in messages
-    (``config file``, ``search space``)."""
+    (``config file``, ``search space``); ``mapping``: what its top level must be, a mapping
+    (e.g. ``a mapping of sections (format, ...)``), refused naming the line where it starts."""
     path = Path(path)
     text = read_file_text(path, what=what)  # bounded in size (max_file_bytes)
+    _check_values(text, path)
+    loader = StrictYamlLoader(text)
     try:
-        return yaml.load(text, Loader=StrictYamlLoader)  # noqa: S506 (a SafeLoader subclass)
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
     except RecursionError:  # the max_yaml_depth limit raised above what the parser's stack holds
         raise NascompressError(
             f"{path}: nested too deeply for the YAML parser; lower its nesting (or the "
@@ -75,5 +120,12 @@ def read_yaml_file(path: str | Path, *, what: str) -> Any:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or "unreadable"  # (the text of e would quote the file)
         raise NascompressError(f"{path}: not valid YAML{at}: {problem}") from None
+    finally:
+        loader.dispose()
+    if mapping is not None and not isinstance(data, dict):
+        at = f"line {node.start_mark.line + 1}" if node is not None else "line 1"
+        found = "nothing" if data is None else "a list" if isinstance(data, list) else shown(data)
+        raise NascompressError(f"{path}: {at}: expected {mapping}, found {found}; is it a {what}?")
+    return data

@@ -206,9 +206,14 @@ def test_import_bad_inputs_write_nothing(tmp_path, vit_weights):
     (out / "keep.txt").write_text("x")
     one_line_error(invoke("import", "test_vit", "--weights", path, "--out", out), "--force")
     assert (out / "keep.txt").read_text() == "x"
+    # --force replaces only a nascompress output: a folder of the user's is refused and kept
+    one_line_error(invoke("import", "test_vit", "--weights", path, "--out", out, "--force"), "not a nascompress output")
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
+    assert invoke("import", "test_vit", "--weights", path, "--out", out).exit_code == 0
     r = invoke("import", "test_vit", "--weights", path, "--out", out, "--force")
     assert r.exit_code == 0, r.output
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").is_file()
 
 
 def test_import_job_round_trips():

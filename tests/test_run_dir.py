@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nascompress.errors import NascompressError
+from nascompress.errors import NascompressError, SettingError
 from nascompress.runs.io import run_state
 from nascompress.runs.run_dir import RunDir
 
@@ -35,8 +35,12 @@ def test_create_records_the_config_force_empties_resume_keeps(tmp_path):
     (out / "keep.txt").write_text("x")
     RunDir.prepare(out, resume=True).create({"a": 2})
     assert (out / "keep.txt").exists() and json.loads((out / "config.json").read_text()) == {"a": 2}
+    with pytest.raises(SettingError, match=r"holds files nascompress did not write \(keep.txt\)"):
+        RunDir.prepare(out, force=True)  # force replaces nascompress's files, never the user's
+    assert (out / "keep.txt").read_text() == "x"
+    (out / "keep.txt").unlink()
     RunDir.prepare(out, force=True).create({"a": 3})
-    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".nascompress", "config.json"]
 
 
 def test_finish_marks_the_run_complete_and_returns_the_metrics(tmp_path):

@@ -54,8 +54,9 @@ class PipedConsole(Console):
 
 
 PIPED_WIDTH = 10_000  # wide enough for any table the commands print
-out = PipedConsole(quiet=not MAIN)
-err = Console(stderr=True)
+# what the commands print is text (paths, names): no rich markup ("[bold]"), no emoji codes (":x:")
+out = PipedConsole(quiet=not MAIN, markup=False, emoji=False)
+err = Console(stderr=True, emoji=False)  # its markup only colours "error:"; messages are escaped
 STATE = {"debug": False}
 # options of commands that do not generate them (setting_params), with the library's help
 SkipBadImages = Annotated[bool, typer.Option("--skip-bad-images", help=setting_help(DataConfig, "skip_bad_images"))]
@@ -102,7 +103,7 @@ def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         err.print(f"[red]error:[/red] {escape(cli_words(e))}", highlight=False, soft_wrap=True)  # text, not markup
         raise typer.Exit(code=1)
     except KeyboardInterrupt:
-        err.print(interrupt_advice(), highlight=False, soft_wrap=True)
+        err.print(escape(interrupt_advice()), highlight=False, soft_wrap=True)
         raise typer.Exit(code=130)
     except typer.Exit:
         raise

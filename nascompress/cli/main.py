@@ -130,12 +130,17 @@ def evaluate(
 ) -> None:
     """Top-1 accuracy and loss of a saved model on a split (and agreement with a teacher)."""
     split, epsilon = settings.split, settings.epsilon
-    data = run_data_config(run_dir) if run_dir.is_dir() else None
-    if dataset is not None or data is None:
-        data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
-    if eval_limit is not None:
-        data = replace(data, eval_limit=eval_limit)
-    data = skip_bad(data, skip_bad_images)
+
+    def data_config() -> DataConfig:
+        data = run_data_config(run_dir) if run_dir.is_dir() else None
+        if dataset is not None or data is None:
+            data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
+        if eval_limit is not None:
+            data = replace(data, eval_limit=eval_limit)
+        replace(TrainConfig(), eval_batch_size=eval_batch_size)  # its range checked, naming the option
+        return skip_bad(data, skip_bad_images)
+
+    data = run(data_config)  # a bad value: one line naming its option
     if epsilon is not None:
         res = run(
             lambda: epsilon_sweep(

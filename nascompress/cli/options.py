@@ -17,17 +17,24 @@ from typing import Annotated, Any
 
 import typer
 
-from nascompress.cli.common import RUN_DATA, setting_option
+from nascompress.cli.common import RUN_DATA, fail, setting_option
 
 OUT_HELP = "Run directory to create."
-FORCE_HELP = "Overwrite an existing --out."
+FORCE_HELP = "Replace an existing --out that nascompress wrote (never a folder of other files)."
 RESUME_HELP = "Continue the run in --out (its recorded job) from its last checkpoint."
 JSON_HELP = "Print the result as JSON."
 
 
+def _out_path(value: str) -> Path:
+    """``--out ''`` would mean the working directory: refused in one line before anything runs."""
+    if not str(value).strip():
+        fail("--out is empty; give the directory (or file) to write")
+    return Path(value)
+
+
 def out_option(help: str = OUT_HELP) -> Any:
     """``--out``: where the command writes; ``help``: what it holds (default: a run directory to create)."""
-    return Annotated[Path, typer.Option("--out", help=help)]
+    return Annotated[Path, typer.Option("--out", help=help, parser=_out_path, metavar="<path>")]
 
 
 def force_option(help: str = FORCE_HELP) -> Any:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from nascompress.cli.common import err, out, print_json, run, setting_option
@@ -48,14 +49,16 @@ def register(app: typer.Typer) -> None:
         ],
         out_dir: out_option("Pipeline directory (an earlier run of the same config is continued)."),
         seed: setting_option(FILE_SEED, "seed") = None,
-        force: force_option("Start over in --out (its contents are removed).") = False,
+        force: force_option(
+            "Start over in --out (a pipeline folder nascompress wrote: its files are replaced)."
+        ) = False,
         json_out: JsonOut = False,
     ) -> None:
         """One command from a model to a slim, faster model: base, DCS channels, a token-method
         search picked under the goal, retraining, and a report against the dense base."""
 
         def log(msg: str) -> None:
-            err.print(f"[bold]pipeline[/bold] {msg}", highlight=False, soft_wrap=True)
+            err.print(f"[bold]pipeline[/bold] {escape(msg)}", highlight=False, soft_wrap=True)  # text, not markup
 
         def go():
             try:

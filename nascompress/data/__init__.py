@@ -296,7 +296,7 @@ def load_data(
         val = None
         name, channels, size = "synthetic", 1, (16, 16)
     elif is_memory(cfg.dataset):  # a caller's Dataset (the Python API): its own splits, its preprocessing
-        mem = memory_splits(cfg.dataset)
+        mem = memory_splits(cfg.dataset, spec)  # (images of the model's channels and size)
         train_full, val, test = mem.train, mem.val, mem.test
         name, channels, size = cfg.dataset, mem.in_chans, mem.size
     else:

@@ -55,13 +55,18 @@ def _number_list(v: Any) -> bool:
     )
 
 
+MIN_STD = 1e-6  # the smallest std of a recorded normalisation (a pixel in [0, 1] over it stays finite)
+MAX_MEAN = 1e6  # the largest |mean|
+
+
 def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None = None) -> None:
     """Check the ``input`` section of an arch read from a file, in one line naming ``source``:
     ``img_size`` [H, W] of positive integers, ``in_chans`` a positive integer, ``mean``/``std`` finite
-    (``std`` > 0) with 1 or ``in_chans`` values; against ``model`` (the geometry of the model the
-    arch builds, :func:`~nascompress.models.model_size`: ``img_size``, ``patch_size``, ``in_chans``,
-    ``prefix``, with ``dynamic`` for ``dynamic_img_size``): the same channels, and the model's
-    image size (or, dynamic, a multiple of the patch within the token limit)."""
+    (``std`` >= :data:`MIN_STD`, ``|mean|`` <= :data:`MAX_MEAN`: normalised pixels stay finite) with
+    1 or ``in_chans`` values; against ``model`` (the geometry of the model the arch builds,
+    :func:`~nascompress.models.model_size`: ``img_size``, ``patch_size``, ``in_chans``, ``prefix``,
+    with ``dynamic`` for ``dynamic_img_size``): the same channels, and the model's image size (or,
+    dynamic, a multiple of the patch within the token limit)."""
 
     def bad(what: str) -> NascompressError:
         return NascompressError(
@@ -82,6 +87,11 @@ def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None =
             raise bad(f"{name} must be a list of 1 or {chans} (in_chans) finite numbers, got {v!r}")
     if any(s <= 0 for s in inp["std"]):
         raise bad(f"std values must be positive, got {inp['std']!r}")
+    if any(s < MIN_STD for s in inp["std"]) or any(abs(m) > MAX_MEAN for m in inp["mean"]):
+        raise bad(  # normalised pixels would overflow to inf: the model's outputs NaN
+            f"std values must be at least {MIN_STD:g} and mean values within +-{MAX_MEAN:g} "
+            f"(pixels are in [0, 1]), got mean {inp['mean']!r}, std {inp['std']!r}"
+        )
     try:
         check_input(inp.get("interpolation"), inp.get("crop_pct"), inp.get("crop_mode"))
     except NascompressError as e:

@@ -15,21 +15,61 @@ with ``out=``) gets the same name: the fingerprint is the splits' lengths, types
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .sources import MEMORY_DATASETS, MEMORY_PREFIX
 from ..errors import NascompressError
+from ..limits import check_limit
+
+if TYPE_CHECKING:
+    from .input import InputSpec
+
+LABELS_ARE = (
+    "labels must be integer class indices (0, 1, ...), one per image: map class names to indices "
+    "(and give the names with classes=)"
+)
+
+
+def _shown(v: Any) -> str:
+    """A label as a message shows it: a tensor's type and shape, else a short repr and its type."""
+    if isinstance(v, (torch.Tensor, np.ndarray)) and v.ndim:
+        return f"a {type(v).__name__} of shape {tuple(v.shape)}"
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        v = v.item()
+    text = repr(v)
+    return f"{text if len(text) <= 40 else text[:40] + '...'} ({type(v).__name__})"
+
+
+def _index(v: Any) -> int | None:
+    """``v`` as a class index (an integer, an integral finite float, or a one-value tensor of one),
+    else None."""
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        if v.ndim and math.prod(v.shape) != 1:
+            return None
+        v = v.item()
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real) and math.isfinite(v) and float(v).is_integer():
+        return int(v)
+    return None
 
 
 class CallerDataset(Dataset):
-    """A caller's map-style dataset seen as nascompress's splits are: ``labels`` (read once),
-    ``classes``, and items ``(float or uint8 image tensor (C, H, W), int label)``."""
+    """A caller's map-style dataset seen as nascompress's splits are: ``labels`` (read once and
+    checked: integer class indices), ``classes``, and items ``(float or uint8 image tensor (C, H, W),
+    int label)``. ``what``: the Python argument it came as (``data``, ``val`` ...), and ``named``:
+    where ``classes`` came from (default ``classes=``, or the dataset's ``classes``), for messages."""
 
-    def __init__(self, base: Dataset, *, classes: Sequence[str] | None = None, what: str = "the dataset"):
+    def __init__(
+        self, base: Dataset, *, classes: Sequence[str] | None = None, what: str = "data", named: str | None = None
+    ):
         if isinstance(base, IterableDataset) or not hasattr(base, "__getitem__") or not hasattr(base, "__len__"):
             raise NascompressError(
                 f"{what} must be a map-style torch Dataset (with __len__ and __getitem__) of "
@@ -38,17 +78,79 @@ class CallerDataset(Dataset):
         if len(base) == 0:
             raise NascompressError(f"{what} holds no images")
         self.base, self.what = base, what
-        labels = getattr(base, "targets", None)
-        if labels is None:
-            labels = [self._label(self._item(i)[1]) for i in range(len(base))]
-        self.labels = torch.as_tensor(list(labels), dtype=torch.long)
+        targets = getattr(base, "targets", None)
+        if targets is None:
+            check_limit(
+                "max_label_scan",
+                len(base),
+                f"{what}'s length (its items are read one by one for their labels: it has no targets attribute)",
+                fix=f"give {what} a targets attribute (its labels, one per item) or fewer items",
+            )
+            self.labels = torch.tensor([self._label(self._item(i)[1], i) for i in range(len(base))], dtype=torch.long)
+        else:
+            self.labels = self._targets(targets)
         self.classes = list(classes) if classes is not None else list(getattr(base, "classes", None) or [])
+        top = int(self.labels.max())
         if not self.classes:
-            self.classes = [str(i) for i in range(int(self.labels.max()) + 1)]
+            self.classes = [str(i) for i in range(top + 1)]
+        elif top >= len(self.classes):
+            named = named or ("classes=" if classes is not None else f"{what}.classes")
+            raise NascompressError(
+                f"{what} has label {top} but {named} names {len(self.classes)} classes; {LABELS_ARE}"
+            )
         self.shape = tuple(self._item(0)[0].shape)
 
+    def _targets(self, targets: Any) -> torch.Tensor:
+        """The labels of a ``targets`` attribute, checked: one class index per item."""
+        numeric = isinstance(targets, torch.Tensor) or isinstance(targets, np.ndarray) and targets.dtype.kind in "biuf"
+        if numeric and targets.ndim == 1:
+            t = torch.as_tensor(targets)
+            bad = None
+            if t.is_complex():
+                bad = 0
+            elif t.is_floating_point():
+                wrong = ~(torch.isfinite(t) & (t == t.round()))
+                bad = int(wrong.nonzero()[0, 0]) if bool(wrong.any()) else None
+            if bad is not None:
+                raise NascompressError(f"{self.what}.targets[{bad}] is {_shown(t[bad])}; {LABELS_ARE}")
+            labels = t.long()
+        else:
+            try:
+                targets = list(targets)
+            except TypeError:
+                raise NascompressError(
+                    f"{self.what}.targets is a {type(targets).__name__}, not a sequence of labels; {LABELS_ARE}"
+                ) from None
+            labels = torch.tensor([self._label(y, i, "targets") for i, y in enumerate(targets)], dtype=torch.long)
+        if len(labels) != len(self.base):
+            raise NascompressError(
+                f"{self.what}.targets has {len(labels):,} labels but {self.what} has {len(self.base):,} items; "
+                "give one label per item"
+            )
+        if len(labels) and int(labels.min()) < 0:
+            i = int((labels < 0).nonzero()[0, 0])
+            raise NascompressError(f"{self.what}.targets[{i}] is {int(labels[i])}; {LABELS_ARE}")
+        return labels
+
+    def _label(self, y: Any, i: int, source: str = "") -> int:
+        """Item ``i``'s label ``y`` as a class index; anything else is refused in one line."""
+        v = _index(y)
+        if v is None or v < 0:
+            where = f"{self.what}.{source}[{i}] is" if source else f"{self.what}[{i}] has label"
+            raise NascompressError(f"{where} {_shown(y)}; {LABELS_ARE}")
+        return v
+
     def _item(self, i: int) -> tuple[torch.Tensor, Any]:
-        item = self.base[i]
+        try:
+            item = self.base[i]
+        except NascompressError:
+            raise
+        except Exception as e:  # the caller's __getitem__: any error of theirs, in one line
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+            raise NascompressError(
+                f"{self.what}[{i}] raised {type(e).__name__}{': ' + why if why else ''}; fix the "
+                f"dataset's __getitem__ (or leave that item out of {self.what})"
+            ) from e
         if not isinstance(item, (tuple, list)) or len(item) < 2:
             raise NascompressError(
                 f"{self.what} must give (image tensor, label) pairs; item {i} is a {type(item).__name__}"
@@ -60,30 +162,32 @@ class CallerDataset(Dataset):
                 "preprocessing is the caller's: e.g. a torchvision transform ending in ToTensor "
                 "and Normalize)"
             )
+        if not (x.is_floating_point() or x.dtype == torch.uint8):
+            raise NascompressError(
+                f"{self.what} gives {x.dtype} images (item {i}); give float tensors (or uint8 ones, "
+                "0 to 255): the preprocessing is the caller's"
+            )
         return x, item[1]
-
-    @staticmethod
-    def _label(y: Any) -> int:
-        return int(y.item() if isinstance(y, torch.Tensor) else y)
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        x, y = self._item(int(i))
-        return x, self._label(y)
+        i = int(i)
+        return self._item(i)[0], int(self.labels[i])
 
     def __getitems__(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A whole batch at once, as the built-in datasets give it: (images (B, C, H, W), labels (B,))."""
-        items = [self._item(int(i)) for i in idx]
+        idx = [int(i) for i in idx]
+        items = [self._item(i)[0] for i in idx]
         try:
-            images = torch.stack([x for x, _ in items])
+            images = torch.stack(items)
         except RuntimeError:
             raise NascompressError(
                 f"{self.what} gives images of different shapes; give them at one size "
                 "(the preprocessing is the caller's)"
             ) from None
-        return images, torch.as_tensor([self._label(y) for _, y in items], dtype=torch.long)
+        return images, self.labels[idx]
 
 
 @dataclass(frozen=True)
@@ -103,8 +207,17 @@ class MemorySplits:
 
 
 def as_dataset(data: Any, what: str) -> Dataset:
-    """The map-style dataset of ``data`` (a Dataset, or a DataLoader over one)."""
-    return data.dataset if isinstance(data, DataLoader) else data
+    """The map-style dataset of ``data`` (a Dataset, or a DataLoader over one: nascompress draws its
+    own batches at the loader's batch size, so a loader without one is refused)."""
+    if not isinstance(data, DataLoader):
+        return data
+    if data.batch_size is None:
+        raise NascompressError(
+            f"{what} is a DataLoader without a batch size (batch_size=None or a batch_sampler); "
+            "nascompress draws its own batches from the loader's dataset at the loader's batch "
+            f"size: give the DataLoader a batch_size, or give its Dataset as {what}"
+        )
+    return data.dataset
 
 
 def _fingerprint(ds: CallerDataset) -> str:
@@ -115,20 +228,25 @@ def _fingerprint(ds: CallerDataset) -> str:
     return h.hexdigest()[:16]
 
 
-def register_dataset(train: Any, val: Any = None, test: Any = None, *, classes: Sequence[str] | None = None) -> str:
+def register_dataset(
+    train: Any, val: Any = None, test: Any = None, *, classes: Sequence[str] | None = None, what: str = "data"
+) -> str:
     """Register the caller's splits; returns the dataset name a DataConfig takes (``python:...``).
     ``val`` None: a validation split is carved from ``train`` (``DataConfig.val_fraction``);
-    ``test`` None: the validation split is the test split."""
-    tr = CallerDataset(as_dataset(train, "train"), classes=classes, what="train")
+    ``test`` None: the validation split is the test split. ``what``: the Python argument ``train``
+    came as (``data``, or ``train`` for :func:`nascompress.compress`), for messages."""
+    tr = CallerDataset(as_dataset(train, what), classes=classes, what=what)
     splits = [tr]
     for name, d in (("val", val), ("test", test)):
-        splits.append(None if d is None else CallerDataset(as_dataset(d, name), classes=tr.classes, what=name))
+        splits.append(
+            None
+            if d is None
+            else CallerDataset(as_dataset(d, name), classes=tr.classes, what=name, named=f"{what}'s classes")
+        )
     va, te = splits[1], splits[2]
     for name, d in (("val", va), ("test", te)):
         if d is not None and d.shape != tr.shape:
-            raise NascompressError(f"{name} images have shape {d.shape} but train's have {tr.shape}")
-        if d is not None and int(d.labels.max()) >= len(tr.classes):
-            raise NascompressError(f"{name} has label {int(d.labels.max())} but train has {len(tr.classes)} classes")
+            raise NascompressError(f"{name} images have shape {d.shape} but {what}'s have {tr.shape}")
     key = hashlib.sha256("/".join(_fingerprint(d) if d is not None else "-" for d in splits).encode()).hexdigest()[:16]
     name = f"{MEMORY_PREFIX}{key}"
     if name not in MEMORY_DATASETS:
@@ -136,14 +254,25 @@ def register_dataset(train: Any, val: Any = None, test: Any = None, *, classes: 
     return name
 
 
-def memory_splits(name: str) -> MemorySplits:
-    """The splits registered as ``name``; a name of another process is refused in one line."""
+def memory_splits(name: str, spec: InputSpec | None = None) -> MemorySplits:
+    """The splits registered as ``name``; a name of another process is refused in one line. With
+    ``spec`` (the model's input), images of other channels or another size are refused: the
+    caller's preprocessing made them, so nascompress does not convert them behind it."""
     if name not in MEMORY_DATASETS:
         raise NascompressError(
             f"dataset {name} was held in memory by the Python API in another process; pass the "
             "same Dataset again (nascompress.compress(..., train=...)) to use it"
         )
-    return MEMORY_DATASETS[name]
+    mem = MEMORY_DATASETS[name]
+    if spec is not None:
+        given, takes = (mem.in_chans, *mem.size), (spec.in_chans, *spec.img_size)
+        if given != takes:
+            raise NascompressError(
+                f"the images of {mem.train.what} are {given} (C, H, W) but the model takes {takes}; "
+                "give images as the model takes them (the preprocessing is the caller's: resize "
+                "them and convert their channels, e.g. in the Dataset's transform)"
+            )
+    return mem
 
 
 def is_memory(name: str) -> bool:
@@ -153,7 +282,8 @@ def is_memory(name: str) -> bool:
 
 def caller_input(in_chans: int) -> dict[str, Any]:
     """The preprocessing recorded for a model trained on the caller's tensors: none (mean 0,
-    std 1, the whole image; images of another size are resized bilinearly)."""
+    std 1, the whole image). Its own images are at the model's size; an image of another size given
+    to the saved model (an export's sidecar) is resized bilinearly."""
     return {
         "mean": (0.0,) * in_chans,
         "std": (1.0,) * in_chans,

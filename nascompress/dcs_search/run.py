@@ -20,6 +20,7 @@ from ..weights import load_pretrained
 from ..runs.run_dir import RunDir
 from ..train import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics
+from ..pipeline_files import find_run_config
 from ..methods.dcs import DCSConfig
 from .search import run_dcs_search
 from .search_config import DCSSearchConfig, DCSSearchJob, search_train_config
@@ -57,6 +58,7 @@ def build_job(
     )
 
 
+PRE_SEARCH = "pre_search"  # config.json's record of the pre-search choices (the batch rule, the gate family)
 # how to let the gates of a search the guard stopped go on (a SettingError template: a front end words
 # its fields, e.g. the CLI as the command that continues it)
 CONTINUE = "rerun the same command with {resume} {max_val_drop} 100 to let the gates go on from this epoch"
@@ -82,8 +84,11 @@ def search_dcs(
     job: DCSSearchJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
 ) -> dict[str, Any]:
     """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
-    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json."""
+    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json.
+    ``config.json`` records the job with its pre-search choices resolved and, as ``pre_search``,
+    what those measurements chose and why: a resumed search reports them as the first run did."""
     out = Path(job.out)
+    chosen = None
     if resume:  # (explicit: the options given on the command line; each must agree with the record)
         # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
         guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
@@ -97,6 +102,9 @@ def search_dcs(
         if guard is not None:
             job = job.replace(search=job.search.replace(max_val_drop=guard))
             reopen_stopped(out)
+        recorded = find_run_config(out)
+        chosen = recorded.get(PRE_SEARCH) if recorded is not None else None
+        chosen = chosen if isinstance(chosen, dict) else None  # (a run written before it was recorded: none)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)
@@ -106,10 +114,12 @@ def search_dcs(
     # in-memory datasets its defaults were chosen on), so the dense teacher's outputs are computed once per image
     data = load_data(data_cfg, spec=InputSpec.from_dict(dict(base_arch.input)), augment=False)
 
-    def create(resolved: DCSSearchJob) -> None:
-        run.create(resolved.replace(data=data_cfg).to_dict())
+    def create(resolved: DCSSearchJob, info: dict[str, Any]) -> None:
+        run.create({**resolved.replace(data=data_cfg).to_dict(), PRE_SEARCH: info})
 
-    result = run_dcs_search(job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create)
+    result = run_dcs_search(
+        job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create, pre_search=chosen
+    )
     if result.metrics.get("stopped"):  # how to continue the gates (a front end words CONTINUE its own way)
         result.metrics["stopped"]["continue"] = (
             "resume the run with max_val_drop 100 to let the gates go on from this epoch"
@@ -126,4 +136,4 @@ def reopen_stopped(out: Path) -> None:
         (out / METRICS_FILE).unlink()
 
 
-__all__ = ["CONTINUE", "build_job", "search_dcs", "reopen_stopped"]
+__all__ = ["CONTINUE", "PRE_SEARCH", "build_job", "search_dcs", "reopen_stopped"]

@@ -83,6 +83,15 @@ from .teacher import StepTag, TeacherCache
 # The job
 
 
+def _resumed_at_end(hooks: DCSSearchHooks, supernet: nn.Module, log: list[dict[str, Any]]) -> None:
+    """A search resumed from the checkpoint of its last epoch (no epoch left to run) ends as the
+    uninterrupted one did: the supernet at that epoch's temperature (what arch.json records) and the
+    accuracy guard judging that epoch's record (:class:`SearchCollapsed` when it stopped the search)."""
+    hooks.set_tau(supernet, hooks.epochs - 1)
+    if len(log) > 1 and log[-1].get("epoch") == hooks.epochs:
+        hooks.check(log[-1], log[0] if log[0].get("start") else None)
+
+
 @dataclass
 class DCSSearchResult:
     """A finished DCS search in memory: the trained supernet (gates and weights of the last epoch),
@@ -103,13 +112,17 @@ def run_dcs_search(
     *,
     out_dir: Path | None = None,
     resume: bool = False,
-    before_fit: Callable[[DCSSearchJob], None] | None = None,
+    before_fit: Callable[[DCSSearchJob, dict[str, Any]], None] | None = None,
+    pre_search: dict[str, Any] | None = None,
 ) -> DCSSearchResult:
     """The DCS search on models and data in memory: ``dense`` (trainable; it becomes the frozen
     distillation teacher, the supernet is a copy) with its ``base_arch``, ``data`` loaded for its
     input spec. Nothing is written without ``out_dir`` (a study trial's search); with it the run
     directory's files are written as the search goes (:func:`~nascompress.dcs_search.run.search_dcs`),
-    ``before_fit(job)`` called once the job's choices are resolved."""
+    ``before_fit(job, info)`` called once the job's choices are resolved (``info``: what the
+    pre-search measurements chose and why). ``pre_search``: that ``info`` as the first run of a
+    resumed search recorded it (its job is already resolved, so the choices it no longer makes, the
+    batch size and the gate family, are reported as that run reported them)."""
     if job.train.keep != "last":
         job = job.replace(train=job.train.replace(keep="last"))  # the result is the last architecture
     base_arch = Arch.of(base_arch)
@@ -121,6 +134,8 @@ def run_dcs_search(
         "DCS: measuring the dense model before the search (activation statistics, gate probes)", unit="probe batches"
     ) as tick:
         job, pre = prepare_search(job, dense, data, spec, tick=tick)
+    if pre_search:  # the recorded choices first, in their order; those measured again are the same
+        pre["info"] = {**pre_search, **pre["info"]}
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(
         copy.deepcopy(dense),
@@ -152,7 +167,7 @@ def run_dcs_search(
         teacher=teacher,
     )
     if before_fit is not None:
-        before_fit(job)
+        before_fit(job, pre["info"])
     log: list[dict[str, Any]] = hooks.log  # fit appends every epoch's record; the guard reads the previous one
     try:
         fit_metrics: dict[str, Any] | None = fit(
@@ -168,6 +183,8 @@ def run_dcs_search(
             log=log,
             test=False,
         )  # the kept model: below
+        if not hooks.rechecked:  # resumed after its last epoch: no epoch ran, the end of the last one is here
+            _resumed_at_end(hooks, supernet, log)
         stopped = None
     except SearchCollapsed as e:  # the gates stop here; with the baseline on, the search still ends with a model
         if not job.search.baseline:

@@ -36,7 +36,8 @@ from typing import Any
 from .config import DTYPES, FORMATS, ExportConfig, build_config, config_for, parse_batch
 from .run import SIDECAR_FORMAT, sidecar_path, stage_path
 from .run import export_run as _export_fp
-from ..pyapi.common import Workspace, model_run, setting_names, split_settings
+from ..pyapi.common import model_run, setting_names, split_settings
+from ..pyapi.workspace import Workspace
 from .quantize import quantize_run
 
 

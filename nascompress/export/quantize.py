@@ -34,6 +34,7 @@ exit decisions, which this check does not cover.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 import time
@@ -54,7 +55,7 @@ from ..data import InputSpec, Subset, dataset_labels, load_data, make_loader, pr
 from ..runs.io import read_arch
 from ..runs.files import sidecar_path, write_sidecar_json
 from ..utils import atomic_path
-from .run import check_outputs, clear_stale, export_run, new_folders
+from .run import check_out_file, check_outputs, clear_stale, export_run, new_folders
 from .verify import onnx_runner
 
 
@@ -133,8 +134,31 @@ def check_onnxruntime() -> None:
         )
 
 
-def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib: list[np.ndarray] | None) -> None:
-    """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling."""
+@contextlib.contextmanager
+def temp_folders_in(folder: Path) -> Iterator[None]:
+    """Python's temporary folders made in ``folder`` meanwhile instead of ``$TMPDIR``: ONNX Runtime's
+    quantizer makes its own (``ort.quant.*``, the augmented model of the calibration in it) and takes
+    no folder for them, so a quantize killed with kill -9 leaves them in nascompress's work folder,
+    which the next run removes (:func:`~nascompress.export.run.clear_stale`)."""
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+def quantize_file(
+    src: Path,
+    dst: Path,
+    *,
+    scheme: str,
+    nodes: list[str],
+    calib: list[np.ndarray] | None,
+    work: Path | None = None,
+) -> None:
+    """Quantize the fp32 ONNX file ``src`` into ``dst`` (only ``nodes``), with ORT's tooling, its
+    temporary folders in ``work`` (default: ``dst``'s folder; :func:`temp_folders_in`)."""
     import onnx  # optional (nascompress[export])
     from onnxruntime.quantization import (
         QuantFormat,
@@ -143,7 +167,7 @@ def quantize_file(src: Path, dst: Path, *, scheme: str, nodes: list[str], calib:
         quantize_static,
     )  # optional (nascompress[export])
 
-    with quiet():
+    with quiet(), temp_folders_in(work or Path(dst).parent):
         if scheme == "int8-dynamic":
             quantize_dynamic(
                 src,
@@ -250,7 +274,7 @@ def quantize_run(
     check_onnxruntime()
     import onnx  # optional (nascompress[export])
 
-    out = Path(out)
+    out = check_out_file(out)  # a file name (not "/"), one its file system holds
     created = check_outputs([out, sidecar_path(out)], force=force, run=run)
     data_cfg = _run_data(run, data)
     if cfg.eval_images is not None:
@@ -289,7 +313,14 @@ def quantize_run(
                     calib, n_calib = calibration_batches(bundle, spec, cfg)
                 q = Path(tmp) / f"{scheme}.{level}.onnx"
                 t1 = time.perf_counter()
-                quantize_file(fp32, q, scheme=scheme, nodes=nodes, calib=calib if scheme == "int8-static" else None)
+                quantize_file(
+                    fp32,
+                    q,
+                    scheme=scheme,
+                    nodes=nodes,
+                    calib=calib if scheme == "int8-static" else None,
+                    work=Path(tmp),
+                )
                 got = _logits(onnx_runner(q)[0], val())
                 a = {
                     "scheme": scheme,
@@ -405,6 +436,7 @@ __all__ = [
     "QUANTIZE_CHOICES",
     "quantize_run",
     "quantize_file",
+    "temp_folders_in",
     "plan_precision",
     "accuracy_check",
     "calibration_batches",

@@ -12,7 +12,8 @@ import shutil
 
 import torch
 
-from ..errors import NascompressError, SettingError, require_extra
+from ..errors import NascompressError, SettingError, literal, require_extra
+from ..limits import check_path_names
 from ..runs.io import ARCH_FILE, MODEL_FILE, file_sha256, load_with_arch, read_arch
 from ..data import InputSpec, eval_steps
 from ..progress import say
@@ -36,9 +37,28 @@ def stage_path(out: str | Path, role: str) -> Path:
     return out if role in ("model", "sgis") else out.with_name(f"{out.stem}.{role}{out.suffix}")
 
 
+BESIDE_BYTES = 19  # what the files written beside FILE add to its name: ``.json``, ``.<name>.XXXXXXXX.tmp``
+
+
+def check_out_file(out: str | Path) -> Path:
+    """``out`` as the file an export writes, refused in one line (naming ``{out}``) when it names no
+    file (``/``, ``.``, ``dir/..``) or a name its file system cannot hold with the files written beside
+    it (the sidecar ``FILE.json``, MG-ViT's ``<stem>.mgis<suffix>``, the atomic writes' temp files)."""
+    out = Path(out)
+    if out.name in ("", ".", ".."):
+        raise SettingError(
+            f"{{out}} {literal(str(out))} is a directory, not a file to write; give a file name such as "
+            f"{literal(str(out / 'model.onnx'))}"
+        )
+    check_path_names(out, extra=BESIDE_BYTES)
+    return out
+
+
 def check_outputs(paths: list[Path], *, force: bool, run: str | Path | None = None) -> list[Path]:
     """Refuse existing files (without force), unwritable places and (even with force) a file of the
     model ``run`` being read; return the folders to create."""
+    for p in paths:  # (each name as its atomic write's temp file makes it longer: ".<name>.XXXXXXXX.tmp")
+        check_path_names(p, extra=BESIDE_BYTES - len(".json"))
     if run is not None:
         d = Path(run) if Path(run).is_dir() else Path(run).parent
         inputs = (run, d / MODEL_FILE, d / ARCH_FILE) if Path(run).is_dir() else (run, d / ARCH_FILE)
@@ -153,6 +173,7 @@ def export_run(
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(recorded, dynamic=cfg.dynamic)
     roles = ("sgis", "mgis") if any(name in TWO_STAGE for name in recorded.method_names) else ("model",)
+    out = check_out_file(out)
     files = [stage_path(out, r) for r in roles]
     created = check_outputs([*files, sidecar_path(out)], force=force, run=run)
     for f in files:

@@ -141,6 +141,16 @@ class Method:
     def _mark(self, model: nn.Module) -> None:
         model.nc_methods = [*getattr(model, "nc_methods", []), self.name]
 
+    def check_record(self, record: dict[str, Any]) -> None:
+        """Check a record read from a file before any model is built: its ``config`` read by
+        :attr:`config_cls` (types, ranges); a method whose record holds more (DCS's and uniform's
+        kept channels) checks that too. Counts and indices against the model's layers are checked
+        when it is built (:meth:`apply`)."""
+        config = record.get("config")
+        if config is not None and not isinstance(config, dict):
+            raise NascompressError(f"config must be an object of settings, got {type(config).__name__}")
+        self.config_cls.from_dict(config, what=self.name)
+
     def apply(self, model: nn.Module, record: dict[str, Any]) -> nn.Module:
         """Rebuild this method on ``model`` from its arch.json record (stacking checked first)."""
         self.check_stack(model)
@@ -207,17 +217,51 @@ def available_methods() -> list[str]:
     return sorted(_METHODS)
 
 
+def check_records(records: Any, *, source: str) -> None:
+    """Check the method records of an arch read from ``source`` (a file: each record's
+    :meth:`Method.check_record`), refusing a damaged one in one line naming the file and the record."""
+    damaged = "the file was not written by nascompress or was edited: replace it"
+    if not isinstance(records, list):
+        raise NascompressError(f"{source}: methods must be a list of method records; {damaged}")
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
+            raise NascompressError(f"{source}: methods[{i}] must be an object with a method name; {damaged}")
+        try:
+            get_method(rec["name"]).check_record(rec)
+        except NascompressError as e:  # a SettingError's fields as the record's keys (its bare names)
+            raise NascompressError(f"{source}: methods[{i}] ({rec['name'][:40]}): {e}; {damaged}") from None
+
+
+def check_index_list(v: Any, what: str, *, nested: bool = False) -> None:
+    """Refuse a recorded list of channel indices (``nested``: one such list per head) that is not
+    a list of integers (no strings, floats or bools: they would be read as other channels)."""
+    rows = v if nested and isinstance(v, list) else [v]
+    for row in rows:
+        if not isinstance(row, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in row):
+            kind = "a list of lists (one per head) of channel indices" if nested else "a list of channel indices"
+            raise NascompressError(f"{what} must be {kind} (integers)")
+
+
 def apply_methods(model: nn.Module, records: list[dict[str, Any]], *, inplace: bool = False) -> nn.Module:
     """Apply every recorded method in order (stacking checked) to a copy of ``model``, which is left
     as it was (so the same model can take several stacks); ``inplace``: patch ``model`` itself (a
     model built only for this, e.g. by :func:`nascompress.runs.io.load_with_arch`, saves the copy)."""
     if not inplace:
         model = copy.deepcopy(model)
-    for rec in records:
+    for i, rec in enumerate(records):
         if not isinstance(rec, dict) or "name" not in rec:
-            raise NascompressError(f"arch.json method record {rec!r} has no name")
+            raise NascompressError(f"arch.json method record {i} has no name")
         model = get_method(rec["name"]).apply(model, rec)
     return model
 
 
-__all__ = ["Method", "TrainOverrides", "register_method", "get_method", "available_methods", "apply_methods"]
+__all__ = [
+    "Method",
+    "TrainOverrides",
+    "register_method",
+    "get_method",
+    "available_methods",
+    "apply_methods",
+    "check_records",
+    "check_index_list",
+]

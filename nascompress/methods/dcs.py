@@ -39,6 +39,7 @@ gather :mod:`.dcs_materialize`'s and the channel importance :mod:`.dcs_importanc
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ from ..config import Config, StageSettings, check_choice, check_range, check_set
 from ..errors import NascompressError
 from ..layers import DEFAULT_ALIGN, NCBlock
 from ..slicing import slice_qk
-from . import Method, register_method
+from . import Method, check_index_list, register_method
 from .dcs_importance import (
     BlockStats,
     ChannelImportance,
@@ -297,6 +298,28 @@ class DCS(Method):
     summary = "differentiable channel selection: Q/K channel masks and MLP channel gates (seed 003)"
     config_cls = DCSConfig
     stacks_on = frozenset()  # first: it changes the channels every later method reads
+
+    def check_record(self, record: dict[str, Any]) -> None:
+        super().check_record(record)
+        check_choice("stage", record.get("stage", "supernet"), STAGES)
+        tau = record.get("tau", 1.0)
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau < math.inf:
+            got = tau if isinstance(tau, (int, float)) else type(tau).__name__
+            raise NascompressError(f"tau must be a positive number, got {got}")
+        blocks = record.get("blocks")
+        if blocks is None and record.get("stage") != "materialized":
+            return
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise NascompressError("blocks must be a list of objects, one per block")
+        for i, blk in enumerate(blocks):
+            unknown = sorted(set(blk) - {"mlp_keep", "hidden_keep", "qk_keep"})
+            if unknown:
+                raise NascompressError(f"blocks[{i}] has unknown keys (valid: mlp_keep, hidden_keep, qk_keep)")
+            if blk.get("mlp_keep") is not None and blk.get("hidden_keep") is not None:
+                raise NascompressError(f"blocks[{i}] keeps both mlp_keep and hidden_keep (one MLP gate family)")
+            for key in ("mlp_keep", "hidden_keep", "qk_keep"):
+                if blk.get(key) is not None:
+                    check_index_list(blk[key], f"blocks[{i}].{key}", nested=key == "qk_keep")
 
     def patch(self, model: nn.Module, cfg: DCSConfig, record: dict[str, Any]) -> nn.Module:
         stage = check_choice("stage", record.get("stage", "supernet"), STAGES)

@@ -224,6 +224,15 @@ class Sparsifiner(Method):
                 )
         return cfg
 
+    def check_record(self, record: dict[str, Any]) -> None:
+        super().check_record(record)
+        n = record.get("n_tokens")
+        for key in ("n_tokens", "n_down"):  # what prepare recorded: the tokens and the low-rank size used
+            v = record.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= (n or v)):
+                got = v if isinstance(v, (int, float)) else type(v).__name__
+                raise NascompressError(f"{key} must be a whole number of tokens in [1, n_tokens], got {got}")
+
     def patch(self, model: nn.Module, cfg: SparsifinerConfig, record: dict[str, Any]) -> nn.Module:
         prefix = int(model.num_prefix_tokens)
         grid = tuple(model.patch_embed.grid_size) if getattr(model.patch_embed, "grid_size", None) else None

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import Config, check_bool, check_settings, field_name, setting
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError, literal
+from ..limits import limits
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
 from .tokens import distill_setting, patched_class, token_layers
@@ -142,7 +143,15 @@ def _check_r(values: Any, n: int) -> tuple[int, ...]:
     vals = list(values) if isinstance(values, (list, tuple)) else [values]
     bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, int) or v < 0]
     if bad:
-        raise NascompressError(f"r must be a whole number of tokens >= 0 (or one per merging layer), got {values!r}")
+        raise SettingError(
+            f"{{r}} must be a whole number of tokens >= 0 (or one per merging layer), got {literal(repr(values))}"
+        )
+    most = limits().max_model_tokens  # no model has more tokens (a larger r is a typo, not more merging)
+    if any(v > most for v in vals):
+        raise SettingError(
+            f"{{r}} {max(vals):,} is more tokens than any model has (at most {most:,}, the max_model_tokens "
+            "limit; each layer merges at most half of its patch tokens): give a smaller {r}"
+        )
     if len(vals) == 1:
         return (vals[0],) * n
     if len(vals) != n:

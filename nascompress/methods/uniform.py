@@ -27,7 +27,7 @@ from ..config import Config, check_bool, check_range, check_settings, field_name
 from ..errors import NascompressError
 from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, to_core
 from ..slicing import slice_hidden, slice_qk
-from . import Method, get_method, register_method
+from . import Method, check_index_list, get_method, register_method
 from ..profiling import count_flops
 
 
@@ -96,6 +96,16 @@ class Uniform(Method):
                     f"uniform must be the first method of a model; blocks.{i} is a {type(blk).__name__}"
                 )
         return cfg
+
+    def check_record(self, record: dict[str, Any]) -> None:
+        super().check_record(record)
+        blocks = record.get("blocks")
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise NascompressError("blocks must be a list of objects, one per block")
+        for i, blk in enumerate(blocks):
+            check_index_list(blk.get("hidden_keep"), f"blocks[{i}].hidden_keep")
+            if blk.get("qk_keep") is not None:
+                check_index_list(blk["qk_keep"], f"blocks[{i}].qk_keep", nested=True)
 
     def patch(self, model: nn.Module, cfg: UniformConfig, record: dict[str, Any]) -> nn.Module:
         blocks = record.get("blocks")

@@ -9,15 +9,16 @@ from typing import Any
 
 import yaml
 
-from .schema import build_section, SchemaContext, key_path, describe_value, upgrade_keys
+from .schema import build_section, SchemaContext, key_path, upgrade_keys
 from .sections import PipelineConfig
 from ..resources import resolve_file
 from ..yaml_io import read_yaml_file
 
 
 def read_yaml(path: str | Path) -> Any:
-    """The parsed pipeline file (not validated yet); a missing, unreadable or invalid one is one line."""
-    return read_yaml_file(path, what="config file")
+    """The parsed pipeline file (not validated yet): a mapping; a missing, unreadable or invalid one,
+    or one that is no mapping, is one line naming the file (never quoting it)."""
+    return read_yaml_file(path, what="config file", mapping="a mapping of sections (format, data, base, goal, stages)")
 
 
 def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = False) -> PipelineConfig:
@@ -27,10 +28,6 @@ def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = Fa
     path = resolve_file(path, what="config file")  # a path, or a shipped config's name (fashion-mnist)
     data = read_yaml(path)
     ctx = SchemaContext(str(path), Path(os.path.abspath(path)).parent)  # configs/x.yaml: the link's folder
-    if not isinstance(data, dict):
-        raise ctx.err(
-            "", f"the file must be a mapping of sections (format, data, base, goal, stages), got {describe_value(data)}"
-        )
     if seed is not None:
         data = dict(data, seed=seed)
     return build_section(PipelineConfig, upgrade_keys(PipelineConfig, data) if upgrade else data, "", ctx)

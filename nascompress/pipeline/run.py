@@ -13,11 +13,14 @@ from typing import Any, Callable
 
 import yaml
 
-from ..errors import NascompressError, SettingError, literal, writing
+from ..errors import NascompressError, SettingError, WriteError, literal, writing
+from ..limits import check_path_names
 from ..data import dataset_paths
 from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
 from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..runs.files import has_metrics
+from ..resources import resolve_file
+from ..runs.owner import MARK_FILE, check_replaceable, write_mark
 from ..train import RUNTIME_SETTINGS
 from ..utils import atomic_path, refuse_overwriting_inputs
 from ..yaml_io import StrictYamlLoader as _Loader
@@ -32,12 +35,16 @@ _CONTINUE = "then rerun the same command to continue the pipeline there"
 
 
 def _stray(p: Path) -> bool:
-    """Files that do not make OUT a used directory: a temp file of a write killed mid-way, the lock."""
-    return p.name == LOCK_FILE or (p.name.startswith(".") and p.name.endswith(".tmp"))
+    """Files that do not make OUT a used directory: a temp file of a write killed mid-way, the lock,
+    the output marker."""
+    return p.name in (LOCK_FILE, MARK_FILE) or (p.name.startswith(".") and p.name.endswith(".tmp"))
 
 
 def _check_out(out: Path, *, force: bool) -> None:
-    """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force)."""
+    """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force);
+    with force, one that is not a nascompress output holding only its own files (nothing of the
+    user's is ever removed)."""
+    check_path_names(out)  # a name its file system cannot hold: one line, not OSError
     if out.exists() and not out.is_dir():
         raise SettingError(f"output path {out} exists and is not a directory; choose another {{out}}")
     used = out.is_dir() and any(not _stray(p) for p in out.iterdir())
@@ -46,6 +53,8 @@ def _check_out(out: Path, *, force: bool) -> None:
             f"output directory {out} already exists and holds no pipeline run ({CONFIG_FILE}); "
             "choose another {out} or pass {force} to replace it"
         )
+    if used and force:
+        check_replaceable(out)
 
 
 def _lock(out: Path) -> int:
@@ -107,9 +116,12 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
                 f"{keep}, or pass {{force}} to start over"
             )
         return True
-    for p in out.iterdir():  # start over (force), or clear what a killed first run left
+    if used:  # start over (force): only nascompress's own files (checked again under the lock)
+        check_replaceable(out)
+    for p in out.iterdir():  # and what a killed first run left (its temp files)
         if p.name != LOCK_FILE:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    write_mark(out, "pipeline")
 
     with atomic_path(stored) as tmp:
         tmp.write_text(dump_config(pipe.cfg))
@@ -175,7 +187,8 @@ def run_pipeline(
     Args:
         config: the pipeline YAML file.
         out: the pipeline's directory (created; an earlier run of the same config is continued).
-        force: start over in ``out`` (its contents are removed), even with another config.
+        force: start over in ``out``, even with another config (only a pipeline folder nascompress
+            wrote holding nothing else: its files are replaced; any other folder is refused).
         seed: override the file's seed.
         progress: live progress of the study (stderr).
         log: called with one line per step (skipped, running, done); default: silent.
@@ -185,7 +198,12 @@ def run_pipeline(
     _check_out(pipe.out, force=force)
     own = (pipe.out / "base",)  # the base run the pipeline trains itself
     refuse_overwriting_inputs(
-        pipe.out, [*(() if pipe.base_dir in own else (pipe.base_dir,)), *dataset_paths(pipe.data)]
+        pipe.out,
+        [
+            resolve_file(config, what="config file"),
+            *(() if pipe.base_dir in own else (pipe.base_dir,)),
+            *dataset_paths(pipe.data),
+        ],
     )
     lock = _lock(pipe.out)
     try:
@@ -222,6 +240,8 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
                 res = step.run(force=force_step, resume=resume)
         except SettingError as e:
             raise step_error(pipe, step.name, e) from e
+        except WriteError as e:  # a full disk: the step's own advice (train --resume ...) is not how a pipeline goes on
+            raise e.instead(_CONTINUE) from e
         if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
             log(
                 f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "

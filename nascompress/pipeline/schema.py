@@ -14,6 +14,7 @@ from typing import Any
 from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError, SettingError
 from ..resources import shipped_path
+from ..yaml_io import shown
 
 
 class KeyProblem(NascompressError):
@@ -119,11 +120,13 @@ def _section_type(tp: Any) -> type[Section] | None:
 
 
 def describe_value(v: Any) -> str:
+    """A value of the file as a message shows it: a mapping or a list by its kind, anything else as
+    :func:`~nascompress.yaml_io.shown` shows it (a long text by its size, never quoted)."""
     if isinstance(v, dict):
         return "a mapping"
     if isinstance(v, list):
         return "a list"
-    return repr(v)
+    return shown(v)
 
 
 @dataclass(frozen=True)

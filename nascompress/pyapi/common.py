@@ -1,12 +1,11 @@
 """What every API function shares: the model it is given (an ``nn.Module``, a stage result or a
-run directory) as a run directory (:func:`model_run`), the caller's data as a
-:class:`~nascompress.data.DataConfig` (:func:`data_config`), the directory its runs go to
-(:class:`Workspace`: ``out`` or a temporary one), and the results (:class:`StageResult`)."""
+run directory) as a run directory (:func:`model_run`, under a
+:class:`~nascompress.pyapi.workspace.Workspace`), the caller's data as a
+:class:`~nascompress.data.DataConfig` (:func:`data_config`), and the results (:class:`StageResult`)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import os
 import weakref
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -19,10 +18,13 @@ from torch.utils.data import DataLoader
 
 from ..data import DataConfig
 from ..data.memory import caller_input, is_memory, register_dataset
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..runs.io import load_typed, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
+from ..runs.owner import mark_kind
 from ..runs.run_dir import RunDir
+from .workspace import Workspace
+from ..utils import refuse_overwriting_inputs
 from ..pipeline_files import find_run_config
 from ..runs.files import Arch, find_metrics
 from ..config import offered
@@ -30,6 +32,7 @@ from ..data.input import InputSpec
 from ..train import input_spec_for
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
+API_COPY = "api-copy"  # the marker kind of the API's own copy of a model it was given (model_run)
 _ARCHS: "weakref.WeakKeyDictionary[nn.Module, Arch]" = weakref.WeakKeyDictionary()
 
 
@@ -55,8 +58,34 @@ class StageResult:
     def save(self, directory: str | Path, *, force: bool = False) -> Path:
         """Write the model as a complete run directory that :func:`nascompress.load` reads (and
         every command takes); returns the directory. An existing non-empty one is replaced only
-        with ``force``."""
-        return write_run(directory, self.model, self.arch, config=self.config, metrics=self.metrics, force=force)
+        with ``force`` and only when nascompress wrote it; never the run this result was read from."""
+        return write_run(
+            directory,
+            self.model,
+            self.arch,
+            config=self.config,
+            metrics=self.metrics,
+            force=force,
+            source=self.out,
+            inputs=recorded_inputs(self.config),
+        )
+
+
+# the keys of a job's config.json that name a run or file the job read
+INPUT_KEYS = ("search_dir", "model_dir", "run_dir", "source", "teacher", "base", "run", "weights")
+
+
+def recorded_inputs(config: Mapping[str, Any]) -> list[str]:
+    """The runs and files a stage's recorded job (its ``config.json``) read, at any depth."""
+    found, stack = [], [config]
+    while stack:
+        d = stack.pop()
+        for k, v in d.items():
+            if isinstance(v, Mapping):
+                stack.append(v)
+            elif k in INPUT_KEYS and isinstance(v, str) and v:
+                found.append(v)
+    return found
 
 
 def write_run(
@@ -67,11 +96,25 @@ def write_run(
     config: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
     force: bool = False,
+    source: str | Path | None = None,
+    inputs: Iterable[str] = (),
+    kind: str = "run",
 ) -> Path:
     """``model`` as a complete run (the commands' run life cycle): ``config.json``, weights and arch,
-    the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``."""
+    the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``
+    and only when it is a nascompress output holding nothing else. ``source``: the directory the
+    model was read from, never replaced (nor a folder holding it, nor one inside it); ``inputs``:
+    the runs it was made from (never replaced, nor a folder holding one)."""
+    refuse_overwriting_inputs(directory, list(inputs), field="directory")
+    if source is not None:
+        refuse_overwriting_inputs(directory, [source], field="directory")
+        if Path(source).is_dir() and Path(os.path.realpath(source)) in Path(os.path.realpath(directory)).parents:
+            raise SettingError(
+                f"{{directory}} {directory} is inside {source}, the run this model was read from: "
+                "saving there would change that run; choose another {directory}"
+            )
     run = RunDir.prepare(directory, force=force)
-    run.create(dict(config or {}))
+    run.create(dict(config or {}), kind=kind)
     save_model(run.path, model, arch)
     run.finish({k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
     return run.path
@@ -91,36 +134,6 @@ def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
         out=str(Path(run).resolve()) if keep else None,
         **extra,
     )
-
-
-class Workspace:
-    """Where a call's run directories go: ``out`` (kept, resumable), or a temporary directory that
-    is removed when the call returns (``with Workspace(out) as ws``)."""
-
-    def __init__(self, out: str | Path | None):
-        self.keep = out is not None
-        self.root = Path(out).expanduser().resolve() if out is not None else None
-        self._tmp: str | None = None
-
-    def __enter__(self) -> "Workspace":
-        if self.root is None:
-            self._tmp = tempfile.mkdtemp(prefix="nascompress-")
-            self.root = Path(self._tmp)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-    def path(self, name: str) -> Path:
-        assert self.root is not None
-        return self.root / name
-
-    def scratch(self, name: str) -> Path:
-        """A directory for the API's own files (the given model as a run): always temporary."""
-        if self._tmp is None:
-            self._tmp = tempfile.mkdtemp(prefix="nascompress-")
-        return Path(self._tmp) / name
 
 
 def _check_vit(model: nn.Module) -> None:
@@ -235,21 +248,37 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
     return model, Arch.of(dense_arch(model, input_spec(model, data)))
 
 
-def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | None = None) -> Path:
-    """A complete run directory holding ``model`` (its data section: ``data``): the directory
-    itself when a path or a kept result is given, else one written under ``ws``'s scratch space."""
+def planned_run(model: ModelLike, ws: Workspace, name: str) -> Path:
+    """Where :func:`model_run` finds or writes ``model``'s run, without writing anything (a job can
+    be built, and its settings checked, before the copy is written)."""
     if isinstance(model, (str, Path)):
         return Path(model).resolve()
     out = getattr(model, "out", None)
     if out is not None and Path(out).is_dir():
         return Path(out)
+    return ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
+
+
+def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | None = None) -> Path:
+    """A complete run directory holding ``model`` (its data section: ``data``): the directory
+    itself when a path or a kept result is given, else one written under ``ws``'s scratch space
+    (with ``out=``: ``out/name``, refused when that holds anything but such a copy)."""
+    where = planned_run(model, ws, name)
+    kept = getattr(model, "out", None)
+    if isinstance(model, (str, Path)) or (kept is not None and Path(kept).is_dir()):
+        return where  # a run of its own: read where it is
     m, arch = model_and_arch(model, data)
     config = dict(getattr(model, "config", None) or {})
     if data is not None:
         config["data"] = asdict(data)
-    where = ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
+    if where.is_dir() and any(where.iterdir()) and mark_kind(where) != API_COPY:
+        raise SettingError(
+            f"{{out}} {ws.root} holds {where.name}/, which this call would replace with its copy of "
+            f"the given model, and {where} is not such a copy (nascompress never deletes it): choose "
+            "another {out}"
+        )
     return write_run(
-        where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None), force=True
+        where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None), force=True, kind=API_COPY
     )  # the workspace's own copy of the given model, written again on every call
 
 
@@ -262,16 +291,18 @@ def data_config(
     seed: int = 0,
     train_limit: int | None = None,
     eval_limit: int | None = None,
+    arg: str = "data",
 ) -> DataConfig | None:
     """The caller's data as a DataConfig: a built-in dataset name, an ImageFolder path, a DataConfig,
     or a map-style Dataset / DataLoader of (image tensor, label) (``val``, ``test``: its other splits;
     registered in memory, :mod:`nascompress.data.memory`). Of a DataLoader its dataset, batch size and
     worker count are taken; batches are drawn in nascompress's seeded order. Labels are read once per
-    dataset (from its ``targets`` attribute when it has one, else by a pass over its items). None stays
-    None (the run's recorded data)."""
+    dataset (from its ``targets`` attribute when it has one, else by a pass over its items, at most
+    the ``max_label_scan`` limit) and must be integer class indices. None stays None (the run's
+    recorded data). ``arg``: the name the caller gave ``data`` as (``data``, or ``train``), for messages."""
     if data is None:
         if val is not None or test is not None:
-            raise NascompressError("val= and test= need train data too")
+            raise NascompressError(f"val= and test= need {arg}= too")
         return None
     if isinstance(data, DataConfig):
         cfg = data
@@ -280,7 +311,9 @@ def data_config(
             raise NascompressError(f"{data} brings its own splits; val= and test= go with a Dataset")
         cfg = DataConfig(dataset=str(data))
     else:
-        cfg = DataConfig(dataset=register_dataset(data, val, test, classes=list(classes) if classes else None))
+        cfg = DataConfig(
+            dataset=register_dataset(data, val, test, classes=list(classes) if classes else None, what=arg)
+        )
         workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
         if workers:  # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
             cfg = replace(cfg, num_workers=workers)

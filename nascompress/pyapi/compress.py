@@ -12,11 +12,12 @@ import yaml
 
 from ..config import user_settings
 from ..data import DataConfig
-from ..errors import NascompressError
+from ..errors import NascompressError, SettingError
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
 from ..progress import say
-from .common import ModelLike, Workspace, data_config, model_run, remember, write_run
+from .common import ModelLike, data_config, model_run, recorded_inputs, remember, write_run
+from .workspace import Workspace
 from .hf import to_transformers
 
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
@@ -47,12 +48,14 @@ class Compressed:
             config={"data": cfg.get("data"), "compress": cfg},
             metrics={k: v for k, v in self.report.items() if k != "summary"},
             force=force,
+            source=self.out,
+            inputs=recorded_inputs(cfg),
         )
 
-    def to_transformers(self, directory: str | Path) -> Path:
+    def to_transformers(self, directory: str | Path, *, force: bool = False) -> Path:
         """Write the model as a Hugging Face ``transformers`` ViT folder
-        (:func:`nascompress.pyapi.hf.to_transformers`)."""
-        return to_transformers(self.model, directory, arch=self.arch)
+        (:func:`nascompress.pyapi.hf.to_transformers`; ``force``: replace a folder it wrote)."""
+        return to_transformers(self.model, directory, arch=self.arch, force=force)
 
 
 def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,6 +79,13 @@ def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, 
     }
 
 
+def _check_target(target_flops: Any) -> None:
+    if isinstance(target_flops, bool) or not isinstance(target_flops, (int, float)) or not 0 < target_flops <= 1:
+        raise SettingError(
+            f"{{target_flops}} must be a number in (0, 1] (a share of the dense FLOPs), got {target_flops!r}"
+        )
+
+
 def pipeline_config(
     data: DataConfig,
     base: Path,
@@ -91,6 +101,7 @@ def pipeline_config(
     stages: Mapping[str, Mapping[str, Any] | None],
 ) -> dict[str, Any]:
     """The ``nascompress pipeline`` file ``compress`` runs (as plain data)."""
+    _check_target(target_flops)
     methods = list(methods)
     bad = [m for m in methods if m != "dcs" and m not in TOKEN_METHODS]
     tokens = [m for m in methods if m in TOKEN_METHODS]
@@ -121,7 +132,7 @@ def pipeline_config(
     return {
         "format": "nascompress-pipeline/1",
         "seed": seed,
-        "device": device,
+        "device": str(device),  # a torch.device as its name
         "data": d,
         "base": {"run": str(base)},
         "goal": {"max_flops": target_flops},
@@ -173,19 +184,24 @@ def compress(
         teacher: None: distil from the dense model; False: no distillation.
         epochs: retraining epochs (None: retrain's recipe; 0: no retraining).
         out: keep every stage's run directory there; a second call with the same arguments continues an
-            interrupted run (finished stages are skipped). None: nothing is written.
+            interrupted run (finished stages are skipped). None: nothing is written. It may hold other
+            files: the call writes only its own folders there (``source``, ``pipeline``) and refuses
+            one of those names that holds anything nascompress did not write.
         seed / device: one seed for every stage; ``auto``, ``cpu`` or ``cuda``.
         trials: trials of the token study.
         train_limit / eval_limit: use class-stratified subsets of the images (quick runs).
         latency: time the models for the report.
         dcs / tokens / retrain: any other key of the pipeline file's ``stages.dcs`` / ``stages.tokens``
             / ``stages.retrain`` sections (``dcs={"epochs": 2, "qk_mask": "static"}``).
-        force: start over in ``out``.
+        force: start over in ``out`` (replaces only what nascompress wrote there).
         progress: a line per stage and the study's progress on stderr, as the command shows them (rich
             bars in a terminal, tqdm's bars in a Jupyter notebook with ipywidgets, plain lines elsewhere;
             ``NASCOMPRESS_PROGRESS=off`` silences every stage).
     """
-    cfg_data = data_config(train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+    _check_target(target_flops)  # before anything is written
+    cfg_data = data_config(
+        train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit, arg="train"
+    )
     with Workspace(out) as ws:
         base = model_run(model, ws, "source", data=cfg_data)
         config = pipeline_config(

@@ -9,13 +9,12 @@ from typing import Any
 from ..config import user_settings
 from ..data import DataConfig
 from ..methods.dcs import DCSConfig
-from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
+from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, search_train_config
 from ..dcs_search.run import build_job, search_dcs
 from ..train import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,
-    Workspace,
     data_config,
     loader_batch,
     model_run,
@@ -24,6 +23,7 @@ from .common import (
     split_settings,
     stage_values,
 )
+from .workspace import Workspace
 from ..api import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
@@ -87,16 +87,19 @@ def search(
     )
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+    # every setting is checked before anything is written
+    search_cfg = stage_values(DCSSearchConfig, {"target_flops": target_flops, **parts["search"]})
+    recipe = stage_values(SEARCH_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
+    runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
+    if epochs is None:
+        recipe.pop("epochs")
+    DCSSearchConfig(**search_cfg, auto_batch=batch_size is None)
+    search_train_config(**recipe, **runtime)
     with Workspace(out) as ws:
         source = model_run(model, ws, "source", data=cfg_data)
         if cfg_data is None:
             cfg_data = run_data_config(source) or DataConfig()
             cfg_data = data_config(cfg_data, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
-        search_cfg = stage_values(DCSSearchConfig, {"target_flops": target_flops, **parts["search"]})
-        recipe = stage_values(SEARCH_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
-        runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        if epochs is None:
-            recipe.pop("epochs")
         job = build_job(
             source,
             ws.path("dcs_search"),

@@ -25,9 +25,11 @@ from timm.models.vision_transformer import Attention, Block, VisionTransformer
 from ..errors import NascompressError
 from ..models import CUSTOM_BASE, ModelSpec, build_model
 from ..runs.files import Arch
+from ..runs.owner import is_output
 from .common import remember
+from .hf_folder import check_directory, save_folder
 from ..runs.io import make_arch
-from ..utils import read_json, write_json
+from ..utils import read_json
 
 _V5 = {
     "q": "attention.q_proj",
@@ -165,14 +167,17 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
     tf = _transformers()
     hf, norm = model_or_dir, {}
     if isinstance(model_or_dir, (str, Path)):
-        pre = Path(model_or_dir) / "preprocessor_config.json"
-        if pre.is_file():
-            norm = read_json(pre)
-        if not Path(model_or_dir).is_dir():
-            raise NascompressError(f"{model_or_dir} is not a local folder (nascompress never downloads a model)")
-        conf = tf.AutoConfig.from_pretrained(str(model_or_dir), local_files_only=True)
-        auto = tf.AutoModel if "Dinov2Model" in (conf.architectures or []) else tf.AutoModelForImageClassification
-        hf = auto.from_pretrained(str(model_or_dir), local_files_only=True)
+        hf, norm = _read_folder(tf, Path(model_or_dir))
+    if not isinstance(hf, tf.PreTrainedModel):
+        if isinstance(hf, VisionTransformer):
+            raise NascompressError(
+                f"from_transformers converts Hugging Face models; this {type(hf).__name__} is timm's "
+                "already: give it to nascompress as it is"
+            )
+        raise NascompressError(
+            f"from_transformers converts a Hugging Face ViTForImageClassification or Dinov2Model (the "
+            f"object, or a local folder save_pretrained wrote), got {type(hf).__name__}"
+        )
     cfg = getattr(hf, "config", None)
     if getattr(cfg, "model_type", None) == "dinov2":
         spec, out = _from_dinov2(hf)
@@ -203,6 +208,35 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
         else None,
     )
     return remember(model.eval(), arch)
+
+
+def _read_folder(tf: Any, d: Path) -> tuple[Any, dict[str, Any]]:
+    """The transformers model saved in the local folder ``d`` and its image processor's settings
+    (``preprocessor_config.json``, else none); anything else is refused in one line."""
+    if not d.is_dir():
+        raise NascompressError(f"{d} is not a local folder (nascompress never downloads a model)")
+    if is_output(d):
+        raise NascompressError(
+            f"{d} is a nascompress run or output, not a Hugging Face folder: load its model with "
+            f"nascompress.load({str(d)!r})"
+        )
+    if not (d / "config.json").is_file():
+        raise NascompressError(
+            f"{d} holds no config.json: it is not a Hugging Face model folder (one that "
+            "model.save_pretrained(folder) writes)"
+        )
+    pre = d / "preprocessor_config.json"
+    norm = read_json(pre) if pre.is_file() else {}
+    try:
+        conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
+        auto = tf.AutoModel if "Dinov2Model" in (conf.architectures or []) else tf.AutoModelForImageClassification
+        return auto.from_pretrained(str(d), local_files_only=True), norm if isinstance(norm, dict) else {}
+    except (ValueError, OSError, KeyError) as e:  # transformers' words for a folder it cannot read
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise NascompressError(
+            f"{d} is not a Hugging Face ViT or DINOv2 folder transformers can read ({why}); give the "
+            "folder save_pretrained wrote, or the model object"
+        ) from None
 
 
 def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -278,12 +312,19 @@ def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
     return widths[0], None
 
 
-def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, Any] | None = None) -> Path:
+def to_transformers(
+    model: nn.Module, directory: str | Path, *, arch: dict[str, Any] | None = None, force: bool = False
+) -> Path:
     """Write ``model`` (a timm ViT of plain blocks) as a folder Hugging Face's
     ``ViTForImageClassification.from_pretrained`` loads (config.json + model.safetensors); the
     model's preprocessing goes into ``preprocessor_config.json`` when ``arch`` is given. Models
-    that a ViTConfig cannot express are refused with the reason."""
+    that a ViTConfig cannot express are refused with the reason. An existing non-empty
+    ``directory`` is replaced only with ``force`` and only when it is such a folder (written by
+    to_transformers: nothing else in it); a nascompress run or output never is. The folder is
+    written beside ``directory`` and moved there complete, so a failure leaves none half-written."""
     tf = _transformers()
+    directory = Path(directory)
+    check_directory(directory, force)
     width, why = _plain_shape(model)
     if why:
         raise NascompressError(f"cannot write this model as a transformers ViT: {why}")
@@ -337,24 +378,7 @@ def to_transformers(model: nn.Module, directory: str | Path, *, arch: dict[str, 
     if missing:
         raise NascompressError(f"cannot write this model as a transformers ViT: no weights for {sorted(missing)[:3]}")
     hf.load_state_dict({k: v.contiguous().clone() for k, v in out.items()}, strict=True)
-    directory = Path(directory)
-    hf.save_pretrained(str(directory))
-    if typed is not None:
-        inp = dict(typed.input)
-
-        write_json(
-            directory / "preprocessor_config.json",
-            {
-                "image_processor_type": "ViTImageProcessor",
-                "do_resize": True,
-                "size": {"height": inp["img_size"][0], "width": inp["img_size"][1]},
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": list(inp["mean"]),
-                "image_std": list(inp["std"]),
-            },
-        )
+    save_folder(hf, directory, typed)
     return directory
 
 

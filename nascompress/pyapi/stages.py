@@ -10,14 +10,13 @@ from typing import Any
 from ..data import DataConfig
 from ..export.config import QuantizeConfig
 from ..export.quantize import quantize_run
-from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config
+from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config, retrain_train_config
 from ..retrain import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
 from ..train import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,
-    Workspace,
     data_config,
     loader_batch,
     model_run,
@@ -26,6 +25,7 @@ from .common import (
     split_settings,
     stage_values,
 )
+from .workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,11 @@ def retrain(
     )
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+    # every setting is checked before anything is written
+    recipe = stage_values(RETRAIN_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
+    runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
+    retrain_train_config(**recipe, **runtime)
+    retrain_cfg = RetrainConfig(**parts["retrain"])
     with Workspace(out) as ws:
         src = model_run(model, ws, "model", data=cfg_data)
         if cfg_data is None:
@@ -106,12 +111,10 @@ def retrain(
                 recorded_data_config(src) or DataConfig(), seed=seed, train_limit=train_limit, eval_limit=eval_limit
             )
         t_dir = None if teacher is None else str(model_run(teacher, ws, "teacher", data=cfg_data))
-        recipe = stage_values(RETRAIN_TRAIN_SETTINGS, {"epochs": epochs, "batch_size": batch_size, **parts["recipe"]})
-        runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
         job = build_job(
             src,
             ws.path("retrain"),
-            retrain=RetrainConfig(**parts["retrain"]),
+            retrain=retrain_cfg,
             train={**recipe, **runtime},
             data=cfg_data,
             teacher=t_dir,

@@ -13,14 +13,15 @@ from ..train import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,
-    Workspace,
     data_config,
     model_run,
+    planned_run,
     read_result,
     setting_names,
     split_settings,
     stage_values,
 )
+from .workspace import Workspace
 
 STUDY_DB = "studies.db"
 
@@ -84,11 +85,9 @@ def study(
     )
     cfg_data = data_config(data, val=val, seed=seed)
     with Workspace(out) as ws:
-        base = model_run(model, ws, "source", data=cfg_data)
         db = ws.path(STUDY_DB) if ws.keep else ws.scratch(STUDY_DB)
-        db.parent.mkdir(parents=True, exist_ok=True)
         storage = f"sqlite:///{db}"
-        values = stage_values(
+        values = stage_values(  # every setting is checked before anything is written
             SearchJob,
             {
                 "space": space,
@@ -101,7 +100,10 @@ def study(
             },
         )
         runtime = stage_values(RUNTIME_SETTINGS, {"seed": seed, "device": device, **parts["runtime"]})
-        summary = run_search(build_job(base, search=values, runtime=runtime, data=cfg_data), progress=progress)
+        job = build_job(planned_run(model, ws, "source"), search=values, runtime=runtime, data=cfg_data)
+        model_run(model, ws, "source", data=cfg_data)  # written where the job reads it
+        db.parent.mkdir(parents=True, exist_ok=True)
+        summary = run_search(job, progress=progress)
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)
         picked = None
         if pick is not None:

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError
-from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, split_settings
+from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, finetune_train_config, split_settings
 from ..methods import get_method
 from ..train import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,
-    Workspace,
     data_config,
     loader_batch,
     model_and_arch,
@@ -25,6 +24,7 @@ from .common import (
     remember,
     stage_values,
 )
+from .workspace import Workspace
 
 _TRAIN_NAMES = tuple(FINETUNE_TRAIN_SETTINGS.names)
 
@@ -80,14 +80,16 @@ def apply(
         return TokenModel(model=remember(patched.eval(), arch), arch=arch.to_dict())
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+    # every setting is checked before anything is written
+    rec = stage_values(FINETUNE_TRAIN_SETTINGS, {"epochs": epochs or None, "batch_size": batch_size, **train})
+    runtime = stage_values(
+        RUNTIME_SETTINGS,
+        {"seed": seed, "device": device, **{k: v for k, v in train.items() if k in ("amp", "deterministic")}},
+    )
+    rec = {k: v for k, v in rec.items() if k not in runtime}
+    finetune_train_config(method, **rec, **runtime)
     with Workspace(out) as ws:
         src = model_run(model, ws, "source", data=cfg_data)
-        rec = stage_values(FINETUNE_TRAIN_SETTINGS, {"epochs": epochs or None, "batch_size": batch_size, **train})
-        runtime = stage_values(
-            RUNTIME_SETTINGS,
-            {"seed": seed, "device": device, **{k: v for k, v in train.items() if k in ("amp", "deterministic")}},
-        )
-        rec = {k: v for k, v in rec.items() if k not in runtime}
         job = build_job(
             src,
             ws.path(method),

@@ -29,6 +29,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from ..data.input import check_input_section
 from ..errors import NascompressError
+from ..methods import check_records
 from ..models import ModelSpec, check_model_kwargs, check_model_size, model_size
 from ..utils import read_json, write_json
 
@@ -40,9 +41,10 @@ METRICS_FILE = "metrics.json"
 
 
 def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
-    """Check an arch read from a file: its format, and that ``model`` holds a timm name and only the
+    """Check an arch read from a file: its format, that ``model`` holds a timm name and only the
     build settings nascompress writes (:data:`~nascompress.models.MODEL_KWARGS`): the file is data,
-    and its settings go to ``timm.create_model``."""
+    and its settings go to ``timm.create_model``; its input section; and each method record
+    (:func:`~nascompress.methods.check_records`: its config, the channels it keeps, ...)."""
     if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or not isinstance(arch.get("model"), dict):
         raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
     model = arch["model"]
@@ -59,6 +61,7 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
     check_input_section(arch.get("input"), source=source, model=geometry)
     if not isinstance(arch.setdefault("methods", []), list):
         raise NascompressError(f"{source}: methods must be a list of method records")
+    check_records(arch["methods"], source=source)  # each method's record: its config, kept channels, ...
     return arch
 
 

@@ -68,7 +68,7 @@ from .files import (
     write_arch_json,
     write_metrics_json,
 )
-from ..utils import atomic_path, parse_json
+from ..utils import atomic_path, check_regular_file, machine_device, parse_json
 from ..runtime import parse_dtype
 
 _V1_RENAMES = (
@@ -329,6 +329,8 @@ def _resolve(path: str | Path, *, complete: bool = True) -> tuple[Path, dict[str
     path = Path(path)
     if not path.exists():
         raise NascompressError(f"{path} does not exist; give a run directory or a model.safetensors file")
+    if not path.is_dir():  # a FIFO or a device would be read without end
+        check_regular_file(path, what="model file", fix="give a run directory or a model.safetensors file")
     if complete:
         check_complete(path if path.is_dir() else path.parent if path.name == MODEL_FILE else path)
     if path.is_dir():
@@ -396,6 +398,7 @@ def load_with_arch(
             weights are converted for inference; feed the model inputs of that dtype.
     """
     dt = None if dtype is None else parse_dtype(dtype)
+    map_location = machine_device(map_location, field="map_location")
     weights, arch = _resolve(path, complete=complete)
     model = build_from_arch(arch)
     try:

@@ -10,16 +10,24 @@ finetune, the DCS search, materialize, a study trial's model, import, the linear
    waits until every rank has checked ``OUT`` before, and until it is ready after;
 3. :meth:`RunDir.finish`: rank 0 writes the completion mark (``metrics.json``,
    :func:`~nascompress.runs.io.finish_run`), the run's last write.
+
+:meth:`RunDir.removed_if_unwritable` wraps a job's work: a run this command created that cannot be
+written (a full disk) before it has a checkpoint to continue from is removed again, so a failed
+command leaves no half-written run (one with a checkpoint stays, for ``--resume``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .. import distributed
+from ..errors import WriteError
 from .io import CONFIG_FILE, finish_run
+from .owner import check_replaceable, clear_own
+from .store import CHECKPOINT_FILE
 from ..pipeline_files import write_run_config
 from ..utils import create_out_dir, prepare_out_dir, recorded_job
 
@@ -46,15 +54,37 @@ class RunDir:
         (:func:`~nascompress.utils.recorded_job`: ``explicit`` options that differ are refused)."""
         return recorded_job(Path(out), job_cls, command, given=given, explicit=explicit)
 
-    def create(self, config: dict[str, Any]) -> Path:
-        """Create the directory and record ``config`` in ``config.json`` (rank 0; every rank waits
-        before and after)."""
+    def create(self, config: dict[str, Any], *, kind: str = "run") -> Path:
+        """Create the directory, marked as a nascompress output of ``kind``, and record ``config`` in
+        ``config.json`` (rank 0; every rank waits before and after)."""
         distributed.barrier()  # every rank has checked the directory before rank 0 creates it
         if distributed.is_main():
-            create_out_dir(self.path, force=self.force, resume=self.resume)
+            create_out_dir(self.path, force=self.force, resume=self.resume, kind=kind)
             write_run_config(self.path, config)
         distributed.barrier()  # the directory is ready
         return self.path
+
+    @contextlib.contextmanager
+    def removed_if_unwritable(self) -> Iterator[None]:
+        """Around the job's work (after :meth:`prepare`): when it fails because the run cannot be
+        written (a full disk, a file size limit) and the run is new (not resumed, not replacing one)
+        with no checkpoint yet, remove what it wrote (nascompress's files only) and advise a plain
+        rerun; otherwise the error advises ``--resume``."""
+        new = not self.path.exists()
+        try:
+            yield
+        except WriteError as e:
+            if not (new and distributed.is_main() and self.path.is_dir()):
+                raise
+            if (self.path / CHECKPOINT_FILE).is_file():
+                raise
+            with contextlib.suppress(Exception):
+                check_replaceable(self.path)
+                clear_own(self.path)
+                self.path.rmdir()
+            if self.path.exists():
+                raise
+            raise e.instead(f"then rerun the command (the unfinished {self.path} was removed)") from e
 
     def finish(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Mark the run complete (rank 0): the completion mark is the run's last write."""

@@ -4,12 +4,18 @@ directory, which rank 0 alone writes, or memory when :func:`nascompress.train.fi
 A run killed during the per-epoch append of ``log.jsonl`` leaves a half-written last line: a resume
 drops it (with a note; the epoch's record is written again when the epoch is), whereas a damaged
 line before the last, or a damaged checkpoint (a missing tensor, an epoch of the wrong type, a
-tensor of the wrong shape), is one line saying what is wrong (:func:`damaged_checkpoint`)."""
+tensor of the wrong shape), is one line saying what is wrong (:func:`damaged_checkpoint`).
+
+For the kill -9 tests, ``NASCOMPRESS_TEST_KILL_AFTER_CHECKPOINT=NAME:N`` (:data:`TEST_KILL_ENV`) kills
+the process with SIGKILL right after the run directory named NAME wrote the checkpoint of its epoch N:
+a kill at a known point of a run, whatever the machine's speed."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,12 +28,13 @@ from .. import distributed
 from ..errors import NascompressError, SettingError
 from .checkpoint import save_state
 from .io import load_with_arch, save_model
-from ..utils import append_jsonl, parse_json, read_file_text
+from ..utils import append_jsonl, atomic_path, parse_json, read_file_text
 from ..weights import mismatch_report, state_mismatches
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"
 LOG_FILE = "log.jsonl"
+TEST_KILL_ENV = "NASCOMPRESS_TEST_KILL_AFTER_CHECKPOINT"
 
 
 _START_OVER = "delete it (a {resume} then starts the run over) or rerun with {force}"  # a SettingError template
@@ -118,14 +125,15 @@ class RunStore:
         if self.dir is None or not self.main:
             return
         path = self.dir / LOG_FILE
+        for tmp in self.dir.glob(".*.tmp"):  # atomic writes (utils.atomic_path) of a killed run
+            tmp.unlink()
         if resume_from is None:
             if path.exists():
                 path.unlink()
             return
-        for tmp in self.dir.glob(".*.tmp"):  # atomic writes (utils.atomic_path) of a killed run
-            tmp.unlink()
         lines = _read_log(path, upto=resume_from)
-        path.write_text("".join(ln + "\n" for ln in lines))
+        with atomic_path(path) as tmp:  # a kill meanwhile leaves the log as it was, not a part of it
+            tmp.write_text("".join(ln + "\n" for ln in lines))
         self.log.extend(json.loads(ln) for ln in lines)  # checked by _read_log
 
     def record(self, rec: dict[str, Any]) -> None:
@@ -143,6 +151,9 @@ class RunStore:
     def checkpoint(self, state: dict[str, Any]) -> None:
         if self.dir is not None and self.main:
             save_state(self.dir / CHECKPOINT_FILE, state)
+            kill = os.environ.get(TEST_KILL_ENV)
+            if kill and kill == f"{self.dir.name}:{state['epoch'] + 1}":
+                os.kill(os.getpid(), signal.SIGKILL)  # the kill -9 tests' hook (the module docstring)
 
     def saved_model(self, model: nn.Module, device: torch.device) -> nn.Module:
         """The saved model: read back from the directory, or ``model`` given the saved weights."""

@@ -10,6 +10,7 @@ import math
 from typing import Any, Mapping
 
 from ..errors import NascompressError
+from ..yaml_io import shown
 from .space_entries import Param, is_int
 from .space_values import layer_limit
 
@@ -31,10 +32,10 @@ class LayersKind:
 
     def layer_list(self, x: Any, where: str) -> list[int]:
         if not isinstance(x, list) or not x:
-            raise self.err(where, f"a non-empty list of layer numbers is required, got {x!r}")
+            raise self.err(where, f"a non-empty list of layer numbers is required, got {shown(x)}")
         for v in x:
             if not is_int(v) or v < 1:
-                raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {v!r}")
+                raise self.err(where, f"layer numbers are integers >= 1 (1-based), got {shown(v)}")
             if v > layer_limit():
                 raise self.err(
                     where,
@@ -73,11 +74,12 @@ class LayersKind:
         if has[0] == "range":
             r = spec["range"]
             if not isinstance(r, list) or len(r) != 2 or not all(is_int(v) for v in r):
-                raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {r!r}")
+                raise self.err(f"{where}.range", f"an inclusive range is [lo, hi] with integers, got {shown(r)}")
             if 0 in r or r[0] < 0:
                 raise self.err(
                     f"{where}.range",
-                    f"layer numbers are 1-based (>= 1; hi may count from the last block: -1 is the last), got {r!r}",
+                    "layer numbers are 1-based (>= 1; hi may count from the last block: -1 is the last), "
+                    f"got {shown(r)}",
                 )
             relative = r[1] < 0
             r = self.resolve_range(r, f"{where}.range") if relative else r
@@ -103,7 +105,7 @@ class LayersKind:
         elif isinstance(size, list) and len(size) == 2 and all(is_int(v) for v in size):
             lo, hi = size
         else:
-            raise self.err(f"{where}.size", f"size is an integer or [lo, hi], got {size!r}")
+            raise self.err(f"{where}.size", f"size is an integer or [lo, hi], got {shown(size)}")
         if lo < 1 or lo > hi:
             raise self.err(f"{where}.size", f"empty or inverted size range [{lo}, {hi}] (sizes are >= 1)")
         if relative:  # a range sized by the model: at most all of its layers

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..yaml_io import read_yaml_file
+from ..yaml_io import shown
 from .space_layers import LayersKind
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
 from .space_values import check_grid, check_values, registry_method_fields
@@ -93,7 +94,7 @@ WIDTH_PARAMS: dict[str, tuple[str, ...]] = {"mgvit": ("feat_dim",)}
 def read_space_file(path: str | Path) -> Any:
     """The parsed YAML of a space file (not validated yet); missing, unreadable or invalid YAML is
     one error naming the file."""
-    return read_yaml_file(path, what="search space")
+    return read_yaml_file(path, what="search space", mapping=f"a mapping with keys {', '.join(sorted(_TOP_KEYS))}")
 
 
 class Parser(LayersKind):
@@ -111,7 +112,7 @@ class Parser(LayersKind):
     def keys(self, d: Mapping[str, Any], allowed: set[str], where: str) -> None:
         unknown = [k for k in d if k not in allowed]
         if unknown:
-            raise self.err(where, f"unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})")
+            raise self.err(where, f"unknown key {shown(unknown[0])} (allowed: {', '.join(sorted(allowed))})")
 
     def space(self, data: Any) -> tuple[str, str, tuple[Method, ...]]:
         """The space's name, description and normalized methods."""
@@ -119,7 +120,7 @@ class Parser(LayersKind):
             raise self.err("", f"a space file is a mapping with keys {', '.join(sorted(_TOP_KEYS))}")
         self.keys(data, _TOP_KEYS, "")
         if data.get("format") != FORMAT:
-            raise self.err("format", f"must be {FORMAT!r}, got {data.get('format')!r}")
+            raise self.err("format", f"must be {FORMAT!r}, got {shown(data.get('format'))}")
         name = data.get("name")
         if not isinstance(name, str) or not name:
             raise self.err("name", "a non-empty string is required")
@@ -155,18 +156,18 @@ class Parser(LayersKind):
         self.keys(d, _METHOD_KEYS, where)
         name = d.get("name")
         if not isinstance(name, str) or not _METHOD_RE.match(name):
-            raise self.err(f"{where}.name", f"a method name is required (letters, digits, _ or -), got {name!r}")
+            raise self.err(f"{where}.name", f"a method name is required (letters, digits, _ or -), got {shown(name)}")
         fields = None
         if self.method_fields is not None:
             fields = self.method_fields(name)
             if fields is None:
-                raise self.err(f"{where}.name", f"unknown method {name!r} (not in the method registry)")
+                raise self.err(f"{where}.name", f"unknown method {shown(name)} (not in the method registry)")
         group = d.get("group")
         if group is not None and (not isinstance(group, str) or not _NAME_RE.match(group)):
-            raise self.err(f"{where}.group", f"a group is a name (letters, digits, _), got {group!r}")
+            raise self.err(f"{where}.group", f"a group is a name (letters, digits, _), got {shown(group)}")
         optional = d.get("optional", False)
         if not isinstance(optional, bool):
-            raise self.err(f"{where}.optional", f"must be true or false, got {optional!r}")
+            raise self.err(f"{where}.optional", f"must be true or false, got {shown(optional)}")
         raw = d.get("params", {}) or {}
         if not isinstance(raw, Mapping):
             raise self.err(f"{where}.params", "must be a mapping of config field -> entry")
@@ -178,7 +179,8 @@ class Parser(LayersKind):
             if fields is not None and pname not in fields:
                 raise self.err(
                     pw,
-                    f"unknown parameter {pname!r} of method {name!r} (its config fields: {', '.join(sorted(fields))})",
+                    f"unknown parameter {shown(pname)} of method {shown(name)} "
+                    f"(its config fields: {', '.join(sorted(fields))})",
                 )
             if pname == "on" and optional and group is None:
                 raise self.err(pw, "'on' collides with the optional method's on/off parameter")
@@ -247,7 +249,7 @@ class Parser(LayersKind):
                 "{kind: const, value: {...}})",
             )
         if kind not in KINDS:
-            raise self.err(f"{where}.kind", f"unknown kind {kind!r} (known: {', '.join(KINDS)})")
+            raise self.err(f"{where}.kind", f"unknown kind {shown(kind)} (known: {', '.join(KINDS)})")
         self.keys(spec, _KEYS[kind], where)
         when = self.when(spec.get("when"), where, earlier) if "when" in spec else ()
         src: dict[str, Any] = {}
@@ -281,7 +283,7 @@ class Parser(LayersKind):
             if k not in spec:
                 raise self.err(where, f"kind {kind} needs {k}")
             if not check(spec[k]) or not math.isfinite(spec[k]):
-                raise self.err(f"{where}.{k}", f"must be {tname}, got {spec[k]!r}")
+                raise self.err(f"{where}.{k}", f"must be {tname}, got {shown(spec[k])}")
         low, high = spec["low"], spec["high"]
         if kind == "float":
             low, high = float(low), float(high)
@@ -289,11 +291,11 @@ class Parser(LayersKind):
             raise self.err(where, f"empty or inverted range: low ({low}) must be < high ({high})")
         step, log = spec.get("step"), spec.get("log", False)
         if not isinstance(log, bool):
-            raise self.err(f"{where}.log", f"must be true or false, got {log!r}")
+            raise self.err(f"{where}.log", f"must be true or false, got {shown(log)}")
         if step is not None and log:
             raise self.err(where, "step and log cannot both be given")
         if step is not None and (not check(step) or step <= 0 or not math.isfinite(step)):
-            raise self.err(f"{where}.step", f"must be {tname} > 0, got {step!r}")
+            raise self.err(f"{where}.step", f"must be {tname} > 0, got {shown(step)}")
         if not log:
             too_many = check_grid(low, high, step, kind)
             if too_many:
@@ -315,7 +317,7 @@ class Parser(LayersKind):
             raise self.err(f"{where}.choices", "a non-empty list of choices is required")
         for c in choices:
             if not is_scalar(c):
-                raise self.err(f"{where}.choices", f"choices are scalars (null, bool, number, string), got {c!r}")
+                raise self.err(f"{where}.choices", f"choices are scalars (null, bool, number, string), got {shown(c)}")
         keys = [json.dumps(c) for c in choices]
         if len(set(keys)) != len(keys):
             dup = next(c for i, c in enumerate(choices) if keys[i] in keys[:i])

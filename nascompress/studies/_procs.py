@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Any
 
 
 def pid_start(pid: int) -> str | None:
@@ -39,3 +40,20 @@ def pid_alive(pid: int, start: str | None) -> bool:
 
 def host() -> str:
     return socket.gethostname()
+
+
+def owner_record(pid: int | None = None) -> dict[str, Any]:
+    """The owner record of a folder a process makes (this host, the pid, its start time)."""
+    pid = os.getpid() if pid is None else pid
+    return {"host": host(), "pid": pid, "pid_start": pid_start(pid)}
+
+
+def owner_gone(owner: Any) -> bool:
+    """Does ``owner`` (a record of :func:`owner_record`, read from a file) name a process of this
+    host that is gone? False for anything else: another host, a live process, an invalid record."""
+    if not isinstance(owner, dict) or owner.get("host") != host():
+        return False
+    pid, start = owner.get("pid"), owner.get("pid_start")
+    if type(pid) is not int or pid <= 0 or not (start is None or isinstance(start, str)):
+        return False
+    return not pid_alive(pid, start)

@@ -11,25 +11,22 @@ can reach the port reads every study of the storage. It is read-only unless ``wr
 (``--writable``): the API's writes (``DELETE /api/studies/1``, notes, renames) are answered 403.
 ``--writable`` changes the live studies of a PostgreSQL or journal storage; on SQLite it is
 refused (the writes would go to the snapshot, not to the file the user named). Requests without an ``Accept-Encoding``
-header (curl, scripts) are served, not failed with a traceback in the terminal.
+header (curl, scripts) are served, not failed with a traceback in the terminal. A request whose
+``Host`` header is not this dashboard's address (the bound address, ``localhost``, ``127.0.0.1``
+or ``[::1]``, with its port; this machine's own names too when it listens beyond loopback) is
+answered 403: a web page of another site that points its name at this machine (DNS rebinding)
+cannot read the studies.
 
-The snapshot lives beside the study file, in a hidden folder ``.<file>.dashboard-<id>/`` (the
-system's temporary folder only when the study's folder is read-only), removed when the dashboard
-stops; a folder left by a dashboard killed with kill -9 is removed by the next start (its owner,
-recorded in ``owner.json``, is dead).
+The snapshot folder (made beside the study file, removed when the dashboard stops, a killed
+dashboard's leftover removed only when provably one): :mod:`nascompress.studies.snapshots`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import socketserver
-import sqlite3
-import tempfile
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,14 +39,12 @@ import optuna
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError, SettingError
-from nascompress.utils import read_json
 
-from ._procs import host, pid_alive, pid_start
-from .storage import StorageSpec, find_study, open_storage
+from .snapshots import make_snapshot_dir, remove_snapshot_dir, snapshot_sqlite
+from .storage import find_study, open_storage
 from .inspect import directions, metric_names
 from .report import front_figures
 
-SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
 WRITABLE_FLAG = "--writable"
 _READ_METHODS = ("GET", "HEAD", "OPTIONS")
 
@@ -69,19 +64,54 @@ def is_loopback(host: str) -> bool:
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
-def _guard(app: Any, *, writable: bool) -> Any:
+def allowed_hosts(host: str, port: int) -> frozenset[str]:
+    """The ``Host`` header values a dashboard bound to ``host``:``port`` answers (lower case): the
+    bound address, ``localhost``, ``127.0.0.1`` and ``[::1]`` with the port (also without it on
+    port 80); this machine's host names and addresses too when ``host`` is not loopback."""
+    names = {host.strip().lower(), "localhost", "127.0.0.1", "::1"}
+    if not is_loopback(host):
+        names |= {socket.gethostname().lower(), socket.getfqdn().lower()}
+        try:
+            names |= {info[4][0].split("%")[0].lower() for info in socket.getaddrinfo(socket.gethostname(), None)}
+        except OSError:
+            pass
+    out = set()
+    for n in names:
+        n = n.strip("[]")
+        shown = f"[{n}]" if ":" in n else n
+        out.add(f"{shown}:{port}")
+        if port == 80:
+            out.add(shown)
+    return frozenset(out)
+
+
+def _refuse(start_response: Any, status: str, reason: str) -> list[bytes]:
+    body = json.dumps({"reason": reason}).encode()
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+    return [body]
+
+
+def _guard(app: Any, *, writable: bool, hosts: frozenset[str] | None = None) -> Any:
     """The dashboard's WSGI app, read-only unless ``writable`` (a write is answered 403 with the
-    reason), with a missing ``Accept-Encoding`` header read as none (optuna-dashboard's static
-    files otherwise fail with a KeyError)."""
+    reason), answering only requests whose ``Host`` header is one of ``hosts`` (others: 403; None:
+    any), with a missing ``Accept-Encoding`` header read as none (optuna-dashboard's static files
+    otherwise fail with a KeyError)."""
 
     def guarded(environ: dict[str, Any], start_response: Any) -> Any:
+        if hosts is not None and environ.get("HTTP_HOST", "").strip().lower() not in hosts:
+            return _refuse(
+                start_response,
+                "403 Forbidden",
+                "this dashboard answers only requests addressed to its own address (Host header); "
+                "open it with the address it printed",
+            )
         environ.setdefault("HTTP_ACCEPT_ENCODING", "")
         if not writable and environ.get("REQUEST_METHOD", "GET").upper() not in _READ_METHODS:
-            body = json.dumps(
-                {"reason": f"this dashboard is read-only: restart it with {WRITABLE_FLAG} to change studies"}
-            ).encode()
-            start_response("403 Forbidden", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
-            return [body]
+            return _refuse(
+                start_response,
+                "403 Forbidden",
+                f"this dashboard is read-only: restart it with {WRITABLE_FLAG} to change studies",
+            )
         if environ.get("PATH_INFO", "").startswith(("/api/", "/static/")):
             return app(environ, start_response)
         return _with_style(app, environ, start_response)
@@ -158,7 +188,7 @@ class DashboardHandle:
             self._thread.join(10)
             self._thread = None
         if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            remove_snapshot_dir(self._tmpdir)
             self._tmpdir = None
 
     def wait(self) -> None:
@@ -171,50 +201,6 @@ class DashboardHandle:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
-
-
-def _remove_stale_snapshots(home: Path) -> None:
-    """Remove the snapshot folders of dashboards of this machine that are no longer running."""
-    for d in home.glob(f".*{SNAPSHOT_TAG}*"):
-        try:
-            owner = read_json(d / "owner.json")
-            dead = owner.get("host") == host() and not pid_alive(int(owner["pid"]), owner.get("pid_start"))
-        except (NascompressError, ValueError, KeyError, TypeError, AttributeError):  # killed before it wrote its owner
-            dead = d.is_dir() and time.time() - d.stat().st_mtime > 60
-        if dead:
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _snapshot_dir(spec: StorageSpec) -> Path:
-    """A new snapshot folder beside the study file (the temporary folder if that one is read-only),
-    with its owner recorded; stale folders of killed dashboards are removed first."""
-    assert spec.path is not None
-    home = spec.path.resolve().parent
-    if not os.access(home, os.W_OK):
-        home = Path(tempfile.gettempdir())
-    _remove_stale_snapshots(home)
-    d = home / f".{spec.path.name}{SNAPSHOT_TAG}{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    pid = os.getpid()
-    (d / "owner.json").write_text(json.dumps({"host": host(), "pid": pid, "pid_start": pid_start(pid)}))
-    return d
-
-
-def _snapshot(spec: StorageSpec, tmpdir: Path) -> StorageSpec:
-    assert spec.path is not None
-    snap = tmpdir / f"snapshot-{spec.path.name}"
-    try:
-        src = sqlite3.connect(f"file:{spec.path}?mode=ro", uri=True, timeout=30)
-        try:
-            dst = sqlite3.connect(snap)
-            with dst:
-                src.backup(dst)
-            dst.close()
-        finally:
-            src.close()
-    except sqlite3.Error as e:
-        raise NascompressError(f"cannot snapshot {spec.display} for the dashboard: {e}") from None
-    return StorageSpec("sqlite", f"sqlite:///{snap}", snap)
 
 
 @dataclass(frozen=True)
@@ -299,13 +285,13 @@ def start_dashboard(
     served, note, snap = spec, None, None
     if spec.kind == "sqlite":
         try:
-            tmpdir = _snapshot_dir(spec)
+            tmpdir = make_snapshot_dir(spec)
         except OSError as e:
             raise NascompressError(f"cannot snapshot {spec.display} for the dashboard: {e.strerror or e}") from None
         try:
-            served = _snapshot(spec, tmpdir)
+            served = snapshot_sqlite(spec, tmpdir)
         except NascompressError:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            remove_snapshot_dir(tmpdir)
             raise
         snap = served.path
         stamp = time.strftime("%H:%M:%S")
@@ -319,16 +305,17 @@ def start_dashboard(
             warnings.simplefilter("ignore")
             if snap is not None:  # the snapshot only: the study's own storage is never written
                 _add_fronts(st, name)
-            app = _guard(optuna_dashboard.wsgi(st), writable=writable)
-        try:
+            app = optuna_dashboard.wsgi(st)
+        try:  # the app is wrapped once the port is known (the Host check needs it): set_app below
             server = make_server(host, port, app, server_class=_ThreadingWSGIServer, handler_class=_QuietHandler)
         except OSError as e:
             raise NascompressError(f"cannot serve the dashboard on {host}:{port}: {e.strerror or e}") from None
     except BaseException:
         if tmpdir is not None:
-            shutil.rmtree(tmpdir, ignore_errors=True)
+            remove_snapshot_dir(tmpdir)
         raise
     real_port = server.server_address[1]
+    server.set_app(_guard(app, writable=writable, hosts=allowed_hosts(host, real_port)))
     thread = threading.Thread(target=server.serve_forever, name="nascompress-dashboard", daemon=True)
     thread.start()
     url_host = f"[{host}]" if ":" in host else host

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 RECORD_COLUMNS = ("flops_ratio", "params", "accuracy", "latency_ms", "throughput")
+# a CSV text cell starting with one of these is prefixed with ' (numbers are written as they are)
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 def load(name: str, storage: str | None = None) -> tuple[StorageSpec, optuna.Study]:
@@ -313,10 +315,15 @@ def trial_dict(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
 
 
 def check_out(out: str | Path, *, force: bool) -> Path:
-    """Refuse an existing output file (without force) or a missing directory, before any work."""
+    """Refuse an existing output file (without force), one that is no regular file (a device such
+    as ``/dev/full``, a FIFO: even with force, which would replace it) or a missing directory,
+    before any work."""
     out = Path(out)
     if out.is_dir():
         raise NascompressError(f"{out} is a directory; give a file name")
+    if out.exists() and not out.is_file():
+        kind = "a named pipe (FIFO)" if out.is_fifo() else "a device or socket"
+        raise SettingError(f"{out} is {kind}, not a regular file; choose another {{out}} (a file name)")
     if out.exists() and not force:
         raise SettingError(f"{out} already exists; pass {{force}} to overwrite it")
     if not out.parent.is_dir():
@@ -384,6 +391,8 @@ def _csv(trials: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
     def cell(v: Any) -> Any:
         if isinstance(v, (list, dict)):
             return json.dumps(v)
+        if isinstance(v, str) and v.startswith(FORMULA_STARTS):
+            return "'" + v  # a spreadsheet would run it as a formula (CSV injection, OWASP)
         return "" if v is None else v
 
     for t in trials:

@@ -69,6 +69,7 @@ worker process's entry point), :mod:`.records` (trial and study records, the Par
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import pickle
 import sys
 import time
@@ -80,7 +81,8 @@ from optuna.trial import TrialState
 import torch
 
 from nascompress.limits import check_limited
-from nascompress.errors import NascompressError, SettingError, literal, writing
+from nascompress.errors import NascompressError, SettingError, literal, words, writing
+from nascompress.progress import console
 
 from .display import Display
 from .liveness import fail_stale_trials, stale_trials
@@ -101,6 +103,34 @@ from .seeding import ParamSeeded, sampler_seed  # noqa: F401
 
 # ----------------------------------------------------------------------------------------------
 # The entry point
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; else the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def cap_workers(workers: int, n_trials: int) -> tuple[int, str | None]:
+    """``workers`` capped at the trials asked for and at the usable cores (each worker process loads
+    the model and the data: more workers than trials only wait, more than cores only share them),
+    with a one-line note saying so (None when nothing was capped)."""
+    cores = usable_cores()
+    n = min(workers, n_trials, cores)
+    if n == workers:
+        return workers, None
+    why = (
+        f"the study asks for {_count(n_trials, 'trial')}"
+        if n == n_trials
+        else f"this machine has {_count(cores, 'usable CPU core')}"
+    )
+    return n, words(f"running {_count(n, 'worker')}, not {{workers}} {workers}: {why}")
+
+
+def _count(k: int, what: str) -> str:
+    return f"{k} {what}" + ("" if k == 1 else "s")
 
 
 def run_study(
@@ -139,7 +169,8 @@ def run_study(
             (and should hold ``space``, ``base_run``, ``dataset``, ``command``).
         sampler_factory: picklable ``seed -> sampler`` (default :func:`default_sampler`).
         seed: the study's seed (see :func:`sampler_seed`).
-        workers: worker processes on this machine.
+        workers: worker processes on this machine (capped at ``n_trials`` and at the usable
+            CPU cores, with a note: :func:`cap_workers`).
         enqueue: Optuna params of fixed configurations to run first (new studies only).
         timeout: start no new trial after this many seconds.
         heartbeat_interval: seconds between a running trial's heartbeats.
@@ -152,7 +183,8 @@ def run_study(
 
     Returns:
         ``{"study", "storage" (masked), "n_trials", "complete", "counts" (by state), "front"
-        ([{"number", "values", "params"}]), "wall_s", "workers", "created", "stale_failed"
+        ([{"number", "values", "params"}]), "wall_s", "workers" (run), "workers_note" (why fewer
+        than asked, or None), "created", "stale_failed"
         (failed for good), "stale_resumed" (trials of a killed run, run again in place), "finished"}``.
     """
     t0 = time.time()
@@ -161,6 +193,7 @@ def run_study(
     check_limited("n_trials", n_trials, "max_trials")
     if not isinstance(workers, int) or workers < 1:
         raise NascompressError(f"workers must be an integer >= 1, got {workers!r}")
+    workers, workers_note = cap_workers(workers, n_trials)
     directions = [str(d).lower() for d in directions]
     if not directions or any(d not in ("maximize", "minimize") for d in directions):
         raise NascompressError(f"directions must be 'maximize' or 'minimize' each, got {directions}")
@@ -197,6 +230,8 @@ def run_study(
         max_retries=max_retries,
         max_failures=max_failures,
     )
+    if workers_note and (progress or json_progress):
+        console.print(workers_note, highlight=False, soft_wrap=True)
     with quiet_optuna(), writing(spec.display, what=f"study storage {spec.display}", then=CONTINUE):
         study, created = open_study(
             spec, study_name=study_name, directions=directions, metric_names=metric_names, info=info, enqueue=enqueue
@@ -264,6 +299,7 @@ def run_study(
         "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
         "wall_s": round(time.time() - t0, 3),
         "workers": workers,
+        "workers_note": workers_note,
         "created": created,
         "stale_failed": stale,
         "stale_resumed": resumed,

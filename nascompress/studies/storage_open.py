@@ -1,20 +1,26 @@
 """Opening a parsed storage, every failure one line: SQLite and PostgreSQL through Optuna's
 ``RDBStorage`` (the installed PostgreSQL driver, a connect timeout), journal files through
-``JournalStorage`` with :class:`~nascompress.studies.journal_lock.OwnedJournalLock`."""
+``JournalStorage`` on :class:`CheckedJournalBackend` with
+:class:`~nascompress.studies.journal_lock.OwnedJournalLock`. A file storage must be a regular file
+(a FIFO would block its opening forever, a device such as ``/dev/zero`` would be read without end)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import stat
 import warnings
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 import importlib.util
 
 from optuna.storages import JournalStorage, RDBStorage
 from optuna.storages.journal import JournalFileBackend
 
 from nascompress.errors import NascompressError, write_error
+from nascompress.limits import env_name, limits
+from nascompress.utils import check_regular_file
 
 from .journal_lock import OwnedJournalLock
 from .storage_url import StorageSpec, scrub
@@ -47,6 +53,9 @@ def open_storage(spec: StorageSpec, *, create: bool = True) -> BaseStorage:
                 )
         elif spec.path.is_dir():
             raise NascompressError(f"storage {spec.display} is a directory, not a file")
+        else:  # before anything opens it: a FIFO blocks open() forever, a device is read without end
+            form = "sqlite:///PATH" if spec.kind == "sqlite" else "journal:PATH"
+            check_regular_file(spec.path, what="storage", fix=f"give {form} of a study file")
     if spec.kind == "journal":
         return _open_journal(spec)
     return _open_rdb(spec)
@@ -76,18 +85,87 @@ def creation_lock(spec: StorageSpec) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
+class CheckedJournalBackend(JournalFileBackend):
+    """Optuna's journal file backend, read defensively: the file is read only if it is a regular
+    file, no record longer than the ``max_journal_record_bytes`` limit is read into memory, and a
+    line that is not an Optuna journal record (a JSON object with an integer ``op_code`` and a
+    ``worker_id``) is one :class:`NascompressError` naming the storage and the line. As in Optuna,
+    only what the file held when a read began is read, and an unfinished last line (a record being
+    written) is left for the next read. :attr:`line` is the line of the record last handed out."""
+
+    def __init__(self, path: str, lock: OwnedJournalLock, display: str) -> None:
+        super().__init__(path, lock_obj=lock)
+        self.display = display
+        self.line = 0
+        self._offsets = {0: 0}  # line number -> where it starts in the file (the lines read so far)
+
+    def _damaged(self, line: int, why: str) -> NascompressError:
+        return NascompressError(
+            f"storage {self.display}: line {line} {why}: the file is not an Optuna journal, or it is "
+            "damaged there; give the study's journal file (a journal:PATH that does not exist starts a new one)"
+        )
+
+    def read_logs(self, log_number_from: int) -> Iterator[dict[str, Any]]:
+        cap = limits().max_journal_record_bytes
+        fd = os.open(self._file_path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO swapped in: no blocking open
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NascompressError(f"storage {self.display} is not a regular file; give a journal file")
+            number, pos = 0, 0
+            if log_number_from in self._offsets:
+                number, pos = log_number_from, self._offsets[log_number_from]
+                f.seek(pos)
+            while pos < st.st_size:
+                raw = f.readline(min(cap + 1, st.st_size - pos))
+                if not raw:
+                    return
+                if not raw.endswith(b"\n"):
+                    if len(raw) > cap:
+                        raise NascompressError(
+                            f"storage {self.display}: line {number + 1} is longer than {cap:,} bytes, the "
+                            "limit of a journal record (max_journal_record_bytes): the file is not an Optuna "
+                            f"journal, or it is damaged; if it is intended, raise the limit with "
+                            f"{env_name('max_journal_record_bytes')}=N"
+                        )
+                    if not raw.startswith(b"{"):
+                        raise self._damaged(number + 1, "is not an Optuna journal record")
+                    return  # a record being written: the next read takes it
+                pos += len(raw)
+                self._offsets[number + 1] = pos
+                number += 1
+                if number <= log_number_from:
+                    continue
+                try:
+                    log = json.loads(raw)
+                except ValueError:  # not JSON, or not UTF-8
+                    raise self._damaged(number, "is not JSON") from None
+                if not (
+                    isinstance(log, dict) and type(log.get("op_code")) is int and isinstance(log.get("worker_id"), str)
+                ):
+                    raise self._damaged(number, "is not an Optuna journal record")
+                self.line = number
+                yield log
+
+
 def _open_journal(spec: StorageSpec) -> BaseStorage:
+    backend = None
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             lock = OwnedJournalLock(str(spec.path))
-            return JournalStorage(JournalFileBackend(str(spec.path), lock_obj=lock))
-    except (ValueError, UnicodeDecodeError, KeyError) as e:
-        raise NascompressError(
-            f"cannot open storage {spec.display}: it is not an Optuna journal file ({type(e).__name__}: {e})"
-        ) from None
+            backend = CheckedJournalBackend(str(spec.path), lock, spec.display)
+            return JournalStorage(backend)  # replays the whole file
+    except NascompressError:
+        raise
     except OSError as e:
         raise NascompressError(f"cannot open storage {spec.display}: {e.strerror}") from None
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, AssertionError):
+        # a record Optuna's replay cannot apply (an unknown op_code, a missing or mistyped field);
+        # no line of this process is in the file yet, so none of Optuna's own errors arise here
+        if backend is None:
+            raise
+        raise backend._damaged(backend.line, "is not a valid Optuna journal record") from None
 
 
 def _driver_url(url: str) -> str:
