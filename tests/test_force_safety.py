@@ -177,6 +177,12 @@ def test_the_api_never_replaces_a_users_folder_under_out(tmp_path, tiny_vit):
     with pytest.raises(NascompressError, match="is not such a copy"):
         nc.retrain(tiny_vit, "digits", out=proj, epochs=1, train_limit=64, eval_limit=64, force=True)
     assert intact(files)
+    # nc.compress's pipeline folder of the user's: refused before the model's copy is written
+    mine = tmp_path / "mine"
+    files = user_files(mine / "pipeline")
+    with pytest.raises(NascompressError, match="is not a nascompress output"):
+        nc.compress(tiny_vit, "digits", out=mine, force=True)
+    assert intact(files) and not (mine / "source").exists()
 
 
 def test_the_api_checks_its_settings_before_it_writes(tmp_path, tiny_vit):

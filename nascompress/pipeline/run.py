@@ -40,7 +40,7 @@ def _stray(p: Path) -> bool:
     return p.name in (LOCK_FILE, MARK_FILE) or (p.name.startswith(".") and p.name.endswith(".tmp"))
 
 
-def _check_out(out: Path, *, force: bool) -> None:
+def check_out(out: Path, *, force: bool) -> None:
     """Refuse an OUT that is a file, or a used directory that holds no pipeline run (without force);
     with force, one that is not a nascompress output holding only its own files (nothing of the
     user's is ever removed)."""
@@ -195,7 +195,7 @@ def run_pipeline(
     """
     log = log or (lambda msg: None)
     pipe = plan(config, out=out, seed=seed)  # everything is checked before anything is written
-    _check_out(pipe.out, force=force)
+    check_out(pipe.out, force=force)
     own = (pipe.out / "base",)  # the base run the pipeline trains itself
     refuse_overwriting_inputs(
         pipe.out,

@@ -15,6 +15,7 @@ from ..data import DataConfig
 from ..errors import NascompressError, SettingError
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
+from ..pipeline.run import check_out
 from ..progress import say
 from .common import ModelLike, data_config, model_run, recorded_inputs, remember, write_run
 from .workspace import Workspace
@@ -203,6 +204,7 @@ def compress(
         train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit, arg="train"
     )
     with Workspace(out) as ws:
+        check_out(ws.path("pipeline"), force=force)  # before the model's copy is written
         base = model_run(model, ws, "source", data=cfg_data)
         config = pipeline_config(
             cfg_data,
