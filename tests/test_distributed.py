@@ -31,6 +31,7 @@ from .conftest import invoke
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--img-size", 16, "--patch-size", 4, "--embed-dim", 32, "--depth", 2, "--num-heads", 2, "--in-chans", 1]
 RUN_FILES = {
+    ".nascompress",  # the output marker (nascompress.runs.owner)
     "arch.json",
     "checkpoint.safetensors",
     "config.json",
