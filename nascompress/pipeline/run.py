@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import datetime as _dt
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -20,7 +19,7 @@ from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
 from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..runs.files import has_metrics
 from ..resources import resolve_file
-from ..runs.owner import MARK_FILE, check_replaceable, write_mark
+from ..runs.owner import MARK_FILE, check_replaceable, clear_own, write_mark
 from ..train import RUNTIME_SETTINGS
 from ..utils import atomic_path, refuse_overwriting_inputs
 from ..yaml_io import StrictYamlLoader as _Loader
@@ -118,9 +117,7 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
         return True
     if used:  # start over (force): only nascompress's own files (checked again under the lock)
         check_replaceable(out)
-    for p in out.iterdir():  # and what a killed first run left (its temp files)
-        if p.name != LOCK_FILE:
-            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    clear_own(out, keep=(LOCK_FILE,))  # and what a killed first run left (its temp files)
     write_mark(out, "pipeline")
 
     with atomic_path(stored) as tmp:

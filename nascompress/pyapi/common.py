@@ -105,9 +105,8 @@ def write_run(
     and only when it is a nascompress output holding nothing else. ``source``: the directory the
     model was read from, never replaced (nor a folder holding it, nor one inside it); ``inputs``:
     the runs it was made from (never replaced, nor a folder holding one)."""
-    refuse_overwriting_inputs(directory, list(inputs), field="directory")
+    refuse_overwriting_inputs(directory, [*inputs, source], field="directory")
     if source is not None:
-        refuse_overwriting_inputs(directory, [source], field="directory")
         if Path(source).is_dir() and Path(os.path.realpath(source)) in Path(os.path.realpath(directory)).parents:
             raise SettingError(
                 f"{{directory}} {directory} is inside {source}, the run this model was read from: "
@@ -248,14 +247,20 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
     return model, Arch.of(dense_arch(model, input_spec(model, data)))
 
 
-def planned_run(model: ModelLike, ws: Workspace, name: str) -> Path:
-    """Where :func:`model_run` finds or writes ``model``'s run, without writing anything (a job can
-    be built, and its settings checked, before the copy is written)."""
+def _own_run(model: ModelLike) -> Path | None:
+    """The run directory ``model`` already is: a path, or a result kept with ``out=``; else None."""
     if isinstance(model, (str, Path)):
         return Path(model).resolve()
     out = getattr(model, "out", None)
-    if out is not None and Path(out).is_dir():
-        return Path(out)
+    return Path(out) if out is not None and Path(out).is_dir() else None
+
+
+def planned_run(model: ModelLike, ws: Workspace, name: str) -> Path:
+    """Where :func:`model_run` finds or writes ``model``'s run, without writing anything (a job can
+    be built, and its settings checked, before the copy is written)."""
+    own = _own_run(model)
+    if own is not None:
+        return own
     return ws.path(name) if ws.keep else ws.scratch(name)  # kept with out=: a resumed run reads it again
 
 
@@ -264,8 +269,7 @@ def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | 
     itself when a path or a kept result is given, else one written under ``ws``'s scratch space
     (with ``out=``: ``out/name``, refused when that holds anything but such a copy)."""
     where = planned_run(model, ws, name)
-    kept = getattr(model, "out", None)
-    if isinstance(model, (str, Path)) or (kept is not None and Path(kept).is_dir()):
+    if _own_run(model) is not None:
         return where  # a run of its own: read where it is
     m, arch = model_and_arch(model, data)
     config = dict(getattr(model, "config", None) or {})

@@ -178,10 +178,12 @@ def check_replaceable(out: str | Path, *, field: str = "out", force: str = "forc
         )
 
 
-def clear_own(out: Path) -> None:
+def clear_own(out: Path, *, keep: tuple[str, ...] = ()) -> None:
     """Remove the entries of the nascompress output ``out`` (checked by :func:`check_replaceable`
-    first); ``out`` itself stays."""
+    first) but those named in ``keep``; ``out`` itself stays."""
     for p in list(out.iterdir()):
+        if p.name in keep:
+            continue
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
