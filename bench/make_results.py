@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from _common import ROOT, relative_paths
 from _gpu_section import GPU_END, GPU_START, gpu_table
+from _speed_section import SPEED_END, SPEED_START, speed_summary, speed_table
 from _time_section import TIME_END, TIME_START, time_section
 from _where_section import WHERE_END, WHERE_START, where_table
 
@@ -74,6 +75,11 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     ),
     "faults": ("Faults and refusals", "`bench/faults.py`: what each fault does to a run and what the user sees."),
     "gpu": ("GPU", "`bench/gpu.py`: every method against dense in fp32 and bf16, eager and compiled."),
+    "speed": (
+        "Speed against FLOPs",
+        "`bench/speed.py`: every method's model and the pipeline's against the dense one, interleaved, per "
+        "dtype, batch and eager/compiled: speed-up and the realized share of the FLOPs cut (speed-up x FLOPs ratio).",
+    ),
     "qk": ("Narrowed Q/K layouts", "`bench/qk_layout.py`: how narrowed Q/K heads reach the attention kernel."),
     "ddp": (
         "Data parallelism",
@@ -475,6 +481,7 @@ SUMMARIES: dict[str, Callable[[dict[str, Any]], list[str]]] = {
     "pipeline": pipeline_summary,
     "pretrained": pretrained_summary,
     "samplers": samplers_summary,
+    "speed": speed_summary,
 }
 
 
@@ -993,6 +1000,7 @@ def with_readme_table(readme: str, data: dict[str, Any]) -> str:
     readme = _fill(readme, MAINJOB_START, MAINJOB_END, mainjob_time(data))
     readme = _fill(readme, TIME_START, TIME_END, time_section(data))
     readme = _fill(readme, GPU_START, GPU_END, gpu_table(data))
+    readme = _fill(readme, SPEED_START, SPEED_END, speed_table(data))
     readme = _fill(readme, WHERE_START, WHERE_END, where_table(data))
     readme = _fill(readme, KEPT_START, KEPT_END, dcs_kept_table(data))
     readme = _fill(readme, DIP_START, DIP_END, dcs_dip_table(data))

@@ -29,6 +29,7 @@ _HOOKS = {
     "qk_counts": None,
     "qk_layout": "auto",
     "qk_mask": None,
+    "head_mask": None,
     "kernel": None,
     "record_cls": False,
     "record_values": False,
@@ -170,6 +171,8 @@ class NCAttention(Attention):
           (:func:`qk_pads`). The result is the same either way (the padding is zeros).
         - ``qk_mask``: a module ``(x) -> mask | None`` multiplied into q and k after q_norm/k_norm,
           broadcastable to (B, H, N, d_qk) (DCS supernet). V is never masked.
+        - ``head_mask``: a module ``() -> mask | None``, (H,), multiplied into each head's output
+          (B, H, N, d_v) before the heads are merged and projected (DCS head gates).
         - ``kernel``: a module ``(q, k, v, *, attn_mask, scale, dropout_p) -> (B, H, N, d_v)`` that
           computes the attention instead of SDPA (Sparsifiner); it reports its MACs with ``last_macs()``.
         - ``record_cls``: keep the first query and the keys, so that :meth:`cls_attention` returns the
@@ -225,6 +228,10 @@ class NCAttention(Attention):
             scores = (q * self.scale) @ k.transpose(-2, -1)
             scores = maybe_add_mask(scores, resolve_self_attn_mask(N, scores, attn_mask, is_causal))
             o = self.attn_drop(scores.softmax(dim=-1)) @ v
+        if self.head_mask is not None:
+            hm = self.head_mask()
+            if hm is not None:  # in o's precision (bf16 under autocast)
+                o = o * hm.to(o.dtype).reshape(1, -1, 1, 1)
         o = self.norm(o.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             o = o * gate

@@ -1,7 +1,7 @@
 """Physical slicing of layers: the gather helpers that build new layers with index_select and set
 the layer's metadata in the same place (Torch-Pruning's mirrored prune-in / prune-out style), and
-the slicing of a block's MLP hidden neurons and of an attention's Q/K channels (the gathers DCS's
-materialization and uniform pruning share)."""
+the slicing of a block's MLP hidden neurons, of an attention's heads and of its Q/K channels (the
+gathers DCS's materialization and uniform pruning share)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,24 @@ def slice_hidden(block: NCBlock, keep: Any) -> None:
     block.mlp.fc2 = slice_linear_in(block.mlp.fc2, idx)
     if not isinstance(getattr(block.mlp, "norm", nn.Identity()), nn.Identity):
         raise NascompressError("uniform pruning does not support an MLP with a hidden norm")
+
+
+def slice_heads(attn: NCAttention, keep: torch.Tensor) -> NCAttention:
+    """Keep the heads ``keep`` (sorted indices) of ``attn``: their q, k and v rows of qkv (and of a
+    gate Linear), their proj input columns; ``num_heads`` and ``attn_dim`` follow, the head dim and
+    the softmax scale stay. Before any Q/K slicing (``qk_dim`` None)."""
+    if attn.qk_dim is not None:
+        raise NascompressError("heads are kept before the Q/K channels are sliced (qk_dim is already set)")
+    d, A = attn.head_dim, attn.attn_dim
+    dev = attn.qkv.weight.device
+    keep = keep.to(dev)
+    cols = (keep.unsqueeze(1) * d + torch.arange(d, device=dev)).flatten()  # the kept heads' channels
+    attn.qkv = slice_linear_out(attn.qkv, torch.cat([cols, cols + A, cols + 2 * A]))
+    if attn.gate is not None:
+        attn.gate = slice_linear_out(attn.gate, cols)
+    attn.proj = slice_linear_in(attn.proj, cols)
+    attn.num_heads, attn.attn_dim = len(keep), len(keep) * d
+    return attn
 
 
 def slice_qk(attn: NCAttention, keep_per_head: list[Any], *, width: int | None = None) -> NCAttention:

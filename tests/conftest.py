@@ -200,3 +200,31 @@ def patch_everywhere(monkeypatch, module, name: str, value) -> None:
         for attr, obj in list(vars(mod).items()):
             if obj is real:
                 monkeypatch.setattr(mod, attr, value)
+
+
+def hand_latency_table(geometry, *, align: int = 4):
+    """A latency table written by hand for ``geometry`` (tests of the predictor and of what reads it:
+    arithmetic, never a speed): every entry rises with tokens, heads, Q/K and hidden width, none
+    linearly (so interpolation and slopes are checked, not a straight line)."""
+    from nascompress.profiling.latency_table import LatencyTable
+    from nascompress.profiling.latency_table_build import table_grids
+
+    g = table_grids(geometry, align=align)
+    attn = [
+        [[0.05 + (0.01 * n * h * (q + 8) if h else 0) + 0.002 * h * h for q in g["qk"]] for h in g["heads"]]
+        for n in g["tokens"]
+    ]
+    mlp = [[0.04 + 0.003 * n * w + 1e-4 * w * w for w in g["hidden"]] for n in g["tokens"]]
+    return LatencyTable(
+        fingerprint={"device_type": "cpu", "cpu": "hand"},
+        dtype="fp32",
+        batch=1,
+        geometry=geometry,
+        attn_ms=attn,
+        mlp_ms=mlp,
+        fixed_ms=0.3,
+        block_overhead_ms=0.02,
+        dense_ms=1.0,
+        settings={"align": align},
+        **g,
+    )

@@ -74,7 +74,7 @@ def test_force_and_json_have_one_help_but_where_the_command_means_more():
 def test_out_says_what_it_holds_and_is_a_run_directory_otherwise():
     out = _helps("--out")
     own = {c for c, h in out.items() if h != options.OUT_HELP}
-    assert own == {"pipeline", "export", "quantize", "study export", "study report"}
+    assert own == {"pipeline", "export", "quantize", "study export", "study report", "latency-table"}
     assert {"train", "import", "finetune", "retrain", "materialize", "search dcs"} <= set(out) - own
 
 

@@ -447,6 +447,7 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
         "batch_size": 16,
         "dcs_epochs": 2,
         "latency_iters": 3,
+        "latency_source": "measured",
         "enqueue": False,
         "objective": "latency",
     }

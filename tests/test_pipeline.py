@@ -317,7 +317,7 @@ BAD = [
     ("goal", {"max_flops": 0.5, "max_latency_ms": 3}, "goal: give exactly one of max_flops, max_latency_ms"),
     ("format", "nascompress-pipeline/2", "format: must be nascompress-pipeline/1"),
     ("stages.retrain.lr", True, "stages.retrain.lr: must be a number, got True"),
-    ("export.format", "tflite", "export.format: must be one of onnx, torch-export, got 'tflite'"),
+    ("export.format", "tflite", "export.format: must be one of onnx, torch-export, aoti, got 'tflite'"),
     ("export.batch", 0, "export: batch must be 'dynamic' or an integer in [1, 65536], got 0"),
     ("export.batch", [8], "export.batch: must be a string or an integer, got a list"),
     ("amp", "fp16", "amp: must be one of off, bf16, auto, got 'fp16'"),

@@ -1,4 +1,4 @@
-"""``nascompress export RUN --format onnx|torch-export --out FILE``: a deployable, checked file (thin)."""
+"""``nascompress export RUN --format onnx|torch-export|aoti --out FILE``: a deployable, checked file (thin)."""
 
 from __future__ import annotations
 

@@ -262,6 +262,7 @@ def _register_optional() -> None:
         "nascompress.cli.pipeline",
         "nascompress.cli.export",
         "nascompress.cli.quantize",
+        "nascompress.cli.latency",
     ):
         try:
             importlib.import_module(mod).register(app)

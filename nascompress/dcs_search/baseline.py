@@ -11,7 +11,8 @@ neurons each block keeps (at least ``align``). It is expressed as a DCS supernet
 family with its gates fixed (+-:data:`~nascompress.methods.dcs.PROTECT_LOGIT`) and every Q/K channel
 kept, so the kept model, searched or baseline, is one supernet: ``materialize`` gathers either, and a
 closed neuron contributes its mean activation where the search measured it (the bias correction of
-structured pruning) or nothing.
+structured pruning) or nothing. Where the search gates heads or blocks, the baseline keeps as many as
+the searched model, the largest by magnitude (:mod:`.magnitude`).
 
 The recovery (:func:`recover`) is the search's weight step without the gates: ``steps`` AdamW steps
 (linear warm-up over the first tenth to the search's peak lr, then a cosine to 0) of CE + ``distill`` x KL +
@@ -24,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,9 @@ from ..distill import FeatureTap, feature_kd_loss
 from ..errors import NascompressError, SettingError
 from ..evaluate import evaluate
 from ..hooks import kl_to_teacher, short_stage
-from ..layers import aligned_width
-from ..methods.dcs import PROTECT_LOGIT, DCSConfig, arch_parameters, check_family, make_supernet
+from ..methods.dcs import DCSConfig, arch_parameters, check_family, make_supernet
 from ..progress import step as shown
+from .magnitude import Structure, fix_structure, magnitude_scores, set_hidden_gates
 from .cost import CostModel
 from .teacher import TeacherCache, teacher_outputs
 
@@ -46,53 +47,35 @@ KINDS = ("dcs", "magnitude")
 NAMES = {"dcs": "the searched model", "magnitude": "the magnitude-pruned model"}  # as the messages call them
 
 
-@torch.no_grad()
-def magnitude_scores(model: nn.Module) -> list[torch.Tensor]:
-    """Per block, the hidden neurons' group L2 magnitude divided by the block's mean (Torch-Pruning's
-    ``GroupMagnitudeImportance(p=2)`` with its ``mean`` normalizer)."""
-    out = []
-    for blk in model.blocks:
-        fc1, fc2 = blk.mlp.fc1, blk.mlp.fc2
-        s = fc1.weight.float().pow(2).sum(1) + fc2.weight.float().pow(2).sum(0)
-        if fc1.bias is not None:
-            s = s + fc1.bias.float().pow(2)
-        out.append(s / s.mean().clamp_min(1e-12))
-    return out
-
-
-def _set_gates(supernet: nn.Module, scores: list[torch.Tensor], threshold: float, align: int) -> list[int]:
-    """Open, per block, its neurons scoring above ``threshold`` (the count rounded up to ``align``, at
-    least ``align``; the highest scores first) and close the rest; returns the kept counts."""
-    counts = []
-    with torch.no_grad():
-        for blk, s in zip(supernet.blocks, scores):
-            n = s.numel()
-            k = aligned_width(max(int((s > threshold).sum()), min(align, n)), align=align, full=n, mode="up")
-            keep = torch.zeros(n, dtype=torch.bool, device=s.device)
-            keep[s.topk(k).indices] = True
-            blk.dcs_alpha.copy_(torch.where(keep, PROTECT_LOGIT, -PROTECT_LOGIT).to(blk.dcs_alpha))
-            counts.append(k)
-    return counts
-
-
 def magnitude_supernet(
-    dense: nn.Module, *, target: float, align: int, fill: list[torch.Tensor] | None, x1: torch.Tensor
+    dense: nn.Module,
+    *,
+    target: float,
+    align: int,
+    fill: list[torch.Tensor] | None,
+    x1: torch.Tensor,
+    structure: Structure = Structure(),
+    make_cost: Callable[[nn.Module, nn.Module], Any] | None = None,
 ) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
     """The magnitude baseline at ``target`` x the dense FLOPs as a fixed DCS supernet (module
     docstring): (supernet, its DCSConfig, its cost model, info: ``flops_ratio``, ``hidden_kept``,
-    ``threshold``).
-    ``fill``: the dense model's mean hidden activation per block (None: closed neurons give 0)."""
+    ``threshold``). ``fill``: the dense model's mean hidden activation per block (None: closed neurons
+    give 0); ``structure``: the searched model's head and block counts (:mod:`.baseline_structure`);
+    ``make_cost(dense, supernet)``: the cost whose ratio ``target`` is (default: the FLOPs
+    :class:`CostModel`; the search's latency cost builds a :class:`~.latency_cost.LatencyCost`)."""
     cfg = DCSConfig(mlp_gates="hidden", qk_mask="none", align=align, hidden_fill="mean" if fill else "zero")
+    cfg = cfg.replace(head_gates=structure.heads is not None, depth_gates=structure.skipped is not None)
     check_family(dense, "hidden")
     supernet = make_supernet(copy.deepcopy(dense), cfg, fill=fill)
     for p in arch_parameters(supernet):
         p.requires_grad_(False)  # fixed gates: only the weights recover
     supernet.eval()
-    cost = CostModel.build(dense, supernet, x1)
+    fixed = fix_structure(supernet, dense, structure)
+    cost = CostModel.build(dense, supernet, x1) if make_cost is None else make_cost(dense, supernet)
     scores = magnitude_scores(dense)
 
     def ratio(t: float) -> float:
-        _set_gates(supernet, scores, t, align)
+        set_hidden_gates(supernet, scores, t, align)
         return cost.hard_macs(supernet) / cost.dense
 
     lo, hi = 0.0, float(max(float(s.max()) for s in scores))  # ratio(lo) = the dense-most, ratio(hi) the least
@@ -102,13 +85,14 @@ def magnitude_supernet(
         r = ratio(mid)
         best = min(best, (abs(r - target), mid))
         lo, hi = (mid, hi) if r > target else (lo, mid)
-    counts = _set_gates(supernet, scores, best[1], align)
+    counts = set_hidden_gates(supernet, scores, best[1], align)
     info = {
         "flops_ratio": cost.hard_macs(supernet) / cost.dense,
         "hidden_kept": counts,
         "threshold": best[1],
         "rule": "global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
         "(Torch-Pruning's GroupMagnitudeImportance(p=2), global_pruning)",
+        **fixed,
     }
     return supernet, cfg, cost, info
 
@@ -195,13 +179,14 @@ def recover(
 @dataclass
 class Candidate:
     """One model the search may keep: ``kind`` (dcs or magnitude), the supernet, its DCSConfig, its
-    FLOPs ratio, whether it stands at the target (``eligible``; why not in ``note``)."""
+    ratio of the search's cost (FLOPs or predicted latency: ``cost.unit``), whether it stands at the
+    target (``eligible``; why not in ``note``)."""
 
     kind: str
     supernet: nn.Module
     cfg: DCSConfig
     flops_ratio: float
-    cost: CostModel
+    cost: Any  # CostModel or LatencyCost
     eligible: bool = True
     note: str | None = None
     pre_eval: dict[str, Any] | None = None  # evaluate()'s record before the recovery (the search's last validation)
@@ -335,7 +320,7 @@ def keep_better(
     comparison record. Without ``job.search.baseline`` the searched model is kept as it is. ``teacher``:
     the search's cache of the dense model's outputs, which the recoveries read."""
     s = job.search
-    target = s.target_flops if s.target_flops is not None else ratio
+    target = s.target if s.target is not None else ratio
     at_target = abs(ratio / target - 1) <= s.tolerance
     dcs = Candidate(
         "dcs",
@@ -359,6 +344,8 @@ def keep_better(
             align=job.method.align,
             fill=cpu_fill,
             x1=spec_x,
+            structure=Structure.of(supernet),
+            make_cost=lambda d, sn: cost.like(d, sn, spec_x),  # the search's own kind of cost
         )
     except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
         if not dcs.eligible:
@@ -380,9 +367,10 @@ def keep_better(
     if not (dcs.eligible or magnitude.eligible):
         if stopped is not None:
             raise stopped
+        target_key = "target_latency" if s.cost == "latency" else "target_flops"
         raise SettingError(
             f"neither the searched model ({dcs.note}) nor the magnitude baseline ({magnitude.note}) "
-            f"stands at the target; rerun the same command with {{force}} {{target_flops}} {r:.2f}"
+            f"stands at the target; rerun the same command with {{force}} {{{target_key}}} {r:.2f}"
         )
     rec = Recovery(
         steps=recovery_steps(s.recovery_images, len(data.train), job.train.batch_size),
@@ -398,8 +386,9 @@ def keep_better(
     )
     if not magnitude.eligible:
         record["magnitude_note"] = magnitude.note
-    record["magnitude"]["rule"] = info["rule"]
-    record["magnitude"]["hidden_kept"] = info["hidden_kept"]
+    record["magnitude"].update(
+        {k: info[k] for k in ("rule", "hidden_kept", "heads_kept", "skipped_blocks") if k in info}
+    )
     record["reason"] = reason(kept, dcs, magnitude, stopped)
     return kept, record
 
@@ -408,18 +397,19 @@ def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Excep
     """One line: which model the search kept, and why."""
     if kept is dcs and not magnitude.eligible:
         return (
-            f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at {dcs.flops_ratio:.3f}x FLOPs): "
+            f"kept the searched model ({dcs.val_top1:.2f}% validation top-1 at "
+            f"{dcs.flops_ratio:.3f}x {dcs.cost.unit}): "
             f"no magnitude baseline at the target ({magnitude.note})"
         )
     if not dcs.eligible:
         why = f"the searched model {dcs.note}" + (f" ({getattr(stopped, 'reason', stopped)})" if stopped else "")
         return (
             f"kept the magnitude-pruned model ({magnitude.val_top1:.2f}% validation top-1 at "
-            f"{magnitude.flops_ratio:.3f}x FLOPs): {why}"
+            f"{magnitude.flops_ratio:.3f}x {magnitude.cost.unit}): {why}"
         )
     a, b = (dcs, magnitude) if kept is dcs else (magnitude, dcs)
     line = (
-        f"kept {NAMES[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x FLOPs against "
+        f"kept {NAMES[a.kind]}: {a.val_top1:.2f}% validation top-1 at {a.flops_ratio:.3f}x {a.cost.unit} against "
         f"{NAMES[b.kind]}'s {b.val_top1:.2f}% at {b.flops_ratio:.3f}x, after the same recovery"
     )
     return line + (f"; {getattr(stopped, 'reason', stopped)}" if stopped else "")

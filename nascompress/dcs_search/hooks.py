@@ -20,7 +20,7 @@ from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
 from ..methods.dcs import arch_parameters, binary_entropy, make_record
 from ..runs.files import Arch
 from ..train import TrainConfig
-from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record
+from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, shifted_logits
 from .search_config import DCSSearchJob
 from .teacher import StepTag, TeacherCache, interleave, teacher_outputs
 
@@ -44,6 +44,7 @@ class DCSSearchHooks(TrainHooks):
         self.init_info = init_info or {}  # what the pre-search measurements chose: logged with the first epoch
         self.epochs = job.train.epochs
         self.arch_params = arch_parameters(supernet)
+        self.unused_parameters = job.method.depth_gates  # a closed block is skipped: its weights get no gradient
         ids = {id(p) for p in self.arch_params}
         self.w_params = [p for p in supernet.parameters() if id(p) not in ids]
         self.w_idx, self.a_idx = split_indices(
@@ -54,7 +55,7 @@ class DCSSearchHooks(TrainHooks):
         # gates are still far from the threshold); without one it is the paper's constant --lam
         self.steer = (
             None
-            if self.cfg.target_flops is None
+            if self.cfg.target is None
             else LambdaSteer(self.cfg.target_at(0.0), 0.0, self.cfg.steer_gain, self.cfg.steer_rate)
         )
         self.tau = self.cfg.tau0
@@ -170,7 +171,7 @@ class DCSSearchHooks(TrainHooks):
         task = kd if (self.cfg.arch_loss == "kd" and kd is not None) else ce
         st = model.dcs_state
         log_cost = torch.log(self.cost.soft_macs(model, weighted=True) / self.cost.dense_weighted)
-        soft = [st.soft_gates[j] for j in sorted(st.soft_gates)] + [st.soft_qk[j] for j in sorted(st.soft_qk)]
+        soft = [d[j] for d in (st.soft_gates, st.soft_qk, st.soft_heads, st.soft_depth) for j in sorted(d)]
         ent = binary_entropy(torch.cat(soft)) if soft else torch.zeros((), device=x.device)
         if self.measure_balance:  # the first arch-step of each epoch: measure the balance on its own graph
             # against the task the step minimises; at the very start against CE (the supernet is still the
@@ -217,7 +218,7 @@ class DCSSearchHooks(TrainHooks):
                 self.epoch_stats["projected_move"] += abs(ratio - self.ratio(model))
                 ratio = self.ratio(model)
             self.epoch_stats["arch_steps"] += 1
-            self.epoch_stats["at_target"] += int(abs(ratio / self.cfg.target_flops - 1) <= self.cfg.tolerance)
+            self.epoch_stats["at_target"] += int(abs(ratio / self.cfg.target - 1) <= self.cfg.tolerance)
 
     def on_epoch_end(self, model: nn.Module, *, epoch: int) -> dict[str, Any]:
         for p in self.w_params + self.arch_params:
@@ -235,7 +236,7 @@ class DCSSearchHooks(TrainHooks):
             if self.cfg.round_mlp:
                 rec["rounded"] = round_blocks(model, self.cfg.round_mlp)
             ratio = self.ratio(model)
-            target = self.cfg.target_flops
+            target = self.cfg.target
             off = target is not None and abs(ratio / target - 1) > self.cfg.tolerance
             # at_most: inside the band but above a target that is a limit (the pipeline's goal), the few
             # channels between are cut too, an untrained shift bounded like the landing of a search off target
@@ -252,12 +253,12 @@ class DCSSearchHooks(TrainHooks):
                         f"the search ended at a FLOPs ratio of {ratio:.3f}, outside {target} "
                         f"+-{self.cfg.tolerance:.0%}; {advice}"
                     )
-                saved = [b.dcs_alpha.detach().clone() for b in model.blocks if b.dcs_alpha is not None]
+                saved = [p.detach().clone() for p, _ in shifted_logits(model)]
                 shift = calibrate(model, self.cost, target, round_mlp=self.cfg.round_mlp, at_most=self.cfg.at_most)
                 move = abs(ratio - self.ratio(model))
                 if move > self.cfg.max_calibration:
                     with torch.no_grad():  # leave the supernet as the search trained it
-                        for a, s in zip((b.dcs_alpha for b in model.blocks if b.dcs_alpha is not None), saved):
+                        for (a, _), s in zip(shifted_logits(model), saved):
                             a.copy_(s)
                     raise SearchOffTarget(
                         f"the search ended at a FLOPs ratio of {ratio:.3f} for the target {target}: landing "
@@ -284,7 +285,7 @@ class DCSSearchHooks(TrainHooks):
         if start is None:
             return
         drop = start["val_top1"] - record["val_top1"]
-        target, now = self.cfg.target_flops, record.get("target_now")
+        target, now = self.cfg.target, record.get("target_now")
         prev = self.log[-2] if len(self.log) >= 2 and self.log[-1] is record else None
         if prev is not None and prev.get("start"):
             prev_at = target is not None and target >= 1.0  # the start: the dense model stands at the target 1 only
@@ -312,12 +313,12 @@ class DCSSearchHooks(TrainHooks):
         )
         go_on = "to let the gates go on instead, rerun the same command with {resume} {max_val_drop} 100"
         calib = record.get("calibration")
-        if calib and abs(calib["ratio_before"] / self.cfg.target_flops - 1) > 2 * self.cfg.tolerance:
+        if calib and abs(calib["ratio_before"] / self.cfg.target - 1) > 2 * self.cfg.tolerance:
             # the gates did not get near the target by themselves: the end-of-search threshold shift
             # did the pruning, blindly (one shift for every gate), which is what broke the model
             raise SearchCollapsed(
-                f"{head}, after the end-of-search calibration had to move the FLOPs ratio from "
-                f"{calib['ratio_before']:.3f} to the target {self.cfg.target_flops}",
+                f"{head}, after the end-of-search calibration had to move the {self.cfg.cost_name} ratio from "
+                f"{calib['ratio_before']:.3f} to the target {self.cfg.target}",
                 f"the search had too few architecture steps to get there itself: rerun the same command with "
                 f"{{force}} {{epochs}} {2 * self.epochs}",
             )

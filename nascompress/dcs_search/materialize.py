@@ -107,6 +107,12 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
         "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
         "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]],
     }
+    if any("heads_keep" in b for b in record["blocks"]):  # head gates
+        metrics["heads_kept"] = [
+            None if b.get("heads_keep") is None else len(b["heads_keep"]) for b in record["blocks"]
+        ]
+    if any("skip" in b for b in record["blocks"]):  # block gates
+        metrics["skipped_blocks"] = [i for i, b in enumerate(record["blocks"]) if b.get("skip")]
     run.create(
         {
             "materialize": job.to_dict(),

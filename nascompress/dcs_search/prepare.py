@@ -161,6 +161,10 @@ def _measure(
         memo["probe"] = first_images(memo["images"], PROBE_IMAGES)
         memo["targets"] = dense_targets(dense, Ticking(memo["probe"], tick))
     images, stats, targets = Ticking(memo.get("probe", []), tick), memo.get("stats"), memo.get("targets")
+    if m.mlp_gates == "auto" and s.cost == "latency":  # the latency table prices the hidden widths
+        m = m.replace(mlp_gates="hidden")
+        job = job.replace(method=m)
+        info["family_reason"] = "the latency cost prices the MLP hidden widths (the latency table's axis)"
     if m.mlp_gates == "auto":
         key = ("family", s.target_flops)
         if key not in memo:

@@ -5,7 +5,8 @@ It runs on the one training loop (:func:`nascompress.train.fit`) with
 (its settings: :mod:`~nascompress.dcs_search.search_config`).
 Each epoch the training split is cut once (:func:`~nascompress.data.split_indices`, fixed seed)
 into 70% for the network weights W and 30% for the architecture parameters (every MLP gate
-alpha and static Q/K theta); W-steps and arch-steps alternate, spread evenly over the epoch
+alpha and static Q/K theta, and the head and block gate logits with ``head_gates`` /
+``depth_gates``); W-steps and arch-steps alternate, spread evenly over the epoch
 (first order). W-steps minimise CE + ``distill`` x KL to the dense model's logits +
 ``feat_distill`` x the relative error to its pre-logits feature (what keeps a pretrained model
 close to itself while its channels go); arch-steps minimise
@@ -16,8 +17,9 @@ where task is that distillation loss (``arch_loss="kd"``: a few thousand labels 
 which channels matter than the dense model's outputs do) or CE (``"ce"``, the paper's), and cost
 (:class:`~nascompress.dcs_search.cost.CostModel`) is the analytic MACs of the network with each
 block's gated MLP width replaced by the soft count sum(g_hat) and each block's Q/K width by a
-smooth maximum over heads of the soft per-head counts, so the cost is differentiable in every
-alpha and theta. The temperature starts at 4.5 and is multiplied by 0.95 every epoch. The weights
+smooth maximum over heads of the soft per-head counts (heads and whole blocks, where gated, by
+their soft gates), so the cost is differentiable in every alpha, theta and head or block logit.
+The temperature starts at 4.5 and is multiplied by 0.95 every epoch. The weights
 train at a fine-tuning lr (base 1e-3 per 512 images, warm-up, cosine, no layer decay), large enough
 for them to recover, at the architecture the search ends with, the channels it closes (the
 distillation keeps them near the dense model); the architecture parameters at their own larger lr
@@ -35,7 +37,9 @@ pretrained model are fixed open and every block's cost is weighted by its measur
 With ``target_flops`` lambda is steered after every arch-step by a PI controller
 (:class:`~nascompress.dcs_search.cost.LambdaSteer`) on ``ratio / target_t - 1``, where ratio is the
 exact FLOPs of the hard architecture as it will be materialized (aligned widths, ``round_mlp``
-applied) and the target moves from 1.0 down to ``target_flops`` over the first ``target_ramp`` of
+applied; with ``cost="latency"`` the latency of that architecture predicted from the device's
+lookup table, :mod:`~nascompress.dcs_search.latency_cost`, and the target ``target_latency``) and
+the target moves from 1.0 down to ``target_flops`` over the first ``target_ramp`` of
 the architecture steps (the model gives up its channels progressively, not at once); lambda is the
 Lagrange multiplier of the target and turns negative below it; where the task gradient per gate
 outweighs the cost's (pretrained models), the cost term is scaled up by that ratio, measured once
@@ -74,6 +78,7 @@ from ..train import check_classes, fit
 from .baseline import keep_better, last_validation
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
 from .hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
+from .latency_cost import latency_cost
 from .prepare import calibration_images, init_importance, prepare_search
 from .search_config import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
 from .teacher import StepTag, TeacherCache
@@ -146,6 +151,10 @@ def run_dcs_search(
         protect=pre["protect"],
     )
     cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre["weights"])
+    if job.search.cost == "latency":  # the device's latency table: read from the cache, or measured once
+        s = job.search
+        with step(f"DCS: the latency table of this model on {device} ({s.latency_dtype}, batch {s.latency_batch})"):
+            cost = latency_cost(cost, dense, supernet, device=device, dtype=s.latency_dtype, batch=s.latency_batch)
     dense.eval().requires_grad_(False).to(device)  # the distillation teacher runs beside the supernet
     distils = job.search.distill > 0 or job.search.feat_distill > 0
     # the teacher's outputs once per image where the training images are not augmented (in-memory data, an
@@ -227,10 +236,12 @@ def run_dcs_search(
     metrics = dict(
         fit_metrics,
         finished=True,
-        dense_macs=cost.dense,
+        dense_macs=getattr(cost, "flops", cost).dense,
         macs=kept_sel["macs"],
         flops_ratio=kept_sel["flops_ratio"],
         target_flops=job.search.target_flops,
+        cost=job.search.cost,
+        target_latency=job.search.target_latency,
         lam=last.get("lam"),
         val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
         search_val_top1=last["val_top1"],
@@ -259,6 +270,9 @@ def run_dcs_search(
         teacher_cached=teacher is not None,
         **pre["info"],
     )
+    metrics.update({k: kept_sel[k] for k in ("heads_kept", "skipped_blocks") if k in kept_sel})  # head/block gates
+    lat = ("latency_ms", "dense_latency_ms", "latency_ratio")
+    metrics.update({k: kept_sel[k] for k in lat if k in kept_sel})  # predicted, with a latency cost
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 

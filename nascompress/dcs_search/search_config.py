@@ -20,6 +20,7 @@ from ..train import TrainConfig, recipe_config
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
 BUDGETS = ("project", "steer")
+COSTS = ("flops", "latency")
 W_GATES = ("hard", "sampled")
 
 
@@ -37,6 +38,14 @@ class DCSSearchConfig(Config):
         entropy_weight: weight of the gates' mean binary entropy (pushes the soft gates to 0/1).
         tau0 / tau_decay: temperature at epoch 0 and its factor per epoch.
         target_flops: FLOPs of the result as a ratio of the dense model's, in (0, 1].
+        cost: what the search's cost and target measure: ``flops`` (MACs, attention matmuls counted)
+            or ``latency`` (the latency predicted from the device's lookup table,
+            :mod:`~nascompress.dcs_search.latency_cost`: blocks, heads and widths cost what they cost
+            on the device, at ``latency_batch`` in ``latency_dtype``).
+        target_latency: with ``cost="latency"``: the predicted latency of the result as a ratio of
+            the dense model's, in (0, 1] (``target_flops`` is then not given).
+        latency_batch / latency_dtype: the batch size and dtype the latency table is measured at
+            (on the search's device; cached, ``nascompress latency-table``).
         target_ramp: share of the architecture steps over which the controller's target moves
             linearly from 1.0 down to ``target_flops`` (0: the target from the first step). The
             model then loses its channels progressively while the weights follow (UPop's
@@ -155,6 +164,27 @@ class DCSSearchConfig(Config):
     tau_decay: float = 0.95
     target_flops: float | None = setting(
         None, lo=0, hi=1, lo_open=True, help=("Land within +-5% of this FLOPs ratio of the dense model, in (0, 1].")
+    )
+    cost: str = setting(
+        "flops",
+        choices=COSTS,
+        help=(
+            "What the search's cost and target measure: flops, or latency (predicted from a lookup table of block "
+            "latencies measured on this device, cached; nascompress latency-table)."
+        ),
+    )
+    target_latency: float | None = setting(
+        None,
+        lo=0,
+        hi=1,
+        lo_open=True,
+        help="With --cost latency: land within +-5% of this ratio of the dense model's predicted latency, in (0, 1].",
+    )
+    latency_batch: int = setting(
+        1, lo=1, hi=4096, help="With --cost latency: the batch size the latency is measured at (1: one image)."
+    )
+    latency_dtype: str = setting(
+        "fp32", choices=("fp32", "bf16"), help="With --cost latency: the dtype the latency is measured in."
     )
     target_ramp: float = setting(
         0.5,
@@ -286,19 +316,34 @@ class DCSSearchConfig(Config):
         check_range("tolerance", self.tolerance, 0, 1, lo_open=True)
         check_range("weight_fraction", self.weight_fraction, 0, 1, lo_open=True, hi_open=True)
         check_bool("auto_batch", self.auto_batch)
+        if self.cost == "latency" and self.target_flops is not None:
+            raise SettingError("{cost} latency searches for {target_latency}: give it instead of {target_flops}")
+        if self.cost == "flops" and self.target_latency is not None:
+            raise SettingError("{target_latency} is a latency target: give {cost} latency with it")
         if self.arch_loss == "kd" and self.distill == 0 and self.feat_distill == 0:
             raise SettingError(
                 "{arch_loss} kd distils from the dense model: give {distill} or {feat_distill} "
                 "a positive weight, or use {arch_loss} ce"
             )
 
+    @property
+    def target(self) -> float | None:
+        """The target ratio of the search's cost: ``target_latency`` with ``cost="latency"``, else
+        ``target_flops``."""
+        return self.target_latency if self.cost == "latency" else self.target_flops
+
+    @property
+    def cost_name(self) -> str:
+        """The cost's name in messages: ``FLOPs`` or ``latency`` (predicted)."""
+        return "latency" if self.cost == "latency" else "FLOPs"
+
     def target_at(self, progress: float) -> float | None:
         """The controller's target after ``progress`` (0..1) of the architecture steps."""
-        if self.target_flops is None:
+        if self.target is None:
             return None
         if self.target_ramp <= 0:
-            return self.target_flops
-        return 1.0 - (1.0 - self.target_flops) * min(1.0, progress / self.target_ramp)
+            return self.target
+        return 1.0 - (1.0 - self.target) * min(1.0, progress / self.target_ramp)
 
 
 # The search's W optimisation: a fine-tuning lr (the weights must follow the cut; see the module

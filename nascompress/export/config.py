@@ -10,7 +10,7 @@ from ..config import Config, check_int, check_settings, field_name, setting
 from ..limits import MAX_BATCH, MAX_IMAGES, SEED_MAX
 from ..errors import NascompressError, SettingError
 
-FORMATS = ("onnx", "torch-export")
+FORMATS = ("onnx", "torch-export", "aoti")
 # the int8 schemes of ``nascompress quantize`` (QuantizeConfig.scheme; the first is its default), declared
 # once here for it and for ExportConfig.quantize, whose "int8" is that default scheme
 SCHEMES = ("int8-static", "int8-dynamic")
@@ -32,8 +32,10 @@ class ExportConfig(Config):
     """How a model is exported and checked.
 
     Args:
-        format: ``onnx`` (for ONNX Runtime, TensorRT, OpenVINO ...) or ``torch-export`` (a
-            ``torch.export`` program, ``.pt2``, loaded with ``torch.export.load``).
+        format: ``onnx`` (for ONNX Runtime, TensorRT, OpenVINO ...), ``torch-export`` (a
+            ``torch.export`` program, ``.pt2``, loaded with ``torch.export.load``) or ``aoti`` (that
+            program compiled ahead of time by AOTInductor for this machine's CPU: a ``.pt2`` package
+            of native code, loaded with ``torch._inductor.aoti_load_package``; needs a C++ compiler).
         batch: ``dynamic`` (any batch size) or a fixed batch size.
         dtype: ``fp32``, ``fp16`` or ``bf16``: the weights' and the input's type.
         opset: ONNX opset (None: the exporter's default); the file must come out at this opset.
@@ -49,7 +51,10 @@ class ExportConfig(Config):
 
     format: str = setting(
         "onnx",
-        help="onnx (ONNX Runtime, TensorRT ...) or torch-export (a torch.export program, .pt2).",
+        help=(
+            "onnx (ONNX Runtime, TensorRT ...), torch-export (a torch.export program, .pt2) or aoti "
+            "(that program compiled by AOTInductor for this CPU, .pt2; needs a C++ compiler)."
+        ),
         choices=FORMATS,
     )
     batch: str | int = setting("dynamic", help="dynamic (any batch size) or a fixed batch size N.")

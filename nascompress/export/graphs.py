@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._inductor
 from torch import nn
 
 from ..errors import NascompressError, SettingError, write_error
@@ -155,17 +156,20 @@ def _one_line(e: BaseException) -> str:
 
 
 def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | None) -> dict[str, Any]:
-    """Export ``g`` to ``path`` (``onnx`` or ``torch-export``); returns what was written (opset)."""
+    """Export ``g`` to ``path`` (``onnx``, ``torch-export`` or ``aoti``); returns what was written (opset)."""
     batch = torch.export.Dim("batch", min=1)
     shapes = tuple({0: batch} for _ in g.inputs) if dynamic else None
     try:
         with quiet(), torch.no_grad():
-            if fmt == "torch-export":
+            if fmt in ("torch-export", "aoti"):
                 ep = torch.export.export(g.module, g.inputs, dynamic_shapes=shapes)
                 # serialized in memory, written by Python: torch's C++ zip writer aborts the process
                 # (exit 134, a C++ stack) when the disk fills up; a Python write raises ENOSPC
                 buf = io.BytesIO()
-                torch.export.save(ep, buf)
+                if fmt == "aoti":  # the program compiled to native code for this CPU (AOTInductor)
+                    torch._inductor.aoti_compile_and_package(ep, package_path=buf)
+                else:
+                    torch.export.save(ep, buf)
                 with open(path, "wb") as f:
                     f.write(buf.getbuffer())
                 return {}

@@ -25,6 +25,7 @@ from .paths import traceable_copy
 from .verify import runner_for, verify, with_exit_rule
 from ..models import input_size
 from ..profiling import count_flops
+from ..profiling.latency import compile_problem
 
 SIDECAR_FORMAT = "nascompress-export/1"
 TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -153,8 +154,8 @@ def export_run(
 
     Args:
         run: a run directory (or ``model.safetensors``) that :func:`nascompress.load` reads.
-        out: the file to write (``.onnx`` or ``.pt2`` by convention); the sidecar is ``out + ".json"``
-            (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
+        out: the file to write (``.onnx``, or ``.pt2`` for torch-export and aoti, by convention); the
+            sidecar is ``out + ".json"`` (MG-ViT: stage 1 in ``out``, stage 2 in ``<stem>.mgis<suffix>``).
         config: format, batch, dtype, opset, tolerance, verification batch.
         force: replace existing files.
 
@@ -169,6 +170,8 @@ def export_run(
         )
     if cfg.format == "onnx":
         require_extra("export", ("onnx", "onnxscript", "onnxruntime"), what="ONNX export")
+    if cfg.format == "aoti" and (why := compile_problem(torch.device("cpu"))):
+        raise SettingError(f"{{format}} aoti compiles the model to C++ like torch.compile: {literal(why)}")
     recorded = read_arch(run)  # a missing or unreadable run is reported here, before anything else
     weights = Path(run) / MODEL_FILE if Path(run).is_dir() else Path(run)
     check_exportable(recorded, dynamic=cfg.dynamic)

@@ -1,8 +1,9 @@
 """Running an exported file the way a serving stack does, and comparing it with the PyTorch model.
 
 ONNX files run in ONNX Runtime (CPU provider); ``torch.export`` programs through
-``torch.export.load(...).module()``. Neither imports nascompress. The comparison is on logits:
-max |difference|, the logit scale (max |PyTorch logit|) and top-1 agreement.
+``torch.export.load(...).module()``; AOTInductor packages through
+``torch._inductor.aoti_load_package``. None imports nascompress. The comparison is on logits: max
+|difference|, the logit scale (max |PyTorch logit|) and top-1 agreement.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+import torch._inductor
 
 from ..errors import NascompressError
 from .graphs import quiet
@@ -62,7 +64,22 @@ def program_runner(path: str | Path) -> tuple[Runner, str]:
     return run, f"torch.export.load (torch {torch.__version__})"
 
 
+def package_runner(path: str | Path) -> tuple[Runner, str]:
+    """A callable running a saved AOTInductor package (``torch._inductor.aoti_load_package``)."""
+    with open(path, "rb") as f, quiet():
+        fn = torch._inductor.aoti_load_package(f)
+
+    def run(inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            out = fn(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
+    return run, f"torch._inductor.aoti_load_package (torch {torch.__version__})"
+
+
 def runner_for(path: str | Path, fmt: str) -> tuple[Runner, str]:
+    if fmt == "aoti":
+        return package_runner(path)
     return onnx_runner(path) if fmt == "onnx" else program_runner(path)
 
 
@@ -134,4 +151,13 @@ def verify(
     return res
 
 
-__all__ = ["onnx_runner", "program_runner", "runner_for", "with_exit_rule", "compare", "merge", "verify"]
+__all__ = [
+    "onnx_runner",
+    "program_runner",
+    "package_runner",
+    "runner_for",
+    "with_exit_rule",
+    "compare",
+    "merge",
+    "verify",
+]

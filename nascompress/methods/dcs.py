@@ -13,7 +13,11 @@ Two selections inside every block, searched jointly (the search is ``nascompress
   neurons (fc1 rows / fc2 columns), which leaves the residual stream untouched (far less
   destructive on pretrained models, see :mod:`nascompress.dcs_search.family`).
 
-Both are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward. At
+Optionally whole units too (:mod:`.dcs_structure`): ``head_gates`` (one gate per head of every block;
+a closed head loses its q, k, v rows and proj columns) and ``depth_gates`` (one gate per block over
+both residual branches; a closed block is removed).
+
+All are binary Gumbel-sigmoid masks: hard 0/1 forward at 0.5, straight-through backward. At
 inference (no noise) the mask keeps the channels with ``logit > 0``, their count widened to the
 alignment (:func:`aligned_mask`: 0, the full width or a multiple of ``align``, filled with the next
 channels by logit), so the eval-mode supernet is exactly the model materialization builds. New
@@ -28,8 +32,9 @@ is kept). The input-dependent mask cannot be removed: its theta Linear stays (an
 
 The ``arch.json`` record is ``{"name": "dcs", "config": DCSConfig, "stage": "supernet" |
 "materialized", "tau": float, "blocks": [{"mlp_keep": [...] | None, "hidden_keep": [...] | None,
-"qk_keep": [[...] per head]}]}``; DCS must be the first method of a model (it changes channels
-that later methods read).
+"qk_keep": [[...] per head], "heads_keep": [...] (head gates), "skip": bool (block gates)}]}``
+(with ``heads_keep``, ``qk_keep`` lists the kept heads only); DCS must be the first method of a
+model (it changes channels that later methods read).
 
 This module holds the config, the supernet and materialized model builders and the method; the gate
 functions are :mod:`.dcs_gates`'s, the state and patched modules :mod:`.dcs_supernet`'s, the per-block
@@ -71,14 +76,17 @@ from .dcs_gates import (
     protect_gates,
 )
 from .dcs_materialize import ConstantMLP, MaterializedBlock, drop_gates, slice_hidden_gates, slice_mlp
+from .dcs_structure import ConstantAttention, add_structure_gates, check_structure, drop_skipped, keep_heads
 from .dcs_supernet import (
     DCSBlock,
     DCSQKMask,
+    DCSHeadGate,
     DCSState,
     add_qk_mask,
     arch_parameters,
     attach_state,
     check_family,
+    head_gates,
     selection,
 )
 
@@ -86,6 +94,7 @@ QK_MODES = ("input", "static", "none")
 MLP_GATES = ("residual", "hidden", "none", "auto")
 HIDDEN_FILLS = ("zero", "mean")
 STAGES = ("supernet", "materialized")
+BLOCK_KEYS = ("mlp_keep", "hidden_keep", "qk_keep", "heads_keep", "skip")  # an arch.json DCS block's keys
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,6 +126,9 @@ class DCSConfig(Config):
             every training step: 5 keeps that under 2% at the start (a pretrained model does not
             tolerate 10-30% of its channels dropped at random, as alpha 1-2 would).
         theta_init: initial theta (bias of the theta Linear, or the static theta).
+        head_gates: one gate per head of every block (:mod:`.dcs_structure`), logits from
+            ``alpha_init`` spread by the heads' weight magnitude.
+        depth_gates: one gate per block over both residual branches (:mod:`.dcs_structure`).
         init_spread: the initial logits are ``init + init_spread * z`` with z in [-1, 1] the channel's
             importance within its block (weight magnitude, or the scores given to
             :func:`make_supernet`, e.g. :func:`activation_importance`) (standardised, clipped at 2 sigma, halved):
@@ -158,6 +170,17 @@ class DCSConfig(Config):
         help=("Hidden family: a closed neuron contributes zero or its mean activation (folded into fc2's bias)."),
     )
     alpha_init: float = setting(5.0, help="Initial mean gate logit alpha/theta (> 0: gates start open).")
+    head_gates: bool = setting(
+        False,
+        help=(
+            "Also search whole attention heads: one gate per head of every block (a closed head loses its q, k, "
+            "v rows and proj columns)."
+        ),
+    )
+    depth_gates: bool = setting(
+        False,
+        help="Also search whole blocks: one gate per block over both residual branches (a closed block is removed).",
+    )
     theta_init: float = 5.0
     init_spread: float = 1.0
 
@@ -214,7 +237,7 @@ def make_supernet(
     for j, blk in enumerate(model.blocks):
         imp = channel_importance(blk) if importance is None else importance[j]
         blk.__class__ = DCSBlock
-        blk.dcs_alpha = None
+        blk.dcs_alpha = blk.dcs_depth = None  # (the block gate: add_structure_gates)
         if cfg.mlp_gates != "none":
             w = blk.mlp.fc1.weight
             alpha = cfg.alpha_init + cfg.init_spread * spread(imp.mlp(cfg.mlp_gates).to(w.device, torch.float32))
@@ -230,6 +253,9 @@ def make_supernet(
                 with torch.no_grad():
                     th = blk.attn.qk_mask.theta
                     th.add_(cfg.init_spread * spread(imp.qk.to(th.device, torch.float32)).flatten().to(th.dtype))
+    add_structure_gates(
+        model, heads=cfg.head_gates, depth=cfg.depth_gates, init=cfg.alpha_init, init_spread=cfg.init_spread
+    )
     attach_state(model, tau=tau, family=cfg.mlp_gates, align=cfg.align)
     return model
 
@@ -253,7 +279,9 @@ def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]
     if len(blocks) != len(model.blocks):
         raise NascompressError(f"arch.json records {len(blocks)} DCS blocks but the model has {len(model.blocks)}")
     for i, (blk, rec) in enumerate(zip(model.blocks, blocks)):
-        if cfg.qk_mask == "static":
+        if rec.get("heads_keep") is not None:
+            keep_heads(blk, rec["heads_keep"])
+        if cfg.qk_mask == "static" and not isinstance(blk.attn, ConstantAttention):
             if rec.get("qk_keep") is None:
                 raise NascompressError(f"arch.json block {i} has no qk_keep for the static Q/K mask")
             slice_qk(blk.attn, rec["qk_keep"])
@@ -264,6 +292,7 @@ def _apply_blocks(model: nn.Module, cfg: DCSConfig, blocks: list[dict[str, Any]]
         elif isinstance(blk, DCSBlock):  # no MLP gates: plain block again
             drop_gates(blk)
             blk.__class__ = NCBlock
+    drop_skipped(model, blocks)
 
 
 def build_materialized(
@@ -312,14 +341,15 @@ class DCS(Method):
         if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
             raise NascompressError("blocks must be a list of objects, one per block")
         for i, blk in enumerate(blocks):
-            unknown = sorted(set(blk) - {"mlp_keep", "hidden_keep", "qk_keep"})
+            unknown = sorted(set(blk) - set(BLOCK_KEYS))
             if unknown:
-                raise NascompressError(f"blocks[{i}] has unknown keys (valid: mlp_keep, hidden_keep, qk_keep)")
+                raise NascompressError(f"blocks[{i}] has unknown keys (valid: {', '.join(BLOCK_KEYS)})")
             if blk.get("mlp_keep") is not None and blk.get("hidden_keep") is not None:
                 raise NascompressError(f"blocks[{i}] keeps both mlp_keep and hidden_keep (one MLP gate family)")
-            for key in ("mlp_keep", "hidden_keep", "qk_keep"):
+            for key in ("mlp_keep", "hidden_keep", "qk_keep", "heads_keep"):
                 if blk.get(key) is not None:
                     check_index_list(blk[key], f"blocks[{i}].{key}", nested=key == "qk_keep")
+            check_structure(blk, i)
 
     def patch(self, model: nn.Module, cfg: DCSConfig, record: dict[str, Any]) -> nn.Module:
         stage = check_choice("stage", record.get("stage", "supernet"), STAGES)
@@ -350,7 +380,9 @@ __all__ = [
     "SEARCH_DCS_SETTINGS",
     "DCSState",
     "DCSQKMask",
+    "DCSHeadGate",
     "DCSBlock",
+    "ConstantAttention",
     "MaterializedBlock",
     "gumbel_sigmoid",
     "ChannelImportance",
@@ -369,6 +401,7 @@ __all__ = [
     "binary_entropy",
     "make_supernet",
     "arch_parameters",
+    "head_gates",
     "selection",
     "make_record",
     "attach_state",

@@ -47,7 +47,7 @@ class MaterializedBlock(NCBlock):
 
 
 def drop_gates(block: NCBlock) -> None:
-    for name in ("dcs_alpha", "dcs_fill", "dcs_protect"):
+    for name in ("dcs_alpha", "dcs_fill", "dcs_protect", "dcs_depth"):
         if hasattr(block, name):
             delattr(block, name)
 

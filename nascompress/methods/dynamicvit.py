@@ -72,7 +72,9 @@ class ScorePredictor(nn.Module):
             g = (glob * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True).clamp_min(1e-6)
         first = self.out[0]
         y = F.linear(local, first.weight[:, :h], first.bias) + F.linear(g, first.weight[:, h:])
-        return self.out[1:](y)
+        for i in range(1, len(self.out)):  # (self.out[1:] would build a new Sequential on every call)
+            y = self.out[i](y)
+        return y
 
     def matmul_macs(self, inputs: tuple, output: torch.Tensor) -> float:
         """The first MLP layer, run as two F.linear calls the Linear hooks do not see."""

@@ -29,7 +29,7 @@ from ..config import Config, check_bool, check_settings, field_name, setting
 from ..errors import NascompressError
 from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
-from .tokens import ceil_keep, distill_setting, gather_tokens, keep_prefix_and, patched_class, per_layer, token_layers
+from .tokens import ceil_keep, distill_setting, keep_prefix_and, patched_class, per_layer, token_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,20 +41,24 @@ def evit_prune(x: torch.Tensor, scores: torch.Tensor, keep: int, *, fuse: bool =
     Args:
         x: (B, N, C) tokens, the ``prefix`` tokens first.
         scores: (B, N - prefix) attention of the class token to each patch token (head mean).
-        keep: number of patch tokens kept, 1 <= keep <= N - prefix.
+        keep: number of patch tokens kept, 1 <= keep <= N - prefix (N - prefix: ``x`` itself,
+            nothing to prune).
         fuse: append the fused token ``sum_{i not kept} scores_i * x_i`` (not renormalized).
     Returns:
         (B, prefix + keep (+1 if fuse and keep < N - prefix), C).
+
+    The inference path in few kernels: one ``topk`` (no full sort: the tokens not kept need no
+    order), one gather of the kept tokens, and the fused token as one matmul of the scores with the
+    kept ones zeroed (no second gather; the sum runs over the tokens in position order).
     """
-    n = x.shape[1] - prefix
-    order = scores.argsort(dim=1, descending=True)  # (B, n)
-    kept = keep_prefix_and(x, order[:, :keep], prefix)  # (B, prefix + keep, C)
-    if not fuse or keep >= n:
+    if keep >= x.shape[1] - prefix:
+        return x
+    idx = scores.topk(keep, dim=1).indices  # (B, keep), score order
+    kept = keep_prefix_and(x, idx, prefix)  # (B, prefix + keep, C)
+    if not fuse:
         return kept
-    rest = order[:, keep:]
-    w = torch.gather(scores, 1, rest).unsqueeze(1)  # (B, 1, n - keep)
-    fused = w @ gather_tokens(x, rest + prefix)  # (B, 1, C) = sum_i a_i x_i
-    return torch.cat([kept, fused], dim=1)
+    w = scores.scatter(1, idx, 0.0).unsqueeze(1)  # (B, 1, n): a_i for the tokens not kept, 0 for the kept
+    return torch.cat([kept, w @ x[:, prefix:]], dim=1)  # fused (B, 1, C) = sum_i a_i x_i
 
 
 def fused_token_hard(x: torch.Tensor, scores: torch.Tensor, keep: int) -> torch.Tensor:
@@ -238,7 +242,8 @@ class EViT(Method):
                 raise NascompressError(f"evit is already applied to blocks.{layer - 1}")
             blk.__class__ = patched_class(type(blk), EViTBlock, "EViT")
             blk.evit_state, blk.evit_stage = state, stage
-            blk.attn.record_cls = True
+            # a layer kept at rate 1 never ranks (its rate stays 1 under the schedule): nothing to record
+            blk.attn.record_cls = blk.attn.record_cls or state.rates[stage] < 1
         model.evit_state = state
         return model
 

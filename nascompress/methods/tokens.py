@@ -12,6 +12,7 @@ import math
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -106,16 +107,23 @@ def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Pick tokens per image: x (B, N, C), idx (B, K) int64 -> (B, K, C).
 
     One ``index_select`` on the flattened (B*N, C) tokens (about 2x faster on CPU than
-    ``torch.gather`` with an expanded index); no Python loop over images.
+    ``torch.gather`` with an expanded index); no Python loop over images, and no offsets to add
+    for one image (the latency case, where every small kernel counts).
     """
     B, N, C = x.shape
-    flat = idx + torch.arange(B, device=idx.device).unsqueeze(1) * N
+    if B == 1:
+        return x[0].index_select(0, idx[0]).unsqueeze(0)
+    flat = idx + torch.arange(0, B * N, N, device=idx.device).unsqueeze(1)  # image b's tokens start at b * N
     return x.reshape(B * N, C).index_select(0, flat.reshape(-1)).view(B, idx.shape[1], C)
 
 
 def keep_prefix_and(x: torch.Tensor, idx: torch.Tensor, prefix: int) -> torch.Tensor:
     """[the prefix tokens, the patch tokens idx] in one gather: x (B, N, C), idx (B, K) into
     x[:, prefix:] -> (B, prefix + K, C)."""
+    if prefix == 0:
+        return gather_tokens(x, idx)
+    if prefix == 1:  # [0, idx + 1]: the class token's index is the pad value (two kernels, not three)
+        return gather_tokens(x, F.pad(idx + 1, (1, 0)))
     head = torch.arange(prefix, device=idx.device).expand(idx.shape[0], prefix)
     return gather_tokens(x, torch.cat([head, idx + prefix], dim=1))
 

@@ -89,15 +89,16 @@ def merge_targets(m: Matching, n: int, *, prefix: int = 1) -> torch.Tensor:
         [
             torch.arange(prefix, device=dev).expand(B, prefix),
             2 * m.unmerged[:, pa:],
-            (2 * torch.arange(pb, nb, device=dev) + 1).expand(B, nb - pb),
+            torch.arange(2 * pb + 1, 2 * nb, 2, device=dev).expand(B, nb - pb),  # the B tokens' positions
         ],
         dim=1,
     )  # (B, n - r)
-    target = torch.zeros(B, n, dtype=torch.long, device=dev).scatter(
+    # every position is written once (kept or merged), so the buffer needs no zeroing
+    target = torch.empty(B, n, dtype=torch.long, device=dev).scatter_(
         1, keep, torch.arange(n - r, device=dev).expand(B, n - r)
     )
     first_b = prefix + (na - pa - r)  # where the B tokens start in the output
-    return target.scatter(1, 2 * m.src, first_b + m.dst - pb)
+    return target.scatter_(1, 2 * m.src, m.dst + (first_b - pb))
 
 
 def merge_wavg(
@@ -114,9 +115,12 @@ def merge_wavg(
     B, N, _ = x.shape
     n_out = N - m.src.shape[1]
     target = merge_targets(m, N, prefix=prefix)
-    w = (target.unsqueeze(1) == torch.arange(n_out, device=x.device).view(1, -1, 1)).to(x.dtype)  # (B, n_out, N)
-    if size is not None:
-        w = w * size.transpose(1, 2)
+    # (B, n_out, N): W[k, t] = size[t] (1 without sizes) where token t goes to k, one scatter
+    w, into = x.new_zeros(B, n_out, N), target.unsqueeze(1)
+    if size is None:
+        w.scatter_(1, into, 1.0)
+    else:
+        w.scatter_(1, into, size.transpose(1, 2).to(w.dtype))
     new_size = w.sum(dim=-1, keepdim=True)  # (B, n_out, 1)
     return (w / new_size) @ x, new_size
 

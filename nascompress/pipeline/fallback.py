@@ -28,7 +28,7 @@ OUTCOMES = ("planned", "milder", "skipped")
 
 
 def milder_target(target: float) -> float:
-    """The retry's FLOPs target: halfway from ``target`` to the dense model (0.6 -> 0.8)."""
+    """The retry's target (FLOPs or latency ratio): halfway from ``target`` to the dense model (0.6 -> 0.8)."""
     return round(target + (1.0 - target) / 2, 4)
 
 
@@ -36,27 +36,28 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
     collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
-    planned = job.search.target_flops
-    mild = job.replace(search=job.search.replace(target_flops=milder_target(planned)))
+    key = "target_latency" if job.search.cost == "latency" else "target_flops"  # the ratio the search lands at
+    planned = getattr(job.search, key)
+    mild = job.replace(search=job.search.replace(**{key: milder_target(planned)}))
     attempts = [("planned", job)] + ([("milder", mild)] if fallback else [])
     start = 0
     cfg = find_run_config(job.out) if resume and fallback else None
     if cfg is not None:
-        recorded = (cfg.get("search") or {}).get("target_flops")
+        recorded = (cfg.get("search") or {}).get(key)
         start = 1 if recorded is not None and abs(recorded - planned) > 1e-9 else 0
     reasons: list[str] = []
     for i, (name, j) in enumerate(attempts[start:], start):
         try:
             metrics = search_dcs(j, force=force or i > start, resume=resume and i == start)
         except SearchCollapsed as e:
-            reasons.append(f"target {j.search.target_flops:g}: {e.reason}")  # what happened (its keys' names)
+            reasons.append(f"target {j.search.target:g}: {e.reason}")  # what happened (its keys' names)
             if not fallback:
                 raise
             continue
         return dict(
             metrics,
             dcs_outcome=name,
-            dcs_target=j.search.target_flops,
+            dcs_target=j.search.target,
             planned_target=planned,
             dcs_reason=" | ".join(reasons) or None,
         )

@@ -52,13 +52,19 @@ STEPS = (
 
 def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path) -> list[Step]:
     s, goal = cfg.stages.dcs, cfg.goal
-    target = s.target_flops if s.target_flops is not None else goal.max_flops
-    if target is None:
+    latency = s.cost == "latency"  # the search steers its predicted latency
+    target = s.target_flops if s.target_flops is not None or latency else goal.max_flops
+    if latency and s.target_latency is None:
+        raise ctx.err(
+            "stages.dcs.target_latency",
+            "required with cost latency (the ratio of the dense model's predicted latency to land at)",
+        )
+    if target is None and not latency:
         raise ctx.err(
             "stages.dcs.target_flops",
             "required when the goal is a latency (the FLOPs ratio the channel search should land at)",
         )
-    if cfg.stages.tokens is None and goal.max_flops is not None and target > goal.max_flops:
+    if not latency and cfg.stages.tokens is None and goal.max_flops is not None and target > goal.max_flops:
         raise ctx.err(
             "stages.dcs.target_flops",
             f"{target:g} is above goal.max_flops {goal.max_flops:g} and no tokens stage follows to close the gap",
@@ -67,7 +73,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
         job = build_dcs_job(
             base_dir,
             out / "dcs_search",
-            search={**library_values(s, DCSSearchConfig), "target_flops": target},
+            search={**library_values(s, DCSSearchConfig), "target_flops": None if latency else target},
             method=library_values(s, SEARCH_DCS_SETTINGS),
             train={**library_values(s, SEARCH_TRAIN_SETTINGS), **runtime_values(cfg)},
             data=data_config(cfg, train_limit=s.train_limit),
@@ -82,7 +88,9 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
         return materialize_search(mat, force=force)
 
     again = s.on_collapse == "retry"
-    retry = f"; on a collapse once more at {milder_target(target):g}x, then without DCS" if again else ""
+    aim = s.target_latency if latency else target  # the ratio the search lands at, and of what
+    what = "predicted latency" if latency else "FLOPs"
+    retry = f"; on a collapse once more at {milder_target(aim):g}x, then without DCS" if again else ""
     return [
         Step(
             "dcs_search",
@@ -90,7 +98,7 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
             "train",
             lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=again),
             outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
-            describe=f"DCS channel search to {target:g}x the dense FLOPs ({s.epochs} epochs{retry})",
+            describe=f"DCS channel search to {aim:g}x the dense {what} ({s.epochs} epochs{retry})",
         ),
         Step(
             "dcs_mat",

@@ -55,6 +55,36 @@ _RETRAIN_KEYS = (
 ).split()
 
 
+DCS_METRICS = (  # what the report reads of the DCS search's metrics.json
+    "target_flops",
+    "flops_ratio",
+    "cost",
+    "target_latency",
+    "latency_ratio",
+    "latency_ms",
+    "dense_latency_ms",
+    "heads_kept",
+    "skipped_blocks",
+    "calibrated",
+    "calibration",
+    "calibration_move",
+    "budget",
+    "at_target_share",
+    "val_top1",
+    "dense_val_top1",
+    "lam",
+    "search_time_s",
+    "train_images",
+    "batch_size",
+    "family_reason",
+    "family_kl",
+    "protected",
+    "block_weights",
+    "kept",
+    "stopped",
+)
+
+
 def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
     rec = {
         "run": str(run),
@@ -123,32 +153,7 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
         )
     sm = find_metrics(out / "dcs_search")
     if sm is not None:
-        res.update(
-            {
-                k: sm.get(k)
-                for k in (
-                    "target_flops",
-                    "flops_ratio",
-                    "calibrated",
-                    "calibration",
-                    "calibration_move",
-                    "budget",
-                    "at_target_share",
-                    "val_top1",
-                    "dense_val_top1",
-                    "lam",
-                    "search_time_s",
-                    "train_images",
-                    "batch_size",
-                    "family_reason",
-                    "family_kl",
-                    "protected",
-                    "block_weights",
-                    "kept",
-                    "stopped",
-                )
-            }
-        )
+        res.update({k: sm.get(k) for k in DCS_METRICS})
         res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
     outcome = dcs_outcome(out) or {}
     res.update(

@@ -141,8 +141,16 @@ def decision_lines(s: dict[str, Any]) -> list[str]:
             cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
         ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
         what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
+        if dcs.get("cost") == "latency":  # the search steered its predicted latency; the FLOPs follow
+            lat = dcs.get("latency_ratio")
+            ratio = (f", landed at {lat:.3f}x predicted{cal}" if lat is not None else "") + (
+                f" ({dcs['flops_ratio']:.3f}x the FLOPs)" if dcs.get("flops_ratio") is not None else ""
+            )
+            goal_text = f"target {dcs.get('target_latency')}x the dense latency"
+        else:
+            goal_text = f"target {dcs.get('target_flops')}x the dense FLOPs"
         lines.append(
-            f"dcs: target {dcs.get('target_flops')}x the dense FLOPs{ratio}; MLP {what} kept "
+            f"dcs: {goal_text}{ratio}; MLP {what} kept "
             f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}"
         )
         if dcs.get("family_reason"):

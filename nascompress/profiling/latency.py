@@ -4,6 +4,8 @@ absolute times drift; ratios of interleaved medians do not)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import statistics
 import time
 from typing import Callable, Sequence
@@ -92,18 +94,39 @@ def measure(
     return out
 
 
-def compile_for_speed(model: nn.Module, device: torch.device) -> tuple[Callable | None, str | None]:
+def compile_problem(device: torch.device) -> str | None:
+    """Why ``torch.compile`` cannot build kernels for ``device`` on this machine (None: it can):
+    Inductor compiles C++ on the CPU (a C++ compiler, ``CXX`` or g++), and Triton builds its kernel
+    launcher with a C compiler (``CC``, cc, gcc or clang) on CUDA."""
+    if device.type == "cuda":
+        if not (os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))):
+            return "torch.compile on CUDA needs a C compiler (Triton builds its launcher): install gcc or set CC"
+        return None
+    from torch._inductor import exc
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        get_cpp_compiler()
+    except exc.InvalidCxxCompiler:
+        return "torch.compile on the CPU needs a C++ compiler (Inductor compiles C++): install g++ or set CXX"
+    return None
+
+
+def compile_for_speed(
+    model: nn.Module, device: torch.device, *, who: str = "profile"
+) -> tuple[Callable | None, str | None]:
     """``torch.compile`` for deployment timing: CUDA graphs (``mode="reduce-overhead"``) on CUDA,
     plain Inductor on the CPU; static shapes (``dynamic=False``: one graph per batch size).
 
     Returns (the compiled callable, None), or (None, why) for a model whose shapes depend on its
-    input (its class's ``compile_note``, e.g. MG-ViT's early exit)."""
-    note = getattr(model, "compile_note", None)
+    input (its class's ``compile_note``, e.g. MG-ViT's early exit) or a machine where it cannot
+    compile (:func:`compile_problem`). ``who`` names the caller in the progress line."""
+    note = getattr(model, "compile_note", None) or compile_problem(device)
     if note:
         return None, note
     # every model shares VisionTransformer.forward: each (model, batch size) is its own graph, past
     # dynamo's default limit of 8 per code object it would silently run eager
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" else None
-    say("profile: torch.compile (the first timed calls compile the model: this can take a minute) ...")
+    say(f"{who}: torch.compile (the first calls of each input shape compile the model: this can take a minute) ...")
     return torch.compile(model, mode=mode, dynamic=False), None

@@ -70,6 +70,7 @@ from .files import (
 )
 from ..utils import atomic_path, check_regular_file, machine_device, parse_json
 from ..runtime import parse_dtype
+from .loaded import check_finite, compile_loaded
 
 _V1_RENAMES = (
     (".attn.sp_w_down", ".attn.kernel.w_down"),
@@ -426,22 +427,17 @@ def load_typed(
     return model, Arch.from_dict(arch, source=str(path))
 
 
-def check_finite(model: nn.Module, *, source: str) -> None:
-    """Refuse a model whose parameters are not all finite (NaN or inf): it would evaluate to chance
-    accuracy without a word."""
-    bad = [n for n, p in model.named_parameters() if p.is_floating_point() and not bool(torch.isfinite(p).all())]
-    if bad:
-        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
-        raise SettingError(
-            f"{source} holds weights that are not finite (NaN or inf) in {bad[0]}{more}: the "
-            "training that wrote it diverged or the file is damaged; train it again (e.g. with a "
-            "lower {lr}) or use another checkpoint"
-        )
-
-
 def load(
-    path: str | Path, *, map_location: str | torch.device = "cpu", dtype: str | torch.dtype | None = None
+    path: str | Path,
+    *,
+    map_location: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Load any saved nascompress model: ``nascompress.load("runs/base")``, or for bfloat16 inference
-    on a GPU ``nascompress.load("runs/base", map_location="cuda", dtype="bf16")``. Eval mode."""
-    return load_with_arch(path, map_location=map_location, dtype=dtype)[0]
+    on a GPU ``nascompress.load("runs/base", map_location="cuda", dtype="bf16")``. Eval mode.
+    ``compile=True``: the model wrapped by ``torch.compile`` for inference, as ``profile --compile``
+    times it (CUDA graphs on CUDA, Inductor on the CPU; each new input shape compiles on its first
+    call); refused in one line where it cannot compile (no C/C++ compiler, MG-ViT's early exit)."""
+    model = load_with_arch(path, map_location=map_location, dtype=dtype)[0]
+    return compile_loaded(model) if compile else model

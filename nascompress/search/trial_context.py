@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
+from optuna.trial import TrialState
 from torch import nn
 
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..runs.io import MODEL_FILE, file_sha256, load_typed
 from ..models import build_model
-from ..profiling import count_flops, measure
+from ..profiling import count_flops, geometry_of, latency_table, measure, predict_latency
+from ..studies.records import trial_record
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
 from .space import load_space
 from ..api import run_data_config
 
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
+# the methods whose models a latency table prices (channels, heads, blocks, tokens kept); the others
+# (sparse attention, multi-granularity) are measured
+PREDICTABLE = frozenset({"dcs", "uniform", "evit", "dynamicvit", "tome"})
+FINALIST_MARGIN = 0.15  # a trial predicted this far over a latency constraint may still meet it measured
 
 
 class TrialContext:
@@ -52,7 +58,8 @@ class TrialContext:
         self.flops_x = x
         self.dense_flops = count_flops(self.uncompressed, x[:2]).total
         self.base.eval().requires_grad_(False)
-        self._speed: dict[str, dict[str, float]] = {}
+        self._speed: dict[str, dict[str, Any]] = {}
+        self._table: Any = None
         # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
         # stopped with (search.trial_dcs.dcs_stage)
         self.dcs_memo: dict[str, Any] = {}
@@ -79,21 +86,77 @@ class TrialContext:
             n += len(y)
         return 100.0 * correct / max(n, 1)
 
-    def speed(self, model: nn.Module, key: str) -> dict[str, float]:
+    def speed(
+        self,
+        model: nn.Module,
+        key: str,
+        *,
+        methods: Sequence[str] = (),
+        accuracy: float | None = None,
+        study: Any = None,
+    ) -> dict[str, Any]:
         """Latency (batch 1) and throughput (batch 64) of ``model`` interleaved with the uncompressed
-        model; cached per architecture ``key``."""
-        if key not in self._speed:
-            shape = tuple(self.flops_x.shape[1:])
-            dense, cand = measure(
-                [self.uncompressed, model], shape, device=self.device, iters=self.job.latency_iters, seed=self.job.seed
-            )
-            self._speed[key] = {
-                "latency_ms": cand["latency_ms"],
-                "throughput": cand["throughput"],
-                "dense_latency_ms": dense["latency_ms"],
-                "dense_throughput": dense["throughput"],
-            }
-        return self._speed[key]
+        model; cached per architecture ``key``.
+
+        With the job's ``latency_source`` ``predicted`` (a latency objective or constraint, every
+        method of ``methods`` one the table prices: :data:`PREDICTABLE`), the latency is predicted
+        from the device's table (:func:`~nascompress.profiling.predict_latency`, the tokens per block
+        read from one forward) and measured only for a finalist (:func:`is_finalist`: a trial at
+        ``accuracy`` that ``study`` could still pick); ``latency`` says which."""
+        if key in self._speed:
+            return self._speed[key]
+        if not self.predicts(methods):
+            out = self._measure(model)
+            out["latency"] = {"source": "measured", "predicted_ms": None, "measured_ms": out["latency_ms"]}
+        else:
+            ms = predict_latency(self.table(), model, x=self.flops_x[:1])
+            out = {"latency_ms": ms, "throughput": None, "latency": {"source": "predicted", "predicted_ms": ms}}
+            if is_finalist(self.job, study, accuracy, ms):
+                out.update(self._measure(model))
+                out["latency"] = {"source": "measured", "predicted_ms": ms, "measured_ms": out["latency_ms"]}
+        self._speed[key] = out
+        return out
+
+    def predicts(self, methods: Sequence[str]) -> bool:
+        """Whether the trial's latency is predicted (see :meth:`speed`)."""
+        job = self.job
+        wants = job.max_latency_ms is not None or (not job.constrained and job.second_objective == "latency")
+        return job.latency_source == "predicted" and wants and set(methods) <= PREDICTABLE
+
+    def table(self) -> Any:
+        """The device's latency table of the uncompressed model at batch 1 (fp32; cached)."""
+        if self._table is None:
+            self._table = latency_table(geometry_of(self.uncompressed), device=self.device, batch=1)
+        return self._table
+
+    def _measure(self, model: nn.Module) -> dict[str, Any]:
+        shape = tuple(self.flops_x.shape[1:])
+        dense, cand = measure(
+            [self.uncompressed, model], shape, device=self.device, iters=self.job.latency_iters, seed=self.job.seed
+        )
+        return {
+            "latency_ms": cand["latency_ms"],
+            "throughput": cand["throughput"],
+            "dense_latency_ms": dense["latency_ms"],
+            "dense_throughput": dense["throughput"],
+        }
+
+
+def is_finalist(job: Any, study: Any, accuracy: float | None, predicted_ms: float) -> bool:
+    """Whether a trial at ``accuracy`` with ``predicted_ms`` could be picked, so its latency is measured:
+    under a latency constraint, within :data:`FINALIST_MARGIN` of it and more accurate than every
+    complete trial that meets it; with a latency objective, not dominated by a complete trial (as
+    accurate and as fast). Without a study (or an accuracy) every trial is one."""
+    if study is None or accuracy is None:
+        return True
+    done = [trial_record(t) for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    done = [r for r in done if r.get("latency_ms") is not None and r.get("accuracy") is not None]
+    if job.max_latency_ms is not None:
+        if predicted_ms > job.max_latency_ms * (1 + FINALIST_MARGIN):
+            return False
+        # the pick takes the most accurate trial under the bound, the earliest of equals
+        return all(accuracy > r["accuracy"] for r in done if r["latency_ms"] <= job.max_latency_ms)
+    return not any(r["accuracy"] >= accuracy and r["latency_ms"] <= predicted_ms for r in done)
 
 
 def run_data(run_dir: str) -> DataConfig:

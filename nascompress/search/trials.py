@@ -54,6 +54,7 @@ from ..progress import console
 from ..studies import record_trial, run_study
 from ..train import TrainConfig
 
+LATENCY_SOURCES = ("predicted", "measured")
 SECOND_OBJECTIVES = {
     "flops": ("flops_ratio", "minimize"),
     "latency": ("latency_ms", "minimize"),
@@ -165,6 +166,15 @@ class SearchJob(Config):
     latency_iters: int = setting(
         10, help="Timed repetitions (median) of a trial's latency/throughput.", lo=1, hi=MAX_ITERS
     )
+    latency_source: str = setting(
+        "predicted",
+        choices=LATENCY_SOURCES,
+        help=(
+            "How a trial's batch-1 latency is found: predicted from this device's latency table (built once, "
+            "cached) and measured only for the finalists, the trials that could be picked; or measured for "
+            "every trial."
+        ),
+    )
     enqueue: bool = setting(
         True, help="Do not run the uncompressed and paper configurations first.", flag="--no-enqueue"
     )
@@ -233,6 +243,7 @@ STUDY_SETTINGS = StageSettings(
         "batch_size",
         "dcs_epochs",
         "latency_iters",
+        "latency_source",
         "enqueue",
     ),
 )
@@ -284,7 +295,11 @@ class Objective:
             acc = ctx.accuracy(model)
         rep = count_flops(model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
-        speed = ctx.speed(model, arch_key(applied)) if job.needs_speed() else {}
+        speed = (
+            ctx.speed(model, arch_key(applied), methods=[m["name"] for m in applied], accuracy=acc, study=trial.study)
+            if job.needs_speed()
+            else {}
+        )
         scoring = trial_scoring(
             budget=job.calib_steps,
             steps=info.pop("calib_steps"),
@@ -302,6 +317,7 @@ class Objective:
             params=rep.params,
             accuracy=acc,
             latency_ms=speed.get("latency_ms"),
+            latency=speed.get("latency"),
             throughput=speed.get("throughput"),
             wall_s=time.perf_counter() - t0,
             seed=seed,

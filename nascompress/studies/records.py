@@ -26,12 +26,13 @@ RECORD_FIELDS: dict[str, type] = {
     "params": int,
     "accuracy": float,
     "latency_ms": float,
+    "latency": dict,
     "throughput": float,
     "wall_s": float,
     "seed": int,
     "scoring": dict,
 }
-_NULLABLE = {"latency_ms", "throughput"}
+_NULLABLE = {"latency_ms", "latency", "throughput"}
 
 
 def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
@@ -41,7 +42,9 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
         trial: a live ``optuna.Trial`` (or anything with ``user_attrs``/``set_user_attr``).
         **fields: any of ``arch`` (list of method records), ``params_changed`` (dict),
             ``flops`` (MACs per image), ``flops_ratio``, ``params`` (int), ``accuracy``
-            (percent), ``latency_ms`` / ``throughput`` (float or None), ``wall_s``, ``seed``,
+            (percent), ``latency_ms`` / ``throughput`` (float or None), ``latency`` (how
+            ``latency_ms`` was found: ``{"source": "predicted" | "measured", "predicted_ms": ...,
+            "measured_ms": ...}``, or None), ``wall_s``, ``seed``,
             ``scoring`` (dict: the calibration budget and validation subset the trial was scored
             with, :func:`nascompress.search.scoring.trial_scoring`).
 

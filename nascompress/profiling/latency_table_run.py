@@ -1,0 +1,98 @@
+"""``nascompress latency-table``'s library side: the table of a saved run's (or a timm model's)
+geometry, from the cache or measured, and the model's predicted latency from it."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, check_settings, setting
+from ..errors import NascompressError
+from ..limits import MAX_BATCH, MAX_ITERS
+from ..models import ModelSpec, build_model
+from ..runs.io import load_with_arch
+from ..runtime import DTYPES
+from ..utils import atomic_path, resolve_device, write_json
+from .latency_table import geometry_of
+from .latency_table_build import cached_table
+from .latency_table_predict import predict_latency
+
+
+@dataclass(frozen=True)
+class LatencyTableConfig(Config):
+    """How ``nascompress latency-table`` measures (or finds cached) a device's table.
+
+    Args:
+        batch: the batch size the table is for (a table holds one).
+        dtype: weights and inputs.
+        iters: timed repetitions per entry (the median is kept).
+        rebuild: measure again even where the cache holds the table.
+    """
+
+    batch: int = setting(
+        1, help="The batch size the table is measured at (one table per batch size).", lo=1, hi=MAX_BATCH
+    )
+    dtype: str = setting(
+        "fp32", help="Weights and inputs: fp32 (TF32 matmuls on CUDA), bf16 or fp16.", choices=tuple(DTYPES)
+    )
+    iters: int = setting(7, help="Timed repetitions per table entry (median).", lo=1, hi=MAX_ITERS)
+    rebuild: bool = setting(False, help="Measure the table again even if it is cached.")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+def latency_table_for(
+    target: str | Path,
+    *,
+    config: LatencyTableConfig | None = None,
+    device: str = "auto",
+    out: str | Path | None = None,
+) -> dict[str, Any]:
+    """The latency table of ``target``'s geometry (a run directory, a ``model.safetensors`` or a timm
+    model name, built with random weights) on ``device``: read from the cache or measured and cached
+    (:func:`~.latency_table.latency_table`), copied to ``out`` if given.
+
+    Returns ``table`` (the :class:`~.latency_table.LatencyTable`), ``cache`` (its file), ``measured``
+    (whether it was measured now), ``out`` and ``predicted_ms`` (``target``'s own latency predicted)."""
+    cfg = LatencyTableConfig() if config is None else config
+    dev = resolve_device(device)
+    p = Path(target)
+    if p.exists():
+        model = load_with_arch(p, map_location="cpu")[0]
+    elif "/" in str(target) or str(target).endswith((".safetensors", ".json")):
+        raise NascompressError(
+            f"{target} does not exist: give a run directory, a model.safetensors or a timm model name"
+        )
+    else:
+        model = build_model(ModelSpec(str(target)))
+    table, path, measured = cached_table(
+        geometry_of(model),
+        device=dev,
+        dtype=cfg.dtype,
+        batch=cfg.batch,
+        cache=True,
+        rebuild=cfg.rebuild,
+        align=8,
+        iters=cfg.iters,
+        warmup=2,
+    )
+    if out is not None:
+        out = Path(out)
+        if path is not None:
+            with atomic_path(out) as tmp:
+                shutil.copyfile(path, tmp)
+        else:
+            write_json(out, table.to_dict())
+    return {
+        "table": table,
+        "cache": path,
+        "measured": measured,
+        "out": out,
+        "predicted_ms": predict_latency(table, model),
+    }
+
+
+__all__ = ["LatencyTableConfig", "latency_table_for"]
