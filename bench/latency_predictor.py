@@ -12,7 +12,7 @@ real timm model (:func:`nascompress.slicing.slice_hidden`, :func:`~nascompress.s
 heads: a fresh timm Attention with fewer heads of the same head dim; blocks: the first ones kept).
 
     python bench/latency_predictor.py                   # all: about half an hour on 2 cores
-    python bench/latency_predictor.py --recipes main --batches 1 --iters 3 --table-iters 1 --out /tmp/smoke.json
+    python bench/latency_predictor.py --recipes main --batches 1 --iters 3 --table-iters 1 --out smoke.json
 """
 
 from __future__ import annotations

@@ -196,7 +196,7 @@ def test_search_dcs_with_head_and_depth_gates_materializes_and_loads(tiny_run, t
     torch.testing.assert_close(nascompress.load(mat)(x), nascompress.load(out)(x), rtol=0, atol=1e-4)
 
 
-def test_calibration_shifts_the_head_gates_not_the_block_gates():
+def test_calibration_moves_the_block_gates_one_step_then_lands_with_the_others():
     from nascompress.dcs_search.cost import calibrate
 
     _, dense, _, sup = gated("none", "hidden")
@@ -206,5 +206,23 @@ def test_calibration_shifts_the_head_gates_not_the_block_gates():
     heads = [b.attn.head_mask.logits.clone() for b in sup.blocks]
     shift = calibrate(sup, cost, 0.3)
     assert shift != 0 and abs(cost.hard_macs(sup) / cost.dense / 0.3 - 1) < 0.05
-    assert all(torch.equal(b.dcs_depth, d) for b, d in zip(sup.blocks, depth))
+    moves = {round(float(d - b.dcs_depth), 5) for b, d in zip(sup.blocks, depth)}
+    assert len(moves) == 1  # one shift for every block gate (on the scale of every gate's logits)
     assert all(torch.equal(b.attn.head_mask.logits, h - shift) for b, h in zip(sup.blocks, heads))
+
+
+def test_calibration_closes_the_block_whose_gate_is_the_least_open():
+    from nascompress.dcs_search.cost import calibrate
+
+    _, dense, _, sup = gated("none", "hidden")
+    cost = CostModel.build(dense, sup, torch.zeros(1, 1, 16, 16))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for b in sup.blocks:
+            b.dcs_alpha.copy_(8 + torch.rand(b.dcs_alpha.shape, generator=g))
+            b.attn.head_mask.logits.fill_(9.0)
+            b.dcs_depth.fill_(9.5)
+        sup.blocks[1].dcs_depth.fill_(1.0)  # far below every other gate: the first to go
+    calibrate(sup, cost, 0.55)
+    assert [bool(b.dcs_depth.item() > 0) for b in sup.blocks] == [True, False, True]
+    assert abs(cost.hard_macs(sup) / cost.dense / 0.55 - 1) < 0.05

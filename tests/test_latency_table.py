@@ -277,3 +277,29 @@ def test_latency_table_command_bad_input_is_one_line_error(tmp_path, monkeypatch
     assert r.output.strip().startswith("error:") and len(r.output.strip().splitlines()) == 1, r.output
     r = invoke("latency-table", tmp_path / "no" / "such-run", "--dtype", "fp64")
     assert r.exit_code != 0 and "fp64" in r.output
+
+
+def test_the_table_is_made_monotone_where_width_never_runs_faster():
+    from nascompress.profiling.latency_table_build import monotone
+
+    noisy = torch.tensor([[1.0, 0.8, 1.2, 1.1, 2.0], [0.5, 0.7, 0.6, 0.9, 1.0]])
+    m = monotone(noisy, 1)
+    assert (m[:, 1:] >= m[:, :-1]).all()
+    assert torch.equal(monotone(m, 1), m)  # a monotone table stays as it is
+    assert torch.equal(monotone(torch.tensor([[0.1, 0.2, 0.4]]), 1), torch.tensor([[0.1, 0.2, 0.4]]))
+    assert m.min() >= noisy.min() and m.max() <= noisy.max()
+
+
+def test_the_dense_model_predicts_as_measured_whatever_the_halves_cost_alone(monkeypatch):
+    """The per-block overhead, or where the halves timed alone cost more than the dense model, their
+    scale, makes the table's dense prediction its measured dense time (fake timings, no speed)."""
+    for per_half in (0.01, 5.0):  # halves cheaper than the model (an overhead), then dearer (a scale)
+
+        def fake(makers, x, *, per, dtype, warmup, iters, per_half=per_half):
+            return [2.0 if per == 1 and i else 0.5 if per == 1 else per_half for i in range(len(makers))]
+
+        monkeypatch.setattr(latency_table_build, "_median_ms", fake)
+        t = build_table(GEOM, device=torch.device("cpu"), align=4, iters=1, warmup=1)
+        dense = make_vit(GEOM, [make_block(GEOM, heads=2, qk=8, hidden=32) for _ in range(GEOM.depth)])
+        assert predict_latency(t, dense) == pytest.approx(t.dense_ms, rel=1e-6)
+        assert (t.block_overhead_ms > 0) == (per_half == 0.01)

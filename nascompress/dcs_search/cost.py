@@ -301,10 +301,10 @@ def round_blocks(supernet: nn.Module, k: int) -> dict[str, list[int]]:
 
 
 def shifted_logits(supernet: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
-    """The gate logits :func:`calibrate` shifts, each with its mask of free (unprotected) entries:
-    every MLP alpha and head gate. Not the block gates: a block is too large a unit for a threshold
-    shift to land near a target (one block of a 3-block model is a third of its FLOPs; the shift
-    that reopens it overshoots), so which blocks stay is the gradient's choice alone."""
+    """The gate logits :func:`calibrate` shifts onto the target, each with its mask of free
+    (unprotected) entries: every MLP alpha and head gate. Not the block gates: a block is too large a
+    unit for a threshold shift to land near a target (one block of a 3-block model is a third of its
+    FLOPs; the shift that reopens it overshoots); :func:`calibrate` moves them a step before."""
     out = []
     for b in supernet.blocks:
         if b.dcs_alpha is not None:
@@ -315,10 +315,45 @@ def shifted_logits(supernet: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor
     return out
 
 
+def depth_logits(supernet: nn.Module) -> list[tuple[nn.Parameter, torch.Tensor]]:
+    """The block gate logits, each with its (all-true) mask, as :func:`shifted_logits` lists them."""
+    return [
+        (b.dcs_depth, torch.ones_like(b.dcs_depth, dtype=torch.bool))
+        for b in supernet.blocks
+        if getattr(b, "dcs_depth", None) is not None
+    ]
+
+
+def _bisect_shift(
+    supernet: nn.Module, cost: Any, target: float, pairs: list, *, round_mlp: int, at_most: bool
+) -> float:
+    """The one shift of the logits ``pairs`` (their free entries) that brings the hard ratio closest
+    to ``target`` (``at_most``: the closest at or under it); the logits are left as they were."""
+    alphas, free = [p for p, _ in pairs], [f for _, f in pairs]
+    vals = torch.cat([a[f].flatten() for a, f in zip(alphas, free)]).sort().values
+    if not len(vals):
+        return 0.0
+    cuts = torch.cat([vals[:1] - 1, (vals[1:] + vals[:-1]) / 2, vals[-1:] + 1]).tolist()
+    saved = [a.clone() for a in alphas]
+    best, best_err = 0.0, math.inf
+    lo, hi = 0, len(cuts) - 1  # ratio decreases as the cut rises: bisect for the target
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        for a, f in zip(alphas, free):
+            a[f] -= cuts[mid]
+        r = cost.hard_macs(supernet, round_mlp=round_mlp) / cost.dense
+        for a, sv in zip(alphas, saved):
+            a.copy_(sv)
+        if abs(r / target - 1) < best_err and (not at_most or r <= target):
+            best, best_err = cuts[mid], abs(r / target - 1)
+        lo, hi = (mid + 1, hi) if r > target else (lo, mid - 1)
+    return best
+
+
 @torch.no_grad()
 def calibrate(
     supernet: nn.Module,
-    cost: CostModel,
+    cost: Any,
     target: float,
     *,
     round_mlp: int = 0,
@@ -332,33 +367,24 @@ def calibrate(
     the shift is bisected. With ``apply_round`` the rounding is then applied to the logits (the end
     of a search); without it (the projection during the search) only the shift is.
     The search's projection onto its moving budget and, at its end, the guarded landing. The head
-    gate logits shift with the alphas (:func:`shifted_logits`)."""
+    gate logits shift with the alphas (:func:`shifted_logits`).
+
+    With block gates, two steps: the shift that lands closest with every gate (blocks included) is
+    found first and applied to the block gates only, so a block closes where its logit falls below
+    the gates the shift closes (which blocks stay is decided on the one logit scale of every gate);
+    then the alphas and head gates are shifted onto the target with the blocks fixed, which a block's
+    jump in cost (a sixth of a 6-block model) would otherwise keep off it."""
     pairs = shifted_logits(supernet)
     if not pairs:
         return 0.0
-    alphas, free = [p for p, _ in pairs], [f for _, f in pairs]
-    vals = torch.cat([a[f].flatten() for a, f in zip(alphas, free)]).sort().values
-    if not len(vals):
-        return 0.0
-    cuts = torch.cat([vals[:1] - 1, (vals[1:] + vals[:-1]) / 2, vals[-1:] + 1]).tolist()
-
-    def shifted(b: float) -> None:
-        for a, f in zip(alphas, free):
-            a[f] -= b
-
-    saved = [a.clone() for a in alphas]
-    best, best_err = 0.0, math.inf
-    lo, hi = 0, len(cuts) - 1  # ratio decreases as the cut rises: bisect for the target
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        shifted(cuts[mid])
-        r = cost.hard_macs(supernet, round_mlp=round_mlp) / cost.dense
-        for a, s in zip(alphas, saved):
-            a.copy_(s)
-        if abs(r / target - 1) < best_err and (not at_most or r <= target):
-            best, best_err = cuts[mid], abs(r / target - 1)
-        lo, hi = (mid + 1, hi) if r > target else (lo, mid - 1)
-    shifted(best)
+    blocks = depth_logits(supernet)
+    if blocks:
+        b0 = _bisect_shift(supernet, cost, target, pairs + blocks, round_mlp=round_mlp, at_most=at_most)
+        for a, _ in blocks:
+            a -= b0
+    best = _bisect_shift(supernet, cost, target, pairs, round_mlp=round_mlp, at_most=at_most)
+    for a, f in pairs:
+        a[f] -= best
     if round_mlp and apply_round:
         round_blocks(supernet, round_mlp)
     return best

@@ -192,7 +192,9 @@ class LatencyTable:
     ``qk``); ``mlp_ms[i][j]``: the MLP half at ``tokens[i]`` tokens and ``hidden[j]`` neurons (0: a
     constant MLP); ``fixed_ms``: patch embed, position embedding, final norm and head;
     ``block_overhead_ms``: what a block costs beyond its halves (the dense model measured, less
-    ``fixed_ms`` and its halves, per block); ``dense_ms``: the dense model as measured.
+    ``fixed_ms`` and its halves, per block; where the halves timed alone cost more than that, the
+    halves are scaled down to it instead, ``settings["halves_scale"]``, so the dense model always
+    predicts as measured); ``dense_ms``: the dense model as measured.
     """
 
     fingerprint: dict[str, Any]
