@@ -17,7 +17,8 @@ import copy
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import ROOT, torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _common import torch_pruning_keep  # noqa: E402  (puts the repository on sys.path)
+from _standins import main_job_spec  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -27,7 +28,6 @@ from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
 from nascompress.methods.uniform import uniform_at_flops, uniform_from_keep  # noqa: E402
 from nascompress.models import ModelSpec, build_model, custom_vit_spec  # noqa: E402
-from nascompress.pipeline import load_config  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.weights import load_pretrained  # noqa: E402
 
@@ -49,20 +49,6 @@ NOTES = {
     "their settings (rho, keep ratio), not by the weights; MG-ViT at epsilon 1 sends every image through "
     "both stages (its slowest case)",
 }
-
-
-def main_job_spec() -> ModelSpec:
-    """The README main job's dense base (``configs/fashion-mnist.yaml``: 28 px, patch 4, width 96, depth 6, 3 heads)."""
-    t = load_config(ROOT / "configs" / "fashion-mnist.yaml").base.train
-    return custom_vit_spec(
-        img_size=t.img_size,
-        patch_size=t.patch_size,
-        embed_dim=t.embed_dim,
-        depth=t.depth,
-        num_heads=t.num_heads,
-        num_classes=10,
-        in_chans=t.in_chans,
-    )
 
 
 GEOMETRIES: dict[str, Callable[[], ModelSpec]] = {

@@ -67,11 +67,10 @@ def save_run(root: Path, name: str, model, spec: ModelSpec, input_spec: dict, re
     return run
 
 
-def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
-    """The main job's dense and compressed models made here (see the module docstring)."""
-    cfg = load_config(ROOT / "configs" / "fashion-mnist.yaml")  # the library's loader: validated
-    t = cfg.base.train
-    spec = custom_vit_spec(
+def main_job_spec() -> ModelSpec:
+    """The README main job's dense base (``configs/fashion-mnist.yaml``, read with the library's loader)."""
+    t = load_config(ROOT / "configs" / "fashion-mnist.yaml").base.train
+    return custom_vit_spec(
         img_size=t.img_size,
         patch_size=t.patch_size,
         embed_dim=t.embed_dim,
@@ -80,6 +79,12 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
         num_classes=10,
         in_chans=t.in_chans,
     )
+
+
+def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
+    """The main job's dense and compressed models made here (see the module docstring)."""
+    cfg = load_config(ROOT / "configs" / "fashion-mnist.yaml")  # the library's loader: validated
+    t, spec = cfg.base.train, main_job_spec()
     data = DataConfig(dataset="fashion-mnist", train_limit=args.train_limit, subset_seed=0)
     dense_dir = work / "dense"
     m = train(
