@@ -226,3 +226,18 @@ def test_calibration_closes_the_block_whose_gate_is_the_least_open():
     calibrate(sup, cost, 0.55)
     assert [bool(b.dcs_depth.item() > 0) for b in sup.blocks] == [True, False, True]
     assert abs(cost.hard_macs(sup) / cost.dense / 0.55 - 1) < 0.05
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_block_without_heads_or_hidden_neurons_is_profiled_without_autograd(grad):
+    """``profile`` counts FLOPs under no_grad: the constant attention and MLP must not hand torch's
+    module tracker a parameter view without a grad_fn."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from nascompress.methods.dcs_materialize import ConstantMLP
+
+    x = torch.randn(2, 5, 8)
+    for m in (ConstantAttention(torch.randn(8)), ConstantMLP(torch.randn(8))):
+        with torch.set_grad_enabled(grad), FlopCounterMode(display=False):
+            y = m(x)
+        assert y.shape == (2, 5, 8) and y.requires_grad == grad

@@ -22,7 +22,10 @@ class ConstantMLP(nn.Module):
         self.bias = nn.Parameter(bias.clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, N, C) -> (B, N, C_out)
-        return self.bias.expand(*x.shape[:-1], self.bias.numel())
+        # without autograd, a view of the detached bias: a view of a parameter made under no_grad requires
+        # grad but has no grad_fn, which torch's module tracker (the FLOP counter, profile) cannot hook
+        b = self.bias if torch.is_grad_enabled() else self.bias.detach()
+        return b.expand(*x.shape[:-1], self.bias.numel())
 
 
 class MaterializedBlock(NCBlock):

@@ -96,7 +96,10 @@ class ConstantAttention(nn.Module):
         self.bias = nn.Parameter(bias.clone())
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
-        return self.bias.expand(*x.shape[:-1], self.bias.numel())  # (B, N, C) -> (B, N, C_out)
+        # without autograd, a view of the detached bias: a view of a parameter made under no_grad requires
+        # grad but has no grad_fn, which torch's module tracker (the FLOP counter, profile) cannot hook
+        b = self.bias if torch.is_grad_enabled() else self.bias.detach()
+        return b.expand(*x.shape[:-1], self.bias.numel())  # (B, N, C) -> (B, N, C_out)
 
 
 @torch.no_grad()
