@@ -39,6 +39,11 @@ _SYSTEM_PREFIXES = ("/usr/", "/dev/", "/proc/", "/sys/", "/etc/", "/opt/", "/bin
 _REPO_FOLDERS = ("runs", "weights", "configs", "bench", "tests", "search_spaces", "scripts", "tools", "docs", "data")
 
 
+def slug(name: str, default: str = "cpu") -> str:
+    """A device's name as it stands in a result file's name (``AMD EPYC`` -> ``amd-epyc``)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or default
+
+
 def relative_path(path: str, root: Path = ROOT) -> str:
     """``path`` as it reads on any machine: relative to the repository root when it lies inside it, else
     from its first repository-like folder (``/x/y/runs/base`` -> ``runs/base``), else its file name."""

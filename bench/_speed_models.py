@@ -28,17 +28,10 @@ from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
 from nascompress.methods.uniform import uniform_at_flops, uniform_from_keep  # noqa: E402
 from nascompress.models import ModelSpec, build_model, custom_vit_spec  # noqa: E402
-from nascompress.profiling import count_flops  # noqa: E402
+from nascompress.profiling import PRICED_METHODS, count_flops  # noqa: E402
 from nascompress.weights import load_pretrained  # noqa: E402
 
 TARGET = 0.6  # the FLOPs ratio of the channel-pruned models
-CHANNEL_METHODS = {
-    "dcs",
-    "uniform",
-    "evit",
-    "dynamicvit",
-    "tome",
-}  # what a latency table prices (widths, blocks, tokens)
 
 NOTES = {
     "weights": "random weights (speed does not depend on them) unless --weights / --pipeline gives trained ones",
@@ -240,5 +233,5 @@ def pipeline_models(folder: str | Path) -> tuple[torch.nn.Module, torch.nn.Modul
     dense, _ = nascompress.load_with_arch(base)
     model, arch = nascompress.load_with_arch(final)
     methods = [m.get("name") for m in arch.get("methods", [])]
-    info = {"pipeline": str(folder), "methods": "+".join(methods), "predictable": set(methods) <= CHANNEL_METHODS}
+    info = {"pipeline": str(folder), "methods": "+".join(methods), "predictable": set(methods) <= PRICED_METHODS}
     return dense.eval(), model.eval(), info

@@ -43,7 +43,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save, slug  # noqa: E402  (puts the repository on sys.path)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -97,7 +97,7 @@ def sizes(device: torch.device) -> dict[str, Any]:
 def device_label(device: torch.device) -> str:
     if device.type != "cuda":
         return "cpu"
-    return re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(device).lower()).strip("-")
+    return slug(torch.cuda.get_device_name(device), "")
 
 
 def dense_model(spec: ModelSpec) -> torch.nn.Module:

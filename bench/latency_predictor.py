@@ -18,10 +18,9 @@ heads: a fresh timm Attention with fewer heads of the same head dim; blocks: the
 from __future__ import annotations
 
 import argparse
-import re
 import time
 
-from _common import header, load, save  # noqa: E402  (puts the repository on sys.path)
+from _common import header, load, save, slug  # noqa: E402  (puts the repository on sys.path)
 
 import timm
 import torch
@@ -94,10 +93,6 @@ VARIANTS = {  # label -> variant() arguments
 }
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="default: bench/results/latency_predictor_<cpu>.json")
@@ -117,7 +112,7 @@ def main() -> None:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu
     bf16 = device.type == "cuda" or bool({"avx512_bf16", "amx_bf16"} & flags)
     dtypes = args.dtypes or (["fp32", "bf16"] if bf16 else ["fp32"])
-    out = args.out or f"bench/results/latency_predictor_{slug(where)}.json"
+    out = args.out or f"bench/results/latency_predictor_{slug(where, 'unknown')}.json"
     res = header()
     res.update(
         device=str(device),

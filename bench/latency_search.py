@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save, slug  # noqa: E402  (puts the repository on sys.path)
 from _standins import main_job_spec  # noqa: E402
 
 from nascompress.data import DataConfig  # noqa: E402
@@ -112,8 +111,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name, options in arms:
         result["arms"][name] = arm(name, options, base, work, a, env)
         print(name, json.dumps(result["arms"][name]), flush=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu_info()[0].lower()).strip("-") or "cpu"  # as bench/speed.py names it
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"latency_search_{slug}.json"
+    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"latency_search_{slug(cpu_info()[0])}.json"
     save(out, result)
     print(f"-> {out}")
     return result

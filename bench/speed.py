@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import re
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, header, save, slug  # noqa: E402  (puts the repository on sys.path)
 from _speed_models import (  # noqa: E402
     GEOMETRIES,
     METHOD_OF,
@@ -54,7 +53,7 @@ GPU_BUDGET_S = 450  # --gpu: the whole command (building included) stays under 8
 BUILD_SHARE = 0.35  # under a time budget, building the models may take this share of it
 COMPILE_GUESS_S = {"cuda": 45.0, "cpu": 60.0}  # one model's compile before any was measured
 # the methods the latency table prices (widths, blocks, and the tokens each block sees, read from one forward)
-PREDICTED = ("dcs", "uniform", "torch-pruning", "evit", "dynamicvit", "tome")
+PREDICTED = (*sorted(profiling.PRICED_METHODS), "torch-pruning")
 COMPILE_PRIORITY = ("dense", "dcs_0.6x", "uniform_0.6x", "evit_0.7", "tome", "pipeline_final")  # compiled first
 
 
@@ -101,10 +100,6 @@ def device_name(device: torch.device) -> str:
     except OSError:
         text = ""
     return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "cpu")
-
-
-def slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "cpu"
 
 
 def plan(a: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,7 @@ __all__ = [
 from .report import profile_models  # noqa: E402
 from .latency_table import LatencyTable, ViTGeometry, geometry_of  # noqa: E402
 from .latency_table_build import latency_table  # noqa: E402
-from .latency_table_predict import block_tokens, predict_arch, predict_latency  # noqa: E402
+from .latency_table_predict import PRICED_METHODS, block_tokens, predict_arch, predict_latency  # noqa: E402
 
 __all__ += [
     "profile_models",
@@ -31,4 +31,5 @@ __all__ += [
     "predict_arch",
     "predict_latency",
     "block_tokens",
+    "PRICED_METHODS",
 ]

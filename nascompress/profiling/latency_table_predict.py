@@ -18,6 +18,9 @@ from ..errors import NascompressError
 from .latency_table import LatencyTable, ViTGeometry
 
 ArchValue = float | int | torch.Tensor
+# the methods whose models a table prices (widths, heads, blocks, and the tokens each block sees); the
+# others (sparse attention, multi-granularity) change what a block computes, so they are measured
+PRICED_METHODS = frozenset({"dcs", "uniform", "evit", "dynamicvit", "tome"})
 
 
 def _segment(grid: Sequence[int], x: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -181,6 +184,7 @@ def predict_latency(
 
 
 __all__ = [
+    "PRICED_METHODS",
     "predict_arch",
     "predict_latency",
     "model_arch",

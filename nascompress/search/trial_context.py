@@ -15,7 +15,7 @@ from torch import nn
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..runs.io import MODEL_FILE, file_sha256, load_typed
 from ..models import build_model
-from ..profiling import count_flops, geometry_of, latency_table, measure, predict_latency
+from ..profiling import PRICED_METHODS, count_flops, geometry_of, latency_table, measure, predict_latency
 from ..studies.records import trial_record
 from ..utils import resolve_device
 from .scoring import subset_fingerprint
@@ -23,9 +23,6 @@ from .space import load_space
 from ..api import run_data_config
 
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
-# the methods whose models a latency table prices (channels, heads, blocks, tokens kept); the others
-# (sparse attention, multi-granularity) are measured
-PREDICTABLE = frozenset({"dcs", "uniform", "evit", "dynamicvit", "tome"})
 FINALIST_MARGIN = 0.15  # a trial predicted this far over a latency constraint may still meet it measured
 
 
@@ -99,9 +96,9 @@ class TrialContext:
         model; cached per architecture ``key``.
 
         With the job's ``latency_source`` ``predicted`` (a latency objective or constraint, every
-        method of ``methods`` one the table prices: :data:`PREDICTABLE`), the latency is predicted
-        from the device's table (:func:`~nascompress.profiling.predict_latency`, the tokens per block
-        read from one forward) and measured only for a finalist (:func:`is_finalist`: a trial at
+        method of ``methods`` one the table prices: :data:`~nascompress.profiling.PRICED_METHODS`),
+        the latency is predicted from the device's table (:func:`~nascompress.profiling.predict_latency`,
+        the tokens per block read from one forward) and measured only for a finalist (:func:`is_finalist`: a trial at
         ``accuracy`` that ``study`` could still pick); ``latency`` says which."""
         if key in self._speed:
             return self._speed[key]
@@ -121,7 +118,7 @@ class TrialContext:
         """Whether the trial's latency is predicted (see :meth:`speed`)."""
         job = self.job
         wants = job.max_latency_ms is not None or (not job.constrained and job.second_objective == "latency")
-        return job.latency_source == "predicted" and wants and set(methods) <= PREDICTABLE
+        return job.latency_source == "predicted" and wants and set(methods) <= PRICED_METHODS
 
     def table(self) -> Any:
         """The device's latency table of the uncompressed model at batch 1 (fp32; cached)."""
