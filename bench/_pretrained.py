@@ -27,7 +27,7 @@ from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  #
 from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, activation_stats  # noqa: E402
 from nascompress.models import ModelSpec  # noqa: E402
-from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
 from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
 from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402

@@ -20,7 +20,7 @@ from nascompress.methods.dcs import DCSConfig, activation_importance, materializ
 from nascompress.models import ModelSpec, custom_vit_spec  # noqa: E402
 from nascompress.pipeline import load_config  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
 
 

@@ -16,7 +16,7 @@ Records:
 * ``--compare-uniform``: uniform pruning (``methods.uniform``: every block keeps the same share of
   its MLP hidden neurons and of each head's Q/K channels, by weight magnitude) at the FLOPs ratio
   of the DCS-materialized model (``keep_for_flops``); both are then retrained with the same budget
-  (``nascompress.retrain`` with eta = 0: same epochs, images, seed, lr, optional teacher) and their
+  (``nascompress.retraining`` with eta = 0: same epochs, images, seed, lr, optional teacher) and their
   test top-1, FLOPs, params and throughput against dense (the three models interleaved) are
   reported, with which one wins;
 * a search epoch against a dense training epoch on the same images (both measured here, one after
@@ -62,7 +62,7 @@ from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noq
 from nascompress.methods.uniform import uniform_at_flops  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.pyapi.common import write_run  # noqa: E402
-from nascompress.retrain import RetrainConfig, RetrainJob, retrain  # noqa: E402
+from nascompress.retraining import RetrainConfig, RetrainJob, retrain  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
 from nascompress.dcs_search.search import (
     CostModel,

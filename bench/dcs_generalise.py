@@ -50,7 +50,7 @@ from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.models import custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.pyapi.common import write_run  # noqa: E402
-from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
 from nascompress.utils import read_json, write_json  # noqa: E402
 

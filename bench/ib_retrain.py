@@ -31,7 +31,7 @@ from nascompress.api import evaluate_run, run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.runs.io import load_arch, load_with_arch  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.retrain import IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain  # noqa: E402
+from nascompress.retraining import IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain  # noqa: E402
 from nascompress.train import TrainConfig  # noqa: E402
 
 

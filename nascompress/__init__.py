@@ -8,9 +8,10 @@ From Python (``import nascompress as nc``; the same jobs the commands run, see `
 * ``nc.from_transformers`` (a Hugging Face ViT in), ``Compressed.to_transformers`` (out);
 * ``nc.load(path)`` rebuilds any saved model.
 
-``nc.retrain`` is the module :mod:`nascompress.retrain`, callable: calling it is
-:func:`nascompress.pyapi.stages.retrain`; ``nc.export`` is the package :mod:`nascompress.export`, with
-:func:`nascompress.export.onnx`.
+``nc.retrain`` is the function :func:`nascompress.pyapi.stages.retrain` (the stage the commands run
+is :mod:`nascompress.retraining`);
+``nc.export`` is the package :mod:`nascompress.export`, with :func:`nascompress.export.onnx`.
+``dir(nc)`` lists every name above (tab completion).
 
 Importing the package applies the torchvision fix for a CPU-only torch (so ``import timm`` works
 after it); timm itself and the model code are imported on first use.
@@ -52,7 +53,7 @@ _LAZY = {
     "compress": ("nascompress.pyapi.compress", "compress"),
     "Compressed": ("nascompress.pyapi.compress", "Compressed"),
     "materialize": ("nascompress.pyapi.stages", "materialize"),
-    "retrain": ("nascompress.retrain", None),
+    "retrain": ("nascompress.pyapi.stages", "retrain"),
     "quantize": ("nascompress.pyapi.stages", "quantize"),
     "from_transformers": ("nascompress.pyapi.hf", "from_transformers"),
     "to_transformers": ("nascompress.pyapi.hf", "to_transformers"),
@@ -69,3 +70,7 @@ def __getattr__(name: str) -> Any:
         mod = importlib.import_module(module)
         return mod if attr is None else getattr(mod, attr)
     raise AttributeError(f"module 'nascompress' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

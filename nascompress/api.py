@@ -15,11 +15,11 @@ from .data import (
     InputSpec,
     check_classes as check_class_names,
     folder_classes,
-    load_data,
     make_loader,
     preprocess,
 )
 from .data.memory import is_memory, memory_splits
+from .data.single import load_split
 from .errors import SettingError
 from .evaluate import evaluate
 from .runs.io import load_typed, load_with_arch
@@ -89,8 +89,8 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
     model, arch = load_typed(run_dir, map_location=dev, dtype=dtype)
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(dict(arch.input))
-    bundle = load_data(data, spec=spec)
-    check_classes(model.num_classes, bundle)
+    part = load_split(data, split, spec=spec, labels=arch.labels)  # a folder of just that split too (data.single)
+    check_classes(model.num_classes, part)
     t_model = t_spec = None
     if teacher is not None:
         t_model, t_arch = load_typed(teacher, map_location=dev, dtype=dtype)
@@ -100,7 +100,7 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
         model.reset_inference_stats()
     res = evaluate(
         model,
-        bundle.split(split),
+        part.dataset,
         input_spec=spec,
         device=dev,
         batch_size=batch_size,
@@ -109,7 +109,7 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
     )
     if dynamic:
         res.update(model.inference_stats())
-    res.update(split=split, dataset=bundle.name, methods=list(arch.method_names))
+    res.update(split=split, dataset=part.name, methods=list(arch.method_names), splits=part.splits)
     return res
 
 
@@ -210,12 +210,11 @@ def epsilon_sweep(
         )
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(dict(arch.input))
-    bundle = load_data(data, spec=spec)
-    check_classes(model.num_classes, bundle)
+    part = load_split(data, split, spec=spec, labels=arch.labels)  # a folder of just that split too (data.single)
+    check_classes(model.num_classes, part)
     batches = (
-        (preprocess(imgs, spec), y)
-        for imgs, y in make_loader(bundle.split(split), batch_size=batch_size, shuffle=False)
+        (preprocess(imgs, spec), y) for imgs, y in make_loader(part.dataset, batch_size=batch_size, shuffle=False)
     )
     res = sweep_model(model, batches, epsilons=list(epsilons))
-    res.update(split=split, dataset=bundle.name)
+    res.update(split=split, dataset=part.name)
     return res

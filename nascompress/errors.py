@@ -10,11 +10,12 @@ naming the path and what to do; :func:`writing` applies it to a block of writes.
 from __future__ import annotations
 
 import errno
+import functools
 import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 import importlib.util
 
 
@@ -78,6 +79,58 @@ def words(template: str) -> str:
     """``template`` (a :class:`SettingError` template) worded as the running front end names fields
     (:func:`wording`; outside one: the fields' own names): advice the library prints while it runs."""
     return SettingError(template).worded(_WORDING.get())
+
+
+_FLAGS = ("force", "resume")  # fields that are a switch: named alone, they mean ``=True``
+_CLI_WORDS = (  # the commands' words in advice, and what a Python caller does instead
+    ("rerun the same command", "call the same function again"),
+    ("the same command", "the same call"),
+    ("'nascompress search dcs'", "nc.dcs.search"),
+    ("'nascompress materialize'", "nc.materialize"),
+    ("'nascompress retrain'", "nc.retrain"),
+)
+
+
+def python_words(template: str, *, call: str = "") -> str:
+    """A :class:`SettingError` template worded for a Python caller (the API's errors): every field
+    as its argument, a field followed by a value as ``field=value`` (``{force} {epochs} 8``:
+    ``force=True, epochs=8``; ``set {num_classes} 5``: ``set num_classes=5``), the commands' words
+    as the call's (``rerun the same command``: ``call the same function again``); ``call`` (e.g.
+    ``nc.retrain``) opens the message."""
+    text = _FIELD.sub(lambda m: f"\0{m.group(1)}\0" if m.group(1) else m.group(0)[0], template)
+    text = re.sub(r"\0(\w+)\0 (?![\0(])([^\s,;:)]+)", lambda m: f"\0{m.group(1)}={m.group(2)}\0", text)
+    text = re.sub(r"\0(%s)\0" % "|".join(_FLAGS), r"\0\1=True\0", text)
+    text = re.sub(r"\0 \0", ", ", text).replace("\0", "")
+    for cli, py in _CLI_WORDS:
+        text = text.replace(cli, py)
+    return f"{call}: {text}" if call and not text.startswith(call) else text
+
+
+@contextmanager
+def python_errors(call: str) -> Iterator[None]:
+    """A Python API call's block: advice the library prints (:func:`words`) and a
+    :class:`SettingError` it raises name the Python arguments (:func:`python_words`), not the
+    command's options or the pipeline file's keys; the error stays a SettingError, one line."""
+    with wording(lambda f: f"{f}=True" if f in _FLAGS else f):
+        try:
+            yield
+        except SettingError as e:
+            raise SettingError(literal(python_words(e.template, call=call))) from None
+
+
+def python_api(call: str) -> Callable:
+    """Decorate a Python API function (``@python_api("nc.retrain")``): its body runs in
+    :func:`python_errors` (its signature and docstring stay the function's)."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def api(*args: Any, **kwargs: Any) -> Any:
+            with python_errors(call):
+                return fn(*args, **kwargs)
+
+        return api
+
+    return decorate
 
 
 class WriteError(NascompressError):

@@ -1,6 +1,6 @@
 """The information-bottleneck (IB) loss and its variational upper bound (DCS paper, section 3.3).
 
-Pure tensor functions, no hidden state (Algorithm 1's bookkeeping lives in ``retrain.py``):
+Pure tensor functions, no hidden state (Algorithm 1's bookkeeping lives in ``retraining.py``):
 
 * :func:`kmeans` -- batched torch K-means (seeded k-means++ init, vectorised Lloyd steps) that
   runs on whatever device its input lives on.

@@ -2,7 +2,7 @@
 for the warm-up epochs, then CE (+ KD) + eta * IBB (eta at once or ramped up), the clusters of the
 learned feature X~ and Q(a|y) refreshed over the training set before the first epoch and after
 every epoch; and the fixed input-feature map X (:func:`make_input_embed`). The settings are a
-:class:`~nascompress.retrain_config.RetrainConfig` (re-exported by :mod:`nascompress.retrain`)."""
+:class:`~nascompress.retrain_config.RetrainConfig` (re-exported by :mod:`nascompress.retraining`)."""
 
 from __future__ import annotations
 

@@ -325,6 +325,57 @@ def to_core(model: nn.Module, *, method: str) -> VisionTransformer:
     return model
 
 
+def _ours(obj: object) -> bool:
+    return type(obj).__module__.split(".")[0] == "nascompress"
+
+
+def _plain_attention(m: nn.Module) -> bool:
+    """Whether ``m`` is an :class:`NCAttention` (exactly) with every hook off: timm's forward."""
+    if type(m) is not NCAttention or m.qk_dim is not None:
+        return False
+    off = ("qk_counts", "qk_mask", "head_mask", "kernel")
+    return all(getattr(m, k, None) is None for k in off) and not (m.record_cls or m.record_values or m.record_keys)
+
+
+def nascompress_modules(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that need nascompress at inference ('' names the model itself):
+    every nascompress class except an :class:`NCBlock` and a hook-free :class:`NCAttention`, which
+    :func:`to_plain` turns back into timm's ``Block`` and ``Attention``."""
+    out = []
+    for name, m in model.named_modules():
+        if _ours(m) and type(m) not in (NCBlock, ClsScore) and not _plain_attention(m):
+            out.append(name)
+    return out
+
+
+def to_plain(model: nn.Module) -> list[str]:
+    """Give ``model`` back timm's own classes where nascompress's have nothing left to do, in place.
+
+    When every nascompress module of ``model`` is an :class:`NCBlock` or a hook-free
+    :class:`NCAttention` (per-block widths: DCS's hidden neurons and heads, uniform pruning
+    without Q/K, blocks removed), they become timm's ``Block`` and ``Attention`` (their smaller
+    Linears held as they are, the state dict unchanged) and the nascompress state a method left
+    on a module (``dcs_state``) is removed: the model pickles and runs where nascompress cannot be
+    imported. Otherwise (a residual-channel gather, a Q/K narrower than V, a constant half, a token
+    method) nothing is changed. Returns :func:`nascompress_modules` (``[]``: the model is plain).
+    """
+    needs = nascompress_modules(model)
+    if needs:
+        return needs
+    for m in list(model.modules()):
+        if type(m) is NCAttention:
+            m.__class__ = Attention
+            del m.cls_score
+            for k in _HOOKS:
+                m.__dict__.pop(k, None)
+        elif type(m) is NCBlock:
+            m.__class__ = Block
+        for k, v in list(vars(m).items()):
+            if _ours(v):  # e.g. DCS's shared state (its gates are gone)
+                delattr(m, k)
+    return []
+
+
 # ---------------------------------------------------------------------------------------------
 # Hardware-aligned widths
 
@@ -371,6 +422,8 @@ __all__ = [
     "NCBlock",
     "ClsScore",
     "to_core",
+    "to_plain",
+    "nascompress_modules",
     "core_attention",
     "cls_row",
 ]

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .data import DataBundle, InputSpec, make_loader, preprocess
+from .data.carve import without_images
 from .errors import SettingError
 from .evaluate import evaluate
 from .runs.io import save_model
@@ -190,6 +191,8 @@ def fit_linear_probe(
         "n_val": len(y_va),
         "feature_dim": int(x_tr.shape[1]),
     }
+    if data.extra.get("splits"):  # which images chose the L2, which measured the probe (data.carve)
+        metrics["splits"] = without_images(data.extra["splits"])
     return metrics
 
 

@@ -27,7 +27,28 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 console = Console(stderr=True)
 
 
+_SILENT = 0  # > 0: inside silenced(), every progress display of this process is off
+
+
+@contextmanager
+def silenced(on: bool = True) -> Iterator[None]:
+    """Inside (when ``on``): no progress line, bar or note of nascompress's, as with
+    ``NASCOMPRESS_PROGRESS=off`` (a Python API call's ``progress=False``); errors are raised as ever."""
+    global _SILENT
+    if not on:
+        yield
+        return
+    _SILENT, was = _SILENT + 1, console.quiet
+    console.quiet = True
+    try:
+        yield
+    finally:
+        _SILENT, console.quiet = _SILENT - 1, was
+
+
 def _mode() -> str:
+    if _SILENT:
+        return "off"
     mode = os.environ.get("NASCOMPRESS_PROGRESS", "auto").strip().lower()
     return mode if mode in ("auto", "plain", "off") else "auto"
 

@@ -1,5 +1,5 @@
 """The IB retraining recipe (:class:`RetrainConfig`), below both the ``retrain`` job
-(:mod:`nascompress.retrain`, which re-exports it) and the IB hooks that read it
+(:mod:`nascompress.retraining`, which re-exports it) and the IB hooks that read it
 (:mod:`nascompress.ib_hooks`)."""
 
 from __future__ import annotations

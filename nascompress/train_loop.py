@@ -27,6 +27,7 @@ from torch import nn
 
 from . import distributed, runtime
 from .data import DataBundle, InputSpec, Subset, make_loader, preprocess
+from .data.carve import without_images
 from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
@@ -378,6 +379,8 @@ def _fit(
         metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
     if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder
         metrics["skipped_images"] = data.extra["skipped_images"]
+    if data.extra.get("splits"):  # which images chose the best epoch, which measured it (data.carve)
+        metrics["splits"] = without_images(data.extra["splits"])
     if main and finish and store.dir is not None:
         finish_run(store.dir, metrics)  # the last write: marks the run complete
     return metrics

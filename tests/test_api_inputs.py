@@ -282,7 +282,7 @@ def test_from_transformers_refuses_a_nascompress_run_and_other_modules(tmp_path,
     with pytest.raises(NascompressError, match="is not a Hugging Face ViT or DINOv2 folder transformers can read"):
         nc.from_transformers(tmp_path / "odd")
     with pytest.raises(
-        NascompressError, match="converts a Hugging Face ViTForImageClassification or Dinov2Model .*got Linear"
+        NascompressError, match="ViTForImageClassification, DeiT classifier or Dinov2Model .*got Linear"
     ):
         nc.from_transformers(torch.nn.Linear(2, 2))
     with pytest.raises(NascompressError, match="this VisionTransformer is timm's already"):

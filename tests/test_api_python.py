@@ -4,6 +4,7 @@ and seed, model objects and a caller's Dataset/DataLoader at every stage, nothin
 
 from __future__ import annotations
 
+import inspect
 import re
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def test_stages_give_the_command_chains_weights(tiny_run, tmp_path, no_tmp_left)
     ret = nc.retrain(mat, "synthetic", teacher=dense, epochs=1, batch_size=32, device="cpu")
     same_weights(ret.model, nc.load(tmp_path / "r"))
     assert ret.metrics["test_top1"] > 0 and type(ret).__name__ == "Retrained"
-    assert nc.retrain.RetrainJob is not None  # nc.retrain is still the module the commands import, callable
+    assert inspect.isfunction(nc.retrain)  # the API function, not a module
     assert not any(no_tmp_left.iterdir())  # nothing left behind
 
 
@@ -109,7 +110,10 @@ def test_compress_gives_the_pipeline_commands_weights(tiny_run, tmp_path, no_tmp
         "data": {"dataset": "synthetic"},
         "base": {"run": str(tiny_run)},
         "goal": {"max_flops": 0.7},
-        "stages": {"dcs": {"target_flops": 0.7, **stages["dcs"]}, "retrain": {"epochs": 1, **stages["retrain"]}},
+        "stages": {
+            "dcs": {"target_flops": 0.7, "at_most": True, **stages["dcs"]},  # nc.compress: the target is a bound
+            "retrain": {"epochs": 1, **stages["retrain"]},
+        },
         "report": {"latency": False, "iters": 5},
     }
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(cfg))
@@ -141,7 +145,7 @@ def test_compress_on_a_tensor_dataset_records_the_callers_preprocessing(tiny_run
         retrain={"batch_size": 32},
     )
     assert small.arch["input"]["mean"] == [0.0] and small.arch["input"]["std"] == [1.0]
-    assert small.report["test_images"] == 200 and small.report["accuracy"] > 10
+    assert small.report["test_images"] == 100 and small.report["accuracy"] > 10  # half of val: the test
     assert (kept / "pipeline" / "summary.json").is_file() and small.out == str(kept / "pipeline")
     again = nc.compress(
         model,
@@ -223,8 +227,9 @@ def test_errors_are_the_commands_one_line_errors(tiny_run):
 def test_save_never_overwrites_without_force(tiny_run, tmp_path):
     evit = nc.tokens.apply(nc.load(tiny_run), "evit", keep_rate=0.7)
     evit.save(tmp_path / "m")
+    assert evit.save(tmp_path / "m") == tmp_path / "m"  # the same model again: returned as it is
     with pytest.raises(NascompressError, match="already exists"):
-        evit.save(tmp_path / "m")
+        nc.tokens.apply(nc.load(tiny_run), "evit", keep_rate=0.5).save(tmp_path / "m")  # another model
     assert nc.load(evit.save(tmp_path / "m", force=True)) is not None and (tmp_path / "m" / "metrics.json").is_file()
 
 

@@ -33,7 +33,7 @@ from nascompress.pipeline import (
 )
 from nascompress.profiling.config import ProfileConfig
 from nascompress.pipeline.schema import library_config
-from nascompress.retrain import RetrainConfig, RetrainJob
+from nascompress.retraining import RetrainConfig, RetrainJob
 from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob
 from nascompress.search.trials import STUDY_SETTINGS, SearchJob
 from nascompress.train import TrainConfig, TrainJob
@@ -281,7 +281,7 @@ def _pipeline_config(tmp_path: Path, base_train: dict, **stages: dict) -> Path:
 def captured(monkeypatch):
     """The jobs the CLI commands and the pipeline's steps would run (nothing runs)."""
     import nascompress.pipeline.fallback as fallback
-    import nascompress.retrain as retrain
+    import nascompress.retraining as retrain
     import nascompress.dcs_search as search
     import nascompress.train as train
 

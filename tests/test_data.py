@@ -67,7 +67,7 @@ def test_image_folder_limit_draws_every_class_in_proportion(tmp_path):
     root = make_folder(tmp_path)  # 30 images sorted by class: the first 10 would all be "ant"
     cfg = DataConfig(dataset=str(root), val_fraction=0.2, num_workers=0)
     full = load_data(cfg, img_size=(16, 16))
-    assert len(full.train) == 24 and len(full.val) == 6
+    assert len(full.train) + len(full.test) == 24 and len(full.val) == 6 and len(full.test) >= 4  # no test/: carved
 
     def limited(seed, n=12):
         b = load_data(
@@ -81,12 +81,12 @@ def test_image_folder_limit_draws_every_class_in_proportion(tmp_path):
     b, labels = limited(0)
     full_counts = torch.bincount(dataset_labels(full.train), minlength=4)
     counts = torch.bincount(labels, minlength=4)
-    assert counts.sum() == 12 and (counts > 0).all(), counts
-    assert ((counts - full_counts * 0.5).abs() <= 1).all(), (counts, full_counts)  # half of each class, +-1
+    assert counts.sum() == 12 and (counts[full_counts >= 2] > 0).all(), counts
+    assert ((counts - full_counts * 12 / len(full.train)).abs() <= 1).all(), (counts, full_counts)  # in proportion, +-1
     # the subset really is those images: its items carry the labels dataset_labels reports
     _, ys = next(iter(make_loader(b.train, batch_size=12, shuffle=False)))
     assert torch.equal(ys, labels)
-    assert len(b.val) == 3 and len(b.test) == 3  # no test/: test is the (limited) val split
+    assert len(b.val) == 3 and len(b.test) == 3  # no test/: a test split carved, then limited
     # same seed, same subset; another seed, another subset
     assert torch.equal(limited(0)[0].train.indices, b.train.indices)
     assert not torch.equal(limited(1)[0].train.indices, b.train.indices)
@@ -325,7 +325,8 @@ def test_image_folder_train_view_and_eval_view_share_split(tmp_path):
     assert isinstance(b.train, Subset) and isinstance(b.val, Subset)
     assert b.train.base.samples is b.val.base.samples  # one scan of train/, two views
     tr, va = set(b.train.indices.tolist()), set(b.val.indices.tolist())
-    assert not tr & va and len(tr | va) == sum(COUNTS.values())
+    te = set(b.test.indices.tolist())  # no test/: carved from train/ too
+    assert not tr & va and not te & (tr | va) and len(tr | va | te) == sum(COUNTS.values())
 
     def names(ds):
         return [type(t).__name__ for t in ds.base.transform.transforms]
@@ -346,9 +347,9 @@ def test_image_folder_train_view_and_eval_view_share_split(tmp_path):
 def test_image_folder_with_val_dir_uses_eval_transform(tmp_path):
     root = make_folder(tmp_path, counts={"a": 2, "b": 2}, splits=("train", "val"))
     b = load_data(DataConfig(dataset=str(root), num_workers=0), img_size=(16, 16))
-    assert [type(t).__name__ for t in b.val.transform.transforms][-2:] == ["CenterCrop", "MaybePILToTensor"]
+    assert [type(t).__name__ for t in b.val.base.transform.transforms][-2:] == ["CenterCrop", "MaybePILToTensor"]
     assert type(b.train.transform.transforms[0]).__name__ == "RandomResizedCropAndInterpolation"
-    assert b.test is b.val
+    assert b.test is not b.val and len(b.val) + len(b.test) == 4  # no test/: half of val/ carved as the test split
 
 
 def test_loader_workers_are_automatic_and_deterministic(tmp_path):
@@ -421,7 +422,7 @@ def test_classes_keeps_a_subset_relabelled_in_order(tmp_path):
     # the same subset by name on an ImageFolder, relabelled as named (a limit then draws from it)
     root = make_folder(tmp_path)
     f = load_data(DataConfig(dataset=str(root), classes="cat,ant", val_fraction=0.25, num_workers=0), img_size=(16, 16))
-    assert f.classes == ["cat", "ant"] and len(f.train) + len(f.val) == COUNTS["cat"] + COUNTS["ant"]
+    assert f.classes == ["cat", "ant"] and len(f.train) + len(f.val) + len(f.test) == COUNTS["cat"] + COUNTS["ant"]
     assert set(dataset_labels(f.train).tolist()) == {0, 1}
     _, ys = next(iter(make_loader(f.train, batch_size=64, shuffle=False)))
     assert torch.equal(ys, dataset_labels(f.train))

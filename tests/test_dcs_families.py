@@ -312,6 +312,6 @@ def test_progressive_target_moves_from_dense_to_the_target():
 
 
 def test_auto_batch_gives_enough_steps():
-    from nascompress.retrain import auto_batch_size
+    from nascompress.retraining import auto_batch_size
 
     assert [auto_batch_size(n) for n in (100, 2000, 3300, 6400, 12800, 54000)] == [16, 16, 32, 64, 128, 128]

@@ -138,3 +138,46 @@ def test_the_pipeline_plans_a_latency_search_and_checks_its_target(tmp_path):
     pipe = plan(path, out=tmp_path / "out", seed=0)
     search = next(s for s in pipe.steps if s.name == "dcs_search")
     assert "0.7x the dense predicted latency" in search.describe and not (tmp_path / "out").exists()
+
+
+def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
+    """Without stages.dcs.target_latency the goal's milliseconds are the target: the ratio is
+    ``max_latency_ms`` over the base's latency predicted from the device's table (at most 1), and
+    the search runs at it; a batch other than 1 is refused (the goal is a batch-1 latency)."""
+    from nascompress.dcs_search.latency_cost import latency_target
+    import importlib
+
+    plan_module = importlib.import_module("nascompress.pipeline.plan")  # the package exports plan()
+
+    from .test_pipeline import tiny_config, write_config
+
+    dense = build_model(tiny_spec_3_heads(depth=3)).eval()
+
+    def table_for(geometry, *, device, dtype, batch, align):
+        return hand_table(geometry, align=align)
+
+    monkeypatch.setattr(latency_cost_module, "latency_table", table_for)
+    dense_ms = float(predict_latency(hand_table(geometry_of(dense)), dense))
+    kw = dict(device="cpu", dtype="fp32", batch=1, align=1)
+    assert latency_target(dense, 0.5 * dense_ms, **kw) == pytest.approx(0.5, abs=1e-4)
+    assert latency_target(dense, 3 * dense_ms, **kw) == 1.0
+
+    cfg = tiny_config()
+    del cfg["stages"]["dcs"]["target_flops"]
+    cfg["stages"]["dcs"]["cost"] = "latency"
+    cfg["goal"] = {"max_latency_ms": 2.5}
+    pipe = plan_module.plan(write_config(tmp_path, cfg), out=tmp_path / "out", seed=0)
+    search = next(s for s in pipe.steps if s.name == "dcs_search")
+    assert "2.5 ms of predicted latency (goal.max_latency_ms)" in search.describe
+    ran = []
+    monkeypatch.setattr(plan_module, "load_with_arch", lambda *a, **k: (dense, None))
+    monkeypatch.setattr(plan_module, "latency_target", lambda m, ms, **k: round(ms / 10, 4))
+    monkeypatch.setattr(
+        plan_module, "run_dcs_with_fallback", lambda job, **k: ran.append(job.search.target_latency) or {}
+    )
+    search.run(False, False)
+    assert ran == [0.25]
+
+    cfg["stages"]["dcs"]["latency_batch"] = 4
+    r = invoke("pipeline", write_config(tmp_path, cfg), "--out", tmp_path / "out2")
+    assert r.exit_code == 1 and "stages.dcs.latency_batch" in r.output and "batch-1" in r.output, r.output

@@ -19,7 +19,7 @@ from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.pipeline.sections import ExportSection, ReportSection
 from nascompress.profiling.config import ProfileConfig
-from nascompress.retrain import RETRAIN_TRAIN, RetrainConfig, RetrainJob
+from nascompress.retraining import RETRAIN_TRAIN, RetrainConfig, RetrainJob
 from nascompress.dcs_search.search import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
 from nascompress.search.trials import SearchJob
 from nascompress.train import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainConfig, TrainJob
@@ -34,7 +34,7 @@ def jobs(monkeypatch):
     import nascompress.export as export
     import nascompress.finetune as finetune
     import nascompress.pipeline.fallback as fallback
-    import nascompress.retrain as retrain
+    import nascompress.retraining as retrain
     import nascompress.dcs_search as search
     import nascompress.search.trials as trials
     import nascompress.train as train
@@ -228,7 +228,7 @@ def test_no_stage_keeps_a_defaults_mapping():
 def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_path, jobs, monkeypatch):
     """The command and the pipeline section both build through the stage's ``build_job`` (no second
     construction of the job anywhere)."""
-    import nascompress.retrain as retrain
+    import nascompress.retraining as retrain
     import nascompress.dcs_search.run as dcs_run
 
     built = []
@@ -248,7 +248,7 @@ def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_pat
 
 def test_a_rule_is_checked_once_and_worded_by_each_front_end(tmp_path, jobs):
     from nascompress.errors import SettingError
-    from nascompress.retrain import build_job
+    from nascompress.retraining import build_job
 
     with pytest.raises(SettingError) as e:
         build_job("m", "o", retrain=RetrainConfig(feat_kd=1.0), train={})

@@ -191,7 +191,7 @@ def test_image_folder(tmp_path):
             for i in range(3):
                 Image.new("RGB", (20, 24), color=(i * 40, 10, 200 if c == "dog" else 0)).save(d / f"{i}.png")
     b = load_data(DataConfig(dataset=str(tmp_path)), img_size=(16, 16))
-    assert b.classes == ["cat", "dog"] and len(b.train) == 6 and len(b.val) == 6
+    assert b.classes == ["cat", "dog"] and len(b.train) == 6 and len(b.val) + len(b.test) == 6  # test carved from val/
     imgs, labels = next(iter(make_loader(b.train, batch_size=6, shuffle=False)))
     assert imgs.shape == (6, 3, 16, 16) and labels.tolist() == [0, 0, 0, 1, 1, 1]
     with pytest.raises(NascompressError, match="no train/ folder"):

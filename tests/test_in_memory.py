@@ -100,7 +100,7 @@ def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, mo
 
 
 def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
-    from nascompress.retrain import RetrainConfig, RetrainJob, retrain, retrain_train_config, run_retrain
+    from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config, run_retrain
     from nascompress.dcs_search.materialize import MaterializeJob, materialize_search
 
     search = tmp_path / "search"

@@ -237,7 +237,7 @@ def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
     )
     code = (
         "import sys, nascompress; m = nascompress.load(sys.argv[1]); "
-        "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retrain', "
+        "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retraining', "
         "'nascompress.search', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
         "print(','.join(engine) or 'clean')"
     )

@@ -54,8 +54,19 @@ this API returned), a result of this API, or a run directory; data as a built-in
 ImageFolder root, or a map-style `Dataset` / `DataLoader` of `(image tensor, label)` whose preprocessing
 is the caller's (recorded as such: mean 0, std 1). Without `out=` nothing is written; with `out=DIR`
 the given model is kept as `DIR/source` and the stage's run as `DIR/<stage>` (`dcs_search`, `dcs_mat`,
-`retrain`, the token method's name, `pipeline`). Errors are the commands' one-line
-`nascompress.NascompressError`.
+`retrain`, the token method's name, `pipeline`). Errors are one-line `nascompress.NascompressError`s
+naming the Python arguments (`force=True`, `target_flops=0.39`), not the commands' options; every
+stage function takes `progress` (`progress=False`: nothing is printed). `result.save(dir)` of a model
+already saved in `dir` returns it (another model there needs `force=True`).
+
+Which models need nascompress at inference: a model whose blocks only got narrower (DCS's `hidden`
+MLP family, pruned heads, removed blocks; uniform pruning with `qk=False`; any model without a
+method) comes back as timm's own `Block`/`Attention`/`Mlp` holding its per-block widths, so it pickles
+and runs where nascompress is not installed (`nascompress.layers.nascompress_modules(model)` is
+`[]`). Nascompress's classes stay where timm has none for the shape: DCS's `residual` MLP family (a
+channel gather), a static Q/K mask or uniform pruning's Q/K (a Q/K narrower than V), a block left
+with no head or hidden neuron (a constant), and every token method (EViT, DynamicViT, ToMe,
+Sparsifiner, MG-ViT); `nascompress_modules(model)` names those modules.
 """
 
 

@@ -133,8 +133,9 @@ def evaluate(
 
     def data_config() -> DataConfig:
         data = run_data_config(run_dir) if run_dir.is_dir() else None
-        if dataset is not None or data is None:
-            data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir)
+        if dataset is not None or data is None:  # the run's seed kept: a test split it carved is the same images
+            seed = 0 if data is None else data.subset_seed
+            data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir, subset_seed=seed)
         if eval_limit is not None:
             data = replace(data, eval_limit=eval_limit)
         replace(TrainConfig(), eval_batch_size=eval_batch_size)  # its range checked, naming the option

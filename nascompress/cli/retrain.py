@@ -1,4 +1,4 @@
-"""``nascompress retrain``: retrain a compressed model with CE + eta * IBB (thin)."""
+"""``nascompress retrain``: retrain a compressed (or dense) model with CE + eta * IBB (thin)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from nascompress.cli.common import (
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
-from nascompress.retrain import (
+from nascompress.retraining import (
     RETRAIN_TRAIN_SETTINGS,
     RetrainConfig,
     RetrainJob,
@@ -35,7 +35,13 @@ from nascompress.train import RUNTIME_SETTINGS
 
 @settings_command(settings=RetrainConfig, recipe=RETRAIN_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)
 def retrain(
-    model_dir: Annotated[Path, typer.Argument(help="A compressed nascompress model (materialized or fine-tuned run).")],
+    model_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="A nascompress model: compressed (a materialized or fine-tuned run), or dense (the reference "
+            "at the same budget)."
+        ),
+    ],
     out_dir: Out,
     *,
     dataset: RunDataset = None,
@@ -51,7 +57,9 @@ def retrain(
     resume: Resume = False,
     json_out: JsonOut = False,
 ) -> None:
-    """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it."""
+    """Retrain a compressed model with CE (+ KD from a teacher), optionally + eta * IBB (DCS Algorithm 1); save it.
+
+    A dense model is retrained the same way: the yardstick for a compressed model at the same budget."""
 
     def build():
         data = recorded_data_config(model_dir) if model_dir.is_dir() else None
@@ -72,7 +80,7 @@ def retrain(
         print_json(metrics)
     else:
         out.print(
-            f"retrained ({', '.join(metrics['methods'])}): test top-1 {metrics['test_top1']:.2f}% "
+            f"retrained ({', '.join(metrics['methods']) or 'dense'}): test top-1 {metrics['test_top1']:.2f}% "
             f"({metrics['test_n']} images){ib_text(metrics)}  -> {out_dir}"
         )
 

@@ -11,6 +11,9 @@ The parts, one module each (their names are importable from here too):
 * :mod:`nascompress.data.folders`: ImageFolder directories, every image checked once when loaded;
 * :mod:`nascompress.data.splits`: seeded splits and class-stratified subsets, and the check that a
   dataset can train a classifier;
+* :mod:`nascompress.data.carve`: a test split carved for a dataset without one (never the validation
+  images), and the record of which images decided and which measured (``DataBundle.extra["splits"]``);
+* :mod:`nascompress.data.single`: one split for ``evaluate``, also from a folder holding only it;
 * :mod:`nascompress.data.loader`: batches in an order that depends only on (seed, epoch).
 
 Two loading paths:
@@ -45,6 +48,7 @@ from torch.utils.data import Dataset
 from .. import runtime
 
 from ..config import Config, check_field, check_int, check_settings, setting
+from .carve import resolve_splits
 from .classes import class_indices, keep_classes
 from .folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .input import (
@@ -80,7 +84,7 @@ from .sources import (
     load_lfw_faces_dataset,
     synthetic_dataset,
 )
-from .splits import Subset, check_classes, dataset_labels, limit_subset, split_indices, stratified_indices
+from .splits import Subset, check_classes, dataset_labels, split_indices, stratified_indices
 from ..errors import NascompressError, SettingError
 from ..limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
@@ -167,7 +171,8 @@ class DataConfig:
     Args:
         dataset: ``fashion-mnist`` (default, real), ``digits`` (scikit-learn's bundled 8x8
             digits, real), a path to an ImageFolder root holding ``train/`` (and optionally
-            ``val/``, ``test/``), or ``synthetic`` (unit tests).
+            ``val/``, ``test/``; without ``test/`` a test split is carved, :mod:`.carve`), or
+            ``synthetic`` (unit tests).
         data_dir: where Fashion-MNIST's IDX files are.
         val_fraction: share of train carved out as a held-out validation split when the
             dataset has none.
@@ -343,24 +348,10 @@ def load_data(
         train_full, val = keep_classes(train_full, keep), keep_classes(val, keep)
         test = val if test_is_val_split else keep_classes(test, keep)
     train_src = train_full if cfg.dataset in IN_MEMORY else with_transform(train_full, train_tf)
-    if val is None:  # the same split indices over two views: train transform / eval transform
-        tr_idx, va_idx = split_indices(len(train_full), (1 - cfg.val_fraction, cfg.val_fraction), seed=cfg.split_seed)
-        train, val = Subset(train_src, tr_idx), Subset(train_full, va_idx)
-        check_classes(
-            train_full.classes,
-            {
-                "the training split": dataset_labels(train),
-                f"the validation split carved from the training images (val_fraction "
-                f"{cfg.val_fraction:g}; add a val/ folder or more images)": dataset_labels(val),
-            },
-            name=name,
-        )
-    else:
-        train = train_src
-    test_is_val = test is None or test is val
-    train = limit_subset(train, cfg.train_limit, cfg.subset_seed)
-    val = limit_subset(val, cfg.eval_limit, cfg.subset_seed)
-    test = val if test_is_val else limit_subset(test, cfg.eval_limit, cfg.subset_seed)
+    folder = cfg.dataset not in IN_MEMORY and not is_memory(cfg.dataset)  # an ImageFolder
+    train, val, test, splits = resolve_splits(
+        cfg, train_full, train_src, val, None if test is val else test, name=name, root=name if folder else None
+    )
     for ds in (train, val, test):
         ds.num_workers = workers or 0  # read by make_loader (see DataConfig.num_workers)
     # the training images are fixed (the same tensor every epoch) unless an ImageFolder's transform augments them
@@ -373,7 +364,7 @@ def load_data(
         name=name,
         native_channels=channels,
         native_size=size,
-        extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed},
+        extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed, "splits": splits},
     )
 
 

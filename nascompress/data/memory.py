@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import math
 import numbers
+import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -193,7 +194,7 @@ class CallerDataset(Dataset):
 @dataclass(frozen=True)
 class MemorySplits:
     """A registered dataset: train, and val / test where the caller gave them (None: carved from
-    train / the validation split, as for the built-in datasets)."""
+    train; a test split from the validation images, :mod:`~nascompress.data.carve`)."""
 
     train: CallerDataset
     val: CallerDataset | None
@@ -223,8 +224,15 @@ def as_dataset(data: Any, what: str) -> Dataset:
 def _fingerprint(ds: CallerDataset) -> str:
     h = hashlib.sha256(f"{type(ds.base).__qualname__}:{len(ds)}:{ds.classes}".encode())
     h.update(ds.labels.numpy().tobytes())
-    for i in sorted({0, len(ds) // 2, len(ds) - 1}):
-        h.update(ds[i][0].detach().cpu().contiguous().float().numpy().tobytes())
+    state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):  # a random transform (augmentation) draws the same each time
+        torch.manual_seed(0)
+        random.seed(0)
+        np.random.seed(0)
+        for i in sorted({0, len(ds) // 2, len(ds) - 1}):
+            h.update(ds[i][0].detach().cpu().contiguous().float().numpy().tobytes())
+    random.setstate(state[0])
+    np.random.set_state(state[1])
     return h.hexdigest()[:16]
 
 
@@ -233,8 +241,9 @@ def register_dataset(
 ) -> str:
     """Register the caller's splits; returns the dataset name a DataConfig takes (``python:...``).
     ``val`` None: a validation split is carved from ``train`` (``DataConfig.val_fraction``);
-    ``test`` None: the validation split is the test split. ``what``: the Python argument ``train``
-    came as (``data``, or ``train`` for :func:`nascompress.compress`), for messages."""
+    ``test`` None: a test split is carved, never the validation images (:mod:`~nascompress.data.carve`).
+    ``what``: the Python argument ``train`` came as (``data``, or ``train`` for
+    :func:`nascompress.compress`), for messages."""
     tr = CallerDataset(as_dataset(train, what), classes=classes, what=what)
     splits = [tr]
     for name, d in (("val", val), ("test", test)):

@@ -56,13 +56,15 @@ def magnitude_supernet(
     x1: torch.Tensor,
     structure: Structure = Structure(),
     make_cost: Callable[[nn.Module, nn.Module], Any] | None = None,
+    at_most: bool = False,
 ) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
     """The magnitude baseline at ``target`` x the dense FLOPs as a fixed DCS supernet (module
     docstring): (supernet, its DCSConfig, its cost model, info: ``flops_ratio``, ``hidden_kept``,
     ``threshold``). ``fill``: the dense model's mean hidden activation per block (None: closed neurons
     give 0); ``structure``: the searched model's head and block counts (:mod:`.baseline_structure`);
     ``make_cost(dense, supernet)``: the cost whose ratio ``target`` is (default: the FLOPs
-    :class:`CostModel`; the search's latency cost builds a :class:`~.latency_cost.LatencyCost`)."""
+    :class:`CostModel`; the search's latency cost builds a :class:`~.latency_cost.LatencyCost`);
+    ``at_most``: the closest ratio at or under ``target`` (the search's ``at_most``), not either side."""
     cfg = DCSConfig(mlp_gates="hidden", qk_mask="none", align=align, hidden_fill="mean" if fill else "zero")
     cfg = cfg.replace(head_gates=structure.heads is not None, depth_gates=structure.skipped is not None)
     check_family(dense, "hidden")
@@ -79,11 +81,15 @@ def magnitude_supernet(
         return cost.hard_macs(supernet) / cost.dense
 
     lo, hi = 0.0, float(max(float(s.max()) for s in scores))  # ratio(lo) = the dense-most, ratio(hi) the least
-    best = (abs(ratio(lo) - target), lo)
+
+    def err(r: float) -> float:  # over a limit (at_most): worse than any ratio under it
+        return abs(r - target) + (1.0 if at_most and r > target else 0.0)
+
+    best = (err(ratio(lo)), lo)
     for _ in range(40):  # the FLOPs ratio falls as the threshold rises
         mid = (lo + hi) / 2
         r = ratio(mid)
-        best = min(best, (abs(r - target), mid))
+        best = min(best, (err(r), mid))
         lo, hi = (mid, hi) if r > target else (lo, mid)
     counts = set_hidden_gates(supernet, scores, best[1], align)
     info = {
@@ -346,6 +352,7 @@ def keep_better(
             x1=spec_x,
             structure=Structure.of(supernet),
             make_cost=lambda d, sn: cost.like(d, sn, spec_x),  # the search's own kind of cost
+            at_most=s.at_most,
         )
     except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
         if not dcs.eligible:

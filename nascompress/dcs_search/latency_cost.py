@@ -89,4 +89,15 @@ def latency_cost(
     return LatencyCost.build(flops, supernet, table)
 
 
-__all__ = ["LatencyCost", "latency_cost"]
+def latency_target(dense: nn.Module, max_ms: float, *, device: Any, dtype: str, batch: int, align: int) -> float:
+    """The ``target_latency`` ratio that a latency of ``max_ms`` ms is for ``dense`` (the pipeline's
+    ``goal.max_latency_ms``): ``max_ms`` over the dense model's latency predicted from the device's
+    table (the table the search then steers by, so the search lands at ``max_ms`` as predicted), at
+    most 1 (a dense model already under the goal is searched at its own latency), to 4 decimals (the
+    same ratio on a resume, the table being cached)."""
+    table = latency_table(geometry_of(dense), device=device, dtype=dtype, batch=batch, align=max(1, align))
+    dense_ms = float(predict_arch(table, [{} for _ in dense.blocks]))
+    return round(min(1.0, max_ms / dense_ms), 4)
+
+
+__all__ = ["LatencyCost", "latency_cost", "latency_target"]

@@ -139,7 +139,7 @@ class DCSSearchConfig(Config):
             seed, so every trial's search measures the same base model on the same images and the
             process reuses the measurements (:mod:`~nascompress.dcs_search.prepare`).
         auto_batch: choose the batch size from the number of training images
-            (:func:`~nascompress.retrain.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
+            (:func:`~nascompress.retraining.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
             job's ``train.batch_size`` in the recorded job. The default, as ``search dcs`` and
             ``stages.dcs`` without a batch size; False: ``train.batch_size`` as given.

@@ -38,6 +38,7 @@ from .run import SIDECAR_FORMAT, sidecar_path, stage_path
 from .run import export_run as _export_fp
 from ..pyapi.common import model_run, setting_names, split_settings
 from ..pyapi.workspace import Workspace
+from ..errors import python_api
 from .quantize import quantize_run
 
 
@@ -63,6 +64,7 @@ class Exported:
     sidecar: dict[str, Any] = field(default_factory=dict)
 
 
+@python_api("nc.export.onnx")
 def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) -> Exported:
     """``nc.export.onnx(model, "model.onnx")``: write a model (an ``nn.Module``, a result of the Python
     API, or a run directory) as the ONNX file ``path`` and its sidecar ``path.json``, run it with ONNX

@@ -32,7 +32,7 @@ command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``ba
 ``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
 :func:`~nascompress.search.trial_model.materialize_trial`), ``final/``
-(:func:`~nascompress.retrain.retrain`), ``final_channel/`` (the ``confirm`` step,
+(:func:`~nascompress.retraining.retrain`), ``final_channel/`` (the ``confirm`` step,
 :mod:`~nascompress.pipeline.confirm`: when the pick cuts tokens, the channel-only model retrained beside
 it, the better on validation kept), ``export/`` (:func:`~nascompress.export.export_run`, when the
 file has an ``export`` section), then ``summary.json`` and ``report.html``

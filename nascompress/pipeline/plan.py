@@ -19,15 +19,18 @@ from ..export import export_run
 from ..layers import require_vit
 from ..methods import get_method
 from ..methods.dcs import SEARCH_DCS_SETTINGS
-from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
+from ..retraining import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, retrain
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..dcs_search.run import build_job as build_dcs_job
+from ..dcs_search.latency_cost import latency_target
 from ..dcs_search.materialize import build_job as build_mat_job, materialize_search
 from ..search.space import load_space
 from ..search.trial_model import build_job as build_pick_job
 from ..search.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search, sampler_factory
 from . import confirm
+from .dense_reference import NEEDS_RETRAIN, dense_reference_step
 from ..runs.files import find_metrics
+from ..runs.io import load_with_arch
 from .fallback import current_model, dcs_skipped, milder_target, pick_across, run_dcs_with_fallback
 from .report import write_summary
 from .steps import Pipeline, Step
@@ -44,7 +47,7 @@ STEPS = (
     "tokens_search_dense",
     "tokens_pick",
     "retrain",
-    "confirm",
+    "confirm",  # then "retrain_dense" with report.dense_reference (dense_reference.py)
     "export",
     "report",
 )
@@ -54,10 +57,17 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
     s, goal = cfg.stages.dcs, cfg.goal
     latency = s.cost == "latency"  # the search steers its predicted latency
     target = s.target_flops if s.target_flops is not None or latency else goal.max_flops
-    if latency and s.target_latency is None:
+    from_goal = latency and s.target_latency is None and goal.max_latency_ms is not None  # ratio: at run time
+    if latency and s.target_latency is None and not from_goal:
         raise ctx.err(
             "stages.dcs.target_latency",
-            "required with cost latency (the ratio of the dense model's predicted latency to land at)",
+            "required with cost latency unless goal.max_latency_ms gives it (the ratio of the dense model's "
+            "predicted latency to land at)",
+        )
+    if from_goal and s.latency_batch != 1:
+        raise ctx.err(
+            "stages.dcs.latency_batch",
+            f"{s.latency_batch}: goal.max_latency_ms is a batch-1 latency; give stages.dcs.target_latency instead",
         )
     if target is None and not latency:
         raise ctx.err(
@@ -87,18 +97,37 @@ def _plan_dcs(cfg: PipelineConfig, out: Path, ctx: SchemaContext, base_dir: Path
             return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
         return materialize_search(mat, force=force)
 
+    def search(force: bool, resume: bool) -> dict[str, Any]:
+        the = job
+        if from_goal:  # the goal's milliseconds as a ratio of the base's latency predicted on this device
+            ratio = latency_target(
+                load_with_arch(base_dir, map_location="cpu")[0],
+                goal.max_latency_ms,
+                device=resolve_device(cfg.device),
+                dtype=s.latency_dtype,
+                batch=1,
+                align=job.method.align,
+            )
+            the = job.replace(search=job.search.replace(target_latency=ratio))
+        return run_dcs_with_fallback(the, force=force, resume=resume, fallback=again)
+
     again = s.on_collapse == "retry"
-    aim = s.target_latency if latency else target  # the ratio the search lands at, and of what
     what = "predicted latency" if latency else "FLOPs"
-    retry = f"; on a collapse once more at {milder_target(aim):g}x, then without DCS" if again else ""
+    if from_goal:
+        aim = f"{goal.max_latency_ms:g} ms of {what} (goal.max_latency_ms)"
+        retry = "; on a collapse once more halfway to the dense latency, then without DCS" if again else ""
+    else:
+        ratio = s.target_latency if latency else target  # the ratio the search lands at, and of what
+        aim = f"{ratio:g}x the dense {what}"
+        retry = f"; on a collapse once more at {milder_target(ratio):g}x, then without DCS" if again else ""
     return [
         Step(
             "dcs_search",
             out / "dcs_search",
             "train",
-            lambda force, resume: run_dcs_with_fallback(job, force=force, resume=resume, fallback=again),
+            search,
             outputs=("dcs_search/model.safetensors", "dcs_search/metrics.json"),
-            describe=f"DCS channel search to {aim:g}x the dense {what} ({s.epochs} epochs{retry})",
+            describe=f"DCS channel search to {aim} ({s.epochs} epochs{retry})",
         ),
         Step(
             "dcs_mat",
@@ -283,8 +312,10 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
             f"{', teacher: the base' if s.distil_from == 'base' else ''})",
         )
     ]
+    # report.dense_reference: the dense base retrained with this job's recipe and teacher, its own step
+    tail = [dense_reference_step(job, out, base_dir)] if cfg.report.dense_reference else []
     if not (s.confirm_pick and cfg.stages.dcs is not None and cfg.stages.tokens is not None):
-        return steps
+        return steps + tail
 
     def check(force: bool, resume: bool) -> dict[str, Any]:
         if dcs_skipped(out):
@@ -310,7 +341,7 @@ def _plan_retrain(cfg: PipelineConfig, out: Path, ctx: SchemaContext, current: P
             "keep the better of the two on validation",
         )
     )
-    return steps
+    return steps + tail
 
 
 def _plan_export(cfg: PipelineConfig, out: Path, base_dir: Path) -> Step:
@@ -374,6 +405,8 @@ def plan(config: str | Path, *, out: str | Path, seed: int | None = None) -> Pip
     if cfg.stages.retrain is not None:
         steps += _plan_retrain(cfg, out, ctx, current, base_dir)
         current = out / "final"
+    elif cfg.report.dense_reference:
+        raise ctx.err("report.dense_reference", NEEDS_RETRAIN)
     if cfg.export is not None:
         needs = ("onnx", "onnxruntime") if cfg.export.format == "onnx" else ()
         missing = [m for m in needs if importlib.util.find_spec(m) is None]

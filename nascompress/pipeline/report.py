@@ -38,9 +38,11 @@ from ..export.config import config_for
 from ..export.int8_rows import int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
+from .goal import flops_goal, latency_goal
 from ..studies.inspect import load
 from ..studies.report import build_report
 from .confirm import CHANNEL_DIR
+from .dense_reference import DENSE_REFERENCE_DIR, dense_reference_record, splits_summary
 from .fallback import dcs_outcome
 from .steps import Pipeline
 
@@ -320,6 +322,9 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         "stages": _stage_log(pipe),
         "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+    summary["splits"] = splits_summary(pipe)  # which images decided, which measured (data.carve)
+    if cfg.report.dense_reference and find_metrics(out / DENSE_REFERENCE_DIR) is not None:
+        summary["dense_reference"] = dense_reference_record(pipe, dense_ev, final)
     study_html = None
     if cfg.stages.tokens is not None:
         study_html = _study_report(pipe, front_marks(summary))
@@ -350,27 +355,9 @@ def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
 
 
 def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
-    if cfg.goal.max_flops is not None:
-        met = cmp["flops_ratio"] <= cfg.goal.max_flops + 1e-9
-        goal = {"max_flops": cfg.goal.max_flops, "value": cmp["flops_ratio"], "met": met}
-        if not met:
-            goal["statement"] = (
-                f"the final model has {cmp['flops_ratio']:.3f}x the dense FLOPs, above the goal "
-                f"{cfg.goal.max_flops:g}x: no model the stages could make meets it"
-            )
-        return goal
-    lat = final.get("latency_ms")
-    goal = {
-        "max_latency_ms": cfg.goal.max_latency_ms,
-        "value": lat,
-        "met": None if lat is None else lat <= cfg.goal.max_latency_ms,
-    }
-    if goal["met"] is False:
-        goal["statement"] = (
-            f"the final model takes {lat:.2f} ms at batch 1, above the goal "
-            f"{cfg.goal.max_latency_ms:g} ms: no model the stages could make meets it"
-        )
-    return goal
+    if cfg.goal.max_flops is not None:  # compared at the precision the report prints (.goal)
+        return flops_goal(cmp["flops_ratio"], cfg.goal.max_flops)
+    return latency_goal(final.get("latency_ms"), cfg.goal.max_latency_ms)
 
 
 def _base_decisions(pipe: Pipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..profiling.compare import dense_flops_text, speed_text, times_text
 from ..studies.report import REPORT_CSS
+from .dense_reference import reference_html
 
 
 def _mb(n: float) -> str:
@@ -88,10 +89,18 @@ def goal_text(s: dict[str, Any]) -> str:
     if g.get("value") is None and g.get("statement"):
         return f"NOT met: {g['statement']}"
     if g.get("max_flops") is not None:
-        return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {'met' if g['met'] else 'NOT met'}"
+        return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {_verdict(g, 'x', 4)}"
     if g["value"] is None:
         return f"latency <= {g['max_latency_ms']:g} ms at batch 1: not measured (report.latency is off)"
-    return f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, {'met' if g['met'] else 'NOT met'}"
+    return f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, {_verdict(g, ' ms', 2)}"
+
+
+def _verdict(g: dict[str, Any], unit: str, digits: int) -> str:
+    """``met`` or ``NOT met``, with by how much a goal was missed (``missed_by``, :mod:`.goal`)."""
+    if g["met"]:
+        return "met"
+    by = g.get("missed_by")
+    return "NOT met" if by is None else f"NOT met (above it by {by:.{digits}f}{unit})"
 
 
 def dcs_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -283,6 +292,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
         f'<p class="note">{html.escape(models_note(s))} FLOPs counted as the papers count them (one multiply-add '
         "= one FLOP, attention matmuls included); latency and throughput measured interleaved in one process "
         "(medians).</p>",
+        *reference_html(s),  # the splits that decided and measured; the dense reference (report.dense_reference)
         *(
             [
                 "<h2>int8 (ONNX Runtime, CPU) against fp32 (PyTorch)</h2>",

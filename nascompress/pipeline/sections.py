@@ -16,7 +16,7 @@ from ..export.config import ExportConfig, build_config
 from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models import ModelShape
 from ..profiling.config import ProfileConfig
-from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig
+from ..retraining import RETRAIN_TRAIN_SETTINGS, RetrainConfig
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ..search.trials import STUDY_SETTINGS, SearchJob
 from ..train import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
@@ -207,8 +207,8 @@ class TokensStage(Section):
 class RetrainStage(Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
-    :class:`~nascompress.retrain.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
-    training settings (:data:`~nascompress.retrain.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
+    :class:`~nascompress.retraining.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
+    training settings (:data:`~nascompress.retraining.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
     ``batch_size`` null: from the training images), declared in the library with their checks, and
     the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
     among its own runs; the command's ``--teacher`` is a run directory), ``confirm_pick`` (the
@@ -251,7 +251,17 @@ class StagesSection(Section):
 class ReportSection(Section):
     """``report``: how the result is measured against the dense base (interleaved, one process): the
     settings of ``nascompress profile`` (:class:`~nascompress.profiling.config.ProfileConfig`, same
-    names; ``latency: false`` is its ``--no-latency``)."""
+    names; ``latency: false`` is its ``--no-latency``), and ``dense_reference``: the dense base retrained
+    with the retrain stage's recipe and teacher (the ``retrain_dense`` step, ``OUT/dense_reference``),
+    shown beside the compressed model."""
+
+    dense_reference: bool = setting(
+        False,
+        help=(
+            "Also retrain the dense base with stages.retrain's recipe and teacher (OUT/dense_reference) and show "
+            "it beside the compressed model: the yardstick at the same budget."
+        ),
+    )
 
 
 @dataclass(frozen=True)

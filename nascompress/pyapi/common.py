@@ -19,11 +19,13 @@ from torch.utils.data import DataLoader
 from ..data import DataConfig
 from ..data.memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError, SettingError
+from ..layers import to_plain
 from ..runs.io import load_typed, make_arch, save_model
 from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..runs.owner import mark_kind
 from ..runs.run_dir import RunDir
 from .workspace import Workspace
+from .user_model import cpu_fp32, unwrap
 from ..utils import refuse_overwriting_inputs
 from ..pipeline_files import find_run_config
 from ..runs.files import Arch, find_metrics
@@ -44,7 +46,8 @@ def remember(model: nn.Module, arch: dict[str, Any] | Arch) -> nn.Module:
 
 @dataclass(frozen=True)
 class StageResult:
-    """What a stage made: ``model`` (a plain timm ``nn.Module``, eval mode, on the CPU), its
+    """What a stage made: ``model`` (an ``nn.Module`` of timm's classes wherever the methods allow,
+    see the reference's introduction; eval mode, on the CPU), its
     ``arch`` (what :func:`nascompress.load` rebuilds it from), the stage's ``metrics`` (its
     ``metrics.json``), its ``config`` (its ``config.json``: the job as the command records it) and
     ``out``, the run directory when one was kept (``out=``), else None."""
@@ -57,8 +60,9 @@ class StageResult:
 
     def save(self, directory: str | Path, *, force: bool = False) -> Path:
         """Write the model as a complete run directory that :func:`nascompress.load` reads (and
-        every command takes); returns the directory. An existing non-empty one is replaced only
-        with ``force`` and only when nascompress wrote it; never the run this result was read from."""
+        every command takes); returns the directory. One that holds this model already is returned
+        as it is (a cell run again); another non-empty one is replaced only with ``force`` and only
+        when nascompress wrote it; never the run this result was read from."""
         return write_run(
             directory,
             self.model,
@@ -112,6 +116,8 @@ def write_run(
                 f"{{directory}} {directory} is inside {source}, the run this model was read from: "
                 "saving there would change that run; choose another {directory}"
             )
+    if not force and kind != API_COPY and holds_model(directory, model, arch):
+        return Path(directory)  # saved there already (a notebook cell run again): nothing to replace
     run = RunDir.prepare(directory, force=force)
     run.create(dict(config or {}), kind=kind)
     save_model(run.path, model, arch)
@@ -119,9 +125,25 @@ def write_run(
     return run.path
 
 
+def holds_model(directory: str | Path, model: nn.Module, arch: dict[str, Any] | Arch) -> bool:
+    """Whether ``directory`` is a complete run of exactly ``model`` (its weights and arch)."""
+    d = Path(directory)
+    if not (d / "model.safetensors").is_file() or find_metrics(d) is None:
+        return False
+    try:
+        saved, typed = load_typed(d)
+    except NascompressError:
+        return False
+    if typed.to_dict() != Arch.of(arch).to_dict():
+        return False
+    a, b = saved.state_dict(), model.state_dict()
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k].detach().cpu()) for k in a)
+
+
 def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
     model, arch = load_typed(run)
+    to_plain(model)  # timm's own classes wherever the method needs none of nascompress's at inference
     recorded, config = find_metrics(run), find_run_config(run)
     cfg = config.to_dict() if config is not None else {}
     metrics = recorded.results() if recorded is not None else {}
@@ -166,6 +188,8 @@ def _vit_kwargs(model: nn.Module) -> dict[str, Any]:
     }
     if getattr(model, "num_reg_tokens", 0):
         kw["reg_tokens"] = int(model.num_reg_tokens)
+    if getattr(model, "dynamic_img_size", False):  # kept: the compressed model takes other sizes too
+        kw["dynamic_img_size"] = True
     if not isinstance(blk.ls1, nn.Identity):
         kw["init_values"] = 1e-5  # the value is in the weights
     if kw["img_size"][0] == kw["img_size"][1]:
@@ -234,6 +258,7 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
         return load_typed(model)
     if isinstance(model, StageResult) or hasattr(model, "arch") and hasattr(model, "model"):
         return model.model, Arch.of(model.arch)
+    model = unwrap(model)  # torch.compile's _orig_mod, DataParallel's / DDP's .module
     if not isinstance(model, nn.Module):
         raise NascompressError(
             f"give a model (a timm nn.Module), a result of nascompress or a run directory, got {type(model).__name__}"
@@ -242,6 +267,7 @@ def model_and_arch(model: ModelLike, data: DataConfig | None = None) -> tuple[nn
     if known is not None and known.spec.kwargs.get("num_classes") in (None, getattr(model, "num_classes", None)):
         return model, known
     _check_vit(model)
+    model = cpu_fp32(model)  # a half / bf16 / CUDA model: an fp32 copy on the CPU (never moved in place)
     if known is not None and not known.methods:  # e.g. a converted backbone given a new head since
         return model, Arch.of(dense_arch(model, dict(known.input)))
     return model, Arch.of(dense_arch(model, input_spec(model, data)))
@@ -282,7 +308,7 @@ def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | 
             "another {out}"
         )
     return write_run(
-        where, m.cpu(), arch, config=config, metrics=getattr(model, "metrics", None), force=True, kind=API_COPY
+        where, cpu_fp32(m), arch, config=config, metrics=getattr(model, "metrics", None), force=True, kind=API_COPY
     )  # the workspace's own copy of the given model, written again on every call
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -12,12 +13,15 @@ import yaml
 
 from ..config import user_settings
 from ..data import DataConfig
-from ..errors import NascompressError, SettingError
+from ..errors import NascompressError, SettingError, python_api
+from ..layers import to_plain
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
 from ..pipeline.run import check_out
-from ..progress import say
-from .common import ModelLike, data_config, model_run, recorded_inputs, remember, write_run
+from ..progress import say, silenced
+from ..methods.dcs import DCSConfig
+from .common import ModelLike, data_config, loader_batch, model_run, recorded_inputs, remember, write_run
+from .user_model import as_user_dtype, check_qk_norm, device_name, frozen_names, keep_frozen, user_dtype
 from .workspace import Workspace
 from .hf import to_transformers
 
@@ -27,11 +31,14 @@ TOKEN_METHODS = ("evit", "dynamicvit", "tome", "sparsifiner", "mgvit", "mgvit-h"
 
 @dataclass(frozen=True)
 class Compressed:
-    """The compressed model: ``model`` (a plain timm ``nn.Module``, eval mode), ``arch`` (what
+    """The compressed model: ``model`` (an ``nn.Module`` of timm's classes wherever the methods allow,
+    eval mode), ``arch`` (what
     :func:`nascompress.load` rebuilds it from), ``report`` (test ``accuracy`` of it and of the dense
-    model, ``flops`` / ``params`` / ``latency_ms`` of both and their ratios, whether the FLOPs goal was
-    met; the pipeline's ``summary.json`` in ``report['summary']``) and ``out`` (the pipeline directory
-    when ``out=`` was given)."""
+    model, ``flops`` / ``params`` / ``latency_ms`` of both and their ratios, ``goal_met``: whether
+    ``flops_ratio`` is at or under ``target_flops`` (a bound, compared exactly), ``over_target``: by how
+    much it stands above it (0.0 when met), ``splits``: which images decided (validation) and which
+    measured ``accuracy`` (test); the pipeline's ``summary.json`` in ``report['summary']``)
+    and ``out`` (the pipeline directory when ``out=`` was given)."""
 
     model: Any
     arch: dict[str, Any]
@@ -39,8 +46,9 @@ class Compressed:
     out: str | None = None
 
     def save(self, directory: str | Path, *, force: bool = False) -> Path:
-        """Write the model as a run directory :func:`nascompress.load` (and every command) reads; an
-        existing non-empty one is replaced only with ``force``."""
+        """Write the model as a run directory :func:`nascompress.load` (and every command) reads; one
+        holding this model already is returned as it is, another non-empty one is replaced only with
+        ``force``."""
         cfg = self.report.get("config") or {}
         return write_run(
             directory,
@@ -59,6 +67,24 @@ class Compressed:
         return to_transformers(self.model, directory, arch=self.arch, force=force)
 
 
+def budget_report(summary: Mapping[str, Any], config: Mapping[str, Any], *, warn: bool = False) -> dict[str, Any]:
+    """``goal_met`` and ``over_target`` of a pipeline ``summary`` against the FLOPs goal of its
+    ``config`` (``target_flops``): a bound, compared exactly (the pipeline's own ``goal`` compares at
+    the precision its report prints); ``warn``: ``warnings.warn`` when the model stands above it."""
+    target = (config.get("goal") or {}).get("max_flops")
+    ratio = (summary.get("comparison") or {}).get("flops_ratio")
+    if ratio is None or target is None:
+        return {"goal_met": None, "over_target": None}
+    over = max(0.0, ratio - target)
+    if warn and over > 1e-9:
+        warnings.warn(
+            f"nc.compress: the compressed model has {ratio:.4f}x the dense FLOPs, above target_flops={target:g} "
+            f"by {over:.4f}x (no model the stages made lands under it; report['over_target'])",
+            stacklevel=4,  # the caller of the nc.* function (through its python_api wrapper)
+        )
+    return {"goal_met": over <= 1e-9, "over_target": over}
+
+
 def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
     dense, final, cmp = summary.get("dense") or {}, summary.get("final") or {}, summary.get("comparison") or {}
     return {
@@ -73,8 +99,9 @@ def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, 
         "latency_ms": final.get("latency_ms"),
         "dense_latency_ms": dense.get("latency_ms"),
         "latency_speedup": cmp.get("latency_speedup"),
-        "goal_met": (summary.get("goal") or {}).get("met"),
+        **budget_report(summary, config),  # goal_met, over_target: the bound, compared exactly
         "methods": final.get("methods"),
+        "splits": summary.get("splits"),  # which images decided (validation), which measured accuracy (test)
         "config": dict(config),
         "summary": dict(summary),
     }
@@ -119,6 +146,7 @@ def pipeline_config(
     if "dcs" in methods:  # with a token method the channels take the square root of the goal, the tokens the rest
         st["dcs"] = {
             "target_flops": round(target_flops**0.5, 3) if tokens else target_flops,
+            "at_most": True,  # the target is a bound: the search lands at or under it
             **dict(stages.get("dcs") or {}),
         }
     if tokens:
@@ -142,9 +170,10 @@ def pipeline_config(
     }
 
 
+@python_api("nc.compress")
 def compress(
     model: ModelLike,
-    train: Any = "fashion-mnist",
+    train: Any = None,
     val: Any = None,
     *,
     test: Any = None,
@@ -175,12 +204,19 @@ def compress(
 
     Args:
         model: the dense model: a timm ``VisionTransformer`` (``nn.Module``; a Hugging Face one:
-            :func:`nascompress.from_transformers` first), a result of this API, or a run directory.
-        train / val / test: the data: a built-in dataset name (``"fashion-mnist"``, ``"digits"``), an
-            ImageFolder root, a ``DataConfig``, or a map-style ``Dataset`` / ``DataLoader`` of
-            (image tensor, label) with its own preprocessing (then ``val``/``test`` are its other splits;
-            None: carved from ``train``).
-        target_flops: the goal, a share of the dense model's FLOPs.
+            :func:`nascompress.from_transformers` first), a result of this API, or a run directory. A
+            ``torch.compile``d or ``DataParallel`` / DDP model is unwrapped; a half / bf16 or CUDA one
+            is compressed as an fp32 copy on the CPU (never moved) and given back in its dtype; its
+            frozen parameters come back frozen (the stages train them too: a warning says so); with
+            ``qk_norm`` the default static Q/K mask is refused before anything runs.
+        train / val / test: the data (``train`` is required): a built-in dataset name
+            (``"fashion-mnist"``, ``"digits"``), an ImageFolder root, a ``DataConfig``, or a map-style
+            ``Dataset`` / ``DataLoader`` of (image tensor, label) with its own preprocessing (then
+            ``val``/``test`` are its other splits; None: carved from ``train``; a DataLoader's batch
+            size is every training stage's).
+        target_flops: the goal, a share of the dense model's FLOPs, and a bound: the channel search
+            lands at or under it (``at_most``), and a model that still stands above it is returned
+            with a warning (``warnings.warn``) and ``report['over_target']``, by how much.
         methods: ``"dcs"`` and/or one token method.
         teacher: None: distil from the dense model; False: no distillation.
         epochs: retraining epochs (None: retrain's recipe; 0: no retraining).
@@ -188,7 +224,8 @@ def compress(
             interrupted run (finished stages are skipped). None: nothing is written. It may hold other
             files: the call writes only its own folders there (``source``, ``pipeline``) and refuses
             one of those names that holds anything nascompress did not write.
-        seed / device: one seed for every stage; ``auto``, ``cpu`` or ``cuda``.
+        seed / device: one seed for every stage; ``auto``, ``cpu`` or ``cuda`` (or a ``torch.device``;
+            another kind, such as ``mps``, is refused).
         trials: trials of the token study.
         train_limit / eval_limit: use class-stratified subsets of the images (quick runs).
         latency: time the models for the report.
@@ -200,6 +237,19 @@ def compress(
             ``NASCOMPRESS_PROGRESS=off`` silences every stage).
     """
     _check_target(target_flops)  # before anything is written
+    if train is None:  # never a dataset the caller did not name (Fashion-MNIST was the silent default)
+        raise NascompressError(
+            "nc.compress needs train=: your Dataset or DataLoader of (image tensor, label), an ImageFolder "
+            "root, or a built-in dataset's name (train='fashion-mnist', 'digits')"
+        )
+    device = device_name(device)
+    frozen = frozen_names(model)
+    if "dcs" in methods:  # a search whose Q/K mask could not be materialized: refused before it runs
+        check_qk_norm(model, dict(dcs or {}).get("qk_mask", DCSConfig().qk_mask), how="dcs={'qk_mask': 'none'}")
+    dtype = user_dtype(model)  # compressed in fp32, given back in the caller's dtype
+    batch = loader_batch(train)  # a DataLoader's batch size: every training stage's
+    if batch is not None:
+        dcs, retrain = ({"batch_size": batch, **dict(st or {})} for st in (dcs, retrain))
     cfg_data = data_config(
         train, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit, arg="train"
     )
@@ -223,24 +273,29 @@ def compress(
             cfg_file = Path(tmp) / "pipeline.yaml"
             cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
             try:
-                summary = run_pipeline(
-                    cfg_file,
-                    out=ws.path("pipeline"),
-                    force=force,
-                    progress=progress,
-                    log=(lambda msg: say(f"compress: {msg}")) if progress else None,
-                )
+                with silenced(not progress):  # progress=False: a quiet library call
+                    summary = run_pipeline(
+                        cfg_file,
+                        out=ws.path("pipeline"),
+                        force=force,
+                        progress=progress,
+                        log=(lambda msg: say(f"compress: {msg}")) if progress else None,
+                    )
             except NascompressError as e:  # the pipeline names its file: here the arguments made it
                 raise NascompressError(str(e).replace(f"{cfg_file}: ", "nc.compress: ")) from None
         if not summary.get("final"):
             raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
         final, arch = load_with_arch(summary["final"]["run"])
+        to_plain(final)  # timm's own classes wherever the methods need none of nascompress's
+        report = _report(summary, config)
+        budget_report(summary, config, warn=True)
+        keep_frozen(final, frozen)
         return Compressed(
-            model=remember(final, arch),
+            model=as_user_dtype(remember(final, arch), dtype),
             arch=arch,
-            report=_report(summary, config),
+            report=report,
             out=str(ws.path("pipeline")) if ws.keep else None,
         )
 
 
-__all__ = ["Compressed", "compress", "pipeline_config", "TOKEN_METHODS"]
+__all__ = ["Compressed", "compress", "pipeline_config", "budget_report", "TOKEN_METHODS"]

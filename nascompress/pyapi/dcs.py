@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ..config import user_settings
 from ..data import DataConfig
@@ -24,6 +25,9 @@ from .common import (
     stage_values,
 )
 from .workspace import Workspace
+from ..progress import silenced
+from ..errors import python_api
+from .user_model import check_qk_norm, device_name
 from ..api import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
@@ -33,9 +37,17 @@ SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name !=
 class DCSSearch(StageResult):
     """A finished DCS search: ``model`` is the supernet (the dense model with its learnt gates),
     ``metrics`` the search's (``flops_ratio``, ``val_top1``, ``mlp_kept``, ``qk_kept`` ...). Give it
-    to :func:`nascompress.materialize` for the smaller model."""
+    to :func:`nascompress.materialize` for the smaller model. The target is a bound:
+    :attr:`over_target` says by how much the searched model stands above it (0.0: at or under it)."""
+
+    @property
+    def over_target(self) -> float:
+        """How far the searched model's cost ratio (FLOPs, or predicted latency with ``cost="latency"``)
+        stands above its target, as a share of the dense model's; 0.0 at or under it (or no target)."""
+        return over_target(self.metrics)
 
 
+@python_api("nc.dcs.search")
 def search(
     model: ModelLike,
     data: Any = None,
@@ -52,6 +64,7 @@ def search(
     out: str | Path | None = None,
     resume: bool = False,
     force: bool = False,
+    progress: bool = True,
     **settings: Any,
 ) -> DCSSearch:
     """Search which Q/K and MLP channels of a dense ViT to keep for ``target_flops`` x its FLOPs.
@@ -68,12 +81,17 @@ def search(
         target_flops: the FLOPs to reach, as a share of the dense model's.
         epochs / batch_size: the search's training (None: the command's recipe; batch size from the
             number of training images).
-        seed / device: as the command's ``--seed`` / ``--device`` (``auto``, ``cpu``, ``cuda``).
+        seed / device: as the command's ``--seed`` / ``--device`` (``auto``, ``cpu``, ``cuda``, or a
+            ``torch.device``).
         train_limit / eval_limit: use a class-stratified subset of the images.
         out: keep the search's run directory here (None: nothing is written).
         resume / force: continue the search in ``out`` / replace it.
+        progress: the command's progress lines on stderr (False: nothing is printed).
         **settings: any other option of the command, by its Python name (``arch_lr=0.05``,
             ``qk_mask="static"``, ``mlp_gates="residual"``, ``lr``, ``amp``, ``deterministic`` ...).
+            ``at_most`` is True here (the command's default is False): the target is a bound, and a
+            search that cannot land at or under it warns (``warnings.warn``) saying by how much
+            (:attr:`DCSSearch.over_target`).
     """
     parts = split_settings(
         settings,
@@ -85,6 +103,9 @@ def search(
         },
         what="nc.dcs.search",
     )
+    device = device_name(device)
+    check_qk_norm(model, parts["method"].get("qk_mask", DCSConfig().qk_mask), how="qk_mask='none'")
+    parts["search"].setdefault("at_most", True)  # the API's target is a bound (ModelOpt's, Torch-Pruning's)
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     # every setting is checked before anything is written
@@ -108,8 +129,35 @@ def search(
             train={**recipe, **runtime},
             data=cfg_data,
         )
-        search_dcs(job, force=force, resume=resume)
-        return read_result(DCSSearch, ws.path("dcs_search"), keep=ws.keep)
+        with silenced(not progress):  # progress=False: a quiet library call
+            search_dcs(job, force=force, resume=resume)
+        result = read_result(DCSSearch, ws.path("dcs_search"), keep=ws.keep)
+    warn_over_target("nc.dcs.search", result.metrics)
+    return result
 
 
-__all__ = ["DCSSearch", "search"]
+def over_target(metrics: Mapping[str, Any]) -> float:
+    """How far a DCS search's ``metrics`` stand above their target (0.0: at or under it, or none)."""
+    latency = metrics.get("cost") == "latency"
+    target = metrics.get("target_latency" if latency else "target_flops")
+    ratio = metrics.get("latency_ratio" if latency else "flops_ratio")
+    if target is None or ratio is None:
+        return 0.0
+    return max(0.0, float(ratio) - float(target))
+
+
+def warn_over_target(what: str, metrics: Mapping[str, Any]) -> None:
+    """Warn (``warnings.warn``) when a search's model stands above its target, saying by how much."""
+    over = over_target(metrics)
+    if over > 1e-9:
+        latency = metrics.get("cost") == "latency"
+        name = "target_latency" if latency else "target_flops"
+        ratio = metrics.get("latency_ratio" if latency else "flops_ratio")
+        warnings.warn(
+            f"{what}: the searched model stands at {ratio:.4f}x, above {name}={metrics[name]:g} by {over:.4f}x "
+            "(the search could not land under it); give more epochs or accept the model's over_target",
+            stacklevel=4,  # the caller of the nc.* function (through its python_api wrapper)
+        )
+
+
+__all__ = ["DCSSearch", "search", "over_target", "warn_over_target"]

@@ -1,13 +1,17 @@
 """Hugging Face ``transformers`` ViTs in and out (the optional extra ``nascompress[hf]``).
 
-:func:`from_transformers` turns a ``ViTForImageClassification`` or a ``Dinov2Model`` backbone (an
-object, or a local folder
-``from_pretrained`` reads; never a download) into the timm ``VisionTransformer`` nascompress works
-on: the same weights, the same logits (the LayerNorms keep the model's ``layer_norm_eps``).
+:func:`from_transformers` turns a ``ViTForImageClassification``, a ``DeiTForImageClassification``
+or ``DeiTForImageClassificationWithTeacher`` (timm's ``VisionTransformerDistilled``: :mod:`.hf_deit`)
+or a ``Dinov2Model`` backbone (an object, or a local folder ``from_pretrained`` reads; never a
+download) into the timm ViT nascompress works on: the same weights, the same logits (the LayerNorms
+keep the model's ``layer_norm_eps``). A ``Dinov2ForImageClassification`` is refused (its head reads
+the class token and the mean patch token together, which timm's head cannot).
 :func:`to_transformers` writes a timm ViT back as a folder ``ViTForImageClassification.from_pretrained``
-loads, where a ``ViTConfig`` can express it: one width for every block's MLP, full Q/K/V, a plain
-timm block. A model whose blocks were pruned to uneven widths (a DCS model) or that drops tokens
-at inference (EViT, ToMe ...) cannot be, and is refused in one line saying which.
+loads (a distilled one as a ``DeiTForImageClassificationWithTeacher``), where a ``ViTConfig`` can
+express its shapes: one head count and head size, full Q/K/V,
+one width for every block's MLP (a uniformly pruned model, or a DCS model whose blocks kept equal
+widths). Uneven MLP widths, pruned heads, a Q/K narrower than V, a residual-channel gather or
+a token method (EViT, ToMe ...) cannot be: refused in one line naming the shape.
 
 Both naming schemes of ``transformers``' ViT are read and written: 4.x
 (``vit.encoder.layer.N.attention.attention.query``) and 5.x (``vit.layers.N.attention.q_proj``).
@@ -20,33 +24,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
 from ..errors import NascompressError
+from ..layers import nascompress_modules
 from ..models import CUSTOM_BASE, ModelSpec, build_model
 from ..runs.files import Arch
 from ..runs.owner import is_output
 from .common import remember
 from .hf_folder import check_directory, save_folder
+from .hf_deit import DEIT_CLASSES, deit_weights, encoder_weights, from_deit
+from .hf_weights import scheme, timm_blocks
 from ..runs.io import make_arch
 from ..utils import read_json
-
-_V5 = {
-    "q": "attention.q_proj",
-    "k": "attention.k_proj",
-    "v": "attention.v_proj",
-    "o": "attention.o_proj",
-    "fc1": "mlp.fc1",
-    "fc2": "mlp.fc2",
-}
-_V4 = {
-    "q": "attention.attention.query",
-    "k": "attention.attention.key",
-    "v": "attention.attention.value",
-    "o": "attention.output.dense",
-    "fc1": "intermediate.dense",
-    "fc2": "output.dense",
-}
 
 
 def _transformers() -> Any:
@@ -55,51 +46,6 @@ def _transformers() -> Any:
     except ImportError:
         raise NascompressError("Hugging Face models need transformers: pip install 'nascompress[hf]'") from None
     return transformers
-
-
-def _scheme(sd: dict[str, torch.Tensor], root: str = "vit.") -> tuple[str, dict[str, str]]:
-    """The block prefix and the layer names of a transformers state dict (5.x or 4.x naming)."""
-    for layer in (f"{root}layers.{{i}}.", f"{root}encoder.layer.{{i}}."):
-        if f"{layer.format(i=0)}attention.q_proj.weight" in sd:
-            return layer, _V5
-        if f"{layer.format(i=0)}attention.attention.query.weight" in sd:
-            return layer, {
-                **_V4,
-                **({"fc1": "mlp.fc1", "fc2": "mlp.fc2"} if f"{layer.format(i=0)}mlp.fc1.weight" in sd else {}),
-            }
-    raise NascompressError(
-        "not a transformers ViT state (no vit.layers.* or vit.encoder.layer.* attention weights); "
-        "nascompress converts ViTForImageClassification and Dinov2Model models"
-    )
-
-
-def _timm_blocks(
-    sd: dict[str, torch.Tensor],
-    layer: str,
-    names: dict[str, str],
-    depth: int,
-    *,
-    qkv_bias: bool,
-    norms: tuple[str, str],
-    layerscale: bool = False,
-) -> dict[str, torch.Tensor]:
-    """timm ``blocks.N.*`` weights from a transformers encoder's."""
-    out: dict[str, torch.Tensor] = {}
-    for i in range(depth):
-        p = layer.format(i=i)
-        out[f"blocks.{i}.attn.qkv.weight"] = torch.cat([sd[f"{p}{names[c]}.weight"] for c in "qkv"])
-        if qkv_bias:
-            out[f"blocks.{i}.attn.qkv.bias"] = torch.cat([sd[f"{p}{names[c]}.bias"] for c in "qkv"])
-        for timm_name, hf_name in (("attn.proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
-            for t in ("weight", "bias"):
-                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{names[hf_name]}.{t}"]
-        for timm_name, hf_name in (("norm1", norms[0]), ("norm2", norms[1])):
-            for t in ("weight", "bias"):
-                out[f"blocks.{i}.{timm_name}.{t}"] = sd[f"{p}{hf_name}.{t}"]
-        if layerscale:
-            out[f"blocks.{i}.ls1.gamma"] = sd[f"{p}layer_scale1.lambda1"]
-            out[f"blocks.{i}.ls2.gamma"] = sd[f"{p}layer_scale2.lambda1"]
-    return out
 
 
 def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
@@ -134,7 +80,7 @@ def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         ),
     )
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
-    layer, names = _scheme(sd, root="")
+    layer, names = scheme(sd, root="")
     out = {
         "cls_token": sd["embeddings.cls_token"],
         "pos_embed": sd["embeddings.position_embeddings"],
@@ -142,7 +88,7 @@ def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         "patch_embed.proj.bias": sd["embeddings.patch_embeddings.projection.bias"],
         "norm.weight": sd["layernorm.weight"],
         "norm.bias": sd["layernorm.bias"],
-        **_timm_blocks(
+        **timm_blocks(
             sd,
             layer,
             names,
@@ -156,8 +102,11 @@ def _from_dinov2(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
 
 
 def from_transformers(model_or_dir: Any) -> nn.Module:
-    """The timm ViT equal to a Hugging Face ``ViTForImageClassification`` or ``Dinov2Model`` (an
-    object, or a local folder ``from_pretrained`` reads, offline): ``nc.from_transformers(hf_model)``.
+    """The timm ViT equal to a Hugging Face ``ViTForImageClassification``, ``DeiTForImageClassification``
+    / ``DeiTForImageClassificationWithTeacher`` (timm's ``VisionTransformerDistilled``, whose eval
+    logits average the class and distillation heads; without the teacher's head, the class token's
+    alone) or ``Dinov2Model`` (an object, or a local folder ``from_pretrained`` reads, offline):
+    ``nc.from_transformers(hf_model)``; a ``Dinov2ForImageClassification`` is refused in one line.
     Its logits are the ViT's (``pixel_values`` in, the same preprocessing); a ``Dinov2Model`` becomes a
     headless timm ViT with layer scale whose output is the model's ``pooler_output`` (the normed class
     token), for a head to be trained on (its images at the config's ``image_size``). The LayerNorms
@@ -175,12 +124,14 @@ def from_transformers(model_or_dir: Any) -> nn.Module:
                 "already: give it to nascompress as it is"
             )
         raise NascompressError(
-            f"from_transformers converts a Hugging Face ViTForImageClassification or Dinov2Model (the "
+            f"from_transformers converts a Hugging Face ViTForImageClassification, DeiT classifier or Dinov2Model (the "
             f"object, or a local folder save_pretrained wrote), got {type(hf).__name__}"
         )
     cfg = getattr(hf, "config", None)
     if getattr(cfg, "model_type", None) == "dinov2":
         spec, out = _from_dinov2(hf)
+    elif getattr(cfg, "model_type", None) == "deit":
+        spec, out = from_deit(hf)
     else:
         spec, out = _from_vit(hf)
     model = build_model(spec)
@@ -229,7 +180,9 @@ def _read_folder(tf: Any, d: Path) -> tuple[Any, dict[str, Any]]:
     norm = read_json(pre) if pre.is_file() else {}
     try:
         conf = tf.AutoConfig.from_pretrained(str(d), local_files_only=True)
-        auto = tf.AutoModel if "Dinov2Model" in (conf.architectures or []) else tf.AutoModelForImageClassification
+        names = conf.architectures or []
+        deit = next((getattr(tf, n) for n in names if n in DEIT_CLASSES), None)
+        auto = deit or (tf.AutoModel if "Dinov2Model" in names else tf.AutoModelForImageClassification)
         return auto.from_pretrained(str(d), local_files_only=True), norm if isinstance(norm, dict) else {}
     except (ValueError, OSError, KeyError) as e:  # transformers' words for a folder it cannot read
         why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
@@ -244,7 +197,7 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     cfg = hf.config
     if getattr(cfg, "model_type", None) != "vit" or not hasattr(hf, "classifier"):
         raise NascompressError(
-            f"from_transformers converts a ViTForImageClassification or a Dinov2Model, got "
+            f"from_transformers converts a ViTForImageClassification, a DeiT classifier or a Dinov2Model, got "
             f"{type(hf).__name__} (model_type {getattr(cfg, 'model_type', None)!r})"
         )
     if cfg.hidden_act != "gelu":
@@ -265,7 +218,7 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         ),
     )
     sd = {k: v.detach().float().cpu() for k, v in hf.state_dict().items()}
-    layer, names = _scheme(sd)
+    layer, names = scheme(sd)
     out = {
         "cls_token": sd["vit.embeddings.cls_token"],
         "pos_embed": sd["vit.embeddings.position_embeddings"],
@@ -275,7 +228,7 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
         "norm.bias": sd["vit.layernorm.bias"],
         "head.weight": sd["classifier.weight"],
         "head.bias": sd["classifier.bias"],
-        **_timm_blocks(
+        **timm_blocks(
             sd,
             layer,
             names,
@@ -287,36 +240,70 @@ def _from_vit(hf: Any) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
     return spec, out
 
 
+def _held_by_nascompress(name: str, m: nn.Module) -> str:
+    """Why the nascompress module ``m`` (at ``name``) is a shape a ViTConfig cannot hold."""
+    keep = getattr(m, "mlp_keep", None)
+    if keep is not None:
+        return (
+            f"{name}'s MLP reads and writes {keep.numel()} of the {m.norm2.normalized_shape[0]} residual channels "
+            "(DCS's residual family); a ViTConfig's MLP reads every channel"
+        )
+    if getattr(m, "qk_dim", None) is not None:
+        return (
+            f"{name} keeps {m.qk_dim} Q/K channels per head against {m.head_dim} for V; a ViTConfig's query, "
+            "key and value have one head size"
+        )
+    if hasattr(m, "bias") and not list(m.children()):
+        what = "head" if name.endswith("attn") else "hidden neuron"
+        return f"{name} has no {what} left (a constant); a ViTConfig has no such block"
+    return (
+        f"{name} is a {type(m).__name__} (a token method: the tokens change at inference), which a ViTConfig "
+        "cannot hold"
+    )
+
+
 def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
-    """The MLP width a ViTConfig would take for ``model``, or (0, why it cannot express it)."""
-    if type(model) is not VisionTransformer:
-        return 0, f"a {type(model).__name__} (not a plain timm VisionTransformer)"
+    """The MLP width a ViTConfig would take for ``model``, or (0, the shape it cannot hold): decided
+    by the shapes (one head count and head size, full Q/K/V, one MLP width), not the block classes."""
+    if type(model) not in (VisionTransformer, VisionTransformerDistilled):
+        return 0, f"a {type(model).__name__} (not timm's VisionTransformer or VisionTransformerDistilled)"
     if model.cls_token is None or model.global_pool != "token" or getattr(model, "num_reg_tokens", 0):
         return 0, "a model that does not classify from one class token"
     if not isinstance(model.fc_norm, nn.Identity) or not isinstance(model.norm_pre, nn.Identity):
         return 0, "a model with fc_norm or pre_norm"
-    widths = []
+    needs = nascompress_modules(model)
+    if needs:
+        return 0, _held_by_nascompress(needs[0], model.get_submodule(needs[0]))
+    widths, C, heads = [], model.embed_dim, model.blocks[0].attn.num_heads if len(model.blocks) else 0
     for i, b in enumerate(model.blocks):
-        if type(b) is not Block or type(b.attn) is not Attention:
+        if not isinstance(b, Block) or not isinstance(b.attn, Attention):
+            return 0, f"block {i} is a {type(b).__name__} with {type(b.attn).__name__}, not timm's Block and Attention"
+        a = b.attn
+        if a.num_heads * a.head_dim != C or a.num_heads != heads:
             return 0, (
-                f"block {i} is a {type(b).__name__} with {type(b.attn).__name__}: its channels or tokens were "
-                "pruned (DCS gathers uneven Q/K and MLP widths per block, token methods drop tokens at "
-                "inference), which a transformers ViTConfig (one hidden_size, one intermediate_size, full "
-                "attention) cannot express; use nascompress.export.onnx or nascompress.load instead"
+                f"block {i} keeps {a.num_heads} heads of {a.head_dim} channels ({a.num_heads * a.head_dim} of "
+                f"hidden_size {C}); a ViTConfig has num_attention_heads ({heads}) x head size = hidden_size in "
+                "every block"
             )
-        if not isinstance(b.ls1, nn.Identity) or not isinstance(b.attn.q_norm, nn.Identity):
+        if not isinstance(b.ls1, nn.Identity) or not isinstance(a.q_norm, nn.Identity):
             return 0, f"block {i} has layer scale or Q/K norms, which ViTForImageClassification has not"
+        if a.gate is not None or not isinstance(a.norm, nn.Identity):
+            return 0, f"block {i}'s attention is gated or normed, which ViTForImageClassification's is not"
         widths.append(b.mlp.fc1.out_features)
     if len(set(widths)) > 1:
         return 0, (f"the blocks' MLP widths differ ({widths}); a transformers ViTConfig has one intermediate_size")
+    if not widths:
+        return 0, "a model without blocks"
     return widths[0], None
 
 
 def to_transformers(
     model: nn.Module, directory: str | Path, *, arch: dict[str, Any] | None = None, force: bool = False
 ) -> Path:
-    """Write ``model`` (a timm ViT of plain blocks) as a folder Hugging Face's
-    ``ViTForImageClassification.from_pretrained`` loads (config.json + model.safetensors); the
+    """Write ``model`` (a timm ViT whose shapes a ViTConfig holds, decided by the shapes, not the
+    block classes) as a folder Hugging Face's ``ViTForImageClassification.from_pretrained`` loads (a
+    ``VisionTransformerDistilled``: ``DeiTForImageClassificationWithTeacher``; config.json +
+    model.safetensors); the
     model's preprocessing goes into ``preprocessor_config.json`` when ``arch`` is given. Models
     that a ViTConfig cannot express are refused with the reason. An existing non-empty
     ``directory`` is replaced only with ``force`` and only when it is such a folder (written by
@@ -325,14 +312,14 @@ def to_transformers(
     tf = _transformers()
     directory = Path(directory)
     check_directory(directory, force)
+    deit = isinstance(model, VisionTransformerDistilled)
     width, why = _plain_shape(model)
     if why:
-        raise NascompressError(f"cannot write this model as a transformers ViT: {why}")
+        raise NascompressError(f"cannot write this model as a transformers {'DeiT' if deit else 'ViT'}: {why}")
     pe, blk = model.patch_embed, model.blocks[0]
-    eps = model.norm.eps
     typed = None if arch is None else Arch.of(arch)
     labels = typed.labels if typed is not None else None
-    cfg = tf.ViTConfig(
+    cfg = (tf.DeiTConfig if deit else tf.ViTConfig)(
         image_size=int(pe.img_size[0]),
         patch_size=int(pe.patch_size[0]),
         num_channels=pe.proj.in_channels,
@@ -341,39 +328,29 @@ def to_transformers(
         num_attention_heads=blk.attn.num_heads,
         intermediate_size=width,
         hidden_act="gelu",
-        layer_norm_eps=eps,
+        layer_norm_eps=model.norm.eps,
         qkv_bias=blk.attn.qkv.bias is not None,
         num_labels=model.num_classes,
         **({"id2label": dict(enumerate(labels)), "label2id": {v: i for i, v in enumerate(labels)}} if labels else {}),
     )
     if pe.img_size[0] != pe.img_size[1] or pe.patch_size[0] != pe.patch_size[1]:
         raise NascompressError("cannot write this model as a transformers ViT: its images or patches are not square")
-    hf = tf.ViTForImageClassification(cfg)
-    layer, names = _scheme(hf.state_dict())
-    sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    d = model.embed_dim
-    out = {
-        "vit.embeddings.cls_token": sd["cls_token"],
-        "vit.embeddings.position_embeddings": sd["pos_embed"],
-        "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-        "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-        "vit.layernorm.weight": sd["norm.weight"],
-        "vit.layernorm.bias": sd["norm.bias"],
-        "classifier.weight": sd["head.weight"],
-        "classifier.bias": sd["head.bias"],
-    }
-    for i in range(len(model.blocks)):
-        p = layer.format(i=i)
-        for j, c in enumerate("qkv"):
-            out[f"{p}{names[c]}.weight"] = sd[f"blocks.{i}.attn.qkv.weight"][j * d : (j + 1) * d]
-            if cfg.qkv_bias:
-                out[f"{p}{names[c]}.bias"] = sd[f"blocks.{i}.attn.qkv.bias"][j * d : (j + 1) * d]
-        for timm_name, hf_name in (("attn.proj", "o"), ("mlp.fc1", "fc1"), ("mlp.fc2", "fc2")):
-            for t in ("weight", "bias"):
-                out[f"{p}{names[hf_name]}.{t}"] = sd[f"blocks.{i}.{timm_name}.{t}"]
-        for timm_name, hf_name in (("norm1", "layernorm_before"), ("norm2", "layernorm_after")):
-            for t in ("weight", "bias"):
-                out[f"{p}{hf_name}.{t}"] = sd[f"blocks.{i}.{timm_name}.{t}"]
+    hf = tf.DeiTForImageClassificationWithTeacher(cfg) if deit else tf.ViTForImageClassification(cfg)
+    if deit:
+        out = deit_weights(model, hf.state_dict())
+    else:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        out = {
+            "vit.embeddings.cls_token": sd["cls_token"],
+            "vit.embeddings.position_embeddings": sd["pos_embed"],
+            "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
+            "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
+            "vit.layernorm.weight": sd["norm.weight"],
+            "vit.layernorm.bias": sd["norm.bias"],
+            "classifier.weight": sd["head.weight"],
+            "classifier.bias": sd["head.bias"],
+            **encoder_weights(sd, *scheme(hf.state_dict()), len(model.blocks), model.embed_dim),
+        }
     missing = set(hf.state_dict()) - set(out)
     if missing:
         raise NascompressError(f"cannot write this model as a transformers ViT: no weights for {sorted(missing)[:3]}")

@@ -10,8 +10,8 @@ from typing import Any
 from ..data import DataConfig
 from ..export.config import QuantizeConfig
 from ..export.quantize import quantize_run
-from ..retrain import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config, retrain_train_config
-from ..retrain import retrain as retrain_job
+from ..retraining import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config, retrain_train_config
+from ..retraining import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
 from ..train import RUNTIME_SETTINGS
 from .common import (
@@ -26,6 +26,8 @@ from .common import (
     stage_values,
 )
 from .workspace import Workspace
+from ..progress import silenced
+from ..errors import python_api
 
 
 @dataclass(frozen=True)
@@ -48,16 +50,21 @@ class Quantized:
     sidecar: dict[str, Any] = field(default_factory=dict)
 
 
-def materialize(search: ModelLike, *, out: str | Path | None = None, force: bool = False) -> Materialized:
+@python_api("nc.materialize")
+def materialize(
+    search: ModelLike, *, out: str | Path | None = None, force: bool = False, progress: bool = True
+) -> Materialized:
     """Gather a finished DCS search (:func:`nascompress.dcs.search`'s result, or its run directory)
     into the smaller model (``nascompress materialize``), checked against the supernet's logits.
-    ``out``: keep the run directory there (None: nothing is written)."""
-    with Workspace(out) as ws:
+    ``out``: keep the run directory there (None: nothing is written); ``progress``: the command's
+    lines on stderr (False: nothing is printed)."""
+    with Workspace(out) as ws, silenced(not progress):
         src = model_run(search, ws, "dcs_search")
         materialize_search(build_materialize_job(src, ws.path("dcs_mat")), force=force)
         return read_result(Materialized, ws.path("dcs_mat"), keep=ws.keep)
 
 
+@python_api("nc.retrain")
 def retrain(
     model: ModelLike,
     data: Any = None,
@@ -74,6 +81,7 @@ def retrain(
     out: str | Path | None = None,
     resume: bool = False,
     force: bool = False,
+    progress: bool = True,
     **settings: Any,
 ) -> Retrained:
     """Retrain a compressed model (``nascompress retrain``): CE, + distillation from ``teacher``,
@@ -85,6 +93,7 @@ def retrain(
         teacher: a dense model (``nn.Module``, result or run directory) to distil from; None: none.
         epochs / batch_size / seed / device / train_limit / eval_limit / out / resume / force: as
             the command's options (None: its recipe).
+        progress: the command's progress lines on stderr (False: nothing is printed).
         **settings: retrain's other options by Python name (``eta``, ``kd_alpha``, ``feat_kd``,
             ``lr``, ``base_lr``, ``warmup_epochs``, ``amp``, ``deterministic`` ...).
     """
@@ -119,21 +128,30 @@ def retrain(
             data=cfg_data,
             teacher=t_dir,
         )
-        retrain_job(job, force=force, resume=resume)
+        with silenced(not progress):
+            retrain_job(job, force=force, resume=resume)
         return read_result(Retrained, ws.path("retrain"), keep=ws.keep)
 
 
+@python_api("nc.quantize")
 def quantize(
-    model: ModelLike, path: str | Path, data: Any = None, *, val: Any = None, force: bool = False, **settings: Any
+    model: ModelLike,
+    path: str | Path,
+    data: Any = None,
+    *,
+    val: Any = None,
+    force: bool = False,
+    progress: bool = True,
+    **settings: Any,
 ) -> Quantized:
     """Quantize a model to an int8 ONNX file at ``path`` (``nascompress quantize``): calibrated on the
     training images, checked on the validation split against the fp32 file, kept only within
     ``max_drop`` points of top-1. ``data``: as :func:`nascompress.dcs.search`'s (None: the model's
     recorded dataset); ``**settings``: the command's options (``scheme``, ``calib_images``,
-    ``max_drop``, ``eval_images``, ``fallback``)."""
+    ``max_drop``, ``eval_images``, ``fallback``); ``progress``: as :func:`retrain`'s."""
     parts = split_settings(settings, {"q": setting_names(QuantizeConfig)}, what="nc.quantize")
     cfg_data = data_config(data, val=val)
-    with Workspace(None) as ws:
+    with Workspace(None) as ws, silenced(not progress):
         src = model_run(model, ws, "model", data=cfg_data)
         side = quantize_run(src, out=Path(path), config=QuantizeConfig(**parts["q"]), data=cfg_data, force=force)
     return Quantized(path=str(Path(path)), sidecar=side)

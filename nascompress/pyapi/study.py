@@ -10,6 +10,7 @@ from typing import Any
 from ..search.trial_model import build_job as build_pick_job, materialize_trial
 from ..search.trials import SearchJob, build_job, run_search
 from ..train import RUNTIME_SETTINGS
+from ..progress import silenced
 from .common import (
     ModelLike,
     StageResult,
@@ -103,7 +104,8 @@ def study(
         job = build_job(planned_run(model, ws, "source"), search=values, runtime=runtime, data=cfg_data)
         model_run(model, ws, "source", data=cfg_data)  # written where the job reads it
         db.parent.mkdir(parents=True, exist_ok=True)
-        summary = run_search(job, progress=progress)
+        with silenced(not progress):  # progress=False: a quiet library call
+            summary = run_search(job, progress=progress)
         pick = pick or (f"best-under-flops={max_flops:g}" if max_flops is not None else None)
         picked = None
         if pick is not None:

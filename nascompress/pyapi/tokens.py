@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import NascompressError
+from ..errors import NascompressError, python_api
 from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, finetune_train_config, split_settings
 from ..methods import get_method
 from ..train import RUNTIME_SETTINGS
@@ -25,6 +25,7 @@ from .common import (
     stage_values,
 )
 from .workspace import Workspace
+from ..progress import silenced
 
 _TRAIN_NAMES = tuple(FINETUNE_TRAIN_SETTINGS.names)
 
@@ -35,6 +36,7 @@ class TokenModel(StageResult):
     ``flops_ratio`` (mean over test images: a token method's cost depends on the image)."""
 
 
+@python_api("nc.tokens.apply")
 def apply(
     model: ModelLike,
     method: str,
@@ -51,6 +53,7 @@ def apply(
     out: str | Path | None = None,
     resume: bool = False,
     force: bool = False,
+    progress: bool = True,
     **settings: Any,
 ) -> TokenModel:
     """Apply token method ``method`` (``evit``, ``tome``, ``dynamicvit``, ``sparsifiner``, ``mgvit``)
@@ -63,6 +66,7 @@ def apply(
             predictor to train needs data). Else the data (as :func:`nascompress.dcs.search`'s) of
             ``nascompress finetune``: zero-shot (``epochs=0``, after the predictor-only stage) or
             fine-tuned for ``epochs`` with the method's recipe, and evaluated.
+        progress: the command's progress lines on stderr (False: nothing is printed).
         **settings: the method's settings (``keep_rate``, ``prune_layers``, ``r`` ...) and its
             recipe's, and the fine-tune's training options (``lr``, ``base_lr``, ``amp`` ...).
     """
@@ -100,7 +104,8 @@ def apply(
             data=cfg_data,
             zero_shot=not epochs,
         )
-        finetune(job, force=force, resume=resume)
+        with silenced(not progress):
+            finetune(job, force=force, resume=resume)
         return read_result(TokenModel, ws.path(method), keep=ws.keep)
 
 

@@ -53,6 +53,7 @@ from torch import nn
 
 from ..errors import NascompressError, SettingError, literal, words, writing
 from ..methods import apply_methods
+from ..layers import to_plain
 from ..models import ModelSpec, build_model
 from ..weights import load_state_strict
 from ..pipeline_files import find_run_config
@@ -440,4 +441,5 @@ def load(
     times it (CUDA graphs on CUDA, Inductor on the CPU; each new input shape compiles on its first
     call); refused in one line where it cannot compile (no C/C++ compiler, MG-ViT's early exit)."""
     model = load_with_arch(path, map_location=map_location, dtype=dtype)[0]
+    to_plain(model)  # timm's own classes wherever the methods need none of nascompress's at inference
     return compile_loaded(model) if compile else model

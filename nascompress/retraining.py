@@ -1,8 +1,10 @@
 """``nascompress retrain``: retrain a compressed model with CE + eta * IBB (DCS paper, Algorithm 1).
 
 The model is loaded with :func:`nascompress.runs.io.load_with_arch` and keeps its architecture, so
-any compressed nascompress model can be retrained (a materialized DCS model, a token method's
-fine-tuned model, or a stack of them). Training runs through the shared :func:`train.fit` loop
+any nascompress model can be retrained: a compressed one (a materialized DCS model, a token method's
+fine-tuned model, or a stack of them) or a dense one, which gives the fair yardstick for a compressed
+model: the dense model retrained with the same recipe and teacher (``report.dense_reference`` of a
+pipeline). Training runs through the shared :func:`train.fit` loop
 (checkpoint every epoch, ``--resume``); the IB machinery plugs in as :class:`IBHooks`:
 
 * learned feature X~ (default ``pre_logits``): the input of ``model.head``, i.e. timm's
@@ -30,10 +32,7 @@ the distillation pieces :mod:`nascompress.distill` and the batch rule :mod:`nasc
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -83,7 +82,7 @@ class RetrainJob(Config):
     """Everything ``nascompress retrain`` needs; written to ``config.json`` of the output run.
 
     Args:
-        model_dir: a compressed nascompress model (its arch.json lists at least one method).
+        model_dir: a nascompress model: compressed, or dense (the reference at the same budget).
         out: the run directory to create.
         data: dataset (default: the one recorded in ``model_dir/config.json``, else Fashion-MNIST).
         teacher: optional run directory of a (dense) teacher for knowledge distillation.
@@ -328,11 +327,7 @@ def retrain(
             model_dir=os.path.abspath(job.model_dir), teacher=os.path.abspath(job.teacher) if job.teacher else None
         )
     run = RunDir.prepare(out, force=force, resume=resume, inputs=(job.model_dir, job.teacher, *dataset_paths(job.data)))
-    if not read_arch(job.model_dir).methods:
-        raise NascompressError(
-            f"{job.model_dir} is not a compressed model (its arch.json lists no "
-            "compression method); run materialize or finetune first and retrain their output"
-        )
+    read_arch(job.model_dir)  # a nascompress model (compressed, or dense: the reference at the same budget)
     check_teacher(job)
     runtime.prepare_deterministic(job.train.deterministic)
     device = distributed.init(job.train.device)
@@ -380,14 +375,3 @@ __all__ = [
     "IB_KEYS",
     "feature_width",
 ]
-
-
-class _CallableModule(types.ModuleType):
-    """This module is also ``nascompress.retrain(model, data, ...)``, the Python API's retraining
-    (:func:`nascompress.pyapi.stages.retrain`): ``import nascompress as nc; nc.retrain(...)``."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return importlib.import_module("nascompress.pyapi.stages").retrain(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
