@@ -1,8 +1,10 @@
-"""The README's "Time" section, generated from ``bench/results/tool_speed.json`` (``bench/tool_speed.py``)
-by ``bench/make_results.py``; no torch here."""
+"""The README's "Time" section, generated from the per-CPU ``bench/results/tool_speed_<CPU class>.json``
+files (``bench/tool_speed.py``) by ``bench/make_results.py``: a table with a column per CPU class, then
+the detailed figures of :data:`DETAIL_FILE`'s machine; no torch here."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from _gpu_section import GPU_FILE, gpu_goal, gpu_time_lines
@@ -12,6 +14,9 @@ LABELS = {"fp32": "fp32", "bf16": "bf16 (`--amp auto` here)", "bf16_flash_attent
 
 
 OVERHEADS_FILE = "tool_speed_overheads.json"
+CPU_FILE = re.compile(r"^tool_speed_((?:amd|intel)-[a-z0-9-]+)\.json$")  # one per CPU class (bench/_cpu.py)
+DETAIL_FILE = "tool_speed_amd-epyc.json"  # the machine of the profile, accuracy, changes and goals below
+CPU_NAMES = {"amd-epyc": "AMD EPYC", "intel-xeon-amx": "Intel Xeon (AMX)"}
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")  # the profiler's matmul kernels
 
 
@@ -24,16 +29,70 @@ def _load_note(d: dict[str, Any]) -> str:
     return f"a quiet machine (1-minute load average {d['load_at_start']:g} at the start)"
 
 
+def cpu_files(data: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The per-CPU tool-speed results (file name, its value) that measured the steps."""
+    return [(n, d) for n, d in data.items() if CPU_FILE.match(n) and isinstance(d, dict) and "steps" in d]
+
+
+def _step_cell(d: dict[str, Any], recipe: str, prec: str) -> str:
+    r = (d["steps"].get(recipe) or {}).get(prec)
+    if not r:
+        return "-"
+    share = f", {100 * r['share_of_peak']:.0f}%" if "share_of_peak" in r else ""
+    return f"{r['step_s']:.3f} s{share}"
+
+
+def cpu_table(data: dict[str, Any]) -> list[str]:
+    """One column per CPU class: how it was measured, the matmul peaks, and the main and DINOv2 steps
+    (seconds, share of that precision's peak); what a file did not measure is ``-``."""
+    files = cpu_files(data)
+    if not files:
+        return []
+    names = [CPU_NAMES.get(CPU_FILE.match(n).group(1), CPU_FILE.match(n).group(1)) for n, _ in files]
+
+    def row(label: str, cells: list[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    def peak(d: dict[str, Any]) -> str:
+        p = d.get("peak")
+        return f"{p['fp32']['gflops']:.0f} / {p['bf16']['gflops']:.0f}" if p else "-"
+
+    def measured(d: dict[str, Any]) -> str:
+        load = "under load" if d.get("measured_under_load", True) else "quiet"
+        cores = (d.get("machine") or {}).get("cpu_count")
+        return (
+            f"{cores} cores, {d['threads']} thread{'s' if d['threads'] != 1 else ''}, {load} ({d['load_at_start']:g})"
+        )
+
+    out = [
+        "The same bench on each CPU class the project runs on (a column per `bench/results/tool_speed_<CPU>.json`; "
+        "a step: seconds, and its share of the matmul peak of its precision; the load is the 1-minute load "
+        "average at the start):",
+        "",
+        row("", names),
+        "|---|" + "---|" * len(names),
+        row("measured", [measured(d) for _, d in files]),
+        row("`--amp auto` trains in", [str(d.get("amp_auto", "-")) for _, d in files]),
+        row("matmul peak fp32 / bf16 (GFLOP/s)", [peak(d) for _, d in files]),
+    ]
+    for recipe, label in (("main", "main job step"), ("dinov2", "DINOv2 step")):
+        for prec in ("fp32", "bf16"):
+            out.append(row(f"{label}, {prec}", [_step_cell(d, recipe, prec) for _, d in files]))
+    out.append(row("file", [f"`{n}`" for n, _ in files]))
+    return out + [""]
+
+
 def time_section(data: dict[str, Any]) -> list[str]:
     """Lines between the README's tool-speed markers."""
-    d = data.get("tool_speed.json")
+    d = data.get(DETAIL_FILE)
     if not d or "steps" not in d:
         return ["(not measured yet: `python bench/tool_speed.py`)"]
     m = d.get("machine") or {}
-    out = [
-        f"Measured by `bench/tool_speed.py` ({m.get('cpu_count')} CPU cores, "
+    out = cpu_table(data) + [
+        f"In detail, on the {CPU_NAMES['amd-epyc']}: measured by `bench/tool_speed.py` "
+        f"({m.get('cpu_count')} CPU cores, "
         f"{d['threads']} torch thread{'s' if d['threads'] != 1 else ''}; "
-        f"{_load_note(d)}; `bench/results/tool_speed.json`). `--amp auto` (the default) trains in "
+        f"{_load_note(d)}; `bench/results/{DETAIL_FILE}`). `--amp auto` (the default) trains in "
         f"{d.get('amp_auto', '?')} on this CPU (bf16 only where the CPU has native bfloat16: AVX512-BF16 or AMX).",
         "",
     ]

@@ -111,8 +111,9 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
     ),
     "tool": (
         "The tool's own speed",
-        "`bench/tool_speed.py`: this machine's matmul peak (fp32, bf16), each "
-        "recipe's training step against it, where a step's time goes, the commands' wall and loop times.",
+        "`bench/tool_speed.py` (one file per CPU class, `tool_speed_<CPU>.json`): each machine's matmul peak "
+        "(fp32, bf16), each recipe's training step against it, where a step's time goes, the commands' wall "
+        "and loop times.",
     ),
 }
 

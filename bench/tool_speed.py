@@ -17,7 +17,12 @@
    and ``retrain`` on ``--train-limit`` images, ``--eval-limit`` evaluation images; each command's
    own ``train_time_s`` (the loop) beside its wall time says how much is start-up, probes and evaluation.
 
-    python bench/tool_speed.py --out bench/results/tool_speed.json
+    python bench/tool_speed.py   # writes bench/results/tool_speed_<CPU class>.json, e.g. tool_speed_amd-epyc.json
+
+One file per CPU class (``bench/_cpu.py``: vendor and family from the model name, ``AMX`` where it has
+AMX tiles; the model name and the flags of note recorded under ``machine``), so that each machine's
+figures stand beside the others' and the README's Time section (``bench/make_results.py``) shows them
+all; on a GPU ``tool_speed_<GPU name>.json``.
 
 ``--device cuda``: the same parts on a GPU (the peak from CUDA GEMMs, fp32 as the runs compute it, with
 TF32; every timing synchronized; the commands on the CLI's default device, which is the GPU).
@@ -45,7 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import PRECISIONS, RECIPES, ROOT, build, header, load, save, train_step  # noqa: E402  (puts the repository on sys.path)
+from _common import PRECISIONS, RECIPES, ROOT, build, header, load, save, slug, train_step  # noqa: E402  (puts the repository on sys.path)
+from _cpu import cpu_info  # noqa: E402
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
@@ -297,7 +303,7 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=500)
     ap.add_argument("--batches", default="64,128,256,512", help="batch sizes of the overheads part")
     ap.add_argument("--accuracy-limit", type=int, default=24000, help="training images of the accuracy part")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tool_speed.json")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/tool_speed_<CPU class or GPU>.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     dev = torch.device(a.device)
@@ -312,6 +318,10 @@ def main() -> None:
     )
     if dev.type == "cuda":
         res["machine"]["gpu"] = torch.cuda.get_device_name(dev)
+    res["machine"].update(cpu_info())  # the CPU's model name, flags of note and class (its file's name)
+    if a.out is None:
+        which = res["machine"]["gpu"] if dev.type == "cuda" else res["machine"].get("cpu_class", "cpu")
+        a.out = ROOT / "bench" / "results" / f"tool_speed_{slug(which)}.json"
     # a figure is "quiet" only when the machine had no other work: the 1-minute load average under 0.5
     res["measured_under_load"] = res["load_at_start"] >= 0.5
     with runtime.configured(dev):  # the runs' settings: fp32 on CUDA as TF32

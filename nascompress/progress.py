@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -64,7 +65,8 @@ def _every() -> float:
         return 10.0
 
 
-def _clock(s: float) -> str:
+def clock_text(s: float) -> str:
+    """Seconds as ``m:ss`` (``h:mm:ss`` from an hour)."""
     s = int(round(s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
@@ -144,10 +146,10 @@ class PlainProgress:
             parts.append(f"{t.completed:g}")
         if t.info:
             parts.append(t.info)
-        parts.append(f"elapsed {_clock(elapsed)}")
+        parts.append(f"elapsed {clock_text(elapsed)}")
         moved = t.completed - t.start_completed
         if t.total and 0 < moved and t.completed < t.total:
-            parts.append(f"ETA {_clock(elapsed / moved * (t.total - t.completed))}")
+            parts.append(f"ETA {clock_text(elapsed / moved * (t.total - t.completed))}")
         return "  ".join(parts)
 
 
@@ -229,6 +231,29 @@ def make_progress(*, disable: bool | None = None) -> Progress | PlainProgress | 
         disable=bool(disable),
         transient=False,
     )
+
+
+# the running pipeline's estimate of the time it has left: (fraction of its running step done, the
+# fraction done before this process began it) -> a text such as "pipeline: about 6:10 left"
+_PIPELINE_LEFT: ContextVar[Callable[[float, float], str] | None] = ContextVar("nascompress_pipeline_left", default=None)
+
+
+@contextmanager
+def pipeline_eta(left: Callable[[float, float], str]) -> Iterator[None]:
+    """Inside: :func:`pipeline_left` answers with ``left`` (set by the pipeline around each step)."""
+    token = _PIPELINE_LEFT.set(left)
+    try:
+        yield
+    finally:
+        _PIPELINE_LEFT.reset(token)
+
+
+def pipeline_left(fraction: float, *, since: float = 0.0) -> str:
+    """How long the whole pipeline has left with ``fraction`` of its running step done (``since``:
+    the part done before this process, a resumed training), e.g. ``pipeline: about 6:10 left``;
+    empty outside a pipeline or before it has measured anything."""
+    left = _PIPELINE_LEFT.get()
+    return "" if left is None else left(fraction, since)
 
 
 @contextmanager

@@ -19,7 +19,7 @@
 * The host allocator (:func:`keep_freed_memory`, every training job and the CLI): glibc's malloc
   keeps freed blocks for reuse instead of handing the activations' multi-MB buffers back to the
   system after every op (16,500 page faults per step of the main job's base, 1,900 after; measured
-  1.09-1.11x faster steps on one thread, bench/results/tool_speed.json). Numbers are unchanged.
+  1.09-1.11x faster steps on one thread, bench/results/tool_speed_amd-epyc.json). Numbers are unchanged.
   ``NASCOMPRESS_MALLOC=default`` leaves malloc alone.
 """
 
@@ -150,7 +150,7 @@ def cpu_attention(model: torch.nn.Module, device: torch.device, amp: str) -> Ite
     """Under bf16 autocast on a CPU: the model's attention modules (timm's ``fused_attn`` flag) run
     explicit bf16 matmuls instead of ``F.scaled_dot_product_attention``, whose CPU flash kernel is
     slower in bf16 at ViT token counts (the main job's step: bf16 alone 1.08x, bf16 with this 2.4-3.2x,
-    fp32's own path unchanged; bench/results/tool_speed.json). The flags are restored on exit."""
+    fp32's own path unchanged; bench/results/tool_speed_amd-epyc.json). The flags are restored on exit."""
     mods = []
     if device.type == "cpu" and resolve_amp(amp, device) == "bf16":
         mods = [m for m in model.modules() if getattr(m, "fused_attn", None) is True]

@@ -30,7 +30,7 @@ from .runs.store import CHECKPOINT_FILE, LAST_FILE, LOG_FILE, RunStore
 from .runs.run_dir import RunDir
 from .runs.files import write_arch_json
 from .utils import seed_everything
-from .probe import fit_linear_probe
+from .probe import fit_linear_probe, fit_probe_head
 from .progress import say
 
 
@@ -99,6 +99,10 @@ class TrainJob:
         input: explicit preprocessing (``--mean/--std/--interpolation/--crop-pct``), winning over all.
         linear_probe: keep the backbone frozen and fit only a new head on its cached features
             (:mod:`nascompress.probe`); needs ``weights`` and implies ``reset_head``.
+        probe_start: with ``weights`` and ``reset_head`` (no ``linear_probe``), the new head starts
+            as a fitted linear probe and everything is fine-tuned from it (LP-FT, Kumar et al. 2022);
+            the probe is the fine-tune's epoch 0, so a fine-tune that ends below it on validation
+            keeps the probe (:func:`fine_tune_from_probe`). False: the new head starts at random.
     """
 
     model: ModelSpec
@@ -107,12 +111,23 @@ class TrainJob:
     out: str = "runs/base"
     weights: str | None = setting(None, path=True, help="Local .safetensors/.pth weights to start from.")
     reset_head: bool = setting(
-        False, help=("A new head: the weights' is missing (backbone only) or has another class count.")
+        False,
+        help=(
+            "A new head: the weights' is missing (backbone only) or has another class count. It starts as "
+            "a linear probe fitted on the frozen backbone, then everything is fine-tuned (the probe is kept "
+            "if fine-tuning ends below it on validation)."
+        ),
     )
     input: InputOverrides = field(default_factory=InputOverrides)
     linear_probe: bool = setting(
         False, help=("Freeze the --weights backbone; fit only a new head on its cached features (logistic regression).")
     )
+    probe_start: bool = True
+
+    @property
+    def from_probe(self) -> bool:
+        """Whether the fine-tune starts from a fitted linear-probe head (``probe_start`` applies)."""
+        return bool(self.weights) and self.reset_head and self.probe_start and not self.linear_probe
 
     def __post_init__(self) -> None:
         if self.linear_probe and not self.weights:
@@ -128,6 +143,7 @@ class TrainJob:
             "reset_head": self.reset_head,
             "input": self.input.to_dict(),
             "linear_probe": self.linear_probe,
+            "probe_start": self.probe_start,
         }
 
     @classmethod
@@ -141,6 +157,7 @@ class TrainJob:
             reset_head=d.get("reset_head", False),
             input=InputOverrides.from_dict(d.get("input")),
             linear_probe=d.get("linear_probe", False),
+            probe_start=d.get("probe_start", False),  # a run recorded before LP-FT: its random head
         )
 
 
@@ -269,9 +286,10 @@ def train(
             t = job.train
             lr = f"lr {t.lr:g}" if t.lr is not None else f"base lr {t.base_lr:g} per 512 images"
             ld = "off" if t.layer_decay in (None, 1) else f"{t.layer_decay:g}"
+            head = ", from a linear-probe head" if job.from_probe else ""
             say(
                 words(
-                    f"train: {{weights}} given, so the fine-tuning recipe: {lr}, layer decay {ld}, "
+                    f"train: {{weights}} given, so the fine-tuning recipe{head}: {lr}, layer decay {ld}, "
                     f"{t.warmup_epochs:g} warm-up epochs (for weights that were never trained, leave out {{weights}})"
                 )
             )
@@ -288,7 +306,73 @@ def train(
         if distributed.is_main() and not (out / ARCH_FILE).exists():
             write_arch_json(out, arch)
         distributed.barrier()  # the run directory is ready
+        if job.from_probe:
+            probe_data = data if data.extra.get("fixed_train_images") else load_data(job.data, spec=spec, augment=False)
+            metrics = fine_tune_from_probe(
+                model,
+                data=data,
+                probe_data=probe_data,
+                input_spec=spec,
+                cfg=job.train,
+                out_dir=out,
+                arch=arch,
+                resume=resume,
+            )
+            return run.finish(metrics)
         return fit(model, data=data, input_spec=spec, cfg=job.train, out_dir=out, arch=arch, resume=resume)
+
+
+def fine_tune_from_probe(
+    model: nn.Module,
+    *,
+    data: DataBundle,
+    probe_data: DataBundle,
+    input_spec: InputSpec,
+    cfg: TrainConfig,
+    out_dir: Path | None = None,
+    arch: dict[str, Any] | None = None,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """LP-FT (Kumar et al. 2022): fit ``model.head`` as a linear probe on the frozen backbone's
+    features (:func:`~nascompress.probe.fit_probe_head`, on ``probe_data``: the same splits,
+    unaugmented), then fine-tune everything from it (:func:`~nascompress.train_loop.fit` on ``data``).
+
+    The probe is the fine-tune's epoch 0, a candidate for the best model: when no fine-tuned epoch
+    beats it on validation the probe is kept (``kept_probe`` in the metrics, and one line said).
+    Returns ``fit``'s metrics (the run is not marked complete) plus ``probe_val_top1`` (the probe as
+    the fine-tune measures every epoch), ``fine_tuned_val_top1`` (the best fine-tuned epoch's),
+    ``kept_probe`` and ``probe`` (the probe's L2 and grid, :func:`~nascompress.probe.fit_probe_head`).
+    A resumed run fits the probe again (it is deterministic) for its figures; the fine-tune then
+    continues from its checkpoint.
+    """
+    probe = fit_probe_head(model, data=probe_data, input_spec=input_spec, cfg=cfg)
+    log: list[dict[str, Any]] = []
+    cfg = cfg.replace(eval_start=True, keep="best")  # the probe is the first candidate: the guard
+    metrics = fit(
+        model,
+        data=data,
+        input_spec=input_spec,
+        cfg=cfg,
+        out_dir=out_dir,
+        arch=arch,
+        resume=resume,
+        finish=False,
+        log=log,
+    )
+    tuned = [r["val_top1"] for r in log if not r.get("start") and r.get("val_top1") is not None]
+    kept = metrics["best_epoch"] == 0
+    metrics.update(
+        probe_val_top1=metrics["start_val_top1"],
+        fine_tuned_val_top1=max(tuned) if tuned else None,
+        kept_probe=kept,
+        probe={k: probe[k] for k in ("val_top1", "l2", "l2_grid", "n_train", "n_val", "fit_time_s")},
+    )
+    if kept and tuned and distributed.is_main():
+        say(
+            f"train: fine-tuning did not beat its linear probe on validation (best fine-tuned epoch "
+            f"{metrics['fine_tuned_val_top1']:.2f}%, the probe {metrics['probe_val_top1']:.2f}%): kept the probe"
+        )
+    return metrics
 
 
 __all__ = [
@@ -304,6 +388,7 @@ __all__ = [
     "TrainJob",
     "fit",
     "train",
+    "fine_tune_from_probe",
     "lr_at",
     "MODEL_FILE",
     "LR_REF_BATCH",

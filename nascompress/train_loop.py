@@ -32,8 +32,9 @@ from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .runs.checkpoint import load_state
+from .runs.files import Arch
 from .runs.io import continue_advice, finish_run
-from .progress import make_progress, say
+from .progress import make_progress, pipeline_left, say
 from .train_config import TrainConfig
 from .runs.store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from .utils import seed_everything
@@ -182,6 +183,19 @@ class LossWatch:
         return values[-1]
 
 
+def without_frozen(groups: list[dict[str, Any]], model: nn.Module, frozen: list[str] | None) -> list[dict[str, Any]]:
+    """The optimizer's parameter ``groups`` without the parameters of ``model`` named in ``frozen``
+    (``arch.json``'s ``frozen``: those the caller of the API froze), so that no stage updates them
+    (nor decays them); a group left empty is dropped. A method's own parameters (DCS's gates, a
+    predictor) have names of their own and stay."""
+    if not frozen:
+        return groups
+    names = set(frozen)
+    out = {id(p) for n, p in model.named_parameters() if n in names}
+    kept = [dict(g, params=[p for p in g["params"] if id(p) not in out]) for g in groups]
+    return [g for g in kept if g["params"]]
+
+
 def _fit(
     model: nn.Module,
     *,
@@ -205,7 +219,10 @@ def _fit(
     distributed.broadcast_model(model)
     peak = cfg.peak_lr_for(world_size=world.size)
     min_lr = min(cfg.min_lr, peak)
-    opt = runtime.adamw(hooks.param_groups(model, cfg), device, lr=peak, betas=(0.9, 0.999))
+    frozen = Arch.of(arch).frozen  # the parameters the caller of the API froze: in no group, outside the clip's norm
+    groups = without_frozen(hooks.param_groups(model, cfg), model, frozen)
+    opt = runtime.adamw(groups, device, lr=peak, betas=(0.9, 0.999))
+    clipped = [p for g in groups for p in g["params"]] if frozen else list(model.parameters())
     ema = Ema(model, cfg.ema_decay) if cfg.ema_decay else None
     # the step's forward + loss as one module, DistributedDataParallel under torchrun (checkpoints and
     # evaluation use `model` itself)
@@ -297,7 +314,7 @@ def _fit(
                 loss.backward()  # under torchrun DDP averages the gradients over the ranks meanwhile
                 step.check()
                 if cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip)
+                    torch.nn.utils.clip_grad_norm_([p for p in clipped if p.grad is not None], cfg.grad_clip)
                 opt.step()
                 hooks.after_step(model, tag)
                 if ema is not None:
@@ -350,7 +367,9 @@ def _fit(
                         "start": start_rec,
                     }
                 )
-            progress.update(ep_task, advance=1, info=f"val {val['top1']:.2f}% best {best:.2f}%")
+            left = pipeline_left((epoch + 1) / cfg.epochs, since=start_epoch / cfg.epochs)  # "" outside a pipeline
+            info = f"val {val['top1']:.2f}% best {best:.2f}%" + (f"  {left}" if left else "")
+            progress.update(ep_task, advance=1, info=info)
             hooks.check(record, start_rec)
     step.close()
 

@@ -74,7 +74,7 @@ def refused(data, match: str, **kw) -> str:
     "items, match",
     [
         ([(x, "cat") for x in images()], r"data\[0\] has label 'cat' \(str\); labels must be integer class indices"),
-        ([(x, torch.tensor([0, 1])) for x in images()], r"data\[0\] has label a Tensor of shape \(2,\)"),
+        ([(x, torch.tensor([1, 2])) for x in images()], r"data\[0\] has label a Tensor of shape \(2,\)"),
         ([(x, 0.5 + i % 2) for i, x in enumerate(images())], r"data\[0\] has label 0.5 \(float\)"),
         ([(x, complex(1, 2)) for x in images()], r"data\[0\] has label \(1\+2j\) \(complex\)"),
         ([(x, -1) for x in images()], r"data\[0\] has label -1 \(int\)"),

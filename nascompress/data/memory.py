@@ -18,6 +18,7 @@ import hashlib
 import math
 import numbers
 import random
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -33,8 +34,8 @@ if TYPE_CHECKING:
     from .input import InputSpec
 
 LABELS_ARE = (
-    "labels must be integer class indices (0, 1, ...), one per image: map class names to indices "
-    "(and give the names with classes=)"
+    "labels must be integer class indices (0, 1, ...) or one-hot / probability vectors, one per image: "
+    "map class names to indices (and give the names with classes=)"
 )
 
 
@@ -62,9 +63,23 @@ def _index(v: Any) -> int | None:
     return None
 
 
+def _vector_index(v: Any) -> int | None:
+    """A one-hot or probability-vector label (one value per class, none negative, summing to 1) as
+    its class index (the argmax), else None."""
+    if not isinstance(v, (torch.Tensor, np.ndarray)) or v.ndim != 1 or len(v) < 2:
+        return None
+    if isinstance(v, np.ndarray) and v.dtype.kind not in "biuf":
+        return None
+    t = torch.as_tensor(v).double()
+    if not bool(torch.isfinite(t).all()) or bool((t < 0).any()) or abs(float(t.sum()) - 1.0) > 1e-3:
+        return None
+    return int(t.argmax())
+
+
 class CallerDataset(Dataset):
     """A caller's map-style dataset seen as nascompress's splits are: ``labels`` (read once and
-    checked: integer class indices), ``classes``, and items ``(float or uint8 image tensor (C, H, W),
+    checked: integer class indices; one-hot or probability-vector labels become their argmax, said
+    once in a warning), ``classes``, and items ``(float or uint8 image tensor (C, H, W),
     int label)``. ``what``: the Python argument it came as (``data``, ``val`` ...), and ``named``:
     where ``classes`` came from (default ``classes=``, or the dataset's ``classes``), for messages."""
 
@@ -78,7 +93,7 @@ class CallerDataset(Dataset):
             )
         if len(base) == 0:
             raise NascompressError(f"{what} holds no images")
-        self.base, self.what = base, what
+        self.base, self.what, self.vectors = base, what, 0  # vectors: one-hot / soft labels taken as their argmax
         targets = getattr(base, "targets", None)
         if targets is None:
             check_limit(
@@ -99,12 +114,27 @@ class CallerDataset(Dataset):
             raise NascompressError(
                 f"{what} has label {top} but {named} names {len(self.classes)} classes; {LABELS_ARE}"
             )
-        self.shape = tuple(self._item(0)[0].shape)
+        first = self._item(0)[0]
+        self.shape = tuple(first.shape)
+        if self.vectors:
+            warnings.warn(
+                f"{what} gives one-hot or probability-vector labels ({self.vectors:,} of {len(base):,}); nascompress "
+                "trains on class indices, so each is taken as its argmax (soft labels lose their weights)",
+                stacklevel=2,
+            )
+        if first.dtype == torch.uint8:
+            warnings.warn(
+                f"{what} gives uint8 images: they are divided by 255 (to [0, 1]) and not normalised further "
+                "(the model records mean 0, std 1); give float tensors to choose the scaling",
+                stacklevel=2,
+            )
 
     def _targets(self, targets: Any) -> torch.Tensor:
         """The labels of a ``targets`` attribute, checked: one class index per item."""
         numeric = isinstance(targets, torch.Tensor) or isinstance(targets, np.ndarray) and targets.dtype.kind in "biuf"
-        if numeric and targets.ndim == 1:
+        if numeric and targets.ndim == 2 and len(targets) == len(self.base):  # one-hot / probability rows
+            labels = torch.tensor([self._label(y, i, "targets") for i, y in enumerate(targets)], dtype=torch.long)
+        elif numeric and targets.ndim == 1:
             t = torch.as_tensor(targets)
             bad = None
             if t.is_complex():
@@ -136,6 +166,9 @@ class CallerDataset(Dataset):
     def _label(self, y: Any, i: int, source: str = "") -> int:
         """Item ``i``'s label ``y`` as a class index; anything else is refused in one line."""
         v = _index(y)
+        if v is None:
+            v = _vector_index(y)
+            self.vectors += v is not None
         if v is None or v < 0:
             where = f"{self.what}.{source}[{i}] is" if source else f"{self.what}[{i}] has label"
             raise NascompressError(f"{where} {_shown(y)}; {LABELS_ARE}")

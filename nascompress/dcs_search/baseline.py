@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +116,7 @@ class Recovery:
     distill: float
     feat_distill: float
     amp: str = "off"
+    frozen: frozenset[str] = frozenset()  # the parameters the caller froze (arch.json's frozen): not trained
 
 
 def recover(
@@ -131,7 +132,7 @@ def recover(
     the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`). ``teacher``: the
     search's cache of the dense model's outputs per training image, read instead of a teacher forward."""
     arch = {id(p) for p in arch_parameters(model)}
-    params = [p for p in model.parameters() if id(p) not in arch]
+    params = [p for n, p in model.named_parameters() if id(p) not in arch and n not in rec.frozen]
     state = getattr(model, "dcs_state", None)
     sample = None if state is None else state.sample
     if state is not None:
@@ -318,13 +319,15 @@ def keep_better(
     stopped: Exception | None,
     last_eval: dict[str, Any] | None = None,
     teacher: TeacherCache | None = None,
+    frozen: Iterable[str] = (),
 ) -> tuple[Candidate, dict[str, Any]]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
     top-1 ``last_eval["top1"]`` at its last epoch, :func:`last_validation`;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
     target (the searched ratio without one), both recovered alike; returns the kept candidate and the
     comparison record. Without ``job.search.baseline`` the searched model is kept as it is. ``teacher``:
-    the search's cache of the dense model's outputs, which the recoveries read."""
+    the search's cache of the dense model's outputs, which the recoveries read; ``frozen``: the
+    parameters the caller froze, which they do not train."""
     s = job.search
     target = s.target if s.target is not None else ratio
     at_target = abs(ratio / target - 1) <= s.tolerance
@@ -387,6 +390,7 @@ def keep_better(
         distill=s.distill,
         feat_distill=s.feat_distill,
         amp=runtime.resolve_amp(job.train.amp, device),
+        frozen=frozenset(frozen),
     )
     kept, record = choose(
         [dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size, teacher=teacher

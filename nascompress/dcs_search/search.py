@@ -213,6 +213,7 @@ def run_dcs_search(
         stopped=stopped,
         last_eval=last_validation(log, len(data.val)),
         teacher=teacher,
+        frozen=base_arch.frozen,  # the parameters the caller froze: the recovery leaves them
     )
     if kept.kind != "dcs":
         job = job.replace(method=kept.cfg)

@@ -29,6 +29,9 @@ from ..train import PROBE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, build_job as 
 from .steps import Step
 
 
+_FROM_PROBE = ", from a linear-probe head"  # base.train's description when it fine-tunes from a probe (LP-FT)
+
+
 def data_config(cfg: PipelineConfig, *, train_limit: int | None = None) -> Any:
     stage = {"train_limit": train_limit} if train_limit is not None else {}  # a stage's own training images
     return library_config(cfg.data, DataConfig, split_seed=0, subset_seed=cfg.seed, **stage)
@@ -119,7 +122,7 @@ def plan_base(cfg: PipelineConfig, out: Path, ctx: SchemaContext, n_classes: int
                 "train",
                 lambda force, resume: train(job, force=force, resume=resume),
                 outputs=("base/model.safetensors", "base/metrics.json"),
-                describe=f"train the dense base ({t.epochs} epochs)",
+                describe=f"train the dense base ({t.epochs} epochs{_FROM_PROBE if job.from_probe else ''})",
             ),
             base_dir,
             model,

@@ -33,7 +33,7 @@ from .report_format import (
     int8_table_rows,
     models_note,
 )
-from ..api import evaluate_run, profile
+from ..api import profile
 from ..export.config import config_for
 from ..export.int8_rows import int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
@@ -45,6 +45,7 @@ from .confirm import CHANNEL_DIR
 from .dense_reference import DENSE_REFERENCE_DIR, dense_reference_record, splits_summary
 from .fallback import dcs_outcome
 from .steps import Pipeline
+from .test_scores import test_scores
 
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
@@ -229,7 +230,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     cfg, out = pipe.cfg, pipe.out
     rep = cfg.report
     final_dir = pipe.result_dir()
-    dense_ev = evaluate_run(pipe.base_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
+    dense_ev = test_scores(pipe, pipe.base_dir)  # its training's record where provably the same
     dense_model, _ = load_with_arch(pipe.base_dir)
     decisions: dict[str, Any] = {"base": _base_decisions(pipe, dense_ev)}
     if final_dir is None:
@@ -255,7 +256,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
         }
         methods: list[dict[str, Any]] = []
     else:
-        final_ev = evaluate_run(final_dir, data=pipe.data, split="test", device=cfg.device, dtype=rep.dtype)
+        final_ev = test_scores(pipe, final_dir)
         assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
         prof = profile(
             final_dir,

@@ -21,9 +21,11 @@ from ..runs.files import has_metrics
 from ..resources import resolve_file
 from ..runs.owner import MARK_FILE, check_replaceable, clear_own, write_mark
 from ..train import RUNTIME_SETTINGS
+from ..progress import pipeline_eta
 from ..utils import atomic_path, refuse_overwriting_inputs
 from ..yaml_io import StrictYamlLoader as _Loader
 from .config_io import config_diff, dump_config, load_config, read_yaml
+from .eta import PipelineEta, step_estimates
 from .plan import Pipeline, Step, plan
 from .schema import Section
 
@@ -215,10 +217,13 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
     if resumed:
         log(f"continuing the pipeline in {pipe.out}")
     ran: dict[str, bool] = {}
+    todo = [s.name for s in pipe.steps if not step_done(pipe.out, s)]  # (the ETA: complete steps not counted)
+    eta = PipelineEta(step_estimates(pipe.cfg, todo))
     for step in pipe.steps:
         if step_done(pipe.out, step):
             log(f"{step.name}: complete, skipped")
             ran[step.name] = False
+            eta.skip(step.name)
             continue
         d = step.dir
         resume = step.mode == "train" and d is not None and (d / "config.json").is_file()
@@ -230,11 +235,13 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             how = " (continuing the study)"
         log(f"{step.name}: {step.describe}{how}")
         t0 = time.perf_counter()
+        eta.start(step.name)
         try:
-            if step.mode == "study":
-                res = step.run(force=False, resume=False, progress=progress)
-            else:
-                res = step.run(force=force_step, resume=resume)
+            with pipeline_eta(eta.text):  # the epochs lines of a training step say the pipeline's time left
+                if step.mode == "study":
+                    res = step.run(force=False, resume=False, progress=progress)
+                else:
+                    res = step.run(force=force_step, resume=resume)
         except SettingError as e:
             raise step_error(pipe, step.name, e) from e
         except WriteError as e:  # a full disk: the step's own advice (train --resume ...) is not how a pipeline goes on
@@ -261,7 +268,9 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             ),
         )
         ran[step.name] = True
-        log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s")
+        eta.finish(step.name)
+        left = eta.text()
+        log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s" + (f"; {left}" if left else ""))
     summary = read_summary(pipe.out).to_dict()
     summary["this_run"] = {
         "resumed": resumed,

@@ -25,7 +25,7 @@ from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..runs.owner import mark_kind
 from ..runs.run_dir import RunDir
 from .workspace import Workspace
-from .user_model import cpu_fp32, unwrap
+from .user_model import cpu_fp32, frozen_names, restore_frozen, unwrap, with_frozen
 from ..utils import refuse_overwriting_inputs
 from ..pipeline_files import find_run_config
 from ..runs.files import Arch, find_metrics
@@ -144,6 +144,7 @@ def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
     """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
     model, arch = load_typed(run)
     to_plain(model)  # timm's own classes wherever the method needs none of nascompress's at inference
+    restore_frozen(model, arch)  # the parameters the caller froze come back frozen
     recorded, config = find_metrics(run), find_run_config(run)
     cfg = config.to_dict() if config is not None else {}
     metrics = recorded.results() if recorded is not None else {}
@@ -293,11 +294,13 @@ def planned_run(model: ModelLike, ws: Workspace, name: str) -> Path:
 def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | None = None) -> Path:
     """A complete run directory holding ``model`` (its data section: ``data``): the directory
     itself when a path or a kept result is given, else one written under ``ws``'s scratch space
-    (with ``out=``: ``out/name``, refused when that holds anything but such a copy)."""
+    (with ``out=``: ``out/name``, refused when that holds anything but such a copy), its
+    ``arch.json`` naming the parameters the caller froze (:func:`~.user_model.with_frozen`)."""
     where = planned_run(model, ws, name)
     if _own_run(model) is not None:
         return where  # a run of its own: read where it is
     m, arch = model_and_arch(model, data)
+    arch = with_frozen(arch, frozen_names(model))  # what the caller froze: no stage trains it (arch.json)
     config = dict(getattr(model, "config", None) or {})
     if data is not None:
         config["data"] = asdict(data)
@@ -328,7 +331,8 @@ def data_config(
     registered in memory, :mod:`nascompress.data.memory`). Of a DataLoader its dataset, batch size and
     worker count are taken; batches are drawn in nascompress's seeded order. Labels are read once per
     dataset (from its ``targets`` attribute when it has one, else by a pass over its items, at most
-    the ``max_label_scan`` limit) and must be integer class indices. None stays None (the run's
+    the ``max_label_scan`` limit) and must be integer class indices (one-hot or probability vectors
+    are taken as their argmax, said in a warning). None stays None (the run's
     recorded data). ``arg``: the name the caller gave ``data`` as (``data``, or ``train``), for messages."""
     if data is None:
         if val is not None or test is not None:

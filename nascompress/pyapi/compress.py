@@ -21,8 +21,9 @@ from ..pipeline.run import check_out
 from ..progress import say, silenced
 from ..methods.dcs import DCSConfig
 from .common import ModelLike, data_config, loader_batch, model_run, recorded_inputs, remember, write_run
-from .user_model import as_user_dtype, check_qk_norm, device_name, frozen_names, keep_frozen, user_dtype
+from .user_model import as_user_dtype, check_qk_norm, device_name, restore_frozen, user_dtype
 from .workspace import Workspace
+from .data_notes import warn_conversions
 from .hf import to_transformers
 
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
@@ -207,13 +208,16 @@ def compress(
             :func:`nascompress.from_transformers` first), a result of this API, or a run directory. A
             ``torch.compile``d or ``DataParallel`` / DDP model is unwrapped; a half / bf16 or CUDA one
             is compressed as an fp32 copy on the CPU (never moved) and given back in its dtype; its
-            frozen parameters come back frozen (the stages train them too: a warning says so); with
+            frozen parameters (``requires_grad=False``) are trained by no stage and come back frozen,
+            bit for bit where no method slices them (the kept rows where one does); with
             ``qk_norm`` the default static Q/K mask is refused before anything runs.
         train / val / test: the data (``train`` is required): a built-in dataset name
             (``"fashion-mnist"``, ``"digits"``), an ImageFolder root, a ``DataConfig``, or a map-style
             ``Dataset`` / ``DataLoader`` of (image tensor, label) with its own preprocessing (then
             ``val``/``test`` are its other splits; None: carved from ``train``; a DataLoader's batch
-            size is every training stage's).
+            size is every training stage's; one-hot or probability-vector labels are taken as their
+            argmax, and uint8 images divided by 255, each said in a warning). A built-in dataset's
+            images resized or given the model's channels are said in a warning per conversion.
         target_flops: the goal, a share of the dense model's FLOPs, and a bound: the channel search
             lands at or under it (``at_most``), and a model that still stands above it is returned
             with a warning (``warnings.warn``) and ``report['over_target']``, by how much.
@@ -243,7 +247,6 @@ def compress(
             "root, or a built-in dataset's name (train='fashion-mnist', 'digits')"
         )
     device = device_name(device)
-    frozen = frozen_names(model)
     if "dcs" in methods:  # a search whose Q/K mask could not be materialized: refused before it runs
         check_qk_norm(model, dict(dcs or {}).get("qk_mask", DCSConfig().qk_mask), how="dcs={'qk_mask': 'none'}")
     dtype = user_dtype(model)  # compressed in fp32, given back in the caller's dtype
@@ -256,6 +259,7 @@ def compress(
     with Workspace(out) as ws:
         check_out(ws.path("pipeline"), force=force)  # before the model's copy is written
         base = model_run(model, ws, "source", data=cfg_data)
+        warn_conversions(base, cfg_data, what="nc.compress")  # a built-in dataset's images made the model's
         config = pipeline_config(
             cfg_data,
             base,
@@ -289,9 +293,8 @@ def compress(
         to_plain(final)  # timm's own classes wherever the methods need none of nascompress's
         report = _report(summary, config)
         budget_report(summary, config, warn=True)
-        keep_frozen(final, frozen)
         return Compressed(
-            model=as_user_dtype(remember(final, arch), dtype),
+            model=as_user_dtype(remember(restore_frozen(final, arch), arch), dtype),
             arch=arch,
             report=report,
             out=str(ws.path("pipeline")) if ws.keep else None,

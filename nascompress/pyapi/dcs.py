@@ -28,6 +28,7 @@ from .workspace import Workspace
 from ..progress import silenced
 from ..errors import python_api
 from .user_model import check_qk_norm, device_name
+from .data_notes import warn_conversions
 from ..api import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
@@ -121,6 +122,7 @@ def search(
         if cfg_data is None:
             cfg_data = run_data_config(source) or DataConfig()
             cfg_data = data_config(cfg_data, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+        warn_conversions(source, cfg_data, what="nc.dcs.search")  # a built-in dataset's images made the model's
         job = build_job(
             source,
             ws.path("dcs_search"),

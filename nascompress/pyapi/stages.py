@@ -26,6 +26,7 @@ from .common import (
     stage_values,
 )
 from .workspace import Workspace
+from .data_notes import warn_conversions
 from ..progress import silenced
 from ..errors import python_api
 
@@ -119,6 +120,7 @@ def retrain(
             cfg_data = data_config(
                 recorded_data_config(src) or DataConfig(), seed=seed, train_limit=train_limit, eval_limit=eval_limit
             )
+        warn_conversions(src, cfg_data, what="nc.retrain")  # a built-in dataset's images made the model's
         t_dir = None if teacher is None else str(model_run(teacher, ws, "teacher", data=cfg_data))
         job = build_job(
             src,

@@ -4,18 +4,22 @@
 model is never moved or cast in place) and the result given back in the caller's dtype
 (:func:`user_dtype`); a ``torch.device`` as its name, a device the library does not train on refused
 in one line (:func:`device_name`); a model with ``qk_norm`` refused before a search whose static Q/K
-mask could not be materialized on it (:func:`check_qk_norm`)."""
+mask could not be materialized on it (:func:`check_qk_norm`); the parameters the caller froze
+recorded in the run's ``arch.json`` (:func:`with_frozen`: no stage trains them) and given back frozen
+(:func:`restore_frozen`)."""
 
 from __future__ import annotations
 
 import copy
-import warnings
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from ..errors import NascompressError
+from ..runs.files import Arch
+
+FROZEN_KEY = "frozen"  # arch.json: the parameters the caller froze; no stage trains them
 
 DEVICE_TYPES = ("cpu", "cuda")  # what the library trains on ("auto": cuda where there is one, else cpu)
 
@@ -108,30 +112,33 @@ def frozen_names(model: Any) -> list[str]:
     or a result holding one); none for a run directory."""
     m = unwrap(getattr(model, "model", model))
     if not isinstance(m, nn.Module) or all(p.requires_grad for p in m.parameters()):
-        return []  # (a result of this API comes back in eval mode with every parameter trainable)
+        return []
     return [n for n, p in m.named_parameters() if not p.requires_grad]
 
 
-def keep_frozen(model: nn.Module, names: list[str]) -> None:
-    """Give the parameters of ``model`` named in ``names`` (:func:`frozen_names`) back frozen, and
-    warn in one line that the stages trained them (they train every parameter)."""
-    if not names:
-        return
-    own = dict(model.named_parameters())
-    for n in names:
-        if n in own:
-            own[n].requires_grad_(False)
-    warnings.warn(
-        f"nc.compress: the given model froze {len(names)} parameters ({', '.join(names[:3])}"
-        f"{' ...' if len(names) > 3 else ''}); the stages train every parameter, so they were trained too, "
-        "and come back with requires_grad=False",
-        stacklevel=4,  # the caller of nc.compress (through its python_api wrapper)
-    )
+def with_frozen(arch: Arch, names: Iterable[str]) -> Arch:
+    """``arch`` recording ``names`` (:func:`frozen_names`) as :attr:`Arch.frozen` (``arch.json``'s
+    :data:`FROZEN_KEY`): the one place a run keeps them, read by every training stage
+    (:func:`nascompress.train_loop.fit` leaves them out of the optimizer) and by
+    :func:`restore_frozen`; none: the key left out."""
+    return arch.set(frozen=tuple(names))
+
+
+def restore_frozen(model: nn.Module, arch: Arch | dict[str, Any]) -> nn.Module:
+    """``model`` with the parameters its ``arch`` records as frozen given back ``requires_grad=False``
+    (in place; a model read from a run comes with every parameter trainable)."""
+    names = set(Arch.of(arch).frozen)
+    for n, p in model.named_parameters():
+        if n in names:
+            p.requires_grad_(False)
+    return model
 
 
 __all__ = [
     "frozen_names",
-    "keep_frozen",
+    "FROZEN_KEY",
+    "with_frozen",
+    "restore_frozen",
     "DEVICE_TYPES",
     "unwrap",
     "user_dtype",

@@ -211,6 +211,12 @@ def _labels(v: Any, where: str) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _names(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or not all(isinstance(c, str) for c in v):
+        raise NascompressError(f"{where} must be a list of parameter names; the file was damaged or edited: replace it")
+    return tuple(v)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Arch(Record):
     """``arch.json``: the model format (:mod:`nascompress.runs.io`)."""
@@ -220,6 +226,7 @@ class Arch(Record):
     input: Mapping[str, Any] | None = None
     labels: tuple[str, ...] | None = None
     methods: tuple[MethodRecord, ...] = ()
+    frozen: tuple[str, ...] = ()  # the parameters the caller of the Python API froze: no stage trains them
 
     CHECKS = {
         "format": _str,
@@ -227,6 +234,7 @@ class Arch(Record):
         "input": _optional(_map),
         "labels": _optional(_labels),
         "methods": _methods,
+        "frozen": _names,
     }
 
     @property
