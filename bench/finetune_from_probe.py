@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--eval-limit", type=int, default=1000)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--amp", default="auto")
-    ap.add_argument("--work", default="/tmp/finetune_from_probe")
+    ap.add_argument("--work", default="runs/finetune_from_probe")
     ap.add_argument("--out", default="bench/results/finetune_from_probe.json")
     a = ap.parse_args()
     settings = {k: v for k, v in vars(a).items() if k not in ("out", "work", "weights")}

@@ -540,6 +540,7 @@ def readme_table(data: dict[str, Any]) -> list[str]:
     rows = []
     for name, case in (
         ("pipeline_fashion_mnist.json", "Fashion-MNIST main job"),
+        ("pipeline_fashion_mnist_latency.json", "Fashion-MNIST main job, latency recipe"),
         ("pipeline_dinov2.json", "DINOv2 ViT-S/14 probe, 2,000 images: pipeline"),
     ):
         p = data.get(name)

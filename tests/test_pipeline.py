@@ -464,6 +464,16 @@ def test_shipped_dinov2_config_is_valid(tmp_path):
     assert p.cfg.goal.max_flops == 0.6 and not (tmp_path / "x").exists()
 
 
+@pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fashion-mnist not installed")
+def test_shipped_latency_config_is_valid(tmp_path):
+    """The main job for speed: the DCS search steered by the device's latency, heads and blocks, no token stage."""
+    p = plan(REPO / "configs" / "fashion-mnist-latency.yaml", out=tmp_path / "x")
+    dcs = p.cfg.stages.dcs
+    assert dcs.cost == "latency" and dcs.target_latency == 0.7 and dcs.head_gates and dcs.depth_gates
+    assert p.cfg.stages.tokens is None and "0.7x the dense predicted latency" in p.steps[1].describe
+    assert not (tmp_path / "x").exists()
+
+
 def test_shipped_configs_hold_no_machine_path():
     for cfg in (REPO / "configs").glob("*.yaml"):
         text = cfg.read_text()
@@ -640,7 +650,7 @@ def test_shipped_configs_by_name_from_another_directory_and_export_needs_onnx(tm
     with pytest.raises(
         NascompressError,
         match=r"config file nope does not exist: give a YAML file or the name of "
-        r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist\)",
+        r"a shipped config file \(demo, dinov2-fashion-mnist, fashion-mnist, fashion-mnist-latency\)",
     ):
         plan("nope", out=tmp_path / "x")
     real = importlib.util.find_spec
