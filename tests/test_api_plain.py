@@ -191,3 +191,33 @@ def test_deit_classifiers_come_in_and_go_out_with_equal_logits(tmp_path):
             torch.testing.assert_close(back(pixel_values=x).logits, model(x))
     with pytest.raises(nc.NascompressError, match="got DeiTModel: a DeiT without a classification head"):
         nc.from_transformers(tf.DeiTModel(cfg))
+
+
+def test_compress_words_a_stages_advice_as_its_arguments():
+    """A stage's advice inside nc.compress's pipeline names the file's keys (step_error): the caller
+    reads them as nc.compress's arguments, the stage's dict entry with its value."""
+    from nascompress.pyapi.compress import compress_words
+
+    advice = "stands at the target; rerun the same command with {force} stages.dcs.target_flops 0.39"
+    assert compress_words(advice) == (
+        "nc.compress: stands at the target; call the same function again with force=True, dcs={'target_flops': 0.39}"
+    )
+    assert compress_words("rerun the same command with {force} stages.dcs.budget project").endswith(
+        "force=True, dcs={'budget': 'project'}"
+    )
+    assert compress_words("give stages.retrain.epochs a positive value") == (
+        "nc.compress: give retrain={'epochs': ...} a positive value"
+    )
+    assert "stages." not in compress_words("stages.tokens.trials 40 or stages.dcs.epochs 3")
+
+
+def test_compress_names_a_stage_key_as_its_dict_entry(tiny_run):
+    """A pipeline-file check inside nc.compress names the stage's dict entry, not the file's key."""
+    import nascompress as nc
+    from nascompress import NascompressError
+
+    model = nc.load(tiny_run)
+    with pytest.raises(NascompressError) as e:
+        nc.compress(model, "digits", target_flops=0.6, dcs={"epochs": -1}, progress=False)
+    msg = str(e.value)
+    assert "dcs['epochs']" in msg and "stages." not in msg and len(msg.splitlines()) == 1, msg

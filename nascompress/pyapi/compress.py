@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import yaml
 
 from ..config import user_settings
 from ..data import DataConfig
-from ..errors import NascompressError, SettingError, python_api
+from ..errors import NascompressError, SettingError, literal, python_api, python_words
 from ..layers import to_plain
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
@@ -171,6 +172,32 @@ def pipeline_config(
     }
 
 
+_STAGE_KEY = re.compile(r"stages\.(dcs|tokens|retrain)\.([a-z][a-z0-9_]*)")
+_VALUE = re.compile(r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'|[a-z]+[0-9_]\w*")  # a value, not a word
+_STAGE_ARG = re.compile(r"\b(dcs|tokens|retrain)__([a-z0-9_]+)(?:=([^\s,;:)]+))?")
+
+
+def compress_words(template: str, cfg_file: Path | str = "") -> str:
+    """A stage's :class:`SettingError` raised inside :func:`compress`'s pipeline (its fields written as
+    the pipeline file's keys, ``stages.dcs.target_flops``), worded as :func:`compress`'s arguments: a
+    stage key as the entry of that stage's dict (``dcs={'target_flops': 0.39}``), every other field
+    as :func:`~nascompress.errors.python_words` names it (``force=True``)."""
+    fields = _STAGE_KEY.sub(lambda m: "{%s__%s}" % (m.group(1), m.group(2)), template)
+    text = python_words(fields, call="nc.compress")
+
+    def entry(m: re.Match) -> str:
+        value = m.group(3)
+        last = m.end() == len(m.string) or m.string[m.end()] in ",;:)"  # a word closing the advice: its value
+        if value is not None and not (_VALUE.fullmatch(value) or last):  # a word after the key, not its value
+            return f"{m.group(1)}={{'{m.group(2)}': ...}} {value}"
+        if value is not None and not re.fullmatch(r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'", value):
+            value = repr(value)  # a text value
+        return f"{m.group(1)}={{'{m.group(2)}': {value or '...'}}}"
+
+    text = _STAGE_ARG.sub(entry, text)
+    return text.replace(f"{cfg_file}: ", "") if cfg_file else text
+
+
 @python_api("nc.compress")
 def compress(
     model: ModelLike,
@@ -285,8 +312,11 @@ def compress(
                         progress=progress,
                         log=(lambda msg: say(f"compress: {msg}")) if progress else None,
                     )
+            except SettingError as e:  # a stage's advice, its fields as the file's keys: as nc.compress's arguments
+                raise SettingError(literal(compress_words(e.template, cfg_file))) from None
             except NascompressError as e:  # the pipeline names its file: here the arguments made it
-                raise NascompressError(str(e).replace(f"{cfg_file}: ", "nc.compress: ")) from None
+                text = _STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))  # dcs['epochs']
+                raise NascompressError(text.replace(f"{cfg_file}: ", "nc.compress: ")) from None
         if not summary.get("final"):
             raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
         final, arch = load_with_arch(summary["final"]["run"])
