@@ -32,7 +32,7 @@ from .errors import NascompressError, SettingError, WriteError
 from .evaluate import evaluate
 from .hooks import TrainHooks, as_floats
 from .runs.checkpoint import load_state
-from .runs.files import Arch
+from .runs.files import frozen_of
 from .runs.io import continue_advice, finish_run
 from .progress import make_progress, pipeline_left, say
 from .train_config import TrainConfig
@@ -219,7 +219,7 @@ def _fit(
     distributed.broadcast_model(model)
     peak = cfg.peak_lr_for(world_size=world.size)
     min_lr = min(cfg.min_lr, peak)
-    frozen = Arch.of(arch).frozen  # the parameters the caller of the API froze: in no group, outside the clip's norm
+    frozen = frozen_of(arch)  # the parameters the caller of the API froze: in no group, outside the clip's norm
     groups = without_frozen(hooks.param_groups(model, cfg), model, frozen)
     opt = runtime.adamw(groups, device, lr=peak, betas=(0.9, 0.999))
     clipped = [p for g in groups for p in g["params"]] if frozen else list(model.parameters())

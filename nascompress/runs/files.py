@@ -197,6 +197,14 @@ class MethodRecord(Record):
     CHECKS = {"name": _str, "config": _optional(_map), "stage": _optional(_str)}
 
 
+def frozen_of(arch: Mapping[str, Any] | Arch) -> tuple[str, ...]:
+    """The parameters ``arch`` records as frozen by the caller of the Python API (:attr:`Arch.frozen`;
+    none: ``()``), from a complete ``arch.json`` or the partial one a training job is given."""
+    if isinstance(arch, Arch):
+        return arch.frozen
+    return _names(arch.get("frozen", ()), "arch: frozen")
+
+
 def _record(record: Mapping[str, Any] | MethodRecord) -> MethodRecord:
     return record if isinstance(record, MethodRecord) else MethodRecord.from_dict(record, source="method record")
 
@@ -414,6 +422,7 @@ __all__ = [
     "check_number",
     "check_str",
     "find_metrics",
+    "frozen_of",
     "has_metrics",
     "optional",
     "read_arch_json",
