@@ -10,25 +10,12 @@ from __future__ import annotations
 import warnings
 
 import pytest
-import timm
 import torch
 
 import nascompress as nc
 from nascompress.errors import NascompressError
 
-
-def tiny_vit(**kw) -> torch.nn.Module:
-    """A tiny timm ViT on 16x16 one-channel images (2 blocks 32 wide, 2 heads), seeded 0."""
-    torch.manual_seed(0)
-    args = dict(img_size=16, patch_size=4, in_chans=1, num_classes=10, embed_dim=32, depth=2, num_heads=2)
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, **dict(args, **kw))
-
-
-def tensor_data(n: int, seed: int = 0) -> torch.utils.data.TensorDataset:
-    from nascompress.data import synthetic_dataset
-
-    ds = synthetic_dataset(n, seed=seed)
-    return torch.utils.data.TensorDataset((ds.images.float() / 255 - 0.5) / 0.5, ds.labels)
+from .test_api_user_setup import tensor_data, tiny_vit
 
 
 def frozen_vit() -> torch.nn.Module:

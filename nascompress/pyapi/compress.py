@@ -173,7 +173,8 @@ def pipeline_config(
 
 
 _STAGE_KEY = re.compile(r"stages\.(dcs|tokens|retrain)\.([a-z][a-z0-9_]*)")
-_VALUE = re.compile(r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'|[a-z]+[0-9_]\w*")  # a value, not a word
+_LITERAL = r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'"  # a number, a constant or a quoted text
+_VALUE = re.compile(_LITERAL + r"|[a-z]+[0-9_]\w*")  # a value, not a word
 _STAGE_ARG = re.compile(r"\b(dcs|tokens|retrain)__([a-z0-9_]+)(?:=([^\s,;:)]+))?")
 
 
@@ -190,7 +191,7 @@ def compress_words(template: str, cfg_file: Path | str = "") -> str:
         last = m.end() == len(m.string) or m.string[m.end()] in ",;:)"  # a word closing the advice: its value
         if value is not None and not (_VALUE.fullmatch(value) or last):  # a word after the key, not its value
             return f"{m.group(1)}={{'{m.group(2)}': ...}} {value}"
-        if value is not None and not re.fullmatch(r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'", value):
+        if value is not None and not re.fullmatch(_LITERAL, value):
             value = repr(value)  # a text value
         return f"{m.group(1)}={{'{m.group(2)}': {value or '...'}}}"
 
