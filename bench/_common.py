@@ -28,9 +28,9 @@ from torch.profiler import record_function  # noqa: E402
 
 from nascompress import runtime  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
-from nascompress.models import build_model, custom_vit_spec  # noqa: E402
+from nascompress.models.build import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.utils import read_json, write_json  # noqa: E402
+from nascompress.runs.json_io import read_json, write_json  # noqa: E402
 
 
 # An absolute path of the machine a bench ran on (``/home/me/runs/base``); system folders are kept.
@@ -311,7 +311,7 @@ PRECISIONS = {  # name -> (amp, the attention path): "auto" is what `--amp auto`
 
 
 def train_step(model: Any, x: Any, y: Any, opt: Any, amp: str, dev: Any = None) -> None:
-    """The loop's step (:func:`nascompress.train_loop.fit`): CE with label smoothing under the run's
+    """The loop's step (:func:`nascompress.train.loop.fit`): CE with label smoothing under the run's
     autocast and attention path (``bf16-flash``: bf16 autocast with SDPA's fused kernel kept), clip, AdamW;
     on ``dev`` (default the CPU; model, batch and optimizer already there)."""
     dev = dev or torch.device("cpu")

@@ -9,9 +9,10 @@ from pathlib import Path
 from _common import data_sizes  # noqa: E402  (puts the repository on sys.path)
 
 from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
+from nascompress.models.build import ModelSpec  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
 
 
 def dense_base(base: Path, data_cfg: DataConfig, res: dict, *, img_size: int, epochs: int, reuse: bool):

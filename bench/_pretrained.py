@@ -16,23 +16,27 @@ import torch
 
 from _common import log_summary, save, uniform_summary  # noqa: E402  (puts the repository on sys.path)
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
-from nascompress.api import count_classes, evaluate_run, profile  # noqa: E402
+from nascompress.data import count_classes
+from nascompress.profiling.jobs import evaluate_run, profile  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
 from nascompress.dcs_search.family import choose_family  # noqa: E402
-from nascompress.dcs_search.search import calibration_images  # noqa: E402
+from nascompress.dcs_search.prepare import calibration_images  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.uniform import UniformConfig, uniform_at_flops  # noqa: E402
 from nascompress.pyapi.common import write_run  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, activation_stats  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
-from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.methods.dcs import DCSConfig
+from nascompress.methods.dcs_importance import activation_stats  # noqa: E402
+from nascompress.models.build import ModelSpec  # noqa: E402
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, retrain, retrain_train_config  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
-from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
+from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config  # noqa: E402
 from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
-from nascompress.utils import read_json, write_json  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
+from nascompress.runs.json_io import read_json, write_json  # noqa: E402
 
 TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsifiner": {"attn_keep_ratio": 0.5}}
 

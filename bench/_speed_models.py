@@ -23,13 +23,14 @@ from _standins import main_job_spec  # noqa: E402
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402
-from nascompress.layers import aligned_width  # noqa: E402
+from nascompress.models.layers import aligned_width  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
+from nascompress.methods.dcs import DCSConfig, build_materialized
+from nascompress.methods.dcs_importance import channel_importance  # noqa: E402
 from nascompress.methods.uniform import uniform_at_flops, uniform_from_keep  # noqa: E402
-from nascompress.models import ModelSpec, build_model, custom_vit_spec  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import PRICED_METHODS, count_flops  # noqa: E402
-from nascompress.weights import load_pretrained  # noqa: E402
+from nascompress.models.weights import load_pretrained  # noqa: E402
 
 TARGET = 0.6  # the FLOPs ratio of the channel-pruned models
 

@@ -14,14 +14,17 @@ import torch  # noqa: E402
 
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.runs.io import load_with_arch, make_arch, save_model  # noqa: E402
-from nascompress.layers import aligned_width  # noqa: E402
+from nascompress.models.layers import aligned_width  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, activation_importance, materialize  # noqa: E402
-from nascompress.models import ModelSpec, custom_vit_spec  # noqa: E402
+from nascompress.methods.dcs import DCSConfig, materialize
+from nascompress.methods.dcs_importance import activation_importance  # noqa: E402
+from nascompress.models.build import ModelSpec, custom_vit_spec  # noqa: E402
 from nascompress.pipeline import load_config  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
 
 
 def dcs_from_importance(dense: torch.nn.Module, importance: list, share: float, align: int = 8):

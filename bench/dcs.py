@@ -16,7 +16,7 @@ Records:
 * ``--compare-uniform``: uniform pruning (``methods.uniform``: every block keeps the same share of
   its MLP hidden neurons and of each head's Q/K channels, by weight magnitude) at the FLOPs ratio
   of the DCS-materialized model (``keep_for_flops``); both are then retrained with the same budget
-  (``nascompress.retraining`` with eta = 0: same epochs, images, seed, lr, optional teacher) and their
+  (``nascompress.retraining.run`` with eta = 0: same epochs, images, seed, lr, optional teacher) and their
   test top-1, FLOPs, params and throughput against dense (the three models interleaved) are
   reported, with which one wins;
 * a search epoch against a dense training epoch on the same images (both measured here, one after
@@ -54,26 +54,25 @@ from _common import data_sizes, header, save, uniform_summary, wait_for_base  # 
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402  (torchvision CPU fix before timm)
-from nascompress.api import evaluate_run, run_data_config  # noqa: E402
+from nascompress.profiling.jobs import evaluate_run
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
-from nascompress.hooks import TrainHooks  # noqa: E402
+from nascompress.train.hooks import TrainHooks  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize  # noqa: E402
 from nascompress.methods.uniform import uniform_at_flops  # noqa: E402
 from nascompress.profiling import count_flops, measure  # noqa: E402
 from nascompress.pyapi.common import write_run  # noqa: E402
-from nascompress.retraining import RetrainConfig, RetrainJob, retrain  # noqa: E402
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, retrain  # noqa: E402
 from nascompress.dcs_search import search_dcs  # noqa: E402
-from nascompress.dcs_search.search import (
-    CostModel,
-    DCSSearchConfig,
-    DCSSearchHooks,
-    DCSSearchJob,  # noqa: E402
-    search_train_config,
-)
+from nascompress.dcs_search.cost import CostModel
+from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config
+from nascompress.dcs_search.hooks import DCSSearchHooks  # noqa: E402
 from nascompress.dcs_search.materialize import MaterializeJob, materialize_search  # noqa: E402
-from nascompress.train import TrainConfig, fit  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.loop import fit  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 CPU = torch.device("cpu")
 

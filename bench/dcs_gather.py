@@ -30,9 +30,10 @@ from _common import header, save  # noqa: E402  (puts the repository on sys.path
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
-from nascompress.layers import NCBlock, aligned_width, to_core  # noqa: E402
-from nascompress.methods.dcs import channel_importance, slice_mlp  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.layers import NCBlock, aligned_width, to_core  # noqa: E402
+from nascompress.methods.dcs_importance import channel_importance
+from nascompress.methods.dcs_materialize import slice_mlp  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
 
 # (label, width, heads, tokens, batches)

@@ -40,19 +40,21 @@ from _common import ROOT, header, log_summary, torch_pruning_keep  # noqa: E402 
 from _pretrained import Bench, done, flops_ratio  # noqa: E402  (bench/pretrained.py's units: dense_ft, uniform@T, dcs@T)
 import torch  # noqa: E402
 
-from nascompress.api import count_classes, evaluate_run  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.data import count_classes
+from nascompress.profiling.jobs import evaluate_run  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.pipeline import run_pipeline  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
-from nascompress.models import custom_vit_spec  # noqa: E402
+from nascompress.models.build import custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.pyapi.common import write_run  # noqa: E402
-from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config  # noqa: E402
-from nascompress.train import TrainJob, train, train_recipe  # noqa: E402
-from nascompress.utils import read_json, write_json  # noqa: E402
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, retrain, retrain_train_config  # noqa: E402
+from nascompress.train.run import TrainJob, train, train_recipe  # noqa: E402
+from nascompress.runs.json_io import read_json, write_json  # noqa: E402
 
 SCRATCH = dict(img_size=28, patch_size=4, embed_dim=96, depth=6, num_heads=3)  # the README main job's base
 SCRATCH_EPOCHS = 30  # on 2,000 images: 480 steps, as many as the main job's base on 54,000 images gets in 1 epoch

@@ -28,11 +28,12 @@ from _common import header, save  # noqa: E402  (puts the repository on sys.path
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
-from nascompress.api import run_data_config  # noqa: E402
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import InputSpec, load_data, make_loader, preprocess  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
-from nascompress.methods.dcs import activation_importance, channel_importance, slice_mlp  # noqa: E402
-from nascompress.dcs_search.search import calibration_images, init_importance  # noqa: E402
+from nascompress.methods.dcs_importance import activation_importance, channel_importance
+from nascompress.methods.dcs_materialize import slice_mlp  # noqa: E402
+from nascompress.dcs_search.prepare import calibration_images, init_importance  # noqa: E402
 
 
 @torch.no_grad()

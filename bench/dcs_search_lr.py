@@ -24,7 +24,7 @@ import argparse
 from pathlib import Path
 
 from _common import header, log_summary, run_user_search, save  # noqa: E402  (puts the repository on sys.path)
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 
 def run_dir(a: argparse.Namespace, recipe: str, target: float) -> Path:

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from nascompress.data import load_fashion_mnist  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 GOAL_S = 600.0  # the in-memory base's goal (its issue); an ImageFolder base's: GOAL_FOLDER_S (issue 50)
 GOAL_FOLDER_S = 240.0

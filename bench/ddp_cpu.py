@@ -1,6 +1,6 @@
 """Data-parallel step time on CPU: the main job's dense model trained by ``nascompress train`` under
 ``torchrun --nproc-per-node 2`` (gloo, one thread per process), this checkout against another one
-(e.g. the commit before a change to :mod:`nascompress.distributed`), interleaved round by round.
+(e.g. the commit before a change to :mod:`nascompress.train.distributed`), interleaved round by round.
 
     python bench/ddp_cpu.py --before-root ../old-checkout --rounds 3 --train-limit 6400
 

@@ -1,6 +1,6 @@
 """Exported models against PyTorch: agreement and the compressed/dense speed ratio per runtime.
 
-Two model families, each exported with ``nascompress.export.export_run`` (ONNX, fp32, dynamic
+Two model families, each exported with ``nascompress.deploy.export_run`` (ONNX, fp32, dynamic
 batch, and a ``torch.export`` program):
 
 1. The main job (``configs/fashion-mnist.yaml``): its dense base and its compressed model (DCS
@@ -39,12 +39,13 @@ import torch  # noqa: E402
 
 import nascompress  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
-from nascompress.export import ExportConfig, export_run  # noqa: E402
-from nascompress.export.verify import onnx_runner, program_runner  # noqa: E402
+from nascompress.deploy import ExportConfig, export_run  # noqa: E402
+from nascompress.deploy.verify import onnx_runner, program_runner  # noqa: E402
 from nascompress.runs.io import load_arch, load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, channel_importance  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.methods.dcs import DCSConfig
+from nascompress.methods.dcs_importance import channel_importance  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
 from _standins import dcs_at_flops, main_job_standin, save_run  # noqa: E402  (shared with quantize)
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from _common import machine, save  # noqa: E402  (puts the repository on sys.path)
 from nascompress.data import DataConfig  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
-from nascompress.train import TrainJob, build_job, train  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.models.build import ModelSpec  # noqa: E402
+from nascompress.train.run import TrainJob, build_job, train  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 
 # the linear probe; fine-tuning from a random head (before LP-FT); LP-FT as shipped; LP-FT with a

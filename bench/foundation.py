@@ -19,13 +19,14 @@ from _common import data_sizes, header, save  # noqa: E402  (puts the repository
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
-from nascompress.api import evaluate_run, run_data_config  # noqa: E402
+from nascompress.profiling.jobs import evaluate_run
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, flop_counter_macs, profile_models  # noqa: E402
 from nascompress.profiling.flops import thop_macs  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 PAPER_GFLOPS = (("deit_small_patch16_224", 4.6), ("deit_tiny_patch16_224", 1.25))
 

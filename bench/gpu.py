@@ -50,17 +50,18 @@ import torch.nn.functional as F  # noqa: E402
 
 import nascompress  # noqa: E402,F401
 from nascompress import runtime  # noqa: E402
-from nascompress.api import profile  # noqa: E402
-from nascompress.layers import aligned_width, qk_layout_summary, set_qk_layout  # noqa: E402
+from nascompress.profiling.jobs import profile  # noqa: E402
+from nascompress.models.layers import aligned_width, qk_layout_summary, set_qk_layout  # noqa: E402
 from nascompress.methods import block_sparse, get_method  # noqa: E402
-from nascompress.methods.dcs import DCSConfig, build_materialized, channel_importance  # noqa: E402
-from nascompress.methods.sparsifiner import region_init  # noqa: E402
+from nascompress.methods.dcs import DCSConfig, build_materialized
+from nascompress.methods.dcs_importance import channel_importance  # noqa: E402
+from nascompress.methods.sparsifiner_kernel import region_init  # noqa: E402
 from nascompress.methods.uniform import UniformConfig, keep_for_flops  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.pipeline import run_pipeline  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
 from nascompress.profiling.latency import compile_for_speed  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 SECTIONS = ("models", "qk_layout", "sparsifiner", "pipeline")
 TARGET = 0.6  # the FLOPs ratio of the channel-pruned models

@@ -27,12 +27,15 @@ from _common import ROOT, data_sizes, header, save  # noqa: E402  (puts the repo
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
-from nascompress.api import evaluate_run, run_data_config  # noqa: E402
+from nascompress.profiling.jobs import evaluate_run
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
 from nascompress.runs.io import load_arch, load_with_arch  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.retraining import IBHooks, RetrainConfig, RetrainJob, make_input_embed, retrain  # noqa: E402
-from nascompress.train import TrainConfig  # noqa: E402
+from nascompress.dcs_search.ib_hooks import IBHooks, make_input_embed
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, retrain  # noqa: E402
+from nascompress.train.config import TrainConfig  # noqa: E402
 
 
 def wait_for(path: Path, deadline: dt.datetime) -> bool:

@@ -8,7 +8,7 @@ AVX512-BF16 or AMX, or on CUDA) bf16. Random weights: latency does not depend on
 
 Recipes: the main job's model (``configs/fashion-mnist.yaml``: 28 px, patch 4, width 96, depth 6, 3
 heads), DeiT-S/224 and DINOv2 ViT-S/14 at 112 px (timm, random weights). Variants are sliced from the
-real timm model (:func:`nascompress.slicing.slice_hidden`, :func:`~nascompress.slicing.slice_qk`;
+real timm model (:func:`nascompress.models.slicing.slice_hidden`, :func:`~nascompress.models.slicing.slice_qk`;
 heads: a fresh timm Attention with fewer heads of the same head dim; blocks: the first ones kept).
 
     python bench/latency_predictor.py                   # all: about half an hour on 2 cores
@@ -29,11 +29,11 @@ from torch import nn
 
 import nascompress  # noqa: F401  (before timm: the torchvision fix)
 from nascompress import runtime
-from nascompress.layers import core_attention, to_core
-from nascompress.models import build_model, custom_vit_spec
+from nascompress.models.layers import core_attention, to_core
+from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.profiling import geometry_of, latency_table, predict_latency, time_models
 from nascompress.profiling.latency_table import cpu_info
-from nascompress.slicing import slice_hidden, slice_qk
+from nascompress.models.slicing import slice_hidden, slice_qk
 
 RECIPES = {
     "main": "the main job's model (28 px, patch 4, width 96, depth 6, 3 heads)",

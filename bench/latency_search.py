@@ -33,8 +33,9 @@ from _standins import main_job_spec  # noqa: E402
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.pipeline import load_config  # noqa: E402
 from nascompress.profiling.latency_table import cpu_info  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 
 def cli(*args: Any, env: dict[str, str]) -> str:

@@ -35,8 +35,9 @@ from nascompress.methods.dcs import materialize  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.runs.io import load_with_arch, save_model  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.retraining import RetrainJob, retrain  # noqa: E402
-from nascompress.utils import create_out_dir, prepare_out_dir, read_json, write_json  # noqa: E402
+from nascompress.retraining.run import RetrainJob, retrain  # noqa: E402
+from nascompress.runs.out_dir import create_out_dir, prepare_out_dir
+from nascompress.runs.json_io import read_json, write_json  # noqa: E402
 
 
 PEERS = ("torch-pruning", "magnitude", "plain")  # the units, in the order they run by default

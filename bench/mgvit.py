@@ -20,8 +20,8 @@ default 7x7 SGIS costs exactly as much as the dense model. Two settings are meas
   beyond 28 px, so here the coarse stage loses little; on ImageNet it loses more (paper: 1.10 GFLOPs
   SGIS at 73.2% against 79.8% dense, Table 1).
 
-Each is fine-tuned with ``nascompress.finetune`` (epsilon = 1, CE(MGIS) + KL) from its dense base;
-the epsilon sweep (``nascompress.api.epsilon_sweep``) then runs on the full 10,000-image test set
+Each is fine-tuned with ``nascompress.train.finetune`` (epsilon = 1, CE(MGIS) + KL) from its dense base;
+the epsilon sweep (``nascompress.profiling.jobs.epsilon_sweep``) then runs on the full 10,000-image test set
 against that base. Configs are merged into the existing JSON (one entry per config, each with its
 own dense base).
 
@@ -47,15 +47,16 @@ from _common import ROOT, data_sizes, header, save, wait_for_base  # noqa: E402 
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
-from nascompress.api import epsilon_sweep, run_data_config  # noqa: E402
+from nascompress.profiling.jobs import epsilon_sweep
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
-from nascompress.evaluate import evaluate  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.profiling.evaluate import evaluate  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load, load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "mgvit.json"
 EPSILONS = [0.5, 0.7, 0.9, 1.0]

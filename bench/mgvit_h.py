@@ -1,10 +1,10 @@
 """Hierarchical MG-ViT (``mgvit-h``) benchmark on Fashion-MNIST: classification and a small
 segmentation check, dense PVT v2 against -A and -R on the same data and budget.
 
-1. A dense ``pvt_v2_b0`` is trained from scratch (``nascompress.train``) at ``--img-size`` px.
+1. A dense ``pvt_v2_b0`` is trained from scratch (``nascompress.train.run``) at ``--img-size`` px.
 2. From it, with the same data and the same number of fine-tuning epochs: the dense model trained on
    (``fit``, no method: the fair baseline for the extra epochs), ``mgvit-h`` variant ``a`` and
-   variant ``r`` (``nascompress.finetune``, CE(MG pass) + KL(SGIS)).
+   variant ``r`` (``nascompress.train.finetune``, CE(MG pass) + KL(SGIS)).
 3. Classification: test top-1 of each (for -A/-R at epsilon 1 and an epsilon sweep with the SGIS
    exit), per-image MACs (the FLOP counter; the MG layer, sub-token embeddings, ranking and SGIS
    counted), latency (batch 1) and throughput (batch ``--batch``) measured interleaved in this process.
@@ -41,14 +41,14 @@ from torch import nn  # noqa: E402
 
 import nascompress  # noqa: E402,F401
 from nascompress.data import DataConfig, InputSpec, load_data, make_loader, preprocess  # noqa: E402
-from nascompress.evaluate import evaluate  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.profiling.evaluate import evaluate  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.mgvit import sweep_model  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
-from nascompress.train import fit  # noqa: E402
+from nascompress.train.loop import fit  # noqa: E402
 from _mgvit_h import dense_base  # noqa: E402  (shared with mgvit_h_ppsm and mgvit_h_study)
 
 OUT = ROOT / "bench" / "results" / "mgvit_h.json"

@@ -4,7 +4,7 @@ what it costs, on the tiny configuration of ``bench/mgvit_h.py`` (``pvt_v2_b0`` 
 1. The dense base: ``--base`` (a finished ``bench/mgvit_h.py`` dense run, e.g. its ``--reuse-base``
    one) or, if it does not exist, trained here exactly as ``bench/mgvit_h.py`` trains it.
 2. For each ``--configs`` pair ``r_pos,r_neg`` (``1,0``: PPSM off), variant ``--variant`` with the same
-   ``--r-h`` / ``--r-t``, fine-tuned with the same budget (``nascompress.finetune``, ``kl_weight``
+   ``--r-h`` / ``--r-t``, fine-tuned with the same budget (``nascompress.train.finetune``, ``kl_weight``
    ``--kl-weight``): test top-1 of the MG pass (epsilon 1), its per-image MACs (the FLOP counter: the
    MG layer over the slimmed groups and the merges counted), the cells per PPSM domain and the
    tokens the MG layer sees (arch.json's ``ppsm_cells`` / ``mg_group_tokens``).
@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
 from nascompress.data import DataConfig  # noqa: E402
-from nascompress.evaluate import evaluate  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.profiling.evaluate import evaluate  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402

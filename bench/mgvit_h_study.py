@@ -1,6 +1,6 @@
 """A small Optuna study over ``search_spaces/mgvit-h.yaml`` (Hierarchical MG-ViT: variant, r_h, r_t, r_pos,
 r_neg, epsilon) on the tiny trained ``pvt_v2_b0`` of ``bench/mgvit_h.py``, through the project's own
-``search tokens`` machinery (``nascompress.search.trials.run_search``).
+``search tokens`` machinery (``nascompress.studies.trials.run_search``).
 
 1. The dense base: ``--base`` (a finished ``bench/mgvit_h.py`` dense run) or, if it does not exist,
    trained here exactly as ``bench/mgvit_h.py`` trains it (``dense_base``).
@@ -30,8 +30,9 @@ import torch  # noqa: E402
 
 import nascompress  # noqa: E402,F401
 from nascompress.data import DataConfig  # noqa: E402
-from nascompress.search.space import load_space  # noqa: E402
-from nascompress.search.trials import SearchJob, TrialContext, run_search  # noqa: E402
+from nascompress.studies.space_model import load_space  # noqa: E402
+from nascompress.studies.trials import SearchJob, run_search
+from nascompress.studies.trial_context import TrialContext  # noqa: E402
 from nascompress.studies.inspect import load as load_study  # noqa: E402
 from nascompress.studies.inspect import show_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402

@@ -3,7 +3,7 @@ attention kernel on this device: ``packed`` (SDPA gets q/k at their narrowed wid
 torch's fused kernel needs one head dim for q, k and v, so this is the math path) or ``pad`` (q/k
 zero-padded after the projection to V's head dim; the fused kernel runs, QK^T at the full width).
 
-Times one whole :class:`~nascompress.layers.NCAttention` forward (projection, kernel, output
+Times one whole :class:`~nascompress.models.layers.NCAttention` forward (projection, kernel, output
 projection), the dense attention and both layouts interleaved in one process, medians; inference.
 The figures decide ``layers.CPU_PAD_QK``; on CUDA ``bench/gpu.py`` measures the same choice.
 
@@ -23,8 +23,8 @@ import torch
 import nascompress  # noqa: F401  (before timm: the torchvision fix)
 from timm.layers import Attention  # noqa: E402
 
-from nascompress.layers import core_attention, set_qk_layout
-from nascompress.methods.dcs import slice_qk
+from nascompress.models.layers import core_attention, set_qk_layout
+from nascompress.models.slicing import slice_qk
 from nascompress.profiling import time_models
 
 # (label, width, heads, tokens, batches, Q/K widths kept per head)

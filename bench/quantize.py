@@ -12,7 +12,7 @@ Families (each optional):
    reading the accuracies), DCS at about 0.6x FLOPs (channels by activation importance,
    materialized) and EViT keep rate 0.7.
 
-Every model is quantized by the library (:func:`nascompress.export.quantize.quantize_run`, default
+Every model is quantized by the library (:func:`nascompress.deploy.quantize.quantize_run`, default
 settings: int8-static, 256 calibration images, check on the validation split, fallback on). Then, per
 model: test top-1 on ``--eval-images`` class-stratified test images of PyTorch fp32 and of the int8
 file; the file sizes; and the speed of PyTorch eager fp32, ONNX Runtime fp32 and ONNX Runtime int8, all
@@ -46,19 +46,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402
-from nascompress.api import run_data_config  # noqa: E402
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
-from nascompress.export import ExportConfig, export_run  # noqa: E402
-from nascompress.export.config import QuantizeConfig  # noqa: E402
-from nascompress.export.quantize import quantize_run  # noqa: E402
-from nascompress.export.verify import onnx_runner  # noqa: E402
+from nascompress.deploy import ExportConfig, export_run  # noqa: E402
+from nascompress.deploy.config import QuantizeConfig  # noqa: E402
+from nascompress.deploy.quantize import quantize_run  # noqa: E402
+from nascompress.deploy.verify import onnx_runner  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
-from nascompress.methods.dcs import activation_importance  # noqa: E402
-from nascompress.models import ModelSpec  # noqa: E402
+from nascompress.methods.dcs_importance import activation_importance  # noqa: E402
+from nascompress.models.build import ModelSpec  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.profiling import count_flops, time_models, time_models_by_threads  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 from _standins import dcs_at_flops, main_job_standin, save_run  # noqa: E402  (bench/export.py's stand-ins)
 
 CPU_FLAGS = (

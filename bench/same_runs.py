@@ -1,7 +1,9 @@
-"""Whether two runs of the README main job are the same bit for bit: every model file of the pipeline's
-steps (base, dcs_search, dcs_mat, final) tensor for tensor, and the pipeline's ``summary.json`` key for key
-except what a second run cannot repeat (timings, its own paths). Used to check that a change of the code's
-form (issue 51's refactor) left the main job's results unchanged.
+"""Whether two runs of a pipeline (the README main job, the demo) are the same bit for bit: every model
+file of the pipeline's steps (each ``model.safetensors`` under the two folders: base, dcs_search, dcs_mat,
+tokens/picked, final ...) tensor for tensor, and the pipeline's ``summary.json`` key for key except what a
+second run cannot repeat (timings, its own paths). With ``--files`` RUN_A and RUN_B are two safetensors
+files (e.g. the tensors a Python API example saved) compared tensor for tensor. Used to check that a
+change of the code's form (issue 51's refactor, issue 66's) left the results unchanged.
 
 Usage (from the repository root)::
 
@@ -22,7 +24,6 @@ from _common import header, save  # (first: puts the repository on sys.path)
 import torch
 from safetensors.torch import load_file
 
-STEPS = ("base", "dcs_search", "dcs_mat", "final")
 # what a second run cannot repeat: its timings (latency and throughput are measured, not computed), the
 # clock, and its own paths
 VARIABLE = (
@@ -48,6 +49,9 @@ VARIABLE = (
 
 
 def tensors_equal(a: Path, b: Path) -> dict[str, Any]:
+    missing = [str(p) for p in (a, b) if not p.is_file()]
+    if missing:
+        return {"tensors": 0, "same_names": False, "differ": [], "missing": missing, "identical": False}
     ta, tb = load_file(a), load_file(b)
     differ = sorted(k for k in ta.keys() & tb.keys() if not torch.equal(ta[k], tb[k]))
     return {
@@ -82,8 +86,17 @@ def main() -> None:
     ap.add_argument("--label-a", required=True, help="what RUN_A ran (commit, patch)")
     ap.add_argument("--label-b", required=True, help="what RUN_B ran")
     ap.add_argument("--out", default="bench/results/same_runs.json")
+    ap.add_argument("--files", action="store_true", help="RUN_A and RUN_B are two safetensors files")
     a = ap.parse_args()
-    models = {s: tensors_equal(a.run_a / s / "model.safetensors", a.run_b / s / "model.safetensors") for s in STEPS}
+    if a.files:
+        same = tensors_equal(a.run_a, a.run_b)
+        save(a.out, {**header(), "a": a.label_a, "b": a.label_b, "tensors": same, "bit_for_bit": same["identical"]})
+        print(f"bit for bit: {same['identical']} ({same['tensors']} tensors; differ: {same['differ'] or 'none'})")
+        return
+    steps = sorted(
+        {str(p.parent.relative_to(r)) for r in (a.run_a, a.run_b) for p in r.rglob("model.safetensors")}
+    )  # every step's model, in either run (one in one run only: a difference)
+    models = {s: tensors_equal(a.run_a / s / "model.safetensors", a.run_b / s / "model.safetensors") for s in steps}
     sa, sb = (json.loads((r / "summary.json").read_text()) for r in (a.run_a, a.run_b))
     summary_diff = differences(sa, sb)
     result = {

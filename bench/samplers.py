@@ -45,13 +45,16 @@ import optuna  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.data import DataConfig  # noqa: E402
 from nascompress.errors import NascompressError  # noqa: E402
-from nascompress.models import custom_vit_spec  # noqa: E402
+from nascompress.models.build import custom_vit_spec  # noqa: E402
 from nascompress.runs.io import load  # noqa: E402
-from nascompress.search.space import load_space  # noqa: E402
-from nascompress.search.trials import SAMPLERS, SearchJob, make_objective, reference_configs, sampler_factory  # noqa: E402
+from nascompress.studies.space_model import load_space  # noqa: E402
+from nascompress.studies.samplers import SAMPLERS, sampler_factory
+from nascompress.studies.trials import SearchJob, make_objective
+from nascompress.studies.space_reference import reference_configs  # noqa: E402
 from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.records import trial_record  # noqa: E402
-from nascompress.train import TrainConfig, TrainJob, train  # noqa: E402
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train  # noqa: E402
 
 BUDGETS = (10, 20, 30, 50)
 SPACES = {

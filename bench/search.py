@@ -36,12 +36,14 @@ import torch  # noqa: E402
 import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.search.space import load_space  # noqa: E402
-from nascompress.search.trials import SearchJob, TrialContext, make_objective, make_sampler, run_search  # noqa: E402
+from nascompress.studies.space_model import load_space  # noqa: E402
+from nascompress.studies.trials import SearchJob, make_objective, run_search
+from nascompress.studies.trial_context import TrialContext
+from nascompress.studies.samplers import make_sampler  # noqa: E402
 from nascompress.studies import run_study  # noqa: E402
 from nascompress.studies.inspect import load as load_study  # noqa: E402
 from nascompress.studies.records import pareto_front, trial_record  # noqa: E402
-from nascompress.utils import write_json  # noqa: E402
+from nascompress.runs.json_io import write_json  # noqa: E402
 
 
 def front(study) -> list[dict]:

@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 
 from nascompress import runtime
-from nascompress.methods.dcs import DCSConfig, arch_parameters, make_supernet
-from nascompress.models import build_model, custom_vit_spec
-from nascompress.utils import write_json
+from nascompress.methods.dcs import DCSConfig, make_supernet
+from nascompress.methods.dcs_supernet import arch_parameters
+from nascompress.models.build import build_model, custom_vit_spec
+from nascompress.runs.json_io import write_json
 
 MODELS = {
     "dinov2": {"batch": 16, "size": 112, "chans": 3},

@@ -39,13 +39,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nascompress  # noqa: E402,F401
-from nascompress.api import run_data_config  # noqa: E402
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess  # noqa: E402
-from nascompress.evaluate import evaluate  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.profiling.evaluate import evaluate  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.runs.io import load_with_arch  # noqa: E402
 from nascompress.methods import block_sparse, get_method  # noqa: E402
-from nascompress.methods.sparsifiner import SparsifinerRecipe, region_init, sparse_modules  # noqa: E402
+from nascompress.methods.sparsifiner import SparsifinerRecipe
+from nascompress.methods.sparsifiner_kernel import region_init, sparse_modules  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "sparsifiner.json"

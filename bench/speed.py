@@ -47,7 +47,7 @@ import torch._dynamo  # noqa: E402
 from nascompress import profiling, runtime  # noqa: E402
 from nascompress.profiling import time_models  # noqa: E402
 from nascompress.profiling.latency import compile_for_speed  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 GPU_BUDGET_S = 450  # --gpu: the whole command (building included) stays under 8 minutes
 BUILD_SHARE = 0.35  # under a time budget, building the models may take this share of it

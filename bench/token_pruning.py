@@ -6,7 +6,7 @@
    not depend on the weights), batch 1 and batch 64, with the FLOPs of each.
 2. Fashion-MNIST from the dense base run: test top-1 and FLOPs of the dense base on the same test
    images, then of each method at two settings zero-shot and after a short fine-tune
-   (``nascompress.finetune``: 1 epoch on a seeded class-stratified subset of ``--train-limit``
+   (``nascompress.train.finetune``: 1 epoch on a seeded class-stratified subset of ``--train-limit``
    training images). DynamicViT zero-shot is recorded twice: with untrained predictors
    (``predictor_steps=0``: a random token choice) and after the library's predictor-only stage
    (the default of ``finetune --zero-shot``: recipe ``predictor_steps``, backbone frozen).
@@ -32,14 +32,15 @@ from _common import data_sizes, header, save  # noqa: E402  (puts the repository
 import torch  # noqa: E402
 
 import nascompress  # noqa: E402
-from nascompress.api import evaluate_run, run_data_config  # noqa: E402
+from nascompress.profiling.jobs import evaluate_run
+from nascompress.runs.run_config import run_data_config  # noqa: E402
 from nascompress.data import DataConfig, InputSpec, load_data  # noqa: E402
-from nascompress.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
+from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config  # noqa: E402
 from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.dynamicvit import DynamicViTRecipe  # noqa: E402
-from nascompress.models import ModelSpec, build_model  # noqa: E402
+from nascompress.models.build import ModelSpec, build_model  # noqa: E402
 from nascompress.profiling import count_flops, time_models  # noqa: E402
-from nascompress.utils import read_json  # noqa: E402
+from nascompress.runs.json_io import read_json  # noqa: E402
 
 # (method, config, absolute peak lr of the 1-epoch fine-tune at batch 128)
 SETTINGS = [
@@ -163,7 +164,7 @@ def fashion_mnist(
         "nothing to train; DynamicViT: after the predictor-only stage, predictor_steps steps with the "
         "backbone frozen, distilled to the dense run, as `nascompress finetune --zero-shot` does). "
         "zero_shot_untrained_predictors: DynamicViT with randomly initialised predictors, i.e. a random "
-        "token choice. finetuned: 1 epoch of nascompress.finetune on a seeded class-stratified subset of "
+        "token choice. finetuned: 1 epoch of nascompress.train.finetune on a seeded class-stratified subset of "
         "train_limit training images (EViT: CE at its target keep rate from the first "
         "step; DynamicViT: CE + 0.5 KL + 0.5 token MSE + 2 ratio loss against the dense run, predictors "
         "at lr, backbone at 0.01 lr); fit evaluates the start first and keeps it if training only hurt "

@@ -29,7 +29,8 @@ from nascompress.methods import get_method  # noqa: E402
 from nascompress.methods.tokens import scale_layers  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
 from nascompress.profiling.latency import time_models  # noqa: E402
-from nascompress.search.trials import SearchJob, TrialContext  # noqa: E402
+from nascompress.studies.trials import SearchJob
+from nascompress.studies.trial_context import TrialContext  # noqa: E402
 
 
 def evit_at(

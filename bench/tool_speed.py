@@ -3,7 +3,7 @@
 1. ``peak``: this machine's matmul peak in fp32 and bf16 (square GEMMs of ``--gemm`` sizes, ``--threads``
    threads, the median of ``--reps``), the yardstick for everything below.
 2. ``steps``: the training step of each recipe's model (forward + backward + AdamW, the loop's own
-   pieces: :func:`nascompress.train_loop.fit`'s loss and optimizer) at its batch size, fp32 and bf16
+   pieces: :func:`nascompress.train.loop.fit`'s loss and optimizer) at its batch size, fp32 and bf16
    autocast interleaved (medians): images/s, achieved GFLOP/s (3 x 2 x MACs per image: the forward and
    a backward of twice its cost) and its share of the peak of that precision: ``fp32``, ``bf16`` (what
    ``--amp auto`` runs on a CPU with native bf16: autocast, attention as explicit matmuls) and
@@ -57,10 +57,11 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from nascompress import runtime  # noqa: E402
 from nascompress.data import DataConfig, load_data, training_batches  # noqa: E402
-from nascompress.evaluate import evaluate  # noqa: E402
-from nascompress.models import build_model, custom_vit_spec  # noqa: E402
+from nascompress.profiling.evaluate import evaluate  # noqa: E402
+from nascompress.models.build import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
-from nascompress.train import fit, input_spec_for, train_recipe  # noqa: E402
+from nascompress.train.loop import fit
+from nascompress.train.run import input_spec_for, train_recipe  # noqa: E402
 
 
 def sync(dev: torch.device) -> None:

@@ -9,8 +9,8 @@ From Python (``import nascompress as nc``; the same jobs the commands run, see `
 * ``nc.load(path)`` rebuilds any saved model.
 
 ``nc.retrain`` is the function :func:`nascompress.pyapi.stages.retrain` (the stage the commands run
-is :mod:`nascompress.retraining`);
-``nc.export`` is the package :mod:`nascompress.export`, with :func:`nascompress.export.onnx`.
+is :mod:`nascompress.retraining.run`);
+``nc.export`` is the module :mod:`nascompress.pyapi.export`, with :func:`nascompress.pyapi.export.onnx`.
 ``dir(nc)`` lists every name above (tab completion).
 
 Importing the package applies the torchvision fix for a CPU-only torch (so ``import timm`` works
@@ -60,7 +60,7 @@ _LAZY = {
     "study": ("nascompress.pyapi.study", "study"),
     "dcs": ("nascompress.pyapi.dcs", None),
     "tokens": ("nascompress.pyapi.tokens", None),
-    "export": ("nascompress.export", None),
+    "export": ("nascompress.pyapi.export", None),
 }
 
 

@@ -104,7 +104,7 @@ def check_meta(
 ) -> dict[str, Any]:
     """The checks a field's metadata carries for the pipeline file: a number range, choices, a
     path (resolved against the config's directory unless it is one of ``keywords``; ``shipped``: the
-    kind of :mod:`nascompress.resources` file a name that is no such path means, ``search space``),
+    kind of :mod:`nascompress.yaml_io` file a name that is no such path means, ``search space``),
     or a limit of :mod:`nascompress.limits` (its name) the value must not exceed."""
     return {
         "lo": lo,

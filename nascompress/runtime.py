@@ -2,7 +2,7 @@
 
 * ``dtype`` (``--dtype fp32|bf16|fp16``; evaluate, profile, the pipeline's report,
   ``nascompress.load(dtype=)``): the model's weights and inputs in that dtype (inference only).
-* ``amp`` (``--amp off|bf16|auto``; every training job through :class:`~nascompress.train.TrainConfig`):
+* ``amp`` (``--amp off|bf16|auto``; every training job through :class:`~nascompress.train.run.TrainConfig`):
   the forward and the loss under ``torch.autocast(device, bfloat16)``; weights, gradients and the
   optimizer stay float32 (bfloat16 has float32's range: no loss scaling). ``auto``
   (:func:`resolve_amp`, the default) is bf16 on a CPU with native bfloat16 dot products (AVX512-BF16
@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import random
 import sys
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from .errors import NascompressError, SettingError
@@ -218,3 +220,44 @@ __all__ = [
     "cuda_rng_state",
     "restore_cuda_rng",
 ]
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed python, numpy and torch from one number; return a torch.Generator seeded with it."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise NascompressError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SettingError(f"device {device!r} requested but CUDA is not available; use {{device}} cpu")
+    return dev
+
+
+def machine_device(value: str | torch.device, *, field: str = "device") -> torch.device:
+    """``value`` (a ``map_location``) as a device this machine has; anything else refused in one
+    line naming ``field`` (not torch's AssertionError from a CPU build)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise SettingError(f"{{{field}}} {value!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SettingError(
+            f"{{{field}}} {value!r} needs CUDA, which this machine (or its torch build) has not; use {{{field}}} 'cpu'"
+        )
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SettingError(
+            f"{{{field}}} {value!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"use {{{field}}} 'cuda' or 'cpu'"
+        )
+    return dev

@@ -30,7 +30,7 @@ needs_fmnist = pytest.mark.skipif(not FMNIST, reason="Debian package dataset-fas
 def tiny_spec(num_classes: int = 10, **kw):
     """The tiny plain ViT most tests build: 16x16 one-channel images, 4x4 patches, 2 blocks 32 wide
     with 2 heads (``custom_vit_spec``; ``kw``: its other arguments)."""
-    from nascompress.models import custom_vit_spec
+    from nascompress.models.build import custom_vit_spec
 
     return custom_vit_spec(
         img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=num_classes, in_chans=1, **kw
@@ -40,7 +40,7 @@ def tiny_spec(num_classes: int = 10, **kw):
 def tiny_spec_3_heads(**kw):
     """tiny_spec's ViT 48 wide with 3 heads (the DCS tests: masks per head), as a timm ``ModelSpec``
     (no ``mlp_ratio`` key; ``kw``: timm's model arguments)."""
-    from nascompress.models import ModelSpec
+    from nascompress.models.build import ModelSpec
 
     args = dict(img_size=16, patch_size=4, embed_dim=48, depth=2, num_heads=3, num_classes=10, in_chans=1)
     return ModelSpec("vit_tiny_patch16_224", dict(args, **kw))
@@ -60,7 +60,7 @@ def tiny_rgb_vit(**kw):
 def tiny_gray_vit(img=16, depth=2, dim=32, heads=2, seed=0):
     """tiny_spec's ViT (one channel) built and in eval mode, with its image size, depth, width and
     heads as arguments, seeded ``seed``."""
-    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.models.build import build_model, custom_vit_spec
 
     torch.manual_seed(seed)
     return build_model(
@@ -127,8 +127,9 @@ def invoke(*args):
 def tiny_run(tmp_path_factory):
     """A tiny dense run trained for one epoch on the synthetic dataset (shared by tests)."""
     from nascompress.data import DataConfig
-    from nascompress.models import custom_vit_spec
-    from nascompress.train import TrainConfig, TrainJob, train
+    from nascompress.models.build import custom_vit_spec
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob, train
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
     job = TrainJob(

@@ -105,7 +105,7 @@ def toy_factory(**kw: Any) -> Callable[[Any], Any]:
 
 def toy_sampler(kind: str) -> Callable[[int], Any]:
     """The sampler factory of ``nascompress search`` (``nsga2`` with a population of 20, or ``tpe``)."""
-    from nascompress.search.trials import make_sampler
+    from nascompress.studies.samplers import make_sampler
 
     return partial(make_sampler, kind)
 

@@ -153,7 +153,7 @@ _SPACE = "format: nascompress-space/1\nname: t\nmethods:\n  - name: {method}\n  
     ],
 )
 def test_a_search_space_is_bounded_and_checked_when_loaded(tmp_path, method, params, words):
-    from nascompress.search.space import load_space
+    from nascompress.studies.space_model import load_space
 
     f = tmp_path / "s.yaml"
     f.write_text(_SPACE.format(method=method, params=params))
@@ -163,7 +163,7 @@ def test_a_search_space_is_bounded_and_checked_when_loaded(tmp_path, method, par
 
 
 def test_a_combination_refused_with_another_default_is_left_to_the_trial(tmp_path):
-    from nascompress.search.space import load_space
+    from nascompress.studies.space_model import load_space
 
     load_space(Path(__file__).parent.parent / "search_spaces" / "mgvit-h.yaml")  # r_neg 0.1 with r_pos's 1.0
 
@@ -178,7 +178,7 @@ def _deep(n: int) -> str:
 
 def test_deep_or_huge_files_are_one_line(tmp_path, monkeypatch):
     import nascompress
-    from nascompress.utils import nesting_depth, parse_json, read_json
+    from nascompress.runs.json_io import nesting_depth, parse_json, read_json
 
     d = plain_model_dir(tmp_path / "m")
     (d / "arch.json").write_text('{"format": ' + _deep(1_000_000) + "}")
@@ -218,7 +218,7 @@ def test_a_deep_config_json_or_checkpoint_metadata_is_one_line(tmp_path):
 
 
 def test_a_deep_yaml_past_a_raised_limit_is_one_line(tmp_path, monkeypatch):
-    from nascompress.search.space import load_space
+    from nascompress.studies.space_model import load_space
 
     f = tmp_path / "s.yaml"
     f.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
@@ -232,8 +232,8 @@ def test_a_deep_yaml_past_a_raised_limit_is_one_line(tmp_path, monkeypatch):
 
 
 def _interrupted_train(out: Path) -> None:
-    from nascompress.hooks import TrainHooks
-    from nascompress.train import train
+    from nascompress.train.hooks import TrainHooks
+    from nascompress.train.run import train
 
     from .conftest import interrupted_at_epoch
     from .test_reliability import _train_job
@@ -385,8 +385,8 @@ def test_the_option_bounds_are_stated_in_limits():
 
     from nascompress import limits
     from nascompress.profiling.config import ProfileConfig
-    from nascompress.search.trials import SearchJob
-    from nascompress.train import TrainConfig
+    from nascompress.studies.trials import SearchJob
+    from nascompress.train.config import TrainConfig
 
     for cls, name, bound in (
         (TrainConfig, "epochs", "epochs"),
@@ -406,7 +406,7 @@ def test_the_option_bounds_are_stated_in_limits():
 
 def _create_at_once(url: str, barrier, results) -> None:
     from nascompress.studies.opening import open_study
-    from nascompress.studies.storage import parse_storage
+    from nascompress.studies.storage_url import parse_storage
 
     barrier.wait()
     try:
@@ -459,7 +459,7 @@ def test_objective_flops_with_a_constraint_is_refused(tmp_path, tiny_run):
         "0.8",
     )
     one_line(r, "--objective flops is a Pareto front; with --max-flops or --max-latency the study is single-objective")
-    from nascompress.search.trials import SearchJob
+    from nascompress.studies.trials import SearchJob
 
     job = SearchJob(base="b", space="s.yaml", study="s", max_flops=0.8)
     old = dict(job.to_dict(), objective="flops")  # a job recorded when the constraint overrode it
@@ -484,8 +484,9 @@ def test_a_pipeline_whose_space_does_not_fit_its_base_writes_nothing(tmp_path):
 
 def test_a_study_is_bound_to_its_base_model(tmp_path, tiny_run):
     from nascompress.data import DataConfig
-    from nascompress.models import custom_vit_spec
-    from nascompress.train import TrainConfig, TrainJob, train
+    from nascompress.models.build import custom_vit_spec
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob, train
 
     from .conftest import TINY_EVIT_SPACE
 
@@ -548,7 +549,7 @@ def _interrupt(*a, **k):
 def test_ctrl_c_in_train_advises_the_resume_that_continues_it(tmp_path):
     import shlex
 
-    from nascompress.hooks import TrainHooks
+    from nascompress.train.hooks import TrainHooks
 
     from .conftest import interrupted_at_epoch
     from .test_reliability import TINY
@@ -569,7 +570,7 @@ def test_ctrl_c_in_train_advises_the_resume_that_continues_it(tmp_path):
 
 
 def test_ctrl_c_in_export_advises_no_resume_and_the_rerun_works(tmp_path, tiny_run, monkeypatch):
-    import nascompress.export.run as export_run
+    import nascompress.deploy.run as export_run
 
     out = tmp_path / "m.pt2"
     with monkeypatch.context() as m:
@@ -583,7 +584,7 @@ def test_ctrl_c_in_export_advises_no_resume_and_the_rerun_works(tmp_path, tiny_r
 
 
 def test_ctrl_c_in_a_study_advises_rerunning_it(tmp_path, tiny_run, monkeypatch):
-    import nascompress.search.trials as trials
+    import nascompress.studies.trials as trials
 
     from .conftest import TINY_EVIT_SPACE
 
@@ -621,7 +622,7 @@ def test_ctrl_c_in_a_study_advises_rerunning_it(tmp_path, tiny_run, monkeypatch)
 
 
 def test_export_and_quantize_leave_nothing_outside_out_and_clear_a_killed_run(tmp_path, tiny_run, monkeypatch):
-    import nascompress.export.quantize as quantize
+    import nascompress.deploy.quantize as quantize
 
     out = tmp_path / "q"  # quantize --out DIR writes DIR/model.int8.onnx
     out.mkdir()

@@ -11,14 +11,15 @@ import torch
 
 import nascompress  # noqa: F401  (torchvision fix before timm)
 from nascompress.errors import NascompressError
-from nascompress.layers import aligned_width, core_attention, qk_layout_summary, qk_pads, set_qk_layout
+from nascompress.models.layers import aligned_width, core_attention, qk_layout_summary, qk_pads, set_qk_layout
 from nascompress.methods import apply_methods, get_method
-from nascompress.methods.dcs import DCSConfig, make_supernet, materialize, slice_qk
+from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
+from nascompress.models.slicing import slice_qk
 from nascompress.methods.mgvit import default_feat_dim
 from nascompress.methods.uniform import UniformConfig, keep_for_flops
-from nascompress.models import ModelSpec, build_model
+from nascompress.models.build import ModelSpec, build_model
 from nascompress.profiling import count_flops
-from nascompress.search.space import Space
+from nascompress.studies.space_model import Space
 
 
 def vit(embed_dim=96, heads=3, depth=2, img=16):

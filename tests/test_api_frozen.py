@@ -68,8 +68,8 @@ def snapshot(m: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_without_frozen_leaves_the_named_parameters_out_of_the_optimizer():
-    from nascompress.hooks import param_groups
-    from nascompress.train_loop import without_frozen
+    from nascompress.train.hooks import param_groups
+    from nascompress.train.loop import without_frozen
 
     m = tiny_vit()
     groups = without_frozen(param_groups(m, weight_decay=0.05), m, sorted(FROZEN))

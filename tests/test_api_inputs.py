@@ -21,7 +21,7 @@ N = 60  # images of the tiny datasets: 3 classes, 20 each
 
 
 def tiny_model(in_chans: int = 1, img: int = 16) -> torch.nn.Module:
-    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.models.build import build_model, custom_vit_spec
 
     torch.manual_seed(0)
     return build_model(

@@ -17,8 +17,8 @@ from timm.models.vision_transformer import Block
 
 import nascompress as nc
 from nascompress.errors import SettingError, python_errors, python_words
-from nascompress.layers import nascompress_modules, to_core, to_plain
-from nascompress.slicing import slice_hidden, slice_qk
+from nascompress.models.layers import nascompress_modules, to_core, to_plain
+from nascompress.models.slicing import slice_hidden, slice_qk
 from tests.conftest import tiny_gray_vit
 
 TINY = dict(device="cpu", train_limit=64, eval_limit=64)

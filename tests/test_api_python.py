@@ -165,7 +165,7 @@ def test_compress_on_a_tensor_dataset_records_the_callers_preprocessing(tiny_run
 
 
 def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left):
-    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.models.build import build_model, custom_vit_spec
 
     torch.manual_seed(0)
     model = build_model(

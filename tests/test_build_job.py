@@ -18,12 +18,11 @@ from nascompress.config import StageSettings
 PKG = Path(__file__).resolve().parents[1] / "nascompress"
 FRONT_ENDS = [
     *sorted((PKG / "cli").glob("*.py")),
-    *sorted((PKG / "pipeline").glob("*.py")),
+    *sorted((PKG / "pipeline").rglob("*.py")),  # (its stages in pipeline/stages/)
     *sorted((PKG / "pyapi").glob("*.py")),
-    PKG / "export" / "__init__.py",
-]  # nc.export.onnx
+]
 # jobs that are settings dataclasses of a stage without a *Job class, and their builder's name
-OTHER_JOBS = {"ExportConfig": ("nascompress.export.config", "build_config")}
+OTHER_JOBS = {"ExportConfig": ("nascompress.deploy.config", "build_config")}
 # a job whose builder lives beside the stage's run, not beside the class
 BUILDER_MODULES = {"DCSSearchJob": "nascompress.dcs_search.run"}
 # "path:ClassName" -> why it is still built there (none: every front end calls the builder)
@@ -113,12 +112,12 @@ def test_no_front_end_builds_a_job_itself():
 def test_the_scan_sees_a_job_built_directly(tmp_path):
     src = tmp_path / "front.py"
     src.write_text(
-        "from nascompress.train import TrainJob\n\n"
+        "from nascompress.train.run import TrainJob\n\n"
         "def build(run, spec, s):\n"
         "    a = TrainJob(model=spec)\n"
         "    b = run(TrainJob, model=spec)\n"
         "    c = library_config(s, STUDY_SETTINGS)\n"
-        "    d = nascompress.importer.ImportJob(model='m', weights='w', out='o')\n"
+        "    d = nascompress.importer.run.ImportJob(model='m', weights='w', out='o')\n"
         "    return build_job(spec, 'o'), setting_option(TrainJob, 'weights')\n"
     )
     assert constructions(src, set(job_classes()), {"STUDY_SETTINGS": "SearchJob"}) == [

@@ -85,12 +85,12 @@ def test_a_runs_data_options_have_one_help():
 
 
 def test_the_quantize_schemes_are_declared_once_and_the_cli_shows_them():
-    from nascompress.export import config as export_config
-    from nascompress.export import quantize
+    from nascompress.deploy import config as export_config
 
     scheme = next(f for f in dataclasses.fields(export_config.QuantizeConfig) if f.name == "scheme")
-    assert scheme.metadata["choices"] is export_config.SCHEMES is quantize.SCHEMES
-    assert quantize.QUANTIZE_CHOICES is export_config.QUANTIZE == ("none", "int8", *export_config.SCHEMES)
+    assert scheme.metadata["choices"] is export_config.SCHEMES
+    quantize = next(f for f in dataclasses.fields(export_config.ExportConfig) if f.name == "quantize")
+    assert quantize.metadata["choices"] is export_config.QUANTIZE == ("none", "int8", *export_config.SCHEMES)
     assert export_config.QuantizeConfig().scheme == export_config.SCHEMES[0] == "int8-static"
     assert export_config.config_for("int8") == export_config.QuantizeConfig()
     (metavar,) = {
@@ -138,7 +138,7 @@ def test_the_token_methods_recipe_fields_are_settings_in_finetune_help(method):
 
 
 def test_recipe_options_and_opt_reach_the_same_recipe(tmp_path, monkeypatch):
-    import nascompress.finetune as finetune
+    import nascompress.train.finetune as finetune
 
     seen = []
     patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})

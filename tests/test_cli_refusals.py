@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nascompress.errors import NascompressError, SettingError
-from nascompress.models import build_model, custom_vit_spec
+from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.runs.io import make_arch, save_model
 
 from .conftest import invoke
@@ -62,7 +62,7 @@ def test_evaluate_refuses_a_zero_batch_or_limit_in_one_line(tiny_run):
     one_line(invoke("evaluate", tiny_run, "--eval-batch-size", "0"), "--eval-batch-size must be an integer in [1,")
     one_line(invoke("evaluate", tiny_run, "--eval-limit", "0"), "--eval-limit must be an integer in [1,")
     from nascompress.data import DataConfig, InputSpec, load_data
-    from nascompress.evaluate import evaluate
+    from nascompress.profiling.evaluate import evaluate
 
     data = load_data(DataConfig(dataset="synthetic", eval_limit=8), spec=InputSpec.from_dict(INPUT))
     with pytest.raises(SettingError, match="batch_size must be an integer in"):  # the library's argument
@@ -116,7 +116,7 @@ def test_an_export_into_a_directory_is_one_line(tmp_path, tiny_run, monkeypatch,
 
 
 def test_a_min_lr_above_the_peak_lr_is_refused(tmp_path):
-    from nascompress.train import TrainConfig
+    from nascompress.train.config import TrainConfig
 
     out = tmp_path / "run"
     msg = one_line(invoke("train", "--out", out, *TINY, "--min-lr", "5"), "--min-lr 5 is above the peak")
@@ -204,7 +204,7 @@ def test_a_normalisation_that_overflows_is_refused(tmp_path, key, value, says):
 
 
 def test_a_space_file_of_too_many_values_is_refused_before_it_is_read(tmp_path, monkeypatch):
-    from nascompress.search.space import load_space
+    from nascompress.studies.space_model import load_space
 
     choices = ", ".join(str(i) for i in range(2000))
     path = tmp_path / "big.yaml"
@@ -297,7 +297,7 @@ def test_a_refusal_names_the_file_and_line_never_its_content(tmp_path, tiny_run)
     space = tmp_path / "s.yaml"
     space.write_text(f"format: '{secret}'\nname: s\nmethods: []\n")
     with pytest.raises(NascompressError, match="format: must be 'nascompress-space/1', got a text of") as e:
-        from nascompress.search.space import load_space
+        from nascompress.studies.space_model import load_space
 
         load_space(space)
     assert "token" not in str(e.value)

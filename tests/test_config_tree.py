@@ -19,7 +19,7 @@ from nascompress.config import user_settings
 from nascompress.data import FMNIST_DIR, DataConfig
 from nascompress.errors import NascompressError
 from nascompress.methods.dcs import SEARCH_DCS, SEARCH_DCS_SETTINGS, DCSConfig
-from nascompress.export.config import ExportConfig
+from nascompress.deploy.config import ExportConfig
 from nascompress.pipeline import (
     BaseTrainSection,
     DataSection,
@@ -33,10 +33,12 @@ from nascompress.pipeline import (
 )
 from nascompress.profiling.config import ProfileConfig
 from nascompress.pipeline.schema import library_config
-from nascompress.retraining import RetrainConfig, RetrainJob
-from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob
-from nascompress.search.trials import STUDY_SETTINGS, SearchJob
-from nascompress.train import TrainConfig, TrainJob
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob
+from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob
+from nascompress.studies.trials import STUDY_SETTINGS, SearchJob
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob
 
 from .conftest import invoke, needs_fmnist, patch_everywhere
 
@@ -281,9 +283,9 @@ def _pipeline_config(tmp_path: Path, base_train: dict, **stages: dict) -> Path:
 def captured(monkeypatch):
     """The jobs the CLI commands and the pipeline's steps would run (nothing runs)."""
     import nascompress.pipeline.fallback as fallback
-    import nascompress.retraining as retrain
+    import nascompress.retraining.run as retrain
     import nascompress.dcs_search as search
-    import nascompress.train as train
+    import nascompress.train.run as train
 
     jobs: dict[str, list] = {"train": [], "dcs": [], "retrain": []}
 
@@ -427,7 +429,7 @@ def test_train_cli_errors_are_one_line(tmp_path, args, pattern):
 def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipeline(tmp_path, monkeypatch):
     """``search tokens`` options and ``stages.tokens`` keys are the same SearchJob fields: given the
     same values, both build the same job (but the pipeline's own storage, base and data)."""
-    import nascompress.search.trials as trials
+    import nascompress.studies.trials as trials
 
     seen = []
 
@@ -484,8 +486,8 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
 def test_finetune_training_options_are_the_library_settings_with_the_methods_recipe(tiny_run, tmp_path, monkeypatch):
     """``finetune``'s training options are generated from TrainConfig's fields (FINETUNE_TRAIN_SETTINGS):
     not given, each is the method's recipe (finetune_train_config); given, it wins."""
-    import nascompress.finetune as finetune
-    from nascompress.finetune import FINETUNE_TRAIN_SETTINGS, finetune_train_config
+    import nascompress.train.finetune as finetune
+    from nascompress.train.finetune import FINETUNE_TRAIN_SETTINGS, finetune_train_config
 
     opts = _cli_options(("finetune",))
     for f in user_settings(TrainConfig):

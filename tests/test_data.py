@@ -201,8 +201,8 @@ def test_input_spec_for_follows_weights_pretrained_config(tmp_path):
 
     from nascompress.data import FMNIST_MEAN, IMAGENET_MEAN
     from nascompress.runs.io import make_arch
-    from nascompress.models import ModelSpec, build_model
-    from nascompress.train import input_spec_for
+    from nascompress.models.build import ModelSpec, build_model
+    from nascompress.train.run import input_spec_for
 
     w = tmp_path / "w.pth"
     torch.save({}, w)  # only its kind matters here: a foreign file, no nascompress metadata
@@ -236,7 +236,7 @@ def test_input_spec_for_follows_weights_pretrained_config(tmp_path):
 
 
 def test_train_with_weights_records_pretrained_preprocessing(tmp_path, tiny_run):
-    from nascompress.models import build_model, custom_vit_spec
+    from nascompress.models.build import build_model, custom_vit_spec
 
     src = build_model(
         custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
@@ -391,7 +391,7 @@ def test_digits_is_a_real_builtin_dataset():
 def test_lfw_faces_is_a_real_builtin_dataset_of_another_domain():
     """scikit-image's bundled LFW subset: 200 real 25x25 photographs, faces vs non-faces, a fixed
     stratified test split, no download."""
-    from nascompress.api import count_classes
+    from nascompress.data import count_classes
 
     b = load_data(DataConfig(dataset="lfw-faces"))
     assert b.name == "lfw-faces" and b.classes == ["face", "non-face"] and b.native_size == (25, 25)
@@ -404,7 +404,7 @@ def test_lfw_faces_is_a_real_builtin_dataset_of_another_domain():
 
 
 def test_classes_keeps_a_subset_relabelled_in_order(tmp_path):
-    from nascompress.api import count_classes
+    from nascompress.data import count_classes
 
     full = load_data(DataConfig(dataset="digits"))
     b = load_data(DataConfig(dataset="digits", classes="7,1,3"))

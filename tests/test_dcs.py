@@ -12,18 +12,12 @@ from typer.testing import CliRunner
 import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
-from nascompress.methods.dcs import (
-    DCSConfig,
-    arch_parameters,
-    gumbel_sigmoid,
-    make_record,
-    make_supernet,
-    materialize,
-    selection,
-)
-from nascompress.models import ModelSpec, build_model
+from nascompress.methods.dcs import DCSConfig, make_record, make_supernet, materialize
+from nascompress.methods.dcs_supernet import arch_parameters, selection
+from nascompress.methods.dcs_gates import gumbel_sigmoid
+from nascompress.models.build import ModelSpec, build_model
 from nascompress.profiling import count_flops
-from nascompress.dcs_search.search import CostModel
+from nascompress.dcs_search.cost import CostModel
 
 from .conftest import tiny_spec_3_heads
 
@@ -339,7 +333,7 @@ def test_soft_cost_tracks_the_hard_cost_as_masks_harden():
 
 def test_a_static_theta_closes_under_the_cost():
     """The cost alone (lambda log cost) closes Q/K channels: theta is pushed below the threshold."""
-    from nascompress.dcs_search.search import CostModel
+    from nascompress.dcs_search.cost import CostModel
 
     sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates=False, theta_init=0.5))
     cost = CostModel.build(build_model(tiny_spec_3_heads()).eval(), sup, torch.zeros(1, 1, 16, 16))
@@ -541,7 +535,7 @@ def test_search_from_timm_name_with_local_weights(tmp_path):
 
 
 def test_lambda_steer_is_a_signed_pi_controller():
-    from nascompress.dcs_search.search import LambdaSteer
+    from nascompress.dcs_search.cost import LambdaSteer
 
     s = LambdaSteer(target=0.5, integral=0.0, gain=2.0, rate=0.1, lam_max=5.0)
     # every gate still open (ratio 1): proportional push only, the integral does not wind up
@@ -553,7 +547,7 @@ def test_lambda_steer_is_a_signed_pi_controller():
 
 
 def test_calibrate_lands_on_target():
-    from nascompress.dcs_search.search import calibrate
+    from nascompress.dcs_search.cost import calibrate
 
     dense = build_model(tiny_spec_3_heads(depth=3)).eval()
     sup = make_supernet(copy.deepcopy(dense), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
@@ -566,7 +560,7 @@ def test_calibrate_lands_on_target():
 def test_calibrate_at_most_lands_at_or_just_under_the_target():
     """``at_most`` (the pipeline's goal): of the shifts, the closest at or under the target, never above;
     without it the closest either side."""
-    from nascompress.dcs_search.search import calibrate
+    from nascompress.dcs_search.cost import calibrate
 
     dense = build_model(tiny_spec_3_heads(depth=3)).eval()
     for target in (0.5, 0.61, 0.73):
@@ -601,7 +595,7 @@ def test_search_at_most_ends_at_or_under_its_target(tiny_run, tmp_path):
 
 
 def test_round_blocks_closes_small_and_opens_nearly_full_mlps():
-    from nascompress.dcs_search.search import round_blocks
+    from nascompress.dcs_search.cost import round_blocks
 
     sup = make_supernet(build_model(tiny_spec_3_heads(depth=3)), DCSConfig(qk_mask="none", mlp_gates="residual")).eval()
     with torch.no_grad():
@@ -627,7 +621,7 @@ def test_search_round_mlp_leaves_no_tiny_mlp(tiny_run, tmp_path):
 
 def test_grad_balance_scales_the_cost_where_ce_outweighs_it():
     """lam_scale = max(1, median |dCE/dlogit| / median |d log cost/dlogit|), from gradients alone."""
-    from nascompress.dcs_search.search import DCSSearchHooks
+    from nascompress.dcs_search.hooks import DCSSearchHooks
 
     hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what grad_balance() reads
     alpha, theta = torch.nn.Parameter(torch.ones(5)), torch.nn.Parameter(torch.ones(2))
@@ -644,7 +638,8 @@ def test_grad_balance_scales_the_cost_where_ce_outweighs_it():
 def test_search_rescued_only_by_calibration_names_the_missing_steps():
     """When the end-of-search threshold shift did the pruning (the gates never got near the target) and
     that broke the model, the message says the search lacked steps, not that an lr was too high."""
-    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchHooks
+    from nascompress.dcs_search.search_config import DCSSearchConfig
+    from nascompress.dcs_search.hooks import DCSSearchHooks
 
     hooks = DCSSearchHooks.__new__(DCSSearchHooks)  # only what check() reads
     hooks.cfg, hooks.arch_lr, hooks.epochs, hooks.log = DCSSearchConfig(target_flops=0.65), 0.3, 2, []
@@ -666,7 +661,7 @@ def test_search_rescued_only_by_calibration_names_the_missing_steps():
 
 
 def test_activation_importance_ranks_dead_channels_last():
-    from nascompress.methods.dcs import activation_importance
+    from nascompress.methods.dcs_importance import activation_importance
 
     model = build_model(tiny_spec_3_heads()).eval()
     blk = model.blocks[0]
@@ -693,7 +688,7 @@ def test_activation_importance_ranks_dead_channels_last():
 
 def test_supernet_gates_start_in_the_given_importance_order():
     model = build_model(tiny_spec_3_heads())
-    from nascompress.methods.dcs import ChannelImportance
+    from nascompress.methods.dcs_importance import ChannelImportance
 
     imp = [
         ChannelImportance(
@@ -714,7 +709,7 @@ def test_supernet_gates_start_in_the_given_importance_order():
 
 
 def test_init_importance_auto_keeps_the_order_closer_to_dense():
-    from nascompress.dcs_search.search import init_importance
+    from nascompress.dcs_search.prepare import init_importance
 
     model = build_model(tiny_spec_3_heads()).eval()
     with torch.no_grad():  # weight magnitude misleads: channels 0-9 have a tiny LN2 gain but a large LN2 bias,
@@ -750,7 +745,9 @@ def test_weight_steps_train_the_hard_architecture_and_arch_steps_sample():
     (no Gumbel noise: the same output twice, equal to inference); an architecture step samples."""
     from types import SimpleNamespace
 
-    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchHooks, StepTag
+    from nascompress.dcs_search.search_config import DCSSearchConfig
+    from nascompress.dcs_search.hooks import DCSSearchHooks
+    from nascompress.dcs_search.teacher import StepTag
 
     torch.manual_seed(0)
     sup = make_supernet(build_model(tiny_spec_3_heads()), DCSConfig(qk_mask="static", mlp_gates="hidden"))
@@ -784,7 +781,7 @@ def test_block_sensitivity_replays_the_dense_prefix_with_the_same_result(family)
     """Probing block j runs only blocks j.. on the cached dense stream: the same KLs as full forwards."""
     import torch.nn.functional as F
 
-    from nascompress.methods.dcs import activation_stats
+    from nascompress.methods.dcs_importance import activation_stats
     from nascompress.dcs_search.family import dense_targets
     from nascompress.dcs_search.protect import SENSITIVITY_DROP, block_sensitivity
 

@@ -127,8 +127,10 @@ def test_an_off_target_search_advice_runs_as_written(tiny_run, tmp_path):
 
 
 def test_the_magnitude_rule_is_global_and_lands_on_the_target(tiny_run):
-    from nascompress.dcs_search.baseline import magnitude_scores, magnitude_supernet
-    from nascompress.methods.dcs import materialize, selection
+    from nascompress.dcs_search.magnitude import magnitude_scores
+    from nascompress.dcs_search.baseline import magnitude_supernet
+    from nascompress.methods.dcs import materialize
+    from nascompress.methods.dcs_supernet import selection
     from nascompress.profiling import count_flops
 
     dense, _ = load_with_arch(tiny_run)
@@ -156,7 +158,7 @@ def test_the_guard_lets_a_search_recover_after_its_ramp():
     guard stopped it after epoch 2 (at the target, 28.8 > 15); an epoch that did not start at the target is
     not judged (the digits probe fell 98.5 -> 59.3% in epoch 1: twice the limit stopped it there), and one at
     the target only when validation is not rising."""
-    from nascompress.dcs_search.search import DCSSearchConfig
+    from nascompress.dcs_search.search_config import DCSSearchConfig
     from nascompress.dcs_search.hooks import DCSSearchHooks, SearchCollapsed
 
     def hooks(**cfg):
@@ -197,7 +199,8 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
     materializes it."""
     from nascompress.data import DataConfig, InputSpec, load_data
     from nascompress.methods.dcs import DCSConfig, materialize
-    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+    from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config
+    from nascompress.dcs_search.search import run_dcs_search
 
     dense, arch = load_with_arch(tiny_run)
     data = load_data(DataConfig(dataset="synthetic"), spec=InputSpec.from_dict(arch["input"]))
@@ -310,7 +313,8 @@ def test_without_a_test_split_the_kept_models_validation_is_its_test(tiny_run, t
     from nascompress.data import DataConfig, InputSpec, load_data
     from nascompress.dcs_search import search as dcs_search_mod
     from nascompress.methods.dcs import DCSConfig
-    from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+    from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config
+    from nascompress.dcs_search.search import run_dcs_search
 
     dense, arch = load_with_arch(tiny_run)
     data = load_data(

@@ -12,18 +12,11 @@ import torch
 import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
-from nascompress.methods.dcs import (
-    DCSConfig,
-    activation_stats,
-    aligned_mask,
-    arch_parameters,
-    make_record,
-    make_supernet,
-    materialize,
-    protect_gates,
-    selection,
-)
-from nascompress.models import build_model
+from nascompress.methods.dcs import DCSConfig, make_record, make_supernet, materialize
+from nascompress.methods.dcs_importance import activation_stats
+from nascompress.methods.dcs_gates import aligned_mask, protect_gates
+from nascompress.methods.dcs_supernet import arch_parameters, selection
+from nascompress.models.build import build_model
 from nascompress.profiling import count_flops
 from nascompress.dcs_search.cost import CostModel, calibrate
 
@@ -300,7 +293,7 @@ def test_family_probe_prefers_the_family_that_keeps_the_model_alive():
 
 
 def test_progressive_target_moves_from_dense_to_the_target():
-    from nascompress.dcs_search.search import DCSSearchConfig
+    from nascompress.dcs_search.search_config import DCSSearchConfig
 
     cfg = DCSSearchConfig(target_flops=0.6, target_ramp=0.5)
     assert cfg.target_at(0.0) == 1.0 and cfg.target_at(0.25) == pytest.approx(0.8)
@@ -312,6 +305,6 @@ def test_progressive_target_moves_from_dense_to_the_target():
 
 
 def test_auto_batch_gives_enough_steps():
-    from nascompress.retraining import auto_batch_size
+    from nascompress.train.auto_batch import auto_batch_size
 
     assert [auto_batch_size(n) for n in (100, 2000, 3300, 6400, 12800, 54000)] == [16, 16, 32, 64, 128, 128]

@@ -17,8 +17,10 @@ import nascompress
 from nascompress.dcs_search.cost import CostModel, soft_arch
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
-from nascompress.methods.dcs import ConstantAttention, DCSConfig, make_supernet, materialize, selection
-from nascompress.models import build_model
+from nascompress.methods.dcs_structure import ConstantAttention
+from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
+from nascompress.methods.dcs_supernet import selection
+from nascompress.models.build import build_model
 from nascompress.profiling import count_flops
 from nascompress.runs.io import make_arch, save_model
 
@@ -164,7 +166,7 @@ def test_a_bad_head_or_skip_record_is_one_line(block, msg):
 
 
 def test_a_study_space_may_set_the_gates():
-    from nascompress.search.space_values import registry_method_fields
+    from nascompress.studies.space_values import registry_method_fields
 
     assert {"head_gates", "depth_gates"} <= registry_method_fields("dcs")
     assert DCSConfig.user(head_gates=True, depth_gates=True).head_gates

@@ -15,7 +15,7 @@ from nascompress.dcs_search.latency_cost import LatencyCost
 from nascompress.dcs_search.search_config import DCSSearchConfig
 from nascompress.errors import SettingError
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
-from nascompress.models import build_model
+from nascompress.models.build import build_model
 from nascompress.profiling import geometry_of, predict_latency
 from nascompress.profiling.latency_table import LatencyTable
 
@@ -145,9 +145,8 @@ def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
     ``max_latency_ms`` over the base's latency predicted from the device's table (at most 1), and
     the search runs at it; a batch other than 1 is refused (the goal is a batch-1 latency)."""
     from nascompress.dcs_search.latency_cost import latency_target
-    import importlib
-
-    plan_module = importlib.import_module("nascompress.pipeline.plan")  # the package exports plan()
+    import nascompress.pipeline.stages.dcs as dcs_stage
+    from nascompress.pipeline.plan import plan
 
     from .test_pipeline import tiny_config, write_config
 
@@ -166,14 +165,14 @@ def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
     del cfg["stages"]["dcs"]["target_flops"]
     cfg["stages"]["dcs"]["cost"] = "latency"
     cfg["goal"] = {"max_latency_ms": 2.5}
-    pipe = plan_module.plan(write_config(tmp_path, cfg), out=tmp_path / "out", seed=0)
+    pipe = plan(write_config(tmp_path, cfg), out=tmp_path / "out", seed=0)
     search = next(s for s in pipe.steps if s.name == "dcs_search")
     assert "2.5 ms of predicted latency (goal.max_latency_ms)" in search.describe
     ran = []
-    monkeypatch.setattr(plan_module, "load_with_arch", lambda *a, **k: (dense, None))
-    monkeypatch.setattr(plan_module, "latency_target", lambda m, ms, **k: round(ms / 10, 4))
+    monkeypatch.setattr(dcs_stage, "load_with_arch", lambda *a, **k: (dense, None))
+    monkeypatch.setattr(dcs_stage, "latency_target", lambda m, ms, **k: round(ms / 10, 4))
     monkeypatch.setattr(
-        plan_module, "run_dcs_with_fallback", lambda job, **k: ran.append(job.search.target_latency) or {}
+        dcs_stage, "run_dcs_with_fallback", lambda job, **k: ran.append(job.search.target_latency) or {}
     )
     search.run(False, False)
     assert ran == [0.25]

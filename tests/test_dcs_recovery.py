@@ -11,8 +11,9 @@ import torch
 
 from nascompress.data import DataConfig
 from nascompress.runs.io import finish_run, load_with_arch, save_model
-from nascompress.models import build_model, custom_vit_spec
-from nascompress.train import TrainConfig, TrainJob, train
+from nascompress.models.build import build_model, custom_vit_spec
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, train
 
 from .conftest import invoke
 

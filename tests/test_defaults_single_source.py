@@ -13,16 +13,18 @@ import yaml
 
 from nascompress.config import offered
 from nascompress.data import DataConfig
-from nascompress.export.config import ExportConfig
+from nascompress.deploy.config import ExportConfig
 from nascompress.methods import available_methods, get_method
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.pipeline.sections import ExportSection, ReportSection
 from nascompress.profiling.config import ProfileConfig
-from nascompress.retraining import RETRAIN_TRAIN, RetrainConfig, RetrainJob
-from nascompress.dcs_search.search import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
-from nascompress.search.trials import SearchJob
-from nascompress.train import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainConfig, TrainJob
+from nascompress.retraining.run import RETRAIN_TRAIN, RetrainJob
+from nascompress.retraining.config import RetrainConfig
+from nascompress.dcs_search.search_config import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
+from nascompress.studies.trials import SearchJob
+from nascompress.train.run import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainJob
+from nascompress.train.config import TrainConfig
 
 from .conftest import invoke, patch_everywhere
 
@@ -30,14 +32,14 @@ from .conftest import invoke, patch_everywhere
 @pytest.fixture
 def jobs(monkeypatch):
     """The jobs the CLI commands and the pipeline's steps would run, by kind (nothing runs)."""
-    import nascompress.api as api
-    import nascompress.export as export
-    import nascompress.finetune as finetune
+    import nascompress.profiling.jobs as api
+    import nascompress.deploy as export
+    import nascompress.train.finetune as finetune
     import nascompress.pipeline.fallback as fallback
-    import nascompress.retraining as retrain
+    import nascompress.retraining.run as retrain
     import nascompress.dcs_search as search
-    import nascompress.search.trials as trials
-    import nascompress.train as train
+    import nascompress.studies.trials as trials
+    import nascompress.train.run as train
 
     seen: dict[str, list] = {}
 
@@ -163,7 +165,7 @@ def test_retrain_defaults_are_the_retrain_job_defaults(tmp_path, jobs):
 
 @pytest.mark.parametrize("method", [m for m in available_methods() if get_method(m).recipe_cls is not None])
 def test_finetune_defaults_are_the_methods_recipe(tmp_path, jobs, method):
-    from nascompress.finetune import FINETUNE_TRAIN, method_train_config
+    from nascompress.train.finetune import FINETUNE_TRAIN, method_train_config
 
     cli = _cli(
         jobs, "finetune", "finetune", tmp_path, "--method", method, "--out", tmp_path / "f", "--dataset", "synthetic"
@@ -228,7 +230,7 @@ def test_no_stage_keeps_a_defaults_mapping():
 def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_path, jobs, monkeypatch):
     """The command and the pipeline section both build through the stage's ``build_job`` (no second
     construction of the job anywhere)."""
-    import nascompress.retraining as retrain
+    import nascompress.retraining.run as retrain
     import nascompress.dcs_search.run as dcs_run
 
     built = []
@@ -248,7 +250,7 @@ def test_search_dcs_and_retrain_jobs_are_built_by_their_stages_build_job(tmp_pat
 
 def test_a_rule_is_checked_once_and_worded_by_each_front_end(tmp_path, jobs):
     from nascompress.errors import SettingError
-    from nascompress.retraining import build_job
+    from nascompress.retraining.run import build_job
 
     with pytest.raises(SettingError) as e:
         build_job("m", "o", retrain=RetrainConfig(feat_kd=1.0), train={})

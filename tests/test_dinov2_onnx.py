@@ -15,10 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from nascompress import dinov2_onnx
-from nascompress.dinov2_onnx import TIMM_NAME, convert_dinov2, default_out
+from nascompress.importer import dinov2_onnx
+from nascompress.importer.dinov2_onnx import TIMM_NAME, convert_dinov2, default_out
 from nascompress.errors import NascompressError
-from nascompress.models import ModelSpec, build_model
+from nascompress.models.build import ModelSpec, build_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import nascompress
-from nascompress.hooks import TrainHooks
+from nascompress.train.hooks import TrainHooks
 from .conftest import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +301,7 @@ def ddp_group(tmp_path, monkeypatch):
             super().__init__(module, **kwargs)
             built.append((self, {n for n, p in module.named_parameters() if p.requires_grad}))
 
-    Recorded.__signature__ = inspect.signature(real)  # nascompress.distributed reads DDP's keywords
+    Recorded.__signature__ = inspect.signature(real)  # nascompress.train.distributed reads DDP's keywords
 
     monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", Recorded)
     dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
@@ -345,7 +345,7 @@ def dcs_args(tiny_run, out) -> list:
 
 
 def test_dcs_search_reduces_weights_and_architecture_through_two_ddp_wrappers(tiny_run, tmp_path, ddp_group):
-    from nascompress.methods.dcs import arch_parameters
+    from nascompress.methods.dcs_supernet import arch_parameters
 
     out = one_process(*dcs_args(tiny_run, tmp_path / "ddp"))
     # one wrapper for the weight steps, one for the architecture steps (each reduces only what its steps
@@ -383,8 +383,8 @@ def test_every_fine_tune_recipe_trains_under_ddp(
     step's loss unless the recipe says so; the teacher is never wrapped; the weights are one
     process's, bit for bit."""
     from nascompress.data import DataConfig
-    from nascompress.finetune import FinetuneJob, finetune
-    from nascompress.train import TrainConfig
+    from nascompress.train.finetune import FinetuneJob, finetune
+    from nascompress.train.config import TrainConfig
 
     def job(out: Path) -> FinetuneJob:
         return FinetuneJob(
@@ -421,8 +421,10 @@ def test_a_parameter_left_out_of_the_loss_stops_with_one_line(tmp_path, ddp_grou
     from nascompress.data import DataConfig, load_data
     from nascompress.errors import NascompressError
     from nascompress.runs.io import make_arch
-    from nascompress.models import build_model, custom_vit_spec
-    from nascompress.train import TrainConfig, fit, input_spec_for
+    from nascompress.models.build import build_model, custom_vit_spec
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.loop import fit
+    from nascompress.train.run import input_spec_for
 
     spec_m = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, in_chans=1)
     model = build_model(spec_m)

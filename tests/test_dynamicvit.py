@@ -79,7 +79,7 @@ def test_training_decisions_are_cumulative_and_losses_backprop():
     teacher = tiny_rgb_vit()
     model = dvit(copy.deepcopy(teacher), rho=0.5, prune_layers=[2, 3, 4]).train()
     hooks = dv.DynamicViTHooks(model, teacher.eval().requires_grad_(False), dv.DynamicViTRecipe())
-    from nascompress.train import TrainConfig
+    from nascompress.train.config import TrainConfig
 
     x, y = torch.randn(4, 3, 32, 32), torch.arange(4)
     loss, logs = hooks.loss(model, x, y, epoch=0, cfg=TrainConfig(epochs=1, lr=None))
@@ -134,7 +134,7 @@ def test_deit_small_flops_match_paper():
 
 def test_save_load_roundtrip(tmp_path):
     from nascompress.runs.io import load, make_arch, save_model
-    from nascompress.models import ModelSpec
+    from nascompress.models.build import ModelSpec
 
     spec = ModelSpec(
         "vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
@@ -258,7 +258,7 @@ def test_deepcopy_after_training_forward():
 def test_stacks_on_sparsifiner(mode):
     """DynamicViT over Sparsifiner: the training policy mask is ANDed with the sparse mask (masked
     path, gradients reach the predictors); inference drops tokens and runs the sparse attention."""
-    from nascompress.methods.sparsifiner import SparsifinerKernel, combine_masks
+    from nascompress.methods.sparsifiner_kernel import SparsifinerKernel, combine_masks
 
     base = (
         get_method("sparsifiner")

@@ -123,7 +123,7 @@ def test_finetune_dataset_on_an_imported_run_and_prune_layers_2(tmp_path):
 
 
 def test_resume_with_changed_settings_is_refused_naming_them(tmp_path):
-    from nascompress.train import TrainHooks
+    from nascompress.train.hooks import TrainHooks
 
     from .conftest import interrupted_at_epoch
 

@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nascompress"
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 # (module, flag) a user-facing library message may name literally, and why
 ALLOWED = {
-    ("distributed.py", "--nproc_per_node"): "torchrun's own option, in the torchrun command line it advises",
+    ("train/distributed.py", "--nproc_per_node"): "torchrun's own option, in the torchrun command line it advises",
     **{
-        ("importer.py", f): "a whole 'nascompress train' command line, quoted for the shell"
+        ("importer/run.py", f): "a whole 'nascompress train' command line, quoted for the shell"
         for f in ("--model", "--weights", "--reset-head", "--linear-probe")
     },
     **{
@@ -101,7 +101,7 @@ def test_printed_advice_is_worded_by_the_running_front_end():
 def test_a_rule_reads_as_the_commands_option_and_as_the_pipelines_key(tmp_path):
     """DCS's arch loss rule, checked once (DCSSearchConfig): the CLI names its options, the pipeline
     file its stages.dcs keys; both refuse in one line, before anything runs."""
-    from nascompress.dcs_search.search import DCSSearchConfig
+    from nascompress.dcs_search.search_config import DCSSearchConfig
 
     with pytest.raises(SettingError) as e:
         DCSSearchConfig(distill=0, feat_distill=0)
@@ -152,7 +152,7 @@ def test_a_stage_error_at_run_time_reads_as_the_pipeline_files_keys(tmp_path):
     from nascompress.cli.common import cli_words
     from nascompress.pipeline import plan
     from nascompress.pipeline.run import step_error
-    from nascompress.dcs_search.search import SearchCollapsed
+    from nascompress.dcs_search.hooks import SearchCollapsed
 
     from .test_pipeline import tiny_config, write_config
 

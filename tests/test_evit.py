@@ -115,7 +115,7 @@ def test_deit_small_flops_match_paper():
 
 def test_save_load_roundtrip(tmp_path):
     from nascompress.runs.io import load, make_arch, save_model
-    from nascompress.models import ModelSpec
+    from nascompress.models.build import ModelSpec
 
     spec = ModelSpec(
         "vit_tiny_patch16_224", dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)

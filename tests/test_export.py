@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from nascompress.errors import NascompressError
-from nascompress.export import ExportConfig, export_run, sidecar_path, stage_path
-from nascompress.export.paths import TraceableSparsifiner
-from nascompress.export.verify import onnx_runner, program_runner, with_exit_rule
+from nascompress.deploy import ExportConfig, export_run, sidecar_path, stage_path
+from nascompress.deploy.paths import TraceableSparsifiner
+from nascompress.deploy.verify import onnx_runner, program_runner, with_exit_rule
 from nascompress.runs.io import load, make_arch, save_model
 from nascompress.methods import available_methods, get_method
-from nascompress.models import build_model, custom_vit_spec
+from nascompress.models.build import build_model, custom_vit_spec
 
 from .conftest import invoke
 
@@ -66,7 +66,7 @@ def allowed_stacks() -> list[tuple[str, ...]]:
 def _randomise(model: torch.nn.Module, name: str, g: torch.Generator) -> None:
     with torch.no_grad():
         if name == "dcs":
-            from nascompress.methods.dcs import arch_parameters
+            from nascompress.methods.dcs_supernet import arch_parameters
 
             for p in arch_parameters(model):  # gates open or shut at random: a real channel selection
                 p.copy_(torch.randn(p.shape, generator=g))
@@ -166,7 +166,7 @@ def test_stack_exports_to_onnx_and_matches(exports, stack):
 
 @pytest.mark.parametrize("n_patch,block_size,prefix", [(49, 7, 1), (10, 4, 1), (16, 4, 0)])
 def test_traceable_sparsifiner_equals_the_kernels_own_paths(n_patch, block_size, prefix):
-    from nascompress.methods.sparsifiner import SparsifinerConfig, SparsifinerKernel, region_init
+    from nascompress.methods.sparsifiner_kernel import SparsifinerConfig, SparsifinerKernel, region_init
 
     n, H, r = n_patch + prefix, 2, 8
     g = torch.Generator().manual_seed(1)
@@ -189,7 +189,7 @@ def test_traceable_sparsifiner_equals_the_kernels_own_paths(n_patch, block_size,
 
 
 def test_gather_add_equals_the_dcs_blocks_own_write_back():
-    from nascompress.export.paths import GatherAddMLP, traceable_copy
+    from nascompress.deploy.paths import GatherAddMLP, traceable_copy
 
     with torch.no_grad():
         for stack in (("dcs",), ("dcs", "evit")):
@@ -203,8 +203,8 @@ def test_gather_add_equals_the_dcs_blocks_own_write_back():
 def test_scatter_free_ppsm_merge_equals_the_models_own(tmp_path):
     """mgvit's PPSM merges boundary tokens with scatter_add, which ONNX Runtime's CPU provider does not run
     in fp16: the traced copy merges with a one-hot matmul instead, the same values."""
-    from nascompress.export.paths import ScatterFreeMerge, traceable_copy
-    from nascompress.methods.mgvit import PPSM
+    from nascompress.deploy.paths import ScatterFreeMerge, traceable_copy
+    from nascompress.methods.mgvit_modules import PPSM
 
     model = load(make_run(tmp_path, ("mgvit",)))
     copy = traceable_copy(model)
@@ -296,7 +296,7 @@ def test_torch_program_loads_in_a_process_without_nascompress(tmp_path, exports)
 
 
 def test_a_mismatch_fails_and_leaves_nothing(tmp_path, monkeypatch):
-    from nascompress.export import run as run_mod
+    from nascompress.deploy import run as run_mod
 
     run = make_run(tmp_path, ("evit",))
     real = run_mod.runner_for
@@ -357,10 +357,8 @@ def test_cli_export_and_refusals(tmp_path, monkeypatch):
     )
     one_line_error(invoke("export", tmp_path / "supernet", "--out", tmp_path / "x.onnx"), "holds the DCS supernet")
     # every registered method exports today: a method without an export path, as a new one would be
-    import nascompress.export.graphs as graphs
-
     with monkeypatch.context() as m:
-        m.setattr(graphs, "EXPORTABLE", tuple(n for n in graphs.EXPORTABLE if n != "tome"))
+        m.setattr(type(get_method("tome")), "exportable", False)
         one_line_error(
             invoke("export", make_run(tmp_path, ("dcs", "tome")), "--out", tmp_path / "x.onnx"),
             "method 'tome' has no export path",

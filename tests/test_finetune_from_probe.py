@@ -59,8 +59,8 @@ def test_the_guard_keeps_the_probe_when_fine_tuning_fails(pretrained, tmp_path, 
 
 
 def test_a_run_recorded_before_lp_ft_resumes_with_its_random_head():
-    from nascompress.models import custom_vit_spec
-    from nascompress.train import TrainJob
+    from nascompress.models.build import custom_vit_spec
+    from nascompress.train.run import TrainJob
 
     job = TrainJob(
         model=custom_vit_spec(img_size=8, patch_size=2, embed_dim=16, depth=1, num_heads=1, num_classes=10), weights="w"

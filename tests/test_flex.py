@@ -123,7 +123,7 @@ def test_an_explicit_block_size_cuda_cannot_tile_is_refused_with_one_line():
 
 def test_a_flex_model_takes_the_same_blocks_on_every_device():
     from nascompress.methods import get_method
-    from nascompress.models import ModelSpec, build_model
+    from nascompress.models.build import ModelSpec, build_model
 
     torch.manual_seed(0)
     dense = build_model(

@@ -13,9 +13,9 @@ from nascompress.errors import NascompressError
 from nascompress.runs.checkpoint import load_state, save_state
 from nascompress.runs.io import build_from_arch, make_arch, save_model
 from nascompress.methods import get_method, register_method
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
-from nascompress.weights import load_pretrained
-from nascompress.train import lr_at
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
+from nascompress.models.weights import load_pretrained
+from nascompress.train.loop import lr_at
 
 from .conftest import TORCH_DEVICE, needs_fmnist, tiny_spec
 
@@ -205,7 +205,9 @@ def test_lr_schedule():
 
 
 def _fit_tiny(out, *, hooks=None, resume=False, amp="off"):
-    from nascompress.train import TrainConfig, fit, input_spec_for
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.loop import fit
+    from nascompress.train.run import input_spec_for
 
     torch.manual_seed(0)
     model = build_model(tiny_spec())
@@ -219,7 +221,7 @@ def _fit_tiny(out, *, hooks=None, resume=False, amp="off"):
 
 @pytest.mark.parametrize("amp", ["off", "bf16"])  # bf16: on a CPU, also the explicit attention (runtime.cpu_attention)
 def test_training_learns_and_resume_is_exact(tmp_path, amp):
-    from nascompress.train import TrainHooks
+    from nascompress.train.hooks import TrainHooks
 
     full = _fit_tiny(tmp_path / "full", amp=amp)
     assert full["test_top1"] > 50.0  # 10 classes: chance is 10%
@@ -243,7 +245,8 @@ def test_training_learns_and_resume_is_exact(tmp_path, amp):
 
 def test_same_seed_same_run(tmp_path):
     """One seed drives init, data order and training: two runs give identical weights."""
-    from nascompress.train import TrainConfig, TrainJob, train
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob, train
 
     def run(name, seed):
         torch.manual_seed(1000 + len(name))  # global RNG state before the job must not matter
@@ -264,7 +267,7 @@ def test_same_seed_same_run(tmp_path):
 
 def test_aligned_width_rule():
     from nascompress.errors import NascompressError
-    from nascompress.layers import aligned_width
+    from nascompress.models.layers import aligned_width
 
     assert aligned_width(33, align=8, full=96) == 40
     assert aligned_width(33, align=8, full=96, mode="down") == 32

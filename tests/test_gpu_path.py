@@ -16,14 +16,16 @@ import torch.nn.functional as F
 import nascompress
 from nascompress import runtime
 from nascompress.data import DataConfig, InputSpec, load_data
-from nascompress.evaluate import evaluate
+from nascompress.profiling.evaluate import evaluate
 from nascompress.errors import NascompressError
-from nascompress.hooks import TrainHooks, as_floats
+from nascompress.train.hooks import TrainHooks, as_floats
 from nascompress.runs.checkpoint import load_state, save_state
 from nascompress.runs.io import make_arch
 from nascompress.methods import get_method
-from nascompress.models import ModelSpec, build_model
-from nascompress.train import LossWatch, TrainConfig, TrainJob, fit, input_spec_for, train
+from nascompress.models.build import ModelSpec, build_model
+from nascompress.train.loop import LossWatch, fit
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import TrainJob, input_spec_for, train
 
 from .conftest import TORCH_DEVICE, invoke, tiny_spec
 
@@ -50,7 +52,7 @@ def test_load_in_bf16_is_close_to_fp32_and_evaluate_records_the_dtype(tiny_run):
     out = half(x.bfloat16()).float()
     assert (out - ref).abs().max() < 0.1 * ref.abs().max()
     assert out.argmax(-1).tolist() == ref.argmax(-1).tolist() or (out - ref).abs().max() < 0.05
-    from nascompress.api import evaluate_run
+    from nascompress.profiling.jobs import evaluate_run
 
     fp32, bf16 = (evaluate_run(tiny_run, split="val", dtype=d, device="cpu") for d in ("fp32", "bf16"))
     assert (fp32["dtype"], bf16["dtype"]) == ("fp32", "bf16")
@@ -344,7 +346,7 @@ def test_method_losses_leave_their_logs_on_the_device(name, cfg, recipe):
 def test_attention_takes_the_math_path_where_only_the_mask_needs_a_gradient():
     """CUDA's memory-efficient SDPA backward fails ('LSE is not correctly aligned (strideH)') when
     only the additive mask requires grad; DynamicViT's predictor-only stage is that case."""
-    from nascompress.layers import attention
+    from nascompress.models.layers import attention
 
     q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
     bias = torch.randn(2, 1, 7, 7, requires_grad=True)
@@ -388,8 +390,9 @@ def test_predictor_stage_of_a_method_that_keeps_everything_trains_nothing():
 
 
 def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, tmp_path):
-    from nascompress.search.trial_build import build_trial
-    from nascompress.search.trials import SearchJob, TrialContext
+    from nascompress.studies.trial_build import build_trial
+    from nascompress.studies.trials import SearchJob
+    from nascompress.studies.trial_context import TrialContext
 
     (tmp_path / "s.yaml").write_text(
         "format: nascompress-space/1\nname: s\nmethods:\n  - name: evit\n    params: {keep_rate: 0.5}\n"

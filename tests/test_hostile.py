@@ -111,7 +111,7 @@ def test_an_arch_json_with_a_huge_model_is_refused_before_building(tmp_path, key
 
 
 def test_the_model_size_limits_are_settings(monkeypatch):
-    from nascompress.models import ModelSpec, build_model, custom_vit_spec, model_size
+    from nascompress.models.build import ModelSpec, build_model, custom_vit_spec, model_size
 
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=3, num_heads=2, num_classes=10, in_chans=1)
     built = build_model(spec)
@@ -240,7 +240,8 @@ def test_workers_never_complete_more_than_n_trials(tmp_path, monkeypatch, worker
     from nascompress.studies import loop, runner
     from nascompress.studies.records import SURPLUS_KEY
     from nascompress.studies.seeding import Seeding, default_sampler
-    from nascompress.studies.storage import open_storage, parse_storage
+    from nascompress.studies.storage_open import open_storage
+    from nascompress.studies.storage_url import parse_storage
 
     from .study_toys import SPACE_INFO, TWO, toy_factory
 
@@ -425,7 +426,7 @@ def test_deeply_nested_yaml_is_one_line(tmp_path, monkeypatch):
     assert not out.exists()
     space = tmp_path / "space.yaml"
     space.write_text("format: nascompress-space/1\nname: x\nmethods: " + "[" * 60 + "]" * 60 + "\n")
-    from nascompress.search.space_model import load_space
+    from nascompress.studies.space_model import load_space
 
     with pytest.raises(NascompressError, match="nested deeper than 50 levels"):
         load_space(space)
@@ -436,8 +437,8 @@ def test_deeply_nested_yaml_is_one_line(tmp_path, monkeypatch):
 
 
 def test_cli_and_library_values_out_of_range(tmp_path):
-    from nascompress.search.trials import SearchJob
-    from nascompress.train import TrainConfig
+    from nascompress.studies.trials import SearchJob
+    from nascompress.train.config import TrainConfig
 
     with pytest.raises(NascompressError, match="lr must be a finite number in \\(0, 10\\], got inf"):
         TrainConfig(lr=float("inf"))

@@ -10,7 +10,7 @@ import torch
 from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_rand_score
 
-from nascompress.ib import (
+from nascompress.dcs_search.ib import (
     ib_bound,
     ib_loss,
     kmeans,

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 
 import nascompress
 from nascompress.errors import NascompressError
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
-from nascompress.weights import load_pretrained, load_state_strict
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
+from nascompress.models.weights import load_pretrained, load_state_strict
 
 from .conftest import invoke, tiny_spec
 from .test_data import make_folder
@@ -218,7 +218,7 @@ def test_import_bad_inputs_write_nothing(tmp_path, vit_weights):
 
 def test_import_job_round_trips():
     from nascompress.data import DataConfig, InputOverrides
-    from nascompress.importer import ImportJob
+    from nascompress.importer.run import ImportJob
 
     job = ImportJob(
         model="test_vit",
@@ -238,7 +238,7 @@ def test_import_job_round_trips():
 
 
 def test_fit_logistic_separates_and_l2_shrinks():
-    from nascompress.probe import fit_logistic
+    from nascompress.train.probe import fit_logistic
 
     g = torch.Generator().manual_seed(0)
     centers = torch.randn(3, 8, generator=g) * 3
@@ -398,8 +398,8 @@ def test_train_weights_never_resample_the_patch_kernel_and_say_when_the_grid_is(
     from safetensors.torch import save_file
 
     from nascompress.errors import NascompressError
-    from nascompress.models import build_model, custom_vit_spec
-    from nascompress.weights import load_pretrained
+    from nascompress.models.build import build_model, custom_vit_spec
+    from nascompress.models.weights import load_pretrained
 
     spec = dict(embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
     src = build_model(custom_vit_spec(img_size=16, patch_size=4, **spec))

@@ -111,7 +111,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "nascompress.search.trial_model" in graph and "nascompress.cli.main" in graph
+    assert "nascompress.studies.trial_model" in graph and "nascompress.cli.main" in graph
     assert cycles(graph) == []
 
 
@@ -234,7 +234,7 @@ def test_the_local_import_check_finds_one(tmp_path):
 WRITTEN_ONCE = {
     "iter(lambda: f.read(": "runs/io.py",  # a file's sha256 (io.file_sha256)
     "problem_mark": "yaml_io.py",  # a YAML file's one-line error (yaml_io.read_yaml_file)
-    "; and {len(bad) - ": "weights.py",  # the state-dict mismatch report (weights.mismatch_report)
+    "; and {len(bad) - ": "models/weights.py",  # the state-dict mismatch report (weights.mismatch_report)
     "check_token_model(model,": "methods/tokens.py",  # a token method's resolve() header (tokens.token_layers)
 }
 

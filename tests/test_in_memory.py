@@ -13,9 +13,11 @@ import torch
 from nascompress.data import DataConfig, InputSpec, load_data, preprocess
 from nascompress.runs.io import load_with_arch
 from nascompress.methods.dcs import DCSConfig
-from nascompress.dcs_search.search import DCSSearchConfig, DCSSearchJob, run_dcs_search, search_train_config
+from nascompress.dcs_search.search_config import DCSSearchConfig, DCSSearchJob, search_train_config
+from nascompress.dcs_search.search import run_dcs_search
 from nascompress.dcs_search.run import search_dcs
-from nascompress.train import TrainConfig, fit
+from nascompress.train.config import TrainConfig
+from nascompress.train.loop import fit
 
 from .conftest import TORCH_DEVICE
 
@@ -100,7 +102,8 @@ def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, mo
 
 
 def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
-    from nascompress.retraining import RetrainConfig, RetrainJob, retrain, retrain_train_config, run_retrain
+    from nascompress.retraining.config import RetrainConfig
+    from nascompress.retraining.run import RetrainJob, retrain, retrain_train_config, run_retrain
     from nascompress.dcs_search.materialize import MaterializeJob, materialize_search
 
     search = tmp_path / "search"
@@ -136,7 +139,7 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
     """In-memory training images are not augmented: the dense teacher's outputs are computed once per
     image and read back by index; the search is the one that runs the teacher on every step."""
     import nascompress.dcs_search.search as dcs_mod
-    from nascompress.dcs_search.search import TeacherCache
+    from nascompress.dcs_search.teacher import TeacherCache
 
     model, arch = load_with_arch(tiny_run)
     spec = InputSpec.from_dict(arch["input"])

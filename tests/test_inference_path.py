@@ -16,7 +16,7 @@ from nascompress.methods import apply_methods
 from nascompress.methods.evit import evit_prune
 from nascompress.methods.tome import bipartite_soft_matching, merge_targets, merge_wavg
 from nascompress.methods.tokens import gather_tokens, keep_prefix_and
-from nascompress.models import build_model, custom_vit_spec
+from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.profiling.latency import compile_problem
 from nascompress.runs.io import make_arch, save_model
 
@@ -166,7 +166,7 @@ def test_export_aoti_round_trip(evit_run, tmp_path):
 
 
 def test_export_aoti_refused_without_a_compiler(evit_run, tmp_path, monkeypatch):
-    import nascompress.export.run as export_run
+    import nascompress.deploy.run as export_run
 
     monkeypatch.setattr(export_run, "compile_problem", lambda device: "no C++ compiler (test)")
     r = invoke("export", evit_run, "--format", "aoti", "--out", tmp_path / "m.pt2")

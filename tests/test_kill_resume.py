@@ -172,8 +172,8 @@ def test_onnx_runtimes_quantizer_folders_stay_in_the_work_folder_the_next_run_re
     tmpdir.mkdir()
     code = (
         "import os, signal, sys\n"
-        "import nascompress.export.quantize as q\n"
-        "from nascompress.export.config import QuantizeConfig\n"
+        "import nascompress.deploy.quantize as q\n"
+        "from nascompress.deploy.config import QuantizeConfig\n"
         "real = q._reader\n"
         "def reader(name, batches):  # kill -9 as ONNX Runtime reads the first calibration batch\n"
         "    r = real(name, batches)\n"
@@ -195,8 +195,8 @@ def test_onnx_runtimes_quantizer_folders_stay_in_the_work_folder_the_next_run_re
     left = list(out.parent.glob(f".{out.name}.quantize-*/ort.quant.*/augmented_model.onnx"))
     assert len(left) == 1, sorted(p.name for p in out.parent.rglob("*"))
 
-    from nascompress.export.config import QuantizeConfig
-    from nascompress.export.quantize import quantize_run
+    from nascompress.deploy.config import QuantizeConfig
+    from nascompress.deploy.quantize import quantize_run
 
     side = quantize_run(tiny_run, out=out, config=QuantizeConfig(calib_images=16, eval_images=16))
     assert side["quantization"]["scheme"] == "int8-static"

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from nascompress.errors import NascompressError
-from nascompress.layers import to_core
+from nascompress.models.layers import to_core
 from nascompress.methods.dcs_materialize import ConstantMLP
-from nascompress.models import build_model, custom_vit_spec
+from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.profiling import LatencyTable, ViTGeometry, geometry_of, latency_table, predict_arch, predict_latency
 from nascompress.profiling import latency_table_build
 from nascompress.profiling.latency_table import TABLE_FORMAT, cache_dir, read_table, table_key
 from nascompress.profiling.latency_table_build import build_table, make_block, make_vit
-from nascompress.slicing import slice_hidden
+from nascompress.models.slicing import slice_hidden
 
 from .conftest import hand_latency_table, invoke
 

@@ -15,8 +15,9 @@ import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
 from nascompress.methods import get_method
-from nascompress.finetune import split_settings
-from nascompress.methods.mgvit import MGViT, MGViTHooks, sweep_model
+from nascompress.train.finetune import split_settings
+from nascompress.methods.mgvit_modules import MGViT
+from nascompress.methods.mgvit import MGViTHooks, sweep_model
 from nascompress.methods.mgvit_ops import (
     casr_update,
     layer_macs,
@@ -30,9 +31,9 @@ from nascompress.methods.mgvit_ops import (
     split_groups,
     subpatch_index,
 )
-from nascompress.models import ModelSpec, build_model
+from nascompress.models.build import ModelSpec, build_model
 from nascompress.profiling.flops import count_flops, flop_counter_macs
-from nascompress.train import TrainConfig
+from nascompress.train.config import TrainConfig
 
 runner = CliRunner()
 SPEC = ModelSpec(

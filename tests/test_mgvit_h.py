@@ -16,9 +16,9 @@ import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
 from nascompress.methods import get_method
-from nascompress.methods.mgvit_h import MGLayer, MGPVT, RankingAttention
+from nascompress.methods.mgvit_h_modules import MGLayer, MGPVT, RankingAttention
 from nascompress.methods.mgvit_ops import resample_image
-from nascompress.models import ModelSpec, build_model
+from nascompress.models.build import ModelSpec, build_model
 from nascompress.profiling.flops import count_flops, flop_counter_macs
 
 from .conftest import TINY_EVIT_SPACE, invoke
@@ -173,7 +173,8 @@ def test_early_exit_batched_equals_per_image():
 def pvt_run(tmp_path_factory):
     """A tiny dense pvt_v2_b0 run (64 px, synthetic data, one short epoch)."""
     from nascompress.data import DataConfig
-    from nascompress.train import TrainConfig, TrainJob, train
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob, train
 
     out = tmp_path_factory.mktemp("runs") / "pvt"
     train(
@@ -190,7 +191,7 @@ def pvt_run(tmp_path_factory):
 @pytest.mark.parametrize("variant", ["a", "r"])
 def test_builds_from_a_trained_run_trains_saves_and_reloads(pvt_run, tmp_path, variant):
     from nascompress.data import DataConfig
-    from nascompress.finetune import FinetuneJob, finetune, finetune_train_config
+    from nascompress.train.finetune import FinetuneJob, finetune, finetune_train_config
 
     out = tmp_path / variant
     m = finetune(
@@ -257,8 +258,8 @@ def test_save_load_keeps_early_exit_config(tmp_path):
 def test_search_space_loads_with_the_registry():
     from pathlib import Path
 
-    from nascompress.search.space import load_space
-    from nascompress.search.trials import reference_configs
+    from nascompress.studies.space_model import load_space
+    from nascompress.studies.space_reference import reference_configs
 
     space = load_space(Path(__file__).resolve().parents[1] / "nascompress" / "search_spaces" / "mgvit-h.yaml")
     configs = [space.records(p)[0]["config"] for p in space.grid(8)]
@@ -319,7 +320,7 @@ def match_merge_reference(f):
 
 
 def test_ppsm_in_the_proxy_groups_domains_and_rules():
-    from nascompress.methods.mgvit_h import group_domains, slimmed_tokens
+    from nascompress.methods.mgvit_h_modules import group_domains, slimmed_tokens
 
     mg = dict(r_pos=0.25, r_neg=0.25)
     assert group_domains(0, 1, 4, mg) == [(0, 1, "positive")]  # the head cell
@@ -404,7 +405,7 @@ def test_ppsm_settings_survive_save_and_load(tmp_path):
     ],
 )
 def test_bad_settings(config, match):
-    from nascompress.finetune import split_settings
+    from nascompress.train.finetune import split_settings
 
     with pytest.raises(NascompressError, match=match):
         cfg, _ = split_settings("mgvit-h", config)
@@ -456,8 +457,8 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     """Like mgvit: the SGIS and the MG pass as two graphs, the exit rule in the sidecar; each file checked
     against PyTorch, and the rule applied to the two files gives the model's logits (torch.export here:
     the ONNX path is the same two graphs through the other writer, and costs twice the time)."""
-    from nascompress.export import ExportConfig, export_run, stage_path
-    from nascompress.export.verify import program_runner, with_exit_rule
+    from nascompress.deploy import ExportConfig, export_run, stage_path
+    from nascompress.deploy.verify import program_runner, with_exit_rule
 
     # with PPSM in the proxy groups (3 split cells: one positive, one boundary, one negative)
     m = perturb(mgvit_h(variant="r", r_h=0.25, r_t=0.25, r_pos=0.5, r_neg=0.25))
@@ -503,7 +504,7 @@ def test_export_onnx_fp16_with_ppsm_in_the_proxy_groups(tmp_path):
     random model's are tied to fp16's resolution, and two runtimes may order tied cells differently)."""
     import onnx
 
-    from nascompress.export import ExportConfig, export_run, stage_path
+    from nascompress.deploy import ExportConfig, export_run, stage_path
 
     d = dense()
     with torch.no_grad():
@@ -579,8 +580,9 @@ def test_import_and_train_from_pyramid_weights(tmp_path):
     from safetensors.torch import save_file
 
     from nascompress.data import DataConfig
-    from nascompress.importer import ImportJob, import_model
-    from nascompress.train import TrainConfig, TrainJob, train
+    from nascompress.importer.run import ImportJob, import_model
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob, train
 
     d = dense(in_chans=3)
     sd = {k: v.contiguous() for k, v in d.state_dict().items()}
@@ -623,7 +625,7 @@ def test_cli_refuses_a_plain_vit_run_for_mgvit_h_in_one_line(tiny_run, tmp_path)
 
 def test_training_loss_and_kl_weight():
     from nascompress.methods.mgvit_h import MGViTHHooks
-    from nascompress.train import TrainConfig
+    from nascompress.train.config import TrainConfig
 
     x, y = torch.randn(4, 1, 64, 64), torch.randint(0, 10, (4,))
     m = mgvit_h(variant="r", r_h=0.25, r_t=0.25).train()

@@ -362,7 +362,7 @@ def test_more_bad_configs(tmp_path):
     # a headless checkpoint without linear_probe
     from safetensors.torch import save_file
 
-    from nascompress.models import ModelSpec, build_model, custom_vit_spec
+    from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
 
     m = build_model(
         custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, num_classes=10, in_chans=1)
@@ -558,7 +558,7 @@ def test_the_pipeline_chooses_where_to_cut(tmp_path):
 def test_the_report_names_a_dcs_stage_whose_model_was_not_kept():
     """A token-only final model (the pick took the dense base's study): the DCS stage's landing is still a
     decision line, saying that its model is not the one kept; with its model kept, the usual line."""
-    from nascompress.pipeline.report import decision_lines
+    from nascompress.pipeline.report_format import decision_lines
 
     dcs = {"in_final_model": False, "target_flops": 0.6, "flops_ratio": 0.59997, "val_top1": 88.25}
     lines = decision_lines({"decisions": {"dcs": dcs}})
@@ -577,7 +577,8 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
     from types import SimpleNamespace
 
     from nascompress.data import DataConfig
-    from nascompress.pipeline.report import comparison_rows, decision_lines, models_note, write_summary
+    from nascompress.pipeline.report_format import comparison_rows, decision_lines, models_note
+    from nascompress.pipeline.report import write_summary
 
     cfg = load_config(ref["config"])
     cfg = replace(cfg, stages=replace(cfg.stages, tokens=None), export=None)

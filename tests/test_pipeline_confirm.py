@@ -44,8 +44,8 @@ def test_the_better_on_validation(pick, channel, kept):
 def test_when_the_check_runs(tmp_path):
     """A token-only pick is checked only when the channel-only model meets a FLOPs goal by itself; each
     other case is one line naming why not."""
-    from nascompress.pipeline_files import Pick, write_pick
-    from nascompress.utils import write_json
+    from nascompress.pipeline.files import Pick, write_pick
+    from nascompress.runs.json_io import write_json
 
     (tmp_path / "tokens").mkdir()
     (tmp_path / "dcs_mat").mkdir()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-import nascompress.evaluate as evaluate_module
-from nascompress.api import evaluate_run
+import nascompress.profiling.evaluate as evaluate_module
+from nascompress.profiling.jobs import evaluate_run
 from nascompress.pipeline import load_config, plan
 from nascompress.pipeline.eta import PER_IMAGE_S, PipelineEta, step_estimates
 from nascompress.pipeline.test_scores import recorded_scores

@@ -10,7 +10,7 @@ import yaml
 
 import nascompress.pipeline.fallback as fallback_module
 import nascompress.dcs_search.run as search_dcs_module
-from nascompress.dcs_search.search import SearchCollapsed
+from nascompress.dcs_search.hooks import SearchCollapsed
 from nascompress.pipeline.fallback import milder_target
 
 from .conftest import TINY_EVIT_SPACE, invoke

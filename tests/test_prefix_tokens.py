@@ -10,7 +10,7 @@ import torch
 
 from nascompress.errors import NascompressError
 from nascompress.methods import get_method
-from nascompress.models import ModelSpec, build_model
+from nascompress.models.build import ModelSpec, build_model
 
 ARGS = dict(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
 

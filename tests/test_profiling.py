@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops, flop_counter_macs, time_models, time_models_by_threads
 from nascompress.profiling.flops import thop_macs
 
@@ -82,7 +82,7 @@ def test_thop_misses_exactly_the_attention_matmuls():
 
 def _run(path, depth: int):
     from nascompress.runs.io import make_arch, save_model
-    from nascompress.train import input_spec_for
+    from nascompress.train.run import input_spec_for
 
     spec = custom_vit_spec(
         img_size=16, patch_size=4, embed_dim=32, depth=depth, num_heads=2, num_classes=10, in_chans=1

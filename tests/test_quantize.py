@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from nascompress.errors import NascompressError
-from nascompress.export import ExportConfig, export_run
-from nascompress.export import quantize as q
-from nascompress.export.config import QuantizeConfig
-from nascompress.export.quantize import quantize_run
+from nascompress.deploy import ExportConfig, export_run
+from nascompress.deploy import quantize as q
+from nascompress.deploy.config import QuantizeConfig
+from nascompress.deploy.quantize import quantize_run
 
 from .conftest import invoke
 
@@ -121,7 +121,8 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     assert check["passed"] and check["split"] == "val"
     assert (tmp_path / "pipe" / "export" / FILE).read_bytes() == (out / FILE).read_bytes()
     # the report's int8 rows: the export step's file for the compressed model, the dense one made alike
-    from nascompress.pipeline.report import _int8, build_html
+    from nascompress.pipeline.report import _int8
+    from nascompress.pipeline.report_format import build_html
 
     rows = _int8(pipe, tmp_path / "pipe" / "dcs_mat")
     assert [r["model"] for r in rows["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
@@ -241,8 +242,8 @@ def test_mgvit_is_refused(tmp_path):
 
 def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     from nascompress.data import DataConfig
-    from nascompress.export.int8_rows import int8_rows
-    from nascompress.pipeline.report import int8_table_rows
+    from nascompress.deploy.int8_rows import int8_rows
+    from nascompress.pipeline.report_format import int8_table_rows
 
     import torch
 
@@ -275,7 +276,7 @@ def test_compressed_models_quantize_and_run(stack, tmp_path):
     """The longest method stacks (every method's exported ops) quantize statically and run in ORT."""
     import onnx
 
-    from nascompress.export.verify import onnx_runner
+    from nascompress.deploy.verify import onnx_runner
 
     from .test_export import make_run
 
@@ -302,7 +303,7 @@ def test_each_quantized_linear_layer_runs_as_one_int8_gemm_with_its_bias(quantiz
     import onnx
     import onnxruntime as ort
 
-    from nascompress.export.verify import onnx_runner
+    from nascompress.deploy.verify import onnx_runner
 
     run, out, side, _ = quantized
     export_run(run, out=tmp_path / "f.onnx")

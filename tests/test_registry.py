@@ -19,11 +19,12 @@ import torch
 
 from nascompress.errors import NascompressError
 from nascompress.methods import apply_methods, available_methods, get_method
-from nascompress.methods.dcs import DCSConfig, make_supernet, materialize, selection
+from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
+from nascompress.methods.dcs_supernet import selection
 from nascompress.methods.evit import evit_prune
-from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, sparse_coefficients, topk_mask
+from nascompress.methods.sparsifiner_kernel import lowrank_attention, sparse_basis, sparse_coefficients, topk_mask
 from nascompress.methods.tokens import keep_prefix_and
-from nascompress.models import ModelSpec, build_model, input_size
+from nascompress.models.build import ModelSpec, build_model, input_size
 
 from .tome_reference import merge_batch
 
@@ -237,8 +238,8 @@ def test_loading_a_saved_model_does_not_import_the_training_engine(tmp_path):
     )
     code = (
         "import sys, nascompress; m = nascompress.load(sys.argv[1]); "
-        "engine = [n for n in ('nascompress.train', 'nascompress.finetune', 'nascompress.retraining', "
-        "'nascompress.search', 'nascompress.evaluate', 'optuna', 'typer') if n in sys.modules]; "
+        "engine = [n for n in ('nascompress.train.run', 'nascompress.train.finetune', 'nascompress.retraining.run', "
+        "'nascompress.studies', 'nascompress.profiling.evaluate', 'optuna', 'typer') if n in sys.modules]; "
         "print(','.join(engine) or 'clean')"
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True)

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 import nascompress
 from nascompress.errors import NascompressError
 from nascompress.runs.io import make_arch, save_model
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
 
 from .conftest import invoke
 
@@ -94,7 +94,7 @@ def test_a_text_file_as_weights_is_one_line(tmp_path):
     bad.write_text("hello\n")
     with pytest.raises(NascompressError, match="is not a readable safetensors file"):
         nascompress.load(bad)
-    from nascompress.weights import read_weights_file
+    from nascompress.models.weights import read_weights_file
 
     for name in ("w.safetensors", "w.pth"):
         (tmp_path / name).write_text("hello\n")
@@ -156,7 +156,8 @@ def one_line(r, pattern: str) -> str:
 
 def _train_job(out: Path, **data):
     from nascompress.data import DataConfig
-    from nascompress.train import TrainConfig, TrainJob
+    from nascompress.train.config import TrainConfig
+    from nascompress.train.run import TrainJob
 
     spec = custom_vit_spec(img_size=16, patch_size=4, embed_dim=32, depth=1, num_heads=2, num_classes=10, in_chans=1)
     return TrainJob(
@@ -168,8 +169,8 @@ def _train_job(out: Path, **data):
 
 
 def test_an_interrupted_run_is_refused_until_resumed(tmp_path):
-    from nascompress.hooks import TrainHooks
-    from nascompress.train import train
+    from nascompress.train.hooks import TrainHooks
+    from nascompress.train.run import train
 
     from .conftest import interrupted_at_epoch
 
@@ -195,8 +196,8 @@ def test_an_interrupted_run_is_refused_until_resumed(tmp_path):
 
 
 def test_a_run_without_checkpoint_says_what_to_delete(tmp_path):
-    from nascompress.hooks import TrainHooks
-    from nascompress.train import train
+    from nascompress.train.hooks import TrainHooks
+    from nascompress.train.run import train
 
     from .conftest import interrupted_at_epoch
 

@@ -15,19 +15,15 @@ from typer.testing import CliRunner
 import nascompress
 from nascompress.data import DataConfig, load_data
 from nascompress.errors import NascompressError
-from nascompress.hooks import as_floats
+from nascompress.train.hooks import as_floats
 from nascompress.runs.io import make_arch, save_model
-from nascompress.models import build_model, custom_vit_spec
-from nascompress.retraining import (
-    FeatureTap,
-    IBHooks,
-    RetrainConfig,
-    RetrainJob,
-    bound_contribution,
-    make_input_embed,
-    retrain,
-)
-from nascompress.train import TrainConfig, input_spec_for
+from nascompress.models.build import build_model, custom_vit_spec
+from nascompress.train.distill import FeatureTap
+from nascompress.dcs_search.ib_hooks import IBHooks, make_input_embed
+from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.run import RetrainJob, bound_contribution, retrain
+from nascompress.train.config import TrainConfig
+from nascompress.train.run import input_spec_for
 
 from .conftest import TORCH_DEVICE, interrupted_at_epoch, tiny_spec
 

@@ -67,8 +67,8 @@ def test_recorded_reads_the_job_of_an_earlier_run(tmp_path):
 LIFE_CYCLE = {"prepare_out_dir", "create_out_dir", "recorded_job", "finish_run"}
 ALLOWED = {
     "runs/run_dir.py": LIFE_CYCLE,
-    "train_loop.py": {"finish_run"},
-    "utils.py": LIFE_CYCLE,
+    "train/loop.py": {"finish_run"},
+    "runs/out_dir.py": LIFE_CYCLE,
     "runs/io.py": LIFE_CYCLE,
 }  # where they are defined
 

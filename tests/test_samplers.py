@@ -12,9 +12,9 @@ import optuna
 import pytest
 
 from nascompress.errors import NascompressError
-from nascompress.search.grid import POINT_KEY
-from nascompress.search.space import Space
-from nascompress.search.trials import SAMPLERS, make_sampler, sampler_factory
+from nascompress.studies.grid import POINT_KEY
+from nascompress.studies.space_model import Space
+from nascompress.studies.samplers import SAMPLERS, make_sampler, sampler_factory
 from nascompress.studies import run_study
 
 from .conftest import invoke

@@ -151,7 +151,7 @@ def json_key(d):
 
 
 def test_a_trial_given_another_budget_shows_it_in_its_record(tmp_path, tiny_run):
-    from nascompress.search.trials import Objective, SearchJob
+    from nascompress.studies.trials import Objective, SearchJob
     from nascompress.studies.records import mixed_scoring
 
     (tmp_path / "s.yaml").write_text(GROUP_SPACE)
@@ -191,7 +191,7 @@ def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):
     budget 0 trains nothing; a keep-everything DynamicViT has nothing to train and uses 0."""
     import nascompress
     from nascompress.methods import get_method
-    from nascompress.search.scoring import calibrate_stack
+    from nascompress.studies.scoring import calibrate_stack
 
     base = nascompress.load(tiny_run).eval().requires_grad_(False)
     batches = [(torch.randn(4, 1, 16, 16), torch.arange(4))]
@@ -229,7 +229,7 @@ def test_every_predictor_stage_of_a_stack_gets_the_budget(tiny_run):
 def test_a_fine_tuned_trial_records_its_stages_and_epochs(tmp_path, tiny_run):
     """--finetune-epochs: every method but the last runs its predictor stage (the budget), the last is
     trained by the fine-tune itself (0 steps of the budget); the record says so."""
-    from nascompress.search.trials import Objective, SearchJob
+    from nascompress.studies.trials import Objective, SearchJob
 
     (tmp_path / "s.yaml").write_text("""
 format: nascompress-space/1

@@ -259,8 +259,9 @@ def test_a_dcs_stage_is_searched_once_per_worker_and_reused(project, tiny_run):
 def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tiny_run):
     """Same records and seed: the second build reuses the memo's channels and its DynamicViT predictors
     (initialised from the random state after the DCS stage) come out bit-identical."""
-    from nascompress.search.trial_build import build_trial
-    from nascompress.search.trials import SearchJob, TrialContext
+    from nascompress.studies.trial_build import build_trial
+    from nascompress.studies.trials import SearchJob
+    from nascompress.studies.trial_context import TrialContext
 
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE)
     ctx = TrialContext(
@@ -285,8 +286,9 @@ def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tin
 def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
     """The DCS target is a study parameter from 1.0 (the channels stay: a token-only model, no search) down:
     a trial at 1.0 builds the dense base with its token method, and records why."""
-    from nascompress.search.trial_build import build_trial
-    from nascompress.search.trials import SearchJob, TrialContext
+    from nascompress.studies.trial_build import build_trial
+    from nascompress.studies.trials import SearchJob
+    from nascompress.studies.trial_context import TrialContext
 
     (project / "dt.yaml").write_text(DCS_TOKENS_SPACE.replace("choices: [0.8]", "choices: [0.8, 1.0]"))
     ctx = TrialContext(

@@ -12,8 +12,8 @@ import optuna
 import pytest
 
 from nascompress.errors import NascompressError
-from nascompress.search.space import Space
-from nascompress.search.trials import make_sampler, sampler_factory
+from nascompress.studies.space_model import Space
+from nascompress.studies.samplers import make_sampler, sampler_factory
 from nascompress.studies import run_study
 
 TWO_D = {

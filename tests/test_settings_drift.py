@@ -16,9 +16,9 @@ from torch import nn
 from nascompress.config import check_value
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
-from nascompress.importer import ImportJob
+from nascompress.importer.run import ImportJob
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
-from nascompress.models import CUSTOM_VIT, ModelShape, custom_vit_spec
+from nascompress.models.build import CUSTOM_VIT, ModelShape, custom_vit_spec
 from nascompress.pipeline import load_config
 from nascompress.pipeline.sections import (
     BaseImportSection,
@@ -28,9 +28,9 @@ from nascompress.pipeline.sections import (
     RetrainStage,
     TokensStage,
 )
-from nascompress.search.trial_model import TrialMaterializeJob
-from nascompress.search.trials import STORAGE_HELP, SearchJob
-from nascompress.train import TrainConfig
+from nascompress.studies.trial_model import TrialMaterializeJob
+from nascompress.studies.trials import STORAGE_HELP, SearchJob
+from nascompress.train.config import TrainConfig
 
 from .conftest import invoke, patch_everywhere
 
@@ -99,7 +99,7 @@ def test_one_evaluation_batch_size_name():  # was import --batch-size, base.impo
 
 
 def test_the_custom_vit_defaults_are_written_once(tmp_path, monkeypatch):
-    import nascompress.train as train
+    import nascompress.train.run as train
 
     expected = custom_vit_spec(**CUSTOM_VIT, num_classes=10)
     assert ModelShape().spec(10) == expected
@@ -140,7 +140,7 @@ def test_storage_has_one_help():  # was three texts
 
 def test_alpha_init_drives_theta_init_and_mlp_gates_is_the_declared_default_in_study_trials(monkeypatch):
     import nascompress.dcs_search.search as dcs
-    from nascompress.search.trial_dcs import _search_dcs
+    from nascompress.studies.trial_dcs import _search_dcs
 
     seen = []
 

@@ -12,8 +12,8 @@ import pytest
 from optuna.trial import FixedTrial
 
 from nascompress.errors import NascompressError
-from nascompress.search import space_lattice
-from nascompress.search.space import Space, load_space
+from nascompress.studies import space_lattice
+from nascompress.studies.space_model import Space, load_space
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED = sorted(glob.glob(os.path.join(ROOT, "nascompress", "search_spaces", "*.yaml")))  # package data
@@ -245,7 +245,7 @@ def test_an_unconditional_spaces_grid_is_optunas_qmc_sequence(tmp_path):
     """An unconditional space's spread points are the first points of Optuna's QMCSampler (the
     sequence a ``--sampler qmc`` study walks), not the home-made lattice."""
 
-    from nascompress.search.qmc import qmc_sampler
+    from nascompress.studies.qmc import qmc_sampler
 
     text = (
         "format: nascompress-space/1\nname: g\nmethods:\n  - name: sparsifiner\n    params:\n"

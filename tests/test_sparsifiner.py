@@ -11,18 +11,12 @@ import torch.nn.functional as F
 
 from nascompress.errors import NascompressError
 from nascompress.methods import block_sparse, get_method
-from nascompress.finetune import split_settings
-from nascompress.methods.sparsifiner import (
-    SparsifinerHooks,
-    SparsifinerRecipe,
-    attention_budget,
-    masked_attention,
-    sparse_modules,
-    topk_mask,
-)
-from nascompress.models import ModelSpec, build_model, custom_vit_spec
+from nascompress.train.finetune import split_settings
+from nascompress.methods.sparsifiner import SparsifinerHooks, SparsifinerRecipe
+from nascompress.methods.sparsifiner_kernel import attention_budget, masked_attention, sparse_modules, topk_mask
+from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import count_flops
-from nascompress.train import TrainConfig
+from nascompress.train.config import TrainConfig
 
 from .conftest import tiny_gray_vit
 
@@ -112,7 +106,7 @@ def test_block_inference_kernels_match_masked_path_in_the_model(kernel):
 
 def test_block_predictor_equals_pooled_unstructured_scores():
     """predict_blocks == top blocks of S = C @ W_up (thresholded, patch rows/columns) summed over tiles."""
-    from nascompress.methods.sparsifiner import lowrank_attention, sparse_basis, sparse_coefficients
+    from nascompress.methods.sparsifiner_kernel import lowrank_attention, sparse_basis, sparse_coefficients
 
     torch.manual_seed(0)
     B, H, d, r, n, bs = 2, 2, 16, 6, 50, 8
@@ -238,7 +232,7 @@ def test_two_stage_hooks_train_the_right_parameters():
 
 def test_finetune_job_end_to_end(tiny_run, tmp_path):
     from nascompress.data import DataConfig
-    from nascompress.finetune import FinetuneJob, finetune
+    from nascompress.train.finetune import FinetuneJob, finetune
     from nascompress.runs.io import load_with_arch
 
     data = DataConfig(dataset="synthetic", train_limit=128, eval_limit=64)
@@ -287,7 +281,7 @@ def test_bad_input(cfg, msg):
 
 
 def test_legacy_flex_key_maps_to_kernel():
-    from nascompress.methods.sparsifiner import SparsifinerConfig
+    from nascompress.methods.sparsifiner_kernel import SparsifinerConfig
 
     assert SparsifinerConfig.from_dict({"mode": "block", "flex": False}).kernel == "masked"
     assert SparsifinerConfig.from_dict({"mode": "block", "flex": True}).kernel == "gather"

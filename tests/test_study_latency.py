@@ -12,8 +12,8 @@ import torch
 
 from nascompress.profiling import block_tokens, geometry_of, predict_latency
 from nascompress.profiling.latency_table import LatencyTable
-from nascompress.search import trial_context
-from nascompress.search.trial_context import is_finalist
+from nascompress.studies import trial_context
+from nascompress.studies.trial_context import is_finalist
 
 from .conftest import hand_latency_table, TINY_EVIT_SPACE, invoke
 

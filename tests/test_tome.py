@@ -116,7 +116,7 @@ def test_stacking_order():
 
 def test_save_and_load(tmp_path):
     from nascompress.runs.io import load, make_arch, save_model
-    from nascompress.models import custom_vit_spec
+    from nascompress.models.build import custom_vit_spec
 
     spec = custom_vit_spec(img_size=32, patch_size=4, embed_dim=32, depth=4, num_heads=2, num_classes=10)
     model, rec = get_method("tome").prepare_fresh(tiny_rgb_vit(), {"r": [3, 2], "merge_layers": [1, 3]})
@@ -199,7 +199,7 @@ def test_the_shipped_spaces_apply_their_methods_in_an_allowed_order():
 
     import optuna
 
-    from nascompress.search.space import load_space
+    from nascompress.studies.space_model import load_space
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     for name in ("joint", "tome"):  # the shipped spaces, for the default 6-block ViT (only its blocks are read)

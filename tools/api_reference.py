@@ -28,7 +28,7 @@ ENTRIES = [
     ("nc.materialize", "nascompress.pyapi.stages", "materialize"),
     ("nc.retrain", "nascompress.pyapi.stages", "retrain"),
     ("nc.tokens.apply", "nascompress.pyapi.tokens", "apply"),
-    ("nc.export.onnx", "nascompress.export", "onnx"),
+    ("nc.export.onnx", "nascompress.pyapi.export", "onnx"),
     ("nc.quantize", "nascompress.pyapi.stages", "quantize"),
     ("nc.study", "nascompress.pyapi.study", "study"),
     ("Study", "nascompress.pyapi.study", "Study"),
@@ -39,7 +39,7 @@ ENTRIES = [
     ("Materialized", "nascompress.pyapi.stages", "Materialized"),
     ("Retrained", "nascompress.pyapi.stages", "Retrained"),
     ("TokenModel", "nascompress.pyapi.tokens", "TokenModel"),
-    ("Exported", "nascompress.export", "Exported"),
+    ("Exported", "nascompress.pyapi.export", "Exported"),
     ("Quantized", "nascompress.pyapi.stages", "Quantized"),
 ]
 HEAD = """# Python API reference
@@ -62,7 +62,7 @@ already saved in `dir` returns it (another model there needs `force=True`).
 Which models need nascompress at inference: a model whose blocks only got narrower (DCS's `hidden`
 MLP family, pruned heads, removed blocks; uniform pruning with `qk=False`; any model without a
 method) comes back as timm's own `Block`/`Attention`/`Mlp` holding its per-block widths, so it pickles
-and runs where nascompress is not installed (`nascompress.layers.nascompress_modules(model)` is
+and runs where nascompress is not installed (`nascompress.models.layers.nascompress_modules(model)` is
 `[]`). Nascompress's classes stay where timm has none for the shape: DCS's `residual` MLP family (a
 channel gather), a static Q/K mask or uniform pruning's Q/K (a Q/K narrower than V), a block left
 with no head or hidden neuron (a constant), and every token method (EViT, DynamicViT, ToMe,

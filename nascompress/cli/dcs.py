@@ -12,7 +12,7 @@ from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.dcs_search.materialize import build_job, materialize_search
-from nascompress.search.trial_model import TrialMaterializeJob, build_job as build_trial_job, materialize_trial
+from nascompress.studies.trial_model import TrialMaterializeJob, build_job as build_trial_job, materialize_trial
 
 # materialize --study: TrialMaterializeJob's settings (or a DCS SEARCH_DIR instead)
 FROM_STUDY = StageSettings(

@@ -9,8 +9,8 @@ import typer
 
 from nascompress.cli.common import Settings, out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, out_option
-from nascompress.export import export_run, parse_batch
-from nascompress.export.config import ExportConfig, build_config
+from nascompress.deploy import export_run, parse_batch
+from nascompress.deploy.config import ExportConfig, build_config
 from nascompress.runs.files import Sidecar
 
 

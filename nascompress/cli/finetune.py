@@ -30,7 +30,7 @@ from nascompress.cli.common import (
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError
-from nascompress.finetune import (
+from nascompress.train.finetune import (
     FINETUNE_TRAIN_SETTINGS,
     FinetuneJob,
     build_job,
@@ -38,8 +38,8 @@ from nascompress.finetune import (
     split_settings,
 )
 from nascompress.profiling.compare import dense_flops_text
-from nascompress.train import RUNTIME_SETTINGS
-from nascompress.api import run_data_config
+from nascompress.train.run import RUNTIME_SETTINGS
+from nascompress.runs.run_config import run_data_config
 from nascompress.methods import available_methods, get_method
 
 

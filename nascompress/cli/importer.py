@@ -10,8 +10,8 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings, setting_help
 from nascompress.data import DataConfig, InputOverrides
-from nascompress.importer import ImportJob, build_job, import_model
-from nascompress.train import TrainConfig
+from nascompress.importer.run import ImportJob, build_job, import_model
+from nascompress.train.config import TrainConfig
 
 # The data and run settings ``nascompress import`` offers: the dataset to evaluate on (none: no
 # evaluation), its val/test subset and the seed that draws it, the device

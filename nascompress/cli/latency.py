@@ -11,7 +11,7 @@ from rich.table import Table
 from nascompress.cli.common import out, print_json, run, setting_option, settings_command
 from nascompress.cli.options import JsonOut, out_option
 from nascompress.profiling.latency_table_run import LatencyTableConfig, latency_table_for
-from nascompress.train import TrainConfig
+from nascompress.train.config import TrainConfig
 
 
 @settings_command(settings=LatencyTableConfig)

@@ -25,12 +25,15 @@ from nascompress.cli.common import (
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset
 from nascompress.data import DataConfig, InputOverrides
-from nascompress.evaluate import EvaluateSettings
-from nascompress.models import ModelShape
+from nascompress.profiling.evaluate import EvaluateSettings
+from nascompress.models.build import ModelShape
 from nascompress.profiling.config import PROFILE_CLASSES, PROFILE_MODEL_SETTINGS, ProfileConfig
-from nascompress.train import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob, build_job, train as train_job
+from nascompress.train.run import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainJob, build_job, train as train_job
+from nascompress.train.config import TrainConfig
 from nascompress import __version__
-from nascompress.api import count_classes, epsilon_sweep, evaluate_run, profile as profile_fn, run_data_config
+from nascompress.data import count_classes
+from nascompress.profiling.jobs import epsilon_sweep, evaluate_run, profile as profile_fn
+from nascompress.runs.run_config import run_data_config
 from nascompress.profiling.compare import comparison_text
 from nascompress.runtime import keep_freed_memory
 

@@ -12,9 +12,9 @@ from rich.table import Table
 from nascompress.cli.common import err, out, print_json, run, setting_option
 from nascompress.cli.options import JsonOut, force_option, out_option
 from nascompress.config import StageSettings
-from nascompress.train import TrainConfig
+from nascompress.train.config import TrainConfig
 from nascompress.pipeline import run_pipeline
-from nascompress.pipeline.report import (
+from nascompress.pipeline.report_format import (
     comparison_rows,
     dcs_column,
     dcs_rows,

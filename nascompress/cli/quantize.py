@@ -11,9 +11,9 @@ import typer
 
 from nascompress.cli.common import out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_option
-from nascompress.export.config import QuantizeConfig
-from nascompress.export.quantize import quantize_run
-from nascompress.api import run_data_config
+from nascompress.deploy.config import QuantizeConfig
+from nascompress.deploy.quantize import quantize_run
+from nascompress.runs.run_config import run_data_config
 from nascompress.data import DataConfig
 from nascompress.runs.files import Sidecar
 

@@ -22,15 +22,15 @@ from nascompress.cli.common import (
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
 from nascompress.data import DataConfig
-from nascompress.retraining import (
+from nascompress.retraining.run import (
     RETRAIN_TRAIN_SETTINGS,
-    RetrainConfig,
     RetrainJob,
     build_job,
     recorded_data_config,
     retrain as retrain_fn,
 )
-from nascompress.train import RUNTIME_SETTINGS
+from nascompress.retraining.config import RetrainConfig
+from nascompress.train.run import RUNTIME_SETTINGS
 
 
 @settings_command(settings=RetrainConfig, recipe=RETRAIN_TRAIN_SETTINGS, runtime=RUNTIME_SETTINGS)

@@ -25,12 +25,12 @@ from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunD
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
 from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
-from nascompress.models import ModelShape
+from nascompress.models.build import ModelShape
 from nascompress.profiling.compare import dense_flops_text
 from nascompress.dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from nascompress.search.trials import SearchJob, build_job as build_search_job, run_search
-from nascompress.train import RUNTIME_SETTINGS, TrainJob
-from nascompress.api import run_data_config
+from nascompress.studies.trials import SearchJob, build_job as build_search_job, run_search
+from nascompress.train.run import RUNTIME_SETTINGS, TrainJob
+from nascompress.runs.run_config import run_data_config
 from nascompress.dcs_search import DCSSearchJob, search_dcs
 from nascompress.dcs_search.run import CONTINUE, build_job
 from nascompress.errors import SettingError

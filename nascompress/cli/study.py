@@ -21,7 +21,7 @@ from nascompress.studies.inspect import (
     render_show,
     show_study,
 )
-from nascompress.search.trials import SearchJob
+from nascompress.studies.trials import SearchJob
 from nascompress.studies.report import write_report
 
 study_app = typer.Typer(no_args_is_help=True, help="Inspect search studies: list, show, export, report, dashboard.")

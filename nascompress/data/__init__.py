@@ -88,9 +88,31 @@ from .splits import Subset, check_classes, dataset_labels, split_indices, strati
 from ..errors import NascompressError, SettingError
 from ..limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
+
+def count_classes(data: DataConfig) -> int:
+    """Number of classes of a dataset without loading its images."""
+    if data.classes is not None:  # a subset: as many as it names (checked against the classes when loaded)
+        return len([t for t in data.classes.split(",") if t.strip()])
+    if is_memory(data.dataset):  # a caller's Dataset (the Python API)
+        return len(memory_splits(data.dataset).classes)
+    if data.dataset in DATASET_KEYWORDS:
+        return 2 if data.dataset == "lfw-faces" else 10
+    train = Path(data.dataset) / "train"
+    if not train.is_dir():
+        raise SettingError(
+            f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+            "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH"
+        )
+    classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
+    if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
+        check_classes(classes, {}, name=data.dataset)
+    return len(classes)
+
+
 __all__ = [
     "AUGMENTS",
     "BUILTIN_DATASETS",
+    "count_classes",
     "CROP_MODES",
     "DATASET_KEYWORDS",
     "DIGITS_MEAN",
@@ -384,7 +406,7 @@ def training_batches(
 
 def dataset_paths(cfg: DataConfig | None) -> tuple[str, ...]:
     """The folders a data config reads (its ImageFolder root, its Fashion-MNIST folder): inputs an
-    output must not be (:func:`~nascompress.utils.refuse_overwriting_inputs`)."""
+    output must not be (:func:`~nascompress.runs.out_dir.refuse_overwriting_inputs`)."""
     if cfg is None:
         return ()
     if cfg.dataset == "fashion-mnist":

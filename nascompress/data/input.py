@@ -64,7 +64,7 @@ def check_input_section(inp: Any, *, source: str, model: dict[str, Any] | None =
     ``img_size`` [H, W] of positive integers, ``in_chans`` a positive integer, ``mean``/``std`` finite
     (``std`` >= :data:`MIN_STD`, ``|mean|`` <= :data:`MAX_MEAN`: normalised pixels stay finite) with
     1 or ``in_chans`` values; against ``model`` (the geometry of the model the arch builds,
-    :func:`~nascompress.models.model_size`: ``img_size``, ``patch_size``, ``in_chans``, ``prefix``,
+    :func:`~nascompress.models.build.model_size`: ``img_size``, ``patch_size``, ``in_chans``, ``prefix``,
     with ``dynamic`` for ``dynamic_img_size``): the same channels, and the model's image size (or,
     dynamic, a multiple of the patch within the token limit)."""
 

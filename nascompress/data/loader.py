@@ -51,7 +51,7 @@ def make_loader(
 ) -> DataLoader:
     """A DataLoader whose order depends only on (seed, epoch): resuming replays the same order.
 
-    ``shard=(rank, world)`` (data-parallel training, :mod:`nascompress.distributed`): this rank's
+    ``shard=(rank, world)`` (data-parallel training, :mod:`nascompress.train.distributed`): this rank's
     part of that order, every ``world``-th item from ``rank``, the order first cut to a multiple of
     ``world`` so that every rank gets as many items (and batches).
 

@@ -5,7 +5,7 @@ training hooks (:mod:`.hooks`), preparing the supernet (:mod:`.prepare`, :mod:`.
 
 from __future__ import annotations
 
-from .search import CostModel
+from .cost import CostModel
 from .search_config import DCSSearchConfig, DCSSearchJob
 from .run import search_dcs
 from .materialize import MaterializeJob, materialize_search

@@ -33,11 +33,12 @@ from torch import nn
 
 from .. import runtime
 from ..data import InputSpec, training_batches
-from ..distill import FeatureTap, feature_kd_loss
+from ..train.distill import FeatureTap, feature_kd_loss
 from ..errors import NascompressError, SettingError
-from ..evaluate import evaluate
-from ..hooks import kl_to_teacher, short_stage
-from ..methods.dcs import DCSConfig, arch_parameters, check_family, make_supernet
+from ..profiling.evaluate import evaluate
+from ..train.hooks import kl_to_teacher, short_stage
+from ..methods.dcs import DCSConfig, make_supernet
+from ..methods.dcs_supernet import arch_parameters, check_family
 from ..progress import step as shown
 from .magnitude import Structure, fix_structure, magnitude_scores, set_hidden_gates
 from .cost import CostModel
@@ -129,7 +130,7 @@ def recover(
     teacher: TeacherCache | None = None,
 ) -> dict[str, float]:
     """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
-    the mean losses of the last steps (:func:`~nascompress.hooks.short_stage`). ``teacher``: the
+    the mean losses of the last steps (:func:`~nascompress.train.hooks.short_stage`). ``teacher``: the
     search's cache of the dense model's outputs per training image, read instead of a teacher forward."""
     arch = {id(p) for p in arch_parameters(model)}
     params = [p for n, p in model.named_parameters() if id(p) not in arch and n not in rec.frozen]
@@ -433,7 +434,6 @@ __all__ = [
     "choose",
     "keep_better",
     "last_validation",
-    "magnitude_scores",
     "magnitude_supernet",
     "reason",
     "recover",

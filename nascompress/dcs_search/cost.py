@@ -17,8 +17,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..layers import aligned_width, qk_pads
-from ..methods.dcs import aligned_counts, head_gates
+from ..models.layers import aligned_width, qk_pads
+from ..methods.dcs_gates import aligned_counts
+from ..methods.dcs_supernet import head_gates
 from ..profiling import count_flops
 
 SMOOTH_MAX_T = 1.0  # temperature (in channels) of the smooth maximum over heads of the Q/K counts

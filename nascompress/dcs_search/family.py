@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import aligned_width
-from ..methods.dcs import BlockStats, ChannelImportance, DCSConfig, make_supernet
+from ..models.layers import aligned_width
+from ..methods.dcs_importance import BlockStats, ChannelImportance
+from ..methods.dcs import DCSConfig, make_supernet
 from ..profiling import count_flops
 
 FAMILIES = ("residual", "hidden")

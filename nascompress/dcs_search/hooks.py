@@ -1,5 +1,5 @@
 """The DCS search as training hooks (:class:`DCSSearchHooks`, run by the one training loop
-:func:`nascompress.train.fit`): the alternating weight and architecture steps, the budget (the
+:func:`nascompress.train.run.fit`): the alternating weight and architecture steps, the budget (the
 lambda controller and the projection onto the moving target), the end-of-search guard and the
 accuracy stop (see :mod:`nascompress.dcs_search.search`)."""
 
@@ -12,21 +12,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import distributed
+from ..train import distributed
 from ..data import Indexed, Subset, split_indices
-from ..distill import FeatureTap, feature_kd_loss
+from ..train.distill import FeatureTap, feature_kd_loss
 from ..errors import SettingError
-from ..hooks import TrainHooks, kl_to_teacher, own_group, param_groups
-from ..methods.dcs import arch_parameters, binary_entropy, make_record
+from ..train.hooks import TrainHooks, kl_to_teacher, own_group, param_groups
+from ..methods.dcs_supernet import arch_parameters
+from ..methods.dcs_gates import binary_entropy
+from ..methods.dcs import make_record
 from ..runs.files import Arch
-from ..train import TrainConfig
+from ..train.config import TrainConfig
 from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, shifted_logits
 from .search_config import DCSSearchJob
 from .teacher import StepTag, TeacherCache, interleave, teacher_outputs
 
 
 class DCSSearchHooks(TrainHooks):
-    """The DCS search plugged into :func:`~nascompress.train.fit` (see the module docstring)."""
+    """The DCS search plugged into :func:`~nascompress.train.run.fit` (see the module docstring)."""
 
     def __init__(
         self,

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import aligned_width
-from ..methods.dcs import PROTECT_LOGIT, head_gates
+from ..models.layers import aligned_width
+from ..methods.dcs_gates import PROTECT_LOGIT
+from ..methods.dcs_supernet import head_gates
 from ..methods.dcs_structure import block_scores, head_scores
 
 

@@ -18,11 +18,12 @@ from ..config import Config
 from ..data import InputSpec
 from ..errors import NascompressError, SettingError
 from ..runs.io import load_typed, save_model
-from ..methods.dcs import DCSConfig, materialize, selection
+from ..methods.dcs import DCSConfig, materialize
+from ..methods.dcs_supernet import selection
 from ..profiling import count_flops
 from ..runs.run_dir import RunDir
 from ..runs.files import Arch, read_metrics
-from ..pipeline_files import find_run_config
+from ..runs.run_config import find_run_config
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import runtime
 from ..data import InputSpec, make_loader, preprocess
-from ..methods.dcs import BlockStats, ChannelImportance, activation_stats, channel_importance
-from ..auto_batch import auto_batch_size
+from ..methods.dcs_importance import BlockStats, ChannelImportance, activation_stats, channel_importance
+from ..train.auto_batch import auto_batch_size
 from .family import choose_family, dense_targets, probe_kl
 from .protect import protection
 from .search_config import DCSSearchJob

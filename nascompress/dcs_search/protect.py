@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers import aligned_width
-from ..methods.dcs import BlockStats, DCSConfig, make_supernet
+from ..models.layers import aligned_width
+from ..methods.dcs_importance import BlockStats
+from ..methods.dcs import DCSConfig, make_supernet
 from .family import dense_targets
 
 SENSITIVITY_DROP = 0.5  # share of one block's gates dropped to measure its sensitivity

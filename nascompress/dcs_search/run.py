@@ -10,17 +10,18 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from .. import distributed
-from ..api import count_classes, run_data_config
+from ..train import distributed
+from ..data import count_classes
+from ..runs.run_config import run_data_config
 from ..data import DataConfig, InputSpec, dataset_paths, load_data
 from ..errors import NascompressError, SettingError
 from ..runs.io import load_typed, make_arch
-from ..models import ModelSpec, build_model
-from ..weights import load_pretrained
+from ..models.build import ModelSpec, build_model
+from ..models.weights import load_pretrained
 from ..runs.run_dir import RunDir
-from ..train import input_spec_for
+from ..train.run import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics
-from ..pipeline_files import find_run_config
+from ..runs.run_config import find_run_config
 from ..methods.dcs import DCSConfig
 from .search import run_dcs_search
 from .search_config import DCSSearchConfig, DCSSearchJob, search_train_config
@@ -41,7 +42,7 @@ def build_job(
     place it is built): ``search``: the values of :class:`~nascompress.dcs_search.search_config.DCSSearchConfig`'s
     settings; ``method``: :data:`~nascompress.methods.dcs.SEARCH_DCS_SETTINGS`'; ``train``:
     :data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`' and
-    :data:`~nascompress.train.RUNTIME_SETTINGS`'
+    :data:`~nascompress.train.run.RUNTIME_SETTINGS`'
     (None: the recipe's; ``batch_size`` None: chosen from the training images); ``data``: the dataset
     (None: the source run's); ``weights`` / ``img_size``: a timm ``source``'s weights file and input size."""
     cfg = DCSSearchConfig(**search, auto_batch=train.get("batch_size") is None)

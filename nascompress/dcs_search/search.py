@@ -1,6 +1,6 @@
 """``nascompress search dcs``: the DCS differentiable channel search (seed 003 section 3.4, A.2).
 
-It runs on the one training loop (:func:`nascompress.train.fit`) with
+It runs on the one training loop (:func:`nascompress.train.run.fit`) with
 :class:`~nascompress.dcs_search.hooks.DCSSearchHooks`; this module holds the job
 (its settings: :mod:`~nascompress.dcs_search.search_config`).
 Each epoch the training split is cut once (:func:`~nascompress.data.split_indices`, fixed seed)
@@ -51,7 +51,7 @@ more than ``max_val_drop`` points below the dense model's stops with a message (
 still moves, the weights chase a shrinking architecture and dip before they recover: there only a
 drop of twice that stops it).
 
-Under torchrun (:mod:`nascompress.distributed`) each process takes its shard of both subsets every
+Under torchrun (:mod:`nascompress.train.distributed`) each process takes its shard of both subsets every
 epoch; the shards are equal, so every process interleaves its W- and arch-steps in the same order,
 and the gradients averaged by DistributedDataParallel (one wrapper for the W-steps' weights, one for
 the arch-steps' logits) keep the architecture (and so lambda) the same everywhere.
@@ -67,21 +67,22 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import distributed
+from ..train import distributed
 from ..data import IN_MEMORY, InputSpec
-from ..evaluate import evaluate
+from ..profiling.evaluate import evaluate
 from ..runs.io import save_model
 from ..methods.dcs import make_record, make_supernet
 from ..progress import counted, step
 from ..runs.files import Arch
-from ..train import check_classes, fit
+from ..train.run import check_classes
+from ..train.loop import fit
 from .baseline import keep_better, last_validation
-from .cost import CostModel, LambdaSteer, calibrate, round_blocks, selection_record, smooth_max
-from .hooks import DCSSearchHooks, SearchCollapsed, SearchOffTarget
+from .cost import CostModel, selection_record
+from .hooks import DCSSearchHooks, SearchCollapsed
 from .latency_cost import latency_cost
-from .prepare import calibration_images, init_importance, prepare_search
-from .search_config import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
-from .teacher import StepTag, TeacherCache
+from .prepare import prepare_search
+from .search_config import DCSSearchJob
+from .teacher import TeacherCache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,24 +278,4 @@ def run_dcs_search(
     return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
 
 
-__all__ = [
-    "DCSSearchConfig",
-    "DCSSearchJob",
-    "DCSSearchHooks",
-    "DCSSearchResult",
-    "SearchCollapsed",
-    "SearchOffTarget",
-    "run_dcs_search",
-    "CostModel",
-    "LambdaSteer",
-    "calibrate",
-    "round_blocks",
-    "search_train_config",
-    "SEARCH_TRAIN",
-    "smooth_max",
-    "prepare_search",
-    "init_importance",
-    "calibration_images",
-    "StepTag",
-    "TeacherCache",
-]
+__all__ = ["DCSSearchResult", "run_dcs_search"]

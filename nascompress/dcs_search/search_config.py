@@ -14,8 +14,9 @@ from ..data import DataConfig
 from ..limits import MAX_LR
 from ..errors import SettingError
 from ..methods.dcs import SEARCH_DCS, DCSConfig
-from ..auto_batch import AUTO_BATCH_NOTE
-from ..train import TrainConfig, recipe_config
+from ..train.auto_batch import AUTO_BATCH_NOTE
+from ..train.config import TrainConfig
+from ..train.run import recipe_config
 
 INIT_IMPORTANCE = ("auto", "weight", "activation")
 ARCH_LOSSES = ("kd", "ce")
@@ -139,7 +140,7 @@ class DCSSearchConfig(Config):
             seed, so every trial's search measures the same base model on the same images and the
             process reuses the measurements (:mod:`~nascompress.dcs_search.prepare`).
         auto_batch: choose the batch size from the number of training images
-            (:func:`~nascompress.retraining.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
+            (:func:`~nascompress.retraining.run.auto_batch_size`: 16 for 2,000 images, 128 from 12,800),
             so a small dataset still gets enough architecture steps; the chosen size replaces the
             job's ``train.batch_size`` in the recorded job. The default, as ``search dcs`` and
             ``stages.dcs`` without a batch size; False: ``train.batch_size`` as given.

@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import runtime
 from ..data import InputSpec, make_loader, preprocess
-from ..distill import FeatureTap
+from ..train.distill import FeatureTap
 
 
 class StepTag(str):

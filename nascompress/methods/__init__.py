@@ -9,7 +9,7 @@ subclass says, in one place:
   fields with ``metadata={"help": ...}`` become ``nascompress finetune`` options);
 * ``recipe_cls``: its training recipe settings (None: the method is not fine-tuned by
   ``finetune``), and ``train_overrides``: what its fine-tune changes in the generic fine-tuning
-  recipe (:data:`nascompress.finetune.FINETUNE_TRAIN`): base learning rate (per 512 images),
+  recipe (:data:`nascompress.train.finetune.FINETUNE_TRAIN`): base learning rate (per 512 images),
   warm-up and epochs (:class:`TrainOverrides`);
 * ``stacks_on``: the methods that may already be applied to a model before this one, which also
   fixes the order (e.g. ``dcs`` -> ``sparsifiner`` -> ``evit``); any other combination is refused;
@@ -19,11 +19,11 @@ subclass says, in one place:
 * ``patch``: how it changes the model (in place; timm state-dict keys kept, new parameters get
   new names), rebuilt from its ``arch.json`` record alone;
 * ``prepare``: a fresh patch for fine-tuning or zero-shot use (initialisation from the dense
-  weights where the method needs it); ``hooks``: its recipe for :func:`nascompress.train.fit`.
+  weights where the method needs it); ``hooks``: its recipe for :func:`nascompress.train.run.fit`.
 
 :func:`apply_methods` (used by :func:`nascompress.load`) applies records in order through
 :meth:`Method.apply`, which checks stacking first. Method modules import
-:mod:`nascompress.hooks` only, never the training engine.
+:mod:`nascompress.train.hooks` only, never the training engine.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ _METHODS: dict[str, "Method"] = {}
 @dataclasses.dataclass(frozen=True)
 class TrainOverrides:
     """The training values a method's fine-tune changes in the generic fine-tuning recipe
-    (:data:`nascompress.finetune.FINETUNE_TRAIN`, a TrainConfig; None: the recipe's): typed here
+    (:data:`nascompress.train.finetune.FINETUNE_TRAIN`, a TrainConfig; None: the recipe's): typed here
     because methods never import the training engine."""
 
     epochs: int | None = None
@@ -77,6 +77,11 @@ class Method:
     # a predictor-only stage to run before a zero-shot model is scored (:meth:`calibrate`); a
     # search gives every such method the same step budget, training-free methods use none of it
     calibrates: ClassVar[bool] = False
+    # whether ``nascompress export`` has a path for it (a traceable inference path, or one swapped in)
+    exportable: ClassVar[bool] = True
+    # whether the pipeline's ``tokens`` stage runs it (an Optuna study of its settings; ``nc.compress``'s
+    # ``methods=``): the methods that act on a model's tokens or attention at inference
+    token_stage: ClassVar[bool] = False
 
     # ---- what a subclass implements -----------------------------------------------------------
     def resolve(self, model: nn.Module, cfg: Config) -> Config:
@@ -94,7 +99,7 @@ class Method:
         return self.patch(model, cfg, record), record
 
     def hooks(self, model: nn.Module, record: dict[str, Any], *, teacher: nn.Module, train_cfg: Any):
-        """The recipe's :class:`~nascompress.hooks.TrainHooks` (losses against ``teacher``, schedules)."""
+        """The recipe's :class:`~nascompress.train.hooks.TrainHooks` (losses against ``teacher``, schedules)."""
         raise NascompressError(f"{self.name} has no fine-tuning recipe")
 
     def calibrate(
@@ -215,6 +220,17 @@ def get_method(name: str) -> Method:
 def available_methods() -> list[str]:
     _import_all()
     return sorted(_METHODS)
+
+
+def method_names(*, exportable: bool | None = None, token_stage: bool | None = None) -> tuple[str, ...]:
+    """The registered methods (in the order they register) whose class says so: ``exportable``,
+    ``token_stage`` (None: either)."""
+    _import_all()
+    return tuple(
+        name
+        for name, m in _METHODS.items()
+        if (exportable is None or m.exportable == exportable) and (token_stage is None or m.token_stage == token_stage)
+    )
 
 
 def check_records(records: Any, *, source: str) -> None:

@@ -3,7 +3,7 @@
 Two selections inside every block, searched jointly (the search is ``nascompress search dcs``):
 
 * Q/K channel masks for the attention weights (section 3.1): ``W = softmax((Q*M)(K*M)^T / sqrt(d))``,
-  the same mask on Q and K, V untouched, plugged into :class:`~nascompress.layers.NCAttention` as
+  the same mask on Q and K, V untouched, plugged into :class:`~nascompress.models.layers.NCAttention` as
   its ``qk_mask`` (:class:`DCSQKMask`). ``qk_mask="input"`` is the paper's input-dependent mask,
   theta = Linear(x) per token; ``"static"`` learns one theta per channel (as the official code
   does), the only kind that can be removed physically; ``"none"`` turns it off.
@@ -54,39 +54,25 @@ from torch import nn
 
 from ..config import Config, StageSettings, check_choice, check_range, check_settings, setting, user_settings
 from ..errors import NascompressError
-from ..layers import DEFAULT_ALIGN, NCBlock
-from ..slicing import slice_qk
+from ..models.layers import DEFAULT_ALIGN, NCBlock
+from ..models.slicing import slice_qk
 from . import Method, check_index_list, register_method
 from .dcs_importance import (
-    BlockStats,
     ChannelImportance,
-    activation_importance,
-    activation_stats,
     channel_importance,
     check_supported,
     spread,
 )
 from .dcs_gates import (
-    PROTECT_LOGIT,
-    aligned_counts,
-    aligned_mask,
-    binary_entropy,
-    gumbel_noise,
-    gumbel_sigmoid,
     protect_gates,
 )
-from .dcs_materialize import ConstantMLP, MaterializedBlock, drop_gates, slice_hidden_gates, slice_mlp
+from .dcs_materialize import drop_gates, slice_hidden_gates, slice_mlp
 from .dcs_structure import ConstantAttention, add_structure_gates, check_structure, drop_skipped, keep_heads
 from .dcs_supernet import (
     DCSBlock,
-    DCSQKMask,
-    DCSHeadGate,
-    DCSState,
     add_qk_mask,
-    arch_parameters,
     attach_state,
     check_family,
-    head_gates,
     selection,
 )
 
@@ -378,38 +364,9 @@ __all__ = [
     "DCSConfig",
     "SEARCH_DCS",
     "SEARCH_DCS_SETTINGS",
-    "DCSState",
-    "DCSQKMask",
-    "DCSHeadGate",
-    "DCSBlock",
-    "ConstantAttention",
-    "MaterializedBlock",
-    "gumbel_sigmoid",
-    "ChannelImportance",
-    "BlockStats",
-    "channel_importance",
-    "activation_importance",
-    "activation_stats",
-    "spread",
-    "aligned_mask",
-    "aligned_counts",
-    "protect_gates",
-    "check_family",
     "MLP_GATES",
-    "PROTECT_LOGIT",
-    "gumbel_noise",
-    "binary_entropy",
     "make_supernet",
-    "arch_parameters",
-    "head_gates",
-    "selection",
     "make_record",
-    "attach_state",
-    "slice_mlp",
-    "slice_hidden_gates",
-    "ConstantMLP",
-    "slice_qk",
     "build_materialized",
     "materialize",
-    "check_supported",
 ]

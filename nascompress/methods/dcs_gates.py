@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layers import NCBlock, aligned_width
+from ..models.layers import NCBlock, aligned_width
 
 PROTECT_LOGIT = 30.0  # a protected gate's logit: no Gumbel sample closes it (P < 1e-13), and its gradient is zeroed
 
@@ -53,7 +53,7 @@ def binary_entropy(p: torch.Tensor) -> torch.Tensor:
 
 def aligned_counts(logits: torch.Tensor, *, align: int) -> list[int]:
     """The width each row of ``logits`` (..., n) keeps at inference: the count of positive logits,
-    rounded up to the alignment (:func:`~nascompress.layers.aligned_width`, mode ``up``)."""
+    rounded up to the alignment (:func:`~nascompress.models.layers.aligned_width`, mode ``up``)."""
     n = logits.shape[-1]
     counts = (logits.detach() > 0).reshape(-1, n).sum(-1).tolist()
     return [aligned_width(int(c), align=align, full=n, mode="up") for c in counts]

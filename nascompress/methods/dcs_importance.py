@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError
-from ..layers import NCAttention, NCBlock, to_core
+from ..models.layers import NCAttention, NCBlock, to_core
 
 
 def check_supported(model: nn.Module) -> None:

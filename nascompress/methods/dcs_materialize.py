@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers import NCBlock
-from ..slicing import as_index, slice_hidden, slice_layerscale, slice_linear_in, slice_linear_out
+from ..models.layers import NCBlock
+from ..models.slicing import as_index, slice_hidden, slice_layerscale, slice_linear_in, slice_linear_out
 
 
 class ConstantMLP(nn.Module):

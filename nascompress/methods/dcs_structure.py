@@ -3,7 +3,7 @@
 * Head gates (``DCSConfig.head_gates``): one logit per head of every block
   (``blocks.<i>.attn.head_mask.logits``, :class:`~.dcs_supernet.DCSHeadGate`); a closed head's output
   (B, H, N, d) is zeroed before the heads are merged, so materialization removes its q, k and v rows
-  of qkv and its proj input columns together (:func:`~nascompress.slicing.slice_heads`; the attention
+  of qkv and its proj input columns together (:func:`~nascompress.models.slicing.slice_heads`; the attention
   keeps its head dim, ``num_heads`` becomes the kept count). With no head left the attention half is
   a constant, proj's bias through ls1, as the supernet computes it (:class:`ConstantAttention`).
 * Block gates (``DCSConfig.depth_gates``): one logit per block (``blocks.<i>.dcs_depth`` (1,)) gating
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError, SettingError
-from ..layers import NCAttention
-from ..slicing import as_index, slice_heads
+from ..models.layers import NCAttention
+from ..models.slicing import as_index, slice_heads
 from .dcs_importance import spread
 from .dcs_supernet import DCSHeadGate, DCSQKMask
 

@@ -15,7 +15,7 @@ from timm.layers import Mlp
 from torch import nn
 
 from ..errors import NascompressError, SettingError
-from ..layers import NCAttention, NCBlock
+from ..models.layers import NCAttention, NCBlock
 from .dcs_gates import aligned_mask, gumbel_sigmoid
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from ..config import Config, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
+from ..train.hooks import TrainHooks, features_and_logits, kl_to_teacher, param_groups, short_stage
 from . import Method, TrainOverrides, register_method
 from .tokens import keep_prefix_and, patched_class, token_layers
 
@@ -201,7 +201,7 @@ class DynamicViTState:
 
 
 class DynamicViTBlock:
-    """Mixin over the block's class (:class:`~nascompress.layers.NCBlock` or a DCS block): DynamicViT.
+    """Mixin over the block's class (:class:`~nascompress.models.layers.NCBlock` or a DCS block): DynamicViT.
 
     Modifications: a block with a predictor (``dvit_stage`` >= 1) first scores its patch tokens;
     training: Gumbel decisions update the shared cumulative policy; inference: the top tokens
@@ -253,6 +253,7 @@ class DynamicViTBlock:
 
 @register_method
 class DynamicViT(Method):
+    token_stage = True
     name = "dynamicvit"
     summary = "learned per-image token keep decisions with prediction modules (Rao et al. 2021)"
     config_cls = DynamicViTConfig

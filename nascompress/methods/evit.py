@@ -3,7 +3,7 @@
 Paper: Liang et al. 2022, "Not All Patches are What You Need" (seed 000, METHODS.md section 2).
 At each pruning layer, after the attention residual and before the MLP, the patch tokens are
 ranked by the head-averaged class-token attention row that the block's attention computed (read
-from :class:`~nascompress.layers.NCAttention`'s class-token recorder, so DCS masks and sparse
+from :class:`~nascompress.models.layers.NCAttention`'s class-token recorder, so DCS masks and sparse
 kernels underneath are what is ranked, and fused SDPA is kept); ``ceil(keep_rate * n)`` are kept
 in score order and the others are fused into one extra token ``sum_i a_i x_i`` (weights not
 renormalized, as in the seed's code). Prefix tokens (class, distillation, registers) are kept.
@@ -27,7 +27,7 @@ from torch import nn
 
 from ..config import Config, check_bool, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
+from ..train.hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
 from .tokens import ceil_keep, distill_setting, keep_prefix_and, patched_class, per_layer, token_layers
 
@@ -186,7 +186,7 @@ class EViTState:
 
 
 class EViTBlock:
-    """Mixin over the block's class (:class:`~nascompress.layers.NCBlock` or a DCS block): EViT.
+    """Mixin over the block's class (:class:`~nascompress.models.layers.NCBlock` or a DCS block): EViT.
 
     Modifications: between the block's own two residual halves the patch tokens are ranked by
     the class-token attention row its attention recorded and reduced by :func:`evit_prune`.
@@ -214,6 +214,7 @@ class EViTBlock:
 
 @register_method
 class EViT(Method):
+    token_stage = True
     name = "evit"
     summary = "keep the tokens the class token attends to most, fuse the rest (Liang et al. 2022)"
     config_cls = EViTConfig

@@ -50,13 +50,13 @@ from torch import nn
 
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError, SettingError
-from ..hooks import TrainHooks
-from ..layers import DEFAULT_ALIGN, NCAttention, to_core
+from ..train.hooks import TrainHooks
+from ..models.layers import DEFAULT_ALIGN, NCAttention, to_core
 from . import Method, TrainOverrides, register_method
 from .mgvit_ops import mgis_token_schedule, num_mgis_tokens
-from ..models import is_pyramid
+from ..models.build import is_pyramid
 from .mgvit_init import init_mgis_from_dense, load_sgis_from_run
-from .mgvit_modules import MGIS, PPSM, MGViT
+from .mgvit_modules import MGIS, MGViT
 
 PAPER_PPSM_LAYERS, PAPER_DEPTH = (3, 7, 10), 12
 
@@ -251,6 +251,7 @@ def _build(model: VisionTransformer, c: MGViTConfig) -> "MGViT":
 
 @register_method
 class MGViTMethod(Method):
+    token_stage = True
     name = "mgvit"
     summary = "two-stage multi-granularity inference with early exit and PPSM (seed 004)"
     config_cls = MGViTConfig
@@ -365,12 +366,7 @@ __all__ = [
     "MGViTMethod",
     "MGViTConfig",
     "MGViTRecipe",
-    "MGViT",
-    "MGIS",
-    "PPSM",
     "MGViTHooks",
-    "init_mgis_from_dense",
-    "load_sgis_from_run",
     "sweep_model",
     "parse_epsilons",
     "default_ppsm_layers",

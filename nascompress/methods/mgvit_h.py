@@ -80,9 +80,9 @@ from torch import nn
 from ..config import Config, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError, SettingError
 from . import Method, TrainOverrides, register_method
-from ..hooks import TrainHooks
+from ..train.hooks import TrainHooks
 from .mgvit_ops import HEAD_SPLIT, MIDDLE_SPLIT, ppsm_counts, split_counts
-from ..models import PYRAMID_NAMES
+from ..models.build import PYRAMID_NAMES
 from .mgvit_h_modules import MGPVT, GroupSlim, MGLayer, RankingAttention, SubEmbed, group_domains, slimmed_tokens
 
 PAPER_MG_HEADS = 8
@@ -292,6 +292,7 @@ def init_mg_layer(layer: MGLayer, block: nn.Module, *, zero_out: bool) -> None:
 
 @register_method
 class MGViTHMethod(Method):
+    token_stage = True
     name = "mgvit-h"
     summary = "Hierarchical MG-ViT on a pyramid ViT (PVT v2): proxy tokens, variants a / r, early exit (seed 004)"
     config_cls = MGViTHConfig
@@ -342,14 +343,7 @@ __all__ = [
     "MGViTHConfig",
     "MGViTHRecipe",
     "MGViTHHooks",
-    "MGPVT",
-    "MGLayer",
-    "SubEmbed",
-    "GroupSlim",
-    "RankingAttention",
     "init_mg_layer",
-    "group_domains",
-    "slimmed_tokens",
     "resolve_config",
     "default_mg_heads",
     "sgis_size",

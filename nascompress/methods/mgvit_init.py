@@ -13,7 +13,7 @@ from torch import nn
 
 from ..errors import NascompressError
 from ..runs.io import load_typed
-from ..weights import load_state_strict
+from ..models.weights import load_state_strict
 from .mgvit_modules import MGViT
 
 INIT_STD = 1e-3

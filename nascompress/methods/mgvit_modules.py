@@ -13,7 +13,7 @@ from timm.layers import Mlp
 from timm.models.vision_transformer import Block, VisionTransformer
 from torch import nn
 
-from ..layers import NCBlock, core_attention
+from ..models.layers import NCBlock, core_attention
 from ..profiling.flops import count_flops
 from .mgvit_ops import (
     HEAD_SPLIT,

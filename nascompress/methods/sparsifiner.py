@@ -19,7 +19,7 @@ Readings (where the paper or the official code leave a choice):
     - Zero-shot init (no training): W_down averages the keys of n_down spatial regions (CLS is its
       own region) and W_up spreads each region's coefficient back over its tokens (1/|region|),
       so S[i, j] ~ the attention of query i to the mean key of j's region.
-    - The method is a kernel (:class:`SparsifinerKernel`) in :class:`~nascompress.layers.NCAttention`:
+    - The method is a kernel (:class:`SparsifinerKernel`) in :class:`~nascompress.models.layers.NCAttention`:
       it sees the q/k/v the attention computed (a DCS Q/K mask or a materialized Q/K width under
       it is honoured; q/k and v may have different head dims).
     - FLOPs (``last_macs``): predictor (W_down K, Q K_down^T, the nnz-based sparse product
@@ -49,21 +49,15 @@ from torch import nn
 
 from ..config import Config, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
-from ..layers import to_core
+from ..train.hooks import TrainHooks, features_and_logits, kl_to_teacher, own_group, param_groups, short_stage
+from ..models.layers import to_core
 from . import Method, TrainOverrides, register_method
 from .sparsifiner_kernel import (
     SparsifinerConfig,
     SparsifinerKernel,
     attention_budget,
-    combine_masks,
-    lowrank_attention,
-    masked_attention,
     region_init,
-    sparse_basis,
-    sparse_coefficients,
     sparse_modules,
-    topk_mask,
 )
 
 
@@ -202,6 +196,7 @@ def calibrate_predictor(
 
 @register_method
 class Sparsifiner(Method):
+    token_stage = True
     name = "sparsifiner"
     summary = "instance-dependent sparse attention from a low-rank connectivity predictor (Wei et al. 2023)"
     config_cls = SparsifinerConfig
@@ -268,20 +263,4 @@ class Sparsifiner(Method):
         )
 
 
-__all__ = [
-    "Sparsifiner",
-    "SparsifinerConfig",
-    "SparsifinerRecipe",
-    "SparsifinerKernel",
-    "SparsifinerHooks",
-    "attention_budget",
-    "lowrank_attention",
-    "sparse_coefficients",
-    "sparse_basis",
-    "topk_mask",
-    "masked_attention",
-    "combine_masks",
-    "region_init",
-    "sparse_modules",
-    "calibrate_predictor",
-]
+__all__ = ["Sparsifiner", "SparsifinerRecipe", "SparsifinerHooks", "calibrate_predictor"]

@@ -1,5 +1,5 @@
 """Sparsifiner's attention kernel (:mod:`.sparsifiner`'s method patches it into every
-:class:`~nascompress.layers.NCAttention`, and re-exports these names): the settings it reads
+:class:`~nascompress.models.layers.NCAttention`, and re-exports these names): the settings it reads
 (:class:`SparsifinerConfig`, the method's config), the pure tensor functions of the predictor and
 the sparse attention, and :class:`SparsifinerKernel` itself."""
 
@@ -15,7 +15,7 @@ from torch import nn
 
 from ..config import Config, check_choice, check_int, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..layers import attention
+from ..models.layers import attention
 from . import block_sparse
 
 MODES = ("unstructured", "block")
@@ -191,7 +191,7 @@ class SparsifinerKernel(nn.Module):
     """Sparsifiner's attention for one layer: the connectivity predictor and the sparse attention.
 
     Parameters ``w_down`` / ``w_up`` (H, n_down, n_tokens), so their keys are
-    ``blocks.<i>.attn.kernel.w_down``. Called by :class:`~nascompress.layers.NCAttention` with the
+    ``blocks.<i>.attn.kernel.w_down``. Called by :class:`~nascompress.models.layers.NCAttention` with the
     q/k/v it computed (after DCS masks, any head dims). A budget >= n falls back to dense fused
     SDPA (identical to timm). ``recon`` (stage 1, training only): dense attention, and the
     predictor's reconstruction loss against it is left in ``recon_loss``.

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import setting
 from ..errors import NascompressError
-from ..layers import to_core
+from ..models.layers import to_core
 
 
 def distill_setting() -> Any:

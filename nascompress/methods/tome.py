@@ -11,7 +11,7 @@ its size (the patches it holds): merges are size-weighted averages, and the atte
 tokens it replaced. Prefix tokens (class, distillation, registers) are never merged: their rows
 and columns of the matching are excluded, and they stay first, in their order.
 
-The keys are read from :class:`~nascompress.layers.NCAttention`'s ``record_keys`` (as computed:
+The keys are read from :class:`~nascompress.models.layers.NCAttention`'s ``record_keys`` (as computed:
 DCS masks and narrowed Q/K included); the proportional attention is an additive ``attn_mask``, so
 the fused SDPA kernel is kept. The matching and merging (and the size bias) are parameter-free
 modules that report their cost to the profiler (``matmul_macs``): ToMe's FLOPs include them.
@@ -34,7 +34,7 @@ from torch import nn
 from ..config import Config, check_bool, check_settings, field_name, setting
 from ..errors import NascompressError, SettingError, literal
 from ..limits import limits
-from ..hooks import TrainHooks, features_and_logits, kl_to_teacher
+from ..train.hooks import TrainHooks, features_and_logits, kl_to_teacher
 from . import Method, TrainOverrides, register_method
 from .tokens import distill_setting, patched_class, token_layers
 
@@ -268,7 +268,7 @@ def _with_bias(attn_mask: torch.Tensor | None, bias: torch.Tensor) -> torch.Tens
 
 
 class ToMeBlock:
-    """Mixin over the block's class (:class:`~nascompress.layers.NCBlock` or a DCS block): ToMe.
+    """Mixin over the block's class (:class:`~nascompress.models.layers.NCBlock` or a DCS block): ToMe.
 
     Modifications: the attention half runs with proportional attention (``log(size)`` added to the
     logits, once tokens have been merged); between the two residual halves ``r`` tokens are merged
@@ -297,6 +297,7 @@ class ToMeBlock:
 
 @register_method
 class ToMe(Method):
+    token_stage = True
     name = "tome"
     summary = "merge similar tokens by bipartite soft matching, training-free (Bolya et al. 2023)"
     config_cls = ToMeConfig

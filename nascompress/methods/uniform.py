@@ -1,7 +1,7 @@
 """Uniform magnitude pruning: the Torch-Pruning-style baseline DCS is compared against.
 
 Every block keeps the same share ``keep`` of its MLP hidden neurons and of each head's Q/K
-channels (each count rounded up to a multiple of ``align``, :func:`~nascompress.layers.aligned_width`:
+channels (each count rounded up to a multiple of ``align``, :func:`~nascompress.models.layers.aligned_width`:
 the widths the fast GPU kernels want), chosen by weight magnitude (Torch-Pruning's group L2 importance: a
 hidden neuron j is scored by ||fc1.weight[j]||^2 + ||fc2.weight[:, j]||^2, a Q/K channel c of head h by
 ||W_q[c]||^2 + ||W_k[c]||^2). The pruned layers are gathered physically (fc1 rows / fc2 columns,
@@ -25,8 +25,8 @@ from torch import nn
 
 from ..config import Config, check_bool, check_range, check_settings, field_name, setting
 from ..errors import NascompressError
-from ..layers import DEFAULT_ALIGN, NCBlock, aligned_width, to_core
-from ..slicing import slice_hidden, slice_qk
+from ..models.layers import DEFAULT_ALIGN, NCBlock, aligned_width, to_core
+from ..models.slicing import slice_hidden, slice_qk
 from . import Method, check_index_list, get_method, register_method
 from ..profiling import count_flops
 
@@ -190,7 +190,6 @@ __all__ = [
     "importance",
     "keep_for_flops",
     "kept_count",
-    "slice_hidden",
     "uniform_at_flops",
     "uniform_from_keep",
 ]

@@ -29,12 +29,12 @@ Stages and their directories under OUT (each step's job is the library function 
 command runs): ``base/`` (``train``, ``import`` or a linear probe; none for ``base.run``),
 ``dcs_search/`` (:func:`~nascompress.dcs_search.run.search_dcs`), ``dcs_mat/``
 (:func:`~nascompress.dcs_search.materialize.materialize_search`), ``tokens/`` (the study, in
-``OUT/studies.db``, by :func:`~nascompress.search.trials.run_search` on the current model, and the
+``OUT/studies.db``, by :func:`~nascompress.studies.trials.run_search` on the current model, and the
 trial picked under the goal in ``tokens/picked/`` by
-:func:`~nascompress.search.trial_model.materialize_trial`), ``final/``
-(:func:`~nascompress.retraining.retrain`), ``final_channel/`` (the ``confirm`` step,
+:func:`~nascompress.studies.trial_model.materialize_trial`), ``final/``
+(:func:`~nascompress.retraining.run.retrain`), ``final_channel/`` (the ``confirm`` step,
 :mod:`~nascompress.pipeline.confirm`: when the pick cuts tokens, the channel-only model retrained beside
-it, the better on validation kept), ``export/`` (:func:`~nascompress.export.export_run`, when the
+it, the better on validation kept), ``export/`` (:func:`~nascompress.deploy.export_run`, when the
 file has an ``export`` section), then ``summary.json`` and ``report.html``
 (:mod:`nascompress.pipeline.report`).
 
@@ -59,7 +59,10 @@ This module re-exports the public API.
 from __future__ import annotations
 
 from .config_io import dump_config, load_config, read_yaml
-from .plan import STEPS, STUDY_DB, STUDY_JOURNAL, Pipeline, Step, plan
+from .plan import plan
+from .stage import step_names
+from .stages.tokens import STUDY_DB, STUDY_JOURNAL
+from .steps import Pipeline, Step
 from .run import CONFIG_FILE, DONE_DIR, LOCK_FILE, run_pipeline, step_done
 from .schema import opt
 from .sections import (
@@ -78,6 +81,8 @@ from .sections import (
     StagesSection,
     TokensStage,
 )
+
+STEPS = step_names()  # every step a pipeline may run, in order (the registered stages')
 
 __all__ = [
     "FORMAT",

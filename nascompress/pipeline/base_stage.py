@@ -13,7 +13,7 @@ from ..errors import NascompressError
 from .schema import SchemaContext, library_config, library_values, section_error
 from ..data import BUILTIN_DATASETS, DataConfig, load_data
 from .sections import DATASET_KEYWORDS, PipelineConfig
-from ..importer import (
+from ..importer.run import (
     ImportJob,
     build_job as build_import_job,
     import_model,
@@ -21,11 +21,11 @@ from ..importer import (
     weights_kwargs,
     weights_shapes,
 )
-from ..api import count_classes
+from ..data import count_classes
 from ..runs.io import read_arch
-from ..models import ModelShape, ModelSpec, build_model
-from ..weights import read_weights_file
-from ..train import PROBE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, build_job as build_train_job, train
+from ..models.build import ModelShape, ModelSpec, build_model
+from ..models.weights import read_weights_file
+from ..train.run import PROBE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, build_job as build_train_job, train
 from .steps import Step
 
 

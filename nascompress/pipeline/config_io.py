@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
 from .schema import build_section, SchemaContext, key_path, upgrade_keys
 from .sections import PipelineConfig
-from ..resources import resolve_file
+from ..yaml_io import resolve_file
 from ..yaml_io import read_yaml_file
 
 
@@ -21,13 +21,28 @@ def read_yaml(path: str | Path) -> Any:
     return read_yaml_file(path, what="config file", mapping="a mapping of sections (format, data, base, goal, stages)")
 
 
-def load_config(path: str | Path, *, seed: int | None = None, upgrade: bool = False) -> PipelineConfig:
-    """Read and validate a pipeline file (schema only: types, ranges, unknown keys); ``seed``
-    overrides the file's; ``upgrade``: former key names read as their new ones (a run's stored
-    config), else refused. Errors name the file and the key path."""
-    path = resolve_file(path, what="config file")  # a path, or a shipped config's name (fashion-mnist)
-    data = read_yaml(path)
-    ctx = SchemaContext(str(path), Path(os.path.abspath(path)).parent)  # configs/x.yaml: the link's folder
+PipelineSource = str | Path | Mapping[str, Any]  # a pipeline file, a shipped config's name, or its sections
+
+
+def config_context(config: PipelineSource, *, source: str = "the pipeline config") -> SchemaContext:
+    """How a config's errors are named and its relative paths resolved: a file's by its path and
+    against its folder (``configs/x.yaml``: the link's folder); sections given as data (the Python API)
+    by ``source`` and against the working directory."""
+    if isinstance(config, Mapping):
+        return SchemaContext(source, Path.cwd())
+    path = resolve_file(config, what="config file")  # a path, or a shipped config's name (fashion-mnist)
+    return SchemaContext(str(path), Path(os.path.abspath(path)).parent)
+
+
+def load_config(
+    config: PipelineSource, *, seed: int | None = None, upgrade: bool = False, source: str = "the pipeline config"
+) -> PipelineConfig:
+    """Read and validate a pipeline config (schema only: types, ranges, unknown keys): a file, or its
+    sections as data (named ``source`` in errors); ``seed`` overrides the config's; ``upgrade``: former
+    key names read as their new ones (a run's stored config), else refused. Errors name the file (or
+    ``source``) and the key path."""
+    ctx = config_context(config, source=source)
+    data = dict(config) if isinstance(config, Mapping) else read_yaml(ctx.source)
     if seed is not None:
         data = dict(data, seed=seed)
     return build_section(PipelineConfig, upgrade_keys(PipelineConfig, data) if upgrade else data, "", ctx)

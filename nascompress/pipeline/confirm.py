@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..pipeline_files import find_pick
+from .files import find_pick
 from ..runs.files import find_metrics
 from ..runs.io import read_arch
 from ..runs.store import LOG_FILE

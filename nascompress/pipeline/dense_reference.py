@@ -11,10 +11,10 @@ import html
 from pathlib import Path
 from typing import Any
 
-from ..api import evaluate_run
+from ..profiling.jobs import evaluate_run
 from ..data import load_data
 from ..data.carve import splits_text
-from ..retraining import RetrainJob, retrain
+from ..retraining.run import RetrainJob, retrain
 from ..runs.files import find_metrics
 from .steps import Pipeline, Step
 

@@ -15,11 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..pipeline_files import find_run_config, find_step_marker
+from ..runs.run_config import find_run_config
+from .files import find_step_marker
 from ..errors import NascompressError
-from ..dcs_search.search import SearchCollapsed
+from ..dcs_search.hooks import SearchCollapsed
 from ..dcs_search.run import search_dcs
-from ..search.trial_model import materialize_trial, parse_pick, pick_trial
+from ..studies.trial_model import materialize_trial, parse_pick, pick_trial
 from ..studies.inspect import load
 from ..studies.records import trial_record
 from .confirm import CHANNEL_DIR
@@ -131,7 +132,7 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
 
 def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
     """The goal's pick over several studies of one storage (the token study on the DCS model and on the
-    dense base): each study's pick (:func:`~nascompress.search.trial_model.pick_trial`), the most accurate
+    dense base): each study's pick (:func:`~nascompress.studies.trial_model.pick_trial`), the most accurate
     of them rebuilt (:func:`pick_or_closest`; ties: the fewer FLOPs, then the first study: on images that
     every candidate gets right, the cheaper model is the better one). Trials of all the studies are scored on
     the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the

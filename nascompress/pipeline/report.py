@@ -2,7 +2,7 @@
 
 :func:`write_summary` evaluates the dense base and the final model on the same test split, counts
 their FLOPs (:func:`nascompress.profiling.count_flops`), times them interleaved in one process
-(:func:`nascompress.api.profile` with ``compare=``: latency at batch 1, throughput at batch 64),
+(:func:`nascompress.profiling.jobs.profile` with ``compare=``: latency at batch 1, throughput at batch 64),
 collects the decisions of every stage (the DCS channels kept per block from the ``arch.json``
 records, the token/attention methods' settings, the picked trial, the retraining recipe) and
 writes ``OUT/summary.json`` and ``OUT/report.html``. With a tokens stage the study's own report
@@ -21,21 +21,15 @@ from typing import Any
 
 from ..profiling.compare import compare_records
 from ..runs.files import find_metrics
-from ..pipeline_files import find_pick, find_run_config, find_step_marker, write_summary_json
-from ..utils import atomic_path
+from .files import find_pick, find_step_marker, write_summary_json
+from ..runs.run_config import find_run_config
+from ..runs.json_io import atomic_path
 from .report_format import (
     build_html,
-    comparison_rows,
-    dcs_column,
-    dcs_rows,
-    decision_lines,
-    goal_text,
-    int8_table_rows,
-    models_note,
 )
-from ..api import profile
-from ..export.config import config_for
-from ..export.int8_rows import int8_rows
+from ..profiling.jobs import profile
+from ..deploy.config import config_for
+from ..deploy.int8_rows import int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
 from .goal import flops_goal, latency_goal
@@ -308,7 +302,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     summary = {
         "format": SUMMARY_FORMAT,
         "config": str((out / "config.yaml").resolve()),
-        "source": str(Path(pipe.source).resolve()),
+        "source": str(Path(pipe.source).resolve()) if Path(pipe.source).is_file() else pipe.source,  # (nc.compress)
         "out": str(out.resolve()),
         "seed": cfg.seed,
         "device": prof.get("device"),
@@ -339,7 +333,7 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
 
 
 def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
-    """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.export.int8_rows.int8_rows`):
+    """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.deploy.int8_rows.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
     cfg = pipe.cfg
     made = pipe.out / "export" / cfg.export.filename
@@ -425,14 +419,4 @@ def _study_report(pipe: Pipeline, marks: Any) -> str | None:
     return text
 
 
-__all__ = [
-    "build_html",
-    "comparison_rows",
-    "int8_table_rows",
-    "models_note",
-    "dcs_rows",
-    "dcs_column",
-    "decision_lines",
-    "goal_text",
-    "write_summary",
-]
+__all__ = ["write_summary"]

@@ -8,25 +8,27 @@ import datetime as _dt
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import yaml
 
 from ..errors import NascompressError, SettingError, WriteError, literal, writing
 from ..limits import check_path_names
 from ..data import dataset_paths
-from ..pipeline_files import DONE_DIR as STEP_DONE_DIR
-from ..pipeline_files import StepMarker, find_step_marker, read_summary, write_step_marker
+from .files import DONE_DIR as STEP_DONE_DIR
+from .files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..runs.files import has_metrics
-from ..resources import resolve_file
+from ..yaml_io import resolve_file
 from ..runs.owner import MARK_FILE, check_replaceable, clear_own, write_mark
-from ..train import RUNTIME_SETTINGS
+from ..train.run import RUNTIME_SETTINGS
 from ..progress import pipeline_eta
-from ..utils import atomic_path, refuse_overwriting_inputs
+from ..runs.json_io import atomic_path
+from ..runs.out_dir import refuse_overwriting_inputs
 from ..yaml_io import StrictYamlLoader as _Loader
-from .config_io import config_diff, dump_config, load_config, read_yaml
+from .config_io import PipelineSource, config_diff, dump_config, load_config, read_yaml
 from .eta import PipelineEta, step_estimates
-from .plan import Pipeline, Step, plan
+from .plan import plan
+from .steps import Pipeline, Step
 from .schema import Section
 
 CONFIG_FILE = "config.yaml"
@@ -173,33 +175,35 @@ def _compact(res: Any) -> Any:
 
 
 def run_pipeline(
-    config: str | Path,
+    config: PipelineSource,
     *,
     out: str | Path,
     force: bool = False,
     seed: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    source: str = "the pipeline config",
 ) -> dict[str, Any]:
     """Validate ``config``, then run (or continue) the pipeline in ``out``; return the summary.
 
     Args:
-        config: the pipeline YAML file.
+        config: the pipeline YAML file, or its sections as data (the Python API builds them).
         out: the pipeline's directory (created; an earlier run of the same config is continued).
         force: start over in ``out``, even with another config (only a pipeline folder nascompress
             wrote holding nothing else: its files are replaced; any other folder is refused).
         seed: override the file's seed.
         progress: live progress of the study (stderr).
         log: called with one line per step (skipped, running, done); default: silent.
+        source: how errors name a config given as data (``nc.compress``).
     """
     log = log or (lambda msg: None)
-    pipe = plan(config, out=out, seed=seed)  # everything is checked before anything is written
+    pipe = plan(config, out=out, seed=seed, source=source)  # everything is checked before anything is written
     check_out(pipe.out, force=force)
     own = (pipe.out / "base",)  # the base run the pipeline trains itself
     refuse_overwriting_inputs(
         pipe.out,
         [
-            resolve_file(config, what="config file"),
+            *(() if isinstance(config, Mapping) else (resolve_file(config, what="config file"),)),
             *(() if pipe.base_dir in own else (pipe.base_dir,)),
             *dataset_paths(pipe.data),
         ],

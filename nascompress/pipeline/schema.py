@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError, SettingError
-from ..resources import shipped_path
+from ..yaml_io import shipped_path
 from ..yaml_io import shown
 
 

@@ -11,15 +11,17 @@ from typing import Any
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
 from ..config import StageSettings, offered, setting, shared
 from ..errors import NascompressError
-from ..importer import ImportJob
-from ..export.config import ExportConfig, build_config
+from ..importer.run import ImportJob
+from ..deploy.config import ExportConfig, build_config
 from ..methods.dcs import SEARCH_DCS_SETTINGS
-from ..models import ModelShape
+from ..models.build import ModelShape
 from ..profiling.config import ProfileConfig
-from ..retraining import RETRAIN_TRAIN_SETTINGS, RetrainConfig
+from ..retraining.run import RETRAIN_TRAIN_SETTINGS
+from ..retraining.config import RetrainConfig
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from ..search.trials import STUDY_SETTINGS, SearchJob
-from ..train import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainConfig, TrainJob
+from ..studies.trials import STUDY_SETTINGS, SearchJob
+from ..train.run import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainJob
+from ..train.config import TrainConfig
 from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_keys, library_values, opt
 
 FORMAT = "nascompress-pipeline/1"
@@ -61,9 +63,9 @@ class DataSection(Section):
 )
 class BaseTrainSection(Section):
     """``base.train``: train the dense base (``nascompress train``): a custom ViT or a timm ``model``
-    (the model's keys are :class:`~nascompress.models.ModelShape`'s, ``nascompress train``'s options).
-    The training keys are :data:`~nascompress.train.TRAIN_SETTINGS` (``nascompress train``'s options);
-    null: the recipe's (:func:`~nascompress.train.train_recipe`: from scratch, or fine-tuning with
+    (the model's keys are :class:`~nascompress.models.build.ModelShape`'s, ``nascompress train``'s options).
+    The training keys are :data:`~nascompress.train.run.TRAIN_SETTINGS` (``nascompress train``'s options);
+    null: the recipe's (:func:`~nascompress.train.run.train_recipe`: from scratch, or fine-tuning with
     ``weights``). ``warmup_epochs`` and ``layer_decay`` null are filled in with the recipe's here, so
     the normalized config (``OUT/config.yaml``) says what runs, and a run written when they were fixed
     keys (warm-up 1, no layer decay) is still the same config."""
@@ -91,7 +93,7 @@ class BaseTrainSection(Section):
 )
 class BaseImportSection(Section):
     """``base.import``: a user's timm model from local weights (``nascompress import``: its settings,
-    :class:`~nascompress.importer.ImportJob`'s, same names), or with ``linear_probe`` a new head
+    :class:`~nascompress.importer.run.ImportJob`'s, same names), or with ``linear_probe`` a new head
     fitted on the frozen backbone (``nascompress train --linear-probe``)."""
 
 
@@ -120,7 +122,7 @@ class BaseSection(Section):
 @library_keys(StageSettings(SearchJob, ("max_flops", "max_latency_ms")))
 class GoalSection(Section):
     """``goal``: the FLOPs ratio to the dense base, or the batch-1 latency on this device (the
-    constraint of a study, :class:`~nascompress.search.trials.SearchJob`'s, same names)."""
+    constraint of a study, :class:`~nascompress.studies.trials.SearchJob`'s, same names)."""
 
     def __post_init__(self) -> None:
         check_one_of(self, {"max_flops": "max_flops", "max_latency_ms": "max_latency_ms"}, "")
@@ -172,7 +174,7 @@ class TokensStage(Section):
     """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
     current model, then the best trial under the goal (``nascompress materialize --study --pick``).
     Keys are the study's settings (same names as the command's options, declared in the library:
-    :data:`~nascompress.search.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
+    :data:`~nascompress.studies.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
     ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint.
     ``also_dense`` (after a dcs stage): the same study runs a second time on the dense base (study
     ``<study>-dense``, token-only models), and the goal's pick takes the better of the two studies'
@@ -207,8 +209,8 @@ class TokensStage(Section):
 class RetrainStage(Section):
     """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
     retrain's settings (same names): every user-facing field of
-    :class:`~nascompress.retraining.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
-    training settings (:data:`~nascompress.retraining.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
+    :class:`~nascompress.retraining.run.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
+    training settings (:data:`~nascompress.retraining.run.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
     ``batch_size`` null: from the training images), declared in the library with their checks, and
     the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
     among its own runs; the command's ``--teacher`` is a run directory), ``confirm_pick`` (the
@@ -269,7 +271,7 @@ class ReportSection(Section):
 class ExportSection(Section):
     """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
     (``nascompress export``: the other keys are its options, every user-facing field of
-    :class:`~nascompress.export.ExportConfig`, declared there with its checks; the check's seed is the
+    :class:`~nascompress.deploy.ExportConfig`, declared there with its checks; the check's seed is the
     pipeline's)."""
 
     file: str | None = setting(
@@ -297,7 +299,7 @@ class ExportSection(Section):
 class PipelineConfig(Section):
     """A whole pipeline file (see the :mod:`nascompress.pipeline` docstring). ``seed``, ``device``,
     ``amp`` (bf16 autocast or not) and ``deterministic`` (deterministic kernels, reproducible on a GPU)
-    apply to every stage: :data:`~nascompress.train.RUNTIME_SETTINGS`, declared in TrainConfig."""
+    apply to every stage: :data:`~nascompress.train.run.RUNTIME_SETTINGS`, declared in TrainConfig."""
 
     format: str = opt()
     data: DataSection = field(default_factory=DataSection)

@@ -15,12 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..api import evaluate_run
+from ..profiling.jobs import evaluate_run
 from ..runs.files import find_metrics
 from ..runs.io import CONFIG_FILE, MODEL_FILE, load_with_arch, read_arch
 from ..errors import NascompressError
-from ..utils import resolve_device
-from ..pipeline_files import find_run_config
+from ..runtime import resolve_device
+from ..runs.run_config import find_run_config
 from .steps import Pipeline
 
 REPORT_EVAL_BATCH = 256  # evaluate_run's batch, the one the report evaluates at
@@ -43,7 +43,7 @@ def _on_cpu(device: Any) -> bool:
 
 
 def recorded_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir``'s recorded test scores in :func:`~nascompress.api.evaluate_run`'s form, or None
+    """``run_dir``'s recorded test scores in :func:`~nascompress.profiling.jobs.evaluate_run`'s form, or None
     unless evaluating it again would give them bit for bit: a run this pipeline trained (inside OUT)
     that finished, tested on the CPU in fp32 (``amp`` off) at the report's batch in one process, on the
     report's data (its ``config.json``'s data equal to the pipeline's but for train-only keys), its
@@ -84,7 +84,7 @@ def recorded_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any] | None:
 
 def test_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
     """The test top-1, loss and count of the model in ``run_dir`` on the pipeline's test split:
-    :func:`recorded_scores` where they are provably the same, else :func:`~nascompress.api.evaluate_run`."""
+    :func:`recorded_scores` where they are provably the same, else :func:`~nascompress.profiling.jobs.evaluate_run`."""
     rec = recorded_scores(pipe, run_dir)
     if rec is not None:
         return rec

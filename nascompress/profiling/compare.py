@@ -47,7 +47,7 @@ def speed_text(speedup: float) -> str:
 
 
 def comparison_text(c: dict[str, Any], *, model: str, reference: str) -> list[str]:
-    """A profile's comparison (:func:`~nascompress.api.profile` with ``compare=``) as lines: both
+    """A profile's comparison (:func:`~nascompress.profiling.jobs.profile` with ``compare=``) as lines: both
     models named, what each figure was measured on."""
     lines = [
         f"{model} against the reference {reference}:",

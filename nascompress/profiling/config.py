@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 
 from ..config import Config, StageSettings, check_settings, setting
 from ..limits import MAX_BATCH, MAX_ITERS
-from ..models import ModelShape
+from ..models.build import ModelShape
 
 DTYPES = ("fp32", "bf16", "fp16")
 PROFILE_CLASSES = 1000  # the head of a --model measured without a dataset

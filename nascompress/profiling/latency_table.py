@@ -4,7 +4,7 @@ A ViT's latency is the table's ``fixed_ms`` (patch embedding, position embedding
 head) plus, per block present, ``block_overhead_ms`` and its two residual halves: the attention half
 (norm1 + qkv + attention + proj + residual add) at its kept heads and Q/K width per head, and the
 MLP half (norm2 + fc1 + GELU + fc2 + residual add) at its hidden width, each at a token count.
-:mod:`.latency_table_build` measures the entries with real modules (:class:`~nascompress.layers.NCBlock`
+:mod:`.latency_table_build` measures the entries with real modules (:class:`~nascompress.models.layers.NCBlock`
 at the needed widths, random weights); :mod:`.latency_table_predict` interpolates them.
 
 Tables are plain JSON (``format: nascompress-latency-table/1``) cached under
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ..errors import NascompressError
-from ..utils import read_json
+from ..runs.json_io import read_json
 
 TABLE_FORMAT = "nascompress-latency-table/1"
 CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # the flags that change CPU kernels

@@ -19,10 +19,10 @@ from torch import nn
 
 from .. import runtime
 from ..errors import NascompressError
-from ..layers import NCBlock, core_attention
+from ..models.layers import NCBlock, core_attention
 from ..progress import say
-from ..slicing import slice_qk
-from ..utils import write_json
+from ..models.slicing import slice_qk
+from ..runs.json_io import write_json
 from .latency import time_models
 from .latency_table import LatencyTable, ViTGeometry, cache_dir, device_fingerprint, read_table, table_key
 
@@ -80,7 +80,7 @@ def table_grids(geometry: ViTGeometry, *, align: int) -> dict[str, tuple[int, ..
 
 
 def make_block(geometry: ViTGeometry, *, heads: int, qk: int, hidden: int) -> NCBlock:
-    """An :class:`~nascompress.layers.NCBlock` of ``geometry`` (timm's Block: LayerNorm, GELU) with
+    """An :class:`~nascompress.models.layers.NCBlock` of ``geometry`` (timm's Block: LayerNorm, GELU) with
     ``heads`` heads of Q/K width ``qk`` (V: the head dim; 0 heads: a constant) and ``hidden`` MLP
     neurons (0: a constant), random weights."""
     C, d = geometry.embed_dim, geometry.head_dim

@@ -11,10 +11,11 @@ from typing import Any
 from ..config import Config, check_settings, setting
 from ..errors import NascompressError
 from ..limits import MAX_BATCH, MAX_ITERS
-from ..models import ModelSpec, build_model
+from ..models.build import ModelSpec, build_model
 from ..runs.io import load_with_arch
 from ..runtime import DTYPES
-from ..utils import atomic_path, resolve_device, write_json
+from ..runs.json_io import atomic_path, write_json
+from ..runtime import resolve_device
 from .latency_table import geometry_of
 from .latency_table_build import cached_table
 from .latency_table_predict import predict_latency

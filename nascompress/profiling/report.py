@@ -10,8 +10,8 @@ from torch import nn
 from .compare import compare_records
 from .flops import count_flops, flop_counter_macs, thop_macs
 from .latency import compile_for_speed, measure
-from ..layers import qk_layout_summary
-from ..models import input_size
+from ..models.layers import qk_layout_summary
+from ..models.build import input_size
 from ..runtime import dtype_name
 
 

@@ -9,6 +9,6 @@ directory that is removed before the function returns, so nothing is written.
 
 Modules: :mod:`.common` (models, data and directories), :mod:`.dcs`, :mod:`.stages`
 (materialize, retrain, quantize), :mod:`.tokens`, :mod:`.study`, :mod:`.compress`, :mod:`.hf`
-(Hugging Face ``transformers`` in and out); ``nc.export.onnx`` is :func:`nascompress.export.onnx`.
+(Hugging Face ``transformers`` in and out); ``nc.export.onnx`` is :func:`nascompress.pyapi.export.onnx`.
 A caller's Dataset is registered in memory by :mod:`nascompress.data.memory`.
 """

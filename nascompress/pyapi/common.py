@@ -19,19 +19,19 @@ from torch.utils.data import DataLoader
 from ..data import DataConfig
 from ..data.memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError, SettingError
-from ..layers import to_plain
+from ..models.layers import to_plain
 from ..runs.io import load_typed, make_arch, save_model
-from ..models import CUSTOM_BASE, ModelSpec, build_model, input_size
+from ..models.build import CUSTOM_BASE, ModelSpec, build_model, input_size
 from ..runs.owner import mark_kind
 from ..runs.run_dir import RunDir
 from .workspace import Workspace
 from .user_model import cpu_fp32, frozen_names, restore_frozen, unwrap, with_frozen
-from ..utils import refuse_overwriting_inputs
-from ..pipeline_files import find_run_config
+from ..runs.out_dir import refuse_overwriting_inputs
+from ..runs.run_config import find_run_config
 from ..runs.files import Arch, find_metrics
 from ..config import offered
 from ..data.input import InputSpec
-from ..train import input_spec_for
+from ..train.run import input_spec_for
 
 ModelLike = Any  # an nn.Module, a StageResult (or Compressed), or a run directory
 API_COPY = "api-copy"  # the marker kind of the API's own copy of a model it was given (model_run)
@@ -380,7 +380,6 @@ def split_settings(settings: Mapping[str, Any], groups: Mapping[str, Iterable[st
 
 __all__ = [
     "StageResult",
-    "Workspace",
     "ModelLike",
     "data_config",
     "model_run",

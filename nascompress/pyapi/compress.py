@@ -4,22 +4,21 @@
 from __future__ import annotations
 
 import re
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
 
 from ..config import user_settings
 from ..data import DataConfig
 from ..errors import NascompressError, SettingError, literal, python_api, python_words
-from ..layers import to_plain
+from ..models.layers import to_plain
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
 from ..pipeline.run import check_out
 from ..progress import say, silenced
+from ..methods import method_names
 from ..methods.dcs import DCSConfig
 from .common import ModelLike, data_config, loader_batch, model_run, recorded_inputs, remember, write_run
 from .user_model import as_user_dtype, check_qk_norm, device_name, restore_frozen, user_dtype
@@ -28,7 +27,6 @@ from .data_notes import warn_conversions
 from .hf import to_transformers
 
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
-TOKEN_METHODS = ("evit", "dynamicvit", "tome", "sparsifiner", "mgvit", "mgvit-h")
 
 
 @dataclass(frozen=True)
@@ -132,12 +130,12 @@ def pipeline_config(
 ) -> dict[str, Any]:
     """The ``nascompress pipeline`` file ``compress`` runs (as plain data)."""
     _check_target(target_flops)
-    methods = list(methods)
-    bad = [m for m in methods if m != "dcs" and m not in TOKEN_METHODS]
-    tokens = [m for m in methods if m in TOKEN_METHODS]
+    methods, token_methods = list(methods), method_names(token_stage=True)  # (the pipeline's tokens stage runs)
+    bad = [m for m in methods if m != "dcs" and m not in token_methods]
+    tokens = [m for m in methods if m in token_methods]
     if bad or len(tokens) > 1 or not methods or len(set(methods)) != len(methods):
         raise NascompressError(
-            f"methods must be 'dcs' and/or one token method of {', '.join(TOKEN_METHODS)}, got {tuple(methods)}"
+            f"methods must be 'dcs' and/or one token method of {', '.join(token_methods)}, got {tuple(methods)}"
         )
     if teacher not in (None, False):
         raise NascompressError(
@@ -178,7 +176,7 @@ _VALUE = re.compile(_LITERAL + r"|[a-z]+[0-9_]\w*")  # a value, not a word
 _STAGE_ARG = re.compile(r"\b(dcs|tokens|retrain)__([a-z0-9_]+)(?:=([^\s,;:)]+))?")
 
 
-def compress_words(template: str, cfg_file: Path | str = "") -> str:
+def compress_words(template: str, source: str = "") -> str:
     """A stage's :class:`SettingError` raised inside :func:`compress`'s pipeline (its fields written as
     the pipeline file's keys, ``stages.dcs.target_flops``), worded as :func:`compress`'s arguments: a
     stage key as the entry of that stage's dict (``dcs={'target_flops': 0.39}``), every other field
@@ -196,7 +194,7 @@ def compress_words(template: str, cfg_file: Path | str = "") -> str:
         return f"{m.group(1)}={{'{m.group(2)}': {value or '...'}}}"
 
     text = _STAGE_ARG.sub(entry, text)
-    return text.replace(f"{cfg_file}: ", "") if cfg_file else text
+    return text.replace(f"{source}: ", "") if source else text
 
 
 @python_api("nc.compress")
@@ -301,23 +299,20 @@ def compress(
             latency=latency,
             stages={"dcs": dcs, "tokens": tokens, "retrain": retrain},
         )
-        with tempfile.TemporaryDirectory(prefix="nascompress-") as tmp:
-            cfg_file = Path(tmp) / "pipeline.yaml"
-            cfg_file.write_text(yaml.safe_dump(config, sort_keys=False))
-            try:
-                with silenced(not progress):  # progress=False: a quiet library call
-                    summary = run_pipeline(
-                        cfg_file,
-                        out=ws.path("pipeline"),
-                        force=force,
-                        progress=progress,
-                        log=(lambda msg: say(f"compress: {msg}")) if progress else None,
-                    )
-            except SettingError as e:  # a stage's advice, its fields as the file's keys: as nc.compress's arguments
-                raise SettingError(literal(compress_words(e.template, cfg_file))) from None
-            except NascompressError as e:  # the pipeline names its file: here the arguments made it
-                text = _STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))  # dcs['epochs']
-                raise NascompressError(text.replace(f"{cfg_file}: ", "nc.compress: ")) from None
+        try:  # the config as data, validated as a pipeline file is (its errors named nc.compress)
+            with silenced(not progress):  # progress=False: a quiet library call
+                summary = run_pipeline(
+                    config,
+                    out=ws.path("pipeline"),
+                    force=force,
+                    progress=progress,
+                    log=(lambda msg: say(f"compress: {msg}")) if progress else None,
+                    source="nc.compress",
+                )
+        except SettingError as e:  # a stage's advice, its fields as the config's keys: as nc.compress's arguments
+            raise SettingError(literal(compress_words(e.template, "nc.compress"))) from None
+        except NascompressError as e:  # a config key as the argument that set it: dcs['epochs']
+            raise NascompressError(_STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))) from None
         if not summary.get("final"):
             raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
         final, arch = load_with_arch(summary["final"]["run"])
@@ -332,4 +327,4 @@ def compress(
         )
 
 
-__all__ = ["Compressed", "compress", "pipeline_config", "budget_report", "TOKEN_METHODS"]
+__all__ = ["Compressed", "compress", "pipeline_config", "budget_report"]

@@ -12,7 +12,7 @@ from ..data import DataConfig
 from ..methods.dcs import DCSConfig
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, search_train_config
 from ..dcs_search.run import build_job, search_dcs
-from ..train import RUNTIME_SETTINGS
+from ..train.run import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,
@@ -29,7 +29,7 @@ from ..progress import silenced
 from ..errors import python_api
 from .user_model import check_qk_norm, device_name
 from .data_notes import warn_conversions
-from ..api import run_data_config
+from ..runs.run_config import run_data_config
 
 SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name != "target_flops")
 

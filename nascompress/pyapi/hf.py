@@ -28,8 +28,8 @@ from timm.models.deit import VisionTransformerDistilled
 from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
 from ..errors import NascompressError
-from ..layers import nascompress_modules
-from ..models import CUSTOM_BASE, ModelSpec, build_model
+from ..models.layers import nascompress_modules
+from ..models.build import CUSTOM_BASE, ModelSpec, build_model
 from ..runs.files import Arch
 from ..runs.owner import is_output
 from .common import remember
@@ -37,7 +37,7 @@ from .hf_folder import check_directory, save_folder
 from .hf_deit import DEIT_CLASSES, deit_weights, encoder_weights, from_deit
 from .hf_weights import scheme, timm_blocks
 from ..runs.io import make_arch
-from ..utils import read_json
+from ..runs.json_io import read_json
 
 
 def _transformers() -> Any:

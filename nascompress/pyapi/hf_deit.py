@@ -18,7 +18,7 @@ from timm.models.deit import VisionTransformerDistilled
 from torch import nn
 
 from ..errors import NascompressError
-from ..models import ModelSpec
+from ..models.build import ModelSpec
 from .hf_weights import scheme, timm_blocks
 
 DISTILLED_BASE = "deit_tiny_distilled_patch16_224"  # the timm name the converted models are built from

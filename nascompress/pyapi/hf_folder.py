@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import SettingError, writing
 from ..runs.files import Arch
 from ..runs.owner import is_output
-from ..utils import write_json
+from ..runs.json_io import write_json
 
 # what to_transformers writes: a folder holding these (the first two always) and nothing else
 HF_FILES = ("config.json", "model.safetensors", "preprocessor_config.json")

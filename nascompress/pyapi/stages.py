@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 from ..data import DataConfig
-from ..export.config import QuantizeConfig
-from ..export.quantize import quantize_run
-from ..retraining import RETRAIN_TRAIN_SETTINGS, RetrainConfig, build_job, recorded_data_config, retrain_train_config
-from ..retraining import retrain as retrain_job
+from ..deploy.config import QuantizeConfig
+from ..deploy.quantize import quantize_run
+from ..retraining.run import RETRAIN_TRAIN_SETTINGS, build_job, recorded_data_config, retrain_train_config
+from ..retraining.config import RetrainConfig
+from ..retraining.run import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
-from ..train import RUNTIME_SETTINGS
+from ..train.run import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,

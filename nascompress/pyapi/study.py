@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..search.trial_model import build_job as build_pick_job, materialize_trial
-from ..search.trials import SearchJob, build_job, run_search
-from ..train import RUNTIME_SETTINGS
+from ..studies.trial_model import build_job as build_pick_job, materialize_trial
+from ..studies.trials import SearchJob, build_job, run_search
+from ..train.run import RUNTIME_SETTINGS
 from ..progress import silenced
 from .common import (
     ModelLike,

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError, python_api
-from ..finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, finetune_train_config, split_settings
+from ..train.finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, finetune_train_config, split_settings
 from ..methods import get_method
-from ..train import RUNTIME_SETTINGS
+from ..train.run import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
     StageResult,

@@ -119,7 +119,7 @@ def frozen_names(model: Any) -> list[str]:
 def with_frozen(arch: Arch, names: Iterable[str]) -> Arch:
     """``arch`` recording ``names`` (:func:`frozen_names`) as :attr:`Arch.frozen` (``arch.json``'s
     :data:`FROZEN_KEY`): the one place a run keeps them, read by every training stage
-    (:func:`nascompress.train_loop.fit` leaves them out of the optimizer) and by
+    (:func:`nascompress.train.loop.fit` leaves them out of the optimizer) and by
     :func:`restore_frozen`; none: the key left out."""
     return arch.set(frozen=tuple(names))
 

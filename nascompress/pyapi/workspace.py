@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError
-from ..utils import read_json, write_json
+from ..runs.json_io import read_json, write_json
 
 
 class Workspace:

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 
 from ..errors import NascompressError, SettingError
-from ..utils import atomic_path, parse_json
+from .json_io import atomic_path, parse_json
 
 
 def _flatten(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:

@@ -15,7 +15,7 @@
   :func:`read_sidecar`.
 
 The pipeline's own files and a run's ``config.json`` are typed the same way in
-:mod:`nascompress.pipeline_files`. Every record keeps the keys it does not type (``extra``) and the
+:mod:`nascompress.pipeline.files`. Every record keeps the keys it does not type (``extra``) and the
 order of the file, so ``Record.from_dict(d).to_dict() == d`` and a file read and written again is
 the same bytes.
 """
@@ -30,8 +30,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 from ..data.input import check_input_section
 from ..errors import NascompressError
 from ..methods import check_records
-from ..models import ModelSpec, check_model_kwargs, check_model_size, model_size
-from ..utils import read_json, write_json
+from ..models.build import ModelSpec, check_model_kwargs, check_model_size, model_size
+from .json_io import read_json, write_json
 
 ARCH_FORMAT = "nascompress-arch/2"
 # /1: written before the method contract; its new-parameter names differ (io's _upgrade_v1)
@@ -42,7 +42,7 @@ METRICS_FILE = "metrics.json"
 
 def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
     """Check an arch read from a file: its format, that ``model`` holds a timm name and only the
-    build settings nascompress writes (:data:`~nascompress.models.MODEL_KWARGS`): the file is data,
+    build settings nascompress writes (:data:`~nascompress.models.build.MODEL_KWARGS`): the file is data,
     and its settings go to ``timm.create_model``; its input section; and each method record
     (:func:`~nascompress.methods.check_records`: its config, the channels it keeps, ...)."""
     if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or not isinstance(arch.get("model"), dict):
@@ -109,8 +109,13 @@ _str, _map, _list, _bool = (
     _kind(list, "a list"),
     _kind(bool, "a boolean"),
 )
-# the field checks, for records typed beside these (nascompress.pipeline_files)
+# the field checks, for records typed beside these (nascompress.pipeline.files)
 check_str, check_map, check_number, optional = _str, _map, _number, _optional
+
+
+def as_is(v: Any, where: str) -> Any:
+    """A field kept as it is (a copy), for a record whose field has no fixed type."""
+    return copy.deepcopy(v)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -322,7 +327,7 @@ class Quantization(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class Sidecar(Record):
-    """An export's sidecar ``FILE.json`` (:mod:`nascompress.export`)."""
+    """An export's sidecar ``FILE.json`` (:mod:`nascompress.deploy`)."""
 
     format: str
     file: str
@@ -418,6 +423,7 @@ __all__ = [
     "Record",
     "RunMetrics",
     "Sidecar",
+    "as_is",
     "check_map",
     "check_number",
     "check_str",

@@ -53,10 +53,10 @@ from torch import nn
 
 from ..errors import NascompressError, SettingError, literal, words, writing
 from ..methods import apply_methods
-from ..layers import to_plain
-from ..models import ModelSpec, build_model
-from ..weights import load_state_strict
-from ..pipeline_files import find_run_config
+from ..models.layers import to_plain
+from ..models.build import ModelSpec, build_model
+from ..models.weights import load_state_strict
+from .run_config import find_run_config
 from .files import READ_FORMATS  # noqa: F401  (kept importable from io, the model format's module)
 from .files import (
     ARCH_FILE,
@@ -69,7 +69,8 @@ from .files import (
     write_arch_json,
     write_metrics_json,
 )
-from ..utils import atomic_path, check_regular_file, machine_device, parse_json
+from .json_io import atomic_path, check_regular_file, parse_json
+from ..runtime import machine_device
 from ..runtime import parse_dtype
 from .loaded import check_finite, compile_loaded
 

@@ -2,8 +2,8 @@
 finetune, the DCS search, materialize, a study trial's model, import, the linear probe):
 
 1. :meth:`RunDir.prepare` (before anything is loaded or built): ``--resume`` reads the job recorded
-   in ``OUT/config.json`` (:func:`~nascompress.utils.recorded_job`); then ``OUT`` is checked without
-   being created (:func:`~nascompress.utils.prepare_out_dir`: a non-empty directory needs ``--force``
+   in ``OUT/config.json`` (:func:`~nascompress.runs.out_dir.recorded_job`); then ``OUT`` is checked without
+   being created (:func:`~nascompress.runs.out_dir.prepare_out_dir`: a non-empty directory needs ``--force``
    or ``--resume``), so a refused job leaves nothing behind;
 2. :meth:`RunDir.create` (once every check passed): rank 0 creates ``OUT`` (``--force`` empties it
    first, ``--resume`` keeps it) and records the job in ``config.json``; under torchrun every rank
@@ -23,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from .. import distributed
+from ..train import distributed
 from ..errors import WriteError
-from .io import CONFIG_FILE, finish_run
+from .io import finish_run
 from .owner import check_replaceable, clear_own
 from .store import CHECKPOINT_FILE
-from ..pipeline_files import write_run_config
-from ..utils import create_out_dir, prepare_out_dir, recorded_job
+from .run_config import write_run_config
+from .out_dir import create_out_dir, prepare_out_dir, recorded_job
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class RunDir:
         out: str | Path, job_cls: Any, command: str, *, given: Any = None, explicit: set[str] | None = None
     ) -> Any:
         """The job an earlier run of ``command`` recorded in ``out/config.json``, for ``--resume``
-        (:func:`~nascompress.utils.recorded_job`: ``explicit`` options that differ are refused)."""
+        (:func:`~nascompress.runs.out_dir.recorded_job`: ``explicit`` options that differ are refused)."""
         return recorded_job(Path(out), job_cls, command, given=given, explicit=explicit)
 
     def create(self, config: dict[str, Any], *, kind: str = "run") -> Path:
@@ -93,4 +93,4 @@ class RunDir:
         return metrics
 
 
-__all__ = ["CONFIG_FILE", "RunDir"]
+__all__ = ["RunDir"]

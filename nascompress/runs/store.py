@@ -1,5 +1,5 @@
 """Where a training run keeps its saved model, its log and its checkpoint (:class:`RunStore`): a run
-directory, which rank 0 alone writes, or memory when :func:`nascompress.train.fit` runs without one.
+directory, which rank 0 alone writes, or memory when :func:`nascompress.train.run.fit` runs without one.
 
 A run killed during the per-epoch append of ``log.jsonl`` leaves a half-written last line: a resume
 drops it (with a note; the epoch's record is written again when the epoch is), whereas a damaged
@@ -24,12 +24,12 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .. import distributed
+from ..train import distributed
 from ..errors import NascompressError, SettingError
 from .checkpoint import save_state
 from .io import load_with_arch, save_model
-from ..utils import append_jsonl, atomic_path, parse_json, read_file_text
-from ..weights import mismatch_report, state_mismatches
+from .json_io import append_jsonl, atomic_path, parse_json, read_file_text
+from ..models.weights import mismatch_report, state_mismatches
 
 CHECKPOINT_FILE = "checkpoint.safetensors"
 LAST_FILE = "last.safetensors"

@@ -1,4 +1,10 @@
-"""Optuna studies of nascompress: storage, a crash-safe multi-worker runner, inspection.
+"""Optuna studies of nascompress (``nascompress search tokens|joint``, ``study``, the pipeline's tokens
+stage): what they search, how they run, where they live. The DCS channel search is not an Optuna
+study: :mod:`nascompress.dcs_search`.
+
+- :mod:`.space` (and its ``space_*`` parts): search spaces, from a YAML file to a model per trial;
+  :mod:`.samplers`, :mod:`.grid`, :mod:`.qmc`: the samplers; :mod:`.scoring`: a trial's objectives;
+  :mod:`.trials` (and its ``trial_*`` parts): a search job and its trials, and the picked trial rebuilt.
 
 - :mod:`.storage`: where studies live (default SQLite file, journal file, PostgreSQL).
 - :mod:`.runner`: :func:`run_study`, the ask/tell loop; :mod:`.records`: trial/study records
@@ -14,16 +20,9 @@ from .liveness import fail_stale_trials, stale_trials
 from .records import RECORD_FIELDS, pareto_front, record_trial, study_info, trial_record
 from .runner import run_study
 from .seeding import default_sampler, sampler_seed
-from .storage import (
-    DEFAULT_DB,
-    DEFAULT_JOURNAL,
-    StorageSpec,
-    find_study,
-    mask_url,
-    open_storage,
-    parse_storage,
-    resolve_run_storage,
-)
+from .storage_url import DEFAULT_DB, DEFAULT_JOURNAL, StorageSpec, mask_url, parse_storage
+from .storage import find_study, resolve_run_storage
+from .storage_open import open_storage
 
 __all__ = [
     "RECORD_FIELDS",

@@ -41,7 +41,8 @@ from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError, SettingError
 
 from .snapshots import make_snapshot_dir, remove_snapshot_dir, snapshot_sqlite
-from .storage import find_study, open_storage
+from .storage import find_study
+from .storage_open import open_storage
 from .inspect import directions, metric_names
 from .report import front_figures
 

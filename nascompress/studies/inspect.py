@@ -22,7 +22,8 @@ from rich.table import Table
 
 from nascompress.config import check_settings, setting
 from nascompress.errors import NascompressError, SettingError
-from nascompress.utils import atomic_path, refuse_overwriting_inputs
+from nascompress.runs.json_io import atomic_path
+from nascompress.runs.out_dir import refuse_overwriting_inputs
 
 from .records import (
     ERROR_KEY,
@@ -36,7 +37,8 @@ from .records import (
     study_info,
     trial_record,
 )
-from .storage import StorageSpec, existing_storages, find_study
+from .storage_url import StorageSpec
+from .storage import existing_storages, find_study
 
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage

@@ -24,7 +24,8 @@ from nascompress.errors import NascompressError, WriteError, storage_problem, wr
 from .liveness import ACTIVE, Heartbeat, Me, fail_stale_trials, let_go, stale_trials, take_over
 from .records import ERROR_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_KEY
 from .seeding import Seeding
-from .storage import StorageSpec, open_storage
+from .storage_url import StorageSpec
+from .storage_open import open_storage
 from .workers import LoopConfig, WorkerArgs
 
 

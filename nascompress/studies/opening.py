@@ -13,7 +13,8 @@ import optuna
 from nascompress.errors import NascompressError, SettingError, literal
 
 from .records import RECORD_KEY, study_info
-from .storage import StorageSpec, open_storage
+from .storage_url import StorageSpec
+from .storage_open import open_storage
 from .storage_open import creation_lock
 
 

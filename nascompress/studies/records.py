@@ -46,7 +46,7 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
             ``latency_ms`` was found: ``{"source": "predicted" | "measured", "predicted_ms": ...,
             "measured_ms": ...}``, or None), ``wall_s``, ``seed``,
             ``scoring`` (dict: the calibration budget and validation subset the trial was scored
-            with, :func:`nascompress.search.scoring.trial_scoring`).
+            with, :func:`nascompress.studies.scoring.trial_scoring`).
 
     Returns:
         The merged record.

@@ -34,10 +34,10 @@ from .inspect import (
     trial_row,
     varying_columns,
 )
-from ..utils import refuse_overwriting_inputs
+from ..runs.out_dir import refuse_overwriting_inputs
 from .front_plot import COLOURS, FrontMarks, front_figure
 from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
-from nascompress.utils import atomic_path
+from nascompress.runs.json_io import atomic_path
 
 REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1150px;color:#222}

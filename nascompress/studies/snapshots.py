@@ -20,10 +20,10 @@ import uuid
 from pathlib import Path
 
 from nascompress.errors import NascompressError
-from nascompress.utils import read_json
+from nascompress.runs.json_io import read_json
 
 from ._procs import owner_gone, owner_record
-from .storage import StorageSpec
+from .storage_url import StorageSpec
 
 SNAPSHOT_TAG = ".dashboard-"  # snapshot folders: .<study file>.dashboard-<id>/
 _MAKING = ".making-dashboard-"  # a snapshot folder being made, before its rename into place

@@ -46,30 +46,13 @@ from typing import TYPE_CHECKING
 
 from nascompress.errors import NascompressError, SettingError
 
-from .journal_lock import OwnedJournalLock
-from .storage_open import CONNECT_TIMEOUT_S, open_storage
-from .storage_url import DEFAULT_DB, DEFAULT_JOURNAL, StorageSpec, default_storages, mask_url, parse_storage, scrub
+from .storage_open import open_storage
+from .storage_url import StorageSpec, default_storages, parse_storage
 
 if TYPE_CHECKING:
     from optuna.storages import BaseStorage
 
-__all__ = [
-    "CONNECT_TIMEOUT_S",
-    "DEFAULT_DB",
-    "DEFAULT_JOURNAL",
-    "OwnedJournalLock",
-    "StorageSpec",
-    "default_storages",
-    "existing_storages",
-    "find_study",
-    "has_study",
-    "mask_url",
-    "open_storage",
-    "parse_storage",
-    "resolve_run_storage",
-    "scrub",
-    "study_names",
-]
+__all__ = ["existing_storages", "find_study", "has_study", "resolve_run_storage", "study_names"]
 
 
 def study_names(storage: BaseStorage) -> list[str]:

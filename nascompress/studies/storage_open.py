@@ -20,7 +20,7 @@ from optuna.storages.journal import JournalFileBackend
 
 from nascompress.errors import NascompressError, write_error
 from nascompress.limits import env_name, limits
-from nascompress.utils import check_regular_file
+from nascompress.runs.json_io import check_regular_file
 
 from .journal_lock import OwnedJournalLock
 from .storage_url import StorageSpec, scrub

@@ -14,7 +14,7 @@ import optuna
 from optuna.samplers import BaseSampler
 
 from .display import Display
-from .storage import StorageSpec
+from .storage_url import StorageSpec
 
 
 @dataclass(frozen=True)

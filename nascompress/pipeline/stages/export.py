@@ -1,0 +1,55 @@
+"""The ``export`` stage (the config's ``export`` section): the final model as a deployable file
+(``OUT/export/<file>`` and its sidecar), checked against PyTorch; quantized and checked on the
+validation split when asked."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from ...deploy import export_run
+from ..base_stage import data_config
+from ..fallback import current_model
+from ..stage import PipelineStage, PlanState, StagePlan, register_stage
+from ..steps import Step
+
+
+def plan_export(state: PlanState, s: Any) -> StagePlan:
+    """The export step of section ``s`` (onnx and onnxruntime required for an ONNX file)."""
+    cfg, out, base_dir = state.cfg, state.out, state.base_dir
+    needs = ("onnx", "onnxruntime") if s.format == "onnx" else ()
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    if missing:  # refused now, not after every training stage
+        raise state.ctx.err(
+            "export",
+            f"format onnx needs {' and '.join(missing)}: pip install 'nascompress[export]', or drop the export section",
+        )
+    target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
+
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        st = cfg.stages
+        final = current_model(
+            out,
+            base_dir=base_dir,
+            dcs=st.dcs is not None,
+            tokens=st.tokens is not None,
+            retrain=st.retrain is not None,
+            upto="final",
+        )  # after a DCS fallback: what was made
+        # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
+        # (int8: calibrated and checked on the pipeline's data)
+        return export_run(final or base_dir, out=target, config=ec, force=True, data=data_config(cfg))["verification"]
+
+    step = Step(
+        "export",
+        out / "export",
+        "redo",  # the step owns OUT/export: an earlier attempt is replaced
+        run,
+        outputs=(f"export/{s.filename}", f"export/{s.filename}.json"),
+        describe=f"export the final model as {s.format} (export/{s.filename}), checked against PyTorch"
+        + (f"; quantized ({s.quantize}) and checked on the validation split" if s.quantize != "none" else ""),
+    )
+    return StagePlan([step])
+
+
+STAGE = register_stage(PipelineStage("export", 40, ("export",), section=lambda cfg: cfg.export, plan=plan_export))

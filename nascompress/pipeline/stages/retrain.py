@@ -1,0 +1,107 @@
+"""The ``retrain`` stage (``stages.retrain``): the compressed model retrained, distilling from the base
+(``OUT/final``); with ``confirm_pick`` the channel-only model retrained too and the better kept
+(:mod:`nascompress.pipeline.confirm`), and with ``report.dense_reference`` the dense base retrained with
+the same recipe (:mod:`nascompress.pipeline.dense_reference`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import NascompressError
+from ...retraining.config import RetrainConfig
+from ...retraining.run import RETRAIN_TRAIN_SETTINGS, build_job, retrain
+from ...runs.files import find_metrics
+from ..base_stage import data_config, runtime_values
+from ..confirm import CHANNEL_DIR, channel_only_flops, decide, pick_kind, why_not
+from ..dense_reference import NEEDS_RETRAIN, dense_reference_step
+from ..fallback import current_model, dcs_skipped
+from ..schema import library_config, library_values, section_error
+from ..stage import PipelineStage, PlanState, StagePlan, register_stage
+from ..steps import Step
+
+
+def plan_retrain(state: PlanState, s: Any) -> StagePlan:
+    """The retrain step of section ``s``, and the confirm and dense-reference steps it brings."""
+    cfg, out, ctx, base_dir, current = state.cfg, state.out, state.ctx, state.base_dir, state.current
+    try:
+        job = build_job(
+            current,
+            out / "final",
+            retrain=library_config(s, RetrainConfig),
+            train={**library_values(s, RETRAIN_TRAIN_SETTINGS), **runtime_values(cfg)},
+            data=data_config(cfg, train_limit=s.train_limit),
+            teacher=base_dir if s.distil_from == "base" else None,
+        )
+    except NascompressError as e:  # the teacher is distil_from's choice: the base
+        raise section_error(ctx, "stages.retrain", s, e, names={"teacher": "distil_from: base"}) from None
+
+    def run(force: bool, resume: bool) -> dict[str, Any]:
+        start = current_model(
+            out,
+            base_dir=base_dir,
+            dcs=cfg.stages.dcs is not None,
+            tokens=cfg.stages.tokens is not None,
+            retrain=True,
+            upto="retrain",
+        )
+        if start is None:
+            return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
+        return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
+
+    steps = [
+        Step(
+            "retrain",
+            out / "final",
+            "train",
+            run,
+            outputs=("final/model.safetensors", "final/metrics.json"),
+            describe=f"retrain the compressed model ({s.epochs} epochs, eta {s.eta:g}"
+            f"{', teacher: the base' if s.distil_from == 'base' else ''})",
+        )
+    ]
+    # report.dense_reference: the dense base retrained with this job's recipe and teacher, its own step
+    tail = [dense_reference_step(job, out, base_dir)] if cfg.report.dense_reference else []
+    if not (s.confirm_pick and cfg.stages.dcs is not None and cfg.stages.tokens is not None):
+        return StagePlan(steps + tail, model=out / "final")
+
+    def check(force: bool, resume: bool) -> dict[str, Any]:
+        if dcs_skipped(out):
+            return {"skipped": True, "reason": "the DCS stage was skipped: no channel-only model"}
+        kind, ratio = pick_kind(out), channel_only_flops(out)
+        reason = why_not(kind, ratio, cfg.goal.max_flops)
+        if reason is not None:
+            return {"skipped": True, "reason": reason, "kept": "pick"}
+        retrain(job.replace(model_dir=str(out / "dcs_mat"), out=str(out / CHANNEL_DIR)), force=force, resume=resume)
+        picked = find_metrics(out / "tokens" / "picked") or {}
+        return decide(out, kind, {"pick": picked.get("flops_ratio"), "channel": ratio})
+
+    steps.append(
+        Step(
+            "confirm",
+            out / CHANNEL_DIR,
+            "train",
+            check,
+            outputs=(f"{CHANNEL_DIR}/model.safetensors", f"{CHANNEL_DIR}/metrics.json"),
+            describe="when the pick cuts tokens: retrain the channel-only model too (if it meets the goal) and "
+            "keep the better of the two on validation",
+        )
+    )
+    return StagePlan(steps + tail, model=out / "final")
+
+
+def check_without_retrain(state: PlanState) -> None:
+    """``report.dense_reference`` retrains the base with this stage's recipe: refused without it."""
+    if state.cfg.report.dense_reference:
+        raise state.ctx.err("report.dense_reference", NEEDS_RETRAIN)
+
+
+STAGE = register_stage(
+    PipelineStage(
+        "retrain",
+        30,
+        ("retrain", "confirm"),
+        section=lambda cfg: cfg.stages.retrain,
+        plan=plan_retrain,
+        when_off=check_without_retrain,
+    )
+)

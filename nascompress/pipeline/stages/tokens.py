@@ -1,0 +1,176 @@
+"""The ``tokens`` stage (``stages.tokens``): an Optuna study of a search space on the model so far
+(``OUT/tokens``), with ``also_dense`` the same study on the dense base too, and the trial the goal's
+pick chooses across them rebuilt (``OUT/tokens/picked``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import NascompressError
+from ...methods import get_method
+from ...studies.samplers import sampler_factory
+from ...studies.space_model import load_space
+from ...studies.trial_model import build_job as build_pick_job
+from ...studies.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search
+from ..base_stage import data_config, runtime_values
+from ..fallback import current_model, dcs_skipped, pick_across
+from ..files import Pick, find_step_marker, write_pick
+from ..schema import library_values, section_error
+from ..stage import PipelineStage, PlanState, StagePlan, register_stage
+from ..steps import Step
+
+STUDY_DB = "studies.db"
+STUDY_JOURNAL = "studies.journal"
+
+
+def plan_tokens(state: PlanState, s: Any) -> StagePlan:
+    """The study steps of section ``s`` (on the model so far, and with ``also_dense`` on the base) and the pick."""
+    cfg, out, ctx, base_dir, current, goal = (
+        state.cfg,
+        state.out,
+        state.ctx,
+        state.base_dir,
+        state.current,
+        state.cfg.goal,
+    )
+    try:
+        space = load_space(
+            s.space, model=state.dense
+        )  # layers sized by (and within) a plain ViT's depth; none on a pyramid
+    except NascompressError as e:
+        raise ctx.err("stages.tokens.space", str(e)) from None
+    try:
+        sampler_factory(s.sampler, space, cfg.seed, trials=s.trials)  # qmc/gp on what they cannot search: refused now
+    except NascompressError as e:
+        raise ctx.err("stages.tokens.sampler", str(e)) from None
+    names = [m.name for m in space.methods]
+    if cfg.stages.dcs is not None:
+        if "dcs" in names:
+            raise ctx.err(
+                "stages.tokens.space", f"space {s.space} searches dcs, but the dcs stage already ran: drop one of them"
+            )
+        cannot = [n for n in names if "dcs" not in get_method(n).stacks_on]
+        if cannot:
+            raise ctx.err(
+                "stages.tokens.space",
+                f"{', '.join(cannot)} cannot follow the dcs stage (it stacks on "
+                f"{', '.join(sorted(get_method(cannot[0]).stacks_on)) or 'nothing'})",
+            )
+    if goal.max_latency_ms is not None and s.objective == "flops":
+        raise ctx.err(
+            "stages.tokens.objective",
+            "flops trials record no latency, but the goal is max_latency_ms: use goal, latency or throughput",
+        )
+    storage = f"sqlite:///{out.resolve() / STUDY_DB}" if s.workers == 1 else f"journal:{out.resolve() / STUDY_JOURNAL}"
+    try:
+        constrained = s.objective == "goal"  # the goal is the study's constraint
+        job = build_study_job(
+            current,
+            search={
+                **library_values(s, STUDY_SETTINGS),
+                "study": s.study,
+                "storage": storage,
+                "max_flops": goal.max_flops if constrained else None,
+                "max_latency_ms": goal.max_latency_ms if constrained else None,
+            },
+            runtime=runtime_values(cfg),
+            data=data_config(cfg),
+        )
+        pick = build_pick_job(s.study, out / "tokens" / "picked", pick=goal.pick, storage=storage)
+    except NascompressError as e:
+        raise section_error(ctx, "stages.tokens", s, e) from None
+
+    # after a dcs stage the same space is also searched on the dense base (token-only models) and the
+    # goal's pick compares both studies: the pipeline chooses where to cut
+    dense_study = f"{s.study}-dense" if cfg.stages.dcs is not None and s.also_dense else None
+
+    def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> dict[str, Any]:
+        (out / "tokens" / ("dense" if on_dense else "")).mkdir(parents=True, exist_ok=True)
+        start = (
+            base_dir
+            if on_dense
+            else current_model(
+                out, base_dir=base_dir, dcs=cfg.stages.dcs is not None, tokens=True, retrain=False, upto="tokens"
+            )
+        )
+        if on_dense and start == current_model(
+            out, base_dir=base_dir, dcs=True, tokens=True, retrain=False, upto="tokens"
+        ):
+            return {"skipped": True, "reason": "the DCS stage was skipped: the first study already searched the base"}
+        study = dense_study if on_dense else s.study
+        try:
+            res = run_search(job.replace(base=str(start), study=study), progress=progress)
+        except GoalUnreachable as e:
+            if not on_dense:
+                raise
+            return {"skipped": True, "reason": f"no token-only model reaches the goal on the dense base ({e})"}
+        if not res.get("finished"):
+            raise NascompressError(
+                f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
+                "rerun the same command to continue it"
+            )
+        return res
+
+    def pick_best(force: bool, resume: bool) -> dict[str, Any]:
+        marker = find_step_marker(out, "tokens_search_dense")
+        ran = marker is not None and not marker.skipped
+        studies = [s.study] + ([dense_study] if dense_study and ran and not dcs_skipped(out) else [])
+        res = pick_across(pick, studies, force=force)
+        if dense_study:  # the report's "where to cut" line
+            why = None if ran or marker is None else marker.result.get("reason")
+            write_pick(
+                out / "tokens",
+                Pick.new(
+                    picked_study=res["picked_study"],
+                    candidates=res["candidates"],
+                    dense_study=dense_study,
+                    dense_skipped=why,
+                ),
+            )
+        return res
+
+    steps = [
+        Step(
+            "tokens_search",
+            out / "tokens",
+            "study",
+            search,
+            outputs=(),
+            describe=f"search {space.name} ({s.trials} trials, study {s.study!r} in {STUDY_DB})",
+        )
+    ]
+    if dense_study:
+        steps.append(
+            Step(
+                "tokens_search_dense",
+                out / "tokens" / "dense",
+                "study",  # its own folder (a first run is not "continuing")
+                lambda force, resume, progress=True: search(force, resume, progress, on_dense=True),
+                outputs=(),
+                describe=f"search {space.name} on the dense base too ({s.trials} trials, "
+                f"study {dense_study!r}: token-only models)",
+            )
+        )
+    steps.append(
+        Step(
+            "tokens_pick",
+            out / "tokens" / "picked",
+            "redo",
+            pick_best,
+            outputs=("tokens/picked/model.safetensors", "tokens/picked/metrics.json"),
+            describe=f"rebuild the trial picked by {goal.pick}"
+            + (f", the better of studies {s.study!r} and {dense_study!r}" if dense_study else ""),
+        )
+    )
+    return StagePlan(steps, model=out / "tokens" / "picked", storage=storage)
+
+
+STAGE = register_stage(
+    PipelineStage(
+        "tokens",
+        20,
+        ("tokens_search", "tokens_search_dense", "tokens_pick"),
+        section=lambda cfg: cfg.stages.tokens,
+        plan=plan_tokens,
+    )
+)

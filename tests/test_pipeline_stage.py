@@ -1,0 +1,59 @@
+"""A pipeline stage is one registered object: a toy stage defined in one module (tests/toy_stage.py)
+is planned in its order, run, marked done and skipped when the pipeline is continued, with no other
+file changed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nascompress.pipeline import stage as stage_module
+from nascompress.pipeline.plan import plan
+from nascompress.pipeline.run import run_pipeline
+from nascompress.pipeline.stage import PipelineStage, register_stage, registered_stages, step_names
+
+from .test_pipeline import tiny_config, write_config
+from .toy_stage import STAGE
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    registered_stages()  # the built-in stages first
+    monkeypatch.setattr(stage_module, "_STAGES", dict(stage_module._STAGES))  # undone after the test
+    register_stage(STAGE)
+
+
+def _config(tmp_path):
+    cfg = tiny_config()
+    del cfg["stages"]["tokens"], cfg["stages"]["retrain"], cfg["export"]
+    cfg["goal"] = {"max_flops": 0.85}
+    cfg["stages"]["dcs"]["epochs"] = 1
+    return write_config(tmp_path, cfg)
+
+
+def test_the_built_in_stages_are_the_registry(tmp_path):
+    assert [s.name for s in registered_stages()] == ["dcs", "tokens", "retrain", "export"]
+    names = step_names()
+    assert names[0] == "base" and names[-1] == "report" and "toy_params" not in names
+
+
+def test_a_stage_in_one_module_is_planned_run_and_resumed(tmp_path, toy_registered):
+    assert "toy_params" in step_names()
+    config, out = _config(tmp_path), tmp_path / "out"
+    pipe = plan(config, out=out)
+    assert [s.name for s in pipe.steps] == ["base", "dcs_search", "dcs_mat", "toy_params", "report"]
+    run_pipeline(config, out=out)
+    got = json.loads((out / "toy" / "params.json").read_text())
+    assert got["model"] == str(out / "dcs_mat") and got["params"] > 0
+    assert (out / "done" / "toy_params.json").is_file()
+    lines = []
+    run_pipeline(config, out=out, log=lines.append)
+    assert "toy_params: complete, skipped" in lines
+
+
+def test_a_stage_name_or_order_is_registered_once(toy_registered):
+    with pytest.raises(ValueError, match="already registered"):
+        register_stage(PipelineStage("toy", 16, (), section=lambda cfg: None, plan=lambda st, s: None))
+    with pytest.raises(ValueError, match="order 15 is taken by 'toy'"):
+        register_stage(PipelineStage("other", 15, (), section=lambda cfg: None, plan=lambda st, s: None))
