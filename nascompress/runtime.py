@@ -204,24 +204,6 @@ def restore_cuda_rng(state: Any) -> None:
         torch.cuda.set_rng_state_all(states)
 
 
-__all__ = [
-    "DTYPES",
-    "AMP_MODES",
-    "parse_dtype",
-    "dtype_name",
-    "configured",
-    "prepare_deterministic",
-    "autocast",
-    "to_device",
-    "keep_freed_memory",
-    "native_bf16",
-    "resolve_amp",
-    "cpu_attention",
-    "cuda_rng_state",
-    "restore_cuda_rng",
-]
-
-
 def seed_everything(seed: int) -> torch.Generator:
     """Seed python, numpy and torch from one number; return a torch.Generator seeded with it."""
     random.seed(seed)
@@ -261,3 +243,24 @@ def machine_device(value: str | torch.device, *, field: str = "device") -> torch
             f"use {{{field}}} 'cuda' or 'cpu'"
         )
     return dev
+
+
+__all__ = [
+    "DTYPES",
+    "AMP_MODES",
+    "parse_dtype",
+    "dtype_name",
+    "configured",
+    "prepare_deterministic",
+    "autocast",
+    "to_device",
+    "keep_freed_memory",
+    "native_bf16",
+    "resolve_amp",
+    "cpu_attention",
+    "cuda_rng_state",
+    "restore_cuda_rng",
+    "seed_everything",
+    "resolve_device",
+    "machine_device",
+]

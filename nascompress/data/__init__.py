@@ -89,26 +89,6 @@ from ..errors import NascompressError, SettingError
 from ..limits import MAX_IMAGES, MAX_WORKERS, SEED_MAX
 
 
-def count_classes(data: DataConfig) -> int:
-    """Number of classes of a dataset without loading its images."""
-    if data.classes is not None:  # a subset: as many as it names (checked against the classes when loaded)
-        return len([t for t in data.classes.split(",") if t.strip()])
-    if is_memory(data.dataset):  # a caller's Dataset (the Python API)
-        return len(memory_splits(data.dataset).classes)
-    if data.dataset in DATASET_KEYWORDS:
-        return 2 if data.dataset == "lfw-faces" else 10
-    train = Path(data.dataset) / "train"
-    if not train.is_dir():
-        raise SettingError(
-            f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
-            "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH"
-        )
-    classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
-    if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
-        check_classes(classes, {}, name=data.dataset)
-    return len(classes)
-
-
 __all__ = [
     "AUGMENTS",
     "BUILTIN_DATASETS",
@@ -264,6 +244,26 @@ class DataConfig:
             if isinstance(v, str) and v not in DATASET_KEYWORDS and not is_memory(v):
                 object.__setattr__(self, name, os.path.abspath(os.path.expanduser(v)))
         check_field("seed", check_int, self.subset_seed, 0, SEED_MAX)  # the subsets' seed is the run's seed
+
+
+def count_classes(data: DataConfig) -> int:
+    """Number of classes of a dataset without loading its images."""
+    if data.classes is not None:  # a subset: as many as it names (checked against the classes when loaded)
+        return len([t for t in data.classes.split(",") if t.strip()])
+    if is_memory(data.dataset):  # a caller's Dataset (the Python API)
+        return len(memory_splits(data.dataset).classes)
+    if data.dataset in DATASET_KEYWORDS:
+        return 2 if data.dataset == "lfw-faces" else 10
+    train = Path(data.dataset) / "train"
+    if not train.is_dir():
+        raise SettingError(
+            f"dataset {data.dataset} is neither a built-in dataset ({BUILTIN_DATASETS}) nor a "
+            "directory with train/; give an ImageFolder root (train/<class>/*.png) with {dataset} PATH"
+        )
+    classes = folder_classes(train)  # as the loader finds them (hidden folders are no class)
+    if len(classes) < 2:  # (the images are checked when the data is loaded: data.check_classes, scan_images)
+        check_classes(classes, {}, name=data.dataset)
+    return len(classes)
 
 
 @dataclass

@@ -41,7 +41,13 @@ def load_config(
     sections as data (named ``source`` in errors); ``seed`` overrides the config's; ``upgrade``: former
     key names read as their new ones (a run's stored config), else refused. Errors name the file (or
     ``source``) and the key path."""
-    ctx = config_context(config, source=source)
+    return read_config(config, config_context(config, source=source), seed=seed, upgrade=upgrade)
+
+
+def read_config(
+    config: PipelineSource, ctx: SchemaContext, *, seed: int | None = None, upgrade: bool = False
+) -> PipelineConfig:
+    """:func:`load_config` with the config's context already made (:func:`config_context`)."""
     data = dict(config) if isinstance(config, Mapping) else read_yaml(ctx.source)
     if seed is not None:
         data = dict(data, seed=seed)

@@ -16,16 +16,13 @@ import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+
 from ..runs.files import Record, as_is, check_map, check_number, check_str, optional
 from ..runs.json_io import read_json, write_json
 
 
 DONE_DIR = "done"
-
-
 PICK_FILE = "pick.json"
-
-
 SUMMARY_FILE = "summary.json"
 
 

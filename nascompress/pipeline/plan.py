@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NascompressError
-from .config_io import PipelineSource, config_context, load_config
+from .config_io import PipelineSource, config_context, read_config
 from ..runtime import resolve_device
 from .report import write_summary
 from .stage import PlanState, registered_stages
@@ -23,8 +23,8 @@ def plan(
     """Validate ``config`` (a pipeline file, or its sections as data, named ``source`` in errors)
     completely (schema, files, models, space, every stage's job) and return the pipeline for ``out``.
     Reads files, writes nothing."""
-    cfg = load_config(config, seed=seed, source=source)
-    ctx = config_context(config, source=source)
+    ctx = config_context(config, source=source)  # (the file found once: a path, or a shipped config's name)
+    cfg = read_config(config, ctx, seed=seed)
     try:
         resolve_device(cfg.device)
     except NascompressError as e:

@@ -18,7 +18,6 @@ from ..data import dataset_paths
 from .files import DONE_DIR as STEP_DONE_DIR
 from .files import StepMarker, find_step_marker, read_summary, write_step_marker
 from ..runs.files import has_metrics
-from ..yaml_io import resolve_file
 from ..runs.owner import MARK_FILE, check_replaceable, clear_own, write_mark
 from ..train.run import RUNTIME_SETTINGS
 from ..progress import pipeline_eta
@@ -203,7 +202,7 @@ def run_pipeline(
     refuse_overwriting_inputs(
         pipe.out,
         [
-            *(() if isinstance(config, Mapping) else (resolve_file(config, what="config file"),)),
+            *(() if isinstance(config, Mapping) else (Path(pipe.source),)),  # (the file plan() found)
             *(() if pipe.base_dir in own else (pipe.base_dir,)),
             *dataset_paths(pipe.data),
         ],

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
 from torch import nn
+
 from .. import runtime
 from ..data import (
     DataConfig,
@@ -20,7 +22,6 @@ from ..runs.io import load_typed, load_with_arch
 from ..models.build import ModelSpec, build_model, input_size
 from . import profile_models
 from ..train.run import check_classes
-from ..runtime import resolve_device
 from ..runs.run_config import run_data_config
 from ..methods.mgvit_modules import MGViT
 from ..methods.mgvit import parse_epsilons, sweep_model
@@ -39,7 +40,7 @@ def evaluate_run(
 ) -> dict[str, Any]:
     """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher;
     ``dtype`` (fp32, bf16, fp16): the weights and inputs (TF32 matmuls for fp32 on CUDA)."""
-    dev = resolve_device(device)
+    dev = runtime.resolve_device(device)
     with runtime.configured(dev):
         res = _evaluate_run(
             run_dir,
@@ -99,7 +100,7 @@ def profile(
     ``latency_speedup`` > 1 is faster), both labels and what the figures were measured on; ``dtype``:
     weights and inputs; ``compile``: also time the ``torch.compile``d models (CUDA graphs on CUDA)
     next to the eager ones."""
-    dev = resolve_device(device)
+    dev = runtime.resolve_device(device)
     with runtime.configured(dev):
         return _profile(
             target,
@@ -171,7 +172,7 @@ def epsilon_sweep(
         epsilons = parse_epsilons(epsilons)
     if not epsilons:
         raise SettingError("{epsilon} needs at least one value, e.g. {epsilon} 0.5,0.7,0.9,1")
-    dev = resolve_device(device)
+    dev = runtime.resolve_device(device)
     model, arch = load_typed(run_dir, map_location=dev)
     if not isinstance(model, (MGViT, MGPVT)):
         raise SettingError(

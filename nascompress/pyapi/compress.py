@@ -176,7 +176,7 @@ _VALUE = re.compile(_LITERAL + r"|[a-z]+[0-9_]\w*")  # a value, not a word
 _STAGE_ARG = re.compile(r"\b(dcs|tokens|retrain)__([a-z0-9_]+)(?:=([^\s,;:)]+))?")
 
 
-def compress_words(template: str, source: str = "") -> str:
+def compress_words(template: str) -> str:
     """A stage's :class:`SettingError` raised inside :func:`compress`'s pipeline (its fields written as
     the pipeline file's keys, ``stages.dcs.target_flops``), worded as :func:`compress`'s arguments: a
     stage key as the entry of that stage's dict (``dcs={'target_flops': 0.39}``), every other field
@@ -193,8 +193,7 @@ def compress_words(template: str, source: str = "") -> str:
             value = repr(value)  # a text value
         return f"{m.group(1)}={{'{m.group(2)}': {value or '...'}}}"
 
-    text = _STAGE_ARG.sub(entry, text)
-    return text.replace(f"{source}: ", "") if source else text
+    return _STAGE_ARG.sub(entry, text)
 
 
 @python_api("nc.compress")
@@ -310,7 +309,7 @@ def compress(
                     source="nc.compress",
                 )
         except SettingError as e:  # a stage's advice, its fields as the config's keys: as nc.compress's arguments
-            raise SettingError(literal(compress_words(e.template, "nc.compress"))) from None
+            raise SettingError(literal(compress_words(e.template))) from None
         except NascompressError as e:  # a config key as the argument that set it: dcs['epochs']
             raise NascompressError(_STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))) from None
         if not summary.get("final"):

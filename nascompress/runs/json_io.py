@@ -9,13 +9,12 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
+
 from ..errors import NascompressError, writing
 from ..limits import check_limit, env_name, limits
 
 
 _UMASK = os.umask(0)
-
-
 os.umask(_UMASK)
 
 

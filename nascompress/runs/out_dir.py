@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
-from dataclasses import fields, replace
+
 from ..errors import NascompressError, SettingError, writing
 from ..limits import check_path_names
 from .json_io import read_json

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
 from ..data import DataConfig
 from .files import Record, as_is
 from .json_io import read_json, write_json
