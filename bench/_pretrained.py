@@ -43,9 +43,9 @@ TOKEN_METHODS = {"evit": {"keep_rate": 0.7}, "dynamicvit": {"rho": 0.7}, "sparsi
 
 def flops_ratio(dense: Path, run: Path) -> dict[str, Any]:
     res = profile(run, compare=dense, latency=False)
-    c = res["comparison"]
-    m = res["models"][c["model"]]
-    return {"flops": m["macs"], "params": m["params"], "flops_ratio": c["flops_ratio"]}
+    c = res.comparison
+    m = res.models[c.model]
+    return {"flops": m.macs, "params": m.params, "flops_ratio": c.flops_ratio}
 
 
 def done(run: Path) -> bool:
@@ -172,8 +172,8 @@ class Bench:
             write_json(uni / "metrics.json", entry["pruned"])
         entry["pruned"] = read_json(uni / "metrics.json")
         entry["zero_shot"] = {
-            "val_top1": evaluate_run(uni, split="val")["top1"],
-            "test_top1": evaluate_run(uni)["top1"],
+            "val_top1": evaluate_run(uni, split="val").top1,
+            "test_top1": evaluate_run(uni).top1,
         }
         entry["retrained"] = self.retrain(uni, rt)
         self.save()
@@ -235,8 +235,8 @@ class Bench:
         if not done(mat):
             materialize_search(MaterializeJob(search_dir=str(search), out=str(mat)), force=True)
         entry["materialized"] = {
-            "val_top1": evaluate_run(mat, split="val")["top1"],
-            "test_top1": evaluate_run(mat)["top1"],
+            "val_top1": evaluate_run(mat, split="val").top1,
+            "test_top1": evaluate_run(mat).top1,
             "max_abs_logit_diff": read_json(mat / "metrics.json")["max_abs_logit_diff"],
         }
         self.save()

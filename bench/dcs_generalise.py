@@ -149,8 +149,8 @@ class Cell(Bench):
             )
         entry["pruned"] = read_json(run / "metrics.json")
         entry["zero_shot"] = {
-            "val_top1": evaluate_run(run, split="val")["top1"],
-            "test_top1": evaluate_run(run)["top1"],
+            "val_top1": evaluate_run(run, split="val").top1,
+            "test_top1": evaluate_run(run).top1,
         }
         entry["retrained"] = self.retrain(run, rt)
         self.save()

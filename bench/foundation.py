@@ -55,7 +55,7 @@ def main() -> None:
     if (base / "metrics.json").is_file():
         metrics = read_json(base / "metrics.json")
         model, arch = load_with_arch(base)
-        prof = profile_models({"base": model}, device=torch.device("cpu"), iters=args.iters)["models"]["base"]
+        prof = profile_models({"base": model}, device=torch.device("cpu"), iters=args.iters).models["base"]
         data_cfg = run_data_config(base) or DataConfig()
         test = evaluate_run(base, data=data_cfg, device="cpu")
         log = (
@@ -69,13 +69,13 @@ def main() -> None:
             "config": read_json(base / "config.json"),
             "metrics": metrics,
             "data": data_sizes(load_data(data_cfg, spec=InputSpec.from_dict(arch["input"])), data_cfg),
-            "test_top1_measured_here": test["top1"],
-            "test_n": test["n"],
+            "test_top1_measured_here": test.top1,
+            "test_n": test.n,
             "epoch_time_s": [r.get("epoch_time_s") for r in epochs],
-            "gflops": prof["gflops"],
-            "params": prof["params"],
-            "latency_ms_batch1": prof["latency_ms"],
-            "throughput_batch64": prof["throughput"],
+            "gflops": prof.gflops,
+            "params": prof.params,
+            "latency_ms_batch1": prof.latency_ms,
+            "throughput_batch64": prof.throughput,
             "timing_iters": args.iters,
         }
         print(

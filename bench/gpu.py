@@ -430,8 +430,8 @@ def section_pipeline(
                 iters=10,
             )
             res[f"final_vs_dense_{dname}"] = {
-                "ratios": prof["comparison"],
-                "qk_layout": [m.get("qk_layout") for m in prof["models"].values()],
+                "ratios": prof.comparison.to_dict(),
+                "qk_layout": [None if m.qk_layout is None else m.qk_layout.to_dict() for m in prof.models.values()],
             }
             print(dname, res[f"final_vs_dense_{dname}"]["ratios"], flush=True)
     return res

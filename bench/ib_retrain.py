@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[label] = {
             "run": str(run_dir),
             "macs_per_image": flops_of(run_dir, data),
-            "test_top1": test["top1"],
-            "test_n": test["n"],
+            "test_top1": test.top1,
+            "test_n": test.n,
             **measure_ib(run_dir, data, ib_cfg, a.seed),
             "measure_s": time.perf_counter() - t0,
         }
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows[label] = {
             "run": str(out),
             "macs_per_image": flops_of(out, data),
-            "test_top1": test["top1"],
-            "test_n": test["n"],
+            "test_top1": test.top1,
+            "test_n": test.n,
             **measure_ib(out, data, ib_cfg, a.seed),
         }
         retrained[label] = {

@@ -240,7 +240,7 @@ def main() -> None:
         entry["finetune_s"] = time.time() - t0
         mg = load(out_dir)
         t0 = time.time()
-        sw = epsilon_sweep(out_dir, sorted(EPSILONS + EXTRA_EPS), data=test_cfg, split="test", device="cpu")
+        sw = epsilon_sweep(out_dir, sorted(EPSILONS + EXTRA_EPS), data=test_cfg, split="test", device="cpu").to_dict()
         entry["sweep_s"] = time.time() - t0
         for r in sw["rows"]:
             r["delta_top1_vs_dense"] = r["top1"] - dense["test_top1"]

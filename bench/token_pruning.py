@@ -91,8 +91,8 @@ def fashion_mnist(
     out: dict = {
         "base": str(base),
         "base_metrics": read_json(base / "metrics.json"),
-        "dense_test_top1": dense_test["top1"],
-        "dense_test_n": dense_test["n"],
+        "dense_test_top1": dense_test.top1,
+        "dense_test_n": dense_test.n,
         "dense_mflops": count_flops(dense, x).total / 1e6,
         "train_limit": train_limit,
         "eval_limit": eval_limit,
@@ -139,7 +139,7 @@ def fashion_mnist(
                     "test_n": m["test_n"],
                     "seconds": time.perf_counter() - t0,
                     "mflops": count_flops(model, x).total / 1e6,
-                    "top1_minus_dense": m["test_top1"] - dense_test["top1"],
+                    "top1_minus_dense": m["test_top1"] - dense_test.top1,
                 }
                 if zero_shot:
                     row[tag]["calibration"] = m.get("calibration")

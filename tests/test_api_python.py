@@ -121,8 +121,9 @@ def test_compress_gives_the_pipeline_commands_weights(tiny_run, tmp_path, no_tmp
     assert res.exit_code == 0, res.output
     same_weights(small.model, nc.load(tmp_path / "p" / "final"))
     rep = small.report
-    assert rep["flops_ratio"] <= 0.7 + 1e-3 and rep["goal_met"] and rep["params"] < rep["dense_params"]
-    assert {"accuracy", "dense_accuracy", "flops", "latency_ms"} <= set(rep)
+    assert rep.flops_ratio <= 0.7 + 1e-3 and rep.goal_met and rep.params < rep.dense_params
+    assert rep.accuracy is not None and rep.dense_accuracy is not None and rep.flops < rep.dense_flops
+    assert rep.summary.comparison.flops_ratio == rep.flops_ratio and rep.summary.final.test_top1 == rep.accuracy
     small.save(tmp_path / "saved")
     same_weights(nc.load(tmp_path / "saved"), small.model)
 
@@ -145,7 +146,7 @@ def test_compress_on_a_tensor_dataset_records_the_callers_preprocessing(tiny_run
         retrain={"batch_size": 32},
     )
     assert small.arch["input"]["mean"] == [0.0] and small.arch["input"]["std"] == [1.0]
-    assert small.report["test_images"] == 100 and small.report["accuracy"] > 10  # half of val: the test
+    assert small.report.test_images == 100 and small.report.accuracy > 10  # half of val: the test
     assert (kept / "pipeline" / "summary.json").is_file() and small.out == str(kept / "pipeline")
     again = nc.compress(
         model,

@@ -75,15 +75,18 @@ def test_a_search_above_its_target_warns_by_how_much():
 
 
 def test_compress_reports_the_bound_exactly_and_warns_over_it():
+    from nascompress.pipeline.summary import Summary
     from nascompress.pyapi.compress import budget_report
 
+    def summary(ratio: float, **more) -> Summary:
+        return Summary.new(comparison={"flops_ratio": ratio}, **more)
+
     config = {"goal": {"max_flops": 0.6}}
-    over = budget_report({"comparison": {"flops_ratio": 0.6004}, "goal": {"met": True}}, config)
-    assert over["goal_met"] is False and over["over_target"] == pytest.approx(0.0004)  # a bound: exact
+    met, over = budget_report(summary(0.6004, goal={"met": True}), config)
+    assert met is False and over == pytest.approx(0.0004)  # a bound: exact
     with pytest.warns(UserWarning, match=r"above target_flops=0.6 by 0.0004x"):
-        budget_report({"comparison": {"flops_ratio": 0.6004}}, config, warn=True)
-    under = budget_report({"comparison": {"flops_ratio": 0.5966}}, config)
-    assert under["goal_met"] is True and under["over_target"] == 0.0
+        budget_report(summary(0.6004), config, warn=True)
+    assert budget_report(summary(0.5966), config) == (True, 0.0)
 
 
 # -- 68.5: goals by a hair ------------------------------------------------------------------------
@@ -100,14 +103,15 @@ def test_the_confirm_step_takes_a_channel_model_at_the_goal_as_printed():
 def test_a_missed_goal_says_by_how_much():
     from nascompress.pipeline.goal import flops_goal, latency_goal
     from nascompress.pipeline.report_format import goal_text
+    from nascompress.pipeline.summary import Summary
 
-    assert flops_goal(0.6004, 0.6)["met"] is True
+    assert flops_goal(0.6004, 0.6).met is True
     g = flops_goal(0.6015, 0.6)
-    assert g["met"] is False and g["missed_by"] == pytest.approx(0.0015) and "by 0.0015x" in g["statement"]
-    assert "NOT met (above it by 0.0015x)" in goal_text({"goal": g})
+    assert g.met is False and g.missed_by == pytest.approx(0.0015) and "by 0.0015x" in g.statement
+    assert "NOT met (above it by 0.0015x)" in goal_text(Summary.new(goal=g))
     lat = latency_goal(2.5, 2.0)
-    assert lat["met"] is False and lat["missed_by"] == pytest.approx(0.5) and "by 0.50 ms" in lat["statement"]
-    assert latency_goal(2.004, 2.0)["met"] is True
+    assert lat.met is False and lat.missed_by == pytest.approx(0.5) and "by 0.50 ms" in lat.statement
+    assert latency_goal(2.004, 2.0).met is True
 
 
 # -- 69.4: models users hold ----------------------------------------------------------------------
@@ -190,10 +194,10 @@ def test_compress_honours_the_loaders_batch_size_and_the_frozen_parameters():
         progress=False,
         dcs={"epochs": 1, "arch_lr": 0.05},
     )
-    stages = small.report["config"]["stages"]
+    stages = small.report.config["stages"]
     assert stages["dcs"]["batch_size"] == 24 and stages["retrain"]["batch_size"] == 24
-    assert small.report["goal_met"] and small.report["flops_ratio"] <= 0.7 and small.report["over_target"] == 0.0
-    assert small.report["splits"]  # which images decided and which measured the accuracy printed
+    assert small.report.goal_met and small.report.flops_ratio <= 0.7 and small.report.over_target == 0.0
+    assert small.report.splits  # which images decided and which measured the accuracy printed
     assert next(small.model.parameters()).dtype == torch.float16  # the caller's dtype
     frozen = {n for n, p in small.model.named_parameters() if not p.requires_grad}
     assert frozen == {"patch_embed.proj.weight", "patch_embed.proj.bias"}

@@ -18,6 +18,7 @@ from nascompress.methods.dcs_gates import gumbel_sigmoid
 from nascompress.models.build import ModelSpec, build_model
 from nascompress.profiling import count_flops
 from nascompress.dcs_search.cost import CostModel
+from nascompress.dcs_search.metrics import DCSMetrics
 
 from .conftest import tiny_spec_3_heads
 
@@ -375,6 +376,27 @@ def test_search_lands_on_target_by_itself_and_logs(searched):
     assert log[1]["init"] == metrics["init"] and log[1]["init_kl"] == metrics["init_kl"] and "init" not in log[2]
 
 
+def test_the_search_metrics_record_is_its_file_typed(searched, tmp_path):
+    """``DCSMetrics`` reads the metrics.json a search wrote and writes it again as the same bytes; its
+    readers get typed fields."""
+    from nascompress.dcs_search.metrics import Comparison
+    from nascompress.runs.json_io import write_json
+
+    path = searched / "metrics.json"
+    d = json.loads(path.read_text())
+    m = DCSMetrics.from_dict(d, source=str(path))
+    assert m.to_dict() == d and list(m.to_dict()) == list(d)
+    write_json(tmp_path / "again.json", m.to_dict())
+    assert (tmp_path / "again.json").read_bytes() == path.read_bytes()
+    assert m.finished is True and m.flops_ratio == d["flops_ratio"] and m.val_top1 == d["val_top1"]
+    assert m.cost == "flops" and m.target_flops == m.target == 0.7 and m.ratio == m.flops_ratio
+    assert m.target_latency is None and m.latency_ratio is None and "latency_ratio" not in m.to_dict()
+    assert isinstance(m.comparison, Comparison) and m.comparison.kept == m.kept and m.kept in ("dcs", "magnitude")
+    assert m.calibrated is False and m.calibration is None and m.stopped is None
+    assert m.mlp_gates == "residual" and m.mlp_kept == d["mlp_kept"] and m.qk_kept == d["qk_kept"]
+    assert m.dense_val_top1 == d["dense_val_top1"] and m.extra["init"] == d["init"]  # the rest as it is
+
+
 def test_materialize_cli_and_load(searched, tmp_path):
     out = tmp_path / "mat"
     res = run_cli("materialize", searched, "--out", out, "--json")
@@ -592,6 +614,11 @@ def test_search_at_most_ends_at_or_under_its_target(tiny_run, tmp_path):
     if m["calibrated"]:
         assert m["calibration"]["ratio_after"] <= 0.6 < m["calibration"]["ratio_before"]
         assert m["calibration"]["reason"] in ("at_most", "off target")
+        cal = DCSMetrics.from_dict(m, source="metrics.json").calibration  # typed: the same values
+        assert (cal.ratio_before, cal.ratio_after, cal.move, cal.reason) == tuple(
+            m["calibration"][k] for k in ("ratio_before", "ratio_after", "move", "reason")
+        )
+        assert cal.to_dict() == m["calibration"]
 
 
 def test_round_blocks_closes_small_and_opens_nearly_full_mlps():

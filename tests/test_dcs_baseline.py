@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nascompress.dcs_search.metrics import DCSMetrics
 from nascompress.runs.io import load_with_arch
 
 from .conftest import invoke
@@ -66,6 +67,11 @@ def test_a_collapsing_search_ends_with_a_model_not_an_error(tiny_run, tmp_path):
     assert m["kept"] == best and cmp[best]["val_top1"] == m["val_top1"] and "kept: kept the" in res.output
     assert abs(m["flops_ratio"] / 0.6 - 1) <= 0.05 and m["mlp_gates"] == "hidden" and m["test_n"] > 0
     assert cmp["recovery"]["steps"] == 2
+    typed = DCSMetrics.from_dict(m, source="metrics.json")  # the file typed: the same keys in the same order
+    assert typed.to_dict() == m and list(typed.to_dict()) == list(m)
+    assert typed.stopped.epoch == stop and typed.stopped.reason == m["stopped"]["reason"]
+    assert typed.stopped.extra["continue"] == m["stopped"]["continue"]  # how the run directory goes on
+    assert typed.kept == typed.comparison.kept == best and typed.comparison.margin_pt == cmp["margin_pt"]
     # the kept model is the run's model: materialize gathers it and reproduces it
     mat = tmp_path / "mat"
     res = invoke("materialize", out, "--out", mat, "--json")
@@ -221,9 +227,10 @@ def test_library_search_keeps_the_better_model_in_memory(tiny_run):
         train=search_train_config(epochs=2, batch_size=32, device="cpu"),
     )
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
-    assert res.metrics["kept"] == "magnitude" and res.job.method.mlp_gates == "hidden"
+    assert res.metrics.kept == "magnitude" and res.job.method.mlp_gates == "hidden"
+    assert res.metrics.comparison.kept == "magnitude" and "outside 0.5" in res.metrics.comparison.reason
     model, _ = materialize(res.supernet, res.job.method)
-    assert abs(res.metrics["flops_ratio"] / 0.5 - 1) <= 0.05 and model is not None
+    assert abs(res.metrics.flops_ratio / 0.5 - 1) <= 0.05 and model is not None
 
 
 def test_a_kill_after_the_guard_stopped_the_gates_resumes_to_the_same_end(tiny_run, tmp_path, monkeypatch):
@@ -333,7 +340,6 @@ def test_without_a_test_split_the_kept_models_validation_is_its_test(tiny_run, t
     real = dcs_search_mod.evaluate
     monkeypatch.setattr(dcs_search_mod, "evaluate", lambda *a, **k: passes.append(1) or real(*a, **k))
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
-    cmp = res.metrics["comparison"]
-    kept = cmp[res.metrics["kept"]]
+    kept = res.metrics.comparison.extra[res.metrics.kept]  # the kept candidate's record
     assert not passes  # recovered: the comparison's validation; before the recovery: the search's last one
-    assert res.metrics["test_top1"] == kept["val_top1"] and res.metrics["test_n"] == 32
+    assert res.metrics.test_top1 == kept["val_top1"] and res.metrics.get("test_n") == 32

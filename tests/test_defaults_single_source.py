@@ -19,6 +19,8 @@ from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.pipeline.schema import library_config
 from nascompress.pipeline.sections import ExportSection, ReportSection
 from nascompress.profiling.config import ProfileConfig
+from nascompress.profiling.records import Profile
+from nascompress.runs.files import Sidecar
 from nascompress.retraining.run import RETRAIN_TRAIN, RetrainJob
 from nascompress.retraining.config import RetrainConfig
 from nascompress.dcs_search.search_config import SEARCH_TRAIN, DCSSearchConfig, DCSSearchJob, search_train_config
@@ -68,13 +70,17 @@ def jobs(monkeypatch):
     patch_everywhere(monkeypatch, finetune, "finetune", keep("finetune"))
     patch_everywhere(monkeypatch, trials, "run_search", keep("study"))
     patch_everywhere(monkeypatch, fallback, "current_model", lambda *a, **kw: Path("compressed"))
+    exported = Sidecar(format="nascompress-export/1", file="m.onnx")
     patch_everywhere(
         monkeypatch,
         export,
         "export_run",
-        lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(config) or {},
+        lambda run_dir, *, config, **kw: seen.setdefault("export", []).append(config) or exported,
     )
-    patch_everywhere(monkeypatch, api, "profile", lambda target, **kw: seen.setdefault("profile", []).append(kw) or {})
+    no_models = Profile.new(device="cpu", dtype="fp32", models={})
+    patch_everywhere(
+        monkeypatch, api, "profile", lambda target, **kw: seen.setdefault("profile", []).append(kw) or no_models
+    )
     return seen
 
 

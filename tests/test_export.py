@@ -22,7 +22,8 @@ import torch
 from nascompress.errors import NascompressError
 from nascompress.deploy import ExportConfig, export_run, sidecar_path, stage_path
 from nascompress.deploy.paths import TraceableSparsifiner
-from nascompress.deploy.verify import onnx_runner, program_runner, with_exit_rule
+from nascompress.deploy.verify import Check, onnx_runner, program_runner, with_exit_rule
+from nascompress.runs.files import Sidecar, read_sidecar, write_sidecar_json
 from nascompress.runs.io import load, make_arch, save_model
 from nascompress.methods import available_methods, get_method
 from nascompress.models.build import build_model, custom_vit_spec
@@ -102,8 +103,8 @@ def make_run(root: Path, stack: tuple[str, ...], settings: dict | None = None, s
     return run
 
 
-def _check(side: dict) -> None:
-    v = side["verification"]
+def _check(side: Sidecar) -> None:
+    v = side.verification
     assert v["passed"] and v["max_abs_diff"] <= 1e-4 and v["top1_agreement"] == 1.0, v
     assert v["batches"] == [8, 1]
 
@@ -143,7 +144,7 @@ def test_every_allowed_stack_is_listed():
 def test_stack_exports_as_torch_program_and_matches(exports, stack):
     run, out, side = exports(stack, "torch-export")
     _check(side)
-    assert [m["name"] for m in side["methods"]] == list(stack)
+    assert [m["name"] for m in side.get("methods")] == list(stack)
     assert sorted(p.name for p in out.parent.iterdir()) == sorted([run.name, "m.pt2", "m.pt2.json"])
     x = torch.randn(3, 1, 28, 28)
     torch.testing.assert_close(program_runner(out)[0]([x])[0], load(run)(x), rtol=0, atol=1e-5)
@@ -153,7 +154,7 @@ def test_stack_exports_as_torch_program_and_matches(exports, stack):
 def test_stack_exports_to_onnx_and_matches(exports, stack):
     run, out, side = exports(stack, "onnx")
     _check(side)
-    assert side["files"][0]["inputs"] == [{"name": "image", "shape": ["batch", 1, 28, 28], "dtype": "float32"}]
+    assert side.files[0]["inputs"] == [{"name": "image", "shape": ["batch", 1, 28, 28], "dtype": "float32"}]
     import onnx
 
     ops = {n.op_type for n in onnx.load(str(out)).graph.node}
@@ -228,8 +229,12 @@ def test_mgvit_two_stages_and_exit_rule(tmp_path):
     (run / "arch.json").write_text(json.dumps(arch))
     side = export_run(run, out=tmp_path / "mg.onnx")
     _check(side)
-    assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
-    assert side["verification"]["stages"]["passed"] and side["verification"]["stages"]["n"] == 2 * 9  # both, all rows
+    assert [f["stage"] for f in side.files] == ["sgis", "mgis"] and side.get("exit_rule")["epsilon"] == eps
+    assert side.verification["stages"]["passed"] and side.verification["stages"]["n"] == 2 * 9  # both, all rows
+    assert list(side.verification)[-4:] == ["stages", "runtime", "seed", "inputs"]
+    assert read_sidecar(tmp_path / "mg.onnx") == side  # the stages' check too
+    check = Check.from_dict(side.verification, source="verification")
+    assert check.stages.passed and check.to_dict() == side.verification
     assert (tmp_path / "mg.mgis.onnx").is_file() and stage_path(tmp_path / "mg.onnx", "mgis").name == "mg.mgis.onnx"
     both = with_exit_rule(onnx_runner(tmp_path / "mg.onnx")[0], onnx_runner(tmp_path / "mg.mgis.onnx")[0], eps)
     with torch.no_grad():
@@ -241,12 +246,28 @@ def test_mgvit_two_stages_and_exit_rule(tmp_path):
 def test_fixed_batch_and_fp16(tmp_path):
     run = make_run(tmp_path, ("dcs", "evit"))
     side = export_run(run, out=tmp_path / "b4.pt2", config=ExportConfig(format="torch-export", batch=4))
-    assert side["verification"]["batches"] == [4] and side["files"][0]["inputs"][0]["shape"] == [4, 1, 28, 28]
+    assert side.verification["batches"] == [4] and side.files[0]["inputs"][0]["shape"] == [4, 1, 28, 28]
     half = export_run(run, out=tmp_path / "h.onnx", config=ExportConfig(dtype="fp16"))
-    v = half["verification"]
-    assert v["passed"] and half["files"][0]["inputs"][0]["dtype"] == "float16" and v["top1_agreement"] >= 0.75
+    v = half.verification
+    assert v["passed"] and half.files[0]["inputs"][0]["dtype"] == "float16" and v["top1_agreement"] >= 0.75
     bf = export_run(run, out=tmp_path / "bf.pt2", config=ExportConfig(format="torch-export", dtype="bf16"))
-    assert bf["verification"]["passed"]
+    assert bf.verification["passed"]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torch-export"])
+def test_the_returned_sidecar_is_the_file_written(exports, fmt, tmp_path):
+    """export_run returns the record it wrote: read_sidecar of the file equals it, its dict is the file's
+    JSON, key for key and in order, and writing it again gives the same bytes."""
+    _, out, side = exports((), fmt)
+    assert isinstance(side, Sidecar) and read_sidecar(out) == side and side.file == out.name
+    on_disk = json.loads(sidecar_path(out).read_text())
+    assert side.to_dict() == on_disk and list(side.to_dict()) == list(on_disk)
+    assert list(side.verification) == [
+        *("n", "max_abs_diff", "logit_scale", "top1_agreement", "batches", "tolerance", "passed"),
+        *("runtime", "seed", "inputs"),
+    ]
+    write_sidecar_json(tmp_path / "again.json", side)
+    assert (tmp_path / "again.json").read_bytes() == sidecar_path(out).read_bytes()
 
 
 RUN_WITHOUT_NASCOMPRESS = """

@@ -95,7 +95,7 @@ def test_dcs_search_in_memory_equals_the_search_run(base, tiny_run, tmp_path, mo
     mem = run_dcs_search(job.replace(out=""), copy.deepcopy(model).requires_grad_(True), arch, data)
     assert not (tmp_path / "search").exists() and os.listdir(tmp_path) == []
     disk = search_dcs(job)
-    assert _without_times(mem.metrics) == _without_times(disk)
+    assert _without_times(mem.metrics.to_dict()) == _without_times(disk.to_dict())
     supernet, _ = load_with_arch(tmp_path / "search")
     _same_state(mem.supernet, supernet)
     assert mem.job.method.mlp_gates == "residual" and len(mem.log) == 3
@@ -169,8 +169,8 @@ def test_search_reads_the_frozen_teachers_outputs_from_its_cache(tiny_run, tmp_p
     monkeypatch.setattr(dcs_mod, "IN_MEMORY", ())  # as for augmented (ImageFolder) data: the teacher runs per step
     monkeypatch.setitem(data.extra, "fixed_train_images", False)
     live = run_dcs_search(job, copy.deepcopy(model).requires_grad_(True), arch, data)
-    assert cached.metrics["teacher_cached"] and not live.metrics["teacher_cached"]
+    assert cached.metrics.get("teacher_cached") and not live.metrics.get("teacher_cached")
     for a, b in zip(cached.log[1:], live.log[1:]):
         for k in ("train_kl_w", "train_feat_w", "train_kl_a"):
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-6), k
-    assert cached.metrics["flops_ratio"] == live.metrics["flops_ratio"]
+    assert cached.metrics.flops_ratio == live.metrics.flops_ratio

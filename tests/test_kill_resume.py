@@ -199,7 +199,7 @@ def test_onnx_runtimes_quantizer_folders_stay_in_the_work_folder_the_next_run_re
     from nascompress.deploy.quantize import quantize_run
 
     side = quantize_run(tiny_run, out=out, config=QuantizeConfig(calib_images=16, eval_images=16))
-    assert side["quantization"]["scheme"] == "int8-static"
+    assert side.quantization.scheme == "int8-static"
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name, f"{out.name}.json"]
 
 

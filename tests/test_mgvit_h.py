@@ -474,9 +474,9 @@ def test_export_two_graphs_and_exit_rule(tmp_path):
     with pytest.raises(NascompressError, match="export it with batch dynamic"):
         export_run(tmp_path / "m", out=tmp_path / "fixed.pt2", config=ExportConfig(format="torch-export", batch=4))
     side = export_run(tmp_path / "m", out=tmp_path / "mg.pt2", config=ExportConfig(format="torch-export"))
-    assert side["verification"]["passed"] and side["verification"]["stages"]["passed"]
-    assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["exit_rule"]["epsilon"] == eps
-    assert side["flops"]["stages"] == nascompress.load(tmp_path / "m").stage_flops()
+    assert side.verification["passed"] and side.verification["stages"]["passed"]
+    assert [f["stage"] for f in side.files] == ["sgis", "mgis"] and side.get("exit_rule")["epsilon"] == eps
+    assert side.get("flops")["stages"] == nascompress.load(tmp_path / "m").stage_flops()
     both = with_exit_rule(
         program_runner(tmp_path / "mg.pt2")[0], program_runner(stage_path(tmp_path / "mg.pt2", "mgis"))[0], eps
     )
@@ -518,9 +518,9 @@ def test_export_onnx_fp16_with_ppsm_in_the_proxy_groups(tmp_path):
         make_arch(SPEC, input_spec=INPUT, methods=[{"name": "mgvit-h", "config": {**config, "epsilon": 0.15}}]),
     )
     side = export_run(tmp_path / "m", out=tmp_path / "h.onnx", config=ExportConfig(dtype="fp16"))
-    v = side["verification"]
+    v = side.verification
     assert v["passed"] and v["stages"]["passed"] and v["top1_agreement"] == 1.0, v
-    assert [f["stage"] for f in side["files"]] == ["sgis", "mgis"] and side["dtype"] == "fp16"
+    assert [f["stage"] for f in side.files] == ["sgis", "mgis"] and side.dtype == "fp16"
     nodes = onnx.load(str(stage_path(tmp_path / "h.onnx", "mgis"))).graph.node
     assert not [
         n

@@ -559,15 +559,16 @@ def test_the_report_names_a_dcs_stage_whose_model_was_not_kept():
     """A token-only final model (the pick took the dense base's study): the DCS stage's landing is still a
     decision line, saying that its model is not the one kept; with its model kept, the usual line."""
     from nascompress.pipeline.report_format import decision_lines
+    from nascompress.pipeline.summary import Summary
 
     dcs = {"in_final_model": False, "target_flops": 0.6, "flops_ratio": 0.59997, "val_top1": 88.25}
-    lines = decision_lines({"decisions": {"dcs": dcs}})
+    lines = decision_lines(Summary.new(decisions={"dcs": dcs}))
     assert lines == [
         "dcs: target 0.6x the dense FLOPs, landed at 0.600x, validation top-1 88.25%; not in the final model: "
         "the pick across the token studies took a token-only model of the dense base"
     ]
     kept = dict(dcs, in_final_model=True, blocks=[], mlp_kept_total=8, mlp_total=16, config={"qk_mask": "auto"})
-    assert not any("not in the final model" in ln for ln in decision_lines({"decisions": {"dcs": kept}}))
+    assert not any("not in the final model" in ln for ln in decision_lines(Summary.new(decisions={"dcs": kept})))
 
 
 def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path):
@@ -596,15 +597,16 @@ def test_report_with_an_eval_limit_uses_the_same_images_everywhere(ref, tmp_path
         result_dir=lambda: ref["out"] / "final",
     )
     s = write_summary(pipe)
-    assert s["dense"]["test_n"] == s["final"]["test_n"] == s["comparison"]["test_n"] == 50
-    base = s["decisions"]["base"]
-    assert (base["test_top1"], base["test_n"]) == (s["dense"]["test_top1"], 50)
-    assert base["trained_test_n"] == 200
+    assert s.dense.test_n == s.final.test_n == s.comparison.test_n == 50
+    base = s.decisions.base
+    assert (base.test_top1, base.test_n) == (s.dense.test_top1, 50)
+    assert base.trained_test_n == 200
+    assert s.to_dict() == json.loads((out / "summary.json").read_text())  # the record is the file
     rows = comparison_rows(s)
-    assert rows[0][:2] == ("test top-1 (50 images)", f"{s['dense']['test_top1']:.2f}%")
-    assert rows[2][3] == f"{s['comparison']['flops_ratio']:.3f}x the FLOPs" and "faster" in rows[5][3]
+    assert rows[0][:2] == ("test top-1 (50 images)", f"{s.dense.test_top1:.2f}%")
+    assert rows[2][3] == f"{s.comparison.flops_ratio:.3f}x the FLOPs" and "faster" in rows[5][3]
     line = next(ln for ln in decision_lines(s) if ln.startswith("base:"))
-    assert f"test top-1 {s['dense']['test_top1']:.2f}% on 50 images" in line and "on 200 images" in line
+    assert f"test top-1 {s.dense.test_top1:.2f}% on 50 images" in line and "on 200 images" in line
     assert "The same 50 test images for both" in models_note(s) and str(ref["out"] / "base") in models_note(s)
     assert "The same 50 test images for both" in (out / "report.html").read_text()
     # the command's own output (the fixture's run: all 200 test images): counts, both runs, the convention

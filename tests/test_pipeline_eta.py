@@ -121,11 +121,7 @@ def test_report_tests_each_model_once_with_the_same_numbers(plain_run):
     assert plain_run["calls"].count(n) == 3
     for key, run in (("dense", out / "base"), ("final", out / "final")):
         again = evaluate_run(run, split="test", device="cpu", dtype="fp32")
-        assert (s[key]["test_top1"], s[key]["test_loss"], s[key]["test_n"]) == (
-            again["top1"],
-            again["loss"],
-            again["n"],
-        )
+        assert (s[key]["test_top1"], s[key]["test_loss"], s[key]["test_n"]) == (again.top1, again.loss, again.n)
 
 
 def test_recorded_scores_only_where_provably_the_same(plain_run):

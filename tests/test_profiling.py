@@ -118,10 +118,11 @@ def test_profile_compare_names_both_models_in_the_one_ratio_convention(tmp_path)
 
 def test_speed_and_size_texts():
     from nascompress.profiling.compare import compare_records, speed_text, times_text
+    from nascompress.profiling.records import ModelProfile
 
     c = compare_records(
-        {"macs": 1.0, "params": 2.0, "latency_ms": 1.0, "throughput": 300.0},
-        {"macs": 2.0, "params": 4.0, "latency_ms": 2.0, "throughput": 100.0},
+        ModelProfile.new(macs=1.0, params=2.0, latency_ms=1.0, throughput=300.0),
+        ModelProfile.new(macs=2.0, params=4.0, latency_ms=2.0, throughput=100.0),
     )
     assert c == {"flops_ratio": 0.5, "params_ratio": 0.5, "latency_speedup": 2.0, "throughput_speedup": 3.0}
     assert times_text(0.5, "FLOPs") == "0.500x the FLOPs"

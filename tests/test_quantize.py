@@ -18,6 +18,8 @@ from nascompress.deploy import ExportConfig, export_run
 from nascompress.deploy import quantize as q
 from nascompress.deploy.config import QuantizeConfig
 from nascompress.deploy.quantize import quantize_run
+from nascompress.deploy.verify import AccuracyCheck
+from nascompress.runs.files import read_sidecar
 
 from .conftest import invoke
 
@@ -123,23 +125,24 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     # the report's int8 rows: the export step's file for the compressed model, the dense one made alike
     from nascompress.pipeline.report import _int8
     from nascompress.pipeline.report_format import build_html
+    from nascompress.pipeline.summary import Summary
 
     rows = _int8(pipe, tmp_path / "pipe" / "dcs_mat")
     assert [r["model"] for r in rows["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
     assert rows["throughput_batch"] == pipe.cfg.report.batch_size and rows["split"] == "test"
-    s = {
-        "source": "p.yaml",
-        "out": "o",
-        "seed": 0,
-        "written": "now",
-        "goal": {"value": None, "statement": "x"},
-        "dense": {"test_top1": 1.0, "macs": 1.0},
-        "final": None,
-        "comparison": None,
-        "int8": rows,
-        "decisions": {},
-        "stages": [],
-    }
+    s = Summary.new(
+        source="p.yaml",
+        out="o",
+        seed=0,
+        written="now",
+        goal={"value": None, "statement": "x"},
+        dense={"test_top1": 1.0, "macs": 1.0},
+        final=None,
+        comparison=None,
+        int8=rows,
+        decisions={},
+        stages=[],
+    )
     page = build_html(s, config_text="")
     assert 'id="int8"' in page and "compressed int8" in page
 
@@ -185,10 +188,19 @@ def test_a_collapse_of_the_static_scheme_falls_back_to_dynamic_and_says_so(tiny_
         q, "quantize_file", lambda src, dst, **kw: (broken if kw["scheme"] == "int8-static" else real)(src, dst, **kw)
     )
     side = quantize_run(tiny_run, out=tmp_path / "m.onnx", config=QuantizeConfig(calib_images=32))
-    qz = side["quantization"]
-    assert qz["scheme"] == "int8-dynamic" and qz["level"] == 0 and qz["requested"] == "int8-static"
-    assert "kept the milder int8-dynamic" in qz["fallback"]
-    assert [(a["scheme"], a["level"], a["check"]["passed"]) for a in qz["attempts"]] == [
+    # the record returned is the file written: read back equal, its dict the file's JSON in its order
+    on_disk = json.loads((tmp_path / "m.onnx.json").read_text())
+    assert read_sidecar(tmp_path / "m.onnx") == side and side.to_dict() == on_disk
+    assert list(side.to_dict()) == list(on_disk) and list(on_disk)[-3:] == [
+        "fp32_verification",
+        "verification",
+        "quantization",
+    ]
+    qz = side.quantization
+    assert qz.scheme == "int8-dynamic" and qz.get("level") == 0 and qz.get("requested") == "int8-static"
+    assert "kept the milder int8-dynamic" in qz.fallback and qz.calibration is None
+    assert AccuracyCheck.from_dict(side.verification, source="verification").to_dict() == side.verification
+    assert [(a["scheme"], a["level"], a["check"]["passed"]) for a in qz.get("attempts")] == [
         ("int8-static", 0, False),
         ("int8-dynamic", 0, True),
     ]  # (level 1 would keep both blocks: skipped)
@@ -244,6 +256,7 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     from nascompress.data import DataConfig
     from nascompress.deploy.int8_rows import int8_rows
     from nascompress.pipeline.report_format import int8_table_rows
+    from nascompress.pipeline.summary import Summary
 
     import torch
 
@@ -262,12 +275,11 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     dense_fp32, dense_int8, _, comp_int8 = res["rows"]
     assert dense_int8["file_bytes"] == comp_int8["file_bytes"] == (out / FILE).stat().st_size  # same run, same file
     assert dense_fp32["test_top1"] - dense_int8["test_top1"] <= 5  # 200 images: a 1-pt val drop may differ on test
-    text = [" | ".join(r) for r in int8_table_rows({"int8": res})]
+    text = [" | ".join(r) for r in int8_table_rows(Summary.new(int8=res))]
     assert text[1].startswith("dense int8 | onnxruntime") and "img/s" in text[1]
     # a model whose int8 file fails its check gets a row saying so
-    rows = int8_table_rows(
-        {"int8": {"rows": [{"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is not quantized"}]}}
-    )
+    failed = {"model": "dense int8", "runtime": "onnxruntime", "failed": "MG-ViT is not quantized"}
+    rows = int8_table_rows(Summary.new(int8={"rows": [failed]}))
     assert rows == [("dense int8", "onnxruntime", "not kept: MG-ViT is not quantized", "-", "-", "-")]
 
 

@@ -357,6 +357,7 @@ def test_the_pipeline_files_round_trip_unchanged(tmp_path):
         write_step_marker,
         write_summary_json,
     )
+    from nascompress.pipeline.summary import Summary
     from nascompress.runs.run_config import find_run_config, write_run_config
     from nascompress.runs.json_io import write_json
 
@@ -382,10 +383,11 @@ def test_the_pipeline_files_round_trip_unchanged(tmp_path):
     assert (p.picked_study, p.dense_skipped, p.candidates) == ("s", None, [{"study": "s"}])
     assert json.loads((tmp_path / "pick.json").read_text())["dense_skipped"] is None
     summary = {"source": "c.yaml", "final": None, "goal": {"met": True}, "decisions": {"dcs": {}}, "stages": []}
-    write_summary_json(tmp_path, summary)
+    write_summary_json(tmp_path, Summary.from_dict(summary, source="summary"))
     first = (tmp_path / "summary.json").read_bytes()
+    assert json.loads(first) == summary
     s = read_summary(tmp_path)
-    assert s.final is None and s.goal["met"] and s.get("decisions") == {"dcs": {}}
+    assert s.final is None and s.goal.met and s.decisions.dcs.to_dict() == {} and s.stages == ()
     write_summary_json(tmp_path, s)
     assert (tmp_path / "summary.json").read_bytes() == first
     write_run_config(tmp_path, {"import": {"model": "vit"}, "data": None, "source": {"sha256": "x"}})

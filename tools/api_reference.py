@@ -23,6 +23,7 @@ OUT = ROOT / "docs" / "api.md"
 ENTRIES = [
     ("nc.compress", "nascompress.pyapi.compress", "compress"),
     ("nc.Compressed", "nascompress.pyapi.compress", "Compressed"),
+    ("nc.CompressReport", "nascompress.pyapi.compress", "CompressReport"),
     ("nc.dcs.search", "nascompress.pyapi.dcs", "search"),
     ("nc.dcs.DCSSearch", "nascompress.pyapi.dcs", "DCSSearch"),
     ("nc.materialize", "nascompress.pyapi.stages", "materialize"),

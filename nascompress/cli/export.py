@@ -11,7 +11,6 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, out_option
 from nascompress.deploy import export_run, parse_batch
 from nascompress.deploy.config import ExportConfig, build_config
-from nascompress.runs.files import Sidecar
 
 
 def register(app: typer.Typer) -> None:
@@ -33,15 +32,14 @@ def register(app: typer.Typer) -> None:
         cfg = run(lambda: build_config({**vars(settings), "batch": parse_batch(str(settings.batch))}))
         side = run(export_run, run_dir, out=out_file, config=cfg, force=force)
         if json_out:
-            print_json(side)
+            print_json(side.to_dict())
             return
-        typed = run(lambda: Sidecar.from_dict(side, source=f"{Path(out_file).name}.json"))
-        v = typed.verification
-        if typed.quantization is not None:
-            q = typed.quantization
+        v = side.verification
+        if side.quantization is not None:
+            q = side.quantization
             fallback = f", fallback: {q.fallback}" if q.fallback else ""
             out.print(
-                f"wrote {typed.file} ({q.scheme}{fallback}) + "
+                f"wrote {side.file} ({q.scheme}{fallback}) + "
                 f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
                 f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
                 f"{v['max_abs_logit_diff']:.3g}",
@@ -49,9 +47,9 @@ def register(app: typer.Typer) -> None:
                 soft_wrap=True,
             )
             return
-        files = ", ".join(f["file"] for f in typed.files)
+        files = ", ".join(f["file"] for f in side.files)
         out.print(
-            f"wrote {files} ({typed.runtime}, {typed.dtype}, batch {typed.batch}) + "
+            f"wrote {files} ({side.runtime}, {side.dtype}, batch {side.batch}) + "
             f"{Path(out_file).name}.json"
             f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
             f"top-1 agreement {100 * v['top1_agreement']:.1f}%",

@@ -152,12 +152,12 @@ def evaluate(
             )
         )
         if json_out:
-            print_json(res)
+            print_json(res.to_dict())
             return
-        for r in res["rows"]:
+        for r in res.rows:
             out.print(
-                f"epsilon {r['epsilon']:.3g}  {split} top-1 {r['top1']:.2f}%  SGIS exit {100 * r['exit_share']:.1f}%  "
-                f"{r['mean_flops'] / 1e6:.2f} MFLOPs/image"
+                f"epsilon {r.epsilon:.3g}  {split} top-1 {r.top1:.2f}%  SGIS exit {100 * r.exit_share:.1f}%  "
+                f"{r.mean_flops / 1e6:.2f} MFLOPs/image"
             )
         return
     res = run(
@@ -171,15 +171,15 @@ def evaluate(
         dtype=dtype,
     )
     if json_out:
-        print_json(res)
+        print_json(res.to_dict())
         return
-    msg = f"{split} top-1 {res['top1']:.2f}%  loss {res['loss']:.4f}  ({res['n']} images)"
-    if "agreement" in res:
-        msg += f"  agreement with teacher {res['agreement']:.2f}%"
-    if "exit_share" in res:
+    msg = f"{split} top-1 {res.top1:.2f}%  loss {res.loss:.4f}  ({res.n} images)"
+    if res.agreement is not None:
+        msg += f"  agreement with teacher {res.agreement:.2f}%"
+    if res.exit_share is not None:
         msg += (
-            f"  SGIS exit {100 * res['exit_share']:.1f}% (epsilon {res['epsilon']:g})  "
-            f"{res['mean_flops'] / 1e6:.2f} MFLOPs/image"
+            f"  SGIS exit {100 * res.exit_share:.1f}% (epsilon {res.epsilon:g})  "
+            f"{res.mean_flops / 1e6:.2f} MFLOPs/image"
         )
     out.print(msg)
 
@@ -207,50 +207,50 @@ def profile(
     target = run_dir if run_dir is not None else run(shape.spec, PROFILE_CLASSES)
     res = run(profile_fn, target, compare=compare, device=device, **measure.to_dict())
     if json_out:
-        print_json(res)
+        print_json(res.to_dict())
         return
-    for label, r in res["models"].items():
-        role = " (reference)" if label == res.get("comparison", {}).get("reference") else ""
+    c = res.comparison
+    for label, r in res.models.items():
+        role = " (reference)" if c is not None and label == c.reference else ""
         out.print(
-            f"{label}{role}: {r['gflops']:.3f} GFLOPs, {r['params'] / 1e6:.2f} M params",
+            f"{label}{role}: {r.gflops:.3f} GFLOPs, {r.params / 1e6:.2f} M params",
             highlight=False,
             soft_wrap=True,
         )  # the path whole, above a table that may be narrower
         t = Table()
         for col in ("block", "attn MFLOPs", "mlp MFLOPs", "other MFLOPs"):
             t.add_column(col, justify="right")
-        for i, b in enumerate(r["blocks"]):
-            t.add_row(str(i + 1), f"{b['attn'] / 1e6:.2f}", f"{b['mlp'] / 1e6:.2f}", f"{b['other'] / 1e6:.2f}")
-        t.add_row("rest", "", "", f"{r['other_macs'] / 1e6:.2f}")
+        for i, b in enumerate(r.blocks):
+            t.add_row(str(i + 1), f"{b.attn / 1e6:.2f}", f"{b.mlp / 1e6:.2f}", f"{b.other / 1e6:.2f}")
+        t.add_row("rest", "", "", f"{r.other_macs / 1e6:.2f}")
         out.print(t)
-        if "stages" in r:  # MG-ViT: the table's blocks are the SGIS; MGIS and PPSM are in "rest"
-            st = r["stages"]
-            ppsm = f" (PPSM {st['ppsm_flops'] / 1e6:.3f})" if "ppsm_flops" in st else ""  # mgvit-h has none
+        if r.stages is not None:  # MG-ViT: the table's blocks are the SGIS; MGIS and PPSM are in "rest"
+            st = r.stages
+            ppsm = f" (PPSM {st.ppsm_flops / 1e6:.3f})" if st.ppsm_flops is not None else ""  # mgvit-h has none
             out.print(
-                f"MG-ViT stages per image: SGIS {st['sgis_flops'] / 1e6:.2f} MFLOPs, MGIS "
-                f"{st['mgis_flops'] / 1e6:.2f} MFLOPs{ppsm}; an image that exits at "
+                f"MG-ViT stages per image: SGIS {st.sgis_flops / 1e6:.2f} MFLOPs, MGIS "
+                f"{st.mgis_flops / 1e6:.2f} MFLOPs{ppsm}; an image that exits at "
                 f"SGIS costs the first, any other both (the table counts the random profiling images' paths)"
             )
-        if "latency_ms" in r:
+        if r.latency_ms is not None:
             out.print(
-                f"latency (batch {r['latency_batch']}) {r['latency_ms']:.2f} ms   "
-                f"throughput (batch {r['throughput_batch']}) {r['throughput']:.1f} img/s   on {res['device']} "
-                f"({res['dtype']})"
+                f"latency (batch {r.latency_batch}) {r.latency_ms:.2f} ms   "
+                f"throughput (batch {r.throughput_batch}) {r.throughput:.1f} img/s   on {res.device} "
+                f"({res.dtype})"
             )
-        if "latency_ms_compiled" in r:
+        if r.latency_ms_compiled is not None:
             out.print(
-                f"compiled: latency {r['latency_ms_compiled']:.2f} ms   throughput {r['throughput_compiled']:.1f} img/s"
+                f"compiled: latency {r.latency_ms_compiled:.2f} ms   throughput {r.throughput_compiled:.1f} img/s"
             )
-        if "compile_note" in r:
-            out.print(r["compile_note"])
-        if "qk_layout" in r:
+        if r.compile_note is not None:
+            out.print(r.compile_note)
+        if r.qk_layout is not None:
             out.print(
-                f"narrowed Q/K heads: {r['qk_layout']['pad']} attention(s) zero-padded to V's head dim, "
-                f"{r['qk_layout']['packed']} packed (see README, --align)"
+                f"narrowed Q/K heads: {r.qk_layout.pad} attention(s) zero-padded to V's head dim, "
+                f"{r.qk_layout.packed} packed (see README, --align)"
             )
-    if "comparison" in res:
-        c = res["comparison"]
-        for line in comparison_text(c, model=c["model"], reference=c["reference"]):
+    if c is not None:
+        for line in comparison_text(c):
             out.print(line, highlight=False, soft_wrap=True)
 
 

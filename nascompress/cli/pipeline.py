@@ -14,6 +14,7 @@ from nascompress.cli.options import JsonOut, force_option, out_option
 from nascompress.config import StageSettings
 from nascompress.train.config import TrainConfig
 from nascompress.pipeline import run_pipeline
+from nascompress.pipeline.summary import Summary
 from nascompress.pipeline.report_format import (
     comparison_rows,
     dcs_column,
@@ -69,14 +70,14 @@ def register(app: typer.Typer) -> None:
 
         summary = run(go)
         if json_out:
-            print_json(summary)
+            print_json(summary.to_dict())
             return
         show(summary)
 
 
-def show(s: dict) -> None:
+def show(s: Summary) -> None:
     """The summary as rich tables: the comparison, the DCS channels per block, the decisions."""
-    t = Table(title=f"{Path(s['source']).name}: compressed vs dense base ({s.get('dataset')}, {s.get('device')})")
+    t = Table(title=f"{Path(s.source).name}: compressed vs dense base ({s.dataset}, {s.device})")
     for col in ("", "dense base", "compressed", "change"):
         t.add_column(col, justify="left" if not col else "right")
     for row in comparison_rows(s):
@@ -84,15 +85,15 @@ def show(s: dict) -> None:
     out.print(t)
     out.print(models_note(s), highlight=False, soft_wrap=True)  # the runs' paths whole, not wrapped to the table
     out.print(f"goal: {goal_text(s)}", highlight=False)
-    if s.get("int8"):
+    if s.int8 is not None:
         q = Table(title="int8 (ONNX Runtime, CPU) against fp32 (PyTorch), timed interleaved")
         for col in (
             "model",
             "runtime",
             "test top-1",
             "file size",
-            f"latency b{s['int8']['latency_batch']}",
-            f"throughput b{s['int8']['throughput_batch']}",
+            f"latency b{s.int8.latency_batch}",
+            f"throughput b{s.int8.throughput_batch}",
         ):
             q.add_column(col, justify="left" if col in ("model", "runtime") else "right")
         for row in int8_table_rows(s):
@@ -108,4 +109,4 @@ def show(s: dict) -> None:
         out.print(d)
     for line in decision_lines(s):
         out.print(line, highlight=False, soft_wrap=True)
-    out.print(f"report: {s['report']}   summary: {Path(s['out']) / 'summary.json'}", highlight=False, soft_wrap=True)
+    out.print(f"report: {s.report}   summary: {Path(s.out) / 'summary.json'}", highlight=False, soft_wrap=True)

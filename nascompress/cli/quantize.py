@@ -15,7 +15,6 @@ from nascompress.deploy.config import QuantizeConfig
 from nascompress.deploy.quantize import quantize_run
 from nascompress.runs.run_config import run_data_config
 from nascompress.data import DataConfig
-from nascompress.runs.files import Sidecar
 
 QUANTIZED_FILE = "model.int8.onnx"
 
@@ -42,10 +41,9 @@ def quantize(
     target = Path(out_dir) / QUANTIZED_FILE
     side = run(quantize_run, run_dir, out=target, config=settings, data=data, force=force)
     if json_out:
-        print_json(side)
+        print_json(side.to_dict())
         return
-    typed = run(lambda: Sidecar.from_dict(side, source=f"{target.name}.json"))
-    q, v = typed.quantization, typed.verification
+    q, v = side.quantization, side.verification
     if q.fallback:
         out.print(f"fallback: {q.fallback}", highlight=False, soft_wrap=True)
     kept = ", ".join(f"{n} {why}" for why, n in q.kept_fp32_summary.items())

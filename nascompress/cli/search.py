@@ -32,6 +32,7 @@ from nascompress.studies.trials import SearchJob, build_job as build_search_job,
 from nascompress.train.run import RUNTIME_SETTINGS, TrainJob
 from nascompress.runs.run_config import run_data_config
 from nascompress.dcs_search import DCSSearchJob, search_dcs
+from nascompress.dcs_search.metrics import DCSMetrics
 from nascompress.dcs_search.run import CONTINUE, build_job
 from nascompress.errors import SettingError
 
@@ -88,25 +89,25 @@ def dcs(
         )
 
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
-    metrics = run(search_dcs, job, force=force, resume=resume, explicit=given_options())
+    metrics = DCSMetrics.of(run(search_dcs, job, force=force, resume=resume, explicit=given_options()))
     if json_out:
-        print_json(metrics)
+        print_json(metrics.to_dict())
     else:
-        cal = metrics.get("calibration")
-        note = "" if not cal else f" (calibrated from {cal['ratio_before']:.3f})"
-        if metrics.get("family_reason"):
-            out.print(f"MLP gates: {metrics['family_reason']}")
-        kept = "" if metrics.get("kept", "dcs") == "dcs" else ", the magnitude-pruned model kept"
+        cal = metrics.calibration
+        note = "" if cal is None else f" (calibrated from {cal.ratio_before:.3f})"
+        if metrics.family_reason:
+            out.print(f"MLP gates: {metrics.family_reason}")
+        kept = "" if metrics.kept in (None, "dcs") else ", the magnitude-pruned model kept"
         out.print(
-            f"DCS search ({metrics['mlp_gates']} gates{kept}): {dense_flops_text(metrics['flops_ratio'])}{note}, "
-            f"val top-1 {metrics['val_top1']:.2f}% "
-            f"(dense {metrics['dense_val_top1']:.2f}%), MLP channels kept {metrics['mlp_kept']}, "
-            f"Q/K channels kept {metrics['qk_kept']}  -> {out_dir}"
+            f"DCS search ({metrics.mlp_gates} gates{kept}): {dense_flops_text(metrics.flops_ratio)}{note}, "
+            f"val top-1 {metrics.val_top1:.2f}% "
+            f"(dense {metrics.dense_val_top1:.2f}%), MLP channels kept {metrics.mlp_kept}, "
+            f"Q/K channels kept {metrics.qk_kept}  -> {out_dir}"
         )
-        reason = (metrics.get("comparison") or {}).get("reason")
+        reason = metrics.comparison.reason if metrics.comparison is not None else None
         if reason:
             out.print(f"kept: {reason}")
-        if metrics.get("stopped"):
+        if metrics.stopped is not None:
             out.print(f"the gates stopped early; {cli_words(SettingError(CONTINUE))}")
 
 

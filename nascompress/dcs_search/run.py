@@ -23,6 +23,7 @@ from ..train.run import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics
 from ..runs.run_config import find_run_config
 from ..methods.dcs import DCSConfig
+from .metrics import DCSMetrics
 from .search import run_dcs_search
 from .search_config import DCSSearchConfig, DCSSearchJob, search_train_config
 
@@ -83,9 +84,11 @@ def _build_source(job: DCSSearchJob) -> tuple[nn.Module, Arch, DataConfig]:
 
 def search_dcs(
     job: DCSSearchJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
-) -> dict[str, Any]:
+) -> DCSMetrics:
     """Run (or ``resume``) the DCS search into the run directory ``job.out`` (:func:`run_dcs_search`
-    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json.
+    on the source run's model and data); writes the supernet, arch.json, log.jsonl, metrics.json and
+    returns the metrics (:class:`~nascompress.dcs_search.metrics.DCSMetrics`, the file less its
+    completion mark's files).
     ``config.json`` records the job with its pre-search choices resolved and, as ``pre_search``,
     what those measurements chose and why: a resumed search reports them as the first run did."""
     out = Path(job.out)
@@ -121,11 +124,12 @@ def search_dcs(
     result = run_dcs_search(
         job, dense, base_arch, data, out_dir=out, resume=resume, before_fit=create, pre_search=chosen
     )
-    if result.metrics.get("stopped"):  # how to continue the gates (a front end words CONTINUE its own way)
-        result.metrics["stopped"]["continue"] = (
-            "resume the run with max_val_drop 100 to let the gates go on from this epoch"
-        )
-    return run.finish(result.metrics)  # the last write: marks the search complete
+    metrics = result.metrics
+    if metrics.stopped is not None:  # how to continue the gates (a front end words CONTINUE its own way)
+        how = "resume the run with max_val_drop 100 to let the gates go on from this epoch"
+        metrics = metrics.set(stopped=metrics.stopped.set(**{"continue": how}))
+    run.finish(metrics.to_dict())  # the last write: marks the search complete
+    return metrics
 
 
 def reopen_stopped(out: Path) -> None:

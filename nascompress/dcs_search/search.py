@@ -80,6 +80,7 @@ from .baseline import keep_better, last_validation
 from .cost import CostModel, selection_record
 from .hooks import DCSSearchHooks, SearchCollapsed
 from .latency_cost import latency_cost
+from .metrics import DCSMetrics
 from .prepare import prepare_search
 from .search_config import DCSSearchJob
 from .teacher import TeacherCache
@@ -102,12 +103,13 @@ def _resumed_at_end(hooks: DCSSearchHooks, supernet: nn.Module, log: list[dict[s
 class DCSSearchResult:
     """A finished DCS search in memory: the trained supernet (gates and weights of the last epoch),
     the job with the pre-search choices resolved (batch size, gate family), the epoch records
-    (``log.jsonl``'s lines) and the search's metrics."""
+    (``log.jsonl``'s lines) and the search's metrics (:class:`~nascompress.dcs_search.metrics.DCSMetrics`:
+    ``metrics.json`` less the completion mark's files)."""
 
     supernet: nn.Module
     job: DCSSearchJob
     log: list[dict[str, Any]]
-    metrics: dict[str, Any]
+    metrics: DCSMetrics
 
 
 def run_dcs_search(
@@ -275,7 +277,8 @@ def run_dcs_search(
     metrics.update({k: kept_sel[k] for k in ("heads_kept", "skipped_blocks") if k in kept_sel})  # head/block gates
     lat = ("latency_ms", "dense_latency_ms", "latency_ratio")
     metrics.update({k: kept_sel[k] for k in lat if k in kept_sel})  # predicted, with a latency cost
-    return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=metrics)
+    typed = DCSMetrics.from_dict(metrics, source="the DCS search's metrics")  # the file's keys, in its order
+    return DCSSearchResult(supernet=supernet, job=job, log=log, metrics=typed)
 
 
 __all__ = ["DCSSearchResult", "run_dcs_search"]

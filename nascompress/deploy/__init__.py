@@ -34,19 +34,19 @@ from typing import Any
 
 from .config import DTYPES, FORMATS, ExportConfig, config_for, parse_batch
 from .run import SIDECAR_FORMAT, stage_path
-from ..runs.files import sidecar_path
+from ..runs.files import Sidecar, sidecar_path
 from .run import export_run as _export_fp
 from .quantize import quantize_run
 
 
 def export_run(
     run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False, data: Any = None
-) -> dict[str, Any]:
-    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents
-    (:func:`nascompress.deploy.run.export_run`). With ``config.quantize`` (``int8``, ``int8-static``,
-    ``int8-dynamic``) the file is the int8 ONNX file ``nascompress quantize`` writes with its default
-    settings (:func:`nascompress.deploy.quantize.quantize_run`), calibrated and checked on ``data``
-    (None: the run's dataset)."""
+) -> Sidecar:
+    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar, as written to
+    ``out + ".json"`` (:func:`nascompress.deploy.run.export_run`). With ``config.quantize`` (``int8``,
+    ``int8-static``, ``int8-dynamic``) the file is the int8 ONNX file ``nascompress quantize`` writes
+    with its default settings (:func:`nascompress.deploy.quantize.quantize_run`), calibrated and
+    checked on ``data`` (None: the run's dataset)."""
     if config is not None and config.quantize != "none":
         return quantize_run(run, out=out, config=config_for(config.quantize), export=config, data=data, force=force)
     return _export_fp(run, out=out, config=config, force=force)

@@ -38,7 +38,7 @@ import contextlib
 import re
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -53,10 +53,10 @@ from .precision import LINEAR_OPS, linears_as_gemm, plan_precision, summarise_ke
 from ..runs.run_config import run_data_config
 from ..data import InputSpec, Subset, dataset_labels, load_data, make_loader, preprocess, stratified_indices
 from ..runs.io import read_arch
-from ..runs.files import sidecar_path, write_sidecar_json
+from ..runs.files import Quantization, Record, Sidecar, as_is, sidecar_path, write_sidecar_json
 from ..runs.json_io import atomic_path
 from .run import check_out_file, check_outputs, clear_stale, export_run, new_folders
-from .verify import onnx_runner
+from .verify import AccuracyCheck, accuracy_check, onnx_runner
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,32 +210,31 @@ def _logits(runner: Any, batches: Any) -> torch.Tensor:
     return torch.cat([runner([x])[0].float() for x, _ in batches])
 
 
-def accuracy_check(ref: torch.Tensor, got: torch.Tensor, labels: torch.Tensor, *, max_drop: float) -> dict[str, Any]:
-    """The int8 logits ``got`` against the fp32 logits ``ref`` on labelled images: top-1 of both (%),
-    the drop (points), top-1 agreement (%), max |logit difference|, and ``passed`` (drop <= max_drop)."""
-    fp32 = 100 * float((ref.argmax(-1) == labels).float().mean())
-    int8 = 100 * float((got.argmax(-1) == labels).float().mean())
-    drop = fp32 - int8
-    return {
-        "n": int(labels.numel()),
-        "fp32_top1": fp32,
-        "int8_top1": int8,
-        "top1_drop": drop,
-        "top1_agreement": 100 * float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-        "max_abs_logit_diff": float((got - ref).abs().max()),
-        "logit_scale": float(ref.abs().max()),
-        "max_drop": max_drop,
-        "passed": drop <= max_drop,
+@dataclass(frozen=True, kw_only=True)
+class Attempt(Record):
+    """One scheme and level tried: the layers it quantized, those kept fp32, its time and its check
+    (the sidecar's ``quantization.attempts``, without ``kept_fp32``)."""
+
+    scheme: str
+    level: int
+    quantized_nodes: int
+    kept_fp32: list[dict[str, Any]]
+    seconds: float
+    check: AccuracyCheck
+
+    CHECKS = {
+        **{k: as_is for k in ("scheme", "level", "quantized_nodes", "kept_fp32", "seconds")},
+        "check": lambda v, where: AccuracyCheck.from_dict(v, source=where),
     }
 
-
-def _describe(a: dict[str, Any]) -> str:
-    c = a["check"]
-    return (
-        f"{a['scheme']} (level {a['level']}): top-1 {c['fp32_top1']:.2f}% -> {c['int8_top1']:.2f}% "
-        f"(drop {c['top1_drop']:.2f} pts), agreement {c['top1_agreement']:.1f}%, max |logit diff| "
-        f"{c['max_abs_logit_diff']:.3g}"
-    )
+    def describe(self) -> str:
+        """The attempt and its figures in one line (the error of a quantize that keeps none)."""
+        c = self.check
+        return (
+            f"{self.scheme} (level {self.level}): top-1 {c.fp32_top1:.2f}% -> {c.int8_top1:.2f}% "
+            f"(drop {c.top1_drop:.2f} pts), agreement {c.top1_agreement:.1f}%, max |logit diff| "
+            f"{c.max_abs_logit_diff:.3g}"
+        )
 
 
 def quantize_run(
@@ -246,8 +245,9 @@ def quantize_run(
     export: Any = None,
     data: Any = None,
     force: bool = False,
-) -> dict[str, Any]:
-    """Quantize the model saved in ``run`` to the int8 ONNX file ``out`` and check it; returns the sidecar.
+) -> Sidecar:
+    """Quantize the model saved in ``run`` to the int8 ONNX file ``out`` and check it; returns the
+    sidecar, as written to ``out + ".json"``.
 
     Args:
         run: a run directory (or ``model.safetensors``) that :func:`nascompress.load` reads.
@@ -287,9 +287,9 @@ def quantize_run(
         # (beside the output: a killed run leaves nothing outside --out, and the next run removes it)
         fp32 = Path(tmp) / "fp32.onnx"
         side = export_run(run, out=fp32, config=ecfg, force=True)
-        if side["num_classes"] != bundle.num_classes:
+        if (classes := side.get("num_classes")) != bundle.num_classes:
             raise SettingError(
-                f"the model has {side['num_classes']} classes but dataset {bundle.name} has "
+                f"the model has {classes} classes but dataset {bundle.name} has "
                 f"{bundle.num_classes}; give the dataset it was trained on ({{dataset}})"
             )
 
@@ -300,7 +300,7 @@ def quantize_run(
         ref = _logits(onnx_runner(fp32)[0], val())
         calib, n_calib = None, 0
         proto = onnx.load(str(fp32))
-        attempts: list[dict[str, Any]] = []
+        attempts: list[Attempt] = []
         with atomic_path(out) as tmp_out, atomic_path(sidecar_path(out)) as tmp_side:
             chosen = None
             for scheme, level in cfg.attempts():
@@ -322,20 +322,20 @@ def quantize_run(
                     work=Path(tmp),
                 )
                 got = _logits(onnx_runner(q)[0], val())
-                a = {
-                    "scheme": scheme,
-                    "level": level,
-                    "quantized_nodes": len(nodes),
-                    "kept_fp32": kept,
-                    "seconds": round(time.perf_counter() - t1, 2),
-                    "check": accuracy_check(ref, got, labels, max_drop=cfg.max_drop),
-                }
+                a = Attempt(
+                    scheme=scheme,
+                    level=level,
+                    quantized_nodes=len(nodes),
+                    kept_fp32=kept,
+                    seconds=round(time.perf_counter() - t1, 2),
+                    check=accuracy_check(ref, got, labels, max_drop=cfg.max_drop),
+                )
                 attempts.append(a)
-                if a["check"]["passed"]:
+                if a.check.passed:
                     chosen = (a, q)
                     break
             if chosen is None:
-                tried = "; ".join(_describe(a) for a in attempts)
+                tried = "; ".join(a.describe() for a in attempts)
                 raise SettingError(
                     f"int8 costs more than {{max_drop}} {cfg.max_drop:g} top-1 points on the validation split "
                     f"({len(labels)} images): {tried}; nothing was written (allow a larger {{max_drop}}, or deploy "
@@ -344,11 +344,11 @@ def quantize_run(
             a, q = chosen
             tmp_out.write_bytes(q.read_bytes())
             fallback = None
-            if (a["scheme"], a["level"]) != (cfg.scheme, 0):
+            if (a.scheme, a.level) != (cfg.scheme, 0):
                 fallback = (
-                    f"{cfg.scheme} dropped {attempts[0]['check']['top1_drop']:.2f} top-1 points "
-                    f"(> {cfg.max_drop:g}); kept the milder {a['scheme']} at level {a['level']}"
-                    f"{' (first and last blocks fp32)' if a['level'] else ''}"
+                    f"{cfg.scheme} dropped {attempts[0].check.top1_drop:.2f} top-1 points "
+                    f"(> {cfg.max_drop:g}); kept the milder {a.scheme} at level {a.level}"
+                    f"{' (first and last blocks fp32)' if a.level else ''}"
                 )
             side = _sidecar(
                 side, out, run, cfg, ecfg, a, attempts, fallback, bundle, data_cfg, n_calib, time.perf_counter() - t0
@@ -358,37 +358,33 @@ def quantize_run(
 
 
 def _sidecar(
-    side: dict[str, Any],
+    side: Sidecar,
     out: Path,
     run: Any,
     cfg: QuantizeConfig,
     ecfg: Any,
-    chosen: dict[str, Any],
-    attempts: list[dict[str, Any]],
+    chosen: Attempt,
+    attempts: list[Attempt],
     fallback: str | None,
     bundle: Any,
     data_cfg: Any,
     n_calib: int,
     seconds: float,
-) -> dict[str, Any]:
+) -> Sidecar:
+    """The int8 file's sidecar from the fp32 export's ``side``: its keys in their places, its
+    ``verification`` as ``fp32_verification``, then the int8 check and the ``quantization``."""
     import onnxruntime as ort  # optional (nascompress[export])
 
-    side = dict(side)
-    side["file"] = out.name
-    side["files"] = [dict(f, file=out.name) for f in side["files"]]
-    side["dtype"] = "int8"
-    side["fp32_verification"] = side.pop("verification")
-    side["verification"] = dict(
-        chosen["check"],
+    check = chosen.check.set(
         split="val",
         dataset=bundle.name,
         reference="the fp32 ONNX export of the same run (checked against PyTorch: fp32_verification)",
         runtime=f"onnxruntime {ort.__version__} (CPUExecutionProvider)",
     )
-    static = chosen["scheme"] == "int8-static"
-    side["quantization"] = {
-        "scheme": chosen["scheme"],
-        "level": chosen["level"],
+    static = chosen.scheme == "int8-static"
+    quantization = {
+        "scheme": chosen.scheme,
+        "level": chosen.level,
         "requested": cfg.scheme,
         "fallback": fallback,
         "weights": "int8, symmetric, per output channel",
@@ -416,18 +412,26 @@ def _sidecar(
             if static
             else None
         ),
-        "quantized_nodes": chosen["quantized_nodes"],
-        "kept_fp32": chosen["kept_fp32"],
-        "kept_fp32_summary": summarise_kept(chosen["kept_fp32"]),
+        "quantized_nodes": chosen.quantized_nodes,
+        "kept_fp32": chosen.kept_fp32,
+        "kept_fp32_summary": summarise_kept(chosen.kept_fp32),
         "also_fp32": "GELU, residual adds and the token selection ops (TopK, Gather): only MatMul/Gemm are quantized",
-        "attempts": [{k: v for k, v in a.items() if k != "kept_fp32"} for a in attempts],
+        "attempts": [{k: v for k, v in a.to_dict().items() if k != "kept_fp32"} for a in attempts],
         "settings": cfg.to_dict(),
         "tool": f"onnxruntime.quantization {ort.__version__}",
     }
-    side["exporter"] = dict(side["exporter"], settings=ecfg.to_dict(), quantize_seconds=round(seconds, 2))
-    side["created"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    side["source"] = dict(side["source"], run=str(run))
-    return side
+    fp32 = replace(side, verification=None).without("verification")  # (after the others: fp32_verification)
+    return fp32.set(
+        file=out.name,
+        files=tuple(dict(f, file=out.name) for f in side.files),
+        dtype="int8",
+        fp32_verification=side.verification,
+        verification=check.to_dict(),
+        quantization=Quantization.from_dict(quantization, source=f"{sidecar_path(out)}: quantization"),
+        exporter=dict(side.get("exporter"), settings=ecfg.to_dict(), quantize_seconds=round(seconds, 2)),
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        source=dict(side.get("source"), run=str(run)),
+    )
 
 
-__all__ = ["quantize_run", "quantize_file", "temp_folders_in", "accuracy_check", "calibration_batches"]
+__all__ = ["Attempt", "quantize_run", "quantize_file", "temp_folders_in", "calibration_batches"]

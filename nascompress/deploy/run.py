@@ -17,7 +17,7 @@ from ..limits import check_path_names
 from ..runs.io import ARCH_FILE, MODEL_FILE, file_sha256, load_with_arch, read_arch
 from ..data import InputSpec, eval_steps
 from ..progress import say
-from ..runs.files import sidecar_path, write_sidecar_json
+from ..runs.files import Sidecar, sidecar_path, write_sidecar_json
 from ..runs.json_io import atomic_path
 from ..runs.out_dir import refuse_overwriting_inputs
 from .config import ExportConfig
@@ -148,10 +148,9 @@ def _both_files(stage1: Any, stage2: Any) -> Any:
     return run
 
 
-def export_run(
-    run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False
-) -> dict[str, Any]:
-    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar's contents.
+def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None = None, force: bool = False) -> Sidecar:
+    """Export the model saved in ``run`` to ``out`` and check it; returns the sidecar, as written to
+    ``out + ".json"`` (its ``verification``: the :class:`~nascompress.deploy.verify.Check`'s dict).
 
     Args:
         run: a run directory (or ``model.safetensors``) that :func:`nascompress.load` reads.
@@ -209,12 +208,14 @@ def export_run(
             model.to(dtype)
             check = verify(model, run_fn, batches, tolerance=cfg.tol)
             if rule is not None:  # each stage on every image, whatever the exit rule picked
-                check["stages"] = verify(
+                stages = verify(
                     _both_stages(model), _both_files(runners[0][0], runners[1][0]), batches, tolerance=cfg.tol
                 )
-                check["passed"] = check["passed"] and check["stages"]["passed"]
-            check.update(runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)")
-            if not check["passed"]:
+                check = check.set(stages=stages, passed=check.passed and stages.passed)
+            check = check.set(
+                runtime=runners[0][1], seed=cfg.seed, inputs="standard normal images (already normalised)"
+            )
+            if not check.passed:
                 hint = (
                     "; a top-k over tied scores (e.g. an uncalibrated Sparsifiner predictor) can select other "
                     "tokens in another runtime"
@@ -223,11 +224,11 @@ def export_run(
                 )
                 raise NascompressError(
                     f"the exported file differs from the PyTorch model: max |logit difference| "
-                    f"{check['max_abs_diff']:.3g} > {cfg.tol:g} x max(1, {check['logit_scale']:.3g}), top-1 "
-                    f"agreement {100 * check['top1_agreement']:.1f}%{hint}; nothing was written"
+                    f"{check.max_abs_diff:.3g} > {cfg.tol:g} x max(1, {check.logit_scale:.3g}), top-1 "
+                    f"agreement {100 * check.top1_agreement:.1f}%{hint}; nothing was written"
                 )
             batch = "batch" if cfg.dynamic else cfg.batch
-            side = {
+            side = {  # the file's keys in its order (a record keeps them)
                 "format": SIDECAR_FORMAT,
                 "file": files[0].name,
                 "runtime": cfg.format,
@@ -236,7 +237,7 @@ def export_run(
                         "file": f.name,
                         "stage": gr.role,
                         "inputs": _io_spec(gr.input_names, gr.inputs, batch, cfg.dtype),
-                        "outputs": gr.output_names,
+                        "outputs": list(gr.output_names),
                         **w,
                     }
                     for f, gr, w in zip(files, graphs, written)
@@ -260,7 +261,7 @@ def export_run(
                 ],
                 "exit_rule": rule,
                 "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
-                "verification": check,
+                "verification": check.to_dict(),
                 "exporter": {
                     "torch": torch.__version__,
                     "export_seconds": round(export_s, 2),
@@ -268,8 +269,9 @@ def export_run(
                 },
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
-            write_sidecar_json(side_tmp, side)
-    return side
+            sidecar = Sidecar.from_dict(side, source=str(sidecar_path(out)))
+            write_sidecar_json(side_tmp, sidecar)
+    return sidecar
 
 
 __all__ = ["export_run", "stage_path", "SIDECAR_FORMAT"]

@@ -3,22 +3,72 @@
 ONNX files run in ONNX Runtime (CPU provider); ``torch.export`` programs through
 ``torch.export.load(...).module()``; AOTInductor packages through
 ``torch._inductor.aoti_load_package``. None imports nascompress. The comparison is on logits: max
-|difference|, the logit scale (max |PyTorch logit|) and top-1 agreement.
+|difference|, the logit scale (max |PyTorch logit|) and top-1 agreement (:class:`Check`, the export
+sidecar's ``verification``); an int8 file's against the fp32 file's on labelled images, top-1 of both
+included, is an :class:`AccuracyCheck` (:func:`accuracy_check`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 import torch._inductor
 
 from ..errors import NascompressError
+from ..runs.files import Record, as_is, check_number, optional
 from .graphs import quiet
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Check(Record):
+    """An exported file's logits against the PyTorch model's (:func:`compare`, :func:`merge`,
+    :func:`verify`; the export sidecar's ``verification``): over ``n`` images, max |difference|, the
+    logit scale (max |PyTorch logit|), top-1 agreement (a share), ``passed`` (once judged) and MG-ViT's
+    ``stages`` (each stage file on every image); the rest (``batches``, ``tolerance``, ``runtime``,
+    ``seed``, ``inputs``) in ``extra``."""
+
+    n: int
+    max_abs_diff: float
+    logit_scale: float
+    top1_agreement: float
+    passed: bool | None = None
+    stages: Check | None = None
+
+    CHECKS = {
+        **{k: check_number for k in ("n", "max_abs_diff", "logit_scale", "top1_agreement")},
+        "passed": as_is,
+        "stages": optional(lambda v, where: Check.from_dict(v, source=where)),
+    }
+
+
+@dataclass(frozen=True, kw_only=True)
+class AccuracyCheck(Record):
+    """An int8 file's logits against the fp32 file's on ``n`` labelled images (:func:`accuracy_check`;
+    the int8 sidecar's ``verification``): top-1 of both (%), the drop (points), top-1 agreement (%), max
+    |logit difference|, the logit scale, the allowed drop and ``passed``; the rest (``split``,
+    ``dataset``, ``reference``, ``runtime``) in ``extra``."""
+
+    n: int
+    fp32_top1: float
+    int8_top1: float
+    top1_drop: float
+    top1_agreement: float
+    max_abs_logit_diff: float
+    logit_scale: float
+    max_drop: float
+    passed: bool
+
+    CHECKS = {
+        **{k: check_number for k in ("n", "fp32_top1", "int8_top1", "top1_drop", "top1_agreement")},
+        **{k: check_number for k in ("max_abs_logit_diff", "logit_scale", "max_drop")},
+        "passed": as_is,
+    }
 
 
 def onnx_runner(path: str | Path, *, threads: int | None = None, spinning: bool = True) -> tuple[Runner, str]:
@@ -99,37 +149,37 @@ def with_exit_rule(stage1: Runner, stage2: Runner, epsilon: float) -> Runner:
     return run
 
 
-def compare(ref: torch.Tensor, got: torch.Tensor) -> dict[str, Any]:
+def compare(ref: torch.Tensor, got: torch.Tensor) -> Check:
     """max |got - ref|, the logit scale and top-1 agreement of two logit batches (B, classes)."""
     if tuple(got.shape) != tuple(ref.shape):
         raise NascompressError(
             f"the exported file returns logits of shape {tuple(got.shape)}, the model {tuple(ref.shape)}"
         )
     ref, got = ref.float(), got.float()
-    return {
-        "n": int(ref.shape[0]),
-        "max_abs_diff": float((got - ref).abs().max()),
-        "logit_scale": float(ref.abs().max()),
-        "top1_agreement": float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
-    }
+    return Check(
+        n=int(ref.shape[0]),
+        max_abs_diff=float((got - ref).abs().max()),
+        logit_scale=float(ref.abs().max()),
+        top1_agreement=float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+    )
 
 
-def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+def merge(results: list[Check]) -> Check:
     """Several batches' comparisons as one (worst difference, image-weighted agreement)."""
-    n = sum(r["n"] for r in results)
-    return {
-        "n": n,
-        "max_abs_diff": max(r["max_abs_diff"] for r in results),
-        "logit_scale": max(r["logit_scale"] for r in results),
-        "top1_agreement": sum(r["top1_agreement"] * r["n"] for r in results) / n,
-    }
+    n = sum(r.n for r in results)
+    return Check(
+        n=n,
+        max_abs_diff=max(r.max_abs_diff for r in results),
+        logit_scale=max(r.logit_scale for r in results),
+        top1_agreement=sum(r.top1_agreement * r.n for r in results) / n,
+    )
 
 
 def verify(
     model: Callable[[torch.Tensor], torch.Tensor], run: Runner, batches: Sequence[torch.Tensor], *, tolerance: float
-) -> dict[str, Any]:
+) -> Check:
     """Run the exported file and ``model`` (the PyTorch side) on each batch; the merged comparison,
-    with ``passed``.
+    with ``batches``, ``tolerance`` and ``passed``.
 
     Passed when max |difference| <= tolerance * max(1, logit scale)."""
     results = []
@@ -143,15 +193,35 @@ def verify(
             raise NascompressError(f"the exported file does not run on a batch of {x.shape[0]}: {first[:300]}") from e
         results.append(compare(ref, got))
     res = merge(results)
-    res.update(
+    return res.set(
         batches=[int(x.shape[0]) for x in batches],
         tolerance=tolerance,
-        passed=res["max_abs_diff"] <= tolerance * max(1.0, res["logit_scale"]),
+        passed=res.max_abs_diff <= tolerance * max(1.0, res.logit_scale),
     )
-    return res
+
+
+def accuracy_check(ref: torch.Tensor, got: torch.Tensor, labels: torch.Tensor, *, max_drop: float) -> AccuracyCheck:
+    """The int8 logits ``got`` against the fp32 logits ``ref`` on labelled images: top-1 of both (%),
+    the drop (points), top-1 agreement (%), max |logit difference|, and ``passed`` (drop <= max_drop)."""
+    fp32 = 100 * float((ref.argmax(-1) == labels).float().mean())
+    int8 = 100 * float((got.argmax(-1) == labels).float().mean())
+    drop = fp32 - int8
+    return AccuracyCheck(
+        n=int(labels.numel()),
+        fp32_top1=fp32,
+        int8_top1=int8,
+        top1_drop=drop,
+        top1_agreement=100 * float((got.argmax(-1) == ref.argmax(-1)).float().mean()),
+        max_abs_logit_diff=float((got - ref).abs().max()),
+        logit_scale=float(ref.abs().max()),
+        max_drop=max_drop,
+        passed=drop <= max_drop,
+    )
 
 
 __all__ = [
+    "AccuracyCheck",
+    "Check",
     "onnx_runner",
     "program_runner",
     "package_runner",
@@ -160,4 +230,5 @@ __all__ = [
     "compare",
     "merge",
     "verify",
+    "accuracy_check",
 ]

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ..profiling.jobs import evaluate_run
+from ..profiling.records import Evaluation
 from ..data import load_data
 from ..data.carve import splits_text
 from ..retraining.run import RetrainJob, retrain
 from ..runs.files import find_metrics
 from .steps import Pipeline, Step
+from .summary import DenseReference, ModelResult, Summary
 
 DENSE_REFERENCE_DIR = "dense_reference"
 NEEDS_RETRAIN = "retrains the dense base with stages.retrain's recipe and teacher: add a retrain stage, or set it false"
@@ -46,51 +48,49 @@ def splits_summary(pipe: Pipeline) -> dict[str, Any] | None:
     return load_data(pipe.data, augment=False).extra.get("splits")
 
 
-def dense_reference_record(pipe: Pipeline, dense_ev: dict[str, Any], final: dict[str, Any] | None) -> dict[str, Any]:
+def dense_reference_record(pipe: Pipeline, dense_ev: Evaluation, final: ModelResult | None) -> DenseReference:
     """The dense reference on the report's test images (``dense_ev``'s, checked), its own validation
     record, and the compressed model's test top-1 against it (``final``: the summary's record)."""
     ref = pipe.out / DENSE_REFERENCE_DIR
     ev = evaluate_run(ref, data=pipe.data, split="test", device=pipe.cfg.device, dtype=pipe.cfg.report.dtype)
-    assert ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, the reference on {ev['n']}"
+    assert ev.n == dense_ev.n, f"dense tested on {dense_ev.n} images, the reference on {ev.n}"
     m = find_metrics(ref) or {}
-    rec = {
-        "run": str(ref),
-        "test_top1": ev["top1"],
-        "test_loss": ev["loss"],
-        "test_n": ev["n"],
-        "best_val_top1": m.get("best_val_top1"),
-        "best_epoch": m.get("best_epoch"),
-        "epochs": m.get("epochs"),
-        "teacher": pipe.cfg.stages.retrain.distil_from,
-        "final_top1_change": None if final is None else final["test_top1"] - ev["top1"],
-    }
-    return rec
+    return DenseReference.new(
+        run=str(ref),
+        test_top1=ev.top1,
+        test_loss=ev.loss,
+        test_n=ev.n,
+        best_val_top1=m.get("best_val_top1"),
+        best_epoch=m.get("best_epoch"),
+        epochs=m.get("epochs"),
+        teacher=pipe.cfg.stages.retrain.distil_from,
+        final_top1_change=None if final is None else final.test_top1 - ev.top1,
+    )
 
 
-def reference_html(s: dict[str, Any]) -> list[str]:
+def reference_html(s: Summary) -> list[str]:
     """The report's parts for the splits line and the dense reference (none without them)."""
     parts = []
-    splits = s.get("splits")
-    if splits:
-        parts.append(f'<p class="note">Images: {html.escape(splits_text(splits))}.</p>')
-    ref = s.get("dense_reference")
+    if s.splits:
+        parts.append(f'<p class="note">Images: {html.escape(splits_text(s.splits))}.</p>')
+    ref = s.dense_reference
     if ref:
-        f = s.get("final")
+        f = s.final
         rows = [
-            ("dense base", f"{s['dense']['test_top1']:.2f}%", "-"),
-            ("dense reference (retrained)", f"{ref['test_top1']:.2f}%", _pct(ref.get("best_val_top1"))),
+            ("dense base", f"{s.dense.test_top1:.2f}%", "-"),
+            ("dense reference (retrained)", f"{ref.test_top1:.2f}%", _pct(ref.best_val_top1)),
         ]
         if f is not None:
-            rows.append(("compressed", f"{f['test_top1']:.2f}%", "-"))
-        head = ["model", f"test top-1 ({ref['test_n']} images)", "validation top-1"]
+            rows.append(("compressed", f"{f.test_top1:.2f}%", "-"))
+        head = ["model", f"test top-1 ({ref.test_n} images)", "validation top-1"]
         cells = "".join(f"<th>{html.escape(h)}</th>" for h in head)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in r) + "</tr>" for r in rows)
-        change = ref.get("final_top1_change")
+        change = ref.final_top1_change
         note = "" if change is None else f" The compressed model: {change:+.2f} points against it."
         parts += [
             "<h3>Dense reference: the dense base retrained with the same recipe and teacher</h3>",
             f'<table id="dense-reference"><tr>{cells}</tr>{body}</table>',
-            f'<p class="note">{html.escape(ref["run"])}; teacher: {html.escape(str(ref["teacher"]))}.{note}</p>',
+            f'<p class="note">{html.escape(ref.run)}; teacher: {html.escape(str(ref.teacher))}.{note}</p>',
         ]
     return parts
 

@@ -56,7 +56,7 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
                 raise
             continue
         return dict(
-            metrics,
+            metrics.to_dict(),
             dcs_outcome=name,
             dcs_target=j.search.target,
             planned_target=planned,

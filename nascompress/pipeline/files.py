@@ -6,7 +6,8 @@ read and written again is the same bytes).
   :class:`StepMarker`; :func:`find_step_marker` / :func:`write_step_marker`.
 - ``OUT/tokens/pick.json``, each study's pick and which one was kept (:mod:`nascompress.pipeline.plan`):
   :class:`Pick`; :func:`find_pick` / :func:`write_pick`.
-- ``OUT/summary.json``, the pipeline's summary (:mod:`nascompress.pipeline.report`): :class:`Summary`;
+- ``OUT/summary.json``, the pipeline's summary (:mod:`nascompress.pipeline.report`): its records are
+  :mod:`nascompress.pipeline.summary`'s (:class:`~nascompress.pipeline.summary.Summary`);
   :func:`read_summary` / :func:`write_summary_json`.
 """
 
@@ -19,6 +20,7 @@ from typing import Any, Mapping
 
 from ..runs.files import Record, as_is, check_map, check_number, check_str, optional
 from ..runs.json_io import read_json, write_json
+from .summary import Summary
 
 
 DONE_DIR = "done"
@@ -95,18 +97,6 @@ class Pick(Record):
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class Summary(Record):
-    """``summary.json``: the final model (None: none could be made), the goal and the dense base typed,
-    the rest (comparison, decisions, stages ...) in ``extra``."""
-
-    final: Mapping[str, Any] | None = None
-    goal: Mapping[str, Any] | None = None
-    dense: Mapping[str, Any] | None = None
-
-    CHECKS = {"final": optional(check_map), "goal": optional(check_map), "dense": optional(check_map)}
-
-
 def step_marker_path(out: str | Path, step: str) -> Path:
     return Path(out) / DONE_DIR / f"{step}.json"
 
@@ -141,7 +131,8 @@ def read_summary(out: str | Path) -> Summary:
     return Summary.from_dict(read_json(path), source=str(path))
 
 
-def write_summary_json(out: str | Path, summary: Mapping[str, Any] | Summary) -> Path:
+def write_summary_json(out: str | Path, summary: Summary) -> Path:
+    """Write ``out/summary.json`` atomically."""
     path = Path(out) / SUMMARY_FILE
-    write_json(path, summary.to_dict() if isinstance(summary, Summary) else summary)
+    write_json(path, summary.to_dict())
     return path

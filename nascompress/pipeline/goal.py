@@ -10,7 +10,7 @@ how much (``missed_by``, in the goal's unit, exact). The comparison is :func:`me
 
 from __future__ import annotations
 
-from typing import Any
+from .summary import Goal
 
 FLOPS_DECIMALS = 3  # the report's "0.600x"
 LATENCY_DECIMALS = 2  # the report's "1.23 ms"
@@ -21,33 +21,41 @@ def meets(value: float, limit: float, *, decimals: int = FLOPS_DECIMALS) -> bool
     return round(float(value), decimals) <= round(float(limit), decimals)
 
 
-def flops_goal(value: float, max_flops: float) -> dict[str, Any]:
+def flops_goal(value: float, max_flops: float) -> Goal:
     """The summary's ``goal`` of a FLOPs ratio ``value`` against ``max_flops``: ``met`` (at the printed
     precision, :func:`meets`: a tolerance of half the last printed digit) and, where it is not met,
     ``missed_by`` (``value - max_flops``, exact) and a one-line ``statement`` saying it."""
     met = meets(value, max_flops)
-    goal = {"max_flops": max_flops, "value": value, "met": met}
-    if not met:
-        goal["missed_by"] = value - max_flops
-        goal["statement"] = (
+    if met:
+        return Goal.new(max_flops=max_flops, value=value, met=met)
+    return Goal.new(
+        max_flops=max_flops,
+        value=value,
+        met=met,
+        missed_by=value - max_flops,
+        statement=(
             f"the final model has {value:.{FLOPS_DECIMALS}f}x the dense FLOPs, above the goal {max_flops:g}x by "
             f"{value - max_flops:.4f}x: no model the stages could make meets it"
-        )
-    return goal
+        ),
+    )
 
 
-def latency_goal(value: float | None, max_latency_ms: float) -> dict[str, Any]:
+def latency_goal(value: float | None, max_latency_ms: float) -> Goal:
     """The summary's ``goal`` of a batch-1 latency ``value`` (ms; None: not measured) against
     ``max_latency_ms``, as :func:`flops_goal` (compared at 2 decimals)."""
     met = None if value is None else meets(value, max_latency_ms, decimals=LATENCY_DECIMALS)
-    goal = {"max_latency_ms": max_latency_ms, "value": value, "met": met}
-    if met is False:
-        goal["missed_by"] = value - max_latency_ms
-        goal["statement"] = (
+    if met is not False:
+        return Goal.new(max_latency_ms=max_latency_ms, value=value, met=met)
+    return Goal.new(
+        max_latency_ms=max_latency_ms,
+        value=value,
+        met=met,
+        missed_by=value - max_latency_ms,
+        statement=(
             f"the final model takes {value:.{LATENCY_DECIMALS}f} ms at batch 1, above the goal {max_latency_ms:g} ms "
             f"by {value - max_latency_ms:.2f} ms: no model the stages could make meets it"
-        )
-    return goal
+        ),
+    )
 
 
 __all__ = ["FLOPS_DECIMALS", "LATENCY_DECIMALS", "meets", "flops_goal", "latency_goal"]

@@ -6,12 +6,12 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from ..errors import NascompressError
 from .config_io import PipelineSource, config_context, read_config
 from ..runtime import resolve_device
 from .report import write_summary
+from .summary import Summary
 from .stage import PlanState, registered_stages
 from .steps import Pipeline, Step
 from .base_stage import check_data, data_config, plan_base
@@ -57,7 +57,7 @@ def plan(
         data=data_config(cfg),
     )
 
-    def report(force: bool, resume: bool) -> dict[str, Any]:
+    def report(force: bool, resume: bool) -> Summary:
         return write_summary(pipe)
 
     steps.append(

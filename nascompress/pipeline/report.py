@@ -28,6 +28,7 @@ from .report_format import (
     build_html,
 )
 from ..profiling.jobs import profile
+from ..profiling.records import Evaluation, ModelProfile
 from ..deploy.config import config_for
 from ..deploy.int8_rows import int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
@@ -39,10 +40,25 @@ from .confirm import CHANNEL_DIR
 from .dense_reference import DENSE_REFERENCE_DIR, dense_reference_record, splits_summary
 from .fallback import dcs_outcome
 from .steps import Pipeline
+from .summary import (
+    SUMMARY_FORMAT,
+    BaseDecision,
+    Comparison,
+    ConfirmDecision,
+    DcsBlock,
+    DcsDecision,
+    Decisions,
+    Goal,
+    Int8Section,
+    MethodLine,
+    ModelResult,
+    RetrainDecision,
+    StageRow,
+    Summary,
+    TokenMethod,
+    TokensDecision,
+)
 from .test_scores import test_scores
-
-
-SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
 
 
 # the retraining's record in summary.json (from the kept run's metrics.json)
@@ -82,23 +98,29 @@ DCS_METRICS = (  # what the report reads of the DCS search's metrics.json
 )
 
 
-def _model_record(run: Path, ev: dict[str, Any], prof: dict[str, Any]) -> dict[str, Any]:
+def _model_record(run: Path, ev: Evaluation, prof: ModelProfile) -> ModelResult:
     rec = {
         "run": str(run),
-        "test_top1": ev["top1"],
-        "test_loss": ev["loss"],
-        "test_n": ev["n"],
-        "params": prof["params"],
+        "test_top1": ev.top1,
+        "test_loss": ev.loss,
+        "test_n": ev.n,
+        "params": prof.params,
         "file_bytes": (run / MODEL_FILE).stat().st_size,
-        "macs": prof["macs"],
-        "methods": ev.get("methods", []),
+        "macs": prof.macs,
+        "methods": [] if ev.methods is None else ev.methods,
+        "latency_ms": prof.latency_ms,
+        "latency_batch": prof.latency_batch,
+        "throughput": prof.throughput,
+        "throughput_batch": prof.throughput_batch,
     }
-    for k in ("latency_ms", "latency_batch", "throughput", "throughput_batch"):
-        rec[k] = prof.get(k)
-    rec.update(
-        {k: prof[k] for k in ("latency_ms_compiled", "throughput_compiled", "compile_note", "qk_layout") if k in prof}
-    )
-    return rec
+    compiled = {
+        "latency_ms_compiled": prof.latency_ms_compiled,
+        "throughput_compiled": prof.throughput_compiled,
+        "compile_note": prof.compile_note,
+        "qk_layout": prof.qk_layout,
+    }
+    rec.update({k: v for k, v in compiled.items() if v is not None})  # where measured
+    return ModelResult.new(**rec)
 
 
 def _method_summary(rec: dict[str, Any]) -> str:
@@ -116,7 +138,7 @@ def _method_summary(rec: dict[str, Any]) -> str:
     return f"{rec.get('name')}: " + " ".join(parts)
 
 
-def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dict[str, Any]:
+def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> DcsDecision:
     """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
     and whether it fell back (a milder target, or skipped); ``in_final_model``: False where the final model
     is a token-only pick on the dense base (the search's landing is still recorded)."""
@@ -130,23 +152,21 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
             c = blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features
             keep = b.get("hidden_keep") if hidden else b.get("mlp_keep")
             blocks.append(
-                {
-                    "block": j + 1,
-                    "mlp_kept": c if keep is None else len(keep),
-                    "mlp_total": c,
-                    "qk_kept": None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
-                    "heads": blk.attn.num_heads,
-                    "head_dim": blk.attn.head_dim,
-                }
+                DcsBlock.new(
+                    block=j + 1,
+                    mlp_kept=c if keep is None else len(keep),
+                    mlp_total=c,
+                    qk_kept=None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
+                    heads=blk.attn.num_heads,
+                    head_dim=blk.attn.head_dim,
+                )
             )
         res.update(
-            {
-                "config": dcs_rec.get("config"),
-                "mlp_gates": family,
-                "blocks": blocks,
-                "mlp_kept_total": sum(b["mlp_kept"] for b in blocks),
-                "mlp_total": sum(b["mlp_total"] for b in blocks),
-            }
+            config=dcs_rec.get("config"),
+            mlp_gates=family,
+            blocks=tuple(blocks),
+            mlp_kept_total=sum(b.mlp_kept for b in blocks),
+            mlp_total=sum(b.mlp_total for b in blocks),
         )
     sm = find_metrics(out / "dcs_search")
     if sm is not None:
@@ -160,17 +180,19 @@ def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> dic
             if outcome.get(k) is not None
         }
     )
-    return res
+    return DcsDecision.new(**res)
 
 
-def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str, Any]:
+def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> TokensDecision:
     out = pipe.out
     res: dict[str, Any] = {
         "study": pipe.cfg.stages.tokens.study,
         "storage": pipe.storage,
         "pick_rule": pipe.cfg.goal.pick,
         "eval_images": pipe.cfg.stages.tokens.eval_images,
-        "methods": [{"name": m["name"], "config": m.get("config"), "summary": _method_summary(m)} for m in methods],
+        "methods": tuple(
+            TokenMethod.new(name=m["name"], config=m.get("config"), summary=_method_summary(m)) for m in methods
+        ),
     }
     marker = find_step_marker(out, "tokens_search")
     if marker is not None:
@@ -198,26 +220,26 @@ def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> dict[str
             dense_skipped=pj.dense_skipped,
         )
         res["study"] = pj.picked_study or res["study"]
-    return res
+    return TokensDecision.new(**res)
 
 
-def _stage_log(pipe: Pipeline) -> list[dict[str, Any]]:
+def _stage_log(pipe: Pipeline) -> tuple[StageRow, ...]:
     rows = []
     for step in pipe.steps:
         m = find_step_marker(pipe.out, step.name)
         rows.append(
-            {
-                "step": step.name,
-                "what": step.describe,
-                "dir": None if step.dir is None else str(step.dir),
-                "seconds": None if m is None else m.seconds,
-                "finished": None if m is None else m.finished,
-            }
+            StageRow.new(
+                step=step.name,
+                what=step.describe,
+                dir=None if step.dir is None else str(step.dir),
+                seconds=None if m is None else m.seconds,
+                finished=None if m is None else m.finished,
+            )
         )
-    return rows
+    return tuple(rows)
 
 
-def write_summary(pipe: Pipeline) -> dict[str, Any]:
+def write_summary(pipe: Pipeline) -> Summary:
     """Measure the final model against the dense base; write ``summary.json`` and ``report.html``.
     When no compressed model could be made (the DCS stage was skipped and no other stage
     compresses), the summary says so: ``final`` is None and the goal is not met, with the reason."""
@@ -237,21 +259,21 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
             dtype=rep.dtype,
             compile=rep.compile,
         )
-        dense = _model_record(pipe.base_dir, dense_ev, next(iter(prof["models"].values())))
+        dense = _model_record(pipe.base_dir, dense_ev, next(iter(prof.models.values())))
         decisions["dcs"] = _dcs_decisions(out, None, dense_model)
-        reason = decisions["dcs"].get("dcs_reason") or "no stage compressed the model"
+        reason = decisions["dcs"].dcs_reason or "no stage compressed the model"
         final, cmp = None, None
-        goal = {
-            "max_flops": cfg.goal.max_flops,
-            "max_latency_ms": cfg.goal.max_latency_ms,
-            "value": None,
-            "met": False,
-            "statement": f"no compressed model could be made: {reason}",
-        }
+        goal = Goal.new(
+            max_flops=cfg.goal.max_flops,
+            max_latency_ms=cfg.goal.max_latency_ms,
+            value=None,
+            met=False,
+            statement=f"no compressed model could be made: {reason}",
+        )
         methods: list[dict[str, Any]] = []
     else:
         final_ev = test_scores(pipe, final_dir)
-        assert final_ev["n"] == dense_ev["n"], f"dense tested on {dense_ev['n']} images, final on {final_ev['n']}"
+        assert final_ev.n == dense_ev.n, f"dense tested on {dense_ev.n} images, final on {final_ev.n}"
         prof = profile(
             final_dir,
             compare=pipe.base_dir,
@@ -262,18 +284,20 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
             dtype=rep.dtype,
             compile=rep.compile,
         )
-        c = prof["comparison"]
-        dense = _model_record(pipe.base_dir, dense_ev, prof["models"][c["reference"]])
-        final = _model_record(final_dir, final_ev, prof["models"][c["model"]])
+        c = prof.comparison
+        dense = _model_record(pipe.base_dir, dense_ev, prof.models[c.reference])
+        final = _model_record(final_dir, final_ev, prof.models[c.model])
         # the one ratio convention (nascompress.profiling.compare): final against dense
-        cmp = {
-            "top1_change": final["test_top1"] - dense["test_top1"],
-            "test_n": dense["test_n"],
-            "file_ratio": final["file_bytes"] / dense["file_bytes"],
-            "latency_speedup": None,
-            "throughput_speedup": None,
-            **compare_records(prof["models"][c["model"]], prof["models"][c["reference"]]),
-        }
+        cmp = Comparison.new(
+            **{
+                "top1_change": final.test_top1 - dense.test_top1,
+                "test_n": dense.test_n,
+                "file_ratio": final.file_bytes / dense.file_bytes,
+                "latency_speedup": None,  # (its place in the file; None when not timed)
+                "throughput_speedup": None,
+                **compare_records(prof.models[c.model], prof.models[c.reference]),
+            }
+        )
         goal = _goal(cfg, cmp, final)
         methods = [m.to_dict() for m in read_arch(final_dir).methods]
         dcs_rec = next((m for m in methods if m.get("name") == "dcs"), None)
@@ -285,45 +309,46 @@ def write_summary(pipe: Pipeline) -> dict[str, Any]:
     r = find_metrics(final_dir) if cfg.stages.retrain is not None and final_dir in kept_runs else None
     check = find_step_marker(out, "confirm")
     if check is not None:  # the pick checked against the channel-only model at the full budget
-        decisions["confirm"] = dict(check.result)
+        decisions["confirm"] = ConfirmDecision.new(**check.result)
     if r is not None:
-        decisions["retrain"] = {k: r.get(k) for k in _RETRAIN_KEYS}
-        decisions["retrain"]["teacher"] = cfg.stages.retrain.distil_from
-    decisions["methods"] = [
-        {
-            "name": m.get("name"),
-            "summary": _method_summary(m) if m.get("name") != "dcs" else "dcs: channels per block (see dcs)",
-        }
+        decisions["retrain"] = RetrainDecision.new(
+            **{k: r.get(k) for k in _RETRAIN_KEYS}, teacher=cfg.stages.retrain.distil_from
+        )
+    decisions["methods"] = tuple(
+        MethodLine.new(
+            name=m.get("name"),
+            summary=_method_summary(m) if m.get("name") != "dcs" else "dcs: channels per block (see dcs)",
+        )
         for m in methods
-    ]
+    )
     int8 = None
     if cfg.export is not None and cfg.export.quantize != "none" and final_dir is not None:
-        int8 = _int8(pipe, final_dir)
-    summary = {
+        int8 = Int8Section.new(**_int8(pipe, final_dir))
+    fields: dict[str, Any] = {
         "format": SUMMARY_FORMAT,
         "config": str((out / "config.yaml").resolve()),
         "source": str(Path(pipe.source).resolve()) if Path(pipe.source).is_file() else pipe.source,  # (nc.compress)
         "out": str(out.resolve()),
         "seed": cfg.seed,
-        "device": prof.get("device"),
-        "dtype": prof.get("dtype"),
-        "dataset": dense_ev.get("dataset"),
+        "device": prof.device,
+        "dtype": prof.dtype,
+        "dataset": dense_ev.dataset,
         "goal": goal,
         "dense": dense,
         "final": final,
         "comparison": cmp,
         "int8": int8,
-        "decisions": decisions,
+        "decisions": Decisions.new(**decisions),
         "stages": _stage_log(pipe),
         "written": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "splits": splits_summary(pipe),  # which images decided, which measured (data.carve)
     }
-    summary["splits"] = splits_summary(pipe)  # which images decided, which measured (data.carve)
     if cfg.report.dense_reference and find_metrics(out / DENSE_REFERENCE_DIR) is not None:
-        summary["dense_reference"] = dense_reference_record(pipe, dense_ev, final)
+        fields["dense_reference"] = dense_reference_record(pipe, dense_ev, final)
     study_html = None
     if cfg.stages.tokens is not None:
-        study_html = _study_report(pipe, front_marks(summary))
-    summary["report"] = str((out / "report.html").resolve())
+        study_html = _study_report(pipe, front_marks(Summary.new(**fields)))
+    summary = Summary.new(**fields, report=str((out / "report.html").resolve()))
     write_summary_json(out, summary)
     with atomic_path(out / "report.html") as tmp:
         tmp.write_text(
@@ -349,13 +374,13 @@ def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
     )
 
 
-def _goal(cfg: Any, cmp: dict[str, Any], final: dict[str, Any]) -> dict[str, Any]:
+def _goal(cfg: Any, cmp: Comparison, final: ModelResult) -> Goal:
     if cfg.goal.max_flops is not None:  # compared at the precision the report prints (.goal)
-        return flops_goal(cmp["flops_ratio"], cfg.goal.max_flops)
-    return latency_goal(final.get("latency_ms"), cfg.goal.max_latency_ms)
+        return flops_goal(cmp.flops_ratio, cfg.goal.max_flops)
+    return latency_goal(final.latency_ms, cfg.goal.max_latency_ms)
 
 
-def _base_decisions(pipe: Pipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
+def _base_decisions(pipe: Pipeline, dense_ev: Evaluation) -> BaseDecision:
     """The base's decisions; its test top-1 is the report's own (``dense_ev``: the images the
     comparison uses), the one its training measured (possibly on other images: ``data.eval_limit``
     draws a subset) is kept as ``trained_test_top1`` with its count."""
@@ -363,50 +388,50 @@ def _base_decisions(pipe: Pipeline, dense_ev: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {
         "kind": b.kind if not (b.kind == "import" and b.import_.linear_probe) else "import+probe",
         "run": str(pipe.base_dir),
-        "test_top1": dense_ev["top1"],
-        "test_n": dense_ev["n"],
+        "test_top1": dense_ev.top1,
+        "test_n": dense_ev.n,
     }
     bm = find_metrics(pipe.base_dir)
     if bm is not None:
         res.update({k: bm.get(k) for k in ("best_val_top1", "epochs", "l2", "train_time_s") if k in bm})
         res.update({f"trained_{k}": bm.get(k) for k in ("test_top1", "test_n") if k in bm})
-    return res
+    return BaseDecision.new(**res)
 
 
-def front_marks(s: dict[str, Any]) -> Any:
+def front_marks(s: Summary) -> Any:
     """What the study's fronts mark for this pipeline: the picked trial, the dense base and the final
     model (their test top-1, on the report's test images) and the goal."""
-    d, f, g = s["dense"], s["final"], s["goal"]
-    n = d["test_n"]
+    d, f, g = s.dense, s.final, s.goal
+    n = d.test_n
     dense = {
         "flops_ratio": Mark(
-            f"dense base: 1x the FLOPs, test top-1 {d['test_top1']:.2f}% ({n} test images)", 1.0, d["test_top1"]
+            f"dense base: 1x the FLOPs, test top-1 {d.test_top1:.2f}% ({n} test images)", 1.0, d.test_top1
         )
     }
     final = {}
     if f is not None:
-        ratio = s["comparison"]["flops_ratio"]
+        ratio = s.comparison.flops_ratio
         final["flops_ratio"] = Mark(
-            f"final model: {ratio:.3f}x the FLOPs, test top-1 {f['test_top1']:.2f}% ({n} test images)",
+            f"final model: {ratio:.3f}x the FLOPs, test top-1 {f.test_top1:.2f}% ({n} test images)",
             ratio,
-            f["test_top1"],
+            f.test_top1,
         )
     for kind, rec, into in (("dense base", d, dense), ("final model", f, final)):
-        if rec is not None and rec.get("latency_ms") is not None:
+        if rec is not None and rec.latency_ms is not None:
             into["latency_ms"] = Mark(
-                f"{kind}: {rec['latency_ms']:.2f} ms, test top-1 {rec['test_top1']:.2f}% ({n} test images)",
-                rec["latency_ms"],
-                rec["test_top1"],
+                f"{kind}: {rec.latency_ms:.2f} ms, test top-1 {rec.test_top1:.2f}% ({n} test images)",
+                rec.latency_ms,
+                rec.test_top1,
             )
     goal = (
-        {"flops_ratio": (g["max_flops"], f"goal: <= {g['max_flops']:g}x the dense FLOPs")}
-        if g.get("max_flops") is not None
-        else {"latency_ms": (g["max_latency_ms"], f"goal: <= {g['max_latency_ms']:g} ms at batch 1")}
-        if g.get("max_latency_ms") is not None
+        {"flops_ratio": (g.max_flops, f"goal: <= {g.max_flops:g}x the dense FLOPs")}
+        if g.max_flops is not None
+        else {"latency_ms": (g.max_latency_ms, f"goal: <= {g.max_latency_ms:g} ms at batch 1")}
+        if g.max_latency_ms is not None
         else {}
     )
-    picked = (s["decisions"].get("tokens") or {}).get("picked_trial")
-    return FrontMarks(picked=picked, dense=dense, final=final, goal=goal)
+    tokens = s.decisions.tokens
+    return FrontMarks(picked=None if tokens is None else tokens.picked_trial, dense=dense, final=final, goal=goal)
 
 
 def _study_report(pipe: Pipeline, marks: Any) -> str | None:

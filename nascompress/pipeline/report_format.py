@@ -11,221 +11,237 @@ from typing import Any
 from ..profiling.compare import dense_flops_text, speed_text, times_text
 from ..studies.report import REPORT_CSS
 from .dense_reference import reference_html
+from .summary import (
+    BaseDecision,
+    ConfirmDecision,
+    DcsDecision,
+    Goal,
+    RetrainDecision,
+    Summary,
+    TokensDecision,
+)
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def comparison_rows(s: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+def comparison_rows(s: Summary) -> list[tuple[str, str, str, str]]:
     """(metric, dense, final, change) rows of the comparison, as text: the final model against the
     dense base in the one ratio convention (:mod:`nascompress.profiling.compare`)."""
-    d, f, c = s["dense"], s["final"], s["comparison"]
-    top1 = "test top-1" + ("" if d.get("test_n") is None else f" ({d['test_n']} images)")
+    d, f, c = s.dense, s.final, s.comparison
+    top1 = "test top-1" + ("" if d.test_n is None else f" ({d.test_n} images)")
     if f is None:  # no compressed model could be made
-        return [(top1, f"{d['test_top1']:.2f}%", "-", "-"), ("FLOPs / image", f"{d['macs'] / 1e6:.2f} M", "-", "-")]
+        return [(top1, f"{d.test_top1:.2f}%", "-", "-"), ("FLOPs / image", f"{d.macs / 1e6:.2f} M", "-", "-")]
     rows = [
-        (top1, f"{d['test_top1']:.2f}%", f"{f['test_top1']:.2f}%", f"{c['top1_change']:+.2f} points"),
-        ("test loss", f"{d['test_loss']:.4f}", f"{f['test_loss']:.4f}", f"{f['test_loss'] - d['test_loss']:+.4f}"),
-        (
-            "FLOPs / image",
-            f"{d['macs'] / 1e6:.2f} M",
-            f"{f['macs'] / 1e6:.2f} M",
-            times_text(c["flops_ratio"], "FLOPs"),
-        ),
-        ("parameters", f"{d['params']:,}", f"{f['params']:,}", times_text(c["params_ratio"], "parameters")),
-        ("file size", _mb(d["file_bytes"]), _mb(f["file_bytes"]), times_text(c["file_ratio"], "size")),
+        (top1, f"{d.test_top1:.2f}%", f"{f.test_top1:.2f}%", f"{c.top1_change:+.2f} points"),
+        ("test loss", f"{d.test_loss:.4f}", f"{f.test_loss:.4f}", f"{f.test_loss - d.test_loss:+.4f}"),
+        ("FLOPs / image", f"{d.macs / 1e6:.2f} M", f"{f.macs / 1e6:.2f} M", times_text(c.flops_ratio, "FLOPs")),
+        ("parameters", f"{d.params:,}", f"{f.params:,}", times_text(c.params_ratio, "parameters")),
+        ("file size", _mb(d.file_bytes), _mb(f.file_bytes), times_text(c.file_ratio, "size")),
     ]
-    if c.get("latency_speedup") is not None:
+    timed = [("", "", c.latency_speedup, c.throughput_speedup)]
+    timed.append(("_compiled", ", compiled", c.latency_speedup_compiled, c.throughput_speedup_compiled))
+    for suffix, how, lat, tp in timed:
+        if lat is None:
+            continue
+        key = f"latency_ms{suffix}"
         rows.append(
             (
-                f"latency, batch {d['latency_batch']}",
-                f"{d['latency_ms']:.2f} ms",
-                f"{f['latency_ms']:.2f} ms",
-                speed_text(c["latency_speedup"]),
+                f"latency, batch {d.latency_batch}{how}",
+                f"{getattr(d, key):.2f} ms",
+                f"{getattr(f, key):.2f} ms",
+                speed_text(lat),
             )
         )
+        key = f"throughput{suffix}"
         rows.append(
             (
-                f"throughput, batch {d['throughput_batch']}",
-                f"{d['throughput']:.1f} img/s",
-                f"{f['throughput']:.1f} img/s",
-                speed_text(c["throughput_speedup"]),
-            )
-        )
-    if c.get("latency_speedup_compiled") is not None:
-        rows.append(
-            (
-                f"latency, batch {d['latency_batch']}, compiled",
-                f"{d['latency_ms_compiled']:.2f} ms",
-                f"{f['latency_ms_compiled']:.2f} ms",
-                speed_text(c["latency_speedup_compiled"]),
-            )
-        )
-        rows.append(
-            (
-                f"throughput, batch {d['throughput_batch']}, compiled",
-                f"{d['throughput_compiled']:.1f} img/s",
-                f"{f['throughput_compiled']:.1f} img/s",
-                speed_text(c["throughput_speedup_compiled"]),
+                f"throughput, batch {d.throughput_batch}{how}",
+                f"{getattr(d, key):.1f} img/s",
+                f"{getattr(f, key):.1f} img/s",
+                speed_text(tp),
             )
         )
     return rows
 
 
-def models_note(s: dict[str, Any]) -> str:
+def models_note(s: Summary) -> str:
     """Which runs the comparison's columns are, and on what it was measured."""
-    d, f = s["dense"], s["final"]
-    both = f"dense base {d.get('run', '')}" + ("" if f is None else f"; compressed {f.get('run', '')}")
-    n = "" if d.get("test_n") is None else f" {d['test_n']}"  # a summary written before the count was kept
+    d, f = s.dense, s.final
+    both = f"dense base {d.run or ''}" + ("" if f is None else f"; compressed {f.run or ''}")
+    n = "" if d.test_n is None else f" {d.test_n}"  # a summary written before the count was kept
     return (
         f"{both}. The same{n} test images for both; 'change' is the compressed model against the "
         "dense base (x the FLOPs: below 1 is smaller; x faster: above 1 is faster)."
     )
 
 
-def goal_text(s: dict[str, Any]) -> str:
-    g = s["goal"]
-    if g.get("value") is None and g.get("statement"):
-        return f"NOT met: {g['statement']}"
-    if g.get("max_flops") is not None:
-        return f"FLOPs <= {g['max_flops']:g}x the dense base: {g['value']:.3f}x, {_verdict(g, 'x', 4)}"
-    if g["value"] is None:
-        return f"latency <= {g['max_latency_ms']:g} ms at batch 1: not measured (report.latency is off)"
-    return f"latency <= {g['max_latency_ms']:g} ms at batch 1: {g['value']:.2f} ms, {_verdict(g, ' ms', 2)}"
+def goal_text(s: Summary) -> str:
+    g = s.goal
+    if g.value is None and g.statement:
+        return f"NOT met: {g.statement}"
+    if g.max_flops is not None:
+        return f"FLOPs <= {g.max_flops:g}x the dense base: {g.value:.3f}x, {_verdict(g, 'x', 4)}"
+    if g.value is None:
+        return f"latency <= {g.max_latency_ms:g} ms at batch 1: not measured (report.latency is off)"
+    return f"latency <= {g.max_latency_ms:g} ms at batch 1: {g.value:.2f} ms, {_verdict(g, ' ms', 2)}"
 
 
-def _verdict(g: dict[str, Any], unit: str, digits: int) -> str:
+def _verdict(g: Goal, unit: str, digits: int) -> str:
     """``met`` or ``NOT met``, with by how much a goal was missed (``missed_by``, :mod:`.goal`)."""
-    if g["met"]:
+    if g.met:
         return "met"
-    by = g.get("missed_by")
-    return "NOT met" if by is None else f"NOT met (above it by {by:.{digits}f}{unit})"
+    return "NOT met" if g.missed_by is None else f"NOT met (above it by {g.missed_by:.{digits}f}{unit})"
 
 
-def dcs_rows(s: dict[str, Any]) -> list[tuple[str, str, str]]:
+def dcs_rows(s: Summary) -> list[tuple[str, str, str]]:
     """(block, MLP channels kept, Q/K channels kept per head) rows of the DCS decision."""
-    dcs = s["decisions"].get("dcs")
-    if not dcs or not dcs.get("blocks"):
+    dcs = s.decisions.dcs
+    if dcs is None or not dcs.blocks:
         return []
     rows = []
-    for b in dcs["blocks"]:
-        qk = "all" if b["qk_kept"] is None else f"{' '.join(map(str, b['qk_kept']))} of {b['head_dim']}"
-        rows.append((str(b["block"]), f"{b['mlp_kept']} of {b['mlp_total']}", qk))
+    for b in dcs.blocks:
+        qk = "all" if b.qk_kept is None else f"{' '.join(map(str, b.qk_kept))} of {b.head_dim}"
+        rows.append((str(b.block), f"{b.mlp_kept} of {b.mlp_total}", qk))
     return rows
 
 
-def dcs_column(s: dict[str, Any]) -> str:
+def dcs_column(s: Summary) -> str:
     """The heading of the DCS table's MLP column: what the family gates."""
-    hidden = (s["decisions"].get("dcs") or {}).get("mlp_gates") == "hidden"
+    hidden = s.decisions.dcs is not None and s.decisions.dcs.mlp_gates == "hidden"
     return "MLP hidden neurons" if hidden else "MLP residual channels"
 
 
-def decision_lines(s: dict[str, Any]) -> list[str]:
+def decision_lines(s: Summary) -> list[str]:
     """The decisions other than the per-block DCS table, one line each."""
-    dec, lines = s["decisions"], []
-    base = dec.get("base", {})
-    if base:
-        acc = "" if base.get("test_top1") is None else f", test top-1 {base['test_top1']:.2f}%{_on(base.get('test_n'))}"
-        if base.get("trained_test_top1") is not None and base.get("trained_test_n") != base.get("test_n"):
-            acc += (
-                f" (when trained: {base['trained_test_top1']:.2f}%{_on(base.get('trained_test_n'))}, "
-                "not the images of this comparison)"
-            )
-        lines.append(f"base: {base['kind']} {base['run']}{acc}")
-    dcs = dec.get("dcs")
-    if dcs and dcs.get("dcs_outcome") == "skipped":
-        lines.append(
-            f"dcs: the search collapsed at the planned target {dcs.get('planned_target')}x and at the milder "
-            f"one; the pipeline went on without DCS ({dcs.get('dcs_reason')})"
+    dec = s.decisions
+    return [
+        *_base_lines(dec.base),
+        *_dcs_lines(dec.dcs),
+        *_tokens_lines(dec.tokens),
+        *_confirm_lines(dec.confirm),
+        *_retrain_lines(dec.retrain),
+    ]
+
+
+def _base_lines(base: BaseDecision | None) -> list[str]:
+    if base is None:
+        return []
+    acc = "" if base.test_top1 is None else f", test top-1 {base.test_top1:.2f}%{_on(base.test_n)}"
+    if base.trained_test_top1 is not None and base.trained_test_n != base.test_n:
+        acc += (
+            f" (when trained: {base.trained_test_top1:.2f}%{_on(base.trained_test_n)}, "
+            "not the images of this comparison)"
         )
-    elif dcs and dcs.get("blocks") is not None:
-        move = dcs.get("calibration_move")
-        cal = (
-            (" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
-            if dcs.get("calibrated")
-            else ""
+    return [f"base: {base.kind} {base.run}{acc}"]
+
+
+def _dcs_lines(dcs: DcsDecision | None) -> list[str]:
+    if dcs is None:
+        return []
+    if dcs.dcs_outcome == "skipped":
+        return [
+            f"dcs: the search collapsed at the planned target {dcs.planned_target}x and at the milder "
+            f"one; the pipeline went on without DCS ({dcs.dcs_reason})"
+        ]
+    if dcs.blocks is None:
+        if dcs.in_final_model is False and dcs.flops_ratio is not None:
+            val = "" if dcs.val_top1 is None else f", validation top-1 {dcs.val_top1:.2f}%"
+            return [
+                f"dcs: target {dcs.target_flops}x the dense FLOPs, landed at {dcs.flops_ratio:.3f}x{val}; "
+                "not in the final model: the pick across the token studies took a token-only model of the dense base"
+            ]
+        return []
+    move = dcs.calibration_move
+    cal = (
+        (" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
+        if dcs.calibrated
+        else ""
+    )
+    if dcs.at_target_share is not None:
+        cal += f", at the target for {dcs.at_target_share:.0%} of the search"
+    ratio = f", landed at {dcs.flops_ratio:.3f}x{cal}" if dcs.flops_ratio is not None else ""
+    what = "hidden neurons" if dcs.mlp_gates == "hidden" else "residual channels"
+    if dcs.cost == "latency":  # the search steered its predicted latency; the FLOPs follow
+        lat = dcs.latency_ratio
+        ratio = (f", landed at {lat:.3f}x predicted{cal}" if lat is not None else "") + (
+            f" ({dcs.flops_ratio:.3f}x the FLOPs)" if dcs.flops_ratio is not None else ""
         )
-        if dcs.get("at_target_share") is not None:
-            cal += f", at the target for {dcs['at_target_share']:.0%} of the search"
-        ratio = f", landed at {dcs['flops_ratio']:.3f}x{cal}" if dcs.get("flops_ratio") is not None else ""
-        what = "hidden neurons" if dcs.get("mlp_gates") == "hidden" else "residual channels"
-        if dcs.get("cost") == "latency":  # the search steered its predicted latency; the FLOPs follow
-            lat = dcs.get("latency_ratio")
-            ratio = (f", landed at {lat:.3f}x predicted{cal}" if lat is not None else "") + (
-                f" ({dcs['flops_ratio']:.3f}x the FLOPs)" if dcs.get("flops_ratio") is not None else ""
-            )
-            goal_text = f"target {dcs.get('target_latency')}x the dense latency"
-        else:
-            goal_text = f"target {dcs.get('target_flops')}x the dense FLOPs"
+        target = f"target {dcs.target_latency}x the dense latency"
+    else:
+        target = f"target {dcs.target_flops}x the dense FLOPs"
+    lines = [
+        f"dcs: {target}{ratio}; MLP {what} kept "
+        f"{dcs.mlp_kept_total} of {dcs.mlp_total}; Q/K mask {dcs.config.get('qk_mask')}"
+    ]
+    if dcs.family_reason:
+        lines.append(f"  MLP gates {dcs.family_reason}")
+    if dcs.kept_reason:  # the searched model against the magnitude baseline at the same FLOPs
+        lines.append(f"  {dcs.kept_reason}")
+    if dcs.dcs_outcome == "milder":
         lines.append(
-            f"dcs: {goal_text}{ratio}; MLP {what} kept "
-            f"{dcs['mlp_kept_total']} of {dcs['mlp_total']}; Q/K mask {dcs['config'].get('qk_mask')}"
-        )
-        if dcs.get("family_reason"):
-            lines.append(f"  MLP gates {dcs['family_reason']}")
-        if dcs.get("kept_reason"):  # the searched model against the magnitude baseline at the same FLOPs
-            lines.append(f"  {dcs['kept_reason']}")
-        if dcs.get("dcs_outcome") == "milder":
-            lines.append(
-                f"  the search at the planned target {dcs.get('planned_target')}x collapsed; retried at "
-                f"{dcs.get('dcs_target')}x ({dcs.get('dcs_reason')})"
-            )
-    elif dcs and dcs.get("in_final_model") is False and dcs.get("flops_ratio") is not None:
-        val = "" if dcs.get("val_top1") is None else f", validation top-1 {dcs['val_top1']:.2f}%"
-        lines.append(
-            f"dcs: target {dcs.get('target_flops')}x the dense FLOPs, landed at {dcs['flops_ratio']:.3f}x{val}; "
-            "not in the final model: the pick across the token studies took a token-only model of the dense base"
-        )
-    tok = dec.get("tokens")
-    if tok:
-        acc, ratio = tok.get("trial_accuracy"), tok.get("trial_flops_ratio")
-        lines.append(
-            f"tokens: study {tok['study']!r}, {tok.get('trials_complete')} trials; picked trial "
-            f"{tok.get('picked_trial')} by {tok['pick_rule']} ("
-            + (
-                ""
-                if acc is None
-                else f"accuracy {acc:.2f}% on the search's validation images (eval_images {tok.get('eval_images')}), "
-            )
-            + ("" if ratio is None else dense_flops_text(ratio))
-            + ")"
-        )
-        if tok.get("dense_study") and tok.get("candidates"):  # where to cut: channels + tokens, or tokens alone
-            parts = []
-            for name, c in tok["candidates"].items():
-                what = "tokens only, on the dense base" if name == tok["dense_study"] else "on the DCS model"
-                parts.append(
-                    f"{name!r} ({what}): "
-                    + (
-                        f"trial {c['trial']}, {c['accuracy']:.2f}% at {c['flops_ratio']:.3f}x"
-                        if c.get("trial") is not None
-                        else "no trial meets the goal"
-                    )
-                )
-            if tok.get("dense_skipped"):
-                parts.append(f"{tok['dense_study']!r} (tokens only): {tok['dense_skipped']}")
-            lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok['picked_study']!r}")
-        if tok.get("params"):
-            lines.append(
-                "  params: "
-                + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tok["params"].items())
-            )
-        for m in tok["methods"]:
-            lines.append(f"  {m['summary']}")
-    ck = dec.get("confirm")
-    if ck:
-        lines.append(f"confirm: not run ({ck.get('reason')})" if ck.get("skipped") else f"confirm: {ck.get('reason')}")
-    rt = dec.get("retrain")
-    if rt:
-        extra = "" if rt.get("batch_size") is None else f", batch {rt['batch_size']}, feature KD {rt.get('feat_kd')}"
-        warm = f" ({rt['warm_epochs']} CE-only)" if rt["eta"] else ""  # epochs before the IB bound joins
-        lines.append(
-            f"retrain: {rt['epochs']} epochs, eta {rt['eta']:g}{warm}, teacher "
-            f"{rt['teacher']}{extra}, best epoch {rt['best_epoch']}, test top-1 {rt['test_top1']:.2f}%"
-            f"{_on(rt.get('test_n'))}"
+            f"  the search at the planned target {dcs.planned_target}x collapsed; retried at "
+            f"{dcs.dcs_target}x ({dcs.dcs_reason})"
         )
     return lines
+
+
+def _tokens_lines(tok: TokensDecision | None) -> list[str]:
+    if tok is None:
+        return []
+    acc, ratio = tok.trial_accuracy, tok.trial_flops_ratio
+    lines = [
+        f"tokens: study {tok.study!r}, {tok.trials_complete} trials; picked trial "
+        f"{tok.picked_trial} by {tok.pick_rule} ("
+        + (
+            ""
+            if acc is None
+            else f"accuracy {acc:.2f}% on the search's validation images (eval_images {tok.eval_images}), "
+        )
+        + ("" if ratio is None else dense_flops_text(ratio))
+        + ")"
+    ]
+    if tok.dense_study and tok.candidates:  # where to cut: channels + tokens, or tokens alone
+        parts = []
+        for name, c in tok.candidates.items():
+            what = "tokens only, on the dense base" if name == tok.dense_study else "on the DCS model"
+            parts.append(
+                f"{name!r} ({what}): "
+                + (
+                    f"trial {c.trial}, {c.accuracy:.2f}% at {c.flops_ratio:.3f}x"
+                    if c.trial is not None
+                    else "no trial meets the goal"
+                )
+            )
+        if tok.dense_skipped:
+            parts.append(f"{tok.dense_study!r} (tokens only): {tok.dense_skipped}")
+        lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok.picked_study!r}")
+    if tok.params:
+        lines.append(
+            "  params: "
+            + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tok.params.items())
+        )
+    lines += [f"  {m.summary}" for m in tok.methods]
+    return lines
+
+
+def _confirm_lines(ck: ConfirmDecision | None) -> list[str]:
+    if ck is None or not ck.to_dict():  # (a confirm step that recorded nothing)
+        return []
+    return [f"confirm: not run ({ck.reason})" if ck.skipped else f"confirm: {ck.reason}"]
+
+
+def _retrain_lines(rt: RetrainDecision | None) -> list[str]:
+    if rt is None:
+        return []
+    extra = "" if rt.batch_size is None else f", batch {rt.batch_size}, feature KD {rt.feat_kd}"
+    warm = f" ({rt.warm_epochs} CE-only)" if rt.eta else ""  # epochs before the IB bound joins
+    return [
+        f"retrain: {rt.epochs} epochs, eta {rt.eta:g}{warm}, teacher "
+        f"{rt.teacher}{extra}, best epoch {rt.best_epoch}, test top-1 {rt.test_top1:.2f}%"
+        f"{_on(rt.test_n)}"
+    ]
 
 
 def _on(n: int | None) -> str:
@@ -238,21 +254,21 @@ def _on_threads(n: Any) -> str:
     return " (1 thread)" if n == 1 else ""
 
 
-def int8_table_rows(s: dict[str, Any]) -> list[tuple[str, ...]]:
+def int8_table_rows(s: Summary) -> list[tuple[str, ...]]:
     """(model, runtime, test top-1, file size, latency, throughput) rows of the summary's int8 section."""
     rows = []
-    for r in (s.get("int8") or {}).get("rows", []):
-        if "failed" in r:
-            rows.append((r["model"], r["runtime"], "not kept: " + r["failed"], "-", "-", "-"))
+    for r in () if s.int8 is None else s.int8.rows:
+        if r.failed is not None:
+            rows.append((r.model, r.runtime, "not kept: " + r.failed, "-", "-", "-"))
             continue
         rows.append(
             (
-                r["model"],
-                r["runtime"],
-                f"{r['test_top1']:.2f}%{_on(r.get('test_n'))}",
-                _mb(r["file_bytes"]),
-                f"{r['latency_ms']:.2f} ms" + _on_threads(r.get("latency_threads")),
-                f"{r['throughput']:.1f} img/s" + _on_threads(r.get("throughput_threads")),
+                r.model,
+                r.runtime,
+                f"{r.test_top1:.2f}%{_on(r.test_n)}",
+                _mb(r.file_bytes),
+                f"{r.latency_ms:.2f} ms" + _on_threads(r.latency_threads),
+                f"{r.throughput:.1f} img/s" + _on_threads(r.throughput_threads),
             )
         )
     return rows
@@ -273,20 +289,20 @@ def _study_fragment(text: str) -> str:
     return f'<section id="study">{body}</section>'
 
 
-def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = None) -> str:
+def build_html(s: Summary, *, config_text: str, study_html: str | None = None) -> str:
     """The pipeline's report: one self-contained HTML file (no external resources)."""
     meta = [
-        ("config", s["source"]),
-        ("output", s["out"]),
-        ("dataset", s.get("dataset")),
-        ("seed", s["seed"]),
-        ("device", s.get("device")),
+        ("config", s.source),
+        ("output", s.out),
+        ("dataset", s.dataset),
+        ("seed", s.seed),
+        ("device", s.device),
         ("goal", goal_text(s)),
-        ("written", s["written"]),
+        ("written", s.written),
     ]
     dl = "".join(f"<dt>{html.escape(k)}</dt><dd>{html.escape(str(v))}</dd>" for k, v in meta if v is not None)
     parts = [
-        f"<h1>nascompress pipeline: {html.escape(Path(s['source']).name)}</h1><dl>{dl}</dl>",
+        f"<h1>nascompress pipeline: {html.escape(Path(s.source).name)}</h1><dl>{dl}</dl>",
         "<h2>Result against the dense base</h2>",
         _table(["", "dense base", "compressed", "change"], comparison_rows(s), "comparison"),
         f'<p class="note">{html.escape(models_note(s))} FLOPs counted as the papers count them (one multiply-add '
@@ -302,8 +318,8 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
                         "runtime",
                         "test top-1",
                         "file size",
-                        f"latency, batch {s['int8']['latency_batch']}",
-                        f"throughput, batch {s['int8']['throughput_batch']}",
+                        f"latency, batch {s.int8.latency_batch}",
+                        f"throughput, batch {s.int8.throughput_batch}",
                     ],
                     int8_table_rows(s),
                     "int8",
@@ -311,7 +327,7 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
                 '<p class="note">The four models timed interleaved in one process (medians); the dense int8 file is '
                 "made with the export's quantize settings for this comparison.</p>",
             ]
-            if s.get("int8")
+            if s.int8 is not None
             else []
         ),
         "<h2>Decisions</h2>",
@@ -323,17 +339,14 @@ def build_html(s: dict[str, Any], *, config_text: str, study_html: str | None = 
             "<h3>DCS: channels kept per block</h3>",
             _table(["block", dcs_column(s), "Q/K channels per head"], rows, "dcs-blocks"),
         ]
-    methods = s["decisions"].get("tokens", {}).get("methods") or []
+    methods = () if s.decisions.tokens is None else s.decisions.tokens.methods
     if methods:
-        rows2 = [(m["name"], m["summary"].split(": ", 1)[-1]) for m in methods]
+        rows2 = [(m.name, m.summary.split(": ", 1)[-1]) for m in methods]
         parts += [
             "<h3>Token / attention methods of the final model</h3>",
             _table(["method", "settings"], rows2, "token-methods"),
         ]
-    stage_rows = [
-        (r["step"], r["what"], "" if r["seconds"] is None else f"{r['seconds']:.1f}", r["dir"] or "")
-        for r in s["stages"]
-    ]
+    stage_rows = [(r.step, r.what, "" if r.seconds is None else f"{r.seconds:.1f}", r.dir or "") for r in s.stages]
     parts += [
         "<h2>Stages</h2>",
         _table(["step", "what", "seconds", "directory"], stage_rows, "stages"),

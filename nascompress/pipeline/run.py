@@ -17,7 +17,8 @@ from ..limits import check_path_names
 from ..data import dataset_paths
 from .files import DONE_DIR as STEP_DONE_DIR
 from .files import StepMarker, find_step_marker, read_summary, write_step_marker
-from ..runs.files import has_metrics
+from .summary import Summary, ThisRun
+from ..runs.files import Record, has_metrics
 from ..runs.owner import MARK_FILE, check_replaceable, clear_own, write_mark
 from ..train.run import RUNTIME_SETTINGS
 from ..progress import pipeline_eta
@@ -168,6 +169,8 @@ def step_done(out: Path, step: Step) -> bool:
 
 def _compact(res: Any) -> Any:
     """A step's result as kept in its marker (scalars only; the stage's own files hold the rest)."""
+    if isinstance(res, Record):  # a typed result (the report's Summary): its JSON object
+        res = res.to_dict()
     if not isinstance(res, dict):
         return {}
     return {k: v for k, v in res.items() if isinstance(v, (int, float, str, bool)) or v is None}
@@ -182,8 +185,10 @@ def run_pipeline(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     source: str = "the pipeline config",
-) -> dict[str, Any]:
-    """Validate ``config``, then run (or continue) the pipeline in ``out``; return the summary.
+) -> Summary:
+    """Validate ``config``, then run (or continue) the pipeline in ``out``; return its summary
+    (``summary.json``'s :class:`~nascompress.pipeline.summary.Summary`, with ``this_run``: what this
+    call ran, what it found done).
 
     Args:
         config: the pipeline YAML file, or its sections as data (the Python API builds them).
@@ -274,10 +279,10 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
         eta.finish(step.name)
         left = eta.text()
         log(f"{step.name}: done in {time.perf_counter() - t0:.1f} s" + (f"; {left}" if left else ""))
-    summary = read_summary(pipe.out).to_dict()
-    summary["this_run"] = {
-        "resumed": resumed,
-        "ran": [k for k, v in ran.items() if v],
-        "skipped": [k for k, v in ran.items() if not v],
-    }
-    return summary
+    return read_summary(pipe.out).set(
+        this_run=ThisRun.new(
+            resumed=resumed,
+            ran=[k for k, v in ran.items() if v],
+            skipped=[k for k, v in ran.items() if not v],
+        )
+    )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..profiling.jobs import evaluate_run
+from ..profiling.records import Evaluation
 from ..runs.files import find_metrics
 from ..runs.io import CONFIG_FILE, MODEL_FILE, load_with_arch, read_arch
 from ..errors import NascompressError
@@ -42,9 +43,10 @@ def _on_cpu(device: Any) -> bool:
         return False
 
 
-def recorded_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any] | None:
-    """``run_dir``'s recorded test scores in :func:`~nascompress.profiling.jobs.evaluate_run`'s form, or None
-    unless evaluating it again would give them bit for bit: a run this pipeline trained (inside OUT)
+def recorded_scores(pipe: Pipeline, run_dir: Path) -> Evaluation | None:
+    """``run_dir``'s recorded test scores as :func:`~nascompress.profiling.jobs.evaluate_run`'s
+    :class:`~nascompress.profiling.records.Evaluation`, or None unless evaluating it again would give
+    them bit for bit: a run this pipeline trained (inside OUT)
     that finished, tested on the CPU in fp32 (``amp`` off) at the report's batch in one process, on the
     report's data (its ``config.json``'s data equal to the pipeline's but for train-only keys), its
     weights not written since, a model without early exits (their counts are the report's), and the
@@ -71,18 +73,18 @@ def recorded_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any] | None:
     model, _ = load_with_arch(run_dir)
     if hasattr(model, "inference_stats"):
         return None
-    return {
-        "top1": m["test_top1"],
-        "loss": m["test_loss"],
-        "n": m["test_n"],
-        "split": "test",
-        "dataset": m.get("dataset"),
-        "methods": list(read_arch(run_dir).method_names),
-        "dtype": "fp32",
-    }
+    return Evaluation.new(
+        top1=m["test_top1"],
+        loss=m["test_loss"],
+        n=m["test_n"],
+        split="test",
+        dataset=m.get("dataset"),
+        methods=list(read_arch(run_dir).method_names),
+        dtype="fp32",
+    )
 
 
-def test_scores(pipe: Pipeline, run_dir: Path) -> dict[str, Any]:
+def test_scores(pipe: Pipeline, run_dir: Path) -> Evaluation:
     """The test top-1, loss and count of the model in ``run_dir`` on the pipeline's test split:
     :func:`recorded_scores` where they are provably the same, else :func:`~nascompress.profiling.jobs.evaluate_run`."""
     rec = recorded_scores(pipe, run_dir)

@@ -11,23 +11,32 @@ commands that state a FLOPs ratio against the dense model all use these keys and
 
 from __future__ import annotations
 
-from typing import Any
-
-SIZE_KEYS = {"flops_ratio": "macs", "params_ratio": "params"}  # model / reference of these record fields
+from .records import ModelProfile, ProfileComparison
 
 
-def compare_records(model: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
-    """The ratios of one profile record (:func:`~.report.profile_models`) against another's.
+def compare_records(model: ModelProfile, reference: ModelProfile) -> dict[str, float]:
+    """The ratios of one profiled model (:func:`~.report.profile_models`' :class:`~.records.ModelProfile`)
+    against another's, by name (the fields of a :class:`~.records.ProfileComparison` and of the
+    pipeline summary's comparison).
 
     Returns ``flops_ratio`` and ``params_ratio`` (model / reference: < 1 is smaller) and, where
     both were timed, ``latency_speedup`` and ``throughput_speedup`` (> 1 is faster; and their
     ``_compiled`` twins)."""
-    ratios = {k: model[f] / reference[f] for k, f in SIZE_KEYS.items()}
-    for suffix in ("", "_compiled"):
-        lat, tp = f"latency_ms{suffix}", f"throughput{suffix}"
-        if model.get(lat) and reference.get(lat):
-            ratios[f"latency_speedup{suffix}"] = reference[lat] / model[lat]
-            ratios[f"throughput_speedup{suffix}"] = model[tp] / reference[tp]
+    ratios = {"flops_ratio": model.macs / reference.macs, "params_ratio": model.params / reference.params}
+    timed = (
+        ("", model.latency_ms, reference.latency_ms, model.throughput, reference.throughput),
+        (
+            "_compiled",
+            model.latency_ms_compiled,
+            reference.latency_ms_compiled,
+            model.throughput_compiled,
+            reference.throughput_compiled,
+        ),
+    )
+    for suffix, lat, ref_lat, tp, ref_tp in timed:
+        if lat and ref_lat:
+            ratios[f"latency_speedup{suffix}"] = ref_lat / lat
+            ratios[f"throughput_speedup{suffix}"] = tp / ref_tp
     return ratios
 
 
@@ -46,19 +55,23 @@ def speed_text(speedup: float) -> str:
     return f"{speedup:.2f}x faster" + (" (slower)" if speedup < 1 else "")
 
 
-def comparison_text(c: dict[str, Any], *, model: str, reference: str) -> list[str]:
+def comparison_text(c: ProfileComparison) -> list[str]:
     """A profile's comparison (:func:`~nascompress.profiling.jobs.profile` with ``compare=``) as lines: both
     models named, what each figure was measured on."""
     lines = [
-        f"{model} against the reference {reference}:",
-        f"  {times_text(c['flops_ratio'], 'FLOPs')} (per image, mean of {c['flops_images']} random images), "
-        f"{times_text(c['params_ratio'], 'parameters')}",
+        f"{c.model} against the reference {c.reference}:",
+        f"  {times_text(c.flops_ratio, 'FLOPs')} (per image, mean of {c.flops_images} random images), "
+        f"{times_text(c.params_ratio, 'parameters')}",
     ]
-    for suffix, how in (("", ""), ("_compiled", ", compiled")):
-        if c.get(f"latency_speedup{suffix}") is not None:
+    speeds = (
+        ("", c.latency_speedup, c.throughput_speedup),
+        (", compiled", c.latency_speedup_compiled, c.throughput_speedup_compiled),
+    )
+    for how, latency, throughput in speeds:
+        if latency is not None:
             lines.append(
-                f"  latency {speed_text(c[f'latency_speedup{suffix}'])} (batch {c['latency_batch']}{how}), "
-                f"throughput {speed_text(c[f'throughput_speedup{suffix}'])} "
-                f"(batch {c['throughput_batch']}{how}); timed interleaved in one process"
+                f"  latency {speed_text(latency)} (batch {c.latency_batch}{how}), "
+                f"throughput {speed_text(throughput)} "
+                f"(batch {c.throughput_batch}{how}); timed interleaved in one process"
             )
     return lines

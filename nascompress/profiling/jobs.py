@@ -1,10 +1,10 @@
 """The jobs behind the dense commands that measure a saved model: ``evaluate`` (accuracy on a split),
-``profile`` (FLOPs, parameters and latency, against a dense model) and MG-ViT's epsilon sweep."""
+``profile`` (FLOPs, parameters and latency, against a dense model) and MG-ViT's epsilon sweep, each
+returning its frozen record (:mod:`nascompress.profiling.records`: ``to_dict()`` is the ``--json``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -21,6 +21,7 @@ from .evaluate import evaluate
 from ..runs.io import load_typed, load_with_arch
 from ..models.build import ModelSpec, build_model, input_size
 from . import profile_models
+from .records import EpsilonSweep, Evaluation, Profile, ProfileComparison, StageFlops
 from ..train.run import check_classes
 from ..runs.run_config import run_data_config
 from ..methods.mgvit_modules import MGViT
@@ -37,7 +38,7 @@ def evaluate_run(
     device: str = "auto",
     batch_size: int = 256,
     dtype: str = "fp32",
-) -> dict[str, Any]:
+) -> Evaluation:
     """Evaluate a saved model on a split of its dataset (or ``data``), optionally vs a teacher;
     ``dtype`` (fp32, bf16, fp16): the weights and inputs (TF32 matmuls for fp32 on CUDA)."""
     dev = runtime.resolve_device(device)
@@ -51,11 +52,10 @@ def evaluate_run(
             batch_size=batch_size,
             dtype=runtime.parse_dtype(dtype),
         )
-    res["dtype"] = runtime.dtype_name(runtime.parse_dtype(dtype))
-    return res
+    return res.set(dtype=runtime.dtype_name(runtime.parse_dtype(dtype)))
 
 
-def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> dict[str, Any]:
+def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> Evaluation:
     model, arch = load_typed(run_dir, map_location=dev, dtype=dtype)
     data = data or run_data_config(run_dir) or DataConfig()
     spec = InputSpec.from_dict(dict(arch.input))
@@ -77,10 +77,10 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> d
         teacher=t_model,
         teacher_spec=t_spec,
     )
-    if dynamic:
-        res.update(model.inference_stats())
-    res.update(split=split, dataset=part.name, methods=list(arch.method_names), splits=part.splits)
-    return res
+    stats = model.inference_stats() if dynamic else {}
+    return Evaluation.new(
+        **{**res, **stats}, split=split, dataset=part.name, methods=list(arch.method_names), splits=part.splits
+    )
 
 
 def profile(
@@ -93,7 +93,7 @@ def profile(
     iters: int = 10,
     dtype: str = "fp32",
     compile: bool = False,
-) -> dict[str, Any]:
+) -> Profile:
     """Profile a saved run (or a timm model spec), optionally against a reference run ``compare``
     (e.g. the dense base), timed interleaved: ``comparison`` then holds the target against the
     reference (:mod:`nascompress.profiling.compare`: ``flops_ratio`` < 1 is smaller,
@@ -114,7 +114,7 @@ def profile(
         )
 
 
-def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile) -> dict[str, Any]:
+def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile) -> Profile:
     def get(t: str | Path | ModelSpec) -> tuple[str, nn.Module]:
         if isinstance(t, ModelSpec):
             return t.name, build_model(t)
@@ -139,23 +139,26 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
         compile=compile,
         flops_batch=flops_batch,
     )
-    res["models"] = {k: res["models"][k] for k in models}
-    if ref_label is not None:
-        ((model_label, ratios),) = res.pop("ratios").items()  # compare_records(target, reference)
-        rec = res["models"][model_label]
-        res["comparison"] = {
-            "model": model_label,
-            "reference": ref_label,
-            **ratios,
-            "flops_images": flops_batch,
-            "latency_batch": rec.get("latency_batch"),
-            "throughput_batch": rec.get("throughput_batch"),
-        }
+    recs = {k: res.models[k] for k in models}
     for label, m in models.items():  # early-exit models (MG-ViT): per-stage FLOPs, independent of the input
         if hasattr(m, "stage_flops"):
-            res["models"][label]["stages"] = m.stage_flops()
-    res["input_size"] = list(input_size(next(iter(models.values()))))
-    return res
+            recs[label] = recs[label].set(stages=StageFlops.new(**m.stage_flops()))
+    prof = Profile.new(device=res.device, dtype=res.dtype, models=recs)
+    if res.timing_note is not None:
+        prof = prof.set(timing_note=res.timing_note)
+    if ref_label is not None:
+        ((model_label, ratios),) = res.ratios.items()  # compare_records(target, reference)
+        rec = res.models[model_label]
+        comparison = ProfileComparison.new(
+            model=model_label,
+            reference=ref_label,
+            **ratios,
+            flops_images=flops_batch,
+            latency_batch=rec.latency_batch,
+            throughput_batch=rec.throughput_batch,
+        )
+        prof = prof.set(comparison=comparison)
+    return prof.set(input_size=list(input_size(next(iter(models.values())))))
 
 
 def epsilon_sweep(
@@ -166,7 +169,7 @@ def epsilon_sweep(
     split: str = "test",
     device: str = "auto",
     batch_size: int = 256,
-) -> dict[str, Any]:
+) -> EpsilonSweep:
     """``nascompress evaluate RUN --epsilon 0.5,0.7,...``: the accuracy / FLOPs curve of a saved MG-ViT."""
     if isinstance(epsilons, str):
         epsilons = parse_epsilons(epsilons)
@@ -185,6 +188,4 @@ def epsilon_sweep(
     batches = (
         (preprocess(imgs, spec), y) for imgs, y in make_loader(part.dataset, batch_size=batch_size, shuffle=False)
     )
-    res = sweep_model(model, batches, epsilons=list(epsilons))
-    res.update(split=split, dataset=part.name)
-    return res
+    return EpsilonSweep.new(**sweep_model(model, batches, epsilons=list(epsilons)), split=split, dataset=part.name)

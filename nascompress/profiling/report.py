@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from .compare import compare_records
 from .flops import count_flops, flop_counter_macs, thop_macs
 from .latency import compile_for_speed, measure
+from .records import ModelProfile, Profile, QkLayout
 from ..models.layers import qk_layout_summary
 from ..models.build import input_size
 from ..runtime import dtype_name
@@ -31,8 +30,9 @@ def profile_models(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     compile: bool = False,
-) -> dict[str, Any]:
-    """Profile one or more models; with two or more, each later one is compared with the first.
+) -> Profile:
+    """Profile one or more models; with two or more, each later one is compared with the first:
+    a :class:`~.records.Profile` of a :class:`~.records.ModelProfile` per label.
 
     Args:
         models: label -> model (the first is the reference of the ratios: ``ratios[label]`` is
@@ -47,18 +47,21 @@ def profile_models(
             against the compiled reference. A model that cannot be compiled says why (``compile_note``).
     """
     g = torch.Generator().manual_seed(seed)
-    out: dict[str, Any] = {"device": str(device), "dtype": dtype_name(dtype), "models": {}}
+    recs: dict[str, ModelProfile] = {}
     for label, m in models.items():
         m.eval().to(device, dtype)
         x = torch.randn(flops_batch, *_input_shape(m), generator=g).to(device, dtype)
-        rep = count_flops(m, x).to_dict()
-        rep["flop_counter_macs"] = flop_counter_macs(m, x)
-        rep["thop_macs_no_attention_matmuls"] = thop_macs(m, x)
-        rep["input_size"] = list(_input_shape(m))
+        rec = ModelProfile.new(
+            **count_flops(m, x).to_dict(),
+            flop_counter_macs=flop_counter_macs(m, x),
+            thop_macs_no_attention_matmuls=thop_macs(m, x),
+            input_size=list(_input_shape(m)),
+        )
         layout = qk_layout_summary(m, x)
         if layout is not None:  # narrowed Q/K heads: how they reach the attention kernel here
-            rep["qk_layout"] = layout
-        out["models"][label] = rep
+            rec = rec.set(qk_layout=QkLayout.new(**layout))
+        recs[label] = rec
+    timing_note = None
     labels = list(models)
     if latency:
         runs = [(k, models[k], "") for k in labels]
@@ -66,7 +69,7 @@ def profile_models(
             for k in labels:
                 fn, note = compile_for_speed(models[k], device)
                 if fn is None:
-                    out["models"][k]["compile_note"] = note
+                    recs[k] = recs[k].set(compile_note=note)
                 else:
                     runs.append((k, fn, "_compiled"))
         groups: dict[tuple, list] = {}  # models of one input size are timed interleaved
@@ -84,12 +87,14 @@ def profile_models(
                 dtype=dtype,
             )
             for (k, _, suffix), t in zip(group, timings):
-                out["models"][k].update(
-                    {f"{name}{suffix}" if name in ("latency_ms", "throughput") else name: v for name, v in t.items()}
+                recs[k] = recs[k].set(
+                    **{f"{name}{suffix}" if name in ("latency_ms", "throughput") else name: v for name, v in t.items()}
                 )
         if len(groups) > 1:
-            out["timing_note"] = "the models take different input sizes: each size was timed interleaved on its own"
+            timing_note = "the models take different input sizes: each size was timed interleaved on its own"
+    out = Profile.new(device=str(device), dtype=dtype_name(dtype), models=recs)
+    if timing_note is not None:
+        out = out.set(timing_note=timing_note)
     if len(labels) > 1:  # the one ratio convention (.compare): each model against the first
-        ref = out["models"][labels[0]]
-        out["ratios"] = {k: compare_records(out["models"][k], ref) for k in labels[1:]}
+        out = out.set(ratios={k: compare_records(recs[k], recs[labels[0]]) for k in labels[1:]})
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -17,6 +17,7 @@ from ..models.layers import to_plain
 from ..runs.io import load_with_arch
 from ..pipeline import run_pipeline
 from ..pipeline.run import check_out
+from ..pipeline.summary import Summary
 from ..progress import say, silenced
 from ..methods import method_names
 from ..methods.dcs import DCSConfig
@@ -29,33 +30,63 @@ from .hf import to_transformers
 # the token spaces compress takes by method name (shipped search spaces: an Optuna study picks the setting)
 
 
+@dataclass(frozen=True, kw_only=True)
+class CompressReport:
+    """What :func:`compress` measured: the test ``accuracy`` of the compressed model and of the dense
+    one (``dense_accuracy``, on the same ``test_images``), ``flops`` / ``params`` / ``latency_ms`` of
+    both and their ratios, ``goal_met``: whether ``flops_ratio`` is at or under ``target_flops`` (a
+    bound, compared exactly), ``over_target``: by how much it stands above it (0.0 when met),
+    ``methods``, ``splits``: which images decided (validation) and which measured ``accuracy``
+    (test), the pipeline ``config`` it ran and its ``summary`` (``summary.json``'s
+    :class:`~nascompress.pipeline.summary.Summary`)."""
+
+    accuracy: float | None
+    dense_accuracy: float | None
+    test_images: int | None
+    flops: float | None
+    dense_flops: float | None
+    flops_ratio: float | None
+    params: int | None
+    dense_params: int | None
+    latency_ms: float | None
+    dense_latency_ms: float | None
+    latency_speedup: float | None
+    goal_met: bool | None
+    over_target: float | None
+    methods: list[str] | None
+    splits: Mapping[str, Any] | None
+    config: Mapping[str, Any]
+    summary: Summary
+
+    def metrics(self) -> dict[str, Any]:
+        """The report as the saved run's ``metrics.json`` holds it: every field but the summary."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "summary"}
+
+
 @dataclass(frozen=True)
 class Compressed:
     """The compressed model: ``model`` (an ``nn.Module`` of timm's classes wherever the methods allow,
-    eval mode), ``arch`` (what
-    :func:`nascompress.load` rebuilds it from), ``report`` (test ``accuracy`` of it and of the dense
-    model, ``flops`` / ``params`` / ``latency_ms`` of both and their ratios, ``goal_met``: whether
-    ``flops_ratio`` is at or under ``target_flops`` (a bound, compared exactly), ``over_target``: by how
-    much it stands above it (0.0 when met), ``splits``: which images decided (validation) and which
-    measured ``accuracy`` (test); the pipeline's ``summary.json`` in ``report['summary']``)
-    and ``out`` (the pipeline directory when ``out=`` was given)."""
+    eval mode), ``arch`` (what :func:`nascompress.load` rebuilds it from), ``report`` (what was
+    measured: :class:`CompressReport`, ``report.accuracy``, ``report.flops_ratio``, ...; the
+    pipeline's ``summary.json`` in ``report.summary``) and ``out`` (the pipeline directory when
+    ``out=`` was given)."""
 
     model: Any
     arch: dict[str, Any]
-    report: dict[str, Any] = field(default_factory=dict)
+    report: CompressReport
     out: str | None = None
 
     def save(self, directory: str | Path, *, force: bool = False) -> Path:
         """Write the model as a run directory :func:`nascompress.load` (and every command) reads; one
         holding this model already is returned as it is, another non-empty one is replaced only with
         ``force``."""
-        cfg = self.report.get("config") or {}
+        cfg = self.report.config
         return write_run(
             directory,
             self.model,
             self.arch,
             config={"data": cfg.get("data"), "compress": cfg},
-            metrics={k: v for k, v in self.report.items() if k != "summary"},
+            metrics=self.report.metrics(),
             force=force,
             source=self.out,
             inputs=recorded_inputs(cfg),
@@ -67,44 +98,48 @@ class Compressed:
         return to_transformers(self.model, directory, arch=self.arch, force=force)
 
 
-def budget_report(summary: Mapping[str, Any], config: Mapping[str, Any], *, warn: bool = False) -> dict[str, Any]:
-    """``goal_met`` and ``over_target`` of a pipeline ``summary`` against the FLOPs goal of its
+def budget_report(
+    summary: Summary, config: Mapping[str, Any], *, warn: bool = False
+) -> tuple[bool | None, float | None]:
+    """``(goal_met, over_target)`` of a pipeline ``summary`` against the FLOPs goal of its
     ``config`` (``target_flops``): a bound, compared exactly (the pipeline's own ``goal`` compares at
     the precision its report prints); ``warn``: ``warnings.warn`` when the model stands above it."""
     target = (config.get("goal") or {}).get("max_flops")
-    ratio = (summary.get("comparison") or {}).get("flops_ratio")
+    ratio = None if summary.comparison is None else summary.comparison.flops_ratio
     if ratio is None or target is None:
-        return {"goal_met": None, "over_target": None}
+        return None, None
     over = max(0.0, ratio - target)
     if warn and over > 1e-9:
         warnings.warn(
             f"nc.compress: the compressed model has {ratio:.4f}x the dense FLOPs, above target_flops={target:g} "
-            f"by {over:.4f}x (no model the stages made lands under it; report['over_target'])",
+            f"by {over:.4f}x (no model the stages made lands under it; report.over_target)",
             stacklevel=4,  # the caller of the nc.* function (through its python_api wrapper)
         )
-    return {"goal_met": over <= 1e-9, "over_target": over}
+    return over <= 1e-9, over
 
 
-def _report(summary: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
-    dense, final, cmp = summary.get("dense") or {}, summary.get("final") or {}, summary.get("comparison") or {}
-    return {
-        "accuracy": final.get("test_top1"),
-        "dense_accuracy": dense.get("test_top1"),
-        "test_images": dense.get("test_n"),
-        "flops": final.get("macs"),
-        "dense_flops": dense.get("macs"),
-        "flops_ratio": cmp.get("flops_ratio"),
-        "params": final.get("params"),
-        "dense_params": dense.get("params"),
-        "latency_ms": final.get("latency_ms"),
-        "dense_latency_ms": dense.get("latency_ms"),
-        "latency_speedup": cmp.get("latency_speedup"),
-        **budget_report(summary, config),  # goal_met, over_target: the bound, compared exactly
-        "methods": final.get("methods"),
-        "splits": summary.get("splits"),  # which images decided (validation), which measured accuracy (test)
-        "config": dict(config),
-        "summary": dict(summary),
-    }
+def _report(summary: Summary, config: Mapping[str, Any]) -> CompressReport:
+    dense, final, cmp = summary.dense, summary.final, summary.comparison
+    goal_met, over_target = budget_report(summary, config)  # the bound, compared exactly
+    return CompressReport(
+        accuracy=final.test_top1,
+        dense_accuracy=dense.test_top1,
+        test_images=dense.test_n,
+        flops=final.macs,
+        dense_flops=dense.macs,
+        flops_ratio=cmp.flops_ratio,
+        params=final.params,
+        dense_params=dense.params,
+        latency_ms=final.latency_ms,
+        dense_latency_ms=dense.latency_ms,
+        latency_speedup=cmp.latency_speedup,
+        goal_met=goal_met,
+        over_target=over_target,
+        methods=final.methods,
+        splits=summary.splits,  # which images decided (validation), which measured accuracy (test)
+        config=dict(config),
+        summary=summary,
+    )
 
 
 def _check_target(target_flops: Any) -> None:
@@ -245,7 +280,7 @@ def compress(
             images resized or given the model's channels are said in a warning per conversion.
         target_flops: the goal, a share of the dense model's FLOPs, and a bound: the channel search
             lands at or under it (``at_most``), and a model that still stands above it is returned
-            with a warning (``warnings.warn``) and ``report['over_target']``, by how much.
+            with a warning (``warnings.warn``) and ``report.over_target``, by how much.
         methods: ``"dcs"`` and/or one token method.
         teacher: None: distil from the dense model; False: no distillation.
         epochs: retraining epochs (None: retrain's recipe; 0: no retraining).
@@ -312,9 +347,9 @@ def compress(
             raise SettingError(literal(compress_words(e.template))) from None
         except NascompressError as e:  # a config key as the argument that set it: dcs['epochs']
             raise NascompressError(_STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))) from None
-        if not summary.get("final"):
-            raise NascompressError(f"no compressed model could be made: {summary['goal']['statement']}")
-        final, arch = load_with_arch(summary["final"]["run"])
+        if summary.final is None:
+            raise NascompressError(f"no compressed model could be made: {summary.goal.statement}")
+        final, arch = load_with_arch(summary.final.run)
         to_plain(final)  # timm's own classes wherever the methods need none of nascompress's
         report = _report(summary, config)
         budget_report(summary, config, warn=True)
@@ -326,4 +361,4 @@ def compress(
         )
 
 
-__all__ = ["Compressed", "compress", "pipeline_config", "budget_report"]
+__all__ = ["CompressReport", "Compressed", "compress", "pipeline_config", "budget_report"]

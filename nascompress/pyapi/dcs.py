@@ -11,6 +11,7 @@ from ..config import user_settings
 from ..data import DataConfig
 from ..methods.dcs import DCSConfig
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, search_train_config
+from ..dcs_search.metrics import DCSMetrics
 from ..dcs_search.run import build_job, search_dcs
 from ..train.run import RUNTIME_SETTINGS
 from .common import (
@@ -138,25 +139,22 @@ def search(
     return result
 
 
-def over_target(metrics: Mapping[str, Any]) -> float:
+def over_target(metrics: Mapping[str, Any] | DCSMetrics) -> float:
     """How far a DCS search's ``metrics`` stand above their target (0.0: at or under it, or none)."""
-    latency = metrics.get("cost") == "latency"
-    target = metrics.get("target_latency" if latency else "target_flops")
-    ratio = metrics.get("latency_ratio" if latency else "flops_ratio")
-    if target is None or ratio is None:
+    m = DCSMetrics.of(metrics)
+    if m.target is None or m.ratio is None:
         return 0.0
-    return max(0.0, float(ratio) - float(target))
+    return max(0.0, float(m.ratio) - float(m.target))
 
 
-def warn_over_target(what: str, metrics: Mapping[str, Any]) -> None:
+def warn_over_target(what: str, metrics: Mapping[str, Any] | DCSMetrics) -> None:
     """Warn (``warnings.warn``) when a search's model stands above its target, saying by how much."""
-    over = over_target(metrics)
+    m = DCSMetrics.of(metrics)
+    over = over_target(m)
     if over > 1e-9:
-        latency = metrics.get("cost") == "latency"
-        name = "target_latency" if latency else "target_flops"
-        ratio = metrics.get("latency_ratio" if latency else "flops_ratio")
+        name = "target_latency" if m.cost == "latency" else "target_flops"
         warnings.warn(
-            f"{what}: the searched model stands at {ratio:.4f}x, above {name}={metrics[name]:g} by {over:.4f}x "
+            f"{what}: the searched model stands at {m.ratio:.4f}x, above {name}={m.target:g} by {over:.4f}x "
             "(the search could not land under it); give more epochs or accept the model's over_target",
             stacklevel=4,  # the caller of the nc.* function (through its python_api wrapper)
         )

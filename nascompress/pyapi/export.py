@@ -34,4 +34,4 @@ def onnx(model: Any, path: str | Path, *, force: bool = False, **settings: Any) 
     cfg = build_config({**given, "format": "onnx"})  # (its batch: "dynamic" or an int, as checked there)
     with Workspace(None) as ws:
         side = export_run(model_run(model, ws, "model"), out=Path(path), config=cfg, force=force)
-    return Exported(path=str(Path(path)), sidecar=side)
+    return Exported(path=str(Path(path)), sidecar=side.to_dict())

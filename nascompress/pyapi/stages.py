@@ -157,7 +157,7 @@ def quantize(
     with Workspace(None) as ws, silenced(not progress):
         src = model_run(model, ws, "model", data=cfg_data)
         side = quantize_run(src, out=Path(path), config=QuantizeConfig(**parts["q"]), data=cfg_data, force=force)
-    return Quantized(path=str(Path(path)), sidecar=side)
+    return Quantized(path=str(Path(path)), sidecar=side.to_dict())
 
 
 __all__ = ["Materialized", "Retrained", "Quantized", "materialize", "retrain", "quantize"]

@@ -109,8 +109,8 @@ _str, _map, _list, _bool = (
     _kind(list, "a list"),
     _kind(bool, "a boolean"),
 )
-# the field checks, for records typed beside these (nascompress.pipeline.files)
-check_str, check_map, check_number, optional = _str, _map, _number, _optional
+# the field checks and the JSON values of fields, for records typed beside these (nascompress.pipeline)
+check_str, check_map, check_number, optional, plain = _str, _map, _number, _optional, _plain
 
 
 def as_is(v: Any, where: str) -> Any:
@@ -431,6 +431,7 @@ __all__ = [
     "frozen_of",
     "has_metrics",
     "optional",
+    "plain",
     "read_arch_json",
     "read_metrics",
     "read_metrics_json",

@@ -73,7 +73,7 @@ def _search_dcs(ctx: TrialContext, settings: dict[str, Any], seed: int) -> tuple
     result = run_dcs_search(job, dense, ctx.arch, ctx.search_data())
     model, record = materialize(result.supernet.to(ctx.device), result.job.method)
     model.nc_methods = ["dcs"]
-    model.nc_dcs_kept = result.metrics["kept"]  # the searched model or the magnitude baseline (trial info)
+    model.nc_dcs_kept = result.metrics.kept  # the searched model or the magnitude baseline (trial info)
     return model, record
 
 

@@ -38,7 +38,8 @@ def plan_export(state: PlanState, s: Any) -> StagePlan:
         )  # after a DCS fallback: what was made
         # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
         # (int8: calibrated and checked on the pipeline's data)
-        return export_run(final or base_dir, out=target, config=ec, force=True, data=data_config(cfg))["verification"]
+        side = export_run(final or base_dir, out=target, config=ec, force=True, data=data_config(cfg))
+        return dict(side.verification)  # the check, as the file has it: its scalars go in the step's marker
 
     step = Step(
         "export",
