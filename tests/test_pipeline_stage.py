@@ -1,6 +1,6 @@
 """A pipeline stage is one registered object: a toy stage defined in one module (tests/toy_stage.py)
-is planned in its order, run, marked done and skipped when the pipeline is continued, with no other
-file changed."""
+is planned in its order, run, marked done and skipped when the pipeline is continued, and reported
+(its decision in summary.json, its line in the report), with no other file changed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from nascompress.pipeline import stage as stage_module
 from nascompress.pipeline.plan import plan
+from nascompress.pipeline.report_format import decision_lines
 from nascompress.pipeline.run import run_pipeline
 from nascompress.pipeline.stage import PipelineStage, register_stage, registered_stages, step_names
 
@@ -43,10 +44,15 @@ def test_a_stage_in_one_module_is_planned_run_and_resumed(tmp_path, toy_register
     config, out = _config(tmp_path), tmp_path / "out"
     pipe = plan(config, out=out)
     assert [s.name for s in pipe.steps] == ["base", "dcs_search", "dcs_mat", "toy_params", "report"]
-    run_pipeline(config, out=out)
+    summary = run_pipeline(config, out=out)
     got = json.loads((out / "toy" / "params.json").read_text())
     assert got["model"] == str(out / "dcs_mat") and got["params"] > 0
     assert (out / "done" / "toy_params.json").is_file()
+    # its decision in summary.json, between the DCS stage's and the methods, and its line in the report
+    written = json.loads((out / "summary.json").read_text())["decisions"]
+    assert list(written) == ["base", "dcs", "toy", "methods"] and written["toy"] == got
+    line = f"toy: {got['params']:,} parameters after the channel stage"
+    assert line in decision_lines(summary) and line in (out / "report.html").read_text()
     lines = []
     run_pipeline(config, out=out, log=lines.append)
     assert "toy_params: complete, skipped" in lines

@@ -21,12 +21,9 @@ from typing import Any
 
 from ..profiling.compare import compare_records
 from ..runs.files import find_metrics
-from .files import find_pick, find_step_marker, write_summary_json
-from ..runs.run_config import find_run_config
+from .files import find_step_marker, write_summary_json
 from ..runs.json_io import atomic_path
-from .report_format import (
-    build_html,
-)
+from .report_format import build_html, method_summary
 from ..profiling.jobs import profile
 from ..profiling.records import Evaluation, ModelProfile
 from ..deploy.config import config_for
@@ -36,66 +33,22 @@ from ..studies.front_plot import FrontMarks, Mark
 from .goal import flops_goal, latency_goal
 from ..studies.inspect import load
 from ..studies.report import build_report
-from .confirm import CHANNEL_DIR
 from .dense_reference import DENSE_REFERENCE_DIR, dense_reference_record, splits_summary
-from .fallback import dcs_outcome
+from .stage import ReportState, registered_stages
 from .steps import Pipeline
 from .summary import (
     SUMMARY_FORMAT,
     BaseDecision,
     Comparison,
-    ConfirmDecision,
-    DcsBlock,
-    DcsDecision,
     Decisions,
     Goal,
     Int8Section,
     MethodLine,
     ModelResult,
-    RetrainDecision,
     StageRow,
     Summary,
-    TokenMethod,
-    TokensDecision,
 )
 from .test_scores import test_scores
-
-
-# the retraining's record in summary.json (from the kept run's metrics.json)
-_RETRAIN_KEYS = (
-    "epochs eta warm_epochs kd feat_kd batch_size peak_lr start_val_top1 best_val_top1 best_epoch test_top1 test_n "
-    "train_time_s"
-).split()
-
-
-DCS_METRICS = (  # what the report reads of the DCS search's metrics.json
-    "target_flops",
-    "flops_ratio",
-    "cost",
-    "target_latency",
-    "latency_ratio",
-    "latency_ms",
-    "dense_latency_ms",
-    "heads_kept",
-    "skipped_blocks",
-    "calibrated",
-    "calibration",
-    "calibration_move",
-    "budget",
-    "at_target_share",
-    "val_top1",
-    "dense_val_top1",
-    "lam",
-    "search_time_s",
-    "train_images",
-    "batch_size",
-    "family_reason",
-    "family_kl",
-    "protected",
-    "block_weights",
-    "kept",
-    "stopped",
-)
 
 
 def _model_record(run: Path, ev: Evaluation, prof: ModelProfile) -> ModelResult:
@@ -123,104 +76,16 @@ def _model_record(run: Path, ev: Evaluation, prof: ModelProfile) -> ModelResult:
     return ModelResult.new(**rec)
 
 
-def _method_summary(rec: dict[str, Any]) -> str:
-    """One line for a token/attention method record: its settings that are set."""
-    cfg = rec.get("config") or {}
-    parts = []
-    for k, v in cfg.items():
-        if v is None:
-            continue
-        if isinstance(v, float):
-            v = f"{v:g}"
-        elif isinstance(v, list):
-            v = "[" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) + "]"
-        parts.append(f"{k}={v}")
-    return f"{rec.get('name')}: " + " ".join(parts)
-
-
-def _dcs_decisions(out: Path, dcs_rec: dict[str, Any] | None, dense: Any) -> DcsDecision:
-    """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
-    and whether it fell back (a milder target, or skipped); ``in_final_model``: False where the final model
-    is a token-only pick on the dense base (the search's landing is still recorded)."""
-    res: dict[str, Any] = {"in_final_model": dcs_rec is not None}
-    if dcs_rec is not None:
-        family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
-        family = {True: "residual", False: "none"}.get(family, family)
-        blocks = []
-        for j, (blk, b) in enumerate(zip(dense.blocks, dcs_rec.get("blocks") or [])):
-            hidden = family == "hidden"
-            c = blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features
-            keep = b.get("hidden_keep") if hidden else b.get("mlp_keep")
-            blocks.append(
-                DcsBlock.new(
-                    block=j + 1,
-                    mlp_kept=c if keep is None else len(keep),
-                    mlp_total=c,
-                    qk_kept=None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
-                    heads=blk.attn.num_heads,
-                    head_dim=blk.attn.head_dim,
-                )
-            )
-        res.update(
-            config=dcs_rec.get("config"),
-            mlp_gates=family,
-            blocks=tuple(blocks),
-            mlp_kept_total=sum(b.mlp_kept for b in blocks),
-            mlp_total=sum(b.mlp_total for b in blocks),
-        )
-    sm = find_metrics(out / "dcs_search")
-    if sm is not None:
-        res.update({k: sm.get(k) for k in DCS_METRICS})
-        res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
-    outcome = dcs_outcome(out) or {}
-    res.update(
-        {
-            k: outcome.get(k)
-            for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
-            if outcome.get(k) is not None
-        }
-    )
-    return DcsDecision.new(**res)
-
-
-def _tokens_decisions(pipe: Pipeline, methods: list[dict[str, Any]]) -> TokensDecision:
-    out = pipe.out
-    res: dict[str, Any] = {
-        "study": pipe.cfg.stages.tokens.study,
-        "storage": pipe.storage,
-        "pick_rule": pipe.cfg.goal.pick,
-        "eval_images": pipe.cfg.stages.tokens.eval_images,
-        "methods": tuple(
-            TokenMethod.new(name=m["name"], config=m.get("config"), summary=_method_summary(m)) for m in methods
-        ),
-    }
-    marker = find_step_marker(out, "tokens_search")
-    if marker is not None:
-        res["trials_complete"] = marker.result.get("complete")
-        res["trials_requested"] = marker.result.get("n_trials")
-    pc = find_run_config(out / "tokens" / "picked")
-    m = find_metrics(out / "tokens" / "picked")
-    if m is not None:
-        res.update(
-            picked_trial=m.get("trial"),
-            trial_accuracy=m.get("trial_accuracy"),
-            trial_flops_ratio=m.get("flops_ratio"),
-            trial_params=m.get("params"),
-        )
-    if pc is not None:
-        prov = pc.get("from_study") or {}
-        res["params"] = prov.get("params")
-        res["trial_seed"] = prov.get("seed")
-    pj = find_pick(out / "tokens")
-    if pj is not None:  # after a dcs stage: the pick on the DCS model against the one on the dense base
-        res.update(
-            picked_study=pj.picked_study,
-            candidates=pj.candidates,
-            dense_study=pj.dense_study,
-            dense_skipped=pj.dense_skipped,
-        )
-        res["study"] = pj.picked_study or res["study"]
-    return TokensDecision.new(**res)
+def _stage_decisions(
+    pipe: Pipeline, final_dir: Path | None, methods: tuple[dict[str, Any], ...], dense: Any
+) -> dict[str, Any]:
+    """Every registered stage's entries in the summary's ``decisions``, in the stages' order."""
+    state = ReportState(pipe=pipe, final_dir=final_dir, methods=methods, dense=dense)
+    found: dict[str, Any] = {}
+    for stage in registered_stages():
+        if stage.decide is not None:
+            found.update(stage.decide(state))
+    return found
 
 
 def _stage_log(pipe: Pipeline) -> tuple[StageRow, ...]:
@@ -260,7 +125,7 @@ def write_summary(pipe: Pipeline) -> Summary:
             compile=rep.compile,
         )
         dense = _model_record(pipe.base_dir, dense_ev, next(iter(prof.models.values())))
-        decisions["dcs"] = _dcs_decisions(out, None, dense_model)
+        decisions.update(_stage_decisions(pipe, final_dir, (), dense_model))
         reason = decisions["dcs"].dcs_reason or "no stage compressed the model"
         final, cmp = None, None
         goal = Goal.new(
@@ -300,24 +165,11 @@ def write_summary(pipe: Pipeline) -> Summary:
         )
         goal = _goal(cfg, cmp, final)
         methods = [m.to_dict() for m in read_arch(final_dir).methods]
-        dcs_rec = next((m for m in methods if m.get("name") == "dcs"), None)
-        if cfg.stages.dcs is not None:
-            decisions["dcs"] = _dcs_decisions(out, dcs_rec, dense_model)
-    if cfg.stages.tokens is not None and final_dir is not None:
-        decisions["tokens"] = _tokens_decisions(pipe, [m for m in methods if m.get("name") != "dcs"])
-    kept_runs = (out / "final", out / CHANNEL_DIR)
-    r = find_metrics(final_dir) if cfg.stages.retrain is not None and final_dir in kept_runs else None
-    check = find_step_marker(out, "confirm")
-    if check is not None:  # the pick checked against the channel-only model at the full budget
-        decisions["confirm"] = ConfirmDecision.new(**check.result)
-    if r is not None:
-        decisions["retrain"] = RetrainDecision.new(
-            **{k: r.get(k) for k in _RETRAIN_KEYS}, teacher=cfg.stages.retrain.distil_from
-        )
+        decisions.update(_stage_decisions(pipe, final_dir, tuple(methods), dense_model))
     decisions["methods"] = tuple(
         MethodLine.new(
             name=m.get("name"),
-            summary=_method_summary(m) if m.get("name") != "dcs" else "dcs: channels per block (see dcs)",
+            summary=method_summary(m) if m.get("name") != "dcs" else "dcs: channels per block (see dcs)",
         )
         for m in methods
     )

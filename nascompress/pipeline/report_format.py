@@ -6,20 +6,13 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-from ..profiling.compare import dense_flops_text, speed_text, times_text
+from ..profiling.compare import speed_text, times_text
 from ..studies.report import REPORT_CSS
 from .dense_reference import reference_html
-from .summary import (
-    BaseDecision,
-    ConfirmDecision,
-    DcsDecision,
-    Goal,
-    RetrainDecision,
-    Summary,
-    TokensDecision,
-)
+from .stage import registered_stages
+from .summary import BaseDecision, Goal, Summary
 
 
 def _mb(n: float) -> str:
@@ -114,137 +107,43 @@ def dcs_column(s: Summary) -> str:
 
 
 def decision_lines(s: Summary) -> list[str]:
-    """The decisions other than the per-block DCS table, one line each."""
-    dec = s.decisions
-    return [
-        *_base_lines(dec.base),
-        *_dcs_lines(dec.dcs),
-        *_tokens_lines(dec.tokens),
-        *_confirm_lines(dec.confirm),
-        *_retrain_lines(dec.retrain),
-    ]
+    """The decisions other than the per-block DCS table, one line each: the base's, then each
+    registered stage's (:attr:`~nascompress.pipeline.stage.PipelineStage.report_lines`) in its order."""
+    lines = _base_lines(s.decisions.base)
+    for stage in registered_stages():
+        if stage.report_lines is not None:
+            lines += stage.report_lines(s.decisions)
+    return lines
 
 
 def _base_lines(base: BaseDecision | None) -> list[str]:
     if base is None:
         return []
-    acc = "" if base.test_top1 is None else f", test top-1 {base.test_top1:.2f}%{_on(base.test_n)}"
+    acc = "" if base.test_top1 is None else f", test top-1 {base.test_top1:.2f}%{on_images(base.test_n)}"
     if base.trained_test_top1 is not None and base.trained_test_n != base.test_n:
         acc += (
-            f" (when trained: {base.trained_test_top1:.2f}%{_on(base.trained_test_n)}, "
+            f" (when trained: {base.trained_test_top1:.2f}%{on_images(base.trained_test_n)}, "
             "not the images of this comparison)"
         )
     return [f"base: {base.kind} {base.run}{acc}"]
 
 
-def _dcs_lines(dcs: DcsDecision | None) -> list[str]:
-    if dcs is None:
-        return []
-    if dcs.dcs_outcome == "skipped":
-        return [
-            f"dcs: the search collapsed at the planned target {dcs.planned_target}x and at the milder "
-            f"one; the pipeline went on without DCS ({dcs.dcs_reason})"
-        ]
-    if dcs.blocks is None:
-        if dcs.in_final_model is False and dcs.flops_ratio is not None:
-            val = "" if dcs.val_top1 is None else f", validation top-1 {dcs.val_top1:.2f}%"
-            return [
-                f"dcs: target {dcs.target_flops}x the dense FLOPs, landed at {dcs.flops_ratio:.3f}x{val}; "
-                "not in the final model: the pick across the token studies took a token-only model of the dense base"
-            ]
-        return []
-    move = dcs.calibration_move
-    cal = (
-        (" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
-        if dcs.calibrated
-        else ""
-    )
-    if dcs.at_target_share is not None:
-        cal += f", at the target for {dcs.at_target_share:.0%} of the search"
-    ratio = f", landed at {dcs.flops_ratio:.3f}x{cal}" if dcs.flops_ratio is not None else ""
-    what = "hidden neurons" if dcs.mlp_gates == "hidden" else "residual channels"
-    if dcs.cost == "latency":  # the search steered its predicted latency; the FLOPs follow
-        lat = dcs.latency_ratio
-        ratio = (f", landed at {lat:.3f}x predicted{cal}" if lat is not None else "") + (
-            f" ({dcs.flops_ratio:.3f}x the FLOPs)" if dcs.flops_ratio is not None else ""
-        )
-        target = f"target {dcs.target_latency}x the dense latency"
-    else:
-        target = f"target {dcs.target_flops}x the dense FLOPs"
-    lines = [
-        f"dcs: {target}{ratio}; MLP {what} kept "
-        f"{dcs.mlp_kept_total} of {dcs.mlp_total}; Q/K mask {dcs.config.get('qk_mask')}"
-    ]
-    if dcs.family_reason:
-        lines.append(f"  MLP gates {dcs.family_reason}")
-    if dcs.kept_reason:  # the searched model against the magnitude baseline at the same FLOPs
-        lines.append(f"  {dcs.kept_reason}")
-    if dcs.dcs_outcome == "milder":
-        lines.append(
-            f"  the search at the planned target {dcs.planned_target}x collapsed; retried at "
-            f"{dcs.dcs_target}x ({dcs.dcs_reason})"
-        )
-    return lines
+def method_summary(rec: Mapping[str, Any]) -> str:
+    """One line for a token/attention method record: its settings that are set."""
+    cfg = rec.get("config") or {}
+    parts = []
+    for k, v in cfg.items():
+        if v is None:
+            continue
+        if isinstance(v, float):
+            v = f"{v:g}"
+        elif isinstance(v, list):
+            v = "[" + ", ".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) + "]"
+        parts.append(f"{k}={v}")
+    return f"{rec.get('name')}: " + " ".join(parts)
 
 
-def _tokens_lines(tok: TokensDecision | None) -> list[str]:
-    if tok is None:
-        return []
-    acc, ratio = tok.trial_accuracy, tok.trial_flops_ratio
-    lines = [
-        f"tokens: study {tok.study!r}, {tok.trials_complete} trials; picked trial "
-        f"{tok.picked_trial} by {tok.pick_rule} ("
-        + (
-            ""
-            if acc is None
-            else f"accuracy {acc:.2f}% on the search's validation images (eval_images {tok.eval_images}), "
-        )
-        + ("" if ratio is None else dense_flops_text(ratio))
-        + ")"
-    ]
-    if tok.dense_study and tok.candidates:  # where to cut: channels + tokens, or tokens alone
-        parts = []
-        for name, c in tok.candidates.items():
-            what = "tokens only, on the dense base" if name == tok.dense_study else "on the DCS model"
-            parts.append(
-                f"{name!r} ({what}): "
-                + (
-                    f"trial {c.trial}, {c.accuracy:.2f}% at {c.flops_ratio:.3f}x"
-                    if c.trial is not None
-                    else "no trial meets the goal"
-                )
-            )
-        if tok.dense_skipped:
-            parts.append(f"{tok.dense_study!r} (tokens only): {tok.dense_skipped}")
-        lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok.picked_study!r}")
-    if tok.params:
-        lines.append(
-            "  params: "
-            + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tok.params.items())
-        )
-    lines += [f"  {m.summary}" for m in tok.methods]
-    return lines
-
-
-def _confirm_lines(ck: ConfirmDecision | None) -> list[str]:
-    if ck is None or not ck.to_dict():  # (a confirm step that recorded nothing)
-        return []
-    return [f"confirm: not run ({ck.reason})" if ck.skipped else f"confirm: {ck.reason}"]
-
-
-def _retrain_lines(rt: RetrainDecision | None) -> list[str]:
-    if rt is None:
-        return []
-    extra = "" if rt.batch_size is None else f", batch {rt.batch_size}, feature KD {rt.feat_kd}"
-    warm = f" ({rt.warm_epochs} CE-only)" if rt.eta else ""  # epochs before the IB bound joins
-    return [
-        f"retrain: {rt.epochs} epochs, eta {rt.eta:g}{warm}, teacher "
-        f"{rt.teacher}{extra}, best epoch {rt.best_epoch}, test top-1 {rt.test_top1:.2f}%"
-        f"{_on(rt.test_n)}"
-    ]
-
-
-def _on(n: int | None) -> str:
+def on_images(n: int | None) -> str:
     """`` on N images`` where the count is known."""
     return "" if n is None else f" on {n} images"
 
@@ -265,7 +164,7 @@ def int8_table_rows(s: Summary) -> list[tuple[str, ...]]:
             (
                 r.model,
                 r.runtime,
-                f"{r.test_top1:.2f}%{_on(r.test_n)}",
+                f"{r.test_top1:.2f}%{on_images(r.test_n)}",
                 _mb(r.file_bytes),
                 f"{r.latency_ms:.2f} ms" + _on_threads(r.latency_threads),
                 f"{r.throughput:.1f} img/s" + _on_threads(r.throughput_threads),

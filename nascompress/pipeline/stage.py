@@ -1,10 +1,12 @@
 """The pipeline's stages as one registry: a stage is one object (:class:`PipelineStage`) that says
 which section of the config turns it on, which steps it may plan (their names, files and lines are
-the :class:`~nascompress.pipeline.steps.Step` objects its ``plan`` returns) and which model it
-leaves to the next stage. The built-in stages are the modules of :mod:`nascompress.pipeline.stages`
-(each registers itself with :func:`register_stage` when imported; every module of that package is
-imported): a new stage is one new module there. :func:`~nascompress.pipeline.plan.plan` plans the
-dense base, then every registered stage in ``order``, then the report."""
+the :class:`~nascompress.pipeline.steps.Step` objects its ``plan`` returns), which model it leaves
+to the next stage, and what the report says of it: its entries in ``summary.json``'s ``decisions``
+(``decide``) and its lines in the report's decisions (``report_lines``). The built-in stages are the
+modules of :mod:`nascompress.pipeline.stages` (each registers itself with :func:`register_stage` when
+imported; every module of that package is imported): a new stage is one new module there.
+:func:`~nascompress.pipeline.plan.plan` plans the dense base, then every registered stage in
+``order``, then the report."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import importlib
 import pkgutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .schema import SchemaContext
 from .sections import PipelineConfig
-from .steps import Step
+from .steps import Pipeline, Step
+from .summary import Decisions
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,18 @@ class StagePlan:
 
 
 @dataclass(frozen=True)
+class ReportState:
+    """What a stage's decisions are read from when the report is written: the planned pipeline, the
+    final model's run (None: no compressed model could be made), its method records (``arch.json``'s,
+    as dicts) and the dense base's model."""
+
+    pipe: Pipeline
+    final_dir: Path | None
+    methods: tuple[Mapping[str, Any], ...]
+    dense: Any
+
+
+@dataclass(frozen=True)
 class PipelineStage:
     """One stage of the pipeline.
 
@@ -53,6 +68,10 @@ class PipelineStage:
         section: its section of a config (None: the stage is off).
         plan: its steps, planned from the state and its section (every check made, nothing written).
         when_off: the checks made when it is off (e.g. a setting of another section that needs it).
+        decide: its entries in the summary's ``decisions`` (key -> a record or its dict; none: ``{}``),
+            read from its files when the report is written, whether or not its section is on.
+        report_lines: its lines in the report's decisions, from the summary's decisions (a stage's
+            own key not typed by :class:`~nascompress.pipeline.summary.Decisions` is in its ``extra``).
     """
 
     name: str
@@ -61,6 +80,8 @@ class PipelineStage:
     section: Callable[[PipelineConfig], Any]
     plan: Callable[[PlanState, Any], StagePlan]
     when_off: Callable[[PlanState], None] | None = None
+    decide: Callable[[ReportState], Mapping[str, Any]] | None = None
+    report_lines: Callable[[Decisions], list[str]] | None = None
 
 
 _STAGES: dict[str, PipelineStage] = {}
@@ -91,4 +112,12 @@ def step_names() -> tuple[str, ...]:
     return ("base", *(n for s in registered_stages() for n in s.steps), "report")
 
 
-__all__ = ["PipelineStage", "PlanState", "StagePlan", "register_stage", "registered_stages", "step_names"]
+__all__ = [
+    "PipelineStage",
+    "PlanState",
+    "ReportState",
+    "StagePlan",
+    "register_stage",
+    "registered_stages",
+    "step_names",
+]

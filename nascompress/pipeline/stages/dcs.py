@@ -1,10 +1,12 @@
 """The ``dcs`` stage (``stages.dcs``): the DCS channel search to the goal (or its latency target), then
 its channels gathered into a smaller model (``OUT/dcs_search``, ``OUT/dcs_mat``); on a collapse once
-more at a milder target, then the pipeline goes on without it (:mod:`nascompress.pipeline.fallback`)."""
+more at a milder target, then the pipeline goes on without it (:mod:`nascompress.pipeline.fallback`).
+The report's ``decisions.dcs``: the widths kept per block and how the search landed."""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping
 
 from ...dcs_search.latency_cost import latency_target
 from ...dcs_search.materialize import build_job as build_mat_job, materialize_search
@@ -16,10 +18,12 @@ from ...models.layers import require_vit
 from ...runs.io import load_with_arch
 from ...runtime import resolve_device
 from ..base_stage import data_config, runtime_values
-from ..fallback import dcs_skipped, milder_target, run_dcs_with_fallback
+from ...runs.files import find_metrics
+from ..fallback import dcs_outcome, dcs_skipped, milder_target, run_dcs_with_fallback
 from ..schema import library_values, section_error
-from ..stage import PipelineStage, PlanState, StagePlan, register_stage
+from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
 from ..steps import Step
+from ..summary import DcsBlock, DcsDecision, Decisions
 
 
 def plan_dcs(state: PlanState, s: Any) -> StagePlan:
@@ -117,6 +121,150 @@ def plan_dcs(state: PlanState, s: Any) -> StagePlan:
     return StagePlan(steps, model=out / "dcs_mat")
 
 
+DCS_METRICS = (  # what the report reads of the DCS search's metrics.json
+    "target_flops",
+    "flops_ratio",
+    "cost",
+    "target_latency",
+    "latency_ratio",
+    "latency_ms",
+    "dense_latency_ms",
+    "heads_kept",
+    "skipped_blocks",
+    "calibrated",
+    "calibration",
+    "calibration_move",
+    "budget",
+    "at_target_share",
+    "val_top1",
+    "dense_val_top1",
+    "lam",
+    "search_time_s",
+    "train_images",
+    "batch_size",
+    "family_reason",
+    "family_kl",
+    "protected",
+    "block_weights",
+    "kept",
+    "stopped",
+)
+
+
+def decide_dcs(state: ReportState) -> dict[str, DcsDecision]:
+    """``decisions.dcs``: with the stage on, or where no compressed model could be made (its
+    search was skipped), what it decided (:func:`dcs_decisions`)."""
+    if state.final_dir is not None and state.pipe.cfg.stages.dcs is None:
+        return {}
+    dcs_rec = next((m for m in state.methods if m.get("name") == "dcs"), None)
+    return {"dcs": dcs_decisions(state.pipe.out, dcs_rec, state.dense)}
+
+
+def dcs_decisions(out: Path, dcs_rec: Mapping[str, Any] | None, dense: Any) -> DcsDecision:
+    """The DCS stage's decisions: its gate family (and why), widths kept per block, how it landed
+    and whether it fell back (a milder target, or skipped); ``in_final_model``: False where the final model
+    is a token-only pick on the dense base (the search's landing is still recorded)."""
+    res: dict[str, Any] = {"in_final_model": dcs_rec is not None}
+    if dcs_rec is not None:
+        family = (dcs_rec.get("config") or {}).get("mlp_gates", "residual")
+        family = {True: "residual", False: "none"}.get(family, family)
+        blocks = []
+        for j, (blk, b) in enumerate(zip(dense.blocks, dcs_rec.get("blocks") or [])):
+            hidden = family == "hidden"
+            c = blk.mlp.fc1.out_features if hidden else blk.mlp.fc1.in_features
+            keep = b.get("hidden_keep") if hidden else b.get("mlp_keep")
+            blocks.append(
+                DcsBlock.new(
+                    block=j + 1,
+                    mlp_kept=c if keep is None else len(keep),
+                    mlp_total=c,
+                    qk_kept=None if b.get("qk_keep") is None else [len(h) for h in b["qk_keep"]],
+                    heads=blk.attn.num_heads,
+                    head_dim=blk.attn.head_dim,
+                )
+            )
+        res.update(
+            config=dcs_rec.get("config"),
+            mlp_gates=family,
+            blocks=tuple(blocks),
+            mlp_kept_total=sum(b.mlp_kept for b in blocks),
+            mlp_total=sum(b.mlp_total for b in blocks),
+        )
+    sm = find_metrics(out / "dcs_search")
+    if sm is not None:
+        res.update({k: sm.get(k) for k in DCS_METRICS})
+        res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
+    outcome = dcs_outcome(out) or {}
+    res.update(
+        {
+            k: outcome.get(k)
+            for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
+            if outcome.get(k) is not None
+        }
+    )
+    return DcsDecision.new(**res)
+
+
+def dcs_lines(decisions: Decisions) -> list[str]:
+    """The DCS stage's lines in the report's decisions."""
+    dcs = decisions.dcs
+    if dcs is None:
+        return []
+    if dcs.dcs_outcome == "skipped":
+        return [
+            f"dcs: the search collapsed at the planned target {dcs.planned_target}x and at the milder "
+            f"one; the pipeline went on without DCS ({dcs.dcs_reason})"
+        ]
+    if dcs.blocks is None:
+        if dcs.in_final_model is False and dcs.flops_ratio is not None:
+            val = "" if dcs.val_top1 is None else f", validation top-1 {dcs.val_top1:.2f}%"
+            return [
+                f"dcs: target {dcs.target_flops}x the dense FLOPs, landed at {dcs.flops_ratio:.3f}x{val}; "
+                "not in the final model: the pick across the token studies took a token-only model of the dense base"
+            ]
+        return []
+    move = dcs.calibration_move
+    cal = (
+        (" (threshold calibrated)" if move is None else f" (threshold calibrated by {move:.3f})")
+        if dcs.calibrated
+        else ""
+    )
+    if dcs.at_target_share is not None:
+        cal += f", at the target for {dcs.at_target_share:.0%} of the search"
+    ratio = f", landed at {dcs.flops_ratio:.3f}x{cal}" if dcs.flops_ratio is not None else ""
+    what = "hidden neurons" if dcs.mlp_gates == "hidden" else "residual channels"
+    if dcs.cost == "latency":  # the search steered its predicted latency; the FLOPs follow
+        lat = dcs.latency_ratio
+        ratio = (f", landed at {lat:.3f}x predicted{cal}" if lat is not None else "") + (
+            f" ({dcs.flops_ratio:.3f}x the FLOPs)" if dcs.flops_ratio is not None else ""
+        )
+        target = f"target {dcs.target_latency}x the dense latency"
+    else:
+        target = f"target {dcs.target_flops}x the dense FLOPs"
+    lines = [
+        f"dcs: {target}{ratio}; MLP {what} kept "
+        f"{dcs.mlp_kept_total} of {dcs.mlp_total}; Q/K mask {dcs.config.get('qk_mask')}"
+    ]
+    if dcs.family_reason:
+        lines.append(f"  MLP gates {dcs.family_reason}")
+    if dcs.kept_reason:  # the searched model against the magnitude baseline at the same FLOPs
+        lines.append(f"  {dcs.kept_reason}")
+    if dcs.dcs_outcome == "milder":
+        lines.append(
+            f"  the search at the planned target {dcs.planned_target}x collapsed; retried at "
+            f"{dcs.dcs_target}x ({dcs.dcs_reason})"
+        )
+    return lines
+
+
 STAGE = register_stage(
-    PipelineStage("dcs", 10, ("dcs_search", "dcs_mat"), section=lambda cfg: cfg.stages.dcs, plan=plan_dcs)
+    PipelineStage(
+        "dcs",
+        10,
+        ("dcs_search", "dcs_mat"),
+        section=lambda cfg: cfg.stages.dcs,
+        plan=plan_dcs,
+        decide=decide_dcs,
+        report_lines=dcs_lines,
+    )
 )

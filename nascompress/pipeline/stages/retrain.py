@@ -1,7 +1,8 @@
 """The ``retrain`` stage (``stages.retrain``): the compressed model retrained, distilling from the base
 (``OUT/final``); with ``confirm_pick`` the channel-only model retrained too and the better kept
 (:mod:`nascompress.pipeline.confirm`), and with ``report.dense_reference`` the dense base retrained with
-the same recipe (:mod:`nascompress.pipeline.dense_reference`)."""
+the same recipe (:mod:`nascompress.pipeline.dense_reference`). The report's ``decisions.confirm`` and
+``decisions.retrain``."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from ..base_stage import data_config, runtime_values
 from ..confirm import CHANNEL_DIR, channel_only_flops, decide, pick_kind, why_not
 from ..dense_reference import NEEDS_RETRAIN, dense_reference_step
 from ..fallback import current_model, dcs_skipped
+from ..files import find_step_marker
+from ..report_format import on_images
 from ..schema import library_config, library_values, section_error
-from ..stage import PipelineStage, PlanState, StagePlan, register_stage
+from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
 from ..steps import Step
+from ..summary import ConfirmDecision, Decisions, RetrainDecision
 
 
 def plan_retrain(state: PlanState, s: Any) -> StagePlan:
@@ -95,6 +99,53 @@ def check_without_retrain(state: PlanState) -> None:
         raise state.ctx.err("report.dense_reference", NEEDS_RETRAIN)
 
 
+# the retraining's record in summary.json (from the kept run's metrics.json)
+_RETRAIN_KEYS = (
+    "epochs eta warm_epochs kd feat_kd batch_size peak_lr start_val_top1 best_val_top1 best_epoch test_top1 test_n "
+    "train_time_s"
+).split()
+
+
+def decide_retrain(state: ReportState) -> dict[str, Any]:
+    """``decisions.confirm`` (the pick checked against the channel-only model at the full budget, where
+    that step ran) and ``decisions.retrain`` (the kept model's recipe and result, with the stage on)."""
+    cfg, out, final_dir = state.pipe.cfg, state.pipe.out, state.final_dir
+    found: dict[str, Any] = {}
+    check = find_step_marker(out, "confirm")
+    if check is not None:
+        found["confirm"] = ConfirmDecision.new(**check.result)
+    kept_runs = (out / "final", out / CHANNEL_DIR)
+    r = find_metrics(final_dir) if cfg.stages.retrain is not None and final_dir in kept_runs else None
+    if r is not None:
+        found["retrain"] = RetrainDecision.new(
+            **{k: r.get(k) for k in _RETRAIN_KEYS}, teacher=cfg.stages.retrain.distil_from
+        )
+    return found
+
+
+def retrain_lines(decisions: Decisions) -> list[str]:
+    """The confirm step's line and the retraining's in the report's decisions."""
+    return [*_confirm_lines(decisions.confirm), *_retrain_lines(decisions.retrain)]
+
+
+def _confirm_lines(ck: ConfirmDecision | None) -> list[str]:
+    if ck is None or not ck.to_dict():  # (a confirm step that recorded nothing)
+        return []
+    return [f"confirm: not run ({ck.reason})" if ck.skipped else f"confirm: {ck.reason}"]
+
+
+def _retrain_lines(rt: RetrainDecision | None) -> list[str]:
+    if rt is None:
+        return []
+    extra = "" if rt.batch_size is None else f", batch {rt.batch_size}, feature KD {rt.feat_kd}"
+    warm = f" ({rt.warm_epochs} CE-only)" if rt.eta else ""  # epochs before the IB bound joins
+    return [
+        f"retrain: {rt.epochs} epochs, eta {rt.eta:g}{warm}, teacher "
+        f"{rt.teacher}{extra}, best epoch {rt.best_epoch}, test top-1 {rt.test_top1:.2f}%"
+        f"{on_images(rt.test_n)}"
+    ]
+
+
 STAGE = register_stage(
     PipelineStage(
         "retrain",
@@ -103,5 +154,7 @@ STAGE = register_stage(
         section=lambda cfg: cfg.stages.retrain,
         plan=plan_retrain,
         when_off=check_without_retrain,
+        decide=decide_retrain,
+        report_lines=retrain_lines,
     )
 )

@@ -1,10 +1,11 @@
 """The ``tokens`` stage (``stages.tokens``): an Optuna study of a search space on the model so far
 (``OUT/tokens``), with ``also_dense`` the same study on the dense base too, and the trial the goal's
-pick chooses across them rebuilt (``OUT/tokens/picked``)."""
+pick chooses across them rebuilt (``OUT/tokens/picked``). The report's ``decisions.tokens``: the
+study, the trial picked and its settings."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from ...errors import NascompressError
 from ...methods import get_method
@@ -14,10 +15,15 @@ from ...studies.trial_model import build_job as build_pick_job
 from ...studies.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search
 from ..base_stage import data_config, runtime_values
 from ..fallback import current_model, dcs_skipped, pick_across
-from ..files import Pick, find_step_marker, write_pick
+from ...profiling.compare import dense_flops_text
+from ...runs.files import find_metrics
+from ...runs.run_config import find_run_config
+from ..files import Pick, find_pick, find_step_marker, write_pick
+from ..report_format import method_summary
 from ..schema import library_values, section_error
-from ..stage import PipelineStage, PlanState, StagePlan, register_stage
-from ..steps import Step
+from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
+from ..steps import Pipeline, Step
+from ..summary import Decisions, TokenMethod, TokensDecision
 
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
@@ -165,6 +171,96 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
     return StagePlan(steps, model=out / "tokens" / "picked", storage=storage)
 
 
+def decide_tokens(state: ReportState) -> dict[str, TokensDecision]:
+    """``decisions.tokens``: with the stage on and a final model, the study and its pick."""
+    if state.pipe.cfg.stages.tokens is None or state.final_dir is None:
+        return {}
+    return {"tokens": tokens_decisions(state.pipe, [m for m in state.methods if m.get("name") != "dcs"])}
+
+
+def tokens_decisions(pipe: Pipeline, methods: list[Mapping[str, Any]]) -> TokensDecision:
+    """The study, its trials, the trial picked and its settings, the methods in the final model, and
+    after a DCS stage the pick on the DCS model against the one on the dense base."""
+    out = pipe.out
+    res: dict[str, Any] = {
+        "study": pipe.cfg.stages.tokens.study,
+        "storage": pipe.storage,
+        "pick_rule": pipe.cfg.goal.pick,
+        "eval_images": pipe.cfg.stages.tokens.eval_images,
+        "methods": tuple(
+            TokenMethod.new(name=m["name"], config=m.get("config"), summary=method_summary(m)) for m in methods
+        ),
+    }
+    marker = find_step_marker(out, "tokens_search")
+    if marker is not None:
+        res["trials_complete"] = marker.result.get("complete")
+        res["trials_requested"] = marker.result.get("n_trials")
+    pc = find_run_config(out / "tokens" / "picked")
+    m = find_metrics(out / "tokens" / "picked")
+    if m is not None:
+        res.update(
+            picked_trial=m.get("trial"),
+            trial_accuracy=m.get("trial_accuracy"),
+            trial_flops_ratio=m.get("flops_ratio"),
+            trial_params=m.get("params"),
+        )
+    if pc is not None:
+        prov = pc.get("from_study") or {}
+        res["params"] = prov.get("params")
+        res["trial_seed"] = prov.get("seed")
+    pj = find_pick(out / "tokens")
+    if pj is not None:  # after a dcs stage: the pick on the DCS model against the one on the dense base
+        res.update(
+            picked_study=pj.picked_study,
+            candidates=pj.candidates,
+            dense_study=pj.dense_study,
+            dense_skipped=pj.dense_skipped,
+        )
+        res["study"] = pj.picked_study or res["study"]
+    return TokensDecision.new(**res)
+
+
+def tokens_lines(decisions: Decisions) -> list[str]:
+    """The tokens stage's lines in the report's decisions."""
+    tok = decisions.tokens
+    if tok is None:
+        return []
+    acc, ratio = tok.trial_accuracy, tok.trial_flops_ratio
+    lines = [
+        f"tokens: study {tok.study!r}, {tok.trials_complete} trials; picked trial "
+        f"{tok.picked_trial} by {tok.pick_rule} ("
+        + (
+            ""
+            if acc is None
+            else f"accuracy {acc:.2f}% on the search's validation images (eval_images {tok.eval_images}), "
+        )
+        + ("" if ratio is None else dense_flops_text(ratio))
+        + ")"
+    ]
+    if tok.dense_study and tok.candidates:  # where to cut: channels + tokens, or tokens alone
+        parts = []
+        for name, c in tok.candidates.items():
+            what = "tokens only, on the dense base" if name == tok.dense_study else "on the DCS model"
+            parts.append(
+                f"{name!r} ({what}): "
+                + (
+                    f"trial {c.trial}, {c.accuracy:.2f}% at {c.flops_ratio:.3f}x"
+                    if c.trial is not None
+                    else "no trial meets the goal"
+                )
+            )
+        if tok.dense_skipped:
+            parts.append(f"{tok.dense_study!r} (tokens only): {tok.dense_skipped}")
+        lines.append("  where to cut: " + "; ".join(parts) + f"; kept {tok.picked_study!r}")
+    if tok.params:
+        lines.append(
+            "  params: "
+            + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in tok.params.items())
+        )
+    lines += [f"  {m.summary}" for m in tok.methods]
+    return lines
+
+
 STAGE = register_stage(
     PipelineStage(
         "tokens",
@@ -172,5 +268,7 @@ STAGE = register_stage(
         ("tokens_search", "tokens_search_dense", "tokens_pick"),
         section=lambda cfg: cfg.stages.tokens,
         plan=plan_tokens,
+        decide=decide_tokens,
+        report_lines=tokens_lines,
     )
 )
