@@ -4,6 +4,7 @@ the model the pipeline ends with: exported, reported and recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -38,6 +39,7 @@ methods:
     ],
 )
 def test_the_better_on_validation(pick, channel, kept):
+    pick, channel = confirm.ValidationRecord(**pick), confirm.ValidationRecord(**channel)
     assert confirm.better_on_validation(pick, channel) == kept
 
 
@@ -73,7 +75,7 @@ def test_when_the_check_runs(tmp_path):
     log = [{"epoch": 0, "start": True, "val_top1": 88.0, "val_loss": 0.5}]
     log += [{"epoch": e, "val_top1": v, "val_loss": loss} for e, v, loss in ((1, 90.0, 0.4), (2, 90.5, 0.3))]
     (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-    assert confirm.validation_record(run) == {"val_top1": 90.5, "val_loss": 0.3, "test_top1": 90.1}
+    assert confirm.validation_record(run) == confirm.ValidationRecord(val_top1=90.5, val_loss=0.3, test_top1=90.1)
 
 
 def _cfg(**retrain):
@@ -104,7 +106,7 @@ def test_a_pick_that_cuts_tokens_is_checked_against_the_channel_only_model(tmp_p
     assert marker["kept"] == "channel-only" and marker["pick_kind"] in ("stacked", "token-only")
     assert marker["channel_flops_ratio"] <= 0.75 and marker["pick_flops_ratio"] <= 0.75
     for who, run in (("pick", out / "final"), ("channel", out / confirm.CHANNEL_DIR)):
-        rec = confirm.validation_record(run)
+        rec = dataclasses.asdict(confirm.validation_record(run))
         assert rec["val_loss"] is not None
         assert {k: marker[f"{who}_{k}"] for k in rec} == rec
     s = json.loads((out / "summary.json").read_text())

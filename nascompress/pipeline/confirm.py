@@ -13,14 +13,15 @@ two on the validation split (:func:`better_on_validation`). Its decision is the 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from .files import find_pick
 from ..runs.files import find_metrics
 from ..runs.io import read_arch
 from ..runs.store import LOG_FILE
 from .goal import meets
+from .summary import ConfirmDecision
 
 CHANNEL_DIR = "final_channel"
 _TIE = 1e-9
@@ -57,7 +58,17 @@ def why_not(kind: str, ratio: float | None, max_flops: float | None) -> str | No
     return None
 
 
-def validation_record(run: Path) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ValidationRecord:
+    """A retrained run's best epoch on the validation split (``val_top1``, the ``val_loss`` of that
+    epoch: None where its log has none) and its test top-1."""
+
+    val_top1: float | None
+    val_loss: float | None = None
+    test_top1: float | None = None
+
+
+def validation_record(run: Path) -> ValidationRecord:
     """A retrained run's best epoch on the validation split: ``val_top1`` and the ``val_loss`` of that
     epoch (from its ``log.jsonl``; None where the log has none)."""
     m = find_metrics(run) or {}
@@ -69,47 +80,47 @@ def validation_record(run: Path) -> dict[str, Any]:
             if rec.get("epoch") == best and rec.get("val_loss") is not None:
                 loss = rec["val_loss"]
                 break
-    return {"val_top1": m.get("best_val_top1"), "val_loss": loss, "test_top1": m.get("test_top1")}
+    return ValidationRecord(m.get("best_val_top1"), loss, m.get("test_top1"))
 
 
-def better_on_validation(pick: dict[str, Any], channel: dict[str, Any]) -> str:
+def better_on_validation(pick: ValidationRecord, channel: ValidationRecord) -> str:
     """``pick`` or ``channel-only``: the higher validation top-1; on a tie the lower validation loss;
     on a tie of both (or a loss missing), the pick."""
-    if channel["val_top1"] > pick["val_top1"] + _TIE:
+    if channel.val_top1 > pick.val_top1 + _TIE:
         return "channel-only"
-    if abs(channel["val_top1"] - pick["val_top1"]) <= _TIE:
-        a, b = channel.get("val_loss"), pick.get("val_loss")
+    if abs(channel.val_top1 - pick.val_top1) <= _TIE:
+        a, b = channel.val_loss, pick.val_loss
         if a is not None and b is not None and a < b - _TIE:
             return "channel-only"
     return "pick"
 
 
-def decide(out: Path, kind: str, flops: dict[str, float | None]) -> dict[str, Any]:
+def decide(out: Path, kind: str, *, pick_flops: float | None, channel_flops: float | None) -> ConfirmDecision:
     """The step's result: both models' validation records, which one is kept and a one-line reason."""
     pick, channel = validation_record(out / "final"), validation_record(out / CHANNEL_DIR)
     kept = better_on_validation(pick, channel)
     won, lost = (channel, pick) if kept == "channel-only" else (pick, channel)
-    tie = abs(won["val_top1"] - lost["val_top1"]) <= _TIE
+    tie = abs(won.val_top1 - lost.val_top1) <= _TIE
     how = (
-        f"{won['val_top1']:.2f}% validation top-1 against {lost['val_top1']:.2f}%"
+        f"{won.val_top1:.2f}% validation top-1 against {lost.val_top1:.2f}%"
         if not tie
-        else f"both {won['val_top1']:.2f}% validation top-1"
+        else f"both {won.val_top1:.2f}% validation top-1"
         + (
-            f", validation loss {won['val_loss']:.4f} against {lost['val_loss']:.4f}"
-            if won.get("val_loss") is not None and lost.get("val_loss") is not None
+            f", validation loss {won.val_loss:.4f} against {lost.val_loss:.4f}"
+            if won.val_loss is not None and lost.val_loss is not None
             else ""
         )
     )
     name = "the channel-only model" if kept == "channel-only" else f"the pick ({kind})"
-    return {
-        "kept": kept,
-        "pick_kind": kind,
-        "pick_flops_ratio": flops["pick"],
-        "channel_flops_ratio": flops["channel"],
-        **{f"pick_{k}": v for k, v in pick.items()},
-        **{f"channel_{k}": v for k, v in channel.items()},
-        "reason": f"kept {name} after the same retraining: {how}",
-    }
+    return ConfirmDecision.new(
+        kept=kept,
+        pick_kind=kind,
+        pick_flops_ratio=pick_flops,
+        channel_flops_ratio=channel_flops,
+        **{f"pick_{k}": v for k, v in asdict(pick).items()},
+        **{f"channel_{k}": v for k, v in asdict(channel).items()},
+        reason=f"kept {name} after the same retraining: {how}",
+    )
 
 
 __all__ = [
@@ -117,6 +128,7 @@ __all__ = [
     "pick_kind",
     "channel_only_flops",
     "why_not",
+    "ValidationRecord",
     "validation_record",
     "better_on_validation",
     "decide",

@@ -254,27 +254,26 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             raise step_error(pipe, step.name, e) from e
         except WriteError as e:  # a full disk: the step's own advice (train --resume ...) is not how a pipeline goes on
             raise e.instead(_CONTINUE) from e
-        if isinstance(res, dict) and res.get("dcs_outcome") in ("milder", "skipped"):
+        marker = StepMarker.new(
+            step.name,
+            seconds=round(time.perf_counter() - t0, 3),
+            finished=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            dir=None if d is None else str(d),
+            result=_compact(res),
+        )
+        done = marker.result
+        if done.get("dcs_outcome") in ("milder", "skipped"):
             log(
-                f"{step.name}: the search collapsed ({res.get('dcs_reason')}); "
+                f"{step.name}: the search collapsed ({done.get('dcs_reason')}); "
                 + (
-                    f"retried at {res['dcs_target']:g}x the dense FLOPs"
-                    if res["dcs_outcome"] == "milder"
+                    f"retried at {done['dcs_target']:g}x the dense FLOPs"
+                    if done["dcs_outcome"] == "milder"
                     else "the pipeline goes on without DCS"
                 )
             )
-        elif isinstance(res, dict) and res.get("skipped"):
-            log(f"{step.name}: skipped ({res.get('reason')})")
-        write_step_marker(
-            pipe.out,
-            StepMarker.new(
-                step.name,
-                seconds=round(time.perf_counter() - t0, 3),
-                finished=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-                dir=None if d is None else str(d),
-                result=_compact(res),
-            ),
-        )
+        elif marker.skipped:
+            log(f"{step.name}: skipped ({done.get('reason')})")
+        write_step_marker(pipe.out, marker)
         ran[step.name] = True
         eta.finish(step.name)
         left = eta.text()

@@ -178,10 +178,22 @@ class TokensDecision(SummaryPart):
 
 @_part
 class ConfirmDecision(SummaryPart):
-    """The confirm step's result: the pick checked against the channel-only model at the full budget."""
+    """The confirm step's result: the pick checked against the channel-only model at the full budget:
+    which was kept and why, both models' FLOPs and validation records (or why the check did not run:
+    ``skipped``)."""
 
+    skipped: bool | None = None
+    kept: str | None = None
+    pick_kind: str | None = None
+    pick_flops_ratio: float | None = None
+    channel_flops_ratio: float | None = None
+    pick_val_top1: float | None = None
+    pick_val_loss: float | None = None
+    pick_test_top1: float | None = None
+    channel_val_top1: float | None = None
+    channel_val_loss: float | None = None
+    channel_test_top1: float | None = None
     reason: str | None = None
-    skipped: Any = None
 
 
 @_part

@@ -68,16 +68,16 @@ def plan_retrain(state: PlanState, s: Any) -> StagePlan:
     if not (s.confirm_pick and cfg.stages.dcs is not None and cfg.stages.tokens is not None):
         return StagePlan(steps + tail, model=out / "final")
 
-    def check(force: bool, resume: bool) -> dict[str, Any]:
+    def check(force: bool, resume: bool) -> ConfirmDecision:
         if dcs_skipped(out):
-            return {"skipped": True, "reason": "the DCS stage was skipped: no channel-only model"}
+            return ConfirmDecision.new(skipped=True, reason="the DCS stage was skipped: no channel-only model")
         kind, ratio = pick_kind(out), channel_only_flops(out)
         reason = why_not(kind, ratio, cfg.goal.max_flops)
         if reason is not None:
-            return {"skipped": True, "reason": reason, "kept": "pick"}
+            return ConfirmDecision.new(skipped=True, reason=reason, kept="pick")
         retrain(job.replace(model_dir=str(out / "dcs_mat"), out=str(out / CHANNEL_DIR)), force=force, resume=resume)
-        picked = find_metrics(out / "tokens" / "picked") or {}
-        return decide(out, kind, {"pick": picked.get("flops_ratio"), "channel": ratio})
+        picked = find_metrics(out / "tokens" / "picked")
+        return decide(out, kind, pick_flops=None if picked is None else picked.flops_ratio, channel_flops=ratio)
 
     steps.append(
         Step(

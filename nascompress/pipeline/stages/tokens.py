@@ -112,7 +112,7 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
             return {"skipped": True, "reason": f"no token-only model reaches the goal on the dense base ({e})"}
         if not res.get("finished"):
             raise NascompressError(
-                f"the study {study!r} has {res['complete']} of {s.trials} complete trials; "
+                f"the study {study!r} has {res.complete} of {s.trials} complete trials; "
                 "rerun the same command to continue it"
             )
         return res
