@@ -272,7 +272,7 @@ class Bench:
             ),
             force=True,
         )
-        entry["zero_shot"] = {"val_top1": m["val_top1"], "test_top1": m["test_top1"]}
+        entry["zero_shot"] = {"val_top1": m.val_top1, "test_top1": m.test_top1}
         tc = finetune_train_config(name, epochs=self.a.epochs, seed=self.seed)
         m = finetune(
             FinetuneJob(
@@ -281,8 +281,8 @@ class Bench:
             force=True,
         )
         entry["finetuned"] = {
-            "val_top1": m["best_val_top1"],
-            "test_top1": m["test_top1"],
+            "val_top1": m.best_val_top1,
+            "test_top1": m.test_top1,
             **log_summary(ft),
             **flops_ratio(self.dense, ft),
         }

@@ -126,12 +126,12 @@ def main_job_standin(args, work: Path) -> tuple[Path, Path, dict]:
         "kind": "stand-in made by this bench",
         "dense_epochs": args.epochs,
         "train_limit": args.train_limit,
-        "dense_val_top1": m.get("best_val_top1"),
+        "dense_val_top1": m.best_val_top1,
         "dcs_target_flops": target,
         "dcs_share": share,
         "dcs_flops_ratio": ratio,
         "evit_keep_rate": 0.7,
         "retrain_epochs": args.retrain_epochs,
-        "retrained_val_top1": r.get("best_val_top1"),
+        "retrained_val_top1": r.best_val_top1,
     }
     return dense_dir, comp_dir, info

@@ -198,7 +198,7 @@ def dense_epoch_time(
     cfg = train_cfg.replace(epochs=1, eval_start=False, keep="last")
     with tempfile.TemporaryDirectory() as tmp:
         m = fit(copy.deepcopy(dense), data=data, input_spec=spec, cfg=cfg, out_dir=Path(tmp), arch=arch)
-    return {"dense_epoch_s": m["train_time_s"], "images": len(data.train), "batch_size": cfg.batch_size}
+    return {"dense_epoch_s": m.train_time_s, "images": len(data.train), "batch_size": cfg.batch_size}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -329,12 +329,12 @@ def compare_uniform(
             "test_top1_se": top1_se(after.top1, after.n),
             "test_top1_minus_dense": after.top1 - dense_rec["test_top1"],
             "retrain": {
-                "best_val_top1": m["best_val_top1"],
-                "best_epoch": m["best_epoch"],
-                "start_val_top1": m["start_val_top1"],
-                "train_time_s": m["train_time_s"],
+                "best_val_top1": m.best_val_top1,
+                "best_epoch": m.best_epoch,
+                "start_val_top1": m.start_val_top1,
+                "train_time_s": m.train_time_s,
                 "wall_s": wall,
-                "epoch_time_s_mean": m["epoch_time_s_mean"],
+                "epoch_time_s_mean": m.epoch_time_s_mean,
             },
         }
         print(name, json.dumps(rows[name]), flush=True)

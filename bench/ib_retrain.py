@@ -177,18 +177,18 @@ def main(argv: list[str] | None = None) -> dict:
         }
         retrained[label] = {
             "eta": eta,
-            "warm_epochs": m["warm_epochs"],
-            "best_val_top1": m["best_val_top1"],
-            "best_epoch": m["best_epoch"],
-            "start_val_top1": m["start_val_top1"],
+            "warm_epochs": m.warm_epochs,
+            "best_val_top1": m.best_val_top1,
+            "best_epoch": m.best_epoch,
+            "start_val_top1": m.start_val_top1,
             # fit keeps the best validation epoch: did the saved model train with IBB at all?
-            "saved_epoch_trained_with_ibb": eta > 0 and m["best_epoch"] > m["warm_epochs"],
-            "test_top1_fit": m["test_top1"],
+            "saved_epoch_trained_with_ibb": eta > 0 and m.best_epoch > m.warm_epochs,
+            "test_top1_fit": m.test_top1,
             "wall_s": wall,
-            "epoch_time_s_mean": m["epoch_time_s_mean"],
-            "kmeans_s_mean": m["kmeans_s_mean"],
-            "feature_pass_s_mean": m["feature_pass_s_mean"],
-            "kmeans_vs_epoch": m["kmeans_vs_epoch"],
+            "epoch_time_s_mean": m.epoch_time_s_mean,
+            "kmeans_s_mean": m.kmeans_s_mean,
+            "feature_pass_s_mean": m.feature_pass_s_mean,
+            "kmeans_vs_epoch": m.kmeans_vs_epoch,
             "log": [
                 {
                     k: r.get(k)

@@ -236,7 +236,7 @@ def main() -> None:
             ),
             force=True,
         )
-        entry["finetune_metrics"] = m
+        entry["finetune_metrics"] = m.to_dict()
         entry["finetune_s"] = time.time() - t0
         mg = load(out_dir)
         t0 = time.time()

@@ -44,17 +44,17 @@ SPACE = "mgvit-h"  # the shipped space (nascompress/search_spaces/mgvit-h.yaml)
 
 def trial_row(t: optuna.trial.FrozenTrial) -> dict:
     rec = trial_record(t)
-    arch = rec["arch"][0]
+    arch = rec.arch[0]
     return {
         "trial": t.number,
         "params": dict(t.params),
-        "accuracy": rec["accuracy"],
-        "flops_ratio": rec["flops_ratio"],
-        "mflops": rec["flops"] / 1e6,
+        "accuracy": rec.accuracy,
+        "flops_ratio": rec.flops_ratio,
+        "mflops": rec.flops / 1e6,
         "cells_split": arch["cells_split"],
         "ppsm_cells": arch["ppsm_cells"],
         "mg_group_tokens": arch["mg_group_tokens"],
-        "wall_s": rec["wall_s"],
+        "wall_s": rec.wall_s,
     }
 
 
@@ -135,19 +135,19 @@ def main() -> None:
     }
     shown = show_study(args.study, storage)
     res["front"] = {
-        "kind": shown["kind"],
-        "scoring": shown["scoring"],
+        "kind": shown.kind,
+        "scoring": shown.scoring,
         "trials": [
             {
-                "trial": r["number"],
-                "values": r["values"],
-                "params": r["params"],
-                "flops_ratio": r["record"].get("flops_ratio"),
+                "trial": r.number,
+                "values": dict(r.values),
+                "params": dict(r.params),
+                "flops_ratio": r.record.flops_ratio,
             }
-            for r in shown["trials"]
+            for r in shown.trials
         ],
     }
-    res["summary"] = {k: summary[k] for k in ("complete", "enqueued") if k in summary}
+    res["summary"] = {k: v for k, v in summary.to_dict().items() if k in ("complete", "enqueued")}
     res["total_s"] = time.time() - t_start
     save(args.out, res)
     print(

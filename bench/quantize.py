@@ -199,7 +199,7 @@ def dinov2_runs(args, work: Path) -> tuple[dict[str, Path], dict[str, Any]]:
         "kind": "DINOv2 ViT-S/14 112 px linear probe made by this bench; DCS and EViT applied to it WITHOUT "
         "retraining (zero-shot): their accuracy is not that of a trained compressed model",
         "probe_train_images": args.dinov2_train,
-        "probe_val_top1": m.get("best_val_top1"),
+        "probe_val_top1": m.best_val_top1,
         "probe_seconds": round(probe_s, 1),
         "dcs_share": share,
         "dcs_flops_ratio": ratio,

@@ -146,7 +146,7 @@ def run_one(base: str, space_path: str, sampler: str, seed: int, a, storage: str
     )
     study = optuna.load_study(study_name=job.study, storage=storage)
     done = sorted((t for t in study.trials if t.state.name == "COMPLETE"), key=lambda t: t.number)
-    pts = [(float(trial_record(t)["accuracy"]), float(trial_record(t)["flops_ratio"])) for t in done]
+    pts = [(float(trial_record(t).accuracy), float(trial_record(t).flops_ratio)) for t in done]
     return {
         "wall_s": time.time() - t0,
         "trials": [{"accuracy": acc, "flops_ratio": r} for acc, r in pts],

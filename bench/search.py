@@ -51,8 +51,8 @@ def front(study) -> list[dict]:
     return [
         {
             "trial": t.number,
-            "accuracy": trial_record(t)["accuracy"],
-            "flops_ratio": trial_record(t)["flops_ratio"],
+            "accuracy": trial_record(t).accuracy,
+            "flops_ratio": trial_record(t).flops_ratio,
             "params": dict(t.params),
         }
         for t in pareto_front(done, study.directions)
@@ -83,11 +83,11 @@ def part_speed(a, tmp: Path) -> dict:
         res = run_search(job, progress=False)
         wall = time.time() - t0
         study = load_study(job.study, storage)[1]
-        trial_s = [trial_record(t)["wall_s"] for t in study.trials if t.state.name == "COMPLETE"]
+        trial_s = [trial_record(t).wall_s for t in study.trials if t.state.name == "COMPLETE"]
         out[f"workers_{workers}"] = {
-            "trials": res["complete"],
+            "trials": res.complete,
             "wall_s": wall,
-            "trials_per_minute": 60 * res["complete"] / wall,
+            "trials_per_minute": 60 * res.complete / wall,
             "median_trial_s": sorted(trial_s)[len(trial_s) // 2],
         }
         print(workers, out[f"workers_{workers}"], flush=True)
@@ -147,7 +147,7 @@ def part_pretrained(a, tmp: Path) -> dict:
     rec = trial_record(best)
     # the paper's configuration (EViT at layers 4, 7, 10 of 12, one keep rate) at the same FLOPs
     ctx = TrialContext(job.replace(max_flops=None))
-    target = rec["flops_ratio"]
+    target = rec.flops_ratio
     lo, hi = 0.05, 1.0
     for _ in range(20):
         kr = (lo + hi) / 2
@@ -169,13 +169,13 @@ def part_pretrained(a, tmp: Path) -> dict:
         "best_trial": {
             "number": best.number,
             "params": dict(best.params),
-            "arch": rec["arch"],
-            "flops_ratio": rec["flops_ratio"],
-            "accuracy": rec["accuracy"],
+            "arch": rec.arch,
+            "flops_ratio": rec.flops_ratio,
+            "accuracy": rec.accuracy,
         },
         "paper_default_same_flops": paper,
         "uncompressed_accuracy": uncompressed,
-        "search_minus_paper_points": rec["accuracy"] - paper["accuracy"],
+        "search_minus_paper_points": rec.accuracy - paper["accuracy"],
     }
 
 

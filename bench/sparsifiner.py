@@ -232,7 +232,7 @@ def fmnist(
         )
         ft, fm = tune(f"keep{kr}_unstructured", cfg, row)
         row["finetuned_unstructured"] = dict(
-            _measure(ft, data, spec, xb), best_epoch=fm["best_epoch"], start_val_top1=fm["start_val_top1"]
+            _measure(ft, data, spec, xb), best_epoch=fm.best_epoch, start_val_top1=fm.start_val_top1
         )
         _set_mode(ft, mode="block", kernel="masked")
         row["finetuned_block"] = _measure(ft, data, spec, xb)
@@ -241,7 +241,7 @@ def fmnist(
         # each mask trained in its own mode: stage 2 fine-tunes the backbone under the block mask
         ftb, fbm = tune(f"keep{kr}_block", dict(cfg, mode="block"), row)
         row["finetuned_in_block_mode"] = dict(
-            _measure(ftb, data, spec, xb), best_epoch=fbm["best_epoch"], start_val_top1=fbm["start_val_top1"]
+            _measure(ftb, data, spec, xb), best_epoch=fbm.best_epoch, start_val_top1=fbm.start_val_top1
         )
         row["finetuned_in_block_mode_minus_unstructured_top1"] = (
             row["finetuned_in_block_mode"]["test_top1"] - row["finetuned_unstructured"]["test_top1"]
@@ -276,9 +276,9 @@ def control(base: Path, runs: Path, train_limit=6000, eval_limit=2000, epochs=2,
     )
     return {
         "attn_keep_ratio": 1.0,
-        "test_top1": m["test_top1"],
-        "test_n": m["test_n"],
-        "best_epoch": m["best_epoch"],
+        "test_top1": m.test_top1,
+        "test_n": m.test_n,
+        "best_epoch": m.best_epoch,
         "finetune_s": time.perf_counter() - t0,
     }
 

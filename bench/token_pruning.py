@@ -135,14 +135,14 @@ def fashion_mnist(
                 m = finetune(job, force=True)
                 model = nascompress.load(job.out)
                 row[tag] = {
-                    "test_top1": m["test_top1"],
-                    "test_n": m["test_n"],
+                    "test_top1": m.test_top1,
+                    "test_n": m.test_n,
                     "seconds": time.perf_counter() - t0,
                     "mflops": count_flops(model, x).total / 1e6,
-                    "top1_minus_dense": m["test_top1"] - dense_test.top1,
+                    "top1_minus_dense": m.test_top1 - dense_test.top1,
                 }
                 if zero_shot:
-                    row[tag]["calibration"] = m.get("calibration")
+                    row[tag]["calibration"] = m.calibration
                     if method == "dynamicvit":
                         row[tag]["predictor_steps"] = recipe.get("predictor_steps", DynamicViTRecipe().predictor_steps)
                         row[tag]["predictor_stage_batch_size"] = batch_size
@@ -152,10 +152,10 @@ def fashion_mnist(
                         batch_size=batch_size,
                         epochs=1,
                         train_images=out["data"]["train_images"],
-                        best_epoch=m["best_epoch"],
-                        start_val_top1=m["start_val_top1"],
-                        best_val_top1=m["best_val_top1"],
-                        kept_start=m["best_epoch"] == 0,
+                        best_epoch=m.best_epoch,
+                        start_val_top1=m.start_val_top1,
+                        best_val_top1=m.best_val_top1,
+                        kept_start=m.best_epoch == 0,
                     )
                 print(method, cfg, tag, json.dumps(row[tag]), flush=True)
             out["runs"].append(row)

@@ -185,9 +185,9 @@ def accuracy(seeds: list[int], train_limit: int, epochs: int, dev: torch.device)
                     "amp": amp,
                     "train_limit": train_limit,
                     "epochs": epochs,
-                    "best_val_top1": m["best_val_top1"],
-                    "test_top1": m["test_top1"],
-                    "train_time_s": m["train_time_s"],
+                    "best_val_top1": m.best_val_top1,
+                    "test_top1": m.test_top1,
+                    "train_time_s": m.train_time_s,
                     "load_after": load(),
                 }
             )

@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any, Callable
 
 from nascompress.studies import record_trial
+from nascompress.studies.results import StudyRun
 
 SPACE_INFO = {
     "space": {
@@ -110,7 +111,33 @@ def toy_sampler(kind: str) -> Callable[[int], Any]:
     return partial(make_sampler, kind)
 
 
-def run_toy_study(name: str, storage: str | None, n: int, **kw: Any) -> dict[str, Any]:
+def fake_run(study: str = "s", **values: Any) -> StudyRun:
+    """The summary of a run that ran nothing (a stand-in for ``run_search`` in tests): ``values``
+    override its fields."""
+    return StudyRun.new(
+        **{
+            "study": study,
+            "storage": "x",
+            "n_trials": 0,
+            "complete": 0,
+            "counts": {},
+            "metric_names": ["accuracy", "flops_ratio"],
+            "directions": ["maximize", "minimize"],
+            "front": [],
+            "wall_s": 0.0,
+            "workers": 1,
+            "workers_note": None,
+            "created": True,
+            "stale_failed": [],
+            "stale_resumed": [],
+            "finished": True,
+            "worker_errors": [],
+            **values,
+        }
+    )
+
+
+def run_toy_study(name: str, storage: str | None, n: int, **kw: Any) -> StudyRun:
     """:func:`run_study` of ``n`` toy trials into study ``name`` (``storage`` None: the default file),
     quietly, with beats a loaded test machine keeps up with; ``kw``: run_study's other arguments."""
     from nascompress.studies import run_study
@@ -130,7 +157,7 @@ def main(argv: list[str]) -> None:
     if "sampler" in kw:
         kw["sampler_factory"] = toy_sampler(kw.pop("sampler"))
     summary = run_study(objective_factory=partial(toy_factory, **toy), progress=False, **kw)
-    print(json.dumps(summary))
+    print(json.dumps(summary.to_dict()))
 
 
 if __name__ == "__main__":

@@ -406,6 +406,7 @@ def test_the_option_bounds_are_stated_in_limits():
 
 def _create_at_once(url: str, barrier, results) -> None:
     from nascompress.studies.opening import open_study
+    from nascompress.studies.records import StudyInfo
     from nascompress.studies.storage_url import parse_storage
 
     barrier.wait()
@@ -415,7 +416,7 @@ def _create_at_once(url: str, barrier, results) -> None:
             study_name="s",
             directions=["maximize"],
             metric_names=["accuracy"],
-            info={"space_hash": "h"},
+            info=StudyInfo.new(space_hash="h"),
             enqueue=[{"x": 1}],
         )
         results.put(("ok", created, len(study.trials)))

@@ -205,7 +205,7 @@ def test_study_and_its_pick(tiny_run, tmp_path, no_tmp_left):
         eval_images=100,
         train_images=100,
     )
-    assert res.summary["complete"] == 2 and res.out is None
+    assert res.summary.complete == 2 and res.out is None
     assert res.picked.metrics["flops_ratio"] <= 0.8 and res.picked.arch["methods"][-1]["name"] == "tome"
     assert res.picked.metrics["rebuilt_accuracy"] == res.picked.metrics["trial_accuracy"]
     assert not any(no_tmp_left.iterdir())

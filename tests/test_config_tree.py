@@ -41,6 +41,7 @@ from nascompress.train.config import TrainConfig
 from nascompress.train.run import TrainJob
 
 from .conftest import invoke, needs_fmnist, patch_everywhere
+from .study_toys import fake_run
 
 # TrainConfig fields no stage offers: the training loop's internal constants (and what a stage sets itself)
 TRAIN_INTERNAL = {
@@ -435,7 +436,7 @@ def test_the_study_settings_build_the_same_search_job_in_the_cli_and_the_pipelin
 
     def fake(job, **kw):
         seen.append(job)
-        return {"study": job.study, "storage": "x", "complete": 0, "n_trials": 0, "front": []}
+        return fake_run(job.study)
 
     patch_everywhere(monkeypatch, trials, "run_search", fake)
     values = {

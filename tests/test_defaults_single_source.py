@@ -29,6 +29,7 @@ from nascompress.train.run import FINE_TUNE_TRAIN, TRAIN_SETTINGS, TrainJob
 from nascompress.train.config import TrainConfig
 
 from .conftest import invoke, patch_everywhere
+from .study_toys import fake_run
 
 
 @pytest.fixture
@@ -45,30 +46,41 @@ def jobs(monkeypatch):
 
     seen: dict[str, list] = {}
 
+    from nascompress.retraining.metrics import RetrainMetrics
+    from nascompress.train.metrics import FinetuneMetrics, TrainMetrics
+
+    records = {"train": TrainMetrics, "retrain": RetrainMetrics, "finetune": FinetuneMetrics}  # what each returns
+
     def keep(kind):
         def fake(job, **kw):
             seen.setdefault(kind, []).append(job)
-            return {
-                "methods": ["x"],
-                "test_top1": 0.0,
-                "best_val_top1": 0.0,
-                "train_time_s": 0.0,
-                "study": "s",
-                "storage": "x",
-                "complete": 0,
-                "n_trials": 0,
-                "front": [],
-                "finished": True,
-            }
+            return (records[kind].new if kind in records else dict)(
+                **{
+                    "methods": ["x"],
+                    "test_top1": 0.0,
+                    "best_val_top1": 0.0,
+                    "train_time_s": 0.0,
+                    "study": "s",
+                    "storage": "x",
+                    "complete": 0,
+                    "n_trials": 0,
+                    "front": [],
+                    "finished": True,
+                }
+            )
 
         return fake
+
+    def keep_study(job, **kw):  # run_search: the study run's summary record
+        seen.setdefault("study", []).append(job)
+        return fake_run()
 
     patch_everywhere(monkeypatch, train, "train", keep("train"))
     patch_everywhere(monkeypatch, search, "search_dcs", keep("dcs"))
     patch_everywhere(monkeypatch, fallback, "run_dcs_with_fallback", keep("dcs"))
     patch_everywhere(monkeypatch, retrain, "retrain", keep("retrain"))
     patch_everywhere(monkeypatch, finetune, "finetune", keep("finetune"))
-    patch_everywhere(monkeypatch, trials, "run_search", keep("study"))
+    patch_everywhere(monkeypatch, trials, "run_search", keep_study)
     patch_everywhere(monkeypatch, fallback, "current_model", lambda *a, **kw: Path("compressed"))
     exported = Sidecar(format="nascompress-export/1", file="m.onnx")
     patch_everywhere(

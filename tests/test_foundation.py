@@ -224,7 +224,7 @@ def test_training_learns_and_resume_is_exact(tmp_path, amp):
     from nascompress.train.hooks import TrainHooks
 
     full = _fit_tiny(tmp_path / "full", amp=amp)
-    assert full["test_top1"] > 50.0  # 10 classes: chance is 10%
+    assert full.test_top1 > 50.0  # 10 classes: chance is 10%
 
     class Crash(TrainHooks):
         def on_epoch_start(self, model, *, epoch):
@@ -240,7 +240,7 @@ def test_training_learns_and_resume_is_exact(tmp_path, amp):
     b = nascompress.load(tmp_path / "crash" / "last.safetensors").state_dict()
     for k in a:
         torch.testing.assert_close(b[k], a[k], msg=lambda m, k=k: f"{k}: {m}")
-    assert resumed["test_top1"] == pytest.approx(full["test_top1"])
+    assert resumed.test_top1 == pytest.approx(full.test_top1)
 
 
 def test_same_seed_same_run(tmp_path):

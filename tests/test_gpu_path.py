@@ -130,12 +130,12 @@ def test_amp_bf16_trains_under_autocast_and_deterministic_is_in_force_then_resto
     metrics, seen = _fit(tmp_path / "amp", amp="bf16", deterministic=True)
     assert seen["autocast"] and all(seen["autocast"]) and all(seen["deterministic"])
     assert not torch.are_deterministic_algorithms_enabled()  # restored after the job
-    assert metrics["test_top1"] > 10.0  # learns something in one epoch
+    assert metrics.test_top1 > 10.0  # learns something in one epoch
     log = [json.loads(ln) for ln in (tmp_path / "amp" / "log.jsonl").read_text().splitlines()]
     assert isinstance(log[-1]["train_ce"], float)  # device tensors read back into the log as floats
-    assert metrics["amp"] == "bf16"
+    assert metrics.amp == "bf16"
     off, seen_off = _fit(tmp_path / "off", amp="off")
-    assert not any(seen_off["autocast"]) and not any(seen_off["deterministic"]) and off["amp"] == "off"
+    assert not any(seen_off["autocast"]) and not any(seen_off["deterministic"]) and off.amp == "off"
     with pytest.raises(NascompressError, match="amp must be one of off, bf16"):
         TrainConfig(amp="fp16")
 
@@ -146,7 +146,7 @@ def test_amp_auto_is_bf16_only_on_a_cpu_with_native_bfloat16_and_is_recorded(tmp
     assert TrainConfig().amp == "auto"  # the default
     metrics, seen = _fit(tmp_path / "auto")
     on = native == "1"
-    assert metrics["amp"] == ("bf16" if on else "off") and all(a == on for a in seen["autocast"])
+    assert metrics.amp == ("bf16" if on else "off") and all(a == on for a in seen["autocast"])
     assert runtime.resolve_amp("auto", torch.device("cuda")) == "off"  # not measured on a GPU: TF32 as before
     monkeypatch.delenv("NASCOMPRESS_NATIVE_BF16")  # the CPU's own flags
     monkeypatch.setitem(runtime._ONCE, "cpu_flags", {"avx512f"})  # AVX-512 without BF16: fp32
@@ -403,7 +403,7 @@ def test_a_trial_model_is_trainable_though_the_shared_base_is_frozen(tiny_run, t
         )
     )
     assert not any(p.requires_grad for p in ctx.base.parameters())
-    model, _, _ = build_trial(ctx, [{"name": "evit", "config": {"keep_rate": 0.5}}], seed=0)
+    model = build_trial(ctx, [{"name": "evit", "config": {"keep_rate": 0.5}}], seed=0).model
     assert all(p.requires_grad for p in model.parameters())
 
 
@@ -490,7 +490,9 @@ def test_cpu_bf16_training_is_deterministic_and_leaves_the_attention_flag_as_it_
     a, _ = _fit(tmp_path / "a", amp="bf16")
     b, _ = _fit(tmp_path / "b", amp="bf16")
     times = ("train_time_s",)
-    assert {k: v for k, v in a.items() if k not in times} == {k: v for k, v in b.items() if k not in times}
+    assert {k: v for k, v in a.to_dict().items() if k not in times} == {
+        k: v for k, v in b.to_dict().items() if k not in times
+    }
     model = build_model(tiny_spec())
     fit(
         model,

@@ -71,7 +71,7 @@ def test_fit_in_memory_writes_nothing_and_matches_a_run_directory(base, tmp_path
     m_disk = fit(
         copy.deepcopy(model), data=data, input_spec=spec, cfg=cfg, out_dir=tmp_path / "run", arch=arch, log=disk_log
     )
-    assert _without_times(m_mem) == _without_times(m_disk)
+    assert _without_times(m_mem.to_dict()) == _without_times(m_disk.to_dict())
     strip = lambda log: [{k: v for k, v in r.items() if k not in TIMES} for r in log]  # noqa: E731
     assert strip(mem_log) == strip(disk_log) and len(mem_log) == 3  # the start, then one record per epoch
     # the in-memory model ends holding what the directory saved as model.safetensors (the best epoch)
@@ -131,7 +131,7 @@ def test_retrain_in_memory_equals_the_retrain_run(tiny_run, tmp_path):
     mem = run_retrain(job, model, arch, data)
     assert not (tmp_path / "final").exists()
     disk = retrain(job)
-    assert _without_times(mem.metrics) == _without_times(disk)
+    assert _without_times(mem.metrics.to_dict()) == _without_times(disk.to_dict())
     _same_state(mem.model, load_with_arch(tmp_path / "final")[0])
 
 

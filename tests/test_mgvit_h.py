@@ -204,7 +204,7 @@ def test_builds_from_a_trained_run_trains_saves_and_reloads(pvt_run, tmp_path, v
             train=finetune_train_config("mgvit-h", epochs=1, batch_size=16, seed=0, keep="last"),
         )
     )
-    assert m["method"] == "mgvit-h"
+    assert m.method == "mgvit-h"
     loaded = nascompress.load(out)
     base = nascompress.load(pvt_run)
     assert isinstance(loaded, MGPVT) and loaded.mg["variant"] == variant

@@ -192,7 +192,7 @@ def test_an_interrupted_run_is_refused_until_resumed(tmp_path):
     nascompress.load(out / "last.safetensors")  # an explicit epoch file is still readable
     metrics = train(_train_job(out), resume=True)
     assert json.loads((out / "metrics.json").read_text())["finished"] is True
-    assert nascompress.load(out).num_classes == 10 and metrics["epochs"] == 2
+    assert nascompress.load(out).num_classes == 10 and metrics.epochs == 2
 
 
 def test_a_run_without_checkpoint_says_what_to_delete(tmp_path):
@@ -328,14 +328,14 @@ def test_a_journal_lock_left_by_a_killed_writer_is_recovered_at_once(tmp_path, c
     os.symlink(f"{tmp_path}/s.journal.owner=" + json.dumps([socket.gethostname(), _dead_pid(), None]), lock)
     t0 = time.perf_counter()
     with caplog.at_level(logging.WARNING):
-        assert run_study(n_trials=4, **kw)["complete"] == 4
+        assert run_study(n_trials=4, **kw).complete == 4
     assert time.perf_counter() - t0 < 15  # Optuna's own lock waits 30 s (grace period) here
     assert not any("lock" in r.getMessage() for r in caplog.records) and not os.path.lexists(lock)
     # a live owner's lock is waited for, not broken
     os.symlink(f"{tmp_path}/s.journal.owner=" + json.dumps([socket.gethostname(), os.getpid(), None]), lock)
     threading.Timer(1.0, lambda: os.unlink(lock)).start()
     t0 = time.perf_counter()
-    assert run_study(n_trials=5, **kw)["complete"] == 5
+    assert run_study(n_trials=5, **kw).complete == 5
     assert time.perf_counter() - t0 >= 0.9
 
 
@@ -502,8 +502,8 @@ def test_a_full_disk_during_a_study_stops_it_in_one_line_and_the_rerun_continues
     k = sum(t.state.name == "COMPLETE" for t in before)
     assert 2 <= k < 30 and not any(t.state.name == "FAIL" for t in before)
     done = study("full", k + 3)
-    assert done["complete"] == k + 3 and done["counts"].get("FAIL", 0) == 0
-    assert study("ref", k + 3)["complete"] == k + 3
+    assert done.complete == k + 3 and done.counts.get("FAIL", 0) == 0
+    assert study("ref", k + 3).complete == k + 3
 
     def params(name):
         return [t.params for t in trials_of(name, f"sqlite:///{tmp_path}/{name}.db") if t.state.name == "COMPLETE"]

@@ -21,6 +21,7 @@ from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.train.distill import FeatureTap
 from nascompress.dcs_search.ib_hooks import IBHooks, make_input_embed
 from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.metrics import RetrainMetrics
 from nascompress.retraining.run import RetrainJob, bound_contribution, retrain
 from nascompress.train.config import TrainConfig
 from nascompress.train.run import input_spec_for
@@ -325,18 +326,18 @@ def test_resume_replays_an_interrupted_run(tmp_path):
         retrain(job)
     assert len((tmp_path / "cut" / "log.jsonl").read_text().splitlines()) == 2  # the start + epoch 1
     resumed = retrain(replace(job, train=replace(job.train, epochs=99)), resume=True)  # config.json wins
-    assert resumed["epochs"] == 2
+    assert resumed.epochs == 2
     a, b = nascompress.load(tmp_path / "full"), nascompress.load(tmp_path / "cut")
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         torch.testing.assert_close(va, vb, msg=ka)
-    assert resumed["final"]["ib"] == pytest.approx(full["final"]["ib"], rel=1e-4)
+    assert resumed.final["ib"] == pytest.approx(full.final["ib"], rel=1e-4)
     # what the bound contributed: the start and the warm-up epoch (CE only) against the epoch with the bound
     log = [json.loads(ln) for ln in (tmp_path / "full" / "log.jsonl").read_text().splitlines()]
-    bc = full["bound_contribution"]
-    assert bc["best_val_without_bound"] == max(r["val_top1"] for r in log[:2])
-    assert bc["best_val_with_bound"] == log[2]["val_top1"]
-    assert bc["change"] == pytest.approx(bc["best_val_with_bound"] - bc["best_val_without_bound"])
-    assert resumed["bound_contribution"] == bc
+    bc = full.bound_contribution
+    assert bc.best_val_without_bound == max(r["val_top1"] for r in log[:2])
+    assert bc.best_val_with_bound == log[2]["val_top1"]
+    assert bc.change == pytest.approx(bc.best_val_with_bound - bc.best_val_without_bound)
+    assert resumed.bound_contribution == bc
 
 
 def test_the_default_retraining_has_no_bound_and_records_none():
@@ -344,7 +345,7 @@ def test_the_default_retraining_has_no_bound_and_records_none():
     assert RetrainConfig().eta == 0.0
     assert bound_contribution(
         [{"epoch": 0, "start": True, "val_top1": 50.0}, {"epoch": 1, "val_top1": 60.0, "ib_active": False}]
-    ) == {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
+    ).to_dict() == {"best_val_without_bound": 60.0, "best_val_with_bound": None, "change": None}
 
 
 @pytest.mark.parametrize(
@@ -418,7 +419,7 @@ def test_retrains_a_materialized_dcs_model_and_keeps_its_shapes(tmp_path):
     assert sum(p.numel() for p in model.parameters()) < sum(p.numel() for p in build_model(tiny_spec()).parameters())
     job = replace(quick_job(src, tmp_path / "out"), data=SMALL, train=replace(quick_job(src, "x").train, epochs=1))
     metrics = retrain(job)
-    assert metrics["methods"] == ["dcs"]
+    assert metrics.methods == ["dcs"]
     shipped = nascompress.load(tmp_path / "out")
     assert {k: tuple(v.shape) for k, v in shipped.state_dict().items()} == shapes
 
@@ -470,5 +471,6 @@ def test_cli_retrain_with_the_bound_off_prints_no_ib_loss(tmp_path):
     assert "nan" not in line.lower() and "IB loss" not in line and "(32 images)" in line, line
     from nascompress.cli.retrain import ib_text
 
-    assert ib_text({"eta": 50.0, "final": {"ib": 0.25}}) == "  IB loss 0.2500"
-    assert ib_text({"eta": 0.0, "final": {"ib": 0.25}}) == ib_text({"eta": 5.0, "final": {"ib": float("nan")}}) == ""
+    assert ib_text(RetrainMetrics.new(eta=50.0, final={"ib": 0.25})) == "  IB loss 0.2500"
+    off, nan = RetrainMetrics.new(eta=0.0, final={"ib": 0.25}), RetrainMetrics.new(eta=5.0, final={"ib": float("nan")})
+    assert ib_text(off) == ib_text(nan) == ""

@@ -105,11 +105,11 @@ def test_trials_of_different_methods_record_the_same_subset_and_budget(project, 
     assert study.user_attrs["nascompress"]["scoring"]["calib_steps"] == 3
     shown = show_study("s")
     assert (
-        shown["scoring"].startswith("3 calibration steps per predictor stage")
-        and "40 validation images" in shown["scoring"]
-        and by_method["evit"]["eval_subset"]["sha256"] in shown["scoring"]
+        shown.scoring.startswith("3 calibration steps per predictor stage")
+        and "40 validation images" in shown.scoring
+        and by_method["evit"]["eval_subset"]["sha256"] in shown.scoring
     )
-    assert shown["scoring"] in build_report(study, storage_display="x")
+    assert shown.scoring in build_report(study, storage_display="x")
     # continuing the study with another budget or subset is refused, naming the setting; nothing runs
     r = invoke(
         "search",

@@ -277,10 +277,10 @@ def test_a_reused_dcs_stage_builds_the_same_trial_as_a_fresh_search(project, tin
     )
     records = ctx.space.records({"dcs.target_flops": 0.8, "dynamicvit.rho": 0.7})
     built = [build_trial(ctx, records, seed=5, dcs_seed=0) for _ in range(2)]
-    assert [b[2]["dcs"]["reused"] for b in built] == [False, True]
-    first, second = (b[0].state_dict() for b in built)
+    assert [b.training["dcs"]["reused"] for b in built] == [False, True] and [b.dcs_seed for b in built] == [0, 0]
+    first, second = (b.model.state_dict() for b in built)
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
-    assert built[0][1] == built[1][1]
+    assert built[0].applied == built[1].applied
 
 
 def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
@@ -302,10 +302,10 @@ def test_a_dcs_target_of_1_is_no_channel_cut(project, tiny_run):
             batch_size=30,
         )
     )
-    model, applied, info = build_trial(
-        ctx, ctx.space.records({"dcs.target_flops": 1.0, "dynamicvit.rho": 0.7}), seed=5, dcs_seed=0
-    )
-    assert [r["name"] for r in applied] == ["dynamicvit"] and "skipped" in info["dcs"]
+    built = build_trial(ctx, ctx.space.records({"dcs.target_flops": 1.0, "dynamicvit.rho": 0.7}), seed=5, dcs_seed=0)
+    model = built.model
+    assert [r["name"] for r in built.applied] == ["dynamicvit"] and "skipped" in built.training["dcs"]
+    assert built.dcs_seed is None
     assert not ctx.dcs_memo  # no search ran
     x = torch.randn(2, 1, 16, 16, device=model.patch_embed.proj.weight.device)  # the job's device (TORCH_DEVICE)
     assert model.patch_embed.proj.weight.shape == ctx.base.patch_embed.proj.weight.shape

@@ -247,7 +247,7 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
     )
     metrics = finetune(job)
     model, arch = load_with_arch(tmp_path / "ft")
-    assert arch["methods"][-1]["name"] == "sparsifiner" and metrics["zero_shot"] is False
+    assert arch["methods"][-1]["name"] == "sparsifiner" and metrics.zero_shot is False
     assert len(sparse_modules(model)) == 2
     zs = finetune(
         FinetuneJob(
@@ -260,7 +260,7 @@ def test_finetune_job_end_to_end(tiny_run, tmp_path):
             zero_shot=True,
         )
     )
-    assert zs["zero_shot"] is True and "l_attn" in zs["calibration"]
+    assert zs.zero_shot is True and "l_attn" in zs.calibration
 
 
 @pytest.mark.parametrize(

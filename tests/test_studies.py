@@ -124,14 +124,15 @@ def test_record_trial_validates_and_merges():
     t = study.ask()
     record_trial(t, accuracy=81, flops_ratio=0.5)
     rec = record_trial(t, params=1234, latency_ms=None, arch=[{"name": "evit", "config": {"keep_rate": 0.7}}])
-    assert rec == {
+    assert rec.accuracy == 81.0 and rec.params == 1234 and rec.latency_ms is None and rec.wall_s is None
+    assert rec.to_dict() == {
         "accuracy": 81.0,
         "flops_ratio": 0.5,
         "params": 1234,
         "latency_ms": None,
         "arch": [{"name": "evit", "config": {"keep_rate": 0.7}}],
     }
-    assert t.user_attrs["nascompress"] == rec
+    assert t.user_attrs["nascompress"] == rec.to_dict()
     with pytest.raises(TypeError, match="unknown field 'acc'"):
         record_trial(t, acc=1.0)
     with pytest.raises(TypeError, match="params must be an integer"):
@@ -197,8 +198,8 @@ def test_sigkill_mid_trial_then_resume_sqlite(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     summary = run_study(objective_factory=toy_factory, progress=False, **kw)
-    assert summary["stale_resumed"] == [3] and summary["stale_failed"] == []
-    assert summary["complete"] == 6 and summary["finished"]
+    assert summary.stale_resumed == [3] and summary.stale_failed == []
+    assert summary.complete == 6 and summary.finished
     after = trials_of("kill", storage)
     by_num = {t.number: t for t in after}
     for i in range(3):  # finished trials intact
@@ -255,7 +256,7 @@ def _two_workers(name: str, storage: str | None, tmp_path):
         enqueue=enqueue,
         objective_factory=partial(toy_factory, sleep=0.15, ready=(str(ready), 2)),
     )
-    assert summary["complete"] == 8 and summary["finished"] and not summary["worker_errors"]
+    assert summary.complete == 8 and summary.finished and not summary.worker_errors
     return summary, enqueue
 
 
@@ -276,7 +277,7 @@ def _check_two_workers(trials, enqueue):
 def test_two_workers_postgres(pg, tmp_path):
     """(b) Two worker processes on one PostgreSQL study: no duplicated or lost trials."""
     summary, enqueue = _two_workers("pg-two", pg.url, tmp_path)
-    assert pg.password not in json.dumps(summary)
+    assert pg.password not in json.dumps(summary.to_dict())
     _check_two_workers(trials_of("pg-two", pg.url), enqueue)
 
 
@@ -284,9 +285,9 @@ def test_two_workers_default_storage_uses_journal(tmp_path, monkeypatch):
     """(c) workers=2 with the default storage runs in the project's journal file."""
     monkeypatch.chdir(tmp_path)
     summary, enqueue = _two_workers("local-two", None, tmp_path)
-    assert summary["storage"] == f"journal:{tmp_path}/nascompress-studies.journal"
+    assert summary.storage == f"journal:{tmp_path}/nascompress-studies.journal"
     assert not (tmp_path / "nascompress-studies.db").exists()
-    _check_two_workers(trials_of("local-two", summary["storage"]), enqueue)
+    _check_two_workers(trials_of("local-two", summary.storage), enqueue)
 
 
 def test_space_change_is_refused(tmp_path):
@@ -377,7 +378,7 @@ def test_interrupt_releases_the_trial_then_resume_runs_it_in_place(tmp_path):
     t2 = next(t for t in trials_of("int", storage) if t.number == 2)
     assert t2.state == TrialState.RUNNING and t2.system_attrs[WORKER_KEY]["released"]
     summary = run("int", storage, 5)
-    assert summary["complete"] == 5 and summary["stale_resumed"] == [2]
+    assert summary.complete == 5 and summary.stale_resumed == [2]
     after = trials_of("int", storage)
     assert len(after) == 5 and after[2].params == t2.params and after[2].state == TrialState.COMPLETE
     assert RETRIES_KEY not in after[2].user_attrs  # a Ctrl-C is not the trial's fault
@@ -403,7 +404,7 @@ def test_a_failing_trial_is_recorded_and_the_study_goes_on(tmp_path):
     reason; the next trials run and the study reaches its complete trials."""
     storage = f"sqlite:///{tmp_path}/c.db"
     summary = run("coll", storage, 4, objective_factory=partial(toy_factory, fail="collapse_odd"))
-    assert summary["complete"] == 4 and summary["counts"]["FAIL"] == 3
+    assert summary.complete == 4 and summary.counts["FAIL"] == 3
     failed = [t for t in trials_of("coll", storage) if t.state == TrialState.FAIL]
     assert [t.number for t in failed] == [1, 3, 5]
     assert failed[0].user_attrs["nascompress_error"] == "the search collapsed in trial 1"
@@ -579,7 +580,7 @@ def test_worker_whose_trial_was_taken_over_keeps_going(tmp_path):
         return objective
 
     summary = run("taken", storage, 3, objective_factory=factory)
-    assert summary["complete"] == 3
+    assert summary.complete == 3
     assert [t.state for t in trials_of("taken", storage)][:2] == [TrialState.COMPLETE, TrialState.FAIL]
 
 
@@ -597,20 +598,22 @@ def test_piped_tables_are_not_cut(project_with_studies, monkeypatch, capsys):
     columns, no two columns shown under the same cut name."""
     from nascompress.cli.common import out
     from nascompress.studies.inspect import render_show
+    from nascompress.studies.results import ShowResult
 
     monkeypatch.chdir(project_with_studies)
     r = cli("study", "show", "multi")
     assert r.exit_code == 0 and "…" not in r.stdout, r.output
     params = {"evit.keep_rate": 0.7, "evit.keep_layers": "3,6,9", "tome.r": 8, "dynamicvit.keep_ratio": 0.5}
-    result = {
-        "study": "tok",
-        "kind": "pareto",
-        "metric_names": ["accuracy", "flops_ratio"],
-        "directions": ["maximize", "minimize"],
-        "varying": list(params),
-        "counts": {"COMPLETE": 1},
-        "storage": "sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
-        "trials": [
+    result = ShowResult.new(
+        study="tok",
+        kind="pareto",
+        metric_names=["accuracy", "flops_ratio"],
+        directions=["maximize", "minimize"],
+        varying=list(params),
+        counts={"COMPLETE": 1},
+        info={},
+        storage="sqlite:////a/rather/long/path/to/the/project/directory/nascompress-studies.db",
+        trials=[
             {
                 "number": 0,
                 "params": params,
@@ -618,14 +621,15 @@ def test_piped_tables_are_not_cut(project_with_studies, monkeypatch, capsys):
                 "record": {"params": 5_000_000, "latency_ms": 1.5, "run": "/a/long/run/directory/x"},
             }
         ],
-    }
+        scored_otherwise=[],
+    )
     out.print(render_show(result))
     text = capsys.readouterr().out
     assert "…" not in text, text
     header = next(ln for ln in text.splitlines() if "accuracy ↑" in ln)
     for col in (*params, "flops_ratio ↓"):
         assert col in header, header
-    assert any(result["storage"] in ln for ln in text.splitlines())  # the path whole, on one line
+    assert any(result.storage in ln for ln in text.splitlines())  # the path whole, on one line
 
 
 def figure_traces(page: str, div: str) -> list[dict]:

@@ -118,14 +118,14 @@ def test_a_journal_record_without_end_is_refused_at_the_limit(tmp_path, monkeypa
 def test_workers_are_capped_at_the_trials_and_the_cores_with_a_note(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     res = run_toy("one", None, 1, workers=3, progress=True)  # one trial: one worker, in this process
-    assert res["workers"] == 1 and res["complete"] == 1
-    assert res["workers_note"] == "running 1 worker, not workers 3: the study asks for 1 trial"
-    assert res["workers_note"] in capsys.readouterr().err
-    assert res["storage"].startswith("sqlite:///")  # one worker: the default SQLite file, as asked with 1
+    assert res.workers == 1 and res.complete == 1
+    assert res.workers_note == "running 1 worker, not workers 3: the study asks for 1 trial"
+    assert res.workers_note in capsys.readouterr().err
+    assert res.storage.startswith("sqlite:///")  # one worker: the default SQLite file, as asked with 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
     res = run_toy("two", None, 2, workers=2)
-    assert res["workers"] == 1 and res["complete"] == 2
-    assert res["workers_note"] == "running 1 worker, not workers 2: this machine has 1 usable CPU core"
+    assert res.workers == 1 and res.complete == 2
+    assert res.workers_note == "running 1 worker, not workers 2: this machine has 1 usable CPU core"
 
 
 def test_two_runs_of_one_study_with_two_workers_each_cooperate(tmp_path):

@@ -83,5 +83,5 @@ def test_a_trial_killed_between_ask_and_its_first_beat_is_run_again_in_its_place
     killed = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'b.db'}").ask()  # no beat follows
     assert killed.number == 2
     summary = run(tmp_path / "b.db", 5, heartbeat_interval=0.2, grace_period=1.0)
-    assert summary["complete"] == 5
+    assert summary.complete == 5
     assert trials(tmp_path / "b.db") == trials(tmp_path / "a.db")

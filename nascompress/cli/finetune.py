@@ -223,18 +223,18 @@ def finetune(
     job = run(build)  # with --resume the job recorded in OUT/config.json is continued instead
     metrics = run(finetune_fn, job, force=force, resume=resume, explicit=given_options())
     if json_out:
-        print_json(metrics)
+        print_json(metrics.to_dict())
         return
-    start = metrics.get("start_val_top1")
+    start = metrics.start_val_top1
     extra = (
         ""
         if start is None
-        else f" (val: start {start:.2f}%, best {metrics['best_val_top1']:.2f}% at epoch {metrics['best_epoch']})"
+        else f" (val: start {start:.2f}%, best {metrics.best_val_top1:.2f}% at epoch {metrics.best_epoch})"
     )
     out.print(
-        f"{method}: test top-1 {metrics['test_top1']:.2f}% ({metrics['test_n']} images), "
-        f"{metrics['flops'] / 1e6:.2f} MFLOPs/image, {dense_flops_text(metrics['flops_ratio'])} "
-        f"(mean of {metrics['flops_images']} test images){extra}  -> {out_dir}",
+        f"{method}: test top-1 {metrics.test_top1:.2f}% ({metrics.test_n} images), "
+        f"{metrics.flops / 1e6:.2f} MFLOPs/image, {dense_flops_text(metrics.flops_ratio)} "
+        f"(mean of {metrics.flops_images} test images){extra}  -> {out_dir}",
         highlight=False,
     )
 

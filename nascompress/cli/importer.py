@@ -53,7 +53,7 @@ def register(app: typer.Typer) -> None:
 
         job = run(build)
         metrics = run(import_model, job, force=force)
-        notes = metrics.get("shapes_from_weights") or {}
+        notes = metrics.shapes_from_weights or {}
         if notes and not json_out:  # the model built is the weights', not the name's defaults: said, not silent
             out.print(
                 f"shapes read from the weights (not {model}'s): "
@@ -67,8 +67,8 @@ def register(app: typer.Typer) -> None:
                 soft_wrap=True,
             )
         if json_out:
-            print_json(metrics)
-        elif metrics.get("test_top1") is not None:
-            out.print(f"val top-1 {metrics['val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  -> {out_dir}")
+            print_json(metrics.to_dict())
+        elif metrics.test_top1 is not None:
+            out.print(f"val top-1 {metrics.val_top1:.2f}%  test top-1 {metrics.test_top1:.2f}%  -> {out_dir}")
         else:
             out.print(f"imported {model} -> {out_dir}")

@@ -102,17 +102,17 @@ def train(
     job = run(build)
     metrics = run(train_job, job, force=force, resume=resume, explicit=given_options())
     if json_out:
-        print_json(metrics)
-    elif metrics.get("linear_probe"):
+        print_json(metrics.to_dict())
+    elif metrics.linear_probe:
         out.print(
-            f"linear probe: val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
-            f"L2 {metrics['l2']:g}  features {metrics['feature_time_s']:.0f}s  fit {metrics['fit_time_s']:.1f}s"
+            f"linear probe: val top-1 {metrics.best_val_top1:.2f}%  test top-1 {metrics.test_top1:.2f}%  "
+            f"L2 {metrics.l2:g}  features {metrics.feature_time_s:.0f}s  fit {metrics.fit_time_s:.1f}s"
             f"  -> {out_dir}"
         )
     else:
         out.print(
-            f"best val top-1 {metrics['best_val_top1']:.2f}%  test top-1 {metrics['test_top1']:.2f}%  "
-            f"train time {metrics['train_time_s']:.0f}s  -> {out_dir}"
+            f"best val top-1 {metrics.best_val_top1:.2f}%  test top-1 {metrics.test_top1:.2f}%  "
+            f"train time {metrics.train_time_s:.0f}s  -> {out_dir}"
         )
 
 

@@ -30,6 +30,7 @@ from nascompress.retraining.run import (
     retrain as retrain_fn,
 )
 from nascompress.retraining.config import RetrainConfig
+from nascompress.retraining.metrics import RetrainMetrics
 from nascompress.train.run import RUNTIME_SETTINGS
 
 
@@ -77,19 +78,19 @@ def retrain(
     job = run(build)
     metrics = run(retrain_fn, job, force=force, resume=resume, explicit=given_options())
     if json_out:
-        print_json(metrics)
+        print_json(metrics.to_dict())
     else:
         out.print(
-            f"retrained ({', '.join(metrics['methods']) or 'dense'}): test top-1 {metrics['test_top1']:.2f}% "
-            f"({metrics['test_n']} images){ib_text(metrics)}  -> {out_dir}"
+            f"retrained ({', '.join(metrics.methods) or 'dense'}): test top-1 {metrics.test_top1:.2f}% "
+            f"({metrics.test_n} images){ib_text(metrics)}  -> {out_dir}"
         )
 
 
-def ib_text(metrics: dict) -> str:
+def ib_text(metrics: RetrainMetrics) -> str:
     """The IB loss of the retrained model's last epoch when the bound was on (eta > 0) and measured;
     nothing otherwise (a bound that is off has no loss to show)."""
-    ib = (metrics.get("final") or {}).get("ib")
-    if not metrics.get("eta") or ib is None or not math.isfinite(ib):
+    ib = (metrics.final or {}).get("ib")
+    if not metrics.eta or ib is None or not math.isfinite(ib):
         return ""
     return f"  IB loss {ib:.4f}"
 

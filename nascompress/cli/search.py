@@ -149,11 +149,11 @@ def _outer_search(kind: str, default_space: str):
         job = run(build)
         res = run(run_search, job, progress=not json_out, json_progress=json_out)
         if json_out:
-            print_json(res)
+            print_json(res.to_dict())
             return
         out.print(
-            f"study {res['study']} ({res['storage']}): {res['complete']}/{res['n_trials']} complete, "
-            f"{len(res['front'])} on the front; see `nascompress study show {res['study']}`"
+            f"study {res.study} ({res.storage}): {res.complete}/{res.n_trials} complete, "
+            f"{len(res.front)} on the front; see `nascompress study show {res.study}`"
         )
 
     command.__doc__ = (

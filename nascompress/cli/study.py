@@ -35,7 +35,7 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
     """Every study: objectives, trials complete/failed/running, best value or front size, created."""
     rows = run(list_studies, storage)
     if json_out:
-        print_json(rows)
+        print_json([r.to_dict() for r in rows])
         return
     if not rows:
         out.print("no studies yet (nascompress-studies.db / .journal in this directory, or --storage)")
@@ -49,22 +49,22 @@ def list_cmd(storage: Storage = None, json_out: Json = False) -> None:
     for col in ("study", "objectives", "done", "failed", "running", "best / front", "created", "storage"):
         t.add_column(col, justify="right" if col in ("done", "failed", "running") else "left")
     for r in rows:
-        objs = " ".join(f"{n}{'↑' if d == 'maximize' else '↓'}" for n, d in zip(r["metric_names"], r["directions"]))
+        objs = " ".join(f"{n}{'↑' if d == 'maximize' else '↓'}" for n, d in zip(r.metric_names, r.directions))
         best = (
-            f"front {r['front_size']}"
-            if r["front_size"] is not None
-            else f"{r['best']['value']:.4g} (#{r['best']['number']})"
-            if r["best"]
+            f"front {r.front_size}"
+            if r.front_size is not None
+            else f"{r.best.value:.4g} (#{r.best.number})"
+            if r.best
             else "-"
         )
-        c = r["counts"]
-        created = (r["created"] or "-")[5:16].replace("T", " ") if r["created"] else "-"
-        where = r["storage"]
+        c = r.counts
+        created = r.created[5:16].replace("T", " ") if r.created else "-"
+        where = r.storage
         for default, short in (("nascompress-studies.db", "db"), ("nascompress-studies.journal", "journal")):
             if where.startswith(("sqlite:///", "journal:")) and Path(where.split(":", 1)[1]) == Path.cwd() / default:
                 where = short
         t.add_row(
-            r["name"],
+            r.name,
             objs,
             str(c.get("COMPLETE", 0)),
             str(c.get("FAIL", 0)),
@@ -82,9 +82,9 @@ def show_cmd(name: Name, storage: Storage = None, *, settings: ShowSettings, jso
     """The Pareto front (or the best trials) with the parameters that differ between them."""
     res = run(show_study, name, storage, limit=settings.limit)
     if json_out:
-        print_json(res)
+        print_json(res.to_dict())
         return
-    if not res["trials"]:
+    if not res.trials:
         out.print(f"study {name}: no complete feasible trials yet")
         return
     out.print(render_show(res))

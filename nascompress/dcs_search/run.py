@@ -128,7 +128,7 @@ def search_dcs(
     if metrics.stopped is not None:  # how to continue the gates (a front end words CONTINUE its own way)
         how = "resume the run with max_val_drop 100 to let the gates go on from this epoch"
         metrics = metrics.set(stopped=metrics.stopped.set(**{"continue": how}))
-    run.finish(metrics.to_dict())  # the last write: marks the search complete
+    run.finish(metrics)  # the last write: marks the search complete
     return metrics
 
 

@@ -76,6 +76,7 @@ from ..progress import counted, step
 from ..runs.files import Arch
 from ..train.run import check_classes
 from ..train.loop import fit
+from ..train.metrics import TrainMetrics
 from .baseline import keep_better, last_validation
 from .cost import CostModel, selection_record
 from .hooks import DCSSearchHooks, SearchCollapsed
@@ -182,7 +183,7 @@ def run_dcs_search(
         before_fit(job, pre["info"])
     log: list[dict[str, Any]] = hooks.log  # fit appends every epoch's record; the guard reads the previous one
     try:
-        fit_metrics: dict[str, Any] | None = fit(
+        fit_metrics: TrainMetrics | None = fit(
             supernet,
             data=data,
             input_spec=spec,
@@ -229,7 +230,7 @@ def run_dcs_search(
     arch_steps = sum(b["arch_steps"] for b in budget)
     epoch_time = [r["epoch_time_s"] for r in log[1:]]
     if fit_metrics is None:  # stopped by the guard: the test split is scored below, for the kept model
-        fit_metrics = {"epochs": job.train.epochs, "train_time_s": sum(epoch_time), "dataset": data.name}
+        fit_metrics = TrainMetrics.new(epochs=job.train.epochs, train_time_s=sum(epoch_time), dataset=data.name)
     kept_sel = selection_record(supernet, kept.cost)
     if data.test is data.val and kept.val_eval is not None:  # no test split of its own: the kept model's validation
         test = kept.val_eval
@@ -238,7 +239,7 @@ def run_dcs_search(
             supernet, data.test, input_spec=spec, device=device, batch_size=job.train.eval_batch_size, amp=job.train.amp
         )
     metrics = dict(
-        fit_metrics,
+        fit_metrics.to_dict(),
         finished=True,
         dense_macs=getattr(cost, "flops", cost).dense,
         macs=kept_sel["macs"],
@@ -256,7 +257,7 @@ def run_dcs_search(
         comparison=comparison,
         stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
         dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
-        search_time_s=fit_metrics["train_time_s"],
+        search_time_s=fit_metrics.train_time_s,
         epoch_time_s=epoch_time,
         mlp_kept=kept_sel["mlp_kept"],
         qk_kept=kept_sel.get("qk_kept"),

@@ -31,6 +31,7 @@ from ..data import DataConfig, InputOverrides, load_data
 from ..errors import NascompressError, SettingError
 from ..profiling.evaluate import evaluate
 from ..runs.io import file_sha256, make_arch, save_model
+from .metrics import ImportMetrics
 from .shapes import describe, read_shapes, shape_kwargs
 from ..models.build import ModelSpec, build_model, is_pyramid
 from ..models.weights import checkpoint_filter, mismatch_report, read_weights_file, state_mismatches
@@ -163,8 +164,9 @@ def _filtered(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, 
     return checkpoint_filter(dict(sd), model)
 
 
-def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
-    """Import ``job.weights`` as a run in ``job.out`` (see the module docstring); return the metrics."""
+def import_model(job: ImportJob, *, force: bool = False) -> ImportMetrics:
+    """Import ``job.weights`` as a run in ``job.out`` (see the module docstring); return the metrics
+    (:class:`~nascompress.importer.metrics.ImportMetrics`: ``metrics.json`` less its completion mark)."""
     out = Path(job.out)
     run = RunDir.prepare(out, force=force, inputs=(job.weights,))
     raw = read_weights_file(job.weights)
@@ -196,7 +198,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
 
     dataset = job.data.dataset if job.data is not None else "fashion-mnist"
     input_spec = input_spec_for(model, dataset, weights=job.weights, overrides=job.input)
-    metrics: dict[str, Any] = {"imported": True, "dataset": None, "shapes_from_weights": notes}
+    metrics = ImportMetrics.new(imported=True, dataset=None, shapes_from_weights=notes)
     if job.data is not None:
         bundle = load_data(job.data, spec=input_spec, augment=False)
         if kwargs["num_classes"] != bundle.num_classes:
@@ -209,7 +211,7 @@ def import_model(job: ImportJob, *, force: bool = False) -> dict[str, Any]:
         t0 = time.perf_counter()
         val = evaluate(model, bundle.val, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
         test = evaluate(model, bundle.test, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
-        metrics.update(
+        metrics = metrics.set(
             dataset=bundle.name,
             best_val_top1=val["top1"],
             val_top1=val["top1"],

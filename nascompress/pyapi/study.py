@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..studies.trial_model import build_job as build_pick_job, materialize_trial
+from ..studies.results import StudyRun
 from ..studies.trials import SearchJob, build_job, run_search
 from ..train.run import RUNTIME_SETTINGS
 from ..progress import silenced
@@ -35,10 +36,11 @@ class Picked(StageResult):
 
 @dataclass(frozen=True)
 class Study:
-    """A finished study: ``summary`` (``complete`` trials, the Pareto ``front``, the study's name and
-    ``storage``), ``picked`` (the model of the trial ``pick`` chose, or None) and ``out``."""
+    """A finished study: ``summary`` (the run's :class:`~nascompress.studies.results.StudyRun`:
+    ``summary.complete`` trials, the Pareto ``summary.front``, the study's name and ``storage``, ...),
+    ``picked`` (the model of the trial ``pick`` chose, or None) and ``out``."""
 
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: StudyRun
     picked: Picked | None = None
     out: str | None = None
 

@@ -1,3 +1,3 @@
 """Retraining a compressed model against the dense one (``nascompress retrain``): the job and its run
-(:mod:`.run`) and its settings (:mod:`.config`). The Python API's ``nc.retrain`` is
+(:mod:`.run`), its settings (:mod:`.config`) and its typed metrics (:mod:`.metrics`). The Python API's ``nc.retrain`` is
 :func:`nascompress.pyapi.stages.retrain`."""

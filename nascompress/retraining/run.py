@@ -51,6 +51,7 @@ from ..errors import NascompressError, SettingError
 from ..dcs_search.ib_hooks import IB_KEYS, IBHooks, make_input_embed
 from ..runs.io import load_typed, read_arch
 from .config import RetrainConfig
+from .metrics import BoundContribution, RetrainMetrics
 from ..train.config import TrainConfig
 from ..train.loop import fit
 from ..train.run import recipe_config
@@ -189,12 +190,13 @@ def _resolve_defaults(
 @dataclass
 class RetrainResult:
     """A finished retraining in memory: the model (holding its best validation epoch), the job with
-    its defaults resolved, the epoch records (``log.jsonl``'s lines) and the metrics."""
+    its defaults resolved, the epoch records (``log.jsonl``'s lines) and the metrics
+    (:class:`~nascompress.retraining.metrics.RetrainMetrics`: ``metrics.json`` less its completion mark)."""
 
     model: nn.Module
     job: RetrainJob
     log: list[dict[str, Any]]
-    metrics: dict[str, Any]
+    metrics: RetrainMetrics
 
 
 def run_retrain(
@@ -251,7 +253,7 @@ def run_retrain(
         batch_size=job.train.eval_batch_size,
     )
     log: list[dict[str, Any]] = []
-    metrics = fit(
+    trained = fit(
         model,
         data=data,
         input_spec=spec,
@@ -265,7 +267,8 @@ def run_retrain(
     )
     last = log[-1] if log else {}
     mean = lambda key: sum(r.get(key, 0.0) for r in log) / max(len(log), 1)  # noqa: E731
-    metrics.update(
+    metrics = RetrainMetrics.new(
+        **trained.to_dict(),
         source_model=str(job.model_dir),
         methods=list(arch.method_names),
         eta=job.retrain.eta,
@@ -286,34 +289,35 @@ def run_retrain(
         kmeans_s_mean=mean("kmeans_s"),
         feature_pass_s_mean=mean("feature_pass_s"),
     )
-    metrics["kmeans_vs_epoch"] = (
-        metrics["kmeans_s_mean"] / metrics["epoch_time_s_mean"] if metrics["epoch_time_s_mean"] else None
+    metrics = metrics.set(
+        kmeans_vs_epoch=metrics.kmeans_s_mean / metrics.epoch_time_s_mean if metrics.epoch_time_s_mean else None
     )
     if job.retrain.eta > 0:
-        metrics["bound_contribution"] = bound_contribution(log)
+        metrics = metrics.set(bound_contribution=bound_contribution(log))
     return RetrainResult(model=model, job=job, log=log, metrics=metrics)
 
 
-def bound_contribution(log: list[dict[str, Any]]) -> dict[str, Any]:
+def bound_contribution(log: list[dict[str, Any]]) -> BoundContribution:
     """What the IB bound contributed to a retraining: the best validation top-1 of the epochs on CE
     (+ KD) only (the start and the warm-up) against the best of the epochs the bound was in (each
     epoch's ``ib_active``, as :class:`~nascompress.dcs_search.ib_hooks.IBHooks` logged it), and the change (None
-    where one side has no epoch)."""
+    where one side has no epoch): a :class:`~nascompress.retraining.metrics.BoundContribution`."""
     val = [(bool(r.get("ib_active")), r["val_top1"]) for r in log if r.get("val_top1") is not None]
     before = max((v for on, v in val if not on), default=None)
     after = max((v for on, v in val if on), default=None)
-    return {
-        "best_val_without_bound": before,
-        "best_val_with_bound": after,
-        "change": None if before is None or after is None else after - before,
-    }
+    return BoundContribution.new(
+        best_val_without_bound=before,
+        best_val_with_bound=after,
+        change=None if before is None or after is None else after - before,
+    )
 
 
 def retrain(
     job: RetrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
-) -> dict[str, Any]:
+) -> RetrainMetrics:
     """Run ``job`` into the run directory ``job.out`` (:func:`run_retrain` on the models and data it
-    names): validate everything, then retrain and save; returns metrics.
+    names): validate everything, then retrain and save; returns metrics
+    (:class:`~nascompress.retraining.metrics.RetrainMetrics`: ``metrics.json`` less its completion mark).
 
     Writes into ``job.out``: ``model.safetensors`` (best validation epoch; arch in its
     metadata), ``arch.json`` (the input model's arch plus a ``retrain`` record), ``config.json``,

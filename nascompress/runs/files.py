@@ -283,8 +283,8 @@ class Arch(Record):
 
 @dataclass(frozen=True, kw_only=True)
 class RunMetrics(Record):
-    """``metrics.json``: what every stage writes typed (None: the stage writes no such value), the
-    stage's own results in ``extra`` (``get`` reads either)."""
+    """``metrics.json``: what every stage writes typed (None: the stage writes no such value), the rest in
+    ``extra`` (``get`` reads either); a stage's own record extends it (e.g. ``train.metrics.TrainMetrics``)."""
 
     test_top1: float | None = None
     val_top1: float | None = None

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 import hashlib
 
 import torch
@@ -63,6 +63,8 @@ from .files import (
     ARCH_FORMAT,
     METRICS_FILE,
     Arch,
+    RunMetrics,
+    plain,
     read_arch_json,
     read_metrics_json,
     validate_arch,
@@ -203,9 +205,9 @@ def file_sha256(path: str | Path) -> str:
     return _SHA256[key]
 
 
-def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
-    """Mark ``run_dir`` complete: write ``metrics.json`` (with ``"finished": true`` and
-    ``"finished_files"``: the size and sha256 of its model files) atomically. Call it after every
+def finish_run(run_dir: str | Path, metrics: Mapping[str, Any] | RunMetrics) -> None:
+    """Mark ``run_dir`` complete: write ``metrics.json`` (``metrics``, a stage's record or dict, with ``"finished":
+    true`` and ``"finished_files"``: the size and sha256 of its model files) atomically. Call it after every
     other write of the run: it is the mark every reader checks (:func:`run_state`)."""
     d = Path(run_dir)
     files = {
@@ -213,7 +215,7 @@ def finish_run(run_dir: str | Path, metrics: dict[str, Any]) -> None:
         for name in VOUCHED_FILES
         if (d / name).is_file()
     }
-    write_metrics_json(d, dict(metrics, finished=True, finished_files=files))
+    write_metrics_json(d, dict(plain(metrics), finished=True, finished_files=files))
 
 
 def _mark(d: Path) -> tuple[str, str | None]:

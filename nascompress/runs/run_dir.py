@@ -8,7 +8,8 @@ finetune, the DCS search, materialize, a study trial's model, import, the linear
 2. :meth:`RunDir.create` (once every check passed): rank 0 creates ``OUT`` (``--force`` empties it
    first, ``--resume`` keeps it) and records the job in ``config.json``; under torchrun every rank
    waits until every rank has checked ``OUT`` before, and until it is ready after;
-3. :meth:`RunDir.finish`: rank 0 writes the completion mark (``metrics.json``,
+3. :meth:`RunDir.finish`: rank 0 writes the stage's metrics (its record, e.g.
+   :class:`~nascompress.train.metrics.TrainMetrics`) with the completion mark (``metrics.json``,
    :func:`~nascompress.runs.io.finish_run`), the run's last write.
 
 :meth:`RunDir.removed_if_unwritable` wraps a job's work: a run this command created that cannot be
@@ -21,15 +22,18 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping, TypeVar
 
 from ..train import distributed
 from ..errors import WriteError
+from .files import RunMetrics, plain
 from .io import finish_run
 from .owner import check_replaceable, clear_own
 from .store import CHECKPOINT_FILE
 from .run_config import write_run_config
 from .out_dir import create_out_dir, prepare_out_dir, recorded_job
+
+M = TypeVar("M", bound="RunMetrics | Mapping[str, Any]")
 
 
 @dataclass(frozen=True)
@@ -86,11 +90,14 @@ class RunDir:
                 raise
             raise e.instead(f"then rerun the command (the unfinished {self.path} was removed)") from e
 
-    def finish(self, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Mark the run complete (rank 0): the completion mark is the run's last write."""
+    def finish(self, metrics: M) -> M:
+        """Mark the run complete (rank 0): write ``metrics`` (the stage's record, or its dict) as
+        ``metrics.json`` with the completion mark, the run's last write. Returns the stage's results as
+        written, without the mark (what the stage returns, and its command prints): a record as it
+        is, a dict as its JSON values (a record in it as its dict)."""
         if distributed.is_main():
             finish_run(self.path, metrics)
-        return metrics
+        return metrics if isinstance(metrics, RunMetrics) else plain(metrics)
 
 
 __all__ = ["RunDir"]

@@ -7,8 +7,10 @@ study: :mod:`nascompress.dcs_search`.
   :mod:`.trials` (and its ``trial_*`` parts): a search job and its trials, and the picked trial rebuilt.
 
 - :mod:`.storage`: where studies live (default SQLite file, journal file, PostgreSQL).
-- :mod:`.runner`: :func:`run_study`, the ask/tell loop; :mod:`.records`: trial/study records
-  (:func:`record_trial`, :func:`study_info`) and the Pareto front; :mod:`.seeding`: sampler seeds;
+- :mod:`.runner`: :func:`run_study`, the ask/tell loop; :mod:`.records`: the trial and study records
+  kept in the storage (:class:`~.records.TrialRecord`, :class:`~.records.StudyInfo`; :func:`record_trial`,
+  :func:`study_info`) and the Pareto front; :mod:`.results`: what the functions hand on, as frozen
+  records (a run's :class:`~.results.StudyRun`, ``study list|show|export``'s rows); :mod:`.seeding`: sampler seeds;
   :mod:`.liveness`: heartbeats and stale trials; :mod:`.display`: progress; :mod:`.workers`: worker processes.
 - :mod:`.inspect`: list, show and export studies; :mod:`.report`: a self-contained HTML report;
   :mod:`.dashboard`: optuna-dashboard on a study's storage.

@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from optuna.trial import FrozenTrial, TrialState
@@ -35,12 +36,23 @@ def _bucket_labels() -> list[str]:
 
 
 def _duration(t: FrozenTrial) -> float | None:
-    rec = trial_record(t)
-    if isinstance(rec.get("wall_s"), (int, float)):
-        return float(rec["wall_s"])
+    wall_s = trial_record(t).wall_s
+    if isinstance(wall_s, (int, float)):
+        return float(wall_s)
     if t.datetime_start and t.datetime_complete:
         return (t.datetime_complete - t.datetime_start).total_seconds()
     return None
+
+
+@dataclass(frozen=True)
+class _Progress:
+    """What the live view shows: trials by state, the Pareto front, the best accuracy per FLOPs-ratio
+    bucket and the mean time per trial (None: no complete trial timed yet)."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    front: list[FrozenTrial] = field(default_factory=list)
+    buckets: dict[str, float] = field(default_factory=dict)
+    mean_s: float | None = None
 
 
 class Display:
@@ -65,7 +77,7 @@ class Display:
         self.json_lines = json_lines
         self.seen = set(finished_before)
         self.t0 = time.time()
-        self.state: dict[str, Any] = {}
+        self.state = _Progress()
         self.live: Any = None
 
     def __enter__(self) -> Display:
@@ -89,17 +101,12 @@ class Display:
         buckets: dict[str, float] = {}
         for t in complete:
             rec = trial_record(t)
-            acc, ratio = rec.get("accuracy"), rec.get("flops_ratio")
+            acc, ratio = rec.accuracy, rec.flops_ratio
             if isinstance(acc, (int, float)) and isinstance(ratio, (int, float)):
                 b = _bucket(float(ratio))
                 buckets[b] = max(buckets.get(b, -math.inf), float(acc))
         durs = [d for d in (_duration(t) for t in complete) if d is not None]
-        self.state = {
-            "counts": counts,
-            "front": front,
-            "buckets": buckets,
-            "mean_s": sum(durs) / len(durs) if durs else None,
-        }
+        self.state = _Progress(counts, front, buckets, sum(durs) / len(durs) if durs else None)
         for t in sorted(trials, key=lambda t: t.number):
             if t.state.is_finished() and t.number not in self.seen:
                 self.seen.add(t.number)
@@ -109,7 +116,7 @@ class Display:
             self.live.refresh()
 
     def _finished(self, t: FrozenTrial) -> None:
-        c = self.state["counts"]
+        c = self.state.counts
         if self.json_lines:
             line = {
                 "event": "trial",
@@ -118,13 +125,13 @@ class Display:
                 "state": t.state.name,
                 "values": dict(zip(self.metric_names, t.values)) if t.values else None,
                 "params": t.params,
-                "record": {k: v for k, v in trial_record(t).items() if k != "arch"},
+                "record": {k: v for k, v in trial_record(t).to_dict().items() if k != "arch"},
                 "error": t.user_attrs.get(ERROR_KEY) or t.system_attrs.get(FAIL_REASON_KEY),
                 "complete": c.get("COMPLETE", 0),
                 "n_trials": self.n,
                 "running": c.get("RUNNING", 0),
                 "failed": c.get("FAIL", 0),
-                "front_size": len(self.state["front"]),
+                "front_size": len(self.state.front),
                 "elapsed_s": round(time.time() - self.t0, 3),
             }
             sys.stdout.write(json.dumps(line) + "\n")
@@ -145,8 +152,8 @@ class Display:
                 )
 
     def _render(self) -> Any:
-        s = self.state or {"counts": {}, "front": [], "buckets": {}, "mean_s": None}
-        c = s["counts"]
+        s = self.state
+        c = s.counts
         g = Table.grid(padding=(0, 2))
         head = Text.assemble(
             (f"study {self.name}", "bold"),
@@ -155,14 +162,14 @@ class Display:
             f"  {c.get('FAIL', 0)} failed",
         )
         if len(self.directions) > 1:
-            head.append(f"  Pareto front {len(s['front'])}")
-        elif s["front"]:
-            head.append(f"  best {self.metric_names[0]} {s['front'][0].values[0]:.4g}")
-        if s["mean_s"] is not None:
-            head.append(f"  {s['mean_s']:.1f} s/trial")
+            head.append(f"  Pareto front {len(s.front)}")
+        elif s.front:
+            head.append(f"  best {self.metric_names[0]} {s.front[0].values[0]:.4g}")
+        if s.mean_s is not None:
+            head.append(f"  {s.mean_s:.1f} s/trial")
         head.append(f"  elapsed {time.time() - self.t0:.0f} s")
         g.add_row(head)
-        if s["buckets"]:
-            parts = [f"{b} {s['buckets'][b]:.2f}" if b in s["buckets"] else f"{b} -" for b in _bucket_labels()]
+        if s.buckets:
+            parts = [f"{b} {s.buckets[b]:.2f}" if b in s.buckets else f"{b} -" for b in _bucket_labels()]
             g.add_row(Text("best accuracy by FLOPs ratio: " + " | ".join(parts)))
         return g

@@ -14,7 +14,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
@@ -37,6 +37,7 @@ from .records import (
     study_info,
     trial_record,
 )
+from .results import BestTrial, ExportedTrial, ShowResult, StudyExport, StudyRow, TrialColumns, TrialRow
 from .storage_url import StorageSpec
 from .storage import existing_storages, find_study
 
@@ -91,22 +92,23 @@ def _counts(trials: Sequence[FrozenTrial]) -> dict[str, int]:
 
 def _created(study: optuna.Study, trials: Sequence[FrozenTrial]) -> str | None:
     info = study_info(study)
-    if info.get("created"):
-        return str(info["created"])
+    if info is not None and info.created:
+        return str(info.created)
     starts = [t.datetime_start for t in trials if t.datetime_start is not None]
     return min(starts).isoformat(timespec="seconds") if starts else None
 
 
-def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
+def list_studies(storage: str | None = None) -> list[StudyRow]:
     """Every study in the storage (default: both default files of the working directory).
 
     Args:
         storage: a ``--storage`` value, or None.
 
     Returns:
-        One dict per study: ``name``, ``storage`` (masked), ``metric_names``, ``directions``,
-        ``counts`` (by state), ``best`` (single objective: ``{"number", "value"}``),
-        ``front_size`` (multi-objective), ``created``, ``space``, ``sampler`` (None: not recorded).
+        A :class:`~nascompress.studies.results.StudyRow` per study: ``name``, ``storage``
+        (masked), ``metric_names``, ``directions``, ``counts`` (by state), ``created``, ``space``,
+        ``sampler`` (None: not recorded), ``best`` (single objective: number and value) or
+        ``front_size`` (multi-objective).
     """
     rows = []
     for spec, st in existing_storages(storage):
@@ -115,41 +117,42 @@ def list_studies(storage: str | None = None) -> list[dict[str, Any]]:
             trials = study.get_trials(deepcopy=False)
             dirs = directions(study)
             front = pareto_front(trials, dirs)
-            row: dict[str, Any] = {
-                "name": fs.study_name,
-                "storage": spec.display,
-                "metric_names": metric_names(study),
-                "directions": dirs,
-                "counts": _counts(trials),
-                "created": _created(study, trials),
-                "space": (study_info(study).get("space") or {}).get("name"),
-                "sampler": study_info(study).get("sampler"),
-                "best": None,
-                "front_size": None,
-            }
-            if len(dirs) == 1:
-                row["best"] = {"number": front[0].number, "value": front[0].values[0]} if front else None
-            else:
-                row["front_size"] = len(front)
-            rows.append(row)
+            info = study_info(study)
+            single = len(dirs) == 1
+            rows.append(
+                StudyRow.new(
+                    name=fs.study_name,
+                    storage=spec.display,
+                    metric_names=metric_names(study),
+                    directions=dirs,
+                    counts=_counts(trials),
+                    created=_created(study, trials),
+                    space=None if info is None else info.space_name,
+                    sampler=None if info is None else info.sampler,
+                    best=BestTrial.new(number=front[0].number, value=front[0].values[0]) if single and front else None,
+                    front_size=None if single else len(front),
+                )
+            )
     return rows
 
 
-def trial_row(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
+def trial_row(t: FrozenTrial, names: Sequence[str]) -> TrialRow:
+    """A trial as ``study show`` lists it (:class:`~nascompress.studies.results.TrialRow`)."""
     rec = trial_record(t)
-    return {
-        "number": t.number,
-        "values": dict(zip(names, t.values)) if t.values else {},
-        "params": dict(t.params),
-        "record": {k: rec.get(k) for k in RECORD_COLUMNS},
-    }
+    return TrialRow.new(
+        number=t.number,
+        values=dict(zip(names, t.values)) if t.values else {},
+        params=dict(t.params),
+        record=TrialColumns.new(**{k: getattr(rec, k) for k in RECORD_COLUMNS}),
+    )
 
 
-def varying_columns(rows: Sequence[dict[str, Any]]) -> list[str]:
+def varying_columns(rows: Sequence[TrialRow]) -> list[str]:
+    """The parameters whose values differ across ``rows``, in the order they first appear."""
     keys: list[str] = []
     for r in rows:
-        keys += [k for k in r["params"] if k not in keys]
-    return [k for k in keys if len({json.dumps(r["params"].get(k)) for r in rows}) > 1]
+        keys += [k for k in r.params if k not in keys]
+    return [k for k in keys if len({json.dumps(r.params.get(k)) for r in rows}) > 1]
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,7 @@ class ExportSettings:
         check_settings(self)
 
 
-def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettings.limit) -> dict[str, Any]:
+def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettings.limit) -> ShowResult:
     """A study's Pareto front (multi-objective) or best trials (single objective).
 
     Args:
@@ -181,12 +184,13 @@ def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettin
         limit: at most this many best trials of a single-objective study.
 
     Returns:
-        ``{"study", "storage", "metric_names", "directions", "kind" ("pareto" or "best"),
-        "counts", "info", "varying" (params that differ across the shown trials),
-        "trials" (rows: ``number``, ``values`` by objective name, ``params``, ``record`` with
-        flops_ratio, params (the parameter count), accuracy, latency_ms, throughput),
-        "scoring" (one line: the calibration budget and validation subset every trial is scored
-        with, or None), "scored_otherwise" (a line per complete trial scored differently)}``.
+        A :class:`~nascompress.studies.results.ShowResult`: ``study``, ``storage``,
+        ``metric_names``, ``directions``, ``kind`` (``pareto`` or ``best``), ``counts``, ``info``
+        (the study's record), ``varying`` (params that differ across the shown trials), ``trials``
+        (rows: ``number``, ``values`` by objective name, ``params``, ``record`` with flops_ratio,
+        params (the parameter count), accuracy, latency_ms, throughput), ``scoring`` (one line: the
+        calibration budget and validation subset every trial is scored with, or None) and
+        ``scored_otherwise`` (a line per complete trial scored differently).
     """
     spec, study = load(name, storage)
     trials = study.get_trials(deepcopy=False)
@@ -194,10 +198,8 @@ def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettin
     if len(dirs) > 1:
         shown = pareto_front(trials, dirs)
         kind = "pareto"
-        key_name = (
-            "flops_ratio" if all(isinstance(trial_record(t).get("flops_ratio"), (int, float)) for t in shown) else None
-        )
-        shown.sort(key=lambda t: (trial_record(t)["flops_ratio"] if key_name else t.values[1], t.number))
+        by_ratio = all(isinstance(trial_record(t).flops_ratio, (int, float)) for t in shown)
+        shown.sort(key=lambda t: (trial_record(t).flops_ratio if by_ratio else t.values[1], t.number))
     else:
         sign = -1.0 if dirs[0] == "maximize" else 1.0
         feas = [
@@ -212,19 +214,20 @@ def show_study(name: str, storage: str | None = None, *, limit: int = ShowSettin
         kind = "best"
     rows = [trial_row(t, names) for t in shown]
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    return {
-        "study": name,
-        "storage": spec.display,
-        "metric_names": names,
-        "directions": dirs,
-        "kind": kind,
-        "counts": _counts(trials),
-        "info": study_info(study),
-        "varying": varying_columns(rows),
-        "trials": rows,
-        "scoring": scoring_summary(study_info(study), complete),
-        "scored_otherwise": mixed_scoring(complete),
-    }
+    info = study_info(study)
+    return ShowResult.new(
+        study=name,
+        storage=spec.display,
+        metric_names=names,
+        directions=dirs,
+        kind=kind,
+        counts=_counts(trials),
+        info=info or {},
+        varying=varying_columns(rows),
+        trials=rows,
+        scoring=scoring_summary(info, complete),
+        scored_otherwise=mixed_scoring(complete),
+    )
 
 
 def format_value(v: Any) -> str:
@@ -239,50 +242,46 @@ def format_value(v: Any) -> str:
     return str(v)
 
 
-def show_columns(result: dict[str, Any]) -> list[str]:
+def show_columns(metric_names: Sequence[str], rows: Sequence[TrialRow]) -> list[str]:
     """The record columns worth showing: recorded somewhere and not already an objective."""
-    return [
-        c
-        for c in RECORD_COLUMNS
-        if c not in result["metric_names"] and any(r["record"].get(c) is not None for r in result["trials"])
-    ]
+    return [c for c in RECORD_COLUMNS if c not in metric_names and any(getattr(r.record, c) is not None for r in rows)]
 
 
-def render_show(result: dict[str, Any]) -> Table:
+def render_show(result: ShowResult) -> Table:
     """:func:`show_study`'s result as a rich table."""
-    names = result["metric_names"]
+    names = result.metric_names
     title = (
-        f"{result['study']}: Pareto front, {len(result['trials'])} trials"
-        if result["kind"] == "pareto"
-        else f"{result['study']}: best {len(result['trials'])} trials"
+        f"{result.study}: Pareto front, {len(result.trials)} trials"
+        if result.kind == "pareto"
+        else f"{result.study}: best {len(result.trials)} trials"
     )
     arrows = {"maximize": "↑", "minimize": "↓"}
-    caption = f"{result['storage']}  {count_summary(result['counts'])}"
-    if result.get("scoring"):
-        caption += f"\nscored with {result['scoring']}"
-    for line in result.get("scored_otherwise") or []:
+    caption = f"{result.storage}  {count_summary(result.counts)}"
+    if result.scoring:
+        caption += f"\nscored with {result.scoring}"
+    for line in result.scored_otherwise or []:
         caption += f"\nscored otherwise: {line}"
     table = Table(title=title, caption=caption)
     table.add_column("trial", justify="right")
     # a narrow terminal folds a long name or value onto more lines: none is cut to a shared prefix
-    for p in result["varying"]:
+    for p in result.varying:
         table.add_column(p, justify="right", overflow="fold")
-    for n, d in zip(names, result["directions"]):
+    for n, d in zip(names, result.directions):
         table.add_column(f"{n} {arrows[d]}", justify="right", overflow="fold")
-    extra = show_columns(result)
+    extra = show_columns(names, result.trials)
     for c in extra:
         table.add_column(c.replace("_", " "), justify="right", overflow="fold")
-    for r in result["trials"]:
+    for r in result.trials:
         table.add_row(
-            str(r["number"]),
-            *[format_value(r["params"].get(p)) for p in result["varying"]],
-            *[format_value(r["values"].get(n)) for n in names],
-            *[format_value(r["record"].get(c)) for c in extra],
+            str(r.number),
+            *[format_value(r.params.get(p)) for p in result.varying],
+            *[format_value(r.values.get(n)) for n in names],
+            *[format_value(getattr(r.record, c)) for c in extra],
         )
     return table
 
 
-def count_summary(counts: dict[str, int]) -> str:
+def count_summary(counts: Mapping[str, int]) -> str:
     parts = [
         f"{counts.get('COMPLETE', 0)} complete",
         f"{counts.get('FAIL', 0)} failed",
@@ -296,24 +295,25 @@ def count_summary(counts: dict[str, int]) -> str:
 # Export
 
 
-def trial_dict(t: FrozenTrial, names: Sequence[str]) -> dict[str, Any]:
-    """One trial as plain data: number, state, times, values, params, record, constraints."""
+def exported_trial(t: FrozenTrial, names: Sequence[str]) -> ExportedTrial:
+    """One trial as ``study export`` writes it (:class:`~nascompress.studies.results.ExportedTrial`):
+    number, state, times, values, params, record, constraints, what failed or released it."""
     dur = (t.datetime_complete - t.datetime_start).total_seconds() if t.datetime_start and t.datetime_complete else None
-    return {
-        "number": t.number,
-        "state": t.state.name,
-        "datetime_start": t.datetime_start.isoformat() if t.datetime_start else None,
-        "datetime_complete": t.datetime_complete.isoformat() if t.datetime_complete else None,
-        "duration_s": dur,
-        "values": dict(zip(names, t.values)) if t.values else None,
-        "params": dict(t.params),
-        "record": trial_record(t),
-        "constraints": dict(t.constraints),
-        "error": t.user_attrs.get(ERROR_KEY),
-        "fail_reason": t.system_attrs.get(FAIL_REASON_KEY),
-        "retry_of": t.user_attrs.get(RETRY_OF_KEY),
-        "surplus": bool(t.system_attrs.get(SURPLUS_KEY)),
-    }
+    return ExportedTrial.new(
+        number=t.number,
+        state=t.state.name,
+        datetime_start=t.datetime_start.isoformat() if t.datetime_start else None,
+        datetime_complete=t.datetime_complete.isoformat() if t.datetime_complete else None,
+        duration_s=dur,
+        values=dict(zip(names, t.values)) if t.values else None,
+        params=dict(t.params),
+        record=trial_record(t),
+        constraints=dict(t.constraints),
+        error=t.user_attrs.get(ERROR_KEY),
+        fail_reason=t.system_attrs.get(FAIL_REASON_KEY),
+        retry_of=t.user_attrs.get(RETRY_OF_KEY),
+        surplus=bool(t.system_attrs.get(SURPLUS_KEY)),
+    )
 
 
 def check_out(out: str | Path, *, force: bool) -> Path:
@@ -349,22 +349,17 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
     spec, study = load(name, storage)
     refuse_overwriting_inputs(out, (spec.path,))  # the study's own file (even with --force)
     names = metric_names(study)
-    trials = [trial_dict(t, names) for t in study.get_trials(deepcopy=False)]
+    trials = [exported_trial(t, names) for t in study.get_trials(deepcopy=False)]
     if fmt == "json":
-        text = (
-            json.dumps(
-                {
-                    "study": name,
-                    "storage": spec.display,
-                    "metric_names": names,
-                    "directions": directions(study),
-                    "info": study_info(study),
-                    "trials": trials,
-                },
-                indent=2,
-            )
-            + "\n"
+        export = StudyExport.new(
+            study=name,
+            storage=spec.display,
+            metric_names=names,
+            directions=directions(study),
+            info=study_info(study) or {},
+            trials=trials,
         )
+        text = json.dumps(export.to_dict(), indent=2) + "\n"
     else:
         text = _csv(trials, names)
     with atomic_path(out) as tmp:
@@ -372,12 +367,12 @@ def export_study(name: str, *, fmt: str, out: str | Path, storage: str | None = 
     return out
 
 
-def _csv(trials: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
+def _csv(trials: Sequence[ExportedTrial], names: Sequence[str]) -> str:
     params: list[str] = []
     cons: list[str] = []
     for t in trials:
-        params += [k for k in t["params"] if k not in params]
-        cons += [k for k in t["constraints"] if k not in cons]
+        params += [k for k in t.params if k not in params]
+        cons += [k for k in t.constraints if k not in cons]
     head = (
         ["number", "state", "datetime_start", "datetime_complete", "duration_s"]
         + [f"values.{n}" for n in names]
@@ -398,13 +393,14 @@ def _csv(trials: Sequence[dict[str, Any]], names: Sequence[str]) -> str:
         return "" if v is None else v
 
     for t in trials:
-        vals = t["values"] or {}
+        vals = t.values or {}
+        rec = t.record.to_dict()  # the record's fields as stored (a nested record as its dict)
         w.writerow(
-            [t["number"], t["state"], cell(t["datetime_start"]), cell(t["datetime_complete"]), cell(t["duration_s"])]
+            [t.number, t.state, cell(t.datetime_start), cell(t.datetime_complete), cell(t.duration_s)]
             + [cell(vals.get(n)) for n in names]
-            + [cell(t["params"].get(p)) for p in params]
-            + [cell(t["record"].get(f)) for f in RECORD_FIELDS]
-            + [cell(t["constraints"].get(c)) for c in cons]
-            + [cell(t["error"]), cell(t["fail_reason"]), cell(t["retry_of"]), t["surplus"]]
+            + [cell(t.params.get(p)) for p in params]
+            + [cell(rec.get(f)) for f in RECORD_FIELDS]
+            + [cell(t.constraints.get(c)) for c in cons]
+            + [cell(t.error), cell(t.fail_reason), cell(t.retry_of), t.surplus]
         )
     return buf.getvalue()

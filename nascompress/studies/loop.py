@@ -26,7 +26,7 @@ from .records import ERROR_KEY, RETRIES_KEY, RETRY_OF_KEY, SURPLUS_KEY, WORKER_K
 from .seeding import Seeding
 from .storage_url import StorageSpec
 from .storage_open import open_storage
-from .workers import LoopConfig, WorkerArgs
+from .workers import LoopConfig, WorkerArgs, WorkerMessage
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,9 +216,13 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 
 def worker_main(args: WorkerArgs, results: Any) -> None:
-    """Entry point of a spawned worker process."""
+    """Entry point of a spawned worker process; puts its
+    :class:`~nascompress.studies.workers.WorkerMessage` on ``results`` as it ends."""
     signal.signal(signal.SIGTERM, _interrupt)
-    msg: dict[str, Any] = {"worker": args.index}
+    ran: int | None = None
+    error: str | None = None
+    trace: str | None = None
+    interrupted = False
     code = 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -230,20 +234,20 @@ def worker_main(args: WorkerArgs, results: Any) -> None:
                 study_name=args.study_name, storage=storage, sampler=args.sampler_factory(args.seed)
             )
             objective = args.objective_factory()
-            msg["ran"] = work(study, objective, args.loop, seeding)
+            ran = work(study, objective, args.loop, seeding)
     except KeyboardInterrupt:
-        msg["interrupted"] = True
+        interrupted = True
         code = 130
     except NascompressError as e:
-        msg["error"] = str(e)
+        error = str(e)
         code = 1
     except BaseException as e:  # noqa: BLE001 (reported to the parent, which prints one line)
         full = storage_full(e, args.spec) if isinstance(e, Exception) else None
-        msg["error"] = str(full) if full is not None else f"{type(e).__name__}: {e}"
+        error = str(full) if full is not None else f"{type(e).__name__}: {e}"
         if full is None:
-            msg["traceback"] = traceback.format_exc()
+            trace = traceback.format_exc()
         code = 1
-    results.put(msg)
+    results.put(WorkerMessage(args.index, ran=ran, error=error, traceback=trace, interrupted=interrupted))
     results.close()
     results.join_thread()
     sys.exit(code)

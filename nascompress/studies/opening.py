@@ -12,7 +12,7 @@ import optuna
 
 from nascompress.errors import NascompressError, SettingError, literal
 
-from .records import RECORD_KEY, study_info
+from .records import RECORD_KEY, StudyInfo, study_info
 from .storage_url import StorageSpec
 from .storage_open import open_storage
 from .storage_open import creation_lock
@@ -32,11 +32,11 @@ def space_diff(a: Any, b: Any, path: str = "") -> list[str]:
     return [] if a == b else [path.lstrip(".") or "(whole space)"]
 
 
-def check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str, Any], where: str) -> None:
-    old_hash, new_hash = stored.get("space_hash"), new.get("space_hash")
+def check_space(study: optuna.Study, stored: StudyInfo, new: StudyInfo, where: str) -> None:
+    old_hash, new_hash = stored.space_hash, new.space_hash
     if old_hash == new_hash:
         return
-    old_space, new_space = stored.get("space") or {}, new.get("space") or {}
+    old_space, new_space = stored.space or {}, new.space or {}
     diff = space_diff(
         {k: v for k, v in old_space.items() if k in ("methods",)},
         {k: v for k, v in new_space.items() if k in ("methods",)},
@@ -49,15 +49,22 @@ def check_space(study: optuna.Study, stored: Mapping[str, Any], new: Mapping[str
     )
 
 
+def _or_unknown(v: Any) -> Any:
+    return "?" if v is None else v
+
+
 def open_study(
     spec: StorageSpec,
     *,
     study_name: str,
     directions: Sequence[str],
     metric_names: Sequence[str],
-    info: dict[str, Any],
+    info: StudyInfo,
     enqueue: Sequence[Mapping[str, Any]],
 ) -> tuple[optuna.Study, bool]:
+    """The study ``study_name`` in ``spec``, and whether this call created it: a new study gets its
+    metric names, the ``enqueue`` configurations and, last, its record ``info``; an existing one is
+    checked against ``info`` (its space, base model, sampler and scoring) and its objectives."""
     storage = open_storage(spec, create=True)
     with creation_lock(spec):  # a file storage: creation and initialization by one process at a time
         return _open_locked(
@@ -78,7 +85,7 @@ def _open_locked(
     study_name: str,
     directions: Sequence[str],
     metric_names: Sequence[str],
-    info: dict[str, Any],
+    info: StudyInfo,
     enqueue: Sequence[Mapping[str, Any]],
 ) -> tuple[optuna.Study, bool]:
     placeholder = optuna.samplers.RandomSampler(seed=0)  # this Study object never samples
@@ -109,25 +116,26 @@ def _open_locked(
             study.set_metric_names(list(metric_names))
         for params in enqueue:
             study.enqueue_trial(dict(params), skip_if_exists=True)
-        study.set_user_attr(RECORD_KEY, info)  # last: marks the study initialized
+        study.set_user_attr(RECORD_KEY, info.to_dict())  # last: marks the study initialized
         return study, True
     check_space(study, stored, info, spec.display)
-    old, new = stored.get("base_fingerprint"), info.get("base_fingerprint")
+    old, new = stored.base_fingerprint, info.base_fingerprint
     if old is not None and new is not None and old != new:
+        was, given = _or_unknown(stored.base_run), _or_unknown(info.base_run)
         raise NascompressError(
             f"study {study_name!r} in {spec.display} was made on base model "
-            f"{stored.get('base_run', '?')} (sha256 {old[:12]}) and this run gives "
-            f"{info.get('base_run', '?')} (sha256 {new[:12]}), another model; a study keeps its "
-            f"base model: rerun with base {stored.get('base_run', '?')} or use a new study name"
+            f"{was} (sha256 {old[:12]}) and this run gives "
+            f"{given} (sha256 {new[:12]}), another model; a study keeps its "
+            f"base model: rerun with base {was} or use a new study name"
         )
-    old, new = stored.get("sampler"), info.get("sampler")
+    old, new = stored.sampler, info.sampler
     if old is not None and new is not None and old != new:
         raise SettingError(
             f"study {study_name!r} in {spec.display} was created with sampler {old!r} and this run "
             f"asks for {new!r}; a study keeps its sampler: rerun with {{sampler}} {old} or use a new "
             "study name"
         )
-    old, new = stored.get("scoring"), info.get("scoring")
+    old, new = stored.scoring, info.scoring
     if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
         diff = [
             f"{{{k}}} {literal(str(old[k]))} (this run: {literal(str(new[k]))})"

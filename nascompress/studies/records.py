@@ -1,15 +1,27 @@
-"""Trial and study records: the attribute keys nascompress stores in Optuna trials and studies,
-:func:`record_trial` / :func:`trial_record` / :func:`study_info`, the Pareto front of a study, and
-how its trials were scored (:func:`scoring_summary`, :func:`mixed_scoring`)."""
+"""Trial and study records: the attribute keys nascompress stores in Optuna trials and studies, the
+records it keeps there read as frozen records (:class:`TrialRecord`, ``trial.user_attrs["nascompress"]``,
+with its :class:`TrialScoring` and :class:`LatencyNote`; :class:`StudyInfo`,
+``study.user_attrs["nascompress"]``, with its :class:`SpaceProfile`), :func:`record_trial` /
+:func:`trial_record` / :func:`study_info`, the Pareto front of a study, and how its trials were
+scored (:func:`scoring_summary`, :func:`mixed_scoring`).
+
+Each record is a :class:`~nascompress.runs.records.TypedRecord`: its fields checked as their
+annotations say, any other key kept, the stored key order kept, so ``r.to_dict()`` is the stored
+dict; a record nascompress did not write (a study of another tool) reads with its fields None.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial, TrialState
+
+from ..runs.files import Record
+from ..runs.records import TypedRecord
 
 RECORD_KEY = "nascompress"
 WORKER_KEY = "nascompress:worker"
@@ -35,7 +47,122 @@ RECORD_FIELDS: dict[str, type] = {
 _NULLABLE = {"latency_ms", "latency", "throughput"}
 
 
-def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
+class StudyRecord(TypedRecord):
+    """A record of the studies (kept in a study's storage or handed on by its functions); a
+    subclass's checks follow its annotations (:class:`~nascompress.runs.records.TypedRecord`)."""
+
+    NEW_SOURCE = "the study's {name}"
+
+
+def study_record(cls: type) -> type:
+    """``cls`` as a frozen keyword-only dataclass (the studies' records)."""
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+@study_record
+class LatencyNote(StudyRecord):
+    """How a trial's ``latency_ms`` was found: ``source`` ``predicted`` (from the device's latency
+    table) or ``measured``, the ``predicted_ms`` and the ``measured_ms`` (a measured trial)."""
+
+    source: str | None = None
+    predicted_ms: float | None = None
+    measured_ms: float | None = None
+
+
+@study_record
+class EvalSubset(StudyRecord):
+    """The identity of the validation subset a trial was scored on
+    (:func:`~nascompress.studies.scoring.subset_fingerprint`)."""
+
+    images: int | None = None
+    seed: int | None = None
+    sha256: str | None = None
+
+
+@study_record
+class TrialScoring(StudyRecord):
+    """How one trial was scored (:func:`~nascompress.studies.scoring.trial_scoring`): the calibration
+    budget per predictor stage, the steps taken by method and in all, the validation subset, the
+    fine-tune epochs and the seed of its DCS search (a ``dcs`` entry)."""
+
+    calib_budget: int | None = None
+    calib_steps: Mapping[str, int] | None = None
+    calib_steps_total: int | None = None
+    eval_subset: EvalSubset | None = None
+    finetune_epochs: float | None = None
+    dcs_seed: int | None = None
+
+
+@study_record
+class TrialRecord(StudyRecord):
+    """A trial's record ``trial.user_attrs["nascompress"]`` (:func:`record_trial` writes it, field by
+    field as :data:`RECORD_FIELDS` types them): the method records as applied (``arch``), the
+    parameters that changed, FLOPs, FLOPs ratio, parameter count, accuracy (percent), latency (ms,
+    and how it was found), throughput, wall time, seed and scoring; a field not recorded is None."""
+
+    arch: list[Any] | None = None
+    params_changed: Mapping[str, Any] | None = None
+    flops: float | None = None
+    flops_ratio: float | None = None
+    params: int | None = None
+    accuracy: float | None = None
+    latency_ms: float | None = None
+    latency: LatencyNote | None = None
+    throughput: float | None = None
+    wall_s: float | None = None
+    seed: int | None = None
+    scoring: TrialScoring | None = None
+
+    @classmethod
+    def from_attrs(cls, user_attrs: Mapping[str, Any], *, source: str = "a trial's record") -> TrialRecord:
+        """The record in a trial's ``user_attrs`` (as Optuna stores them); empty when it has none."""
+        rec = user_attrs.get(RECORD_KEY)
+        return cls.from_dict(rec if isinstance(rec, Mapping) else {}, source=source)
+
+
+@study_record
+class SpaceProfile(StudyRecord):
+    """FLOPs ratio and parameters over a space's spread configurations, built without training
+    (:func:`~nascompress.studies.space_reference.space_profile`): min / median / max, and whether
+    the study's ``max_flops`` is reachable; empty (every field None) when no configuration could be built."""
+
+    configurations: int | None = None
+    flops_ratio_min: float | None = None
+    flops_ratio_median: float | None = None
+    flops_ratio_max: float | None = None
+    params_min: int | None = None
+    params_max: int | None = None
+    max_flops_satisfiable: bool | None = None
+
+
+@study_record
+class StudyInfo(StudyRecord):
+    """A study's record ``study.user_attrs["nascompress"]`` (written once, when the study is
+    created): the search space (its dict and hash), the sampler, the base run and its weights'
+    fingerprint, the dataset, the search job, the space's profile, the scoring settings every trial
+    gets (a mapping of option values), the objectives, the seed, when it was created and the command."""
+
+    space: Mapping[str, Any] | None = None
+    space_hash: str | None = None
+    sampler: str | None = None
+    base_run: str | None = None
+    base_fingerprint: str | None = None
+    dataset: str | None = None
+    job: Mapping[str, Any] | None = None
+    profile: SpaceProfile | None = None
+    scoring: Mapping[str, Any] | None = None
+    objectives: list[str] | None = None
+    seed: int | None = None
+    created: str | None = None
+    command: str | None = None
+
+    @property
+    def space_name(self) -> str | None:
+        """The search space's name (None: not recorded)."""
+        return None if self.space is None else self.space.get("name")
+
+
+def record_trial(trial: Any, **fields: Any) -> TrialRecord:
     """Merge ``fields`` into the trial's record ``trial.user_attrs["nascompress"]`` and store it.
 
     Args:
@@ -43,10 +170,10 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
         **fields: any of ``arch`` (list of method records), ``params_changed`` (dict),
             ``flops`` (MACs per image), ``flops_ratio``, ``params`` (int), ``accuracy``
             (percent), ``latency_ms`` / ``throughput`` (float or None), ``latency`` (how
-            ``latency_ms`` was found: ``{"source": "predicted" | "measured", "predicted_ms": ...,
-            "measured_ms": ...}``, or None), ``wall_s``, ``seed``,
-            ``scoring`` (dict: the calibration budget and validation subset the trial was scored
-            with, :func:`nascompress.studies.scoring.trial_scoring`).
+            ``latency_ms`` was found: a :class:`LatencyNote` or its dict ``{"source": "predicted" |
+            "measured", "predicted_ms": ..., "measured_ms": ...}``, or None), ``wall_s``, ``seed``,
+            ``scoring`` (a :class:`TrialScoring` or its dict: the calibration budget and validation
+            subset the trial was scored with, :func:`nascompress.studies.scoring.trial_scoring`).
 
     Returns:
         The merged record.
@@ -56,6 +183,8 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
         if k not in RECORD_FIELDS:
             raise TypeError(f"record_trial() got an unknown field {k!r}; fields: {', '.join(RECORD_FIELDS)}")
         tp = RECORD_FIELDS[k]
+        if isinstance(v, Record):
+            v = v.to_dict()
         if v is None and k in _NULLABLE:
             rec[k] = None
         elif tp is float:
@@ -73,19 +202,20 @@ def record_trial(trial: Any, **fields: Any) -> dict[str, Any]:
                 raise TypeError(f"record_trial(): {k} must be a dict, got {type(v).__name__}")
             rec[k] = json.loads(json.dumps(dict(v)))
     trial.set_user_attr(RECORD_KEY, rec)
-    return rec
+    return TrialRecord.from_dict(rec, source="the trial's record")
 
 
-def trial_record(trial: FrozenTrial) -> dict[str, Any]:
-    """The trial's nascompress record (empty if it has none)."""
-    rec = trial.user_attrs.get(RECORD_KEY)
-    return dict(rec) if isinstance(rec, Mapping) else {}
+def trial_record(trial: FrozenTrial) -> TrialRecord:
+    """The trial's nascompress record (:class:`TrialRecord`; every field None if it has none)."""
+    return TrialRecord.from_attrs(trial.user_attrs, source=f"trial {trial.number}'s record")
 
 
-def study_info(study: optuna.Study) -> dict[str, Any]:
-    """The study's nascompress record ``study.user_attrs["nascompress"]`` (empty if none)."""
+def study_info(study: optuna.Study) -> StudyInfo | None:
+    """The study's nascompress record ``study.user_attrs["nascompress"]`` (None if it has none)."""
     info = study.user_attrs.get(RECORD_KEY)
-    return dict(info) if isinstance(info, Mapping) else {}
+    if not isinstance(info, Mapping) or not info:
+        return None
+    return StudyInfo.from_dict(info, source=f"study {study.study_name!r}'s record")
 
 
 def feasible(t: FrozenTrial) -> bool:
@@ -130,11 +260,11 @@ def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
     odd: list[str] = []
     unrecorded: list[int] = []
     for t in sorted(trials, key=lambda t: t.number):
-        number, sc = t.number, trial_record(t).get("scoring")
-        if not isinstance(sc, Mapping):
+        number, sc = t.number, trial_record(t).scoring
+        if sc is None:
             unrecorded.append(number)
             continue
-        key = (sc.get("calib_budget"), sc.get("finetune_epochs"), (sc.get("eval_subset") or {}).get("sha256"))
+        key = (sc.calib_budget, sc.finetune_epochs, None if sc.eval_subset is None else sc.eval_subset.sha256)
         if first is None:
             first = (number, key)
         elif key != first[1]:
@@ -151,29 +281,21 @@ def mixed_scoring(trials: Sequence[FrozenTrial]) -> list[str]:
     return odd
 
 
-def scoring_summary(info: Mapping[str, Any], trials: Sequence[FrozenTrial]) -> str | None:
+def scoring_summary(info: StudyInfo | None, trials: Sequence[FrozenTrial]) -> str | None:
     """One line: the calibration budget and validation subset the study scores every trial with
     (its record's ``scoring``, the subset's fingerprint from its first scored trial); None when the
     study recorded none."""
-    sc = info.get("scoring")
+    sc = None if info is None else info.scoring
     if not isinstance(sc, Mapping):
         return None
-    subset = (
-        next(
-            (
-                trial_record(t)["scoring"].get("eval_subset")
-                for t in sorted(trials, key=lambda t: t.number)
-                if isinstance(trial_record(t).get("scoring"), Mapping)
-            ),
-            None,
-        )
-        or {}
-    )
+    scored = (trial_record(t).scoring for t in sorted(trials, key=lambda t: t.number))
+    subset = next((s.eval_subset for s in scored if s is not None), None) or EvalSubset()
+    images = subset.images if subset.images is not None else sc.get("eval_images")
     ft = sc.get("finetune_epochs") or 0
     line = (
         f"{sc.get('calib_steps')} calibration steps per predictor stage (training-free methods: 0), "
-        f"{subset.get('images', sc.get('eval_images'))} validation images (seed {sc.get('seed')}"
-        + (f", subset {subset['sha256']}" if subset.get("sha256") else "")
+        f"{images} validation images (seed {sc.get('seed')}"
+        + (f", subset {subset.sha256}" if subset.sha256 else "")
         + ")"
     )
     return line + (f", {ft:g} fine-tune epochs per trial" if ft else ", zero-shot")

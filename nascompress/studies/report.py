@@ -36,7 +36,7 @@ from .inspect import (
 )
 from ..runs.out_dir import refuse_overwriting_inputs
 from .front_plot import COLOURS, FrontMarks, front_figure
-from .records import feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
+from .records import StudyInfo, feasible, mixed_scoring, pareto_front, scoring_summary, study_info, trial_record
 from nascompress.runs.json_io import atomic_path
 
 REPORT_CSS = """
@@ -95,8 +95,8 @@ def _record_front(trials: Sequence[FrozenTrial], x_key: str, x_label: str, marks
     """Accuracy (up) vs a record field (down) over the complete trials, front highlighted."""
     return front_figure(
         trials,
-        x=lambda t: trial_record(t).get(x_key),
-        y=lambda t: trial_record(t).get("accuracy"),
+        x=lambda t: getattr(trial_record(t), x_key),
+        y=lambda t: trial_record(t).accuracy,
         x_label=x_label,
         y_label="accuracy (%)",
         minimize=(True, False),
@@ -175,18 +175,18 @@ def build_report(study: optuna.Study, *, storage_display: str, marks: FrontMarks
     counts: dict[str, int] = {}
     for t in trials:
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
-    space = info.get("space") or {}
+    rec = info or StudyInfo.new()
     meta = [
         ("storage", storage_display),
         ("objectives", ", ".join(f"{n} ({d})" for n, d in zip(names, dirs))),
         ("trials", count_summary(counts)),
-        ("created", info.get("created")),
-        ("search space", f"{space.get('name', '?')} (hash {info.get('space_hash', '?')})" if info else None),
-        ("base run", info.get("base_run")),
-        ("dataset", info.get("dataset")),
-        ("command", info.get("command")),
-        ("sampler", info.get("sampler")),
-        ("seed", info.get("seed")),
+        ("created", rec.created),
+        ("search space", _space_line(info)),
+        ("base run", rec.base_run),
+        ("dataset", rec.dataset),
+        ("command", rec.command),
+        ("sampler", rec.sampler),
+        ("seed", rec.seed),
         ("scoring", scoring_summary(info, complete)),
         ("trials scored otherwise", "; ".join(mixed_scoring(complete))),
         ("report written", _dt.datetime.now().astimezone().isoformat(timespec="seconds")),
@@ -199,6 +199,14 @@ def build_report(study: optuna.Study, *, storage_display: str, marks: FrontMarks
         f'<link rel="icon" href="data:,"><style>{REPORT_CSS}</style></head><body>'
         f"<h1>{html.escape(title)}</h1><dl>{dl}</dl>{''.join(figs.parts)}{table}</body></html>\n"
     )
+
+
+def _space_line(info: StudyInfo | None) -> str | None:
+    """The report's search-space line: the space's name and hash (``?``: not recorded)."""
+    if info is None:
+        return None
+    name = (info.space or {}).get("name", "?")
+    return f"{name} (hash {'?' if info.space_hash is None else info.space_hash})"
 
 
 def front_figures(
@@ -215,7 +223,7 @@ def front_figures(
     pair = set(names) if len(names) == 2 else set()
     if pair != {"accuracy", "flops_ratio"}:
         figs.append(("front-flops", _record_front(trials, "flops_ratio", "FLOPs ratio (x the dense FLOPs)", marks)))
-    if pair != {"accuracy", "latency_ms"} and any(trial_record(t).get("latency_ms") is not None for t in trials):
+    if pair != {"accuracy", "latency_ms"} and any(trial_record(t).latency_ms is not None for t in trials):
         figs.append(("front-latency", _record_front(trials, "latency_ms", "latency (ms)", marks)))
     return [(div, fig) for div, fig in figs if fig is not None]
 
@@ -286,18 +294,17 @@ def _table_html(trials: Sequence[FrozenTrial], names: list[str], dirs: list[str]
         shown = sorted(feas, key=lambda t: (sign * t.values[0], t.number))[:20]
         heading = f"Best trials ({len(shown)})"
     rows = [trial_row(t, names) for t in shown]
-    result = {"metric_names": names, "trials": rows}
     varying = varying_columns(rows)
-    extra = show_columns(result)
+    extra = show_columns(names, rows)
     head = ["trial"] + varying + names + [c.replace("_", " ") for c in extra]
     body = "".join(
         "<tr>"
         + "".join(
             f"<td>{html.escape(format_value(v))}</td>"
-            for v in [r["number"]]
-            + [r["params"].get(p) for p in varying]
-            + [r["values"].get(n) for n in names]
-            + [r["record"].get(c) for c in extra]
+            for v in [r.number]
+            + [r.params.get(p) for p in varying]
+            + [r.values.get(n) for n in names]
+            + [getattr(r.record, c) for c in extra]
         )
         + "</tr>"
         for r in rows

@@ -87,11 +87,12 @@ from nascompress.progress import console
 from .display import Display
 from .liveness import fail_stale_trials, stale_trials
 from .opening import open_study
-from .records import pareto_front
+from .records import StudyInfo, pareto_front
+from .results import FrontTrial, StudyRun, WorkerError
 from .seeding import Seeding, default_sampler
 from .storage import resolve_run_storage
 from .loop import CONTINUE, quiet_optuna, work, worker_main
-from .workers import LoopConfig, WorkerArgs, run_workers
+from .workers import LoopConfig, WorkerArgs, WorkerMessage, run_workers
 
 # Defined here before the split, still importable from here:
 from .loop import storage_full  # noqa: F401
@@ -153,7 +154,7 @@ def run_study(
     json_progress: bool = False,
     max_retries: int = 2,
     max_failures: int = 3,
-) -> dict[str, Any]:
+) -> StudyRun:
     """Create or continue a study and run it until it has ``n_trials`` COMPLETE trials.
 
     Args:
@@ -182,10 +183,12 @@ def run_study(
         max_failures: objective failures in a row (per worker) that stop the run.
 
     Returns:
-        ``{"study", "storage" (masked), "n_trials", "complete", "counts" (by state), "front"
-        ([{"number", "values", "params"}]), "wall_s", "workers" (run), "workers_note" (why fewer
-        than asked, or None), "created", "stale_failed"
-        (failed for good), "stale_resumed" (trials of a killed run, run again in place), "finished"}``.
+        A :class:`~nascompress.studies.results.StudyRun`: the study, its storage (masked),
+        ``n_trials``, ``complete``, ``counts`` (by state), the objectives, the Pareto ``front``
+        (:class:`~nascompress.studies.results.FrontTrial`: number, values, params), ``wall_s``,
+        ``workers`` (run), ``workers_note`` (why fewer than asked, or None), ``created``,
+        ``stale_failed`` (failed for good), ``stale_resumed`` (trials of a killed run, run again in
+        place), ``finished`` and ``worker_errors``.
     """
     t0 = time.time()
     if not isinstance(n_trials, int) or n_trials < 1:
@@ -215,13 +218,16 @@ def run_study(
                     f"one) to run {workers} worker processes: {e}"
                 ) from None
     spec = resolve_run_storage(storage, study_name=study_name, workers=workers)
-    info = {
-        **dict(space_info),
-        "objectives": list(metric_names),
-        "seed": int(seed),
-        "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-    info.setdefault("command", " ".join(sys.argv))
+    info = StudyInfo.new(
+        **{
+            **dict(space_info),
+            "objectives": list(metric_names),
+            "seed": int(seed),
+            "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        }
+    )
+    if "command" not in info:
+        info = info.set(command=" ".join(sys.argv))
     loop = LoopConfig(
         n_trials=n_trials,
         deadline=t0 + timeout if timeout is not None else None,
@@ -249,7 +255,7 @@ def run_study(
             json_lines=json_progress,
             finished_before=finished_before,
         )
-        worker_msgs: list[dict[str, Any]] = []
+        worker_msgs: list[WorkerMessage] = []
         with display:
             display.update(trials)
             done = sum(t.state == TrialState.COMPLETE for t in trials) >= n_trials
@@ -278,31 +284,31 @@ def run_study(
     for t in trials:
         counts[t.state.name] = counts.get(t.state.name, 0) + 1
     complete = counts.get("COMPLETE", 0)
-    errors = [m for m in worker_msgs if m.get("error")]
+    errors = [m for m in worker_msgs if m.error]
     timed_out = loop.deadline is not None and time.time() >= loop.deadline
     if complete < n_trials and errors and not timed_out:
         first = errors[0]
-        hint = " (rerun with {workers} 1 {debug} for the traceback)" if first.get("traceback") else ""
+        hint = " (rerun with {workers} 1 {debug} for the traceback)" if first.traceback else ""
         raise SettingError(
-            f"worker {first['worker']} failed: {literal(first['error'])}{hint}; the study has "
+            f"worker {first.worker} failed: {literal(first.error)}{hint}; the study has "
             f"{complete} of {n_trials} complete trials: rerun the same command to continue it"
         )
     front = pareto_front(trials, directions)
-    return {
-        "study": study_name,
-        "storage": spec.display,
-        "n_trials": n_trials,
-        "complete": complete,
-        "counts": counts,
-        "metric_names": list(metric_names),
-        "directions": directions,
-        "front": [{"number": t.number, "values": list(t.values), "params": dict(t.params)} for t in front],
-        "wall_s": round(time.time() - t0, 3),
-        "workers": workers,
-        "workers_note": workers_note,
-        "created": created,
-        "stale_failed": stale,
-        "stale_resumed": resumed,
-        "finished": complete >= n_trials,
-        "worker_errors": [{"worker": m["worker"], "error": m["error"]} for m in errors],
-    }
+    return StudyRun.new(
+        study=study_name,
+        storage=spec.display,
+        n_trials=n_trials,
+        complete=complete,
+        counts=counts,
+        metric_names=list(metric_names),
+        directions=directions,
+        front=[FrontTrial.new(number=t.number, values=list(t.values), params=dict(t.params)) for t in front],
+        wall_s=round(time.time() - t0, 3),
+        workers=workers,
+        workers_note=workers_note,
+        created=created,
+        stale_failed=stale,
+        stale_resumed=resumed,
+        finished=complete >= n_trials,
+        worker_errors=[WorkerError.new(worker=m.worker, error=m.error) for m in errors],
+    )

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from ..methods import get_method
+from .records import EvalSubset, TrialScoring
 
 # the SearchJob fields that decide a trial's score besides its configuration (a study keeps them)
 SCORING_FIELDS = ("calib_steps", "train_images", "eval_images", "batch_size", "finetune_epochs", "dcs_epochs", "seed")
@@ -48,8 +49,9 @@ def _root_indices(ds: Dataset) -> tuple[Dataset, torch.Tensor]:
     return ds, (torch.arange(len(ds)) if idx is None else idx)
 
 
-def subset_fingerprint(ds: Dataset, labels: torch.Tensor, *, seed: int) -> dict[str, Any]:
-    """The identity of an evaluation subset: ``{"images", "seed", "sha256"}``, the hash (16 hex
+def subset_fingerprint(ds: Dataset, labels: torch.Tensor, *, seed: int) -> EvalSubset:
+    """The identity of an evaluation subset (:class:`~nascompress.studies.records.EvalSubset`): its
+    ``images``, ``seed`` and ``sha256``, the hash (16 hex
     digits) over the images' indices in the underlying dataset (through nested subsets), its
     size, and the labels in evaluation order. The same subset of the same data gives the same
     fingerprint on every worker and host."""
@@ -59,7 +61,7 @@ def subset_fingerprint(ds: Dataset, labels: torch.Tensor, *, seed: int) -> dict[
     h.update(f"{type(root).__name__}:{len(root)}:{len(idx)}:".encode())
     h.update(idx.to(torch.int64).numpy().tobytes())
     h.update(labels.to(torch.int64).numpy().tobytes())
-    return {"images": int(len(labels)), "seed": int(seed), "sha256": h.hexdigest()[:16]}
+    return EvalSubset.new(images=int(len(labels)), seed=int(seed), sha256=h.hexdigest()[:16])
 
 
 def calibrate_stack(
@@ -100,18 +102,18 @@ def _cycle(batches: Sequence[Any], steps: int) -> list[Any]:
 
 
 def trial_scoring(
-    *, budget: int, steps: Mapping[str, int], eval_subset: Mapping[str, Any], finetune_epochs: float = 0.0
-) -> dict[str, Any]:
-    """One trial's ``scoring`` record: ``calib_budget`` (steps per method with a predictor stage),
-    ``calib_steps`` (steps taken, by method), ``calib_steps_total``, ``eval_subset``
-    (:func:`subset_fingerprint`) and ``finetune_epochs``."""
-    return {
-        "calib_budget": int(budget),
-        "calib_steps": {k: int(v) for k, v in steps.items()},
-        "calib_steps_total": int(sum(steps.values())),
-        "eval_subset": dict(eval_subset),
-        "finetune_epochs": float(finetune_epochs),
-    }
+    *, budget: int, steps: Mapping[str, int], eval_subset: EvalSubset, finetune_epochs: float = 0.0
+) -> TrialScoring:
+    """One trial's ``scoring`` record (:class:`~nascompress.studies.records.TrialScoring`):
+    ``calib_budget`` (steps per method with a predictor stage), ``calib_steps`` (steps taken, by
+    method), ``calib_steps_total``, ``eval_subset`` (:func:`subset_fingerprint`) and ``finetune_epochs``."""
+    return TrialScoring.new(
+        calib_budget=int(budget),
+        calib_steps={k: int(v) for k, v in steps.items()},
+        calib_steps_total=int(sum(steps.values())),
+        eval_subset=eval_subset,
+        finetune_epochs=float(finetune_epochs),
+    )
 
 
 __all__ = ["SCORING_FIELDS", "study_scoring", "subset_fingerprint", "calibrate_stack", "trial_scoring"]

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import NascompressError
 from ..methods import get_method
 from ..profiling import count_flops
+from .records import SpaceProfile
 from .space_model import Space
 from ..train.finetune import split_settings
 
@@ -67,9 +68,10 @@ def _per_layer_lists(m: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 def space_profile(
     ctx_like: dict[str, Any], space: Space, base: nn.Module, *, n: int = 12, max_flops: float | None = None
-) -> dict[str, Any]:
+) -> SpaceProfile:
     """FLOPs ratio and params over ``n`` spread configurations of the space (structure only, no
-    training): min / median / max, and whether a FLOPs constraint is satisfiable."""
+    training): min / median / max, and whether a FLOPs constraint is satisfiable
+    (:class:`~nascompress.studies.records.SpaceProfile`; empty when no configuration could be built)."""
     x, dense = ctx_like["x"], ctx_like["dense_flops"]
     ratios, params = [], []
     for p in space.grid(n):
@@ -85,19 +87,17 @@ def space_profile(
         ratios.append(rep.total / dense)
         params.append(rep.params)
     if not ratios:
-        return {}
+        return SpaceProfile.new()
     ratios.sort()
-    prof = {
-        "configurations": len(ratios),
-        "flops_ratio_min": ratios[0],
-        "flops_ratio_median": ratios[len(ratios) // 2],
-        "flops_ratio_max": ratios[-1],
-        "params_min": min(params),
-        "params_max": max(params),
-    }
-    if max_flops is not None:
-        prof["max_flops_satisfiable"] = ratios[0] <= max_flops
-    return prof
+    prof = SpaceProfile.new(
+        configurations=len(ratios),
+        flops_ratio_min=ratios[0],
+        flops_ratio_median=ratios[len(ratios) // 2],
+        flops_ratio_max=ratios[-1],
+        params_min=min(params),
+        params_max=max(params),
+    )
+    return prof if max_flops is None else prof.set(max_flops_satisfiable=ratios[0] <= max_flops)
 
 
 __all__ = ["reference_configs", "space_profile"]

@@ -6,6 +6,7 @@ trial's seed (:func:`trial_seed`). Deterministic, so a study's trial can be rebu
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -24,6 +25,21 @@ def trial_seed(seed: int, number: int) -> int:
     return seed * 100_003 + number
 
 
+@dataclass(frozen=True)
+class BuiltTrial:
+    """One trial's model (:func:`build_trial`): the ``model`` (eval mode), the method records as
+    applied (``applied``, arch.json's), what its stages did (``training``: by stage, a ``dcs`` entry's
+    search, the calibration logs, a fine-tune; what the trial stores as its ``nascompress_training``
+    user attr), the predictor-stage steps taken by method (``calib_steps``) and the seed of its DCS
+    search (``dcs_seed``; None: no DCS search)."""
+
+    model: nn.Module
+    applied: list[dict[str, Any]]
+    training: dict[str, Any]
+    calib_steps: dict[str, int]
+    dcs_seed: int | None = None
+
+
 def build_trial(
     ctx: TrialContext,
     records: list[dict[str, Any]],
@@ -32,7 +48,7 @@ def build_trial(
     report: Any = None,
     budget: int | None | str = "job",
     dcs_seed: int | None = None,
-) -> tuple[nn.Module, list[dict[str, Any]], dict[str, Any]]:
+) -> BuiltTrial:
     """The model of one trial: the base with ``records`` applied, calibrated or fine-tuned as the job says.
 
     Deterministic for the same (records, seed, dcs_seed) on the same machine, so a study's trial can be
@@ -45,14 +61,15 @@ def build_trial(
     recorded).
 
     Returns:
-        (model in eval mode, the method records as applied (arch.json), training info with
-        ``calib_steps``: the predictor-stage steps taken, by method).
+        A :class:`BuiltTrial`: the model in eval mode, the method records as applied (arch.json),
+        what the stages did, the predictor-stage steps taken by method and the DCS search's seed.
     """
     if budget == "job":
         budget = ctx.job.calib_steps
     seed_everything(seed)
     model = copy.deepcopy(ctx.base).requires_grad_(True)  # the shared base is frozen (it is the teacher)
     applied, info = [], {}
+    searched_seed: int | None = None
     for rec in records:
         name, settings = rec["name"], dict(rec.get("config") or {})
         if name == "dcs" and (settings.get("target_flops") or 0.0) >= 1.0:  # 1.0: no channel cut, no search
@@ -63,6 +80,7 @@ def build_trial(
             model, record, reused = dcs_stage(ctx, settings, search_seed)
             applied.append(record)
             info["dcs"] = {"seed": search_seed, "reused": reused, "kept": getattr(model, "nc_dcs_kept", "dcs")}
+            searched_seed = search_seed
             seed_everything(seed)  # the later stages start from the same state, searched or reused
             continue
         config, recipe = split_settings(name, settings)
@@ -77,8 +95,7 @@ def build_trial(
         applied.append(record)
     model.to(ctx.device)
     if ctx.job.finetune_epochs > 0 and applied:
-        info["finetune"] = _finetune_trial(ctx, model, applied, seed=seed, report=report, budget=budget)
-        info["calib_steps"] = info["finetune"].pop("calib_steps")
+        info["finetune"], steps = _finetune_trial(ctx, model, applied, seed=seed, report=report, budget=budget)
     else:
         with (
             runtime.configured(ctx.device, deterministic=ctx.job.deterministic),
@@ -93,15 +110,15 @@ def build_trial(
                 cycle_to=ctx.job.calib_steps,
             )
         info.update({f"calibration_{name}": out for name, out in logs.items()})
-        info["calib_steps"] = steps
-    return model.eval(), applied, info
+    return BuiltTrial(model.eval(), applied, info, steps, searched_seed)
 
 
 def _finetune_trial(
     ctx: TrialContext, model: nn.Module, applied: list[dict[str, Any]], *, seed: int, report: Any, budget: int | None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, int]]:
     """A short fine-tune with the recipe of the last method of the stack (every other method's
-    predictor-only stage first, ``budget`` steps each; ``calib_steps`` in the result: their steps)."""
+    predictor-only stage first, ``budget`` steps each): what it did (epochs, validation top-1,
+    training time; kept in the trial's training info) and the predictor-stage steps by method."""
     _, steps = calibrate_stack(
         model,
         applied[:-1],
@@ -128,12 +145,7 @@ def _finetune_trial(
         hooks = _Reporting(hooks, report)
     arch = ctx.arch.with_method(*applied)
     metrics = fit(model, data=ctx.data, input_spec=ctx.spec, cfg=cfg, arch=arch, hooks=hooks)  # in memory
-    return {
-        "epochs": epochs,
-        "val_top1": metrics["best_val_top1"],
-        "train_time_s": metrics["train_time_s"],
-        "calib_steps": steps,
-    }
+    return {"epochs": epochs, "val_top1": metrics.best_val_top1, "train_time_s": metrics.train_time_s}, steps
 
 
 class _Reporting:

@@ -5,6 +5,7 @@ architecture measured once."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -16,7 +17,7 @@ from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..runs.io import MODEL_FILE, file_sha256, load_typed
 from ..models.build import build_model
 from ..profiling import PRICED_METHODS, count_flops, geometry_of, latency_table, measure, predict_latency
-from .records import trial_record
+from .records import LatencyNote, TrialRecord
 from ..runtime import resolve_device
 from .scoring import subset_fingerprint
 from .space_model import load_space
@@ -24,6 +25,19 @@ from ..runs.run_config import run_data_config
 
 FLOPS_IMAGES = 32  # images the FLOPs of a trial are averaged over (dynamic models differ per image)
 FINALIST_MARGIN = 0.15  # a trial predicted this far over a latency constraint may still meet it measured
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A trial's speed (:meth:`TrialContext.speed`): batch-1 ``latency_ms`` (predicted or measured:
+    ``latency`` says which), batch-64 ``throughput`` (measured trials only) and the uncompressed
+    model's, measured beside it; None: not measured (or the study needs no speed)."""
+
+    latency_ms: float | None = None
+    throughput: float | None = None
+    latency: LatencyNote | None = None
+    dense_latency_ms: float | None = None
+    dense_throughput: float | None = None
 
 
 class TrialContext:
@@ -55,7 +69,7 @@ class TrialContext:
         self.flops_x = x
         self.dense_flops = count_flops(self.uncompressed, x[:2]).total
         self.base.eval().requires_grad_(False)
-        self._speed: dict[str, dict[str, Any]] = {}
+        self._speed: dict[str, Speed] = {}
         self._table: Any = None
         # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
         # stopped with (search.trial_dcs.dcs_stage)
@@ -91,7 +105,7 @@ class TrialContext:
         methods: Sequence[str] = (),
         accuracy: float | None = None,
         study: Any = None,
-    ) -> dict[str, Any]:
+    ) -> Speed:
         """Latency (batch 1) and throughput (batch 64) of ``model`` interleaved with the uncompressed
         model; cached per architecture ``key``.
 
@@ -104,13 +118,17 @@ class TrialContext:
             return self._speed[key]
         if not self.predicts(methods):
             out = self._measure(model)
-            out["latency"] = {"source": "measured", "predicted_ms": None, "measured_ms": out["latency_ms"]}
+            out = dataclasses.replace(
+                out, latency=LatencyNote.new(source="measured", predicted_ms=None, measured_ms=out.latency_ms)
+            )
         else:
             ms = predict_latency(self.table(), model, x=self.flops_x[:1])
-            out = {"latency_ms": ms, "throughput": None, "latency": {"source": "predicted", "predicted_ms": ms}}
+            out = Speed(latency_ms=ms, latency=LatencyNote.new(source="predicted", predicted_ms=ms))
             if is_finalist(self.job, study, accuracy, ms):
-                out.update(self._measure(model))
-                out["latency"] = {"source": "measured", "predicted_ms": ms, "measured_ms": out["latency_ms"]}
+                out = self._measure(model)
+                out = dataclasses.replace(
+                    out, latency=LatencyNote.new(source="measured", predicted_ms=ms, measured_ms=out.latency_ms)
+                )
         self._speed[key] = out
         return out
 
@@ -126,17 +144,17 @@ class TrialContext:
             self._table = latency_table(geometry_of(self.uncompressed), device=self.device, batch=1)
         return self._table
 
-    def _measure(self, model: nn.Module) -> dict[str, Any]:
+    def _measure(self, model: nn.Module) -> Speed:
         shape = tuple(self.flops_x.shape[1:])
         dense, cand = measure(
             [self.uncompressed, model], shape, device=self.device, iters=self.job.latency_iters, seed=self.job.seed
         )
-        return {
-            "latency_ms": cand["latency_ms"],
-            "throughput": cand["throughput"],
-            "dense_latency_ms": dense["latency_ms"],
-            "dense_throughput": dense["throughput"],
-        }
+        return Speed(
+            latency_ms=cand["latency_ms"],
+            throughput=cand["throughput"],
+            dense_latency_ms=dense["latency_ms"],
+            dense_throughput=dense["throughput"],
+        )
 
 
 def is_finalist(job: Any, study: Any, accuracy: float | None, predicted_ms: float) -> bool:
@@ -146,14 +164,16 @@ def is_finalist(job: Any, study: Any, accuracy: float | None, predicted_ms: floa
     accurate and as fast). Without a study (or an accuracy) every trial is one."""
     if study is None or accuracy is None:
         return True
-    done = [trial_record(t) for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
-    done = [r for r in done if r.get("latency_ms") is not None and r.get("accuracy") is not None]
+    done = [
+        TrialRecord.from_attrs(t.user_attrs) for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE
+    ]
+    done = [r for r in done if r.latency_ms is not None and r.accuracy is not None]
     if job.max_latency_ms is not None:
         if predicted_ms > job.max_latency_ms * (1 + FINALIST_MARGIN):
             return False
         # the pick takes the most accurate trial under the bound, the earliest of equals
-        return all(accuracy > r["accuracy"] for r in done if r["latency_ms"] <= job.max_latency_ms)
-    return not any(r["accuracy"] >= accuracy and r["latency_ms"] <= predicted_ms for r in done)
+        return all(accuracy > r.accuracy for r in done if r.latency_ms <= job.max_latency_ms)
+    return not any(r.accuracy >= accuracy and r.latency_ms <= predicted_ms for r in done)
 
 
 def run_data(run_dir: str) -> DataConfig:
@@ -172,4 +192,4 @@ def base_fingerprint(base: str | Path) -> str:
     return file_sha256(p / MODEL_FILE if p.is_dir() else p)
 
 
-__all__ = ["TrialContext", "FLOPS_IMAGES", "base_fingerprint", "run_data", "tensors_of"]
+__all__ = ["TrialContext", "Speed", "FLOPS_IMAGES", "base_fingerprint", "run_data", "tensors_of"]

@@ -29,7 +29,7 @@ from ..data import load_data
 from ..train.finetune import finetune_train_config
 from ..methods import get_method
 from .inspect import load as load_study
-from .records import pareto_front, study_info, trial_record
+from .records import TrialScoring, pareto_front, study_info, trial_record
 from ..train.loop import fit
 from .trial_context import base_fingerprint
 
@@ -132,22 +132,28 @@ def pick_trial(study: Any, rule: str, value: float | None) -> Any:
         sign = 1 if study.directions[1].name.lower() == "minimize" else -1
         return knee([(t, t.values[0], sign * t.values[1]) for t in front])
     key = "flops_ratio" if rule == "best-under-flops" else "latency_ms"
-    have = [t for t in done if recs[t.number].get(key) is not None]
+    cost = {n: getattr(r, key) for n, r in recs.items()}  # the FLOPs ratio or the latency the rule bounds
+    have = [t for t in done if cost[t.number] is not None]
     if not have:
         raise SettingError(
             f"no trial of study {study.study_name!r} recorded {key.replace('_', ' ')}; "
             "search with {objective} latency (or {max_latency}) to pick by latency"
         )
-    ok = [t for t in have if recs[t.number][key] <= value]
+    ok = [t for t in have if cost[t.number] <= value]
     if not ok:
-        closest = min(have, key=lambda t: recs[t.number][key])
+        closest = min(have, key=lambda t: cost[t.number])
         unit = "x" if key == "flops_ratio" else " ms"
+        acc = recs[closest.number].accuracy
         raise NascompressError(
             f"no complete trial has {key.replace('_', ' ')} <= {value:g}; the closest is trial "
-            f"{closest.number} at {recs[closest.number][key]:.3f}{unit} "
-            f"({recs[closest.number].get('accuracy', float('nan')):.2f}%)"
+            f"{closest.number} at {cost[closest.number]:.3f}{unit} "
+            f"({float('nan') if acc is None else acc:.2f}%)"
         )
-    return max(ok, key=lambda t: (recs[t.number].get("accuracy", -1.0), -t.number))
+    return max(ok, key=lambda t: (_or(recs[t.number].accuracy, -1.0), -t.number))
+
+
+def _or(v: Any, default: Any) -> Any:
+    return default if v is None else v
 
 
 def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[str, Any]:
@@ -159,7 +165,7 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     run = RunDir.prepare(out, force=force)
     spec, study = load_study(job.study, job.storage)
     info = study_info(study)
-    if "job" not in info:
+    if info is None or info.job is None:
         raise NascompressError(
             f"study {job.study!r} was not made by `nascompress search tokens|joint` (it holds no "
             "search job to rebuild trials from)"
@@ -177,8 +183,8 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     else:
         trial = pick_trial(study, *parse_pick(job.pick))
     rec = trial_record(trial)
-    search = SearchJob.from_record(info["job"])
-    recorded = info.get("base_fingerprint")
+    search = SearchJob.from_record(info.job)
+    recorded = info.base_fingerprint
     if recorded is not None and Path(search.base).exists() and base_fingerprint(search.base) != recorded:
         raise NascompressError(
             f"the base run {search.base} of study {job.study!r} is not the model the study was "
@@ -191,15 +197,14 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     records = ctx.space.records(trial.params)
     # as the trial was scored: its recorded calibration budget (none recorded: the methods' recipe
     # counts, how studies scored trials before budgets were recorded)
-    scoring = rec.get("scoring") or {}
-    model, applied, training = build_trial(
-        ctx, records, seed=int(rec["seed"]), budget=scoring.get("calib_budget"), dcs_seed=scoring.get("dcs_seed")
-    )
+    scoring = rec.scoring or TrialScoring()
+    built = build_trial(ctx, records, seed=int(rec.seed), budget=scoring.calib_budget, dcs_seed=scoring.dcs_seed)
+    model, applied = built.model, built.applied
     acc = ctx.accuracy(model)
-    if abs(acc - rec["accuracy"]) > 1e-6:
+    if abs(acc - rec.accuracy) > 1e-6:
         raise NascompressError(
             f"the rebuilt trial {trial.number} scores {acc:.3f}% but the study recorded "
-            f"{rec['accuracy']:.3f}%: it was made on another machine or torch build, where "
+            f"{rec.accuracy:.3f}%: it was made on another machine or torch build, where "
             "training is not bit-identical; rerun the search here or fine-tune the result"
         )
     arch = ctx.arch.with_method(*applied).without("retrain")
@@ -210,8 +215,8 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
         "storage": spec.display,
         "trial": trial.number,
         "params": dict(trial.params),
-        "seed": rec["seed"],
-        "search": info["job"],
+        "seed": rec.seed,
+        "search": dict(info.job),
     }
     run.create(
         {
@@ -222,14 +227,14 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
     )
     metrics: dict[str, Any] = {
         "trial": trial.number,
-        "trial_accuracy": rec["accuracy"],
+        "trial_accuracy": rec.accuracy,
         "rebuilt_accuracy": acc,
-        "flops_ratio": rec.get("flops_ratio"),
-        "params": rec.get("params"),
+        "flops_ratio": rec.flops_ratio,
+        "params": rec.params,
     }
     if job.finetune_epochs > 0:
         metrics["finetune"] = _finetune_rebuilt(
-            ctx, model, applied, arch, out, job.finetune_epochs, int(rec["seed"]), data
+            ctx, model, applied, arch, out, job.finetune_epochs, int(rec.seed), data
         )
     else:
         save_model(out, model, arch)

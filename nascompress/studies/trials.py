@@ -47,7 +47,8 @@ from .scoring import study_scoring, trial_scoring
 from .samplers import SAMPLERS, sampler_factory
 from .space_model import load_space
 from .space_reference import reference_configs, space_profile
-from .trial_context import TrialContext, base_fingerprint, run_data
+from .results import StudyRun
+from .trial_context import Speed, TrialContext, base_fingerprint, run_data
 from .trial_build import build_trial, trial_seed
 from .. import runtime
 from ..progress import console
@@ -291,23 +292,26 @@ class Objective:
                     raise optuna.TrialPruned(f"pruned after epoch {epoch} at {value:.2f}%")
 
         with runtime.configured(ctx.device, deterministic=job.deterministic):
-            model, applied, info = build_trial(ctx, records, seed=seed, report=report, dcs_seed=job.seed)
-            acc = ctx.accuracy(model)
-        rep = count_flops(model, ctx.flops_x)
+            built = build_trial(ctx, records, seed=seed, report=report, dcs_seed=job.seed)
+            acc = ctx.accuracy(built.model)
+        applied = built.applied
+        rep = count_flops(built.model, ctx.flops_x)
         ratio = rep.total / ctx.dense_flops
         speed = (
-            ctx.speed(model, arch_key(applied), methods=[m["name"] for m in applied], accuracy=acc, study=trial.study)
+            ctx.speed(
+                built.model, arch_key(applied), methods=[m["name"] for m in applied], accuracy=acc, study=trial.study
+            )
             if job.needs_speed()
-            else {}
+            else Speed()
         )
         scoring = trial_scoring(
             budget=job.calib_steps,
-            steps=info.pop("calib_steps"),
+            steps=built.calib_steps,
             eval_subset=ctx.eval_subset,
             finetune_epochs=job.finetune_epochs,
         )
-        if "seed" in info.get("dcs", {}):
-            scoring["dcs_seed"] = info["dcs"]["seed"]
+        if built.dcs_seed is not None:
+            scoring = scoring.set(dcs_seed=built.dcs_seed)
         record_trial(
             trial,
             arch=applied,
@@ -316,22 +320,22 @@ class Objective:
             flops_ratio=ratio,
             params=rep.params,
             accuracy=acc,
-            latency_ms=speed.get("latency_ms"),
-            latency=speed.get("latency"),
-            throughput=speed.get("throughput"),
+            latency_ms=speed.latency_ms,
+            latency=speed.latency,
+            throughput=speed.throughput,
             wall_s=time.perf_counter() - t0,
             seed=seed,
             scoring=scoring,
         )
-        if info:
-            trial.set_user_attr("nascompress_training", json.loads(json.dumps(info)))
+        if built.training:
+            trial.set_user_attr("nascompress_training", json.loads(json.dumps(built.training)))
         if job.max_flops is not None:
             trial.set_constraint("flops", ratio - job.max_flops)
             return acc
         if job.max_latency_ms is not None:
-            trial.set_constraint("latency", speed["latency_ms"] - job.max_latency_ms)
+            trial.set_constraint("latency", speed.latency_ms - job.max_latency_ms)
             return acc
-        second = {"flops": ratio, "latency": speed.get("latency_ms"), "throughput": speed.get("throughput")}
+        second = {"flops": ratio, "latency": speed.latency_ms, "throughput": speed.throughput}
         return acc, second[job.second_objective]
 
 
@@ -344,10 +348,12 @@ def make_objective(job_dict: dict[str, Any]) -> Objective:
 # The job
 
 
-def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = False) -> dict[str, Any]:
+def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = False) -> StudyRun:
     """Create or continue the study of ``job`` and run it to ``job.trials`` complete trials.
 
-    Everything is checked (space file, base run, storage) before the study is created.
+    Everything is checked (space file, base run, storage) before the study is created. Returns
+    the run's :class:`~nascompress.studies.results.StudyRun` with the space's ``profile`` and the
+    number of configurations ``enqueued`` first.
     """
     runtime.prepare_deterministic(job.deterministic)
     base_path = Path(job.base)
@@ -365,33 +371,34 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
     x = torch.randn(4, spec.in_chans, *spec.img_size)
     dense = count_flops(build_model(arch.spec).eval(), x).total
     profile = space_profile({"x": x, "dense_flops": dense}, space, base, max_flops=job.max_flops)
-    if job.max_flops is not None and profile and not profile.get("max_flops_satisfiable", True):
+    if job.max_flops is not None and profile.max_flops_satisfiable is False:
         raise GoalUnreachable(
             f"no configuration of space {space.name!r} reaches {{max_flops}} {job.max_flops}: its "
-            f"cheapest sampled configuration is {profile['flops_ratio_min']:.3f}x; widen the space"
+            f"cheapest sampled configuration is {profile.flops_ratio_min:.3f}x; widen the space"
         )
-    if progress and profile:
+    if progress and profile.configurations:
         console.print(
-            f"space {space.name}: FLOPs ratio {profile['flops_ratio_min']:.3f} - {profile['flops_ratio_max']:.3f} "
-            f"(median {profile['flops_ratio_median']:.3f}), params {profile['params_min']:,} - "
-            f"{profile['params_max']:,} over {profile['configurations']} spread configurations"
+            f"space {space.name}: FLOPs ratio {profile.flops_ratio_min:.3f} - {profile.flops_ratio_max:.3f} "
+            f"(median {profile.flops_ratio_median:.3f}), params {profile.params_min:,} - "
+            f"{profile.params_max:,} over {profile.configurations} spread configurations"
             + ("" if job.max_flops is None else words(f"; {{max_flops}} {job.max_flops:g} is reachable")),
             highlight=False,
         )
     enqueue = [p for _, p in reference_configs(space, base)] if job.enqueue else []
     metric_names, directions = job.objectives()
-    job_dict = job.replace(
+    recorded = job.replace(
         base=str(base_path.resolve()), space=str(resolve_file(job.space, what="search space").resolve())
-    ).to_dict()
+    )
+    job_dict = recorded.to_dict()
     info = {
         "space": space.to_dict(),
         "space_hash": space.hash(),
         "sampler": job.sampler,
-        "base_run": job_dict["base"],
+        "base_run": recorded.base,
         "base_fingerprint": base_fingerprint(job.base),
         "dataset": (job.data or run_data(job.base)).dataset,
         "job": job_dict,
-        "profile": profile,
+        "profile": profile.to_dict(),
         "scoring": study_scoring(job),
     }
     summary = run_study(
@@ -409,9 +416,7 @@ def run_search(job: SearchJob, *, progress: bool = True, json_progress: bool = F
         progress=progress,
         json_progress=json_progress,
     )
-    summary["profile"] = profile
-    summary["enqueued"] = len(enqueue)
-    return summary
+    return summary.set(profile=profile, enqueued=len(enqueue))
 
 
 __all__ = ["SearchJob", "build_job", "Objective", "run_search", "make_objective"]

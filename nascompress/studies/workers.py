@@ -41,15 +41,27 @@ class WorkerArgs:
     threads: int = 0  # torch intra-op threads of this worker (0: torch's default)
 
 
+@dataclass(frozen=True)
+class WorkerMessage:
+    """What a worker process reports as it ends: the trials it ran to an end, or the error it
+    stopped with (and the traceback of one that is no NascompressError), or that it was interrupted."""
+
+    worker: int
+    ran: int | None = None
+    error: str | None = None
+    traceback: str | None = None
+    interrupted: bool = False
+
+
 def run_workers(
     args: list[WorkerArgs], study: optuna.Study, display: Display, *, target: Callable[[WorkerArgs, Any], None]
-) -> list[dict[str, Any]]:
+) -> list[WorkerMessage]:
     """Run a spawned process ``target(args[k], results)`` per worker, refreshing ``display`` until all
-    have ended; returns each worker's message (put on ``results``), by worker."""
+    have ended; returns each worker's :class:`WorkerMessage` (put on ``results``), by worker."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(a, results), name=f"nascompress-worker-{a.index}") for a in args]
-    msgs: list[dict[str, Any]] = []
+    msgs: list[WorkerMessage] = []
 
     def drain() -> None:
         while True:
@@ -84,7 +96,7 @@ def run_workers(
         time.sleep(0.05)
     for p in procs:
         idx = int(p.name.rsplit("-", 1)[1])
-        if not any(m.get("worker") == idx for m in msgs):
-            msgs.append({"worker": idx, "error": f"worker {idx} exited with code {p.exitcode}"})
+        if not any(m.worker == idx for m in msgs):
+            msgs.append(WorkerMessage(idx, error=f"worker {idx} exited with code {p.exitcode}"))
     display.update(study.get_trials(deepcopy=False))
-    return sorted(msgs, key=lambda m: m["worker"])
+    return sorted(msgs, key=lambda m: m.worker)

@@ -35,6 +35,7 @@ from ..models.build import build_model
 from .config import TrainConfig
 from .run import check_classes, recipe_config
 from .loop import fit
+from .metrics import FinetuneMetrics
 from ..runs.run_dir import RunDir
 from ..runtime import seed_everything
 from ..profiling import count_flops
@@ -158,9 +159,10 @@ def build_job(
 
 def finetune(
     job: FinetuneJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
-) -> dict[str, Any]:
+) -> FinetuneMetrics:
     """Run ``job`` (``resume``: the job recorded in ``out/config.json``, from its last checkpoint);
-    returns metrics: the saved model's val/test top-1 and the starting (zero-shot) val top-1.
+    returns metrics (:class:`~nascompress.train.metrics.FinetuneMetrics`: ``metrics.json`` less its
+    completion mark): the saved model's val/test top-1, the starting (zero-shot) val top-1 and the FLOPs.
     ``explicit``: the options given on the command line (on resume each must agree with the record)."""
     out = Path(job.out)
     if resume:
@@ -206,24 +208,23 @@ def finetune(
             save_model(out, model, arch)
         val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
-        metrics = {
-            "val_top1": val["top1"],
-            "test_top1": test["top1"],
-            "test_loss": test["loss"],
-            "test_n": test["n"],
-            "zero_shot": True,
-            "calibration": calib,
-        }
+        metrics = FinetuneMetrics.new(
+            val_top1=val["top1"],
+            test_top1=test["top1"],
+            test_loss=test["loss"],
+            test_n=test["n"],
+            zero_shot=True,
+            calibration=calib,
+        )
     else:
         hooks = method.hooks(model, record, teacher=teacher, train_cfg=cfg)
-        metrics = fit(
+        trained = fit(
             model, data=data, input_spec=spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, resume=resume, finish=False
         )
-        metrics.update(zero_shot=False, calibration=calib)
-    metrics["method"] = job.method
+        metrics = FinetuneMetrics.new(**trained.to_dict(), zero_shot=False, calibration=calib)
     saved = model if job.zero_shot else load_with_arch(out, map_location=device, complete=False)[0]  # the best epoch
     dense = build_model(base_arch.spec).to(device)  # no method: DCS widths included
-    metrics.update(flops_on_test_images(saved, dense, data.test, spec, device))
+    metrics = metrics.set(method=job.method, **flops_on_test_images(saved, dense, data.test, spec, device))
     return run.finish(metrics)  # the last write: marks the run complete
 
 

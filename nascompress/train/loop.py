@@ -37,6 +37,7 @@ from ..runs.files import frozen_of
 from ..runs.io import continue_advice, finish_run
 from ..progress import make_progress, pipeline_left, say
 from .config import TrainConfig
+from .metrics import TrainMetrics
 from ..runs.store import CHECKPOINT_FILE, RunStore, checked_int, checked_number, damaged_checkpoint, restore_model
 from ..runtime import seed_everything
 
@@ -103,7 +104,7 @@ def fit(
     finish: bool = True,
     log: list[dict[str, Any]] | None = None,
     test: bool = True,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """Train ``model`` on ``data.train``, validate on ``data.val`` each epoch, save into ``out_dir``.
 
     Without ``out_dir`` nothing is written: the run stays in memory and ``model`` ends holding the
@@ -118,7 +119,8 @@ def fit(
     the run's completion mark (:func:`~nascompress.runs.io.finish_run`; a caller that adds its own
     metrics passes ``finish=False`` and marks the run itself). ``test=False``: the saved model is not
     scored on the test split (a caller that scores another model in the end: the DCS search's kept
-    one). Returns the metrics.
+    one). Returns the metrics (:class:`~nascompress.train.metrics.TrainMetrics`: ``metrics.json``
+    less its completion mark).
     """
     if out_dir is None and resume:
         raise ValueError("resume needs the run directory (out_dir)")
@@ -210,7 +212,7 @@ def _fit(
     resume: bool,
     finish: bool,
     test: bool = True,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     world, main = distributed.world(), distributed.is_main()
     amp = runtime.resolve_amp(cfg.amp, device)
     if cfg.amp == "auto" and main:  # the choice is printed, and recorded in metrics.json ("amp")
@@ -382,25 +384,25 @@ def _fit(
             scored = _evaluate(
                 best_model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, amp=cfg.amp
             )
-    metrics = {
-        "best_val_top1": best,
-        "best_epoch": best_epoch,
-        "test_top1": scored["top1"],
-        "test_loss": scored["loss"],
-        "test_n": scored["n"],
-        "start_val_top1": None if start_rec is None else start_rec["val_top1"],
-        "epochs": cfg.epochs,
-        "peak_lr": peak,
-        "train_time_s": train_time,
-        "dataset": data.name,
-        "amp": amp,
-    }
+    metrics = TrainMetrics.new(
+        best_val_top1=best,
+        best_epoch=best_epoch,
+        test_top1=scored["top1"],
+        test_loss=scored["loss"],
+        test_n=scored["n"],
+        start_val_top1=None if start_rec is None else start_rec["val_top1"],
+        epochs=cfg.epochs,
+        peak_lr=peak,
+        train_time_s=train_time,
+        dataset=data.name,
+        amp=amp,
+    )
     if world.size > 1:
-        metrics.update(processes=world.size, global_batch_size=cfg.batch_size * world.size)
+        metrics = metrics.set(processes=world.size, global_batch_size=cfg.batch_size * world.size)
     if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder
-        metrics["skipped_images"] = data.extra["skipped_images"]
+        metrics = metrics.set(skipped_images=data.extra["skipped_images"])
     if data.extra.get("splits"):  # which images chose the best epoch, which measured it (data.carve)
-        metrics["splits"] = without_images(data.extra["splits"])
+        metrics = metrics.set(splits=without_images(data.extra["splits"]))
     if main and finish and store.dir is not None:
         finish_run(store.dir, metrics)  # the last write: marks the run complete
     return metrics

@@ -31,6 +31,7 @@ from ..data.carve import without_images
 from ..errors import SettingError
 from ..profiling.evaluate import evaluate
 from ..runs.io import save_model
+from .metrics import ProbeFit, TrainMetrics
 from ..progress import make_progress
 from ..runtime import resolve_device, seed_everything
 
@@ -115,7 +116,7 @@ def fit_probe_head(
     input_spec: InputSpec,
     cfg: Any,
     l2_grid: tuple[float, ...] = L2_GRID,
-) -> dict[str, Any]:
+) -> ProbeFit:
     """Fit ``model.head`` on the frozen backbone's features (see the module docstring), in place;
     the backbone is left as it is (also its ``requires_grad``). Writes nothing.
 
@@ -126,8 +127,9 @@ def fit_probe_head(
             ``device`` are used).
 
     Returns:
-        the probe's figures: ``val_top1`` (the fitted head on the val features), the chosen ``l2``,
-        the ``l2_grid`` rows, the timings and the split sizes.
+        the probe's figures (:class:`~nascompress.train.metrics.ProbeFit`): ``val_top1`` (the fitted
+        head on the val features), the chosen ``l2``, the ``l2_grid`` rows, the timings, the split
+        sizes and the feature width.
     """
     if not isinstance(getattr(model, "head", None), nn.Linear):
         raise SettingError(
@@ -164,16 +166,16 @@ def fit_probe_head(
         model.head.weight.copy_(w_head)
         model.head.bias.copy_(b - w_head @ mu)
         val_top1 = _top1(model.head(x_va), y_va)  # the model's own val accuracy (its head on its features)
-    return {
-        "val_top1": val_top1,
-        "l2": chosen["l2"],
-        "l2_grid": grid,
-        "feature_time_s": feature_time,
-        "fit_time_s": time.perf_counter() - t0,
-        "n_train": len(y_tr),
-        "n_val": len(y_va),
-        "feature_dim": int(x_tr.shape[1]),
-    }
+    return ProbeFit.new(
+        val_top1=val_top1,
+        l2=chosen["l2"],
+        l2_grid=grid,
+        feature_time_s=feature_time,
+        fit_time_s=time.perf_counter() - t0,
+        n_train=len(y_tr),
+        n_val=len(y_va),
+        feature_dim=int(x_tr.shape[1]),
+    )
 
 
 def fit_linear_probe(
@@ -185,7 +187,7 @@ def fit_linear_probe(
     out_dir: Path,
     arch: dict[str, Any],
     l2_grid: tuple[float, ...] = L2_GRID,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """Fit ``model.head`` on frozen features (:func:`fit_probe_head`); save the run; return metrics.
 
     Args:
@@ -194,8 +196,9 @@ def fit_linear_probe(
         cfg: the job's :class:`~nascompress.train.run.TrainConfig` (only ``eval_batch_size``, ``seed``
             and ``device`` are used).
         out_dir: the run directory (created); receives ``model.safetensors`` and ``arch.json``; the
-            caller marks the run complete with the metrics returned (like ``fit``'s, plus the chosen L2,
-            the grid and the timings).
+            caller marks the run complete with the metrics returned
+            (:class:`~nascompress.train.metrics.TrainMetrics`: like ``fit``'s, plus ``linear_probe``,
+            the chosen L2, the grid, the timings and the split sizes).
     """
     for p in model.parameters():
         p.requires_grad_(False)
@@ -204,23 +207,23 @@ def fit_linear_probe(
     t0 = time.perf_counter()
     device = resolve_device(cfg.device)
     test = evaluate(model, data.test, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size)
-    metrics = {
-        "best_val_top1": probe["val_top1"],
-        "best_epoch": None,
-        "test_top1": test["top1"],
-        "test_loss": test["loss"],
-        "test_n": test["n"],
-        "start_val_top1": None,
-        "epochs": 0,
-        "peak_lr": None,
-        "train_time_s": probe["feature_time_s"] + probe["fit_time_s"],
-        "dataset": data.name,
-        "linear_probe": True,
-        **{k: v for k, v in probe.items() if k != "val_top1"},
-        "test_time_s": time.perf_counter() - t0,
-    }
+    metrics = TrainMetrics.new(
+        best_val_top1=probe.val_top1,
+        best_epoch=None,
+        test_top1=test["top1"],
+        test_loss=test["loss"],
+        test_n=test["n"],
+        start_val_top1=None,
+        epochs=0,
+        peak_lr=None,
+        train_time_s=probe.feature_time_s + probe.fit_time_s,
+        dataset=data.name,
+        linear_probe=True,
+        **{k: v for k, v in probe.to_dict().items() if k != "val_top1"},
+        test_time_s=time.perf_counter() - t0,
+    )
     if data.extra.get("splits"):  # which images chose the L2, which measured the probe (data.carve)
-        metrics["splits"] = without_images(data.extra["splits"])
+        metrics = metrics.set(splits=without_images(data.extra["splits"]))
     return metrics
 
 

@@ -26,6 +26,7 @@ from ..models.build import ModelSpec, build_model, input_size, pretrained_data_c
 from ..models.weights import load_pretrained
 from .config import TrainConfig
 from .loop import fit
+from .metrics import ProbeFit, TrainMetrics
 from ..runs.run_dir import RunDir
 from ..runs.files import write_arch_json
 from ..runtime import seed_everything
@@ -257,8 +258,10 @@ def check_classes(num_model_classes: int, data: DataBundle, *, fix: str | None =
 
 def train(
     job: TrainJob, *, force: bool = False, resume: bool = False, explicit: set[str] | None = None
-) -> dict[str, Any]:
-    """The ``nascompress train`` job: validate everything, then create the run and fit it.
+) -> TrainMetrics:
+    """The ``nascompress train`` job: validate everything, then create the run and fit it; returns
+    its metrics (:class:`~nascompress.train.metrics.TrainMetrics`: ``metrics.json`` less its
+    completion mark).
 
     With ``resume`` the job stored in ``OUT/config.json`` is continued from its last checkpoint.
     Under torchrun every process runs this; rank 0 alone writes the run directory. ``explicit``: the
@@ -331,7 +334,7 @@ def fine_tune_from_probe(
     out_dir: Path | None = None,
     arch: dict[str, Any] | None = None,
     resume: bool = False,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """LP-FT (Kumar et al. 2022): fit ``model.head`` as a linear probe on the frozen backbone's
     features (:func:`~nascompress.train.probe.fit_probe_head`, on ``probe_data``: the same splits,
     unaugmented), then fine-tune everything from it (:func:`~nascompress.train.loop.fit` on ``data``).
@@ -340,7 +343,8 @@ def fine_tune_from_probe(
     beats it on validation the probe is kept (``kept_probe`` in the metrics, and one line said).
     Returns ``fit``'s metrics (the run is not marked complete) plus ``probe_val_top1`` (the probe as
     the fine-tune measures every epoch), ``fine_tuned_val_top1`` (the best fine-tuned epoch's),
-    ``kept_probe`` and ``probe`` (the probe's L2 and grid, :func:`~nascompress.train.probe.fit_probe_head`).
+    ``kept_probe`` and ``probe`` (the probe's L2 and grid, a :class:`~nascompress.train.metrics.ProbeFit`
+    of :func:`~nascompress.train.probe.fit_probe_head`'s).
     A resumed run fits the probe again (it is deterministic) for its figures; the fine-tune then
     continues from its checkpoint.
     """
@@ -359,17 +363,19 @@ def fine_tune_from_probe(
         log=log,
     )
     tuned = [r["val_top1"] for r in log if not r.get("start") and r.get("val_top1") is not None]
-    kept = metrics["best_epoch"] == 0
-    metrics.update(
-        probe_val_top1=metrics["start_val_top1"],
+    kept = metrics.best_epoch == 0
+    metrics = metrics.set(
+        probe_val_top1=metrics.start_val_top1,
         fine_tuned_val_top1=max(tuned) if tuned else None,
         kept_probe=kept,
-        probe={k: probe[k] for k in ("val_top1", "l2", "l2_grid", "n_train", "n_val", "fit_time_s")},
+        probe=ProbeFit.new(
+            **{k: probe.get(k) for k in ("val_top1", "l2", "l2_grid", "n_train", "n_val", "fit_time_s")}
+        ),
     )
     if kept and tuned and distributed.is_main():
         say(
             f"train: fine-tuning did not beat its linear probe on validation (best fine-tuned epoch "
-            f"{metrics['fine_tuned_val_top1']:.2f}%, the probe {metrics['probe_val_top1']:.2f}%): kept the probe"
+            f"{metrics.fine_tuned_val_top1:.2f}%, the probe {metrics.probe_val_top1:.2f}%): kept the probe"
         )
     return metrics
 
