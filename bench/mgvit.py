@@ -141,10 +141,10 @@ def dense_entry(base: Path, test, spec: InputSpec) -> dict:
     return {
         "run": str(base.relative_to(ROOT)) if base.is_relative_to(ROOT) else str(base),
         "img_size": list(spec.img_size),
-        "test_top1": d_eval["top1"],
+        "test_top1": d_eval.top1,
         "flops": d_flops,
         "mflops": d_flops / 1e6,
-        "test_n": d_eval["n"],
+        "test_n": d_eval.n,
         "eval_s": time.time() - t0,
         "metrics": read_json(base / "metrics.json"),
     }

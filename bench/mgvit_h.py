@@ -270,7 +270,7 @@ def main() -> None:
     batches = [(preprocess(i, spec), y) for i, y in make_loader(data.test, batch_size=256, shuffle=False)]
     for name, m in models.items():
         e = evaluate(m, data.test, input_spec=spec, device=torch.device("cpu"))
-        row = {"test_top1": e["top1"], "test_n": e["n"]}
+        row = {"test_top1": e.top1, "test_n": e.n}
         if name == "dense":
             f = count_flops(m, x1)
             row.update(flops=f.total, mflops=f.total / 1e6, params=f.params)

@@ -94,8 +94,8 @@ def main() -> None:
             {
                 "r_pos": r_pos,
                 "r_neg": r_neg,
-                "test_top1": e["top1"],
-                "test_n": e["n"],
+                "test_top1": e.top1,
+                "test_n": e.n,
                 "mg_pass_flops": st["mgis_flops"],
                 "mg_pass_mflops": st["mgis_flops"] / 1e6,
                 "ppsm_cells": rec["ppsm_cells"],
@@ -122,7 +122,7 @@ def main() -> None:
                 {
                     "r_pos": r_pos,
                     "r_neg": r_neg,
-                    "test_top1": e["top1"],
+                    "test_top1": e.top1,
                     "mg_pass_mflops": m.stage_flops()["mgis_flops"] / 1e6,
                     "ppsm_cells": rec["ppsm_cells"],
                 }

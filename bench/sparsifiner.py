@@ -128,8 +128,8 @@ def _measure(model, data, spec, xb) -> dict:
     dens = [m.density for m in mods]
     attn_mm = sum(b["attn"] for b in rep.blocks)
     return {
-        "test_top1": res["top1"],
-        "test_n": res["n"],
+        "test_top1": res.top1,
+        "test_n": res.n,
         "gflops": rep.gflops,
         "mflops": rep.total / 1e6,
         "attn_bucket_mflops": attn_mm / 1e6,

@@ -265,6 +265,7 @@ def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
     from nascompress.methods.dcs import DCSConfig, make_supernet
     from nascompress.dcs_search.baseline import Candidate, Recovery, choose
     from nascompress.dcs_search.cost import CostModel
+    from nascompress.profiling.records import Evaluation
 
     dense, arch = load_with_arch(tiny_run)
     dense.eval()
@@ -273,9 +274,8 @@ def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
     sn = make_supernet(copy.deepcopy(dense), DCSConfig(mlp_gates="hidden", qk_mask="static", align=1))
     cost = CostModel.build(dense, sn, torch.zeros(1, 1, 16, 16))
     before = {k: v.clone() for k, v in sn.state_dict().items()}
-    c = Candidate(
-        "dcs", sn, DCSConfig(mlp_gates="hidden", align=1), 1.0, cost, pre_eval={"top1": 100.0, "loss": None, "n": 64}
-    )
+    pre = Evaluation.new(top1=100.0, loss=0.0, n=64)
+    c = Candidate("dcs", sn, DCSConfig(mlp_gates="hidden", align=1), 1.0, cost, pre_eval=pre)
     rec = Recovery(steps=4, batch_size=16, lr=5.0, seed=0, distill=0.0, feat_distill=0.0)  # an lr that breaks it
     kept, record = choose([c], dense, data, spec, rec, torch.device("cpu"), eval_batch_size=64)
     assert kept is c and record["dcs"]["state"] == "before recovery" and record["dcs"]["val_recovered"] < 100.0

@@ -181,7 +181,7 @@ def test_a_bf16_evaluation_on_a_cpu_runs_the_attention_as_its_training_does(monk
         torch.nn.functional, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     bf16 = evaluate(model, data.val, input_spec=spec, device=torch.device("cpu"), amp="bf16")
-    assert not calls and bf16["n"] == 32
+    assert not calls and bf16.n == 32
     evaluate(model, data.val, input_spec=spec, device=torch.device("cpu"), amp="off")
     assert calls  # fp32's own path unchanged
     assert all(m.fused_attn for m in model.modules() if hasattr(m, "fused_attn"))

@@ -36,6 +36,7 @@ from ..data import InputSpec, training_batches
 from ..train.distill import FeatureTap, feature_kd_loss
 from ..errors import NascompressError, SettingError
 from ..profiling.evaluate import evaluate
+from ..profiling.records import Evaluation
 from ..train.hooks import kl_to_teacher, short_stage
 from ..methods.dcs import DCSConfig, make_supernet
 from ..methods.dcs_supernet import arch_parameters, check_family
@@ -197,31 +198,31 @@ class Candidate:
     cost: Any  # CostModel or LatencyCost
     eligible: bool = True
     note: str | None = None
-    pre_eval: dict[str, Any] | None = None  # evaluate()'s record before the recovery (the search's last validation)
-    recovered_eval: dict[str, Any] | None = None  # evaluate()'s record after the recovery
-    val_eval: dict[str, Any] | None = None  # the record of the model's kept state: one of the two above
+    pre_eval: Evaluation | None = None  # evaluate()'s record before the recovery (the search's last validation)
+    recovered_eval: Evaluation | None = None  # evaluate()'s record after the recovery
+    val_eval: Evaluation | None = None  # the record of the model's kept state: one of the two above
     state: str | None = None
     recovery: dict[str, float] | None = None
 
     @property
     def pre_val(self) -> float | None:
         """The validation top-1 before the recovery, if known."""
-        return None if self.pre_eval is None else self.pre_eval["top1"]
+        return None if self.pre_eval is None else self.pre_eval.top1
 
     @property
     def recovered_val(self) -> float | None:
         """The validation top-1 after the recovery, once recovered."""
-        return None if self.recovered_eval is None else self.recovered_eval["top1"]
+        return None if self.recovered_eval is None else self.recovered_eval.top1
 
     @property
     def val_top1(self) -> float | None:
         """The validation top-1 of the kept state, once scored."""
-        return None if self.val_eval is None else self.val_eval["top1"]
+        return None if self.val_eval is None else self.val_eval.top1
 
     @property
     def val_n(self) -> int | None:
         """The validation images it was scored on."""
-        return None if self.val_eval is None else self.val_eval["n"]
+        return None if self.val_eval is None else self.val_eval.n
 
     def record(self) -> dict[str, Any]:
         return {
@@ -293,12 +294,12 @@ def choose(
     return kept, record
 
 
-def last_validation(log: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
+def last_validation(log: list[dict[str, Any]], n: int) -> Evaluation | None:
     """The search's last epoch's validation record (``log.jsonl``'s last line) as :func:`evaluate`
     gives it (``n``: the validation split's size), None before the first epoch."""
     if len(log) < 2 or "val_top1" not in log[-1]:
         return None
-    return {"top1": log[-1]["val_top1"], "loss": log[-1].get("val_loss"), "n": n}
+    return Evaluation.new(top1=log[-1]["val_top1"], loss=log[-1]["val_loss"], n=n)
 
 
 def recovery_steps(images: int, train_size: int, batch_size: int) -> int:
@@ -318,12 +319,12 @@ def keep_better(
     spec: InputSpec,
     device: torch.device,
     stopped: Exception | None,
-    last_eval: dict[str, Any] | None = None,
+    last_eval: Evaluation | None = None,
     teacher: TeacherCache | None = None,
     frozen: Iterable[str] = (),
 ) -> tuple[Candidate, dict[str, Any]]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
-    top-1 ``last_eval["top1"]`` at its last epoch, :func:`last_validation`;
+    top-1 ``last_eval.top1`` at its last epoch, :func:`last_validation`;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
     target (the searched ratio without one), both recovered alike; returns the kept candidate and the
     comparison record. Without ``job.search.baseline`` the searched model is kept as it is. ``teacher``:

@@ -14,6 +14,7 @@ with ``init_seed`` (the study's seed, not the trial's).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,6 +28,19 @@ from ..train.auto_batch import auto_batch_size
 from .family import choose_family, dense_targets, probe_kl
 from .protect import protection
 from .search_config import DCSSearchJob
+
+
+@dataclass(frozen=True)
+class PreSearch:
+    """What :func:`prepare_search` measured: the gates' start order (``importance``), the hidden
+    ``fill``, the ``protect``\ ed gates, the block cost ``weights`` (None: not measured) and ``info``,
+    what was chosen and why (logged, and written into the search's metrics in its key order)."""
+
+    importance: list[ChannelImportance] | None
+    fill: list[torch.Tensor] | None
+    protect: list[torch.Tensor] | None
+    weights: list[float] | None
+    info: dict[str, Any]
 
 
 INIT_PROBE_DROPS = (0.2, 0.4)  # shares of each MLP's gates the auto choice drops to compare the orders
@@ -105,12 +119,12 @@ class Ticking(list):
 
 def prepare_search(
     job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec, tick: Callable[..., None] | None = None
-) -> tuple[DCSSearchJob, dict[str, Any]]:
+) -> tuple[DCSSearchJob, PreSearch]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
     the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
     the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
     so a resumed search repeats them exactly. Returns the job with its choices resolved and
-    ``{"importance", "fill", "protect", "weights", "info"}`` (info: what was chosen and why, logged).
+    its :class:`PreSearch`.
     ``tick(n=1, info=None)``: called after every probe batch, with the phase's name as it starts."""
     s, m = job.search, job.method
     tick = tick or (lambda n=1, info=None: None)
@@ -146,7 +160,7 @@ def _measure(
     tick: Callable[..., None],
     info: dict[str, Any],
     dev: torch.device,
-) -> tuple[DCSSearchJob, dict[str, Any]]:
+) -> tuple[DCSSearchJob, PreSearch]:
     """:func:`prepare_search`'s measurements, under the search's precision."""
     s, m = job.search, job.method
     if needs and "images" not in memo:
@@ -209,7 +223,7 @@ def _measure(
         protect, weights, pinfo = memo[key]
         info.update(pinfo)
     fill = [st.hidden_mean for st in stats] if stats is not None else None
-    return job, {"importance": importance, "fill": fill, "protect": protect, "weights": weights, "info": info}
+    return job, PreSearch(importance=importance, fill=fill, protect=protect, weights=weights, info=info)
 
 
 def first_images(batches: list[torch.Tensor], n: int) -> list[torch.Tensor]:
@@ -238,6 +252,7 @@ def calibration_images(data: Any, spec: InputSpec, *, n: int, seed: int, batch_s
 
 
 __all__ = [
+    "PreSearch",
     "prepare_search",
     "init_importance",
     "calibration_images",

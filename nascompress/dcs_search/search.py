@@ -60,7 +60,7 @@ the arch-steps' logits) keep the architecture (and so lambda) the same everywher
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -144,17 +144,17 @@ def run_dcs_search(
     ) as tick:
         job, pre = prepare_search(job, dense, data, spec, tick=tick)
     if pre_search:  # the recorded choices first, in their order; those measured again are the same
-        pre["info"] = {**pre_search, **pre["info"]}
+        pre = replace(pre, info={**pre_search, **pre.info})
     torch.manual_seed(job.train.seed)
     supernet = make_supernet(
         copy.deepcopy(dense),
         job.method,
         tau=job.search.tau0,
-        importance=pre["importance"],
-        fill=pre["fill"],
-        protect=pre["protect"],
+        importance=pre.importance,
+        fill=pre.fill,
+        protect=pre.protect,
     )
-    cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre["weights"])
+    cost = CostModel.build(dense, supernet, torch.zeros(1, spec.in_chans, *spec.img_size), weights=pre.weights)
     if job.search.cost == "latency":  # the device's latency table: read from the cache, or measured once
         s = job.search
         with step(f"DCS: the latency table of this model on {device} ({s.latency_dtype}, batch {s.latency_batch})"):
@@ -176,11 +176,11 @@ def run_dcs_search(
         job=job,
         base_arch=base_arch,
         train_size=len(data.train),
-        init_info=pre["info"],
+        init_info=pre.info,
         teacher=teacher,
     )
     if before_fit is not None:
-        before_fit(job, pre["info"])
+        before_fit(job, pre.info)
     log: list[dict[str, Any]] = hooks.log  # fit appends every epoch's record; the guard reads the previous one
     try:
         fit_metrics: TrainMetrics | None = fit(
@@ -210,7 +210,7 @@ def run_dcs_search(
         cost=hooks.cost,
         ratio=hooks.ratio(supernet),
         dense=dense,
-        fill=pre["fill"],
+        fill=pre.fill,
         data=data,
         spec=spec,
         device=device,
@@ -250,9 +250,9 @@ def run_dcs_search(
         lam=last.get("lam"),
         val_top1=kept.val_top1 if kept.val_top1 is not None else last["val_top1"],
         search_val_top1=last["val_top1"],
-        test_top1=test["top1"],
-        test_loss=test["loss"],
-        test_n=test["n"],
+        test_top1=test.top1,
+        test_loss=test.loss,
+        test_n=test.n,
         kept=kept.kind,
         comparison=comparison,
         stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
@@ -273,7 +273,7 @@ def run_dcs_search(
         align=job.method.align,
         batch_size=job.train.batch_size,
         teacher_cached=teacher is not None,
-        **pre["info"],
+        **pre.info,
     )
     metrics.update({k: kept_sel[k] for k in ("heads_kept", "skipped_blocks") if k in kept_sel})  # head/block gates
     lat = ("latency_ms", "dense_latency_ms", "latency_ratio")

@@ -213,13 +213,13 @@ def import_model(job: ImportJob, *, force: bool = False) -> ImportMetrics:
         test = evaluate(model, bundle.test, input_spec=input_spec, device=device, batch_size=job.eval_batch_size)
         metrics = metrics.set(
             dataset=bundle.name,
-            best_val_top1=val["top1"],
-            val_top1=val["top1"],
-            val_loss=val["loss"],
-            val_n=val["n"],
-            test_top1=test["top1"],
-            test_loss=test["loss"],
-            test_n=test["n"],
+            best_val_top1=val.top1,
+            val_top1=val.top1,
+            val_loss=val.loss,
+            val_n=val.n,
+            test_top1=test.top1,
+            test_loss=test.loss,
+            test_n=test.n,
             eval_time_s=time.perf_counter() - t0,
         )
         model.cpu()

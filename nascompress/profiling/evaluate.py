@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from ..config import check_field, check_int, check_settings, setting
 from ..data import InputSpec, make_loader, preprocess
 from ..errors import NascompressError
 from ..limits import MAX_BATCH
+from .records import Evaluation
 
 SPLITS = ("train", "val", "test")
 
@@ -50,8 +50,9 @@ def evaluate(
     teacher: nn.Module | None = None,
     teacher_spec: InputSpec | None = None,
     amp: str = "off",
-) -> dict[str, Any]:
-    """Return ``{"top1", "loss", "n"}`` (and ``"agreement"`` with a teacher) over ``ds``.
+) -> Evaluation:
+    """The :class:`~nascompress.profiling.records.Evaluation` of ``model`` over ``ds``: ``top1``,
+    ``loss`` and ``n`` (and ``agreement`` with a teacher), in that key order.
 
     Args:
         model: the model to evaluate (put in eval mode here); its inputs are cast to its own dtype
@@ -98,7 +99,7 @@ def evaluate(
             "the images hold values that are not finite (NaN or inf) once normalised: check the data "
             "(a caller's tensors) and the normalisation's mean and std"
         )
-    out: dict[str, Any] = {"top1": 100.0 * correct_n / max(n, 1), "loss": loss_total / max(n, 1), "n": n}
-    if teacher is not None:
-        out["agreement"] = 100.0 * agree_n / max(n, 1)
-    return out
+    top1, loss = 100.0 * correct_n / max(n, 1), loss_total / max(n, 1)
+    if teacher is None:
+        return Evaluation.new(top1=top1, loss=loss, n=n)
+    return Evaluation.new(top1=top1, loss=loss, n=n, agreement=100.0 * agree_n / max(n, 1))

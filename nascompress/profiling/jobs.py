@@ -79,7 +79,11 @@ def _evaluate_run(run_dir, *, data, split, teacher, dev, batch_size, dtype) -> E
     )
     stats = model.inference_stats() if dynamic else {}
     return Evaluation.new(
-        **{**res, **stats}, split=split, dataset=part.name, methods=list(arch.method_names), splits=part.splits
+        **{**res.to_dict(), **stats},
+        split=split,
+        dataset=part.name,
+        methods=list(arch.method_names),
+        splits=part.splits,
     )
 
 

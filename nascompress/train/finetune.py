@@ -209,10 +209,10 @@ def finetune(
         val = evaluate(model, data.val, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         test = evaluate(model, data.test, input_spec=spec, device=device, batch_size=cfg.eval_batch_size)
         metrics = FinetuneMetrics.new(
-            val_top1=val["top1"],
-            test_top1=test["top1"],
-            test_loss=test["loss"],
-            test_n=test["n"],
+            val_top1=val.top1,
+            test_top1=test.top1,
+            test_loss=test.loss,
+            test_n=test.n,
             zero_shot=True,
             calibration=calib,
         )

@@ -31,6 +31,7 @@ from ..data import DataBundle, InputSpec, Subset, make_loader, preprocess
 from ..data.carve import without_images
 from ..errors import NascompressError, SettingError, WriteError
 from ..profiling.evaluate import evaluate
+from ..profiling.records import Evaluation
 from .hooks import TrainHooks, as_floats
 from ..runs.checkpoint import load_state
 from ..runs.files import frozen_of
@@ -74,7 +75,7 @@ class Ema:
 
 def _evaluate(
     model: nn.Module, ds, *, input_spec: InputSpec, device: torch.device, batch_size: int, amp: str = "off"
-) -> dict[str, Any]:
+) -> Evaluation:
     """:func:`evaluate` over ``ds``; under torchrun each rank evaluates its part and the counts are
     summed, so every rank gets the same numbers."""
     if distributed.world().size == 1:
@@ -87,8 +88,8 @@ def _evaluate(
         batch_size=batch_size,
         amp=amp,
     )
-    correct, loss, n = distributed.all_sum([round(mine["top1"] * mine["n"] / 100), mine["loss"] * mine["n"], mine["n"]])
-    return {"top1": 100.0 * correct / max(n, 1), "loss": loss / max(n, 1), "n": int(n)}
+    correct, loss, n = distributed.all_sum([round(mine.top1 * mine.n / 100), mine.loss * mine.n, mine.n])
+    return Evaluation.new(top1=100.0 * correct / max(n, 1), loss=loss / max(n, 1), n=int(n))
 
 
 def fit(
@@ -252,7 +253,7 @@ def _fit(
     start_epoch, best, best_epoch, train_time, start_rec = 0, -1.0, -1, 0.0, None
     ckpt_path = None if store.dir is None else store.dir / CHECKPOINT_FILE
 
-    def validate() -> dict[str, Any]:
+    def validate() -> Evaluation:
         hooks.before_eval(model)
         return _evaluate(
             model, data.val, input_spec=input_spec, device=device, batch_size=cfg.eval_batch_size, amp=cfg.amp
@@ -276,10 +277,10 @@ def _fit(
         store.start(resume_from=None)
         if cfg.eval_start:  # epoch 0: the starting model is the first candidate for the best
             val = validate()
-            start_rec = {"epoch": 0, "start": True, "val_top1": val["top1"], "val_loss": val["loss"]}
+            start_rec = {"epoch": 0, "start": True, "val_top1": val.top1, "val_loss": val.loss}
             store.record(start_rec)
             if cfg.keep == "best":
-                best, best_epoch = val["top1"], 0
+                best, best_epoch = val.top1, 0
                 store.save(model, hooks.arch(model, arch))
 
     with make_progress(disable=None if main else True) as progress:
@@ -336,11 +337,11 @@ def _fit(
             record.update(hooks.on_epoch_end(model, epoch=epoch))
             live = ema.swapped_into(model) if ema is not None else None
             val = validate()
-            record.update(val_top1=val["top1"], val_loss=val["loss"])
+            record.update(val_top1=val.top1, val_loss=val.loss)
             saved_arch = hooks.arch(model, arch)
             store.save(model, saved_arch, last=True)
-            if cfg.keep == "last" or val["top1"] > best:
-                best, best_epoch = val["top1"], epoch + 1
+            if cfg.keep == "last" or val.top1 > best:
+                best, best_epoch = val.top1, epoch + 1
                 store.save(model, saved_arch)
             if live is not None:
                 model.load_state_dict(live)
@@ -371,13 +372,13 @@ def _fit(
                     }
                 )
             left = pipeline_left((epoch + 1) / cfg.epochs, since=start_epoch / cfg.epochs)  # "" outside a pipeline
-            info = f"val {val['top1']:.2f}% best {best:.2f}%" + (f"  {left}" if left else "")
+            info = f"val {val.top1:.2f}% best {best:.2f}%" + (f"  {left}" if left else "")
             progress.update(ep_task, advance=1, info=info)
             hooks.check(record, start_rec)
     step.close()
 
     distributed.barrier()  # rank 0 has written the best model
-    scored: dict[str, Any] = {"top1": None, "loss": None, "n": 0}
+    scored: Evaluation | None = None
     if test:
         best_model = store.saved_model(model, device)
         with runtime.cpu_attention(best_model, device, cfg.amp):  # as `model` runs (a reloaded copy, or itself)
@@ -387,9 +388,9 @@ def _fit(
     metrics = TrainMetrics.new(
         best_val_top1=best,
         best_epoch=best_epoch,
-        test_top1=scored["top1"],
-        test_loss=scored["loss"],
-        test_n=scored["n"],
+        test_top1=None if scored is None else scored.top1,
+        test_loss=None if scored is None else scored.loss,
+        test_n=0 if scored is None else scored.n,
         start_val_top1=None if start_rec is None else start_rec["val_top1"],
         epochs=cfg.epochs,
         peak_lr=peak,

@@ -210,9 +210,9 @@ def fit_linear_probe(
     metrics = TrainMetrics.new(
         best_val_top1=probe.val_top1,
         best_epoch=None,
-        test_top1=test["top1"],
-        test_loss=test["loss"],
-        test_n=test["n"],
+        test_top1=test.top1,
+        test_loss=test.loss,
+        test_n=test.n,
         start_val_top1=None,
         epochs=0,
         peak_lr=None,
