@@ -141,7 +141,10 @@ def test_recipe_options_and_opt_reach_the_same_recipe(tmp_path, monkeypatch):
     import nascompress.train.finetune as finetune
 
     seen = []
-    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
+    from nascompress.train.metrics import FinetuneMetrics
+
+    done = FinetuneMetrics.new(test_top1=1.0)
+    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or done)
     base = ("finetune", tmp_path, "--method", "dynamicvit", "--dataset", "synthetic", "--out", tmp_path / "o", "--json")
     for extra in (["--w-ratio", "4", "--predictor-steps", "5"], ["--opt", "w_ratio=4", "--opt", "predictor_steps=5"]):
         r = invoke(*base, *extra)

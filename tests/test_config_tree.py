@@ -290,10 +290,16 @@ def captured(monkeypatch):
 
     jobs: dict[str, list] = {"train": [], "dcs": [], "retrain": []}
 
+    from nascompress.retraining.metrics import RetrainMetrics
+    from nascompress.train.metrics import TrainMetrics
+
+    records = {"train": TrainMetrics, "retrain": RetrainMetrics}  # what each returns
+
     def keep(kind):
         def fake(job, **kw):
             jobs[kind].append(job)
-            return {"methods": ["x"], "test_top1": 0.0, "best_val_top1": 0.0, "train_time_s": 0.0}
+            done = {"methods": ["x"], "test_top1": 0.0, "best_val_top1": 0.0, "train_time_s": 0.0}
+            return records[kind].new(**done) if kind in records else done
 
         return fake
 
@@ -496,7 +502,10 @@ def test_finetune_training_options_are_the_library_settings_with_the_methods_rec
             p = opts[_cli_name(f)]
             assert p.default is None and p.help.startswith(f.metadata["help"]), f.name
     seen = []
-    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or {"test_top1": 1.0})
+    from nascompress.train.metrics import FinetuneMetrics
+
+    done = FinetuneMetrics.new(test_top1=1.0)
+    patch_everywhere(monkeypatch, finetune, "finetune", lambda job, **kw: seen.append(job) or done)
     for extra in ([], ["--epochs", 3, "--layer-decay", 0.8]):
         r = invoke("finetune", tiny_run, "--method", "evit", "--out", tmp_path / "o", "--seed", 4, *extra, "--json")
         assert r.exit_code == 0, r.output
