@@ -103,13 +103,10 @@ def test_the_custom_vit_defaults_are_written_once(tmp_path, monkeypatch):
 
     expected = custom_vit_spec(**CUSTOM_VIT, num_classes=10)
     assert ModelShape().spec(10) == expected
-    seen = []
-    patch_everywhere(
-        monkeypatch,
-        train,
-        "train",
-        lambda job, **kw: seen.append(job) or {"best_val_top1": 0, "test_top1": 0, "train_time_s": 0},
-    )
+    from nascompress.train.metrics import TrainMetrics
+
+    seen, done = [], TrainMetrics.new(best_val_top1=0, test_top1=0, train_time_s=0)
+    patch_everywhere(monkeypatch, train, "train", lambda job, **kw: seen.append(job) or done)
     r = invoke("train", "--out", tmp_path / "o", "--dataset", "synthetic", "--json")
     assert r.exit_code == 0, r.output
     assert seen[0].model.name == expected.name and {
