@@ -312,7 +312,7 @@ class Cell(Bench):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         t0 = time.time()
-        summ = run_pipeline(path, out=out, progress=False)
+        summ = run_pipeline(path, out=out, progress=False).to_dict()  # (as summary.json holds it)
         pick = read_json(out / "tokens" / "pick.json") if (out / "tokens" / "pick.json").is_file() else {}
         # the retraining loop's test evaluation, as every other unit's, of the model the pipeline kept (its
         # retrained pick, or the channel-only model that its confirm step kept instead)

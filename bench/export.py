@@ -162,7 +162,7 @@ def export_all(runs: dict[str, Path], work: Path) -> tuple[dict[str, dict[str, P
         for fmt, suffix in (("onnx", "onnx"), ("torch-export", "pt2")):
             out = work / "export" / f"{run.name}.{suffix}"
             t0 = time.perf_counter()
-            side = export_run(run, out=out, config=ExportConfig(format=fmt), force=True)
+            side = export_run(run, out=out, config=ExportConfig(format=fmt), force=True).to_dict()  # (the sidecar JSON)
             files[k][fmt] = out
             info[k][fmt] = {
                 "seconds": round(time.perf_counter() - t0, 1),

@@ -402,7 +402,7 @@ def section_pipeline(
         config = str(workdir / "pipeline.yaml")
     out = workdir / "pipeline_out"
     t0 = time.perf_counter()
-    summary = run_pipeline(config, out=out, force=True, progress=False)
+    summary = run_pipeline(config, out=out, force=True, progress=False).to_dict()  # (as summary.json holds it)
     wall = time.perf_counter() - t0
     res = {
         "config": Path(config).name if Path(config).parent == workdir else str(Path(config).relative_to(ROOT)),

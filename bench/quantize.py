@@ -256,7 +256,7 @@ def family(name: str, runs: dict[str, Path], data: DataConfig, work: Path, args,
         t0 = time.perf_counter()
         export_run(run, out=f32, config=ExportConfig(), force=True)
         t1 = time.perf_counter()
-        side = quantize_run(run, out=q8, config=QuantizeConfig(), data=qdata, force=True)
+        side = quantize_run(run, out=q8, config=QuantizeConfig(), data=qdata, force=True).to_dict()  # (its JSON)
         t2 = time.perf_counter()
         q = side["quantization"]
         files[k] = {"fp32": f32, "int8": q8}
