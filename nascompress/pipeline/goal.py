@@ -26,12 +26,10 @@ def flops_goal(value: float, max_flops: float) -> Goal:
     precision, :func:`meets`: a tolerance of half the last printed digit) and, where it is not met,
     ``missed_by`` (``value - max_flops``, exact) and a one-line ``statement`` saying it."""
     met = meets(value, max_flops)
+    goal = Goal.new(max_flops=max_flops, value=value, met=met)
     if met:
-        return Goal.new(max_flops=max_flops, value=value, met=met)
-    return Goal.new(
-        max_flops=max_flops,
-        value=value,
-        met=met,
+        return goal
+    return goal.set(
         missed_by=value - max_flops,
         statement=(
             f"the final model has {value:.{FLOPS_DECIMALS}f}x the dense FLOPs, above the goal {max_flops:g}x by "
@@ -44,12 +42,10 @@ def latency_goal(value: float | None, max_latency_ms: float) -> Goal:
     """The summary's ``goal`` of a batch-1 latency ``value`` (ms; None: not measured) against
     ``max_latency_ms``, as :func:`flops_goal` (compared at 2 decimals)."""
     met = None if value is None else meets(value, max_latency_ms, decimals=LATENCY_DECIMALS)
+    goal = Goal.new(max_latency_ms=max_latency_ms, value=value, met=met)
     if met is not False:
-        return Goal.new(max_latency_ms=max_latency_ms, value=value, met=met)
-    return Goal.new(
-        max_latency_ms=max_latency_ms,
-        value=value,
-        met=met,
+        return goal
+    return goal.set(
         missed_by=value - max_latency_ms,
         statement=(
             f"the final model takes {value:.{LATENCY_DECIMALS}f} ms at batch 1, above the goal {max_latency_ms:g} ms "

@@ -197,10 +197,11 @@ def write_summary(pipe: Pipeline) -> Summary:
     }
     if cfg.report.dense_reference and find_metrics(out / DENSE_REFERENCE_DIR) is not None:
         fields["dense_reference"] = dense_reference_record(pipe, dense_ev, final)
+    summary = Summary.new(**fields)
     study_html = None
     if cfg.stages.tokens is not None:
-        study_html = _study_report(pipe, front_marks(Summary.new(**fields)))
-    summary = Summary.new(**fields, report=str((out / "report.html").resolve()))
+        study_html = _study_report(pipe, front_marks(summary))
+    summary = summary.set(report=str((out / "report.html").resolve()))  # (its last key)
     write_summary_json(out, summary)
     with atomic_path(out / "report.html") as tmp:
         tmp.write_text(
