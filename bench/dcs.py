@@ -506,9 +506,9 @@ def main() -> None:
         "test_top1_before_retraining": mat_test.top1,
         "test_n": mat_test.n,
         "file_bytes": (mat_dir / "model.safetensors").stat().st_size,
-        "max_abs_logit_diff_vs_supernet": mat_metrics["max_abs_logit_diff"],
-        "mlp_kept": mat_metrics["mlp_kept"],
-        "qk_kept_per_head": mat_metrics["qk_kept"],
+        "max_abs_logit_diff_vs_supernet": mat_metrics.max_abs_logit_diff,
+        "mlp_kept": mat_metrics.mlp_kept,
+        "qk_kept_per_head": mat_metrics.qk_kept,
         "qk_dim_padded": qk_dims(compact),
         "mlp_width": [blk.mlp.fc1.in_features if hasattr(blk.mlp, "fc1") else 0 for blk in dense.blocks],
         "flops_ratio_vs_dense": flops.total / dense_flops.total,
@@ -563,14 +563,14 @@ def main() -> None:
             pm = materialize_search(MaterializeJob(search_dir=str(pdir), out=str(Path(tmp) / "m")), force=True)
             p_model = nascompress.load(Path(tmp) / "m").eval()
         sp_p = speed([dense, p_model], ["dense", "compact"], shape, args.iters)["compact"]
-        fr_p = dense_flops.total / pm["macs"]
+        fr_p = dense_flops.total / pm.macs
         res["without_round_mlp"] = {
             "search_dir": str(pdir),
             "ran_here": ran,
-            "mlp_kept": pm["mlp_kept"],
-            "qk_kept_per_head": pm["qk_kept"],
-            "macs": pm["macs"],
-            "params": pm["params"],
+            "mlp_kept": pm.mlp_kept,
+            "qk_kept_per_head": pm.qk_kept,
+            "macs": pm.macs,
+            "params": pm.params,
             "flops_ratio": fr_p,
             "flops_ratio_vs_dense": 1 / fr_p,
             "supernet_test_top1": evaluate_run(pdir, data=test_data, device="cpu").top1,

@@ -284,7 +284,7 @@ def main() -> None:
                 config=m.mg,
             )
             sw = sweep_model(m, batches, epsilons=EPSILONS)
-            row.update(sweep=sw["rows"], sgis_top1=sw["sgis_top1"], mgis_top1=sw["mgis_top1"])
+            row.update(sweep=[r.to_dict() for r in sw.rows], sgis_top1=sw.sgis_top1, mgis_top1=sw.mgis_top1)
         cls[name] = row
     xb = batches[0][0][: args.batch]
     timed = [models["dense"]]

@@ -15,7 +15,7 @@ import re
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 import importlib.util
 
 
@@ -32,10 +32,15 @@ class SettingError(NascompressError):
     writes it after the field (``rerun with {force} {epochs} 8``), so the CLI's wording is a command
     that works as written. Only ``{lower_snake}`` is a field: any other text (a path, a repr, a
     value with braces) is left as it is, so values need no escaping; ``{{`` and ``}}`` are a literal
-    brace (:func:`literal` escapes a text that must never read as a field)."""
+    brace (:func:`literal` escapes a text that must never read as a field). ``keys``: the fields that
+    are keys of a config file, by their key path (a pipeline step's error, ``{max_val_drop}`` as
+    ``stages.dcs.max_val_drop``: :func:`nascompress.pipeline.run.step_error`): every wording names
+    them by that path, and a front end that names the file's keys its own way words them from this
+    data (``nc.compress``: the argument ``dcs={'max_val_drop': ...}``)."""
 
-    def __init__(self, template: str):
+    def __init__(self, template: str, *, keys: Mapping[str, str] | None = None):
         self.template = template
+        self.keys = dict(keys or {})  # field -> its key path in a config file
         super().__init__(self.worded())
 
     @property
@@ -44,8 +49,12 @@ class SettingError(NascompressError):
         return tuple(dict.fromkeys(f for f in _FIELD.findall(self.template) if f))
 
     def worded(self, name: Callable[[str], str] = str) -> str:
-        """The message with every field named by ``name(field)`` (default: the field's own name)."""
-        return _FIELD.sub(lambda m: name(m.group(1)) if m.group(1) else m.group(0)[0], self.template)
+        """The message with every field named by ``name(field)`` (default: the field's own name), a
+        field of :attr:`keys` by its key path."""
+        return _FIELD.sub(lambda m: self._name(m.group(1), name) if m.group(1) else m.group(0)[0], self.template)
+
+    def _name(self, f: str, name: Callable[[str], str]) -> str:
+        return self.keys[f] if f in self.keys else name(f)
 
     def renamed(self, template_of: Callable[[str], str]) -> str:
         """The template with every field replaced by ``template_of(field)`` (template text: a field,
@@ -91,14 +100,26 @@ _CLI_WORDS = (  # the commands' words in advice, and what a Python caller does i
 )
 
 
-def python_words(template: str, *, call: str = "") -> str:
+def python_words(
+    template: str, *, call: str = "", entry: Callable[[str, str | None, bool], str | None] | None = None
+) -> str:
     """A :class:`SettingError` template worded for a Python caller (the API's errors): every field
     as its argument, a field followed by a value as ``field=value`` (``{force} {epochs} 8``:
     ``force=True, epochs=8``; ``set {num_classes} 5``: ``set num_classes=5``), the commands' words
     as the call's (``rerun the same command``: ``call the same function again``); ``call`` (e.g.
-    ``nc.retrain``) opens the message."""
+    ``nc.retrain``) opens the message. ``entry(field, value, closes)``: how a caller words a field
+    its own way (``value``: the word written after it, None when none; ``closes``: nothing but the
+    end of a clause, ``,;:)``, follows that word), None: as an argument."""
     text = _FIELD.sub(lambda m: f"\0{m.group(1)}\0" if m.group(1) else m.group(0)[0], template)
     text = re.sub(r"\0(\w+)\0 (?![\0(])([^\s,;:)]+)", lambda m: f"\0{m.group(1)}={m.group(2)}\0", text)
+    if entry is not None:  # (the markers of fields, \0field\0 and \0field=value\0; never the text between them)
+
+        def own(m: re.Match) -> str:
+            tail = re.sub(r"\0 \0", ", ", m.string[m.end() - 1 :]).replace("\0", "")  # what follows it, worded
+            worded = entry(m.group(1), m.group(2), not tail or tail[0] in ",;:)")
+            return m.group(0) if worded is None else f"\0{worded}\0"
+
+        text = re.sub(r"\0(\w+)(?:=([^\0]*))?\0", own, text)
     text = re.sub(r"\0(%s)\0" % "|".join(_FLAGS), r"\0\1=True\0", text)
     text = re.sub(r"\0 \0", ", ", text).replace("\0", "")
     for cli, py in _CLI_WORDS:
@@ -115,7 +136,9 @@ def python_errors(call: str) -> Iterator[None]:
         try:
             yield
         except SettingError as e:
-            raise SettingError(literal(python_words(e.template, call=call))) from None
+            paths = e.keys  # a config file's keys: named as the file names them
+            template = e.renamed(lambda f: literal(paths[f]) if f in paths else "{%s}" % f)
+            raise SettingError(literal(python_words(template, call=call))) from None
 
 
 def python_api(call: str) -> Callable:

@@ -98,7 +98,7 @@ def test_compress_trains_no_frozen_parameter_and_gives_them_back_frozen(tmp_path
             retrain={"batch_size": 32},
             out=tmp_path,
         )
-    assert sorted(small.arch["frozen"]) == sorted(FROZEN)  # recorded in the run's arch.json, once
+    assert sorted(small.arch.frozen) == sorted(FROZEN)  # recorded in the run's arch.json, once
     gathered = nc.load(tmp_path / "pipeline" / "dcs_mat")  # the materialized model, before its retraining
     sliced = assert_frozen_kept(small.model, m, before, folded=("blocks.0.mlp.fc2.bias",))
     assert "blocks.0.mlp.fc1.weight" in sliced  # the search pruned block 0's MLP: its kept rows are the given ones
@@ -112,7 +112,7 @@ def test_the_search_and_retrain_train_no_frozen_parameter():
     before = snapshot(m)
     data = tensor_data(128)
     s = nc.dcs.search(m, data, target_flops=0.7, epochs=1, batch_size=32, arch_lr=0.05, device="cpu", progress=False)
-    assert s.metrics["comparison"]["recovery"]  # the recovery of the kept model ran (and left them)
+    assert s.metrics.comparison.get("recovery")  # the recovery of the kept model ran (and left them)
     assert_frozen_kept(s.model, m, before)
     assert not torch.equal(s.model.head.weight.detach(), before["head.weight"])  # the rest trained
     r = nc.retrain(m, data, epochs=1, batch_size=32, device="cpu", progress=False)

@@ -170,7 +170,7 @@ def test_the_label_pass_is_bounded(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_a_cuda_device_without_cuda_is_one_line(tmp_path):
     m, arch = model_and_arch(tiny_model())
-    run = StageResult(model=m, arch=arch.to_dict()).save(tmp_path / "run")
+    run = StageResult(model=m, arch=arch).save(tmp_path / "run")
     with pytest.raises(SettingError, match="map_location 'cuda' needs CUDA, .*use map_location 'cpu'"):
         nc.load(run, map_location="cuda")
     with pytest.raises(SettingError, match="map_location 'gpu' is not a device"):
@@ -213,7 +213,7 @@ def test_to_transformers_refuses_a_file_and_never_writes_into_a_nascompress_outp
         nc.to_transformers(model, tmp_path / "file" / "sub")
     assert (tmp_path / "file").read_text() == "mine"
     m, arch = model_and_arch(model)
-    run = StageResult(model=m, arch=arch.to_dict()).save(tmp_path / "run")
+    run = StageResult(model=m, arch=arch).save(tmp_path / "run")
     before = _files(run)
     for force in (False, True):
         with pytest.raises(
@@ -268,7 +268,7 @@ def test_to_transformers_leaves_no_half_written_folder(tmp_path, hf_vit, monkeyp
 def test_from_transformers_refuses_a_nascompress_run_and_other_modules(tmp_path, hf_vit):
     model = nc.from_transformers(hf_vit)
     m, arch = model_and_arch(model)
-    run = StageResult(model=m, arch=arch.to_dict()).save(tmp_path / "run")
+    run = StageResult(model=m, arch=arch).save(tmp_path / "run")
     with pytest.raises(
         NascompressError,
         match=r"is a nascompress run or output, not a Hugging Face folder: load its model with nascompress.load\('/",

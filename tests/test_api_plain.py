@@ -194,21 +194,39 @@ def test_deit_classifiers_come_in_and_go_out_with_equal_logits(tmp_path):
 
 
 def test_compress_words_a_stages_advice_as_its_arguments():
-    """A stage's advice inside nc.compress's pipeline names the file's keys (step_error): the caller
-    reads them as nc.compress's arguments, the stage's dict entry with its value."""
-    from nascompress.pyapi.compress import compress_words
+    """A stage's advice inside nc.compress's pipeline names the file's keys (step_error: each field's
+    key path is data, SettingError.keys): the caller reads them as nc.compress's arguments, the
+    stage's dict entry with its value; a key path in the message's text is text, never rewritten."""
+    from nascompress.pyapi.compress import argument_of, compress_words
 
-    advice = "stands at the target; rerun the same command with {force} stages.dcs.target_flops 0.39"
-    assert compress_words(advice) == (
+    def advice(template: str, **keys: str) -> SettingError:
+        return SettingError(template, keys=keys)
+
+    stands = advice(
+        "stands at the target; rerun the same command with {force} {target_flops} 0.39",
+        target_flops="stages.dcs.target_flops",
+    )
+    assert str(stands) == "stands at the target; rerun the same command with force stages.dcs.target_flops 0.39"
+    assert compress_words(stands) == (
         "nc.compress: stands at the target; call the same function again with force=True, dcs={'target_flops': 0.39}"
     )
-    assert compress_words("rerun the same command with {force} stages.dcs.budget project").endswith(
-        "force=True, dcs={'budget': 'project'}"
-    )
-    assert compress_words("give stages.retrain.epochs a positive value") == (
+    assert compress_words(
+        advice("rerun the same command with {force} {budget} project", budget="stages.dcs.budget")
+    ).endswith("force=True, dcs={'budget': 'project'}")
+    assert compress_words(advice("give {epochs} a positive value", epochs="stages.retrain.epochs")) == (
         "nc.compress: give retrain={'epochs': ...} a positive value"
     )
-    assert "stages." not in compress_words("stages.tokens.trials 40 or stages.dcs.epochs 3")
+    both = advice("{trials} 40 or {epochs} 3", trials="stages.tokens.trials", epochs="stages.dcs.epochs")
+    assert compress_words(both) == "nc.compress: tokens={'trials': 40} or dcs={'epochs': 3}"
+    other = advice("{dataset} digits, {seed} 3 or {lr} 0.1", dataset="data.dataset", seed="seed")
+    assert compress_words(other) == "nc.compress: data.dataset digits, seed 3 or lr=0.1"
+    assert compress_words(SettingError("stages.dcs.epochs 3 is text")) == "nc.compress: stages.dcs.epochs 3 is text"
+    assert [argument_of(k) for k in ("stages.dcs.epochs", "stages.retrain", "goal.max_flops", "stages.dcs.Foo")] == [
+        "dcs['epochs']",
+        "stages.retrain",
+        "goal.max_flops",
+        "stages.dcs.Foo",
+    ]
 
 
 def test_compress_names_a_stage_key_as_its_dict_entry(tiny_run):

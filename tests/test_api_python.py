@@ -80,10 +80,10 @@ def test_stages_give_the_command_chains_weights(tiny_run, tmp_path, no_tmp_left)
     same_weights(search.model, nc.load(tmp_path / "s"))
     mat = nc.materialize(search)
     same_weights(mat.model, nc.load(tmp_path / "m"))
-    assert mat.metrics["macs"] < search.metrics["dense_macs"] and mat.out is None
+    assert mat.metrics.macs < search.metrics.dense_macs and mat.out is None
     ret = nc.retrain(mat, "synthetic", teacher=dense, epochs=1, batch_size=32, device="cpu")
     same_weights(ret.model, nc.load(tmp_path / "r"))
-    assert ret.metrics["test_top1"] > 0 and type(ret).__name__ == "Retrained"
+    assert ret.metrics.test_top1 > 0 and type(ret).__name__ == "Retrained"
     assert inspect.isfunction(nc.retrain)  # the API function, not a module
     assert not any(no_tmp_left.iterdir())  # nothing left behind
 
@@ -145,7 +145,7 @@ def test_compress_on_a_tensor_dataset_records_the_callers_preprocessing(tiny_run
         dcs={"epochs": 1, "batch_size": 32},
         retrain={"batch_size": 32},
     )
-    assert small.arch["input"]["mean"] == [0.0] and small.arch["input"]["std"] == [1.0]
+    assert small.arch.input["mean"] == [0.0] and small.arch.input["std"] == [1.0]
     assert small.report.test_images == 100 and small.report.accuracy > 10  # half of val: the test
     assert (kept / "pipeline" / "summary.json").is_file() and small.out == str(kept / "pipeline")
     again = nc.compress(
@@ -174,13 +174,13 @@ def test_every_stage_takes_a_model_object_and_a_dataloader(tmp_path, no_tmp_left
     )
     loader = torch.utils.data.DataLoader(tensor_data(600, 0), batch_size=32, shuffle=True)
     search = nc.dcs.search(model, loader, target_flops=0.7, epochs=1, device="cpu", mlp_gates="residual")
-    assert search.config["train"]["batch_size"] == 32  # the loader's
+    assert search.config.get("train")["batch_size"] == 32  # the loader's
     mat = nc.materialize(search)
     ret = nc.retrain(mat.model, loader, epochs=1, device="cpu")
     tok = nc.tokens.apply(model, "evit", loader, keep_rate=0.7, device="cpu")
-    assert tok.metrics["zero_shot"] and tok.metrics["flops_ratio"] < 1
+    assert tok.metrics.zero_shot and tok.metrics.flops_ratio < 1
     free = nc.tokens.apply(ret.model, "evit", keep_rate=0.7)  # training-free: no data
-    assert [m["name"] for m in free.arch["methods"]] == ["dcs", "evit"]
+    assert free.arch.method_names == ("dcs", "evit") and free.metrics.to_dict() == {} and free.config is None
     x = torch.randn(2, 1, 16, 16)
     exported = nc.export.onnx(free.model, tmp_path / "m.onnx")
     assert exported.sidecar["verification"]["max_abs_diff"] < 1e-3 and (tmp_path / "m.onnx").is_file()
@@ -206,8 +206,8 @@ def test_study_and_its_pick(tiny_run, tmp_path, no_tmp_left):
         train_images=100,
     )
     assert res.summary.complete == 2 and res.out is None
-    assert res.picked.metrics["flops_ratio"] <= 0.8 and res.picked.arch["methods"][-1]["name"] == "tome"
-    assert res.picked.metrics["rebuilt_accuracy"] == res.picked.metrics["trial_accuracy"]
+    assert res.picked.metrics.flops_ratio <= 0.8 and res.picked.arch.method_names[-1] == "tome"
+    assert res.picked.metrics.rebuilt_accuracy == res.picked.metrics.trial_accuracy
     assert not any(no_tmp_left.iterdir())
 
 

@@ -17,7 +17,8 @@ from nascompress.deploy.config import ExportConfig
 from nascompress.methods import available_methods, get_method
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.pipeline.schema import library_config
-from nascompress.pipeline.sections import ExportSection, ReportSection
+from nascompress.pipeline.sections import ReportSection
+from nascompress.pipeline.stages.export import ExportSection
 from nascompress.profiling.config import ProfileConfig
 from nascompress.profiling.records import Profile
 from nascompress.runs.files import Sidecar

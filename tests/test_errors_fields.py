@@ -165,3 +165,30 @@ def test_a_stage_error_at_run_time_reads_as_the_pipeline_files_keys(tmp_path):
     stop = step_error(pipe, "dcs_search", SearchCollapsed("fell more than {max_val_drop} 5 points", "rerun"))
     assert isinstance(stop, SearchCollapsed) and str(stop) == "fell more than stages.dcs.max_val_drop 5 points; rerun"
     assert str(step_error(pipe, "base", SettingError("{embed_dim} {{x}}"))) == "base.train.embed_dim {x}"
+    assert e.keys == {"lr": "stages.retrain.lr", "dataset": "data.dataset", "seed": "seed"}  # the key paths: data
+    assert e.template == "loss became nan; lower {lr}, or rerun with {force} ({dataset}, {seed})"
+
+
+def test_a_config_error_names_its_keys_as_data():
+    """A pipeline config's validation error names the keys it is about as data (ConfigError's Key
+    parts), which a front end words its own way; its text is the file's (key paths)."""
+    from nascompress.pipeline import load_config
+    from nascompress.pipeline.schema import ConfigError
+
+    from .test_pipeline import tiny_config
+
+    cfg = tiny_config()
+    cfg["stages"]["dcs"]["epochs"] = -1
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, source="the caller")
+    assert str(e.value) == "the caller: stages.dcs.epochs: must be an integer in [1, 10000], got -1"
+    assert e.value.keys == ("stages.dcs.epochs",)
+    assert (
+        e.value.worded(lambda k: k.upper()) == "the caller: STAGES.DCS.EPOCHS: must be an integer in [1, 10000], got -1"
+    )
+    cfg["stages"]["dcs"] = {"epoch": 2}
+    with pytest.raises(ConfigError) as e:
+        load_config(cfg, source="the caller")
+    assert e.value.keys == ("stages.dcs.epoch",) and str(e.value).startswith(
+        "the caller: unknown key stages.dcs.epoch;"
+    )

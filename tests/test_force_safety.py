@@ -205,6 +205,7 @@ def test_the_api_checks_its_settings_before_it_writes(tmp_path, tiny_vit):
 def test_a_result_is_never_saved_over_the_run_it_was_read_from(tmp_path, run):
     from nascompress.pyapi.common import read_result
     from nascompress.pyapi.stages import Retrained
+    from nascompress.runs.run_config import RunConfig
 
     src = tmp_path / "kept"
     shutil.copytree(run, src)
@@ -216,7 +217,8 @@ def test_a_result_is_never_saved_over_the_run_it_was_read_from(tmp_path, run):
     assert (src / "model.safetensors").read_bytes() == before and not (src / "sub").exists()
     assert (res.save(tmp_path / "copy") / "model.safetensors").read_bytes() == before
     # nor over the run it was made from (a materialized model's search, recorded in its config)
-    made = Retrained(model=res.model, arch=res.arch, config={"materialize": {"search_dir": str(src)}})
+    recorded = RunConfig.from_dict({"materialize": {"search_dir": str(src)}}, source="config.json")
+    made = Retrained(model=res.model, arch=res.arch, config=recorded)
     with pytest.raises(SettingError, match="is the command's input"):
         made.save(src, force=True)
     assert (src / "model.safetensors").read_bytes() == before

@@ -18,6 +18,7 @@ from nascompress.methods import get_method
 from nascompress.train.finetune import split_settings
 from nascompress.methods.mgvit_modules import MGViT
 from nascompress.methods.mgvit import MGViTHooks, sweep_model
+from nascompress.profiling.records import EpsilonSweep
 from nascompress.methods.mgvit_ops import (
     casr_update,
     layer_macs,
@@ -160,10 +161,14 @@ def test_early_exit_batched_equals_per_image():
     assert count_flops(m, x).total == pytest.approx(f["sgis_flops"] + (1 - share) * f["mgis_flops"], rel=1e-9)
     # the exit share falls as epsilon rises; epsilon = 1 sends every image to MGIS
     batches = [(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))) for _ in range(2)]
-    rows = sweep_model(m, batches, epsilons=[1e-6, 0.3, 0.6, 1.0])["rows"]
-    shares = [r["exit_share"] for r in rows]
+    sweep = sweep_model(m, batches, epsilons=[1e-6, 0.3, 0.6, 1.0])
+    assert isinstance(sweep, EpsilonSweep) and sweep.n == 16 and (sweep.split, sweep.dataset) == (None, None)
+    rows = sweep.rows
+    shares = [r.exit_share for r in rows]
     assert shares == sorted(shares, reverse=True) and shares[0] == 1.0 and shares[-1] == 0.0
-    assert rows[-1]["mean_flops"] == pytest.approx(f["sgis_flops"] + f["mgis_flops"])
+    assert rows[-1].mean_flops == pytest.approx(f["sgis_flops"] + f["mgis_flops"])
+    assert (sweep.sgis_flops, sweep.mgis_flops) == (f["sgis_flops"], f["mgis_flops"])
+    assert list(sweep.to_dict())[:4] == ["rows", "n", "sgis_top1", "mgis_top1"]  # the job's JSON, as before
 
 
 def test_flops_match_paper_complexity_model():

@@ -128,8 +128,8 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     from nascompress.pipeline.summary import Summary
 
     rows = _int8(pipe, tmp_path / "pipe" / "dcs_mat")
-    assert [r["model"] for r in rows["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
-    assert rows["throughput_batch"] == pipe.cfg.report.batch_size and rows["split"] == "test"
+    assert [r.model for r in rows.rows] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
+    assert rows.throughput_batch == pipe.cfg.report.batch_size and rows.get("split") == "test"
     s = Summary.new(
         source="p.yaml",
         out="o",
@@ -254,7 +254,7 @@ def test_mgvit_is_refused(tmp_path):
 
 def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
     from nascompress.data import DataConfig
-    from nascompress.deploy.int8_rows import int8_rows
+    from nascompress.deploy.int8_rows import Int8Row, Int8Section, int8_rows
     from nascompress.pipeline.report_format import int8_table_rows
     from nascompress.pipeline.summary import Summary
 
@@ -266,15 +266,24 @@ def test_the_pipeline_report_gets_int8_rows(tiny_run, quantized):
         tiny_run, tiny_run, compressed_int8=out / FILE, data=DataConfig(dataset="synthetic"), iters=2, batch=8
     )
     assert torch.get_num_threads() == threads  # the one-thread pass gives the count back
-    for r in res["rows"]:  # each figure from the faster of the default-threads and the one-thread pass
-        assert r["latency_threads"] in ("default", 1) and r["throughput_threads"] in ("default", 1)
-    assert [r["model"] for r in res["rows"]] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
-    assert res["split"] == "test" and res["images"] == 200
-    for r in res["rows"]:
-        assert 0 <= r["test_top1"] <= 100 and r["latency_ms"] > 0 and r["throughput"] > 0 and r["file_bytes"] > 0
-    dense_fp32, dense_int8, _, comp_int8 = res["rows"]
-    assert dense_int8["file_bytes"] == comp_int8["file_bytes"] == (out / FILE).stat().st_size  # same run, same file
-    assert dense_fp32["test_top1"] - dense_int8["test_top1"] <= 5  # 200 images: a 1-pt val drop may differ on test
+    assert isinstance(res, Int8Section) and all(isinstance(r, Int8Row) for r in res.rows)
+    for r in res.rows:  # each figure from the faster of the default-threads and the one-thread pass
+        assert r.latency_threads in ("default", 1) and r.throughput_threads in ("default", 1)
+    assert [r.model for r in res.rows] == ["dense fp32", "dense int8", "compressed fp32", "compressed int8"]
+    assert res.get("split") == "test" and res.get("images") == 200
+    assert (res.latency_batch, res.throughput_batch, res.get("iters")) == (1, 8, 2)
+    # the JSON the summary writes: its keys in the order they were made (the file's key order)
+    assert list(res.to_dict()) == ["split", "images", "latency_batch", "throughput_batch", "iters", "rows"]
+    assert list(res.to_dict()["rows"][0]) == [
+        *("model", "runtime", "test_top1", "test_n", "file_bytes"),
+        *("latency_ms", "latency_threads", "throughput", "throughput_threads"),
+    ]
+    for r in res.rows:
+        assert 0 <= r.test_top1 <= 100 and r.latency_ms > 0 and r.throughput > 0 and r.file_bytes > 0
+    dense_fp32, dense_int8, _, comp_int8 = res.rows
+    assert dense_int8.file_bytes == comp_int8.file_bytes == (out / FILE).stat().st_size  # same run, same file
+    assert dense_fp32.test_top1 - dense_int8.test_top1 <= 5  # 200 images: a 1-pt val drop may differ on test
+    assert Summary.new(int8=res).int8 == res
     text = [" | ".join(r) for r in int8_table_rows(Summary.new(int8=res))]
     assert text[1].startswith("dense int8 | onnxruntime") and "img/s" in text[1]
     # a model whose int8 file fails its check gets a row saying so

@@ -20,14 +20,10 @@ from nascompress.importer.run import ImportJob
 from nascompress.methods.dcs import SEARCH_DCS, DCSConfig
 from nascompress.models.build import CUSTOM_VIT, ModelShape, custom_vit_spec
 from nascompress.pipeline import load_config
-from nascompress.pipeline.sections import (
-    BaseImportSection,
-    BaseTrainSection,
-    DataSection,
-    DCSStage,
-    RetrainStage,
-    TokensStage,
-)
+from nascompress.pipeline.sections import BaseImportSection, BaseTrainSection, DataSection
+from nascompress.pipeline.stages.dcs import DCSStage
+from nascompress.pipeline.stages.retrain import RetrainStage
+from nascompress.pipeline.stages.tokens import TokensStage
 from nascompress.studies.trial_model import TrialMaterializeJob
 from nascompress.studies.trials import STORAGE_HELP, SearchJob
 from nascompress.train.config import TrainConfig

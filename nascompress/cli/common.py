@@ -13,7 +13,6 @@ import inspect
 import shlex
 import types
 import typing
-from dataclasses import replace
 
 import typer
 from typer.core import TyperOption
@@ -67,28 +66,6 @@ RUN_DATA = StageSettings(
     no_default=("dataset", "data_dir"),
     notes={"dataset": "Default: the run's.", "data_dir": "Default: the run's."},
 )
-
-
-def skip_bad(data: Any, skip: bool) -> Any:
-    """``data`` (a DataConfig or None) with unreadable images skipped when ``--skip-bad-images`` is given."""
-    if not skip:
-        return data
-    return replace(data or DataConfig(), skip_bad_images=True)
-
-
-def with_subsets(
-    data: Any, *, train_limit: int | None, eval_limit: int | None, seed: int, skip_bad_images: bool
-) -> Any:
-    """``data`` (a DataConfig, e.g. the source run's) with the command's ``--train-limit`` /
-    ``--eval-limit`` where given (else the recorded ones), its subsets drawn with ``--seed``, and
-    ``--skip-bad-images``."""
-    data = replace(
-        data,
-        train_limit=train_limit if train_limit is not None else data.train_limit,
-        eval_limit=eval_limit if eval_limit is not None else data.eval_limit,
-        subset_seed=seed,
-    )
-    return skip_bad(data, skip_bad_images)
 
 
 def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

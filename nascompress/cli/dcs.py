@@ -51,22 +51,22 @@ def register(app: typer.Typer) -> None:
             )
             metrics = run(materialize_trial, job, force=force)
             if json_out:
-                print_json(metrics)
+                print_json(metrics.to_dict())
             else:
                 out.print(
-                    f"trial {metrics['trial']} of {study}: rebuilt top-1 {metrics['rebuilt_accuracy']:.2f}% "
-                    f"(recorded {metrics['trial_accuracy']:.2f}%), {dense_flops_text(metrics['flops_ratio'])}"
+                    f"trial {metrics.trial} of {study}: rebuilt top-1 {metrics.rebuilt_accuracy:.2f}% "
+                    f"(recorded {metrics.trial_accuracy:.2f}%), {dense_flops_text(metrics.flops_ratio)}"
                     f"  -> {out_dir}"
                 )
             return
         metrics = run(materialize_search, run(build_job, search_dir, out_dir), force=force)
         if json_out:
-            print_json(metrics)
+            print_json(metrics.to_dict())
         else:
-            ratio = metrics["flops_ratio_vs_dense"]
+            ratio = metrics.flops_ratio_vs_dense
             out.print(
-                f"materialized: {metrics['macs'] / 1e6:.2f} MFLOPs"
+                f"materialized: {metrics.macs / 1e6:.2f} MFLOPs"
                 + (f" ({dense_flops_text(ratio)})" if ratio else "")
-                + f", {metrics['params'] / 1e6:.3f} M params, max logit diff vs supernet "
-                f"{metrics['max_abs_logit_diff']:.1e}  -> {out_dir}"
+                + f", {metrics.params / 1e6:.3f} M params, max logit diff vs supernet "
+                f"{metrics.max_abs_logit_diff:.1e}  -> {out_dir}"
             )

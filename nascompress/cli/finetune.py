@@ -12,7 +12,6 @@ import types
 from pathlib import Path
 from typing import Annotated, Any, Optional
 import typing
-from dataclasses import replace
 
 import typer
 
@@ -25,10 +24,9 @@ from nascompress.cli.common import (
     run,
     setting_option,
     settings_command,
-    with_subsets,
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
-from nascompress.data import DataConfig
+from nascompress.data.choose import data_config_for
 from nascompress.errors import NascompressError
 from nascompress.train.finetune import (
     FINETUNE_TRAIN_SETTINGS,
@@ -195,20 +193,21 @@ def finetune(
             settings[name] = method_option_form(method, name)[1](value)
         settings.update(parse_opts(opt or []))
         config, recipe_settings = split_settings(method, settings)
-        if dataset is not None:
-            data = DataConfig(dataset=dataset)
-        else:
-            data = run_data_config(run_dir)
-            if data is None:
-                raise NascompressError(
-                    f"{run_dir} records no dataset (an import without --dataset); give finetune "
-                    "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)"
-                )
-        if data_dir is not None:
-            data = replace(data, data_dir=data_dir)
-        data = with_subsets(
-            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        data = data_config_for(  # the run's data unless a dataset is named; no default dataset
+            run_data_config(run_dir) if dataset is None else None,
+            dataset=dataset,
+            default=None,
+            data_dir=data_dir,
+            train_limit=train_limit,
+            eval_limit=eval_limit,
+            seed=runtime.seed,
+            skip_bad_images=skip_bad_images,
         )
+        if data is None:
+            raise NascompressError(
+                f"{run_dir} records no dataset (an import without --dataset); give finetune "
+                "the dataset to train on with --dataset ('fashion-mnist' or an ImageFolder root)"
+            )
         return build_job(
             run_dir,
             out_dir,

@@ -10,6 +10,7 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, Out
 from nascompress.config import StageSettings, setting_help
 from nascompress.data import DataConfig, InputOverrides
+from nascompress.data.choose import data_config_for
 from nascompress.importer.run import ImportJob, build_job, import_model
 from nascompress.train.config import TrainConfig
 
@@ -46,7 +47,9 @@ def register(app: typer.Typer) -> None:
         nascompress.load accept; evaluate it if --dataset is given."""
 
         def build():
-            evaluated = None if data.dataset is None else DataConfig(**vars(data), subset_seed=runtime.seed)
+            evaluated = data_config_for(  # none without --dataset: nothing evaluated
+                dataset=data.dataset, default=None, settings=vars(data), seed=runtime.seed
+            )
             return build_job(
                 {"model": model, **vars(settings)}, out_dir, data=evaluated, input=input, device=runtime.device
             )

@@ -21,7 +21,6 @@ from nascompress.cli.common import (
     run,
     setting_option,
     settings_command,
-    skip_bad,
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset
 from nascompress.data import DataConfig, InputOverrides
@@ -32,6 +31,7 @@ from nascompress.train.run import RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainJob, bu
 from nascompress.train.config import TrainConfig
 from nascompress import __version__
 from nascompress.data import count_classes
+from nascompress.data.choose import data_config_for
 from nascompress.profiling.jobs import epsilon_sweep, evaluate_run, profile as profile_fn
 from nascompress.runs.run_config import run_data_config
 from nascompress.profiling.compare import comparison_text
@@ -86,7 +86,7 @@ def train(
     --linear-probe fit only a new head on a frozen pretrained backbone."""
 
     def build():
-        data_cfg = DataConfig(**vars(data), split_seed=0, subset_seed=runtime.seed)
+        data_cfg = data_config_for(dataset=data.dataset, settings=vars(data), seed=runtime.seed)
         spec = shape.spec(shape.num_classes if shape.num_classes is not None else count_classes(data_cfg))
         return build_job(
             spec,
@@ -135,14 +135,18 @@ def evaluate(
     split, epsilon = settings.split, settings.epsilon
 
     def data_config() -> DataConfig:
-        data = run_data_config(run_dir) if run_dir.is_dir() else None
-        if dataset is not None or data is None:  # the run's seed kept: a test split it carved is the same images
-            seed = 0 if data is None else data.subset_seed
-            data = DataConfig(dataset=dataset or "fashion-mnist", data_dir=data_dir, subset_seed=seed)
-        if eval_limit is not None:
-            data = replace(data, eval_limit=eval_limit)
+        # the run's data, or a named dataset's (--data-dir with it) drawn with the run's seed: a test
+        # split it carved is the same images
+        data = data_config_for(
+            run_data_config(run_dir) if run_dir.is_dir() else None,
+            dataset=dataset,
+            settings={"data_dir": data_dir},
+            keep_recorded_seed=True,
+            eval_limit=eval_limit,
+            skip_bad_images=skip_bad_images,
+        )
         replace(TrainConfig(), eval_batch_size=eval_batch_size)  # its range checked, naming the option
-        return skip_bad(data, skip_bad_images)
+        return data
 
     data = run(data_config)  # a bad value: one line naming its option
     if epsilon is not None:

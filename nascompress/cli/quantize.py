@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
-from dataclasses import replace
 
 import typer
 
@@ -14,7 +13,7 @@ from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_
 from nascompress.deploy.config import QuantizeConfig
 from nascompress.deploy.quantize import quantize_run
 from nascompress.runs.run_config import run_data_config
-from nascompress.data import DataConfig
+from nascompress.data.choose import data_config_for
 
 QUANTIZED_FILE = "model.int8.onnx"
 
@@ -36,8 +35,9 @@ def quantize(
     validation split against the fp32 file, and keep it only within --max-drop (recorded in FILE.json)."""
     data = None
     if dataset is not None or data_dir is not None:  # the run's data settings, another dataset
-        given = {k: v for k, v in (("dataset", dataset), ("data_dir", data_dir)) if v is not None}
-        data = run(lambda: replace(run_data_config(run_dir) or DataConfig(), **given))
+        data = run(
+            lambda: data_config_for(run_data_config(run_dir), dataset=dataset, keep_recorded=True, data_dir=data_dir)
+        )
     target = Path(out_dir) / QUANTIZED_FILE
     side = run(quantize_run, run_dir, out=target, config=settings, data=data, force=force)
     if json_out:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 import math
-from dataclasses import replace
 
 import typer
 
@@ -18,10 +17,9 @@ from nascompress.cli.common import (
     run,
     setting_option,
     settings_command,
-    with_subsets,
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataDir, RunDataset, TrainLimit
-from nascompress.data import DataConfig
+from nascompress.data.choose import data_config_for
 from nascompress.retraining.run import (
     RETRAIN_TRAIN_SETTINGS,
     RetrainJob,
@@ -63,13 +61,14 @@ def retrain(
     A dense model is retrained the same way: the yardstick for a compressed model at the same budget."""
 
     def build():
-        data = recorded_data_config(model_dir) if model_dir.is_dir() else None
-        if dataset is not None or data is None:
-            data = DataConfig(dataset=dataset or "fashion-mnist")
-        if data_dir is not None:
-            data = replace(data, data_dir=data_dir)
-        data = with_subsets(
-            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        data = data_config_for(  # the run's data unless a dataset is named
+            recorded_data_config(model_dir) if model_dir.is_dir() else None,
+            dataset=dataset,
+            data_dir=data_dir,
+            train_limit=train_limit,
+            eval_limit=eval_limit,
+            seed=runtime.seed,
+            skip_bad_images=skip_bad_images,
         )
         return build_job(
             model_dir, out_dir, retrain=settings, train={**vars(recipe), **vars(runtime)}, data=data, teacher=teacher

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Annotated
-from dataclasses import replace
 
 import typer
 
@@ -18,12 +17,11 @@ from nascompress.cli.common import (
     run,
     setting_option,
     settings_command,
-    skip_bad,
-    with_subsets,
 )
 from nascompress.cli.options import EvalLimit, Force, JsonOut, Out, Resume, RunDataset, TrainLimit, json_option
 from nascompress.config import StageSettings, user_settings
 from nascompress.data import DataConfig
+from nascompress.data.choose import data_config_for
 from nascompress.methods.dcs import SEARCH_DCS_SETTINGS
 from nascompress.models.build import ModelShape
 from nascompress.profiling.compare import dense_flops_text
@@ -70,12 +68,14 @@ def dcs(
     """DCS: search Q/K channel masks and MLP channel gates on a dense ViT (FLOPs-aware)."""
 
     def build() -> DCSSearchJob:
-        data = run_data_config(source) if Path(source).is_dir() else None
-        data = data or DataConfig()
-        if dataset is not None:
-            data = replace(data, dataset=dataset)
-        data = with_subsets(
-            data, train_limit=train_limit, eval_limit=eval_limit, seed=runtime.seed, skip_bad_images=skip_bad_images
+        data = data_config_for(  # the run's data, its dataset replaced by a named one
+            run_data_config(source) if Path(source).is_dir() else None,
+            dataset=dataset,
+            keep_recorded=True,
+            train_limit=train_limit,
+            eval_limit=eval_limit,
+            seed=runtime.seed,
+            skip_bad_images=skip_bad_images,
         )
         return build_job(
             source,
@@ -139,9 +139,14 @@ def _outer_search(kind: str, default_space: str):
         json_out: json_option("One JSON line per finished trial, then a summary.") = False,
     ) -> None:
         def build() -> SearchJob:
-            data = DataConfig(dataset=dataset) if dataset is not None else None
-            if skip_bad_images:
-                data = skip_bad(data or (run_data_config(base) if base.is_dir() else None), True)
+            # None: the job reads the run's data; --skip-bad-images sets it on the run's (or the default)
+            recorded = run_data_config(base) if skip_bad_images and dataset is None and base.is_dir() else None
+            data = data_config_for(
+                recorded,
+                dataset=dataset,
+                default=DataConfig.dataset if skip_bad_images else None,
+                skip_bad_images=skip_bad_images,
+            )
             return build_search_job(
                 base, search={**vars(study), "space": study.space or default_space}, runtime=vars(runtime), data=data
             )

@@ -14,7 +14,10 @@ The parts, one module each (their names are importable from here too):
 * :mod:`nascompress.data.carve`: a test split carved for a dataset without one (never the validation
   images), and the record of which images decided and which measured (``DataBundle.extra["splits"]``);
 * :mod:`nascompress.data.single`: one split for ``evaluate``, also from a folder holding only it;
-* :mod:`nascompress.data.loader`: batches in an order that depends only on (seed, epoch).
+* :mod:`nascompress.data.loader`: batches in an order that depends only on (seed, epoch);
+* :mod:`nascompress.data.choose`: the DataConfig a command or a Python API call runs on
+  (:func:`~nascompress.data.choose.data_config_for`: the run's recorded data, a named dataset, the
+  command's limits and seed), the one rule every front end calls.
 
 Two loading paths:
 

@@ -24,6 +24,7 @@ from ..profiling import count_flops
 from ..runs.run_dir import RunDir
 from ..runs.files import Arch, read_metrics
 from ..runs.run_config import find_run_config
+from .metrics import MaterializeMetrics
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ def source_data(search_cfg: dict[str, Any]) -> dict[str, Any] | None:
     return (cfg.data if cfg is not None else None) or search_cfg.get("data")
 
 
-def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str, Any]:
-    """Materialize ``job.search_dir`` into ``job.out``; returns FLOPs/params/equivalence metrics.
+def materialize_search(job: MaterializeJob, *, force: bool = False) -> MaterializeMetrics:
+    """Materialize ``job.search_dir`` into ``job.out``; returns its FLOPs/params/equivalence metrics
+    (:class:`~nascompress.dcs_search.metrics.MaterializeMetrics`, the run's ``metrics.json``).
 
     Everything is checked and built in memory before anything is written.
     """
@@ -96,24 +98,25 @@ def materialize_search(job: MaterializeJob, *, force: bool = False) -> dict[str,
     recorded = find_run_config(job.search_dir)
     search_cfg = recorded.to_dict() if recorded is not None else {}
     dense_macs = read_metrics(job.search_dir).dense_macs
-    metrics = {
-        "macs": flops.total,
-        "params": flops.params,
-        "supernet_macs": sup_flops.total,
-        "supernet_params": sup_flops.params,
-        "dense_macs": dense_macs,
-        "flops_ratio_vs_dense": flops.total / dense_macs if dense_macs else None,
-        "max_abs_logit_diff": diff,
-        "qk_mask": cfg.qk_mask,
-        "mlp_kept": [None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in record["blocks"]],
-        "qk_kept": [None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in record["blocks"]],
-    }
-    if any("heads_keep" in b for b in record["blocks"]):  # head gates
-        metrics["heads_kept"] = [
-            None if b.get("heads_keep") is None else len(b["heads_keep"]) for b in record["blocks"]
-        ]
-    if any("skip" in b for b in record["blocks"]):  # block gates
-        metrics["skipped_blocks"] = [i for i, b in enumerate(record["blocks"]) if b.get("skip")]
+    blocks = record["blocks"]
+    gates: dict[str, Any] = {}  # the keys of the gates searched (absent without)
+    if any("heads_keep" in b for b in blocks):  # head gates
+        gates["heads_kept"] = [None if b.get("heads_keep") is None else len(b["heads_keep"]) for b in blocks]
+    if any("skip" in b for b in blocks):  # block gates
+        gates["skipped_blocks"] = [i for i, b in enumerate(blocks) if b.get("skip")]
+    metrics = MaterializeMetrics.new(
+        macs=flops.total,
+        params=flops.params,
+        supernet_macs=sup_flops.total,
+        supernet_params=sup_flops.params,
+        dense_macs=dense_macs,
+        flops_ratio_vs_dense=flops.total / dense_macs if dense_macs else None,
+        max_abs_logit_diff=diff,
+        qk_mask=cfg.qk_mask,
+        mlp_kept=[None if b["mlp_keep"] is None else len(b["mlp_keep"]) for b in blocks],
+        qk_kept=[None if b["qk_keep"] is None else [len(h) for h in b["qk_keep"]] for b in blocks],
+        **gates,
+    )
     run.create(
         {
             "materialize": job.to_dict(),

@@ -8,6 +8,10 @@ end-of-search calibration, the guard's stop: :class:`Comparison`, :class:`Calibr
 :class:`Stopped`); the rest stays in ``extra``, in the order the search wrote it, so that
 ``DCSMetrics.from_dict(d).to_dict() == d`` and the file is the same bytes (the style of
 :mod:`nascompress.runs.files`, whose :class:`~nascompress.runs.files.RunMetrics` it extends).
+
+:class:`MaterializeMetrics`: what :func:`~nascompress.dcs_search.materialize.materialize_search`
+returns and writes as the materialized run's ``metrics.json`` (the compact model's FLOPs and
+parameters, the supernet's, and the check of its logits against the supernet's).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Callable, Mapping
 
 from ..errors import NascompressError
 from ..runs.files import Record, RunMetrics, as_is, check_number, check_str, optional
+from ..runs.records import TypedRecord
 
 
 def _flag(v: Any, where: str) -> bool:
@@ -122,4 +127,25 @@ class DCSMetrics(RunMetrics):
         return self.latency_ratio if self.cost == "latency" else self.flops_ratio
 
 
-__all__ = ["Calibration", "Comparison", "DCSMetrics", "Stopped"]
+@dataclass(frozen=True, kw_only=True)
+class MaterializeMetrics(TypedRecord, RunMetrics):
+    """A materialized DCS search's metrics (``metrics.json``): the compact model's FLOPs (``macs``) and
+    parameters, the supernet's, the ratio to the dense model's FLOPs (None: the search recorded no
+    ``dense_macs``), the largest logit difference from the masked supernet, the Q/K mask and the widths
+    kept per block; with head gates ``heads_kept``, with block gates ``skipped_blocks`` (absent without)."""
+
+    NEW_SOURCE = "the materialized model's {name}"
+
+    params: int | None = None
+    supernet_macs: float | None = None
+    supernet_params: int | None = None
+    flops_ratio_vs_dense: float | None = None
+    max_abs_logit_diff: float | None = None
+    qk_mask: str | None = None
+    mlp_kept: list[Any] | None = None  # MLP channels kept per block (None: all)
+    qk_kept: list[Any] | None = None  # Q/K channels kept per block and head (None: all)
+    heads_kept: list[Any] | None = None  # heads kept per block (head gates)
+    skipped_blocks: list[int] | None = None  # the blocks dropped (block gates)
+
+
+__all__ = ["Calibration", "Comparison", "DCSMetrics", "MaterializeMetrics", "Stopped"]

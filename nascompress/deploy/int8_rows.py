@@ -1,10 +1,12 @@
 """The pipeline report's int8 rows (:func:`int8_rows`): dense and compressed models, fp32 and int8
 (:func:`~nascompress.deploy.quantize.quantize_run`), with their test top-1, file size, latency and
-throughput, timed interleaved in one process."""
+throughput, timed interleaved in one process, as frozen records (:class:`Int8Section`, a
+:class:`Int8Row` per model; the summary's ``int8``, :mod:`nascompress.pipeline.summary`)."""
 
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,41 @@ import torch
 from ..errors import NascompressError
 from ..data import InputSpec, load_data
 from ..runs.io import MODEL_FILE, load_typed
+from ..runs.records import TypedRecord
 from ..profiling import time_models_by_threads
 from .config import QuantizeConfig
 from .quantize import labelled_batches, quantize_run
 from .verify import onnx_runner
+
+
+class _Int8Record(TypedRecord):
+    NEW_SOURCE = "the summary's {name}"  # (the pipeline summary's part)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int8Row(_Int8Record):
+    """One row of the int8 comparison (``failed``: why the int8 model was not kept)."""
+
+    model: str
+    runtime: str
+    failed: str | None = None
+    test_top1: float | None = None
+    test_n: int | None = None
+    file_bytes: int | None = None
+    latency_ms: float | None = None
+    latency_threads: Any = None
+    throughput: float | None = None
+    throughput_threads: Any = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Int8Section(_Int8Record):
+    """The dense and compressed models in fp32 and int8, timed interleaved (:func:`int8_rows`; its
+    ``split``, ``images`` and ``iters`` kept as they are, in ``extra``)."""
+
+    rows: tuple[Int8Row, ...] = ()
+    latency_batch: int | None = None
+    throughput_batch: int | None = None
 
 
 def int8_rows(
@@ -30,7 +63,7 @@ def int8_rows(
     split: str = "test",
     batch: int = 64,
     iters: int = 10,
-) -> dict[str, Any]:
+) -> Int8Section:
     """Dense fp32, dense int8, compressed fp32, compressed int8: test top-1, file size, latency at batch
     1 and throughput at ``batch``, all four timed interleaved in one process (fp32: PyTorch eager, as
     the pipeline's report times it; int8: ONNX Runtime on the CPU). Each batch is timed in one pass
@@ -40,9 +73,11 @@ def int8_rows(
 
     The dense int8 file is made here (:func:`quantize_run` with ``config`` and ``export``, into a
     temporary folder); ``compressed_int8`` is the export step's file (None: made here too). A model
-    whose int8 file fails its check gets a row with the reason and no figures."""
+    whose int8 file fails its check gets a row with the reason and no figures. The section's keys
+    (the summary's ``int8``): ``split``, ``images``, ``latency_batch``, ``throughput_batch``,
+    ``iters`` and the ``rows``, a :class:`Int8Row` each."""
     runs = {"dense": Path(dense_run), "compressed": Path(compressed_run)}
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []  # (each filled in as it is timed, a record at the end)
     default = torch.get_num_threads()
     calls: dict[int, list[Any]] = {n: [] for n in dict.fromkeys((default, 1))}  # per thread count timed
     labels: list[int] = []
@@ -102,14 +137,14 @@ def int8_rows(
                     n = min(calls, key=lambda n: times[n][j])
                     rows[i][key] = 1e3 * times[n][j] if key == "latency_ms" else bs / times[n][j]
                     rows[i][tkey] = "default" if n == default else n
-    return {
-        "split": split,
-        "images": len(ds),
-        "latency_batch": 1,
-        "throughput_batch": batch,
-        "iters": iters,
-        "rows": rows,
-    }
+    return Int8Section.new(
+        split=split,
+        images=len(ds),
+        latency_batch=1,
+        throughput_batch=batch,
+        iters=iters,
+        rows=tuple(Int8Row.new(**r) for r in rows),
+    )
 
 
-__all__ = ["int8_rows"]
+__all__ = ["Int8Row", "Int8Section", "int8_rows"]

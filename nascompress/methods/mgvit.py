@@ -55,6 +55,7 @@ from ..models.layers import DEFAULT_ALIGN, NCAttention, to_core
 from . import Method, TrainOverrides, register_method
 from .mgvit_ops import mgis_token_schedule, num_mgis_tokens
 from ..models.build import is_pyramid
+from ..profiling.records import EpsilonSweep
 from .mgvit_init import init_mgis_from_dense, load_sgis_from_run
 from .mgvit_modules import MGIS, MGViT
 
@@ -307,10 +308,11 @@ class MGViTHooks(TrainHooks):
 
 
 @torch.no_grad()
-def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> dict[str, Any]:
+def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> EpsilonSweep:
     """Accuracy / SGIS-exit share / mean MACs per image for each epsilon, from one pass over the
     preprocessed ``batches`` (x, y) (SGIS and MGIS run on every image once; each epsilon then
-    picks per image)."""
+    picks per image): a :class:`~nascompress.profiling.records.SweepRow` per epsilon, the images,
+    SGIS's and MGIS's own top-1 and the stages' MACs (its ``split`` and ``dataset`` unset)."""
     for e in epsilons:
         check_range("epsilon", e, 0, 1, lo_open=True)
     model.eval()
@@ -346,7 +348,7 @@ def sweep_model(model: MGViT, batches: Any, *, epsilons: list[float]) -> dict[st
                 "mean_gflops": mean / 1e9,
             }
         )
-    return {"rows": rows, "n": n, "sgis_top1": 100.0 * s_ok / max(n, 1), "mgis_top1": 100.0 * m_ok / max(n, 1), **f}
+    return EpsilonSweep.new(rows=rows, n=n, sgis_top1=100.0 * s_ok / max(n, 1), mgis_top1=100.0 * m_ok / max(n, 1), **f)
 
 
 def parse_epsilons(text: str) -> list[float]:

@@ -48,7 +48,9 @@ quick steps (import, materialize, pick, export, report) are redone. A rerun with
 the same OUT is refused; ``force`` starts over.
 
 The package, one concern a module: :mod:`~nascompress.pipeline.schema` (the schema engine: checked
-fields, sections built from YAML), :mod:`~nascompress.pipeline.sections` (the file's sections),
+fields, sections built from YAML), :mod:`~nascompress.pipeline.sections` (the file's own sections;
+a stage's is declared in its module, :mod:`~nascompress.pipeline.stages`, and the registry,
+:mod:`~nascompress.pipeline.stage`, composes the file's class from them),
 :mod:`~nascompress.pipeline.config_io` (reading, loading, dumping and comparing files),
 :mod:`~nascompress.pipeline.plan` (the steps), :mod:`~nascompress.pipeline.run` (the output
 directory, its lock and markers, :func:`run_pipeline`), :mod:`~nascompress.pipeline.fallback` (a
@@ -61,7 +63,10 @@ from __future__ import annotations
 from .config_io import dump_config, load_config, read_yaml
 from .plan import plan
 from .stage import step_names
-from .stages.tokens import STUDY_DB, STUDY_JOURNAL
+from .stages.dcs import DCSStage
+from .stages.export import ExportSection
+from .stages.retrain import RetrainStage
+from .stages.tokens import STUDY_DB, STUDY_JOURNAL, TokensStage
 from .steps import Pipeline, Step
 from .run import CONFIG_FILE, DONE_DIR, LOCK_FILE, run_pipeline, step_done
 from .schema import opt
@@ -72,14 +77,10 @@ from .sections import (
     BaseSection,
     BaseTrainSection,
     DataSection,
-    DCSStage,
-    ExportSection,
     GoalSection,
     PipelineConfig,
     ReportSection,
-    RetrainStage,
     StagesSection,
-    TokensStage,
 )
 
 STEPS = step_names()  # every step a pipeline may run, in order (the registered stages')

@@ -5,27 +5,63 @@ than ``max_val_drop`` below the dense model) is retried once at a milder target,
 the planned one and 1.0; if that collapses too, the pipeline goes on without DCS (the token stage
 then searches the dense base) and says so. Which way the stage went is kept in its marker
 (``OUT/done/dcs_search.json``: ``result.dcs_outcome`` is ``planned``, ``milder`` or ``skipped``,
-with the target used and the reasons), so a resumed pipeline takes the same way; the later steps
-ask :func:`dcs_outcome` for the model they start from (:func:`current_model`).
+with the target used and the reasons: :class:`DcsOutcome`), so a resumed pipeline takes the same
+way; the later steps ask :func:`dcs_outcome` for the model they start from (:func:`current_model`).
+
+The token stage's pick (:func:`pick_across`, :func:`pick_or_closest`) is a :class:`PickedTrial`: the
+rebuilt trial's metrics, each study's pick and whether the goal was met.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from ..runs.records import TypedRecord
 from ..runs.run_config import find_run_config
-from .files import find_step_marker
+from .files import find_step_marker, step_marker_path
 from ..errors import NascompressError
 from ..dcs_search.hooks import SearchCollapsed
+from ..dcs_search.metrics import DCSMetrics
 from ..dcs_search.run import search_dcs
-from ..studies.trial_model import materialize_trial, parse_pick, pick_trial
+from ..studies.trial_model import TrialMetrics, materialize_trial, parse_pick, pick_trial
 from ..studies.inspect import load
 from ..studies.records import trial_record
 from .confirm import CHANNEL_DIR
+from .summary import Candidate
 
 OUTCOMES = ("planned", "milder", "skipped")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DcsOutcome(TypedRecord, DCSMetrics):
+    """The DCS stage's result (:func:`run_dcs_with_fallback`; its marker's ``result``, scalars only:
+    :func:`dcs_outcome`): the search's metrics (none when skipped) and which way the stage went
+    (``dcs_outcome``: one of :data:`OUTCOMES`), the target it searched at (None: skipped), the planned
+    one and why a search collapsed (``dcs_reason``; None: none did)."""
+
+    NEW_SOURCE = "the DCS stage's {name}"
+
+    skipped: bool | None = None  # True: both searches collapsed, the pipeline goes on without DCS
+    dcs_outcome: str | None = None
+    dcs_target: float | None = None
+    planned_target: float | None = None
+    dcs_reason: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PickedTrial(TrialMetrics):
+    """The goal's pick rebuilt (:func:`pick_or_closest`, :func:`pick_across`: the ``tokens_pick`` step's
+    result): the rebuilt trial's metrics; ``goal_unmet``: no trial met the goal, the closest was taken
+    (why); across studies, the study kept (``picked_study``) and each study's pick (``candidates``)."""
+
+    NEW_SOURCE = "the pick's {name}"
+
+    goal_unmet: str | None = None
+    picked_study: str | None = None
+    candidates: Mapping[str, Candidate] | None = None
 
 
 def milder_target(target: float) -> float:
@@ -33,9 +69,9 @@ def milder_target(target: float) -> float:
     return round(target + (1.0 - target) / 2, 4)
 
 
-def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool = True) -> dict[str, Any]:
+def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool = True) -> DcsOutcome:
     """Run the DCS search ``job``; on a collapse retry once at :func:`milder_target`, and if that
-    collapses too return ``{"skipped": True, ...}`` instead of raising. A resumed step continues the
+    collapses too return an outcome ``skipped`` instead of raising. A resumed step continues the
     attempt its ``config.json`` records (the retry, if it had started)."""
     key = "target_latency" if job.search.cost == "latency" else "target_flops"  # the ratio the search lands at
     planned = getattr(job.search, key)
@@ -55,32 +91,35 @@ def run_dcs_with_fallback(job: Any, *, force: bool, resume: bool, fallback: bool
             if not fallback:
                 raise
             continue
-        return dict(
-            metrics.to_dict(),
-            dcs_outcome=name,
-            dcs_target=j.search.target,
-            planned_target=planned,
-            dcs_reason=" | ".join(reasons) or None,
+        return DcsOutcome.new(
+            **{
+                **metrics.to_dict(),
+                "dcs_outcome": name,
+                "dcs_target": j.search.target,
+                "planned_target": planned,
+                "dcs_reason": " | ".join(reasons) or None,
+            }
         )
-    return {
-        "skipped": True,
-        "dcs_outcome": "skipped",
-        "dcs_target": None,
-        "planned_target": planned,
-        "dcs_reason": " | ".join(reasons),
-    }
+    return DcsOutcome.new(
+        skipped=True,
+        dcs_outcome="skipped",
+        dcs_target=None,
+        planned_target=planned,
+        dcs_reason=" | ".join(reasons),
+    )
 
 
-def dcs_outcome(out: Path) -> dict[str, Any] | None:
-    """The recorded result of the DCS stage (``dcs_outcome``, ``dcs_target``, ``dcs_reason``), or
-    None if it has not finished (or the pipeline has no DCS stage)."""
+def dcs_outcome(out: Path) -> DcsOutcome | None:
+    """The recorded result of the DCS stage (``dcs_outcome``, ``dcs_target``, ``dcs_reason``, the
+    search's scalars), or None if it has not finished (or the pipeline has no DCS stage)."""
     marker = find_step_marker(out, "dcs_search")
-    return None if marker is None else dict(marker.result)
+    source = f"{step_marker_path(out, 'dcs_search')}: result"
+    return None if marker is None else DcsOutcome.from_dict(marker.result, source=source)
 
 
 def dcs_skipped(out: Path) -> bool:
     res = dcs_outcome(out)
-    return bool(res and res.get("skipped"))
+    return res is not None and bool(res.skipped)
 
 
 def kept_channel_only(out: Path) -> bool:
@@ -109,12 +148,12 @@ def current_model(out: Path, *, base_dir: Path, dcs: bool, tokens: bool, retrain
     return current if compressed else None
 
 
-def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
+def pick_or_closest(job: Any, *, force: bool) -> PickedTrial:
     """Rebuild the trial the goal's rule picks (``job``: a TrialMaterializeJob); when no trial meets
     the goal, rebuild the complete trial closest to it (lowest FLOPs ratio or latency) instead of
     stopping, and say so (``goal_unmet``): the report then states that no model met the goal."""
     try:
-        return materialize_trial(job, force=force)
+        return PickedTrial.new(**materialize_trial(job, force=force).to_dict())
     except NascompressError as e:
         if "no complete trial has" not in str(e):
             raise
@@ -127,52 +166,55 @@ def pick_or_closest(job: Any, *, force: bool) -> dict[str, Any]:
     ]
     closest = min((v, n) for v, n in done if v is not None)[1]
     res = materialize_trial(job.replace(pick=None, trial=closest), force=force)
-    return dict(res, goal_unmet=f"{reason}; the closest trial was taken")
+    return PickedTrial.new(**res.to_dict(), goal_unmet=f"{reason}; the closest trial was taken")
 
 
-def pick_across(job: Any, studies: list[str], *, force: bool) -> dict[str, Any]:
+def pick_across(job: Any, studies: list[str], *, force: bool) -> PickedTrial:
     """The goal's pick over several studies of one storage (the token study on the DCS model and on the
     dense base): each study's pick (:func:`~nascompress.studies.trial_model.pick_trial`), the most accurate
     of them rebuilt (:func:`pick_or_closest`; ties: the fewer FLOPs, then the first study: on images that
     every candidate gets right, the cheaper model is the better one). Trials of all the studies are scored on
     the same evaluation images (their ``eval_subset`` fingerprint, checked). Without a trial meeting the
     goal in any study, the first study's closest trial, as :func:`pick_or_closest`. Returns the rebuilt
-    run's metrics with ``picked_study`` and ``candidates`` (each study's pick: trial, accuracy, FLOPs)."""
+    run's metrics with ``picked_study`` and ``candidates`` (each study's pick, a
+    :class:`~nascompress.pipeline.summary.Candidate`: trial, accuracy, FLOPs)."""
     rule, value = parse_pick(job.pick)
-    candidates: dict[str, Any] = {}
+    candidates: dict[str, Candidate] = {}
     subsets = set()
     for name in studies:
         _, study = load(name, job.storage)
         try:
             t = pick_trial(study, rule, value)
         except NascompressError as e:
-            candidates[name] = {"trial": None, "note": str(e)}
+            candidates[name] = Candidate.new(trial=None, note=str(e))
             continue
         rec = trial_record(t)
         subsets.add(str((rec.get("scoring") or {}).get("eval_subset")))
-        candidates[name] = {
-            "trial": t.number,
-            "accuracy": rec.get("accuracy"),
-            "flops_ratio": rec.get("flops_ratio"),
-            "latency_ms": rec.get("latency_ms"),
-            "params": dict(t.params),
-        }
+        candidates[name] = Candidate.new(
+            trial=t.number,
+            accuracy=rec.get("accuracy"),
+            flops_ratio=rec.get("flops_ratio"),
+            latency_ms=rec.get("latency_ms"),
+            params=dict(t.params),
+        )
     if len(subsets) > 1:
         raise NascompressError(
             f"the studies {', '.join(studies)} scored their trials on different images; rerun "
             "them with the same data, eval_images and seed"
         )
     scored = [
-        (c["accuracy"], -(c["flops_ratio"] if c.get("flops_ratio") is not None else math.inf), -i, n)
+        (c.accuracy, -(c.flops_ratio if c.flops_ratio is not None else math.inf), -i, n)
         for i, (n, c) in enumerate(candidates.items())
-        if c.get("accuracy") is not None
+        if c.accuracy is not None
     ]
     chosen = max(scored)[-1] if scored else studies[0]
     res = pick_or_closest(job.replace(study=chosen), force=force)
-    return dict(res, picked_study=chosen, candidates=candidates)
+    return res.set(picked_study=chosen, candidates=candidates)
 
 
 __all__ = [
+    "DcsOutcome",
+    "PickedTrial",
     "pick_across",
     "pick_or_closest",
     "milder_target",

@@ -13,12 +13,11 @@ read and written again is the same bytes).
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..runs.files import Record, as_is, check_map, check_number, check_str, optional
+from ..runs.files import Record, as_is, check_map, check_number, check_str, optional, plain
 from ..runs.json_io import read_json, write_json
 from .summary import Summary
 
@@ -87,10 +86,11 @@ class Pick(Record):
     def new(
         cls, *, picked_study: str | None, candidates: Any, dense_study: str | None, dense_skipped: str | None
     ) -> Pick:
-        """A pick with every key written (null where there is no value)."""
+        """A pick with every key written (null where there is no value; ``candidates`` as their JSON
+        values: each study's pick, a :class:`~nascompress.pipeline.summary.Candidate` or its dict)."""
         return cls(
             picked_study=picked_study,
-            candidates=copy.deepcopy(candidates),
+            candidates=plain(candidates),
             dense_study=dense_study,
             dense_skipped=dense_skipped,
             order=("picked_study", "candidates", "dense_study", "dense_skipped"),

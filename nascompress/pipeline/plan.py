@@ -20,7 +20,8 @@ from .base_stage import check_data, data_config, plan_base
 def plan(
     config: PipelineSource, *, out: str | Path, seed: int | None = None, source: str = "the pipeline config"
 ) -> Pipeline:
-    """Validate ``config`` (a pipeline file, or its sections as data, named ``source`` in errors)
+    """Validate ``config`` (a pipeline file, its sections as data, named ``source`` in errors, or the
+    typed config read from them)
     completely (schema, files, models, space, every stage's job) and return the pipeline for ``out``.
     Reads files, writes nothing."""
     ctx = config_context(config, source=source)  # (the file found once: a path, or a shipped config's name)
@@ -36,7 +37,7 @@ def plan(
     state = PlanState(cfg=cfg, out=out, ctx=ctx, base_dir=base_dir, dense=dense, current=base_dir)
     storage = None
     for stage in registered_stages():  # (pipeline/stages/: dcs, tokens, retrain, export)
-        section = stage.section(cfg)
+        section = stage.section_of(cfg)
         if section is None:
             if stage.when_off is not None:
                 stage.when_off(state)

@@ -27,7 +27,7 @@ from .report_format import build_html, method_summary
 from ..profiling.jobs import profile
 from ..profiling.records import Evaluation, ModelProfile
 from ..deploy.config import config_for
-from ..deploy.int8_rows import int8_rows
+from ..deploy.int8_rows import Int8Section, int8_rows
 from ..runs.io import MODEL_FILE, load_with_arch, read_arch
 from ..studies.front_plot import FrontMarks, Mark
 from .goal import flops_goal, latency_goal
@@ -42,7 +42,6 @@ from .summary import (
     Comparison,
     Decisions,
     Goal,
-    Int8Section,
     MethodLine,
     ModelResult,
     StageRow,
@@ -175,7 +174,7 @@ def write_summary(pipe: Pipeline) -> Summary:
     )
     int8 = None
     if cfg.export is not None and cfg.export.quantize != "none" and final_dir is not None:
-        int8 = Int8Section.new(**_int8(pipe, final_dir))
+        int8 = _int8(pipe, final_dir)
     fields: dict[str, Any] = {
         "format": SUMMARY_FORMAT,
         "config": str((out / "config.yaml").resolve()),
@@ -210,7 +209,7 @@ def write_summary(pipe: Pipeline) -> Summary:
     return summary
 
 
-def _int8(pipe: Pipeline, final_dir: Path) -> dict[str, Any]:
+def _int8(pipe: Pipeline, final_dir: Path) -> Int8Section:
     """The int8 rows (dense and compressed, fp32 and int8; :func:`~nascompress.deploy.int8_rows.int8_rows`):
     the compressed int8 file is the export step's, the dense one is made with the same settings."""
     cfg = pipe.cfg

@@ -8,11 +8,11 @@ import datetime as _dt
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import yaml
 
-from ..errors import NascompressError, SettingError, WriteError, literal, writing
+from ..errors import NascompressError, SettingError, WriteError, writing
 from ..limits import check_path_names
 from ..data import dataset_paths
 from .files import DONE_DIR as STEP_DONE_DIR
@@ -25,11 +25,13 @@ from ..progress import pipeline_eta
 from ..runs.json_io import atomic_path
 from ..runs.out_dir import refuse_overwriting_inputs
 from ..yaml_io import StrictYamlLoader as _Loader
-from .config_io import PipelineSource, config_diff, dump_config, load_config, read_yaml
+from .config_io import PipelineSource, config_diff, dump_config, given_as_data, load_config, read_yaml
 from .eta import PipelineEta, step_estimates
+from .fallback import DcsOutcome
 from .plan import plan
 from .steps import Pipeline, Step
 from .schema import Section
+from .stage import registered_stages
 
 CONFIG_FILE = "config.yaml"
 DONE_DIR = STEP_DONE_DIR
@@ -110,13 +112,19 @@ def _claim_out(pipe: Pipeline, *, force: bool) -> bool:
         if old != new:
             diff = config_diff(new, old if isinstance(old, dict) else {})
             more = f" (and {len(diff) - 3} more)" if len(diff) > 3 else ""
+            keys = {f"key_{i}": path for i, (path, _, _) in enumerate(diff[:3]) if path}  # the keys: data
+            shown = [
+                f"{'{key_%d}' % i if path else '(whole file)'} is {a!r} here but {b!r} there"
+                for i, (path, a, b) in enumerate(diff[:3])
+            ]
             keep = ""
             if pipe.cfg.base.run is None and has_metrics(out / "base"):  # a finished base of its own
                 keep = f" (to keep its finished base, give the new config base: {{run: {out / 'base'}}})"
             raise SettingError(
-                f"{out} holds a pipeline run of another config ({'; '.join(diff[:3])}{more}); "
+                f"{out} holds a pipeline run of another config ({'; '.join(shown)}{more}); "
                 f"rerun it with the same config ({stored}) to continue it, use another {{out}}"
-                f"{keep}, or pass {{force}} to start over"
+                f"{keep}, or pass {{force}} to start over",
+                keys=keys,
             )
         return True
     if used:  # start over (force): only nascompress's own files (checked again under the lock)
@@ -135,25 +143,25 @@ _RUN_LEVEL = ("force", "resume", "out", "debug")
 
 def step_error(pipe: Pipeline, step: str, e: SettingError) -> SettingError:
     """Error ``e`` of the library that runs ``step``, as the pipeline file words it: each field named
-    as its key path (``stages.dcs.max_val_drop``: the step's section, else ``data``); the run's own
+    as its key path (``stages.dcs.max_val_drop``: the step's section, else ``data``), the field's key
+    path kept as data (:attr:`~nascompress.errors.SettingError.keys`: ``nc.compress`` words it as
+    its argument); the run's own
     settings (``force``, ``out``) left to the pipeline command's front end; the runtime's (``seed``)
     are the file's top-level keys. The same exception type."""
     cfg = pipe.cfg
     head = step.split("_")[0]
     if head == "base":
         sections = [(f"base.{k}", getattr(cfg.base, n)) for k, n in type(cfg.base).keys().items()]
-    else:
-        sections = [(head, cfg.export)] if head == "export" else [(f"stages.{head}", getattr(cfg.stages, head, None))]
+    else:  # the section of the stage of that name (tokens_search_dense: the tokens stage's)
+        stage = next((s for s in registered_stages() if s.name == head and s.path is not None), None)
+        sections = [] if stage is None else [(stage.path, stage.section_of(cfg))]
     keys = {n: n for n in RUNTIME_SETTINGS.names}  # seed, device, ...: the file's top-level keys
     for path, section in [*sections, ("data", cfg.data)]:
         if isinstance(section, Section):
             keys = {**{n: f"{path}.{k}" for k, n in type(section).keys().items()}, **keys}
 
-    def name(f: str) -> str:
-        return "{%s}" % f if f in _RUN_LEVEL or f not in keys else literal(keys[f])
-
-    worded = copy.copy(e)
-    worded.template = e.renamed(name)
+    worded = copy.copy(e)  # its fields that are keys of the file: named by their key path (data: e.keys)
+    worded.keys = {**e.keys, **{f: keys[f] for f in e.fields if f in keys and f not in _RUN_LEVEL}}
     worded.args = (worded.worded(),)
     return worded
 
@@ -191,7 +199,8 @@ def run_pipeline(
     call ran, what it found done).
 
     Args:
-        config: the pipeline YAML file, or its sections as data (the Python API builds them).
+        config: the pipeline YAML file, its sections as data, or the typed config
+            (:func:`~nascompress.pipeline.config_io.load_config`'s: what ``nc.compress`` builds).
         out: the pipeline's directory (created; an earlier run of the same config is continued).
         force: start over in ``out``, even with another config (only a pipeline folder nascompress
             wrote holding nothing else: its files are replaced; any other folder is refused).
@@ -207,7 +216,7 @@ def run_pipeline(
     refuse_overwriting_inputs(
         pipe.out,
         [
-            *(() if isinstance(config, Mapping) else (Path(pipe.source),)),  # (the file plan() found)
+            *(() if given_as_data(config) else (Path(pipe.source),)),  # (the file plan() found)
             *(() if pipe.base_dir in own else (pipe.base_dir,)),
             *dataset_paths(pipe.data),
         ],
@@ -261,18 +270,17 @@ def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], No
             dir=None if d is None else str(d),
             result=_compact(res),
         )
-        done = marker.result
-        if done.get("dcs_outcome") in ("milder", "skipped"):
+        if isinstance(res, DcsOutcome) and res.dcs_outcome in ("milder", "skipped"):
             log(
-                f"{step.name}: the search collapsed ({done.get('dcs_reason')}); "
+                f"{step.name}: the search collapsed ({res.dcs_reason}); "
                 + (
-                    f"retried at {done['dcs_target']:g}x the dense FLOPs"
-                    if done["dcs_outcome"] == "milder"
+                    f"retried at {res.dcs_target:g}x the dense FLOPs"
+                    if res.dcs_outcome == "milder"
                     else "the pipeline goes on without DCS"
                 )
             )
         elif marker.skipped:
-            log(f"{step.name}: skipped ({done.get('reason')})")
+            log(f"{step.name}: skipped ({marker.result.get('reason')})")
         write_step_marker(pipe.out, marker)
         ran[step.name] = True
         eta.finish(step.name)

@@ -1,5 +1,6 @@
 """The pipeline file's schema engine: frozen sections whose fields carry their own checks
-(:func:`opt` metadata), built from YAML by :func:`build_section`, which names the key path in every error."""
+(:func:`opt` metadata), built from YAML by :func:`build_section`, which names the key path in every error
+(a :class:`ConfigError`: the keys it names are data, :class:`Key`, that a front end words its own way)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,39 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..config import Config, check_meta, check_value, offered, settings_class
 from ..errors import NascompressError, SettingError
 from ..yaml_io import shipped_path
 from ..yaml_io import shown
+
+
+@dataclass(frozen=True)
+class Key:
+    """A key of the config that an error names: its ``path`` (``stages.dcs.epochs``; a section's,
+    ``stages.dcs``), data rather than text."""
+
+    path: str
+
+
+class ConfigError(NascompressError):
+    """An error of a pipeline config: its message as text and the keys it names (:class:`Key`), so a
+    front end names them its own way (:meth:`worded`; ``nc.compress`` names ``stages.dcs.epochs`` as
+    its argument ``dcs['epochs']``); ``str()`` names them as the file does, by their key paths."""
+
+    def __init__(self, *parts: str | Key):
+        self.parts = parts
+        super().__init__(self.worded())
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The key paths the message names, in order."""
+        return tuple(p.path for p in self.parts if isinstance(p, Key))
+
+    def worded(self, name: Callable[[str], str] = str) -> str:
+        """The message with every key named by ``name(its path)`` (default: the path)."""
+        return "".join(name(p.path) if isinstance(p, Key) else p for p in self.parts)
 
 
 class KeyProblem(NascompressError):
@@ -134,8 +162,13 @@ class SchemaContext:
     source: str  # the config file, as named in messages
     base_dir: Path  # relative paths are resolved against it
 
-    def err(self, path: str, msg: str) -> NascompressError:
-        return NascompressError(f"{self.source}: {path}: {msg}" if path else f"{self.source}: {msg}")
+    def err(self, path: str, *msg: str | Key) -> ConfigError:
+        """The error of the key at ``path`` ("": of the whole config): ``msg``, its text and the keys it names."""
+        return self.error(Key(path), ": ", *msg) if path else self.error(*msg)
+
+    def error(self, *parts: str | Key) -> ConfigError:
+        """An error of the config (named by its ``source``): ``parts``, its text and the keys it names."""
+        return ConfigError(f"{self.source}: ", *parts)
 
     def resolve(self, p: str) -> str:
         q = Path(p).expanduser()
@@ -144,7 +177,7 @@ class SchemaContext:
 
 def section_error(
     ctx: SchemaContext, path: str, section: Any, e: NascompressError, *, names: dict[str, str] | None = None
-) -> NascompressError:
+) -> ConfigError:
     """Error ``e``, raised by a stage's library while building the job of ``section`` (at ``path``),
     as the pipeline file words it: a :class:`~nascompress.errors.SettingError`'s fields named as the
     section's keys (``names``: a field the section sets another way, e.g. retrain's ``teacher``
@@ -215,12 +248,10 @@ def build_section(cls: type[Section], data: Any, path: str, ctx: SchemaContext) 
             choices = next(f for f in dataclasses.fields(cls) if f.name == new).metadata.get("choices")
             what = f"{new}: {' | '.join(map(str, choices))}" if choices else new
             then = "; " + ", ".join(f"{k}: {str(a).lower()} is {b}" for a, b in values.items()) if values else ""
-            raise NascompressError(f"{ctx.source}: key {key_path(path, str(k))} was renamed; write {what}{then}")
+            raise ctx.error("key ", Key(key_path(path, str(k))), f" was renamed; write {what}{then}")
         if k not in keys:
             hint = f": {cls.elsewhere[k]}" if k in cls.elsewhere else ""
-            raise NascompressError(
-                f"{ctx.source}: unknown key {key_path(path, str(k))}{hint}; valid: {', '.join(keys)}"
-            )
+            raise ctx.error("unknown key ", Key(key_path(path, str(k))), f"{hint}; valid: {', '.join(keys)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}

@@ -1,28 +1,26 @@
-"""The pipeline file's sections: one frozen dataclass per YAML section (``data``, ``base``,
-``goal``, ``stages``, ``report``, ``export``) and :class:`PipelineConfig`, the whole file."""
+"""The pipeline file's own sections: one frozen dataclass per YAML section (``data``, ``base``,
+``goal``, ``report``), the base of ``stages`` (:class:`StagesSection`) and :class:`PipelineConfig`,
+the whole file but for the stages' sections. A stage's section (``stages.dcs``, ``export``) is
+declared in the stage's module (:mod:`nascompress.pipeline.stages`) with the helpers here
+(:data:`STAGE_DATA_SETTINGS`, :func:`data_pointers`); the file is read with the class the registered
+stages compose (:func:`~nascompress.pipeline.stage.config_class`)."""
 
 from __future__ import annotations
 
 import typing
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from ..data import DATASET_KEYWORDS, DataConfig  # noqa: F401 (DATASET_KEYWORDS: read from here too)
-from ..config import StageSettings, offered, setting, shared
+from ..config import StageSettings, offered, setting
 from ..errors import NascompressError
 from ..importer.run import ImportJob
-from ..deploy.config import ExportConfig, build_config
-from ..methods.dcs import SEARCH_DCS_SETTINGS
 from ..models.build import ModelShape
 from ..profiling.config import ProfileConfig
-from ..retraining.run import RETRAIN_TRAIN_SETTINGS
-from ..retraining.config import RetrainConfig
-from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
-from ..studies.trials import STUDY_SETTINGS, SearchJob
+from ..studies.trials import SearchJob
 from ..train.run import FINE_TUNE_TRAIN, RUNTIME_SETTINGS, TRAIN_SETTINGS, TrainJob
 from ..train.config import TrainConfig
-from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_keys, library_values, opt
+from .schema import KeyProblem, check_lr_pair, check_one_of, Section, library_keys, opt
 
 FORMAT = "nascompress-pipeline/1"
 # the data's setting a training stage may narrow for itself (DataConfig's train_limit, same help)
@@ -37,12 +35,6 @@ def data_pointers(taken: tuple[str, ...] = STAGE_DATA_SETTINGS.names) -> dict[st
         for f, _, _ in offered(DataConfig)
         if f.name not in taken
     }
-
-
-# `export`'s keys: ExportConfig's settings but the check's seed (the pipeline's seed)
-EXPORT_SETTINGS = StageSettings(
-    ExportConfig, tuple(f.name for f in fields(ExportConfig) if "help" in f.metadata and f.name != "seed")
-)
 
 
 @dataclass(frozen=True)
@@ -135,117 +127,21 @@ class GoalSection(Section):
 
 
 @dataclass(frozen=True)
-@library_keys(
-    DCSSearchConfig,
-    SEARCH_DCS_SETTINGS,
-    SEARCH_TRAIN_SETTINGS,
-    STAGE_DATA_SETTINGS,
-    lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names),
-)
-class DCSStage(Section):
-    """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
-    the search's settings (same names): every user-facing field of
-    :class:`~nascompress.dcs_search.search_config.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
-    the search's training settings (:data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`; null: the
-    recipe's, ``batch_size`` null: from the training images), all declared in the library with their
-    checks (:func:`~nascompress.pipeline.schema.library_keys`), and the keys below (the data's
-    ``train_limit`` for this stage, and the pipeline's own ``on_collapse``). With ``on_collapse: retry``
-    a search that collapses is retried once at a milder target, then skipped
-    (:mod:`nascompress.pipeline.fallback`); ``stop`` fails the stage."""
-
-    on_collapse: str = setting(
-        "retry",
-        choices=("retry", "stop"),
-        help=(
-            "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
-            "without DCS; stop: the stage fails."
-        ),
-    )
-    renamed = {"fallback": ("on_collapse", {True: "retry", False: "stop"})}
-    elsewhere = data_pointers()
-
-    def __post_init__(self) -> None:
-        check_lr_pair(self)
-
-
-@dataclass(frozen=True)
-@library_keys(STUDY_SETTINGS, lead=("space",))
-class TokensStage(Section):
-    """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
-    current model, then the best trial under the goal (``nascompress materialize --study --pick``).
-    Keys are the study's settings (same names as the command's options, declared in the library:
-    :data:`~nascompress.studies.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
-    ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint.
-    ``also_dense`` (after a dcs stage): the same study runs a second time on the dense base (study
-    ``<study>-dense``, token-only models), and the goal's pick takes the better of the two studies'
-    picks, scored on the same images (:func:`~nascompress.pipeline.fallback.pick_across`): the pipeline
-    chooses between cutting channels and tokens, both, or tokens alone."""
-
-    also_dense: bool = setting(
-        True,
-        help=(
-            "After a dcs stage, also search the token space on the dense base and keep the better pick "
-            "(token-only against channels + tokens)."
-        ),
-    )
-    study: str = shared(SearchJob, "study", default="pipeline")  # the pipeline's own study name
-
-    elsewhere = {
-        **data_pointers(()),
-        "train_limit": "the study's training images are train_images (search tokens --train-images); "
-        "the dataset's, for every stage, data.train_limit",
-        "eval_limit": "the study's validation images are eval_images (search tokens --eval-images); "
-        "the test images, for every stage, data.eval_limit",
-    }
-
-
-@dataclass(frozen=True)
-@library_keys(
-    RetrainConfig,
-    RETRAIN_TRAIN_SETTINGS,
-    STAGE_DATA_SETTINGS,
-    lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names),
-)
-class RetrainStage(Section):
-    """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
-    retrain's settings (same names): every user-facing field of
-    :class:`~nascompress.retraining.run.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
-    training settings (:data:`~nascompress.retraining.run.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
-    ``batch_size`` null: from the training images), declared in the library with their checks, and
-    the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
-    among its own runs; the command's ``--teacher`` is a run directory), ``confirm_pick`` (the
-    ``confirm`` step: :mod:`nascompress.pipeline.confirm`) and the data's ``train_limit`` for this
-    stage."""
-
-    distil_from: str = setting(
-        "base", choices=("base", "none"), help=("base: distil from the dense base (the teacher); none: no teacher.")
-    )
-    confirm_pick: bool = setting(
-        True,
-        help=(
-            "When the pick cuts tokens and the DCS stage's channel-only model meets the FLOPs goal by itself, "
-            "retrain that one too with the same recipe and keep the better of the two on validation "
-            "(the token study scores its trials on few images; this checks its pick at the full budget)."
-        ),
-    )
-    renamed = {"teacher": ("distil_from", None)}
-    elsewhere = data_pointers()
-
-    def __post_init__(self) -> None:
-        check_lr_pair(self)
-
-
-@dataclass(frozen=True)
 class StagesSection(Section):
-    """``stages``: each optional; run in the order dcs, tokens, retrain."""
+    """``stages``: a key for each registered stage with a section of its own (``dcs``, ``tokens``,
+    ``retrain``: the class its module declares, :class:`~nascompress.pipeline.stage.PipelineStage`'s
+    ``config``), each optional, in the stages' order. This class is their base: the mapping a file is
+    read with is composed from the registry (:func:`~nascompress.pipeline.stage.config_class`), so a
+    stage with keys of its own is one module."""
 
-    dcs: DCSStage | None = None
-    tokens: TokensStage | None = None
-    retrain: RetrainStage | None = None
+    # the stages that compress (``PipelineStage.compresses``): a pipeline gives at least one
+    compressing: typing.ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        if self.dcs is None and self.tokens is None:
-            raise NascompressError("give a dcs or a tokens stage (or both): nothing would be compressed")
+        if self.compressing and all(getattr(self, n) is None for n in self.compressing):
+            either = " or a ".join(self.compressing)
+            both = " (or both)" if len(self.compressing) == 2 else ""
+            raise NascompressError(f"give a {either} stage{both}: nothing would be compressed")
 
 
 @dataclass(frozen=True)
@@ -266,34 +162,6 @@ class ReportSection(Section):
     )
 
 
-@dataclass(frozen=True)
-@library_keys(EXPORT_SETTINGS, lead=("file",))
-class ExportSection(Section):
-    """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
-    (``nascompress export``: the other keys are its options, every user-facing field of
-    :class:`~nascompress.deploy.ExportConfig`, declared there with its checks; the check's seed is the
-    pipeline's)."""
-
-    file: str | None = setting(
-        None,
-        help=("The file in OUT/export/ (default model.onnx; model.int8.onnx quantized; model.pt2 for torch-export)."),
-    )
-
-    def __post_init__(self) -> None:
-        self.config(seed=0)
-        if self.file is not None and Path(self.file).name != self.file:
-            raise KeyProblem("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
-
-    def config(self, *, seed: int) -> Any:
-        return build_config({**library_values(self, EXPORT_SETTINGS), "seed": seed})
-
-    @property
-    def filename(self) -> str:
-        if self.file:
-            return self.file
-        return "model.pt2" if self.format != "onnx" else "model.onnx" if self.quantize == "none" else "model.int8.onnx"
-
-
 @dataclass(frozen=True, kw_only=True)
 @library_keys(RUNTIME_SETTINGS, lead=("format", *RUNTIME_SETTINGS.names))
 class PipelineConfig(Section):
@@ -307,7 +175,6 @@ class PipelineConfig(Section):
     goal: GoalSection = opt()
     stages: StagesSection = opt()
     report: ReportSection = field(default_factory=ReportSection)
-    export: ExportSection | None = None
 
     def __post_init__(self) -> None:
         if self.format != FORMAT:

@@ -1,5 +1,7 @@
 """The pipeline's stages as one registry: a stage is one object (:class:`PipelineStage`) that says
-which section of the config turns it on, which steps it may plan (their names, files and lines are
+which section of the config turns it on (the class of its keys, ``stages.<name>`` or the file's
+``<name>``: the pipeline file is read with the class the registered stages compose,
+:func:`config_class`), which steps it may plan (their names, files and lines are
 the :class:`~nascompress.pipeline.steps.Step` objects its ``plan`` returns), which model it leaves
 to the next stage, and what the report says of it: its entries in ``summary.json``'s ``decisions``
 (``decide``) and its lines in the report's decisions (``report_lines``). The built-in stages are the
@@ -12,12 +14,12 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .schema import SchemaContext
-from .sections import PipelineConfig
+from .schema import SchemaContext, Section
+from .sections import PipelineConfig, StagesSection
 from .steps import Pipeline, Step
 from .summary import Decisions
 
@@ -65,8 +67,15 @@ class PipelineStage:
         name: its name (the config section's key, ``dcs``; ``export``).
         order: where it runs among the stages (lower first).
         steps: the names of every step it may plan, in order (``OUT/done/<step>.json``).
-        section: its section of a config (None: the stage is off).
         plan: its steps, planned from the state and its section (every check made, nothing written).
+        config: the class of its section (a :class:`~nascompress.pipeline.schema.Section` its module
+            declares): its keys, under ``stages.<name>`` (or the file's ``<name>``, ``top_level``),
+            validated as the file is read; the stage is on when the section is given.
+        top_level: its section is a key of the file itself (after ``report``: ``export``), not of
+            ``stages``.
+        compresses: it compresses the model: a pipeline needs one such stage under ``stages``.
+        section: what turns it on when that is not its own section (its section of a config, None: the
+            stage is off); by default its ``config``'s section (:meth:`section_of`).
         when_off: the checks made when it is off (e.g. a setting of another section that needs it).
         decide: its entries in the summary's ``decisions`` (key -> a record or its dict; none: ``{}``),
             read from its files when the report is written, whether or not its section is on.
@@ -77,11 +86,31 @@ class PipelineStage:
     name: str
     order: int
     steps: tuple[str, ...]
-    section: Callable[[PipelineConfig], Any]
     plan: Callable[[PlanState, Any], StagePlan]
+    config: type[Section] | None = None
+    top_level: bool = False
+    compresses: bool = False
+    section: Callable[[PipelineConfig], Any] | None = None
     when_off: Callable[[PlanState], None] | None = None
     decide: Callable[[ReportState], Mapping[str, Any]] | None = None
     report_lines: Callable[[Decisions], list[str]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.config is None and self.section is None:
+            raise ValueError(f"pipeline stage {self.name!r}: give the class of its section (config) or its section")
+
+    @property
+    def path(self) -> str | None:
+        """Its section's key path in the file (``stages.dcs``, ``export``; None: no section of its own)."""
+        if self.config is None:
+            return None
+        return self.name if self.top_level else f"stages.{self.name}"
+
+    def section_of(self, cfg: PipelineConfig) -> Any:
+        """Its section of ``cfg`` (None: the stage is off)."""
+        if self.section is not None:
+            return self.section(cfg)
+        return getattr(cfg if self.top_level else cfg.stages, self.name)
 
 
 _STAGES: dict[str, PipelineStage] = {}
@@ -95,6 +124,8 @@ def register_stage(stage: PipelineStage) -> PipelineStage:
     clash = [s.name for s in _STAGES.values() if s.order == stage.order and s.name != stage.name]
     if clash:
         raise ValueError(f"pipeline stage {stage.name!r}: order {stage.order} is taken by {clash[0]!r}")
+    if stage.config is not None and stage.top_level and stage.name in PipelineConfig.keys():
+        raise ValueError(f"pipeline stage {stage.name!r}: the file's key {stage.name} is taken")
     _STAGES[stage.name] = stage
     return stage
 
@@ -112,11 +143,48 @@ def step_names() -> tuple[str, ...]:
     return ("base", *(n for s in registered_stages() for n in s.steps), "report")
 
 
+_CONFIGS: dict[tuple[Any, ...], type[PipelineConfig]] = {}  # made once per set of stages
+
+
+def config_class() -> type[PipelineConfig]:
+    """The class a pipeline file is read with: :class:`~nascompress.pipeline.sections.PipelineConfig`
+    whose ``stages`` is a :class:`~nascompress.pipeline.sections.StagesSection` with a key for each
+    registered stage's section (its ``config``, optional, in the stages' order), and a key of the
+    file after ``report`` for each ``top_level`` one (``export``)."""
+    own = [s for s in registered_stages() if s.config is not None]
+    key = tuple((s.name, s.config, s.top_level, s.compresses) for s in own)
+    made = _CONFIGS.get(key)
+    if made is None:
+        under = [s for s in own if not s.top_level]
+        stages = make_dataclass(
+            "StagesSection",
+            [(s.name, s.config | None, field(default=None)) for s in under],  # type: ignore[operator]
+            bases=(StagesSection,),
+            frozen=True,
+            namespace={"__module__": __name__, "compressing": tuple(s.name for s in under if s.compresses)},
+        )
+        stages.__doc__ = StagesSection.__doc__
+        keys = next(f for f in fields(PipelineConfig) if f.name == "stages")
+        top = [(s.name, s.config | None, field(default=None)) for s in own if s.top_level]  # type: ignore[operator]
+        made = make_dataclass(
+            "PipelineConfig",
+            [("stages", stages, field(metadata=keys.metadata)), *top],
+            bases=(PipelineConfig,),
+            frozen=True,
+            kw_only=True,
+            namespace={"__module__": __name__},
+        )
+        made.__doc__ = PipelineConfig.__doc__
+        _CONFIGS[key] = made
+    return made
+
+
 __all__ = [
     "PipelineStage",
     "PlanState",
     "ReportState",
     "StagePlan",
+    "config_class",
     "register_stage",
     "registered_stages",
     "step_names",

@@ -1,6 +1,6 @@
 """A plan's steps and the plan itself (:class:`Step`, :class:`Pipeline`), below both the planner
 (:mod:`nascompress.pipeline.plan`, which builds them and re-exports them) and the runner and report
-that read them."""
+that read them; the result of a step that had nothing to do (:class:`SkippedStep`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..runs.files import Record
+from ..runs.records import TypedRecord
 from .fallback import current_model
 from .sections import PipelineConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class SkippedStep(TypedRecord):
+    """The result of a step that had nothing to do (a DCS stage that collapsed twice, and the steps that
+    then had nothing to do): its marker says so (:attr:`~nascompress.pipeline.files.StepMarker.skipped`),
+    and why (``reason``)."""
+
+    NEW_SOURCE = "the skipped step's {name}"
+
+    skipped: bool = True
+    reason: str | None = None
+
+    @classmethod
+    def because(cls, reason: str) -> SkippedStep:
+        """A skipped step's result, ``reason`` saying why."""
+        return cls.new(skipped=True, reason=reason)
 
 
 @dataclass
@@ -21,13 +40,15 @@ class Step:
         dir: its output directory (None: nothing written by the step itself).
         mode: ``train`` (resumed from its checkpoint), ``redo`` (rebuilt from scratch when
             incomplete) or ``study`` (continued by name).
+        run: does the work; returns the step's result, a record (the stage's metrics, a
+            :class:`SkippedStep` ...) or a dict, whose scalars its marker keeps.
         outputs: files (relative to OUT) that must exist for the step to count as complete.
     """
 
     name: str
     dir: Path | None
     mode: str
-    run: Callable[..., dict[str, Any]]
+    run: Callable[..., Record | dict[str, Any]]
     outputs: tuple[str, ...] = ()
     describe: str = ""
 
@@ -59,4 +80,4 @@ class Pipeline:
         )
 
 
-__all__ = ["Step", "Pipeline"]
+__all__ = ["Step", "Pipeline", "SkippedStep"]

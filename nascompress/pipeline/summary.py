@@ -3,7 +3,8 @@
 command's printout and ``nc.compress`` read, by field.
 
 :class:`Summary` holds the dense base and the final model (:class:`ModelResult`), their
-:class:`Comparison`, the :class:`Goal`, the int8 rows (:class:`Int8Section`), every stage's
+:class:`Comparison`, the :class:`Goal`, the int8 rows
+(:class:`~nascompress.deploy.int8_rows.Int8Section`, declared where they are made), every stage's
 decisions (:class:`Decisions`), the stage log (:class:`StageRow`), the data splits and the dense
 reference (:class:`DenseReference`). Each record is a :class:`~nascompress.runs.files.Record`: the
 keys it types as fields, any other key kept as it is, the file's key order kept, so a summary read
@@ -18,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..deploy.int8_rows import Int8Section
 from ..runs.records import TypedRecord
 
 SUMMARY_FORMAT = "nascompress-pipeline-summary/1"
@@ -243,32 +245,6 @@ class StageRow(SummaryPart):
 
 
 @_part
-class Int8Row(SummaryPart):
-    """One row of the int8 comparison (``failed``: why the int8 model was not kept)."""
-
-    model: str
-    runtime: str
-    failed: str | None = None
-    test_top1: float | None = None
-    test_n: int | None = None
-    file_bytes: int | None = None
-    latency_ms: float | None = None
-    latency_threads: Any = None
-    throughput: float | None = None
-    throughput_threads: Any = None
-
-
-@_part
-class Int8Section(SummaryPart):
-    """The dense and compressed models in fp32 and int8, timed interleaved
-    (:func:`~nascompress.deploy.int8_rows.int8_rows`)."""
-
-    rows: tuple[Int8Row, ...] = ()
-    latency_batch: int | None = None
-    throughput_batch: int | None = None
-
-
-@_part
 class DenseReference(SummaryPart):
     """The dense base retrained with the retrain stage's recipe and teacher, on the report's test
     images, and the compressed model against it."""
@@ -330,8 +306,6 @@ __all__ = [
     "Decisions",
     "DenseReference",
     "Goal",
-    "Int8Row",
-    "Int8Section",
     "MethodLine",
     "ModelResult",
     "RetrainDecision",

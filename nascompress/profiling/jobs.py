@@ -192,4 +192,4 @@ def epsilon_sweep(
     batches = (
         (preprocess(imgs, spec), y) for imgs, y in make_loader(part.dataset, batch_size=batch_size, shuffle=False)
     )
-    return EpsilonSweep.new(**sweep_model(model, batches, epsilons=list(epsilons)), split=split, dataset=part.name)
+    return sweep_model(model, batches, epsilons=list(epsilons)).set(split=split, dataset=part.name)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, ClassVar, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch.utils.data import DataLoader
 
 from ..data import DataConfig
+from ..data.choose import data_config_for
 from ..data.memory import caller_input, is_memory, register_dataset
 from ..errors import NascompressError, SettingError
 from ..models.layers import to_plain
@@ -27,8 +28,8 @@ from ..runs.run_dir import RunDir
 from .workspace import Workspace
 from .user_model import cpu_fp32, frozen_names, restore_frozen, unwrap, with_frozen
 from ..runs.out_dir import refuse_overwriting_inputs
-from ..runs.run_config import find_run_config
-from ..runs.files import Arch, find_metrics
+from ..runs.run_config import RunConfig, find_run_config
+from ..runs.files import METRICS_FILE, Arch, Record, RunMetrics, find_metrics
 from ..config import offered
 from ..data.input import InputSpec
 from ..train.run import input_spec_for
@@ -47,15 +48,24 @@ def remember(model: nn.Module, arch: dict[str, Any] | Arch) -> nn.Module:
 @dataclass(frozen=True)
 class StageResult:
     """What a stage made: ``model`` (an ``nn.Module`` of timm's classes wherever the methods allow,
-    see the reference's introduction; eval mode, on the CPU), its
-    ``arch`` (what :func:`nascompress.load` rebuilds it from), the stage's ``metrics`` (its
-    ``metrics.json``), its ``config`` (its ``config.json``: the job as the command records it) and
-    ``out``, the run directory when one was kept (``out=``), else None."""
+    see the reference's introduction; eval mode, on the CPU), its ``arch`` (what
+    :func:`nascompress.load` rebuilds it from: its ``arch.json`` as the typed
+    :class:`~nascompress.runs.files.Arch`, ``arch.input``, ``arch.methods``, ``arch.method_names``,
+    ``arch.to_dict()`` the file's object), the stage's ``metrics`` (its ``metrics.json`` less the
+    completion mark, as the record the stage returns, :attr:`METRICS`: typed fields as attributes,
+    ``metrics.test_top1``; ``metrics.get(key)`` reads any key, ``metrics.to_dict()`` gives the object;
+    an empty :class:`~nascompress.runs.files.RunMetrics` where no stage ran, e.g. a token method
+    applied without data), its ``config`` (its ``config.json``, the job as the command records it: a
+    :class:`~nascompress.runs.run_config.RunConfig`, ``config.data`` the dataset, a section of the job
+    by ``config.get("train")``; None where the run recorded none) and ``out``, the run directory
+    when one was kept (``out=``), else None."""
+
+    METRICS: ClassVar[type[RunMetrics]] = RunMetrics  # the record of the stage's metrics.json
 
     model: nn.Module
-    arch: dict[str, Any]
-    metrics: dict[str, Any] = field(default_factory=dict)
-    config: dict[str, Any] = field(default_factory=dict)
+    arch: Arch
+    metrics: RunMetrics = field(default_factory=RunMetrics)
+    config: RunConfig | None = None
     out: str | None = None
 
     def save(self, directory: str | Path, *, force: bool = False) -> Path:
@@ -79,9 +89,9 @@ class StageResult:
 INPUT_KEYS = ("search_dir", "model_dir", "run_dir", "source", "teacher", "base", "run", "weights")
 
 
-def recorded_inputs(config: Mapping[str, Any]) -> list[str]:
+def recorded_inputs(config: Mapping[str, Any] | RunConfig | None) -> list[str]:
     """The runs and files a stage's recorded job (its ``config.json``) read, at any depth."""
-    found, stack = [], [config]
+    found, stack = [], [config.to_dict() if isinstance(config, Record) else dict(config or {})]
     while stack:
         d = stack.pop()
         for k, v in d.items():
@@ -97,8 +107,8 @@ def write_run(
     model: nn.Module,
     arch: dict[str, Any] | Arch,
     *,
-    config: Mapping[str, Any] | None = None,
-    metrics: Mapping[str, Any] | None = None,
+    config: Mapping[str, Any] | RunConfig | None = None,
+    metrics: Mapping[str, Any] | RunMetrics | None = None,
     force: bool = False,
     source: str | Path | None = None,
     inputs: Iterable[str] = (),
@@ -108,7 +118,9 @@ def write_run(
     the completion mark last; an existing non-empty ``directory`` is replaced only with ``force``
     and only when it is a nascompress output holding nothing else. ``source``: the directory the
     model was read from, never replaced (nor a folder holding it, nor one inside it); ``inputs``:
-    the runs it was made from (never replaced, nor a folder holding one)."""
+    the runs it was made from (never replaced, nor a folder holding one). ``config`` and ``metrics``:
+    records or their dicts (``metrics.json`` is written without their completion mark, a new one
+    added)."""
     refuse_overwriting_inputs(directory, [*inputs, source], field="directory")
     if source is not None:
         if Path(source).is_dir() and Path(os.path.realpath(source)) in Path(os.path.realpath(directory)).parents:
@@ -119,9 +131,12 @@ def write_run(
     if not force and kind != API_COPY and holds_model(directory, model, arch):
         return Path(directory)  # saved there already (a notebook cell run again): nothing to replace
     run = RunDir.prepare(directory, force=force)
-    run.create(dict(config or {}), kind=kind)
+    run.create(config.to_dict() if isinstance(config, RunConfig) else dict(config or {}), kind=kind)
     save_model(run.path, model, arch)
-    run.finish({k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
+    if isinstance(metrics, RunMetrics):
+        run.finish(metrics.results())
+    else:
+        run.finish({k: v for k, v in (metrics or {}).items() if k not in ("finished", "finished_files")})
     return run.path
 
 
@@ -140,19 +155,24 @@ def holds_model(directory: str | Path, model: nn.Module, arch: dict[str, Any] | 
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k].detach().cpu()) for k in a)
 
 
-def read_result(cls: type, run: str | Path, *, keep: bool, **extra: Any) -> Any:
-    """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's)."""
+def read_result(cls: type[StageResult], run: str | Path, *, keep: bool, **extra: Any) -> Any:
+    """The stage result ``cls`` of the complete run ``run`` (``keep``: its directory is the caller's):
+    its typed arch, its ``metrics.json`` less the completion mark as ``cls.METRICS`` (the record the
+    stage returns) and its ``config.json`` (a RunConfig, None without one)."""
     model, arch = load_typed(run)
     to_plain(model)  # timm's own classes wherever the method needs none of nascompress's at inference
     restore_frozen(model, arch)  # the parameters the caller froze come back frozen
-    recorded, config = find_metrics(run), find_run_config(run)
-    cfg = config.to_dict() if config is not None else {}
-    metrics = recorded.results() if recorded is not None else {}
+    recorded = find_metrics(run)
+    metrics = (
+        RunMetrics()
+        if recorded is None
+        else cls.METRICS.from_dict(recorded.results(), source=str(Path(run) / METRICS_FILE))
+    )
     return cls(
         model=remember(model, arch),
-        arch=arch.to_dict(),
+        arch=arch,
         metrics=metrics,
-        config=cfg,
+        config=find_run_config(run),
         out=str(Path(run).resolve()) if keep else None,
         **extra,
     )
@@ -301,7 +321,8 @@ def model_run(model: ModelLike, ws: Workspace, name: str, *, data: DataConfig | 
         return where  # a run of its own: read where it is
     m, arch = model_and_arch(model, data)
     arch = with_frozen(arch, frozen_names(model))  # what the caller froze: no stage trains it (arch.json)
-    config = dict(getattr(model, "config", None) or {})
+    recorded = getattr(model, "config", None)  # a result's RunConfig (a model object's own attribute: as it is)
+    config = recorded.to_dict() if isinstance(recorded, Record) else dict(recorded or {})
     if data is not None:
         config["data"] = asdict(data)
     if where.is_dir() and any(where.iterdir()) and mark_kind(where) != API_COPY:
@@ -338,25 +359,17 @@ def data_config(
         if val is not None or test is not None:
             raise NascompressError(f"val= and test= need {arg}= too")
         return None
+    limits = {"seed": seed, "train_limit": train_limit, "eval_limit": eval_limit}
     if isinstance(data, DataConfig):
-        cfg = data
-    elif isinstance(data, (str, Path)):
+        return data_config_for(data, **limits)
+    if isinstance(data, (str, Path)):
         if val is not None or test is not None:
             raise NascompressError(f"{data} brings its own splits; val= and test= go with a Dataset")
-        cfg = DataConfig(dataset=str(data))
-    else:
-        cfg = DataConfig(
-            dataset=register_dataset(data, val, test, classes=list(classes) if classes else None, what=arg)
-        )
-        workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
-        if workers:  # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
-            cfg = replace(cfg, num_workers=workers)
-    return replace(
-        cfg,
-        subset_seed=seed,
-        train_limit=train_limit if train_limit is not None else cfg.train_limit,
-        eval_limit=eval_limit if eval_limit is not None else cfg.eval_limit,
-    )
+        return data_config_for(dataset=str(data), **limits)
+    name = register_dataset(data, val, test, classes=list(classes) if classes else None, what=arg)
+    workers = getattr(data, "num_workers", 0) if loader_batch(data) is not None else 0
+    # a DataLoader's worker processes fetch the images (the dataset itself goes to them)
+    return data_config_for(dataset=name, settings={"num_workers": workers} if workers else None, **limits)
 
 
 def loader_batch(data: Any) -> int | None:

@@ -14,8 +14,11 @@ from ..config import user_settings
 from ..data import DataConfig
 from ..errors import NascompressError, SettingError, literal, python_api, python_words
 from ..models.layers import to_plain
-from ..runs.io import load_with_arch
+from ..runs.files import Arch
+from ..runs.io import load_typed
 from ..pipeline import run_pipeline
+from ..pipeline.config_io import load_config
+from ..pipeline.schema import ConfigError
 from ..pipeline.run import check_out
 from ..pipeline.summary import Summary
 from ..progress import say, silenced
@@ -66,13 +69,15 @@ class CompressReport:
 @dataclass(frozen=True)
 class Compressed:
     """The compressed model: ``model`` (an ``nn.Module`` of timm's classes wherever the methods allow,
-    eval mode), ``arch`` (what :func:`nascompress.load` rebuilds it from), ``report`` (what was
+    eval mode), ``arch`` (what :func:`nascompress.load` rebuilds it from: the final run's ``arch.json``
+    as the typed :class:`~nascompress.runs.files.Arch`, ``arch.method_names``, ``arch.input`` ...;
+    ``arch.to_dict()`` the file's object), ``report`` (what was
     measured: :class:`CompressReport`, ``report.accuracy``, ``report.flops_ratio``, ...; the
     pipeline's ``summary.json`` in ``report.summary``) and ``out`` (the pipeline directory when
     ``out=`` was given)."""
 
     model: Any
-    arch: dict[str, Any]
+    arch: Arch
     report: CompressReport
     out: str | None = None
 
@@ -163,7 +168,9 @@ def pipeline_config(
     latency: bool,
     stages: Mapping[str, Mapping[str, Any] | None],
 ) -> dict[str, Any]:
-    """The ``nascompress pipeline`` file ``compress`` runs (as plain data)."""
+    """The ``nascompress pipeline`` file ``compress`` runs, as plain data (what its report records);
+    ``compress`` reads it with :func:`~nascompress.pipeline.config_io.load_config`, the pipeline
+    file's own checks, into the typed config it runs."""
     _check_target(target_flops)
     methods, token_methods = list(methods), method_names(token_stage=True)  # (the pipeline's tokens stage runs)
     bad = [m for m in methods if m != "dcs" and m not in token_methods]
@@ -205,30 +212,58 @@ def pipeline_config(
     }
 
 
-_STAGE_KEY = re.compile(r"stages\.(dcs|tokens|retrain)\.([a-z][a-z0-9_]*)")
-_LITERAL = r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'"  # a number, a constant or a quoted text
-_VALUE = re.compile(_LITERAL + r"|[a-z]+[0-9_]\w*")  # a value, not a word
-_STAGE_ARG = re.compile(r"\b(dcs|tokens|retrain)__([a-z0-9_]+)(?:=([^\s,;:)]+))?")
+STAGE_ARGUMENTS = ("dcs", "tokens", "retrain")  # the pipeline's stages whose keys a dict argument of compress sets
+_KEY = re.compile(r"[a-z][a-z0-9_]*")  # a key such an argument's entry names
+_LITERAL = re.compile(r"-?\d[\d.]*(?:e-?\d+)?|True|False|None|'[^']*'")  # a number, a constant or a quoted text
+_VALUE = re.compile(_LITERAL.pattern + r"|[a-z]+[0-9_]\w*")  # a value, not a word
 
 
-def compress_words(template: str) -> str:
-    """A stage's :class:`SettingError` raised inside :func:`compress`'s pipeline (its fields written as
-    the pipeline file's keys, ``stages.dcs.target_flops``), worded as :func:`compress`'s arguments: a
-    stage key as the entry of that stage's dict (``dcs={'target_flops': 0.39}``), every other field
-    as :func:`~nascompress.errors.python_words` names it (``force=True``)."""
-    fields = _STAGE_KEY.sub(lambda m: "{%s__%s}" % (m.group(1), m.group(2)), template)
-    text = python_words(fields, call="nc.compress")
+def stage_entry(path: str) -> tuple[str, str, str] | None:
+    """The entry of :func:`compress`'s stage argument that sets the pipeline key ``path`` (a key path,
+    data): ``(stage, key, rest)`` for a key of ``stages.dcs`` / ``stages.tokens`` / ``stages.retrain``
+    (``rest``: the path below the key, ``.x``, or what follows a name that is no such key's), None for
+    any other key (``goal.max_flops``, ``stages.dcs`` itself)."""
+    top, _, below = path.partition(".")
+    stage, _, key = below.partition(".")
+    m = _KEY.match(key)
+    if top != "stages" or stage not in STAGE_ARGUMENTS or m is None:
+        return None
+    return stage, m.group(0), key[m.end() :]
 
-    def entry(m: re.Match) -> str:
-        value = m.group(3)
-        last = m.end() == len(m.string) or m.string[m.end()] in ",;:)"  # a word closing the advice: its value
-        if value is not None and not (_VALUE.fullmatch(value) or last):  # a word after the key, not its value
-            return f"{m.group(1)}={{'{m.group(2)}': ...}} {value}"
-        if value is not None and not re.fullmatch(_LITERAL, value):
+
+def argument_of(path: str) -> str:
+    """The pipeline key ``path`` as the argument of :func:`compress` that sets it (``stages.dcs.epochs``:
+    ``dcs['epochs']``); any other key as the file names it."""
+    entry = stage_entry(path)
+    return path if entry is None else f"{entry[0]}['{entry[1]}']{entry[2]}"
+
+
+def compress_words(e: SettingError) -> str:
+    """A :class:`SettingError` raised inside :func:`compress`'s pipeline, worded as :func:`compress`'s
+    arguments: a field that is a key of a stage's section (its key path in ``e.keys``, a step's error:
+    :func:`~nascompress.pipeline.run.step_error`) as the entry of that stage's dict, its value written
+    in it (``dcs={'target_flops': 0.39}``); another key of the file by its key path (``data.dataset``);
+    every other field as :func:`~nascompress.errors.python_words` names it (``force=True``). The
+    message's text is never read: only the fields' key paths are."""
+    entries = {f: stage_entry(path) for f, path in e.keys.items()}
+
+    def field(f: str) -> str:
+        if f not in entries:
+            return "{%s}" % f  # an argument of the call
+        entry = entries[f]
+        return literal(e.keys[f]) if entry is None else "{%s}%s" % (f, literal(entry[2]))
+
+    def words(f: str, value: str | None, closes: bool) -> str | None:
+        if entries.get(f) is None:
+            return None
+        stage, key, _ = entries[f]
+        if value is not None and not (_VALUE.fullmatch(value) or closes):  # a word after the key, not its value
+            return f"{stage}={{'{key}': ...}} {value}"
+        if value is not None and not _LITERAL.fullmatch(value):
             value = repr(value)  # a text value
-        return f"{m.group(1)}={{'{m.group(2)}': {value or '...'}}}"
+        return f"{stage}={{'{key}': {value or '...'}}}"
 
-    return _STAGE_ARG.sub(entry, text)
+    return python_words(e.renamed(field), call="nc.compress", entry=words)
 
 
 @python_api("nc.compress")
@@ -333,23 +368,24 @@ def compress(
             latency=latency,
             stages={"dcs": dcs, "tokens": tokens, "retrain": retrain},
         )
-        try:  # the config as data, validated as a pipeline file is (its errors named nc.compress)
+        try:  # the config as data, validated as a pipeline file is (its errors named nc.compress): the typed config
+            typed = load_config(config, source="nc.compress")
             with silenced(not progress):  # progress=False: a quiet library call
                 summary = run_pipeline(
-                    config,
+                    typed,
                     out=ws.path("pipeline"),
                     force=force,
                     progress=progress,
                     log=(lambda msg: say(f"compress: {msg}")) if progress else None,
                     source="nc.compress",
                 )
-        except SettingError as e:  # a stage's advice, its fields as the config's keys: as nc.compress's arguments
-            raise SettingError(literal(compress_words(e.template))) from None
-        except NascompressError as e:  # a config key as the argument that set it: dcs['epochs']
-            raise NascompressError(_STAGE_KEY.sub(lambda m: f"{m.group(1)}['{m.group(2)}']", str(e))) from None
+        except SettingError as e:  # a stage's advice, its fields the config's keys (e.keys): as nc.compress's arguments
+            raise SettingError(literal(compress_words(e))) from None
+        except NascompressError as e:  # a config key (ConfigError.keys) as the argument that set it: dcs['epochs']
+            raise NascompressError(e.worded(argument_of) if isinstance(e, ConfigError) else str(e)) from None
         if summary.final is None:
             raise NascompressError(f"no compressed model could be made: {summary.goal.statement}")
-        final, arch = load_with_arch(summary.final.run)
+        final, arch = load_typed(summary.final.run)
         to_plain(final)  # timm's own classes wherever the methods need none of nascompress's
         report = _report(summary, config)
         budget_report(summary, config, warn=True)
@@ -361,4 +397,13 @@ def compress(
         )
 
 
-__all__ = ["CompressReport", "Compressed", "compress", "pipeline_config", "budget_report"]
+__all__ = [
+    "CompressReport",
+    "Compressed",
+    "compress",
+    "pipeline_config",
+    "budget_report",
+    "compress_words",
+    "argument_of",
+    "stage_entry",
+]

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..config import user_settings
-from ..data import DataConfig
+from ..data.choose import data_config_for
 from ..methods.dcs import DCSConfig
 from ..dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig, search_train_config
 from ..dcs_search.metrics import DCSMetrics
@@ -38,9 +38,12 @@ SEARCH_NAMES = tuple(f.name for f in user_settings(DCSSearchConfig) if f.name !=
 @dataclass(frozen=True)
 class DCSSearch(StageResult):
     """A finished DCS search: ``model`` is the supernet (the dense model with its learnt gates),
-    ``metrics`` the search's (``flops_ratio``, ``val_top1``, ``mlp_kept``, ``qk_kept`` ...). Give it
+    ``metrics`` the search's :class:`~nascompress.dcs_search.metrics.DCSMetrics` (``flops_ratio``,
+    ``val_top1``, ``mlp_kept``, ``qk_kept``, ``kept``, ``comparison`` ...). Give it
     to :func:`nascompress.materialize` for the smaller model. The target is a bound:
     :attr:`over_target` says by how much the searched model stands above it (0.0: at or under it)."""
+
+    METRICS = DCSMetrics
 
     @property
     def over_target(self) -> float:
@@ -121,8 +124,9 @@ def search(
     with Workspace(out) as ws:
         source = model_run(model, ws, "source", data=cfg_data)
         if cfg_data is None:
-            cfg_data = run_data_config(source) or DataConfig()
-            cfg_data = data_config(cfg_data, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
+            cfg_data = data_config_for(
+                run_data_config(source), seed=seed, train_limit=train_limit, eval_limit=eval_limit
+            )
         warn_conversions(source, cfg_data, what="nc.dcs.search")  # a built-in dataset's images made the model's
         job = build_job(
             source,

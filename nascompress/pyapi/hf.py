@@ -298,7 +298,7 @@ def _plain_shape(model: nn.Module) -> tuple[int, str | None]:
 
 
 def to_transformers(
-    model: nn.Module, directory: str | Path, *, arch: dict[str, Any] | None = None, force: bool = False
+    model: nn.Module, directory: str | Path, *, arch: Arch | dict[str, Any] | None = None, force: bool = False
 ) -> Path:
     """Write ``model`` (a timm ViT whose shapes a ViTConfig holds, decided by the shapes, not the
     block classes) as a folder Hugging Face's ``ViTForImageClassification.from_pretrained`` loads (a

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data import DataConfig
+from ..data.choose import data_config_for
 from ..deploy.config import QuantizeConfig
 from ..deploy.quantize import quantize_run
 from ..retraining.run import RETRAIN_TRAIN_SETTINGS, build_job, recorded_data_config, retrain_train_config
 from ..retraining.config import RetrainConfig
 from ..retraining.run import retrain as retrain_job
 from ..dcs_search.materialize import build_job as build_materialize_job, materialize_search
+from ..dcs_search.metrics import MaterializeMetrics
+from ..retraining.metrics import RetrainMetrics
 from ..train.run import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
@@ -34,13 +36,20 @@ from ..errors import python_api
 
 @dataclass(frozen=True)
 class Materialized(StageResult):
-    """The physically smaller model gathered from a DCS search; ``metrics``: its FLOPs (``macs``),
-    ``params``, ``flops_ratio_vs_dense`` and the check against the supernet (``max_abs_logit_diff``)."""
+    """The physically smaller model gathered from a DCS search; ``metrics``: its
+    :class:`~nascompress.dcs_search.metrics.MaterializeMetrics`, the FLOPs (``macs``), ``params``,
+    ``flops_ratio_vs_dense`` and the check against the supernet (``max_abs_logit_diff``)."""
+
+    METRICS = MaterializeMetrics
 
 
 @dataclass(frozen=True)
 class Retrained(StageResult):
-    """A retrained compressed model; ``metrics``: ``test_top1``, ``best_val_top1``, the epochs' records."""
+    """A retrained compressed model; ``metrics``: its
+    :class:`~nascompress.retraining.metrics.RetrainMetrics` (``test_top1``, ``best_val_top1``,
+    ``best_epoch`` ...)."""
+
+    METRICS = RetrainMetrics
 
 
 @dataclass(frozen=True)
@@ -118,8 +127,8 @@ def retrain(
     with Workspace(out) as ws:
         src = model_run(model, ws, "model", data=cfg_data)
         if cfg_data is None:
-            cfg_data = data_config(
-                recorded_data_config(src) or DataConfig(), seed=seed, train_limit=train_limit, eval_limit=eval_limit
+            cfg_data = data_config_for(
+                recorded_data_config(src), seed=seed, train_limit=train_limit, eval_limit=eval_limit
             )
         warn_conversions(src, cfg_data, what="nc.retrain")  # a built-in dataset's images made the model's
         t_dir = None if teacher is None else str(model_run(teacher, ws, "teacher", data=cfg_data))

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..studies.trial_model import build_job as build_pick_job, materialize_trial
+from ..studies.trial_model import TrialMetrics, build_job as build_pick_job, materialize_trial
 from ..studies.results import StudyRun
 from ..studies.trials import SearchJob, build_job, run_search
 from ..train.run import RUNTIME_SETTINGS
@@ -31,7 +31,10 @@ STUDY_DB = "studies.db"
 @dataclass(frozen=True)
 class Picked(StageResult):
     """The model of the trial a study picked, rebuilt as the trial built it; ``metrics``: its
-    ``rebuilt_accuracy`` against the trial's recorded ``trial_accuracy``, its ``flops_ratio``."""
+    :class:`~nascompress.studies.trial_model.TrialMetrics`, the ``rebuilt_accuracy`` against the
+    trial's recorded ``trial_accuracy``, its ``flops_ratio``."""
+
+    METRICS = TrialMetrics
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Any
 from ..errors import NascompressError, python_api
 from ..train.finetune import FINETUNE_TRAIN_SETTINGS, build_job, finetune, finetune_train_config, split_settings
 from ..methods import get_method
+from ..train.metrics import FinetuneMetrics
 from ..train.run import RUNTIME_SETTINGS
 from .common import (
     ModelLike,
@@ -32,8 +33,12 @@ _TRAIN_NAMES = tuple(FINETUNE_TRAIN_SETTINGS.names)
 
 @dataclass(frozen=True)
 class TokenModel(StageResult):
-    """A model with a token method applied; ``metrics`` (with data): ``test_top1``, ``val_top1``,
-    ``flops_ratio`` (mean over test images: a token method's cost depends on the image)."""
+    """A model with a token method applied; ``metrics`` (with data): its
+    :class:`~nascompress.train.metrics.FinetuneMetrics`, ``test_top1``, ``val_top1``, ``flops_ratio``
+    (mean over test images: a token method's cost depends on the image), ``zero_shot``; without data an
+    empty record."""
+
+    METRICS = FinetuneMetrics
 
 
 @python_api("nc.tokens.apply")
@@ -81,7 +86,7 @@ def apply(
         base, arch = model_and_arch(model)
         patched, record = m.prepare_fresh(copy.deepcopy(base).cpu().eval(), dict(config), dict(recipe) or None)
         arch = arch.with_method(record).without("retrain")
-        return TokenModel(model=remember(patched.eval(), arch), arch=arch.to_dict())
+        return TokenModel(model=remember(patched.eval(), arch), arch=arch)
     batch_size = batch_size if batch_size is not None else loader_batch(data)
     cfg_data = data_config(data, val=val, test=test, seed=seed, train_limit=train_limit, eval_limit=eval_limit)
     # every setting is checked before anything is written

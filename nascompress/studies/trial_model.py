@@ -19,7 +19,8 @@ from ..limits import MAX_EPOCHS
 from ..errors import NascompressError, SettingError
 from ..runs.io import save_model
 from ..runs.run_dir import RunDir
-from ..runs.files import Arch
+from ..runs.files import Arch, RunMetrics
+from ..runs.records import TypedRecord
 from ..runs.out_dir import refuse_overwriting_inputs
 from .trial_build import build_trial
 from .trials import FINETUNE_EPOCHS_HELP, STORAGE_HELP, SearchJob
@@ -31,6 +32,7 @@ from ..methods import get_method
 from .inspect import load as load_study
 from .records import TrialScoring, pareto_front, study_info, trial_record
 from ..train.loop import fit
+from ..train.metrics import TrainMetrics
 from .trial_context import base_fingerprint
 
 PICK_RULES = ("best-under-flops", "best-under-latency", "knee")
@@ -65,6 +67,21 @@ class TrialMaterializeJob(Config):
             )
         if self.pick is not None:
             parse_pick(self.pick)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrialMetrics(TypedRecord, RunMetrics):
+    """A rebuilt trial's metrics (:func:`materialize_trial`, the run's ``metrics.json``): the trial, the
+    accuracy the study recorded and the rebuilt model's (the same), its FLOPs ratio (``flops_ratio``)
+    and parameter count, and with ``finetune_epochs`` the fine-tune's metrics (``finetune``)."""
+
+    NEW_SOURCE = "the rebuilt trial's {name}"
+
+    trial: int
+    trial_accuracy: float | None = None
+    rebuilt_accuracy: float | None = None
+    params: int | None = None
+    finetune: TrainMetrics | None = None
 
 
 def build_job(
@@ -156,11 +173,11 @@ def _or(v: Any, default: Any) -> Any:
     return default if v is None else v
 
 
-def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[str, Any]:
+def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> TrialMetrics:
     """Rebuild a study trial's model on the study's base run (as the trial built it: same
     configuration, seed, predictor stage or fine-tune), check that it reproduces the trial's
-    recorded accuracy, optionally fine-tune it, and save a run directory. Nothing is written
-    before everything has been checked and built."""
+    recorded accuracy, optionally fine-tune it, and save a run directory; returns its metrics
+    (:class:`TrialMetrics`). Nothing is written before everything has been checked and built."""
     out = Path(job.out)
     run = RunDir.prepare(out, force=force)
     spec, study = load_study(job.study, job.storage)
@@ -225,19 +242,19 @@ def materialize_trial(job: TrialMaterializeJob, *, force: bool = False) -> dict[
             "data": data.__dict__ if hasattr(data, "__dict__") else data,
         }
     )
-    metrics: dict[str, Any] = {
-        "trial": trial.number,
-        "trial_accuracy": rec.accuracy,
-        "rebuilt_accuracy": acc,
-        "flops_ratio": rec.flops_ratio,
-        "params": rec.params,
-    }
+    fine: dict[str, TrainMetrics] = {}
     if job.finetune_epochs > 0:
-        metrics["finetune"] = _finetune_rebuilt(
-            ctx, model, applied, arch, out, job.finetune_epochs, int(rec.seed), data
-        )
+        fine["finetune"] = _finetune_rebuilt(ctx, model, applied, arch, out, job.finetune_epochs, int(rec.seed), data)
     else:
         save_model(out, model, arch)
+    metrics = TrialMetrics.new(
+        trial=trial.number,
+        trial_accuracy=rec.accuracy,
+        rebuilt_accuracy=acc,
+        flops_ratio=rec.flops_ratio,
+        params=rec.params,
+        **fine,
+    )
     return run.finish(metrics)  # the last write: marks the run complete
 
 
@@ -250,7 +267,7 @@ def _finetune_rebuilt(
     epochs: int,
     seed: int,
     data_cfg: Any,
-) -> dict[str, Any]:
+) -> TrainMetrics:
     """Fine-tune the rebuilt model with its last method's recipe into ``out`` (the start kept if best)."""
     last = applied[-1]["name"]
     cfg = finetune_train_config(last, epochs=epochs, seed=seed, device=ctx.job.device)
@@ -259,4 +276,4 @@ def _finetune_rebuilt(
     return fit(model, data=data, input_spec=ctx.spec, cfg=cfg, out_dir=out, arch=arch, hooks=hooks, finish=False)
 
 
-__all__ = ["TrialMaterializeJob", "build_job", "materialize_trial", "pick_trial", "parse_pick", "knee"]
+__all__ = ["TrialMaterializeJob", "TrialMetrics", "build_job", "materialize_trial", "pick_trial", "parse_pick", "knee"]

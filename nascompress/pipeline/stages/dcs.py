@@ -5,11 +5,14 @@ The report's ``decisions.dcs``: the widths kept per block and how the search lan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from ...config import setting
 from ...dcs_search.latency_cost import latency_target
 from ...dcs_search.materialize import build_job as build_mat_job, materialize_search
+from ...dcs_search.metrics import MaterializeMetrics
 from ...dcs_search.run import build_job as build_dcs_job
 from ...dcs_search.search_config import SEARCH_TRAIN_SETTINGS, DCSSearchConfig
 from ...errors import NascompressError
@@ -19,11 +22,46 @@ from ...runs.io import load_with_arch
 from ...runtime import resolve_device
 from ..base_stage import data_config, runtime_values
 from ...runs.files import find_metrics
-from ..fallback import dcs_outcome, dcs_skipped, milder_target, run_dcs_with_fallback
-from ..schema import library_values, section_error
+from ..fallback import DcsOutcome, dcs_outcome, dcs_skipped, milder_target, run_dcs_with_fallback
+from ..schema import Key, Section, check_lr_pair, library_keys, library_values, section_error
+from ..sections import STAGE_DATA_SETTINGS, data_pointers
 from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
-from ..steps import Step
+from ..steps import SkippedStep, Step
 from ..summary import DcsBlock, DcsDecision, Decisions
+
+
+@dataclass(frozen=True)
+@library_keys(
+    DCSSearchConfig,
+    SEARCH_DCS_SETTINGS,
+    SEARCH_TRAIN_SETTINGS,
+    STAGE_DATA_SETTINGS,
+    lead=("target_flops", *SEARCH_TRAIN_SETTINGS.names, *STAGE_DATA_SETTINGS.names),
+)
+class DCSStage(Section):
+    """``stages.dcs``: DCS channel search (``nascompress search dcs``), then materialize. Keys are
+    the search's settings (same names): every user-facing field of
+    :class:`~nascompress.dcs_search.search_config.DCSSearchConfig` and :class:`~nascompress.methods.dcs.DCSConfig`,
+    the search's training settings (:data:`~nascompress.dcs_search.search_config.SEARCH_TRAIN_SETTINGS`; null: the
+    recipe's, ``batch_size`` null: from the training images), all declared in the library with their
+    checks (:func:`~nascompress.pipeline.schema.library_keys`), and the keys below (the data's
+    ``train_limit`` for this stage, and the pipeline's own ``on_collapse``). With ``on_collapse: retry``
+    a search that collapses is retried once at a milder target, then skipped
+    (:mod:`nascompress.pipeline.fallback`); ``stop`` fails the stage."""
+
+    on_collapse: str = setting(
+        "retry",
+        choices=("retry", "stop"),
+        help=(
+            "retry: a search that collapses runs once more at a milder target, then the pipeline goes on "
+            "without DCS; stop: the stage fails."
+        ),
+    )
+    renamed = {"fallback": ("on_collapse", {True: "retry", False: "stop"})}
+    elsewhere = data_pointers()
+
+    def __post_init__(self) -> None:
+        check_lr_pair(self)
 
 
 def plan_dcs(state: PlanState, s: Any) -> StagePlan:
@@ -47,7 +85,11 @@ def plan_dcs(state: PlanState, s: Any) -> StagePlan:
     if from_goal and s.latency_batch != 1:
         raise ctx.err(
             "stages.dcs.latency_batch",
-            f"{s.latency_batch}: goal.max_latency_ms is a batch-1 latency; give stages.dcs.target_latency instead",
+            f"{s.latency_batch}: ",
+            Key("goal.max_latency_ms"),
+            " is a batch-1 latency; give ",
+            Key("stages.dcs.target_latency"),
+            " instead",
         )
     if target is None and not latency:
         raise ctx.err(
@@ -72,12 +114,12 @@ def plan_dcs(state: PlanState, s: Any) -> StagePlan:
     except NascompressError as e:
         raise section_error(ctx, "stages.dcs", s, e) from None
 
-    def materialize(force: bool, resume: bool) -> dict[str, Any]:
+    def materialize(force: bool, resume: bool) -> MaterializeMetrics | SkippedStep:
         if dcs_skipped(out):
-            return {"skipped": True, "reason": "the DCS search collapsed twice; the pipeline goes on without DCS"}
+            return SkippedStep.because("the DCS search collapsed twice; the pipeline goes on without DCS")
         return materialize_search(mat, force=force)
 
-    def search(force: bool, resume: bool) -> dict[str, Any]:
+    def search(force: bool, resume: bool) -> DcsOutcome:
         the = job
         if from_goal:  # the goal's milliseconds as a ratio of the base's latency predicted on this device
             ratio = latency_target(
@@ -194,14 +236,15 @@ def dcs_decisions(out: Path, dcs_rec: Mapping[str, Any] | None, dense: Any) -> D
     if sm is not None:
         res.update({k: sm.get(k) for k in DCS_METRICS})
         res["kept_reason"] = (sm.get("comparison") or {}).get("reason")
-    outcome = dcs_outcome(out) or {}
-    res.update(
-        {
-            k: outcome.get(k)
-            for k in ("dcs_outcome", "dcs_target", "planned_target", "dcs_reason")
-            if outcome.get(k) is not None
+    outcome = dcs_outcome(out)
+    if outcome is not None:
+        fell = {
+            "dcs_outcome": outcome.dcs_outcome,
+            "dcs_target": outcome.dcs_target,
+            "planned_target": outcome.planned_target,
+            "dcs_reason": outcome.dcs_reason,
         }
-    )
+        res.update({k: v for k, v in fell.items() if v is not None})
     return DcsDecision.new(**res)
 
 
@@ -262,8 +305,9 @@ STAGE = register_stage(
         "dcs",
         10,
         ("dcs_search", "dcs_mat"),
-        section=lambda cfg: cfg.stages.dcs,
         plan=plan_dcs,
+        config=DCSStage,
+        compresses=True,
         decide=decide_dcs,
         report_lines=dcs_lines,
     )

@@ -5,13 +5,51 @@ validation split when asked."""
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
+from ...config import StageSettings, setting
 from ...deploy import export_run
+from ...deploy.config import ExportConfig, build_config
 from ..base_stage import data_config
 from ..fallback import current_model
+from ..schema import KeyProblem, Section, library_keys, library_values
 from ..stage import PipelineStage, PlanState, StagePlan, register_stage
 from ..steps import Step
+
+# `export`'s keys: ExportConfig's settings but the check's seed (the pipeline's seed)
+EXPORT_SETTINGS = StageSettings(
+    ExportConfig, tuple(f.name for f in fields(ExportConfig) if "help" in f.metadata and f.name != "seed")
+)
+
+
+@dataclass(frozen=True)
+@library_keys(EXPORT_SETTINGS, lead=("file",))
+class ExportSection(Section):
+    """``export``: end with a deployable file of the final model, ``OUT/export/<file>`` and its sidecar
+    (``nascompress export``: the other keys are its options, every user-facing field of
+    :class:`~nascompress.deploy.ExportConfig`, declared there with its checks; the check's seed is the
+    pipeline's)."""
+
+    file: str | None = setting(
+        None,
+        help=("The file in OUT/export/ (default model.onnx; model.int8.onnx quantized; model.pt2 for torch-export)."),
+    )
+
+    def __post_init__(self) -> None:
+        self.config(seed=0)
+        if self.file is not None and Path(self.file).name != self.file:
+            raise KeyProblem("file", f"must be a file name (it is written into OUT/export/), got {self.file!r}")
+
+    def config(self, *, seed: int) -> Any:
+        return build_config({**library_values(self, EXPORT_SETTINGS), "seed": seed})
+
+    @property
+    def filename(self) -> str:
+        if self.file:
+            return self.file
+        return "model.pt2" if self.format != "onnx" else "model.onnx" if self.quantize == "none" else "model.int8.onnx"
 
 
 def plan_export(state: PlanState, s: Any) -> StagePlan:
@@ -53,4 +91,4 @@ def plan_export(state: PlanState, s: Any) -> StagePlan:
     return StagePlan([step])
 
 
-STAGE = register_stage(PipelineStage("export", 40, ("export",), section=lambda cfg: cfg.export, plan=plan_export))
+STAGE = register_stage(PipelineStage("export", 40, ("export",), plan=plan_export, config=ExportSection, top_level=True))

@@ -6,10 +6,13 @@ the same recipe (:mod:`nascompress.pipeline.dense_reference`). The report's ``de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from ...config import setting
 from ...errors import NascompressError
 from ...retraining.config import RetrainConfig
+from ...retraining.metrics import RetrainMetrics
 from ...retraining.run import RETRAIN_TRAIN_SETTINGS, build_job, retrain
 from ...runs.files import find_metrics
 from ..base_stage import data_config, runtime_values
@@ -18,10 +21,47 @@ from ..dense_reference import NEEDS_RETRAIN, dense_reference_step
 from ..fallback import current_model, dcs_skipped
 from ..files import find_step_marker
 from ..report_format import on_images
-from ..schema import library_config, library_values, section_error
+from ..schema import Section, check_lr_pair, library_config, library_keys, library_values, section_error
+from ..sections import STAGE_DATA_SETTINGS, data_pointers
 from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
-from ..steps import Step
+from ..steps import SkippedStep, Step
 from ..summary import ConfirmDecision, Decisions, RetrainDecision
+
+
+@dataclass(frozen=True)
+@library_keys(
+    RetrainConfig,
+    RETRAIN_TRAIN_SETTINGS,
+    STAGE_DATA_SETTINGS,
+    lead=("epochs", "eta", "warmup_frac", "distil_from", *STAGE_DATA_SETTINGS.names),
+)
+class RetrainStage(Section):
+    """``stages.retrain``: final training of the compressed model (``nascompress retrain``). Keys are
+    retrain's settings (same names): every user-facing field of
+    :class:`~nascompress.retraining.run.RetrainConfig` (``feat_kd`` null: 1 with the base as teacher) and its
+    training settings (:data:`~nascompress.retraining.run.RETRAIN_TRAIN_SETTINGS`; null: the recipe's,
+    ``batch_size`` null: from the training images), declared in the library with their checks, and
+    the keys below: ``distil_from`` (the dense ``base`` or ``none``: the pipeline's choice of teacher
+    among its own runs; the command's ``--teacher`` is a run directory), ``confirm_pick`` (the
+    ``confirm`` step: :mod:`nascompress.pipeline.confirm`) and the data's ``train_limit`` for this
+    stage."""
+
+    distil_from: str = setting(
+        "base", choices=("base", "none"), help=("base: distil from the dense base (the teacher); none: no teacher.")
+    )
+    confirm_pick: bool = setting(
+        True,
+        help=(
+            "When the pick cuts tokens and the DCS stage's channel-only model meets the FLOPs goal by itself, "
+            "retrain that one too with the same recipe and keep the better of the two on validation "
+            "(the token study scores its trials on few images; this checks its pick at the full budget)."
+        ),
+    )
+    renamed = {"teacher": ("distil_from", None)}
+    elsewhere = data_pointers()
+
+    def __post_init__(self) -> None:
+        check_lr_pair(self)
 
 
 def plan_retrain(state: PlanState, s: Any) -> StagePlan:
@@ -39,7 +79,7 @@ def plan_retrain(state: PlanState, s: Any) -> StagePlan:
     except NascompressError as e:  # the teacher is distil_from's choice: the base
         raise section_error(ctx, "stages.retrain", s, e, names={"teacher": "distil_from: base"}) from None
 
-    def run(force: bool, resume: bool) -> dict[str, Any]:
+    def run(force: bool, resume: bool) -> RetrainMetrics | SkippedStep:
         start = current_model(
             out,
             base_dir=base_dir,
@@ -49,7 +89,7 @@ def plan_retrain(state: PlanState, s: Any) -> StagePlan:
             upto="retrain",
         )
         if start is None:
-            return {"skipped": True, "reason": "no compressed model to retrain (the DCS stage was skipped)"}
+            return SkippedStep.because("no compressed model to retrain (the DCS stage was skipped)")
         return retrain(job.replace(model_dir=str(start)), force=force, resume=resume)
 
     steps = [
@@ -151,8 +191,8 @@ STAGE = register_stage(
         "retrain",
         30,
         ("retrain", "confirm"),
-        section=lambda cfg: cfg.stages.retrain,
         plan=plan_retrain,
+        config=RetrainStage,
         when_off=check_without_retrain,
         decide=decide_retrain,
         report_lines=retrain_lines,

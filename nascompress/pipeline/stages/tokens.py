@@ -5,28 +5,63 @@ study, the trial picked and its settings."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ...config import setting, shared
 from ...errors import NascompressError
 from ...methods import get_method
 from ...studies.samplers import sampler_factory
 from ...studies.space_model import load_space
 from ...studies.trial_model import build_job as build_pick_job
-from ...studies.trials import STUDY_SETTINGS, GoalUnreachable, build_job as build_study_job, run_search
+from ...studies.results import StudyRun
+from ...studies.trials import STUDY_SETTINGS, GoalUnreachable, SearchJob, build_job as build_study_job, run_search
 from ..base_stage import data_config, runtime_values
-from ..fallback import current_model, dcs_skipped, pick_across
+from ..fallback import PickedTrial, current_model, dcs_skipped, pick_across
 from ...profiling.compare import dense_flops_text
 from ...runs.files import find_metrics
 from ...runs.run_config import find_run_config
 from ..files import Pick, find_pick, find_step_marker, write_pick
 from ..report_format import method_summary
-from ..schema import library_values, section_error
+from ..schema import Section, library_keys, library_values, section_error
+from ..sections import data_pointers
 from ..stage import PipelineStage, PlanState, ReportState, StagePlan, register_stage
-from ..steps import Pipeline, Step
+from ..steps import Pipeline, SkippedStep, Step
 from ..summary import Decisions, TokenMethod, TokensDecision
 
 STUDY_DB = "studies.db"
 STUDY_JOURNAL = "studies.journal"
+
+
+@dataclass(frozen=True)
+@library_keys(STUDY_SETTINGS, lead=("space",))
+class TokensStage(Section):
+    """``stages.tokens``: an Optuna search over a space file (``nascompress search tokens``) on the
+    current model, then the best trial under the goal (``nascompress materialize --study --pick``).
+    Keys are the study's settings (same names as the command's options, declared in the library:
+    :data:`~nascompress.studies.trials.STUDY_SETTINGS`; ``study`` defaults to ``pipeline``);
+    ``objective: goal`` (the default, as the command's) searches accuracy under the goal's constraint.
+    ``also_dense`` (after a dcs stage): the same study runs a second time on the dense base (study
+    ``<study>-dense``, token-only models), and the goal's pick takes the better of the two studies'
+    picks, scored on the same images (:func:`~nascompress.pipeline.fallback.pick_across`): the pipeline
+    chooses between cutting channels and tokens, both, or tokens alone."""
+
+    also_dense: bool = setting(
+        True,
+        help=(
+            "After a dcs stage, also search the token space on the dense base and keep the better pick "
+            "(token-only against channels + tokens)."
+        ),
+    )
+    study: str = shared(SearchJob, "study", default="pipeline")  # the pipeline's own study name
+
+    elsewhere = {
+        **data_pointers(()),
+        "train_limit": "the study's training images are train_images (search tokens --train-images); "
+        "the dataset's, for every stage, data.train_limit",
+        "eval_limit": "the study's validation images are eval_images (search tokens --eval-images); "
+        "the test images, for every stage, data.eval_limit",
+    }
 
 
 def plan_tokens(state: PlanState, s: Any) -> StagePlan:
@@ -90,7 +125,7 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
     # goal's pick compares both studies: the pipeline chooses where to cut
     dense_study = f"{s.study}-dense" if cfg.stages.dcs is not None and s.also_dense else None
 
-    def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> dict[str, Any]:
+    def search(force: bool, resume: bool, progress: bool = True, *, on_dense: bool = False) -> StudyRun | SkippedStep:
         (out / "tokens" / ("dense" if on_dense else "")).mkdir(parents=True, exist_ok=True)
         start = (
             base_dir
@@ -102,14 +137,14 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
         if on_dense and start == current_model(
             out, base_dir=base_dir, dcs=True, tokens=True, retrain=False, upto="tokens"
         ):
-            return {"skipped": True, "reason": "the DCS stage was skipped: the first study already searched the base"}
+            return SkippedStep.because("the DCS stage was skipped: the first study already searched the base")
         study = dense_study if on_dense else s.study
         try:
             res = run_search(job.replace(base=str(start), study=study), progress=progress)
         except GoalUnreachable as e:
             if not on_dense:
                 raise
-            return {"skipped": True, "reason": f"no token-only model reaches the goal on the dense base ({e})"}
+            return SkippedStep.because(f"no token-only model reaches the goal on the dense base ({e})")
         if not res.get("finished"):
             raise NascompressError(
                 f"the study {study!r} has {res.complete} of {s.trials} complete trials; "
@@ -117,7 +152,7 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
             )
         return res
 
-    def pick_best(force: bool, resume: bool) -> dict[str, Any]:
+    def pick_best(force: bool, resume: bool) -> PickedTrial:
         marker = find_step_marker(out, "tokens_search_dense")
         ran = marker is not None and not marker.skipped
         studies = [s.study] + ([dense_study] if dense_study and ran and not dcs_skipped(out) else [])
@@ -127,8 +162,8 @@ def plan_tokens(state: PlanState, s: Any) -> StagePlan:
             write_pick(
                 out / "tokens",
                 Pick.new(
-                    picked_study=res["picked_study"],
-                    candidates=res["candidates"],
+                    picked_study=res.picked_study,
+                    candidates=res.candidates,
                     dense_study=dense_study,
                     dense_skipped=why,
                 ),
@@ -266,8 +301,9 @@ STAGE = register_stage(
         "tokens",
         20,
         ("tokens_search", "tokens_search_dense", "tokens_pick"),
-        section=lambda cfg: cfg.stages.tokens,
         plan=plan_tokens,
+        config=TokensStage,
+        compresses=True,
         decide=decide_tokens,
         report_lines=tokens_lines,
     )
