@@ -73,6 +73,11 @@ FAMILIES = {  # file-name prefix -> (section title, one line on what it is)
         "Information-bottleneck retraining",
         "`bench/ib_retrain.py`: retraining the DCS model with and without the IB term.",
     ),
+    "honest": (
+        "Honest splits",
+        "`bench/honest_splits.py`: the DINOv2 recipe on a train/ + val/ ImageFolder (its test split carved "
+        "from val/) against a held-out folder; `--where`: the where-to-cut cells' splits and their overlaps.",
+    ),
     "faults": ("Faults and refusals", "`bench/faults.py`: what each fault does to a run and what the user sees."),
     "gpu": ("GPU", "`bench/gpu.py`: every method against dense in fp32 and bf16, eager and compiled."),
     "speed": (
