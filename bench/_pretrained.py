@@ -254,7 +254,7 @@ class Bench:
         family, info = choose_family(
             dense, images, activation_stats(dense, images), target=target, align=8, hidden_fill="mean"
         )
-        self.res[key] = {"mlp_gates": family, **info}
+        self.res[key] = {"mlp_gates": family, **info.to_dict()}
         self.save()
 
     def token(self, name: str) -> None:

@@ -77,7 +77,7 @@ def main() -> None:
         "eval_images": n,
         "calib_images": a.calib_images,
         "dense_val_top1": accuracy(model, val),
-        "auto": auto,
+        "auto": auto.to_dict(),
         "rows": [],
     }
     for f in [float(v) for v in a.drop.split(",")]:

@@ -41,9 +41,8 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from nascompress.data import DataConfig, load_data, load_fashion_mnist  # noqa: E402
-from nascompress.data.carve import without_images  # noqa: E402
 from nascompress.data.splits import Subset  # noqa: E402
-from nascompress.runs.json_io import read_json  # noqa: E402
+from nascompress.pipeline.files import read_summary  # noqa: E402
 import yaml  # noqa: E402
 
 RECIPE = ROOT / "configs" / "dinov2-fashion-mnist.yaml"
@@ -133,7 +132,7 @@ def where_splits(seeds: list[int]) -> dict:
             b = load_data(cfg)
             tr, va, te = (_origin(getattr(b, s)) for s in ("train", "val", "test"))
             res[f"{dataset}/seed{seed}"] = {
-                "splits": b.extra["splits"],
+                "splits": b.splits.to_dict(),
                 "n": {"train": len(b.train), "val": len(b.val), "test": len(b.test)},
                 "test_in_val": len(te & va),
                 "test_in_train": len(te & tr),
@@ -174,7 +173,7 @@ def main() -> None:
     cfg_path.write_text(json.dumps(recipe(user, a.budget), indent=1))  # JSON is YAML
     out = a.runs / "pipeline"
     cli("pipeline", str(cfg_path), "--out", str(out), threads=a.threads, capture=False)
-    summ = read_json(out / "summary.json")
+    summ = read_summary(out)
     res = {
         **header(),
         "protocol": {
@@ -185,9 +184,12 @@ def main() -> None:
             "held_out_folder": "test/ 1000 PNGs of the same classes, disjoint from the user folder",
             "seed": a.seed,
         },
-        "splits": without_images(summ.get("splits")),  # (its digest names the test images)
-        "summary": {k: {f: summ[k].get(f) for f in ("test_top1", "test_n", "methods")} for k in ("dense", "final")}
-        | {"flops_ratio": summ["comparison"]["flops_ratio"]},
+        "splits": None if summ.splits is None else summ.splits.without_images().to_dict(),  # (the digest names them)
+        "summary": {
+            k: {f: getattr(m, f) for f in ("test_top1", "test_n", "methods")}
+            for k, m in (("dense", summ.dense), ("final", summ.final))
+        }
+        | {"flops_ratio": summ.comparison.flops_ratio},
         "held_out": held_out_scores(out, held, a.threads),
     }
     save(a.out, res)

@@ -67,8 +67,9 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
         model, record = uniform_from_keep(dense, keep)  # the kept neurons as a nascompress model
         info = {"pruning_ratio": ratio, "torch_pruning": tp.__version__}
     elif kind == "magnitude":
-        sn, cfg, _, info = magnitude_supernet(copy.deepcopy(dense), target=target, align=8, fill=None, x1=x)
+        sn, cfg, _, baseline = magnitude_supernet(copy.deepcopy(dense), target=target, align=8, fill=None, x1=x)
         model, record = materialize(sn, cfg)
+        info = baseline.to_dict()
     else:
         raise SystemExit(f"unknown peer {kind!r}")
     info = dict(info, flops_ratio=count_flops(model, x).total / full)

@@ -207,7 +207,7 @@ def hand_latency_table(geometry, *, align: int = 4):
     """A latency table written by hand for ``geometry`` (tests of the predictor and of what reads it:
     arithmetic, never a speed): every entry rises with tokens, heads, Q/K and hidden width, none
     linearly (so interpolation and slopes are checked, not a straight line)."""
-    from nascompress.profiling.latency_table import LatencyTable
+    from nascompress.profiling.latency_table import DeviceFingerprint, LatencyTable
     from nascompress.profiling.latency_table_build import table_grids
 
     g = table_grids(geometry, align=align)
@@ -217,7 +217,7 @@ def hand_latency_table(geometry, *, align: int = 4):
     ]
     mlp = [[0.04 + 0.003 * n * w + 1e-4 * w * w for w in g["hidden"]] for n in g["tokens"]]
     return LatencyTable(
-        fingerprint={"device_type": "cpu", "cpu": "hand"},
+        fingerprint=DeviceFingerprint.new(device_type="cpu", cpu="hand"),
         dtype="fp32",
         batch=1,
         geometry=geometry,

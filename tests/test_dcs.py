@@ -745,15 +745,17 @@ def test_init_importance_auto_keeps_the_order_closer_to_dense():
             blk.norm2.bias[:10] = 5.0
     images = [torch.randn(16, 1, 16, 16)]
     imp, info = init_importance(model, images, "auto")
-    kl = info["init_kl"]
-    assert set(kl) == {"weight", "activation"} and info["init"] == (
+    kl = info.init_kl
+    assert set(kl) == {"weight", "activation"} and info.init == (
         "activation" if kl["activation"] < 0.9 * kl["weight"] else "weight"
     )
-    assert (imp is None) == (info["init"] == "weight")
-    assert info["init"] == "activation" and kl["activation"] < kl["weight"]
-    assert init_importance(model, images, "weight") == (None, {"init": "weight"})
+    assert (imp is None) == (info.init == "weight")
+    assert info.init == "activation" and kl["activation"] < kl["weight"]
+    assert list(info.to_dict()) == ["init", "init_kl"]  # the keys the search's metrics get, in order
+    imp, info = init_importance(model, images, "weight")
+    assert imp is None and info.to_dict() == {"init": "weight"}
     act, info = init_importance(model, images, "activation")
-    assert info == {"init": "activation"} and len(act) == 2
+    assert info.to_dict() == {"init": "activation"} and len(act) == 2
 
 
 def test_search_records_its_init_and_refuses_a_bad_one(tiny_run, tmp_path):

@@ -143,19 +143,19 @@ def test_the_magnitude_rule_is_global_and_lands_on_the_target(tiny_run):
     dense.eval()
     x = torch.zeros(1, 1, 16, 16)
     sn, cfg, cost, info = magnitude_supernet(copy.deepcopy(dense), target=0.8, align=1, fill=None, x1=x)
-    assert abs(info["flops_ratio"] / 0.8 - 1) <= 0.02
+    assert abs(info.flops_ratio / 0.8 - 1) <= 0.02
     # one threshold over every block, on mean-normalized scores: a kept neuron never scores below a closed one
     scores = magnitude_scores(dense)
     kept = [set(b["hidden_keep"]) for b in selection(sn)]
     lo_kept = min(float(s[i]) for s, k in zip(scores, kept) for i in k)
     hi_closed = max((float(s[i]) for s, k in zip(scores, kept) for i in range(s.numel()) if i not in k), default=0.0)
     assert hi_closed <= lo_kept
-    assert [len(k) for k in kept] == info["hidden_kept"]
+    assert [len(k) for k in kept] == info.hidden_kept
     model, _ = materialize(sn, cfg)
     xs = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(xs), sn.eval()(xs), rtol=1e-4, atol=1e-5)  # materialized = supernet
-    assert count_flops(model, x).total / count_flops(dense, x).total == pytest.approx(info["flops_ratio"], rel=1e-6)
+    assert count_flops(model, x).total / count_flops(dense, x).total == pytest.approx(info.flops_ratio, rel=1e-6)
 
 
 def test_the_guard_lets_a_search_recover_after_its_ramp():
@@ -278,7 +278,8 @@ def test_a_recovery_that_costs_the_searched_model_is_undone(tiny_run):
     c = Candidate("dcs", sn, DCSConfig(mlp_gates="hidden", align=1), 1.0, cost, pre_eval=pre)
     rec = Recovery(steps=4, batch_size=16, lr=5.0, seed=0, distill=0.0, feat_distill=0.0)  # an lr that breaks it
     kept, record = choose([c], dense, data, spec, rec, torch.device("cpu"), eval_batch_size=64)
-    assert kept is c and record["dcs"]["state"] == "before recovery" and record["dcs"]["val_recovered"] < 100.0
+    assert kept is c and record.dcs.state == "before recovery" and record.dcs.val_recovered < 100.0
+    assert record.kept == "dcs" and record.margin_pt is None and record.recovery.images == 4 * 16
     assert kept.val_top1 == 100.0 and all(torch.equal(v, before[k]) for k, v in sn.state_dict().items())
 
 
@@ -307,7 +308,7 @@ def test_the_recovery_reads_the_searchs_teacher_cache(tiny_run, feat_distill):
         torch.manual_seed(0)
         logs = recover(m, dense, data, spec, rec, cpu, teacher)
         models.append(m)
-        assert logs["kl"] > 0 and (feat_distill == 0 or logs["feat"] > 0)
+        assert logs.kl > 0 and (feat_distill == 0 or logs.feat > 0) and logs.steps == rec.steps
         assert len(calls) == (rec.steps if teacher is None else 0)
     for (k, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=k)
@@ -340,6 +341,6 @@ def test_without_a_test_split_the_kept_models_validation_is_its_test(tiny_run, t
     real = dcs_search_mod.evaluate
     monkeypatch.setattr(dcs_search_mod, "evaluate", lambda *a, **k: passes.append(1) or real(*a, **k))
     res = run_dcs_search(job, dense.requires_grad_(True), arch, data)
-    kept = res.metrics.comparison.extra[res.metrics.kept]  # the kept candidate's record
+    kept = getattr(res.metrics.comparison, res.metrics.kept)  # the kept candidate's record
     assert not passes  # recovered: the comparison's validation; before the recovery: the search's last one
-    assert res.metrics.test_top1 == kept["val_top1"] and res.metrics.get("test_n") == 32
+    assert res.metrics.test_top1 == kept.val_top1 and res.metrics.get("test_n") == 32

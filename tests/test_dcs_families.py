@@ -287,9 +287,9 @@ def test_family_probe_prefers_the_family_that_keeps_the_model_alive():
     images = [torch.randn(16, 1, 16, 16)]
     stats = activation_stats(model, images)
     family, info = choose_family(model, images, stats, target=0.7, align=8, hidden_fill="mean")
-    assert family == "hidden" and info["family_kl"]["hidden"] < info["family_kl"]["residual"]
-    assert info["family_reason"].startswith("hidden: ") and "KL" in info["family_reason"]
-    assert 0 < info["family_shares"][1] < info["family_shares"][0] < 1
+    assert family == "hidden" and info.family_kl["hidden"] < info.family_kl["residual"]
+    assert info.family_reason.startswith("hidden: ") and "KL" in info.family_reason
+    assert 0 < info.family_shares[1] < info.family_shares[0] < 1
 
 
 def test_progressive_target_moves_from_dense_to_the_target():

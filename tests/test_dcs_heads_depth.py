@@ -141,8 +141,8 @@ def test_magnitude_baseline_keeps_the_searched_head_and_block_counts():
     base, cfg, cost, info = magnitude_supernet(
         dense, target=0.5, align=1, fill=None, x1=x1, structure=Structure(heads=[2, 3, 1], skipped=1)
     )
-    assert cfg.head_gates and cfg.depth_gates and info["heads_kept"] == [2, 3, 1]
-    assert len(info["skipped_blocks"]) == 1 and abs(info["flops_ratio"] / 0.5 - 1) < 0.05
+    assert cfg.head_gates and cfg.depth_gates and info.heads_kept == [2, 3, 1]
+    assert len(info.skipped_blocks) == 1 and abs(info.flops_ratio / 0.5 - 1) < 0.05
     rec = selection(base)
     assert [len(b["heads_keep"]) for b in rec] == [2, 3, 1] and sum(b["skip"] for b in rec) == 1
     mat, _ = materialize(base, cfg)

@@ -13,6 +13,10 @@ import pytest
 import yaml
 
 from nascompress.data import DataConfig, Subset, load_data
+from nascompress.pipeline.files import read_summary
+from nascompress.profiling.records import Evaluation
+from nascompress.retraining.metrics import RetrainMetrics
+from nascompress.train.metrics import TrainMetrics
 
 from .conftest import invoke
 
@@ -62,11 +66,18 @@ def test_a_train_val_folder_gets_a_carved_test_split_no_decision_sees(tmp_path):
     assert val | test == {f"val/{c}/{i}.png" for c, n in COUNTS.items() for i in range(n)}
     for part in (b.val, b.test):  # class-stratified: every class on both sides
         assert {p.split("/")[1] for p in image_paths(part, str(root))} == set(COUNTS)
-    rec = b.extra["splits"]
-    assert rec["carved"] is True and rec["decide"] == "val" and rec["measure"] == "test"
-    assert rec["n_decide"] == len(b.val) and rec["n_measure"] == len(b.test) and rec["seed"] == 0
-    assert rec["decide_from"] == f"{root}/val" and f"{root}/val" in rec["measure_from"]
-    assert sorted(rec["measure_images"]) == sorted(test) and rec["measure_digest"]
+    rec = b.splits
+    assert rec.carved is True and rec.decide == "val" and rec.measure == "test"
+    assert rec.n_decide == len(b.val) and rec.n_measure == len(b.test) and rec.seed == 0
+    assert rec.decide_from == f"{root}/val" and f"{root}/val" in rec.measure_from
+    assert sorted(rec.measure_images) == sorted(test) and rec.measure_digest
+    assert list(rec.to_dict()) == [
+        *("decide", "measure", "decide_from", "measure_from", "carved", "n_decide", "n_measure"),
+        *("seed", "fraction", "measure_digest", "measure_images"),
+    ]  # the JSON's keys, in the order the metrics and the summary have always written them
+    kept = rec.without_images()  # what a stage's metrics keep: the digest names the files
+    assert kept.measure_images is None and "measure_images" not in kept.to_dict()
+    assert kept.to_dict() == {k: v for k, v in rec.to_dict().items() if k != "measure_images"}
     # seeded by the run's seed: the same seed carves the same images, another seed others
     assert image_paths(_load(root).test, str(root)) == image_paths(b.test, str(root))
     assert any(image_paths(_load(root, s).test, str(root)) != image_paths(b.test, str(root)) for s in (1, 2, 3))
@@ -77,7 +88,7 @@ def test_a_train_only_folder_carves_its_test_split_from_train_not_from_val(tmp_p
     b = load_data(DataConfig(dataset=str(root), num_workers=0, val_fraction=0.2), img_size=(8, 8))
     tr, va, te = (set(image_paths(p, str(root))) for p in (b.train, b.val, b.test))
     assert not tr & va and not tr & te and not va & te and len(tr | va | te) == 20
-    assert b.extra["splits"]["carved"] is True and "train" in b.extra["splits"]["measure_from"]
+    assert b.splits.carved is True and "train" in b.splits.measure_from
 
 
 def test_a_test_folder_is_the_test_split_and_builtin_splits_are_unchanged(tmp_path):
@@ -85,10 +96,13 @@ def test_a_test_folder_is_the_test_split_and_builtin_splits_are_unchanged(tmp_pa
     b = _load(root)
     assert set(image_paths(b.test, str(root))) == {f"test/{c}/{i}.png" for c, n in COUNTS.items() for i in range(n)}
     assert len(b.val) == sum(COUNTS.values())  # val/ whole: nothing carved
-    rec = b.extra["splits"]
-    assert rec["carved"] is False and rec["measure_from"] == f"{root}/test" and "measure_images" not in rec
+    rec = b.splits
+    assert rec.carved is False and rec.measure_from == f"{root}/test" and rec.measure_images is None
+    assert list(rec.to_dict()) == [
+        *("decide", "measure", "decide_from", "measure_from", "carved", "n_decide", "n_measure")
+    ]  # nothing carved: no seed, share nor files
     d = load_data(DataConfig(dataset="digits"))  # a real test split: the same images as before, recorded
-    assert d.extra["splits"]["carved"] is False and len(d.test) == 449 and len(d.val) == 135
+    assert d.splits.carved is False and len(d.test) == 449 and len(d.val) == 135
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,9 +123,9 @@ def folder_run(tmp_path_factory):
 
 
 def test_a_runs_metrics_say_which_images_decided_and_measured(folder_run):
-    m = folder_run["metrics"]
-    assert m["splits"]["carved"] is True and "measure_images" not in m["splits"]
-    assert m["test_n"] == m["splits"]["n_measure"] < sum(COUNTS.values())  # not the validation images
+    m = TrainMetrics.from_dict(folder_run["metrics"], source="train --json")
+    assert m.splits.carved is True and "measure_images" not in m.splits  # (the digest names them)
+    assert m.test_n == m.splits.n_measure < sum(COUNTS.values())  # not the validation images
 
 
 def test_evaluate_reads_a_folder_of_only_val_or_only_test_or_plain_class_folders(folder_run):
@@ -120,9 +134,10 @@ def test_evaluate_reads_a_folder_of_only_val_or_only_test_or_plain_class_folders
     shutil.copytree(folder_run["root"] / "val", only_val / "val")
     r = invoke("evaluate", run, "--dataset", only_val, "--split", "val", "--teacher", run, "--json")
     assert r.exit_code == 0, r.output
-    res = json.loads(r.stdout)
-    assert res["n"] == sum(COUNTS.values()) and res["agreement"] == 100.0
-    assert res["splits"]["measure_from"] == str(only_val / "val")
+    res = Evaluation.from_dict(json.loads(r.stdout), source="evaluate --json")
+    assert res.n == sum(COUNTS.values()) and res.agreement == 100.0
+    assert res.splits.measure == "val" and res.splits.measure_from == str(only_val / "val")
+    assert res.splits.decide is None and "decide" not in res.splits  # one split read on its own
     r = invoke("evaluate", run, "--dataset", only_val, "--split", "test")
     assert r.exit_code == 1 and "has no test/ folder" in r.stderr and "--split val" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -144,8 +159,8 @@ def test_retrain_accepts_a_dense_model(folder_run, tmp_path):
     r = invoke("retrain", folder_run["run"], "--out", out, "--epochs", 1, "--teacher", folder_run["run"])
     assert r.exit_code == 0, r.output
     assert "retrained (dense)" in r.stdout
-    m = json.loads((out / "metrics.json").read_text())
-    assert m["methods"] == [] and m["kd"] is True and m["splits"]["carved"] is True
+    m = RetrainMetrics.from_dict(json.loads((out / "metrics.json").read_text()), source="metrics.json")
+    assert m.methods == [] and m.kd is True and m.splits.carved is True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -184,14 +199,14 @@ def test_the_pipeline_reports_its_splits_and_the_dense_reference(folder_run, tmp
     out = tmp_path / "out"
     r = invoke("pipeline", cfg, "--out", out)
     assert r.exit_code == 0, r.output
-    s = json.loads((out / "summary.json").read_text())
-    assert s["splits"]["carved"] is True and s["splits"]["n_measure"] == s["dense"]["test_n"]
-    assert len(s["splits"]["measure_images"]) == s["splits"]["n_measure"]
-    ref = s["dense_reference"]
-    assert ref["run"] == str(out / "dense_reference") and ref["test_n"] == s["dense"]["test_n"]
-    assert ref["teacher"] == "base" and (out / "done" / "retrain_dense.json").is_file()
-    if s["final"] is not None:
-        assert ref["final_top1_change"] == pytest.approx(s["final"]["test_top1"] - ref["test_top1"])
+    s = read_summary(out)
+    assert s.splits.carved is True and s.splits.n_measure == s.dense.test_n
+    assert len(s.splits.measure_images) == s.splits.n_measure
+    ref = s.dense_reference
+    assert ref.run == str(out / "dense_reference") and ref.test_n == s.dense.test_n
+    assert ref.teacher == "base" and (out / "done" / "retrain_dense.json").is_file()
+    if s.final is not None:
+        assert ref.final_top1_change == pytest.approx(s.final.test_top1 - ref.test_top1)
     page = (out / "report.html").read_text()
     assert 'id="dense-reference"' in page and "no decision saw these images" in page
     marker = json.loads((out / "done" / "retrain_dense.json").read_text())

@@ -16,7 +16,7 @@ from nascompress.methods.dcs_materialize import ConstantMLP
 from nascompress.models.build import build_model, custom_vit_spec
 from nascompress.profiling import LatencyTable, ViTGeometry, geometry_of, latency_table, predict_arch, predict_latency
 from nascompress.profiling import latency_table_build
-from nascompress.profiling.latency_table import TABLE_FORMAT, cache_dir, read_table, table_key
+from nascompress.profiling.latency_table import TABLE_FORMAT, DeviceFingerprint, cache_dir, read_table, table_key
 from nascompress.profiling.latency_table_build import build_table, make_block, make_vit
 from nascompress.models.slicing import slice_hidden
 
@@ -76,6 +76,7 @@ def test_a_measured_table_has_its_grid_and_finite_positive_medians(measured):
     fp = d["fingerprint"]
     assert {"device_type", "cpu", "cpu_flags", "logical_cores", "threads", "torch"} <= set(fp)
     assert fp["device_type"] == "cpu" and fp["threads"] == torch.get_num_threads()
+    assert isinstance(t.fingerprint, DeviceFingerprint) and t.fingerprint.to_dict() == fp  # typed, the same JSON
     assert t.tokens[-1] == GEOM.tokens == 17 and len(t.tokens) == 3  # N, 0.7 N, 0.5 N
     assert t.heads == (0, 1, 2) and t.qk == (4, 8)
     assert t.hidden[0] == 0 and t.hidden[-1] == 32 and all(w % 4 == 0 for w in t.hidden)
@@ -104,15 +105,16 @@ def test_a_cached_table_is_read_not_measured_again(cache):
 
 
 def test_the_key_changes_with_batch_dtype_geometry_and_device():
-    fp = {"device_type": "cpu", "cpu": "x"}
+    fp = DeviceFingerprint.new(device_type="cpu", cpu="x")
     base = table_key(GEOM, fingerprint=fp, dtype="fp32", batch=1, align=8)
-    assert base == table_key(GEOM, fingerprint=dict(fp), dtype="fp32", batch=1, align=8)
+    same = DeviceFingerprint.new(cpu="x", device_type="cpu")  # the same fields in another order: the same key
+    assert base == table_key(GEOM, fingerprint=same, dtype="fp32", batch=1, align=8)
     wider = ViTGeometry(**{**GEOM.__dict__, "mlp_hidden": 64})
     others = {
         table_key(GEOM, fingerprint=fp, dtype="fp32", batch=16, align=8),
         table_key(GEOM, fingerprint=fp, dtype="bf16", batch=1, align=8),
         table_key(wider, fingerprint=fp, dtype="fp32", batch=1, align=8),
-        table_key(GEOM, fingerprint={**fp, "cpu": "y"}, dtype="fp32", batch=1, align=8),
+        table_key(GEOM, fingerprint=fp.set(cpu="y"), dtype="fp32", batch=1, align=8),
     }
     assert len(others) == 4 and base not in others
 

@@ -97,21 +97,28 @@ def test_profile_compare_names_both_models_in_the_one_ratio_convention(tmp_path)
     and "x faster" (> 1: faster), both named, with what the figures were measured on."""
     import json
 
+    from nascompress.profiling.records import Profile
+
     from .conftest import invoke
 
     small, big = _run(tmp_path / "small", 1), _run(tmp_path / "big", 2)
     r = invoke("profile", small, "--compare", big, "--iters", 2, "--batch-size", 4, "--json")
     assert r.exit_code == 0, r.output
-    c = json.loads(r.stdout)["comparison"]
-    assert c["model"] == str(small) and c["reference"] == str(big)
-    assert 0.4 < c["flops_ratio"] < 0.6 and c["params_ratio"] < 1  # one block of two (plus the stem)
-    assert c["latency_speedup"] > 0 and c["throughput_speedup"] > 0
-    assert c["flops_images"] == 4 and c["latency_batch"] == 1 and c["throughput_batch"] == 4
+    written = json.loads(r.stdout)
+    assert list(written["comparison"]) == [
+        *("model", "reference", "flops_ratio", "params_ratio", "latency_speedup", "throughput_speedup"),
+        *("flops_images", "latency_batch", "throughput_batch"),
+    ]  # the --json keys, in their order
+    c = Profile.from_dict(written, source="profile --json").comparison
+    assert c.model == str(small) and c.reference == str(big)
+    assert 0.4 < c.flops_ratio < 0.6 and c.params_ratio < 1  # one block of two (plus the stem)
+    assert c.latency_speedup > 0 and c.throughput_speedup > 0
+    assert c.flops_images == 4 and c.latency_batch == 1 and c.throughput_batch == 4
     r = invoke("profile", small, "--compare", big, "--iters", 2, "--batch-size", 4)
     assert r.exit_code == 0, r.output
     text = r.stdout
     assert f"{small} against the reference {big}:" in text and f"{big} (reference)" in text
-    assert f"{c['flops_ratio']:.3f}x the FLOPs (per image, mean of 4 random images)" in text
+    assert f"{c.flops_ratio:.3f}x the FLOPs (per image, mean of 4 random images)" in text
     assert "x faster" in text and "(batch 1)" in text and "(batch 4)" in text
     assert "reduction" not in text and "vs reference" not in text
 
@@ -124,6 +131,10 @@ def test_speed_and_size_texts():
         ModelProfile.new(macs=1.0, params=2.0, latency_ms=1.0, throughput=300.0),
         ModelProfile.new(macs=2.0, params=4.0, latency_ms=2.0, throughput=100.0),
     )
-    assert c == {"flops_ratio": 0.5, "params_ratio": 0.5, "latency_speedup": 2.0, "throughput_speedup": 3.0}
+    assert (c.flops_ratio, c.params_ratio, c.latency_speedup, c.throughput_speedup) == (0.5, 0.5, 2.0, 3.0)
+    assert c.latency_speedup_compiled is None and c.throughput_speedup_compiled is None  # not timed compiled
+    assert c.to_dict() == {"flops_ratio": 0.5, "params_ratio": 0.5, "latency_speedup": 2.0, "throughput_speedup": 3.0}
+    untimed = compare_records(ModelProfile.new(macs=1.0, params=2), ModelProfile.new(macs=4.0, params=4))
+    assert untimed.to_dict() == {"flops_ratio": 0.25, "params_ratio": 0.5}  # no speed-up keys when not timed
     assert times_text(0.5, "FLOPs") == "0.500x the FLOPs"
     assert speed_text(2.0) == "2.00x faster" and speed_text(0.5) == "0.50x faster (slower)"

@@ -16,7 +16,14 @@ from nascompress.models.build import ModelSpec, build_model, custom_vit_spec
 from nascompress.profiling import profile_models
 from nascompress.profiling.compare import comparison_text
 from nascompress.profiling.jobs import epsilon_sweep, evaluate_run, profile
-from nascompress.profiling.records import EpsilonSweep, Evaluation, ModelProfile, Profile, ProfileComparison
+from nascompress.profiling.records import (
+    EpsilonSweep,
+    Evaluation,
+    ModelProfile,
+    Profile,
+    ProfileComparison,
+    ProfileRatios,
+)
 from nascompress.runs.io import make_arch, save_model
 from nascompress.train.run import input_spec_for
 
@@ -138,6 +145,9 @@ def test_profile_models_times_and_compares_with_the_first():
     assert list(d) == ["device", "dtype", "models", "ratios"] and list(d["ratios"]) == ["b"]
     assert list(d["models"]["a"]) == [*MODEL_KEYS, *TIMED] and prof.models["a"].latency_batch == 1
     assert list(d["ratios"]["b"]) == ["flops_ratio", "params_ratio", "latency_speedup", "throughput_speedup"]
+    ratios = prof.ratios["b"]
+    assert isinstance(ratios, ProfileRatios) and ratios.flops_ratio == 1.0 and ratios.latency_speedup > 0
+    assert Profile.from_dict(d, source="p").ratios["b"] == ratios  # read back: the same record
 
 
 def test_a_damaged_record_is_one_line():

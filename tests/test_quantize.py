@@ -119,8 +119,9 @@ def test_export_quantize_and_the_pipeline_key_write_the_same_file(quantized, tmp
     step = next(s for s in pipe.steps if s.name == "export")
     assert step.outputs == ("export/model.int8.onnx", "export/model.int8.onnx.json")
     shutil.copytree(run, tmp_path / "pipe" / "dcs_mat")  # as if the DCS stage had made it
-    check = step.run(force=True, resume=False)
-    assert check["passed"] and check["split"] == "val"
+    check = step.run(force=True, resume=False)  # the typed check, as the sidecar has it
+    assert isinstance(check, AccuracyCheck) and check.passed and check.split == "val"
+    assert check.to_dict() == json.loads((tmp_path / "pipe" / "export" / f"{FILE}.json").read_text())["verification"]
     assert (tmp_path / "pipe" / "export" / FILE).read_bytes() == (out / FILE).read_bytes()
     # the report's int8 rows: the export step's file for the compressed model, the dense one made alike
     from nascompress.pipeline.report import _int8

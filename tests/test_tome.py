@@ -14,6 +14,7 @@ from nascompress.errors import NascompressError
 from nascompress.methods import apply_methods, get_method
 from nascompress.methods.tome import bipartite_soft_matching, merge_wavg, token_counts
 from nascompress.profiling.flops import count_flops
+from nascompress.train.metrics import FinetuneMetrics
 
 from .conftest import invoke, tiny_rgb_vit
 from .tome_reference import merge_batch, tome_forward
@@ -222,9 +223,11 @@ def test_cli_finetune_reports_flops(tmp_path, tiny_run):
     zs = tmp_path / "zs"
     r = invoke("finetune", tiny_run, "--method", "tome", "--r", "4", "--zero-shot", "--out", zs, "--json")
     assert r.exit_code == 0, r.output
-    m = json.loads(r.stdout)
-    assert 0 < m["flops"] < m["dense_flops"] and m["flops_ratio"] == pytest.approx(m["flops"] / m["dense_flops"])
-    assert m["flops_images"] > 0 and json.loads((zs / "metrics.json").read_text())["flops"] == m["flops"]
+    m = FinetuneMetrics.from_dict(json.loads(r.stdout), source="finetune --json")
+    assert 0 < m.flops < m.dense_flops and m.flops_ratio == pytest.approx(m.flops / m.dense_flops)
+    written = FinetuneMetrics.from_dict(json.loads((zs / "metrics.json").read_text()), source="metrics.json")
+    assert m.flops_images > 0 and written.flops == m.flops
+    assert list(m.to_dict())[-5:] == ["method", "flops", "dense_flops", "flops_ratio", "flops_images"]
     r = invoke("finetune", tiny_run, "--method", "tome", "--r", "4", "--zero-shot", "--out", tmp_path / "zs2")
     assert r.exit_code == 0, r.output
-    assert f"{m['flops_ratio']:.3f}x the dense FLOPs (mean of {m['flops_images']} test images)" in r.stdout
+    assert f"{m.flops_ratio:.3f}x the dense FLOPs (mean of {m.flops_images} test images)" in r.stdout

@@ -11,6 +11,7 @@ from nascompress.cli.common import Settings, out, print_json, run, settings_comm
 from nascompress.cli.options import Force, JsonOut, out_option
 from nascompress.deploy import export_run, parse_batch
 from nascompress.deploy.config import ExportConfig, build_config
+from nascompress.deploy.verify import sidecar_check
 
 
 def register(app: typer.Typer) -> None:
@@ -34,15 +35,15 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(side.to_dict())
             return
-        v = side.verification
+        v = sidecar_check(side)
         if side.quantization is not None:
             q = side.quantization
             fallback = f", fallback: {q.fallback}" if q.fallback else ""
             out.print(
                 f"wrote {side.file} ({q.scheme}{fallback}) + "
-                f"{Path(out_file).name}.json  check on {v['n']} validation images: top-1 {v['fp32_top1']:.2f}% "
-                f"fp32 -> {v['int8_top1']:.2f}% int8, agreement {v['top1_agreement']:.1f}%, max |logit diff| "
-                f"{v['max_abs_logit_diff']:.3g}",
+                f"{Path(out_file).name}.json  check on {v.n} validation images: top-1 {v.fp32_top1:.2f}% "
+                f"fp32 -> {v.int8_top1:.2f}% int8, agreement {v.top1_agreement:.1f}%, max |logit diff| "
+                f"{v.max_abs_logit_diff:.3g}",
                 highlight=False,
                 soft_wrap=True,
             )
@@ -51,8 +52,8 @@ def register(app: typer.Typer) -> None:
         out.print(
             f"wrote {files} ({side.runtime}, {side.dtype}, batch {side.batch}) + "
             f"{Path(out_file).name}.json"
-            f"  check on {v['n']} images with {v['runtime']}: max |logit diff| {v['max_abs_diff']:.2g}, "
-            f"top-1 agreement {100 * v['top1_agreement']:.1f}%",
+            f"  check on {v.n} images with {v.runtime}: max |logit diff| {v.max_abs_diff:.2g}, "
+            f"top-1 agreement {100 * v.top1_agreement:.1f}%",
             highlight=False,
             soft_wrap=True,
         )

@@ -29,28 +29,21 @@ def latency_table(
     (attention by kept heads and Q/K width, MLP by hidden width, at a few token counts; the fixed part;
     the per-block overhead), and the model's latency predicted from it."""
     res = run(latency_table_for, target, config=settings, device=device, out=out_file)
-    t = res["table"]
+    t = res.table
     if json_out:
-        print_json(
-            {
-                **t.to_dict(),
-                "cache": str(res["cache"]),
-                "measured": res["measured"],
-                "predicted_ms": res["predicted_ms"],
-            }
-        )
+        print_json(res.to_dict())
         return
     g = t.geometry
     out.print(
-        f"latency table ({'measured now' if res['measured'] else 'cached'}): {res['cache']}",
+        f"latency table ({'measured now' if res.measured else 'cached'}): {res.cache}",
         highlight=False,
         soft_wrap=True,
     )
-    if res["out"] is not None:
-        out.print(f"wrote {res['out']}", highlight=False, soft_wrap=True)
+    if res.out is not None:
+        out.print(f"wrote {res.out}", highlight=False, soft_wrap=True)
     fp = t.fingerprint
     out.print(
-        f"{fp.get('gpu') or fp['cpu']} ({fp['device_type']}, {fp['threads']} threads), {t.dtype}, batch {t.batch}; "
+        f"{fp.gpu or fp.cpu} ({fp.device_type}, {fp.threads} threads), {t.dtype}, batch {t.batch}; "
         f"N={g.tokens} C={g.embed_dim} heads={g.num_heads} head_dim={g.head_dim} hidden={g.mlp_hidden} depth={g.depth}",
         highlight=False,
         soft_wrap=True,
@@ -69,7 +62,7 @@ def latency_table(
         tab.add_row("mlp", f"{w} hidden", f"{t.mlp_ms[full][j]:.3f}")
     out.print(tab)
     out.print(
-        f"dense model measured {t.dense_ms:.2f} ms; this model predicted {res['predicted_ms']:.2f} ms", highlight=False
+        f"dense model measured {t.dense_ms:.2f} ms; this model predicted {res.predicted_ms:.2f} ms", highlight=False
     )
 
 

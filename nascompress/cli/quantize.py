@@ -12,6 +12,7 @@ from nascompress.cli.common import out, print_json, run, settings_command
 from nascompress.cli.options import Force, JsonOut, RunDataDir, RunDataset, out_option
 from nascompress.deploy.config import QuantizeConfig
 from nascompress.deploy.quantize import quantize_run
+from nascompress.deploy.verify import sidecar_check
 from nascompress.runs.run_config import run_data_config
 from nascompress.data.choose import data_config_for
 
@@ -43,16 +44,16 @@ def quantize(
     if json_out:
         print_json(side.to_dict())
         return
-    q, v = side.quantization, side.verification
+    q, v = side.quantization, sidecar_check(side)
     if q.fallback:
         out.print(f"fallback: {q.fallback}", highlight=False, soft_wrap=True)
     kept = ", ".join(f"{n} {why}" for why, n in q.kept_fp32_summary.items())
     calib = f", calibrated on {q.calibration['images']} training images" if q.calibration else ""
     out.print(
         f"wrote {target} + {target.name}.json ({q.scheme}{calib}; {q.quantized_nodes} layers int8, kept "
-        f"fp32: {kept})  check on {v['n']} {v['dataset']} validation images: top-1 {v['fp32_top1']:.2f}% fp32 "
-        f"-> {v['int8_top1']:.2f}% int8 (drop {v['top1_drop']:.2f} pts <= {v['max_drop']:g}), agreement "
-        f"{v['top1_agreement']:.1f}%, max |logit diff| {v['max_abs_logit_diff']:.3g}",
+        f"fp32: {kept})  check on {v.n} {v.dataset} validation images: top-1 {v.fp32_top1:.2f}% fp32 "
+        f"-> {v.int8_top1:.2f}% int8 (drop {v.top1_drop:.2f} pts <= {v.max_drop:g}), agreement "
+        f"{v.top1_agreement:.1f}%, max |logit diff| {v.max_abs_logit_diff:.3g}",
         highlight=False,
         soft_wrap=True,
     )

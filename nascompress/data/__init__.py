@@ -12,7 +12,7 @@ The parts, one module each (their names are importable from here too):
 * :mod:`nascompress.data.splits`: seeded splits and class-stratified subsets, and the check that a
   dataset can train a classifier;
 * :mod:`nascompress.data.carve`: a test split carved for a dataset without one (never the validation
-  images), and the record of which images decided and which measured (``DataBundle.extra["splits"]``);
+  images), and the record of which images decided and which measured (``DataBundle.splits``);
 * :mod:`nascompress.data.single`: one split for ``evaluate``, also from a folder holding only it;
 * :mod:`nascompress.data.loader`: batches in an order that depends only on (seed, epoch);
 * :mod:`nascompress.data.choose`: the DataConfig a command or a Python API call runs on
@@ -51,7 +51,7 @@ from torch.utils.data import Dataset
 from .. import runtime
 
 from ..config import Config, check_field, check_int, check_settings, setting
-from .carve import resolve_splits
+from .carve import Splits, resolve_splits
 from .classes import class_indices, keep_classes
 from .folders import TOO_LARGE, drop_bad_images, folder_classes, image_folder, scan_images, with_transform
 from .input import (
@@ -278,6 +278,7 @@ class DataBundle:
     name: str
     native_channels: int
     native_size: tuple[int, int] | None = None
+    splits: Splits | None = None  # which images decide and which measure (data.carve)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -389,7 +390,8 @@ def load_data(
         name=name,
         native_channels=channels,
         native_size=size,
-        extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed, "splits": splits},
+        splits=splits,
+        extra={**({"skipped_images": skipped} if skipped else {}), "fixed_train_images": fixed},
     )
 
 

@@ -3,7 +3,8 @@
 its validation split (:func:`resolve_splits`: half of ``val/``, or a share of the training images),
 so that the images a run decides on (its best epoch, a study's trial, the confirm step's winner) are
 never the images it reports; and the record of which images decided and which measured
-(:func:`splits_record`), written into the metrics and the pipeline's summary.
+(:class:`Splits`, made by :func:`splits_record`), carried by the loaded data
+(``DataBundle.splits``) and written into the metrics and the pipeline's summary.
 
 The carving is class-stratified (each class gives its share) and seeded by the run's seed
 (``DataConfig.subset_seed``): every stage of a run, and ``evaluate`` on that run, carve the same
@@ -14,16 +15,48 @@ from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
+from ..runs.records import TypedRecord
 from .memory import is_memory
 from .splits import Subset, check_classes, dataset_labels, limit_subset, split_indices
 
 # share of the validation images carved out as the test split when a dataset has none
 TEST_FRACTION = 0.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class Splits(TypedRecord):
+    """Which images decided (``decide``: the validation split) and which measured (``measure``: the
+    test split): where each came from, how many, whether the test split was carved (then its
+    ``seed``, its share ``fraction`` and, for an ImageFolder, its files relative to the dataset's
+    root, ``measure_images``, with their digest). One split read on its own (``evaluate`` on a
+    held-out folder, :mod:`nascompress.data.single`) has no ``decide`` side. A
+    :class:`~nascompress.runs.records.TypedRecord`: the keys in the order they were made, a key
+    absent where there is no such figure, so ``to_dict()`` is the JSON the metrics and the summary
+    hold."""
+
+    NEW_SOURCE = "the data's {name} record"
+
+    decide: str | None = None
+    measure: str
+    decide_from: str | None = None
+    measure_from: str
+    carved: bool
+    n_decide: int | None = None
+    n_measure: int
+    seed: int | None = None
+    fraction: float | None = None
+    measure_digest: str | None = None
+    measure_images: list[str] | None = None
+
+    def without_images(self) -> Splits:
+        """The record without its file list (what a stage's metrics keep; the digest names them)."""
+        return replace(self, measure_images=None, order=tuple(k for k in self.order if k != "measure_images"))
 
 
 def _carve(labels: torch.Tensor, fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +85,7 @@ def resolve_splits(
     *,
     name: str,
     root: str | None,
-) -> tuple[Dataset, Dataset, Dataset, dict[str, Any]]:
+) -> tuple[Dataset, Dataset, Dataset, Splits]:
     """The train, validation and test splits of a loaded dataset (``cfg``: its DataConfig) and their
     :func:`splits_record`: ``val`` None: carved from the training images (``val_fraction``, seeded by
     ``split_seed``, as before); ``test`` None (no test split of its own): carved too, never the
@@ -140,44 +173,38 @@ def splits_record(
     seed: int | None,
     root: str | None,
     fraction: float | None = None,
-) -> dict[str, Any]:
-    """Which images decided (the validation split) and which measured (the test split): where each
-    came from, how many, whether the test split was carved (then its seed, its share and its files,
-    relative to the dataset's root, with their digest)."""
-    rec: dict[str, Any] = {
-        "decide": "val",
-        "measure": "test",
-        "decide_from": decide,
-        "measure_from": measure,
-        "carved": carved,
-        "n_decide": len(val),
-        "n_measure": len(test),
-    }
-    if carved:
-        rec.update(seed=seed, fraction=fraction)
-        files = image_paths(test, root)
-        if files is not None:
-            rec["measure_digest"] = hashlib.sha256("\n".join(files).encode()).hexdigest()[:16]
-            rec["measure_images"] = files
-    return rec
+) -> Splits:
+    """The :class:`Splits` record of a loaded dataset: which images decided (the validation split)
+    and which measured (the test split), where each came from, how many, whether the test split was
+    carved (then its seed, its share and its files, relative to the dataset's root, with their
+    digest)."""
+    rec = Splits.new(
+        decide="val",
+        measure="test",
+        decide_from=decide,
+        measure_from=measure,
+        carved=carved,
+        n_decide=len(val),
+        n_measure=len(test),
+    )
+    if not carved:
+        return rec
+    rec = rec.set(seed=seed, fraction=fraction)
+    files = image_paths(test, root)
+    if files is None:  # images in memory: no files to name
+        return rec
+    return rec.set(measure_digest=hashlib.sha256("\n".join(files).encode()).hexdigest()[:16], measure_images=files)
 
 
-def without_images(rec: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A splits record without its file list (what a stage's metrics keep; the digest names them)."""
-    return None if rec is None else {k: v for k, v in rec.items() if k != "measure_images"}
-
-
-def splits_text(rec: dict[str, Any] | None) -> str:
+def splits_text(rec: Splits | None) -> str:
     """One line: which images decided and which measured."""
-    if not rec:
+    if rec is None:
         return ""
-    how = (
-        " (carved: the dataset has no test split of its own; no decision saw these images)" if rec.get("carved") else ""
-    )
+    how = " (carved: the dataset has no test split of its own; no decision saw these images)" if rec.carved else ""
     return (
-        f"decided on {rec['n_decide']} validation images ({rec['decide_from']}); measured on {rec['n_measure']} "
-        f"test images ({rec['measure_from']}){how}"
+        f"decided on {rec.n_decide} validation images ({rec.decide_from}); measured on {rec.n_measure} "
+        f"test images ({rec.measure_from}){how}"
     )
 
 
-__all__ = ["TEST_FRACTION", "resolve_splits", "image_paths", "splits_record", "splits_text", "without_images"]
+__all__ = ["TEST_FRACTION", "Splits", "resolve_splits", "image_paths", "splits_record", "splits_text"]

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from ..errors import NascompressError, SettingError, literal
 from . import DATASET_KEYWORDS, DataConfig, InputSpec, load_data
+from .carve import Splits
 from .classes import class_indices, keep_classes
 from .folders import drop_bad_images, image_folder
 from .input import folder_transform
@@ -31,12 +32,12 @@ SPLIT_FOLDERS = ("train", "val", "test")
 @dataclass
 class EvalSplit:
     """One split and where it came from: ``splits`` records which images it is (the data's
-    :func:`~nascompress.data.carve.splits_record`, without its file list, or the folder read)."""
+    :class:`~nascompress.data.carve.Splits`, without its file list, or the folder read)."""
 
     dataset: Dataset
     name: str
     classes: list[str]
-    splits: dict[str, Any] | None
+    splits: Splits | None
 
     @property
     def num_classes(self) -> int:
@@ -56,8 +57,7 @@ def load_split(cfg: DataConfig, split: str, *, spec: InputSpec, labels: Sequence
     plain = cfg.dataset in DATASET_KEYWORDS or is_memory(cfg.dataset) or not root.is_dir()
     if plain or (root / "train").is_dir():
         b = load_data(cfg, spec=spec, augment=False)
-        rec = b.extra.get("splits")
-        rec = None if rec is None else {k: v for k, v in rec.items() if k != "measure_images"}
+        rec = None if b.splits is None else b.splits.without_images()
         return EvalSplit(b.split(split), b.name, list(b.classes), rec)
     folder = _held_out_folder(root, split)
     ds = image_folder(folder, folder_transform(spec, train=False))
@@ -71,7 +71,7 @@ def load_split(cfg: DataConfig, split: str, *, spec: InputSpec, labels: Sequence
         raise NascompressError(f"{folder} holds no images")
     ds = limit_subset(ds, cfg.eval_limit, cfg.subset_seed)
     ds.num_workers = cfg.num_workers if cfg.num_workers is not None else min(4, os.cpu_count() or 1)
-    rec = {"measure": split, "measure_from": str(folder), "carved": False, "n_measure": len(ds)}
+    rec = Splits.new(measure=split, measure_from=str(folder), carved=False, n_measure=len(ds))
     return EvalSplit(ds, str(root), list(ds.classes), rec)
 
 

@@ -43,6 +43,7 @@ from ..methods.dcs_supernet import arch_parameters, check_family
 from ..progress import step as shown
 from .magnitude import Structure, fix_structure, magnitude_scores, set_hidden_gates
 from .cost import CostModel
+from .metrics import CandidateRecord, Comparison, MagnitudeBaseline, RecoveryLog, RecoverySettings
 from .teacher import TeacherCache, teacher_outputs
 
 KINDS = ("dcs", "magnitude")
@@ -59,14 +60,15 @@ def magnitude_supernet(
     structure: Structure = Structure(),
     make_cost: Callable[[nn.Module, nn.Module], Any] | None = None,
     at_most: bool = False,
-) -> tuple[nn.Module, DCSConfig, CostModel, dict[str, Any]]:
+) -> tuple[nn.Module, DCSConfig, CostModel, MagnitudeBaseline]:
     """The magnitude baseline at ``target`` x the dense FLOPs as a fixed DCS supernet (module
-    docstring): (supernet, its DCSConfig, its cost model, info: ``flops_ratio``, ``hidden_kept``,
-    ``threshold``). ``fill``: the dense model's mean hidden activation per block (None: closed neurons
-    give 0); ``structure``: the searched model's head and block counts (:mod:`.baseline_structure`);
-    ``make_cost(dense, supernet)``: the cost whose ratio ``target`` is (default: the FLOPs
-    :class:`CostModel`; the search's latency cost builds a :class:`~.latency_cost.LatencyCost`);
-    ``at_most``: the closest ratio at or under ``target`` (the search's ``at_most``), not either side."""
+    docstring): (supernet, its DCSConfig, its cost model, its :class:`~.metrics.MagnitudeBaseline`:
+    ``flops_ratio``, ``hidden_kept``, ``threshold`` ...). ``fill``: the dense model's mean hidden
+    activation per block (None: closed neurons give 0); ``structure``: the searched model's head and
+    block counts (:mod:`.baseline_structure`); ``make_cost(dense, supernet)``: the cost whose ratio
+    ``target`` is (default: the FLOPs :class:`CostModel`; the search's latency cost builds a
+    :class:`~.latency_cost.LatencyCost`); ``at_most``: the closest ratio at or under ``target`` (the
+    search's ``at_most``), not either side."""
     cfg = DCSConfig(mlp_gates="hidden", qk_mask="none", align=align, hidden_fill="mean" if fill else "zero")
     cfg = cfg.replace(head_gates=structure.heads is not None, depth_gates=structure.skipped is not None)
     check_family(dense, "hidden")
@@ -94,14 +96,14 @@ def magnitude_supernet(
         best = min(best, (err(r), mid))
         lo, hi = (mid, hi) if r > target else (lo, mid)
     counts = set_hidden_gates(supernet, scores, best[1], align)
-    info = {
-        "flops_ratio": cost.hard_macs(supernet) / cost.dense,
-        "hidden_kept": counts,
-        "threshold": best[1],
-        "rule": "global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
+    info = MagnitudeBaseline.new(
+        flops_ratio=cost.hard_macs(supernet) / cost.dense,
+        hidden_kept=counts,
+        threshold=best[1],
+        rule="global group-L2 magnitude of the MLP hidden neurons, mean-normalized per block "
         "(Torch-Pruning's GroupMagnitudeImportance(p=2), global_pruning)",
         **fixed,
-    }
+    )
     return supernet, cfg, cost, info
 
 
@@ -129,10 +131,11 @@ def recover(
     rec: Recovery,
     device: torch.device,
     teacher: TeacherCache | None = None,
-) -> dict[str, float]:
+) -> RecoveryLog:
     """Train ``model``'s weights (its gates fixed, their hard masks) for ``rec.steps`` steps; returns
-    the mean losses of the last steps (:func:`~nascompress.train.hooks.short_stage`). ``teacher``: the
-    search's cache of the dense model's outputs per training image, read instead of a teacher forward."""
+    the mean losses of the last steps and the steps taken (:func:`~nascompress.train.hooks.short_stage`,
+    as a :class:`~.metrics.RecoveryLog`). ``teacher``: the search's cache of the dense model's outputs
+    per training image, read instead of a teacher forward."""
     arch = {id(p) for p in arch_parameters(model)}
     params = [p for n, p in model.named_parameters() if id(p) not in arch and n not in rec.frozen]
     state = getattr(model, "dcs_state", None)
@@ -166,15 +169,11 @@ def recover(
 
     try:
         with runtime.cpu_attention(model, device, rec.amp), runtime.cpu_attention(dense, device, rec.amp):
-            return short_stage(
-                model,
-                params,
-                training_batches(data, spec, batch_size=rec.batch_size, seed=rec.seed, device=device, indexed=cached),
-                loss_fn,
-                steps=rec.steps,
-                lr=rec.lr,
-                decay=True,
+            batches = training_batches(
+                data, spec, batch_size=rec.batch_size, seed=rec.seed, device=device, indexed=cached
             )
+            logs = short_stage(model, params, batches, loss_fn, steps=rec.steps, lr=rec.lr, decay=True)
+            return RecoveryLog.new(**logs)
     finally:
         if taps is not None:
             for t in taps:
@@ -202,7 +201,7 @@ class Candidate:
     recovered_eval: Evaluation | None = None  # evaluate()'s record after the recovery
     val_eval: Evaluation | None = None  # the record of the model's kept state: one of the two above
     state: str | None = None
-    recovery: dict[str, float] | None = None
+    recovery: RecoveryLog | None = None
 
     @property
     def pre_val(self) -> float | None:
@@ -224,18 +223,18 @@ class Candidate:
         """The validation images it was scored on."""
         return None if self.val_eval is None else self.val_eval.n
 
-    def record(self) -> dict[str, Any]:
-        return {
-            "flops_ratio": self.flops_ratio,
-            "eligible": self.eligible,
-            "note": self.note,
-            "val_top1": self.val_top1,
-            "val_before_recovery": self.pre_val,
-            "val_recovered": self.recovered_val,
-            "state": self.state,
-            "val_n": self.val_n,
-            "recovery": self.recovery,
-        }
+    def record(self) -> CandidateRecord:
+        return CandidateRecord.new(
+            flops_ratio=self.flops_ratio,
+            eligible=self.eligible,
+            note=self.note,
+            val_top1=self.val_top1,
+            val_before_recovery=self.pre_val,
+            val_recovered=self.recovered_val,
+            state=self.state,
+            val_n=self.val_n,
+            recovery=self.recovery,
+        )
 
 
 def choose(
@@ -248,7 +247,7 @@ def choose(
     *,
     eval_batch_size: int,
     teacher: TeacherCache | None = None,
-) -> tuple[Candidate, dict[str, Any]]:
+) -> tuple[Candidate, Comparison]:
     """Recover every eligible candidate the same way (same seed, same batches), score each on the
     validation split, and keep the best (ties: the first, the searched model). A candidate scored
     before the recovery (``pre_eval``: the searched model's last epoch) whose recovery lowered its
@@ -276,21 +275,19 @@ def choose(
     kept = max(eligible, key=lambda c: (c.val_top1, -candidates.index(c)))
     others = [c for c in eligible if c is not kept]
     margin = kept.val_top1 - max(c.val_top1 for c in others) if others else None
-    record = {
-        "kept": kept.kind,
-        "margin_pt": margin,
-        "recovery": {
-            "steps": rec.steps,
-            "batch_size": rec.batch_size,
-            "images": rec.steps * rec.batch_size,
-            "lr": rec.lr,
-            "seed": rec.seed,
-            "distill": rec.distill,
-            "feat_distill": rec.feat_distill,
-            "amp": rec.amp,
-        },
-        **{c.kind: c.record() for c in candidates},
-    }
+    settings = RecoverySettings.new(
+        steps=rec.steps,
+        batch_size=rec.batch_size,
+        images=rec.steps * rec.batch_size,
+        lr=rec.lr,
+        seed=rec.seed,
+        distill=rec.distill,
+        feat_distill=rec.feat_distill,
+        amp=rec.amp,
+    )
+    record = Comparison.new(
+        kept=kept.kind, margin_pt=margin, recovery=settings, **{c.kind: c.record() for c in candidates}
+    )
     return kept, record
 
 
@@ -322,7 +319,7 @@ def keep_better(
     last_eval: Evaluation | None = None,
     teacher: TeacherCache | None = None,
     frozen: Iterable[str] = (),
-) -> tuple[Candidate, dict[str, Any]]:
+) -> tuple[Candidate, Comparison]:
     """The search's end (``job``: a DCSSearchJob): the searched ``supernet`` (at FLOPs ``ratio``, validation
     top-1 ``last_eval.top1`` at its last epoch, :func:`last_validation`;
     ``stopped``: the guard's reason if the gates stopped early) against the magnitude baseline at the
@@ -344,7 +341,7 @@ def keep_better(
         note=None if at_target else f"ended at {ratio:.3f}x, outside {target:g} +-{s.tolerance:.0%}",
     )
     if not s.baseline:
-        return dcs, {"kept": "dcs", "baseline": None}
+        return dcs, Comparison.new(kept="dcs", baseline=None)
     spec_x = torch.zeros(1, spec.in_chans, *spec.img_size)
     cpu_fill = None if fill is None else [f.detach().cpu() for f in fill]
     try:
@@ -362,8 +359,8 @@ def keep_better(
     except NascompressError as e:  # a model whose MLP the rule cannot prune (not timm's plain Mlp)
         if not dcs.eligible:
             raise (stopped or e)
-        return dcs, {"kept": "dcs", "baseline": None, "baseline_note": str(e)}
-    r = info["flops_ratio"]
+        return dcs, Comparison.new(kept="dcs", baseline=None, baseline_note=str(e))
+    r = info.flops_ratio
     reach = abs(r / target - 1) <= s.tolerance
     magnitude = Candidate(
         "magnitude",
@@ -398,12 +395,11 @@ def keep_better(
         [dcs, magnitude], dense, data, spec, rec, device, eval_batch_size=job.train.eval_batch_size, teacher=teacher
     )
     if not magnitude.eligible:
-        record["magnitude_note"] = magnitude.note
-    record["magnitude"].update(
-        {k: info[k] for k in ("rule", "hidden_kept", "heads_kept", "skipped_blocks") if k in info}
-    )
-    record["reason"] = reason(kept, dcs, magnitude, stopped)
-    return kept, record
+        record = record.set(magnitude_note=magnitude.note)
+    names = ("rule", "hidden_kept", "heads_kept", "skipped_blocks")  # (heads and blocks: where the search gates them)
+    widths = {k: getattr(info, k) for k in names if getattr(info, k) is not None}
+    record = record.set(magnitude=record.magnitude.set(**widths))
+    return kept, record.set(reason=reason(kept, dcs, magnitude, stopped))
 
 
 def reason(kept: Candidate, dcs: Candidate, magnitude: Candidate, stopped: Exception | None) -> str:

@@ -17,7 +17,6 @@ and removing them breaks it, while its MLP hidden neurons are highly redundant.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from ..models.layers import aligned_width
 from ..methods.dcs_importance import BlockStats, ChannelImportance
 from ..methods.dcs import DCSConfig, make_supernet
 from ..profiling import count_flops
+from .metrics import FamilyChoice
 
 FAMILIES = ("residual", "hidden")
 DEFAULT_PROBE_TARGET = 0.7  # the probe's FLOPs target when the search has none
@@ -92,9 +92,9 @@ def choose_family(
     align: int,
     hidden_fill: str,
     targets: list[torch.Tensor] | None = None,
-) -> tuple[str, dict[str, Any]]:
-    """``(family, info)``: the family whose probe models stay closer to ``dense`` (see the module
-    docstring); info ``{"family_kl": {family: KL}, "family_shares": [...], "family_reason": "..."}``."""
+) -> tuple[str, FamilyChoice]:
+    """``(family, why)``: the family whose probe models stay closer to ``dense`` (see the module
+    docstring) and why (:class:`~.metrics.FamilyChoice`: each family's KL, the shares probed, the reason)."""
     target = DEFAULT_PROBE_TARGET if target is None else target
     x = images[0][:1]
     shares = [mlp_share(dense, x, r) for r in (1 - (1 - target) / 2, target)]
@@ -111,7 +111,7 @@ def choose_family(
         f"by activation importance, no training) stay closer to the dense model (KL {kls[chosen]:.4g} against "
         f"{kls[other]:.4g} for {other})"
     )
-    return chosen, {"family_kl": kls, "family_shares": shares, "family_reason": reason}
+    return chosen, FamilyChoice.new(family_kl=kls, family_shares=shares, family_reason=reason)
 
 
 __all__ = ["choose_family", "probe_kl", "mlp_share", "dense_targets", "FAMILIES"]

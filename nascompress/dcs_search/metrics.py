@@ -4,14 +4,19 @@
 added: :func:`~nascompress.runs.io.finish_run`).
 
 The fields its readers use are typed (the landing against the target, the model kept and why, the
-end-of-search calibration, the guard's stop: :class:`Comparison`, :class:`Calibration`,
-:class:`Stopped`); the rest stays in ``extra``, in the order the search wrote it, so that
+end-of-search calibration, the guard's stop: :class:`Comparison`, with its :class:`CandidateRecord`,
+:class:`RecoverySettings` and :class:`RecoveryLog`; :class:`Calibration`; :class:`Stopped`); the rest
+stays in ``extra``, in the order the search wrote it, so that
 ``DCSMetrics.from_dict(d).to_dict() == d`` and the file is the same bytes (the style of
 :mod:`nascompress.runs.files`, whose :class:`~nascompress.runs.files.RunMetrics` it extends).
 
 :class:`MaterializeMetrics`: what :func:`~nascompress.dcs_search.materialize.materialize_search`
 returns and writes as the materialized run's ``metrics.json`` (the compact model's FLOPs and
 parameters, the supernet's, and the check of its logits against the supernet's).
+
+The search's other results are typed here too: the magnitude baseline it builds
+(:class:`MagnitudeBaseline`) and what the measurements before it chose (:class:`FamilyChoice`,
+:class:`InitChoice`, :class:`Protection`: their keys go into the metrics in that order).
 """
 
 from __future__ import annotations
@@ -55,16 +60,124 @@ class Calibration(Record):
     }
 
 
-@dataclass(frozen=True, kw_only=True)
-class Comparison(Record):
-    """``comparison``: the searched model against the magnitude baseline after the same recovery (each
-    candidate's record, the recovery, ``baseline_note`` ... in ``extra``)."""
+class _SearchRecord(TypedRecord):
+    """A record of the DCS search (its fields checked as annotated; None: not recorded)."""
+
+    NEW_SOURCE = "the DCS search's {name}"
+
+
+def _search_record(cls: type) -> type:
+    return dataclass(frozen=True, kw_only=True)(cls)
+
+
+@_search_record
+class RecoveryLog(_SearchRecord):
+    """What one candidate's recovery did (:func:`~nascompress.dcs_search.baseline.recover`): the mean
+    losses of its last steps (cross-entropy, KL to the dense model, the pre-logits feature error; None:
+    not in its loss) and the optimizer ``steps`` taken (all None: nothing to train)."""
+
+    ce: float | None = None
+    kl: float | None = None
+    feat: float | None = None
+    steps: int | None = None
+
+
+@_search_record
+class RecoverySettings(_SearchRecord):
+    """``comparison.recovery``: the recovery every candidate got (steps of ``batch_size`` images, the
+    images in all, the peak lr, the seed, the distillation weights and the precision)."""
+
+    steps: int | None = None
+    batch_size: int | None = None
+    images: int | None = None
+    lr: float | None = None
+    seed: int | None = None
+    distill: float | None = None
+    feat_distill: float | None = None
+    amp: str | None = None
+
+
+@_search_record
+class CandidateRecord(_SearchRecord):
+    """``comparison.dcs`` / ``comparison.magnitude``: one candidate
+    (:meth:`~nascompress.dcs_search.baseline.Candidate.record`): its cost ratio, whether it stands at
+    the target (why not: ``note``), its validation top-1 (kept state, before and after the recovery),
+    the ``state`` kept, the validation images and its recovery; the magnitude baseline's rule and
+    widths kept (:class:`MagnitudeBaseline`) after them."""
+
+    flops_ratio: float | None = None
+    eligible: bool | None = None
+    note: str | None = None
+    val_top1: float | None = None
+    val_before_recovery: float | None = None
+    val_recovered: float | None = None
+    state: str | None = None  # "recovered" or "before recovery"
+    val_n: int | None = None
+    recovery: RecoveryLog | None = None
+    rule: str | None = None
+    hidden_kept: list[int] | None = None
+    heads_kept: list[int] | None = None
+    skipped_blocks: list[int] | None = None
+
+
+@_search_record
+class Comparison(_SearchRecord):
+    """``comparison``: the searched model against the magnitude baseline after the same recovery
+    (:func:`~nascompress.dcs_search.baseline.keep_better`): the model kept, its lead, the recovery, each
+    candidate, why the baseline was not at the target (``magnitude_note``) or not built
+    (``baseline_note``; ``baseline`` null without one, in ``extra``), and the reason in one line."""
 
     kept: str | None = None  # "dcs" or "magnitude"
     margin_pt: float | None = None  # the kept model's lead in validation top-1 points
+    recovery: RecoverySettings | None = None
+    dcs: CandidateRecord | None = None
+    magnitude: CandidateRecord | None = None
+    magnitude_note: str | None = None
+    baseline_note: str | None = None
     reason: str | None = None  # one line: which model was kept, and why
 
-    CHECKS = {"kept": optional(check_str), "margin_pt": optional(check_number), "reason": optional(check_str)}
+
+@_search_record
+class MagnitudeBaseline(_SearchRecord):
+    """The magnitude baseline built at the target (:func:`~nascompress.dcs_search.baseline.magnitude_supernet`):
+    its cost ratio, the hidden neurons kept per block, the threshold, the rule in words, and where the
+    search gates heads or blocks, the heads kept per block and the blocks dropped."""
+
+    flops_ratio: float
+    hidden_kept: list[int]
+    threshold: float
+    rule: str
+    heads_kept: list[int] | None = None
+    skipped_blocks: list[int] | None = None
+
+
+@_search_record
+class FamilyChoice(_SearchRecord):
+    """Why ``mlp_gates auto`` chose its family (:func:`~nascompress.dcs_search.family.choose_family`):
+    each family's probe KL to the dense model, the MLP shares probed and the reason in one line."""
+
+    family_kl: Mapping[str, float]
+    family_shares: list[float]
+    family_reason: str
+
+
+@_search_record
+class InitChoice(_SearchRecord):
+    """The gates' start order (:func:`~nascompress.dcs_search.prepare.init_importance`): ``init``
+    (weight or activation) and, chosen by ``auto``, each order's probe KL (``init_kl``)."""
+
+    init: str
+    init_kl: Mapping[str, float] | None = None
+
+
+@_search_record
+class Protection(_SearchRecord):
+    """The protected gates and block cost weights (:func:`~nascompress.dcs_search.protect.protection`):
+    the gates fixed open per block, each block's sensitivity and its cost weight (None: not measured)."""
+
+    protected: list[int] | None = None
+    block_sensitivity: list[float] | None = None
+    block_weights: list[float] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,4 +261,17 @@ class MaterializeMetrics(TypedRecord, RunMetrics):
     skipped_blocks: list[int] | None = None  # the blocks dropped (block gates)
 
 
-__all__ = ["Calibration", "Comparison", "DCSMetrics", "MaterializeMetrics", "Stopped"]
+__all__ = [
+    "Calibration",
+    "CandidateRecord",
+    "Comparison",
+    "DCSMetrics",
+    "FamilyChoice",
+    "InitChoice",
+    "MagnitudeBaseline",
+    "MaterializeMetrics",
+    "Protection",
+    "RecoveryLog",
+    "RecoverySettings",
+    "Stopped",
+]

@@ -26,6 +26,7 @@ from ..data import InputSpec, make_loader, preprocess
 from ..methods.dcs_importance import BlockStats, ChannelImportance, activation_stats, channel_importance
 from ..train.auto_batch import auto_batch_size
 from .family import choose_family, dense_targets, probe_kl
+from .metrics import InitChoice
 from .protect import protection
 from .search_config import DCSSearchJob
 
@@ -33,7 +34,7 @@ from .search_config import DCSSearchJob
 @dataclass(frozen=True)
 class PreSearch:
     """What :func:`prepare_search` measured: the gates' start order (``importance``), the hidden
-    ``fill``, the ``protect``\ ed gates, the block cost ``weights`` (None: not measured) and ``info``,
+    ``fill``, the protected gates (``protect``), the block cost ``weights`` (None: not measured) and ``info``,
     what was chosen and why (logged, and written into the search's metrics in its key order)."""
 
     importance: list[ChannelImportance] | None
@@ -64,17 +65,18 @@ def init_importance(
     align: int = 1,
     hidden_fill: str = "zero",
     targets: list[torch.Tensor] | None = None,
-) -> tuple[list[ChannelImportance] | None, dict[str, Any]]:
+) -> tuple[list[ChannelImportance] | None, InitChoice]:
     """The gate-initialisation importance of :attr:`DCSSearchConfig.init_importance` on the
     preprocessed calibration ``images`` (batches; ``stats`` from :func:`activation_stats` if already
-    measured): ``(importance or None for weight magnitude, info)``, info ``{"init": chosen,
-    "init_kl": {order: KL}}`` (the KL only with ``auto``; ``family``'s gates are dropped)."""
+    measured): ``(importance or None for weight magnitude, choice)``, the :class:`~.metrics.InitChoice`
+    ``init`` (the order chosen) and ``init_kl`` (each order's KL, only with ``auto``; ``family``'s gates
+    are dropped)."""
     if how == "weight" or family == "none":
-        return None, {"init": "weight"}
+        return None, InitChoice.new(init="weight")
     stats = stats or activation_stats(dense, images)
     act = [s.importance for s in stats]
     if how == "activation":
-        return act, {"init": "activation"}
+        return act, InitChoice.new(init="activation")
     shares = [1 - d for d in INIT_PROBE_DROPS]
     fill = [s.hidden_mean for s in stats]
     targets = targets or dense_targets(dense, images)
@@ -85,7 +87,7 @@ def init_importance(
         for name, imp in (("weight", [channel_importance(b) for b in dense.blocks]), ("activation", act))
     }
     chosen = "activation" if kls["activation"] < INIT_MARGIN * kls["weight"] else "weight"
-    return (act if chosen == "activation" else None), {"init": chosen, "init_kl": kls}
+    return (act if chosen == "activation" else None), InitChoice.new(init=chosen, init_kl=kls)
 
 
 def _memo(job: DCSSearchJob, seed: int, amp: str) -> dict[str, Any]:
@@ -186,10 +188,10 @@ def _measure(
             memo[key] = choose_family(
                 dense, images, stats, target=s.target_flops, align=m.align, hidden_fill=m.hidden_fill, targets=targets
             )
-        family, finfo = memo[key]
+        family, why = memo[key]
         m = m.replace(mlp_gates=family)
         job = job.replace(method=m)
-        info.update(finfo)
+        info.update(why.to_dict())
     key = ("init", s.init_importance, m.mlp_gates)
     if key not in memo:
         tick(0, info="start order probes")
@@ -203,8 +205,8 @@ def _measure(
             hidden_fill=m.hidden_fill,
             targets=targets,
         )
-    importance, iinfo = memo[key]
-    info.update(iinfo)
+    importance, init = memo[key]
+    info.update(init.to_dict())
     protect, weights = None, None
     if stats is not None and m.mlp_gates != "none":
         key = ("protect", m.mlp_gates, s.protect_ratio, s.block_weights)
@@ -220,8 +222,8 @@ def _measure(
                 align=m.align,
                 targets=targets,
             )
-        protect, weights, pinfo = memo[key]
-        info.update(pinfo)
+        protect, weights, measured = memo[key]
+        info.update(measured.to_dict())
     fill = [st.hidden_mean for st in stats] if stats is not None else None
     return job, PreSearch(importance=importance, fill=fill, protect=protect, weights=weights, info=info)
 

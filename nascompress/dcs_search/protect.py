@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +27,7 @@ from ..models.layers import aligned_width
 from ..methods.dcs_importance import BlockStats
 from ..methods.dcs import DCSConfig, make_supernet
 from .family import dense_targets
+from .metrics import Protection
 
 SENSITIVITY_DROP = 0.5  # share of one block's gates dropped to measure its sensitivity
 WEIGHT_CLIP = 4.0  # cost weights stay within [1/4, 4]
@@ -136,18 +136,19 @@ def protection(
     block_weights: bool,
     align: int,
     targets: list[torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor] | None, list[float] | None, dict[str, Any]]:
-    """Outlier masks (``ratio`` 0: none), block cost weights (or None) and their log record."""
-    info: dict[str, Any] = {}
+) -> tuple[list[torch.Tensor] | None, list[float] | None, Protection]:
+    """Outlier masks (``ratio`` 0: none), block cost weights (or None) and their log record
+    (:class:`~.metrics.Protection`)."""
+    info = Protection.new()
     protect = None
     if ratio > 0 and family != "none":
         protect = outlier_gates(stats, family, ratio=ratio)
-        info["protected"] = [int(m.sum()) for m in protect]
+        info = info.set(protected=[int(m.sum()) for m in protect])
     weights = None
     if block_weights and family != "none":
         sens = block_sensitivity(dense, images, stats, family, align=align, protect=protect, targets=targets)
         weights = cost_weights(sens)
-        info.update(block_sensitivity=sens, block_weights=weights)
+        info = info.set(block_sensitivity=sens, block_weights=weights)
     return protect, weights, info
 
 

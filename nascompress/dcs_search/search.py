@@ -254,7 +254,7 @@ def run_dcs_search(
         test_loss=test.loss,
         test_n=test.n,
         kept=kept.kind,
-        comparison=comparison,
+        comparison=comparison.to_dict(),
         stopped=None if stopped is None else {"epoch": last["epoch"], "reason": stopped.reason},
         dense_val_top1=log[0]["val_top1"] if log[0].get("start") else None,
         search_time_s=fit_metrics.train_time_s,

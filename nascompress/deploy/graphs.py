@@ -19,7 +19,6 @@ import logging
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch._inductor
@@ -29,8 +28,30 @@ from ..errors import NascompressError, SettingError, write_error
 from ..methods import method_names
 from ..methods.mgvit_h_modules import MGPVT
 from ..runs.files import Arch
+from ..runs.records import TypedRecord
 
 TWO_STAGE = ("mgvit", "mgvit-h")  # written as two graphs and the exit rule
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExitRule(TypedRecord):
+    """MG-ViT's exit rule, applied by the caller between its two graphs (the sidecar's ``exit_rule``):
+    the threshold ``epsilon`` on stage 1's top softmax probability and the rule in words."""
+
+    NEW_SOURCE = "the export's {name}"
+
+    epsilon: float
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WrittenGraph(TypedRecord):
+    """What :func:`write_graph` wrote beyond the file (its keys go into the sidecar's ``files`` entry):
+    the ONNX ``opset`` (absent for a torch.export program)."""
+
+    NEW_SOURCE = "the export's {name}"
+
+    opset: int | None = None
 
 
 @dataclass
@@ -107,16 +128,16 @@ def check_exportable(arch: Arch, *, dynamic: bool) -> None:
             )
 
 
-def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str, Any] | None]:
+def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], ExitRule | None]:
     """The graphs to export for ``model`` (a :func:`~nascompress.deploy.paths.traceable_copy`) and
     MG-ViT's exit rule (None for a single graph); ``x`` is the example batch."""
     if isinstance(model, MGPVT):
-        rule = {
-            "epsilon": float(model.mg["epsilon"]),
-            "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "
+        rule = ExitRule.new(
+            epsilon=float(model.mg["epsilon"]),
+            text="an image exits with stage 1's logits when max(softmax(logits)) > epsilon (never at epsilon "
             "1: then stage 2 alone gives every image's logits); the images of the other rows go "
             "through stage 2, whose logits replace stage 1's",
-        }
+        )
         return [
             Graph("sgis", _SGIS(model).eval(), (x,), ("image",), ("logits",)),
             Graph("mgis", _MGPass(model).eval(), (x,), ("image",), ("logits",)),
@@ -125,11 +146,11 @@ def graphs_for(model: nn.Module, x: torch.Tensor) -> tuple[list[Graph], dict[str
         s1, s2 = _Stage1(model).eval(), _Stage2(model).eval()
         with torch.no_grad():
             _, tokens, casr = s1(x)
-        rule = {
-            "epsilon": float(model.mg["epsilon"]),
-            "text": "an image exits with stage 1's logits when max(softmax(logits)) > epsilon; the rows of "
+        rule = ExitRule.new(
+            epsilon=float(model.mg["epsilon"]),
+            text="an image exits with stage 1's logits when max(softmax(logits)) > epsilon; the rows of "
             "(image, tokens, casr) of the other images go through stage 2, whose logits replace stage 1's",
-        }
+        )
         return [
             Graph("sgis", s1, (x,), ("image",), ("logits", "tokens", "casr")),
             Graph("mgis", s2, (x, tokens, casr), ("image", "tokens", "casr"), ("logits",)),
@@ -156,8 +177,8 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
 
 
-def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | None) -> dict[str, Any]:
-    """Export ``g`` to ``path`` (``onnx``, ``torch-export`` or ``aoti``); returns what was written (opset)."""
+def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | None) -> WrittenGraph:
+    """Export ``g`` to ``path`` (``onnx``, ``torch-export`` or ``aoti``); returns what was written (the opset)."""
     batch = torch.export.Dim("batch", min=1)
     shapes = tuple({0: batch} for _ in g.inputs) if dynamic else None
     try:
@@ -173,7 +194,7 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
                     torch.export.save(ep, buf)
                 with open(path, "wb") as f:
                     f.write(buf.getbuffer())
-                return {}
+                return WrittenGraph.new()
             prog = torch.onnx.export(
                 g.module,
                 g.inputs,
@@ -200,7 +221,7 @@ def write_graph(g: Graph, path: Path, *, fmt: str, dynamic: bool, opset: int | N
             f"the ONNX exporter cannot write this model at opset {opset} (it fell back to "
             f"{got}); choose {{opset}} {got} or leave {{opset}} out"
         )
-    return {"opset": got}
+    return WrittenGraph.new(opset=got)
 
 
-__all__ = ["Graph", "TWO_STAGE", "check_exportable", "graphs_for", "write_graph", "quiet"]
+__all__ = ["ExitRule", "Graph", "TWO_STAGE", "WrittenGraph", "check_exportable", "graphs_for", "write_graph", "quiet"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterator
@@ -26,6 +27,8 @@ from .paths import traceable_copy
 from .verify import runner_for, verify, with_exit_rule
 from ..models.build import input_size
 from ..profiling import count_flops
+from ..profiling.records import StageFlops
+from ..runs.records import TypedRecord
 from ..profiling.latency import compile_problem
 
 SIDECAR_FORMAT = "nascompress-export/1"
@@ -108,17 +111,31 @@ def new_folders(created: list[Path]) -> Iterator[None]:
         raise
 
 
-def _flops(model: torch.nn.Module, x1: torch.Tensor) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class ExportFlops(TypedRecord):
+    """The exported model's cost (the sidecar's ``flops``): MACs and GFLOPs per image, parameters, the
+    counting convention, and an MG-ViT's per-stage MACs (an exiting image pays stage 1 only)."""
+
+    NEW_SOURCE = "the export's {name}"
+
+    macs_per_image: float
+    gflops_per_image: float
+    params: int
+    convention: str
+    stages: StageFlops | None = None
+
+
+def _flops(model: torch.nn.Module, x1: torch.Tensor) -> ExportFlops:
     rep = count_flops(model, x1)
-    out: dict[str, Any] = {
-        "macs_per_image": rep.total,
-        "gflops_per_image": rep.gflops,
-        "params": rep.params,
-        "convention": "1 multiply-add = 1 FLOP, attention matmuls included",
-    }
+    flops = ExportFlops.new(
+        macs_per_image=rep.total,
+        gflops_per_image=rep.gflops,
+        params=rep.params,
+        convention="1 multiply-add = 1 FLOP, attention matmuls included",
+    )
     if hasattr(model, "stage_flops"):  # MG-ViT: per-stage costs (an exiting image pays stage 1 only)
-        out["stages"] = model.stage_flops()
-    return out
+        flops = flops.set(stages=StageFlops.new(**model.stage_flops()))
+    return flops
 
 
 def _io_spec(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], batch: Any, dtype: str) -> list[dict]:
@@ -203,7 +220,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
             export_s = time.perf_counter() - t0
             say(f"export: written in {export_s:.1f} s; checking the file against the PyTorch model ...")
             runners = [runner_for(tmp, cfg.format) for tmp in tmps]
-            run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule["epsilon"])
+            run_fn = runners[0][0] if rule is None else with_exit_rule(runners[0][0], runners[1][0], rule.epsilon)
             batches = [x.to(dtype), x[:1].to(dtype)] if cfg.dynamic and len(x) > 1 else [x.to(dtype)]
             model.to(dtype)
             check = verify(model, run_fn, batches, tolerance=cfg.tol)
@@ -238,7 +255,7 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                         "stage": gr.role,
                         "inputs": _io_spec(gr.input_names, gr.inputs, batch, cfg.dtype),
                         "outputs": list(gr.output_names),
-                        **w,
+                        **w.to_dict(),
                     }
                     for f, gr, w in zip(files, graphs, written)
                 ],
@@ -253,13 +270,13 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
                 },
                 "num_classes": int(model.num_classes),
                 "id2label": ({str(i): name for i, name in enumerate(recorded.labels)} if recorded.labels else None),
-                "flops": flops,
+                "flops": flops.to_dict(),
                 "model": dict(recorded.model),
                 "methods": [
                     {"name": m.name, "config": m.get("config", {}), **({"stage": m.stage} if "stage" in m else {})}
                     for m in recorded.methods
                 ],
-                "exit_rule": rule,
+                "exit_rule": None if rule is None else rule.to_dict(),
                 "source": {"run": str(run), "weights": weights.name, "sha256": file_sha256(weights)},
                 "verification": check.to_dict(),
                 "exporter": {
@@ -274,4 +291,4 @@ def export_run(run: str | Path, *, out: str | Path, config: ExportConfig | None 
     return sidecar
 
 
-__all__ = ["export_run", "stage_path", "SIDECAR_FORMAT"]
+__all__ = ["ExportFlops", "export_run", "stage_path", "SIDECAR_FORMAT"]

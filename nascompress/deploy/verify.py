@@ -19,7 +19,7 @@ import torch
 import torch._inductor
 
 from ..errors import NascompressError
-from ..runs.files import Record, as_is, check_number, optional
+from ..runs.files import Record, Sidecar, as_is, check_number, check_str, optional
 from .graphs import quiet
 
 Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
@@ -29,9 +29,9 @@ Runner = Callable[[Sequence[torch.Tensor]], list[torch.Tensor]]
 class Check(Record):
     """An exported file's logits against the PyTorch model's (:func:`compare`, :func:`merge`,
     :func:`verify`; the export sidecar's ``verification``): over ``n`` images, max |difference|, the
-    logit scale (max |PyTorch logit|), top-1 agreement (a share), ``passed`` (once judged) and MG-ViT's
-    ``stages`` (each stage file on every image); the rest (``batches``, ``tolerance``, ``runtime``,
-    ``seed``, ``inputs``) in ``extra``."""
+    logit scale (max |PyTorch logit|), top-1 agreement (a share), ``passed`` (once judged), MG-ViT's
+    ``stages`` (each stage file on every image) and the ``runtime`` that ran the file; the rest
+    (``batches``, ``tolerance``, ``seed``, ``inputs``) in ``extra``."""
 
     n: int
     max_abs_diff: float
@@ -39,11 +39,13 @@ class Check(Record):
     top1_agreement: float
     passed: bool | None = None
     stages: Check | None = None
+    runtime: str | None = None
 
     CHECKS = {
         **{k: check_number for k in ("n", "max_abs_diff", "logit_scale", "top1_agreement")},
         "passed": as_is,
         "stages": optional(lambda v, where: Check.from_dict(v, source=where)),
+        "runtime": optional(check_str),
     }
 
 
@@ -51,8 +53,8 @@ class Check(Record):
 class AccuracyCheck(Record):
     """An int8 file's logits against the fp32 file's on ``n`` labelled images (:func:`accuracy_check`;
     the int8 sidecar's ``verification``): top-1 of both (%), the drop (points), top-1 agreement (%), max
-    |logit difference|, the logit scale, the allowed drop and ``passed``; the rest (``split``,
-    ``dataset``, ``reference``, ``runtime``) in ``extra``."""
+    |logit difference|, the logit scale, the allowed drop, ``passed``, the ``split`` and ``dataset`` it
+    was checked on; the rest (``reference``, ``runtime``) in ``extra``."""
 
     n: int
     fp32_top1: float
@@ -63,12 +65,23 @@ class AccuracyCheck(Record):
     logit_scale: float
     max_drop: float
     passed: bool
+    split: str | None = None
+    dataset: str | None = None
 
     CHECKS = {
         **{k: check_number for k in ("n", "fp32_top1", "int8_top1", "top1_drop", "top1_agreement")},
         **{k: check_number for k in ("max_abs_logit_diff", "logit_scale", "max_drop")},
         "passed": as_is,
+        **{k: optional(check_str) for k in ("split", "dataset")},
     }
+
+
+def sidecar_check(side: Sidecar) -> Check | AccuracyCheck:
+    """The check an export's sidecar records (its ``verification``), typed: an int8 file's
+    :class:`AccuracyCheck` (against the fp32 file on the validation split), another file's
+    :class:`Check` (against the PyTorch model)."""
+    kind = AccuracyCheck if side.quantization is not None else Check
+    return kind.from_dict(side.verification, source=f"the sidecar of {side.file}: verification")
 
 
 def onnx_runner(path: str | Path, *, threads: int | None = None, spinning: bool = True) -> tuple[Runner, str]:
@@ -231,4 +244,5 @@ __all__ = [
     "merge",
     "verify",
     "accuracy_check",
+    "sidecar_check",
 ]

@@ -1,5 +1,5 @@
 """The references a pipeline's report holds beside its result: which images decided and which
-measured (:func:`splits_summary`, the data's :mod:`~nascompress.data.carve` record), and, with
+measured (:func:`splits_summary`, the data's :class:`~nascompress.data.carve.Splits`), and, with
 ``report.dense_reference: true``, the dense base retrained with the retrain stage's own recipe and
 teacher (the ``retrain_dense`` step, ``OUT/dense_reference``: :func:`dense_reference_step`), the fair
 yardstick for the compressed model at the same budget (:func:`dense_reference_record`, shown by
@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import Any
 
 from ..profiling.jobs import evaluate_run
 from ..profiling.records import Evaluation
 from ..data import load_data
-from ..data.carve import splits_text
+from ..data.carve import Splits, splits_text
+from ..retraining.metrics import RetrainMetrics
 from ..retraining.run import RetrainJob, retrain
 from ..runs.files import find_metrics
 from .steps import Pipeline, Step
@@ -29,7 +29,7 @@ def dense_reference_step(job: RetrainJob, out: Path, base_dir: Path) -> Step:
     job) into ``OUT/dense_reference``: resumed from its checkpoint like the other training steps."""
     ref = out / DENSE_REFERENCE_DIR
 
-    def run(force: bool, resume: bool) -> dict[str, Any]:
+    def run(force: bool, resume: bool) -> RetrainMetrics:
         return retrain(job.replace(model_dir=str(base_dir), out=str(ref)), force=force, resume=resume)
 
     return Step(
@@ -42,10 +42,10 @@ def dense_reference_step(job: RetrainJob, out: Path, base_dir: Path) -> Step:
     )
 
 
-def splits_summary(pipe: Pipeline) -> dict[str, Any] | None:
+def splits_summary(pipe: Pipeline) -> Splits | None:
     """The pipeline's data split record: which images decided (validation) and which measured (test),
-    whether the test split was carved and, then, its files (:func:`~nascompress.data.carve.splits_record`)."""
-    return load_data(pipe.data, augment=False).extra.get("splits")
+    whether the test split was carved and, then, its files (:class:`~nascompress.data.carve.Splits`)."""
+    return load_data(pipe.data, augment=False).splits
 
 
 def dense_reference_record(pipe: Pipeline, dense_ev: Evaluation, final: ModelResult | None) -> DenseReference:
@@ -71,7 +71,7 @@ def dense_reference_record(pipe: Pipeline, dense_ev: Evaluation, final: ModelRes
 def reference_html(s: Summary) -> list[str]:
     """The report's parts for the splits line and the dense reference (none without them)."""
     parts = []
-    if s.splits:
+    if s.splits is not None:
         parts.append(f'<p class="note">Images: {html.escape(splits_text(s.splits))}.</p>')
     ref = s.dense_reference
     if ref:

@@ -159,7 +159,7 @@ def write_summary(pipe: Pipeline) -> Summary:
                 "file_ratio": final.file_bytes / dense.file_bytes,
                 "latency_speedup": None,  # (its place in the file; None when not timed)
                 "throughput_speedup": None,
-                **compare_records(prof.models[c.model], prof.models[c.reference]),
+                **compare_records(prof.models[c.model], prof.models[c.reference]).to_dict(),
             }
         )
         goal = _goal(cfg, cmp, final)

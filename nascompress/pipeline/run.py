@@ -229,7 +229,7 @@ def run_pipeline(
         os.close(lock)
 
 
-def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], None]) -> dict[str, Any]:
+def _run(pipe: Pipeline, *, force: bool, progress: bool, log: Callable[[str], None]) -> Summary:
     resumed = _claim_out(pipe, force=force)
     if resumed:
         log(f"continuing the pipeline in {pipe.out}")

@@ -5,8 +5,9 @@ command's printout and ``nc.compress`` read, by field.
 :class:`Summary` holds the dense base and the final model (:class:`ModelResult`), their
 :class:`Comparison`, the :class:`Goal`, the int8 rows
 (:class:`~nascompress.deploy.int8_rows.Int8Section`, declared where they are made), every stage's
-decisions (:class:`Decisions`), the stage log (:class:`StageRow`), the data splits and the dense
-reference (:class:`DenseReference`). Each record is a :class:`~nascompress.runs.files.Record`: the
+decisions (:class:`Decisions`), the stage log (:class:`StageRow`), the data splits
+(:class:`~nascompress.data.carve.Splits`, declared where they are made) and the dense reference
+(:class:`DenseReference`). Each record is a :class:`~nascompress.runs.files.Record`: the
 keys it types as fields, any other key kept as it is, the file's key order kept, so a summary read
 and written again is the same bytes; a record made in memory (:meth:`SummaryPart.new`) writes its
 keys in the order they are given. Each field's check on reading follows its annotation
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..data.carve import Splits
 from ..deploy.int8_rows import Int8Section
 from ..runs.records import TypedRecord
 
@@ -289,7 +291,7 @@ class Summary(SummaryPart):
     decisions: Decisions | None = None
     stages: tuple[StageRow, ...] = ()
     written: str | None = None
-    splits: Mapping[str, Any] | None = None
+    splits: Splits | None = None
     dense_reference: DenseReference | None = None
     report: str | None = None
     this_run: ThisRun | None = None

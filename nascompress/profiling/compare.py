@@ -11,18 +11,18 @@ commands that state a FLOPs ratio against the dense model all use these keys and
 
 from __future__ import annotations
 
-from .records import ModelProfile, ProfileComparison
+from .records import ModelProfile, ProfileComparison, ProfileRatios
 
 
-def compare_records(model: ModelProfile, reference: ModelProfile) -> dict[str, float]:
+def compare_records(model: ModelProfile, reference: ModelProfile) -> ProfileRatios:
     """The ratios of one profiled model (:func:`~.report.profile_models`' :class:`~.records.ModelProfile`)
-    against another's, by name (the fields of a :class:`~.records.ProfileComparison` and of the
-    pipeline summary's comparison).
+    against another's (the fields a :class:`~.records.ProfileComparison` and the pipeline summary's
+    comparison start from).
 
     Returns ``flops_ratio`` and ``params_ratio`` (model / reference: < 1 is smaller) and, where
     both were timed, ``latency_speedup`` and ``throughput_speedup`` (> 1 is faster; and their
-    ``_compiled`` twins)."""
-    ratios = {"flops_ratio": model.macs / reference.macs, "params_ratio": model.params / reference.params}
+    ``_compiled`` twins), in that order."""
+    ratios = ProfileRatios.new(flops_ratio=model.macs / reference.macs, params_ratio=model.params / reference.params)
     timed = (
         ("", model.latency_ms, reference.latency_ms, model.throughput, reference.throughput),
         (
@@ -35,8 +35,9 @@ def compare_records(model: ModelProfile, reference: ModelProfile) -> dict[str, f
     )
     for suffix, lat, ref_lat, tp, ref_tp in timed:
         if lat and ref_lat:
-            ratios[f"latency_speedup{suffix}"] = ref_lat / lat
-            ratios[f"throughput_speedup{suffix}"] = tp / ref_tp
+            ratios = ratios.set(
+                **{f"latency_speedup{suffix}": ref_lat / lat, f"throughput_speedup{suffix}": tp / ref_tp}
+            )
     return ratios
 
 

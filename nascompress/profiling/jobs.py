@@ -156,7 +156,7 @@ def _profile(target, *, compare, dev, latency, batch_size, iters, dtype, compile
         comparison = ProfileComparison.new(
             model=model_label,
             reference=ref_label,
-            **ratios,
+            **ratios.to_dict(),
             flops_images=flops_batch,
             latency_batch=rec.latency_batch,
             throughput_batch=rec.throughput_batch,

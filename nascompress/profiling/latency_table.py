@@ -30,6 +30,7 @@ from torch import nn
 
 from ..errors import NascompressError
 from ..runs.json_io import read_json
+from ..runs.records import TypedRecord
 
 TABLE_FORMAT = "nascompress-latency-table/1"
 CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # the flags that change CPU kernels
@@ -152,21 +153,40 @@ def cpu_info() -> tuple[str, set[str]]:
     return name or platform.processor() or platform.machine(), flags
 
 
-def device_fingerprint(device: torch.device) -> dict[str, Any]:
-    """What the table's timings depend on: device type, CPU model and kernel flags, cores, threads,
-    torch version, and on CUDA the GPU's name and compute capability."""
+@dataclass(frozen=True, kw_only=True)
+class DeviceFingerprint(TypedRecord):
+    """What a table's timings depend on (:func:`device_fingerprint`; a table's ``fingerprint``, part of
+    its cache key): the device type, the CPU model and its kernel flags, logical cores, threads, the
+    torch version, and on CUDA the GPU's name and compute capability (None: not recorded)."""
+
+    NEW_SOURCE = "the device's {name}"
+
+    device_type: str
+    cpu: str | None = None
+    cpu_flags: list[str] | None = None
+    logical_cores: int | None = None
+    threads: int | None = None
+    torch: str | None = None
+    gpu: str | None = None
+    capability: str | None = None
+
+
+def device_fingerprint(device: torch.device) -> DeviceFingerprint:
+    """The :class:`DeviceFingerprint` of ``device`` in this process."""
     name, flags = cpu_info()
-    fp: dict[str, Any] = {
-        "device_type": device.type,
-        "cpu": name,
-        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
-        "logical_cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }
+    fp = DeviceFingerprint.new(
+        device_type=device.type,
+        cpu=name,
+        cpu_flags=[f for f in CPU_FLAGS if f in flags],
+        logical_cores=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        torch=torch.__version__,
+    )
     if device.type == "cuda":
-        fp["gpu"] = torch.cuda.get_device_name(device)
-        fp["capability"] = "%d.%d" % torch.cuda.get_device_capability(device)
+        fp = fp.set(
+            gpu=torch.cuda.get_device_name(device),
+            capability="%d.%d" % torch.cuda.get_device_capability(device),
+        )
     return fp
 
 
@@ -197,7 +217,7 @@ class LatencyTable:
     predicts as measured); ``dense_ms``: the dense model as measured.
     """
 
-    fingerprint: dict[str, Any]
+    fingerprint: DeviceFingerprint
     dtype: str
     batch: int
     geometry: ViTGeometry
@@ -216,7 +236,8 @@ class LatencyTable:
         d = {"format": TABLE_FORMAT}
         for f in fields(self):
             v = getattr(self, f.name)
-            d[f.name] = v.to_dict() if isinstance(v, ViTGeometry) else list(v) if isinstance(v, tuple) else v
+            typed = isinstance(v, (ViTGeometry, DeviceFingerprint))
+            d[f.name] = v.to_dict() if typed else list(v) if isinstance(v, tuple) else v
         return d
 
     @classmethod
@@ -235,7 +256,7 @@ class LatencyTable:
         if not isinstance(d["batch"], int) or d["batch"] < 1 or not isinstance(d["fingerprint"], dict):
             raise NascompressError("a latency table's batch or fingerprint is damaged")
         return cls(
-            fingerprint=d["fingerprint"],
+            fingerprint=DeviceFingerprint.from_dict(d["fingerprint"], source="a latency table's fingerprint"),
             dtype=str(d["dtype"]),
             batch=d["batch"],
             geometry=ViTGeometry.from_dict(d["geometry"]),
@@ -253,11 +274,11 @@ def cache_dir() -> Path:
     return Path(base) / "nascompress" / "latency"
 
 
-def table_key(geometry: ViTGeometry, *, fingerprint: dict[str, Any], dtype: str, batch: int, align: int) -> str:
+def table_key(geometry: ViTGeometry, *, fingerprint: DeviceFingerprint, dtype: str, batch: int, align: int) -> str:
     """A short hash of what a table's timings depend on."""
     what = {
         "format": TABLE_FORMAT,
-        "fingerprint": fingerprint,
+        "fingerprint": fingerprint.to_dict(),
         "dtype": dtype,
         "batch": batch,
         "geometry": geometry.to_dict(),
@@ -277,6 +298,7 @@ def read_table(path: str | Path) -> LatencyTable:
 __all__ = [
     "TABLE_FORMAT",
     "ViTGeometry",
+    "DeviceFingerprint",
     "LatencyTable",
     "geometry_of",
     "device_fingerprint",

@@ -16,7 +16,7 @@ from ..runs.io import load_with_arch
 from ..runtime import DTYPES
 from ..runs.json_io import atomic_path, write_json
 from ..runtime import resolve_device
-from .latency_table import geometry_of
+from .latency_table import LatencyTable, geometry_of
 from .latency_table_build import cached_table
 from .latency_table_predict import predict_latency
 
@@ -45,19 +45,39 @@ class LatencyTableConfig(Config):
         check_settings(self)
 
 
+@dataclass(frozen=True)
+class LatencyTableResult:
+    """What :func:`latency_table_for` found: the ``table``, its ``cache`` file (None: not cached),
+    whether it was ``measured`` now, the copy written to ``out`` (None: none asked for) and the
+    model's own latency predicted from it (``predicted_ms``)."""
+
+    table: LatencyTable
+    cache: Path | None
+    measured: bool
+    out: Path | None
+    predicted_ms: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The command's ``--json``: the table's JSON, then its cache file, ``measured`` and ``predicted_ms``."""
+        return {
+            **self.table.to_dict(),
+            "cache": str(self.cache),
+            "measured": self.measured,
+            "predicted_ms": self.predicted_ms,
+        }
+
+
 def latency_table_for(
     target: str | Path,
     *,
     config: LatencyTableConfig | None = None,
     device: str = "auto",
     out: str | Path | None = None,
-) -> dict[str, Any]:
+) -> LatencyTableResult:
     """The latency table of ``target``'s geometry (a run directory, a ``model.safetensors`` or a timm
     model name, built with random weights) on ``device``: read from the cache or measured and cached
-    (:func:`~.latency_table.latency_table`), copied to ``out`` if given.
-
-    Returns ``table`` (the :class:`~.latency_table.LatencyTable`), ``cache`` (its file), ``measured``
-    (whether it was measured now), ``out`` and ``predicted_ms`` (``target``'s own latency predicted)."""
+    (:func:`~.latency_table.latency_table`), copied to ``out`` if given; with ``target``'s own latency
+    predicted from it (:class:`LatencyTableResult`)."""
     cfg = LatencyTableConfig() if config is None else config
     dev = resolve_device(device)
     p = Path(target)
@@ -87,13 +107,9 @@ def latency_table_for(
                 shutil.copyfile(path, tmp)
         else:
             write_json(out, table.to_dict())
-    return {
-        "table": table,
-        "cache": path,
-        "measured": measured,
-        "out": out,
-        "predicted_ms": predict_latency(table, model),
-    }
+    return LatencyTableResult(
+        table=table, cache=path, measured=measured, out=out, predicted_ms=predict_latency(table, model)
+    )
 
 
-__all__ = ["LatencyTableConfig", "latency_table_for"]
+__all__ = ["LatencyTableConfig", "LatencyTableResult", "latency_table_for"]

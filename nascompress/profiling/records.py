@@ -6,7 +6,9 @@ field by the command's printout, the pipeline's report and the benchmarks.
 - :class:`Profile`: :func:`~nascompress.profiling.profile_models` and
   :func:`~nascompress.profiling.jobs.profile`: each model's :class:`ModelProfile` (FLOPs per
   :class:`BlockMacs`, parameters, latency and throughput, an MG-ViT's :class:`StageFlops`, narrowed
-  Q/K heads' :class:`QkLayout`) and, against a reference, the :class:`ProfileComparison`;
+  Q/K heads' :class:`QkLayout`), each later model's :class:`ProfileRatios` against the first
+  (:func:`~nascompress.profiling.compare.compare_records`) and, against a reference, the
+  :class:`ProfileComparison`;
 - :class:`EpsilonSweep`: :func:`~nascompress.profiling.jobs.epsilon_sweep` (one :class:`SweepRow`
   per early-exit threshold).
 
@@ -19,8 +21,9 @@ record.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
+from ..data.carve import Splits
 from ..runs.records import TypedRecord
 
 
@@ -51,7 +54,7 @@ class Evaluation(_Measured):
     split: str | None = None
     dataset: str | None = None
     methods: list[str] | None = None
-    splits: Mapping[str, Any] | None = None
+    splits: Splits | None = None
     dtype: str | None = None
 
 
@@ -111,19 +114,29 @@ class ModelProfile(_Measured):
 
 
 @_record
-class ProfileComparison(_Measured):
-    """A profile's target (``model``) against its ``reference``, timed interleaved
-    (:mod:`nascompress.profiling.compare`: ratios below 1 are smaller, speed-ups above 1 faster), and
-    what the figures were measured on (FLOPs: ``flops_images`` random images; the batches)."""
+class ProfileRatios(_Measured):
+    """One profiled model against another (:func:`~nascompress.profiling.compare.compare_records`):
+    ``flops_ratio`` and ``params_ratio`` (model / reference: below 1 is smaller) and, where both were
+    timed, ``latency_speedup`` and ``throughput_speedup`` (above 1 is faster; compiled too:
+    ``*_compiled``). None: not timed."""
 
-    model: str
-    reference: str
     flops_ratio: float
     params_ratio: float
     latency_speedup: float | None = None
     throughput_speedup: float | None = None
     latency_speedup_compiled: float | None = None
     throughput_speedup_compiled: float | None = None
+
+
+@_record
+class ProfileComparison(ProfileRatios):
+    """A profile's target (``model``) against its ``reference``, timed interleaved: their
+    :class:`ProfileRatios` (:mod:`nascompress.profiling.compare`: ratios below 1 are smaller,
+    speed-ups above 1 faster), and what the figures were measured on (FLOPs: ``flops_images`` random
+    images; the batches)."""
+
+    model: str
+    reference: str
     flops_images: int | None = None
     latency_batch: int | None = None
     throughput_batch: int | None = None
@@ -141,7 +154,7 @@ class Profile(_Measured):
     dtype: str
     models: Mapping[str, ModelProfile]
     timing_note: str | None = None
-    ratios: Mapping[str, Any] | None = None
+    ratios: Mapping[str, ProfileRatios] | None = None
     comparison: ProfileComparison | None = None
     input_size: list[int] | None = None
 
@@ -180,6 +193,7 @@ __all__ = [
     "ModelProfile",
     "Profile",
     "ProfileComparison",
+    "ProfileRatios",
     "QkLayout",
     "StageFlops",
     "SweepRow",

@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from ..config import user_settings
 from ..data import DataConfig
+from ..data.carve import Splits
 from ..errors import NascompressError, SettingError, literal, python_api, python_words
 from ..models.layers import to_plain
 from ..runs.files import Arch
@@ -40,8 +41,8 @@ class CompressReport:
     both and their ratios, ``goal_met``: whether ``flops_ratio`` is at or under ``target_flops`` (a
     bound, compared exactly), ``over_target``: by how much it stands above it (0.0 when met),
     ``methods``, ``splits``: which images decided (validation) and which measured ``accuracy``
-    (test), the pipeline ``config`` it ran and its ``summary`` (``summary.json``'s
-    :class:`~nascompress.pipeline.summary.Summary`)."""
+    (test; a :class:`~nascompress.data.carve.Splits`), the pipeline ``config`` it ran and its
+    ``summary`` (``summary.json``'s :class:`~nascompress.pipeline.summary.Summary`)."""
 
     accuracy: float | None
     dense_accuracy: float | None
@@ -57,7 +58,7 @@ class CompressReport:
     goal_met: bool | None
     over_target: float | None
     methods: list[str] | None
-    splits: Mapping[str, Any] | None
+    splits: Splits | None
     config: Mapping[str, Any]
     summary: Summary
 

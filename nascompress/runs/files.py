@@ -27,7 +27,6 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from ..data.input import check_input_section
 from ..errors import NascompressError
 from ..methods import check_records
 from ..models.build import ModelSpec, check_model_kwargs, check_model_size, model_size
@@ -45,6 +44,8 @@ def validate_arch(arch: Any, *, source: str) -> dict[str, Any]:
     build settings nascompress writes (:data:`~nascompress.models.build.MODEL_KWARGS`): the file is data,
     and its settings go to ``timm.create_model``; its input section; and each method record
     (:func:`~nascompress.methods.check_records`: its config, the channels it keeps, ...)."""
+    from ..data.input import check_input_section  # lazy: nascompress.data's Splits is a Record of this module
+
     if not isinstance(arch, dict) or arch.get("format") not in READ_FORMATS or not isinstance(arch.get("model"), dict):
         raise NascompressError(f"{source} is not a nascompress arch (expected format {ARCH_FORMAT!r})")
     model = arch["model"]

@@ -135,8 +135,8 @@ def _open_locked(
             f"asks for {new!r}; a study keeps its sampler: rerun with {{sampler}} {old} or use a new "
             "study name"
         )
-    old, new = stored.scoring, info.scoring
-    if isinstance(old, Mapping) and isinstance(new, Mapping):  # the settings every trial is scored with
+    if stored.scoring is not None and info.scoring is not None:  # the settings every trial is scored with
+        old, new = stored.scoring.to_dict(), info.scoring.to_dict()  # (each as recorded: option -> value)
         diff = [
             f"{{{k}}} {literal(str(old[k]))} (this run: {literal(str(new[k]))})"
             for k in old

@@ -1,7 +1,7 @@
 """Trial and study records: the attribute keys nascompress stores in Optuna trials and studies, the
 records it keeps there read as frozen records (:class:`TrialRecord`, ``trial.user_attrs["nascompress"]``,
 with its :class:`TrialScoring` and :class:`LatencyNote`; :class:`StudyInfo`,
-``study.user_attrs["nascompress"]``, with its :class:`SpaceProfile`), :func:`record_trial` /
+``study.user_attrs["nascompress"]``, with its :class:`SpaceProfile` and :class:`StudyScoring`), :func:`record_trial` /
 :func:`trial_record` / :func:`study_info`, the Pareto front of a study, and how its trials were
 scored (:func:`scoring_summary`, :func:`mixed_scoring`).
 
@@ -136,11 +136,27 @@ class SpaceProfile(StudyRecord):
 
 
 @study_record
+class StudyScoring(StudyRecord):
+    """The scoring settings every trial of a study gets (:func:`~nascompress.studies.scoring.study_scoring`,
+    the study record's ``scoring``: the search job's options of the same names; a study keeps them):
+    predictor-stage steps, training and validation images, batch size, fine-tune epochs, the per-trial
+    DCS search's epochs and the seed (None: not recorded)."""
+
+    calib_steps: int | None = None
+    train_images: int | None = None
+    eval_images: int | None = None
+    batch_size: int | None = None
+    finetune_epochs: float | None = None
+    dcs_epochs: int | None = None
+    seed: int | None = None
+
+
+@study_record
 class StudyInfo(StudyRecord):
     """A study's record ``study.user_attrs["nascompress"]`` (written once, when the study is
     created): the search space (its dict and hash), the sampler, the base run and its weights'
     fingerprint, the dataset, the search job, the space's profile, the scoring settings every trial
-    gets (a mapping of option values), the objectives, the seed, when it was created and the command."""
+    gets (:class:`StudyScoring`), the objectives, the seed, when it was created and the command."""
 
     space: Mapping[str, Any] | None = None
     space_hash: str | None = None
@@ -150,7 +166,7 @@ class StudyInfo(StudyRecord):
     dataset: str | None = None
     job: Mapping[str, Any] | None = None
     profile: SpaceProfile | None = None
-    scoring: Mapping[str, Any] | None = None
+    scoring: StudyScoring | None = None
     objectives: list[str] | None = None
     seed: int | None = None
     created: str | None = None
@@ -286,16 +302,14 @@ def scoring_summary(info: StudyInfo | None, trials: Sequence[FrozenTrial]) -> st
     (its record's ``scoring``, the subset's fingerprint from its first scored trial); None when the
     study recorded none."""
     sc = None if info is None else info.scoring
-    if not isinstance(sc, Mapping):
+    if sc is None:
         return None
     scored = (trial_record(t).scoring for t in sorted(trials, key=lambda t: t.number))
     subset = next((s.eval_subset for s in scored if s is not None), None) or EvalSubset()
-    images = subset.images if subset.images is not None else sc.get("eval_images")
-    ft = sc.get("finetune_epochs") or 0
+    images = subset.images if subset.images is not None else sc.eval_images
+    ft = sc.finetune_epochs or 0
     line = (
-        f"{sc.get('calib_steps')} calibration steps per predictor stage (training-free methods: 0), "
-        f"{images} validation images (seed {sc.get('seed')}"
-        + (f", subset {subset.sha256}" if subset.sha256 else "")
-        + ")"
+        f"{sc.calib_steps} calibration steps per predictor stage (training-free methods: 0), "
+        f"{images} validation images (seed {sc.seed}" + (f", subset {subset.sha256}" if subset.sha256 else "") + ")"
     )
     return line + (f", {ft:g} fine-tune epochs per trial" if ft else ", zero-shot")

@@ -28,15 +28,16 @@ from torch import nn
 from torch.utils.data import Dataset, Subset
 
 from ..methods import get_method
-from .records import EvalSubset, TrialScoring
+from .records import EvalSubset, StudyScoring, TrialScoring
 
 # the SearchJob fields that decide a trial's score besides its configuration (a study keeps them)
 SCORING_FIELDS = ("calib_steps", "train_images", "eval_images", "batch_size", "finetune_epochs", "dcs_epochs", "seed")
 
 
-def study_scoring(job: Any) -> dict[str, Any]:
-    """The scoring settings every trial of ``job``'s study gets: ``{field: value}`` of :data:`SCORING_FIELDS`."""
-    return {k: getattr(job, k) for k in SCORING_FIELDS}
+def study_scoring(job: Any) -> StudyScoring:
+    """The scoring settings every trial of ``job``'s study gets (:class:`~nascompress.studies.records.StudyScoring`:
+    ``job``'s :data:`SCORING_FIELDS`, in that order)."""
+    return StudyScoring.new(**{k: getattr(job, k) for k in SCORING_FIELDS})
 
 
 def _root_indices(ds: Dataset) -> tuple[Dataset, torch.Tensor]:

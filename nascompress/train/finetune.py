@@ -35,7 +35,7 @@ from ..models.build import build_model
 from .config import TrainConfig
 from .run import check_classes, recipe_config
 from .loop import fit
-from .metrics import FinetuneMetrics
+from .metrics import FinetuneMetrics, FlopsOnTestImages
 from ..runs.run_dir import RunDir
 from ..runtime import seed_everything
 from ..profiling import count_flops
@@ -224,14 +224,14 @@ def finetune(
         metrics = FinetuneMetrics.new(**trained.to_dict(), zero_shot=False, calibration=calib)
     saved = model if job.zero_shot else load_with_arch(out, map_location=device, complete=False)[0]  # the best epoch
     dense = build_model(base_arch.spec).to(device)  # no method: DCS widths included
-    metrics = metrics.set(method=job.method, **flops_on_test_images(saved, dense, data.test, spec, device))
+    metrics = metrics.set(method=job.method, **flops_on_test_images(saved, dense, data.test, spec, device).to_dict())
     return run.finish(metrics)  # the last write: marks the run complete
 
 
 @torch.no_grad()
 def flops_on_test_images(
     model: nn.Module, dense: nn.Module, test: Any, spec: InputSpec, device: Any, *, images: int | None = None
-) -> dict[str, Any]:
+) -> FlopsOnTestImages:
     """FLOPs per image of the method's model and of the dense model (the architecture without any
     method), averaged over the first ``images`` test images (a token method's cost depends on the
     image; default: as many as a study's trial), and their ratio (the model's / the dense one's:
@@ -239,7 +239,9 @@ def flops_on_test_images(
     imgs, _ = next(iter(make_loader(test, batch_size=images or FLOPS_IMAGES, shuffle=False)))  # as a trial's
     x = preprocess(imgs, spec).to(device)
     flops, dense_flops = count_flops(model.eval(), x).total, count_flops(dense.eval(), x).total
-    return {"flops": flops, "dense_flops": dense_flops, "flops_ratio": flops / dense_flops, "flops_images": len(x)}
+    return FlopsOnTestImages.new(
+        flops=flops, dense_flops=dense_flops, flops_ratio=flops / dense_flops, flops_images=len(x)
+    )
 
 
 __all__ = [

@@ -28,7 +28,6 @@ from torch import nn
 from . import distributed
 from .. import runtime
 from ..data import DataBundle, InputSpec, Subset, make_loader, preprocess
-from ..data.carve import without_images
 from ..errors import NascompressError, SettingError, WriteError
 from ..profiling.evaluate import evaluate
 from ..profiling.records import Evaluation
@@ -402,8 +401,8 @@ def _fit(
         metrics = metrics.set(processes=world.size, global_batch_size=cfg.batch_size * world.size)
     if data.extra.get("skipped_images"):  # unreadable images left out (--skip-bad-images), per folder
         metrics = metrics.set(skipped_images=data.extra["skipped_images"])
-    if data.extra.get("splits"):  # which images chose the best epoch, which measured it (data.carve)
-        metrics = metrics.set(splits=without_images(data.extra["splits"]))
+    if data.splits is not None:  # which images chose the best epoch, which measured it (data.carve)
+        metrics = metrics.set(splits=data.splits.without_images())
     if main and finish and store.dir is not None:
         finish_run(store.dir, metrics)  # the last write: marks the run complete
     return metrics

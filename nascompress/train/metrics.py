@@ -10,7 +10,8 @@
 - :class:`ProbeFit`: a linear-probe head fitted on frozen features
   (:func:`~nascompress.train.probe.fit_probe_head`);
 - :class:`FinetuneMetrics`: a token method's fine-tune (or zero-shot model): the method, its
-  calibration stage, the FLOPs on the test images against the dense model's.
+  calibration stage, the FLOPs on the test images against the dense model's (:class:`FlopsOnTestImages`,
+  :func:`~nascompress.train.finetune.flops_on_test_images`).
 
 Each is a :class:`~nascompress.runs.records.TypedRecord` (and the metrics a
 :class:`~nascompress.runs.files.RunMetrics`): the keys in the order the stage made them (an optional
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..data.carve import Splits
 from ..runs.files import RunMetrics
 from ..runs.records import TypedRecord
 
@@ -68,7 +70,7 @@ class TrainMetrics(TypedRecord, RunMetrics):
     processes: int | None = None  # under torchrun: the processes, and the batch of all of them
     global_batch_size: int | None = None
     skipped_images: Mapping[str, Any] | None = None  # unreadable images left out, per folder
-    splits: Mapping[str, Any] | None = None  # which images chose the best epoch, which measured it
+    splits: Splits | None = None  # which images chose the best epoch, which measured it
     # a linear probe (train --linear-probe: fit_linear_probe)
     linear_probe: bool | None = None
     l2: float | None = None
@@ -101,4 +103,19 @@ class FinetuneMetrics(TrainMetrics):
     flops_images: int | None = None
 
 
-__all__ = ["FinetuneMetrics", "ProbeFit", "TrainMetrics"]
+@dataclass(frozen=True, kw_only=True)
+class FlopsOnTestImages(TypedRecord):
+    """FLOPs per image of a method's model (``flops``) and of the dense one (``dense_flops``), averaged
+    over the first ``flops_images`` test images (:func:`~nascompress.train.finetune.flops_on_test_images`),
+    and their ratio (``flops_ratio``: the model's / the dense one's, below 1 is cheaper): the keys a
+    fine-tune's :class:`FinetuneMetrics` ends with."""
+
+    NEW_SOURCE = "the counted {name}"
+
+    flops: float
+    dense_flops: float
+    flops_ratio: float
+    flops_images: int
+
+
+__all__ = ["FinetuneMetrics", "ProbeFit", "FlopsOnTestImages", "TrainMetrics"]

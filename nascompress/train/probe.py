@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ..data import DataBundle, InputSpec, make_loader, preprocess
-from ..data.carve import without_images
 from ..errors import SettingError
 from ..profiling.evaluate import evaluate
 from ..runs.io import save_model
@@ -222,8 +221,8 @@ def fit_linear_probe(
         **{k: v for k, v in probe.to_dict().items() if k != "val_top1"},
         test_time_s=time.perf_counter() - t0,
     )
-    if data.extra.get("splits"):  # which images chose the L2, which measured the probe (data.carve)
-        metrics = metrics.set(splits=without_images(data.extra["splits"]))
+    if data.splits is not None:  # which images chose the L2, which measured the probe (data.carve)
+        metrics = metrics.set(splits=data.splits.without_images())
     return metrics
 
 

@@ -12,6 +12,7 @@ from typing import Any
 from ...config import StageSettings, setting
 from ...deploy import export_run
 from ...deploy.config import ExportConfig, build_config
+from ...deploy.verify import AccuracyCheck, Check, sidecar_check
 from ..base_stage import data_config
 from ..fallback import current_model
 from ..schema import KeyProblem, Section, library_keys, library_values
@@ -64,7 +65,7 @@ def plan_export(state: PlanState, s: Any) -> StagePlan:
         )
     target, ec = out / "export" / s.filename, s.config(seed=cfg.seed)
 
-    def run(force: bool, resume: bool) -> dict[str, Any]:
+    def run(force: bool, resume: bool) -> Check | AccuracyCheck:
         st = cfg.stages
         final = current_model(
             out,
@@ -77,7 +78,7 @@ def plan_export(state: PlanState, s: Any) -> StagePlan:
         # no compressed model (the DCS stage was skipped and nothing else compresses): the base is exported
         # (int8: calibrated and checked on the pipeline's data)
         side = export_run(final or base_dir, out=target, config=ec, force=True, data=data_config(cfg))
-        return dict(side.verification)  # the check, as the file has it: its scalars go in the step's marker
+        return sidecar_check(side)  # the check, as the file has it: its scalars go in the step's marker
 
     step = Step(
         "export",
