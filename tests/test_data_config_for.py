@@ -31,7 +31,7 @@ def test_a_named_dataset_keeps_the_run_seed_only_when_asked():
 
 
 def test_the_command_values_where_given():
-    got = data_config_for(RECORDED, data_dir="/tmp/fm", train_limit=30, seed=3, skip_bad_images=True)
-    assert got == replace(RECORDED, data_dir="/tmp/fm", train_limit=30, subset_seed=3, skip_bad_images=True)
+    got = data_config_for(RECORDED, data_dir="data/fm", train_limit=30, seed=3, skip_bad_images=True)
+    assert got == replace(RECORDED, data_dir="data/fm", train_limit=30, subset_seed=3, skip_bad_images=True)
     assert got.eval_limit == 20  # None keeps the recorded limit
     assert data_config_for(RECORDED, skip_bad_images=False).skip_bad_images is False
