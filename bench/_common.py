@@ -83,6 +83,26 @@ def relative_paths(obj: Any, root: Path = ROOT) -> Any:
     return obj
 
 
+def fashion_mnist_folders(parts: list[tuple[Path, str, int, int]], seed: int) -> None:
+    """ImageFolders of 28-px grayscale PNGs drawn from Fashion-MNIST's test split: ``(root, split, start,
+    stop)`` takes images ``start:stop`` of one seeded permutation (so the parts are disjoint) into
+    ``root/split/c<label>/``; each root is written beside itself (``root.part``) and renamed when complete."""
+    from PIL import Image
+
+    from nascompress.data import load_fashion_mnist
+
+    _, test = load_fashion_mnist()
+    order = torch.randperm(len(test), generator=torch.Generator().manual_seed(seed)).tolist()
+    for root, split, start, stop in parts:
+        for k, i in enumerate(order[start:stop]):
+            img, label = test[i]
+            d = root.with_name(root.name + ".part") / split / f"c{int(label)}"
+            d.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img.squeeze(0).numpy()).save(d / f"{k:05d}.png")
+    for root in dict.fromkeys(r for r, *_ in parts):
+        root.with_name(root.name + ".part").rename(root)
+
+
 def wait_for_base(base: Path, timeout_s: float) -> None:
     """Block until the dense run ``base`` has finished (its metrics.json exists), or exit after ``timeout_s``."""
     t0 = time.time()

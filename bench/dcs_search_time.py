@@ -34,11 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import ROOT, header, save, user_command  # noqa: E402  (puts the repository on sys.path)
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+from _common import ROOT, fashion_mnist_folders, header, save, user_command  # noqa: E402  (puts the repository on sys.path)
 
-from nascompress.data import load_fashion_mnist  # noqa: E402
 from nascompress.runs.json_io import read_json  # noqa: E402
 
 GOAL_S = 600.0  # the in-memory base's goal (its issue); an ImageFolder base's: GOAL_FOLDER_S (issue 50)
@@ -47,18 +44,8 @@ GOAL_FOLDER_S = 240.0
 
 def image_folder(root: Path, seed: int = 123) -> None:
     """2,000 train/ and 1,000 val/ PNGs drawn (seeded) from Fashion-MNIST's test split, one folder per class."""
-    if (root / "val").is_dir():
-        return
-    _, test = load_fashion_mnist()
-    order = torch.randperm(len(test), generator=torch.Generator().manual_seed(seed))
-    tmp = root.with_name(root.name + ".part")
-    for split, idx in (("train", order[:2000]), ("val", order[2000:3000])):
-        for k, i in enumerate(idx.tolist()):
-            img, label = test[i]
-            d = tmp / split / f"c{int(label)}"
-            d.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(img.squeeze(0).numpy()).save(d / f"{k:05d}.png")
-    tmp.rename(root)
+    if not (root / "val").is_dir():
+        fashion_mnist_folders([(root, "train", 0, 2000), (root, "val", 2000, 3000)], seed)
 
 
 def probe_base(folder: Path, weights: str) -> str:

@@ -36,11 +36,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _common import ROOT, header, save  # noqa: E402  (puts the repository on sys.path)
+from _common import ROOT, fashion_mnist_folders, header, save  # noqa: E402  (puts the repository on sys.path)
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
 
-from nascompress.data import DataConfig, load_data, load_fashion_mnist  # noqa: E402
+from nascompress.data import DataConfig, load_data  # noqa: E402
 from nascompress.data.splits import Subset  # noqa: E402
 from nascompress.pipeline.files import read_summary  # noqa: E402
 import yaml  # noqa: E402
@@ -52,20 +51,9 @@ WEIGHTS = ROOT / "weights" / "dinov2_vits14_112.safetensors"
 def folders(root: Path, seed: int) -> tuple[Path, Path]:
     """``root/user`` (train/ 2,000, val/ 1,000) and ``root/held_out`` (test/ 1,000), written once."""
     user, held = root / "user", root / "held_out"
-    if (user / "val").is_dir() and (held / "test").is_dir():
-        return user, held
-    _, test = load_fashion_mnist()
-    order = torch.randperm(len(test), generator=torch.Generator().manual_seed(seed)).tolist()
-    parts = ((user, "train", order[:2000]), (user, "val", order[2000:3000]), (held, "test", order[3000:4000]))
-    for folder, split, idx in parts:
-        tmp = folder.with_name(folder.name + ".part")
-        for k, i in enumerate(idx):
-            img, label = test[i]
-            d = tmp / split / f"c{int(label)}"
-            d.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(img.squeeze(0).numpy()).save(d / f"{k:05d}.png")
-    for folder in (user, held):
-        folder.with_name(folder.name + ".part").rename(folder)
+    if not ((user / "val").is_dir() and (held / "test").is_dir()):
+        parts = [(user, "train", 0, 2000), (user, "val", 2000, 3000), (held, "test", 3000, 4000)]
+        fashion_mnist_folders(parts, seed)
     return user, held
 
 
