@@ -24,9 +24,11 @@ import nascompress  # noqa: E402,F401  (torchvision CPU fix before timm)
 import timm  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from PIL import Image  # noqa: E402
 from torch.profiler import record_function  # noqa: E402
 
 from nascompress import runtime  # noqa: E402
+from nascompress.data import load_fashion_mnist  # noqa: E402
 from nascompress.methods.uniform import uniform_from_keep  # noqa: E402
 from nascompress.models.build import build_model, custom_vit_spec  # noqa: E402
 from nascompress.profiling import count_flops  # noqa: E402
@@ -87,10 +89,6 @@ def fashion_mnist_folders(parts: list[tuple[Path, str, int, int]], seed: int) ->
     """ImageFolders of 28-px grayscale PNGs drawn from Fashion-MNIST's test split: ``(root, split, start,
     stop)`` takes images ``start:stop`` of one seeded permutation (so the parts are disjoint) into
     ``root/split/c<label>/``; each root is written beside itself (``root.part``) and renamed when complete."""
-    from PIL import Image
-
-    from nascompress.data import load_fashion_mnist
-
     _, test = load_fashion_mnist()
     order = torch.randperm(len(test), generator=torch.Generator().manual_seed(seed)).tolist()
     for root, split, start, stop in parts:
