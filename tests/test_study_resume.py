@@ -85,3 +85,24 @@ def test_a_trial_killed_between_ask_and_its_first_beat_is_run_again_in_its_place
     summary = run(tmp_path / "b.db", 5, heartbeat_interval=0.2, grace_period=1.0)
     assert summary.complete == 5
     assert trials(tmp_path / "b.db") == trials(tmp_path / "a.db")
+
+
+def test_two_runs_workers_of_one_index_asking_at_once_draw_apart():
+    """Two separate runs of one study each number their workers from 0. Their workers 0 reading the
+    study at the same moment (the same trials told) must still draw different parameters: the
+    later trial counts the earlier one among those ahead of it."""
+    storage = optuna.storages.InMemoryStorage()
+    first = optuna.create_study(study_name="s", storage=storage)
+    second = optuna.load_study(study_name="s", storage=storage)  # the other run's handle
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # some trials told, so the shared snapshot is not the empty study
+            Seeding(default_sampler, 3).reseed(first, first.get_trials(deepcopy=False))
+            t = first.ask()
+            first.tell(t, sum(_params(t)))
+        snapshot = first.get_trials(deepcopy=False)
+        Seeding(default_sampler, 3, 0).reseed(first, snapshot)
+        Seeding(default_sampler, 3, 0).reseed(second, snapshot)  # read before the other's trial existed
+        ta, tb = first.ask(), second.ask()
+        assert (ta.number, tb.number) == (2, 3)
+        assert _params(ta) != _params(tb)

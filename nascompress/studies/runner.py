@@ -6,13 +6,15 @@ top-level callable returning ``objective(trial) -> value(s)``) and a ``sampler_f
 How it behaves, on every storage (SQLite, journal file, PostgreSQL):
 
 - Resume gives the same result: before every trial a worker rebuilds its sampler with
-  ``sampler_factory(sampler_seed(seed, told, worker))``, ``told`` being the number of trials
-  already finished. The sampler's state is so a function of the seed and the trials told (TPE
+  ``sampler_factory(sampler_seed(seed, told, worker, ahead))``, ``told`` being the number of
+  trials already finished and ``ahead`` the unfinished trials numbered before its own (0 when one
+  worker runs the study). The sampler's state is so a function of the seed and the trials told (TPE
   and NSGA-II read only finished and running trials, and their random streams start from that
   seed), never of when the process started; and a trial killed mid-run is run again in its own
   place (below). A one-worker study killed with kill -9 and rerun with the same command so
   proposes, trains and tells exactly the trials an uninterrupted run does. Several workers share
-  the study without duplicates (each its own stream), in an order that depends on timing.
+  the study without duplicates (each its own stream, also across separate runs whose workers share
+  an index), in an order that depends on timing.
 - The search space is fixed per study: ``space_info["space_hash"]`` is stored in the study and
   a run with a different one is refused, naming both spaces and where they differ. So is the
   sampler where ``space_info`` names it (``sampler``): the study records which one proposed its trials,

@@ -24,10 +24,17 @@ def default_sampler(seed: int) -> BaseSampler:
         )
 
 
-def sampler_seed(seed: int, told: int, worker: int = 0) -> int:
+def sampler_seed(seed: int, told: int, worker: int = 0, ahead: int = 0) -> int:
     """The seed a worker's sampler is rebuilt with before a trial: a hash of the study's seed, the
-    number of trials already finished (``told``) and the worker (distinct streams per worker)."""
-    h = hashlib.sha256(f"nascompress-sampler/{seed}/{worker}/{told}".encode()).hexdigest()
+    number of trials already finished (``told``), the worker (distinct streams per worker) and
+    ``ahead``, the trials numbered before this one that were not finished when the worker looked
+    (0 in a one-worker study, so its seeds are those of ``(seed, told, worker)`` alone).
+
+    ``ahead`` keeps apart two workers of one index in separate runs of one study (each run numbers
+    its workers from 0) that ask at the same ``told``: the storage numbers their trials apart, and
+    the later one counts the earlier among those ahead of it."""
+    tail = f"/{ahead}" if ahead else ""
+    h = hashlib.sha256(f"nascompress-sampler/{seed}/{worker}/{told}{tail}".encode()).hexdigest()
     return int(h[:8], 16)
 
 
@@ -79,6 +86,22 @@ class ParamSeeded(BaseSampler):
         self._inner.reseed_rng()
 
 
+class _AskSeeded(ParamSeeded):
+    """:class:`ParamSeeded` whose seed is settled when the trial exists (``before_trial``, called as
+    the storage hands out its number): :func:`sampler_seed` with the trials ahead of it."""
+
+    def __init__(self, factory: Callable[[int], BaseSampler], seed: int, told: int, worker: int, finished: frozenset):
+        self._base, self._finished = (seed, told, worker), finished
+        super().__init__(factory, sampler_seed(seed, told, worker))
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        ahead = sum(1 for n in range(trial.number) if n not in self._finished)
+        if ahead:
+            self._seed = sampler_seed(*self._base, ahead=ahead)
+            self._inner = self._factory(self._seed)
+        super().before_trial(study, trial)
+
+
 @dataclass(frozen=True)
 class Seeding:
     """How a worker rebuilds its sampler before each trial (:func:`sampler_seed`, :class:`ParamSeeded`)."""
@@ -88,4 +111,6 @@ class Seeding:
     worker: int = 0
 
     def reseed(self, study: optuna.Study, trials: Sequence[FrozenTrial]) -> None:
-        study.sampler = ParamSeeded(self.factory, sampler_seed(self.seed, _told(trials), self.worker))
+        """Set the sampler for the next trial from ``trials``, the study as the worker last read it."""
+        finished = frozenset(t.number for t in trials if t.state.is_finished())
+        study.sampler = _AskSeeded(self.factory, self.seed, _told(trials), self.worker, finished)
