@@ -177,28 +177,12 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
     ratio ``target`` of ``dense`` on input ``x``. Returns (the fc1 rows kept per block, the pruning
     ratio); the rows are matched back to ``dense``'s so that the library's
     :func:`~nascompress.methods.uniform.uniform_from_keep` builds the model (a nascompress run) from them."""
-    import torch_pruning as tp  # optional: the external peer (pip install torch-pruning==1.6.1)
+    import torch_pruning  # noqa: F401  (optional: the external peer, pip install torch-pruning==1.6.1)
 
     full = count_flops(dense, x).total
 
     def pruned(ratio: float) -> list[list[int]]:
-        m = copy.deepcopy(dense)
-        keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
-        ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
-        pr = tp.pruner.MetaPruner(
-            m,
-            x,
-            importance=tp.importance.GroupMagnitudeImportance(p=2),
-            global_pruning=True,
-            pruning_ratio=ratio,
-            ignored_layers=ignored,
-            round_to=round_to,
-        )
-        pr.step()
-        return [
-            torch.cdist(b1.mlp.fc1.weight, b0.mlp.fc1.weight).argmin(1).sort().values.tolist()
-            for b0, b1 in zip(dense.blocks, m.blocks)
-        ]
+        return torch_pruning_rows(dense, x, ratio, round_to=round_to)
 
     def flops_of(keep: list[list[int]]) -> float:
         return count_flops(uniform_from_keep(dense, keep)[0], x).total / full
@@ -212,6 +196,71 @@ def torch_pruning_keep(dense: Any, x: Any, target: float, *, round_to: int = 8) 
             best = (r, mid, keep)
         lo, hi = (mid, hi) if r > target else (lo, mid)
     return best[2], best[1]
+
+
+def torch_pruning_rows(dense: Any, x: Any, ratio: float, *, round_to: int = 8) -> list[list[int]]:
+    """The fc1 rows of ``dense`` (per block) that Torch-Pruning keeps at pruning ratio ``ratio``: the
+    user's run of :func:`torch_pruning_keep` (``MetaPruner``, group L2 magnitude importance, global
+    pruning of the MLP hidden neurons only, ``round_to``) at one ratio, without the FLOPs bisection."""
+    import torch_pruning as tp  # optional: the external peer (pip install torch-pruning==1.6.1)
+
+    m = copy.deepcopy(dense)
+    keep_fc1 = {id(b.mlp.fc1) for b in m.blocks}
+    ignored = [mod for mod in m.modules() if isinstance(mod, torch.nn.Linear) and id(mod) not in keep_fc1]
+    pr = tp.pruner.MetaPruner(
+        m,
+        x,
+        importance=tp.importance.GroupMagnitudeImportance(p=2),
+        global_pruning=True,
+        pruning_ratio=ratio,
+        ignored_layers=ignored,
+        round_to=round_to,
+    )
+    pr.step()
+    return [
+        torch.cdist(b1.mlp.fc1.weight, b0.mlp.fc1.weight).argmin(1).sort().values.tolist()
+        for b0, b1 in zip(dense.blocks, m.blocks)
+    ]
+
+
+def bisect_to_ratio(
+    measure: Any, least: float, most: float, *, target: float = 1.0, tol: float = 0.03, steps: int = 8
+) -> dict[str, Any]:
+    """The least-pruned amount between ``least`` and ``most`` pruned (either may be the larger number)
+    whose ``measure(amount)["ratio"]`` (e.g. the candidate's measured latency over the reference's,
+    falling, up to noise, as the pruning grows) is at most ``target * (1 + tol)``: the peer that is as
+    fast as the reference and otherwise pruned as little as it can be (at batch 1 latency is nearly
+    flat in the MLP width, so "closest to the target" would be any amount, most of them needlessly
+    pruned).
+
+    ``measure`` is called first at ``most``: if even the most-pruned setting stays above the bound
+    (measured twice, a timing being noisy: the mean of the two), the target cannot be reached
+    (``reachable`` False) and the answer is that setting, no bisection run. Else ``steps`` midpoints
+    are measured, each one fast enough moving the answer towards ``least``. Returns ``reached`` (the
+    answer is within the bound), ``reachable``, ``amount`` and ``ratio`` of the answer, and ``steps``:
+    every call in order, ``{"amount": ..., **measure(amount)}``."""
+    trail: list[dict[str, Any]] = []
+    bound = target * (1.0 + tol)
+
+    def probe(amount: float) -> float:
+        got = dict(measure(amount))
+        trail.append({"amount": amount, **got})
+        return float(got["ratio"])
+
+    r = probe(most)
+    if r > bound:  # confirmed before giving up
+        r = (r + probe(most)) / 2
+    if r > bound:
+        return {"reached": False, "reachable": False, "amount": most, "ratio": r, "steps": trail}
+    best, lo, hi = (most, r), least, most
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        rm = probe(mid)
+        if rm <= bound:  # fast enough: try pruning less
+            best, hi = (mid, rm), mid
+        else:
+            lo = mid
+    return {"reached": True, "reachable": True, "amount": best[0], "ratio": best[1], "steps": trail}
 
 
 def log_summary(run: Path) -> dict[str, Any]:
