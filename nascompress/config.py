@@ -101,11 +101,14 @@ def check_meta(
     keywords: tuple[str, ...] = (),
     limit: str | None = None,
     shipped: str | None = None,
+    words: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The checks a field's metadata carries for the pipeline file: a number range, choices, a
     path (resolved against the config's directory unless it is one of ``keywords``; ``shipped``: the
     kind of :mod:`nascompress.yaml_io` file a name that is no such path means, ``search space``),
-    or a limit of :mod:`nascompress.limits` (its name) the value must not exceed."""
+    a limit of :mod:`nascompress.limits` (its name) the value must not exceed, or ``words``: the
+    words a number setting also takes (annotated ``int | str``: ``align`` is a positive integer or
+    ``auto``; the range applies to the number, the messages list both)."""
     return {
         "lo": lo,
         "hi": hi,
@@ -116,6 +119,7 @@ def check_meta(
         "keywords": keywords,
         "limit": limit,
         "shipped": shipped,
+        "words": words,
     }
 
 
@@ -134,6 +138,7 @@ def setting(
     option: str | None = None,
     limit: str | None = None,
     shipped: str | None = None,
+    words: tuple[str, ...] = (),
 ) -> Any:
     """A config field a user sets (``search dcs`` options, ``stages.dcs`` keys): its ``help`` (the CLI
     option's), the range, ``choices`` or ``path`` the pipeline file checks (the same metadata as
@@ -141,7 +146,8 @@ def setting(
     (``--no-...``, whose help ``help`` is), ``option``: the CLI option where it is not ``--name``
     (``--max-latency`` of ``max_latency_ms``), ``limit``: the limit of
     :mod:`nascompress.limits` the value must not exceed (checked by the pipeline file and
-    :func:`nascompress.limits.check_limited`)."""
+    :func:`nascompress.limits.check_limited`), ``words``: the words a number setting also takes
+    (its annotation ``int | str``; the CLI option takes text, ``--align 16`` or ``--align auto``)."""
     meta: dict[str, Any] = {
         "help": help,
         **check_meta(
@@ -154,6 +160,7 @@ def setting(
             keywords=keywords,
             limit=limit,
             shipped=shipped,
+            words=words,
         ),
     }
     if flag is not None:
@@ -283,11 +290,14 @@ def check_bool(name: str, v: Any) -> bool:
     return v
 
 
-def _value_kind(tp: Any) -> tuple[type | None, bool]:
+def value_kind(tp: Any, meta: Mapping[str, Any] | None = None) -> tuple[type | None, bool]:
     """(the one value type of annotation ``tp``: bool, int, float, str or None for anything else,
-    whether None is allowed)."""
+    whether None is allowed). A setting with ``words`` in its metadata (``meta``; ``int | str``):
+    its number type, the words being its other values."""
     args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
     kinds = [a for a in args if a is not type(None)]
+    if meta and meta.get("words"):
+        kinds = [a for a in kinds if a is not str]
     base = kinds[0] if len(kinds) == 1 and kinds[0] in (bool, int, float, str) else None
     return base, type(None) in args
 
@@ -300,18 +310,49 @@ def tuple_item_type(tp: Any) -> type | None:
     return items[0] if items and items[0] in (int, float) else None
 
 
+def _int_bounds(meta: Mapping[str, Any]) -> tuple[int | None, int | None]:  # open ends made closed
+    lo, hi = meta.get("lo"), meta.get("hi")
+    lo_i = None if lo is None else math.floor(lo) + 1 if meta.get("lo_open") else math.ceil(lo)
+    hi_i = None if hi is None else math.ceil(hi) - 1 if meta.get("hi_open") else math.floor(hi)
+    return lo_i, hi_i
+
+
+def _number_rule(meta: Mapping[str, Any], kind: type | None) -> str:
+    """What a number setting takes, in words: ``a positive integer``, ``an integer in [2, 8]``,
+    ``a number in (0, 1]``."""
+    if kind is int:
+        lo, hi = _int_bounds(meta)
+        if hi is None and lo in (0, 1):
+            return "a positive integer" if lo == 1 else "a non-negative integer"
+        return f"an integer in [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+    lo, hi = meta.get("lo"), meta.get("hi")
+    left, right = "(" if meta.get("lo_open") else "[", ")" if meta.get("hi_open") else "]"
+    return f"a number in {left}{'-inf' if lo is None else f'{lo:g}'}, {'inf' if hi is None else f'{hi:g}'}{right}"
+
+
 def check_value(name: str, v: Any, meta: Mapping[str, Any], kind: type | None) -> Any:
     """The one check of a declared setting's value (``meta``: the :func:`setting` / :func:`check_meta`
     metadata; ``kind``: its value type, bool, int, float, str or None): the type, the range (an
-    integer range for an int), the choices and the limit. ``name`` starts the message (the CLI
-    option; empty: the pipeline file prefixes its key path). Returns ``v``."""
+    integer range for an int), the choices and the limit; a setting with ``words`` takes one of
+    them, or a number as ``kind`` in its range (refused naming both: ``must be a positive integer or
+    auto``). ``name`` starts the message (the CLI option; empty: the pipeline file prefixes its key
+    path). Returns ``v``."""
+    words = tuple(meta.get("words") or ())
+    if words:
+        if isinstance(v, str) and v in words:
+            return v
+        number = {**meta, "words": (), "limit": None, "choices": None}
+        try:  # the type and range, refused naming the words too; then the limit and choices as ever
+            check_value(name, v, number, kind)
+        except NascompressError:
+            rule = f"{_number_rule(meta, kind)} or {' or '.join(words)}"
+            raise NascompressError(_must(name, f"be {rule}, got {v!r}")) from None
+        return check_value(name, v, {**meta, "words": ()}, kind)
     lo, hi = meta.get("lo"), meta.get("hi")
     if kind is bool:
         check_bool(name, v)
     elif kind is int:
-        lo_i = None if lo is None else math.floor(lo) + 1 if meta.get("lo_open") else math.ceil(lo)
-        hi_i = None if hi is None else math.ceil(hi) - 1 if meta.get("hi_open") else math.floor(hi)
-        check_int(name, v, lo_i, hi_i)
+        check_int(name, v, *_int_bounds(meta))
     elif kind is float or lo is not None or hi is not None:
         check_range(name, v, lo, hi, lo_open=bool(meta.get("lo_open")), hi_open=bool(meta.get("hi_open")))
     if meta.get("limit"):
@@ -344,7 +385,7 @@ def check_settings(obj: Any, *, name: Callable[[dataclasses.Field], str] | None 
         if "lo" not in f.metadata:  # not a declared setting
             continue
         v = getattr(obj, f.name)
-        kind, optional = _value_kind(hints[f.name])
+        kind, optional = value_kind(hints[f.name], f.metadata)
         if v is None and optional:
             continue
         item = tuple_item_type(hints[f.name])
@@ -391,6 +432,7 @@ __all__ = [
     "check_bool",
     "is_number",
     "check_value",
+    "value_kind",
     "check_settings",
     "option_name",
     "field_name",

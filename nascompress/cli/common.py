@@ -19,7 +19,15 @@ from typer.core import TyperOption
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
-from nascompress.config import StageSettings, offered, option_name, setting_help, settings_class, tuple_item_type
+from nascompress.config import (
+    StageSettings,
+    offered,
+    option_name,
+    setting_help,
+    settings_class,
+    tuple_item_type,
+    value_kind,
+)
 from nascompress.data import DataConfig
 from nascompress.errors import NascompressError, SettingError, wording, write_error
 
@@ -197,6 +205,21 @@ def parse_numbers(text: str, option: str, item: type = float) -> tuple[Any, ...]
     return vals
 
 
+def number_or_word(text: Any, meta: Any, kind: type | None) -> Any:
+    """An option's text for a setting with ``words`` (``--align 16``, ``--align auto``): one of the
+    words as it is, a number as ``kind`` (``"16"`` -> 16), anything else as given (for the library's
+    check to refuse, naming what the setting takes)."""
+    if not isinstance(text, str):
+        return text
+    t = text.strip()
+    if t in (meta.get("words") or ()):
+        return t
+    try:
+        return int(t) if kind is int else float(t)
+    except ValueError:
+        return text
+
+
 def print_json(obj: Any) -> None:
     if MAIN:
         sys.stdout.write(json.dumps(obj, indent=2) + "\n")
@@ -208,8 +231,9 @@ def setting_params(spec: Any) -> list[Any]:
     :class:`~nascompress.config.StageSettings` (a stage's fields and defaults): ``--name`` (or the
     declared ``option``) with the default (none: a required option) and the help, a bool off by
     default ``--name``, an optional bool ``--name/--no-name``, for a bool with a ``flag`` that flag
-    (``--no-name``, default off), for a tuple of numbers one comma-separated value, and for a text
-    with ``choices`` those choices as its metavar (``[int8-static|int8-dynamic]``)."""
+    (``--no-name``, default off), for a tuple of numbers one comma-separated value, for a text
+    with ``choices`` those choices as its metavar (``[int8-static|int8-dynamic]``), and for a number
+    with ``words`` a text taking either (``[INTEGER|auto]``)."""
     hints = typing.get_type_hints(settings_class(spec))
     params = []
     for f, default, help in offered(spec):
@@ -243,6 +267,19 @@ def setting_params(spec: Any) -> list[Any]:
             continue
         args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else ()
         optional = type(None) in args or default is None
+        words = f.metadata.get("words")
+        if words:  # a number or one of its words (--align 16, --align auto): text, read by setting_values
+            number = value_kind(tp, f.metadata)[0]
+            shown = {"metavar": f"[{'|'.join(('INTEGER' if number is int else 'NUMBER', *words))}]"}
+            params.append(
+                inspect.Parameter(
+                    f.name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    **extra,
+                    annotation=Annotated[Optional[str] if optional else str, typer.Option(*decls, help=help, **shown)],
+                )
+            )
+            continue
         base = next(a for a in args if a is not type(None)) if args else tp
         if base is bool:
             name = option_name(f)
@@ -278,6 +315,8 @@ def setting_values(spec: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         item = tuple_item_type(hints[f.name])
         if item is not None and isinstance(v, str):
             v = parse_numbers(v, option_name(f), item)
+        elif f.metadata.get("words"):  # "16" -> 16, "auto" as it is (the library checks the value)
+            v = number_or_word(v, f.metadata, value_kind(hints[f.name], f.metadata)[0])
         values[f.name] = v
     return values
 

@@ -95,6 +95,8 @@ def dcs(
     else:
         cal = metrics.calibration
         note = "" if cal is None else f" (calibrated from {cal.ratio_before:.3f})"
+        if metrics.align_probe is not None:
+            out.print(f"align auto: {metrics.align_probe.chosen} ({metrics.align_probe.reason})")
         if metrics.family_reason:
             out.print(f"MLP gates: {metrics.family_reason}")
         kept = "" if metrics.kept in (None, "dcs") else ", the magnitude-pruned model kept"

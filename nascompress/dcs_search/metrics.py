@@ -15,8 +15,9 @@ returns and writes as the materialized run's ``metrics.json`` (the compact model
 parameters, the supernet's, and the check of its logits against the supernet's).
 
 The search's other results are typed here too: the magnitude baseline it builds
-(:class:`MagnitudeBaseline`) and what the measurements before it chose (:class:`FamilyChoice`,
-:class:`InitChoice`, :class:`Protection`: their keys go into the metrics in that order).
+(:class:`MagnitudeBaseline`) and what the measurements before it chose (:class:`AlignChoice`, under
+``align_probe``; :class:`FamilyChoice`, :class:`InitChoice`, :class:`Protection`: their keys go into
+the metrics in that order).
 """
 
 from __future__ import annotations
@@ -162,6 +163,32 @@ class FamilyChoice(_SearchRecord):
 
 
 @_search_record
+class AlignChoice(_SearchRecord):
+    """Why ``align auto`` chose its width multiple (:func:`~nascompress.dcs_search.align.choose_align`):
+    where the MLP pair (fc1, GELU, fc2) was timed (the device, its name, the torch threads, the dtype,
+    the batch, the model's embed dim, token count and hidden width), the ``window`` of consecutive
+    hidden widths timed (first, last), each width's median milliseconds (``ms``, in the window's order),
+    the ``tolerance`` and ``share`` of the rule, the share of the window's widths each multiple
+    rounds up within the tolerance (``within``, by multiple), the multiple ``chosen`` and the reason."""
+
+    chosen: int
+    device: str
+    device_name: str
+    threads: int
+    dtype: str
+    batch: int
+    embed_dim: int
+    tokens: int
+    hidden: int
+    window: list[int]
+    ms: list[float]
+    tolerance: float
+    share: float
+    within: Mapping[str, float]
+    reason: str
+
+
+@_search_record
 class InitChoice(_SearchRecord):
     """The gates' start order (:func:`~nascompress.dcs_search.prepare.init_importance`): ``init``
     (weight or activation) and, chosen by ``auto``, each order's probe KL (``init_kl``)."""
@@ -206,6 +233,8 @@ class DCSMetrics(RunMetrics):
     dense_val_top1: float | None = None
     mlp_gates: str | None = None  # the gate family searched
     family_reason: str | None = None  # why the pre-search probe chose it (mlp_gates auto)
+    align: int | None = None  # the width multiple searched (align auto: the one chosen)
+    align_probe: AlignChoice | None = None  # why align auto chose it (None: align given)
     mlp_kept: list[Any] | None = None  # MLP hidden channels kept per block
     qk_kept: list[Any] | None = None  # Q/K channels kept per block and head (static Q/K masks)
     calibrated: bool | None = None
@@ -215,6 +244,8 @@ class DCSMetrics(RunMetrics):
         **RunMetrics.CHECKS,
         **{k: optional(check_number) for k in ("target_flops", "target_latency", "latency_ratio", "dense_val_top1")},
         **{k: optional(check_str) for k in ("cost", "kept", "mlp_gates", "family_reason")},
+        "align": optional(check_number),
+        "align_probe": _of(AlignChoice),
         "comparison": _of(Comparison),
         "stopped": _of(Stopped),
         "mlp_kept": as_is,
@@ -262,6 +293,7 @@ class MaterializeMetrics(TypedRecord, RunMetrics):
 
 
 __all__ = [
+    "AlignChoice",
     "Calibration",
     "CandidateRecord",
     "Comparison",

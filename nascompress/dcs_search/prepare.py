@@ -1,14 +1,17 @@
 """The measurements before a DCS search, on ``init_images`` training images of the dense model (the
 KL probes on the first :data:`PROBE_IMAGES` of them):
-the batch size, the gate family (``mlp_gates="auto"``), the order the gates start in, the hidden
-fill, the protected gates and the block cost weights (:func:`prepare_search`).
+the width multiple (``align="auto"``, timed: :mod:`~nascompress.dcs_search.align`), the batch size,
+the gate family (``mlp_gates="auto"``), the order the gates start in, the hidden fill, the protected
+gates and the block cost weights (:func:`prepare_search`).
 
-They are deterministic (seeded images), so a resumed search repeats them exactly. A study runs
-one DCS search per trial on the same base run: the measurements that do not depend on the trial
-(the images, the activation statistics, the dense model's outputs, and per family the start order
-and the protection) are kept in memory for the process and reused (:data:`_MEMO`, keyed by the
-base run's file, its modification time and the images drawn), which the trials' searches ask for
-with ``init_seed`` (the study's seed, not the trial's).
+They are deterministic (seeded images), so a resumed search repeats them exactly; the width
+multiple is timed, and the job a search records carries it, so a resumed search never times it
+again. A study runs one DCS search per trial on the same base run: the measurements that do not
+depend on the trial (the images, the activation statistics, the dense model's outputs, and per
+family the start order and the protection) are kept in memory for the process and reused
+(:data:`_MEMO`, keyed by the base run's file, its modification time and the images drawn), which the
+trials' searches ask for with ``init_seed`` (the study's seed, not the trial's); the width multiple
+is timed once per process too (:mod:`~nascompress.dcs_search.align`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from .. import runtime
 from ..data import InputSpec, make_loader, preprocess
 from ..methods.dcs_importance import BlockStats, ChannelImportance, activation_stats, channel_importance
 from ..train.auto_batch import auto_batch_size
+from ..methods.dcs import ALIGN_AUTO
+from .align import search_align
 from .family import choose_family, dense_targets, probe_kl
 from .metrics import InitChoice
 from .protect import protection
@@ -50,6 +55,7 @@ INIT_MARGIN = 0.9  # auto takes the activation order only where its KL is below 
 # statistics take all of them. DINOv2 ViT-S/14 at 112 px, 2 threads, bf16: the probes 26.5 -> ~15 s; the same
 # family, start order and protected gates, block weights within 7% (bench/results/dcs_search_time_folder.json).
 PROBE_IMAGES = 128
+ALIGN_PROBE = "align_probe"  # the info's (and metrics') key of align auto's choice (metrics.AlignChoice)
 _MEMO: dict[tuple, dict[str, Any]] = {}  # measurements of one base run per process (see the module docstring)
 _MEMO_SIZE = 2
 
@@ -120,17 +126,30 @@ class Ticking(list):
 
 
 def prepare_search(
-    job: DCSSearchJob, dense: nn.Module, data: Any, spec: InputSpec, tick: Callable[..., None] | None = None
+    job: DCSSearchJob,
+    dense: nn.Module,
+    data: Any,
+    spec: InputSpec,
+    tick: Callable[..., None] | None = None,
+    *,
+    device: torch.device | None = None,
 ) -> tuple[DCSSearchJob, PreSearch]:
     """The measurements before the search, on ``init_images`` training images of the dense model:
-    the batch size (``auto_batch``), the gate family (``mlp_gates="auto"``), the gates' start order,
-    the hidden fill, the protected gates and the block cost weights. Deterministic (seeded images),
-    so a resumed search repeats them exactly. Returns the job with its choices resolved and
-    its :class:`PreSearch`.
+    the width multiple (``align="auto"``, timed on the search's ``device``, default the dense
+    model's: :mod:`~nascompress.dcs_search.align`), the batch size (``auto_batch``), the gate family
+    (``mlp_gates="auto"``), the gates' start order, the hidden fill, the protected gates and the
+    block cost weights. Deterministic (seeded images) but the width multiple, so the job records
+    that choice and a resumed search repeats the rest exactly. Returns the job with its choices
+    resolved and its :class:`PreSearch`.
     ``tick(n=1, info=None)``: called after every probe batch, with the phase's name as it starts."""
-    s, m = job.search, job.method
     tick = tick or (lambda n=1, info=None: None)
     info: dict[str, Any] = {}
+    dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
+    if job.method.align == ALIGN_AUTO:  # first: the probes below prune at the aligned widths
+        tick(0, info="align auto: timing the MLP")
+        job, why = search_align(job, dense, device or dev)
+        info[ALIGN_PROBE] = why.to_dict()
+    s, m = job.search, job.method
     if s.auto_batch:
         bs = auto_batch_size(len(data.train))
         job = job.replace(train=job.train.replace(batch_size=bs), search=s.replace(auto_batch=False))
@@ -142,7 +161,6 @@ def prepare_search(
         or s.block_weights
         or (m.mlp_gates == "hidden" and m.hidden_fill == "mean")
     )
-    dev = next(dense.parameters()).device  # a study's shared base may already sit on the GPU
     # the probes' forwards in the search's precision (bf16 where --amp resolves to it: the DINOv2 ViT-S/14
     # probes 1.6x faster, the same choices; the statistics and KLs are accumulated in fp32)
     amp = runtime.resolve_amp(job.train.amp, dev)
@@ -262,4 +280,5 @@ __all__ = [
     "INIT_PROBE_DROPS",
     "INIT_MARGIN",
     "PROBE_IMAGES",
+    "ALIGN_PROBE",
 ]

@@ -22,8 +22,9 @@ from ..runs.run_dir import RunDir
 from ..train.run import input_spec_for
 from ..runs.files import METRICS_FILE, Arch, find_metrics
 from ..runs.run_config import find_run_config
-from ..methods.dcs import DCSConfig
+from ..methods.dcs import ALIGN_AUTO, DCSConfig
 from .metrics import DCSMetrics
+from .prepare import ALIGN_PROBE
 from .search import run_dcs_search
 from .search_config import DCSSearchConfig, DCSSearchJob, search_train_config
 
@@ -90,25 +91,29 @@ def search_dcs(
     returns the metrics (:class:`~nascompress.dcs_search.metrics.DCSMetrics`, the file less its
     completion mark's files).
     ``config.json`` records the job with its pre-search choices resolved and, as ``pre_search``,
-    what those measurements chose and why: a resumed search reports them as the first run did."""
+    what those measurements chose and why: a resumed search reports them as the first run did and
+    searches at the width multiple it chose (``align`` auto given again is that choice)."""
     out = Path(job.out)
     chosen = None
     if resume:  # (explicit: the options given on the command line; each must agree with the record)
+        recorded = find_run_config(out)
+        chosen = recorded.get(PRE_SEARCH) if recorded is not None else None
+        chosen = chosen if isinstance(chosen, dict) else None  # (a run written before it was recorded: none)
         # but the guard's limit: it decides only when the gates stop, so a stopped search continues with another
         guard = job.search.max_val_drop if explicit and "max_val_drop" in explicit else None
+        leave = {"max_val_drop"}
+        if job.method.align == ALIGN_AUTO and chosen is not None and ALIGN_PROBE in chosen:
+            leave.add("align")  # align auto again: the multiple the run chose (recorded), never timed anew
         job = RunDir.recorded(
             out,
             DCSSearchJob,
             "nascompress search dcs",
             given=job,
-            explicit=None if explicit is None else explicit - {"max_val_drop"},
+            explicit=None if explicit is None else explicit - leave,
         )
         if guard is not None:
             job = job.replace(search=job.search.replace(max_val_drop=guard))
             reopen_stopped(out)
-        recorded = find_run_config(out)
-        chosen = recorded.get(PRE_SEARCH) if recorded is not None else None
-        chosen = chosen if isinstance(chosen, dict) else None  # (a run written before it was recorded: none)
     elif Path(job.source).is_dir():  # recorded absolute: materialize reads the dense run's data section
         job = job.replace(source=str(Path(job.source).resolve()))
     distributed.init(job.train.device)

@@ -29,6 +29,7 @@ frozen (peak 3.1e-6 at batch 16) and the searched model at 69.5% validation top-
 model's 83.2%; 1e-3 without layer decay ends at 86.7%.
 
 Before the search, on ``init_images`` training images (:mod:`~nascompress.methods.dcs_importance`):
+the width multiple is timed on the device where ``align="auto"`` (:mod:`~nascompress.dcs_search.align`),
 the MLP gate family is chosen where ``mlp_gates="auto"`` (:mod:`~nascompress.dcs_search.family`),
 the gates' start is ordered by importance (``init_importance``), the outlier channels of a
 pretrained model are fixed open and every block's cost is weighted by its measured sensitivity
@@ -103,7 +104,7 @@ def _resumed_at_end(hooks: DCSSearchHooks, supernet: nn.Module, log: list[dict[s
 @dataclass
 class DCSSearchResult:
     """A finished DCS search in memory: the trained supernet (gates and weights of the last epoch),
-    the job with the pre-search choices resolved (batch size, gate family), the epoch records
+    the job with the pre-search choices resolved (width multiple, batch size, gate family), the epoch records
     (``log.jsonl``'s lines) and the search's metrics (:class:`~nascompress.dcs_search.metrics.DCSMetrics`:
     ``metrics.json`` less the completion mark's files)."""
 
@@ -142,7 +143,7 @@ def run_dcs_search(
     with counted(
         "DCS: measuring the dense model before the search (activation statistics, gate probes)", unit="probe batches"
     ) as tick:
-        job, pre = prepare_search(job, dense, data, spec, tick=tick)
+        job, pre = prepare_search(job, dense, data, spec, tick=tick, device=device)
     if pre_search:  # the recorded choices first, in their order; those measured again are the same
         pre = replace(pre, info={**pre_search, **pre.info})
     torch.manual_seed(job.train.seed)

@@ -72,12 +72,14 @@ from .dcs_supernet import (
     DCSBlock,
     add_qk_mask,
     attach_state,
+    check_align,
     check_family,
     selection,
 )
 
 QK_MODES = ("input", "static", "none")
 MLP_GATES = ("residual", "hidden", "none", "auto")
+ALIGN_AUTO = "auto"  # align's other value: chosen by the search (nascompress.dcs_search.align)
 HIDDEN_FILLS = ("zero", "mean")
 STAGES = ("supernet", "materialized")
 BLOCK_KEYS = ("mlp_keep", "hidden_keep", "qk_keep", "heads_keep", "skip")  # an arch.json DCS block's keys
@@ -102,7 +104,9 @@ class DCSConfig(Config):
             ``true``/``false``
             (records of earlier versions) read as ``residual``/``none``.
         align: every width the search keeps (MLP residual or hidden channels per block, Q/K
-            channels per head) is 0, the full width or a multiple of this (1: any width).
+            channels per head) is 0, the full width or a multiple of this (1: any width), or
+            ``auto``: the search chooses it from the model's MLP timed on its device
+            (:mod:`nascompress.dcs_search.align`); a supernet is always built with an integer.
         hidden_fill: what a closed hidden neuron contributes: ``zero`` (nothing) or ``mean`` (its
             mean activation on the dense model, folded into fc2's bias when materialized; the
             bias correction of structured pruning, which keeps the MLP's output unbiased).
@@ -142,12 +146,15 @@ class DCSConfig(Config):
             "on the model: the family whose pruned models stay closer to the dense one)."
         ),
     )
-    align: int = setting(
+    align: int | str = setting(
         DEFAULT_ALIGN,
         lo=1,
+        words=(ALIGN_AUTO,),
         help=(
             "Every kept width (MLP channels per block, Q/K channels per head) is 0, full or a multiple of this "
-            "(GPU kernels leave their fast paths below multiples of 8; 1: any width)."
+            "(GPU kernels leave their fast paths below multiples of 8; 1: any width), or auto: the search times "
+            "the model's MLP on its device at consecutive hidden widths and takes the largest multiple (64 to 1) "
+            "at which the latency steps, so that widths between steps buy nothing."
         ),
     )
     hidden_fill: str = setting(
@@ -208,7 +215,8 @@ def make_supernet(
     """Patch ``model`` in place into the DCS supernet; dense weights keep their keys.
 
     Args:
-        cfg: its family (``cfg.mlp_gates``, resolved: not ``auto``), alignment and initial logits.
+        cfg: its family (``cfg.mlp_gates``) and alignment (``cfg.align``), both resolved (not
+            ``auto``), and its initial logits.
         importance: per block (e.g. :func:`activation_importance`); the gate logits start open,
             spread by it (``cfg.init_spread``); default: weight magnitude (:func:`channel_importance`).
         fill: per block, the dense model's mean hidden activation (Hm,) (``BlockStats.hidden_mean``)
@@ -217,6 +225,7 @@ def make_supernet(
     """
     check_supported(model)
     check_family(model, cfg.mlp_gates)
+    check_align(cfg.align)
     for what, v in (("importance", importance), ("fill", fill), ("protect", protect)):
         if v is not None and len(v) != len(model.blocks):
             raise NascompressError(f"{what} has {len(v)} blocks but the model has {len(model.blocks)}")
@@ -365,6 +374,7 @@ __all__ = [
     "SEARCH_DCS",
     "SEARCH_DCS_SETTINGS",
     "MLP_GATES",
+    "ALIGN_AUTO",
     "make_supernet",
     "make_record",
     "build_materialized",

@@ -250,8 +250,19 @@ def check_family(model: nn.Module, family: str) -> None:
             )
 
 
+def check_align(align: Any) -> int:
+    """``align`` is an integer width multiple (``auto`` is the search's to choose); returns it."""
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise NascompressError(
+            f"align {align!r} is not a width multiple: 'auto' is chosen by the search "
+            "(nascompress.dcs_search.align); build a supernet with a positive integer align"
+        )
+    return align
+
+
 def attach_state(model: nn.Module, *, tau: float = 1.0, family: str = "residual", align: int = 1) -> DCSState:
     """Give the model (and each of its blocks, Q/K masks and head gates) one shared :class:`DCSState`."""
+    check_align(align)
     st = DCSState(tau=tau, family=family, align=align)
     model.dcs_state = st
     for i, blk in enumerate(model.blocks):

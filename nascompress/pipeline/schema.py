@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import Config, check_meta, check_value, offered, settings_class
+from ..config import Config, check_meta, check_value, offered, settings_class, value_kind
 from ..errors import NascompressError, SettingError
 from ..yaml_io import shipped_path
 from ..yaml_io import shown
@@ -202,6 +202,11 @@ def _coerce(v: Any, tp: Any, meta: dict[str, Any], path: str, ctx: SchemaContext
         if optional:
             return None
         raise ctx.err(path, "must not be empty")
+    if meta.get("words"):  # a number or one of its words (align: 16, align: auto): the setting's one check
+        try:
+            return check_value("", v, meta, value_kind(tp, meta)[0])
+        except NascompressError as e:
+            raise ctx.err(path, str(e)) from None
     kinds = [a for a in args if a is not type(None)]
     if len(kinds) > 1:  # e.g. export.batch: str | int (the library config checks which values it takes)
         if isinstance(v, bool) or not isinstance(v, tuple(kinds)):

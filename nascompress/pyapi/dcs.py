@@ -93,7 +93,8 @@ def search(
         resume / force: continue the search in ``out`` / replace it.
         progress: the command's progress lines on stderr (False: nothing is printed).
         **settings: any other option of the command, by its Python name (``arch_lr=0.05``,
-            ``qk_mask="static"``, ``mlp_gates="residual"``, ``lr``, ``amp``, ``deterministic`` ...).
+            ``qk_mask="static"``, ``mlp_gates="residual"``, ``align=16`` or ``align="auto"`` (the
+            multiple timed on the device), ``lr``, ``amp``, ``deterministic`` ...).
             ``at_most`` is True here (the command's default is False): the target is a bound, and a
             search that cannot land at or under it warns (``warnings.warn``) saying by how much
             (:attr:`DCSSearch.over_target`).

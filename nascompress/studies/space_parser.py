@@ -205,6 +205,8 @@ class Parser(LayersKind):
             if a.kind == "const"
             else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
         )
+        if "auto" in aligns and not WIDTH_PARAMS.get(method):
+            return  # chosen by each search from the device's timings (dcs_search.align); no width here depends on it
         if not all(is_int(v) and v >= 1 for v in aligns):
             raise self.err(a.where, f"align takes integers >= 1, got {aligns}")
         need = math.lcm(*aligns)
