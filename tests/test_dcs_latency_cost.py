@@ -142,9 +142,13 @@ def test_the_pipeline_plans_a_latency_search_and_checks_its_target(tmp_path):
 
 def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
     """Without stages.dcs.target_latency the goal's milliseconds are the target: the ratio is
-    ``max_latency_ms`` over the base's latency predicted from the device's table (at most 1), and
-    the search runs at it; a batch other than 1 is refused (the goal is a batch-1 latency)."""
-    from nascompress.dcs_search.latency_cost import latency_target
+    ``max_latency_ms`` over the base's latency measured now (the table's speed re-anchored: a table
+    cached when the machine ran twice as fast does not halve the goal), at most 1; the pipeline's
+    ``latency_goal`` step records it and the search runs at it; a batch other than 1 is refused
+    (the goal is a batch-1 latency)."""
+    from types import SimpleNamespace
+
+    from nascompress.dcs_search.latency_cost import LatencyGoal, latency_target
     import nascompress.pipeline.stages.dcs as dcs_stage
     from nascompress.pipeline.plan import plan
 
@@ -157,20 +161,41 @@ def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
 
     monkeypatch.setattr(latency_cost_module, "latency_table", table_for)
     dense_ms = float(predict_latency(hand_table(geometry_of(dense)), dense))
+    monkeypatch.setattr(latency_cost_module, "measured_ms", lambda model, table, device: 2 * dense_ms)
     kw = dict(device="cpu", dtype="fp32", batch=1, align=1)
-    assert latency_target(dense, 0.5 * dense_ms, **kw) == pytest.approx(0.5, abs=1e-4)
-    assert latency_target(dense, 3 * dense_ms, **kw) == 1.0
+    goal = latency_target(dense, 0.5 * dense_ms, **kw)
+    assert goal.ratio == pytest.approx(0.25, abs=1e-4) and goal.anchor == pytest.approx(2.0)
+    assert goal.table_dense_ms == pytest.approx(dense_ms) and goal.dense_ms == pytest.approx(2 * dense_ms)
+    assert latency_target(dense, 3 * dense_ms, **kw).ratio == 1.0
 
     cfg = tiny_config()
     del cfg["stages"]["dcs"]["target_flops"]
     cfg["stages"]["dcs"]["cost"] = "latency"
     cfg["goal"] = {"max_latency_ms": 2.5}
     pipe = plan(write_config(tmp_path, cfg), out=tmp_path / "out", seed=0)
+    names = [s.name for s in pipe.steps]
+    assert names.index("latency_goal") == names.index("dcs_search") - 1
+    set_goal = next(s for s in pipe.steps if s.name == "latency_goal")
     search = next(s for s in pipe.steps if s.name == "dcs_search")
     assert "2.5 ms of predicted latency (goal.max_latency_ms)" in search.describe
     ran = []
     monkeypatch.setattr(dcs_stage, "load_with_arch", lambda *a, **k: (dense, None))
-    monkeypatch.setattr(dcs_stage, "latency_target", lambda m, ms, **k: round(ms / 10, 4))
+    monkeypatch.setattr(
+        dcs_stage,
+        "latency_target",
+        lambda m, ms, **k: LatencyGoal.new(
+            max_latency_ms=ms,
+            dense_ms=10.0,
+            table_dense_ms=8.0,
+            anchor=1.25,
+            ratio=round(ms / 10, 4),
+            dtype="fp32",
+            batch=1,
+        ),
+    )
+    recorded = set_goal.run(False, False)
+    assert recorded.ratio == 0.25
+    monkeypatch.setattr(dcs_stage, "find_step_marker", lambda out, name: SimpleNamespace(result=recorded.to_dict()))
     monkeypatch.setattr(
         dcs_stage, "run_dcs_with_fallback", lambda job, **k: ran.append(job.search.target_latency) or {}
     )
@@ -180,3 +205,34 @@ def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
     cfg["stages"]["dcs"]["latency_batch"] = 4
     r = invoke("pipeline", write_config(tmp_path, cfg), "--out", tmp_path / "out2")
     assert r.exit_code == 1 and "stages.dcs.latency_batch" in r.output and "batch-1" in r.output, r.output
+
+
+def test_a_latency_goal_pipeline_records_its_ratio_once_and_resumes_with_it(tmp_path, monkeypatch):
+    """End to end: ``goal.max_latency_ms`` with the latency cost runs the ``latency_goal`` step (the
+    dense base timed now; here a fixed 10 ms), whose marker holds the ratio; the search lands at it,
+    and a second run of the finished pipeline measures nothing again."""
+    from .test_pipeline import tiny_config, write_config
+
+    monkeypatch.setattr(latency_cost_module, "latency_table", lambda g, **k: hand_table(g, align=k["align"]))
+    timed = []
+
+    def measured(model, table, *, device):
+        timed.append(float(predict_latency(table, model)))
+        return 10.0
+
+    monkeypatch.setattr(latency_cost_module, "measured_ms", measured)
+    cfg = tiny_config()
+    del cfg["stages"]["dcs"]["target_flops"], cfg["stages"]["tokens"], cfg["export"]
+    cfg["stages"]["dcs"].update(cost="latency", epochs=1)
+    cfg["goal"] = {"max_latency_ms": 8.0}
+    path = write_config(tmp_path, cfg)
+    out = tmp_path / "out"
+    r = invoke("pipeline", path, "--out", out)
+    assert r.exit_code == 0, r.output
+    goal = json.loads((out / "done" / "latency_goal.json").read_text())["result"]
+    assert goal["ratio"] == 0.8 and goal["dense_ms"] == 10.0 and goal["anchor"] == pytest.approx(10.0 / timed[0])
+    m = json.loads((out / "dcs_search" / "metrics.json").read_text())
+    assert m["target_latency"] == 0.8
+    r = invoke("pipeline", path, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert len(timed) == 1  # the recorded ratio, not a new measurement

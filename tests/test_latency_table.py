@@ -305,3 +305,25 @@ def test_the_dense_model_predicts_as_measured_whatever_the_halves_cost_alone(mon
         dense = make_vit(GEOM, [make_block(GEOM, heads=2, qk=8, hidden=32) for _ in range(GEOM.depth)])
         assert predict_latency(t, dense) == pytest.approx(t.dense_ms, rel=1e-6)
         assert (t.block_overhead_ms > 0) == (per_half == 0.01)
+
+
+def test_measured_ms_times_a_copy_at_the_tables_batch_and_dtype(monkeypatch):
+    """``measured_ms`` (the anchor of a cached table) times the model at the table's batch, dtype and
+    image size, as the table's entries were timed, and leaves the caller's model as it was."""
+    model = build_model(
+        custom_vit_spec(img_size=16, patch_size=4, embed_dim=16, depth=2, num_heads=2, in_chans=1, num_classes=10)
+    ).train()
+    table = hand_table(geometry_of(model))
+    table = LatencyTable(**{**{f: getattr(table, f) for f in table.__dataclass_fields__}, "batch": 3})
+    seen = []
+
+    def fake_median_ms(makers, x, *, per, dtype, warmup, iters):
+        m = makers[0]()
+        seen.append((tuple(x.shape), x.dtype, dtype, per, m is not model))
+        return [4.5]
+
+    monkeypatch.setattr(latency_table_build, "_median_ms", fake_median_ms)
+    before = [p.clone() for p in model.parameters()]
+    assert latency_table_build.measured_ms(model, table) == 4.5
+    assert seen == [((3, 1, 16, 16), torch.float32, torch.float32, 1, True)]
+    assert model.training and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ..errors import SettingError
-from ..profiling import LatencyTable, geometry_of, latency_table, predict_arch
+from ..profiling import LatencyTable, geometry_of, latency_table, measured_ms, predict_arch
+from ..runs.records import TypedRecord
 from .cost import CostModel, expected_gates, soft_arch
 
 
@@ -89,15 +90,42 @@ def latency_cost(
     return LatencyCost.build(flops, supernet, table)
 
 
-def latency_target(dense: nn.Module, max_ms: float, *, device: Any, dtype: str, batch: int, align: int) -> float:
-    """The ``target_latency`` ratio that a latency of ``max_ms`` ms is for ``dense`` (the pipeline's
-    ``goal.max_latency_ms``): ``max_ms`` over the dense model's latency predicted from the device's
-    table (the table the search then steers by, so the search lands at ``max_ms`` as predicted), at
-    most 1 (a dense model already under the goal is searched at its own latency), to 4 decimals (the
-    same ratio on a resume, the table being cached)."""
+@dataclass(frozen=True, kw_only=True)
+class LatencyGoal(TypedRecord):
+    """What a latency goal in milliseconds (the pipeline's ``goal.max_latency_ms``) is as the search's
+    ``target_latency`` ratio: ``ratio`` = ``max_latency_ms`` over ``dense_ms``, the dense model's
+    latency measured on the device when the goal was set (at most 1, to 4 decimals).
+    ``table_dense_ms`` is what the device's (cached) table predicts for it, ``anchor`` their ratio:
+    the table's speed against this moment's (the search steers by the table's ratios, which drift
+    far less than its milliseconds)."""
+
+    NEW_SOURCE = "the latency goal's {name}"
+
+    max_latency_ms: float
+    dense_ms: float
+    table_dense_ms: float
+    anchor: float
+    ratio: float
+    dtype: str
+    batch: int
+
+
+def latency_target(dense: nn.Module, max_ms: float, *, device: Any, dtype: str, batch: int, align: int) -> LatencyGoal:
+    """The :class:`LatencyGoal` of ``max_ms`` ms for ``dense``: the dense model timed now on the
+    device as its table's entries were (:func:`~nascompress.profiling.measured_ms`), so a table
+    cached hours ago on a machine that has since slowed down or sped up does not move the goal."""
     table = latency_table(geometry_of(dense), device=device, dtype=dtype, batch=batch, align=max(1, align))
-    dense_ms = float(predict_arch(table, [{} for _ in dense.blocks]))
-    return round(min(1.0, max_ms / dense_ms), 4)
+    table_ms = float(predict_arch(table, [{} for _ in dense.blocks]))
+    now = measured_ms(dense, table, device=device)
+    return LatencyGoal.new(
+        max_latency_ms=float(max_ms),
+        dense_ms=now,
+        table_dense_ms=table_ms,
+        anchor=now / table_ms if table_ms > 0 else 1.0,
+        ratio=round(min(1.0, max_ms / now), 4),
+        dtype=table.dtype,
+        batch=batch,
+    )
 
 
-__all__ = ["LatencyCost", "latency_cost", "latency_target"]
+__all__ = ["LatencyCost", "LatencyGoal", "latency_cost", "latency_target"]

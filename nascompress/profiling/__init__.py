@@ -19,7 +19,7 @@ __all__ = [
 
 from .report import profile_models  # noqa: E402
 from .latency_table import LatencyTable, ViTGeometry, geometry_of  # noqa: E402
-from .latency_table_build import latency_table  # noqa: E402
+from .latency_table_build import latency_table, measured_ms  # noqa: E402
 from .latency_table_predict import PRICED_METHODS, block_tokens, predict_arch, predict_latency  # noqa: E402
 
 __all__ += [
@@ -28,6 +28,7 @@ __all__ += [
     "ViTGeometry",
     "geometry_of",
     "latency_table",
+    "measured_ms",
     "predict_arch",
     "predict_latency",
     "block_tokens",

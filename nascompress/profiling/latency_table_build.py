@@ -9,6 +9,7 @@ the fixed part and its halves, per block (never below 0).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
@@ -140,6 +141,22 @@ def _median_ms(
         out += [1e3 * min(ts) / per for ts in zip(*passes)]
         del mods
     return out
+
+
+def measured_ms(model: nn.Module, table: LatencyTable, *, device: str | torch.device = "cpu", seed: int = 0) -> float:
+    """Milliseconds per forward of ``model`` on ``device`` now, timed as ``table``'s entries were (its
+    batch, dtype, warm-up and iterations; the lower of :data:`PASSES` medians), on a random input of
+    the table's image size: what anchors a table measured earlier to the device's speed of this
+    moment (a shared machine's speed drifts by tens of percent over hours, and a cached table keeps
+    the speed of when it was built; the ratios between its entries hold)."""
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    dt, geo = runtime.parse_dtype(table.dtype), table.geometry
+    g = torch.Generator().manual_seed(seed)
+    img = torch.randn(table.batch, geo.in_chans, *geo.img_size, generator=g).to(dev, dt)
+    warmup, iters = int(table.settings.get("warmup", 2)), int(table.settings.get("iters", 7))
+    clone = copy.deepcopy(model)  # timed in the table's dtype on the device: the caller's model is left as it is
+    with runtime.configured(dev):
+        return _median_ms([lambda: clone], img, per=1, dtype=dt, warmup=warmup, iters=iters)[0]
 
 
 def monotone(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -314,6 +331,7 @@ def cached_table(
 __all__ = [
     "build_table",
     "latency_table",
+    "measured_ms",
     "cached_table",
     "table_grids",
     "make_block",

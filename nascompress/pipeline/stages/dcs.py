@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ...config import setting
-from ...dcs_search.latency_cost import latency_target
+from ...dcs_search.align import known_align
+from ...dcs_search.latency_cost import LatencyGoal, latency_target
 from ...dcs_search.materialize import build_job as build_mat_job, materialize_search
 from ...dcs_search.metrics import MaterializeMetrics
 from ...dcs_search.run import build_job as build_dcs_job
@@ -22,6 +23,7 @@ from ...runs.io import load_with_arch
 from ...runtime import resolve_device
 from ..base_stage import data_config, runtime_values
 from ...runs.files import find_metrics
+from ..files import find_step_marker
 from ..fallback import DcsOutcome, dcs_outcome, dcs_skipped, milder_target, run_dcs_with_fallback
 from ..schema import Key, Section, check_lr_pair, library_keys, library_values, section_error
 from ..sections import STAGE_DATA_SETTINGS, data_pointers
@@ -119,18 +121,24 @@ def plan_dcs(state: PlanState, s: Any) -> StagePlan:
             return SkippedStep.because("the DCS search collapsed twice; the pipeline goes on without DCS")
         return materialize_search(mat, force=force)
 
+    def set_goal(force: bool, resume: bool) -> LatencyGoal:
+        return latency_target(
+            load_with_arch(base_dir, map_location="cpu")[0],
+            goal.max_latency_ms,
+            device=resolve_device(cfg.device),
+            dtype=s.latency_dtype,
+            batch=1,
+            align=known_align(job.method.align),  # (auto: the search chooses it later; the dense prediction)
+        )
+
     def search(force: bool, resume: bool) -> DcsOutcome:
         the = job
-        if from_goal:  # the goal's milliseconds as a ratio of the base's latency predicted on this device
-            ratio = latency_target(
-                load_with_arch(base_dir, map_location="cpu")[0],
-                goal.max_latency_ms,
-                device=resolve_device(cfg.device),
-                dtype=s.latency_dtype,
-                batch=1,
-                align=job.method.align,
-            )
-            the = job.replace(search=job.search.replace(target_latency=ratio))
+        if from_goal:  # the goal's milliseconds as the ratio the latency_goal step measured (its marker)
+            marker = find_step_marker(out, "latency_goal")
+            if marker is None:
+                raise NascompressError(f"{out}: the latency_goal step has not run; run the pipeline again")
+            set_at = LatencyGoal.from_dict(marker.result, source=f"{out}: the latency_goal step's result")
+            the = job.replace(search=job.search.replace(target_latency=set_at.ratio))
         return run_dcs_with_fallback(the, force=force, resume=resume, fallback=again)
 
     again = s.on_collapse == "retry"
@@ -142,7 +150,11 @@ def plan_dcs(state: PlanState, s: Any) -> StagePlan:
         ratio = s.target_latency if latency else target  # the ratio the search lands at, and of what
         aim = f"{ratio:g}x the dense {what}"
         retry = f"; on a collapse once more at {milder_target(ratio):g}x, then without DCS" if again else ""
-    steps = [
+    steps = []
+    if from_goal:
+        about = f"{goal.max_latency_ms:g} ms as a ratio of the dense model's latency measured now"
+        steps.append(Step("latency_goal", None, "redo", set_goal, describe=about))
+    steps += [
         Step(
             "dcs_search",
             out / "dcs_search",
