@@ -172,6 +172,25 @@ def interrupted_at_epoch(hooks_cls, at: int = 1):
         yield
 
 
+@contextmanager
+def interrupted_at_selection(at: int):
+    """Inside the block, the DCS search's hooks raise KeyboardInterrupt (a Ctrl-C) at their ``at``-th
+    selection record (the end of epoch ``at``, before its checkpoint); restored on leaving it."""
+    import nascompress.dcs_search.hooks as hooks
+
+    real, calls = hooks.selection_record, []
+
+    def crash(*a, **kw):
+        calls.append(1)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hooks, "selection_record", crash)
+        yield
+
+
 # the modules that import the library's functions (loaded before any patch_everywhere: see its doc)
 _FRONT_ENDS = (
     "nascompress.cli.main",

@@ -20,7 +20,7 @@ from nascompress.profiling import count_flops
 from nascompress.dcs_search.cost import CostModel
 from nascompress.dcs_search.metrics import DCSMetrics
 
-from .conftest import tiny_spec_3_heads
+from .conftest import interrupted_at_selection, tiny_spec_3_heads
 
 QK_MODES = ["input", "static", "none"]
 
@@ -415,23 +415,12 @@ def test_materialize_cli_and_load(searched, tmp_path):
 
 
 def test_search_resume_matches_uninterrupted(tiny_run, tmp_path, monkeypatch):
-    import nascompress.dcs_search.hooks as sd  # the search's hooks record the selection after every epoch
-
     full = tmp_path / "full"
     assert run_cli(*search_args(tiny_run, full)).exit_code == 0
     part = tmp_path / "part"
-    real, calls = sd.selection_record, []
-
-    def crash(*a, **kw):
-        calls.append(1)
-        if len(calls) == 2:  # the end of the second epoch, before its checkpoint
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sd, "selection_record", crash)
-    assert run_cli(*search_args(tiny_run, part)).exit_code == 130
+    with interrupted_at_selection(2):  # the end of the second epoch, before its checkpoint
+        assert run_cli(*search_args(tiny_run, part)).exit_code == 130
     assert not (part / "metrics.json").exists()
-    monkeypatch.setattr(sd, "selection_record", real)
     res = run_cli(*search_args(tiny_run, part, "--resume"))
     assert res.exit_code == 0, res.output
     a, b = nascompress.load(full).state_dict(), nascompress.load(part).state_dict()

@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 import nascompress.dcs_search.align as align_mod
 from nascompress.dcs_search.align import (
@@ -28,7 +27,7 @@ from nascompress.methods.dcs import DCSConfig, make_supernet
 from nascompress.models.build import build_model
 from nascompress.models.layers import DEFAULT_ALIGN
 
-from .conftest import tiny_spec_3_heads
+from .conftest import interrupted_at_selection, invoke, tiny_spec_3_heads
 
 
 def steps_at(m: int, *, base: float = 0.1, per: float = 0.01):
@@ -215,45 +214,19 @@ def test_the_setting_takes_a_positive_integer_or_auto_and_the_default_is_unchang
     assert known_align("auto") == DEFAULT_ALIGN and known_align(16) == 16
 
 
-def run_cli(*args):
-    from nascompress.cli.main import app
-
-    return CliRunner().invoke(app, [str(a) for a in args])
-
-
 def quick_args(tiny_run, out, *extra):
     """A search of seconds: 1 epoch, no baseline comparison, the residual family."""
     return [
-        "search",
-        "dcs",
-        tiny_run,
-        "--out",
-        out,
-        "--epochs",
-        1,
-        "--batch-size",
-        32,
-        "--train-limit",
-        320,
-        "--eval-limit",
-        64,
-        "--device",
-        "cpu",
-        "--amp",
-        "off",
-        "--mlp-gates",
-        "residual",
-        "--init-importance",
-        "weight",
-        "--no-baseline",
-        *extra,
-    ]
+        "search", "dcs", tiny_run, "--out", out, "--epochs", 1, "--batch-size", 32, "--train-limit", 320,
+        "--eval-limit", 64, "--device", "cpu", "--amp", "off", "--mlp-gates", "residual",
+        "--init-importance", "weight", "--no-baseline", *extra,
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["0", "fast", "2.5", "-1"])
 def test_cli_refuses_a_bad_align_in_one_line(tiny_run, tmp_path, value):
     out = tmp_path / "s"
-    res = run_cli(*quick_args(tiny_run, out, "--align", value))
+    res = invoke(*quick_args(tiny_run, out, "--align", value))
     shown = repr(int(value)) if value.lstrip("-").isdigit() else repr(value)
     assert res.exit_code == 1, res.output
     assert f"--align must be a positive integer or auto, got {shown}" in res.output
@@ -261,7 +234,7 @@ def test_cli_refuses_a_bad_align_in_one_line(tiny_run, tmp_path, value):
 
 
 def test_cli_help_shows_the_option_takes_an_integer_or_auto():
-    res = run_cli("search", "dcs", "--help")
+    res = invoke("search", "dcs", "--help")
     assert res.exit_code == 0 and "INTEGER|auto" in res.output
 
 
@@ -350,34 +323,23 @@ def check_recorded(out, m: int) -> None:
 
 
 def test_search_align_auto_records_the_multiple_and_a_resume_keeps_it(tiny_run, tmp_path, monkeypatch):
-    import nascompress.dcs_search.hooks as sd
-
     monkeypatch.setenv("NASCOMPRESS_PROGRESS", "plain")  # the choice's line
     calls: list = []
     timer(monkeypatch, steps_at(16), calls)
     out = tmp_path / "s"
-    real, epochs = sd.selection_record, []
-
-    def crash(*a, **kw):
-        epochs.append(1)
-        if len(epochs) == 2:  # the end of the second epoch, before its checkpoint
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sd, "selection_record", crash)
-    res = run_cli(*quick_args(tiny_run, out, "--align", "auto", "--epochs", 2))
+    with interrupted_at_selection(2):  # the end of the second epoch, before its checkpoint
+        res = invoke(*quick_args(tiny_run, out, "--align", "auto", "--epochs", 2))
     assert res.exit_code == 130, res.output
     assert "align auto: chose 16 (latency steps at multiples of 16 on " in res.output
     assert len(calls) == 1 and calls[0] == list(range(1, 65))  # the tiny model's hidden 128: widths 1-64
     assert json.loads((out / "config.json").read_text())["method"]["align"] == 16
-    monkeypatch.setattr(sd, "selection_record", real)
 
     # the resume: the same command again (--align auto given), the device's curve now stepping at 32 and the
     # process's memory cleared: the run goes on at the multiple it chose, never timed again
     monkeypatch.setattr(align_mod, "_CHOSEN", {})
     calls.clear()
     timer(monkeypatch, steps_at(32), calls)
-    res = run_cli(*quick_args(tiny_run, out, "--align", "auto", "--epochs", 2, "--resume"))
+    res = invoke(*quick_args(tiny_run, out, "--align", "auto", "--epochs", 2, "--resume"))
     assert res.exit_code == 0, res.output
     assert calls == [] and "align auto: chose" not in res.output
     assert "align auto: 16 (latency steps at multiples of 16" in res.output  # the command's summary line
@@ -386,27 +348,16 @@ def test_search_align_auto_records_the_multiple_and_a_resume_keeps_it(tiny_run, 
     assert [r["epoch"] for r in log] == [0, 1, 2] and log[1]["align_probe"]["chosen"] == 16  # the first epoch's
 
     # a resume giving another align than the recorded one is refused as any other setting is
-    res = run_cli(*quick_args(tiny_run, out, "--align", 8, "--epochs", 2, "--resume"))
+    res = invoke(*quick_args(tiny_run, out, "--align", 8, "--epochs", 2, "--resume"))
     assert res.exit_code == 1 and "method.align 8 (recorded 16)" in res.output, res.output
 
 
 def test_resume_refuses_auto_where_the_run_was_given_its_multiple(tiny_run, tmp_path, monkeypatch):
     """--align auto on a resume means the multiple the run chose; a run given one did not choose."""
-    import nascompress.dcs_search.hooks as sd
-
     out = tmp_path / "s"
-    real, epochs = sd.selection_record, []
-
-    def crash(*a, **kw):
-        epochs.append(1)
-        if len(epochs) == 1:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(sd, "selection_record", crash)
-    assert run_cli(*quick_args(tiny_run, out, "--align", 4)).exit_code == 130
-    monkeypatch.setattr(sd, "selection_record", real)
+    with interrupted_at_selection(1):
+        assert invoke(*quick_args(tiny_run, out, "--align", 4)).exit_code == 130
     calls: list = []
     timer(monkeypatch, flat, calls)
-    res = run_cli(*quick_args(tiny_run, out, "--align", "auto", "--resume"))
+    res = invoke(*quick_args(tiny_run, out, "--align", "auto", "--resume"))
     assert res.exit_code == 1 and "method.align 'auto' (recorded 4)" in res.output and calls == [], res.output
