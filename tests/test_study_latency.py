@@ -36,6 +36,8 @@ def hand(monkeypatch):
 
     monkeypatch.setattr(trial_context, "latency_table", lambda geometry, **kw: hand_table(geometry))
     monkeypatch.setattr(trial_context, "measure", fake_measure)
+    # the anchor: the dense model "timed now" at 1.5x the table's prediction (the machine slowed down)
+    monkeypatch.setattr(trial_context, "measured_ms", lambda m, table, **kw: 1.5 * predict_latency(table, m))
     return measured
 
 
@@ -64,6 +66,28 @@ def test_trials_latency_is_predicted_and_measured_for_finalists(project, tiny_ru
         assert rec["latency_ms"] == pytest.approx(want)
     best = max(recs, key=lambda rec: rec["accuracy"])
     assert best["latency"]["source"] == "measured"  # what a pick would take was measured
+    from nascompress.studies.inspect import load
+
+    anchor = load("lat")[1].user_attrs["nascompress:latency_anchor"]
+    assert anchor["anchor"] == pytest.approx(1.5) and anchor["dense_ms"] == pytest.approx(
+        1.5 * anchor["table_dense_ms"]
+    )
+
+
+def test_the_anchor_is_the_studys_and_a_resume_reads_it(project, tiny_run, hand, monkeypatch):
+    """The predicted milliseconds are scaled by the dense model timed once for the study (stored in it):
+    a later run of the same study reads that anchor and times nothing, so its trials' predictions are
+    on the scale of the first run's."""
+    from nascompress.studies.inspect import load
+
+    args = ["search", "tokens", tiny_run, "--study", "an", "--space", "evit.yaml", "--max-latency", 100, *SMALL]
+    assert invoke(*args, "--trials", 2).exit_code == 0
+    timed = []
+    monkeypatch.setattr(trial_context, "measured_ms", lambda m, table, **kw: timed.append(1) or 99.0)
+    r = invoke(*args, "--trials", 4)
+    assert r.exit_code == 0, r.output
+    assert timed == [] and load("an")[1].user_attrs["nascompress:latency_anchor"]["anchor"] == pytest.approx(1.5)
+    assert len(records("an")) == 4
 
 
 def test_latency_source_measured_measures_every_trial(project, tiny_run, hand):

@@ -27,6 +27,7 @@ RECORD_KEY = "nascompress"
 WORKER_KEY = "nascompress:worker"
 FAIL_REASON_KEY = "nascompress:fail_reason"
 SURPLUS_KEY = "nascompress:surplus"
+ANCHOR_KEY = "nascompress:latency_anchor"  # the study's: the dense model timed beside its latency table
 RETRIES_KEY = "nascompress_retries"
 RETRY_OF_KEY = "nascompress_retry_of"
 ERROR_KEY = "nascompress_error"

@@ -16,8 +16,16 @@ from torch import nn
 from ..data import DataConfig, InputSpec, load_data, make_loader, preprocess
 from ..runs.io import MODEL_FILE, file_sha256, load_typed
 from ..models.build import build_model
-from ..profiling import PRICED_METHODS, count_flops, geometry_of, latency_table, measure, predict_latency
-from .records import LatencyNote, TrialRecord
+from ..profiling import (
+    PRICED_METHODS,
+    count_flops,
+    geometry_of,
+    latency_table,
+    measure,
+    measured_ms,
+    predict_latency,
+)
+from .records import ANCHOR_KEY, LatencyNote, TrialRecord
 from ..runtime import resolve_device
 from .scoring import subset_fingerprint
 from .space_model import load_space
@@ -71,6 +79,7 @@ class TrialContext:
         self.base.eval().requires_grad_(False)
         self._speed: dict[str, Speed] = {}
         self._table: Any = None
+        self._anchor: float | None = None
         # searched DCS stages, by (settings, seed): (materialized model, record), or the error the search
         # stopped with (search.trial_dcs.dcs_stage)
         self.dcs_memo: dict[str, Any] = {}
@@ -112,8 +121,9 @@ class TrialContext:
         With the job's ``latency_source`` ``predicted`` (a latency objective or constraint, every
         method of ``methods`` one the table prices: :data:`~nascompress.profiling.PRICED_METHODS`),
         the latency is predicted from the device's table (:func:`~nascompress.profiling.predict_latency`,
-        the tokens per block read from one forward) and measured only for a finalist (:func:`is_finalist`: a trial at
-        ``accuracy`` that ``study`` could still pick); ``latency`` says which."""
+        the tokens per block read from one forward; scaled by :meth:`anchor`) and measured only for a
+        finalist (:func:`is_finalist`: a trial at ``accuracy`` that ``study`` could still pick);
+        ``latency`` says which."""
         if key in self._speed:
             return self._speed[key]
         if not self.predicts(methods):
@@ -122,7 +132,7 @@ class TrialContext:
                 out, latency=LatencyNote.new(source="measured", predicted_ms=None, measured_ms=out.latency_ms)
             )
         else:
-            ms = predict_latency(self.table(), model, x=self.flops_x[:1])
+            ms = predict_latency(self.table(), model, x=self.flops_x[:1]) * self.anchor(study)
             out = Speed(latency_ms=ms, latency=LatencyNote.new(source="predicted", predicted_ms=ms))
             if is_finalist(self.job, study, accuracy, ms):
                 out = self._measure(model)
@@ -143,6 +153,27 @@ class TrialContext:
         if self._table is None:
             self._table = latency_table(geometry_of(self.uncompressed), device=self.device, batch=1)
         return self._table
+
+    def anchor(self, study: Any = None) -> float:
+        """The factor a predicted latency is scaled by: the uncompressed model timed on the device
+        (:func:`~nascompress.profiling.measured_ms`) over the table's prediction of it, so milliseconds
+        predicted from a table cached while the machine ran faster or slower compare with the
+        constraint and with measured trials at this moment's speed. Taken once per study (its
+        ``nascompress:latency_anchor`` attribute, set by the first worker that needs it and read by
+        every other and by a resume: a trial's predicted milliseconds do not change with the process)."""
+        if self._anchor is None:
+            stored = study.user_attrs.get(ANCHOR_KEY) if study is not None else None
+            if not (isinstance(stored, dict) and isinstance(stored.get("anchor"), (int, float))):
+                table_ms = predict_latency(self.table(), self.uncompressed)
+                now = measured_ms(self.uncompressed, self.table(), device=self.device, seed=self.job.seed)
+                stored = {"dense_ms": now, "table_dense_ms": table_ms, "anchor": now / table_ms if table_ms else 1.0}
+                if study is not None:
+                    study.set_user_attr(ANCHOR_KEY, stored)
+                    stored = study.user_attrs.get(
+                        ANCHOR_KEY, stored
+                    )  # as stored (two workers timing at once: the later)
+            self._anchor = float(stored["anchor"])
+        return self._anchor
 
     def _measure(self, model: nn.Module) -> Speed:
         shape = tuple(self.flops_x.shape[1:])
