@@ -9,7 +9,7 @@ row: the command's wall time, the training's own time, the best validation top-1
 recipes may look at) and the test top-1 on the 10,000 test images (reported, never chosen on).
 
     python bench/base_recipe.py                        # the recipe and two shorter ones: ~12 min (AMD EPYC, 2 cores)
-    python bench/base_recipe.py --variants 8:1e-3 6:1.5e-3 --out /tmp/base_recipe.json
+    python bench/base_recipe.py --variants 8:1e-3 6:1.5e-3 --out base_recipe_try.json
 """
 
 from __future__ import annotations
