@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import nascompress.dcs_search.align as align_mod
+import nascompress.profiling.latency as profiling_latency
 from nascompress.dcs_search.align import (
     choose_align,
     fitted,
@@ -161,7 +162,7 @@ def test_measure_mlp_ms_times_every_width_once_and_keeps_the_callers_rng(monkeyp
         shapes.append(([m.fc1.out_features for m in mods], tuple(x.shape), x.dtype))
         return next(passes)
 
-    monkeypatch.setattr(align_mod, "time_models", fake_time)
+    monkeypatch.setattr(profiling_latency, "time_models", fake_time)  # the timer time_models_lower runs
     torch.manual_seed(5)
     before = torch.rand(1)
     torch.manual_seed(5)

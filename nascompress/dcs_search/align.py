@@ -9,8 +9,8 @@ barely at all. Before the supernet is built (as ``mlp_gates="auto"`` is chosen),
 count, batch 1; with the latency cost its ``latency_batch``) at a window of :data:`WINDOW`
 consecutive hidden widths, the ones ending at the multiple of 64 nearest half the model's hidden
 width (:func:`probe_window`), in the search's dtype (:func:`search_align`): the median of
-interleaved timed rounds (:func:`~nascompress.profiling.time_models`), the lower of :data:`PASSES`
-passes (other work on the machine only ever adds time; under torchrun every rank takes rank 0's). Then
+interleaved timed rounds, the lower of :data:`PASSES` passes
+(:func:`~nascompress.profiling.latency.time_models_lower`; under torchrun every rank takes rank 0's). Then
 :func:`choose_align` takes the largest multiple m of :data:`MULTIPLES` such that rounding a width of
 the window up to the next multiple of m costs at most :data:`TOLERANCE` more than the width itself
 for at least :data:`SHARE` of the window's widths: where the latency steps at multiples of m, the
@@ -41,7 +41,7 @@ from .. import runtime
 from ..errors import NascompressError, SettingError
 from ..methods.dcs import ALIGN_AUTO
 from ..models.layers import DEFAULT_ALIGN
-from ..profiling import time_models
+from ..profiling.latency import time_models_lower
 from ..profiling.latency_table import device_fingerprint
 from ..progress import say
 from ..train import distributed
@@ -145,16 +145,15 @@ def measure_mlp_ms(
 ) -> list[float]:
     """Milliseconds per forward of the MLP pair (timm's ``Mlp``: fc1, GELU, fc2, random weights) of
     ``embed_dim`` at each hidden width of ``widths`` on ``batch`` x ``tokens`` tokens, on ``device`` in
-    ``dtype``: every width timed interleaved (:func:`~nascompress.profiling.time_models`), the lower
-    median of :data:`PASSES` passes. The caller's random state is left as it was."""
+    ``dtype``: every width timed interleaved, the lower median of :data:`PASSES` passes
+    (:func:`~nascompress.profiling.latency.time_models_lower`). The caller's random state is left as it was."""
     dt = runtime.parse_dtype(dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         mods = [Mlp(embed_dim, hidden_features=w, act_layer=nn.GELU).eval().to(device, dt) for w in widths]
         x = torch.randn(batch, tokens, embed_dim).to(device, dt)
     with runtime.configured(device):
-        passes = [time_models(mods, x, warmup=WARMUP, iters=ITERS) for _ in range(PASSES)]
-    return [1e3 * min(ts) for ts in zip(*passes)]
+        return [1e3 * t for t in time_models_lower(mods, x, passes=PASSES, warmup=WARMUP, iters=ITERS)]
 
 
 def resolve_align(

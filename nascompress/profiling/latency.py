@@ -50,6 +50,16 @@ def time_models(
     return [statistics.median(t) for t in times]
 
 
+def time_models_lower(
+    models: Sequence[nn.Module] | Sequence[Callable], x: torch.Tensor, *, passes: int, warmup: int, iters: int
+) -> list[float]:
+    """:func:`time_models` ``passes`` times, each pass interleaved anew, and each model's lower median
+    (seconds per forward): other work on a shared machine only ever adds time, so a burst of it
+    during one pass does not stand for the model's latency."""
+    runs = [time_models(models, x, warmup=warmup, iters=iters) for _ in range(passes)]
+    return [min(ts) for ts in zip(*runs)]
+
+
 def time_models_by_threads(
     calls: dict[int, Sequence[nn.Module] | Sequence[Callable]], x: torch.Tensor, *, warmup: int = 3, iters: int = 10
 ) -> dict[int, list[float]]:
