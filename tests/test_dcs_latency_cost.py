@@ -16,7 +16,7 @@ from nascompress.dcs_search.search_config import DCSSearchConfig
 from nascompress.errors import SettingError
 from nascompress.methods.dcs import DCSConfig, make_supernet, materialize
 from nascompress.models.build import build_model
-from nascompress.profiling import geometry_of, predict_latency
+from nascompress.profiling import geometry_of, latency_table_build, predict_latency
 from nascompress.profiling.latency_table import LatencyTable
 
 from .conftest import hand_latency_table, invoke, tiny_spec_3_heads
@@ -161,7 +161,7 @@ def test_goal_max_latency_ms_sets_the_latency_target(tmp_path, monkeypatch):
 
     monkeypatch.setattr(latency_cost_module, "latency_table", table_for)
     dense_ms = float(predict_latency(hand_table(geometry_of(dense)), dense))
-    monkeypatch.setattr(latency_cost_module, "measured_ms", lambda model, table, device: 2 * dense_ms)
+    monkeypatch.setattr(latency_table_build, "measured_ms", lambda model, table, **kw: 2 * dense_ms)
     kw = dict(device="cpu", dtype="fp32", batch=1, align=1)
     goal = latency_target(dense, 0.5 * dense_ms, **kw)
     assert goal.ratio == pytest.approx(0.25, abs=1e-4) and goal.anchor == pytest.approx(2.0)
@@ -216,11 +216,11 @@ def test_a_latency_goal_pipeline_records_its_ratio_once_and_resumes_with_it(tmp_
     monkeypatch.setattr(latency_cost_module, "latency_table", lambda g, **k: hand_table(g, align=k["align"]))
     timed = []
 
-    def measured(model, table, *, device):
+    def measured(model, table, **kw):
         timed.append(float(predict_latency(table, model)))
         return 10.0
 
-    monkeypatch.setattr(latency_cost_module, "measured_ms", measured)
+    monkeypatch.setattr(latency_table_build, "measured_ms", measured)
     cfg = tiny_config()
     del cfg["stages"]["dcs"]["target_flops"], cfg["stages"]["tokens"], cfg["export"]
     cfg["stages"]["dcs"].update(cost="latency", epochs=1)

@@ -10,7 +10,7 @@ import optuna
 import pytest
 import torch
 
-from nascompress.profiling import block_tokens, geometry_of, predict_latency
+from nascompress.profiling import block_tokens, geometry_of, latency_table_build, predict_latency
 from nascompress.profiling.latency_table import LatencyTable
 from nascompress.studies import trial_context
 from nascompress.studies.trial_context import is_finalist
@@ -37,7 +37,7 @@ def hand(monkeypatch):
     monkeypatch.setattr(trial_context, "latency_table", lambda geometry, **kw: hand_table(geometry))
     monkeypatch.setattr(trial_context, "measure", fake_measure)
     # the anchor: the dense model "timed now" at 1.5x the table's prediction (the machine slowed down)
-    monkeypatch.setattr(trial_context, "measured_ms", lambda m, table, **kw: 1.5 * predict_latency(table, m))
+    monkeypatch.setattr(latency_table_build, "measured_ms", lambda m, table, **kw: 1.5 * predict_latency(table, m))
     return measured
 
 
@@ -83,7 +83,7 @@ def test_the_anchor_is_the_studys_and_a_resume_reads_it(project, tiny_run, hand,
     args = ["search", "tokens", tiny_run, "--study", "an", "--space", "evit.yaml", "--max-latency", 100, *SMALL]
     assert invoke(*args, "--trials", 2).exit_code == 0
     timed = []
-    monkeypatch.setattr(trial_context, "measured_ms", lambda m, table, **kw: timed.append(1) or 99.0)
+    monkeypatch.setattr(latency_table_build, "measured_ms", lambda m, table, **kw: timed.append(1) or 99.0)
     r = invoke(*args, "--trials", 4)
     assert r.exit_code == 0, r.output
     assert timed == [] and load("an")[1].user_attrs["nascompress:latency_anchor"]["anchor"] == pytest.approx(1.5)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import SettingError
-from ..profiling import LatencyTable, geometry_of, latency_table, measured_ms, predict_arch
+from ..profiling import LatencyTable, geometry_of, latency_table, predict_arch, table_anchor
 from ..runs.records import TypedRecord
 from .cost import CostModel, expected_gates, soft_arch
 
@@ -112,17 +112,14 @@ class LatencyGoal(TypedRecord):
 
 def latency_target(dense: nn.Module, max_ms: float, *, device: Any, dtype: str, batch: int, align: int) -> LatencyGoal:
     """The :class:`LatencyGoal` of ``max_ms`` ms for ``dense``: the dense model timed now on the
-    device as its table's entries were (:func:`~nascompress.profiling.measured_ms`), so a table
+    device as its table's entries were (:func:`~nascompress.profiling.table_anchor`), so a table
     cached hours ago on a machine that has since slowed down or sped up does not move the goal."""
     table = latency_table(geometry_of(dense), device=device, dtype=dtype, batch=batch, align=max(1, align))
-    table_ms = float(predict_arch(table, [{} for _ in dense.blocks]))
-    now = measured_ms(dense, table, device=device)
+    now = table_anchor(dense, table, device=device)
     return LatencyGoal.new(
         max_latency_ms=float(max_ms),
-        dense_ms=now,
-        table_dense_ms=table_ms,
-        anchor=now / table_ms if table_ms > 0 else 1.0,
-        ratio=round(min(1.0, max_ms / now), 4),
+        **now.to_dict(),
+        ratio=round(min(1.0, max_ms / now.dense_ms), 4),
         dtype=table.dtype,
         batch=batch,
     )

@@ -19,7 +19,7 @@ __all__ = [
 
 from .report import profile_models  # noqa: E402
 from .latency_table import LatencyTable, ViTGeometry, geometry_of  # noqa: E402
-from .latency_table_build import latency_table, measured_ms  # noqa: E402
+from .latency_table_build import TableAnchor, latency_table, measured_ms, table_anchor  # noqa: E402
 from .latency_table_predict import PRICED_METHODS, block_tokens, predict_arch, predict_latency  # noqa: E402
 
 __all__ += [
@@ -29,6 +29,8 @@ __all__ += [
     "geometry_of",
     "latency_table",
     "measured_ms",
+    "TableAnchor",
+    "table_anchor",
     "predict_arch",
     "predict_latency",
     "block_tokens",

@@ -10,6 +10,7 @@ the fixed part and its halves, per block (never below 0).
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -24,8 +25,10 @@ from ..models.layers import NCBlock, core_attention
 from ..progress import say
 from ..models.slicing import slice_qk
 from ..runs.json_io import write_json
-from .latency import time_models
+from ..runs.records import TypedRecord
+from .latency import time_models_lower
 from .latency_table import LatencyTable, ViTGeometry, cache_dir, device_fingerprint, read_table, table_key
+from .latency_table_predict import predict_latency
 
 CHUNK = 8  # chains timed interleaved at once (bounds the memory the weights take)
 
@@ -137,8 +140,7 @@ def _median_ms(
     out: list[float] = []
     for i in range(0, len(makers), CHUNK):
         mods = [mk().eval().to(x.device, dtype) for mk in makers[i : i + CHUNK]]
-        passes = [time_models(mods, x, warmup=warmup, iters=iters) for _ in range(PASSES)]
-        out += [1e3 * min(ts) / per for ts in zip(*passes)]
+        out += [1e3 * t / per for t in time_models_lower(mods, x, passes=PASSES, warmup=warmup, iters=iters)]
         del mods
     return out
 
@@ -157,6 +159,28 @@ def measured_ms(model: nn.Module, table: LatencyTable, *, device: str | torch.de
     clone = copy.deepcopy(model)  # timed in the table's dtype on the device: the caller's model is left as it is
     with runtime.configured(dev):
         return _median_ms([lambda: clone], img, per=1, dtype=dt, warmup=warmup, iters=iters)[0]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TableAnchor(TypedRecord):
+    """A model timed now against ``table``'s prediction of it (:func:`table_anchor`): ``dense_ms``
+    (:func:`measured_ms`), ``table_dense_ms`` (the prediction) and ``anchor``, their ratio (1 where
+    the table predicts 0): the factor that brings the table's milliseconds to this moment's speed."""
+
+    NEW_SOURCE = "the latency table's {name}"
+
+    dense_ms: float
+    table_dense_ms: float
+    anchor: float
+
+
+def table_anchor(
+    model: nn.Module, table: LatencyTable, *, device: str | torch.device = "cpu", seed: int = 0
+) -> TableAnchor:
+    """The :class:`TableAnchor` of ``model`` (the dense model a table was measured for) on ``device``."""
+    now = measured_ms(model, table, device=device, seed=seed)
+    predicted = float(predict_latency(table, model))
+    return TableAnchor.new(dense_ms=now, table_dense_ms=predicted, anchor=now / predicted if predicted > 0 else 1.0)
 
 
 def monotone(t: torch.Tensor, axis: int) -> torch.Tensor:
@@ -332,6 +356,8 @@ __all__ = [
     "build_table",
     "latency_table",
     "measured_ms",
+    "TableAnchor",
+    "table_anchor",
     "cached_table",
     "table_grids",
     "make_block",

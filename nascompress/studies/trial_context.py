@@ -22,8 +22,8 @@ from ..profiling import (
     geometry_of,
     latency_table,
     measure,
-    measured_ms,
     predict_latency,
+    table_anchor,
 )
 from .records import ANCHOR_KEY, LatencyNote, TrialRecord
 from ..runtime import resolve_device
@@ -155,8 +155,8 @@ class TrialContext:
         return self._table
 
     def anchor(self, study: Any = None) -> float:
-        """The factor a predicted latency is scaled by: the uncompressed model timed on the device
-        (:func:`~nascompress.profiling.measured_ms`) over the table's prediction of it, so milliseconds
+        """The factor a predicted latency is scaled by: the uncompressed model timed on the device over
+        the table's prediction of it (:func:`~nascompress.profiling.table_anchor`), so milliseconds
         predicted from a table cached while the machine ran faster or slower compare with the
         constraint and with measured trials at this moment's speed. Taken once per study (its
         ``nascompress:latency_anchor`` attribute, set by the first worker that needs it and read by
@@ -164,14 +164,10 @@ class TrialContext:
         if self._anchor is None:
             stored = study.user_attrs.get(ANCHOR_KEY) if study is not None else None
             if not (isinstance(stored, dict) and isinstance(stored.get("anchor"), (int, float))):
-                table_ms = predict_latency(self.table(), self.uncompressed)
-                now = measured_ms(self.uncompressed, self.table(), device=self.device, seed=self.job.seed)
-                stored = {"dense_ms": now, "table_dense_ms": table_ms, "anchor": now / table_ms if table_ms else 1.0}
+                stored = table_anchor(self.uncompressed, self.table(), device=self.device, seed=self.job.seed).to_dict()
                 if study is not None:
                     study.set_user_attr(ANCHOR_KEY, stored)
-                    stored = study.user_attrs.get(
-                        ANCHOR_KEY, stored
-                    )  # as stored (two workers timing at once: the later)
+                    stored = study.user_attrs.get(ANCHOR_KEY, stored)  # as stored (two workers at once: the later)
             self._anchor = float(stored["anchor"])
         return self._anchor
 
