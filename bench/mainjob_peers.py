@@ -95,12 +95,8 @@ def build_peer(kind: str, base: Path, target: float, out: Path) -> dict[str, Any
         keep, ratio = torch_pruning_keep(dense, x, target)
         model, record = uniform_from_keep(dense, keep)  # the kept neurons as a nascompress model
         info = {"pruning_ratio": ratio, "torch_pruning": tp.__version__}
-    elif kind == "magnitude":
-        sn, cfg, _, baseline = magnitude_supernet(copy.deepcopy(dense), target=target, align=8, fill=None, x1=x)
-        model, record = materialize(sn, cfg)
-        info = baseline.to_dict()
     else:
-        raise SystemExit(f"unknown peer {kind!r}")
+        model, record, info = peer_at(kind, dense, x, target)  # the magnitude baseline at the FLOPs target
     info = dict(info, flops_ratio=count_flops(model, x).total / full)
     _save_run(out, model, arch, record, data, info)
     return info
@@ -124,9 +120,9 @@ def peer_at(kind: str, dense: Any, x: Any, amount: float) -> tuple[Any, dict[str
     elif kind == "magnitude":
         sn, cfg, _, baseline = magnitude_supernet(copy.deepcopy(dense), target=amount, align=8, fill=None, x1=x)
         model, record = materialize(sn, cfg)
-        info = dict(baseline.to_dict(), flops_target=amount)
+        info = baseline.to_dict()
     else:
-        raise SystemExit(f"unknown peer {kind!r} (--match latency prunes {', '.join(LATENCY_KNOBS)})")
+        raise SystemExit(f"unknown peer {kind!r} (peers: {', '.join(LATENCY_KNOBS)}, plain)")
     return model.eval(), record, info
 
 
@@ -166,6 +162,7 @@ def build_peer_at_latency(kind: str, base: Path, final: Path, out: Path, a: argp
 
     found = bisect_to_ratio(measure, least, most, target=1.0, tol=a.lat_tol, steps=a.lat_steps)
     model, record, info = peer_at(kind, dense, x, found["amount"])
+    info = dict(info, **{knob: found["amount"]})  # (Torch-Pruning's info has its ratio already)
     b1 = timed(model, x1, a.lat_warmup, a.lat_iters)  # the chosen setting, measured a second time
     b64 = timed(model, x64, max(1, a.lat_warmup // 2), a.lat_iters_64)
     flops_ratio = count_flops(model, x).total / full

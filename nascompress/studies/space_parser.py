@@ -69,6 +69,7 @@ from .space_layers import LayersKind
 from .space_entries import Method, Param, is_int, is_layer_const_value, is_num, is_scalar, plain_value
 from .space_values import check_grid, check_values, registry_method_fields
 from nascompress.models.layers import DEFAULT_ALIGN
+from nascompress.methods.dcs import ALIGN_AUTO
 
 FORMAT = "nascompress-space/1"
 KINDS = ("const", "float", "int", "categorical", "layers", "per_layer")
@@ -205,7 +206,7 @@ class Parser(LayersKind):
             if a.kind == "const"
             else list(range(int(a.low), int(a.high) + 1, int(a.step or 1)))
         )
-        if "auto" in aligns and not WIDTH_PARAMS.get(method):
+        if ALIGN_AUTO in aligns and not WIDTH_PARAMS.get(method):
             return  # chosen by each search from the device's timings (dcs_search.align); no width here depends on it
         if not all(is_int(v) and v >= 1 for v in aligns):
             raise self.err(a.where, f"align takes integers >= 1, got {aligns}")
